@@ -1,0 +1,2 @@
+"""ckpt: almost-free checkpointing for PyTorch."""
+__version__ = "0.1.0"

@@ -1,0 +1,2 @@
+"""Integrations of the checkpointer with training frameworks."""
+__all__: list[str] = []
