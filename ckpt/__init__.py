@@ -1,2 +1,38 @@
-"""ckpt: almost-free checkpointing for PyTorch."""
+"""ckpt: almost-free checkpointing for PyTorch training, and fused Triton kernels.
+
+Phase 1 snapshots the state into a reusable host buffer, overlapped with the
+next forward/backward; phase 2 persists it in the background; restore reads
+the newest verified checkpoint from the nearest tier. See ``docs/``.
+
+``import ckpt`` imports neither triton nor lightning nor s3fs.
+"""
+
+from .api import Checkpointer, CheckpointInfo, IfBusy
+from .errors import (CheckpointError, CorruptCheckpointError, HostMemoryError, IncompatibleCheckpointError,
+                     IncompleteCheckpointError, NoCheckpointError, RefusedStateError, TornSnapshotError)
+from .pipeline import SaveHandle
+from .policy import Retention
+from .restore import RestoreInfo
+from .rng import RNGState
+from .stage import SnapshotStats
+
 __version__ = "0.1.0"
+
+__all__ = [
+    "Checkpointer",
+    "CheckpointInfo",
+    "IfBusy",
+    "Retention",
+    "RNGState",
+    "SaveHandle",
+    "SnapshotStats",
+    "RestoreInfo",
+    "CheckpointError",
+    "CorruptCheckpointError",
+    "IncompleteCheckpointError",
+    "IncompatibleCheckpointError",
+    "NoCheckpointError",
+    "RefusedStateError",
+    "TornSnapshotError",
+    "HostMemoryError",
+]

@@ -1,0 +1,272 @@
+"""``Checkpointer``: the public entry point for plain training loops."""
+
+from __future__ import annotations
+
+import collections
+import enum
+import logging
+import os
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+import torch
+
+from . import knobs
+from .errors import CheckpointError
+from .format import COMMIT_NAME, Manifest
+from .pipeline import Pipeline, SaveHandle
+from .plan import flatten, layout
+from .policy import Interval, Retention
+from .restore import RestoreInfo, restore as _restore
+from .stage import HostPool, Snapshot, SnapshotStats, stage, wait_all_staged
+from .tiers import LocalTier, MemoryTier
+
+__all__ = ["Checkpointer", "CheckpointInfo", "IfBusy"]
+
+log = logging.getLogger(__name__)
+
+
+class IfBusy(str, enum.Enum):
+    """What ``save()`` does when every host buffer still holds a snapshot being persisted."""
+
+    WAIT = "wait"   # block until the oldest finishes persisting (the stall is reported on the handle)
+    SKIP = "skip"   # return a handle with status "skipped"; logged and counted, never silent
+
+
+@dataclass
+class CheckpointInfo:
+    """A checkpoint visible on at least one tier."""
+
+    step: int
+    tiers: list[str]
+    path: str | None
+    nbytes: int | None
+    created_unix: float | None
+
+
+class Checkpointer:
+    """Two-phase checkpointing of a training state: snapshot now, persist in the background.
+
+    Args:
+        local_dir: directory of the local tier, on fast local storage (default:
+            ``$CKPT_LOCAL_DIR``).
+        every_steps / every_seconds: the policy of :meth:`maybe_save`.
+        keep: :class:`Retention` (default: 2 checkpoints in ``local_dir``).
+        max_in_flight: snapshots held in host memory at once (one host buffer,
+            the size of the state, each).
+        if_busy: ``"wait"`` (default) or ``"skip"``: what a save does when all
+            ``max_in_flight`` buffers are still being persisted.
+        host_memory_limit: bytes of host staging memory allowed (default: 80%
+            of what psutil reports available when a buffer is allocated).
+            Exceeding it raises :class:`~ckpt.errors.HostMemoryError`.
+        on_unsupported: ``"error"`` (default) refuses a value that is not
+            JSON-safe, naming its key; ``"skip"`` leaves such values out
+            (logged), so they are not restored. Pickle is never used.
+        clock: seconds clock for ``every_seconds`` (injectable for tests).
+
+    A ``state`` is a dict of name -> value: ``nn.Module``, optimizer, LR
+    scheduler, any object with ``state_dict()``/``load_state_dict()``, tensors,
+    numpy arrays, JSON-safe values, and dicts/lists of those. World size 1: one
+    process, CPU or one GPU.
+    """
+
+    def __init__(self, *, local_dir: str | os.PathLike | None = None, every_steps: int | None = None,
+                 every_seconds: float | None = None, keep: Retention | None = None, max_in_flight: int = 1,
+                 if_busy: str | IfBusy = IfBusy.WAIT, host_memory_limit: int | None = None,
+                 on_unsupported: str = "error", clock: Callable[[], float] = time.monotonic) -> None:
+        local_dir = local_dir if local_dir is not None else os.environ.get("CKPT_LOCAL_DIR")
+        if local_dir is None:
+            raise ValueError("Checkpointer needs a local tier: pass local_dir=... or set $CKPT_LOCAL_DIR")
+        try:
+            self.if_busy = IfBusy(if_busy)
+        except ValueError:
+            raise ValueError(f"if_busy must be 'wait' or 'skip', got {if_busy!r}") from None
+        if on_unsupported not in ("error", "skip"):
+            raise ValueError(f"on_unsupported must be 'error' or 'skip', got {on_unsupported!r}")
+        if host_memory_limit is not None and host_memory_limit <= 0:
+            raise ValueError(f"host_memory_limit must be a positive number of bytes, got {host_memory_limit!r}")
+        self.keep = keep if keep is not None else Retention()
+        self.interval = Interval(every_steps, every_seconds, clock)
+        self.on_unsupported = on_unsupported
+        self.local = LocalTier(local_dir)
+        self.pool = HostPool(max_in_flight, host_memory_limit)
+        self.memory = MemoryTier(self.pool)
+        self.history: collections.deque[SnapshotStats] = collections.deque(maxlen=10_000)
+        self.skipped = 0
+        self.last_restore: RestoreInfo | None = None
+        self._handles: list[SaveHandle] = []
+        self._failures: list[tuple[SaveHandle, BaseException]] = []
+        self._lock = threading.Lock()
+        self._side_stream = torch.cuda.Stream() if torch.cuda.is_available() else None
+        self._pipeline = Pipeline(self.pool, self.memory, self.local, self._apply_retention, self._failed)
+        self._closed = False
+
+    # -- context manager ----------------------------------------------------------------------------
+    def __enter__(self) -> "Checkpointer":
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        self.close(raise_errors=exc_type is None)
+
+    # -- saving ---------------------------------------------------------------------------------------
+    def maybe_save(self, step: int, state: Mapping[str, Any]) -> SaveHandle | None:
+        """Save if the policy says so (see ``every_steps``/``every_seconds``); returns at once.
+
+        ``state`` is the state *after* ``step``: a restore returns ``step`` and
+        the loop continues at ``step + 1``.
+        """
+        if not self.interval.due(step):
+            return None
+        return self.save(step, state)
+
+    def save(self, step: int, state: Mapping[str, Any]) -> SaveHandle:
+        """Snapshot ``state`` as step ``step`` and persist it in the background.
+
+        Returns once the copies are enqueued (phase 1 overlaps the caller's next
+        forward/backward; the next ``optimizer.step()`` waits for it on the GPU).
+        Raises :class:`~ckpt.errors.RefusedStateError` for a value that needs
+        pickle and :class:`~ckpt.errors.HostMemoryError` past ``host_memory_limit``.
+        """
+        self._check_open()
+        if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+            raise ValueError(f"step must be a non-negative int, got {step!r}")
+        t0 = time.perf_counter()
+        plan = flatten(state, self.on_unsupported)
+        records, data_bytes = layout(plan.entries, knobs.get("CKPT_ALIGN_BYTES"))
+        stats = SnapshotStats(step, nbytes=data_bytes)
+        handle = SaveHandle(step, ["memory", "local"], stats)
+        t_wait = time.perf_counter()
+        buf = self.pool.acquire(data_bytes, block=self.if_busy is IfBusy.WAIT, step=step)
+        stats.wait_s = time.perf_counter() - t_wait
+        if buf is None:
+            self.skipped += 1
+            log.warning("skipped the save of step %d: all %d host buffers are still persisting "
+                        "(if_busy='skip'; raise max_in_flight or save less often)", step, self.pool.slots)
+            handle._skip()
+            stats.stall_s = time.perf_counter() - t0
+            return handle
+        manifest = Manifest(step=step, rank=0, world_size=1, data_bytes=data_bytes,
+                            chunk_bytes=knobs.get("CKPT_CHUNK_BYTES"), chunks=[], items=records, tree=plan.tree)
+        snap = Snapshot(step, plan.entries, records, data_bytes, manifest, buf, stats)
+        try:
+            stage(snap, self._side_stream)
+        except BaseException:
+            snap._fence()
+            self.pool.release(buf)
+            raise
+        self._pipeline.submit(snap, handle)
+        self.interval.saved(step)
+        stats.stall_s = time.perf_counter() - t0
+        with self._lock:
+            self._handles = [h for h in self._handles if not h.done()] + [handle]
+        self.history.append(stats)
+        return handle
+
+    def wait_staged(self) -> None:
+        """Block until every snapshot copy has landed in host memory.
+
+        Call it before modifying state tensors in place outside
+        ``optimizer.step()`` (an EMA update, say) while a save may be in flight.
+        """
+        wait_all_staged()
+
+    def wait(self, tier: str | None = None) -> None:
+        """Block until every save so far finished ``tier`` (all tiers when ``None``).
+
+        Raises the first failure not yet raised (the failure was also logged
+        when it happened).
+        """
+        with self._lock:
+            handles = list(self._handles)
+        for h in handles:
+            try:
+                h.wait(tier)
+            except BaseException:
+                pass
+        self._raise_failures()
+
+    # -- restoring ------------------------------------------------------------------------------------
+    def restore(self, state: dict, step: int | None = None, strict: bool = True) -> int | None:
+        """Load the newest verified checkpoint (or ``step``) into ``state`` in place.
+
+        Returns the step it was saved at, or ``None`` when no checkpoint exists
+        on any tier. Corrupt or torn checkpoints are skipped with a warning
+        naming the file; :class:`~ckpt.errors.NoCheckpointError` if none is
+        usable. ``strict=False`` loads the keys common to both.
+        """
+        self._check_open()
+        with self._lock:
+            handles = list(self._handles)
+        for h in handles:       # snapshots still being copied become the memory tier first
+            try:
+                h.wait("memory")
+            except BaseException:
+                pass
+        info = _restore(state, self.memory, self.local, step, strict)
+        self.last_restore = info
+        return None if info is None else info.step
+
+    def list(self) -> list[CheckpointInfo]:
+        """Checkpoints visible on any tier, newest first."""
+        found: dict[int, CheckpointInfo] = {}
+        for s in self.local.committed_steps():
+            d = self.local.step_dir(s)
+            try:
+                size = sum(f.stat().st_size for f in d.iterdir())
+                created = (d / COMMIT_NAME).stat().st_mtime
+            except OSError:
+                size = created = None
+            found[s] = CheckpointInfo(s, ["local"], str(d), size, created)
+        mem = self.memory.newest()
+        if mem is not None:
+            s, m = mem
+            info = found.setdefault(s, CheckpointInfo(s, [], None, m.data_bytes, m.created_unix))
+            info.tiers.insert(0, "memory")
+        return [found[s] for s in sorted(found, reverse=True)]
+
+    # -- lifecycle ------------------------------------------------------------------------------------
+    def close(self, raise_errors: bool = True) -> None:
+        """Finish persisting every save, stop the background worker.
+
+        Raises the first failure not yet raised when ``raise_errors``.
+        """
+        if self._closed:
+            return
+        self._closed = True
+        self._pipeline.close()
+        if raise_errors:
+            self._raise_failures()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise CheckpointError("this Checkpointer is closed; create a new one")
+
+    def _failed(self, handle: SaveHandle, error: BaseException) -> None:
+        with self._lock:
+            self._failures.append((handle, error))
+
+    def _raise_failures(self) -> None:
+        with self._lock:
+            failures, self._failures = self._failures, []
+        if failures:
+            handle, err = failures[0]
+            if len(failures) > 1:
+                log.error("%d saves failed; raising the first (step %d)", len(failures), handle.step)
+            raise err
+
+    def _apply_retention(self) -> None:
+        keep = self.keep.local
+        steps = self.local.committed_steps()
+        if not steps:
+            return
+        busy = self._pipeline.in_flight()
+        newest = steps[0]
+        doomed = [] if keep is None else steps[keep:]
+        # Uncommitted leftovers older than the newest commit come from crashed or failed writes.
+        stale = [s for s in self.local.all_step_dirs() if s < newest and s not in steps]
+        for s in doomed + stale:
+            if s != newest and s not in busy:
+                self.local.delete(s)

@@ -1,0 +1,50 @@
+"""The library's own exceptions: semantic failures only.
+
+Storage failures stay built-in :class:`OSError` s (``FileNotFoundError``,
+``ENOSPC`` ...) so callers can handle them the way they handle any I/O error.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "CheckpointError",
+    "CorruptCheckpointError",
+    "IncompleteCheckpointError",
+    "IncompatibleCheckpointError",
+    "RefusedStateError",
+    "TornSnapshotError",
+    "HostMemoryError",
+    "NoCheckpointError",
+]
+
+
+class CheckpointError(Exception):
+    """Base class of every semantic checkpoint failure."""
+
+
+class CorruptCheckpointError(CheckpointError):
+    """A committed checkpoint's bytes do not match their checksums, or its metadata is malformed."""
+
+
+class IncompleteCheckpointError(CheckpointError):
+    """A checkpoint lacks a file or bytes that its commit record promises."""
+
+
+class IncompatibleCheckpointError(CheckpointError):
+    """A valid checkpoint does not fit the state it is loaded into (keys, shapes, dtypes, world size)."""
+
+
+class RefusedStateError(CheckpointError, TypeError):
+    """A state value cannot be stored without pickle, so the save is refused."""
+
+
+class TornSnapshotError(CheckpointError):
+    """A tensor was modified in place while its snapshot copy could still be in flight."""
+
+
+class HostMemoryError(CheckpointError, MemoryError):
+    """The pinned staging buffer would exceed ``host_memory_limit``."""
+
+
+class NoCheckpointError(CheckpointError):
+    """Checkpoints exist but none of them could be verified and loaded."""

@@ -1,0 +1,259 @@
+"""On-disk format: names, manifest and commit records, atomic writes.
+
+::
+
+    <root>/step-000001200/
+        rank-00000.bin              one data file per rank, tensors 4 KiB aligned
+        rank-00000.manifest.json    per-rank index: items, chunk checksums, state tree
+        COMMIT                      written last, atomically: step, world size, manifest checksums
+    <root>/latest                   names the newest committed step; moved only after COMMIT
+
+A checkpoint exists on a tier iff its ``COMMIT`` exists there. Everything is
+JSON or raw tensor bytes: loading never executes code. Records read from disk
+are validated field by field, so a hostile or torn file gives a
+:class:`~ckpt.errors.CorruptCheckpointError` naming the file, never a crash
+deeper in.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .errors import CorruptCheckpointError
+from .integrity import ALGORITHM, checksum
+
+__all__ = [
+    "FORMAT_VERSION",
+    "COMMIT_NAME",
+    "LATEST_NAME",
+    "ItemRecord",
+    "Manifest",
+    "Commit",
+    "step_dir_name",
+    "parse_step_dir",
+    "data_name",
+    "manifest_name",
+    "dtype_to_str",
+    "str_to_dtype",
+    "write_atomic",
+    "fsync_dir",
+]
+
+FORMAT_VERSION = 1
+COMMIT_NAME = "COMMIT"
+LATEST_NAME = "latest"
+MAX_RECORD_BYTES = 1 << 30  # a manifest larger than this is refused, not parsed
+
+_STEP_RE = re.compile(r"^step-(\d{9,})$")
+
+_DTYPES: dict[str, torch.dtype] = {
+    name: getattr(torch, name)
+    for name in (
+        "float64", "float32", "float16", "bfloat16", "complex64", "complex128",
+        "int64", "int32", "int16", "int8", "uint8", "bool",
+        "uint16", "uint32", "uint64", "float8_e4m3fn", "float8_e5m2",
+    )
+    if hasattr(torch, name)
+}
+
+
+def step_dir_name(step: int) -> str:
+    return f"step-{step:09d}"
+
+
+def parse_step_dir(name: str) -> int | None:
+    m = _STEP_RE.match(name)
+    return int(m.group(1)) if m else None
+
+
+def data_name(rank: int) -> str:
+    return f"rank-{rank:05d}.bin"
+
+
+def manifest_name(rank: int) -> str:
+    return f"rank-{rank:05d}.manifest.json"
+
+
+def dtype_to_str(dtype: torch.dtype) -> str:
+    name = str(dtype).removeprefix("torch.")
+    if name not in _DTYPES:
+        raise TypeError(f"dtype {dtype} is not supported by the checkpoint format")
+    return name
+
+
+def str_to_dtype(name: str, where: str) -> torch.dtype:
+    try:
+        return _DTYPES[name]
+    except (KeyError, TypeError):
+        raise CorruptCheckpointError(f"{where}: unknown dtype {name!r}") from None
+
+
+@dataclass
+class ItemRecord:
+    """One tensor of a rank's data file.
+
+    ``offset``/``nbytes`` locate its bytes in the data file; ``device`` is the
+    device type it was saved from ("cuda", "cpu"), used to place tensors that
+    have no existing counterpart at restore; ``alias_of`` names an earlier item
+    that shares the same memory (tied weights), in which case no bytes are stored.
+    """
+
+    key: str
+    dtype: str
+    shape: list[int]
+    device: str
+    offset: int
+    nbytes: int
+    alias_of: int | None = None
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+@dataclass
+class Manifest:
+    """Per-rank index of a data file."""
+
+    step: int
+    rank: int
+    world_size: int
+    data_bytes: int
+    chunk_bytes: int
+    chunks: list[int]
+    items: list[ItemRecord]
+    tree: Any
+    checksum_algorithm: str = ALGORITHM
+    format_version: int = FORMAT_VERSION
+    created_unix: float = field(default_factory=time.time)
+
+    def to_bytes(self) -> bytes:
+        return json.dumps(asdict(self), separators=(",", ":"), allow_nan=False).encode()
+
+    @classmethod
+    def from_bytes(cls, raw: bytes, where: str) -> "Manifest":
+        d = _load_json(raw, where)
+        try:
+            items = [ItemRecord(**it) for it in d.pop("items")]
+            m = cls(items=items, **d)
+        except (TypeError, KeyError, AttributeError) as e:
+            raise CorruptCheckpointError(f"{where}: malformed manifest ({e})") from None
+        m._validate(where)
+        return m
+
+    def _validate(self, where: str) -> None:
+        def bad(msg: str) -> CorruptCheckpointError:
+            return CorruptCheckpointError(f"{where}: {msg}")
+
+        if self.format_version != FORMAT_VERSION:
+            raise bad(f"format version {self.format_version!r}, this library reads {FORMAT_VERSION}")
+        if self.checksum_algorithm != ALGORITHM:
+            raise bad(f"checksum algorithm {self.checksum_algorithm!r}, expected {ALGORITHM!r}")
+        for name in ("step", "rank", "world_size", "data_bytes", "chunk_bytes"):
+            if not _is_nonneg_int(getattr(self, name)):
+                raise bad(f"{name} must be a non-negative integer")
+        if self.chunk_bytes <= 0 or self.world_size <= 0 or self.rank >= self.world_size:
+            raise bad("chunk_bytes, world_size or rank out of range")
+        if not isinstance(self.chunks, list) or len(self.chunks) != -(-self.data_bytes // self.chunk_bytes):
+            raise bad("chunk checksum list does not cover the data file")
+        if not all(_is_nonneg_int(c) for c in self.chunks):
+            raise bad("chunk checksums must be non-negative integers")
+        for i, it in enumerate(self.items):
+            dtype = str_to_dtype(it.dtype, where)
+            if not isinstance(it.key, str) or not isinstance(it.device, str):
+                raise bad(f"item {i}: key and device must be strings")
+            if not isinstance(it.shape, list) or not all(_is_nonneg_int(s) for s in it.shape):
+                raise bad(f"item {it.key!r}: bad shape {it.shape!r}")
+            if it.alias_of is not None:
+                if not _is_nonneg_int(it.alias_of) or it.alias_of >= i:
+                    raise bad(f"item {it.key!r}: bad alias")
+                continue
+            if not (_is_nonneg_int(it.offset) and _is_nonneg_int(it.nbytes)):
+                raise bad(f"item {it.key!r}: bad byte range")
+            if it.nbytes != it.numel * dtype.itemsize or it.offset + it.nbytes > self.data_bytes:
+                raise bad(f"item {it.key!r}: byte range [{it.offset}, {it.offset + it.nbytes}) "
+                          f"does not fit its shape or the {self.data_bytes}-byte data file")
+
+
+@dataclass
+class Commit:
+    """The commit record: a checkpoint exists on a tier iff this file exists there."""
+
+    step: int
+    world_size: int
+    manifests: dict[str, int]   # manifest file name -> checksum of its bytes
+    data: dict[str, int]        # data file name -> size in bytes
+    format_version: int = FORMAT_VERSION
+    created_unix: float = field(default_factory=time.time)
+
+    def to_bytes(self) -> bytes:
+        return json.dumps(asdict(self), separators=(",", ":"), allow_nan=False).encode()
+
+    @classmethod
+    def from_bytes(cls, raw: bytes, where: str) -> "Commit":
+        d = _load_json(raw, where)
+        try:
+            c = cls(**d)
+        except TypeError as e:
+            raise CorruptCheckpointError(f"{where}: malformed commit record ({e})") from None
+        ok = (
+            c.format_version == FORMAT_VERSION
+            and _is_nonneg_int(c.step)
+            and _is_nonneg_int(c.world_size) and c.world_size > 0
+            and isinstance(c.manifests, dict) and len(c.manifests) == c.world_size
+            and all(isinstance(k, str) and _is_nonneg_int(v) for k, v in c.manifests.items())
+            and isinstance(c.data, dict)
+            and all(isinstance(k, str) and _is_nonneg_int(v) for k, v in c.data.items())
+        )
+        if not ok:
+            raise CorruptCheckpointError(f"{where}: commit record fails validation")
+        return c
+
+    @staticmethod
+    def manifest_checksum(raw: bytes) -> int:
+        return checksum(raw)
+
+
+def _is_nonneg_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+
+def _load_json(raw: bytes, where: str) -> dict:
+    if len(raw) > MAX_RECORD_BYTES:
+        raise CorruptCheckpointError(f"{where}: record of {len(raw)} bytes is larger than any this library writes")
+    try:
+        d = json.loads(raw)
+    except (UnicodeDecodeError, ValueError) as e:
+        raise CorruptCheckpointError(f"{where}: not valid JSON ({e})") from None
+    if not isinstance(d, dict):
+        raise CorruptCheckpointError(f"{where}: expected a JSON object")
+    return d
+
+
+def fsync_dir(path: Path) -> None:
+    """Make a rename or create inside ``path`` durable."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_atomic(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` so that readers see the old file or the whole new one."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fsync_dir(path.parent)

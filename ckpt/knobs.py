@@ -1,0 +1,54 @@
+"""Tunables in one place.
+
+Resolution order: an explicit argument wins over an environment variable, which
+wins over the default here. Tests override them with :func:`override`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from typing import Iterator
+
+__all__ = ["get", "override"]
+
+_DEFAULTS: dict[str, int] = {
+    # Bytes covered by one checksum; also the unit of parallel I/O.
+    "CKPT_CHUNK_BYTES": 16 << 20,
+    # Every tensor starts at a multiple of this in the data file (and the host buffer).
+    "CKPT_ALIGN_BYTES": 4096,
+    # Threads that write, read and checksum one rank's data file.
+    "CKPT_IO_THREADS": max(2, min(8, os.cpu_count() or 2)),
+    # Pinned chunks in flight while restoring from disk to a GPU.
+    "CKPT_RESTORE_BUFFERS": 8,
+}
+
+_overrides: dict[str, int] = {}
+
+
+def get(name: str) -> int:
+    """Current value of knob ``name`` (override, then environment, then default)."""
+    if name in _overrides:
+        return _overrides[name]
+    env = os.environ.get(name)
+    if env is not None:
+        try:
+            return int(env)
+        except ValueError:
+            raise ValueError(f"environment variable {name}={env!r} must be an integer") from None
+    return _DEFAULTS[name]
+
+
+@contextlib.contextmanager
+def override(**values: int) -> Iterator[None]:
+    """Temporarily set knobs, e.g. ``with override(CKPT_CHUNK_BYTES=4096): ...``."""
+    unknown = set(values) - set(_DEFAULTS)
+    if unknown:
+        raise KeyError(f"unknown knobs {sorted(unknown)}; known: {sorted(_DEFAULTS)}")
+    saved = dict(_overrides)
+    _overrides.update(values)
+    try:
+        yield
+    finally:
+        _overrides.clear()
+        _overrides.update(saved)

@@ -1,0 +1,169 @@
+"""Phase 2: persist snapshots in the background, tier by tier, with bounded memory.
+
+One worker thread takes staged snapshots in order. For each it waits for the
+device-to-host copy (on the host, in the background), publishes it as the
+memory tier, writes it to every durable tier configured, applies retention and
+hands the host buffer back to the pool. At most ``max_in_flight`` snapshots
+exist at once (one host buffer each); what happens to a save that arrives
+while all buffers are busy is the caller's documented choice (``if_busy``).
+
+A failure cleans up the partial files, is logged, is recorded on the save's
+handle (``handle.wait()`` raises it) and on the checkpointer
+(``Checkpointer.wait()`` raises it); training goes on and older checkpoints
+stay untouched.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from typing import Callable
+
+from .stage import HostPool, Snapshot, SnapshotStats
+from .tiers import LocalTier, MemoryTier
+
+__all__ = ["SaveHandle", "Pipeline"]
+
+log = logging.getLogger(__name__)
+
+
+class SaveHandle:
+    """The progress of one save, tier by tier.
+
+    Tiers: ``"memory"`` (the snapshot is complete in host memory) and
+    ``"local"``. ``status`` is ``"pending"``, ``"done"``, ``"failed"`` or
+    ``"skipped"`` (``if_busy="skip"`` and every buffer was busy).
+    """
+
+    def __init__(self, step: int, tiers: list[str], stats: SnapshotStats) -> None:
+        self.step = step
+        self.tiers = list(tiers)
+        self.stats = stats
+        self.errors: dict[str, BaseException] = {}
+        self._events = {t: threading.Event() for t in tiers}
+        self._skipped = False
+        self._all = threading.Event()
+
+    @property
+    def status(self) -> str:
+        if self._skipped:
+            return "skipped"
+        if self.errors:
+            return "failed"
+        return "done" if self._all.is_set() else "pending"
+
+    @property
+    def error(self) -> BaseException | None:
+        return next(iter(self.errors.values()), None)
+
+    def done(self, tier: str | None = None) -> bool:
+        """Whether ``tier`` (every tier when ``None``) finished, successfully or not."""
+        if tier is None:
+            return self._all.is_set()
+        return self._event(tier).is_set()
+
+    def wait(self, tier: str | None = None, timeout: float | None = None) -> "SaveHandle":
+        """Block until ``tier`` (every tier when ``None``) finished; raise its error if it failed.
+
+        Raises ``TimeoutError`` after ``timeout`` seconds.
+        """
+        ev = self._all if tier is None else self._event(tier)
+        if not ev.wait(timeout):
+            raise TimeoutError(f"step {self.step}: tier {tier or 'all'} not done after {timeout} s")
+        err = self.errors.get(tier) if tier is not None else self.error
+        if err is not None:
+            raise err
+        return self
+
+    def _event(self, tier: str) -> threading.Event:
+        if tier not in self._events:
+            raise ValueError(f"unknown tier {tier!r}; this save goes to {self.tiers}")
+        return self._events[tier]
+
+    def _finish(self, tier: str, error: BaseException | None = None) -> None:
+        if error is not None:
+            self.errors[tier] = error
+        self._events[tier].set()
+        if all(e.is_set() for e in self._events.values()):
+            self._all.set()
+
+    def _fail_rest(self, error: BaseException) -> None:
+        for t, ev in self._events.items():
+            if not ev.is_set():
+                self._finish(t, error)
+
+    def _skip(self) -> None:
+        self._skipped = True
+        for t in self._events:
+            self._finish(t)
+
+    def __repr__(self) -> str:
+        return f"SaveHandle(step={self.step}, status={self.status!r})"
+
+
+class Pipeline:
+    """The background persister: one worker thread, tiers written in order."""
+
+    def __init__(self, pool: HostPool, memory: MemoryTier, local: LocalTier,
+                 retention: Callable[[], None], on_error: Callable[[SaveHandle, BaseException], None]) -> None:
+        self.pool = pool
+        self.memory = memory
+        self.local = local
+        self._retention = retention
+        self._on_error = on_error
+        self._queue: queue.Queue = queue.Queue()
+        self._in_flight: set[int] = set()
+        self._lock = threading.Lock()
+        self._thread = threading.Thread(target=self._run, name="ckpt-persist", daemon=True)
+        self._thread.start()
+
+    def in_flight(self) -> set[int]:
+        with self._lock:
+            return set(self._in_flight)
+
+    def submit(self, snap: Snapshot, handle: SaveHandle) -> None:
+        with self._lock:
+            self._in_flight.add(snap.step)
+        self._queue.put((snap, handle))
+
+    def close(self) -> None:
+        self._queue.put(None)
+        self._thread.join()
+
+    def _run(self) -> None:
+        while True:
+            job = self._queue.get()
+            if job is None:
+                return
+            snap, handle = job
+            try:
+                self._persist(snap, handle)
+            finally:
+                with self._lock:
+                    self._in_flight.discard(snap.step)
+
+    def _persist(self, snap: Snapshot, handle: SaveHandle) -> None:
+        try:
+            snap.wait_copied()
+            if snap.error is not None:
+                raise snap.error
+            self.memory.commit(snap.step, snap.manifest, snap.buffer)
+            handle._finish("memory")
+            data = snap.buffer.memoryview(snap.data_bytes)
+            handle.stats.persist_s["local"] = self.local.write(snap.step, snap.manifest, data)
+            handle._finish("local")
+            try:
+                self._retention()
+            except OSError as e:   # retention trouble never fails a committed save
+                log.warning("retention after step %d failed: %s", snap.step, e)
+        except BaseException as e:
+            if snap.buffer.image_step == snap.step and isinstance(e, OSError):
+                pass   # the memory tier still holds a good snapshot; only persistence failed
+            else:
+                snap.buffer.image_step = None
+            log.error("checkpoint of step %d failed: %s", snap.step, e)
+            handle._fail_rest(e)
+            self._on_error(handle, e)
+        finally:
+            self.pool.release(snap.buffer)

@@ -1,0 +1,407 @@
+"""Planning: turn a user's state into a JSON tree plus a flat list of tensors, and back.
+
+Saving walks the state once. Modules, optimizers, LR schedulers and anything
+``Stateful`` (``state_dict()`` / ``load_state_dict()``) are replaced by their
+state dicts; tensors become ``{"$t": index}`` references into a flat list;
+everything else must be JSON-safe or the save is refused with the key named.
+The JSON tree is built fresh, so later mutations of the user's Python values
+cannot tear a snapshot that is still being written.
+
+Restoring walks the saved tree next to the live state: every saved tensor is
+bound to a destination, the live tensor itself when shape and dtype match (so
+bytes land in place, on the GPU, with no temporary), otherwise a new tensor on
+the device type it was saved from. Once the bytes are in, the objects receive
+their state dicts through ``load_state_dict``.
+
+Tree encoding (all JSON): ``{"$t": i}`` tensor ``i`` (``"$np": 1`` for a numpy
+array); ``{"$obj": kind, "sd": tree}`` a Stateful object (kind is ``module``,
+``optimizer`` or ``stateful``); ``{"$tuple": [...]}``; ``{"$d": [[k, v], ...]}``
+a dict with non-string keys; ``{"$f": "nan" | "inf" | "-inf"}``;
+``{"$dtype": name}``; plain JSON otherwise.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping
+
+import torch
+
+from .errors import IncompatibleCheckpointError, RefusedStateError
+from .format import ItemRecord, dtype_to_str
+
+__all__ = ["Entry", "Plan", "flatten", "layout", "Binding", "bind"]
+
+_SCALARS = (bool, int, str, type(None))
+
+
+@dataclass
+class Entry:
+    """A tensor of the state, as captured at save time."""
+
+    key: str
+    tensor: torch.Tensor
+    is_buffer: bool = False          # mutated in place by forward (BatchNorm running stats)
+    alias_of: int | None = None      # shares memory with an earlier entry
+    version: int = 0                 # tensor._version when captured, to detect in-place writes
+
+
+@dataclass
+class Plan:
+    tree: Any
+    entries: list[Entry] = field(default_factory=list)
+
+
+def _is_stateful(v: Any) -> bool:
+    return callable(getattr(v, "state_dict", None)) and callable(getattr(v, "load_state_dict", None))
+
+
+def _obj_kind(v: Any) -> str:
+    if isinstance(v, torch.nn.Module):
+        return "module"
+    if isinstance(v, torch.optim.Optimizer):
+        return "optimizer"
+    return "stateful"
+
+
+def _is_distributed_tensor(t: torch.Tensor) -> bool:
+    return type(t).__name__ == "DTensor" or hasattr(t, "_local_tensor")
+
+
+class _Flattener:
+    def __init__(self) -> None:
+        self.entries: list[Entry] = []
+        self._seen: dict[tuple, int] = {}
+
+    def tensor(self, t: torch.Tensor, path: str, is_buffer: bool) -> dict:
+        if _is_distributed_tensor(t):
+            raise RefusedStateError(
+                f"state value at {path!r} is a DTensor; sharded state needs the distributed "
+                "checkpointer (world size > 1), which this version does not provide yet")
+        if t.layout != torch.strided or t.is_quantized or t.is_nested or t.device.type == "meta":
+            raise RefusedStateError(
+                f"state value at {path!r} is a {t.layout} / quantized / nested / meta tensor; "
+                "only dense tensors can be saved: convert it (e.g. .to_dense()) before saving")
+        dtype_to_str(t.dtype)  # refuses exotic dtypes with a clear message
+        t = t.detach()
+        ident = (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape),
+                 tuple(t.stride()), t.dtype)
+        alias = self._seen.get(ident) if t.numel() > 0 else None
+        idx = len(self.entries)
+        self.entries.append(Entry(path, t, is_buffer, alias, t._version))
+        if alias is None and t.numel() > 0:
+            self._seen[ident] = idx
+        return {"$t": idx}
+
+    def walk(self, v: Any, path: str, buffers: frozenset[str] = frozenset(), rel: str = "") -> Any:
+        if isinstance(v, torch.Tensor):
+            return self.tensor(v, path, rel in buffers)
+        if isinstance(v, _SCALARS):
+            return v
+        if isinstance(v, float):
+            return v if math.isfinite(v) else {"$f": repr(v)}
+        if _is_stateful(v):
+            sd = v.state_dict()
+            bufs = frozenset(n for n, _ in v.named_buffers()) if isinstance(v, torch.nn.Module) else frozenset()
+            return {"$obj": _obj_kind(v), "sd": self._walk_sd(sd, path, bufs)}
+        if isinstance(v, Mapping):
+            return self._walk_map(v, path, buffers, rel)
+        if isinstance(v, torch.Size):
+            return {"$tuple": list(v)}
+        if isinstance(v, tuple):
+            return {"$tuple": [self.walk(x, f"{path}/{i}") for i, x in enumerate(v)]}
+        if isinstance(v, list):
+            return [self.walk(x, f"{path}/{i}") for i, x in enumerate(v)]
+        if isinstance(v, torch.dtype):
+            return {"$dtype": dtype_to_str(v)}
+        np = _numpy()
+        if np is not None and isinstance(v, np.ndarray):
+            if v.dtype == object:
+                raise RefusedStateError(f"state value at {path!r} is a numpy object array, which needs pickle")
+            node = self.tensor(torch.from_numpy(np.ascontiguousarray(v)), path, False)
+            return {**node, "$np": 1}
+        if np is not None and isinstance(v, np.generic):
+            return self.walk(v.item(), path)
+        raise RefusedStateError(
+            f"state value at {path!r} is a {type(v).__module__}.{type(v).__qualname__}, which cannot be "
+            "stored without pickle. Store JSON-safe values (numbers, strings, lists, dicts), tensors, or an "
+            "object with state_dict()/load_state_dict(); or pass Checkpointer(on_unsupported='skip') to "
+            "leave such values out of checkpoints (they are then not restored).")
+
+    def _walk_sd(self, sd: Any, path: str, buffers: frozenset[str]) -> Any:
+        if not isinstance(sd, Mapping):
+            return self.walk(sd, path)
+        return self._walk_map(sd, path, buffers, "", top=True)
+
+    def _walk_map(self, v: Mapping, path: str, buffers: frozenset[str], rel: str, top: bool = False) -> Any:
+        plain = all(isinstance(k, str) and not k.startswith("$") for k in v)
+        out = []
+        for k, x in v.items():
+            if not isinstance(k, (str, int, float, bool, type(None))):
+                raise RefusedStateError(f"state dict at {path!r} has a key of type {type(k).__name__}; "
+                                        "keys must be str, int, float, bool or None")
+            sub_rel = str(k) if top else f"{rel}.{k}"
+            out.append((k, self.walk(x, f"{path}/{k}", buffers if top else frozenset(), sub_rel)))
+        if plain:
+            return dict(out)
+        return {"$d": [[k, x] for k, x in out]}
+
+
+_np_module: Any = False
+
+
+def _numpy() -> Any:
+    global _np_module
+    if _np_module is False:
+        try:
+            import numpy
+            _np_module = numpy
+        except ImportError:
+            _np_module = None
+    return _np_module
+
+
+class SkipUnsupported(_Flattener):
+    """A flattener that leaves out values that cannot be stored, instead of refusing them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.skipped: list[str] = []
+
+    def walk(self, v: Any, path: str, buffers: frozenset[str] = frozenset(), rel: str = "") -> Any:
+        try:
+            return super().walk(v, path, buffers, rel)
+        except RefusedStateError:
+            if isinstance(v, torch.Tensor):
+                raise
+            self.skipped.append(path)
+            return {"$skip": 1}
+
+
+def flatten(state: Mapping[str, Any], on_unsupported: str = "error") -> Plan:
+    """Capture ``state`` as a JSON tree plus the list of its tensors (no copies made).
+
+    Raises :class:`RefusedStateError` naming the key of a value that is not
+    JSON-safe, unless ``on_unsupported == "skip"``.
+    """
+    if not isinstance(state, Mapping):
+        raise TypeError(f"state must be a dict of name -> value, got {type(state).__name__}")
+    bad = [k for k in state if not isinstance(k, str)]
+    if bad:
+        raise TypeError(f"state keys must be strings, got {bad!r}")
+    fl = SkipUnsupported() if on_unsupported == "skip" else _Flattener()
+    tree = {k: fl.walk(v, k) for k, v in state.items()}
+    return Plan(tree, fl.entries)
+
+
+def layout(entries: list[Entry], align: int) -> tuple[list[ItemRecord], int]:
+    """Assign every non-alias tensor an aligned byte range; returns the records and the total size."""
+    records: list[ItemRecord] = []
+    cursor = 0
+    for e in entries:
+        t = e.tensor
+        nbytes = t.numel() * t.element_size()
+        if e.alias_of is not None:
+            records.append(ItemRecord(e.key, dtype_to_str(t.dtype), list(t.shape), t.device.type, 0, 0, e.alias_of))
+            continue
+        offset = -(-cursor // align) * align
+        records.append(ItemRecord(e.key, dtype_to_str(t.dtype), list(t.shape), t.device.type, offset, nbytes))
+        cursor = offset + nbytes
+    return records, cursor
+
+
+# ---------------------------------------------------------------------------------------------
+# Restore side
+
+
+@dataclass
+class Binding:
+    """Where each saved item's bytes go, and what to do once they are there.
+
+    ``dest[i]`` is a contiguous tensor of item ``i``'s shape and dtype (``None``
+    for aliases, which are resolved by :meth:`finish`). ``finish()`` hands every
+    object its state dict and writes plain values back into the user's state.
+    """
+
+    dest: list[torch.Tensor | None]
+    _actions: list[Callable[[], None]]
+    _aliases: list[tuple[int, int, torch.Tensor | None]]
+
+    def finish(self) -> None:
+        for i, orig, own in self._aliases:
+            src = self.dest[orig]
+            if own is not None and own.data_ptr() != src.data_ptr():
+                own.copy_(src)
+                self.dest[i] = own
+            else:
+                self.dest[i] = src
+        for act in self._actions:
+            act()
+
+
+def _target_device(saved: str) -> torch.device:
+    if saved == "cuda" and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+class _Binder:
+    def __init__(self, items: list[ItemRecord]) -> None:
+        self.items = items
+        self.dest: list[torch.Tensor | None] = [None] * len(items)
+        self.in_place = [False] * len(items)
+        self.actions: list[Callable[[], None]] = []
+        self.aliases: list[tuple[int, int, torch.Tensor | None]] = []
+
+    def bind_tensor(self, idx: Any, template: Any, path: str) -> torch.Tensor | None:
+        from .format import str_to_dtype
+
+        if not isinstance(idx, int) or isinstance(idx, bool) or not 0 <= idx < len(self.items):
+            raise IncompatibleCheckpointError(f"saved tree at {path!r} references a tensor that does not exist")
+        it = self.items[idx]
+        dtype = str_to_dtype(it.dtype, path)
+        fits = (isinstance(template, torch.Tensor) and template.dtype == dtype
+                and list(template.shape) == it.shape and template.is_contiguous()
+                and not _is_distributed_tensor(template))
+        if it.alias_of is not None:
+            self.aliases.append((idx, it.alias_of, template.detach() if fits else None))
+            return None
+        if fits:
+            self.dest[idx] = template.detach()
+            self.in_place[idx] = True
+        else:
+            self.dest[idx] = torch.empty(it.shape, dtype=dtype, device=_target_device(it.device))
+        return self.dest[idx]
+
+    def decode(self, node: Any, template: Any, path: str) -> Callable[[], Any]:
+        """Bind tensors under ``node`` now; return a thunk that builds the value once bytes are in."""
+        if isinstance(node, list):
+            subs = [self.decode(x, _index(template, i), f"{path}/{i}") for i, x in enumerate(node)]
+            return lambda: [s() for s in subs]
+        if not isinstance(node, dict):
+            return lambda: node
+        if "$t" in node:
+            self.bind_tensor(node["$t"], template, path)
+            idx, as_np = node["$t"], bool(node.get("$np"))
+            return lambda: self.dest[idx].numpy() if as_np else self.dest[idx]
+        if "$tuple" in node:
+            subs = [self.decode(x, _index(template, i), f"{path}/{i}") for i, x in enumerate(node["$tuple"])]
+            return lambda: tuple(s() for s in subs)
+        if "$d" in node:
+            pairs = [(k, self.decode(v, _index(template, k), f"{path}/{k}")) for k, v in node["$d"]]
+            return lambda: {k: s() for k, s in pairs}
+        if "$f" in node:
+            return lambda: float(node["$f"])
+        if "$dtype" in node:
+            from .format import str_to_dtype
+            dt = str_to_dtype(node["$dtype"], path)
+            return lambda: dt
+        if "$obj" in node or "$skip" in node:
+            raise IncompatibleCheckpointError(f"saved object at {path!r} is nested inside a plain value")
+        subs = {k: self.decode(v, _index(template, k), f"{path}/{k}") for k, v in node.items()}
+        return lambda: {k: s() for k, s in subs.items()}
+
+    def bind_value(self, container: dict | list, key: Any, node: Any, path: str) -> None:
+        """Bind saved ``node`` to ``container[key]`` of the live state."""
+        live = container[key] if _has(container, key) else None
+        if isinstance(node, dict) and "$skip" in node:
+            return
+        if isinstance(node, dict) and "$obj" in node:
+            if not _is_stateful(live):
+                raise IncompatibleCheckpointError(
+                    f"checkpoint holds a {node['$obj']} at {path!r}, but the state passed to restore has "
+                    f"{type(live).__name__} there")
+            self._bind_object(live, node, path)
+            return
+        if isinstance(live, torch.Tensor) and isinstance(node, dict) and "$t" in node:
+            self.bind_tensor(node["$t"], live, path)
+            idx = node["$t"]
+            if not self.in_place[idx] and self.items[idx].alias_of is None:
+                raise IncompatibleCheckpointError(
+                    f"tensor at {path!r}: checkpoint has {self.items[idx].dtype}{self.items[idx].shape}, "
+                    f"the state has {live.dtype}{list(live.shape)}")
+            return
+        if isinstance(live, dict) and isinstance(node, dict) and not any(k.startswith("$") for k in node):
+            for k, v in node.items():
+                self.bind_value(live, k, v, f"{path}/{k}")
+            return
+        build = self.decode(node, live, path)
+        self.actions.append(lambda: _set(container, key, build()))
+
+    def _bind_object(self, obj: Any, node: Any, path: str) -> None:
+        kind, sd_node = node["$obj"], node.get("sd")
+        template = obj.state_dict()
+        build = self.decode(sd_node, template, path)
+
+        def load() -> None:
+            sd = build()
+            if kind == "module" and isinstance(obj, torch.nn.Module) and self._all_in_place(sd_node) \
+                    and set(sd) == set(template):
+                return  # every tensor already landed in the module's own memory
+            obj.load_state_dict(sd)
+
+        self.actions.append(load)
+
+    def _all_in_place(self, node: Any) -> bool:
+        ok = True
+
+        def visit(n: Any) -> None:
+            nonlocal ok
+            if isinstance(n, list):
+                for x in n:
+                    visit(x)
+            elif isinstance(n, dict):
+                if "$t" in n:
+                    i = n["$t"]
+                    ok = ok and (self.in_place[i] or self.items[i].alias_of is not None)
+                else:
+                    for x in n.values():
+                        visit(x)
+
+        visit(node)
+        return ok
+
+
+def _has(container: Any, key: Any) -> bool:
+    if isinstance(container, Mapping):
+        return key in container
+    return isinstance(key, int) and 0 <= key < len(container)
+
+
+def _index(template: Any, key: Any) -> Any:
+    try:
+        if isinstance(template, Mapping):
+            return template.get(key)
+        if isinstance(template, (list, tuple)) and isinstance(key, int) and 0 <= key < len(template):
+            return template[key]
+    except TypeError:
+        pass
+    return None
+
+
+def _set(container: Any, key: Any, value: Any) -> None:
+    container[key] = value
+
+
+def bind(state: dict, tree: Any, items: list[ItemRecord], strict: bool = True) -> Binding:
+    """Bind a saved tree to the live ``state`` (see :class:`Binding`).
+
+    Raises :class:`IncompatibleCheckpointError` when top-level keys differ (with
+    ``strict``) or a tensor's shape or dtype does not match.
+    """
+    if not isinstance(tree, dict):
+        raise IncompatibleCheckpointError("saved state tree is not a mapping")
+    missing = sorted(set(state) - set(tree))
+    unexpected = sorted(set(tree) - set(state))
+    if strict and (missing or unexpected):
+        raise IncompatibleCheckpointError(
+            f"state keys differ from the checkpoint's: missing from checkpoint {missing}, "
+            f"not in the state {unexpected}; pass restore(..., strict=False) to load the common keys")
+    b = _Binder(items)
+    for k, node in tree.items():
+        if k in state or not strict:
+            if k not in state and isinstance(node, dict) and "$obj" in node:
+                continue
+            b.bind_value(state, k, node, k)
+    return Binding(b.dest, b.actions, b.aliases)

@@ -1,0 +1,48 @@
+"""Copy byte ranges of a host buffer into the destination tensors they belong to.
+
+Restore reads a data file (or the memory tier's buffer) in chunks; each chunk
+covers parts of one or more tensors. :class:`Scatter` maps a chunk onto the
+items it overlaps and copies exactly those bytes, host-to-device with
+``non_blocking=True`` on a dedicated stream when the destination is on the GPU
+(full pinned bandwidth, no temporary on the device).
+"""
+
+from __future__ import annotations
+
+import bisect
+
+import torch
+
+from .format import ItemRecord
+
+__all__ = ["Scatter"]
+
+
+class Scatter:
+    """``records``/``dest`` are parallel lists; aliases and empty items are skipped."""
+
+    def __init__(self, records: list[ItemRecord], dest: list[torch.Tensor | None]) -> None:
+        pairs = sorted(((r.offset, r.nbytes, d) for r, d in zip(records, dest)
+                        if r.alias_of is None and r.nbytes > 0), key=lambda p: p[0])
+        self._starts = [p[0] for p in pairs]
+        self._pairs = [(off, n, _flat_bytes(d)) for off, n, d in pairs]
+        self.to_device = any(d.device.type == "cuda" for _, _, d in self._pairs)
+
+    def copy(self, chunk: torch.Tensor, chunk_offset: int) -> None:
+        """Copy ``chunk`` (uint8, host) holding file bytes ``[chunk_offset, +len)`` into place."""
+        end = chunk_offset + chunk.numel()
+        i = max(0, bisect.bisect_right(self._starts, chunk_offset) - 1)
+        while i < len(self._pairs):
+            off, n, flat = self._pairs[i]
+            if off >= end:
+                break
+            lo, hi = max(off, chunk_offset), min(off + n, end)
+            if lo < hi:
+                flat[lo - off:hi - off].copy_(chunk[lo - chunk_offset:hi - chunk_offset], non_blocking=True)
+            i += 1
+
+
+def _flat_bytes(t: torch.Tensor | None) -> torch.Tensor:
+    if t is None or not t.is_contiguous():
+        raise ValueError("restore destinations must be contiguous tensors")
+    return t.view(-1).view(torch.uint8) if t.dim() else t.view(1).view(torch.uint8)

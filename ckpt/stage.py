@@ -1,0 +1,319 @@
+"""Phase 1: snapshot the state into a reusable host buffer, overlapped with training.
+
+CUDA tensors are copied device-to-host on a side stream into a pinned buffer
+that is allocated on the first save and reused. ``save()`` only enqueues the
+copies; it never waits for them. Two fences keep the snapshot consistent:
+
+* module buffers (BatchNorm running statistics, which the forward pass itself
+  updates in place) are copied first, and the compute stream waits on that
+  small copy's event, so the next forward cannot overwrite them mid-copy;
+* every optimizer's ``step()`` waits for the whole copy, on the GPU
+  (``Stream.wait_event`` from a global step pre-hook), since the step is what
+  mutates parameters and optimizer state.
+
+Anything else that mutates state in place between ``save()`` and the next
+optimizer step (an EMA update, say) must call ``Checkpointer.wait_staged()``
+first. Such a mutation is detected through the tensor version counter: when a
+snapshot is fenced, a tensor whose ``_version`` moved since ``save()`` makes
+the save fail with :class:`~ckpt.errors.TornSnapshotError` naming it, instead
+of persisting a torn snapshot. The check is conservative: on the GPU, a write
+that the host cannot prove came after the copy is reported.
+
+CPU tensors take the same path: a staging thread copies them into the pool
+(the buffers-first copy is done before ``save()`` returns), so CPU-only tests
+exercise the asynchronous logic.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import psutil
+import torch
+
+from .errors import HostMemoryError, TornSnapshotError
+from .format import Manifest, ItemRecord
+from .plan import Entry
+
+__all__ = ["HostBuffer", "HostPool", "Snapshot", "SnapshotStats", "stage", "wait_all_staged"]
+
+log = logging.getLogger(__name__)
+
+_GRANULE = 2 << 20  # pool capacity is rounded up to this
+
+
+class HostBuffer:
+    """One host staging buffer (pinned when CUDA is available)."""
+
+    def __init__(self, nbytes: int, pin: bool) -> None:
+        self.tensor = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
+        self.pinned = pin
+        self.busy = False
+        self.image_step: int | None = None   # step whose snapshot the buffer holds, for the memory tier
+
+    @property
+    def capacity(self) -> int:
+        return self.tensor.numel()
+
+    def memoryview(self, nbytes: int) -> memoryview:
+        return memoryview(self.tensor.numpy())[:nbytes]
+
+
+class HostPool:
+    """At most ``slots`` host buffers, allocated lazily and reused across saves.
+
+    ``limit`` caps the total bytes (``host_memory_limit``); ``None`` derives it
+    from the memory psutil reports available when a buffer is (re)allocated.
+    """
+
+    def __init__(self, slots: int, limit: int | None, pin: bool | None = None) -> None:
+        if slots < 1:
+            raise ValueError(f"max_in_flight must be at least 1, got {slots}")
+        self.slots = slots
+        self.limit = limit
+        self.pin = torch.cuda.is_available() if pin is None else pin
+        self.buffers: list[HostBuffer] = []
+        self.allocations = 0
+        self._cv = threading.Condition()
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.capacity for b in self.buffers)
+
+    def acquire(self, nbytes: int, block: bool, step: int) -> HostBuffer | None:
+        """A free buffer of at least ``nbytes`` (``None`` if all are busy and not ``block``)."""
+        with self._cv:
+            while True:
+                free = [b for b in self.buffers if not b.busy]
+                if free or len(self.buffers) < self.slots:
+                    break
+                if not block:
+                    return None
+                self._cv.wait()
+            # Prefer a buffer that is already large enough; never evict the newest memory image needlessly.
+            free.sort(key=lambda b: (b.capacity < nbytes, b.image_step if b.image_step is not None else -1))
+            buf = free[0] if free else None
+            if buf is None or buf.capacity < nbytes:
+                if buf is not None:
+                    self.buffers.remove(buf)
+                    del buf
+                buf = self._allocate(nbytes, step)
+                self.buffers.append(buf)
+            buf.busy = True
+            buf.image_step = None
+            return buf
+
+    def release(self, buf: HostBuffer) -> None:
+        with self._cv:
+            buf.busy = False
+            self._cv.notify_all()
+
+    def newest_image(self) -> HostBuffer | None:
+        with self._cv:
+            imgs = [b for b in self.buffers if b.image_step is not None]
+            return max(imgs, key=lambda b: b.image_step) if imgs else None
+
+    def _allocate(self, nbytes: int, step: int) -> HostBuffer:
+        cap = max(_GRANULE, -(-nbytes // _GRANULE) * _GRANULE)
+        held = self.nbytes
+        if self.limit is not None:
+            limit, why = self.limit, "host_memory_limit"
+        else:
+            limit, why = int(0.8 * psutil.virtual_memory().available) + held, \
+                "80% of available host memory (the default of host_memory_limit)"
+        if held + cap > limit:
+            raise HostMemoryError(
+                f"staging step {step} needs {cap / 2**30:.2f} GiB of host memory on top of the "
+                f"{held / 2**30:.2f} GiB already staged, over the {limit / 2**30:.2f} GiB allowed by {why}; "
+                "pass Checkpointer(host_memory_limit=...) or a smaller max_in_flight")
+        t0 = time.perf_counter()
+        buf = HostBuffer(cap, self.pin)
+        self.allocations += 1
+        log.info("allocated %.2f GiB %s host staging buffer in %.3f s", cap / 2**30,
+                 "pinned" if self.pin else "pageable", time.perf_counter() - t0)
+        return buf
+
+
+@dataclass
+class SnapshotStats:
+    """Timings of one save (seconds) and its size."""
+
+    step: int
+    nbytes: int = 0
+    stall_s: float = 0.0          # time save() blocked the caller
+    wait_s: float = 0.0           # part of the stall spent waiting for a free buffer
+    stage_s: float | None = None  # device-to-host copy time
+    persist_s: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def stage_gbps(self) -> float | None:
+        return self.nbytes / self.stage_s / 1e9 if self.stage_s else None
+
+    def persist_gbps(self, tier: str) -> float | None:
+        s = self.persist_s.get(tier)
+        return self.nbytes / s / 1e9 if s else None
+
+
+class Snapshot:
+    """One state captured into a host buffer; fenced once the copy is known to be ordered."""
+
+    def __init__(self, step: int, entries: list[Entry], records: list[ItemRecord], data_bytes: int,
+                 manifest: Manifest, buffer: HostBuffer, stats: SnapshotStats) -> None:
+        self.step = step
+        self.entries = entries
+        self.records = records
+        self.data_bytes = data_bytes
+        self.manifest = manifest
+        self.buffer = buffer
+        self.stats = stats
+        self.error: BaseException | None = None
+        self._cuda_done: torch.cuda.Event | None = None
+        self._cuda_start: torch.cuda.Event | None = None
+        self._cpu_done = threading.Event()
+        self._lock = threading.Lock()
+        self._fenced = False
+        self._t0 = time.perf_counter()
+
+    # -- fences -------------------------------------------------------------------------------
+    @property
+    def fenced(self) -> bool:
+        return self._fenced
+
+    def fence_on_device(self) -> None:
+        """Order the current stream after the copy (no host sync for CUDA), then check versions."""
+        if self._fenced:
+            return
+        if self._cuda_done is not None:
+            torch.cuda.current_stream().wait_event(self._cuda_done)
+        self._cpu_done.wait()
+        self._fence()
+
+    def wait_copied(self) -> None:
+        """Block the calling thread until every byte is in the host buffer, then fence."""
+        if self._cuda_done is not None:
+            self._cuda_done.synchronize()
+        self._cpu_done.wait()
+        self._fence()
+        if self.stats.stage_s is None:
+            if self._cuda_start is not None:
+                self.stats.stage_s = self._cuda_start.elapsed_time(self._cuda_done) / 1e3
+            else:
+                self.stats.stage_s = time.perf_counter() - self._t0
+
+    def _fence(self) -> None:
+        with self._lock:
+            if self._fenced:
+                return
+            self._fenced = True
+            if self.error is None:
+                for e in self.entries:
+                    if not e.is_buffer and e.tensor._version != e.version:
+                        self.error = TornSnapshotError(
+                            f"tensor {e.key!r} was modified in place while step {self.step}'s snapshot copy "
+                            "could still be in flight, so this save is dropped rather than persisted torn. "
+                            "Call Checkpointer.wait_staged() before in-place updates outside optimizer.step() "
+                            "(an EMA update, say)")
+                        break
+            self.entries = []   # drop tensor references: the copy no longer needs them
+        _forget(self)
+
+
+# Snapshots whose copies the next optimizer step must wait for.
+_pending: list[Snapshot] = []
+_pending_lock = threading.Lock()
+_hook_handle: Any = None
+
+
+def _forget(s: Snapshot) -> None:
+    with _pending_lock:
+        if s in _pending:
+            _pending.remove(s)
+
+
+def _optimizer_pre_hook(optimizer: Any, args: Any, kwargs: Any) -> None:
+    if not _pending:
+        return
+    with _pending_lock:
+        snaps = list(_pending)
+    for s in snaps:
+        s.fence_on_device()
+
+
+def _ensure_hook() -> None:
+    global _hook_handle
+    if _hook_handle is None:
+        from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+        _hook_handle = register_optimizer_step_pre_hook(_optimizer_pre_hook)
+
+
+def wait_all_staged() -> None:
+    """Host-wait for every pending snapshot copy in this process and fence it."""
+    with _pending_lock:
+        snaps = list(_pending)
+    for s in snaps:
+        s.wait_copied()
+
+
+def _dst(buf: HostBuffer, rec: ItemRecord, t: torch.Tensor) -> torch.Tensor:
+    return buf.tensor[rec.offset:rec.offset + rec.nbytes].view(t.dtype).view(t.shape)
+
+
+def stage(snap: Snapshot, side_stream: torch.cuda.Stream | None) -> None:
+    """Enqueue the copies of ``snap``'s tensors into its buffer; returns before they finish."""
+    _ensure_hook()
+    with _pending_lock:
+        _pending.append(snap)
+    work = [(e, r) for e, r in zip(snap.entries, snap.records) if r.alias_of is None and r.nbytes > 0]
+    cuda = [(e, r) for e, r in work if e.tensor.device.type == "cuda"]
+    cpu = [(e, r) for e, r in work if e.tensor.device.type == "cpu"]
+    other = [e.key for e, r in work if e.tensor.device.type not in ("cuda", "cpu")]
+    if other:
+        raise TypeError(f"tensors on devices other than cpu and cuda cannot be staged yet: {other[:3]}")
+    # Module buffers on the CPU: copied now, before the caller's next forward can touch them.
+    for e, r in cpu:
+        if e.is_buffer:
+            _dst(snap.buffer, r, e.tensor).copy_(e.tensor)
+    if cuda:
+        if side_stream is None:
+            raise RuntimeError("CUDA tensors in the state but no side stream")
+        compute = torch.cuda.current_stream()
+        side_stream.wait_stream(compute)   # the copy must see the step that was just computed
+        start = torch.cuda.Event(enable_timing=True)
+        done = torch.cuda.Event(enable_timing=True)
+        with torch.cuda.stream(side_stream):
+            start.record(side_stream)
+            bufs = [(e, r) for e, r in cuda if e.is_buffer]
+            if bufs:
+                for e, r in bufs:
+                    _dst(snap.buffer, r, e.tensor).copy_(e.tensor, non_blocking=True)
+                buf_ev = torch.cuda.Event()
+                buf_ev.record(side_stream)
+                compute.wait_event(buf_ev)   # next forward waits for this small copy, on the GPU
+            for e, r in cuda:
+                if not e.is_buffer:
+                    _dst(snap.buffer, r, e.tensor).copy_(e.tensor, non_blocking=True)
+            done.record(side_stream)
+        snap._cuda_start, snap._cuda_done = start, done
+    rest = [(e, r) for e, r in cpu if not e.is_buffer]
+    if rest:
+        def copy_cpu() -> None:
+            try:
+                for e, r in rest:
+                    _dst(snap.buffer, r, e.tensor).copy_(e.tensor)
+                if not cuda:
+                    # The copy is complete and this thread knows it exactly: fence here, so that
+                    # later in-place writes are ordered after the copy and never reported.
+                    snap.stats.stage_s = time.perf_counter() - snap._t0
+                    snap._fence()
+            except BaseException as exc:  # reported on the save handle by the pipeline
+                snap.error = exc
+            finally:
+                snap._cpu_done.set()
+        threading.Thread(target=copy_cpu, name=f"ckpt-stage-{snap.step}", daemon=True).start()
+    else:
+        snap._cpu_done.set()

@@ -1,0 +1,238 @@
+"""The local tier: one directory on this node's NVMe.
+
+Write path (phase 2): preallocate the rank's data file (a full disk fails
+here, before any byte is written), write it from the host buffer in parallel
+chunks with ``os.pwrite`` while checksumming each chunk in the same thread,
+``fsync``, write the manifest atomically, then ``COMMIT`` (temporary name,
+fsync, rename, fsync of the directory), then move ``latest``.
+
+Read path (restore): validate ``COMMIT`` and the manifest, check the data
+file's size, then read it in parallel chunks into a small ring of (pinned)
+host buffers, verify each chunk's checksum before any of its bytes is used,
+and scatter the bytes into the destination tensors.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import queue
+import shutil
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+
+from .. import knobs
+from ..errors import CorruptCheckpointError, IncompatibleCheckpointError, IncompleteCheckpointError
+from ..format import (COMMIT_NAME, LATEST_NAME, Commit, Manifest, data_name, fsync_dir, manifest_name,
+                      parse_step_dir, step_dir_name, write_atomic)
+from ..integrity import checksum
+from ..scatter import Scatter
+
+__all__ = ["LocalTier"]
+
+log = logging.getLogger(__name__)
+
+
+class LocalTier:
+    """Committed checkpoints under ``root`` (``root/step-XXXXXXXXX/``)."""
+
+    name = "local"
+
+    def __init__(self, root: str | os.PathLike, rank: int = 0, world_size: int = 1) -> None:
+        self.root = Path(root).expanduser()
+        self.rank = rank
+        self.world_size = world_size
+        self.root.mkdir(parents=True, exist_ok=True)
+
+    # -- listing ----------------------------------------------------------------------------------
+    def step_dir(self, step: int) -> Path:
+        return self.root / step_dir_name(step)
+
+    def committed_steps(self) -> list[int]:
+        """Steps with a ``COMMIT`` here, newest first (not yet verified)."""
+        steps = []
+        try:
+            names = os.listdir(self.root)
+        except FileNotFoundError:
+            return []
+        for name in names:
+            s = parse_step_dir(name)
+            if s is not None and (self.root / name / COMMIT_NAME).is_file():
+                steps.append(s)
+        return sorted(steps, reverse=True)
+
+    def all_step_dirs(self) -> dict[int, Path]:
+        out = {}
+        for name in os.listdir(self.root):
+            s = parse_step_dir(name)
+            if s is not None:
+                out[s] = self.root / name
+        return out
+
+    # -- write ------------------------------------------------------------------------------------
+    def write(self, step: int, manifest: Manifest, data: memoryview) -> float:
+        """Persist ``data`` (the rank's data file image) and commit; returns seconds spent."""
+        t0 = time.perf_counter()
+        d = self.step_dir(step)
+        try:
+            self._clear(d)
+            d.mkdir(parents=True, exist_ok=True)
+            manifest.chunks = self._write_data(d / data_name(self.rank), data, manifest.chunk_bytes)
+            raw = manifest.to_bytes()
+            write_atomic(d / manifest_name(self.rank), raw)
+            commit = Commit(step=step, world_size=self.world_size,
+                            manifests={manifest_name(self.rank): Commit.manifest_checksum(raw)},
+                            data={data_name(self.rank): len(data)})
+            write_atomic(d / COMMIT_NAME, commit.to_bytes())
+            write_atomic(self.root / LATEST_NAME, (step_dir_name(step) + "\n").encode())
+        except OSError as e:
+            self._discard(d)
+            hint = ("free space there or point local_dir elsewhere" if e.errno in (errno.ENOSPC, errno.EDQUOT)
+                    else "check the local_dir path and its permissions")
+            raise OSError(e.errno, f"{e.strerror} while writing step {step} to the local tier "
+                          f"({hint}); older checkpoints are untouched", str(e.filename or d)) from e
+        except BaseException:
+            self._discard(d)
+            raise
+        return time.perf_counter() - t0
+
+    def _write_data(self, path: Path, data: memoryview, chunk: int) -> list[int]:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            if len(data):
+                try:
+                    os.posix_fallocate(fd, 0, len(data))   # ENOSPC now, not halfway through
+                except OSError as e:
+                    if e.errno not in (errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
+                        raise OSError(e.errno, e.strerror, str(path)) from None
+
+            def one(off: int) -> int:
+                view = data[off:off + chunk]
+                done = 0
+                while done < len(view):
+                    done += os.pwrite(fd, view[done:], off + done)
+                return checksum(view)
+
+            offsets = range(0, len(data), chunk)
+            with ThreadPoolExecutor(knobs.get("CKPT_IO_THREADS"), thread_name_prefix="ckpt-write") as ex:
+                sums = list(ex.map(one, offsets))
+            os.fsync(fd)
+        except OSError as e:
+            if e.filename is None:
+                raise OSError(e.errno, e.strerror, str(path)) from None
+            raise
+        finally:
+            os.close(fd)
+        return sums
+
+    def _clear(self, d: Path) -> None:
+        """Make room for a fresh write of ``d``: a committed copy is uncommitted first."""
+        if d.exists():
+            commit = d / COMMIT_NAME
+            if commit.exists():
+                commit.unlink()
+                fsync_dir(d)
+            shutil.rmtree(d)
+
+    def _discard(self, d: Path) -> None:
+        try:
+            self._clear(d)
+        except OSError as e:
+            log.warning("could not remove the partial checkpoint %s: %s", d, e)
+
+    def delete(self, step: int) -> None:
+        """Remove a checkpoint: ``COMMIT`` first, so a crash mid-delete never leaves a torn 'committed' step."""
+        self._clear(self.step_dir(step))
+
+    # -- read -------------------------------------------------------------------------------------
+    def open(self, step: int) -> tuple[Commit, Manifest]:
+        """Read and validate the commit record and this rank's manifest of ``step``."""
+        d = self.step_dir(step)
+        cpath = d / COMMIT_NAME
+        commit = Commit.from_bytes(_read(cpath), str(cpath))
+        if commit.step != step:
+            raise CorruptCheckpointError(f"{cpath}: records step {commit.step}, directory says {step}")
+        if commit.world_size != self.world_size:
+            raise IncompatibleCheckpointError(
+                f"{cpath}: saved with world size {commit.world_size}, restoring with {self.world_size}")
+        mname = manifest_name(self.rank)
+        mpath = d / mname
+        if mname not in commit.manifests:
+            raise CorruptCheckpointError(f"{cpath}: does not list {mname}")
+        raw = _read(mpath)
+        if Commit.manifest_checksum(raw) != commit.manifests[mname]:
+            raise CorruptCheckpointError(f"{mpath}: checksum does not match the one recorded in {cpath}")
+        manifest = Manifest.from_bytes(raw, str(mpath))
+        dpath = d / data_name(self.rank)
+        expected = commit.data.get(data_name(self.rank))
+        if expected != manifest.data_bytes:
+            raise CorruptCheckpointError(f"{cpath}: data size record disagrees with {mpath}")
+        try:
+            size = dpath.stat().st_size
+        except FileNotFoundError:
+            raise IncompleteCheckpointError(f"{dpath}: data file is missing") from None
+        if size != manifest.data_bytes:
+            raise IncompleteCheckpointError(f"{dpath}: {size} bytes on disk, {manifest.data_bytes} committed")
+        return commit, manifest
+
+    def load(self, step: int, manifest: Manifest, dest: list[torch.Tensor | None]) -> None:
+        """Read, verify and scatter this rank's data of ``step`` into ``dest``."""
+        dpath = self.step_dir(step) / data_name(self.rank)
+        sc = Scatter(manifest.items, dest)
+        chunk = manifest.chunk_bytes
+        n = len(manifest.chunks)
+        if n == 0:
+            return
+        pin = sc.to_device
+        ring: queue.Queue = queue.Queue()
+        for _ in range(min(n, knobs.get("CKPT_RESTORE_BUFFERS"))):
+            ring.put((torch.empty(chunk, dtype=torch.uint8, pin_memory=pin), None))
+        stream = torch.cuda.Stream() if pin else None
+        fd = os.open(dpath, os.O_RDONLY)
+        try:
+            def one(i: int) -> None:
+                buf, ev = ring.get()
+                try:
+                    if ev is not None:
+                        ev.synchronize()   # the previous H2D copy out of this buffer is done
+                    off = i * chunk
+                    length = min(chunk, manifest.data_bytes - off)
+                    view = memoryview(buf.numpy())[:length]
+                    got = os.preadv(fd, [view], off)
+                    while got < length:
+                        r = os.preadv(fd, [view[got:]], off + got)
+                        if r == 0:
+                            raise IncompleteCheckpointError(f"{dpath}: ends at byte {off + got}, expected {off + length}")
+                        got += r
+                    if checksum(view) != manifest.chunks[i]:
+                        raise CorruptCheckpointError(
+                            f"{dpath}: bytes [{off}, {off + length}) fail their {manifest.checksum_algorithm} "
+                            "checksum")
+                    if stream is not None:
+                        with torch.cuda.stream(stream):
+                            sc.copy(buf[:length], off)
+                            ev = torch.cuda.Event()
+                            ev.record(stream)
+                    else:
+                        sc.copy(buf[:length], off)
+                finally:
+                    ring.put((buf, ev))
+
+            with ThreadPoolExecutor(knobs.get("CKPT_IO_THREADS"), thread_name_prefix="ckpt-read") as ex:
+                for f in [ex.submit(one, i) for i in range(n)]:
+                    f.result()
+        finally:
+            os.close(fd)
+            if stream is not None:
+                stream.synchronize()
+
+
+def _read(path: Path) -> bytes:
+    try:
+        return path.read_bytes()
+    except FileNotFoundError:
+        raise IncompleteCheckpointError(f"{path}: missing") from None
