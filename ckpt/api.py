@@ -52,7 +52,8 @@ class Checkpointer:
 
     Args:
         local_dir: directory of the local tier, on fast local storage (default:
-            ``$CKPT_LOCAL_DIR``).
+            ``$CKPT_LOCAL_DIR``), or a :class:`~ckpt.tiers.LocalTier` instance
+            (a subclass, say, for fault injection or a custom layout).
         every_steps / every_seconds: the policy of :meth:`maybe_save`.
         keep: :class:`Retention` (default: 2 checkpoints in ``local_dir``).
         max_in_flight: snapshots held in host memory at once (one host buffer,
@@ -73,7 +74,7 @@ class Checkpointer:
     process, CPU or one GPU.
     """
 
-    def __init__(self, *, local_dir: str | os.PathLike | None = None, every_steps: int | None = None,
+    def __init__(self, *, local_dir: str | os.PathLike | LocalTier | None = None, every_steps: int | None = None,
                  every_seconds: float | None = None, keep: Retention | None = None, max_in_flight: int = 1,
                  if_busy: str | IfBusy = IfBusy.WAIT, host_memory_limit: int | None = None,
                  on_unsupported: str = "error", clock: Callable[[], float] = time.monotonic) -> None:
@@ -91,7 +92,7 @@ class Checkpointer:
         self.keep = keep if keep is not None else Retention()
         self.interval = Interval(every_steps, every_seconds, clock)
         self.on_unsupported = on_unsupported
-        self.local = LocalTier(local_dir)
+        self.local = local_dir if isinstance(local_dir, LocalTier) else LocalTier(local_dir)
         self.pool = HostPool(max_in_flight, host_memory_limit)
         self.memory = MemoryTier(self.pool)
         self.history: collections.deque[SnapshotStats] = collections.deque(maxlen=10_000)

@@ -181,13 +181,21 @@ class LocalTier:
 
     def load(self, step: int, manifest: Manifest, dest: list[torch.Tensor | None]) -> None:
         """Read, verify and scatter this rank's data of ``step`` into ``dest``."""
+        self._read(step, manifest, Scatter(manifest.items, dest))
+
+    def verify(self, step: int) -> Manifest:
+        """Read every byte of ``step`` and check it against its checksums; returns the manifest."""
+        manifest = self.open(step)[1]
+        self._read(step, manifest, None)
+        return manifest
+
+    def _read(self, step: int, manifest: Manifest, sc: Scatter | None) -> None:
         dpath = self.step_dir(step) / data_name(self.rank)
-        sc = Scatter(manifest.items, dest)
         chunk = manifest.chunk_bytes
         n = len(manifest.chunks)
         if n == 0:
             return
-        pin = sc.to_device
+        pin = sc is not None and sc.to_device
         ring: queue.Queue = queue.Queue()
         for _ in range(min(n, knobs.get("CKPT_RESTORE_BUFFERS"))):
             ring.put((torch.empty(chunk, dtype=torch.uint8, pin_memory=pin), None))
@@ -217,7 +225,7 @@ class LocalTier:
                             sc.copy(buf[:length], off)
                             ev = torch.cuda.Event()
                             ev.record(stream)
-                    else:
+                    elif sc is not None:
                         sc.copy(buf[:length], off)
                 finally:
                     ring.put((buf, ev))

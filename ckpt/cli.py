@@ -1,0 +1,141 @@
+"""The ``ckpt`` command: ``demo``, ``ls``, ``inspect``, ``verify``, ``gc``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from typing import Any
+
+__all__ = ["main"]
+
+
+def _tier(path: str):
+    from .tiers import LocalTier
+
+    return LocalTier(path)
+
+
+def _ls(args: argparse.Namespace) -> int:
+    tier = _tier(args.dir)
+    rows = []
+    for s in tier.committed_steps():
+        d = tier.step_dir(s)
+        size = sum(f.stat().st_size for f in d.iterdir() if f.is_file())
+        rows.append({"step": s, "path": str(d), "bytes": size,
+                     "committed_unix": (d / "COMMIT").stat().st_mtime})
+    if args.json:
+        print(json.dumps(rows, indent=1))
+    else:
+        print(f"{'step':>10} {'size':>10}  committed            path")
+        for r in rows:
+            when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(r["committed_unix"]))
+            print(f"{r['step']:>10} {_size(r['bytes']):>10}  {when}  {r['path']}")
+    return 0
+
+
+def _inspect(args: argparse.Namespace) -> int:
+    tier = _tier(args.dir)
+    step = args.step if args.step is not None else _newest(tier)
+    commit, manifest = tier.open(step)
+    out: dict[str, Any] = {"step": step, "world_size": commit.world_size, "data_bytes": manifest.data_bytes,
+                           "chunk_bytes": manifest.chunk_bytes, "checksum": manifest.checksum_algorithm,
+                           "items": [{"key": it.key, "dtype": it.dtype, "shape": it.shape, "device": it.device,
+                                      "offset": it.offset, "nbytes": it.nbytes, "alias_of": it.alias_of}
+                                     for it in manifest.items]}
+    if args.json:
+        out["tree"] = manifest.tree
+        print(json.dumps(out, indent=1))
+        return 0
+    print(f"step {step}: {len(manifest.items)} tensors, {_size(manifest.data_bytes)}, world size "
+          f"{commit.world_size}, {len(manifest.chunks)} {manifest.checksum_algorithm} chunks of "
+          f"{_size(manifest.chunk_bytes)}")
+    for it in out["items"]:
+        alias = f"  (same memory as item {it['alias_of']})" if it["alias_of"] is not None else ""
+        print(f"  {it['key']:<60} {it['dtype']:<9} {str(it['shape']):<20} {it['device']}{alias}")
+    return 0
+
+
+def _verify(args: argparse.Namespace) -> int:
+    from .errors import CheckpointError
+
+    tier = _tier(args.dir)
+    steps = [args.step] if args.step is not None else tier.committed_steps()
+    bad = 0
+    results = []
+    for s in steps:
+        t0 = time.perf_counter()
+        try:
+            m = tier.verify(s)
+            results.append({"step": s, "ok": True, "bytes": m.data_bytes, "seconds": time.perf_counter() - t0})
+        except (CheckpointError, OSError) as e:
+            bad += 1
+            results.append({"step": s, "ok": False, "error": str(e)})
+    if args.json:
+        print(json.dumps(results, indent=1))
+    else:
+        for r in results:
+            if r["ok"]:
+                print(f"step {r['step']}: OK ({_size(r['bytes'])} verified in {r['seconds']:.2f} s)")
+            else:
+                print(f"step {r['step']}: FAILED: {r['error']}")
+    return 1 if bad else 0
+
+
+def _gc(args: argparse.Namespace) -> int:
+    tier = _tier(args.dir)
+    steps = tier.committed_steps()
+    doomed = steps[max(1, args.keep):]
+    stale = [s for s in tier.all_step_dirs() if steps and s < steps[0] and s not in steps]
+    for s in doomed + stale:
+        if not args.dry_run:
+            tier.delete(s)
+        print(f"{'would remove' if args.dry_run else 'removed'} step {s}")
+    return 0
+
+
+def _newest(tier) -> int:
+    steps = tier.committed_steps()
+    if not steps:
+        raise SystemExit(f"no committed checkpoint under {tier.root}")
+    return steps[0]
+
+
+def _size(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from . import demo
+
+    p = argparse.ArgumentParser(prog="ckpt", description="Tiered asynchronous checkpointing for PyTorch.")
+    sub = p.add_subparsers(dest="cmd", required=True)
+    d = sub.add_parser("demo", help="train, checkpoint, get SIGKILLed, resume; compare bit for bit")
+    demo.add_arguments(d)
+    for name, fn, helptext in (("ls", _ls, "list committed checkpoints of a local tier"),
+                               ("inspect", _inspect, "show the tensors of a checkpoint"),
+                               ("verify", _verify, "read every byte and check its checksum"),
+                               ("gc", _gc, "delete all but the newest committed checkpoints")):
+        q = sub.add_parser(name, help=helptext)
+        q.add_argument("dir", help="local tier directory (local_dir)")
+        q.add_argument("--json", action="store_true", help="machine-readable output")
+        if name in ("inspect", "verify"):
+            q.add_argument("--step", type=int, default=None, help="step (default: newest / all)")
+        if name == "gc":
+            q.add_argument("--keep", type=int, default=2, help="newest checkpoints to keep (at least 1)")
+            q.add_argument("--dry-run", action="store_true")
+        q.set_defaults(fn=fn)
+    args = p.parse_args(argv)
+    if args.cmd == "demo":
+        args.child = False
+        return demo.parent(args)
+    return args.fn(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,292 @@
+"""Fused softmax cross-entropy with label smoothing and z-loss; gradient made in the forward pass.
+
+Math, per row of logits ``x`` (length ``V``), target ``t``, smoothing ``eps``, z-loss ``z``
+(all accumulation in fp32 whatever the logits dtype)::
+
+    lse  = log(sum_j exp(x_j))                          # online max/sum, one streaming pass
+    loss = (1 - eps) (lse - x_t) + eps (lse - mean_j x_j) + z lse^2
+    dloss/dx_j = p_j (1 + 2 z lse) - eps / V - (1 - eps) [j == t],     p_j = exp(x_j - lse)
+
+Rows whose target is ``ignore_index`` contribute zero loss and a zero gradient;
+``reduction="mean"`` divides by the number of non-ignored rows (0 if there are none,
+where PyTorch returns NaN).
+
+Memory and time tricks:
+
+* The loss needs ``lse`` and the gradient needs only ``lse`` and ``x``, so the kernel
+  computes both in the forward pass: pass 1 streams the row once (online softmax
+  normaliser, Milakov & Gimelshein), pass 2 streams it again and writes the gradient.
+  While a program holds its row (``V`` x 2 bytes, 250 KB for a 128k vocabulary) the
+  second read mostly hits L2, so HBM traffic is close to one read and one write.
+* The gradient is written over the logits in place when the logits are a private
+  autograd intermediate (e.g. the output of the LM head), so the loss allocates nothing
+  of size ``tokens x V``: backward only rescales the stored gradient by the incoming
+  gradient, and skips even that (on the device, without a host sync) when the incoming
+  gradient is exactly 1, the usual ``loss.backward()`` case.
+* The ``1/n_valid`` of the mean is counted on the device and read by the kernel through
+  a pointer, so nothing synchronises with the host.
+
+Shapes: ``logits`` ``(N, V)`` (or ``(..., V)``), ``target`` ``(N,)`` integer.
+
+References:
+    Milakov & Gimelshein, "Online normalizer calculation for softmax", 2018.
+    Szegedy et al., "Rethinking the Inception Architecture", 2016 (label smoothing).
+    Chowdhery et al., "PaLM", 2022 (z-loss ``z * lse^2``).
+    Wijmans et al., "Cut Your Losses in Large-Vocabulary Language Models", 2024
+    (the observation that the loss gradient needs only ``lse``).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ._utils import (
+    LazyKernel,
+    bump_version,
+    check_runnable_device,
+    check_same_device,
+    check_tensor,
+    next_power_of_2,
+    owns_storage,
+    tl,
+)
+
+__all__ = ["cross_entropy", "CrossEntropyLoss", "CrossEntropyFunction"]
+
+_FLOATS = (torch.float32, torch.float16, torch.bfloat16)
+_INTS = (torch.int64, torch.int32)
+_REDUCTIONS = ("mean", "sum", "none")
+
+
+def _ce_kernel(
+    LOGITS, GRAD, TARGET, LOSS, SCALE,
+    stride_l, stride_g, stride_scale, V, ignore_index, label_smoothing, z_loss,
+    COMPUTE_GRAD: tl.constexpr, HAS_SMOOTHING: tl.constexpr, BLOCK_V: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    t = tl.load(TARGET + row).to(tl.int64)
+    valid = t != ignore_index
+    base = LOGITS + row * stride_l
+    cols0 = tl.arange(0, BLOCK_V)
+
+    # pass 1: online max / sum-exp (and the sum of logits for label smoothing)
+    m = -float("inf")
+    s = 0.0
+    sum_x = 0.0
+    for off in range(0, V, BLOCK_V):
+        cols = off + cols0
+        mask = cols < V
+        x = tl.load(base + cols, mask=mask, other=-float("inf")).to(tl.float32)
+        m_new = tl.maximum(m, tl.max(x, axis=0))
+        s = s * tl.exp(m - m_new) + tl.sum(tl.exp(x - m_new), axis=0)
+        m = m_new
+        if HAS_SMOOTHING:
+            sum_x += tl.sum(tl.where(mask, x, 0.0), axis=0)
+    lse = m + tl.log(s)
+    in_range = valid & (t >= 0) & (t < V)
+    x_t = tl.load(base + t, mask=in_range, other=0.0).to(tl.float32)
+    loss = (1.0 - label_smoothing) * (lse - x_t) + z_loss * lse * lse
+    if HAS_SMOOTHING:
+        loss += label_smoothing * (lse - sum_x / V)
+    tl.store(LOSS + row, tl.where(valid, loss, 0.0))
+
+    if COMPUTE_GRAD:
+        # pass 2: gradient, written over the logits when GRAD aliases LOGITS
+        scale = tl.load(SCALE + row * stride_scale).to(tl.float32)
+        scale = tl.where(valid, scale, 0.0)
+        coef = 1.0 + 2.0 * z_loss * lse
+        gbase = GRAD + row * stride_g
+        for off in range(0, V, BLOCK_V):
+            cols = off + cols0
+            mask = cols < V
+            x = tl.load(base + cols, mask=mask, other=0.0).to(tl.float32)
+            g = tl.exp(x - lse) * coef - label_smoothing / V
+            g = tl.where(cols == t, g - (1.0 - label_smoothing), g)
+            tl.store(gbase + cols, (g * scale).to(GRAD.dtype.element_ty), mask=mask)
+
+
+def _scale_rows_kernel(G, SCALE, stride_g, stride_scale, n_cols, BLOCK: tl.constexpr):
+    """``G[row] *= SCALE[row * stride_scale]``; a no-op, reading nothing, when the scale is 1."""
+    row = tl.program_id(0).to(tl.int64)
+    sc = tl.load(SCALE + row * stride_scale).to(tl.float32)
+    if sc != 1.0:
+        cols0 = tl.arange(0, BLOCK)
+        base = G + row * stride_g
+        for off in range(0, n_cols, BLOCK):
+            cols = off + cols0
+            mask = cols < n_cols
+            g = tl.load(base + cols, mask=mask, other=0.0).to(tl.float32)
+            tl.store(base + cols, (g * sc).to(G.dtype.element_ty), mask=mask)
+
+
+_ce = LazyKernel(_ce_kernel)
+_scale = LazyKernel(_scale_rows_kernel)
+
+
+def _block_v(v: int) -> int:
+    return min(next_power_of_2(v), 8192)
+
+
+def launch_ce(
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    loss_rows: torch.Tensor,
+    grad: torch.Tensor | None,
+    scale: torch.Tensor,
+    ignore_index: int,
+    label_smoothing: float,
+    z_loss: float,
+) -> None:
+    """Run the row kernel on ``logits`` ``(N, V)``: per-row losses into ``loss_rows`` and,
+    when ``grad`` is given, ``scale[row] * dloss/dlogits`` into ``grad`` (may be ``logits``).
+    ``scale`` is a 1-element (broadcast) or ``(N,)`` fp32 tensor."""
+    n, v = logits.shape
+    if n == 0:
+        return
+    block = _block_v(v)
+    _ce[(n,)](
+        logits, grad if grad is not None else logits, target, loss_rows, scale,
+        logits.stride(0), grad.stride(0) if grad is not None else 0,
+        0 if scale.numel() == 1 else scale.stride(0), v, int(ignore_index),
+        float(label_smoothing), float(z_loss),
+        COMPUTE_GRAD=grad is not None, HAS_SMOOTHING=label_smoothing > 0.0, BLOCK_V=block,
+        num_warps=8 if block >= 4096 else 4,
+    )
+
+
+def scale_rows_(g: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """Multiply each row of the 2-D, unit-stride ``g`` in place by ``scale`` (1-element or per row).
+
+    Skipped on the device, without a host sync, where the scale is exactly 1.
+    """
+    if g.numel() == 0:
+        return g
+    scale = scale.to(torch.float32)
+    n, c = g.shape
+    block = min(next_power_of_2(c), 4096)
+    _scale[(n,)](g, scale, g.stride(0), 0 if scale.numel() == 1 else scale.stride(0), c, BLOCK=block, num_warps=4)
+    return g
+
+
+def reduction_scale(target: torch.Tensor, ignore_index: int, reduction: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-loss scale on the device: ``1/n_valid`` for mean, 1 for sum/none; and ``n_valid``."""
+    n_valid = (target != ignore_index).sum().to(torch.float32)
+    if reduction == "mean":
+        return (1.0 / n_valid.clamp(min=1.0)).reshape(1), n_valid
+    return torch.ones(1, dtype=torch.float32, device=target.device), n_valid
+
+
+def check_loss_args(
+    target: torch.Tensor, n_rows: int, ref: torch.Tensor, ref_name: str,
+    label_smoothing: float, reduction: str, z_loss: float,
+) -> torch.Tensor:
+    """Validate the options shared by both losses; return ``target`` flattened to ``(N,)``."""
+    check_tensor(target, "target", dtypes=_INTS)
+    check_same_device(ref, ref_name, target=target)
+    if target.numel() != n_rows:
+        raise ValueError(f"target has {target.numel()} elements (shape {tuple(target.shape)}) but "
+                         f"{ref_name} has {n_rows} rows")
+    if reduction not in _REDUCTIONS:
+        raise ValueError(f"reduction must be one of {_REDUCTIONS}, got {reduction!r}")
+    if not 0.0 <= label_smoothing <= 1.0:
+        raise ValueError(f"label_smoothing must be in [0, 1], got {label_smoothing}")
+    if z_loss < 0.0:
+        raise ValueError(f"z_loss must be >= 0, got {z_loss}")
+    return target.reshape(-1).contiguous()
+
+
+class CrossEntropyFunction(torch.autograd.Function):
+    """Autograd glue: the forward computes loss and (scaled) gradient; backward rescales it."""
+
+    @staticmethod
+    def forward(
+        ctx, logits: torch.Tensor, target: torch.Tensor, ignore_index: int, label_smoothing: float,
+        reduction: str, z_loss: float, inplace: bool | None,
+    ) -> torch.Tensor:
+        v = logits.shape[-1]
+        private = inplace if inplace is not None else owns_storage(logits)
+        x = logits.reshape(-1, v)
+        if x.stride(-1) != 1:
+            x = x.contiguous()
+        private = private or x.data_ptr() != logits.data_ptr()  # our own copy
+        n = x.shape[0]
+        loss_rows = torch.empty(n, dtype=torch.float32, device=x.device)
+        scale, n_valid = reduction_scale(target, ignore_index, reduction)
+        need_grad = ctx.needs_input_grad[0]
+        grad = None
+        if need_grad:
+            grad = x if private and x.is_contiguous() else torch.empty_like(x, memory_format=torch.contiguous_format)
+        launch_ce(x, target, loss_rows, grad, scale, ignore_index, label_smoothing, z_loss)
+        if grad is not None:
+            if grad.data_ptr() == logits.data_ptr():
+                bump_version(logits)
+            ctx.save_for_backward(grad)
+        ctx.shape = logits.shape
+        ctx.reduction = reduction
+        if reduction == "none":
+            return loss_rows.view(logits.shape[:-1])
+        total = loss_rows.sum()
+        return total / n_valid.clamp(min=1.0) if reduction == "mean" else total
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        (grad,) = ctx.saved_tensors
+        scale = grad_out.reshape(-1)
+        if scale.numel() != 1 and scale.stride(0) != 1:
+            scale = scale.contiguous()
+        scale_rows_(grad, scale)
+        return grad.view(ctx.shape), None, None, None, None, None, None
+
+
+def cross_entropy(
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    ignore_index: int = -100,
+    label_smoothing: float = 0.0,
+    reduction: str = "mean",
+    z_loss: float = 0.0,
+    *,
+    inplace: bool | None = None,
+) -> torch.Tensor:
+    """Fused cross-entropy over the last dim of ``logits``, fp32 accumulation.
+
+    Args:
+        logits: ``(N, V)`` or ``(..., V)`` fp32/fp16/bf16.
+        target: ``(N,)`` (or ``logits.shape[:-1]``) int64/int32 class indices.
+        ignore_index: rows with this target get zero loss and zero gradient.
+        label_smoothing: ``eps`` in ``[0, 1]``, as in :func:`torch.nn.functional.cross_entropy`.
+        reduction: ``"mean"`` (over non-ignored rows), ``"sum"`` or ``"none"``.
+        z_loss: weight of ``lse^2`` added to each row's loss (PaLM).
+        inplace: write the gradient over ``logits`` during the forward. ``None`` (default)
+            does so when ``logits`` is a private autograd intermediate (then its values are
+            gone after the call; read them before, or pass ``inplace=False``).
+
+    Returns:
+        fp32 scalar, or fp32 ``logits.shape[:-1]`` for ``reduction="none"``.
+    """
+    check_tensor(logits, "logits", dtypes=_FLOATS, min_ndim=1)
+    check_runnable_device(logits, "logits")
+    n_rows = logits.numel() // max(logits.shape[-1], 1)
+    target = check_loss_args(target, n_rows, logits, "logits", label_smoothing, reduction, z_loss)
+    return CrossEntropyFunction.apply(logits, target, ignore_index, label_smoothing, reduction, z_loss, inplace)
+
+
+class CrossEntropyLoss(nn.Module):
+    """``nn.Module`` form of :func:`cross_entropy`: ``loss(logits (N, V), target (N,))``."""
+
+    def __init__(
+        self, ignore_index: int = -100, label_smoothing: float = 0.0, reduction: str = "mean", z_loss: float = 0.0
+    ) -> None:
+        super().__init__()
+        self.ignore_index = ignore_index
+        self.label_smoothing = label_smoothing
+        self.reduction = reduction
+        self.z_loss = z_loss
+
+    def forward(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return cross_entropy(logits, target, self.ignore_index, self.label_smoothing, self.reduction, self.z_loss)
+
+    def extra_repr(self) -> str:
+        return (f"ignore_index={self.ignore_index}, label_smoothing={self.label_smoothing}, "
+                f"reduction={self.reduction!r}, z_loss={self.z_loss}")

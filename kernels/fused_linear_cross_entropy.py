@@ -1,0 +1,247 @@
+"""Fused LM head + cross-entropy that never materialises the full ``(tokens, vocab)`` logits.
+
+For ``hidden`` ``(N, H)``, ``weight`` ``(V, H)``, optional ``bias`` ``(V,)``::
+
+    logits = hidden @ weight.T + bias                      # (N, V), never built whole
+    loss   = cross_entropy(logits, target, ...)            # see cross_entropy.py
+    G      = dloss/dlogits                                 # (N, V), never built whole
+    d_hidden = G @ weight      d_weight = G.T @ hidden      d_bias = sum_rows(G)
+
+Algorithm (all in the forward pass, for ``reduction`` ``"mean"``/``"sum"``): walk the
+tokens in chunks of ``C`` rows; for each chunk
+
+1. ``logits_c = hidden_c @ weight.T`` (one GEMM, ``C x V`` in the activation dtype),
+2. the cross-entropy row kernel turns ``logits_c`` into its gradient *in place* (and the
+   per-row losses), already multiplied by ``1/n_valid`` read from the device,
+3. ``d_weight += G_c.T @ hidden_c`` (the first chunk writes with ``beta=0``: no zero fill),
+4. ``d_hidden_c = G_c @ weight``, written over ``hidden_c`` when ``hidden`` is a private
+   autograd intermediate (the output of the final norm): ``hidden_c`` is not read again.
+
+So the peak extra memory is ``d_weight`` + one ``C x V`` chunk (+ ``d_hidden`` when it
+cannot reuse ``hidden``). The chunk size trades the memory of the chunk against the
+traffic of step 3, which reads and writes the whole ``V x H`` weight gradient once per
+chunk: ``C`` defaults to the largest multiple of 64 for which the chunk is no larger than
+``hidden`` (twice that when ``d_hidden`` reuses ``hidden``'s memory, since that budget is
+then free). Backward only rescales the three stored gradients by the incoming scalar
+gradient (skipped on the device, without a host sync, when it is 1).
+
+``reduction="none"`` cannot fold the incoming per-row gradients into ``d_weight`` before
+they are known, so in that mode the forward only computes the losses (same chunking,
+no gradients) and backward recomputes the chunks with the per-row scales.
+
+The three GEMMs (``6 N V H`` flops) are the floor; everything else is one streaming
+pass over each chunk. Accumulation of ``d_weight`` across chunks happens in the weight's
+dtype (the GEMM itself accumulates in fp32).
+
+Shapes: ``hidden`` ``(..., H)``; ``target`` ``hidden.shape[:-1]`` or flattened ``(N,)``.
+
+References:
+    Wijmans et al., "Cut Your Losses in Large-Vocabulary Language Models", 2024
+    (losses without materialised logits; the gradient needs only the log-sum-exp).
+    Rabe & Staats, "Self-attention Does Not Need O(n^2) Memory", 2021 (chunked recomputation).
+    Milakov & Gimelshein, "Online normalizer calculation for softmax", 2018.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ._utils import bump_version, check_runnable_device, check_same_device, check_tensor, owns_storage
+from .cross_entropy import check_loss_args, launch_ce, reduction_scale, scale_rows_
+
+__all__ = ["fused_linear_cross_entropy", "FusedLinearCrossEntropyLoss", "FusedLinearCrossEntropyFunction"]
+
+_FLOATS = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def default_chunk_size(n: int, h: int, v: int, reuse_hidden: bool) -> int:
+    """Tokens per chunk: the chunk of logits is at most the size of ``hidden`` (x2 if reused)."""
+    budget = n * h * (2 if reuse_hidden else 1)
+    c = max(64, (budget // max(v, 1)) // 64 * 64)
+    return max(1, min(n, c))
+
+
+def _chunk_loop(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    target: torch.Tensor,
+    loss_rows: torch.Tensor,
+    scale: torch.Tensor,
+    opts: tuple[int, float, float],
+    chunk: int,
+    grads: tuple[bool, bool, bool] | None,
+    d_hidden_out: torch.Tensor | None,
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """One pass over token chunks. ``grads=None``: losses only. Otherwise ``(dh, dw, db)``
+    flags; ``scale`` is 1-element or ``(N,)`` per-row. ``d_hidden_out`` may be ``hidden``."""
+    ignore_index, label_smoothing, z_loss = opts
+    n = hidden.shape[0]
+    want_dh, want_dw, want_db = grads if grads is not None else (False, False, False)
+    dw = torch.empty_like(weight) if want_dw else None
+    db = torch.zeros(weight.shape[0], dtype=torch.float32, device=weight.device) if want_db else None
+    wt = weight.t()
+    for i, start in enumerate(range(0, n, chunk)):
+        end = min(start + chunk, n)
+        h_c = hidden[start:end]
+        logits = torch.addmm(bias, h_c, wt) if bias is not None else torch.mm(h_c, wt)
+        sc = scale if scale.numel() == 1 else scale[start:end]
+        launch_ce(logits, target[start:end], loss_rows[start:end], logits if grads is not None else None,
+                  sc, ignore_index, label_smoothing, z_loss)
+        if grads is None:
+            continue
+        if dw is not None:  # before d_hidden: it may overwrite h_c
+            if i == 0:
+                torch.mm(logits.t(), h_c, out=dw)
+            else:
+                dw.addmm_(logits.t(), h_c)
+        if db is not None:
+            db += logits.sum(0, dtype=torch.float32)
+        if want_dh:
+            torch.mm(logits, weight, out=d_hidden_out[start:end])
+        del logits
+    if db is not None:
+        db = db.to(bias.dtype)
+    return (d_hidden_out if want_dh else None), dw, db
+
+
+class FusedLinearCrossEntropyFunction(torch.autograd.Function):
+    """Autograd glue: gradients made in the forward (mean/sum) or recomputed in backward (none)."""
+
+    @staticmethod
+    def forward(
+        ctx, hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, bias: torch.Tensor | None,
+        ignore_index: int, label_smoothing: float, reduction: str, z_loss: float,
+        chunk_size: int | None, inplace: bool | None,
+    ) -> torch.Tensor:
+        shape = hidden.shape
+        h2 = hidden.reshape(-1, shape[-1])
+        if not h2.is_contiguous():
+            h2 = h2.contiguous()
+        copied = h2.data_ptr() != hidden.data_ptr()
+        n, hdim = h2.shape
+        v = weight.shape[0]
+        want = (ctx.needs_input_grad[0], ctx.needs_input_grad[1], bias is not None and ctx.needs_input_grad[3])
+        reuse = want[0] and reduction != "none" and (
+            copied or (inplace if inplace is not None else owns_storage(hidden)))
+        chunk = chunk_size or default_chunk_size(n, hdim, v, reuse)
+        opts = (int(ignore_index), float(label_smoothing), float(z_loss))
+        loss_rows = torch.empty(n, dtype=torch.float32, device=h2.device)
+        scale, n_valid = reduction_scale(target, ignore_index, reduction)
+        ctx.shape, ctx.reduction, ctx.opts, ctx.chunk = shape, reduction, opts, chunk
+        ctx.want = want
+        if reduction == "none" or not any(want):
+            _chunk_loop(h2, weight, bias, target, loss_rows, scale, opts, chunk, None, None)
+            ctx.save_for_backward(h2, weight, bias, target)
+        else:
+            dh_out = (h2 if reuse else torch.empty_like(h2)) if want[0] else None
+            dh, dw, db = _chunk_loop(h2, weight, bias, target, loss_rows, scale, opts, chunk, want, dh_out)
+            if reuse and dh is not None and not copied:
+                bump_version(hidden)
+            ctx.save_for_backward(dh, dw, db)
+        if reduction == "none":
+            return loss_rows.view(shape[:-1])
+        total = loss_rows.sum()
+        return total / n_valid.clamp(min=1.0) if reduction == "mean" else total
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        if ctx.reduction == "none":
+            h2, weight, bias, target = ctx.saved_tensors
+            scale = grad_out.reshape(-1).to(torch.float32).contiguous()
+            n = h2.shape[0]
+            loss_rows = torch.empty(n, dtype=torch.float32, device=h2.device)
+            dh_out = torch.empty_like(h2) if ctx.want[0] else None
+            dh, dw, db = _chunk_loop(h2, weight, bias, target, loss_rows, scale, ctx.opts, ctx.chunk,
+                                     ctx.want, dh_out)
+        else:
+            dh, dw, db = ctx.saved_tensors
+            g = grad_out.reshape(1)
+            for t in (dh, dw):
+                if t is not None:
+                    scale_rows_(t, g)
+            if db is not None:
+                scale_rows_(db.view(1, -1), g)
+        if dh is not None:
+            dh = dh.view(ctx.shape)
+        return dh, dw, None, db, None, None, None, None, None, None
+
+
+def fused_linear_cross_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    target: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    ignore_index: int = -100,
+    label_smoothing: float = 0.0,
+    reduction: str = "mean",
+    z_loss: float = 0.0,
+    *,
+    chunk_size: int | None = None,
+    inplace: bool | None = None,
+) -> torch.Tensor:
+    """``cross_entropy(hidden @ weight.T + bias, target)`` without building the logits.
+
+    Args:
+        hidden: ``(N, H)`` or ``(..., H)`` activations (fp32/fp16/bf16).
+        weight: ``(V, H)`` LM-head weight, same dtype as ``hidden``.
+        target: ``hidden.shape[:-1]`` (or flattened) int64/int32 class indices.
+        bias: optional ``(V,)``.
+        ignore_index, label_smoothing, reduction, z_loss: as :func:`ckpt.kernels.cross_entropy`.
+        chunk_size: tokens per chunk (default: see module docstring).
+        inplace: write ``d_hidden`` over ``hidden`` during the forward; ``None`` (default)
+            does so when ``hidden`` is a private autograd intermediate.
+
+    Returns:
+        fp32 scalar, or fp32 ``hidden.shape[:-1]`` for ``reduction="none"``.
+    """
+    check_tensor(hidden, "hidden", dtypes=_FLOATS, min_ndim=1)
+    check_tensor(weight, "weight", dtypes=_FLOATS, ndim=2)
+    check_runnable_device(hidden, "hidden")
+    check_same_device(hidden, "hidden", weight=weight, bias=bias)
+    if weight.shape[1] != hidden.shape[-1]:
+        raise ValueError(f"weight has shape {tuple(weight.shape)}; expected (V, {hidden.shape[-1]}) "
+                         "to match hidden's last dim")
+    if weight.dtype != hidden.dtype:
+        raise ValueError(f"weight has dtype {weight.dtype} but hidden has dtype {hidden.dtype}; they must match")
+    if bias is not None:
+        check_tensor(bias, "bias", dtypes=_FLOATS, ndim=1)
+        if bias.shape[0] != weight.shape[0]:
+            raise ValueError(f"bias has shape {tuple(bias.shape)}; expected ({weight.shape[0]},)")
+        if bias.dtype != hidden.dtype:
+            raise ValueError(f"bias has dtype {bias.dtype} but hidden has dtype {hidden.dtype}; they must match")
+    if chunk_size is not None and chunk_size < 1:
+        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    n_rows = hidden.numel() // max(hidden.shape[-1], 1)
+    target = check_loss_args(target, n_rows, hidden, "hidden", label_smoothing, reduction, z_loss)
+    return FusedLinearCrossEntropyFunction.apply(
+        hidden, weight, target, bias, ignore_index, label_smoothing, reduction, z_loss, chunk_size, inplace
+    )
+
+
+class FusedLinearCrossEntropyLoss(nn.Module):
+    """``nn.Module`` form: ``loss(hidden (N, H), weight (V, H), target (N,), bias=None)``."""
+
+    def __init__(
+        self, ignore_index: int = -100, label_smoothing: float = 0.0, reduction: str = "mean",
+        z_loss: float = 0.0, chunk_size: int | None = None,
+    ) -> None:
+        super().__init__()
+        self.ignore_index = ignore_index
+        self.label_smoothing = label_smoothing
+        self.reduction = reduction
+        self.z_loss = z_loss
+        self.chunk_size = chunk_size
+
+    def forward(
+        self, hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        return fused_linear_cross_entropy(
+            hidden, weight, target, bias, self.ignore_index, self.label_smoothing, self.reduction, self.z_loss,
+            chunk_size=self.chunk_size,
+        )
+
+    def extra_repr(self) -> str:
+        return (f"ignore_index={self.ignore_index}, label_smoothing={self.label_smoothing}, "
+                f"reduction={self.reduction!r}, z_loss={self.z_loss}")

@@ -1,0 +1,209 @@
+"""Fused gated linear units: SwiGLU ``silu(a) * b`` and GeGLU ``gelu_tanh(a) * b``.
+
+Math (``s = sigmoid(a)``; ``u = k (a + 0.044715 a^3)``, ``k = sqrt(2/pi)``, ``t = tanh(u)``)::
+
+    swiglu:  c = a s b               dc/da = s (1 + a (1 - s)) b     dc/db = a s
+    geglu:   c = 0.5 a (1 + t) b     dc/da = [0.5 (1 + t) + 0.5 a (1 - t^2) k (1 + 3*0.044715 a^2)] b
+                                     dc/db = 0.5 a (1 + t)
+
+``tanh`` is evaluated as ``2 sigmoid(2u) - 1`` so that the kernel uses only primitives
+present in every supported Triton version (and in the interpreter).
+
+Memory tricks:
+
+* Nothing but the two inputs is saved; the activation ``act(a)`` and its derivative are
+  recomputed in backward (one extra ``exp`` per element on a bandwidth-bound kernel), so
+  the block never stores the ``(tokens, intermediate)`` activation that eager PyTorch keeps.
+* ``da``/``db`` are written over ``a``/``b`` in place when those are private autograd
+  intermediates (e.g. the outputs of ``gate_proj``/``up_proj``, which nothing else reads):
+  backward then allocates nothing. For user leaves or views a fresh buffer is used.
+  The version counters of overwritten tensors are bumped so misuse fails loudly.
+
+Shapes: ``a`` and ``b`` ``(..., I)`` with equal shapes and dtypes; output the same.
+
+References:
+    Shazeer, "GLU Variants Improve Transformer", 2020.
+    Hendrycks & Gimpel, "Gaussian Error Linear Units", 2016 (tanh approximation).
+    Ramachandran et al., "Searching for Activation Functions", 2017 (SiLU/Swish).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ._utils import (
+    LazyKernel,
+    bump_version,
+    check_runnable_device,
+    check_same_device,
+    check_tensor,
+    owns_storage,
+    tl,
+)
+
+__all__ = ["swiglu", "geglu", "GLUFunction", "SwiGLUMLP", "GeGLUMLP"]
+
+_FLOATS = (torch.float32, torch.float16, torch.bfloat16)
+_SILU, _GELU_TANH = 0, 1
+_BLOCK = 1024
+
+
+def _glu_fwd_kernel(A, B, C, n, ACT: tl.constexpr, BLOCK: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    a = tl.load(A + offs, mask=mask, other=0.0).to(tl.float32)
+    b = tl.load(B + offs, mask=mask, other=0.0).to(tl.float32)
+    if ACT == 0:
+        act = a * tl.sigmoid(a)
+    else:
+        t = 2.0 * tl.sigmoid(2.0 * 0.7978845608028654 * (a + 0.044715 * a * a * a)) - 1.0
+        act = 0.5 * a * (1.0 + t)
+    tl.store(C + offs, (act * b).to(C.dtype.element_ty), mask=mask)
+
+
+def _glu_bwd_kernel(DC, A, B, DA, DB, n, ACT: tl.constexpr, BLOCK: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    dc = tl.load(DC + offs, mask=mask, other=0.0).to(tl.float32)
+    a = tl.load(A + offs, mask=mask, other=0.0).to(tl.float32)
+    b = tl.load(B + offs, mask=mask, other=0.0).to(tl.float32)
+    if ACT == 0:
+        s = tl.sigmoid(a)
+        act = a * s
+        dact = s * (1.0 + a * (1.0 - s))
+    else:
+        k = 0.7978845608028654
+        t = 2.0 * tl.sigmoid(2.0 * k * (a + 0.044715 * a * a * a)) - 1.0
+        act = 0.5 * a * (1.0 + t)
+        dact = 0.5 * (1.0 + t) + 0.5 * a * (1.0 - t * t) * k * (1.0 + 3.0 * 0.044715 * a * a)
+    # DA/DB may alias A/B: both were read above, element for element.
+    tl.store(DA + offs, (dc * dact * b).to(DA.dtype.element_ty), mask=mask)
+    tl.store(DB + offs, (dc * act).to(DB.dtype.element_ty), mask=mask)
+
+
+def _cdiv(n: int, d: int) -> int:
+    return -(-n // d)
+
+
+_fwd = LazyKernel(_glu_fwd_kernel)
+_bwd = LazyKernel(_glu_bwd_kernel)
+
+
+class GLUFunction(torch.autograd.Function):
+    """Autograd glue for both GLUs: saves ``a`` and ``b`` only, recomputes the activation."""
+
+    @staticmethod
+    def forward(ctx, a: torch.Tensor, b: torch.Tensor, act: int, inplace_grad: bool | None) -> torch.Tensor:
+        # Decide now (before contiguous() may copy) whether a and b may take the gradients.
+        private_a = inplace_grad if inplace_grad is not None else owns_storage(a)
+        private_b = inplace_grad if inplace_grad is not None else owns_storage(b)
+        ac, bc = a.contiguous(), b.contiguous()
+        # A copy made here is private to this node whatever the caller passed.
+        ctx.reuse_a = private_a or ac.data_ptr() != a.data_ptr()
+        ctx.reuse_b = private_b or bc.data_ptr() != b.data_ptr()
+        if ac.data_ptr() == bc.data_ptr():  # swiglu(x, x): one buffer cannot take two gradients
+            ctx.reuse_b = False
+        c = torch.empty_like(ac)
+        n = ac.numel()
+        if n:
+            _fwd[(_cdiv(n, _BLOCK),)](ac, bc, c, n, ACT=act, BLOCK=_BLOCK, num_warps=4)
+        ctx.save_for_backward(ac, bc)
+        ctx.act = act
+        ctx.shape = a.shape
+        return c
+
+    @staticmethod
+    def backward(ctx, dc: torch.Tensor):
+        a, b = ctx.saved_tensors
+        dc = dc.contiguous()
+        da = a if ctx.reuse_a else torch.empty_like(a)
+        db = b if ctx.reuse_b else torch.empty_like(b)
+        n = a.numel()
+        if n:
+            _bwd[(_cdiv(n, _BLOCK),)](dc, a, b, da, db, n, ACT=ctx.act, BLOCK=_BLOCK, num_warps=4)
+        overwritten = [t for t, r in ((a, ctx.reuse_a), (b, ctx.reuse_b)) if r]
+        if overwritten:
+            bump_version(*overwritten)
+        return da.view(ctx.shape), db.view(ctx.shape), None, None
+
+
+def _check(a: torch.Tensor, b: torch.Tensor) -> None:
+    check_tensor(a, "a", dtypes=_FLOATS, min_ndim=1)
+    check_tensor(b, "b", dtypes=_FLOATS, min_ndim=1)
+    check_runnable_device(a, "a")
+    check_same_device(a, "a", b=b)
+    if a.shape != b.shape:
+        raise ValueError(f"b has shape {tuple(b.shape)} but a has shape {tuple(a.shape)}; they must match")
+    if a.dtype != b.dtype:
+        raise ValueError(f"b has dtype {b.dtype} but a has dtype {a.dtype}; they must match")
+
+
+def swiglu(a: torch.Tensor, b: torch.Tensor, *, inplace_grad: bool | None = None) -> torch.Tensor:
+    """``silu(a) * b`` fused, fp32 math.
+
+    Args:
+        a: gate ``(..., I)``.
+        b: up projection ``(..., I)``, same shape and dtype.
+        inplace_grad: write ``da``/``db`` over ``a``/``b`` in backward. ``None`` (default)
+            does so only when they are private autograd intermediates.
+
+    Returns:
+        ``(..., I)`` tensor.
+    """
+    _check(a, b)
+    return GLUFunction.apply(a, b, _SILU, inplace_grad)
+
+
+def geglu(a: torch.Tensor, b: torch.Tensor, *, inplace_grad: bool | None = None) -> torch.Tensor:
+    """``gelu_tanh(a) * b`` fused, fp32 math (same arguments as :func:`swiglu`)."""
+    _check(a, b)
+    return GLUFunction.apply(a, b, _GELU_TANH, inplace_grad)
+
+
+class _GLUMLP(nn.Module):
+    """``down_proj(act(gate_proj(x)) * up_proj(x))``, the Llama / Gemma MLP block."""
+
+    _fn = staticmethod(swiglu)
+
+    def __init__(
+        self,
+        hidden_size: int,
+        intermediate_size: int,
+        bias: bool = False,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        kw = {"bias": bias, "device": device, "dtype": dtype}
+        self.hidden_size = hidden_size
+        self.intermediate_size = intermediate_size
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, **kw)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, **kw)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, **kw)
+
+    @classmethod
+    def from_linears(cls, gate_proj: nn.Linear, up_proj: nn.Linear, down_proj: nn.Linear) -> "_GLUMLP":
+        """Wrap existing projections (shares their parameters; used by :func:`ckpt.kernels.patch`)."""
+        mlp = cls.__new__(cls)
+        nn.Module.__init__(mlp)
+        mlp.hidden_size = gate_proj.in_features
+        mlp.intermediate_size = gate_proj.out_features
+        mlp.gate_proj, mlp.up_proj, mlp.down_proj = gate_proj, up_proj, down_proj
+        return mlp
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` ``(..., hidden_size)`` -> ``(..., hidden_size)``."""
+        return self.down_proj(type(self)._fn(self.gate_proj(x), self.up_proj(x)))
+
+
+class SwiGLUMLP(_GLUMLP):
+    """Llama/Mistral/Qwen MLP with the fused SwiGLU (``hidden_act="silu"``)."""
+
+    _fn = staticmethod(swiglu)
+
+
+class GeGLUMLP(_GLUMLP):
+    """Gemma-style MLP with the fused tanh-GeGLU (``hidden_act="gelu_pytorch_tanh"``)."""
+
+    _fn = staticmethod(geglu)

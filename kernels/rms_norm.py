@@ -1,0 +1,227 @@
+"""Fused RMSNorm (Llama / Gemma style), forward and backward in Triton.
+
+Math, per row ``x`` of length ``N`` (all arithmetic in fp32 whatever the storage dtype)::
+
+    rstd = 1 / sqrt(mean(x^2) + eps)          # cached per row: 4 bytes per token
+    xhat = x * rstd
+    y    = xhat * (offset + w)                # offset=0: Llama weights, offset=1: Gemma weights
+
+Llama rounds ``xhat`` to the input dtype *before* multiplying by the weight
+(``weight * hidden.to(input_dtype)``); with ``offset=0`` the kernel reproduces that
+rounding so bf16 outputs match Hugging Face bit-for-bit in most elements. Gemma
+(``offset=1``) multiplies in fp32 and rounds once.
+
+Backward (``g = dy * (offset + w)``)::
+
+    dx = rstd * (g - xhat * mean(g * xhat))
+    dw = sum_rows(dy * xhat)
+
+Memory tricks:
+
+* Only ``x`` (an input that is alive anyway) and the per-row ``rstd`` are saved; ``xhat``
+  is recomputed in backward (the kernel is bandwidth bound, recomputation is free).
+* ``dx`` may be written over ``dy`` in place (``in_place=True``): each program reads a row
+  of ``dy`` before writing the same row of ``dx``. This is safe when the incoming
+  gradient is private to this node, which holds when the norm output feeds only linear
+  layers (every norm of a Llama block); it is *not* safe when the output also feeds an
+  addition whose other branch still needs the same gradient tensor, hence opt-in.
+* ``dw`` is reduced in two stages: a persistent grid (one program per SM) accumulates
+  fp32 partial sums over its rows in registers, then one small ``sum(0)`` finishes. This
+  avoids atomics (deterministic) and a ``(rows, N)`` fp32 temporary.
+
+Shapes: ``x`` is ``(..., N)``, ``weight`` is ``(N,)``, output has ``x``'s shape and dtype.
+
+References:
+    Zhang & Sennrich, "Root Mean Square Layer Normalization", NeurIPS 2019.
+    Touvron et al., "LLaMA", 2023 (fp32 norm, cast before weight).
+    Gemma team, "Gemma", 2024 (``1 + w`` parameterisation).
+    Triton tutorial "Layer Normalization" (two-stage weight-gradient reduction).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ._utils import (
+    LazyKernel,
+    bump_version,
+    check_runnable_device,
+    check_same_device,
+    check_tensor,
+    next_power_of_2,
+    num_programs,
+    tl,
+)
+
+__all__ = ["rms_norm", "RMSNorm", "RMSNormFunction"]
+
+_FLOATS = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def _rms_norm_fwd_kernel(
+    X, Y, W, RSTD,
+    stride_x, stride_y, N, eps, offset,
+    BLOCK_N: tl.constexpr, LLAMA_CAST: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK_N)
+    mask = cols < N
+    x = tl.load(X + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / N + eps)
+    xhat = x * rstd
+    if LLAMA_CAST:
+        # Llama rounds the normalised activations to the input dtype before the weight.
+        xhat = xhat.to(X.dtype.element_ty).to(tl.float32)
+    y = xhat * (w + offset)
+    tl.store(Y + row * stride_y + cols, y.to(Y.dtype.element_ty), mask=mask)
+    tl.store(RSTD + row, rstd)
+
+
+def _rms_norm_bwd_kernel(
+    DY, X, W, RSTD, DX, DW_PART,
+    stride_dy, stride_x, stride_dx, n_rows, N, offset, rows_per_program,
+    BLOCK_N: tl.constexpr, LLAMA_CAST: tl.constexpr, COMPUTE_DW: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    cols = tl.arange(0, BLOCK_N)
+    mask = cols < N
+    w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32) + offset
+    dw_acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    row_start = pid.to(tl.int64) * rows_per_program
+    row_end = tl.minimum(row_start + rows_per_program, n_rows)
+    for row in range(row_start, row_end):
+        dy = tl.load(DY + row * stride_dy + cols, mask=mask, other=0.0).to(tl.float32)
+        x = tl.load(X + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+        rstd = tl.load(RSTD + row)
+        xhat = x * rstd
+        g = dy * w
+        dx = rstd * (g - xhat * (tl.sum(g * xhat, axis=0) / N))
+        # dx may alias dy: this row of dy was fully read above.
+        tl.store(DX + row * stride_dx + cols, dx.to(DX.dtype.element_ty), mask=mask)
+        if COMPUTE_DW:
+            if LLAMA_CAST:
+                xhat = xhat.to(X.dtype.element_ty).to(tl.float32)
+            dw_acc += dy * xhat
+    if COMPUTE_DW:
+        tl.store(DW_PART + pid * N + cols, dw_acc, mask=mask)
+
+
+_fwd = LazyKernel(_rms_norm_fwd_kernel)
+_bwd = LazyKernel(_rms_norm_bwd_kernel)
+
+
+def _num_warps(block: int) -> int:
+    return 4 if block <= 1024 else 8 if block <= 4096 else 16
+
+
+def _as_rows(x: torch.Tensor) -> torch.Tensor:
+    """View ``x`` as ``(rows, N)`` with unit stride in the last dim (copies only if needed)."""
+    x2 = x.reshape(-1, x.shape[-1])
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    return x2
+
+
+class RMSNormFunction(torch.autograd.Function):
+    """Autograd glue: saves ``x`` and the per-row ``rstd``; backward recomputes ``xhat``."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float, in_place: bool) -> torch.Tensor:
+        shape = x.shape
+        x2 = _as_rows(x)
+        n_rows, n = x2.shape
+        y = torch.empty((n_rows, n), dtype=x.dtype, device=x.device)
+        rstd = torch.empty(n_rows, dtype=torch.float32, device=x.device)
+        block = next_power_of_2(n)
+        if n_rows > 0:
+            _fwd[(n_rows,)](
+                x2, y, weight, rstd, x2.stride(0), y.stride(0), n, float(eps), float(offset),
+                BLOCK_N=block, LLAMA_CAST=(offset == 0.0), num_warps=_num_warps(block),
+            )
+        ctx.save_for_backward(x2, weight, rstd)
+        ctx.offset = float(offset)
+        ctx.in_place = in_place
+        ctx.shape = shape
+        return y.view(shape)
+
+    @staticmethod
+    def backward(ctx, dy: torch.Tensor):
+        x2, weight, rstd = ctx.saved_tensors
+        n_rows, n = x2.shape
+        dy2 = _as_rows(dy)
+        if ctx.in_place and dy2.is_contiguous() and dy2.dtype == x2.dtype and dy.data_ptr() == dy2.data_ptr():
+            dx = dy2
+        else:
+            dx = torch.empty_like(x2)
+        need_dw = ctx.needs_input_grad[1]
+        block = next_power_of_2(n)
+        n_prog = num_programs(x2.device, max(n_rows, 1))
+        rows_per_program = -(-n_rows // n_prog) if n_rows else 0
+        dw_part = torch.empty((n_prog, n) if need_dw else (1,), dtype=torch.float32, device=x2.device)
+        if n_rows > 0:
+            _bwd[(n_prog,)](
+                dy2, x2, weight, rstd, dx, dw_part,
+                dy2.stride(0), x2.stride(0), dx.stride(0), n_rows, n, ctx.offset, rows_per_program,
+                BLOCK_N=block, LLAMA_CAST=(ctx.offset == 0.0), COMPUTE_DW=need_dw,
+                num_warps=_num_warps(block),
+            )
+        dw = None
+        if need_dw:
+            dw = dw_part.sum(0).to(weight.dtype) if n_rows else torch.zeros_like(weight)
+        return dx.view(ctx.shape), dw, None, None, None
+
+
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, offset: float = 0.0, *, in_place: bool = False
+) -> torch.Tensor:
+    """Fused RMSNorm: ``x * rsqrt(mean(x^2) + eps) * (offset + weight)`` computed in fp32.
+
+    Args:
+        x: ``(..., N)`` fp32/fp16/bf16 activations; any strides.
+        weight: ``(N,)`` scale, any float dtype, same device as ``x``.
+        eps: added to the mean square.
+        offset: ``0.0`` for Llama-style weights, ``1.0`` for Gemma-style ``(1 + w)`` weights.
+        in_place: write the input gradient over the incoming output gradient (saves one
+            activation-sized buffer in backward; safe when the output feeds only linear layers).
+
+    Returns:
+        ``(..., N)`` tensor with ``x``'s dtype.
+    """
+    check_tensor(x, "x", dtypes=_FLOATS, min_ndim=1)
+    check_tensor(weight, "weight", dtypes=_FLOATS, ndim=1)
+    check_runnable_device(x, "x")
+    check_same_device(x, "x", weight=weight)
+    if weight.shape[0] != x.shape[-1]:
+        raise ValueError(f"weight has shape {tuple(weight.shape)} but x's last dim is {x.shape[-1]}")
+    return RMSNormFunction.apply(x, weight, eps, offset, in_place)
+
+
+class RMSNorm(nn.Module):
+    """``nn.Module`` form of :func:`rms_norm`; drop-in for ``LlamaRMSNorm`` (parameter ``weight``).
+
+    Shapes: input ``(..., hidden_size)`` -> output of the same shape and dtype.
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        eps: float = 1e-6,
+        offset: float = 0.0,
+        in_place: bool = False,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        init = torch.zeros if offset else torch.ones
+        self.weight = nn.Parameter(init(hidden_size, device=device, dtype=dtype))
+        self.eps = eps
+        self.offset = offset
+        self.in_place = in_place
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, self.weight, self.eps, self.offset, in_place=self.in_place)
+
+    def extra_repr(self) -> str:
+        return f"{tuple(self.weight.shape)}, eps={self.eps}, offset={self.offset}, in_place={self.in_place}"

@@ -1,0 +1,194 @@
+"""Fused rotary position embedding (RoPE) for q and k in one launch, forward and backward.
+
+Math, Hugging Face "rotate-half" convention: split the head dimension ``D`` into halves
+``x = [x1, x2]`` and ``cos = [c1, c2]``, ``sin = [s1, s2]`` (HF builds ``cos`` as
+``cat(freqs, freqs).cos()``, so ``c1 == c2``; the kernel does not rely on it)::
+
+    y1 = x1 c1 - x2 s1
+    y2 = x2 c2 + x1 s2
+
+The map is linear in ``x``, so the backward is its transpose::
+
+    dx1 =  dy1 c1 + dy2 s2
+    dx2 =  dy2 c2 - dy1 s1
+
+which is the forward with ``(s1, s2) -> (-s2, -s1)``: one kernel serves both directions.
+
+Layout and memory tricks:
+
+* One program per token ``(batch, position)`` rotates *all* heads of q and of k: the
+  token's ``cos``/``sin`` row is loaded once and reused for ``Hq + Hk`` heads, and grouped
+  query attention (``Hq != Hk``) costs nothing extra.
+* Inputs are addressed through their strides, so HF's ``(batch, heads, seq, head_dim)``
+  tensors, which are *transposed views* of the projection outputs, are read without a
+  copy; ``(batch, seq, heads, head_dim)`` works too (pass ``unsqueeze_dim=2``).
+* Nothing is saved for backward but ``cos``/``sin`` (inputs that are alive anyway).
+* Arithmetic is fp32; ``cos``/``sin`` may be bf16 (HF) or fp32.
+
+Shapes: ``q`` ``(B, Hq, S, D)``, ``k`` ``(B, Hk, S, D)``; ``cos``/``sin`` ``(S, D)``,
+``(1 or B, S, D)`` or already unsqueezed ``(1 or B, 1, S, D)``.
+
+References:
+    Su et al., "RoFormer: Enhanced Transformer with Rotary Position Embedding", 2021.
+    Hugging Face Transformers, ``apply_rotary_pos_emb`` (the rotate-half convention).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ._utils import LazyKernel, check_runnable_device, check_same_device, check_tensor, next_power_of_2, tl
+
+__all__ = ["rope", "RoPEFunction"]
+
+_FLOATS = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def _rope_kernel(
+    Q, K, QO, KO, COS, SIN,
+    S, n_qh, n_kh, half,
+    sq_b, sq_h, sq_s, sqo_b, sqo_h, sqo_s,
+    sk_b, sk_h, sk_s, sko_b, sko_h, sko_s,
+    sc_b, sc_s,
+    BACKWARD: tl.constexpr, BLOCK_QH: tl.constexpr, BLOCK_KH: tl.constexpr, BLOCK_HALF: tl.constexpr,
+):
+    pid = tl.program_id(0).to(tl.int64)
+    b = pid // S
+    s = pid % S
+    d = tl.arange(0, BLOCK_HALF)
+    dmask = d < half
+    cs = COS + b * sc_b + s * sc_s
+    ss = SIN + b * sc_b + s * sc_s
+    c1 = tl.load(cs + d, mask=dmask, other=0.0).to(tl.float32)
+    c2 = tl.load(cs + half + d, mask=dmask, other=0.0).to(tl.float32)
+    s1 = tl.load(ss + d, mask=dmask, other=0.0).to(tl.float32)
+    s2 = tl.load(ss + half + d, mask=dmask, other=0.0).to(tl.float32)
+    if BACKWARD:
+        # transpose of the rotation: (s1, s2) -> (-s2, -s1)
+        t1 = -s2
+        s2 = -s1
+        s1 = t1
+    c1 = c1[None, :]
+    c2 = c2[None, :]
+    s1 = s1[None, :]
+    s2 = s2[None, :]
+
+    hq = tl.arange(0, BLOCK_QH)[:, None]
+    qmask = (hq < n_qh) & dmask[None, :]
+    q_in = Q + b * sq_b + s * sq_s + hq * sq_h + d[None, :]
+    q_out = QO + b * sqo_b + s * sqo_s + hq * sqo_h + d[None, :]
+    x1 = tl.load(q_in, mask=qmask, other=0.0).to(tl.float32)
+    x2 = tl.load(q_in + half, mask=qmask, other=0.0).to(tl.float32)
+    tl.store(q_out, (x1 * c1 - x2 * s1).to(QO.dtype.element_ty), mask=qmask)
+    tl.store(q_out + half, (x2 * c2 + x1 * s2).to(QO.dtype.element_ty), mask=qmask)
+
+    hk = tl.arange(0, BLOCK_KH)[:, None]
+    kmask = (hk < n_kh) & dmask[None, :]
+    k_in = K + b * sk_b + s * sk_s + hk * sk_h + d[None, :]
+    k_out = KO + b * sko_b + s * sko_s + hk * sko_h + d[None, :]
+    y1 = tl.load(k_in, mask=kmask, other=0.0).to(tl.float32)
+    y2 = tl.load(k_in + half, mask=kmask, other=0.0).to(tl.float32)
+    tl.store(k_out, (y1 * c1 - y2 * s1).to(KO.dtype.element_ty), mask=kmask)
+    tl.store(k_out + half, (y2 * c2 + y1 * s2).to(KO.dtype.element_ty), mask=kmask)
+
+
+_kernel = LazyKernel(_rope_kernel)
+
+
+def _unit_last(t: torch.Tensor) -> torch.Tensor:
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def _launch(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backward: bool):
+    q, k = _unit_last(q), _unit_last(k)
+    qo = torch.empty_like(q)  # keeps q's (possibly transposed) layout when dense
+    ko = torch.empty_like(k)
+    bsz, n_qh, seq, dim = q.shape
+    n_kh = k.shape[1]
+    half = dim // 2
+    grid = (bsz * seq,)
+    if bsz * seq:
+        block_half = next_power_of_2(half)
+        warps = 8 if (n_qh + n_kh) * block_half >= 4096 else 4
+        _kernel[grid](
+            q, k, qo, ko, cos, sin,
+            seq, n_qh, n_kh, half,
+            q.stride(0), q.stride(1), q.stride(2), qo.stride(0), qo.stride(1), qo.stride(2),
+            k.stride(0), k.stride(1), k.stride(2), ko.stride(0), ko.stride(1), ko.stride(2),
+            cos.stride(0), cos.stride(1),
+            BACKWARD=backward, BLOCK_QH=next_power_of_2(n_qh), BLOCK_KH=next_power_of_2(n_kh),
+            BLOCK_HALF=block_half, num_warps=warps,
+        )
+    return qo, ko
+
+
+class RoPEFunction(torch.autograd.Function):
+    """Autograd glue: saves only ``cos``/``sin``; backward is the transposed rotation."""
+
+    @staticmethod
+    def forward(ctx, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        ctx.save_for_backward(cos, sin)
+        return _launch(q, k, cos, sin, backward=False)
+
+    @staticmethod
+    def backward(ctx, dq: torch.Tensor, dk: torch.Tensor):
+        cos, sin = ctx.saved_tensors
+        dq_in, dk_in = _launch(dq, dk, cos, sin, backward=True)
+        return dq_in, dk_in, None, None
+
+
+def _normalise_cos(t: torch.Tensor, name: str, bsz: int, seq: int, dim: int) -> torch.Tensor:
+    """Bring ``cos``/``sin`` to ``(1 or B, S, D)`` with a zero batch stride when broadcast."""
+    if t.dim() == 4:
+        if t.shape[1] != 1:
+            raise ValueError(f"{name} with 4 dims must be (B, 1, S, D), got shape {tuple(t.shape)}")
+        t = t[:, 0]
+    elif t.dim() == 2:
+        t = t.unsqueeze(0)
+    if t.dim() != 3 or t.shape[-2] != seq or t.shape[-1] != dim or t.shape[0] not in (1, bsz):
+        raise ValueError(f"{name} has shape {tuple(t.shape)}; expected (S, D), (1|B, S, D) or (1|B, 1, S, D) "
+                         f"with B={bsz}, S={seq}, D={dim}")
+    t = _unit_last(t)
+    return t.expand(bsz, seq, dim)
+
+
+def rope(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, unsqueeze_dim: int = 1
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate ``q`` and ``k`` by the rotary embedding in one fused launch.
+
+    Args:
+        q: ``(B, Hq, S, D)`` (or ``(B, S, Hq, D)`` with ``unsqueeze_dim=2``), any strides.
+        k: ``(B, Hk, S, D)`` likewise; ``Hk`` may differ from ``Hq`` (GQA/MQA).
+        cos, sin: HF tensors ``(1|B, S, D)``, or ``(S, D)``.
+        unsqueeze_dim: 1 for the heads-first layout (HF default), 2 for sequence-first.
+
+    Returns:
+        ``(q_rot, k_rot)`` with the input shapes, dtypes and (dense) layouts.
+    """
+    check_tensor(q, "q", dtypes=_FLOATS, ndim=4)
+    check_tensor(k, "k", dtypes=_FLOATS, ndim=4)
+    check_tensor(cos, "cos", dtypes=_FLOATS, ndim=(2, 3, 4))
+    check_tensor(sin, "sin", dtypes=_FLOATS, ndim=(2, 3, 4))
+    check_runnable_device(q, "q")
+    check_same_device(q, "q", k=k, cos=cos, sin=sin)
+    if unsqueeze_dim not in (1, 2):
+        raise ValueError(f"unsqueeze_dim must be 1 (B, H, S, D) or 2 (B, S, H, D), got {unsqueeze_dim}")
+    if unsqueeze_dim == 2:
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
+    bsz, _, seq, dim = q.shape
+    if dim % 2:
+        raise ValueError(f"q's head_dim must be even, got {dim}")
+    if k.shape[0] != bsz or k.shape[2] != seq or k.shape[3] != dim:
+        raise ValueError(f"k has shape {tuple(k.shape)}, incompatible with q's {tuple(q.shape)} "
+                         "(batch, sequence and head_dim must match)")
+    if k.dtype != q.dtype:
+        raise ValueError(f"k has dtype {k.dtype} but q has dtype {q.dtype}")
+    cos = _normalise_cos(cos, "cos", bsz, seq, dim)
+    sin = _normalise_cos(sin, "sin", bsz, seq, dim)
+    if cos.stride() != sin.stride():  # the kernel addresses both with one set of strides
+        cos, sin = cos.contiguous(), sin.contiguous()
+    qo, ko = RoPEFunction.apply(q, k, cos, sin)
+    if unsqueeze_dim == 2:
+        qo, ko = qo.transpose(1, 2), ko.transpose(1, 2)
+    return qo, ko
