@@ -1,1 +1,52 @@
-"""Fused Triton kernels (placeholder package init, replaced by the kernels work)."""
+"""Fused Triton kernels for training transformer language models (``ckpt.kernels``).
+
+Each kernel comes in three layers: a Triton kernel, a ``torch.autograd.Function``, and a
+functional form plus (where it makes sense) an ``nn.Module``:
+
+==============================  ===============================  ==========================
+functional                      module                           file
+==============================  ===============================  ==========================
+:func:`rms_norm`                :class:`RMSNorm`                 ``rms_norm.py``
+:func:`layer_norm`              :class:`LayerNorm`               ``layer_norm.py``
+:func:`rope`                    (HF ``apply_rotary_pos_emb``)    ``rope.py``
+:func:`swiglu`, :func:`geglu`   :class:`SwiGLUMLP`, GeGLUMLP     ``glu.py``
+:func:`cross_entropy`           :class:`CrossEntropyLoss`        ``cross_entropy.py``
+:func:`fused_linear_cross_      :class:`FusedLinearCross         ``fused_linear_cross_
+entropy`                        EntropyLoss`                     entropy.py``
+:func:`patch` (Hugging Face Llama / Mistral / Qwen2 / Qwen3)      ``patch.py``
+==============================  ===============================  ==========================
+
+Importing this package needs neither Triton nor a GPU; the kernels raise a clear error
+on first use when Triton is missing, and accept CPU tensors only under the Triton
+interpreter (``TRITON_INTERPRET=1``). See ``docs/kernels.md``.
+"""
+
+from ._utils import HAS_TRITON, interpreter_enabled
+from .cross_entropy import CrossEntropyLoss, cross_entropy
+from .fused_linear_cross_entropy import FusedLinearCrossEntropyLoss, fused_linear_cross_entropy
+from .glu import GeGLUMLP, SwiGLUMLP, geglu, swiglu
+from .layer_norm import LayerNorm, layer_norm
+from .patch import SUPPORTED_MODEL_TYPES, patch, unpatch_rope
+from .rms_norm import RMSNorm, rms_norm
+from .rope import rope
+
+__all__ = [
+    "HAS_TRITON",
+    "interpreter_enabled",
+    "rms_norm",
+    "RMSNorm",
+    "layer_norm",
+    "LayerNorm",
+    "rope",
+    "swiglu",
+    "geglu",
+    "SwiGLUMLP",
+    "GeGLUMLP",
+    "cross_entropy",
+    "CrossEntropyLoss",
+    "fused_linear_cross_entropy",
+    "FusedLinearCrossEntropyLoss",
+    "patch",
+    "unpatch_rope",
+    "SUPPORTED_MODEL_TYPES",
+]

@@ -221,7 +221,7 @@ class CrossEntropyFunction(torch.autograd.Function):
         if grad is not None:
             if grad.data_ptr() == logits.data_ptr():
                 bump_version(logits)
-            ctx.save_for_backward(grad)
+            ctx.grad = grad  # not save_for_backward: it may be a view of the (bumped) logits
         ctx.shape = logits.shape
         ctx.reduction = reduction
         if reduction == "none":
@@ -231,7 +231,11 @@ class CrossEntropyFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
-        (grad,) = ctx.saved_tensors
+        if not hasattr(ctx, "grad"):
+            raise RuntimeError("cross_entropy computes its gradient once, in the forward pass; "
+                               "it cannot be backpropagated twice (retain_graph)")
+        grad = ctx.grad
+        del ctx.grad
         scale = grad_out.reshape(-1)
         if scale.numel() != 1 and scale.stride(0) != 1:
             scale = scale.contiguous()

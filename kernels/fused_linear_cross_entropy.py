@@ -139,7 +139,9 @@ class FusedLinearCrossEntropyFunction(torch.autograd.Function):
             dh, dw, db = _chunk_loop(h2, weight, bias, target, loss_rows, scale, opts, chunk, want, dh_out)
             if reuse and dh is not None and not copied:
                 bump_version(hidden)
-            ctx.save_for_backward(dh, dw, db)
+            # kept on ctx, not save_for_backward: dh may be a view of `hidden`, whose version we
+            # just bumped, and these are results rather than inputs autograd must check.
+            ctx.grads = (dh, dw, db)
         if reduction == "none":
             return loss_rows.view(shape[:-1])
         total = loss_rows.sum()
@@ -156,7 +158,11 @@ class FusedLinearCrossEntropyFunction(torch.autograd.Function):
             dh, dw, db = _chunk_loop(h2, weight, bias, target, loss_rows, scale, ctx.opts, ctx.chunk,
                                      ctx.want, dh_out)
         else:
-            dh, dw, db = ctx.saved_tensors
+            if not hasattr(ctx, "grads"):
+                raise RuntimeError("fused_linear_cross_entropy computes its gradients once, in the forward pass; "
+                                   "it cannot be backpropagated twice (retain_graph)")
+            dh, dw, db = ctx.grads
+            del ctx.grads
             g = grad_out.reshape(1)
             for t in (dh, dw):
                 if t is not None:

@@ -118,21 +118,22 @@ class LayerNormFunction(torch.autograd.Function):
         if x2.stride(-1) != 1:
             x2 = x2.contiguous()
         n_rows, n = x2.shape
-        y = torch.empty((n_rows, n), dtype=x.dtype, device=x.device)
+        y = torch.empty(shape, dtype=x.dtype, device=x.device)  # owns its storage
+        y2 = y.view(n_rows, n)
         mean = torch.empty(n_rows, dtype=torch.float32, device=x.device)
         rstd = torch.empty(n_rows, dtype=torch.float32, device=x.device)
         block = next_power_of_2(n)
         if n_rows > 0:
             _fwd[(n_rows,)](
-                x2, y, weight, bias if bias is not None else weight, mean, rstd,
-                x2.stride(0), y.stride(0), n, float(eps),
+                x2, y2, weight, bias if bias is not None else weight, mean, rstd,
+                x2.stride(0), y2.stride(0), n, float(eps),
                 BLOCK_N=block, HAS_BIAS=bias is not None, num_warps=_num_warps(block),
             )
         ctx.save_for_backward(x2, weight, mean, rstd)
         ctx.has_bias = bias is not None
         ctx.bias_dtype = bias.dtype if bias is not None else None
         ctx.shape = shape
-        return y.view(shape)
+        return y
 
     @staticmethod
     def backward(ctx, dy: torch.Tensor):

@@ -132,19 +132,21 @@ class RMSNormFunction(torch.autograd.Function):
         shape = x.shape
         x2 = _as_rows(x)
         n_rows, n = x2.shape
-        y = torch.empty((n_rows, n), dtype=x.dtype, device=x.device)
+        # allocate in x's shape so the returned tensor owns its storage (not a view)
+        y = torch.empty(shape, dtype=x.dtype, device=x.device)
+        y2 = y.view(n_rows, n)
         rstd = torch.empty(n_rows, dtype=torch.float32, device=x.device)
         block = next_power_of_2(n)
         if n_rows > 0:
             _fwd[(n_rows,)](
-                x2, y, weight, rstd, x2.stride(0), y.stride(0), n, float(eps), float(offset),
+                x2, y2, weight, rstd, x2.stride(0), y2.stride(0), n, float(eps), float(offset),
                 BLOCK_N=block, LLAMA_CAST=(offset == 0.0), num_warps=_num_warps(block),
             )
         ctx.save_for_backward(x2, weight, rstd)
         ctx.offset = float(offset)
         ctx.in_place = in_place
         ctx.shape = shape
-        return y.view(shape)
+        return y
 
     @staticmethod
     def backward(ctx, dy: torch.Tensor):
