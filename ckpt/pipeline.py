@@ -125,7 +125,23 @@ class Pipeline:
     def submit(self, snap: Snapshot, handle: SaveHandle) -> None:
         with self._lock:
             self._in_flight.add(snap.step)
-        self._queue.put((snap, handle))
+        # The memory tier does not queue behind earlier persists: a watcher publishes it as soon as
+        # the copy has landed, while the worker may still be writing an older snapshot.
+        staged = threading.Event()
+        threading.Thread(target=self._watch, args=(snap, handle, staged), name=f"ckpt-staged-{snap.step}",
+                         daemon=True).start()
+        self._queue.put((snap, handle, staged))
+
+    def _watch(self, snap: Snapshot, handle: SaveHandle, staged: threading.Event) -> None:
+        try:
+            snap.wait_copied()
+            if snap.error is None:
+                self.memory.commit(snap.step, snap.manifest, snap.buffer)
+                handle._finish("memory")
+        except BaseException as e:
+            snap.error = snap.error or e
+        finally:
+            staged.set()
 
     def close(self) -> None:
         self._queue.put(None)
@@ -136,34 +152,42 @@ class Pipeline:
             job = self._queue.get()
             if job is None:
                 return
-            snap, handle = job
+            snap, handle, staged = job
             try:
+                staged.wait()
                 self._persist(snap, handle)
             finally:
                 with self._lock:
                     self._in_flight.discard(snap.step)
 
     def _persist(self, snap: Snapshot, handle: SaveHandle) -> None:
+        released = False
+
+        def release() -> None:
+            # Before the handle reports done: a save issued right after handle.wait() finds the buffer free.
+            nonlocal released
+            if not released:
+                released = True
+                self.pool.release(snap.buffer)
+
         try:
-            snap.wait_copied()
             if snap.error is not None:
                 raise snap.error
-            self.memory.commit(snap.step, snap.manifest, snap.buffer)
-            handle._finish("memory")
             data = snap.buffer.memoryview(snap.data_bytes)
             handle.stats.persist_s["local"] = self.local.write(snap.step, snap.manifest, data)
-            handle._finish("local")
+            del data
             try:
                 self._retention()
             except OSError as e:   # retention trouble never fails a committed save
                 log.warning("retention after step %d failed: %s", snap.step, e)
+            release()
+            handle._finish("local")
         except BaseException as e:
-            if snap.buffer.image_step == snap.step and isinstance(e, OSError):
-                pass   # the memory tier still holds a good snapshot; only persistence failed
-            else:
-                snap.buffer.image_step = None
+            if not (isinstance(e, OSError) and snap.buffer.image_step == snap.step):
+                snap.buffer.image_step = None   # an OSError leaves the staged memory image valid
             log.error("checkpoint of step %d failed: %s", snap.step, e)
-            handle._fail_rest(e)
             self._on_error(handle, e)
+            release()
+            handle._fail_rest(e)
         finally:
-            self.pool.release(snap.buffer)
+            release()

@@ -54,6 +54,7 @@ class HostBuffer:
         self.pinned = pin
         self.busy = False
         self.image_step: int | None = None   # step whose snapshot the buffer holds, for the memory tier
+        self.manifest: Any = None            # and that snapshot's manifest
 
     @property
     def capacity(self) -> int:
@@ -125,10 +126,12 @@ class HostPool:
         else:
             limit, why = int(0.8 * psutil.virtual_memory().available) + held, \
                 "80% of available host memory (the default of host_memory_limit)"
+        if held + cap > limit >= held + nbytes:
+            cap = limit - held   # the rounding alone would cross the limit
         if held + cap > limit:
             raise HostMemoryError(
-                f"staging step {step} needs {cap / 2**30:.2f} GiB of host memory on top of the "
-                f"{held / 2**30:.2f} GiB already staged, over the {limit / 2**30:.2f} GiB allowed by {why}; "
+                f"staging step {step} needs {_mib(nbytes)} of host memory on top of the {_mib(held)} "
+                f"already staged, over the {_mib(limit)} allowed by {why}; "
                 "pass Checkpointer(host_memory_limit=...) or a smaller max_in_flight")
         t0 = time.perf_counter()
         buf = HostBuffer(cap, self.pin)
@@ -136,6 +139,10 @@ class HostPool:
         log.info("allocated %.2f GiB %s host staging buffer in %.3f s", cap / 2**30,
                  "pinned" if self.pin else "pageable", time.perf_counter() - t0)
         return buf
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.1f} MiB"
 
 
 @dataclass

@@ -22,22 +22,21 @@ class MemoryTier:
 
     def __init__(self, pool: HostPool) -> None:
         self.pool = pool
-        self._manifests: dict[int, Manifest] = {}
 
     def commit(self, step: int, manifest: Manifest, buffer) -> None:
-        """Mark ``buffer`` as holding the verified-consistent snapshot of ``step``."""
+        """Mark ``buffer`` as holding the complete, fenced snapshot of ``step``."""
+        buffer.manifest = manifest
         buffer.image_step = step
-        self._manifests = {step: manifest}
 
     def newest(self) -> tuple[int, Manifest] | None:
         buf = self.pool.newest_image()
-        if buf is None or buf.image_step not in self._manifests:
+        if buf is None or buf.manifest is None:
             return None
-        return buf.image_step, self._manifests[buf.image_step]
+        return buf.image_step, buf.manifest
 
     def load(self, step: int, manifest: Manifest, dest: list[torch.Tensor | None]) -> None:
-        buf = self.pool.newest_image()
-        if buf is None or buf.image_step != step:
+        buf = next((b for b in self.pool.buffers if b.image_step == step), None)
+        if buf is None:
             raise LookupError(f"step {step} is no longer in host memory")
         sc = Scatter(manifest.items, dest)
         data = buf.tensor[:manifest.data_bytes]

@@ -1,0 +1,91 @@
+"""RMSNorm and LayerNorm against plain PyTorch references: outputs and every gradient."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ckpt.kernels import LayerNorm, RMSNorm, layer_norm, rms_norm
+from kernel_helpers import DEVICE, DTYPES, gpu_param, run_and_compare
+
+
+def rms_norm_ref(x, w, eps=1e-6, offset=0.0):
+    x32 = x.float()
+    return x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps) * (offset + w.float())
+
+
+def layer_norm_ref(x, w, b, eps=1e-5):
+    return torch.nn.functional.layer_norm(x.float(), (x.shape[-1],), w.float(), None if b is None else b.float(), eps)
+
+
+SHAPES = [
+    pytest.param((1, 7), DEVICE, id="1x7"),
+    pytest.param((3, 5, 37), DEVICE, id="3x5x37"),
+    pytest.param((13, 130), DEVICE, id="13x130"),
+    gpu_param((8192, 4096), "cuda", id="8192x4096"),
+    gpu_param((4, 1000, 5120), "cuda", id="4x1000x5120"),
+]
+
+
+@pytest.mark.parametrize("shape,device", SHAPES)
+@pytest.mark.parametrize("dtype,atol,rtol", DTYPES)
+@pytest.mark.parametrize("offset", [0.0, 1.0], ids=["llama", "gemma"])
+def test_rms_norm(shape, device, dtype, atol, rtol, offset):
+    x = torch.randn(shape)
+    w = torch.randn(shape[-1]) * 0.5 + (0.0 if offset else 1.0)
+    run_and_compare(lambda x, w: rms_norm(x, w, 1e-6, offset), lambda x, w: rms_norm_ref(x, w, 1e-6, offset),
+                    [x, w], ["x", "weight"], dtype, atol, rtol, device)
+
+
+@pytest.mark.parametrize("dtype,atol,rtol", DTYPES)
+def test_rms_norm_in_place_grad(dtype, atol, rtol):
+    """in_place=True writes dx over dy; the result must not change."""
+    x = torch.randn(6, 40)
+    w = torch.randn(40)
+    # the multiply makes dy a private intermediate of the graph, as in a Llama block
+    run_and_compare(lambda x, w: rms_norm(x, w, in_place=True) * 1.0, lambda x, w: rms_norm_ref(x, w),
+                    [x, w], ["x", "weight"], dtype, atol, rtol)
+
+
+def test_rms_norm_matches_llama_rounding():
+    """offset=0 rounds xhat to the input dtype before the weight, like Hugging Face Llama."""
+    x = torch.randn(9, 64, device=DEVICE, dtype=torch.bfloat16)
+    w = torch.randn(64, device=DEVICE, dtype=torch.bfloat16)
+    h = x.float()
+    hf = w * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)).to(torch.bfloat16)
+    ours = rms_norm(x, w)
+    assert (ours.float() - hf.float()).abs().max().item() <= 2 ** -6 * hf.float().abs().max().item()
+
+
+@pytest.mark.parametrize("shape,device", SHAPES)
+@pytest.mark.parametrize("dtype,atol,rtol", DTYPES)
+@pytest.mark.parametrize("with_bias", [True, False], ids=["bias", "nobias"])
+def test_layer_norm(shape, device, dtype, atol, rtol, with_bias):
+    x = torch.randn(shape) * 2 + 0.5
+    w = torch.randn(shape[-1])
+    b = torch.randn(shape[-1]) if with_bias else None
+    run_and_compare(lambda x, w, b: layer_norm(x, w, b), layer_norm_ref, [x, w, b], ["x", "weight", "bias"],
+                    dtype, atol, rtol, device)
+
+
+def test_modules_match_functional():
+    x = torch.randn(4, 3, 24, device=DEVICE)
+    rn = RMSNorm(24, eps=1e-5).to(DEVICE)
+    ln = LayerNorm(24).to(DEVICE)
+    with torch.no_grad():
+        rn.weight.uniform_(0.5, 1.5)
+        ln.weight.uniform_(0.5, 1.5)
+        ln.bias.uniform_(-1, 1)
+    torch.testing.assert_close(rn(x), rms_norm(x, rn.weight, 1e-5))
+    torch.testing.assert_close(ln(x), layer_norm(x, ln.weight, ln.bias))
+    assert "eps=1e-05" in repr(rn)
+
+
+def test_norms_non_contiguous_input():
+    base = torch.randn(5, 2 * 33, device=DEVICE)
+    x = base[:, ::2]  # last-dim stride 2
+    w = torch.rand(33, device=DEVICE) + 0.5
+    torch.testing.assert_close(rms_norm(x, w), rms_norm_ref(x, w), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(layer_norm(x, w, None), layer_norm_ref(x, w, None), atol=1e-5, rtol=1e-5)
+    xt = torch.randn(33, 7, device=DEVICE).t()  # rows not contiguous
+    torch.testing.assert_close(rms_norm(xt, w), rms_norm_ref(xt, w), atol=1e-5, rtol=1e-5)

@@ -1,0 +1,94 @@
+"""When saves happen, what is kept, and what a save does while the previous one still persists."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+import ckpt
+from ckpt.tiers import LocalTier
+
+
+def test_every_steps(local_dir):
+    with ckpt.Checkpointer(local_dir=local_dir, every_steps=3, keep=ckpt.Retention(local=None)) as ck:
+        saved = [s for s in range(1, 11) if ck.maybe_save(s, {"s": s}) is not None]
+    assert saved == [3, 6, 9]
+
+
+def test_every_seconds_with_an_injected_clock(local_dir):
+    now = [0.0]
+    with ckpt.Checkpointer(local_dir=local_dir, every_seconds=10, clock=lambda: now[0],
+                           keep=ckpt.Retention(local=None)) as ck:
+        saved = []
+        for s in range(1, 30):
+            now[0] += 3.0
+            if ck.maybe_save(s, {"s": s}) is not None:
+                saved.append(s)
+    assert saved == [4, 8, 12, 16, 20, 24, 28]
+
+
+def test_retention_keeps_the_newest_n(local_dir):
+    with ckpt.Checkpointer(local_dir=local_dir, keep=ckpt.Retention(local=2)) as ck:
+        for s in range(1, 6):
+            ck.save(s, {"s": s}).wait()
+        assert [i.step for i in ck.list()] == [5, 4]
+
+
+def test_retention_removes_uncommitted_leftovers_of_crashed_writes(local_dir):
+    (local_dir / "step-000000001").mkdir()
+    (local_dir / "step-000000001" / "rank-00000.bin").write_bytes(b"torn")
+    with ckpt.Checkpointer(local_dir=local_dir) as ck:
+        ck.save(2, {"s": 2}).wait()
+    assert sorted(p.name for p in local_dir.glob("step-*")) == ["step-000000002"]
+
+
+class GatedTier(LocalTier):
+    """A local tier whose writes wait for a gate: a slow disk under the test's control."""
+
+    def __init__(self, root):
+        super().__init__(root)
+        self.gate = threading.Event()
+
+    def write(self, step, manifest, data):
+        self.gate.wait(10)
+        return super().write(step, manifest, data)
+
+
+def test_if_busy_skip_reports_the_skipped_save(local_dir, caplog):
+    tier = GatedTier(local_dir)
+    with ckpt.Checkpointer(local_dir=tier, if_busy="skip") as ck:
+        first = ck.save(1, {"s": torch.ones(10)})
+        first.wait("memory")
+        second = ck.save(2, {"s": torch.ones(10)})
+        assert second.status == "skipped" and ck.skipped == 1
+        assert "skipped the save of step 2" in caplog.text
+        tier.gate.set()
+        first.wait()
+        assert ck.save(3, {"s": torch.ones(10)}).wait().status == "done"
+
+
+def test_if_busy_wait_blocks_and_reports_the_wait(local_dir):
+    tier = GatedTier(local_dir)
+    with ckpt.Checkpointer(local_dir=tier) as ck:
+        ck.save(1, {"s": torch.ones(10)}).wait("memory")
+        threading.Timer(0.3, tier.gate.set).start()
+        h = ck.save(2, {"s": torch.ones(10)})
+        assert h.stats.wait_s >= 0.2 and h.stats.stall_s >= h.stats.wait_s
+        h.wait()
+
+
+def test_max_in_flight_two_overlaps_two_persists(local_dir):
+    tier = GatedTier(local_dir)
+    with ckpt.Checkpointer(local_dir=tier, max_in_flight=2, if_busy="skip") as ck:
+        a = ck.save(1, {"s": torch.ones(10)})
+        b = ck.save(2, {"s": torch.ones(10)})
+        c = ck.save(3, {"s": torch.ones(10)})
+        a.wait("memory")
+        b.wait("memory")
+        assert c.status == "skipped" and b.status == "pending"
+        tier.gate.set()
+        ck.wait()
+        assert ck.pool.allocations == 2
