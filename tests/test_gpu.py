@@ -1,0 +1,91 @@
+"""GPU behaviour of phase 1: overlap, the optimizer hook's device-side wait, buffers first, torn writes.
+
+Marked ``gpu``: skipped without CUDA; run on the device machine.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import ckpt
+
+pytestmark = pytest.mark.gpu
+
+
+def _big_model(width: int = 4096, layers: int = 8) -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(*[nn.Linear(width, width) for _ in range(layers)]).cuda()
+
+
+def _step(model: nn.Module, opt: torch.optim.Optimizer) -> None:
+    x = torch.randn(256, model[0].in_features, device="cuda")
+    model(x).float().pow(2).mean().backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+
+
+def test_save_returns_before_the_copy_and_the_optimizer_waits_on_the_gpu(local_dir):
+    model = _big_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    _step(model, opt)
+    torch.cuda.synchronize()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    before_m = [opt.state[p]["exp_avg"].clone() for p in model.parameters()]
+    with ckpt.Checkpointer(local_dir=local_dir) as ck:
+        h = ck.save(1, {"model": model, "optim": opt})
+        assert ck._side_stream.query() is False, "save() waited for the copy"
+        x = torch.randn(256, 4096, device="cuda")
+        model(x).float().pow(2).mean().backward()
+        opt.step()    # the pre-hook makes the GPU, not the host, wait for the copy
+        assert ck._side_stream.query() is False, "optimizer.step() waited on the host"
+        h.wait()
+        assert h.stats.stage_gbps and h.stats.stage_gbps > 1.0
+    fresh = _big_model()
+    fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=1e-3)
+    with ckpt.Checkpointer(local_dir=local_dir) as ck:
+        assert ck.restore({"model": fresh, "optim": fresh_opt}) == 1
+    for k in before:
+        assert torch.equal(fresh.state_dict()[k], before[k]), k
+    for p, m in zip(fresh.parameters(), before_m):
+        assert fresh_opt.state[p]["exp_avg"].is_cuda and torch.equal(fresh_opt.state[p]["exp_avg"], m)
+        assert fresh_opt.state[p]["step"].device.type == "cpu"
+
+
+def test_buffers_are_copied_before_the_next_forward(local_dir):
+    model = nn.Sequential(nn.Linear(4096, 4096), nn.BatchNorm1d(4096)).cuda()
+    big = torch.randn(256 << 20, device="cuda")   # 1 GiB queued behind the buffers
+    model(torch.randn(64, 4096, device="cuda"))
+    before = model[1].running_mean.clone()
+    with ckpt.Checkpointer(local_dir=local_dir) as ck:
+        h = ck.save(1, {"model": model, "big": big})
+        model(torch.randn(64, 4096, device="cuda") + 3)
+        h.wait()
+        out = nn.Sequential(nn.Linear(4096, 4096), nn.BatchNorm1d(4096)).cuda()
+        ck.restore({"model": out, "big": torch.empty_like(big)})
+    assert torch.equal(out[1].running_mean, before)
+
+
+def test_an_unfenced_in_place_write_on_the_gpu_fails_the_save(local_dir):
+    big = torch.randn(512 << 20, device="cuda")   # 2 GiB: the copy is still running when add_ is issued
+    with ckpt.Checkpointer(local_dir=local_dir) as ck:
+        h = ck.save(1, {"big": big})
+        big.add_(1)
+        with pytest.raises(ckpt.TornSnapshotError, match="'big'"):
+            h.wait()
+        with pytest.raises(ckpt.TornSnapshotError):
+            ck.wait()
+
+
+def test_restore_from_memory_lands_in_place_on_the_gpu(local_dir):
+    model = _big_model(layers=2)
+    with ckpt.Checkpointer(local_dir=local_dir) as ck:
+        ck.save(1, {"model": model}).wait()
+        ptr = model[0].weight.data_ptr()
+        ref = model[0].weight.clone()
+        with torch.no_grad():
+            model[0].weight.zero_()
+        assert ck.restore({"model": model}) == 1
+        assert ck.last_restore.tier == "memory"
+    assert model[0].weight.data_ptr() == ptr and torch.equal(model[0].weight, ref)
