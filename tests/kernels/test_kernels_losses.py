@@ -1,0 +1,149 @@
+"""Cross-entropy and fused linear cross-entropy against plain PyTorch references."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from ckpt.kernels import CrossEntropyLoss, FusedLinearCrossEntropyLoss, cross_entropy, fused_linear_cross_entropy
+from kernel_helpers import DEVICE, DTYPES, gpu_param, run_and_compare
+
+
+def ce_ref(logits, target, ignore_index=-100, label_smoothing=0.0, reduction="mean", z_loss=0.0):
+    x = logits.float().reshape(-1, logits.shape[-1])
+    t = target.reshape(-1)
+    valid = t != ignore_index
+    loss = F.cross_entropy(x, t, ignore_index=ignore_index, label_smoothing=label_smoothing, reduction="none")
+    loss = loss + z_loss * torch.logsumexp(x, -1).pow(2) * valid
+    if reduction == "none":
+        return loss.reshape(target.shape)
+    return loss.sum() / valid.sum() if reduction == "mean" else loss.sum()
+
+
+def flce_ref(hidden, weight, target, bias=None, **opts):
+    return ce_ref(F.linear(hidden.float(), weight.float(), None if bias is None else bias.float()), target, **opts)
+
+
+OPTIONS = [
+    pytest.param(dict(reduction="mean"), id="mean"),
+    pytest.param(dict(reduction="sum", label_smoothing=0.1), id="sum-smooth"),
+    pytest.param(dict(reduction="none", z_loss=1e-3), id="none-z"),
+    pytest.param(dict(reduction="mean", label_smoothing=0.05, z_loss=1e-4, ignore_index=3), id="mean-all"),
+]
+
+
+def targets(n, v, ignore_index=-100):
+    t = torch.randint(0, v, (n,))
+    t[:: 4] = ignore_index  # some ignored rows (every 4th)
+    return t
+
+
+CE_SHAPES = [
+    pytest.param((1, 5), DEVICE, id="1x5"),
+    pytest.param((9, 37), DEVICE, id="9x37"),
+    pytest.param((17, 1000), DEVICE, id="17x1000"),
+    gpu_param((8192, 128256), "cuda", id="8192x128256"),
+    gpu_param((1000, 32001), "cuda", id="1000x32001"),
+]
+
+
+@pytest.mark.parametrize("shape,device", CE_SHAPES)
+@pytest.mark.parametrize("dtype,atol,rtol", DTYPES)
+@pytest.mark.parametrize("opts", OPTIONS)
+def test_cross_entropy(shape, device, dtype, atol, rtol, opts):
+    n, v = shape
+    x = torch.randn(n, v) * 4
+    t = targets(n, v, opts.get("ignore_index", -100))
+    run_and_compare(lambda x, t: cross_entropy(x, t, **opts), lambda x, t: ce_ref(x, t, **opts),
+                    [x, t], ["logits", "target"], dtype, atol, rtol, device)
+
+
+@pytest.mark.parametrize("dtype,atol,rtol", DTYPES)
+@pytest.mark.parametrize("grad", [1.0, 0.37])
+def test_cross_entropy_in_place_on_intermediate(dtype, atol, rtol, grad):
+    """Logits from a matmul (a private intermediate) take the gradient in place; grad 1 skips the rescale."""
+    h, w = torch.randn(10, 16), torch.randn(16, 29)
+    t = targets(10, 29)
+    run_and_compare(lambda h, w, t: cross_entropy((h @ w).reshape(2, 5, 29), t.reshape(2, 5)),
+                    lambda h, w, t: ce_ref(h @ w, t), [h, w, t], ["h", "w", "t"], dtype, atol, rtol,
+                    grad_outputs=[grad])
+
+
+def test_cross_entropy_in_place_clobbers_and_flags():
+    x = torch.randn(4, 11, device=DEVICE, requires_grad=True)
+    logits = x * 2.0
+    before = logits.detach().clone()
+    t = torch.tensor([1, 2, -100, 10], device=DEVICE)
+    loss = cross_entropy(logits, t)
+    assert not torch.equal(logits.detach(), before)  # now holds the gradient
+    loss.backward()
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y = x * 2.0
+        z = y.exp()  # exp saves its output ... and this one saves its input:
+        w = y * y
+        cross_entropy(y, t).backward(retain_graph=True)
+        (z.sum() + w.sum()).backward()
+    logits2 = x * 2.0
+    cross_entropy(logits2, t, inplace=False)
+    assert torch.equal(logits2.detach(), before)
+
+
+def test_cross_entropy_all_ignored_is_zero():
+    x = torch.randn(3, 7, device=DEVICE, requires_grad=True)
+    t = torch.full((3,), -100, device=DEVICE)
+    loss = cross_entropy(x, t)
+    loss.backward()
+    assert loss.item() == 0.0 and torch.count_nonzero(x.grad) == 0
+
+
+FLCE_SHAPES = [  # (tokens, hidden, vocab)
+    pytest.param((1, 8, 5), DEVICE, id="1x8x5"),
+    pytest.param((19, 24, 53), DEVICE, id="19x24x53"),
+    pytest.param((70, 32, 301), DEVICE, id="70x32x301"),
+    gpu_param((8192, 4096, 128256), "cuda", id="llama3-8b"),
+    gpu_param((3000, 2048, 32003), "cuda", id="odd-3000x2048x32003"),
+]
+
+BF16_LOOSE = [DTYPES[0], pytest.param(torch.bfloat16, 5e-2, 5e-2, id="bf16")]
+
+
+@pytest.mark.parametrize("shape,device", FLCE_SHAPES)
+@pytest.mark.parametrize("dtype,atol,rtol", BF16_LOOSE)
+@pytest.mark.parametrize("opts", OPTIONS)
+@pytest.mark.parametrize("with_bias", [False, True], ids=["nobias", "bias"])
+def test_fused_linear_cross_entropy(shape, device, dtype, atol, rtol, opts, with_bias):
+    n, h, v = shape
+    if device == "cuda" and n * v > 10**8 and (with_bias or opts.get("reduction") != "mean"):
+        pytest.skip("real-size case run once (mean, no bias) to bound the GPU run's time")
+    x = torch.randn(n, h)
+    w = torch.randn(v, h) / h ** 0.5 * 2
+    b = torch.randn(v) if with_bias else None
+    t = targets(n, v, opts.get("ignore_index", -100))
+    chunk = None if n > 64 else 7  # force several chunks at small sizes
+    run_and_compare(lambda x, w, t, b: fused_linear_cross_entropy(x, w, t, b, chunk_size=chunk, **opts),
+                    lambda x, w, t, b: flce_ref(x, w, t, b, **opts),
+                    [x, w, t, b], ["hidden", "weight", "target", "bias"], dtype, atol, rtol, device)
+
+
+@pytest.mark.parametrize("dtype,atol,rtol", BF16_LOOSE)
+@pytest.mark.parametrize("grad", [1.0, 2.5])
+def test_fused_linear_cross_entropy_reuses_hidden(dtype, atol, rtol, grad):
+    """hidden from a matmul (private intermediate, 3-D) takes d_hidden in place."""
+    x, p, w = torch.randn(2, 9, 12), torch.randn(12, 12), torch.randn(41, 12)
+    t = targets(18, 41).reshape(2, 9)
+    run_and_compare(lambda x, p, w, t: fused_linear_cross_entropy(x @ p, w, t, chunk_size=4),
+                    lambda x, p, w, t: flce_ref(x @ p, w, t), [x, p, w, t], ["x", "p", "w", "t"],
+                    dtype, atol, rtol, grad_outputs=[grad])
+
+
+def test_loss_modules():
+    x = torch.randn(6, 10, device=DEVICE)
+    w = torch.randn(13, 10, device=DEVICE)
+    t = torch.randint(0, 13, (6,), device=DEVICE)
+    ce = CrossEntropyLoss(label_smoothing=0.1)
+    fl = FusedLinearCrossEntropyLoss(label_smoothing=0.1, chunk_size=4)
+    want = ce_ref(x @ w.t(), t, label_smoothing=0.1)
+    torch.testing.assert_close(ce((x @ w.t()).clone(), t), want)
+    torch.testing.assert_close(fl(x, w, t), want)
+    assert "label_smoothing=0.1" in repr(fl)

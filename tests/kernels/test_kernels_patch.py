@@ -1,0 +1,128 @@
+"""ckpt.kernels.patch on tiny real Hugging Face models built from configs (no download)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import ckpt.kernels as K
+from kernel_helpers import DEVICE, assert_close
+
+transformers = pytest.importorskip("transformers")
+
+TINY = dict(hidden_size=64, intermediate_size=88, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, vocab_size=97, max_position_embeddings=64)
+
+
+def tiny_model(model_type: str, device: str = DEVICE, dtype: torch.dtype = torch.float32):
+    cfg_cls, model_cls = {
+        "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+        "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
+        "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+        "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
+    }[model_type]
+    extra = {"head_dim": 16} if model_type == "qwen3" else {}
+    cfg = cfg_cls(**TINY, **extra, tie_word_embeddings=(model_type == "llama"), attn_implementation="sdpa")
+    torch.manual_seed(0)
+    return model_cls(cfg).to(device=device, dtype=dtype).train()
+
+
+@pytest.fixture
+def restore_rope():
+    yield
+    for t in K.SUPPORTED_MODEL_TYPES:
+        K.unpatch_rope(t)
+
+
+def batch(vocab: int, device: str = DEVICE):
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, vocab, (2, 11), generator=g)
+    labels = ids.clone()
+    labels[0, :4] = -100  # a masked prompt
+    return ids.to(device), labels.to(device)
+
+
+CASES = [
+    pytest.param("llama", DEVICE, torch.float32, 1e-5, 1e-4, id="llama"),
+    pytest.param("mistral", DEVICE, torch.float32, 1e-5, 1e-4, id="mistral"),
+    pytest.param("qwen2", DEVICE, torch.float32, 1e-5, 1e-4, id="qwen2"),
+    pytest.param("qwen3", DEVICE, torch.float32, 1e-5, 1e-4, id="qwen3"),
+    pytest.param("llama", "cuda", torch.bfloat16, 3e-2, 5e-2, id="llama-bf16-cuda", marks=pytest.mark.gpu),
+]
+
+
+@pytest.mark.parametrize("model_type,device,dtype,atol,rtol", CASES)
+def test_patch_matches_unpatched(model_type, device, dtype, atol, rtol, restore_rope):
+    ref = tiny_model(model_type, device, dtype)
+    ours = copy.deepcopy(ref)
+    ids, labels = batch(ref.config.vocab_size, device)
+    out_ref = ref(input_ids=ids, labels=labels)
+    out_ref.loss.backward()
+
+    changed = K.patch(ours)
+    assert len(changed["rms_norm"]) == 2 * 2 + 1 + (4 if model_type == "qwen3" else 0)
+    assert len(changed["mlp"]) == 2 and changed["loss"] == [f"{type(ours).__name__}.forward"]
+    assert changed["rope"] == [f"transformers.models.{model_type}.modeling_{model_type}.apply_rotary_pos_emb"]
+    assert isinstance(ours.model.norm, K.RMSNorm) and isinstance(ours.model.layers[0].mlp, K.SwiGLUMLP)
+    assert set(ours.state_dict()) == set(ref.state_dict())
+
+    out = ours(input_ids=ids, labels=labels)
+    assert out.logits is None  # full logits never built in training
+    assert_close("loss", out.loss, out_ref.loss, atol, rtol)
+    out.loss.backward()
+    for (name, p), (name_ref, p_ref) in zip(ours.named_parameters(), ref.named_parameters()):
+        assert name == name_ref
+        assert_close(f"grad of {name}", p.grad, p_ref.grad, atol, rtol)
+
+    # second patch is a no-op; eval mode still returns logits identical in meaning
+    assert K.patch(ours) == {"rms_norm": [], "mlp": [], "rope": [], "loss": []}
+    ours.eval()
+    ref.eval()
+    with torch.no_grad():
+        assert_close("eval logits", ours(input_ids=ids).logits, ref(input_ids=ids).logits, atol, rtol)
+
+
+def test_patch_tracks_training_curve(restore_rope):
+    """20 AdamW steps: the patched model follows the unpatched loss curve."""
+    ref = tiny_model("llama")
+    ours = copy.deepcopy(ref)
+    ids, labels = batch(ref.config.vocab_size)
+    curve_ref = _train(ref, ids, labels)
+    K.patch(ours)
+    curve = _train(ours, ids, labels)
+    assert curve[-1] < 0.5 * curve[0]  # it actually learns
+    for i, (a, b) in enumerate(zip(curve, curve_ref)):
+        assert abs(a - b) <= 1e-4 * max(1.0, abs(b)), f"step {i}: patched {a} vs unpatched {b}"
+
+
+def _train(model, ids, labels, steps=20):
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    curve = []
+    for _ in range(steps):
+        loss = model(input_ids=ids, labels=labels).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        curve.append(loss.item())
+    return curve
+
+
+def test_patch_honours_num_items_in_batch(restore_rope):
+    ref = tiny_model("llama")
+    ours = copy.deepcopy(ref)
+    K.patch(ours)
+    ids, labels = batch(ref.config.vocab_size)
+    n = torch.tensor(5.0)
+    assert_close("loss", ours(input_ids=ids, labels=labels, num_items_in_batch=n).loss,
+                 ref(input_ids=ids, labels=labels, num_items_in_batch=n).loss, 1e-5, 1e-4)
+
+
+def test_patch_rejects_unknown_architecture():
+    cfg = transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=50, n_positions=16)
+    model = transformers.GPT2LMHeadModel(cfg)
+    with pytest.raises(ValueError, match="supported model types: llama, mistral, qwen2"):
+        K.patch(model)
+    with pytest.raises(ValueError, match="NoneType|model_type=None"):
+        K.patch(torch.nn.Linear(2, 2))
