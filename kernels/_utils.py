@@ -6,8 +6,10 @@ at first launch instead of at import time means
 
 * ``import ckpt.kernels`` works without Triton installed (the kernels raise a clear
   :class:`RuntimeError` on first use instead), and
-* the interpreter switch is honoured even when the environment variable is set after
-  ``ckpt.kernels`` was imported (e.g. by a test ``conftest.py`` that runs late).
+* a kernel is built in the mode current at its first launch. Triton itself fixes the
+  mode of its own ``tl`` helpers when *it* is first imported (``ckpt.kernels`` imports
+  it when installed), so ``TRITON_INTERPRET`` must be set before that; a mismatch is
+  detected and reported with a clear error instead of an obscure interpreter failure.
 
 Kernels in this package are therefore written as plain module-level functions and
 wrapped with :class:`LazyKernel`; they call no other ``@triton.jit`` helpers, so the
@@ -75,6 +77,19 @@ def require_triton() -> None:
         )
 
 
+def _check_triton_mode(interp: bool) -> None:
+    """Triton fixes interpreter-or-compiler for its own ``tl`` helpers when it is first imported."""
+    import triton.language.standard as std
+
+    imported_interpreted = type(std.sum).__name__ == "InterpretedFunction"
+    if imported_interpreted != interp:
+        raise RuntimeError(
+            f"TRITON_INTERPRET is {'set' if interp else 'unset'} now but was "
+            f"{'set' if imported_interpreted else 'unset'} when triton was first imported; "
+            "set it before anything imports triton (e.g. at the top of conftest.py)"
+        )
+
+
 class LazyKernel:
     """A Triton kernel compiled (or interpreted) on first launch: ``LazyKernel(fn)[grid](...)``.
 
@@ -92,6 +107,7 @@ class LazyKernel:
         require_triton()
         interp = interpreter_enabled()
         if self._jit is None or self._interp != interp:
+            _check_triton_mode(interp)
             self._jit = triton.jit(self.fn)
             self._interp = interp
         return self._jit
@@ -158,10 +174,10 @@ def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
-def num_programs(device: torch.device, cap: int) -> int:
-    """Number of persistent programs: one per SM on a GPU (4 under the interpreter), at most ``cap``."""
+def num_programs(device: torch.device, cap: int, per_sm: int = 1) -> int:
+    """Number of persistent programs: ``per_sm`` per SM on a GPU (4 under the interpreter), at most ``cap``."""
     if device.type == "cuda":
-        n = _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+        n = per_sm * _sm_count(device.index if device.index is not None else torch.cuda.current_device())
     else:
         n = 4
     return max(1, min(n, cap))

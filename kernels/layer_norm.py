@@ -146,7 +146,8 @@ class LayerNormFunction(torch.autograd.Function):
         need_dw = ctx.needs_input_grad[1]
         need_db = ctx.has_bias and ctx.needs_input_grad[2]
         block = next_power_of_2(n)
-        n_prog = num_programs(x2.device, max(n_rows, 1))
+        # several programs per SM keep enough rows in flight to hide DRAM latency
+        n_prog = num_programs(x2.device, max(n_rows, 1), per_sm=4)
         rows_per_program = -(-n_rows // n_prog) if n_rows else 0
         dw_part = torch.empty((n_prog, n) if need_dw else (1,), dtype=torch.float32, device=x2.device)
         db_part = torch.empty((n_prog, n) if need_db else (1,), dtype=torch.float32, device=x2.device)

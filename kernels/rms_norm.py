@@ -159,7 +159,8 @@ class RMSNormFunction(torch.autograd.Function):
             dx = torch.empty_like(x2)
         need_dw = ctx.needs_input_grad[1]
         block = next_power_of_2(n)
-        n_prog = num_programs(x2.device, max(n_rows, 1))
+        # several programs per SM keep enough rows in flight to hide DRAM latency
+        n_prog = num_programs(x2.device, max(n_rows, 1), per_sm=4)
         rows_per_program = -(-n_rows // n_prog) if n_rows else 0
         dw_part = torch.empty((n_prog, n) if need_dw else (1,), dtype=torch.float32, device=x2.device)
         if n_rows > 0:

@@ -1,0 +1,408 @@
+"""Benchmark the fused kernels against torch eager, torch.compile and Liger-Kernel.
+
+Every case times forward + backward (median of ``triton.testing.do_bench``) and measures
+the peak memory allocated above the inputs (``max_memory_allocated`` minus what was
+allocated before the step, the inputs and the output gradient included there). Providers
+run side by side in one process on the same inputs; each result is checked against
+eager first. Rows go to the shared CSV (``benchmarks/harness.py``); a sweep per kernel
+(hidden size, or vocabulary size for the losses) is written for the plots.
+
+Usage (on a GPU)::
+
+    python benchmarks/bench_kernels.py                   # main table + sweeps + plots
+    python benchmarks/bench_kernels.py --only rms_norm --no-sweep
+    python benchmarks/bench_kernels.py --plot-dir docs/img --csv /tmp/results.csv
+
+Liger-Kernel is optional (``pip install liger-kernel``; never a dependency): when it is
+not importable its column is left out. ``--smoke`` runs tiny shapes on the CPU through
+the Triton interpreter to check the script itself.
+
+Shapes (Llama-3-8B, bf16): 8192 tokens, hidden 4096, intermediate 14336, vocabulary
+128256; RoPE on q ``(2, 32, 4096, 128)`` and k ``(2, 8, 4096, 128)``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+if "--smoke" in sys.argv:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from harness import device_name, record, table  # noqa: E402
+
+import ckpt.kernels as K  # noqa: E402
+
+try:  # optional peer, benchmark only
+    from liger_kernel.ops.geglu import LigerGELUMulFunction
+    from liger_kernel.ops.swiglu import LigerSiLUMulFunction
+    from liger_kernel.transformers.cross_entropy import LigerCrossEntropyLoss
+    from liger_kernel.transformers.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyLoss
+    from liger_kernel.transformers.layer_norm import LigerLayerNorm
+    from liger_kernel.transformers.rms_norm import LigerRMSNorm
+    from liger_kernel.transformers.rope import liger_rotary_pos_emb
+
+    HAS_LIGER = True
+except Exception as exc:  # noqa: BLE001 - any import problem just drops the column
+    HAS_LIGER = False
+    LIGER_ERROR = repr(exc)
+
+DT = torch.bfloat16
+
+
+@dataclass
+class Case:
+    """Inputs (leaves), output gradients and one callable per provider."""
+
+    name: str
+    inputs: list[torch.Tensor]
+    grad_out: list[torch.Tensor | float]
+    providers: dict[str, Callable[..., Any]] = field(default_factory=dict)
+    initial: list[torch.Tensor] = field(default_factory=list)
+
+    def reset(self) -> None:
+        """Restore the inputs (in-place gradient paths overwrite them) and drop their grads."""
+        if not self.initial:
+            self.initial = [t.detach().clone() for t in self.inputs]
+        with torch.no_grad():
+            for t, s in zip(self.inputs, self.initial):
+                t.copy_(s)
+                t.grad = None
+
+
+def _loss_value(out: Any) -> torch.Tensor:
+    if isinstance(out, torch.Tensor):
+        return out
+    if isinstance(out, (tuple, list)):
+        return out[0]
+    return out.loss
+
+
+def _eager_rms(x, w, eps=1e-6):
+    h = x.float()
+    return w * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def _rotate_half(x):
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def _eager_rope(q, k, cos, sin):
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def _eager_ce(logits, t):
+    return F.cross_entropy(logits.float(), t)
+
+
+def _eager_flce(h, w, t):
+    return F.cross_entropy(F.linear(h, w).float(), t)
+
+
+def _compiled(fn: Callable[..., Any]) -> Callable[..., Any]:
+    return torch.compile(fn, dynamic=False)
+
+
+def make_case(kernel: str, size: int, dev: str, tokens: int, compile_: bool) -> Case:
+    """Build one case. ``size`` is the hidden/intermediate size, the q-head count for RoPE,
+    or the vocabulary for the losses."""
+    g = torch.Generator(device=dev).manual_seed(0)
+
+    def rnd(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=g, device=dev) * scale).to(DT).requires_grad_()
+
+    if kernel == "rms_norm":
+        x = rnd(tokens, size)
+        w = torch.nn.Parameter((torch.rand(size, generator=g, device=dev) + 0.5).to(DT))
+        case = Case(f"rms_norm {tokens}x{size}", [x, w], [torch.randn(tokens, size, device=dev, dtype=DT)])
+        case.providers["ours"] = lambda x, w: K.rms_norm(x, w, in_place=True)
+        case.providers["eager"] = _eager_rms
+        if compile_:
+            case.providers["compile"] = _compiled(_eager_rms)
+        if HAS_LIGER:
+            m = _share(LigerRMSNorm(size, eps=1e-6).to(dev, DT), w)
+            case.providers["liger"] = lambda x, w: m(x)
+    elif kernel == "layer_norm":
+        x = rnd(tokens, size)
+        w, b = torch.nn.Parameter(rnd(size).detach()), torch.nn.Parameter(rnd(size).detach())
+        case = Case(f"layer_norm {tokens}x{size}", [x, w, b], [torch.randn(tokens, size, device=dev, dtype=DT)])
+        case.providers["ours"] = K.layer_norm
+        case.providers["eager"] = lambda x, w, b: F.layer_norm(x, (size,), w, b, 1e-5)
+        if compile_:
+            case.providers["compile"] = _compiled(lambda x, w, b: F.layer_norm(x, (size,), w, b, 1e-5))
+        if HAS_LIGER:
+            m = _share(LigerLayerNorm(size, eps=1e-5, bias=True).to(dev, DT), w, b)
+            case.providers["liger"] = lambda x, w, b: m(x)
+    elif kernel in ("swiglu", "geglu"):
+        a, b = rnd(tokens, size), rnd(tokens, size)
+        case = Case(f"{kernel} {tokens}x{size}", [a, b], [torch.randn(tokens, size, device=dev, dtype=DT)])
+        ours = K.swiglu if kernel == "swiglu" else K.geglu
+        # In an MLP a and b are private projection outputs, so their memory takes the gradients.
+        case.providers["ours"] = lambda a, b: ours(a, b, inplace_grad=True)
+        eager = (lambda a, b: F.silu(a) * b) if kernel == "swiglu" else (
+            lambda a, b: F.gelu(a, approximate="tanh") * b)
+        case.providers["eager"] = eager
+        if compile_:
+            case.providers["compile"] = _compiled(eager)
+        if HAS_LIGER:
+            fn = LigerSiLUMulFunction if kernel == "swiglu" else LigerGELUMulFunction
+            case.providers["liger"] = lambda a, b: fn.apply(a, b)
+    elif kernel == "rope":
+        bsz, seq, hd = 2, tokens // 2, 128
+        q, k = rnd(bsz, size, seq, hd), rnd(bsz, max(1, size // 4), seq, hd)
+        inv = 1.0 / (500000.0 ** (torch.arange(0, hd, 2, device=dev, dtype=torch.float32) / hd))
+        emb = torch.cat([torch.arange(seq, device=dev, dtype=torch.float32)[:, None] * inv] * 2, -1)[None]
+        cos, sin = emb.cos().to(DT), emb.sin().to(DT)
+        case = Case(f"rope q{tuple(q.shape)} k{tuple(k.shape)}", [q, k],
+                    [torch.randn_like(q), torch.randn_like(k)])
+        case.providers["ours"] = lambda q, k: K.rope(q, k, cos, sin)
+        case.providers["eager"] = lambda q, k: _eager_rope(q, k, cos, sin)
+        if compile_:
+            c = _compiled(_eager_rope)
+            case.providers["compile"] = lambda q, k: c(q, k, cos, sin)
+        if HAS_LIGER:
+            case.providers["liger"] = lambda q, k: liger_rotary_pos_emb(q, k, cos, sin)
+    elif kernel == "cross_entropy":
+        x = rnd(tokens, size, scale=2.0)
+        t = torch.randint(0, size, (tokens,), generator=g, device=dev)
+        case = Case(f"cross_entropy {tokens}x{size}", [x], [1.0])
+        case.providers["ours"] = lambda x: K.cross_entropy(x, t, inplace=True)
+        case.providers["eager"] = lambda x: _eager_ce(x, t)
+        if compile_:
+            c = _compiled(_eager_ce)
+            case.providers["compile"] = lambda x: c(x, t)
+        if HAS_LIGER:
+            m = LigerCrossEntropyLoss()
+            case.providers["liger"] = lambda x: _loss_value(m(x, t))
+    elif kernel == "fused_linear_cross_entropy":
+        hidden = 4096 if dev == "cuda" else 32
+        h = rnd(tokens, hidden)
+        w = rnd(size, hidden, scale=hidden ** -0.5)
+        t = torch.randint(0, size, (tokens,), generator=g, device=dev)
+        case = Case(f"fused_linear_ce {tokens}x{hidden}x{size}", [h, w], [1.0])
+        # In a model `hidden` is the final norm's private output, so its memory takes d_hidden.
+        case.providers["ours"] = lambda h, w: K.fused_linear_cross_entropy(h, w, t, inplace=True)
+        case.providers["eager"] = lambda h, w: _eager_flce(h, w, t)
+        if compile_:
+            c = _compiled(_eager_flce)
+            case.providers["compile"] = lambda h, w: c(h, w, t)
+        if HAS_LIGER:
+            m = LigerFusedLinearCrossEntropyLoss()
+            case.providers["liger"] = lambda h, w: _loss_value(m(w, h, t))
+    else:
+        raise ValueError(f"unknown kernel {kernel!r}")
+    return case
+
+
+def _share(module: torch.nn.Module, w: torch.nn.Parameter, b: torch.nn.Parameter | None = None) -> torch.nn.Module:
+    """Point a peer's module at the case's parameters so every provider differentiates the same tensors."""
+    module.weight = w
+    if b is not None:
+        module.bias = b
+    return module
+
+
+def _step(case: Case, fn: Callable[..., Any]) -> Any:
+    out = fn(*case.inputs)
+    outs = list(out) if isinstance(out, tuple) else [out]
+    grads = [torch.ones_like(o) * g if isinstance(g, float) else g for o, g in zip(outs, case.grad_out)]
+    if all(isinstance(g, float) and g == 1.0 for g in case.grad_out):
+        outs[0].backward()
+    else:
+        torch.autograd.backward(outs, grads)
+    return out
+
+
+def check(case: Case, providers: list[str]) -> dict[str, float]:
+    """Relative L2 error of every provider's output and input gradients against eager."""
+    def run(p):
+        case.reset()
+        out = _step(case, case.providers[p])
+        outs = [o.detach().float().clone() for o in (out if isinstance(out, tuple) else (out,))]
+        grads = [t.grad.float().clone() for t in case.inputs]
+        case.reset()
+        return outs + grads
+
+    ref = run("eager")
+    errs = {}
+    for p in providers:
+        if p == "eager":
+            continue
+        got = run(p)
+        errs[p] = max(((a - b).norm() / b.norm().clamp_min(1e-30)).item() for a, b in zip(got, ref))
+    return errs
+
+
+def measure(case: Case, provider: str, rep_ms: int) -> tuple[float, float]:
+    """(median ms of forward+backward, peak MiB above inputs)."""
+    fn = case.providers[provider]
+    case.reset()
+    for _ in range(2):  # compile / autotune / warm caches
+        _step(case, fn)
+        for t in case.inputs:
+            t.grad = None
+    if case.inputs[0].device.type != "cuda":
+        t0 = time.perf_counter()
+        _step(case, fn)
+        return (time.perf_counter() - t0) * 1e3, 0.0
+    import triton.testing
+
+    case.reset()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    _step(case, fn)
+    torch.cuda.synchronize()
+    peak = (torch.cuda.max_memory_allocated() - base) / 2**20
+    for t in case.inputs:
+        t.grad = None
+
+    def bench_step():
+        _step(case, fn)
+
+    ms = triton.testing.do_bench(bench_step, warmup=25, rep=rep_ms, grad_to_none=case.inputs, return_mode="median")
+    return float(ms), float(peak)
+
+
+KERNELS = ["rms_norm", "layer_norm", "swiglu", "geglu", "rope", "cross_entropy", "fused_linear_cross_entropy"]
+MAIN_SIZE = {"rms_norm": 4096, "layer_norm": 4096, "swiglu": 14336, "geglu": 14336, "rope": 32,
+             "cross_entropy": 128256, "fused_linear_cross_entropy": 128256}
+SWEEP = {"rms_norm": [1024, 2048, 4096, 8192, 16384], "layer_norm": [1024, 2048, 4096, 8192, 16384],
+         "swiglu": [2048, 4096, 8192, 14336, 28672], "geglu": [2048, 4096, 8192, 14336, 28672],
+         "rope": [8, 16, 32, 64], "cross_entropy": [32000, 64000, 128256, 256000],
+         "fused_linear_cross_entropy": [32000, 64000, 128256, 200064]}
+SWEEP_AXIS = {"rms_norm": "hidden size", "layer_norm": "hidden size", "swiglu": "intermediate size",
+              "geglu": "intermediate size", "rope": "q heads (k heads = q/4)", "cross_entropy": "vocabulary",
+              "fused_linear_cross_entropy": "vocabulary"}
+SMOKE_SIZE = {"rms_norm": 48, "layer_norm": 48, "swiglu": 40, "geglu": 40, "rope": 4, "cross_entropy": 100,
+              "fused_linear_cross_entropy": 100}
+
+
+def run_one(kernel: str, size: int, dev: str, tokens: int, compile_: bool, rep_ms: int,
+            verify: bool = True) -> list[dict[str, Any]]:
+    case = make_case(kernel, size, dev, tokens, compile_)
+    providers = list(case.providers)
+    errs = check(case, providers) if verify else {}
+    rows = []
+    for p in providers:
+        try:
+            ms, mib = measure(case, p, rep_ms)
+        except torch.cuda.OutOfMemoryError:
+            ms, mib = float("nan"), float("nan")
+            torch.cuda.empty_cache()
+        rows.append({"kernel": kernel, "case": case.name, "size": size, "provider": p, "ms": ms, "peak_mib": mib,
+                     "rel_err_vs_eager": errs.get(p, 0.0)})
+        print(f"  {case.name:48s} {p:8s} {ms:9.3f} ms {mib:9.1f} MiB  err {errs.get(p, 0.0):.2e}", flush=True)
+    del case
+    if dev == "cuda":
+        torch.cuda.empty_cache()
+    return rows
+
+
+def plot(rows: list[dict[str, Any]], out_dir: Path) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    kernels = [k for k in KERNELS if any(r["kernel"] == k for r in rows)]
+    fig, axes = plt.subplots(2, len(kernels), figsize=(3.2 * len(kernels), 5.6), squeeze=False)
+    for j, k in enumerate(kernels):
+        for i, metric in enumerate(("ms", "peak_mib")):
+            ax = axes[i][j]
+            for p in ("ours", "eager", "compile", "liger"):
+                pts = sorted((r["size"], r[metric]) for r in rows if r["kernel"] == k and r["provider"] == p)
+                if pts:
+                    ax.plot([a for a, _ in pts], [b for _, b in pts], marker="o", label=p)
+            ax.set_xscale("log", base=2)
+            ax.set_title(k.replace("fused_linear_cross_entropy", "fused linear CE"), fontsize=9)
+            ax.set_xlabel(SWEEP_AXIS[k], fontsize=8)
+            ax.set_ylabel("ms (fwd+bwd)" if metric == "ms" else "peak MiB", fontsize=8)
+            ax.tick_params(labelsize=7)
+    axes[0][0].legend(fontsize=7)
+    fig.suptitle(f"ckpt.kernels sweeps, {device_name()}, bf16, 8192 tokens", fontsize=10)
+    fig.tight_layout()
+    path = out_dir / "kernels_sweep.png"
+    fig.savefig(path, dpi=80)
+    return [path]
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--only", nargs="*", choices=KERNELS, help="kernels to run (default all)")
+    ap.add_argument("--no-sweep", action="store_true", help="skip the per-kernel sweeps")
+    ap.add_argument("--no-compile", action="store_true", help="leave torch.compile out")
+    ap.add_argument("--rep-ms", type=int, default=200, help="do_bench repetition time per provider")
+    ap.add_argument("--csv", type=Path, default=None, help="CSV to append to (default benchmarks/results.csv)")
+    ap.add_argument("--plot-dir", type=Path, default=None, help="where to write kernels_sweep.png")
+    ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU (Triton interpreter)")
+    args = ap.parse_args(argv)
+
+    dev = "cpu" if args.smoke else "cuda"
+    if dev == "cuda" and not torch.cuda.is_available():
+        print("bench_kernels: needs a CUDA GPU (or --smoke)", file=sys.stderr)
+        return 2
+    tokens = 16 if args.smoke else 8192
+    kernels = args.only or KERNELS
+    compile_ = not args.no_compile and not args.smoke
+    print(f"device: {device_name()}  torch {torch.__version__}  liger: "
+          f"{'yes' if HAS_LIGER else 'no (' + LIGER_ERROR + ')'}", flush=True)
+
+    main_rows: list[dict[str, Any]] = []
+    for k in kernels:
+        size = SMOKE_SIZE[k] if args.smoke else MAIN_SIZE[k]
+        main_rows += run_one(k, size, dev, tokens, compile_, args.rep_ms)
+    sweep_rows: list[dict[str, Any]] = []
+    if not args.no_sweep:
+        for k in kernels:
+            sizes = [SMOKE_SIZE[k], SMOKE_SIZE[k] * 2] if args.smoke else SWEEP[k]
+            for s in sizes:
+                sweep_rows += run_one(k, s, dev, tokens, False, max(50, args.rep_ms // 2), verify=False)
+
+    def csv_rows(rows, tag):
+        out = []
+        for r in rows:
+            note = f"{tag}; rel_err_vs_eager={r['rel_err_vs_eager']:.2e}"
+            out.append({"case": r["case"], "provider": r["provider"], "metric": "fwd_bwd_median",
+                        "value": r["ms"], "unit": "ms", "note": note})
+            out.append({"case": r["case"], "provider": r["provider"], "metric": "peak_mem_above_inputs",
+                        "value": r["peak_mib"], "unit": "MiB", "note": note})
+        return out
+
+    path = record("bench_kernels", csv_rows(main_rows, "main") + csv_rows(sweep_rows, "sweep"), args.csv)
+    if sweep_rows and args.plot_dir:
+        try:
+            for p in plot(sweep_rows, args.plot_dir):
+                print(f"plot: {p}")
+        except ImportError as exc:
+            print(f"no plot: {exc}")
+    print(f"csv: {path}\n")
+    # one row per case: every provider's time and memory side by side
+    summary = []
+    for case in dict.fromkeys(r["case"] for r in main_rows):
+        row: dict[str, Any] = {"case": case}
+        for r in main_rows:
+            if r["case"] == case:
+                row[f"{r['provider']} ms"] = round(r["ms"], 3)
+                row[f"{r['provider']} MiB"] = round(r["peak_mib"], 1)
+        summary.append(row)
+    cols = ["case"] + [f"{p} {m}" for p in ("ours", "eager", "compile", "liger") for m in ("ms", "MiB")
+                       if any(f"{p} {m}" in r for r in summary)]
+    print(table(summary, cols))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

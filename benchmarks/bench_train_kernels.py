@@ -1,0 +1,159 @@
+"""End-to-end training throughput: a Llama-3.2-1B-shaped model, unpatched vs ours vs Liger-Kernel.
+
+The model is built from a config (no download): hidden 2048, 16 layers, 32 heads / 8 KV
+heads, intermediate 8192, vocabulary 128256, tied embeddings, SDPA attention (1.24B
+parameters), bf16 weights, fused AdamW, batch 8 x 2048 tokens of random ids, one GPU.
+Each provider runs in its own fresh process (Liger patches Hugging Face classes
+process-wide, and the peak memory must not carry over), side by side in one invocation.
+Reported: tokens/s over the timed steps, peak ``max_memory_allocated`` over the run
+(weights, gradients and optimizer state included), and the first/last loss so the
+providers can be seen to train the same model.
+
+Usage::
+
+    python benchmarks/bench_train_kernels.py                 # unpatched, ours, liger
+    python benchmarks/bench_train_kernels.py --providers ours --steps 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from harness import device_name, record, table  # noqa: E402
+
+PROVIDERS = ("unpatched", "ours", "liger")
+
+
+def build_model(tiny: bool):
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    if tiny:  # --smoke: a few-layer model that runs on the CPU interpreter
+        cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                          num_key_value_heads=2, vocab_size=300, max_position_embeddings=128,
+                          tie_word_embeddings=True, attn_implementation="sdpa")
+    else:
+        cfg = LlamaConfig(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+                          num_key_value_heads=8, head_dim=64, vocab_size=128256, max_position_embeddings=131072,
+                          rope_theta=500000.0, tie_word_embeddings=True, rms_norm_eps=1e-5,
+                          attn_implementation="sdpa")
+    dev = "cpu" if tiny else "cuda"
+    torch.manual_seed(0)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device(dev):
+            model = LlamaForCausalLM(cfg)
+    finally:
+        torch.set_default_dtype(default)
+    return model.train()
+
+
+def child(provider: str, batch: int, seq: int, steps: int, warmup: int, tiny: bool) -> dict[str, Any]:
+    """Train ``steps`` timed steps with one provider in this process; return the measurements."""
+    import torch
+
+    model = build_model(tiny)
+    if provider == "ours":
+        import ckpt.kernels as K
+
+        changed = K.patch(model)
+        print(f"[ours] patched: { {k: len(v) for k, v in changed.items()} }", flush=True)
+    elif provider == "liger":
+        from liger_kernel.transformers import apply_liger_kernel_to_llama
+
+        apply_liger_kernel_to_llama(model=model)
+    n_params = sum(p.numel() for p in model.parameters())
+    dev = next(model.parameters()).device
+    fused = dev.type == "cuda"
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=fused)
+    g = torch.Generator().manual_seed(1)
+    vocab = model.config.vocab_size
+    ids = torch.randint(0, vocab, (batch, seq), generator=g).to(dev)
+    losses = []
+
+    def step() -> float:
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss.detach()
+
+    for _ in range(warmup):
+        losses.append(step())
+    if fused:
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        losses.append(step())
+    if fused:
+        torch.cuda.synchronize()
+    dt = time.perf_counter() - t0
+    peak = torch.cuda.max_memory_allocated() / 2**30 if fused else 0.0
+    losses = [float(x) for x in losses]
+    return {"provider": provider, "params_b": n_params / 1e9, "tokens_per_s": batch * seq * steps / dt,
+            "step_ms": dt / steps * 1e3, "peak_gib": peak, "first_loss": losses[0], "last_loss": losses[-1]}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--providers", nargs="*", default=list(PROVIDERS), choices=PROVIDERS)
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--seq", type=int, default=2048)
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--csv", type=Path, default=None)
+    ap.add_argument("--smoke", action="store_true", help="tiny model on the CPU (Triton interpreter)")
+    ap.add_argument("--child", choices=PROVIDERS, help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+
+    if args.child:
+        res = child(args.child, args.batch, args.seq, args.steps, args.warmup, args.smoke)
+        print("RESULT " + json.dumps(res), flush=True)
+        return 0
+
+    results = []
+    env = dict(os.environ)
+    if args.smoke:
+        env["TRITON_INTERPRET"] = "1"
+        args.batch, args.seq, args.steps, args.warmup = 2, 16, 2, 1
+    for p in args.providers:
+        cmd = [sys.executable, __file__, "--child", p, "--batch", str(args.batch), "--seq", str(args.seq),
+               "--steps", str(args.steps), "--warmup", str(args.warmup)] + (["--smoke"] if args.smoke else [])
+        print(f"== {p}", flush=True)
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+        lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+        if proc.returncode != 0 or not lines:
+            print(f"{p} failed (rc {proc.returncode}):\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}", flush=True)
+            continue
+        res = json.loads(lines[-1][len("RESULT "):])
+        print(f"   {res}", flush=True)
+        results.append(res)
+
+    if not results:
+        return 1
+    rows = []
+    case = f"llama-3.2-1b-shape bf16 b{args.batch}x{args.seq}" + (" smoke" if args.smoke else "")
+    for r in results:
+        note = f"first_loss={r['first_loss']:.4f} last_loss={r['last_loss']:.4f} params={r['params_b']:.3f}B"
+        rows.append({"case": case, "provider": r["provider"], "metric": "tokens_per_s", "value": r["tokens_per_s"],
+                     "unit": "tok/s", "note": note})
+        rows.append({"case": case, "provider": r["provider"], "metric": "peak_mem", "value": r["peak_gib"],
+                     "unit": "GiB", "note": note})
+    path = record("bench_train_kernels", rows, args.csv)
+    print(f"csv: {path}\ndevice: {device_name()}\n")
+    print(table([{k: (round(v, 4) if isinstance(v, float) else v) for k, v in r.items()} for r in results],
+                ["provider", "tokens_per_s", "step_ms", "peak_gib", "first_loss", "last_loss", "params_b"]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
