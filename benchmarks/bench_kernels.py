@@ -114,7 +114,7 @@ def _compiled(fn: Callable[..., Any]) -> Callable[..., Any]:
     return torch.compile(fn, dynamic=False)
 
 
-def make_case(kernel: str, size: int, dev: str, tokens: int, compile_: bool) -> Case:
+def make_case(kernel: str, size: int, dev: str, tokens: int, compile_: bool, flce_chunk: int | None = None) -> Case:
     """Build one case. ``size`` is the hidden/intermediate size, the q-head count for RoPE,
     or the vocabulary for the losses."""
     g = torch.Generator(device=dev).manual_seed(0)
@@ -192,7 +192,8 @@ def make_case(kernel: str, size: int, dev: str, tokens: int, compile_: bool) -> 
         t = torch.randint(0, size, (tokens,), generator=g, device=dev)
         case = Case(f"fused_linear_ce {tokens}x{hidden}x{size}", [h, w], [1.0])
         # In a model `hidden` is the final norm's private output, so its memory takes d_hidden.
-        case.providers["ours"] = lambda h, w: K.fused_linear_cross_entropy(h, w, t, inplace=True)
+        case.providers["ours"] = lambda h, w: K.fused_linear_cross_entropy(h, w, t, inplace=True,
+                                                                            chunk_size=flce_chunk)
         case.providers["eager"] = lambda h, w: _eager_flce(h, w, t)
         if compile_:
             c = _compiled(_eager_flce)
@@ -285,6 +286,8 @@ SWEEP = {"rms_norm": [1024, 2048, 4096, 8192, 16384], "layer_norm": [1024, 2048,
 SWEEP_AXIS = {"rms_norm": "hidden size", "layer_norm": "hidden size", "swiglu": "intermediate size",
               "geglu": "intermediate size", "rope": "q heads (k heads = q/4)", "cross_entropy": "vocabulary",
               "fused_linear_cross_entropy": "vocabulary"}
+#: torch.compile is slow to build: by default only where the reference table has a compile column
+COMPILE_KERNELS = {"rms_norm", "swiglu", "fused_linear_cross_entropy"}
 SMOKE_SIZE = {"rms_norm": 48, "layer_norm": 48, "swiglu": 40, "geglu": 40, "rope": 4, "cross_entropy": 100,
               "fused_linear_cross_entropy": 100}
 
@@ -344,6 +347,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--only", nargs="*", choices=KERNELS, help="kernels to run (default all)")
     ap.add_argument("--no-sweep", action="store_true", help="skip the per-kernel sweeps")
     ap.add_argument("--no-compile", action="store_true", help="leave torch.compile out")
+    ap.add_argument("--compile-all", action="store_true", help="torch.compile every kernel, not only "
+                    + ", ".join(sorted(COMPILE_KERNELS)))
+    ap.add_argument("--sweep-only", action="store_true", help="skip the main table")
+    ap.add_argument("--flce-chunks", nargs="*", type=int, default=[],
+                    help="also time ours fused linear CE at these chunk sizes (tokens per chunk)")
     ap.add_argument("--rep-ms", type=int, default=200, help="do_bench repetition time per provider")
     ap.add_argument("--csv", type=Path, default=None, help="CSV to append to (default benchmarks/results.csv)")
     ap.add_argument("--plot-dir", type=Path, default=None, help="where to write kernels_sweep.png")
@@ -361,9 +369,18 @@ def main(argv: list[str] | None = None) -> int:
           f"{'yes' if HAS_LIGER else 'no (' + LIGER_ERROR + ')'}", flush=True)
 
     main_rows: list[dict[str, Any]] = []
-    for k in kernels:
+    for k in kernels if not args.sweep_only else []:
         size = SMOKE_SIZE[k] if args.smoke else MAIN_SIZE[k]
-        main_rows += run_one(k, size, dev, tokens, compile_, args.rep_ms)
+        main_rows += run_one(k, size, dev, tokens, compile_ and (args.compile_all or k in COMPILE_KERNELS),
+                             args.rep_ms)
+    for c in args.flce_chunks:
+        k = "fused_linear_cross_entropy"
+        case = make_case(k, SMOKE_SIZE[k] if args.smoke else MAIN_SIZE[k], dev, tokens, False, flce_chunk=c)
+        ms, mib = measure(case, "ours", args.rep_ms)
+        main_rows.append({"kernel": k, "case": case.name + f" chunk={c}", "size": MAIN_SIZE[k], "provider": "ours",
+                          "ms": ms, "peak_mib": mib, "rel_err_vs_eager": 0.0})
+        print(f"  {case.name} chunk={c}: {ms:.3f} ms {mib:.1f} MiB", flush=True)
+        del case
     sweep_rows: list[dict[str, Any]] = []
     if not args.no_sweep:
         for k in kernels:
