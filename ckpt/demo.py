@@ -123,7 +123,7 @@ def child(args: argparse.Namespace) -> None:
                 pending.remove(h)
                 h.wait()
                 s = h.stats
-                _emit(event="save", step=h.step, stall_ms=s.stall_s * 1e3, nbytes=s.nbytes,
+                _emit(event="save", step=h.step, stall_ms=s.stall_s * 1e3, wait_ms=s.wait_s * 1e3, nbytes=s.nbytes,
                       stage_gbps=s.stage_gbps, persist_gbps=s.persist_gbps("local"))
             _emit(event="step", step=step, loss=loss)
             if fault_at is not None and step == fault_at:
@@ -142,7 +142,7 @@ def child(args: argparse.Namespace) -> None:
         ck.wait()
         for h in pending:
             s = h.stats
-            _emit(event="save", step=h.step, stall_ms=s.stall_s * 1e3, nbytes=s.nbytes,
+            _emit(event="save", step=h.step, stall_ms=s.stall_s * 1e3, wait_ms=s.wait_s * 1e3, nbytes=s.nbytes,
                   stage_gbps=s.stage_gbps, persist_gbps=s.persist_gbps("local"))
     _emit(event="final", digest=_digest(state["model"]))
 
@@ -199,10 +199,12 @@ def parent(args: argparse.Namespace) -> int:
     print(f"[3/3] resumed run in a new process: exit status {rc2} after {time.perf_counter() - t2:.1f} s")
 
     saves = [e for e in run1 + run2 if e["event"] == "save"]
-    print()
-    print(f"{'save of step':>12} {'stall ms':>9} {'MB':>7} {'staging GB/s':>13} {'persist GB/s':>13}")
+    print("\nPer save: how long save() blocked the loop (of which: waiting for the previous save to finish "
+          "persisting, if_busy='wait'), and the bandwidth of each phase.")
+    print(f"{'save of step':>12} {'stall ms':>9} {'of which waiting':>17} {'MB':>7} {'staging GB/s':>13} "
+          f"{'persist GB/s':>13}")
     for e in saves:
-        print(f"{e['step']:>12} {e['stall_ms']:>9.2f} {e['nbytes'] / 1e6:>7.1f} "
+        print(f"{e['step']:>12} {e['stall_ms']:>9.2f} {e['wait_ms']:>17.2f} {e['nbytes'] / 1e6:>7.1f} "
               f"{_f(e['stage_gbps']):>13} {_f(e['persist_gbps']):>13}")
     print()
     for e in [e for e in run2 if e["event"] == "restore"]:

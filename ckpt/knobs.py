@@ -18,7 +18,7 @@ _DEFAULTS: dict[str, int] = {
     # Every tensor starts at a multiple of this in the data file (and the host buffer).
     "CKPT_ALIGN_BYTES": 4096,
     # Threads that write, read and checksum one rank's data file.
-    "CKPT_IO_THREADS": max(2, min(8, os.cpu_count() or 2)),
+    "CKPT_IO_THREADS": max(2, min(16, os.cpu_count() or 2)),
     # Pinned chunks in flight while restoring from disk to a GPU.
     "CKPT_RESTORE_BUFFERS": 8,
 }
