@@ -128,6 +128,7 @@ def child(args: argparse.Namespace) -> None:
             _emit(event="step", step=step, loss=loss)
             if fault_at is not None and step == fault_at:
                 fault_at = None
+                ck.wait_staged()   # in-place writes outside optimizer.step() must not race a snapshot copy
                 with torch.no_grad():
                     for p in state["model"].parameters():
                         p.fill_(float("nan"))   # a recoverable fault: roll back in this process

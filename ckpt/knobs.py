@@ -20,7 +20,9 @@ _DEFAULTS: dict[str, int] = {
     # Threads that write, read and checksum one rank's data file.
     "CKPT_IO_THREADS": max(2, min(16, os.cpu_count() or 2)),
     # Pinned chunks in flight while restoring from disk to a GPU.
-    "CKPT_RESTORE_BUFFERS": 8,
+    "CKPT_RESTORE_BUFFERS": 16,
+    # Read checkpoints with O_DIRECT where the file system supports it (1) or through the page cache (0).
+    "CKPT_DIRECT_IO": 1,
 }
 
 _overrides: dict[str, int] = {}
