@@ -34,6 +34,8 @@ from .format import ItemRecord, dtype_to_str
 __all__ = ["Entry", "Plan", "flatten", "layout", "Binding", "bind"]
 
 _SCALARS = (bool, int, str, type(None))
+_PLAIN_TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
+_KNOWN_DTYPES: set[torch.dtype] = set()
 
 
 @dataclass
@@ -75,23 +77,28 @@ class _Flattener:
         self._seen: dict[tuple, int] = {}
 
     def tensor(self, t: torch.Tensor, path: str, is_buffer: bool) -> dict:
-        if _is_distributed_tensor(t):
+        # Called once per tensor on every save: keep the common case (a plain dense tensor) cheap.
+        if type(t) not in _PLAIN_TENSOR_TYPES and _is_distributed_tensor(t):
             raise RefusedStateError(
                 f"state value at {path!r} is a DTensor; sharded state needs the distributed "
                 "checkpointer (world size > 1), which this version does not provide yet")
-        if t.layout != torch.strided or t.is_quantized or t.is_nested or t.device.type == "meta":
+        if t.layout is not torch.strided or t.device.type == "meta" or t.is_quantized or t.is_nested:
             raise RefusedStateError(
                 f"state value at {path!r} is a {t.layout} / quantized / nested / meta tensor; "
                 "only dense tensors can be saved: convert it (e.g. .to_dense()) before saving")
-        dtype_to_str(t.dtype)  # refuses exotic dtypes with a clear message
-        t = t.detach()
-        ident = (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape),
-                 tuple(t.stride()), t.dtype)
-        alias = self._seen.get(ident) if t.numel() > 0 else None
+        if t.dtype not in _KNOWN_DTYPES:
+            dtype_to_str(t.dtype)  # refuses exotic dtypes with a clear message
+            _KNOWN_DTYPES.add(t.dtype)
+        if t.requires_grad:
+            t = t.detach()
         idx = len(self.entries)
+        alias = None
+        if t.numel():
+            ident = (t.data_ptr(), t.dtype, t.shape, t.stride(), t.device)
+            alias = self._seen.get(ident)
+            if alias is None:
+                self._seen[ident] = idx
         self.entries.append(Entry(path, t, is_buffer, alias, t._version))
-        if alias is None and t.numel() > 0:
-            self._seen[ident] = idx
         return {"$t": idx}
 
     def walk(self, v: Any, path: str, buffers: frozenset[str] = frozenset(), rel: str = "") -> Any:

@@ -55,6 +55,7 @@ class HostBuffer:
         self.busy = False
         self.image_step: int | None = None   # step whose snapshot the buffer holds, for the memory tier
         self.manifest: Any = None            # and that snapshot's manifest
+        self.views: dict[tuple, torch.Tensor] = {}   # typed views into the buffer, reused across saves
 
     @property
     def capacity(self) -> int:
@@ -267,9 +268,14 @@ def wait_all_staged() -> None:
 
 
 def _dst(buf: HostBuffer, rec: ItemRecord, t: torch.Tensor) -> torch.Tensor:
-    return buf.tensor[rec.offset:rec.offset + rec.nbytes].view(t.dtype).view(t.shape)
+    key = (rec.offset, t.dtype, t.shape)
+    view = buf.views.get(key)
+    if view is None:   # the same state saves into the same views every time: build them once
+        view = buf.views[key] = buf.tensor[rec.offset:rec.offset + rec.nbytes].view(t.dtype).view(t.shape)
+    return view
 
 
+@torch.no_grad()
 def stage(snap: Snapshot, side_stream: torch.cuda.Stream | None) -> None:
     """Enqueue the copies of ``snap``'s tensors into its buffer; returns before they finish."""
     _ensure_hook()
@@ -308,6 +314,7 @@ def stage(snap: Snapshot, side_stream: torch.cuda.Stream | None) -> None:
         snap._cuda_start, snap._cuda_done = start, done
     rest = [(e, r) for e, r in cpu if not e.is_buffer]
     if rest:
+        @torch.no_grad()
         def copy_cpu() -> None:
             try:
                 for e, r in rest:
