@@ -70,13 +70,16 @@ class Case:
     initial: list[torch.Tensor] = field(default_factory=list)
 
     def reset(self) -> None:
-        """Restore the inputs (in-place gradient paths overwrite them) and drop their grads."""
+        """Restore the inputs and output gradients (in-place gradient paths overwrite them)
+        and drop the inputs' grads."""
+        bufs = self.inputs + [g for g in self.grad_out if isinstance(g, torch.Tensor)]
         if not self.initial:
-            self.initial = [t.detach().clone() for t in self.inputs]
+            self.initial = [t.detach().clone() for t in bufs]
         with torch.no_grad():
-            for t, s in zip(self.inputs, self.initial):
+            for t, s in zip(bufs, self.initial):
                 t.copy_(s)
-                t.grad = None
+        for t in self.inputs:
+            t.grad = None
 
 
 def _loss_value(out: Any) -> torch.Tensor:

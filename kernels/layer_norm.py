@@ -13,9 +13,10 @@ Backward (``g = dy * w``)::
     dw = sum_rows(dy * xhat)        db = sum_rows(dy)
 
 Memory tricks: ``xhat`` is recomputed from the saved input and the two per-row
-statistics rather than stored; ``dw``/``db`` use a persistent grid (one program per SM)
-that keeps fp32 partial sums in registers over many rows, then a tiny ``sum(0)``;
-no atomics, so the result is deterministic. The variance uses the two-pass form on the
+statistics rather than stored. Backward is two fully parallel launches (as in
+``rms_norm.py``): ``dw``/``db`` from (column block x row split) programs keeping
+``[32, 128]`` fp32 tiles over their rows, then a tiny ``sum(0)``; ``dx`` one program
+per row. No atomics, so the result is deterministic. The variance uses the two-pass form on the
 row held in registers (no ``E[x^2] - E[x]^2`` cancellation).
 
 Shapes: ``x`` ``(..., N)``; ``weight`` and ``bias`` ``(N,)`` (``bias`` may be ``None``).
@@ -30,15 +31,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ._utils import (
-    LazyKernel,
-    check_runnable_device,
-    check_same_device,
-    check_tensor,
-    next_power_of_2,
-    num_programs,
-    tl,
-)
+from ._utils import LazyKernel, check_runnable_device, check_same_device, check_tensor, next_power_of_2, tl
+from .rms_norm import _DW_BLOCK_C, _DW_BLOCK_R, dw_split
 
 __all__ = ["layer_norm", "LayerNorm", "LayerNormFunction"]
 
@@ -66,42 +60,60 @@ def _layer_norm_fwd_kernel(
     tl.store(RSTD + row, rstd)
 
 
-def _layer_norm_bwd_kernel(
-    DY, X, W, MEAN, RSTD, DX, DW_PART, DB_PART,
-    stride_dy, stride_x, stride_dx, n_rows, N, rows_per_program,
-    BLOCK_N: tl.constexpr, COMPUTE_DW: tl.constexpr, COMPUTE_DB: tl.constexpr,
+def _layer_norm_bwd_dx_kernel(
+    DY, X, W, MEAN, RSTD, DX,
+    stride_dy, stride_x, stride_dx, N,
+    BLOCK_N: tl.constexpr,
 ):
-    pid = tl.program_id(0)
+    row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_N)
     mask = cols < N
+    dy = tl.load(DY + row * stride_dy + cols, mask=mask, other=0.0).to(tl.float32)
+    x = tl.load(X + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
     w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
-    dw_acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-    db_acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-    row_start = pid.to(tl.int64) * rows_per_program
-    row_end = tl.minimum(row_start + rows_per_program, n_rows)
-    for row in range(row_start, row_end):
-        dy = tl.load(DY + row * stride_dy + cols, mask=mask, other=0.0).to(tl.float32)
-        x = tl.load(X + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
-        mean = tl.load(MEAN + row)
-        rstd = tl.load(RSTD + row)
-        xhat = tl.where(mask, (x - mean) * rstd, 0.0)
-        g = dy * w
-        c1 = tl.sum(g * xhat, axis=0) / N
-        c2 = tl.sum(g, axis=0) / N
-        dx = rstd * (g - c2 - xhat * c1)
-        tl.store(DX + row * stride_dx + cols, dx.to(DX.dtype.element_ty), mask=mask)
+    mean = tl.load(MEAN + row)
+    rstd = tl.load(RSTD + row)
+    xhat = tl.where(mask, (x - mean) * rstd, 0.0)
+    g = dy * w
+    c1 = tl.sum(g * xhat, axis=0) / N
+    c2 = tl.sum(g, axis=0) / N
+    dx = rstd * (g - c2 - xhat * c1)
+    tl.store(DX + row * stride_dx + cols, dx.to(DX.dtype.element_ty), mask=mask)
+
+
+def _layer_norm_bwd_dwdb_kernel(
+    DY, X, MEAN, RSTD, DW_PART, DB_PART,
+    stride_dy, stride_x, n_rows, N, rows_per_split,
+    BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, COMPUTE_DW: tl.constexpr, COMPUTE_DB: tl.constexpr,
+):
+    # program (column block, row split): [BLOCK_R, BLOCK_C] fp32 accumulators over its rows
+    cols = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
+    cmask = cols < N
+    r0 = tl.program_id(1).to(tl.int64) * rows_per_split
+    r_end = tl.minimum(r0 + rows_per_split, n_rows)
+    acc_w = tl.zeros([BLOCK_R, BLOCK_C], dtype=tl.float32)
+    acc_b = tl.zeros([BLOCK_R, BLOCK_C], dtype=tl.float32)
+    for start in range(r0, r_end, BLOCK_R):
+        rows = start + tl.arange(0, BLOCK_R)
+        rmask = rows < r_end
+        m = rmask[:, None] & cmask[None, :]
+        dy = tl.load(DY + rows[:, None] * stride_dy + cols[None, :], mask=m, other=0.0).to(tl.float32)
         if COMPUTE_DW:
-            dw_acc += dy * xhat
+            x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=m, other=0.0).to(tl.float32)
+            mean = tl.load(MEAN + rows, mask=rmask, other=0.0)
+            rstd = tl.load(RSTD + rows, mask=rmask, other=0.0)
+            acc_w += dy * ((x - mean[:, None]) * rstd[:, None])
         if COMPUTE_DB:
-            db_acc += dy
+            acc_b += dy
     if COMPUTE_DW:
-        tl.store(DW_PART + pid * N + cols, dw_acc, mask=mask)
+        tl.store(DW_PART + tl.program_id(1) * N + cols, tl.sum(acc_w, axis=0), mask=cmask)
     if COMPUTE_DB:
-        tl.store(DB_PART + pid * N + cols, db_acc, mask=mask)
+        tl.store(DB_PART + tl.program_id(1) * N + cols, tl.sum(acc_b, axis=0), mask=cmask)
 
 
 _fwd = LazyKernel(_layer_norm_fwd_kernel)
-_bwd = LazyKernel(_layer_norm_bwd_kernel)
+_bwd_dx = LazyKernel(_layer_norm_bwd_dx_kernel)
+_bwd_dwdb = LazyKernel(_layer_norm_bwd_dwdb_kernel)
 
 
 def _num_warps(block: int) -> int:
@@ -146,16 +158,19 @@ class LayerNormFunction(torch.autograd.Function):
         need_dw = ctx.needs_input_grad[1]
         need_db = ctx.has_bias and ctx.needs_input_grad[2]
         block = next_power_of_2(n)
-        # several programs per SM keep enough rows in flight to hide DRAM latency
-        n_prog = num_programs(x2.device, max(n_rows, 1), per_sm=4)
-        rows_per_program = -(-n_rows // n_prog) if n_rows else 0
-        dw_part = torch.empty((n_prog, n) if need_dw else (1,), dtype=torch.float32, device=x2.device)
-        db_part = torch.empty((n_prog, n) if need_db else (1,), dtype=torch.float32, device=x2.device)
+        dw_part = db_part = None
+        if (need_dw or need_db) and n_rows > 0:
+            splits, per = dw_split(n_rows, n, x2.device)
+            dw_part = torch.empty((splits, n) if need_dw else (1,), dtype=torch.float32, device=x2.device)
+            db_part = torch.empty((splits, n) if need_db else (1,), dtype=torch.float32, device=x2.device)
+            _bwd_dwdb[(-(-n // _DW_BLOCK_C), splits)](
+                dy2, x2, mean, rstd, dw_part, db_part, dy2.stride(0), x2.stride(0), n_rows, n, per,
+                BLOCK_R=_DW_BLOCK_R, BLOCK_C=_DW_BLOCK_C, COMPUTE_DW=need_dw, COMPUTE_DB=need_db, num_warps=4,
+            )
         if n_rows > 0:
-            _bwd[(n_prog,)](
-                dy2, x2, weight, mean, rstd, dx, dw_part, db_part,
-                dy2.stride(0), x2.stride(0), dx.stride(0), n_rows, n, rows_per_program,
-                BLOCK_N=block, COMPUTE_DW=need_dw, COMPUTE_DB=need_db, num_warps=_num_warps(block),
+            _bwd_dx[(n_rows,)](
+                dy2, x2, weight, mean, rstd, dx, dy2.stride(0), x2.stride(0), dx.stride(0), n,
+                BLOCK_N=block, num_warps=_num_warps(block),
             )
         dw = db = None
         if need_dw:

@@ -53,7 +53,7 @@ CE_SHAPES = [
 @pytest.mark.parametrize("opts", OPTIONS)
 def test_cross_entropy(shape, device, dtype, atol, rtol, opts):
     n, v = shape
-    x = torch.randn(n, v) * 4
+    x = torch.randn(n, v, device=device) * 4
     t = targets(n, v, opts.get("ignore_index", -100))
     run_and_compare(lambda x, t: cross_entropy(x, t, **opts), lambda x, t: ce_ref(x, t, **opts),
                     [x, t], ["logits", "target"], dtype, atol, rtol, device)
@@ -116,9 +116,9 @@ def test_fused_linear_cross_entropy(shape, device, dtype, atol, rtol, opts, with
     n, h, v = shape
     if device == "cuda" and n * v > 10**8 and (with_bias or opts.get("reduction") != "mean"):
         pytest.skip("real-size case run once (mean, no bias) to bound the GPU run's time")
-    x = torch.randn(n, h)
-    w = torch.randn(v, h) / h ** 0.5 * 2
-    b = torch.randn(v) if with_bias else None
+    x = torch.randn(n, h, device=device)
+    w = torch.randn(v, h, device=device) / h ** 0.5 * 2
+    b = torch.randn(v, device=device) if with_bias else None
     t = targets(n, v, opts.get("ignore_index", -100))
     chunk = None if n > 64 else 7  # force several chunks at small sizes
     run_and_compare(lambda x, w, t, b: fused_linear_cross_entropy(x, w, t, b, chunk_size=chunk, **opts),

@@ -22,6 +22,7 @@ SHAPES = [
     pytest.param((1, 7), DEVICE, id="1x7"),
     pytest.param((3, 5, 37), DEVICE, id="3x5x37"),
     pytest.param((13, 130), DEVICE, id="13x130"),
+    pytest.param((70, 20), DEVICE, id="70x20-split-reduction"),
     gpu_param((8192, 4096), "cuda", id="8192x4096"),
     gpu_param((4, 1000, 5120), "cuda", id="4x1000x5120"),
 ]
@@ -31,8 +32,8 @@ SHAPES = [
 @pytest.mark.parametrize("dtype,atol,rtol", DTYPES)
 @pytest.mark.parametrize("offset", [0.0, 1.0], ids=["llama", "gemma"])
 def test_rms_norm(shape, device, dtype, atol, rtol, offset):
-    x = torch.randn(shape)
-    w = torch.randn(shape[-1]) * 0.5 + (0.0 if offset else 1.0)
+    x = torch.randn(shape, device=device)
+    w = torch.randn(shape[-1], device=device) * 0.5 + (0.0 if offset else 1.0)
     run_and_compare(lambda x, w: rms_norm(x, w, 1e-6, offset), lambda x, w: rms_norm_ref(x, w, 1e-6, offset),
                     [x, w], ["x", "weight"], dtype, atol, rtol, device)
 
@@ -61,9 +62,9 @@ def test_rms_norm_matches_llama_rounding():
 @pytest.mark.parametrize("dtype,atol,rtol", DTYPES)
 @pytest.mark.parametrize("with_bias", [True, False], ids=["bias", "nobias"])
 def test_layer_norm(shape, device, dtype, atol, rtol, with_bias):
-    x = torch.randn(shape) * 2 + 0.5
-    w = torch.randn(shape[-1])
-    b = torch.randn(shape[-1]) if with_bias else None
+    x = torch.randn(shape, device=device) * 2 + 0.5
+    w = torch.randn(shape[-1], device=device)
+    b = torch.randn(shape[-1], device=device) if with_bias else None
     run_and_compare(lambda x, w, b: layer_norm(x, w, b), layer_norm_ref, [x, w, b], ["x", "weight", "bias"],
                     dtype, atol, rtol, device)
 

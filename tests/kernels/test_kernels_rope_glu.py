@@ -47,10 +47,10 @@ def test_rope(shape, device, dtype, atol, rtol, layout):
     if layout == "bhsd-view":  # HF: projection output (b, s, h, d) viewed as (b, h, s, d)
         fn = lambda q, k, c, si: rope(q.transpose(1, 2), k.transpose(1, 2), c, si)  # noqa: E731
         ref = lambda q, k, c, si: rope_ref(q.transpose(1, 2), k.transpose(1, 2), c, si)  # noqa: E731
-        q, k = torch.randn(b, s, hq, d), torch.randn(b, s, hk, d)
+        q, k = torch.randn(b, s, hq, d, device=device), torch.randn(b, s, hk, d, device=device)
     else:
         fn, ref = rope, rope_ref
-        q, k = torch.randn(b, hq, s, d), torch.randn(b, hk, s, d)
+        q, k = torch.randn(b, hq, s, d, device=device), torch.randn(b, hk, s, d, device=device)
     # cos/sin are HF buffers without gradients: pass them as non-float-like constants
     run_and_compare(lambda q, k: fn(q, k, cos.to(device, dtype), sin.to(device, dtype)),
                     lambda q, k: ref(q, k, cos.to(device, dtype), sin.to(device, dtype)),
@@ -98,7 +98,7 @@ GLUS = [
 @pytest.mark.parametrize("dtype,atol,rtol", DTYPES)
 @pytest.mark.parametrize("fn,ref", GLUS)
 def test_glu(shape, device, dtype, atol, rtol, fn, ref):
-    a, b = torch.randn(shape) * 3, torch.randn(shape)
+    a, b = torch.randn(shape, device=device) * 3, torch.randn(shape, device=device)
     run_and_compare(fn, lambda a, b: ref(a.float(), b.float()), [a, b], ["a", "b"], dtype, atol, rtol, device)
 
 
