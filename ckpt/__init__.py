@@ -9,9 +9,9 @@ the newest verified checkpoint from the nearest tier. See ``docs/``.
 
 from .api import Checkpointer, CheckpointInfo, IfBusy
 from .errors import (CheckpointError, CorruptCheckpointError, HostMemoryError, IncompatibleCheckpointError,
-                     IncompleteCheckpointError, NoCheckpointError, RefusedStateError, TornSnapshotError)
+                     IncompleteCheckpointError, NoCheckpointError, Preempted, RefusedStateError, TornSnapshotError)
 from .pipeline import SaveHandle
-from .policy import Retention
+from .policy import AutoInterval, Retention
 from .restore import RestoreInfo
 from .rng import RNGState
 from .stage import SnapshotStats
@@ -23,6 +23,7 @@ __all__ = [
     "CheckpointInfo",
     "IfBusy",
     "Retention",
+    "AutoInterval",
     "RNGState",
     "SaveHandle",
     "SnapshotStats",
@@ -32,6 +33,7 @@ __all__ = [
     "IncompleteCheckpointError",
     "IncompatibleCheckpointError",
     "NoCheckpointError",
+    "Preempted",
     "RefusedStateError",
     "TornSnapshotError",
     "HostMemoryError",

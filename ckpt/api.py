@@ -6,6 +6,7 @@ import collections
 import enum
 import logging
 import os
+import signal as _signal
 import threading
 import time
 from dataclasses import dataclass
@@ -15,11 +16,11 @@ from typing import Any, Callable, Mapping
 import torch
 
 from . import knobs
-from .errors import CheckpointError
+from .errors import CheckpointError, Preempted
 from .format import COMMIT_NAME, Manifest
 from .pipeline import Pipeline, SaveHandle
 from .plan import flatten, layout
-from .policy import Interval, Retention
+from .policy import AutoInterval, Interval, Retention
 from .restore import RestoreInfo, restore as _restore
 from .stage import HostPool, Snapshot, SnapshotStats, stage, wait_all_staged
 from .tiers import LocalTier, MemoryTier
@@ -66,7 +67,17 @@ class Checkpointer:
         on_unsupported: ``"error"`` (default) refuses a value that is not
             JSON-safe, naming its key; ``"skip"`` leaves such values out
             (logged), so they are not restored. Pickle is never used.
-        clock: seconds clock for ``every_seconds`` (injectable for tests).
+        interval: ``"auto"`` picks the Young/Daly optimum interval from the
+            measured cost of recent saves and ``mtbf`` (mean time between
+            failures, seconds; ``restart_cost`` seconds per failure), updated as
+            measurements come in; see :meth:`interval_report`.
+        signals: e.g. ``(signal.SIGTERM,)``: inside the ``with`` block these only
+            set a flag; the next :meth:`maybe_save` forces a save, waits until it
+            is durable on ``drain_tier`` (at most ``drain_deadline`` seconds), then
+            exits with status ``128 + signal`` (``on_preempt="exit"``) or raises
+            :class:`~ckpt.errors.Preempted` (``on_preempt="raise"``).
+        clock: seconds clock for ``every_seconds`` and ``interval="auto"``
+            (injectable for tests).
 
     A ``state`` is a dict of name -> value: ``nn.Module``, optimizer, LR
     scheduler, any object with ``state_dict()``/``load_state_dict()``, tensors,
@@ -77,7 +88,10 @@ class Checkpointer:
     def __init__(self, *, local_dir: str | os.PathLike | LocalTier | None = None, every_steps: int | None = None,
                  every_seconds: float | None = None, keep: Retention | None = None, max_in_flight: int = 1,
                  if_busy: str | IfBusy = IfBusy.WAIT, host_memory_limit: int | None = None,
-                 on_unsupported: str = "error", clock: Callable[[], float] = time.monotonic) -> None:
+                 on_unsupported: str = "error", interval: str | None = None, mtbf: float | None = None,
+                 restart_cost: float = 0.0, signals: tuple = (), drain_deadline: float = 30.0,
+                 drain_tier: str = "local", on_preempt: str = "exit",
+                 clock: Callable[[], float] = time.monotonic) -> None:
         local_dir = local_dir if local_dir is not None else os.environ.get("CKPT_LOCAL_DIR")
         if local_dir is None:
             raise ValueError("Checkpointer needs a local tier: pass local_dir=... or set $CKPT_LOCAL_DIR")
@@ -90,7 +104,25 @@ class Checkpointer:
         if host_memory_limit is not None and host_memory_limit <= 0:
             raise ValueError(f"host_memory_limit must be a positive number of bytes, got {host_memory_limit!r}")
         self.keep = keep if keep is not None else Retention()
-        self.interval = Interval(every_steps, every_seconds, clock)
+        if interval is None:
+            self.interval: Interval | AutoInterval = Interval(every_steps, every_seconds, clock)
+        elif interval == "auto":
+            if every_steps is not None or every_seconds is not None:
+                raise ValueError("interval='auto' picks the interval itself: drop every_steps / every_seconds")
+            self.interval = AutoInterval(mtbf, restart_cost, clock=clock)
+        else:
+            raise ValueError(f"interval must be None or 'auto', got {interval!r}")
+        if drain_tier != "local":
+            raise ValueError(f"drain_tier must be 'local' (the only durable tier in this version), got {drain_tier!r}")
+        if on_preempt not in ("exit", "raise"):
+            raise ValueError(f"on_preempt must be 'exit' or 'raise', got {on_preempt!r}")
+        if signals and not drain_deadline > 0:
+            raise ValueError(f"drain_deadline must be a positive number of seconds, got {drain_deadline!r}")
+        self.drain_deadline = drain_deadline
+        self.drain_tier = drain_tier
+        self.on_preempt = on_preempt
+        self._signals = tuple(signals)
+        self._guard = None
         self.on_unsupported = on_unsupported
         self.local = local_dir if isinstance(local_dir, LocalTier) else LocalTier(local_dir)
         self.pool = HostPool(max_in_flight, host_memory_limit)
@@ -107,10 +139,19 @@ class Checkpointer:
 
     # -- context manager ----------------------------------------------------------------------------
     def __enter__(self) -> "Checkpointer":
+        if self._signals:
+            from .integrations.signals import PreemptionGuard
+
+            self._guard = PreemptionGuard(self._signals)
+            self._guard.install()
         return self
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
-        self.close(raise_errors=exc_type is None)
+        try:
+            self.close(raise_errors=exc_type is None)
+        finally:
+            if self._guard is not None:
+                self._guard.uninstall()
 
     # -- saving ---------------------------------------------------------------------------------------
     def maybe_save(self, step: int, state: Mapping[str, Any]) -> SaveHandle | None:
@@ -119,9 +160,46 @@ class Checkpointer:
         ``state`` is the state *after* ``step``: a restore returns ``step`` and
         the loop continues at ``step + 1``.
         """
+        if self._guard is not None and self._guard.active:
+            signum = self._guard.agreed()   # collective when torch.distributed is initialised
+            if signum:
+                self._drain(step, state, signum)
         if not self.interval.due(step):
             return None
         return self.save(step, state)
+
+    @property
+    def preempted(self) -> int | None:
+        """The preemption signal received (``None`` if none)."""
+        return None if self._guard is None else self._guard.received
+
+    def _drain(self, step: int, state: Mapping[str, Any], signum: int) -> None:
+        name = _signal.Signals(signum).name
+        t0 = time.perf_counter()
+        log.warning("%s received: saving step %d and making it durable on the %s tier within %.0f s",
+                    name, step, self.drain_tier, self.drain_deadline)
+        durable = False
+        try:
+            handle = self.save(step, state)
+            handle.wait(self.drain_tier, timeout=max(0.0, self.drain_deadline - (time.perf_counter() - t0)))
+            durable = True
+            log.warning("step %d is durable on the %s tier after %.2f s; exiting", step, self.drain_tier,
+                        time.perf_counter() - t0)
+        except TimeoutError:
+            log.error("step %d was not durable on the %s tier within drain_deadline=%.0f s", step,
+                      self.drain_tier, self.drain_deadline)
+        except Exception as e:
+            log.error("the preemption save of step %d failed: %s", step, e)
+        self._guard.chain(signum)
+        if self.on_preempt == "raise":
+            raise Preempted(signum, step, durable)
+        raise SystemExit(128 + signum)
+
+    def interval_report(self) -> dict[str, float | None]:
+        """With ``interval="auto"``: the current interval, measured cost, MTBF and expected fraction lost."""
+        if not isinstance(self.interval, AutoInterval):
+            raise ValueError("interval_report() needs Checkpointer(interval='auto', mtbf=...)")
+        return self.interval.report()
 
     def save(self, step: int, state: Mapping[str, Any]) -> SaveHandle:
         """Snapshot ``state`` as step ``step`` and persist it in the background.
@@ -161,6 +239,9 @@ class Checkpointer:
         self._pipeline.submit(snap, handle)
         self.interval.saved(step)
         stats.stall_s = time.perf_counter() - t0
+        if isinstance(self.interval, AutoInterval):
+            previous = self.history[-1] if self.history else None
+            self.interval.record(stats.stall_s, previous.persist_s.get("local") if previous else None)
         with self._lock:
             self._handles = [h for h in self._handles if not h.done()] + [handle]
         self.history.append(stats)

@@ -15,6 +15,7 @@ __all__ = [
     "TornSnapshotError",
     "HostMemoryError",
     "NoCheckpointError",
+    "Preempted",
 ]
 
 
@@ -48,3 +49,19 @@ class HostMemoryError(CheckpointError, MemoryError):
 
 class NoCheckpointError(CheckpointError):
     """Checkpoints exist but none of them could be verified and loaded."""
+
+
+class Preempted(CheckpointError):
+    """Raised by ``maybe_save`` after a preemption signal, when ``on_preempt="raise"``.
+
+    ``signum``: the signal; ``step``: the step saved; ``durable``: whether the
+    save reached ``drain_tier`` within ``drain_deadline``.
+    """
+
+    def __init__(self, signum: int, step: int, durable: bool) -> None:
+        import signal as _signal
+
+        name = _signal.Signals(signum).name
+        super().__init__(f"preempted by {name}: step {step} saved"
+                         f"{'' if durable else ' but NOT durable within drain_deadline'}")
+        self.signum, self.step, self.durable = signum, step, durable

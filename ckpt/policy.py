@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 from typing import Callable
 
-__all__ = ["Retention", "Interval"]
+__all__ = ["Retention", "Interval", "AutoInterval", "daly_interval"]
 
 
 @dataclass(frozen=True)
@@ -52,3 +53,87 @@ class Interval:
 
     def saved(self, step: int) -> None:
         self._last_time = self.clock()
+
+
+class AutoInterval:
+    """The Young/Daly optimum checkpoint interval, from measured save costs and a given MTBF.
+
+    With ``cost`` the time the training loop loses per checkpoint and ``mtbf``
+    the mean time between failures (seconds), Young's first-order optimum is
+    ``sqrt(2 * cost * mtbf)``; Daly's higher-order refinement, used here, is
+    ``sqrt(2 c M) * (1 + sqrt(c / 2M) / 3 + (c / 2M) / 9) - c`` for ``c < 2M``
+    and ``M`` otherwise (J. T. Daly, "A higher order estimate of the optimum
+    checkpoint interval for restart dumps", FGCS 2006).
+
+    ``cost`` is the median of the last ``window`` measured stalls (what
+    ``save()`` blocked the loop, back-pressure waits included), so the interval
+    follows the real price of a save. The interval is also never shorter than
+    the last save's persist time, since saving faster than the disk drains only
+    turns into waiting. Before the first measurement the next ``maybe_save``
+    saves at once, to measure.
+
+    The expected fraction of time lost is ``cost / tau + (tau / 2 + restart) / mtbf``
+    (checkpoint overhead plus the expected rework and restart per failure).
+    """
+
+    def __init__(self, mtbf: float, restart: float = 0.0, window: int = 5,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        if not mtbf or mtbf <= 0:
+            raise ValueError(f"interval='auto' needs mtbf=<mean time between failures, seconds> > 0, got {mtbf!r}")
+        if restart < 0:
+            raise ValueError(f"restart cost must be >= 0 seconds, got {restart!r}")
+        self.mtbf = float(mtbf)
+        self.restart = float(restart)
+        self.window = window
+        self.clock = clock
+        self._costs: list[float] = []
+        self._persist = 0.0
+        self._last_time: float | None = None
+
+    @property
+    def cost(self) -> float | None:
+        if not self._costs:
+            return None
+        s = sorted(self._costs)
+        return s[len(s) // 2]
+
+    @property
+    def seconds(self) -> float | None:
+        """The current interval (seconds), or ``None`` before the first measurement."""
+        c = self.cost
+        if c is None:
+            return None
+        return max(daly_interval(c, self.mtbf), self._persist)
+
+    def expected_loss(self) -> float | None:
+        """Expected fraction of wall time lost to checkpoints, rework and restarts at the current interval."""
+        c, tau = self.cost, self.seconds
+        if c is None or tau is None or tau <= 0:
+            return None
+        return c / tau + (tau / 2 + self.restart) / self.mtbf
+
+    def due(self, step: int) -> bool:
+        if self._last_time is None or self.seconds is None:
+            return True
+        return self.clock() - self._last_time >= self.seconds
+
+    def saved(self, step: int) -> None:
+        self._last_time = self.clock()
+
+    def record(self, stall_s: float, persist_s: float | None = None) -> None:
+        """Feed one save's measured stall (and its persist time, once known)."""
+        self._costs = (self._costs + [max(stall_s, 1e-6)])[-self.window:]
+        if persist_s is not None:
+            self._persist = persist_s
+
+    def report(self) -> dict[str, float | None]:
+        return {"interval_s": self.seconds, "cost_s": self.cost, "mtbf_s": self.mtbf,
+                "expected_loss_fraction": self.expected_loss()}
+
+
+def daly_interval(cost: float, mtbf: float) -> float:
+    """Daly's higher-order optimum checkpoint interval (seconds of work between checkpoints)."""
+    if cost >= 2 * mtbf:
+        return mtbf
+    r = cost / (2 * mtbf)
+    return math.sqrt(2 * cost * mtbf) * (1 + math.sqrt(r) / 3 + r / 9) - cost

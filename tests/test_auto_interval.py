@@ -1,0 +1,70 @@
+"""interval='auto': the Young/Daly optimum from measured save costs, with an injected clock."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import ckpt
+from ckpt.policy import AutoInterval, daly_interval
+
+
+def test_daly_matches_young_to_first_order_and_caps_at_mtbf():
+    assert daly_interval(10.0, 86_400) == pytest.approx(math.sqrt(2 * 10 * 86_400), rel=0.01)
+    assert daly_interval(10.0, 86_400) > math.sqrt(2 * 10 * 86_400) - 10
+    assert daly_interval(500.0, 100.0) == 100.0
+
+
+def test_interval_follows_the_median_of_recent_costs():
+    now = [0.0]
+    ai = AutoInterval(mtbf=3600, clock=lambda: now[0])
+    assert ai.due(0) and ai.seconds is None
+    for c in (1.0, 100.0, 1.0):          # one outlier does not move the median
+        ai.record(c)
+    assert ai.cost == 1.0
+    assert ai.seconds == pytest.approx(daly_interval(1.0, 3600))
+    ai.saved(0)
+    now[0] = ai.seconds - 1
+    assert not ai.due(1)
+    now[0] = ai.seconds + 0.1
+    assert ai.due(2)
+
+
+def test_interval_is_never_shorter_than_the_persist_time():
+    ai = AutoInterval(mtbf=3600)
+    ai.record(0.001, persist_s=30.0)
+    assert ai.seconds == 30.0
+
+
+def test_expected_loss_fraction():
+    ai = AutoInterval(mtbf=1000, restart=20)
+    ai.record(2.0)
+    tau = ai.seconds
+    assert ai.expected_loss() == pytest.approx(2.0 / tau + (tau / 2 + 20) / 1000)
+
+
+def test_checkpointer_with_auto_interval_saves_by_the_injected_clock(local_dir):
+    now = [0.0]
+    with ckpt.Checkpointer(local_dir=local_dir, interval="auto", mtbf=10_000, clock=lambda: now[0],
+                           keep=ckpt.Retention(local=None)) as ck:
+        w = torch.zeros(10)
+        assert ck.maybe_save(0, {"w": w}) is not None      # the first save measures the cost
+        ck.wait()
+        report = ck.interval_report()
+        tau = report["interval_s"]
+        assert tau is not None and tau > 0 and 0 < report["expected_loss_fraction"] < 1
+        now[0] = tau * 0.5
+        assert ck.maybe_save(1, {"w": w}) is None
+        now[0] = tau * 1.01 + 1
+        assert ck.maybe_save(2, {"w": w}) is not None
+
+
+def test_auto_interval_arguments(local_dir):
+    with pytest.raises(ValueError, match="mtbf"):
+        ckpt.Checkpointer(local_dir=local_dir, interval="auto")
+    with pytest.raises(ValueError, match="every_steps"):
+        ckpt.Checkpointer(local_dir=local_dir, interval="auto", mtbf=10, every_steps=5)
+    with pytest.raises(ValueError, match="interval_report"):
+        ckpt.Checkpointer(local_dir=local_dir).interval_report()
