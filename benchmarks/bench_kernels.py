@@ -279,6 +279,37 @@ def measure(case: Case, provider: str, rep_ms: int) -> tuple[float, float]:
     return float(ms), float(peak)
 
 
+def measure_graph(case: Case, provider: str, rep_ms: int) -> float:
+    """Median ms of one CUDA-graph replay of forward+backward: the GPU time alone, without the
+    host overhead (Python, autograd, launches) that ``measure`` includes. NaN where the
+    provider cannot be captured (e.g. it synchronises with the host)."""
+    import triton.testing
+
+    fn = case.providers[provider]
+    case.reset()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    try:
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                _step(case, fn)
+                for t in case.inputs:
+                    t.grad = None
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            _step(case, fn)
+        ms = triton.testing.do_bench(graph.replay, warmup=25, rep=rep_ms, return_mode="median")
+    except Exception as exc:  # noqa: BLE001 - report and move on
+        print(f"  graph capture failed for {provider}: {type(exc).__name__}: {str(exc)[:120]}", flush=True)
+        torch.cuda.synchronize()
+        ms = float("nan")
+    finally:
+        for t in case.inputs:
+            t.grad = None
+    return float(ms)
+
+
 KERNELS = ["rms_norm", "layer_norm", "swiglu", "geglu", "rope", "cross_entropy", "fused_linear_cross_entropy"]
 MAIN_SIZE = {"rms_norm": 4096, "layer_norm": 4096, "swiglu": 14336, "geglu": 14336, "rope": 32,
              "cross_entropy": 128256, "fused_linear_cross_entropy": 128256}
@@ -296,7 +327,7 @@ SMOKE_SIZE = {"rms_norm": 48, "layer_norm": 48, "swiglu": 40, "geglu": 40, "rope
 
 
 def run_one(kernel: str, size: int, dev: str, tokens: int, compile_: bool, rep_ms: int,
-            verify: bool = True) -> list[dict[str, Any]]:
+            verify: bool = True, graph: bool = False) -> list[dict[str, Any]]:
     case = make_case(kernel, size, dev, tokens, compile_)
     providers = list(case.providers)
     errs = check(case, providers) if verify else {}
@@ -307,9 +338,11 @@ def run_one(kernel: str, size: int, dev: str, tokens: int, compile_: bool, rep_m
         except torch.cuda.OutOfMemoryError:
             ms, mib = float("nan"), float("nan")
             torch.cuda.empty_cache()
+        gms = measure_graph(case, p, rep_ms) if graph and dev == "cuda" and p != "compile" else float("nan")
         rows.append({"kernel": kernel, "case": case.name, "size": size, "provider": p, "ms": ms, "peak_mib": mib,
-                     "rel_err_vs_eager": errs.get(p, 0.0)})
-        print(f"  {case.name:48s} {p:8s} {ms:9.3f} ms {mib:9.1f} MiB  err {errs.get(p, 0.0):.2e}", flush=True)
+                     "graph_ms": gms, "rel_err_vs_eager": errs.get(p, 0.0)})
+        print(f"  {case.name:48s} {p:8s} {ms:9.3f} ms {mib:9.1f} MiB  graph {gms:8.3f} ms  "
+              f"err {errs.get(p, 0.0):.2e}", flush=True)
     del case
     if dev == "cuda":
         torch.cuda.empty_cache()
@@ -359,6 +392,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--csv", type=Path, default=None, help="CSV to append to (default benchmarks/results.csv)")
     ap.add_argument("--plot-dir", type=Path, default=None, help="where to write kernels_sweep.png")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU (Triton interpreter)")
+    ap.add_argument("--graph", action="store_true",
+                    help="also time one CUDA-graph replay of fwd+bwd (GPU time without host overhead)")
     args = ap.parse_args(argv)
 
     dev = "cpu" if args.smoke else "cuda"
@@ -375,7 +410,7 @@ def main(argv: list[str] | None = None) -> int:
     for k in kernels if not args.sweep_only else []:
         size = SMOKE_SIZE[k] if args.smoke else MAIN_SIZE[k]
         main_rows += run_one(k, size, dev, tokens, compile_ and (args.compile_all or k in COMPILE_KERNELS),
-                             args.rep_ms)
+                             args.rep_ms, graph=args.graph)
     for c in args.flce_chunks:
         k = "fused_linear_cross_entropy"
         case = make_case(k, SMOKE_SIZE[k] if args.smoke else MAIN_SIZE[k], dev, tokens, False, flce_chunk=c)
@@ -399,6 +434,9 @@ def main(argv: list[str] | None = None) -> int:
                         "value": r["ms"], "unit": "ms", "note": note})
             out.append({"case": r["case"], "provider": r["provider"], "metric": "peak_mem_above_inputs",
                         "value": r["peak_mib"], "unit": "MiB", "note": note})
+            if r.get("graph_ms", float("nan")) == r.get("graph_ms"):  # not NaN
+                out.append({"case": r["case"], "provider": r["provider"], "metric": "fwd_bwd_graph_replay_median",
+                            "value": r["graph_ms"], "unit": "ms", "note": note})
         return out
 
     path = record("bench_kernels", csv_rows(main_rows, "main") + csv_rows(sweep_rows, "sweep"), args.csv)
@@ -421,6 +459,18 @@ def main(argv: list[str] | None = None) -> int:
     cols = ["case"] + [f"{p} {m}" for p in ("ours", "eager", "compile", "liger") for m in ("ms", "MiB")
                        if any(f"{p} {m}" in r for r in summary)]
     print(table(summary, cols))
+    if args.graph:
+        gsum = []
+        for case in dict.fromkeys(r["case"] for r in main_rows):
+            row = {"case": case}
+            for r in main_rows:
+                if r["case"] == case and r.get("graph_ms", float("nan")) == r.get("graph_ms"):
+                    row[f"{r['provider']} graph ms"] = round(r["graph_ms"], 3)
+            gsum.append(row)
+        gcols = ["case"] + [f"{p} graph ms" for p in ("ours", "eager", "liger") if any(f"{p} graph ms" in r
+                                                                                   for r in gsum)]
+        print("\nCUDA-graph replay (GPU time only, no host overhead):")
+        print(table(gsum, gcols))
     return 0
 
 

@@ -132,8 +132,8 @@ class LayerNormFunction(torch.autograd.Function):
         n_rows, n = x2.shape
         y = torch.empty(shape, dtype=x.dtype, device=x.device)  # owns its storage
         y2 = y.view(n_rows, n)
-        mean = torch.empty(n_rows, dtype=torch.float32, device=x.device)
-        rstd = torch.empty(n_rows, dtype=torch.float32, device=x.device)
+        stats = torch.empty((2, n_rows), dtype=torch.float32, device=x.device)  # one allocation
+        mean, rstd = stats[0], stats[1]
         block = next_power_of_2(n)
         if n_rows > 0:
             _fwd[(n_rows,)](
@@ -158,25 +158,31 @@ class LayerNormFunction(torch.autograd.Function):
         need_dw = ctx.needs_input_grad[1]
         need_db = ctx.has_bias and ctx.needs_input_grad[2]
         block = next_power_of_2(n)
-        dw_part = db_part = None
+        dw = db = None
         if (need_dw or need_db) and n_rows > 0:
+            # one partial buffer, one reduction and (when dtypes agree) one cast: the host
+            # overhead of small aten calls is comparable to these kernels' GPU time
             splits, per = dw_split(n_rows, n, x2.device)
-            dw_part = torch.empty((splits, n) if need_dw else (1,), dtype=torch.float32, device=x2.device)
-            db_part = torch.empty((splits, n) if need_db else (1,), dtype=torch.float32, device=x2.device)
+            part = torch.empty((2, splits, n), dtype=torch.float32, device=x2.device)
             _bwd_dwdb[(-(-n // _DW_BLOCK_C), splits)](
-                dy2, x2, mean, rstd, dw_part, db_part, dy2.stride(0), x2.stride(0), n_rows, n, per,
+                dy2, x2, mean, rstd, part[0], part[1], dy2.stride(0), x2.stride(0), n_rows, n, per,
                 BLOCK_R=_DW_BLOCK_R, BLOCK_C=_DW_BLOCK_C, COMPUTE_DW=need_dw, COMPUTE_DB=need_db, num_warps=4,
             )
+            sums = part.sum(1)
+            if need_dw and need_db and weight.dtype == ctx.bias_dtype:
+                dw, db = sums.to(weight.dtype).unbind(0)
+            else:
+                dw = sums[0].to(weight.dtype) if need_dw else None
+                db = sums[1].to(ctx.bias_dtype) if need_db else None
         if n_rows > 0:
             _bwd_dx[(n_rows,)](
                 dy2, x2, weight, mean, rstd, dx, dy2.stride(0), x2.stride(0), dx.stride(0), n,
                 BLOCK_N=block, num_warps=_num_warps(block),
             )
-        dw = db = None
-        if need_dw:
-            dw = dw_part.sum(0).to(weight.dtype) if n_rows else torch.zeros_like(weight)
-        if need_db:
-            db = db_part.sum(0).to(ctx.bias_dtype) if n_rows else torch.zeros(n, dtype=ctx.bias_dtype, device=x2.device)
+        if need_dw and dw is None:
+            dw = torch.zeros_like(weight)
+        if need_db and db is None:
+            db = torch.zeros(n, dtype=ctx.bias_dtype, device=x2.device)
         return dx.view(ctx.shape), dw, db, None
 
 
