@@ -50,7 +50,6 @@ from torch import nn
 
 from ._utils import (
     LazyKernel,
-    bump_version,
     check_runnable_device,
     check_same_device,
     check_tensor,
