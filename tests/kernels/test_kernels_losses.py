@@ -147,3 +147,21 @@ def test_loss_modules():
     torch.testing.assert_close(ce((x @ w.t()).clone(), t), want)
     torch.testing.assert_close(fl(x, w, t), want)
     assert "label_smoothing=0.1" in repr(fl)
+
+
+def test_frozen_weight_and_no_grad_paths():
+    """A frozen LM head (e.g. LoRA) gets no weight gradient; no-grad calls compute only the loss."""
+    x = torch.randn(12, 16, device=DEVICE, requires_grad=True)
+    w = torch.randn(23, 16, device=DEVICE)
+    t = targets(12, 23)
+    loss = fused_linear_cross_entropy(x, w, t.to(DEVICE), chunk_size=5)
+    loss.backward()
+    xr = x.detach().clone().requires_grad_()
+    flce_ref(xr, w, t.to(DEVICE)).backward()
+    torch.testing.assert_close(x.grad, xr.grad, atol=1e-5, rtol=1e-4)
+    with torch.no_grad():
+        logits = x @ w.t()
+        before = logits.clone()
+        torch.testing.assert_close(cross_entropy(logits, t.to(DEVICE)), ce_ref(before, t.to(DEVICE)))
+        assert torch.equal(logits, before)  # nothing written without autograd
+        torch.testing.assert_close(fused_linear_cross_entropy(x, w, t.to(DEVICE)), ce_ref(before, t.to(DEVICE)))
