@@ -23,7 +23,7 @@ from .plan import flatten, layout
 from .policy import AutoInterval, Interval, Retention
 from .restore import RestoreInfo, restore as _restore
 from .stage import HostPool, Snapshot, SnapshotStats, stage, wait_all_staged
-from .tiers import LocalTier, MemoryTier
+from .tiers import LocalTier, MemoryTier, RemoteTier
 
 __all__ = ["Checkpointer", "CheckpointInfo", "IfBusy"]
 
@@ -52,6 +52,14 @@ class Checkpointer:
     """Two-phase checkpointing of a training state: snapshot now, persist in the background.
 
     Args:
+        url: the durable remote tier, any fsspec URL (``s3://bucket/run``,
+            ``gs://...``, ``file:///...``, ``memory://...``), or ``None``.
+            Resolved once with ``storage_options``; uploads run beside the local
+            write, straight from host memory.
+        storage_options: passed to fsspec for ``url`` (endpoint, credentials,
+            retry configuration).
+        compression: ``None`` or ``"zstd"`` (byte-shuffled, per chunk) for the
+            remote tier.
         local_dir: directory of the local tier, on fast local storage (default:
             ``$CKPT_LOCAL_DIR``), or a :class:`~ckpt.tiers.LocalTier` instance
             (a subclass, say, for fault injection or a custom layout).
@@ -85,7 +93,9 @@ class Checkpointer:
     process, CPU or one GPU.
     """
 
-    def __init__(self, *, local_dir: str | os.PathLike | LocalTier | None = None, every_steps: int | None = None,
+    def __init__(self, url: str | None = None, *, local_dir: str | os.PathLike | LocalTier | None = None,
+                 storage_options: dict[str, Any] | None = None, compression: str | None = None,
+                 every_steps: int | None = None,
                  every_seconds: float | None = None, keep: Retention | None = None, max_in_flight: int = 1,
                  if_busy: str | IfBusy = IfBusy.WAIT, host_memory_limit: int | None = None,
                  on_unsupported: str = "error", interval: str | None = None, mtbf: float | None = None,
@@ -125,6 +135,10 @@ class Checkpointer:
         self._guard = None
         self.on_unsupported = on_unsupported
         self.local = local_dir if isinstance(local_dir, LocalTier) else LocalTier(local_dir)
+        self.remote = (url if isinstance(url, RemoteTier) else RemoteTier(url, storage_options, compression=compression)) \
+            if url is not None else None
+        if url is None and compression is not None:
+            raise ValueError("compression applies to the remote tier: pass a url too, or compression=None")
         self.pool = HostPool(max_in_flight, host_memory_limit)
         self.memory = MemoryTier(self.pool)
         self.history: collections.deque[SnapshotStats] = collections.deque(maxlen=10_000)
@@ -134,7 +148,8 @@ class Checkpointer:
         self._failures: list[tuple[SaveHandle, BaseException]] = []
         self._lock = threading.Lock()
         self._side_stream = torch.cuda.Stream() if torch.cuda.is_available() else None
-        self._pipeline = Pipeline(self.pool, self.memory, self.local, self._apply_retention, self._failed)
+        self._pipeline = Pipeline(self.pool, self.memory, self.local, self.remote, self._apply_retention,
+                                  self._failed)
         self._closed = False
 
     # -- context manager ----------------------------------------------------------------------------
@@ -216,7 +231,7 @@ class Checkpointer:
         plan = flatten(state, self.on_unsupported)
         records, data_bytes = layout(plan.entries, knobs.get("CKPT_ALIGN_BYTES"))
         stats = SnapshotStats(step, nbytes=data_bytes)
-        handle = SaveHandle(step, ["memory", "local"], stats)
+        handle = SaveHandle(step, self.tiers, stats)
         t_wait = time.perf_counter()
         buf = self.pool.acquire(data_bytes, block=self.if_busy is IfBusy.WAIT, step=step)
         stats.wait_s = time.perf_counter() - t_wait
@@ -287,9 +302,37 @@ class Checkpointer:
                 h.wait("memory")
             except BaseException:
                 pass
-        info = _restore(state, self.memory, self.local, step, strict)
+        info = _restore(state, self.memory, self.local, self.remote, step, strict)
         self.last_restore = info
         return None if info is None else info.step
+
+    @property
+    def tiers(self) -> list[str]:
+        """The tiers a save goes to, nearest first."""
+        return ["memory", "local"] + (["remote"] if self.remote is not None else [])
+
+    def promote(self, step: int, to: str) -> None:
+        """Copy committed checkpoint ``step`` to tier ``to`` (``"remote"`` or ``"local"``), verifying every byte.
+
+        ``to="remote"`` uploads it from the local tier; ``to="local"`` downloads it
+        from the remote tier. Raises ``FileNotFoundError`` if the source tier does
+        not hold ``step`` and :class:`~ckpt.errors.CorruptCheckpointError` if its
+        bytes fail their checksums (nothing is committed at the destination then).
+        """
+        self._check_open()
+        if to == "remote":
+            if self.remote is None:
+                raise ValueError("promote(to='remote') needs Checkpointer(url=...)")
+            _, manifest = self.local.open(step)
+            with self.local.mapped(step) as data:
+                self.remote.write(step, manifest, data)   # checks the chunk checksums on the way
+        elif to == "local":
+            if self.remote is None:
+                raise ValueError("promote(to='local') copies from the remote tier: pass Checkpointer(url=...)")
+            _, manifest = self.remote.open(step)
+            self.remote.load(step, manifest, None, refill=self.local)
+        else:
+            raise ValueError(f"to must be 'remote' or 'local', got {to!r}")
 
     def list(self) -> list[CheckpointInfo]:
         """Checkpoints visible on any tier, newest first."""
@@ -302,6 +345,10 @@ class Checkpointer:
             except OSError:
                 size = created = None
             found[s] = CheckpointInfo(s, ["local"], str(d), size, created)
+        if self.remote is not None:
+            for s in self.remote.committed_steps():
+                info = found.setdefault(s, CheckpointInfo(s, [], self.remote.step_dir(s), None, None))
+                info.tiers.append("remote")
         mem = self.memory.newest()
         if mem is not None:
             s, m = mem
@@ -339,16 +386,18 @@ class Checkpointer:
                 log.error("%d saves failed; raising the first (step %d)", len(failures), handle.step)
             raise err
 
-    def _apply_retention(self) -> None:
-        keep = self.keep.local
-        steps = self.local.committed_steps()
-        if not steps:
-            return
+    def _apply_retention(self, tiers: list[str]) -> None:
         busy = self._pipeline.in_flight()
-        newest = steps[0]
-        doomed = [] if keep is None else steps[keep:]
-        # Uncommitted leftovers older than the newest commit come from crashed or failed writes.
-        stale = [s for s in self.local.all_step_dirs() if s < newest and s not in steps]
-        for s in doomed + stale:
-            if s != newest and s not in busy:
-                self.local.delete(s)
+        for name in tiers:
+            tier = self.local if name == "local" else self.remote
+            keep = self.keep.local if name == "local" else self.keep.remote
+            steps = tier.committed_steps()
+            if not steps:
+                continue
+            newest = steps[0]
+            doomed = [] if keep is None else steps[keep:]
+            # Uncommitted leftovers older than the newest commit come from crashed or failed writes.
+            stale = [s for s in tier.all_step_dirs() if s < newest and s not in steps]
+            for s in doomed + stale:
+                if s != newest and s not in busy:
+                    tier.delete(s)

@@ -24,7 +24,7 @@ import re
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -46,6 +46,7 @@ __all__ = [
     "str_to_dtype",
     "write_atomic",
     "fsync_dir",
+    "read_records",
 ]
 
 FORMAT_VERSION = 1
@@ -132,6 +133,8 @@ class Manifest:
     chunks: list[int]
     items: list[ItemRecord]
     tree: Any
+    codecs: list[str] | None = None        # per chunk, on tiers that encode chunks (remote); None: raw
+    stored_sizes: list[int] | None = None  # per chunk, bytes as stored (after the codec)
     checksum_algorithm: str = ALGORITHM
     format_version: int = FORMAT_VERSION
     created_unix: float = field(default_factory=time.time)
@@ -167,6 +170,14 @@ class Manifest:
             raise bad("chunk checksum list does not cover the data file")
         if not all(_is_nonneg_int(c) for c in self.chunks):
             raise bad("chunk checksums must be non-negative integers")
+        if (self.codecs is None) != (self.stored_sizes is None):
+            raise bad("codecs and stored_sizes must both be present or both absent")
+        if self.codecs is not None:
+            if not (isinstance(self.codecs, list) and isinstance(self.stored_sizes, list)
+                    and len(self.codecs) == len(self.chunks) == len(self.stored_sizes)
+                    and all(isinstance(c, str) for c in self.codecs)
+                    and all(_is_nonneg_int(n) for n in self.stored_sizes)):
+                raise bad("per-chunk codecs / stored sizes do not match the chunk list")
         for i, it in enumerate(self.items):
             dtype = str_to_dtype(it.dtype, where)
             if not isinstance(it.key, str) or not isinstance(it.device, str):
@@ -257,3 +268,32 @@ def write_atomic(path: Path, data: bytes) -> None:
         os.fsync(f.fileno())
     os.replace(tmp, path)
     fsync_dir(path.parent)
+
+
+def read_records(get: "Callable[[str], bytes]", step: int, rank: int, world_size: int,
+                 where: str) -> tuple[Commit, Manifest]:
+    """Read and validate ``COMMIT`` and rank ``rank``'s manifest of ``step`` through ``get(name)``.
+
+    ``get`` returns a file's bytes by its name inside the step directory (raising
+    :class:`~ckpt.errors.IncompleteCheckpointError` when it is missing); ``where``
+    prefixes error messages (the step directory's path or URL).
+    """
+    from .errors import IncompatibleCheckpointError
+
+    cwhere = f"{where}/{COMMIT_NAME}"
+    commit = Commit.from_bytes(get(COMMIT_NAME), cwhere)
+    if commit.step != step:
+        raise CorruptCheckpointError(f"{cwhere}: records step {commit.step}, directory says {step}")
+    if commit.world_size != world_size:
+        raise IncompatibleCheckpointError(
+            f"{cwhere}: saved with world size {commit.world_size}, restoring with {world_size}")
+    mname = manifest_name(rank)
+    if mname not in commit.manifests:
+        raise CorruptCheckpointError(f"{cwhere}: does not list {mname}")
+    raw = get(mname)
+    if Commit.manifest_checksum(raw) != commit.manifests[mname]:
+        raise CorruptCheckpointError(f"{where}/{mname}: checksum does not match the one recorded in {cwhere}")
+    manifest = Manifest.from_bytes(raw, f"{where}/{mname}")
+    if commit.data.get(data_name(rank)) != manifest.data_bytes:
+        raise CorruptCheckpointError(f"{cwhere}: data size record disagrees with {where}/{mname}")
+    return commit, manifest

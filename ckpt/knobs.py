@@ -21,6 +21,8 @@ _DEFAULTS: dict[str, int] = {
     "CKPT_IO_THREADS": max(2, min(16, os.cpu_count() or 2)),
     # Pinned chunks in flight while restoring from disk to a GPU.
     "CKPT_RESTORE_BUFFERS": 16,
+    # Parallel requests (parts in flight) to the remote tier.
+    "CKPT_REMOTE_THREADS": 8,
     # Read checkpoints with O_DIRECT where the file system supports it (1) or through the page cache (0).
     "CKPT_DIRECT_IO": 1,
 }

@@ -18,10 +18,11 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from typing import Callable
 
 from .stage import HostPool, Snapshot, SnapshotStats
-from .tiers import LocalTier, MemoryTier
+from .tiers import LocalTier, MemoryTier, RemoteTier
 
 __all__ = ["SaveHandle", "Pipeline"]
 
@@ -31,8 +32,8 @@ log = logging.getLogger(__name__)
 class SaveHandle:
     """The progress of one save, tier by tier.
 
-    Tiers: ``"memory"`` (the snapshot is complete in host memory) and
-    ``"local"``. ``status`` is ``"pending"``, ``"done"``, ``"failed"`` or
+    Tiers: ``"memory"`` (the snapshot is complete in host memory),
+    ``"local"`` and, with a URL, ``"remote"``. ``status`` is ``"pending"``, ``"done"``, ``"failed"`` or
     ``"skipped"`` (``if_busy="skip"`` and every buffer was busy).
     """
 
@@ -103,13 +104,16 @@ class SaveHandle:
 
 
 class Pipeline:
-    """The background persister: one worker thread, tiers written in order."""
+    """The background persister: one worker thread; the local write and the remote upload run side by side."""
 
-    def __init__(self, pool: HostPool, memory: MemoryTier, local: LocalTier,
-                 retention: Callable[[], None], on_error: Callable[[SaveHandle, BaseException], None]) -> None:
+    def __init__(self, pool: HostPool, memory: MemoryTier, local: LocalTier, remote: RemoteTier | None,
+                 retention: Callable[[list[str]], None],
+                 on_error: Callable[[SaveHandle, BaseException], None]) -> None:
         self.pool = pool
         self.memory = memory
         self.local = local
+        self.remote = remote
+        self._uploader = ThreadPoolExecutor(1, thread_name_prefix="ckpt-remote") if remote is not None else None
         self._retention = retention
         self._on_error = on_error
         self._queue: queue.Queue = queue.Queue()
@@ -146,6 +150,8 @@ class Pipeline:
     def close(self) -> None:
         self._queue.put(None)
         self._thread.join()
+        if self._uploader is not None:
+            self._uploader.shutdown()
 
     def _run(self) -> None:
         while True:
@@ -161,33 +167,42 @@ class Pipeline:
                     self._in_flight.discard(snap.step)
 
     def _persist(self, snap: Snapshot, handle: SaveHandle) -> None:
-        released = False
-
-        def release() -> None:
-            # Before the handle reports done: a save issued right after handle.wait() finds the buffer free.
-            nonlocal released
-            if not released:
-                released = True
-                self.pool.release(snap.buffer)
-
-        try:
-            if snap.error is not None:
-                raise snap.error
-            data = snap.buffer.memoryview(snap.data_bytes)
-            handle.stats.persist_s["local"] = self.local.write(snap.step, snap.manifest, data)
-            del data
+        def run(tier: str, write: Callable[[], float]) -> BaseException | None:
             try:
-                self._retention()
+                handle.stats.persist_s[tier] = write()
+                return None
+            except BaseException as e:
+                log.error("checkpoint of step %d failed on the %s tier: %s", snap.step, tier, e)
+                self._on_error(handle, e)
+                return e
+
+        if snap.error is not None:    # the snapshot itself is bad (torn, or the copy failed)
+            snap.buffer.image_step = None
+            log.error("checkpoint of step %d failed: %s", snap.step, snap.error)
+            self._on_error(handle, snap.error)
+            self.pool.release(snap.buffer)
+            handle._fail_rest(snap.error)
+            return
+        data = snap.buffer.memoryview(snap.data_bytes)
+        upload = None
+        if self.remote is not None:   # straight from host memory, beside the local write: no second copy
+            remote = self.remote
+            upload = self._uploader.submit(run, "remote", lambda: remote.write(snap.step, snap.manifest, data))
+        local_error = run("local", lambda: self.local.write(snap.step, snap.manifest, data))
+        if upload is not None:
+            handle._finish("local", local_error)   # the buffer stays busy until the upload has read it
+        remote_error = upload.result() if upload is not None else None
+        del data
+        committed = [t for t, e in (("local", local_error), ("remote", remote_error))
+                     if e is None and (t == "local" or upload is not None)]
+        if committed:
+            try:
+                self._retention(committed)
             except OSError as e:   # retention trouble never fails a committed save
                 log.warning("retention after step %d failed: %s", snap.step, e)
-            release()
-            handle._finish("local")
-        except BaseException as e:
-            if not (isinstance(e, OSError) and snap.buffer.image_step == snap.step):
-                snap.buffer.image_step = None   # an OSError leaves the staged memory image valid
-            log.error("checkpoint of step %d failed: %s", snap.step, e)
-            self._on_error(handle, e)
-            release()
-            handle._fail_rest(e)
-        finally:
-            release()
+        # Release before reporting the last tier: a save issued right after handle.wait() finds the buffer free.
+        self.pool.release(snap.buffer)
+        if upload is not None:
+            handle._finish("remote", remote_error)
+        else:
+            handle._finish("local", local_error)

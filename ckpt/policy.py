@@ -14,17 +14,21 @@ __all__ = ["Retention", "Interval", "AutoInterval", "daly_interval"]
 class Retention:
     """How many committed checkpoints each tier keeps.
 
-    ``local``: newest checkpoints kept in ``local_dir`` (``None`` keeps all).
+    ``local``: newest checkpoints kept in ``local_dir``; ``remote``: at the
+    URL (``None`` keeps all).
     The newest committed checkpoint and any checkpoint still being written are
     never deleted, whatever the setting.
     """
 
     local: int | None = 2
+    remote: int | None = 10
 
     def __post_init__(self) -> None:
-        if self.local is not None and (not isinstance(self.local, int) or self.local < 1):
-            raise ValueError(f"Retention(local={self.local!r}): keep at least 1, since the newest committed "
-                             "checkpoint is never deleted (or None to keep all)")
+        for tier in ("local", "remote"):
+            n = getattr(self, tier)
+            if n is not None and (not isinstance(n, int) or n < 1):
+                raise ValueError(f"Retention({tier}={n!r}): keep at least 1, since the newest committed "
+                                 "checkpoint is never deleted (or None to keep all)")
 
 
 class Interval:

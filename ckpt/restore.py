@@ -1,7 +1,7 @@
 """Restore: the newest checkpoint that verifies, from the nearest tier that holds it.
 
 Candidates are ordered newest step first and, for one step, nearest tier
-first (memory, then local). A candidate whose files are missing, torn or
+first (memory, then local, then remote). A candidate whose files are missing, torn or
 corrupt is skipped with a warning naming the file, and the next one is tried.
 A checkpoint that is valid but does not fit the state (other keys, shapes or
 world size) is not a storage fault: it raises at once.
@@ -20,7 +20,7 @@ import torch
 from .errors import (CheckpointError, CorruptCheckpointError, IncompatibleCheckpointError,
                      IncompleteCheckpointError, NoCheckpointError)
 from .plan import bind
-from .tiers import LocalTier, MemoryTier
+from .tiers import LocalTier, MemoryTier, RemoteTier
 
 __all__ = ["RestoreInfo", "restore"]
 
@@ -42,20 +42,28 @@ class RestoreInfo:
         return self.nbytes / self.seconds / 1e9 if self.seconds else float("inf")
 
 
-def restore(state: dict, memory: MemoryTier, local: LocalTier, step: int | None = None,
-            strict: bool = True) -> RestoreInfo | None:
-    """Load the newest verified checkpoint (or ``step``) into ``state`` in place."""
+def restore(state: dict, memory: MemoryTier, local: LocalTier, remote: RemoteTier | None,
+            step: int | None = None, strict: bool = True) -> RestoreInfo | None:
+    """Load the newest verified checkpoint (or ``step``) into ``state`` in place.
+
+    A checkpoint read from the remote tier is written to the local tier on the
+    way (verified chunk by chunk), so the next restore is local.
+    """
     candidates: list[tuple[int, Any]] = []
     mem = memory.newest()
     if mem is not None:
         candidates.append((mem[0], memory))
     candidates += [(s, local) for s in local.committed_steps()]
-    candidates.sort(key=lambda c: (-c[0], c[1] is not memory))
+    if remote is not None:
+        candidates += [(s, remote) for s in remote.committed_steps()]
+    order = {"memory": 0, "local": 1, "remote": 2}
+    candidates.sort(key=lambda c: (-c[0], order[c[1].name]))
     if step is not None:
         candidates = [c for c in candidates if c[0] == step]
         if not candidates:
-            raise FileNotFoundError(f"step {step} is on no tier (local_dir={local.root}); "
-                                    f"committed there: {local.committed_steps()}")
+            raise FileNotFoundError(f"step {step} is on no tier (local_dir={local.root}"
+                                    f"{', url=' + remote.url if remote is not None else ''}); "
+                                    f"committed locally: {local.committed_steps()}")
     if not candidates:
         return None
     skipped: list[str] = []
@@ -64,7 +72,10 @@ def restore(state: dict, memory: MemoryTier, local: LocalTier, step: int | None 
         try:
             manifest = mem[1] if tier is memory else tier.open(s)[1]
             binding = bind(state, manifest.tree, manifest.items, strict)
-            tier.load(s, manifest, binding.dest)
+            if tier is remote:
+                tier.load(s, manifest, binding.dest, refill=local)
+            else:
+                tier.load(s, manifest, binding.dest)
             _finish(binding)
         except (CorruptCheckpointError, IncompleteCheckpointError, OSError, LookupError) as e:
             msg = f"step {s} on the {tier.name} tier is unusable, trying an older one: {e}"

@@ -18,11 +18,11 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     run_slow = "slow" in markexpr or os.environ.get("CKPT_SLOW") == "1"
     ngpu = torch.cuda.device_count() if torch.cuda.is_available() else 0
     for item in items:
-        if "slow" in item.keywords and not run_slow:
+        if item.get_closest_marker("slow") and not run_slow:
             item.add_marker(pytest.mark.skip(reason="slow: select with -m slow or CKPT_SLOW=1"))
-        if "gpu" in item.keywords and ngpu < 1:
+        if item.get_closest_marker("gpu") and ngpu < 1:
             item.add_marker(pytest.mark.skip(reason="needs a CUDA GPU (run on the device machine)"))
-        if "multigpu" in item.keywords and ngpu < 2:
+        if item.get_closest_marker("multigpu") and ngpu < 2:
             item.add_marker(pytest.mark.skip(reason="needs two or more CUDA GPUs"))
 
 
@@ -31,3 +31,33 @@ def local_dir(tmp_path):
     d = tmp_path / "local"
     d.mkdir()
     return d
+
+
+@pytest.fixture(scope="session")
+def s3_server():
+    """moto's S3 server on 127.0.0.1 at a free port, for the whole session."""
+    pytest.importorskip("s3fs")
+    moto_server = pytest.importorskip("moto.server")
+    from s3server import free_port
+
+    port = free_port()
+    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    yield port
+    server.stop()
+
+
+@pytest.fixture
+def s3_bucket(s3_server, request):
+    """A fresh bucket on the session's S3 server; returns (bucket, port)."""
+    import re
+
+    import s3fs
+    from s3server import storage_options
+
+    import uuid
+
+    name = re.sub(r"[^a-z0-9-]", "-", request.node.name.lower())[:30].strip("-") + "-" + uuid.uuid4().hex[:12]
+    fs = s3fs.S3FileSystem(**storage_options(s3_server), skip_instance_cache=True)
+    fs.mkdir(name)
+    yield name, s3_server

@@ -17,11 +17,11 @@ class FullDiskTier(LocalTier):
 
     full = False
 
-    def _write_data(self, path, data, chunk):
+    def _write_data(self, path, size, chunk, get):
         if not self.full:
-            return super()._write_data(path, data, chunk)
+            return super()._write_data(path, size, chunk, get)
         with open(path, "wb") as f:
-            f.write(bytes(data[: len(data) // 2]))
+            f.write(bytes(get(0))[: size // 2])
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
 
 

@@ -2,5 +2,6 @@
 
 from .local import LocalTier
 from .memory import MemoryTier
+from .remote import RemoteTier
 
-__all__ = ["LocalTier", "MemoryTier"]
+__all__ = ["LocalTier", "MemoryTier", "RemoteTier"]

@@ -14,7 +14,10 @@ and scatter the bytes into the destination tensors.
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import errno
+import mmap
 import logging
 import os
 import queue
@@ -22,13 +25,14 @@ import shutil
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Callable, Iterator
 
 import torch
 
 from .. import knobs
-from ..errors import CorruptCheckpointError, IncompatibleCheckpointError, IncompleteCheckpointError
+from ..errors import CorruptCheckpointError, IncompleteCheckpointError
 from ..format import (COMMIT_NAME, LATEST_NAME, Commit, Manifest, data_name, fsync_dir, manifest_name,
-                      parse_step_dir, step_dir_name, write_atomic)
+                      parse_step_dir, read_records, step_dir_name, write_atomic)
 from ..integrity import checksum
 from ..scatter import Scatter
 
@@ -75,18 +79,34 @@ class LocalTier:
 
     # -- write ------------------------------------------------------------------------------------
     def write(self, step: int, manifest: Manifest, data: memoryview) -> float:
-        """Persist ``data`` (the rank's data file image) and commit; returns seconds spent."""
+        """Persist ``data`` (the rank's data file image) and commit; returns seconds spent.
+
+        Fills ``manifest.chunks`` with the checksums computed on the way.
+        """
+        c = manifest.chunk_bytes
+        return self.write_chunks(step, manifest, lambda i: data[i * c:(i + 1) * c], compute_checksums=True)
+
+    def write_chunks(self, step: int, manifest: Manifest, chunk: Callable[[int], bytes | memoryview],
+                     compute_checksums: bool) -> float:
+        """Persist the data file from ``chunk(i)`` (its ``i``-th chunk) and commit; returns seconds spent.
+
+        With ``compute_checksums=False`` the manifest's checksums are kept: the
+        caller has verified the chunks already (a restore from the remote tier).
+        """
         t0 = time.perf_counter()
         d = self.step_dir(step)
         try:
             self._clear(d)
             d.mkdir(parents=True, exist_ok=True)
-            manifest.chunks = self._write_data(d / data_name(self.rank), data, manifest.chunk_bytes)
-            raw = manifest.to_bytes()
+            sums = self._write_data(d / data_name(self.rank), manifest.data_bytes, manifest.chunk_bytes, chunk)
+            if compute_checksums:
+                manifest.chunks = sums
+            local = dataclasses.replace(manifest, codecs=None, stored_sizes=None)
+            raw = local.to_bytes()
             write_atomic(d / manifest_name(self.rank), raw)
             commit = Commit(step=step, world_size=self.world_size,
                             manifests={manifest_name(self.rank): Commit.manifest_checksum(raw)},
-                            data={data_name(self.rank): len(data)})
+                            data={data_name(self.rank): manifest.data_bytes})
             write_atomic(d / COMMIT_NAME, commit.to_bytes())
             write_atomic(self.root / LATEST_NAME, (step_dir_name(step) + "\n").encode())
         except OSError as e:
@@ -100,26 +120,25 @@ class LocalTier:
             raise
         return time.perf_counter() - t0
 
-    def _write_data(self, path: Path, data: memoryview, chunk: int) -> list[int]:
+    def _write_data(self, path: Path, size: int, chunk: int, get: Callable[[int], bytes | memoryview]) -> list[int]:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
-            if len(data):
+            if size:
                 try:
-                    os.posix_fallocate(fd, 0, len(data))   # ENOSPC now, not halfway through
+                    os.posix_fallocate(fd, 0, size)   # ENOSPC now, not halfway through
                 except OSError as e:
                     if e.errno not in (errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
                         raise OSError(e.errno, e.strerror, str(path)) from None
 
-            def one(off: int) -> int:
-                view = data[off:off + chunk]
-                done = 0
+            def one(i: int) -> int:
+                view = memoryview(get(i))
+                off, done = i * chunk, 0
                 while done < len(view):
                     done += os.pwrite(fd, view[done:], off + done)
                 return checksum(view)
 
-            offsets = range(0, len(data), chunk)
             with ThreadPoolExecutor(knobs.get("CKPT_IO_THREADS"), thread_name_prefix="ckpt-write") as ex:
-                sums = list(ex.map(one, offsets))
+                sums = list(ex.map(one, range(-(-size // chunk))))
             os.fsync(fd)
         except OSError as e:
             if e.filename is None:
@@ -149,34 +168,38 @@ class LocalTier:
         self._clear(self.step_dir(step))
 
     # -- read -------------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def mapped(self, step: int) -> Iterator[memoryview]:
+        """This rank's data file of ``step``, memory-mapped read-only (no copy into this process)."""
+        path = self.step_dir(step) / data_name(self.rank)
+        with open(path, "rb") as f:
+            if os.fstat(f.fileno()).st_size == 0:
+                yield memoryview(b"")
+                return
+            mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+            view = memoryview(mm)
+            try:
+                yield view
+            finally:
+                try:
+                    view.release()
+                    mm.close()
+                except BufferError:
+                    pass   # a slice is still referenced somewhere: the mapping closes when it is collected
+
     def open(self, step: int) -> tuple[Commit, Manifest]:
         """Read and validate the commit record and this rank's manifest of ``step``."""
         d = self.step_dir(step)
-        cpath = d / COMMIT_NAME
-        commit = Commit.from_bytes(_read(cpath), str(cpath))
-        if commit.step != step:
-            raise CorruptCheckpointError(f"{cpath}: records step {commit.step}, directory says {step}")
-        if commit.world_size != self.world_size:
-            raise IncompatibleCheckpointError(
-                f"{cpath}: saved with world size {commit.world_size}, restoring with {self.world_size}")
-        mname = manifest_name(self.rank)
-        mpath = d / mname
-        if mname not in commit.manifests:
-            raise CorruptCheckpointError(f"{cpath}: does not list {mname}")
-        raw = _read(mpath)
-        if Commit.manifest_checksum(raw) != commit.manifests[mname]:
-            raise CorruptCheckpointError(f"{mpath}: checksum does not match the one recorded in {cpath}")
-        manifest = Manifest.from_bytes(raw, str(mpath))
+        commit, manifest = read_records(lambda name: _read(d / name), step, self.rank, self.world_size, str(d))
         dpath = d / data_name(self.rank)
-        expected = commit.data.get(data_name(self.rank))
-        if expected != manifest.data_bytes:
-            raise CorruptCheckpointError(f"{cpath}: data size record disagrees with {mpath}")
         try:
             size = dpath.stat().st_size
         except FileNotFoundError:
             raise IncompleteCheckpointError(f"{dpath}: data file is missing") from None
         if size != manifest.data_bytes:
             raise IncompleteCheckpointError(f"{dpath}: {size} bytes on disk, {manifest.data_bytes} committed")
+        if manifest.codecs is not None and any(c != "raw" for c in manifest.codecs):
+            raise CorruptCheckpointError(f"{d}: the local tier stores raw chunks, the manifest lists codecs")
         return commit, manifest
 
     def load(self, step: int, manifest: Manifest, dest: list[torch.Tensor | None]) -> None:

@@ -1,0 +1,241 @@
+"""The remote tier: any fsspec URL (``s3://``, ``gs://``, ``hdfs://``, ``file://``, ``memory://`` ...).
+
+Layout under the URL: the local tier's, except that a rank's data is stored as
+one object per chunk (``rank-00000/part-000000`` ...), each raw or
+zstd-compressed, so that uploads and downloads run as parallel independent
+requests of 16 MiB with no multipart bookkeeping, any fsspec backend works
+the same way, and a chunk can be verified and used as soon as it arrives.
+The manifest records each part's codec and stored size; checksums are of the
+decoded bytes, identical to the local tier's. ``COMMIT`` is put last, then
+``latest``: a reader never sees a step without ``COMMIT``, and a failed upload
+leaves the previous remote checkpoint untouched.
+
+The filesystem is resolved once (``fsspec.core.url_to_fs``), never per file;
+chained URLs (``simplecache::s3://...``) pass through. Transient failures are
+retried by the backend's own machinery: for S3 the default here is botocore's
+"standard" retry mode with 10 attempts (5xx answers, throttling, dropped
+connections, timeouts); ``storage_options={"config_kwargs": {"retries": ...}}``
+overrides it.
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+import logging
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Callable
+
+import fsspec
+import torch
+
+from .. import knobs
+from ..codec import decode, encode
+from ..errors import CorruptCheckpointError, IncompleteCheckpointError
+from ..format import (COMMIT_NAME, LATEST_NAME, Commit, ItemRecord, Manifest, data_name, manifest_name,
+                      parse_step_dir, read_records, step_dir_name)
+from ..integrity import checksum
+from ..scatter import Scatter
+
+__all__ = ["RemoteTier"]
+
+log = logging.getLogger(__name__)
+
+
+def _with_retry_defaults(url: str, options: dict[str, Any]) -> dict[str, Any]:
+    protocols = fsspec.utils.get_protocol(url).split("::")
+    opts = dict(options)
+    if any(p in ("s3", "s3a") for p in protocols):
+        cfg = dict(opts.get("config_kwargs") or {})
+        cfg.setdefault("retries", {"max_attempts": 10, "mode": "standard"})
+        opts["config_kwargs"] = cfg
+    return opts
+
+
+class RemoteTier:
+    """Committed checkpoints under an fsspec URL."""
+
+    name = "remote"
+
+    def __init__(self, url: str, storage_options: dict[str, Any] | None = None, rank: int = 0,
+                 world_size: int = 1, compression: str | None = None) -> None:
+        if compression not in (None, "zstd"):
+            raise ValueError(f"compression must be None or 'zstd', got {compression!r}")
+        self.url = url
+        self.rank = rank
+        self.world_size = world_size
+        self.compression = compression
+        self.fs, self.root = fsspec.core.url_to_fs(url, **_with_retry_defaults(url, storage_options or {}))
+        self.root = self.root.rstrip("/")
+        self._check_reachable()
+
+    def _check_reachable(self) -> None:
+        """Fail at construction, not at the first save, when the store cannot be used."""
+        try:
+            if "/" in fsspec.utils.get_protocol(self.url) or self.fs.protocol in ("file", "local", "memory") or \
+                    "file" in self.fs.protocol or "memory" in self.fs.protocol:
+                self.fs.makedirs(self.root, exist_ok=True)   # directories are real here
+            else:
+                bucket = self.root.split("/", 1)[0]          # never create a bucket: a typo must not
+                if not self.fs.exists(bucket):
+                    raise FileNotFoundError(f"bucket {bucket!r} does not exist or is not visible")
+            self.fs.ls(self.root, detail=False)
+        except FileNotFoundError as e:
+            if "bucket" in str(e):
+                raise OSError(2, f"the remote tier {self.url} is not usable ({e}); check the URL, that the bucket "
+                              "exists, and the credentials / endpoint in storage_options") from e
+            # an empty prefix of an existing bucket lists as missing on some stores
+        except Exception as e:   # noqa: BLE001 - re-raised as an OSError naming what to change
+            raise OSError(getattr(e, "errno", None) or 5,
+                          f"the remote tier {self.url} is not usable ({type(e).__name__}: {e}); check the URL, "
+                          "that the bucket exists, and the credentials / endpoint in storage_options") from e
+
+    def _path(self, *parts: str) -> str:
+        return "/".join([self.root, *parts])
+
+    def step_dir(self, step: int) -> str:
+        return self._path(step_dir_name(step))
+
+    def _part(self, step: int, i: int) -> str:
+        return f"{self.step_dir(step)}/rank-{self.rank:05d}/part-{i:06d}"
+
+    # -- listing ----------------------------------------------------------------------------------
+    def committed_steps(self) -> list[int]:
+        self.fs.invalidate_cache(self.root)   # other processes write here too: never trust a cached listing
+        try:
+            found = self.fs.glob(self._path("step-*", COMMIT_NAME))
+        except FileNotFoundError:
+            return []
+        steps = {parse_step_dir(p.rstrip("/").split("/")[-2]) for p in found}
+        return sorted((s for s in steps if s is not None), reverse=True)
+
+    def all_step_dirs(self) -> list[int]:
+        self.fs.invalidate_cache(self.root)
+        try:
+            names = self.fs.ls(self.root, detail=False)
+        except FileNotFoundError:
+            return []
+        return [s for s in (parse_step_dir(n.rstrip("/").split("/")[-1]) for n in names) if s is not None]
+
+    # -- write ------------------------------------------------------------------------------------
+    def write(self, step: int, manifest: Manifest, data: memoryview,
+              elem_size: Callable[[int], int] | None = None) -> float:
+        """Upload ``data`` chunk by chunk (in parallel), then the manifest, then ``COMMIT``; seconds spent."""
+        t0 = time.perf_counter()
+        c, n = manifest.chunk_bytes, -(-manifest.data_bytes // manifest.chunk_bytes)
+        sizer = elem_size or _dominant_elem_size(manifest.items, c)
+        try:
+            self.delete(step, missing_ok=True)   # a stale or replaced copy of this step: uncommit it first
+            self.fs.makedirs(f"{self.step_dir(step)}/rank-{self.rank:05d}", exist_ok=True)   # file:// needs it
+
+            def put(i: int) -> tuple[int, str, int]:
+                view = data[i * c:(i + 1) * c]
+                stored, codec = encode(view, self.compression, sizer(i))
+                self.fs.pipe_file(self._part(step, i), bytes(stored))
+                return checksum(view), codec, len(stored)
+
+            with ThreadPoolExecutor(knobs.get("CKPT_REMOTE_THREADS"), thread_name_prefix="ckpt-upload") as ex:
+                parts = list(ex.map(put, range(n)))
+            remote = dataclasses.replace(manifest, chunks=[p[0] for p in parts], codecs=[p[1] for p in parts],
+                                         stored_sizes=[p[2] for p in parts])
+            if manifest.chunks and manifest.chunks != remote.chunks:
+                raise CorruptCheckpointError(f"step {step}: bytes changed while uploading (checksums differ)")
+            raw = remote.to_bytes()
+            d = self.step_dir(step)
+            self.fs.pipe_file(f"{d}/{manifest_name(self.rank)}", raw)
+            commit = Commit(step=step, world_size=self.world_size,
+                            manifests={manifest_name(self.rank): Commit.manifest_checksum(raw)},
+                            data={data_name(self.rank): manifest.data_bytes})
+            self.fs.pipe_file(f"{d}/{COMMIT_NAME}", commit.to_bytes())   # the checkpoint exists from here on
+            self.fs.pipe_file(self._path(LATEST_NAME), (step_dir_name(step) + "\n").encode())
+        except BaseException as e:
+            try:
+                self.delete(step, missing_ok=True)
+            except Exception as cleanup:   # noqa: BLE001 - the upload error is the one to report
+                log.warning("could not remove the partial upload of step %d: %s", step, cleanup)
+            if isinstance(e, OSError):
+                raise OSError(e.errno, f"uploading step {step} to {self.url} failed ({e}); the previous remote "
+                              "checkpoint is untouched; check storage_options and the store") from e
+            raise
+        return time.perf_counter() - t0
+
+    def delete(self, step: int, missing_ok: bool = False) -> None:
+        """Remove a checkpoint, ``COMMIT`` first."""
+        d = self.step_dir(step)
+        commit = f"{d}/{COMMIT_NAME}"
+        if self.fs.exists(commit):
+            self.fs.rm(commit)
+        if self.fs.exists(d):
+            self.fs.rm(d, recursive=True)
+        elif not missing_ok:
+            raise FileNotFoundError(d)
+
+    # -- read -------------------------------------------------------------------------------------
+    def open(self, step: int) -> tuple[Commit, Manifest]:
+        d = self.step_dir(step)
+
+        def get(name: str) -> bytes:
+            try:
+                return self.fs.cat_file(f"{d}/{name}")
+            except FileNotFoundError:
+                raise IncompleteCheckpointError(f"{d}/{name}: missing") from None
+
+        commit, manifest = read_records(get, step, self.rank, self.world_size, d)
+        if manifest.codecs is None:
+            raise CorruptCheckpointError(f"{d}/{manifest_name(self.rank)}: remote manifest lacks part codecs")
+        return commit, manifest
+
+    def load(self, step: int, manifest: Manifest, dest: list[torch.Tensor | None] | None,
+             refill: Any = None) -> None:
+        """Download, decode and verify every part in parallel; scatter into ``dest`` (if given) and write
+        the local tier ``refill`` (if given) on the way, so that the next restore is local."""
+        sc = Scatter(manifest.items, dest) if dest is not None else None
+        c, n = manifest.chunk_bytes, len(manifest.chunks)
+
+        def fetch(i: int) -> bytes:
+            where = self._part(step, i)
+            try:
+                stored = self.fs.cat_file(where)
+            except FileNotFoundError:
+                raise IncompleteCheckpointError(f"{where}: missing") from None
+            if len(stored) != manifest.stored_sizes[i]:
+                raise IncompleteCheckpointError(f"{where}: {len(stored)} bytes, {manifest.stored_sizes[i]} committed")
+            size = min(c, manifest.data_bytes - i * c)
+            raw = decode(stored, manifest.codecs[i], size, where)
+            if len(raw) != size or checksum(raw) != manifest.chunks[i]:
+                raise CorruptCheckpointError(f"{where}: fails its {manifest.checksum_algorithm} checksum")
+            if sc is not None:
+                chunk = torch.frombuffer(bytearray(raw), dtype=torch.uint8) if size else torch.empty(0, dtype=torch.uint8)
+                sc.copy(chunk, i * c)
+                if sc.to_device:
+                    torch.cuda.current_stream().synchronize()   # the pageable source must outlive the copy
+            return raw
+
+        if refill is not None:
+            # The local writer pulls each part through fetch(): downloads stream straight to disk,
+            # with only the parts in flight held in memory.
+            refill.write_chunks(step, manifest, fetch, compute_checksums=False)
+            return
+        with ThreadPoolExecutor(knobs.get("CKPT_REMOTE_THREADS"), thread_name_prefix="ckpt-download") as ex:
+            list(ex.map(fetch, range(n)))
+
+
+def _dominant_elem_size(items: list[ItemRecord], chunk: int) -> Callable[[int], int]:
+    """Element size of the tensor covering most of chunk ``i`` (for the byte shuffle)."""
+    spans = sorted((it.offset, it.offset + it.nbytes, torch.empty(0, dtype=getattr(torch, it.dtype)).element_size())
+                   for it in items if it.alias_of is None and it.nbytes)
+    starts = [s[0] for s in spans]
+
+    def size(i: int) -> int:
+        lo, hi = i * chunk, (i + 1) * chunk
+        best, best_len = 1, 0
+        j = max(0, bisect.bisect_right(starts, lo) - 1)
+        while j < len(spans) and spans[j][0] < hi:
+            cover = min(hi, spans[j][1]) - max(lo, spans[j][0])
+            if cover > best_len:
+                best, best_len = spans[j][2], cover
+            j += 1
+        return best
+
+    return size

@@ -1,0 +1,116 @@
+"""A real S3 server on loopback (moto's server mode) and a fault-injecting HTTP proxy in front of it."""
+
+from __future__ import annotations
+
+import http.client
+import socket
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Faults:
+    """What the proxy does to the next requests; the test thread sets these."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.fail_next = 0          # answer this many requests with ``fail_status``
+        self.fail_status = 503
+        self.drop_next = 0          # close this many connections without an answer
+        self.delay = 0.0            # seconds before forwarding each request
+        self.forbid = False         # answer every request 403 InvalidAccessKeyId (bad credentials)
+        self.requests = 0
+        self.injected = 0
+
+    def take(self) -> str | None:
+        with self.lock:
+            self.requests += 1
+            if self.forbid:
+                return "forbid"
+            if self.drop_next > 0:
+                self.drop_next -= 1
+                self.injected += 1
+                return "drop"
+            if self.fail_next > 0:
+                self.fail_next -= 1
+                self.injected += 1
+                return "fail"
+            return None
+
+
+class FaultProxy:
+    """Forwards HTTP to ``upstream`` port, injecting the faults of ``self.faults``."""
+
+    def __init__(self, upstream_port: int) -> None:
+        self.faults = Faults()
+        faults, up = self.faults, upstream_port
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args):  # keep test output clean
+                pass
+
+            def _any(self) -> None:
+                body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                action = faults.take()
+                if faults.delay:
+                    time.sleep(faults.delay)
+                if action == "drop":
+                    self.close_connection = True
+                    self.connection.shutdown(socket.SHUT_RDWR)
+                    return
+                if action in ("fail", "forbid"):
+                    status = 403 if action == "forbid" else faults.fail_status
+                    code = "InvalidAccessKeyId" if action == "forbid" else "ServiceUnavailable"
+                    payload = (f'<?xml version="1.0" encoding="UTF-8"?><Error><Code>{code}</Code>'
+                               f"<Message>injected by the test proxy</Message></Error>").encode()
+                    self.send_response(status)
+                    self.send_header("Content-Type", "application/xml")
+                    self.send_header("Content-Length", str(len(payload)))
+                    self.end_headers()
+                    if self.command != "HEAD":
+                        self.wfile.write(payload)
+                    return
+                conn = http.client.HTTPConnection("127.0.0.1", up, timeout=60)
+                headers = {k: v for k, v in self.headers.items() if k.lower() != "host"}
+                headers["Host"] = f"127.0.0.1:{up}"
+                conn.request(self.command, self.path, body=body, headers=headers)
+                resp = conn.getresponse()
+                data = resp.read()
+                self.send_response(resp.status)
+                for k, v in resp.getheaders():
+                    if k.lower() not in ("transfer-encoding", "connection", "content-length"):
+                        self.send_header(k, v)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                if self.command != "HEAD":
+                    self.wfile.write(data)
+                conn.close()
+
+            do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = _any
+
+        class Server(ThreadingHTTPServer):
+            def handle_error(self, request, client_address):   # clients killed mid-request are expected
+                pass
+
+        self.server = Server(("127.0.0.1", free_port()), Handler)
+        self.server.daemon_threads = True
+        self.port = self.server.server_address[1]
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def storage_options(port: int, **extra) -> dict:
+    # No region: s3fs would send it as the bucket's LocationConstraint, which us-east-1 refuses.
+    return {"endpoint_url": f"http://127.0.0.1:{port}", "key": "testing", "secret": "testing", **extra}
