@@ -207,7 +207,8 @@ class TieredCheckpointIO(CheckpointIO):
       a new writer.
 
     A save that fails in the background (disk full, say) is logged at once and
-    raised by the next ``save_checkpoint``, ``load_checkpoint`` or ``teardown``.
+    raised by ``load_checkpoint`` / ``remove_checkpoint`` of that path and by
+    ``teardown`` (so by the end of ``fit``).
 
     Args:
         max_in_flight: checkpoints held in host memory at once (one buffer
@@ -391,10 +392,13 @@ class CheckpointCallback(Callback):
     state is handed to ``checkpointer.maybe_save(trainer.global_step, ...)``
     (so ``every_steps`` / ``every_seconds`` decide), which returns at once;
     the copy overlaps the next forward and backward. When
-    ``trainer.received_sigterm`` is set, the callback saves at that batch end
-    whatever the policy and blocks until the checkpoint is durable, before
-    Lightning stops the run. With ``save_on_train_end`` the final state is
-    saved too. ``teardown`` waits for every save and raises the first failure.
+    ``trainer.received_sigterm`` is set, the callback saves that step
+    whatever the policy (at the batch end, or in ``on_exception`` when the
+    signal came after this callback's batch end) and blocks until the
+    checkpoint is durable, before Lightning stops the run. With
+    ``save_on_train_end`` the final state is saved too (at the last batch end
+    when ``max_steps`` stops the run, so a longer run continues that epoch
+    exactly). ``teardown`` waits for every save and raises the first failure.
 
     What is saved: the LightningModule's ``state_dict`` (restored in place),
     every optimizer and LR scheduler, ``trainer.fit_loop`` (epoch/batch/step
@@ -538,7 +542,12 @@ class CheckpointCallback(Callback):
             return
         if not stepped or step == self._last_saved_step:
             return
-        if ck.maybe_save(step, self._state(trainer, pl_module)) is not None:
+        if self.save_on_train_end and 0 < trainer.max_steps <= step:
+            # The run stops at max_steps, possibly mid-epoch. Saved here, a later fit with a larger max_steps
+            # continues this epoch exactly; at on_train_end Lightning has already marked the epoch completed.
+            ck.save(step, self._state(trainer, pl_module))
+            self._last_saved_step = step
+        elif ck.maybe_save(step, self._state(trainer, pl_module)) is not None:
             self._last_saved_step = step
 
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:

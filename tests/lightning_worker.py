@@ -1,6 +1,6 @@
 """A real Lightning ``Trainer`` run for tests/test_lightning.py, meant to be killed and resumed.
 
-    python lightning_worker.py CKPT_DIR OUT_FILE [--every N] [--sleep S] [--no-restore]
+    python lightning_worker.py CKPT_DIR OUT_FILE [--every N] [--sleep S] [--sleep-at start|end] [--no-restore]
 
 Trains a tiny deterministic model (dropout, AdamW, StepLR, a shuffling
 resumable dataloader, 3 epochs of 8 batches) with ``CheckpointCallback``,
@@ -87,12 +87,20 @@ class Tiny(L.LightningModule):
 
 
 class Progress(Callback):
-    def __init__(self, sleep: float) -> None:
-        self.sleep = sleep
+    """Reports steps; sleeps before the batch (so a signal lands before CheckpointCallback's batch end) or
+    after it (so it lands after CheckpointCallback had its turn)."""
+
+    def __init__(self, sleep: float, at: str) -> None:
+        self.sleep, self.at = sleep, at
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if self.at == "start":
+            time.sleep(self.sleep)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         print(f"step {trainer.global_step}", flush=True)
-        time.sleep(self.sleep)
+        if self.at == "end":
+            time.sleep(self.sleep)
 
 
 def weights_bytes(module: torch.nn.Module) -> bytes:
@@ -105,6 +113,7 @@ def main(argv: list[str]) -> int:
     ap.add_argument("out")
     ap.add_argument("--every", type=int, default=3)
     ap.add_argument("--sleep", type=float, default=0.0)
+    ap.add_argument("--sleep-at", choices=["start", "end"], default="end")
     ap.add_argument("--no-restore", action="store_true")
     a = ap.parse_args(argv)
     L.seed_everything(0, verbose=False)
@@ -112,7 +121,7 @@ def main(argv: list[str]) -> int:
     cb = CheckpointCallback(local_dir=a.ckpt_dir, every_steps=a.every, restore=not a.no_restore)
     trainer = L.Trainer(max_epochs=EPOCHS, accelerator="cpu", devices=1, deterministic=True, logger=False,
                         enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
-                        callbacks=[cb, Progress(a.sleep)])
+                        callbacks=[cb, Progress(a.sleep, a.sleep_at)])
     trainer.fit(model)
     print(f"restored {cb.restored_step}", flush=True)
     with open(a.out, "wb") as f:

@@ -4,11 +4,14 @@ TieredCheckpointIO under ModelCheckpoint, and the runnable example of docs/light
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import os
 import re
 import signal
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -18,6 +21,7 @@ pytest.importorskip("lightning")
 import torch  # noqa: E402
 
 import ckpt  # noqa: E402
+from ckpt.cli import main as ckpt_cli  # noqa: E402
 from ckpt.integrations.lightning import CheckpointCallback, TieredCheckpointIO  # noqa: E402
 
 HERE = Path(__file__).parent
@@ -55,31 +59,55 @@ def _finish(proc: subprocess.Popen) -> str:
     return out
 
 
+def _in_process(*args: str) -> str:
+    """Run lightning_worker.main in this process (Lightning is imported already: seconds saved per run)."""
+    sys.path.insert(0, str(HERE))
+    try:
+        from lightning_worker import main
+    finally:
+        sys.path.remove(str(HERE))
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert main([str(a) for a in args]) == 0
+    return out.getvalue()
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """Three runs at once (2 cores; most of the time is importing Lightning), then two resumes at once.
+    """Real Trainer processes signalled mid-fit, then resumed; most of the cost is importing Lightning.
 
-    ``ref``: uninterrupted. ``kill``: SIGKILLed after step 10 (saves every 3 steps, in flight when
-    killed). ``term``: SIGTERM after step 13 with a policy that never saves (every 100 steps), so the
-    only checkpoint is the one the SIGTERM forces.
+    ``kill``: SIGKILLed after step 10 (saves every 3 steps, in flight when killed), resumed in a new
+    process. ``term_end`` / ``term_start``: SIGTERM after step 13 with a policy that never saves (every
+    100 steps), so the only checkpoint is the one the SIGTERM forces; the signal lands after
+    CheckpointCallback's batch end (seen in on_exception) or before it (seen in on_train_batch_end).
+    ``ref``: the uninterrupted run. The reference and the SIGTERM resumes run in this process (the
+    same computation bit for bit, checked by the SIGKILL test's resume in a new process).
     """
     d = tmp_path_factory.mktemp("lightning_runs")
-    ref = _worker(d / "ref", d / "ref.bin", "--no-restore")
     kill = _worker(d / "kill", d / "kill.bin", "--sleep", "0.05")
-    term = _worker(d / "term", d / "term.bin", "--sleep", "0.05", "--every", "100")
-    kill_last, kill_out = _signal_after(kill, 10, signal.SIGKILL)
-    term_last, term_out = _signal_after(term, 13, signal.SIGTERM)
-    _finish(ref)
-    r = {"dir": d, "ref": (d / "ref.bin").read_bytes(),
-         "kill_rc": kill.returncode, "kill_last": kill_last, "kill_out": kill_out,
-         "kill_steps": ckpt.Checkpointer(local_dir=d / "kill").local.committed_steps(),
-         "term_rc": term.returncode, "term_last": term_last, "term_out": term_out,
-         "term_steps": ckpt.Checkpointer(local_dir=d / "term").local.committed_steps()}
+    terms = {w: _worker(d / f"term_{w}", d / f"term_{w}.bin", "--sleep", "0.05", "--sleep-at", w, "--every", "100")
+             for w in ("end", "start")}
+    # Each run is watched by its own thread, so every signal is sent as soon as its step is reported.
+    with ThreadPoolExecutor(3) as ex:
+        kill_f = ex.submit(_signal_after, kill, 10, signal.SIGKILL)
+        term_f = {w: ex.submit(_signal_after, proc, 13, signal.SIGTERM) for w, proc in terms.items()}
+        _in_process(d / "ref", d / "ref.bin", "--no-restore")
+        kill_last, kill_out = kill_f.result()
+        r = {"dir": d, "ref": (d / "ref.bin").read_bytes(), "kill_rc": kill.returncode, "kill_last": kill_last,
+             "kill_out": kill_out, "kill_steps": _committed(d / "kill")}
+        for w, proc in terms.items():
+            last, out = term_f[w].result()
+            r[f"term_{w}"] = {"rc": proc.returncode, "last": last, "out": out, "steps": _committed(d / f"term_{w}")}
     resume_kill = _worker(d / "kill", d / "kill.bin")
-    resume_term = _worker(d / "term", d / "term.bin", "--every", "100")
+    for w in terms:
+        r[f"term_{w}_resume_out"] = _in_process(d / f"term_{w}", d / f"term_{w}.bin", "--every", "100")
     r["kill_resume_out"] = _finish(resume_kill)
-    r["term_resume_out"] = _finish(resume_term)
     return r
+
+
+def _committed(local_dir: Path) -> list[int]:
+    with ckpt.Checkpointer(local_dir=local_dir) as ck:
+        return [c.step for c in ck.list()]
 
 
 def test_sigkill_mid_fit_then_resume_is_bit_identical(runs):
@@ -96,14 +124,16 @@ def test_sigkill_mid_fit_then_resume_is_bit_identical(runs):
     assert kill_bin == runs["ref"]
 
 
-def test_sigterm_saves_at_once_durably_then_resume_is_bit_identical(runs):
-    assert runs["term_rc"] == 0, runs["term_out"]       # Lightning stops the run itself on SIGTERM
-    assert "finished" not in runs["term_out"]
+@pytest.mark.parametrize("where", ["end", "start"])
+def test_sigterm_saves_at_once_durably_then_resume_is_bit_identical(runs, where):
+    t = runs[f"term_{where}"]
+    assert t["rc"] == 0, t["out"]       # Lightning stops the run itself on SIGTERM (SystemExit)
+    assert "finished" not in t["out"]
     # every_steps=100 never triggers: the one checkpoint is the SIGTERM's, of the last completed step.
-    assert runs["term_steps"] == [runs["term_last"]], (runs["term_steps"], runs["term_out"])
-    assert 13 <= runs["term_last"] < TOTAL_STEPS
-    assert f"restored {runs['term_last']}" in runs["term_resume_out"]
-    assert (runs["dir"] / "term.bin").read_bytes() == runs["ref"]
+    assert t["steps"] == [t["last"]], (t["steps"], t["out"])
+    assert 13 <= t["last"] < TOTAL_STEPS
+    assert f"restored {t['last']}" in runs[f"term_{where}_resume_out"]
+    assert (runs["dir"] / f"term_{where}.bin").read_bytes() == runs["ref"]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -142,8 +172,7 @@ def test_checkpoint_io_under_model_checkpoint_saves_prunes_and_resumes(tmp_path,
     assert io.checkpointer is None       # teardown at the end of fit made everything durable
     for name in os.listdir(root):
         assert (root / name).is_dir()
-        assert subprocess.run([sys.executable, "-m", "ckpt.cli", "verify", str(root / name)],
-                              capture_output=True).returncode == 0
+        assert ckpt_cli(["verify", str(root / name)]) == 0
     sd = TieredCheckpointIO().load_checkpoint(root / "last.ckpt")
     assert sd["global_step"] == 16 and sd["epoch"] == 1
     assert sd["hyper_parameters"]["run"] == {"name": "tiny", "width": 16}    # Namespace -> dict
