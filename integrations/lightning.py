@@ -42,6 +42,7 @@ from ..api import Checkpointer
 from ..errors import RefusedStateError
 from ..format import COMMIT_NAME, Manifest
 from ..pipeline import SaveHandle
+from ..policy import Retention
 from ..rng import RNGState
 from ..tiers import LocalTier
 
@@ -219,9 +220,10 @@ class TieredCheckpointIO(CheckpointIO):
         on_unsupported: ``"error"`` (default): a value that is neither a
             tensor nor JSON-safe (after turning mappings, ``Namespace`` and
             paths into dicts and strings) raises ``RefusedStateError`` naming
-            its key. ``"skip"``: such values are left out, logged, and listed
-            under the key ``"tierckpt_dropped"`` of the dict that
-            ``load_checkpoint`` returns.
+            its key, and nothing is written. ``"skip"``: such values are left
+            out (a list element becomes ``None``) and listed in a warning; the
+            checkpoint records their keys, logged again when it is loaded;
+            the dict ``load_checkpoint`` returns lacks them.
 
     Paths are local (a remote URL raises ``ValueError``). Loading a file
     written by another ``CheckpointIO`` (a ``torch.save`` pickle) is refused.
@@ -238,7 +240,7 @@ class TieredCheckpointIO(CheckpointIO):
         self.on_unsupported = on_unsupported
         self._ck: Checkpointer | None = None
         self._tier: _PathTier | None = None
-        self._pending: dict[Path, SaveHandle] = {}
+        self._in_flight: list[tuple[Path, SaveHandle]] = []   # saves not yet known to be finished
         self._seq = 0
 
     @property
@@ -262,12 +264,13 @@ class TieredCheckpointIO(CheckpointIO):
                         target, ", ".join(dropped))
         ck = self._checkpointer(target)
         step = self._engine_step(checkpoint)
-        # Engine steps are unique among the saves in flight: the one before with this step must be written
-        # first (with one host buffer, the save would wait for it anyway).
-        for h in list(self._pending.values()):
+        # The tier maps engine steps to paths, so a step is in flight once at a time: an earlier save with
+        # this step (last.ckpt after epoch=...-step=N.ckpt, say) is written first. With one host buffer the
+        # save would wait for it anyway. Its failure, if any, is raised by teardown.
+        self._in_flight = [(p, h) for p, h in self._in_flight if not h.done()]
+        for _, h in self._in_flight:
             if h.step == step:
-                h.wait()
-        prior = self._pending.get(target)
+                _wait_quietly(h)
         assert self._tier is not None
         self._tier.target(step, target)
         try:
@@ -278,10 +281,7 @@ class TieredCheckpointIO(CheckpointIO):
         if handle.status == "skipped":     # not with if_busy="wait"; kept as a guard against silent loss
             self._tier.forget(step)
             raise RuntimeError(f"the save of {target} was skipped")
-        if prior is not None and not prior.done():
-            prior.wait()
-        self._pending = {p: h for p, h in self._pending.items() if not h.done()}
-        self._pending[target] = handle
+        self._in_flight.append((target, handle))
 
     def load_checkpoint(self, path: str | os.PathLike, map_location: Any | None = None,
                         weights_only: bool | None = None) -> dict[str, Any]:
@@ -317,7 +317,7 @@ class TieredCheckpointIO(CheckpointIO):
 
     def teardown(self) -> None:
         """Wait until every save is durable, stop the writer; raises the first failure."""
-        ck, self._ck, self._tier, self._pending = self._ck, None, None, {}
+        ck, self._ck, self._tier, self._in_flight = self._ck, None, None, []
         if ck is not None:
             ck.close()
 
@@ -342,9 +342,11 @@ class TieredCheckpointIO(CheckpointIO):
         return self._seq
 
     def _wait_for(self, target: Path) -> None:
-        handle = self._pending.pop(target, None)
-        if handle is not None:
-            handle.wait()
+        """Wait for the saves of ``target``; raises the failure of one of them."""
+        mine = [h for p, h in self._in_flight if p == target]
+        self._in_flight = [(p, h) for p, h in self._in_flight if p != target]
+        for h in mine:
+            h.wait()
 
     @staticmethod
     def _local_path(path: str | os.PathLike) -> Path:
@@ -355,8 +357,15 @@ class TieredCheckpointIO(CheckpointIO):
         return Path(s.removeprefix("file://")).expanduser().absolute()
 
 
-def _keep_all() -> Any:
-    from ..policy import Retention
+def _wait_quietly(handle: SaveHandle) -> None:
+    try:
+        handle.wait()
+    except Exception:
+        pass    # logged when it happened; the Checkpointer raises it at close (teardown)
+
+
+def _keep_all() -> Retention:
+    # Lightning (ModelCheckpoint's save_top_k) decides what to delete, through remove_checkpoint.
     return Retention(local=None)
 
 
@@ -411,11 +420,14 @@ class CheckpointCallback(Callback):
     datamodule's ``state_dict``.
 
     Resuming: at ``on_fit_start`` the newest verified checkpoint is loaded
-    (unless ``restore=False`` or ``trainer.fit(ckpt_path=...)`` was given);
-    the generators are set at ``on_train_start``, after Lightning created the
-    dataloader iterator, where the uninterrupted run was. For bit-identical
-    resumption mid-epoch the training dataloader must be resumable (see
-    ``docs/lightning.md``) and the run deterministic.
+    (unless ``restore=False`` or ``trainer.fit(ckpt_path=...)`` was given).
+    Creating a dataloader iterator draws from the global generator, so the
+    generators are set on the side of the resumed run's iterator creation
+    that matches the uninterrupted run: after it (``on_train_start``) for a
+    checkpoint taken mid-epoch, before it (``on_fit_start``) for one taken at
+    an epoch's last batch. For bit-identical resumption mid-epoch the
+    training dataloader must be resumable (see ``docs/lightning.md``) and the
+    run deterministic.
 
     Not saved: gradients accumulated over ``accumulate_grad_batches`` that
     have not reached an optimizer step yet; so saves happen only after
@@ -483,7 +495,7 @@ class CheckpointCallback(Callback):
             "precision": part("precision", trainer.precision_plugin),
             "datamodule": _Part("datamodule", lambda: _datamodule_state(trainer),
                                 lambda sd: _load_datamodule_state(trainer, sd), mode),
-            "rng": _Part("rng", lambda: RNGState().state_dict(), self._defer_rng, mode),
+            "rng": _Part("rng", lambda: self._rng_state(trainer), self._defer_rng, mode),
         }
 
     def _callback_states(self, trainer: Trainer) -> dict[str, Any]:
@@ -498,9 +510,17 @@ class CheckpointCallback(Callback):
                 log.warning("the checkpoint holds the state of callback %s, which this Trainer does not have; "
                             "it is ignored", key)
 
+    @staticmethod
+    def _rng_state(trainer: Trainer) -> dict[str, Any]:
+        # Creating a DataLoader iterator draws from the global torch generator (worker seeds). A resumed fit
+        # creates its iterator between on_fit_start and on_train_start. The uninterrupted run created the
+        # iterator of the epoch it goes on with before this save, unless this is the epoch's last batch:
+        # then the next epoch's iterator comes after it. Recorded here to load the generators on the
+        # matching side of the resumed run's iterator.
+        last = bool(trainer.fit_loop.epoch_loop.batch_progress.is_last_batch)
+        return {"generators": RNGState().state_dict(), "before_iterator": last}
+
     def _defer_rng(self, sd: dict) -> None:
-        # Lightning creates the dataloader iterator after on_fit_start, which may draw from the global
-        # generator; the uninterrupted run did that before the saved step, so the generators are set later.
         self._rng_to_load = sd
 
     # -- hooks ---------------------------------------------------------------------------------------
@@ -513,15 +533,25 @@ class CheckpointCallback(Callback):
         if trainer.ckpt_path is not None:
             log.info("CheckpointCallback: not restoring, since fit(ckpt_path=%s) restores the run", trainer.ckpt_path)
             return
+        self._rng_to_load = None
         step = self.checkpointer.restore(self._state(trainer, pl_module))
         if step is not None:
             self.restored_step = self._last_seen_step = self._last_saved_step = step
             log.info("CheckpointCallback: resumed from step %d", step)
+        if self._rng_to_load is not None and self._rng_to_load["before_iterator"]:
+            self._load_rng()
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        # A batch "stepped" when global_step moved since the previous batch end (not on the first
+        # accumulation batches, whose global_step is still the starting one).
+        self._last_seen_step = trainer.global_step
         if self._rng_to_load is not None:
-            RNGState().load_state_dict(self._rng_to_load)
-            self._rng_to_load = None
+            self._load_rng()
+
+    def _load_rng(self) -> None:
+        assert self._rng_to_load is not None
+        RNGState().load_state_dict(self._rng_to_load["generators"])
+        self._rng_to_load = None
 
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:

@@ -199,11 +199,18 @@ def test_checkpoint_io_async_save_load_overwrite_remove(tmp_path):
     second = io.load_checkpoint(path, map_location="cpu")
     assert torch.equal(second["state_dict"]["w"], w + 1) and "extra" not in second
     assert [p.name for p in path.iterdir() if p.name.startswith("step-")] == ["step-000000007"]
+    # Step 7 goes to a.ckpt and b.ckpt, then step 8 to a.ckpt and step 7 again to c.ckpt: each lands where it
+    # was sent, though the writer is still busy with the ones before.
+    io.save_checkpoint({"global_step": 8, "state_dict": {"w": w + 3}}, path)
+    io.save_checkpoint({"global_step": 7, "state_dict": {"w": w + 4}}, tmp_path / "c.ckpt")
+    assert torch.equal(io.load_checkpoint(tmp_path / "b.ckpt")["state_dict"]["w"], w + 2)
+    assert torch.equal(io.load_checkpoint(tmp_path / "c.ckpt")["state_dict"]["w"], w + 4)
+    assert torch.equal(io.load_checkpoint(path)["state_dict"]["w"], w + 3)
     io.remove_checkpoint(tmp_path / "b.ckpt")
     assert not (tmp_path / "b.ckpt").exists()
     io.remove_checkpoint(tmp_path / "never-saved.ckpt")         # absent: nothing to do
     io.teardown()
-    assert torch.equal(TieredCheckpointIO().load_checkpoint(path)["state_dict"]["w"], w + 1)
+    assert torch.equal(TieredCheckpointIO().load_checkpoint(path)["state_dict"]["w"], w + 3)
 
 
 def test_checkpoint_io_values_that_need_pickle(tmp_path):
@@ -240,6 +247,31 @@ def test_checkpoint_io_errors_name_the_argument(tmp_path, monkeypatch):
         CheckpointCallback(ckpt.Checkpointer(local_dir=tmp_path / "c"), every_steps=3)
     with pytest.raises(ValueError, match="local_dir"):
         CheckpointCallback(every_steps=3)
+
+
+def test_callback_with_gradient_accumulation_and_a_borrowed_checkpointer(tmp_path, worker_on_path):
+    """Saves only after optimizer steps; a Checkpointer passed in stays open; resuming continues exactly."""
+    import lightning as L
+    from lightning_worker import Tiny, weights_bytes
+
+    def fit(local_dir: Path, max_steps: int, ck: ckpt.Checkpointer):
+        L.seed_everything(0, verbose=False)
+        model, cb = Tiny(), CheckpointCallback(ck)
+        trainer = L.Trainer(max_steps=max_steps, accumulate_grad_batches=3, accelerator="cpu", devices=1,
+                            deterministic=True, logger=False, enable_progress_bar=False, enable_model_summary=False,
+                            enable_checkpointing=False, callbacks=[cb])
+        trainer.fit(model)
+        return model, cb
+
+    with ckpt.Checkpointer(local_dir=tmp_path / "a", every_steps=1, keep=ckpt.Retention(local=None)) as ck:
+        _, cb = fit(tmp_path / "a", 3, ck)
+        assert cb.restored_step is None
+        assert [c.step for c in ck.list()] == [3, 2, 1]          # 9 batches, one save per optimizer step
+        resumed, cb = fit(tmp_path / "a", 7, ck)                  # same Checkpointer: not closed by the first fit
+        assert cb.restored_step == 3
+    with ckpt.Checkpointer(local_dir=tmp_path / "b", every_steps=100) as ck:
+        straight, _ = fit(tmp_path / "b", 7, ck)
+    assert weights_bytes(resumed) == weights_bytes(straight)
 
 
 def test_import_ckpt_does_not_import_lightning():
