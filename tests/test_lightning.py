@@ -198,6 +198,8 @@ def test_checkpoint_io_async_save_load_overwrite_remove(tmp_path):
     io.save_checkpoint({"global_step": 7, "state_dict": {"w": w + 2}}, tmp_path / "b.ckpt")
     second = io.load_checkpoint(path, map_location="cpu")
     assert torch.equal(second["state_dict"]["w"], w + 1) and "extra" not in second
+    halved = io.load_checkpoint(path, map_location=lambda t, location: (t / 2) if location == "cpu" else t)
+    assert torch.equal(halved["state_dict"]["w"], (w + 1) / 2)
     assert [p.name for p in path.iterdir() if p.name.startswith("step-")] == ["step-000000007"]
     # Step 7 goes to a.ckpt and b.ckpt, then step 8 to a.ckpt and step 7 again to c.ckpt: each lands where it
     # was sent, though the writer is still busy with the ones before.
