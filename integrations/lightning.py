@@ -33,6 +33,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Callable
 
+import lightning
 import torch
 from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
 from lightning.pytorch import LightningModule, Trainer
@@ -49,6 +50,23 @@ from ..tiers import LocalTier
 __all__ = ["CheckpointCallback", "TieredCheckpointIO"]
 
 log = logging.getLogger(__name__)
+
+# Lightning 2.5 made resuming from a checkpoint taken at a batch end exact (its loops record where they
+# stopped: RestartStage); with 2.4 a checkpoint from an epoch's last batch resumes differently.
+_MIN_LIGHTNING = (2, 5)
+
+
+def _version_tuple(v: str) -> tuple[int, ...]:
+    parts = []
+    for p in v.split(".")[:2]:
+        digits = "".join(c for c in p if c.isdigit()) or "0"
+        parts.append(int(digits))
+    return tuple(parts)
+
+
+if _version_tuple(lightning.__version__) < _MIN_LIGHTNING:
+    raise ImportError(f"ckpt.integrations.lightning needs lightning>=2.5, found {lightning.__version__}: "
+                      "upgrade with pip install -U 'tierckpt[lightning]' (or 'lightning>=2.5')")
 
 # Top-level key under which TieredCheckpointIO records the keys it left out (on_unsupported="skip").
 _DROPPED_KEY = "tierckpt_dropped"

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("lightning")
+pytest.importorskip("lightning", minversion="2.5")   # the version ckpt.integrations.lightning needs
 
 import torch  # noqa: E402
 
