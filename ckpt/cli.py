@@ -1,4 +1,4 @@
-"""The ``ckpt`` command: ``demo``, ``ls``, ``inspect``, ``verify``, ``gc``."""
+"""The ``ckpt`` command: ``demo``, ``ls``, ``inspect``, ``verify``, ``gc``, ``promote``."""
 
 from __future__ import annotations
 
@@ -95,6 +95,17 @@ def _gc(args: argparse.Namespace) -> int:
     return 0
 
 
+def _promote(args: argparse.Namespace) -> int:
+    from .api import Checkpointer
+
+    opts = json.loads(args.storage_options) if args.storage_options else None
+    with Checkpointer(args.url, local_dir=args.dir, storage_options=opts, compression=args.compression) as ck:
+        t0 = time.perf_counter()
+        ck.promote(args.step, to=args.to)
+    print(f"step {args.step} copied to the {args.to} tier in {time.perf_counter() - t0:.2f} s")
+    return 0
+
+
 def _newest(tier) -> int:
     steps = tier.committed_steps()
     if not steps:
@@ -130,6 +141,14 @@ def main(argv: list[str] | None = None) -> int:
             q.add_argument("--keep", type=int, default=2, help="newest checkpoints to keep (at least 1)")
             q.add_argument("--dry-run", action="store_true")
         q.set_defaults(fn=fn)
+    q = sub.add_parser("promote", help="copy a committed checkpoint between the local and remote tiers")
+    q.add_argument("dir", help="local tier directory (local_dir)")
+    q.add_argument("url", help="remote tier URL (any fsspec URL)")
+    q.add_argument("--step", type=int, required=True)
+    q.add_argument("--to", choices=("remote", "local"), required=True)
+    q.add_argument("--storage-options", default=None, help="JSON object passed to fsspec")
+    q.add_argument("--compression", choices=("zstd",), default=None)
+    q.set_defaults(fn=_promote)
     args = p.parse_args(argv)
     if args.cmd == "demo":
         args.child = False

@@ -47,3 +47,12 @@ def test_gc_keeps_the_newest(local_dir, capsys):
     _two_steps(local_dir)
     assert main(["gc", str(local_dir), "--keep", "1"]) == 0
     assert [p.name for p in local_dir.glob("step-*")] == ["step-000000002"]
+
+
+def test_promote_to_a_file_url_and_back(local_dir, tmp_path, capsys):
+    _two_steps(local_dir)
+    url = f"file://{tmp_path}/remote"
+    assert main(["promote", str(local_dir), url, "--step", "2", "--to", "remote"]) == 0
+    other = tmp_path / "other"
+    assert main(["promote", str(other), url, "--step", "2", "--to", "local"]) == 0
+    assert main(["verify", str(other), "--step", "2"]) == 0

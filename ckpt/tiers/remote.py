@@ -68,13 +68,14 @@ class RemoteTier:
         self.compression = compression
         self.fs, self.root = fsspec.core.url_to_fs(url, **_with_retry_defaults(url, storage_options or {}))
         self.root = self.root.rstrip("/")
+        protocols = (self.fs.protocol,) if isinstance(self.fs.protocol, str) else tuple(self.fs.protocol)
+        self._local_fs = any(p in ("file", "local") for p in protocols)
         self._check_reachable()
 
     def _check_reachable(self) -> None:
         """Fail at construction, not at the first save, when the store cannot be used."""
         try:
-            if "/" in fsspec.utils.get_protocol(self.url) or self.fs.protocol in ("file", "local", "memory") or \
-                    "file" in self.fs.protocol or "memory" in self.fs.protocol:
+            if self._local_fs or "memory" in self.fs.protocol:
                 self.fs.makedirs(self.root, exist_ok=True)   # directories are real here
             else:
                 bucket = self.root.split("/", 1)[0]          # never create a bucket: a typo must not
@@ -132,7 +133,8 @@ class RemoteTier:
             def put(i: int) -> tuple[int, str, int]:
                 view = data[i * c:(i + 1) * c]
                 stored, codec = encode(view, self.compression, sizer(i))
-                self.fs.pipe_file(self._part(step, i), bytes(stored))
+                # Object-store clients want bytes; local and mounted file systems take the view as it is.
+                self.fs.pipe_file(self._part(step, i), stored if self._local_fs else bytes(stored))
                 return checksum(view), codec, len(stored)
 
             with ThreadPoolExecutor(knobs.get("CKPT_REMOTE_THREADS"), thread_name_prefix="ckpt-upload") as ex:

@@ -1,0 +1,163 @@
+"""Remote tier benchmark: upload and download throughput, ours vs fsspec's own put/get, in one run.
+
+Targets a real S3 server on loopback (moto's server mode, started here) and a
+``file://`` remote, with and without zstd compression, on two states of the
+same size: real trained weights + AdamW moments (a small transformer trained
+for a few hundred steps: random data would not compress) and random data.
+Also reports the compression ratio and throughput. Results are appended to
+``benchmarks/results.csv``; a short table is printed last.
+
+``python benchmarks/bench_remote.py [--mb 128] [--train-steps 300]`` (needs ``s3fs`` and ``moto[server]``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).parent.parent / "tests"))
+import harness  # noqa: E402
+
+import ckpt  # noqa: E402
+from ckpt.tiers import LocalTier, RemoteTier  # noqa: E402
+
+ROWS: list[dict] = []
+
+
+def row(case: str, provider: str, metric: str, value: float, unit: str, note: str = "") -> None:
+    ROWS.append({"case": case, "provider": provider, "metric": metric, "value": value, "unit": unit, "note": note})
+    print(f"  {case:22s} {provider:18s} {metric:22s} {value:10.4g} {unit} {note}", flush=True)
+
+
+def trained_state(mb: int, steps: int) -> dict:
+    """A small transformer trained on a synthetic copy task: real weights and moments."""
+    torch.manual_seed(0)
+    d = 256
+    layers = max(1, int(mb * 1e6 / (12 * d * d * 4 * 3)))
+    model = nn.TransformerEncoder(nn.TransformerEncoderLayer(d, 4, 4 * d, batch_first=True), layers)
+    head = nn.Linear(d, d)
+    params = list(model.parameters()) + list(head.parameters())
+    opt = torch.optim.AdamW(params, lr=3e-4)
+    for _ in range(steps):
+        x = torch.randn(16, 32, d)
+        loss = nn.functional.mse_loss(head(model(x)), x.flip(1))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return {"model": model, "head": head, "optim": opt}
+
+
+def random_state(nbytes: int) -> dict:
+    return {"w": torch.randn(nbytes // 4)}
+
+
+def stage_to_local(state: dict, root: Path) -> tuple[LocalTier, int]:
+    with ckpt.Checkpointer(local_dir=root) as ck:
+        h = ck.save(1, state).wait()
+    return LocalTier(root), h.stats.nbytes
+
+
+def bench_case(label: str, local: LocalTier, url: str, opts: dict, compression: str | None, nbytes: int) -> None:
+    _, manifest = local.open(1)
+    remote = RemoteTier(url, opts, compression=compression)
+    fs = remote.fs
+    with local.mapped(1) as data:
+        remote.write(1, manifest, data)            # warm-up (connections, first requests)
+        t = time.perf_counter()
+        remote.write(1, manifest, data)
+        up = time.perf_counter() - t
+    _, rman = remote.open(1)
+    stored = sum(rman.stored_sizes)
+    t = time.perf_counter()
+    remote.load(1, rman, None)
+    down = time.perf_counter() - t
+    codec = compression or "raw"
+    row(label, f"ours {codec}", "upload", nbytes / up / 1e9, "GB/s")
+    row(label, f"ours {codec}", "download+verify", nbytes / down / 1e9, "GB/s")
+    if compression:
+        row(label, f"ours {codec}", "stored / raw", stored / nbytes, "x")
+        return
+    src = str(local.step_dir(1) / "rank-00000.bin")
+    dst = f"{remote.root}/fsspec-put.bin"
+    fs.put_file(src, dst)
+    t = time.perf_counter()
+    fs.put_file(src, dst)
+    put = time.perf_counter() - t
+    out = Path(tempfile.mkdtemp()) / "get.bin"
+    t = time.perf_counter()
+    fs.get_file(dst, str(out))
+    get = time.perf_counter() - t
+    row(label, "fsspec put/get", "upload", nbytes / put / 1e9, "GB/s")
+    row(label, "fsspec put/get", "download", nbytes / get / 1e9, "GB/s")
+    fs.rm(dst)
+    shutil.rmtree(out.parent)
+
+
+def codec_throughput(local: LocalTier, label: str) -> None:
+    from ckpt.codec import encode
+    from ckpt.tiers.remote import _dominant_elem_size
+
+    _, m = local.open(1)
+    size = _dominant_elem_size(m.items, m.chunk_bytes)
+    with local.mapped(1) as data:
+        c = m.chunk_bytes
+        chunks = [data[i * c:(i + 1) * c] for i in range(len(m.chunks))]
+        t = time.perf_counter()
+        out = [encode(v, "zstd", size(i))[0] for i, v in enumerate(chunks)]
+        dt = time.perf_counter() - t
+        row(label, "zstd:shuffle", "compress 1 thread", len(data) / dt / 1e9, "GB/s")
+        row(label, "zstd:shuffle", "ratio raw / stored", len(data) / sum(len(o) for o in out), "x")
+        t = time.perf_counter()
+        plain = [encode(v, "zstd", 1)[0] for v in chunks]
+        row(label, "zstd (no shuffle)", "ratio raw / stored", len(data) / sum(len(o) for o in plain), "x",
+            f"{len(data) / (time.perf_counter() - t) / 1e9:.3f} GB/s")
+        del chunks
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--mb", type=int, default=128)
+    p.add_argument("--train-steps", type=int, default=300)
+    p.add_argument("--csv", default=None)
+    args = p.parse_args()
+    import moto.server
+    from s3server import free_port, storage_options
+
+    port = free_port()
+    server = moto.server.ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    import s3fs
+    s3fs.S3FileSystem(**storage_options(port)).mkdir("bench")
+    work = Path(tempfile.mkdtemp(prefix="ckpt-remote-bench-"))
+    print(f"device: {harness.device_name()}; {args.mb} MB states; S3 = moto server on 127.0.0.1:{port}")
+    try:
+        states = {"trained": trained_state(args.mb, args.train_steps)}
+        local, nbytes = stage_to_local(states["trained"], work / "trained")
+        states["random"] = random_state(nbytes)
+        tiers = {"trained": (local, nbytes), "random": stage_to_local(states["random"], work / "random")}
+        for kind, (tier, n) in tiers.items():
+            row(kind, "-", "state size", n / 1e6, "MB")
+            codec_throughput(tier, kind)
+            for target, url, opts in (("s3", "s3://bench/" + kind, storage_options(port)),
+                                      ("file", f"file://{work}/remote-{kind}", {})):
+                for comp in (None, "zstd"):
+                    bench_case(f"{kind} -> {target}", tier, url + f"-{comp or 'raw'}", opts, comp, n)
+    finally:
+        server.stop()
+        shutil.rmtree(work, ignore_errors=True)
+    path = harness.record("remote", ROWS, args.csv)
+    print(f"\nappended {len(ROWS)} rows to {path}\n")
+    print(harness.table(ROWS, ["case", "provider", "metric", "value", "unit", "note"]))
+
+
+if __name__ == "__main__":
+    main()
