@@ -20,7 +20,7 @@ from .errors import CheckpointError, Preempted
 from .format import COMMIT_NAME, Manifest
 from .pipeline import Pipeline, SaveHandle
 from .plan import flatten, layout
-from .policy import AutoInterval, Interval, Retention
+from .policy import AutoInterval, Interval, Retention, prune
 from .restore import RestoreInfo, restore as _restore
 from .stage import HostPool, Snapshot, SnapshotStats, stage, wait_all_staged
 from .tiers import LocalTier, MemoryTier, RemoteTier
@@ -389,15 +389,7 @@ class Checkpointer:
     def _apply_retention(self, tiers: list[str]) -> None:
         busy = self._pipeline.in_flight()
         for name in tiers:
-            tier = self.local if name == "local" else self.remote
-            keep = self.keep.local if name == "local" else self.keep.remote
-            steps = tier.committed_steps()
-            if not steps:
-                continue
-            newest = steps[0]
-            doomed = [] if keep is None else steps[keep:]
-            # Uncommitted leftovers older than the newest commit come from crashed or failed writes.
-            stale = [s for s in tier.all_step_dirs() if s < newest and s not in steps]
-            for s in doomed + stale:
-                if s != newest and s not in busy:
-                    tier.delete(s)
+            if name == "local":
+                prune(self.local, self.keep.local, busy)
+            else:
+                prune(self.remote, self.keep.remote, busy)

@@ -84,13 +84,9 @@ def _verify(args: argparse.Namespace) -> int:
 
 
 def _gc(args: argparse.Namespace) -> int:
-    tier = _tier(args.dir)
-    steps = tier.committed_steps()
-    doomed = steps[max(1, args.keep):]
-    stale = [s for s in tier.all_step_dirs() if steps and s < steps[0] and s not in steps]
-    for s in doomed + stale:
-        if not args.dry_run:
-            tier.delete(s)
+    from .policy import prune
+
+    for s in prune(_tier(args.dir), max(1, args.keep), dry_run=args.dry_run):
         print(f"{'would remove' if args.dry_run else 'removed'} step {s}")
     return 0
 

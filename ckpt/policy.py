@@ -5,9 +5,9 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable, Collection
 
-__all__ = ["Retention", "Interval", "AutoInterval", "daly_interval"]
+__all__ = ["Retention", "Interval", "AutoInterval", "daly_interval", "prune"]
 
 
 @dataclass(frozen=True)
@@ -29,6 +29,26 @@ class Retention:
             if n is not None and (not isinstance(n, int) or n < 1):
                 raise ValueError(f"Retention({tier}={n!r}): keep at least 1, since the newest committed "
                                  "checkpoint is never deleted (or None to keep all)")
+
+
+def prune(tier: Any, keep: int | None, busy: Collection[int] = (), dry_run: bool = False) -> list[int]:
+    """Apply retention to one tier: returns the steps deleted (or that would be, with ``dry_run``).
+
+    Keeps the newest ``keep`` committed steps (all with ``None``); also removes
+    uncommitted leftovers older than the newest commit (crashed or failed
+    writes). Never deletes the newest committed step nor a step in ``busy``.
+    """
+    steps = tier.committed_steps()
+    if not steps:
+        return []
+    newest = steps[0]
+    doomed = [] if keep is None else steps[keep:]
+    stale = [s for s in tier.all_step_dirs() if s < newest and s not in steps]
+    gone = [s for s in doomed + stale if s != newest and s not in busy]
+    if not dry_run:
+        for s in gone:
+            tier.delete(s)
+    return gone
 
 
 class Interval:
