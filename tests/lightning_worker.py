@@ -2,8 +2,9 @@
 
     python lightning_worker.py CKPT_DIR OUT_FILE [--every N] [--sleep S] [--sleep-at start|end] [--no-restore]
 
-Trains a tiny deterministic model (dropout, AdamW, StepLR, a shuffling
-resumable dataloader, 3 epochs of 8 batches) with ``CheckpointCallback``,
+Trains a tiny deterministic model (dropout, AdamW, StepLR every step, a
+shuffling resumable dataloader, 3 epochs of 8 batches, validation twice per
+epoch) with ``CheckpointCallback``,
 prints ``step N`` after each optimizer step (once the callback had its turn),
 and writes the final weights as raw float32 bytes to OUT_FILE (no pickle).
 """
@@ -73,6 +74,15 @@ class Tiny(L.LightningModule):
         x, y = batch
         return torch.nn.functional.mse_loss(self.net(x), y)
 
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        self.log("val_loss", torch.nn.functional.mse_loss(self.net(x), y))
+
+    def val_dataloader(self):
+        # A plain loader: creating its iterator draws from the global generator, as the training one does.
+        x = torch.randn(2 * BATCH, 8, generator=torch.Generator().manual_seed(2))
+        return DataLoader(TensorDataset(x, x.sum(1, keepdim=True).sin()), batch_size=BATCH)
+
     def configure_optimizers(self):
         opt = torch.optim.AdamW(self.parameters(), lr=0.05)
         # Stepped every optimizer step, so a resume must also put the scheduler exactly where it was.
@@ -119,9 +129,9 @@ def main(argv: list[str]) -> int:
     L.seed_everything(0, verbose=False)
     model = Tiny()
     cb = CheckpointCallback(local_dir=a.ckpt_dir, every_steps=a.every, restore=not a.no_restore)
-    trainer = L.Trainer(max_epochs=EPOCHS, accelerator="cpu", devices=1, deterministic=True, logger=False,
-                        enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
-                        callbacks=[cb, Progress(a.sleep, a.sleep_at)])
+    trainer = L.Trainer(max_epochs=EPOCHS, val_check_interval=0.5, accelerator="cpu", devices=1, deterministic=True,
+                        logger=False, enable_progress_bar=False, enable_model_summary=False,
+                        enable_checkpointing=False, callbacks=[cb, Progress(a.sleep, a.sleep_at)])
     trainer.fit(model)
     print(f"restored {cb.restored_step}", flush=True)
     with open(a.out, "wb") as f:

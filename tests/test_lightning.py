@@ -117,8 +117,8 @@ def test_sigkill_mid_fit_then_resume_is_bit_identical(runs):
     assert steps and steps[0] < TOTAL_STEPS and all(s % 3 == 0 for s in steps), steps
     m = re.search(r"^restored (\d+)$", runs["kill_resume_out"], re.M)
     assert m and int(m.group(1)) == steps[0], runs["kill_resume_out"]
-    # Resumed mid-epoch (8 batches per epoch) from a checkpoint at most 3 steps old.
-    assert int(m.group(1)) % 8 != 0 or int(m.group(1)) >= runs["kill_last"] - 3
+    # The newest committed checkpoint is recent: at most two save intervals (one may have been in flight).
+    assert steps[0] >= runs["kill_last"] - 6, (steps, runs["kill_last"])
     kill_bin = (runs["dir"] / "kill.bin").read_bytes()
     assert len(kill_bin) == len(runs["ref"]) > 0
     assert kill_bin == runs["ref"]
