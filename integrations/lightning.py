@@ -417,8 +417,11 @@ class CheckpointCallback(Callback):
 
     Saving: after every training batch that ended with an optimizer step, the
     state is handed to ``checkpointer.maybe_save(trainer.global_step, ...)``
-    (so ``every_steps`` / ``every_seconds`` decide), which returns at once;
-    the copy overlaps the next forward and backward. When
+    (so ``every_steps`` / ``every_seconds`` decide), which returns at once.
+    The next ``optimizer.step()`` waits for the copy; under automatic
+    optimization Lightning runs forward and backward inside that call (the
+    closure), so they start after the copy, while manual optimization
+    overlaps them with it. When
     ``trainer.received_sigterm`` is set, the callback saves that step
     whatever the policy (at the batch end, or in ``on_exception`` when the
     signal came after this callback's batch end) and blocks until the
