@@ -51,8 +51,8 @@ __all__ = ["CheckpointCallback", "TieredCheckpointIO"]
 
 log = logging.getLogger(__name__)
 
-# Lightning 2.5 made resuming from a checkpoint taken at a batch end exact (its loops record where they
-# stopped: RestartStage); with 2.4 a checkpoint from an epoch's last batch resumes differently.
+# Tested with 2.5.0 and 2.6.6. With 2.4 a run resumed from a checkpoint of an epoch's last batch was not
+# bit-identical to the uninterrupted one (2.5 reworked how loops restart from a batch-end checkpoint).
 _MIN_LIGHTNING = (2, 5)
 
 
