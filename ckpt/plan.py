@@ -288,6 +288,8 @@ class _Binder:
             return lambda: [s() for s in subs]
         if not isinstance(node, dict):
             return lambda: node
+        if "$skip" in node:   # left out at save time (on_unsupported="skip"): the live value stays
+            return lambda: template
         if "$t" in node:
             self.bind_tensor(node["$t"], template, path)
             idx, as_np = node["$t"], bool(node.get("$np"))
@@ -296,7 +298,8 @@ class _Binder:
             subs = [self.decode(x, _index(template, i), f"{path}/{i}") for i, x in enumerate(node["$tuple"])]
             return lambda: tuple(s() for s in subs)
         if "$d" in node:
-            pairs = [(k, self.decode(v, _index(template, k), f"{path}/{k}")) for k, v in node["$d"]]
+            pairs = [(k, self.decode(v, _index(template, k), f"{path}/{k}")) for k, v in node["$d"]
+                     if not _skipped(v)]
             return lambda: {k: s() for k, s in pairs}
         if "$f" in node:
             return lambda: float(node["$f"])
@@ -304,9 +307,11 @@ class _Binder:
             from .format import str_to_dtype
             dt = str_to_dtype(node["$dtype"], path)
             return lambda: dt
-        if "$obj" in node or "$skip" in node:
-            raise IncompatibleCheckpointError(f"saved object at {path!r} is nested inside a plain value")
-        subs = {k: self.decode(v, _index(template, k), f"{path}/{k}") for k, v in node.items()}
+        if "$obj" in node:
+            raise IncompatibleCheckpointError(
+                f"saved object at {path!r} has no object to load into: the state passed to restore must hold "
+                "the object (module, optimizer, Stateful) at that place")
+        subs = {k: self.decode(v, _index(template, k), f"{path}/{k}") for k, v in node.items() if not _skipped(v)}
         return lambda: {k: s() for k, s in subs.items()}
 
     def bind_value(self, container: dict | list, key: Any, node: Any, path: str) -> None:
@@ -332,6 +337,17 @@ class _Binder:
         if isinstance(live, dict) and isinstance(node, dict) and not any(k.startswith("$") for k in node):
             for k, v in node.items():
                 self.bind_value(live, k, v, f"{path}/{k}")
+            return
+        items = node if isinstance(node, list) else node.get("$tuple") if isinstance(node, dict) else None
+        if isinstance(live, (list, tuple)) and isinstance(items, list) and len(items) == len(live):
+            # Walk live sequences too, so the objects in them (a list of optimizers) load in place.
+            seq = list(live)
+            for i, v in enumerate(items):
+                self.bind_value(seq, i, v, f"{path}/{i}")
+            if isinstance(live, list):
+                self.actions.append(lambda: live.__setitem__(slice(None), seq))
+            else:
+                self.actions.append(lambda: _set(container, key, tuple(seq)))
             return
         build = self.decode(node, live, path)
         self.actions.append(lambda: _set(container, key, build()))
@@ -368,6 +384,10 @@ class _Binder:
 
         visit(node)
         return ok
+
+
+def _skipped(node: Any) -> bool:
+    return isinstance(node, dict) and "$skip" in node
 
 
 def _has(container: Any, key: Any) -> bool:

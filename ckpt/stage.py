@@ -242,13 +242,36 @@ def _forget(s: Snapshot) -> None:
             _pending.remove(s)
 
 
-def _optimizer_pre_hook(optimizer: Any, args: Any, kwargs: Any) -> None:
-    if not _pending:
-        return
+def _fence_pending() -> None:
     with _pending_lock:
         snaps = list(_pending)
     for s in snaps:
         s.fence_on_device()
+
+
+def _optimizer_pre_hook(optimizer: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+    """Make the optimizer's update wait for pending snapshot copies.
+
+    ``optimizer.step(closure)`` (Lightning's automatic optimization, LBFGS)
+    runs forward and backward inside the closure: the wait then goes into the
+    closure, after backward and right before the update, so the copy still
+    overlaps forward and backward. ``args[0]`` is the optimizer itself.
+    """
+    if not _pending:
+        return None
+    closure = kwargs.get("closure", args[1] if len(args) > 1 else None)
+    if not callable(closure):
+        _fence_pending()
+        return None
+
+    def fenced_closure() -> Any:
+        loss = closure()
+        _fence_pending()
+        return loss
+
+    if "closure" in kwargs:
+        return args, {**kwargs, "closure": fenced_closure}
+    return (args[0], fenced_closure, *args[2:]), kwargs
 
 
 def _ensure_hook() -> None:

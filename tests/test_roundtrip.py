@@ -145,3 +145,38 @@ def test_saving_the_same_step_again_replaces_it(local_dir):
     with ckpt.Checkpointer(local_dir=local_dir) as ck:
         assert ck.restore({"t": out}) == 5
     assert torch.equal(out, torch.full((3,), 2.0))
+
+
+def test_a_list_of_optimizers_loads_in_place(local_dir):
+    m = nn.Linear(3, 3)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1), torch.optim.AdamW(m.parameters(), lr=0.01)]
+    with ckpt.Checkpointer(local_dir=local_dir) as ck:
+        ck.save(1, {"opts": opts, "pair": (opts[0], 5)}).wait()
+    fresh = [torch.optim.SGD(m.parameters(), lr=0.5), torch.optim.AdamW(m.parameters(), lr=0.5)]
+    state = {"opts": fresh, "pair": (fresh[0], 0)}
+    with ckpt.Checkpointer(local_dir=local_dir) as ck:
+        assert ck.restore(state) == 1
+    assert state["opts"][0] is fresh[0] and fresh[0].param_groups[0]["lr"] == 0.1
+    assert fresh[1].param_groups[0]["lr"] == 0.01
+    assert state["pair"] == (fresh[0], 5)
+
+
+class Holder:
+    def __init__(self, x):
+        self.x, self.obj = x, object()
+
+    def state_dict(self):
+        return {"x": self.x, "obj": self.obj}
+
+    def load_state_dict(self, sd):
+        self.x = sd["x"]
+
+
+def test_values_skipped_at_save_are_left_out_at_restore(local_dir):
+    with ckpt.Checkpointer(local_dir=local_dir, on_unsupported="skip") as ck:
+        ck.save(1, {"h": Holder(7), "cfg": {"a": 1, "obj": object()}}).wait()
+    h = Holder(0)
+    state = {"h": h}
+    with ckpt.Checkpointer(local_dir=local_dir) as ck:
+        assert ck.restore(state, strict=False) == 1
+    assert h.x == 7 and state["cfg"] == {"a": 1}

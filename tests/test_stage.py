@@ -105,3 +105,29 @@ def test_the_host_buffer_is_allocated_once_and_reused(local_dir):
         ck.wait()
         assert ck.pool.allocations == 1
         assert ck.pool.nbytes <= 1.05 * w.numel() * 4 + (2 << 20)
+
+
+def test_with_a_closure_the_wait_moves_after_backward(local_dir, slow_staging):
+    """optimizer.step(closure) (Lightning, LBFGS): forward/backward in the closure overlap the copy."""
+    torch.manual_seed(0)
+    model = nn.Linear(64, 64)
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    seen = {}
+    with ckpt.Checkpointer(local_dir=local_dir) as ck:
+        h = ck.save(1, {"model": model, "optim": opt})
+
+        def closure():
+            seen["staged_before_backward"] = h.done("memory")
+            opt.zero_grad()
+            loss = model(torch.randn(4, 64)).sum()
+            loss.backward()
+            return loss
+
+        opt.step(closure)
+        h.wait()
+    assert seen["staged_before_backward"] is False, "the closure ran only after the copy: no overlap"
+    fresh = nn.Linear(64, 64)
+    with ckpt.Checkpointer(local_dir=local_dir) as ck:
+        ck.restore({"model": fresh, "optim": torch.optim.SGD(fresh.parameters(), lr=1.0)})
+    assert all(torch.equal(fresh.state_dict()[k], before[k]) for k in before)
