@@ -122,8 +122,8 @@ class Checkpointer:
             self.interval = AutoInterval(mtbf, restart_cost, clock=clock)
         else:
             raise ValueError(f"interval must be None or 'auto', got {interval!r}")
-        if drain_tier != "local":
-            raise ValueError(f"drain_tier must be 'local' (the only durable tier in this version), got {drain_tier!r}")
+        if drain_tier not in ("local", "remote") or (drain_tier == "remote" and url is None):
+            raise ValueError(f"drain_tier must be 'local', or 'remote' together with a url; got {drain_tier!r}")
         if on_preempt not in ("exit", "raise"):
             raise ValueError(f"on_preempt must be 'exit' or 'raise', got {on_preempt!r}")
         if signals and not drain_deadline > 0:

@@ -94,6 +94,20 @@ def test_on_preempt_raise_and_handlers_are_restored(local_dir):
 
 def test_bad_preemption_arguments_name_the_argument(local_dir):
     with pytest.raises(ValueError, match="drain_tier"):
-        ckpt.Checkpointer(local_dir=local_dir, signals=(signal.SIGTERM,), drain_tier="remote")
+        ckpt.Checkpointer(local_dir=local_dir, signals=(signal.SIGTERM,), drain_tier="remote")   # no url
+    with pytest.raises(ValueError, match="drain_tier"):
+        ckpt.Checkpointer(local_dir=local_dir, signals=(signal.SIGTERM,), drain_tier="tape")
     with pytest.raises(ValueError, match="on_preempt"):
         ckpt.Checkpointer(local_dir=local_dir, on_preempt="ignore")
+
+
+def test_drain_to_the_remote_tier_waits_for_the_upload(tmp_path):
+    w = torch.ones(1000)
+    url = f"file://{tmp_path}/remote"
+    with ckpt.Checkpointer(url, local_dir=tmp_path / "local", every_steps=1000, signals=(signal.SIGUSR1,),
+                           drain_tier="remote", on_preempt="raise") as ck:
+        os.kill(os.getpid(), signal.SIGUSR1)
+        with pytest.raises(ckpt.Preempted) as info:
+            ck.maybe_save(7, {"w": w})
+        assert info.value.durable
+        assert ck.remote.committed_steps() == [7]
