@@ -13,7 +13,6 @@ Also reports the compression ratio and throughput. Results are appended to
 from __future__ import annotations
 
 import argparse
-import os
 import shutil
 import sys
 import tempfile

@@ -10,7 +10,6 @@ import signal as _signal
 import threading
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Callable, Mapping
 
 import torch

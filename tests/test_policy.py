@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import threading
-import time
 
-import pytest
 import torch
 
 import ckpt
