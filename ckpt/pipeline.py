@@ -192,7 +192,6 @@ class Pipeline:
         if upload is not None:
             handle._finish("local", local_error)   # the buffer stays busy until the upload has read it
         remote_error = upload.result() if upload is not None else None
-        del data
         committed = [t for t, e in (("local", local_error), ("remote", remote_error))
                      if e is None and (t == "local" or upload is not None)]
         if committed:
