@@ -7,7 +7,7 @@ the newest verified checkpoint from the nearest tier. See ``docs/``.
 ``import ckpt`` imports neither triton nor lightning nor s3fs.
 """
 
-from .api import Checkpointer, CheckpointInfo, IfBusy
+from .api import Checkpointer, CheckpointInfo, IfBusy, promote
 from .errors import (CheckpointError, CorruptCheckpointError, HostMemoryError, IncompatibleCheckpointError,
                      IncompleteCheckpointError, NoCheckpointError, Preempted, RefusedStateError, TornSnapshotError)
 from .pipeline import SaveHandle
@@ -22,6 +22,7 @@ __all__ = [
     "Checkpointer",
     "CheckpointInfo",
     "IfBusy",
+    "promote",
     "Retention",
     "AutoInterval",
     "RNGState",

@@ -24,7 +24,7 @@ from .restore import RestoreInfo, restore as _restore
 from .stage import HostPool, Snapshot, SnapshotStats, stage, wait_all_staged
 from .tiers import LocalTier, MemoryTier, RemoteTier
 
-__all__ = ["Checkpointer", "CheckpointInfo", "IfBusy"]
+__all__ = ["Checkpointer", "CheckpointInfo", "IfBusy", "promote"]
 
 log = logging.getLogger(__name__)
 
@@ -392,3 +392,13 @@ class Checkpointer:
                 prune(self.local, self.keep.local, busy)
             else:
                 prune(self.remote, self.keep.remote, busy)
+
+
+def promote(step: int, to: str, *, local_dir: str | os.PathLike, url: str,
+            storage_options: dict[str, Any] | None = None, compression: str | None = None) -> None:
+    """Copy committed checkpoint ``step`` between ``local_dir`` and ``url`` (see :meth:`Checkpointer.promote`).
+
+    For scripts and the command line, outside a training process.
+    """
+    with Checkpointer(url, local_dir=local_dir, storage_options=storage_options, compression=compression) as ck:
+        ck.promote(step, to)

@@ -92,12 +92,11 @@ def _gc(args: argparse.Namespace) -> int:
 
 
 def _promote(args: argparse.Namespace) -> int:
-    from .api import Checkpointer
+    from .api import promote
 
     opts = json.loads(args.storage_options) if args.storage_options else None
-    with Checkpointer(args.url, local_dir=args.dir, storage_options=opts, compression=args.compression) as ck:
-        t0 = time.perf_counter()
-        ck.promote(args.step, to=args.to)
+    t0 = time.perf_counter()
+    promote(args.step, args.to, local_dir=args.dir, url=args.url, storage_options=opts, compression=args.compression)
     print(f"step {args.step} copied to the {args.to} tier in {time.perf_counter() - t0:.2f} s")
     return 0
 

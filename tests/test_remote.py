@@ -225,9 +225,9 @@ def test_promote_copies_between_tiers_and_verifies(tmp_path):
     with ckpt.Checkpointer(url, local_dir=tmp_path / "a") as ck:
         ck.promote(5, to="remote")
         assert ck.list()[0].tiers == ["local", "remote"]
+    ckpt.promote(5, "local", local_dir=tmp_path / "c", url=url)
+    assert (tmp_path / "c" / "step-000000005" / "COMMIT").exists()
     with ckpt.Checkpointer(url, local_dir=tmp_path / "c") as ck:
-        ck.promote(5, to="local")
-        assert (tmp_path / "c" / "step-000000005" / "COMMIT").exists()
         with pytest.raises(ValueError, match="to must be"):
             ck.promote(5, to="tape")
     data = tmp_path / "a" / "step-000000005" / "rank-00000.bin"
