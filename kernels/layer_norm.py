@@ -13,10 +13,13 @@ Backward (``g = dy * w``)::
     dw = sum_rows(dy * xhat)        db = sum_rows(dy)
 
 Memory tricks: ``xhat`` is recomputed from the saved input and the two per-row
-statistics rather than stored. Backward is two fully parallel launches (as in
+statistics rather than stored. Backward is fully parallel launches (as in
 ``rms_norm.py``): ``dw``/``db`` from (column block x row split) programs keeping
-``[32, 128]`` fp32 tiles over their rows, then a tiny ``sum(0)``; ``dx`` one program
-per row. No atomics, so the result is deterministic. The variance uses the two-pass form on the
+``[32, 128]`` fp32 tiles over their rows, then one small launch that sums the partial
+rows into ``dw`` and ``db`` in their own dtypes (``_reduce.py``); ``dx`` one program per
+row. The statistics and the partial rows each live in one allocation addressed by
+offset inside the kernels, so a call makes no tensor operations besides its allocations
+and launches (host time, not GPU time, bounds a norm of this size: see ``rms_norm.py``). No atomics, so the result is deterministic. The variance uses the two-pass form on the
 row held in registers (no ``E[x^2] - E[x]^2`` cancellation).
 
 Shapes: ``x`` ``(..., N)``; ``weight`` and ``bias`` ``(N,)`` (``bias`` may be ``None``).
@@ -31,8 +34,16 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ._utils import LazyKernel, check_runnable_device, check_same_device, check_tensor, next_power_of_2, tl
-from .rms_norm import _DW_BLOCK_C, _DW_BLOCK_R, dw_split
+from ._reduce import DW_BLOCK_C, DW_BLOCK_R, split_rows, sum_partials
+from ._utils import (
+    LazyKernel,
+    check_runnable_device,
+    check_same_device,
+    check_tensor,
+    dense_vector,
+    next_power_of_2,
+    tl,
+)
 
 __all__ = ["layer_norm", "LayerNorm", "LayerNormFunction"]
 
@@ -40,10 +51,11 @@ _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 
 
 def _layer_norm_fwd_kernel(
-    X, Y, W, B, MEAN, RSTD,
-    stride_x, stride_y, N, eps,
+    X, Y, W, B, STATS,
+    stride_x, stride_y, n_rows, N, eps,
     BLOCK_N: tl.constexpr, HAS_BIAS: tl.constexpr,
 ):
+    # STATS is (2, n_rows) fp32: mean then rstd
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_N)
     mask = cols < N
@@ -56,13 +68,13 @@ def _layer_norm_fwd_kernel(
     if HAS_BIAS:
         y += tl.load(B + cols, mask=mask, other=0.0).to(tl.float32)
     tl.store(Y + row * stride_y + cols, y.to(Y.dtype.element_ty), mask=mask)
-    tl.store(MEAN + row, mean)
-    tl.store(RSTD + row, rstd)
+    tl.store(STATS + row, mean)
+    tl.store(STATS + n_rows + row, rstd)
 
 
 def _layer_norm_bwd_dx_kernel(
-    DY, X, W, MEAN, RSTD, DX,
-    stride_dy, stride_x, stride_dx, N,
+    DY, X, W, STATS, DX,
+    stride_dy, stride_x, stride_dx, n_rows, N,
     BLOCK_N: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
@@ -71,8 +83,8 @@ def _layer_norm_bwd_dx_kernel(
     dy = tl.load(DY + row * stride_dy + cols, mask=mask, other=0.0).to(tl.float32)
     x = tl.load(X + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
     w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
-    mean = tl.load(MEAN + row)
-    rstd = tl.load(RSTD + row)
+    mean = tl.load(STATS + row)
+    rstd = tl.load(STATS + n_rows + row)
     xhat = tl.where(mask, (x - mean) * rstd, 0.0)
     g = dy * w
     c1 = tl.sum(g * xhat, axis=0) / N
@@ -82,11 +94,12 @@ def _layer_norm_bwd_dx_kernel(
 
 
 def _layer_norm_bwd_dwdb_kernel(
-    DY, X, MEAN, RSTD, DW_PART, DB_PART,
+    DY, X, STATS, PART,
     stride_dy, stride_x, n_rows, N, rows_per_split,
     BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, COMPUTE_DW: tl.constexpr, COMPUTE_DB: tl.constexpr,
 ):
-    # program (column block, row split): [BLOCK_R, BLOCK_C] fp32 accumulators over its rows
+    # program (column block, row split): [BLOCK_R, BLOCK_C] fp32 accumulators over its rows.
+    # PART is (2 * splits, N): dw partial rows, then db partial rows.
     cols = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
     cmask = cols < N
     r0 = tl.program_id(1).to(tl.int64) * rows_per_split
@@ -100,15 +113,16 @@ def _layer_norm_bwd_dwdb_kernel(
         dy = tl.load(DY + rows[:, None] * stride_dy + cols[None, :], mask=m, other=0.0).to(tl.float32)
         if COMPUTE_DW:
             x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=m, other=0.0).to(tl.float32)
-            mean = tl.load(MEAN + rows, mask=rmask, other=0.0)
-            rstd = tl.load(RSTD + rows, mask=rmask, other=0.0)
+            mean = tl.load(STATS + rows, mask=rmask, other=0.0)
+            rstd = tl.load(STATS + n_rows + rows, mask=rmask, other=0.0)
             acc_w += dy * ((x - mean[:, None]) * rstd[:, None])
         if COMPUTE_DB:
             acc_b += dy
+    split = tl.program_id(1)
     if COMPUTE_DW:
-        tl.store(DW_PART + tl.program_id(1) * N + cols, tl.sum(acc_w, axis=0), mask=cmask)
+        tl.store(PART + split * N + cols, tl.sum(acc_w, axis=0), mask=cmask)
     if COMPUTE_DB:
-        tl.store(DB_PART + tl.program_id(1) * N + cols, tl.sum(acc_b, axis=0), mask=cmask)
+        tl.store(PART + (tl.num_programs(1) + split) * N + cols, tl.sum(acc_b, axis=0), mask=cmask)
 
 
 _fwd = LazyKernel(_layer_norm_fwd_kernel)
@@ -132,16 +146,15 @@ class LayerNormFunction(torch.autograd.Function):
         n_rows, n = x2.shape
         y = torch.empty(shape, dtype=x.dtype, device=x.device)  # owns its storage
         y2 = y.view(n_rows, n)
-        stats = torch.empty((2, n_rows), dtype=torch.float32, device=x.device)  # one allocation
-        mean, rstd = stats[0], stats[1]
+        stats = torch.empty((2, n_rows), dtype=torch.float32, device=x.device)  # mean, rstd: one allocation
         block = next_power_of_2(n)
         if n_rows > 0:
             _fwd[(n_rows,)](
-                x2, y2, weight, bias if bias is not None else weight, mean, rstd,
-                x2.stride(0), y2.stride(0), n, float(eps),
+                x2, y2, weight, bias if bias is not None else weight, stats,
+                x2.stride(0), y2.stride(0), n_rows, n, float(eps),
                 BLOCK_N=block, HAS_BIAS=bias is not None, num_warps=_num_warps(block),
             )
-        ctx.save_for_backward(x2, weight, mean, rstd)
+        ctx.save_for_backward(x2, weight, stats)
         ctx.has_bias = bias is not None
         ctx.bias_dtype = bias.dtype if bias is not None else None
         ctx.shape = shape
@@ -149,41 +162,43 @@ class LayerNormFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy: torch.Tensor):
-        x2, weight, mean, rstd = ctx.saved_tensors
+        x2, weight, stats = ctx.saved_tensors
         n_rows, n = x2.shape
         dy2 = dy.reshape(-1, n)
         if dy2.stride(-1) != 1:
             dy2 = dy2.contiguous()
-        dx = torch.empty_like(x2)
+        dx = torch.empty(ctx.shape, dtype=x2.dtype, device=x2.device)
         need_dw = ctx.needs_input_grad[1]
         need_db = ctx.has_bias and ctx.needs_input_grad[2]
         block = next_power_of_2(n)
-        dw = db = None
+        dw = torch.empty_like(weight) if need_dw else None
+        db = torch.empty(n, dtype=ctx.bias_dtype, device=x2.device) if need_db else None
         if (need_dw or need_db) and n_rows > 0:
-            # one partial buffer, one reduction and (when dtypes agree) one cast: the host
-            # overhead of small aten calls is comparable to these kernels' GPU time
-            splits, per = dw_split(n_rows, n, x2.device)
-            part = torch.empty((2, splits, n), dtype=torch.float32, device=x2.device)
-            _bwd_dwdb[(-(-n // _DW_BLOCK_C), splits)](
-                dy2, x2, mean, rstd, part[0], part[1], dy2.stride(0), x2.stride(0), n_rows, n, per,
-                BLOCK_R=_DW_BLOCK_R, BLOCK_C=_DW_BLOCK_C, COMPUTE_DW=need_dw, COMPUTE_DB=need_db, num_warps=4,
+            # partial rows for dw and db in one buffer, then one launch that sums them
+            # straight into the parameters' dtypes: host round trips cost more than the GPU
+            # time of these kernels (module docstring of rms_norm.py)
+            splits, per = split_rows(n_rows, n, x2.device)
+            part = torch.empty((2 * splits, n), dtype=torch.float32, device=x2.device)
+            _bwd_dwdb[(-(-n // DW_BLOCK_C), splits)](
+                dy2, x2, stats, part, dy2.stride(0), x2.stride(0), n_rows, n, per,
+                BLOCK_R=DW_BLOCK_R, BLOCK_C=DW_BLOCK_C, COMPUTE_DW=need_dw, COMPUTE_DB=need_db, num_warps=4,
             )
-            sums = part.sum(1)
-            if need_dw and need_db and weight.dtype == ctx.bias_dtype:
-                dw, db = sums.to(weight.dtype).unbind(0)
+            if need_dw and need_db:
+                sum_partials(part, splits, dw, db)
+            elif need_dw:
+                sum_partials(part, splits, dw)
             else:
-                dw = sums[0].to(weight.dtype) if need_dw else None
-                db = sums[1].to(ctx.bias_dtype) if need_db else None
+                sum_partials(part[splits:], splits, db)
+        elif n_rows == 0:
+            for t in (dw, db):
+                if t is not None:
+                    t.zero_()
         if n_rows > 0:
             _bwd_dx[(n_rows,)](
-                dy2, x2, weight, mean, rstd, dx, dy2.stride(0), x2.stride(0), dx.stride(0), n,
+                dy2, x2, weight, stats, dx, dy2.stride(0), x2.stride(0), n, n_rows, n,
                 BLOCK_N=block, num_warps=_num_warps(block),
             )
-        if need_dw and dw is None:
-            dw = torch.zeros_like(weight)
-        if need_db and db is None:
-            db = torch.zeros(n, dtype=ctx.bias_dtype, device=x2.device)
-        return dx.view(ctx.shape), dw, db, None
+        return dx, dw, db, None
 
 
 def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, eps: float = 1e-5) -> torch.Tensor:
@@ -208,7 +223,7 @@ def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
         raise ValueError(f"weight has shape {tuple(weight.shape)} but x's last dim is {x.shape[-1]}")
     if bias is not None and bias.shape[0] != x.shape[-1]:
         raise ValueError(f"bias has shape {tuple(bias.shape)} but x's last dim is {x.shape[-1]}")
-    return LayerNormFunction.apply(x, weight, bias, eps)
+    return LayerNormFunction.apply(x, dense_vector(weight), dense_vector(bias), eps)
 
 
 class LayerNorm(nn.Module):

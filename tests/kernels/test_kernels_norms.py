@@ -90,3 +90,56 @@ def test_norms_non_contiguous_input():
     torch.testing.assert_close(layer_norm(x, w, None), layer_norm_ref(x, w, None), atol=1e-5, rtol=1e-5)
     xt = torch.randn(33, 7, device=DEVICE).t()  # rows not contiguous
     torch.testing.assert_close(rms_norm(xt, w), rms_norm_ref(xt, w), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("need", ["weight", "bias", "neither"])
+def test_layer_norm_partial_parameter_grads(need):
+    """Frozen weight or bias: the reduction writes only what is asked, the rest stays None."""
+    x = torch.randn(70, 20, device=DEVICE, requires_grad=True)
+    w = (torch.rand(20, device=DEVICE) + 0.5).requires_grad_(need == "weight")
+    b = torch.randn(20, device=DEVICE).requires_grad_(need == "bias")
+    xr, wr, br = (t.detach().clone().requires_grad_(t.requires_grad) for t in (x, w, b))
+    dy = torch.randn(70, 20, device=DEVICE)
+    layer_norm(x, w, b).backward(dy)
+    layer_norm_ref(xr, wr, br).backward(dy)
+    torch.testing.assert_close(x.grad, xr.grad, atol=1e-5, rtol=1e-5)
+    for ours, ref in ((w, wr), (b, br)):
+        if ours.requires_grad:
+            torch.testing.assert_close(ours.grad, ref.grad, atol=1e-4, rtol=1e-5)
+        else:
+            assert ours.grad is None
+
+
+def test_norms_mixed_parameter_dtypes():
+    """bf16 activations with fp32 weight and bf16 bias: each gradient comes back in its own dtype."""
+    x = torch.randn(13, 130, device=DEVICE).to(torch.bfloat16).requires_grad_()
+    w = (torch.rand(130, device=DEVICE) + 0.5).requires_grad_()
+    b = torch.randn(130, device=DEVICE).to(torch.bfloat16).requires_grad_()
+    layer_norm(x, w, b).float().sum().backward()
+    assert w.grad.dtype == torch.float32 and b.grad.dtype == torch.bfloat16
+    ref_w, ref_b = w.detach().clone().requires_grad_(), b.detach().float().requires_grad_()
+    layer_norm_ref(x.detach(), ref_w, ref_b).sum().backward()
+    torch.testing.assert_close(w.grad, ref_w.grad, atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(b.grad.float(), ref_b.grad, atol=2e-2, rtol=2e-2)
+
+
+def test_norms_empty_input_gives_zero_parameter_grads():
+    x = torch.randn(0, 24, device=DEVICE, requires_grad=True)
+    w = torch.ones(24, device=DEVICE, requires_grad=True)
+    b = torch.zeros(24, device=DEVICE, requires_grad=True)
+    (layer_norm(x, w, b).sum() + rms_norm(x, w).sum()).backward()
+    assert x.grad.shape == (0, 24)
+    assert torch.equal(w.grad, torch.zeros(24, device=DEVICE)) and torch.equal(b.grad, torch.zeros(24, device=DEVICE))
+
+
+def test_norms_strided_weight():
+    """A weight that is a strided view (e.g. one of several stacked norms) is read correctly."""
+    stacked = (torch.rand(24, 2, device=DEVICE) + 0.5).requires_grad_()
+    w = stacked[:, 1]
+    x = torch.randn(6, 24, device=DEVICE)
+    torch.testing.assert_close(rms_norm(x, w), rms_norm_ref(x, w), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(layer_norm(x, w, None), layer_norm_ref(x, w, None), atol=1e-5, rtol=1e-5)
+    (rms_norm(x, w).sum() + layer_norm(x, w, None).sum()).backward()
+    ref = stacked.detach().clone().requires_grad_()
+    (rms_norm_ref(x, ref[:, 1]).sum() + layer_norm_ref(x, ref[:, 1], None).sum()).backward()
+    torch.testing.assert_close(stacked.grad, ref.grad, atol=1e-4, rtol=1e-5)
