@@ -69,10 +69,15 @@ try:  # guarded: the package must import without triton
     import triton  # type: ignore[import-not-found]
     import triton.language as tl  # type: ignore[import-not-found]
 
+    try:  # launch hooks (profilers) live here; older releases lack it: then no launch cache
+        from triton import knobs as _knobs  # type: ignore[import-not-found]
+    except ImportError:  # pragma: no cover - depends on the Triton release
+        _knobs = None
     HAS_TRITON = True
 except ImportError:  # pragma: no cover - exercised in a subprocess test
     triton = None  # type: ignore[assignment]
     tl = _MissingTritonLanguage()  # type: ignore[assignment]
+    _knobs = None
     HAS_TRITON = False
 
 
@@ -126,6 +131,15 @@ def launch_signature_of(arg: Any) -> Any:
     if arg is None:
         return "N"
     raise _NoFastPath(kind.__name__)
+
+
+def _hook_set(hook: Any) -> bool:
+    """Whether a Triton launch hook is installed (``None`` in older releases, an empty
+    ``HookChain`` in newer ones when nothing is)."""
+    if hook is None:
+        return False
+    calls = getattr(hook, "calls", None)
+    return calls is None or bool(calls)
 
 
 def _fast_launch_enabled() -> bool:
@@ -184,10 +198,10 @@ class LazyKernel:
         return self._layout[key]
 
     def _launch(self, jit: Any, grid: tuple[int, ...], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        runtime = triton.knobs.runtime if hasattr(triton, "knobs") else None
+        runtime = getattr(_knobs, "runtime", None)
         layout = self._param_layout(jit, len(args), tuple(kwargs))
-        if layout is None or runtime is None or runtime.launch_enter_hook is not None \
-                or runtime.launch_exit_hook is not None:
+        if layout is None or runtime is None or _hook_set(runtime.launch_enter_hook) \
+                or _hook_set(runtime.launch_exit_hook):
             return jit[grid](*args, **kwargs)
         const_pos, tail = layout
         device = torch.cuda.current_device()
@@ -205,7 +219,7 @@ class LazyKernel:
             return kernel
         g0, g1, g2 = (tuple(grid) + (1, 1))[:3]
         kernel.run(g0, g1, g2, torch._C._cuda_getCurrentRawStream(device), kernel.function, kernel.packed_metadata,
-                   None, None, None, *args, *(kwargs[name] for name in tail))
+                   None, runtime.launch_enter_hook, runtime.launch_exit_hook, *args, *(kwargs[name] for name in tail))
         return kernel
 
 
