@@ -57,7 +57,7 @@ def sum_partials(part: torch.Tensor, splits: int, *outs: torch.Tensor) -> None:
     """``outs[i][:] = part[i * splits:(i + 1) * splits].sum(0)`` in ``outs[i]``'s dtype (one launch).
 
     Args:
-        part: ``(len(outs) * splits, N)`` fp32, contiguous.
+        part: ``(len(outs) * splits, N)`` fp32, contiguous (any view of that layout, e.g. ``(2, splits, N)``).
         splits: partial rows per output.
         outs: one or two ``(N,)`` contiguous tensors.
     """
