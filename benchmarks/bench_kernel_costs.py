@@ -1,0 +1,164 @@
+"""Where the time of the host-bound norms and of the fused linear cross-entropy goes (GPU only).
+
+Diagnostics behind docs/benchmarks.md, not a provider comparison: the machine's copy and
+matmul ceilings; the fused linear cross-entropy's per-chunk GEMMs and cross-entropy pass
+timed one by one at several chunk sizes, cross-entropy block sizes, a two-stream variant
+of the chunk loop; and the host cost of one Triton launch, one aten call, an empty
+``autograd.Function`` and the norms' forward + backward at 8 and 8192 rows (at 8 rows the
+GPU work is negligible, so the time is the host's). Prints its findings.
+
+    python benchmarks/bench_kernel_costs.py            # all
+    PART=flce python benchmarks/bench_kernel_costs.py  # or PART=host
+"""
+import cProfile, pstats, io, sys, time, os
+import torch, triton, triton.testing
+import torch.nn.functional as F
+import ckpt.kernels as K
+from ckpt.kernels.cross_entropy import launch_ce
+dev = "cuda"
+if not torch.cuda.is_available():
+    sys.exit("bench_kernel_costs: needs a CUDA GPU")
+bench = lambda f, rep=100: triton.testing.do_bench(f, warmup=10, rep=rep, return_mode="median")
+print(torch.cuda.get_device_name(), torch.__version__, triton.__version__, flush=True)
+os.system("lscpu | grep -E 'Model name|MHz' | head -3")
+# ceilings
+x = torch.randn(2**30 // 2, device=dev, dtype=torch.bfloat16); y = torch.empty_like(x)
+t = bench(lambda: y.copy_(x)); print(f"copy {2*x.numel()*2/t/1e9:.2f} TB/s", flush=True)
+del x, y
+a = torch.randn(8192, 8192, device=dev, dtype=torch.bfloat16); b = torch.randn_like(a)
+t = bench(lambda: a @ b); print(f"mm8192 {2*8192**3/t/1e9:.0f} TFLOP/s", flush=True)
+del a, b
+PART = os.environ.get("PART", "all")
+if PART in ("all", "flce"):
+    cem = sys.modules["ckpt.kernels.cross_entropy"]
+    N, H, V = 8192, 4096, 128256
+    W = (torch.randn(V, H, device=dev) * H ** -0.5).to(torch.bfloat16)
+    hid0 = torch.randn(N, H, device=dev, dtype=torch.bfloat16)
+    tgt = torch.randint(0, V, (N,), device=dev)
+    dw = torch.randn(V, H, device=dev, dtype=torch.bfloat16) * 0.01
+    for C in (256, 512, 1024):
+        h = hid0[:C]; G = torch.empty(C, V, device=dev, dtype=torch.bfloat16)
+        t_log = bench(lambda: torch.mm(h, W.t(), out=G))
+        lr = torch.empty(C, device=dev); sc = torch.ones(1, device=dev) / N
+        t_ce = bench(lambda: launch_ce(G, tgt[:C], lr, G, sc, -100, 0.0, 0.0))
+        G.copy_(torch.randn_like(G) * 1e-3)
+        t_dw1 = bench(lambda: dw.addmm_(G.t(), h))
+        dh = torch.empty(C, H, device=dev, dtype=torch.bfloat16)
+        t_dh = bench(lambda: torch.mm(G, W, out=dh))
+        fl = 2 * C * V * H / 1e9
+        print(f"C={C}: logits {t_log:.3f} ms ({fl/t_log:.0f} TFLOP/s)  ce {t_ce:.3f}  d_weight+= {t_dw1:.3f} "
+              f"({fl/t_dw1:.0f})  d_hidden {t_dh:.3f} ({fl/t_dh:.0f});  x{N//C} chunks = "
+              f"{(N//C)*(t_log+t_ce+t_dw1+t_dh):.1f} ms", flush=True)
+        del G, dh
+    del dw
+    C = 512
+    G = torch.empty(C, V, device=dev, dtype=torch.bfloat16)
+    lr = torch.empty(C, device=dev); sc = torch.ones(1, device=dev) / N
+    torch.mm(hid0[:C], W.t(), out=G)
+    for bv, nw in [(8192, 8), (4096, 8), (16384, 16), (8192, 16), (4096, 4), (2048, 4)]:
+        t = bench(lambda: cem._ce[(C,)](G, G, tgt, lr, sc, G.stride(0), G.stride(0), 0, V, -100, 0.0, 0.0,
+                                        COMPUTE_GRAD=True, HAS_SMOOTHING=False, BLOCK_V=bv, num_warps=nw))
+        print(f"ce C={C} BLOCK_V={bv} warps={nw}: {t:.3f} ms ({2*C*V*2/t/1e9:.2f} TB/s)", flush=True)
+        torch.mm(hid0[:C], W.t(), out=G)
+    side = torch.cuda.Stream()
+    def flce(mode, C=512):
+        hid = hid0
+        dw = torch.empty_like(W)
+        G = torch.empty(C, V, device=dev, dtype=torch.bfloat16)
+        lr = torch.empty(N, device=dev)
+        main = torch.cuda.current_stream()
+        for i, s0 in enumerate(range(0, N, C)):
+            h = hid[s0:s0 + C]
+            torch.mm(h, W.t(), out=G)
+            launch_ce(G, tgt[s0:s0 + C], lr[s0:s0 + C], G, sc, -100, 0.0, 0.0)
+            if mode == "seq":
+                torch.mm(G.t(), h, out=dw) if i == 0 else dw.addmm_(G.t(), h)
+                torch.mm(G, W, out=h)
+            else:
+                side.wait_stream(main)
+                with torch.cuda.stream(side):
+                    torch.mm(G.t(), h, out=dw) if i == 0 else dw.addmm_(G.t(), h)
+                dh = torch.mm(G, W)  # separate buffer in this prototype: h is read by dw on the side stream
+                main.wait_stream(side)
+                h.copy_(dh)
+        return dw
+    for mode in ("seq", "2stream", "seq"):
+        t = bench(lambda: flce(mode), rep=400)
+        torch.cuda.reset_peak_memory_stats(); b0 = torch.cuda.memory_allocated(); flce(mode); torch.cuda.synchronize()
+        print(f"flce proto {mode}: {t:.2f} ms peak {(torch.cuda.max_memory_allocated()-b0)/2**20:.0f} MiB", flush=True)
+    hh = hid0.clone().requires_grad_(); ww = W.clone().requires_grad_()
+    def ours():
+        l = K.fused_linear_cross_entropy(hh, ww, tgt, inplace=True); l.backward()
+    t = bench(ours, rep=400); print(f"ours full fn chunk auto: {t:.2f} ms", flush=True)
+    del W, hid0, G, hh, ww
+    torch.cuda.empty_cache()
+if PART in ("all", "host"):
+    def host_us(fn, iters=400):
+        for _ in range(30): fn()
+        torch.cuda.synchronize(); t0 = time.perf_counter()
+        for _ in range(iters): fn()
+        torch.cuda.synchronize(); return (time.perf_counter() - t0) / iters * 1e6
+    try:
+        from liger_kernel.transformers.layer_norm import LigerLayerNorm
+        from liger_kernel.transformers.rms_norm import LigerRMSNorm
+    except Exception as e:
+        LigerLayerNorm = None; print("no liger", e)
+    n = 4096
+    for rows in (8, 8192):
+        x = torch.randn(rows, n, device=dev, dtype=torch.bfloat16, requires_grad=True)
+        w = torch.ones(n, device=dev, dtype=torch.bfloat16, requires_grad=True)
+        bb = torch.zeros(n, device=dev, dtype=torch.bfloat16, requires_grad=True)
+        dy = torch.randn(rows, n, device=dev, dtype=torch.bfloat16)
+        def fb(f):
+            def g():
+                y = f(); y.backward(dy); x.grad = w.grad = bb.grad = None
+            return g
+        res = {
+          "ours LN fwd+bwd": fb(lambda: K.layer_norm(x, w, bb)),
+          "eager LN fwd+bwd": fb(lambda: F.layer_norm(x, (n,), w, bb)),
+          "ours RMS fwd+bwd": fb(lambda: K.rms_norm(x, w)),
+          "ours LN fwd (no grad)": lambda: K.layer_norm(x.detach(), w.detach(), bb.detach()),
+          "eager LN fwd (no grad)": lambda: F.layer_norm(x.detach(), (n,), w.detach(), bb.detach()),
+          "torch.empty": lambda: torch.empty(rows, n, device=dev, dtype=torch.bfloat16),
+        }
+        if LigerLayerNorm is not None:
+            m = LigerLayerNorm(n).to(dev, torch.bfloat16); m.weight = torch.nn.Parameter(w.detach()); m.bias = torch.nn.Parameter(bb.detach())
+            res["liger LN fwd+bwd"] = fb(lambda: m(x))
+            mr = LigerRMSNorm(n).to(dev, torch.bfloat16)
+            res["liger RMS fwd+bwd"] = fb(lambda: mr(x))
+
+        lnm = sys.modules["ckpt.kernels.layer_norm"]
+        x2 = x.detach(); y2 = torch.empty_like(x2); st = torch.empty(2, rows, device=dev)
+        args = (x2, y2, w, bb, st[0], st[1], x2.stride(0), y2.stride(0), n, 1e-5)
+        kw = dict(BLOCK_N=4096, HAS_BIAS=True, num_warps=8)
+        res["triton launch via LazyKernel"] = lambda: lnm._fwd[(rows,)](*args, **kw)
+        jit = lnm._fwd._get()
+        res["triton launch via JITFunction"] = lambda: jit[(rows,)](*args, **kw)
+        ck = jit[(rows,)](*args, **kw)
+        try:
+            runner = ck[(rows, 1, 1)]
+            res["triton launch via CompiledKernel"] = lambda: runner(*args)
+        except Exception as e:
+            print("compiled runner failed", e)
+        class Noop(torch.autograd.Function):
+            @staticmethod
+            def forward(ctx, a): return a.view_as(a)
+            @staticmethod
+            def backward(ctx, g): return g
+        res["autograd.Function noop fwd+bwd"] = fb(lambda: Noop.apply(x))
+        for name, fn in res.items():
+            try:
+                print(f"rows={rows:5d} {name:34s} host {host_us(fn):8.1f} us/iter; do_bench {bench(fn)*1e3:8.1f} us", flush=True)
+            except Exception as e:
+                print(f"rows={rows:5d} {name:34s} FAILED {type(e).__name__}: {str(e)[:200]}", flush=True)
+    x = torch.randn(8, n, device=dev, dtype=torch.bfloat16, requires_grad=True)
+    w = torch.ones(n, device=dev, dtype=torch.bfloat16, requires_grad=True)
+    bb = torch.zeros(n, device=dev, dtype=torch.bfloat16, requires_grad=True)
+    dy = torch.randn(8, n, device=dev, dtype=torch.bfloat16)
+    def loop():
+        for _ in range(300):
+            y = K.layer_norm(x, w, bb); y.backward(dy); x.grad = w.grad = bb.grad = None
+        torch.cuda.synchronize()
+    loop()
+    pr = cProfile.Profile(); pr.enable(); loop(); pr.disable()
+    s = io.StringIO(); pstats.Stats(pr, stream=s).sort_stats("tottime").print_stats(22); print(s.getvalue()[-6000:])
