@@ -215,7 +215,8 @@ class LazyKernel:
         kernel = self._compiled.get(key)
         if kernel is None:
             kernel = jit.run(*args, grid=grid, warmup=False, **kwargs)
-            self._compiled[key] = kernel
+            if kernel is not None:
+                self._compiled[key] = kernel
             return kernel
         g0, g1, g2 = (tuple(grid) + (1, 1))[:3]
         kernel.run(g0, g1, g2, torch._C._cuda_getCurrentRawStream(device), kernel.function, kernel.packed_metadata,
