@@ -48,6 +48,8 @@ __all__ = [
     "check_runnable_device",
     "num_programs",
     "next_power_of_2",
+    "row_warps",
+    "as_rows",
     "dense_vector",
     "owns_storage",
     "bump_version",
@@ -222,6 +224,19 @@ class LazyKernel:
         kernel.run(g0, g1, g2, torch._C._cuda_getCurrentRawStream(device), kernel.function, kernel.packed_metadata,
                    None, runtime.launch_enter_hook, runtime.launch_exit_hook, *args, *(kwargs[name] for name in tail))
         return kernel
+
+
+def row_warps(block: int) -> int:
+    """Warps for a one-row-per-program kernel whose row block holds ``block`` elements."""
+    return 4 if block <= 1024 else 8 if block <= 4096 else 16
+
+
+def as_rows(x: torch.Tensor) -> torch.Tensor:
+    """View ``x`` as ``(rows, N)`` with unit stride in the last dim (copies only if needed)."""
+    x2 = x.reshape(-1, x.shape[-1])
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    return x2
 
 
 def next_power_of_2(n: int) -> int:

@@ -37,11 +37,13 @@ from torch import nn
 from ._reduce import DW_BLOCK_C, DW_BLOCK_R, split_rows, sum_partials
 from ._utils import (
     LazyKernel,
+    as_rows,
     check_runnable_device,
     check_same_device,
     check_tensor,
     dense_vector,
     next_power_of_2,
+    row_warps,
     tl,
 )
 
@@ -128,19 +130,13 @@ _bwd_dx = LazyKernel(_layer_norm_bwd_dx_kernel)
 _bwd_dwdb = LazyKernel(_layer_norm_bwd_dwdb_kernel)
 
 
-def _num_warps(block: int) -> int:
-    return 4 if block <= 1024 else 8 if block <= 4096 else 16
-
-
 class LayerNormFunction(torch.autograd.Function):
     """Autograd glue: saves ``x``, per-row mean and rstd; recomputes ``xhat`` in backward."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float) -> torch.Tensor:
         shape = x.shape
-        x2 = x.reshape(-1, shape[-1])
-        if x2.stride(-1) != 1:
-            x2 = x2.contiguous()
+        x2 = as_rows(x)
         n_rows, n = x2.shape
         y = torch.empty(shape, dtype=x.dtype, device=x.device)  # owns its storage
         y2 = y.view(n_rows, n)
@@ -150,7 +146,7 @@ class LayerNormFunction(torch.autograd.Function):
             _fwd[(n_rows,)](
                 x2, y2, weight, bias if bias is not None else weight, stats,
                 x2.stride(0), y2.stride(0), n_rows, n, float(eps),
-                BLOCK_N=block, HAS_BIAS=bias is not None, num_warps=_num_warps(block),
+                BLOCK_N=block, HAS_BIAS=bias is not None, num_warps=row_warps(block),
             )
         ctx.save_for_backward(x2, weight, stats)
         ctx.has_bias = bias is not None
@@ -162,9 +158,7 @@ class LayerNormFunction(torch.autograd.Function):
     def backward(ctx, dy: torch.Tensor):
         x2, weight, stats = ctx.saved_tensors
         n_rows, n = x2.shape
-        dy2 = dy.reshape(-1, n)
-        if dy2.stride(-1) != 1:
-            dy2 = dy2.contiguous()
+        dy2 = as_rows(dy)
         dx = torch.empty(ctx.shape, dtype=x2.dtype, device=x2.device)
         need_dw = ctx.needs_input_grad[1]
         need_db = ctx.has_bias and ctx.needs_input_grad[2]
@@ -197,7 +191,7 @@ class LayerNormFunction(torch.autograd.Function):
         if n_rows > 0:
             _bwd_dx[(n_rows,)](
                 dy2, x2, weight, stats, dx, dy2.stride(0), x2.stride(0), n, n_rows, n,
-                BLOCK_N=block, num_warps=_num_warps(block),
+                BLOCK_N=block, num_warps=row_warps(block),
             )
         return dx, dw, db, None
 

@@ -55,11 +55,13 @@ from torch import nn
 from ._reduce import DW_BLOCK_C, DW_BLOCK_R, split_rows, sum_partials
 from ._utils import (
     LazyKernel,
+    as_rows,
     check_runnable_device,
     check_same_device,
     check_tensor,
     dense_vector,
     next_power_of_2,
+    row_warps,
     tl,
 )
 
@@ -136,25 +138,13 @@ _fwd = LazyKernel(_rms_norm_fwd_kernel)
 _bwd_dx = LazyKernel(_rms_norm_bwd_dx_kernel)
 _bwd_dw = LazyKernel(_rms_norm_bwd_dw_kernel)
 
-def _num_warps(block: int) -> int:
-    return 4 if block <= 1024 else 8 if block <= 4096 else 16
-
-
-def _as_rows(x: torch.Tensor) -> torch.Tensor:
-    """View ``x`` as ``(rows, N)`` with unit stride in the last dim (copies only if needed)."""
-    x2 = x.reshape(-1, x.shape[-1])
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
-    return x2
-
-
 class RMSNormFunction(torch.autograd.Function):
     """Autograd glue: saves ``x`` and the per-row ``rstd``; backward recomputes ``xhat``."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float, in_place: bool) -> torch.Tensor:
         shape = x.shape
-        x2 = _as_rows(x)
+        x2 = as_rows(x)
         n_rows, n = x2.shape
         # allocate in x's shape so the returned tensor owns its storage (not a view)
         y = torch.empty(shape, dtype=x.dtype, device=x.device)
@@ -164,7 +154,7 @@ class RMSNormFunction(torch.autograd.Function):
         if n_rows > 0:
             _fwd[(n_rows,)](
                 x2, y2, weight, rstd, x2.stride(0), y2.stride(0), n, float(eps), float(offset),
-                BLOCK_N=block, LLAMA_CAST=(offset == 0.0), num_warps=_num_warps(block),
+                BLOCK_N=block, LLAMA_CAST=(offset == 0.0), num_warps=row_warps(block),
             )
         ctx.save_for_backward(x2, weight, rstd)
         ctx.offset = float(offset)
@@ -176,7 +166,7 @@ class RMSNormFunction(torch.autograd.Function):
     def backward(ctx, dy: torch.Tensor):
         x2, weight, rstd = ctx.saved_tensors
         n_rows, n = x2.shape
-        dy2 = _as_rows(dy)
+        dy2 = as_rows(dy)
         if ctx.in_place and dy2.is_contiguous() and dy2.dtype == x2.dtype and dy.data_ptr() == dy2.data_ptr():
             dx = dy2
         else:
@@ -199,7 +189,7 @@ class RMSNormFunction(torch.autograd.Function):
         if n_rows > 0:
             _bwd_dx[(n_rows,)](
                 dy2, x2, weight, rstd, dx, dy2.stride(0), x2.stride(0), dx.stride(0), n, ctx.offset,
-                BLOCK_N=block, num_warps=_num_warps(block),
+                BLOCK_N=block, num_warps=row_warps(block),
             )
         return dx.view(ctx.shape), dw, None, None, None
 
