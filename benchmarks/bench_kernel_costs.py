@@ -162,3 +162,130 @@ if PART in ("all", "host"):
     loop()
     pr = cProfile.Profile(); pr.enable(); loop(); pr.disable()
     s = io.StringIO(); pstats.Stats(pr, stream=s).sort_stats("tottime").print_stats(22); print(s.getvalue()[-6000:])
+if PART in ("all", "lean"):
+    # Lower bound of a Python-dispatched LayerNorm: the library's four kernels launched through
+    # their compiled launchers directly (no argument checks, no launch cache), against the
+    # library path, aten, and an empty autograd.Function; host time per call and do_bench, at
+    # 8 rows (GPU work negligible: pure host cost) and 8192 rows (the benchmark's shape),
+    # three interleaved rounds.
+    from ckpt.kernels._reduce import split_rows, DW_BLOCK_C, DW_BLOCK_R, _sum
+    lnm = sys.modules["ckpt.kernels.layer_norm"]
+    rt = triton.knobs.runtime
+    raw_stream = torch._C._cuda_getCurrentRawStream
+    def go(k, g0, g1, *args):
+        k.run(g0, g1, 1, raw_stream(0), k.function, k.packed_metadata, None, rt.launch_enter_hook,
+              rt.launch_exit_hook, *args)
+    class Noop(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, a): return a.view_as(a)
+        @staticmethod
+        def backward(ctx, g): return g
+    def host_us(fn, iters=300):
+        for _ in range(20): fn()
+        torch.cuda.synchronize(); t0 = time.perf_counter()
+        for _ in range(iters): fn()
+        torch.cuda.synchronize(); return (time.perf_counter() - t0) / iters * 1e6
+    n = 4096
+    cases = {}
+    for rows in (8, 8192):
+        x = torch.randn(rows, n, device=dev, dtype=torch.bfloat16, requires_grad=True)
+        w = torch.randn(n, device=dev, dtype=torch.bfloat16, requires_grad=True)
+        bb = torch.randn(n, device=dev, dtype=torch.bfloat16, requires_grad=True)
+        dy = torch.randn(rows, n, device=dev, dtype=torch.bfloat16)
+        for lk in (lnm._fwd, lnm._bwd_dwdb, lnm._bwd_dx, _sum):
+            lk._compiled.clear()
+        y = K.layer_norm(x, w, bb); y.backward(dy)  # compiles and caches this shape's kernels
+        kf, kdw, kdx, ks = (next(iter(lk._compiled.values()))[0] for lk in (lnm._fwd, lnm._bwd_dwdb, lnm._bwd_dx, _sum))
+        splits, per = split_rows(rows, n, x.device)
+        bs = min(32, 1 << (splits - 1).bit_length())
+        def make_raw(rows=rows, kf=kf, kdw=kdw, kdx=kdx, ks=ks, splits=splits, per=per, bs=bs):
+            class RawLN(torch.autograd.Function):
+                @staticmethod
+                def forward(ctx, x, w, b):
+                    y = torch.empty_like(x)
+                    st = torch.empty((2, rows), dtype=torch.float32, device=x.device)
+                    go(kf, rows, 1, x, y, w, b, st, n, n, rows, n, 1e-5, 4096, True)
+                    ctx.save_for_backward(x, w, st)
+                    return y
+                @staticmethod
+                def backward(ctx, dy):
+                    x, w, st = ctx.saved_tensors
+                    dx = torch.empty_like(x)
+                    go(kdx, rows, 1, dy, x, w, st, dx, n, n, n, rows, n, 4096)
+                    part = torch.empty((2, splits, n), dtype=torch.float32, device=x.device)
+                    dw = torch.empty_like(w); db = torch.empty_like(w)
+                    go(kdw, n // DW_BLOCK_C, splits, dy, x, st, st[1], part, part[1], n, n, rows, n, per,
+                       DW_BLOCK_R, DW_BLOCK_C, True, True)
+                    go(ks, n // DW_BLOCK_C, 2, part, dw, db, splits, n, bs, DW_BLOCK_C)
+                    return dx, dw, db
+            return RawLN
+        RawLN = make_raw()
+        ref = [t.detach().clone() for t in (y, x.grad, w.grad, bb.grad)]
+        x.grad = w.grad = bb.grad = None
+        yr = RawLN.apply(x, w, bb); yr.backward(dy)
+        for a, b_ in zip(ref, (yr, x.grad, w.grad, bb.grad)):
+            assert torch.equal(a, b_), "raw launch path differs from the library path"
+        def fb(f, x=x, w=w, bb=bb, dy=dy):
+            def g():
+                out = f(); out.backward(dy); x.grad = w.grad = bb.grad = None
+            return g
+        cases[rows] = {
+            "aten LN fwd+bwd": fb(lambda x=x, w=w, bb=bb: F.layer_norm(x, (n,), w, bb)),
+            "ours LN fwd+bwd": fb(lambda x=x, w=w, bb=bb: K.layer_norm(x, w, bb)),
+            "raw-launch LN fwd+bwd": fb(lambda x=x, w=w, bb=bb, R=RawLN: R.apply(x, w, bb)),
+            "empty autograd.Function fwd+bwd": fb(lambda x=x: Noop.apply(x)),
+            "ours RMS fwd+bwd": fb(lambda x=x, w=w: K.rms_norm(x, w)),
+            "aten RMS fwd+bwd": fb(lambda x=x, w=w: F.rms_norm(x, (n,), w, 1e-6)),
+        }
+    for rnd in range(3):
+        for rows, items in cases.items():
+            for name, fn in items.items():
+                print(f"lean[{rnd}] rows={rows:5d} {name:34s} host {host_us(fn):7.1f} us   "
+                      f"do_bench {bench(fn)*1e3:7.1f} us", flush=True)
+if PART in ("all", "gemm"):
+    # The three FLCE GEMMs at C tokens per chunk: operand layouts and cuBLAS vs cuBLASLt.
+    N, H, V = 8192, 4096, 128256
+    W = (torch.randn(V, H, device=dev) * H ** -0.5).to(torch.bfloat16)
+    dW = torch.randn(V, H, device=dev, dtype=torch.bfloat16) * 0.01
+    def ev_ms(f, reps=20):
+        for _ in range(3): f()
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize(); s.record()
+        for _ in range(reps): f()
+        e.record(); e.synchronize(); return s.elapsed_time(e) / reps
+    for C in (512, 1024):
+        h = torch.randn(C, H, device=dev, dtype=torch.bfloat16)
+        hT = h.t().contiguous()
+        G = (torch.randn(C, V, device=dev) * 1e-3).to(torch.bfloat16)
+        Gt = G.t().contiguous()
+        out_l = torch.empty(C, V, device=dev, dtype=torch.bfloat16); out_lt = torch.empty(V, C, device=dev, dtype=torch.bfloat16)
+        dh = torch.empty(C, H, device=dev, dtype=torch.bfloat16)
+        fl = 2 * C * V * H / 1e9
+        variants = {
+            "logits h@W.T": lambda: torch.mm(h, W.t(), out=out_l),
+            "logits^T W@h.T": lambda: torch.mm(W, h.t(), out=out_lt),
+            "dW+= G.T@h": lambda: dW.addmm_(G.t(), h),
+            "dW+= Gt@h": lambda: dW.addmm_(Gt, h),
+            "dW+= G.T@hT.T": lambda: dW.addmm_(G.t(), hT.t()),
+            "dW+= Gt@hT.T": lambda: dW.addmm_(Gt, hT.t()),
+            "dh G@W": lambda: torch.mm(G, W, out=dh),
+            "dh Gt.T@W": lambda: torch.mm(Gt.t(), W, out=dh),
+        }
+        for lib in ("cublas", "cublaslt"):
+            torch.backends.cuda.preferred_blas_library(lib)
+            for name, f in variants.items():
+                t = ev_ms(f)
+                print(f"gemm C={C} {lib:8s} {name:16s} {t:.3f} ms {fl / t:5.0f} TFLOP/s", flush=True)
+        del h, hT, G, Gt, out_l, out_lt
+    torch.backends.cuda.preferred_blas_library("cublas")
+    del W, dW
+    torch.cuda.empty_cache()
+    hh = torch.randn(N, H, device=dev, dtype=torch.bfloat16).requires_grad_()
+    ww = (torch.randn(V, H, device=dev) * H ** -0.5).to(torch.bfloat16).requires_grad_()
+    tgt = torch.randint(0, V, (N,), device=dev)
+    for lib in ("cublas", "cublaslt", "cublas", "cublaslt"):
+        torch.backends.cuda.preferred_blas_library(lib)
+        def ours():
+            l = K.fused_linear_cross_entropy(hh, ww, tgt, inplace=True); l.backward()
+        t = triton.testing.do_bench(ours, warmup=5, rep=400, grad_to_none=[hh, ww], return_mode="median")
+        print(f"flce ours {lib}: {t:.2f} ms", flush=True)

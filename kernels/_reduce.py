@@ -12,6 +12,8 @@ Shapes: ``part`` ``(len(outs) * splits, N)`` fp32, contiguous; each of ``outs`` 
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from ._utils import LazyKernel, next_power_of_2, num_programs, tl
@@ -42,6 +44,7 @@ def _sum_partials_kernel(PART, OUT0, OUT1, splits, N, BLOCK_S: tl.constexpr, BLO
 _sum = LazyKernel(_sum_partials_kernel)
 
 
+@functools.lru_cache(maxsize=256)
 def split_rows(n_rows: int, n: int, device: torch.device) -> tuple[int, int]:
     """(row splits, rows per split) for a column-parallel weight-gradient kernel: about
     four programs per SM in total, each over a multiple of :data:`DW_BLOCK_R` rows."""

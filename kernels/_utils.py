@@ -19,17 +19,20 @@ Why a launch cache: on the GPU machine's 2.1 GHz host, ``JITFunction.run`` spend
 per launch binding arguments and computing Triton's specialization key (measured, H200
 device, Triton 3.6), more than the GPU time of a norm over 8192 x 4096 bf16. For kernels
 whose GPU time is that short the host becomes the bottleneck. :class:`LazyKernel` keeps, per
-*launch signature*, the compiled kernel that Triton chose the first time and afterwards calls
-its launcher directly. The signature is deliberately at least as fine as Triton's own
-specialization: per tensor its dtype and whether its address is 16-byte aligned; per integer
-whether it is 1, a multiple of 16, and 32-bit; per constexpr and launch option its value.
-Anything else (an argument type it does not know, launch hooks installed by a profiler)
-takes Triton's normal path. ``CKPT_KERNELS_FAST_LAUNCH=0`` turns the cache off.
+*launch key*, the compiled kernel that Triton chose the first time and afterwards calls its
+launcher directly. The key is deliberately finer than Triton's own specialization
+(:func:`launch_signature_of` states what that needs): per tensor its dtype and its address
+modulo 16; per integer, constexpr and launch option its value; per float only that it is one.
+Keying integers by value costs a cache entry per distinct shape (bounded, see
+``_CACHE_LIMIT``) and halves the key's host cost. Anything else (an argument type it does
+not know, launch hooks installed by a profiler) takes Triton's normal path. ``CKPT_KERNELS_FAST_LAUNCH=0`` (read when ``ckpt.kernels`` is
+imported) turns the cache off.
 """
 
 from __future__ import annotations
 
 import functools
+import math
 import os
 from typing import Any, Callable, Iterable
 
@@ -81,6 +84,8 @@ except ImportError:  # pragma: no cover - exercised in a subprocess test
     tl = _MissingTritonLanguage()  # type: ignore[assignment]
     _knobs = None
     HAS_TRITON = False
+
+_runtime = getattr(_knobs, "runtime", None)  # where Triton keeps its launch hooks
 
 
 def interpreter_enabled() -> bool:
@@ -135,6 +140,40 @@ def launch_signature_of(arg: Any) -> Any:
     raise _NoFastPath(kind.__name__)
 
 
+#: most launch-cache entries per kernel; past it the cache starts over (entries are cheap to rebuild)
+_CACHE_LIMIT = 4096
+
+
+def _launch_key(args: tuple[Any, ...]) -> tuple[Any, ...]:
+    """The hot-path cache key of a launch's runtime arguments: finer than
+    :func:`launch_signature_of` (integers by value), about half its cost, and the same
+    facts about tensors (dtype, address modulo 16). Arguments it cannot key come out as
+    their type, and :func:`_cacheable` keeps such launches out of the cache."""
+    key = []
+    add = key.append
+    for a in args:
+        kind = type(a)
+        if kind is int or a is None:
+            add(a)
+        elif kind is float:
+            add(float)
+        elif isinstance(a, torch.Tensor):
+            add((a.dtype, a.data_ptr() & 15))
+        else:  # bool (kept apart from the int 1, which it equals), or an unknown type
+            add((kind, a) if kind is bool else kind)
+    return tuple(key)
+
+
+def _cacheable(args: tuple[Any, ...]) -> bool:
+    """Whether every argument is one :func:`launch_signature_of` knows how to key."""
+    try:
+        for a in args:
+            launch_signature_of(a)
+    except _NoFastPath:
+        return False
+    return True
+
+
 def _hook_set(hook: Any) -> bool:
     """Whether a Triton launch hook is installed (``None`` in older releases, an empty
     ``HookChain`` in newer ones when nothing is)."""
@@ -146,6 +185,10 @@ def _hook_set(hook: Any) -> bool:
 
 def _fast_launch_enabled() -> bool:
     return os.environ.get("CKPT_KERNELS_FAST_LAUNCH", "1").lower() not in ("0", "false", "off", "no")
+
+
+#: read once, when the package is imported (an environment lookup per launch costs about 1 us)
+_FAST_LAUNCH = _fast_launch_enabled()
 
 
 class LazyKernel:
@@ -163,7 +206,6 @@ class LazyKernel:
         self._jit: Any = None
         self._interp: bool | None = None
         self._compiled: dict[Any, Any] = {}
-        self._layout: dict[Any, Any] = {}
         functools.update_wrapper(self, fn)
 
     def _get(self) -> Any:
@@ -174,55 +216,60 @@ class LazyKernel:
             self._jit = triton.jit(self.fn)
             self._interp = interp
             self._compiled.clear()
-            self._layout.clear()
         return self._jit
 
     def __getitem__(self, grid: Any) -> Any:
-        jit = self._get()
-        if self._interp or not _fast_launch_enabled():
-            return jit[grid]
-        return lambda *args, **kwargs: self._launch(jit, grid, args, kwargs)
+        return functools.partial(self.launch, grid)
 
-    def _param_layout(self, jit: Any, n_pos: int, names: tuple[str, ...]) -> Any:
-        """(indices of positional constexpr params, names of the params after the positional
-        ones in signature order) for this call shape, or ``None`` where the cache cannot
-        reproduce Triton's argument list (a parameter left to its default, an unknown keyword)."""
-        key = (n_pos, names)
-        if key not in self._layout:
-            try:
-                params = list(jit.params)
-                const_pos = tuple(i for i, p in enumerate(params[:n_pos]) if p.is_constexpr)
-                tail = tuple(p.name for p in params[n_pos:])
-                ok = set(tail) <= set(names) and set(names) - set(tail) <= {"num_warps", "num_stages"}
-                self._layout[key] = (const_pos, tail) if ok else None
-            except AttributeError:  # a Triton whose JITFunction looks different: normal path
-                self._layout[key] = None
-        return self._layout[key]
+    def launch(self, grid: tuple[int, ...], *args: Any, **kwargs: Any) -> Any:
+        """``self[grid](*args, **kwargs)``: launch on ``grid`` (1 to 3 program counts)."""
+        if self._jit is None or self._interp or not _FAST_LAUNCH or not (
+                isinstance(args[0], torch.Tensor) and args[0].is_cuda):
+            # first launch, the interpreter, the cache turned off, or not a CUDA launch:
+            # (re)build in the mode the environment asks for now, and use Triton's path
+            jit = self._get()
+            if self._interp or not _FAST_LAUNCH:
+                return jit[grid](*args, **kwargs)
+        return self._launch(self._jit, grid, args, kwargs)
+
+    def _param_layout(self, jit: Any, n_pos: int, names: tuple[str, ...]) -> tuple[str, ...] | None:
+        """Names of the parameters after the positional ones, in signature order, for this
+        call shape, or ``None`` where the cache cannot reproduce Triton's argument list (a
+        constexpr passed positionally, a parameter left to its default, an unknown keyword)."""
+        try:
+            params = list(jit.params)
+        except AttributeError:  # a Triton whose JITFunction looks different: normal path
+            return None
+        if any(p.is_constexpr for p in params[:n_pos]):
+            return None
+        tail = tuple(p.name for p in params[n_pos:])
+        ok = set(tail) <= set(names) and set(names) - set(tail) <= {"num_warps", "num_stages"}
+        return tail if ok else None
 
     def _launch(self, jit: Any, grid: tuple[int, ...], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        runtime = getattr(_knobs, "runtime", None)
-        layout = self._param_layout(jit, len(args), tuple(kwargs))
-        if layout is None or runtime is None or _hook_set(runtime.launch_enter_hook) \
-                or _hook_set(runtime.launch_exit_hook):
+        # Hot path: one dict lookup keyed by (device, argument signature, keyword values),
+        # then the compiled kernel's own launcher. Everything else happens on a miss.
+        if _runtime is None:
             return jit[grid](*args, **kwargs)
-        const_pos, tail = layout
+        enter, leave = _runtime.launch_enter_hook, _runtime.launch_exit_hook
+        if (enter is not None and _hook_set(enter)) or (leave is not None and _hook_set(leave)):
+            return jit[grid](*args, **kwargs)
         device = torch.cuda.current_device()
-        try:
-            sig = tuple(map(launch_signature_of, args))
-        except _NoFastPath:
-            return jit[grid](*args, **kwargs)
-        if const_pos:
-            sig += tuple(args[i] for i in const_pos)
-        key = (device, sig, tuple(kwargs.items()))
-        kernel = self._compiled.get(key)
-        if kernel is None:
+        key = (device, _launch_key(args), tuple(kwargs.items()))
+        entry = self._compiled.get(key)
+        if entry is None:
             kernel = jit.run(*args, grid=grid, warmup=False, **kwargs)
-            if kernel is not None:
-                self._compiled[key] = kernel
+            tail = self._param_layout(jit, len(args), tuple(kwargs))
+            if kernel is not None and tail is not None and _cacheable(args):
+                if len(self._compiled) >= _CACHE_LIMIT:  # many distinct shapes: start over
+                    self._compiled.clear()
+                self._compiled[key] = (kernel, tuple(kwargs[name] for name in tail))
             return kernel
-        g0, g1, g2 = (tuple(grid) + (1, 1))[:3]
-        kernel.run(g0, g1, g2, torch._C._cuda_getCurrentRawStream(device), kernel.function, kernel.packed_metadata,
-                   None, runtime.launch_enter_hook, runtime.launch_exit_hook, *args, *(kwargs[name] for name in tail))
+        kernel, tail_values = entry
+        n = len(grid)
+        kernel.run(grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1,
+                   torch._C._cuda_getCurrentRawStream(device), kernel.function, kernel.packed_metadata,
+                   None, enter, leave, *args, *tail_values)
         return kernel
 
 
@@ -231,12 +278,20 @@ def row_warps(block: int) -> int:
     return 4 if block <= 1024 else 8 if block <= 4096 else 16
 
 
-def as_rows(x: torch.Tensor) -> torch.Tensor:
-    """View ``x`` as ``(rows, N)`` with unit stride in the last dim (copies only if needed)."""
-    x2 = x.reshape(-1, x.shape[-1])
+def as_rows(x: torch.Tensor) -> tuple[torch.Tensor, int, int]:
+    """``x`` as rows of its last dimension: ``(t, rows, row_stride)``, where ``t`` has unit stride
+    in the last dim and row ``i`` starts ``i * row_stride`` elements after ``t``'s address.
+
+    A contiguous ``x`` comes back as itself (no view: this runs on every norm call, and a view
+    costs host time); otherwise a ``(rows, N)`` view, or a copy where no view has unit stride.
+    """
+    n = x.shape[-1]
+    if x.is_contiguous():
+        return x, (x.numel() // n if n else math.prod(x.shape[:-1])), n
+    x2 = x.reshape(-1, n)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
-    return x2
+    return x2, x2.shape[0], x2.stride(0)
 
 
 def next_power_of_2(n: int) -> int:

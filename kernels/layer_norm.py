@@ -131,68 +131,70 @@ _bwd_dwdb = LazyKernel(_layer_norm_bwd_dwdb_kernel)
 
 
 class LayerNormFunction(torch.autograd.Function):
-    """Autograd glue: saves ``x``, per-row mean and rstd; recomputes ``xhat`` in backward."""
+    """Autograd glue: saves ``x``, per-row mean and rstd; recomputes ``xhat`` in backward.
+
+    Host time bounds this op at LLM sizes (module docstring), so both passes do only their
+    allocations and launches, and backward launches the longest kernel first and the
+    shortest (the partial-row sum) last: when the host is the bottleneck the GPU then has
+    nothing left to run after the last launch but that short kernel.
+    """
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float) -> torch.Tensor:
-        shape = x.shape
-        x2 = as_rows(x)
-        n_rows, n = x2.shape
-        y = torch.empty(shape, dtype=x.dtype, device=x.device)  # owns its storage
-        y2 = y.view(n_rows, n)
+        x2, n_rows, stride_x = as_rows(x)
+        n = x.shape[-1]
+        # x's shape, its own storage (not a view), contiguous
+        y = torch.empty_like(x) if x2 is x else torch.empty(x.shape, dtype=x.dtype, device=x.device)
         stats = torch.empty((2, n_rows), dtype=torch.float32, device=x.device)  # mean, rstd: one allocation
         block = next_power_of_2(n)
         if n_rows > 0:
             _fwd[(n_rows,)](
-                x2, y2, weight, bias if bias is not None else weight, stats,
-                x2.stride(0), y2.stride(0), n_rows, n, float(eps),
+                x2, y, weight, bias if bias is not None else weight, stats, stride_x, n, n_rows, n, float(eps),
                 BLOCK_N=block, HAS_BIAS=bias is not None, num_warps=row_warps(block),
             )
         ctx.save_for_backward(x2, weight, stats)
-        ctx.has_bias = bias is not None
+        ctx.rows = n_rows, stride_x
         ctx.bias_dtype = bias.dtype if bias is not None else None
-        ctx.shape = shape
         return y
 
     @staticmethod
     def backward(ctx, dy: torch.Tensor):
         x2, weight, stats = ctx.saved_tensors
-        n_rows, n = x2.shape
-        dy2 = as_rows(dy)
-        dx = torch.empty(ctx.shape, dtype=x2.dtype, device=x2.device)
-        need_dw = ctx.needs_input_grad[1]
-        need_db = ctx.has_bias and ctx.needs_input_grad[2]
+        n_rows, stride_x = ctx.rows
+        n = dy.shape[-1]
+        dy2, _, stride_dy = as_rows(dy)
+        dx = torch.empty_like(dy) if dy2 is dy else torch.empty(dy.shape, dtype=dy.dtype, device=dy.device)
+        _, need_dw, need_db, _ = ctx.needs_input_grad
+        need_db = need_db and ctx.bias_dtype is not None
+        if n_rows == 0:
+            return (dx, torch.zeros_like(weight) if need_dw else None,
+                    torch.zeros(n, dtype=ctx.bias_dtype, device=dy.device) if need_db else None, None)
         block = next_power_of_2(n)
+        _bwd_dx[(n_rows,)](
+            dy2, x2, weight, stats, dx, stride_dy, stride_x, n, n_rows, n,
+            BLOCK_N=block, num_warps=row_warps(block),
+        )
+        if not (need_dw or need_db):
+            return dx, None, None, None
         # Partial rows for dw and db in one buffer, then one launch that sums them straight
-        # into the parameters' dtypes: host round trips cost more than the GPU time of these
-        # kernels (module docstring of rms_norm.py). The buffer is allocated before dw and db:
-        # in the other order the weight-gradient kernel ran at 65 instead of 43 us on an H200
-        # (8192 x 4096 bf16, same binary, measured side by side; cause not established).
-        work = (need_dw or need_db) and n_rows > 0
-        splits, per = split_rows(n_rows, n, x2.device) if work else (0, 0)
-        part = torch.empty((2, splits, n), dtype=torch.float32, device=x2.device) if work else None
+        # into the parameters' dtypes (no host-side sum/cast round trips). The buffer is
+        # allocated before dw and db: in the other order the weight-gradient kernel ran at 65
+        # instead of 43 us on an H200 (8192 x 4096 bf16, same binary, measured side by side;
+        # cause not established).
+        splits, per = split_rows(n_rows, n, dy.device)
+        part = torch.empty((2, splits, n), dtype=torch.float32, device=dy.device)
         dw = torch.empty_like(weight) if need_dw else None
-        db = torch.empty(n, dtype=ctx.bias_dtype, device=x2.device) if need_db else None
-        if work:
-            _bwd_dwdb[(-(-n // DW_BLOCK_C), splits)](
-                dy2, x2, stats, stats[1], part, part[1], dy2.stride(0), x2.stride(0), n_rows, n, per,
-                BLOCK_R=DW_BLOCK_R, BLOCK_C=DW_BLOCK_C, COMPUTE_DW=need_dw, COMPUTE_DB=need_db, num_warps=4,
-            )
-            if need_dw and need_db:
-                sum_partials(part, splits, dw, db)
-            elif need_dw:
-                sum_partials(part, splits, dw)
-            else:
-                sum_partials(part[1], splits, db)
-        elif n_rows == 0:
-            for t in (dw, db):
-                if t is not None:
-                    t.zero_()
-        if n_rows > 0:
-            _bwd_dx[(n_rows,)](
-                dy2, x2, weight, stats, dx, dy2.stride(0), x2.stride(0), n, n_rows, n,
-                BLOCK_N=block, num_warps=row_warps(block),
-            )
+        db = torch.empty(n, dtype=ctx.bias_dtype, device=dy.device) if need_db else None
+        _bwd_dwdb[(-(-n // DW_BLOCK_C), splits)](
+            dy2, x2, stats, stats[1], part, part[1], stride_dy, stride_x, n_rows, n, per,
+            BLOCK_R=DW_BLOCK_R, BLOCK_C=DW_BLOCK_C, COMPUTE_DW=need_dw, COMPUTE_DB=need_db, num_warps=4,
+        )
+        if need_dw and need_db:
+            sum_partials(part, splits, dw, db)
+        elif need_dw:
+            sum_partials(part, splits, dw)
+        else:
+            sum_partials(part[1], splits, db)
         return dx, dw, db, None
 
 

@@ -143,55 +143,56 @@ class RMSNormFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float, in_place: bool) -> torch.Tensor:
-        shape = x.shape
-        x2 = as_rows(x)
-        n_rows, n = x2.shape
-        # allocate in x's shape so the returned tensor owns its storage (not a view)
-        y = torch.empty(shape, dtype=x.dtype, device=x.device)
-        y2 = y.view(n_rows, n)
+        x2, n_rows, stride_x = as_rows(x)
+        n = x.shape[-1]
+        # x's shape, its own storage (not a view), contiguous
+        y = torch.empty_like(x) if x2 is x else torch.empty(x.shape, dtype=x.dtype, device=x.device)
         rstd = torch.empty(n_rows, dtype=torch.float32, device=x.device)
         block = next_power_of_2(n)
         if n_rows > 0:
             _fwd[(n_rows,)](
-                x2, y2, weight, rstd, x2.stride(0), y2.stride(0), n, float(eps), float(offset),
+                x2, y, weight, rstd, stride_x, n, n, float(eps), float(offset),
                 BLOCK_N=block, LLAMA_CAST=(offset == 0.0), num_warps=row_warps(block),
             )
         ctx.save_for_backward(x2, weight, rstd)
+        ctx.rows = n_rows, stride_x
         ctx.offset = float(offset)
         ctx.in_place = in_place
-        ctx.shape = shape
         return y
 
     @staticmethod
     def backward(ctx, dy: torch.Tensor):
         x2, weight, rstd = ctx.saved_tensors
-        n_rows, n = x2.shape
-        dy2 = as_rows(dy)
-        if ctx.in_place and dy2.is_contiguous() and dy2.dtype == x2.dtype and dy.data_ptr() == dy2.data_ptr():
-            dx = dy2
+        n_rows, stride_x = ctx.rows
+        n = dy.shape[-1]
+        dy2, _, stride_dy = as_rows(dy)
+        if ctx.in_place and dy2 is dy and dy.dtype == x2.dtype:
+            dx = dy
         else:
-            dx = torch.empty_like(x2)
+            dx = torch.empty_like(dy) if dy2 is dy else torch.empty(dy.shape, dtype=dy.dtype, device=dy.device)
         need_dw = ctx.needs_input_grad[1]
+        if n_rows == 0:
+            return dx, torch.zeros_like(weight) if need_dw else None, None, None, None
         block = next_power_of_2(n)
         dw = None
         if need_dw:
-            dw = torch.empty_like(weight) if n_rows > 0 else torch.zeros_like(weight)
-        if need_dw and n_rows > 0:
-            # dw first: dx may overwrite dy below. Partial rows, then one launch that sums
-            # them straight into the weight's dtype (no host-side sum/cast round trips).
-            splits, per = split_rows(n_rows, n, x2.device)
-            dw_part = torch.empty((splits, n), dtype=torch.float32, device=x2.device)
+            # dw's partial rows first (dx may overwrite dy), then dx, then the short launch that
+            # sums the partial rows straight into the weight's dtype: the last launch is the
+            # shortest, so a host-bound caller leaves the GPU little to finish after it.
+            splits, per = split_rows(n_rows, n, dy.device)
+            dw_part = torch.empty((splits, n), dtype=torch.float32, device=dy.device)
+            dw = torch.empty_like(weight)
             _bwd_dw[(-(-n // DW_BLOCK_C), splits)](
-                dy2, x2, rstd, dw_part, dy2.stride(0), x2.stride(0), n_rows, n, per,
+                dy2, x2, rstd, dw_part, stride_dy, stride_x, n_rows, n, per,
                 BLOCK_R=DW_BLOCK_R, BLOCK_C=DW_BLOCK_C, LLAMA_CAST=(ctx.offset == 0.0), num_warps=4,
             )
+        _bwd_dx[(n_rows,)](
+            dy2, x2, weight, rstd, dx, stride_dy, stride_x, n, n, ctx.offset,
+            BLOCK_N=block, num_warps=row_warps(block),
+        )
+        if need_dw:
             sum_partials(dw_part, splits, dw)
-        if n_rows > 0:
-            _bwd_dx[(n_rows,)](
-                dy2, x2, weight, rstd, dx, dy2.stride(0), x2.stride(0), dx.stride(0), n, ctx.offset,
-                BLOCK_N=block, num_warps=row_warps(block),
-            )
-        return dx.view(ctx.shape), dw, None, None, None
+        return dx, dw, None, None, None
 
 
 def rms_norm(

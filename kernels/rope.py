@@ -108,14 +108,13 @@ def _launch(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tens
     half = dim // 2
     grid = (bsz * seq,)
     if bsz * seq:
+        qs, qos, ks, kos = q.stride(), qo.stride(), k.stride(), ko.stride()
         block_half = next_power_of_2(half)
         warps = 8 if (n_qh + n_kh) * block_half >= 4096 else 4
         _kernel[grid](
             q, k, qo, ko, cos, sin,
             seq, n_qh, n_kh, half,
-            q.stride(0), q.stride(1), q.stride(2), qo.stride(0), qo.stride(1), qo.stride(2),
-            k.stride(0), k.stride(1), k.stride(2), ko.stride(0), ko.stride(1), ko.stride(2),
-            cos.stride(0), cos.stride(1),
+            *qs[:3], *qos[:3], *ks[:3], *kos[:3], *cos.stride()[:2],
             BACKWARD=backward, BLOCK_QH=next_power_of_2(n_qh), BLOCK_KH=next_power_of_2(n_kh),
             BLOCK_HALF=block_half, num_warps=warps,
         )

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import ckpt.kernels as K
-from ckpt.kernels._utils import _NoFastPath, launch_signature_of
+from ckpt.kernels._utils import _NoFastPath, _launch_key, launch_signature_of
 from kernel_helpers import HAS_CUDA
 
 
@@ -27,6 +27,18 @@ def test_signature_separates_what_triton_specializes_on():
     assert launch_signature_of(None) != launch_signature_of(0.0)
     with pytest.raises(_NoFastPath):
         launch_signature_of("a string")
+
+
+def test_launch_key_is_finer_than_the_signature():
+    """The hot-path key must separate every pair of calls that the signature separates."""
+    buf = torch.zeros(64, dtype=torch.bfloat16)
+    calls = [(buf[:8], 16), (buf[1:9], 16), (buf[:8].float(), 16), (buf[:8], 17), (buf[:8], 1),
+             (buf[:8], True), (buf[:8], None), (buf[:8], 0.5), (buf[:8], 2**31), (buf[:8], 2**63)]
+    for a in calls:
+        for b in calls:
+            if tuple(map(launch_signature_of, a)) != tuple(map(launch_signature_of, b)):
+                assert _launch_key(a) != _launch_key(b), (a, b)
+    assert _launch_key((buf[:8], 0.5)) == _launch_key((buf[:8], 2.0))  # floats: kind only
 
 
 @pytest.mark.gpu
