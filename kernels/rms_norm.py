@@ -167,7 +167,9 @@ class RMSNormFunction(torch.autograd.Function):
         n = dy.shape[-1]
         dy2, _, stride_dy = as_rows(dy)
         if ctx.in_place and dy2 is dy and dy.dtype == x2.dtype:
-            dx = dy
+            # a new tensor object over dy's memory: when x is a leaf, AccumulateGrad adopts an
+            # object nobody else holds as x.grad, but copies one the caller still holds (dy)
+            dx = dy.view(dy.shape)
         else:
             dx = torch.empty_like(dy) if dy2 is dy else torch.empty(dy.shape, dtype=dy.dtype, device=dy.device)
         need_dw = ctx.needs_input_grad[1]

@@ -143,3 +143,15 @@ def test_norms_strided_weight():
     ref = stacked.detach().clone().requires_grad_()
     (rms_norm_ref(x, ref[:, 1]).sum() + layer_norm_ref(x, ref[:, 1], None).sum()).backward()
     torch.testing.assert_close(stacked.grad, ref.grad, atol=1e-4, rtol=1e-5)
+
+
+def test_rms_norm_in_place_grad_is_adopted_without_copy():
+    """With in_place=True the input gradient lives in dy's memory; for a leaf input autograd must
+    adopt it as ``x.grad`` rather than copy it (a copy costs a whole activation of memory)."""
+    x = torch.randn(4, 64, requires_grad=True)
+    w = torch.ones(64, requires_grad=True)
+    dy = torch.randn(4, 64)
+    expected = torch.autograd.grad(rms_norm_ref(x, w), x, dy)[0]
+    torch.autograd.backward([rms_norm(x, w, in_place=True)], [dy])
+    assert x.grad.data_ptr() == dy.data_ptr()
+    torch.testing.assert_close(x.grad, expected, atol=1e-5, rtol=1e-5)
