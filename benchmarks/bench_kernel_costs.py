@@ -2,15 +2,16 @@
 
 Diagnostics behind docs/benchmarks.md, not a provider comparison: the machine's copy and
 matmul ceilings; the fused linear cross-entropy's per-chunk GEMMs and cross-entropy pass
-timed one by one at several chunk sizes, cross-entropy block sizes, a two-stream variant
-of the chunk loop; and the host cost of one Triton launch, one aten call, an empty
-``autograd.Function`` and the norms' forward + backward at 8 and 8192 rows (at 8 rows the
-GPU work is negligible, so the time is the host's). Prints its findings.
+timed one by one at several chunk sizes, cross-entropy block sizes and a two-stream variant
+of the chunk loop (``flce``); the three GEMMs under every operand layout and cuBLAS vs
+cuBLASLt (``gemm``); and LayerNorm's host cost against its raw-launcher lower bound, aten
+and an empty ``autograd.Function``, at 8 rows (pure host cost) and 8192 (``lean``).
+Prints its findings.
 
     python benchmarks/bench_kernel_costs.py            # all
-    PART=flce python benchmarks/bench_kernel_costs.py  # or PART=host
+    PART=lean python benchmarks/bench_kernel_costs.py  # or PART=flce, PART=gemm
 """
-import cProfile, pstats, io, sys, time, os
+import sys, time, os
 import torch, triton, triton.testing
 import torch.nn.functional as F
 import ckpt.kernels as K
@@ -92,88 +93,18 @@ if PART in ("all", "flce"):
     t = bench(ours, rep=400); print(f"ours full fn chunk auto: {t:.2f} ms", flush=True)
     del W, hid0, G, hh, ww
     torch.cuda.empty_cache()
-if PART in ("all", "host"):
-    def host_us(fn, iters=400):
-        for _ in range(30): fn()
-        torch.cuda.synchronize(); t0 = time.perf_counter()
-        for _ in range(iters): fn()
-        torch.cuda.synchronize(); return (time.perf_counter() - t0) / iters * 1e6
-    try:
-        from liger_kernel.transformers.layer_norm import LigerLayerNorm
-        from liger_kernel.transformers.rms_norm import LigerRMSNorm
-    except Exception as e:
-        LigerLayerNorm = None; print("no liger", e)
-    n = 4096
-    for rows in (8, 8192):
-        x = torch.randn(rows, n, device=dev, dtype=torch.bfloat16, requires_grad=True)
-        w = torch.ones(n, device=dev, dtype=torch.bfloat16, requires_grad=True)
-        bb = torch.zeros(n, device=dev, dtype=torch.bfloat16, requires_grad=True)
-        dy = torch.randn(rows, n, device=dev, dtype=torch.bfloat16)
-        def fb(f):
-            def g():
-                y = f(); y.backward(dy); x.grad = w.grad = bb.grad = None
-            return g
-        res = {
-          "ours LN fwd+bwd": fb(lambda: K.layer_norm(x, w, bb)),
-          "eager LN fwd+bwd": fb(lambda: F.layer_norm(x, (n,), w, bb)),
-          "ours RMS fwd+bwd": fb(lambda: K.rms_norm(x, w)),
-          "ours LN fwd (no grad)": lambda: K.layer_norm(x.detach(), w.detach(), bb.detach()),
-          "eager LN fwd (no grad)": lambda: F.layer_norm(x.detach(), (n,), w.detach(), bb.detach()),
-          "torch.empty": lambda: torch.empty(rows, n, device=dev, dtype=torch.bfloat16),
-        }
-        if LigerLayerNorm is not None:
-            m = LigerLayerNorm(n).to(dev, torch.bfloat16); m.weight = torch.nn.Parameter(w.detach()); m.bias = torch.nn.Parameter(bb.detach())
-            res["liger LN fwd+bwd"] = fb(lambda: m(x))
-            mr = LigerRMSNorm(n).to(dev, torch.bfloat16)
-            res["liger RMS fwd+bwd"] = fb(lambda: mr(x))
-
-        lnm = sys.modules["ckpt.kernels.layer_norm"]
-        x2 = x.detach(); y2 = torch.empty_like(x2); st = torch.empty(2, rows, device=dev)
-        args = (x2, y2, w, bb, st[0], st[1], x2.stride(0), y2.stride(0), n, 1e-5)
-        kw = dict(BLOCK_N=4096, HAS_BIAS=True, num_warps=8)
-        res["triton launch via LazyKernel"] = lambda: lnm._fwd[(rows,)](*args, **kw)
-        jit = lnm._fwd._get()
-        res["triton launch via JITFunction"] = lambda: jit[(rows,)](*args, **kw)
-        ck = jit[(rows,)](*args, **kw)
-        try:
-            runner = ck[(rows, 1, 1)]
-            res["triton launch via CompiledKernel"] = lambda: runner(*args)
-        except Exception as e:
-            print("compiled runner failed", e)
-        class Noop(torch.autograd.Function):
-            @staticmethod
-            def forward(ctx, a): return a.view_as(a)
-            @staticmethod
-            def backward(ctx, g): return g
-        res["autograd.Function noop fwd+bwd"] = fb(lambda: Noop.apply(x))
-        for name, fn in res.items():
-            try:
-                print(f"rows={rows:5d} {name:34s} host {host_us(fn):8.1f} us/iter; do_bench {bench(fn)*1e3:8.1f} us", flush=True)
-            except Exception as e:
-                print(f"rows={rows:5d} {name:34s} FAILED {type(e).__name__}: {str(e)[:200]}", flush=True)
-    x = torch.randn(8, n, device=dev, dtype=torch.bfloat16, requires_grad=True)
-    w = torch.ones(n, device=dev, dtype=torch.bfloat16, requires_grad=True)
-    bb = torch.zeros(n, device=dev, dtype=torch.bfloat16, requires_grad=True)
-    dy = torch.randn(8, n, device=dev, dtype=torch.bfloat16)
-    def loop():
-        for _ in range(300):
-            y = K.layer_norm(x, w, bb); y.backward(dy); x.grad = w.grad = bb.grad = None
-        torch.cuda.synchronize()
-    loop()
-    pr = cProfile.Profile(); pr.enable(); loop(); pr.disable()
-    s = io.StringIO(); pstats.Stats(pr, stream=s).sort_stats("tottime").print_stats(22); print(s.getvalue()[-6000:])
 if PART in ("all", "lean"):
-    # Lower bound of a Python-dispatched LayerNorm: the library's four kernels launched through
+    # Lower bound of a Python-dispatched LayerNorm: the library's two kernels launched through
     # their compiled launchers directly (no argument checks, no launch cache), against the
     # library path, aten, and an empty autograd.Function; host time per call and do_bench, at
     # 8 rows (GPU work negligible: pure host cost) and 8192 rows (the benchmark's shape),
-    # three interleaved rounds.
-    from ckpt.kernels._reduce import split_rows, DW_BLOCK_C, DW_BLOCK_R, _sum
+    # three interleaved rounds; plus the GPU time of one CUDA-graph replay at 8192 rows.
+    from ckpt.kernels._reduce import split_rows, tickets, DW_BLOCK_C, DW_BLOCK_R
     lnm = sys.modules["ckpt.kernels.layer_norm"]
     rt = triton.knobs.runtime
     raw_stream = torch._C._cuda_getCurrentRawStream
-    def go(k, g0, g1, *args):
-        k.run(g0, g1, 1, raw_stream(0), k.function, k.packed_metadata, None, rt.launch_enter_hook,
+    def go(k, g0, *args):
+        k.run(g0, 1, 1, raw_stream(0), k.function, k.packed_metadata, None, rt.launch_enter_hook,
               rt.launch_exit_hook, *args)
     class Noop(torch.autograd.Function):
         @staticmethod
@@ -192,39 +123,56 @@ if PART in ("all", "lean"):
         w = torch.randn(n, device=dev, dtype=torch.bfloat16, requires_grad=True)
         bb = torch.randn(n, device=dev, dtype=torch.bfloat16, requires_grad=True)
         dy = torch.randn(rows, n, device=dev, dtype=torch.bfloat16)
-        for lk in (lnm._fwd, lnm._bwd_dwdb, lnm._bwd_dx, _sum):
+        for lk in (lnm._fwd, lnm._bwd):
             lk._compiled.clear()
         y = K.layer_norm(x, w, bb); y.backward(dy)  # compiles and caches this shape's kernels
-        kf, kdw, kdx, ks = (next(iter(lk._compiled.values()))[0] for lk in (lnm._fwd, lnm._bwd_dwdb, lnm._bwd_dx, _sum))
+        ref = [t.detach().clone() for t in (y, x.grad, w.grad, bb.grad)]
+        x.grad = w.grad = bb.grad = None
+        del y
+        kf, kb = (next(iter(lk._compiled.values()))[0] for lk in (lnm._fwd, lnm._bwd))
         splits, per = split_rows(rows, n, x.device)
+        cbs = n // DW_BLOCK_C
         bs = min(32, 1 << (splits - 1).bit_length())
-        def make_raw(rows=rows, kf=kf, kdw=kdw, kdx=kdx, ks=ks, splits=splits, per=per, bs=bs):
+        def make_raw(rows=rows, kf=kf, kb=kb, splits=splits, per=per, bs=bs):
             class RawLN(torch.autograd.Function):
                 @staticmethod
                 def forward(ctx, x, w, b):
                     y = torch.empty_like(x)
                     st = torch.empty((2, rows), dtype=torch.float32, device=x.device)
-                    go(kf, rows, 1, x, y, w, b, st, n, n, rows, n, 1e-5, 4096, True)
+                    go(kf, rows, x, y, w, b, st, n, n, rows, n, 1e-5, 4096, True)
                     ctx.save_for_backward(x, w, st)
                     return y
                 @staticmethod
                 def backward(ctx, dy):
                     x, w, st = ctx.saved_tensors
                     dx = torch.empty_like(x)
-                    go(kdx, rows, 1, dy, x, w, st, dx, n, n, n, rows, n, 4096)
                     part = torch.empty((2, splits, n), dtype=torch.float32, device=x.device)
                     dw = torch.empty_like(w); db = torch.empty_like(w)
-                    go(kdw, n // DW_BLOCK_C, splits, dy, x, st, st[1], part, part[1], n, n, rows, n, per,
-                       DW_BLOCK_R, DW_BLOCK_C, True, True)
-                    go(ks, n // DW_BLOCK_C, 2, part, dw, db, splits, n, bs, DW_BLOCK_C)
+                    go(kb, cbs * splits + rows, dy, x, w, st, dx, part, dw, db, tickets(dy, cbs), n, n, rows, n,
+                       per, splits, cbs, cbs * splits, 4096, DW_BLOCK_R, DW_BLOCK_C, bs, True, True)
                     return dx, dw, db
             return RawLN
         RawLN = make_raw()
-        ref = [t.detach().clone() for t in (y, x.grad, w.grad, bb.grad)]
-        x.grad = w.grad = bb.grad = None
         yr = RawLN.apply(x, w, bb); yr.backward(dy)
         for a, b_ in zip(ref, (yr, x.grad, w.grad, bb.grad)):
             assert torch.equal(a, b_), "raw launch path differs from the library path"
+        x.grad = w.grad = bb.grad = None
+        del yr
+        if rows == 8192:  # GPU time alone: one CUDA-graph replay of forward + backward
+            for name, f in (("ours", lambda a, b, c: K.layer_norm(a, b, c)),
+                            ("aten", lambda a, b, c: F.layer_norm(a, (n,), b, c))):
+                xg, wg, bg = (t.detach().clone().requires_grad_() for t in (x, w, bb))  # fresh graph
+                s_ = torch.cuda.Stream(); s_.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(s_):
+                    for _ in range(3):
+                        out = f(xg, wg, bg); out.backward(dy); xg.grad = wg.grad = bg.grad = None
+                    del out
+                torch.cuda.current_stream().wait_stream(s_)
+                g_ = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g_):
+                    out = f(xg, wg, bg); out.backward(dy)
+                print(f"LN {name}: one CUDA-graph replay of forward + backward {bench(g_.replay)*1e3:.1f} us", flush=True)
+                del g_, out
         def fb(f, x=x, w=w, bb=bb, dy=dy):
             def g():
                 out = f(); out.backward(dy); x.grad = w.grad = bb.grad = None

@@ -1,13 +1,15 @@
-"""Finish a weight-gradient reduction: column sums of fp32 partial rows, cast once.
+"""Finish a weight-gradient reduction inside the launch that produced it.
 
-The norms' backward kernels leave ``splits`` partial rows per weight (``dw``, and ``db``
-for LayerNorm) in one fp32 buffer ``(outputs * splits, N)``. One launch of
-:func:`sum_partials` adds each weight's partial rows in a fixed order (deterministic, no
-atomics) and writes the result straight into the parameter's dtype: it replaces a
-``sum(0)``, a ``to(dtype)`` and an ``unbind``, three host round trips that on the GPU
-machine's host cost more than the whole reduction takes on the GPU.
+The norms' weight-gradient programs each store one fp32 partial row per (column block,
+row split). Instead of a second launch that sums them (host time is what bounds a norm
+at LLM sizes), the programs of a column block count themselves in on an atomic ticket,
+and the last to arrive sums the block's partial rows in split order (deterministic) and
+stores the result straight into the parameter's dtype (:func:`last_to_arrive`,
+:func:`sum_split_rows`). Tickets live in one small int32 buffer per device and stream
+(:func:`tickets`), re-armed to zero by the program that used them, so no launch clears
+them and CUDA-graph replays find them zero.
 
-Shapes: ``part`` ``(len(outs) * splits, N)`` fp32, contiguous; each of ``outs`` ``(N,)``.
+Shapes: partial rows ``(splits, N)`` fp32, contiguous; outputs ``(N,)``.
 """
 
 from __future__ import annotations
@@ -16,32 +18,35 @@ import functools
 
 import torch
 
-from ._utils import LazyKernel, next_power_of_2, num_programs, tl
+from ._utils import jit_helper, num_programs, tl
 
-__all__ = ["sum_partials", "split_rows", "DW_BLOCK_R", "DW_BLOCK_C"]
+__all__ = ["split_rows", "tickets", "last_to_arrive", "sum_split_rows", "DW_BLOCK_R", "DW_BLOCK_C"]
 
 #: tile of the column-parallel weight-gradient kernels: rows x columns per step
 DW_BLOCK_R, DW_BLOCK_C = 32, 128
 
 
-def _sum_partials_kernel(PART, OUT0, OUT1, splits, N, BLOCK_S: tl.constexpr, BLOCK_C: tl.constexpr):
-    cols = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
-    cmask = cols < N
-    which = tl.program_id(1)
-    base = PART + which.to(tl.int64) * splits * N
-    acc = tl.zeros([BLOCK_S, BLOCK_C], dtype=tl.float32)
-    for s0 in range(0, splits, BLOCK_S):
-        rows = s0 + tl.arange(0, BLOCK_S)
-        m = (rows < splits)[:, None] & cmask[None, :]
-        acc += tl.load(base + rows[:, None] * N + cols[None, :], mask=m, other=0.0)
-    total = tl.sum(acc, axis=0)
-    if which == 0:
-        tl.store(OUT0 + cols, total.to(OUT0.dtype.element_ty), mask=cmask)
-    else:
-        tl.store(OUT1 + cols, total.to(OUT1.dtype.element_ty), mask=cmask)
+@jit_helper
+def last_to_arrive(TICKET, n_programs):
+    """Count this program in at ``TICKET`` (an int32 from :func:`tickets`); true in the program
+    that arrives last of ``n_programs``, which may then read what all of them stored before
+    arriving, and which must store 0 back into ``TICKET`` when done. A barrier, then one
+    gpu-scope acquire-release atomic: the serial split-K semaphore pattern."""
+    tl.debug_barrier()
+    return tl.atomic_add(TICKET, 1, sem="acq_rel", scope="gpu") == n_programs - 1
 
 
-_sum = LazyKernel(_sum_partials_kernel)
+@jit_helper
+def sum_split_rows(PART, OUT, cols, cmask, n_splits, N, BLOCK_S: tl.constexpr, BLOCK_C: tl.constexpr):
+    """``OUT[cols] = sum_s PART[s, cols]`` over ``n_splits`` fp32 partial rows of length ``N``,
+    in split order (deterministic), cast to ``OUT``'s dtype. Loads bypass L1 (``.cg``): the
+    rows were stored by other programs of the same launch."""
+    tot = tl.zeros([BLOCK_S, BLOCK_C], dtype=tl.float32)
+    for s0 in range(0, n_splits, BLOCK_S):
+        srows = s0 + tl.arange(0, BLOCK_S)
+        m = (srows < n_splits)[:, None] & cmask[None, :]
+        tot += tl.load(PART + srows[:, None] * N + cols[None, :], mask=m, other=0.0, cache_modifier=".cg")
+    tl.store(OUT + cols, tl.sum(tot, axis=0).to(OUT.dtype.element_ty), mask=cmask)
 
 
 @functools.lru_cache(maxsize=256)
@@ -56,16 +61,21 @@ def split_rows(n_rows: int, n: int, device: torch.device) -> tuple[int, int]:
     return -(-n_rows // per), per
 
 
-def sum_partials(part: torch.Tensor, splits: int, *outs: torch.Tensor) -> None:
-    """``outs[i][:] = part[i * splits:(i + 1) * splits].sum(0)`` in ``outs[i]``'s dtype (one launch).
+_tickets: dict[tuple[int, int], torch.Tensor] = {}
 
-    Args:
-        part: ``(len(outs) * splits, N)`` fp32, contiguous (any view of that layout, e.g. ``(2, splits, N)``).
-        splits: partial rows per output.
-        outs: one or two ``(N,)`` contiguous tensors.
+
+def tickets(like: torch.Tensor, count: int) -> torch.Tensor:
+    """``count`` zeroed int32 counters on ``like``'s device, private to the current stream.
+
+    A kernel that finishes a reduction in its last program counts arrivals here and
+    re-arms each counter to zero when done, so the buffer is all zeros between launches
+    and one allocation serves every call (also under CUDA-graph replay). One buffer per
+    (device, stream): kernels on different streams may run at the same time.
     """
-    n = part.shape[-1]
-    block_s = min(next_power_of_2(splits), 32)
-    _sum[(-(-n // DW_BLOCK_C), len(outs))](
-        part, outs[0], outs[-1], splits, n, BLOCK_S=block_s, BLOCK_C=DW_BLOCK_C, num_warps=4,
-    )
+    dev = like.get_device()
+    key = (dev, torch._C._cuda_getCurrentRawStream(dev) if dev >= 0 else 0)
+    t = _tickets.get(key)
+    if t is None or t.numel() < count:
+        t = torch.zeros(max(count, 256), dtype=torch.int32, device=like.device)
+        _tickets[key] = t
+    return t

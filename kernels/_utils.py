@@ -12,8 +12,9 @@ at first launch instead of at import time means
   detected and reported with a clear error instead of an obscure interpreter failure.
 
 Kernels in this package are therefore written as plain module-level functions and
-wrapped with :class:`LazyKernel`; they call no other ``@triton.jit`` helpers, so the
-lazy wrapping never has to resolve nested JIT functions.
+wrapped with :class:`LazyKernel`. Device functions they call are wrapped with
+:func:`jit_helper` instead, which applies ``triton.jit`` when the package is imported: the
+same moment, and so the same interpreter-or-compiler mode, as Triton's own ``tl`` helpers.
 
 Why a launch cache: on the GPU machine's 2.1 GHz host, ``JITFunction.run`` spends 40-70 us
 per launch binding arguments and computing Triton's specialization key (measured, H200
@@ -41,6 +42,7 @@ import torch
 __all__ = [
     "HAS_TRITON",
     "LazyKernel",
+    "jit_helper",
     "launch_signature_of",
     "triton",
     "tl",
@@ -113,6 +115,16 @@ def _check_triton_mode(interp: bool) -> None:
             f"{'set' if imported_interpreted else 'unset'} when triton was first imported; "
             "set it before anything imports triton (e.g. at the top of conftest.py)"
         )
+
+
+def jit_helper(fn: Callable[..., Any]) -> Any:
+    """``triton.jit(fn)`` for a device function that kernels call (``fn`` itself without Triton).
+
+    Applied at import, like Triton's own ``tl`` helpers, so helpers and ``tl`` always share a
+    mode; a kernel launched in the other mode fails first with the clear error of
+    :func:`_check_triton_mode`.
+    """
+    return triton.jit(fn) if HAS_TRITON else fn
 
 
 class _NoFastPath(Exception):

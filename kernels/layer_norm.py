@@ -13,20 +13,27 @@ Backward (``g = dy * w``)::
     dw = sum_rows(dy * xhat)        db = sum_rows(dy)
 
 Memory tricks: ``xhat`` is recomputed from the saved input and the two per-row
-statistics rather than stored. Backward is fully parallel launches (as in
-``rms_norm.py``): ``dw``/``db`` from (column block x row split) programs keeping
-``[32, 128]`` fp32 tiles over their rows, then one small launch that sums the partial
-rows into ``dw`` and ``db`` in their own dtypes (``_reduce.py``); ``dx`` one program per
-row. The statistics and the partial rows each live in one allocation addressed by
-offset inside the kernels, so a call makes no tensor operations besides its allocations
-and launches (host time, not GPU time, bounds a norm of this size: see ``rms_norm.py``). No atomics, so the result is deterministic. The variance uses the two-pass form on the
-row held in registers (no ``E[x^2] - E[x]^2`` cancellation).
+statistics rather than stored. The variance uses the two-pass form on the row held in
+registers (no ``E[x^2] - E[x]^2`` cancellation).
+
+Launches: one forward, one backward. At LLM sizes a LayerNorm is about 0.13 ms of GPU
+work, less than the host needs to issue it from Python, so the number of launches is what
+sets its speed (docs/benchmarks.md). The backward is one launch holding two kinds of
+program side by side (horizontal fusion): (column block x row split) programs that keep
+``[32, 128]`` fp32 tiles of ``dy * xhat`` and ``dy`` over their rows and store partial
+rows, placed first so that these longer programs start first; then one program per row
+for ``dx``. The last weight-gradient program of each column block to finish (an atomic
+ticket, ``_reduce.py``) sums that block's partial rows in split order into ``dw`` and
+``db`` in their own dtypes: deterministic, no second launch. Measured on an H200 (8192 x
+4096 bf16, side by side with the previous three-launch backward): 35-40 us less host time
+per forward + backward, 5 us more GPU time (139 vs 134 us).
 
 Shapes: ``x`` ``(..., N)``; ``weight`` and ``bias`` ``(N,)`` (``bias`` may be ``None``).
 
 References:
     Ba, Kiros & Hinton, "Layer Normalization", 2016.
     Triton tutorial "Layer Normalization" (fused backward, staged weight-gradient reduction).
+    CUTLASS's serial split-K semaphore (the last arriving program finishes the reduction).
 """
 
 from __future__ import annotations
@@ -34,7 +41,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ._reduce import DW_BLOCK_C, DW_BLOCK_R, split_rows, sum_partials
+from ._reduce import DW_BLOCK_C, DW_BLOCK_R, last_to_arrive, split_rows, sum_split_rows, tickets
 from ._utils import (
     LazyKernel,
     as_rows,
@@ -74,69 +81,76 @@ def _layer_norm_fwd_kernel(
     tl.store(STATS + n_rows + row, rstd)
 
 
-def _layer_norm_bwd_dx_kernel(
-    DY, X, W, STATS, DX,
-    stride_dy, stride_x, stride_dx, n_rows, N,
-    BLOCK_N: tl.constexpr,
+def _layer_norm_bwd_kernel(
+    DY, X, W, STATS, DX, PART, DW, DB, TICKETS,
+    stride_dy, stride_x, n_rows, N, rows_per_split, n_splits, n_col_blocks, n_weight_programs,
+    BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_S: tl.constexpr,
+    COMPUTE_DW: tl.constexpr, COMPUTE_DB: tl.constexpr,
 ):
-    row = tl.program_id(0).to(tl.int64)
-    cols = tl.arange(0, BLOCK_N)
-    mask = cols < N
-    dy = tl.load(DY + row * stride_dy + cols, mask=mask, other=0.0).to(tl.float32)
-    x = tl.load(X + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
-    w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
-    mean = tl.load(STATS + row)
-    rstd = tl.load(STATS + n_rows + row)
-    xhat = tl.where(mask, (x - mean) * rstd, 0.0)
-    g = dy * w
-    c1 = tl.sum(g * xhat, axis=0) / N
-    c2 = tl.sum(g, axis=0) / N
-    dx = rstd * (g - c2 - xhat * c1)
-    tl.store(DX + row * stride_dx + cols, dx.to(DX.dtype.element_ty), mask=mask)
-
-
-def _layer_norm_bwd_dwdb_kernel(
-    DY, X, MEAN, RSTD, DW_PART, DB_PART,
-    stride_dy, stride_x, n_rows, N, rows_per_split,
-    BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, COMPUTE_DW: tl.constexpr, COMPUTE_DB: tl.constexpr,
-):
-    # program (column block, row split): [BLOCK_R, BLOCK_C] fp32 accumulators over its rows.
-    cols = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
-    cmask = cols < N
-    r0 = tl.program_id(1).to(tl.int64) * rows_per_split
-    r_end = tl.minimum(r0 + rows_per_split, n_rows)
-    acc_w = tl.zeros([BLOCK_R, BLOCK_C], dtype=tl.float32)
-    acc_b = tl.zeros([BLOCK_R, BLOCK_C], dtype=tl.float32)
-    for start in range(r0, r_end, BLOCK_R):
-        rows = start + tl.arange(0, BLOCK_R)
-        rmask = rows < r_end
-        m = rmask[:, None] & cmask[None, :]
-        dy = tl.load(DY + rows[:, None] * stride_dy + cols[None, :], mask=m, other=0.0).to(tl.float32)
+    # One launch, two kinds of program (horizontal fusion). The first n_weight_programs are
+    # (column block, row split) weight-gradient programs, first so that the long ones start
+    # first; the rest compute one row of dx each. STATS is (2, n_rows) fp32: mean, rstd.
+    # PART is (2, n_splits, N) fp32 partial rows for dw and db.
+    pid = tl.program_id(0)
+    if pid < n_weight_programs:
+        cb = pid % n_col_blocks
+        split = pid // n_col_blocks
+        wcols = cb * BLOCK_C + tl.arange(0, BLOCK_C)
+        wcmask = wcols < N
+        r0 = split.to(tl.int64) * rows_per_split
+        r_end = tl.minimum(r0 + rows_per_split, n_rows)
+        acc_w = tl.zeros([BLOCK_R, BLOCK_C], dtype=tl.float32)
+        acc_b = tl.zeros([BLOCK_R, BLOCK_C], dtype=tl.float32)
+        for start in range(r0, r_end, BLOCK_R):
+            rows = start + tl.arange(0, BLOCK_R)
+            rmask = rows < r_end
+            m = rmask[:, None] & wcmask[None, :]
+            dy_t = tl.load(DY + rows[:, None] * stride_dy + wcols[None, :], mask=m, other=0.0).to(tl.float32)
+            if COMPUTE_DW:
+                x_t = tl.load(X + rows[:, None] * stride_x + wcols[None, :], mask=m, other=0.0).to(tl.float32)
+                mean_r = tl.load(STATS + rows, mask=rmask, other=0.0)
+                rstd_r = tl.load(STATS + n_rows + rows, mask=rmask, other=0.0)
+                acc_w += dy_t * ((x_t - mean_r[:, None]) * rstd_r[:, None])
+            if COMPUTE_DB:
+                acc_b += dy_t
         if COMPUTE_DW:
-            x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=m, other=0.0).to(tl.float32)
-            mean = tl.load(MEAN + rows, mask=rmask, other=0.0)
-            rstd = tl.load(RSTD + rows, mask=rmask, other=0.0)
-            acc_w += dy * ((x - mean[:, None]) * rstd[:, None])
+            tl.store(PART + split * N + wcols, tl.sum(acc_w, axis=0), mask=wcmask)
         if COMPUTE_DB:
-            acc_b += dy
-    if COMPUTE_DW:
-        tl.store(DW_PART + tl.program_id(1) * N + cols, tl.sum(acc_w, axis=0), mask=cmask)
-    if COMPUTE_DB:
-        tl.store(DB_PART + tl.program_id(1) * N + cols, tl.sum(acc_b, axis=0), mask=cmask)
+            tl.store(PART + (n_splits + split) * N + wcols, tl.sum(acc_b, axis=0), mask=wcmask)
+        # The last program of this column block to finish sums its partial rows into dw
+        # and db in their own dtypes, then re-arms the ticket for the next launch.
+        if last_to_arrive(TICKETS + cb, n_splits):
+            if COMPUTE_DW:
+                sum_split_rows(PART, DW, wcols, wcmask, n_splits, N, BLOCK_S, BLOCK_C)
+            if COMPUTE_DB:
+                sum_split_rows(PART + n_splits * N, DB, wcols, wcmask, n_splits, N, BLOCK_S, BLOCK_C)
+            tl.atomic_xchg(TICKETS + cb, 0, sem="relaxed", scope="gpu")
+    else:
+        row = (pid - n_weight_programs).to(tl.int64)
+        cols = tl.arange(0, BLOCK_N)
+        mask = cols < N
+        dy = tl.load(DY + row * stride_dy + cols, mask=mask, other=0.0).to(tl.float32)
+        x = tl.load(X + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+        w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
+        mean = tl.load(STATS + row)
+        rstd = tl.load(STATS + n_rows + row)
+        xhat = tl.where(mask, (x - mean) * rstd, 0.0)
+        g = dy * w
+        c1 = tl.sum(g * xhat, axis=0) / N
+        c2 = tl.sum(g, axis=0) / N
+        dx = rstd * (g - c2 - xhat * c1)
+        tl.store(DX + row * N + cols, dx.to(DX.dtype.element_ty), mask=mask)
 
 
 _fwd = LazyKernel(_layer_norm_fwd_kernel)
-_bwd_dx = LazyKernel(_layer_norm_bwd_dx_kernel)
-_bwd_dwdb = LazyKernel(_layer_norm_bwd_dwdb_kernel)
+_bwd = LazyKernel(_layer_norm_bwd_kernel)
 
 
 class LayerNormFunction(torch.autograd.Function):
     """Autograd glue: saves ``x``, per-row mean and rstd; recomputes ``xhat`` in backward.
 
-    Host time bounds this op at LLM sizes (module docstring), so both passes do only their
-    allocations and launches, and backward launches the longest kernel first and the
-    shortest (the partial-row sum) last: when the host is the bottleneck the GPU then has
-    nothing left to run after the last launch but that short kernel.
+    Host time bounds this op at LLM sizes (module docstring), so each pass does only its
+    allocations and one launch.
     """
 
     @staticmethod
@@ -170,31 +184,20 @@ class LayerNormFunction(torch.autograd.Function):
             return (dx, torch.zeros_like(weight) if need_dw else None,
                     torch.zeros(n, dtype=ctx.bias_dtype, device=dy.device) if need_db else None, None)
         block = next_power_of_2(n)
-        _bwd_dx[(n_rows,)](
-            dy2, x2, weight, stats, dx, stride_dy, stride_x, n, n_rows, n,
-            BLOCK_N=block, num_warps=row_warps(block),
-        )
-        if not (need_dw or need_db):
-            return dx, None, None, None
-        # Partial rows for dw and db in one buffer, then one launch that sums them straight
-        # into the parameters' dtypes (no host-side sum/cast round trips). The buffer is
-        # allocated before dw and db: in the other order the weight-gradient kernel ran at 65
-        # instead of 43 us on an H200 (8192 x 4096 bf16, same binary, measured side by side;
-        # cause not established).
-        splits, per = split_rows(n_rows, n, dy.device)
-        part = torch.empty((2, splits, n), dtype=torch.float32, device=dy.device)
+        # One launch: weight-gradient programs and dx rows side by side (kernel comment).
+        wprog = need_dw or need_db
+        splits, per = split_rows(n_rows, n, dy.device) if wprog else (1, n_rows)
+        col_blocks = -(-n // DW_BLOCK_C)
+        part = torch.empty((2, splits, n), dtype=torch.float32, device=dy.device) if wprog else stats
         dw = torch.empty_like(weight) if need_dw else None
         db = torch.empty(n, dtype=ctx.bias_dtype, device=dy.device) if need_db else None
-        _bwd_dwdb[(-(-n // DW_BLOCK_C), splits)](
-            dy2, x2, stats, stats[1], part, part[1], stride_dy, stride_x, n_rows, n, per,
-            BLOCK_R=DW_BLOCK_R, BLOCK_C=DW_BLOCK_C, COMPUTE_DW=need_dw, COMPUTE_DB=need_db, num_warps=4,
+        n_wprog = col_blocks * splits if wprog else 0
+        _bwd[(n_wprog + n_rows,)](
+            dy2, x2, weight, stats, dx, part, dw if need_dw else part, db if need_db else part,
+            tickets(dy, col_blocks), stride_dy, stride_x, n_rows, n, per, splits, col_blocks, n_wprog,
+            BLOCK_N=block, BLOCK_R=DW_BLOCK_R, BLOCK_C=DW_BLOCK_C, BLOCK_S=min(next_power_of_2(splits), 32),
+            COMPUTE_DW=need_dw, COMPUTE_DB=need_db, num_warps=row_warps(block),
         )
-        if need_dw and need_db:
-            sum_partials(part, splits, dw, db)
-        elif need_dw:
-            sum_partials(part, splits, dw)
-        else:
-            sum_partials(part[1], splits, db)
         return dx, dw, db, None
 
 

@@ -27,16 +27,16 @@ Memory tricks:
   addition whose other branch still needs the same gradient tensor, hence opt-in.
 * Backward is two fully parallel launches instead of one persistent loop over rows
   (whose serial row-by-row latency, measured on an H200, cost more than the bytes):
-  ``dx`` with one program per row, like the forward, and ``dw`` with a grid of
-  (column block x row split) programs, each accumulating a ``[32, 128]`` fp32 tile over
-  its rows and writing one partial row; a tiny ``sum(0)`` over the splits finishes.
-  ``dw`` re-reads ``x`` and ``dy`` (a third more bytes) but keeps every SM busy; it runs
-  before ``dx`` so that ``dx`` may then overwrite ``dy``. No atomics: deterministic, and
-  the partial buffer is ``splits x N`` fp32 (a few hundred KB). The partial rows are summed
-  by one more launch that writes ``dw`` in the weight's dtype (``_reduce.py``).
+  ``dw`` with a grid of (column block x row split) programs, each accumulating a
+  ``[32, 128]`` fp32 tile over its rows and storing one partial row, the last program of
+  each column block to finish (an atomic ticket, ``_reduce.py``) summing the block's
+  partial rows in split order into ``dw`` in the weight's dtype (deterministic); then
+  ``dx`` with one program per row, like the forward. ``dw`` re-reads ``x`` and ``dy`` (a
+  third more bytes) but keeps every SM busy; it runs first so that ``dx`` may then
+  overwrite ``dy``, which is also why the two cannot share one launch as LayerNorm's do.
 * Host time counts as much as GPU time at these sizes (a norm over 8192 x 4096 bf16 takes
   about 0.1 ms on an H200, less than the host needs to dispatch it through Python):
-  backward makes three launches and three allocations and no other tensor operations.
+  backward makes two launches and three allocations and no other tensor operations.
 
 Shapes: ``x`` is ``(..., N)``, ``weight`` is ``(N,)``, output has ``x``'s shape and dtype.
 
@@ -52,7 +52,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ._reduce import DW_BLOCK_C, DW_BLOCK_R, split_rows, sum_partials
+from ._reduce import DW_BLOCK_C, DW_BLOCK_R, last_to_arrive, split_rows, sum_split_rows, tickets
 from ._utils import (
     LazyKernel,
     as_rows,
@@ -110,12 +110,13 @@ def _rms_norm_bwd_dx_kernel(
 
 
 def _rms_norm_bwd_dw_kernel(
-    DY, X, RSTD, DW_PART,
-    stride_dy, stride_x, n_rows, N, rows_per_split,
-    BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, LLAMA_CAST: tl.constexpr,
+    DY, X, RSTD, DW_PART, DW, TICKETS,
+    stride_dy, stride_x, n_rows, N, rows_per_split, n_splits,
+    BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_S: tl.constexpr, LLAMA_CAST: tl.constexpr,
 ):
     # program (column block, row split): a [BLOCK_R, BLOCK_C] fp32 accumulator over its rows
-    cols = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
+    cb = tl.program_id(0)
+    cols = cb * BLOCK_C + tl.arange(0, BLOCK_C)
     cmask = cols < N
     r0 = tl.program_id(1).to(tl.int64) * rows_per_split
     r_end = tl.minimum(r0 + rows_per_split, n_rows)
@@ -132,6 +133,10 @@ def _rms_norm_bwd_dw_kernel(
             xhat = xhat.to(X.dtype.element_ty).to(tl.float32)
         acc += dy * xhat
     tl.store(DW_PART + tl.program_id(1) * N + cols, tl.sum(acc, axis=0), mask=cmask)
+    # the last row split of this column block to finish writes dw (weight dtype), re-arms
+    if last_to_arrive(TICKETS + cb, n_splits):
+        sum_split_rows(DW_PART, DW, cols, cmask, n_splits, N, BLOCK_S, BLOCK_C)
+        tl.atomic_xchg(TICKETS + cb, 0, sem="relaxed", scope="gpu")
 
 
 _fwd = LazyKernel(_rms_norm_fwd_kernel)
@@ -178,22 +183,22 @@ class RMSNormFunction(torch.autograd.Function):
         block = next_power_of_2(n)
         dw = None
         if need_dw:
-            # dw's partial rows first (dx may overwrite dy), then dx, then the short launch that
-            # sums the partial rows straight into the weight's dtype: the last launch is the
-            # shortest, so a host-bound caller leaves the GPU little to finish after it.
+            # dw first: dx may overwrite dy. Partial rows per (column block, row split); the
+            # last split of each column block to finish sums them into dw in the weight's
+            # dtype within the same launch (no second launch, no host-side sum or cast).
             splits, per = split_rows(n_rows, n, dy.device)
+            col_blocks = -(-n // DW_BLOCK_C)
             dw_part = torch.empty((splits, n), dtype=torch.float32, device=dy.device)
             dw = torch.empty_like(weight)
-            _bwd_dw[(-(-n // DW_BLOCK_C), splits)](
-                dy2, x2, rstd, dw_part, stride_dy, stride_x, n_rows, n, per,
-                BLOCK_R=DW_BLOCK_R, BLOCK_C=DW_BLOCK_C, LLAMA_CAST=(ctx.offset == 0.0), num_warps=4,
+            _bwd_dw[(col_blocks, splits)](
+                dy2, x2, rstd, dw_part, dw, tickets(dy, col_blocks), stride_dy, stride_x, n_rows, n, per, splits,
+                BLOCK_R=DW_BLOCK_R, BLOCK_C=DW_BLOCK_C, BLOCK_S=min(next_power_of_2(splits), 32),
+                LLAMA_CAST=(ctx.offset == 0.0), num_warps=4,
             )
         _bwd_dx[(n_rows,)](
             dy2, x2, weight, rstd, dx, stride_dy, stride_x, n, n, ctx.offset,
             BLOCK_N=block, num_warps=row_warps(block),
         )
-        if need_dw:
-            sum_partials(dw_part, splits, dw)
         return dx, dw, None, None, None
 
 
