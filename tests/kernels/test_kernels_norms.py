@@ -155,3 +155,30 @@ def test_rms_norm_in_place_grad_is_adopted_without_copy():
     torch.autograd.backward([rms_norm(x, w, in_place=True)], [dy])
     assert x.grad.data_ptr() == dy.data_ptr()
     torch.testing.assert_close(x.grad, expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("shape,device", [
+    pytest.param((300, 260), DEVICE, id="300x260"),
+    gpu_param((8192, 4096), "cuda", id="8192x4096"),
+])
+def test_norm_weight_grads_are_deterministic_and_leave_tickets_armed(shape, device):
+    """The weight gradients are finished in-launch by the last program of each column block
+    (an atomic ticket): repeated calls must give bit-identical gradients, and every ticket must
+    be back at zero afterwards (a ticket left raised would corrupt the next call)."""
+    from ckpt.kernels._reduce import _tickets
+
+    g = torch.Generator(device=device).manual_seed(0)
+    x = torch.randn(shape, device=device, generator=g, dtype=torch.bfloat16, requires_grad=True)
+    w = torch.randn(shape[-1], device=device, generator=g, dtype=torch.bfloat16, requires_grad=True)
+    b = torch.randn(shape[-1], device=device, generator=g, dtype=torch.bfloat16, requires_grad=True)
+    dy = torch.randn(shape, device=device, generator=g, dtype=torch.bfloat16)
+    runs = []
+    for _ in range(3):
+        layer_norm(x, w, b).backward(dy)
+        rms_norm(x, w).backward(dy)
+        runs.append([t.grad.clone() for t in (x, w, b)])
+        x.grad = w.grad = b.grad = None
+    for later in runs[1:]:
+        for name, first, again in zip(("x", "weight", "bias"), runs[0], later):
+            assert torch.equal(first, again), f"{name} gradient differs between identical calls"
+    assert _tickets and all(int(t.abs().sum()) == 0 for t in _tickets.values())
