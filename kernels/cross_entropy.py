@@ -47,6 +47,7 @@ from ._utils import (
     check_runnable_device,
     check_same_device,
     check_tensor,
+    eager_under_compile,
     next_power_of_2,
     owns_storage,
     tl,
@@ -243,6 +244,7 @@ class CrossEntropyFunction(torch.autograd.Function):
         return grad.view(ctx.shape), None, None, None, None, None, None
 
 
+@eager_under_compile
 def cross_entropy(
     logits: torch.Tensor,
     target: torch.Tensor,

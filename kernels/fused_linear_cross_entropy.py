@@ -47,7 +47,14 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ._utils import bump_version, check_runnable_device, check_same_device, check_tensor, owns_storage
+from ._utils import (
+    bump_version,
+    check_runnable_device,
+    check_same_device,
+    check_tensor,
+    eager_under_compile,
+    owns_storage,
+)
 from .cross_entropy import check_loss_args, launch_ce, reduction_scale, scale_rows_
 
 __all__ = ["fused_linear_cross_entropy", "FusedLinearCrossEntropyLoss", "FusedLinearCrossEntropyFunction"]
@@ -174,6 +181,7 @@ class FusedLinearCrossEntropyFunction(torch.autograd.Function):
         return dh, dw, None, db, None, None, None, None, None, None
 
 
+@eager_under_compile
 def fused_linear_cross_entropy(
     hidden: torch.Tensor,
     weight: torch.Tensor,

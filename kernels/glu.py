@@ -38,6 +38,7 @@ from ._utils import (
     check_runnable_device,
     check_same_device,
     check_tensor,
+    eager_under_compile,
     owns_storage,
     tl,
 )
@@ -142,6 +143,7 @@ def _check(a: torch.Tensor, b: torch.Tensor) -> None:
         raise ValueError(f"b has dtype {b.dtype} but a has dtype {a.dtype}; they must match")
 
 
+@eager_under_compile
 def swiglu(a: torch.Tensor, b: torch.Tensor, *, inplace_grad: bool | None = None) -> torch.Tensor:
     """``silu(a) * b`` fused, fp32 math.
 
@@ -158,6 +160,7 @@ def swiglu(a: torch.Tensor, b: torch.Tensor, *, inplace_grad: bool | None = None
     return GLUFunction.apply(a, b, _SILU, inplace_grad)
 
 
+@eager_under_compile
 def geglu(a: torch.Tensor, b: torch.Tensor, *, inplace_grad: bool | None = None) -> torch.Tensor:
     """``gelu_tanh(a) * b`` fused, fp32 math (same arguments as :func:`swiglu`)."""
     _check(a, b)

@@ -49,6 +49,7 @@ from ._utils import (
     check_same_device,
     check_tensor,
     dense_vector,
+    eager_under_compile,
     next_power_of_2,
     row_warps,
     tl,
@@ -201,6 +202,7 @@ class LayerNormFunction(torch.autograd.Function):
         return dx, dw, db, None
 
 
+@eager_under_compile
 def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, eps: float = 1e-5) -> torch.Tensor:
     """Fused LayerNorm over the last dimension, fp32 statistics.
 

@@ -60,6 +60,7 @@ from ._utils import (
     check_same_device,
     check_tensor,
     dense_vector,
+    eager_under_compile,
     next_power_of_2,
     row_warps,
     tl,
@@ -202,6 +203,7 @@ class RMSNormFunction(torch.autograd.Function):
         return dx, dw, None, None, None
 
 
+@eager_under_compile
 def rms_norm(
     x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, offset: float = 0.0, *, in_place: bool = False
 ) -> torch.Tensor:

@@ -37,7 +37,15 @@ from __future__ import annotations
 
 import torch
 
-from ._utils import LazyKernel, check_runnable_device, check_same_device, check_tensor, next_power_of_2, tl
+from ._utils import (
+    LazyKernel,
+    check_runnable_device,
+    check_same_device,
+    check_tensor,
+    eager_under_compile,
+    next_power_of_2,
+    tl,
+)
 
 __all__ = ["rope", "RoPEFunction"]
 
@@ -151,6 +159,7 @@ def _normalise_cos(t: torch.Tensor, name: str, bsz: int, seq: int, dim: int) -> 
     return t.expand(bsz, seq, dim)
 
 
+@eager_under_compile
 def rope(
     q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, unsqueeze_dim: int = 1
 ) -> tuple[torch.Tensor, torch.Tensor]:
