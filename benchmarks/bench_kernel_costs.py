@@ -4,12 +4,12 @@ Diagnostics behind docs/benchmarks.md, not a provider comparison: the machine's 
 matmul ceilings; the fused linear cross-entropy's per-chunk GEMMs and cross-entropy pass
 timed one by one at several chunk sizes, cross-entropy block sizes and a two-stream variant
 of the chunk loop (``flce``); the three GEMMs under every operand layout and cuBLAS vs
-cuBLASLt (``gemm``); and LayerNorm's host cost against its raw-launcher lower bound, aten
+cuBLASLt (``gemm``) and with PyTorch's TunableOp (``tunable``); and LayerNorm's host cost against its raw-launcher lower bound, aten
 and an empty ``autograd.Function``, at 8 rows (pure host cost) and 8192 (``lean``).
 Prints its findings.
 
     python benchmarks/bench_kernel_costs.py            # all
-    PART=lean python benchmarks/bench_kernel_costs.py  # or PART=flce, PART=gemm
+    PART=lean python benchmarks/bench_kernel_costs.py  # or PART=flce, gemm, tunable
 """
 import sys, time, os
 import torch, triton, triton.testing
@@ -237,3 +237,24 @@ if PART in ("all", "gemm"):
             l = K.fused_linear_cross_entropy(hh, ww, tgt, inplace=True); l.backward()
         t = triton.testing.do_bench(ours, warmup=5, rep=400, grad_to_none=[hh, ww], return_mode="median")
         print(f"flce ours {lib}: {t:.2f} ms", flush=True)
+if PART in ("all", "tunable"):
+    # Fused linear CE with PyTorch's TunableOp (cuBLAS/cuBLASLt algorithms benchmarked per GEMM
+    # shape on first use) against the default heuristics, same process, same inputs.
+    N, H, V = 8192, 4096, 128256
+    hh = torch.randn(N, H, device=dev, dtype=torch.bfloat16).requires_grad_()
+    ww = (torch.randn(V, H, device=dev) * H ** -0.5).to(torch.bfloat16).requires_grad_()
+    tgt = torch.randint(0, V, (N,), device=dev)
+    def ours():
+        l = K.fused_linear_cross_entropy(hh, ww, tgt, inplace=True); l.backward()
+    tun = torch.cuda.tunable
+    for mode in ("default", "tunable", "default", "tunable"):
+        tun.enable(mode == "tunable")
+        if mode == "tunable":
+            tun.tuning_enable(True)
+            tun.set_max_tuning_duration(30)
+            tun.set_max_tuning_iterations(30)
+            t0 = time.perf_counter(); ours(); torch.cuda.synchronize()
+            print(f"tunable: first call (tuning) {time.perf_counter() - t0:.1f} s", flush=True)
+        t = triton.testing.do_bench(ours, warmup=5, rep=400, grad_to_none=[hh, ww], return_mode="median")
+        print(f"flce ours {mode}: {t:.2f} ms", flush=True)
+    print(tun.get_results() if hasattr(tun, "get_results") else "", flush=True)
