@@ -27,13 +27,12 @@ Memory tricks:
   addition whose other branch still needs the same gradient tensor, hence opt-in.
 * Backward is two fully parallel launches instead of one persistent loop over rows
   (whose serial row-by-row latency, measured on an H200, cost more than the bytes):
-  ``dw`` with a grid of (column block x row split) programs, each accumulating a
-  ``[32, 128]`` fp32 tile over its rows and storing one partial row, the last program of
-  each column block to finish (an atomic ticket, ``_reduce.py``) summing the block's
-  partial rows in split order into ``dw`` in the weight's dtype (deterministic); then
-  ``dx`` with one program per row, like the forward. ``dw`` re-reads ``x`` and ``dy`` (a
-  third more bytes) but keeps every SM busy; it runs first so that ``dx`` may then
-  overwrite ``dy``, which is also why the two cannot share one launch as LayerNorm's do.
+  first ``dw``'s partial rows from a grid of (column block x row split) programs, each
+  accumulating a ``[32, 128]`` fp32 tile over its rows; then one launch holding, side by
+  side, one program per column block that sums that block's partial rows in split order
+  into ``dw`` in the weight's dtype (deterministic, no atomics), and one program per row
+  for ``dx``. ``dw`` re-reads ``x`` and ``dy`` (a third more bytes) but keeps every SM
+  busy; it runs first so that ``dx`` may then overwrite ``dy``.
 * Host time counts as much as GPU time at these sizes (a norm over 8192 x 4096 bf16 takes
   about 0.1 ms on an H200, less than the host needs to dispatch it through Python):
   backward makes two launches and three allocations and no other tensor operations.
@@ -52,7 +51,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ._reduce import DW_BLOCK_C, DW_BLOCK_R, last_to_arrive, split_rows, sum_split_rows, tickets
+from ._reduce import DW_BLOCK_C, DW_BLOCK_R, split_rows, sum_split_rows
 from ._utils import (
     LazyKernel,
     as_rows,
@@ -92,32 +91,40 @@ def _rms_norm_fwd_kernel(
 
 
 def _rms_norm_bwd_dx_kernel(
-    DY, X, W, RSTD, DX,
-    stride_dy, stride_x, stride_dx, N, offset,
-    BLOCK_N: tl.constexpr,
+    DY, X, W, RSTD, DX, DW_PART, DW,
+    stride_dy, stride_x, stride_dx, N, offset, n_splits, n_sum_programs,
+    BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_C: tl.constexpr,
 ):
-    row = tl.program_id(0).to(tl.int64)
-    cols = tl.arange(0, BLOCK_N)
-    mask = cols < N
-    dy = tl.load(DY + row * stride_dy + cols, mask=mask, other=0.0).to(tl.float32)
-    x = tl.load(X + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
-    w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32) + offset
-    rstd = tl.load(RSTD + row)
-    xhat = x * rstd
-    g = dy * w
-    dx = rstd * (g - xhat * (tl.sum(g * xhat, axis=0) / N))
-    # dx may alias dy: this row of dy was fully read above (and dw was reduced before).
-    tl.store(DX + row * stride_dx + cols, dx.to(DX.dtype.element_ty), mask=mask)
+    # The first n_sum_programs programs finish dw: each sums the partial rows (left by the
+    # weight-gradient launch, which ran before this one) of one column block in split order
+    # into dw in the weight's dtype. The rest compute one row of dx each.
+    pid = tl.program_id(0)
+    if pid < n_sum_programs:
+        scols = pid * BLOCK_C + tl.arange(0, BLOCK_C)
+        sum_split_rows(DW_PART, DW, scols, scols < N, n_splits, N, BLOCK_S, BLOCK_C)
+    else:
+        row = (pid - n_sum_programs).to(tl.int64)
+        cols = tl.arange(0, BLOCK_N)
+        mask = cols < N
+        dy = tl.load(DY + row * stride_dy + cols, mask=mask, other=0.0).to(tl.float32)
+        x = tl.load(X + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+        w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32) + offset
+        rstd = tl.load(RSTD + row)
+        xhat = x * rstd
+        g = dy * w
+        dx = rstd * (g - xhat * (tl.sum(g * xhat, axis=0) / N))
+        # dx may alias dy: this row of dy was fully read above (and dw's partial rows were
+        # made by the previous launch).
+        tl.store(DX + row * stride_dx + cols, dx.to(DX.dtype.element_ty), mask=mask)
 
 
 def _rms_norm_bwd_dw_kernel(
-    DY, X, RSTD, DW_PART, DW, TICKETS,
-    stride_dy, stride_x, n_rows, N, rows_per_split, n_splits,
-    BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_S: tl.constexpr, LLAMA_CAST: tl.constexpr,
+    DY, X, RSTD, DW_PART,
+    stride_dy, stride_x, n_rows, N, rows_per_split,
+    BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, LLAMA_CAST: tl.constexpr,
 ):
     # program (column block, row split): a [BLOCK_R, BLOCK_C] fp32 accumulator over its rows
-    cb = tl.program_id(0)
-    cols = cb * BLOCK_C + tl.arange(0, BLOCK_C)
+    cols = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
     cmask = cols < N
     r0 = tl.program_id(1).to(tl.int64) * rows_per_split
     r_end = tl.minimum(r0 + rows_per_split, n_rows)
@@ -134,10 +141,6 @@ def _rms_norm_bwd_dw_kernel(
             xhat = xhat.to(X.dtype.element_ty).to(tl.float32)
         acc += dy * xhat
     tl.store(DW_PART + tl.program_id(1) * N + cols, tl.sum(acc, axis=0), mask=cmask)
-    # the last row split of this column block to finish writes dw (weight dtype), re-arms
-    if last_to_arrive(TICKETS + cb, n_splits):
-        sum_split_rows(DW_PART, DW, cols, cmask, n_splits, N, BLOCK_S, BLOCK_C)
-        tl.atomic_xchg(TICKETS + cb, 0, sem="relaxed", scope="gpu")
 
 
 _fwd = LazyKernel(_rms_norm_fwd_kernel)
@@ -182,23 +185,22 @@ class RMSNormFunction(torch.autograd.Function):
         if n_rows == 0:
             return dx, torch.zeros_like(weight) if need_dw else None, None, None, None
         block = next_power_of_2(n)
-        dw = None
+        dw, dw_part, splits, col_blocks = None, rstd, 0, 0
         if need_dw:
-            # dw first: dx may overwrite dy. Partial rows per (column block, row split); the
-            # last split of each column block to finish sums them into dw in the weight's
-            # dtype within the same launch (no second launch, no host-side sum or cast).
+            # dw's partial rows first: dx may overwrite dy. The dx launch then also sums them.
             splits, per = split_rows(n_rows, n, dy.device)
             col_blocks = -(-n // DW_BLOCK_C)
             dw_part = torch.empty((splits, n), dtype=torch.float32, device=dy.device)
             dw = torch.empty_like(weight)
             _bwd_dw[(col_blocks, splits)](
-                dy2, x2, rstd, dw_part, dw, tickets(dy, col_blocks), stride_dy, stride_x, n_rows, n, per, splits,
-                BLOCK_R=DW_BLOCK_R, BLOCK_C=DW_BLOCK_C, BLOCK_S=min(next_power_of_2(splits), 32),
-                LLAMA_CAST=(ctx.offset == 0.0), num_warps=4,
+                dy2, x2, rstd, dw_part, stride_dy, stride_x, n_rows, n, per,
+                BLOCK_R=DW_BLOCK_R, BLOCK_C=DW_BLOCK_C, LLAMA_CAST=(ctx.offset == 0.0), num_warps=4,
             )
-        _bwd_dx[(n_rows,)](
-            dy2, x2, weight, rstd, dx, stride_dy, stride_x, n, n, ctx.offset,
-            BLOCK_N=block, num_warps=row_warps(block),
+        _bwd_dx[(col_blocks + n_rows,)](
+            dy2, x2, weight, rstd, dx, dw_part, dw if need_dw else dw_part,
+            stride_dy, stride_x, n, n, ctx.offset, splits, col_blocks,
+            BLOCK_N=block, BLOCK_S=min(next_power_of_2(max(splits, 1)), 32), BLOCK_C=DW_BLOCK_C,
+            num_warps=row_warps(block),
         )
         return dx, dw, None, None, None
 
