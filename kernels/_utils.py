@@ -252,15 +252,24 @@ class LazyKernel:
         return functools.partial(self.launch, grid)
 
     def launch(self, grid: tuple[int, ...], *args: Any, **kwargs: Any) -> Any:
-        """``self[grid](*args, **kwargs)``: launch on ``grid`` (1 to 3 program counts)."""
-        if self._jit is None or self._interp or not _FAST_LAUNCH or not (
-                isinstance(args[0], torch.Tensor) and args[0].is_cuda):
+        """``self[grid](*args, **kwargs)``: launch on ``grid`` (1 to 3 program counts), on the
+        device of the first argument (a tensor), whatever the current device is."""
+        first = args[0]
+        cuda = isinstance(first, torch.Tensor) and first.is_cuda
+        if cuda:
+            device = first.get_device()
+            if device != torch.cuda.current_device():
+                # Triton compiles for and launches on the current device; a model spread over
+                # several GPUs in one process (device_map) calls with tensors elsewhere.
+                with torch.cuda.device(device):
+                    return self.launch(grid, *args, **kwargs)
+        if self._jit is None or self._interp or not _FAST_LAUNCH or not cuda:
             # first launch, the interpreter, the cache turned off, or not a CUDA launch:
             # (re)build in the mode the environment asks for now, and use Triton's path
             jit = self._get()
-            if self._interp or not _FAST_LAUNCH:
+            if self._interp or not _FAST_LAUNCH or not cuda:
                 return jit[grid](*args, **kwargs)
-        return self._launch(self._jit, grid, args, kwargs)
+        return self._launch(self._jit, grid, args, kwargs, device)
 
     def _param_layout(self, jit: Any, n_pos: int, names: tuple[str, ...]) -> tuple[str, ...] | None:
         """Names of the parameters after the positional ones, in signature order, for this
@@ -276,7 +285,8 @@ class LazyKernel:
         ok = set(tail) <= set(names) and set(names) - set(tail) <= {"num_warps", "num_stages"}
         return tail if ok else None
 
-    def _launch(self, jit: Any, grid: tuple[int, ...], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    def _launch(self, jit: Any, grid: tuple[int, ...], args: tuple[Any, ...], kwargs: dict[str, Any],
+                device: int) -> Any:
         # Hot path: one dict lookup keyed by (device, argument signature, keyword values),
         # then the compiled kernel's own launcher. Everything else happens on a miss.
         if _runtime is None:
@@ -284,7 +294,6 @@ class LazyKernel:
         enter, leave = _runtime.launch_enter_hook, _runtime.launch_exit_hook
         if (enter is not None and _hook_set(enter)) or (leave is not None and _hook_set(leave)):
             return jit[grid](*args, **kwargs)
-        device = torch.cuda.current_device()
         key = (device, _launch_key(args), tuple(kwargs.items()))
         entry = self._compiled.get(key)
         if entry is None:
