@@ -1,13 +1,16 @@
-"""Finish a weight-gradient reduction inside the launch that produced it.
+"""Finish a weight-gradient reduction without a launch of its own.
 
 The norms' weight-gradient programs each store one fp32 partial row per (column block,
-row split). Instead of a second launch that sums them (host time is what bounds a norm
-at LLM sizes), the programs of a column block count themselves in on an atomic ticket,
-and the last to arrive sums the block's partial rows in split order (deterministic) and
-stores the result straight into the parameter's dtype (:func:`last_to_arrive`,
-:func:`sum_split_rows`). Tickets live in one small int32 buffer per device and stream
-(:func:`tickets`), re-armed to zero by the program that used them, so no launch clears
-them and CUDA-graph replays find them zero.
+row split). Summing them in a separate launch would cost more host time than the sum
+takes on the GPU (host time is what bounds a norm at LLM sizes), so the sum runs inside
+a launch that is made anyway: :func:`sum_split_rows` adds a column block's partial rows
+in split order (deterministic) and stores the result straight into the parameter's dtype.
+RMSNorm calls it from extra programs of its ``dx`` launch, which follows the partial rows'
+launch. LayerNorm makes partial rows and ``dx`` in one launch, so there the programs of a
+column block count themselves in on an atomic ticket (:func:`last_to_arrive`) and the last
+to arrive does the sum. Tickets live in one small int32 buffer per device and stream
+(:func:`tickets`), re-armed to zero by the program that used them, so no launch clears them
+and CUDA-graph replays find them zero.
 
 Shapes: partial rows ``(splits, N)`` fp32, contiguous; outputs ``(N,)``.
 """
@@ -40,7 +43,7 @@ def last_to_arrive(TICKET, n_programs):
 def sum_split_rows(PART, OUT, cols, cmask, n_splits, N, BLOCK_S: tl.constexpr, BLOCK_C: tl.constexpr):
     """``OUT[cols] = sum_s PART[s, cols]`` over ``n_splits`` fp32 partial rows of length ``N``,
     in split order (deterministic), cast to ``OUT``'s dtype. Loads bypass L1 (``.cg``): the
-    rows were stored by other programs of the same launch."""
+    rows may have been stored by other programs of the same launch."""
     tot = tl.zeros([BLOCK_S, BLOCK_C], dtype=tl.float32)
     for s0 in range(0, n_splits, BLOCK_S):
         srows = s0 + tl.arange(0, BLOCK_S)

@@ -26,8 +26,8 @@ launcher directly. The key is deliberately finer than Triton's own specializatio
 modulo 16; per integer, constexpr and launch option its value; per float only that it is one.
 Keying integers by value costs a cache entry per distinct shape (bounded, see
 ``_CACHE_LIMIT``) and halves the key's host cost. Anything else (an argument type it does
-not know, launch hooks installed by a profiler) takes Triton's normal path. ``CKPT_KERNELS_FAST_LAUNCH=0`` (read when ``ckpt.kernels`` is
-imported) turns the cache off.
+not know, launch hooks installed by a profiler) takes Triton's normal path.
+``CKPT_KERNELS_FAST_LAUNCH=0`` (read when ``ckpt.kernels`` is imported) turns the cache off.
 """
 
 from __future__ import annotations
