@@ -56,6 +56,7 @@ __all__ = [
     "next_power_of_2",
     "row_warps",
     "as_rows",
+    "empty_rows_like",
     "dense_vector",
     "owns_storage",
     "bump_version",
@@ -331,6 +332,13 @@ def as_rows(x: torch.Tensor) -> tuple[torch.Tensor, int, int]:
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     return x2, x2.shape[0], x2.stride(0)
+
+
+def empty_rows_like(t: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """An uninitialised contiguous tensor of ``t``'s shape and dtype with its own storage, where
+    ``rows`` is what :func:`as_rows` returned for ``t``: ``empty_like`` (the cheaper call) when
+    that was ``t`` itself, i.e. ``t`` is contiguous."""
+    return torch.empty_like(t) if rows is t else torch.empty(t.shape, dtype=t.dtype, device=t.device)
 
 
 def next_power_of_2(n: int) -> int:

@@ -50,6 +50,7 @@ from ._utils import (
     check_tensor,
     dense_vector,
     eager_under_compile,
+    empty_rows_like,
     next_power_of_2,
     row_warps,
     tl,
@@ -158,8 +159,7 @@ class LayerNormFunction(torch.autograd.Function):
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float) -> torch.Tensor:
         x2, n_rows, stride_x = as_rows(x)
         n = x.shape[-1]
-        # x's shape, its own storage (not a view), contiguous
-        y = torch.empty_like(x) if x2 is x else torch.empty(x.shape, dtype=x.dtype, device=x.device)
+        y = empty_rows_like(x, x2)
         stats = torch.empty((2, n_rows), dtype=torch.float32, device=x.device)  # mean, rstd: one allocation
         block = next_power_of_2(n)
         if n_rows > 0:
@@ -178,7 +178,7 @@ class LayerNormFunction(torch.autograd.Function):
         n_rows, stride_x = ctx.rows
         n = dy.shape[-1]
         dy2, _, stride_dy = as_rows(dy)
-        dx = torch.empty_like(dy) if dy2 is dy else torch.empty(dy.shape, dtype=dy.dtype, device=dy.device)
+        dx = empty_rows_like(dy, dy2)
         _, need_dw, need_db, _ = ctx.needs_input_grad
         need_db = need_db and ctx.bias_dtype is not None
         if n_rows == 0:

@@ -60,6 +60,7 @@ from ._utils import (
     check_tensor,
     dense_vector,
     eager_under_compile,
+    empty_rows_like,
     next_power_of_2,
     row_warps,
     tl,
@@ -154,8 +155,7 @@ class RMSNormFunction(torch.autograd.Function):
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float, in_place: bool) -> torch.Tensor:
         x2, n_rows, stride_x = as_rows(x)
         n = x.shape[-1]
-        # x's shape, its own storage (not a view), contiguous
-        y = torch.empty_like(x) if x2 is x else torch.empty(x.shape, dtype=x.dtype, device=x.device)
+        y = empty_rows_like(x, x2)
         rstd = torch.empty(n_rows, dtype=torch.float32, device=x.device)
         block = next_power_of_2(n)
         if n_rows > 0:
@@ -180,7 +180,7 @@ class RMSNormFunction(torch.autograd.Function):
             # object nobody else holds as x.grad, but copies one the caller still holds (dy)
             dx = dy.view(dy.shape)
         else:
-            dx = torch.empty_like(dy) if dy2 is dy else torch.empty(dy.shape, dtype=dy.dtype, device=dy.device)
+            dx = empty_rows_like(dy, dy2)
         need_dw = ctx.needs_input_grad[1]
         if n_rows == 0:
             return dx, torch.zeros_like(weight) if need_dw else None, None, None, None
