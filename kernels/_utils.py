@@ -44,6 +44,8 @@ __all__ = [
     "LazyKernel",
     "jit_helper",
     "eager_under_compile",
+    "op_def",
+    "OP_NAMESPACE",
     "launch_signature_of",
     "triton",
     "tl",
@@ -56,6 +58,7 @@ __all__ = [
     "next_power_of_2",
     "row_warps",
     "as_rows",
+    "rows_of",
     "empty_rows_like",
     "dense_vector",
     "owns_storage",
@@ -132,9 +135,11 @@ def jit_helper(fn: Callable[..., Any]) -> Any:
 def eager_under_compile(fn: Callable[..., Any]) -> Callable[..., Any]:
     """Make ``torch.compile`` run ``fn`` eagerly: Dynamo graph-breaks at the call instead of
     tracing into the launch path (raw data pointers, Triton's compiled launchers, its
-    interpreter), which it cannot trace. Outside compilation the cost is one
-    ``torch.compiler.is_compiling()`` check (about 0.15 us), where wrapping the whole call in
-    ``torch.compiler.disable`` would cost about 0.85 us on every eager call too."""
+    interpreter), which it cannot trace. Used by the losses, which in eager may write their
+    gradients over their inputs (a custom operator, :func:`op_def`, may not). Outside
+    compilation the cost is one ``torch.compiler.is_compiling()`` check (about 0.15 us), where
+    wrapping the whole call in ``torch.compiler.disable`` would cost about 0.85 us on every
+    eager call too."""
     disabled = torch.compiler.disable(fn)
 
     @functools.wraps(fn)
@@ -144,6 +149,23 @@ def eager_under_compile(fn: Callable[..., Any]) -> Callable[..., Any]:
         return fn(*args, **kwargs)
 
     return call
+
+
+OP_NAMESPACE = "ckpt"
+
+
+def op_def(name: str, schema: str) -> Callable[[Callable[..., Any]], Any]:
+    """Register the decorated function as the custom operator ``torch.ops.ckpt.<name>``.
+
+    What ``torch.compile`` sees of a kernel: Dynamo puts one opaque node in the graph (no graph
+    break), the operator's fake implementation gives output shapes at trace time, and the
+    compiled graph calls the decorated function, i.e. the same launch code as eager, at run time.
+    ``schema`` is given explicitly (``"(Tensor x, float eps) -> Tensor"``): no annotations to
+    infer from. Operators here never mutate or alias their inputs.
+    """
+    def register(fn: Callable[..., Any]) -> Any:
+        return torch.library.custom_op(f"{OP_NAMESPACE}::{name}", fn, mutates_args=(), schema=schema)
+    return register
 
 
 class _NoFastPath(Exception):
@@ -332,6 +354,12 @@ def as_rows(x: torch.Tensor) -> tuple[torch.Tensor, int, int]:
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     return x2, x2.shape[0], x2.stride(0)
+
+
+def rows_of(x: torch.Tensor) -> Any:
+    """Number of rows of ``x`` over its last dimension (symbolic under ``torch.compile``)."""
+    n = x.shape[-1]
+    return x.numel() // n if n else math.prod(x.shape[:-1])
 
 
 def empty_rows_like(t: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:

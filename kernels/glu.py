@@ -38,7 +38,7 @@ from ._utils import (
     check_runnable_device,
     check_same_device,
     check_tensor,
-    eager_under_compile,
+    op_def,
     owns_storage,
     tl,
 )
@@ -94,6 +94,23 @@ _fwd = LazyKernel(_glu_fwd_kernel)
 _bwd = LazyKernel(_glu_bwd_kernel)
 
 
+def _forward(ac: torch.Tensor, bc: torch.Tensor, act: int) -> torch.Tensor:
+    """``act(a) * b`` for contiguous ``a``/``b``."""
+    c = torch.empty_like(ac)
+    n = ac.numel()
+    if n:
+        _fwd[(_cdiv(n, _BLOCK),)](ac, bc, c, n, ACT=act, BLOCK=_BLOCK, num_warps=8)
+    return c
+
+
+def _backward(dc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, act: int,
+              da: torch.Tensor, db: torch.Tensor) -> None:
+    """Write the gradients into ``da``/``db`` (which may be ``a``/``b`` themselves); all contiguous."""
+    n = a.numel()
+    if n:
+        _bwd[(_cdiv(n, _BLOCK),)](dc, a, b, da, db, n, ACT=act, BLOCK=_BLOCK, num_warps=8)
+
+
 class GLUFunction(torch.autograd.Function):
     """Autograd glue for both GLUs: saves ``a`` and ``b`` only, recomputes the activation."""
 
@@ -108,10 +125,7 @@ class GLUFunction(torch.autograd.Function):
         ctx.reuse_b = private_b or bc.data_ptr() != b.data_ptr()
         if ac.data_ptr() == bc.data_ptr():  # swiglu(x, x): one buffer cannot take two gradients
             ctx.reuse_b = False
-        c = torch.empty_like(ac)
-        n = ac.numel()
-        if n:
-            _fwd[(_cdiv(n, _BLOCK),)](ac, bc, c, n, ACT=act, BLOCK=_BLOCK, num_warps=8)
+        c = _forward(ac, bc, act)
         ctx.save_for_backward(ac, bc)
         ctx.act = act
         ctx.shape = a.shape
@@ -120,16 +134,58 @@ class GLUFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dc: torch.Tensor):
         a, b = ctx.saved_tensors
-        dc = dc.contiguous()
         da = a if ctx.reuse_a else torch.empty_like(a)
         db = b if ctx.reuse_b else torch.empty_like(b)
-        n = a.numel()
-        if n:
-            _bwd[(_cdiv(n, _BLOCK),)](dc, a, b, da, db, n, ACT=ctx.act, BLOCK=_BLOCK, num_warps=8)
+        _backward(dc.contiguous(), a, b, ctx.act, da, db)
         overwritten = [t for t, r in ((a, ctx.reuse_a), (b, ctx.reuse_b)) if r]
         if overwritten:
             bump_version(*overwritten)
         return da.view(ctx.shape), db.view(ctx.shape), None, None
+
+
+# -- torch.compile: the same two passes as custom operators (``op_def``); gradients in new buffers --
+
+@op_def("glu", "(Tensor a, Tensor b, int act) -> Tensor")
+def _glu_op(a, b, act):
+    return _forward(a.contiguous(), b.contiguous(), act)
+
+
+@_glu_op.register_fake
+def _(a, b, act):
+    return a.new_empty(a.shape)
+
+
+@op_def("glu_backward", "(Tensor dc, Tensor a, Tensor b, int act) -> (Tensor, Tensor)")
+def _glu_backward_op(dc, a, b, act):
+    a, b = a.contiguous(), b.contiguous()
+    da, db = torch.empty_like(a), torch.empty_like(b)
+    _backward(dc.contiguous(), a, b, act, da, db)
+    return da, db
+
+
+@_glu_backward_op.register_fake
+def _(dc, a, b, act):
+    return a.new_empty(a.shape), b.new_empty(b.shape)
+
+
+def _glu_setup(ctx, inputs, output):
+    ctx.save_for_backward(inputs[0], inputs[1])
+    ctx.act = inputs[2]
+
+
+def _glu_grad(ctx, dc):
+    a, b = ctx.saved_tensors
+    da, db = torch.ops.ckpt.glu_backward(dc, a, b, ctx.act)
+    return da, db, None
+
+
+_glu_op.register_autograd(_glu_grad, setup_context=_glu_setup)
+
+
+def _apply(a: torch.Tensor, b: torch.Tensor, act: int, inplace_grad: bool | None) -> torch.Tensor:
+    if torch.compiler.is_compiling():   # traced: one opaque operator node, no graph break
+        return torch.ops.ckpt.glu(a, b, act)
+    return GLUFunction.apply(a, b, act, inplace_grad)
 
 
 def _check(a: torch.Tensor, b: torch.Tensor) -> None:
@@ -143,7 +199,6 @@ def _check(a: torch.Tensor, b: torch.Tensor) -> None:
         raise ValueError(f"b has dtype {b.dtype} but a has dtype {a.dtype}; they must match")
 
 
-@eager_under_compile
 def swiglu(a: torch.Tensor, b: torch.Tensor, *, inplace_grad: bool | None = None) -> torch.Tensor:
     """``silu(a) * b`` fused, fp32 math.
 
@@ -157,14 +212,13 @@ def swiglu(a: torch.Tensor, b: torch.Tensor, *, inplace_grad: bool | None = None
         ``(..., I)`` tensor.
     """
     _check(a, b)
-    return GLUFunction.apply(a, b, _SILU, inplace_grad)
+    return _apply(a, b, _SILU, inplace_grad)
 
 
-@eager_under_compile
 def geglu(a: torch.Tensor, b: torch.Tensor, *, inplace_grad: bool | None = None) -> torch.Tensor:
     """``gelu_tanh(a) * b`` fused, fp32 math (same arguments as :func:`swiglu`)."""
     _check(a, b)
-    return GLUFunction.apply(a, b, _GELU_TANH, inplace_grad)
+    return _apply(a, b, _GELU_TANH, inplace_grad)
 
 
 class _GLUMLP(nn.Module):

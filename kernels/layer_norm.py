@@ -49,9 +49,10 @@ from ._utils import (
     check_same_device,
     check_tensor,
     dense_vector,
-    eager_under_compile,
     empty_rows_like,
     next_power_of_2,
+    op_def,
+    rows_of,
     row_warps,
     tl,
 )
@@ -148,6 +149,50 @@ _fwd = LazyKernel(_layer_norm_fwd_kernel)
 _bwd = LazyKernel(_layer_norm_bwd_kernel)
 
 
+def _forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float):
+    """``(y, x2, stats)``: the output, ``x`` as rows (what backward reads), per-row (mean, rstd)."""
+    x2, n_rows, stride_x = as_rows(x)
+    n = x.shape[-1]
+    y = empty_rows_like(x, x2)
+    stats = torch.empty((2, n_rows), dtype=torch.float32, device=x.device)  # mean, rstd: one allocation
+    block = next_power_of_2(n)
+    if n_rows > 0:
+        _fwd[(n_rows,)](
+            x2, y, weight, bias if bias is not None else weight, stats, stride_x, n, n_rows, n, float(eps),
+            BLOCK_N=block, HAS_BIAS=bias is not None, num_warps=row_warps(block),
+        )
+    return y, x2, stats
+
+
+def _backward(dy: torch.Tensor, x2: torch.Tensor, weight: torch.Tensor, stats: torch.Tensor,
+              need_dw: bool, bias_dtype: torch.dtype | None):
+    """``(dx, dw, db)``; ``db`` only when ``bias_dtype`` is given, ``None`` where not needed."""
+    _, n_rows, stride_x = as_rows(x2)
+    n = dy.shape[-1]
+    dy2, _, stride_dy = as_rows(dy)
+    dx = empty_rows_like(dy, dy2)
+    need_db = bias_dtype is not None
+    if n_rows == 0:
+        return (dx, torch.zeros_like(weight) if need_dw else None,
+                torch.zeros(n, dtype=bias_dtype, device=dy.device) if need_db else None)
+    block = next_power_of_2(n)
+    # One launch: weight-gradient programs and dx rows side by side (kernel comment).
+    wprog = need_dw or need_db
+    splits, per = split_rows(n_rows, n, dy.device) if wprog else (1, n_rows)
+    col_blocks = -(-n // DW_BLOCK_C)
+    part = torch.empty((2, splits, n), dtype=torch.float32, device=dy.device) if wprog else stats
+    dw = torch.empty_like(weight) if need_dw else None
+    db = torch.empty(n, dtype=bias_dtype, device=dy.device) if need_db else None
+    n_wprog = col_blocks * splits if wprog else 0
+    _bwd[(n_wprog + n_rows,)](
+        dy2, x2, weight, stats, dx, part, dw if need_dw else part, db if need_db else part,
+        tickets(dy, col_blocks), stride_dy, stride_x, n_rows, n, per, splits, col_blocks, n_wprog,
+        BLOCK_N=block, BLOCK_R=DW_BLOCK_R, BLOCK_C=DW_BLOCK_C, BLOCK_S=min(next_power_of_2(splits), 32),
+        COMPUTE_DW=need_dw, COMPUTE_DB=need_db, num_warps=row_warps(block),
+    )
+    return dx, dw, db
+
+
 class LayerNormFunction(torch.autograd.Function):
     """Autograd glue: saves ``x``, per-row mean and rstd; recomputes ``xhat`` in backward.
 
@@ -157,52 +202,63 @@ class LayerNormFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float) -> torch.Tensor:
-        x2, n_rows, stride_x = as_rows(x)
-        n = x.shape[-1]
-        y = empty_rows_like(x, x2)
-        stats = torch.empty((2, n_rows), dtype=torch.float32, device=x.device)  # mean, rstd: one allocation
-        block = next_power_of_2(n)
-        if n_rows > 0:
-            _fwd[(n_rows,)](
-                x2, y, weight, bias if bias is not None else weight, stats, stride_x, n, n_rows, n, float(eps),
-                BLOCK_N=block, HAS_BIAS=bias is not None, num_warps=row_warps(block),
-            )
+        y, x2, stats = _forward(x, weight, bias, eps)
         ctx.save_for_backward(x2, weight, stats)
-        ctx.rows = n_rows, stride_x
         ctx.bias_dtype = bias.dtype if bias is not None else None
         return y
 
     @staticmethod
     def backward(ctx, dy: torch.Tensor):
         x2, weight, stats = ctx.saved_tensors
-        n_rows, stride_x = ctx.rows
-        n = dy.shape[-1]
-        dy2, _, stride_dy = as_rows(dy)
-        dx = empty_rows_like(dy, dy2)
         _, need_dw, need_db, _ = ctx.needs_input_grad
-        need_db = need_db and ctx.bias_dtype is not None
-        if n_rows == 0:
-            return (dx, torch.zeros_like(weight) if need_dw else None,
-                    torch.zeros(n, dtype=ctx.bias_dtype, device=dy.device) if need_db else None, None)
-        block = next_power_of_2(n)
-        # One launch: weight-gradient programs and dx rows side by side (kernel comment).
-        wprog = need_dw or need_db
-        splits, per = split_rows(n_rows, n, dy.device) if wprog else (1, n_rows)
-        col_blocks = -(-n // DW_BLOCK_C)
-        part = torch.empty((2, splits, n), dtype=torch.float32, device=dy.device) if wprog else stats
-        dw = torch.empty_like(weight) if need_dw else None
-        db = torch.empty(n, dtype=ctx.bias_dtype, device=dy.device) if need_db else None
-        n_wprog = col_blocks * splits if wprog else 0
-        _bwd[(n_wprog + n_rows,)](
-            dy2, x2, weight, stats, dx, part, dw if need_dw else part, db if need_db else part,
-            tickets(dy, col_blocks), stride_dy, stride_x, n_rows, n, per, splits, col_blocks, n_wprog,
-            BLOCK_N=block, BLOCK_R=DW_BLOCK_R, BLOCK_C=DW_BLOCK_C, BLOCK_S=min(next_power_of_2(splits), 32),
-            COMPUTE_DW=need_dw, COMPUTE_DB=need_db, num_warps=row_warps(block),
-        )
+        dx, dw, db = _backward(dy, x2, weight, stats, need_dw, ctx.bias_dtype if need_db else None)
         return dx, dw, db, None
 
 
-@eager_under_compile
+# -- torch.compile: the same two passes as custom operators (``op_def``) --------------------------
+
+@op_def("layer_norm", "(Tensor x, Tensor weight, Tensor? bias, float eps) -> (Tensor, Tensor)")
+def _layer_norm_op(x, weight, bias, eps):
+    y, _, stats = _forward(x, weight, bias, eps)
+    return y, stats
+
+
+@_layer_norm_op.register_fake
+def _(x, weight, bias, eps):
+    return x.new_empty(x.shape), x.new_empty((2, rows_of(x)), dtype=torch.float32)
+
+
+@op_def("layer_norm_backward", "(Tensor dy, Tensor x, Tensor weight, Tensor stats, bool need_dw, "
+        "Tensor? bias, bool need_db) -> (Tensor, Tensor, Tensor)")
+def _layer_norm_backward_op(dy, x, weight, stats, need_dw, bias, need_db):
+    dx, dw, db = _backward(dy, as_rows(x)[0], weight, stats, need_dw,
+                           bias.dtype if need_db and bias is not None else None)
+    none = weight.new_empty(0)
+    return dx, dw if dw is not None else none, db if db is not None else none
+
+
+@_layer_norm_backward_op.register_fake
+def _(dy, x, weight, stats, need_dw, bias, need_db):
+    db = bias.new_empty(bias.shape) if need_db and bias is not None else weight.new_empty(0)
+    return dy.new_empty(dy.shape), weight.new_empty(weight.shape if need_dw else (0,)), db
+
+
+def _layer_norm_setup(ctx, inputs, output):
+    x, weight, bias, _ = inputs
+    ctx.save_for_backward(x, weight, output[1], bias)
+
+
+def _layer_norm_grad(ctx, dy, _dstats):
+    x, weight, stats, bias = ctx.saved_tensors
+    _, need_dw, need_db, _ = ctx.needs_input_grad
+    need_db = need_db and bias is not None
+    dx, dw, db = torch.ops.ckpt.layer_norm_backward(dy, x, weight, stats, need_dw, bias, need_db)
+    return dx, dw if need_dw else None, db if need_db else None, None
+
+
+_layer_norm_op.register_autograd(_layer_norm_grad, setup_context=_layer_norm_setup)
+
+
 def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, eps: float = 1e-5) -> torch.Tensor:
     """Fused LayerNorm over the last dimension, fp32 statistics.
 
@@ -225,6 +281,8 @@ def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
         raise ValueError(f"weight has shape {tuple(weight.shape)} but x's last dim is {x.shape[-1]}")
     if bias is not None and bias.shape[0] != x.shape[-1]:
         raise ValueError(f"bias has shape {tuple(bias.shape)} but x's last dim is {x.shape[-1]}")
+    if torch.compiler.is_compiling():   # traced: one opaque operator node, no graph break
+        return torch.ops.ckpt.layer_norm(x, dense_vector(weight), dense_vector(bias), float(eps))[0]
     return LayerNormFunction.apply(x, dense_vector(weight), dense_vector(bias), eps)
 
 

@@ -59,9 +59,10 @@ from ._utils import (
     check_same_device,
     check_tensor,
     dense_vector,
-    eager_under_compile,
     empty_rows_like,
     next_power_of_2,
+    op_def,
+    rows_of,
     row_warps,
     tl,
 )
@@ -148,23 +149,63 @@ _fwd = LazyKernel(_rms_norm_fwd_kernel)
 _bwd_dx = LazyKernel(_rms_norm_bwd_dx_kernel)
 _bwd_dw = LazyKernel(_rms_norm_bwd_dw_kernel)
 
+def _forward(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float):
+    """``(y, x2, rstd)``: the output, ``x`` as rows (what backward reads) and the per-row rstd."""
+    x2, n_rows, stride_x = as_rows(x)
+    n = x.shape[-1]
+    y = empty_rows_like(x, x2)
+    rstd = torch.empty(n_rows, dtype=torch.float32, device=x.device)
+    block = next_power_of_2(n)
+    if n_rows > 0:
+        _fwd[(n_rows,)](
+            x2, y, weight, rstd, stride_x, n, n, float(eps), float(offset),
+            BLOCK_N=block, LLAMA_CAST=(offset == 0.0), num_warps=row_warps(block),
+        )
+    return y, x2, rstd
+
+
+def _backward(dy: torch.Tensor, x2: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor, offset: float,
+              need_dw: bool, in_place: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``(dx, dw)`` (``dw`` is ``None`` unless ``need_dw``); ``x2`` as returned by :func:`_forward`."""
+    _, n_rows, stride_x = as_rows(x2)
+    n = dy.shape[-1]
+    dy2, _, stride_dy = as_rows(dy)
+    if in_place and dy2 is dy and dy.dtype == x2.dtype:
+        # a new tensor object over dy's memory: when x is a leaf, AccumulateGrad adopts an
+        # object nobody else holds as x.grad, but copies one the caller still holds (dy)
+        dx = dy.view(dy.shape)
+    else:
+        dx = empty_rows_like(dy, dy2)
+    if n_rows == 0:
+        return dx, torch.zeros_like(weight) if need_dw else None
+    block = next_power_of_2(n)
+    dw, dw_part, splits, col_blocks = None, rstd, 0, 0
+    if need_dw:
+        # dw's partial rows first: dx may overwrite dy. The dx launch then also sums them.
+        splits, per = split_rows(n_rows, n, dy.device)
+        col_blocks = -(-n // DW_BLOCK_C)
+        dw_part = torch.empty((splits, n), dtype=torch.float32, device=dy.device)
+        dw = torch.empty_like(weight)
+        _bwd_dw[(col_blocks, splits)](
+            dy2, x2, rstd, dw_part, stride_dy, stride_x, n_rows, n, per,
+            BLOCK_R=DW_BLOCK_R, BLOCK_C=DW_BLOCK_C, LLAMA_CAST=(offset == 0.0), num_warps=4,
+        )
+    _bwd_dx[(col_blocks + n_rows,)](
+        dy2, x2, weight, rstd, dx, dw_part, dw if need_dw else dw_part,
+        stride_dy, stride_x, n, n, offset, splits, col_blocks,
+        BLOCK_N=block, BLOCK_S=min(next_power_of_2(max(splits, 1)), 32), BLOCK_C=DW_BLOCK_C,
+        num_warps=row_warps(block),
+    )
+    return dx, dw
+
+
 class RMSNormFunction(torch.autograd.Function):
     """Autograd glue: saves ``x`` and the per-row ``rstd``; backward recomputes ``xhat``."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float, in_place: bool) -> torch.Tensor:
-        x2, n_rows, stride_x = as_rows(x)
-        n = x.shape[-1]
-        y = empty_rows_like(x, x2)
-        rstd = torch.empty(n_rows, dtype=torch.float32, device=x.device)
-        block = next_power_of_2(n)
-        if n_rows > 0:
-            _fwd[(n_rows,)](
-                x2, y, weight, rstd, stride_x, n, n, float(eps), float(offset),
-                BLOCK_N=block, LLAMA_CAST=(offset == 0.0), num_warps=row_warps(block),
-            )
+        y, x2, rstd = _forward(x, weight, eps, offset)
         ctx.save_for_backward(x2, weight, rstd)
-        ctx.rows = n_rows, stride_x
         ctx.offset = float(offset)
         ctx.in_place = in_place
         return y
@@ -172,40 +213,51 @@ class RMSNormFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy: torch.Tensor):
         x2, weight, rstd = ctx.saved_tensors
-        n_rows, stride_x = ctx.rows
-        n = dy.shape[-1]
-        dy2, _, stride_dy = as_rows(dy)
-        if ctx.in_place and dy2 is dy and dy.dtype == x2.dtype:
-            # a new tensor object over dy's memory: when x is a leaf, AccumulateGrad adopts an
-            # object nobody else holds as x.grad, but copies one the caller still holds (dy)
-            dx = dy.view(dy.shape)
-        else:
-            dx = empty_rows_like(dy, dy2)
-        need_dw = ctx.needs_input_grad[1]
-        if n_rows == 0:
-            return dx, torch.zeros_like(weight) if need_dw else None, None, None, None
-        block = next_power_of_2(n)
-        dw, dw_part, splits, col_blocks = None, rstd, 0, 0
-        if need_dw:
-            # dw's partial rows first: dx may overwrite dy. The dx launch then also sums them.
-            splits, per = split_rows(n_rows, n, dy.device)
-            col_blocks = -(-n // DW_BLOCK_C)
-            dw_part = torch.empty((splits, n), dtype=torch.float32, device=dy.device)
-            dw = torch.empty_like(weight)
-            _bwd_dw[(col_blocks, splits)](
-                dy2, x2, rstd, dw_part, stride_dy, stride_x, n_rows, n, per,
-                BLOCK_R=DW_BLOCK_R, BLOCK_C=DW_BLOCK_C, LLAMA_CAST=(ctx.offset == 0.0), num_warps=4,
-            )
-        _bwd_dx[(col_blocks + n_rows,)](
-            dy2, x2, weight, rstd, dx, dw_part, dw if need_dw else dw_part,
-            stride_dy, stride_x, n, n, ctx.offset, splits, col_blocks,
-            BLOCK_N=block, BLOCK_S=min(next_power_of_2(max(splits, 1)), 32), BLOCK_C=DW_BLOCK_C,
-            num_warps=row_warps(block),
-        )
+        dx, dw = _backward(dy, x2, weight, rstd, ctx.offset, ctx.needs_input_grad[1], ctx.in_place)
         return dx, dw, None, None, None
 
 
-@eager_under_compile
+# -- torch.compile: the same two passes as custom operators (``op_def``) --------------------------
+
+@op_def("rms_norm", "(Tensor x, Tensor weight, float eps, float offset) -> (Tensor, Tensor)")
+def _rms_norm_op(x, weight, eps, offset):
+    y, _, rstd = _forward(x, weight, eps, offset)
+    return y, rstd
+
+
+@_rms_norm_op.register_fake
+def _(x, weight, eps, offset):
+    return x.new_empty(x.shape), x.new_empty(rows_of(x), dtype=torch.float32)
+
+
+@op_def("rms_norm_backward",
+        "(Tensor dy, Tensor x, Tensor weight, Tensor rstd, float offset, bool need_dw) -> (Tensor, Tensor)")
+def _rms_norm_backward_op(dy, x, weight, rstd, offset, need_dw):
+    dx, dw = _backward(dy, as_rows(x)[0], weight, rstd, offset, need_dw, False)
+    return dx, dw if dw is not None else weight.new_empty(0)
+
+
+@_rms_norm_backward_op.register_fake
+def _(dy, x, weight, rstd, offset, need_dw):
+    return dy.new_empty(dy.shape), weight.new_empty(weight.shape if need_dw else (0,))
+
+
+def _rms_norm_setup(ctx, inputs, output):
+    x, weight, _, offset = inputs
+    ctx.save_for_backward(x, weight, output[1])
+    ctx.offset = offset
+
+
+def _rms_norm_grad(ctx, dy, _drstd):
+    x, weight, rstd = ctx.saved_tensors
+    need_dw = ctx.needs_input_grad[1]
+    dx, dw = torch.ops.ckpt.rms_norm_backward(dy, x, weight, rstd, ctx.offset, need_dw)
+    return dx, dw if need_dw else None, None, None
+
+
+_rms_norm_op.register_autograd(_rms_norm_grad, setup_context=_rms_norm_setup)
+
+
 def rms_norm(
     x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, offset: float = 0.0, *, in_place: bool = False
 ) -> torch.Tensor:
@@ -228,6 +280,8 @@ def rms_norm(
     check_same_device(x, "x", weight=weight)
     if weight.shape[0] != x.shape[-1]:
         raise ValueError(f"weight has shape {tuple(weight.shape)} but x's last dim is {x.shape[-1]}")
+    if torch.compiler.is_compiling():   # traced: one opaque operator node, no graph break
+        return torch.ops.ckpt.rms_norm(x, dense_vector(weight), float(eps), float(offset))[0]
     return RMSNormFunction.apply(x, dense_vector(weight), eps, offset, in_place)
 
 

@@ -42,8 +42,8 @@ from ._utils import (
     check_runnable_device,
     check_same_device,
     check_tensor,
-    eager_under_compile,
     next_power_of_2,
+    op_def,
     tl,
 )
 
@@ -144,6 +144,32 @@ class RoPEFunction(torch.autograd.Function):
         return dq_in, dk_in, None, None
 
 
+# -- torch.compile: one custom operator; its gradient is the same operator with ``backward`` flipped --
+
+@op_def("rope", "(Tensor q, Tensor k, Tensor cos, Tensor sin, bool backward) -> (Tensor, Tensor)")
+def _rope_op(q, k, cos, sin, backward):
+    return _launch(q, k, cos, sin, backward)
+
+
+@_rope_op.register_fake
+def _(q, k, cos, sin, backward):
+    return torch.empty_like(_unit_last(q)), torch.empty_like(_unit_last(k))
+
+
+def _rope_setup(ctx, inputs, output):
+    ctx.save_for_backward(inputs[2], inputs[3])
+    ctx.backward = inputs[4]
+
+
+def _rope_grad(ctx, dq, dk):
+    cos, sin = ctx.saved_tensors
+    dq_in, dk_in = torch.ops.ckpt.rope(dq, dk, cos, sin, not ctx.backward)
+    return dq_in, dk_in, None, None, None
+
+
+_rope_op.register_autograd(_rope_grad, setup_context=_rope_setup)
+
+
 def _normalise_cos(t: torch.Tensor, name: str, bsz: int, seq: int, dim: int) -> torch.Tensor:
     """Bring ``cos``/``sin`` to ``(1 or B, S, D)`` with a zero batch stride when broadcast."""
     if t.dim() == 4:
@@ -159,7 +185,6 @@ def _normalise_cos(t: torch.Tensor, name: str, bsz: int, seq: int, dim: int) -> 
     return t.expand(bsz, seq, dim)
 
 
-@eager_under_compile
 def rope(
     q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, unsqueeze_dim: int = 1
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -196,7 +221,10 @@ def rope(
     sin = _normalise_cos(sin, "sin", bsz, seq, dim)
     if cos.stride() != sin.stride():  # the kernel addresses both with one set of strides
         cos, sin = cos.contiguous(), sin.contiguous()
-    qo, ko = RoPEFunction.apply(q, k, cos, sin)
+    if torch.compiler.is_compiling():   # traced: one opaque operator node, no graph break
+        qo, ko = torch.ops.ckpt.rope(q, k, cos, sin, False)
+    else:
+        qo, ko = RoPEFunction.apply(q, k, cos, sin)
     if unsqueeze_dim == 2:
         qo, ko = qo.transpose(1, 2), ko.transpose(1, 2)
     return qo, ko

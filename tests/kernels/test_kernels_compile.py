@@ -1,8 +1,12 @@
-"""The kernels inside ``torch.compile``: Dynamo graph-breaks around them and runs them eagerly,
-so a compiled function gives the eager function's values and gradients.
+"""The kernels inside ``torch.compile``.
 
-CPU (Triton interpreter): Dynamo plus AOTAutograd (``aot_eager``), which is where tracing
-into the launch path used to fail. GPU (``-m gpu``): inductor, on a patched tiny Llama.
+The norms, RoPE and the GLUs are custom operators: Dynamo traces them into the graph (no graph
+break; checked with ``torch._dynamo.explain``, and ``fullgraph=True`` fails on any break) and
+they pass ``torch.library.opcheck``. The losses graph-break and run eagerly. Either way a
+compiled function gives the eager function's values and gradients.
+
+CPU (Triton interpreter): Dynamo plus AOTAutograd (``aot_eager``), static and dynamic shapes.
+GPU (``-m gpu``): inductor, on a patched tiny Llama.
 """
 
 from __future__ import annotations
@@ -49,6 +53,70 @@ def test_kernels_under_torch_compile_match_eager():
         assert_close(name, a, e, 1e-5, 1e-5)
 
 
+def layers(x, w, b, q, k, cos, sin):
+    # the kernels that compile as custom operators; rms_norm's in_place and the GLUs' in-place
+    # gradients are ignored under compilation (a custom operator may not write over its inputs)
+    h = K.rms_norm(x, w, in_place=True) * 1.5
+    h = K.layer_norm(h, w, b) + K.layer_norm(h, w, None)
+    m = K.swiglu(h * 1.0, h + 1.0) + K.geglu(h * 0.5, h - 1.0)
+    qo, ko = K.rope(q, k, cos, sin)
+    return m.square().mean() + qo.square().mean() + ko.square().mean()
+
+
+def run_layers(fn, device):
+    (x, w, b, q, k, _), (cos, sin, _) = inputs(device)
+    loss = fn(x, w, b, q, k, cos, sin)
+    loss.backward()
+    return [loss] + [t.grad for t in (x, w, b, q, k)]
+
+
+def test_norms_rope_glu_trace_into_one_graph():
+    torch._dynamo.reset()
+    (x, w, b, q, k, _), (cos, sin, _) = inputs(DEVICE)
+    explained = torch._dynamo.explain(layers)(x, w, b, q, k, cos, sin)
+    assert explained.graph_break_count == 0, explained.break_reasons
+    code = explained.graphs[0].code
+    for op in ("rms_norm", "layer_norm", "glu", "rope"):
+        assert f"torch.ops.ckpt.{op}" in code, code
+
+
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_norms_rope_glu_fullgraph_match_eager(dynamic):
+    torch._dynamo.reset()
+    expected = run_layers(layers, DEVICE)
+    got = run_layers(torch.compile(layers, backend="aot_eager", fullgraph=True, dynamic=dynamic), DEVICE)
+    for name, a, e in zip(["loss", "x", "w", "b", "q", "k"], got, expected):
+        assert_close(name, a, e, 1e-5, 1e-5)
+
+
+def _op_cases(device):
+    (x, w, b, q, k, _), (cos, sin, _) = inputs(device)
+    x, w, b, q, k = (t.detach().requires_grad_() for t in (x, w, b, q, k))
+    rows = x.shape[0]
+    stats = torch.rand(2, rows, device=device)
+    a, c = torch.randn(5, 33, device=device), torch.randn(5, 33, device=device)
+    return {
+        "rms_norm": (x, w, 1e-6, 0.0),
+        "rms_norm gemma": (x, w, 1e-6, 1.0),
+        "rms_norm_backward": (x.detach(), x.detach(), w.detach(), torch.rand(rows, device=device), 0.0, True),
+        "layer_norm": (x, w, b, 1e-5),
+        "layer_norm no bias": (x, w, None, 1e-5),
+        "layer_norm_backward": (x.detach(), x.detach(), w.detach(), stats, True, b.detach(), True),
+        "rope": (q, k, cos.expand(q.shape[0], -1, -1), sin.expand(q.shape[0], -1, -1), False),
+        "glu silu": (a.requires_grad_(), c.requires_grad_(), 0),
+        "glu gelu_tanh": (a, c, 1),
+        "glu_backward": (torch.randn(5, 33, device=device), a.detach(), c.detach(), 0),
+    }
+
+
+@pytest.mark.parametrize("case", sorted(_op_cases("cpu")))
+def test_custom_operators_pass_opcheck(case):
+    # schema, fake (meta) implementation vs the real one, autograd registration, AOT dispatch
+    args = _op_cases(DEVICE)[case]
+    op = getattr(torch.ops.ckpt, case.split()[0]).default
+    torch.library.opcheck(op, args)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU (run on the device machine)")
 def test_patched_llama_under_inductor_matches_eager():
@@ -71,3 +139,8 @@ def test_patched_llama_under_inductor_matches_eager():
     got = step(torch.compile(model))
     for i, (a, e) in enumerate(zip(got, expected)):
         assert_close(f"tensor {i}", a, e, 2e-4, 2e-4)
+    # without labels (no loss, so nothing graph-breaks) the patched model is one inductor graph
+    torch._dynamo.reset()
+    with torch.no_grad():
+        logits = torch.compile(model, fullgraph=True)(input_ids=ids).logits
+        assert_close("logits", logits, model(input_ids=ids).logits, 2e-4, 2e-4)
