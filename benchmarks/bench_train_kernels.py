@@ -13,6 +13,10 @@ Usage::
 
     python benchmarks/bench_train_kernels.py                 # unpatched, ours, liger
     python benchmarks/bench_train_kernels.py --providers ours --steps 5
+    python benchmarks/bench_train_kernels.py --compile       # each provider under torch.compile
+
+With ``--compile`` every provider's model goes through ``torch.compile`` (inductor, default
+mode) after patching; compilation happens in the warm-up steps, which are not timed.
 """
 
 from __future__ import annotations
@@ -57,7 +61,8 @@ def build_model(tiny: bool):
     return model.train()
 
 
-def child(provider: str, batch: int, seq: int, steps: int, warmup: int, tiny: bool) -> dict[str, Any]:
+def child(provider: str, batch: int, seq: int, steps: int, warmup: int, tiny: bool,
+          compile_model: bool = False, profile: int = 0) -> dict[str, Any]:
     """Train ``steps`` timed steps with one provider in this process; return the measurements."""
     import torch
 
@@ -79,9 +84,11 @@ def child(provider: str, batch: int, seq: int, steps: int, warmup: int, tiny: bo
     vocab = model.config.vocab_size
     ids = torch.randint(0, vocab, (batch, seq), generator=g).to(dev)
     losses = []
+    run = torch.compile(model) if compile_model else model
+    t_compile = time.perf_counter()
 
     def step() -> float:
-        loss = model(input_ids=ids, labels=ids).loss
+        loss = run(input_ids=ids, labels=ids).loss
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -91,6 +98,7 @@ def child(provider: str, batch: int, seq: int, steps: int, warmup: int, tiny: bo
         losses.append(step())
     if fused:
         torch.cuda.synchronize()
+    warmup_s = time.perf_counter() - t_compile
     t0 = time.perf_counter()
     for _ in range(steps):
         losses.append(step())
@@ -98,8 +106,20 @@ def child(provider: str, batch: int, seq: int, steps: int, warmup: int, tiny: bo
         torch.cuda.synchronize()
     dt = time.perf_counter() - t0
     peak = torch.cuda.max_memory_allocated() / 2**30 if fused else 0.0
+    if profile:  # after the timed steps: where the GPU time of `profile` more steps goes
+        from torch.profiler import ProfilerActivity, profile as torch_profile
+
+        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if fused else [])
+        with torch_profile(activities=acts) as prof:
+            for _ in range(profile):
+                step()
+            if fused:
+                torch.cuda.synchronize()
+        key = "self_cuda_time_total" if fused else "self_cpu_time_total"
+        print(prof.key_averages().table(sort_by=key, row_limit=25, max_name_column_width=70), flush=True)
     losses = [float(x) for x in losses]
-    return {"provider": provider, "params_b": n_params / 1e9, "tokens_per_s": batch * seq * steps / dt,
+    name = provider + ("+compile" if compile_model else "")
+    return {"provider": name, "warmup_s": warmup_s, "params_b": n_params / 1e9, "tokens_per_s": batch * seq * steps / dt,
             "step_ms": dt / steps * 1e3, "peak_gib": peak, "first_loss": losses[0], "last_loss": losses[-1]}
 
 
@@ -112,11 +132,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--csv", type=Path, default=None)
     ap.add_argument("--smoke", action="store_true", help="tiny model on the CPU (Triton interpreter)")
+    ap.add_argument("--compile", action="store_true", help="torch.compile each provider's model (inductor)")
+    ap.add_argument("--profile", type=int, default=0, metavar="STEPS",
+                    help="after timing, profile this many steps and print the top GPU kernels")
     ap.add_argument("--child", choices=PROVIDERS, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
 
     if args.child:
-        res = child(args.child, args.batch, args.seq, args.steps, args.warmup, args.smoke)
+        res = child(args.child, args.batch, args.seq, args.steps, args.warmup, args.smoke, args.compile,
+                    args.profile)
         print("RESULT " + json.dumps(res), flush=True)
         return 0
 
@@ -127,13 +151,16 @@ def main(argv: list[str] | None = None) -> int:
         args.batch, args.seq, args.steps, args.warmup = 2, 16, 2, 1
     for p in args.providers:
         cmd = [sys.executable, __file__, "--child", p, "--batch", str(args.batch), "--seq", str(args.seq),
-               "--steps", str(args.steps), "--warmup", str(args.warmup)] + (["--smoke"] if args.smoke else [])
+               "--steps", str(args.steps), "--warmup", str(args.warmup)] + (["--smoke"] if args.smoke else []) \
+            + (["--compile"] if args.compile else []) + ["--profile", str(args.profile)]
         print(f"== {p}", flush=True)
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
         lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
         if proc.returncode != 0 or not lines:
             print(f"{p} failed (rc {proc.returncode}):\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}", flush=True)
             continue
+        if args.profile:
+            print("\n".join(ln for ln in proc.stdout.splitlines() if not ln.startswith("RESULT ")), flush=True)
         res = json.loads(lines[-1][len("RESULT "):])
         print(f"   {res}", flush=True)
         results.append(res)
@@ -151,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
     path = record("bench_train_kernels", rows, args.csv)
     print(f"csv: {path}\ndevice: {device_name()}\n")
     print(table([{k: (round(v, 4) if isinstance(v, float) else v) for k, v in r.items()} for r in results],
-                ["provider", "tokens_per_s", "step_ms", "peak_gib", "first_loss", "last_loss", "params_b"]))
+                ["provider", "tokens_per_s", "step_ms", "peak_gib", "first_loss", "last_loss", "warmup_s"]))
     return 0
 
 
