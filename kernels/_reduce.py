@@ -8,7 +8,7 @@ in split order (deterministic) and stores the result straight into the parameter
 RMSNorm calls it from extra programs of its ``dx`` launch, which follows the partial rows'
 launch. LayerNorm makes partial rows and ``dx`` in one launch, so there the programs of a
 column block count themselves in on an atomic ticket (:func:`last_to_arrive`) and the last
-to arrive does the sum. Tickets live in one small int32 buffer per device and stream
+to arrive does the sum. Tickets live in one small int32 row per device and stream
 (:func:`tickets`), re-armed to zero by the program that used them, so no launch clears them
 and CUDA-graph replays find them zero.
 
@@ -64,21 +64,43 @@ def split_rows(n_rows: int, n: int, device: torch.device) -> tuple[int, int]:
     return -(-n_rows // per), per
 
 
-_tickets: dict[tuple[int, int], torch.Tensor] = {}
+# Ticket counters: one zeroed int32 buffer per device, one row of it per stream that uses
+# tickets. Rows, not a buffer per stream, so that a stream first seen while a CUDA graph is
+# being captured (torch.compile's "reduce-overhead" records on its own stream, after warming
+# up on the current one) takes a row of a buffer allocated before the capture, instead of
+# allocating inside the graph's memory pool, which the recording then reports as a leak.
+_TICKET_ROWS, _TICKET_WIDTH = 32, 1024
+_tickets: dict[tuple[int, int], torch.Tensor] = {}    # (device, stream) -> its row
+_ticket_bufs: dict[int, list] = {}                     # device -> [buffer, next free row]
+_retired: list[torch.Tensor] = []                      # replaced buffers, kept: kernels may still use them
 
 
 def tickets(like: torch.Tensor, count: int) -> torch.Tensor:
     """``count`` zeroed int32 counters on ``like``'s device, private to the current stream.
 
     A kernel that finishes a reduction in its last program counts arrivals here and
-    re-arms each counter to zero when done, so the buffer is all zeros between launches
-    and one allocation serves every call (also under CUDA-graph replay). One buffer per
-    (device, stream): kernels on different streams may run at the same time.
+    re-arms each counter to zero when done, so the counters are all zero between launches
+    and one allocation serves every call (also under CUDA-graph replay). One row of
+    counters per (device, stream): kernels on different streams may run at the same time.
     """
     dev = like.get_device()
     key = (dev, torch._C._cuda_getCurrentRawStream(dev) if dev >= 0 else 0)
     t = _tickets.get(key)
-    if t is None or t.numel() < count:
-        t = torch.zeros(max(count, 256), dtype=torch.int32, device=like.device)
-        _tickets[key] = t
+    if t is not None and t.numel() >= count:
+        return t
+    entry = _ticket_bufs.get(dev)
+    if entry is None or entry[1] >= entry[0].shape[0] or entry[0].shape[1] < count:
+        width = max(count, _TICKET_WIDTH)
+        rows = _TICKET_ROWS if entry is None else max(_TICKET_ROWS, 2 * entry[0].shape[0])
+        if entry is not None:
+            _retired.append(entry[0])
+        entry = _ticket_bufs[dev] = [torch.zeros((rows, width), dtype=torch.int32, device=like.device), 0]
+        # every stream of this device moves to a row of the new buffer
+        for k in [k for k in _tickets if k[0] == dev]:
+            _tickets[k] = entry[0][entry[1]]
+            entry[1] += 1
+        if key in _tickets:
+            return _tickets[key]
+    t = _tickets[key] = entry[0][entry[1]]
+    entry[1] += 1
     return t

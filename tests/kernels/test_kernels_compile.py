@@ -126,6 +126,13 @@ def test_patched_llama_under_inductor_matches_eager():
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(cfg).cuda().train()
     K.patch(model)
+    try:
+        _check_patched_llama_under_inductor(model)
+    finally:
+        K.unpatch_rope("llama")   # patch swaps HF's module-level RoPE function: later tests expect it back
+
+
+def _check_patched_llama_under_inductor(model):
     ids = torch.randint(0, 1000, (2, 64), device="cuda")
 
     def step(m):
@@ -144,3 +151,18 @@ def test_patched_llama_under_inductor_matches_eager():
     with torch.no_grad():
         logits = torch.compile(model, fullgraph=True)(input_ids=ids).logits
         assert_close("logits", logits, model(input_ids=ids).logits, 2e-4, 2e-4)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU (run on the device machine)")
+def test_norms_rope_glu_under_cuda_graphs_match_eager():
+    # mode="reduce-overhead": inductor records the graph (kernels included) into CUDA graphs and
+    # replays them; LayerNorm's tickets must be back at zero after every replay, and nothing may
+    # be allocated outside the graph's pool during capture.
+    torch._dynamo.reset()
+    expected = run_layers(layers, "cuda")
+    compiled = torch.compile(layers, mode="reduce-overhead", fullgraph=True)
+    for _ in range(4):   # warm-up, record, then replays
+        got = run_layers(compiled, "cuda")
+        for name, a, e in zip(["loss", "x", "w", "b", "q", "k"], got, expected):
+            assert_close(name, a, e, 1e-4, 1e-4)
