@@ -21,6 +21,27 @@ on first use when Triton is missing, and accept CPU tensors only under the Trito
 interpreter (``TRITON_INTERPRET=1``). See ``docs/kernels.md``.
 """
 
+import sys as _sys
+
+if __name__ != "ckpt.kernels" and __name__.endswith("kernels") and "." not in __name__:  # pragma: no cover
+    # Imported as a top-level ``kernels`` package: this folder, found through a source checkout's
+    # root on sys.path (``python -m pytest`` run there), by code looking for Hugging Face's
+    # ``kernels`` package (transformers' ``is_kernels_available`` imports it by that name).
+    # Become ``ckpt.kernels`` and its submodules instead of a second copy, which would register
+    # the custom operators again with functions whose module state (compiled kernels, LayerNorm
+    # tickets) is a second, empty copy: inductor's CUDA graphs then saw an allocation leak.
+    try:
+        import importlib as _importlib
+
+        _canonical = _importlib.import_module("ckpt.kernels")
+    except ImportError:
+        _canonical = None
+    if _canonical is not None:
+        for _name, _module in list(_sys.modules.items()):
+            if _name.startswith("ckpt.kernels."):
+                _sys.modules[__name__ + _name[len("ckpt.kernels"):]] = _module
+        _sys.modules[__name__] = _canonical
+
 from ._utils import HAS_TRITON, interpreter_enabled
 from .cross_entropy import CrossEntropyLoss, cross_entropy
 from .fused_linear_cross_entropy import FusedLinearCrossEntropyLoss, fused_linear_cross_entropy

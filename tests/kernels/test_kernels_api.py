@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -88,3 +89,22 @@ def test_public_api():
     for name in K.__all__:
         assert hasattr(K, name), name
     assert set(K.SUPPORTED_MODEL_TYPES) >= {"llama", "mistral", "qwen2"}
+
+
+@pytest.mark.parametrize("first", ["ckpt.kernels", "kernels"])
+def test_kernels_folder_imported_as_top_level_kernels_is_ckpt_kernels(first):
+    """From a source checkout's root, ``import kernels`` (transformers does it, looking for Hugging
+    Face's ``kernels`` package) must give ``ckpt.kernels`` itself, not a second copy whose custom
+    operators and module state (compiled kernels, tickets) would shadow the real ones."""
+    root = Path(K.__file__).resolve().parent.parent
+    code = (
+        f"import sys; sys.path.insert(0, {str(root)!r})\n"
+        f"import {first}\n"
+        "import ckpt.kernels as K, kernels, kernels.layer_norm, kernels._reduce\n"
+        "assert kernels is K, (kernels, K)\n"
+        "assert kernels.layer_norm is K.layer_norm and kernels._reduce is sys.modules['ckpt.kernels._reduce']\n"
+        "print('OK')\n"
+    )
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert out.returncode == 0 and "OK" in out.stdout, out.stderr
