@@ -132,8 +132,13 @@ class Pipeline:
         # The memory tier does not queue behind earlier persists: a watcher publishes it as soon as
         # the copy has landed, while the worker may still be writing an older snapshot.
         staged = threading.Event()
+        # Not a daemon: interpreter shutdown joins it before finalizing. A daemon thread still
+        # dropping its references to the snapshot's tensors then (it signals `staged` before its
+        # frame goes) is killed inside torch's tensor deallocation, which aborts the process
+        # ("terminate called without an active exception"; seen after a SIGTERM-ed Lightning
+        # run had saved and closed). It ends as soon as the copy has landed.
         threading.Thread(target=self._watch, args=(snap, handle, staged), name=f"ckpt-staged-{snap.step}",
-                         daemon=True).start()
+                         daemon=False).start()
         self._queue.put((snap, handle, staged))
 
     def _watch(self, snap: Snapshot, handle: SaveHandle, staged: threading.Event) -> None:

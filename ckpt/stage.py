@@ -351,6 +351,8 @@ def stage(snap: Snapshot, side_stream: torch.cuda.Stream | None) -> None:
                 snap.error = exc
             finally:
                 snap._cpu_done.set()
-        threading.Thread(target=copy_cpu, name=f"ckpt-stage-{snap.step}", daemon=True).start()
+        # Not a daemon, for the reason given where the pipeline starts its watcher thread: it
+        # drops tensor references after signalling, so shutdown must wait for it (milliseconds).
+        threading.Thread(target=copy_cpu, name=f"ckpt-stage-{snap.step}", daemon=False).start()
     else:
         snap._cpu_done.set()
