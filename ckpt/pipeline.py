@@ -15,9 +15,11 @@ stay untouched.
 
 from __future__ import annotations
 
+import atexit
 import logging
 import queue
 import threading
+import weakref
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable
 
@@ -27,6 +29,31 @@ from .tiers import LocalTier, MemoryTier, RemoteTier
 __all__ = ["SaveHandle", "Pipeline"]
 
 log = logging.getLogger(__name__)
+
+_live: "weakref.WeakSet[Pipeline]" = weakref.WeakSet()
+
+
+def _finish_at_exit() -> None:
+    """At interpreter exit, let every pipeline that was not closed finish its queued saves.
+
+    Runs before the interpreter finalizes. Its worker is a daemon thread (it must not keep a
+    process alive by itself), and a daemon thread still working when the interpreter
+    finalizes is killed where it stands: inside torch code that releases the GIL (freeing a
+    tensor, say) that aborts the whole process ("terminate called without an active
+    exception", seen after a SIGTERM-ed Lightning run had made its save durable). Saves in
+    flight are completed rather than lost; a process that must not wait calls ``os._exit``.
+    Registered with ``threading``'s exit hooks where available: those run before the
+    interpreter joins threads and before ``concurrent.futures`` stops accepting work, which
+    the local and remote writers need.
+    """
+    for pipe in list(_live):
+        busy = pipe.in_flight()
+        if busy:
+            log.info("finishing checkpoint(s) of step(s) %s before the process exits", sorted(busy))
+        pipe.close()
+
+
+getattr(threading, "_register_atexit", atexit.register)(_finish_at_exit)
 
 
 class SaveHandle:
@@ -119,8 +146,10 @@ class Pipeline:
         self._queue: queue.Queue = queue.Queue()
         self._in_flight: set[int] = set()
         self._lock = threading.Lock()
+        self._closed = False
         self._thread = threading.Thread(target=self._run, name="ckpt-persist", daemon=True)
         self._thread.start()
+        _live.add(self)
 
     def in_flight(self) -> set[int]:
         with self._lock:
@@ -153,6 +182,11 @@ class Pipeline:
             staged.set()
 
     def close(self) -> None:
+        """Persist everything queued, then stop the worker (idempotent)."""
+        if self._closed:
+            return
+        self._closed = True
+        _live.discard(self)
         self._queue.put(None)
         self._thread.join()
         if self._uploader is not None:
@@ -204,6 +238,9 @@ class Pipeline:
                 self._retention(committed)
             except OSError as e:   # retention trouble never fails a committed save
                 log.warning("retention after step %d failed: %s", snap.step, e)
+        # Drop this thread's view of the buffer before anyone can be told the save is done: a
+        # waiter may exit the process at once, and the view must not be the last reference then.
+        del data
         # Release before reporting the last tier: a save issued right after handle.wait() finds the buffer free.
         self.pool.release(snap.buffer)
         if upload is not None:

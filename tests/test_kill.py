@@ -79,3 +79,27 @@ def test_demo_kills_its_training_child_and_resumes_bit_identically():
     assert "SIGKILLed at step" in out.stdout
     assert "from the local tier" in out.stdout and "from the memory tier" in out.stdout
     assert "IDENTICAL bit for bit" in out.stdout
+
+
+def test_process_that_exits_with_saves_in_flight_finishes_them_first(tmp_path):
+    """A script that saves and returns at once (no wait, no close) still leaves both saves committed
+    and exits 0: the exit hook finishes the queued persists before the interpreter kills daemon
+    threads (one killed inside torch's tensor deallocation used to abort the process)."""
+    code = (
+        "import sys, torch, ckpt\n"
+        "ck = ckpt.Checkpointer(local_dir=sys.argv[1], max_in_flight=2)\n"
+        "state = {'w': torch.arange(16 << 20, dtype=torch.float32)}\n"
+        "ck.save(1, state)\n"
+        "ck.wait_staged()\n"
+        "state['w'] += 1\n"
+        "ck.save(2, state)\n"
+        "print('returning', flush=True)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    committed = sorted(int(p.name[5:]) for p in tmp_path.glob("step-*") if (p / "COMMIT").exists())
+    assert committed == [1, 2], (committed, out.stderr)
+    target = {"w": torch.empty(16 << 20)}
+    with ckpt.Checkpointer(local_dir=tmp_path) as ck:
+        assert ck.restore(target) == 2
+    assert torch.equal(target["w"], torch.arange(16 << 20, dtype=torch.float32) + 1)
