@@ -68,6 +68,13 @@ def test_mixed_devices_name_the_argument():
         K.cross_entropy(torch.randn(2, 8, device="cuda"), torch.zeros(2, dtype=torch.long))
 
 
+def _assert_prints_ok(code: str) -> None:
+    """Run ``code`` in a fresh interpreter (Triton interpreter mode); it must print OK."""
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert out.returncode == 0 and "OK" in out.stdout, out.stderr
+
+
 def test_import_without_triton():
     """`import ckpt` and `import ckpt.kernels` work with triton unimportable; use fails clearly."""
     code = (
@@ -80,9 +87,7 @@ def test_import_without_triton():
         "    assert 'needs Triton' in str(e), e\n"
         "    print('OK')\n"
     )
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
-    assert out.returncode == 0 and "OK" in out.stdout, out.stderr
+    _assert_prints_ok(code)
 
 
 def test_public_api():
@@ -105,6 +110,4 @@ def test_kernels_folder_imported_as_top_level_kernels_is_ckpt_kernels(first):
         "assert kernels.layer_norm is K.layer_norm and kernels._reduce is sys.modules['ckpt.kernels._reduce']\n"
         "print('OK')\n"
     )
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
-    assert out.returncode == 0 and "OK" in out.stdout, out.stderr
+    _assert_prints_ok(code)
