@@ -18,6 +18,7 @@ Shapes: partial rows ``(splits, N)`` fp32, contiguous; outputs ``(N,)``.
 from __future__ import annotations
 
 import functools
+import threading
 
 import torch
 
@@ -66,13 +67,45 @@ def split_rows(n_rows: int, n: int, device: torch.device) -> tuple[int, int]:
 
 # Ticket counters: one zeroed int32 buffer per device, one row of it per stream that uses
 # tickets. Rows, not a buffer per stream, so that a stream first seen while a CUDA graph is
-# being captured (torch.compile's "reduce-overhead" records on its own stream, after warming
-# up on the current one) takes a row of a buffer allocated before the capture, instead of
-# allocating inside the graph's memory pool, which the recording then reports as a leak.
+# being captured (torch.compile's "reduce-overhead" records on its own stream) takes a row of
+# a buffer that already exists instead of allocating inside the graph's memory pool, which the
+# recording reports as a leak; the buffer itself is made outside any graph pool
+# (_zeros_outside_graph_pools), also when the first call is a compiled warm-up.
 _TICKET_ROWS, _TICKET_WIDTH = 32, 1024
 _tickets: dict[tuple[int, int], torch.Tensor] = {}    # (device, stream) -> its row
 _ticket_bufs: dict[int, list] = {}                     # device -> [buffer, next free row]
 _retired: list[torch.Tensor] = []                      # replaced buffers, kept: kernels may still use them
+
+
+def _zeros_outside_graph_pools(shape: tuple[int, int], device: torch.device) -> torch.Tensor:
+    """Zeroed int32 counters from the device's ordinary memory, made on a helper thread.
+
+    torch.compile's CUDA graphs (``mode="reduce-overhead"``) run their warm-up calls with this
+    thread's allocations routed into the graph's private pool, where every allocation must be
+    a graph output; a buffer that outlives the call is reported as a leak. The helper thread
+    is not routed, so the counters come from the ordinary pool; it waits for its own zero fill.
+    While a stream is being captured (a hand-made ``torch.cuda.graph``) the buffer is made in
+    place: the capture forbids allocating elsewhere, and the graph keeps its pool alive.
+    """
+    if device.type != "cuda" or torch.cuda.is_current_stream_capturing():
+        return torch.zeros(shape, dtype=torch.int32, device=device)
+    made: list = []
+
+    def make() -> None:
+        try:
+            with torch.cuda.device(device):
+                t = torch.zeros(shape, dtype=torch.int32, device=device)
+                torch.cuda.current_stream().synchronize()
+            made.append(t)
+        except BaseException as e:  # re-raised on the caller's thread
+            made.append(e)
+
+    helper = threading.Thread(target=make, name="ckpt-kernels-tickets")
+    helper.start()
+    helper.join()
+    if isinstance(made[0], BaseException):
+        raise made[0]
+    return made[0]
 
 
 def tickets(like: torch.Tensor, count: int) -> torch.Tensor:
@@ -94,7 +127,7 @@ def tickets(like: torch.Tensor, count: int) -> torch.Tensor:
         rows = _TICKET_ROWS if entry is None else max(_TICKET_ROWS, 2 * entry[0].shape[0])
         if entry is not None:
             _retired.append(entry[0])
-        entry = _ticket_bufs[dev] = [torch.zeros((rows, width), dtype=torch.int32, device=like.device), 0]
+        entry = _ticket_bufs[dev] = [_zeros_outside_graph_pools((rows, width), like.device), 0]
         # every stream of this device moves to a row of the new buffer
         for k in [k for k in _tickets if k[0] == dev]:
             _tickets[k] = entry[0][entry[1]]
