@@ -19,10 +19,12 @@ import atexit
 import logging
 import queue
 import threading
+import time
 import weakref
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable
 
+from . import knobs
 from .stage import HostPool, Snapshot, SnapshotStats
 from .tiers import LocalTier, MemoryTier, RemoteTier
 
@@ -46,11 +48,18 @@ def _finish_at_exit() -> None:
     interpreter joins threads and before ``concurrent.futures`` stops accepting work, which
     the local and remote writers need.
     """
+    limit = knobs.get("CKPT_EXIT_WAIT_S")
+    deadline = time.monotonic() + limit if limit > 0 else None
     for pipe in list(_live):
         busy = pipe.in_flight()
         if busy:
-            log.info("finishing checkpoint(s) of step(s) %s before the process exits", sorted(busy))
-        pipe.close()
+            log.info("finishing checkpoint(s) of step(s) %s before the process exits%s", sorted(busy),
+                     f" (at most {limit} s, CKPT_EXIT_WAIT_S)" if deadline is not None else "")
+        left = None if deadline is None else max(0.0, deadline - time.monotonic())
+        if not pipe.close(timeout=left):
+            log.error("exiting before checkpoint(s) of step(s) %s finished persisting (CKPT_EXIT_WAIT_S=%d s "
+                      "passed); they are not committed, older checkpoints are intact. Raise CKPT_EXIT_WAIT_S "
+                      "(0: no limit) or wait() for saves before exiting", sorted(pipe.in_flight()), limit)
 
 
 getattr(threading, "_register_atexit", atexit.register)(_finish_at_exit)
@@ -181,16 +190,22 @@ class Pipeline:
         finally:
             staged.set()
 
-    def close(self) -> None:
-        """Persist everything queued, then stop the worker (idempotent)."""
-        if self._closed:
-            return
-        self._closed = True
-        _live.discard(self)
-        self._queue.put(None)
-        self._thread.join()
+    def close(self, timeout: float | None = None) -> bool:
+        """Persist everything queued, then stop the worker (idempotent).
+
+        ``timeout`` (seconds, ``None``: no limit) bounds the wait; returns False when the worker
+        was still persisting when it ran out (the worker is then left to the interpreter).
+        """
+        if not self._closed:
+            self._closed = True
+            _live.discard(self)
+            self._queue.put(None)
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            return False
         if self._uploader is not None:
             self._uploader.shutdown()
+        return True
 
     def _run(self) -> None:
         while True:

@@ -103,3 +103,23 @@ def test_process_that_exits_with_saves_in_flight_finishes_them_first(tmp_path):
     with ckpt.Checkpointer(local_dir=tmp_path) as ck:
         assert ck.restore(target) == 2
     assert torch.equal(target["w"], torch.arange(16 << 20, dtype=torch.float32) + 1)
+
+
+def test_exit_wait_is_bounded_by_ckpt_exit_wait_s(tmp_path):
+    """With CKPT_EXIT_WAIT_S=1 and a local write that hangs (injected: the disk stalls), the process
+    still exits promptly, says which step it did not wait for, and leaves no committed (or torn) step."""
+    code = (
+        "import sys, time, torch, ckpt\n"
+        "from ckpt.tiers import LocalTier\n"
+        "LocalTier.write = lambda self, *a, **k: time.sleep(60)   # a stalled disk\n"
+        "ck = ckpt.Checkpointer(local_dir=sys.argv[1])\n"
+        "ck.save(7, {'w': torch.ones(1024)})\n"
+        "ck.wait_staged()\n"
+    )
+    env = dict(os.environ, CKPT_EXIT_WAIT_S="1")
+    t0 = time.monotonic()
+    out = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, env=env,
+                         timeout=50)
+    assert time.monotonic() - t0 < 40, "the exit hook did not stop waiting"
+    assert "step(s) [7] finished persisting" in out.stderr and "CKPT_EXIT_WAIT_S" in out.stderr, out.stderr
+    assert not [p for p in tmp_path.glob("step-*") if (p / "COMMIT").exists()]
