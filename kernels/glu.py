@@ -206,7 +206,8 @@ def swiglu(a: torch.Tensor, b: torch.Tensor, *, inplace_grad: bool | None = None
         a: gate ``(..., I)``.
         b: up projection ``(..., I)``, same shape and dtype.
         inplace_grad: write ``da``/``db`` over ``a``/``b`` in backward. ``None`` (default)
-            does so only when they are private autograd intermediates.
+            does so only when they are private autograd intermediates. Ignored under
+            ``torch.compile``, where the kernel is a custom operator.
 
     Returns:
         ``(..., I)`` tensor.

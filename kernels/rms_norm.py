@@ -270,6 +270,7 @@ def rms_norm(
         offset: ``0.0`` for Llama-style weights, ``1.0`` for Gemma-style ``(1 + w)`` weights.
         in_place: write the input gradient over the incoming output gradient (saves one
             activation-sized buffer in backward; safe when the output feeds only linear layers).
+            Ignored under ``torch.compile``, where the kernel is a custom operator.
 
     Returns:
         ``(..., N)`` tensor with ``x``'s dtype.
