@@ -170,11 +170,10 @@ class Pipeline:
         # The memory tier does not queue behind earlier persists: a watcher publishes it as soon as
         # the copy has landed, while the worker may still be writing an older snapshot.
         staged = threading.Event()
-        # Not a daemon: interpreter shutdown joins it before finalizing. A daemon thread still
-        # dropping its references to the snapshot's tensors then (it signals `staged` before its
-        # frame goes) is killed inside torch's tensor deallocation, which aborts the process
-        # ("terminate called without an active exception"; seen after a SIGTERM-ed Lightning
-        # run had saved and closed). It ends as soon as the copy has landed.
+        # Not a daemon: interpreter shutdown joins it before finalizing. It signals `staged`
+        # before its frame lets go of the snapshot's tensors, and a daemon freeing the last
+        # reference to a tensor while the interpreter finalizes aborts the process (see
+        # _finish_at_exit: what happened to the persist worker). It ends once the copy has landed.
         threading.Thread(target=self._watch, args=(snap, handle, staged), name=f"ckpt-staged-{snap.step}",
                          daemon=False).start()
         self._queue.put((snap, handle, staged))

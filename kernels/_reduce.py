@@ -72,10 +72,9 @@ def split_rows(n_rows: int, n: int, device: torch.device) -> tuple[int, int]:
 # recording reports as a leak; the buffer itself is made outside any graph pool
 # (_zeros_outside_graph_pools), also when the first call is a compiled warm-up.
 _TICKET_ROWS, _TICKET_WIDTH = 32, 1024
-_tickets: dict[tuple[int, int], torch.Tensor] = {}    # (device, stream) -> its row
-_ticket_bufs: dict[int, list] = {}                     # device -> [buffer, next free row]
+_tickets: dict[tuple[int, int], torch.Tensor] = {}    # (device, stream) -> its row (a device has rows 0..n-1)
+_ticket_bufs: dict[int, torch.Tensor] = {}             # device -> the buffer those rows belong to
 _retired: list[torch.Tensor] = []                      # replaced buffers, kept: kernels may still use them
-
 
 def _zeros_outside_graph_pools(shape: tuple[int, int], device: torch.device) -> torch.Tensor:
     """Zeroed int32 counters from the device's ordinary memory, made on a helper thread.
@@ -121,19 +120,15 @@ def tickets(like: torch.Tensor, count: int) -> torch.Tensor:
     t = _tickets.get(key)
     if t is not None and t.numel() >= count:
         return t
-    entry = _ticket_bufs.get(dev)
-    if entry is None or entry[1] >= entry[0].shape[0] or entry[0].shape[1] < count:
-        width = max(count, _TICKET_WIDTH)
-        rows = _TICKET_ROWS if entry is None else max(_TICKET_ROWS, 2 * entry[0].shape[0])
-        if entry is not None:
-            _retired.append(entry[0])
-        entry = _ticket_bufs[dev] = [_zeros_outside_graph_pools((rows, width), like.device), 0]
-        # every stream of this device moves to a row of the new buffer
-        for k in [k for k in _tickets if k[0] == dev]:
-            _tickets[k] = entry[0][entry[1]]
-            entry[1] += 1
-        if key in _tickets:
-            return _tickets[key]
-    t = _tickets[key] = entry[0][entry[1]]
-    entry[1] += 1
-    return t
+    buf = _ticket_bufs.get(dev)
+    streams = [k for k in _tickets if k[0] == dev and k != key] + [key]   # those with a row here, this one last
+    if buf is None or buf.shape[0] < len(streams) or buf.shape[1] < count:
+        if buf is not None:
+            _retired.append(buf)
+        rows = max(_TICKET_ROWS, 2 * len(streams))
+        buf = _ticket_bufs[dev] = _zeros_outside_graph_pools((rows, max(count, _TICKET_WIDTH)), like.device)
+        for i, k in enumerate(streams):   # every stream of this device moves to the new buffer
+            _tickets[k] = buf[i]
+    else:
+        _tickets[key] = buf[len(streams) - 1]
+    return _tickets[key]

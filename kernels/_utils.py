@@ -349,7 +349,7 @@ def as_rows(x: torch.Tensor) -> tuple[torch.Tensor, int, int]:
     """
     n = x.shape[-1]
     if x.is_contiguous():
-        return x, (x.numel() // n if n else math.prod(x.shape[:-1])), n
+        return x, rows_of(x), n
     x2 = x.reshape(-1, n)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()

@@ -150,8 +150,8 @@ _bwd = LazyKernel(_layer_norm_bwd_kernel)
 
 
 def _forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float):
-    """``(y, x2, stats)``: the output, ``x`` as rows (what backward reads), per-row (mean, rstd)."""
-    x2, n_rows, stride_x = as_rows(x)
+    """``(y, rows, stats)``: the output, :func:`as_rows` of ``x`` (what backward reads), per-row (mean, rstd)."""
+    rows = x2, n_rows, stride_x = as_rows(x)
     n = x.shape[-1]
     y = empty_rows_like(x, x2)
     stats = torch.empty((2, n_rows), dtype=torch.float32, device=x.device)  # mean, rstd: one allocation
@@ -161,13 +161,13 @@ def _forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, e
             x2, y, weight, bias if bias is not None else weight, stats, stride_x, n, n_rows, n, float(eps),
             BLOCK_N=block, HAS_BIAS=bias is not None, num_warps=row_warps(block),
         )
-    return y, x2, stats
+    return y, rows, stats
 
 
-def _backward(dy: torch.Tensor, x2: torch.Tensor, weight: torch.Tensor, stats: torch.Tensor,
+def _backward(dy: torch.Tensor, rows: tuple[torch.Tensor, int, int], weight: torch.Tensor, stats: torch.Tensor,
               need_dw: bool, bias_dtype: torch.dtype | None):
     """``(dx, dw, db)``; ``db`` only when ``bias_dtype`` is given, ``None`` where not needed."""
-    _, n_rows, stride_x = as_rows(x2)
+    x2, n_rows, stride_x = rows
     n = dy.shape[-1]
     dy2, _, stride_dy = as_rows(dy)
     dx = empty_rows_like(dy, dy2)
@@ -202,8 +202,9 @@ class LayerNormFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float) -> torch.Tensor:
-        y, x2, stats = _forward(x, weight, bias, eps)
-        ctx.save_for_backward(x2, weight, stats)
+        y, rows, stats = _forward(x, weight, bias, eps)
+        ctx.save_for_backward(rows[0], weight, stats)
+        ctx.rows = rows[1:]
         ctx.bias_dtype = bias.dtype if bias is not None else None
         return y
 
@@ -211,7 +212,7 @@ class LayerNormFunction(torch.autograd.Function):
     def backward(ctx, dy: torch.Tensor):
         x2, weight, stats = ctx.saved_tensors
         _, need_dw, need_db, _ = ctx.needs_input_grad
-        dx, dw, db = _backward(dy, x2, weight, stats, need_dw, ctx.bias_dtype if need_db else None)
+        dx, dw, db = _backward(dy, (x2, *ctx.rows), weight, stats, need_dw, ctx.bias_dtype if need_db else None)
         return dx, dw, db, None
 
 
@@ -231,7 +232,7 @@ def _(x, weight, bias, eps):
 @op_def("layer_norm_backward", "(Tensor dy, Tensor x, Tensor weight, Tensor stats, bool need_dw, "
         "Tensor? bias, bool need_db) -> (Tensor, Tensor, Tensor)")
 def _layer_norm_backward_op(dy, x, weight, stats, need_dw, bias, need_db):
-    dx, dw, db = _backward(dy, as_rows(x)[0], weight, stats, need_dw,
+    dx, dw, db = _backward(dy, as_rows(x), weight, stats, need_dw,
                            bias.dtype if need_db and bias is not None else None)
     none = weight.new_empty(0)
     return dx, dw if dw is not None else none, db if db is not None else none

@@ -150,8 +150,8 @@ _bwd_dx = LazyKernel(_rms_norm_bwd_dx_kernel)
 _bwd_dw = LazyKernel(_rms_norm_bwd_dw_kernel)
 
 def _forward(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float):
-    """``(y, x2, rstd)``: the output, ``x`` as rows (what backward reads) and the per-row rstd."""
-    x2, n_rows, stride_x = as_rows(x)
+    """``(y, rows, rstd)``: the output, :func:`as_rows` of ``x`` (what backward reads) and the per-row rstd."""
+    rows = x2, n_rows, stride_x = as_rows(x)
     n = x.shape[-1]
     y = empty_rows_like(x, x2)
     rstd = torch.empty(n_rows, dtype=torch.float32, device=x.device)
@@ -161,13 +161,13 @@ def _forward(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float):
             x2, y, weight, rstd, stride_x, n, n, float(eps), float(offset),
             BLOCK_N=block, LLAMA_CAST=(offset == 0.0), num_warps=row_warps(block),
         )
-    return y, x2, rstd
+    return y, rows, rstd
 
 
-def _backward(dy: torch.Tensor, x2: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor, offset: float,
-              need_dw: bool, in_place: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """``(dx, dw)`` (``dw`` is ``None`` unless ``need_dw``); ``x2`` as returned by :func:`_forward`."""
-    _, n_rows, stride_x = as_rows(x2)
+def _backward(dy: torch.Tensor, rows: tuple[torch.Tensor, int, int], weight: torch.Tensor, rstd: torch.Tensor,
+              offset: float, need_dw: bool, in_place: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``(dx, dw)`` (``dw`` is ``None`` unless ``need_dw``); ``rows`` as returned by :func:`_forward`."""
+    x2, n_rows, stride_x = rows
     n = dy.shape[-1]
     dy2, _, stride_dy = as_rows(dy)
     if in_place and dy2 is dy and dy.dtype == x2.dtype:
@@ -204,8 +204,9 @@ class RMSNormFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float, in_place: bool) -> torch.Tensor:
-        y, x2, rstd = _forward(x, weight, eps, offset)
-        ctx.save_for_backward(x2, weight, rstd)
+        y, rows, rstd = _forward(x, weight, eps, offset)
+        ctx.save_for_backward(rows[0], weight, rstd)
+        ctx.rows = rows[1:]
         ctx.offset = float(offset)
         ctx.in_place = in_place
         return y
@@ -213,7 +214,7 @@ class RMSNormFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy: torch.Tensor):
         x2, weight, rstd = ctx.saved_tensors
-        dx, dw = _backward(dy, x2, weight, rstd, ctx.offset, ctx.needs_input_grad[1], ctx.in_place)
+        dx, dw = _backward(dy, (x2, *ctx.rows), weight, rstd, ctx.offset, ctx.needs_input_grad[1], ctx.in_place)
         return dx, dw, None, None, None
 
 
@@ -233,7 +234,7 @@ def _(x, weight, eps, offset):
 @op_def("rms_norm_backward",
         "(Tensor dy, Tensor x, Tensor weight, Tensor rstd, float offset, bool need_dw) -> (Tensor, Tensor)")
 def _rms_norm_backward_op(dy, x, weight, rstd, offset, need_dw):
-    dx, dw = _backward(dy, as_rows(x)[0], weight, rstd, offset, need_dw, False)
+    dx, dw = _backward(dy, as_rows(x), weight, rstd, offset, need_dw, False)
     return dx, dw if dw is not None else weight.new_empty(0)
 
 
