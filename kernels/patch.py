@@ -86,6 +86,11 @@ def _causal_lm_forward(
 
     num_items = kwargs.pop("num_items_in_batch", None)
     return_dict = kwargs.pop("return_dict", None)
+    if use_cache is None and past_key_values is None:
+        # A training step needs no inference KV cache; left to config.use_cache (True in most
+        # configs), some transformers versions build one and copy every layer's keys and values
+        # into it (two concatenations per layer, and their memory until the step's outputs go).
+        use_cache = False
     ignore_index = kwargs.pop("ignore_index", -100)
     outputs = self.model(
         input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,

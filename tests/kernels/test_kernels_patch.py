@@ -119,6 +119,27 @@ def test_patch_honours_num_items_in_batch(restore_rope):
                  ref(input_ids=ids, labels=labels, num_items_in_batch=n).loss, 1e-5, 1e-4)
 
 
+def test_patch_training_step_builds_no_kv_cache(restore_rope):
+    """With labels in training mode the patched forward asks the base model for no KV cache
+    unless the caller does (config.use_cache=True would otherwise copy every layer's k and v)."""
+    model = tiny_model("llama")
+    model.config.use_cache = True
+    K.patch(model)
+    seen = []
+    inner = model.model.forward
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs.get("use_cache"))
+        return inner(*args, **kwargs)
+
+    model.model.forward = spy
+    ids, labels = batch(model.config.vocab_size)
+    out = model(input_ids=ids, labels=labels)
+    assert seen[-1] is False and out.past_key_values is None
+    out = model(input_ids=ids, labels=labels, use_cache=True)
+    assert seen[-1] is True and out.past_key_values is not None
+
+
 def test_patch_rejects_unknown_architecture():
     cfg = transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=50, n_positions=16)
     model = transformers.GPT2LMHeadModel(cfg)
