@@ -62,7 +62,7 @@ def build_model(tiny: bool):
 
 
 def child(provider: str, batch: int, seq: int, steps: int, warmup: int, tiny: bool,
-          compile_model: bool = False, profile: int = 0) -> dict[str, Any]:
+          compile_model: bool = False, profile: int = 0, flce_chunk: int = 0) -> dict[str, Any]:
     """Train ``steps`` timed steps with one provider in this process; return the measurements."""
     import torch
 
@@ -71,6 +71,10 @@ def child(provider: str, batch: int, seq: int, steps: int, warmup: int, tiny: bo
         import ckpt.kernels as K
 
         changed = K.patch(model)
+        if flce_chunk:  # what-if: a fixed chunk instead of the default rule (reported in the provider name)
+            import ckpt.kernels.fused_linear_cross_entropy as flce
+
+            flce.default_chunk_size = lambda *_: flce_chunk
         print(f"[ours] patched: { {k: len(v) for k, v in changed.items()} }", flush=True)
     elif provider == "liger":
         from liger_kernel.transformers import apply_liger_kernel_to_llama
@@ -116,9 +120,23 @@ def child(provider: str, batch: int, seq: int, steps: int, warmup: int, tiny: bo
             if fused:
                 torch.cuda.synchronize()
         key = "self_cuda_time_total" if fused else "self_cpu_time_total"
-        print(prof.key_averages().table(sort_by=key, row_limit=25, max_name_column_width=70), flush=True)
+        print(prof.key_averages().table(sort_by=key, row_limit=45, max_name_column_width=70), flush=True)
+        if fused:  # where the step's peak is set: forward (loss included), backward, optimizer step
+            base = torch.cuda.memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+            loss = run(input_ids=ids, labels=ids).loss
+            fwd = torch.cuda.max_memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+            loss.backward()
+            bwd = torch.cuda.max_memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            ostep = torch.cuda.max_memory_allocated()
+            print(f"peak by phase (GiB): start {base / 2**30:.2f}, forward {fwd / 2**30:.2f}, "
+                  f"backward {bwd / 2**30:.2f}, optimizer {ostep / 2**30:.2f}", flush=True)
     losses = [float(x) for x in losses]
-    name = provider + ("+compile" if compile_model else "")
+    name = provider + ("+compile" if compile_model else "") + (f"(chunk {flce_chunk})" if flce_chunk else "")
     return {"provider": name, "warmup_s": warmup_s, "params_b": n_params / 1e9, "tokens_per_s": batch * seq * steps / dt,
             "step_ms": dt / steps * 1e3, "peak_gib": peak, "first_loss": losses[0], "last_loss": losses[-1]}
 
@@ -135,12 +153,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--compile", action="store_true", help="torch.compile each provider's model (inductor)")
     ap.add_argument("--profile", type=int, default=0, metavar="STEPS",
                     help="after timing, profile this many steps and print the top GPU kernels")
+    ap.add_argument("--flce-chunk", type=int, default=0, metavar="TOKENS",
+                    help="ours only: a fixed fused-linear-CE chunk instead of the default rule (a what-if)")
     ap.add_argument("--child", choices=PROVIDERS, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
 
     if args.child:
         res = child(args.child, args.batch, args.seq, args.steps, args.warmup, args.smoke, args.compile,
-                    args.profile)
+                    args.profile, args.flce_chunk)
         print("RESULT " + json.dumps(res), flush=True)
         return 0
 
@@ -152,7 +172,8 @@ def main(argv: list[str] | None = None) -> int:
     for p in args.providers:
         cmd = [sys.executable, __file__, "--child", p, "--batch", str(args.batch), "--seq", str(args.seq),
                "--steps", str(args.steps), "--warmup", str(args.warmup)] + (["--smoke"] if args.smoke else []) \
-            + (["--compile"] if args.compile else []) + ["--profile", str(args.profile)]
+            + (["--compile"] if args.compile else []) + ["--profile", str(args.profile)] \
+            + (["--flce-chunk", str(args.flce_chunk)] if args.flce_chunk and p == "ours" else [])
         print(f"== {p}", flush=True)
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
         lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
