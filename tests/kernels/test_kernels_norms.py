@@ -25,6 +25,7 @@ SHAPES = [
     pytest.param((70, 20), DEVICE, id="70x20-split-reduction"),
     gpu_param((8192, 4096), "cuda", id="8192x4096"),
     gpu_param((4, 1000, 5120), "cuda", id="4x1000x5120"),
+    gpu_param((300, 16384), "cuda", id="300x16384-wide-rows"),   # one row per backward step, no pipeline
 ]
 
 
