@@ -3,8 +3,9 @@
 ``patch(model)`` changes, for ``model_type`` in :data:`SUPPORTED_MODEL_TYPES`:
 
 * every ``<Arch>RMSNorm`` module -> :class:`ckpt.kernels.RMSNorm` sharing the same
-  ``weight`` parameter (state-dict keys and optimizer state are unchanged). The norms of a
-  Llama block feed only linear layers, so they write the input gradient in place;
+  ``weight`` parameter (state-dict keys and optimizer state are unchanged; Gemma's
+  ``1 + w`` weights keep their meaning through ``offset=1.0``). The norms of a Llama-family
+  block feed only linear layers, so they write the input gradient in place;
 * every ``<Arch>MLP`` -> :class:`SwiGLUMLP` (``hidden_act="silu"``) or :class:`GeGLUMLP`
   (``"gelu_pytorch_tanh"``) wrapping the *same* ``gate_proj``/``up_proj``/``down_proj``;
 * ``apply_rotary_pos_emb`` of the architecture's modeling module -> :func:`rope`. HF calls
@@ -39,8 +40,12 @@ from .rope import rope
 __all__ = ["patch", "unpatch_rope", "SUPPORTED_MODEL_TYPES"]
 
 #: model_type -> class-name prefix in ``transformers.models.<type>.modeling_<type>``
-_ARCHS: dict[str, str] = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3"}
+_ARCHS: dict[str, str] = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3", "gemma": "Gemma"}
 SUPPORTED_MODEL_TYPES: tuple[str, ...] = tuple(_ARCHS)
+
+#: RMSNorm weight parameterisation per model type: Gemma scales by ``1 + w`` in fp32 (rms_norm's
+#: ``offset=1.0``); the others multiply ``w`` by the normalised input rounded to its dtype
+_NORM_OFFSET: dict[str, float] = {"gemma": 1.0}
 
 _MLP_BY_ACT: dict[str, type[nn.Module]] = {
     "silu": SwiGLUMLP,
@@ -122,7 +127,7 @@ def _causal_lm_forward(
 def patch(
     model: nn.Module, *, rms_norm: bool = True, rope_embedding: bool = True, mlp: bool = True, loss: bool = True
 ) -> dict[str, list[str]]:
-    """Swap a Hugging Face Llama / Mistral / Qwen2 / Qwen3 model's hot paths for fused kernels, in place.
+    """Swap a Hugging Face Llama / Mistral / Qwen2 / Qwen3 / Gemma model's hot paths for fused kernels, in place.
 
     Args:
         model: a ``*ForCausalLM`` or base ``*Model`` of a supported architecture.
@@ -155,7 +160,8 @@ def patch(
         parent = model.get_submodule(parent_name) if parent_name else model
         if rms_norm and isinstance(module, norm_cls):
             eps = getattr(module, "variance_epsilon", getattr(module, "eps", 1e-6))
-            new = RMSNorm(module.weight.shape[0], eps=eps, in_place=True, device="meta")
+            new = RMSNorm(module.weight.shape[0], eps=eps, offset=_NORM_OFFSET.get(model_type, 0.0), in_place=True,
+                          device="meta")
             new.weight = module.weight  # share the parameter: same state dict, same optimizer state
             setattr(parent, attr, new)
             changed["rms_norm"].append(name)

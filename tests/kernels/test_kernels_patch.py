@@ -22,9 +22,11 @@ def tiny_model(model_type: str, device: str = DEVICE, dtype: torch.dtype = torch
         "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
         "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
         "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
+        "gemma": (transformers.GemmaConfig, transformers.GemmaForCausalLM),
     }[model_type]
-    extra = {"head_dim": 16} if model_type == "qwen3" else {}
-    cfg = cfg_cls(**TINY, **extra, tie_word_embeddings=(model_type == "llama"), attn_implementation="sdpa")
+    extra = {"head_dim": 16} if model_type in ("qwen3", "gemma") else {}
+    cfg = cfg_cls(**TINY, **extra, tie_word_embeddings=(model_type in ("llama", "gemma")),
+                  attn_implementation="sdpa")
     torch.manual_seed(0)
     return model_cls(cfg).to(device=device, dtype=dtype).train()
 
@@ -49,7 +51,9 @@ CASES = [
     pytest.param("mistral", DEVICE, torch.float32, 1e-5, 1e-4, id="mistral"),
     pytest.param("qwen2", DEVICE, torch.float32, 1e-5, 1e-4, id="qwen2"),
     pytest.param("qwen3", DEVICE, torch.float32, 1e-5, 1e-4, id="qwen3"),
+    pytest.param("gemma", DEVICE, torch.float32, 1e-5, 1e-4, id="gemma"),
     pytest.param("llama", "cuda", torch.bfloat16, 3e-2, 5e-2, id="llama-bf16-cuda", marks=pytest.mark.gpu),
+    pytest.param("gemma", "cuda", torch.bfloat16, 3e-2, 5e-2, id="gemma-bf16-cuda", marks=pytest.mark.gpu),
 ]
 
 
@@ -65,7 +69,9 @@ def test_patch_matches_unpatched(model_type, device, dtype, atol, rtol, restore_
     assert len(changed["rms_norm"]) == 2 * 2 + 1 + (4 if model_type == "qwen3" else 0)
     assert len(changed["mlp"]) == 2 and changed["loss"] == [f"{type(ours).__name__}.forward"]
     assert changed["rope"] == [f"transformers.models.{model_type}.modeling_{model_type}.apply_rotary_pos_emb"]
-    assert isinstance(ours.model.norm, K.RMSNorm) and isinstance(ours.model.layers[0].mlp, K.SwiGLUMLP)
+    mlp_cls = K.GeGLUMLP if model_type == "gemma" else K.SwiGLUMLP   # gemma: gelu_pytorch_tanh
+    assert isinstance(ours.model.norm, K.RMSNorm) and isinstance(ours.model.layers[0].mlp, mlp_cls)
+    assert ours.model.norm.offset == (1.0 if model_type == "gemma" else 0.0)
     assert set(ours.state_dict()) == set(ref.state_dict())
 
     out = ours(input_ids=ids, labels=labels)
