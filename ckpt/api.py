@@ -15,11 +15,12 @@ from typing import Any, Callable, Mapping
 import torch
 
 from . import knobs
-from .errors import CheckpointError, Preempted
+from .errors import CheckpointError, NoCheckpointError, Preempted
 from .format import COMMIT_NAME, Manifest
 from .pipeline import Pipeline, SaveHandle
 from .plan import flatten, layout
 from .policy import AutoInterval, Interval, Retention, prune
+from .ranks import Ranks, distributed_world
 from .restore import RestoreInfo, restore as _restore
 from .stage import HostPool, Snapshot, SnapshotStats, stage, wait_all_staged
 from .tiers import LocalTier, MemoryTier, RemoteTier
@@ -85,11 +86,22 @@ class Checkpointer:
             :class:`~ckpt.errors.Preempted` (``on_preempt="raise"``).
         clock: seconds clock for ``every_seconds`` and ``interval="auto"``
             (injectable for tests).
+        collective: whether the ranks of a multi-process job agree (default: when
+            ``torch.distributed`` is initialised with more than one rank). Then
+            constructing the Checkpointer, :meth:`restore`, and :meth:`maybe_save`
+            with ``every_seconds``, ``interval="auto"`` or ``signals`` are collective:
+            call them on every rank. ``restore`` loads the newest step that every
+            rank can load; time-based policies and preemption signals save the same
+            step everywhere. The agreement runs over a CPU (gloo) group, never
+            synchronising the GPU. ``False``: every rank decides alone (for code
+            that checkpoints from one rank only).
 
     A ``state`` is a dict of name -> value: ``nn.Module``, optimizer, LR
     scheduler, any object with ``state_dict()``/``load_state_dict()``, tensors,
-    numpy arrays, JSON-safe values, and dicts/lists of those. World size 1: one
-    process, CPU or one GPU.
+    numpy arrays, JSON-safe values, and dicts/lists of those. Each process saves
+    its own full state (CPU or one GPU per process); in a multi-process job give
+    each rank its own ``local_dir`` (and ``url``). Sharded (DTensor) state is not
+    supported yet.
     """
 
     def __init__(self, url: str | None = None, *, local_dir: str | os.PathLike | LocalTier | None = None,
@@ -100,7 +112,7 @@ class Checkpointer:
                  on_unsupported: str = "error", interval: str | None = None, mtbf: float | None = None,
                  restart_cost: float = 0.0, signals: tuple = (), drain_deadline: float = 30.0,
                  drain_tier: str = "local", on_preempt: str = "exit",
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, collective: bool | None = None) -> None:
         local_dir = local_dir if local_dir is not None else os.environ.get("CKPT_LOCAL_DIR")
         if local_dir is None:
             raise ValueError("Checkpointer needs a local tier: pass local_dir=... or set $CKPT_LOCAL_DIR")
@@ -147,6 +159,12 @@ class Checkpointer:
         self._failures: list[tuple[SaveHandle, BaseException]] = []
         self._lock = threading.Lock()
         self._side_stream = torch.cuda.Stream() if torch.cuda.is_available() else None
+        world = distributed_world()
+        if collective and world <= 1:
+            raise ValueError("collective=True needs torch.distributed initialised with more than one rank "
+                             "(call init_process_group first, or leave collective=None)")
+        # last: creating the group is a collective, and every rank must get this far to join it
+        self.ranks = Ranks() if (world > 1 if collective is None else collective) else None
         self._pipeline = Pipeline(self.pool, self.memory, self.local, self.remote, self._apply_retention,
                                   self._failed)
         self._closed = False
@@ -175,10 +193,13 @@ class Checkpointer:
         the loop continues at ``step + 1``.
         """
         if self._guard is not None and self._guard.active:
-            signum = self._guard.agreed()   # collective when torch.distributed is initialised
+            signum = self._guard.agreed(self.ranks)   # collective when torch.distributed is initialised
             if signum:
                 self._drain(step, state, signum)
-        if not self.interval.due(step):
+        due = self.interval.due(step)
+        if self.ranks is not None and (isinstance(self.interval, AutoInterval) or self.interval.every_seconds):
+            due = bool(self.ranks.max([int(due)])[0])   # clocks differ between ranks: save if any says so
+        if not due:
             return None
         return self.save(step, state)
 
@@ -292,6 +313,11 @@ class Checkpointer:
         on any tier. Corrupt or torn checkpoints are skipped with a warning
         naming the file; :class:`~ckpt.errors.NoCheckpointError` if none is
         usable. ``strict=False`` loads the keys common to both.
+
+        Collective in a multi-process job (``collective``): every rank returns the
+        same step, the newest that all of them hold and can load (older ones are
+        tried when a rank finds its copy corrupt); a rank that cannot load a step
+        because it does not fit the state makes every rank raise.
         """
         self._check_open()
         with self._lock:
@@ -301,9 +327,60 @@ class Checkpointer:
                 h.wait("memory")
             except BaseException:
                 pass
-        info = _restore(state, self.memory, self.local, self.remote, step, strict)
+        if self.ranks is not None:
+            info = self._restore_agreed(state, step, strict)
+        else:
+            info = _restore(state, self.memory, self.local, self.remote, step, strict)
         self.last_restore = info
         return None if info is None else info.step
+
+    def _visible_steps(self) -> list[int]:
+        steps = set(self.local.committed_steps())
+        if self.remote is not None:
+            steps.update(self.remote.committed_steps())
+        mem = self.memory.newest()
+        if mem is not None:
+            steps.add(mem[0])
+        return sorted(steps, reverse=True)
+
+    def _restore_agreed(self, state: dict, step: int | None, strict: bool) -> RestoreInfo | None:
+        """:meth:`restore` when the ranks must agree: the newest step every rank holds and loads."""
+        ranks = self.ranks
+        mine = [s for s in self._visible_steps() if step is None or s == step]
+        held = ranks.gather(mine)
+        common = sorted(set.intersection(*(set(h) for h in held)), reverse=True)
+        where = "; ".join(f"rank {r}: {h[:8] if h else 'none'}" for r, h in enumerate(held))
+        if not common:
+            if step is not None:
+                raise FileNotFoundError(f"step {step} is not held by every rank ({where})")
+            if not any(held):
+                return None
+            raise NoCheckpointError(
+                f"no step is committed on every rank ({where}, newest first): pass step= to restore "
+                "one anyway, or remove the ranks' checkpoint directories to start afresh")
+        failed: list[str] = []
+        for s in common:
+            info, error, code = None, None, 1
+            try:
+                info = _restore(state, self.memory, self.local, self.remote, s, strict)
+            except NoCheckpointError as e:   # this rank's copies of s are all unusable: try an older step
+                error, code = e, 0
+            except Exception as e:           # does not fit the state (or worse): stop on every rank
+                error, code = e, -1
+            codes = [c[0] for c in ranks.gather([code])]
+            if min(codes) == 1:
+                if failed:
+                    log.warning("ranks agreed on step %d after skipping: %s", s, "; ".join(failed))
+                return info
+            bad = [r for r, c in enumerate(codes) if c != 1]
+            if -1 in codes:
+                if error is not None and code == -1:
+                    raise error
+                raise CheckpointError(f"rank(s) {bad} could not load step {s} into the state (their logs say why); "
+                                      "every rank stops")
+            failed.append(f"step {s} unusable on rank(s) {bad}")
+            log.warning("step %d is unusable on rank(s) %s; the ranks try an older common step", s, bad)
+        raise NoCheckpointError("no step that every rank holds could be loaded on every rank: " + "; ".join(failed))
 
     @property
     def tiers(self) -> list[str]:
@@ -400,5 +477,6 @@ def promote(step: int, to: str, *, local_dir: str | os.PathLike, url: str,
 
     For scripts and the command line, outside a training process.
     """
-    with Checkpointer(url, local_dir=local_dir, storage_options=storage_options, compression=compression) as ck:
+    with Checkpointer(url, local_dir=local_dir, storage_options=storage_options, compression=compression,
+                      collective=False) as ck:
         ck.promote(step, to)

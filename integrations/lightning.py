@@ -313,7 +313,8 @@ class TieredCheckpointIO(CheckpointIO):
                              "(files written by torch.save need pickle, which this plugin never uses); pass the "
                              "path of a checkpoint saved through TieredCheckpointIO")
         state: dict[str, Any] = {}
-        with Checkpointer(local_dir=target, keep=_keep_all()) as reader:
+        # Lightning decides which ranks save and load which paths: no agreement between ranks here
+        with Checkpointer(local_dir=target, keep=_keep_all(), collective=False) as reader:
             step = reader.restore(state, strict=False)
         if step is None:
             raise FileNotFoundError(f"{str(path)!r} holds no committed checkpoint (no {COMMIT_NAME} file: the save "
@@ -347,7 +348,7 @@ class TieredCheckpointIO(CheckpointIO):
             self._tier = _PathTier(target.parent)
             self._ck = Checkpointer(local_dir=self._tier, keep=_keep_all(), max_in_flight=self.max_in_flight,
                                     if_busy="wait", host_memory_limit=self.host_memory_limit,
-                                    on_unsupported=self.on_unsupported)
+                                    on_unsupported=self.on_unsupported, collective=False)
         return self._ck
 
     def _engine_step(self, checkpoint: Mapping[str, Any]) -> int:

@@ -54,10 +54,14 @@ class PreemptionGuard:
         if self.received is None:
             self.received = signum   # nothing heavy in a signal handler: the step boundary does the work
 
-    def agreed(self) -> int | None:
-        """The signal any rank received (``None`` if none). Collective when torch.distributed is initialised."""
+    def agreed(self, ranks: Any = None) -> int | None:
+        """The signal any rank received (``None`` if none). Collective when torch.distributed is
+        initialised: over ``ranks`` (a :class:`ckpt.ranks.Ranks`, CPU only) when given, else one
+        all-reduce on the default group."""
         local = self.received or 0
-        if torch.distributed.is_available() and torch.distributed.is_initialized():
+        if ranks is not None:
+            local = ranks.max([local])[0]
+        elif torch.distributed.is_available() and torch.distributed.is_initialized():
             backend = torch.distributed.get_backend()
             device = "cuda" if backend == "nccl" else "cpu"
             flag = torch.tensor([local], dtype=torch.int32, device=device)

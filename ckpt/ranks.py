@@ -1,0 +1,69 @@
+"""The ranks of a multi-process job, and the small agreements the checkpointer needs between them.
+
+When ``torch.distributed`` is initialised with more than one rank, a few decisions must come
+out the same on every rank or the job silently diverges: which step ``restore`` loads (a
+rank that crashed mid-save has an older newest checkpoint than its peers), whether a
+time-based policy saves at this step (clocks differ), and whether a preemption signal that
+reached only some ranks triggers the drain. Each is one tiny collective of integers.
+
+They run over a CPU (gloo) process group: the default group when it is gloo already, else
+one made with ``new_group(backend="gloo")`` when the :class:`Ranks` is created. Agreement
+then never touches the GPU, so it adds no device synchronisation to the training step (an
+NCCL all-reduce read back with ``.item()`` would wait for every queued kernel). Values
+travel as int64 tensors, never pickled.
+
+Collective contract: creating a :class:`Ranks` and each of its methods must be called on
+every rank, in the same order.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import torch
+
+__all__ = ["Ranks", "distributed_world"]
+
+
+def distributed_world() -> int:
+    """World size of the initialised default process group, or 1 when there is none."""
+    dist = torch.distributed
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size()
+    return 1
+
+
+class Ranks:
+    """This process's place in the job and a CPU group to agree over. Collective to create."""
+
+    def __init__(self, timeout_s: float = 1800.0) -> None:
+        dist = torch.distributed
+        if distributed_world() <= 1:
+            raise RuntimeError("Ranks needs torch.distributed initialised with a world size above 1")
+        self.rank = dist.get_rank()
+        self.world = dist.get_world_size()
+        if dist.get_backend() == "gloo":
+            self.group = None   # the default group already runs on the CPU
+        else:
+            self.group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
+
+    def gather(self, values: list[int]) -> list[list[int]]:
+        """Every rank's list of integers, in rank order (lists may differ in length)."""
+        dist = torch.distributed
+        n = torch.tensor([len(values)], dtype=torch.int64)
+        sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(self.world)]
+        dist.all_gather(sizes, n, group=self.group)
+        width = max(int(s) for s in sizes)
+        if width == 0:
+            return [[] for _ in range(self.world)]
+        mine = torch.zeros(width, dtype=torch.int64)
+        mine[:len(values)] = torch.tensor(values, dtype=torch.int64)
+        out = [torch.zeros(width, dtype=torch.int64) for _ in range(self.world)]
+        dist.all_gather(out, mine, group=self.group)
+        return [o[:int(s)].tolist() for o, s in zip(out, sizes)]
+
+    def max(self, values: list[int]) -> list[int]:
+        """Element-wise largest of ``values`` (the same length on every rank) over the ranks."""
+        t = torch.tensor(values, dtype=torch.int64)
+        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX, group=self.group)
+        return t.tolist()

@@ -1,0 +1,62 @@
+"""Child side of the multi-rank agreement tests: one gloo rank with its own checkpoint directory.
+
+``python ranks_worker.py ROOT RANK WORLD MODE``, MASTER_ADDR / MASTER_PORT from the environment.
+The state is ``{"w": 8 floats, "step": int}``; at step ``s`` every element of ``w`` equals ``s``.
+
+* ``save``: steps 1..30 with ``every_steps=10`` (commits 10, 20, 30); prints ``saved``.
+* ``restore``: prints ``restored S W`` (the step restore agreed on and ``w[0]`` after it).
+* ``restore-wide``: rank 1's ``w`` has 9 elements, so the checkpoint does not fit it there.
+* ``seconds``: ``every_seconds=50`` where rank 0's clock moves 60 s per reading and rank 1's
+  never moves; prints ``committed`` and the committed steps.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+
+import ckpt
+
+
+def main() -> None:
+    root, rank, world, mode = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+    torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
+    local_dir = f"{root}/rank-{rank}"
+    width = 9 if mode == "restore-wide" and rank == 1 else 8
+    state = {"w": torch.zeros(width), "step": 0}
+    try:
+        if mode == "save":
+            with ckpt.Checkpointer(local_dir=local_dir, every_steps=10, keep=ckpt.Retention(local=5)) as ck:
+                for step in range(1, 31):
+                    ck.wait_staged()   # w is updated in place below, outside optimizer.step()
+                    state["w"].fill_(step)
+                    state["step"] = step
+                    ck.maybe_save(step, state)
+            print("saved", flush=True)
+        elif mode.startswith("restore"):
+            with ckpt.Checkpointer(local_dir=local_dir) as ck:
+                step = ck.restore(state)
+            print(f"restored {step} {float(state['w'][0]) if step is not None else None}", flush=True)
+        elif mode == "seconds":
+            now = [0.0]
+
+            def clock() -> float:
+                if rank == 0:
+                    now[0] += 60.0
+                return now[0]
+
+            with ckpt.Checkpointer(local_dir=local_dir, every_seconds=50, clock=clock,
+                                   keep=ckpt.Retention(local=100)) as ck:
+                for step in range(1, 6):
+                    ck.wait_staged()
+                    state["w"].fill_(step)
+                    ck.maybe_save(step, state)
+                ck.wait()
+                print("committed", sorted(c.step for c in ck.list() if "local" in c.tiers), flush=True)
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,96 @@
+"""Agreement between the ranks of a real two-process gloo job (tests/ranks_worker.py).
+
+Each rank checkpoints into its own directory. Without agreement a rank whose newest save did
+not commit would resume from an older step than its peers, and a time-based policy would
+save different steps on different ranks.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+from ckpt.format import data_name
+
+HERE = Path(__file__).parent
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _run(root: Path, mode: str, world: int = 2) -> list[subprocess.CompletedProcess]:
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()),
+           "PYTHONPATH": f"{HERE}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    procs = [subprocess.Popen([sys.executable, str(HERE / "ranks_worker.py"), str(root), str(r), str(world), mode],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+             for r in range(world)]
+    out = []
+    for p in procs:
+        stdout, stderr = p.communicate(timeout=120)
+        out.append(subprocess.CompletedProcess(p.args, p.returncode, stdout, stderr))
+    return out
+
+
+def _ok(results: list[subprocess.CompletedProcess]) -> None:
+    for r in results:
+        assert r.returncode == 0, r.stderr[-3000:]
+
+
+def _restored(results: list[subprocess.CompletedProcess]) -> list[str]:
+    lines = []
+    for r in results:
+        assert r.returncode == 0, r.stderr[-3000:]
+        lines.append(next(l for l in r.stdout.splitlines() if l.startswith("restored")))
+    return lines
+
+
+def _step_dir(root: Path, rank: int, step: int) -> Path:
+    return root / f"rank-{rank}" / f"step-{step:09d}"
+
+
+def test_ranks_restore_the_newest_step_every_rank_can_load(tmp_path):
+    _ok(_run(tmp_path, "save"))
+    # rank 1 died before committing step 30: it holds 10 and 20, rank 0 holds 10, 20 and 30
+    shutil.rmtree(_step_dir(tmp_path, 1, 30))
+    assert _restored(_run(tmp_path, "restore")) == ["restored 20 20.0"] * 2
+
+    # rank 1's copy of step 20 is corrupt: both fall back to the next step they all hold
+    data = _step_dir(tmp_path, 1, 20) / data_name(0)
+    raw = bytearray(data.read_bytes())
+    raw[0] ^= 0xFF
+    data.write_bytes(bytes(raw))
+    assert _restored(_run(tmp_path, "restore")) == ["restored 10 10.0"] * 2
+
+    # the checkpoint does not fit rank 1's state: every rank raises instead of going on alone
+    results = _run(tmp_path, "restore-wide")
+    assert all(r.returncode != 0 for r in results), [r.stdout for r in results]
+    assert "IncompatibleCheckpointError" in results[1].stderr, results[1].stderr[-2000:]
+    assert "could not load step 20" in results[0].stderr, results[0].stderr[-2000:]
+
+
+def test_ranks_without_a_common_step_raise_on_every_rank(tmp_path):
+    _ok(_run(tmp_path, "save"))
+    for step in (10, 20):
+        shutil.rmtree(_step_dir(tmp_path, 0, step))
+    for step in (10, 30):
+        shutil.rmtree(_step_dir(tmp_path, 1, step))
+    results = _run(tmp_path, "restore")
+    for r in results:
+        assert r.returncode != 0
+        assert "no step is committed on every rank" in r.stderr and "rank 0: [30]" in r.stderr \
+            and "rank 1: [20]" in r.stderr, r.stderr[-2000:]
+
+
+def test_time_based_policy_saves_the_same_steps_on_every_rank(tmp_path):
+    # rank 0's clock says every step is due, rank 1's says none is: they agree to save each step
+    lines = [next(l for l in r.stdout.splitlines() if l.startswith("committed"))
+             for r in _run(tmp_path, "seconds") if r.returncode == 0]
+    assert lines == ["committed [1, 2, 3, 4, 5]"] * 2, lines
+
