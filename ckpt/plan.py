@@ -80,8 +80,9 @@ class _Flattener:
         # Called once per tensor on every save: keep the common case (a plain dense tensor) cheap.
         if type(t) not in _PLAIN_TENSOR_TYPES and _is_distributed_tensor(t):
             raise RefusedStateError(
-                f"state value at {path!r} is a DTensor; sharded state needs the distributed "
-                "checkpointer (world size > 1), which this version does not provide yet")
+                f"state value at {path!r} is a DTensor: sharded state (FSDP2, tensor parallel) is not supported "
+                "yet; this version saves each rank's full, plain-tensor state (data parallel). Gather it first "
+                "(DTensor.full_tensor()) or train with replicated parameters")
         if t.layout is not torch.strided or t.device.type == "meta" or t.is_quantized or t.is_nested:
             raise RefusedStateError(
                 f"state value at {path!r} is a {t.layout} / quantized / nested / meta tensor; "
