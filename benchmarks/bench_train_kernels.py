@@ -62,7 +62,7 @@ def build_model(tiny: bool):
 
 
 def child(provider: str, batch: int, seq: int, steps: int, warmup: int, tiny: bool,
-          compile_model: bool = False, profile: int = 0, flce_chunk: int = 0) -> dict[str, Any]:
+          compile_model: bool = False, profile: int = 0, flce_chunk: int = 0, trace: str = "") -> dict[str, Any]:
     """Train ``steps`` timed steps with one provider in this process; return the measurements."""
     import torch
 
@@ -121,6 +121,10 @@ def child(provider: str, batch: int, seq: int, steps: int, warmup: int, tiny: bo
                 torch.cuda.synchronize()
         key = "self_cuda_time_total" if fused else "self_cpu_time_total"
         print(prof.key_averages().table(sort_by=key, row_limit=45, max_name_column_width=70), flush=True)
+        if trace:
+            os.makedirs(os.path.dirname(trace) or ".", exist_ok=True)
+            prof.export_chrome_trace(trace)
+            print(f"trace: {trace}", flush=True)
         if fused:  # where the step's peak is set: forward (loss included), backward, optimizer step
             base = torch.cuda.memory_allocated()
             torch.cuda.reset_peak_memory_stats()
@@ -155,12 +159,14 @@ def main(argv: list[str] | None = None) -> int:
                     help="after timing, profile this many steps and print the top GPU kernels")
     ap.add_argument("--flce-chunk", type=int, default=0, metavar="TOKENS",
                     help="ours only: a fixed fused-linear-CE chunk instead of the default rule (a what-if)")
+    ap.add_argument("--trace", default="", metavar="DIR",
+                    help="with --profile: also write each provider's Chrome trace (DIR/<provider>.json)")
     ap.add_argument("--child", choices=PROVIDERS, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
 
     if args.child:
         res = child(args.child, args.batch, args.seq, args.steps, args.warmup, args.smoke, args.compile,
-                    args.profile, args.flce_chunk)
+                    args.profile, args.flce_chunk, args.trace)
         print("RESULT " + json.dumps(res), flush=True)
         return 0
 
@@ -173,7 +179,8 @@ def main(argv: list[str] | None = None) -> int:
         cmd = [sys.executable, __file__, "--child", p, "--batch", str(args.batch), "--seq", str(args.seq),
                "--steps", str(args.steps), "--warmup", str(args.warmup)] + (["--smoke"] if args.smoke else []) \
             + (["--compile"] if args.compile else []) + ["--profile", str(args.profile)] \
-            + (["--flce-chunk", str(args.flce_chunk)] if args.flce_chunk and p == "ours" else [])
+            + (["--flce-chunk", str(args.flce_chunk)] if args.flce_chunk and p == "ours" else []) \
+            + (["--trace", os.path.join(args.trace, f"{p}.json")] if args.trace else [])
         print(f"== {p}", flush=True)
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
         lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
