@@ -4,7 +4,8 @@ The norms' weight-gradient programs each store one fp32 partial row (per column 
 row split for LayerNorm, per program for RMSNorm). :func:`sum_split_rows` adds a column
 block's partial rows in split order (deterministic) and stores the result straight into the
 parameter's dtype. RMSNorm calls it from a small launch after its one-pass backward (whose
-programs each cover every column). LayerNorm makes partial rows and ``dx`` in one launch:
+programs each cover every column), or for rows too wide for that, from extra programs of its
+``dx`` launch, which follows the partial rows' launch. LayerNorm makes partial rows and ``dx`` in one launch:
 summing in a separate launch would cost more host time than the sum takes on the GPU (host
 time is what bounds a LayerNorm at LLM sizes), so the programs of a column block count
 themselves in on an atomic ticket (:func:`last_to_arrive`) and the last to arrive does the

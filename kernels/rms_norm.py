@@ -34,7 +34,11 @@ Memory tricks:
   (8192 x 4096 and 16384 x 2048 bf16, GPU time): 56-57 us, down from 90 us for the earlier
   two-pass backward (weight-gradient programs re-reading ``x`` and ``dy``, then ``dx``); a
   one-row-per-step loop without the pipeline, as in Liger-Kernel, is latency-bound
-  (68-100 us in the same sweep).
+  (68-100 us in the same sweep). Rows wider than 16384 do not fit one program's registers
+  (the partial ``dw`` row included) and spill, so they keep the two-pass backward of
+  earlier versions: a column-parallel launch of ``dw``'s partial rows (re-reading ``x`` and
+  ``dy``, a third more bytes), then ``dx`` one row per program with the sum of the partial
+  rows in side-by-side programs of the same launch.
 * Host time counts as much as GPU time at these sizes (a norm over 8192 x 4096 bf16 takes
   about 0.1 ms on an H200, less than the host needs to dispatch it through Python):
   backward makes two launches and three allocations and no other tensor operations.
@@ -55,7 +59,7 @@ import functools
 import torch
 from torch import nn
 
-from ._reduce import sum_split_rows
+from ._reduce import DW_BLOCK_C, DW_BLOCK_R, split_rows, sum_split_rows
 from ._utils import (
     LazyKernel,
     as_rows,
@@ -139,14 +143,75 @@ def _rms_norm_dw_sum_kernel(DW_PART, DW, n_parts, N, BLOCK_S: tl.constexpr, BLOC
     sum_split_rows(DW_PART, DW, cols, cols < N, n_parts, N, BLOCK_S, BLOCK_C)
 
 
+def _rms_norm_bwd_dw_kernel(
+    DY, X, RSTD, DW_PART,
+    stride_dy, stride_x, n_rows, N, rows_per_split,
+    BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, LLAMA_CAST: tl.constexpr,
+):
+    # Rows too wide for one program's registers (N > _ONE_PASS_MAX_N): dw's partial rows from a
+    # grid of (column block x row split) programs, each accumulating a [BLOCK_R, BLOCK_C] fp32
+    # tile over its rows. Runs before the dx launch, which may overwrite dy.
+    cols = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
+    cmask = cols < N
+    r0 = tl.program_id(1).to(tl.int64) * rows_per_split
+    r_end = tl.minimum(r0 + rows_per_split, n_rows)
+    acc = tl.zeros([BLOCK_R, BLOCK_C], dtype=tl.float32)
+    for start in range(r0, r_end, BLOCK_R):
+        rows = start + tl.arange(0, BLOCK_R)
+        rmask = rows < r_end
+        m = rmask[:, None] & cmask[None, :]
+        dy = tl.load(DY + rows[:, None] * stride_dy + cols[None, :], mask=m, other=0.0).to(tl.float32)
+        x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=m, other=0.0).to(tl.float32)
+        rstd = tl.load(RSTD + rows, mask=rmask, other=0.0)
+        xhat = x * rstd[:, None]
+        if LLAMA_CAST:
+            xhat = xhat.to(X.dtype.element_ty).to(tl.float32)
+        acc += dy * xhat
+    tl.store(DW_PART + tl.program_id(1) * N + cols, tl.sum(acc, axis=0), mask=cmask)
+
+
+def _rms_norm_bwd_dx_wide_kernel(
+    DY, X, W, RSTD, DX, DW_PART, DW,
+    stride_dy, stride_x, stride_dx, N, offset, n_splits, n_sum_programs,
+    BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_C: tl.constexpr,
+):
+    # Rows wider than _ONE_PASS_MAX_N, after _rms_norm_bwd_dw_kernel: the first n_sum_programs
+    # programs finish dw (each sums one column block's partial rows in split order into dw in
+    # the weight's dtype); the rest compute one row of dx each.
+    pid = tl.program_id(0)
+    if pid < n_sum_programs:
+        scols = pid * BLOCK_C + tl.arange(0, BLOCK_C)
+        sum_split_rows(DW_PART, DW, scols, scols < N, n_splits, N, BLOCK_S, BLOCK_C)
+    else:
+        row = (pid - n_sum_programs).to(tl.int64)
+        cols = tl.arange(0, BLOCK_N)
+        mask = cols < N
+        dy = tl.load(DY + row * stride_dy + cols, mask=mask, other=0.0).to(tl.float32)
+        x = tl.load(X + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+        w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32) + offset
+        rstd = tl.load(RSTD + row)
+        xhat = x * rstd
+        g = dy * w
+        dx = rstd * (g - xhat * (tl.sum(g * xhat, axis=0) / N))
+        # dx may alias dy: this row of dy was fully read above (and dw's partial rows were
+        # made by the previous launch).
+        tl.store(DX + row * stride_dx + cols, dx.to(DX.dtype.element_ty), mask=mask)
+
+
 _fwd = LazyKernel(_rms_norm_fwd_kernel)
 _bwd = LazyKernel(_rms_norm_bwd_kernel)
 _dw_sum = LazyKernel(_rms_norm_dw_sum_kernel)
+_bwd_dw_wide = LazyKernel(_rms_norm_bwd_dw_kernel)
+_bwd_dx_wide = LazyKernel(_rms_norm_bwd_dx_wide_kernel)
 
 #: backward tiling (tuned on an H200 at 8192 x 4096 and 16384 x 2048 bf16): one program per SM,
 #: each step loads about 16 KiB of ``dy`` (and of ``x``), loads pipelined up to 3 steps ahead
 #: within the shared memory budget; the partial rows are summed 16 columns per program
 _BWD_PER_SM, _BWD_STEP_BYTES, _BWD_MAX_STAGES, _SMEM_BUDGET, _SUM_BLOCK_C = 1, 16384, 3, 96 * 1024, 16
+#: widest row the one-pass backward keeps in one program's registers (x, dy and the dw partial);
+#: wider rows spill (4096 x 32768 bf16 took 1.2-2.9 ms on the H200 against 0.35 ms for the
+#: column-parallel pass below), so they take a column-parallel dw pass, then dx one row per program
+_ONE_PASS_MAX_N = 16384
 
 
 @functools.lru_cache(maxsize=256)
@@ -192,6 +257,8 @@ def _backward(dy: torch.Tensor, rows: tuple[torch.Tensor, int, int], weight: tor
     if n_rows == 0:
         return dx, torch.zeros_like(weight) if need_dw else None
     block = next_power_of_2(n)
+    if block > _ONE_PASS_MAX_N:
+        return _backward_wide(dy2, stride_dy, x2, n_rows, stride_x, weight, rstd, offset, need_dw, dx, block)
     programs, per, step, stages, warps = _bwd_plan(n_rows, block, x2.element_size(), dy2.element_size(), dy.device)
     dw_part = torch.empty((programs, n), dtype=torch.float32, device=dy.device) if need_dw else rstd
     _bwd[(programs,)](
@@ -199,12 +266,41 @@ def _backward(dy: torch.Tensor, rows: tuple[torch.Tensor, int, int], weight: tor
         BLOCK_R=step, BLOCK_N=block, NEED_DW=need_dw, LLAMA_CAST=(offset == 0.0), STAGES=stages,
         num_warps=warps,
     )
-    if not need_dw:
-        return dx, None
+    return dx, _sum_parts(dw_part, programs, weight) if need_dw else None
+
+
+def _sum_parts(part: torch.Tensor, n_parts: int, weight: torch.Tensor) -> torch.Tensor:
+    """``dw``: the ``(n_parts, N)`` fp32 partial rows summed in order, in the weight's dtype."""
+    n = weight.shape[0]
     dw = torch.empty_like(weight)
     _dw_sum[(-(-n // _SUM_BLOCK_C),)](
-        dw_part, dw, programs, n, BLOCK_S=min(next_power_of_2(programs), 2048 // _SUM_BLOCK_C), BLOCK_C=_SUM_BLOCK_C,
+        part, dw, n_parts, n, BLOCK_S=min(next_power_of_2(n_parts), 2048 // _SUM_BLOCK_C), BLOCK_C=_SUM_BLOCK_C,
         num_warps=4,
+    )
+    return dw
+
+
+def _backward_wide(dy2: torch.Tensor, stride_dy: int, x2: torch.Tensor, n_rows: int, stride_x: int,
+                   weight: torch.Tensor, rstd: torch.Tensor, offset: float, need_dw: bool, dx: torch.Tensor,
+                   block: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Backward for rows wider than ``_ONE_PASS_MAX_N``: dw's partial rows first (dx may overwrite
+    dy), then one launch with a program per row for dx and a program per column block for the sum."""
+    n = weight.shape[0]
+    dw, dw_part, splits, col_blocks = None, rstd, 0, 0
+    if need_dw:
+        splits, per = split_rows(n_rows, n, dy2.device)
+        col_blocks = -(-n // DW_BLOCK_C)
+        dw_part = torch.empty((splits, n), dtype=torch.float32, device=dy2.device)
+        dw = torch.empty_like(weight)
+        _bwd_dw_wide[(col_blocks, splits)](
+            dy2, x2, rstd, dw_part, stride_dy, stride_x, n_rows, n, per,
+            BLOCK_R=DW_BLOCK_R, BLOCK_C=DW_BLOCK_C, LLAMA_CAST=(offset == 0.0), num_warps=4,
+        )
+    _bwd_dx_wide[(col_blocks + n_rows,)](
+        dy2, x2, weight, rstd, dx, dw_part, dw if need_dw else dw_part,
+        stride_dy, stride_x, n, n, offset, splits, col_blocks,
+        BLOCK_N=block, BLOCK_S=min(next_power_of_2(max(splits, 1)), 32), BLOCK_C=DW_BLOCK_C,
+        num_warps=row_warps(block),
     )
     return dx, dw
 

@@ -26,6 +26,7 @@ SHAPES = [
     gpu_param((8192, 4096), "cuda", id="8192x4096"),
     gpu_param((4, 1000, 5120), "cuda", id="4x1000x5120"),
     gpu_param((300, 16384), "cuda", id="300x16384-wide-rows"),   # one row per backward step, no pipeline
+    gpu_param((64, 32768), "cuda", id="64x32768-widest-rows"),    # RMSNorm's column-parallel backward
 ]
 
 
@@ -37,6 +38,20 @@ def test_rms_norm(shape, device, dtype, atol, rtol, offset):
     w = torch.randn(shape[-1], device=device) * 0.5 + (0.0 if offset else 1.0)
     run_and_compare(lambda x, w: rms_norm(x, w, 1e-6, offset), lambda x, w: rms_norm_ref(x, w, 1e-6, offset),
                     [x, w], ["x", "weight"], dtype, atol, rtol, device)
+
+
+@pytest.mark.parametrize("dtype,atol,rtol", DTYPES)
+@pytest.mark.parametrize("in_place", [False, True], ids=["out-of-place", "in-place"])
+def test_rms_norm_wide_row_backward(dtype, atol, rtol, in_place, monkeypatch):
+    """Rows wider than the one-pass backward takes (lowered here so small shapes reach it) go
+    through the column-parallel weight-gradient pass, then dx one row per program."""
+    import importlib
+
+    monkeypatch.setattr(importlib.import_module("ckpt.kernels.rms_norm"), "_ONE_PASS_MAX_N", 16)
+    x = torch.randn(37, 40, device=DEVICE)
+    w = torch.randn(40, device=DEVICE) * 0.5 + 1.0
+    run_and_compare(lambda x, w: rms_norm(x, w, in_place=in_place) * 1.0, lambda x, w: rms_norm_ref(x, w),
+                    [x, w], ["x", "weight"], dtype, atol, rtol, DEVICE)
 
 
 @pytest.mark.parametrize("dtype,atol,rtol", DTYPES)
