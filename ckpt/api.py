@@ -91,8 +91,9 @@ class Checkpointer:
             constructing the Checkpointer, :meth:`restore`, and :meth:`maybe_save`
             with ``every_seconds``, ``interval="auto"`` or ``signals`` are collective:
             call them on every rank. ``restore`` loads the newest step that every
-            rank can load; time-based policies and preemption signals save the same
-            step everywhere. The agreement runs over a CPU (gloo) group, never
+            rank can load; time-based policies, ``if_busy="skip"`` (which makes
+            :meth:`save` collective too) and preemption signals save the same
+            steps everywhere. The agreement runs over a CPU (gloo) group, never
             synchronising the GPU. ``False``: every rank decides alone (for code
             that checkpoints from one rank only).
 
@@ -253,12 +254,17 @@ class Checkpointer:
         stats = SnapshotStats(step, nbytes=data_bytes)
         handle = SaveHandle(step, self.tiers, stats)
         t_wait = time.perf_counter()
-        buf = self.pool.acquire(data_bytes, block=self.if_busy is IfBusy.WAIT, step=step)
+        wait = self.if_busy is IfBusy.WAIT
+        if not wait and self.ranks is not None and self.ranks.max([int(not self.pool.has_free())])[0]:
+            buf = None   # if_busy="skip" on several ranks: all skip when any is busy, so they commit the same steps
+        else:
+            buf = self.pool.acquire(data_bytes, block=wait, step=step)
         stats.wait_s = time.perf_counter() - t_wait
         if buf is None:
             self.skipped += 1
-            log.warning("skipped the save of step %d: all %d host buffers are still persisting "
-                        "(if_busy='skip'; raise max_in_flight or save less often)", step, self.pool.slots)
+            log.warning("skipped the save of step %d: all %d host buffers are still persisting%s "
+                        "(if_busy='skip'; raise max_in_flight or save less often)", step, self.pool.slots,
+                        "" if self.ranks is None else " on this rank or another")
             handle._skip()
             stats.stall_s = time.perf_counter() - t0
             return handle

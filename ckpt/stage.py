@@ -109,6 +109,11 @@ class HostPool:
             buf.image_step = None
             return buf
 
+    def has_free(self) -> bool:
+        """Whether :meth:`acquire` would return at once (a buffer is free, or one may be added)."""
+        with self._cv:
+            return len(self.buffers) < self.slots or any(not b.busy for b in self.buffers)
+
     def release(self, buf: HostBuffer) -> None:
         with self._cv:
             buf.busy = False

@@ -8,15 +8,25 @@ The state is ``{"w": 8 floats, "step": int}``; at step ``s`` every element of ``
 * ``restore-wide``: rank 1's ``w`` has 9 elements, so the checkpoint does not fit it there.
 * ``seconds``: ``every_seconds=50`` where rank 0's clock moves 60 s per reading and rank 1's
   never moves; prints ``committed`` and the committed steps.
+* ``skip``: ``if_busy="skip"`` with one host buffer, where rank 1's disk takes 0.5 s per write
+  and saves come every 0.05 s; prints ``committed``, the committed steps and the skip count.
 """
 
 from __future__ import annotations
 
 import sys
+import time
 
 import torch
 
 import ckpt
+from ckpt.tiers import LocalTier
+
+
+class SlowTier(LocalTier):
+    def write(self, step, manifest, data):
+        time.sleep(0.5)
+        return super().write(step, manifest, data)
 
 
 def main() -> None:
@@ -54,6 +64,16 @@ def main() -> None:
                     ck.maybe_save(step, state)
                 ck.wait()
                 print("committed", sorted(c.step for c in ck.list() if "local" in c.tiers), flush=True)
+        elif mode == "skip":
+            tier = SlowTier(local_dir) if rank == 1 else LocalTier(local_dir)
+            with ckpt.Checkpointer(local_dir=tier, if_busy="skip", keep=ckpt.Retention(local=100)) as ck:
+                for step in range(1, 13):
+                    ck.wait_staged()
+                    state["w"].fill_(step)
+                    ck.save(step, state)
+                    time.sleep(0.05)
+                ck.wait()
+                print("committed", sorted(c.step for c in ck.list() if "local" in c.tiers), ck.skipped, flush=True)
     finally:
         torch.distributed.destroy_process_group()
 

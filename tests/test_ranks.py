@@ -94,3 +94,13 @@ def test_time_based_policy_saves_the_same_steps_on_every_rank(tmp_path):
              for r in _run(tmp_path, "seconds") if r.returncode == 0]
     assert lines == ["committed [1, 2, 3, 4, 5]"] * 2, lines
 
+
+
+def test_skipped_saves_are_skipped_on_every_rank(tmp_path):
+    # rank 1's disk is slow: with if_busy="skip" it is busy for most saves, rank 0 never is;
+    # both must skip the same saves and commit the same steps
+    results = _run(tmp_path, "skip")
+    _ok(results)
+    lines = [next(l for l in r.stdout.splitlines() if l.startswith("committed")) for r in results]
+    assert lines[0] == lines[1], lines
+    assert int(lines[0].rsplit(" ", 1)[1]) > 0, lines   # some saves were skipped
