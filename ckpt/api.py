@@ -100,9 +100,10 @@ class Checkpointer:
     A ``state`` is a dict of name -> value: ``nn.Module``, optimizer, LR
     scheduler, any object with ``state_dict()``/``load_state_dict()``, tensors,
     numpy arrays, JSON-safe values, and dicts/lists of those. Each process saves
-    its own full state (CPU or one GPU per process); in a multi-process job give
-    each rank its own ``local_dir`` (and ``url``). Sharded (DTensor) state is not
-    supported yet.
+    its own state (CPU or one GPU per process): a full replica in data-parallel
+    jobs, its shards of DTensors (FSDP2, tensor parallel), which restore checks
+    and loads into the same layout (same mesh and placements; no resharding
+    yet). In a multi-process job give each rank its own ``local_dir`` (and ``url``).
     """
 
     def __init__(self, url: str | None = None, *, local_dir: str | os.PathLike | LocalTier | None = None,

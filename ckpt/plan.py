@@ -17,7 +17,9 @@ Tree encoding (all JSON): ``{"$t": i}`` tensor ``i`` (``"$np": 1`` for a numpy
 array); ``{"$obj": kind, "sd": tree}`` a Stateful object (kind is ``module``,
 ``optimizer`` or ``stateful``); ``{"$tuple": [...]}``; ``{"$d": [[k, v], ...]}``
 a dict with non-string keys; ``{"$f": "nan" | "inf" | "-inf"}``;
-``{"$dtype": name}``; plain JSON otherwise.
+``{"$dtype": name}``; plain JSON otherwise. A DTensor is saved as its local shard,
+``{"$t": i, "$dt": layout}`` (see :func:`dtensor_layout`), and loaded back only into the
+same layout.
 """
 
 from __future__ import annotations
@@ -67,8 +69,27 @@ def _obj_kind(v: Any) -> str:
     return "stateful"
 
 
-def _is_distributed_tensor(t: torch.Tensor) -> bool:
-    return type(t).__name__ == "DTensor" or hasattr(t, "_local_tensor")
+def _is_distributed_tensor(t: Any) -> bool:
+    return isinstance(t, torch.Tensor) and (type(t).__name__ == "DTensor" or hasattr(t, "_local_tensor"))
+
+
+def dtensor_layout(t: Any, path: str) -> dict:
+    """How a DTensor is laid out, as saved next to its local shard: global ``shape``, the ``mesh``
+    shape, this rank's ``coord`` on it, and ``placements`` (``"S<dim>"`` sharded, ``"R"``
+    replicated). A ``Partial`` placement (unreduced values) is refused."""
+    placements = []
+    for p in t.placements:
+        if p.is_shard():
+            placements.append(f"S{p.dim}")
+        elif p.is_replicate():
+            placements.append("R")
+        else:
+            raise RefusedStateError(
+                f"state value at {path!r} is a DTensor with a Partial placement ({p}: values not yet reduced): "
+                "redistribute it to Shard or Replicate placements before saving")
+    coord = t.device_mesh.get_coordinate()
+    return {"shape": list(t.shape), "mesh": list(t.device_mesh.shape), "coord": list(coord or []),
+            "placements": placements}
 
 
 class _Flattener:
@@ -78,11 +99,10 @@ class _Flattener:
 
     def tensor(self, t: torch.Tensor, path: str, is_buffer: bool) -> dict:
         # Called once per tensor on every save: keep the common case (a plain dense tensor) cheap.
+        dt = None
         if type(t) not in _PLAIN_TENSOR_TYPES and _is_distributed_tensor(t):
-            raise RefusedStateError(
-                f"state value at {path!r} is a DTensor: sharded state (FSDP2, tensor parallel) is not supported "
-                "yet; this version saves each rank's full, plain-tensor state (data parallel). Gather it first "
-                "(DTensor.full_tensor()) or train with replicated parameters")
+            dt = dtensor_layout(t, path)
+            t = t.to_local()
         if t.layout is not torch.strided or t.device.type == "meta" or t.is_quantized or t.is_nested:
             raise RefusedStateError(
                 f"state value at {path!r} is a {t.layout} / quantized / nested / meta tensor; "
@@ -100,7 +120,7 @@ class _Flattener:
             if alias is None:
                 self._seen[ident] = idx
         self.entries.append(Entry(path, t, is_buffer, alias, t._version))
-        return {"$t": idx}
+        return {"$t": idx} if dt is None else {"$t": idx, "$dt": dt}
 
     def walk(self, v: Any, path: str, buffers: frozenset[str] = frozenset(), rel: str = "") -> Any:
         if isinstance(v, torch.Tensor):
@@ -261,17 +281,28 @@ class _Binder:
         self.in_place = [False] * len(items)
         self.actions: list[Callable[[], None]] = []
         self.aliases: list[tuple[int, int, torch.Tensor | None]] = []
+        self.dtensor_like: dict[str, Any] = {}   # path of an optimizer's per-parameter state -> its DTensor
 
-    def bind_tensor(self, idx: Any, template: Any, path: str) -> torch.Tensor | None:
+    def bind_tensor(self, idx: Any, template: Any, path: str, dt: Any = None) -> torch.Tensor | None:
         from .format import str_to_dtype
 
         if not isinstance(idx, int) or isinstance(idx, bool) or not 0 <= idx < len(self.items):
             raise IncompatibleCheckpointError(f"saved tree at {path!r} references a tensor that does not exist")
         it = self.items[idx]
         dtype = str_to_dtype(it.dtype, path)
+        if _is_distributed_tensor(template):
+            if dt is None:
+                raise IncompatibleCheckpointError(
+                    f"tensor at {path!r} was saved as a plain tensor but the state holds a DTensor there: "
+                    "restore into the layout it was saved from (sharded state is restored shard by shard)")
+            _check_layout(template, dt, path)
+            template = template.to_local()
+        elif dt is not None and isinstance(template, torch.Tensor):
+            raise IncompatibleCheckpointError(
+                f"tensor at {path!r} was saved as a DTensor ({_describe(dt)}) but the state holds a plain "
+                "tensor there: restore into the same sharding (same mesh and placements)")
         fits = (isinstance(template, torch.Tensor) and template.dtype == dtype
-                and list(template.shape) == it.shape and template.is_contiguous()
-                and not _is_distributed_tensor(template))
+                and list(template.shape) == it.shape and template.is_contiguous())
         if it.alias_of is not None:
             self.aliases.append((idx, it.alias_of, template.detach() if fits else None))
             return None
@@ -292,8 +323,11 @@ class _Binder:
         if "$skip" in node:   # left out at save time (on_unsupported="skip"): the live value stays
             return lambda: template
         if "$t" in node:
-            self.bind_tensor(node["$t"], template, path)
+            dt = node.get("$dt")
+            self.bind_tensor(node["$t"], template, path, dt)
             idx, as_np = node["$t"], bool(node.get("$np"))
+            if dt is not None and not _is_distributed_tensor(template):
+                return self._as_dtensor(idx, dt, path)
             return lambda: self.dest[idx].numpy() if as_np else self.dest[idx]
         if "$tuple" in node:
             subs = [self.decode(x, _index(template, i), f"{path}/{i}") for i, x in enumerate(node["$tuple"])]
@@ -328,7 +362,7 @@ class _Binder:
             self._bind_object(live, node, path)
             return
         if isinstance(live, torch.Tensor) and isinstance(node, dict) and "$t" in node:
-            self.bind_tensor(node["$t"], live, path)
+            self.bind_tensor(node["$t"], live, path, node.get("$dt"))
             idx = node["$t"]
             if not self.in_place[idx] and self.items[idx].alias_of is None:
                 raise IncompatibleCheckpointError(
@@ -353,8 +387,24 @@ class _Binder:
         build = self.decode(node, live, path)
         self.actions.append(lambda: _set(container, key, build()))
 
+    def _as_dtensor(self, idx: int, dt: dict, path: str) -> Callable[[], Any]:
+        """A saved local shard with no live DTensor to load into (the state of an optimizer that
+        has not stepped yet): wrapped as a DTensor on its parameter's mesh once its bytes are in."""
+        like = self.dtensor_like.get(path.rsplit("/", 1)[0])
+        if like is None:
+            raise IncompatibleCheckpointError(
+                f"tensor at {path!r} was saved as a DTensor ({_describe(dt)}) and the state has no DTensor "
+                "there to take its mesh from: restore into the same model and optimizer layout")
+        _check_layout(like, dt, path)   # per-parameter state (AdamW's moments) is laid out like the parameter
+        from torch.distributed.tensor import DTensor
+
+        return lambda: DTensor.from_local(self.dest[idx], like.device_mesh, like.placements, run_check=False,
+                                          shape=like.shape, stride=like.stride())
+
     def _bind_object(self, obj: Any, node: Any, path: str) -> None:
         kind, sd_node = node["$obj"], node.get("sd")
+        if kind == "optimizer" and isinstance(obj, torch.optim.Optimizer):
+            self._note_dtensor_params(obj, sd_node, path)
         template = obj.state_dict()
         build = self.decode(sd_node, template, path)
 
@@ -366,6 +416,19 @@ class _Binder:
             obj.load_state_dict(sd)
 
         self.actions.append(load)
+
+    def _note_dtensor_params(self, opt: torch.optim.Optimizer, sd_node: Any, path: str) -> None:
+        """Map ``path/state/<id>`` to the live DTensor parameter with saved id ``id`` (ids pair with
+        the parameters in param-group order, as ``Optimizer.load_state_dict`` pairs them)."""
+        groups = sd_node.get("param_groups") if isinstance(sd_node, dict) else None
+        if not isinstance(groups, list) or len(groups) != len(opt.param_groups):
+            return
+        for saved, live in zip(groups, opt.param_groups):
+            ids = saved.get("params") if isinstance(saved, dict) else None
+            if isinstance(ids, list) and len(ids) == len(live["params"]):
+                for i, p in zip(ids, live["params"]):
+                    if _is_distributed_tensor(p):
+                        self.dtensor_like[f"{path}/state/{i}"] = p
 
     def _all_in_place(self, node: Any) -> bool:
         ok = True
@@ -385,6 +448,27 @@ class _Binder:
 
         visit(node)
         return ok
+
+
+def _describe(dt: Any) -> str:
+    try:
+        return f"global shape {dt['shape']}, placements {dt['placements']} over a {dt['mesh']} mesh"
+    except (TypeError, KeyError):
+        return "unreadable layout"
+
+
+def _check_layout(live: Any, dt: Any, path: str) -> None:
+    """Raise unless the live DTensor has the saved global shape, mesh shape, placements and coordinate."""
+    try:
+        now = dtensor_layout(live, path)
+    except RefusedStateError as e:
+        raise IncompatibleCheckpointError(str(e)) from None
+    if not isinstance(dt, dict) or any(now[k] != dt.get(k) for k in ("shape", "mesh", "placements", "coord")):
+        raise IncompatibleCheckpointError(
+            f"tensor at {path!r} was saved as a DTensor ({_describe(dt)}, coordinate "
+            f"{dt.get('coord') if isinstance(dt, dict) else '?'}); the state holds {_describe(now)}, coordinate "
+            f"{now['coord']}: loading into another sharding (resharding) is not supported yet; restore on the "
+            "same number of ranks with the same mesh and placements")
 
 
 def _skipped(node: Any) -> bool:

@@ -2,6 +2,12 @@
 
 from __future__ import annotations
 
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
 import torch
 from torch import nn
 
@@ -62,3 +68,31 @@ def assert_same(a: dict, b: dict) -> None:
     assert a["sched"] == b["sched"]
     assert torch.equal(a["rng"], b["rng"])
     assert a["meta"] == b["meta"]
+
+
+def run_ranks(script: Path, *args: str, world: int = 2, timeout: float = 180) -> list[subprocess.CompletedProcess]:
+    """Run ``script ROOT... RANK WORLD`` style workers: ``python script args[0] RANK WORLD args[1:]`` for
+    every rank of a fresh gloo job on loopback; returns each rank's completed process."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+           "PYTHONPATH": f"{script.parent}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    procs = [subprocess.Popen([sys.executable, str(script), args[0], str(r), str(world), *args[1:]],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+             for r in range(world)]
+    out = []
+    for p in procs:
+        try:
+            stdout, stderr = p.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            raise
+        out.append(subprocess.CompletedProcess(p.args, p.returncode, stdout, stderr))
+    return out
+
+
+def assert_ok(results: list[subprocess.CompletedProcess]) -> None:
+    for r in results:
+        assert r.returncode == 0, r.stderr[-3000:]

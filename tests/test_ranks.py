@@ -7,40 +7,18 @@ save different steps on different ranks.
 
 from __future__ import annotations
 
-import os
 import shutil
-import socket
 import subprocess
-import sys
 from pathlib import Path
 
 from ckpt.format import data_name
+from helpers import assert_ok as _ok, run_ranks
 
 HERE = Path(__file__).parent
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _run(root: Path, mode: str, world: int = 2) -> list[subprocess.CompletedProcess]:
-    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()),
-           "PYTHONPATH": f"{HERE}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    procs = [subprocess.Popen([sys.executable, str(HERE / "ranks_worker.py"), str(root), str(r), str(world), mode],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-             for r in range(world)]
-    out = []
-    for p in procs:
-        stdout, stderr = p.communicate(timeout=120)
-        out.append(subprocess.CompletedProcess(p.args, p.returncode, stdout, stderr))
-    return out
-
-
-def _ok(results: list[subprocess.CompletedProcess]) -> None:
-    for r in results:
-        assert r.returncode == 0, r.stderr[-3000:]
+def _run(root: Path, mode: str) -> list[subprocess.CompletedProcess]:
+    return run_ranks(HERE / "ranks_worker.py", str(root), mode)
 
 
 def _restored(results: list[subprocess.CompletedProcess]) -> list[str]:

@@ -55,22 +55,6 @@ def test_sparse_tensors_are_refused_with_a_hint(local_dir):
             ck.save(1, {"sp": torch.eye(3).to_sparse()})
 
 
-def test_a_sharded_dtensor_is_refused_with_what_to_do(local_dir, tmp_path):
-    dist = torch.distributed
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Shard, distribute_tensor
-
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
-    try:
-        dt = distribute_tensor(torch.randn(4, 4), init_device_mesh("cpu", (1,)), [Shard(0)])
-        with ckpt.Checkpointer(local_dir=local_dir) as ck:
-            with pytest.raises(ckpt.RefusedStateError, match=r"'layer/w' is a DTensor.*full_tensor\(\)"):
-                ck.save(1, {"layer": {"w": dt}})
-            assert ck.list() == []
-    finally:
-        dist.destroy_process_group()
-
-
 def test_bad_arguments_name_the_argument(local_dir, monkeypatch):
     monkeypatch.delenv("CKPT_LOCAL_DIR", raising=False)
     with pytest.raises(ValueError, match="local_dir"):
