@@ -8,11 +8,14 @@ full (gathered) parameters after the last step, on rank 0.
 * ``run N``: train steps 1..N from scratch (saving every 3 steps), no restore.
 * ``resume N``: restore, then train on to step N; prints ``restored S`` first.
 * ``resume-plain``: restore into the same model left unsharded (plain tensors): must fail.
+
+With ``CKPT_TEST_BACKEND=nccl`` each rank uses GPU ``RANK`` and NCCL instead (the ``multigpu`` tests).
 """
 
 from __future__ import annotations
 
 import hashlib
+import os
 import sys
 
 import torch
@@ -22,11 +25,15 @@ from torch.distributed.fsdp import fully_shard
 import ckpt
 
 
+BACKEND = os.environ.get("CKPT_TEST_BACKEND", "gloo")
+DEVICE = "cuda" if BACKEND == "nccl" else "cpu"
+
+
 def build(world: int, shard: bool = True):
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(12, 32), torch.nn.ReLU(), torch.nn.Linear(32, 6))
+    model = torch.nn.Sequential(torch.nn.Linear(12, 32), torch.nn.ReLU(), torch.nn.Linear(32, 6)).to(DEVICE)
     if shard:
-        mesh = init_device_mesh("cpu", (world,))
+        mesh = init_device_mesh(DEVICE, (world,))
         for layer in model:
             if isinstance(layer, torch.nn.Linear):
                 fully_shard(layer, mesh=mesh)
@@ -36,7 +43,7 @@ def build(world: int, shard: bool = True):
 
 def train_step(model, opt, step: int, rank: int) -> None:
     g = torch.Generator().manual_seed(1000 * step + rank)
-    x = torch.randn(16, 12, generator=g)
+    x = torch.randn(16, 12, generator=g).to(DEVICE)
     loss = (model(x) - x[:, :6]).pow(2).mean()
     opt.zero_grad()
     loss.backward()
@@ -47,14 +54,16 @@ def digest(model) -> str:
     h = hashlib.sha256()
     for _, p in sorted(model.state_dict().items()):
         full = p.full_tensor() if hasattr(p, "full_tensor") else p
-        h.update(full.detach().contiguous().numpy().tobytes())
+        h.update(full.detach().cpu().contiguous().numpy().tobytes())
     return h.hexdigest()
 
 
 def main() -> None:
     root, rank, world, mode = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
     last = int(sys.argv[5]) if len(sys.argv) > 5 else 0
-    torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
+    if DEVICE == "cuda":
+        torch.cuda.set_device(rank)
+    torch.distributed.init_process_group(BACKEND, rank=rank, world_size=world)
     try:
         model, opt = build(world, shard=mode != "resume-plain")
         state = {"model": model, "optim": opt, "step": 0}

@@ -70,14 +70,15 @@ def assert_same(a: dict, b: dict) -> None:
     assert a["meta"] == b["meta"]
 
 
-def run_ranks(script: Path, *args: str, world: int = 2, timeout: float = 180) -> list[subprocess.CompletedProcess]:
-    """Run ``script ROOT... RANK WORLD`` style workers: ``python script args[0] RANK WORLD args[1:]`` for
-    every rank of a fresh gloo job on loopback; returns each rank's completed process."""
+def run_ranks(script: Path, *args: str, world: int = 2, timeout: float = 180,
+              env: dict | None = None) -> list[subprocess.CompletedProcess]:
+    """Run ``python script args[0] RANK WORLD args[1:]`` for every rank of a fresh job on loopback
+    (MASTER_ADDR / MASTER_PORT set; ``env`` added); returns each rank's completed process."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-           "PYTHONPATH": f"{script.parent}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+           "PYTHONPATH": f"{script.parent}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", **(env or {})}
     procs = [subprocess.Popen([sys.executable, str(script), args[0], str(r), str(world), *args[1:]],
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
              for r in range(world)]

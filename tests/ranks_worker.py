@@ -10,10 +10,14 @@ The state is ``{"w": 8 floats, "step": int}``; at step ``s`` every element of ``
   never moves; prints ``committed`` and the committed steps.
 * ``skip``: ``if_busy="skip"`` with one host buffer, where rank 1's disk takes 0.5 s per write
   and saves come every 0.05 s; prints ``committed``, the committed steps and the skip count.
+
+With ``CKPT_TEST_BACKEND=nccl`` the default group is NCCL (one GPU per rank) and the agreements
+run on the gloo group the Checkpointer makes for them (the ``multigpu`` tests).
 """
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 
@@ -31,7 +35,10 @@ class SlowTier(LocalTier):
 
 def main() -> None:
     root, rank, world, mode = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
-    torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
+    backend = os.environ.get("CKPT_TEST_BACKEND", "gloo")
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+    torch.distributed.init_process_group(backend, rank=rank, world_size=world)
     local_dir = f"{root}/rank-{rank}"
     width = 9 if mode == "restore-wide" and rank == 1 else 8
     state = {"w": torch.zeros(width), "step": 0}

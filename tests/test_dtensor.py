@@ -22,12 +22,15 @@ def _line(results, prefix: str) -> str:
     return next(l for r in results for l in r.stdout.splitlines() if l.startswith(prefix))
 
 
-def test_fsdp2_training_resumes_bit_identically_on_two_ranks(tmp_path):
-    straight = run_ranks(WORKER, str(tmp_path / "a"), "run", "7")
+@pytest.mark.parametrize("backend", [
+    "gloo", pytest.param("nccl", marks=pytest.mark.multigpu, id="nccl-two-gpus")])
+def test_fsdp2_training_resumes_bit_identically_on_two_ranks(tmp_path, backend):
+    env = {"CKPT_TEST_BACKEND": backend}
+    straight = run_ranks(WORKER, str(tmp_path / "a"), "run", "7", env=env)
     assert_ok(straight)
-    interrupted = run_ranks(WORKER, str(tmp_path / "b"), "run", "4")   # saves step 3, stops after 4
+    interrupted = run_ranks(WORKER, str(tmp_path / "b"), "run", "4", env=env)   # saves step 3, stops after 4
     assert_ok(interrupted)
-    resumed = run_ranks(WORKER, str(tmp_path / "b"), "resume", "7")
+    resumed = run_ranks(WORKER, str(tmp_path / "b"), "resume", "7", env=env)
     assert_ok(resumed)
     assert [l for r in resumed for l in r.stdout.splitlines() if l.startswith("restored")] == ["restored 3"] * 2
     # parameters (in place, shard by shard) and AdamW moments (re-made as DTensors on their

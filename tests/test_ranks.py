@@ -11,14 +11,16 @@ import shutil
 import subprocess
 from pathlib import Path
 
+import pytest
+
 from ckpt.format import data_name
 from helpers import assert_ok as _ok, run_ranks
 
 HERE = Path(__file__).parent
 
 
-def _run(root: Path, mode: str) -> list[subprocess.CompletedProcess]:
-    return run_ranks(HERE / "ranks_worker.py", str(root), mode)
+def _run(root: Path, mode: str, backend: str = "gloo") -> list[subprocess.CompletedProcess]:
+    return run_ranks(HERE / "ranks_worker.py", str(root), mode, env={"CKPT_TEST_BACKEND": backend})
 
 
 def _restored(results: list[subprocess.CompletedProcess]) -> list[str]:
@@ -66,10 +68,12 @@ def test_ranks_without_a_common_step_raise_on_every_rank(tmp_path):
             and "rank 1: [20]" in r.stderr, r.stderr[-2000:]
 
 
-def test_time_based_policy_saves_the_same_steps_on_every_rank(tmp_path):
+@pytest.mark.parametrize("backend", ["gloo", pytest.param("nccl", marks=pytest.mark.multigpu, id="nccl-two-gpus")])
+def test_time_based_policy_saves_the_same_steps_on_every_rank(tmp_path, backend):
     # rank 0's clock says every step is due, rank 1's says none is: they agree to save each step
+    # (under NCCL, over the CPU group the Checkpointer makes)
     lines = [next(l for l in r.stdout.splitlines() if l.startswith("committed"))
-             for r in _run(tmp_path, "seconds") if r.returncode == 0]
+             for r in _run(tmp_path, "seconds", backend) if r.returncode == 0]
     assert lines == ["committed [1, 2, 3, 4, 5]"] * 2, lines
 
 
