@@ -6,9 +6,11 @@ import collections
 import enum
 import logging
 import os
+import secrets
 import signal as _signal
 import threading
 import time
+import zlib
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
@@ -167,6 +169,8 @@ class Checkpointer:
                              "(call init_process_group first, or leave collective=None)")
         # last: creating the group is a collective, and every rank must get this far to join it
         self.ranks = Ranks() if (world > 1 if collective is None else collective) else None
+        if self.ranks is not None:
+            self._check_own_storage()
         self._pipeline = Pipeline(self.pool, self.memory, self.local, self.remote, self._apply_retention,
                                   self._failed)
         self._closed = False
@@ -340,6 +344,32 @@ class Checkpointer:
             info = _restore(state, self.memory, self.local, self.remote, step, strict)
         self.last_restore = info
         return None if info is None else info.step
+
+    def _check_own_storage(self) -> None:
+        """Refuse, on every rank, a ``local_dir`` or ``url`` that another rank of the job writes too
+        (each rank's files and ``COMMIT`` would overwrite the others'). Collective. Sharing is found
+        by marker files, so a directory shared across hosts (a network file system) is found too."""
+        ranks = self.ranks
+        nonce = ranks.gather([secrets.randbits(62)])[0][0]   # rank 0's: one name space for this job
+        prefix = f".ckpt-job-{nonce:x}-rank-"
+        marker = self.local.root / f"{prefix}{ranks.rank}"
+        marker.touch()
+        try:
+            ranks.gather([])   # every marker exists before any rank looks
+            mates = sorted(int(p.name[len(prefix):]) for p in self.local.root.glob(f"{prefix}*"))
+            urls = [u[0] for u in ranks.gather([zlib.crc32(self.remote.url.encode()) if self.remote else -1])]
+            shared_dir = [m[0] for m in ranks.gather([len(mates)]) if m[0] > 1]
+            ranks.gather([])   # every rank has looked before markers go
+        finally:
+            marker.unlink(missing_ok=True)
+        same_url = [r for r, u in enumerate(urls) if u != -1 and urls.count(u) > 1]
+        if shared_dir or same_url:
+            what = (f"local_dir {str(self.local.root)!r} is shared by ranks {mates}" if len(mates) > 1 else
+                    "another rank's local_dir is shared" if shared_dir else "")
+            if same_url:
+                what += ("; " if what else "") + f"ranks {same_url} were given the same url"
+            raise ValueError(f"{what}: in a multi-process job give every rank its own local_dir and url "
+                             "(e.g. f'{root}/rank-{rank}'), or pass collective=False if only one rank checkpoints")
 
     def _visible_steps(self) -> list[int]:
         steps = set(self.local.committed_steps())

@@ -71,6 +71,11 @@ def main() -> None:
                     ck.maybe_save(step, state)
                 ck.wait()
                 print("committed", sorted(c.step for c in ck.list() if "local" in c.tiers), flush=True)
+        elif mode in ("same-dir", "same-url"):
+            shared = mode == "same-dir"
+            url = f"file://{root}/remote" + ("" if not shared and mode == "same-url" else f"/rank-{rank}")
+            with ckpt.Checkpointer(url, local_dir=f"{root}/shared" if shared else local_dir):
+                print("accepted", flush=True)
         elif mode == "skip":
             tier = SlowTier(local_dir) if rank == 1 else LocalTier(local_dir)
             with ckpt.Checkpointer(local_dir=tier, if_busy="skip", keep=ckpt.Retention(local=100)) as ck:

@@ -40,6 +40,7 @@ def test_ranks_restore_the_newest_step_every_rank_can_load(tmp_path):
     # rank 1 died before committing step 30: it holds 10 and 20, rank 0 holds 10, 20 and 30
     shutil.rmtree(_step_dir(tmp_path, 1, 30))
     assert _restored(_run(tmp_path, "restore")) == ["restored 20 20.0"] * 2
+    assert not list(tmp_path.rglob(".ckpt-job-*")), "the ranks' marker files were left behind"
 
     # rank 1's copy of step 20 is corrupt: both fall back to the next step they all hold
     data = _step_dir(tmp_path, 1, 20) / data_name(0)
@@ -86,3 +87,12 @@ def test_skipped_saves_are_skipped_on_every_rank(tmp_path):
     lines = [next(l for l in r.stdout.splitlines() if l.startswith("committed")) for r in results]
     assert lines[0] == lines[1], lines
     assert int(lines[0].rsplit(" ", 1)[1]) > 0, lines   # some saves were skipped
+
+
+@pytest.mark.parametrize("mode,message", [
+    ("same-dir", "is shared by ranks [0, 1]"), ("same-url", "ranks [0, 1] were given the same url")])
+def test_ranks_sharing_a_directory_or_url_are_refused(tmp_path, mode, message):
+    for r in _run(tmp_path, mode):
+        assert r.returncode != 0 and "accepted" not in r.stdout
+        assert message in r.stderr and "give every rank its own local_dir" in r.stderr, r.stderr[-2000:]
+    assert not list(tmp_path.rglob(".ckpt-job-*")), "the ranks' marker files were left behind"
