@@ -68,6 +68,7 @@ from ._utils import (
     check_tensor,
     dense_vector,
     empty_rows_like,
+    jit_helper,
     next_power_of_2,
     num_programs,
     op_def,
@@ -101,6 +102,19 @@ def _rms_norm_fwd_kernel(
     tl.store(RSTD + row, rstd)
 
 
+@jit_helper
+def _load_rows(DY, X, RSTD, start, r_end, cols, cmask, stride_dy, stride_x, BLOCK_R: tl.constexpr):
+    """Rows ``start .. start + BLOCK_R`` (those below ``r_end``) of ``dy`` and ``x`` at ``cols``, in fp32,
+    and their ``rstd``; also the row indices and the tile mask."""
+    rows = start + tl.arange(0, BLOCK_R)
+    rmask = rows < r_end
+    m = rmask[:, None] & cmask[None, :]
+    dy = tl.load(DY + rows[:, None] * stride_dy + cols[None, :], mask=m, other=0.0).to(tl.float32)
+    x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=m, other=0.0).to(tl.float32)
+    rstd = tl.load(RSTD + rows, mask=rmask, other=0.0)
+    return rows, m, dy, x, rstd
+
+
 def _rms_norm_bwd_kernel(
     DY, X, W, RSTD, DX, DW_PART,
     stride_dy, stride_x, stride_dx, n_rows, N, offset, rows_per_program,
@@ -119,12 +133,7 @@ def _rms_norm_bwd_kernel(
     r_end = tl.minimum(r0 + rows_per_program, n_rows)
     acc = tl.zeros([BLOCK_R, BLOCK_N], dtype=tl.float32)
     for start in tl.range(r0, r_end, BLOCK_R, num_stages=STAGES):
-        rows = start + tl.arange(0, BLOCK_R)
-        rmask = rows < r_end
-        m = rmask[:, None] & cmask[None, :]
-        dy = tl.load(DY + rows[:, None] * stride_dy + cols[None, :], mask=m, other=0.0).to(tl.float32)
-        x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=m, other=0.0).to(tl.float32)
-        rstd = tl.load(RSTD + rows, mask=rmask, other=0.0)
+        rows, m, dy, x, rstd = _load_rows(DY, X, RSTD, start, r_end, cols, cmask, stride_dy, stride_x, BLOCK_R)
         xhat = x * rstd[:, None]
         g = dy * w[None, :]
         dx = rstd[:, None] * (g - xhat * (tl.sum(g * xhat, axis=1) / N)[:, None])
@@ -157,12 +166,7 @@ def _rms_norm_bwd_dw_kernel(
     r_end = tl.minimum(r0 + rows_per_split, n_rows)
     acc = tl.zeros([BLOCK_R, BLOCK_C], dtype=tl.float32)
     for start in range(r0, r_end, BLOCK_R):
-        rows = start + tl.arange(0, BLOCK_R)
-        rmask = rows < r_end
-        m = rmask[:, None] & cmask[None, :]
-        dy = tl.load(DY + rows[:, None] * stride_dy + cols[None, :], mask=m, other=0.0).to(tl.float32)
-        x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=m, other=0.0).to(tl.float32)
-        rstd = tl.load(RSTD + rows, mask=rmask, other=0.0)
+        _, _, dy, x, rstd = _load_rows(DY, X, RSTD, start, r_end, cols, cmask, stride_dy, stride_x, BLOCK_R)
         xhat = x * rstd[:, None]
         if LLAMA_CAST:
             xhat = xhat.to(X.dtype.element_ty).to(tl.float32)
