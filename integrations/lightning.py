@@ -15,7 +15,11 @@ Two independent pieces (use either, or both):
   written in the background; each checkpoint "file" is a directory in the
   ``ckpt`` format (``ckpt verify PATH`` checks it).
 
-World size 1 (one process, CPU or one GPU). Pickle is never used: values of a
+``CheckpointCallback`` also runs on multi-process strategies (DDP; FSDP2 models
+save their DTensor shards): it makes one engine per rank in
+``<local_dir>/rank-<r>`` once the processes exist, and the ranks agree on the
+step they resume. ``TieredCheckpointIO`` saves where Lightning tells it (rank 0
+under DDP). Pickle is never used: values of a
 checkpoint that are neither tensors nor JSON-safe are refused (default) or,
 with ``on_unsupported="skip"``, left out. See ``docs/lightning.md``.
 
@@ -44,6 +48,7 @@ from ..errors import RefusedStateError
 from ..format import COMMIT_NAME, Manifest
 from ..pipeline import SaveHandle
 from ..policy import Retention
+from ..ranks import distributed_world
 from ..rng import RNGState
 from ..tiers import LocalTier
 
@@ -460,6 +465,13 @@ class CheckpointCallback(Callback):
     a save may be in flight (another callback's EMA, say) must be preceded by
     ``callback.checkpointer.wait_staged()``.
 
+    Multi-process strategies (DDP on several devices or nodes): the process
+    group starts after the callback was built, so at ``setup`` the callback
+    makes its engine again, one per rank, collectively: ``local_dir`` (and
+    ``url``) get a ``rank-<r>`` subdirectory and the ranks resume the newest
+    step that all of them hold. A ``checkpointer=`` passed in is refused there
+    (it was made before the process group); pass its arguments instead.
+
     Args:
         checkpointer: the engine to use; the caller keeps ownership (it is
             waited for, not closed, at teardown).
@@ -495,8 +507,39 @@ class CheckpointCallback(Callback):
     def checkpointer(self) -> Checkpointer:
         """The engine (built again after a teardown closed the one the callback owned)."""
         if self._ck is None:
-            self._ck = Checkpointer(**self._args)
+            self._ck = self._build()
         return self._ck
+
+    def _build(self) -> Checkpointer:
+        """A Checkpointer from the callback's arguments; on a multi-process strategy one per rank:
+        ``local_dir`` and ``url`` get a ``rank-<r>`` subdirectory, and the ranks agree (collective)."""
+        if distributed_world() <= 1:
+            return Checkpointer(**self._args)
+        args = dict(self._args)
+        sub = f"rank-{torch.distributed.get_rank():05d}"
+        local = args.get("local_dir", os.environ.get("CKPT_LOCAL_DIR"))
+        if not isinstance(local, (str, os.PathLike)):
+            raise ValueError("CheckpointCallback on a multi-process strategy gives every rank its own "
+                             f"subdirectory of local_dir, which must then be a path (got {type(local).__name__})")
+        args["local_dir"] = os.path.join(local, sub)
+        if isinstance(args.get("url"), str):
+            args["url"] = args["url"].rstrip("/") + "/" + sub
+        return Checkpointer(**args)
+
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        # Multi-process strategies start the process group after this callback was built: make the
+        # engine again now, one per rank (every rank runs this hook, as the collective needs).
+        if distributed_world() <= 1 or (self._ck is not None and self._ck.ranks is not None):
+            return
+        if not self._owned:
+            raise ValueError(
+                "CheckpointCallback(checkpointer=...) on a multi-process strategy: that Checkpointer was made "
+                "before the process group, so its ranks would write alone (or over each other). Pass the "
+                "Checkpointer's arguments instead (CheckpointCallback(local_dir=..., ...)): the callback then "
+                "makes one per rank, in <local_dir>/rank-<r>, when the processes have started")
+        if self._ck is not None:
+            self._ck.close()
+        self._ck = self._build()
 
     # -- the state -----------------------------------------------------------------------------------
     def _state(self, trainer: Trainer, pl_module: LightningModule) -> dict[str, Any]:

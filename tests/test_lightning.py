@@ -290,3 +290,22 @@ def test_docs_example_runs(tmp_path):
     out = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stdout + out.stderr
     assert "resumed from step 12; final weights equal the uninterrupted run's" in out.stdout, out.stdout
+
+
+def test_callback_on_two_ddp_ranks_checkpoints_each_rank_and_resumes_both(tmp_path):
+    """A real Trainer with strategy="ddp" on two CPU processes (gloo): the callback makes one engine
+    per rank once the processes exist, in <local_dir>/rank-<r>, and both ranks resume the same step."""
+    env = {**os.environ, "PYTHONPATH": f"{HERE}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    script = str(HERE / "lightning_ddp_worker.py")
+
+    def run(max_steps: int) -> list[str]:
+        p = subprocess.run([sys.executable, script, str(tmp_path), str(max_steps)], capture_output=True, text=True,
+                           env=env, timeout=240)
+        assert p.returncode == 0, p.stderr[-3000:]
+        return [(tmp_path / f"result-{r}.txt").read_text() for r in range(2)]
+
+    assert run(4) == [f"restored None dir {tmp_path / f'rank-{r:05d}'}" for r in range(2)]
+    for r in range(2):
+        assert sorted(p.name for p in (tmp_path / f"rank-{r:05d}").glob("step-*")) == \
+            ["step-000000002", "step-000000004"]
+    assert run(6) == [f"restored 4 dir {tmp_path / f'rank-{r:05d}'}" for r in range(2)]
