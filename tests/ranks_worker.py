@@ -6,6 +6,7 @@ The state is ``{"w": 8 floats, "step": int}``; at step ``s`` every element of ``
 * ``save``: steps 1..30 with ``every_steps=10`` (commits 10, 20, 30); prints ``saved``.
 * ``restore``: prints ``restored S W`` (the step restore agreed on and ``w[0]`` after it).
 * ``restore-wide``: rank 1's ``w`` has 9 elements, so the checkpoint does not fit it there.
+* ``restore-30``: ``restore(step=30)``.
 * ``seconds``: ``every_seconds=50`` where rank 0's clock moves 60 s per reading and rank 1's
   never moves; prints ``committed`` and the committed steps.
 * ``skip``: ``if_busy="skip"`` with one host buffer, where rank 1's disk takes 0.5 s per write
@@ -53,7 +54,7 @@ def main() -> None:
             print("saved", flush=True)
         elif mode.startswith("restore"):
             with ckpt.Checkpointer(local_dir=local_dir) as ck:
-                step = ck.restore(state)
+                step = ck.restore(state, step=30 if mode == "restore-30" else None)
             print(f"restored {step} {float(state['w'][0]) if step is not None else None}", flush=True)
         elif mode == "seconds":
             now = [0.0]

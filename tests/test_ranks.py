@@ -41,6 +41,9 @@ def test_ranks_restore_the_newest_step_every_rank_can_load(tmp_path):
     shutil.rmtree(_step_dir(tmp_path, 1, 30))
     assert _restored(_run(tmp_path, "restore")) == ["restored 20 20.0"] * 2
     assert not list(tmp_path.rglob(".ckpt-job-*")), "the ranks' marker files were left behind"
+    for r in _run(tmp_path, "restore-30"):   # an explicit step that one rank lacks: every rank says so
+        assert r.returncode != 0 and "step 30 is not held by every rank (rank 0: [30, 20, 10]; rank 1: [20, 10])" \
+            in r.stderr, r.stderr[-2000:]
 
     # rank 1's copy of step 20 is corrupt: both fall back to the next step they all hold
     data = _step_dir(tmp_path, 1, 20) / data_name(0)
