@@ -383,9 +383,10 @@ class Checkpointer:
     def _restore_agreed(self, state: dict, step: int | None, strict: bool) -> RestoreInfo | None:
         """:meth:`restore` when the ranks must agree: the newest step every rank holds and loads."""
         ranks = self.ranks
-        mine = [s for s in self._visible_steps() if step is None or s == step]
-        held = ranks.gather(mine)
+        held = ranks.gather(self._visible_steps())
         common = sorted(set.intersection(*(set(h) for h in held)), reverse=True)
+        if step is not None:
+            common = [s for s in common if s == step]
         where = "; ".join(f"rank {r}: {h[:8] if h else 'none'}" for r, h in enumerate(held))
         if not common:
             if step is not None:
