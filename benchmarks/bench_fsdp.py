@@ -35,30 +35,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from harness import device_name, record, table  # noqa: E402
 
 
-def _model(smoke: bool, device: str):
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    if smoke:
-        cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                          num_key_value_heads=2, vocab_size=300, max_position_embeddings=128,
-                          tie_word_embeddings=True, attn_implementation="sdpa")
-    else:
-        cfg = LlamaConfig(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
-                          num_key_value_heads=8, head_dim=64, vocab_size=128256, max_position_embeddings=131072,
-                          rope_theta=500000.0, tie_word_embeddings=True, rms_norm_eps=1e-5,
-                          attn_implementation="sdpa")
-    torch.manual_seed(0)
-    default = torch.get_default_dtype()
-    torch.set_default_dtype(torch.bfloat16)
-    try:
-        with torch.device(device):
-            model = LlamaForCausalLM(cfg)
-    finally:
-        torch.set_default_dtype(default)
-    return model.train()
-
-
 def _worker(rank: int, world: int, args: argparse.Namespace, port: int, out: str) -> None:
     import torch
     import torch.distributed as dist
@@ -75,7 +51,9 @@ def _worker(rank: int, world: int, args: argparse.Namespace, port: int, out: str
         torch.cuda.set_device(rank)
     dist.init_process_group("cpu:gloo,cuda:nccl" if cuda else "gloo", rank=rank, world_size=world)
     dev = "cuda" if cuda else "cpu"
-    model = _model(args.smoke, dev)
+    from bench_train_kernels import build_model   # the same model as the single-GPU training benchmark
+
+    model = build_model(args.smoke)   # on the current device: GPU `rank`
     mesh = init_device_mesh(dev, (world,))
     for layer in model.model.layers:
         fully_shard(layer, mesh=mesh)
