@@ -326,8 +326,8 @@ class _Binder:
             dt = node.get("$dt")
             self.bind_tensor(node["$t"], template, path, dt)
             idx, as_np = node["$t"], bool(node.get("$np"))
-            if dt is not None and not _is_distributed_tensor(template):
-                return self._as_dtensor(idx, dt, path)
+            if dt is not None:
+                return self._as_dtensor(idx, dt, path, template if _is_distributed_tensor(template) else None)
             return lambda: self.dest[idx].numpy() if as_np else self.dest[idx]
         if "$tuple" in node:
             subs = [self.decode(x, _index(template, i), f"{path}/{i}") for i, x in enumerate(node["$tuple"])]
@@ -387,19 +387,27 @@ class _Binder:
         build = self.decode(node, live, path)
         self.actions.append(lambda: _set(container, key, build()))
 
-    def _as_dtensor(self, idx: int, dt: dict, path: str) -> Callable[[], Any]:
-        """A saved local shard with no live DTensor to load into (the state of an optimizer that
-        has not stepped yet): wrapped as a DTensor on its parameter's mesh once its bytes are in."""
-        like = self.dtensor_like.get(path.rsplit("/", 1)[0])
+    def _as_dtensor(self, idx: int, dt: dict, path: str, live: Any) -> Callable[[], Any]:
+        """The value of a saved local shard: the ``live`` DTensor itself when its bytes landed in its
+        local tensor, else a DTensor made on its mesh once the bytes are in. With no live DTensor (the
+        state of an optimizer that has not stepped yet) the mesh comes from the state's parameter."""
+        like = live if live is not None else self.dtensor_like.get(path.rsplit("/", 1)[0])
         if like is None:
             raise IncompatibleCheckpointError(
                 f"tensor at {path!r} was saved as a DTensor ({_describe(dt)}) and the state has no DTensor "
                 "there to take its mesh from: restore into the same model and optimizer layout")
-        _check_layout(like, dt, path)   # per-parameter state (AdamW's moments) is laid out like the parameter
+        if live is None:
+            _check_layout(like, dt, path)   # per-parameter state (AdamW's moments) is laid out like the parameter
         from torch.distributed.tensor import DTensor
 
-        return lambda: DTensor.from_local(self.dest[idx], like.device_mesh, like.placements, run_check=False,
-                                          shape=like.shape, stride=like.stride())
+        def build() -> Any:
+            local = self.dest[idx]
+            if live is not None and local.data_ptr() == live.to_local().data_ptr():
+                return live
+            return DTensor.from_local(local, like.device_mesh, like.placements, run_check=False,
+                                      shape=like.shape, stride=like.stride())
+
+        return build
 
     def _bind_object(self, obj: Any, node: Any, path: str) -> None:
         kind, sd_node = node["$obj"], node.get("sd")

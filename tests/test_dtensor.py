@@ -81,3 +81,28 @@ def test_a_partial_dtensor_is_refused_with_what_to_do(local_dir, one_rank):
         with pytest.raises(ckpt.RefusedStateError, match=r"'opt/m'.*Partial.*redistribute"):
             ck.save(1, {"opt": {"m": p}})
         assert ck.list() == []
+
+
+def test_a_stepped_optimizers_dtensor_state_stays_dtensor_after_restore(local_dir, one_rank):
+    """Restoring into an optimizer that has stepped loads its DTensor moments in place and keeps them
+    DTensors (the optimizer would otherwise mix DTensor parameters with plain-tensor state)."""
+    from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+
+    p = torch.nn.Parameter(distribute_tensor(torch.randn(6, 4), one_rank, [Shard(0)]))
+    opt = torch.optim.AdamW([p], lr=0.1)
+
+    def step():
+        (p * p).sum().backward()
+        opt.step()
+        opt.zero_grad()
+
+    step()
+    with ckpt.Checkpointer(local_dir=local_dir) as ck:
+        ck.save(1, {"p": p, "opt": opt}).wait()
+        saved = opt.state[p]["exp_avg"].full_tensor().clone()
+        ck.wait_staged()
+        step()
+        assert ck.restore({"p": p, "opt": opt}) == 1
+    exp_avg = opt.state[p]["exp_avg"]
+    assert isinstance(exp_avg, DTensor) and torch.equal(exp_avg.full_tensor(), saved)
+    step()   # mixing DTensor parameters with plain-tensor state would fail here
