@@ -171,6 +171,9 @@ class Checkpointer:
         self.ranks = Ranks() if (world > 1 if collective is None else collective) else None
         if self.ranks is not None:
             self._check_own_storage()
+        # a time-based policy decides by each rank's clock: those decisions are agreed in maybe_save
+        self._agree_due = self.ranks is not None and (isinstance(self.interval, AutoInterval)
+                                                      or self.interval.every_seconds is not None)
         self._pipeline = Pipeline(self.pool, self.memory, self.local, self.remote, self._apply_retention,
                                   self._failed)
         self._closed = False
@@ -203,7 +206,7 @@ class Checkpointer:
             if signum:
                 self._drain(step, state, signum)
         due = self.interval.due(step)
-        if self.ranks is not None and (isinstance(self.interval, AutoInterval) or self.interval.every_seconds):
+        if self._agree_due:
             due = bool(self.ranks.max([int(due)])[0])   # clocks differ between ranks: save if any says so
         if not due:
             return None
@@ -357,19 +360,19 @@ class Checkpointer:
         try:
             ranks.gather([])   # every marker exists before any rank looks
             mates = sorted(int(p.name[len(prefix):]) for p in self.local.root.glob(f"{prefix}*"))
-            urls = [u[0] for u in ranks.gather([zlib.crc32(self.remote.url.encode()) if self.remote else -1])]
-            shared_dir = [m[0] for m in ranks.gather([len(mates)]) if m[0] > 1]
-            ranks.gather([])   # every rank has looked before markers go
+            url = zlib.crc32(self.remote.url.encode()) if self.remote is not None else -1
+            seen = ranks.gather([len(mates), url])   # also: every rank has looked before markers go
         finally:
             marker.unlink(missing_ok=True)
+        urls = [u for _, u in seen]
         same_url = [r for r, u in enumerate(urls) if u != -1 and urls.count(u) > 1]
-        if shared_dir or same_url:
-            what = (f"local_dir {str(self.local.root)!r} is shared by ranks {mates}" if len(mates) > 1 else
-                    "another rank's local_dir is shared" if shared_dir else "")
-            if same_url:
-                what += ("; " if what else "") + f"ranks {same_url} were given the same url"
-            raise ValueError(f"{what}: in a multi-process job give every rank its own local_dir and url "
-                             "(e.g. f'{root}/rank-{rank}'), or pass collective=False if only one rank checkpoints")
+        problems = [f"local_dir {str(self.local.root)!r} is shared by ranks {mates}"] if len(mates) > 1 else \
+            ["another rank's local_dir is shared"] if any(n > 1 for n, _ in seen) else []
+        if same_url:
+            problems.append(f"ranks {same_url} were given the same url")
+        if problems:
+            raise ValueError(f"{'; '.join(problems)}: in a multi-process job give every rank its own local_dir and "
+                             "url (e.g. f'{root}/rank-{rank}'), or pass collective=False if only one rank checkpoints")
 
     def _visible_steps(self) -> list[int]:
         steps = set(self.local.committed_steps())
