@@ -9,7 +9,8 @@ the newest verified checkpoint from the nearest tier. See ``docs/``.
 
 from .api import Checkpointer, CheckpointInfo, IfBusy, promote
 from .errors import (CheckpointError, CorruptCheckpointError, HostMemoryError, IncompatibleCheckpointError,
-                     IncompleteCheckpointError, NoCheckpointError, Preempted, RefusedStateError, TornSnapshotError)
+                     IncompleteCheckpointError, LayoutMismatchError, NoCheckpointError, Preempted, RefusedStateError,
+                     TornSnapshotError)
 from .pipeline import SaveHandle
 from .policy import AutoInterval, Retention
 from .restore import RestoreInfo
@@ -33,6 +34,7 @@ __all__ = [
     "CorruptCheckpointError",
     "IncompleteCheckpointError",
     "IncompatibleCheckpointError",
+    "LayoutMismatchError",
     "NoCheckpointError",
     "Preempted",
     "RefusedStateError",

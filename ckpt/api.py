@@ -169,6 +169,7 @@ class Checkpointer:
                              "(call init_process_group first, or leave collective=None)")
         # last: creating the group is a collective, and every rank must get this far to join it
         self.ranks = Ranks() if (world > 1 if collective is None else collective) else None
+        self._job = [self.ranks.rank, self.ranks.world] if self.ranks is not None else None
         if self.ranks is not None:
             self._check_own_storage()
         # a time-based policy decides by each rank's clock: those decisions are agreed in maybe_save
@@ -277,7 +278,8 @@ class Checkpointer:
             stats.stall_s = time.perf_counter() - t0
             return handle
         manifest = Manifest(step=step, rank=0, world_size=1, data_bytes=data_bytes,
-                            chunk_bytes=knobs.get("CKPT_CHUNK_BYTES"), chunks=[], items=records, tree=plan.tree)
+                            chunk_bytes=knobs.get("CKPT_CHUNK_BYTES"), chunks=[], items=records, tree=plan.tree,
+                            job=self._job)
         snap = Snapshot(step, plan.entries, records, data_bytes, manifest, buf, stats)
         try:
             stage(snap, self._side_stream)
@@ -344,7 +346,7 @@ class Checkpointer:
         if self.ranks is not None:
             info = self._restore_agreed(state, step, strict)
         else:
-            info = _restore(state, self.memory, self.local, self.remote, step, strict)
+            info = _restore(state, self.memory, self.local, self.remote, step, strict, self._job)
         self.last_restore = info
         return None if info is None else info.step
 
@@ -365,14 +367,18 @@ class Checkpointer:
         finally:
             marker.unlink(missing_ok=True)
         urls = [u for _, u in seen]
-        same_url = [r for r, u in enumerate(urls) if u != -1 and urls.count(u) > 1]
+        job_url = urls[0] != -1 and urls.count(urls[0]) == len(urls)   # one url for the whole job
+        same_url = [] if job_url else [r for r, u in enumerate(urls) if u != -1 and urls.count(u) > 1]
         problems = [f"local_dir {str(self.local.root)!r} is shared by ranks {mates}"] if len(mates) > 1 else \
             ["another rank's local_dir is shared"] if any(n > 1 for n, _ in seen) else []
         if same_url:
-            problems.append(f"ranks {same_url} were given the same url")
+            problems.append(f"ranks {same_url} were given the same url, other ranks another")
         if problems:
-            raise ValueError(f"{'; '.join(problems)}: in a multi-process job give every rank its own local_dir and "
-                             "url (e.g. f'{root}/rank-{rank}'), or pass collective=False if only one rank checkpoints")
+            raise ValueError(f"{'; '.join(problems)}: in a multi-process job give every rank its own local_dir "
+                             "(e.g. f'{root}/rank-{rank}') and every rank the same url (a job tier) or each its own, "
+                             "or pass collective=False if only one rank checkpoints")
+        if job_url:   # decided from gathered facts, so every rank joins (a collective) or none does
+            self.remote.join_job(Ranks(timeout_s=knobs.get("CKPT_COMMIT_TIMEOUT_S"), own_group=True))
 
     def _visible_steps(self) -> list[int]:
         steps = set(self.local.committed_steps())
@@ -403,7 +409,7 @@ class Checkpointer:
         for s in common:
             info, error, code = None, None, 1
             try:
-                info = _restore(state, self.memory, self.local, self.remote, s, strict)
+                info = _restore(state, self.memory, self.local, self.remote, s, strict, self._job)
             except NoCheckpointError as e:   # this rank's copies of s are all unusable: try an older step
                 error, code = e, 0
             except Exception as e:           # does not fit the state (or worse): stop on every rank
@@ -508,7 +514,8 @@ class Checkpointer:
         for name in tiers:
             if name == "local":
                 prune(self.local, self.keep.local, busy)
-            else:
+            elif self.remote.job is None or self.remote.job.rank == 0:
+                # a job tier is pruned by rank 0 alone, after it committed (every rank is past older steps)
                 prune(self.remote, self.keep.remote, busy)
 
 

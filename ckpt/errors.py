@@ -11,6 +11,7 @@ __all__ = [
     "CorruptCheckpointError",
     "IncompleteCheckpointError",
     "IncompatibleCheckpointError",
+    "LayoutMismatchError",
     "RefusedStateError",
     "TornSnapshotError",
     "HostMemoryError",
@@ -33,6 +34,13 @@ class IncompleteCheckpointError(CheckpointError):
 
 class IncompatibleCheckpointError(CheckpointError):
     """A valid checkpoint does not fit the state it is loaded into (keys, shapes, dtypes, world size)."""
+
+
+class LayoutMismatchError(IncompatibleCheckpointError):
+    """Sharded state was saved in another layout (world size, mesh or placements) than the live one.
+
+    Restore reshards such a checkpoint when the tier holds every saved rank's shards (a job
+    tier: one ``url`` given to every rank); a rank's own copy on its local tier cannot."""
 
 
 class RefusedStateError(CheckpointError, TypeError):

@@ -135,6 +135,7 @@ class Manifest:
     tree: Any
     codecs: list[str] | None = None        # per chunk, on tiers that encode chunks (remote); None: raw
     stored_sizes: list[int] | None = None  # per chunk, bytes as stored (after the codec)
+    job: list[int] | None = None           # [rank, world size] of the multi-process job that saved it
     checksum_algorithm: str = ALGORITHM
     format_version: int = FORMAT_VERSION
     created_unix: float = field(default_factory=time.time)
@@ -178,6 +179,9 @@ class Manifest:
                     and all(isinstance(c, str) for c in self.codecs)
                     and all(_is_nonneg_int(n) for n in self.stored_sizes)):
                 raise bad("per-chunk codecs / stored sizes do not match the chunk list")
+        if self.job is not None and not (isinstance(self.job, list) and len(self.job) == 2
+                                         and all(_is_nonneg_int(v) for v in self.job) and self.job[0] < self.job[1]):
+            raise bad(f"job must be [rank, world size], got {self.job!r}")
         for i, it in enumerate(self.items):
             dtype = str_to_dtype(it.dtype, where)
             if not isinstance(it.key, str) or not isinstance(it.device, str):

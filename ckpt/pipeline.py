@@ -232,6 +232,8 @@ class Pipeline:
         if snap.error is not None:    # the snapshot itself is bad (torn, or the copy failed)
             snap.buffer.image_step = None
             log.error("checkpoint of step %d failed: %s", snap.step, snap.error)
+            if self.remote is not None:
+                self.remote.abstain(snap.step)   # on a job tier the other ranks wait for this rank's report
             self._on_error(handle, snap.error)
             self.pool.release(snap.buffer)
             handle._fail_rest(snap.error)

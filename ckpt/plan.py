@@ -30,7 +30,7 @@ from typing import Any, Callable, Mapping
 
 import torch
 
-from .errors import IncompatibleCheckpointError, RefusedStateError
+from .errors import IncompatibleCheckpointError, LayoutMismatchError, RefusedStateError
 from .format import ItemRecord, dtype_to_str
 
 __all__ = ["Entry", "Plan", "flatten", "layout", "Binding", "bind"]
@@ -79,7 +79,9 @@ def dtensor_layout(t: Any, path: str) -> dict:
     replicated). A ``Partial`` placement (unreduced values) is refused."""
     placements = []
     for p in t.placements:
-        if p.is_shard():
+        if p.is_shard() and hasattr(p, "split_factor"):   # _StridedShard (FSDP over TP): recorded apart
+            placements.append(f"SS{p.dim}:{p.split_factor}")
+        elif p.is_shard():
             placements.append(f"S{p.dim}")
         elif p.is_replicate():
             placements.append("R")
@@ -255,6 +257,8 @@ class Binding:
     dest: list[torch.Tensor | None]
     _actions: list[Callable[[], None]]
     _aliases: list[tuple[int, int, torch.Tensor | None]]
+    #: with ``reshard``: item -> (the box of the global tensor its destination holds, global shape)
+    boxes: dict[int, tuple[Any, list[int]]] = field(default_factory=dict)
 
     def finish(self) -> None:
         for i, orig, own in self._aliases:
@@ -275,8 +279,10 @@ def _target_device(saved: str) -> torch.device:
 
 
 class _Binder:
-    def __init__(self, items: list[ItemRecord]) -> None:
+    def __init__(self, items: list[ItemRecord], reshard: bool = False) -> None:
         self.items = items
+        self.reshard = reshard
+        self.boxes: dict[int, tuple[Any, list[int]]] = {}
         self.dest: list[torch.Tensor | None] = [None] * len(items)
         self.in_place = [False] * len(items)
         self.actions: list[Callable[[], None]] = []
@@ -290,15 +296,17 @@ class _Binder:
             raise IncompatibleCheckpointError(f"saved tree at {path!r} references a tensor that does not exist")
         it = self.items[idx]
         dtype = str_to_dtype(it.dtype, path)
+        if self.reshard and dt is not None:
+            return self._bind_box(idx, template, path, dt, dtype)
         if _is_distributed_tensor(template):
             if dt is None:
-                raise IncompatibleCheckpointError(
+                raise LayoutMismatchError(
                     f"tensor at {path!r} was saved as a plain tensor but the state holds a DTensor there: "
                     "restore into the layout it was saved from (sharded state is restored shard by shard)")
             _check_layout(template, dt, path)
             template = template.to_local()
         elif dt is not None and isinstance(template, torch.Tensor):
-            raise IncompatibleCheckpointError(
+            raise LayoutMismatchError(
                 f"tensor at {path!r} was saved as a DTensor ({_describe(dt)}) but the state holds a plain "
                 "tensor there: restore into the same sharding (same mesh and placements)")
         fits = (isinstance(template, torch.Tensor) and template.dtype == dtype
@@ -311,6 +319,51 @@ class _Binder:
             self.in_place[idx] = True
         else:
             self.dest[idx] = torch.empty(it.shape, dtype=dtype, device=_target_device(it.device))
+        return self.dest[idx]
+
+    def _bind_box(self, idx: int, live: Any, path: str, dt: Any, dtype: torch.dtype) -> torch.Tensor | None:
+        """Bind a saved shard for resharding: the destination is the box of the global tensor that the
+        live state holds at ``path`` (its local shard, or the whole tensor where it holds a plain one)."""
+        from .reshard import shard_box
+
+        it = self.items[idx]
+        if it.alias_of is not None:
+            self.aliases.append((idx, it.alias_of, None))
+            return None
+        shape = dt.get("shape") if isinstance(dt, dict) else None
+        if not isinstance(shape, list):
+            raise IncompatibleCheckpointError(f"tensor at {path!r}: unreadable sharding layout {dt!r}")
+        like = live if _is_distributed_tensor(live) else self.dtensor_like.get(path.rsplit("/", 1)[0])
+        if like is not None:
+            try:
+                now = dtensor_layout(like, path)
+            except RefusedStateError as e:
+                raise IncompatibleCheckpointError(str(e)) from None
+            box, local = shard_box(now, path), like.to_local()
+            if list(box[1]) != list(local.shape):
+                raise IncompatibleCheckpointError(
+                    f"tensor at {path!r}: its local shard has shape {list(local.shape)}, but sharding "
+                    f"{now['placements']} over a {now['mesh']} mesh gives {list(box[1])}: a layout this "
+                    "library cannot reshard into")
+            gshape = now["shape"]
+            local = local if _is_distributed_tensor(live) else None
+        elif isinstance(live, torch.Tensor):
+            gshape, local = list(live.shape), live     # a whole tensor: consolidate the shards into it
+            box = (tuple([0] * live.dim()), tuple(live.shape))
+        else:
+            gshape, local = shape, None
+            box = (tuple([0] * len(shape)), tuple(shape))
+        if list(gshape) != shape or (local is not None and local.dtype != dtype):
+            have = f"{local.dtype if local is not None else dtype}{list(gshape)}".replace("torch.", "")
+            raise IncompatibleCheckpointError(
+                f"tensor at {path!r}: checkpoint has {it.dtype}{shape} (global), the state has {have}")
+        if local is not None and local.is_contiguous():
+            self.dest[idx] = local.detach()
+            self.in_place[idx] = True
+        else:
+            device = like.to_local().device if like is not None else _target_device(it.device)
+            self.dest[idx] = torch.empty(box[1], dtype=dtype, device=device)
+        self.boxes[idx] = (box, shape)
         return self.dest[idx]
 
     def decode(self, node: Any, template: Any, path: str) -> Callable[[], Any]:
@@ -392,11 +445,13 @@ class _Binder:
         local tensor, else a DTensor made on its mesh once the bytes are in. With no live DTensor (the
         state of an optimizer that has not stepped yet) the mesh comes from the state's parameter."""
         like = live if live is not None else self.dtensor_like.get(path.rsplit("/", 1)[0])
+        if like is None and self.reshard:
+            return lambda: self.dest[idx]    # consolidated into a whole (plain) tensor
         if like is None:
-            raise IncompatibleCheckpointError(
+            raise LayoutMismatchError(
                 f"tensor at {path!r} was saved as a DTensor ({_describe(dt)}) and the state has no DTensor "
                 "there to take its mesh from: restore into the same model and optimizer layout")
-        if live is None:
+        if live is None and not self.reshard:
             _check_layout(like, dt, path)   # per-parameter state (AdamW's moments) is laid out like the parameter
         from torch.distributed.tensor import DTensor
 
@@ -472,11 +527,12 @@ def _check_layout(live: Any, dt: Any, path: str) -> None:
     except RefusedStateError as e:
         raise IncompatibleCheckpointError(str(e)) from None
     if not isinstance(dt, dict) or any(now[k] != dt.get(k) for k in ("shape", "mesh", "placements", "coord")):
-        raise IncompatibleCheckpointError(
+        raise LayoutMismatchError(
             f"tensor at {path!r} was saved as a DTensor ({_describe(dt)}, coordinate "
             f"{dt.get('coord') if isinstance(dt, dict) else '?'}); the state holds {_describe(now)}, coordinate "
-            f"{now['coord']}: loading into another sharding (resharding) is not supported yet; restore on the "
-            "same number of ranks with the same mesh and placements")
+            f"{now['coord']}: a rank's own copy loads only into the layout it was saved from. To change world "
+            "size, mesh or placements, restore from a job tier (the same url on every rank when saving), "
+            "which holds every rank's shards and reshards them")
 
 
 def _skipped(node: Any) -> bool:
@@ -504,11 +560,14 @@ def _set(container: Any, key: Any, value: Any) -> None:
     container[key] = value
 
 
-def bind(state: dict, tree: Any, items: list[ItemRecord], strict: bool = True) -> Binding:
+def bind(state: dict, tree: Any, items: list[ItemRecord], strict: bool = True, reshard: bool = False) -> Binding:
     """Bind a saved tree to the live ``state`` (see :class:`Binding`).
 
     Raises :class:`IncompatibleCheckpointError` when top-level keys differ (with
-    ``strict``) or a tensor's shape or dtype does not match.
+    ``strict``) or a tensor's shape or dtype does not match, and its subclass
+    :class:`LayoutMismatchError` when sharded state was saved in another layout.
+    ``reshard``: bind sharded tensors to the box of the global tensor the live state
+    holds instead (``Binding.boxes``; the bytes then come from :mod:`ckpt.reshard`).
     """
     if not isinstance(tree, dict):
         raise IncompatibleCheckpointError("saved state tree is not a mapping")
@@ -518,10 +577,10 @@ def bind(state: dict, tree: Any, items: list[ItemRecord], strict: bool = True) -
         raise IncompatibleCheckpointError(
             f"state keys differ from the checkpoint's: missing from checkpoint {missing}, "
             f"not in the state {unexpected}; pass restore(..., strict=False) to load the common keys")
-    b = _Binder(items)
+    b = _Binder(items, reshard)
     for k, node in tree.items():
         if k in state or not strict:
             if k not in state and isinstance(node, dict) and "$obj" in node:
                 continue
             b.bind_value(state, k, node, k)
-    return Binding(b.dest, b.actions, b.aliases)
+    return Binding(b.dest, b.actions, b.aliases, b.boxes)

@@ -36,13 +36,15 @@ def distributed_world() -> int:
 class Ranks:
     """This process's place in the job and a CPU group to agree over. Collective to create."""
 
-    def __init__(self, timeout_s: float = 1800.0) -> None:
+    def __init__(self, timeout_s: float = 1800.0, own_group: bool = False) -> None:
+        """``own_group``: always make a new gloo group, for agreements that run on another thread
+        than the caller's (collectives of one group must be issued in one order on every rank)."""
         dist = torch.distributed
         if distributed_world() <= 1:
             raise RuntimeError("Ranks needs torch.distributed initialised with a world size above 1")
         self.rank = dist.get_rank()
         self.world = dist.get_world_size()
-        if dist.get_backend() == "gloo":
+        if dist.get_backend() == "gloo" and not own_group:
             self.group = None   # the default group already runs on the CPU
         else:
             self.group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))

@@ -18,8 +18,9 @@ from typing import Any
 import torch
 
 from .errors import (CheckpointError, CorruptCheckpointError, IncompatibleCheckpointError,
-                     IncompleteCheckpointError, NoCheckpointError)
+                     IncompleteCheckpointError, LayoutMismatchError, NoCheckpointError)
 from .plan import bind
+from .reshard import load_resharded
 from .tiers import LocalTier, MemoryTier, RemoteTier
 
 __all__ = ["RestoreInfo", "restore"]
@@ -43,11 +44,15 @@ class RestoreInfo:
 
 
 def restore(state: dict, memory: MemoryTier, local: LocalTier, remote: RemoteTier | None,
-            step: int | None = None, strict: bool = True) -> RestoreInfo | None:
+            step: int | None = None, strict: bool = True, job: list[int] | None = None) -> RestoreInfo | None:
     """Load the newest verified checkpoint (or ``step``) into ``state`` in place.
 
     A checkpoint read from the remote tier is written to the local tier on the
-    way (verified chunk by chunk), so the next restore is local.
+    way (verified chunk by chunk), so the next restore is local. ``job``: this
+    process's ``[rank, world size]`` in a multi-process job; a rank's own copy
+    saved at another place in the job (the world size changed) is passed over.
+    A checkpoint that several ranks saved into the remote tier (a job tier) is
+    resharded (:mod:`ckpt.reshard`) when the world size or the sharding differs.
     """
     candidates: list[tuple[int, Any]] = []
     mem = memory.newest()
@@ -70,24 +75,76 @@ def restore(state: dict, memory: MemoryTier, local: LocalTier, remote: RemoteTie
     for s, tier in candidates:
         t0 = time.perf_counter()
         try:
-            manifest = mem[1] if tier is memory else tier.open(s)[1]
-            binding = bind(state, manifest.tree, manifest.items, strict)
             if tier is remote:
-                tier.load(s, manifest, binding.dest, refill=local)
+                nbytes = _load_remote(state, remote, s, strict, local, job)
             else:
+                manifest = mem[1] if tier is memory else tier.open(s)[1]
+                _check_job(manifest, job, tier.name, s)
+                binding = bind(state, manifest.tree, manifest.items, strict)
                 tier.load(s, manifest, binding.dest)
-            _finish(binding)
+                _finish(binding)
+                nbytes = manifest.data_bytes
+        except LayoutMismatchError as e:
+            if tier is remote or remote is None:
+                raise
+            # this rank's own copy is in the old layout; the remote tier may hold the job's shards
+            log.info("step %d on the %s tier is in another layout; trying the remote tier: %s", s, tier.name, e)
+            skipped.append(f"{tier.name}:{s}: {e}")
+            continue
         except (CorruptCheckpointError, IncompleteCheckpointError, OSError, LookupError) as e:
             msg = f"step {s} on the {tier.name} tier is unusable, trying an older one: {e}"
             warnings.warn(msg, RuntimeWarning, stacklevel=3)
             log.warning(msg)
             skipped.append(f"{tier.name}:{s}: {e}")
             continue
-        info = RestoreInfo(s, tier.name, manifest.data_bytes, time.perf_counter() - t0, skipped)
+        info = RestoreInfo(s, tier.name, nbytes, time.perf_counter() - t0, skipped)
         log.info("restored step %d from the %s tier (%.3f GB in %.3f s)", s, tier.name,
                  info.nbytes / 1e9, info.seconds)
         return info
     raise NoCheckpointError("no checkpoint could be verified and loaded; tried:\n  " + "\n  ".join(skipped))
+
+
+class OtherRanksCopy(LookupError):
+    """A rank's own copy that another place in the job saved (the world size changed)."""
+
+
+def _check_job(manifest: Any, job: list[int] | None, tier: str, step: int) -> None:
+    saved = manifest.job
+    if job is not None and saved is not None and list(saved) != list(job):
+        raise OtherRanksCopy(
+            f"this {tier} copy of step {step} was saved by rank {saved[0]} of {saved[1]}, this is rank {job[0]} "
+            f"of {job[1]}: a rank's own copy cannot be resharded; a job tier (the same url on every rank) can")
+
+
+def _load_remote(state: dict, remote: RemoteTier, step: int, strict: bool, local: LocalTier,
+                 job: list[int] | None) -> int:
+    """Load ``step`` from the remote tier: this rank's own file when it was saved in the live
+    layout (also refilling the local tier), else resharded from every saved rank's file."""
+    rank, world = job if job is not None else (0, 1)
+    commit = remote.read_commit(step)
+    if commit.world_size == remote.world_size:   # laid out for this tier's place: this rank's own file
+        commit, manifest = remote.open(step)
+        _check_job(manifest, job, remote.name, step)
+        try:
+            binding = bind(state, manifest.tree, manifest.items, strict)
+        except LayoutMismatchError:
+            if commit.world_size == 1:
+                raise   # one rank's file: nothing to reshard from
+            binding = None   # same world size, another mesh or placements
+        if binding is not None:
+            remote.load(step, manifest, binding.dest, refill=local)
+            _finish(binding)
+            return manifest.data_bytes
+    manifests = remote.read_manifests(step, commit)
+    own = rank if rank < commit.world_size else 0
+    t0 = time.perf_counter()
+    binding = bind(state, manifests[own].tree, manifests[own].items, strict, reshard=True)
+    nbytes = load_resharded(manifests, own, binding.dest, binding.boxes,
+                            lambda r, m, i: remote.fetch(step, r, m, i))
+    _finish(binding)
+    log.info("resharded step %d saved by %d rank(s) into rank %d of %d (%.3f GB fetched in %.2f s)", step,
+             commit.world_size, rank, world, nbytes / 1e9, time.perf_counter() - t0)
+    return nbytes
 
 
 def _finish(binding: Any) -> None:

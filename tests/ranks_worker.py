@@ -9,6 +9,8 @@ The state is ``{"w": 8 floats, "step": int}``; at step ``s`` every element of ``
 * ``restore-30``: ``restore(step=30)``.
 * ``seconds``: ``every_seconds=50`` where rank 0's clock moves 60 s per reading and rank 1's
   never moves; prints ``committed`` and the committed steps.
+* ``same-dir`` / ``same-url``: two ranks share a ``local_dir`` / a ``url`` (three ranks for the
+  latter: the third has its own); prints ``accepted`` if the Checkpointer allows it.
 * ``skip``: ``if_busy="skip"`` with one host buffer, where rank 1's disk takes 0.5 s per write
   and saves come every 0.05 s; prints ``committed``, the committed steps and the skip count.
 
@@ -74,7 +76,8 @@ def main() -> None:
                 print("committed", sorted(c.step for c in ck.list() if "local" in c.tiers), flush=True)
         elif mode in ("same-dir", "same-url"):
             shared = mode == "same-dir"
-            url = f"file://{root}/remote" + ("" if not shared and mode == "same-url" else f"/rank-{rank}")
+            # same-url: ranks 0 and 1 share a url, rank 2 has its own (a job tier needs every rank)
+            url = f"file://{root}/remote" + ("" if mode == "same-url" and rank < 2 else f"/rank-{rank}")
             with ckpt.Checkpointer(url, local_dir=f"{root}/shared" if shared else local_dir):
                 print("accepted", flush=True)
         elif mode == "skip":

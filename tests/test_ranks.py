@@ -19,8 +19,8 @@ from helpers import assert_ok as _ok, run_ranks
 HERE = Path(__file__).parent
 
 
-def _run(root: Path, mode: str, backend: str = "gloo") -> list[subprocess.CompletedProcess]:
-    return run_ranks(HERE / "ranks_worker.py", str(root), mode, env={"CKPT_TEST_BACKEND": backend})
+def _run(root: Path, mode: str, backend: str = "gloo", world: int = 2) -> list[subprocess.CompletedProcess]:
+    return run_ranks(HERE / "ranks_worker.py", str(root), mode, world=world, env={"CKPT_TEST_BACKEND": backend})
 
 
 def _restored(results: list[subprocess.CompletedProcess]) -> list[str]:
@@ -92,10 +92,12 @@ def test_skipped_saves_are_skipped_on_every_rank(tmp_path):
     assert int(lines[0].rsplit(" ", 1)[1]) > 0, lines   # some saves were skipped
 
 
-@pytest.mark.parametrize("mode,message", [
-    ("same-dir", "is shared by ranks [0, 1]"), ("same-url", "ranks [0, 1] were given the same url")])
-def test_ranks_sharing_a_directory_or_url_are_refused(tmp_path, mode, message):
-    for r in _run(tmp_path, mode):
+@pytest.mark.parametrize("mode,message,world", [
+    ("same-dir", "is shared by ranks [0, 1]", 2),
+    ("same-url", "ranks [0, 1] were given the same url, other ranks another", 3)])
+def test_ranks_sharing_a_directory_or_part_of_them_a_url_are_refused(tmp_path, mode, message, world):
+    # one url for every rank is a job tier (tests/test_reshard.py); for only some of them it is a mistake
+    for r in _run(tmp_path, mode, world=world):
         assert r.returncode != 0 and "accepted" not in r.stdout
         assert message in r.stderr and "give every rank its own local_dir" in r.stderr, r.stderr[-2000:]
     assert not list(tmp_path.rglob(".ckpt-job-*")), "the ranks' marker files were left behind"

@@ -101,7 +101,8 @@ class LocalTier:
             sums = self._write_data(d / data_name(self.rank), manifest.data_bytes, manifest.chunk_bytes, chunk)
             if compute_checksums:
                 manifest.chunks = sums
-            local = dataclasses.replace(manifest, codecs=None, stored_sizes=None)
+            local = dataclasses.replace(manifest, codecs=None, stored_sizes=None, rank=self.rank,
+                                        world_size=self.world_size)
             raw = local.to_bytes()
             write_atomic(d / manifest_name(self.rank), raw)
             commit = Commit(step=step, world_size=self.world_size,

@@ -32,7 +32,7 @@ import torch
 
 from .. import knobs
 from ..codec import decode, encode
-from ..errors import CorruptCheckpointError, IncompleteCheckpointError
+from ..errors import CheckpointError, CorruptCheckpointError, IncompleteCheckpointError
 from ..format import (COMMIT_NAME, LATEST_NAME, Commit, ItemRecord, Manifest, data_name, manifest_name,
                       parse_step_dir, read_records, step_dir_name)
 from ..integrity import checksum
@@ -66,6 +66,7 @@ class RemoteTier:
         self.rank = rank
         self.world_size = world_size
         self.compression = compression
+        self.job: Any = None   # a Ranks over a group of its own once every rank writes here (join_job)
         self.fs, self.root = fsspec.core.url_to_fs(url, **_with_retry_defaults(url, storage_options or {}))
         self.root = self.root.rstrip("/")
         protocols = (self.fs.protocol,) if isinstance(self.fs.protocol, str) else tuple(self.fs.protocol)
@@ -92,14 +93,21 @@ class RemoteTier:
                           f"the remote tier {self.url} is not usable ({type(e).__name__}: {e}); check the URL, "
                           "that the bucket exists, and the credentials / endpoint in storage_options") from e
 
+    def join_job(self, ranks: Any) -> None:
+        """Make this the job tier: every rank of the job writes its files into one step directory
+        here and rank 0 commits the step once all have. ``ranks``: a :class:`~ckpt.ranks.Ranks` over a
+        gloo group used only by this tier's uploads (they run on the upload thread)."""
+        self.job = ranks
+        self.rank, self.world_size = ranks.rank, ranks.world
+
     def _path(self, *parts: str) -> str:
         return "/".join([self.root, *parts])
 
     def step_dir(self, step: int) -> str:
         return self._path(step_dir_name(step))
 
-    def _part(self, step: int, i: int) -> str:
-        return f"{self.step_dir(step)}/rank-{self.rank:05d}/part-{i:06d}"
+    def _part(self, step: int, i: int, rank: int | None = None) -> str:
+        return f"{self.step_dir(step)}/rank-{self.rank if rank is None else rank:05d}/part-{i:06d}"
 
     # -- listing ----------------------------------------------------------------------------------
     def committed_steps(self) -> list[int]:
@@ -122,12 +130,88 @@ class RemoteTier:
     # -- write ------------------------------------------------------------------------------------
     def write(self, step: int, manifest: Manifest, data: memoryview,
               elem_size: Callable[[int], int] | None = None) -> float:
-        """Upload ``data`` chunk by chunk (in parallel), then the manifest, then ``COMMIT``; seconds spent."""
+        """Upload ``data`` chunk by chunk (in parallel), then the manifest, then ``COMMIT``; seconds spent.
+
+        On a job tier (:meth:`join_job`) this is collective over the job's ranks, on the upload
+        thread: each rank uploads its own files, then all report (a gather of manifest checksums)
+        and rank 0 writes ``COMMIT`` for the step when every rank's upload succeeded.
+        """
         t0 = time.perf_counter()
+        if self.job is None:
+            self._write_files(step, manifest, data, elem_size, commit=True)
+            return time.perf_counter() - t0
+        try:
+            raw = self._write_files(step, manifest, data, elem_size, commit=False)
+        except BaseException:
+            self.abstain(step)   # the other ranks still wait for this rank's report
+            raise
+        self._commit_job(step, raw, manifest.data_bytes)
+        return time.perf_counter() - t0
+
+    def abstain(self, step: int) -> None:
+        """On a job tier: report that this rank has nothing to upload for ``step`` (its snapshot failed),
+        so the other ranks' uploads of it are not committed and no rank waits for this one."""
+        if self.job is not None:
+            try:
+                self._commit_job(step, None)
+            except CheckpointError:
+                pass   # expected: the step is not committed, and this rank's own error is the one reported
+            except Exception as e:   # noqa: BLE001 - the group failed (a rank died): keep the original error
+                log.error("rank %d could not report step %d to the job tier's commit: %s", self.rank, step, e)
+
+    def _commit_job(self, step: int, raw: bytes | None, data_bytes: int = 0) -> None:
+        """The job tier's commit: every rank reports (ok, manifest checksum, data size); rank 0 writes
+        ``COMMIT`` listing every rank's files if all are ok, then tells the others whether it did."""
+        job = self.job
+        mine = [1, Commit.manifest_checksum(raw), data_bytes] if raw is not None else [0, 0, 0]
+        reports = job.gather(mine)
+        failed = [r for r, rep in enumerate(reports) if rep[0] != 1]
+        committed, why = 0, ""
+        if job.rank == 0 and not failed:
+            d = self.step_dir(step)
+            try:
+                commit = Commit(step=step, world_size=job.world,
+                                manifests={manifest_name(r): rep[1] for r, rep in enumerate(reports)},
+                                data={data_name(r): rep[2] for r, rep in enumerate(reports)})
+                self.fs.pipe_file(f"{d}/{COMMIT_NAME}", commit.to_bytes())   # the checkpoint exists from here on
+                self.fs.pipe_file(self._path(LATEST_NAME), (step_dir_name(step) + "\n").encode())
+                committed = 1
+            except Exception as e:   # noqa: BLE001 - reported to every rank below
+                why = f"rank 0 could not write {d}/{COMMIT_NAME} ({type(e).__name__}: {e})"
+                log.error("%s", why)
+        committed = job.max([committed])[0]
+        if committed:
+            return
+        if raw is not None:
+            self._remove_own(step)
+        if failed:
+            why = f"rank(s) {failed} could not upload their files (their logs say why)"
+        raise CheckpointError(f"step {step} is not committed to the job tier {self.url}: {why or 'rank 0 failed to commit'}; "
+                              "the previous checkpoint there is untouched")
+
+    def _remove_own(self, step: int) -> None:
+        """Remove this rank's files of ``step`` (and, on rank 0, its ``COMMIT`` first)."""
+        d = self.step_dir(step)
+        try:
+            if self.rank == 0 and self.fs.exists(f"{d}/{COMMIT_NAME}"):
+                self.fs.rm(f"{d}/{COMMIT_NAME}")
+            for path, recursive in ((f"{d}/{manifest_name(self.rank)}", False), (f"{d}/rank-{self.rank:05d}", True)):
+                if self.fs.exists(path):
+                    self.fs.rm(path, recursive=recursive)
+        except Exception as e:   # noqa: BLE001 - retention removes leftovers later
+            log.warning("could not remove rank %d's files of step %d from %s: %s", self.rank, step, self.url, e)
+
+    def _write_files(self, step: int, manifest: Manifest, data: memoryview,
+                     elem_size: Callable[[int], int] | None, commit: bool) -> bytes:
+        """Upload this rank's parts and manifest (and with ``commit``, ``COMMIT`` and ``latest``);
+        returns the manifest's bytes. A failure removes what was uploaded and raises."""
         c, n = manifest.chunk_bytes, -(-manifest.data_bytes // manifest.chunk_bytes)
         sizer = elem_size or _dominant_elem_size(manifest.items, c)
         try:
-            self.delete(step, missing_ok=True)   # a stale or replaced copy of this step: uncommit it first
+            if self.job is None:
+                self.delete(step, missing_ok=True)   # a stale or replaced copy of this step: uncommit it first
+            else:
+                self._remove_own(step)               # the other ranks' files of this step are theirs
             self.fs.makedirs(f"{self.step_dir(step)}/rank-{self.rank:05d}", exist_ok=True)   # file:// needs it
 
             def put(i: int) -> tuple[int, str, int]:
@@ -139,28 +223,33 @@ class RemoteTier:
 
             with ThreadPoolExecutor(knobs.get("CKPT_REMOTE_THREADS"), thread_name_prefix="ckpt-upload") as ex:
                 parts = list(ex.map(put, range(n)))
-            remote = dataclasses.replace(manifest, chunks=[p[0] for p in parts], codecs=[p[1] for p in parts],
+            remote = dataclasses.replace(manifest, rank=self.rank, world_size=self.world_size,
+                                         chunks=[p[0] for p in parts], codecs=[p[1] for p in parts],
                                          stored_sizes=[p[2] for p in parts])
             if manifest.chunks and manifest.chunks != remote.chunks:
                 raise CorruptCheckpointError(f"step {step}: bytes changed while uploading (checksums differ)")
             raw = remote.to_bytes()
             d = self.step_dir(step)
             self.fs.pipe_file(f"{d}/{manifest_name(self.rank)}", raw)
-            commit = Commit(step=step, world_size=self.world_size,
-                            manifests={manifest_name(self.rank): Commit.manifest_checksum(raw)},
-                            data={data_name(self.rank): manifest.data_bytes})
-            self.fs.pipe_file(f"{d}/{COMMIT_NAME}", commit.to_bytes())   # the checkpoint exists from here on
-            self.fs.pipe_file(self._path(LATEST_NAME), (step_dir_name(step) + "\n").encode())
+            if commit:
+                record = Commit(step=step, world_size=self.world_size,
+                                manifests={manifest_name(self.rank): Commit.manifest_checksum(raw)},
+                                data={data_name(self.rank): manifest.data_bytes})
+                self.fs.pipe_file(f"{d}/{COMMIT_NAME}", record.to_bytes())   # the checkpoint exists from here on
+                self.fs.pipe_file(self._path(LATEST_NAME), (step_dir_name(step) + "\n").encode())
         except BaseException as e:
             try:
-                self.delete(step, missing_ok=True)
+                if self.job is None:
+                    self.delete(step, missing_ok=True)
+                else:
+                    self._remove_own(step)
             except Exception as cleanup:   # noqa: BLE001 - the upload error is the one to report
                 log.warning("could not remove the partial upload of step %d: %s", step, cleanup)
             if isinstance(e, OSError):
                 raise OSError(e.errno, f"uploading step {step} to {self.url} failed ({e}); the previous remote "
                               "checkpoint is untouched; check storage_options and the store") from e
             raise
-        return time.perf_counter() - t0
+        return raw
 
     def delete(self, step: int, missing_ok: bool = False) -> None:
         """Remove a checkpoint, ``COMMIT`` first."""
@@ -174,19 +263,63 @@ class RemoteTier:
             raise FileNotFoundError(d)
 
     # -- read -------------------------------------------------------------------------------------
+    def _get(self, step: int, name: str) -> bytes:
+        where = f"{self.step_dir(step)}/{name}"
+        try:
+            return self.fs.cat_file(where)
+        except FileNotFoundError:
+            raise IncompleteCheckpointError(f"{where}: missing") from None
+
     def open(self, step: int) -> tuple[Commit, Manifest]:
+        """Read and validate the commit record and this rank's manifest of ``step``
+        (:class:`~ckpt.errors.IncompatibleCheckpointError` when another world size saved it)."""
         d = self.step_dir(step)
-
-        def get(name: str) -> bytes:
-            try:
-                return self.fs.cat_file(f"{d}/{name}")
-            except FileNotFoundError:
-                raise IncompleteCheckpointError(f"{d}/{name}: missing") from None
-
-        commit, manifest = read_records(get, step, self.rank, self.world_size, d)
+        commit, manifest = read_records(lambda name: self._get(step, name), step, self.rank, self.world_size, d)
         if manifest.codecs is None:
             raise CorruptCheckpointError(f"{d}/{manifest_name(self.rank)}: remote manifest lacks part codecs")
         return commit, manifest
+
+    def read_commit(self, step: int) -> Commit:
+        """The validated commit record of ``step``, whatever world size wrote it."""
+        where = f"{self.step_dir(step)}/{COMMIT_NAME}"
+        commit = Commit.from_bytes(self._get(step, COMMIT_NAME), where)
+        if commit.step != step:
+            raise CorruptCheckpointError(f"{where}: records step {commit.step}, directory says {step}")
+        return commit
+
+    def read_manifests(self, step: int, commit: Commit) -> list[Manifest]:
+        """Every saved rank's manifest of ``step`` (fetched in parallel), each checked against ``commit``."""
+        d = self.step_dir(step)
+
+        def one(rank: int) -> Manifest:
+            name = manifest_name(rank)
+            if name not in commit.manifests:
+                raise CorruptCheckpointError(f"{d}/{COMMIT_NAME}: does not list {name}")
+            raw = self._get(step, name)
+            if Commit.manifest_checksum(raw) != commit.manifests[name]:
+                raise CorruptCheckpointError(f"{d}/{name}: checksum does not match the one recorded in {COMMIT_NAME}")
+            m = Manifest.from_bytes(raw, f"{d}/{name}")
+            if m.rank != rank or m.codecs is None or commit.data.get(data_name(rank)) != m.data_bytes:
+                raise CorruptCheckpointError(f"{d}/{name}: rank, part codecs or data size disagree with {COMMIT_NAME}")
+            return m
+
+        with ThreadPoolExecutor(knobs.get("CKPT_REMOTE_THREADS"), thread_name_prefix="ckpt-manifest") as ex:
+            return list(ex.map(one, range(commit.world_size)))
+
+    def fetch(self, step: int, rank: int, manifest: Manifest, i: int) -> bytes:
+        """Part ``i`` of saved rank ``rank``'s data, decoded and checked against its checksum."""
+        where = self._part(step, i, rank)
+        try:
+            stored = self.fs.cat_file(where)
+        except FileNotFoundError:
+            raise IncompleteCheckpointError(f"{where}: missing") from None
+        if len(stored) != manifest.stored_sizes[i]:
+            raise IncompleteCheckpointError(f"{where}: {len(stored)} bytes, {manifest.stored_sizes[i]} committed")
+        size = min(manifest.chunk_bytes, manifest.data_bytes - i * manifest.chunk_bytes)
+        raw = decode(stored, manifest.codecs[i], size, where)
+        if len(raw) != size or checksum(raw) != manifest.chunks[i]:
+            raise CorruptCheckpointError(f"{where}: fails its {manifest.checksum_algorithm} checksum")
+        return raw
 
     def load(self, step: int, manifest: Manifest, dest: list[torch.Tensor | None] | None,
              refill: Any = None) -> None:
@@ -196,17 +329,8 @@ class RemoteTier:
         c, n = manifest.chunk_bytes, len(manifest.chunks)
 
         def fetch(i: int) -> bytes:
-            where = self._part(step, i)
-            try:
-                stored = self.fs.cat_file(where)
-            except FileNotFoundError:
-                raise IncompleteCheckpointError(f"{where}: missing") from None
-            if len(stored) != manifest.stored_sizes[i]:
-                raise IncompleteCheckpointError(f"{where}: {len(stored)} bytes, {manifest.stored_sizes[i]} committed")
-            size = min(c, manifest.data_bytes - i * c)
-            raw = decode(stored, manifest.codecs[i], size, where)
-            if len(raw) != size or checksum(raw) != manifest.chunks[i]:
-                raise CorruptCheckpointError(f"{where}: fails its {manifest.checksum_algorithm} checksum")
+            raw = self.fetch(step, manifest.rank, manifest, i)
+            size = len(raw)
             if sc is not None:
                 chunk = torch.frombuffer(bytearray(raw), dtype=torch.uint8) if size else torch.empty(0, dtype=torch.uint8)
                 sc.copy(chunk, i * c)

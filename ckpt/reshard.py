@@ -1,0 +1,218 @@
+"""Load-time resharding: fill this rank's tensors from the shards that every saved rank wrote.
+
+A checkpoint of a multi-process job on a job tier (one ``url`` given to every rank) holds each
+rank's data file, and next to each sharded tensor its layout (``"$dt"``: global shape, mesh
+shape, the saving rank's coordinate on the mesh, placements). That is enough to know which box
+of the global tensor every saved shard covers. Restoring on another number of ranks, another
+mesh, or in one process that holds whole tensors works box by box:
+
+1. bind the live state to the tree of one saved rank (this rank's when it existed, else rank
+   0's), as a normal restore does, except that a sharded tensor's destination is what the live
+   state holds now: its local shard (a box of the global tensor), or the whole tensor where the
+   state holds a plain one (consolidation);
+2. for every saved rank, intersect each saved shard's box with each destination box, fetch only
+   the checksummed chunks that hold the overlap's bytes, verify them, and copy the overlap in
+   (a strided view of the fetched bytes, no temporary of the whole shard);
+3. check that the overlaps cover every destination box exactly (the saved boxes of one tensor
+   are disjoint once replicas are dropped, so the element count is an exact test).
+
+Non-sharded tensors (replicated parameters, optimizer step counters) and every JSON value come
+from the rank whose tree was bound. Box arithmetic follows DTensor's sharding rule
+(``torch.chunk``: ``ceil(size / n)`` per coordinate, the last shards smaller or empty; several
+mesh dimensions sharding one tensor dimension split it in mesh order), and each computed box is
+checked against the live local shape, so a rule this code does not know fails loudly instead of
+loading the wrong rows.
+
+Ideas from: PyTorch Distributed Checkpoint (load planning by overlap of saved and requested
+chunks) and Orbax / TensorStore (reading only the byte ranges a new sharding needs).
+"""
+
+from __future__ import annotations
+
+import math
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Callable
+
+import torch
+
+from . import knobs
+from .errors import IncompatibleCheckpointError
+from .format import ItemRecord, Manifest, str_to_dtype
+
+__all__ = ["Box", "shard_box", "overlap", "saved_layouts", "load_resharded"]
+
+#: ``(offsets, sizes)`` of a box of a global tensor, one entry per dimension
+Box = tuple[tuple[int, ...], tuple[int, ...]]
+
+
+def shard_box(layout: Any, path: str = "?") -> Box:
+    """The box of the global tensor held by the rank at ``layout["coord"]`` (DTensor's rule).
+
+    ``layout``: ``{"shape", "mesh", "coord", "placements"}`` as :func:`ckpt.plan.dtensor_layout`
+    records it. Raises :class:`IncompatibleCheckpointError` for a layout it cannot place.
+    """
+    try:
+        shape = [int(s) for s in layout["shape"]]
+        mesh = [int(m) for m in layout["mesh"]]
+        coord = [int(c) for c in layout["coord"]]
+        placements = [str(p) for p in layout["placements"]]
+    except (TypeError, KeyError, ValueError):
+        raise IncompatibleCheckpointError(f"tensor at {path!r}: unreadable sharding layout {layout!r}") from None
+    if not (len(mesh) == len(coord) == len(placements)) or any(not 0 <= c < m for c, m in zip(coord, mesh)):
+        raise IncompatibleCheckpointError(f"tensor at {path!r}: inconsistent sharding layout {layout!r}")
+    offsets = [0] * len(shape)
+    sizes = list(shape)
+    for n, c, p in zip(mesh, coord, placements):
+        if p == "R":
+            continue
+        if not (p.startswith("S") and p[1:].isdigit() and int(p[1:]) < len(shape)):
+            raise IncompatibleCheckpointError(
+                f"tensor at {path!r}: placement {p!r} cannot be resharded (only Shard(dim) and Replicate can)")
+        d = int(p[1:])
+        per = -(-sizes[d] // n)
+        start = min(per * c, sizes[d])
+        size = min(sizes[d], start + per) - start
+        offsets[d] += start
+        sizes[d] = size
+    return tuple(offsets), tuple(sizes)
+
+
+def overlap(a: Box, b: Box) -> Box | None:
+    """The intersection of two boxes, or ``None`` when it is empty."""
+    lo = tuple(max(x, y) for x, y in zip(a[0], b[0]))
+    hi = tuple(min(x + s, y + t) for x, s, y, t in zip(a[0], a[1], b[0], b[1]))
+    if any(h <= l for l, h in zip(lo, hi)):
+        return None
+    return lo, tuple(h - l for l, h in zip(lo, hi))
+
+
+def saved_layouts(tree: Any) -> dict[int, Any]:
+    """Item index -> ``"$dt"`` layout for every sharded tensor in a saved tree."""
+    found: dict[int, Any] = {}
+
+    def visit(node: Any) -> None:
+        if isinstance(node, list):
+            for x in node:
+                visit(x)
+        elif isinstance(node, dict):
+            if "$t" in node:
+                if "$dt" in node and isinstance(node["$t"], int):
+                    found[node["$t"]] = node["$dt"]
+                return
+            for x in node.values():
+                visit(x)
+
+    visit(tree)
+    return found
+
+
+def _strides(shape: tuple[int, ...] | list[int]) -> list[int]:
+    out, acc = [], 1
+    for s in reversed(shape):
+        out.append(acc)
+        acc *= s
+    return out[::-1]
+
+
+class _Copy:
+    """One copy: a box of saved item ``src`` (of rank ``rank``) into destination item ``dst``."""
+
+    __slots__ = ("src", "dst", "src_off", "dst_off", "box")
+
+    def __init__(self, src: ItemRecord, dst: int, src_off: tuple[int, ...], dst_off: tuple[int, ...],
+                 box: Box) -> None:
+        self.src, self.dst, self.src_off, self.dst_off, self.box = src, dst, src_off, dst_off, box
+
+    def span(self) -> tuple[int, int]:
+        """Bytes of the source item's data file range that hold the box (first to last element)."""
+        st = _strides(self.src.shape)
+        lo, size = self.box
+        first = sum((o - so) * s for o, so, s in zip(lo, self.src_off, st))
+        last = sum((o + n - 1 - so) * s for o, n, so, s in zip(lo, size, self.src_off, st))
+        item = str_to_dtype(self.src.dtype, self.src.key).itemsize
+        return self.src.offset + first * item, self.src.offset + (last + 1) * item
+
+
+def load_resharded(manifests: list[Manifest], own: int, dest: list[torch.Tensor | None],
+                   boxes: dict[int, tuple[Box, list[int]]],
+                   fetch: Callable[[int, Manifest, int], bytes]) -> int:
+    """Copy every saved rank's share of the bound destinations; returns the bytes fetched.
+
+    ``manifests``: every saved rank's manifest, in rank order; ``own``: the rank whose tree
+    the state was bound to (its items index ``dest``). ``boxes``: destination item -> (its box
+    of the global tensor, the global shape) for sharded tensors; every other bound item is
+    copied whole from rank ``own``. ``fetch(rank, manifest, chunk)`` returns one verified chunk.
+    """
+    items = manifests[own].items
+    covered = {i: 0 for i in boxes}
+    seen: set[tuple[str, Box]] = set()
+    total = 0
+    for rank, m in enumerate(manifests):
+        by_key = {it.key: it for it in m.items if it.alias_of is None}
+        layouts = saved_layouts(m.tree)
+        index = {id(it): j for j, it in enumerate(m.items)}
+        copies: list[_Copy] = []
+        for i, (box, gshape) in boxes.items():
+            key = items[i].key
+            src = by_key.get(key)
+            dt = layouts.get(index[id(src)]) if src is not None else None
+            if src is None or dt is None:
+                raise IncompatibleCheckpointError(
+                    f"tensor at {key!r} is sharded in the checkpoint, but saved rank {rank} holds no shard of it: "
+                    "the saved ranks disagree about the state")
+            if list(dt.get("shape", [])) != list(gshape) or src.dtype != items[i].dtype:
+                raise IncompatibleCheckpointError(
+                    f"tensor at {key!r}: saved rank {rank} holds a shard of a {src.dtype}{dt.get('shape')} tensor, "
+                    f"rank {own} of a {items[i].dtype}{list(gshape)} one")
+            sbox = shard_box(dt, key)
+            if list(sbox[1]) != src.shape:
+                raise IncompatibleCheckpointError(
+                    f"tensor at {key!r}: saved rank {rank}'s shard has shape {src.shape}, its layout says "
+                    f"{list(sbox[1])}")
+            if (key, sbox) in seen:      # a replica of a shard already copied (Replicate on some mesh dim)
+                continue
+            seen.add((key, sbox))
+            ov = overlap(sbox, box)
+            if ov is not None and math.prod(ov[1]) > 0:
+                copies.append(_Copy(src, i, sbox[0], box[0], ov))
+                covered[i] += math.prod(ov[1])
+        if rank == own:
+            for i, it in enumerate(items):
+                if i not in boxes and it.alias_of is None and dest[i] is not None:
+                    full = (tuple([0] * len(it.shape)), tuple(it.shape))
+                    copies.append(_Copy(it, i, full[0], full[0], full))
+        if copies:
+            total += _copy_from(rank, m, copies, dest, fetch)
+    for i, n in covered.items():
+        if n != dest[i].numel():
+            raise IncompatibleCheckpointError(
+                f"tensor at {items[i].key!r}: the saved shards cover {n} of the {dest[i].numel()} elements this "
+                "rank holds: the checkpoint's global shape or sharding does not fit the state")
+    return total
+
+
+def _copy_from(rank: int, m: Manifest, copies: list[_Copy], dest: list[torch.Tensor | None],
+               fetch: Callable[[int, Manifest, int], bytes]) -> int:
+    """Fetch the chunks of rank ``rank``'s file that ``copies`` need (in parallel), then copy."""
+    c = m.chunk_bytes
+    spans = [cp.span() for cp in copies]
+    need = sorted({k for a, b in spans if b > a for k in range(a // c, (b - 1) // c + 1)})
+    with ThreadPoolExecutor(knobs.get("CKPT_REMOTE_THREADS"), thread_name_prefix="ckpt-reshard") as ex:
+        chunks = dict(zip(need, ex.map(lambda k: fetch(rank, m, k), need)))
+    for cp, (a, b) in zip(copies, spans):
+        raw = bytearray(b - a)
+        pos = a
+        while pos < b:
+            k = pos // c
+            take = min(b, (k + 1) * c) - pos
+            raw[pos - a:pos - a + take] = chunks[k][pos - k * c:pos - k * c + take]
+            pos += take
+        dtype = str_to_dtype(cp.src.dtype, cp.src.key)
+        flat = torch.frombuffer(raw, dtype=torch.uint8).view(dtype) if raw else torch.empty(0, dtype=dtype)
+        lo, size = cp.box
+        src = torch.as_strided(flat, size, _strides(cp.src.shape)) if size else flat.reshape(())
+        dst = dest[cp.dst]
+        for d, (o, n, off) in enumerate(zip(lo, size, cp.dst_off)):
+            dst = dst.narrow(d, o - off, n)
+        dst.copy_(src)
+    return sum(len(v) for v in chunks.values())

@@ -1,0 +1,86 @@
+"""Job tier and load-time resharding, through real multi-process gloo jobs (tests/reshard_worker.py).
+
+Every rank gives the same url: the ranks' files of a step share one directory there and rank 0
+commits the step once every rank's upload succeeded. Such a checkpoint restores on another number
+of ranks, into other placements, or into one process holding whole tensors.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from ckpt.format import COMMIT_NAME, Commit, step_dir_name
+from ckpt.reshard import overlap, shard_box
+from helpers import assert_ok, run_ranks
+
+HERE = Path(__file__).parent
+WORKER = HERE / "reshard_worker.py"
+
+
+def _run(root: Path, mode: str, world: int) -> list[subprocess.CompletedProcess]:
+    if world == 1:
+        r = subprocess.run([sys.executable, str(WORKER), str(root), "0", "1", mode], capture_output=True, text=True,
+                           timeout=180, env={**__import__("os").environ, "PYTHONPATH": str(HERE)})
+        return [r]
+    return run_ranks(WORKER, str(root), mode, world=world)
+
+
+def _line(results: list[subprocess.CompletedProcess], prefix: str) -> list[str]:
+    assert_ok(results)
+    return [next(l for l in r.stdout.splitlines() if l.startswith(prefix)) for r in results
+            if any(l.startswith(prefix) for l in r.stdout.splitlines())]
+
+
+def test_shard_boxes_follow_dtensor_rule():
+    # 7 rows over 3 ranks: torch.chunk gives 3, 3, 1; 2 rows over 3: 1, 1, 0
+    boxes = [shard_box({"shape": [7, 5], "mesh": [3], "coord": [c], "placements": ["S0"]}) for c in range(3)]
+    assert boxes == [((0, 0), (3, 5)), ((3, 0), (3, 5)), ((6, 0), (1, 5))]
+    assert shard_box({"shape": [2, 3], "mesh": [3], "coord": [2], "placements": ["S0"]})[1] == (0, 3)
+    # two mesh dims sharding one tensor dim split it in mesh order; Replicate keeps the whole dim
+    assert shard_box({"shape": [8, 4], "mesh": [2, 2], "coord": [1, 0], "placements": ["S0", "S0"]}) == ((4, 0), (2, 4))
+    assert shard_box({"shape": [8, 4], "mesh": [2, 2], "coord": [1, 1], "placements": ["R", "S1"]}) == ((0, 2), (8, 2))
+    assert overlap(((0, 0), (3, 5)), ((2, 1), (4, 4))) == ((2, 1), (1, 4))
+    assert overlap(((0, 0), (3, 5)), ((3, 0), (3, 5))) is None
+
+
+@pytest.mark.parametrize("placement", ["SS0:2", "P"])
+def test_unknown_placements_are_refused_with_the_path(placement):
+    from ckpt.errors import IncompatibleCheckpointError
+
+    with pytest.raises(IncompatibleCheckpointError, match="model/w.*cannot be resharded"):
+        shard_box({"shape": [4], "mesh": [2], "coord": [0], "placements": [placement]}, "model/w")
+
+
+@pytest.mark.parametrize("save_world,load_world", [(2, 3), (3, 2), (2, 2)])
+def test_dtensors_reshard_to_another_world_size_and_placements(tmp_path, save_world, load_world):
+    assert _line(_run(tmp_path, "save-dt", save_world), "saved") == ["saved"] * save_world
+    step = tmp_path / "job" / step_dir_name(5)
+    commit = Commit.from_bytes((step / COMMIT_NAME).read_bytes(), "COMMIT")
+    assert commit.world_size == save_world and len(commit.manifests) == save_world   # rank 0's global commit
+    assert _line(_run(tmp_path, "load-dt", load_world), "restored") == ["restored 5 from remote"] * load_world
+
+
+def test_one_process_consolidates_a_sharded_checkpoint(tmp_path):
+    assert_ok(_run(tmp_path, "save-dt", 3))
+    assert _line(_run(tmp_path, "load-whole", 1), "restored") == ["restored 5 from remote"]
+
+
+def test_fsdp2_model_and_optimizer_resume_on_another_world_size(tmp_path):
+    saved = _line(_run(tmp_path, "fsdp-save", 2), "digest")
+    for world in (3, 1):   # three FSDP2 ranks; one process with the model unsharded
+        got = _run(tmp_path, "fsdp-load" if world > 1 else "fsdp-whole", world)
+        assert _line(got, "restored") == ["restored 3"] * world
+        assert _line(got, "digest") == saved, f"world {world}: restored parameters or optimizer state differ"
+
+
+def test_a_failed_upload_on_one_rank_commits_the_step_nowhere(tmp_path):
+    results = _run(tmp_path, "commit-fail", 2)
+    assert _line(results, "errors") == ["errors [2]"] * 2
+    assert _line(results, "remote") == ["remote [1, 3]"] * 2
+    assert "not committed to the job tier" in results[0].stdout and "rank(s) [1]" in results[0].stdout
+    assert "injected upload failure" in results[1].stdout
+    assert not (tmp_path / "job" / step_dir_name(2) / COMMIT_NAME).exists()
