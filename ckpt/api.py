@@ -57,7 +57,12 @@ class Checkpointer:
         url: the durable remote tier, any fsspec URL (``s3://bucket/run``,
             ``gs://...``, ``file:///...``, ``memory://...``), or ``None``.
             Resolved once with ``storage_options``; uploads run beside the local
-            write, straight from host memory.
+            write, straight from host memory. In a multi-process job (``collective``)
+            give every rank the same url: it becomes the *job tier*, one step
+            directory holding every rank's files, committed by rank 0 once all
+            ranks' uploads succeeded, and restorable on another number of ranks,
+            into another mesh or placements, or into one process holding whole
+            tensors (resharding by overlap of shards).
         storage_options: passed to fsspec for ``url`` (endpoint, credentials,
             retry configuration).
         compression: ``None`` or ``"zstd"`` (byte-shuffled, per chunk) for the
@@ -103,9 +108,11 @@ class Checkpointer:
     scheduler, any object with ``state_dict()``/``load_state_dict()``, tensors,
     numpy arrays, JSON-safe values, and dicts/lists of those. Each process saves
     its own state (CPU or one GPU per process): a full replica in data-parallel
-    jobs, its shards of DTensors (FSDP2, tensor parallel), which restore checks
-    and loads into the same layout (same mesh and placements; no resharding
-    yet). In a multi-process job give each rank its own ``local_dir`` (and ``url``).
+    jobs, its shards of DTensors (FSDP2, tensor parallel) with their layout. In a
+    multi-process job give each rank its own ``local_dir`` and all ranks one
+    ``url``. A rank's own copies (memory, local) load only into the layout they
+    were saved from; when the world size, mesh or placements changed, restore
+    passes them over and reshards from the job tier.
     """
 
     def __init__(self, url: str | None = None, *, local_dir: str | os.PathLike | LocalTier | None = None,
@@ -333,7 +340,9 @@ class Checkpointer:
         Collective in a multi-process job (``collective``): every rank returns the
         same step, the newest that all of them hold and can load (older ones are
         tried when a rank finds its copy corrupt); a rank that cannot load a step
-        because it does not fit the state makes every rank raise.
+        because it does not fit the state makes every rank raise. A checkpoint on
+        the job tier saved by another number of ranks or in another sharding is
+        resharded into the live layout (``last_restore.tier`` is ``"remote"``).
         """
         self._check_open()
         with self._lock:

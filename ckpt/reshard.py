@@ -30,9 +30,11 @@ chunks) and Orbax / TensorStore (reading only the byte ranges a new sharding nee
 from __future__ import annotations
 
 import math
+import warnings
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
 
+import numpy as np
 import torch
 
 from . import knobs
@@ -147,42 +149,10 @@ def load_resharded(manifests: list[Manifest], own: int, dest: list[torch.Tensor 
     covered = {i: 0 for i in boxes}
     seen: set[tuple[str, Box]] = set()
     total = 0
-    for rank, m in enumerate(manifests):
-        by_key = {it.key: it for it in m.items if it.alias_of is None}
-        layouts = saved_layouts(m.tree)
-        index = {id(it): j for j, it in enumerate(m.items)}
-        copies: list[_Copy] = []
-        for i, (box, gshape) in boxes.items():
-            key = items[i].key
-            src = by_key.get(key)
-            dt = layouts.get(index[id(src)]) if src is not None else None
-            if src is None or dt is None:
-                raise IncompatibleCheckpointError(
-                    f"tensor at {key!r} is sharded in the checkpoint, but saved rank {rank} holds no shard of it: "
-                    "the saved ranks disagree about the state")
-            if list(dt.get("shape", [])) != list(gshape) or src.dtype != items[i].dtype:
-                raise IncompatibleCheckpointError(
-                    f"tensor at {key!r}: saved rank {rank} holds a shard of a {src.dtype}{dt.get('shape')} tensor, "
-                    f"rank {own} of a {items[i].dtype}{list(gshape)} one")
-            sbox = shard_box(dt, key)
-            if list(sbox[1]) != src.shape:
-                raise IncompatibleCheckpointError(
-                    f"tensor at {key!r}: saved rank {rank}'s shard has shape {src.shape}, its layout says "
-                    f"{list(sbox[1])}")
-            if (key, sbox) in seen:      # a replica of a shard already copied (Replicate on some mesh dim)
-                continue
-            seen.add((key, sbox))
-            ov = overlap(sbox, box)
-            if ov is not None and math.prod(ov[1]) > 0:
-                copies.append(_Copy(src, i, sbox[0], box[0], ov))
-                covered[i] += math.prod(ov[1])
-        if rank == own:
-            for i, it in enumerate(items):
-                if i not in boxes and it.alias_of is None and dest[i] is not None:
-                    full = (tuple([0] * len(it.shape)), tuple(it.shape))
-                    copies.append(_Copy(it, i, full[0], full[0], full))
-        if copies:
-            total += _copy_from(rank, m, copies, dest, fetch)
+    # one pool for the whole load: starting threads while others hold the GIL costs up to 0.1 s each
+    with ThreadPoolExecutor(knobs.get("CKPT_REMOTE_THREADS"), thread_name_prefix="ckpt-reshard") as pool:
+        for rank, m in enumerate(manifests):
+            total += _from_rank(rank, m, own, items, boxes, covered, seen, dest, fetch, pool)
     for i, n in covered.items():
         if n != dest[i].numel():
             raise IncompatibleCheckpointError(
@@ -191,24 +161,71 @@ def load_resharded(manifests: list[Manifest], own: int, dest: list[torch.Tensor 
     return total
 
 
+def _from_rank(rank: int, m: Manifest, own: int, items: list[ItemRecord], boxes: dict[int, tuple[Box, list[int]]],
+               covered: dict[int, int], seen: set[tuple[str, Box]], dest: list[torch.Tensor | None],
+               fetch: Callable[[int, Manifest, int], bytes], pool: ThreadPoolExecutor) -> int:
+    """Copy saved rank ``rank``'s share into ``dest``; returns the bytes fetched."""
+    by_key = {it.key: it for it in m.items if it.alias_of is None}
+    layouts = saved_layouts(m.tree)
+    index = {id(it): j for j, it in enumerate(m.items)}
+    copies: list[_Copy] = []
+    for i, (box, gshape) in boxes.items():
+        key = items[i].key
+        src = by_key.get(key)
+        dt = layouts.get(index[id(src)]) if src is not None else None
+        if src is None or dt is None:
+            raise IncompatibleCheckpointError(
+                f"tensor at {key!r} is sharded in the checkpoint, but saved rank {rank} holds no shard of it: "
+                "the saved ranks disagree about the state")
+        if list(dt.get("shape", [])) != list(gshape) or src.dtype != items[i].dtype:
+            raise IncompatibleCheckpointError(
+                f"tensor at {key!r}: saved rank {rank} holds a shard of a {src.dtype}{dt.get('shape')} tensor, "
+                f"rank {own} of a {items[i].dtype}{list(gshape)} one")
+        sbox = shard_box(dt, key)
+        if list(sbox[1]) != src.shape:
+            raise IncompatibleCheckpointError(
+                f"tensor at {key!r}: saved rank {rank}'s shard has shape {src.shape}, its layout says "
+                f"{list(sbox[1])}")
+        if (key, sbox) in seen:      # a replica of a shard already copied (Replicate on some mesh dim)
+            continue
+        seen.add((key, sbox))
+        ov = overlap(sbox, box)
+        if ov is not None and math.prod(ov[1]) > 0:
+            copies.append(_Copy(src, i, sbox[0], box[0], ov))
+            covered[i] += math.prod(ov[1])
+    if rank == own:
+        for i, it in enumerate(items):
+            if i not in boxes and it.alias_of is None and dest[i] is not None:
+                full = (tuple([0] * len(it.shape)), tuple(it.shape))
+                copies.append(_Copy(it, i, full[0], full[0], full))
+    return _copy_from(rank, m, copies, dest, fetch, pool) if copies else 0
+
+
 def _copy_from(rank: int, m: Manifest, copies: list[_Copy], dest: list[torch.Tensor | None],
-               fetch: Callable[[int, Manifest, int], bytes]) -> int:
+               fetch: Callable[[int, Manifest, int], bytes], pool: ThreadPoolExecutor) -> int:
     """Fetch the chunks of rank ``rank``'s file that ``copies`` need (in parallel), then copy."""
     c = m.chunk_bytes
     spans = [cp.span() for cp in copies]
     need = sorted({k for a, b in spans if b > a for k in range(a // c, (b - 1) // c + 1)})
-    with ThreadPoolExecutor(knobs.get("CKPT_REMOTE_THREADS"), thread_name_prefix="ckpt-reshard") as ex:
-        chunks = dict(zip(need, ex.map(lambda k: fetch(rank, m, k), need)))
+    chunks = dict(zip(need, pool.map(lambda k: fetch(rank, m, k), need)))
+    views = {k: np.frombuffer(v, dtype=np.uint8) for k, v in chunks.items()}
     for cp, (a, b) in zip(copies, spans):
-        raw = bytearray(b - a)
-        pos = a
-        while pos < b:
-            k = pos // c
-            take = min(b, (k + 1) * c) - pos
-            raw[pos - a:pos - a + take] = chunks[k][pos - k * c:pos - k * c + take]
-            pos += take
+        k = a // c
+        if b > a and (b - 1) // c == k:   # inside one chunk: a view of it, no copy (only ever read)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", UserWarning)   # "non-writable buffer": it is only read
+                raw = torch.frombuffer(chunks[k], dtype=torch.uint8, count=b - a, offset=a - k * c)
+        else:
+            raw = torch.empty(b - a, dtype=torch.uint8)
+            out = raw.numpy()
+            pos = a
+            while pos < b:   # one copy of the span's bytes out of the chunks (numpy views of them copy nothing)
+                k = pos // c
+                take = min(b, (k + 1) * c) - pos
+                out[pos - a:pos - a + take] = views[k][pos - k * c:pos - k * c + take]
+                pos += take
         dtype = str_to_dtype(cp.src.dtype, cp.src.key)
-        flat = torch.frombuffer(raw, dtype=torch.uint8).view(dtype) if raw else torch.empty(0, dtype=dtype)
+        flat = raw.view(dtype)
         lo, size = cp.box
         src = torch.as_strided(flat, size, _strides(cp.src.shape)) if size else flat.reshape(())
         dst = dest[cp.dst]

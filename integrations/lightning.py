@@ -467,9 +467,10 @@ class CheckpointCallback(Callback):
 
     Multi-process strategies (DDP on several devices or nodes): the process
     group starts after the callback was built, so at ``setup`` the callback
-    makes its engine again, one per rank, collectively: ``local_dir`` (and
-    ``url``) get a ``rank-<r>`` subdirectory and the ranks resume the newest
-    step that all of them hold. A ``checkpointer=`` passed in is refused there
+    makes its engine again, one per rank, collectively: ``local_dir`` gets a
+    ``rank-<r>`` subdirectory, ``url`` is shared by all ranks (the job tier:
+    one step directory, committed by rank 0, that restores on another number
+    of ranks too), and the ranks resume the newest step that all of them hold. A ``checkpointer=`` passed in is refused there
     (it was made before the process group); pass its arguments instead.
 
     Args:
@@ -512,7 +513,8 @@ class CheckpointCallback(Callback):
 
     def _build(self) -> Checkpointer:
         """A Checkpointer from the callback's arguments; on a multi-process strategy one per rank:
-        ``local_dir`` and ``url`` get a ``rank-<r>`` subdirectory, and the ranks agree (collective)."""
+        ``local_dir`` gets a ``rank-<r>`` subdirectory, ``url`` is shared (the job tier), and the ranks
+        agree (collective)."""
         if distributed_world() <= 1:
             return Checkpointer(**self._args)
         args = dict(self._args)
@@ -522,9 +524,7 @@ class CheckpointCallback(Callback):
             raise ValueError("CheckpointCallback on a multi-process strategy gives every rank its own "
                              f"subdirectory of local_dir, which must then be a path (got {type(local).__name__})")
         args["local_dir"] = os.path.join(local, sub)
-        if isinstance(args.get("url"), str):
-            args["url"] = args["url"].rstrip("/") + "/" + sub
-        return Checkpointer(**args)
+        return Checkpointer(**args)   # the url stays one for all ranks: the job tier, which can reshard
 
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         # Multi-process strategies start the process group after this callback was built: make the

@@ -3,7 +3,8 @@
     python lightning_ddp_worker.py CKPT_DIR MAX_STEPS
 
 Lightning's launcher starts rank 1 by running this script again. Trains a tiny model with
-``CheckpointCallback(local_dir=CKPT_DIR, every_steps=2)`` and writes, on each rank, the line
+``CheckpointCallback(local_dir=CKPT_DIR, url=file://CKPT_DIR/job, every_steps=2)`` (one url for
+both ranks: the job tier) and writes, on each rank, the line
 ``restored S dir D`` (S: the step the callback resumed from, D: its checkpoint directory) to
 ``CKPT_DIR/result-<rank>.txt`` (the two processes share stdout).
 """
@@ -37,7 +38,7 @@ def main() -> None:
     ckpt_dir, max_steps = sys.argv[1], int(sys.argv[2])
     torch.manual_seed(0)
     data = TensorDataset(torch.randn(64, 4), torch.randn(64, 1))
-    cb = CheckpointCallback(local_dir=ckpt_dir, every_steps=2)
+    cb = CheckpointCallback(local_dir=ckpt_dir, url=f"file://{ckpt_dir}/job", every_steps=2)
     trainer = L.Trainer(accelerator="cpu", devices=2, strategy="ddp", max_steps=max_steps, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                         callbacks=[cb])

@@ -14,6 +14,7 @@ local directory ``ROOT/local-<WORLD>/rank-<RANK>``. ``WORLD`` 1 runs without tor
 * ``fsdp-load``: a fresh FSDP2 model and optimizer (``WORLD`` may differ) restored; prints ``digest D``,
   then trains one more step (the restored optimizer state must be usable).
 * ``fsdp-whole``: one process, the same model unsharded with a plain AdamW, restored; prints ``digest D``.
+* ``steps-differ``: rank 0 saves step 1, rank 1 step 2 (a mistake); prints ``error`` and ``remote``.
 * ``commit-fail``: saves steps 1..3 every step; rank 1's upload of step 2 fails. Prints ``errors``
   with the steps whose save failed on this rank and ``remote`` with the steps committed there.
 """
@@ -142,6 +143,17 @@ def main() -> None:
                 except (ckpt.CheckpointError, OSError):
                     pass   # the failure above, raised again by the checkpointer
                 print("errors", errors, flush=True)
+                print("remote", sorted(c.step for c in ck.list() if "remote" in c.tiers), flush=True)
+        elif mode == "steps-differ":   # a rank-dependent save: rank 0 saves step 1, rank 1 step 2
+            with ckpt.Checkpointer(url, local_dir=local) as ck:
+                try:
+                    ck.save(1 + rank, {"w": torch.ones(2)}).wait("remote")
+                except ckpt.CheckpointError as e:
+                    print(f"error {e}", flush=True)
+                try:
+                    ck.wait()
+                except ckpt.CheckpointError:
+                    pass
                 print("remote", sorted(c.step for c in ck.list() if "remote" in c.tiers), flush=True)
     finally:
         if world > 1:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import io
+import json
 import os
 import re
 import signal
@@ -308,4 +309,8 @@ def test_callback_on_two_ddp_ranks_checkpoints_each_rank_and_resumes_both(tmp_pa
     for r in range(2):
         assert sorted(p.name for p in (tmp_path / f"rank-{r:05d}").glob("step-*")) == \
             ["step-000000002", "step-000000004"]
+    # both ranks' files of a step share one directory of the url, committed once by rank 0
+    commit = json.loads((tmp_path / "job" / "step-000000004" / "COMMIT").read_text())
+    assert commit["world_size"] == 2 and sorted(commit["manifests"]) == [
+        "rank-00000.manifest.json", "rank-00001.manifest.json"]
     assert run(6) == [f"restored 4 dir {tmp_path / f'rank-{r:05d}'}" for r in range(2)]

@@ -84,3 +84,10 @@ def test_a_failed_upload_on_one_rank_commits_the_step_nowhere(tmp_path):
     assert "not committed to the job tier" in results[0].stdout and "rank(s) [1]" in results[0].stdout
     assert "injected upload failure" in results[1].stdout
     assert not (tmp_path / "job" / step_dir_name(2) / COMMIT_NAME).exists()
+
+
+def test_ranks_saving_different_steps_commit_nothing_and_say_why(tmp_path):
+    results = _run(tmp_path, "steps-differ", 2)
+    assert _line(results, "remote") == ["remote []"] * 2
+    for r in results:
+        assert "uploaded different steps ([1, 2])" in r.stdout and "every rank must save the same steps" in r.stdout

@@ -160,14 +160,21 @@ class RemoteTier:
                 log.error("rank %d could not report step %d to the job tier's commit: %s", self.rank, step, e)
 
     def _commit_job(self, step: int, raw: bytes | None, data_bytes: int = 0) -> None:
-        """The job tier's commit: every rank reports (ok, manifest checksum, data size); rank 0 writes
-        ``COMMIT`` listing every rank's files if all are ok, then tells the others whether it did."""
+        """The job tier's commit: every rank reports (ok, manifest checksum, data size, step); rank 0
+        writes ``COMMIT`` listing every rank's files if all are ok and agree on the step, then tells the
+        others whether it did. Raises :class:`~ckpt.errors.CheckpointError` when the step is not committed."""
         job = self.job
-        mine = [1, Commit.manifest_checksum(raw), data_bytes] if raw is not None else [0, 0, 0]
+        ok = raw is not None
+        mine = [int(ok), Commit.manifest_checksum(raw) if ok else 0, data_bytes, step]
         reports = job.gather(mine)
         failed = [r for r, rep in enumerate(reports) if rep[0] != 1]
         committed, why = 0, ""
-        if job.rank == 0 and not failed:
+        steps = sorted({rep[3] for rep in reports})
+        if len(steps) > 1:   # saves paired up across ranks in order: a rank saved steps the others did not
+            failed, why = [], (f"the ranks uploaded different steps ({steps}): with one url for all ranks every "
+                                "rank must save the same steps (call save / maybe_save on every rank)")
+            log.error("%s", why)
+        if job.rank == 0 and not failed and not why:
             d = self.step_dir(step)
             try:
                 commit = Commit(step=step, world_size=job.world,
@@ -186,7 +193,9 @@ class RemoteTier:
             self._remove_own(step)
         if failed:
             why = f"rank(s) {failed} could not upload their files (their logs say why)"
-        raise CheckpointError(f"step {step} is not committed to the job tier {self.url}: {why or 'rank 0 failed to commit'}; "
+        elif not why:
+            why = "rank 0 could not write COMMIT (its log says why)"
+        raise CheckpointError(f"step {step} is not committed to the job tier {self.url}: {why}; "
                               "the previous checkpoint there is untouched")
 
     def _remove_own(self, step: int) -> None:
