@@ -132,6 +132,8 @@ def main() -> None:
     ap.add_argument("--dir", default=None, help="where to write (default: a temporary directory)")
     ap.add_argument("--csv", type=Path, default=None)
     args = ap.parse_args()
+    if args.load_world == args.save_world and args.load_dim == 0:
+        ap.error("that is the saved layout (nothing to reshard): change --load-world or pass --load-dim 1")
     n = args.mb * 2**20 // PER_MATRIX
     if n < 1:
         ap.error(f"--mb must be at least {PER_MATRIX // 2**20 + 1}")
