@@ -103,6 +103,11 @@ class Checkpointer:
             steps everywhere. The agreement runs over a CPU (gloo) group, never
             synchronising the GPU. ``False``: every rank decides alone (for code
             that checkpoints from one rank only).
+        replicated: top-level state keys whose plain tensors are the same on every
+            rank (a DDP model and its optimizer: ``("model", "optim")``). On a job
+            tier only rank 0 uploads them; the other ranks' restores read them from
+            rank 0's files. DTensor shards are never treated as replicated. Every
+            rank's local tier keeps its full state either way. Default: none.
 
     A ``state`` is a dict of name -> value: ``nn.Module``, optimizer, LR
     scheduler, any object with ``state_dict()``/``load_state_dict()``, tensors,
@@ -123,7 +128,8 @@ class Checkpointer:
                  on_unsupported: str = "error", interval: str | None = None, mtbf: float | None = None,
                  restart_cost: float = 0.0, signals: tuple = (), drain_deadline: float = 30.0,
                  drain_tier: str = "local", on_preempt: str = "exit",
-                 clock: Callable[[], float] = time.monotonic, collective: bool | None = None) -> None:
+                 clock: Callable[[], float] = time.monotonic, collective: bool | None = None,
+                 replicated: tuple[str, ...] | list[str] = ()) -> None:
         local_dir = local_dir if local_dir is not None else os.environ.get("CKPT_LOCAL_DIR")
         if local_dir is None:
             raise ValueError("Checkpointer needs a local tier: pass local_dir=... or set $CKPT_LOCAL_DIR")
@@ -131,6 +137,9 @@ class Checkpointer:
             self.if_busy = IfBusy(if_busy)
         except ValueError:
             raise ValueError(f"if_busy must be 'wait' or 'skip', got {if_busy!r}") from None
+        if isinstance(replicated, str) or not all(isinstance(k, str) for k in replicated):
+            raise ValueError(f"replicated must be a tuple of top-level state keys, got {replicated!r}")
+        self.replicated = frozenset(replicated)
         if on_unsupported not in ("error", "skip"):
             raise ValueError(f"on_unsupported must be 'error' or 'skip', got {on_unsupported!r}")
         if host_memory_limit is not None and host_memory_limit <= 0:
@@ -284,9 +293,11 @@ class Checkpointer:
             handle._skip()
             stats.stall_s = time.perf_counter() - t0
             return handle
+        shared = [i for i, e in enumerate(plan.entries)
+                  if not e.sharded and e.key.split("/", 1)[0] in self.replicated] if self.replicated else []
         manifest = Manifest(step=step, rank=0, world_size=1, data_bytes=data_bytes,
                             chunk_bytes=knobs.get("CKPT_CHUNK_BYTES"), chunks=[], items=records, tree=plan.tree,
-                            job=self._job)
+                            job=self._job, replicated=shared or None)
         snap = Snapshot(step, plan.entries, records, data_bytes, manifest, buf, stats)
         try:
             stage(snap, self._side_stream)

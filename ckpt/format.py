@@ -136,6 +136,7 @@ class Manifest:
     codecs: list[str] | None = None        # per chunk, on tiers that encode chunks (remote); None: raw
     stored_sizes: list[int] | None = None  # per chunk, bytes as stored (after the codec)
     job: list[int] | None = None           # [rank, world size] of the multi-process job that saved it
+    replicated: list[int] | None = None    # items the same on every rank: a job tier stores them once (rank 0)
     checksum_algorithm: str = ALGORITHM
     format_version: int = FORMAT_VERSION
     created_unix: float = field(default_factory=time.time)
@@ -182,6 +183,10 @@ class Manifest:
         if self.job is not None and not (isinstance(self.job, list) and len(self.job) == 2
                                          and all(_is_nonneg_int(v) for v in self.job) and self.job[0] < self.job[1]):
             raise bad(f"job must be [rank, world size], got {self.job!r}")
+        if self.replicated is not None and not (
+                isinstance(self.replicated, list)
+                and all(_is_nonneg_int(i) and i < len(self.items) for i in self.replicated)):
+            raise bad("replicated must list item indices")
         for i, it in enumerate(self.items):
             dtype = str_to_dtype(it.dtype, where)
             if not isinstance(it.key, str) or not isinstance(it.device, str):

@@ -49,6 +49,7 @@ class Entry:
     is_buffer: bool = False          # mutated in place by forward (BatchNorm running stats)
     alias_of: int | None = None      # shares memory with an earlier entry
     version: int = 0                 # tensor._version when captured, to detect in-place writes
+    sharded: bool = False            # a DTensor's local shard
 
 
 @dataclass
@@ -121,7 +122,7 @@ class _Flattener:
             alias = self._seen.get(ident)
             if alias is None:
                 self._seen[ident] = idx
-        self.entries.append(Entry(path, t, is_buffer, alias, t._version))
+        self.entries.append(Entry(path, t, is_buffer, alias, t._version, dt is not None))
         return {"$t": idx} if dt is None else {"$t": idx, "$dt": dt}
 
     def walk(self, v: Any, path: str, buffers: frozenset[str] = frozenset(), rel: str = "") -> Any:

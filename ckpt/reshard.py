@@ -17,7 +17,8 @@ mesh, or in one process that holds whole tensors works box by box:
    are disjoint once replicas are dropped, so the element count is an exact test).
 
 Non-sharded tensors (replicated parameters, optimizer step counters) and every JSON value come
-from the rank whose tree was bound. Box arithmetic follows DTensor's sharding rule
+from the rank whose tree was bound, except the tensors it marked replicated
+(``Checkpointer(replicated=...)``): it did not upload them, and they come from rank 0. Box arithmetic follows DTensor's sharding rule
 (``torch.chunk``: ``ceil(size / n)`` per coordinate, the last shards smaller or empty; several
 mesh dimensions sharding one tensor dimension split it in mesh order), and each computed box is
 checked against the live local shape, so a rule this code does not know fails loudly instead of
@@ -146,13 +147,15 @@ def load_resharded(manifests: list[Manifest], own: int, dest: list[torch.Tensor 
     copied whole from rank ``own``. ``fetch(rank, manifest, chunk)`` returns one verified chunk.
     """
     items = manifests[own].items
+    # tensors rank ``own`` marked replicated come from rank 0, which stored them for every rank
+    from_zero = {i for i in (manifests[own].replicated or ()) if i not in boxes} if own else set()
     covered = {i: 0 for i in boxes}
     seen: set[tuple[str, Box]] = set()
     total = 0
     # one pool for the whole load: starting threads while others hold the GIL costs up to 0.1 s each
     with ThreadPoolExecutor(knobs.get("CKPT_REMOTE_THREADS"), thread_name_prefix="ckpt-reshard") as pool:
         for rank, m in enumerate(manifests):
-            total += _from_rank(rank, m, own, items, boxes, covered, seen, dest, fetch, pool)
+            total += _from_rank(rank, m, own, items, boxes, covered, seen, dest, fetch, pool, from_zero)
     for i, n in covered.items():
         if n != dest[i].numel():
             raise IncompatibleCheckpointError(
@@ -163,7 +166,8 @@ def load_resharded(manifests: list[Manifest], own: int, dest: list[torch.Tensor 
 
 def _from_rank(rank: int, m: Manifest, own: int, items: list[ItemRecord], boxes: dict[int, tuple[Box, list[int]]],
                covered: dict[int, int], seen: set[tuple[str, Box]], dest: list[torch.Tensor | None],
-               fetch: Callable[[int, Manifest, int], bytes], pool: ThreadPoolExecutor) -> int:
+               fetch: Callable[[int, Manifest, int], bytes], pool: ThreadPoolExecutor,
+               from_zero: set[int]) -> int:
     """Copy saved rank ``rank``'s share into ``dest``; returns the bytes fetched."""
     by_key = {it.key: it for it in m.items if it.alias_of is None}
     layouts = saved_layouts(m.tree)
@@ -195,9 +199,20 @@ def _from_rank(rank: int, m: Manifest, own: int, items: list[ItemRecord], boxes:
             covered[i] += math.prod(ov[1])
     if rank == own:
         for i, it in enumerate(items):
-            if i not in boxes and it.alias_of is None and dest[i] is not None:
+            if i not in boxes and i not in from_zero and it.alias_of is None and dest[i] is not None:
                 full = (tuple([0] * len(it.shape)), tuple(it.shape))
                 copies.append(_Copy(it, i, full[0], full[0], full))
+    if rank == 0:
+        for i in from_zero:
+            it, src = items[i], by_key.get(items[i].key)
+            if dest[i] is None:
+                continue
+            if src is None or src.dtype != it.dtype or src.shape != it.shape:
+                raise IncompatibleCheckpointError(
+                    f"tensor at {it.key!r} is marked replicated by rank {own}, but rank 0 holds "
+                    f"{'no such tensor' if src is None else f'{src.dtype}{src.shape}'}, not {it.dtype}{it.shape}")
+            full = (tuple([0] * len(it.shape)), tuple(it.shape))
+            copies.append(_Copy(src, i, full[0], full[0], full))
     return _copy_from(rank, m, copies, dest, fetch, pool) if copies else 0
 
 

@@ -22,6 +22,7 @@ from .errors import (CheckpointError, CorruptCheckpointError, IncompatibleCheckp
 from .plan import bind
 from .reshard import load_resharded
 from .tiers import LocalTier, MemoryTier, RemoteTier
+from .tiers.remote import ABSENT
 
 __all__ = ["RestoreInfo", "restore"]
 
@@ -119,14 +120,16 @@ def _check_job(manifest: Any, job: list[int] | None, tier: str, step: int) -> No
 def _load_remote(state: dict, remote: RemoteTier, step: int, strict: bool, local: LocalTier,
                  job: list[int] | None) -> int:
     """Load ``step`` from the remote tier: this rank's own file when it was saved in the live
-    layout (also refilling the local tier), else resharded from every saved rank's file."""
+    layout and holds all its tensors (also refilling the local tier), else through the loader
+    that reads every saved rank's file (resharding, and replicated tensors from rank 0)."""
     rank, world = job if job is not None else (0, 1)
     commit = remote.read_commit(step)
     if commit.world_size == remote.world_size:   # laid out for this tier's place: this rank's own file
         commit, manifest = remote.open(step)
         _check_job(manifest, job, remote.name, step)
         try:
-            binding = bind(state, manifest.tree, manifest.items, strict)
+            # a rank whose replicated tensors rank 0 stored takes the loader that reads other ranks' files
+            binding = None if ABSENT in manifest.codecs else bind(state, manifest.tree, manifest.items, strict)
         except LayoutMismatchError:
             if commit.world_size == 1:
                 raise   # one rank's file: nothing to reshard from

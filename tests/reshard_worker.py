@@ -14,6 +14,8 @@ local directory ``ROOT/local-<WORLD>/rank-<RANK>``. ``WORLD`` 1 runs without tor
 * ``fsdp-load``: a fresh FSDP2 model and optimizer (``WORLD`` may differ) restored; prints ``digest D``,
   then trains one more step (the restored optimizer state must be usable).
 * ``fsdp-whole``: one process, the same model unsharded with a plain AdamW, restored; prints ``digest D``.
+* ``dedupe-save`` / ``dedupe-load``: ``replicated=("model",)``: the model is the same on every rank and
+  rank 0 alone uploads it; each rank's ``mine`` is its own (a rank that did not save reads rank 0's).
 * ``steps-differ``: rank 0 saves step 1, rank 1 step 2 (a mistake); prints ``error`` and ``remote``.
 * ``commit-fail``: saves steps 1..3 every step; rank 1's upload of step 2 fails. Prints ``errors``
   with the steps whose save failed on this rank and ``remote`` with the steps committed there.
@@ -144,6 +146,20 @@ def main() -> None:
                     pass   # the failure above, raised again by the checkpointer
                 print("errors", errors, flush=True)
                 print("remote", sorted(c.step for c in ck.list() if "remote" in c.tiers), flush=True)
+        elif mode in ("dedupe-save", "dedupe-load"):
+            # "model" is the same on every rank (replicated=("model",)); "mine" is each rank's own
+            model = {"w": torch.arange(300_000, dtype=torch.float32), "b": torch.ones(5)}
+            state = {"model": model if mode == "dedupe-save" else {k: torch.zeros_like(v) for k, v in model.items()},
+                     "mine": torch.full((3,), float(rank)) if mode == "dedupe-save" else torch.zeros(3)}
+            with ckpt.Checkpointer(url, local_dir=local, replicated=("model",)) as ck:
+                if mode == "dedupe-save":
+                    ck.save(1, state).wait()
+                    print("saved", flush=True)
+                else:
+                    step = ck.restore(state)
+                    assert all(torch.equal(state["model"][k], v) for k, v in model.items())
+                    assert torch.equal(state["mine"], torch.full((3,), float(rank if rank < 2 else 0)))
+                    print(f"restored {step} from {ck.last_restore.tier}", flush=True)
         elif mode == "steps-differ":   # a rank-dependent save: rank 0 saves step 1, rank 1 step 2
             with ckpt.Checkpointer(url, local_dir=local) as ck:
                 try:

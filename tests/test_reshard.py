@@ -7,6 +7,7 @@ of ranks, into other placements, or into one process holding whole tensors.
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -91,3 +92,14 @@ def test_ranks_saving_different_steps_commit_nothing_and_say_why(tmp_path):
     assert _line(results, "remote") == ["remote []"] * 2
     for r in results:
         assert "uploaded different steps ([1, 2])" in r.stdout and "every rank must save the same steps" in r.stdout
+
+
+def test_replicated_tensors_are_uploaded_by_rank_0_alone_and_restored_everywhere(tmp_path, monkeypatch):
+    monkeypatch.setenv("CKPT_CHUNK_BYTES", str(64 << 10))   # 1.2 MB of model in 64 KiB parts
+    assert_ok(_run(tmp_path, "dedupe-save", 2))
+    step = tmp_path / "job" / step_dir_name(1)
+    parts = [len(list((step / f"rank-{r:05d}").iterdir())) for r in range(2)]
+    assert parts[0] >= 18 and parts[1] == 1, parts   # rank 1 stored only the part holding its own tensor
+    shutil.rmtree(tmp_path / "local-2")   # the ranks' own full copies: the restores must use the job tier
+    for world in (2, 3):   # the same world (rank 1 reads the model from rank 0's files) and a larger one
+        assert _line(_run(tmp_path, "dedupe-load", world), "restored") == ["restored 1 from remote"] * world

@@ -42,6 +42,9 @@ __all__ = ["RemoteTier"]
 
 log = logging.getLogger(__name__)
 
+#: the codec of a part a rank did not upload: its bytes are replicated tensors that rank 0 stores
+ABSENT = "absent"
+
 
 def _with_retry_defaults(url: str, options: dict[str, Any]) -> dict[str, Any]:
     protocols = fsspec.utils.get_protocol(url).split("::")
@@ -198,6 +201,19 @@ class RemoteTier:
         raise CheckpointError(f"step {step} is not committed to the job tier {self.url}: {why}; "
                               "the previous checkpoint there is untouched")
 
+    def _held_by_rank0(self, manifest: Manifest) -> set[int]:
+        """On a job tier, rank > 0: the chunks holding no byte of a tensor that is not replicated
+        (``Manifest.replicated``); rank 0 uploads those tensors for every rank."""
+        if self.job is None or self.rank == 0 or not manifest.replicated:
+            return set()
+        c, n = manifest.chunk_bytes, -(-manifest.data_bytes // manifest.chunk_bytes)
+        shared = set(manifest.replicated)
+        needed: set[int] = set()
+        for i, it in enumerate(manifest.items):
+            if i not in shared and it.alias_of is None and it.nbytes:
+                needed.update(range(it.offset // c, (it.offset + it.nbytes - 1) // c + 1))
+        return set(range(n)) - needed
+
     def _remove_own(self, step: int) -> None:
         """Remove this rank's files of ``step`` (and, on rank 0, its ``COMMIT`` first)."""
         d = self.step_dir(step)
@@ -223,8 +239,12 @@ class RemoteTier:
                 self._remove_own(step)               # the other ranks' files of this step are theirs
             self.fs.makedirs(f"{self.step_dir(step)}/rank-{self.rank:05d}", exist_ok=True)   # file:// needs it
 
+            absent = self._held_by_rank0(manifest)
+
             def put(i: int) -> tuple[int, str, int]:
                 view = data[i * c:(i + 1) * c]
+                if i in absent:   # only replicated bytes: rank 0 uploads them
+                    return checksum(view), ABSENT, 0
                 stored, codec = encode(view, self.compression, sizer(i))
                 # Object-store clients want bytes; local and mounted file systems take the view as it is.
                 self.fs.pipe_file(self._part(step, i), stored if self._local_fs else bytes(stored))
@@ -318,6 +338,8 @@ class RemoteTier:
     def fetch(self, step: int, rank: int, manifest: Manifest, i: int) -> bytes:
         """Part ``i`` of saved rank ``rank``'s data, decoded and checked against its checksum."""
         where = self._part(step, i, rank)
+        if manifest.codecs[i] == ABSENT:
+            raise IncompleteCheckpointError(f"{where}: not stored (only replicated tensors, which rank 0 holds)")
         try:
             stored = self.fs.cat_file(where)
         except FileNotFoundError:
