@@ -25,7 +25,7 @@ from .policy import AutoInterval, Interval, Retention, prune
 from .ranks import Ranks, distributed_world
 from .restore import RestoreInfo, restore as _restore
 from .stage import HostPool, Snapshot, SnapshotStats, stage, wait_all_staged
-from .tiers import LocalTier, MemoryTier, RemoteTier
+from .tiers import LocalTier, MemoryTier, PeerTier, RemoteTier
 
 __all__ = ["Checkpointer", "CheckpointInfo", "IfBusy", "promote"]
 
@@ -108,6 +108,12 @@ class Checkpointer:
             tier only rank 0 uploads them; the other ranks' restores read them from
             rank 0's files. DTensor shards are never treated as replicated. Every
             rank's local tier keeps its full state either way. Default: none.
+        peers: the peer tier (collective jobs): ``True`` sends every locally committed
+            checkpoint to the same local rank on the next node (a distance of
+            ``$LOCAL_WORLD_SIZE`` ranks, as torchrun sets it; 1 on one node), an int
+            sets that distance. Each rank keeps its source's copies under
+            ``<local_dir>/peers/``; a rank whose own copies are gone (a replaced node)
+            gets them back from its peer at restore, before any remote download.
 
     A ``state`` is a dict of name -> value: ``nn.Module``, optimizer, LR
     scheduler, any object with ``state_dict()``/``load_state_dict()``, tensors,
@@ -129,7 +135,7 @@ class Checkpointer:
                  restart_cost: float = 0.0, signals: tuple = (), drain_deadline: float = 30.0,
                  drain_tier: str = "local", on_preempt: str = "exit",
                  clock: Callable[[], float] = time.monotonic, collective: bool | None = None,
-                 replicated: tuple[str, ...] | list[str] = ()) -> None:
+                 replicated: tuple[str, ...] | list[str] = (), peers: bool | int | None = None) -> None:
         local_dir = local_dir if local_dir is not None else os.environ.get("CKPT_LOCAL_DIR")
         if local_dir is None:
             raise ValueError("Checkpointer needs a local tier: pass local_dir=... or set $CKPT_LOCAL_DIR")
@@ -188,11 +194,12 @@ class Checkpointer:
         self._job = [self.ranks.rank, self.ranks.world] if self.ranks is not None else None
         if self.ranks is not None:
             self._check_own_storage()
+        self.peer = self._make_peer(peers)
         # a time-based policy decides by each rank's clock: those decisions are agreed in maybe_save
         self._agree_due = self.ranks is not None and (isinstance(self.interval, AutoInterval)
                                                       or self.interval.every_seconds is not None)
         self._pipeline = Pipeline(self.pool, self.memory, self.local, self.remote, self._apply_retention,
-                                  self._failed)
+                                  self._failed, self.peer)
         self._closed = False
 
     # -- context manager ----------------------------------------------------------------------------
@@ -400,19 +407,41 @@ class Checkpointer:
         if job_url:   # decided from gathered facts, so every rank joins (a collective) or none does
             self.remote.join_job(Ranks(timeout_s=knobs.get("CKPT_COMMIT_TIMEOUT_S"), own_group=True))
 
-    def _visible_steps(self) -> list[int]:
+    def _make_peer(self, peers: bool | int | None) -> PeerTier | None:
+        """The peer tier when asked for (collective: it makes a gloo group of its own)."""
+        if peers is None or peers is False:
+            return None
+        if self.ranks is None:
+            raise ValueError("peers= keeps copies on other ranks of a multi-process job: it needs torch.distributed "
+                             "with more than one rank (and collective=None or True)")
+        world = self.ranks.world
+        if peers is True:   # the same local rank on the next node (torchrun sets LOCAL_WORLD_SIZE)
+            per_node = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+            jump = per_node if 0 < per_node < world else 1
+        elif isinstance(peers, int) and not isinstance(peers, bool) and peers > 0 and peers % world:
+            jump = peers
+        else:
+            raise ValueError(f"peers must be True (the next node's rank: LOCAL_WORLD_SIZE) or a rank distance "
+                             f"that is not a multiple of the world size {world}, got {peers!r}")
+        return PeerTier(self.local.root, Ranks(timeout_s=knobs.get("CKPT_COMMIT_TIMEOUT_S"), own_group=True), jump)
+
+    def _near_steps(self) -> list[int]:
+        """Steps this rank holds in memory or on its local tier."""
         steps = set(self.local.committed_steps())
-        if self.remote is not None:
-            steps.update(self.remote.committed_steps())
         mem = self.memory.newest()
         if mem is not None:
             steps.add(mem[0])
         return sorted(steps, reverse=True)
 
     def _restore_agreed(self, state: dict, step: int | None, strict: bool) -> RestoreInfo | None:
-        """:meth:`restore` when the ranks must agree: the newest step every rank holds and loads."""
+        """:meth:`restore` when the ranks must agree: the newest step every rank holds and loads
+        (in memory, locally, on the remote tier, or as the copy its peer keeps)."""
         ranks = self.ranks
-        held = ranks.gather(self._visible_steps())
+        near = ranks.gather(self._near_steps())
+        far = ranks.gather(self.remote.committed_steps() if self.remote is not None else [])
+        kept = ranks.gather(self.peer.store.committed_steps()) if self.peer is not None else None
+        held = [sorted(set(n) | set(f) | (set(kept[self.peer.holder_of(r)]) if kept else set()), reverse=True)
+                for r, (n, f) in enumerate(zip(near, far))]
         common = sorted(set.intersection(*(set(h) for h in held)), reverse=True)
         if step is not None:
             common = [s for s in common if s == step]
@@ -428,9 +457,12 @@ class Checkpointer:
         failed: list[str] = []
         for s in common:
             info, error, code = None, None, 1
+            if kept is not None:   # ranks without a near copy of s get theirs back from the peer keeping it
+                self._pull_from_peers(s, near, kept)
             try:
                 info = _restore(state, self.memory, self.local, self.remote, s, strict, self._job)
-            except NoCheckpointError as e:   # this rank's copies of s are all unusable: try an older step
+            except (NoCheckpointError, FileNotFoundError) as e:   # this rank's copies of s are unusable or
+                # gone (a peer's copy that failed verification was not committed): try an older step
                 error, code = e, 0
             except Exception as e:           # does not fit the state (or worse): stop on every rank
                 error, code = e, -1
@@ -449,10 +481,27 @@ class Checkpointer:
             log.warning("step %d is unusable on rank(s) %s; the ranks try an older common step", s, bad)
         raise NoCheckpointError("no step that every rank holds could be loaded on every rank: " + "; ".join(failed))
 
+    def _pull_from_peers(self, step: int, near: list[list[int]], kept: list[list[int]]) -> None:
+        """Collective: every rank that holds no near copy of ``step`` while its peer keeps one gets it back
+        into its local tier (the same transfers are derived on every rank from the gathered lists)."""
+        peer = self.peer
+        needs = [r for r in range(peer.world) if step not in near[r] and step in kept[peer.holder_of(r)]]
+        send_to = peer.src if peer.src in needs else None
+        receive = peer.rank in needs
+        if send_to is None and not receive:
+            return
+        try:
+            if peer.serve(step, send_to, receive, self.local):
+                log.info("rank %d got its copy of step %d back from rank %d (peer tier)", peer.rank, step,
+                         peer.holder_of(peer.rank))
+        except (CheckpointError, OSError) as e:   # this rank falls back to the remote tier, if any
+            log.warning("rank %d could not get step %d back from its peer: %s", peer.rank, step, e)
+
     @property
     def tiers(self) -> list[str]:
         """The tiers a save goes to, nearest first."""
-        return ["memory", "local"] + (["remote"] if self.remote is not None else [])
+        return ["memory", "local"] + (["peer"] if self.peer is not None else []) + \
+            (["remote"] if self.remote is not None else [])
 
     def promote(self, step: int, to: str) -> None:
         """Copy committed checkpoint ``step`` to tier ``to`` (``"remote"`` or ``"local"``), verifying every byte.
@@ -534,6 +583,8 @@ class Checkpointer:
         for name in tiers:
             if name == "local":
                 prune(self.local, self.keep.local, busy)
+            elif name == "peer":
+                prune(self.peer.store, self.keep.local, busy)   # the peer's copies, kept like this rank's own
             elif self.remote.job is None or self.remote.job.rank == 0:
                 # a job tier is pruned by rank 0 alone, after it committed (every rank is past older steps)
                 prune(self.remote, self.keep.remote, busy)

@@ -22,7 +22,7 @@ import threading
 import time
 import weakref
 from concurrent.futures import ThreadPoolExecutor
-from typing import Callable
+from typing import Any, Callable
 
 from . import knobs
 from .stage import HostPool, Snapshot, SnapshotStats
@@ -144,11 +144,12 @@ class Pipeline:
 
     def __init__(self, pool: HostPool, memory: MemoryTier, local: LocalTier, remote: RemoteTier | None,
                  retention: Callable[[list[str]], None],
-                 on_error: Callable[[SaveHandle, BaseException], None]) -> None:
+                 on_error: Callable[[SaveHandle, BaseException], None], peer: Any = None) -> None:
         self.pool = pool
         self.memory = memory
         self.local = local
         self.remote = remote
+        self.peer = peer
         self._uploader = ThreadPoolExecutor(1, thread_name_prefix="ckpt-remote") if remote is not None else None
         self._retention = retention
         self._on_error = on_error
@@ -219,6 +220,17 @@ class Pipeline:
                 with self._lock:
                     self._in_flight.discard(snap.step)
 
+    def _exchange(self, step: int, manifest: Any, data: Any, handle: SaveHandle) -> BaseException | None:
+        """The peer tier's collective exchange for ``step`` (``manifest`` None: this rank has nothing to
+        send, but still takes its part). Returns the error of the copy this rank received, if any."""
+        try:
+            handle.stats.persist_s["peer"] = self.peer.exchange(step, manifest, data)
+            return None
+        except BaseException as e:
+            log.error("the peer copy exchange of step %d failed on this rank: %s", step, e)
+            self._on_error(handle, e)
+            return e
+
     def _persist(self, snap: Snapshot, handle: SaveHandle) -> None:
         def run(tier: str, write: Callable[[], float]) -> BaseException | None:
             try:
@@ -234,6 +246,8 @@ class Pipeline:
             log.error("checkpoint of step %d failed: %s", snap.step, snap.error)
             if self.remote is not None:
                 self.remote.abstain(snap.step)   # on a job tier the other ranks wait for this rank's report
+            if self.peer is not None:
+                self._exchange(snap.step, None, None, handle)   # the peers wait for this rank's header
             self._on_error(handle, snap.error)
             self.pool.release(snap.buffer)
             handle._fail_rest(snap.error)
@@ -244,8 +258,17 @@ class Pipeline:
             remote = self.remote
             upload = self._uploader.submit(run, "remote", lambda: remote.write(snap.step, snap.manifest, data))
         local_error = run("local", lambda: self.local.write(snap.step, snap.manifest, data))
-        if upload is not None:
-            handle._finish("local", local_error)   # the buffer stays busy until the upload has read it
+        if upload is not None or self.peer is not None:
+            handle._finish("local", local_error)   # the buffer stays busy until the upload / peer has read it
+        peer_error = None
+        if self.peer is not None:   # the committed image to the peer rank, straight from the host buffer
+            peer_error = self._exchange(snap.step, snap.manifest if local_error is None else None, data, handle)
+            if peer_error is None:
+                try:
+                    self._retention(["peer"])
+                except OSError as e:
+                    log.warning("retention of peer copies after step %d failed: %s", snap.step, e)
+            peer_error = peer_error or local_error   # no local copy: none went to the peer either
         remote_error = upload.result() if upload is not None else None
         committed = [t for t, e in (("local", local_error), ("remote", remote_error))
                      if e is None and (t == "local" or upload is not None)]
@@ -261,5 +284,7 @@ class Pipeline:
         self.pool.release(snap.buffer)
         if upload is not None:
             handle._finish("remote", remote_error)
-        else:
+        if self.peer is not None:
+            handle._finish("peer", peer_error)
+        if upload is None and self.peer is None:
             handle._finish("local", local_error)

@@ -2,6 +2,7 @@
 
 from .local import LocalTier
 from .memory import MemoryTier
+from .peer import PeerTier
 from .remote import RemoteTier
 
-__all__ = ["LocalTier", "MemoryTier", "RemoteTier"]
+__all__ = ["LocalTier", "MemoryTier", "PeerTier", "RemoteTier"]
