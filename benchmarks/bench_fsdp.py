@@ -12,9 +12,13 @@ blocked the training loop (rank 0), and how long the last save took to finish af
 is allocated there, DCP sets up its staging), as in a long job. Checks at the end that a restore
 of our last save reproduces the model's shards on every rank.
 
+With ``--peers`` a fourth mode, timed after ours: the same saves with the peer tier on
+(``peers=1``: every save also sent to the next rank, which verifies and keeps it).
+
 Usage::
 
     python benchmarks/bench_fsdp.py                       # all GPUs, NCCL
+    python benchmarks/bench_fsdp.py --steps 200 --peers   # also ours with the peer tier
     python benchmarks/bench_fsdp.py --smoke               # 2 CPU processes (gloo), a tiny model
 """
 
@@ -123,6 +127,22 @@ def _worker(rank: int, world: int, args: argparse.Namespace, port: int, out: str
     # the last save is the last step of this phase (steps % every == 0): remember the shards it holds
     want = {k: v.to_local().clone() for k, v in model.state_dict().items()}
 
+    if args.peers:   # the same, with every save also sent to the next rank's peer tier
+        ckp = ckpt.Checkpointer(local_dir=root / f"peer-rank-{rank}", every_steps=args.every, peers=1)
+        ckp.save(0, state).wait()
+        sync()
+
+        def ours_peers(i: int) -> float | None:
+            t = time.perf_counter()
+            h = ckp.maybe_save(i, state)
+            return None if h is None else time.perf_counter() - t
+
+        ours_peers.finish = ckp.wait   # type: ignore[attr-defined]
+        timed("ours + peer tier", ours_peers)
+        results["peer_exchange_s"] = [h.persist_s.get("peer") for h in ckp.history]
+        ckp.close()
+        del ckp
+
     pending: list[Any] = []
 
     def dcp_save(i: int) -> float | None:
@@ -169,6 +189,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--csv", type=Path, default=None)
     ap.add_argument("--smoke", action="store_true", help="two CPU processes, a tiny model")
+    ap.add_argument("--peers", action="store_true", help="also time ours with the peer tier (peers=1)")
     args = ap.parse_args(argv)
     import json
 
@@ -198,7 +219,7 @@ def main(argv: list[str] | None = None) -> int:
     base = res["no saves"]["step_s"]
     rows, csv_rows = [], []
     case = f"fsdp2 llama {'tiny' if args.smoke else '1b'} x{world} b{args.batch}x{args.seq}, save every {args.every}"
-    for name in ("no saves", "ours", "dcp.async_save"):
+    for name in [n for n in ("no saves", "ours", "ours + peer tier", "dcp.async_save") if n in res]:
         r = res[name]
         stall = statistics.mean(r["stalls"]) * 1e3 if r["stalls"] else 0.0
         rows.append({"mode": name, "step_ms": round(r["step_s"] * 1e3, 1),
@@ -213,6 +234,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"csv: {path}\ndevice: {device_name()} x{world}; per-rank shard state "
           f"{res['check']['nbytes'] / 1e9:.2f} GB; restore check ok (step {res['check']['restored']})\n")
     print(table(rows, ["mode", "step_ms", "overhead", "saves", "blocked_ms_per_save", "last_save_done_s"]))
+    if res.get("peer_exchange_s"):
+        print("peer tier: exchange per save on rank 0 (s):", [round(x, 2) for x in res["peer_exchange_s"] if x])
     return 0
 
 
