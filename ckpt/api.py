@@ -367,7 +367,9 @@ class Checkpointer:
             handles = list(self._handles)
         for h in handles:       # snapshots still being copied become the memory tier first
             try:
-                h.wait("memory")
+                # with the peer tier, the persist thread's exchanges must be over: a restore may use
+                # the same peer group to send a kept copy back
+                h.wait(None if self.peer is not None else "memory")
             except BaseException:
                 pass
         if self.ranks is not None:
