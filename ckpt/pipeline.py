@@ -220,16 +220,34 @@ class Pipeline:
                 with self._lock:
                     self._in_flight.discard(snap.step)
 
-    def _exchange(self, step: int, manifest: Any, data: Any, handle: SaveHandle) -> BaseException | None:
+    def _exchange(self, step: int, manifest: Any, data: Any, handle: SaveHandle) -> tuple[Any, BaseException | None]:
         """The peer tier's collective exchange for ``step`` (``manifest`` None: this rank has nothing to
-        send, but still takes its part). Returns the error of the copy this rank received, if any."""
+        send, but still takes its part). Returns (what keeps the received copy, or None; the error)."""
+        t0 = time.perf_counter()
         try:
-            handle.stats.persist_s["peer"] = self.peer.exchange(step, manifest, data)
-            return None
+            keep = self.peer.exchange(step, manifest, data)
         except BaseException as e:
             log.error("the peer copy exchange of step %d failed on this rank: %s", step, e)
             self._on_error(handle, e)
+            return None, e
+        handle.stats.persist_s["peer"] = handle.stats.persist_s["peer_transfer"] = time.perf_counter() - t0
+        return keep, None
+
+    def _keep_peer_copy(self, step: int, keep: Any, handle: SaveHandle) -> BaseException | None:
+        """Verify, write and commit the copy received from the peer source (after the buffer is free)."""
+        t0 = time.perf_counter()
+        try:
+            keep()
+        except BaseException as e:
+            log.error("the copy of step %d received from the peer source is not kept: %s", step, e)
+            self._on_error(handle, e)
             return e
+        handle.stats.persist_s["peer"] = handle.stats.persist_s.get("peer", 0.0) + time.perf_counter() - t0
+        try:
+            self._retention(["peer"])
+        except OSError as e:
+            log.warning("retention of peer copies after step %d failed: %s", step, e)
+        return None
 
     def _persist(self, snap: Snapshot, handle: SaveHandle) -> None:
         def run(tier: str, write: Callable[[], float]) -> BaseException | None:
@@ -246,8 +264,10 @@ class Pipeline:
             log.error("checkpoint of step %d failed: %s", snap.step, snap.error)
             if self.remote is not None:
                 self.remote.abstain(snap.step)   # on a job tier the other ranks wait for this rank's report
-            if self.peer is not None:
-                self._exchange(snap.step, None, None, handle)   # the peers wait for this rank's header
+            if self.peer is not None:   # the peers wait for this rank's header
+                keep, _ = self._exchange(snap.step, None, None, handle)
+                if keep is not None:
+                    self._keep_peer_copy(snap.step, keep, handle)
             self._on_error(handle, snap.error)
             self.pool.release(snap.buffer)
             handle._fail_rest(snap.error)
@@ -260,14 +280,10 @@ class Pipeline:
         local_error = run("local", lambda: self.local.write(snap.step, snap.manifest, data))
         if upload is not None or self.peer is not None:
             handle._finish("local", local_error)   # the buffer stays busy until the upload / peer has read it
-        peer_error = None
+        peer_error, keep = None, None
         if self.peer is not None:   # the committed image to the peer rank, straight from the host buffer
-            peer_error = self._exchange(snap.step, snap.manifest if local_error is None else None, data, handle)
-            if peer_error is None:
-                try:
-                    self._retention(["peer"])
-                except OSError as e:
-                    log.warning("retention of peer copies after step %d failed: %s", snap.step, e)
+            keep, peer_error = self._exchange(snap.step, snap.manifest if local_error is None else None, data,
+                                              handle)
             peer_error = peer_error or local_error   # no local copy: none went to the peer either
         remote_error = upload.result() if upload is not None else None
         committed = [t for t, e in (("local", local_error), ("remote", remote_error))
@@ -284,6 +300,8 @@ class Pipeline:
         self.pool.release(snap.buffer)
         if upload is not None:
             handle._finish("remote", remote_error)
+        if keep is not None:   # the received copy is written after the buffer is free for the next save
+            self._keep_peer_copy(snap.step, keep, handle)
         if self.peer is not None:
             handle._finish("peer", peer_error)
         if upload is None and self.peer is None:

@@ -23,9 +23,8 @@ the NVIDIA resiliency extension's local checkpointing with peer replication; the
 from __future__ import annotations
 
 import logging
-import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -59,15 +58,16 @@ class PeerTier:
         """The rank that keeps ``rank``'s copies."""
         return (rank + self.jump) % self.world
 
-    def exchange(self, step: int, manifest: Manifest | None, data: memoryview | None) -> float:
-        """Send this rank's committed image of ``step`` (``None``: it has none) to its peer and keep the
-        one its source sends. Collective over the job. Returns seconds; raises when the received copy
-        is unusable (nothing is committed then)."""
-        t0 = time.perf_counter()
+    def exchange(self, step: int, manifest: Manifest | None,
+                 data: memoryview | None) -> Callable[[], None] | None:
+        """Send this rank's committed image of ``step`` (``None``: it has none) to its peer and receive the
+        one its source sends. Collective over the job. Returns what keeps the received copy (verify every
+        chunk, write, commit; raises when it is unusable, and nothing is committed then), to be called once
+        ``data`` is no longer needed, or ``None`` when the source sent nothing."""
         received = self._swap(self.dst, self.src, step, manifest, data)
-        if received is not None:
-            self._keep(step, *received)
-        return time.perf_counter() - t0
+        if received is None:
+            return None
+        return lambda: self._keep(step, *received)
 
     def _swap(self, to: int | None, frm: int | None, step: int, manifest: Manifest | None,
               data: memoryview | torch.Tensor | None) -> tuple[Manifest, torch.Tensor] | None:
@@ -107,15 +107,16 @@ class PeerTier:
         m = Manifest.from_bytes(bytes(mbuf.numpy()), where)
         if m.step != sstep or sstep != step or m.data_bytes != dbytes:
             raise CorruptCheckpointError(f"{where}: step or size disagree with its header (step {step} expected)")
-        c, view = m.chunk_bytes, memoryview(dbuf.numpy())
-        for i, want in enumerate(m.chunks):
-            if checksum(view[i * c:(i + 1) * c]) != want:
-                raise CorruptCheckpointError(f"{where}: bytes [{i * c}, {min((i + 1) * c, dbytes)}) fail their checksum")
         return m, dbuf
 
-    def _keep(self, step: int, m: Manifest, data: torch.Tensor) -> None:
+    def _keep(self, step: int, m: Manifest, data: torch.Tensor, into: LocalTier | None = None) -> None:
+        """Verify every chunk of a received image against its manifest, then write and commit it."""
         view, c = memoryview(data.numpy()), m.chunk_bytes
-        self.store.write_chunks(step, m, lambda i: view[i * c:(i + 1) * c], compute_checksums=False)
+        for i, want in enumerate(m.chunks):
+            if checksum(view[i * c:(i + 1) * c]) != want:
+                raise CorruptCheckpointError(f"step {step} received from a peer: bytes [{i * c}, "
+                                             f"{min((i + 1) * c, m.data_bytes)}) fail their checksum")
+        (into or self.store).write_chunks(step, m, lambda i: view[i * c:(i + 1) * c], compute_checksums=False)
 
     def serve(self, step: int, send_to: int | None, receive: bool, local: LocalTier) -> bool:
         """Restore side, collective: send this rank's kept copy of ``step`` to ``send_to`` (its owner,
@@ -135,7 +136,5 @@ class PeerTier:
         got = self._swap(send_to, self.holder_of(self.rank) if receive else None, step, manifest, data)
         if got is None:
             return False
-        m, buf = got
-        view, c = memoryview(buf.numpy()), m.chunk_bytes
-        local.write_chunks(step, m, lambda i: view[i * c:(i + 1) * c], compute_checksums=False)
+        self._keep(step, *got, into=local)
         return True
