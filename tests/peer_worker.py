@@ -6,6 +6,7 @@ Each rank checkpoints into ``ROOT/rank-<RANK>`` with ``peers=1``: rank r's copie
 "step": int}``; at step s, ``w`` is ``100 * rank + s`` everywhere.
 
 * ``save``: steps 1..4, saved at 2 and 4; prints ``saved`` and the steps of the copies it keeps.
+* ``rollback``: saves step 7 and restores at once (the exchange may still run); prints ``restored``.
 * ``restore``: prints ``restored S W T`` (step, ``w[0]`` after it, the tier it came from).
 """
 
@@ -34,6 +35,12 @@ def main() -> None:
                     if h is not None:
                         h.wait()
                 print("saved", ck.peer.store.committed_steps(), flush=True)
+            elif mode == "rollback":   # restore while the save's exchange with the peers may still run
+                state["w"].fill_(100 * rank + 7)
+                ck.save(7, state)
+                state["w"].fill_(float("nan"))
+                step = ck.restore(state)
+                print(f"restored {step} {float(state['w'][0])} {ck.last_restore.tier}", flush=True)
             else:
                 step = ck.restore(state)
                 print(f"restored {step} {float(state['w'][0])} {ck.last_restore.tier}", flush=True)

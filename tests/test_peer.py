@@ -46,3 +46,9 @@ def test_a_corrupt_peer_copy_is_not_used(tmp_path):
         assert r.returncode != 0
         assert "no step that every rank holds could be loaded" in r.stderr \
             and "step 4 unusable on rank(s) [1]" in r.stderr, r.stderr[-2000:]
+
+
+def test_a_restore_right_after_a_save_waits_for_the_exchange(tmp_path):
+    # the restore may use the peer group to send copies back: it must not interleave with the exchange
+    got = _lines(_run(tmp_path, "rollback", 2), "restored")
+    assert got == [f"restored 7 {100.0 * r + 7} memory" for r in range(2)], got
