@@ -116,13 +116,17 @@ def _worker(rank: int, world: int, args: argparse.Namespace, port: int, out: str
 
     timed("no saves", lambda i: None)
 
-    def ours(i: int) -> float | None:
-        t = time.perf_counter()
-        h = ck.maybe_save(i, state)
-        return None if h is None else time.perf_counter() - t
+    def saving_with(c: Any):
+        """The per-step hook of a mode that saves with checkpointer ``c``: the time a save blocked."""
+        def after_step(i: int) -> float | None:
+            t = time.perf_counter()
+            h = c.maybe_save(i, state)
+            return None if h is None else time.perf_counter() - t
 
-    ours.finish = ck.wait   # type: ignore[attr-defined]
-    timed("ours", ours)
+        after_step.finish = c.wait   # type: ignore[attr-defined]
+        return after_step
+
+    timed("ours", saving_with(ck))
     nbytes = ck.history[-1].nbytes if ck.history else 0
     # the last save is the last step of this phase (steps % every == 0): remember the shards it holds
     want = {k: v.to_local().clone() for k, v in model.state_dict().items()}
@@ -131,14 +135,7 @@ def _worker(rank: int, world: int, args: argparse.Namespace, port: int, out: str
         ckp = ckpt.Checkpointer(local_dir=root / f"peer-rank-{rank}", every_steps=args.every, peers=1)
         ckp.save(0, state).wait()
         sync()
-
-        def ours_peers(i: int) -> float | None:
-            t = time.perf_counter()
-            h = ckp.maybe_save(i, state)
-            return None if h is None else time.perf_counter() - t
-
-        ours_peers.finish = ckp.wait   # type: ignore[attr-defined]
-        timed("ours + peer tier", ours_peers)
+        timed("ours + peer tier", saving_with(ckp))
         results["peer_exchange_s"] = [h.persist_s.get("peer") for h in ckp.history]
         results["peer_transfer_s"] = [h.persist_s.get("peer_transfer") for h in ckp.history]
         ckp.close()
