@@ -11,34 +11,49 @@ from typing import Any
 __all__ = ["main"]
 
 
-def _tier(path: str):
-    from .tiers import LocalTier
+def _tier(path: str, storage_options: str | None = None):
+    """The local tier at ``path``, or the remote tier when ``path`` is a URL (``s3://``, ``file://`` ...)."""
+    from .tiers import LocalTier, RemoteTier
 
+    if "://" in path:
+        return RemoteTier(path, json.loads(storage_options) if storage_options else None)
     return LocalTier(path)
 
 
 def _ls(args: argparse.Namespace) -> int:
-    tier = _tier(args.dir)
+    tier = _tier(args.dir, args.storage_options)
     rows = []
     for s in tier.committed_steps():
         d = tier.step_dir(s)
+        if tier.name == "remote":   # sizes and time from the commit record: one read per step
+            c = tier.read_commit(s)
+            rows.append({"step": s, "path": d, "bytes": sum(c.data.values()), "committed_unix": c.created_unix,
+                         "world_size": c.world_size})
+            continue
         size = sum(f.stat().st_size for f in d.iterdir() if f.is_file())
         rows.append({"step": s, "path": str(d), "bytes": size,
-                     "committed_unix": (d / "COMMIT").stat().st_mtime})
+                     "committed_unix": (d / "COMMIT").stat().st_mtime, "world_size": 1})
     if args.json:
         print(json.dumps(rows, indent=1))
     else:
-        print(f"{'step':>10} {'size':>10}  committed            path")
+        print(f"{'step':>10} {'size':>10} {'ranks':>5}  committed            path")
         for r in rows:
             when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(r["committed_unix"]))
-            print(f"{r['step']:>10} {_size(r['bytes']):>10}  {when}  {r['path']}")
+            print(f"{r['step']:>10} {_size(r['bytes']):>10} {r['world_size']:>5}  {when}  {r['path']}")
     return 0
 
 
 def _inspect(args: argparse.Namespace) -> int:
-    tier = _tier(args.dir)
+    tier = _tier(args.dir, args.storage_options)
     step = args.step if args.step is not None else _newest(tier)
-    commit, manifest = tier.open(step)
+    if tier.name == "remote":   # any saved rank of a job tier (rank 0 by default)
+        commit = tier.read_commit(step)
+        manifests = tier.read_manifests(step, commit)
+        if not 0 <= args.rank < len(manifests):
+            raise SystemExit(f"--rank {args.rank}: step {step} was saved by {len(manifests)} rank(s)")
+        manifest = manifests[args.rank]
+    else:
+        commit, manifest = tier.open(step)
     out: dict[str, Any] = {"step": step, "world_size": commit.world_size, "data_bytes": manifest.data_bytes,
                            "chunk_bytes": manifest.chunk_bytes, "checksum": manifest.checksum_algorithm,
                            "items": [{"key": it.key, "dtype": it.dtype, "shape": it.shape, "device": it.device,
@@ -60,15 +75,16 @@ def _inspect(args: argparse.Namespace) -> int:
 def _verify(args: argparse.Namespace) -> int:
     from .errors import CheckpointError
 
-    tier = _tier(args.dir)
+    tier = _tier(args.dir, args.storage_options)
     steps = [args.step] if args.step is not None else tier.committed_steps()
     bad = 0
     results = []
     for s in steps:
         t0 = time.perf_counter()
         try:
-            m = tier.verify(s)
-            results.append({"step": s, "ok": True, "bytes": m.data_bytes, "seconds": time.perf_counter() - t0})
+            m = tier.verify(s)   # a remote tier verifies every rank's parts
+            nbytes = sum(x.data_bytes for x in m) if isinstance(m, list) else m.data_bytes
+            results.append({"step": s, "ok": True, "bytes": nbytes, "seconds": time.perf_counter() - t0})
         except (CheckpointError, OSError) as e:
             bad += 1
             results.append({"step": s, "ok": False, "error": str(e)})
@@ -86,7 +102,7 @@ def _verify(args: argparse.Namespace) -> int:
 def _gc(args: argparse.Namespace) -> int:
     from .policy import prune
 
-    for s in prune(_tier(args.dir), max(1, args.keep), dry_run=args.dry_run):
+    for s in prune(_tier(args.dir, args.storage_options), max(1, args.keep), dry_run=args.dry_run):
         print(f"{'would remove' if args.dry_run else 'removed'} step {s}")
     return 0
 
@@ -104,7 +120,7 @@ def _promote(args: argparse.Namespace) -> int:
 def _newest(tier) -> int:
     steps = tier.committed_steps()
     if not steps:
-        raise SystemExit(f"no committed checkpoint under {tier.root}")
+        raise SystemExit(f"no committed checkpoint under {getattr(tier, 'url', tier.root)}")
     return steps[0]
 
 
@@ -123,15 +139,19 @@ def main(argv: list[str] | None = None) -> int:
     sub = p.add_subparsers(dest="cmd", required=True)
     d = sub.add_parser("demo", help="train, checkpoint, get SIGKILLed, resume; compare bit for bit")
     demo.add_arguments(d)
-    for name, fn, helptext in (("ls", _ls, "list committed checkpoints of a local tier"),
+    for name, fn, helptext in (("ls", _ls, "list committed checkpoints of a local or remote tier"),
                                ("inspect", _inspect, "show the tensors of a checkpoint"),
                                ("verify", _verify, "read every byte and check its checksum"),
                                ("gc", _gc, "delete all but the newest committed checkpoints")):
         q = sub.add_parser(name, help=helptext)
-        q.add_argument("dir", help="local tier directory (local_dir)")
+        q.add_argument("dir", help="local tier directory (local_dir), or a remote tier URL (every rank's files "
+                                   "of a job tier)")
         q.add_argument("--json", action="store_true", help="machine-readable output")
+        q.add_argument("--storage-options", default=None, help="JSON object passed to fsspec (for a URL)")
         if name in ("inspect", "verify"):
             q.add_argument("--step", type=int, default=None, help="step (default: newest / all)")
+        if name == "inspect":
+            q.add_argument("--rank", type=int, default=0, help="which saved rank's tensors (a job tier)")
         if name == "gc":
             q.add_argument("--keep", type=int, default=2, help="newest checkpoints to keep (at least 1)")
             q.add_argument("--dry-run", action="store_true")

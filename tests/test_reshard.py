@@ -103,3 +103,23 @@ def test_replicated_tensors_are_uploaded_by_rank_0_alone_and_restored_everywhere
     shutil.rmtree(tmp_path / "local-2")   # the ranks' own full copies: the restores must use the job tier
     for world in (2, 3):   # the same world (rank 1 reads the model from rank 0's files) and a larger one
         assert _line(_run(tmp_path, "dedupe-load", world), "restored") == ["restored 1 from remote"] * world
+
+
+def test_the_cli_lists_inspects_and_verifies_a_job_tier(tmp_path, capsys):
+    from ckpt.cli import main as cli
+
+    assert_ok(_run(tmp_path, "save-dt", 2))
+    url = f"file://{tmp_path}/job"
+    assert cli(["ls", url]) == 0
+    assert "    2  " in capsys.readouterr().out   # the ranks column
+    assert cli(["inspect", url, "--rank", "1"]) == 0
+    assert "world size 2" in capsys.readouterr().out
+    assert cli(["verify", url]) == 0
+    assert "step 5: OK" in capsys.readouterr().out
+    part = tmp_path / "job" / step_dir_name(5) / "rank-00001" / "part-000000"
+    raw = bytearray(part.read_bytes())
+    raw[-1] ^= 0xFF
+    part.write_bytes(bytes(raw))
+    assert cli(["verify", url]) == 1
+    out = capsys.readouterr().out
+    assert "step 5: FAILED" in out and "rank-00001/part-000000" in out and "checksum" in out, out

@@ -335,6 +335,17 @@ class RemoteTier:
         with ThreadPoolExecutor(knobs.get("CKPT_REMOTE_THREADS"), thread_name_prefix="ckpt-manifest") as ex:
             return list(ex.map(one, range(commit.world_size)))
 
+    def verify(self, step: int) -> list[Manifest]:
+        """Fetch every stored part of every rank of ``step`` and check it against its checksum (in parallel);
+        returns the manifests. Raises :class:`~ckpt.errors.CheckpointError` naming the first bad part."""
+        commit = self.read_commit(step)
+        manifests = self.read_manifests(step, commit)
+        parts = [(m, i) for m in manifests for i, codec in enumerate(m.codecs) if codec != ABSENT]
+        with ThreadPoolExecutor(knobs.get("CKPT_REMOTE_THREADS"), thread_name_prefix="ckpt-verify") as ex:
+            for f in [ex.submit(self.fetch, step, m.rank, m, i) for m, i in parts]:
+                f.result()
+        return manifests
+
     def fetch(self, step: int, rank: int, manifest: Manifest, i: int) -> bytes:
         """Part ``i`` of saved rank ``rank``'s data, decoded and checked against its checksum."""
         where = self._part(step, i, rank)
