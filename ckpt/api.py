@@ -90,7 +90,9 @@ class Checkpointer:
             set a flag; the next :meth:`maybe_save` forces a save, waits until it
             is durable on ``drain_tier`` (at most ``drain_deadline`` seconds), then
             exits with status ``128 + signal`` (``on_preempt="exit"``) or raises
-            :class:`~ckpt.errors.Preempted` (``on_preempt="raise"``).
+            :class:`~ckpt.errors.Preempted` (``on_preempt="raise"``). ``drain_tier="peer"``
+            (with ``peers=``) waits until the peer rank, on another node, has committed
+            this rank's copy: durable off the draining node at network speed.
         clock: seconds clock for ``every_seconds`` and ``interval="auto"``
             (injectable for tests).
         collective: whether the ranks of a multi-process job agree (default: when
@@ -114,6 +116,7 @@ class Checkpointer:
             sets that distance. Each rank keeps its source's copies under
             ``<local_dir>/peers/``; a rank whose own copies are gone (a replaced node)
             gets them back from its peer at restore, before any remote download.
+            ``handle.wait("peer")`` returns once the peer has committed this rank's copy.
 
     A ``state`` is a dict of name -> value: ``nn.Module``, optimizer, LR
     scheduler, any object with ``state_dict()``/``load_state_dict()``, tensors,
@@ -159,8 +162,10 @@ class Checkpointer:
             self.interval = AutoInterval(mtbf, restart_cost, clock=clock)
         else:
             raise ValueError(f"interval must be None or 'auto', got {interval!r}")
-        if drain_tier not in ("local", "remote") or (drain_tier == "remote" and url is None):
-            raise ValueError(f"drain_tier must be 'local', or 'remote' together with a url; got {drain_tier!r}")
+        if drain_tier not in ("local", "remote", "peer") or (drain_tier == "remote" and url is None) \
+                or (drain_tier == "peer" and not peers):
+            raise ValueError(f"drain_tier must be 'local', 'remote' together with a url, or 'peer' together with "
+                             f"peers=; got {drain_tier!r}")
         if on_preempt not in ("exit", "raise"):
             raise ValueError(f"on_preempt must be 'exit' or 'raise', got {on_preempt!r}")
         if signals and not drain_deadline > 0:

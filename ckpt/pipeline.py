@@ -25,6 +25,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
 
 from . import knobs
+from .errors import CheckpointError
 from .stage import HostPool, Snapshot, SnapshotStats
 from .tiers import LocalTier, MemoryTier, RemoteTier
 
@@ -233,6 +234,13 @@ class Pipeline:
         handle.stats.persist_s["peer"] = handle.stats.persist_s["peer_transfer"] = time.perf_counter() - t0
         return keep, None
 
+    def _confirm(self, step: int, kept: bool) -> bool:
+        try:
+            return self.peer.confirm(step, kept)
+        except Exception as e:   # noqa: BLE001 - the group failed: this rank's copy is not known to be kept
+            log.error("the peer confirmation of step %d failed: %s", step, e)
+            return False
+
     def _keep_peer_copy(self, step: int, keep: Any, handle: SaveHandle) -> BaseException | None:
         """Verify, write and commit the copy received from the peer source (after the buffer is free)."""
         t0 = time.perf_counter()
@@ -266,8 +274,8 @@ class Pipeline:
                 self.remote.abstain(snap.step)   # on a job tier the other ranks wait for this rank's report
             if self.peer is not None:   # the peers wait for this rank's header
                 keep, _ = self._exchange(snap.step, None, None, handle)
-                if keep is not None:
-                    self._keep_peer_copy(snap.step, keep, handle)
+                kept = keep is not None and self._keep_peer_copy(snap.step, keep, handle) is None
+                self._confirm(snap.step, kept)
             self._on_error(handle, snap.error)
             self.pool.release(snap.buffer)
             handle._fail_rest(snap.error)
@@ -300,9 +308,14 @@ class Pipeline:
         self.pool.release(snap.buffer)
         if upload is not None:
             handle._finish("remote", remote_error)
-        if keep is not None:   # the received copy is written after the buffer is free for the next save
-            self._keep_peer_copy(snap.step, keep, handle)
         if self.peer is not None:
+            # the received copy is written after the buffer is free for the next save; then each rank
+            # hears from its peer whether its own copy is committed there ("peer" done = durable there)
+            kept = keep is not None and self._keep_peer_copy(snap.step, keep, handle) is None
+            acked = self._confirm(snap.step, kept)
+            if peer_error is None and not acked:
+                peer_error = CheckpointError(f"step {snap.step}: rank {self.peer.dst} did not keep this rank's copy "
+                                             "(its log says why)")
             handle._finish("peer", peer_error)
         if upload is None and self.peer is None:
             handle._finish("local", local_error)

@@ -52,3 +52,12 @@ def test_a_restore_right_after_a_save_waits_for_the_exchange(tmp_path):
     # the restore may use the peer group to send copies back: it must not interleave with the exchange
     got = _lines(_run(tmp_path, "rollback", 2), "restored")
     assert got == [f"restored 7 {100.0 * r + 7} memory" for r in range(2)], got
+
+
+def test_waiting_for_the_peer_tier_means_the_peer_has_committed_the_copy(tmp_path):
+    assert _lines(_run(tmp_path, "durable", 2), "durable") == ["durable True"] * 2
+
+
+def test_a_sigterm_drain_to_the_peer_tier(tmp_path):
+    # the signal reaches rank 0 only: both ranks save step 3, wait until the other node (rank) holds it, stop
+    assert _lines(_run(tmp_path, "drain", 2), "preempted") == ["preempted 3 True True"] * 2

@@ -69,6 +69,16 @@ class PeerTier:
             return None
         return lambda: self._keep(step, *received)
 
+    def confirm(self, step: int, kept: bool) -> bool:
+        """Tell the source whether its copy of ``step`` is committed here, and hear the same from the
+        destination about this rank's copy. Collective, after every :meth:`exchange` (and the keep)."""
+        dist = torch.distributed
+        out = torch.tensor([int(kept), step], dtype=torch.int64)
+        got = torch.zeros(2, dtype=torch.int64)
+        for r in (dist.isend(out, self.src, group=self.ranks.group), dist.irecv(got, self.dst, group=self.ranks.group)):
+            r.wait()
+        return bool(got[0]) and int(got[1]) == step
+
     def _swap(self, to: int | None, frm: int | None, step: int, manifest: Manifest | None,
               data: memoryview | torch.Tensor | None) -> tuple[Manifest, torch.Tensor] | None:
         """Send (``to``) and receive (``frm``) one image each, either side optional; returns what came in."""
