@@ -16,6 +16,7 @@ local directory ``ROOT/local-<WORLD>/rank-<RANK>``. ``WORLD`` 1 runs without tor
 * ``fsdp-whole``: one process, the same model unsharded with a plain AdamW, restored; prints ``digest D``.
 * ``dedupe-save`` / ``dedupe-load``: ``replicated=("model",)``: the model is the same on every rank and
   rank 0 alone uploads it; each rank's ``mine`` is its own (a rank that did not save reads rank 0's).
+* ``rank-dies``: rank 1 exits before its upload; rank 0 prints ``error`` and ``remote``.
 * ``steps-differ``: rank 0 saves step 1, rank 1 step 2 (a mistake); prints ``error`` and ``remote``.
 * ``commit-fail``: saves steps 1..3 every step; rank 1's upload of step 2 fails. Prints ``errors``
   with the steps whose save failed on this rank and ``remote`` with the steps committed there.
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import gc
 import hashlib
+import os
 import sys
 
 import torch
@@ -160,6 +162,17 @@ def main() -> None:
                     assert all(torch.equal(state["model"][k], v) for k, v in model.items())
                     assert torch.equal(state["mine"], torch.full((3,), float(rank if rank < 2 else 0)))
                     print(f"restored {step} from {ck.last_restore.tier}", flush=True)
+        elif mode == "rank-dies":   # rank 1 dies before its upload reports; rank 0 must hear of it at once
+            with ckpt.Checkpointer(url, local_dir=local) as ck:
+                if rank == 1:
+                    os._exit(3)
+                try:
+                    ck.save(1, {"w": torch.ones(4)}).wait("remote")
+                except ckpt.CheckpointError as e:
+                    print(f"error {e}", flush=True)
+                print("remote", sorted(c.step for c in ck.list() if "remote" in c.tiers), flush=True)
+                ck.close(raise_errors=False)
+            os._exit(0)   # the process group cannot be torn down with a dead member
         elif mode == "steps-differ":   # a rank-dependent save: rank 0 saves step 1, rank 1 step 2
             with ckpt.Checkpointer(url, local_dir=local) as ck:
                 try:

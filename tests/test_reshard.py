@@ -123,3 +123,13 @@ def test_the_cli_lists_inspects_and_verifies_a_job_tier(tmp_path, capsys):
     assert cli(["verify", url]) == 1
     out = capsys.readouterr().out
     assert "step 5: FAILED" in out and "rank-00001/part-000000" in out and "checksum" in out, out
+
+
+def test_a_rank_that_dies_mid_save_commits_nothing_and_the_others_hear_at_once(tmp_path):
+    # a real process exits before its upload reports: rank 0's upload must fail at once (not after the
+    # commit timeout), say why, and leave nothing committed
+    results = _run(tmp_path, "rank-dies", 2)
+    assert results[1].returncode == 3 and results[0].returncode == 0, results[0].stderr[-2000:]
+    out = results[0].stdout
+    assert "not every rank reported its upload" in out and "a rank may have died" in out, out
+    assert "remote []" in out

@@ -28,7 +28,7 @@ from typing import Any, Callable
 
 import torch
 
-from ..errors import CorruptCheckpointError
+from ..errors import CheckpointError, CorruptCheckpointError
 from ..format import Manifest, data_name
 from ..integrity import checksum
 from .local import LocalTier
@@ -64,7 +64,11 @@ class PeerTier:
         one its source sends. Collective over the job. Returns what keeps the received copy (verify every
         chunk, write, commit; raises when it is unusable, and nothing is committed then), to be called once
         ``data`` is no longer needed, or ``None`` when the source sent nothing."""
-        received = self._swap(self.dst, self.src, step, manifest, data)
+        try:
+            received = self._swap(self.dst, self.src, step, manifest, data)
+        except RuntimeError as e:   # gloo: the peer or the source died, or the group timed out
+            raise CheckpointError(f"step {step}: the exchange with peer ranks {self.dst} (to) and {self.src} (from) "
+                                  f"failed; one may have died (gloo says: {e})") from e
         if received is None:
             return None
         return lambda: self._keep(step, *received)

@@ -169,7 +169,14 @@ class RemoteTier:
         job = self.job
         ok = raw is not None
         mine = [int(ok), Commit.manifest_checksum(raw) if ok else 0, data_bytes, step]
-        reports = job.gather(mine)
+        try:
+            reports = job.gather(mine)
+        except RuntimeError as e:   # gloo: a rank died or timed out (CKPT_COMMIT_TIMEOUT_S)
+            if raw is not None:
+                self._remove_own(step)
+            raise CheckpointError(
+                f"step {step} is not committed to the job tier {self.url}: not every rank reported its upload "
+                f"(a rank may have died; gloo says: {e}); the previous checkpoint there is untouched") from e
         failed = [r for r, rep in enumerate(reports) if rep[0] != 1]
         committed, why = 0, ""
         steps = sorted({rep[3] for rep in reports})
