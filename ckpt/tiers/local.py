@@ -90,8 +90,9 @@ class LocalTier:
                      compute_checksums: bool) -> float:
         """Persist the data file from ``chunk(i)`` (its ``i``-th chunk) and commit; returns seconds spent.
 
-        With ``compute_checksums=False`` the manifest's checksums are kept: the
-        caller has verified the chunks already (a restore from the remote tier).
+        With ``compute_checksums=False`` the manifest's checksums are kept, and the
+        checksums computed while writing must match them or nothing is committed
+        (a copy from the remote tier or from a peer rank).
         """
         t0 = time.perf_counter()
         d = self.step_dir(step)
@@ -101,6 +102,12 @@ class LocalTier:
             sums = self._write_data(d / data_name(self.rank), manifest.data_bytes, manifest.chunk_bytes, chunk)
             if compute_checksums:
                 manifest.chunks = sums
+            elif sums != manifest.chunks:   # the writer's own checksums: bytes that differ are never committed
+                i = next(i for i, (a, b) in enumerate(zip(sums, manifest.chunks)) if a != b) \
+                    if len(sums) == len(manifest.chunks) else 0
+                raise CorruptCheckpointError(
+                    f"{d / data_name(self.rank)}: bytes [{i * manifest.chunk_bytes}, "
+                    f"{min((i + 1) * manifest.chunk_bytes, manifest.data_bytes)}) fail their checksum; not committed")
             local = dataclasses.replace(manifest, codecs=None, stored_sizes=None, rank=self.rank,
                                         world_size=self.world_size)
             raw = local.to_bytes()
