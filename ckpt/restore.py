@@ -93,7 +93,7 @@ def restore(state: dict, memory: MemoryTier, local: LocalTier, remote: RemoteTie
             skipped.append(f"{tier.name}:{s}: {e}")
             continue
         except (CorruptCheckpointError, IncompleteCheckpointError, OSError, LookupError) as e:
-            msg = f"step {s} on the {tier.name} tier is unusable, trying an older one: {e}"
+            msg = f"step {s} on the {tier.name} tier is unusable, trying the next tier or an older step: {e}"
             warnings.warn(msg, RuntimeWarning, stacklevel=3)
             log.warning(msg)
             skipped.append(f"{tier.name}:{s}: {e}")
