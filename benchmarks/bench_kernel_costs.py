@@ -5,11 +5,12 @@ matmul ceilings; the fused linear cross-entropy's per-chunk GEMMs and cross-entr
 timed one by one at several chunk sizes, cross-entropy block sizes and a two-stream variant
 of the chunk loop (``flce``); the three GEMMs under every operand layout and cuBLAS vs
 cuBLASLt (``gemm``) and with PyTorch's TunableOp (``tunable``); and LayerNorm's host cost against its raw-launcher lower bound, aten
-and an empty ``autograd.Function``, at 8 rows (pure host cost) and 8192 (``lean``).
-Prints its findings.
+and an empty ``autograd.Function``, at 8 rows (pure host cost) and 8192 (``lean``); the
+Gluon weight-gradient GEMMs of ``benchmarks/gluon_dw_gemm.py`` against cuBLAS, alone and in
+the loss's chunk loop (``dwgemm``). Prints its findings.
 
     python benchmarks/bench_kernel_costs.py            # all
-    PART=lean python benchmarks/bench_kernel_costs.py  # or PART=flce, gemm, tunable
+    PART=lean python benchmarks/bench_kernel_costs.py  # or PART=flce, gemm, tunable, dwgemm
 """
 import sys, time, os
 import torch, triton, triton.testing
@@ -258,3 +259,76 @@ if PART in ("all", "tunable"):
         t = triton.testing.do_bench(ours, warmup=5, rep=400, grad_to_none=[hh, ww], return_mode="median")
         print(f"flce ours {mode}: {t:.2f} ms", flush=True)
     print(tun.get_results() if hasattr(tun, "get_results") else "", flush=True)
+if PART in ("all", "dwgemm"):
+    # A Hopper weight-gradient GEMM in Gluon (benchmarks/gluon_dw_gemm.py) against cuBLAS:
+    # correctness against an fp32 reference, time per schedule and tile at the loss's shapes,
+    # and the whole chunk loop of the loss with each.
+    import gluon_dw_gemm as G90
+    torch.manual_seed(0)
+    VARIANTS = [("coop", (128, 256, 64, 3)), ("pingpong", (128, 128, 64, 4)),
+                ("pingpong3", (192, 128, 64, 3)), ("pingpong3", (192, 128, 32, 6))]
+    for (C, V, H) in ((512, 128256, 4096), (300, 1000, 392), (64, 4104, 2048)):
+        g = torch.randn(C, V, device=dev, dtype=torch.bfloat16) * 1e-2
+        h = torch.randn(C, H, device=dev, dtype=torch.bfloat16)
+        d0 = torch.randn(V, H, device=dev, dtype=torch.bfloat16) * 0.1
+        assert G90.usable(d0, g, h), "gluon path not usable here"
+        for sched, tile in VARIANTS:
+            for acc in (False, True):
+                ref = g.float().t() @ h.float() + (d0.float() if acc else 0)
+                ours = d0.clone(); G90.addmm_t_(ours, g, h, acc, tile, sched)
+                cub = d0.clone()
+                if acc: cub.addmm_(g.t(), h)
+                else: torch.mm(g.t(), h, out=cub)
+                scale = ref.abs().max().item()
+                eo = (ours.float() - ref).abs().max().item() / scale
+                ec = (cub.float() - ref).abs().max().item() / scale
+                ok = eo <= 2 * ec + 1e-3
+                print(f"dwgemm check {sched} {tile} C={C} V={V} H={H} acc={acc}: max err/scale ours {eo:.2e} "
+                      f"cublas {ec:.2e} {'ok' if ok else 'WRONG'}", flush=True)
+        del g, h, d0
+    for (C, H) in ((512, 4096), (256, 4096), (1024, 4096), (512, 2048)):
+        V = 128256
+        g = torch.randn(C, V, device=dev, dtype=torch.bfloat16) * 1e-2
+        h = torch.randn(C, H, device=dev, dtype=torch.bfloat16)
+        dw = torch.randn(V, H, device=dev, dtype=torch.bfloat16) * 0.01
+        fl = 2 * C * V * H / 1e9
+        t = bench(lambda: dw.addmm_(g.t(), h), rep=200)
+        print(f"dwgemm C={C} H={H} cublas addmm_: {t:.3f} ms ({fl/t:.0f} TFLOP/s)", flush=True)
+        for sched, tile in VARIANTS:
+            try:
+                t = bench(lambda: G90.addmm_t_(dw, g, h, True, tile, sched), rep=200)
+                print(f"dwgemm C={C} H={H} gluon {sched} {tile}: {t:.3f} ms ({fl/t:.0f} TFLOP/s)", flush=True)
+            except Exception as e:
+                print(f"dwgemm C={C} H={H} gluon {sched} {tile}: failed {type(e).__name__}: {str(e)[:200]}", flush=True)
+        del g, h, dw
+    N, H, V, C = 8192, 4096, 128256, 512
+    W = (torch.randn(V, H, device=dev) * H ** -0.5).to(torch.bfloat16)
+    hid0 = torch.randn(N, H, device=dev, dtype=torch.bfloat16)
+    tgt = torch.randint(0, V, (N,), device=dev)
+    sc = torch.ones(1, device=dev) / N
+    def loop(sched, tile):
+        hid = hid0.clone()
+        dw = torch.empty_like(W)
+        lr = torch.empty(N, device=dev)
+        for i, s0 in enumerate(range(0, N, C)):
+            h = hid[s0:s0 + C]
+            G = torch.mm(h, W.t())
+            launch_ce(G, tgt[s0:s0 + C], lr[s0:s0 + C], G, sc, -100, 0.0, 0.0)
+            if sched == "cublas":
+                torch.mm(G.t(), h, out=dw) if i == 0 else dw.addmm_(G.t(), h)
+            else:
+                G90.addmm_t_(dw, G, h, i > 0, tile, sched)
+            torch.mm(G, W, out=h)
+            del G
+        return dw, hid
+    ref = loop("cublas", None)
+    for rnd in range(2):
+        for sched, tile in [("cublas", None)] + VARIANTS[1:]:
+            out = loop(sched, tile)
+            same = all(((a.float() - b.float()).abs().max() / b.float().abs().max()).item() < 2e-2
+                       for a, b in zip(out, ref))
+            t = bench(lambda: loop(sched, tile), rep=400)
+            print(f"flce loop[{rnd}] dw={sched} {tile}: {t:.2f} ms {'matches cublas' if same else 'DIFFERS'}",
+                  flush=True)
+    del W, hid0
+    torch.cuda.empty_cache()
