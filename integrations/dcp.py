@@ -1,0 +1,683 @@
+"""``torch.distributed.checkpoint`` (DCP) storage over the tiers, without pickle.
+
+For code that already calls ``dcp.save`` / ``dcp.load`` (torchtitan-style loops, FSDP2 and TP
+states, DCP's own resharding planners)::
+
+    from ckpt.integrations.dcp import TierStorageReader, TierStorageWriter
+
+    dcp.save(state, storage_writer=TierStorageWriter(local_dir="/nvme/ckpt", url="s3://bucket/run"),
+             checkpoint_id="step-1200")                                   # call on all ranks
+    dcp.load(state, storage_reader=TierStorageReader(local_dir="/nvme/ckpt", url="s3://bucket/run"),
+             checkpoint_id="step-1200")                                   # call on all ranks
+
+Layout, the same on each tier (``local_dir``: this node's disk; ``url``: any fsspec URL)::
+
+    <root>/<checkpoint_id>/
+        rank-00000.dcp.bin   this rank's items back to back: raw tensor bytes (contiguous, in their
+                             dtype) and non-tensor values as JSON text
+        metadata.json        DCP's Metadata as JSON, plus where every item lies and its CRC-32C
+        COMMIT               written last, by the coordinator: format, world size, metadata checksum
+
+Each rank writes its own file to every tier (local first, fsynced and renamed into place; then
+the remote copy, uploaded from the local file; without ``local_dir`` the file is built in host
+memory); the coordinator writes ``metadata.json`` and then ``COMMIT`` to every tier once DCP has
+gathered all ranks' results, so a checkpoint exists on a tier iff its ``COMMIT`` does. When the
+remote tier cannot take a rank's file after the local tier did, that is reported (a warning) and
+the remote tier gets no ``COMMIT`` for this checkpoint; a failed local write (a full disk, say)
+fails the save with the path, and a checkpoint committed on no tier fails it too. Saving under a
+``checkpoint_id`` that exists replaces that checkpoint (its ``COMMIT`` is removed first); other
+checkpoint ids are never touched.
+
+Reading takes the metadata from the nearest tier with a valid ``COMMIT`` and every item from the
+nearest tier whose bytes match the item's checksum (committed or not: on a multi-node job a
+node's local tier holds its own ranks' files, while only the coordinator's node has the
+``COMMIT``), so a node that lost its disk, a torn local file or another node's rank falls back
+to the remote copy item by item; bytes that fail their checksum are reported (a warning).
+
+**No pickle.** DCP's own file storage pickles its metadata and every non-tensor value; loading
+one runs ``torch.load(weights_only=False)`` on bytes from the checkpoint. Here the metadata is
+JSON, validated field by field on load (a hostile or torn file gives a
+:class:`~ckpt.errors.CorruptCheckpointError` naming the file), and a non-tensor value is stored as
+JSON: ``None``, bools, ints, floats (NaN and infinities included), strings, and lists, tuples and
+dicts (string or integer keys) of those, which covers optimizer ``param_groups`` and scalar
+training state. Anything else is refused at save time with the key's name. DCP's load planner
+takes non-tensor values as ``torch.save`` bytes: the reader makes those itself from the decoded
+JSON value, so the bytes it unpickles were never read from storage.
+
+Not done here: retention (name and prune checkpoint ids yourself, e.g. with ``fsspec``), async
+staging (``dcp.async_save`` works with these classes; for overlap with training use
+:class:`ckpt.Checkpointer`), the peer tier (it needs the Checkpointer's own rank groups).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import json
+import math
+import os
+import warnings
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import fsspec
+import torch
+from torch.distributed.checkpoint import StorageReader, StorageWriter
+from torch.futures import Future
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    StorageMeta,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+from torch.distributed.checkpoint.planner import (
+    LoadItemType,
+    LoadPlan,
+    LoadPlanner,
+    ReadItem,
+    SavePlan,
+    SavePlanner,
+    WriteItem,
+    WriteItemType,
+)
+from torch.distributed.checkpoint.storage import WriteResult
+
+from ..errors import CorruptCheckpointError, IncompleteCheckpointError
+from ..format import COMMIT_NAME, MAX_RECORD_BYTES, dtype_to_str, fsync_dir, str_to_dtype, write_atomic
+from ..integrity import ALGORITHM, checksum
+
+__all__ = ["TierStorageWriter", "TierStorageReader", "FORMAT"]
+
+FORMAT = "ckpt.dcp"
+_VERSION = 1
+METADATA_NAME = "metadata.json"
+_MEMORY_FORMATS = {"contiguous": torch.contiguous_format, "channels_last": torch.channels_last,
+                   "channels_last_3d": torch.channels_last_3d, "preserve": torch.preserve_format}
+_MEMORY_FORMAT_NAMES = {v: k for k, v in _MEMORY_FORMATS.items()}
+
+
+def _data_name(rank: int) -> str:
+    return f"rank-{rank:05d}.dcp.bin"
+
+
+class _Tier:
+    """One place a checkpoint id can live: a local directory (fsync'd, renamed into place) or an
+    fsspec URL. ``name`` is ``"local"`` or ``"remote"``, for messages."""
+
+    def __init__(self, name: str, root: str, storage_options: dict[str, Any] | None) -> None:
+        self.name = name
+        self.local = name == "local"
+        if self.local:
+            self.root = str(Path(root).expanduser())
+            self.fs = None
+        else:
+            self.fs, self.root = fsspec.core.url_to_fs(root, **(storage_options or {}))
+            self.root = self.root.rstrip("/")
+        self.where = root
+
+    def path(self, ckpt_id: str, name: str) -> str:
+        return f"{self.root}/{ckpt_id}/{name}"
+
+    def put_bytes(self, ckpt_id: str, name: str, data: bytes) -> None:
+        p = self.path(ckpt_id, name)
+        if self.local:
+            Path(p).parent.mkdir(parents=True, exist_ok=True)
+            write_atomic(Path(p), data)
+        else:
+            self.fs.makedirs(f"{self.root}/{ckpt_id}", exist_ok=True)
+            self.fs.pipe_file(p, data)
+
+    def put_file(self, ckpt_id: str, name: str, src: str) -> None:
+        """Upload a finished local file (remote tier only)."""
+        self.fs.makedirs(f"{self.root}/{ckpt_id}", exist_ok=True)
+        self.fs.put_file(src, self.path(ckpt_id, name))
+
+    def get_bytes(self, ckpt_id: str, name: str, start: int | None = None,
+                  end: int | None = None) -> bytes | bytearray:
+        """The whole file, or bytes ``[start, end)`` (into a writable buffer for the local tier, so a
+        tensor can be built over it without another copy; fewer bytes when the file is short)."""
+        p = self.path(ckpt_id, name)
+        if self.local:
+            with open(p, "rb", buffering=0) as f:
+                if start is None:
+                    return f.read()
+                f.seek(start)
+                buf = bytearray(end - start)
+                view, got = memoryview(buf), 0
+                while got < len(buf):
+                    n = f.readinto(view[got:])
+                    if not n:
+                        return buf[:got]
+                    got += n
+                return buf
+        if start is None:
+            return self.fs.cat_file(p)
+        return self.fs.cat_file(p, start=start, end=end)
+
+    def remove(self, ckpt_id: str, name: str) -> None:
+        p = self.path(ckpt_id, name)
+        try:
+            if self.local:
+                os.unlink(p)
+            else:
+                self.fs.rm_file(p)
+        except (FileNotFoundError, NotADirectoryError):
+            pass   # nothing there
+
+
+def _tiers(local_dir: str | os.PathLike | None, url: str | None,
+           storage_options: dict[str, Any] | None) -> list[_Tier]:
+    if local_dir is None and url is None:
+        raise ValueError("give local_dir (this node's disk), url (an fsspec URL), or both")
+    tiers = []
+    if local_dir is not None:
+        tiers.append(_Tier("local", os.fspath(local_dir), None))
+    if url is not None:
+        tiers.append(_Tier("remote", url, storage_options))
+    return tiers
+
+
+def _checkpoint_name(checkpoint_id: str | os.PathLike | None, default: str | None) -> str:
+    name = os.fspath(checkpoint_id) if checkpoint_id is not None else default
+    if name is None:
+        raise ValueError("no checkpoint_id: pass checkpoint_id= to dcp.save / dcp.load (a name such as "
+                         "'step-1200') or to the storage writer / reader")
+    name = str(name).strip("/")
+    if not name or any(part in ("", ".", "..") for part in name.split("/")):
+        raise ValueError(f"checkpoint_id must be a relative name like 'step-1200', got {checkpoint_id!r}")
+    return name
+
+
+# -- non-tensor values as JSON ------------------------------------------------------------------------
+def _to_json(value: Any, where: str) -> Any:
+    if value is None or isinstance(value, (bool, int, str)):
+        return value
+    if isinstance(value, float):
+        if math.isfinite(value):
+            return value
+        return {"$float": "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")}
+    if isinstance(value, (list, tuple)):
+        items = [_to_json(v, f"{where}[{i}]") for i, v in enumerate(value)]
+        return items if isinstance(value, list) else {"$tuple": items}
+    if isinstance(value, dict):
+        if all(isinstance(k, str) and not k.startswith("$") for k in value):
+            return {k: _to_json(v, f"{where}.{k}") for k, v in value.items()}
+        if all(isinstance(k, (str, int)) and not isinstance(k, bool) for k in value):
+            return {"$dict": [[k, _to_json(v, f"{where}[{k!r}]")] for k, v in value.items()]}
+    raise ValueError(
+        f"state value {where!r} is a {type(value).__name__}, which TierStorageWriter cannot store without pickle. "
+        "Non-tensor values must be None, bool, int, float, str, or lists / tuples / dicts (str or int keys) of "
+        "those; convert it (e.g. to a tensor or a string) or leave it out of the state given to dcp.save")
+
+
+def _from_json(obj: Any, where: str) -> Any:
+    if obj is None or isinstance(obj, (bool, int, float, str)):
+        return obj
+    if isinstance(obj, list):
+        return [_from_json(v, where) for v in obj]
+    if isinstance(obj, dict):
+        if len(obj) == 1 and "$float" in obj and obj["$float"] in ("nan", "inf", "-inf"):
+            return float(obj["$float"])
+        if len(obj) == 1 and "$tuple" in obj and isinstance(obj["$tuple"], list):
+            return tuple(_from_json(v, where) for v in obj["$tuple"])
+        if len(obj) == 1 and "$dict" in obj and isinstance(obj["$dict"], list):
+            out = {}
+            for pair in obj["$dict"]:
+                if not (isinstance(pair, list) and len(pair) == 2 and isinstance(pair[0], (str, int))
+                        and not isinstance(pair[0], bool)):
+                    raise CorruptCheckpointError(f"{where}: malformed dict entry {pair!r}")
+                out[pair[0]] = _from_json(pair[1], where)
+            return out
+        if any(k.startswith("$") for k in obj):
+            raise CorruptCheckpointError(f"{where}: unknown tagged value {sorted(obj)!r}")
+        return {k: _from_json(v, where) for k, v in obj.items()}
+    raise CorruptCheckpointError(f"{where}: unexpected JSON value of type {type(obj).__name__}")
+
+
+# -- metadata <-> JSON --------------------------------------------------------------------------------
+def _index_to_json(ix: MetadataIndex) -> dict[str, Any]:
+    return {"fqn": ix.fqn, "offset": list(ix.offset) if ix.offset is not None else None}
+
+
+def _metadata_to_json(md: Metadata) -> dict[str, Any]:
+    entries: dict[str, Any] = {}
+    for fqn, m in md.state_dict_metadata.items():
+        if isinstance(m, BytesStorageMetadata):
+            entries[fqn] = {"kind": "bytes"}
+        elif isinstance(m, TensorStorageMetadata):
+            p = m.properties
+            if p.layout != torch.strided:
+                raise ValueError(f"tensor {fqn!r} has layout {p.layout}; TierStorageWriter stores strided tensors only")
+            entries[fqn] = {
+                "kind": "tensor", "dtype": dtype_to_str(p.dtype), "size": list(m.size),
+                "requires_grad": bool(p.requires_grad), "pin_memory": bool(p.pin_memory),
+                "memory_format": _MEMORY_FORMAT_NAMES.get(p.memory_format, "contiguous"),
+                "chunks": [{"offsets": list(c.offsets), "sizes": list(c.sizes)} for c in m.chunks],
+            }
+        else:
+            raise ValueError(f"state entry {fqn!r} has DCP metadata of type {type(m).__name__}, which this "
+                             "storage does not know")
+    try:
+        planner_data = _to_json(md.planner_data, "planner_data")
+    except ValueError as e:
+        raise ValueError(f"{e} (the save planner's planner_data; use DCP's DefaultSavePlanner or one whose "
+                         "planner_data is plain data)") from None
+    items = [{"index": _index_to_json(ix), **rec} for ix, rec in (md.storage_data or {}).items()]
+    sm = md.storage_meta
+    return {
+        "format": FORMAT, "version": _VERSION, "dcp_version": md.version,
+        "state": entries, "planner_data": planner_data, "items": items,
+        "storage_meta": None if sm is None else {
+            "checkpoint_id": None if sm.checkpoint_id is None else os.fspath(sm.checkpoint_id),
+            "save_id": sm.save_id, "load_id": sm.load_id, "modules": list(sm.modules)},
+    }
+
+
+def _need(cond: bool, where: str, what: str) -> None:
+    if not cond:
+        raise CorruptCheckpointError(f"{where}: {what}")
+
+
+def _ints(v: Any) -> bool:
+    return isinstance(v, list) and all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in v)
+
+
+def _metadata_from_json(raw: bytes, where: str) -> tuple[Metadata, dict[MetadataIndex, dict[str, Any]]]:
+    _need(len(raw) <= MAX_RECORD_BYTES, where, f"{len(raw)} bytes, larger than any metadata this writer makes")
+    try:
+        obj = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CorruptCheckpointError(f"{where}: not valid JSON ({e})") from None
+    _need(isinstance(obj, dict) and obj.get("format") == FORMAT, where, f"not a {FORMAT} metadata record")
+    _need(obj.get("version") == _VERSION, where, f"format version {obj.get('version')!r}; this reader knows "
+          f"{_VERSION}")
+    state = obj.get("state")
+    _need(isinstance(state, dict), where, "'state' is not an object")
+    sdm: dict[str, Any] = {}
+    for fqn, e in state.items():
+        w = f"{where}: state[{fqn!r}]"
+        _need(isinstance(e, dict) and e.get("kind") in ("bytes", "tensor"), w, "kind must be 'bytes' or 'tensor'")
+        if e["kind"] == "bytes":
+            sdm[fqn] = BytesStorageMetadata()
+            continue
+        _need(_ints(e.get("size")), w, "size must be a list of non-negative ints")
+        _need(isinstance(e.get("chunks"), list), w, "chunks must be a list")
+        chunks = []
+        for c in e["chunks"]:
+            _need(isinstance(c, dict) and _ints(c.get("offsets")) and _ints(c.get("sizes"))
+                  and len(c["offsets"]) == len(c["sizes"]) == len(e["size"]), w, f"malformed chunk {c!r}")
+            _need(all(o + s <= n for o, s, n in zip(c["offsets"], c["sizes"], e["size"])), w,
+                  f"chunk {c!r} lies outside the tensor's size {e['size']}")
+            chunks.append(ChunkStorageMetadata(offsets=torch.Size(c["offsets"]), sizes=torch.Size(c["sizes"])))
+        _need(isinstance(e.get("dtype"), str), w, "dtype must be a string")
+        _need(e.get("memory_format", "contiguous") in _MEMORY_FORMATS, w, "unknown memory_format")
+        props = TensorProperties(dtype=str_to_dtype(e["dtype"], w), layout=torch.strided,
+                                 requires_grad=bool(e.get("requires_grad", False)),
+                                 memory_format=_MEMORY_FORMATS[e.get("memory_format", "contiguous")],
+                                 pin_memory=bool(e.get("pin_memory", False)))
+        sdm[fqn] = TensorStorageMetadata(properties=props, size=torch.Size(e["size"]), chunks=chunks)
+    items = obj.get("items")
+    _need(isinstance(items, list), where, "'items' is not a list")
+    storage: dict[MetadataIndex, dict[str, Any]] = {}
+    for it in items:
+        w = f"{where}: item {it.get('index') if isinstance(it, dict) else it!r}"
+        _need(isinstance(it, dict) and isinstance(it.get("index"), dict), w, "malformed item")
+        ix = it["index"]
+        _need(isinstance(ix.get("fqn"), str) and ix["fqn"] in sdm, w, "names no entry of 'state'")
+        _need(ix.get("offset") is None or _ints(ix["offset"]), w, "offset must be null or a list of ints")
+        for key in ("rank", "offset_bytes", "length", "crc"):
+            _need(isinstance(it.get(key), int) and not isinstance(it.get(key), bool) and it[key] >= 0, w,
+                  f"{key} must be a non-negative int")
+        _need(it.get("kind") in ("tensor", "bytes"), w, "kind must be 'tensor' or 'bytes'")
+        if it["kind"] == "tensor":
+            _need(isinstance(it.get("dtype"), str) and _ints(it.get("shape")), w, "tensor item needs dtype and shape")
+            dt = str_to_dtype(it["dtype"], w)
+            n = math.prod(it["shape"])
+            _need(n * torch.empty((), dtype=dt).element_size() == it["length"], w,
+                  f"length {it['length']} does not match shape {it['shape']} of {it['dtype']}")
+        offset = torch.Size(ix["offset"]) if ix.get("offset") is not None else None
+        storage[MetadataIndex(fqn=ix["fqn"], offset=offset)] = it
+    sm = obj.get("storage_meta")
+    storage_meta = None
+    if isinstance(sm, dict):
+        storage_meta = StorageMeta(checkpoint_id=sm.get("checkpoint_id"), save_id=sm.get("save_id"),
+                                   load_id=sm.get("load_id"), modules=list(sm.get("modules") or []))
+    md = Metadata(state_dict_metadata=sdm, planner_data=_from_json(obj.get("planner_data"), f"{where}: planner_data"),
+                  storage_data=storage, storage_meta=storage_meta)
+    if isinstance(obj.get("dcp_version"), str):
+        md.version = obj["dcp_version"]
+    return md, storage
+
+
+def _commit_record(world_size: int, metadata: bytes) -> bytes:
+    return json.dumps({"format": FORMAT, "version": _VERSION, "world_size": world_size,
+                       "metadata_bytes": len(metadata), "metadata_checksum": checksum(metadata),
+                       "algorithm": ALGORITHM}).encode()
+
+
+def _check_commit(raw: bytes, where: str) -> dict[str, Any]:
+    try:
+        obj = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CorruptCheckpointError(f"{where}: not valid JSON ({e})") from None
+    _need(isinstance(obj, dict) and obj.get("format") == FORMAT and obj.get("version") == _VERSION, where,
+          f"not a {FORMAT} commit record of version {_VERSION}")
+    for key in ("world_size", "metadata_bytes", "metadata_checksum"):
+        _need(isinstance(obj.get(key), int) and not isinstance(obj.get(key), bool) and obj[key] >= 0, where,
+              f"{key} must be a non-negative int")
+    _need(obj.get("algorithm") == ALGORITHM, where, f"checksum algorithm {obj.get('algorithm')!r}")
+    return obj
+
+
+# -- writer -------------------------------------------------------------------------------------------
+class TierStorageWriter(StorageWriter):
+    """``dcp.save`` into ``local_dir`` and/or ``url`` (see the module docstring for the layout).
+
+    Args:
+        local_dir: this node's checkpoint directory (fast disk); each rank writes its own file here.
+        url: an fsspec URL (``s3://bucket/run``, ``gs://...``, ``file:///shared/...``) every rank writes
+            to; the coordinator writes the metadata and ``COMMIT`` there too.
+        storage_options: passed to fsspec for ``url`` (credentials, endpoint, ...).
+        checkpoint_id: default name of the checkpoint when ``dcp.save`` gets none.
+
+    Collective: used through ``dcp.save``, which calls it on every rank.
+    """
+
+    def __init__(self, local_dir: str | os.PathLike | None = None, url: str | None = None,
+                 storage_options: dict[str, Any] | None = None, checkpoint_id: str | None = None) -> None:
+        super().__init__()
+        self.tiers = _tiers(local_dir, url, storage_options)
+        self._default_id = checkpoint_id
+        self.checkpoint_id = checkpoint_id
+        self.is_coordinator = False
+        self.failed_tiers: list[str] = []
+
+    def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
+        self.checkpoint_id = _checkpoint_name(checkpoint_id, self._default_id)
+
+    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        self.is_coordinator = is_coordinator
+        if self.checkpoint_id is None:
+            self.checkpoint_id = _checkpoint_name(None, self._default_id)
+        self._no_commit: set[str] = set()
+        if is_coordinator:
+            # a COMMIT left by an earlier save under this name would vouch for a mix of old and new
+            # files while this save runs: take it away first (the files it covered go with the save)
+            for tier in self.tiers:
+                try:
+                    tier.remove(self.checkpoint_id, COMMIT_NAME)
+                except Exception as e:   # noqa: BLE001 - that tier then gets no COMMIT from this save
+                    self._no_commit.add(tier.name)
+                    warnings.warn(f"TierStorageWriter: could not clear {tier.where}/{self.checkpoint_id} "
+                                  f"({type(e).__name__}: {e}); this save will not be committed there",
+                                  stacklevel=2)
+
+    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        return plan
+
+    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        return [dataclasses.replace(p, storage_data={"rank": i}) for i, p in enumerate(plans)]
+
+    def storage_meta(self) -> StorageMeta | None:
+        return StorageMeta(checkpoint_id=self.checkpoint_id)
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
+        return False   # never picked by DCP's storage auto-detection: pass it explicitly
+
+    def _value_bytes(self, item: WriteItem, planner: SavePlanner) -> bytes:
+        where = item.index.fqn
+        if hasattr(planner, "lookup_object"):
+            value = planner.lookup_object(item.index)
+        else:   # a planner without the lookup: its bytes are torch.save output made in this process
+            buf = planner.resolve_data(item)
+            buf.seek(0)
+            value = torch.load(buf, weights_only=True)
+        return json.dumps(_to_json(value, where), allow_nan=False).encode()
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        rank = plan.storage_data["rank"] if isinstance(plan.storage_data, dict) else 0
+        name = _data_name(rank)
+        results: list[WriteResult] = []
+        records: list[dict[str, Any]] = []
+        local = next((t for t in self.tiers if t.local), None)
+        # the rank's file is built once: on the local tier when there is one (then uploaded as a file),
+        # else in memory for the remote tier
+        if local is not None:
+            final = Path(local.path(self.checkpoint_id, name))
+            final.parent.mkdir(parents=True, exist_ok=True)
+            tmp = final.with_name(final.name + f".tmp-{os.getpid()}")
+            sink: Any = open(tmp, "wb")
+        else:
+            sink = io.BytesIO()
+        offset = 0
+        try:
+            for item in plan.items:
+                if item.type == WriteItemType.BYTE_IO:
+                    data = self._value_bytes(item, planner)
+                    rec = {"kind": "bytes"}
+                else:
+                    t = planner.resolve_data(item)
+                    t = t.detach().to("cpu").contiguous()
+                    data = memoryview(t.reshape(-1).view(torch.uint8).numpy()) if t.numel() else b""
+                    rec = {"kind": "tensor", "dtype": dtype_to_str(t.dtype), "shape": list(t.shape)}
+                sink.write(data)
+                rec.update(rank=rank, offset_bytes=offset, length=len(data), crc=checksum(data))
+                offset += len(data)
+                records.append(rec)
+                results.append(WriteResult(index=item.index, size_in_bytes=len(data), storage_data=rec))
+            if local is not None:
+                sink.flush()
+                os.fsync(sink.fileno())
+                sink.close()
+                os.replace(tmp, final)
+                fsync_dir(final.parent)
+        except BaseException:
+            sink.close()
+            if local is not None:
+                tmp.unlink(missing_ok=True)
+            raise
+        payload = None if local is not None else sink.getvalue()
+        wrote = 0 if local is None else 1
+        for tier in self.tiers:
+            if tier.local:
+                continue
+            try:
+                if payload is None:
+                    tier.put_file(self.checkpoint_id, name, str(final))
+                else:
+                    tier.put_bytes(self.checkpoint_id, name, payload)
+                wrote += 1
+            except Exception as e:   # noqa: BLE001 - reported; the save fails only if no tier took the file
+                if local is None:
+                    raise
+                warnings.warn(f"TierStorageWriter: rank {rank} could not write {name} of {self.checkpoint_id!r} "
+                              f"to {tier.where} ({type(e).__name__}: {e}); the checkpoint stays on the local "
+                              "tier only", stacklevel=2)
+                for r in results:
+                    r.storage_data["missing"] = sorted(set(r.storage_data.get("missing", [])) | {tier.name})
+        fut: Future[list[WriteResult]] = Future()
+        fut.set_result(results)
+        return fut
+
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        storage = {}
+        missing: set[str] = set(getattr(self, "_no_commit", ()))
+        for per_rank in results:
+            for r in per_rank:
+                rec = dict(r.storage_data)
+                missing.update(rec.pop("missing", []))
+                storage[r.index] = rec
+        metadata.storage_data = storage
+        raw = json.dumps(_metadata_to_json(metadata), allow_nan=False).encode()
+        commit = _commit_record(len(results), raw)
+        committed = []
+        for tier in self.tiers:
+            if tier.name in missing:
+                continue   # some rank's file did not reach this tier: no COMMIT may vouch for it
+            try:
+                tier.put_bytes(self.checkpoint_id, METADATA_NAME, raw)
+                tier.put_bytes(self.checkpoint_id, COMMIT_NAME, commit)
+                committed.append(tier.name)
+            except Exception as e:   # noqa: BLE001 - reported below
+                warnings.warn(f"TierStorageWriter: could not commit {self.checkpoint_id!r} on {tier.where} "
+                              f"({type(e).__name__}: {e})", stacklevel=2)
+        if not committed:
+            raise OSError(5, f"TierStorageWriter: checkpoint {self.checkpoint_id!r} was committed on no tier "
+                             f"({', '.join(t.where for t in self.tiers)}); earlier checkpoints are untouched")
+
+
+# -- reader -------------------------------------------------------------------------------------------
+class TierStorageReader(StorageReader):
+    """``dcp.load`` from the nearest tier holding a valid copy, item by item (see the module docstring).
+
+    Args:
+        local_dir, url, storage_options: as :class:`TierStorageWriter`; the local tier is tried first.
+        checkpoint_id: default name when ``dcp.load`` gets none.
+        threads: parallel range reads per rank (remote reads are latency-bound).
+
+    Collective: used through ``dcp.load``, which calls it on every rank.
+    """
+
+    def __init__(self, local_dir: str | os.PathLike | None = None, url: str | None = None,
+                 storage_options: dict[str, Any] | None = None, checkpoint_id: str | None = None,
+                 threads: int = 8) -> None:
+        super().__init__()
+        self.tiers = _tiers(local_dir, url, storage_options)
+        self._default_id = checkpoint_id
+        self.checkpoint_id = checkpoint_id
+        self.threads = max(1, int(threads))
+        self.storage: dict[MetadataIndex, dict[str, Any]] = {}
+        self.committed: list[str] = []   # tiers (their paths) holding a valid COMMIT, after read_metadata
+        self.source: str | None = None   # the tier the metadata came from
+
+    def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
+        self.checkpoint_id = _checkpoint_name(checkpoint_id, self._default_id)
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
+        return False
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        ckpt_id = self.checkpoint_id = _checkpoint_name(self.checkpoint_id, self._default_id)
+        problems = []
+        self.committed = []
+        found: tuple[Metadata, dict, str] | None = None
+        for tier in self.tiers:
+            where = tier.path(ckpt_id, COMMIT_NAME)
+            try:
+                commit = _check_commit(tier.get_bytes(ckpt_id, COMMIT_NAME), where)
+                raw = tier.get_bytes(ckpt_id, METADATA_NAME)
+                mwhere = tier.path(ckpt_id, METADATA_NAME)
+                _need(len(raw) == commit["metadata_bytes"] and checksum(raw) == commit["metadata_checksum"], mwhere,
+                      "does not match the checksum its COMMIT records")
+                if found is None:
+                    md, storage = _metadata_from_json(raw, mwhere)
+                    found = (md, storage, tier.where)
+                self.committed.append(tier.where)
+            except FileNotFoundError:
+                problems.append(f"{tier.where}: no committed checkpoint {ckpt_id!r}")
+            except CorruptCheckpointError as e:
+                problems.append(str(e))
+                warnings.warn(f"TierStorageReader: skipping {tier.where} ({e})", stacklevel=2)
+            except OSError as e:
+                problems.append(f"{tier.where}: {type(e).__name__}: {e}")
+        if found is None:
+            raise IncompleteCheckpointError(f"no tier holds a valid committed checkpoint {ckpt_id!r}: "
+                                            + "; ".join(problems))
+        md, self.storage, self.source = found
+        # the item records of the metadata's storage_data stay ours; DCP needs only the index keys
+        return md
+
+    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        if not self.storage and isinstance(metadata.storage_data, dict):
+            self.storage = metadata.storage_data   # metadata read by another reader instance
+
+    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        return plan
+
+    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
+        return plans
+
+    def _fetch(self, req: ReadItem, tiers: list[_Tier], tried: list[str],
+               final: bool) -> tuple[ReadItem, bytes | bytearray, dict[str, Any]] | None:
+        """The item's bytes from the first of ``tiers`` whose copy matches its checksum; ``None`` when
+        none does and ``final`` is false (``tried`` then says why), else CorruptCheckpointError."""
+        rec = self.storage.get(req.storage_index)
+        if rec is None:
+            raise CorruptCheckpointError(f"checkpoint {self.checkpoint_id!r} has no stored item for "
+                                         f"{req.storage_index.fqn!r} at offset {req.storage_index.offset}")
+        name = _data_name(rec["rank"])
+        start, end = rec["offset_bytes"], rec["offset_bytes"] + rec["length"]
+        for tier in tiers:   # nearest first; every copy is checked against the committed checksum
+            try:
+                data = tier.get_bytes(self.checkpoint_id, name, start, end)
+            except OSError as e:   # FileNotFoundError included: that tier lacks this rank's file
+                tried.append(f"{tier.where}: {type(e).__name__}")
+                continue
+            if len(data) == rec["length"] and checksum(data) == rec["crc"]:
+                return req, data, rec
+            tried.append(f"{tier.where}: {name} bytes {start}..{end} do not match their checksum")
+            if final and tier is tiers[-1]:
+                break   # no tier left to try: the error below says it all
+            warnings.warn(f"TierStorageReader: the copy of {req.storage_index.fqn!r} of {self.checkpoint_id!r} on "
+                          f"{tier.where} fails its checksum ({name} bytes {start}..{end}); trying the next tier",
+                          stacklevel=3)
+        if not final:
+            return None
+        raise CorruptCheckpointError(f"no tier holds a valid copy of {req.storage_index.fqn!r} "
+                                     f"(in {name} of {self.checkpoint_id!r}): {'; '.join(tried)}")
+
+    def _serve(self, req: ReadItem, data: bytes | bytearray, rec: dict[str, Any], planner: LoadPlanner) -> None:
+        where = f"{req.storage_index.fqn!r} of {self.checkpoint_id!r}"
+        if req.type == LoadItemType.BYTE_IO:
+            _need(rec["kind"] == "bytes", where, "stored as a tensor, read as a value")
+            try:
+                value = _from_json(json.loads(bytes(data).decode("utf-8")), where)
+            except (UnicodeDecodeError, json.JSONDecodeError) as e:
+                raise CorruptCheckpointError(f"{where}: not valid JSON ({e})") from None
+            buf = io.BytesIO()
+            torch.save(value, buf)   # made here from plain data, for DCP's load planner
+            buf.seek(0)
+            planner.load_bytes(req, buf)
+            return
+        _need(rec["kind"] == "tensor", where, "stored as a value, read as a tensor")
+        dtype = str_to_dtype(rec["dtype"], where)
+        if not isinstance(data, bytearray):
+            data = bytearray(data)   # torch.frombuffer wants a writable buffer
+        stored = torch.frombuffer(data, dtype=dtype) if data else torch.empty(0, dtype=dtype)
+        stored = stored.reshape(rec["shape"])
+        for dim, (off, length) in enumerate(zip(req.storage_offsets, req.lengths)):
+            stored = stored.narrow(dim, off, length)
+        target = planner.resolve_tensor(req).detach()
+        if target.shape != stored.shape:
+            raise CorruptCheckpointError(f"{where}: stored chunk gives shape {tuple(stored.shape)}, the load "
+                                         f"plan wants {tuple(target.shape)}")
+        target.copy_(stored)
+        planner.commit_tensor(req, target)
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        # The local tier is read inline, item after item (page-cache or NVMe reads, no latency to
+        # hide; reader threads would only compete with the copies for the cores). Items it cannot
+        # serve go to the farther tiers through a thread pool (object-store reads are latency-bound).
+        local = [t for t in self.tiers if t.local]
+        farther = [t for t in self.tiers if not t.local]
+        pending: list[tuple[ReadItem, list[str]]] = []
+        for req in plan.items:
+            tried: list[str] = []
+            got = self._fetch(req, local, tried, final=not farther) if local else None
+            if got is None:
+                pending.append((req, tried))
+            else:
+                self._serve(*got, planner)
+        if pending:
+            with ThreadPoolExecutor(self.threads, thread_name_prefix="ckpt-dcp-read") as pool:
+                for got in pool.map(lambda p: self._fetch(p[0], farther, p[1], final=True), pending):
+                    self._serve(*got, planner)
+        fut: Future[None] = Future()
+        fut.set_result(None)
+        return fut

@@ -1,0 +1,224 @@
+"""``dcp.save`` / ``dcp.load`` through the tiers (:mod:`ckpt.integrations.dcp`): real DCP, real
+multi-process gloo jobs (tests/dcp_worker.py) and single-process checkpoints on real files."""
+
+from __future__ import annotations
+
+import json
+import math
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+
+from ckpt.errors import CorruptCheckpointError, IncompleteCheckpointError
+from ckpt.integrations.dcp import TierStorageReader, TierStorageWriter
+from ckpt.integrity import checksum
+from helpers import assert_ok, run_ranks
+
+HERE = Path(__file__).parent
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+
+
+def _inner(exc: CheckpointException) -> BaseException:
+    """Rank 0's own exception inside DCP's wrapper (``failures``: rank -> (exception, trace))."""
+    return exc.failures[0][0]
+
+
+def _line(results, prefix):
+    assert_ok(results)
+    return [l for r in results for l in r.stdout.splitlines() if l.startswith(prefix)]
+
+
+@pytest.mark.parametrize("backend,load_world", [
+    ("gloo", 2), ("gloo", 3), pytest.param("nccl", 2, marks=pytest.mark.multigpu, id="nccl-two-gpus")])
+def test_fsdp2_model_and_optimizer_saved_on_2_ranks_load_on_any_number(tmp_path, backend, load_world):
+    env = {"CKPT_TEST_BACKEND": backend}
+    saved = _line(run_ranks(HERE / "dcp_worker.py", str(tmp_path), "save", world=2, env=env), "digest")
+    assert len(saved) == 1
+    # one node per rank: each local tier holds its own rank's file, the coordinator's also the commit
+    assert sorted(p.name for p in (tmp_path / "node-0" / "step-3").iterdir()) == \
+        ["COMMIT", "metadata.json", "rank-00000.dcp.bin"]
+    assert [p.name for p in (tmp_path / "node-1" / "step-3").iterdir()] == ["rank-00001.dcp.bin"]
+    assert (tmp_path / "remote" / "step-3" / "COMMIT").exists()
+    results = run_ranks(HERE / "dcp_worker.py", str(tmp_path), "load", world=load_world, env=env)
+    assert _line(results, "digest") == saved
+    extra = _line(results, "extra")
+    assert extra == ["extra {'step': 3, 'betas': (0.9, 0.95), 'name': 'run-a', 'lrs': [0.01, None, True], "
+                     "'inf': inf}"] * load_world
+
+
+def _state():
+    g = torch.Generator().manual_seed(0)
+    return {
+        "model": {"w": torch.randn(5, 3, generator=g), "b": torch.randn(4, generator=g).to(torch.bfloat16),
+                  "i": torch.arange(6).reshape(2, 3), "flag": torch.tensor(True), "s": torch.tensor(2.5),
+                  "empty": torch.zeros(0, 4)},
+        "optim": {"param_groups": [{"lr": 1e-3, "betas": (0.9, 0.999), "params": ["w", "b"], "fused": None}],
+                  "nan": float("nan"), "ids": {"a": -1, "b": [1, 2]}},
+    }
+
+
+def _fresh():
+    st = _state()
+    st["model"] = {k: torch.zeros_like(v) for k, v in st["model"].items()}
+    st["optim"] = {"param_groups": [{"lr": 0.0, "betas": None, "params": None, "fused": 1}], "nan": 0.0,
+                   "ids": {"a": 0, "b": None}}
+    return st
+
+
+def _tiers(root: Path) -> dict:
+    return {"local_dir": root / "local", "url": f"file://{root}/remote"}
+
+
+def _check(loaded, ref=None):
+    ref = ref or _state()
+    for k, v in ref["model"].items():
+        assert torch.equal(loaded["model"][k], v), k
+    pg = loaded["optim"]["param_groups"][0]
+    assert pg == {"lr": 1e-3, "betas": (0.9, 0.999), "params": ["w", "b"], "fused": None}
+    assert isinstance(pg["betas"], tuple) and math.isnan(loaded["optim"]["nan"])
+    assert loaded["optim"]["ids"] == {"a": -1, "b": [1, 2]}
+
+
+def test_round_trip_in_one_process_keeps_dtypes_shapes_and_plain_values(tmp_path):
+    dcp.save(_state(), storage_writer=TierStorageWriter(**_tiers(tmp_path)), checkpoint_id="step-1")
+    loaded = _fresh()
+    reader = TierStorageReader(**_tiers(tmp_path))
+    dcp.load(loaded, storage_reader=reader, checkpoint_id="step-1")
+    _check(loaded)
+    assert reader.source == str(tmp_path / "local")
+    # nothing on disk is a pickle: the metadata is JSON and its records parse
+    meta = json.loads((tmp_path / "local" / "step-1" / "metadata.json").read_text())
+    assert meta["format"] == "ckpt.dcp" and {i["kind"] for i in meta["items"]} == {"tensor", "bytes"}
+
+
+def _corrupt_item(root: Path, fqn: str, ckpt_id: str = "step-1") -> None:
+    meta = json.loads((root / ckpt_id / "metadata.json").read_text())
+    rec = next(i for i in meta["items"] if i["index"]["fqn"] == fqn)
+    data = root / ckpt_id / f"rank-{rec['rank']:05d}.dcp.bin"
+    raw = bytearray(data.read_bytes())
+    raw[rec["offset_bytes"]] ^= 0xFF
+    data.write_bytes(bytes(raw))
+
+
+def test_a_corrupt_local_item_is_read_from_the_remote_tier_with_a_warning(tmp_path):
+    dcp.save(_state(), storage_writer=TierStorageWriter(**_tiers(tmp_path)), checkpoint_id="step-1")
+    _corrupt_item(tmp_path / "local", "model.w")
+    loaded = _fresh()
+    with pytest.warns(UserWarning, match="copy of 'model.w' .* fails its checksum"):
+        dcp.load(loaded, storage_reader=TierStorageReader(**_tiers(tmp_path)), checkpoint_id="step-1")
+    _check(loaded)
+
+
+def test_a_lost_local_tier_loads_from_remote_and_corruption_everywhere_is_named(tmp_path):
+    dcp.save(_state(), storage_writer=TierStorageWriter(**_tiers(tmp_path)), checkpoint_id="step-1")
+    import shutil
+    shutil.rmtree(tmp_path / "local")
+    loaded = _fresh()
+    dcp.load(loaded, storage_reader=TierStorageReader(**_tiers(tmp_path)), checkpoint_id="step-1")
+    _check(loaded)
+    _corrupt_item(tmp_path / "remote", "optim.nan")
+    with pytest.raises(CheckpointException) as e:   # DCP wraps each rank's error (a BaseException)
+        dcp.load(_fresh(), storage_reader=TierStorageReader(**_tiers(tmp_path)), checkpoint_id="step-1")
+    err = _inner(e.value)
+    assert isinstance(err, CorruptCheckpointError)
+    assert "no tier holds a valid copy of 'optim.nan'" in str(err) and "do not match their checksum" in str(err)
+
+
+def test_an_uncommitted_or_missing_checkpoint_is_refused_with_every_tier_named(tmp_path):
+    dcp.save(_state(), storage_writer=TierStorageWriter(**_tiers(tmp_path)), checkpoint_id="step-1")
+    for tier in ("local", "remote"):
+        (tmp_path / tier / "step-1" / "COMMIT").unlink()
+    reader = TierStorageReader(**_tiers(tmp_path), checkpoint_id="step-1")
+    with pytest.raises(IncompleteCheckpointError, match="no tier holds a valid committed checkpoint 'step-1'"):
+        reader.read_metadata()
+    with pytest.raises(IncompleteCheckpointError, match="remote"):
+        TierStorageReader(**_tiers(tmp_path), checkpoint_id="step-9").read_metadata()
+
+
+@pytest.mark.parametrize("edit", [
+    lambda m: m.update(format="other"),
+    lambda m: m["state"]["model.w"].update(size=[5, -3]),
+    lambda m: m["state"]["model.w"]["chunks"][0].update(offsets=[4, 0]),       # outside the tensor
+    lambda m: m["state"]["model.w"].update(dtype="object"),
+    lambda m: next(i for i in m["items"] if i["index"]["fqn"] == "model.w").update(length=7),
+    lambda m: next(i for i in m["items"] if i["index"]["fqn"] == "model.w").update(rank="0; rm -rf /"),
+    lambda m: m.update(planner_data={"x": {"$code": "os.system"}}),
+], ids=["format", "negative-size", "chunk-outside", "dtype", "length", "rank-type", "tagged-value"])
+def test_hostile_metadata_is_refused_field_by_field(tmp_path, edit):
+    dcp.save(_state(), storage_writer=TierStorageWriter(local_dir=tmp_path), checkpoint_id="step-1")
+    step = tmp_path / "step-1"
+    meta = json.loads((step / "metadata.json").read_text())
+    edit(meta)
+    raw = json.dumps(meta).encode()
+    (step / "metadata.json").write_bytes(raw)
+    commit = json.loads((step / "COMMIT").read_text())   # the attacker fixes the checksum too
+    commit.update(metadata_bytes=len(raw), metadata_checksum=checksum(raw))
+    (step / "COMMIT").write_text(json.dumps(commit))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with pytest.raises((CorruptCheckpointError, IncompleteCheckpointError)) as e:
+            TierStorageReader(local_dir=tmp_path, checkpoint_id="step-1").read_metadata()
+    assert "metadata.json" in str(e.value)
+
+
+def test_a_metadata_file_that_does_not_match_its_commit_is_skipped_for_the_next_tier(tmp_path):
+    dcp.save(_state(), storage_writer=TierStorageWriter(**_tiers(tmp_path)), checkpoint_id="step-1")
+    p = tmp_path / "local" / "step-1" / "metadata.json"
+    p.write_bytes(p.read_bytes().replace(b'"lr"', b'"LR"', 1))
+    reader = TierStorageReader(**_tiers(tmp_path))
+    loaded = _fresh()
+    with pytest.warns(UserWarning, match="does not match the checksum its COMMIT records"):
+        dcp.load(loaded, storage_reader=reader, checkpoint_id="step-1")
+    assert reader.source == f"file://{tmp_path}/remote"
+    _check(loaded)
+
+
+def test_a_value_that_would_need_pickle_is_refused_by_name_and_nothing_is_committed(tmp_path):
+    class Opaque:
+        pass
+    state = _state()
+    state["optim"]["hook"] = Opaque()
+    with pytest.raises(CheckpointException) as e:   # DCP wraps each rank's error (a BaseException)
+        dcp.save(state, storage_writer=TierStorageWriter(**_tiers(tmp_path)), checkpoint_id="step-1")
+    err = _inner(e.value)
+    assert isinstance(err, ValueError)
+    assert "'optim.hook' is a Opaque, which TierStorageWriter cannot store without pickle" in str(err)
+    assert not (tmp_path / "local" / "step-1" / "COMMIT").exists()
+    assert not (tmp_path / "remote" / "step-1" / "COMMIT").exists()
+
+
+def test_an_unreachable_remote_tier_leaves_a_local_checkpoint_and_says_so(tmp_path):
+    blocker = tmp_path / "not-a-dir"
+    blocker.write_text("a file where the remote directory should be")
+    writer = TierStorageWriter(local_dir=tmp_path / "local", url=f"file://{blocker}/remote")
+    with pytest.warns(UserWarning, match="could not write rank-00000.dcp.bin .* local tier only"):
+        dcp.save(_state(), storage_writer=writer, checkpoint_id="step-1")
+    assert (tmp_path / "local" / "step-1" / "COMMIT").exists()
+    loaded = _fresh()
+    dcp.load(loaded, storage_reader=TierStorageReader(local_dir=tmp_path / "local"), checkpoint_id="step-1")
+    _check(loaded)
+
+
+def test_saving_again_under_the_same_id_replaces_it_and_leaves_other_ids_alone(tmp_path):
+    dcp.save(_state(), storage_writer=TierStorageWriter(**_tiers(tmp_path)), checkpoint_id="step-1")
+    newer = _state()
+    newer["model"]["w"] += 1
+    dcp.save(newer, storage_writer=TierStorageWriter(**_tiers(tmp_path)), checkpoint_id="step-2")
+    dcp.save(newer, storage_writer=TierStorageWriter(**_tiers(tmp_path)), checkpoint_id="step-1")
+    for ckpt_id in ("step-1", "step-2"):
+        loaded = _fresh()
+        dcp.load(loaded, storage_reader=TierStorageReader(**_tiers(tmp_path)), checkpoint_id=ckpt_id)
+        _check(loaded, newer)
+
+
+def test_bad_arguments_are_named():
+    with pytest.raises(ValueError, match="give local_dir"):
+        TierStorageWriter()
+    with pytest.raises(ValueError, match="relative name"):
+        TierStorageWriter(local_dir="/tmp").reset("../escape")
+    with pytest.raises(ValueError, match="no checkpoint_id"):
+        TierStorageReader(local_dir="/tmp").read_metadata()
