@@ -222,3 +222,32 @@ def test_bad_arguments_are_named():
         TierStorageWriter(local_dir="/tmp").reset("../escape")
     with pytest.raises(ValueError, match="no checkpoint_id"):
         TierStorageReader(local_dir="/tmp").read_metadata()
+
+
+@pytest.mark.s3
+def test_s3_through_s3fs_with_a_lost_local_tier_and_a_corrupted_object(tmp_path, s3_bucket):
+    from s3server import storage_options
+    import s3fs
+    bucket, port = s3_bucket
+    opts = storage_options(port)
+    tiers = {"local_dir": tmp_path / "local", "url": f"s3://{bucket}/run", "storage_options": opts}
+    dcp.save(_state(), storage_writer=TierStorageWriter(**tiers), checkpoint_id="step-1")
+    fs = s3fs.S3FileSystem(**opts, skip_instance_cache=True)
+    assert sorted(p.rsplit("/", 1)[1] for p in fs.ls(f"{bucket}/run/step-1")) == \
+        ["COMMIT", "metadata.json", "rank-00000.dcp.bin"]
+    import shutil
+    shutil.rmtree(tmp_path / "local")                       # a replaced node
+    loaded = _fresh()
+    reader = TierStorageReader(**tiers)
+    dcp.load(loaded, storage_reader=reader, checkpoint_id="step-1")
+    assert reader.source == f"s3://{bucket}/run"
+    _check(loaded)
+    meta = json.loads(fs.cat_file(f"{bucket}/run/step-1/metadata.json"))
+    rec = next(i for i in meta["items"] if i["index"]["fqn"] == "model.b")
+    key = f"{bucket}/run/step-1/rank-00000.dcp.bin"
+    raw = bytearray(fs.cat_file(key))
+    raw[rec["offset_bytes"]] ^= 0x01
+    fs.pipe_file(key, bytes(raw))
+    with pytest.raises(CheckpointException) as e:
+        dcp.load(_fresh(), storage_reader=TierStorageReader(**tiers), checkpoint_id="step-1")
+    assert "no tier holds a valid copy of 'model.b'" in str(_inner(e.value))
