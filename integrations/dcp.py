@@ -443,7 +443,6 @@ class TierStorageWriter(StorageWriter):
         rank = plan.storage_data["rank"] if isinstance(plan.storage_data, dict) else 0
         name = _data_name(rank)
         results: list[WriteResult] = []
-        records: list[dict[str, Any]] = []
         local = next((t for t in self.tiers if t.local), None)
         # the rank's file is built once: on the local tier when there is one (then uploaded as a file),
         # else in memory for the remote tier
@@ -455,21 +454,31 @@ class TierStorageWriter(StorageWriter):
         else:
             sink = io.BytesIO()
         offset = 0
+
+        def prepare(item: WriteItem) -> tuple[Any, dict[str, Any], int]:
+            # on a helper thread, one item ahead of the writes: the device-to-host copy and the
+            # checksum of the next item overlap the write of this one (both release the GIL)
+            if item.type == WriteItemType.BYTE_IO:
+                data: Any = self._value_bytes(item, planner)
+                rec: dict[str, Any] = {"kind": "bytes"}
+            else:
+                t = planner.resolve_data(item).detach().to("cpu").contiguous()
+                data = memoryview(t.reshape(-1).view(torch.uint8).numpy()) if t.numel() else b""
+                rec = {"kind": "tensor", "dtype": dtype_to_str(t.dtype), "shape": list(t.shape)}
+            return data, rec, checksum(data)
+
         try:
-            for item in plan.items:
-                if item.type == WriteItemType.BYTE_IO:
-                    data = self._value_bytes(item, planner)
-                    rec = {"kind": "bytes"}
-                else:
-                    t = planner.resolve_data(item)
-                    t = t.detach().to("cpu").contiguous()
-                    data = memoryview(t.reshape(-1).view(torch.uint8).numpy()) if t.numel() else b""
-                    rec = {"kind": "tensor", "dtype": dtype_to_str(t.dtype), "shape": list(t.shape)}
-                sink.write(data)
-                rec.update(rank=rank, offset_bytes=offset, length=len(data), crc=checksum(data))
-                offset += len(data)
-                records.append(rec)
-                results.append(WriteResult(index=item.index, size_in_bytes=len(data), storage_data=rec))
+            with ThreadPoolExecutor(1, thread_name_prefix="ckpt-dcp-stage") as stage:
+                items = list(plan.items)
+                ahead = stage.submit(prepare, items[0]) if items else None
+                for i, item in enumerate(items):
+                    data, rec, crc = ahead.result()
+                    if i + 1 < len(items):
+                        ahead = stage.submit(prepare, items[i + 1])
+                    sink.write(data)
+                    rec.update(rank=rank, offset_bytes=offset, length=len(data), crc=crc)
+                    offset += len(data)
+                    results.append(WriteResult(index=item.index, size_in_bytes=len(data), storage_data=rec))
             if local is not None:
                 sink.flush()
                 os.fsync(sink.fileno())
