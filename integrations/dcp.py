@@ -44,9 +44,9 @@ training state. Anything else is refused at save time with the key's name. DCP's
 takes non-tensor values as ``torch.save`` bytes: the reader makes those itself from the decoded
 JSON value, so the bytes it unpickles were never read from storage.
 
-Not done here: retention (name and prune checkpoint ids yourself, e.g. with ``fsspec``), async
-staging (``dcp.async_save`` works with these classes; for overlap with training use
-:class:`ckpt.Checkpointer`), the peer tier (it needs the Checkpointer's own rank groups).
+``dcp.async_save`` works with these classes (tested). Not done here: retention (name and prune
+checkpoint ids yourself), the host-memory and peer tiers (they need the Checkpointer's snapshot and
+rank groups); for saves that overlap training use :class:`ckpt.Checkpointer`.
 """
 
 from __future__ import annotations

@@ -251,3 +251,12 @@ def test_s3_through_s3fs_with_a_lost_local_tier_and_a_corrupted_object(tmp_path,
     with pytest.raises(CheckpointException) as e:
         dcp.load(_fresh(), storage_reader=TierStorageReader(**tiers), checkpoint_id="step-1")
     assert "no tier holds a valid copy of 'model.b'" in str(_inner(e.value))
+
+
+def test_async_save_through_the_writer(tmp_path):
+    future = dcp.async_save(_state(), storage_writer=TierStorageWriter(**_tiers(tmp_path)), checkpoint_id="step-1")
+    future.result(timeout=120)
+    assert (tmp_path / "remote" / "step-1" / "COMMIT").exists()
+    loaded = _fresh()
+    dcp.load(loaded, storage_reader=TierStorageReader(**_tiers(tmp_path)), checkpoint_id="step-1")
+    _check(loaded)
