@@ -1,4 +1,7 @@
-"""The ``ckpt`` command: ``demo``, ``ls``, ``inspect``, ``verify``, ``gc``, ``promote``."""
+"""The ``ckpt`` command: ``demo``, ``ls``, ``inspect``, ``verify``, ``gc``, ``promote``.
+
+``ls --dcp`` and ``verify --dcp`` act on checkpoints written by ``dcp.save`` through
+:mod:`ckpt.integrations.dcp`."""
 
 from __future__ import annotations
 
@@ -20,7 +23,52 @@ def _tier(path: str, storage_options: str | None = None):
     return LocalTier(path)
 
 
+def _opts(args: argparse.Namespace) -> dict | None:
+    return json.loads(args.storage_options) if args.storage_options else None
+
+
+def _ls_dcp(args: argparse.Namespace) -> int:
+    from .integrations.dcp import list_checkpoints
+
+    rows = list_checkpoints(args.dir, _opts(args))
+    if args.json:
+        print(json.dumps(rows, indent=1))
+    else:
+        print(f"{'size':>10} {'ranks':>5}  checkpoint id (dcp.save through ckpt.integrations.dcp)")
+        for r in rows:
+            print(f"{_size(r['bytes']):>10} {r['world_size']:>5}  {r['id']}")
+    return 0
+
+
+def _verify_dcp(args: argparse.Namespace) -> int:
+    from .errors import CheckpointError
+    from .integrations.dcp import list_checkpoints, verify
+
+    ids = [args.id] if args.id else [r["id"] for r in list_checkpoints(args.dir, _opts(args))]
+    results, bad = [], 0
+    for i in ids:
+        t0 = time.perf_counter()
+        try:
+            r = verify(args.dir, i, _opts(args))
+            results.append({"id": i, "ok": True, "bytes": r["bytes"], "items": r["items"],
+                            "seconds": time.perf_counter() - t0})
+        except (CheckpointError, OSError) as e:
+            bad += 1
+            results.append({"id": i, "ok": False, "error": str(e)})
+    if args.json:
+        print(json.dumps(results, indent=1))
+    else:
+        for r in results:
+            if r["ok"]:
+                print(f"{r['id']}: OK ({r['items']} items, {_size(r['bytes'])} verified in {r['seconds']:.2f} s)")
+            else:
+                print(f"{r['id']}: FAILED: {r['error']}")
+    return 1 if bad else 0
+
+
 def _ls(args: argparse.Namespace) -> int:
+    if args.dcp:
+        return _ls_dcp(args)
     tier = _tier(args.dir, args.storage_options)
     rows = []
     for s in tier.committed_steps():
@@ -75,6 +123,8 @@ def _inspect(args: argparse.Namespace) -> int:
 def _verify(args: argparse.Namespace) -> int:
     from .errors import CheckpointError
 
+    if args.dcp:
+        return _verify_dcp(args)
     tier = _tier(args.dir, args.storage_options)
     steps = [args.step] if args.step is not None else tier.committed_steps()
     bad = 0
@@ -150,6 +200,11 @@ def main(argv: list[str] | None = None) -> int:
         q.add_argument("--storage-options", default=None, help="JSON object passed to fsspec (for a URL)")
         if name in ("inspect", "verify"):
             q.add_argument("--step", type=int, default=None, help="step (default: newest / all)")
+        if name in ("ls", "verify"):
+            q.add_argument("--dcp", action="store_true", help="checkpoints written by dcp.save through "
+                                                              "ckpt.integrations.dcp (named by checkpoint id)")
+        if name == "verify":
+            q.add_argument("--id", default=None, help="with --dcp: one checkpoint id (default: all)")
         if name == "inspect":
             q.add_argument("--rank", type=int, default=0, help="which saved rank's tensors (a job tier)")
         if name == "gc":

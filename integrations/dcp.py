@@ -90,7 +90,7 @@ from ..errors import CorruptCheckpointError, IncompleteCheckpointError
 from ..format import COMMIT_NAME, MAX_RECORD_BYTES, dtype_to_str, fsync_dir, str_to_dtype, write_atomic
 from ..integrity import ALGORITHM, checksum
 
-__all__ = ["TierStorageWriter", "TierStorageReader", "FORMAT"]
+__all__ = ["TierStorageWriter", "TierStorageReader", "FORMAT", "list_checkpoints", "verify"]
 
 FORMAT = "ckpt.dcp"
 _VERSION = 1
@@ -690,3 +690,80 @@ class TierStorageReader(StorageReader):
         fut: Future[None] = Future()
         fut.set_result(None)
         return fut
+
+
+# -- operations -------------------------------------------------------------------------------------
+def _one_tier(where: str | os.PathLike, storage_options: dict[str, Any] | None) -> _Tier:
+    w = os.fspath(where)
+    return _Tier("remote", w, storage_options) if "://" in w else _Tier("local", w, None)
+
+
+def list_checkpoints(where: str | os.PathLike, storage_options: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+    """The checkpoint ids under ``where`` (a local directory or an fsspec URL) whose ``COMMIT`` is a
+    valid record of this format, sorted by name: dicts ``{"id", "world_size", "bytes"}`` (``bytes``: the
+    ranks' data files, as listed)."""
+    tier = _one_tier(where, storage_options)
+    out = []
+    if tier.local:
+        root = Path(tier.root)
+        names = sorted(p.name for p in root.iterdir() if p.is_dir()) if root.is_dir() else []
+        sizes = {n: sum(f.stat().st_size for f in (root / n).glob("rank-*.dcp.bin")) for n in names}
+    else:
+        try:
+            listing = tier.fs.find(tier.root, detail=True)
+        except FileNotFoundError:
+            listing = {}
+        names, sizes = set(), {}
+        for path, info in listing.items():
+            rel = path[len(tier.root):].strip("/").split("/") if path.startswith(tier.root) else []
+            if len(rel) < 2:
+                continue
+            ckpt_id = "/".join(rel[:-1])
+            names.add(ckpt_id)
+            if rel[-1].startswith("rank-") and rel[-1].endswith(".dcp.bin"):
+                sizes[ckpt_id] = sizes.get(ckpt_id, 0) + int(info.get("size") or 0)
+        names = sorted(names)
+    for name in names:
+        try:
+            commit = _check_commit(tier.get_bytes(name, COMMIT_NAME), tier.path(name, COMMIT_NAME))
+        except (OSError, CorruptCheckpointError):
+            continue
+        out.append({"id": name, "world_size": commit["world_size"], "bytes": sizes.get(name, 0)})
+    return out
+
+
+def verify(where: str | os.PathLike, checkpoint_id: str,
+           storage_options: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Read every byte of checkpoint ``checkpoint_id`` under ``where`` (one tier: a local directory or
+    an fsspec URL) and check the ``COMMIT``, the metadata and every item's checksum.
+
+    Returns ``{"id", "items", "bytes"}``; raises :class:`~ckpt.errors.CorruptCheckpointError` or
+    :class:`~ckpt.errors.IncompleteCheckpointError` naming the first file or item that fails."""
+    tier = _one_tier(where, storage_options)
+    name = _checkpoint_name(checkpoint_id, None)
+    try:
+        commit = _check_commit(tier.get_bytes(name, COMMIT_NAME), tier.path(name, COMMIT_NAME))
+        raw = tier.get_bytes(name, METADATA_NAME)
+    except FileNotFoundError as e:
+        raise IncompleteCheckpointError(f"{tier.path(name, COMMIT_NAME)}: no committed checkpoint ({e})") from None
+    mwhere = tier.path(name, METADATA_NAME)
+    _need(len(raw) == commit["metadata_bytes"] and checksum(raw) == commit["metadata_checksum"], mwhere,
+          "does not match the checksum its COMMIT records")
+    _, storage = _metadata_from_json(raw, mwhere)
+    by_rank: dict[int, list[tuple[MetadataIndex, dict[str, Any]]]] = {}
+    for ix, rec in storage.items():
+        by_rank.setdefault(rec["rank"], []).append((ix, rec))
+    total = 0
+    for rank, recs in sorted(by_rank.items()):
+        fname = _data_name(rank)
+        try:
+            data = memoryview(tier.get_bytes(name, fname))
+        except FileNotFoundError:
+            raise IncompleteCheckpointError(f"{tier.path(name, fname)}: missing") from None
+        for ix, rec in recs:
+            a, b = rec["offset_bytes"], rec["offset_bytes"] + rec["length"]
+            if b > len(data) or checksum(data[a:b]) != rec["crc"]:
+                raise CorruptCheckpointError(f"{tier.path(name, fname)}: item {ix.fqn!r} (bytes {a}..{b}) "
+                                             "fails its checksum" + (" (file too short)" if b > len(data) else ""))
+        total += len(data)
+    return {"id": name, "items": len(storage), "bytes": total}

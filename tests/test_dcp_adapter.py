@@ -260,3 +260,20 @@ def test_async_save_through_the_writer(tmp_path):
     loaded = _fresh()
     dcp.load(loaded, storage_reader=TierStorageReader(**_tiers(tmp_path)), checkpoint_id="step-1")
     _check(loaded)
+
+
+def test_the_command_line_lists_and_verifies_dcp_checkpoints(tmp_path, capsys):
+    from ckpt.cli import main
+    dcp.save(_state(), storage_writer=TierStorageWriter(**_tiers(tmp_path)), checkpoint_id="step-1")
+    dcp.save(_state(), storage_writer=TierStorageWriter(**_tiers(tmp_path)), checkpoint_id="step-2")
+    (tmp_path / "local" / "junk").mkdir()                       # not a checkpoint: not listed
+    assert main(["ls", str(tmp_path / "local"), "--dcp", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert [(r["id"], r["world_size"]) for r in rows] == [("step-1", 1), ("step-2", 1)] and rows[0]["bytes"] > 0
+    assert main(["verify", f"file://{tmp_path}/remote", "--dcp"]) == 0
+    assert capsys.readouterr().out.count(": OK") == 2
+    _corrupt_item(tmp_path / "remote", "model.i", "step-2")
+    assert main(["verify", f"file://{tmp_path}/remote", "--dcp"]) == 1
+    out = capsys.readouterr().out
+    assert "step-1: OK" in out and "step-2: FAILED" in out and "'model.i'" in out
+    assert main(["verify", str(tmp_path / "local"), "--dcp", "--id", "step-2"]) == 0   # the local copy is fine
