@@ -40,30 +40,36 @@ def _ls_dcp(args: argparse.Namespace) -> int:
     return 0
 
 
-def _verify_dcp(args: argparse.Namespace) -> int:
+def _verify_each(names: list[Any], check: Any, key: str, label: Any, as_json: bool) -> int:
+    """``check(name)`` (a dict with ``bytes``, maybe ``items``; raises on a bad checkpoint) for each name;
+    prints one OK / FAILED line per name, or JSON; returns the exit status (1 if any failed)."""
     from .errors import CheckpointError
-    from .integrations.dcp import list_checkpoints, verify
 
-    ids = [args.id] if args.id else [r["id"] for r in list_checkpoints(args.dir, _opts(args))]
-    results, bad = [], 0
-    for i in ids:
+    results = []
+    for n in names:
         t0 = time.perf_counter()
         try:
-            r = verify(args.dir, i, _opts(args))
-            results.append({"id": i, "ok": True, "bytes": r["bytes"], "items": r["items"],
-                            "seconds": time.perf_counter() - t0})
+            results.append({key: n, "ok": True, **check(n), "seconds": time.perf_counter() - t0})
         except (CheckpointError, OSError) as e:
-            bad += 1
-            results.append({"id": i, "ok": False, "error": str(e)})
-    if args.json:
+            results.append({key: n, "ok": False, "error": str(e)})
+    if as_json:
         print(json.dumps(results, indent=1))
     else:
         for r in results:
             if r["ok"]:
-                print(f"{r['id']}: OK ({r['items']} items, {_size(r['bytes'])} verified in {r['seconds']:.2f} s)")
+                items = f"{r['items']} items, " if "items" in r else ""
+                print(f"{label(r[key])}: OK ({items}{_size(r['bytes'])} verified in {r['seconds']:.2f} s)")
             else:
-                print(f"{r['id']}: FAILED: {r['error']}")
-    return 1 if bad else 0
+                print(f"{label(r[key])}: FAILED: {r['error']}")
+    return 1 if any(not r["ok"] for r in results) else 0
+
+
+def _verify_dcp(args: argparse.Namespace) -> int:
+    from .integrations.dcp import list_checkpoints, verify
+
+    ids = [args.id] if args.id else [r["id"] for r in list_checkpoints(args.dir, _opts(args))]
+    return _verify_each(ids, lambda i: {k: v for k, v in verify(args.dir, i, _opts(args)).items() if k != "id"},
+                        "id", str, args.json)
 
 
 def _ls(args: argparse.Namespace) -> int:
@@ -121,32 +127,16 @@ def _inspect(args: argparse.Namespace) -> int:
 
 
 def _verify(args: argparse.Namespace) -> int:
-    from .errors import CheckpointError
-
     if args.dcp:
         return _verify_dcp(args)
     tier = _tier(args.dir, args.storage_options)
     steps = [args.step] if args.step is not None else tier.committed_steps()
-    bad = 0
-    results = []
-    for s in steps:
-        t0 = time.perf_counter()
-        try:
-            m = tier.verify(s)   # a remote tier verifies every rank's parts
-            nbytes = sum(x.data_bytes for x in m) if isinstance(m, list) else m.data_bytes
-            results.append({"step": s, "ok": True, "bytes": nbytes, "seconds": time.perf_counter() - t0})
-        except (CheckpointError, OSError) as e:
-            bad += 1
-            results.append({"step": s, "ok": False, "error": str(e)})
-    if args.json:
-        print(json.dumps(results, indent=1))
-    else:
-        for r in results:
-            if r["ok"]:
-                print(f"step {r['step']}: OK ({_size(r['bytes'])} verified in {r['seconds']:.2f} s)")
-            else:
-                print(f"step {r['step']}: FAILED: {r['error']}")
-    return 1 if bad else 0
+
+    def check(step: int) -> dict:
+        m = tier.verify(step)   # a remote tier verifies every rank's parts
+        return {"bytes": sum(x.data_bytes for x in m) if isinstance(m, list) else m.data_bytes}
+
+    return _verify_each(steps, check, "step", lambda s: f"step {s}", args.json)
 
 
 def _gc(args: argparse.Namespace) -> int:
