@@ -586,6 +586,9 @@ class TierStorageReader(StorageReader):
                       "does not match the checksum its COMMIT records")
                 if found is None:
                     md, storage = _metadata_from_json(raw, mwhere)
+                    ranks = {rec["rank"] for rec in storage.values()}
+                    _need(all(r < commit["world_size"] for r in ranks), mwhere,
+                          f"items name ranks {sorted(ranks)} but its COMMIT says {commit['world_size']} ranks saved")
                     found = (md, storage, tier.where)
                 self.committed.append(tier.where)
             except FileNotFoundError:

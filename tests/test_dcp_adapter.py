@@ -147,7 +147,8 @@ def test_an_uncommitted_or_missing_checkpoint_is_refused_with_every_tier_named(t
     lambda m: next(i for i in m["items"] if i["index"]["fqn"] == "model.w").update(length=7),
     lambda m: next(i for i in m["items"] if i["index"]["fqn"] == "model.w").update(rank="0; rm -rf /"),
     lambda m: m.update(planner_data={"x": {"$code": "os.system"}}),
-], ids=["format", "negative-size", "chunk-outside", "dtype", "length", "rank-type", "tagged-value"])
+    lambda m: next(i for i in m["items"] if i["index"]["fqn"] == "model.w").update(rank=3),
+], ids=["format", "negative-size", "chunk-outside", "dtype", "length", "rank-type", "tagged-value", "rank-range"])
 def test_hostile_metadata_is_refused_field_by_field(tmp_path, edit):
     dcp.save(_state(), storage_writer=TierStorageWriter(local_dir=tmp_path), checkpoint_id="step-1")
     step = tmp_path / "step-1"
