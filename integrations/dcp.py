@@ -394,7 +394,6 @@ class TierStorageWriter(StorageWriter):
         self._default_id = checkpoint_id
         self.checkpoint_id = checkpoint_id
         self.is_coordinator = False
-        self.failed_tiers: list[str] = []
 
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
         self.checkpoint_id = _checkpoint_name(checkpoint_id, self._default_id)
@@ -454,6 +453,10 @@ class TierStorageWriter(StorageWriter):
         else:
             sink = io.BytesIO()
         offset = 0
+        # the caller's current stream per GPU: the helper thread copies on it, so the copies are
+        # ordered after whatever produced the state there (a thread starts on the default stream)
+        streams = ({i: torch.cuda.current_stream(i) for i in range(torch.cuda.device_count())}
+                   if torch.cuda.is_initialized() else {})
 
         def prepare(item: WriteItem) -> tuple[Any, dict[str, Any], int]:
             # on a helper thread, one item ahead of the writes: the device-to-host copy and the
@@ -462,7 +465,11 @@ class TierStorageWriter(StorageWriter):
                 data: Any = self._value_bytes(item, planner)
                 rec: dict[str, Any] = {"kind": "bytes"}
             else:
-                t = planner.resolve_data(item).detach().to("cpu").contiguous()
+                t = planner.resolve_data(item).detach()
+                if t.is_cuda:
+                    with torch.cuda.stream(streams[t.device.index]):
+                        t = t.to("cpu")
+                t = t.contiguous()
                 data = memoryview(t.reshape(-1).view(torch.uint8).numpy()) if t.numel() else b""
                 rec = {"kind": "tensor", "dtype": dtype_to_str(t.dtype), "shape": list(t.shape)}
             return data, rec, checksum(data)
@@ -491,7 +498,6 @@ class TierStorageWriter(StorageWriter):
                 tmp.unlink(missing_ok=True)
             raise
         payload = None if local is not None else sink.getvalue()
-        wrote = 0 if local is None else 1
         for tier in self.tiers:
             if tier.local:
                 continue
@@ -500,7 +506,6 @@ class TierStorageWriter(StorageWriter):
                     tier.put_file(self.checkpoint_id, name, str(final))
                 else:
                     tier.put_bytes(self.checkpoint_id, name, payload)
-                wrote += 1
             except Exception as e:   # noqa: BLE001 - reported; the save fails only if no tier took the file
                 if local is None:
                     raise
