@@ -145,8 +145,9 @@ class _Tier:
             with open(p, "rb", buffering=0) as f:
                 if start is None:
                     return f.read()
+                end = min(end, os.fstat(f.fileno()).st_size)   # a hostile length allocates nothing
                 f.seek(start)
-                buf = bytearray(end - start)
+                buf = bytearray(max(0, end - start))
                 view, got = memoryview(buf), 0
                 while got < len(buf):
                     n = f.readinto(view[got:])
