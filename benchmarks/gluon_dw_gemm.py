@@ -28,18 +28,19 @@ bulk store is waited for only after the next tile's second K step. ``pingpong``:
 consumer warpgroups take alternate 128 x 128 tiles, so one's epilogue runs while the other's
 ``wgmma`` keep the tensor cores busy; an order barrier makes their main loops alternate (a
 waiter two phases ahead of a ring barrier would otherwise pass on the older phase: a first
-version read stale slots and faulted once a program had more than one tile). ``pingpong3``:
-the same with 192 x 128 tiles as three 64-row accumulators (Triton's blocks are powers of
-two), for 20% fewer operand bytes per flop out of L2.
+version read stale slots and faulted once a program had more than one tile). A third schedule,
+the same ping-pong with 192 x 128 tiles as three 64-row accumulators (Triton's blocks are powers
+of two), for 20% fewer operand bytes per flop out of L2, was measured too (below) and removed:
+its code is in commit dbe6219.
 
 Measured (one H200, Triton 3.6, C = 512 tokens, H = 4096, V = 128256, bf16; all schedules
 match the fp32 reference as closely as cuBLAS or closer): cuBLAS ``addmm_`` 0.96-1.00 ms;
 ``coop`` 1.11 ms (its epilogue is not overlapped); ``pingpong`` 0.97-1.01 ms, reading 8.4
 TB/s of operands from L2 at both C = 512 and 1024, which caps 128 x 128 tiles at about 540
-TFLOP/s here; ``pingpong3`` 1.02 ms with 32-wide K steps (the compiler puts a
+TFLOP/s here; the 192-row version 1.02 ms with 32-wide K steps (the compiler puts a
 ``bar.sync`` before every ``mbarrier`` wait and arrive, two per K step). At C = 256 the
-ping-pong schedules beat cuBLAS by 18-20% (0.66 vs 0.82 ms), and at C = 1024 ``pingpong3``
-by 2% (1.76 vs 1.79 ms), but the loss runs at C = 512 (its memory cap), where none is
+ping-pong schedules beat cuBLAS by 18-20% (0.66 vs 0.82 ms), and at C = 1024 the 192-row
+version by 2% (1.76 vs 1.79 ms), but the loss runs at C = 512 (its memory cap), where none is
 faster: the whole loss was 40.7 ms with ``pingpong`` against 40.0 with cuBLAS in one run.
 What would be left to try: TMA multicast across a cluster of two CTAs for ``g`` (not in
 Gluon 3.6's Hopper API), fewer barriers per step (larger K steps need more shared memory
@@ -79,25 +80,44 @@ def _gluon():
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     @gluon.jit
+    def _load_step(g_desc, h_desc, g_bufs, h_bufs, ready, empty, it, k, off_m, off_n, STAGES: gl.constexpr):
+        """Producer: K step ``k`` of a tile into ring slot ``it % STAGES`` once its consumer freed it."""
+        gl.static_assert(STAGES >= 2, "the ring needs two slots or more")
+        s = it % STAGES
+        # a fresh barrier counts as having completed the phase before its first, so the first
+        # round of waits (parity 1) passes at once
+        mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)
+        mbarrier.expect(ready.index(s), g_desc.block_type.nbytes + h_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(g_desc, [k, off_m], ready.index(s), g_bufs.index(s))
+        tma.async_copy_global_to_shared(h_desc, [k, off_n], ready.index(s), h_bufs.index(s))
+
+    @gluon.jit
+    def _mma_step(g_bufs, h_bufs, ready, empty, acc, it, first, STAGES: gl.constexpr):
+        """Consumer: wait for ring slot ``it % STAGES``, issue its wgmma (one left in flight) and,
+        unless this is the tile's first step, give the previous step's slot back."""
+        s = it % STAGES
+        mbarrier.wait(ready.index(s), (it // STAGES) & 1)
+        acc = warpgroup_mma(g_bufs.index(s).permute((1, 0)), h_bufs.index(s), acc, use_acc=not first,
+                            is_async=True)
+        acc = warpgroup_mma_wait(1, deps=(acc,))
+        if not first:
+            gl.thread_barrier()   # the previous step's wgmma is done in every warpgroup of the partition
+            mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES))
+        return acc
+
+    @gluon.jit
     def _producer(g_desc, h_desc, d_desc, g_bufs, h_bufs, d_buf, ready, empty, d_ready, d_empty,
                   K, tiles_n, n_tiles, ACCUMULATE: gl.constexpr, STAGES: gl.constexpr):
         BM: gl.constexpr = d_desc.block_type.shape[0]
         BN: gl.constexpr = d_desc.block_type.shape[1]
         BK: gl.constexpr = g_desc.block_type.shape[0]
-        step_bytes: gl.constexpr = g_desc.block_type.nbytes + h_desc.block_type.nbytes
         it = 0
         t = 0
         for tile in range(gl.program_id(0), n_tiles, gl.num_programs(0)):
             off_m = (tile // tiles_n) * BM
             off_n = (tile % tiles_n) * BN
             for k in range(0, K, BK):
-                s = it % STAGES
-                # a fresh barrier counts as having completed the phase before its first, so the
-                # first round of waits (parity 1) passes at once
-                mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)
-                mbarrier.expect(ready.index(s), step_bytes)
-                tma.async_copy_global_to_shared(g_desc, [k, off_m], ready.index(s), g_bufs.index(s))
-                tma.async_copy_global_to_shared(h_desc, [k, off_n], ready.index(s), h_bufs.index(s))
+                _load_step(g_desc, h_desc, g_bufs, h_bufs, ready, empty, it, k, off_m, off_n, STAGES)
                 if ACCUMULATE:
                     # after the ring's first fill: blocking on the d slot then costs nothing
                     if k == gl.minimum(STAGES - 1, (K - 1) // BK) * BK:
@@ -123,15 +143,8 @@ def _gluon():
             off_n = (tile % tiles_n) * BN
             acc = gl.zeros((BM, BN), gl.float32, acc_layout)
             for k in range(0, K, BK):
-                s = it % STAGES
-                mbarrier.wait(ready.index(s), (it // STAGES) & 1)
-                acc = warpgroup_mma(g_bufs.index(s).permute((1, 0)), h_bufs.index(s), acc, use_acc=k > 0,
-                                    is_async=True)
-                acc = warpgroup_mma_wait(1, deps=(acc,))
+                acc = _mma_step(g_bufs, h_bufs, ready, empty, acc, it, k == 0, STAGES)
                 if k > 0:
-                    # the previous step's wgmma is done in both warpgroups: its slot is free
-                    gl.thread_barrier()
-                    mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES))
                     if k == BK:
                         if t > 0:
                             # the previous tile's store has read the d slot by now
@@ -186,7 +199,6 @@ def _gluon():
         BM: gl.constexpr = d_desc.block_type.shape[0]
         BN: gl.constexpr = d_desc.block_type.shape[1]
         BK: gl.constexpr = g_desc.block_type.shape[0]
-        step_bytes: gl.constexpr = g_desc.block_type.nbytes + h_desc.block_type.nbytes
         d_at = gl.minimum(STAGES - 1, (K - 1) // BK) * BK
         it = 0
         j = 0
@@ -195,11 +207,7 @@ def _gluon():
             off_n = (tile % tiles_n) * BN
             c = j % 2
             for k in range(0, K, BK):
-                s = it % STAGES
-                mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)
-                mbarrier.expect(ready.index(s), step_bytes)
-                tma.async_copy_global_to_shared(g_desc, [k, off_m], ready.index(s), g_bufs.index(s))
-                tma.async_copy_global_to_shared(h_desc, [k, off_n], ready.index(s), h_bufs.index(s))
+                _load_step(g_desc, h_desc, g_bufs, h_bufs, ready, empty, it, k, off_m, off_n, STAGES)
                 if ACCUMULATE:
                     if k == d_at:
                         mbarrier.wait(d_empty.index(c), ((j // 2) & 1) ^ 1)
@@ -232,14 +240,7 @@ def _gluon():
                 # on the ring (a waiter two phases ahead of a barrier would pass on the old phase)
                 mbarrier.wait(order.index(C), ((j - 1) // 2) & 1)
             for k in range(0, K, BK):
-                s = it % STAGES
-                mbarrier.wait(ready.index(s), (it // STAGES) & 1)
-                acc = warpgroup_mma(g_bufs.index(s).permute((1, 0)), h_bufs.index(s), acc, use_acc=k > 0,
-                                    is_async=True)
-                acc = warpgroup_mma_wait(1, deps=(acc,))
-                if k > 0:
-                    gl.thread_barrier()
-                    mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES))
+                acc = _mma_step(g_bufs, h_bufs, ready, empty, acc, it, k == 0, STAGES)
                 it += 1
             mbarrier.arrive(order.index(1 - C))
             acc = warpgroup_mma_wait(0, deps=(acc,))
@@ -295,133 +296,7 @@ def _gluon():
                             K, tiles_n, n_tiles, ACCUMULATE, STAGES)),
         ], [4, 1], [232, 40])
 
-    # Ping-pong with 192-row tiles: each consumer holds three 64 x BN accumulators (192 registers
-    # a thread at BN = 128), so a tile reads 20% fewer operand bytes per flop from L2 than a
-    # 128 x 128 tile (Triton's blocks must be powers of two: the 192 rows are three 64-row loads).
-    @gluon.jit
-    def _p3_producer(g_desc, h_desc, d_desc, g_bufs, h_bufs, d_bufs, ready, empty, d_ready, d_empty,
-                     K, tiles_n, n_tiles, ACCUMULATE: gl.constexpr, STAGES: gl.constexpr):
-        SB: gl.constexpr = d_desc.block_type.shape[0]
-        BN: gl.constexpr = d_desc.block_type.shape[1]
-        BK: gl.constexpr = g_desc.block_type.shape[0]
-        step_bytes: gl.constexpr = 3 * g_desc.block_type.nbytes + h_desc.block_type.nbytes
-        it = 0
-        j = 0
-        for tile in range(gl.program_id(0), n_tiles, gl.num_programs(0)):
-            off_m = (tile // tiles_n) * (3 * SB)
-            off_n = (tile % tiles_n) * BN
-            c = j % 2
-            if ACCUMULATE:
-                mbarrier.wait(d_empty.index(c), ((j // 2) & 1) ^ 1)
-                mbarrier.expect(d_ready.index(c), 3 * d_desc.block_type.nbytes)
-                for i in gl.static_range(3):
-                    tma.async_copy_global_to_shared(d_desc, [off_m + i * SB, off_n], d_ready.index(c),
-                                                    d_bufs.index(c * 3 + i))
-            for k in range(0, K, BK):
-                s = it % STAGES
-                mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)
-                mbarrier.expect(ready.index(s), step_bytes)
-                for i in gl.static_range(3):
-                    tma.async_copy_global_to_shared(g_desc, [k, off_m + i * SB], ready.index(s),
-                                                    g_bufs.index(s * 3 + i))
-                tma.async_copy_global_to_shared(h_desc, [k, off_n], ready.index(s), h_bufs.index(s))
-                it += 1
-            j += 1
-
-    @gluon.jit
-    def _p3_consumer(g_bufs, h_bufs, d_bufs, ready, empty, d_ready, d_empty, order, d_desc,
-                     K, tiles_n, n_tiles, C: gl.constexpr, ACCUMULATE: gl.constexpr, STAGES: gl.constexpr):
-        SB: gl.constexpr = d_desc.block_type.shape[0]
-        BN: gl.constexpr = d_desc.block_type.shape[1]
-        BK: gl.constexpr = g_bufs.type.shape[1]
-        acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                             instr_shape=[16, BN, 16])
-        steps = (K + BK - 1) // BK
-        j = C
-        for tile in range(gl.program_id(0) + C * gl.num_programs(0), n_tiles, 2 * gl.num_programs(0)):
-            off_m = (tile // tiles_n) * (3 * SB)
-            off_n = (tile % tiles_n) * BN
-            it = j * steps
-            if ACCUMULATE:
-                mbarrier.wait(d_ready.index(C), (j // 2) & 1)
-                acc0 = d_bufs.index(C * 3 + 0).load(acc_layout).to(gl.float32)
-                acc1 = d_bufs.index(C * 3 + 1).load(acc_layout).to(gl.float32)
-                acc2 = d_bufs.index(C * 3 + 2).load(acc_layout).to(gl.float32)
-            else:
-                acc0 = gl.zeros((SB, BN), gl.float32, acc_layout)
-                acc1 = gl.zeros((SB, BN), gl.float32, acc_layout)
-                acc2 = gl.zeros((SB, BN), gl.float32, acc_layout)
-            if j > 0:
-                mbarrier.wait(order.index(C), ((j - 1) // 2) & 1)
-            for k in range(0, K, BK):
-                s = it % STAGES
-                mbarrier.wait(ready.index(s), (it // STAGES) & 1)
-                b = h_bufs.index(s)
-                if ACCUMULATE:
-                    use = True
-                else:
-                    use = k > 0
-                acc0 = warpgroup_mma(g_bufs.index(s * 3 + 0).permute((1, 0)), b, acc0, use_acc=use, is_async=True)
-                acc1 = warpgroup_mma(g_bufs.index(s * 3 + 1).permute((1, 0)), b, acc1, use_acc=use, is_async=True)
-                acc2 = warpgroup_mma(g_bufs.index(s * 3 + 2).permute((1, 0)), b, acc2, use_acc=use, is_async=True)
-                acc0, acc1, acc2 = warpgroup_mma_wait(3, deps=(acc0, acc1, acc2))
-                if k > 0:
-                    gl.thread_barrier()
-                    mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES))
-                it += 1
-            mbarrier.arrive(order.index(1 - C))
-            acc0, acc1, acc2 = warpgroup_mma_wait(0, deps=(acc0, acc1, acc2))
-            gl.thread_barrier()
-            mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES))
-            tma.store_wait(0)
-            d_bufs.index(C * 3 + 0).store(acc0.to(d_desc.dtype))
-            d_bufs.index(C * 3 + 1).store(acc1.to(d_desc.dtype))
-            d_bufs.index(C * 3 + 2).store(acc2.to(d_desc.dtype))
-            fence_async_shared()
-            for i in gl.static_range(3):
-                tma.async_copy_shared_to_global(d_desc, [off_m + i * SB, off_n], d_bufs.index(C * 3 + i))
-            if ACCUMULATE:
-                tma.store_wait(0)
-                mbarrier.arrive(d_empty.index(C))
-            j += 2
-        tma.store_wait(0)
-
-    @gluon.jit
-    def _p3_worker(g_bufs, h_bufs, d_bufs, ready, empty, d_ready, d_empty, order, d_desc,
-                   K, tiles_n, n_tiles, ACCUMULATE: gl.constexpr, STAGES: gl.constexpr):
-        _p3_consumer(g_bufs, h_bufs, d_bufs, ready, empty, d_ready, d_empty, order, d_desc,
-                     K, tiles_n, n_tiles, gl.constexpr(1), ACCUMULATE, STAGES)
-
-    @gluon.jit
-    def _p3_kernel(g_desc, h_desc, d_desc, K, tiles_n, n_tiles,
-                   ACCUMULATE: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr):
-        dtype: gl.constexpr = g_desc.dtype
-        g_bufs = gl.allocate_shared_memory(dtype, [STAGES * 3] + g_desc.block_type.shape, g_desc.layout)
-        h_bufs = gl.allocate_shared_memory(dtype, [STAGES] + h_desc.block_type.shape, h_desc.layout)
-        d_bufs = gl.allocate_shared_memory(dtype, [6] + d_desc.block_type.shape, d_desc.layout)
-        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        d_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        d_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        order = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        for i in gl.static_range(STAGES):
-            mbarrier.init(ready.index(i), count=1)
-            mbarrier.init(empty.index(i), count=1)
-        for i in gl.static_range(2):
-            mbarrier.init(d_ready.index(i), count=1)
-            mbarrier.init(d_empty.index(i), count=1)
-            mbarrier.init(order.index(i), count=1)
-        fence_async_shared()
-        gl.warp_specialize([
-            (_p3_consumer, (g_bufs, h_bufs, d_bufs, ready, empty, d_ready, d_empty, order, d_desc, K, tiles_n,
-                            n_tiles, 0, ACCUMULATE, STAGES)),
-            (_p3_worker, (g_bufs, h_bufs, d_bufs, ready, empty, d_ready, d_empty, order, d_desc, K, tiles_n,
-                          n_tiles, ACCUMULATE, STAGES)),
-            (_p3_producer, (g_desc, h_desc, d_desc, g_bufs, h_bufs, d_bufs, ready, empty, d_ready, d_empty,
-                            K, tiles_n, n_tiles, ACCUMULATE, STAGES)),
-        ], [4, 1], [240, 40])
-
-    return gl, TensorDescriptor, {"coop": _kernel, "pingpong": _pp_kernel, "pingpong3": _p3_kernel}
+    return gl, TensorDescriptor, {"coop": _kernel, "pingpong": _pp_kernel}
 
 
 def _aligned(t: torch.Tensor) -> bool:
@@ -463,22 +338,14 @@ def addmm_t_(d: torch.Tensor, g: torch.Tensor, h: torch.Tensor, accumulate: bool
     bm, bn, bk, stages = tile
     dt = gl.bfloat16 if d.dtype == torch.bfloat16 else gl.float16
     lay = gl.NVMMASharedLayout.get_default_for
-    g_desc = TensorDescriptor.from_tensor(g, [bk, min(bm, 128)], lay([bk, min(bm, 128)], dt))
+    g_desc = TensorDescriptor.from_tensor(g, [bk, bm], lay([bk, bm], dt))
     h_desc = TensorDescriptor.from_tensor(h, [bk, bn], lay([bk, bn], dt))
-    d_desc = TensorDescriptor.from_tensor(d, [min(bm, 128), bn], lay([min(bm, 128), bn], dt))
+    d_desc = TensorDescriptor.from_tensor(d, [bm, bn], lay([bm, bn], dt))
     m, n = d.shape
     tiles_n = -(-n // bn)
     n_tiles = -(-m // bm) * tiles_n
     sms = torch.cuda.get_device_properties(d.device).multi_processor_count
-    if schedule == "pingpong3":  # bm = 192: three 64-row blocks
-        sb = 64
-        g_desc = TensorDescriptor.from_tensor(g, [bk, sb], lay([bk, sb], dt))
-        d_desc = TensorDescriptor.from_tensor(d, [sb, bn], lay([sb, bn], dt))
-        tiles_n = -(-n // bn)
-        n_tiles = -(-m // (3 * sb)) * tiles_n
-        kernel[(min(sms, n_tiles),)](g_desc, h_desc, d_desc, g.shape[0], tiles_n, n_tiles,
-                                     ACCUMULATE=accumulate, STAGES=stages, num_warps=4)
-    elif schedule == "coop":
+    if schedule == "coop":
         kernel[(min(sms, n_tiles),)](g_desc, h_desc, d_desc, g.shape[0], tiles_n, n_tiles,
                                      ACCUMULATE=accumulate, STAGES=stages, num_warps=8)
     else:
