@@ -1,6 +1,6 @@
 """The ``ckpt`` command: ``demo``, ``ls``, ``inspect``, ``verify``, ``gc``, ``promote``.
 
-``ls --dcp`` and ``verify --dcp`` act on checkpoints written by ``dcp.save`` through
+``ls --dcp``, ``verify --dcp`` and ``gc --dcp`` act on checkpoints written by ``dcp.save`` through
 :mod:`ckpt.integrations.dcp`."""
 
 from __future__ import annotations
@@ -140,10 +140,17 @@ def _verify(args: argparse.Namespace) -> int:
 
 
 def _gc(args: argparse.Namespace) -> int:
+    verb = "would remove" if args.dry_run else "removed"
+    if args.dcp:
+        from .integrations.dcp import prune as prune_dcp
+
+        for i in prune_dcp(args.dir, max(1, args.keep), _opts(args), dry_run=args.dry_run):
+            print(f"{verb} {i}")
+        return 0
     from .policy import prune
 
     for s in prune(_tier(args.dir, args.storage_options), max(1, args.keep), dry_run=args.dry_run):
-        print(f"{'would remove' if args.dry_run else 'removed'} step {s}")
+        print(f"{verb} step {s}")
     return 0
 
 
@@ -190,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
         q.add_argument("--storage-options", default=None, help="JSON object passed to fsspec (for a URL)")
         if name in ("inspect", "verify"):
             q.add_argument("--step", type=int, default=None, help="step (default: newest / all)")
-        if name in ("ls", "verify"):
+        if name in ("ls", "verify", "gc"):
             q.add_argument("--dcp", action="store_true", help="checkpoints written by dcp.save through "
                                                               "ckpt.integrations.dcp (named by checkpoint id)")
         if name == "verify":

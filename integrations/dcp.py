@@ -44,9 +44,11 @@ training state. Anything else is refused at save time with the key's name. DCP's
 takes non-tensor values as ``torch.save`` bytes: the reader makes those itself from the decoded
 JSON value, so the bytes it unpickles were never read from storage.
 
-``dcp.async_save`` works with these classes (tested). Not done here: retention (name and prune
-checkpoint ids yourself), the host-memory and peer tiers (they need the Checkpointer's snapshot and
-rank groups); for saves that overlap training use :class:`ckpt.Checkpointer`.
+``dcp.async_save`` works with these classes (tested). Operations: :func:`list_checkpoints`,
+:func:`verify` and :func:`prune` (keep the newest N by commit time; ``ckpt ls/verify/gc --dcp``).
+Not done here: the host-memory and peer tiers (they need the Checkpointer's snapshot and rank
+groups), retention during saves (call :func:`prune` yourself, e.g. on rank 0 after ``dcp.save``);
+for saves that overlap training use :class:`ckpt.Checkpointer`.
 """
 
 from __future__ import annotations
@@ -56,6 +58,8 @@ import io
 import json
 import math
 import os
+import shutil
+import time
 import warnings
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -90,7 +94,7 @@ from ..errors import CorruptCheckpointError, IncompleteCheckpointError
 from ..format import COMMIT_NAME, MAX_RECORD_BYTES, dtype_to_str, fsync_dir, str_to_dtype, write_atomic
 from ..integrity import ALGORITHM, checksum
 
-__all__ = ["TierStorageWriter", "TierStorageReader", "FORMAT", "list_checkpoints", "verify"]
+__all__ = ["TierStorageWriter", "TierStorageReader", "FORMAT", "list_checkpoints", "verify", "prune"]
 
 FORMAT = "ckpt.dcp"
 _VERSION = 1
@@ -357,7 +361,7 @@ def _metadata_from_json(raw: bytes, where: str) -> tuple[Metadata, dict[Metadata
 def _commit_record(world_size: int, metadata: bytes) -> bytes:
     return json.dumps({"format": FORMAT, "version": _VERSION, "world_size": world_size,
                        "metadata_bytes": len(metadata), "metadata_checksum": checksum(metadata),
-                       "algorithm": ALGORITHM}).encode()
+                       "algorithm": ALGORITHM, "created_unix": time.time()}).encode()
 
 
 def _check_commit(raw: bytes, where: str) -> dict[str, Any]:
@@ -737,8 +741,32 @@ def list_checkpoints(where: str | os.PathLike, storage_options: dict[str, Any] |
             commit = _check_commit(tier.get_bytes(name, COMMIT_NAME), tier.path(name, COMMIT_NAME))
         except (OSError, CorruptCheckpointError):
             continue
-        out.append({"id": name, "world_size": commit["world_size"], "bytes": sizes.get(name, 0)})
+        created = commit.get("created_unix")
+        out.append({"id": name, "world_size": commit["world_size"], "bytes": sizes.get(name, 0),
+                    "created_unix": created if isinstance(created, (int, float)) else None})
     return out
+
+
+def prune(where: str | os.PathLike, keep: int, storage_options: dict[str, Any] | None = None,
+          dry_run: bool = False) -> list[str]:
+    """Delete all but the ``keep`` (at least 1) newest committed checkpoints under ``where`` (one
+    tier: a local directory or an fsspec URL), newest by the time their ``COMMIT`` records; returns
+    the ids removed (or, with ``dry_run``, that would be). Each goes ``COMMIT`` first, so a deletion
+    cut short leaves an uncommitted directory, never a committed checkpoint with files missing.
+    Uncommitted directories (a save in progress, or one that failed) are left alone."""
+    if keep < 1:
+        raise ValueError(f"keep must be at least 1, got {keep}")
+    tier = _one_tier(where, storage_options)
+    rows = sorted(list_checkpoints(where, storage_options),
+                  key=lambda r: (r["created_unix"] or 0.0, r["id"]), reverse=True)
+    doomed = [r["id"] for r in rows[keep:]]
+    for ckpt_id in doomed if not dry_run else ():
+        tier.remove(ckpt_id, COMMIT_NAME)
+        if tier.local:
+            shutil.rmtree(Path(tier.root) / ckpt_id, ignore_errors=True)
+        else:
+            tier.fs.rm(f"{tier.root}/{ckpt_id}", recursive=True)
+    return doomed
 
 
 def verify(where: str | os.PathLike, checkpoint_id: str,

@@ -278,3 +278,25 @@ def test_the_command_line_lists_and_verifies_dcp_checkpoints(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "step-1: OK" in out and "step-2: FAILED" in out and "'model.i'" in out
     assert main(["verify", str(tmp_path / "local"), "--dcp", "--id", "step-2"]) == 0   # the local copy is fine
+
+
+def test_gc_keeps_the_newest_committed_checkpoints_and_leaves_uncommitted_ones(tmp_path, capsys):
+    from ckpt.cli import main
+    from ckpt.integrations.dcp import list_checkpoints, prune
+    for name in ("b-first", "a-second", "c-third"):             # names deliberately not in time order
+        dcp.save(_state(), storage_writer=TierStorageWriter(**_tiers(tmp_path)), checkpoint_id=name)
+    (tmp_path / "local" / "in-progress").mkdir()                 # no COMMIT: a save under way
+    (tmp_path / "local" / "in-progress" / "rank-00000.dcp.bin").write_bytes(b"x")
+    assert prune(tmp_path / "local", 2, dry_run=True) == ["b-first"]
+    assert len(list_checkpoints(tmp_path / "local")) == 3
+    assert main(["gc", f"file://{tmp_path}/remote", "--dcp", "--keep", "1"]) == 0
+    assert capsys.readouterr().out.splitlines() == ["removed a-second", "removed b-first"]
+    assert [r["id"] for r in list_checkpoints(f"file://{tmp_path}/remote")] == ["c-third"]
+    assert not (tmp_path / "remote" / "a-second").exists()
+    assert prune(tmp_path / "local", 2) == ["b-first"]
+    assert sorted(p.name for p in (tmp_path / "local").iterdir()) == ["a-second", "c-third", "in-progress"]
+    loaded = _fresh()
+    dcp.load(loaded, storage_reader=TierStorageReader(**_tiers(tmp_path)), checkpoint_id="c-third")
+    _check(loaded)
+    with pytest.raises(ValueError, match="keep must be at least 1"):
+        prune(tmp_path / "local", 0)
