@@ -18,6 +18,9 @@ local directory ``ROOT/local-<WORLD>/rank-<RANK>``. ``WORLD`` 1 runs without tor
   rank 0 alone uploads it; each rank's ``mine`` is its own (a rank that did not save reads rank 0's).
 * ``rank-dies``: rank 1 exits before its upload; rank 0 prints ``error`` and ``remote``.
 * ``steps-differ``: rank 0 saves step 1, rank 1 step 2 (a mistake); prints ``error`` and ``remote``.
+With ``CKPT_TEST_BACKEND=nccl`` each rank uses GPU ``RANK`` and NCCL (the ``multigpu`` tests; the
+single-process modes then put the model on GPU 0).
+
 * ``commit-fail``: saves steps 1..3 every step; rank 1's upload of step 2 fails. Prints ``errors``
   with the steps whose save failed on this rank and ``remote`` with the steps committed there.
 """
@@ -35,7 +38,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 import ckpt
 from ckpt.tiers import RemoteTier
-from dtensor_worker import build, train_step
+from dtensor_worker import BACKEND, DEVICE, build, train_step
 
 GLOBALS = {   # name -> (shape, dtype)
     "a": ((7, 5), torch.float32),
@@ -47,16 +50,16 @@ SAVE_PLACEMENTS = {"a": Shard(0), "b": Shard(1), "c": Replicate(), "e": Shard(0)
 LOAD_PLACEMENTS = {"a": Shard(1), "b": Shard(0), "c": Shard(0), "e": Shard(1)}
 
 
-def global_tensor(name: str) -> torch.Tensor:
+def global_tensor(name: str, device: str = "cpu") -> torch.Tensor:
     shape, dtype = GLOBALS[name]
     n = torch.tensor(shape).prod().item()
-    return (torch.arange(n, dtype=torch.float32).reshape(shape) * 0.5 + ord(name)).to(dtype)
+    return (torch.arange(n, dtype=torch.float32).reshape(shape) * 0.5 + ord(name)).to(device=device, dtype=dtype)
 
 
 def dt_state(mesh, placements: dict, zero: bool) -> dict:
     state = {}
     for name in GLOBALS:
-        g = global_tensor(name)
+        g = global_tensor(name, DEVICE)
         state[name] = distribute_tensor(torch.zeros_like(g) if zero else g, mesh, [placements[name]])
     state["plain"] = torch.zeros(3) if zero else torch.tensor([1.0, 2.0, 3.0])
     state["meta"] = {"epoch": 0 if zero else 7, "name": "" if zero else "run"}
@@ -87,10 +90,12 @@ class FailingRemote(RemoteTier):
 def main() -> None:
     root, rank, world, mode = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
     url, local = f"file://{root}/job", f"{root}/local-{world}/rank-{rank}"
+    if DEVICE == "cuda":
+        torch.cuda.set_device(rank)
     if world > 1:
-        torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
+        torch.distributed.init_process_group(BACKEND, rank=rank, world_size=world)
     try:
-        mesh = init_device_mesh("cpu", (world,)) if world > 1 else None
+        mesh = init_device_mesh(DEVICE, (world,)) if world > 1 else None
         if mode == "save-dt":
             with ckpt.Checkpointer(url, local_dir=local) as ck:
                 ck.save(5, dt_state(mesh, SAVE_PLACEMENTS, zero=False))
@@ -106,7 +111,7 @@ def main() -> None:
             for name in GLOBALS:
                 want = global_tensor(name)
                 if mode == "load-dt":
-                    want = distribute_tensor(want, mesh, [LOAD_PLACEMENTS[name]]).to_local()
+                    want = distribute_tensor(want.to(DEVICE), mesh, [LOAD_PLACEMENTS[name]]).to_local()
                     got = state[name].to_local()
                     assert state[name].placements == (LOAD_PLACEMENTS[name],), state[name].placements
                 else:

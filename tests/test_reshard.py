@@ -22,12 +22,13 @@ HERE = Path(__file__).parent
 WORKER = HERE / "reshard_worker.py"
 
 
-def _run(root: Path, mode: str, world: int) -> list[subprocess.CompletedProcess]:
+def _run(root: Path, mode: str, world: int, backend: str = "gloo") -> list[subprocess.CompletedProcess]:
+    env = {"CKPT_TEST_BACKEND": backend}
     if world == 1:
         r = subprocess.run([sys.executable, str(WORKER), str(root), "0", "1", mode], capture_output=True, text=True,
-                           timeout=180, env={**__import__("os").environ, "PYTHONPATH": str(HERE)})
+                           timeout=180, env={**__import__("os").environ, "PYTHONPATH": str(HERE), **env})
         return [r]
-    return run_ranks(WORKER, str(root), mode, world=world)
+    return run_ranks(WORKER, str(root), mode, world=world, env=env)
 
 
 def _line(results: list[subprocess.CompletedProcess], prefix: str) -> list[str]:
@@ -63,6 +64,19 @@ def test_dtensors_reshard_to_another_world_size_and_placements(tmp_path, save_wo
     commit = Commit.from_bytes((step / COMMIT_NAME).read_bytes(), "COMMIT")
     assert commit.world_size == save_world and len(commit.manifests) == save_world   # rank 0's global commit
     assert _line(_run(tmp_path, "load-dt", load_world), "restored") == ["restored 5 from remote"] * load_world
+
+
+@pytest.mark.multigpu
+def test_under_nccl_dtensors_and_an_fsdp2_model_reshard_and_consolidate_on_the_gpus(tmp_path):
+    # two GPUs: the placements change as on the CPU (resharded from the job tier), then the FSDP2 model
+    # and AdamW into the same FSDP2 layout (its local copies) and into one unsharded process on GPU 0
+    # (consolidated from the job tier)
+    assert _line(_run(tmp_path / "dt", "save-dt", 2, "nccl"), "saved") == ["saved"] * 2
+    assert _line(_run(tmp_path / "dt", "load-dt", 2, "nccl"), "restored") == ["restored 5 from remote"] * 2
+    saved = _line(_run(tmp_path / "fsdp", "fsdp-save", 2, "nccl"), "digest")
+    for mode, world in (("fsdp-load", 2), ("fsdp-whole", 1)):
+        got = _run(tmp_path / "fsdp", mode, world, "nccl")
+        assert _line(got, "digest") == saved, f"{mode}: restored parameters or optimizer state differ"
 
 
 def test_one_process_consolidates_a_sharded_checkpoint(tmp_path):
