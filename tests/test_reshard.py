@@ -7,6 +7,7 @@ of ranks, into other placements, or into one process holding whole tensors.
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import sys
@@ -26,7 +27,8 @@ def _run(root: Path, mode: str, world: int, backend: str = "gloo") -> list[subpr
     env = {"CKPT_TEST_BACKEND": backend}
     if world == 1:
         r = subprocess.run([sys.executable, str(WORKER), str(root), "0", "1", mode], capture_output=True, text=True,
-                           timeout=180, env={**__import__("os").environ, "PYTHONPATH": str(HERE), **env})
+                           timeout=180, env={**os.environ, **env,
+                                             "PYTHONPATH": f"{HERE}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"})
         return [r]
     return run_ranks(WORKER, str(root), mode, world=world, env=env)
 
