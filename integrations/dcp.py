@@ -91,8 +91,10 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.storage import WriteResult
 
 from ..errors import CorruptCheckpointError, IncompleteCheckpointError
-from ..format import COMMIT_NAME, MAX_RECORD_BYTES, dtype_to_str, fsync_dir, str_to_dtype, write_atomic
+from ..format import COMMIT_NAME, _is_nonneg_int, _load_json, dtype_to_str, fsync_dir, str_to_dtype, write_atomic
 from ..integrity import ALGORITHM, checksum
+from ..tiers.local import _read_range
+from ..tiers.remote import _with_retry_defaults
 
 __all__ = ["TierStorageWriter", "TierStorageReader", "FORMAT", "list_checkpoints", "verify", "prune"]
 
@@ -119,7 +121,7 @@ class _Tier:
             self.root = str(Path(root).expanduser())
             self.fs = None
         else:
-            self.fs, self.root = fsspec.core.url_to_fs(root, **(storage_options or {}))
+            self.fs, self.root = fsspec.core.url_to_fs(root, **_with_retry_defaults(root, storage_options or {}))
             self.root = self.root.rstrip("/")
         self.where = root
 
@@ -146,19 +148,16 @@ class _Tier:
         tensor can be built over it without another copy; fewer bytes when the file is short)."""
         p = self.path(ckpt_id, name)
         if self.local:
-            with open(p, "rb", buffering=0) as f:
-                if start is None:
-                    return f.read()
-                end = min(end, os.fstat(f.fileno()).st_size)   # a hostile length allocates nothing
-                f.seek(start)
+            if start is None:
+                return Path(p).read_bytes()
+            fd = os.open(p, os.O_RDONLY)
+            try:
+                end = min(end, os.fstat(fd).st_size)   # a hostile length allocates nothing
                 buf = bytearray(max(0, end - start))
-                view, got = memoryview(buf), 0
-                while got < len(buf):
-                    n = f.readinto(view[got:])
-                    if not n:
-                        return buf[:got]
-                    got += n
-                return buf
+                _read_range(fd, False, Path(p), memoryview(buf), start, len(buf))
+            finally:
+                os.close(fd)
+            return buf
         if start is None:
             return self.fs.cat_file(p)
         return self.fs.cat_file(p, start=start, end=end)
@@ -288,16 +287,12 @@ def _need(cond: bool, where: str, what: str) -> None:
 
 
 def _ints(v: Any) -> bool:
-    return isinstance(v, list) and all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in v)
+    return isinstance(v, list) and all(_is_nonneg_int(x) for x in v)
 
 
 def _metadata_from_json(raw: bytes, where: str) -> tuple[Metadata, dict[MetadataIndex, dict[str, Any]]]:
-    _need(len(raw) <= MAX_RECORD_BYTES, where, f"{len(raw)} bytes, larger than any metadata this writer makes")
-    try:
-        obj = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CorruptCheckpointError(f"{where}: not valid JSON ({e})") from None
-    _need(isinstance(obj, dict) and obj.get("format") == FORMAT, where, f"not a {FORMAT} metadata record")
+    obj = _load_json(raw, where)
+    _need(obj.get("format") == FORMAT, where, f"not a {FORMAT} metadata record")
     _need(obj.get("version") == _VERSION, where, f"format version {obj.get('version')!r}; this reader knows "
           f"{_VERSION}")
     state = obj.get("state")
@@ -335,8 +330,7 @@ def _metadata_from_json(raw: bytes, where: str) -> tuple[Metadata, dict[Metadata
         _need(isinstance(ix.get("fqn"), str) and ix["fqn"] in sdm, w, "names no entry of 'state'")
         _need(ix.get("offset") is None or _ints(ix["offset"]), w, "offset must be null or a list of ints")
         for key in ("rank", "offset_bytes", "length", "crc"):
-            _need(isinstance(it.get(key), int) and not isinstance(it.get(key), bool) and it[key] >= 0, w,
-                  f"{key} must be a non-negative int")
+            _need(_is_nonneg_int(it.get(key)), w, f"{key} must be a non-negative int")
         _need(it.get("kind") in ("tensor", "bytes"), w, "kind must be 'tensor' or 'bytes'")
         if it["kind"] == "tensor":
             _need(isinstance(it.get("dtype"), str) and _ints(it.get("shape")), w, "tensor item needs dtype and shape")
@@ -365,15 +359,11 @@ def _commit_record(world_size: int, metadata: bytes) -> bytes:
 
 
 def _check_commit(raw: bytes, where: str) -> dict[str, Any]:
-    try:
-        obj = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CorruptCheckpointError(f"{where}: not valid JSON ({e})") from None
-    _need(isinstance(obj, dict) and obj.get("format") == FORMAT and obj.get("version") == _VERSION, where,
+    obj = _load_json(raw, where)
+    _need(obj.get("format") == FORMAT and obj.get("version") == _VERSION, where,
           f"not a {FORMAT} commit record of version {_VERSION}")
     for key in ("world_size", "metadata_bytes", "metadata_checksum"):
-        _need(isinstance(obj.get(key), int) and not isinstance(obj.get(key), bool) and obj[key] >= 0, where,
-              f"{key} must be a non-negative int")
+        _need(_is_nonneg_int(obj.get(key)), where, f"{key} must be a non-negative int")
     _need(obj.get("algorithm") == ALGORITHM, where, f"checksum algorithm {obj.get('algorithm')!r}")
     return obj
 
@@ -638,7 +628,7 @@ class TierStorageReader(StorageReader):
         for tier in tiers:   # nearest first; every copy is checked against the committed checksum
             try:
                 data = tier.get_bytes(self.checkpoint_id, name, start, end)
-            except OSError as e:   # FileNotFoundError included: that tier lacks this rank's file
+            except (OSError, IncompleteCheckpointError) as e:   # missing (or cut short): that tier lacks it
                 tried.append(f"{tier.where}: {type(e).__name__}")
                 continue
             if len(data) == rec["length"] and checksum(data) == rec["crc"]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 import warnings
 from pathlib import Path
 
@@ -115,7 +116,6 @@ def test_a_corrupt_local_item_is_read_from_the_remote_tier_with_a_warning(tmp_pa
 
 def test_a_lost_local_tier_loads_from_remote_and_corruption_everywhere_is_named(tmp_path):
     dcp.save(_state(), storage_writer=TierStorageWriter(**_tiers(tmp_path)), checkpoint_id="step-1")
-    import shutil
     shutil.rmtree(tmp_path / "local")
     loaded = _fresh()
     dcp.load(loaded, storage_reader=TierStorageReader(**_tiers(tmp_path)), checkpoint_id="step-1")
@@ -236,7 +236,6 @@ def test_s3_through_s3fs_with_a_lost_local_tier_and_a_corrupted_object(tmp_path,
     fs = s3fs.S3FileSystem(**opts, skip_instance_cache=True)
     assert sorted(p.rsplit("/", 1)[1] for p in fs.ls(f"{bucket}/run/step-1")) == \
         ["COMMIT", "metadata.json", "rank-00000.dcp.bin"]
-    import shutil
     shutil.rmtree(tmp_path / "local")                       # a replaced node
     loaded = _fresh()
     reader = TierStorageReader(**tiers)
