@@ -157,7 +157,7 @@ def _gc(args: argparse.Namespace) -> int:
 def _promote(args: argparse.Namespace) -> int:
     from .api import promote
 
-    opts = json.loads(args.storage_options) if args.storage_options else None
+    opts = _opts(args)
     t0 = time.perf_counter()
     promote(args.step, args.to, local_dir=args.dir, url=args.url, storage_options=opts, compression=args.compression)
     print(f"step {args.step} copied to the {args.to} tier in {time.perf_counter() - t0:.2f} s")
