@@ -19,8 +19,9 @@ Layout, the same on each tier (``local_dir``: this node's disk; ``url``: any fss
         COMMIT               written last, by the coordinator: format, world size, metadata checksum
 
 Each rank writes its own file to every tier (local first, fsynced and renamed into place; then
-the remote copy, uploaded from the local file; without ``local_dir`` the file is built in host
-memory); the coordinator writes ``metadata.json`` and then ``COMMIT`` to every tier once DCP has
+the remote copy, uploaded from the local file; without ``local_dir`` the file is streamed to the
+remote tier as it is produced, so host memory holds one upload block, and a failed upload is
+aborted rather than published); the coordinator writes ``metadata.json`` and then ``COMMIT`` to every tier once DCP has
 gathered all ranks' results, so a checkpoint exists on a tier iff its ``COMMIT`` does. When the
 remote tier cannot take a rank's file after the local tier did, that is reported (a warning) and
 the remote tier gets no ``COMMIT`` for this checkpoint; a failed local write (a full disk, say)
@@ -44,11 +45,13 @@ training state. Anything else is refused at save time with the key's name. DCP's
 takes non-tensor values as ``torch.save`` bytes: the reader makes those itself from the decoded
 JSON value, so the bytes it unpickles were never read from storage.
 
-``dcp.async_save`` works with these classes (tested). Operations: :func:`list_checkpoints`,
-:func:`verify` and :func:`prune` (keep the newest N by commit time; ``ckpt ls/verify/gc --dcp``).
-Not done here: the host-memory and peer tiers (they need the Checkpointer's snapshot and rank
-groups), retention during saves (call :func:`prune` yourself, e.g. on rank 0 after ``dcp.save``);
-for saves that overlap training use :class:`ckpt.Checkpointer`.
+``dcp.async_save`` works with these classes (tested). Retention: ``TierStorageWriter(keep=
+Retention(local=2, remote=10))`` prunes after each save (the coordinator deletes whole committed
+checkpoints, ``COMMIT`` first; every other node deletes its own ranks' files beyond the newest
+``local``). Operations: :func:`list_checkpoints`, :func:`verify` and :func:`prune` (keep the newest N
+by commit time; ``ckpt ls/verify/gc --dcp``). Not done here: the host-memory and peer tiers (they
+need the Checkpointer's snapshot and rank groups); for saves that overlap training use
+:class:`ckpt.Checkpointer`.
 """
 
 from __future__ import annotations
@@ -66,6 +69,7 @@ from pathlib import Path
 from typing import Any
 
 import fsspec
+from fsspec.spec import AbstractBufferedFile
 import torch
 from torch.distributed.checkpoint import StorageReader, StorageWriter
 from torch.futures import Future
@@ -93,6 +97,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 from ..errors import CorruptCheckpointError, IncompleteCheckpointError
 from ..format import COMMIT_NAME, _is_nonneg_int, _load_json, dtype_to_str, fsync_dir, str_to_dtype, write_atomic
 from ..integrity import ALGORITHM, checksum
+from ..policy import Retention
 from ..tiers.local import _read_range
 from ..tiers.remote import _with_retry_defaults
 
@@ -104,6 +109,9 @@ METADATA_NAME = "metadata.json"
 _MEMORY_FORMATS = {"contiguous": torch.contiguous_format, "channels_last": torch.channels_last,
                    "channels_last_3d": torch.channels_last_3d, "preserve": torch.preserve_format}
 _MEMORY_FORMAT_NAMES = {v: k for k, v in _MEMORY_FORMATS.items()}
+
+
+_STREAM_SLICE = 8 << 20   # bytes per write() into a remote stream
 
 
 def _data_name(rank: int) -> str:
@@ -136,6 +144,26 @@ class _Tier:
         else:
             self.fs.makedirs(f"{self.root}/{ckpt_id}", exist_ok=True)
             self.fs.pipe_file(p, data)
+
+    def open_stream(self, ckpt_id: str, name: str) -> Any:
+        """A binary file to write ``name`` into as it is produced (remote tier only): fsspec's
+        buffered writer, so host memory holds one block (s3fs: a multipart upload of
+        ``default_block_size`` parts, 50 MiB unless ``storage_options`` says otherwise), not the file."""
+        self.fs.makedirs(f"{self.root}/{ckpt_id}", exist_ok=True)
+        return self.fs.open(self.path(ckpt_id, name), "wb")
+
+    def abort_stream(self, f: Any, ckpt_id: str, name: str) -> None:
+        """Give up a write begun by :meth:`open_stream` without publishing what was written: an
+        object store's pending multipart upload is aborted (closing would complete it), and whatever
+        the backend already made visible is removed."""
+        if isinstance(f, AbstractBufferedFile):
+            try:
+                f.discard()          # s3fs: abort the multipart upload
+            finally:
+                f.closed = True      # and never flush the buffer (close() or the finalizer would)
+        else:
+            f.close()
+        self.remove(ckpt_id, name)
 
     def put_file(self, ckpt_id: str, name: str, src: str) -> None:
         """Upload a finished local file (remote tier only)."""
@@ -171,6 +199,13 @@ class _Tier:
                 self.fs.rm_file(p)
         except (FileNotFoundError, NotADirectoryError):
             pass   # nothing there
+
+
+def _write_error(rank: int, name: str, ckpt_id: str, tier: _Tier, e: BaseException) -> OSError:
+    return OSError(getattr(e, "errno", None) or 5,
+                   f"TierStorageWriter: rank {rank} could not write {name} of {ckpt_id!r} to {tier.where} "
+                   f"({type(e).__name__}: {e}); nothing of this save is committed there and earlier "
+                   "checkpoints are untouched (check url= and storage_options=, or add local_dir=)")
 
 
 def _tiers(local_dir: str | os.PathLike | None, url: str | None,
@@ -378,14 +413,22 @@ class TierStorageWriter(StorageWriter):
             to; the coordinator writes the metadata and ``COMMIT`` there too.
         storage_options: passed to fsspec for ``url`` (credentials, endpoint, ...).
         checkpoint_id: default name of the checkpoint when ``dcp.save`` gets none.
+        keep: retention applied after each save (:class:`ckpt.Retention`: the newest ``local``
+            checkpoints in ``local_dir``, ``remote`` at ``url``; ``None`` in either keeps all). Default:
+            none, every checkpoint stays. The checkpoint just saved is never deleted; see
+            :func:`prune` for the order of deletion.
 
     Collective: used through ``dcp.save``, which calls it on every rank.
     """
 
     def __init__(self, local_dir: str | os.PathLike | None = None, url: str | None = None,
-                 storage_options: dict[str, Any] | None = None, checkpoint_id: str | None = None) -> None:
+                 storage_options: dict[str, Any] | None = None, checkpoint_id: str | None = None,
+                 keep: Retention | None = None) -> None:
         super().__init__()
         self.tiers = _tiers(local_dir, url, storage_options)
+        if keep is not None and not isinstance(keep, Retention):
+            raise TypeError(f"keep must be a ckpt.Retention (e.g. Retention(local=2, remote=10)), got {keep!r}")
+        self.keep = keep
         self._default_id = checkpoint_id
         self.checkpoint_id = checkpoint_id
         self.is_coordinator = False
@@ -438,15 +481,19 @@ class TierStorageWriter(StorageWriter):
         name = _data_name(rank)
         results: list[WriteResult] = []
         local = next((t for t in self.tiers if t.local), None)
-        # the rank's file is built once: on the local tier when there is one (then uploaded as a file),
-        # else in memory for the remote tier
+        # the rank's file is written once as it is produced: on the local tier when there is one (then
+        # uploaded as a file), else streamed straight to the remote tier
         if local is not None:
             final = Path(local.path(self.checkpoint_id, name))
             final.parent.mkdir(parents=True, exist_ok=True)
             tmp = final.with_name(final.name + f".tmp-{os.getpid()}")
             sink: Any = open(tmp, "wb")
         else:
-            sink = io.BytesIO()
+            remote = self.tiers[0]
+            try:
+                sink = remote.open_stream(self.checkpoint_id, name)
+            except OSError as e:
+                raise _write_error(rank, name, self.checkpoint_id, remote, e) from e
         offset = 0
         # the caller's current stream per GPU: the helper thread copies on it, so the copies are
         # ordered after whatever produced the state there (a thread starts on the default stream)
@@ -477,7 +524,12 @@ class TierStorageWriter(StorageWriter):
                     data, rec, crc = ahead.result()
                     if i + 1 < len(items):
                         ahead = stage.submit(prepare, items[i + 1])
-                    sink.write(data)
+                    if local is not None:
+                        sink.write(data)
+                    else:   # in slices: fsspec buffers what one write() gets before it uploads a part
+                        view = memoryview(data).cast("B")
+                        for a in range(0, len(view), _STREAM_SLICE):
+                            sink.write(view[a:a + _STREAM_SLICE])
                     rec.update(rank=rank, offset_bytes=offset, length=len(data), crc=crc)
                     offset += len(data)
                     results.append(WriteResult(index=item.index, size_in_bytes=len(data), storage_data=rec))
@@ -487,23 +539,28 @@ class TierStorageWriter(StorageWriter):
                 sink.close()
                 os.replace(tmp, final)
                 fsync_dir(final.parent)
-        except BaseException:
-            sink.close()
+            else:
+                sink.close()   # the last block goes up here (s3fs: the multipart upload completes)
+        except BaseException as e:
             if local is not None:
+                sink.close()
                 tmp.unlink(missing_ok=True)
+                raise
+            try:
+                remote.abort_stream(sink, self.checkpoint_id, name)
+            except Exception:   # noqa: BLE001 - the first error is the one to report
+                pass
+            if isinstance(e, OSError):   # the storage's failure (s3fs raises OSErrors): say where
+                raise _write_error(rank, name, self.checkpoint_id, remote, e) from e
             raise
-        payload = None if local is not None else sink.getvalue()
+        if local is not None and self.keep is not None and self.keep.local is not None:
+            _prune_own_files(local, rank, self.keep.local, spare=self.checkpoint_id)
         for tier in self.tiers:
-            if tier.local:
+            if tier.local or local is None:
                 continue
             try:
-                if payload is None:
-                    tier.put_file(self.checkpoint_id, name, str(final))
-                else:
-                    tier.put_bytes(self.checkpoint_id, name, payload)
+                tier.put_file(self.checkpoint_id, name, str(final))
             except Exception as e:   # noqa: BLE001 - reported; the save fails only if no tier took the file
-                if local is None:
-                    raise
                 warnings.warn(f"TierStorageWriter: rank {rank} could not write {name} of {self.checkpoint_id!r} "
                               f"to {tier.where} ({type(e).__name__}: {e}); the checkpoint stays on the local "
                               "tier only", stacklevel=2)
@@ -538,6 +595,15 @@ class TierStorageWriter(StorageWriter):
         if not committed:
             raise OSError(5, f"TierStorageWriter: checkpoint {self.checkpoint_id!r} was committed on no tier "
                              f"({', '.join(t.where for t in self.tiers)}); earlier checkpoints are untouched")
+        for tier in self.tiers:
+            n = None if self.keep is None else (self.keep.local if tier.local else self.keep.remote)
+            if n is None or tier.name not in committed:
+                continue
+            try:
+                _prune_tier(tier, n, spare=self.checkpoint_id)
+            except Exception as e:   # noqa: BLE001 - the save itself succeeded
+                warnings.warn(f"TierStorageWriter: retention on {tier.where} failed ({type(e).__name__}: {e}); "
+                              "older checkpoints stay until the next save or `ckpt gc --dcp`", stacklevel=2)
 
 
 # -- reader -------------------------------------------------------------------------------------------
@@ -705,7 +771,10 @@ def list_checkpoints(where: str | os.PathLike, storage_options: dict[str, Any] |
     """The checkpoint ids under ``where`` (a local directory or an fsspec URL) whose ``COMMIT`` is a
     valid record of this format, sorted by name: dicts ``{"id", "world_size", "bytes"}`` (``bytes``: the
     ranks' data files, as listed)."""
-    tier = _one_tier(where, storage_options)
+    return _list_tier(_one_tier(where, storage_options))
+
+
+def _list_tier(tier: _Tier) -> list[dict[str, Any]]:
     out = []
     if tier.local:
         root = Path(tier.root)
@@ -746,10 +815,12 @@ def prune(where: str | os.PathLike, keep: int, storage_options: dict[str, Any] |
     Uncommitted directories (a save in progress, or one that failed) are left alone."""
     if keep < 1:
         raise ValueError(f"keep must be at least 1, got {keep}")
-    tier = _one_tier(where, storage_options)
-    rows = sorted(list_checkpoints(where, storage_options),
-                  key=lambda r: (r["created_unix"] or 0.0, r["id"]), reverse=True)
-    doomed = [r["id"] for r in rows[keep:]]
+    return _prune_tier(_one_tier(where, storage_options), keep, dry_run=dry_run)
+
+
+def _prune_tier(tier: _Tier, keep: int, dry_run: bool = False, spare: str | None = None) -> list[str]:
+    rows = sorted(_list_tier(tier), key=lambda r: (r["created_unix"] or 0.0, r["id"]), reverse=True)
+    doomed = [r["id"] for r in rows[keep:] if r["id"] != spare]
     for ckpt_id in doomed if not dry_run else ():
         tier.remove(ckpt_id, COMMIT_NAME)
         if tier.local:
@@ -757,6 +828,29 @@ def prune(where: str | os.PathLike, keep: int, storage_options: dict[str, Any] |
         else:
             tier.fs.rm(f"{tier.root}/{ckpt_id}", recursive=True)
     return doomed
+
+
+def _prune_own_files(tier: _Tier, rank: int, keep: int, spare: str) -> None:
+    """Retention for a node whose local tier never gets a ``COMMIT`` (every node but the
+    coordinator's): this rank's own files in uncommitted checkpoint directories, all but the newest
+    ``keep`` by modification time (``spare``, the one just written, always stays), are deleted, and
+    a directory left with no rank files is removed. Committed directories are the coordinator's
+    to prune (:func:`_prune_tier`), so none ever loses a file while its ``COMMIT`` vouches for it."""
+    root = Path(tier.root)
+    name = _data_name(rank)
+    mine = []
+    for d in root.iterdir() if root.is_dir() else ():
+        f = d / name
+        if d.name != spare and f.is_file() and not (d / COMMIT_NAME).exists():
+            mine.append((f.stat().st_mtime, d))
+    mine.sort(reverse=True)
+    for _, d in mine[max(0, keep - 1):]:   # the spared checkpoint counts as one of the kept
+        try:
+            (d / name).unlink()
+            if not any(d.glob("rank-*.dcp.bin")) and not (d / COMMIT_NAME).exists():
+                shutil.rmtree(d, ignore_errors=True)
+        except OSError as e:
+            warnings.warn(f"TierStorageWriter: retention could not delete {d / name} ({e})", stacklevel=3)
 
 
 def verify(where: str | os.PathLike, checkpoint_id: str,
@@ -783,14 +877,14 @@ def verify(where: str | os.PathLike, checkpoint_id: str,
     total = 0
     for rank, recs in sorted(by_rank.items()):
         fname = _data_name(rank)
-        try:
-            data = memoryview(tier.get_bytes(name, fname))
-        except FileNotFoundError:
-            raise IncompleteCheckpointError(f"{tier.path(name, fname)}: missing") from None
-        for ix, rec in recs:
+        for ix, rec in sorted(recs, key=lambda r: r[1]["offset_bytes"]):   # item by item: one in memory
             a, b = rec["offset_bytes"], rec["offset_bytes"] + rec["length"]
-            if b > len(data) or checksum(data[a:b]) != rec["crc"]:
+            try:
+                data = tier.get_bytes(name, fname, a, b)
+            except FileNotFoundError:
+                raise IncompleteCheckpointError(f"{tier.path(name, fname)}: missing") from None
+            if len(data) != b - a or checksum(data) != rec["crc"]:
                 raise CorruptCheckpointError(f"{tier.path(name, fname)}: item {ix.fqn!r} (bytes {a}..{b}) "
-                                             "fails its checksum" + (" (file too short)" if b > len(data) else ""))
-        total += len(data)
+                                             "fails its checksum" + (" (file too short)" if len(data) < b - a else ""))
+            total += len(data)
     return {"id": name, "items": len(storage), "bytes": total}

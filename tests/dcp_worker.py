@@ -7,6 +7,7 @@ gets the ``COMMIT``) and ``file://ROOT/remote`` as the remote tier; the checkpoi
 
 * ``save``: train 3 steps, save model, optimizer (DCP's ``get_state_dict``) and plain values;
   prints ``digest D`` on rank 0 (the full parameters and optimizer state).
+* ``retain``: 4 saves (``step-1`` .. ``step-4``) with ``keep=Retention(local=2, remote=3)``.
 * ``load``: a fresh model and optimizer on ``WORLD`` ranks (any number), loaded; prints
   ``digest D`` on rank 0 and ``extra E`` (the plain values, as Python sees them) on every rank,
   then trains one more step (the loaded optimizer state must be usable).
@@ -53,6 +54,15 @@ def main() -> None:
     tiers = {"local_dir": f"{root}/node-{rank}", "url": f"file://{root}/remote"}
     try:
         model, opt = build(world)
+        if mode == "retain":
+            from ckpt import Retention
+            for step in range(1, 5):
+                train_step(model, opt, step, rank)
+                msd, osd = get_state_dict(model, opt)
+                dcp.save({"model": msd, "optim": osd}, checkpoint_id=f"step-{step}",
+                         storage_writer=TierStorageWriter(**tiers, keep=Retention(local=2, remote=3)))
+                torch.distributed.barrier()
+            return
         if mode == "save":
             for step in range(1, 4):
                 train_step(model, opt, step, rank)

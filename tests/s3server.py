@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import http.client
+import re
 import socket
 import threading
 import time
@@ -25,14 +26,19 @@ class Faults:
         self.drop_next = 0          # close this many connections without an answer
         self.delay = 0.0            # seconds before forwarding each request
         self.forbid = False         # answer every request 403 InvalidAccessKeyId (bad credentials)
+        self.fail_parts_from = None  # fail every multipart-upload part numbered at least this (an outage mid-upload)
         self.requests = 0
         self.injected = 0
 
-    def take(self) -> str | None:
+    def take(self, path: str = "") -> str | None:
         with self.lock:
             self.requests += 1
             if self.forbid:
                 return "forbid"
+            part = re.search(r"[?&]partNumber=(\d+)", path)
+            if self.fail_parts_from is not None and part and int(part.group(1)) >= self.fail_parts_from:
+                self.injected += 1
+                return "fail"
             if self.drop_next > 0:
                 self.drop_next -= 1
                 self.injected += 1
@@ -59,7 +65,7 @@ class FaultProxy:
 
             def _any(self) -> None:
                 body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
-                action = faults.take()
+                action = faults.take(self.path)
                 if faults.delay:
                     time.sleep(faults.delay)
                 if action == "drop":

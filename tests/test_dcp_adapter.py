@@ -299,3 +299,98 @@ def test_gc_keeps_the_newest_committed_checkpoints_and_leaves_uncommitted_ones(t
     _check(loaded)
     with pytest.raises(ValueError, match="keep must be at least 1"):
         prune(tmp_path / "local", 0)
+
+
+def _big_state(seed: int, mib: int = 12) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    n = (mib << 20) // 4 // 3
+    return {"model": {f"w{i}": torch.randn(n, generator=g) for i in range(3)}}
+
+
+def _zeros_like(state: dict) -> dict:
+    return {"model": {k: torch.zeros_like(v) for k, v in state["model"].items()}}
+
+
+def test_a_remote_only_save_streams_the_rank_file_instead_of_building_it_in_memory(tmp_path):
+    import tracemalloc
+    state = _big_state(0, mib=24)
+    url = f"file://{tmp_path}/remote"
+    tracemalloc.start()
+    try:
+        dcp.save(state, storage_writer=TierStorageWriter(url=url), checkpoint_id="step-1")
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    size = (tmp_path / "remote" / "step-1" / "rank-00000.dcp.bin").stat().st_size
+    assert size >= 24 << 20
+    assert peak < size // 4, f"Python allocations peaked at {peak} bytes for a {size}-byte file"
+    loaded = _zeros_like(state)
+    dcp.load(loaded, storage_reader=TierStorageReader(url=url), checkpoint_id="step-1")
+    assert all(torch.equal(loaded["model"][k], v) for k, v in state["model"].items())
+
+
+@pytest.mark.s3
+def test_a_remote_only_s3_save_goes_up_in_parts_and_an_outage_mid_upload_publishes_nothing(tmp_path, s3_bucket):
+    from s3server import FaultProxy, storage_options
+    import s3fs
+    bucket, port = s3_bucket
+    proxy = FaultProxy(port)
+    try:
+        opts = storage_options(proxy.port, default_block_size=5 << 20,
+                               config_kwargs={"retries": {"max_attempts": 2, "mode": "standard"}})
+        url = f"s3://{bucket}/run"
+        first = _big_state(1)
+        dcp.save(first, storage_writer=TierStorageWriter(url=url, storage_options=opts), checkpoint_id="step-1")
+        fs = s3fs.S3FileSystem(**storage_options(port), skip_instance_cache=True)
+        assert fs.info(f"{bucket}/run/step-1/rank-00000.dcp.bin")["size"] >= 12 << 20
+        proxy.faults.fail_parts_from = 2                        # the store fails from the second part on
+        with pytest.raises(CheckpointException) as e:
+            dcp.save(_big_state(2), storage_writer=TierStorageWriter(url=url, storage_options=opts),
+                     checkpoint_id="step-2")
+        err = _inner(e.value)
+        assert isinstance(err, OSError) and proxy.faults.injected > 0
+        assert f"could not write rank-00000.dcp.bin of 'step-2' to {url}" in str(err)
+        assert "storage_options" in str(err) and "earlier checkpoints are untouched" in str(err)
+        proxy.faults.fail_parts_from = None
+        assert not fs.exists(f"{bucket}/run/step-2/COMMIT")
+        assert not fs.exists(f"{bucket}/run/step-2/rank-00000.dcp.bin")   # the multipart upload was aborted
+        assert fs.list_multipart_uploads(bucket) == []
+        loaded = _zeros_like(first)
+        dcp.load(loaded, storage_reader=TierStorageReader(url=url, storage_options=opts), checkpoint_id="step-1")
+        assert all(torch.equal(loaded["model"][k], v) for k, v in first["model"].items())
+    finally:
+        proxy.close()
+
+
+def test_retention_during_saves_keeps_the_newest_per_tier(tmp_path):
+    from ckpt import Retention
+    from ckpt.integrations.dcp import list_checkpoints
+    for i in range(1, 5):
+        st = _state()
+        st["model"]["w"] += i
+        dcp.save(st, storage_writer=TierStorageWriter(**_tiers(tmp_path), keep=Retention(local=2, remote=1)),
+                 checkpoint_id=f"step-{i}")
+    assert [r["id"] for r in list_checkpoints(tmp_path / "local")] == ["step-3", "step-4"]
+    assert sorted(p.name for p in (tmp_path / "local").iterdir()) == ["step-3", "step-4"]
+    assert [r["id"] for r in list_checkpoints(f"file://{tmp_path}/remote")] == ["step-4"]
+    loaded = _fresh()
+    dcp.load(loaded, storage_reader=TierStorageReader(**_tiers(tmp_path)), checkpoint_id="step-3")
+    ref = _state()
+    ref["model"]["w"] += 3
+    _check(loaded, ref)
+    # without keep nothing is deleted; a bad keep is named
+    dcp.save(_state(), storage_writer=TierStorageWriter(**_tiers(tmp_path)), checkpoint_id="step-5")
+    assert len(list_checkpoints(tmp_path / "local")) == 3
+    with pytest.raises(TypeError, match="keep must be a ckpt.Retention"):
+        TierStorageWriter(**_tiers(tmp_path), keep=2)
+
+
+def test_retention_on_a_two_node_job_prunes_each_nodes_own_files(tmp_path):
+    assert_ok(run_ranks(HERE / "dcp_worker.py", str(tmp_path), "retain", world=2))
+    # the coordinator's node: whole committed checkpoints; the other node: its rank's files only
+    assert sorted(p.name for p in (tmp_path / "node-0").iterdir()) == ["step-3", "step-4"]
+    assert sorted(p.name for p in (tmp_path / "node-0" / "step-4").iterdir()) == \
+        ["COMMIT", "metadata.json", "rank-00000.dcp.bin"]
+    assert sorted(p.name for p in (tmp_path / "node-1").iterdir()) == ["step-3", "step-4"]
+    assert [p.name for p in (tmp_path / "node-1" / "step-3").iterdir()] == ["rank-00001.dcp.bin"]
+    assert sorted(p.name for p in (tmp_path / "remote").iterdir()) == ["step-2", "step-3", "step-4"]
