@@ -10,7 +10,7 @@ Gluon weight-gradient GEMMs of ``benchmarks/gluon_dw_gemm.py`` against cuBLAS, a
 the loss's chunk loop (``dwgemm``). Prints its findings.
 
     python benchmarks/bench_kernel_costs.py            # all
-    PART=lean python benchmarks/bench_kernel_costs.py  # or PART=flce, gemm, tunable, dwgemm
+    PART=lean python benchmarks/bench_kernel_costs.py  # or PART=flce, ce, gemm, tunable, dwgemm
 """
 import sys, time, os
 import torch, triton, triton.testing
@@ -94,6 +94,38 @@ if PART in ("all", "flce"):
     t = bench(ours, rep=400); print(f"ours full fn chunk auto: {t:.2f} ms", flush=True)
     del W, hid0, G, hh, ww
     torch.cuda.empty_cache()
+if PART in ("all", "ce"):
+    # Schedules of the cross-entropy row kernel (benchmarks/ce_variants.py) against the
+    # library's, at the loss's chunk (512 rows) and the cross-entropy case (8192 rows):
+    # checked against the library's output, then timed next to a plain copy of the same bytes.
+    import ce_variants as CEV
+    V = 128256
+    nsm = torch.cuda.get_device_properties(0).multi_processor_count
+    for C in (512, 8192):
+        L = torch.randn(C, V, device=dev, dtype=torch.bfloat16) * 3
+        tgt = torch.randint(0, V, (C,), device=dev)
+        sc = torch.ones(1, device=dev) / C
+        lr0 = torch.empty(C, device=dev); g0 = torch.empty_like(L)
+        launch_ce(L, tgt, lr0, g0, sc, -100, 0.0, 0.0)
+        lr = torch.empty(C, device=dev); g = torch.empty_like(L)
+        t = bench(lambda: g.copy_(L)); print(f"ce C={C} copy of the same bytes: {t:.3f} ms ({2*L.numel()*2/t/1e9:.2f} TB/s)", flush=True)
+        t = bench(lambda: launch_ce(L, tgt, lr, g, sc, -100, 0.0, 0.0)); print(f"ce C={C} library: {t:.3f} ms", flush=True)
+        cfgs = [(C, 8192, 8, False, 1), (C, 8192, 8, True, 1), (C, 8192, 8, True, 3),
+                (nsm, 8192, 8, True, 1), (nsm, 8192, 8, True, 3), (nsm, 8192, 16, True, 3), (nsm, 4096, 8, True, 4),
+                (2 * nsm, 8192, 8, True, 1), (2 * nsm, 8192, 8, True, 3), (2 * nsm, 4096, 8, True, 3),
+                (4 * nsm, 8192, 8, True, 1), (4 * nsm, 4096, 4, True, 3), (8 * nsm, 4096, 4, True, 1)]
+        for (P, bv, nw, rev, ns) in cfgs:
+            try:
+                g.zero_(); lr.zero_()
+                CEV.launch(L, tgt, lr, g, sc, P, bv, nw, rev, ns)
+                ok = torch.equal(lr, lr0) and torch.equal(g, g0)
+                t = bench(lambda: CEV.launch(L, tgt, lr, g, sc, P, bv, nw, rev, ns))
+                print(f"ce C={C} programs={P} BLOCK_V={bv} warps={nw} reverse={rev} stages={ns}: {t:.3f} ms "
+                      f"{'same' if ok else 'DIFFERS'}", flush=True)
+            except Exception as e:
+                print(f"ce C={C} programs={P} {bv} {nw} {rev} {ns}: failed {type(e).__name__}: {str(e)[:160]}", flush=True)
+        del L, g, g0
+        torch.cuda.empty_cache()
 if PART in ("all", "lean"):
     # Lower bound of a Python-dispatched LayerNorm: the library's two kernels launched through
     # their compiled launchers directly (no argument checks, no launch cache), against the
