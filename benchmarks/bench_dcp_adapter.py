@@ -6,7 +6,8 @@ matrix (on the GPU when there is one), saved and loaded side by side in one run:
 * ``dcp-fs``: ``FileSystemWriter`` / ``FileSystemReader`` (DCP's default: pickled metadata);
 * ``tiers-local``: ``TierStorageWriter(local_dir=...)`` / ``TierStorageReader``;
 * ``tiers-local+remote``: the same plus a second copy at a ``file://`` URL (the remote tier's code
-  path, on the same disk).
+  path, on the same disk);
+* ``tiers-remote``: the ``file://`` URL alone (each rank's file streamed through fsspec's writer).
 
 Every load is checked bit for bit against the saved state first; then the median of ``--rounds``
 rounds is recorded (save: until ``dcp.save`` returns, which includes fsync of the local files for
@@ -92,6 +93,8 @@ def main() -> None:
                         lambda d: TierStorageReader(local_dir=d / "local")),
         "tiers-local+remote": (lambda d: TierStorageWriter(local_dir=d / "l2", url=f"file://{d}/remote"),
                                lambda d: TierStorageReader(local_dir=d / "l2", url=f"file://{d}/remote")),
+        "tiers-remote": (lambda d: TierStorageWriter(url=f"file://{d}/remote-only"),
+                         lambda d: TierStorageReader(url=f"file://{d}/remote-only")),
     }
     times = {p: {"save": [], "load": []} for p in providers}
     try:
