@@ -259,8 +259,13 @@ def _load_json(raw: bytes, where: str) -> dict:
     return d
 
 
-def fsync_dir(path: Path) -> None:
+def fsync_dir(path: Path | str) -> None:
     """Make a rename or create inside ``path`` durable."""
+    fsync_file(path)
+
+
+def fsync_file(path: Path | str) -> None:
+    """Flush a file (or directory) written through another handle to stable storage."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)

@@ -95,7 +95,8 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.storage import WriteResult
 
 from ..errors import CorruptCheckpointError, IncompleteCheckpointError
-from ..format import COMMIT_NAME, _is_nonneg_int, _load_json, dtype_to_str, fsync_dir, str_to_dtype, write_atomic
+from ..format import (COMMIT_NAME, _is_nonneg_int, _load_json, dtype_to_str, fsync_dir, fsync_file, str_to_dtype,
+                      write_atomic)
 from ..integrity import ALGORITHM, checksum
 from ..policy import Retention
 from ..tiers.local import _read_range
@@ -131,7 +132,18 @@ class _Tier:
         else:
             self.fs, self.root = fsspec.core.url_to_fs(root, **_with_retry_defaults(root, storage_options or {}))
             self.root = self.root.rstrip("/")
+        protocols = () if self.fs is None else (
+            (self.fs.protocol,) if isinstance(self.fs.protocol, str) else tuple(self.fs.protocol))
+        self.mounted = any(p in ("file", "local") for p in protocols)   # a file:// URL: a page cache to flush
         self.where = root
+
+    def synced(self, path: str) -> None:
+        """On a ``file://`` URL, flush a file just written, and its directory, to stable storage, so
+        that the ``COMMIT`` written after it never reaches the disk first (an object store's write is
+        durable when it returns)."""
+        if self.mounted:
+            fsync_file(path)
+            fsync_dir(path.rsplit("/", 1)[0] or "/")
 
     def path(self, ckpt_id: str, name: str) -> str:
         return f"{self.root}/{ckpt_id}/{name}"
@@ -144,6 +156,7 @@ class _Tier:
         else:
             self.fs.makedirs(f"{self.root}/{ckpt_id}", exist_ok=True)
             self.fs.pipe_file(p, data)
+            self.synced(p)
 
     def open_stream(self, ckpt_id: str, name: str) -> Any:
         """A binary file to write ``name`` into as it is produced (remote tier only): fsspec's
@@ -169,6 +182,7 @@ class _Tier:
         """Upload a finished local file (remote tier only)."""
         self.fs.makedirs(f"{self.root}/{ckpt_id}", exist_ok=True)
         self.fs.put_file(src, self.path(ckpt_id, name))
+        self.synced(self.path(ckpt_id, name))
 
     def get_bytes(self, ckpt_id: str, name: str, start: int | None = None,
                   end: int | None = None) -> bytes | bytearray:
@@ -541,6 +555,7 @@ class TierStorageWriter(StorageWriter):
                 fsync_dir(final.parent)
             else:
                 sink.close()   # the last block goes up here (s3fs: the multipart upload completes)
+                remote.synced(remote.path(self.checkpoint_id, name))
         except BaseException as e:
             if local is not None:
                 sink.close()

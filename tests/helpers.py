@@ -97,3 +97,34 @@ def run_ranks(script: Path, *args: str, world: int = 2, timeout: float = 180,
 def assert_ok(results: list[subprocess.CompletedProcess]) -> None:
     for r in results:
         assert r.returncode == 0, r.stderr[-3000:]
+
+
+class DiskLog:
+    """Spies (calling the real functions) on every write through fsspec's local file system and every
+    fsync, in order: enough to check that nothing vouches for a file before that file is on disk."""
+
+    def __init__(self, monkeypatch):
+        from fsspec.implementations.local import LocalFileSystem
+        self.events: list[tuple[str, str]] = []
+        real_pipe, real_fsync = LocalFileSystem.pipe_file, os.fsync
+        log = self.events
+
+        def pipe_file(fs, path, value, *a, **kw):
+            out = real_pipe(fs, path, value, *a, **kw)
+            log.append(("write", os.path.realpath(fs._strip_protocol(path))))
+            return out
+
+        def fsync(fd):
+            real_fsync(fd)
+            log.append(("fsync", os.path.realpath(os.readlink(f"/proc/self/fd/{fd}"))))
+
+        monkeypatch.setattr(LocalFileSystem, "pipe_file", pipe_file)
+        monkeypatch.setattr(os, "fsync", fsync)
+
+    def first(self, kind: str, path: Path) -> int:
+        p = os.path.realpath(path)
+        return next(i for i, (k, q) in enumerate(self.events) if k == kind and q == p)
+
+    def synced_before(self, path: Path, index: int) -> bool:
+        p = os.path.realpath(path)
+        return any(k == "fsync" and q == p for k, q in self.events[:index])

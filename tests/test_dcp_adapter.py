@@ -394,3 +394,13 @@ def test_retention_on_a_two_node_job_prunes_each_nodes_own_files(tmp_path):
     assert sorted(p.name for p in (tmp_path / "node-1").iterdir()) == ["step-3", "step-4"]
     assert [p.name for p in (tmp_path / "node-1" / "step-3").iterdir()] == ["rank-00001.dcp.bin"]
     assert sorted(p.name for p in (tmp_path / "remote").iterdir()) == ["step-2", "step-3", "step-4"]
+
+
+@pytest.mark.parametrize("with_local", [True, False], ids=["local+url", "url-only"])
+def test_a_file_url_commit_reaches_the_disk_after_the_files_it_vouches_for(tmp_path, monkeypatch, with_local):
+    from helpers import DiskLog
+    from test_remote import _vouched_files_synced_before_commit
+    log = DiskLog(monkeypatch)
+    tiers = _tiers(tmp_path) if with_local else {"url": f"file://{tmp_path}/remote"}
+    dcp.save(_state(), storage_writer=TierStorageWriter(**tiers), checkpoint_id="step-1")
+    _vouched_files_synced_before_commit(log, tmp_path / "remote" / "step-1")

@@ -14,6 +14,7 @@ import torch
 
 import ckpt
 from ckpt import knobs
+from helpers import DiskLog
 from s3server import FaultProxy, storage_options
 
 HERE = Path(__file__).parent
@@ -247,3 +248,21 @@ def test_remote_retention_keeps_the_newest_n(tmp_path):
             ck.save(s, _state(float(s), 1000)).wait()
         assert ck.remote.committed_steps() == [4, 3]
         assert ck.local.committed_steps() == [4]
+
+
+def _vouched_files_synced_before_commit(log: DiskLog, step_dir: Path) -> None:
+    commit = step_dir / "COMMIT"
+    w = log.first("write", commit)
+    vouched = [p for p in step_dir.rglob("*") if p != commit]
+    assert vouched
+    for p in vouched + [step_dir]:
+        assert log.synced_before(p, w), f"{p} was not on disk before COMMIT was written"
+    assert log.first("fsync", commit) > w
+
+
+def test_a_file_url_commit_reaches_the_disk_after_the_files_it_vouches_for(tmp_path, monkeypatch):
+    log = DiskLog(monkeypatch)
+    with ckpt.Checkpointer(f"file://{tmp_path}/remote", local_dir=tmp_path / "a") as ck:
+        ck.save(1, _state(1.0)).wait()
+    (step_dir,) = [p for p in (tmp_path / "remote").iterdir() if p.is_dir()]
+    _vouched_files_synced_before_commit(log, step_dir)

@@ -33,8 +33,8 @@ import torch
 from .. import knobs
 from ..codec import decode, encode
 from ..errors import CheckpointError, CorruptCheckpointError, IncompleteCheckpointError
-from ..format import (COMMIT_NAME, LATEST_NAME, Commit, ItemRecord, Manifest, data_name, manifest_name,
-                      parse_step_dir, read_records, step_dir_name)
+from ..format import (COMMIT_NAME, LATEST_NAME, Commit, ItemRecord, Manifest, data_name, fsync_dir, fsync_file,
+                      manifest_name, parse_step_dir, read_records, step_dir_name)
 from ..integrity import checksum
 from ..scatter import Scatter
 
@@ -95,6 +95,16 @@ class RemoteTier:
             raise OSError(getattr(e, "errno", None) or 5,
                           f"the remote tier {self.url} is not usable ({type(e).__name__}: {e}); check the URL, "
                           "that the bucket exists, and the credentials / endpoint in storage_options") from e
+
+    def _put(self, path: str, data: Any, sync_dir: bool = False) -> None:
+        """Write one file. On a local or mounted file system (``file://``) it is also fsynced (and,
+        with ``sync_dir``, its directory), so that a ``COMMIT`` never reaches the disk before the files
+        it vouches for: an object store's upload is durable when it returns, a page cache's is not."""
+        self.fs.pipe_file(path, data)
+        if self._local_fs:
+            fsync_file(path)
+            if sync_dir:
+                fsync_dir(path.rsplit("/", 1)[0] or "/")
 
     def join_job(self, ranks: Any) -> None:
         """Make this the job tier: every rank of the job writes its files into one step directory
@@ -190,8 +200,8 @@ class RemoteTier:
                 commit = Commit(step=step, world_size=job.world,
                                 manifests={manifest_name(r): rep[1] for r, rep in enumerate(reports)},
                                 data={data_name(r): rep[2] for r, rep in enumerate(reports)})
-                self.fs.pipe_file(f"{d}/{COMMIT_NAME}", commit.to_bytes())   # the checkpoint exists from here on
-                self.fs.pipe_file(self._path(LATEST_NAME), (step_dir_name(step) + "\n").encode())
+                self._put(f"{d}/{COMMIT_NAME}", commit.to_bytes(), sync_dir=True)   # the checkpoint exists from here on
+                self._put(self._path(LATEST_NAME), (step_dir_name(step) + "\n").encode(), sync_dir=True)
                 committed = 1
             except Exception as e:   # noqa: BLE001 - reported to every rank below
                 why = f"rank 0 could not write {d}/{COMMIT_NAME} ({type(e).__name__}: {e})"
@@ -254,7 +264,7 @@ class RemoteTier:
                     return checksum(view), ABSENT, 0
                 stored, codec = encode(view, self.compression, sizer(i))
                 # Object-store clients want bytes; local and mounted file systems take the view as it is.
-                self.fs.pipe_file(self._part(step, i), stored if self._local_fs else bytes(stored))
+                self._put(self._part(step, i), stored if self._local_fs else bytes(stored))
                 return checksum(view), codec, len(stored)
 
             with ThreadPoolExecutor(knobs.get("CKPT_REMOTE_THREADS"), thread_name_prefix="ckpt-upload") as ex:
@@ -266,13 +276,15 @@ class RemoteTier:
                 raise CorruptCheckpointError(f"step {step}: bytes changed while uploading (checksums differ)")
             raw = remote.to_bytes()
             d = self.step_dir(step)
-            self.fs.pipe_file(f"{d}/{manifest_name(self.rank)}", raw)
+            if self._local_fs:
+                fsync_dir(f"{d}/rank-{self.rank:05d}")   # the parts' names, before anything vouches for them
+            self._put(f"{d}/{manifest_name(self.rank)}", raw, sync_dir=True)
             if commit:
                 record = Commit(step=step, world_size=self.world_size,
                                 manifests={manifest_name(self.rank): Commit.manifest_checksum(raw)},
                                 data={data_name(self.rank): manifest.data_bytes})
-                self.fs.pipe_file(f"{d}/{COMMIT_NAME}", record.to_bytes())   # the checkpoint exists from here on
-                self.fs.pipe_file(self._path(LATEST_NAME), (step_dir_name(step) + "\n").encode())
+                self._put(f"{d}/{COMMIT_NAME}", record.to_bytes(), sync_dir=True)   # the checkpoint exists from here on
+                self._put(self._path(LATEST_NAME), (step_dir_name(step) + "\n").encode(), sync_dir=True)
         except BaseException as e:
             try:
                 if self.job is None:
