@@ -46,7 +46,22 @@ What would be left to try: TMA multicast across a cluster of two CTAs for ``g`` 
 Gluon 3.6's Hopper API), fewer barriers per step (larger K steps need more shared memory
 than the ``d`` slots leave).
 
-Requirements (:func:`usable`): a compute-capability-9.0 GPU, Triton 3.6 with Gluon, 16-bit
+Notes for the multicast attempt (session 8, compiled for sm_90 with Triton 3.9 on a CPU
+machine, not run): the file compiles under 3.9 (the names that changed are picked in
+``_gluon``; under 3.6 the PTX is unchanged). In 3.9, ``tma.async_load(..., multicast=True)``
+into shared memory whose layout has a broadcast CGA basis (``cga_layout=[[0, 0]]``, launched
+with ``num_ctas=2``) lowers to a ``cp.async.bulk.tensor ... multicast::cluster`` issued by
+cluster rank 0 alone, with CTA mask ``0b11``; ``mbarrier.arrive(bar, from_cta=0)`` routes an
+arrival to rank 0's barrier, and there is no arrive aimed at rank 1 on Hopper. So a ring whose
+``g`` slots rank 0 refills in both CTAs needs rank 0 alone to wait for both consumers (its
+``empty`` barrier counting two arrivals, rank 1's consumer arriving through ``from_cta=0``)
+while rank 1's producer waits only on its own ``h`` slots: per-rank waits, for which Gluon has
+no CTA-rank query (inline PTX reading ``%cluster_ctarank`` would do). Expected gain: a quarter
+fewer operand bytes from L2 per CTA, the bound found above. The GPU machine runs Triton 3.6, so
+trying it there means carrying Triton 3.9 (``libtriton.so`` stripped and compressed is about
+43 MB, ``ptxas`` another 34 MB raw: just inside the 64 MiB a device call carries).
+
+Requirements (:func:`usable`): a compute-capability-9.0 GPU, Triton 3.6 to 3.9 with Gluon, 16-bit
 floats, unit inner strides and 16-byte-aligned rows and bases (TMA).
 """
 
@@ -79,6 +94,11 @@ def _gluon():
     )
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+    # names that changed between Triton 3.6 and 3.9 (the kernels compile for sm_90 under both)
+    cta_barrier = gl.thread_barrier if hasattr(gl, "thread_barrier") else gl.barrier
+    tma_load = tma.async_load if hasattr(tma, "async_load") else tma.async_copy_global_to_shared
+    tma_store = tma.async_store if hasattr(tma, "async_store") else tma.async_copy_shared_to_global
+
     @gluon.jit
     def _load_step(g_desc, h_desc, g_bufs, h_bufs, ready, empty, it, k, off_m, off_n, STAGES: gl.constexpr):
         """Producer: K step ``k`` of a tile into ring slot ``it % STAGES`` once its consumer freed it."""
@@ -88,20 +108,21 @@ def _gluon():
         # round of waits (parity 1) passes at once
         mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)
         mbarrier.expect(ready.index(s), g_desc.block_type.nbytes + h_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(g_desc, [k, off_m], ready.index(s), g_bufs.index(s))
-        tma.async_copy_global_to_shared(h_desc, [k, off_n], ready.index(s), h_bufs.index(s))
+        tma_load(g_desc, [k, off_m], ready.index(s), g_bufs.index(s))
+        tma_load(h_desc, [k, off_n], ready.index(s), h_bufs.index(s))
 
     @gluon.jit
     def _mma_step(g_bufs, h_bufs, ready, empty, acc, it, first, STAGES: gl.constexpr):
         """Consumer: wait for ring slot ``it % STAGES``, issue its wgmma (one left in flight) and,
         unless this is the tile's first step, give the previous step's slot back."""
+        gl.static_assert(STAGES >= 2, "the ring needs two slots or more")
         s = it % STAGES
         mbarrier.wait(ready.index(s), (it // STAGES) & 1)
         acc = warpgroup_mma(g_bufs.index(s).permute((1, 0)), h_bufs.index(s), acc, use_acc=not first,
                             is_async=True)
         acc = warpgroup_mma_wait(1, deps=(acc,))
         if not first:
-            gl.thread_barrier()   # the previous step's wgmma is done in every warpgroup of the partition
+            cta_barrier()   # the previous step's wgmma is done in every warpgroup of the partition
             mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES))
         return acc
 
@@ -123,7 +144,7 @@ def _gluon():
                     if k == gl.minimum(STAGES - 1, (K - 1) // BK) * BK:
                         mbarrier.wait(d_empty, (t & 1) ^ 1)
                         mbarrier.expect(d_ready, d_desc.block_type.nbytes)
-                        tma.async_copy_global_to_shared(d_desc, [off_m, off_n], d_ready, d_buf)
+                        tma_load(d_desc, [off_m, off_n], d_ready, d_buf)
                 it += 1
             t += 1
 
@@ -153,7 +174,7 @@ def _gluon():
                                 mbarrier.arrive(d_empty)
                 it += 1
             acc = warpgroup_mma_wait(0, deps=(acc,))
-            gl.thread_barrier()
+            cta_barrier()
             mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES))
             if K <= BK:
                 if t > 0:
@@ -165,7 +186,7 @@ def _gluon():
                 acc = acc + d_buf.load(acc_layout).to(gl.float32)
             d_buf.store(acc.to(d_desc.dtype))
             fence_async_shared()
-            tma.async_copy_shared_to_global(d_desc, [off_m, off_n], d_buf)
+            tma_store(d_desc, [off_m, off_n], d_buf)
             t += 1
         tma.store_wait(0)
 
@@ -212,7 +233,7 @@ def _gluon():
                     if k == d_at:
                         mbarrier.wait(d_empty.index(c), ((j // 2) & 1) ^ 1)
                         mbarrier.expect(d_ready.index(c), d_desc.block_type.nbytes)
-                        tma.async_copy_global_to_shared(d_desc, [off_m, off_n], d_ready.index(c), d_bufs.index(c))
+                        tma_load(d_desc, [off_m, off_n], d_ready.index(c), d_bufs.index(c))
                 it += 1
             j += 1
 
@@ -244,7 +265,7 @@ def _gluon():
                 it += 1
             mbarrier.arrive(order.index(1 - C))
             acc = warpgroup_mma_wait(0, deps=(acc,))
-            gl.thread_barrier()
+            cta_barrier()
             mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES))
             # this consumer's previous store (two tiles ago) has long finished reading its slot
             tma.store_wait(0)
@@ -253,7 +274,7 @@ def _gluon():
                 acc = acc + d_buf.load(acc_layout).to(gl.float32)
             d_buf.store(acc.to(d_desc.dtype))
             fence_async_shared()
-            tma.async_copy_shared_to_global(d_desc, [off_m, off_n], d_buf)
+            tma_store(d_desc, [off_m, off_n], d_buf)
             if ACCUMULATE:
                 # the slot is refilled only after the store has read it
                 tma.store_wait(0)
