@@ -46,20 +46,17 @@ What would be left to try: TMA multicast across a cluster of two CTAs for ``g`` 
 Gluon 3.6's Hopper API), fewer barriers per step (larger K steps need more shared memory
 than the ``d`` slots leave).
 
-Notes for the multicast attempt (session 8, compiled for sm_90 with Triton 3.9 on a CPU
-machine, not run): the file compiles under 3.9 (the names that changed are picked in
-``_gluon``; under 3.6 the PTX is unchanged). In 3.9, ``tma.async_load(..., multicast=True)``
-into shared memory whose layout has a broadcast CGA basis (``cga_layout=[[0, 0]]``, launched
-with ``num_ctas=2``) lowers to a ``cp.async.bulk.tensor ... multicast::cluster`` issued by
-cluster rank 0 alone, with CTA mask ``0b11``; ``mbarrier.arrive(bar, from_cta=0)`` routes an
-arrival to rank 0's barrier, and there is no arrive aimed at rank 1 on Hopper. So a ring whose
-``g`` slots rank 0 refills in both CTAs needs rank 0 alone to wait for both consumers (its
-``empty`` barrier counting two arrivals, rank 1's consumer arriving through ``from_cta=0``)
-while rank 1's producer waits only on its own ``h`` slots: per-rank waits, for which Gluon has
-no CTA-rank query (inline PTX reading ``%cluster_ctarank`` would do). Expected gain: a quarter
-fewer operand bytes from L2 per CTA, the bound found above. The GPU machine runs Triton 3.6, so
-trying it there means carrying Triton 3.9 (``libtriton.so`` stripped and compressed is about
-43 MB, ``ptxas`` another 34 MB raw: just inside the 64 MiB a device call carries).
+Multicast, tried in session 8 (commit c90b797 holds the kernel): under Triton 3.9 (carried onto
+the GPU machine's torch 2.11; this file compiles under 3.6 to 3.9, the renamed calls picked in
+``_gluon``), clusters of two CTAs side by side along N, the shared ``g`` tile loaded once and
+multicast. ``tma.async_load(..., multicast=True)`` into a broadcast CGA layout lowers to one
+``cp.async.bulk.tensor ... multicast::cluster`` issued by cluster rank 0 alone. The kernel was
+correct for a single K step on an H200 (error 2.1e-3 of the fp32 reference) and deadlocked from
+the first refill of a ring slot: rank 0 refills the ``g`` slot in both CTAs, so it must hear that
+rank 1's consumer released it, and Gluon's Hopper ``mbarrier.arrive`` only routes arrivals from
+rank 0 (``from_cta``), not from rank 1 to rank 0. What it would take: a remote arrive from rank 1
+(``mapa`` + ``mbarrier.arrive.shared::cluster`` in inline PTX, which needs the barrier's shared
+address, not exposed by Gluon), or a lowering in which each CTA issues half of the multicast.
 
 Requirements (:func:`usable`): a compute-capability-9.0 GPU, Triton 3.6 to 3.9 with Gluon, 16-bit
 floats, unit inner strides and 16-byte-aligned rows and bases (TMA).
@@ -68,7 +65,6 @@ floats, unit inner strides and 16-byte-aligned rows and bases (TMA).
 from __future__ import annotations
 
 import functools
-import inspect
 import os
 
 import torch
@@ -318,141 +314,7 @@ def _gluon():
                             K, tiles_n, n_tiles, ACCUMULATE, STAGES)),
         ], [4, 1], [232, 40])
 
-    kernels = {"coop": _kernel, "pingpong": _pp_kernel}
-    if "multicast" not in inspect.signature(tma_load).parameters:
-        return gl, TensorDescriptor, kernels   # Triton 3.6: no multicast loads in Gluon's Hopper API
-
-    # ``pingpong_mc`` (Triton 3.9): clusters of two CTAs side by side along N share the g tile, which
-    # cluster rank 0 loads once and multicasts into both CTAs' rings; each CTA loads its own h and d
-    # tiles. Rank 0 refills a g slot in both CTAs, so its ``empty`` barrier waits for both consumers
-    # (rank 1's arrives through ``from_cta=0``); rank 1's waits for its own consumer only, which
-    # arrives twice on it (barriers are initialised alike in both CTAs, to a count of two).
-    @gluon.jit
-    def _rank1(x):
-        r = gl.inline_asm_elementwise("mov.u32 $0, %cluster_ctarank;", "=r,r", [x], dtype=gl.int32, is_pure=True, pack=1)
-        return r == 1
-
-
-    @gluon.jit
-    def _mc_producer(g_desc, h_desc, d_desc, g_bufs, h_bufs, d_bufs, ready, empty, d_ready, d_empty,
-                     K, tiles_n, n_tiles, ACCUMULATE: gl.constexpr, STAGES: gl.constexpr):
-        BM: gl.constexpr = d_desc.block_type.shape[0]
-        BN2: gl.constexpr = d_desc.block_type.shape[1]
-        BK: gl.constexpr = g_desc.block_type.shape[0]
-        d_at = gl.minimum(STAGES - 1, (K - 1) // BK) * BK
-        it = 0
-        j = 0
-        for tile in range(gl.program_id(0), n_tiles, gl.num_programs(0)):
-            off_m = (tile // tiles_n) * BM
-            off_n = (tile % tiles_n) * BN2
-            c = j % 2
-            for k in range(0, K, BK):
-                s = it % STAGES
-                mbarrier.wait(empty.index(s), ((it // STAGES) & 1) ^ 1)
-                mbarrier.expect(ready.index(s), g_desc.nbytes_per_cta + h_desc.nbytes_per_cta)
-                tma.async_load(g_desc, [k, off_m], ready.index(s), g_bufs.index(s), multicast=True)
-                tma.async_load(h_desc, [k, off_n], ready.index(s), h_bufs.index(s))
-                if ACCUMULATE:
-                    if k == d_at:
-                        mbarrier.wait(d_empty.index(c), ((j // 2) & 1) ^ 1)
-                        mbarrier.expect(d_ready.index(c), d_desc.nbytes_per_cta)
-                        tma.async_load(d_desc, [off_m, off_n], d_ready.index(c), d_bufs.index(c))
-                it += 1
-            j += 1
-
-
-    @gluon.jit
-    def _mc_consumer(g_bufs, h_bufs, d_bufs, ready, empty, d_ready, d_empty, order, d_desc,
-                     K, tiles_n, n_tiles, C: gl.constexpr, ACCUMULATE: gl.constexpr, STAGES: gl.constexpr):
-        BM: gl.constexpr = d_desc.block_type.shape[0]
-        BN2: gl.constexpr = d_desc.block_type.shape[1]
-        BK: gl.constexpr = g_bufs.type.shape[1]
-        acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                             instr_shape=[16, BN2 // 2, 16], cga_layout=[[0, 1]])
-        steps = (K + BK - 1) // BK
-        d_buf = d_bufs.index(C)
-        rank1 = _rank1(K)
-        j = C
-        for tile in range(gl.program_id(0) + C * gl.num_programs(0), n_tiles, 2 * gl.num_programs(0)):
-            off_m = (tile // tiles_n) * BM
-            off_n = (tile % tiles_n) * BN2
-            it = j * steps
-            acc = gl.zeros((BM, BN2), gl.float32, acc_layout)
-            if j > 0:
-                mbarrier.wait(order.index(C), ((j - 1) // 2) & 1)
-            for k in range(0, K, BK):
-                s = it % STAGES
-                mbarrier.wait(ready.index(s), (it // STAGES) & 1)
-                acc = warpgroup_mma(g_bufs.index(s).permute((1, 0)), h_bufs.index(s), acc, use_acc=k > 0, is_async=True)
-                acc = warpgroup_mma_wait(1, deps=(acc,))
-                if k > 0:
-                    cta_barrier()
-                    p = (it + STAGES - 1) % STAGES
-                    mbarrier.arrive(empty.index(p), from_cta=0)   # rank 0's slot: both consumers
-                    mbarrier.arrive(empty.index(p), pred=rank1)   # rank 1's own slot, twice (count 2)
-                    mbarrier.arrive(empty.index(p), pred=rank1)
-                it += 1
-            mbarrier.arrive(order.index(1 - C))
-            acc = warpgroup_mma_wait(0, deps=(acc,))
-            cta_barrier()
-            p = (it + STAGES - 1) % STAGES
-            mbarrier.arrive(empty.index(p), from_cta=0)
-            mbarrier.arrive(empty.index(p), pred=rank1)
-            mbarrier.arrive(empty.index(p), pred=rank1)
-            tma.store_wait(0)
-            if ACCUMULATE:
-                mbarrier.wait(d_ready.index(C), (j // 2) & 1)
-                acc = acc + d_buf.load(acc_layout).to(gl.float32)
-            d_buf.store(acc.to(d_desc.dtype))
-            fence_async_shared()
-            tma.async_store(d_desc, [off_m, off_n], d_buf)
-            if ACCUMULATE:
-                tma.store_wait(0)
-                mbarrier.arrive(d_empty.index(C))
-            j += 2
-        tma.store_wait(0)
-
-
-    @gluon.jit
-    def _mc_worker(g_bufs, h_bufs, d_bufs, ready, empty, d_ready, d_empty, order, d_desc,
-                   K, tiles_n, n_tiles, ACCUMULATE: gl.constexpr, STAGES: gl.constexpr):
-        _mc_consumer(g_bufs, h_bufs, d_bufs, ready, empty, d_ready, d_empty, order, d_desc,
-                     K, tiles_n, n_tiles, gl.constexpr(1), ACCUMULATE, STAGES)
-
-
-    @gluon.jit
-    def mc_kernel(g_desc, h_desc, d_desc, K, tiles_n, n_tiles,
-                  ACCUMULATE: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr):
-        dtype: gl.constexpr = g_desc.dtype
-        g_bufs = gl.allocate_shared_memory(dtype, [STAGES] + g_desc.block_type.shape, g_desc.layout)
-        h_bufs = gl.allocate_shared_memory(dtype, [STAGES] + h_desc.block_type.shape, h_desc.layout)
-        d_bufs = gl.allocate_shared_memory(dtype, [2] + d_desc.block_type.shape, d_desc.layout)
-        ready = mbarrier.allocate_mbarrier(batch=STAGES)
-        empty = mbarrier.allocate_mbarrier(batch=STAGES)
-        d_ready = mbarrier.allocate_mbarrier(batch=2)
-        d_empty = mbarrier.allocate_mbarrier(batch=2)
-        order = mbarrier.allocate_mbarrier(batch=2)
-        for i in gl.static_range(STAGES):
-            mbarrier.init(ready.index(i), count=1)
-            mbarrier.init(empty.index(i), count=2)
-        for i in gl.static_range(2):
-            mbarrier.init(d_ready.index(i), count=1)
-            mbarrier.init(d_empty.index(i), count=1)
-            mbarrier.init(order.index(i), count=1)
-        fence_async_shared()
-        gl.barrier(cluster=True)   # every barrier of the cluster exists before anyone arrives on it
-        gl.warp_specialize([
-            (_mc_consumer, (g_bufs, h_bufs, d_bufs, ready, empty, d_ready, d_empty, order, d_desc, K, tiles_n,
-                            n_tiles, 0, ACCUMULATE, STAGES)),
-            (_mc_worker, (g_bufs, h_bufs, d_bufs, ready, empty, d_ready, d_empty, order, d_desc, K, tiles_n,
-                          n_tiles, ACCUMULATE, STAGES)),
-            (_mc_producer, (g_desc, h_desc, d_desc, g_bufs, h_bufs, d_bufs, ready, empty, d_ready, d_empty,
-                            K, tiles_n, n_tiles, ACCUMULATE, STAGES)),
-        ], [4, 1], [232, 40])
-        gl.barrier(cluster=True)   # no CTA leaves while the other may still arrive on its barriers
-
-    kernels["pingpong_mc"] = mc_kernel
-    return gl, TensorDescriptor, kernels
+    return gl, TensorDescriptor, {"coop": _kernel, "pingpong": _pp_kernel}
 
 
 def _aligned(t: torch.Tensor) -> bool:
@@ -496,15 +358,6 @@ def addmm_t_(d: torch.Tensor, g: torch.Tensor, h: torch.Tensor, accumulate: bool
     lay = gl.NVMMASharedLayout.get_default_for
     m, n = d.shape
     sms = torch.cuda.get_device_properties(d.device).multi_processor_count
-    if schedule == "pingpong_mc":   # tiles of a cluster: BLOCK_M x 2 BLOCK_N, one half per CTA
-        g_desc = TensorDescriptor.from_tensor(g, [bk, bm], lay([bk, bm], dt, cga_layout=[[0, 0]]))
-        h_desc = TensorDescriptor.from_tensor(h, [bk, 2 * bn], lay([bk, 2 * bn], dt, cga_layout=[[0, 1]]))
-        d_desc = TensorDescriptor.from_tensor(d, [bm, 2 * bn], lay([bm, 2 * bn], dt, cga_layout=[[0, 1]]))
-        tiles_n = -(-n // (2 * bn))
-        n_tiles = -(-m // bm) * tiles_n
-        kernel[(min(sms // 2, n_tiles),)](g_desc, h_desc, d_desc, g.shape[0], tiles_n, n_tiles,
-                                          ACCUMULATE=accumulate, STAGES=stages, num_warps=4, num_ctas=2)
-        return d
     g_desc = TensorDescriptor.from_tensor(g, [bk, bm], lay([bk, bm], dt))
     h_desc = TensorDescriptor.from_tensor(h, [bk, bn], lay([bk, bn], dt))
     d_desc = TensorDescriptor.from_tensor(d, [bm, bn], lay([bm, bn], dt))
