@@ -1,5 +1,6 @@
 """Experimental schedules of the cross-entropy row kernel (GPU only; ``PART=ce`` of
-bench_kernel_costs.py). Same math as ``ckpt.kernels.cross_entropy._ce_kernel``; what varies is
+bench_kernel_costs.py). Same math as ``ckpt.kernels.cross_entropy._ce_kernel`` (its per-block
+helpers); what varies is
 how the two passes over a row meet the memory system:
 
 * ``REVERSE``: pass 2 walks the row backwards, so it starts with the blocks pass 1 read last
@@ -12,6 +13,8 @@ how the two passes over a row meet the memory system:
 """
 import triton
 import triton.language as tl
+
+from ckpt.kernels.cross_entropy import ce_grad_block, ce_grad_scale, ce_row_loss, ce_stats_block
 
 
 @triton.jit
@@ -34,37 +37,18 @@ def ce_sched_kernel(
         s = 0.0
         sum_x = 0.0
         for b in tl.range(0, nblk, num_stages=NS):
-            cols = b * BLOCK_V + cols0
-            mask = cols < V
-            x = tl.load(base + cols, mask=mask, other=-float("inf")).to(tl.float32)
-            m_new = tl.maximum(m, tl.max(x, axis=0))
-            s = s * tl.exp(m - m_new) + tl.sum(tl.exp(x - m_new), axis=0)
-            m = m_new
-            if HAS_SMOOTHING:
-                sum_x += tl.sum(tl.where(mask, x, 0.0), axis=0)
-        lse = m + tl.log(s)
-        in_range = valid & (t >= 0) & (t < V)
-        x_t = tl.load(base + t, mask=in_range, other=0.0).to(tl.float32)
-        loss = (1.0 - label_smoothing) * (lse - x_t) + z_loss * lse * lse
-        if HAS_SMOOTHING:
-            loss += label_smoothing * (lse - sum_x / V)
-        tl.store(LOSS + row, tl.where(valid, loss, 0.0))
+            m, s, sum_x = ce_stats_block(base, b * BLOCK_V, cols0, V, m, s, sum_x, HAS_SMOOTHING)
+        lse, loss = ce_row_loss(base, t, valid, m, s, sum_x, V, label_smoothing, z_loss, HAS_SMOOTHING)
+        tl.store(LOSS + row, loss)
         if COMPUTE_GRAD:
-            scale = tl.load(SCALE + row * stride_scale).to(tl.float32)
-            scale = tl.where(valid, scale, 0.0)
-            coef = 1.0 + 2.0 * z_loss * lse
+            scale, coef = ce_grad_scale(SCALE, row, stride_scale, valid, lse, z_loss)
             gbase = GRAD + row * stride_g
             for j in tl.range(0, nblk, num_stages=NS):
                 if REVERSE:
                     b2 = nblk - 1 - j
                 else:
                     b2 = j
-                cols = b2 * BLOCK_V + cols0
-                mask = cols < V
-                x = tl.load(base + cols, mask=mask, other=0.0).to(tl.float32)
-                g = tl.exp(x - lse) * coef - label_smoothing / V
-                g = tl.where(cols == t, g - (1.0 - label_smoothing), g)
-                tl.store(gbase + cols, (g * scale).to(GRAD.dtype.element_ty), mask=mask)
+                ce_grad_block(base, gbase, b2 * BLOCK_V, cols0, t, lse, coef, scale, V, label_smoothing)
 
 
 def launch(logits, target, loss_rows, grad, scale, programs, block, warps, reverse, ns):

@@ -44,6 +44,7 @@ from torch import nn
 from ._utils import (
     LazyKernel,
     bump_version,
+    jit_helper,
     check_runnable_device,
     check_same_device,
     check_tensor,
@@ -58,6 +59,50 @@ __all__ = ["cross_entropy", "CrossEntropyLoss", "CrossEntropyFunction"]
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 _INTS = (torch.int64, torch.int32)
 _REDUCTIONS = ("mean", "sum", "none")
+
+
+@jit_helper
+def ce_stats_block(base, off, cols0, V, m, s, sum_x, HAS_SMOOTHING: tl.constexpr):
+    """Pass 1 over the block of the row ``base`` starting at column ``off``: the online max /
+    sum-exp update, and the running sum of the logits when label smoothing needs it."""
+    cols = off + cols0
+    mask = cols < V
+    x = tl.load(base + cols, mask=mask, other=-float("inf")).to(tl.float32)
+    m_new = tl.maximum(m, tl.max(x, axis=0))
+    s = s * tl.exp(m - m_new) + tl.sum(tl.exp(x - m_new), axis=0)
+    if HAS_SMOOTHING:
+        sum_x += tl.sum(tl.where(mask, x, 0.0), axis=0)
+    return m_new, s, sum_x
+
+
+@jit_helper
+def ce_row_loss(base, t, valid, m, s, sum_x, V, label_smoothing, z_loss, HAS_SMOOTHING: tl.constexpr):
+    """``(lse, loss)`` of a row from pass 1's statistics (loss 0 where the target is ignored)."""
+    lse = m + tl.log(s)
+    in_range = valid & (t >= 0) & (t < V)
+    x_t = tl.load(base + t, mask=in_range, other=0.0).to(tl.float32)
+    loss = (1.0 - label_smoothing) * (lse - x_t) + z_loss * lse * lse
+    if HAS_SMOOTHING:
+        loss += label_smoothing * (lse - sum_x / V)
+    return lse, tl.where(valid, loss, 0.0)
+
+
+@jit_helper
+def ce_grad_scale(SCALE, row, stride_scale, valid, lse, z_loss):
+    """``(scale, coef)`` of pass 2: the row's loss scale (0 where ignored) and the z-loss factor."""
+    scale = tl.load(SCALE + row * stride_scale).to(tl.float32)
+    return tl.where(valid, scale, 0.0), 1.0 + 2.0 * z_loss * lse
+
+
+@jit_helper
+def ce_grad_block(base, gbase, off, cols0, t, lse, coef, scale, V, label_smoothing):
+    """Pass 2 over one block: ``scale * dloss/dx`` stored at ``gbase`` (which may be ``base``)."""
+    cols = off + cols0
+    mask = cols < V
+    x = tl.load(base + cols, mask=mask, other=0.0).to(tl.float32)
+    g = tl.exp(x - lse) * coef - label_smoothing / V
+    g = tl.where(cols == t, g - (1.0 - label_smoothing), g)
+    tl.store(gbase + cols, (g * scale).to(gbase.dtype.element_ty), mask=mask)
 
 
 def _ce_kernel(
@@ -76,35 +121,16 @@ def _ce_kernel(
     s = 0.0
     sum_x = 0.0
     for off in range(0, V, BLOCK_V):
-        cols = off + cols0
-        mask = cols < V
-        x = tl.load(base + cols, mask=mask, other=-float("inf")).to(tl.float32)
-        m_new = tl.maximum(m, tl.max(x, axis=0))
-        s = s * tl.exp(m - m_new) + tl.sum(tl.exp(x - m_new), axis=0)
-        m = m_new
-        if HAS_SMOOTHING:
-            sum_x += tl.sum(tl.where(mask, x, 0.0), axis=0)
-    lse = m + tl.log(s)
-    in_range = valid & (t >= 0) & (t < V)
-    x_t = tl.load(base + t, mask=in_range, other=0.0).to(tl.float32)
-    loss = (1.0 - label_smoothing) * (lse - x_t) + z_loss * lse * lse
-    if HAS_SMOOTHING:
-        loss += label_smoothing * (lse - sum_x / V)
-    tl.store(LOSS + row, tl.where(valid, loss, 0.0))
+        m, s, sum_x = ce_stats_block(base, off, cols0, V, m, s, sum_x, HAS_SMOOTHING)
+    lse, loss = ce_row_loss(base, t, valid, m, s, sum_x, V, label_smoothing, z_loss, HAS_SMOOTHING)
+    tl.store(LOSS + row, loss)
 
     if COMPUTE_GRAD:
         # pass 2: gradient, written over the logits when GRAD aliases LOGITS
-        scale = tl.load(SCALE + row * stride_scale).to(tl.float32)
-        scale = tl.where(valid, scale, 0.0)
-        coef = 1.0 + 2.0 * z_loss * lse
+        scale, coef = ce_grad_scale(SCALE, row, stride_scale, valid, lse, z_loss)
         gbase = GRAD + row * stride_g
         for off in range(0, V, BLOCK_V):
-            cols = off + cols0
-            mask = cols < V
-            x = tl.load(base + cols, mask=mask, other=0.0).to(tl.float32)
-            g = tl.exp(x - lse) * coef - label_smoothing / V
-            g = tl.where(cols == t, g - (1.0 - label_smoothing), g)
-            tl.store(gbase + cols, (g * scale).to(GRAD.dtype.element_ty), mask=mask)
+            ce_grad_block(base, gbase, off, cols0, t, lse, coef, scale, V, label_smoothing)
 
 
 def _scale_rows_kernel(G, SCALE, stride_g, stride_scale, n_cols, BLOCK: tl.constexpr):
