@@ -46,10 +46,10 @@ def main() -> None:
             elif drain:   # SIGTERM reaches rank 0 only; both ranks save step 3 and wait until their peer has it
                 try:
                     for step in range(1, 10):
+                        ck.wait_staged()   # before the in-place update: the last save may still be copying w
                         state["w"].fill_(100 * rank + step)
                         if step == 3 and rank == 0:
                             os.kill(os.getpid(), signal.SIGTERM)
-                        ck.wait_staged()
                         ck.maybe_save(step, state)
                 except ckpt.Preempted as e:
                     dst = (rank + 1) % world
@@ -64,6 +64,7 @@ def main() -> None:
             elif mode == "rollback":   # restore while the save's exchange with the peers may still run
                 state["w"].fill_(100 * rank + 7)
                 ck.save(7, state)
+                ck.wait_staged()   # the copy into host memory, not the exchange with the peer
                 state["w"].fill_(float("nan"))
                 step = ck.restore(state)
                 print(f"restored {step} {float(state['w'][0])} {ck.last_restore.tier}", flush=True)
