@@ -264,13 +264,16 @@ def fsync_dir(path: Path | str) -> None:
     fsync_file(path)
 
 
-def fsync_file(path: Path | str) -> None:
-    """Flush a file (or directory) written through another handle to stable storage."""
+def fsync_file(path: Path | str, and_dir: bool = False) -> None:
+    """Flush a file (or directory) written through another handle to stable storage; with
+    ``and_dir``, its directory too (so that its name is durable as well)."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
     finally:
         os.close(fd)
+    if and_dir:
+        fsync_file(os.path.dirname(os.fspath(path)) or ".")
 
 
 def write_atomic(path: Path, data: bytes) -> None:

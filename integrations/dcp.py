@@ -100,7 +100,7 @@ from ..format import (COMMIT_NAME, _is_nonneg_int, _load_json, dtype_to_str, fsy
 from ..integrity import ALGORITHM, checksum
 from ..policy import Retention
 from ..tiers.local import _read_range
-from ..tiers.remote import _with_retry_defaults
+from ..tiers.remote import _with_retry_defaults, is_local_fs
 
 __all__ = ["TierStorageWriter", "TierStorageReader", "FORMAT", "list_checkpoints", "verify", "prune"]
 
@@ -132,9 +132,7 @@ class _Tier:
         else:
             self.fs, self.root = fsspec.core.url_to_fs(root, **_with_retry_defaults(root, storage_options or {}))
             self.root = self.root.rstrip("/")
-        protocols = () if self.fs is None else (
-            (self.fs.protocol,) if isinstance(self.fs.protocol, str) else tuple(self.fs.protocol))
-        self.mounted = any(p in ("file", "local") for p in protocols)   # a file:// URL: a page cache to flush
+        self.mounted = self.fs is not None and is_local_fs(self.fs)   # a file:// URL: a page cache to flush
         self.where = root
 
     def synced(self, path: str) -> None:
@@ -142,8 +140,7 @@ class _Tier:
         that the ``COMMIT`` written after it never reaches the disk first (an object store's write is
         durable when it returns)."""
         if self.mounted:
-            fsync_file(path)
-            fsync_dir(path.rsplit("/", 1)[0] or "/")
+            fsync_file(path, and_dir=True)
 
     def path(self, ckpt_id: str, name: str) -> str:
         return f"{self.root}/{ckpt_id}/{name}"

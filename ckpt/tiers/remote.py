@@ -46,6 +46,13 @@ log = logging.getLogger(__name__)
 ABSENT = "absent"
 
 
+def is_local_fs(fs: Any) -> bool:
+    """Whether an fsspec file system is the local one (a ``file://`` URL: real directories, and a
+    page cache between a write and the disk)."""
+    protocols = (fs.protocol,) if isinstance(fs.protocol, str) else tuple(fs.protocol)
+    return any(p in ("file", "local") for p in protocols)
+
+
 def _with_retry_defaults(url: str, options: dict[str, Any]) -> dict[str, Any]:
     protocols = fsspec.utils.get_protocol(url).split("::")
     opts = dict(options)
@@ -72,8 +79,7 @@ class RemoteTier:
         self.job: Any = None   # a Ranks over a group of its own once every rank writes here (join_job)
         self.fs, self.root = fsspec.core.url_to_fs(url, **_with_retry_defaults(url, storage_options or {}))
         self.root = self.root.rstrip("/")
-        protocols = (self.fs.protocol,) if isinstance(self.fs.protocol, str) else tuple(self.fs.protocol)
-        self._local_fs = any(p in ("file", "local") for p in protocols)
+        self._local_fs = is_local_fs(self.fs)
         self._check_reachable()
 
     def _check_reachable(self) -> None:
@@ -102,9 +108,7 @@ class RemoteTier:
         it vouches for: an object store's upload is durable when it returns, a page cache's is not."""
         self.fs.pipe_file(path, data)
         if self._local_fs:
-            fsync_file(path)
-            if sync_dir:
-                fsync_dir(path.rsplit("/", 1)[0] or "/")
+            fsync_file(path, and_dir=sync_dir)
 
     def join_job(self, ranks: Any) -> None:
         """Make this the job tier: every rank of the job writes its files into one step directory
