@@ -176,8 +176,9 @@ class _PathTier(LocalTier):
     removes checkpoints itself through ``remove_checkpoint``.
     """
 
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, writer: type[LocalTier] = LocalTier) -> None:
         super().__init__(root)
+        self._writer = writer
         self._targets: dict[int, Path] = {}
         self._lock = threading.Lock()
 
@@ -192,7 +193,7 @@ class _PathTier(LocalTier):
     def write(self, step: int, manifest: Manifest, data: memoryview) -> float:
         with self._lock:
             path = self._targets.pop(step)
-        tier = LocalTier(path)
+        tier = self._writer(path)
         seconds = tier.write(step, manifest, data)
         # The new checkpoint is committed: older ones saved to the same path (say last.ckpt) are now stale.
         for old in tier.all_step_dirs():
@@ -265,6 +266,9 @@ class TieredCheckpointIO(CheckpointIO):
         self._tier: _PathTier | None = None
         self._in_flight: list[tuple[Path, SaveHandle]] = []   # saves not yet known to be finished
         self._seq = 0
+
+    # The tier class that writes each checkpoint directory (tests put a slow or failing subclass here).
+    _local_tier: type[LocalTier] = LocalTier
 
     @property
     def checkpointer(self) -> Checkpointer | None:
@@ -350,7 +354,7 @@ class TieredCheckpointIO(CheckpointIO):
         if self._ck is None:
             # The tier's own root is never written (each save goes to its path); the checkpoint's parent is a
             # directory Lightning creates anyway.
-            self._tier = _PathTier(target.parent)
+            self._tier = _PathTier(target.parent, self._local_tier)
             self._ck = Checkpointer(local_dir=self._tier, keep=_keep_all(), max_in_flight=self.max_in_flight,
                                     if_busy="wait", host_memory_limit=self.host_memory_limit,
                                     on_unsupported=self.on_unsupported, collective=False)
