@@ -13,7 +13,11 @@ Two independent pieces (use either, or both):
   (``Trainer(plugins=[TieredCheckpointIO()])``): every ``trainer.save_checkpoint``
   (so every ``ModelCheckpoint`` save) is snapshotted into host memory and
   written in the background; each checkpoint "file" is a directory in the
-  ``ckpt`` format (``ckpt verify PATH`` checks it).
+  ``ckpt`` format (``ckpt verify PATH`` checks it). The path exists from the
+  moment the save returns (a ``SAVING`` record, no ``COMMIT``, until the write
+  commits), and loads of it wait for the write, in this process or another.
+  Importing this module makes Lightning's ``AsyncCheckpointIO`` hand a wrapped
+  ``TieredCheckpointIO`` its saves directly and call its ``teardown``.
 
 ``CheckpointCallback`` also runs on multi-process strategies (DDP; FSDP2 models
 save their DTensor shards): it makes one engine per rank in
