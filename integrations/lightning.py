@@ -13,7 +13,11 @@ Two independent pieces (use either, or both):
   (``Trainer(plugins=[TieredCheckpointIO()])``): every ``trainer.save_checkpoint``
   (so every ``ModelCheckpoint`` save) is snapshotted into host memory and
   written in the background; each checkpoint "file" is a directory in the
-  ``ckpt`` format (``ckpt verify PATH`` checks it).
+  ``ckpt`` format (``ckpt verify PATH`` checks it). The path exists from the
+  moment the save returns (a ``SAVING`` record, no ``COMMIT``, until the write
+  commits), and loads of it wait for the write, in this process or another.
+  Importing this module makes Lightning's ``AsyncCheckpointIO`` hand a wrapped
+  ``TieredCheckpointIO`` its saves directly and call its ``teardown``.
 
 ``CheckpointCallback`` also runs on multi-process strategies (DDP; FSDP2 models
 save their DTensor shards): it makes one engine per rank in
@@ -29,10 +33,18 @@ This module imports ``lightning``; ``import ckpt`` does not import it.
 from __future__ import annotations
 
 import argparse
+import errno
+import functools
+import json
 import logging
 import os
+import queue
+import secrets
 import shutil
+import socket
+import stat
 import threading
+import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Callable
@@ -45,7 +57,7 @@ from lightning.pytorch.callbacks import Callback
 
 from ..api import Checkpointer
 from ..errors import RefusedStateError
-from ..format import COMMIT_NAME, Manifest
+from ..format import COMMIT_NAME, Manifest, parse_step_dir, step_dir_name
 from ..pipeline import SaveHandle
 from ..policy import Retention
 from ..ranks import distributed_world
@@ -163,6 +175,175 @@ def _map_location(value: Any, map_location: Any) -> Any:
 # ---------------------------------------------------------------------------------------------
 # TieredCheckpointIO
 
+# The file in a checkpoint directory while a save of it is being written: JSON naming the process, host and
+# step saving it. Never a COMMIT, so no reader takes the directory for a checkpoint; removed when the save ends.
+_SAVING_NAME = "SAVING"
+
+# Reservations of this process not yet settled, by the real path of their directory; the lock also orders
+# every reservation's file system changes against the others' (a save and the end of an earlier one there).
+_reservations: dict[str, list["_Reservation"]] = {}
+_reservations_lock = threading.Lock()
+_PROC_FD = Path("/proc/self/fd")
+
+
+class _Reservation:
+    """A checkpoint path held by one save from the moment ``save_checkpoint`` returns until the save ends.
+
+    Taking it makes ``path`` a directory (``ModelCheckpoint`` decides on ``-vN``
+    names by whether a path exists) holding :data:`_SAVING_NAME`; a symbolic
+    link there is replaced (its target, another checkpoint, is never written
+    through). The directory is held open, and on Linux written through that
+    descriptor (``/proc/self/fd/N``): a directory removed or replaced by a link
+    while the save is pending (``ModelCheckpoint(save_last="link")`` does that
+    to a ``last.ckpt`` directory itself) is never written through the new
+    name. Settling it removes ``SAVING`` if it is still this save's. A save
+    that failed also removes the directory when it created it and nothing was
+    committed there since, and puts back the link it replaced; an older
+    checkpoint in the directory is left as it was.
+    """
+
+    def __init__(self, path: Path, step: int) -> None:
+        self.path = path
+        self.step = step
+        self.token = secrets.token_hex(8)
+        self.error: BaseException | None = None
+        self.settled = threading.Event()
+        self._link: str | None = None
+        self._created = False
+        self._fd: int | None = None
+        with _reservations_lock:
+            self._take()
+            self.key = os.path.realpath(path)
+            _reservations.setdefault(self.key, []).append(self)
+
+    def _take(self) -> None:
+        path = self.path
+        if path.is_symlink():
+            self._link = os.readlink(path)
+            path.unlink()
+        elif path.exists() and not path.is_dir():
+            raise FileExistsError(errno.EEXIST, "a file is in the way of a checkpoint: TieredCheckpointIO saves "
+                                  "each checkpoint as a directory and does not replace a file (a torch.save "
+                                  "checkpoint, say); move the file away or save to another path", str(path))
+        self._created = not path.exists()
+        try:
+            path.mkdir(parents=True, exist_ok=True)
+            self._fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | getattr(os, "O_NOFOLLOW", 0))
+            record = {"pid": os.getpid(), "host": socket.gethostname(), "step": self.step,
+                      "since_unix": time.time(), "token": self.token}
+            tmp = path / f".{_SAVING_NAME}.{self.token}"
+            tmp.write_text(json.dumps(record))
+            os.replace(tmp, path / _SAVING_NAME)   # readers see the whole record or none
+        except BaseException:
+            self._undo()
+            self._close()
+            raise
+
+    @property
+    def root(self) -> Path:
+        """Where the save writes: the directory it took, whatever its name now points to (Linux)."""
+        return _PROC_FD / str(self._fd) if _PROC_FD.is_dir() and self._fd is not None else self.path
+
+    def superseded(self) -> bool:
+        """Whether the directory was removed or replaced (by a link, say) since the save took it."""
+        try:
+            now = os.stat(self.path, follow_symlinks=False)
+            held = os.fstat(self._fd) if self._fd is not None else now
+        except FileNotFoundError:
+            return True
+        return not stat.S_ISDIR(now.st_mode) or (now.st_dev, now.st_ino) != (held.st_dev, held.st_ino)
+
+    def settle(self, error: BaseException | None) -> None:
+        """End the reservation: the save committed (``error`` None) or failed (idempotent)."""
+        with _reservations_lock:
+            if self.settled.is_set():
+                return
+            try:
+                if not self.superseded():   # else the name is someone else's now: nothing of this save is there
+                    marker = self.path / _SAVING_NAME
+                    if _read_saving(marker).get("token") == self.token:
+                        marker.unlink(missing_ok=True)
+                    if error is not None:
+                        self._undo()
+            except OSError as e:
+                log.warning("could not end the reservation of %s: %s", self.path, e)
+            finally:
+                self._close()
+                self.error = error
+                mine = _reservations.get(self.key, [])
+                if self in mine:
+                    mine.remove(self)
+                if not mine:
+                    _reservations.pop(self.key, None)
+                self.settled.set()
+
+    def _undo(self) -> None:
+        """After a failure: the path as it was before this save (another save's reservation aside)."""
+        path = self.path
+        if self._created and path.is_dir() and not path.is_symlink() and not (path / _SAVING_NAME).exists() \
+                and not _committed_steps(path):
+            shutil.rmtree(path, ignore_errors=True)
+        if self._link is not None and not os.path.lexists(path):
+            os.symlink(self._link, path)
+
+    def _close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+
+def _read_saving(marker: Path) -> dict[str, Any]:
+    """The record of ``SAVING`` (``{}`` when absent; ``{"unreadable": True}`` when it is not a record)."""
+    try:
+        record = json.loads(marker.read_bytes()[:4096])
+    except (FileNotFoundError, NotADirectoryError):   # no record, or no directory to hold one
+        return {}
+    except (OSError, ValueError):
+        return {"unreadable": True}
+    return record if isinstance(record, dict) else {"unreadable": True}
+
+
+def _committed_steps(path: Path) -> list[int]:
+    try:
+        names = os.listdir(path)
+    except OSError:
+        return []
+    steps = [s for s in map(parse_step_dir, names) if s is not None]
+    return [s for s in steps if (path / step_dir_name(s) / COMMIT_NAME).is_file()]
+
+
+def _saver_alive(record: dict[str, Any]) -> bool:
+    """Whether the process that wrote a ``SAVING`` record may still commit (True when it cannot be told)."""
+    pid = record.get("pid")
+    if record.get("host") != socket.gethostname() or not isinstance(pid, int) or isinstance(pid, bool):
+        return True
+    if pid == os.getpid():   # this process: alive only if one of its reservations still holds the token
+        with _reservations_lock:
+            return any(r.token == record.get("token") for rs in _reservations.values() for r in rs)
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        pass   # EPERM: a process of another user has that pid
+    return True
+
+
+def _renamed(e: OSError, root: Path, path: Path) -> OSError:
+    """``e`` with the paths under ``root`` (``/proc/self/fd/N``) named under ``path``, the checkpoint's path."""
+    if root == path or e.errno is None:
+        return e
+
+    def name(x: Any) -> Any:
+        return str(x).replace(str(root), str(path), 1) if isinstance(x, (str, os.PathLike)) else x
+
+    return OSError(e.errno, name(e.strerror), name(e.filename), None, name(e.filename2))
+
+
+def _pending_here(key: str) -> list[_Reservation]:
+    with _reservations_lock:
+        return list(_reservations.get(key, ()))
+
 
 class _PathTier(LocalTier):
     """The local tier of :class:`TieredCheckpointIO`: each save goes to the directory Lightning named.
@@ -171,19 +352,21 @@ class _PathTier(LocalTier):
     ``epoch=0-step=100.ckpt``, ``last.ckpt``, ...), while one Checkpointer (one
     host buffer, one background writer) serves them all. So the target
     directory of each engine step is registered before the save and the write
-    is delegated to a plain :class:`LocalTier` rooted there. Listing returns
-    nothing, so the Checkpointer's retention never deletes anything: Lightning
-    removes checkpoints itself through ``remove_checkpoint``.
+    is delegated to a plain :class:`LocalTier` rooted there; the save's
+    reservation of the directory ends as the write commits or fails. Listing
+    returns nothing, so the Checkpointer's retention never deletes anything:
+    Lightning removes checkpoints itself through ``remove_checkpoint``.
     """
 
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, writer: type[LocalTier] = LocalTier) -> None:
         super().__init__(root)
-        self._targets: dict[int, Path] = {}
+        self._writer = writer
+        self._targets: dict[int, _Reservation] = {}
         self._lock = threading.Lock()
 
-    def target(self, step: int, path: Path) -> None:
+    def target(self, step: int, reservation: _Reservation) -> None:
         with self._lock:
-            self._targets[step] = path
+            self._targets[step] = reservation
 
     def forget(self, step: int) -> None:
         with self._lock:
@@ -191,20 +374,70 @@ class _PathTier(LocalTier):
 
     def write(self, step: int, manifest: Manifest, data: memoryview) -> float:
         with self._lock:
-            path = self._targets.pop(step)
-        tier = LocalTier(path)
-        seconds = tier.write(step, manifest, data)
-        # The new checkpoint is committed: older ones saved to the same path (say last.ckpt) are now stale.
-        for old in tier.all_step_dirs():
-            if old != step:
-                tier.delete(old)
+            res = self._targets.pop(step)
+        if res.superseded():
+            return self._superseded(res)
+        root = res.root
+        try:
+            tier = self._writer(root)
+            seconds = tier.write(step, manifest, data)
+            # The new checkpoint is committed: older ones saved to the same path (say last.ckpt) are now stale.
+            for old in tier.all_step_dirs():
+                if old != step:
+                    tier.delete(old)
+        except OSError as e:
+            if res.superseded():
+                return self._superseded(res)
+            named = _renamed(e, root, res.path)
+            res.settle(named)
+            raise named from e
+        except BaseException as e:
+            res.settle(e)
+            raise
+        res.settle(None)
         return seconds
+
+    @staticmethod
+    def _superseded(res: _Reservation) -> float:
+        # Lightning removed the directory (or put a link there) itself while this save was pending:
+        # ModelCheckpoint(save_last="link") replaces a last.ckpt directory by a link to a newer checkpoint.
+        log.warning("%s was removed or replaced while its save (step %d) was pending: that save is not written "
+                    "there", res.path, res.step)
+        res.settle(None)
+        return 0.0
 
     def committed_steps(self) -> list[int]:
         return []
 
     def all_step_dirs(self) -> dict[int, Path]:
         return {}
+
+
+class _Settler:
+    """Ends the reservations of saves that failed before reaching the tier (a torn snapshot, say), in save
+    order (the engine finishes saves in order)."""
+
+    def __init__(self) -> None:
+        self._queue: queue.Queue = queue.Queue()
+        self._thread = threading.Thread(target=self._run, name="ckpt-lightning-settle", daemon=True)
+        self._thread.start()
+
+    def watch(self, handle: SaveHandle, res: _Reservation) -> None:
+        self._queue.put((handle, res))
+
+    def stop(self) -> None:
+        self._queue.put(None)
+        self._thread.join()
+
+    def _run(self) -> None:
+        while (job := self._queue.get()) is not None:
+            handle, res = job
+            try:
+                handle.wait()
+            except BaseException as e:
+                res.settle(e)
+            else:
+                res.settle(None)
 
 
 class TieredCheckpointIO(CheckpointIO):
@@ -218,17 +451,30 @@ class TieredCheckpointIO(CheckpointIO):
       (the next ``optimizer.step()`` waits for the copy) and a background
       thread writes ``path``. ``path`` becomes a **directory** in the ``ckpt``
       format (one committed step inside; ``ckpt verify PATH`` checks it).
+      It exists from the moment ``save_checkpoint`` returns (so
+      ``ModelCheckpoint``'s ``-vN`` names never collide), holding only a
+      ``SAVING`` record until the write commits: no loader takes it for a
+      checkpoint before. A failed save removes what it created there.
       Saving to an existing path replaces it once the new checkpoint is
-      committed, so a crash leaves either the old or the new one.
-    * ``load_checkpoint(path, map_location)`` waits for a pending save of
-      ``path``, verifies every chunk's checksum and returns the checkpoint
-      dict (tensors on the device they were saved from, or as
+      committed, so a crash leaves either the old or the new one; a symbolic
+      link there is replaced by the checkpoint (its target is not written),
+      and put back if the save fails; a regular file there is refused
+      (``FileExistsError``).
+    * ``load_checkpoint(path, map_location)`` first waits for the saves of
+      ``path`` pending in this process (through any ``TieredCheckpointIO``;
+      through a symbolic link, the saves of its target), then, while another
+      process's save of it is pending (its ``SAVING`` record), for that save
+      to commit, at most ``pending_save_timeout`` seconds (``TimeoutError``
+      naming the path and the saving process) and not at all once that
+      process is gone. It then verifies every chunk's checksum and returns
+      the checkpoint dict (tensors on the device they were saved from, or as
       ``map_location`` says). Mappings come back as plain dicts.
     * ``remove_checkpoint(path)`` waits for a pending save of ``path``, then
-      deletes it.
-    * ``teardown()`` (called by Lightning at the end of ``fit``) waits until
-      every save is durable and raises the first failure; a later save starts
-      a new writer.
+      deletes it. A symbolic link is removed itself, at once; what it points
+      to is never touched.
+    * ``teardown()`` (called by Lightning at the end of ``fit``, also through
+      Lightning's ``AsyncCheckpointIO`` wrapper) waits until every save is
+      durable and raises the first failure; a later save starts a new writer.
 
     A save that fails in the background (disk full, say) is logged at once and
     raised by ``load_checkpoint`` / ``remove_checkpoint`` of that path and by
@@ -247,24 +493,37 @@ class TieredCheckpointIO(CheckpointIO):
             out (a list element becomes ``None``) and listed in a warning; the
             checkpoint records their keys, logged again when it is loaded;
             the dict ``load_checkpoint`` returns lacks them.
+        pending_save_timeout: seconds ``load_checkpoint`` waits for a save of
+            the path pending in another process to commit (default 600).
 
     Paths are local (a remote URL raises ``ValueError``). Loading a file
     written by another ``CheckpointIO`` (a ``torch.save`` pickle) is refused.
     """
 
     def __init__(self, *, max_in_flight: int = 1, host_memory_limit: int | None = None,
-                 on_unsupported: str = "error") -> None:
+                 on_unsupported: str = "error", pending_save_timeout: float = 600.0) -> None:
         if on_unsupported not in ("error", "skip"):
             raise ValueError(f"on_unsupported must be 'error' or 'skip', got {on_unsupported!r}")
         if not isinstance(max_in_flight, int) or max_in_flight < 1:
             raise ValueError(f"max_in_flight must be a positive int, got {max_in_flight!r}")
+        if isinstance(pending_save_timeout, bool) or not isinstance(pending_save_timeout, (int, float)) \
+                or not pending_save_timeout >= 0:
+            raise ValueError(f"pending_save_timeout must be a number of seconds >= 0, got {pending_save_timeout!r}")
         self.max_in_flight = max_in_flight
         self.host_memory_limit = host_memory_limit
         self.on_unsupported = on_unsupported
+        self.pending_save_timeout = float(pending_save_timeout)
         self._ck: Checkpointer | None = None
         self._tier: _PathTier | None = None
-        self._in_flight: list[tuple[Path, SaveHandle]] = []   # saves not yet known to be finished
+        self._settler: _Settler | None = None
+        # saves not yet known to be finished: (real path, handle)
+        self._in_flight: list[tuple[str, SaveHandle]] = []
         self._seq = 0
+        self._lock = threading.Lock()        # the fields above
+        self._save_lock = threading.Lock()   # one save_checkpoint at a time (AsyncCheckpointIO may call from a thread)
+
+    # The tier class that writes each checkpoint directory (tests put a slow or failing subclass here).
+    _local_tier: type[LocalTier] = LocalTier
 
     @property
     def checkpointer(self) -> Checkpointer | None:
@@ -285,33 +544,42 @@ class TieredCheckpointIO(CheckpointIO):
             state[_DROPPED_KEY] = dropped
             log.warning("TieredCheckpointIO left out of %s values that need pickle (on_unsupported='skip'): %s",
                         target, ", ".join(dropped))
-        ck = self._checkpointer(target)
-        step = self._engine_step(checkpoint)
-        # The tier maps engine steps to paths, so a step is in flight once at a time: an earlier save with
-        # this step (last.ckpt after epoch=...-step=N.ckpt, say) is written first. With one host buffer the
-        # save would wait for it anyway. Its failure, if any, is raised by teardown.
-        self._in_flight = [(p, h) for p, h in self._in_flight if not h.done()]
-        for _, h in self._in_flight:
-            if h.step == step:
+        with self._save_lock:
+            ck, tier, settler = self._checkpointer(target)
+            step = self._engine_step(checkpoint)
+            # The tier maps engine steps to paths, so a step is in flight once at a time: an earlier save with
+            # this step (last.ckpt after epoch=...-step=N.ckpt, say) is written first. With one host buffer the
+            # save would wait for it anyway. Its failure, if any, is raised by teardown.
+            with self._lock:
+                self._in_flight = [(k, h) for k, h in self._in_flight if not h.done()]
+                same = [h for _, h in self._in_flight if h.step == step]
+            for h in same:
                 _wait_quietly(h)
-        assert self._tier is not None
-        self._tier.target(step, target)
-        try:
-            handle = ck.save(step, state)
-        except BaseException:
-            self._tier.forget(step)
-            raise
-        if handle.status == "skipped":     # not with if_busy="wait"; kept as a guard against silent loss
-            self._tier.forget(step)
-            raise RuntimeError(f"the save of {target} was skipped")
-        self._in_flight.append((target, handle))
+            res = _Reservation(target, step)
+            tier.target(step, res)
+            try:
+                handle = ck.save(step, state)
+                if handle.status == "skipped":   # not with if_busy="wait"; kept as a guard against silent loss
+                    raise RuntimeError(f"the save of {target} was skipped")
+            except BaseException as e:
+                tier.forget(step)
+                res.settle(e)
+                raise
+            with self._lock:
+                self._in_flight.append((res.key, handle))
+            settler.watch(handle, res)
 
     def load_checkpoint(self, path: str | os.PathLike, map_location: Any | None = None,
                         weights_only: bool | None = None) -> dict[str, Any]:
         """Load the checkpoint directory ``path`` (``weights_only`` is moot: nothing is unpickled)."""
         target = self._local_path(path)
-        self._wait_for(target)
+        deadline = time.monotonic() + self.pending_save_timeout
+        waited = self._wait_for(target, str(path), deadline)
+        self._wait_for_other_process(target, str(path), deadline)
+        failed = next((r.error for r in waited if r.error is not None), None)
         if not target.exists():
+            if failed is not None:
+                raise FileNotFoundError(f"checkpoint {str(path)!r} not found: its save failed ({failed})") from failed
             raise FileNotFoundError(f"checkpoint {str(path)!r} not found")
         if not target.is_dir():
             raise ValueError(f"{str(path)!r} is a file, not a checkpoint directory written by TieredCheckpointIO "
@@ -322,8 +590,8 @@ class TieredCheckpointIO(CheckpointIO):
         with Checkpointer(local_dir=target, keep=_keep_all(), collective=False) as reader:
             step = reader.restore(state, strict=False)
         if step is None:
-            raise FileNotFoundError(f"{str(path)!r} holds no committed checkpoint (no {COMMIT_NAME} file: the save "
-                                    "did not finish)")
+            why = f"its save failed ({failed})" if failed is not None else "the save did not finish"
+            raise FileNotFoundError(f"{str(path)!r} holds no committed checkpoint (no {COMMIT_NAME} file: {why})")
         dropped = state.pop(_DROPPED_KEY, None)
         if dropped:
             log.info("checkpoint %s was saved without these values (on_unsupported='skip'): %s",
@@ -331,30 +599,45 @@ class TieredCheckpointIO(CheckpointIO):
         return _map_location(state, map_location)
 
     def remove_checkpoint(self, path: str | os.PathLike) -> None:
-        """Delete the checkpoint at ``path`` once any pending save of it is written; no-op if absent."""
+        """Delete the checkpoint at ``path`` once any pending save of it is written; no-op if absent.
+
+        A symbolic link is removed at once, never what it points to.
+        """
         target = self._local_path(path)
-        self._wait_for(target)
-        if target.is_dir():
+        if not target.is_symlink():
+            self._wait_for(target, str(path), time.monotonic() + self.pending_save_timeout)
+        if target.is_symlink():
+            target.unlink(missing_ok=True)
+        elif target.is_dir():
             shutil.rmtree(target)
         elif target.exists():
             target.unlink()
 
     def teardown(self) -> None:
         """Wait until every save is durable, stop the writer; raises the first failure."""
-        ck, self._ck, self._tier, self._in_flight = self._ck, None, None, []
-        if ck is not None:
+        with self._lock:
+            ck, settler = self._ck, self._settler
+            self._ck, self._tier, self._settler, self._in_flight = None, None, None, []
+        if ck is None:
+            return
+        try:
             ck.close()
+        finally:
+            settler.stop()   # every save has ended: their reservations are settled once it returns
 
     # -- helpers -------------------------------------------------------------------------------------
-    def _checkpointer(self, target: Path) -> Checkpointer:
-        if self._ck is None:
-            # The tier's own root is never written (each save goes to its path); the checkpoint's parent is a
-            # directory Lightning creates anyway.
-            self._tier = _PathTier(target.parent)
-            self._ck = Checkpointer(local_dir=self._tier, keep=_keep_all(), max_in_flight=self.max_in_flight,
-                                    if_busy="wait", host_memory_limit=self.host_memory_limit,
-                                    on_unsupported=self.on_unsupported, collective=False)
-        return self._ck
+    def _checkpointer(self, target: Path) -> tuple[Checkpointer, _PathTier, _Settler]:
+        with self._lock:
+            if self._ck is None:
+                # The tier's own root is never written (each save goes to its path); the checkpoint's parent is
+                # a directory Lightning creates anyway.
+                self._tier = _PathTier(target.parent, self._local_tier)
+                self._ck = Checkpointer(local_dir=self._tier, keep=_keep_all(), max_in_flight=self.max_in_flight,
+                                        if_busy="wait", host_memory_limit=self.host_memory_limit,
+                                        on_unsupported=self.on_unsupported, collective=False)
+                self._settler = _Settler()
+            assert self._tier is not None and self._settler is not None
+            return self._ck, self._tier, self._settler
 
     def _engine_step(self, checkpoint: Mapping[str, Any]) -> int:
         # The step directory inside the checkpoint is named after the trainer's global step (what
@@ -362,15 +645,55 @@ class TieredCheckpointIO(CheckpointIO):
         step = checkpoint.get("global_step")
         if isinstance(step, int) and not isinstance(step, bool) and step >= 0:
             return step
-        self._seq += 1
-        return self._seq
+        with self._lock:
+            self._seq += 1
+            return self._seq
 
-    def _wait_for(self, target: Path) -> None:
-        """Wait for the saves of ``target``; raises the failure of one of them."""
-        mine = [h for p, h in self._in_flight if p == target]
-        self._in_flight = [(p, h) for p, h in self._in_flight if p != target]
+    def _wait_for(self, target: Path, shown: str, deadline: float) -> list[_Reservation]:
+        """Wait until the saves of ``target`` (through a link: of its target) made in this process have ended.
+
+        A save made through this instance is waited for however long it takes, and its failure raised; one
+        made through another instance until ``deadline`` (then ``TimeoutError``). Returns the reservations
+        of the other instances' saves, settled.
+        """
+        key = os.path.realpath(target)
+        with self._lock:
+            mine = [h for k, h in self._in_flight if k == key]
+            self._in_flight = [(k, h) for k, h in self._in_flight if k != key]
         for h in mine:
             h.wait()
+        pending = _pending_here(key)
+        for r in pending:
+            if not r.settled.wait(max(0.0, deadline - time.monotonic())):
+                raise self._still_saving(shown, target, f"another TieredCheckpointIO of this process (pid "
+                                         f"{os.getpid()}, step {r.step})")
+        return pending
+
+    def _wait_for_other_process(self, target: Path, shown: str, deadline: float) -> None:
+        """While ``target`` holds the ``SAVING`` record of a live process, wait for it to go (until ``deadline``)."""
+        marker = target / _SAVING_NAME
+        pause = 0.01
+        while True:
+            record = _read_saving(marker)
+            if not record:
+                return
+            if not _saver_alive(record):
+                log.warning("%s was left by a save that can no longer finish (pid %s on this host is gone); loading "
+                            "what is committed there", marker, record.get("pid"))
+                return
+            left = deadline - time.monotonic()
+            if left <= 0:
+                who = (f"pid {record.get('pid')} on host {record.get('host')!r} (step {record.get('step')})"
+                       if "unreadable" not in record else "a process its unreadable record does not name")
+                raise self._still_saving(shown, target, who)
+            time.sleep(min(pause, left))
+            pause = min(2 * pause, 0.5)
+
+    def _still_saving(self, shown: str, target: Path, who: str) -> TimeoutError:
+        return TimeoutError(errno.ETIMEDOUT,
+                            f"checkpoint {shown!r} is still being saved by {who}: waited {self.pending_save_timeout:g} "
+                            "s for it to commit. Pass TieredCheckpointIO(pending_save_timeout=...) to wait longer, or "
+                            f"delete {target / _SAVING_NAME} if that save is known to be dead", str(target))
 
     @staticmethod
     def _local_path(path: str | os.PathLike) -> Path:
@@ -391,6 +714,48 @@ def _wait_quietly(handle: SaveHandle) -> None:
 def _keep_all() -> Retention:
     # Lightning (ModelCheckpoint's save_top_k) decides what to delete, through remove_checkpoint.
     return Retention(local=None)
+
+
+def _route_async_checkpoint_io() -> None:
+    """Make Lightning's ``AsyncCheckpointIO`` hand a wrapped :class:`TieredCheckpointIO` its saves at once and
+    its ``teardown``.
+
+    The wrapper runs each save on a thread of its own after cloning every tensor on the caller's thread, and
+    its ``teardown`` stops that thread without calling the wrapped plugin's. For this plugin, whose saves
+    already return before the write, that would only add a full copy of the state, let ``ModelCheckpoint`` look
+    for a path (``-vN`` names) or remove one before the save reached the plugin, and leave the plugin's saves
+    unflushed and their failures unraised at the end of ``fit``. Other wrapped plugins keep the wrapper's
+    behaviour.
+    """
+    try:
+        from lightning.pytorch.plugins.io.async_plugin import AsyncCheckpointIO
+    except ImportError:   # pragma: no cover - every supported Lightning has it
+        return
+    if getattr(AsyncCheckpointIO, "_tierckpt_routed", False):
+        return
+    wrapped_save, wrapped_teardown = AsyncCheckpointIO.save_checkpoint, AsyncCheckpointIO.teardown
+
+    @functools.wraps(wrapped_save)
+    def save_checkpoint(self: Any, *args: Any, **kwargs: Any) -> None:
+        if isinstance(self.checkpoint_io, TieredCheckpointIO):
+            return self.checkpoint_io.save_checkpoint(*args, **kwargs)
+        return wrapped_save(self, *args, **kwargs)
+
+    @functools.wraps(wrapped_teardown)
+    def teardown(self: Any) -> None:
+        inner = self.checkpoint_io
+        try:
+            wrapped_teardown(self)
+        finally:
+            if isinstance(inner, TieredCheckpointIO):
+                inner.teardown()
+
+    AsyncCheckpointIO.save_checkpoint = save_checkpoint
+    AsyncCheckpointIO.teardown = teardown
+    AsyncCheckpointIO._tierckpt_routed = True
+
+
+_route_async_checkpoint_io()
 
 
 # ---------------------------------------------------------------------------------------------
