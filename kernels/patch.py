@@ -104,11 +104,11 @@ def _causal_lm_forward(
     hidden = outputs[0]
     # HF's causal-LM shift: predict token t+1 at position t; the last position is ignored.
     shift = nn.functional.pad(labels, (0, 1), value=ignore_index)[..., 1:].to(hidden.device)
+    # The head's parameters go in as they are: under autocast the fused loss runs its GEMMs in
+    # autocast's dtype, as the unpatched lm_head Linear does; otherwise in hidden's dtype. Either
+    # way their gradients come back in their own dtype (fp32 master weights stay fp32).
     head = self.lm_head
-    weight = head.weight if head.weight.dtype == hidden.dtype else head.weight.to(hidden.dtype)
-    bias = head.bias
-    if bias is not None and bias.dtype != hidden.dtype:
-        bias = bias.to(hidden.dtype)
+    weight, bias = head.weight, head.bias
     keep_hidden = bool(kwargs.get("output_hidden_states", getattr(self.config, "output_hidden_states", False)))
     loss = fused_linear_cross_entropy(
         hidden, weight, shift, bias, ignore_index=ignore_index,

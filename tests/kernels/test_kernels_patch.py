@@ -153,3 +153,30 @@ def test_patch_rejects_unknown_architecture():
         K.patch(model)
     with pytest.raises(ValueError, match="NoneType|model_type=None"):
         K.patch(torch.nn.Linear(2, 2))
+
+
+@pytest.mark.parametrize("model_type,device", [
+    pytest.param("llama", DEVICE, id="llama"),
+    pytest.param("gemma", DEVICE, id="gemma"),
+    pytest.param("llama", "cuda", id="llama-cuda", marks=pytest.mark.gpu),
+    pytest.param("gemma", "cuda", id="gemma-cuda", marks=pytest.mark.gpu),
+])
+def test_patch_under_autocast_matches_unpatched(model_type, device, restore_rope):
+    """fp32 weights, forward under bf16 autocast (what HF Trainer's bf16=True does): the patched
+    model's loss and every parameter gradient (fp32) match the unpatched model's under the same
+    autocast."""
+    ref = tiny_model(model_type, device)
+    ours = copy.deepcopy(ref)
+    K.patch(ours)
+    ids, labels = batch(ref.config.vocab_size, device)
+    losses = []
+    for model in (ref, ours):
+        with torch.autocast(device_type=device, dtype=torch.bfloat16):
+            loss = model(input_ids=ids, labels=labels).loss
+        loss.backward()
+        losses.append(loss)
+    assert losses[1].dtype == losses[0].dtype == torch.float32
+    assert_close("loss", losses[1], losses[0], 3e-2, 3e-2)
+    for (name, p), p_ref in zip(ours.named_parameters(), ref.parameters()):
+        assert p.grad is not None and p.grad.dtype == torch.float32, name
+        assert_close(f"grad of {name}", p.grad, p_ref.grad, 3e-2, 5e-2)
