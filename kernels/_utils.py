@@ -255,8 +255,9 @@ class LazyKernel:
     (``num_warps``, ``num_stages``) by keyword.
     """
 
-    def __init__(self, fn: Callable[..., Any]) -> None:
+    def __init__(self, fn: Callable[..., Any], *, debug: bool = False) -> None:
         self.fn = fn
+        self.debug = debug   # compile with Triton's debug mode: tl.device_assert active
         self._jit: Any = None
         self._interp: bool | None = None
         self._compiled: dict[Any, Any] = {}
@@ -267,7 +268,7 @@ class LazyKernel:
         interp = interpreter_enabled()
         if self._jit is None or self._interp != interp:
             _check_triton_mode(interp)
-            self._jit = triton.jit(self.fn)
+            self._jit = triton.jit(self.fn, debug=True) if self.debug else triton.jit(self.fn)
             self._interp = interp
             self._compiled.clear()
         return self._jit

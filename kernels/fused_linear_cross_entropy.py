@@ -69,7 +69,7 @@ from ._utils import (
     eager_under_compile,
     owns_storage,
 )
-from .cross_entropy import check_loss_args, launch_ce, reduction_scale, scale_rows_
+from .cross_entropy import check_loss_args, check_target_range, launch_ce, reduction_scale, scale_rows_
 
 __all__ = ["fused_linear_cross_entropy", "FusedLinearCrossEntropyLoss", "FusedLinearCrossEntropyFunction"]
 
@@ -254,7 +254,8 @@ def fused_linear_cross_entropy(
         weight: ``(V, H)`` LM-head weight (fp32/fp16/bf16).
         target: ``hidden.shape[:-1]`` (or flattened) int64/int32 class indices.
         bias: optional ``(V,)``.
-        ignore_index, label_smoothing, reduction, z_loss: as :func:`ckpt.kernels.cross_entropy`.
+        ignore_index, label_smoothing, reduction, z_loss: as :func:`ckpt.kernels.cross_entropy`
+            (a target outside ``[0, V)`` that is not ``ignore_index`` is an error there too).
         chunk_size: tokens per chunk (default: see module docstring).
         inplace: write ``d_hidden`` over ``hidden`` during the forward; ``None`` (default)
             does so when ``hidden`` is a private autograd intermediate.
@@ -281,6 +282,7 @@ def fused_linear_cross_entropy(
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
     n_rows = hidden.numel() // max(hidden.shape[-1], 1)
     target = check_loss_args(target, n_rows, hidden, "hidden", label_smoothing, reduction, z_loss)
+    check_target_range(target, weight.shape[0], ignore_index, "weight")
     dtype = autocast_dtype(hidden.device) or hidden.dtype
     return FusedLinearCrossEntropyFunction.apply(
         hidden, weight, target, bias, ignore_index, label_smoothing, reduction, z_loss, chunk_size, inplace, dtype

@@ -180,3 +180,17 @@ def test_patch_under_autocast_matches_unpatched(model_type, device, restore_rope
     for (name, p), p_ref in zip(ours.named_parameters(), ref.parameters()):
         assert p.grad is not None and p.grad.dtype == torch.float32, name
         assert_close(f"grad of {name}", p.grad, p_ref.grad, 3e-2, 5e-2)
+
+
+def test_patch_label_outside_the_vocabulary_is_an_index_error(restore_rope):
+    """A label >= vocab_size raises IndexError in the patched training forward, as it does in
+    the unpatched one (the fused loss used to return a finite loss for it)."""
+    ref = tiny_model("llama")
+    ours = copy.deepcopy(ref)
+    K.patch(ours)
+    ids, labels = batch(ref.config.vocab_size)
+    labels[1, 5] = ref.config.vocab_size
+    with pytest.raises(IndexError):
+        ref(input_ids=ids, labels=labels)
+    with pytest.raises(IndexError, match=str(ref.config.vocab_size)):
+        ours(input_ids=ids, labels=labels)
