@@ -91,16 +91,55 @@ def test_patch_matches_unpatched(model_type, device, dtype, atol, rtol, restore_
 
 
 def test_patch_tracks_training_curve(restore_rope):
-    """20 AdamW steps: the patched model follows the unpatched loss curve."""
+    """20 AdamW steps: the patched model follows the unpatched loss curve within what rounding
+    alone moves that curve by.
+
+    The bound is measured, not picked. At lr=1e-2 this run passes through a loss spike (step 14)
+    where the loss is very sensitive to the weights, and there the unpatched fp32 curve itself
+    moves by ~1e-4 when only its rounding changes (trained in fp64 instead: 1.0e-4 on the
+    development machine; its transformers/torch/CPU decide the exact figure). The patched model
+    rounds differently (fused kernels, other summation orders), so it is one more such curve.
+    Per step the tolerance is
+
+        2 * spread_i + n_valid * eps * |loss_i|
+
+    * ``spread_i``: the largest distance, at step i, from the unpatched fp32 curve to the same
+      model trained (a) in fp64 and (b) in fp32 from initial weights each moved one ulp up or
+      down at random (three seeds), i.e. how far a rounding-sized change moves the curve there.
+      Twice that: four samples underestimate how far such a curve can stray.
+    * ``n_valid * eps * |loss_i|``: the rounding of the loss value itself, a mean of ``n_valid``
+      fp32 per-token losses (summing n terms errs by up to (n - 1) eps of their sum); it matters
+      where the spread happens to be ~0 (step 0).
+
+    A real defect (a wrong gradient, optimizer state not shared, a stale in-place buffer) moves
+    the curve by orders of magnitude more (1e-2 and up within a few steps).
+    """
     ref = tiny_model("llama")
-    ours = copy.deepcopy(ref)
+    ours, init = copy.deepcopy(ref), copy.deepcopy(ref)
     ids, labels = batch(ref.config.vocab_size)
     curve_ref = _train(ref, ids, labels)
+    spread = [0.0] * len(curve_ref)
+    for other in [_train(copy.deepcopy(init).double(), ids, labels)] + [
+            _train(_one_ulp_off(copy.deepcopy(init), seed), ids, labels) for seed in range(3)]:
+        spread = [max(s, abs(o - r)) for s, o, r in zip(spread, other, curve_ref)]
     K.patch(ours)
     curve = _train(ours, ids, labels)
     assert curve[-1] < 0.5 * curve[0]  # it actually learns
-    for i, (a, b) in enumerate(zip(curve, curve_ref)):
-        assert abs(a - b) <= 1e-4 * max(1.0, abs(b)), f"step {i}: patched {a} vs unpatched {b}"
+    n_valid = int((labels[:, 1:] != -100).sum())
+    eps = torch.finfo(torch.float32).eps
+    for i, (a, b, s) in enumerate(zip(curve, curve_ref, spread)):
+        bound = 2 * s + n_valid * eps * abs(b)
+        assert abs(a - b) <= bound, f"step {i}: patched {a} vs unpatched {b} (rounding spread {s:.3g}, bound {bound:.3g})"
+
+
+def _one_ulp_off(model, seed):
+    """``model`` with every parameter moved one ulp up or down at random: a rounding of the weights."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            up = torch.rand(p.shape, generator=g) < 0.5
+            p.copy_(torch.nextafter(p, torch.where(up, torch.inf, -torch.inf).to(p)))
+    return model
 
 
 def _train(model, ids, labels, steps=20):
