@@ -233,3 +233,26 @@ def test_patch_label_outside_the_vocabulary_is_an_index_error(restore_rope):
         ref(input_ids=ids, labels=labels)
     with pytest.raises(IndexError, match=str(ref.config.vocab_size)):
         ours(input_ids=ids, labels=labels)
+
+
+def test_patch_forwards_no_cache_argument_the_caller_did_not_give(restore_rope):
+    """The patched forward passes ``past_key_values`` on only when the caller gave one:
+    transformers 5.2x deprecates the name (``cache``) and warns on every call that passes it,
+    even as None, and drops it in 5.40."""
+    model = tiny_model("llama")
+    K.patch(model)
+    seen = []
+
+    def spy(inner):
+        def call(*args, **kwargs):
+            seen.append(set(kwargs))
+            return inner(*args, **kwargs)
+        return call
+
+    model.model.forward = spy(model.model.forward)            # the training path's base model call
+    model._ckpt_unpatched_forward = spy(model._ckpt_unpatched_forward)   # eval / no labels
+    ids, labels = batch(model.config.vocab_size)
+    model(input_ids=ids, labels=labels)
+    model.eval()
+    model(input_ids=ids)
+    assert len(seen) >= 3 and not any("past_key_values" in names for names in seen), seen
