@@ -60,6 +60,7 @@ __all__ = [
     "as_rows",
     "rows_of",
     "empty_rows_like",
+    "autocast_dtype",
     "dense_vector",
     "owns_storage",
     "bump_version",
@@ -254,8 +255,9 @@ class LazyKernel:
     (``num_warps``, ``num_stages``) by keyword.
     """
 
-    def __init__(self, fn: Callable[..., Any]) -> None:
+    def __init__(self, fn: Callable[..., Any], *, debug: bool = False) -> None:
         self.fn = fn
+        self.debug = debug   # compile with Triton's debug mode: tl.device_assert active
         self._jit: Any = None
         self._interp: bool | None = None
         self._compiled: dict[Any, Any] = {}
@@ -266,7 +268,7 @@ class LazyKernel:
         interp = interpreter_enabled()
         if self._jit is None or self._interp != interp:
             _check_triton_mode(interp)
-            self._jit = triton.jit(self.fn)
+            self._jit = triton.jit(self.fn, debug=True) if self.debug else triton.jit(self.fn)
             self._interp = interp
             self._compiled.clear()
         return self._jit
@@ -362,11 +364,20 @@ def rows_of(x: torch.Tensor) -> Any:
     return x.numel() // n if n else math.prod(x.shape[:-1])
 
 
-def empty_rows_like(t: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-    """An uninitialised contiguous tensor of ``t``'s shape and dtype with its own storage, where
-    ``rows`` is what :func:`as_rows` returned for ``t``: ``empty_like`` (the cheaper call) when
-    that was ``t`` itself, i.e. ``t`` is contiguous."""
-    return torch.empty_like(t) if rows is t else torch.empty(t.shape, dtype=t.dtype, device=t.device)
+def empty_rows_like(t: torch.Tensor, rows: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """An uninitialised contiguous tensor of ``t``'s shape and ``dtype`` (default ``t``'s) with its
+    own storage, where ``rows`` is what :func:`as_rows` returned for ``t``: ``empty_like`` (the
+    cheaper call) when that was ``t`` itself, i.e. ``t`` is contiguous."""
+    if rows is t:
+        return torch.empty_like(t, dtype=dtype)
+    return torch.empty(t.shape, dtype=dtype or t.dtype, device=t.device)
+
+
+def autocast_dtype(device: torch.device) -> torch.dtype | None:
+    """The dtype ``torch.autocast`` casts to on ``device``'s type when it is enabled there, else
+    ``None``. (Traceable: Dynamo guards on the autocast state.)"""
+    kind = device.type
+    return torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else None
 
 
 def next_power_of_2(n: int) -> int:

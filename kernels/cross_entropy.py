@@ -9,7 +9,10 @@ Math, per row of logits ``x`` (length ``V``), target ``t``, smoothing ``eps``, z
 
 Rows whose target is ``ignore_index`` contribute zero loss and a zero gradient;
 ``reduction="mean"`` divides by the number of non-ignored rows (0 if there are none,
-where PyTorch returns NaN).
+where PyTorch returns NaN). Any other target outside ``[0, V)`` is an error, found without a
+host sync (:func:`check_target_range`): on the CPU an ``IndexError`` naming the value, its
+position and the range; on the GPU a device-side assert in a small check kernel, launched
+before the loss.
 
 Memory and time tricks:
 
@@ -147,8 +150,19 @@ def _scale_rows_kernel(G, SCALE, stride_g, stride_scale, n_cols, BLOCK: tl.const
             tl.store(base + cols, (g * sc).to(G.dtype.element_ty), mask=mask)
 
 
+def _target_check_kernel(TARGET, n, V, ignore_index, BLOCK: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    t = tl.load(TARGET + offs, mask=offs < n, other=0).to(tl.int64)
+    ok = (t == ignore_index) | ((t >= 0) & (t < V)) | (offs >= n)
+    tl.device_assert(ok, "cross-entropy target outside [0, V) and not ignore_index")
+
+
 _ce = LazyKernel(_ce_kernel)
 _scale = LazyKernel(_scale_rows_kernel)
+#: compiled in Triton's debug mode, which is what makes tl.device_assert do anything; nothing
+#: else runs in it, so the loss kernels keep their normal code
+_target_check = LazyKernel(_target_check_kernel, debug=True)
+_CHECK_BLOCK = 1024
 
 
 def _block_v(v: int) -> int:
@@ -202,6 +216,32 @@ def reduction_scale(target: torch.Tensor, ignore_index: int, reduction: str) -> 
     if reduction == "mean":
         return (1.0 / n_valid.clamp(min=1.0)).reshape(1), n_valid
     return torch.ones(1, dtype=torch.float32, device=target.device), n_valid
+
+
+def check_target_range(target: torch.Tensor, n_classes: int, ignore_index: int, ref_name: str) -> None:
+    """Make a target outside ``[0, n_classes)`` that is not ``ignore_index`` an error, as in torch.
+
+    CPU tensors are checked here and raise ``IndexError`` naming the first bad value, its
+    position and the valid range. On the GPU that check would synchronise with the host on
+    every call, so a one-launch check kernel (a few microseconds, no sync) asserts on the device
+    instead: a bad target stops the process's CUDA work with a device-side assert, as torch's
+    own CUDA cross-entropy does (the CUDA context is unusable afterwards).
+    ``target`` is flat and contiguous.
+    """
+    n = target.numel()
+    if n == 0:
+        return
+    if target.is_cuda:
+        _target_check[(-(-n // _CHECK_BLOCK),)](target, n, n_classes, int(ignore_index), BLOCK=_CHECK_BLOCK,
+                                                 num_warps=4)
+        return
+    bad = (target != ignore_index) & ((target < 0) | (target >= n_classes))
+    if bool(bad.any()):
+        i = int(bad.nonzero()[0, 0])
+        raise IndexError(
+            f"target[{i}] is {int(target[i])}, outside the class range [0, {n_classes}) of {ref_name} "
+            f"and not ignore_index ({ignore_index})"
+        )
 
 
 def check_loss_args(
@@ -286,7 +326,9 @@ def cross_entropy(
     Args:
         logits: ``(N, V)`` or ``(..., V)`` fp32/fp16/bf16.
         target: ``(N,)`` (or ``logits.shape[:-1]``) int64/int32 class indices.
-        ignore_index: rows with this target get zero loss and zero gradient.
+        ignore_index: rows with this target get zero loss and zero gradient. Any other target
+            outside ``[0, V)`` is an error: ``IndexError`` on the CPU, a device-side assert on
+            the GPU (:func:`check_target_range`).
         label_smoothing: ``eps`` in ``[0, 1]``, as in :func:`torch.nn.functional.cross_entropy`.
         reduction: ``"mean"`` (over non-ignored rows), ``"sum"`` or ``"none"``.
         z_loss: weight of ``lse^2`` added to each row's loss (PaLM).
@@ -301,6 +343,7 @@ def cross_entropy(
     check_runnable_device(logits, "logits")
     n_rows = logits.numel() // max(logits.shape[-1], 1)
     target = check_loss_args(target, n_rows, logits, "logits", label_smoothing, reduction, z_loss)
+    check_target_range(target, logits.shape[-1], ignore_index, "logits")
     return CrossEntropyFunction.apply(logits, target, ignore_index, label_smoothing, reduction, z_loss, inplace)
 
 

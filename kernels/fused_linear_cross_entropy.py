@@ -33,6 +33,17 @@ The three GEMMs (``6 N V H`` flops) are the floor; everything else is one stream
 pass over each chunk. Accumulation of ``d_weight`` across chunks happens in the weight's
 dtype (the GEMM itself accumulates in fp32).
 
+Dtypes. The GEMMs run in one dtype: autocast's (``torch.autocast`` puts ``linear`` on its
+lower-precision list) when autocast is enabled on the inputs' device, else ``hidden``'s. A
+weight, bias or ``hidden`` of another dtype is cast to it once per call (``weight``: one
+``V x H`` copy, as autocast makes; ``hidden``: one chunk at a time). The cross-entropy is fp32
+(autocast's fp32 list) and the loss fp32. Gradients come back in each input's own dtype:
+with an fp32 weight under bf16 autocast, ``d_weight`` is accumulated in fp32 straight from the
+bf16 GEMMs (cuBLAS with an fp32 output), and an fp32 ``hidden`` gets an fp32 ``d_hidden``,
+still written over ``hidden`` when that is a private intermediate. Inside the call autocast
+is switched off, so the GEMMs' dtypes are the ones chosen here also when backward runs under
+autocast.
+
 Shapes: ``hidden`` ``(..., H)``; ``target`` ``hidden.shape[:-1]`` or flattened ``(N,)``.
 
 References:
@@ -44,10 +55,13 @@ References:
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch import nn
 
 from ._utils import (
+    autocast_dtype,
     bump_version,
     check_runnable_device,
     check_same_device,
@@ -55,18 +69,49 @@ from ._utils import (
     eager_under_compile,
     owns_storage,
 )
-from .cross_entropy import check_loss_args, launch_ce, reduction_scale, scale_rows_
+from .cross_entropy import check_loss_args, check_target_range, launch_ce, reduction_scale, scale_rows_
 
 __all__ = ["fused_linear_cross_entropy", "FusedLinearCrossEntropyLoss", "FusedLinearCrossEntropyFunction"]
 
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 
 
-def default_chunk_size(n: int, h: int, v: int, reuse_hidden: bool) -> int:
-    """Tokens per chunk: the chunk of logits is at most the size of ``hidden`` (x2 if reused)."""
-    budget = n * h * (2 if reuse_hidden else 1)
-    c = max(64, (budget // max(v, 1)) // 64 * 64)
+def default_chunk_size(n: int, h: int, v: int, reuse_hidden: bool, hidden_bytes: int = 2,
+                       logit_bytes: int = 2) -> int:
+    """Tokens per chunk: the chunk of logits is at most the size of ``hidden`` in bytes (x2 if
+    reused); ``hidden_bytes``/``logit_bytes`` are the element sizes of ``hidden`` and of the GEMMs."""
+    budget = n * h * hidden_bytes * (2 if reuse_hidden else 1)
+    c = max(64, (budget // max(v * logit_bytes, 1)) // 64 * 64)
     return max(1, min(n, c))
+
+
+def _no_autocast(device: torch.device) -> contextlib.AbstractContextManager:
+    """Autocast off on ``device``'s type while the chunk loop runs (its GEMMs' dtypes are chosen
+    by hand); nothing to enter when it is off already."""
+    if torch.is_autocast_enabled(device.type):
+        return torch.autocast(device_type=device.type, enabled=False)
+    return contextlib.nullcontext()
+
+
+def _mm_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, accumulate: bool) -> None:
+    """``out = a @ b`` (``out += a @ b`` when ``accumulate``). ``a`` and ``b`` share a dtype;
+    ``out`` may have a wider one (fp32 gradients of bf16 GEMMs): on the GPU cuBLAS then writes
+    the fp32 result directly (``out_dtype``), elsewhere (the CPU, for tests) the product is made
+    in the GEMM dtype and added."""
+    if out.dtype == a.dtype:
+        if accumulate:
+            out.addmm_(a, b)
+        else:
+            torch.mm(a, b, out=out)
+    elif out.is_cuda and out.dtype == torch.float32:
+        if accumulate:
+            torch.addmm(out, a, b, out_dtype=out.dtype, out=out)
+        else:
+            torch.mm(a, b, out_dtype=out.dtype, out=out)
+    elif accumulate:
+        out += torch.mm(a, b)
+    else:
+        out.copy_(torch.mm(a, b))
 
 
 def _chunk_loop(
@@ -80,33 +125,37 @@ def _chunk_loop(
     chunk: int,
     grads: tuple[bool, bool, bool] | None,
     d_hidden_out: torch.Tensor | None,
+    dtype: torch.dtype,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
-    """One pass over token chunks. ``grads=None``: losses only. Otherwise ``(dh, dw, db)``
-    flags; ``scale`` is 1-element or ``(N,)`` per-row. ``d_hidden_out`` may be ``hidden``."""
+    """One pass over token chunks with the GEMMs in ``dtype`` (inputs of other dtypes are cast).
+    ``grads=None``: losses only. Otherwise ``(dh, dw, db)`` flags; ``scale`` is 1-element or
+    ``(N,)`` per-row. ``d_hidden_out`` (``hidden``'s dtype) may be ``hidden``. The gradients come
+    back in the dtypes of ``hidden``, ``weight`` and ``bias``."""
     ignore_index, label_smoothing, z_loss = opts
     n = hidden.shape[0]
     want_dh, want_dw, want_db = grads if grads is not None else (False, False, False)
     dw = torch.empty_like(weight) if want_dw else None
     db = torch.zeros(weight.shape[0], dtype=torch.float32, device=weight.device) if want_db else None
-    wt = weight.t()
+    w = weight if weight.dtype == dtype else weight.to(dtype)   # one copy per call, as autocast makes
+    b = bias if bias is None or bias.dtype == dtype else bias.to(dtype)
+    wt = w.t()
     for i, start in enumerate(range(0, n, chunk)):
         end = min(start + chunk, n)
         h_c = hidden[start:end]
-        logits = torch.addmm(bias, h_c, wt) if bias is not None else torch.mm(h_c, wt)
+        if h_c.dtype != dtype:
+            h_c = h_c.to(dtype)   # a copy: d_hidden may then go over hidden's chunk before dw reads it
+        logits = torch.addmm(b, h_c, wt) if b is not None else torch.mm(h_c, wt)
         sc = scale if scale.numel() == 1 else scale[start:end]
         launch_ce(logits, target[start:end], loss_rows[start:end], logits if grads is not None else None,
                   sc, ignore_index, label_smoothing, z_loss)
         if grads is None:
             continue
         if dw is not None:  # before d_hidden: it may overwrite h_c
-            if i == 0:
-                torch.mm(logits.t(), h_c, out=dw)
-            else:
-                dw.addmm_(logits.t(), h_c)
+            _mm_into(dw, logits.t(), h_c, accumulate=i > 0)
         if db is not None:
             db += logits.sum(0, dtype=torch.float32)
         if want_dh:
-            torch.mm(logits, weight, out=d_hidden_out[start:end])
+            _mm_into(d_hidden_out[start:end], logits, w, accumulate=False)
         del logits
     if db is not None:
         db = db.to(bias.dtype)
@@ -120,7 +169,7 @@ class FusedLinearCrossEntropyFunction(torch.autograd.Function):
     def forward(
         ctx, hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, bias: torch.Tensor | None,
         ignore_index: int, label_smoothing: float, reduction: str, z_loss: float,
-        chunk_size: int | None, inplace: bool | None,
+        chunk_size: int | None, inplace: bool | None, dtype: torch.dtype,
     ) -> torch.Tensor:
         shape = hidden.shape
         h2 = hidden.reshape(-1, shape[-1])
@@ -132,18 +181,20 @@ class FusedLinearCrossEntropyFunction(torch.autograd.Function):
         want = (ctx.needs_input_grad[0], ctx.needs_input_grad[1], bias is not None and ctx.needs_input_grad[3])
         reuse = want[0] and reduction != "none" and (
             copied or (inplace if inplace is not None else owns_storage(hidden)))
-        chunk = chunk_size or default_chunk_size(n, hdim, v, reuse)
+        chunk = chunk_size or default_chunk_size(n, hdim, v, reuse, h2.element_size(), dtype.itemsize)
         opts = (int(ignore_index), float(label_smoothing), float(z_loss))
         loss_rows = torch.empty(n, dtype=torch.float32, device=h2.device)
         scale, n_valid = reduction_scale(target, ignore_index, reduction)
-        ctx.shape, ctx.reduction, ctx.opts, ctx.chunk = shape, reduction, opts, chunk
+        ctx.shape, ctx.reduction, ctx.opts, ctx.chunk, ctx.dtype = shape, reduction, opts, chunk, dtype
         ctx.want = want
         if reduction == "none" or not any(want):
-            _chunk_loop(h2, weight, bias, target, loss_rows, scale, opts, chunk, None, None)
+            with _no_autocast(h2.device):
+                _chunk_loop(h2, weight, bias, target, loss_rows, scale, opts, chunk, None, None, dtype)
             ctx.save_for_backward(h2, weight, bias, target)
         else:
             dh_out = (h2 if reuse else torch.empty_like(h2)) if want[0] else None
-            dh, dw, db = _chunk_loop(h2, weight, bias, target, loss_rows, scale, opts, chunk, want, dh_out)
+            with _no_autocast(h2.device):
+                dh, dw, db = _chunk_loop(h2, weight, bias, target, loss_rows, scale, opts, chunk, want, dh_out, dtype)
             if reuse and dh is not None and not copied:
                 bump_version(hidden)
             # kept on ctx, not save_for_backward: dh may be a view of `hidden`, whose version we
@@ -162,8 +213,9 @@ class FusedLinearCrossEntropyFunction(torch.autograd.Function):
             n = h2.shape[0]
             loss_rows = torch.empty(n, dtype=torch.float32, device=h2.device)
             dh_out = torch.empty_like(h2) if ctx.want[0] else None
-            dh, dw, db = _chunk_loop(h2, weight, bias, target, loss_rows, scale, ctx.opts, ctx.chunk,
-                                     ctx.want, dh_out)
+            with _no_autocast(h2.device):
+                dh, dw, db = _chunk_loop(h2, weight, bias, target, loss_rows, scale, ctx.opts, ctx.chunk,
+                                         ctx.want, dh_out, ctx.dtype)
         else:
             if not hasattr(ctx, "grads"):
                 raise RuntimeError("fused_linear_cross_entropy computes its gradients once, in the forward pass; "
@@ -178,7 +230,7 @@ class FusedLinearCrossEntropyFunction(torch.autograd.Function):
                 scale_rows_(db.view(1, -1), g)
         if dh is not None:
             dh = dh.view(ctx.shape)
-        return dh, dw, None, db, None, None, None, None, None, None
+        return dh, dw, None, db, None, None, None, None, None, None, None
 
 
 @eager_under_compile
@@ -199,16 +251,21 @@ def fused_linear_cross_entropy(
 
     Args:
         hidden: ``(N, H)`` or ``(..., H)`` activations (fp32/fp16/bf16).
-        weight: ``(V, H)`` LM-head weight, same dtype as ``hidden``.
+        weight: ``(V, H)`` LM-head weight (fp32/fp16/bf16).
         target: ``hidden.shape[:-1]`` (or flattened) int64/int32 class indices.
         bias: optional ``(V,)``.
-        ignore_index, label_smoothing, reduction, z_loss: as :func:`ckpt.kernels.cross_entropy`.
+        ignore_index, label_smoothing, reduction, z_loss: as :func:`ckpt.kernels.cross_entropy`
+            (a target outside ``[0, V)`` that is not ``ignore_index`` is an error there too).
         chunk_size: tokens per chunk (default: see module docstring).
         inplace: write ``d_hidden`` over ``hidden`` during the forward; ``None`` (default)
             does so when ``hidden`` is a private autograd intermediate.
 
     Returns:
         fp32 scalar, or fp32 ``hidden.shape[:-1]`` for ``reduction="none"``.
+
+    The GEMMs run in autocast's dtype when autocast is enabled on ``hidden``'s device (as
+    ``F.linear`` would), else in ``hidden``'s dtype; inputs of another dtype are cast, and
+    each gradient comes back in its input's dtype (module docstring).
     """
     check_tensor(hidden, "hidden", dtypes=_FLOATS, min_ndim=1)
     check_tensor(weight, "weight", dtypes=_FLOATS, ndim=2)
@@ -217,20 +274,18 @@ def fused_linear_cross_entropy(
     if weight.shape[1] != hidden.shape[-1]:
         raise ValueError(f"weight has shape {tuple(weight.shape)}; expected (V, {hidden.shape[-1]}) "
                          "to match hidden's last dim")
-    if weight.dtype != hidden.dtype:
-        raise ValueError(f"weight has dtype {weight.dtype} but hidden has dtype {hidden.dtype}; they must match")
     if bias is not None:
         check_tensor(bias, "bias", dtypes=_FLOATS, ndim=1)
         if bias.shape[0] != weight.shape[0]:
             raise ValueError(f"bias has shape {tuple(bias.shape)}; expected ({weight.shape[0]},)")
-        if bias.dtype != hidden.dtype:
-            raise ValueError(f"bias has dtype {bias.dtype} but hidden has dtype {hidden.dtype}; they must match")
     if chunk_size is not None and chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
     n_rows = hidden.numel() // max(hidden.shape[-1], 1)
     target = check_loss_args(target, n_rows, hidden, "hidden", label_smoothing, reduction, z_loss)
+    check_target_range(target, weight.shape[0], ignore_index, "weight")
+    dtype = autocast_dtype(hidden.device) or hidden.dtype
     return FusedLinearCrossEntropyFunction.apply(
-        hidden, weight, target, bias, ignore_index, label_smoothing, reduction, z_loss, chunk_size, inplace
+        hidden, weight, target, bias, ignore_index, label_smoothing, reduction, z_loss, chunk_size, inplace, dtype
     )
 
 

@@ -19,7 +19,11 @@ Memory tricks:
   backward then allocates nothing. For user leaves or views a fresh buffer is used.
   The version counters of overwritten tensors are bumped so misuse fails loudly.
 
-Shapes: ``a`` and ``b`` ``(..., I)`` with equal shapes and dtypes; output the same.
+Shapes: ``a`` and ``b`` ``(..., I)`` with equal shapes; output the same shape.
+
+Dtypes as ``act(a) * b`` in PyTorch, which autocast leaves alone: the output takes the promoted
+dtype of ``a`` and ``b``; ``da`` comes back in ``a``'s dtype, ``db`` in ``b``'s (the kernel loads
+any dtype and stores each tensor's own, so mixed dtypes cost no cast pass).
 
 References:
     Shazeer, "GLU Variants Improve Transformer", 2020.
@@ -94,9 +98,13 @@ _fwd = LazyKernel(_glu_fwd_kernel)
 _bwd = LazyKernel(_glu_bwd_kernel)
 
 
+def _out_dtype(a: torch.Tensor, b: torch.Tensor) -> torch.dtype:
+    return a.dtype if a.dtype == b.dtype else torch.promote_types(a.dtype, b.dtype)
+
+
 def _forward(ac: torch.Tensor, bc: torch.Tensor, act: int) -> torch.Tensor:
-    """``act(a) * b`` for contiguous ``a``/``b``."""
-    c = torch.empty_like(ac)
+    """``act(a) * b`` for contiguous ``a``/``b``, in their promoted dtype."""
+    c = torch.empty_like(ac, dtype=_out_dtype(ac, bc))
     n = ac.numel()
     if n:
         _fwd[(_cdiv(n, _BLOCK),)](ac, bc, c, n, ACT=act, BLOCK=_BLOCK, num_warps=8)
@@ -152,7 +160,7 @@ def _glu_op(a, b, act):
 
 @_glu_op.register_fake
 def _(a, b, act):
-    return a.new_empty(a.shape)
+    return a.new_empty(a.shape, dtype=_out_dtype(a, b))
 
 
 @op_def("glu_backward", "(Tensor dc, Tensor a, Tensor b, int act) -> (Tensor, Tensor)")
@@ -195,8 +203,6 @@ def _check(a: torch.Tensor, b: torch.Tensor) -> None:
     check_same_device(a, "a", b=b)
     if a.shape != b.shape:
         raise ValueError(f"b has shape {tuple(b.shape)} but a has shape {tuple(a.shape)}; they must match")
-    if a.dtype != b.dtype:
-        raise ValueError(f"b has dtype {b.dtype} but a has dtype {a.dtype}; they must match")
 
 
 def swiglu(a: torch.Tensor, b: torch.Tensor, *, inplace_grad: bool | None = None) -> torch.Tensor:
@@ -204,13 +210,14 @@ def swiglu(a: torch.Tensor, b: torch.Tensor, *, inplace_grad: bool | None = None
 
     Args:
         a: gate ``(..., I)``.
-        b: up projection ``(..., I)``, same shape and dtype.
+        b: up projection ``(..., I)``, same shape (any float dtype).
         inplace_grad: write ``da``/``db`` over ``a``/``b`` in backward. ``None`` (default)
             does so only when they are private autograd intermediates. Ignored under
             ``torch.compile``, where the kernel is a custom operator.
 
     Returns:
-        ``(..., I)`` tensor.
+        ``(..., I)`` tensor in the promoted dtype of ``a`` and ``b`` (as ``F.silu(a) * b``);
+        gradients come back in ``a``'s and ``b``'s own dtypes.
     """
     _check(a, b)
     return _apply(a, b, _SILU, inplace_grad)

@@ -30,6 +30,11 @@ per forward + backward, 5 us more GPU time (139 vs 134 us).
 
 Shapes: ``x`` ``(..., N)``; ``weight`` and ``bias`` ``(N,)`` (``bias`` may be ``None``).
 
+Dtypes follow ``torch.nn.functional.layer_norm``: the output has ``x``'s dtype, and fp32 under
+CUDA autocast (layer_norm is on its fp32 list; the kernel reads bf16/fp16 ``x`` and writes fp32
+directly, no cast pass); CPU autocast leaves layer_norm alone. Gradients come back in each
+input's own dtype.
+
 References:
     Ba, Kiros & Hinton, "Layer Normalization", 2016.
     Triton tutorial "Layer Normalization" (fused backward, staged weight-gradient reduction).
@@ -60,6 +65,17 @@ from ._utils import (
 __all__ = ["layer_norm", "LayerNorm", "LayerNormFunction"]
 
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
+#: device types whose autocast runs layer_norm in fp32 (its fp32 op list); CPU autocast does not
+_AUTOCAST_FP32 = ("cuda",)
+
+
+def out_dtype(x: torch.Tensor) -> torch.dtype:
+    """What ``F.layer_norm`` returns for ``x`` here and now: fp32 under autocast on a device type
+    whose autocast lists layer_norm as an fp32 op, else ``x``'s dtype."""
+    kind = x.device.type
+    if kind in _AUTOCAST_FP32 and torch.is_autocast_enabled(kind):
+        return torch.float32
+    return x.dtype
 
 
 def _layer_norm_fwd_kernel(
@@ -149,11 +165,12 @@ _fwd = LazyKernel(_layer_norm_fwd_kernel)
 _bwd = LazyKernel(_layer_norm_bwd_kernel)
 
 
-def _forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float):
-    """``(y, rows, stats)``: the output, :func:`as_rows` of ``x`` (what backward reads), per-row (mean, rstd)."""
+def _forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float, dtype: torch.dtype):
+    """``(y, rows, stats)``: the output (in ``dtype``), :func:`as_rows` of ``x`` (what backward
+    reads), per-row (mean, rstd)."""
     rows = x2, n_rows, stride_x = as_rows(x)
     n = x.shape[-1]
-    y = empty_rows_like(x, x2)
+    y = empty_rows_like(x, x2, dtype)
     stats = torch.empty((2, n_rows), dtype=torch.float32, device=x.device)  # mean, rstd: one allocation
     block = next_power_of_2(n)
     if n_rows > 0:
@@ -166,11 +183,12 @@ def _forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, e
 
 def _backward(dy: torch.Tensor, rows: tuple[torch.Tensor, int, int], weight: torch.Tensor, stats: torch.Tensor,
               need_dw: bool, bias_dtype: torch.dtype | None):
-    """``(dx, dw, db)``; ``db`` only when ``bias_dtype`` is given, ``None`` where not needed."""
+    """``(dx, dw, db)`` in the dtypes of ``x``, the weight and the bias; ``db`` only when
+    ``bias_dtype`` is given, ``None`` where not needed."""
     x2, n_rows, stride_x = rows
     n = dy.shape[-1]
     dy2, _, stride_dy = as_rows(dy)
-    dx = empty_rows_like(dy, dy2)
+    dx = empty_rows_like(dy, dy2, x2.dtype)
     need_db = bias_dtype is not None
     if n_rows == 0:
         return (dx, torch.zeros_like(weight) if need_dw else None,
@@ -201,8 +219,9 @@ class LayerNormFunction(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float) -> torch.Tensor:
-        y, rows, stats = _forward(x, weight, bias, eps)
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float,
+                dtype: torch.dtype) -> torch.Tensor:
+        y, rows, stats = _forward(x, weight, bias, eps, dtype)
         ctx.save_for_backward(rows[0], weight, stats)
         ctx.rows = rows[1:]
         ctx.bias_dtype = bias.dtype if bias is not None else None
@@ -211,22 +230,22 @@ class LayerNormFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy: torch.Tensor):
         x2, weight, stats = ctx.saved_tensors
-        _, need_dw, need_db, _ = ctx.needs_input_grad
+        _, need_dw, need_db = ctx.needs_input_grad[:3]
         dx, dw, db = _backward(dy, (x2, *ctx.rows), weight, stats, need_dw, ctx.bias_dtype if need_db else None)
-        return dx, dw, db, None
+        return dx, dw, db, None, None
 
 
 # -- torch.compile: the same two passes as custom operators (``op_def``) --------------------------
 
-@op_def("layer_norm", "(Tensor x, Tensor weight, Tensor? bias, float eps) -> (Tensor, Tensor)")
-def _layer_norm_op(x, weight, bias, eps):
-    y, _, stats = _forward(x, weight, bias, eps)
+@op_def("layer_norm", "(Tensor x, Tensor weight, Tensor? bias, float eps, ScalarType? dtype=None) -> (Tensor, Tensor)")
+def _layer_norm_op(x, weight, bias, eps, dtype=None):
+    y, _, stats = _forward(x, weight, bias, eps, dtype or x.dtype)
     return y, stats
 
 
 @_layer_norm_op.register_fake
-def _(x, weight, bias, eps):
-    return x.new_empty(x.shape), x.new_empty((2, rows_of(x)), dtype=torch.float32)
+def _(x, weight, bias, eps, dtype=None):
+    return x.new_empty(x.shape, dtype=dtype or x.dtype), x.new_empty((2, rows_of(x)), dtype=torch.float32)
 
 
 @op_def("layer_norm_backward", "(Tensor dy, Tensor x, Tensor weight, Tensor stats, bool need_dw, "
@@ -241,20 +260,20 @@ def _layer_norm_backward_op(dy, x, weight, stats, need_dw, bias, need_db):
 @_layer_norm_backward_op.register_fake
 def _(dy, x, weight, stats, need_dw, bias, need_db):
     db = bias.new_empty(bias.shape) if need_db and bias is not None else weight.new_empty(0)
-    return dy.new_empty(dy.shape), weight.new_empty(weight.shape if need_dw else (0,)), db
+    return dy.new_empty(dy.shape, dtype=x.dtype), weight.new_empty(weight.shape if need_dw else (0,)), db
 
 
 def _layer_norm_setup(ctx, inputs, output):
-    x, weight, bias, _ = inputs
+    x, weight, bias = inputs[:3]
     ctx.save_for_backward(x, weight, output[1], bias)
 
 
 def _layer_norm_grad(ctx, dy, _dstats):
     x, weight, stats, bias = ctx.saved_tensors
-    _, need_dw, need_db, _ = ctx.needs_input_grad
+    _, need_dw, need_db = ctx.needs_input_grad[:3]
     need_db = need_db and bias is not None
     dx, dw, db = torch.ops.ckpt.layer_norm_backward(dy, x, weight, stats, need_dw, bias, need_db)
-    return dx, dw if need_dw else None, db if need_db else None, None
+    return dx, dw if need_dw else None, db if need_db else None, None, None
 
 
 _layer_norm_op.register_autograd(_layer_norm_grad, setup_context=_layer_norm_setup)
@@ -270,7 +289,8 @@ def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
         eps: added to the variance.
 
     Returns:
-        ``(..., N)`` with ``x``'s dtype.
+        ``(..., N)`` with ``x``'s dtype, or fp32 under CUDA autocast (as ``F.layer_norm``).
+        Gradients come back in the dtypes of ``x``, ``weight`` and ``bias``.
     """
     check_tensor(x, "x", dtypes=_FLOATS, min_ndim=1)
     check_tensor(weight, "weight", dtypes=_FLOATS, ndim=1)
@@ -282,15 +302,17 @@ def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
         raise ValueError(f"weight has shape {tuple(weight.shape)} but x's last dim is {x.shape[-1]}")
     if bias is not None and bias.shape[0] != x.shape[-1]:
         raise ValueError(f"bias has shape {tuple(bias.shape)} but x's last dim is {x.shape[-1]}")
+    dtype = out_dtype(x)
     if torch.compiler.is_compiling():   # traced: one opaque operator node, no graph break
-        return torch.ops.ckpt.layer_norm(x, dense_vector(weight), dense_vector(bias), float(eps))[0]
-    return LayerNormFunction.apply(x, dense_vector(weight), dense_vector(bias), eps)
+        return torch.ops.ckpt.layer_norm(x, dense_vector(weight), dense_vector(bias), float(eps), dtype)[0]
+    return LayerNormFunction.apply(x, dense_vector(weight), dense_vector(bias), eps, dtype)
 
 
 class LayerNorm(nn.Module):
     """``nn.Module`` form of :func:`layer_norm` with ``weight`` (ones) and optional ``bias`` (zeros).
 
-    Shapes: input ``(..., hidden_size)`` -> output of the same shape and dtype.
+    Shapes: input ``(..., hidden_size)`` -> output of the same shape and dtype (fp32 under CUDA
+    autocast, as ``nn.LayerNorm``).
     """
 
     def __init__(

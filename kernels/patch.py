@@ -81,17 +81,21 @@ def _causal_lm_forward(
     **kwargs: Any,
 ) -> Any:
     """``*ForCausalLM.forward`` whose training loss skips the logits (fused linear CE)."""
+    if past_key_values is not None:
+        # passed on only when given: transformers 5.2x renames it ``cache`` (which arrives in
+        # kwargs), warns whenever the old name is passed, even as None, and drops it in 5.40
+        kwargs["past_key_values"] = past_key_values
     if labels is None or not self.training:
         return self._ckpt_unpatched_forward(
             input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-            past_key_values=past_key_values, inputs_embeds=inputs_embeds, labels=labels,
-            use_cache=use_cache, logits_to_keep=logits_to_keep, **kwargs,
+            inputs_embeds=inputs_embeds, labels=labels, use_cache=use_cache, logits_to_keep=logits_to_keep,
+            **kwargs,
         )
     from transformers.modeling_outputs import CausalLMOutputWithPast
 
     num_items = kwargs.pop("num_items_in_batch", None)
     return_dict = kwargs.pop("return_dict", None)
-    if use_cache is None and past_key_values is None:
+    if use_cache is None and kwargs.get("past_key_values", kwargs.get("cache")) is None:
         # A training step needs no inference KV cache; left to config.use_cache (True in most
         # configs), some transformers versions build one and copy every layer's keys and values
         # into it (two concatenations per layer: about 2 ms per step at the 1B shape on an H200).
@@ -99,16 +103,16 @@ def _causal_lm_forward(
     ignore_index = kwargs.pop("ignore_index", -100)
     outputs = self.model(
         input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-        past_key_values=past_key_values, inputs_embeds=inputs_embeds, use_cache=use_cache, **kwargs,
+        inputs_embeds=inputs_embeds, use_cache=use_cache, **kwargs,
     )
     hidden = outputs[0]
     # HF's causal-LM shift: predict token t+1 at position t; the last position is ignored.
     shift = nn.functional.pad(labels, (0, 1), value=ignore_index)[..., 1:].to(hidden.device)
+    # The head's parameters go in as they are: under autocast the fused loss runs its GEMMs in
+    # autocast's dtype, as the unpatched lm_head Linear does; otherwise in hidden's dtype. Either
+    # way their gradients come back in their own dtype (fp32 master weights stay fp32).
     head = self.lm_head
-    weight = head.weight if head.weight.dtype == hidden.dtype else head.weight.to(hidden.dtype)
-    bias = head.bias
-    if bias is not None and bias.dtype != hidden.dtype:
-        bias = bias.to(hidden.dtype)
+    weight, bias = head.weight, head.bias
     keep_hidden = bool(kwargs.get("output_hidden_states", getattr(self.config, "output_hidden_states", False)))
     loss = fused_linear_cross_entropy(
         hidden, weight, shift, bias, ignore_index=ignore_index,

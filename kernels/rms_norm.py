@@ -43,7 +43,8 @@ Memory tricks:
   about 0.1 ms on an H200, less than the host needs to dispatch it through Python):
   backward makes two launches and three allocations and no other tensor operations.
 
-Shapes: ``x`` is ``(..., N)``, ``weight`` is ``(N,)``, output has ``x``'s shape and dtype.
+Shapes: ``x`` is ``(..., N)``, ``weight`` is ``(N,)``, output has ``x``'s shape and dtype (the
+promoted dtype for a Llama-style norm whose weight has another dtype: :func:`out_dtype`).
 
 References:
     Zhang & Sennrich, "Root Mean Square Layer Normalization", NeurIPS 2019.
@@ -231,11 +232,21 @@ def _bwd_plan(n_rows: int, block: int, x_bytes: int, dy_bytes: int, device: torc
     return -(-n_rows // per), per, step, stages, warps
 
 
+def out_dtype(x: torch.Tensor, weight: torch.Tensor, offset: float) -> torch.dtype:
+    """The output's dtype, as the Hugging Face norm it replaces gives it (autocast changes neither:
+    they compute in fp32 by hand, with ops autocast leaves alone): Llama-style norms (``offset=0``)
+    return ``weight * xhat.to(x.dtype)``, i.e. the promoted dtype, fp32 for bf16 ``x`` with an fp32
+    weight; Gemma-style norms (``offset=1``) return ``x``'s dtype."""
+    if offset == 0.0 and weight.dtype != x.dtype:
+        return torch.promote_types(x.dtype, weight.dtype)
+    return x.dtype
+
+
 def _forward(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float):
     """``(y, rows, rstd)``: the output, :func:`as_rows` of ``x`` (what backward reads) and the per-row rstd."""
     rows = x2, n_rows, stride_x = as_rows(x)
     n = x.shape[-1]
-    y = empty_rows_like(x, x2)
+    y = empty_rows_like(x, x2, out_dtype(x, weight, offset))
     rstd = torch.empty(n_rows, dtype=torch.float32, device=x.device)
     block = next_power_of_2(n)
     if n_rows > 0:
@@ -248,7 +259,8 @@ def _forward(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float):
 
 def _backward(dy: torch.Tensor, rows: tuple[torch.Tensor, int, int], weight: torch.Tensor, rstd: torch.Tensor,
               offset: float, need_dw: bool, in_place: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """``(dx, dw)`` (``dw`` is ``None`` unless ``need_dw``); ``rows`` as returned by :func:`_forward`."""
+    """``(dx, dw)`` (``dw`` is ``None`` unless ``need_dw``); ``rows`` as returned by :func:`_forward`.
+    ``dx`` has ``x``'s dtype, ``dw`` the weight's; ``dy`` (the output's dtype) may differ from both."""
     x2, n_rows, stride_x = rows
     n = dy.shape[-1]
     dy2, _, stride_dy = as_rows(dy)
@@ -257,7 +269,7 @@ def _backward(dy: torch.Tensor, rows: tuple[torch.Tensor, int, int], weight: tor
         # object nobody else holds as x.grad, but copies one the caller still holds (dy)
         dx = dy.view(dy.shape)
     else:
-        dx = empty_rows_like(dy, dy2)
+        dx = empty_rows_like(dy, dy2, x2.dtype)
     if n_rows == 0:
         return dx, torch.zeros_like(weight) if need_dw else None
     block = next_power_of_2(n)
@@ -338,7 +350,7 @@ def _rms_norm_op(x, weight, eps, offset):
 
 @_rms_norm_op.register_fake
 def _(x, weight, eps, offset):
-    return x.new_empty(x.shape), x.new_empty(rows_of(x), dtype=torch.float32)
+    return x.new_empty(x.shape, dtype=out_dtype(x, weight, offset)), x.new_empty(rows_of(x), dtype=torch.float32)
 
 
 @op_def("rms_norm_backward",
@@ -350,7 +362,7 @@ def _rms_norm_backward_op(dy, x, weight, rstd, offset, need_dw):
 
 @_rms_norm_backward_op.register_fake
 def _(dy, x, weight, rstd, offset, need_dw):
-    return dy.new_empty(dy.shape), weight.new_empty(weight.shape if need_dw else (0,))
+    return dy.new_empty(dy.shape, dtype=x.dtype), weight.new_empty(weight.shape if need_dw else (0,))
 
 
 def _rms_norm_setup(ctx, inputs, output):
@@ -384,7 +396,10 @@ def rms_norm(
             Ignored under ``torch.compile``, where the kernel is a custom operator.
 
     Returns:
-        ``(..., N)`` tensor with ``x``'s dtype.
+        ``(..., N)`` tensor: ``x``'s dtype, except that with ``offset=0`` a weight of another dtype
+        gives the promoted one (fp32 for bf16 ``x`` and an fp32 weight), as Llama's norm does.
+        Autocast changes nothing (Hugging Face's norms compute in fp32 by hand); ``x``'s gradient
+        comes back in ``x``'s dtype, the weight's in the weight's.
     """
     check_tensor(x, "x", dtypes=_FLOATS, min_ndim=1)
     check_tensor(weight, "weight", dtypes=_FLOATS, ndim=1)
@@ -400,7 +415,8 @@ def rms_norm(
 class RMSNorm(nn.Module):
     """``nn.Module`` form of :func:`rms_norm`; drop-in for ``LlamaRMSNorm`` (parameter ``weight``).
 
-    Shapes: input ``(..., hidden_size)`` -> output of the same shape and dtype.
+    Shapes: input ``(..., hidden_size)`` -> output of the same shape and dtype (the promoted dtype
+    when ``offset=0`` and the weight's dtype differs, as ``LlamaRMSNorm``).
     """
 
     def __init__(

@@ -24,6 +24,11 @@ Layout and memory tricks:
   copy; ``(batch, seq, heads, head_dim)`` works too (pass ``unsqueeze_dim=2``).
 * Nothing is saved for backward but ``cos``/``sin`` (inputs that are alive anyway).
 * Arithmetic is fp32; ``cos``/``sin`` may be bf16 (HF) or fp32.
+* Dtypes as Hugging Face's elementwise ``q * cos + rotate_half(q) * sin``, which autocast leaves
+  alone: ``q``'s output takes the promoted dtype of ``q``, ``cos`` and ``sin`` (fp32 for a bf16
+  ``q`` from an autocast projection with HF's fp32 ``cos``), ``k``'s likewise; gradients come
+  back in ``q``'s and ``k``'s own dtypes. The kernel loads any dtype and stores the output's, so
+  mixed dtypes cost no cast pass.
 
 Shapes: ``q`` ``(B, Hq, S, D)``, ``k`` ``(B, Hk, S, D)``; ``cos``/``sin`` ``(S, D)``,
 ``(1 or B, S, D)`` or already unsqueezed ``(1 or B, 1, S, D)``.
@@ -107,10 +112,20 @@ def _unit_last(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
-def _launch(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backward: bool):
+def _out_dtypes(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.dtype, ...]:
+    """The dtypes of HF's ``q * cos + rotate_half(q) * sin`` and of the same for ``k``."""
+    if q.dtype == k.dtype == cos.dtype == sin.dtype:
+        return q.dtype, q.dtype
+    cs = torch.promote_types(cos.dtype, sin.dtype)
+    return torch.promote_types(q.dtype, cs), torch.promote_types(k.dtype, cs)
+
+
+def _launch(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backward: bool,
+            q_dtype: torch.dtype, k_dtype: torch.dtype):
+    """Rotate (``backward``: rotate back) ``q`` and ``k`` into new tensors of ``q_dtype``/``k_dtype``."""
     q, k = _unit_last(q), _unit_last(k)
-    qo = torch.empty_like(q)  # keeps q's (possibly transposed) layout when dense
-    ko = torch.empty_like(k)
+    qo = torch.empty_like(q, dtype=q_dtype)  # keeps q's (possibly transposed) layout when dense
+    ko = torch.empty_like(k, dtype=k_dtype)
     bsz, n_qh, seq, dim = q.shape
     n_kh = k.shape[1]
     half = dim // 2
@@ -135,36 +150,40 @@ class RoPEFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         ctx.save_for_backward(cos, sin)
-        return _launch(q, k, cos, sin, backward=False)
+        ctx.dtypes = q.dtype, k.dtype
+        return _launch(q, k, cos, sin, False, *_out_dtypes(q, k, cos, sin))
 
     @staticmethod
     def backward(ctx, dq: torch.Tensor, dk: torch.Tensor):
         cos, sin = ctx.saved_tensors
-        dq_in, dk_in = _launch(dq, dk, cos, sin, backward=True)
+        dq_in, dk_in = _launch(dq, dk, cos, sin, True, *ctx.dtypes)
         return dq_in, dk_in, None, None
 
 
 # -- torch.compile: one custom operator; its gradient is the same operator with ``backward`` flipped --
 
-@op_def("rope", "(Tensor q, Tensor k, Tensor cos, Tensor sin, bool backward) -> (Tensor, Tensor)")
-def _rope_op(q, k, cos, sin, backward):
-    return _launch(q, k, cos, sin, backward)
+@op_def("rope", "(Tensor q, Tensor k, Tensor cos, Tensor sin, bool backward, ScalarType? q_dtype=None, "
+        "ScalarType? k_dtype=None) -> (Tensor, Tensor)")
+def _rope_op(q, k, cos, sin, backward, q_dtype=None, k_dtype=None):
+    return _launch(q, k, cos, sin, backward, q_dtype or q.dtype, k_dtype or k.dtype)
 
 
 @_rope_op.register_fake
-def _(q, k, cos, sin, backward):
-    return torch.empty_like(_unit_last(q)), torch.empty_like(_unit_last(k))
+def _(q, k, cos, sin, backward, q_dtype=None, k_dtype=None):
+    return (torch.empty_like(_unit_last(q), dtype=q_dtype or q.dtype),
+            torch.empty_like(_unit_last(k), dtype=k_dtype or k.dtype))
 
 
 def _rope_setup(ctx, inputs, output):
     ctx.save_for_backward(inputs[2], inputs[3])
     ctx.backward = inputs[4]
+    ctx.dtypes = inputs[0].dtype, inputs[1].dtype
 
 
 def _rope_grad(ctx, dq, dk):
     cos, sin = ctx.saved_tensors
-    dq_in, dk_in = torch.ops.ckpt.rope(dq, dk, cos, sin, not ctx.backward)
-    return dq_in, dk_in, None, None, None
+    dq_in, dk_in = torch.ops.ckpt.rope(dq, dk, cos, sin, not ctx.backward, *ctx.dtypes)
+    return dq_in, dk_in, None, None, None, None, None
 
 
 _rope_op.register_autograd(_rope_grad, setup_context=_rope_setup)
@@ -192,12 +211,14 @@ def rope(
 
     Args:
         q: ``(B, Hq, S, D)`` (or ``(B, S, Hq, D)`` with ``unsqueeze_dim=2``), any strides.
-        k: ``(B, Hk, S, D)`` likewise; ``Hk`` may differ from ``Hq`` (GQA/MQA).
+        k: ``(B, Hk, S, D)`` likewise; ``Hk`` may differ from ``Hq`` (GQA/MQA), and so may its dtype.
         cos, sin: HF tensors ``(1|B, S, D)``, or ``(S, D)``.
         unsqueeze_dim: 1 for the heads-first layout (HF default), 2 for sequence-first.
 
     Returns:
-        ``(q_rot, k_rot)`` with the input shapes, dtypes and (dense) layouts.
+        ``(q_rot, k_rot)`` with the input shapes and (dense) layouts; dtypes as HF's function
+        gives them: ``q``'s promoted with ``cos``/``sin``'s (so fp32 for a bf16 ``q`` with fp32
+        ``cos``), ``k``'s likewise. Gradients come back in ``q``'s and ``k``'s dtypes.
     """
     check_tensor(q, "q", dtypes=_FLOATS, ndim=4)
     check_tensor(k, "k", dtypes=_FLOATS, ndim=4)
@@ -215,14 +236,12 @@ def rope(
     if k.shape[0] != bsz or k.shape[2] != seq or k.shape[3] != dim:
         raise ValueError(f"k has shape {tuple(k.shape)}, incompatible with q's {tuple(q.shape)} "
                          "(batch, sequence and head_dim must match)")
-    if k.dtype != q.dtype:
-        raise ValueError(f"k has dtype {k.dtype} but q has dtype {q.dtype}")
     cos = _normalise_cos(cos, "cos", bsz, seq, dim)
     sin = _normalise_cos(sin, "sin", bsz, seq, dim)
     if cos.stride() != sin.stride():  # the kernel addresses both with one set of strides
         cos, sin = cos.contiguous(), sin.contiguous()
     if torch.compiler.is_compiling():   # traced: one opaque operator node, no graph break
-        qo, ko = torch.ops.ckpt.rope(q, k, cos, sin, False)
+        qo, ko = torch.ops.ckpt.rope(q, k, cos, sin, False, *_out_dtypes(q, k, cos, sin))
     else:
         qo, ko = RoPEFunction.apply(q, k, cos, sin)
     if unsqueeze_dim == 2:

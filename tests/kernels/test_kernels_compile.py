@@ -89,12 +89,39 @@ def test_norms_rope_glu_fullgraph_match_eager(dynamic):
         assert_close(name, a, e, 1e-5, 1e-5)
 
 
+def mixed_inputs(device):
+    """Activations in bf16, parameters, cos/sin in fp32 (an fp32 model's tensors under autocast)."""
+    (x, w, b, q, k, _), (cos, sin, _) = inputs(device)
+    x, q, k = (t.detach().bfloat16().requires_grad_() for t in (x, q, k))
+    return x, w, b, q, k, cos, sin
+
+
+@pytest.mark.parametrize("enabled", [False, True], ids=["mixed", "mixed-autocast"])
+def test_mixed_dtypes_compiled_match_eager(enabled):
+    """The operators' output dtypes (fake implementations) agree with eager, also under autocast."""
+    def run_mixed(fn):
+        args = mixed_inputs(DEVICE)
+        with torch.autocast(device_type=DEVICE, dtype=torch.bfloat16, enabled=enabled):
+            loss = fn(*args)
+        loss.backward()
+        return [loss] + [t.grad for t in args[:5]]
+
+    torch._dynamo.reset()
+    expected = run_mixed(layers)
+    got = run_mixed(torch.compile(layers, backend="aot_eager", fullgraph=True))
+    for name, a, e in zip(["loss", "x", "w", "b", "q", "k"], got, expected):
+        assert a.dtype == e.dtype, f"{name}: {a.dtype} compiled, {e.dtype} eager"
+        assert_close(name, a, e, 1e-5, 1e-5)
+
+
 def _op_cases(device):
     (x, w, b, q, k, _), (cos, sin, _) = inputs(device)
     x, w, b, q, k = (t.detach().requires_grad_() for t in (x, w, b, q, k))
     rows = x.shape[0]
     stats = torch.rand(2, rows, device=device)
     a, c = torch.randn(5, 33, device=device), torch.randn(5, 33, device=device)
+    x16 = x.detach().bfloat16().requires_grad_()
+    a16 = a.bfloat16().requires_grad_()
     return {
         "rms_norm": (x, w, 1e-6, 0.0),
         "rms_norm gemma": (x, w, 1e-6, 1.0),
@@ -106,6 +133,17 @@ def _op_cases(device):
         "glu silu": (a.requires_grad_(), c.requires_grad_(), 0),
         "glu gelu_tanh": (a, c, 1),
         "glu_backward": (torch.randn(5, 33, device=device), a.detach(), c.detach(), 0),
+        # mixed dtypes: each output's dtype comes from the inputs or an explicit argument
+        "rms_norm mixed": (x16, w, 1e-6, 0.0),
+        "rms_norm_backward mixed": (x.detach(), x16.detach(), w.detach(), torch.rand(rows, device=device), 0.0, True),
+        "layer_norm fp32-out": (x16, w, b, 1e-5, torch.float32),
+        "layer_norm_backward mixed": (x.detach(), x16.detach(), w.detach(), stats, True, b.detach(), True),
+        "rope mixed": (q.detach().bfloat16().requires_grad_(), k, cos.expand(q.shape[0], -1, -1),
+                       sin.expand(q.shape[0], -1, -1), False, torch.float32, torch.float32),
+        "rope backward-dtypes": (q.detach(), k.detach(), cos.expand(q.shape[0], -1, -1),
+                                 sin.expand(q.shape[0], -1, -1), True, torch.bfloat16, torch.float32),
+        "glu mixed": (a16, c, 0),
+        "glu_backward mixed": (torch.randn(5, 33, device=device), a16.detach(), c.detach(), 1),
     }
 
 

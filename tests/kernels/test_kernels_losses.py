@@ -165,3 +165,64 @@ def test_frozen_weight_and_no_grad_paths():
         torch.testing.assert_close(cross_entropy(logits, t.to(DEVICE)), ce_ref(before, t.to(DEVICE)))
         assert torch.equal(logits, before)  # nothing written without autograd
         torch.testing.assert_close(fused_linear_cross_entropy(x, w, t.to(DEVICE)), ce_ref(before, t.to(DEVICE)))
+
+
+LOSSES = {
+    "cross_entropy": lambda x, w, t, **kw: cross_entropy(x @ w.t(), t, **kw),
+    "CrossEntropyLoss": lambda x, w, t, **kw: CrossEntropyLoss(**kw)(x @ w.t(), t),
+    "fused_linear_cross_entropy": lambda x, w, t, **kw: fused_linear_cross_entropy(x, w, t, chunk_size=2, **kw),
+    "FusedLinearCrossEntropyLoss": lambda x, w, t, **kw: FusedLinearCrossEntropyLoss(chunk_size=2, **kw)(x, w, t),
+}
+
+
+@pytest.mark.parametrize("loss", sorted(LOSSES))
+@pytest.mark.parametrize("bad", [7, 100, -1, -100], ids=["V", "above-V", "minus-1", "ignore-index-of-others"])
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_target_outside_the_classes_is_an_index_error(loss, bad, reduction):
+    """A target outside [0, V) that is not ignore_index raises IndexError naming the value, its
+    position and the valid range, as torch's cross_entropy does on the CPU (it used to give the
+    row's log-sum-exp as its loss). -100 is only ignored when it is the ignore_index."""
+    v = 7
+    x = torch.randn(5, 6, device=DEVICE, requires_grad=True)
+    w = torch.randn(v, 6, device=DEVICE)
+    t = torch.tensor([0, v - 1, 3, 3, 2], device=DEVICE)
+    t[3] = bad
+    kw = dict(reduction=reduction, ignore_index=-100 if bad != -100 else 2)
+    named = rf"target\[3\] is {bad}, .*\[0, {v}\)"   # the position, the value, the valid range
+    with pytest.raises(IndexError, match=named):
+        LOSSES[loss](x, w, t, **kw)
+    with torch.no_grad(), pytest.raises(IndexError, match=named):
+        LOSSES[loss](x, w, t, **kw)
+    if bad != -100:   # the same rows with the bad target ignored are fine
+        t[3] = -100
+        LOSSES[loss](x, w, t, **kw)
+
+
+@pytest.mark.parametrize("ignore_index", [-100, 3], ids=["ignore-minus-100", "ignore-a-class"])
+def test_ignore_index_inside_the_classes_is_still_ignored(ignore_index):
+    x = torch.randn(4, 7, device=DEVICE)
+    t = torch.tensor([1, ignore_index, 6, 0], device=DEVICE)
+    torch.testing.assert_close(cross_entropy(x, t, ignore_index=ignore_index),
+                               F.cross_entropy(x, t, ignore_index=ignore_index))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("loss", ["cross_entropy", "fused_linear_cross_entropy"])
+def test_target_outside_the_classes_on_the_gpu_stops_at_a_device_assert(loss):
+    """On the GPU a host check would synchronise every call: a device-side assert (Triton's,
+    compiled in debug mode into a small check kernel) stops the process instead, as torch's own
+    CUDA cross_entropy does. Run in a subprocess: the CUDA context is unusable afterwards."""
+    import subprocess
+    import sys
+
+    code = (
+        "import torch, ckpt.kernels as K\n"
+        "x = torch.randn(5, 6, device='cuda'); w = torch.randn(7, 6, device='cuda')\n"
+        "t = torch.tensor([0, 6, 3, 7, -100], device='cuda')\n"
+        f"loss = K.{loss}(x @ w.t(), t) if '{loss}' == 'cross_entropy' else K.{loss}(x, w, t)\n"
+        "torch.cuda.synchronize()\n"
+        "print('NO ERROR', loss.item())\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode != 0 and "NO ERROR" not in out.stdout, out.stdout + out.stderr
+    assert "target outside [0, V)" in out.stdout + out.stderr, out.stdout + out.stderr
