@@ -28,6 +28,7 @@ class Faults:
         self.lock = threading.Lock()
         self.fail_next = 0          # answer this many requests with ``fail_status``
         self.fail_status = 503
+        self.fail_code = "ServiceUnavailable"   # the S3 error code of those answers
         self.drop_next = 0          # close this many connections without an answer
         self.delay = 0.0            # seconds before forwarding each request
         self.forbid = False         # answer every request 403 InvalidAccessKeyId (bad credentials)
@@ -83,7 +84,7 @@ class FaultProxy:
                     return
                 if action in ("fail", "forbid"):
                     status = 403 if action == "forbid" else faults.fail_status
-                    code = "InvalidAccessKeyId" if action == "forbid" else "ServiceUnavailable"
+                    code = "InvalidAccessKeyId" if action == "forbid" else faults.fail_code
                     payload = (f'<?xml version="1.0" encoding="UTF-8"?><Error><Code>{code}</Code>'
                                f"<Message>injected by the test proxy</Message></Error>").encode()
                     self.send_response(status)

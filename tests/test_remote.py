@@ -569,3 +569,23 @@ def test_a_remote_outage_at_restart_resumes_from_local_and_saves_report_it(tmp_p
         assert _same(target, _state(4.0))
     finally:
         proxy.close()
+
+
+@pytest.mark.s3
+@pytest.mark.parametrize("status, code", [(503, "ServiceUnavailable"), (502, "BadGateway"), (500, "InternalError")])
+def test_a_store_answering_5xx_at_start_is_an_outage_not_a_configuration_error(tmp_path, s3_bucket, status, code):
+    bucket, port = s3_bucket
+    proxy = FaultProxy(port)
+    proxy.faults.fail_status, proxy.faults.fail_code, proxy.faults.fail_next = status, code, 10**9
+    try:
+        url = f"s3://{bucket}/run"
+        with ckpt.Checkpointer(url, storage_options=_fast(proxy.port), local_dir=tmp_path) as ck:
+            assert ck.remote.status.available is False
+            assert isinstance(ck.remote.status.error, ConnectionError)
+            assert ck.restore(_target()) is None
+            proxy.faults.fail_next = 0
+            h = ck.save(1, _state(1.0))
+            h.wait()
+            assert ck.remote.status.available is True and ck.remote.committed_steps() == [1]
+    finally:
+        proxy.close()

@@ -123,6 +123,8 @@ def _unavailable(e: BaseException) -> bool:
     answering (missing bucket, refused credentials, a bad request)."""
     if isinstance(e, (ConnectionError, TimeoutError, asyncio.TimeoutError, socket.gaierror, socket.herror)):
         return True
+    if _http_status(e) >= 500:   # the service failing (a gateway's 502 / 504 has no S3 error code)
+        return True
     if isinstance(e, OSError):
         return e.errno in _UNAVAILABLE_ERRNOS
     return isinstance(e, _client_types(
@@ -130,6 +132,22 @@ def _unavailable(e: BaseException) -> bool:
         ("botocore.exceptions", "HTTPClientError"),    # ConnectionClosedError, ReadTimeoutError ...
         ("aiohttp", "ClientConnectionError"), ("aiohttp", "ServerTimeoutError"),
         ("fsspec.exceptions", "FSTimeoutError")))
+
+
+def _http_status(e: BaseException | None) -> int:
+    """The HTTP status of the store's answer under ``e`` (0: none), from the client error's own fields:
+    botocore's ``response`` (s3fs raises an ``OSError`` caused by it), aiohttp's ``status``."""
+    answered = _client_types(("botocore.exceptions", "ClientError"), ("aiohttp", "ClientResponseError"))
+    for _ in range(8):
+        if e is None:
+            break
+        if answered and isinstance(e, answered):
+            response = getattr(e, "response", None)
+            status = (response.get("ResponseMetadata") or {}).get("HTTPStatusCode") if isinstance(response, dict) \
+                else getattr(e, "status", None)
+            return status if isinstance(status, int) else 0
+        e = e.__cause__ or e.__context__
+    return 0
 
 
 def _denied(e: BaseException) -> bool:
