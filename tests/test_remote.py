@@ -470,8 +470,8 @@ def test_an_unreachable_endpoint_is_named_not_called_a_missing_bucket(tmp_path, 
             ck.wait()
 
 
-def _two_remote_steps(tmp_path: Path, port: int) -> str:
-    url = f"s3://{_two_remote_steps.bucket}/run"
+def _two_remote_steps(tmp_path: Path, bucket: str, port: int) -> str:
+    url = f"s3://{bucket}/run"
     with ckpt.Checkpointer(url, storage_options=storage_options(port), local_dir=tmp_path / "a",
                            keep=ckpt.Retention(remote=None)) as ck:
         ck.save(1, _state(1.0)).wait()
@@ -482,8 +482,7 @@ def _two_remote_steps(tmp_path: Path, port: int) -> str:
 @pytest.mark.s3
 def test_a_read_error_on_a_remote_part_names_the_part_not_the_local_dir(tmp_path, s3_bucket):
     bucket, port = s3_bucket
-    _two_remote_steps.bucket = bucket
-    url = _two_remote_steps(tmp_path, port)
+    url = _two_remote_steps(tmp_path, bucket, port)
     proxy = FaultProxy(port)
     proxy.faults.fail_if = lambda method, path: method == "GET" and "step-000000002/rank-00000/part-000002" in path
     try:
@@ -509,8 +508,7 @@ def test_a_read_error_on_a_remote_part_names_the_part_not_the_local_dir(tmp_path
 @pytest.mark.s3
 def test_a_local_write_error_during_a_refill_names_the_local_path(tmp_path, s3_bucket):
     bucket, port = s3_bucket
-    _two_remote_steps.bucket = bucket
-    url = _two_remote_steps(tmp_path, port)
+    url = _two_remote_steps(tmp_path, bucket, port)
     local = tmp_path / "b"
     local.mkdir()
     (local / "step-000000002").write_bytes(b"")        # a file where the refill needs a directory
@@ -587,5 +585,28 @@ def test_a_store_answering_5xx_at_start_is_an_outage_not_a_configuration_error(t
             h = ck.save(1, _state(1.0))
             h.wait()
             assert ck.remote.status.available is True and ck.remote.committed_steps() == [1]
+    finally:
+        proxy.close()
+
+
+@pytest.mark.s3
+@pytest.mark.timeout(120)   # a hang detector: explicit reads must not run the upload retry policy into an outage
+def test_reads_from_a_store_known_to_be_down_probe_it_instead_of_retrying_each_request(tmp_path, s3_bucket):
+    bucket, port = s3_bucket
+    proxy = FaultProxy(port)
+    try:
+        url = _two_remote_steps(tmp_path, bucket, proxy.port)
+        f = proxy.faults
+        f.drop_next = 10**9                  # every connection dropped: an outage
+        opts = storage_options(proxy.port)   # the library's upload retry policy: 10 attempts (and s3fs's 5 rounds)
+        with ckpt.Checkpointer(url, storage_options=opts, local_dir=tmp_path / "b") as ck:
+            before = f.requests
+            with pytest.raises(ConnectionError, match=f"127.0.0.1:{proxy.port}") as ei:
+                ck.promote(2, to="local")
+            assert "step-000000002" in str(ei.value)
+            assert f.requests - before <= 8, f"{f.requests - before} requests into a store known to be down"
+            f.drop_next = 0
+            ck.promote(2, to="local")        # the store is back: the next read probes it and goes ahead
+            assert ck.local.committed_steps() == [2]
     finally:
         proxy.close()

@@ -605,8 +605,12 @@ class RemoteTier:
     # -- read -------------------------------------------------------------------------------------
     def _get(self, step: int, name: str) -> bytes:
         where = f"{self.step_dir(step)}/{name}"
+        doing = f"reading {self._url(where)}"
+        down = self._still_down()
+        if down is not None:
+            raise ConnectionError(down.errno, f"{doing}: not attempted, {down.strerror}")
         try:
-            with self._store(f"reading {self._url(where)}"):
+            with self._store(doing):
                 return self.fs.cat_file(where)
         except FileNotFoundError:
             raise IncompleteCheckpointError(f"{where}: missing") from None
@@ -707,6 +711,9 @@ class RemoteTier:
         if manifest.codecs[i] == ABSENT:
             raise IncompleteCheckpointError(f"{where}: not stored (only replicated tensors, which rank 0 holds)")
         expect = manifest.stored_sizes[i]
+        down = self.status.error if self.status.available is False else None
+        if down is not None:   # another part of this load met the outage: the load fails anyway, fail fast
+            raise ConnectionError(down.errno, f"reading {where}: not attempted, {down.strerror}")
         try:
             with self._store(f"reading {where}"):
                 if self._local_fs:   # a local file's reader allocates what it is asked for: ask what the file holds
