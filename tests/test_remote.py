@@ -302,7 +302,8 @@ def _tamper(step_dir: Path, edit) -> None:
 
 def _zstd_frame_claiming(nbytes: int, rle: int = 1000) -> bytes:
     """A zstd frame whose header declares ``nbytes`` of content, holding one RLE block of ``rle`` zeros."""
-    header = struct.pack("<I", 0xFD2FB528) + bytes([0b11100000]) + struct.pack("<Q", nbytes)   # 8-byte size, single segment
+    # magic, then a descriptor: an 8-byte content size, single segment (no window descriptor)
+    header = struct.pack("<I", 0xFD2FB528) + bytes([0b11100000]) + struct.pack("<Q", nbytes)
     block = 1 | (1 << 1) | (rle << 3)                                                            # last block, RLE
     return header + block.to_bytes(3, "little") + b"\x00"
 

@@ -563,8 +563,8 @@ class RemoteTier:
         with ThreadPoolExecutor(knobs.get("CKPT_REMOTE_THREADS"), thread_name_prefix="ckpt-upload") as ex:
             futures = [ex.submit(put, i) for i in range(n)]
             wait(futures, return_when=FIRST_EXCEPTION)
-            for f in futures:   # after a failure, parts not yet started are not sent (an outage: not n/8 times the retries)
-                f.cancel()
+            for f in futures:   # after a failure the parts not yet started are not sent: an outage costs
+                f.cancel()      # one round of retries, not n / CKPT_REMOTE_THREADS rounds
             parts = [f.result() for f in futures]   # the first failure, in part order (the cancelled come after it)
         remote = dataclasses.replace(manifest, rank=self.rank, world_size=self.world_size,
                                      chunks=[p[0] for p in parts], codecs=[p[1] for p in parts],
