@@ -711,7 +711,8 @@ class RemoteTier:
         if manifest.codecs[i] == ABSENT:
             raise IncompleteCheckpointError(f"{where}: not stored (only replicated tensors, which rank 0 holds)")
         expect = manifest.stored_sizes[i]
-        down = self.status.error if self.status.available is False else None
+        status = self.status   # one record: another thread may replace it
+        down = status.error if status.available is False else None
         if down is not None:   # another part of this load met the outage: the load fails anyway, fail fast
             raise ConnectionError(down.errno, f"reading {where}: not attempted, {down.strerror}")
         try:
