@@ -64,7 +64,12 @@ class Checkpointer:
             into another mesh or placements, or into one process holding whole
             tensors (resharding by overlap of shards).
         storage_options: passed to fsspec for ``url`` (endpoint, credentials,
-            retry configuration).
+            retry configuration). A store that cannot be reached does not stop the
+            constructor (a bounded probe, ``CKPT_REMOTE_PROBE_S``): it is logged and
+            recorded in ``ck.remote.status``, restore uses the nearer tiers and each
+            save's ``handle.wait("remote")`` raises until the store answers again. A
+            missing bucket (``FileNotFoundError``) or refused credentials
+            (``PermissionError``) raise here.
         compression: ``None`` or ``"zstd"`` (byte-shuffled, per chunk) for the
             remote tier.
         local_dir: directory of the local tier, on fast local storage (default:
@@ -177,7 +182,10 @@ class Checkpointer:
         self._guard = None
         self.on_unsupported = on_unsupported
         self.local = local_dir if isinstance(local_dir, LocalTier) else LocalTier(local_dir)
-        self.remote = (url if isinstance(url, RemoteTier) else RemoteTier(url, storage_options, compression=compression)) \
+        # An unreachable store does not stop a job from resuming from its nearer tiers (each save retries
+        # it); a store that answers "no such bucket" or "access denied" is a configuration error: raised.
+        self.remote = (url if isinstance(url, RemoteTier) else
+                       RemoteTier(url, storage_options, compression=compression, on_unreachable="degrade")) \
             if url is not None else None
         if url is None and compression is not None:
             raise ValueError("compression applies to the remote tier: pass a url too, or compression=None")

@@ -8,6 +8,12 @@ redundancy. The element size used is that of the tensor that covers most of
 the chunk; the codec string records it (``"zstd:shuffle2"``), so decoding needs
 nothing else. Codecs work on whole chunks; checksums are always of the
 decoded bytes, so a chunk verifies the same on every tier.
+
+Decoding trusts nothing it reads: the codec must be one of :data:`CODECS`, a
+raw part must be exactly its chunk, and a zstd part is decoded into a buffer of
+the chunk's size and no more (its frame header's declared size must agree, and
+the chunk's size must be one the stored bytes can hold at all, see
+:func:`max_decoded`), so no stored object can make a reader allocate more.
 """
 
 from __future__ import annotations
@@ -16,10 +22,17 @@ import zstandard
 
 import torch
 
-__all__ = ["encode", "decode", "RAW"]
+__all__ = ["encode", "decode", "check_codec", "max_decoded", "RAW", "CODECS"]
 
 RAW = "raw"
 _LEVEL = 3
+#: the element sizes a shuffle uses: those of the dtypes a checkpoint stores (1-byte ones are not shuffled)
+_SHUFFLES = (2, 4, 8, 16)
+#: every codec string :func:`encode` records
+CODECS = frozenset({RAW, "zstd", *(f"zstd:shuffle{k}" for k in _SHUFFLES)})
+#: a zstd block decodes to at most 128 KiB and takes at least 4 stored bytes (an RLE block: a 3-byte
+#: header and the byte repeated), so a frame never decodes to more than 32768 times its own size
+_ZSTD_MAX_RATIO = (128 << 10) // 4
 
 
 def _shuffle(data: memoryview, k: int) -> bytes:
@@ -29,11 +42,11 @@ def _shuffle(data: memoryview, k: int) -> bytes:
     return body.numpy().tobytes() + bytes(data[n:])
 
 
-def _unshuffle(data: bytes, k: int) -> bytes:
+def _unshuffle(data: bytearray, k: int) -> bytes:
     n = len(data) // k * k
-    t = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    t = torch.frombuffer(data, dtype=torch.uint8) if len(data) else torch.empty(0, dtype=torch.uint8)
     body = t[:n].view(k, -1).t().contiguous()
-    return body.numpy().tobytes() + data[n:]
+    return body.numpy().tobytes() + bytes(data[n:])
 
 
 def encode(data: memoryview, codec: str | None, elem_size: int) -> tuple[bytes | memoryview, str]:
@@ -52,21 +65,57 @@ def encode(data: memoryview, codec: str | None, elem_size: int) -> tuple[bytes |
     return out, name
 
 
-def decode(stored: bytes, codec: str, size: int, where: str) -> bytes:
-    """Decode one stored chunk back to its ``size`` raw bytes."""
+def check_codec(codec: object, where: str) -> None:
+    """Raise :class:`~ckpt.errors.CorruptCheckpointError` naming ``where`` unless ``codec`` is one
+    that :func:`encode` writes."""
     from .errors import CorruptCheckpointError
 
+    if not isinstance(codec, str) or codec not in CODECS:
+        raise CorruptCheckpointError(f"{where}: unknown codec {codec!r} (this library writes {sorted(CODECS)})")
+
+
+def max_decoded(codec: str, stored: int) -> int:
+    """The most bytes ``stored`` bytes in ``codec`` can decode to (``codec`` already checked)."""
+    return stored if codec == RAW else stored * _ZSTD_MAX_RATIO
+
+
+def decode(stored: bytes, codec: str, size: int, where: str) -> bytes | bytearray:
+    """Decode one stored chunk back to its ``size`` raw bytes, allocating at most ``size`` bytes
+    (and nothing for a part that cannot hold them)."""
+    from .errors import CorruptCheckpointError
+
+    def bad(why: str) -> CorruptCheckpointError:
+        return CorruptCheckpointError(f"{where}: cannot decode ({why})")
+
+    check_codec(codec, where)
     if codec == RAW:
+        if len(stored) != size:
+            raise bad(f"a raw part of {len(stored)} bytes, the chunk has {size}")
         return stored
+    if size > max_decoded(codec, len(stored)):
+        raise bad(f"{len(stored)} zstd bytes cannot hold a {size}-byte chunk")
     try:
-        base, _, shuffle = codec.partition(":")
-        if base != "zstd":
-            raise ValueError(f"unknown codec {codec!r}")
-        raw = zstandard.ZstdDecompressor().decompress(stored, max_output_size=size)
-        if len(raw) != size:
-            raise ValueError(f"decoded {len(raw)} bytes, expected {size}")
-        if shuffle:
-            raw = _unshuffle(raw, int(shuffle.removeprefix("shuffle")))
-        return raw
-    except (zstandard.ZstdError, ValueError, RuntimeError) as e:
-        raise CorruptCheckpointError(f"{where}: cannot decode ({e})") from None
+        declared = zstandard.frame_content_size(stored)   # -1: the header states no size
+    except zstandard.ZstdError as e:
+        raise bad(f"not a zstd frame: {e}") from None
+    if declared not in (-1, size):
+        raise bad(f"the zstd frame declares {declared} bytes, the chunk has {size}")
+    # A one-shot decompress() allocates whatever the frame header declares; the streaming reader
+    # fills this buffer and no more.
+    out = bytearray(size)
+    got = 0
+    try:
+        with zstandard.ZstdDecompressor().stream_reader(stored) as reader:
+            view = memoryview(out)
+            while got < size:
+                n = reader.readinto(view[got:])
+                if not n:
+                    break
+                got += n
+            excess = reader.read(1)
+    except zstandard.ZstdError as e:
+        raise bad(str(e)) from None
+    if got != size or excess:
+        raise bad(f"decodes to {'more than ' if excess else ''}{got} bytes, the chunk has {size}")
+    _, _, shuffle = codec.partition(":")
+    return _unshuffle(out, int(shuffle.removeprefix("shuffle"))) if shuffle else out

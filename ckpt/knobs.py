@@ -25,6 +25,9 @@ _DEFAULTS: dict[str, int] = {
     "CKPT_REMOTE_THREADS": 8,
     # Read checkpoints with O_DIRECT where the file system supports it (1) or through the page cache (0).
     "CKPT_DIRECT_IO": 1,
+    # Seconds the remote tier's reachability probe may take (at construction, and before an upload or a
+    # listing while the store is down) before the store counts as unreachable.
+    "CKPT_REMOTE_PROBE_S": 20,
     # Seconds a rank's upload waits for the other ranks' reports before a job tier's commit gives up.
     "CKPT_COMMIT_TIMEOUT_S": 3600,
     # Seconds the interpreter-exit hook waits for queued saves to persist (0: as long as they take).

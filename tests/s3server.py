@@ -1,4 +1,9 @@
-"""A real S3 server on loopback (moto's server mode) and a fault-injecting HTTP proxy in front of it."""
+"""A real S3 server on loopback (moto's server mode) and a fault-injecting HTTP proxy in front of it.
+
+Outages: ``FaultProxy.down()`` closes the proxy's port and every open connection (clients get
+"connection refused"), ``up()`` opens it again on the same port; ``faults.drop_next`` drops
+connections without an answer; ``faults.delay`` makes the store hang.
+"""
 
 from __future__ import annotations
 
@@ -23,18 +28,23 @@ class Faults:
         self.lock = threading.Lock()
         self.fail_next = 0          # answer this many requests with ``fail_status``
         self.fail_status = 503
+        self.fail_code = "ServiceUnavailable"   # the S3 error code of those answers
         self.drop_next = 0          # close this many connections without an answer
         self.delay = 0.0            # seconds before forwarding each request
         self.forbid = False         # answer every request 403 InvalidAccessKeyId (bad credentials)
         self.fail_parts_from = None  # fail every multipart-upload part numbered at least this (an outage mid-upload)
+        self.fail_if = None         # callable(method, path) -> bool: answer those requests with ``fail_status``
         self.requests = 0
         self.injected = 0
 
-    def take(self, path: str = "") -> str | None:
+    def take(self, path: str = "", method: str = "GET") -> str | None:
         with self.lock:
             self.requests += 1
             if self.forbid:
                 return "forbid"
+            if self.fail_if is not None and self.fail_if(method, path):
+                self.injected += 1
+                return "fail"
             part = re.search(r"[?&]partNumber=(\d+)", path)
             if self.fail_parts_from is not None and part and int(part.group(1)) >= self.fail_parts_from:
                 self.injected += 1
@@ -65,7 +75,7 @@ class FaultProxy:
 
             def _any(self) -> None:
                 body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
-                action = faults.take(self.path)
+                action = faults.take(self.path, self.command)
                 if faults.delay:
                     time.sleep(faults.delay)
                 if action == "drop":
@@ -74,7 +84,7 @@ class FaultProxy:
                     return
                 if action in ("fail", "forbid"):
                     status = 403 if action == "forbid" else faults.fail_status
-                    code = "InvalidAccessKeyId" if action == "forbid" else "ServiceUnavailable"
+                    code = "InvalidAccessKeyId" if action == "forbid" else faults.fail_code
                     payload = (f'<?xml version="1.0" encoding="UTF-8"?><Error><Code>{code}</Code>'
                                f"<Message>injected by the test proxy</Message></Error>").encode()
                     self.send_response(status)
@@ -102,19 +112,52 @@ class FaultProxy:
 
             do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = _any
 
+        open_conns = self._conns = set()
+
         class Server(ThreadingHTTPServer):
+            daemon_threads = True
+
             def handle_error(self, request, client_address):   # clients killed mid-request are expected
                 pass
 
-        self.server = Server(("127.0.0.1", free_port()), Handler)
-        self.server.daemon_threads = True
-        self.port = self.server.server_address[1]
+            def process_request(self, request, client_address):
+                open_conns.add(request)   # so that down() can cut kept-alive connections too
+                super().process_request(request, client_address)
+
+            def shutdown_request(self, request):
+                open_conns.discard(request)
+                super().shutdown_request(request)
+
+        self._server_cls = Server
+        self._handler = Handler
+        self.server: ThreadingHTTPServer | None = None
+        self.port = free_port()
+        self.up()
+
+    def up(self) -> None:
+        """Listen (again) on ``self.port``."""
+        if self.server is not None:
+            return
+        self.server = self._server_cls(("127.0.0.1", self.port), self._handler)
         self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
         self.thread.start()
 
-    def close(self) -> None:
+    def down(self) -> None:
+        """An outage: close the port (new connections are refused) and every open connection."""
+        if self.server is None:
+            return
         self.server.shutdown()
         self.server.server_close()
+        self.server = None
+        for conn in list(self._conns):
+            try:
+                conn.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+        self._conns.clear()
+
+    def close(self) -> None:
+        self.down()
 
 
 def storage_options(port: int, **extra) -> dict:

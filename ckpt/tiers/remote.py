@@ -16,29 +16,52 @@ retried by the backend's own machinery: for S3 the default here is botocore's
 "standard" retry mode with 10 attempts (5xx answers, throttling, dropped
 connections, timeouts); ``storage_options={"config_kwargs": {"retries": ...}}``
 overrides it.
+
+Reachability is a separate, bounded question (:meth:`RemoteTier.probe`): at
+construction, and before each upload or listing while the store is known to be
+down, one probe of few retries and short timeouts, cut off after
+``CKPT_REMOTE_PROBE_S`` seconds. A store that answers that the bucket does not
+exist or that the credentials are refused is a configuration error; one that
+cannot be reached is an outage, recorded in :attr:`RemoteTier.status`. Every
+failure of the store client becomes an ``OSError`` that names what was being
+done and where: ``ConnectionError`` for an unreachable or unavailable store
+(naming the endpoint), ``PermissionError`` for refused credentials,
+``FileNotFoundError`` for a missing bucket; the decision is made on exception
+types and errno, never on message text.
+
+Everything a remote manifest states about a part is checked against the part
+itself before it is used: its codec must be one this library writes, its
+stored size must be what the object holds (read with a bounded request), and
+its decoded size must be one those bytes can decode to (:mod:`ckpt.codec`).
 """
 
 from __future__ import annotations
 
+import asyncio
 import bisect
+import contextlib
 import dataclasses
+import errno
 import logging
+import socket
+import sys
+import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
+from typing import Any, Callable, Iterator
 
 import fsspec
 import torch
 
 from .. import knobs
-from ..codec import decode, encode
+from ..codec import RAW, check_codec, decode, encode, max_decoded
 from ..errors import CheckpointError, CorruptCheckpointError, IncompleteCheckpointError
 from ..format import (COMMIT_NAME, LATEST_NAME, Commit, ItemRecord, Manifest, data_name, fsync_dir, fsync_file,
                       manifest_name, parse_step_dir, read_records, step_dir_name)
 from ..integrity import checksum
 from ..scatter import Scatter
 
-__all__ = ["RemoteTier"]
+__all__ = ["RemoteTier", "RemoteStatus"]
 
 log = logging.getLogger(__name__)
 
@@ -63,44 +86,263 @@ def _with_retry_defaults(url: str, options: dict[str, Any]) -> dict[str, Any]:
     return opts
 
 
+#: the reachability probe's own client settings on S3: an answer or a failure within seconds,
+#: whatever retry policy ``storage_options`` sets for uploads
+_PROBE_CONNECT_S, _PROBE_READ_S = 5, 10
+
+
+def _probe_options(options: dict[str, Any]) -> dict[str, Any]:
+    opts = dict(options)
+    cfg = dict(opts.get("config_kwargs") or {})
+    cfg["retries"] = {"max_attempts": 2, "mode": "standard"}
+    cfg["connect_timeout"] = min(cfg.get("connect_timeout", _PROBE_CONNECT_S), _PROBE_CONNECT_S)
+    cfg["read_timeout"] = min(cfg.get("read_timeout", _PROBE_READ_S), _PROBE_READ_S)
+    opts.update(config_kwargs=cfg, skip_instance_cache=True)   # a client of its own, not the cached one
+    return opts
+
+
+# errno values of a store that cannot be reached or does not answer now (s3fs: 503 / SlowDown is EBUSY,
+# 500 InternalError EREMOTEIO); a stale NFS handle on a mounted file:// URL too
+_UNAVAILABLE_ERRNOS = frozenset(getattr(errno, n) for n in (
+    "ECONNREFUSED", "ECONNRESET", "ECONNABORTED", "EPIPE", "ETIMEDOUT", "EHOSTUNREACH", "EHOSTDOWN",
+    "ENETUNREACH", "ENETDOWN", "ENETRESET", "EBUSY", "EAGAIN", "EREMOTEIO", "ESTALE") if hasattr(errno, n))
+
+
+def _client_types(*names: tuple[str, str]) -> tuple[type, ...]:
+    """Exception classes of store clients that are loaded (none is imported here)."""
+    found = []
+    for module, name in names:
+        t = getattr(sys.modules.get(module), name, None)
+        if isinstance(t, type):
+            found.append(t)
+    return tuple(found)
+
+
+def _unavailable(e: BaseException) -> bool:
+    """Whether ``e`` says the store could not be reached or did not answer (an outage), rather than
+    answering (missing bucket, refused credentials, a bad request)."""
+    if isinstance(e, (ConnectionError, TimeoutError, asyncio.TimeoutError, socket.gaierror, socket.herror)):
+        return True
+    if _http_status(e) >= 500:   # the service failing (a gateway's 502 / 504 has no S3 error code)
+        return True
+    if isinstance(e, OSError):
+        return e.errno in _UNAVAILABLE_ERRNOS
+    return isinstance(e, _client_types(
+        ("botocore.exceptions", "ConnectionError"),    # EndpointConnectionError, ConnectTimeoutError ...
+        ("botocore.exceptions", "HTTPClientError"),    # ConnectionClosedError, ReadTimeoutError ...
+        ("aiohttp", "ClientConnectionError"), ("aiohttp", "ServerTimeoutError"),
+        ("fsspec.exceptions", "FSTimeoutError")))
+
+
+def _http_status(e: BaseException | None) -> int:
+    """The HTTP status of the store's answer under ``e`` (0: none), from the client error's own fields:
+    botocore's ``response`` (s3fs raises an ``OSError`` caused by it), aiohttp's ``status``."""
+    answered = _client_types(("botocore.exceptions", "ClientError"), ("aiohttp", "ClientResponseError"))
+    for _ in range(8):
+        if e is None:
+            break
+        if answered and isinstance(e, answered):
+            response = getattr(e, "response", None)
+            status = (response.get("ResponseMetadata") or {}).get("HTTPStatusCode") if isinstance(response, dict) \
+                else getattr(e, "status", None)
+            return status if isinstance(status, int) else 0
+        e = e.__cause__ or e.__context__
+    return 0
+
+
+def _denied(e: BaseException) -> bool:
+    return isinstance(e, PermissionError) or isinstance(e, _client_types(
+        ("botocore.exceptions", "NoCredentialsError"), ("botocore.exceptions", "PartialCredentialsError")))
+
+
+def _errno_of(e: BaseException) -> int | None:
+    """The errno of ``e`` or of the OS error under it (a client error wrapping a refused connection)."""
+    seen = 0
+    while e is not None and seen < 8:
+        if isinstance(e, OSError) and isinstance(e.errno, int) and e.errno > 0:
+            return e.errno
+        e, seen = e.__cause__ or e.__context__, seen + 1
+    return None
+
+
+def _caused_by(e: BaseException, origin: BaseException) -> bool:
+    seen: set[int] = set()
+    while e is not None and id(e) not in seen:
+        if e is origin:
+            return True
+        seen.add(id(e))
+        e = e.__cause__ or e.__context__
+    return False
+
+
+@dataclasses.dataclass(frozen=True)
+class RemoteStatus:
+    """What the remote tier found the last time it used its store.
+
+    ``available``: ``True`` when the store last answered, ``False`` when it could not be reached or
+    did not answer (connections refused or dropped, timeouts, 5xx answers), ``None`` before any check.
+    ``error``: that failure, an ``OSError`` naming the endpoint. ``since_unix``: when the store was
+    first found unavailable in this outage; ``checked_unix``: the last check.
+    """
+
+    available: bool | None = None
+    error: OSError | None = None
+    since_unix: float | None = None
+    checked_unix: float | None = None
+
+
 class RemoteTier:
-    """Committed checkpoints under an fsspec URL."""
+    """Committed checkpoints under an fsspec URL.
+
+    ``on_unreachable``: what construction does when the store cannot be reached (the bounded probe,
+    :meth:`probe`, fails with an outage rather than an answer). ``"raise"`` (default: command-line
+    tools) raises the ``ConnectionError``; ``"degrade"`` (what :class:`~ckpt.Checkpointer` uses, so a
+    job resumes from its nearer tiers) logs a warning and starts with ``status.available`` False:
+    while the store stays down, listings are empty (logged), and each write probes first and fails at
+    once with a ``ConnectionError`` naming the endpoint; once a probe succeeds, writes upload again.
+    A missing bucket or refused credentials raise at construction in either mode.
+    """
 
     name = "remote"
 
     def __init__(self, url: str, storage_options: dict[str, Any] | None = None, rank: int = 0,
-                 world_size: int = 1, compression: str | None = None) -> None:
+                 world_size: int = 1, compression: str | None = None, on_unreachable: str = "raise") -> None:
         if compression not in (None, "zstd"):
             raise ValueError(f"compression must be None or 'zstd', got {compression!r}")
+        if on_unreachable not in ("raise", "degrade"):
+            raise ValueError(f"on_unreachable must be 'raise' or 'degrade', got {on_unreachable!r}")
         self.url = url
         self.rank = rank
         self.world_size = world_size
         self.compression = compression
+        self.on_unreachable = on_unreachable
         self.job: Any = None   # a Ranks over a group of its own once every rank writes here (join_job)
-        self.fs, self.root = fsspec.core.url_to_fs(url, **_with_retry_defaults(url, storage_options or {}))
+        self._options = dict(storage_options or {})
+        self.fs, self.root = fsspec.core.url_to_fs(url, **_with_retry_defaults(url, self._options))
         self.root = self.root.rstrip("/")
         self._local_fs = is_local_fs(self.fs)
-        self._check_reachable()
+        self.status = RemoteStatus()
+        self._probe_fs = self.fs
+        if fsspec.utils.get_protocol(url) in ("s3", "s3a") and "::" not in url:
+            self._probe_fs = fsspec.core.url_to_fs(url, **_probe_options(self._options))[0]
+            self._probe_fs.retries = 1   # s3fs's own retry loop around botocore's (a class attribute, 5): once
+        failure = self.probe()   # raises when the store answers that this tier cannot work
+        if failure is not None:
+            if on_unreachable == "raise":
+                raise failure
+            log.warning("%s. Going on without the remote tier for now: restore uses the nearer tiers, and every "
+                        "save still tries to upload (handle.wait('remote') raises while the store is down; "
+                        "RemoteTier.status says what was found)", failure)
 
-    def _check_reachable(self) -> None:
-        """Fail at construction, not at the first save, when the store cannot be used."""
+    # -- reaching the store -----------------------------------------------------------------------
+    def _endpoint(self) -> str:
+        ep = self._options.get("endpoint_url") or (self._options.get("client_kwargs") or {}).get("endpoint_url")
+        return f"endpoint_url={ep!r}" if ep else "the default endpoint (no endpoint_url in storage_options)"
+
+    def _url(self, path: str) -> str:
+        return self.fs.unstrip_protocol(path)
+
+    def _failure(self, e: BaseException, doing: str) -> OSError:
+        """The ``OSError`` to raise for a failure ``e`` of the store client while ``doing`` something."""
+        what = f"{type(e).__name__}: {e}"
+        if isinstance(e, FileNotFoundError):
+            return FileNotFoundError(errno.ENOENT, f"{doing}: not found ({what})")
+        if _denied(e):
+            return PermissionError(errno.EACCES, f"{doing}: access denied ({what}); check the credentials in "
+                                   "storage_options (key / secret / profile) and the bucket's policy")
+        if _unavailable(e):
+            return ConnectionError(_errno_of(e) or errno.EIO,
+                                   f"{doing}: the store at {self._endpoint()} cannot be reached or is not answering "
+                                   f"({what}); check endpoint_url in storage_options and the network")
+        return OSError(_errno_of(e) or errno.EIO, f"{doing}: {what}")
+
+    @contextlib.contextmanager
+    def _store(self, doing: str) -> Iterator[None]:
+        """Store calls inside become ``OSError`` s naming ``doing`` (and an outage is noted in ``status``)."""
         try:
-            if self._local_fs or "memory" in self.fs.protocol:
-                self.fs.makedirs(self.root, exist_ok=True)   # directories are real here
-            else:
-                bucket = self.root.split("/", 1)[0]          # never create a bucket: a typo must not
-                if not self.fs.exists(bucket):
-                    raise FileNotFoundError(f"bucket {bucket!r} does not exist or is not visible")
-            self.fs.ls(self.root, detail=False)
-        except FileNotFoundError as e:
-            if "bucket" in str(e):
-                raise OSError(2, f"the remote tier {self.url} is not usable ({e}); check the URL, that the bucket "
-                              "exists, and the credentials / endpoint in storage_options") from e
-            # an empty prefix of an existing bucket lists as missing on some stores
-        except Exception as e:   # noqa: BLE001 - re-raised as an OSError naming what to change
-            raise OSError(getattr(e, "errno", None) or 5,
-                          f"the remote tier {self.url} is not usable ({type(e).__name__}: {e}); check the URL, "
-                          "that the bucket exists, and the credentials / endpoint in storage_options") from e
+            yield
+        except CheckpointError:
+            raise
+        except Exception as e:
+            failure = self._failure(e, doing)
+            if _unavailable(e):
+                self._note(failure)
+            raise failure from e
+
+    def _note(self, failure: OSError | None) -> None:
+        now, prev = time.time(), self.status
+        if failure is None:
+            self.status = RemoteStatus(True, None, None, now)
+        else:
+            since = prev.since_unix if prev.available is False and prev.since_unix is not None else now
+            self.status = RemoteStatus(False, failure, since, now)
+
+    def probe(self) -> OSError | None:
+        """Check that the store answers, within ``CKPT_REMOTE_PROBE_S`` seconds (on S3 with a client of
+        its own: 2 attempts, short timeouts, whatever ``storage_options`` sets for uploads).
+
+        Returns ``None`` when it does and the failure (a ``ConnectionError`` naming the endpoint) when it
+        cannot be reached or does not answer; both are recorded in :attr:`status`. Raises
+        ``FileNotFoundError`` when the store answers that the bucket does not exist (a bucket is never
+        created: a typo must not be), ``PermissionError`` when it refuses the credentials, and an
+        ``OSError`` for any other answer that the tier cannot work with.
+        """
+        limit = knobs.get("CKPT_REMOTE_PROBE_S")
+        outcome: list[tuple[OSError | None, BaseException | None]] = []
+
+        def run() -> None:
+            try:
+                outcome.append((self._probe_once(), None))
+            except BaseException as e:   # noqa: BLE001 - handed to the caller's thread
+                outcome.append((None, e))
+
+        # a thread, so that a store that accepts connections and never answers cannot hold the caller
+        t = threading.Thread(target=run, name="ckpt-remote-probe", daemon=True)
+        t.start()
+        t.join(limit)
+        doing = f"the remote tier {self.url}"
+        if not outcome:
+            failure: OSError | None = ConnectionError(
+                errno.ETIMEDOUT, f"{doing}: no answer within {limit} s (CKPT_REMOTE_PROBE_S) from the store at "
+                f"{self._endpoint()}; check endpoint_url in storage_options and the network")
+        else:
+            answer, e = outcome[0]
+            if answer is not None:
+                raise answer
+            failure = None if e is None else self._failure(e, doing)
+            if e is not None and not _unavailable(e):
+                raise failure from e
+        self._note(failure)
+        return failure
+
+    def _probe_once(self) -> OSError | None:
+        """One look at the store; returns the error to raise when its answers rule this tier out."""
+        fs = self._probe_fs
+        if self._local_fs or "memory" in fs.protocol:
+            fs.makedirs(self.root, exist_ok=True)   # directories are real here
+            return None
+        fs.invalidate_cache()                       # ask the store, not a listing cached by the last probe
+        bucket = self.root.split("/", 1)[0]
+        try:
+            if bucket:
+                fs.info(bucket)
+        except FileNotFoundError:
+            return FileNotFoundError(
+                errno.ENOENT, f"the remote tier {self.url}: bucket {bucket!r} does not exist (the store at "
+                f"{self._endpoint()} says so); check the bucket name in the URL and the endpoint in storage_options "
+                "(a bucket is never created: a typo must not be)")
+        try:
+            fs.ls(self.root, detail=False)
+        except FileNotFoundError:
+            pass   # the bucket exists (checked above): nothing under the prefix yet, a new run
+        return None
+
+    def _still_down(self) -> OSError | None:
+        """While the store is known to be down, probe it again (bounded) rather than send a request
+        through the upload retry policy: the failure when it is still down, else None."""
+        if self.status.available is not False:
+            return None
+        return self.probe()
 
     def _put(self, path: str, data: Any, sync_dir: bool = False) -> None:
         """Write one file. On a local or mounted file system (``file://``) it is also fsynced (and,
@@ -128,20 +370,39 @@ class RemoteTier:
 
     # -- listing ----------------------------------------------------------------------------------
     def committed_steps(self) -> list[int]:
-        self.fs.invalidate_cache(self.root)   # other processes write here too: never trust a cached listing
-        try:
-            found = self.fs.glob(self._path("step-*", COMMIT_NAME))
-        except FileNotFoundError:
-            return []
-        steps = {parse_step_dir(p.rstrip("/").split("/")[-2]) for p in found}
-        return sorted((s for s in steps if s is not None), reverse=True)
+        """Steps with a ``COMMIT`` here, newest first (not yet verified).
+
+        When the store cannot be reached: with ``on_unreachable="degrade"`` none (logged; ``status``
+        says why), so that a restore goes on with the nearer tiers; else the ``ConnectionError``.
+        """
+        doing = f"listing the checkpoints of the remote tier {self.url}"
+        failure = self._still_down()
+        if failure is None:
+            try:
+                with self._store(doing):
+                    self.fs.invalidate_cache(self.root)   # other processes write here too: never trust a cached listing
+                    try:
+                        found = self.fs.glob(self._path("step-*", COMMIT_NAME))
+                    except FileNotFoundError:
+                        found = []
+            except ConnectionError as e:
+                failure = e
+            else:
+                self._note(None)
+                steps = {parse_step_dir(p.rstrip("/").split("/")[-2]) for p in found}
+                return sorted((s for s in steps if s is not None), reverse=True)
+        if self.on_unreachable == "raise":
+            raise failure
+        log.warning("%s; its checkpoints are left out until it answers again", failure)
+        return []
 
     def all_step_dirs(self) -> list[int]:
-        self.fs.invalidate_cache(self.root)
-        try:
-            names = self.fs.ls(self.root, detail=False)
-        except FileNotFoundError:
-            return []
+        with self._store(f"listing the remote tier {self.url}"):
+            self.fs.invalidate_cache(self.root)
+            try:
+                names = self.fs.ls(self.root, detail=False)
+            except FileNotFoundError:
+                return []
         return [s for s in (parse_step_dir(n.rstrip("/").split("/")[-1]) for n in names) if s is not None]
 
     # -- write ------------------------------------------------------------------------------------
@@ -250,75 +511,107 @@ class RemoteTier:
     def _write_files(self, step: int, manifest: Manifest, data: memoryview,
                      elem_size: Callable[[int], int] | None, commit: bool) -> bytes:
         """Upload this rank's parts and manifest (and with ``commit``, ``COMMIT`` and ``latest``);
-        returns the manifest's bytes. A failure removes what was uploaded and raises."""
+        returns the manifest's bytes. A failure removes what was uploaded (unless the store cannot be
+        reached: retention removes the leftovers once a newer step commits) and raises an ``OSError``."""
+        doing = f"uploading step {step} to {self.url}"
+        down = self._still_down()
+        if down is not None:   # the store is still down: fail this save now, the next one tries again
+            raise ConnectionError(down.errno, f"{doing}: not attempted, {down.strerror}; the previous remote "
+                                  "checkpoint is untouched")
+        try:
+            with self._store(doing):
+                raw = self._upload(step, manifest, data, elem_size, commit)
+        except BaseException as e:
+            if isinstance(e, ConnectionError):
+                log.warning("step %d: the partial upload stays in %s while the store cannot be reached; retention "
+                            "removes it once a newer step is committed there", step, self.url)
+            else:
+                try:
+                    if self.job is None:
+                        self.delete(step, missing_ok=True)
+                    else:
+                        self._remove_own(step)
+                except Exception as cleanup:   # noqa: BLE001 - the upload error is the one to report
+                    log.warning("could not remove the partial upload of step %d: %s", step, cleanup)
+            if isinstance(e, OSError):
+                raise type(e)(e.errno, f"{e.strerror}; the previous remote checkpoint is untouched") from e
+            raise
+        self._note(None)
+        return raw
+
+    def _upload(self, step: int, manifest: Manifest, data: memoryview,
+                elem_size: Callable[[int], int] | None, commit: bool) -> bytes:
         c, n = manifest.chunk_bytes, -(-manifest.data_bytes // manifest.chunk_bytes)
         sizer = elem_size or _dominant_elem_size(manifest.items, c)
-        try:
-            if self.job is None:
-                self.delete(step, missing_ok=True)   # a stale or replaced copy of this step: uncommit it first
-            else:
-                self._remove_own(step)               # the other ranks' files of this step are theirs
-            self.fs.makedirs(f"{self.step_dir(step)}/rank-{self.rank:05d}", exist_ok=True)   # file:// needs it
+        if self.job is None:
+            self._delete(step)                   # a stale or replaced copy of this step: uncommit it first
+        else:
+            self._remove_own(step)               # the other ranks' files of this step are theirs
+        self.fs.makedirs(f"{self.step_dir(step)}/rank-{self.rank:05d}", exist_ok=True)   # file:// needs it
 
-            absent = self._held_by_rank0(manifest)
+        absent = self._held_by_rank0(manifest)
 
-            def put(i: int) -> tuple[int, str, int]:
-                view = data[i * c:(i + 1) * c]
-                if i in absent:   # only replicated bytes: rank 0 uploads them
-                    return checksum(view), ABSENT, 0
-                stored, codec = encode(view, self.compression, sizer(i))
-                # Object-store clients want bytes; local and mounted file systems take the view as it is.
-                self._put(self._part(step, i), stored if self._local_fs else bytes(stored))
-                return checksum(view), codec, len(stored)
+        def put(i: int) -> tuple[int, str, int]:
+            view = data[i * c:(i + 1) * c]
+            if i in absent:   # only replicated bytes: rank 0 uploads them
+                return checksum(view), ABSENT, 0
+            stored, codec = encode(view, self.compression, sizer(i))
+            # Object-store clients want bytes; local and mounted file systems take the view as it is.
+            self._put(self._part(step, i), stored if self._local_fs else bytes(stored))
+            return checksum(view), codec, len(stored)
 
-            with ThreadPoolExecutor(knobs.get("CKPT_REMOTE_THREADS"), thread_name_prefix="ckpt-upload") as ex:
-                parts = list(ex.map(put, range(n)))
-            remote = dataclasses.replace(manifest, rank=self.rank, world_size=self.world_size,
-                                         chunks=[p[0] for p in parts], codecs=[p[1] for p in parts],
-                                         stored_sizes=[p[2] for p in parts])
-            if manifest.chunks and manifest.chunks != remote.chunks:
-                raise CorruptCheckpointError(f"step {step}: bytes changed while uploading (checksums differ)")
-            raw = remote.to_bytes()
-            d = self.step_dir(step)
-            if self._local_fs:
-                fsync_dir(f"{d}/rank-{self.rank:05d}")   # the parts' names, before anything vouches for them
-            self._put(f"{d}/{manifest_name(self.rank)}", raw, sync_dir=True)
-            if commit:
-                record = Commit(step=step, world_size=self.world_size,
-                                manifests={manifest_name(self.rank): Commit.manifest_checksum(raw)},
-                                data={data_name(self.rank): manifest.data_bytes})
-                self._put(f"{d}/{COMMIT_NAME}", record.to_bytes(), sync_dir=True)   # the checkpoint exists from here on
-                self._put(self._path(LATEST_NAME), (step_dir_name(step) + "\n").encode(), sync_dir=True)
-        except BaseException as e:
-            try:
-                if self.job is None:
-                    self.delete(step, missing_ok=True)
-                else:
-                    self._remove_own(step)
-            except Exception as cleanup:   # noqa: BLE001 - the upload error is the one to report
-                log.warning("could not remove the partial upload of step %d: %s", step, cleanup)
-            if isinstance(e, OSError):
-                raise OSError(e.errno, f"uploading step {step} to {self.url} failed ({e}); the previous remote "
-                              "checkpoint is untouched; check storage_options and the store") from e
-            raise
+        with ThreadPoolExecutor(knobs.get("CKPT_REMOTE_THREADS"), thread_name_prefix="ckpt-upload") as ex:
+            futures = [ex.submit(put, i) for i in range(n)]
+            wait(futures, return_when=FIRST_EXCEPTION)
+            for f in futures:   # after a failure the parts not yet started are not sent: an outage costs
+                f.cancel()      # one round of retries, not n / CKPT_REMOTE_THREADS rounds
+            parts = [f.result() for f in futures]   # the first failure, in part order (the cancelled come after it)
+        remote = dataclasses.replace(manifest, rank=self.rank, world_size=self.world_size,
+                                     chunks=[p[0] for p in parts], codecs=[p[1] for p in parts],
+                                     stored_sizes=[p[2] for p in parts])
+        if manifest.chunks and manifest.chunks != remote.chunks:
+            raise CorruptCheckpointError(f"step {step}: bytes changed while uploading (checksums differ)")
+        raw = remote.to_bytes()
+        d = self.step_dir(step)
+        if self._local_fs:
+            fsync_dir(f"{d}/rank-{self.rank:05d}")   # the parts' names, before anything vouches for them
+        self._put(f"{d}/{manifest_name(self.rank)}", raw, sync_dir=True)
+        if commit:
+            record = Commit(step=step, world_size=self.world_size,
+                            manifests={manifest_name(self.rank): Commit.manifest_checksum(raw)},
+                            data={data_name(self.rank): manifest.data_bytes})
+            self._put(f"{d}/{COMMIT_NAME}", record.to_bytes(), sync_dir=True)   # the checkpoint exists from here on
+            self._put(self._path(LATEST_NAME), (step_dir_name(step) + "\n").encode(), sync_dir=True)
         return raw
 
     def delete(self, step: int, missing_ok: bool = False) -> None:
         """Remove a checkpoint, ``COMMIT`` first."""
+        with self._store(f"removing step {step} from {self.url}"):
+            found = self._delete(step)
+        if not found and not missing_ok:
+            raise FileNotFoundError(errno.ENOENT, f"step {step} is not on the remote tier",
+                                    self._url(self.step_dir(step)))
+
+    def _delete(self, step: int) -> bool:
         d = self.step_dir(step)
         commit = f"{d}/{COMMIT_NAME}"
         if self.fs.exists(commit):
             self.fs.rm(commit)
-        if self.fs.exists(d):
-            self.fs.rm(d, recursive=True)
-        elif not missing_ok:
-            raise FileNotFoundError(d)
+        if not self.fs.exists(d):
+            return False
+        self.fs.rm(d, recursive=True)
+        return True
 
     # -- read -------------------------------------------------------------------------------------
     def _get(self, step: int, name: str) -> bytes:
         where = f"{self.step_dir(step)}/{name}"
+        doing = f"reading {self._url(where)}"
+        down = self._still_down()
+        if down is not None:
+            raise ConnectionError(down.errno, f"{doing}: not attempted, {down.strerror}")
         try:
-            return self.fs.cat_file(where)
+            with self._store(doing):
+                return self.fs.cat_file(where)
         except FileNotFoundError:
             raise IncompleteCheckpointError(f"{where}: missing") from None
 
@@ -329,7 +622,43 @@ class RemoteTier:
         commit, manifest = read_records(lambda name: self._get(step, name), step, self.rank, self.world_size, d)
         if manifest.codecs is None:
             raise CorruptCheckpointError(f"{d}/{manifest_name(self.rank)}: remote manifest lacks part codecs")
+        self._check_parts(step, manifest)
         return commit, manifest
+
+    def _check_parts(self, step: int, m: Manifest) -> None:
+        """Each part's codec must be one this library writes and its recorded stored size one that can
+        hold its chunk (raw: the chunk itself; zstd: see :func:`~ckpt.codec.max_decoded`), so that no
+        size the manifest states is used unless the stored bytes can back it."""
+        c = m.chunk_bytes
+        for i, (codec, stored) in enumerate(zip(m.codecs, m.stored_sizes)):
+            size = min(c, m.data_bytes - i * c)
+            if codec == ABSENT:
+                if stored == 0:
+                    continue
+            else:
+                check_codec(codec, self._url(self._part(step, i, m.rank)))
+                if (stored == size) if codec == RAW else (0 < stored <= size <= max_decoded(codec, stored)):
+                    continue
+            raise CorruptCheckpointError(f"{self._url(self._part(step, i, m.rank))}: a {codec!r} part of {stored} "
+                                         f"stored bytes cannot hold its {size}-byte chunk")
+
+    def _check_stored(self, step: int, m: Manifest) -> None:
+        """Every part of saved rank ``m.rank`` is there with the size its manifest records: one listing,
+        before any part is downloaded or room for the data is allocated."""
+        d = f"{self.step_dir(step)}/rank-{m.rank:05d}"
+        with self._store(f"listing {self._url(d)}"):
+            self.fs.invalidate_cache(d)
+            try:
+                entries = self.fs.ls(d, detail=True)
+            except FileNotFoundError:
+                entries = []
+        held = {e["name"].rstrip("/").rsplit("/", 1)[-1]: e.get("size") for e in entries}
+        for i, (codec, stored) in enumerate(zip(m.codecs, m.stored_sizes)):
+            name = f"part-{i:06d}"
+            if codec != ABSENT and held.get(name) != stored:
+                where = self._url(self._part(step, i, m.rank))
+                raise IncompleteCheckpointError(f"{where}: missing" if name not in held else
+                                                f"{where}: {held[name]} bytes, {stored} committed")
 
     def read_commit(self, step: int) -> Commit:
         """The validated commit record of ``step``, whatever world size wrote it."""
@@ -353,6 +682,7 @@ class RemoteTier:
             m = Manifest.from_bytes(raw, f"{d}/{name}")
             if m.rank != rank or m.codecs is None or commit.data.get(data_name(rank)) != m.data_bytes:
                 raise CorruptCheckpointError(f"{d}/{name}: rank, part codecs or data size disagree with {COMMIT_NAME}")
+            self._check_parts(step, m)
             return m
 
         with ThreadPoolExecutor(knobs.get("CKPT_REMOTE_THREADS"), thread_name_prefix="ckpt-manifest") as ex:
@@ -363,23 +693,42 @@ class RemoteTier:
         returns the manifests. Raises :class:`~ckpt.errors.CheckpointError` naming the first bad part."""
         commit = self.read_commit(step)
         manifests = self.read_manifests(step, commit)
+        for m in manifests:
+            self._check_stored(step, m)
         parts = [(m, i) for m in manifests for i, codec in enumerate(m.codecs) if codec != ABSENT]
         with ThreadPoolExecutor(knobs.get("CKPT_REMOTE_THREADS"), thread_name_prefix="ckpt-verify") as ex:
             for f in [ex.submit(self.fetch, step, m.rank, m, i) for m, i in parts]:
                 f.result()
         return manifests
 
-    def fetch(self, step: int, rank: int, manifest: Manifest, i: int) -> bytes:
-        """Part ``i`` of saved rank ``rank``'s data, decoded and checked against its checksum."""
-        where = self._part(step, i, rank)
+    def fetch(self, step: int, rank: int, manifest: Manifest, i: int) -> bytes | bytearray:
+        """Part ``i`` of saved rank ``rank``'s data, decoded and checked against its checksum.
+
+        A store failure is an ``OSError`` naming the part's URL; the read asks for no more than the
+        stored size the manifest records (and one byte, to see a longer object)."""
+        path = self._part(step, i, rank)
+        where = self._url(path)
         if manifest.codecs[i] == ABSENT:
             raise IncompleteCheckpointError(f"{where}: not stored (only replicated tensors, which rank 0 holds)")
+        expect = manifest.stored_sizes[i]
+        status = self.status   # one record: another thread may replace it
+        down = status.error if status.available is False else None
+        if down is not None:   # another part of this load met the outage: the load fails anyway, fail fast
+            raise ConnectionError(down.errno, f"reading {where}: not attempted, {down.strerror}")
         try:
-            stored = self.fs.cat_file(where)
+            with self._store(f"reading {where}"):
+                if self._local_fs:   # a local file's reader allocates what it is asked for: ask what the file holds
+                    held = self.fs.size(path)
+                    if held != expect:
+                        raise IncompleteCheckpointError(f"{where}: {held} bytes, {expect} committed")
+                    stored = self.fs.cat_file(path)
+                else:                # an object store answers a range with what the object holds
+                    stored = self.fs.cat_file(path, start=0, end=expect + 1)
         except FileNotFoundError:
             raise IncompleteCheckpointError(f"{where}: missing") from None
-        if len(stored) != manifest.stored_sizes[i]:
-            raise IncompleteCheckpointError(f"{where}: {len(stored)} bytes, {manifest.stored_sizes[i]} committed")
+        if len(stored) != expect:
+            raise IncompleteCheckpointError(f"{where}: {len(stored)}{'+' if len(stored) > expect else ''} bytes, "
+                                            f"{expect} committed")
         size = min(manifest.chunk_bytes, manifest.data_bytes - i * manifest.chunk_bytes)
         raw = decode(stored, manifest.codecs[i], size, where)
         if len(raw) != size or checksum(raw) != manifest.chunks[i]:
@@ -390,6 +739,7 @@ class RemoteTier:
              refill: Any = None) -> None:
         """Download, decode and verify every part in parallel; scatter into ``dest`` (if given) and write
         the local tier ``refill`` (if given) on the way, so that the next restore is local."""
+        self._check_stored(step, manifest)   # before the refill allocates room for data_bytes
         sc = Scatter(manifest.items, dest) if dest is not None else None
         c, n = manifest.chunk_bytes, len(manifest.chunks)
 
@@ -405,8 +755,24 @@ class RemoteTier:
 
         if refill is not None:
             # The local writer pulls each part through fetch(): downloads stream straight to disk,
-            # with only the parts in flight held in memory.
-            refill.write_chunks(step, manifest, fetch, compute_checksums=False)
+            # with only the parts in flight held in memory. It reports any OSError as its own write
+            # failure ("check the local_dir path"): a failed download is raised as what it is.
+            fetch_errors: list[BaseException] = []
+
+            def source(i: int) -> bytes:
+                try:
+                    return fetch(i)
+                except BaseException as e:
+                    fetch_errors.append(e)
+                    raise
+
+            try:
+                refill.write_chunks(step, manifest, source, compute_checksums=False)
+            except BaseException as e:
+                origin = next((f for f in fetch_errors if _caused_by(e, f)), None)
+                if origin is None or origin is e:
+                    raise
+                raise origin from None
             return
         with ThreadPoolExecutor(knobs.get("CKPT_REMOTE_THREADS"), thread_name_prefix="ckpt-download") as ex:
             list(ex.map(fetch, range(n)))
