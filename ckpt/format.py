@@ -392,9 +392,10 @@ def read_record(path: str | os.PathLike, where: str | None = None, limit: int = 
 
 
 def read_record_fs(fs: Any, path: str, where: str | None = None, limit: int = MAX_RECORD_BYTES) -> bytes:
-    """:func:`read_record` through an fsspec file system: the local one reads the file itself (with
-    every check of :func:`read_record`); others must list ``path`` as a file (``info()['type']``) of
-    at most ``limit`` bytes, and the read asks for no more than its size plus one byte.
+    """:func:`read_record` through an fsspec file system: the local one (``file://``) reads the file
+    itself, with every check of :func:`read_record`; on others ``path`` must be listed as a file
+    (``info()['type']``) of at most ``limit`` bytes, and the read is a range request of at most
+    ``limit + 1`` bytes (an object store returns no more than the object holds).
 
     Raises :class:`CorruptCheckpointError` naming ``where`` (default: ``path``), or ``FileNotFoundError``."""
     where = where or path
@@ -405,15 +406,10 @@ def read_record_fs(fs: Any, path: str, where: str | None = None, limit: int = MA
     if info.get("type") != "file":
         raise CorruptCheckpointError(f"{where}: is a {info.get('type')!r}, not a file; refused unread")
     size = info.get("size")
-    if _is_nonneg_int(size):
+    if _is_nonneg_int(size):   # (a listing may be stale: the read below is bounded on its own)
         check_record_size(size, where, limit)
-        end = size + 1
-    else:
-        end = limit + 1
-    raw = fs.cat_file(path, start=0, end=end)
+    raw = fs.cat_file(path, start=0, end=limit + 1)
     check_record_size(len(raw), where, limit)
-    if _is_nonneg_int(size) and len(raw) != size:
-        raise CorruptCheckpointError(f"{where}: {len(raw)} bytes read, {size} listed: it changed while read")
     return bytes(raw)
 
 
