@@ -192,3 +192,13 @@ def test_a_modules_extra_state_is_restored_even_when_every_tensor_loads_in_place
     with ckpt.Checkpointer(local_dir=local_dir) as ck:
         assert ck.restore({"m": m2}) == 1
     assert m2.note == {"seen": 5} and torch.equal(m2.weight, m.weight)
+
+
+def test_brackets_and_escaped_quotes_inside_strings_do_not_count_as_nesting(local_dir):
+    value = {"[" * 300: "]" * 300 + '\\"' + "{" * 300, "q": '"[[[' * 100}
+    with ckpt.Checkpointer(local_dir=local_dir) as ck:
+        ck.save(1, {"cfg": value}).wait()
+    state = {"cfg": None}
+    with ckpt.Checkpointer(local_dir=local_dir) as ck:
+        assert ck.restore(state) == 1
+    assert state["cfg"] == value
