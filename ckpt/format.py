@@ -13,6 +13,14 @@ JSON or raw tensor bytes: loading never executes code. Records read from disk
 are validated field by field, so a hostile or torn file gives a
 :class:`~ckpt.errors.CorruptCheckpointError` naming the file, never a crash
 deeper in.
+
+Every record (manifest, ``COMMIT``, a DCP checkpoint's metadata) is read through one
+mechanism: :func:`read_record` (a local file) or :func:`read_record_fs` (an fsspec path)
+refuse anything but a regular file before opening it (a FIFO cannot block, a link to
+``/dev/zero`` is never read), refuse a file larger than :data:`MAX_RECORD_BYTES` by its size
+and never read more than that limit even if the file grows or lies about its size; then
+:func:`parse_record` refuses JSON nested deeper than :data:`MAX_JSON_DEPTH` before parsing it.
+Data files are opened through :func:`open_regular`, with the same refusal of non-regular files.
 """
 
 from __future__ import annotations
@@ -21,6 +29,7 @@ import json
 import math
 import os
 import re
+import stat
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -47,12 +56,32 @@ __all__ = [
     "write_atomic",
     "fsync_dir",
     "read_records",
+    "MAX_RECORD_BYTES",
+    "MAX_JSON_DEPTH",
+    "MAX_TREE_DEPTH",
+    "MAX_NDIM",
+    "open_regular",
+    "read_record",
+    "read_record_fs",
+    "check_record_size",
+    "parse_record",
+    "check_shape",
 ]
 
 FORMAT_VERSION = 1
 COMMIT_NAME = "COMMIT"
 LATEST_NAME = "latest"
-MAX_RECORD_BYTES = 1 << 30  # a manifest larger than this is refused, not parsed
+#: a record (manifest, COMMIT, DCP metadata) larger than this is refused unread
+MAX_RECORD_BYTES = 1 << 30
+#: JSON nesting (arrays and objects inside each other) allowed in any record read back
+MAX_JSON_DEPTH = 128
+#: nesting allowed in a saved state tree below its top-level key; deeper values are refused at save
+#: time (with the manifest's own two levels and a DTensor layout's two, a tree stays within MAX_JSON_DEPTH)
+MAX_TREE_DEPTH = 100
+#: dimensions a saved tensor may have
+MAX_NDIM = 64
+_MAX_INT = (1 << 63) - 1          # every size, offset and count is an int64 to torch
+_MAX_SPAN = 1 << 62               # product of a shape's dims (0 counted as 1) times the element size
 
 _STEP_RE = re.compile(r"^step-(\d{9,})$")
 
@@ -164,14 +193,16 @@ class Manifest:
         if self.checksum_algorithm != ALGORITHM:
             raise bad(f"checksum algorithm {self.checksum_algorithm!r}, expected {ALGORITHM!r}")
         for name in ("step", "rank", "world_size", "data_bytes", "chunk_bytes"):
-            if not _is_nonneg_int(getattr(self, name)):
-                raise bad(f"{name} must be a non-negative integer")
+            if not _is_nonneg_int(getattr(self, name)) or getattr(self, name) > _MAX_INT:
+                raise bad(f"{name} must be a non-negative 64-bit integer")
         if self.chunk_bytes <= 0 or self.world_size <= 0 or self.rank >= self.world_size:
             raise bad("chunk_bytes, world_size or rank out of range")
+        if not _is_number(self.created_unix):
+            raise bad("created_unix must be a number")
         if not isinstance(self.chunks, list) or len(self.chunks) != -(-self.data_bytes // self.chunk_bytes):
             raise bad("chunk checksum list does not cover the data file")
-        if not all(_is_nonneg_int(c) for c in self.chunks):
-            raise bad("chunk checksums must be non-negative integers")
+        if not all(_is_nonneg_int(c) and c < 1 << 32 for c in self.chunks):
+            raise bad("chunk checksums must be 32-bit non-negative integers")
         if (self.codecs is None) != (self.stored_sizes is None):
             raise bad("codecs and stored_sizes must both be present or both absent")
         if self.codecs is not None:
@@ -187,21 +218,40 @@ class Manifest:
                 isinstance(self.replicated, list)
                 and all(_is_nonneg_int(i) and i < len(self.items) for i in self.replicated)):
             raise bad("replicated must list item indices")
+        self._validate_items(bad)
+        _validate_tree(self.tree, len(self.items), bad)
+
+    def _validate_items(self, bad: Callable[[str], CorruptCheckpointError]) -> None:
+        """Every item's dtype, shape and byte range; the ranges must lie inside the data file without
+        overlapping, so the destinations a restore allocates never exceed the file's size."""
+        ranges = []
         for i, it in enumerate(self.items):
-            dtype = str_to_dtype(it.dtype, where)
             if not isinstance(it.key, str) or not isinstance(it.device, str):
                 raise bad(f"item {i}: key and device must be strings")
-            if not isinstance(it.shape, list) or not all(_is_nonneg_int(s) for s in it.shape):
-                raise bad(f"item {it.key!r}: bad shape {it.shape!r}")
+            dtype = _DTYPES.get(it.dtype) if isinstance(it.dtype, str) else None
+            if dtype is None:
+                raise bad(f"item {it.key!r}: unknown dtype {it.dtype!r}")
+            if not check_shape(it.shape, dtype.itemsize):
+                raise bad(f"item {it.key!r}: bad shape {it.shape!r} (non-negative ints, at most {MAX_NDIM} "
+                          "dimensions, within int64 sizes)")
             if it.alias_of is not None:
                 if not _is_nonneg_int(it.alias_of) or it.alias_of >= i:
-                    raise bad(f"item {it.key!r}: bad alias")
+                    raise bad(f"item {it.key!r}: alias_of must name an earlier item")
+                orig = self.items[it.alias_of]
+                if orig.alias_of is not None or orig.dtype != it.dtype or orig.shape != it.shape:
+                    raise bad(f"item {it.key!r}: an alias must name a stored item of its own dtype and shape")
                 continue
             if not (_is_nonneg_int(it.offset) and _is_nonneg_int(it.nbytes)):
                 raise bad(f"item {it.key!r}: bad byte range")
             if it.nbytes != it.numel * dtype.itemsize or it.offset + it.nbytes > self.data_bytes:
                 raise bad(f"item {it.key!r}: byte range [{it.offset}, {it.offset + it.nbytes}) "
                           f"does not fit its shape or the {self.data_bytes}-byte data file")
+            if it.nbytes:
+                ranges.append((it.offset, it.nbytes, it.key))
+        ranges.sort()
+        for (a, n, k), (b, _, k2) in zip(ranges, ranges[1:]):
+            if b < a + n:
+                raise bad(f"items {k!r} and {k2!r} overlap in the data file")
 
 
 @dataclass
@@ -227,12 +277,13 @@ class Commit:
             raise CorruptCheckpointError(f"{where}: malformed commit record ({e})") from None
         ok = (
             c.format_version == FORMAT_VERSION
-            and _is_nonneg_int(c.step)
-            and _is_nonneg_int(c.world_size) and c.world_size > 0
+            and _is_nonneg_int(c.step) and c.step <= _MAX_INT
+            and _is_nonneg_int(c.world_size) and 0 < c.world_size <= _MAX_INT
             and isinstance(c.manifests, dict) and len(c.manifests) == c.world_size
-            and all(isinstance(k, str) and _is_nonneg_int(v) for k, v in c.manifests.items())
+            and all(isinstance(k, str) and _is_nonneg_int(v) and v < 1 << 32 for k, v in c.manifests.items())
             and isinstance(c.data, dict)
-            and all(isinstance(k, str) and _is_nonneg_int(v) for k, v in c.data.items())
+            and all(isinstance(k, str) and _is_nonneg_int(v) and v <= _MAX_INT for k, v in c.data.items())
+            and _is_number(c.created_unix)
         )
         if not ok:
             raise CorruptCheckpointError(f"{where}: commit record fails validation")
@@ -247,16 +298,250 @@ def _is_nonneg_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool) and v >= 0
 
 
-def _load_json(raw: bytes, where: str) -> dict:
-    if len(raw) > MAX_RECORD_BYTES:
-        raise CorruptCheckpointError(f"{where}: record of {len(raw)} bytes is larger than any this library writes")
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def check_shape(shape: Any, itemsize: int = 1) -> bool:
+    """Whether ``shape`` is a tensor shape this library reads: a list of at most :data:`MAX_NDIM`
+    non-negative ints whose product (a zero dimension counted as one, so that empty tensors are
+    bounded too) times ``itemsize`` stays below 2**62, so no size or stride torch derives from it
+    overflows. Every dimension is bounded before anything is multiplied."""
+    if not isinstance(shape, list) or len(shape) > MAX_NDIM:
+        return False
+    span = itemsize
+    for d in shape:
+        if not _is_nonneg_int(d) or d > _MAX_SPAN:
+            return False
+        span *= max(d, 1)
+        if span > _MAX_SPAN:
+            return False
+    return True
+
+
+# -- reading records ------------------------------------------------------------------------------
+def _kind(mode: int) -> str:
+    for test, name in ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
+                       (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"), (stat.S_ISLNK, "a symlink")):
+        if test(mode):
+            return name
+    return "not a regular file"
+
+
+def _need_regular(st: os.stat_result, where: str) -> None:
+    if not stat.S_ISREG(st.st_mode):
+        raise CorruptCheckpointError(f"{where}: is {_kind(st.st_mode)}, not a regular file; refused unread")
+
+
+def open_regular(path: str | os.PathLike, flags: int = os.O_RDONLY, where: str | None = None) -> tuple[int, os.stat_result]:
+    """Open ``path`` read-only (with extra ``flags``, e.g. ``O_DIRECT``) only if it is a regular file.
+
+    The file is checked before it is opened (a symlink is followed: one to a regular file is read,
+    one to ``/dev/zero`` or a FIFO is refused), opened with ``O_NONBLOCK`` so that a FIFO swapped in
+    meanwhile cannot block, and checked again through the open descriptor. Returns ``(fd, stat)``;
+    raises :class:`CorruptCheckpointError` naming the file for anything but a regular file, and
+    ``FileNotFoundError`` when it is missing."""
+    where = where or os.fspath(path)
+    _need_regular(os.stat(path), where)
+    fd = os.open(path, flags | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    try:
+        st = os.fstat(fd)
+        _need_regular(st, where)
+        os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd, st
+
+
+def check_record_size(size: int, where: str, limit: int = MAX_RECORD_BYTES) -> None:
+    """Refuse a record of ``size`` bytes when it is larger than ``limit``."""
+    if size > limit:
+        raise CorruptCheckpointError(f"{where}: a record of {size} bytes is larger than the {limit}-byte limit "
+                                     "(larger than any this library writes); refused unread")
+
+
+def read_record(path: str | os.PathLike, where: str | None = None, limit: int = MAX_RECORD_BYTES) -> bytes:
+    """The bytes of a record file: a regular file (:func:`open_regular`) of at most ``limit`` bytes,
+    checked by its size before any byte is read; at most ``limit + 1`` bytes are ever read, so a
+    file that grows, or one that reports no size (``/proc``), is cut off and refused.
+
+    Raises :class:`CorruptCheckpointError` naming the file, or ``FileNotFoundError``."""
+    where = where or os.fspath(path)
+    st = os.stat(path)
+    _need_regular(st, where)
+    check_record_size(st.st_size, where, limit)
+    fd, st = open_regular(path, os.O_RDONLY, where)
+    try:
+        check_record_size(st.st_size, where, limit)
+        parts, n = [], 0
+        want = st.st_size + 1          # one read for the whole file, and one byte to see it ends
+        while n <= limit:
+            b = os.read(fd, min(want, limit + 1 - n))
+            if not b:
+                break
+            parts.append(b)
+            n += len(b)
+            want = 1 << 20
+    except OSError as e:
+        raise OSError(e.errno, e.strerror, where) from None
+    finally:
+        os.close(fd)
+    check_record_size(n, where, limit)
+    return b"".join(parts)
+
+
+def read_record_fs(fs: Any, path: str, where: str | None = None, limit: int = MAX_RECORD_BYTES) -> bytes:
+    """:func:`read_record` through an fsspec file system: the local one (``file://``) reads the file
+    itself, with every check of :func:`read_record`; on others ``path`` must be listed as a file
+    (``info()['type']``) of at most ``limit`` bytes, and the read is a range request of at most
+    ``limit + 1`` bytes (an object store returns no more than the object holds).
+
+    Raises :class:`CorruptCheckpointError` naming ``where`` (default: ``path``), or ``FileNotFoundError``."""
+    where = where or path
+    protocols = (fs.protocol,) if isinstance(fs.protocol, str) else tuple(fs.protocol)
+    if any(p in ("file", "local") for p in protocols):
+        return read_record(fs._strip_protocol(path), where, limit)
+    info = fs.info(path)
+    if info.get("type") != "file":
+        raise CorruptCheckpointError(f"{where}: is a {info.get('type')!r}, not a file; refused unread")
+    size = info.get("size")
+    if _is_nonneg_int(size):   # (a listing may be stale: the read below is bounded on its own)
+        check_record_size(size, where, limit)
+    raw = fs.cat_file(path, start=0, end=limit + 1)
+    check_record_size(len(raw), where, limit)
+    return bytes(raw)
+
+
+_ESCAPE = re.compile(rb"\\.", re.DOTALL)
+_DEPTH_STEP = None
+
+
+def json_depth(raw: bytes | bytearray | memoryview, stop: int | None = None) -> int:
+    """Nesting depth of the arrays and objects in JSON text ``raw`` (exact for valid JSON), found in
+    linear time without parsing: escape pairs are cut out, then, block by block, a running parity
+    of the quotes marks what lies inside strings and a running sum of the brackets outside them
+    gives the depth. With ``stop``, returns once the depth exceeds it."""
+    import numpy as np
+
+    global _DEPTH_STEP
+    if _DEPTH_STEP is None:
+        step = np.zeros(256, dtype=np.int8)
+        step[list(b"[{")] = 1
+        step[list(b"]}")] = -1
+        _DEPTH_STEP = step
+    text = bytes(raw)
+    if b"\\" in text:
+        text = _ESCAPE.sub(b"", text)
+    codes = np.frombuffer(text, dtype=np.uint8)
+    depth = peak = quotes = 0
+    block = 1 << 22
+    for a in range(0, len(codes), block):
+        c = codes[a:a + block]
+        q = np.cumsum(c == 0x22, dtype=np.int32) + (quotes & 1)
+        outside = (q & 1) == 0
+        run = np.cumsum(_DEPTH_STEP[c] * outside, dtype=np.int32) + np.int64(depth)
+        quotes, depth = int(q[-1]), int(run[-1])
+        peak = max(peak, int(run.max()))
+        if stop is not None and peak > stop:
+            break
+    return peak
+
+
+def parse_record(raw: bytes | bytearray | memoryview, where: str, expect: type | None = dict,
+                 max_depth: int = MAX_JSON_DEPTH, limit: int = MAX_RECORD_BYTES) -> Any:
+    """Parse JSON record ``raw`` (of ``where``): at most ``limit`` bytes, nested at most ``max_depth``
+    deep (checked before parsing, so no parser or later walk of the value can exhaust the stack),
+    and of type ``expect`` when given. Any problem is a :class:`CorruptCheckpointError` naming
+    ``where``."""
+    check_record_size(len(raw), where, limit)
+    depth = json_depth(raw, stop=max_depth)
+    if depth > max_depth:
+        raise CorruptCheckpointError(f"{where}: JSON nested more than {max_depth} levels deep; refused unparsed")
     try:
         d = json.loads(raw)
-    except (UnicodeDecodeError, ValueError) as e:
-        raise CorruptCheckpointError(f"{where}: not valid JSON ({e})") from None
-    if not isinstance(d, dict):
-        raise CorruptCheckpointError(f"{where}: expected a JSON object")
+    except (UnicodeDecodeError, ValueError, RecursionError, MemoryError) as e:
+        raise CorruptCheckpointError(f"{where}: not valid JSON ({type(e).__name__}: {e})") from None
+    if expect is not None and not isinstance(d, expect):
+        raise CorruptCheckpointError(f"{where}: expected a JSON {'object' if expect is dict else expect.__name__}")
     return d
+
+
+def _load_json(raw: bytes, where: str) -> dict:
+    return parse_record(raw, where)
+
+
+# -- the saved state tree ---------------------------------------------------------------------------
+_OBJ_KINDS = ("module", "optimizer", "stateful")
+_FLOAT_TAGS = ("nan", "inf", "-inf")
+_TAG_KEYS = {"$t": {"$t", "$np", "$dt"}, "$obj": {"$obj", "sd"}, "$tuple": {"$tuple"}, "$d": {"$d"},
+             "$f": {"$f"}, "$dtype": {"$dtype"}, "$skip": {"$skip"}}
+
+
+def _check_layout_record(dt: Any) -> bool:
+    """A DTensor layout as :func:`ckpt.plan.dtensor_layout` records it, with bounded fields."""
+    if not (isinstance(dt, dict) and set(dt) == {"shape", "mesh", "coord", "placements"}):
+        return False
+    mesh, coord, placements = dt["mesh"], dt["coord"], dt["placements"]
+    return (check_shape(dt["shape"])
+            and check_shape(mesh) and all(m > 0 for m in mesh)
+            and isinstance(coord, list) and isinstance(placements, list)
+            and len(coord) in (0, len(mesh)) and len(placements) == len(mesh)
+            and all(_is_nonneg_int(c) and c < m for c, m in zip(coord, mesh))
+            and all(isinstance(p, str) and len(p) <= 64 for p in placements))
+
+
+def _validate_tree(tree: Any, n_items: int, bad: Callable[[str], CorruptCheckpointError]) -> None:
+    """Check the saved tree's structure (the tagged nodes of :mod:`ckpt.plan`) before anything is
+    bound to it: every tensor node names an item that exists, once; every tag has its fields of the
+    right types. What passes here can only fail to fit a state, never crash the binding."""
+    if not isinstance(tree, dict):
+        raise bad("the saved state tree is not a JSON object")
+    seen: set[int] = set()
+    stack: list[tuple[Any, str]] = [(v, k) for k, v in tree.items()]
+    while stack:
+        node, path = stack.pop()
+        if isinstance(node, list):
+            stack.extend((x, f"{path}/{i}") for i, x in enumerate(node))
+            continue
+        if not isinstance(node, dict):
+            continue
+        tags = [k for k in node if k.startswith("$")]
+        if not tags:
+            stack.extend((v, f"{path}/{k}") for k, v in node.items())
+            continue
+        tag = next((t for t in _TAG_KEYS if t in node), None)
+        if tag is None or not set(node) <= _TAG_KEYS[tag]:
+            raise bad(f"tree node at {path!r} has unknown tags {sorted(node)!r}")
+        v = node[tag]
+        if tag == "$t":
+            if not _is_nonneg_int(v) or v >= n_items or v in seen:
+                raise bad(f"tree node at {path!r} names item {v!r}: not an item index, or named twice")
+            seen.add(v)
+            if "$dt" in node and not _check_layout_record(node["$dt"]):
+                raise bad(f"tree node at {path!r} has a malformed DTensor layout")
+            if node.get("$np", 1) not in (0, 1):
+                raise bad(f"tree node at {path!r}: $np must be 0 or 1")
+        elif tag == "$obj":
+            if v not in _OBJ_KINDS or "sd" not in node:
+                raise bad(f"tree node at {path!r}: an object node needs a kind in {_OBJ_KINDS} and a state dict")
+            stack.append((node["sd"], path))
+        elif tag == "$tuple":
+            if not isinstance(v, list):
+                raise bad(f"tree node at {path!r}: $tuple must be a list")
+            stack.extend((x, f"{path}/{i}") for i, x in enumerate(v))
+        elif tag == "$d":
+            if not (isinstance(v, list) and all(isinstance(p, list) and len(p) == 2
+                                                and (p[0] is None or isinstance(p[0], (str, int, float)))
+                                                for p in v)):
+                raise bad(f"tree node at {path!r}: $d must list [key, value] pairs with scalar keys")
+            stack.extend((x, f"{path}/{k}") for k, x in v)
+        elif tag == "$f":
+            if v not in _FLOAT_TAGS:
+                raise bad(f"tree node at {path!r}: $f must be one of {_FLOAT_TAGS}")
+        elif tag == "$dtype":
+            if not (isinstance(v, str) and v in _DTYPES):
+                raise bad(f"tree node at {path!r}: unknown dtype {v!r}")
 
 
 def fsync_dir(path: Path | str) -> None:

@@ -31,7 +31,7 @@ from typing import Any, Callable, Mapping
 import torch
 
 from .errors import IncompatibleCheckpointError, LayoutMismatchError, RefusedStateError
-from .format import ItemRecord, dtype_to_str
+from .format import MAX_TREE_DEPTH, ItemRecord, dtype_to_str, str_to_dtype
 
 __all__ = ["Entry", "Plan", "flatten", "layout", "Binding", "bind"]
 
@@ -125,25 +125,33 @@ class _Flattener:
         self.entries.append(Entry(path, t, is_buffer, alias, t._version, dt is not None))
         return {"$t": idx} if dt is None else {"$t": idx, "$dt": dt}
 
-    def walk(self, v: Any, path: str, buffers: frozenset[str] = frozenset(), rel: str = "") -> Any:
+    def walk(self, v: Any, path: str, buffers: frozenset[str] = frozenset(), rel: str = "", depth: int = 1) -> Any:
+        """The tree node of ``v``; ``depth``: the JSON nesting level that node sits at (a top-level
+        value at 1), so that a value nested too deep to be read back is refused here, by key."""
         if isinstance(v, torch.Tensor):
+            if depth > MAX_TREE_DEPTH:
+                _too_deep(path)
             return self.tensor(v, path, rel in buffers)
         if isinstance(v, _SCALARS):
             return v
+        if isinstance(v, float) and math.isfinite(v):
+            return v
+        if depth > MAX_TREE_DEPTH:
+            _too_deep(path)
         if isinstance(v, float):
-            return v if math.isfinite(v) else {"$f": repr(v)}
+            return {"$f": repr(v)}
         if _is_stateful(v):
             sd = v.state_dict()
             bufs = frozenset(n for n, _ in v.named_buffers()) if isinstance(v, torch.nn.Module) else frozenset()
-            return {"$obj": _obj_kind(v), "sd": self._walk_sd(sd, path, bufs)}
+            return {"$obj": _obj_kind(v), "sd": self._walk_sd(sd, path, bufs, depth + 1)}
         if isinstance(v, Mapping):
-            return self._walk_map(v, path, buffers, rel)
+            return self._walk_map(v, path, buffers, rel, depth=depth)
         if isinstance(v, torch.Size):
             return {"$tuple": list(v)}
         if isinstance(v, tuple):
-            return {"$tuple": [self.walk(x, f"{path}/{i}") for i, x in enumerate(v)]}
+            return {"$tuple": [self.walk(x, f"{path}/{i}", depth=depth + 2) for i, x in enumerate(v)]}
         if isinstance(v, list):
-            return [self.walk(x, f"{path}/{i}") for i, x in enumerate(v)]
+            return [self.walk(x, f"{path}/{i}", depth=depth + 1) for i, x in enumerate(v)]
         if isinstance(v, torch.dtype):
             return {"$dtype": dtype_to_str(v)}
         np = _numpy()
@@ -153,30 +161,42 @@ class _Flattener:
             node = self.tensor(torch.from_numpy(np.ascontiguousarray(v)), path, False)
             return {**node, "$np": 1}
         if np is not None and isinstance(v, np.generic):
-            return self.walk(v.item(), path)
+            return self.walk(v.item(), path, depth=depth)
         raise RefusedStateError(
             f"state value at {path!r} is a {type(v).__module__}.{type(v).__qualname__}, which cannot be "
             "stored without pickle. Store JSON-safe values (numbers, strings, lists, dicts), tensors, or an "
             "object with state_dict()/load_state_dict(); or pass Checkpointer(on_unsupported='skip') to "
             "leave such values out of checkpoints (they are then not restored).")
 
-    def _walk_sd(self, sd: Any, path: str, buffers: frozenset[str]) -> Any:
+    def _walk_sd(self, sd: Any, path: str, buffers: frozenset[str], depth: int) -> Any:
         if not isinstance(sd, Mapping):
-            return self.walk(sd, path)
-        return self._walk_map(sd, path, buffers, "", top=True)
+            return self.walk(sd, path, depth=depth)
+        if depth > MAX_TREE_DEPTH:
+            _too_deep(path)
+        return self._walk_map(sd, path, buffers, "", top=True, depth=depth)
 
-    def _walk_map(self, v: Mapping, path: str, buffers: frozenset[str], rel: str, top: bool = False) -> Any:
+    def _walk_map(self, v: Mapping, path: str, buffers: frozenset[str], rel: str, top: bool = False,
+                  depth: int = 1) -> Any:
         plain = all(isinstance(k, str) and not k.startswith("$") for k in v)
+        sub = depth + 1 if plain else depth + 3     # {"$d": [[k, v], ...]} nests each value three deeper
         out = []
         for k, x in v.items():
             if not isinstance(k, (str, int, float, bool, type(None))):
                 raise RefusedStateError(f"state dict at {path!r} has a key of type {type(k).__name__}; "
                                         "keys must be str, int, float, bool or None")
             sub_rel = str(k) if top else f"{rel}.{k}"
-            out.append((k, self.walk(x, f"{path}/{k}", buffers if top else frozenset(), sub_rel)))
+            out.append((k, self.walk(x, f"{path}/{k}", buffers if top else frozenset(), sub_rel, sub)))
         if plain:
             return dict(out)
         return {"$d": [[k, x] for k, x in out]}
+
+
+def _too_deep(path: str) -> None:
+    raise RefusedStateError(
+        f"state value at {path!r} is nested more than {MAX_TREE_DEPTH} levels deep (every dict, list and tuple "
+        "counts, dicts with non-string keys and tuples their tags too): checkpoints read back records only that "
+        "deep. Store such a value flatter (e.g. as a JSON string or a tensor), or pass "
+        "Checkpointer(on_unsupported='skip') to leave it out")
 
 
 _np_module: Any = False
@@ -200,9 +220,9 @@ class SkipUnsupported(_Flattener):
         super().__init__()
         self.skipped: list[str] = []
 
-    def walk(self, v: Any, path: str, buffers: frozenset[str] = frozenset(), rel: str = "") -> Any:
+    def walk(self, v: Any, path: str, buffers: frozenset[str] = frozenset(), rel: str = "", depth: int = 1) -> Any:
         try:
-            return super().walk(v, path, buffers, rel)
+            return super().walk(v, path, buffers, rel, depth)
         except RefusedStateError:
             if isinstance(v, torch.Tensor):
                 raise
@@ -251,8 +271,12 @@ class Binding:
     """Where each saved item's bytes go, and what to do once they are there.
 
     ``dest[i]`` is a contiguous tensor of item ``i``'s shape and dtype (``None``
-    for aliases, which are resolved by :meth:`finish`). ``finish()`` hands every
-    object its state dict and writes plain values back into the user's state.
+    for aliases, which are resolved by :meth:`finish`, and for items the state does
+    not take: keys left out with ``strict=False``; such items are not read). A live
+    tensor that is not contiguous (``channels_last``, a transposed view) gets a
+    contiguous stand-in that :meth:`finish` copies into it, so it keeps its memory
+    format. ``finish()`` then hands every object its state dict and writes plain
+    values back into the user's state.
     """
 
     dest: list[torch.Tensor | None]
@@ -260,8 +284,13 @@ class Binding:
     _aliases: list[tuple[int, int, torch.Tensor | None]]
     #: with ``reshard``: item -> (the box of the global tensor its destination holds, global shape)
     boxes: dict[int, tuple[Any, list[int]]] = field(default_factory=dict)
+    #: (item, live non-contiguous tensor) whose bytes arrive in a contiguous stand-in
+    _copy_back: list[tuple[int, torch.Tensor]] = field(default_factory=list)
 
     def finish(self) -> None:
+        for i, live in self._copy_back:
+            live.copy_(self.dest[i])
+            self.dest[i] = live
         for i, orig, own in self._aliases:
             src = self.dest[orig]
             if own is not None and own.data_ptr() != src.data_ptr():
@@ -280,9 +309,11 @@ def _target_device(saved: str) -> torch.device:
 
 
 class _Binder:
-    def __init__(self, items: list[ItemRecord], reshard: bool = False) -> None:
+    def __init__(self, items: list[ItemRecord], reshard: bool = False, strict: bool = True) -> None:
         self.items = items
         self.reshard = reshard
+        self.strict = strict
+        self.copy_back: list[tuple[int, torch.Tensor]] = []
         self.boxes: dict[int, tuple[Any, list[int]]] = {}
         self.dest: list[torch.Tensor | None] = [None] * len(items)
         self.in_place = [False] * len(items)
@@ -291,8 +322,6 @@ class _Binder:
         self.dtensor_like: dict[str, Any] = {}   # path of an optimizer's per-parameter state -> its DTensor
 
     def bind_tensor(self, idx: Any, template: Any, path: str, dt: Any = None) -> torch.Tensor | None:
-        from .format import str_to_dtype
-
         if not isinstance(idx, int) or isinstance(idx, bool) or not 0 <= idx < len(self.items):
             raise IncompatibleCheckpointError(f"saved tree at {path!r} references a tensor that does not exist")
         it = self.items[idx]
@@ -311,15 +340,19 @@ class _Binder:
                 f"tensor at {path!r} was saved as a DTensor ({_describe(dt)}) but the state holds a plain "
                 "tensor there: restore into the same sharding (same mesh and placements)")
         fits = (isinstance(template, torch.Tensor) and template.dtype == dtype
-                and list(template.shape) == it.shape and template.is_contiguous())
+                and list(template.shape) == it.shape)
         if it.alias_of is not None:
             self.aliases.append((idx, it.alias_of, template.detach() if fits else None))
+            self.in_place[idx] = fits
             return None
-        if fits:
+        if fits and template.is_contiguous():
             self.dest[idx] = template.detach()
-            self.in_place[idx] = True
+        elif fits:   # channels_last, a transposed view ...: bytes land in a stand-in, then are copied in
+            self.dest[idx] = torch.empty(it.shape, dtype=dtype, device=template.device)
+            self.copy_back.append((idx, template.detach()))
         else:
             self.dest[idx] = torch.empty(it.shape, dtype=dtype, device=_target_device(it.device))
+        self.in_place[idx] = fits
         return self.dest[idx]
 
     def _bind_box(self, idx: int, live: Any, path: str, dt: Any, dtype: torch.dtype) -> torch.Tensor | None:
@@ -358,7 +391,7 @@ class _Binder:
             have = f"{local.dtype if local is not None else dtype}{list(gshape)}".replace("torch.", "")
             raise IncompatibleCheckpointError(
                 f"tensor at {path!r}: checkpoint has {it.dtype}{shape} (global), the state has {have}")
-        if local is not None and local.is_contiguous():
+        if local is not None:   # the resharding copies are strided: any memory layout takes them in place
             self.dest[idx] = local.detach()
             self.in_place[idx] = True
         else:
@@ -393,7 +426,6 @@ class _Binder:
         if "$f" in node:
             return lambda: float(node["$f"])
         if "$dtype" in node:
-            from .format import str_to_dtype
             dt = str_to_dtype(node["$dtype"], path)
             return lambda: dt
         if "$obj" in node:
@@ -418,14 +450,15 @@ class _Binder:
         if isinstance(live, torch.Tensor) and isinstance(node, dict) and "$t" in node:
             self.bind_tensor(node["$t"], live, path, node.get("$dt"))
             idx = node["$t"]
-            if not self.in_place[idx] and self.items[idx].alias_of is None:
+            if not self.in_place[idx]:
                 raise IncompatibleCheckpointError(
                     f"tensor at {path!r}: checkpoint has {self.items[idx].dtype}{self.items[idx].shape}, "
-                    f"the state has {live.dtype}{list(live.shape)}")
+                    f"the state has {str(live.dtype).removeprefix('torch.')}{list(live.shape)}")
             return
         if isinstance(live, dict) and isinstance(node, dict) and not any(k.startswith("$") for k in node):
             for k, v in node.items():
-                self.bind_value(live, k, v, f"{path}/{k}")
+                if self.strict or k in live:   # strict=False: only the keys both have
+                    self.bind_value(live, k, v, f"{path}/{k}")
             return
         items = node if isinstance(node, list) else node.get("$tuple") if isinstance(node, dict) else None
         if isinstance(live, (list, tuple)) and isinstance(items, list) and len(items) == len(live):
@@ -470,14 +503,21 @@ class _Binder:
         if kind == "optimizer" and isinstance(obj, torch.optim.Optimizer):
             self._note_dtensor_params(obj, sd_node, path)
         template = obj.state_dict()
+        module = kind == "module" and isinstance(obj, torch.nn.Module)
+        partial = module and not self.strict and isinstance(sd_node, dict) and isinstance(template, Mapping) \
+            and not any(k.startswith("$") for k in sd_node)
+        if partial:   # strict=False: the module's keys that both sides have, nothing else is read
+            sd_node = {k: v for k, v in sd_node.items() if k in template}
         build = self.decode(sd_node, template, path)
 
         def load() -> None:
             sd = build()
-            if kind == "module" and isinstance(obj, torch.nn.Module) and self._all_in_place(sd_node) \
-                    and set(sd) == set(template):
+            if module and self._all_in_place(sd_node) and (partial or set(sd) == set(template)):
                 return  # every tensor already landed in the module's own memory
-            obj.load_state_dict(sd)
+            if partial:
+                obj.load_state_dict(sd, strict=False)
+            else:
+                obj.load_state_dict(sd)
 
         self.actions.append(load)
 
@@ -495,23 +535,12 @@ class _Binder:
                         self.dtensor_like[f"{path}/state/{i}"] = p
 
     def _all_in_place(self, node: Any) -> bool:
-        ok = True
-
-        def visit(n: Any) -> None:
-            nonlocal ok
-            if isinstance(n, list):
-                for x in n:
-                    visit(x)
-            elif isinstance(n, dict):
-                if "$t" in n:
-                    i = n["$t"]
-                    ok = ok and (self.in_place[i] or self.items[i].alias_of is not None)
-                else:
-                    for x in n.values():
-                        visit(x)
-
-        visit(node)
-        return ok
+        """Whether every value of a module's saved state dict is a tensor whose bytes land in the
+        module's own tensor (so ``load_state_dict`` has nothing left to do). Any other value (a
+        module's extra state) must still go through ``load_state_dict``."""
+        if not isinstance(node, dict) or any(k.startswith("$") for k in node):
+            return False
+        return all(isinstance(n, dict) and "$t" in n and self.in_place[n["$t"]] for n in node.values())
 
 
 def _describe(dt: Any) -> str:
@@ -567,6 +596,13 @@ def bind(state: dict, tree: Any, items: list[ItemRecord], strict: bool = True, r
     Raises :class:`IncompatibleCheckpointError` when top-level keys differ (with
     ``strict``) or a tensor's shape or dtype does not match, and its subclass
     :class:`LayoutMismatchError` when sharded state was saved in another layout.
+
+    ``strict=False`` loads exactly the keys both sides have: a top-level key only in
+    the checkpoint is not read and never added to ``state``; one only in ``state``
+    keeps its value. The same holds one level down for a module's state dict (its
+    ``load_state_dict(strict=False)`` gets the common keys) and at every level of a
+    plain dict in the state. Optimizers, schedulers and other objects get their saved
+    state dict whole (their own ``load_state_dict`` decides what fits).
     ``reshard``: bind sharded tensors to the box of the global tensor the live state
     holds instead (``Binding.boxes``; the bytes then come from :mod:`ckpt.reshard`).
     """
@@ -578,10 +614,15 @@ def bind(state: dict, tree: Any, items: list[ItemRecord], strict: bool = True, r
         raise IncompatibleCheckpointError(
             f"state keys differ from the checkpoint's: missing from checkpoint {missing}, "
             f"not in the state {unexpected}; pass restore(..., strict=False) to load the common keys")
-    b = _Binder(items, reshard)
+    b = _Binder(items, reshard, strict)
     for k, node in tree.items():
-        if k in state or not strict:
-            if k not in state and isinstance(node, dict) and "$obj" in node:
-                continue
+        if k in state:   # with strict=False, the keys both have; the state never gains a key
             b.bind_value(state, k, node, k)
-    return Binding(b.dest, b.actions, b.aliases, b.boxes)
+    for i, orig, own in b.aliases:
+        if b.dest[orig] is None and items[orig].alias_of is None and orig not in b.boxes:
+            # the item holding the bytes of a shared tensor is not in the state (left out with
+            # strict=False): read it into a stand-in, from which finish() fills the alias
+            it = items[orig]
+            device = own.device if own is not None else _target_device(it.device)
+            b.dest[orig] = torch.empty(it.shape, dtype=str_to_dtype(it.dtype, it.key), device=device)
+    return Binding(b.dest, b.actions, b.aliases, b.boxes, b.copy_back)

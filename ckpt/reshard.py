@@ -40,7 +40,7 @@ import numpy as np
 import torch
 
 from . import knobs
-from .errors import IncompatibleCheckpointError
+from .errors import CorruptCheckpointError, IncompatibleCheckpointError
 from .format import ItemRecord, Manifest, str_to_dtype
 
 __all__ = ["Box", "shard_box", "overlap", "saved_layouts", "load_resharded"]
@@ -152,8 +152,9 @@ def load_resharded(manifests: list[Manifest], own: int, dest: list[torch.Tensor 
     from_zero = {i for i in (manifests[own].replicated or ()) if i not in boxes} if own else set()
     covered = {i: 0 for i in boxes}
     seen: set[tuple[str, Box]] = set()
+    agreed: dict[str, tuple] = {}
     # every saved rank's copies first: a layout that does not fit fails before any byte is fetched
-    plans = [(rank, m, _from_rank(rank, m, own, items, boxes, covered, seen, dest, from_zero))
+    plans = [(rank, m, _from_rank(rank, m, own, items, boxes, covered, seen, dest, from_zero, agreed))
              for rank, m in enumerate(manifests)]
     plans = [p for p in plans if p[2]]
     for i, n in covered.items():
@@ -178,8 +179,15 @@ def load_resharded(manifests: list[Manifest], own: int, dest: list[torch.Tensor 
 
 def _from_rank(rank: int, m: Manifest, own: int, items: list[ItemRecord], boxes: dict[int, tuple[Box, list[int]]],
                covered: dict[int, int], seen: set[tuple[str, Box]], dest: list[torch.Tensor | None],
-               from_zero: set[int]) -> list[_Copy]:
-    """The copies that bring saved rank ``rank``'s share into ``dest`` (counted into ``covered``)."""
+               from_zero: set[int], agreed: dict[str, tuple]) -> list[_Copy]:
+    """The copies that bring saved rank ``rank``'s share into ``dest`` (counted into ``covered``).
+
+    The saved ranks must agree on each sharded tensor's global shape, dtype, mesh and placements
+    (``agreed``: key -> those of the first rank): then DTensor's rule gives every two saved shards
+    the same box (replicas, copied once) or disjoint boxes, so the element count that ``covered``
+    sums is an exact test of coverage. Saved ranks that disagree, or a shard whose shape is not the
+    one its layout gives, make the checkpoint corrupt (a :class:`CorruptCheckpointError`: restore
+    skips it), as no consistent save writes them."""
     by_key = {it.key: it for it in m.items if it.alias_of is None}
     layouts = saved_layouts(m.tree)
     index = {id(it): j for j, it in enumerate(m.items)}
@@ -189,16 +197,22 @@ def _from_rank(rank: int, m: Manifest, own: int, items: list[ItemRecord], boxes:
         src = by_key.get(key)
         dt = layouts.get(index[id(src)]) if src is not None else None
         if src is None or dt is None:
-            raise IncompatibleCheckpointError(
+            raise CorruptCheckpointError(
                 f"tensor at {key!r} is sharded in the checkpoint, but saved rank {rank} holds no shard of it: "
                 "the saved ranks disagree about the state")
         if list(dt.get("shape", [])) != list(gshape) or src.dtype != items[i].dtype:
-            raise IncompatibleCheckpointError(
+            raise CorruptCheckpointError(
                 f"tensor at {key!r}: saved rank {rank} holds a shard of a {src.dtype}{dt.get('shape')} tensor, "
                 f"rank {own} of a {items[i].dtype}{list(gshape)} one")
+        common = agreed.setdefault(key, (list(dt.get("mesh", [])), list(dt.get("placements", []))))
+        if common != (list(dt.get("mesh", [])), list(dt.get("placements", []))):
+            raise CorruptCheckpointError(
+                f"tensor at {key!r}: saved rank {rank} holds a shard over a {dt.get('mesh')} mesh with placements "
+                f"{dt.get('placements')}, an earlier rank over {common[0]} with {common[1]}: the saved ranks "
+                "disagree about its layout")
         sbox = shard_box(dt, key)
         if list(sbox[1]) != src.shape:
-            raise IncompatibleCheckpointError(
+            raise CorruptCheckpointError(
                 f"tensor at {key!r}: saved rank {rank}'s shard has shape {src.shape}, its layout says "
                 f"{list(sbox[1])}")
         if (key, sbox) in seen:      # a replica of a shard already copied (Replicate on some mesh dim)
@@ -219,7 +233,7 @@ def _from_rank(rank: int, m: Manifest, own: int, items: list[ItemRecord], boxes:
             if dest[i] is None:
                 continue
             if src is None or src.dtype != it.dtype or src.shape != it.shape:
-                raise IncompatibleCheckpointError(
+                raise CorruptCheckpointError(
                     f"tensor at {it.key!r} is marked replicated by rank {own}, but rank 0 holds "
                     f"{'no such tensor' if src is None else f'{src.dtype}{src.shape}'}, not {it.dtype}{it.shape}")
             full = (tuple([0] * len(it.shape)), tuple(it.shape))

@@ -19,7 +19,8 @@ import torch
 
 from .errors import (CheckpointError, CorruptCheckpointError, IncompatibleCheckpointError,
                      IncompleteCheckpointError, LayoutMismatchError, NoCheckpointError)
-from .plan import bind
+from .format import ItemRecord, manifest_name
+from .plan import Binding, bind
 from .reshard import load_resharded
 from .tiers import LocalTier, MemoryTier, RemoteTier
 from .tiers.remote import ABSENT
@@ -81,7 +82,9 @@ def restore(state: dict, memory: MemoryTier, local: LocalTier, remote: RemoteTie
             else:
                 manifest = mem[1] if tier is memory else tier.open(s)[1]
                 _check_job(manifest, job, tier.name, s)
-                binding = bind(state, manifest.tree, manifest.items, strict)
+                where = (f"step {s} in host memory" if tier is memory
+                         else f"{tier.step_dir(s)}/{manifest_name(tier.rank)}")
+                binding = _bind(state, manifest.tree, manifest.items, strict, where)
                 tier.load(s, manifest, binding.dest)
                 _finish(binding)
                 nbytes = manifest.data_bytes
@@ -129,7 +132,8 @@ def _load_remote(state: dict, remote: RemoteTier, step: int, strict: bool, local
         _check_job(manifest, job, remote.name, step)
         try:
             # a rank whose replicated tensors rank 0 stored takes the loader that reads other ranks' files
-            binding = None if ABSENT in manifest.codecs else bind(state, manifest.tree, manifest.items, strict)
+            binding = None if ABSENT in manifest.codecs else _bind(
+                state, manifest.tree, manifest.items, strict, f"{remote.step_dir(step)}/{manifest_name(manifest.rank)}")
         except LayoutMismatchError:
             if commit.world_size == 1:
                 raise   # one rank's file: nothing to reshard from
@@ -141,13 +145,28 @@ def _load_remote(state: dict, remote: RemoteTier, step: int, strict: bool, local
     manifests = remote.read_manifests(step, commit)
     own = rank if rank < commit.world_size else 0
     t0 = time.perf_counter()
-    binding = bind(state, manifests[own].tree, manifests[own].items, strict, reshard=True)
+    binding = _bind(state, manifests[own].tree, manifests[own].items, strict,
+                    f"{remote.step_dir(step)}/{manifest_name(own)}", reshard=True)
     nbytes = load_resharded(manifests, own, binding.dest, binding.boxes,
                             lambda r, m, i: remote.fetch(step, r, m, i))
     _finish(binding)
     log.info("resharded step %d saved by %d rank(s) into rank %d of %d (%.3f GB fetched in %.2f s)", step,
              commit.world_size, rank, world, nbytes / 1e9, time.perf_counter() - t0)
     return nbytes
+
+
+def _bind(state: dict, tree: Any, items: list[ItemRecord], strict: bool, where: str,
+          reshard: bool = False) -> Binding:
+    """:func:`~ckpt.plan.bind`, where any failure that is not a verdict of the library's own (the
+    checkpoint does not fit the state) makes this candidate corrupt, naming its manifest, so that
+    restore skips it for the next one instead of crashing."""
+    try:
+        return bind(state, tree, items, strict, reshard=reshard)
+    except CheckpointError:
+        raise
+    except (TypeError, ValueError, RuntimeError, LookupError, AttributeError, ArithmeticError,
+            RecursionError, MemoryError) as e:
+        raise CorruptCheckpointError(f"{where}: cannot be bound to the state ({type(e).__name__}: {e})") from e
 
 
 def _finish(binding: Any) -> None:

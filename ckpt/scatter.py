@@ -19,11 +19,12 @@ __all__ = ["Scatter"]
 
 
 class Scatter:
-    """``records``/``dest`` are parallel lists; aliases and empty items are skipped."""
+    """``records``/``dest`` are parallel lists; aliases, empty items and items with no destination
+    (``None``: not bound to the state, e.g. keys left out with ``strict=False``) are skipped."""
 
     def __init__(self, records: list[ItemRecord], dest: list[torch.Tensor | None]) -> None:
         pairs = sorted(((r.offset, r.nbytes, d) for r, d in zip(records, dest)
-                        if r.alias_of is None and r.nbytes > 0), key=lambda p: p[0])
+                        if r.alias_of is None and r.nbytes > 0 and d is not None), key=lambda p: p[0])
         self._starts = [p[0] for p in pairs]
         self._pairs = [(off, n, _flat_bytes(d)) for off, n, d in pairs]
         self.to_device = any(d.device.type == "cuda" for _, _, d in self._pairs)
@@ -42,7 +43,7 @@ class Scatter:
             i += 1
 
 
-def _flat_bytes(t: torch.Tensor | None) -> torch.Tensor:
-    if t is None or not t.is_contiguous():
+def _flat_bytes(t: torch.Tensor) -> torch.Tensor:
+    if not t.is_contiguous():   # plan.bind gives a non-contiguous live tensor a contiguous stand-in
         raise ValueError("restore destinations must be contiguous tensors")
     return t.view(-1).view(torch.uint8) if t.dim() else t.view(1).view(torch.uint8)

@@ -95,7 +95,8 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.storage import WriteResult
 
 from ..errors import CorruptCheckpointError, IncompleteCheckpointError
-from ..format import (COMMIT_NAME, _is_nonneg_int, _load_json, dtype_to_str, fsync_dir, fsync_file, str_to_dtype,
+from ..format import (COMMIT_NAME, MAX_TREE_DEPTH, _is_nonneg_int, _is_number, check_shape, dtype_to_str,
+                      fsync_dir, fsync_file, open_regular, parse_record, read_record, read_record_fs, str_to_dtype,
                       write_atomic)
 from ..integrity import ALGORITHM, checksum
 from ..policy import Retention
@@ -181,24 +182,28 @@ class _Tier:
         self.fs.put_file(src, self.path(ckpt_id, name))
         self.synced(self.path(ckpt_id, name))
 
-    def get_bytes(self, ckpt_id: str, name: str, start: int | None = None,
-                  end: int | None = None) -> bytes | bytearray:
-        """The whole file, or bytes ``[start, end)`` (into a writable buffer for the local tier, so a
-        tensor can be built over it without another copy; fewer bytes when the file is short)."""
+    def get_record(self, ckpt_id: str, name: str) -> bytes:
+        """A record (``COMMIT``, ``metadata.json``) through :func:`ckpt.format.read_record`: a regular
+        file of at most ``MAX_RECORD_BYTES``, refused unread otherwise (a FIFO never blocks)."""
         p = self.path(ckpt_id, name)
         if self.local:
-            if start is None:
-                return Path(p).read_bytes()
-            fd = os.open(p, os.O_RDONLY)
+            return read_record(p)
+        return read_record_fs(self.fs, p)
+
+    def get_bytes(self, ckpt_id: str, name: str, start: int, end: int) -> bytes | bytearray:
+        """Bytes ``[start, end)`` of a data file (into a writable buffer for a local file, so a tensor
+        can be built over it without another copy; fewer bytes when the file is short). A local or
+        ``file://`` file must be a regular file (:func:`ckpt.format.open_regular`)."""
+        p = self.path(ckpt_id, name)
+        if self.local or self.mounted:
+            fd, st = open_regular(p)
             try:
-                end = min(end, os.fstat(fd).st_size)   # a hostile length allocates nothing
+                end = min(end, st.st_size)   # a hostile length allocates nothing
                 buf = bytearray(max(0, end - start))
                 _read_range(fd, False, Path(p), memoryview(buf), start, len(buf))
             finally:
                 os.close(fd)
             return buf
-        if start is None:
-            return self.fs.cat_file(p)
         return self.fs.cat_file(p, start=start, end=end)
 
     def remove(self, ckpt_id: str, name: str) -> None:
@@ -243,21 +248,28 @@ def _checkpoint_name(checkpoint_id: str | os.PathLike | None, default: str | Non
 
 
 # -- non-tensor values as JSON ------------------------------------------------------------------------
-def _to_json(value: Any, where: str) -> Any:
+def _to_json(value: Any, where: str, depth: int = 1) -> Any:
+    """The tagged JSON of a non-tensor value; ``depth``: the nesting level its node sits at, so that a
+    value too deep for the reader (:data:`ckpt.format.MAX_TREE_DEPTH`) is refused here, by key."""
     if value is None or isinstance(value, (bool, int, str)):
         return value
+    if isinstance(value, float) and math.isfinite(value):
+        return value
+    if depth > MAX_TREE_DEPTH and isinstance(value, (float, list, tuple, dict)):
+        raise ValueError(f"state value {where!r} is nested more than {MAX_TREE_DEPTH} levels deep (lists, dicts "
+                         "and tuples, tuples and dicts with integer keys counting their tags too), deeper than "
+                         "TierStorageReader reads back; store it flatter (e.g. as a JSON string)")
     if isinstance(value, float):
-        if math.isfinite(value):
-            return value
         return {"$float": "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")}
     if isinstance(value, (list, tuple)):
-        items = [_to_json(v, f"{where}[{i}]") for i, v in enumerate(value)]
+        sub = depth + (1 if isinstance(value, list) else 2)
+        items = [_to_json(v, f"{where}[{i}]", sub) for i, v in enumerate(value)]
         return items if isinstance(value, list) else {"$tuple": items}
     if isinstance(value, dict):
         if all(isinstance(k, str) and not k.startswith("$") for k in value):
-            return {k: _to_json(v, f"{where}.{k}") for k, v in value.items()}
+            return {k: _to_json(v, f"{where}.{k}", depth + 1) for k, v in value.items()}
         if all(isinstance(k, (str, int)) and not isinstance(k, bool) for k in value):
-            return {"$dict": [[k, _to_json(v, f"{where}[{k!r}]")] for k, v in value.items()]}
+            return {"$dict": [[k, _to_json(v, f"{where}[{k!r}]", depth + 3)] for k, v in value.items()]}
     raise ValueError(
         f"state value {where!r} is a {type(value).__name__}, which TierStorageWriter cannot store without pickle. "
         "Non-tensor values must be None, bool, int, float, str, or lists / tuples / dicts (str or int keys) of "
@@ -332,12 +344,16 @@ def _need(cond: bool, where: str, what: str) -> None:
         raise CorruptCheckpointError(f"{where}: {what}")
 
 
-def _ints(v: Any) -> bool:
-    return isinstance(v, list) and all(_is_nonneg_int(x) for x in v)
+def _opt_str(v: Any) -> bool:
+    return v is None or isinstance(v, str)
 
 
 def _metadata_from_json(raw: bytes, where: str) -> tuple[Metadata, dict[MetadataIndex, dict[str, Any]]]:
-    obj = _load_json(raw, where)
+    """DCP's Metadata and our item records from ``metadata.json``, every field checked: sizes and
+    shapes bounded (:func:`ckpt.format.check_shape`), every tensor item exactly one saved chunk of its
+    entry (same dtype and shape), the items of a rank file disjoint. Anything else is a
+    :class:`CorruptCheckpointError` naming the file."""
+    obj = parse_record(raw, where)
     _need(obj.get("format") == FORMAT, where, f"not a {FORMAT} metadata record")
     _need(obj.get("version") == _VERSION, where, f"format version {obj.get('version')!r}; this reader knows "
           f"{_VERSION}")
@@ -350,16 +366,17 @@ def _metadata_from_json(raw: bytes, where: str) -> tuple[Metadata, dict[Metadata
         if e["kind"] == "bytes":
             sdm[fqn] = BytesStorageMetadata()
             continue
-        _need(_ints(e.get("size")), w, "size must be a list of non-negative ints")
+        _need(isinstance(e.get("dtype"), str), w, "dtype must be a string")
+        itemsize = str_to_dtype(e["dtype"], w).itemsize
+        _need(check_shape(e.get("size"), itemsize), w, "size must be a list of bounded non-negative ints")
         _need(isinstance(e.get("chunks"), list), w, "chunks must be a list")
         chunks = []
         for c in e["chunks"]:
-            _need(isinstance(c, dict) and _ints(c.get("offsets")) and _ints(c.get("sizes"))
+            _need(isinstance(c, dict) and check_shape(c.get("offsets")) and check_shape(c.get("sizes"), itemsize)
                   and len(c["offsets"]) == len(c["sizes"]) == len(e["size"]), w, f"malformed chunk {c!r}")
             _need(all(o + s <= n for o, s, n in zip(c["offsets"], c["sizes"], e["size"])), w,
                   f"chunk {c!r} lies outside the tensor's size {e['size']}")
             chunks.append(ChunkStorageMetadata(offsets=torch.Size(c["offsets"]), sizes=torch.Size(c["sizes"])))
-        _need(isinstance(e.get("dtype"), str), w, "dtype must be a string")
         _need(e.get("memory_format", "contiguous") in _MEMORY_FORMATS, w, "unknown memory_format")
         props = TensorProperties(dtype=str_to_dtype(e["dtype"], w), layout=torch.strided,
                                  requires_grad=bool(e.get("requires_grad", False)),
@@ -369,26 +386,47 @@ def _metadata_from_json(raw: bytes, where: str) -> tuple[Metadata, dict[Metadata
     items = obj.get("items")
     _need(isinstance(items, list), where, "'items' is not a list")
     storage: dict[MetadataIndex, dict[str, Any]] = {}
+    spans: dict[int, list[tuple[int, int, str]]] = {}
     for it in items:
         w = f"{where}: item {it.get('index') if isinstance(it, dict) else it!r}"
         _need(isinstance(it, dict) and isinstance(it.get("index"), dict), w, "malformed item")
         ix = it["index"]
         _need(isinstance(ix.get("fqn"), str) and ix["fqn"] in sdm, w, "names no entry of 'state'")
-        _need(ix.get("offset") is None or _ints(ix["offset"]), w, "offset must be null or a list of ints")
+        _need(ix.get("offset") is None or check_shape(ix["offset"]), w, "offset must be null or a list of ints")
         for key in ("rank", "offset_bytes", "length", "crc"):
-            _need(_is_nonneg_int(it.get(key)), w, f"{key} must be a non-negative int")
+            _need(_is_nonneg_int(it.get(key)) and it[key] < 1 << 62, w, f"{key} must be a non-negative int")
         _need(it.get("kind") in ("tensor", "bytes"), w, "kind must be 'tensor' or 'bytes'")
+        entry = sdm[ix["fqn"]]
         if it["kind"] == "tensor":
-            _need(isinstance(it.get("dtype"), str) and _ints(it.get("shape")), w, "tensor item needs dtype and shape")
+            _need(isinstance(entry, TensorStorageMetadata) and ix.get("offset") is not None, w,
+                  "a tensor item must name a chunk of a tensor entry of 'state'")
+            _need(isinstance(it.get("dtype"), str), w, "tensor item needs a dtype")
             dt = str_to_dtype(it["dtype"], w)
+            _need(dt == entry.properties.dtype and check_shape(it.get("shape"), dt.itemsize), w,
+                  "tensor item needs its entry's dtype and a bounded shape")
+            chunk = next((c for c in entry.chunks if list(c.offsets) == ix["offset"]), None)
+            _need(chunk is not None and list(chunk.sizes) == it["shape"], w,
+                  f"shape {it['shape']} at offset {ix['offset']} is no chunk of the entry's chunks")
             n = math.prod(it["shape"])
-            _need(n * torch.empty((), dtype=dt).element_size() == it["length"], w,
+            _need(n * dt.itemsize == it["length"], w,
                   f"length {it['length']} does not match shape {it['shape']} of {it['dtype']}")
+        else:
+            _need(isinstance(entry, BytesStorageMetadata) and ix.get("offset") is None, w,
+                  "a value item must name a value entry of 'state'")
+        if it["length"]:
+            spans.setdefault(it["rank"], []).append((it["offset_bytes"], it["length"], ix["fqn"]))
         offset = torch.Size(ix["offset"]) if ix.get("offset") is not None else None
         storage[MetadataIndex(fqn=ix["fqn"], offset=offset)] = it
+    for rank, ranges in spans.items():
+        ranges.sort()
+        for (a, n, k), (b, _, k2) in zip(ranges, ranges[1:]):
+            _need(b >= a + n, where, f"items {k!r} and {k2!r} overlap in {_data_name(rank)}")
     sm = obj.get("storage_meta")
     storage_meta = None
-    if isinstance(sm, dict):
+    if sm is not None:
+        _need(isinstance(sm, dict) and all(_opt_str(sm.get(k)) for k in ("checkpoint_id", "save_id", "load_id"))
+              and isinstance(sm.get("modules") or [], list) and all(isinstance(m, str) for m in sm.get("modules") or []),
+              where, "malformed storage_meta")
         storage_meta = StorageMeta(checkpoint_id=sm.get("checkpoint_id"), save_id=sm.get("save_id"),
                                    load_id=sm.get("load_id"), modules=list(sm.get("modules") or []))
     md = Metadata(state_dict_metadata=sdm, planner_data=_from_json(obj.get("planner_data"), f"{where}: planner_data"),
@@ -405,12 +443,13 @@ def _commit_record(world_size: int, metadata: bytes) -> bytes:
 
 
 def _check_commit(raw: bytes, where: str) -> dict[str, Any]:
-    obj = _load_json(raw, where)
+    obj = parse_record(raw, where)
     _need(obj.get("format") == FORMAT and obj.get("version") == _VERSION, where,
           f"not a {FORMAT} commit record of version {_VERSION}")
     for key in ("world_size", "metadata_bytes", "metadata_checksum"):
         _need(_is_nonneg_int(obj.get(key)), where, f"{key} must be a non-negative int")
     _need(obj.get("algorithm") == ALGORITHM, where, f"checksum algorithm {obj.get('algorithm')!r}")
+    _need(obj.get("created_unix") is None or _is_number(obj["created_unix"]), where, "created_unix must be a number")
     return obj
 
 
@@ -657,8 +696,8 @@ class TierStorageReader(StorageReader):
         for tier in self.tiers:
             where = tier.path(ckpt_id, COMMIT_NAME)
             try:
-                commit = _check_commit(tier.get_bytes(ckpt_id, COMMIT_NAME), where)
-                raw = tier.get_bytes(ckpt_id, METADATA_NAME)
+                commit = _check_commit(tier.get_record(ckpt_id, COMMIT_NAME), where)
+                raw = tier.get_record(ckpt_id, METADATA_NAME)
                 mwhere = tier.path(ckpt_id, METADATA_NAME)
                 _need(len(raw) == commit["metadata_bytes"] and checksum(raw) == commit["metadata_checksum"], mwhere,
                       "does not match the checksum its COMMIT records")
@@ -706,8 +745,9 @@ class TierStorageReader(StorageReader):
         for tier in tiers:   # nearest first; every copy is checked against the committed checksum
             try:
                 data = tier.get_bytes(self.checkpoint_id, name, start, end)
-            except (OSError, IncompleteCheckpointError) as e:   # missing (or cut short): that tier lacks it
-                tried.append(f"{tier.where}: {type(e).__name__}")
+            except (OSError, IncompleteCheckpointError, CorruptCheckpointError) as e:
+                # missing, cut short, or not a regular file: that tier lacks it
+                tried.append(f"{tier.where}: {type(e).__name__}: {e}")
                 continue
             if len(data) == rec["length"] and checksum(data) == rec["crc"]:
                 return req, data, rec
@@ -726,10 +766,7 @@ class TierStorageReader(StorageReader):
         where = f"{req.storage_index.fqn!r} of {self.checkpoint_id!r}"
         if req.type == LoadItemType.BYTE_IO:
             _need(rec["kind"] == "bytes", where, "stored as a tensor, read as a value")
-            try:
-                value = _from_json(json.loads(bytes(data).decode("utf-8")), where)
-            except (UnicodeDecodeError, json.JSONDecodeError) as e:
-                raise CorruptCheckpointError(f"{where}: not valid JSON ({e})") from None
+            value = _from_json(parse_record(data, where, expect=None), where)   # depth-bounded: no RecursionError
             buf = io.BytesIO()
             torch.save(value, buf)   # made here from plain data, for DCP's load planner
             buf.seek(0)
@@ -740,9 +777,14 @@ class TierStorageReader(StorageReader):
         if not isinstance(data, bytearray):
             data = bytearray(data)   # torch.frombuffer wants a writable buffer
         stored = torch.frombuffer(data, dtype=dtype) if data else torch.empty(0, dtype=dtype)
-        stored = stored.reshape(rec["shape"])
-        for dim, (off, length) in enumerate(zip(req.storage_offsets, req.lengths)):
-            stored = stored.narrow(dim, off, length)
+        try:   # the metadata was checked; this guards against a load plan that does not fit it
+            stored = stored.reshape(rec["shape"])
+            for dim, (off, length) in enumerate(zip(req.storage_offsets, req.lengths)):
+                stored = stored.narrow(dim, off, length)
+        except (RuntimeError, ValueError, IndexError) as e:
+            raise CorruptCheckpointError(f"{where}: the stored chunk {rec['shape']} does not hold the requested "
+                                         f"offsets {list(req.storage_offsets)} / lengths {list(req.lengths)} "
+                                         f"({type(e).__name__}: {e})") from None
         target = planner.resolve_tensor(req).detach()
         if target.shape != stored.shape:
             raise CorruptCheckpointError(f"{where}: stored chunk gives shape {tuple(stored.shape)}, the load "
@@ -809,7 +851,7 @@ def _list_tier(tier: _Tier) -> list[dict[str, Any]]:
         names = sorted(names)
     for name in names:
         try:
-            commit = _check_commit(tier.get_bytes(name, COMMIT_NAME), tier.path(name, COMMIT_NAME))
+            commit = _check_commit(tier.get_record(name, COMMIT_NAME), tier.path(name, COMMIT_NAME))
         except (OSError, CorruptCheckpointError):
             continue
         created = commit.get("created_unix")
@@ -875,8 +917,8 @@ def verify(where: str | os.PathLike, checkpoint_id: str,
     tier = _one_tier(where, storage_options)
     name = _checkpoint_name(checkpoint_id, None)
     try:
-        commit = _check_commit(tier.get_bytes(name, COMMIT_NAME), tier.path(name, COMMIT_NAME))
-        raw = tier.get_bytes(name, METADATA_NAME)
+        commit = _check_commit(tier.get_record(name, COMMIT_NAME), tier.path(name, COMMIT_NAME))
+        raw = tier.get_record(name, METADATA_NAME)
     except FileNotFoundError as e:
         raise IncompleteCheckpointError(f"{tier.path(name, COMMIT_NAME)}: no committed checkpoint ({e})") from None
     mwhere = tier.path(name, METADATA_NAME)

@@ -585,7 +585,8 @@ class TieredCheckpointIO(CheckpointIO):
             raise ValueError(f"{str(path)!r} is a file, not a checkpoint directory written by TieredCheckpointIO "
                              "(files written by torch.save need pickle, which this plugin never uses); pass the "
                              "path of a checkpoint saved through TieredCheckpointIO")
-        state: dict[str, Any] = {}
+        # the checkpoint's own keys: restore(strict=False) loads only keys the state already has
+        state: dict[str, Any] = dict.fromkeys(_saved_keys(target))
         # Lightning decides which ranks save and load which paths: no agreement between ranks here
         with Checkpointer(local_dir=target, keep=_keep_all(), collective=False) as reader:
             step = reader.restore(state, strict=False)
@@ -1057,3 +1058,18 @@ def _load_datamodule_state(trainer: Trainer, sd: Any) -> None:
     dm = trainer.datamodule
     if dm is not None and sd is not None:
         dm.load_state_dict(sd)
+
+
+def _saved_keys(target: Path) -> list[str]:
+    """Top-level keys of the newest committed step under ``target`` whose records validate (objects
+    saved through ``state_dict()`` excepted: there is no object to load them into)."""
+    from ..errors import CheckpointError
+
+    tier = LocalTier(target)
+    for s in tier.committed_steps():
+        try:
+            tree = tier.open(s)[1].tree
+        except (CheckpointError, OSError):
+            continue
+        return [k for k, v in tree.items() if not (isinstance(v, dict) and "$obj" in v)]
+    return []

@@ -22,6 +22,7 @@ import logging
 import os
 import queue
 import shutil
+import stat
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -32,7 +33,7 @@ import torch
 from .. import knobs
 from ..errors import CorruptCheckpointError, IncompleteCheckpointError
 from ..format import (COMMIT_NAME, LATEST_NAME, Commit, Manifest, data_name, fsync_dir, manifest_name,
-                      parse_step_dir, read_records, step_dir_name, write_atomic)
+                      open_regular, parse_step_dir, read_record, read_records, step_dir_name, write_atomic)
 from ..integrity import checksum
 from ..scatter import Scatter
 
@@ -180,7 +181,8 @@ class LocalTier:
     def mapped(self, step: int) -> Iterator[memoryview]:
         """This rank's data file of ``step``, memory-mapped read-only (no copy into this process)."""
         path = self.step_dir(step) / data_name(self.rank)
-        with open(path, "rb") as f:
+        fd, _ = open_regular(path)
+        with open(fd, "rb") as f:
             if os.fstat(f.fileno()).st_size == 0:
                 yield memoryview(b"")
                 return
@@ -201,9 +203,12 @@ class LocalTier:
         commit, manifest = read_records(lambda name: _read(d / name), step, self.rank, self.world_size, str(d))
         dpath = d / data_name(self.rank)
         try:
-            size = dpath.stat().st_size
+            st = os.stat(dpath)
         except FileNotFoundError:
             raise IncompleteCheckpointError(f"{dpath}: data file is missing") from None
+        if not stat.S_ISREG(st.st_mode):
+            raise CorruptCheckpointError(f"{dpath}: the data file is not a regular file; refused unread")
+        size = st.st_size
         if size != manifest.data_bytes:
             raise IncompleteCheckpointError(f"{dpath}: {size} bytes on disk, {manifest.data_bytes} committed")
         if manifest.codecs is not None and any(c != "raw" for c in manifest.codecs):
@@ -228,9 +233,12 @@ class LocalTier:
             return
         pin = sc is not None and sc.to_device
         fd, direct = _open_for_read(dpath, chunk)
+        # a chunk is never longer than the data file: buffers are sized by what the file holds, not by
+        # the chunk size the manifest declares (one chunk of 2**45 bytes over a small file is valid)
+        size = min(chunk, -(-manifest.data_bytes // _PAGE) * _PAGE)
         ring: queue.Queue = queue.Queue()
         for _ in range(min(n, knobs.get("CKPT_RESTORE_BUFFERS"))):
-            ring.put((_aligned_empty(chunk, pin), None))
+            ring.put((_aligned_empty(size, pin), None))
         stream = torch.cuda.Stream() if pin else None
         try:
             def one(i: int) -> None:
@@ -284,10 +292,17 @@ def _open_for_read(path: Path, chunk: int) -> tuple[int, bool]:
     flag = getattr(os, "O_DIRECT", 0)
     if flag and knobs.get("CKPT_DIRECT_IO") and chunk % _PAGE == 0:
         try:
-            return os.open(path, os.O_RDONLY | flag), True
+            return open_regular(path, flag)[0], True
+        except CorruptCheckpointError:
+            raise
+        except FileNotFoundError:
+            raise IncompleteCheckpointError(f"{path}: data file is missing") from None
         except OSError:
             pass   # e.g. tmpfs: no O_DIRECT
-    return os.open(path, os.O_RDONLY), False
+    try:
+        return open_regular(path)[0], False
+    except FileNotFoundError:
+        raise IncompleteCheckpointError(f"{path}: data file is missing") from None
 
 
 def _read_range(fd: int, direct: bool, path: Path, view: memoryview, off: int, length: int) -> None:
@@ -301,7 +316,7 @@ def _read_range(fd: int, direct: bool, path: Path, view: memoryview, off: int, l
             if not direct or e.errno != errno.EINVAL:
                 raise OSError(e.errno, e.strerror, str(path)) from None
             direct, want = False, length   # an unaligned tail: finish with a buffered read
-            bfd = os.open(path, os.O_RDONLY)
+            bfd = open_regular(path)[0]
             try:
                 _read_range(bfd, False, path, view, off, length)
             finally:
@@ -313,7 +328,8 @@ def _read_range(fd: int, direct: bool, path: Path, view: memoryview, off: int, l
 
 
 def _read(path: Path) -> bytes:
+    """A record of a step directory (:func:`~ckpt.format.read_record`: regular files only, bounded)."""
     try:
-        return path.read_bytes()
+        return read_record(path)
     except FileNotFoundError:
         raise IncompleteCheckpointError(f"{path}: missing") from None
