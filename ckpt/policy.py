@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Collection
 
 __all__ = ["Retention", "Interval", "AutoInterval", "daly_interval", "prune"]
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -34,21 +37,32 @@ class Retention:
 def prune(tier: Any, keep: int | None, busy: Collection[int] = (), dry_run: bool = False) -> list[int]:
     """Apply retention to one tier: returns the steps deleted (or that would be, with ``dry_run``).
 
-    Keeps the newest ``keep`` committed steps (all with ``None``); also removes
-    uncommitted leftovers older than the newest commit (crashed or failed
-    writes). Never deletes the newest committed step nor a step in ``busy``.
+    Keeps the newest ``keep`` committed steps that the tier owns (all with ``None``); also removes
+    uncommitted leftovers older than the newest commit (crashed or failed writes). Never deletes the
+    newest committed step nor a step in ``busy``. A linked step (its directory or ``COMMIT`` a
+    symbolic link: :func:`ckpt.tiers.local.linked`) is not the tier's own: it is neither counted
+    nor deleted, and nothing inside it is touched. A step that cannot be deleted is logged and
+    skipped.
     """
     steps = tier.committed_steps()
     if not steps:
         return []
+    owns = getattr(tier, "owns", lambda s: True)
     newest = steps[0]
-    doomed = [] if keep is None else steps[keep:]
-    stale = [s for s in tier.all_step_dirs() if s < newest and s not in steps]
+    owned = [s for s in steps if owns(s)]
+    doomed = [] if keep is None else owned[keep:]
+    stale = [s for s in tier.all_step_dirs() if s < newest and s not in steps and owns(s)]
     gone = [s for s in doomed + stale if s != newest and s not in busy]
-    if not dry_run:
-        for s in gone:
+    if dry_run:
+        return gone
+    deleted = []
+    for s in gone:
+        try:
             tier.delete(s)
-    return gone
+            deleted.append(s)
+        except OSError as e:
+            log.warning("retention could not delete step %d: %s", s, e)
+    return deleted
 
 
 class Interval:

@@ -22,6 +22,7 @@ import logging
 import os
 import queue
 import shutil
+import stat
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -36,7 +37,7 @@ from ..format import (COMMIT_NAME, LATEST_NAME, Commit, Manifest, data_name, fsy
 from ..integrity import checksum
 from ..scatter import Scatter
 
-__all__ = ["LocalTier"]
+__all__ = ["LocalTier", "linked", "remove_step_dir"]
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +69,10 @@ class LocalTier:
             if s is not None and (self.root / name / COMMIT_NAME).is_file():
                 steps.append(s)
         return sorted(steps, reverse=True)
+
+    def owns(self, step: int) -> bool:
+        """Whether this tier may delete ``step``: ``False`` for a linked step (see :func:`linked`)."""
+        return not linked(self.root, step_dir_name(step))
 
     def all_step_dirs(self) -> dict[int, Path]:
         out = {}
@@ -157,13 +162,9 @@ class LocalTier:
         return sums
 
     def _clear(self, d: Path) -> None:
-        """Make room for a fresh write of ``d``: a committed copy is uncommitted first."""
-        if d.exists():
-            commit = d / COMMIT_NAME
-            if commit.exists():
-                commit.unlink()
-                fsync_dir(d)
-            shutil.rmtree(d)
+        """Make room for a fresh write of ``d``: a committed copy is uncommitted first. A linked step
+        is never cleared (``OSError(ELOOP)``): the save fails rather than write into its target."""
+        remove_step_dir(d.parent, d.name)
 
     def _discard(self, d: Path) -> None:
         try:
@@ -172,8 +173,11 @@ class LocalTier:
             log.warning("could not remove the partial checkpoint %s: %s", d, e)
 
     def delete(self, step: int) -> None:
-        """Remove a checkpoint: ``COMMIT`` first, so a crash mid-delete never leaves a torn 'committed' step."""
-        self._clear(self.step_dir(step))
+        """Remove a checkpoint: ``COMMIT`` first, so a crash mid-delete never leaves a torn 'committed' step.
+
+        Never through a symbolic link: a linked step raises ``OSError(ELOOP)`` (see :func:`remove_step_dir`).
+        """
+        remove_step_dir(self.root, step_dir_name(step))
 
     # -- read -------------------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -263,6 +267,81 @@ class LocalTier:
             os.close(fd)
             if stream is not None:
                 stream.synchronize()
+
+
+def _is_link(path: str | os.PathLike, dir_fd: int | None = None) -> bool:
+    try:
+        return stat.S_ISLNK(os.stat(path, dir_fd=dir_fd, follow_symlinks=False).st_mode)
+    except (FileNotFoundError, NotADirectoryError):
+        return False
+
+
+def linked(root: str | os.PathLike, name: str) -> bool:
+    """Whether checkpoint directory ``name`` of ``root`` is linked in: the directory, or its ``COMMIT``,
+    is a symbolic link (a checkpoint that lives elsewhere, a shared baseline say). A linked checkpoint
+    is listed and restored from like any other, read-only: retention, ``ckpt gc`` and saves never
+    delete it, nor anything inside it, nor write into it."""
+    d = os.path.join(root, name)
+    return _is_link(d) or _is_link(os.path.join(d, COMMIT_NAME))
+
+
+def _linked_error(path: str, what: str = "") -> OSError:
+    return OSError(errno.ELOOP, f"{what or 'the checkpoint directory'} is a symbolic link: a linked checkpoint is "
+                   "read-only here (retention, gc and saves never delete or write through a link; remove the link "
+                   "itself to drop it from this directory)", path)
+
+
+def remove_step_dir(root: str | os.PathLike, name: str) -> bool:
+    """Delete checkpoint directory ``name`` of ``root`` (``/``-separated for nested names): its
+    ``COMMIT`` first (then the directory is fsynced), so that a crash mid-delete never leaves a torn
+    committed checkpoint, then everything else. Returns ``False`` when there is no such directory.
+
+    Nothing is deleted through a symbolic link. Each component of ``name`` is opened with
+    ``O_NOFOLLOW`` and every removal is relative to those descriptors (``shutil.rmtree`` with
+    ``dir_fd`` checks each directory it enters the same way), so a link swapped in for the directory
+    mid-delete cannot redirect it to the link's target. A directory, or ``COMMIT``, that is a link
+    raises ``OSError(ELOOP)`` and nothing is deleted; other links inside are removed themselves, never
+    their targets.
+    """
+    parts = [p for p in str(name).split("/") if p]
+    where = os.path.join(os.fspath(root), *parts)
+    fds = [os.open(root, os.O_RDONLY | os.O_DIRECTORY)]
+    try:
+        for part in parts:
+            try:
+                fds.append(os.open(part, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=fds[-1]))
+            except FileNotFoundError:
+                return False
+            except OSError as e:
+                if _is_link(part, fds[-1]):
+                    raise _linked_error(where) from None
+                raise OSError(e.errno, e.strerror, where) from None
+        if len(fds) < 2:
+            raise ValueError(f"remove_step_dir needs the name of a directory inside {root}, got {name!r}")
+        fd = fds.pop()
+        try:
+            st = os.stat(COMMIT_NAME, dir_fd=fd, follow_symlinks=False)
+        except FileNotFoundError:
+            st = None
+        if st is not None and stat.S_ISLNK(st.st_mode):
+            os.close(fd)
+            raise _linked_error(os.path.join(where, COMMIT_NAME), f"its {COMMIT_NAME}")
+        try:
+            if st is not None and not stat.S_ISDIR(st.st_mode):
+                os.unlink(COMMIT_NAME, dir_fd=fd)   # uncommitted from here on, and durably so
+                os.fsync(fd)
+        finally:
+            os.close(fd)
+        try:
+            shutil.rmtree(parts[-1], dir_fd=fds[-1])
+        except OSError as e:
+            if _is_link(parts[-1], fds[-1]):   # swapped in since it was opened: rmtree refused it
+                raise _linked_error(where) from e
+            raise OSError(e.errno, e.strerror or str(e), where) from e
+        return True
+    finally:
+        for fd in fds:
+            os.close(fd)
 
 
 _PAGE = 4096

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+import errno
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -37,6 +38,7 @@ from ..format import (COMMIT_NAME, LATEST_NAME, Commit, ItemRecord, Manifest, da
                       manifest_name, parse_step_dir, read_records, step_dir_name)
 from ..integrity import checksum
 from ..scatter import Scatter
+from .local import linked, remove_step_dir
 
 __all__ = ["RemoteTier"]
 
@@ -135,6 +137,11 @@ class RemoteTier:
             return []
         steps = {parse_step_dir(p.rstrip("/").split("/")[-2]) for p in found}
         return sorted((s for s in steps if s is not None), reverse=True)
+
+    def owns(self, step: int) -> bool:
+        """Whether this tier may delete ``step``: on a ``file://`` URL, not a linked step
+        (:func:`~ckpt.tiers.local.linked`); an object store has no links."""
+        return not (self._local_fs and linked(self.root, step_dir_name(step)))
 
     def all_step_dirs(self) -> list[int]:
         self.fs.invalidate_cache(self.root)
@@ -238,6 +245,9 @@ class RemoteTier:
     def _remove_own(self, step: int) -> None:
         """Remove this rank's files of ``step`` (and, on rank 0, its ``COMMIT`` first)."""
         d = self.step_dir(step)
+        if not self.owns(step):   # a linked step: nothing in it is this rank's to remove
+            log.warning("%s is a symbolic link; rank %d's files of step %d there are left alone", d, self.rank, step)
+            return
         try:
             if self.rank == 0 and self.fs.exists(f"{d}/{COMMIT_NAME}"):
                 self.fs.rm(f"{d}/{COMMIT_NAME}")
@@ -257,6 +267,9 @@ class RemoteTier:
             if self.job is None:
                 self.delete(step, missing_ok=True)   # a stale or replaced copy of this step: uncommit it first
             else:
+                if not self.owns(step):
+                    raise OSError(errno.ELOOP, "the step directory is a symbolic link: a save never writes "
+                                  "through it", self.step_dir(step))
                 self._remove_own(step)               # the other ranks' files of this step are theirs
             self.fs.makedirs(f"{self.step_dir(step)}/rank-{self.rank:05d}", exist_ok=True)   # file:// needs it
 
@@ -304,8 +317,13 @@ class RemoteTier:
         return raw
 
     def delete(self, step: int, missing_ok: bool = False) -> None:
-        """Remove a checkpoint, ``COMMIT`` first."""
+        """Remove a checkpoint, ``COMMIT`` first. On a ``file://`` URL never through a symbolic link
+        (:func:`~ckpt.tiers.local.remove_step_dir`: a linked step raises ``OSError(ELOOP)``)."""
         d = self.step_dir(step)
+        if self._local_fs:
+            if not remove_step_dir(self.root, step_dir_name(step)) and not missing_ok:
+                raise FileNotFoundError(d)
+            return
         commit = f"{d}/{COMMIT_NAME}"
         if self.fs.exists(commit):
             self.fs.rm(commit)
