@@ -586,15 +586,23 @@ class Checkpointer:
             raise err
 
     def _apply_retention(self, tiers: list[str]) -> None:
+        """Retention after a commit. What counts as verified here (the newest such step is always kept,
+        and with none nothing committed is deleted): a step this process committed to that tier itself
+        (checksums computed from its own host buffer, or, for a copy, every chunk checked against the
+        sender's), or read back in full from it; never a step it saw fail verification."""
         busy = self._pipeline.in_flight()
         for name in tiers:
             if name == "local":
-                prune(self.local, self.keep.local, busy)
+                tier, keep = self.local, self.keep.local
             elif name == "peer":
-                prune(self.peer.store, self.keep.local, busy)   # the peer's copies, kept like this rank's own
+                tier, keep = self.peer.store, self.keep.local   # the peer's copies, kept like this rank's own
             elif self.remote.job is None or self.remote.job.rank == 0:
                 # a job tier is pruned by rank 0 alone, after it committed (every rank is past older steps)
-                prune(self.remote, self.keep.remote, busy)
+                tier, keep = self.remote, self.keep.remote
+            else:
+                continue
+            record = getattr(tier, "verified", {})
+            prune(tier, keep, busy, verified=lambda s, record=record: record.get(s) is True)
 
 
 def promote(step: int, to: str, *, local_dir: str | os.PathLike, url: str,

@@ -140,17 +140,48 @@ def _verify(args: argparse.Namespace) -> int:
 
 
 def _gc(args: argparse.Namespace) -> int:
+    """Delete all but the newest ``--keep`` checkpoints, and never the newest one that verifies:
+    candidates are verified (every byte read) newest first until one passes, and it is kept too.
+    When none verifies, no committed checkpoint is deleted and the exit status is 1."""
+    from .errors import CheckpointError, NoCheckpointError
+
     verb = "would remove" if args.dry_run else "removed"
     if args.dcp:
         from .integrations.dcp import prune as prune_dcp
 
-        for i in prune_dcp(args.dir, max(1, args.keep), _opts(args), dry_run=args.dry_run):
+        try:
+            gone = prune_dcp(args.dir, max(1, args.keep), _opts(args), dry_run=args.dry_run, verify=True)
+        except NoCheckpointError as e:
+            print(f"ckpt gc: {e}", file=sys.stderr)
+            return 1
+        for i in gone:
             print(f"{verb} {i}")
         return 0
     from .policy import prune
 
-    for s in prune(_tier(args.dir, args.storage_options), max(1, args.keep), dry_run=args.dry_run):
+    tier = _tier(args.dir, args.storage_options)
+    checked: list[tuple[int, bool]] = []
+
+    def verifies(step: int) -> bool:
+        try:
+            tier.verify(step)   # a remote tier verifies every rank's parts
+            ok = True
+        except (CheckpointError, OSError) as e:
+            print(f"ckpt gc: step {step} does not verify, so it does not count as the checkpoint to keep: {e}",
+                  file=sys.stderr)
+            ok = False
+        checked.append((step, ok))
+        return ok
+
+    gone = prune(tier, max(1, args.keep), dry_run=args.dry_run, verified=verifies)
+    for s in gone:
         print(f"{verb} step {s}")
+    if checked and not any(ok for _, ok in checked):
+        print(f"ckpt gc: no checkpoint under {args.dir} verifies, so no committed checkpoint was deleted "
+              "(`ckpt verify` says why)", file=sys.stderr)
+        return 1
+    if checked and not checked[0][1]:
+        print(f"ckpt gc: kept step {checked[-1][0]}: the newest checkpoint that verifies", file=sys.stderr)
     return 0
 
 
@@ -189,7 +220,7 @@ def main(argv: list[str] | None = None) -> int:
     for name, fn, helptext in (("ls", _ls, "list committed checkpoints of a local or remote tier"),
                                ("inspect", _inspect, "show the tensors of a checkpoint"),
                                ("verify", _verify, "read every byte and check its checksum"),
-                               ("gc", _gc, "delete all but the newest committed checkpoints")):
+                               ("gc", _gc, "delete all but the newest committed checkpoints (keeping the newest that verifies)")):
         q = sub.add_parser(name, help=helptext)
         q.add_argument("dir", help="local tier directory (local_dir), or a remote tier URL (every rank's files "
                                    "of a job tier)")

@@ -34,7 +34,8 @@ class Retention:
                                  "checkpoint is never deleted (or None to keep all)")
 
 
-def prune(tier: Any, keep: int | None, busy: Collection[int] = (), dry_run: bool = False) -> list[int]:
+def prune(tier: Any, keep: int | None, busy: Collection[int] = (), dry_run: bool = False,
+          verified: Callable[[int], bool] | None = None) -> list[int]:
     """Apply retention to one tier: returns the steps deleted (or that would be, with ``dry_run``).
 
     Keeps the newest ``keep`` committed steps that the tier owns (all with ``None``); also removes
@@ -43,6 +44,12 @@ def prune(tier: Any, keep: int | None, busy: Collection[int] = (), dry_run: bool
     symbolic link: :func:`ckpt.tiers.local.linked`) is not the tier's own: it is neither counted
     nor deleted, and nothing inside it is touched. A step that cannot be deleted is logged and
     skipped.
+
+    ``verified(step)`` says whether a step is known to verify. When given, the newest owned step
+    for which it returns ``True`` is kept too, asked newest first and only while steps would be
+    deleted (so it may read the step: ``ckpt gc`` verifies each one it asks about); when it is
+    ``True`` for none, no committed step is deleted, so retention never leaves only checkpoints
+    that are not known to verify.
     """
     steps = tier.committed_steps()
     if not steps:
@@ -50,7 +57,11 @@ def prune(tier: Any, keep: int | None, busy: Collection[int] = (), dry_run: bool
     owns = getattr(tier, "owns", lambda s: True)
     newest = steps[0]
     owned = [s for s in steps if owns(s)]
-    doomed = [] if keep is None else owned[keep:]
+    kept = set(owned if keep is None else owned[:keep])
+    if verified is not None and len(kept) < len(owned):
+        keeper = next((s for s in owned if verified(s)), None)
+        kept = set(owned) if keeper is None else kept | {keeper}
+    doomed = [s for s in owned if s not in kept]
     stale = [s for s in tier.all_step_dirs() if s < newest and s not in steps and owns(s)]
     gone = [s for s in doomed + stale if s != newest and s not in busy]
     if dry_run:

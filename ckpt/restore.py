@@ -93,11 +93,15 @@ def restore(state: dict, memory: MemoryTier, local: LocalTier, remote: RemoteTie
             skipped.append(f"{tier.name}:{s}: {e}")
             continue
         except (CorruptCheckpointError, IncompleteCheckpointError, OSError, LookupError) as e:
+            if not isinstance(e, LookupError) and tier is not memory:
+                tier.verified[s] = False   # known not to verify: retention never keeps it as the good copy
             msg = f"step {s} on the {tier.name} tier is unusable, trying the next tier or an older step: {e}"
             warnings.warn(msg, RuntimeWarning, stacklevel=3)
             log.warning(msg)
             skipped.append(f"{tier.name}:{s}: {e}")
             continue
+        if tier is local:
+            local.verified[s] = True   # every byte read and checked (a remote read refills and commits local)
         info = RestoreInfo(s, tier.name, nbytes, time.perf_counter() - t0, skipped)
         log.info("restored step %d from the %s tier (%.3f GB in %.3f s)", s, tier.name,
                  info.nbytes / 1e9, info.seconds)

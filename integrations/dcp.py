@@ -94,7 +94,7 @@ from torch.distributed.checkpoint.planner import (
 )
 from torch.distributed.checkpoint.storage import WriteResult
 
-from ..errors import CorruptCheckpointError, IncompleteCheckpointError
+from ..errors import CorruptCheckpointError, IncompleteCheckpointError, NoCheckpointError
 from ..format import (COMMIT_NAME, _is_nonneg_int, _load_json, dtype_to_str, fsync_dir, fsync_file, str_to_dtype,
                       write_atomic)
 from ..integrity import ALGORITHM, checksum
@@ -829,23 +829,46 @@ def _linked(tier: _Tier, ckpt_id: str) -> bool:
 
 
 def prune(where: str | os.PathLike, keep: int, storage_options: dict[str, Any] | None = None,
-          dry_run: bool = False) -> list[str]:
+          dry_run: bool = False, verify: bool = False) -> list[str]:
     """Delete all but the ``keep`` (at least 1) newest committed checkpoints under ``where`` (one
     tier: a local directory or an fsspec URL), newest by the time their ``COMMIT`` records; returns
     the ids removed (or, with ``dry_run``, that would be). Each goes ``COMMIT`` first, so a deletion
     cut short leaves an uncommitted directory, never a committed checkpoint with files missing.
     Uncommitted directories (a save in progress, or one that failed) are left alone, and so are
     linked checkpoints (a directory or ``COMMIT`` that is a symbolic link: listed and loadable, but
-    neither counted nor deleted, nor anything inside them)."""
+    neither counted nor deleted, nor anything inside them).
+
+    ``verify=True`` (what ``ckpt gc --dcp`` does) also keeps the newest checkpoint that verifies
+    (:func:`verify`, newest first, only while some would be deleted; each failure is a warning);
+    when none does, nothing is deleted and :class:`~ckpt.errors.NoCheckpointError` is raised."""
     if keep < 1:
         raise ValueError(f"keep must be at least 1, got {keep}")
-    return _prune_tier(_one_tier(where, storage_options), keep, dry_run=dry_run)
+    tier = _one_tier(where, storage_options)
+    check = (lambda ckpt_id: _verifies(where, ckpt_id, storage_options)) if verify else None
+    return _prune_tier(tier, keep, dry_run=dry_run, verify=check)
 
 
-def _prune_tier(tier: _Tier, keep: int, dry_run: bool = False, spare: str | None = None) -> list[str]:
+def _verifies(where: str | os.PathLike, ckpt_id: str, storage_options: dict[str, Any] | None) -> bool:
+    try:
+        verify(where, ckpt_id, storage_options)
+        return True
+    except (CorruptCheckpointError, IncompleteCheckpointError, OSError) as e:
+        warnings.warn(f"{ckpt_id!r} does not verify, so it does not count as the checkpoint to keep: {e}",
+                      stacklevel=4)
+        return False
+
+
+def _prune_tier(tier: _Tier, keep: int, dry_run: bool = False, spare: str | None = None,
+                verify: Any = None) -> list[str]:
     rows = sorted((r for r in _list_tier(tier) if not r["linked"]),
                   key=lambda r: (r["created_unix"] or 0.0, r["id"]), reverse=True)
-    doomed = [r["id"] for r in rows[keep:] if r["id"] != spare]
+    kept = {r["id"] for r in rows[:keep]} | ({spare} if spare is not None else set())
+    if verify is not None and len(rows) > keep:
+        keeper = next((r["id"] for r in rows if verify(r["id"])), None)
+        if keeper is None:
+            raise NoCheckpointError(f"no checkpoint under {tier.where} verifies, so none was deleted")
+        kept.add(keeper)
+    doomed = [r["id"] for r in rows if r["id"] not in kept]
     if dry_run:
         return doomed
     removed = []

@@ -51,6 +51,10 @@ class LocalTier:
         self.root = Path(root).expanduser()
         self.rank = rank
         self.world_size = world_size
+        # what this process knows of each step here: True when it committed the step itself (checksums
+        # from its own bytes, or every chunk checked against them for a copy) or read it back in full,
+        # False when a read failed verification; retention keeps the newest True one
+        self.verified: dict[int, bool] = {}
         self.root.mkdir(parents=True, exist_ok=True)
 
     # -- listing ----------------------------------------------------------------------------------
@@ -121,6 +125,7 @@ class LocalTier:
                             manifests={manifest_name(self.rank): Commit.manifest_checksum(raw)},
                             data={data_name(self.rank): manifest.data_bytes})
             write_atomic(d / COMMIT_NAME, commit.to_bytes())
+            self.verified[step] = True
             write_atomic(self.root / LATEST_NAME, (step_dir_name(step) + "\n").encode())
         except OSError as e:
             self._discard(d)
@@ -164,6 +169,7 @@ class LocalTier:
     def _clear(self, d: Path) -> None:
         """Make room for a fresh write of ``d``: a committed copy is uncommitted first. A linked step
         is never cleared (``OSError(ELOOP)``): the save fails rather than write into its target."""
+        self.verified.pop(parse_step_dir(d.name), None)
         remove_step_dir(d.parent, d.name)
 
     def _discard(self, d: Path) -> None:
@@ -177,6 +183,7 @@ class LocalTier:
 
         Never through a symbolic link: a linked step raises ``OSError(ELOOP)`` (see :func:`remove_step_dir`).
         """
+        self.verified.pop(step, None)
         remove_step_dir(self.root, step_dir_name(step))
 
     # -- read -------------------------------------------------------------------------------------

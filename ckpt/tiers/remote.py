@@ -79,6 +79,8 @@ class RemoteTier:
         self.world_size = world_size
         self.compression = compression
         self.job: Any = None   # a Ranks over a group of its own once every rank writes here (join_job)
+        # steps this process committed here itself (True) or saw fail verification (False): see LocalTier
+        self.verified: dict[int, bool] = {}
         self.fs, self.root = fsspec.core.url_to_fs(url, **_with_retry_defaults(url, storage_options or {}))
         self.root = self.root.rstrip("/")
         self._local_fs = is_local_fs(self.fs)
@@ -212,6 +214,7 @@ class RemoteTier:
                                 manifests={manifest_name(r): rep[1] for r, rep in enumerate(reports)},
                                 data={data_name(r): rep[2] for r, rep in enumerate(reports)})
                 self._put(f"{d}/{COMMIT_NAME}", commit.to_bytes(), sync_dir=True)   # the checkpoint exists from here on
+                self.verified[step] = True   # every rank uploaded its parts from its own bytes
                 self._put(self._path(LATEST_NAME), (step_dir_name(step) + "\n").encode(), sync_dir=True)
                 committed = 1
             except Exception as e:   # noqa: BLE001 - reported to every rank below
@@ -248,6 +251,7 @@ class RemoteTier:
         if not self.owns(step):   # a linked step: nothing in it is this rank's to remove
             log.warning("%s is a symbolic link; rank %d's files of step %d there are left alone", d, self.rank, step)
             return
+        self.verified.pop(step, None)
         try:
             if self.rank == 0 and self.fs.exists(f"{d}/{COMMIT_NAME}"):
                 self.fs.rm(f"{d}/{COMMIT_NAME}")
@@ -301,6 +305,7 @@ class RemoteTier:
                                 manifests={manifest_name(self.rank): Commit.manifest_checksum(raw)},
                                 data={data_name(self.rank): manifest.data_bytes})
                 self._put(f"{d}/{COMMIT_NAME}", record.to_bytes(), sync_dir=True)   # the checkpoint exists from here on
+                self.verified[step] = True
                 self._put(self._path(LATEST_NAME), (step_dir_name(step) + "\n").encode(), sync_dir=True)
         except BaseException as e:
             try:
@@ -320,6 +325,7 @@ class RemoteTier:
         """Remove a checkpoint, ``COMMIT`` first. On a ``file://`` URL never through a symbolic link
         (:func:`~ckpt.tiers.local.remove_step_dir`: a linked step raises ``OSError(ELOOP)``)."""
         d = self.step_dir(step)
+        self.verified.pop(step, None)
         if self._local_fs:
             if not remove_step_dir(self.root, step_dir_name(step)) and not missing_ok:
                 raise FileNotFoundError(d)
