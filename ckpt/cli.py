@@ -73,27 +73,37 @@ def _verify_dcp(args: argparse.Namespace) -> int:
 
 
 def _ls(args: argparse.Namespace) -> int:
+    """Committed checkpoints newest first: the live branch by (timeline, step), then the abandoned
+    branch of a rollback (``ckpt.policy.live_and_abandoned``)."""
     if args.dcp:
         return _ls_dcp(args)
+    from .policy import live_and_abandoned
+
     tier = _tier(args.dir, args.storage_options)
+    live, abandoned = live_and_abandoned(tier.committed())
     rows = []
-    for s in tier.committed_steps():
+    for e in live + abandoned:
+        s = e.step
         d = tier.step_dir(s)
+        flags = {"timeline": e.timeline.number, "abandoned": e in abandoned, "linked": e.linked}
         if tier.name == "remote":   # sizes and time from the commit record: one read per step
             c = tier.read_commit(s)
             rows.append({"step": s, "path": d, "bytes": sum(c.data.values()), "committed_unix": c.created_unix,
-                         "world_size": c.world_size})
+                         "world_size": c.world_size, **flags})
             continue
         size = sum(f.stat().st_size for f in d.iterdir() if f.is_file())
         rows.append({"step": s, "path": str(d), "bytes": size,
-                     "committed_unix": (d / "COMMIT").stat().st_mtime, "world_size": 1})
+                     "committed_unix": (d / "COMMIT").stat().st_mtime, "world_size": 1, **flags})
     if args.json:
         print(json.dumps(rows, indent=1))
     else:
-        print(f"{'step':>10} {'size':>10} {'ranks':>5}  committed            path")
+        print(f"{'step':>10} {'timeline':>8} {'size':>10} {'ranks':>5}  committed            path")
         for r in rows:
             when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(r["committed_unix"]))
-            print(f"{r['step']:>10} {_size(r['bytes']):>10} {r['world_size']:>5}  {when}  {r['path']}")
+            note = "  (abandoned branch)" if r["abandoned"] else ""
+            note += "  (linked)" if r["linked"] else ""
+            print(f"{r['step']:>10} {r['timeline']:>8} {_size(r['bytes']):>10} {r['world_size']:>5}  {when}  "
+                  f"{r['path']}{note}")
     return 0
 
 
@@ -196,10 +206,12 @@ def _promote(args: argparse.Namespace) -> int:
 
 
 def _newest(tier) -> int:
-    steps = tier.committed_steps()
-    if not steps:
+    from .policy import live_and_abandoned
+
+    live = live_and_abandoned(tier.committed())[0]
+    if not live:
         raise SystemExit(f"no committed checkpoint under {getattr(tier, 'url', tier.root)}")
-    return steps[0]
+    return live[0].step
 
 
 def _size(n: int) -> str:

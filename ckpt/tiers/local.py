@@ -34,7 +34,9 @@ from .. import knobs
 from ..errors import CorruptCheckpointError, IncompleteCheckpointError
 from ..format import (COMMIT_NAME, LATEST_NAME, Commit, Manifest, data_name, fsync_dir, manifest_name,
                       parse_step_dir, read_records, step_dir_name, write_atomic)
+from ..format import MAX_RECORD_BYTES
 from ..integrity import checksum
+from ..policy import Committed, Timeline
 from ..scatter import Scatter
 
 __all__ = ["LocalTier", "linked", "remove_step_dir"]
@@ -55,6 +57,8 @@ class LocalTier:
         # from its own bytes, or every chunk checked against them for a copy) or read it back in full,
         # False when a read failed verification; retention keeps the newest True one
         self.verified: dict[int, bool] = {}
+        self.timeline = Timeline()   # what a fresh write's COMMIT records (the Checkpointer sets it)
+        self._copying: dict[int, Timeline] = {}
         self.root.mkdir(parents=True, exist_ok=True)
 
     # -- listing ----------------------------------------------------------------------------------
@@ -73,6 +77,24 @@ class LocalTier:
             if s is not None and (self.root / name / COMMIT_NAME).is_file():
                 steps.append(s)
         return sorted(steps, reverse=True)
+
+    def committed(self) -> list[Committed]:
+        """Every committed step here with its timeline (read from its ``COMMIT``; timeline 0 when that
+        cannot be read, which a restore then finds anyway) and whether it is linked in."""
+        out = []
+        for s in self.committed_steps():
+            name = step_dir_name(s)
+            out.append(Committed(s, _timeline(self.root / name / COMMIT_NAME), linked(self.root, name)))
+        return out
+
+    @contextlib.contextmanager
+    def copying(self, step: int, timeline: Timeline) -> Iterator[None]:
+        """Writes of ``step`` made inside record ``timeline`` (a copy of a checkpoint keeps its timeline)."""
+        self._copying[step] = timeline
+        try:
+            yield
+        finally:
+            self._copying.pop(step, None)
 
     def owns(self, step: int) -> bool:
         """Whether this tier may delete ``step``: ``False`` for a linked step (see :func:`linked`)."""
@@ -123,7 +145,8 @@ class LocalTier:
             write_atomic(d / manifest_name(self.rank), raw)
             commit = Commit(step=step, world_size=self.world_size,
                             manifests={manifest_name(self.rank): Commit.manifest_checksum(raw)},
-                            data={data_name(self.rank): manifest.data_bytes})
+                            data={data_name(self.rank): manifest.data_bytes},
+                            **self._copying.get(step, self.timeline).record())
             write_atomic(d / COMMIT_NAME, commit.to_bytes())
             self.verified[step] = True
             write_atomic(self.root / LATEST_NAME, (step_dir_name(step) + "\n").encode())
@@ -281,6 +304,15 @@ def _is_link(path: str | os.PathLike, dir_fd: int | None = None) -> bool:
         return stat.S_ISLNK(os.stat(path, dir_fd=dir_fd, follow_symlinks=False).st_mode)
     except (FileNotFoundError, NotADirectoryError):
         return False
+
+
+def _timeline(path: Path) -> Timeline:
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(MAX_RECORD_BYTES + 1)
+        return Timeline.of(Commit.from_bytes(raw, str(path)))
+    except (OSError, CorruptCheckpointError):
+        return Timeline()
 
 
 def linked(root: str | os.PathLike, name: str) -> bool:

@@ -21,12 +21,13 @@ overrides it.
 from __future__ import annotations
 
 import bisect
+import contextlib
 import dataclasses
 import errno
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import fsspec
 import torch
@@ -37,6 +38,7 @@ from ..errors import CheckpointError, CorruptCheckpointError, IncompleteCheckpoi
 from ..format import (COMMIT_NAME, LATEST_NAME, Commit, ItemRecord, Manifest, data_name, fsync_dir, fsync_file,
                       manifest_name, parse_step_dir, read_records, step_dir_name)
 from ..integrity import checksum
+from ..policy import Committed, Timeline
 from ..scatter import Scatter
 from .local import linked, remove_step_dir
 
@@ -81,6 +83,8 @@ class RemoteTier:
         self.job: Any = None   # a Ranks over a group of its own once every rank writes here (join_job)
         # steps this process committed here itself (True) or saw fail verification (False): see LocalTier
         self.verified: dict[int, bool] = {}
+        self.timeline = Timeline()   # what a fresh upload's COMMIT records (the Checkpointer sets it)
+        self._copying: dict[int, Timeline] = {}
         self.fs, self.root = fsspec.core.url_to_fs(url, **_with_retry_defaults(url, storage_options or {}))
         self.root = self.root.rstrip("/")
         self._local_fs = is_local_fs(self.fs)
@@ -139,6 +143,31 @@ class RemoteTier:
             return []
         steps = {parse_step_dir(p.rstrip("/").split("/")[-2]) for p in found}
         return sorted((s for s in steps if s is not None), reverse=True)
+
+    def committed(self) -> list[Committed]:
+        """Every committed step here with its timeline (its ``COMMIT``s are read in parallel; timeline 0
+        when one cannot be read, which a restore then finds anyway) and whether it is linked in."""
+        def one(step: int) -> Committed:
+            try:
+                tl = Timeline.of(Commit.from_bytes(self._get(step, COMMIT_NAME), f"{self.step_dir(step)}/{COMMIT_NAME}"))
+            except (OSError, CheckpointError):
+                tl = Timeline()
+            return Committed(step, tl, not self.owns(step))
+
+        steps = self.committed_steps()
+        if len(steps) <= 1:
+            return [one(s) for s in steps]
+        with ThreadPoolExecutor(knobs.get("CKPT_REMOTE_THREADS"), thread_name_prefix="ckpt-list") as ex:
+            return list(ex.map(one, steps))
+
+    @contextlib.contextmanager
+    def copying(self, step: int, timeline: Timeline) -> Iterator[None]:
+        """Uploads of ``step`` made inside record ``timeline`` (a copy of a checkpoint keeps its timeline)."""
+        self._copying[step] = timeline
+        try:
+            yield
+        finally:
+            self._copying.pop(step, None)
 
     def owns(self, step: int) -> bool:
         """Whether this tier may delete ``step``: on a ``file://`` URL, not a linked step
@@ -212,7 +241,8 @@ class RemoteTier:
             try:
                 commit = Commit(step=step, world_size=job.world,
                                 manifests={manifest_name(r): rep[1] for r, rep in enumerate(reports)},
-                                data={data_name(r): rep[2] for r, rep in enumerate(reports)})
+                                data={data_name(r): rep[2] for r, rep in enumerate(reports)},
+                                **self._copying.get(step, self.timeline).record())
                 self._put(f"{d}/{COMMIT_NAME}", commit.to_bytes(), sync_dir=True)   # the checkpoint exists from here on
                 self.verified[step] = True   # every rank uploaded its parts from its own bytes
                 self._put(self._path(LATEST_NAME), (step_dir_name(step) + "\n").encode(), sync_dir=True)
@@ -303,7 +333,8 @@ class RemoteTier:
             if commit:
                 record = Commit(step=step, world_size=self.world_size,
                                 manifests={manifest_name(self.rank): Commit.manifest_checksum(raw)},
-                                data={data_name(self.rank): manifest.data_bytes})
+                                data={data_name(self.rank): manifest.data_bytes},
+                                **self._copying.get(step, self.timeline).record())
                 self._put(f"{d}/{COMMIT_NAME}", record.to_bytes(), sync_dir=True)   # the checkpoint exists from here on
                 self.verified[step] = True
                 self._put(self._path(LATEST_NAME), (step_dir_name(step) + "\n").encode(), sync_dir=True)
