@@ -28,10 +28,13 @@ log = logging.getLogger(__name__)
 class Retention:
     """How many committed checkpoints each tier keeps.
 
-    ``local``: newest checkpoints kept in ``local_dir``; ``remote``: at the
-    URL (``None`` keeps all).
-    The newest committed checkpoint and any checkpoint still being written are
-    never deleted, whatever the setting.
+    ``local``: newest checkpoints kept in ``local_dir`` (and of the copies kept for a peer rank);
+    ``remote``: at the URL (``None`` keeps all). Newest means the live branch newest
+    ``(timeline, step)`` first, then the abandoned branch of a rollback (see :class:`Timeline`), so
+    the abandoned branch goes first. The newest committed checkpoint, any checkpoint still being
+    written, linked checkpoints (a symbolic link into the directory) and the newest checkpoint this
+    process knows to verify (one it committed itself or read back in full) are never deleted,
+    whatever the setting; see :func:`prune`.
     """
 
     local: int | None = 2
