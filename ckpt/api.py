@@ -289,7 +289,7 @@ class Checkpointer:
         if not isinstance(step, int) or isinstance(step, bool) or step < 0:
             raise ValueError(f"step must be a non-negative int, got {step!r}")
         if self._timeline is None:   # no restore() first: the saves continue the newest checkpoint's branch
-            self._use_timeline(_newest_timeline(e for e, _ in _listing(self.memory, self.local, self.remote)))
+            self._use_timeline(self._newest_timeline())
         t0 = time.perf_counter()
         plan = flatten(state, self.on_unsupported)
         records, data_bytes = layout(plan.entries, knobs.get("CKPT_ALIGN_BYTES"))
@@ -402,8 +402,20 @@ class Checkpointer:
         Without a restore, the first save continues the newest checkpoint's timeline.
         """
         if self._timeline is None:
-            return _newest_timeline(e for e, _ in _listing(self.memory, self.local, self.remote))
+            return self._newest_timeline()
         return self._timeline
+
+    def _newest_timeline(self) -> Timeline:
+        """The newest checkpoint's timeline, on any tier (0 when there is none). A remote tier that cannot
+        be listed now is left out (logged): a save must not fail on it before its upload even starts."""
+        try:
+            entries = [e for e, _ in _listing(self.memory, self.local, self.remote)]
+        except OSError as e:
+            log.warning("could not list the remote tier to find the newest checkpoint's timeline (%s); "
+                        "using the local tier's", e)
+            entries = [e for e, _ in _listing(self.memory, self.local, None)]
+        live = live_and_abandoned(entries)[0]
+        return live[0].timeline if live else Timeline()
 
     def _use_timeline(self, timeline: Timeline) -> None:
         """Make ``timeline`` the one the next saves record, on every tier."""
@@ -673,12 +685,6 @@ def promote(step: int, to: str, *, local_dir: str | os.PathLike, url: str,
     with Checkpointer(url, local_dir=local_dir, storage_options=storage_options, compression=compression,
                       collective=False) as ck:
         ck.promote(step, to)
-
-
-def _newest_timeline(entries: Any) -> Timeline:
-    """The timeline of the newest checkpoint (timeline 0 when there is none)."""
-    live = live_and_abandoned(entries)[0]
-    return live[0].timeline if live else Timeline()
 
 
 def _resume_timeline(restored: Committed | None, entries: list[Committed]) -> Timeline:

@@ -206,3 +206,15 @@ def test_a_replaced_node_gets_the_live_branch_back_from_its_peer_with_its_timeli
     assert _ranks(tmp_path, "resume", peers=True) == ["restored 130 130.0 1"] * 2
     back = _commit(tmp_path / "rank-1", 130)
     assert back["timeline"] == 1 and back["forks"] == [[0, 100]], "the copy from the peer keeps its timeline"
+
+
+@pytest.mark.parametrize("fields", [{"timeline": -1}, {"timeline": "1"}, {"timeline": 1, "forks": [[1, 100]]},
+                                    {"timeline": 2, "forks": [[0]]}, {"forks": {"0": 100}}])
+def test_a_commit_with_a_malformed_timeline_is_refused_and_skipped(local_dir, fields):
+    _three(local_dir)
+    path = local_dir / "step-000000300" / COMMIT_NAME
+    path.write_bytes(json.dumps({**json.loads(path.read_bytes()), **fields}).encode())
+    with ckpt.Checkpointer(local_dir=local_dir) as ck:
+        state = _state()
+        with pytest.warns(RuntimeWarning, match="step-000000300/COMMIT"):
+            assert ck.restore(state) == 200

@@ -344,7 +344,10 @@ def remove_step_dir(root: str | os.PathLike, name: str) -> bool:
     """
     parts = [p for p in str(name).split("/") if p]
     where = os.path.join(os.fspath(root), *parts)
-    fds = [os.open(root, os.O_RDONLY | os.O_DIRECTORY)]
+    try:
+        fds = [os.open(root, os.O_RDONLY | os.O_DIRECTORY)]
+    except FileNotFoundError:
+        return False
     try:
         for part in parts:
             try:
