@@ -360,20 +360,17 @@ def remove_step_dir(root: str | os.PathLike, name: str) -> bool:
                 raise OSError(e.errno, e.strerror, where) from None
         if len(fds) < 2:
             raise ValueError(f"remove_step_dir needs the name of a directory inside {root}, got {name!r}")
-        fd = fds.pop()
+        fd = fds[-1]
         try:
             st = os.stat(COMMIT_NAME, dir_fd=fd, follow_symlinks=False)
         except FileNotFoundError:
             st = None
         if st is not None and stat.S_ISLNK(st.st_mode):
-            os.close(fd)
             raise _linked_error(os.path.join(where, COMMIT_NAME), f"its {COMMIT_NAME}")
-        try:
-            if st is not None and not stat.S_ISDIR(st.st_mode):
-                os.unlink(COMMIT_NAME, dir_fd=fd)   # uncommitted from here on, and durably so
-                os.fsync(fd)
-        finally:
-            os.close(fd)
+        if st is not None and not stat.S_ISDIR(st.st_mode):
+            os.unlink(COMMIT_NAME, dir_fd=fd)   # uncommitted from here on, and durably so
+            os.fsync(fd)
+        os.close(fds.pop())
         try:
             shutil.rmtree(parts[-1], dir_fd=fds[-1])
         except OSError as e:
