@@ -21,9 +21,9 @@ from .errors import CheckpointError, NoCheckpointError, Preempted
 from .format import COMMIT_NAME, Manifest
 from .pipeline import Pipeline, SaveHandle
 from .plan import flatten, layout
-from .policy import AutoInterval, Interval, Retention, prune
+from .policy import AutoInterval, Committed, Interval, Retention, Timeline, live_and_abandoned, prune
 from .ranks import Ranks, distributed_world
-from .restore import RestoreInfo, restore as _restore
+from .restore import RestoreInfo, listing as _listing, restore as _restore
 from .stage import HostPool, Snapshot, SnapshotStats, stage, wait_all_staged
 from .tiers import LocalTier, MemoryTier, PeerTier, RemoteTier
 
@@ -48,6 +48,8 @@ class CheckpointInfo:
     path: str | None
     nbytes: int | None
     created_unix: float | None
+    timeline: int = 0          # its timeline (see ckpt.policy.Timeline)
+    abandoned: bool = False    # on the branch a rollback left: restored only when asked for by step
 
 
 class Checkpointer:
@@ -213,6 +215,7 @@ class Checkpointer:
                                                       or self.interval.every_seconds is not None)
         self._pipeline = Pipeline(self.pool, self.memory, self.local, self.remote, self._apply_retention,
                                   self._failed, self.peer)
+        self._timeline: Timeline | None = None   # the saves' timeline: decided by restore() or the first save
         self._closed = False
 
     # -- context manager ----------------------------------------------------------------------------
@@ -293,6 +296,8 @@ class Checkpointer:
         self._check_open()
         if not isinstance(step, int) or isinstance(step, bool) or step < 0:
             raise ValueError(f"step must be a non-negative int, got {step!r}")
+        if self._timeline is None:   # no restore() first: the saves continue the newest checkpoint's branch
+            self._use_timeline(self._newest_timeline())
         t0 = time.perf_counter()
         plan = flatten(state, self.on_unsupported)
         records, data_bytes = layout(plan.entries, knobs.get("CKPT_ALIGN_BYTES"))
@@ -388,9 +393,52 @@ class Checkpointer:
         if self.ranks is not None:
             info = self._restore_agreed(state, step, strict)
         else:
-            info = _restore(state, self.memory, self.local, self.remote, step, strict, self._job)
+            listed = _listing(self.memory, self.local, self.remote)
+            info = _restore(state, self.memory, self.local, self.remote, step, strict, self._job, listed=listed)
+            restored = None if info is None else Committed(info.step, info.timeline)
+            self._use_timeline(_resume_timeline(restored, [e for e, _ in listed]))
         self.last_restore = info
         return None if info is None else info.step
+
+    @property
+    def timeline(self) -> Timeline:
+        """The timeline the next save goes to (:class:`~ckpt.policy.Timeline`).
+
+        Set by :meth:`restore`: the restored checkpoint's when it is the newest committed one on any
+        tier, else a new timeline (one more than the largest seen) that branches off at the restored
+        step, so that a later restore resumes the saves that follow and never the abandoned branch.
+        Without a restore, the first save continues the newest checkpoint's timeline.
+        """
+        if self._timeline is None:
+            return self._newest_timeline()
+        return self._timeline
+
+    def _newest_timeline(self) -> Timeline:
+        """The newest checkpoint's timeline, on any tier (0 when there is none). A remote tier that cannot
+        be listed now is left out (logged): a save must not fail on it before its upload even starts."""
+        try:
+            entries = [e for e, _ in _listing(self.memory, self.local, self.remote)]
+        except OSError as e:
+            log.warning("could not list the remote tier to find the newest checkpoint's timeline (%s); "
+                        "using the local tier's", e)
+            entries = [e for e, _ in _listing(self.memory, self.local, None)]
+        live = live_and_abandoned(entries)[0]
+        return live[0].timeline if live else Timeline()
+
+    def _use_timeline(self, timeline: Timeline) -> None:
+        """Make ``timeline`` the one the next saves record, on every tier."""
+        if self._timeline is not None and timeline != self._timeline:
+            with self._lock:
+                handles = list(self._handles)
+            for h in handles:   # saves still persisting were taken on the previous timeline: they commit on it
+                try:
+                    h.wait()
+                except BaseException:
+                    pass
+        self._timeline = timeline
+        for tier in (self.memory, self.local, self.remote, self.peer.store if self.peer is not None else None):
+            if tier is not None:
+                tier.timeline = timeline
 
     def _check_own_storage(self) -> None:
         """Refuse, on every rank, a ``local_dir`` or ``url`` that another rank of the job writes too
@@ -440,42 +488,51 @@ class Checkpointer:
                              f"that is not a multiple of the world size {world}, got {peers!r}")
         return PeerTier(self.local.root, Ranks(timeout_s=knobs.get("CKPT_COMMIT_TIMEOUT_S"), own_group=True), jump)
 
-    def _near_steps(self) -> list[int]:
-        """Steps this rank holds in memory or on its local tier."""
-        steps = set(self.local.committed_steps())
-        mem = self.memory.newest()
-        if mem is not None:
-            steps.add(mem[0])
-        return sorted(steps, reverse=True)
+    def _near(self) -> list[Committed]:
+        """Checkpoints this rank holds in memory or on its local tier."""
+        return self.memory.committed() + self.local.committed()
 
     def _restore_agreed(self, state: dict, step: int | None, strict: bool) -> RestoreInfo | None:
-        """:meth:`restore` when the ranks must agree: the newest step every rank holds and loads
-        (in memory, locally, on the remote tier, or as the copy its peer keeps)."""
+        """:meth:`restore` when the ranks must agree: the newest checkpoint of the live branch that every
+        rank holds and loads (in memory, locally, on the remote tier, or as the copy its peer keeps).
+        Every rank sees every rank's checkpoints and timelines, so all pick the same one, and branch
+        off onto the same new timeline when it is not the newest."""
         ranks = self.ranks
-        near = ranks.gather(self._near_steps())
-        far = ranks.gather(self.remote.committed_steps() if self.remote is not None else [])
-        kept = ranks.gather(self.peer.store.committed_steps()) if self.peer is not None else None
-        held = [sorted(set(n) | set(f) | (set(kept[self.peer.holder_of(r)]) if kept else set()), reverse=True)
+        near = [_decode(v) for v in ranks.gather(_encode(self._near()))]
+        far = [_decode(v) for v in ranks.gather(_encode(self.remote.committed() if self.remote is not None else []))]
+        kept = [_decode(v) for v in ranks.gather(_encode(self.peer.store.committed()))] \
+            if self.peer is not None else None
+        held = [{e.key for e in n + f + (kept[self.peer.holder_of(r)] if kept else [])}
                 for r, (n, f) in enumerate(zip(near, far))]
-        common = sorted(set.intersection(*(set(h) for h in held)), reverse=True)
-        if step is not None:
-            common = [s for s in common if s == step]
-        where = "; ".join(f"rank {r}: {h[:8] if h else 'none'}" for r, h in enumerate(held))
-        if not common:
+        everything = [e for lists in (near, far, kept or []) for entries in lists for e in entries]
+        timelines: dict[tuple[int, int], Timeline] = {}
+        for e in everything:
+            timelines.setdefault(e.key, e.timeline)
+        common = set.intersection(*held)
+        if step is None:
+            live = {e.key for e in live_and_abandoned(everything)[0]}
+            agreed = sorted((k for k in common if k in live), reverse=True)
+        else:
+            agreed = sorted((k for k in common if k[1] == step), reverse=True)[:1]   # the newest timeline's
+        where = "; ".join(f"rank {r}: {_labels(sorted(h, reverse=True)[:8]) if h else 'none'}"
+                          for r, h in enumerate(held))
+        if not agreed:
             if step is not None:
                 raise FileNotFoundError(f"step {step} is not held by every rank ({where})")
             if not any(held):
+                self._use_timeline(Timeline())
                 return None
             raise NoCheckpointError(
                 f"no step is committed on every rank ({where}, newest first): pass step= to restore "
                 "one anyway, or remove the ranks' checkpoint directories to start afresh")
         failed: list[str] = []
-        for s in common:
+        for n, s in agreed:
             info, error, code = None, None, 1
             if kept is not None:   # ranks without a near copy of s get theirs back from the peer keeping it
-                self._pull_from_peers(s, near, kept)
+                self._pull_from_peers(s, timelines[(n, s)], [{e.key for e in x} for x in near],
+                                      [{e.key for e in x} for x in kept])
             try:
-                info = _restore(state, self.memory, self.local, self.remote, s, strict, self._job)
+                info = _restore(state, self.memory, self.local, self.remote, s, strict, self._job, timeline=n)
             except (NoCheckpointError, FileNotFoundError) as e:   # this rank's copies of s are unusable or
                 # gone (a peer's copy that failed verification was not committed): try an older step
                 error, code = e, 0
@@ -485,6 +542,7 @@ class Checkpointer:
             if min(codes) == 1:
                 if failed:
                     log.warning("ranks agreed on step %d after skipping: %s", s, "; ".join(failed))
+                self._use_timeline(_resume_timeline(Committed(s, timelines[(n, s)]), everything))
                 return info
             bad = [r for r, c in enumerate(codes) if c != 1]
             if -1 in codes:
@@ -496,17 +554,22 @@ class Checkpointer:
             log.warning("step %d is unusable on rank(s) %s; the ranks try an older common step", s, bad)
         raise NoCheckpointError("no step that every rank holds could be loaded on every rank: " + "; ".join(failed))
 
-    def _pull_from_peers(self, step: int, near: list[list[int]], kept: list[list[int]]) -> None:
-        """Collective: every rank that holds no near copy of ``step`` while its peer keeps one gets it back
-        into its local tier (the same transfers are derived on every rank from the gathered lists)."""
+    def _pull_from_peers(self, step: int, timeline: Timeline, near: list[set[tuple[int, int]]],
+                         kept: list[set[tuple[int, int]]]) -> None:
+        """Collective: every rank that holds no near copy of ``step`` (on ``timeline``) while its peer keeps
+        one gets it back into its local tier (the same transfers are derived on every rank from the
+        gathered sets of ``(timeline, step)``)."""
         peer = self.peer
-        needs = [r for r in range(peer.world) if step not in near[r] and step in kept[peer.holder_of(r)]]
+        key = (timeline.number, step)
+        needs = [r for r in range(peer.world) if key not in near[r] and key in kept[peer.holder_of(r)]]
         send_to = peer.src if peer.src in needs else None
         receive = peer.rank in needs
         if send_to is None and not receive:
             return
         try:
-            if peer.serve(step, send_to, receive, self.local):
+            with self.local.copying(step, timeline):   # the copy keeps the checkpoint's timeline
+                got = peer.serve(step, send_to, receive, self.local)
+            if got:
                 log.info("rank %d got its copy of step %d back from rank %d (peer tier)", peer.rank, step,
                          peer.holder_of(peer.rank))
         except (CheckpointError, OSError) as e:   # this rank falls back to the remote tier, if any
@@ -530,38 +593,46 @@ class Checkpointer:
         if to == "remote":
             if self.remote is None:
                 raise ValueError("promote(to='remote') needs Checkpointer(url=...)")
-            _, manifest = self.local.open(step)
-            with self.local.mapped(step) as data:
+            commit, manifest = self.local.open(step)
+            # the copy keeps the checkpoint's timeline
+            with self.local.mapped(step) as data, self.remote.copying(step, Timeline.of(commit)):
                 self.remote.write(step, manifest, data)   # checks the chunk checksums on the way
         elif to == "local":
             if self.remote is None:
                 raise ValueError("promote(to='local') copies from the remote tier: pass Checkpointer(url=...)")
-            _, manifest = self.remote.open(step)
-            self.remote.load(step, manifest, None, refill=self.local)
+            commit, manifest = self.remote.open(step)
+            with self.local.copying(step, Timeline.of(commit)):
+                self.remote.load(step, manifest, None, refill=self.local)
         else:
             raise ValueError(f"to must be 'remote' or 'local', got {to!r}")
 
     def list(self) -> list[CheckpointInfo]:
-        """Checkpoints visible on any tier, newest first."""
-        found: dict[int, CheckpointInfo] = {}
-        for s in self.local.committed_steps():
-            d = self.local.step_dir(s)
-            try:
-                size = sum(f.stat().st_size for f in d.iterdir())
-                created = (d / COMMIT_NAME).stat().st_mtime
-            except OSError:
-                size = created = None
-            found[s] = CheckpointInfo(s, ["local"], str(d), size, created)
-        if self.remote is not None:
-            for s in self.remote.committed_steps():
-                info = found.setdefault(s, CheckpointInfo(s, [], self.remote.step_dir(s), None, None))
-                info.tiers.append("remote")
-        mem = self.memory.newest()
-        if mem is not None:
-            s, m = mem
-            info = found.setdefault(s, CheckpointInfo(s, [], None, m.data_bytes, m.created_unix))
-            info.tiers.insert(0, "memory")
-        return [found[s] for s in sorted(found, reverse=True)]
+        """Checkpoints visible on any tier, newest first: the live branch by ``(timeline, step)``, then
+        the abandoned branch of a rollback (``abandoned=True``), each newest first."""
+        listed = _listing(self.memory, self.local, self.remote)
+        live, abandoned = live_and_abandoned(e for e, _ in listed)
+        gone = {e.key for e in abandoned}
+        found: dict[tuple[int, int], CheckpointInfo] = {}
+        for e, tier in sorted(listed, key=lambda c: ("memory", "local", "remote").index(c[1].name)):
+            info = found.get(e.key)
+            if info is None:
+                info = found[e.key] = CheckpointInfo(e.step, [], None, None, None, e.timeline.number, e.key in gone)
+            info.tiers.append(tier.name)
+            if tier is self.memory:
+                m = self.memory.manifest(e.step, e.timeline)
+                info.nbytes, info.created_unix = (m.data_bytes, m.created_unix) if m is not None else (None, None)
+            elif tier is self.local:
+                d = self.local.step_dir(e.step)
+                info.path = str(d)
+                try:
+                    info.nbytes = sum(f.stat().st_size for f in d.iterdir())
+                    info.created_unix = (d / COMMIT_NAME).stat().st_mtime
+                except OSError:
+                    info.nbytes = info.created_unix = None
+            elif info.path is None:
+                info.path = self.remote.step_dir(e.step)
+        order = [e.key for e in live + abandoned]
+        return [found[k] for k in dict.fromkeys(order)]
 
     # -- lifecycle ------------------------------------------------------------------------------------
     def close(self, raise_errors: bool = True) -> None:
@@ -594,15 +665,23 @@ class Checkpointer:
             raise err
 
     def _apply_retention(self, tiers: list[str]) -> None:
+        """Retention after a commit. What counts as verified here (the newest such step is always kept,
+        and with none nothing committed is deleted): a step this process committed to that tier itself
+        (checksums computed from its own host buffer, or, for a copy, every chunk checked against the
+        sender's), or read back in full from it; never a step it saw fail verification."""
         busy = self._pipeline.in_flight()
         for name in tiers:
             if name == "local":
-                prune(self.local, self.keep.local, busy)
+                tier, keep = self.local, self.keep.local
             elif name == "peer":
-                prune(self.peer.store, self.keep.local, busy)   # the peer's copies, kept like this rank's own
+                tier, keep = self.peer.store, self.keep.local   # the peer's copies, kept like this rank's own
             elif self.remote.job is None or self.remote.job.rank == 0:
                 # a job tier is pruned by rank 0 alone, after it committed (every rank is past older steps)
-                prune(self.remote, self.keep.remote, busy)
+                tier, keep = self.remote, self.keep.remote
+            else:
+                continue
+            record = getattr(tier, "verified", {})
+            prune(tier, keep, busy, verified=lambda s, record=record: record.get(s) is True)
 
 
 def promote(step: int, to: str, *, local_dir: str | os.PathLike, url: str,
@@ -614,3 +693,37 @@ def promote(step: int, to: str, *, local_dir: str | os.PathLike, url: str,
     with Checkpointer(url, local_dir=local_dir, storage_options=storage_options, compression=compression,
                       collective=False) as ck:
         ck.promote(step, to)
+
+
+def _resume_timeline(restored: Committed | None, entries: list[Committed]) -> Timeline:
+    """The timeline of the saves after a restore of ``restored``: its own when it is the newest of
+    ``entries`` (every checkpoint on every tier, of every rank), else a new one (one more than the
+    largest seen) that branches off at the restored step."""
+    if restored is None or not entries:
+        return Timeline()
+    if restored.key == max(e.key for e in entries):
+        return restored.timeline
+    return restored.timeline.branch(restored.step, max(e.timeline.number for e in entries) + 1)
+
+
+def _encode(entries: list[Committed]) -> list[int]:
+    """``(timeline, step, forks)`` of each checkpoint as integers, for a gather between ranks."""
+    out: list[int] = []
+    for e in entries:
+        out += [e.timeline.number, e.step, len(e.timeline.forks)] + [v for f in e.timeline.forks for v in f]
+    return out
+
+
+def _decode(values: list[int]) -> list[Committed]:
+    out, i = [], 0
+    while i < len(values):
+        number, step, n = values[i:i + 3]
+        forks = tuple((values[i + 3 + 2 * j], values[i + 4 + 2 * j]) for j in range(n))
+        out.append(Committed(step, Timeline(number, forks)))
+        i += 3 + 2 * n
+    return out
+
+
+def _labels(keys: list[tuple[int, int]]) -> str:
+    """``[130 (timeline 1), 100]``: checkpoints by step, with their timeline when not 0."""
+    return "[" + ", ".join(str(s) if n == 0 else f"{s} (timeline {n})" for n, s in keys) + "]"

@@ -73,27 +73,37 @@ def _verify_dcp(args: argparse.Namespace) -> int:
 
 
 def _ls(args: argparse.Namespace) -> int:
+    """Committed checkpoints newest first: the live branch by (timeline, step), then the abandoned
+    branch of a rollback (``ckpt.policy.live_and_abandoned``)."""
     if args.dcp:
         return _ls_dcp(args)
+    from .policy import live_and_abandoned
+
     tier = _tier(args.dir, args.storage_options)
+    live, abandoned = live_and_abandoned(tier.committed())
     rows = []
-    for s in tier.committed_steps():
+    for e in live + abandoned:
+        s = e.step
         d = tier.step_dir(s)
+        flags = {"timeline": e.timeline.number, "abandoned": e in abandoned, "linked": e.linked}
         if tier.name == "remote":   # sizes and time from the commit record: one read per step
             c = tier.read_commit(s)
             rows.append({"step": s, "path": d, "bytes": sum(c.data.values()), "committed_unix": c.created_unix,
-                         "world_size": c.world_size})
+                         "world_size": c.world_size, **flags})
             continue
         size = sum(f.stat().st_size for f in d.iterdir() if f.is_file())
         rows.append({"step": s, "path": str(d), "bytes": size,
-                     "committed_unix": (d / "COMMIT").stat().st_mtime, "world_size": 1})
+                     "committed_unix": (d / "COMMIT").stat().st_mtime, "world_size": 1, **flags})
     if args.json:
         print(json.dumps(rows, indent=1))
     else:
-        print(f"{'step':>10} {'size':>10} {'ranks':>5}  committed            path")
+        print(f"{'step':>10} {'timeline':>8} {'size':>10} {'ranks':>5}  committed            path")
         for r in rows:
             when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(r["committed_unix"]))
-            print(f"{r['step']:>10} {_size(r['bytes']):>10} {r['world_size']:>5}  {when}  {r['path']}")
+            note = "  (abandoned branch)" if r["abandoned"] else ""
+            note += "  (linked)" if r["linked"] else ""
+            print(f"{r['step']:>10} {r['timeline']:>8} {_size(r['bytes']):>10} {r['world_size']:>5}  {when}  "
+                  f"{r['path']}{note}")
     return 0
 
 
@@ -140,17 +150,48 @@ def _verify(args: argparse.Namespace) -> int:
 
 
 def _gc(args: argparse.Namespace) -> int:
+    """Delete all but the newest ``--keep`` checkpoints, and never the newest one that verifies:
+    candidates are verified (every byte read) newest first until one passes, and it is kept too.
+    When none verifies, no committed checkpoint is deleted and the exit status is 1."""
+    from .errors import CheckpointError, NoCheckpointError
+
     verb = "would remove" if args.dry_run else "removed"
     if args.dcp:
         from .integrations.dcp import prune as prune_dcp
 
-        for i in prune_dcp(args.dir, max(1, args.keep), _opts(args), dry_run=args.dry_run):
+        try:
+            gone = prune_dcp(args.dir, max(1, args.keep), _opts(args), dry_run=args.dry_run, verify=True)
+        except NoCheckpointError as e:
+            print(f"ckpt gc: {e}", file=sys.stderr)
+            return 1
+        for i in gone:
             print(f"{verb} {i}")
         return 0
     from .policy import prune
 
-    for s in prune(_tier(args.dir, args.storage_options), max(1, args.keep), dry_run=args.dry_run):
+    tier = _tier(args.dir, args.storage_options)
+    checked: list[tuple[int, bool]] = []
+
+    def verifies(step: int) -> bool:
+        try:
+            tier.verify(step)   # a remote tier verifies every rank's parts
+            ok = True
+        except (CheckpointError, OSError) as e:
+            print(f"ckpt gc: step {step} does not verify, so it does not count as the checkpoint to keep: {e}",
+                  file=sys.stderr)
+            ok = False
+        checked.append((step, ok))
+        return ok
+
+    gone = prune(tier, max(1, args.keep), dry_run=args.dry_run, verified=verifies)
+    for s in gone:
         print(f"{verb} step {s}")
+    if checked and not any(ok for _, ok in checked):
+        print(f"ckpt gc: no checkpoint under {args.dir} verifies, so no committed checkpoint was deleted "
+              "(`ckpt verify` says why)", file=sys.stderr)
+        return 1
+    if checked and not checked[0][1]:
+        print(f"ckpt gc: kept step {checked[-1][0]}: the newest checkpoint that verifies", file=sys.stderr)
     return 0
 
 
@@ -165,10 +206,12 @@ def _promote(args: argparse.Namespace) -> int:
 
 
 def _newest(tier) -> int:
-    steps = tier.committed_steps()
-    if not steps:
+    from .policy import live_and_abandoned
+
+    live = live_and_abandoned(tier.committed())[0]
+    if not live:
         raise SystemExit(f"no committed checkpoint under {getattr(tier, 'url', tier.root)}")
-    return steps[0]
+    return live[0].step
 
 
 def _size(n: int) -> str:
@@ -189,7 +232,7 @@ def main(argv: list[str] | None = None) -> int:
     for name, fn, helptext in (("ls", _ls, "list committed checkpoints of a local or remote tier"),
                                ("inspect", _inspect, "show the tensors of a checkpoint"),
                                ("verify", _verify, "read every byte and check its checksum"),
-                               ("gc", _gc, "delete all but the newest committed checkpoints")):
+                               ("gc", _gc, "delete all but the newest committed checkpoints (keeping the newest that verifies)")):
         q = sub.add_parser(name, help=helptext)
         q.add_argument("dir", help="local tier directory (local_dir), or a remote tier URL (every rank's files "
                                    "of a job tier)")

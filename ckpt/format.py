@@ -264,9 +264,16 @@ class Commit:
     data: dict[str, int]        # data file name -> size in bytes
     format_version: int = FORMAT_VERSION
     created_unix: float = field(default_factory=time.time)
+    # the branch of history (ckpt.policy.Timeline): its number, and [timeline, step] where each ancestor
+    # timeline was left; absent (0, []) in a run never rolled back and in files older than the field
+    timeline: int = 0
+    forks: list[list[int]] = field(default_factory=list)
 
     def to_bytes(self) -> bytes:
-        return json.dumps(asdict(self), separators=(",", ":"), allow_nan=False).encode()
+        d = asdict(self)
+        if not self.timeline and not self.forks:   # the old record, byte for byte readable by older versions
+            del d["timeline"], d["forks"]
+        return json.dumps(d, separators=(",", ":"), allow_nan=False).encode()
 
     @classmethod
     def from_bytes(cls, raw: bytes, where: str) -> "Commit":
@@ -284,6 +291,9 @@ class Commit:
             and isinstance(c.data, dict)
             and all(isinstance(k, str) and _is_nonneg_int(v) and v <= _MAX_INT for k, v in c.data.items())
             and _is_number(c.created_unix)
+            and _is_nonneg_int(c.timeline) and isinstance(c.forks, list) and all(
+                isinstance(f, list) and len(f) == 2 and all(_is_nonneg_int(v) for v in f) and f[0] < c.timeline
+                for f in c.forks)
         )
         if not ok:
             raise CorruptCheckpointError(f"{where}: commit record fails validation")

@@ -1,23 +1,40 @@
-"""When to save (interval policy) and what to keep (retention)."""
+"""When to save (interval policy), what to keep (retention), and which checkpoint is newest (timelines).
+
+Timelines order checkpoints the way PostgreSQL orders its WAL after a point-in-time recovery. A
+run that was never rolled back is timeline 0. Restoring a step older than the newest committed one
+(``restore(state, step=100)`` with 300 committed, or a fallback past a corrupt newest step) starts a
+new timeline, one more than the largest seen on any tier, for the saves that follow; its ``COMMIT``
+records which ancestors it came from and where it left them (``forks``). "Newest" then means largest
+``(timeline, step)`` among the checkpoints of the *live branch*: the newest checkpoint's timeline and,
+of each ancestor timeline, the steps up to where it was left. The rest is the *abandoned branch*:
+never restored unless asked for by step, and the first that retention removes.
+"""
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Collection
+from typing import Any, Callable, Collection, Iterable
 
-__all__ = ["Retention", "Interval", "AutoInterval", "daly_interval", "prune"]
+__all__ = ["Retention", "Interval", "AutoInterval", "daly_interval", "prune", "Timeline", "Committed",
+           "live_and_abandoned"]
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
 class Retention:
     """How many committed checkpoints each tier keeps.
 
-    ``local``: newest checkpoints kept in ``local_dir``; ``remote``: at the
-    URL (``None`` keeps all).
-    The newest committed checkpoint and any checkpoint still being written are
-    never deleted, whatever the setting.
+    ``local``: newest checkpoints kept in ``local_dir`` (and of the copies kept for a peer rank);
+    ``remote``: at the URL (``None`` keeps all). Newest means the live branch newest
+    ``(timeline, step)`` first, then the abandoned branch of a rollback (see :class:`Timeline`), so
+    the abandoned branch goes first. The newest committed checkpoint, any checkpoint still being
+    written, linked checkpoints (a symbolic link into the directory) and the newest checkpoint this
+    process knows to verify (one it committed itself or read back in full) are never deleted,
+    whatever the setting; see :func:`prune`.
     """
 
     local: int | None = 2
@@ -31,24 +48,114 @@ class Retention:
                                  "checkpoint is never deleted (or None to keep all)")
 
 
-def prune(tier: Any, keep: int | None, busy: Collection[int] = (), dry_run: bool = False) -> list[int]:
+@dataclass(frozen=True)
+class Timeline:
+    """The branch of history a checkpoint is on (see the module docstring).
+
+    ``number``: 0 for a run never rolled back (and for checkpoints older than timelines);
+    ``forks``: ``(timeline, step)`` for each ancestor, oldest first: the branch left
+    ``timeline`` after ``step``.
+    """
+
+    number: int = 0
+    forks: tuple[tuple[int, int], ...] = ()
+
+    def holds(self, number: int, step: int) -> bool:
+        """Whether checkpoint ``step`` of timeline ``number`` is part of this branch's history."""
+        return number == self.number or any(n == number and step <= at for n, at in self.forks)
+
+    def branch(self, step: int, number: int) -> "Timeline":
+        """Timeline ``number``, which leaves this one after ``step``."""
+        return Timeline(number, self.forks + ((self.number, step),))
+
+    @classmethod
+    def of(cls, commit: Any) -> "Timeline":
+        """The timeline a :class:`~ckpt.format.Commit` records."""
+        return cls(commit.timeline, tuple((int(n), int(s)) for n, s in commit.forks))
+
+    def record(self) -> dict[str, Any]:
+        """The :class:`~ckpt.format.Commit` fields recording this timeline."""
+        return {"timeline": self.number, "forks": [[n, s] for n, s in self.forks]}
+
+
+@dataclass(frozen=True)
+class Committed:
+    """A committed checkpoint as a tier lists it: its step, its timeline, and whether it is linked in
+    (its directory or ``COMMIT`` a symbolic link: listed and restorable, never deleted)."""
+
+    step: int
+    timeline: Timeline = Timeline()
+    linked: bool = False
+
+    @property
+    def key(self) -> tuple[int, int]:
+        """``(timeline, step)``: larger is newer."""
+        return self.timeline.number, self.step
+
+
+def live_and_abandoned(entries: Iterable[Committed]) -> tuple[list[Committed], list[Committed]]:
+    """Split checkpoints (of one tier or several) into the live branch and the abandoned one, each
+    newest first by ``(timeline, step)``. The live branch is that of the newest checkpoint."""
+    entries = list(entries)
+    if not entries:
+        return [], []
+    head = max(entries, key=lambda e: (e.key, e.timeline.forks))
+    live = [e for e in entries if head.timeline.holds(*e.key)]
+    abandoned = [e for e in entries if not head.timeline.holds(*e.key)]
+    order = lambda e: e.key   # noqa: E731
+    return sorted(live, key=order, reverse=True), sorted(abandoned, key=order, reverse=True)
+
+
+def _listing(tier: Any) -> list[Committed]:
+    if hasattr(tier, "committed"):
+        return list(tier.committed())
+    owns = getattr(tier, "owns", lambda s: True)
+    return [Committed(s, linked=not owns(s)) for s in tier.committed_steps()]
+
+
+def prune(tier: Any, keep: int | None, busy: Collection[int] = (), dry_run: bool = False,
+          verified: Callable[[int], bool] | None = None) -> list[int]:
     """Apply retention to one tier: returns the steps deleted (or that would be, with ``dry_run``).
 
-    Keeps the newest ``keep`` committed steps (all with ``None``); also removes
-    uncommitted leftovers older than the newest commit (crashed or failed
-    writes). Never deletes the newest committed step nor a step in ``busy``.
+    Keeps the newest ``keep`` committed steps that the tier owns (all with ``None``), newest in the
+    order of :func:`live_and_abandoned`: the live branch newest first, then the abandoned branch, so
+    that the abandoned branch goes first. Also removes uncommitted leftovers older than the newest
+    commit (crashed or failed writes). Never deletes the newest committed step nor a step in
+    ``busy``. A linked step (its directory or ``COMMIT`` a symbolic link:
+    :func:`ckpt.tiers.local.linked`) is not the tier's own: it is neither counted nor deleted, and
+    nothing inside it is touched. A step that cannot be deleted is logged and skipped.
+
+    ``verified(step)`` says whether a step is known to verify. When given, the newest owned step
+    for which it returns ``True`` is kept too, asked in the order above and only while steps would
+    be deleted (so it may read the step: ``ckpt gc`` verifies each one it asks about); when it is
+    ``True`` for none, no committed step is deleted, so retention never leaves only checkpoints
+    that are not known to verify.
     """
-    steps = tier.committed_steps()
-    if not steps:
+    entries = _listing(tier)
+    if not entries:
         return []
-    newest = steps[0]
-    doomed = [] if keep is None else steps[keep:]
-    stale = [s for s in tier.all_step_dirs() if s < newest and s not in steps]
+    live, abandoned = live_and_abandoned(entries)
+    owns = getattr(tier, "owns", lambda s: True)
+    newest = live[0].step
+    owned = [e.step for e in live + abandoned if not e.linked]
+    kept = set(owned if keep is None else owned[:keep])
+    if verified is not None and len(kept) < len(owned):
+        keeper = next((s for s in owned if verified(s)), None)
+        kept = set(owned) if keeper is None else kept | {keeper}
+    doomed = [s for s in owned if s not in kept]
+    steps = {e.step for e in entries}
+    stale = [s for s in tier.all_step_dirs() if s < max(steps) and s not in steps and owns(s)]
     gone = [s for s in doomed + stale if s != newest and s not in busy]
-    if not dry_run:
-        for s in gone:
+    if dry_run:
+        return gone
+    deleted = []
+    for s in gone:
+        try:
             tier.delete(s)
-    return gone
+            deleted.append(s)
+        except OSError as e:
+            log.warning("retention could not delete step %d: %s", s, e)
+    return deleted
 
 
 class Interval:

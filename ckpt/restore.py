@@ -1,7 +1,9 @@
 """Restore: the newest checkpoint that verifies, from the nearest tier that holds it.
 
-Candidates are ordered newest step first and, for one step, nearest tier
-first (memory, then local, then remote). A candidate whose files are missing, torn or
+Candidates are the checkpoints of the live branch (:func:`ckpt.policy.live_and_abandoned`: the
+abandoned branch of a rollback is never restored unless asked for by step), ordered newest
+``(timeline, step)`` first and, for one checkpoint, nearest tier first (memory, then local, then
+remote). A step asked for by number comes from the newest timeline that holds it. A candidate whose files are missing, torn or
 corrupt is skipped with a warning naming the file, and the next one is tried.
 A checkpoint that is valid but does not fit the state (other keys, shapes or
 world size) is not a storage fault: it raises at once.
@@ -21,11 +23,12 @@ from .errors import (CheckpointError, CorruptCheckpointError, IncompatibleCheckp
                      IncompleteCheckpointError, LayoutMismatchError, NoCheckpointError)
 from .format import ItemRecord, manifest_name
 from .plan import Binding, bind
+from .policy import Committed, Timeline, live_and_abandoned
 from .reshard import load_resharded
 from .tiers import LocalTier, MemoryTier, RemoteTier
 from .tiers.remote import ABSENT
 
-__all__ = ["RestoreInfo", "restore"]
+__all__ = ["RestoreInfo", "restore", "listing"]
 
 log = logging.getLogger(__name__)
 
@@ -39,14 +42,24 @@ class RestoreInfo:
     nbytes: int
     seconds: float
     skipped: list[str]
+    timeline: Timeline = Timeline()   # the restored checkpoint's
 
     @property
     def gbps(self) -> float:
         return self.nbytes / self.seconds / 1e9 if self.seconds else float("inf")
 
 
+def listing(memory: MemoryTier, local: LocalTier, remote: RemoteTier | None) -> list[tuple[Committed, Any]]:
+    """Every checkpoint committed on any tier, with the tier holding it (unordered)."""
+    out = [(e, memory) for e in memory.committed()] + [(e, local) for e in local.committed()]
+    if remote is not None:
+        out += [(e, remote) for e in remote.committed()]
+    return out
+
+
 def restore(state: dict, memory: MemoryTier, local: LocalTier, remote: RemoteTier | None,
-            step: int | None = None, strict: bool = True, job: list[int] | None = None) -> RestoreInfo | None:
+            step: int | None = None, strict: bool = True, job: list[int] | None = None,
+            timeline: int | None = None, listed: list[tuple[Committed, Any]] | None = None) -> RestoreInfo | None:
     """Load the newest verified checkpoint (or ``step``) into ``state`` in place.
 
     A checkpoint read from the remote tier is written to the local tier on the
@@ -55,32 +68,38 @@ def restore(state: dict, memory: MemoryTier, local: LocalTier, remote: RemoteTie
     saved at another place in the job (the world size changed) is passed over.
     A checkpoint that several ranks saved into the remote tier (a job tier) is
     resharded (:mod:`ckpt.reshard`) when the world size or the sharding differs.
+    ``step`` comes from the newest timeline holding it (``timeline``: from that one);
+    ``listed``: :func:`listing`, when the caller has it already.
     """
-    candidates: list[tuple[int, Any]] = []
-    mem = memory.newest()
-    if mem is not None:
-        candidates.append((mem[0], memory))
-    candidates += [(s, local) for s in local.committed_steps()]
-    if remote is not None:
-        candidates += [(s, remote) for s in remote.committed_steps()]
-    order = {"memory": 0, "local": 1, "remote": 2}
-    candidates.sort(key=lambda c: (-c[0], order[c[1].name]))
-    if step is not None:
-        candidates = [c for c in candidates if c[0] == step]
+    listed = listing(memory, local, remote) if listed is None else listed
+    if step is None:
+        live = {e.key for e in live_and_abandoned(e for e, _ in listed)[0]}
+        candidates = [c for c in listed if c[0].key in live]
+    else:
+        candidates = [c for c in listed if c[0].step == step and timeline in (None, c[0].timeline.number)]
         if not candidates:
             raise FileNotFoundError(f"step {step} is on no tier (local_dir={local.root}"
-                                    f"{', url=' + remote.url if remote is not None else ''}); "
+                                    f"{', url=' + remote.url if remote is not None else ''}"
+                                    f"{'' if timeline is None else f', timeline {timeline}'}); "
                                     f"committed locally: {local.committed_steps()}")
+        newest = max(e.timeline.number for e, _ in candidates)
+        candidates = [c for c in candidates if c[0].timeline.number == newest]
+    order = {"memory": 0, "local": 1, "remote": 2}
+    candidates.sort(key=lambda c: (-c[0].timeline.number, -c[0].step, order[c[1].name]))
     if not candidates:
         return None
     skipped: list[str] = []
-    for s, tier in candidates:
+    for entry, tier in candidates:
+        s = entry.step
         t0 = time.perf_counter()
         try:
             if tier is remote:
-                nbytes = _load_remote(state, remote, s, strict, local, job)
+                with local.copying(s, entry.timeline):   # the local copy keeps the checkpoint's timeline
+                    nbytes = _load_remote(state, remote, s, strict, local, job)
             else:
-                manifest = mem[1] if tier is memory else tier.open(s)[1]
+                manifest = tier.open(s)[1] if tier is not memory else memory.manifest(s, entry.timeline)
+                if manifest is None:
+                    raise LookupError(f"step {s} is no longer in host memory")
                 _check_job(manifest, job, tier.name, s)
                 where = (f"step {s} in host memory" if tier is memory
                          else f"{tier.step_dir(s)}/{manifest_name(tier.rank)}")
@@ -96,12 +115,16 @@ def restore(state: dict, memory: MemoryTier, local: LocalTier, remote: RemoteTie
             skipped.append(f"{tier.name}:{s}: {e}")
             continue
         except (CorruptCheckpointError, IncompleteCheckpointError, OSError, LookupError) as e:
+            if not isinstance(e, LookupError) and tier is not memory:
+                tier.verified[s] = False   # known not to verify: retention never keeps it as the good copy
             msg = f"step {s} on the {tier.name} tier is unusable, trying the next tier or an older step: {e}"
             warnings.warn(msg, RuntimeWarning, stacklevel=3)
             log.warning(msg)
             skipped.append(f"{tier.name}:{s}: {e}")
             continue
-        info = RestoreInfo(s, tier.name, nbytes, time.perf_counter() - t0, skipped)
+        if tier is local:
+            local.verified[s] = True   # every byte read and checked (a remote read refills and commits local)
+        info = RestoreInfo(s, tier.name, nbytes, time.perf_counter() - t0, skipped, entry.timeline)
         log.info("restored step %d from the %s tier (%.3f GB in %.3f s)", s, tier.name,
                  info.nbytes / 1e9, info.seconds)
         return info

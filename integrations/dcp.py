@@ -94,13 +94,13 @@ from torch.distributed.checkpoint.planner import (
 )
 from torch.distributed.checkpoint.storage import WriteResult
 
-from ..errors import CorruptCheckpointError, IncompleteCheckpointError
+from ..errors import CorruptCheckpointError, IncompleteCheckpointError, NoCheckpointError
 from ..format import (COMMIT_NAME, MAX_TREE_DEPTH, _is_nonneg_int, _is_number, check_shape, dtype_to_str,
                       fsync_dir, fsync_file, open_regular, parse_record, read_record, read_record_fs, str_to_dtype,
                       write_atomic)
 from ..integrity import ALGORITHM, checksum
 from ..policy import Retention
-from ..tiers.local import _read_range
+from ..tiers.local import _read_range, linked, remove_step_dir
 from ..tiers.remote import _with_retry_defaults, is_local_fs
 
 __all__ = ["TierStorageWriter", "TierStorageReader", "FORMAT", "list_checkpoints", "verify", "prune"]
@@ -856,32 +856,75 @@ def _list_tier(tier: _Tier) -> list[dict[str, Any]]:
             continue
         created = commit.get("created_unix")
         out.append({"id": name, "world_size": commit["world_size"], "bytes": sizes.get(name, 0),
-                    "created_unix": created if isinstance(created, (int, float)) else None})
+                    "created_unix": created if isinstance(created, (int, float)) else None,
+                    "linked": _linked(tier, name)})
     return out
 
 
+def _linked(tier: _Tier, ckpt_id: str) -> bool:
+    """Whether a checkpoint directory on a local or mounted (``file://``) tier is, or sits under, a
+    symbolic link, or holds a ``COMMIT`` that is one: listed and loadable, never deleted."""
+    if not (tier.local or tier.mounted):
+        return False
+    parts = ckpt_id.split("/")
+    return any(linked(tier.root, "/".join(parts[:i])) for i in range(1, len(parts) + 1))
+
+
 def prune(where: str | os.PathLike, keep: int, storage_options: dict[str, Any] | None = None,
-          dry_run: bool = False) -> list[str]:
+          dry_run: bool = False, verify: bool = False) -> list[str]:
     """Delete all but the ``keep`` (at least 1) newest committed checkpoints under ``where`` (one
     tier: a local directory or an fsspec URL), newest by the time their ``COMMIT`` records; returns
     the ids removed (or, with ``dry_run``, that would be). Each goes ``COMMIT`` first, so a deletion
     cut short leaves an uncommitted directory, never a committed checkpoint with files missing.
-    Uncommitted directories (a save in progress, or one that failed) are left alone."""
+    Uncommitted directories (a save in progress, or one that failed) are left alone, and so are
+    linked checkpoints (a directory or ``COMMIT`` that is a symbolic link: listed and loadable, but
+    neither counted nor deleted, nor anything inside them).
+
+    ``verify=True`` (what ``ckpt gc --dcp`` does) also keeps the newest checkpoint that verifies
+    (:func:`verify`, newest first, only while some would be deleted; each failure is a warning);
+    when none does, nothing is deleted and :class:`~ckpt.errors.NoCheckpointError` is raised."""
     if keep < 1:
         raise ValueError(f"keep must be at least 1, got {keep}")
-    return _prune_tier(_one_tier(where, storage_options), keep, dry_run=dry_run)
+    tier = _one_tier(where, storage_options)
+    check = (lambda ckpt_id: _verifies(where, ckpt_id, storage_options)) if verify else None
+    return _prune_tier(tier, keep, dry_run=dry_run, verify=check)
 
 
-def _prune_tier(tier: _Tier, keep: int, dry_run: bool = False, spare: str | None = None) -> list[str]:
-    rows = sorted(_list_tier(tier), key=lambda r: (r["created_unix"] or 0.0, r["id"]), reverse=True)
-    doomed = [r["id"] for r in rows[keep:] if r["id"] != spare]
-    for ckpt_id in doomed if not dry_run else ():
-        tier.remove(ckpt_id, COMMIT_NAME)
-        if tier.local:
-            shutil.rmtree(Path(tier.root) / ckpt_id, ignore_errors=True)
-        else:
-            tier.fs.rm(f"{tier.root}/{ckpt_id}", recursive=True)
-    return doomed
+def _verifies(where: str | os.PathLike, ckpt_id: str, storage_options: dict[str, Any] | None) -> bool:
+    try:
+        verify(where, ckpt_id, storage_options)
+        return True
+    except (CorruptCheckpointError, IncompleteCheckpointError, OSError) as e:
+        warnings.warn(f"{ckpt_id!r} does not verify, so it does not count as the checkpoint to keep: {e}",
+                      stacklevel=4)
+        return False
+
+
+def _prune_tier(tier: _Tier, keep: int, dry_run: bool = False, spare: str | None = None,
+                verify: Any = None) -> list[str]:
+    rows = sorted((r for r in _list_tier(tier) if not r["linked"]),
+                  key=lambda r: (r["created_unix"] or 0.0, r["id"]), reverse=True)
+    kept = {r["id"] for r in rows[:keep]} | ({spare} if spare is not None else set())
+    if verify is not None and len(rows) > keep:
+        keeper = next((r["id"] for r in rows if verify(r["id"])), None)
+        if keeper is None:
+            raise NoCheckpointError(f"no checkpoint under {tier.where} verifies, so none was deleted")
+        kept.add(keeper)
+    doomed = [r["id"] for r in rows if r["id"] not in kept]
+    if dry_run:
+        return doomed
+    removed = []
+    for ckpt_id in doomed:
+        try:
+            if tier.local or tier.mounted:   # never through a link swapped in meanwhile
+                remove_step_dir(tier.root, ckpt_id)
+            else:
+                tier.remove(ckpt_id, COMMIT_NAME)
+                tier.fs.rm(f"{tier.root}/{ckpt_id}", recursive=True)
+            removed.append(ckpt_id)
+        except OSError as e:
+            warnings.warn(f"retention could not delete {tier.path(ckpt_id, '')} ({e})", stacklevel=3)
+    return removed
 
 
 def _prune_own_files(tier: _Tier, rank: int, keep: int, spare: str) -> None:
@@ -889,20 +932,27 @@ def _prune_own_files(tier: _Tier, rank: int, keep: int, spare: str) -> None:
     coordinator's): this rank's own files in uncommitted checkpoint directories, all but the newest
     ``keep`` by modification time (``spare``, the one just written, always stays), are deleted, and
     a directory left with no rank files is removed. Committed directories are the coordinator's
-    to prune (:func:`_prune_tier`), so none ever loses a file while its ``COMMIT`` vouches for it."""
+    to prune (:func:`_prune_tier`), so none ever loses a file while its ``COMMIT`` vouches for it.
+    Linked directories (symbolic links) are never entered."""
     root = Path(tier.root)
     name = _data_name(rank)
     mine = []
     for d in root.iterdir() if root.is_dir() else ():
         f = d / name
-        if d.name != spare and f.is_file() and not (d / COMMIT_NAME).exists():
+        if d.name != spare and not d.is_symlink() and f.is_file() and not (d / COMMIT_NAME).exists():
             mine.append((f.stat().st_mtime, d))
     mine.sort(reverse=True)
     for _, d in mine[max(0, keep - 1):]:   # the spared checkpoint counts as one of the kept
         try:
-            (d / name).unlink()
-            if not any(d.glob("rank-*.dcp.bin")) and not (d / COMMIT_NAME).exists():
-                shutil.rmtree(d, ignore_errors=True)
+            fd = os.open(d, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)   # a link swapped in: ELOOP
+            try:
+                os.unlink(name, dir_fd=fd)
+                left = [e for e in os.listdir(fd) if e.startswith("rank-") and e.endswith(".dcp.bin")
+                        or e == COMMIT_NAME]
+            finally:
+                os.close(fd)
+            if not left:
+                remove_step_dir(root, d.name)
         except OSError as e:
             warnings.warn(f"TierStorageWriter: retention could not delete {d / name} ({e})", stacklevel=3)
 

@@ -34,10 +34,12 @@ from .. import knobs
 from ..errors import CorruptCheckpointError, IncompleteCheckpointError
 from ..format import (COMMIT_NAME, LATEST_NAME, Commit, Manifest, data_name, fsync_dir, manifest_name,
                       open_regular, parse_step_dir, read_record, read_records, step_dir_name, write_atomic)
+from ..format import MAX_RECORD_BYTES
 from ..integrity import checksum
+from ..policy import Committed, Timeline
 from ..scatter import Scatter
 
-__all__ = ["LocalTier"]
+__all__ = ["LocalTier", "linked", "remove_step_dir"]
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +53,12 @@ class LocalTier:
         self.root = Path(root).expanduser()
         self.rank = rank
         self.world_size = world_size
+        # what this process knows of each step here: True when it committed the step itself (checksums
+        # from its own bytes, or every chunk checked against them for a copy) or read it back in full,
+        # False when a read failed verification; retention keeps the newest True one
+        self.verified: dict[int, bool] = {}
+        self.timeline = Timeline()   # what a fresh write's COMMIT records (the Checkpointer sets it)
+        self._copying: dict[int, Timeline] = {}
         self.root.mkdir(parents=True, exist_ok=True)
 
     # -- listing ----------------------------------------------------------------------------------
@@ -69,6 +77,28 @@ class LocalTier:
             if s is not None and (self.root / name / COMMIT_NAME).is_file():
                 steps.append(s)
         return sorted(steps, reverse=True)
+
+    def committed(self) -> list[Committed]:
+        """Every committed step here with its timeline (read from its ``COMMIT``; timeline 0 when that
+        cannot be read, which a restore then finds anyway) and whether it is linked in."""
+        out = []
+        for s in self.committed_steps():
+            name = step_dir_name(s)
+            out.append(Committed(s, _timeline(self.root / name / COMMIT_NAME), linked(self.root, name)))
+        return out
+
+    @contextlib.contextmanager
+    def copying(self, step: int, timeline: Timeline) -> Iterator[None]:
+        """Writes of ``step`` made inside record ``timeline`` (a copy of a checkpoint keeps its timeline)."""
+        self._copying[step] = timeline
+        try:
+            yield
+        finally:
+            self._copying.pop(step, None)
+
+    def owns(self, step: int) -> bool:
+        """Whether this tier may delete ``step``: ``False`` for a linked step (see :func:`linked`)."""
+        return not linked(self.root, step_dir_name(step))
 
     def all_step_dirs(self) -> dict[int, Path]:
         out = {}
@@ -115,8 +145,10 @@ class LocalTier:
             write_atomic(d / manifest_name(self.rank), raw)
             commit = Commit(step=step, world_size=self.world_size,
                             manifests={manifest_name(self.rank): Commit.manifest_checksum(raw)},
-                            data={data_name(self.rank): manifest.data_bytes})
+                            data={data_name(self.rank): manifest.data_bytes},
+                            **self._copying.get(step, self.timeline).record())
             write_atomic(d / COMMIT_NAME, commit.to_bytes())
+            self.verified[step] = True
             write_atomic(self.root / LATEST_NAME, (step_dir_name(step) + "\n").encode())
         except OSError as e:
             self._discard(d)
@@ -158,13 +190,10 @@ class LocalTier:
         return sums
 
     def _clear(self, d: Path) -> None:
-        """Make room for a fresh write of ``d``: a committed copy is uncommitted first."""
-        if d.exists():
-            commit = d / COMMIT_NAME
-            if commit.exists():
-                commit.unlink()
-                fsync_dir(d)
-            shutil.rmtree(d)
+        """Make room for a fresh write of ``d``: a committed copy is uncommitted first. A linked step
+        is never cleared (``OSError(ELOOP)``): the save fails rather than write into its target."""
+        self.verified.pop(parse_step_dir(d.name), None)
+        remove_step_dir(d.parent, d.name)
 
     def _discard(self, d: Path) -> None:
         try:
@@ -173,8 +202,12 @@ class LocalTier:
             log.warning("could not remove the partial checkpoint %s: %s", d, e)
 
     def delete(self, step: int) -> None:
-        """Remove a checkpoint: ``COMMIT`` first, so a crash mid-delete never leaves a torn 'committed' step."""
-        self._clear(self.step_dir(step))
+        """Remove a checkpoint: ``COMMIT`` first, so a crash mid-delete never leaves a torn 'committed' step.
+
+        Never through a symbolic link: a linked step raises ``OSError(ELOOP)`` (see :func:`remove_step_dir`).
+        """
+        self.verified.pop(step, None)
+        remove_step_dir(self.root, step_dir_name(step))
 
     # -- read -------------------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -271,6 +304,90 @@ class LocalTier:
             os.close(fd)
             if stream is not None:
                 stream.synchronize()
+
+
+def _is_link(path: str | os.PathLike, dir_fd: int | None = None) -> bool:
+    try:
+        return stat.S_ISLNK(os.stat(path, dir_fd=dir_fd, follow_symlinks=False).st_mode)
+    except (FileNotFoundError, NotADirectoryError):
+        return False
+
+
+def _timeline(path: Path) -> Timeline:
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(MAX_RECORD_BYTES + 1)
+        return Timeline.of(Commit.from_bytes(raw, str(path)))
+    except (OSError, CorruptCheckpointError):
+        return Timeline()
+
+
+def linked(root: str | os.PathLike, name: str) -> bool:
+    """Whether checkpoint directory ``name`` of ``root`` is linked in: the directory, or its ``COMMIT``,
+    is a symbolic link (a checkpoint that lives elsewhere, a shared baseline say). A linked checkpoint
+    is listed and restored from like any other, read-only: retention, ``ckpt gc`` and saves never
+    delete it, nor anything inside it, nor write into it."""
+    d = os.path.join(root, name)
+    return _is_link(d) or _is_link(os.path.join(d, COMMIT_NAME))
+
+
+def _linked_error(path: str, what: str = "") -> OSError:
+    return OSError(errno.ELOOP, f"{what or 'the checkpoint directory'} is a symbolic link: a linked checkpoint is "
+                   "read-only here (retention, gc and saves never delete or write through a link; remove the link "
+                   "itself to drop it from this directory)", path)
+
+
+def remove_step_dir(root: str | os.PathLike, name: str) -> bool:
+    """Delete checkpoint directory ``name`` of ``root`` (``/``-separated for nested names): its
+    ``COMMIT`` first (then the directory is fsynced), so that a crash mid-delete never leaves a torn
+    committed checkpoint, then everything else. Returns ``False`` when there is no such directory.
+
+    Nothing is deleted through a symbolic link. Each component of ``name`` is opened with
+    ``O_NOFOLLOW`` and every removal is relative to those descriptors (``shutil.rmtree`` with
+    ``dir_fd`` checks each directory it enters the same way), so a link swapped in for the directory
+    mid-delete cannot redirect it to the link's target. A directory, or ``COMMIT``, that is a link
+    raises ``OSError(ELOOP)`` and nothing is deleted; other links inside are removed themselves, never
+    their targets.
+    """
+    parts = [p for p in str(name).split("/") if p]
+    where = os.path.join(os.fspath(root), *parts)
+    try:
+        fds = [os.open(root, os.O_RDONLY | os.O_DIRECTORY)]
+    except FileNotFoundError:
+        return False
+    try:
+        for part in parts:
+            try:
+                fds.append(os.open(part, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=fds[-1]))
+            except FileNotFoundError:
+                return False
+            except OSError as e:
+                if _is_link(part, fds[-1]):
+                    raise _linked_error(where) from None
+                raise OSError(e.errno, e.strerror, where) from None
+        if len(fds) < 2:
+            raise ValueError(f"remove_step_dir needs the name of a directory inside {root}, got {name!r}")
+        fd = fds[-1]
+        try:
+            st = os.stat(COMMIT_NAME, dir_fd=fd, follow_symlinks=False)
+        except FileNotFoundError:
+            st = None
+        if st is not None and stat.S_ISLNK(st.st_mode):
+            raise _linked_error(os.path.join(where, COMMIT_NAME), f"its {COMMIT_NAME}")
+        if st is not None and not stat.S_ISDIR(st.st_mode):
+            os.unlink(COMMIT_NAME, dir_fd=fd)   # uncommitted from here on, and durably so
+            os.fsync(fd)
+        os.close(fds.pop())
+        try:
+            shutil.rmtree(parts[-1], dir_fd=fds[-1])
+        except OSError as e:
+            if _is_link(parts[-1], fds[-1]):   # swapped in since it was opened: rmtree refused it
+                raise _linked_error(where) from e
+            raise OSError(e.errno, e.strerror or str(e), where) from e
+        return True
+    finally:
+        for fd in fds:
+            os.close(fd)
 
 
 _PAGE = 4096

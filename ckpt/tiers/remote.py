@@ -59,7 +59,9 @@ from ..errors import CheckpointError, CorruptCheckpointError, IncompleteCheckpoi
 from ..format import (COMMIT_NAME, LATEST_NAME, Commit, ItemRecord, Manifest, data_name, fsync_dir, fsync_file,
                       manifest_name, parse_step_dir, read_records, step_dir_name)
 from ..integrity import checksum
+from ..policy import Committed, Timeline
 from ..scatter import Scatter
+from .local import linked, remove_step_dir
 
 __all__ = ["RemoteTier", "RemoteStatus"]
 
@@ -217,6 +219,10 @@ class RemoteTier:
         self.compression = compression
         self.on_unreachable = on_unreachable
         self.job: Any = None   # a Ranks over a group of its own once every rank writes here (join_job)
+        # steps this process committed here itself (True) or saw fail verification (False): see LocalTier
+        self.verified: dict[int, bool] = {}
+        self.timeline = Timeline()   # what a fresh upload's COMMIT records (the Checkpointer sets it)
+        self._copying: dict[int, Timeline] = {}
         self._options = dict(storage_options or {})
         self.fs, self.root = fsspec.core.url_to_fs(url, **_with_retry_defaults(url, self._options))
         self.root = self.root.rstrip("/")
@@ -396,6 +402,36 @@ class RemoteTier:
         log.warning("%s; its checkpoints are left out until it answers again", failure)
         return []
 
+    def committed(self) -> list[Committed]:
+        """Every committed step here with its timeline (its ``COMMIT``s are read in parallel; timeline 0
+        when one cannot be read, which a restore then finds anyway) and whether it is linked in."""
+        def one(step: int) -> Committed:
+            try:
+                tl = Timeline.of(Commit.from_bytes(self._get(step, COMMIT_NAME), f"{self.step_dir(step)}/{COMMIT_NAME}"))
+            except (OSError, CheckpointError):
+                tl = Timeline()
+            return Committed(step, tl, not self.owns(step))
+
+        steps = self.committed_steps()
+        if len(steps) <= 1:
+            return [one(s) for s in steps]
+        with ThreadPoolExecutor(knobs.get("CKPT_REMOTE_THREADS"), thread_name_prefix="ckpt-list") as ex:
+            return list(ex.map(one, steps))
+
+    @contextlib.contextmanager
+    def copying(self, step: int, timeline: Timeline) -> Iterator[None]:
+        """Uploads of ``step`` made inside record ``timeline`` (a copy of a checkpoint keeps its timeline)."""
+        self._copying[step] = timeline
+        try:
+            yield
+        finally:
+            self._copying.pop(step, None)
+
+    def owns(self, step: int) -> bool:
+        """Whether this tier may delete ``step``: on a ``file://`` URL, not a linked step
+        (:func:`~ckpt.tiers.local.linked`); an object store has no links."""
+        return not (self._local_fs and linked(self.root, step_dir_name(step)))
+
     def all_step_dirs(self) -> list[int]:
         with self._store(f"listing the remote tier {self.url}"):
             self.fs.invalidate_cache(self.root)
@@ -464,8 +500,10 @@ class RemoteTier:
             try:
                 commit = Commit(step=step, world_size=job.world,
                                 manifests={manifest_name(r): rep[1] for r, rep in enumerate(reports)},
-                                data={data_name(r): rep[2] for r, rep in enumerate(reports)})
+                                data={data_name(r): rep[2] for r, rep in enumerate(reports)},
+                                **self._copying.get(step, self.timeline).record())
                 self._put(f"{d}/{COMMIT_NAME}", commit.to_bytes(), sync_dir=True)   # the checkpoint exists from here on
+                self.verified[step] = True   # every rank uploaded its parts from its own bytes
                 self._put(self._path(LATEST_NAME), (step_dir_name(step) + "\n").encode(), sync_dir=True)
                 committed = 1
             except Exception as e:   # noqa: BLE001 - reported to every rank below
@@ -499,6 +537,10 @@ class RemoteTier:
     def _remove_own(self, step: int) -> None:
         """Remove this rank's files of ``step`` (and, on rank 0, its ``COMMIT`` first)."""
         d = self.step_dir(step)
+        if not self.owns(step):   # a linked step: nothing in it is this rank's to remove
+            log.warning("%s is a symbolic link; rank %d's files of step %d there are left alone", d, self.rank, step)
+            return
+        self.verified.pop(step, None)
         try:
             if self.rank == 0 and self.fs.exists(f"{d}/{COMMIT_NAME}"):
                 self.fs.rm(f"{d}/{COMMIT_NAME}")
@@ -546,6 +588,9 @@ class RemoteTier:
         if self.job is None:
             self._delete(step)                   # a stale or replaced copy of this step: uncommit it first
         else:
+            if not self.owns(step):
+                raise OSError(errno.ELOOP, "the step directory is a symbolic link: a save never writes "
+                              "through it", self.step_dir(step))
             self._remove_own(step)               # the other ranks' files of this step are theirs
         self.fs.makedirs(f"{self.step_dir(step)}/rank-{self.rank:05d}", exist_ok=True)   # file:// needs it
 
@@ -579,13 +624,16 @@ class RemoteTier:
         if commit:
             record = Commit(step=step, world_size=self.world_size,
                             manifests={manifest_name(self.rank): Commit.manifest_checksum(raw)},
-                            data={data_name(self.rank): manifest.data_bytes})
+                            data={data_name(self.rank): manifest.data_bytes},
+                            **self._copying.get(step, self.timeline).record())
             self._put(f"{d}/{COMMIT_NAME}", record.to_bytes(), sync_dir=True)   # the checkpoint exists from here on
+            self.verified[step] = True
             self._put(self._path(LATEST_NAME), (step_dir_name(step) + "\n").encode(), sync_dir=True)
         return raw
 
     def delete(self, step: int, missing_ok: bool = False) -> None:
-        """Remove a checkpoint, ``COMMIT`` first."""
+        """Remove a checkpoint, ``COMMIT`` first. On a ``file://`` URL never through a symbolic link
+        (:func:`~ckpt.tiers.local.remove_step_dir`: a linked step raises ``OSError(ELOOP)``)."""
         with self._store(f"removing step {step} from {self.url}"):
             found = self._delete(step)
         if not found and not missing_ok:
@@ -593,7 +641,11 @@ class RemoteTier:
                                     self._url(self.step_dir(step)))
 
     def _delete(self, step: int) -> bool:
+        """Remove ``step`` (``COMMIT`` first); whether it was there."""
         d = self.step_dir(step)
+        self.verified.pop(step, None)
+        if self._local_fs:
+            return remove_step_dir(self.root, step_dir_name(step))
         commit = f"{d}/{COMMIT_NAME}"
         if self.fs.exists(commit):
             self.fs.rm(commit)
