@@ -34,7 +34,6 @@ from .. import knobs
 from ..errors import CorruptCheckpointError, IncompleteCheckpointError
 from ..format import (COMMIT_NAME, LATEST_NAME, Commit, Manifest, data_name, fsync_dir, manifest_name,
                       open_regular, parse_step_dir, read_record, read_records, step_dir_name, write_atomic)
-from ..format import MAX_RECORD_BYTES
 from ..integrity import checksum
 from ..policy import Committed, Timeline
 from ..scatter import Scatter
@@ -315,9 +314,7 @@ def _is_link(path: str | os.PathLike, dir_fd: int | None = None) -> bool:
 
 def _timeline(path: Path) -> Timeline:
     try:
-        with open(path, "rb") as f:
-            raw = f.read(MAX_RECORD_BYTES + 1)
-        return Timeline.of(Commit.from_bytes(raw, str(path)))
+        return Timeline.of(Commit.from_bytes(read_record(path), str(path)))
     except (OSError, CorruptCheckpointError):
         return Timeline()
 

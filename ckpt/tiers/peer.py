@@ -29,7 +29,7 @@ from typing import Any, Callable
 import torch
 
 from ..errors import CheckpointError, CorruptCheckpointError
-from ..format import Manifest, data_name
+from ..format import Manifest, data_name, open_regular
 from .local import LocalTier
 
 __all__ = ["PeerTier"]
@@ -137,9 +137,11 @@ class PeerTier:
             try:
                 manifest = self.store.open(step)[1]
                 data = torch.empty(manifest.data_bytes, dtype=torch.uint8)
-                with open(self.store.step_dir(step) / data_name(0), "rb") as f:
+                path = self.store.step_dir(step) / data_name(0)
+                fd, _ = open_regular(path)   # never blocks on a FIFO put in its place
+                with open(fd, "rb") as f:
                     if f.readinto(memoryview(data.numpy())) != manifest.data_bytes:
-                        raise CorruptCheckpointError(f"{f.name}: shorter than its manifest says")
+                        raise CorruptCheckpointError(f"{path}: shorter than its manifest says")
             except Exception as e:   # noqa: BLE001 - the owner hears "none" and falls back to another tier
                 log.warning("rank %d cannot serve its copy of rank %d's step %d: %s", self.rank, send_to, step, e)
                 manifest, data = None, None
