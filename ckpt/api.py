@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import enum
+import errno
 import logging
 import os
 import secrets
@@ -17,8 +18,9 @@ from typing import Any, Callable, Mapping
 import torch
 
 from . import knobs
-from .errors import CheckpointError, NoCheckpointError, Preempted
-from .format import COMMIT_NAME, Manifest
+from .errors import (CheckpointError, CorruptCheckpointError, IncompatibleCheckpointError, IncompleteCheckpointError,
+                     NoCheckpointError, Preempted)
+from .format import COMMIT_NAME, Manifest, data_name
 from .pipeline import Pipeline, SaveHandle
 from .plan import flatten, layout
 from .policy import AutoInterval, Interval, Retention, prune
@@ -510,28 +512,37 @@ class Checkpointer:
         return ["memory", "local"] + (["peer"] if self.peer is not None else []) + \
             (["remote"] if self.remote is not None else [])
 
-    def promote(self, step: int, to: str) -> None:
+    def promote(self, step: int, to: str) -> bool:
         """Copy committed checkpoint ``step`` to tier ``to`` (``"remote"`` or ``"local"``), verifying every byte.
 
         ``to="remote"`` uploads it from the local tier; ``to="local"`` downloads it
-        from the remote tier. Raises ``FileNotFoundError`` if the source tier does
-        not hold ``step`` and :class:`~ckpt.errors.CorruptCheckpointError` if its
-        bytes fail their checksums (nothing is committed at the destination then).
+        from the remote tier. The destination's copy of ``step``, if any, is replaced only by a
+        complete, verified new one: a promote that fails, or a process killed at any
+        point of it, leaves the destination as it was (its old copy or, once the
+        switch happened, the new one). Returns ``False`` without writing when the
+        destination already holds the same checkpoint and it verifies.
+
+        Raises ``FileNotFoundError`` if the source tier does not hold ``step``,
+        :class:`~ckpt.errors.CorruptCheckpointError` naming the file if the source's
+        bytes fail their checksums, and an ``OSError`` naming the URL (or ``local_dir``)
+        when the transfer or the destination fails. Saves of ``step`` still in flight
+        are waited for first. On a job tier ``promote(step, "remote")`` is collective
+        and does not replace a step committed there.
         """
         self._check_open()
-        if to == "remote":
-            if self.remote is None:
-                raise ValueError("promote(to='remote') needs Checkpointer(url=...)")
-            _, manifest = self.local.open(step)
-            with self.local.mapped(step) as data:
-                self.remote.write(step, manifest, data)   # checks the chunk checksums on the way
-        elif to == "local":
-            if self.remote is None:
-                raise ValueError("promote(to='local') copies from the remote tier: pass Checkpointer(url=...)")
-            _, manifest = self.remote.open(step)
-            self.remote.load(step, manifest, None, refill=self.local)
-        else:
+        if to not in ("remote", "local"):
             raise ValueError(f"to must be 'remote' or 'local', got {to!r}")
+        if self.remote is None:
+            raise ValueError("promote(to='remote') needs Checkpointer(url=...)" if to == "remote" else
+                             "promote(to='local') copies from the remote tier: pass Checkpointer(url=...)")
+        with self._lock:
+            pending = [h for h in self._handles if h.step == step]
+        for h in pending:   # the pipeline's own write of this step comes first
+            try:
+                h.wait()
+            except BaseException:
+                pass
+        return _copy(self.local, self.remote, step, to)
 
     def list(self) -> list[CheckpointInfo]:
         """Checkpoints visible on any tier, newest first."""
@@ -598,11 +609,69 @@ class Checkpointer:
 
 
 def promote(step: int, to: str, *, local_dir: str | os.PathLike, url: str,
-            storage_options: dict[str, Any] | None = None, compression: str | None = None) -> None:
-    """Copy committed checkpoint ``step`` between ``local_dir`` and ``url`` (see :meth:`Checkpointer.promote`).
+            storage_options: dict[str, Any] | None = None, compression: str | None = None) -> bool:
+    """Copy committed checkpoint ``step`` between ``local_dir`` and ``url`` (see :meth:`Checkpointer.promote`:
+    the same guarantees); returns ``False`` when the destination already held it.
 
     For scripts and the command line, outside a training process.
     """
-    with Checkpointer(url, local_dir=local_dir, storage_options=storage_options, compression=compression,
-                      collective=False) as ck:
-        ck.promote(step, to)
+    if to not in ("remote", "local"):
+        raise ValueError(f"to must be 'remote' or 'local', got {to!r}")
+    remote = RemoteTier(url, storage_options, compression=compression)
+    local = LocalTier(local_dir)
+    return _copy(local, remote, step, to)
+
+
+def _copy(local: LocalTier, remote: RemoteTier, step: int, to: str) -> bool:
+    """The work of :func:`promote`: verify the source as it is copied, write the destination beside its
+    committed copy and switch on success (the tiers' writes do that). ``False``: nothing to do."""
+    if to == "remote":
+        src, dst = local, remote
+        where = str(local.step_dir(step))
+    else:
+        src, dst = remote, local
+        where = remote.step_dir(step)
+    if step not in src.committed_steps():
+        raise FileNotFoundError(errno.ENOENT, f"step {step} is not committed on the {src.name} tier "
+                                f"(committed there: {src.committed_steps()[:10]}); nothing was copied", where)
+    _, manifest = src.open(step)   # the records, validated (CorruptCheckpointError names the file)
+    if _holds(dst, step, manifest):
+        log.info("step %d is already on the %s tier, the same checkpoint, and verifies: nothing to copy", step, to)
+        return False
+    if to == "remote":
+        committed = remote.committed_steps()
+        if remote.job is not None and step in committed:
+            raise CheckpointError(f"step {step} is committed on the job tier {remote.url} with other content than "
+                                  f"rank {remote.rank}'s local copy: promote does not replace a job-tier checkpoint "
+                                  "(every rank's files would have to switch at once); delete it there first")
+        with local.mapped(step) as data:   # each chunk is checked against the manifest before it goes up
+            remote.write(step, manifest, data, source=str(local.step_dir(step) / data_name(local.rank)),
+                         move_latest=step >= max(committed, default=-1))
+    else:
+        remote.load(step, manifest, None, refill=local)   # every part verified before the local switch
+    log.info("step %d copied to the %s tier", step, to)
+    return True
+
+
+def _holds(tier: Any, step: int, manifest: Manifest) -> bool:
+    """Whether ``tier`` holds a committed copy of ``step`` with the same contents as ``manifest`` that
+    verifies (every byte read). A copy that differs or fails is replaced by the promote."""
+    try:
+        if step not in tier.committed_steps():
+            return False
+        there = tier.open(step)[1]
+    except (CorruptCheckpointError, IncompleteCheckpointError, IncompatibleCheckpointError, OSError):
+        return False   # not a usable copy of this process's checkpoint: the write decides (or refuses)
+
+    def content(m: Manifest) -> tuple:
+        return (m.data_bytes, m.chunk_bytes, m.chunks, m.items, m.tree, m.job, m.replicated, m.checksum_algorithm)
+
+    if content(there) != content(manifest):
+        return False
+    try:
+        tier.verify(step)
+    except (CheckpointError, OSError) as e:
+        log.warning("step %d on the %s tier is the same checkpoint but fails verification (%s): replacing it",
+                    step, tier.name, e)
+        return False
+    return True

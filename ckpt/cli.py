@@ -159,8 +159,11 @@ def _promote(args: argparse.Namespace) -> int:
 
     opts = _opts(args)
     t0 = time.perf_counter()
-    promote(args.step, args.to, local_dir=args.dir, url=args.url, storage_options=opts, compression=args.compression)
-    print(f"step {args.step} copied to the {args.to} tier in {time.perf_counter() - t0:.2f} s")
+    if promote(args.step, args.to, local_dir=args.dir, url=args.url, storage_options=opts,
+               compression=args.compression):
+        print(f"step {args.step} copied to the {args.to} tier in {time.perf_counter() - t0:.2f} s")
+    else:
+        print(f"step {args.step} is already on the {args.to} tier and verifies: nothing copied")
     return 0
 
 

@@ -21,6 +21,7 @@ import json
 import math
 import os
 import re
+import secrets
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -47,6 +48,7 @@ __all__ = [
     "write_atomic",
     "fsync_dir",
     "read_records",
+    "new_generation",
 ]
 
 FORMAT_VERSION = 1
@@ -55,6 +57,7 @@ LATEST_NAME = "latest"
 MAX_RECORD_BYTES = 1 << 30  # a manifest larger than this is refused, not parsed
 
 _STEP_RE = re.compile(r"^step-(\d{9,})$")
+_GENERATION_RE = re.compile(r"^g[0-9a-f]{16}$")
 
 _DTYPES: dict[str, torch.dtype] = {
     name: getattr(torch, name)
@@ -74,6 +77,22 @@ def step_dir_name(step: int) -> str:
 def parse_step_dir(name: str) -> int | None:
     m = _STEP_RE.match(name)
     return int(m.group(1)) if m else None
+
+
+def new_generation() -> str:
+    """A fresh name for the subdirectory that holds a replacement copy of a step (see ``Commit.generation``)."""
+    return "g" + secrets.token_hex(8)
+
+
+def _valid_generation(g: Any) -> bool:
+    return g is None or (isinstance(g, str) and _GENERATION_RE.match(g) is not None)
+
+
+def _without_unset_generation(d: dict) -> dict:
+    # written only when set, so that every other record keeps the bytes (and readers) it always had
+    if d.get("generation") is None:
+        d.pop("generation", None)
+    return d
 
 
 def data_name(rank: int) -> str:
@@ -140,9 +159,10 @@ class Manifest:
     checksum_algorithm: str = ALGORITHM
     format_version: int = FORMAT_VERSION
     created_unix: float = field(default_factory=time.time)
+    generation: str | None = None          # remote tier: the subdirectory holding this copy (Commit.generation)
 
     def to_bytes(self) -> bytes:
-        return json.dumps(asdict(self), separators=(",", ":"), allow_nan=False).encode()
+        return json.dumps(_without_unset_generation(asdict(self)), separators=(",", ":"), allow_nan=False).encode()
 
     @classmethod
     def from_bytes(cls, raw: bytes, where: str) -> "Manifest":
@@ -168,6 +188,8 @@ class Manifest:
                 raise bad(f"{name} must be a non-negative integer")
         if self.chunk_bytes <= 0 or self.world_size <= 0 or self.rank >= self.world_size:
             raise bad("chunk_bytes, world_size or rank out of range")
+        if not _valid_generation(self.generation):
+            raise bad(f"generation must be 'g' and 16 hex digits, got {self.generation!r}")
         if not isinstance(self.chunks, list) or len(self.chunks) != -(-self.data_bytes // self.chunk_bytes):
             raise bad("chunk checksum list does not cover the data file")
         if not all(_is_nonneg_int(c) for c in self.chunks):
@@ -214,9 +236,13 @@ class Commit:
     data: dict[str, int]        # data file name -> size in bytes
     format_version: int = FORMAT_VERSION
     created_unix: float = field(default_factory=time.time)
+    # A copy that replaced a committed one on the remote tier lives in step-.../<generation>/ (its manifests
+    # and parts), so that putting this record is the switch from the old copy to the new one. None: the
+    # step directory itself.
+    generation: str | None = None
 
     def to_bytes(self) -> bytes:
-        return json.dumps(asdict(self), separators=(",", ":"), allow_nan=False).encode()
+        return json.dumps(_without_unset_generation(asdict(self)), separators=(",", ":"), allow_nan=False).encode()
 
     @classmethod
     def from_bytes(cls, raw: bytes, where: str) -> "Commit":
@@ -233,6 +259,7 @@ class Commit:
             and all(isinstance(k, str) and _is_nonneg_int(v) for k, v in c.manifests.items())
             and isinstance(c.data, dict)
             and all(isinstance(k, str) and _is_nonneg_int(v) for k, v in c.data.items())
+            and _valid_generation(c.generation)
         )
         if not ok:
             raise CorruptCheckpointError(f"{where}: commit record fails validation")
@@ -307,10 +334,11 @@ def read_records(get: "Callable[[str], bytes]", step: int, rank: int, world_size
     mname = manifest_name(rank)
     if mname not in commit.manifests:
         raise CorruptCheckpointError(f"{cwhere}: does not list {mname}")
-    raw = get(mname)
+    mpath = mname if commit.generation is None else f"{commit.generation}/{mname}"
+    raw = get(mpath)
     if Commit.manifest_checksum(raw) != commit.manifests[mname]:
-        raise CorruptCheckpointError(f"{where}/{mname}: checksum does not match the one recorded in {cwhere}")
-    manifest = Manifest.from_bytes(raw, f"{where}/{mname}")
-    if commit.data.get(data_name(rank)) != manifest.data_bytes:
-        raise CorruptCheckpointError(f"{cwhere}: data size record disagrees with {where}/{mname}")
+        raise CorruptCheckpointError(f"{where}/{mpath}: checksum does not match the one recorded in {cwhere}")
+    manifest = Manifest.from_bytes(raw, f"{where}/{mpath}")
+    if commit.data.get(data_name(rank)) != manifest.data_bytes or manifest.generation != commit.generation:
+        raise CorruptCheckpointError(f"{cwhere}: data size or generation record disagrees with {where}/{mpath}")
     return commit, manifest

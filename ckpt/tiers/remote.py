@@ -8,7 +8,12 @@ the same way, and a chunk can be verified and used as soon as it arrives.
 The manifest records each part's codec and stored size; checksums are of the
 decoded bytes, identical to the local tier's. ``COMMIT`` is put last, then
 ``latest``: a reader never sees a step without ``COMMIT``, and a failed upload
-leaves the previous remote checkpoint untouched.
+leaves the previous remote checkpoint untouched. A write that replaces a
+committed copy of its step puts the new manifest and parts under a fresh
+subdirectory of the step (``step-.../<generation>/``) and then a ``COMMIT``
+naming it (object stores have no atomic rename: putting ``COMMIT`` is the
+switch); the old copy's files are deleted only once the new ``COMMIT`` is
+durable, so the step is readable, old or new, at every instant.
 
 The filesystem is resolved once (``fsspec.core.url_to_fs``), never per file;
 chained URLs (``simplecache::s3://...``) pass through. Transient failures are
@@ -23,6 +28,7 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import logging
+import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
@@ -32,9 +38,9 @@ import torch
 
 from .. import knobs
 from ..codec import decode, encode
-from ..errors import CheckpointError, CorruptCheckpointError, IncompleteCheckpointError
+from ..errors import CheckpointError, CorruptCheckpointError, IncompatibleCheckpointError, IncompleteCheckpointError
 from ..format import (COMMIT_NAME, LATEST_NAME, Commit, ItemRecord, Manifest, data_name, fsync_dir, fsync_file,
-                      manifest_name, parse_step_dir, read_records, step_dir_name)
+                      manifest_name, new_generation, parse_step_dir, read_records, step_dir_name)
 from ..integrity import checksum
 from ..scatter import Scatter
 
@@ -123,8 +129,9 @@ class RemoteTier:
     def step_dir(self, step: int) -> str:
         return self._path(step_dir_name(step))
 
-    def _part(self, step: int, i: int, rank: int | None = None) -> str:
-        return f"{self.step_dir(step)}/rank-{self.rank if rank is None else rank:05d}/part-{i:06d}"
+    def _part(self, step: int, i: int, rank: int | None = None, generation: str | None = None) -> str:
+        base = self.step_dir(step) if generation is None else f"{self.step_dir(step)}/{generation}"
+        return f"{base}/rank-{self.rank if rank is None else rank:05d}/part-{i:06d}"
 
     # -- listing ----------------------------------------------------------------------------------
     def committed_steps(self) -> list[int]:
@@ -146,8 +153,15 @@ class RemoteTier:
 
     # -- write ------------------------------------------------------------------------------------
     def write(self, step: int, manifest: Manifest, data: memoryview,
-              elem_size: Callable[[int], int] | None = None) -> float:
+              elem_size: Callable[[int], int] | None = None, *, source: str | None = None,
+              move_latest: bool = True) -> float:
         """Upload ``data`` chunk by chunk (in parallel), then the manifest, then ``COMMIT``; seconds spent.
+
+        A committed copy of ``step`` already here is replaced only by a complete new one (see the module
+        docstring); a failure leaves it as it was. ``source``: the file ``data`` was read from, whose
+        checksums ``manifest.chunks`` are: every chunk is checked against them before it is uploaded,
+        and a mismatch raises :class:`~ckpt.errors.CorruptCheckpointError` naming that file.
+        ``move_latest=False`` leaves ``latest`` where it is.
 
         On a job tier (:meth:`join_job`) this is collective over the job's ranks, on the upload
         thread: each rank uploads its own files, then all report (a gather of manifest checksums)
@@ -155,10 +169,10 @@ class RemoteTier:
         """
         t0 = time.perf_counter()
         if self.job is None:
-            self._write_files(step, manifest, data, elem_size, commit=True)
+            self._write_files(step, manifest, data, elem_size, commit=True, source=source, move_latest=move_latest)
             return time.perf_counter() - t0
         try:
-            raw = self._write_files(step, manifest, data, elem_size, commit=False)
+            raw = self._write_files(step, manifest, data, elem_size, commit=False, source=source)
         except BaseException:
             self.abstain(step)   # the other ranks still wait for this rank's report
             raise
@@ -248,60 +262,169 @@ class RemoteTier:
             log.warning("could not remove rank %d's files of step %d from %s: %s", self.rank, step, self.url, e)
 
     def _write_files(self, step: int, manifest: Manifest, data: memoryview,
-                     elem_size: Callable[[int], int] | None, commit: bool) -> bytes:
+                     elem_size: Callable[[int], int] | None, commit: bool, source: str | None = None,
+                     move_latest: bool = True) -> bytes:
         """Upload this rank's parts and manifest (and with ``commit``, ``COMMIT`` and ``latest``);
-        returns the manifest's bytes. A failure removes what was uploaded and raises."""
+        returns the manifest's bytes. A failure removes what this write uploaded and raises; a committed
+        copy it was to replace stays as it was."""
         c, n = manifest.chunk_bytes, -(-manifest.data_bytes // manifest.chunk_bytes)
         sizer = elem_size or _dominant_elem_size(manifest.items, c)
+        d = self.step_dir(step)
         try:
-            if self.job is None:
-                self.delete(step, missing_ok=True)   # a stale or replaced copy of this step: uncommit it first
-            else:
+            replaced = self._replaced(step) if self.job is None else None
+        except OSError as e:
+            raise OSError(e.errno, f"uploading step {step} to {self.url} failed: its COMMIT could not be read ({e}); "
+                          "the previous remote checkpoint is untouched; check storage_options and the store") from e
+        gen = new_generation() if replaced is not None else None   # a committed copy is here: write beside it
+        base = d if gen is None else f"{d}/{gen}"
+        maybe_committed = False
+        try:
+            if self.job is not None:
                 self._remove_own(step)               # the other ranks' files of this step are theirs
-            self.fs.makedirs(f"{self.step_dir(step)}/rank-{self.rank:05d}", exist_ok=True)   # file:// needs it
+            self.fs.makedirs(f"{base}/rank-{self.rank:05d}", exist_ok=True)   # file:// needs it
 
             absent = self._held_by_rank0(manifest)
 
             def put(i: int) -> tuple[int, str, int]:
                 view = data[i * c:(i + 1) * c]
+                crc = checksum(view)
+                if source is not None and crc != manifest.chunks[i]:
+                    raise CorruptCheckpointError(
+                        f"{source}: bytes [{i * c}, {i * c + len(view)}) fail their {manifest.checksum_algorithm} "
+                        f"checksum; nothing of step {step} at {self.url} was replaced")
                 if i in absent:   # only replicated bytes: rank 0 uploads them
-                    return checksum(view), ABSENT, 0
+                    return crc, ABSENT, 0
                 stored, codec = encode(view, self.compression, sizer(i))
                 # Object-store clients want bytes; local and mounted file systems take the view as it is.
-                self._put(self._part(step, i), stored if self._local_fs else bytes(stored))
-                return checksum(view), codec, len(stored)
+                self._put(self._part(step, i, generation=gen), stored if self._local_fs else bytes(stored))
+                return crc, codec, len(stored)
 
-            with ThreadPoolExecutor(knobs.get("CKPT_REMOTE_THREADS"), thread_name_prefix="ckpt-upload") as ex:
-                parts = list(ex.map(put, range(n)))
+            parts = _map_all(put, n, "ckpt-upload")
             remote = dataclasses.replace(manifest, rank=self.rank, world_size=self.world_size,
                                          chunks=[p[0] for p in parts], codecs=[p[1] for p in parts],
-                                         stored_sizes=[p[2] for p in parts])
+                                         stored_sizes=[p[2] for p in parts], generation=gen)
             if manifest.chunks and manifest.chunks != remote.chunks:
                 raise CorruptCheckpointError(f"step {step}: bytes changed while uploading (checksums differ)")
             raw = remote.to_bytes()
-            d = self.step_dir(step)
             if self._local_fs:
-                fsync_dir(f"{d}/rank-{self.rank:05d}")   # the parts' names, before anything vouches for them
-            self._put(f"{d}/{manifest_name(self.rank)}", raw, sync_dir=True)
+                fsync_dir(f"{base}/rank-{self.rank:05d}")   # the parts' names, before anything vouches for them
+            self._put(f"{base}/{manifest_name(self.rank)}", raw, sync_dir=True)
             if commit:
                 record = Commit(step=step, world_size=self.world_size,
                                 manifests={manifest_name(self.rank): Commit.manifest_checksum(raw)},
-                                data={data_name(self.rank): manifest.data_bytes})
-                self._put(f"{d}/{COMMIT_NAME}", record.to_bytes(), sync_dir=True)   # the checkpoint exists from here on
-                self._put(self._path(LATEST_NAME), (step_dir_name(step) + "\n").encode(), sync_dir=True)
-        except BaseException as e:
-            try:
-                if self.job is None:
-                    self.delete(step, missing_ok=True)
+                                data={data_name(self.rank): manifest.data_bytes}, generation=gen)
+                maybe_committed = True
+                if gen is None:
+                    self._put(f"{d}/{COMMIT_NAME}", record.to_bytes(), sync_dir=True)   # the checkpoint exists from here on
                 else:
-                    self._remove_own(step)
-            except Exception as cleanup:   # noqa: BLE001 - the upload error is the one to report
-                log.warning("could not remove the partial upload of step %d: %s", step, cleanup)
+                    self._switch(step, record)   # the new copy replaces the old one from here on
+                maybe_committed = False
+        except BaseException as e:
+            self._undo(step, gen, maybe_committed)
             if isinstance(e, OSError):
                 raise OSError(e.errno, f"uploading step {step} to {self.url} failed ({e}); the previous remote "
                               "checkpoint is untouched; check storage_options and the store") from e
             raise
+        if commit:
+            self._after_commit(step, replaced, move_latest)
         return raw
+
+    def _replaced(self, step: int) -> Commit | None:
+        """The record of the committed copy of ``step`` a write would replace (``None``: none is here).
+        Refuses to replace a step that a job of another world size committed (its other ranks' files)."""
+        where = f"{self.step_dir(step)}/{COMMIT_NAME}"
+        try:
+            raw = self.fs.cat_file(where)
+        except FileNotFoundError:
+            return None
+        try:
+            old = Commit.from_bytes(raw, where)
+        except CorruptCheckpointError:   # unreadable: not a usable copy, but write beside it all the same
+            return Commit(step=step, world_size=self.world_size, manifests={}, data={})
+        if old.world_size != self.world_size:
+            raise IncompatibleCheckpointError(
+                f"{where}: step {step} there was saved by {old.world_size} rank(s) (world size {old.world_size}); "
+                f"replacing it with a copy of world size {self.world_size} would drop the other ranks' files: "
+                "write to another url, or delete that step there first")
+        return old
+
+    def _switch(self, step: int, record: Commit) -> None:
+        """Put ``COMMIT`` over the committed one, atomically (an object store's put; on a file system a
+        rename of a synced temporary file). A put that raised but landed all the same (a timeout after
+        the store took it) counts as done."""
+        d = self.step_dir(step)
+        path = f"{d}/{COMMIT_NAME}"
+        try:
+            if self._local_fs:
+                tmp = f"{d}/.{COMMIT_NAME}.{record.generation}"
+                self._put(tmp, record.to_bytes())
+                fsync_dir(d)   # the new copy's directory name, before the record that names it
+                os.replace(tmp, path)
+                fsync_dir(d)
+            else:
+                self.fs.pipe_file(path, record.to_bytes())
+        except Exception:
+            if not self._names(step, record.generation):
+                raise
+
+    def _names(self, step: int, generation: str | None) -> bool:
+        """Whether the step's ``COMMIT`` can be read and names ``generation``."""
+        where = f"{self.step_dir(step)}/{COMMIT_NAME}"
+        try:
+            return Commit.from_bytes(self.fs.cat_file(where), where).generation == generation
+        except Exception:   # noqa: BLE001 - missing, torn or unreachable: it does not (as far as we know)
+            return False
+
+    def _undo(self, step: int, gen: str | None, maybe_committed: bool) -> None:
+        """Remove what a failed write uploaded, never a committed copy: with ``maybe_committed`` (the
+        ``COMMIT`` put failed) nothing is removed unless the step's ``COMMIT`` is read and does not name
+        this write's files."""
+        d = self.step_dir(step)
+        commit = f"{d}/{COMMIT_NAME}"
+        try:
+            if maybe_committed:
+                try:
+                    named = Commit.from_bytes(self.fs.cat_file(commit), commit).generation == gen
+                except FileNotFoundError:
+                    named = False
+                if named:
+                    log.warning("the failed write of step %d to %s may have committed; its files are kept",
+                                step, self.url)
+                    return
+            if self.job is not None:
+                self._remove_own(step)
+            elif gen is not None:
+                self._rm(f"{d}/{gen}", recursive=True)   # this write's files only: the committed copy stays
+            elif not self.fs.exists(commit):
+                self._rm(d, recursive=True)              # a fresh step: nothing was committed there
+        except Exception as cleanup:   # noqa: BLE001 - the upload error is the one to report
+            log.warning("could not remove the partial upload of step %d from %s: %s", step, self.url, cleanup)
+
+    def _after_commit(self, step: int, replaced: Commit | None, move_latest: bool) -> None:
+        """After a commit: move ``latest``, and delete the files of the copy it replaced. Failures here are
+        logged: the new copy is committed, and leftovers go with the step when it is deleted."""
+        d = self.step_dir(step)
+        try:
+            if move_latest:
+                self._put(self._path(LATEST_NAME), (step_dir_name(step) + "\n").encode(), sync_dir=True)
+        except Exception as e:   # noqa: BLE001
+            log.warning("step %d is committed to %s, but %s could not be updated: %s", step, self.url, LATEST_NAME, e)
+        if replaced is None:
+            return
+        if replaced.generation is not None:
+            old = [(f"{d}/{replaced.generation}", True)]
+        else:
+            old = [(f"{d}/{manifest_name(r)}", False) for r in range(replaced.world_size)] + \
+                  [(f"{d}/rank-{r:05d}", True) for r in range(replaced.world_size)]
+        for path, recursive in old:
+            try:
+                if self.fs.exists(path):
+                    self._rm(path, recursive=recursive)
+            except Exception as e:   # noqa: BLE001
+                log.warning("could not delete %s (the copy of step %d that a new one replaced): %s", path, step, e)
+
+    def _rm(self, path: str, recursive: bool = False) -> None:
+        self.fs.rm(path, recursive=recursive)
 
     def delete(self, step: int, missing_ok: bool = False) -> None:
         """Remove a checkpoint, ``COMMIT`` first."""
@@ -347,12 +470,15 @@ class RemoteTier:
             name = manifest_name(rank)
             if name not in commit.manifests:
                 raise CorruptCheckpointError(f"{d}/{COMMIT_NAME}: does not list {name}")
-            raw = self._get(step, name)
+            path = name if commit.generation is None else f"{commit.generation}/{name}"
+            raw = self._get(step, path)
             if Commit.manifest_checksum(raw) != commit.manifests[name]:
-                raise CorruptCheckpointError(f"{d}/{name}: checksum does not match the one recorded in {COMMIT_NAME}")
-            m = Manifest.from_bytes(raw, f"{d}/{name}")
-            if m.rank != rank or m.codecs is None or commit.data.get(data_name(rank)) != m.data_bytes:
-                raise CorruptCheckpointError(f"{d}/{name}: rank, part codecs or data size disagree with {COMMIT_NAME}")
+                raise CorruptCheckpointError(f"{d}/{path}: checksum does not match the one recorded in {COMMIT_NAME}")
+            m = Manifest.from_bytes(raw, f"{d}/{path}")
+            if m.rank != rank or m.codecs is None or commit.data.get(data_name(rank)) != m.data_bytes \
+                    or m.generation != commit.generation:
+                raise CorruptCheckpointError(f"{d}/{path}: rank, part codecs, data size or generation disagree with "
+                                             f"{COMMIT_NAME}")
             return m
 
         with ThreadPoolExecutor(knobs.get("CKPT_REMOTE_THREADS"), thread_name_prefix="ckpt-manifest") as ex:
@@ -371,7 +497,7 @@ class RemoteTier:
 
     def fetch(self, step: int, rank: int, manifest: Manifest, i: int) -> bytes:
         """Part ``i`` of saved rank ``rank``'s data, decoded and checked against its checksum."""
-        where = self._part(step, i, rank)
+        where = self._part(step, i, rank, manifest.generation)
         if manifest.codecs[i] == ABSENT:
             raise IncompleteCheckpointError(f"{where}: not stored (only replicated tensors, which rank 0 holds)")
         try:
@@ -394,7 +520,11 @@ class RemoteTier:
         c, n = manifest.chunk_bytes, len(manifest.chunks)
 
         def fetch(i: int) -> bytes:
-            raw = self.fetch(step, manifest.rank, manifest, i)
+            try:
+                raw = self.fetch(step, manifest.rank, manifest, i)
+            except OSError as e:   # the store, not the local disk the bytes were going to
+                raise OSError(e.errno, f"downloading {self._part(step, i, manifest.rank, manifest.generation)} "
+                              f"from {self.url} failed ({e}); check storage_options and the store") from e
             size = len(raw)
             if sc is not None:
                 chunk = torch.frombuffer(bytearray(raw), dtype=torch.uint8) if size else torch.empty(0, dtype=torch.uint8)
@@ -408,8 +538,20 @@ class RemoteTier:
             # with only the parts in flight held in memory.
             refill.write_chunks(step, manifest, fetch, compute_checksums=False)
             return
-        with ThreadPoolExecutor(knobs.get("CKPT_REMOTE_THREADS"), thread_name_prefix="ckpt-download") as ex:
-            list(ex.map(fetch, range(n)))
+        _map_all(fetch, n, "ckpt-download")
+
+
+def _map_all(fn: Callable[[int], Any], n: int, name: str) -> list[Any]:
+    """``[fn(i) for i in range(n)]`` on the remote tier's thread pool; the first failure cancels the
+    calls not yet started (an outage fails one request, not every remaining one after its retries)."""
+    with ThreadPoolExecutor(knobs.get("CKPT_REMOTE_THREADS"), thread_name_prefix=name) as ex:
+        futures = [ex.submit(fn, i) for i in range(n)]
+        try:
+            return [f.result() for f in futures]
+        except BaseException:
+            for f in futures:
+                f.cancel()
+            raise
 
 
 def _dominant_elem_size(items: list[ItemRecord], chunk: int) -> Callable[[int], int]:
