@@ -149,8 +149,15 @@ def _gc(args: argparse.Namespace) -> int:
         return 0
     from .policy import prune
 
-    for s in prune(_tier(args.dir, args.storage_options), max(1, args.keep), dry_run=args.dry_run):
-        print(f"{verb} step {s}")
+    tier = _tier(args.dir, args.storage_options)
+    # Deleting from a local_dir is writing there: refused (LockedError) while a live Checkpointer owns it.
+    owner = tier.acquire_owner() if tier.name == "local" and not args.dry_run else None
+    try:
+        for s in prune(tier, max(1, args.keep), dry_run=args.dry_run):
+            print(f"{verb} step {s}")
+    finally:
+        if owner is not None:
+            owner.release()
     return 0
 
 

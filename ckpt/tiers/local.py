@@ -10,6 +10,9 @@ staging directory into place (an atomic exchange with a committed copy it
 replaces), fsync the root, and move ``latest``. A committed step is therefore
 never taken apart for a write: it is there, old or new, at every instant.
 
+Ownership: one live writer per directory (:class:`OwnerLock`, an ``flock``
+on ``.ckpt-lock``). Readers need no lock.
+
 Read path (restore): validate ``COMMIT`` and the manifest, check the data
 file's size, then read it in parallel chunks into a small ring of (pinned)
 host buffers, verify each chunk's checksum before any of its bytes is used,
@@ -22,6 +25,8 @@ import contextlib
 import ctypes
 import dataclasses
 import errno
+import fcntl
+import json
 import mmap
 import logging
 import os
@@ -32,6 +37,7 @@ import shutil
 import socket
 import threading
 import time
+import weakref
 import zlib
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -40,15 +46,18 @@ from typing import Any, Callable, Iterator
 import torch
 
 from .. import knobs
-from ..errors import CorruptCheckpointError, IncompleteCheckpointError
+from ..errors import CorruptCheckpointError, IncompleteCheckpointError, LockedError
 from ..format import (COMMIT_NAME, LATEST_NAME, Commit, Manifest, data_name, fsync_dir, manifest_name,
                       parse_step_dir, read_records, step_dir_name, write_atomic)
 from ..integrity import checksum
 from ..scatter import Scatter
 
-__all__ = ["LocalTier"]
+__all__ = ["LocalTier", "OwnerLock", "LOCK_NAME"]
 
 log = logging.getLogger(__name__)
+
+#: the file in a local_dir whose flock marks its live owner (never deleted: see OwnerLock)
+LOCK_NAME = ".ckpt-lock"
 
 
 class LocalTier:
@@ -220,6 +229,14 @@ class LocalTier:
                     self._clear(path)
             except OSError as e:
                 log.warning("could not tidy up %s (left by a writer that died): %s", path, e)
+
+    def acquire_owner(self) -> "OwnerLock | None":
+        """Become the one live writer of this directory (see :class:`OwnerLock`); raises
+        :class:`~ckpt.errors.LockedError` when another live Checkpointer, here or in another process,
+        owns it. A subclass whose root holds no steps of its own may return ``None``."""
+        lock = OwnerLock.acquire(self.root)
+        self._sweep()
+        return lock
 
     def _write_data(self, path: Path, size: int, chunk: int, get: Callable[[int], bytes | memoryview]) -> list[int]:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
@@ -476,3 +493,137 @@ def _exchange(a: Path, b: Path) -> None:
     if _renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) != 0:
         err = ctypes.get_errno()
         raise OSError(err, os.strerror(err), str(a), None, str(b))
+
+
+# -- ownership ----------------------------------------------------------------------------------------
+_held: "weakref.WeakValueDictionary[tuple[int, int], OwnerLock]" = weakref.WeakValueDictionary()
+_held_guard = threading.Lock()
+
+
+class OwnerLock:
+    """This process's ownership of a local tier directory: an exclusive ``flock`` on ``root/.ckpt-lock``.
+
+    One live writer per directory: two Checkpointers writing one ``local_dir`` replace each other's
+    committed steps and prune each other's saves in flight. :meth:`acquire` refuses a directory that
+    another live owner holds, in another process or in this one, with
+    :class:`~ckpt.errors.LockedError` naming the owner's pid and host (recorded in the lock file).
+    The kernel drops the lock when the owner's process dies, however it dies, so a killed owner
+    leaves nothing to clean up; the file stays (removing it would let two processes lock two
+    different files of one name). A forked child does not inherit the ownership.
+
+    ``flock`` works between the processes of one host; on NFS, Linux maps it onto the server's
+    byte-range locks (NFSv4, or NFSv3 with lockd), which other clients see too, unless the share is
+    mounted with ``local_lock=flock`` or ``local_lock=all``: then only this host's processes are refused.
+    """
+
+    def __init__(self, root: Path, fd: int, key: tuple[int, int]) -> None:
+        self.root, self._fd, self._key = root, fd, key
+
+    @classmethod
+    def acquire(cls, root: str | os.PathLike) -> "OwnerLock":
+        root = Path(root).expanduser()
+        path = root / LOCK_NAME
+        me = {"pid": os.getpid(), "host": socket.gethostname()}
+        with _held_guard:
+            # Asked before the file is opened: on NFS the lock is a POSIX lock, which closing any other
+            # descriptor of the file in this process would drop.
+            try:
+                st = os.stat(path)
+                if (st.st_dev, st.st_ino) in _held:
+                    raise _locked(root, me, same_process=True)
+            except FileNotFoundError:
+                pass
+            try:
+                fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            except OSError as e:
+                raise OSError(e.errno, f"{e.strerror} while creating the owner lock {path}: a Checkpointer writes "
+                              "local_dir, so it must be a writable directory", str(path)) from None
+            try:
+                st = os.fstat(fd)
+                key = (st.st_dev, st.st_ino)
+                if key in _held:   # created and taken by another thread of this process meanwhile
+                    raise _locked(root, me, same_process=True)
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except OSError as e:
+                    if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                        raise _locked(root, _read_owner(fd)) from None
+                    if e.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOTSUP, errno.ENOSYS):
+                        raise OSError(e.errno, f"{e.strerror} while locking {path}", str(path)) from None
+                    # e.g. NFS without a lock manager: other processes cannot be refused; this one's
+                    # Checkpointers still are (the registry), and the writes themselves stay safe
+                    log.warning("%s cannot be locked (%s): a second process writing local_dir %s will not be "
+                                "refused; make sure only one does", path, e.strerror, root)
+                info = json.dumps({**me, "since_unix": time.time()}).encode()
+                os.ftruncate(fd, 0)
+                os.pwrite(fd, info, 0)
+            except BaseException:
+                os.close(fd)
+                raise
+            lock = cls(root, fd, key)
+            _held[key] = lock
+        return lock
+
+    @property
+    def held(self) -> bool:
+        return self._fd is not None
+
+    def release(self) -> None:
+        """Give up ownership (idempotent)."""
+        with _held_guard:
+            fd, self._fd = self._fd, None
+            if fd is None:
+                return
+            if _held.get(self._key) is self:
+                del _held[self._key]
+            os.close(fd)   # drops the flock
+
+    def __del__(self) -> None:   # a Checkpointer dropped without close()
+        try:
+            self.release()
+        except Exception:   # noqa: BLE001 - interpreter shutdown
+            pass
+
+
+def _forget_in_child() -> None:
+    """After fork: the child holds copies of the owner's lock descriptors; closing them leaves the lock
+    with the parent alone (the kernel drops it once every descriptor of it is closed)."""
+    for lock in list(_held.values()):
+        fd, lock._fd = lock._fd, None
+        if fd is not None:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+    _held.clear()
+
+
+os.register_at_fork(after_in_child=_forget_in_child)
+
+
+def _read_owner(fd: int) -> dict:
+    try:
+        info = json.loads(os.pread(fd, 4096, 0) or b"{}")
+        return info if isinstance(info, dict) else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def _locked(root: Path, owner: dict, same_process: bool = False) -> LockedError:
+    pid, host = owner.get("pid"), owner.get("host")
+    pid = pid if isinstance(pid, int) and not isinstance(pid, bool) else None
+    host = host if isinstance(host, str) else None
+    since = owner.get("since_unix")
+    when = f", since {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(since))}" \
+        if isinstance(since, (int, float)) and not isinstance(since, bool) else ""
+    if same_process:
+        who = f"another Checkpointer in this process (pid {pid} on host {host})"
+        fix = "close() that one first, or give this one another local_dir"
+    else:
+        who = (f"a live process (pid {pid} on host {host}{when})" if pid is not None
+               else "a live process (it has not recorded its pid yet, or runs on another host)")
+        fix = ("give this process its own local_dir, or stop that one (a process that died holds no lock); "
+               "reading (restore, ckpt ls / verify / inspect) needs no lock")
+    return LockedError(f"local_dir {str(root)!r} is owned by {who}, which writes checkpoints there: two writers "
+                       f"would replace each other's steps and prune each other's saves in flight; {fix}",
+                       str(root), pid, host)
