@@ -231,6 +231,9 @@ def test_promote_replaces_a_different_copy_and_leaves_no_old_parts(tmp_path, sch
     manifest = tier.open(STEP)[1]
     files = [p for p in tier.fs.find(step_dir)]
     assert len(files) == 2 + len(manifest.chunks), files   # COMMIT, the manifest, one object per part
+    if scheme == "file":   # the command line reads the replaced layout too
+        from ckpt.cli import main as cli
+        assert cli(["verify", url]) == 0 and cli(["inspect", url]) == 0
     ckpt.promote(STEP, "local", local_dir=tmp_path / "b", url=url)
     _save_local(tmp_path / "c", 1.0)
     ckpt.promote(STEP, "local", local_dir=tmp_path / "c", url=url)
@@ -382,3 +385,75 @@ def test_sigkill_at_any_point_of_a_promote_to_s3_leaves_the_old_or_the_new_copy(
 
     _sweep("remote", prepare, lambda url: _remote_holds(url, tmp_path / "s", opts),
            lambda a, k: (a[0], a[1], k, a[3]))
+
+
+# -- the same mechanism under every write, not only promote -------------------------------------------
+def test_saving_a_committed_step_again_keeps_the_old_copy_when_the_write_fails(tmp_path, monkeypatch):
+    url = f"file://{tmp_path}/remote"
+    with ckpt.Checkpointer(url, local_dir=tmp_path / "a") as ck:
+        ck.save(STEP, _state(1.0)).wait()
+    real, calls = os.pwrite, []
+
+    def pwrite(fd, data, offset):
+        calls.append(offset)
+        if len(calls) > 2:
+            raise OSError(errno.ENOSPC, "injected: no space left")
+        return real(fd, data, offset)
+
+    with monkeypatch.context() as m:
+        m.setattr(os, "pwrite", pwrite)
+        _failing_after(m, 2)
+        with ckpt.Checkpointer(url, local_dir=tmp_path / "a") as ck:   # a run that went back to step 4
+            h = ck.save(STEP, _state(2.0))
+            with pytest.raises(OSError) as local_error:
+                h.wait("local")
+            with pytest.raises(OSError):
+                h.wait("remote")
+            with pytest.raises(OSError):
+                ck.close()
+    assert local_error.value.errno == errno.ENOSPC
+    assert _local_holds(tmp_path / "a") == 1.0
+    assert _remote_holds(url, tmp_path / "s") == 1.0
+    assert not [p for p in (tmp_path / "a").iterdir() if p.name.startswith(".step-")], "staging left behind"
+
+
+def test_without_an_atomic_exchange_a_replacement_still_switches(tmp_path, monkeypatch):
+    from ckpt.tiers import local as local_tier
+
+    def no_exchange(a, b):
+        raise OSError(errno.EINVAL, "not supported here", str(a))
+
+    url = f"file://{tmp_path}/remote"
+    _save_remote(url, 2.0, tmp_path / "s")
+    _save_local(tmp_path / "a", 1.0)
+    monkeypatch.setattr(local_tier, "_exchange", no_exchange)
+    ckpt.promote(STEP, "local", local_dir=tmp_path / "a", url=url)
+    assert _local_holds(tmp_path / "a") == 2.0
+    assert not [p for p in (tmp_path / "a").iterdir() if p.name.startswith(".step-")]
+
+
+def _dead_pid() -> int:
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return proc.pid
+
+
+def test_a_copy_left_aside_by_a_killed_writer_is_put_back_and_staging_is_swept(tmp_path):
+    from ckpt.tiers import local as local_tier
+
+    root = tmp_path / "a"
+    _save_local(root, 1.0)
+    tag, pid = local_tier._host_tag(), _dead_pid()
+    # killed between the two renames of a file system without an exchange: the old copy is aside,
+    # the new one (complete, committed in its staging directory) never made it into place
+    aside = root / f".step-000000005.old-{pid}-{tag}-0badc0de"
+    (root / "step-000000005").rename(aside)
+    staged = root / f".step-000000005.new-{pid}-{tag}-00c0ffee"
+    shutil.copytree(aside, staged)
+    live = root / f".step-000000006.new-{os.getpid()}-{tag}-12345678"   # a live writer's: left alone
+    live.mkdir()
+    assert _local_holds(root) is None           # readers do not repair; the next writer does
+    with ckpt.Checkpointer(local_dir=root) as ck:
+        ck.save(7, _state(2.0)).wait()
+    assert _local_holds(root) == 1.0
+    assert not aside.exists() and not staged.exists() and live.exists()

@@ -122,7 +122,7 @@ class LocalTier:
         self._sweep()
         stage = self.root / _staging_name(step, "new")
         try:
-            stage.mkdir()
+            stage.mkdir(parents=True)   # parents: a local_dir removed since is made again, as before
             sums = self._write_data(stage / data_name(self.rank), manifest.data_bytes, manifest.chunk_bytes, chunk)
             if compute_checksums:
                 manifest.chunks = sums
