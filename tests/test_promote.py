@@ -457,3 +457,24 @@ def test_a_copy_left_aside_by_a_killed_writer_is_put_back_and_staging_is_swept(t
         ck.save(7, _state(2.0)).wait()
     assert _local_holds(root) == 1.0
     assert not aside.exists() and not staged.exists() and live.exists()
+
+
+def test_a_job_tier_step_saved_again_keeps_its_old_copy_until_every_rank_uploaded_the_new_one(tmp_path):
+    from helpers import run_ranks
+
+    def run(mode: str, value: float) -> list[str]:
+        results = run_ranks(HERE / "replace_worker.py", str(tmp_path), mode, str(value), timeout=180,
+                            env={"CKPT_CHUNK_BYTES": str(CHUNK)})   # 400 kB: 7 parts per rank
+        assert all(r.returncode == 0 for r in results), [r.stderr[-2000:] for r in results]
+        return [r.stdout.strip().splitlines()[-1] for r in results]
+
+    assert run("save", 1.0) == ["saved"] * 2
+    assert all(line.startswith("error") for line in run("fail", 2.0))   # rank 1's upload failed halfway
+    assert run("check", 0.0) == ["restored 5 1.0"] * 2                   # the old step 5, on every rank
+    assert run("save", 3.0) == ["saved"] * 2
+    assert run("check", 0.0) == ["restored 5 3.0"] * 2
+    step_dir = tmp_path / "job" / "step-000000005"
+    (gen,) = [p.name for p in step_dir.iterdir() if p.is_dir()]           # the old copies' files are gone
+    assert sorted(p.name for p in step_dir.iterdir()) == ["COMMIT", gen]
+    from ckpt.cli import main as cli
+    assert cli(["verify", f"file://{tmp_path}/job"]) == 0

@@ -497,7 +497,7 @@ def _exchange(a: Path, b: Path) -> None:
 
 # -- ownership ----------------------------------------------------------------------------------------
 _held: "weakref.WeakValueDictionary[tuple[int, int], OwnerLock]" = weakref.WeakValueDictionary()
-_held_guard = threading.Lock()
+_held_guard = threading.RLock()   # re-entrant: a collected OwnerLock's __del__ may run inside acquire()
 
 
 class OwnerLock:
@@ -588,6 +588,8 @@ class OwnerLock:
 def _forget_in_child() -> None:
     """After fork: the child holds copies of the owner's lock descriptors; closing them leaves the lock
     with the parent alone (the kernel drops it once every descriptor of it is closed)."""
+    global _held_guard
+    _held_guard = threading.RLock()   # another thread of the parent may have held it at the fork
     for lock in list(_held.values()):
         fd, lock._fd = lock._fd, None
         if fd is not None:

@@ -27,9 +27,11 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+import hashlib
 import logging
 import os
 import time
+import zlib
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
 
@@ -172,11 +174,15 @@ class RemoteTier:
             self._write_files(step, manifest, data, elem_size, commit=True, source=source, move_latest=move_latest)
             return time.perf_counter() - t0
         try:
-            raw = self._write_files(step, manifest, data, elem_size, commit=False, source=source)
+            # Every rank reads the same COMMIT before any rank reports (rank 0 changes it only after all
+            # have), so every rank derives the same generation for a replacement without talking.
+            replaced = self._replaced(step)
+            gen = _generation_after(replaced) if replaced is not None else None
+            raw = self._write_files(step, manifest, data, elem_size, commit=False, source=source, generation=gen)
         except BaseException:
             self.abstain(step)   # the other ranks still wait for this rank's report
             raise
-        self._commit_job(step, raw, manifest.data_bytes)
+        self._commit_job(step, raw, manifest.data_bytes, gen, replaced)
         return time.perf_counter() - t0
 
     def abstain(self, step: int) -> None:
@@ -190,18 +196,22 @@ class RemoteTier:
             except Exception as e:   # noqa: BLE001 - the group failed (a rank died): keep the original error
                 log.error("rank %d could not report step %d to the job tier's commit: %s", self.rank, step, e)
 
-    def _commit_job(self, step: int, raw: bytes | None, data_bytes: int = 0) -> None:
-        """The job tier's commit: every rank reports (ok, manifest checksum, data size, step); rank 0
-        writes ``COMMIT`` listing every rank's files if all are ok and agree on the step, then tells the
-        others whether it did. Raises :class:`~ckpt.errors.CheckpointError` when the step is not committed."""
+    def _commit_job(self, step: int, raw: bytes | None, data_bytes: int = 0, gen: str | None = None,
+                    replaced: Commit | None = None) -> None:
+        """The job tier's commit: every rank reports (ok, manifest checksum, data size, step, generation);
+        rank 0 writes ``COMMIT`` listing every rank's files if all are ok and agree on the step and the
+        generation (a replacement's subdirectory), then tells the others whether it did. Raises
+        :class:`~ckpt.errors.CheckpointError` when the step is not committed: the copy committed before,
+        if any, is then untouched."""
         job = self.job
         ok = raw is not None
-        mine = [int(ok), Commit.manifest_checksum(raw) if ok else 0, data_bytes, step]
+        mine = [int(ok), Commit.manifest_checksum(raw) if ok else 0, data_bytes, step,
+                zlib.crc32(gen.encode()) if gen is not None else 0]
         try:
             reports = job.gather(mine)
         except RuntimeError as e:   # gloo: a rank died or timed out (CKPT_COMMIT_TIMEOUT_S)
             if raw is not None:
-                self._remove_own(step)
+                self._discard_own(step, gen)
             raise CheckpointError(
                 f"step {step} is not committed to the job tier {self.url}: not every rank reported its upload "
                 f"(a rank may have died; gloo says: {e}); the previous checkpoint there is untouched") from e
@@ -212,29 +222,51 @@ class RemoteTier:
             failed, why = [], (f"the ranks uploaded different steps ({steps}): with one url for all ranks every "
                                 "rank must save the same steps (call save / maybe_save on every rank)")
             log.error("%s", why)
+        elif not failed and len({rep[4] for rep in reports}) > 1:
+            why = (f"the ranks disagree whether step {step} was committed there before (it changed while they "
+                   "uploaded: retention or another writer)")
+            log.error("%s", why)
         if job.rank == 0 and not failed and not why:
             d = self.step_dir(step)
             try:
                 commit = Commit(step=step, world_size=job.world,
                                 manifests={manifest_name(r): rep[1] for r, rep in enumerate(reports)},
-                                data={data_name(r): rep[2] for r, rep in enumerate(reports)})
-                self._put(f"{d}/{COMMIT_NAME}", commit.to_bytes(), sync_dir=True)   # the checkpoint exists from here on
-                self._put(self._path(LATEST_NAME), (step_dir_name(step) + "\n").encode(), sync_dir=True)
+                                data={data_name(r): rep[2] for r, rep in enumerate(reports)}, generation=gen)
+                if gen is None:
+                    self._put(f"{d}/{COMMIT_NAME}", commit.to_bytes(), sync_dir=True)   # the checkpoint exists from here on
+                else:
+                    self._switch(step, commit)   # the new copy replaces the old one from here on
                 committed = 1
             except Exception as e:   # noqa: BLE001 - reported to every rank below
                 why = f"rank 0 could not write {d}/{COMMIT_NAME} ({type(e).__name__}: {e})"
                 log.error("%s", why)
         committed = job.max([committed])[0]
         if committed:
+            if job.rank == 0:
+                self._after_commit(step, replaced, move_latest=True)
             return
         if raw is not None:
-            self._remove_own(step)
+            self._discard_own(step, gen)
         if failed:
             why = f"rank(s) {failed} could not upload their files (their logs say why)"
         elif not why:
             why = "rank 0 could not write COMMIT (its log says why)"
         raise CheckpointError(f"step {step} is not committed to the job tier {self.url}: {why}; "
                               "the previous checkpoint there is untouched")
+
+    def _discard_own(self, step: int, gen: str | None) -> None:
+        """Remove this rank's files of a job-tier write that was not committed: its files in the
+        replacement's subdirectory, or (no copy was committed before) its files of the step."""
+        if gen is None:
+            self._remove_own(step)
+            return
+        base = f"{self.step_dir(step)}/{gen}"
+        try:
+            for path, recursive in ((f"{base}/{manifest_name(self.rank)}", False), (f"{base}/rank-{self.rank:05d}", True)):
+                if self.fs.exists(path):
+                    self._rm(path, recursive=recursive)
+        except Exception as e:   # noqa: BLE001 - leftovers go with the step
+            log.warning("could not remove rank %d's files of step %d from %s: %s", self.rank, step, self.url, e)
 
     def _held_by_rank0(self, manifest: Manifest) -> set[int]:
         """On a job tier, rank > 0: the chunks holding no byte of a tensor that is not replicated
@@ -263,23 +295,20 @@ class RemoteTier:
 
     def _write_files(self, step: int, manifest: Manifest, data: memoryview,
                      elem_size: Callable[[int], int] | None, commit: bool, source: str | None = None,
-                     move_latest: bool = True) -> bytes:
+                     move_latest: bool = True, generation: str | None = None) -> bytes:
         """Upload this rank's parts and manifest (and with ``commit``, ``COMMIT`` and ``latest``);
         returns the manifest's bytes. A failure removes what this write uploaded and raises; a committed
-        copy it was to replace stays as it was."""
+        copy it was to replace stays as it was. On a job tier the caller passes the ``generation`` that
+        every rank writes into when the step is committed there already."""
         c, n = manifest.chunk_bytes, -(-manifest.data_bytes // manifest.chunk_bytes)
         sizer = elem_size or _dominant_elem_size(manifest.items, c)
         d = self.step_dir(step)
-        try:
-            replaced = self._replaced(step) if self.job is None else None
-        except OSError as e:
-            raise OSError(e.errno, f"uploading step {step} to {self.url} failed: its COMMIT could not be read ({e}); "
-                          "the previous remote checkpoint is untouched; check storage_options and the store") from e
-        gen = new_generation() if replaced is not None else None   # a committed copy is here: write beside it
-        base = d if gen is None else f"{d}/{gen}"
+        replaced = self._replaced(step) if self.job is None else None
+        gen = generation if self.job is not None else new_generation() if replaced is not None else None
+        base = d if gen is None else f"{d}/{gen}"   # a committed copy is here: write beside it
         maybe_committed = False
         try:
-            if self.job is not None:
+            if self.job is not None and gen is None:
                 self._remove_own(step)               # the other ranks' files of this step are theirs
             self.fs.makedirs(f"{base}/rank-{self.rank:05d}", exist_ok=True)   # file:// needs it
 
@@ -331,17 +360,21 @@ class RemoteTier:
 
     def _replaced(self, step: int) -> Commit | None:
         """The record of the committed copy of ``step`` a write would replace (``None``: none is here).
-        Refuses to replace a step that a job of another world size committed (its other ranks' files)."""
+        Outside a job tier, refuses to replace a step that a job committed (the other ranks' files)."""
         where = f"{self.step_dir(step)}/{COMMIT_NAME}"
         try:
             raw = self.fs.cat_file(where)
         except FileNotFoundError:
             return None
+        except OSError as e:
+            raise OSError(e.errno, f"uploading step {step} to {self.url} failed: its COMMIT could not be read ({e}); "
+                          "the previous remote checkpoint is untouched; check storage_options and the store") from e
         try:
             old = Commit.from_bytes(raw, where)
         except CorruptCheckpointError:   # unreadable: not a usable copy, but write beside it all the same
-            return Commit(step=step, world_size=self.world_size, manifests={}, data={})
-        if old.world_size != self.world_size:
+            return Commit(step=step, world_size=self.world_size, manifests={}, data={}, created_unix=0.0,
+                          generation=None)
+        if self.job is None and old.world_size != self.world_size:
             raise IncompatibleCheckpointError(
                 f"{where}: step {step} there was saved by {old.world_size} rank(s) (world size {old.world_size}); "
                 f"replacing it with a copy of world size {self.world_size} would drop the other ranks' files: "
@@ -392,7 +425,7 @@ class RemoteTier:
                                 step, self.url)
                     return
             if self.job is not None:
-                self._remove_own(step)
+                self._discard_own(step, gen)
             elif gen is not None:
                 self._rm(f"{d}/{gen}", recursive=True)   # this write's files only: the committed copy stays
             elif not self.fs.exists(commit):
@@ -539,6 +572,12 @@ class RemoteTier:
             refill.write_chunks(step, manifest, fetch, compute_checksums=False)
             return
         _map_all(fetch, n, "ckpt-download")
+
+
+def _generation_after(old: Commit) -> str:
+    """The generation a replacement of the copy committed as ``old`` is written to on a job tier: the
+    same on every rank (derived from the record they all read), another one after every commit."""
+    return "g" + hashlib.sha256(old.to_bytes()).hexdigest()[:16]
 
 
 def _map_all(fn: Callable[[int], Any], n: int, name: str) -> list[Any]:
