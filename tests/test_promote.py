@@ -22,7 +22,7 @@ import torch
 
 import ckpt
 from ckpt import knobs
-from ckpt.tiers import LocalTier, RemoteTier
+from ckpt.tiers import RemoteTier
 from s3server import FaultProxy, storage_options
 
 HERE = Path(__file__).parent
