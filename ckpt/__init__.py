@@ -11,6 +11,7 @@ from .api import Checkpointer, CheckpointInfo, IfBusy, promote
 from .errors import (CheckpointError, CorruptCheckpointError, HostMemoryError, IncompatibleCheckpointError,
                      IncompleteCheckpointError, LayoutMismatchError, NoCheckpointError, Preempted, RefusedStateError,
                      TornSnapshotError)
+from .errors import LockedError
 from .pipeline import SaveHandle
 from .policy import AutoInterval, Retention
 from .restore import RestoreInfo
@@ -36,6 +37,7 @@ __all__ = [
     "IncompatibleCheckpointError",
     "LayoutMismatchError",
     "NoCheckpointError",
+    "LockedError",
     "Preempted",
     "RefusedStateError",
     "TornSnapshotError",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import enum
+import errno
 import logging
 import os
 import secrets
@@ -17,8 +18,9 @@ from typing import Any, Callable, Mapping
 import torch
 
 from . import knobs
-from .errors import CheckpointError, NoCheckpointError, Preempted
-from .format import COMMIT_NAME, Manifest
+from .errors import (CheckpointError, CorruptCheckpointError, IncompatibleCheckpointError, IncompleteCheckpointError,
+                     LockedError, NoCheckpointError, Preempted)
+from .format import COMMIT_NAME, Manifest, data_name
 from .pipeline import Pipeline, SaveHandle
 from .plan import flatten, layout
 from .policy import AutoInterval, Committed, Interval, Retention, Timeline, live_and_abandoned, prune
@@ -26,6 +28,7 @@ from .ranks import Ranks, distributed_world
 from .restore import RestoreInfo, listing as _listing, restore as _restore
 from .stage import HostPool, Snapshot, SnapshotStats, stage, wait_all_staged
 from .tiers import LocalTier, MemoryTier, PeerTier, RemoteTier
+from .tiers.local import OwnerLock
 
 __all__ = ["Checkpointer", "CheckpointInfo", "IfBusy", "promote"]
 
@@ -76,7 +79,12 @@ class Checkpointer:
             remote tier.
         local_dir: directory of the local tier, on fast local storage (default:
             ``$CKPT_LOCAL_DIR``), or a :class:`~ckpt.tiers.LocalTier` instance
-            (a subclass, say, for fault injection or a custom layout).
+            (a subclass, say, for fault injection or a custom layout). One live
+            Checkpointer writes a directory: the first :meth:`save` (or
+            ``promote(to="local")``; in a collective job, the construction) makes this
+            one its owner until :meth:`close`, and another writer, in any process, gets
+            :class:`~ckpt.errors.LockedError` naming the owner. Restoring needs no
+            ownership.
         every_steps / every_seconds: the policy of :meth:`maybe_save`.
         keep: :class:`Retention` (default: 2 checkpoints in ``local_dir``).
         max_in_flight: snapshots held in host memory at once (one host buffer,
@@ -207,14 +215,20 @@ class Checkpointer:
         # last: creating the group is a collective, and every rank must get this far to join it
         self.ranks = Ranks() if (world > 1 if collective is None else collective) else None
         self._job = [self.ranks.rank, self.ranks.world] if self.ranks is not None else None
+        self._owner: OwnerLock | None = None
+        self._owned = False
         if self.ranks is not None:
             self._check_own_storage()
-        self.peer = self._make_peer(peers)
-        # a time-based policy decides by each rank's clock: those decisions are agreed in maybe_save
-        self._agree_due = self.ranks is not None and (isinstance(self.interval, AutoInterval)
-                                                      or self.interval.every_seconds is not None)
-        self._pipeline = Pipeline(self.pool, self.memory, self.local, self.remote, self._apply_retention,
-                                  self._failed, self.peer)
+        try:
+            self.peer = self._make_peer(peers)
+            # a time-based policy decides by each rank's clock: those decisions are agreed in maybe_save
+            self._agree_due = self.ranks is not None and (isinstance(self.interval, AutoInterval)
+                                                          or self.interval.every_seconds is not None)
+            self._pipeline = Pipeline(self.pool, self.memory, self.local, self.remote, self._apply_retention,
+                                      self._failed, self.peer)
+        except BaseException:
+            self._disown()
+            raise
         self._timeline: Timeline | None = None   # the saves' timeline: decided by restore() or the first save
         self._closed = False
 
@@ -291,11 +305,14 @@ class Checkpointer:
         Returns once the copies are enqueued (phase 1 overlaps the caller's next
         forward/backward; the next ``optimizer.step()`` waits for it on the GPU).
         Raises :class:`~ckpt.errors.RefusedStateError` for a value that needs
-        pickle and :class:`~ckpt.errors.HostMemoryError` past ``host_memory_limit``.
+        pickle, :class:`~ckpt.errors.HostMemoryError` past ``host_memory_limit``,
+        and :class:`~ckpt.errors.LockedError` when another live Checkpointer owns
+        ``local_dir`` (see ``local_dir``).
         """
         self._check_open()
         if not isinstance(step, int) or isinstance(step, bool) or step < 0:
             raise ValueError(f"step must be a non-negative int, got {step!r}")
+        self._own_local()
         if self._timeline is None:   # no restore() first: the saves continue the newest checkpoint's branch
             self._use_timeline(self._newest_timeline())
         t0 = time.perf_counter()
@@ -442,33 +459,64 @@ class Checkpointer:
 
     def _check_own_storage(self) -> None:
         """Refuse, on every rank, a ``local_dir`` or ``url`` that another rank of the job writes too
-        (each rank's files and ``COMMIT`` would overwrite the others'). Collective. Sharing is found
-        by marker files, so a directory shared across hosts (a network file system) is found too."""
+        (each rank's files and ``COMMIT`` would overwrite the others'), and a ``local_dir`` that a live
+        process outside the job owns; otherwise every rank now owns its ``local_dir``. Collective.
+        Sharing is found by marker files, so a directory shared across hosts (a network file system)
+        is found too."""
         ranks = self.ranks
-        nonce = ranks.gather([secrets.randbits(62)])[0][0]   # rank 0's: one name space for this job
-        prefix = f".ckpt-job-{nonce:x}-rank-"
-        marker = self.local.root / f"{prefix}{ranks.rank}"
-        marker.touch()
         try:
-            ranks.gather([])   # every marker exists before any rank looks
-            mates = sorted(int(p.name[len(prefix):]) for p in self.local.root.glob(f"{prefix}*"))
-            url = zlib.crc32(self.remote.url.encode()) if self.remote is not None else -1
-            seen = ranks.gather([len(mates), url])   # also: every rank has looked before markers go
-        finally:
-            marker.unlink(missing_ok=True)
-        urls = [u for _, u in seen]
-        job_url = urls[0] != -1 and urls.count(urls[0]) == len(urls)   # one url for the whole job
-        same_url = [] if job_url else [r for r, u in enumerate(urls) if u != -1 and urls.count(u) > 1]
-        problems = [f"local_dir {str(self.local.root)!r} is shared by ranks {mates}"] if len(mates) > 1 else \
-            ["another rank's local_dir is shared"] if any(n > 1 for n, _ in seen) else []
-        if same_url:
-            problems.append(f"ranks {same_url} were given the same url, other ranks another")
-        if problems:
-            raise ValueError(f"{'; '.join(problems)}: in a multi-process job give every rank its own local_dir "
-                             "(e.g. f'{root}/rank-{rank}') and every rank the same url (a job tier) or each its own, "
-                             "or pass collective=False if only one rank checkpoints")
+            self._own_local()
+            lock_error: BaseException | None = None
+        except Exception as e:   # noqa: BLE001 - reported below on every rank, after the agreement
+            lock_error = e
+        try:
+            nonce = ranks.gather([secrets.randbits(62)])[0][0]   # rank 0's: one name space for this job
+            prefix = f".ckpt-job-{nonce:x}-rank-"
+            marker = self.local.root / f"{prefix}{ranks.rank}"
+            marker.touch()
+            try:
+                ranks.gather([])   # every marker exists before any rank looks
+                mates = sorted(int(p.name[len(prefix):]) for p in self.local.root.glob(f"{prefix}*"))
+                url = zlib.crc32(self.remote.url.encode()) if self.remote is not None else -1
+                # also: every rank has looked before markers go
+                seen = ranks.gather([len(mates), url, int(lock_error is not None)])
+            finally:
+                marker.unlink(missing_ok=True)
+            urls = [u for _, u, _ in seen]
+            job_url = urls[0] != -1 and urls.count(urls[0]) == len(urls)   # one url for the whole job
+            same_url = [] if job_url else [r for r, u in enumerate(urls) if u != -1 and urls.count(u) > 1]
+            problems = [f"local_dir {str(self.local.root)!r} is shared by ranks {mates}"] if len(mates) > 1 else \
+                ["another rank's local_dir is shared"] if any(n > 1 for n, _, _ in seen) else []
+            if same_url:
+                problems.append(f"ranks {same_url} were given the same url, other ranks another")
+            if problems:
+                raise ValueError(f"{'; '.join(problems)}: in a multi-process job give every rank its own local_dir "
+                                 "(e.g. f'{root}/rank-{rank}') and every rank the same url (a job tier) or each its "
+                                 "own, or pass collective=False if only one rank checkpoints")
+            if lock_error is not None:
+                raise lock_error
+            locked = [r for r, (_, _, bad) in enumerate(seen) if bad]
+            if locked:
+                raise LockedError(f"rank(s) {locked} could not take ownership of their local_dir (their errors say "
+                                  "why: another live process owns it, say): every rank stops", str(self.local.root))
+        except BaseException:
+            self._disown()
+            raise
         if job_url:   # decided from gathered facts, so every rank joins (a collective) or none does
             self.remote.join_job(Ranks(timeout_s=knobs.get("CKPT_COMMIT_TIMEOUT_S"), own_group=True))
+
+    def _own_local(self) -> None:
+        """Become the owner of ``local_dir`` (once): raises LockedError while another live writer owns it."""
+        with self._lock:
+            if not self._owned:
+                self._owner = self.local.acquire_owner()
+                self._owned = True
+
+    def _disown(self) -> None:
+        with self._lock:
+            owner, self._owner, self._owned = self._owner, None, False
+        if owner is not None:
+            owner.release()
 
     def _make_peer(self, peers: bool | int | None) -> PeerTier | None:
         """The peer tier when asked for (collective: it makes a gloo group of its own)."""
@@ -581,30 +629,40 @@ class Checkpointer:
         return ["memory", "local"] + (["peer"] if self.peer is not None else []) + \
             (["remote"] if self.remote is not None else [])
 
-    def promote(self, step: int, to: str) -> None:
+    def promote(self, step: int, to: str) -> bool:
         """Copy committed checkpoint ``step`` to tier ``to`` (``"remote"`` or ``"local"``), verifying every byte.
 
         ``to="remote"`` uploads it from the local tier; ``to="local"`` downloads it
-        from the remote tier. Raises ``FileNotFoundError`` if the source tier does
-        not hold ``step`` and :class:`~ckpt.errors.CorruptCheckpointError` if its
-        bytes fail their checksums (nothing is committed at the destination then).
+        from the remote tier (making this Checkpointer the owner of ``local_dir``,
+        see there). The destination's copy of ``step``, if any, is replaced only by a
+        complete, verified new one: a promote that fails, or a process killed at any
+        point of it, leaves the destination as it was (its old copy or, once the
+        switch happened, the new one). Returns ``False`` without writing when the
+        destination already holds the same checkpoint and it verifies.
+
+        Raises ``FileNotFoundError`` if the source tier does not hold ``step``,
+        :class:`~ckpt.errors.CorruptCheckpointError` naming the file if the source's
+        bytes fail their checksums, and an ``OSError`` naming the URL (or ``local_dir``)
+        when the transfer or the destination fails. Saves of ``step`` still in flight
+        are waited for first. On a job tier ``promote(step, "remote")`` is collective
+        and does not replace a step committed there.
         """
         self._check_open()
-        if to == "remote":
-            if self.remote is None:
-                raise ValueError("promote(to='remote') needs Checkpointer(url=...)")
-            commit, manifest = self.local.open(step)
-            # the copy keeps the checkpoint's timeline
-            with self.local.mapped(step) as data, self.remote.copying(step, Timeline.of(commit)):
-                self.remote.write(step, manifest, data)   # checks the chunk checksums on the way
-        elif to == "local":
-            if self.remote is None:
-                raise ValueError("promote(to='local') copies from the remote tier: pass Checkpointer(url=...)")
-            commit, manifest = self.remote.open(step)
-            with self.local.copying(step, Timeline.of(commit)):
-                self.remote.load(step, manifest, None, refill=self.local)
-        else:
+        if to not in ("remote", "local"):
             raise ValueError(f"to must be 'remote' or 'local', got {to!r}")
+        if self.remote is None:
+            raise ValueError("promote(to='remote') needs Checkpointer(url=...)" if to == "remote" else
+                             "promote(to='local') copies from the remote tier: pass Checkpointer(url=...)")
+        with self._lock:
+            pending = [h for h in self._handles if h.step == step]
+        for h in pending:   # the pipeline's own write of this step comes first
+            try:
+                h.wait()
+            except BaseException:
+                pass
+        if to == "local":
+            self._own_local()
+        return _copy(self.local, self.remote, step, to)
 
     def list(self) -> list[CheckpointInfo]:
         """Checkpoints visible on any tier, newest first: the live branch by ``(timeline, step)``, then
@@ -643,7 +701,10 @@ class Checkpointer:
         if self._closed:
             return
         self._closed = True
-        self._pipeline.close()
+        try:
+            self._pipeline.close()
+        finally:
+            self._disown()   # every write is over: another process may own local_dir now
         if raise_errors:
             self._raise_failures()
 
@@ -685,14 +746,82 @@ class Checkpointer:
 
 
 def promote(step: int, to: str, *, local_dir: str | os.PathLike, url: str,
-            storage_options: dict[str, Any] | None = None, compression: str | None = None) -> None:
-    """Copy committed checkpoint ``step`` between ``local_dir`` and ``url`` (see :meth:`Checkpointer.promote`).
+            storage_options: dict[str, Any] | None = None, compression: str | None = None) -> bool:
+    """Copy committed checkpoint ``step`` between ``local_dir`` and ``url`` (see :meth:`Checkpointer.promote`:
+    the same guarantees); returns ``False`` when the destination already held it.
 
-    For scripts and the command line, outside a training process.
+    For scripts and the command line, outside a training process. ``to="remote"`` only reads
+    ``local_dir``, so it may run beside the job that owns it; ``to="local"`` writes there and raises
+    :class:`~ckpt.errors.LockedError` while a live Checkpointer owns ``local_dir`` (that one can
+    call ``ck.promote(step, "local")`` itself).
     """
-    with Checkpointer(url, local_dir=local_dir, storage_options=storage_options, compression=compression,
-                      collective=False) as ck:
-        ck.promote(step, to)
+    if to not in ("remote", "local"):
+        raise ValueError(f"to must be 'remote' or 'local', got {to!r}")
+    remote = RemoteTier(url, storage_options, compression=compression)
+    local = LocalTier(local_dir)
+    owner = local.acquire_owner() if to == "local" else None
+    try:
+        return _copy(local, remote, step, to)
+    finally:
+        if owner is not None:
+            owner.release()
+
+
+def _copy(local: LocalTier, remote: RemoteTier, step: int, to: str) -> bool:
+    """The work of :func:`promote`: verify the source as it is copied, write the destination beside its
+    committed copy and switch on success (the tiers' writes do that). ``False``: nothing to do."""
+    if to == "remote":
+        src, dst = local, remote
+        where = str(local.step_dir(step))
+    else:
+        src, dst = remote, local
+        where = remote.step_dir(step)
+    if step not in src.committed_steps():
+        raise FileNotFoundError(errno.ENOENT, f"step {step} is not committed on the {src.name} tier "
+                                f"(committed there: {src.committed_steps()[:10]}); nothing was copied", where)
+    commit, manifest = src.open(step)   # the records, validated (CorruptCheckpointError names the file)
+    if _holds(dst, step, manifest):
+        log.info("step %d is already on the %s tier, the same checkpoint, and verifies: nothing to copy", step, to)
+        return False
+    if to == "remote":
+        committed = remote.committed_steps()
+        if remote.job is not None and step in committed:
+            raise CheckpointError(f"step {step} is committed on the job tier {remote.url} with other content than "
+                                  f"rank {remote.rank}'s local copy: promote does not replace a job-tier checkpoint "
+                                  "(every rank's files would have to switch at once); delete it there first")
+        # each chunk is checked against the manifest before it goes up; the copy keeps the checkpoint's timeline
+        with local.mapped(step) as data, remote.copying(step, Timeline.of(commit)):
+            remote.write(step, manifest, data, source=str(local.step_dir(step) / data_name(local.rank)),
+                         move_latest=step >= max(committed, default=-1))
+    else:
+        with local.copying(step, Timeline.of(commit)):   # the copy keeps the checkpoint's timeline
+            remote.load(step, manifest, None, refill=local)   # every part verified before the local switch
+    log.info("step %d copied to the %s tier", step, to)
+    return True
+
+
+def _holds(tier: Any, step: int, manifest: Manifest) -> bool:
+    """Whether ``tier`` holds a committed copy of ``step`` with the same contents as ``manifest`` that
+    verifies (every byte read). A copy that differs or fails is replaced by the promote."""
+    try:
+        if step not in tier.committed_steps():
+            return False
+        there = tier.open(step)[1]
+    except (CorruptCheckpointError, IncompleteCheckpointError, IncompatibleCheckpointError, OSError):
+        return False   # not a usable copy of this process's checkpoint: the write decides (or refuses)
+
+    def content(m: Manifest) -> tuple:
+        return (m.data_bytes, m.chunk_bytes, m.chunks, m.items, m.tree, m.job, m.replicated, m.checksum_algorithm)
+
+    if content(there) != content(manifest):
+        return False
+    try:
+        tier.verify(step)
+    except (CheckpointError, OSError) as e:
+        log.warning("step %d on the %s tier is the same checkpoint but fails verification (%s): replacing it",
+                    step, tier.name, e)
+        return False
+    return True
 
 
 def _resume_timeline(restored: Committed | None, entries: list[Committed]) -> Timeline:

@@ -183,15 +183,21 @@ def _gc(args: argparse.Namespace) -> int:
         checked.append((step, ok))
         return ok
 
-    gone = prune(tier, max(1, args.keep), dry_run=args.dry_run, verified=verifies)
-    for s in gone:
-        print(f"{verb} step {s}")
-    if checked and not any(ok for _, ok in checked):
-        print(f"ckpt gc: no checkpoint under {args.dir} verifies, so no committed checkpoint was deleted "
-              "(`ckpt verify` says why)", file=sys.stderr)
-        return 1
-    if checked and not checked[0][1]:
-        print(f"ckpt gc: kept step {checked[-1][0]}: the newest checkpoint that verifies", file=sys.stderr)
+    # Deleting from a local_dir is writing there: refused (LockedError) while a live Checkpointer owns it.
+    owner = tier.acquire_owner() if tier.name == "local" and not args.dry_run else None
+    try:
+        gone = prune(tier, max(1, args.keep), dry_run=args.dry_run, verified=verifies)
+        for s in gone:
+            print(f"{verb} step {s}")
+        if checked and not any(ok for _, ok in checked):
+            print(f"ckpt gc: no checkpoint under {args.dir} verifies, so no committed checkpoint was deleted "
+                  "(`ckpt verify` says why)", file=sys.stderr)
+            return 1
+        if checked and not checked[0][1]:
+            print(f"ckpt gc: kept step {checked[-1][0]}: the newest checkpoint that verifies", file=sys.stderr)
+    finally:
+        if owner is not None:
+            owner.release()
     return 0
 
 
@@ -200,8 +206,11 @@ def _promote(args: argparse.Namespace) -> int:
 
     opts = _opts(args)
     t0 = time.perf_counter()
-    promote(args.step, args.to, local_dir=args.dir, url=args.url, storage_options=opts, compression=args.compression)
-    print(f"step {args.step} copied to the {args.to} tier in {time.perf_counter() - t0:.2f} s")
+    if promote(args.step, args.to, local_dir=args.dir, url=args.url, storage_options=opts,
+               compression=args.compression):
+        print(f"step {args.step} copied to the {args.to} tier in {time.perf_counter() - t0:.2f} s")
+    else:
+        print(f"step {args.step} is already on the {args.to} tier and verifies: nothing copied")
     return 0
 
 

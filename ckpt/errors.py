@@ -16,6 +16,7 @@ __all__ = [
     "TornSnapshotError",
     "HostMemoryError",
     "NoCheckpointError",
+    "LockedError",
     "Preempted",
 ]
 
@@ -57,6 +58,21 @@ class HostMemoryError(CheckpointError, MemoryError):
 
 class NoCheckpointError(CheckpointError):
     """Checkpoints exist but none of them could be verified and loaded."""
+
+
+class LockedError(CheckpointError):
+    """Another live Checkpointer owns the ``local_dir`` (one writer per directory).
+
+    ``path``: the directory; ``pid``, ``host``: the owner's process and host as it recorded them
+    (``None`` when it could not be read: the owner may be on another host of a network file system).
+    """
+
+    def __init__(self, message: str, path: str, pid: int | None = None, host: str | None = None) -> None:
+        super().__init__(message)
+        self.path, self.pid, self.host = path, pid, host
+
+    def __reduce__(self):   # keep the fields through copy/pickle (multiprocessing) like any exception's args
+        return (type(self), (str(self), self.path, self.pid, self.host))
 
 
 class Preempted(CheckpointError):

@@ -29,6 +29,7 @@ import json
 import math
 import os
 import re
+import secrets
 import stat
 import time
 from dataclasses import asdict, dataclass, field
@@ -66,6 +67,7 @@ __all__ = [
     "check_record_size",
     "parse_record",
     "check_shape",
+    "new_generation",
 ]
 
 FORMAT_VERSION = 1
@@ -84,6 +86,7 @@ _MAX_INT = (1 << 63) - 1          # every size, offset and count is an int64 to 
 _MAX_SPAN = 1 << 62               # product of a shape's dims (0 counted as 1) times the element size
 
 _STEP_RE = re.compile(r"^step-(\d{9,})$")
+_GENERATION_RE = re.compile(r"^g[0-9a-f]{16}$")
 
 _DTYPES: dict[str, torch.dtype] = {
     name: getattr(torch, name)
@@ -103,6 +106,22 @@ def step_dir_name(step: int) -> str:
 def parse_step_dir(name: str) -> int | None:
     m = _STEP_RE.match(name)
     return int(m.group(1)) if m else None
+
+
+def new_generation() -> str:
+    """A fresh name for the subdirectory that holds a replacement copy of a step (see ``Commit.generation``)."""
+    return "g" + secrets.token_hex(8)
+
+
+def _valid_generation(g: Any) -> bool:
+    return g is None or (isinstance(g, str) and _GENERATION_RE.match(g) is not None)
+
+
+def _without_unset_generation(d: dict) -> dict:
+    # written only when set, so that every other record keeps the bytes (and readers) it always had
+    if d.get("generation") is None:
+        d.pop("generation", None)
+    return d
 
 
 def data_name(rank: int) -> str:
@@ -169,9 +188,10 @@ class Manifest:
     checksum_algorithm: str = ALGORITHM
     format_version: int = FORMAT_VERSION
     created_unix: float = field(default_factory=time.time)
+    generation: str | None = None          # remote tier: the subdirectory holding this copy (Commit.generation)
 
     def to_bytes(self) -> bytes:
-        return json.dumps(asdict(self), separators=(",", ":"), allow_nan=False).encode()
+        return json.dumps(_without_unset_generation(asdict(self)), separators=(",", ":"), allow_nan=False).encode()
 
     @classmethod
     def from_bytes(cls, raw: bytes, where: str) -> "Manifest":
@@ -199,6 +219,8 @@ class Manifest:
             raise bad("chunk_bytes, world_size or rank out of range")
         if not _is_number(self.created_unix):
             raise bad("created_unix must be a number")
+        if not _valid_generation(self.generation):
+            raise bad(f"generation must be 'g' and 16 hex digits, got {self.generation!r}")
         if not isinstance(self.chunks, list) or len(self.chunks) != -(-self.data_bytes // self.chunk_bytes):
             raise bad("chunk checksum list does not cover the data file")
         if not all(_is_nonneg_int(c) and c < 1 << 32 for c in self.chunks):
@@ -269,8 +291,13 @@ class Commit:
     timeline: int = 0
     forks: list[list[int]] = field(default_factory=list)
 
+    # A copy that replaced a committed one on the remote tier lives in step-.../<generation>/ (its manifests
+    # and parts), so that putting this record is the switch from the old copy to the new one. None: the
+    # step directory itself.
+    generation: str | None = None
+
     def to_bytes(self) -> bytes:
-        d = asdict(self)
+        d = _without_unset_generation(asdict(self))
         if not self.timeline and not self.forks:   # the old record, byte for byte readable by older versions
             del d["timeline"], d["forks"]
         return json.dumps(d, separators=(",", ":"), allow_nan=False).encode()
@@ -294,6 +321,7 @@ class Commit:
             and _is_nonneg_int(c.timeline) and isinstance(c.forks, list) and all(
                 isinstance(f, list) and len(f) == 2 and all(_is_nonneg_int(v) for v in f) and f[0] < c.timeline
                 for f in c.forks)
+            and _valid_generation(c.generation)
         )
         if not ok:
             raise CorruptCheckpointError(f"{where}: commit record fails validation")
@@ -602,10 +630,11 @@ def read_records(get: "Callable[[str], bytes]", step: int, rank: int, world_size
     mname = manifest_name(rank)
     if mname not in commit.manifests:
         raise CorruptCheckpointError(f"{cwhere}: does not list {mname}")
-    raw = get(mname)
+    mpath = mname if commit.generation is None else f"{commit.generation}/{mname}"
+    raw = get(mpath)
     if Commit.manifest_checksum(raw) != commit.manifests[mname]:
-        raise CorruptCheckpointError(f"{where}/{mname}: checksum does not match the one recorded in {cwhere}")
-    manifest = Manifest.from_bytes(raw, f"{where}/{mname}")
-    if commit.data.get(data_name(rank)) != manifest.data_bytes:
-        raise CorruptCheckpointError(f"{cwhere}: data size record disagrees with {where}/{mname}")
+        raise CorruptCheckpointError(f"{where}/{mpath}: checksum does not match the one recorded in {cwhere}")
+    manifest = Manifest.from_bytes(raw, f"{where}/{mpath}")
+    if commit.data.get(data_name(rank)) != manifest.data_bytes or manifest.generation != commit.generation:
+        raise CorruptCheckpointError(f"{cwhere}: data size or generation record disagrees with {where}/{mpath}")
     return commit, manifest

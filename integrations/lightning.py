@@ -409,6 +409,9 @@ class _PathTier(LocalTier):
     def committed_steps(self) -> list[int]:
         return []
 
+    def acquire_owner(self) -> None:
+        return None   # no steps of its own in this root to guard: each save goes to a directory Lightning names
+
     def all_step_dirs(self) -> dict[int, Path]:
         return {}
 

@@ -80,8 +80,8 @@ def digest(model, opt) -> str:
 class FailingRemote(RemoteTier):
     """Rank 1's remote tier: the upload of step 2 fails after its parts went up."""
 
-    def _write_files(self, step, manifest, data, elem_size, commit):
-        raw = super()._write_files(step, manifest, data, elem_size, commit)
+    def _write_files(self, step, manifest, data, elem_size, commit, **kwargs):
+        raw = super()._write_files(step, manifest, data, elem_size, commit, **kwargs)
         if step == 2:
             raise OSError(5, "injected upload failure")
         return raw

@@ -1,10 +1,17 @@
 """The local tier: one directory on this node's NVMe.
 
-Write path (phase 2): preallocate the rank's data file (a full disk fails
-here, before any byte is written), write it from the host buffer in parallel
-chunks with ``os.pwrite`` while checksumming each chunk in the same thread,
-``fsync``, write the manifest atomically, then ``COMMIT`` (temporary name,
-fsync, rename, fsync of the directory), then move ``latest``.
+Write path (phase 2): in a staging directory beside the step's (a hidden
+name that listing and retention never see), preallocate the rank's data file
+(a full disk fails here, before any byte is written), write it from the host
+buffer in parallel chunks with ``os.pwrite`` while checksumming each chunk in
+the same thread, ``fsync``, write the manifest atomically, then ``COMMIT``
+(temporary name, fsync, rename, fsync of the directory); then rename the
+staging directory into place (an atomic exchange with a committed copy it
+replaces), fsync the root, and move ``latest``. A committed step is therefore
+never taken apart for a write: it is there, old or new, at every instant.
+
+Ownership: one live writer per directory (:class:`OwnerLock`, an ``flock``
+on ``.ckpt-lock``). Readers need no lock.
 
 Read path (restore): validate ``COMMIT`` and the manifest, check the data
 file's size, then read it in parallel chunks into a small ring of (pinned)
@@ -15,32 +22,44 @@ and scatter the bytes into the destination tensors.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import dataclasses
 import errno
+import fcntl
+import json
 import mmap
 import logging
 import os
 import queue
+import re
+import secrets
 import shutil
+import socket
 import stat
+import threading
 import time
+import weakref
+import zlib
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 
 from .. import knobs
-from ..errors import CorruptCheckpointError, IncompleteCheckpointError
+from ..errors import CorruptCheckpointError, IncompleteCheckpointError, LockedError
 from ..format import (COMMIT_NAME, LATEST_NAME, Commit, Manifest, data_name, fsync_dir, manifest_name,
                       open_regular, parse_step_dir, read_record, read_records, step_dir_name, write_atomic)
 from ..integrity import checksum
 from ..policy import Committed, Timeline
 from ..scatter import Scatter
 
-__all__ = ["LocalTier", "linked", "remove_step_dir"]
+__all__ = ["LocalTier", "OwnerLock", "LOCK_NAME", "linked", "remove_step_dir"]
 
 log = logging.getLogger(__name__)
+
+#: the file in a local_dir whose flock marks its live owner (never deleted: see OwnerLock)
+LOCK_NAME = ".ckpt-lock"
 
 
 class LocalTier:
@@ -122,14 +141,22 @@ class LocalTier:
 
         With ``compute_checksums=False`` the manifest's checksums are kept, and the
         checksums computed while writing must match them or nothing is committed
-        (a copy from the remote tier or from a peer rank).
+        (a copy from the remote tier or from a peer rank). The copy is written and
+        committed in a staging directory, then switched into place: a committed copy
+        of ``step`` already there stays whole until the new one replaces it in one
+        rename, and stays as it was when this write fails or the process dies. An
+        exception raised by ``chunk`` (a download, say) is raised as it is.
         """
         t0 = time.perf_counter()
         d = self.step_dir(step)
+        if linked(self.root, step_dir_name(step)):
+            raise OSError(errno.ELOOP, f"step {step} of the local tier is a symbolic link (a checkpoint kept "
+                          "elsewhere, read-only): a save never writes through it", str(d))
+        self._sweep()
+        stage = self.root / _staging_name(step, "new")
         try:
-            self._clear(d)
-            d.mkdir(parents=True, exist_ok=True)
-            sums = self._write_data(d / data_name(self.rank), manifest.data_bytes, manifest.chunk_bytes, chunk)
+            stage.mkdir(parents=True)   # parents: a local_dir removed since is made again, as before
+            sums = self._write_data(stage / data_name(self.rank), manifest.data_bytes, manifest.chunk_bytes, chunk)
             if compute_checksums:
                 manifest.chunks = sums
             elif sums != manifest.chunks:   # the writer's own checksums: bytes that differ are never committed
@@ -138,27 +165,113 @@ class LocalTier:
                 raise CorruptCheckpointError(
                     f"{d / data_name(self.rank)}: bytes [{i * manifest.chunk_bytes}, "
                     f"{min((i + 1) * manifest.chunk_bytes, manifest.data_bytes)}) fail their checksum; not committed")
-            local = dataclasses.replace(manifest, codecs=None, stored_sizes=None, rank=self.rank,
+            local = dataclasses.replace(manifest, codecs=None, stored_sizes=None, generation=None, rank=self.rank,
                                         world_size=self.world_size)
             raw = local.to_bytes()
-            write_atomic(d / manifest_name(self.rank), raw)
+            write_atomic(stage / manifest_name(self.rank), raw)
             commit = Commit(step=step, world_size=self.world_size,
                             manifests={manifest_name(self.rank): Commit.manifest_checksum(raw)},
                             data={data_name(self.rank): manifest.data_bytes},
                             **self._copying.get(step, self.timeline).record())
-            write_atomic(d / COMMIT_NAME, commit.to_bytes())
+            write_atomic(stage / COMMIT_NAME, commit.to_bytes())
+            self._switch(step, stage, d)   # the checkpoint exists (or is replaced) from here on
             self.verified[step] = True
-            write_atomic(self.root / LATEST_NAME, (step_dir_name(step) + "\n").encode())
+        except _SourceError as e:   # the bytes could not be had (a download failed): not the disk's fault
+            self._discard(stage)
+            raise e.error from None
         except OSError as e:
-            self._discard(d)
+            self._discard(stage)
             hint = ("free space there or point local_dir elsewhere" if e.errno in (errno.ENOSPC, errno.EDQUOT)
                     else "check the local_dir path and its permissions")
             raise OSError(e.errno, f"{e.strerror} while writing step {step} to the local tier "
                           f"({hint}); older checkpoints are untouched", str(e.filename or d)) from e
         except BaseException:
-            self._discard(d)
+            self._discard(stage)
             raise
+        self._write_latest(step)
         return time.perf_counter() - t0
+
+    def _switch(self, step: int, stage: Path, d: Path) -> None:
+        """Move the committed staging directory ``stage`` to ``d``; a copy already at ``d`` is exchanged
+        with it in one step (``renameat2(RENAME_EXCHANGE)``) and removed afterwards."""
+        try:
+            os.rename(stage, d)   # nothing at d (an empty directory is replaced too)
+        except OSError as e:
+            if e.errno not in (errno.ENOTEMPTY, errno.EEXIST):
+                raise
+        else:
+            fsync_dir(self.root)
+            return
+        try:
+            _exchange(stage, d)
+        except OSError as e:
+            if e.errno not in _NO_EXCHANGE:
+                raise
+            # No atomic exchange on this file system (NFS, say): two renames. A kill between them leaves the
+            # old copy under its aside name, and the next write here (_sweep) moves it back.
+            aside = self.root / _staging_name(step, "old")
+            os.rename(d, aside)
+            try:
+                os.rename(stage, d)
+            except BaseException:
+                os.rename(aside, d)
+                raise
+            fsync_dir(self.root)
+            self._discard(aside)
+            return
+        fsync_dir(self.root)
+        self._discard(stage)   # now the replaced copy: uncommitted first, then removed
+
+    def _write_latest(self, step: int) -> None:
+        """Point ``latest`` at ``step`` unless a newer step is committed (a promote of an older one).
+        Advisory: a failure is logged, never undoes the commit."""
+        try:
+            if any(s > step for s in self.committed_steps()):
+                return
+            path = self.root / LATEST_NAME
+            tmp = self.root / f".{LATEST_NAME}.tmp-{os.getpid()}-{threading.get_ident()}"   # threads may race here
+            with open(tmp, "wb") as f:
+                f.write((step_dir_name(step) + "\n").encode())
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+            fsync_dir(self.root)
+        except OSError as e:
+            log.warning("step %d is committed in %s, but %s could not be updated: %s", step, self.root, LATEST_NAME, e)
+
+    def _sweep(self) -> None:
+        """Tidy up after writers that died mid-write (on this host): remove their staging directories,
+        and move back an old copy that a kill left aside between the two renames of a file system without
+        an atomic exchange. Live writers' directories are left alone, so this is safe beside any of them."""
+        try:
+            names = os.listdir(self.root)
+        except OSError:
+            return
+        host = _host_tag()
+        for name in names:
+            m = _STAGING_RE.match(name)
+            if m is None or m.group(4) != host or _alive(int(m.group(3))):
+                continue
+            path, d = self.root / name, self.root / m.group(1)
+            try:
+                if m.group(2) == "old" and not (d / COMMIT_NAME).exists():
+                    if d.exists():
+                        shutil.rmtree(d)
+                    os.rename(path, d)
+                    fsync_dir(self.root)
+                    log.warning("put back %s, which a writer killed while replacing it had moved aside", d)
+                else:
+                    self._clear(path)
+            except OSError as e:
+                log.warning("could not tidy up %s (left by a writer that died): %s", path, e)
+
+    def acquire_owner(self) -> "OwnerLock | None":
+        """Become the one live writer of this directory (see :class:`OwnerLock`); raises
+        :class:`~ckpt.errors.LockedError` when another live Checkpointer, here or in another process,
+        owns it. A subclass whose root holds no steps of its own may return ``None``."""
+        lock = OwnerLock.acquire(self.root)
+        self._sweep()
+        return lock
 
     def _write_data(self, path: Path, size: int, chunk: int, get: Callable[[int], bytes | memoryview]) -> list[int]:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
@@ -171,14 +284,23 @@ class LocalTier:
                         raise OSError(e.errno, e.strerror, str(path)) from None
 
             def one(i: int) -> int:
-                view = memoryview(get(i))
+                try:
+                    view = memoryview(get(i))
+                except BaseException as e:
+                    raise _SourceError(e) from e
                 off, done = i * chunk, 0
                 while done < len(view):
                     done += os.pwrite(fd, view[done:], off + done)
                 return checksum(view)
 
             with ThreadPoolExecutor(knobs.get("CKPT_IO_THREADS"), thread_name_prefix="ckpt-write") as ex:
-                sums = list(ex.map(one, range(-(-size // chunk))))
+                futures = [ex.submit(one, i) for i in range(-(-size // chunk))]
+                try:
+                    sums = [f.result() for f in futures]
+                except BaseException:
+                    for f in futures:   # the write has failed: do not fetch and write the rest
+                        f.cancel()
+                    raise
             os.fsync(fd)
         except OSError as e:
             if e.filename is None:
@@ -447,3 +569,196 @@ def _read(path: Path) -> bytes:
         return read_record(path)
     except FileNotFoundError:
         raise IncompleteCheckpointError(f"{path}: missing") from None
+
+
+# -- staging and exchange ---------------------------------------------------------------------------
+class _SourceError(Exception):
+    """What the chunk source of a write raised, carried past the write's own OSError handling."""
+
+    def __init__(self, error: BaseException) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
+# .step-000000005.new-<pid>-<host>-<nonce>: a write in progress (or the copy it replaced, after the exchange);
+# .step-000000005.old-...: a replaced copy moved aside on a file system without an atomic exchange
+_STAGING_RE = re.compile(r"^\.(step-\d{9,})\.(new|old)-(\d+)-([0-9a-f]{8})-[0-9a-f]{8}$")
+_NO_EXCHANGE = {errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOTSUP}
+
+
+def _host_tag() -> str:
+    return f"{zlib.crc32(socket.gethostname().encode()):08x}"
+
+
+def _staging_name(step: int, kind: str) -> str:
+    return f".{step_dir_name(step)}.{kind}-{os.getpid()}-{_host_tag()}-{secrets.token_hex(4)}"
+
+
+def _alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True   # another user's process
+    return True
+
+
+_RENAME_EXCHANGE = 2
+_AT_FDCWD = -100
+_renameat2: Any = None
+
+
+def _exchange(a: Path, b: Path) -> None:
+    """Swap the directory entries ``a`` and ``b`` atomically (Linux ``renameat2(RENAME_EXCHANGE)``).
+    Raises an OSError with errno EINVAL / ENOSYS / EOPNOTSUPP where the kernel or file system cannot."""
+    global _renameat2
+    if _renameat2 is None:
+        fn = getattr(ctypes.CDLL(None, use_errno=True), "renameat2", None)
+        if fn is not None:
+            fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+            fn.restype = ctypes.c_int
+        _renameat2 = fn or False
+    if not _renameat2:
+        raise OSError(errno.ENOSYS, "renameat2 is not available", str(a))
+    if _renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err), str(a), None, str(b))
+
+
+# -- ownership ----------------------------------------------------------------------------------------
+_held: "weakref.WeakValueDictionary[tuple[int, int], OwnerLock]" = weakref.WeakValueDictionary()
+_held_guard = threading.RLock()   # re-entrant: a collected OwnerLock's __del__ may run inside acquire()
+
+
+class OwnerLock:
+    """This process's ownership of a local tier directory: an exclusive ``flock`` on ``root/.ckpt-lock``.
+
+    One live writer per directory: two Checkpointers writing one ``local_dir`` replace each other's
+    committed steps and prune each other's saves in flight. :meth:`acquire` refuses a directory that
+    another live owner holds, in another process or in this one, with
+    :class:`~ckpt.errors.LockedError` naming the owner's pid and host (recorded in the lock file).
+    The kernel drops the lock when the owner's process dies, however it dies, so a killed owner
+    leaves nothing to clean up; the file stays (removing it would let two processes lock two
+    different files of one name). A forked child does not inherit the ownership.
+
+    ``flock`` works between the processes of one host; on NFS, Linux maps it onto the server's
+    byte-range locks (NFSv4, or NFSv3 with lockd), which other clients see too, unless the share is
+    mounted with ``local_lock=flock`` or ``local_lock=all``: then only this host's processes are refused.
+    """
+
+    def __init__(self, root: Path, fd: int, key: tuple[int, int]) -> None:
+        self.root, self._fd, self._key = root, fd, key
+
+    @classmethod
+    def acquire(cls, root: str | os.PathLike) -> "OwnerLock":
+        root = Path(root).expanduser()
+        path = root / LOCK_NAME
+        me = {"pid": os.getpid(), "host": socket.gethostname()}
+        with _held_guard:
+            # Asked before the file is opened: on NFS the lock is a POSIX lock, which closing any other
+            # descriptor of the file in this process would drop.
+            try:
+                st = os.stat(path)
+                if (st.st_dev, st.st_ino) in _held:
+                    raise _locked(root, me, same_process=True)
+            except FileNotFoundError:
+                pass
+            try:
+                fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            except OSError as e:
+                raise OSError(e.errno, f"{e.strerror} while creating the owner lock {path}: a Checkpointer writes "
+                              "local_dir, so it must be a writable directory", str(path)) from None
+            try:
+                st = os.fstat(fd)
+                key = (st.st_dev, st.st_ino)
+                if key in _held:   # created and taken by another thread of this process meanwhile
+                    raise _locked(root, me, same_process=True)
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except OSError as e:
+                    if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                        raise _locked(root, _read_owner(fd)) from None
+                    if e.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOTSUP, errno.ENOSYS):
+                        raise OSError(e.errno, f"{e.strerror} while locking {path}", str(path)) from None
+                    # e.g. NFS without a lock manager: other processes cannot be refused; this one's
+                    # Checkpointers still are (the registry), and the writes themselves stay safe
+                    log.warning("%s cannot be locked (%s): a second process writing local_dir %s will not be "
+                                "refused; make sure only one does", path, e.strerror, root)
+                info = json.dumps({**me, "since_unix": time.time()}).encode()
+                os.ftruncate(fd, 0)
+                os.pwrite(fd, info, 0)
+            except BaseException:
+                os.close(fd)
+                raise
+            lock = cls(root, fd, key)
+            _held[key] = lock
+        return lock
+
+    @property
+    def held(self) -> bool:
+        return self._fd is not None
+
+    def release(self) -> None:
+        """Give up ownership (idempotent)."""
+        with _held_guard:
+            fd, self._fd = self._fd, None
+            if fd is None:
+                return
+            if _held.get(self._key) is self:
+                del _held[self._key]
+            os.close(fd)   # drops the flock
+
+    def __del__(self) -> None:   # a Checkpointer dropped without close()
+        try:
+            self.release()
+        except Exception:   # noqa: BLE001 - interpreter shutdown
+            pass
+
+
+def _forget_in_child() -> None:
+    """After fork: the child holds copies of the owner's lock descriptors; closing them leaves the lock
+    with the parent alone (the kernel drops it once every descriptor of it is closed)."""
+    global _held_guard
+    _held_guard = threading.RLock()   # another thread of the parent may have held it at the fork
+    for lock in list(_held.values()):
+        fd, lock._fd = lock._fd, None
+        if fd is not None:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+    _held.clear()
+
+
+os.register_at_fork(after_in_child=_forget_in_child)
+
+
+def _read_owner(fd: int) -> dict:
+    try:
+        info = json.loads(os.pread(fd, 4096, 0) or b"{}")
+        return info if isinstance(info, dict) else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def _locked(root: Path, owner: dict, same_process: bool = False) -> LockedError:
+    pid, host = owner.get("pid"), owner.get("host")
+    pid = pid if isinstance(pid, int) and not isinstance(pid, bool) else None
+    host = host if isinstance(host, str) else None
+    since = owner.get("since_unix")
+    when = f", since {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(since))}" \
+        if isinstance(since, (int, float)) and not isinstance(since, bool) else ""
+    if same_process:
+        who = f"another Checkpointer in this process (pid {pid} on host {host})"
+        fix = "close() that one first, or give this one another local_dir"
+    else:
+        who = (f"a live process (pid {pid} on host {host}{when})" if pid is not None
+               else "a live process (it has not recorded its pid yet, or runs on another host)")
+        fix = ("give this process its own local_dir, or stop that one (a process that died holds no lock); "
+               "reading (restore, ckpt ls / verify / inspect) needs no lock")
+    return LockedError(f"local_dir {str(root)!r} is owned by {who}, which writes checkpoints there: two writers "
+                       f"would replace each other's steps and prune each other's saves in flight; {fix}",
+                       str(root), pid, host)

@@ -8,7 +8,12 @@ the same way, and a chunk can be verified and used as soon as it arrives.
 The manifest records each part's codec and stored size; checksums are of the
 decoded bytes, identical to the local tier's. ``COMMIT`` is put last, then
 ``latest``: a reader never sees a step without ``COMMIT``, and a failed upload
-leaves the previous remote checkpoint untouched.
+leaves the previous remote checkpoint untouched. A write that replaces a
+committed copy of its step puts the new manifest and parts under a fresh
+subdirectory of the step (``step-.../<generation>/``) and then a ``COMMIT``
+naming it (object stores have no atomic rename: putting ``COMMIT`` is the
+switch); the old copy's files are deleted only once the new ``COMMIT`` is
+durable, so the step is readable, old or new, at every instant.
 
 The filesystem is resolved once (``fsspec.core.url_to_fs``), never per file;
 chained URLs (``simplecache::s3://...``) pass through. Transient failures are
@@ -42,12 +47,15 @@ import bisect
 import contextlib
 import dataclasses
 import errno
+import hashlib
 import logging
+import os
 import socket
 import sys
 import threading
 import time
-from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
+import zlib
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Iterator
 
 import fsspec
@@ -55,9 +63,9 @@ import torch
 
 from .. import knobs
 from ..codec import RAW, check_codec, decode, encode, max_decoded
-from ..errors import CheckpointError, CorruptCheckpointError, IncompleteCheckpointError
+from ..errors import CheckpointError, CorruptCheckpointError, IncompatibleCheckpointError, IncompleteCheckpointError
 from ..format import (COMMIT_NAME, LATEST_NAME, Commit, ItemRecord, Manifest, data_name, fsync_dir, fsync_file,
-                      manifest_name, parse_step_dir, read_records, step_dir_name)
+                      manifest_name, new_generation, parse_step_dir, read_record_fs, read_records, step_dir_name)
 from ..integrity import checksum
 from ..policy import Committed, Timeline
 from ..scatter import Scatter
@@ -371,8 +379,9 @@ class RemoteTier:
     def step_dir(self, step: int) -> str:
         return self._path(step_dir_name(step))
 
-    def _part(self, step: int, i: int, rank: int | None = None) -> str:
-        return f"{self.step_dir(step)}/rank-{self.rank if rank is None else rank:05d}/part-{i:06d}"
+    def _part(self, step: int, i: int, rank: int | None = None, generation: str | None = None) -> str:
+        base = self.step_dir(step) if generation is None else f"{self.step_dir(step)}/{generation}"
+        return f"{base}/rank-{self.rank if rank is None else rank:05d}/part-{i:06d}"
 
     # -- listing ----------------------------------------------------------------------------------
     def committed_steps(self) -> list[int]:
@@ -443,8 +452,15 @@ class RemoteTier:
 
     # -- write ------------------------------------------------------------------------------------
     def write(self, step: int, manifest: Manifest, data: memoryview,
-              elem_size: Callable[[int], int] | None = None) -> float:
+              elem_size: Callable[[int], int] | None = None, *, source: str | None = None,
+              move_latest: bool = True) -> float:
         """Upload ``data`` chunk by chunk (in parallel), then the manifest, then ``COMMIT``; seconds spent.
+
+        A committed copy of ``step`` already here is replaced only by a complete new one (see the module
+        docstring); a failure leaves it as it was. ``source``: the file ``data`` was read from, whose
+        checksums ``manifest.chunks`` are: every chunk is checked against them before it is uploaded,
+        and a mismatch raises :class:`~ckpt.errors.CorruptCheckpointError` naming that file.
+        ``move_latest=False`` leaves ``latest`` where it is.
 
         On a job tier (:meth:`join_job`) this is collective over the job's ranks, on the upload
         thread: each rank uploads its own files, then all report (a gather of manifest checksums)
@@ -452,14 +468,18 @@ class RemoteTier:
         """
         t0 = time.perf_counter()
         if self.job is None:
-            self._write_files(step, manifest, data, elem_size, commit=True)
+            self._write_files(step, manifest, data, elem_size, commit=True, source=source, move_latest=move_latest)
             return time.perf_counter() - t0
         try:
-            raw = self._write_files(step, manifest, data, elem_size, commit=False)
+            # Every rank reads the same COMMIT before any rank reports (rank 0 changes it only after all
+            # have), so every rank derives the same generation for a replacement without talking.
+            replaced = self._replaced(step)
+            gen = _generation_after(replaced) if replaced is not None else None
+            raw = self._write_files(step, manifest, data, elem_size, commit=False, source=source, generation=gen)
         except BaseException:
             self.abstain(step)   # the other ranks still wait for this rank's report
             raise
-        self._commit_job(step, raw, manifest.data_bytes)
+        self._commit_job(step, raw, manifest.data_bytes, gen, replaced)
         return time.perf_counter() - t0
 
     def abstain(self, step: int) -> None:
@@ -473,18 +493,22 @@ class RemoteTier:
             except Exception as e:   # noqa: BLE001 - the group failed (a rank died): keep the original error
                 log.error("rank %d could not report step %d to the job tier's commit: %s", self.rank, step, e)
 
-    def _commit_job(self, step: int, raw: bytes | None, data_bytes: int = 0) -> None:
-        """The job tier's commit: every rank reports (ok, manifest checksum, data size, step); rank 0
-        writes ``COMMIT`` listing every rank's files if all are ok and agree on the step, then tells the
-        others whether it did. Raises :class:`~ckpt.errors.CheckpointError` when the step is not committed."""
+    def _commit_job(self, step: int, raw: bytes | None, data_bytes: int = 0, gen: str | None = None,
+                    replaced: Commit | None = None) -> None:
+        """The job tier's commit: every rank reports (ok, manifest checksum, data size, step, generation);
+        rank 0 writes ``COMMIT`` listing every rank's files if all are ok and agree on the step and the
+        generation (a replacement's subdirectory), then tells the others whether it did. Raises
+        :class:`~ckpt.errors.CheckpointError` when the step is not committed: the copy committed before,
+        if any, is then untouched."""
         job = self.job
         ok = raw is not None
-        mine = [int(ok), Commit.manifest_checksum(raw) if ok else 0, data_bytes, step]
+        mine = [int(ok), Commit.manifest_checksum(raw) if ok else 0, data_bytes, step,
+                zlib.crc32(gen.encode()) if gen is not None else 0]
         try:
             reports = job.gather(mine)
         except RuntimeError as e:   # gloo: a rank died or timed out (CKPT_COMMIT_TIMEOUT_S)
             if raw is not None:
-                self._remove_own(step)
+                self._discard_own(step, gen)
             raise CheckpointError(
                 f"step {step} is not committed to the job tier {self.url}: not every rank reported its upload "
                 f"(a rank may have died; gloo says: {e}); the previous checkpoint there is untouched") from e
@@ -495,31 +519,53 @@ class RemoteTier:
             failed, why = [], (f"the ranks uploaded different steps ({steps}): with one url for all ranks every "
                                 "rank must save the same steps (call save / maybe_save on every rank)")
             log.error("%s", why)
+        elif not failed and len({rep[4] for rep in reports}) > 1:
+            why = (f"the ranks disagree whether step {step} was committed there before (it changed while they "
+                   "uploaded: retention or another writer)")
+            log.error("%s", why)
         if job.rank == 0 and not failed and not why:
             d = self.step_dir(step)
             try:
                 commit = Commit(step=step, world_size=job.world,
                                 manifests={manifest_name(r): rep[1] for r, rep in enumerate(reports)},
-                                data={data_name(r): rep[2] for r, rep in enumerate(reports)},
+                                data={data_name(r): rep[2] for r, rep in enumerate(reports)}, generation=gen,
                                 **self._copying.get(step, self.timeline).record())
-                self._put(f"{d}/{COMMIT_NAME}", commit.to_bytes(), sync_dir=True)   # the checkpoint exists from here on
+                if gen is None:
+                    self._put(f"{d}/{COMMIT_NAME}", commit.to_bytes(), sync_dir=True)   # the checkpoint exists from here on
+                else:
+                    self._switch(step, commit)   # the new copy replaces the old one from here on
                 self.verified[step] = True   # every rank uploaded its parts from its own bytes
-                self._put(self._path(LATEST_NAME), (step_dir_name(step) + "\n").encode(), sync_dir=True)
                 committed = 1
             except Exception as e:   # noqa: BLE001 - reported to every rank below
                 why = f"rank 0 could not write {d}/{COMMIT_NAME} ({type(e).__name__}: {e})"
                 log.error("%s", why)
         committed = job.max([committed])[0]
         if committed:
+            if job.rank == 0:
+                self._after_commit(step, replaced, move_latest=True)
             return
         if raw is not None:
-            self._remove_own(step)
+            self._discard_own(step, gen)
         if failed:
             why = f"rank(s) {failed} could not upload their files (their logs say why)"
         elif not why:
             why = "rank 0 could not write COMMIT (its log says why)"
         raise CheckpointError(f"step {step} is not committed to the job tier {self.url}: {why}; "
                               "the previous checkpoint there is untouched")
+
+    def _discard_own(self, step: int, gen: str | None) -> None:
+        """Remove this rank's files of a job-tier write that was not committed: its files in the
+        replacement's subdirectory, or (no copy was committed before) its files of the step."""
+        if gen is None:
+            self._remove_own(step)
+            return
+        base = f"{self.step_dir(step)}/{gen}"
+        try:
+            for path, recursive in ((f"{base}/{manifest_name(self.rank)}", False), (f"{base}/rank-{self.rank:05d}", True)):
+                if self.fs.exists(path):
+                    self._rm(path, recursive=recursive)
+        except Exception as e:   # noqa: BLE001 - leftovers go with the step
+            log.warning("could not remove rank %d's files of step %d from %s: %s", self.rank, step, self.url, e)
 
     def _held_by_rank0(self, manifest: Manifest) -> set[int]:
         """On a job tier, rank > 0: the chunks holding no byte of a tensor that is not replicated
@@ -551,85 +597,195 @@ class RemoteTier:
             log.warning("could not remove rank %d's files of step %d from %s: %s", self.rank, step, self.url, e)
 
     def _write_files(self, step: int, manifest: Manifest, data: memoryview,
-                     elem_size: Callable[[int], int] | None, commit: bool) -> bytes:
+                     elem_size: Callable[[int], int] | None, commit: bool, source: str | None = None,
+                     move_latest: bool = True, generation: str | None = None) -> bytes:
         """Upload this rank's parts and manifest (and with ``commit``, ``COMMIT`` and ``latest``);
-        returns the manifest's bytes. A failure removes what was uploaded (unless the store cannot be
-        reached: retention removes the leftovers once a newer step commits) and raises an ``OSError``."""
+        returns the manifest's bytes. A failure removes what this write uploaded (unless the store cannot
+        be reached: retention removes the leftovers once a newer step commits) and raises an ``OSError``;
+        a committed copy it was to replace stays as it was. On a job tier the caller passes the
+        ``generation`` that every rank writes into when the step is committed there already."""
         doing = f"uploading step {step} to {self.url}"
         down = self._still_down()
         if down is not None:   # the store is still down: fail this save now, the next one tries again
             raise ConnectionError(down.errno, f"{doing}: not attempted, {down.strerror}; the previous remote "
                                   "checkpoint is untouched")
+        if not self.owns(step):
+            raise OSError(errno.ELOOP, "the step directory is a symbolic link (a checkpoint kept elsewhere, "
+                          "read-only): a save never writes through it", self.step_dir(step))
         try:
             with self._store(doing):
-                raw = self._upload(step, manifest, data, elem_size, commit)
+                raw = self._upload(step, manifest, data, elem_size, commit, source, move_latest, generation)
         except BaseException as e:
             if isinstance(e, ConnectionError):
-                log.warning("step %d: the partial upload stays in %s while the store cannot be reached; retention "
-                            "removes it once a newer step is committed there", step, self.url)
-            else:
-                try:
-                    if self.job is None:
-                        self.delete(step, missing_ok=True)
-                    else:
-                        self._remove_own(step)
-                except Exception as cleanup:   # noqa: BLE001 - the upload error is the one to report
-                    log.warning("could not remove the partial upload of step %d: %s", step, cleanup)
+                log.warning("step %d: a partial upload may stay in %s while the store cannot be reached; "
+                            "retention removes it once a newer step is committed there", step, self.url)
             if isinstance(e, OSError):
                 raise type(e)(e.errno, f"{e.strerror}; the previous remote checkpoint is untouched") from e
             raise
         self._note(None)
         return raw
 
-    def _upload(self, step: int, manifest: Manifest, data: memoryview,
-                elem_size: Callable[[int], int] | None, commit: bool) -> bytes:
+    def _upload(self, step: int, manifest: Manifest, data: memoryview, elem_size: Callable[[int], int] | None,
+                commit: bool, source: str | None, move_latest: bool, generation: str | None) -> bytes:
         c, n = manifest.chunk_bytes, -(-manifest.data_bytes // manifest.chunk_bytes)
         sizer = elem_size or _dominant_elem_size(manifest.items, c)
-        if self.job is None:
-            self._delete(step)                   # a stale or replaced copy of this step: uncommit it first
-        else:
-            if not self.owns(step):
-                raise OSError(errno.ELOOP, "the step directory is a symbolic link: a save never writes "
-                              "through it", self.step_dir(step))
-            self._remove_own(step)               # the other ranks' files of this step are theirs
-        self.fs.makedirs(f"{self.step_dir(step)}/rank-{self.rank:05d}", exist_ok=True)   # file:// needs it
-
-        absent = self._held_by_rank0(manifest)
-
-        def put(i: int) -> tuple[int, str, int]:
-            view = data[i * c:(i + 1) * c]
-            if i in absent:   # only replicated bytes: rank 0 uploads them
-                return checksum(view), ABSENT, 0
-            stored, codec = encode(view, self.compression, sizer(i))
-            # Object-store clients want bytes; local and mounted file systems take the view as it is.
-            self._put(self._part(step, i), stored if self._local_fs else bytes(stored))
-            return checksum(view), codec, len(stored)
-
-        with ThreadPoolExecutor(knobs.get("CKPT_REMOTE_THREADS"), thread_name_prefix="ckpt-upload") as ex:
-            futures = [ex.submit(put, i) for i in range(n)]
-            wait(futures, return_when=FIRST_EXCEPTION)
-            for f in futures:   # after a failure the parts not yet started are not sent: an outage costs
-                f.cancel()      # one round of retries, not n / CKPT_REMOTE_THREADS rounds
-            parts = [f.result() for f in futures]   # the first failure, in part order (the cancelled come after it)
-        remote = dataclasses.replace(manifest, rank=self.rank, world_size=self.world_size,
-                                     chunks=[p[0] for p in parts], codecs=[p[1] for p in parts],
-                                     stored_sizes=[p[2] for p in parts])
-        if manifest.chunks and manifest.chunks != remote.chunks:
-            raise CorruptCheckpointError(f"step {step}: bytes changed while uploading (checksums differ)")
-        raw = remote.to_bytes()
         d = self.step_dir(step)
-        if self._local_fs:
-            fsync_dir(f"{d}/rank-{self.rank:05d}")   # the parts' names, before anything vouches for them
-        self._put(f"{d}/{manifest_name(self.rank)}", raw, sync_dir=True)
+        replaced = self._replaced(step) if self.job is None else None
+        gen = generation if self.job is not None else new_generation() if replaced is not None else None
+        base = d if gen is None else f"{d}/{gen}"   # a committed copy is here: write beside it
+        maybe_committed = False
+        try:
+            if self.job is not None and gen is None:
+                self._remove_own(step)               # the other ranks' files of this step are theirs
+            self.fs.makedirs(f"{base}/rank-{self.rank:05d}", exist_ok=True)   # file:// needs it
+
+            absent = self._held_by_rank0(manifest)
+
+            def put(i: int) -> tuple[int, str, int]:
+                view = data[i * c:(i + 1) * c]
+                crc = checksum(view)
+                if source is not None and crc != manifest.chunks[i]:
+                    raise CorruptCheckpointError(
+                        f"{source}: bytes [{i * c}, {i * c + len(view)}) fail their {manifest.checksum_algorithm} "
+                        f"checksum; nothing of step {step} at {self.url} was replaced")
+                if i in absent:   # only replicated bytes: rank 0 uploads them
+                    return crc, ABSENT, 0
+                stored, codec = encode(view, self.compression, sizer(i))
+                # Object-store clients want bytes; local and mounted file systems take the view as it is.
+                self._put(self._part(step, i, generation=gen), stored if self._local_fs else bytes(stored))
+                return crc, codec, len(stored)
+
+            parts = _map_all(put, n, "ckpt-upload")
+            remote = dataclasses.replace(manifest, rank=self.rank, world_size=self.world_size,
+                                         chunks=[p[0] for p in parts], codecs=[p[1] for p in parts],
+                                         stored_sizes=[p[2] for p in parts], generation=gen)
+            if manifest.chunks and manifest.chunks != remote.chunks:
+                raise CorruptCheckpointError(f"step {step}: bytes changed while uploading (checksums differ)")
+            raw = remote.to_bytes()
+            if self._local_fs:
+                fsync_dir(f"{base}/rank-{self.rank:05d}")   # the parts' names, before anything vouches for them
+            self._put(f"{base}/{manifest_name(self.rank)}", raw, sync_dir=True)
+            if commit:
+                record = Commit(step=step, world_size=self.world_size,
+                                manifests={manifest_name(self.rank): Commit.manifest_checksum(raw)},
+                                data={data_name(self.rank): manifest.data_bytes}, generation=gen,
+                                **self._copying.get(step, self.timeline).record())
+                maybe_committed = True
+                if gen is None:
+                    self._put(f"{d}/{COMMIT_NAME}", record.to_bytes(), sync_dir=True)   # the checkpoint exists from here on
+                else:
+                    self._switch(step, record)   # the new copy replaces the old one from here on
+                maybe_committed = False
+                self.verified[step] = True
+        except BaseException as e:
+            self._undo(step, gen, maybe_committed)
+            raise
         if commit:
-            record = Commit(step=step, world_size=self.world_size,
-                            manifests={manifest_name(self.rank): Commit.manifest_checksum(raw)},
-                            data={data_name(self.rank): manifest.data_bytes},
-                            **self._copying.get(step, self.timeline).record())
-            self._put(f"{d}/{COMMIT_NAME}", record.to_bytes(), sync_dir=True)   # the checkpoint exists from here on
-            self.verified[step] = True
-            self._put(self._path(LATEST_NAME), (step_dir_name(step) + "\n").encode(), sync_dir=True)
+            self._after_commit(step, replaced, move_latest)
         return raw
+
+    def _replaced(self, step: int) -> Commit | None:
+        """The record of the committed copy of ``step`` a write would replace (``None``: none is here).
+        Outside a job tier, refuses to replace a step that a job committed (the other ranks' files)."""
+        where = f"{self.step_dir(step)}/{COMMIT_NAME}"
+        try:
+            raw = read_record_fs(self.fs, where)
+        except FileNotFoundError:
+            return None
+        except CorruptCheckpointError:   # not a file, or too large to be a record: write beside it
+            raw = b""
+        except OSError as e:
+            raise OSError(e.errno, f"uploading step {step} to {self.url} failed: its COMMIT could not be read ({e}); "
+                          "the previous remote checkpoint is untouched; check storage_options and the store") from e
+        try:
+            old = Commit.from_bytes(raw, where)
+        except CorruptCheckpointError:   # unreadable: not a usable copy, but write beside it all the same
+            return Commit(step=step, world_size=self.world_size, manifests={}, data={}, created_unix=0.0,
+                          generation=None)
+        if self.job is None and old.world_size != self.world_size:
+            raise IncompatibleCheckpointError(
+                f"{where}: step {step} there was saved by {old.world_size} rank(s) (world size {old.world_size}); "
+                f"replacing it with a copy of world size {self.world_size} would drop the other ranks' files: "
+                "write to another url, or delete that step there first")
+        return old
+
+    def _switch(self, step: int, record: Commit) -> None:
+        """Put ``COMMIT`` over the committed one, atomically (an object store's put; on a file system a
+        rename of a synced temporary file). A put that raised but landed all the same (a timeout after
+        the store took it) counts as done."""
+        d = self.step_dir(step)
+        path = f"{d}/{COMMIT_NAME}"
+        try:
+            if self._local_fs:
+                tmp = f"{d}/.{COMMIT_NAME}.{record.generation}"
+                self._put(tmp, record.to_bytes())
+                fsync_dir(d)   # the new copy's directory name, before the record that names it
+                os.replace(tmp, path)
+                fsync_dir(d)
+            else:
+                self.fs.pipe_file(path, record.to_bytes())
+        except Exception:
+            if not self._names(step, record.generation):
+                raise
+
+    def _names(self, step: int, generation: str | None) -> bool:
+        """Whether the step's ``COMMIT`` can be read and names ``generation``."""
+        where = f"{self.step_dir(step)}/{COMMIT_NAME}"
+        try:
+            return Commit.from_bytes(read_record_fs(self.fs, where), where).generation == generation
+        except Exception:   # noqa: BLE001 - missing, torn or unreachable: it does not (as far as we know)
+            return False
+
+    def _undo(self, step: int, gen: str | None, maybe_committed: bool) -> None:
+        """Remove what a failed write uploaded, never a committed copy: with ``maybe_committed`` (the
+        ``COMMIT`` put failed) nothing is removed unless the step's ``COMMIT`` is read and does not name
+        this write's files."""
+        d = self.step_dir(step)
+        commit = f"{d}/{COMMIT_NAME}"
+        try:
+            if maybe_committed:
+                try:
+                    named = Commit.from_bytes(read_record_fs(self.fs, commit), commit).generation == gen
+                except FileNotFoundError:
+                    named = False
+                if named:
+                    log.warning("the failed write of step %d to %s may have committed; its files are kept",
+                                step, self.url)
+                    return
+            if self.job is not None:
+                self._discard_own(step, gen)
+            elif gen is not None:
+                self._rm(f"{d}/{gen}", recursive=True)   # this write's files only: the committed copy stays
+            elif not self.fs.exists(commit):
+                self._rm(d, recursive=True)              # a fresh step: nothing was committed there
+        except Exception as cleanup:   # noqa: BLE001 - the upload error is the one to report
+            log.warning("could not remove the partial upload of step %d from %s: %s", step, self.url, cleanup)
+
+    def _after_commit(self, step: int, replaced: Commit | None, move_latest: bool) -> None:
+        """After a commit: move ``latest``, and delete the files of the copy it replaced. Failures here are
+        logged: the new copy is committed, and leftovers go with the step when it is deleted."""
+        d = self.step_dir(step)
+        try:
+            if move_latest:
+                self._put(self._path(LATEST_NAME), (step_dir_name(step) + "\n").encode(), sync_dir=True)
+        except Exception as e:   # noqa: BLE001
+            log.warning("step %d is committed to %s, but %s could not be updated: %s", step, self.url, LATEST_NAME, e)
+        if replaced is None:
+            return
+        if replaced.generation is not None:
+            old = [(f"{d}/{replaced.generation}", True)]
+        else:
+            old = [(f"{d}/{manifest_name(r)}", False) for r in range(replaced.world_size)] + \
+                  [(f"{d}/rank-{r:05d}", True) for r in range(replaced.world_size)]
+        for path, recursive in old:
+            try:
+                if self.fs.exists(path):
+                    self._rm(path, recursive=recursive)
+            except Exception as e:   # noqa: BLE001
+                log.warning("could not delete %s (the copy of step %d that a new one replaced): %s", path, step, e)
+
+    def _rm(self, path: str, recursive: bool = False) -> None:
+        self.fs.rm(path, recursive=recursive)
 
     def delete(self, step: int, missing_ok: bool = False) -> None:
         """Remove a checkpoint, ``COMMIT`` first. On a ``file://`` URL never through a symbolic link
@@ -663,7 +819,7 @@ class RemoteTier:
             raise ConnectionError(down.errno, f"{doing}: not attempted, {down.strerror}")
         try:
             with self._store(doing):
-                return self.fs.cat_file(where)
+                return read_record_fs(self.fs, where)
         except FileNotFoundError:
             raise IncompleteCheckpointError(f"{where}: missing") from None
 
@@ -688,16 +844,17 @@ class RemoteTier:
                 if stored == 0:
                     continue
             else:
-                check_codec(codec, self._url(self._part(step, i, m.rank)))
+                check_codec(codec, self._url(self._part(step, i, m.rank, m.generation)))
                 if (stored == size) if codec == RAW else (0 < stored <= size <= max_decoded(codec, stored)):
                     continue
-            raise CorruptCheckpointError(f"{self._url(self._part(step, i, m.rank))}: a {codec!r} part of {stored} "
+            raise CorruptCheckpointError(f"{self._url(self._part(step, i, m.rank, m.generation))}: a {codec!r} part of {stored} "
                                          f"stored bytes cannot hold its {size}-byte chunk")
 
     def _check_stored(self, step: int, m: Manifest) -> None:
         """Every part of saved rank ``m.rank`` is there with the size its manifest records: one listing,
         before any part is downloaded or room for the data is allocated."""
-        d = f"{self.step_dir(step)}/rank-{m.rank:05d}"
+        base = self.step_dir(step) if m.generation is None else f"{self.step_dir(step)}/{m.generation}"
+        d = f"{base}/rank-{m.rank:05d}"
         with self._store(f"listing {self._url(d)}"):
             self.fs.invalidate_cache(d)
             try:
@@ -708,7 +865,7 @@ class RemoteTier:
         for i, (codec, stored) in enumerate(zip(m.codecs, m.stored_sizes)):
             name = f"part-{i:06d}"
             if codec != ABSENT and held.get(name) != stored:
-                where = self._url(self._part(step, i, m.rank))
+                where = self._url(self._part(step, i, m.rank, m.generation))
                 raise IncompleteCheckpointError(f"{where}: missing" if name not in held else
                                                 f"{where}: {held[name]} bytes, {stored} committed")
 
@@ -728,12 +885,15 @@ class RemoteTier:
             name = manifest_name(rank)
             if name not in commit.manifests:
                 raise CorruptCheckpointError(f"{d}/{COMMIT_NAME}: does not list {name}")
-            raw = self._get(step, name)
+            path = name if commit.generation is None else f"{commit.generation}/{name}"
+            raw = self._get(step, path)
             if Commit.manifest_checksum(raw) != commit.manifests[name]:
-                raise CorruptCheckpointError(f"{d}/{name}: checksum does not match the one recorded in {COMMIT_NAME}")
-            m = Manifest.from_bytes(raw, f"{d}/{name}")
-            if m.rank != rank or m.codecs is None or commit.data.get(data_name(rank)) != m.data_bytes:
-                raise CorruptCheckpointError(f"{d}/{name}: rank, part codecs or data size disagree with {COMMIT_NAME}")
+                raise CorruptCheckpointError(f"{d}/{path}: checksum does not match the one recorded in {COMMIT_NAME}")
+            m = Manifest.from_bytes(raw, f"{d}/{path}")
+            if m.rank != rank or m.codecs is None or commit.data.get(data_name(rank)) != m.data_bytes \
+                    or m.generation != commit.generation:
+                raise CorruptCheckpointError(f"{d}/{path}: rank, part codecs, data size or generation disagree with "
+                                             f"{COMMIT_NAME}")
             self._check_parts(step, m)
             return m
 
@@ -758,7 +918,7 @@ class RemoteTier:
 
         A store failure is an ``OSError`` naming the part's URL; the read asks for no more than the
         stored size the manifest records (and one byte, to see a longer object)."""
-        path = self._part(step, i, rank)
+        path = self._part(step, i, rank, manifest.generation)
         where = self._url(path)
         if manifest.codecs[i] == ABSENT:
             raise IncompleteCheckpointError(f"{where}: not stored (only replicated tensors, which rank 0 holds)")
@@ -796,7 +956,11 @@ class RemoteTier:
         c, n = manifest.chunk_bytes, len(manifest.chunks)
 
         def fetch(i: int) -> bytes:
-            raw = self.fetch(step, manifest.rank, manifest, i)
+            try:
+                raw = self.fetch(step, manifest.rank, manifest, i)
+            except OSError as e:   # the store, not the local disk the bytes were going to
+                raise OSError(e.errno, f"downloading {self._part(step, i, manifest.rank, manifest.generation)} "
+                              f"from {self.url} failed ({e}); check storage_options and the store") from e
             size = len(raw)
             if sc is not None:
                 chunk = torch.frombuffer(bytearray(raw), dtype=torch.uint8) if size else torch.empty(0, dtype=torch.uint8)
@@ -826,8 +990,26 @@ class RemoteTier:
                     raise
                 raise origin from None
             return
-        with ThreadPoolExecutor(knobs.get("CKPT_REMOTE_THREADS"), thread_name_prefix="ckpt-download") as ex:
-            list(ex.map(fetch, range(n)))
+        _map_all(fetch, n, "ckpt-download")
+
+
+def _generation_after(old: Commit) -> str:
+    """The generation a replacement of the copy committed as ``old`` is written to on a job tier: the
+    same on every rank (derived from the record they all read), another one after every commit."""
+    return "g" + hashlib.sha256(old.to_bytes()).hexdigest()[:16]
+
+
+def _map_all(fn: Callable[[int], Any], n: int, name: str) -> list[Any]:
+    """``[fn(i) for i in range(n)]`` on the remote tier's thread pool; the first failure cancels the
+    calls not yet started (an outage fails one request, not every remaining one after its retries)."""
+    with ThreadPoolExecutor(knobs.get("CKPT_REMOTE_THREADS"), thread_name_prefix=name) as ex:
+        futures = [ex.submit(fn, i) for i in range(n)]
+        try:
+            return [f.result() for f in futures]
+        except BaseException:
+            for f in futures:
+                f.cancel()
+            raise
 
 
 def _dominant_elem_size(items: list[ItemRecord], chunk: int) -> Callable[[int], int]:

@@ -1,0 +1,165 @@
+"""One live writer per ``local_dir``.
+
+Two Checkpointers writing one directory replace each other's committed steps and prune each
+other's saves in flight. The first one to write owns the directory (an ``flock`` on
+``local_dir/.ckpt-lock``, held until ``close()``; the kernel drops it when the process dies);
+another writer, in another process or this one, gets ``LockedError`` naming the directory and the
+owner. Readers (``ckpt ls/verify/inspect``, a Checkpointer that only restores) need no lock.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import ckpt
+from ckpt.cli import main as cli
+from helpers import run_ranks
+from owner_worker import state
+
+HERE = Path(__file__).parent
+
+
+@pytest.fixture
+def owner(local_dir):
+    """Another process that saved step 5 (all 1.0) into ``local_dir`` and still has it open."""
+    env = dict(os.environ, PYTHONPATH=f"{HERE}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    proc = subprocess.Popen([sys.executable, str(HERE / "owner_worker.py"), str(local_dir), "hold"],
+                            stdout=subprocess.PIPE, text=True, env=env)
+    try:
+        line = proc.stdout.readline().split()
+        assert line and line[0] == "saved", line
+        yield proc
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def _holds(local_dir: Path, step: int = 5) -> float | None:
+    target = {"w": torch.empty(10_000), "value": None}
+    with ckpt.Checkpointer(local_dir=local_dir) as ck:
+        ck.restore(target, step=step)
+    assert torch.equal(target["w"], torch.full((10_000,), target["value"]))
+    return target["value"]
+
+
+def _files(local_dir: Path) -> dict[str, int]:
+    return {str(p.relative_to(local_dir)): p.stat().st_mtime_ns for p in local_dir.rglob("*")}
+
+
+def test_a_second_process_cannot_write_into_a_live_owners_local_dir(local_dir, owner):
+    before = _files(local_dir)
+    ck = ckpt.Checkpointer(local_dir=local_dir)
+    try:
+        with pytest.raises(ckpt.LockedError) as e:
+            ck.save(5, state(2.0))
+        assert e.value.pid == owner.pid and e.value.host == socket.gethostname()
+        assert e.value.path == str(local_dir) and str(local_dir) in str(e.value) and str(owner.pid) in str(e.value)
+        with pytest.raises(ckpt.LockedError):   # a new step too: retention would prune the owner's steps
+            ck.save(6, state(2.0))
+    finally:
+        ck.close()
+    assert _files(local_dir) == before          # the owner's committed step 5 was not replaced
+    assert _holds(local_dir) == 1.0
+
+
+def test_a_sigkilled_owner_leaves_no_lock_behind(local_dir, owner):
+    owner.send_signal(signal.SIGKILL)
+    owner.wait()
+    with ckpt.Checkpointer(local_dir=local_dir) as ck:
+        ck.save(6, state(3.0)).wait()
+    assert _holds(local_dir, 6) == 3.0 and _holds(local_dir, 5) == 1.0
+
+
+def test_a_second_checkpointer_in_the_same_process_is_refused_until_the_first_closes(local_dir, tmp_path):
+    first = ckpt.Checkpointer(local_dir=local_dir)
+    first.save(1, state(1.0)).wait()
+    second = ckpt.Checkpointer(local_dir=local_dir)
+    with pytest.raises(ckpt.LockedError) as e:
+        second.save(1, state(2.0))
+    assert e.value.pid == os.getpid()
+    link = tmp_path / "link"
+    link.symlink_to(local_dir)
+    with pytest.raises(ckpt.LockedError):   # the same directory through a symlink
+        ckpt.Checkpointer(local_dir=link).save(1, state(2.0))
+    first.close()
+    second.save(2, state(2.0)).wait()
+    second.close()
+    assert _holds(local_dir, 1) == 1.0 and _holds(local_dir, 2) == 2.0
+
+
+def test_readers_need_no_lock(local_dir, owner, tmp_path, capsys):
+    assert cli(["ls", str(local_dir)]) == 0
+    assert cli(["verify", str(local_dir)]) == 0
+    assert cli(["inspect", str(local_dir)]) == 0
+    assert _holds(local_dir) == 1.0                                   # a restore-only Checkpointer
+    ckpt.promote(5, "remote", local_dir=local_dir, url=f"file://{tmp_path}/remote")   # reads local_dir only
+    with ckpt.Checkpointer(f"file://{tmp_path}/remote", local_dir=tmp_path / "elsewhere") as ck:
+        assert ck.restore({"w": torch.empty(10_000), "value": None}) == 5
+
+
+def test_gc_and_promote_into_an_owned_local_dir_are_refused(local_dir, owner, tmp_path):
+    url = f"file://{tmp_path}/remote"
+    with ckpt.Checkpointer(url, local_dir=tmp_path / "other") as ck:
+        for s in (1, 2, 3):
+            ck.save(s, state(float(s))).wait()
+    before = _files(local_dir)
+    with pytest.raises(ckpt.LockedError, match=str(local_dir)):
+        ckpt.promote(3, "local", local_dir=local_dir, url=url)
+    try:
+        status = cli(["gc", str(local_dir), "--keep", "1"])
+    except ckpt.LockedError:
+        status = "refused"
+    assert status != 0
+    assert cli(["gc", str(local_dir), "--keep", "1", "--dry-run"]) == 0   # only reads
+    assert _files(local_dir) == before
+    owner.kill()
+    owner.wait()
+    ckpt.promote(3, "local", local_dir=local_dir, url=url)
+    assert _holds(local_dir, 3) == 3.0
+
+
+def test_a_forked_child_does_not_keep_the_directory_locked(local_dir):
+    env = dict(os.environ, PYTHONPATH=f"{HERE}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    proc = subprocess.Popen([sys.executable, str(HERE / "owner_worker.py"), str(local_dir), "fork"],
+                            stdout=subprocess.PIPE, text=True, env=env)
+    child = None
+    try:
+        line = proc.stdout.readline().split()
+        assert line and line[0] == "closed", line
+        child = int(line[1])
+        with ckpt.Checkpointer(local_dir=local_dir) as ck:   # the parent closed: the child must not hold it
+            ck.save(6, state(6.0)).wait()
+    finally:
+        proc.kill()
+        proc.wait()
+        if child is not None:
+            try:
+                os.kill(child, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    assert _holds(local_dir, 6) == 6.0
+
+
+def test_every_rank_refuses_when_one_ranks_local_dir_has_another_owner(tmp_path):
+    (tmp_path / "rank-1").mkdir()
+    squatter = ckpt.Checkpointer(local_dir=tmp_path / "rank-1")
+    squatter.save(1, state(9.0)).wait()
+    try:
+        results = run_ranks(HERE / "owner_worker.py", str(tmp_path), "rank", timeout=120)
+    finally:
+        squatter.close()
+    out = [r.stdout.strip() for r in results]
+    assert all(r.returncode == 0 for r in results), [r.stderr[-2000:] for r in results]
+    assert out[1].startswith("raised LockedError") and str(os.getpid()) in out[1], out
+    assert out[0].startswith("raised LockedError") and "rank(s) [1]" in out[0], out
+    # rank 0 let go of its own directory when the construction failed
+    with ckpt.Checkpointer(local_dir=tmp_path / "rank-0") as ck:
+        ck.save(2, state(2.0)).wait()
