@@ -214,6 +214,9 @@ class CheckpointCallback(TrainerCallback):
             return self
         if self._trainer is not None:
             raise ValueError("this CheckpointCallback is attached to another Trainer already; make one per Trainer")
+        if getattr(trainer, "_ckpt_callback", None) is not None:
+            raise ValueError("this Trainer has a CheckpointCallback attached already; one Trainer takes one (two "
+                             "would both restore and save the run)")
         self._check_supported(trainer)
         missing = [n for n in _HOOKS if not callable(getattr(trainer, n, None))]
         if missing:
@@ -239,6 +242,7 @@ class CheckpointCallback(TrainerCallback):
             return self._train(trainer, originals["train"], resume_from_checkpoint, args, kwargs)
 
         trainer.train = train
+        trainer._ckpt_callback = self
         self._trainer = trainer
         return self
 
