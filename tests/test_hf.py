@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 pytest.importorskip("transformers", minversion="4.57")   # the version ckpt.integrations.hf needs
+pytest.importorskip("accelerate", minversion="1.1")      # transformers' Trainer needs it
 
 import torch  # noqa: E402
 
@@ -347,3 +348,29 @@ def test_refusals_name_the_argument_to_change(tmp_path):
         cb.attach(_trainer(tmp_path / "out2"))
     with pytest.raises(ValueError, match="has a CheckpointCallback attached already"):
         CheckpointCallback(local_dir=tmp_path / "ck2").attach(trainer)
+
+
+# ---------------------------------------------------------------------------------------------
+# docs/hf.md
+
+
+def _doc_examples() -> dict[str, str]:
+    blocks = re.findall(r"```python\n(# runnable-example: (\w+)\n.*?)```", DOC.read_text(), re.S)
+    return {name: code for code, name in blocks}
+
+
+@pytest.mark.parametrize("name, expected", [
+    ("trainer", "resumed from step 13; final weights and all 24 losses equal the uninterrupted run's"),
+    ("accelerate", "accelerate: resumed from step 10; final weights equal the uninterrupted run's"),
+])
+def test_the_docs_examples_run(tmp_path, name, expected):
+    assert set(_doc_examples()) == {"trainer", "accelerate"}
+    script = tmp_path / f"example_{name}.py"   # not accelerate.py: it would shadow the package
+    script.write_text(_doc_examples()[name])
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, cwd=tmp_path, timeout=300,
+                         env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert expected in out.stdout
+    if name == "trainer":
+        # no checkpoint-N directory: the snapshots replace them
+        assert not list((tmp_path / "runs").glob("*/out/checkpoint-*"))
