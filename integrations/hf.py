@@ -250,8 +250,8 @@ class CheckpointCallback(TrainerCallback):
         args = trainer.args
         if getattr(trainer, "is_deepspeed_enabled", False) or getattr(trainer, "is_fsdp_enabled", False):
             raise ValueError("CheckpointCallback does not support DeepSpeed or FSDP Trainers (their engines load the "
-                             "weights and optimizer): drop the deepspeed / fsdp TrainingArguments, or use the Trainer's "
-                             "own checkpoints")
+                             "weights and optimizer): drop the deepspeed / fsdp TrainingArguments, or use the "
+                             "Trainer's own checkpoints")
         if args.world_size > 1:
             raise ValueError(f"CheckpointCallback runs in one process; this Trainer has world_size={args.world_size}. "
                              "Use the Trainer's own checkpoints for multi-process runs")
@@ -264,7 +264,8 @@ class CheckpointCallback(TrainerCallback):
         ck = self.checkpointer
         self.restored_step, self._held, self._resume_dir = None, None, None
         if resume is not None and resume is not False:
-            log.info("CheckpointCallback: not restoring, since train(resume_from_checkpoint=%r) resumes the run", resume)
+            log.info("CheckpointCallback: not restoring, since train(resume_from_checkpoint=%r) resumes the run",
+                     resume)
         elif self.restore and ck.list():
             # The Trainer resumes from this directory; trainer_state.json is written into it from the checkpoint
             # when the Trainer asks for the model (_load_model), before it reads the file.

@@ -194,7 +194,9 @@ def test_a_corrupt_newest_checkpoint_resumes_from_the_previous_one_exactly(runs,
         _in_process(tmp_path / "c", tmp_path / "c", "--every", "5")
     ref_w, ref = _result(runs["dir"] / "ref")
     w, got = _result(tmp_path / "c")
-    # the weights, the optimizer, the TrainerState and the generators all came from step 5
+    # the weights, the optimizer, the TrainerState and the generators all came from step 5; step 5 also
+    # evaluated (drawing from the global generator), so this also checks that the snapshot of a step is taken
+    # after its evaluation, where the Trainer's resume loads the generators (one taken at the step's end fails)
     assert got["restored"] == 5
     assert w == ref_w and got["log"] == ref["log"]
 
@@ -240,8 +242,8 @@ def _kernels_run(*runs: list[str]) -> subprocess.CompletedProcess:
             "        traceback.print_exc()\n"
             "        where = os.path.abspath(traceback.extract_tb(e.__traceback__)[-1].filename)\n"
             f"        sys.exit({_KERNEL_FAILURE} if where.startswith(kernels) else 1)\n")
-    return subprocess.run([sys.executable, "-c", code, str(HERE), json.dumps(runs)], capture_output=True, text=True, env=env,
-                          timeout=600)
+    return subprocess.run([sys.executable, "-c", code, str(HERE), json.dumps(runs)], capture_output=True, text=True,
+                          env=env, timeout=600)
 
 
 def test_bf16_with_kernels_patch_resumes_exactly(tmp_path):
