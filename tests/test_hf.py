@@ -222,26 +222,18 @@ def test_bf16_autocast_resumes_exactly(tmp_path):
     assert w == ref_w and got["log"] == ref["log"]
 
 
-_KERNEL_FAILURE = 3   # exit status of _kernels_run when the innermost Python frame of the error is in ckpt.kernels
-
-
 def _kernels_run(*runs: list[str]) -> subprocess.CompletedProcess:
     """hf_worker runs (one argument list each) with ckpt.kernels.patch, one after the other in a fresh process:
     without CUDA, Triton's interpreter must be chosen before triton is first imported."""
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}
     if not torch.cuda.is_available():
         env["TRITON_INTERPRET"] = "1"
-    code = ("import json, os, sys, traceback; sys.path.insert(0, sys.argv[1]); import hf_worker, ckpt.kernels\n"
-            "kernels = os.path.dirname(os.path.abspath(ckpt.kernels.__file__)) + os.sep\n"
+    code = ("import json, sys; sys.path.insert(0, sys.argv[1]); import hf_worker\n"
             "for argv in json.loads(sys.argv[2]):\n"
             "    try:\n"
             "        hf_worker.main(argv)\n"
             "    except hf_worker.Crash:\n"
-            "        pass\n"
-            "    except Exception as e:\n"
-            "        traceback.print_exc()\n"
-            "        where = os.path.abspath(traceback.extract_tb(e.__traceback__)[-1].filename)\n"
-            f"        sys.exit({_KERNEL_FAILURE} if where.startswith(kernels) else 1)\n")
+            "        pass\n")
     return subprocess.run([sys.executable, "-c", code, str(HERE), json.dumps(runs)], capture_output=True, text=True,
                           env=env, timeout=600)
 
@@ -254,10 +246,6 @@ def test_bf16_with_kernels_patch_resumes_exactly(tmp_path):
     out = _kernels_run([str(ref), str(ref), *common, "--no-restore"],
                        [str(c), str(c), *common, "--every", "2", "--crash-at", "3"],
                        [str(c), str(c), *common, "--every", "2"])
-    if out.returncode == _KERNEL_FAILURE:
-        # Only a failure raised inside ckpt.kernels is expected (their bf16 autocast support is being fixed:
-        # fused_linear_cross_entropy writes the weight gradient of bf16 operands into a float32 tensor).
-        pytest.xfail("ckpt.kernels fail under Trainer(bf16=True) autocast:\n" + out.stderr[-1500:])
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     ref_w, ref_r = _result(ref)
     w, got = _result(c)
