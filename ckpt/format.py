@@ -25,6 +25,7 @@ Data files are opened through :func:`open_regular`, with the same refusal of non
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -600,13 +601,23 @@ def fsync_file(path: Path | str, and_dir: bool = False) -> None:
 
 
 def write_atomic(path: Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` so that readers see the old file or the whole new one."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    """Write ``data`` to ``path`` so that readers see the old file or the whole new one.
+
+    The temporary file's name is unique to this call (two threads, or two processes, writing the same
+    record never share one) and it is created exclusively, never through a link left at its name."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{secrets.token_hex(6)}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0)
+                 | getattr(os, "O_CLOEXEC", 0), 0o644)
+    try:
+        with open(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
     fsync_dir(path.parent)
 
 

@@ -57,6 +57,7 @@ need the Checkpointer's snapshot and rank groups); for saves that overlap traini
 from __future__ import annotations
 
 import dataclasses
+import errno
 import io
 import json
 import math
@@ -94,7 +95,7 @@ from torch.distributed.checkpoint.planner import (
 )
 from torch.distributed.checkpoint.storage import WriteResult
 
-from ..errors import CorruptCheckpointError, IncompleteCheckpointError, NoCheckpointError
+from ..errors import CheckpointError, CorruptCheckpointError, IncompleteCheckpointError, NoCheckpointError
 from ..format import (COMMIT_NAME, MAX_TREE_DEPTH, _is_nonneg_int, _is_number, check_shape, dtype_to_str,
                       fsync_dir, fsync_file, open_regular, parse_record, read_record, read_record_fs, str_to_dtype,
                       write_atomic)
@@ -146,6 +147,20 @@ class _Tier:
     def path(self, ckpt_id: str, name: str) -> str:
         return f"{self.root}/{ckpt_id}/{name}"
 
+    def refuse_linked(self, ckpt_id: str) -> None:
+        """Refuse to write checkpoint ``ckpt_id`` on a file system where its directory (or its ``COMMIT``)
+        is a symbolic link: a checkpoint kept elsewhere is read-only (``OSError(ELOOP)``), as for the
+        Checkpointer's tiers (:func:`ckpt.tiers.local.linked`)."""
+        if (self.local or self.mounted) and linked(self.root, ckpt_id):
+            raise OSError(errno.ELOOP, f"TierStorageWriter: checkpoint {ckpt_id!r} under {self.where} is a symbolic "
+                          "link (a checkpoint kept elsewhere, read-only): a save never writes through it; save "
+                          "under another checkpoint_id", f"{self.root}/{ckpt_id}")
+
+    def _store_error(self, e: Exception, doing: str) -> OSError:
+        """A store client's failure that is not an ``OSError`` (botocore's, say) as one naming ``doing``,
+        so that a reader falls back to the next tier instead of crashing."""
+        return OSError(getattr(e, "errno", None) or errno.EIO, f"{doing} on {self.where}: {type(e).__name__}: {e}")
+
     def put_bytes(self, ckpt_id: str, name: str, data: bytes) -> None:
         p = self.path(ckpt_id, name)
         if self.local:
@@ -188,7 +203,12 @@ class _Tier:
         p = self.path(ckpt_id, name)
         if self.local:
             return read_record(p)
-        return read_record_fs(self.fs, p)
+        try:
+            return read_record_fs(self.fs, p)
+        except (OSError, CheckpointError):
+            raise
+        except Exception as e:   # noqa: BLE001 - a store client's own error type
+            raise self._store_error(e, f"reading {p}") from e
 
     def get_bytes(self, ckpt_id: str, name: str, start: int, end: int) -> bytes | bytearray:
         """Bytes ``[start, end)`` of a data file (into a writable buffer for a local file, so a tensor
@@ -204,7 +224,12 @@ class _Tier:
             finally:
                 os.close(fd)
             return buf
-        return self.fs.cat_file(p, start=start, end=end)
+        try:
+            return self.fs.cat_file(p, start=start, end=end)
+        except OSError:
+            raise
+        except Exception as e:   # noqa: BLE001 - a store client's own error type
+            raise self._store_error(e, f"reading {p}") from e
 
     def remove(self, ckpt_id: str, name: str) -> None:
         p = self.path(ckpt_id, name)
@@ -491,6 +516,8 @@ class TierStorageWriter(StorageWriter):
         if self.checkpoint_id is None:
             self.checkpoint_id = _checkpoint_name(None, self._default_id)
         self._no_commit: set[str] = set()
+        for tier in self.tiers:   # every rank writes its file into the checkpoint's directory
+            tier.refuse_linked(self.checkpoint_id)
         if is_coordinator:
             # a COMMIT left by an earlier save under this name would vouch for a mix of old and new
             # files while this save runs: take it away first (the files it covered go with the save)

@@ -212,3 +212,33 @@ def test_dcp_retention_of_a_nodes_own_files_never_follows_a_link(tmp_path):
     w = TierStorageWriter(local_dir=local, keep=ckpt.Retention(local=1))
     dcp.save({"w": torch.arange(10.0)}, storage_writer=w, checkpoint_id="new")
     assert _tree(shared) == before and (local / "old").is_symlink()
+
+
+def test_a_dcp_save_never_writes_into_a_linked_checkpoint(tmp_path):
+    """dcp.save under an id whose directory is a link (a baseline linked in) used to unlink the
+    target's COMMIT and write its files into the target; it is refused and the target stays."""
+    shared, local = tmp_path / "shared", tmp_path / "local"
+    _dcp_save(shared, "base")
+    before = _tree(shared)
+    local.mkdir()
+    (local / "base").symlink_to(shared / "base", target_is_directory=True)
+    with pytest.raises(BaseException) as e:   # DCP's CheckpointException is a BaseException
+        _dcp_save(local, "base")
+    assert _errnos(e.value) & {errno.ELOOP}, e.value
+    assert _tree(shared) == before and (local / "base").is_symlink()
+
+
+def _errnos(e: BaseException) -> set[int]:
+    """Every errno in ``e``, its causes and (DCP's CheckpointException) the failures it wraps."""
+    out, todo = set(), [e]
+    while todo:
+        x = todo.pop()
+        if isinstance(x, OSError) and x.errno is not None:
+            out.add(x.errno)
+        failures = getattr(x, "failures", None)
+        if isinstance(failures, dict):
+            todo += [v[0] if isinstance(v, tuple) else v for v in failures.values()]
+        for nxt in (x.__cause__, x.__context__):
+            if isinstance(nxt, BaseException):
+                todo.append(nxt)
+    return out

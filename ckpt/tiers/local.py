@@ -183,8 +183,9 @@ class LocalTier:
             self._discard(stage)
             hint = ("free space there or point local_dir elsewhere" if e.errno in (errno.ENOSPC, errno.EDQUOT)
                     else "check the local_dir path and its permissions")
-            raise OSError(e.errno, f"{e.strerror} while writing step {step} to the local tier "
-                          f"({hint}); older checkpoints are untouched", str(e.filename or d)) from e
+            at = f" at {e.filename}" if e.filename and str(e.filename) != str(d) else ""
+            raise OSError(e.errno, f"{e.strerror}{at} while writing step {step} to the local tier (staged beside "
+                          f"it, then renamed into place; {hint}); older checkpoints are untouched", str(d)) from e
         except BaseException:
             self._discard(stage)
             raise
@@ -228,14 +229,7 @@ class LocalTier:
         try:
             if any(s > step for s in self.committed_steps()):
                 return
-            path = self.root / LATEST_NAME
-            tmp = self.root / f".{LATEST_NAME}.tmp-{os.getpid()}-{threading.get_ident()}"   # threads may race here
-            with open(tmp, "wb") as f:
-                f.write((step_dir_name(step) + "\n").encode())
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-            fsync_dir(self.root)
+            write_atomic(self.root / LATEST_NAME, (step_dir_name(step) + "\n").encode())   # threads may race here
         except OSError as e:
             log.warning("step %d is committed in %s, but %s could not be updated: %s", step, self.root, LATEST_NAME, e)
 
