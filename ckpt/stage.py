@@ -35,7 +35,7 @@ from typing import Any
 import psutil
 import torch
 
-from .errors import HostMemoryError, TornSnapshotError
+from .errors import CheckpointError, HostMemoryError, TornSnapshotError
 from .format import Manifest, ItemRecord
 from .plan import Entry
 
@@ -64,12 +64,21 @@ class HostBuffer:
     def memoryview(self, nbytes: int) -> memoryview:
         return memoryview(self.tensor.numpy())[:nbytes]
 
+    def free(self) -> None:
+        """Give the memory back now: drop the buffer and every view this object keeps of it (a
+        snapshot object that outlives the pool then holds no host memory)."""
+        self.views = {}
+        self.tensor = torch.empty(0, dtype=torch.uint8)
+        self.image_step = None
+        self.manifest = None
+
 
 class HostPool:
     """At most ``slots`` host buffers, allocated lazily and reused across saves.
 
     ``limit`` caps the total bytes (``host_memory_limit``); ``None`` derives it
     from the memory psutil reports available when a buffer is (re)allocated.
+    :meth:`close` frees every buffer (one still being persisted: once it is released).
     """
 
     def __init__(self, slots: int, limit: int | None, pin: bool | None = None) -> None:
@@ -80,6 +89,7 @@ class HostPool:
         self.pin = torch.cuda.is_available() if pin is None else pin
         self.buffers: list[HostBuffer] = []
         self.allocations = 0
+        self._closed = False
         self._cv = threading.Condition()
 
     @property
@@ -90,6 +100,8 @@ class HostPool:
         """A free buffer of at least ``nbytes`` (``None`` if all are busy and not ``block``)."""
         with self._cv:
             while True:
+                if self._closed:
+                    raise CheckpointError("the host staging pool is closed (the Checkpointer was closed)")
                 free = [b for b in self.buffers if not b.busy]
                 if free or len(self.buffers) < self.slots:
                     break
@@ -100,10 +112,7 @@ class HostPool:
             free.sort(key=lambda b: (b.capacity < nbytes, b.image_step if b.image_step is not None else -1))
             buf = free[0] if free else None
             if buf is None or buf.capacity < nbytes:
-                if buf is not None:
-                    self.buffers.remove(buf)
-                    del buf
-                buf = self._allocate(nbytes, step)
+                buf = self._allocate(nbytes, step, replacing=buf)
                 self.buffers.append(buf)
             buf.busy = True
             buf.image_step = None
@@ -117,28 +126,56 @@ class HostPool:
     def release(self, buf: HostBuffer) -> None:
         with self._cv:
             buf.busy = False
+            if self._closed:   # the persist that held it ended after close(): free it now
+                self._drop(buf)
             self._cv.notify_all()
+
+    def close(self) -> None:
+        """Free every buffer that is not busy now, and each busy one when it is released. Idempotent."""
+        with self._cv:
+            self._closed = True
+            for b in [b for b in self.buffers if not b.busy]:
+                self._drop(b)
+            self._cv.notify_all()
+
+    def _drop(self, buf: HostBuffer) -> None:
+        if buf in self.buffers:
+            self.buffers.remove(buf)
+        buf.free()
 
     def newest_image(self) -> HostBuffer | None:
         with self._cv:
             imgs = [b for b in self.buffers if b.image_step is not None]
             return max(imgs, key=lambda b: b.image_step) if imgs else None
 
-    def _allocate(self, nbytes: int, step: int) -> HostBuffer:
+    def _allocate(self, nbytes: int, step: int, replacing: HostBuffer | None = None) -> HostBuffer:
+        """A new buffer of at least ``nbytes``; ``replacing`` (a free buffer too small for the state,
+        which grew) is freed first, once the limit is known to allow the new one."""
         cap = max(_GRANULE, -(-nbytes // _GRANULE) * _GRANULE)
-        held = self.nbytes
+        allocated = self.nbytes
+        others = allocated - (replacing.capacity if replacing is not None else 0)   # what stays allocated
         if self.limit is not None:
             limit, why = self.limit, "host_memory_limit"
-        else:
-            limit, why = int(0.8 * psutil.virtual_memory().available) + held, \
+        else:   # what this pool holds already would be available to it, too
+            limit, why = int(0.8 * psutil.virtual_memory().available) + allocated, \
                 "80% of available host memory (the default of host_memory_limit)"
-        if held + cap > limit >= held + nbytes:
-            cap = limit - held   # the rounding alone would cross the limit
-        if held + cap > limit:
+        if others + cap > limit >= others + nbytes:
+            cap = limit - others   # the rounding alone would cross the limit
+        if others + cap > limit:
+            kind = "pinned" if self.pin else "pageable"
+            have = f"{_mib(allocated)} of {kind} staging memory is allocated already in {len(self.buffers)} " \
+                   f"buffer(s) (max_in_flight={self.slots})"
+            if replacing is not None:
+                have += f", of which the {_mib(replacing.capacity)} buffer of a smaller earlier state would be " \
+                        "freed to make room"
             raise HostMemoryError(
-                f"staging step {step} needs {_mib(nbytes)} of host memory on top of the {_mib(held)} "
-                f"already staged, over the {_mib(limit)} allowed by {why}; "
-                "pass Checkpointer(host_memory_limit=...) or a smaller max_in_flight")
+                f"staging step {step} needs a host buffer of {_mib(nbytes)}: {have}, so {_mib(others + nbytes)} "
+                f"would be needed in all, over the {_mib(limit)} allowed by {why}. Pass "
+                f"Checkpointer(host_memory_limit=...) of at least {others + nbytes} bytes"
+                f"{', or a smaller max_in_flight' if others else ''}",
+                needed=nbytes, allocated=allocated, limit=limit)
+        if replacing is not None:   # give its memory back before asking for more: peak = the new buffer
+            self._drop(replacing)
         t0 = time.perf_counter()
         buf = HostBuffer(cap, self.pin)
         self.allocations += 1
