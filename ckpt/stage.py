@@ -13,11 +13,20 @@ copies; it never waits for them. Two fences keep the snapshot consistent:
 
 Anything else that mutates state in place between ``save()`` and the next
 optimizer step (an EMA update, say) must call ``Checkpointer.wait_staged()``
-first. Such a mutation is detected through the tensor version counter: when a
-snapshot is fenced, a tensor whose ``_version`` moved since ``save()`` makes
-the save fail with :class:`~ckpt.errors.TornSnapshotError` naming it, instead
-of persisting a torn snapshot. The check is conservative: on the GPU, a write
-that the host cannot prove came after the copy is reported.
+first. Such a mutation fails the save with :class:`~ckpt.errors.TornSnapshotError`
+naming the tensor, instead of persisting a torn snapshot, through two checks:
+
+* the tensor version counter: when a snapshot is fenced, a tensor whose
+  ``_version`` moved since ``save()`` is reported (conservative: on the GPU, a
+  write that the host cannot prove came after the copy is reported too);
+* a value fingerprint (:func:`_fingerprint`), for writes the counter misses
+  (through ``.data``, which has a counter of its own, or a numpy view): taken at
+  ``save()`` ordered before anything the caller does next (synchronously for CPU
+  tensors, on the caller's stream for CUDA tensors) and compared with the
+  fingerprint of the host copy once it has landed, before the snapshot is
+  published or persisted. Exact for the snapshot itself: a write that lands
+  after the copy is never reported; one that leaves the fingerprint unchanged
+  (an exact permutation of words) is not seen.
 
 CPU tensors take the same path: a staging thread copies them into the pool
 (the buffers-first copy is done before ``save()`` returns), so CPU-only tests
@@ -227,6 +236,13 @@ class Snapshot:
         self._lock = threading.Lock()
         self._fenced = False
         self._t0 = time.perf_counter()
+        # Value checks of the CUDA tensors' copies: (key, record, dtype, shape, words) per tensor, their
+        # fingerprints at save() (copied to the host on the side stream), and the copies in groups,
+        # each with the event that says it has landed (verified as they land).
+        self._checks: list[tuple[str, ItemRecord, torch.dtype, torch.Size, bool]] = []
+        self._fp_host: torch.Tensor | None = None
+        self._groups: list[tuple[torch.cuda.Event, list[int]]] = []
+        self._verify_lock = threading.Lock()
 
     # -- fences -------------------------------------------------------------------------------
     @property
@@ -243,7 +259,8 @@ class Snapshot:
         self._fence()
 
     def wait_copied(self) -> None:
-        """Block the calling thread until every byte is in the host buffer, then fence."""
+        """Block the calling thread until every byte is in the host buffer and checked, then fence."""
+        self._verify_cuda_copies()
         if self._cuda_done is not None:
             self._cuda_done.synchronize()
         self._cpu_done.wait()
@@ -253,6 +270,39 @@ class Snapshot:
                 self.stats.stage_s = self._cuda_start.elapsed_time(self._cuda_done) / 1e3
             else:
                 self.stats.stage_s = time.perf_counter() - self._t0
+
+    def _verify_cuda_copies(self) -> None:
+        """Compare each CUDA tensor's host copy with its fingerprint at save(), group by group as the
+        copies land (so the check ends soon after the copy does). Done once, by the first caller."""
+        with self._verify_lock:
+            groups, self._groups = self._groups, []
+            torn: list[str] = []
+            expected: list[int] | None = None
+            for ev, idxs in groups:
+                ev.synchronize()
+                if expected is None:   # copied to the host before the first group, on the same stream
+                    expected = self._fp_host.tolist()
+                for i in idxs:
+                    key, rec, dtype, shape, words = self._checks[i]
+                    if int(_fingerprint(_view(self.buffer, rec, dtype, shape), words)) != expected[i]:
+                        torn.append(key)
+            if groups:
+                self._checks, self._fp_host = [], None
+        if torn:
+            self._torn(torn)
+
+    def _torn(self, keys: list[str]) -> None:
+        """Fail the save: the host copy of ``keys`` differs from their values at save()."""
+        more = f" (and {len(keys) - 1} more: {', '.join(repr(k) for k in keys[1:4])}{', ...' if len(keys) > 4 else ''})" \
+            if len(keys) > 1 else ""
+        with self._lock:
+            if self.error is None:
+                self.error = TornSnapshotError(
+                    f"tensor {keys[0]!r}{more} was written in place after save() and before its snapshot copy "
+                    f"was complete: the copy differs from its value at save(), so step {self.step}'s save is "
+                    "dropped rather than persisted torn. Writes through .data, a numpy view or torch.no_grad() "
+                    "are not seen by version counters; call Checkpointer.wait_staged() before in-place updates "
+                    "outside optimizer.step() (an EMA update, say)")
 
     def _fence(self) -> None:
         with self._lock:
@@ -333,11 +383,90 @@ def wait_all_staged() -> None:
 
 
 def _dst(buf: HostBuffer, rec: ItemRecord, t: torch.Tensor) -> torch.Tensor:
-    key = (rec.offset, t.dtype, t.shape)
+    return _view(buf, rec, t.dtype, t.shape)
+
+
+def _view(buf: HostBuffer, rec: ItemRecord, dtype: torch.dtype, shape: torch.Size) -> torch.Tensor:
+    key = (rec.offset, dtype, shape)
     view = buf.views.get(key)
     if view is None:   # the same state saves into the same views every time: build them once
-        view = buf.views[key] = buf.tensor[rec.offset:rec.offset + rec.nbytes].view(t.dtype).view(t.shape)
+        view = buf.views[key] = buf.tensor[rec.offset:rec.offset + rec.nbytes].view(dtype).view(shape)
     return view
+
+
+# -- value fingerprints ---------------------------------------------------------------------------------
+# Version counters miss writes through .data (a counter of its own), numpy views and numpy arrays.
+# So each saved tensor's fingerprint is taken at save(), ordered before anything the caller does
+# next (on the CPU: before save() returns; on CUDA: on the caller's stream), and compared with the
+# same fingerprint of its host copy once that has landed. A mismatch fails the save.
+
+_INT_OF_SIZE = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+_GROUP_BYTES = 64 << 20   # CUDA copies are checked on the host in groups of about this size, as they land
+
+
+def _fits_words(t: torch.Tensor) -> bool:
+    """Whether ``t``'s bytes can be read in place as whole 64-bit words (the fast form)."""
+    return t.is_contiguous() and (t.numel() * t.element_size()) % 8 == 0 and t.data_ptr() % 8 == 0
+
+
+def _fingerprint(t: torch.Tensor, words: bool) -> torch.Tensor:
+    """The int64 sum (wrapping modulo 2**64) of ``t``'s bytes read as integers: as 64-bit words when
+    ``words`` (contiguous, whole aligned words: memory speed on a CPU too), otherwise as integers of
+    its item size (any layout; a complex tensor as its real and imaginary parts). A 0-dim tensor on
+    ``t``'s device, made without a temporary copy of ``t``. Integer addition modulo 2**64 gives the
+    same result in any order, so it is exact and equal on every device for equal bytes, and any change
+    confined to one word (or element) changes it; a permutation of words does not."""
+    if words:
+        return t.reshape(-1).view(torch.int64).sum()
+    if t.is_complex():
+        t = torch.view_as_real(t)
+    return t.view(_INT_OF_SIZE[t.element_size()]).sum(dtype=torch.int64)
+
+
+def _fingerprints(pairs: list[tuple[Entry, ItemRecord]]) -> tuple[list[bool], torch.Tensor | None]:
+    """Each tensor's form (words or items: the copy lands at ``rec.offset`` and must allow the same
+    form) and fingerprint at this point of the caller's stream, stacked in one int64 tensor."""
+    words = [_fits_words(e.tensor) and r.offset % 8 == 0 for e, r in pairs]
+    if not pairs:
+        return words, None
+    return words, torch.stack([_fingerprint(e.tensor, w) for (e, _), w in zip(pairs, words)])
+
+
+def _stage_cuda(snap: Snapshot, cuda: list[tuple[Entry, ItemRecord]], side_stream: torch.cuda.Stream) -> None:
+    compute = torch.cuda.current_stream()
+    checked = [(e, r) for e, r in cuda if not e.is_buffer]
+    # on the caller's stream: ordered before anything the caller enqueues after save()
+    words, fp_dev = _fingerprints(checked)
+    side_stream.wait_stream(compute)   # the copy must see the step that was just computed
+    start = torch.cuda.Event(enable_timing=True)
+    done = torch.cuda.Event(enable_timing=True)
+    with torch.cuda.stream(side_stream):
+        start.record(side_stream)
+        if fp_dev is not None:
+            snap._fp_host = torch.empty(len(checked), dtype=torch.int64, pin_memory=True)
+            snap._fp_host.copy_(fp_dev, non_blocking=True)
+            fp_dev.record_stream(side_stream)   # not reused by the caller's stream before this copy read it
+        bufs = [(e, r) for e, r in cuda if e.is_buffer]
+        if bufs:
+            for e, r in bufs:
+                _dst(snap.buffer, r, e.tensor).copy_(e.tensor, non_blocking=True)
+            buf_ev = torch.cuda.Event()
+            buf_ev.record(side_stream)
+            compute.wait_event(buf_ev)   # next forward waits for this small copy, on the GPU
+        group: list[int] = []
+        group_bytes = 0
+        for i, (e, r) in enumerate(checked):
+            _dst(snap.buffer, r, e.tensor).copy_(e.tensor, non_blocking=True)
+            group.append(i)
+            group_bytes += r.nbytes
+            if group_bytes >= _GROUP_BYTES or i == len(checked) - 1:
+                ev = torch.cuda.Event()
+                ev.record(side_stream)
+                snap._groups.append((ev, group))
+                group, group_bytes = [], 0
+        done.record(side_stream)
+    snap._checks = [(e.key, r, e.tensor.dtype, e.tensor.shape, w) for (e, r), w in zip(checked, words)]
+    snap._cuda_start, snap._cuda_done = start, done
 
 
 @torch.no_grad()
@@ -356,34 +485,30 @@ def stage(snap: Snapshot, side_stream: torch.cuda.Stream | None) -> None:
     for e, r in cpu:
         if e.is_buffer:
             _dst(snap.buffer, r, e.tensor).copy_(e.tensor)
+    rest = [(e, r) for e, r in cpu if not e.is_buffer]
+    rest_words, rest_fp = _fingerprints(rest)   # the values at save(): before save() returns
     if cuda:
         if side_stream is None:
             raise RuntimeError("CUDA tensors in the state but no side stream")
-        compute = torch.cuda.current_stream()
-        side_stream.wait_stream(compute)   # the copy must see the step that was just computed
-        start = torch.cuda.Event(enable_timing=True)
-        done = torch.cuda.Event(enable_timing=True)
-        with torch.cuda.stream(side_stream):
-            start.record(side_stream)
-            bufs = [(e, r) for e, r in cuda if e.is_buffer]
-            if bufs:
-                for e, r in bufs:
-                    _dst(snap.buffer, r, e.tensor).copy_(e.tensor, non_blocking=True)
-                buf_ev = torch.cuda.Event()
-                buf_ev.record(side_stream)
-                compute.wait_event(buf_ev)   # next forward waits for this small copy, on the GPU
-            for e, r in cuda:
-                if not e.is_buffer:
-                    _dst(snap.buffer, r, e.tensor).copy_(e.tensor, non_blocking=True)
-            done.record(side_stream)
-        snap._cuda_start, snap._cuda_done = start, done
-    rest = [(e, r) for e, r in cpu if not e.is_buffer]
+        try:
+            _stage_cuda(snap, cuda, side_stream)
+        except BaseException:
+            side_stream.synchronize()   # no copy may still be writing into a buffer handed back
+            raise
     if rest:
+        expected = rest_fp.tolist()
+
         @torch.no_grad()
         def copy_cpu() -> None:
             try:
-                for e, r in rest:
-                    _dst(snap.buffer, r, e.tensor).copy_(e.tensor)
+                torn = []
+                for (e, r), words, fp in zip(rest, rest_words, expected):
+                    dst = _dst(snap.buffer, r, e.tensor)
+                    dst.copy_(e.tensor)
+                    if int(_fingerprint(dst, words)) != fp:   # the copy is not the value at save()
+                        torn.append(e.key)
+                if torn:
+                    snap._torn(torn)
                 if not cuda:
                     # The copy is complete and this thread knows it exactly: fence here, so that
                     # later in-place writes are ordered after the copy and never reported.
