@@ -369,17 +369,15 @@ class Checkpointer:
     def wait(self, tier: str | None = None) -> None:
         """Block until every save so far finished ``tier`` (all tiers when ``None``).
 
-        Raises the first failure not yet raised (the failure was also logged
-        when it happened).
+        Raises the first failure since the last ``wait()`` (also when a
+        ``handle.wait()`` raised it already: this reports on every save); the
+        failure was also logged when it happened.
         """
         with self._lock:
             handles = list(self._handles)
         for h in handles:
-            try:
-                h.wait(tier)
-            except BaseException:
-                pass
-        self._raise_failures()
+            h._wait_quietly(tier)   # failures are raised below
+        self._raise_failures(include_seen=True)
 
     # -- restoring ------------------------------------------------------------------------------------
     def restore(self, state: dict, step: int | None = None, strict: bool = True) -> int | None:
@@ -403,8 +401,8 @@ class Checkpointer:
         for h in handles:       # snapshots still being copied become the memory tier first
             try:
                 # with the peer tier, the persist thread's exchanges must be over: a restore may use
-                # the same peer group to send a kept copy back
-                h.wait(None if self.peer is not None else "memory")
+                # the same peer group to send a kept copy back. Failures stay for wait() / close().
+                h._wait_quietly(None if self.peer is not None else "memory")
             except BaseException:
                 pass
         if self.ranks is not None:
@@ -694,17 +692,22 @@ class Checkpointer:
 
     # -- lifecycle ------------------------------------------------------------------------------------
     def close(self, raise_errors: bool = True) -> None:
-        """Finish persisting every save, stop the background worker.
+        """Finish persisting every save, stop the background worker, and free the host staging
+        buffers (the memory tier goes with them). Safe to drop the object afterwards.
 
-        Raises the first failure not yet raised when ``raise_errors``.
+        When ``raise_errors``, raises the first failure the user has not seen: one that neither
+        ``handle.wait()`` nor :meth:`wait` raised already. ``__exit__`` calls it (without raising
+        when the block itself raised).
         """
         if self._closed:
             return
         self._closed = True
         try:
-            self._pipeline.close()
+            self._pipeline.close()   # also frees the host staging buffers (the memory tier goes with them)
         finally:
             self._disown()   # every write is over: another process may own local_dir now
+        with self._lock:
+            self._handles = []
         if raise_errors:
             self._raise_failures()
 
@@ -716,9 +719,14 @@ class Checkpointer:
         with self._lock:
             self._failures.append((handle, error))
 
-    def _raise_failures(self) -> None:
+    def _raise_failures(self, include_seen: bool = False) -> None:
+        """Raise the first failure recorded since the last call (the others are logged). Those a
+        ``handle.wait()`` raised to the user already count only when ``include_seen`` (``wait()``, which
+        reports on every save, sets it; ``close()`` does not: it raises what the user never saw)."""
         with self._lock:
             failures, self._failures = self._failures, []
+        if not include_seen:
+            failures = [(h, e) for h, e in failures if not h._was_raised(e)]
         if failures:
             handle, err = failures[0]
             if len(failures) > 1:

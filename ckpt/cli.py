@@ -6,21 +6,72 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
+import errno
 import json
+import logging
+import os
 import sys
 import time
-from typing import Any
+import traceback
+from typing import Any, Iterator
 
 __all__ = ["main"]
 
 
+class _UsageError(Exception):
+    """A mistake in the command line: exit status 2."""
+
+
+class _Failure(Exception):
+    """An operational failure the command itself found (nothing to inspect, say): exit status 1."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """Usage mistakes raise instead of printing the usage and exiting, so that :func:`main` reports
+    every failure the same way: one ``ckpt: error: ...`` line."""
+
+    def error(self, message: str) -> None:   # type: ignore[override]
+        raise _UsageError(f"{self.prog.removeprefix('ckpt').strip() + ': ' if self.prog != 'ckpt' else ''}"
+                          f"{message} (see '{self.prog} --help')")
+
+
+def _json_object(text: str) -> str:
+    """``--storage-options``: checked to be a JSON object while parsing, kept as text."""
+    try:
+        value = json.loads(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"not valid JSON ({e}): {text!r}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"must be a JSON object ({{\"key\": value, ...}}), got {text!r}")
+    return text
+
+
 def _tier(path: str, storage_options: str | None = None):
-    """The local tier at ``path``, or the remote tier when ``path`` is a URL (``s3://``, ``file://`` ...)."""
+    """The local tier at ``path``, or the remote tier when ``path`` is a URL (``s3://``, ``file://`` ...).
+
+    A directory that does not exist is an error (never created by a command that only reads or prunes)."""
     from .tiers import LocalTier, RemoteTier
 
     if "://" in path:
-        return RemoteTier(path, json.loads(storage_options) if storage_options else None)
+        opts = json.loads(storage_options) if storage_options else None
+        _must_exist(path, opts)
+        return RemoteTier(path, opts)
+    if not os.path.isdir(path):
+        raise FileNotFoundError(errno.ENOENT, "no such checkpoint directory (local_dir)", path)
     return LocalTier(path)
+
+
+def _must_exist(url: str, opts: dict | None) -> None:
+    """On a file system with real directories (``file://``), the URL's directory must exist: opening the
+    remote tier would create it. An object store has no empty directories to check."""
+    import fsspec
+
+    from .tiers.remote import is_local_fs
+
+    fs, root = fsspec.core.url_to_fs(url, **(opts or {}))
+    if is_local_fs(fs) and not fs.isdir(root):
+        raise FileNotFoundError(errno.ENOENT, "no such checkpoint directory", url)
 
 
 def _opts(args: argparse.Namespace) -> dict | None:
@@ -40,11 +91,14 @@ def _ls_dcp(args: argparse.Namespace) -> int:
     return 0
 
 
-def _verify_each(names: list[Any], check: Any, key: str, label: Any, as_json: bool) -> int:
+def _verify_each(names: list[Any], check: Any, key: str, label: Any, as_json: bool, where: str = "") -> int:
     """``check(name)`` (a dict with ``bytes``, maybe ``items``; raises on a bad checkpoint) for each name;
-    prints one OK / FAILED line per name, or JSON; returns the exit status (1 if any failed)."""
+    prints one OK / FAILED line per name, or JSON; returns the exit status (1 if any failed, with one
+    ``ckpt: error:`` line on stderr). Nothing to verify is a failure too."""
     from .errors import CheckpointError
 
+    if not names:
+        raise _Failure(f"no committed checkpoint to verify under {where}")
     results = []
     for n in names:
         t0 = time.perf_counter()
@@ -61,7 +115,12 @@ def _verify_each(names: list[Any], check: Any, key: str, label: Any, as_json: bo
                 print(f"{label(r[key])}: OK ({items}{_size(r['bytes'])} verified in {r['seconds']:.2f} s)")
             else:
                 print(f"{label(r[key])}: FAILED: {r['error']}")
-    return 1 if any(not r["ok"] for r in results) else 0
+    failed = sum(not r["ok"] for r in results)
+    if failed:
+        sys.stdout.flush()
+        print(f"ckpt: error: {failed} of {len(results)} {'checkpoints' if key == 'id' else 'steps'} failed "
+              f"verification under {where}", file=sys.stderr)
+    return 1 if failed else 0
 
 
 def _verify_dcp(args: argparse.Namespace) -> int:
@@ -69,7 +128,7 @@ def _verify_dcp(args: argparse.Namespace) -> int:
 
     ids = [args.id] if args.id else [r["id"] for r in list_checkpoints(args.dir, _opts(args))]
     return _verify_each(ids, lambda i: {k: v for k, v in verify(args.dir, i, _opts(args)).items() if k != "id"},
-                        "id", str, args.json)
+                        "id", str, args.json, args.dir)
 
 
 def _ls(args: argparse.Namespace) -> int:
@@ -114,7 +173,8 @@ def _inspect(args: argparse.Namespace) -> int:
         commit = tier.read_commit(step)
         manifests = tier.read_manifests(step, commit)
         if not 0 <= args.rank < len(manifests):
-            raise SystemExit(f"--rank {args.rank}: step {step} was saved by {len(manifests)} rank(s)")
+            raise _UsageError(f"--rank {args.rank}: step {step} of {args.dir} was saved by {len(manifests)} "
+                              f"rank(s): pass --rank 0 to {len(manifests) - 1}")
         manifest = manifests[args.rank]
     else:
         commit, manifest = tier.open(step)
@@ -146,7 +206,7 @@ def _verify(args: argparse.Namespace) -> int:
         m = tier.verify(step)   # a remote tier verifies every rank's parts
         return {"bytes": sum(x.data_bytes for x in m) if isinstance(m, list) else m.data_bytes}
 
-    return _verify_each(steps, check, "step", lambda s: f"step {s}", args.json)
+    return _verify_each(steps, check, "step", lambda s: f"step {s}", args.json, args.dir)
 
 
 def _gc(args: argparse.Namespace) -> int:
@@ -219,7 +279,7 @@ def _newest(tier) -> int:
 
     live = live_and_abandoned(tier.committed())[0]
     if not live:
-        raise SystemExit(f"no committed checkpoint under {getattr(tier, 'url', tier.root)}")
+        raise _Failure(f"no committed checkpoint under {getattr(tier, 'url', tier.root)}")
     return live[0].step
 
 
@@ -231,22 +291,30 @@ def _size(n: int) -> str:
     return str(n)
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
     from . import demo
 
-    p = argparse.ArgumentParser(prog="ckpt", description="Tiered asynchronous checkpointing for PyTorch.")
-    sub = p.add_subparsers(dest="cmd", required=True)
-    d = sub.add_parser("demo", help="train, checkpoint, get SIGKILLed, resume; compare bit for bit")
+    common = argparse.ArgumentParser(add_help=False)
+    # SUPPRESS: a subcommand without --debug must not reset a --debug given before it
+    common.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
+                        help="show the full traceback of a failure")
+    p = _Parser(prog="ckpt", description="Tiered asynchronous checkpointing for PyTorch.",
+                epilog="Exit status: 0 on success, 1 when the operation failed (a corrupt, incomplete or missing "
+                       "checkpoint, an I/O error; for verify: any step failed its check), 2 for a usage mistake.")
+    p.add_argument("--debug", action="store_true", help="show the full traceback of a failure")
+    sub = p.add_subparsers(dest="cmd", required=True, metavar="{demo,ls,inspect,verify,gc,promote}")
+    d = sub.add_parser("demo", parents=[common], help="train, checkpoint, get SIGKILLed, resume; compare bit for bit")
     demo.add_arguments(d)
     for name, fn, helptext in (("ls", _ls, "list committed checkpoints of a local or remote tier"),
                                ("inspect", _inspect, "show the tensors of a checkpoint"),
                                ("verify", _verify, "read every byte and check its checksum"),
                                ("gc", _gc, "delete all but the newest committed checkpoints (keeping the newest that verifies)")):
-        q = sub.add_parser(name, help=helptext)
+        q = sub.add_parser(name, parents=[common], help=helptext)
         q.add_argument("dir", help="local tier directory (local_dir), or a remote tier URL (every rank's files "
                                    "of a job tier)")
         q.add_argument("--json", action="store_true", help="machine-readable output")
-        q.add_argument("--storage-options", default=None, help="JSON object passed to fsspec (for a URL)")
+        q.add_argument("--storage-options", type=_json_object, default=None,
+                       help="JSON object passed to fsspec (for a URL)")
         if name in ("inspect", "verify"):
             q.add_argument("--step", type=int, default=None, help="step (default: newest / all)")
         if name in ("ls", "verify", "gc"):
@@ -260,19 +328,94 @@ def main(argv: list[str] | None = None) -> int:
             q.add_argument("--keep", type=int, default=2, help="newest checkpoints to keep (at least 1)")
             q.add_argument("--dry-run", action="store_true")
         q.set_defaults(fn=fn)
-    q = sub.add_parser("promote", help="copy a committed checkpoint between the local and remote tiers")
+    q = sub.add_parser("promote", parents=[common],
+                       help="copy a committed checkpoint between the local and remote tiers")
     q.add_argument("dir", help="local tier directory (local_dir)")
     q.add_argument("url", help="remote tier URL (any fsspec URL)")
     q.add_argument("--step", type=int, required=True)
     q.add_argument("--to", choices=("remote", "local"), required=True)
-    q.add_argument("--storage-options", default=None, help="JSON object passed to fsspec")
+    q.add_argument("--storage-options", type=_json_object, default=None, help="JSON object passed to fsspec")
     q.add_argument("--compression", choices=("zstd",), default=None)
     q.set_defaults(fn=_promote)
-    args = p.parse_args(argv)
-    if args.cmd == "demo":
-        args.child = False
-        return demo.parent(args)
-    return args.fn(args)
+    return p
+
+
+def _one_line(e: BaseException) -> str:
+    """``e`` as one line; the library's own errors also name their type (``CorruptCheckpointError``...)."""
+    text = " ".join(str(e).split()) or type(e).__name__
+    return text if isinstance(e, (OSError, _Failure, _UsageError)) else f"{text} ({type(e).__name__})"
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The ``ckpt`` command. Returns the exit status: 0 success, 1 operational failure, 2 usage mistake.
+
+    Every failure is one ``ckpt: error: ...`` line on stderr; ``--debug`` adds the traceback."""
+    from . import demo
+    from .errors import CheckpointError
+
+    argv = sys.argv[1:] if argv is None else list(argv)
+    debug = "--debug" in argv
+    try:
+        args = _parser().parse_args(argv)
+        debug = bool(getattr(args, "debug", False))
+        with _logging(debug):
+            if args.cmd == "demo":
+                args.child = False
+                return demo.parent(args)
+            return args.fn(args)
+    except _UsageError as e:
+        print(f"ckpt: error: {_one_line(e)}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("ckpt: error: interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:   # `ckpt ls DIR | head`: the reader left; not worth a message
+        try:
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.stdout.fileno())
+        except (OSError, ValueError):
+            pass
+        return 1
+    except (CheckpointError, OSError, ValueError, _Failure) as e:
+        if debug:
+            traceback.print_exc()
+        print(f"ckpt: error: {_one_line(e)}", file=sys.stderr)
+        return 1
+    except Exception as e:   # noqa: BLE001 - a bug: still one line, the traceback on request
+        if debug:
+            traceback.print_exc()
+        print(f"ckpt: error: unexpected {type(e).__name__}: {' '.join(str(e).split())} (rerun with --debug "
+              "for the traceback, and please report it)", file=sys.stderr)
+        return 1
+
+
+class _LogLines(logging.Handler):
+    """The library's warnings as ``ckpt: warning: ...`` lines on stderr (one line each)."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            print(f"ckpt: {record.levelname.lower()}: {' '.join(record.getMessage().split())}", file=sys.stderr)
+        except Exception:   # noqa: BLE001 - logging must never fail the command
+            self.handleError(record)
+
+
+@contextlib.contextmanager
+def _logging(debug: bool) -> Iterator[None]:
+    """While a command runs: the library's warnings as one line each, or (``--debug``) its whole log."""
+    logger = logging.getLogger("ckpt")
+    handler: logging.Handler = _LogLines(logging.WARNING)
+    if debug:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+    saved = logger.level
+    logger.addHandler(handler)
+    if debug:
+        logger.setLevel(logging.DEBUG)
+    try:
+        yield
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(saved)
 
 
 if __name__ == "__main__":

@@ -53,7 +53,17 @@ class TornSnapshotError(CheckpointError):
 
 
 class HostMemoryError(CheckpointError, MemoryError):
-    """The pinned staging buffer would exceed ``host_memory_limit``."""
+    """The pinned staging buffer would exceed ``host_memory_limit``.
+
+    ``needed``: bytes the new state's buffer needs; ``allocated``: bytes of staging buffers
+    allocated when it was refused (including one that the new buffer would replace);
+    ``limit``: the bytes allowed (``host_memory_limit``, or its default).
+    """
+
+    def __init__(self, message: str, *, needed: int | None = None, allocated: int | None = None,
+                 limit: int | None = None) -> None:
+        super().__init__(message)
+        self.needed, self.allocated, self.limit = needed, allocated, limit
 
 
 class NoCheckpointError(CheckpointError):

@@ -20,6 +20,7 @@ import logging
 import queue
 import threading
 import time
+import traceback
 import weakref
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
@@ -66,6 +67,19 @@ def _finish_at_exit() -> None:
 getattr(threading, "_register_atexit", atexit.register)(_finish_at_exit)
 
 
+def _drop_locals(error: BaseException) -> None:
+    """Clear the local variables of the finished frames in ``error``'s traceback (and those of its
+    causes). The error lives on in the save handle and the Checkpointer until raised; its frames
+    would otherwise keep views of the host buffer, and so the whole staging memory, alive after
+    close(). File names and line numbers stay, so the traceback still prints."""
+    seen: set[int] = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        if error.__traceback__ is not None:
+            traceback.clear_frames(error.__traceback__)
+        error = error.__cause__ or error.__context__
+
+
 class SaveHandle:
     """The progress of one save, tier by tier.
 
@@ -82,6 +96,8 @@ class SaveHandle:
         self._events = {t: threading.Event() for t in tiers}
         self._skipped = False
         self._all = threading.Event()
+        self._raised: list[BaseException] = []   # errors wait() raised to its caller
+        self._lock = threading.Lock()
 
     @property
     def status(self) -> str:
@@ -104,15 +120,29 @@ class SaveHandle:
     def wait(self, tier: str | None = None, timeout: float | None = None) -> "SaveHandle":
         """Block until ``tier`` (every tier when ``None``) finished; raise its error if it failed.
 
-        Raises ``TimeoutError`` after ``timeout`` seconds.
+        Raises ``TimeoutError`` after ``timeout`` seconds. An error raised here is not raised
+        again by ``Checkpointer.wait()`` or ``close()`` (those raise the failures not yet seen).
         """
+        err = self._wait_quietly(tier, timeout)
+        if err is not None:
+            with self._lock:
+                if not any(err is e for e in self._raised):
+                    self._raised.append(err)
+            raise err
+        return self
+
+    def _wait_quietly(self, tier: str | None = None, timeout: float | None = None) -> BaseException | None:
+        """:meth:`wait` for the library's own use: returns the error instead of raising it, and does not
+        count it as shown to the user."""
         ev = self._all if tier is None else self._event(tier)
         if not ev.wait(timeout):
             raise TimeoutError(f"step {self.step}: tier {tier or 'all'} not done after {timeout} s")
-        err = self.errors.get(tier) if tier is not None else self.error
-        if err is not None:
-            raise err
-        return self
+        return self.errors.get(tier) if tier is not None else self.error
+
+    def _was_raised(self, error: BaseException) -> bool:
+        """Whether :meth:`wait` raised ``error`` to its caller already."""
+        with self._lock:
+            return any(error is e for e in self._raised)
 
     def _event(self, tier: str) -> threading.Event:
         if tier not in self._events:
@@ -202,6 +232,8 @@ class Pipeline:
             _live.discard(self)
             self._queue.put(None)
         self._thread.join(timeout)
+        # the host buffers go now; one still held by a persist that outlived `timeout`, once it is released
+        self.pool.close()
         if self._thread.is_alive():
             return False
         if self._uploader is not None:
@@ -264,6 +296,7 @@ class Pipeline:
                 return None
             except BaseException as e:
                 log.error("checkpoint of step %d failed on the %s tier: %s", snap.step, tier, e)
+                _drop_locals(e)
                 self._on_error(handle, e)
                 return e
 
@@ -316,6 +349,7 @@ class Pipeline:
             if peer_error is None and not acked:
                 peer_error = CheckpointError(f"step {snap.step}: rank {self.peer.dst} did not keep this rank's copy "
                                              "(its log says why)")
+                self._on_error(handle, peer_error)   # raised by Checkpointer.wait() / close() like any failure
             handle._finish("peer", peer_error)
         if upload is None and self.peer is None:
             handle._finish("local", local_error)

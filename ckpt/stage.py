@@ -13,11 +13,20 @@ copies; it never waits for them. Two fences keep the snapshot consistent:
 
 Anything else that mutates state in place between ``save()`` and the next
 optimizer step (an EMA update, say) must call ``Checkpointer.wait_staged()``
-first. Such a mutation is detected through the tensor version counter: when a
-snapshot is fenced, a tensor whose ``_version`` moved since ``save()`` makes
-the save fail with :class:`~ckpt.errors.TornSnapshotError` naming it, instead
-of persisting a torn snapshot. The check is conservative: on the GPU, a write
-that the host cannot prove came after the copy is reported.
+first. Such a mutation fails the save with :class:`~ckpt.errors.TornSnapshotError`
+naming the tensor, instead of persisting a torn snapshot, through two checks:
+
+* the tensor version counter: when a snapshot is fenced, a tensor whose
+  ``_version`` moved since ``save()`` is reported (conservative: on the GPU, a
+  write that the host cannot prove came after the copy is reported too);
+* a value fingerprint (:func:`_fingerprint`), for writes the counter misses
+  (through ``.data``, which has a counter of its own, or a numpy view): taken at
+  ``save()`` ordered before anything the caller does next (synchronously for CPU
+  tensors, on the caller's stream for CUDA tensors) and compared with the
+  fingerprint of the host copy once it has landed, before the snapshot is
+  published or persisted. Exact for the snapshot itself: a write that lands
+  after the copy is never reported; one that leaves the fingerprint unchanged
+  (an exact permutation of words) is not seen.
 
 CPU tensors take the same path: a staging thread copies them into the pool
 (the buffers-first copy is done before ``save()`` returns), so CPU-only tests
@@ -32,10 +41,11 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import psutil
 import torch
 
-from .errors import HostMemoryError, TornSnapshotError
+from .errors import CheckpointError, HostMemoryError, TornSnapshotError
 from .format import Manifest, ItemRecord
 from .plan import Entry
 
@@ -64,12 +74,21 @@ class HostBuffer:
     def memoryview(self, nbytes: int) -> memoryview:
         return memoryview(self.tensor.numpy())[:nbytes]
 
+    def free(self) -> None:
+        """Give the memory back now: drop the buffer and every view this object keeps of it (a
+        snapshot object that outlives the pool then holds no host memory)."""
+        self.views = {}
+        self.tensor = torch.empty(0, dtype=torch.uint8)
+        self.image_step = None
+        self.manifest = None
+
 
 class HostPool:
     """At most ``slots`` host buffers, allocated lazily and reused across saves.
 
     ``limit`` caps the total bytes (``host_memory_limit``); ``None`` derives it
     from the memory psutil reports available when a buffer is (re)allocated.
+    :meth:`close` frees every buffer (one still being persisted: once it is released).
     """
 
     def __init__(self, slots: int, limit: int | None, pin: bool | None = None) -> None:
@@ -80,6 +99,7 @@ class HostPool:
         self.pin = torch.cuda.is_available() if pin is None else pin
         self.buffers: list[HostBuffer] = []
         self.allocations = 0
+        self._closed = False
         self._cv = threading.Condition()
 
     @property
@@ -90,6 +110,8 @@ class HostPool:
         """A free buffer of at least ``nbytes`` (``None`` if all are busy and not ``block``)."""
         with self._cv:
             while True:
+                if self._closed:
+                    raise CheckpointError("the host staging pool is closed (the Checkpointer was closed)")
                 free = [b for b in self.buffers if not b.busy]
                 if free or len(self.buffers) < self.slots:
                     break
@@ -100,10 +122,7 @@ class HostPool:
             free.sort(key=lambda b: (b.capacity < nbytes, b.image_step if b.image_step is not None else -1))
             buf = free[0] if free else None
             if buf is None or buf.capacity < nbytes:
-                if buf is not None:
-                    self.buffers.remove(buf)
-                    del buf
-                buf = self._allocate(nbytes, step)
+                buf = self._allocate(nbytes, step, replacing=buf)
                 self.buffers.append(buf)
             buf.busy = True
             buf.image_step = None
@@ -117,28 +136,56 @@ class HostPool:
     def release(self, buf: HostBuffer) -> None:
         with self._cv:
             buf.busy = False
+            if self._closed:   # the persist that held it ended after close(): free it now
+                self._drop(buf)
             self._cv.notify_all()
+
+    def close(self) -> None:
+        """Free every buffer that is not busy now, and each busy one when it is released. Idempotent."""
+        with self._cv:
+            self._closed = True
+            for b in [b for b in self.buffers if not b.busy]:
+                self._drop(b)
+            self._cv.notify_all()
+
+    def _drop(self, buf: HostBuffer) -> None:
+        if buf in self.buffers:
+            self.buffers.remove(buf)
+        buf.free()
 
     def newest_image(self) -> HostBuffer | None:
         with self._cv:
             imgs = [b for b in self.buffers if b.image_step is not None]
             return max(imgs, key=lambda b: b.image_step) if imgs else None
 
-    def _allocate(self, nbytes: int, step: int) -> HostBuffer:
+    def _allocate(self, nbytes: int, step: int, replacing: HostBuffer | None = None) -> HostBuffer:
+        """A new buffer of at least ``nbytes``; ``replacing`` (a free buffer too small for the state,
+        which grew) is freed first, once the limit is known to allow the new one."""
         cap = max(_GRANULE, -(-nbytes // _GRANULE) * _GRANULE)
-        held = self.nbytes
+        allocated = self.nbytes
+        others = allocated - (replacing.capacity if replacing is not None else 0)   # what stays allocated
         if self.limit is not None:
             limit, why = self.limit, "host_memory_limit"
-        else:
-            limit, why = int(0.8 * psutil.virtual_memory().available) + held, \
+        else:   # what this pool holds already would be available to it, too
+            limit, why = int(0.8 * psutil.virtual_memory().available) + allocated, \
                 "80% of available host memory (the default of host_memory_limit)"
-        if held + cap > limit >= held + nbytes:
-            cap = limit - held   # the rounding alone would cross the limit
-        if held + cap > limit:
+        if others + cap > limit >= others + nbytes:
+            cap = limit - others   # the rounding alone would cross the limit
+        if others + cap > limit:
+            kind = "pinned" if self.pin else "pageable"
+            have = f"{_mib(allocated)} of {kind} staging memory is allocated already in {len(self.buffers)} " \
+                   f"buffer(s) (max_in_flight={self.slots})"
+            if replacing is not None:
+                have += f", of which the {_mib(replacing.capacity)} buffer of a smaller earlier state would be " \
+                        "freed to make room"
             raise HostMemoryError(
-                f"staging step {step} needs {_mib(nbytes)} of host memory on top of the {_mib(held)} "
-                f"already staged, over the {_mib(limit)} allowed by {why}; "
-                "pass Checkpointer(host_memory_limit=...) or a smaller max_in_flight")
+                f"staging step {step} needs a host buffer of {_mib(nbytes)}: {have}, so {_mib(others + nbytes)} "
+                f"would be needed in all, over the {_mib(limit)} allowed by {why}. Pass "
+                f"Checkpointer(host_memory_limit=...) of at least {others + nbytes} bytes"
+                f"{', or a smaller max_in_flight' if others else ''}",
+                needed=nbytes, allocated=allocated, limit=limit)
+        if replacing is not None:   # give its memory back before asking for more: peak = the new buffer
+            self._drop(replacing)
         t0 = time.perf_counter()
         buf = HostBuffer(cap, self.pin)
         self.allocations += 1
@@ -190,6 +237,13 @@ class Snapshot:
         self._lock = threading.Lock()
         self._fenced = False
         self._t0 = time.perf_counter()
+        # Value checks of the CUDA tensors' copies: (key, record, dtype, shape, words) per tensor, their
+        # fingerprints at save() (copied to the host on the side stream), and the copies in groups,
+        # each with the event that says it has landed (verified as they land).
+        self._checks: list[tuple[str, ItemRecord, torch.dtype, torch.Size, bool]] = []
+        self._fp_host: torch.Tensor | None = None
+        self._groups: list[tuple[torch.cuda.Event, list[int]]] = []
+        self._verify_lock = threading.Lock()
 
     # -- fences -------------------------------------------------------------------------------
     @property
@@ -206,7 +260,8 @@ class Snapshot:
         self._fence()
 
     def wait_copied(self) -> None:
-        """Block the calling thread until every byte is in the host buffer, then fence."""
+        """Block the calling thread until every byte is in the host buffer and checked, then fence."""
+        self._verify_cuda_copies()
         if self._cuda_done is not None:
             self._cuda_done.synchronize()
         self._cpu_done.wait()
@@ -216,6 +271,39 @@ class Snapshot:
                 self.stats.stage_s = self._cuda_start.elapsed_time(self._cuda_done) / 1e3
             else:
                 self.stats.stage_s = time.perf_counter() - self._t0
+
+    def _verify_cuda_copies(self) -> None:
+        """Compare each CUDA tensor's host copy with its fingerprint at save(), group by group as the
+        copies land (so the check ends soon after the copy does). Done once, by the first caller."""
+        with self._verify_lock:
+            groups, self._groups = self._groups, []
+            torn: list[str] = []
+            expected: list[int] | None = None
+            for ev, idxs in groups:
+                ev.synchronize()
+                if expected is None:   # copied to the host before the first group, on the same stream
+                    expected = self._fp_host.tolist()
+                for i in idxs:
+                    key, rec, dtype, shape, words = self._checks[i]
+                    if _fingerprint(_view(self.buffer, rec, dtype, shape), words) != expected[i]:
+                        torn.append(key)
+            if groups:
+                self._checks, self._fp_host = [], None
+        if torn:
+            self._torn(torn)
+
+    def _torn(self, keys: list[str]) -> None:
+        """Fail the save: the host copy of ``keys`` differs from their values at save()."""
+        more = f" (and {len(keys) - 1} more: {', '.join(repr(k) for k in keys[1:4])}{', ...' if len(keys) > 4 else ''})" \
+            if len(keys) > 1 else ""
+        with self._lock:
+            if self.error is None:
+                self.error = TornSnapshotError(
+                    f"tensor {keys[0]!r}{more} was written in place after save() and before its snapshot copy "
+                    f"was complete: the copy differs from its value at save(), so step {self.step}'s save is "
+                    "dropped rather than persisted torn. Writes through .data, a numpy view or torch.no_grad() "
+                    "are not seen by version counters; call Checkpointer.wait_staged() before in-place updates "
+                    "outside optimizer.step() (an EMA update, say)")
 
     def _fence(self) -> None:
         with self._lock:
@@ -296,11 +384,111 @@ def wait_all_staged() -> None:
 
 
 def _dst(buf: HostBuffer, rec: ItemRecord, t: torch.Tensor) -> torch.Tensor:
-    key = (rec.offset, t.dtype, t.shape)
+    return _view(buf, rec, t.dtype, t.shape)
+
+
+def _view(buf: HostBuffer, rec: ItemRecord, dtype: torch.dtype, shape: torch.Size) -> torch.Tensor:
+    key = (rec.offset, dtype, shape)
     view = buf.views.get(key)
     if view is None:   # the same state saves into the same views every time: build them once
-        view = buf.views[key] = buf.tensor[rec.offset:rec.offset + rec.nbytes].view(t.dtype).view(t.shape)
+        view = buf.views[key] = buf.tensor[rec.offset:rec.offset + rec.nbytes].view(dtype).view(shape)
     return view
+
+
+# -- value fingerprints ---------------------------------------------------------------------------------
+# Version counters miss writes through .data (a counter of its own), numpy views and numpy arrays.
+# So each saved tensor's fingerprint is taken at save(), ordered before anything the caller does
+# next (on the CPU: before save() returns; on CUDA: on the caller's stream), and compared with the
+# same fingerprint of its host copy once that has landed. A mismatch fails the save.
+
+_INT_OF_SIZE = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+_GROUP_BYTES = 64 << 20   # CUDA copies are checked on the host in groups of about this size, as they land
+
+
+def _fits_words(t: torch.Tensor) -> bool:
+    """Whether ``t``'s bytes can be read in place as whole 64-bit words (the fast form)."""
+    return t.is_contiguous() and (t.numel() * t.element_size()) % 8 == 0 and t.data_ptr() % 8 == 0
+
+
+def _as_ints(t: torch.Tensor, words: bool) -> torch.Tensor:
+    """``t``'s bytes as integers, in place: 64-bit words (``words``), or integers of its item size
+    (a complex tensor as its real and imaginary parts)."""
+    if words:
+        return t.reshape(-1).view(torch.int64)
+    if t.is_complex():
+        t = torch.view_as_real(t)
+    return t.view(_INT_OF_SIZE[t.element_size()])
+
+
+def _fingerprint(t: torch.Tensor, words: bool) -> int:
+    """The sum, wrapping modulo 2**64, of ``t``'s bytes read as integers: as 64-bit words when
+    ``words`` (contiguous, whole aligned words: the fast form), otherwise as integers of its item
+    size (any layout). Read in place, without a temporary copy of ``t``. Integer addition modulo
+    2**64 gives the same result in any order, so it is exact and equal on every device for equal
+    bytes, and any change confined to one word (or element) changes it; a permutation does not.
+    On the CPU numpy sums (one thread, GIL released, and several times faster than torch's widening
+    integer sums); on CUDA :func:`_fingerprint_on_device` gives the same number."""
+    if t.device.type != "cpu":
+        return int(_fingerprint_on_device(t, words))
+    return int(_as_ints(t, words).numpy().sum(dtype=np.int64))
+
+
+def _fingerprint_on_device(t: torch.Tensor, words: bool) -> torch.Tensor:
+    """:func:`_fingerprint` as a 0-dim int64 tensor, computed on ``t``'s device and current stream."""
+    return _as_ints(t, words).sum(dtype=torch.int64)
+
+
+def _fingerprints(pairs: list[tuple[Entry, ItemRecord]]) -> tuple[list[bool], torch.Tensor | list[int] | None]:
+    """Each tensor's form (words or items: the copy lands at ``rec.offset`` and must allow the same
+    form) and fingerprint at this point of the caller's thread (CPU tensors: a list of ints) or stream
+    (CUDA tensors: stacked in one int64 tensor on the device)."""
+    # A lazily conjugated or negated view's bytes are not its values (the copy holds the values):
+    # such rare tensors are resolved into a temporary first.
+    srcs = [e.tensor.resolve_conj().resolve_neg() if e.tensor.is_conj() or e.tensor.is_neg() else e.tensor
+            for e, _ in pairs]
+    words = [_fits_words(t) and r.offset % 8 == 0 for t, (_, r) in zip(srcs, pairs)]
+    if not pairs:
+        return words, None
+    if srcs[0].device.type == "cpu":
+        return words, [_fingerprint(t, w) for t, w in zip(srcs, words)]
+    return words, torch.stack([_fingerprint_on_device(t, w) for t, w in zip(srcs, words)])
+
+
+def _stage_cuda(snap: Snapshot, cuda: list[tuple[Entry, ItemRecord]], side_stream: torch.cuda.Stream) -> None:
+    compute = torch.cuda.current_stream()
+    checked = [(e, r) for e, r in cuda if not e.is_buffer]
+    # on the caller's stream: ordered before anything the caller enqueues after save()
+    words, fp_dev = _fingerprints(checked)
+    side_stream.wait_stream(compute)   # the copy must see the step that was just computed
+    start = torch.cuda.Event(enable_timing=True)
+    done = torch.cuda.Event(enable_timing=True)
+    with torch.cuda.stream(side_stream):
+        start.record(side_stream)
+        if fp_dev is not None:
+            snap._fp_host = torch.empty(len(checked), dtype=torch.int64, pin_memory=True)
+            snap._fp_host.copy_(fp_dev, non_blocking=True)
+            fp_dev.record_stream(side_stream)   # not reused by the caller's stream before this copy read it
+        bufs = [(e, r) for e, r in cuda if e.is_buffer]
+        if bufs:
+            for e, r in bufs:
+                _dst(snap.buffer, r, e.tensor).copy_(e.tensor, non_blocking=True)
+            buf_ev = torch.cuda.Event()
+            buf_ev.record(side_stream)
+            compute.wait_event(buf_ev)   # next forward waits for this small copy, on the GPU
+        group: list[int] = []
+        group_bytes = 0
+        for i, (e, r) in enumerate(checked):
+            _dst(snap.buffer, r, e.tensor).copy_(e.tensor, non_blocking=True)
+            group.append(i)
+            group_bytes += r.nbytes
+            if group_bytes >= _GROUP_BYTES or i == len(checked) - 1:
+                ev = torch.cuda.Event()
+                ev.record(side_stream)
+                snap._groups.append((ev, group))
+                group, group_bytes = [], 0
+        done.record(side_stream)
+    snap._checks = [(e.key, r, e.tensor.dtype, e.tensor.shape, w) for (e, r), w in zip(checked, words)]
+    snap._cuda_start, snap._cuda_done = start, done
 
 
 @torch.no_grad()
@@ -319,34 +507,30 @@ def stage(snap: Snapshot, side_stream: torch.cuda.Stream | None) -> None:
     for e, r in cpu:
         if e.is_buffer:
             _dst(snap.buffer, r, e.tensor).copy_(e.tensor)
+    rest = [(e, r) for e, r in cpu if not e.is_buffer]
+    rest_words, rest_fp = _fingerprints(rest)   # the values at save(): before save() returns
     if cuda:
         if side_stream is None:
             raise RuntimeError("CUDA tensors in the state but no side stream")
-        compute = torch.cuda.current_stream()
-        side_stream.wait_stream(compute)   # the copy must see the step that was just computed
-        start = torch.cuda.Event(enable_timing=True)
-        done = torch.cuda.Event(enable_timing=True)
-        with torch.cuda.stream(side_stream):
-            start.record(side_stream)
-            bufs = [(e, r) for e, r in cuda if e.is_buffer]
-            if bufs:
-                for e, r in bufs:
-                    _dst(snap.buffer, r, e.tensor).copy_(e.tensor, non_blocking=True)
-                buf_ev = torch.cuda.Event()
-                buf_ev.record(side_stream)
-                compute.wait_event(buf_ev)   # next forward waits for this small copy, on the GPU
-            for e, r in cuda:
-                if not e.is_buffer:
-                    _dst(snap.buffer, r, e.tensor).copy_(e.tensor, non_blocking=True)
-            done.record(side_stream)
-        snap._cuda_start, snap._cuda_done = start, done
-    rest = [(e, r) for e, r in cpu if not e.is_buffer]
+        try:
+            _stage_cuda(snap, cuda, side_stream)
+        except BaseException:
+            side_stream.synchronize()   # no copy may still be writing into a buffer handed back
+            raise
     if rest:
+        expected = rest_fp
+
         @torch.no_grad()
         def copy_cpu() -> None:
             try:
-                for e, r in rest:
-                    _dst(snap.buffer, r, e.tensor).copy_(e.tensor)
+                torn = []
+                for (e, r), words, fp in zip(rest, rest_words, expected):
+                    dst = _dst(snap.buffer, r, e.tensor)
+                    dst.copy_(e.tensor)
+                    if _fingerprint(dst, words) != fp:   # the copy is not the value at save()
+                        torn.append(e.key)
+                if torn:
+                    snap._torn(torn)
                 if not cuda:
                     # The copy is complete and this thread knows it exactly: fence here, so that
                     # later in-place writes are ordered after the copy and never reported.

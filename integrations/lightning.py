@@ -436,11 +436,10 @@ class _Settler:
         while (job := self._queue.get()) is not None:
             handle, res = job
             try:
-                handle.wait()
-            except BaseException as e:
-                res.settle(e)
-            else:
-                res.settle(None)
+                err = handle._wait_quietly()   # the plugin's own wait: the user still hears of the failure
+            except BaseException as e:         # noqa: BLE001
+                err = e
+            res.settle(err)
 
 
 class TieredCheckpointIO(CheckpointIO):
@@ -710,9 +709,9 @@ class TieredCheckpointIO(CheckpointIO):
 
 def _wait_quietly(handle: SaveHandle) -> None:
     try:
-        handle.wait()
+        handle._wait_quietly()   # not counted as raised: the Checkpointer raises it at close (teardown)
     except Exception:
-        pass    # logged when it happened; the Checkpointer raises it at close (teardown)
+        pass    # logged when it happened
 
 
 def _keep_all() -> Retention:

@@ -1,0 +1,222 @@
+"""close() gives the host staging memory back; errors are raised once; HostMemoryError tells the truth.
+
+Whether the staging buffer is freed is checked on its storage itself (a weak reference to the
+storage expires when the last tensor, view or numpy array over it goes), not through process
+memory figures. Failing tiers are subclasses of the real ones.
+"""
+
+from __future__ import annotations
+
+import errno
+import gc
+import threading
+import weakref
+
+import pytest
+import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+
+import ckpt
+from ckpt.stage import HostPool
+from ckpt.tiers import LocalTier, RemoteTier
+
+MiB = 1 << 20
+
+
+def storage_of(ck: ckpt.Checkpointer) -> list[StorageWeakRef]:
+    return [StorageWeakRef(b.tensor.untyped_storage()) for b in ck.pool.buffers]
+
+
+class SlowLocal(LocalTier):
+    """Writes only once ``go`` is set."""
+
+    def __init__(self, root, go: threading.Event, entered: threading.Event):
+        super().__init__(root)
+        self.go, self.entered = go, entered
+
+    def write(self, step, manifest, data):
+        self.entered.set()
+        assert self.go.wait(60)
+        return super().write(step, manifest, data)
+
+
+class FullLocal(LocalTier):
+    """A disk that is full: fails after having looked at the data (a local holds a view of it)."""
+
+    def write(self, step, manifest, data):
+        head = data[:16]   # noqa: F841 - a live view of the host buffer in this frame
+        raise OSError(errno.ENOSPC, "No space left on device (injected)", str(self.root))
+
+
+class FailingRemote(RemoteTier):
+    def write(self, step, manifest, data, *args, **kwargs):
+        head = data[:16]   # noqa: F841
+        raise OSError(errno.EIO, "upload failed (injected)", self.url)
+
+
+# -- freeing the staging memory --------------------------------------------------------------------
+
+def test_close_frees_the_host_buffer(local_dir):
+    ck = ckpt.Checkpointer(local_dir=local_dir)
+    ck.save(1, {"w": torch.randn(100_000)}).wait()
+    refs = storage_of(ck)
+    assert refs and not any(r.expired() for r in refs)   # the memory tier keeps it between saves
+    ck.close()
+    assert ck.pool.buffers == [] and ck.pool.nbytes == 0
+    assert all(r.expired() for r in refs), "close() left the staging buffer allocated"
+
+
+def test_a_buffer_still_persisting_at_close_is_freed_when_its_persist_ends(tmp_path):
+    go, entered = threading.Event(), threading.Event()
+    ck = ckpt.Checkpointer(local_dir=SlowLocal(tmp_path / "l", go, entered))
+    ck.save(1, {"w": torch.randn(100_000)})
+    assert entered.wait(60)
+    refs = storage_of(ck)
+    closer = threading.Thread(target=ck.close)
+    closer.start()
+    closer.join(0.2)
+    assert closer.is_alive() and not any(r.expired() for r in refs)   # still being written: kept
+    go.set()
+    closer.join(60)
+    assert not closer.is_alive()
+    assert all(r.expired() for r in refs)
+    assert LocalTier(tmp_path / "l").committed_steps() == [1]
+
+
+def test_the_pool_frees_a_busy_buffer_when_it_is_released_after_close():
+    pool = HostPool(2, None, pin=False)
+    a = pool.acquire(1000, block=True, step=1)
+    b = pool.acquire(1000, block=True, step=2)
+    pool.release(b)
+    ra, rb = StorageWeakRef(a.tensor.untyped_storage()), StorageWeakRef(b.tensor.untyped_storage())
+    pool.close()
+    assert rb.expired() and not ra.expired()
+    pool.release(a)
+    assert ra.expired() and pool.buffers == []
+    with pytest.raises(ckpt.CheckpointError, match="closed"):
+        pool.acquire(1000, block=True, step=3)
+
+
+def test_a_failed_save_does_not_keep_the_buffer_alive_after_close(tmp_path):
+    ck = ckpt.Checkpointer(local_dir=FullLocal(tmp_path / "l"))
+    h = ck.save(1, {"w": torch.randn(100_000)})
+    with pytest.raises(OSError) as info:
+        h.wait()
+    assert info.value.errno == errno.ENOSPC
+    refs = storage_of(ck)
+    ck.close()
+    # the user still holds the handle and its error (with its traceback): neither may pin the buffer
+    assert h.errors and all(r.expired() for r in refs)
+
+
+def test_a_closed_checkpointer_is_safe_to_drop(local_dir):
+    ck = ckpt.Checkpointer(local_dir=local_dir)
+    ck.save(1, {"w": torch.randn(1000)}).wait()
+    ck.close()
+    ref = weakref.ref(ck)
+    del ck
+    gc.collect()
+    assert ref() is None
+    assert not [t.name for t in threading.enumerate() if t.name.startswith("ckpt-")]
+
+
+# -- errors raised once ----------------------------------------------------------------------------
+
+def test_an_error_raised_by_handle_wait_is_not_raised_again_at_the_end_of_the_with_block(tmp_path):
+    with ckpt.Checkpointer(local_dir=FullLocal(tmp_path / "l")) as ck:
+        h = ck.save(1, {"w": torch.randn(1000)})
+        with pytest.raises(OSError):
+            h.wait()
+    # no exception at the end of the block
+
+
+def test_wait_reports_every_failed_save_but_close_does_not_repeat_it(tmp_path):
+    with ckpt.Checkpointer(local_dir=FullLocal(tmp_path / "l")) as ck:
+        h = ck.save(1, {"w": torch.randn(1000)})
+        with pytest.raises(OSError):
+            h.wait()
+        with pytest.raises(OSError):
+            ck.wait()   # "did every save so far succeed?": no
+
+
+def test_an_error_nobody_saw_is_raised_at_close(tmp_path):
+    ck = ckpt.Checkpointer(local_dir=FullLocal(tmp_path / "l"))
+    h = ck.save(1, {"w": torch.randn(1000)})
+    while not h.done():
+        h._all.wait(1)
+    with pytest.raises(OSError) as info:
+        ck.close()
+    assert info.value.errno == errno.ENOSPC
+
+
+def test_an_error_the_library_waited_on_internally_is_still_raised_at_close(tmp_path):
+    ck = ckpt.Checkpointer(local_dir=FullLocal(tmp_path / "l"))
+    ck.save(1, {"w": torch.randn(1000)})
+    ck.restore({"w": torch.empty(1000)})   # waits for the save internally, without raising its error
+    with pytest.raises(OSError):
+        ck.close()
+
+
+def test_seeing_one_tier_fail_does_not_hide_another_tiers_failure(tmp_path):
+    remote = FailingRemote(f"file://{tmp_path}/r")
+    ck = ckpt.Checkpointer(remote, local_dir=FullLocal(tmp_path / "l"))
+    h = ck.save(1, {"w": torch.randn(1000)})
+    with pytest.raises(OSError) as seen:
+        h.wait("local")
+    assert seen.value.errno == errno.ENOSPC
+    with pytest.raises(OSError) as info:
+        ck.close()
+    assert info.value.errno == errno.EIO   # the remote failure was never shown
+
+
+# -- HostMemoryError -------------------------------------------------------------------------------
+
+def _state(nbytes: int) -> dict:
+    return {"w": torch.zeros(nbytes // 4)}
+
+
+def test_host_memory_error_after_the_state_grew_reports_what_is_allocated(local_dir):
+    with ckpt.Checkpointer(local_dir=local_dir, host_memory_limit=3 * MiB) as ck:
+        ck.save(1, _state(MiB)).wait()
+        assert ck.pool.nbytes == 2 * MiB
+        with pytest.raises(ckpt.HostMemoryError) as info:
+            ck.save(2, _state(4 * MiB))
+        e = info.value
+        assert (e.needed, e.allocated, e.limit) == (4 * MiB, 2 * MiB, 3 * MiB)
+        msg = str(e)
+        assert "4.0 MiB" in msg and "2.0 MiB" in msg and "3.0 MiB" in msg and "host_memory_limit" in msg
+        assert "0.0 MiB" not in msg
+        # the refused save changed nothing: the memory tier still holds step 1, its buffer is reused
+        assert [(i.step, i.tiers[0]) for i in ck.list()] == [(1, "memory")]
+        ck.save(3, _state(MiB)).wait()
+        assert ck.pool.allocations == 1
+
+
+def test_host_memory_error_counts_every_buffer(local_dir):
+    with ckpt.Checkpointer(local_dir=local_dir, host_memory_limit=5 * MiB, max_in_flight=2) as ck:
+        go = [ck.save(s, _state(MiB)) for s in (1, 2)]   # two buffers of 2 MiB (one may still be busy)
+        for h in go:
+            h.wait()
+        assert ck.pool.nbytes == 4 * MiB
+        with pytest.raises(ckpt.HostMemoryError) as info:
+            ck.save(3, _state(4 * MiB))
+        assert (info.value.needed, info.value.allocated, info.value.limit) == (4 * MiB, 4 * MiB, 5 * MiB)
+
+
+def test_a_grown_state_frees_the_smaller_buffer_before_allocating_the_new_one(local_dir, monkeypatch):
+    from ckpt import stage as stage_mod
+
+    seen = []
+    real = stage_mod.HostBuffer
+
+    class Spy(real):
+        def __init__(self, nbytes, pin):
+            seen.append([r.expired() for r in old])
+            super().__init__(nbytes, pin)
+
+    with ckpt.Checkpointer(local_dir=local_dir) as ck:
+        ck.save(1, _state(MiB)).wait()
+        old = storage_of(ck)
+        monkeypatch.setattr(stage_mod, "HostBuffer", Spy)
+        ck.save(2, _state(8 * MiB)).wait()
+    assert seen == [[True]], "the old buffer was still allocated while the bigger one was allocated"
