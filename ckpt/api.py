@@ -785,6 +785,10 @@ def _copy(local: LocalTier, remote: RemoteTier, step: int, to: str) -> bool:
         src, dst = remote, local
         where = remote.step_dir(step)
     if step not in src.committed_steps():
+        status = getattr(src, "status", None)   # a remote tier lists nothing while its store is down
+        if status is not None and status.available is False and status.error is not None:
+            raise ConnectionError(status.error.errno, f"promoting step {step}: {status.error.strerror}; nothing "
+                                  "was copied", where) from status.error
         raise FileNotFoundError(errno.ENOENT, f"step {step} is not committed on the {src.name} tier "
                                 f"(committed there: {src.committed_steps()[:10]}); nothing was copied", where)
     commit, manifest = src.open(step)   # the records, validated (CorruptCheckpointError names the file)
