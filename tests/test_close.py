@@ -112,12 +112,13 @@ def test_a_failed_save_does_not_keep_the_buffer_alive_after_close(tmp_path):
 def test_a_closed_checkpointer_is_safe_to_drop(local_dir):
     ck = ckpt.Checkpointer(local_dir=local_dir)
     ck.save(1, {"w": torch.randn(1000)}).wait()
+    worker = ck._pipeline._thread
     ck.close()
     ref = weakref.ref(ck)
     del ck
     gc.collect()
     assert ref() is None
-    assert not [t.name for t in threading.enumerate() if t.name.startswith("ckpt-")]
+    assert not worker.is_alive()   # this checkpointer's thread (other tests' may still be finishing)
 
 
 # -- errors raised once ----------------------------------------------------------------------------

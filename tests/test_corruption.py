@@ -198,8 +198,9 @@ def test_a_deeply_nested_manifest_value_is_corrupt_and_the_older_step_is_used(lo
     _restore_falls_back(local_dir, MANIFEST)
     rc, res = _cli_verify(local_dir, capsys)
     assert rc == 1 and res[1]["ok"] and not res[2]["ok"] and MANIFEST in res[2]["error"]
-    with pytest.raises(ckpt.CorruptCheckpointError, match=MANIFEST):
-        cli_main(["inspect", str(local_dir), "--step", "2"])
+    assert cli_main(["inspect", str(local_dir), "--step", "2"]) == 1   # one "ckpt: error:" line naming it
+    err = capsys.readouterr().err
+    assert err.startswith("ckpt: error:") and MANIFEST in err and "CorruptCheckpointError" in err
 
 
 def test_a_deeply_nested_commit_record_is_corrupt_and_the_older_step_is_used(local_dir, capsys):
@@ -275,8 +276,10 @@ def test_a_fifo_in_place_of_the_manifest_is_refused_without_blocking(local_dir, 
     _restore_falls_back(local_dir, MANIFEST)
     rc, res = _cli_verify(local_dir, capsys)
     assert rc == 1 and res[1]["ok"] and not res[2]["ok"] and MANIFEST in res[2]["error"]
-    with hang_detector(), pytest.raises(ckpt.CorruptCheckpointError, match=MANIFEST):
-        cli_main(["inspect", str(local_dir), "--step", "2"])
+    with hang_detector():
+        assert cli_main(["inspect", str(local_dir), "--step", "2"]) == 1   # one "ckpt: error:" line naming it
+    err = capsys.readouterr().err
+    assert err.startswith("ckpt: error:") and MANIFEST in err and "CorruptCheckpointError" in err
 
 
 def test_a_fifo_in_place_of_the_data_file_is_refused_without_blocking(local_dir, capsys):
