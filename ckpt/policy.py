@@ -12,14 +12,15 @@ never restored unless asked for by step, and the first that retention removes.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Collection, Iterable
+from typing import Any, Callable, Collection, Iterable, Iterator
 
-__all__ = ["Retention", "Interval", "AutoInterval", "daly_interval", "prune", "Timeline", "Committed",
-           "live_and_abandoned"]
+__all__ = ["Retention", "Interval", "AutoInterval", "daly_interval", "prune", "Timeline", "TimelineCopies",
+           "Committed", "live_and_abandoned"]
 
 log = logging.getLogger(__name__)
 
@@ -76,6 +77,22 @@ class Timeline:
     def record(self) -> dict[str, Any]:
         """The :class:`~ckpt.format.Commit` fields recording this timeline."""
         return {"timeline": self.number, "forks": [[n, s] for n, s in self.forks]}
+
+
+
+class TimelineCopies:
+    """For a tier: writes of a step made inside :meth:`copying` record the given timeline in their
+    ``COMMIT`` (a copy of a checkpoint keeps its timeline) instead of the tier's current one."""
+
+    _copying: dict[int, Timeline]
+
+    @contextlib.contextmanager
+    def copying(self, step: int, timeline: Timeline) -> Iterator[None]:
+        self._copying[step] = timeline
+        try:
+            yield
+        finally:
+            self._copying.pop(step, None)
 
 
 @dataclass(frozen=True)

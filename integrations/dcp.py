@@ -62,7 +62,6 @@ import io
 import json
 import math
 import os
-import shutil
 import time
 import warnings
 from concurrent.futures import ThreadPoolExecutor

@@ -8,6 +8,8 @@ real S3 server on loopback), ``slow`` (runs only when selected with
 from __future__ import annotations
 
 import os
+import threading
+import time
 
 import pytest
 import torch
@@ -61,3 +63,17 @@ def s3_bucket(s3_server, request):
     fs = s3fs.S3FileSystem(**storage_options(s3_server), skip_instance_cache=True)
     fs.mkdir(name)
     yield name, s3_server
+
+
+@pytest.fixture
+def slow_staging(monkeypatch):
+    """CPU staging copies that take 50 ms each: a write right after save() lands before the copy."""
+    from ckpt import stage as stage_mod
+    real = stage_mod._dst
+
+    def slow(buf, rec, t):
+        if threading.current_thread().name.startswith("ckpt-stage"):
+            time.sleep(0.05)
+        return real(buf, rec, t)
+
+    monkeypatch.setattr(stage_mod, "_dst", slow)

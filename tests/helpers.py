@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+import importlib
+import io
 import os
 import socket
 import subprocess
@@ -128,3 +131,27 @@ class DiskLog:
     def synced_before(self, path: Path, index: int) -> bool:
         p = os.path.realpath(path)
         return any(k == "fsync" and q == p for k, q in self.events[:index])
+
+
+def run_worker_in_process(worker: str, *args: object, raises: type[BaseException] | None = None) -> str:
+    """Run ``tests/<worker>.py``'s ``main(args)`` in this process (its heavy imports are made once per
+    session: seconds saved per run) and return what it printed. ``main`` must return 0, or raise
+    ``raises`` (an exception class the worker defines, given by name: ``"Crash"``) when that is given."""
+    here = str(Path(__file__).parent)
+    sys.path.insert(0, here)
+    try:
+        module = importlib.import_module(worker)
+    finally:
+        sys.path.remove(here)
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        if raises is None:
+            assert module.main([str(a) for a in args]) == 0
+        else:
+            try:
+                module.main([str(a) for a in args])
+            except raises:
+                pass
+            else:
+                raise AssertionError(f"{worker}.main did not raise {raises.__name__}")
+    return out.getvalue()

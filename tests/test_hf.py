@@ -5,8 +5,6 @@ docs/hf.md."""
 
 from __future__ import annotations
 
-import contextlib
-import io
 import json
 import os
 import re
@@ -25,6 +23,7 @@ pytest.importorskip("accelerate", minversion="1.1")      # transformers' Trainer
 import torch  # noqa: E402
 
 import ckpt  # noqa: E402
+from helpers import run_worker_in_process  # noqa: E402
 
 HERE = Path(__file__).parent
 WORKER = HERE / "hf_worker.py"
@@ -83,27 +82,12 @@ def _signal_after(proc: subprocess.Popen, step: int, sig: int) -> tuple[int, str
 
 def _in_process(*args: str) -> str:
     """Run hf_worker.main in this process (transformers is imported already: seconds saved per run)."""
-    sys.path.insert(0, str(HERE))
-    try:
-        from hf_worker import main
-    finally:
-        sys.path.remove(str(HERE))
-    out = io.StringIO()
-    with contextlib.redirect_stdout(out):
-        assert main([str(a) for a in args]) == 0
-    return out.getvalue()
+    return run_worker_in_process("hf_worker", *args)
 
 
 def _crash_in_process(*args: str) -> str:
-    sys.path.insert(0, str(HERE))
-    try:
-        from hf_worker import Crash, main
-    finally:
-        sys.path.remove(str(HERE))
-    out = io.StringIO()
-    with contextlib.redirect_stdout(out), pytest.raises(Crash):
-        main([str(a) for a in args])
-    return out.getvalue()
+    from hf_worker import Crash
+    return run_worker_in_process("hf_worker", *args, raises=Crash)
 
 
 def _result(out: Path) -> tuple[bytes, dict]:

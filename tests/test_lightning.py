@@ -4,8 +4,6 @@ TieredCheckpointIO under ModelCheckpoint, and the runnable example of docs/light
 from __future__ import annotations
 
 import argparse
-import contextlib
-import io
 import json
 import os
 import re
@@ -22,6 +20,7 @@ pytest.importorskip("lightning", minversion="2.5")   # the version ckpt.integrat
 import torch  # noqa: E402
 
 import ckpt  # noqa: E402
+from helpers import run_worker_in_process  # noqa: E402
 from ckpt.cli import main as ckpt_cli  # noqa: E402
 from ckpt.integrations.lightning import CheckpointCallback, TieredCheckpointIO  # noqa: E402
 
@@ -62,15 +61,7 @@ def _finish(proc: subprocess.Popen) -> str:
 
 def _in_process(*args: str) -> str:
     """Run lightning_worker.main in this process (Lightning is imported already: seconds saved per run)."""
-    sys.path.insert(0, str(HERE))
-    try:
-        from lightning_worker import main
-    finally:
-        sys.path.remove(str(HERE))
-    out = io.StringIO()
-    with contextlib.redirect_stdout(out):
-        assert main([str(a) for a in args]) == 0
-    return out.getvalue()
+    return run_worker_in_process("lightning_worker", *args)
 
 
 @pytest.fixture(scope="module")

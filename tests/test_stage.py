@@ -7,7 +7,6 @@ the copy lands, which is the window these tests are about.
 
 from __future__ import annotations
 
-import threading
 import time
 
 import pytest
@@ -15,19 +14,6 @@ import torch
 from torch import nn
 
 import ckpt
-from ckpt import stage as stage_mod
-
-
-@pytest.fixture
-def slow_staging(monkeypatch):
-    real = stage_mod._dst
-
-    def slow(buf, rec, t):
-        if threading.current_thread().name.startswith("ckpt-stage"):
-            time.sleep(0.05)
-        return real(buf, rec, t)
-
-    monkeypatch.setattr(stage_mod, "_dst", slow)
 
 
 def test_save_returns_before_the_copy_lands(local_dir, slow_staging):

@@ -9,8 +9,6 @@ window wide: a write right after ``save()`` then lands entirely before the copy.
 
 from __future__ import annotations
 
-import threading
-import time
 
 import numpy as np
 import pytest
@@ -19,18 +17,6 @@ from torch import nn
 
 import ckpt
 from ckpt import stage as stage_mod
-
-
-@pytest.fixture
-def slow_staging(monkeypatch):
-    real = stage_mod._dst
-
-    def slow(buf, rec, t):
-        if threading.current_thread().name.startswith("ckpt-stage"):
-            time.sleep(0.05)
-        return real(buf, rec, t)
-
-    monkeypatch.setattr(stage_mod, "_dst", slow)
 
 
 def _data_add(p):

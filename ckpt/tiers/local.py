@@ -51,7 +51,7 @@ from ..errors import CorruptCheckpointError, IncompleteCheckpointError, LockedEr
 from ..format import (COMMIT_NAME, LATEST_NAME, Commit, Manifest, data_name, fsync_dir, manifest_name,
                       open_regular, parse_step_dir, read_record, read_records, step_dir_name, write_atomic)
 from ..integrity import checksum
-from ..policy import Committed, Timeline
+from ..policy import Committed, Timeline, TimelineCopies
 from ..scatter import Scatter
 
 __all__ = ["LocalTier", "OwnerLock", "LOCK_NAME", "linked", "remove_step_dir"]
@@ -62,7 +62,7 @@ log = logging.getLogger(__name__)
 LOCK_NAME = ".ckpt-lock"
 
 
-class LocalTier:
+class LocalTier(TimelineCopies):
     """Committed checkpoints under ``root`` (``root/step-XXXXXXXXX/``)."""
 
     name = "local"
@@ -105,14 +105,6 @@ class LocalTier:
             out.append(Committed(s, _timeline(self.root / name / COMMIT_NAME), linked(self.root, name)))
         return out
 
-    @contextlib.contextmanager
-    def copying(self, step: int, timeline: Timeline) -> Iterator[None]:
-        """Writes of ``step`` made inside record ``timeline`` (a copy of a checkpoint keeps its timeline)."""
-        self._copying[step] = timeline
-        try:
-            yield
-        finally:
-            self._copying.pop(step, None)
 
     def owns(self, step: int) -> bool:
         """Whether this tier may delete ``step``: ``False`` for a linked step (see :func:`linked`)."""

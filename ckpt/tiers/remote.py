@@ -67,7 +67,7 @@ from ..errors import CheckpointError, CorruptCheckpointError, IncompatibleCheckp
 from ..format import (COMMIT_NAME, LATEST_NAME, Commit, ItemRecord, Manifest, data_name, fsync_dir, fsync_file,
                       manifest_name, new_generation, parse_step_dir, read_record_fs, read_records, step_dir_name)
 from ..integrity import checksum
-from ..policy import Committed, Timeline
+from ..policy import Committed, Timeline, TimelineCopies
 from ..scatter import Scatter
 from .local import linked, remove_step_dir
 
@@ -201,7 +201,7 @@ class RemoteStatus:
     checked_unix: float | None = None
 
 
-class RemoteTier:
+class RemoteTier(TimelineCopies):
     """Committed checkpoints under an fsspec URL.
 
     ``on_unreachable``: what construction does when the store cannot be reached (the bounded probe,
@@ -427,14 +427,6 @@ class RemoteTier:
         with ThreadPoolExecutor(knobs.get("CKPT_REMOTE_THREADS"), thread_name_prefix="ckpt-list") as ex:
             return list(ex.map(one, steps))
 
-    @contextlib.contextmanager
-    def copying(self, step: int, timeline: Timeline) -> Iterator[None]:
-        """Uploads of ``step`` made inside record ``timeline`` (a copy of a checkpoint keeps its timeline)."""
-        self._copying[step] = timeline
-        try:
-            yield
-        finally:
-            self._copying.pop(step, None)
 
     def owns(self, step: int) -> bool:
         """Whether this tier may delete ``step``: on a ``file://`` URL, not a linked step
@@ -677,7 +669,7 @@ class RemoteTier:
                     self._switch(step, record)   # the new copy replaces the old one from here on
                 maybe_committed = False
                 self.verified[step] = True
-        except BaseException as e:
+        except BaseException:
             self._undo(step, gen, maybe_committed)
             raise
         if commit:
