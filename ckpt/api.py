@@ -29,6 +29,7 @@ from .restore import RestoreInfo, listing as _listing, restore as _restore
 from .stage import HostPool, Snapshot, SnapshotStats, stage, wait_all_staged
 from .tiers import LocalTier, MemoryTier, PeerTier, RemoteTier
 from .tiers.local import OwnerLock
+from .tiers.memory import space_for
 
 __all__ = ["Checkpointer", "CheckpointInfo", "IfBusy", "promote"]
 
@@ -36,10 +37,20 @@ log = logging.getLogger(__name__)
 
 
 class IfBusy(str, enum.Enum):
-    """What ``save()`` does when every host buffer still holds a snapshot being persisted."""
+    """What a save does when the tiers are slower than the snapshots.
 
-    WAIT = "wait"   # block until the oldest finishes persisting (the stall is reported on the handle)
-    SKIP = "skip"   # return a handle with status "skipped"; logged and counted, never silent
+    ``SKIP`` (the default): the loop never waits for a slow tier. A tier still busy with an older
+    snapshot writes the newest one next and skips those in between (newest wins; each skipped one
+    is reported as superseded on its handle and counted in ``Checkpointer.tier_counts``); a save
+    that finds every host buffer in use (each being read by a tier) is skipped as a whole (its
+    handle's status is ``"skipped"``, counted in ``Checkpointer.skipped``).
+
+    ``WAIT``: every snapshot reaches every tier, in order (subject to ``persist_every``); a save
+    that finds every host buffer in use blocks until one is free (the stall is on the handle).
+    """
+
+    WAIT = "wait"
+    SKIP = "skip"
 
 
 @dataclass
@@ -87,13 +98,30 @@ class Checkpointer:
             ownership.
         every_steps / every_seconds: the policy of :meth:`maybe_save`.
         keep: :class:`Retention` (default: 2 checkpoints in ``local_dir``).
-        max_in_flight: snapshots held in host memory at once (one host buffer,
-            the size of the state, each).
-        if_busy: ``"wait"`` (default) or ``"skip"``: what a save does when all
-            ``max_in_flight`` buffers are still being persisted.
+        max_in_flight: host buffers for snapshots (each the size of the state);
+            default 2, so that a snapshot can be taken while the previous one is
+            still being persisted, and the previous one stays whole in the memory
+            tier while the next is copied. With the default, fewer are kept when
+            ``host_memory_limit`` leaves room for fewer (said once in the log).
+            On Linux they are shared-memory segments in ``/dev/shm`` (``CKPT_SHM=0``:
+            this process's pinned memory), so the memory tier outlives the process:
+            a new process on the node restores the newest snapshot from RAM, each
+            chunk checked. :meth:`close` frees them; a process that dies leaves them
+            for its successor (``ckpt gc --memory`` frees what no one will use).
+            They are allocated in the background from the first :meth:`maybe_save`
+            call, so the first save does not wait for seconds of allocation.
+        if_busy: ``"skip"`` (default) or ``"wait"`` (:class:`IfBusy`): whether a
+            slow tier may skip snapshots (newest wins) or every snapshot reaches
+            every tier and saves wait for it.
+        persist_every: steps between copies on each slower tier, e.g.
+            ``{"local": 50, "remote": 500}``; a tier not named writes as often as it
+            keeps up. A snapshot is taken at every save (the memory tier); a tier
+            writes the ones due by its cadence. :meth:`close` writes the newest
+            snapshot to every tier that does not hold it yet.
         host_memory_limit: bytes of host staging memory allowed (default: 80%
             of what psutil reports available when a buffer is allocated).
-            Exceeding it raises :class:`~ckpt.errors.HostMemoryError`.
+            When not even one buffer fits, a save raises
+            :class:`~ckpt.errors.HostMemoryError`.
         on_unsupported: ``"error"`` (default) refuses a value that is not
             JSON-safe, naming its key; ``"skip"`` leaves such values out
             (logged), so they are not restored. Pickle is never used.
@@ -147,8 +175,9 @@ class Checkpointer:
     def __init__(self, url: str | None = None, *, local_dir: str | os.PathLike | LocalTier | None = None,
                  storage_options: dict[str, Any] | None = None, compression: str | None = None,
                  every_steps: int | None = None,
-                 every_seconds: float | None = None, keep: Retention | None = None, max_in_flight: int = 1,
-                 if_busy: str | IfBusy = IfBusy.WAIT, host_memory_limit: int | None = None,
+                 every_seconds: float | None = None, keep: Retention | None = None,
+                 max_in_flight: int | None = None, if_busy: str | IfBusy = IfBusy.SKIP,
+                 persist_every: Mapping[str, int] | None = None, host_memory_limit: int | None = None,
                  on_unsupported: str = "error", interval: str | None = None, mtbf: float | None = None,
                  restart_cost: float = 0.0, signals: tuple = (), drain_deadline: float = 30.0,
                  drain_tier: str = "local", on_preempt: str = "exit",
@@ -199,8 +228,16 @@ class Checkpointer:
             if url is not None else None
         if url is None and compression is not None:
             raise ValueError("compression applies to the remote tier: pass a url too, or compression=None")
-        self.pool = HostPool(max_in_flight, host_memory_limit)
-        self.memory = MemoryTier(self.pool)
+        persist_every = dict(persist_every or {})
+        for name, n in persist_every.items():
+            if name not in ("local", "remote") or (name == "remote" and url is None):
+                raise ValueError(f"persist_every names the tiers 'local' and (with a url) 'remote', got {name!r}")
+            if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+                raise ValueError(f"persist_every[{name!r}] must be a positive number of steps, got {n!r}")
+        self.persist_every = persist_every
+        if max_in_flight is not None and (not isinstance(max_in_flight, int) or max_in_flight < 1):
+            raise ValueError(f"max_in_flight must be a positive number of host buffers, got {max_in_flight!r}")
+        self.pool = HostPool(max_in_flight or 2, host_memory_limit, shrink=max_in_flight is None)
         self.history: collections.deque[SnapshotStats] = collections.deque(maxlen=10_000)
         self.skipped = 0
         self.last_restore: RestoreInfo | None = None
@@ -215,6 +252,7 @@ class Checkpointer:
         # last: creating the group is a collective, and every rank must get this far to join it
         self.ranks = Ranks() if (world > 1 if collective is None else collective) else None
         self._job = [self.ranks.rank, self.ranks.world] if self.ranks is not None else None
+        self.memory = MemoryTier(self.pool, space_for(self.local.root, self.ranks.rank if self.ranks else 0))
         self._owner: OwnerLock | None = None
         self._owned = False
         if self.ranks is not None:
@@ -225,11 +263,14 @@ class Checkpointer:
             self._agree_due = self.ranks is not None and (isinstance(self.interval, AutoInterval)
                                                           or self.interval.every_seconds is not None)
             self._pipeline = Pipeline(self.pool, self.memory, self.local, self.remote, self._apply_retention,
-                                      self._failed, self.peer)
+                                      self._failed, self.peer, coalesce=self.if_busy is IfBusy.SKIP,
+                                      independent=self.ranks is None, every=persist_every)
         except BaseException:
             self._disown()
             raise
         self._timeline: Timeline | None = None   # the saves' timeline: decided by restore() or the first save
+        self._prepared = False        # the first maybe_save() started allocating the buffers
+        self._prepared_sync = False   # the first save took over a previous process's segments
         self._closed = False
 
     # -- context manager ----------------------------------------------------------------------------
@@ -243,7 +284,8 @@ class Checkpointer:
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
         try:
-            self.close(raise_errors=exc_type is None)
+            # a block that raised keeps the memory tier in RAM for the process that resumes
+            self.close(raise_errors=exc_type is None, keep_memory=exc_type is not None)
         finally:
             if self._guard is not None:
                 self._guard.uninstall()
@@ -259,12 +301,27 @@ class Checkpointer:
             signum = self._guard.agreed(self.ranks)   # collective when torch.distributed is initialised
             if signum:
                 self._drain(step, state, signum)
+        if not self._prepared:
+            self._prepare(state)
         due = self.interval.due(step)
         if self._agree_due:
             due = bool(self.ranks.max([int(due)])[0])   # clocks differ between ranks: save if any says so
         if not due:
             return None
         return self.save(step, state)
+
+    def _prepare(self, state: Mapping[str, Any]) -> None:
+        """Once, at the first :meth:`maybe_save`: own ``local_dir`` and allocate the snapshot buffers for
+        ``state`` in the background (taking over the segments a previous process left first), so that
+        the first save does not wait for the allocation."""
+        self._prepared = True
+        self._own_local()
+        try:
+            plan = flatten(state, self.on_unsupported)
+            nbytes = layout(plan.entries, knobs.get("CKPT_ALIGN_BYTES"))[1]
+        except Exception:   # noqa: BLE001 - the save itself reports what is wrong with the state
+            return
+        self.pool.prepare(nbytes)
 
     @property
     def preempted(self) -> int | None:
@@ -278,7 +335,7 @@ class Checkpointer:
                     name, step, self.drain_tier, self.drain_deadline)
         durable = False
         try:
-            handle = self.save(step, state)
+            handle = self._save(step, state, force="local" if self.drain_tier == "peer" else self.drain_tier)
             handle.wait(self.drain_tier, timeout=max(0.0, self.drain_deadline - (time.perf_counter() - t0)))
             durable = True
             log.warning("step %d is durable on the %s tier after %.2f s; exiting", step, self.drain_tier,
@@ -304,11 +361,20 @@ class Checkpointer:
 
         Returns once the copies are enqueued (phase 1 overlaps the caller's next
         forward/backward; the next ``optimizer.step()`` waits for it on the GPU).
+        The snapshot goes to the memory tier, then to each slower tier by its
+        ``persist_every`` cadence and ``if_busy`` (see :class:`IfBusy`; the handle
+        says which tiers skipped it and why). In a collective job with
+        ``if_busy="skip"`` it is collective: call it on every rank (the ranks agree
+        which tiers are free, so that all of them write the same steps).
         Raises :class:`~ckpt.errors.RefusedStateError` for a value that needs
         pickle, :class:`~ckpt.errors.HostMemoryError` past ``host_memory_limit``,
         and :class:`~ckpt.errors.LockedError` when another live Checkpointer owns
         ``local_dir`` (see ``local_dir``).
         """
+        return self._save(step, state)
+
+    def _save(self, step: int, state: Mapping[str, Any], force: str | None = None) -> SaveHandle:
+        """:meth:`save`; ``force``: a tier that must write this snapshot (a drain), busy or not."""
         self._check_open()
         if not isinstance(step, int) or isinstance(step, bool) or step < 0:
             raise ValueError(f"step must be a non-negative int, got {step!r}")
@@ -322,16 +388,24 @@ class Checkpointer:
         handle = SaveHandle(step, self.tiers, stats)
         t_wait = time.perf_counter()
         wait = self.if_busy is IfBusy.WAIT
-        if not wait and self.ranks is not None and self.ranks.max([int(not self.pool.has_free())])[0]:
-            buf = None   # if_busy="skip" on several ranks: all skip when any is busy, so they commit the same steps
+        pipe = self._pipeline
+        busy = dict.fromkeys(pipe.tiers, 0)
+        if not self._prepared_sync and not self.pool.buffers:
+            self._prepared_sync = True
+            self.pool.adopt()   # no maybe_save() came first: take over a previous process's segments now
+        if not wait and self.ranks is not None:
+            # on several ranks: all skip a snapshot (or a tier) when it is busy on any, so they commit the same steps
+            agreed = self.ranks.max([int(not self.pool.has_free())] + pipe.busy_tiers())
+            busy = dict(zip(pipe.tiers, agreed[1:]))
+            buf = None if agreed[0] else self.pool.acquire(data_bytes, block=False, step=step, reclaim=pipe.reclaim)
         else:
-            buf = self.pool.acquire(data_bytes, block=wait, step=step)
+            buf = self.pool.acquire(data_bytes, block=wait, step=step, reclaim=pipe.reclaim)
         stats.wait_s = time.perf_counter() - t_wait
         if buf is None:
             self.skipped += 1
-            log.warning("skipped the save of step %d: all %d host buffers are still persisting%s "
-                        "(if_busy='skip'; raise max_in_flight or save less often)", step, self.pool.slots,
-                        "" if self.ranks is None else " on this rank or another")
+            log.warning("skipped the save of step %d: all %d host buffers are still being read by the tiers%s "
+                        "(if_busy='skip'; raise max_in_flight, set persist_every, or save less often)", step,
+                        self.pool.slots, "" if self.ranks is None else " on this rank or another")
             handle._skip()
             stats.stall_s = time.perf_counter() - t0
             return handle
@@ -345,9 +419,13 @@ class Checkpointer:
             stage(snap, self._side_stream)
         except BaseException:
             snap._fence()
-            self.pool.release(buf)
+            self.pool.release(buf, staged=True)
             raise
-        self._pipeline.submit(snap, handle)
+        due = pipe.due(step)
+        orphaned = pipe.take_orphaned()   # tiers whose waiting snapshot this buffer held: they get this one
+        take = {t: None if t == force or t in orphaned or (due[t] and not busy[t]) else
+                ("not due" if not due[t] else "busy") for t in pipe.tiers}
+        pipe.submit(snap, handle, take, keep=force is not None)
         self.interval.saved(step)
         stats.stall_s = time.perf_counter() - t0
         if isinstance(self.interval, AutoInterval):
@@ -509,6 +587,8 @@ class Checkpointer:
             if not self._owned:
                 self._owner = self.local.acquire_owner()
                 self._owned = True
+                # the owner of local_dir is the one writer of its memory tier's shared-memory segments
+                self.pool.share(self.memory.space)
 
     def _disown(self) -> None:
         with self._lock:
@@ -622,6 +702,12 @@ class Checkpointer:
             log.warning("rank %d could not get step %d back from its peer: %s", peer.rank, step, e)
 
     @property
+    def tier_counts(self) -> dict[str, Any]:
+        """Per persisting tier, what it did with the snapshots so far (:class:`~ckpt.pipeline.TierCounts`:
+        ``persisted``, ``superseded``, ``busy``, ``not_due``, ``failed``)."""
+        return self._pipeline.counts()
+
+    @property
     def tiers(self) -> list[str]:
         """The tiers a save goes to, nearest first."""
         return ["memory", "local"] + (["peer"] if self.peer is not None else []) + \
@@ -691,19 +777,23 @@ class Checkpointer:
         return [found[k] for k in dict.fromkeys(order)]
 
     # -- lifecycle ------------------------------------------------------------------------------------
-    def close(self, raise_errors: bool = True) -> None:
-        """Finish persisting every save, stop the background worker, and free the host staging
-        buffers (the memory tier goes with them). Safe to drop the object afterwards.
+    def close(self, raise_errors: bool = True, keep_memory: bool = False) -> None:
+        """Write the newest snapshot to every tier that does not hold it yet (a tier that skipped it
+        for its cadence or because it was busy), finish persisting every save, stop the background
+        workers, and free the host buffers: the memory tier goes with them, its shared memory
+        included, unless ``keep_memory`` (then the next process on this node may restore from it).
+        Safe to drop the object afterwards. Collective in a collective job.
 
         When ``raise_errors``, raises the first failure the user has not seen: one that neither
-        ``handle.wait()`` nor :meth:`wait` raised already. ``__exit__`` calls it (without raising
-        when the block itself raised).
+        ``handle.wait()`` nor :meth:`wait` raised already. ``__exit__`` calls it (without raising,
+        and keeping the memory tier, when the block itself raised).
         """
         if self._closed:
             return
         self._closed = True
         try:
-            self._pipeline.close()   # also frees the host staging buffers (the memory tier goes with them)
+            self._pipeline.flush()
+            self._pipeline.close(keep_shared=keep_memory or not self._owned)
         finally:
             self._disown()   # every write is over: another process may own local_dir now
         with self._lock:

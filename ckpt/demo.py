@@ -6,7 +6,8 @@ The parent process runs three training children on the same seed:
 2. a run that checkpoints every few steps and is SIGKILLed by the parent
    a few steps after a save was issued (phase 2 may still be writing);
 3. a new process that restores from the nearest tier holding a verified copy
-   (the local tier, since host memory died with the killed process), and in
+   (the memory tier: its snapshots are in shared memory, which outlived the
+   killed process; the local tier where there is no ``/dev/shm``), and in
    the middle of the remaining steps simulates a recoverable fault (the weights
    turn to NaN) and rolls back from the memory tier.
 

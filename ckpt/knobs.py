@@ -30,6 +30,9 @@ _DEFAULTS: dict[str, int] = {
     "CKPT_REMOTE_PROBE_S": 20,
     # Seconds a rank's upload waits for the other ranks' reports before a job tier's commit gives up.
     "CKPT_COMMIT_TIMEOUT_S": 3600,
+    # Keep the memory tier's snapshot buffers in shared memory ($CKPT_SHM_DIR, default /dev/shm), so that
+    # they outlive the process (1), or in this process's own pinned memory (0).
+    "CKPT_SHM": 1,
     # Seconds the interpreter-exit hook waits for queued saves to persist (0: as long as they take).
     "CKPT_EXIT_WAIT_S": 0,
 }

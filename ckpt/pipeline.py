@@ -1,11 +1,16 @@
-"""Phase 2: persist snapshots in the background, tier by tier, with bounded memory.
+"""Phase 2: persist snapshots in the background, each tier at its own pace.
 
-One worker thread takes staged snapshots in order. For each it waits for the
-device-to-host copy (on the host, in the background), publishes it as the
-memory tier, writes it to every durable tier configured, applies retention and
-hands the host buffer back to the pool. At most ``max_in_flight`` snapshots
-exist at once (one host buffer each); what happens to a save that arrives
-while all buffers are busy is the caller's documented choice (``if_busy``).
+A watcher thread per snapshot waits for its device-to-host copy (on the host, in
+the background) and commits it to the memory tier. Each slower tier (local, remote)
+has a worker thread of its own with a queue of snapshots to write: it reads them
+straight from their host buffer, commits, applies retention and lets go of the
+buffer. The peer tier rides with the local tier (it exchanges what the local tier
+committed). A tier that is still busy when a newer snapshot arrives does not make
+anyone wait: with ``coalesce``, the newer snapshot replaces the one waiting in its
+queue (newest wins; the replaced one is reported as *superseded* on its handle and
+counted per tier), so a slow disk writes fewer snapshots, never older ones, and
+training never waits for it. Without ``coalesce`` (``if_busy="wait"``) every
+snapshot reaches every tier in order, and saves wait for a free buffer instead.
 
 A failure cleans up the partial files, is logged, is recorded on the save's
 handle (``handle.wait()`` raises it) and on the checkpointer
@@ -16,6 +21,7 @@ stay untouched.
 from __future__ import annotations
 
 import atexit
+import collections
 import logging
 import queue
 import threading
@@ -58,7 +64,7 @@ def _finish_at_exit() -> None:
             log.info("finishing checkpoint(s) of step(s) %s before the process exits%s", sorted(busy),
                      f" (at most {limit} s, CKPT_EXIT_WAIT_S)" if deadline is not None else "")
         left = None if deadline is None else max(0.0, deadline - time.monotonic())
-        if not pipe.close(timeout=left):
+        if not pipe.close(timeout=left, keep_shared=True):   # a process that did not close(): its snapshots stay in RAM
             log.error("exiting before checkpoint(s) of step(s) %s finished persisting (CKPT_EXIT_WAIT_S=%d s "
                       "passed); they are not committed, older checkpoints are intact. Raise CKPT_EXIT_WAIT_S "
                       "(0: no limit) or wait() for saves before exiting", sorted(pipe.in_flight()), limit)
@@ -83,9 +89,13 @@ def _drop_locals(error: BaseException) -> None:
 class SaveHandle:
     """The progress of one save, tier by tier.
 
-    Tiers: ``"memory"`` (the snapshot is complete in host memory),
-    ``"local"`` and, with a URL, ``"remote"``. ``status`` is ``"pending"``, ``"done"``, ``"failed"`` or
-    ``"skipped"`` (``if_busy="skip"`` and every buffer was busy).
+    Tiers: ``"memory"`` (the snapshot is complete in host memory), ``"local"``, ``"peer"`` and, with a
+    URL, ``"remote"``. ``status`` is ``"pending"``, ``"done"``, ``"failed"`` or ``"skipped"`` (no host
+    buffer was free: the snapshot was not taken at all). A tier that does not write this snapshot
+    finishes at once without error and says why in :attr:`skipped_tiers` (``tier_status(tier)`` is then
+    ``"skipped"``): ``"superseded by step N"`` (the tier was busy and wrote the newer snapshot
+    instead), ``"not due"`` (its ``persist_every`` cadence), or ``"busy"`` (busy on this rank or
+    another of a collective job).
     """
 
     def __init__(self, step: int, tiers: list[str], stats: SnapshotStats) -> None:
@@ -93,6 +103,7 @@ class SaveHandle:
         self.tiers = list(tiers)
         self.stats = stats
         self.errors: dict[str, BaseException] = {}
+        self.skipped_tiers: dict[str, str] = {}
         self._events = {t: threading.Event() for t in tiers}
         self._skipped = False
         self._all = threading.Event()
@@ -106,6 +117,15 @@ class SaveHandle:
         if self.errors:
             return "failed"
         return "done" if self._all.is_set() else "pending"
+
+    def tier_status(self, tier: str) -> str:
+        """``"pending"``, ``"done"``, ``"failed"`` or ``"skipped"`` for one tier."""
+        ev = self._event(tier)
+        if self._skipped or tier in self.skipped_tiers:
+            return "skipped"
+        if tier in self.errors:
+            return "failed"
+        return "done" if ev.is_set() else "pending"
 
     @property
     def error(self) -> BaseException | None:
@@ -122,6 +142,7 @@ class SaveHandle:
 
         Raises ``TimeoutError`` after ``timeout`` seconds. An error raised here is not raised
         again by ``Checkpointer.wait()`` or ``close()`` (those raise the failures not yet seen).
+        A tier that skipped this snapshot returns at once (see :attr:`skipped_tiers`).
         """
         err = self._wait_quietly(tier, timeout)
         if err is not None:
@@ -156,6 +177,18 @@ class SaveHandle:
         if all(e.is_set() for e in self._events.values()):
             self._all.set()
 
+    def _skip_tier(self, tier: str, reason: str) -> None:
+        self.skipped_tiers[tier] = reason
+        self.stats.skipped_tiers[tier] = reason
+        self._finish(tier)
+
+    def _reopen(self, tier: str) -> None:
+        """The tier writes this snapshot after all (at close: the newest snapshot reaches every tier)."""
+        self.skipped_tiers.pop(tier, None)
+        self.stats.skipped_tiers.pop(tier, None)
+        self._all.clear()
+        self._events[tier].clear()
+
     def _fail_rest(self, error: BaseException) -> None:
         for t, ev in self._events.items():
             if not ev.is_set():
@@ -170,47 +203,171 @@ class SaveHandle:
         return f"SaveHandle(step={self.step}, status={self.status!r})"
 
 
+class _Job:
+    """A snapshot handed to a tier: written unless a newer one supersedes it first (``keep``: never)."""
+
+    __slots__ = ("snap", "handle", "keep", "held")
+
+    def __init__(self, snap: Snapshot, handle: SaveHandle, keep: bool) -> None:
+        self.snap, self.handle, self.keep, self.held = snap, handle, keep, False
+
+
+class TierCounts:
+    """What one tier did with the snapshots taken so far (``Checkpointer.tier_counts``)."""
+
+    def __init__(self) -> None:
+        self.persisted = 0    # snapshots committed on the tier
+        self.superseded = 0   # handed to it, then replaced by a newer one before it started (newest wins)
+        self.busy = 0         # not handed to it: busy (on some rank of a collective job) when taken
+        self.not_due = 0      # not handed to it: its persist_every cadence
+        self.failed = 0
+
+    def as_dict(self) -> dict[str, int]:
+        return dict(vars(self))
+
+    def __repr__(self) -> str:
+        return "TierCounts(" + ", ".join(f"{k}={v}" for k, v in vars(self).items()) + ")"
+
+
+class _Lane:
+    """One persisting tier's worker thread and its queue."""
+
+    def __init__(self, name: str, every: int | None) -> None:
+        self.name = name
+        self.every = every
+        self.queue: collections.deque[_Job] = collections.deque()
+        self.current: _Job | None = None
+        self.last_taken: int | None = None    # step of the newest snapshot handed to this tier
+        self.newest: Snapshot | None = None   # that snapshot
+        self.counts = TierCounts()
+        self.thread: threading.Thread | None = None
+
+    def busy(self) -> bool:
+        return self.current is not None or bool(self.queue)
+
+    def due(self, step: int) -> bool:
+        """Whether a snapshot of ``step`` is due on this tier by its cadence (steps between copies)."""
+        return self.every is None or self.last_taken is None or step < self.last_taken \
+            or step - self.last_taken >= self.every
+
+
 class Pipeline:
-    """The background persister: one worker thread; the local write and the remote upload run side by side."""
+    """The background persister: a worker per persisting tier, each at its own pace.
+
+    ``coalesce``: a tier busy when a newer snapshot is committed writes the newer one next and skips
+    the one waiting (newest wins); else every snapshot handed to a tier is written in order.
+    ``independent``: this process alone decides (not a collective job), so a buffer whose snapshot
+    is still waiting for a tier may be taken for a newer snapshot, which that tier then gets instead;
+    in a collective job the ranks decide together at ``save()`` and a waiting snapshot keeps its
+    buffer. ``every``: steps between copies per tier (``None``: as often as it keeps up).
+    """
 
     def __init__(self, pool: HostPool, memory: MemoryTier, local: LocalTier, remote: RemoteTier | None,
                  retention: Callable[[list[str]], None],
-                 on_error: Callable[[SaveHandle, BaseException], None], peer: Any = None) -> None:
+                 on_error: Callable[[SaveHandle, BaseException], None], peer: Any = None, *,
+                 coalesce: bool = False, independent: bool = True, every: dict[str, int] | None = None) -> None:
         self.pool = pool
         self.memory = memory
         self.local = local
         self.remote = remote
         self.peer = peer
-        self._uploader = ThreadPoolExecutor(1, thread_name_prefix="ckpt-remote") if remote is not None else None
+        self.coalesce = coalesce
+        self.independent = independent
+        every = every or {}
+        self.lanes: dict[str, _Lane] = {"local": _Lane("local", every.get("local"))}
+        if remote is not None:
+            self.lanes["remote"] = _Lane("remote", every.get("remote"))
         self._retention = retention
         self._on_error = on_error
-        self._queue: queue.Queue = queue.Queue()
-        self._in_flight: set[int] = set()
-        self._lock = threading.Lock()
+        self._cv = pool._cv   # one lock for the buffers and the queues: a buffer changes hands atomically
+        self._staging: set[int] = set()
+        self._newest: tuple[Snapshot, SaveHandle] | None = None
+        self._orphaned: set[str] = set()   # tiers whose waiting snapshot lost its buffer to the next one
+        self._closing = False
         self._closed = False
-        self._thread = threading.Thread(target=self._run, name="ckpt-persist", daemon=True)
-        self._thread.start()
+        self._watchers: list[threading.Thread] = []
+        for lane in self.lanes.values():
+            lane.thread = threading.Thread(target=self._run, args=(lane,), name=f"ckpt-persist-{lane.name}",
+                                           daemon=True)
+            lane.thread.start()
         _live.add(self)
 
+    # -- what the save path asks --------------------------------------------------------------------
+    @property
+    def tiers(self) -> list[str]:
+        return list(self.lanes)
+
+    def counts(self) -> dict[str, TierCounts]:
+        return {n: lane.counts for n, lane in self.lanes.items()}
+
+    def busy_tiers(self) -> list[int]:
+        """1 for each persisting tier (in :attr:`tiers` order) that is writing or has a snapshot waiting."""
+        with self._cv:
+            return [int(lane.busy()) for lane in self.lanes.values()]
+
+    def due(self, step: int) -> dict[str, bool]:
+        with self._cv:
+            return {n: lane.due(step) for n, lane in self.lanes.items()}
+
     def in_flight(self) -> set[int]:
-        with self._lock:
-            return set(self._in_flight)
+        """Steps still being staged, waiting for a tier or being written."""
+        with self._cv:
+            out = set(self._staging)
+            for lane in self.lanes.values():
+                out |= {j.snap.step for j in lane.queue}
+                if lane.current is not None:
+                    out.add(lane.current.snap.step)
+            return out
 
-    def submit(self, snap: Snapshot, handle: SaveHandle) -> None:
-        with self._lock:
-            self._in_flight.add(snap.step)
+    def reclaim(self, buf: Any, ask: bool, step: int) -> bool:
+        """For :meth:`HostPool.acquire` (under the lock): a buffer whose snapshot still waits for a tier
+        may be taken only by an independent, coalescing pipeline; when it is, that tier gets the new
+        snapshot instead (:meth:`take_orphaned`)."""
+        waiting = [(lane, j) for lane in self.lanes.values() for j in lane.queue if j.snap.buffer is buf]
+        if ask:
+            return not waiting or (self.coalesce and self.independent and not any(j.keep for _, j in waiting))
+        for lane, j in waiting:
+            lane.queue.remove(j)
+            self._orphaned.add(lane.name)
+            self._supersede(lane, j, step)
+        return True
+
+    def take_orphaned(self) -> set[str]:
+        with self._cv:
+            out, self._orphaned = self._orphaned, set()
+            return out
+
+    # -- submitting ---------------------------------------------------------------------------------
+    def submit(self, snap: Snapshot, handle: SaveHandle, take: dict[str, str | None], keep: bool = False) -> None:
+        """Hand ``snap`` to the memory tier and to each tier in ``take`` whose reason is ``None`` (the others
+        skip it for that reason: ``"not due"`` or ``"busy"``). ``keep``: never superseded (a drain)."""
+        with self._cv:
+            self._staging.add(snap.step)
+            for name, lane in self.lanes.items():
+                reason = take.get(name, "not due")
+                if reason is None:
+                    lane.last_taken, lane.newest = snap.step, snap
+                else:
+                    if reason == "busy":
+                        lane.counts.busy += 1
+                    else:
+                        lane.counts.not_due += 1
+                    handle._skip_tier(name, reason)
+                    if name == "local" and self.peer is not None:
+                        handle._skip_tier("peer", reason)
+            self._newest = (snap, handle)
         # The memory tier does not queue behind earlier persists: a watcher publishes it as soon as
-        # the copy has landed, while the worker may still be writing an older snapshot.
-        staged = threading.Event()
-        # Not a daemon: interpreter shutdown joins it before finalizing. It signals `staged`
-        # before its frame lets go of the snapshot's tensors, and a daemon freeing the last
-        # reference to a tensor while the interpreter finalizes aborts the process (see
-        # _finish_at_exit: what happened to the persist worker). It ends once the copy has landed.
-        threading.Thread(target=self._watch, args=(snap, handle, staged), name=f"ckpt-staged-{snap.step}",
-                         daemon=False).start()
-        self._queue.put((snap, handle, staged))
+        # the copy has landed, while the tiers may still be writing older snapshots.
+        # Not a daemon: interpreter shutdown joins it before finalizing. It lets go of the snapshot's
+        # tensors before it ends, and a daemon freeing the last reference to a tensor while the
+        # interpreter finalizes aborts the process (see _finish_at_exit).
+        t = threading.Thread(target=self._watch, args=(snap, handle, take, keep), name=f"ckpt-staged-{snap.step}",
+                             daemon=False)
+        with self._cv:
+            self._watchers = [w for w in self._watchers if w.is_alive()] + [t]
+        t.start()
 
-    def _watch(self, snap: Snapshot, handle: SaveHandle, staged: threading.Event) -> None:
+    def _watch(self, snap: Snapshot, handle: SaveHandle, take: dict[str, str | None], keep: bool) -> None:
         try:
             snap.wait_copied()
             if snap.error is None:
@@ -218,40 +375,148 @@ class Pipeline:
                 handle._finish("memory")
         except BaseException as e:
             snap.error = snap.error or e
-        finally:
-            staged.set()
+        with self._cv:
+            self._staging.discard(snap.step)
+            lanes = [self.lanes[n] for n, r in take.items() if r is None and n in self.lanes]
+            if snap.error is not None and self.independent:
+                lanes = []   # no tier waits for this rank's word on it: nothing to hand over
+            for lane in lanes:
+                self._enqueue(lane, _Job(snap, handle, keep))
+            self.pool.release(snap.buffer, staged=True)   # the copy's own hold
+        if snap.error is not None:
+            snap.buffer.forget_image()
+            log.error("checkpoint of step %d failed: %s", snap.step, snap.error)
+            self._on_error(handle, snap.error)
+            handle._fail_rest(snap.error)
 
-    def close(self, timeout: float | None = None) -> bool:
-        """Persist everything queued, then stop the worker (idempotent).
+    def _enqueue(self, lane: _Lane, job: _Job) -> None:
+        """(under the lock) Queue ``job`` on ``lane``; coalescing, it replaces the snapshots waiting there."""
+        if self.coalesce and job.snap.error is None:
+            for old in [j for j in lane.queue if not j.keep and j.snap.error is None]:
+                lane.queue.remove(old)
+                self._supersede(lane, old, job.snap.step)
+        if not self.independent or not self.coalesce:
+            job.held = True   # waits with its buffer held: decided on every rank alike, never taken away
+            job.snap.buffer.holds += 1
+        lane.queue.append(job)
 
-        ``timeout`` (seconds, ``None``: no limit) bounds the wait; returns False when the worker
-        was still persisting when it ran out (the worker is then left to the interpreter).
-        """
-        if not self._closed:
-            self._closed = True
-            _live.discard(self)
-            self._queue.put(None)
-        self._thread.join(timeout)
-        # the host buffers go now; one still held by a persist that outlived `timeout`, once it is released
-        self.pool.close()
-        if self._thread.is_alive():
-            return False
-        if self._uploader is not None:
-            self._uploader.shutdown()
-        return True
+    def _supersede(self, lane: _Lane, job: _Job, by: int | None) -> None:
+        lane.counts.superseded += 1
+        if job.held:
+            job.snap.buffer.holds = max(0, job.snap.buffer.holds - 1)
+        reason = f"superseded by step {by}" if by is not None else "superseded by a newer snapshot"
+        log.info("step %d is not written to the %s tier: %s (the tier was busy; %d superseded there so far)",
+                 job.snap.step, lane.name, reason, lane.counts.superseded)
+        job.handle._skip_tier(lane.name, reason)
+        if lane.name == "local" and self.peer is not None:
+            job.handle._skip_tier("peer", reason)
 
-    def _run(self) -> None:
+    # -- the workers --------------------------------------------------------------------------------
+    def _run(self, lane: _Lane) -> None:
         while True:
-            job = self._queue.get()
-            if job is None:
-                return
-            snap, handle, staged = job
+            with self._cv:
+                while not lane.queue and not (self._closing and not self._staging):
+                    self._cv.wait()
+                if not lane.queue:
+                    if self._closing and not self._staging:
+                        return
+                    continue
+                job = lane.queue.popleft()
+                if not job.held:
+                    job.snap.buffer.holds += 1
+                    job.held = True
+                lane.current = job
             try:
-                staged.wait()
-                self._persist(snap, handle)
-            finally:
-                with self._lock:
-                    self._in_flight.discard(snap.step)
+                if lane.name == "local":
+                    self._persist_local(job, lane)
+                else:
+                    self._persist_remote(job, lane)
+            except BaseException as e:   # noqa: BLE001 - a bug must not stop the tier for good
+                log.exception("the %s tier's worker failed on step %d", lane.name, job.snap.step)
+                self._release(job, lane)
+                job.handle._finish(lane.name, e)
+            with self._cv:
+                lane.current = None
+                self._cv.notify_all()
+
+    def _release(self, job: _Job, lane: _Lane) -> None:
+        with self._cv:
+            if job.held:
+                job.held = False
+                job.snap.buffer.holds = max(0, job.snap.buffer.holds - 1)
+                if self.pool._closed and job.snap.buffer.holds == 0:
+                    self.pool._drop(job.snap.buffer)
+            self._cv.notify_all()
+
+    def _run_write(self, job: _Job, lane: _Lane, write: Callable[[], float]) -> BaseException | None:
+        try:
+            job.handle.stats.persist_s[lane.name] = write()
+            lane.counts.persisted += 1
+            return None
+        except BaseException as e:
+            lane.counts.failed += 1
+            log.error("checkpoint of step %d failed on the %s tier: %s", job.snap.step, lane.name, e)
+            _drop_locals(e)
+            self._on_error(job.handle, e)
+            return e
+
+    def _prune(self, tiers: list[str], step: int) -> None:
+        try:
+            self._retention(tiers)
+        except OSError as e:   # retention trouble never fails a committed save
+            log.warning("retention after step %d failed: %s", step, e)
+
+    def _persist_remote(self, job: _Job, lane: _Lane) -> None:
+        snap, handle = job.snap, job.handle
+        if snap.error is not None:   # on a job tier the other ranks wait for this rank's report
+            self.remote.abstain(snap.step)
+            self._release(job, lane)
+            handle._finish("remote", snap.error)
+            return
+        data = snap.buffer.memoryview(snap.data_bytes)
+        err = self._run_write(job, lane, lambda: self.remote.write(snap.step, snap.manifest, data))
+        del data   # no view of the buffer may outlive the hold (a waiter may exit the process at once)
+        if err is None:
+            self._prune(["remote"], snap.step)
+        self._release(job, lane)   # before reporting: a save right after handle.wait() finds the buffer free
+        handle._finish("remote", err)
+
+    def _persist_local(self, job: _Job, lane: _Lane) -> None:
+        snap, handle = job.snap, job.handle
+        if snap.error is not None:
+            if self.peer is not None:   # the peers wait for this rank's header
+                keep, _ = self._exchange(snap.step, None, None, handle)
+                kept = keep is not None and self._keep_peer_copy(snap.step, keep, handle) is None
+                self._confirm(snap.step, kept)
+            self._release(job, lane)
+            handle._finish("local", snap.error)
+            if self.peer is not None:
+                handle._finish("peer", snap.error)
+            return
+        data = snap.buffer.memoryview(snap.data_bytes)
+        local_error = self._run_write(job, lane, lambda: self.local.write(snap.step, snap.manifest, data))
+        if local_error is None:
+            self._prune(["local"], snap.step)
+        if self.peer is None:
+            del data
+            self._release(job, lane)
+            handle._finish("local", local_error)
+            return
+        handle._finish("local", local_error)
+        # the committed image to the peer rank, straight from the host buffer
+        keep, peer_error = self._exchange(snap.step, snap.manifest if local_error is None else None, data, handle)
+        peer_error = peer_error or local_error   # no local copy: none went to the peer either
+        del data
+        self._release(job, lane)
+        # the received copy is written after the buffer is free for the next save; then each rank
+        # hears from its peer whether its own copy is committed there ("peer" done = durable there)
+        kept = keep is not None and self._keep_peer_copy(snap.step, keep, handle) is None
+        acked = self._confirm(snap.step, kept)
+        if peer_error is None and not acked:
+            peer_error = CheckpointError(f"step {snap.step}: rank {self.peer.dst} did not keep this rank's copy "
+                                         "(its log says why)")
+            self._on_error(handle, peer_error)   # raised by Checkpointer.wait() / close() like any failure
+        handle._finish("peer", peer_error)
 
     def _exchange(self, step: int, manifest: Any, data: Any, handle: SaveHandle) -> tuple[Any, BaseException | None]:
         """The peer tier's collective exchange for ``step`` (``manifest`` None: this rank has nothing to
@@ -283,73 +548,54 @@ class Pipeline:
             self._on_error(handle, e)
             return e
         handle.stats.persist_s["peer"] = handle.stats.persist_s.get("peer", 0.0) + time.perf_counter() - t0
-        try:
-            self._retention(["peer"])
-        except OSError as e:
-            log.warning("retention of peer copies after step %d failed: %s", step, e)
+        self._prune(["peer"], step)
         return None
 
-    def _persist(self, snap: Snapshot, handle: SaveHandle) -> None:
-        def run(tier: str, write: Callable[[], float]) -> BaseException | None:
-            try:
-                handle.stats.persist_s[tier] = write()
-                return None
-            except BaseException as e:
-                log.error("checkpoint of step %d failed on the %s tier: %s", snap.step, tier, e)
-                _drop_locals(e)
-                self._on_error(handle, e)
-                return e
+    # -- closing ------------------------------------------------------------------------------------
+    def flush(self) -> None:
+        """Hand the newest snapshot to every tier that skipped it (its cadence, or busy), so that each
+        tier ends with it; the same decision on every rank of a collective job."""
+        with self._cv:
+            if self._newest is None:
+                return
+            snap, handle = self._newest
+            for name, lane in self.lanes.items():
+                if lane.newest is snap or handle._skipped:
+                    continue
+                if snap.error is not None and self.independent:
+                    continue
+                if snap.buffer.image_step != snap.step and snap.error is None and snap.step not in self._staging:
+                    continue   # its buffer went to another snapshot (cannot happen to the newest; defensive)
+                handle._reopen(name)
+                if name == "local" and self.peer is not None:
+                    handle._reopen("peer")
+                lane.last_taken, lane.newest = snap.step, snap
+                if snap.step in self._staging:   # the watcher hands it over once the copy has landed
+                    continue
+                self._enqueue(lane, _Job(snap, handle, True))
+            self._cv.notify_all()
 
-        if snap.error is not None:    # the snapshot itself is bad (torn, or the copy failed)
-            snap.buffer.image_step = None
-            log.error("checkpoint of step %d failed: %s", snap.step, snap.error)
-            if self.remote is not None:
-                self.remote.abstain(snap.step)   # on a job tier the other ranks wait for this rank's report
-            if self.peer is not None:   # the peers wait for this rank's header
-                keep, _ = self._exchange(snap.step, None, None, handle)
-                kept = keep is not None and self._keep_peer_copy(snap.step, keep, handle) is None
-                self._confirm(snap.step, kept)
-            self._on_error(handle, snap.error)
-            self.pool.release(snap.buffer)
-            handle._fail_rest(snap.error)
-            return
-        data = snap.buffer.memoryview(snap.data_bytes)
-        upload = None
-        if self.remote is not None:   # straight from host memory, beside the local write: no second copy
-            remote = self.remote
-            upload = self._uploader.submit(run, "remote", lambda: remote.write(snap.step, snap.manifest, data))
-        local_error = run("local", lambda: self.local.write(snap.step, snap.manifest, data))
-        if upload is not None or self.peer is not None:
-            handle._finish("local", local_error)   # the buffer stays busy until the upload / peer has read it
-        peer_error, keep = None, None
-        if self.peer is not None:   # the committed image to the peer rank, straight from the host buffer
-            keep, peer_error = self._exchange(snap.step, snap.manifest if local_error is None else None, data,
-                                              handle)
-            peer_error = peer_error or local_error   # no local copy: none went to the peer either
-        remote_error = upload.result() if upload is not None else None
-        committed = [t for t, e in (("local", local_error), ("remote", remote_error))
-                     if e is None and (t == "local" or upload is not None)]
-        if committed:
-            try:
-                self._retention(committed)
-            except OSError as e:   # retention trouble never fails a committed save
-                log.warning("retention after step %d failed: %s", snap.step, e)
-        # Drop this thread's view of the buffer before anyone can be told the save is done: a
-        # waiter may exit the process at once, and the view must not be the last reference then.
-        del data
-        # Release before reporting the last tier: a save issued right after handle.wait() finds the buffer free.
-        self.pool.release(snap.buffer)
-        if upload is not None:
-            handle._finish("remote", remote_error)
-        if self.peer is not None:
-            # the received copy is written after the buffer is free for the next save; then each rank
-            # hears from its peer whether its own copy is committed there ("peer" done = durable there)
-            kept = keep is not None and self._keep_peer_copy(snap.step, keep, handle) is None
-            acked = self._confirm(snap.step, kept)
-            if peer_error is None and not acked:
-                peer_error = CheckpointError(f"step {snap.step}: rank {self.peer.dst} did not keep this rank's copy "
-                                             "(its log says why)")
-                self._on_error(handle, peer_error)   # raised by Checkpointer.wait() / close() like any failure
-            handle._finish("peer", peer_error)
-        if upload is None and self.peer is None:
-            handle._finish("local", local_error)
+    def close(self, timeout: float | None = None, keep_shared: bool = False) -> bool:
+        """Persist everything handed over, then stop the workers (idempotent).
+
+        ``timeout`` (seconds, ``None``: no limit) bounds the wait; returns False when a worker
+        was still persisting when it ran out (it is then left to the interpreter). ``keep_shared``:
+        leave the memory tier's shared-memory segments in RAM for the next process.
+        """
+        if not self._closed:
+            self._closed = True
+            _live.discard(self)
+            with self._cv:
+                self._closing = True
+                self._cv.notify_all()
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for t in list(self._watchers):
+            t.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        with self._cv:
+            self._cv.notify_all()
+        for lane in self.lanes.values():
+            lane.thread.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        alive = any(lane.thread.is_alive() for lane in self.lanes.values())
+        # the host buffers go now; one still held by a persist that outlived `timeout`, once it is released
+        self.pool.close(keep_shared=keep_shared or alive)
+        return not alive

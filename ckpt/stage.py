@@ -35,11 +35,13 @@ exercise the asynchronous logic.
 
 from __future__ import annotations
 
+import errno
 import logging
+import os
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import psutil
@@ -49,7 +51,7 @@ from .errors import CheckpointError, HostMemoryError, TornSnapshotError
 from .format import Manifest, ItemRecord
 from .plan import Entry
 
-__all__ = ["HostBuffer", "HostPool", "Snapshot", "SnapshotStats", "stage", "wait_all_staged"]
+__all__ = ["HostBuffer", "HostPool", "SharedSpace", "Snapshot", "SnapshotStats", "stage", "wait_all_staged"]
 
 log = logging.getLogger(__name__)
 
@@ -57,15 +59,35 @@ _GRANULE = 2 << 20  # pool capacity is rounded up to this
 
 
 class HostBuffer:
-    """One host staging buffer (pinned when CUDA is available)."""
+    """One host staging buffer: pinned memory of this process, or a shared-memory segment
+    (:mod:`ckpt.shm`, registered with the CUDA driver) that outlives it.
 
-    def __init__(self, nbytes: int, pin: bool) -> None:
-        self.tensor = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
-        self.pinned = pin
-        self.busy = False
+    ``holds`` counts who uses the bytes now (the snapshot copy being taken, each tier reading
+    them); a buffer with no holds may be taken for the next snapshot. ``image_step`` /
+    ``manifest`` / ``image_timeline`` describe the whole snapshot it holds for the memory tier
+    (``None``: none), and ``record`` its commit record when it is a segment.
+    """
+
+    def __init__(self, nbytes: int, pin: bool, segment: Any = None, slot: int = 0) -> None:
+        self.segment = segment
+        self.slot = slot
+        if segment is not None:
+            self.tensor = segment.tensor
+            self.pinned = segment.registered
+        else:
+            self.tensor = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
+            self.pinned = pin
+        self.holds = 0
+        self.staging = False                 # a snapshot copy is being taken into it (one of the holds)
         self.image_step: int | None = None   # step whose snapshot the buffer holds, for the memory tier
         self.manifest: Any = None            # and that snapshot's manifest
+        self.image_timeline: Any = None      # and its timeline
+        self.record: Any = None              # its shared-memory commit record, if any
         self.views: dict[tuple, torch.Tensor] = {}   # typed views into the buffer, reused across saves
+
+    @property
+    def busy(self) -> bool:
+        return self.holds > 0
 
     @property
     def capacity(self) -> int:
@@ -74,79 +96,265 @@ class HostBuffer:
     def memoryview(self, nbytes: int) -> memoryview:
         return memoryview(self.tensor.numpy())[:nbytes]
 
+    def forget_image(self) -> None:
+        self.image_step = None
+        self.manifest = None
+        self.image_timeline = None
+        self.record = None
+
     def free(self) -> None:
         """Give the memory back now: drop the buffer and every view this object keeps of it (a
         snapshot object that outlives the pool then holds no host memory)."""
         self.views = {}
+        if self.segment is not None:
+            self.segment.release()
         self.tensor = torch.empty(0, dtype=torch.uint8)
-        self.image_step = None
-        self.manifest = None
+        self.forget_image()
+
+
+@dataclass
+class SharedSpace:
+    """Where a pool keeps its buffers as shared-memory segments: ``root`` (the RAM file system),
+    ``prefix`` (:func:`ckpt.shm.prefix_for`) and the ``local_dir`` it belongs to."""
+
+    root: Any
+    prefix: str
+    local_dir: str
 
 
 class HostPool:
-    """At most ``slots`` host buffers, allocated lazily and reused across saves.
+    """At most ``slots`` host buffers, allocated when first needed (or ahead, by :meth:`prepare`) and
+    reused across saves.
 
-    ``limit`` caps the total bytes (``host_memory_limit``); ``None`` derives it
-    from the memory psutil reports available when a buffer is (re)allocated.
-    :meth:`close` frees every buffer (one still being persisted: once it is released).
+    ``limit`` caps the total bytes (``host_memory_limit``); ``None`` derives it from the memory
+    psutil reports available when a buffer is (re)allocated. When the limit leaves room for fewer
+    buffers than ``slots`` and ``shrink`` is set (the default number of buffers), the pool keeps as
+    many as fit (at least one) and says so once. With :meth:`share`, buffers are shared-memory
+    segments (adopting a segment a previous process left, with its committed snapshot), else
+    pinned memory of this process. :meth:`close` frees every buffer (one still held: once released).
     """
 
-    def __init__(self, slots: int, limit: int | None, pin: bool | None = None) -> None:
+    def __init__(self, slots: int, limit: int | None, pin: bool | None = None, shrink: bool = False) -> None:
         if slots < 1:
             raise ValueError(f"max_in_flight must be at least 1, got {slots}")
         self.slots = slots
         self.limit = limit
+        self.shrink = shrink
         self.pin = torch.cuda.is_available() if pin is None else pin
         self.buffers: list[HostBuffer] = []
         self.allocations = 0
+        self.shared: SharedSpace | None = None
         self._closed = False
+        self._allocating = 0      # allocations under way outside the lock
         self._cv = threading.Condition()
+        self._prepared: threading.Thread | None = None
+        self._reserved: set[int] = set()   # slots being allocated
+        self._warned_shm = False
 
     @property
     def nbytes(self) -> int:
         return sum(b.capacity for b in self.buffers)
 
-    def acquire(self, nbytes: int, block: bool, step: int) -> HostBuffer | None:
-        """A free buffer of at least ``nbytes`` (``None`` if all are busy and not ``block``)."""
+    def share(self, space: SharedSpace | None) -> None:
+        """Keep the buffers allocated from now on in shared memory (``None``: in this process)."""
+        with self._cv:
+            self.shared = space
+
+    def adopt(self) -> None:
+        """Take over the shared-memory segments a previous owner of the same local tier left, with the
+        snapshots committed in them (the memory tier lists them as before), as this pool's buffers."""
+        from . import shm
+
+        space = self.shared
+        if space is None:
+            return
+        for slot in range(self.slots):
+            with self._cv:
+                if any(b.slot == slot for b in self.buffers) or len(self.buffers) >= self.slots:
+                    continue
+            rec = shm.record_of(space.root, space.prefix, slot)
+            path = space.root / shm.buffer_name(space.prefix, slot)
+            if rec is None:
+                continue
+            try:
+                seg = shm.Segment.open(path, rec.manifest.data_bytes, writable=True)
+            except OSError as e:
+                log.warning("memory-tier segment %s is unusable (%s): not adopted", path, e)
+                shm.remove_record(space.root, space.prefix, slot)
+                continue
+            seg.register()
+            buf = HostBuffer(0, self.pin, segment=seg, slot=slot)
+            buf.image_step, buf.manifest, buf.image_timeline, buf.record = rec.step, rec.manifest, rec.timeline, rec
+            with self._cv:
+                self.buffers.append(buf)
+                self._cv.notify_all()
+
+    def prepare(self, nbytes: int) -> None:
+        """Allocate every buffer for a state of ``nbytes`` in a background thread (once), so that the
+        first save does not pay for the allocation (seconds for pinned or registered memory)."""
+        with self._cv:
+            if self._prepared is not None or self._closed:
+                return
+
+            def run() -> None:
+                try:
+                    while True:
+                        with self._cv:
+                            if self._closed or len(self.buffers) + self._allocating >= self.slots:
+                                return
+                            if self.buffers and all(b.capacity >= nbytes for b in self.buffers) and \
+                                    len(self.buffers) + self._allocating >= self.slots:
+                                return
+                            self._allocating += 1
+                        try:
+                            buf = self._allocate(nbytes, -1, self._free_slot())
+                        except HostMemoryError as e:
+                            with self._cv:
+                                self._allocating -= 1
+                                if self.buffers and self.shrink:
+                                    self._shrink(e)
+                                self._cv.notify_all()
+                            return
+                        except BaseException:
+                            with self._cv:
+                                self._allocating -= 1
+                                self._cv.notify_all()
+                            raise
+                        with self._cv:
+                            self._allocating -= 1
+                            if self._closed:
+                                buf.free()
+                                return
+                            self.buffers.append(buf)
+                            self._cv.notify_all()
+                except Exception as e:   # noqa: BLE001 - the save allocates (and reports) itself
+                    log.warning("allocating the snapshot buffers ahead failed (%s); the first save allocates", e)
+
+            self._prepared = threading.Thread(target=run, name="ckpt-prepare", daemon=True)
+            self._prepared.start()
+
+    def acquire(self, nbytes: int, block: bool, step: int,
+                reclaim: Callable[[HostBuffer, bool, int], bool] | None = None) -> HostBuffer | None:
+        """A buffer of at least ``nbytes`` for a new snapshot, held once and marked ``staging``. A buffer
+        no one holds is free. Without ``block``, returns ``None`` when no buffer is free and none will be
+        without a tier finishing (it waits for a copy still landing, or an allocation under way); with
+        ``block``, it waits for a tier too. of those, one holding no snapshot goes first, then the
+        oldest snapshot. ``reclaim``, called under the pool's lock: ``reclaim(buf, True, step)`` asks
+        whether ``buf`` may be taken (``False``: it counts as busy), ``reclaim(buf, False, step)`` says it
+        is taken for ``step`` (whoever still wanted its snapshot lets go of it)."""
+        from . import shm
+
         with self._cv:
             while True:
                 if self._closed:
                     raise CheckpointError("the host staging pool is closed (the Checkpointer was closed)")
-                free = [b for b in self.buffers if not b.busy]
-                if free or len(self.buffers) < self.slots:
+                free = [b for b in self.buffers if b.holds == 0]
+                free.sort(key=lambda b: (b.capacity < nbytes, b.image_step is not None,
+                                         b.image_step if b.image_step is not None else -1))
+                free = [b for b in free if reclaim is None or reclaim(b, True, step)]
+                newest = max((b for b in self.buffers if b.image_step is not None), default=None,
+                             key=lambda b: b.image_step)
+                room = len(self.buffers) + self._allocating < self.slots
+                if newest is not None and (room or len(free) > 1):
+                    # the newest snapshot stays whole while the next is copied, if there is any other way
+                    free = [b for b in free if b is not newest]
+                if free:
+                    buf = free[0]
+                    if reclaim is not None:
+                        reclaim(buf, False, step)
                     break
-                if not block:
+                if len(self.buffers) + self._allocating < self.slots:
+                    buf = None
+                    break
+                if not block and not self._allocating and not any(b.staging for b in self.buffers):
                     return None
                 self._cv.wait()
-            # Prefer a buffer that is already large enough; never evict the newest memory image needlessly.
-            free.sort(key=lambda b: (b.capacity < nbytes, b.image_step if b.image_step is not None else -1))
-            buf = free[0] if free else None
-            if buf is None or buf.capacity < nbytes:
-                buf = self._allocate(nbytes, step, replacing=buf)
-                self.buffers.append(buf)
-            buf.busy = True
-            buf.image_step = None
-            return buf
+            if buf is not None and buf.capacity >= nbytes:
+                self._withdraw(buf, shm)
+                buf.holds, buf.staging = 1, True
+                return buf
+            if buf is not None:
+                buf.holds = 1   # reserved while it is replaced by a larger one (its snapshot stays until then)
+            self._allocating += 1
+        try:
+            new = self._allocate(nbytes, step, buf.slot if buf is not None else self._free_slot(), replacing=buf)
+        except HostMemoryError as e:
+            with self._cv:
+                self._allocating -= 1
+                if buf is not None:
+                    buf.holds = 0
+                if buf is None and self.buffers and self.shrink:
+                    self._shrink(e)
+                    self._cv.notify_all()
+                else:
+                    self._cv.notify_all()
+                    raise
+            return self.acquire(nbytes, block, step, reclaim)
+        with self._cv:
+            self._allocating -= 1
+            if buf is not None and buf in self.buffers:
+                self.buffers.remove(buf)
+            new.holds, new.staging = 1, True
+            self.buffers.append(new)
+            self._cv.notify_all()
+            return new
+
+    def _shrink(self, error: HostMemoryError) -> None:
+        """Keep the buffers there are: the limit leaves no room for another (said once)."""
+        if self.slots > len(self.buffers):
+            log.warning("only %d snapshot buffer(s) fit (%s): with one buffer, a save while the previous "
+                        "snapshot is still being persisted waits (if_busy='wait') or is skipped (if_busy='skip'), "
+                        "and while a snapshot is being taken the memory tier holds none. Raise host_memory_limit "
+                        "for %d buffers", len(self.buffers), error, self.slots)
+            self.slots = len(self.buffers)
+
+    def _withdraw(self, buf: HostBuffer, shm: Any) -> None:
+        """Before ``buf`` is written again: its snapshot leaves the memory tier (its record first)."""
+        if buf.segment is not None and self.shared is not None:
+            shm.remove_record(self.shared.root, self.shared.prefix, buf.slot)
+        buf.forget_image()
+
+    def _free_slot(self) -> int:
+        with self._cv:
+            used = {b.slot for b in self.buffers} | self._reserved
+            slot = next(i for i in range(len(used) + 1) if i not in used)
+            self._reserved.add(slot)
+            return slot
 
     def has_free(self) -> bool:
-        """Whether :meth:`acquire` would return at once (a buffer is free, or one may be added)."""
+        """Whether :meth:`acquire` without ``block`` would return a buffer (one is free, may be added, or is
+        held only by a copy still landing)."""
         with self._cv:
-            return len(self.buffers) < self.slots or any(not b.busy for b in self.buffers)
+            return len(self.buffers) + self._allocating < self.slots or \
+                any(b.holds == 0 or (b.staging and b.holds == 1) for b in self.buffers)
 
-    def release(self, buf: HostBuffer) -> None:
+    def hold(self, buf: HostBuffer) -> None:
         with self._cv:
-            buf.busy = False
-            if self._closed:   # the persist that held it ended after close(): free it now
+            buf.holds += 1
+
+    def release(self, buf: HostBuffer, staged: bool = False) -> None:
+        """Drop one hold of ``buf`` (``staged``: the hold of its snapshot copy, which has landed or failed)."""
+        with self._cv:
+            if staged:
+                buf.staging = False
+            buf.holds = max(0, buf.holds - 1)
+            if self._closed and buf.holds == 0:   # the persist that held it ended after close(): free it now
                 self._drop(buf)
             self._cv.notify_all()
 
-    def close(self) -> None:
-        """Free every buffer that is not busy now, and each busy one when it is released. Idempotent."""
+    def close(self, keep_shared: bool = False) -> None:
+        """Free every buffer that is not held now, and each held one when it is released. Idempotent.
+        Shared-memory segments are removed too (their RAM is given back), unless ``keep_shared``."""
+        from . import shm
+
         with self._cv:
             self._closed = True
-            for b in [b for b in self.buffers if not b.busy]:
+            for b in [b for b in self.buffers if b.holds == 0]:
                 self._drop(b)
             self._cv.notify_all()
+            space = self.shared
+        if space is not None and not keep_shared:
+            shm.free(space.root, space.prefix)
 
     def _drop(self, buf: HostBuffer) -> None:
         if buf in self.buffers:
@@ -158,11 +366,21 @@ class HostPool:
             imgs = [b for b in self.buffers if b.image_step is not None]
             return max(imgs, key=lambda b: b.image_step) if imgs else None
 
-    def _allocate(self, nbytes: int, step: int, replacing: HostBuffer | None = None) -> HostBuffer:
-        """A new buffer of at least ``nbytes``; ``replacing`` (a free buffer too small for the state,
-        which grew) is freed first, once the limit is known to allow the new one."""
+    def _allocate(self, nbytes: int, step: int, slot: int, replacing: HostBuffer | None = None) -> HostBuffer:
+        """A new buffer of at least ``nbytes`` in ``slot``; ``replacing`` (a free buffer too small for the
+        state, which grew) is freed first, once the limit is known to allow the new one. Called without
+        the pool's lock (it may take seconds)."""
+        try:
+            return self._allocate_unlocked(nbytes, step, slot, replacing)
+        finally:
+            with self._cv:
+                self._reserved.discard(slot)
+
+    def _allocate_unlocked(self, nbytes: int, step: int, slot: int, replacing: HostBuffer | None) -> HostBuffer:
         cap = max(_GRANULE, -(-nbytes // _GRANULE) * _GRANULE)
-        allocated = self.nbytes
+        with self._cv:
+            allocated = self.nbytes
+            count = len(self.buffers)
         others = allocated - (replacing.capacity if replacing is not None else 0)   # what stays allocated
         if self.limit is not None:
             limit, why = self.limit, "host_memory_limit"
@@ -173,7 +391,7 @@ class HostPool:
             cap = limit - others   # the rounding alone would cross the limit
         if others + cap > limit:
             kind = "pinned" if self.pin else "pageable"
-            have = f"{_mib(allocated)} of {kind} staging memory is allocated already in {len(self.buffers)} " \
+            have = f"{_mib(allocated)} of {kind} staging memory is allocated already in {count} " \
                    f"buffer(s) (max_in_flight={self.slots})"
             if replacing is not None:
                 have += f", of which the {_mib(replacing.capacity)} buffer of a smaller earlier state would be " \
@@ -185,13 +403,52 @@ class HostPool:
                 f"{', or a smaller max_in_flight' if others else ''}",
                 needed=nbytes, allocated=allocated, limit=limit)
         if replacing is not None:   # give its memory back before asking for more: peak = the new buffer
-            self._drop(replacing)
+            from . import shm
+
+            with self._cv:
+                self._withdraw(replacing, shm)
+                if replacing in self.buffers:
+                    self.buffers.remove(replacing)
+            replacing.free()
         t0 = time.perf_counter()
-        buf = HostBuffer(cap, self.pin)
+        buf = self._shared_buffer(cap, slot)
+        if buf is None:
+            buf = HostBuffer(cap, self.pin, slot=slot)
         self.allocations += 1
         log.info("allocated %.2f GiB %s host staging buffer in %.3f s", cap / 2**30,
-                 "pinned" if self.pin else "pageable", time.perf_counter() - t0)
+                 "shared-memory" if buf.segment is not None else "pinned" if self.pin else "pageable",
+                 time.perf_counter() - t0)
         return buf
+
+    def _shared_buffer(self, cap: int, slot: int) -> HostBuffer | None:
+        """A shared-memory segment of ``cap`` bytes for ``slot``, or ``None`` (in-process memory then)
+        when the pool is not shared or the RAM file system has no room (said once, with the size)."""
+        from . import shm
+
+        space = self.shared
+        if space is None:
+            return None
+        path = space.root / shm.buffer_name(space.prefix, slot)
+        shm.remove_record(space.root, space.prefix, slot)
+        try:
+            old = os.lstat(path).st_blocks * 512
+        except OSError:
+            old = 0
+        try:
+            free = shm.available_bytes(space.root) + old
+            if free < cap:
+                raise OSError(errno.ENOSPC, f"{_mib(free)} free", str(space.root))
+            seg = shm.Segment.create(path, cap)
+        except OSError as e:
+            if not self._warned_shm:
+                self._warned_shm = True
+                log.warning("the memory tier keeps its snapshots in this process's memory, so they do not outlive "
+                            "it: a %s buffer does not fit in %s (%s); it needs %d buffer(s) of that size free there "
+                            "(enlarge it: docker --shm-size, or a Kubernetes emptyDir with medium: Memory)",
+                            _mib(cap), space.root, e.strerror or e, self.slots)
+            return None
+        seg.register()
+        return HostBuffer(cap, self.pin, segment=seg, slot=slot)
 
 
 def _mib(n: int) -> str:
@@ -208,6 +465,7 @@ class SnapshotStats:
     wait_s: float = 0.0           # part of the stall spent waiting for a free buffer
     stage_s: float | None = None  # device-to-host copy time
     persist_s: dict[str, float] = field(default_factory=dict)
+    skipped_tiers: dict[str, str] = field(default_factory=dict)   # tiers that did not write it, and why
 
     @property
     def stage_gbps(self) -> float | None:

@@ -8,11 +8,29 @@ real S3 server on loopback), ``slow`` (runs only when selected with
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 import threading
 import time
 
 import pytest
 import torch
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """The memory tier's shared-memory segments of this session (and of the processes its tests start)
+    go to a directory of their own in the RAM file system, removed at the end: a test that kills a
+    training process on purpose leaves its segments, as it should, and they must not pile up."""
+    if "CKPT_SHM_DIR" not in os.environ and os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK):
+        d = tempfile.mkdtemp(prefix="ckpt-tests-", dir="/dev/shm")
+        os.environ["CKPT_SHM_DIR"] = config._ckpt_shm_dir = d
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    d = getattr(config, "_ckpt_shm_dir", None)
+    if d is not None:
+        shutil.rmtree(d, ignore_errors=True)
+        os.environ.pop("CKPT_SHM_DIR", None)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -30,7 +30,7 @@ def main() -> None:
     state = {"w": torch.zeros(6), "step": 0}
     try:
         drain = mode == "drain"
-        with ckpt.Checkpointer(local_dir=f"{root}/rank-{rank}", every_steps=2, peers=1, on_preempt="raise",
+        with ckpt.Checkpointer(local_dir=f"{root}/rank-{rank}", every_steps=2, peers=1, on_preempt="raise", if_busy="wait",
                                signals=(signal.SIGTERM,) if drain else (), drain_tier="peer" if drain else "local",
                                drain_deadline=60) as ck:
             assert "peer" in ck.tiers

@@ -168,7 +168,8 @@ def main() -> None:
                     assert torch.equal(state["mine"], torch.full((3,), float(rank if rank < 2 else 0)))
                     print(f"restored {step} from {ck.last_restore.tier}", flush=True)
         elif mode == "rank-dies":   # rank 1 dies before its upload reports; rank 0 must hear of it at once
-            with ckpt.Checkpointer(url, local_dir=local) as ck:
+            # if_busy="wait": the save itself agrees nothing with the other ranks, so the upload is what fails
+            with ckpt.Checkpointer(url, local_dir=local, if_busy="wait") as ck:
                 if rank == 1:
                     os._exit(3)
                 try:

@@ -25,7 +25,7 @@ def test_plain_loop_example_runs_and_resumes(tmp_path):
     script = tmp_path / "plain_loop.py"
     script.write_text(_examples()["plain_loop"])
     env = {**os.environ, "CKPT_LOCAL_DIR": str(tmp_path / "ck")}
-    expected = [("resumed from step None", "checkpoints: [(40, ['memory', 'local']), (30, ['local'])]"),
+    expected = [("resumed from step None", "checkpoints: [(40, ['memory', 'local']), (30, ['memory', 'local'])]"),
                 ("resumed from step 40", "checkpoints: [(40, ['local']), (30, ['local'])]")]
     for resumed, listing in expected:   # the second run restores step 40 and trains steps 41 to 49
         out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=300)

@@ -56,8 +56,9 @@ class GatedTier(LocalTier):
 
 
 def test_if_busy_skip_reports_the_skipped_save(local_dir, caplog):
+    """One buffer, being read by the local tier: the next snapshot has nowhere to go and is skipped."""
     tier = GatedTier(local_dir)
-    with ckpt.Checkpointer(local_dir=tier, if_busy="skip") as ck:
+    with ckpt.Checkpointer(local_dir=tier, if_busy="skip", max_in_flight=1) as ck:
         first = ck.save(1, {"s": torch.ones(10)})
         first.wait("memory")
         second = ck.save(2, {"s": torch.ones(10)})
@@ -70,7 +71,7 @@ def test_if_busy_skip_reports_the_skipped_save(local_dir, caplog):
 
 def test_if_busy_wait_blocks_and_reports_the_wait(local_dir):
     tier = GatedTier(local_dir)
-    with ckpt.Checkpointer(local_dir=tier) as ck:
+    with ckpt.Checkpointer(local_dir=tier, if_busy="wait", max_in_flight=1) as ck:
         ck.save(1, {"s": torch.ones(10)}).wait("memory")
         threading.Timer(0.3, tier.gate.set).start()
         h = ck.save(2, {"s": torch.ones(10)})
@@ -78,15 +79,22 @@ def test_if_busy_wait_blocks_and_reports_the_wait(local_dir):
         h.wait()
 
 
-def test_max_in_flight_two_overlaps_two_persists(local_dir):
+def test_two_buffers_and_a_busy_tier_newest_wins(local_dir):
+    """Two buffers: one read by the (stuck) local tier, the other holds the newest snapshot waiting for
+    it; each newer snapshot takes the waiting one's buffer and its place (superseded, reported), and no
+    save waits for the tier."""
     tier = GatedTier(local_dir)
-    with ckpt.Checkpointer(local_dir=tier, max_in_flight=2, if_busy="skip") as ck:
+    with ckpt.Checkpointer(local_dir=tier, max_in_flight=2, keep=ckpt.Retention(local=None)) as ck:
         a = ck.save(1, {"s": torch.ones(10)})
-        b = ck.save(2, {"s": torch.ones(10)})
-        c = ck.save(3, {"s": torch.ones(10)})
         a.wait("memory")
+        b = ck.save(2, {"s": torch.ones(10)})
         b.wait("memory")
-        assert c.status == "skipped" and b.status == "pending"
+        c = ck.save(3, {"s": torch.ones(10)})
+        c.wait("memory")
+        assert c.status == "pending" and b.tier_status("local") == "skipped"
+        assert b.skipped_tiers["local"] == "superseded by step 3"
         tier.gate.set()
         ck.wait()
         assert ck.pool.allocations == 2
+        assert ck.tier_counts["local"].persisted == 2 and ck.tier_counts["local"].superseded == 1
+        assert tier.committed_steps() == [3, 1]

@@ -83,8 +83,8 @@ def test_time_based_policy_saves_the_same_steps_on_every_rank(tmp_path, backend)
 
 
 def test_skipped_saves_are_skipped_on_every_rank(tmp_path):
-    # rank 1's disk is slow: with if_busy="skip" it is busy for most saves, rank 0 never is;
-    # both must skip the same saves and commit the same steps
+    # rank 1's disk is slow: with if_busy="skip" its local tier is busy for most saves, rank 0's never
+    # is; both local tiers must skip the same snapshots and commit the same steps
     results = _run(tmp_path, "skip")
     _ok(results)
     lines = [next(l for l in r.stdout.splitlines() if l.startswith("committed")) for r in results]

@@ -85,7 +85,7 @@ def test_wait_staged_makes_in_place_writes_safe(local_dir, slow_staging):
 
 def test_the_host_buffer_is_allocated_once_and_reused(local_dir):
     w = torch.randn(100_000)
-    with ckpt.Checkpointer(local_dir=local_dir) as ck:
+    with ckpt.Checkpointer(local_dir=local_dir, max_in_flight=1) as ck:
         for s in range(5):
             ck.save(s, {"w": w})
         ck.wait()

@@ -1,49 +1,101 @@
-"""The memory tier: the newest snapshot, still in this process's host buffer.
+"""The memory tier: the newest snapshots, in host memory, readable after the process dies.
 
-It needs no I/O and no checksum pass (the bytes never left this process), so
-when it is at least as new as anything on disk, restore uses it first: after a
-recoverable error inside a long job, the state comes back at host-to-device
-bandwidth.
+Each host buffer of the snapshot pool (:class:`ckpt.stage.HostPool`) holds at most one whole
+snapshot. In this process the memory tier needs no I/O and no checksum pass: when it is at least
+as new as anything on disk, restore uses it first, at host-to-device bandwidth. When the buffers
+are shared-memory segments (:mod:`ckpt.shm`, the default on Linux), each committed snapshot also
+gets a commit record with per-chunk checksums, so a *new* process on the same node (after SIGKILL,
+an OOM kill, a NCCL timeout) restores from RAM: it checks every chunk before any byte is used and
+passes over a snapshot whose record was withdrawn or rewritten while it read (the buffer was being
+written again). A snapshot being written when its process died has no record and is never served.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import logging
+import os
+from pathlib import Path
+
 import torch
 
+from .. import shm
+from ..errors import CorruptCheckpointError
 from ..format import Manifest
 from ..policy import Committed, Timeline
 from ..scatter import Scatter
-from ..stage import HostPool
+from ..stage import HostBuffer, HostPool, SharedSpace
 
-__all__ = ["MemoryTier"]
+__all__ = ["MemoryTier", "space_for"]
+
+log = logging.getLogger(__name__)
 
 
 class MemoryTier:
+    """Snapshots held in ``pool``'s buffers and, with ``space``, those a previous process left in its
+    shared-memory segments (``space``: where this local tier's and rank's segments live)."""
+
     name = "memory"
 
-    def __init__(self, pool: HostPool) -> None:
+    def __init__(self, pool: HostPool, space: SharedSpace | None = None) -> None:
         self.pool = pool
+        self.space = space
         self.timeline = Timeline()   # the timeline of the snapshots committed from now on (the Checkpointer sets it)
 
-    def commit(self, step: int, manifest: Manifest, buffer) -> None:
-        """Mark ``buffer`` as holding the complete, fenced snapshot of ``step``."""
-        buffer.manifest = manifest
-        buffer.image_timeline = self.timeline
-        buffer.image_step = step
+    # -- commit -----------------------------------------------------------------------------------
+    def commit(self, step: int, manifest: Manifest, buffer: HostBuffer) -> None:
+        """Mark ``buffer`` as holding the complete, fenced snapshot of ``step``; a shared-memory buffer
+        gets its record (chunk checksums computed now) before the snapshot counts as held."""
+        record = None
+        space = self.pool.shared
+        if buffer.segment is not None and space is not None:
+            sums = shm.chunk_checksums(buffer.tensor, manifest.data_bytes, manifest.chunk_bytes)
+            held = dataclasses.replace(manifest, chunks=sums)
+            record = shm.write_record(space.root, space.prefix, buffer.slot, step, self.timeline, held,
+                                      space.local_dir)
+        with self.pool._cv:
+            buffer.manifest = manifest
+            buffer.image_timeline = self.timeline
+            buffer.image_step = step
+            buffer.record = record
+
+    # -- listing ----------------------------------------------------------------------------------
+    def _held(self) -> list[HostBuffer]:
+        with self.pool._cv:
+            return [b for b in self.pool.buffers if b.image_step is not None and b.manifest is not None]
+
+    def _left(self) -> list[shm.SnapshotRecord]:
+        """Records of segments this process has not taken over (a previous process's snapshots)."""
+        if self.space is None:
+            return []
+        with self.pool._cv:
+            mine = {b.slot for b in self.pool.buffers if b.segment is not None}
+            shared = self.pool.shared is not None
+        out = []
+        for g in shm.segments(self.space.root, self.space.prefix):
+            for rec in g.records:
+                if not (shared and rec.slot in mine):
+                    out.append(rec)
+        return out
 
     def committed(self) -> list[Committed]:
         """The snapshots held, with the timeline each was saved on."""
-        out = []
-        for b in list(self.pool.buffers):
-            step, manifest = b.image_step, b.manifest
-            if step is not None and manifest is not None:
-                out.append(Committed(step, getattr(b, "image_timeline", Timeline())))
+        out = [Committed(b.image_step, b.image_timeline or Timeline()) for b in self._held()]
+        seen = {c.key for c in out}
+        out += [Committed(r.step, r.timeline) for r in self._left() if (r.timeline.number, r.step) not in seen]
         return out
 
     def manifest(self, step: int, timeline: Timeline) -> Manifest | None:
         """The manifest of the snapshot of ``step`` on ``timeline`` still held, if any."""
-        return next((b.manifest for b in list(self.pool.buffers) if b.image_step == step and b.manifest is not None
-                     and getattr(b, "image_timeline", Timeline()) == timeline), None)
+        for b in self._held():
+            if b.image_step == step and (b.image_timeline or Timeline()) == timeline:
+                return b.manifest
+        rec = self._record(step, timeline)
+        return rec.manifest if rec is not None else None
+
+    def _record(self, step: int, timeline: Timeline | None) -> shm.SnapshotRecord | None:
+        recs = [r for r in self._left() if r.step == step and (timeline is None or r.timeline == timeline)]
+        return max(recs, key=lambda r: r.created_unix) if recs else None
 
     def newest(self) -> tuple[int, Manifest] | None:
         buf = self.pool.newest_image()
@@ -51,17 +103,82 @@ class MemoryTier:
             return None
         return buf.image_step, buf.manifest
 
+    def nbytes(self) -> int:
+        """RAM the shared-memory segments of this local tier and rank take (0 without them)."""
+        if self.space is None:
+            return 0
+        return sum(g.nbytes for g in shm.segments(self.space.root, self.space.prefix))
+
+    # -- reading ----------------------------------------------------------------------------------
     def load(self, step: int, manifest: Manifest, dest: list[torch.Tensor | None]) -> None:
-        buf = next((b for b in self.pool.buffers if b.image_step == step and b.manifest is manifest), None) or \
-            next((b for b in self.pool.buffers if b.image_step == step), None)
-        if buf is None:
+        """Copy snapshot ``step`` into ``dest``. From this process's buffer as it is; from a segment a
+        previous process left, after checking every chunk (``CorruptCheckpointError`` naming the
+        segment) and, afterwards, that its record was not withdrawn meanwhile (``LookupError``)."""
+        with self.pool._cv:
+            buf = next((b for b in self.pool.buffers if b.image_step == step and b.manifest is manifest), None) or \
+                next((b for b in self.pool.buffers if b.image_step == step), None)
+            if buf is not None:
+                buf.holds += 1   # not taken for a new snapshot while it is read
+        if buf is not None:
+            try:
+                _scatter(manifest, dest, buf.tensor[:manifest.data_bytes])
+            finally:
+                self.pool.release(buf)
+            return
+        rec = next((r for r in self._left() if r.step == step and r.manifest.data_bytes == manifest.data_bytes
+                    and r.manifest.items == manifest.items), None)
+        if rec is None:
             raise LookupError(f"step {step} is no longer in host memory")
-        sc = Scatter(manifest.items, dest)
-        data = buf.tensor[:manifest.data_bytes]
-        if sc.to_device:
-            stream = torch.cuda.Stream()
-            with torch.cuda.stream(stream):
-                sc.copy(data, 0)
-            stream.synchronize()
-        else:
+        self._load_segment(rec, dest)
+
+    def _load_segment(self, rec: shm.SnapshotRecord, dest: list[torch.Tensor | None] | None) -> None:
+        path = Path(rec.path).with_name(rec.buffer)
+        seg = shm.Segment.open(path, rec.manifest.data_bytes, writable=False)
+        try:
+            data = seg.tensor[:rec.manifest.data_bytes]
+            bad = shm.first_bad_chunk(data, rec.manifest)
+            if bad is not None and shm.still_current(rec):
+                c = rec.manifest.chunk_bytes
+                raise CorruptCheckpointError(
+                    f"{path}: bytes [{bad * c}, {min((bad + 1) * c, rec.manifest.data_bytes)}) of the memory tier's "
+                    f"snapshot of step {rec.step} fail their checksum")
+            if bad is None and dest is not None:
+                _scatter(rec.manifest, dest, data)
+            if bad is not None or not shm.still_current(rec):
+                raise LookupError(f"the memory tier's snapshot of step {rec.step} in {path} was being replaced "
+                                  "while it was read")
+        finally:
+            seg.release()
+
+    def verify(self, step: int, timeline: Timeline | None = None) -> Manifest:
+        """Check every chunk of the snapshot of ``step`` a previous process left (this process's own
+        buffers hold bytes that never left it). Raises ``CorruptCheckpointError`` / ``LookupError``."""
+        rec = self._record(step, timeline)
+        if rec is None:
+            m = self.manifest(step, timeline) if timeline is not None else \
+                next((b.manifest for b in self._held() if b.image_step == step), None)
+            if m is None:
+                raise LookupError(f"step {step} is not in host memory")
+            return m
+        self._load_segment(rec, None)
+        return rec.manifest
+
+
+def _scatter(manifest: Manifest, dest: list[torch.Tensor | None], data: torch.Tensor) -> None:
+    sc = Scatter(manifest.items, dest)
+    if sc.to_device:
+        stream = torch.cuda.Stream()
+        with torch.cuda.stream(stream):
             sc.copy(data, 0)
+        stream.synchronize()
+    else:
+        sc.copy(data, 0)
+
+
+def space_for(local_dir: str | os.PathLike, rank: int) -> SharedSpace | None:
+    """Where the memory tier of ``local_dir``'s rank ``rank`` keeps its segments (``None``: shared
+    segments are off, or there is no RAM file system)."""
+    root = shm.shm_root()
+    if root is None:
+        return None
+    return SharedSpace(root, shm.prefix_for(local_dir, rank), os.path.realpath(os.fspath(local_dir)))

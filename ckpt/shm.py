@@ -1,0 +1,361 @@
+"""Shared-memory segments: snapshot buffers that outlive the process that wrote them.
+
+The memory tier keeps its host buffers in files of a RAM file system (``/dev/shm`` on Linux,
+``$CKPT_SHM_DIR`` to choose another), mapped into the training process and registered with the
+CUDA driver, so device-to-host copies run at pinned bandwidth. A process that dies (SIGKILL, an
+OOM kill, a NCCL timeout) leaves them in RAM; a new process on the same node finds them by name
+and restores from them after checking every chunk against its checksum.
+
+Names, per ``local_dir`` (resolved) and rank::
+
+    ckpt-<16 hex of sha256(local_dir)>-r<rank>-s<slot>.buf    a buffer: one snapshot's data file image
+    ckpt-<16 hex of sha256(local_dir)>-r<rank>-s<slot>.rec    its commit record (JSON), present only
+                                                              while the buffer holds a whole snapshot
+
+A record exists only while its buffer holds exactly the snapshot it describes: it is removed before
+the buffer is written again and put back (a temporary name, then ``rename``) only once the copy has
+landed, passed the torn-write check, and its chunk checksums are computed. A process killed while a
+buffer is being written leaves that buffer without a record, so it is never served; the previous
+snapshot, in another buffer, keeps its record. Segments are created ``0600`` under a fresh name and
+renamed into place, never truncated in place (a reader's mapping of the old file stays valid), and
+only regular files owned by this user are ever mapped.
+
+Only the owner of ``local_dir`` (:class:`ckpt.tiers.local.OwnerLock`) writes a segment; anyone may
+read one. The RAM is freed when the segment files are removed (``Checkpointer.close()`` after a
+clean finish, :func:`free` / ``ckpt gc --memory`` for what a crashed job left) and no process maps
+them any more. Their size counts against the container's memory limit (tmpfs pages are charged to
+the cgroup that touched them) and against the size of ``/dev/shm`` (Docker gives 64 MB by default:
+``--shm-size``; Kubernetes: an ``emptyDir`` with ``medium: Memory``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import hashlib
+import json
+import logging
+import os
+import re
+import secrets
+import socket
+import stat
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from . import knobs
+from .errors import CorruptCheckpointError
+from .format import FORMAT_VERSION, Manifest, parse_record, read_record
+from .integrity import checksum
+from .policy import Timeline
+
+__all__ = ["Segment", "SnapshotRecord", "SegmentInfo", "shm_root", "prefix_for", "available_bytes",
+           "chunk_checksums", "first_bad_chunk", "write_record", "read_snapshot_record", "remove_record",
+           "segments", "free"]
+
+log = logging.getLogger(__name__)
+
+_KIND = "ckpt-memory-snapshot"
+_NAME_RE = re.compile(r"^(ckpt-[0-9a-f]{16}-r\d{5})-s(\d{2})\.(buf|rec)$")
+MAX_RECORD_BYTES = 256 << 20   # a record holds one manifest: far below this even for 100k tensors
+
+
+def shm_root() -> Path | None:
+    """The RAM file system the memory tier uses (``$CKPT_SHM_DIR``, default ``/dev/shm``), or ``None``
+    when shared segments are off (``CKPT_SHM=0``) or the directory is missing or not writable."""
+    if not knobs.get("CKPT_SHM"):
+        return None
+    root = Path(os.environ.get("CKPT_SHM_DIR", "/dev/shm"))
+    try:
+        st = os.stat(root)
+    except OSError:
+        return None
+    if not stat.S_ISDIR(st.st_mode) or not os.access(root, os.W_OK | os.X_OK):
+        return None
+    return root
+
+
+def prefix_for(local_dir: str | os.PathLike, rank: int) -> str:
+    """The segment names' prefix of ``local_dir``'s rank ``rank``: one name space per local tier and rank."""
+    key = hashlib.sha256(os.path.realpath(os.fspath(local_dir)).encode()).hexdigest()[:16]
+    return f"ckpt-{key}-r{rank:05d}"
+
+
+def available_bytes(root: Path) -> int:
+    """Bytes a new segment may still take in ``root`` (what ``statvfs`` says is free to this user)."""
+    st = os.statvfs(root)
+    return st.f_bavail * st.f_frsize
+
+
+def buffer_name(prefix: str, slot: int) -> str:
+    return f"{prefix}-s{slot:02d}.buf"
+
+
+def record_name(prefix: str, slot: int) -> str:
+    return f"{prefix}-s{slot:02d}.rec"
+
+
+class Segment:
+    """One mapped segment file: ``tensor`` is a ``uint8`` view of all of it."""
+
+    def __init__(self, path: Path, tensor: torch.Tensor, writable: bool) -> None:
+        self.path = path
+        self.tensor = tensor
+        self.writable = writable
+        self.registered = False
+
+    @property
+    def nbytes(self) -> int:
+        return self.tensor.numel()
+
+    @classmethod
+    def create(cls, path: Path, nbytes: int) -> "Segment":
+        """A new segment of ``nbytes`` at ``path``, every page reserved now (a full RAM file system fails
+        here with ``ENOSPC``, never later inside a copy), replacing any segment of that name."""
+        tmp = path.with_name(f".{path.name}.new-{os.getpid()}-{secrets.token_hex(4)}")
+        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        try:
+            try:
+                os.posix_fallocate(fd, 0, nbytes)
+            except OSError as e:
+                if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
+                    raise
+                os.ftruncate(fd, nbytes)   # a file system without fallocate: pages come as they are written
+            tensor = torch.from_file(str(tmp), shared=True, size=nbytes, dtype=torch.uint8)
+            os.rename(tmp, path)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
+        finally:
+            os.close(fd)
+        return cls(path, tensor, writable=True)
+
+    @classmethod
+    def open(cls, path: Path, nbytes: int, writable: bool) -> "Segment":
+        """Map the existing segment at ``path`` (at least ``nbytes``): a regular file owned by this user,
+        else ``OSError``. ``writable=False`` maps it copy-on-write: reading never changes it."""
+        st = os.lstat(path)
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid():
+            raise OSError(errno.EPERM, "not a regular file owned by this user: a memory-tier segment is "
+                          "never mapped from such a file", str(path))
+        if st.st_size < nbytes:
+            raise OSError(errno.EINVAL, f"segment holds {st.st_size} bytes, its record needs {nbytes}", str(path))
+        tensor = torch.from_file(str(path), shared=writable, size=st.st_size, dtype=torch.uint8)
+        return cls(path, tensor, writable)
+
+    def register(self) -> bool:
+        """Page-lock the mapping with the CUDA driver (device-to-host copies at pinned bandwidth).
+        ``False`` where there is no CUDA or the driver refuses (copies then go through pageable memory)."""
+        if self.registered or not torch.cuda.is_available() or self.nbytes == 0:
+            return self.registered
+        cudart = torch.cuda.cudart()
+        rc = cudart.cudaHostRegister(self.tensor.data_ptr(), self.nbytes, 0)
+        if int(rc) != 0:
+            log.warning("cudaHostRegister of the %.2f GiB memory-tier segment %s failed (%s): its copies go "
+                        "through pageable memory, slower", self.nbytes / 2**30, self.path, rc)
+            return False
+        self.registered = True
+        return True
+
+    def release(self) -> None:
+        """Unregister and drop this process's mapping (the file stays; :func:`free` removes it)."""
+        if self.registered:
+            with contextlib.suppress(Exception):
+                torch.cuda.synchronize()
+                torch.cuda.cudart().cudaHostUnregister(self.tensor.data_ptr())
+            self.registered = False
+        self.tensor = torch.empty(0, dtype=torch.uint8)
+
+
+@dataclass
+class SnapshotRecord:
+    """A committed snapshot in a segment: its step, timeline and manifest (with chunk checksums)."""
+
+    step: int
+    timeline: Timeline
+    manifest: Manifest
+    slot: int
+    buffer: str          # the segment's file name
+    local_dir: str
+    pid: int
+    host: str
+    created_unix: float
+    path: Path | None = None   # the record file it was read from
+    stamp: tuple[int, int] | None = None   # (inode, mtime_ns) of that file: it changes when rewritten
+
+    def to_bytes(self) -> bytes:
+        return json.dumps({
+            "kind": _KIND, "format_version": FORMAT_VERSION, "step": self.step, **self.timeline.record(),
+            "slot": self.slot, "buffer": self.buffer, "local_dir": self.local_dir, "pid": self.pid,
+            "host": self.host, "created_unix": self.created_unix,
+            "manifest": self.manifest.to_bytes().decode(),
+        }, separators=(",", ":"), allow_nan=False).encode()
+
+
+def write_record(root: Path, prefix: str, slot: int, step: int, timeline: Timeline, manifest: Manifest,
+                 local_dir: str) -> SnapshotRecord:
+    """Commit the snapshot in segment ``slot``: its record, put in place in one rename."""
+    rec = SnapshotRecord(step, timeline, manifest, slot, buffer_name(prefix, slot), os.path.realpath(local_dir),
+                         os.getpid(), socket.gethostname(), time.time())
+    path = root / record_name(prefix, slot)
+    tmp = path.with_name(f".{path.name}.new-{os.getpid()}-{secrets.token_hex(4)}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    try:
+        with open(fd, "wb", closefd=False) as f:
+            f.write(rec.to_bytes())
+        os.rename(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    finally:
+        os.close(fd)
+    rec.path = path
+    return rec
+
+
+def remove_record(root: Path, prefix: str, slot: int) -> None:
+    """Withdraw segment ``slot``'s snapshot (before its buffer is written again)."""
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(root / record_name(prefix, slot))
+
+
+def read_snapshot_record(path: Path) -> SnapshotRecord:
+    """Read and validate a record (bounded, regular files only, no pickle); ``CorruptCheckpointError``
+    naming the file when it does not validate, ``OSError`` when it cannot be read."""
+    where = str(path)
+    st = os.lstat(path)
+    raw = read_record(path, where, limit=MAX_RECORD_BYTES)
+    d = parse_record(raw, where)
+    try:
+        ok = (d.get("kind") == _KIND and d.get("format_version") == FORMAT_VERSION
+              and all(isinstance(d.get(k), int) and not isinstance(d.get(k), bool) and d[k] >= 0
+                      for k in ("step", "slot", "pid", "timeline"))
+              and isinstance(d.get("forks", []), list)
+              and all(isinstance(f, list) and len(f) == 2 and all(isinstance(v, int) and v >= 0 for v in f)
+                      for f in d.get("forks", []))
+              and all(isinstance(d.get(k), str) for k in ("buffer", "local_dir", "host", "manifest"))
+              and isinstance(d.get("created_unix"), (int, float)))
+    except TypeError:
+        ok = False
+    if not ok:
+        raise CorruptCheckpointError(f"{where}: memory-tier record fails validation")
+    manifest = Manifest.from_bytes(d["manifest"].encode(), where)
+    m = _NAME_RE.match(d["buffer"])
+    if m is None or m.group(3) != "buf" or int(m.group(2)) != d["slot"] or manifest.step != d["step"] \
+            or not path.name.startswith(m.group(1)):
+        raise CorruptCheckpointError(f"{where}: names another segment or step than its own")
+    timeline = Timeline(d["timeline"], tuple((int(n), int(s)) for n, s in d.get("forks", [])))
+    return SnapshotRecord(d["step"], timeline, manifest, d["slot"], d["buffer"], d["local_dir"], d["pid"],
+                          d["host"], float(d["created_unix"]), path, (st.st_ino, st.st_mtime_ns))
+
+
+def still_current(rec: SnapshotRecord) -> bool:
+    """Whether ``rec``'s file is still the one read (its buffer was not withdrawn or rewritten since)."""
+    try:
+        st = os.lstat(rec.path)
+    except OSError:
+        return False
+    return (st.st_ino, st.st_mtime_ns) == rec.stamp
+
+
+def _views(tensor: torch.Tensor, data_bytes: int, chunk: int) -> list[memoryview]:
+    mv = memoryview(tensor.numpy())
+    return [mv[i:min(i + chunk, data_bytes)] for i in range(0, data_bytes, chunk)]
+
+
+def chunk_checksums(tensor: torch.Tensor, data_bytes: int, chunk: int) -> list[int]:
+    """CRC-32C of each ``chunk`` bytes of ``tensor[:data_bytes]`` (a host tensor), on
+    ``CKPT_IO_THREADS`` threads (the checksum releases the GIL)."""
+    views = _views(tensor, data_bytes, chunk)
+    if len(views) <= 1:
+        return [checksum(v) for v in views]
+    with ThreadPoolExecutor(min(len(views), knobs.get("CKPT_IO_THREADS"))) as ex:
+        return list(ex.map(checksum, views))
+
+
+def first_bad_chunk(tensor: torch.Tensor, manifest: Manifest) -> int | None:
+    """The index of the first chunk of ``tensor`` whose checksum differs from ``manifest``'s (``None``: all match)."""
+    sums = chunk_checksums(tensor, manifest.data_bytes, manifest.chunk_bytes)
+    return next((i for i, (a, b) in enumerate(zip(sums, manifest.chunks)) if a != b), None)
+
+
+@dataclass
+class SegmentInfo:
+    """Segments of one local tier and rank found in the RAM file system (for ``ckpt ls`` / ``ckpt gc``)."""
+
+    prefix: str
+    nbytes: int                     # RAM the files take
+    files: list[Path]
+    records: list[SnapshotRecord]   # the committed snapshots among them
+    local_dir: str | None           # from a record, when one could be read
+
+
+def segments(root: Path | None = None, prefix: str | None = None) -> list[SegmentInfo]:
+    """Every memory-tier segment in ``root`` (default :func:`shm_root`), grouped by local tier and rank;
+    only those of ``prefix`` when given. Unreadable records are left out of ``records``."""
+    root = root if root is not None else shm_root()
+    if root is None:
+        return []
+    groups: dict[str, SegmentInfo] = {}
+    try:
+        names = os.listdir(root)
+    except OSError:
+        return []
+    for name in sorted(names):
+        m = _NAME_RE.match(name.split(".new-")[0].lstrip(".")) if name.startswith(".ckpt-") else _NAME_RE.match(name)
+        if m is None or (prefix is not None and m.group(1) != prefix):
+            continue
+        path = root / name
+        try:
+            st = os.lstat(path)
+        except OSError:
+            continue
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid():
+            continue
+        g = groups.setdefault(m.group(1), SegmentInfo(m.group(1), 0, [], [], None))
+        g.files.append(path)
+        g.nbytes += st.st_blocks * 512
+        if name.endswith(".rec") and not name.startswith("."):
+            try:
+                rec = read_snapshot_record(path)
+            except (OSError, CorruptCheckpointError):
+                continue
+            g.records.append(rec)
+            g.local_dir = g.local_dir or rec.local_dir
+    return list(groups.values())
+
+
+def free(root: Path | None = None, prefix: str | None = None) -> int:
+    """Remove the segments of ``prefix`` (every memory-tier segment when ``None``) from ``root``; returns
+    the bytes of RAM given back once no process maps them. Records go first, so no reader is ever
+    served a buffer whose record outlived it."""
+    freed = 0
+    for g in segments(root, prefix):
+        for path in sorted(g.files, key=lambda p: not p.name.endswith(".rec")):
+            try:
+                n = os.lstat(path).st_blocks * 512
+                os.unlink(path)
+                freed += n
+            except FileNotFoundError:
+                pass
+    return freed
+
+
+def record_of(root: Path, prefix: str, slot: int) -> SnapshotRecord | None:
+    """Segment ``slot``'s record, or ``None`` when it has none or it does not validate (logged)."""
+    path = root / record_name(prefix, slot)
+    try:
+        return read_snapshot_record(path)
+    except FileNotFoundError:
+        return None
+    except (OSError, CorruptCheckpointError) as e:
+        log.warning("memory-tier record %s is unusable, its snapshot is not served: %s", path, e)
+        return None
+

@@ -1,0 +1,210 @@
+"""The memory tier outlives the process (shared memory), tiers at their own cadence, newest wins."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+import ckpt
+from ckpt import shm
+from ckpt.tiers import LocalTier
+
+HERE = Path(__file__).parent
+needs_shm = pytest.mark.skipif(shm.shm_root() is None, reason="no RAM file system (/dev/shm) here")
+
+
+def _start(local_dir: Path, *args: str) -> subprocess.Popen:
+    env = dict(os.environ, PYTHONPATH=f"{HERE}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    return subprocess.Popen([sys.executable, str(HERE / "memory_worker.py"), str(local_dir), *args],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+
+
+def _run(local_dir: Path, *args: str) -> list[str]:
+    p = _start(local_dir, *args)
+    out, err = p.communicate(timeout=300)
+    assert p.returncode == 0, err[-3000:]
+    return out.splitlines()
+
+
+def _kill_after(proc: subprocess.Popen, line: str) -> None:
+    for got in proc.stdout:
+        if got.strip() == line:
+            break
+    else:
+        raise AssertionError(f"the worker ended before printing {line!r}: {proc.stderr.read()[-3000:]}")
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=60)
+
+
+@needs_shm
+def test_a_killed_training_process_resumes_from_ram_bit_identically(tmp_path):
+    """Snapshots every step, the local tier every 1000: SIGKILLed at step 7, a new process restores step 7
+    from the memory tier (the disk holds only step 1) and ends bit-identical to an uninterrupted run."""
+    ref = _run(tmp_path / "ref", "12", "train")
+    assert ref[-1].startswith("final ")
+    run = tmp_path / "run"
+    proc = _start(run, "12", "train", "0.05")
+    _kill_after(proc, "step 7")
+    assert LocalTier(run).committed_steps() == [1]
+    newest = max(r.step for g in shm.segments(prefix=shm.prefix_for(run, 0)) for r in g.records)
+    assert newest >= 7
+    out = _run(run, "12", "train")
+    assert out[0] == f"restored {newest} memory"
+    assert out[-1] == ref[-1]
+    # a clean finish freed the RAM
+    assert shm.segments(prefix=shm.prefix_for(run, 0)) == []
+
+
+@needs_shm
+def test_a_snapshot_torn_by_a_kill_mid_copy_is_never_served(tmp_path):
+    run = tmp_path / "run"
+    proc = _start(run, "0", "tear")
+    _kill_after(proc, "copying")
+    recs = {r.slot: r.step for g in shm.segments(prefix=shm.prefix_for(run, 0)) for r in g.records}
+    assert recs == {1: 2}, recs   # step 1's buffer was being overwritten: its record went first
+    state = {"model": torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.Tanh(), torch.nn.Linear(128, 8)),
+             "step": 0}
+    with ckpt.Checkpointer(local_dir=run) as ck:
+        assert ck.restore(state, strict=False) == 2
+        assert ck.last_restore.tier == "memory" and ck.last_restore.skipped == []
+    assert all(torch.equal(p, torch.full_like(p, 2)) for p in state["model"].parameters())
+
+
+@needs_shm
+def test_a_corrupt_memory_snapshot_is_refused_and_the_next_tier_used(tmp_path, caplog):
+    run = tmp_path / "run"
+    proc = _start(run, "0", "tear")
+    _kill_after(proc, "copying")
+    [rec] = [r for g in shm.segments(prefix=shm.prefix_for(run, 0)) for r in g.records]
+    buf = Path(rec.path).with_name(rec.buffer)
+    with open(buf, "r+b") as f:   # one bit of step 2's snapshot flips in RAM
+        f.seek(rec.manifest.items[0].offset + 5)
+        b = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([b[0] ^ 1]))
+    state = {"model": torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.Tanh(), torch.nn.Linear(128, 8)),
+             "step": 0}
+    with ckpt.Checkpointer(local_dir=run) as ck:
+        with pytest.warns(RuntimeWarning, match=str(buf)):
+            assert ck.restore(state, strict=False) == 1
+        assert ck.last_restore.tier == "local" and ck.last_restore.skipped[0].startswith("memory:2")
+    assert all(torch.equal(p, torch.full_like(p, 1)) for p in state["model"].parameters())
+
+
+class GatedTier(LocalTier):
+    """A local tier that cannot write until the gate opens: a disk slower than any loop."""
+
+    def __init__(self, root):
+        super().__init__(root)
+        self.gate = threading.Event()
+
+    def write(self, step, manifest, data):
+        assert self.gate.wait(120), "the gate never opened"
+        return super().write(step, manifest, data)
+
+
+def test_a_slow_tier_makes_no_save_wait_and_writes_the_newest_snapshot_at_the_end(local_dir, caplog):
+    tier = GatedTier(local_dir)
+    w = torch.zeros(10_000)
+    handles = []
+    caplog.set_level(logging.INFO, logger="ckpt.pipeline")
+    with ckpt.Checkpointer(local_dir=tier, keep=ckpt.Retention(local=None)) as ck:
+        def loop():
+            for step in range(1, 21):
+                ck.wait_staged()
+                w.fill_(step)
+                handles.append(ck.save(step, {"w": w}))
+
+        t = threading.Thread(target=loop)
+        t.start()
+        t.join(60)   # the gate is closed: a save that waited for the tier would never return
+        assert not t.is_alive() and len(handles) == 20, "a save waited for the local tier"
+        assert all(h.status != "skipped" for h in handles)
+        handles[-1].wait("memory")
+        # step 1 is being written (the gate), the newest waits; all those in between were superseded
+        superseded = [h.step for h in handles if h.skipped_tiers.get("local", "").startswith("superseded")]
+        assert superseded == list(range(2, 20)), superseded
+        assert ck.tier_counts["local"].superseded == 18
+        assert "superseded by step" in caplog.text
+        tier.gate.set()
+    assert tier.committed_steps() == [20, 1]
+    assert handles[-1].tier_status("local") == "done"
+
+
+def test_persist_every_sets_each_tiers_cadence_and_close_writes_the_newest(tmp_path):
+    local = LocalTier(tmp_path / "l")
+    with ckpt.Checkpointer(f"file://{tmp_path}/r", local_dir=local, if_busy="wait",
+                           persist_every={"local": 5, "remote": 10}, keep=ckpt.Retention(None, None)) as ck:
+        handles = [ck.save(s, {"s": torch.tensor(s)}) for s in range(1, 13)]
+        ck.wait()
+        assert handles[1].skipped_tiers == {"local": "not due", "remote": "not due"}
+        assert ck.tier_counts["local"].not_due == 9 and ck.tier_counts["remote"].not_due == 10
+    assert local.committed_steps() == [12, 11, 6, 1]
+    assert ck.remote.committed_steps() == [12, 11, 1]
+
+
+@pytest.mark.parametrize("bad", [{"disk": 5}, {"local": 0}, {"remote": 5}, {"local": 2.5}])
+def test_persist_every_refuses_what_it_cannot_mean(local_dir, bad):
+    with pytest.raises(ValueError, match="persist_every"):
+        ckpt.Checkpointer(local_dir=local_dir, persist_every=bad)
+
+
+@needs_shm
+def test_segments_belong_to_one_local_dir_and_one_writer(tmp_path):
+    a, b = tmp_path / "a", tmp_path / "b"
+    with ckpt.Checkpointer(local_dir=a) as ck:
+        ck.save(1, {"w": torch.ones(100)}).wait()
+        assert [c.step for c in ck.memory.committed()] == [1]
+        with ckpt.Checkpointer(local_dir=b) as other:   # another local tier: another name space
+            assert other.memory.committed() == []
+        second = ckpt.Checkpointer(local_dir=a)
+        with pytest.raises(ckpt.LockedError):   # one writer of a's directory and of its segments
+            second.save(2, {"w": torch.ones(100)})
+        out = {"w": torch.zeros(100)}
+        assert second.restore(out) == 1 and torch.equal(out["w"], torch.ones(100))   # reading needs no ownership
+        second.close()
+        assert shm.segments(prefix=shm.prefix_for(a, 0)), "a reader's close freed the owner's segments"
+    assert shm.segments(prefix=shm.prefix_for(a, 0)) == []
+
+
+@needs_shm
+def test_a_block_that_raises_keeps_the_memory_tier_for_the_next_process(local_dir):
+    with pytest.raises(ZeroDivisionError):
+        with ckpt.Checkpointer(local_dir=local_dir, persist_every={"local": 1000}) as ck:
+            ck.save(1, {"w": torch.ones(10)})
+            ck.save(2, {"w": torch.full((10,), 2.0)}).wait("memory")
+            1 / 0
+    out = {"w": torch.zeros(10)}
+    with ckpt.Checkpointer(local_dir=local_dir) as ck:
+        assert ck.restore(out) == 2 and ck.last_restore.tier in ("memory", "local")
+    assert torch.equal(out["w"], torch.full((10,), 2.0))
+    assert shm.free(prefix=shm.prefix_for(local_dir, 0)) > 0   # the restore-only Checkpointer left them
+
+
+def test_without_room_in_ram_the_memory_tier_stays_in_the_process(local_dir, monkeypatch, caplog):
+    monkeypatch.setattr(shm, "available_bytes", lambda root: 4096)
+    with ckpt.Checkpointer(local_dir=local_dir) as ck:
+        ck.save(1, {"w": torch.ones(1000)}).wait()
+        assert all(b.segment is None for b in ck.pool.buffers)
+        out = {"w": torch.zeros(1000)}
+        assert ck.restore(out) == 1 and ck.last_restore.tier == "memory"
+    if shm.shm_root() is not None:
+        assert "does not fit" in caplog.text and "MiB" in caplog.text
+
+
+def test_the_first_maybe_save_allocates_the_buffers_in_the_background(local_dir):
+    with ckpt.Checkpointer(local_dir=local_dir, every_steps=50) as ck:
+        state = {"w": torch.ones(100_000)}
+        assert ck.maybe_save(1, state) is None
+        ck.pool._prepared.join(60)
+        assert len(ck.pool.buffers) == 2 and ck.pool.allocations == 2
+        ck.maybe_save(50, state).wait()
+        assert ck.pool.allocations == 2   # the save took a prepared buffer
