@@ -1,9 +1,9 @@
 """The kernels inside ``torch.compile``.
 
-The norms, RoPE and the GLUs are custom operators: Dynamo traces them into the graph (no graph
-break; checked with ``torch._dynamo.explain``, and ``fullgraph=True`` fails on any break) and
-they pass ``torch.library.opcheck``. The losses graph-break and run eagerly. Either way a
-compiled function gives the eager function's values and gradients.
+Every kernel, the losses included, is a custom operator: Dynamo traces it into the graph (no
+graph break; checked with ``torch._dynamo.explain``, and ``fullgraph=True`` fails on any break)
+and passes ``torch.library.opcheck``. A compiled function gives the eager function's values and
+gradients.
 
 CPU (Triton interpreter): Dynamo plus AOTAutograd (``aot_eager``), static and dynamic shapes.
 GPU (``-m gpu``): inductor, on a patched tiny Llama.
@@ -26,6 +26,8 @@ def every_kernel(x, w, b, q, k, cos, sin, head, target):
     m = K.swiglu(h * 1.0, h + 1.0) + K.geglu(h * 0.5, h - 1.0)
     qo, ko = K.rope(q, k, cos, sin)
     loss = K.cross_entropy(m @ head.t(), target) + K.fused_linear_cross_entropy(m * 2.0, head, target)
+    loss = loss + K.cross_entropy(m @ head.t(), target, softcap=2.0, label_smoothing=0.1, reduction="sum")
+    loss = loss + K.fused_linear_cross_entropy(m, head, target, reduction="none", softcap=3.0, z_loss=1e-3).mean()
     return loss + qo.square().mean() + ko.square().mean()
 
 
@@ -45,12 +47,46 @@ def run(fn, device):
     return [loss] + [t.grad for t in (x, w, b, q, k, head)]
 
 
-def test_kernels_under_torch_compile_match_eager():
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_kernels_and_losses_fullgraph_match_eager(dynamic):
     torch._dynamo.reset()
     expected = run(every_kernel, DEVICE)
-    got = run(torch.compile(every_kernel, backend="aot_eager", fullgraph=False), DEVICE)
+    got = run(torch.compile(every_kernel, backend="aot_eager", fullgraph=True, dynamic=dynamic), DEVICE)
     for name, a, e in zip(["loss", "x", "w", "b", "q", "k", "head"], got, expected):
         assert_close(name, a, e, 1e-5, 1e-5)
+
+
+def test_every_kernel_and_loss_traces_into_one_graph():
+    torch._dynamo.reset()
+    (x, w, b, q, k, head), (cos, sin, target) = inputs(DEVICE)
+    explained = torch._dynamo.explain(every_kernel)(x, w, b, q, k, cos, sin, head, target)
+    assert explained.graph_break_count == 0, explained.break_reasons
+    assert explained.graph_count == 1
+    code = explained.graphs[0].code
+    for op in ("rms_norm", "layer_norm", "glu", "rope", "cross_entropy", "fused_linear_cross_entropy"):
+        assert f"torch.ops.ckpt.{op}" in code, code
+
+
+@pytest.mark.parametrize("frozen", [False, True], ids=["trained-head", "frozen-head"])
+def test_compiled_losses_without_gradients_or_with_a_frozen_head(frozen):
+    """Which gradients the compiled loss makes follows requires_grad and no_grad at trace time:
+    a frozen head gets none, and under no_grad the loss alone is computed."""
+    torch._dynamo.reset()
+    (x, _, _, _, _, head), (_, _, target) = inputs(DEVICE)
+    head.requires_grad_(not frozen)
+
+    def loss(h, wt, t):
+        return K.fused_linear_cross_entropy(h * 1.0, wt, t, softcap=2.0) + K.cross_entropy(h @ wt.t(), t)
+
+    compiled = torch.compile(loss, backend="aot_eager", fullgraph=True)
+    got, want = compiled(x, head, target), loss(x, head, target)
+    assert_close("loss", got, want, 1e-5, 1e-5)
+    grads = torch.autograd.grad(got, [x] if frozen else [x, head])
+    grads_ref = torch.autograd.grad(want, [x] if frozen else [x, head])
+    for name, a, e in zip(["x", "head"], grads, grads_ref):
+        assert_close(name, a, e, 1e-5, 1e-5)
+    with torch.no_grad():
+        assert_close("no_grad loss", compiled(x, head, target), loss(x, head, target), 1e-5, 1e-5)
 
 
 def layers(x, w, b, q, k, cos, sin):
@@ -115,8 +151,12 @@ def test_mixed_dtypes_compiled_match_eager(enabled):
 
 
 def _op_cases(device):
-    (x, w, b, q, k, _), (cos, sin, _) = inputs(device)
-    x, w, b, q, k = (t.detach().requires_grad_() for t in (x, w, b, q, k))
+    (x, w, b, q, k, head), (cos, sin, target) = inputs(device)
+    x, w, b, q, k, head = (t.detach().requires_grad_() for t in (x, w, b, q, k, head))
+    target = target.clone()
+    target[1] = -100
+    logits = (torch.randn(x.shape[0], head.shape[0], device=device) * 3).requires_grad_()
+    vbias = torch.randn(head.shape[0], device=device, requires_grad=True)
     rows = x.shape[0]
     stats = torch.rand(2, rows, device=device)
     a, c = torch.randn(5, 33, device=device), torch.randn(5, 33, device=device)
@@ -144,6 +184,24 @@ def _op_cases(device):
                                  sin.expand(q.shape[0], -1, -1), True, torch.bfloat16, torch.float32),
         "glu mixed": (a16, c, 0),
         "glu_backward mixed": (torch.randn(5, 33, device=device), a16.detach(), c.detach(), 1),
+        # the losses: (logits, target, ignore_index, label_smoothing, reduction, z_loss, softcap, need_grad)
+        "cross_entropy mean": (logits, target, -100, 0.0, "mean", 0.0, 0.0, True),
+        "cross_entropy softcap none": (logits, target, -100, 0.1, "none", 1e-3, 2.0, True),
+        "cross_entropy bf16 sum": (logits.detach().bfloat16().requires_grad_(), target.clamp(min=0), 3, 0.0, "sum", 0.0, 5.0, True),
+        "cross_entropy no-grad": (logits.detach(), target, -100, 0.0, "mean", 0.0, 0.0, False),
+        # (hidden, weight, target, bias, ignore_index, label_smoothing, z_loss, softcap, chunk_size, dtype,
+        #  reduction, need)
+        "fused_linear_cross_entropy mean": (x, head, target, None, -100, 0.0, 0.0, 0.0, 0, torch.float32, "mean",
+                                            [True, True, False]),
+        "fused_linear_cross_entropy bias softcap sum": (x, head, target, vbias, -100, 0.1, 1e-3, 3.0, 4, torch.float32,
+                                                        "sum", [True, True, True]),
+        "fused_linear_cross_entropy none": (x, head, target, vbias, -100, 0.0, 0.0, 2.0, 5, torch.float32, "none",
+                                            [True, True, True]),
+        "fused_linear_cross_entropy frozen-head": (x, head.detach(), target, None, -100, 0.0, 0.0, 0.0, 0,
+                                                   torch.float32, "mean", [True, False, False]),
+        "fused_linear_cross_entropy_backward": (torch.rand(rows, device=device), x.detach(), head.detach(), target,
+                                                vbias.detach(), -100, 0.0, 0.0, 2.0, 4, torch.float32,
+                                                [True, True, True]),
     }
 
 
