@@ -167,6 +167,13 @@ def _experts_patchable(module: nn.Module) -> str | None:
 
 
 def _make_causal_lm_forward(family: _Family, modeling: types.ModuleType) -> Callable[..., Any]:
+    from transformers import modeling_outputs
+
+    out_cls = modeling_outputs.MoeCausalLMOutputWithPast if family.moe else modeling_outputs.CausalLMOutputWithPast
+    # the cache's field name: ``cache`` from transformers 5.2x, ``past_key_values`` before (decided
+    # here, once: torch.compile cannot trace dataclasses.fields)
+    cache_name = "cache" if "cache" in {f.name for f in dataclasses.fields(out_cls)} else "past_key_values"
+
     def forward(
         self: nn.Module,
         input_ids: torch.Tensor | None = None,
@@ -190,8 +197,6 @@ def _make_causal_lm_forward(family: _Family, modeling: types.ModuleType) -> Call
                 inputs_embeds=inputs_embeds, labels=labels, use_cache=use_cache, logits_to_keep=logits_to_keep,
                 **kwargs,
             )
-        from transformers import modeling_outputs
-
         num_items = kwargs.pop("num_items_in_batch", None)
         shift_labels = kwargs.pop("shift_labels", None)
         return_dict = kwargs.pop("return_dict", None)
@@ -230,19 +235,15 @@ def _make_causal_lm_forward(family: _Family, modeling: types.ModuleType) -> Call
             loss = loss / (num_items.to(loss.device) if torch.is_tensor(num_items) else num_items)
         fields = dict(loss=loss, logits=None, hidden_states=outputs.get("hidden_states"),
                       attentions=outputs.get("attentions"))
-        cls = modeling_outputs.CausalLMOutputWithPast
         if family.moe:
-            cls = modeling_outputs.MoeCausalLMOutputWithPast
             aux = None
             if router:
                 aux = modeling.load_balancing_loss_func(outputs.router_logits, self.num_experts,
                                                         self.num_experts_per_tok, attention_mask)
                 loss = loss + self.router_aux_loss_coef * aux.to(loss.device)
             fields.update(loss=loss, aux_loss=aux, router_logits=outputs.get("router_logits"))
-        names = {f.name for f in dataclasses.fields(cls)}
-        cache_name = "cache" if "cache" in names else "past_key_values"
         fields[cache_name] = outputs.get("cache", outputs.get("past_key_values"))
-        out = cls(**fields)
+        out = out_cls(**fields)
         return out.to_tuple() if return_dict is False else out
 
     return forward

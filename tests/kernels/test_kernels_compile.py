@@ -24,6 +24,7 @@ def every_kernel(x, w, b, q, k, cos, sin, head, target):
     h = K.rms_norm(x, w) * 1.5
     h = K.layer_norm(h, w, b)
     m = K.swiglu(h * 1.0, h + 1.0) + K.geglu(h * 0.5, h - 1.0)
+    m = m + K.swiglu_packed(torch.cat([h, h * 2.0], -1)) + K.geglu_packed(torch.cat([h * 0.3, h], -1))
     qo, ko = K.rope(q, k, cos, sin)
     loss = K.cross_entropy(m @ head.t(), target) + K.fused_linear_cross_entropy(m * 2.0, head, target)
     loss = loss + K.cross_entropy(m @ head.t(), target, softcap=2.0, label_smoothing=0.1, reduction="sum")
@@ -63,7 +64,7 @@ def test_every_kernel_and_loss_traces_into_one_graph():
     assert explained.graph_break_count == 0, explained.break_reasons
     assert explained.graph_count == 1
     code = explained.graphs[0].code
-    for op in ("rms_norm", "layer_norm", "glu", "rope", "cross_entropy", "fused_linear_cross_entropy"):
+    for op in ("rms_norm", "layer_norm", "glu", "glu_packed", "rope", "cross_entropy", "fused_linear_cross_entropy"):
         assert f"torch.ops.ckpt.{op}" in code, code
 
 
@@ -184,6 +185,9 @@ def _op_cases(device):
                                  sin.expand(q.shape[0], -1, -1), True, torch.bfloat16, torch.float32),
         "glu mixed": (a16, c, 0),
         "glu_backward mixed": (torch.randn(5, 33, device=device), a16.detach(), c.detach(), 1),
+        "glu_packed silu": (torch.randn(5, 3, 66, device=device, requires_grad=True), 0),
+        "glu_packed bf16 gelu_tanh": (torch.randn(5, 66, device=device).bfloat16().requires_grad_(), 1),
+        "glu_packed_backward": (torch.randn(5, 33, device=device), torch.randn(5, 66, device=device), 0),
         # the losses: (logits, target, ignore_index, label_smoothing, reduction, z_loss, softcap, need_grad)
         "cross_entropy mean": (logits, target, -100, 0.0, "mean", 0.0, 0.0, True),
         "cross_entropy softcap none": (logits, target, -100, 0.1, "none", 1e-3, 2.0, True),
@@ -239,10 +243,10 @@ def _check_patched_llama_under_inductor(model):
 
     expected = step(model)
     torch._dynamo.reset()
-    got = step(torch.compile(model))
+    got = step(torch.compile(model, fullgraph=True))   # the fused loss included: one graph
     for i, (a, e) in enumerate(zip(got, expected)):
         assert_close(f"tensor {i}", a, e, 2e-4, 2e-4)
-    # without labels (no loss, so nothing graph-breaks) the patched model is one inductor graph
+    # without labels the patched model is one inductor graph too
     torch._dynamo.reset()
     with torch.no_grad():
         logits = torch.compile(model, fullgraph=True)(input_ids=ids).logits
@@ -272,3 +276,58 @@ def test_norms_rope_glu_under_cuda_graphs_match_eager():
             for name, a, e in zip(["loss", "x", "w", "b", "q", "k"], got, expected):
                 assert_close(name, a, e, 1e-4, 1e-4)
     assert all(int(t.abs().sum()) == 0 for t in _reduce._tickets.values())   # re-armed after the replays
+
+
+DENSE = ["llama", "gemma2", "gemma3_text", "qwen3", "phi3"]
+
+
+@pytest.mark.parametrize("model_type", DENSE)
+def test_patched_model_with_labels_compiles_fullgraph(model_type):
+    """A patched model's whole training forward (norms, RoPE, GLUs and the fused loss) is one graph:
+    ``fullgraph=True`` compiles it, and the compiled loss and every gradient equal eager's."""
+    from test_kernels_patch import batch, tiny_model
+
+    model = tiny_model(model_type)
+    K.patch(model)
+    try:
+        ids, labels = batch(model.config.vocab_size)
+        torch._dynamo.reset()
+        explained = torch._dynamo.explain(model)(input_ids=ids, labels=labels)
+        assert explained.graph_break_count == 0, explained.break_reasons
+        assert "torch.ops.ckpt.fused_linear_cross_entropy" in explained.graphs[0].code
+
+        def step(m):
+            m.zero_grad(set_to_none=True)
+            loss = m(input_ids=ids, labels=labels).loss
+            loss.backward()
+            return [loss.detach()] + [p.grad.clone() for p in model.parameters()]
+
+        expected = step(model)
+        torch._dynamo.reset()
+        got = step(torch.compile(model, backend="aot_eager", fullgraph=True))
+        for (name, _), a, e in zip([("loss", None)] + list(model.named_parameters()), got, expected):
+            assert_close(name, a, e, 1e-5, 1e-5)
+    finally:
+        K.unpatch_rope(model_type)
+
+
+@pytest.mark.parametrize("model_type", ["mixtral", "qwen3_moe"])
+def test_patched_moe_model_adds_no_graph_break(model_type):
+    """transformers' MoE blocks break the graph themselves (data-dependent expert selection); the
+    patched model breaks it no more often than the unpatched one."""
+    import copy
+
+    from test_kernels_patch import batch, tiny_model
+
+    ref = tiny_model(model_type)
+    model = copy.deepcopy(ref)
+    K.patch(model)
+    try:
+        ids, labels = batch(model.config.vocab_size)
+        counts = []
+        for m in (ref, model):
+            torch._dynamo.reset()
+            counts.append(torch._dynamo.explain(m)(input_ids=ids, labels=labels).graph_break_count)
+        assert counts[1] <= counts[0], counts
+    finally:
+        K.unpatch_rope(model_type)

@@ -310,6 +310,37 @@ def test_patch_honours_num_items_in_batch(restore_rope):
                  ref(input_ids=ids, labels=labels, num_items_in_batch=n).loss, 1e-5, 1e-4)
 
 
+@pytest.mark.parametrize("model_type", ["llama", "gemma2", "mixtral", "phi3"])
+def test_gradient_accumulation_with_num_items_in_batch(model_type, restore_rope):
+    """Two micro-batches with different numbers of label tokens, each forward given the HF Trainer's
+    ``num_items_in_batch`` (the label tokens of both): the patched model's accumulated losses and
+    gradients equal the unpatched model's, and the accumulated loss is the mean over all label
+    tokens (a mean per micro-batch, then averaged, would weight the short one's tokens more)."""
+    ref = tiny_model(model_type, output_router_logits=False) if model_type == "mixtral" else tiny_model(model_type)
+    ours = copy.deepcopy(ref)
+    K.patch(ours)
+    micro = [batch(ref.config.vocab_size, seed=1, masked=2), batch(ref.config.vocab_size, seed=2, masked=8)]
+    n_items = sum(int((labels[..., 1:] != -100).sum()) for _, labels in micro)
+    totals = []
+    for model in (ref, ours):
+        total = 0.0
+        for ids, labels in micro:
+            loss = model(input_ids=ids, labels=labels, num_items_in_batch=torch.tensor(n_items)).loss
+            loss.backward()
+            total = total + loss.detach()
+        totals.append(total)
+    assert_close("accumulated loss", totals[1], totals[0], 1e-5, 1e-4)
+    named_ref = dict(ref.named_parameters())
+    for name, p in ours.named_parameters():
+        assert_close(f"accumulated grad of {name}", p.grad, named_ref[name].grad, 1e-5, 1e-4)
+    # the divisor is the whole batch's token count: one forward over both micro-batches gives the same
+    full = copy.deepcopy(ref)
+    full.zero_grad(set_to_none=True)
+    ids = torch.cat([m[0] for m in micro])
+    labels = torch.cat([m[1] for m in micro])
+    assert_close("full-batch mean", totals[1], full(input_ids=ids, labels=labels).loss, 1e-5, 1e-4)
+
+
 def test_patch_training_step_builds_no_kv_cache(restore_rope):
     """With labels in training mode the patched forward asks the base model for no KV cache
     unless the caller does (config.use_cache=True would otherwise copy every layer's k and v)."""
