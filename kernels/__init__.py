@@ -10,10 +10,13 @@ functional                      module                           file
 :func:`layer_norm`              :class:`LayerNorm`               ``layer_norm.py``
 :func:`rope`                    (HF ``apply_rotary_pos_emb``)    ``rope.py``
 :func:`swiglu`, :func:`geglu`   :class:`SwiGLUMLP`, GeGLUMLP     ``glu.py``
+:func:`swiglu_packed`,          :class:`PackedGLUMLP`            ``glu.py``
+:func:`geglu_packed`
 :func:`cross_entropy`           :class:`CrossEntropyLoss`        ``cross_entropy.py``
 :func:`fused_linear_cross_      :class:`FusedLinearCross         ``fused_linear_cross_
 entropy`                        EntropyLoss`                     entropy.py``
-:func:`patch` (Hugging Face Llama / Mistral / Qwen2 / Qwen3)      ``patch.py``
+:func:`patch` (Hugging Face Llama, Mistral, Qwen2/3, Gemma 1/2/3,  ``patch.py``
+Mixtral, Qwen3-MoE, Phi-3)
 ==============================  ===============================  ==========================
 
 Importing this package needs neither Triton nor a GPU; the kernels raise a clear error
@@ -45,7 +48,7 @@ if __name__ != "ckpt.kernels":  # pragma: no cover - exercised in a subprocess t
 from ._utils import HAS_TRITON, interpreter_enabled
 from .cross_entropy import CrossEntropyLoss, cross_entropy
 from .fused_linear_cross_entropy import FusedLinearCrossEntropyLoss, fused_linear_cross_entropy
-from .glu import GeGLUMLP, SwiGLUMLP, geglu, swiglu
+from .glu import GeGLUMLP, PackedGLUMLP, SwiGLUMLP, geglu, geglu_packed, swiglu, swiglu_packed
 from .layer_norm import LayerNorm, layer_norm
 from .patch import SUPPORTED_MODEL_TYPES, patch, unpatch_rope
 from .rms_norm import RMSNorm, rms_norm
@@ -63,6 +66,9 @@ __all__ = [
     "geglu",
     "SwiGLUMLP",
     "GeGLUMLP",
+    "swiglu_packed",
+    "geglu_packed",
+    "PackedGLUMLP",
     "cross_entropy",
     "CrossEntropyLoss",
     "fused_linear_cross_entropy",

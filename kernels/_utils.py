@@ -43,7 +43,6 @@ __all__ = [
     "HAS_TRITON",
     "LazyKernel",
     "jit_helper",
-    "eager_under_compile",
     "op_def",
     "OP_NAMESPACE",
     "launch_signature_of",
@@ -131,25 +130,6 @@ def jit_helper(fn: Callable[..., Any]) -> Any:
     :func:`_check_triton_mode`.
     """
     return triton.jit(fn) if HAS_TRITON else fn
-
-
-def eager_under_compile(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """Make ``torch.compile`` run ``fn`` eagerly: Dynamo graph-breaks at the call instead of
-    tracing into the launch path (raw data pointers, Triton's compiled launchers, its
-    interpreter), which it cannot trace. Used by the losses, which in eager may write their
-    gradients over their inputs (a custom operator, :func:`op_def`, may not). Outside
-    compilation the cost is one ``torch.compiler.is_compiling()`` check (about 0.15 us), where
-    wrapping the whole call in ``torch.compiler.disable`` would cost about 0.85 us on every
-    eager call too."""
-    disabled = torch.compiler.disable(fn)
-
-    @functools.wraps(fn)
-    def call(*args: Any, **kwargs: Any) -> Any:
-        if torch.compiler.is_compiling():
-            return disabled(*args, **kwargs)
-        return fn(*args, **kwargs)
-
-    return call
 
 
 OP_NAMESPACE = "ckpt"

@@ -1,11 +1,17 @@
-"""Fused softmax cross-entropy with label smoothing and z-loss; gradient made in the forward pass.
+"""Fused softmax cross-entropy with label smoothing, z-loss and logit softcapping; gradient made
+in the forward pass.
 
-Math, per row of logits ``x`` (length ``V``), target ``t``, smoothing ``eps``, z-loss ``z``
-(all accumulation in fp32 whatever the logits dtype)::
+Math, per row of logits ``r`` (length ``V``), target ``t``, smoothing ``eps``, z-loss ``z``,
+softcap ``c`` (all arithmetic in fp32 whatever the logits dtype)::
 
+    x_j  = c tanh(r_j / c)      (c > 0: Gemma 2's final-logit softcapping; x = r when c = 0)
     lse  = log(sum_j exp(x_j))                          # online max/sum, one streaming pass
     loss = (1 - eps) (lse - x_t) + eps (lse - mean_j x_j) + z lse^2
     dloss/dx_j = p_j (1 + 2 z lse) - eps / V - (1 - eps) [j == t],     p_j = exp(x_j - lse)
+    dloss/dr_j = dloss/dx_j (1 - tanh^2(r_j / c))      (softcap only)
+
+``tanh`` is evaluated as ``2 sigmoid(2u) - 1``, as in the GLU kernels; the capped logits are
+recomputed from ``r`` in every pass, never stored.
 
 Rows whose target is ``ignore_index`` contribute zero loss and a zero gradient;
 ``reduction="mean"`` divides by the number of non-ignored rows (0 if there are none,
@@ -29,12 +35,17 @@ Memory and time tricks:
 * The ``1/n_valid`` of the mean is counted on the device and read by the kernel through
   a pointer, so nothing synchronises with the host.
 
+Under ``torch.compile`` the loss is one custom operator (``torch.ops.ckpt.cross_entropy``): no graph
+break. It computes the same loss and gradient in its forward but, as an operator may not write
+over its inputs, into a new buffer rather than over the logits.
+
 Shapes: ``logits`` ``(N, V)`` (or ``(..., V)``), ``target`` ``(N,)`` integer.
 
 References:
     Milakov & Gimelshein, "Online normalizer calculation for softmax", 2018.
     Szegedy et al., "Rethinking the Inception Architecture", 2016 (label smoothing).
     Chowdhery et al., "PaLM", 2022 (z-loss ``z * lse^2``).
+    Gemma Team, "Gemma 2", 2024 (final-logit softcapping ``c tanh(x / c)``).
     Wijmans et al., "Cut Your Losses in Large-Vocabulary Language Models", 2024
     (the observation that the loss gradient needs only ``lse``).
 """
@@ -51,7 +62,7 @@ from ._utils import (
     check_runnable_device,
     check_same_device,
     check_tensor,
-    eager_under_compile,
+    op_def,
     next_power_of_2,
     owns_storage,
     tl,
@@ -65,12 +76,24 @@ _REDUCTIONS = ("mean", "sum", "none")
 
 
 @jit_helper
-def ce_stats_block(base, off, cols0, V, m, s, sum_x, HAS_SMOOTHING: tl.constexpr):
+def _softcapped(r, softcap, HAS_SOFTCAP: tl.constexpr):
+    """``softcap * tanh(r / softcap)`` (``r`` itself without softcap), fp32."""
+    if HAS_SOFTCAP:
+        # tanh is 1 in fp32 beyond |u| = 9.01; clamping keeps exp() finite
+        u = tl.minimum(tl.maximum(r / softcap, -10.0), 10.0)
+        return softcap * (2.0 * tl.sigmoid(2.0 * u) - 1.0)
+    return r
+
+
+@jit_helper
+def _stats_block(base, off, cols0, V, m, s, sum_x, softcap, HAS_SMOOTHING: tl.constexpr,
+                 HAS_SOFTCAP: tl.constexpr):
     """Pass 1 over the block of the row ``base`` starting at column ``off``: the online max /
     sum-exp update, and the running sum of the logits when label smoothing needs it."""
     cols = off + cols0
     mask = cols < V
-    x = tl.load(base + cols, mask=mask, other=-float("inf")).to(tl.float32)
+    x = _softcapped(tl.load(base + cols, mask=mask, other=0.0).to(tl.float32), softcap, HAS_SOFTCAP)
+    x = tl.where(mask, x, -float("inf"))
     m_new = tl.maximum(m, tl.max(x, axis=0))
     s = s * tl.exp(m - m_new) + tl.sum(tl.exp(x - m_new), axis=0)
     if HAS_SMOOTHING:
@@ -79,11 +102,12 @@ def ce_stats_block(base, off, cols0, V, m, s, sum_x, HAS_SMOOTHING: tl.constexpr
 
 
 @jit_helper
-def ce_row_loss(base, t, valid, m, s, sum_x, V, label_smoothing, z_loss, HAS_SMOOTHING: tl.constexpr):
+def _row_loss(base, t, valid, m, s, sum_x, V, label_smoothing, z_loss, softcap, HAS_SMOOTHING: tl.constexpr,
+              HAS_SOFTCAP: tl.constexpr):
     """``(lse, loss)`` of a row from pass 1's statistics (loss 0 where the target is ignored)."""
     lse = m + tl.log(s)
     in_range = valid & (t >= 0) & (t < V)
-    x_t = tl.load(base + t, mask=in_range, other=0.0).to(tl.float32)
+    x_t = _softcapped(tl.load(base + t, mask=in_range, other=0.0).to(tl.float32), softcap, HAS_SOFTCAP)
     loss = (1.0 - label_smoothing) * (lse - x_t) + z_loss * lse * lse
     if HAS_SMOOTHING:
         loss += label_smoothing * (lse - sum_x / V)
@@ -91,27 +115,32 @@ def ce_row_loss(base, t, valid, m, s, sum_x, V, label_smoothing, z_loss, HAS_SMO
 
 
 @jit_helper
-def ce_grad_scale(SCALE, row, stride_scale, valid, lse, z_loss):
+def _grad_scale(SCALE, row, stride_scale, valid, lse, z_loss):
     """``(scale, coef)`` of pass 2: the row's loss scale (0 where ignored) and the z-loss factor."""
     scale = tl.load(SCALE + row * stride_scale).to(tl.float32)
     return tl.where(valid, scale, 0.0), 1.0 + 2.0 * z_loss * lse
 
 
 @jit_helper
-def ce_grad_block(base, gbase, off, cols0, t, lse, coef, scale, V, label_smoothing):
-    """Pass 2 over one block: ``scale * dloss/dx`` stored at ``gbase`` (which may be ``base``)."""
+def _grad_block(base, gbase, off, cols0, t, lse, coef, scale, V, label_smoothing, softcap,
+                HAS_SOFTCAP: tl.constexpr):
+    """Pass 2 over one block: ``scale * dloss/dr`` stored at ``gbase`` (which may be ``base``)."""
     cols = off + cols0
     mask = cols < V
-    x = tl.load(base + cols, mask=mask, other=0.0).to(tl.float32)
+    r = tl.load(base + cols, mask=mask, other=0.0).to(tl.float32)
+    x = _softcapped(r, softcap, HAS_SOFTCAP)
     g = tl.exp(x - lse) * coef - label_smoothing / V
     g = tl.where(cols == t, g - (1.0 - label_smoothing), g)
+    if HAS_SOFTCAP:
+        th = x / softcap
+        g = g * (1.0 - th * th)
     tl.store(gbase + cols, (g * scale).to(gbase.dtype.element_ty), mask=mask)
 
 
 def _ce_kernel(
     LOGITS, GRAD, TARGET, LOSS, SCALE,
-    stride_l, stride_g, stride_scale, V, ignore_index, label_smoothing, z_loss,
-    COMPUTE_GRAD: tl.constexpr, HAS_SMOOTHING: tl.constexpr, BLOCK_V: tl.constexpr,
+    stride_l, stride_g, stride_scale, V, ignore_index, label_smoothing, z_loss, softcap,
+    COMPUTE_GRAD: tl.constexpr, HAS_SMOOTHING: tl.constexpr, HAS_SOFTCAP: tl.constexpr, BLOCK_V: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     t = tl.load(TARGET + row).to(tl.int64)
@@ -124,16 +153,17 @@ def _ce_kernel(
     s = 0.0
     sum_x = 0.0
     for off in range(0, V, BLOCK_V):
-        m, s, sum_x = ce_stats_block(base, off, cols0, V, m, s, sum_x, HAS_SMOOTHING)
-    lse, loss = ce_row_loss(base, t, valid, m, s, sum_x, V, label_smoothing, z_loss, HAS_SMOOTHING)
+        m, s, sum_x = _stats_block(base, off, cols0, V, m, s, sum_x, softcap, HAS_SMOOTHING, HAS_SOFTCAP)
+    lse, loss = _row_loss(base, t, valid, m, s, sum_x, V, label_smoothing, z_loss, softcap, HAS_SMOOTHING,
+                          HAS_SOFTCAP)
     tl.store(LOSS + row, loss)
 
     if COMPUTE_GRAD:
         # pass 2: gradient, written over the logits when GRAD aliases LOGITS
-        scale, coef = ce_grad_scale(SCALE, row, stride_scale, valid, lse, z_loss)
+        scale, coef = _grad_scale(SCALE, row, stride_scale, valid, lse, z_loss)
         gbase = GRAD + row * stride_g
         for off in range(0, V, BLOCK_V):
-            ce_grad_block(base, gbase, off, cols0, t, lse, coef, scale, V, label_smoothing)
+            _grad_block(base, gbase, off, cols0, t, lse, coef, scale, V, label_smoothing, softcap, HAS_SOFTCAP)
 
 
 def _scale_rows_kernel(G, SCALE, stride_g, stride_scale, n_cols, BLOCK: tl.constexpr):
@@ -178,10 +208,11 @@ def launch_ce(
     ignore_index: int,
     label_smoothing: float,
     z_loss: float,
+    softcap: float = 0.0,
 ) -> None:
     """Run the row kernel on ``logits`` ``(N, V)``: per-row losses into ``loss_rows`` and,
     when ``grad`` is given, ``scale[row] * dloss/dlogits`` into ``grad`` (may be ``logits``).
-    ``scale`` is a 1-element (broadcast) or ``(N,)`` fp32 tensor."""
+    ``scale`` is a 1-element (broadcast) or ``(N,)`` fp32 tensor; ``softcap`` 0 means none."""
     n, v = logits.shape
     if n == 0:
         return
@@ -190,9 +221,9 @@ def launch_ce(
         logits, grad if grad is not None else logits, target, loss_rows, scale,
         logits.stride(0), grad.stride(0) if grad is not None else 0,
         0 if scale.numel() == 1 else scale.stride(0), v, int(ignore_index),
-        float(label_smoothing), float(z_loss),
-        COMPUTE_GRAD=grad is not None, HAS_SMOOTHING=label_smoothing > 0.0, BLOCK_V=block,
-        num_warps=8 if block >= 4096 else 4,
+        float(label_smoothing), float(z_loss), float(softcap),
+        COMPUTE_GRAD=grad is not None, HAS_SMOOTHING=label_smoothing > 0.0, HAS_SOFTCAP=softcap > 0.0,
+        BLOCK_V=block, num_warps=8 if block >= 4096 else 4,
     )
 
 
@@ -216,6 +247,24 @@ def reduction_scale(target: torch.Tensor, ignore_index: int, reduction: str) -> 
     if reduction == "mean":
         return (1.0 / n_valid.clamp(min=1.0)).reshape(1), n_valid
     return torch.ones(1, dtype=torch.float32, device=target.device), n_valid
+
+
+def reduce_rows(loss_rows: torch.Tensor, n_valid: torch.Tensor, reduction: str, shape: torch.Size) -> torch.Tensor:
+    """The loss from the per-row losses: their mean over non-ignored rows, sum, or the rows themselves."""
+    if reduction == "none":
+        return loss_rows.view(shape)
+    total = loss_rows.sum()
+    return total / n_valid.clamp(min=1.0) if reduction == "mean" else total
+
+
+def scaled_by(grad: torch.Tensor, grad_out: torch.Tensor) -> torch.Tensor:
+    """``grad * grad_out`` in ``grad``'s dtype, fp32 math (one rounding): the backward of the compiled
+    losses, whose gradients were made in the forward. ``grad_out`` is a scalar or one value per row
+    of ``grad`` (``reduction="none"``)."""
+    g = grad_out.to(torch.float32)
+    if g.dim():
+        g = g.reshape(g.shape + (1,) * (grad.dim() - g.dim()))
+    return (grad.to(torch.float32) * g).to(grad.dtype)
 
 
 def check_target_range(target: torch.Tensor, n_classes: int, ignore_index: int, ref_name: str) -> None:
@@ -246,7 +295,7 @@ def check_target_range(target: torch.Tensor, n_classes: int, ignore_index: int, 
 
 def check_loss_args(
     target: torch.Tensor, n_rows: int, ref: torch.Tensor, ref_name: str,
-    label_smoothing: float, reduction: str, z_loss: float,
+    label_smoothing: float, reduction: str, z_loss: float, softcap: float | None = None,
 ) -> torch.Tensor:
     """Validate the options shared by both losses; return ``target`` flattened to ``(N,)``."""
     check_tensor(target, "target", dtypes=_INTS)
@@ -260,6 +309,8 @@ def check_loss_args(
         raise ValueError(f"label_smoothing must be in [0, 1], got {label_smoothing}")
     if z_loss < 0.0:
         raise ValueError(f"z_loss must be >= 0, got {z_loss}")
+    if softcap is not None and not softcap > 0.0:   # also rejects NaN
+        raise ValueError(f"softcap must be > 0 (or None for no softcapping), got {softcap}")
     return target.reshape(-1).contiguous()
 
 
@@ -269,7 +320,7 @@ class CrossEntropyFunction(torch.autograd.Function):
     @staticmethod
     def forward(
         ctx, logits: torch.Tensor, target: torch.Tensor, ignore_index: int, label_smoothing: float,
-        reduction: str, z_loss: float, inplace: bool | None,
+        reduction: str, z_loss: float, inplace: bool | None, softcap: float = 0.0,
     ) -> torch.Tensor:
         v = logits.shape[-1]
         private = inplace if inplace is not None else owns_storage(logits)
@@ -284,17 +335,14 @@ class CrossEntropyFunction(torch.autograd.Function):
         grad = None
         if need_grad:
             grad = x if private and x.is_contiguous() else torch.empty_like(x, memory_format=torch.contiguous_format)
-        launch_ce(x, target, loss_rows, grad, scale, ignore_index, label_smoothing, z_loss)
+        launch_ce(x, target, loss_rows, grad, scale, ignore_index, label_smoothing, z_loss, softcap)
         if grad is not None:
             if grad.data_ptr() == logits.data_ptr():
                 bump_version(logits)
             ctx.grad = grad  # not save_for_backward: it may be a view of the (bumped) logits
         ctx.shape = logits.shape
         ctx.reduction = reduction
-        if reduction == "none":
-            return loss_rows.view(logits.shape[:-1])
-        total = loss_rows.sum()
-        return total / n_valid.clamp(min=1.0) if reduction == "mean" else total
+        return reduce_rows(loss_rows, n_valid, reduction, logits.shape[:-1])
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
@@ -307,10 +355,49 @@ class CrossEntropyFunction(torch.autograd.Function):
         if scale.numel() != 1 and scale.stride(0) != 1:
             scale = scale.contiguous()
         scale_rows_(grad, scale)
-        return grad.view(ctx.shape), None, None, None, None, None, None
+        return grad.view(ctx.shape), None, None, None, None, None, None, None
 
 
-@eager_under_compile
+# -- torch.compile: the loss as one custom operator (``op_def``). Its forward makes the loss and the
+# gradient (in a new buffer: an operator may not write over its inputs); its backward only scales
+# that gradient, as the eager Function does. The target check runs inside it, where data-dependent
+# checks cost Dynamo nothing.
+
+@op_def("cross_entropy", "(Tensor logits, Tensor target, int ignore_index, float label_smoothing, str reduction, "
+        "float z_loss, float softcap, bool need_grad) -> (Tensor, Tensor)")
+def _cross_entropy_op(logits, target, ignore_index, label_smoothing, reduction, z_loss, softcap, need_grad):
+    v = logits.shape[-1]
+    check_target_range(target, v, ignore_index, "logits")
+    x = logits.reshape(-1, v)
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    loss_rows = torch.empty(x.shape[0], dtype=torch.float32, device=x.device)
+    scale, n_valid = reduction_scale(target, ignore_index, reduction)
+    grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device) if need_grad else logits.new_empty(0)
+    launch_ce(x, target, loss_rows, grad.view(-1, v) if need_grad else None, scale, ignore_index, label_smoothing,
+              z_loss, softcap)
+    return reduce_rows(loss_rows, n_valid, reduction, logits.shape[:-1]), grad
+
+
+@_cross_entropy_op.register_fake
+def _(logits, target, ignore_index, label_smoothing, reduction, z_loss, softcap, need_grad):
+    shape = logits.shape[:-1] if reduction == "none" else ()
+    grad = logits.new_empty(logits.shape) if need_grad else logits.new_empty(0)
+    return logits.new_empty(shape, dtype=torch.float32), grad
+
+
+def _cross_entropy_setup(ctx, inputs, output):
+    ctx.save_for_backward(output[1])
+
+
+def _cross_entropy_grad(ctx, grad_out, _dgrad):
+    (grad,) = ctx.saved_tensors
+    return scaled_by(grad, grad_out), None, None, None, None, None, None, None
+
+
+_cross_entropy_op.register_autograd(_cross_entropy_grad, setup_context=_cross_entropy_setup)
+
+
 def cross_entropy(
     logits: torch.Tensor,
     target: torch.Tensor,
@@ -320,6 +407,7 @@ def cross_entropy(
     z_loss: float = 0.0,
     *,
     inplace: bool | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Fused cross-entropy over the last dim of ``logits``, fp32 accumulation.
 
@@ -334,7 +422,10 @@ def cross_entropy(
         z_loss: weight of ``lse^2`` added to each row's loss (PaLM).
         inplace: write the gradient over ``logits`` during the forward. ``None`` (default)
             does so when ``logits`` is a private autograd intermediate (then its values are
-            gone after the call; read them before, or pass ``inplace=False``).
+            gone after the call; read them before, or pass ``inplace=False``). Ignored under
+            ``torch.compile``, where the loss is a custom operator.
+        softcap: ``c > 0`` caps the logits to ``c * tanh(logits / c)`` before the loss (Gemma 2's
+            ``final_logit_softcapping``); the gradient goes through the ``tanh``. ``None``: no cap.
 
     Returns:
         fp32 scalar, or fp32 ``logits.shape[:-1]`` for ``reduction="none"``.
@@ -342,26 +433,34 @@ def cross_entropy(
     check_tensor(logits, "logits", dtypes=_FLOATS, min_ndim=1)
     check_runnable_device(logits, "logits")
     n_rows = logits.numel() // max(logits.shape[-1], 1)
-    target = check_loss_args(target, n_rows, logits, "logits", label_smoothing, reduction, z_loss)
+    target = check_loss_args(target, n_rows, logits, "logits", label_smoothing, reduction, z_loss, softcap)
+    cap = float(softcap) if softcap is not None else 0.0
+    if torch.compiler.is_compiling():   # traced: one opaque operator node, no graph break
+        need_grad = logits.requires_grad and torch.is_grad_enabled()
+        return torch.ops.ckpt.cross_entropy(logits, target, int(ignore_index), float(label_smoothing), reduction,
+                                            float(z_loss), cap, need_grad)[0]
     check_target_range(target, logits.shape[-1], ignore_index, "logits")
-    return CrossEntropyFunction.apply(logits, target, ignore_index, label_smoothing, reduction, z_loss, inplace)
+    return CrossEntropyFunction.apply(logits, target, ignore_index, label_smoothing, reduction, z_loss, inplace, cap)
 
 
 class CrossEntropyLoss(nn.Module):
     """``nn.Module`` form of :func:`cross_entropy`: ``loss(logits (N, V), target (N,))``."""
 
     def __init__(
-        self, ignore_index: int = -100, label_smoothing: float = 0.0, reduction: str = "mean", z_loss: float = 0.0
+        self, ignore_index: int = -100, label_smoothing: float = 0.0, reduction: str = "mean", z_loss: float = 0.0,
+        softcap: float | None = None,
     ) -> None:
         super().__init__()
         self.ignore_index = ignore_index
         self.label_smoothing = label_smoothing
         self.reduction = reduction
         self.z_loss = z_loss
+        self.softcap = softcap
 
     def forward(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        return cross_entropy(logits, target, self.ignore_index, self.label_smoothing, self.reduction, self.z_loss)
+        return cross_entropy(logits, target, self.ignore_index, self.label_smoothing, self.reduction, self.z_loss,
+                             softcap=self.softcap)
 
     def extra_repr(self) -> str:
         return (f"ignore_index={self.ignore_index}, label_smoothing={self.label_smoothing}, "
-                f"reduction={self.reduction!r}, z_loss={self.z_loss}")
+                f"reduction={self.reduction!r}, z_loss={self.z_loss}, softcap={self.softcap}")

@@ -3,7 +3,7 @@
 For ``hidden`` ``(N, H)``, ``weight`` ``(V, H)``, optional ``bias`` ``(V,)``::
 
     logits = hidden @ weight.T + bias                      # (N, V), never built whole
-    loss   = cross_entropy(logits, target, ...)            # see cross_entropy.py
+    loss   = cross_entropy(logits, target, ...)            # see cross_entropy.py (softcap there too)
     G      = dloss/dlogits                                 # (N, V), never built whole
     d_hidden = G @ weight      d_weight = G.T @ hidden      d_bias = sum_rows(G)
 
@@ -44,6 +44,10 @@ still written over ``hidden`` when that is a private intermediate. Inside the ca
 is switched off, so the GEMMs' dtypes are the ones chosen here also when backward runs under
 autocast.
 
+Under ``torch.compile`` the loss is one custom operator (``torch.ops.ckpt.fused_linear_cross_entropy``,
+its gradient for ``reduction="none"`` a second one): no graph break. The operator runs the same
+chunk loop, but writes ``d_hidden`` into a new buffer (an operator may not write over its inputs).
+
 Shapes: ``hidden`` ``(..., H)``; ``target`` ``hidden.shape[:-1]`` or flattened ``(N,)``.
 
 References:
@@ -66,10 +70,18 @@ from ._utils import (
     check_runnable_device,
     check_same_device,
     check_tensor,
-    eager_under_compile,
+    op_def,
     owns_storage,
 )
-from .cross_entropy import check_loss_args, check_target_range, launch_ce, reduction_scale, scale_rows_
+from .cross_entropy import (
+    check_loss_args,
+    check_target_range,
+    launch_ce,
+    reduce_rows,
+    reduction_scale,
+    scale_rows_,
+    scaled_by,
+)
 
 __all__ = ["fused_linear_cross_entropy", "FusedLinearCrossEntropyLoss", "FusedLinearCrossEntropyFunction"]
 
@@ -121,7 +133,7 @@ def _chunk_loop(
     target: torch.Tensor,
     loss_rows: torch.Tensor,
     scale: torch.Tensor,
-    opts: tuple[int, float, float],
+    opts: tuple[int, float, float, float],
     chunk: int,
     grads: tuple[bool, bool, bool] | None,
     d_hidden_out: torch.Tensor | None,
@@ -131,7 +143,7 @@ def _chunk_loop(
     ``grads=None``: losses only. Otherwise ``(dh, dw, db)`` flags; ``scale`` is 1-element or
     ``(N,)`` per-row. ``d_hidden_out`` (``hidden``'s dtype) may be ``hidden``. The gradients come
     back in the dtypes of ``hidden``, ``weight`` and ``bias``."""
-    ignore_index, label_smoothing, z_loss = opts
+    ignore_index, label_smoothing, z_loss, softcap = opts
     n = hidden.shape[0]
     want_dh, want_dw, want_db = grads if grads is not None else (False, False, False)
     dw = torch.empty_like(weight) if want_dw else None
@@ -147,7 +159,7 @@ def _chunk_loop(
         logits = torch.addmm(b, h_c, wt) if b is not None else torch.mm(h_c, wt)
         sc = scale if scale.numel() == 1 else scale[start:end]
         launch_ce(logits, target[start:end], loss_rows[start:end], logits if grads is not None else None,
-                  sc, ignore_index, label_smoothing, z_loss)
+                  sc, ignore_index, label_smoothing, z_loss, softcap)
         if grads is None:
             continue
         if dw is not None:  # before d_hidden: it may overwrite h_c
@@ -169,7 +181,7 @@ class FusedLinearCrossEntropyFunction(torch.autograd.Function):
     def forward(
         ctx, hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, bias: torch.Tensor | None,
         ignore_index: int, label_smoothing: float, reduction: str, z_loss: float,
-        chunk_size: int | None, inplace: bool | None, dtype: torch.dtype,
+        chunk_size: int | None, inplace: bool | None, dtype: torch.dtype, softcap: float = 0.0,
     ) -> torch.Tensor:
         shape = hidden.shape
         h2 = hidden.reshape(-1, shape[-1])
@@ -182,7 +194,7 @@ class FusedLinearCrossEntropyFunction(torch.autograd.Function):
         reuse = want[0] and reduction != "none" and (
             copied or (inplace if inplace is not None else owns_storage(hidden)))
         chunk = chunk_size or default_chunk_size(n, hdim, v, reuse, h2.element_size(), dtype.itemsize)
-        opts = (int(ignore_index), float(label_smoothing), float(z_loss))
+        opts = (int(ignore_index), float(label_smoothing), float(z_loss), float(softcap))
         loss_rows = torch.empty(n, dtype=torch.float32, device=h2.device)
         scale, n_valid = reduction_scale(target, ignore_index, reduction)
         ctx.shape, ctx.reduction, ctx.opts, ctx.chunk, ctx.dtype = shape, reduction, opts, chunk, dtype
@@ -200,10 +212,7 @@ class FusedLinearCrossEntropyFunction(torch.autograd.Function):
             # kept on ctx, not save_for_backward: dh may be a view of `hidden`, whose version we
             # just bumped, and these are results rather than inputs autograd must check.
             ctx.grads = (dh, dw, db)
-        if reduction == "none":
-            return loss_rows.view(shape[:-1])
-        total = loss_rows.sum()
-        return total / n_valid.clamp(min=1.0) if reduction == "mean" else total
+        return reduce_rows(loss_rows, n_valid, reduction, shape[:-1])
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
@@ -230,10 +239,107 @@ class FusedLinearCrossEntropyFunction(torch.autograd.Function):
                 scale_rows_(db.view(1, -1), g)
         if dh is not None:
             dh = dh.view(ctx.shape)
-        return dh, dw, None, db, None, None, None, None, None, None, None
+        return dh, dw, None, db, None, None, None, None, None, None, None, None
 
 
-@eager_under_compile
+# -- torch.compile: the loss as custom operators (``op_def``). mean/sum: the forward makes the loss
+# and the three gradients (d_hidden in a new buffer), the backward scales them; none: the forward
+# makes the losses and the backward recomputes the chunks with the per-row scales, as in eager.
+
+_FLCE_ARGS = ("Tensor hidden, Tensor weight, Tensor target, Tensor? bias, int ignore_index, float label_smoothing, "
+              "float z_loss, float softcap, int chunk_size, ScalarType dtype")
+
+
+def _flce_prepare(hidden, weight, target, ignore_index):
+    check_target_range(target, weight.shape[0], ignore_index, "weight")
+    h2 = hidden.reshape(-1, hidden.shape[-1])
+    return h2 if h2.is_contiguous() else h2.contiguous()
+
+
+def _chunk_of(chunk_size, h2, weight, dtype, reuse):
+    return chunk_size or default_chunk_size(h2.shape[0], h2.shape[1], weight.shape[0], reuse, h2.element_size(),
+                                            dtype.itemsize)
+
+
+@op_def("fused_linear_cross_entropy", f"({_FLCE_ARGS}, str reduction, bool[3] need) -> (Tensor, Tensor, Tensor, Tensor)")
+def _flce_op(hidden, weight, target, bias, ignore_index, label_smoothing, z_loss, softcap, chunk_size, dtype,
+             reduction, need):
+    h2 = _flce_prepare(hidden, weight, target, ignore_index)
+    want = (need[0], need[1], bias is not None and need[2])
+    opts = (int(ignore_index), float(label_smoothing), float(z_loss), float(softcap))
+    chunk = _chunk_of(chunk_size, h2, weight, dtype, False)
+    loss_rows = torch.empty(h2.shape[0], dtype=torch.float32, device=h2.device)
+    scale, n_valid = reduction_scale(target, ignore_index, reduction)
+    grads = None if reduction == "none" or not any(want) else want
+    dh_out = torch.empty_like(h2) if want[0] and grads is not None else None
+    with _no_autocast(h2.device):
+        dh, dw, db = _chunk_loop(h2, weight, bias, target, loss_rows, scale, opts, chunk, grads, dh_out, dtype)
+    return (reduce_rows(loss_rows, n_valid, reduction, hidden.shape[:-1]),
+            dh.view(hidden.shape) if dh is not None else hidden.new_empty(0),
+            dw if dw is not None else hidden.new_empty(0),
+            db if db is not None else hidden.new_empty(0))
+
+
+@_flce_op.register_fake
+def _(hidden, weight, target, bias, ignore_index, label_smoothing, z_loss, softcap, chunk_size, dtype, reduction,
+      need):
+    made = reduction != "none"
+    loss = hidden.new_empty(hidden.shape[:-1] if reduction == "none" else (), dtype=torch.float32)
+    return (loss,
+            hidden.new_empty(hidden.shape) if made and need[0] else hidden.new_empty(0),
+            weight.new_empty(weight.shape) if made and need[1] else hidden.new_empty(0),
+            bias.new_empty(bias.shape) if made and need[2] and bias is not None else hidden.new_empty(0))
+
+
+@op_def("fused_linear_cross_entropy_backward",
+        f"(Tensor grad_rows, {_FLCE_ARGS}, bool[3] need) -> (Tensor, Tensor, Tensor)")
+def _flce_backward_op(grad_rows, hidden, weight, target, bias, ignore_index, label_smoothing, z_loss, softcap,
+                      chunk_size, dtype, need):
+    h2 = _flce_prepare(hidden, weight, target, ignore_index)
+    want = (need[0], need[1], bias is not None and need[2])
+    opts = (int(ignore_index), float(label_smoothing), float(z_loss), float(softcap))
+    scale = grad_rows.reshape(-1).to(torch.float32).contiguous()
+    loss_rows = torch.empty(h2.shape[0], dtype=torch.float32, device=h2.device)
+    dh_out = torch.empty_like(h2) if want[0] else None
+    with _no_autocast(h2.device):
+        dh, dw, db = _chunk_loop(h2, weight, bias, target, loss_rows, scale, opts,
+                                 _chunk_of(chunk_size, h2, weight, dtype, False), want, dh_out, dtype)
+    return (dh.view(hidden.shape) if dh is not None else hidden.new_empty(0),
+            dw if dw is not None else hidden.new_empty(0),
+            db if db is not None else hidden.new_empty(0))
+
+
+@_flce_backward_op.register_fake
+def _(grad_rows, hidden, weight, target, bias, ignore_index, label_smoothing, z_loss, softcap, chunk_size, dtype,
+      need):
+    return (hidden.new_empty(hidden.shape) if need[0] else hidden.new_empty(0),
+            weight.new_empty(weight.shape) if need[1] else hidden.new_empty(0),
+            bias.new_empty(bias.shape) if need[2] and bias is not None else hidden.new_empty(0))
+
+
+def _flce_setup(ctx, inputs, output):
+    hidden, weight, target, bias, *opts, reduction, need = inputs
+    ctx.reduction, ctx.need, ctx.opts, ctx.has_bias = reduction, need, opts, bias is not None
+    if reduction == "none":
+        ctx.save_for_backward(hidden, weight, target, bias)
+    else:
+        ctx.save_for_backward(*output[1:])
+
+
+def _flce_grad(ctx, grad_out, *_):
+    if ctx.reduction == "none":
+        hidden, weight, target, bias = ctx.saved_tensors
+        grads = torch.ops.ckpt.fused_linear_cross_entropy_backward(grad_out, hidden, weight, target, bias, *ctx.opts,
+                                                                   ctx.need)
+    else:
+        grads = [scaled_by(g, grad_out) for g in ctx.saved_tensors]
+    dh, dw, db = (g if flag else None for g, flag in zip(grads, (ctx.need[0], ctx.need[1], ctx.need[2] and ctx.has_bias)))
+    return (dh, dw, None, db) + (None,) * 8
+
+
+_flce_op.register_autograd(_flce_grad, setup_context=_flce_setup)
+
+
 def fused_linear_cross_entropy(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -246,6 +352,7 @@ def fused_linear_cross_entropy(
     *,
     chunk_size: int | None = None,
     inplace: bool | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """``cross_entropy(hidden @ weight.T + bias, target)`` without building the logits.
 
@@ -258,7 +365,10 @@ def fused_linear_cross_entropy(
             (a target outside ``[0, V)`` that is not ``ignore_index`` is an error there too).
         chunk_size: tokens per chunk (default: see module docstring).
         inplace: write ``d_hidden`` over ``hidden`` during the forward; ``None`` (default)
-            does so when ``hidden`` is a private autograd intermediate.
+            does so when ``hidden`` is a private autograd intermediate. Ignored under
+            ``torch.compile``, where the loss is a custom operator.
+        softcap: ``c > 0`` caps the logits to ``c * tanh(logits / c)`` before the loss (Gemma 2's
+            ``final_logit_softcapping``), as :func:`ckpt.kernels.cross_entropy`; ``None``: no cap.
 
     Returns:
         fp32 scalar, or fp32 ``hidden.shape[:-1]`` for ``reduction="none"``.
@@ -281,11 +391,19 @@ def fused_linear_cross_entropy(
     if chunk_size is not None and chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
     n_rows = hidden.numel() // max(hidden.shape[-1], 1)
-    target = check_loss_args(target, n_rows, hidden, "hidden", label_smoothing, reduction, z_loss)
-    check_target_range(target, weight.shape[0], ignore_index, "weight")
+    target = check_loss_args(target, n_rows, hidden, "hidden", label_smoothing, reduction, z_loss, softcap)
     dtype = autocast_dtype(hidden.device) or hidden.dtype
+    cap = float(softcap) if softcap is not None else 0.0
+    if torch.compiler.is_compiling():   # traced: one opaque operator node, no graph break
+        grad_on = torch.is_grad_enabled()
+        need = [grad_on and hidden.requires_grad, grad_on and weight.requires_grad,
+                grad_on and bias is not None and bias.requires_grad]
+        return torch.ops.ckpt.fused_linear_cross_entropy(
+            hidden, weight, target, bias, int(ignore_index), float(label_smoothing), float(z_loss), cap,
+            int(chunk_size or 0), dtype, reduction, need)[0]
+    check_target_range(target, weight.shape[0], ignore_index, "weight")
     return FusedLinearCrossEntropyFunction.apply(
-        hidden, weight, target, bias, ignore_index, label_smoothing, reduction, z_loss, chunk_size, inplace, dtype
+        hidden, weight, target, bias, ignore_index, label_smoothing, reduction, z_loss, chunk_size, inplace, dtype, cap
     )
 
 
@@ -294,9 +412,10 @@ class FusedLinearCrossEntropyLoss(nn.Module):
 
     def __init__(
         self, ignore_index: int = -100, label_smoothing: float = 0.0, reduction: str = "mean",
-        z_loss: float = 0.0, chunk_size: int | None = None,
+        z_loss: float = 0.0, chunk_size: int | None = None, softcap: float | None = None,
     ) -> None:
         super().__init__()
+        self.softcap = softcap
         self.ignore_index = ignore_index
         self.label_smoothing = label_smoothing
         self.reduction = reduction
@@ -308,9 +427,9 @@ class FusedLinearCrossEntropyLoss(nn.Module):
     ) -> torch.Tensor:
         return fused_linear_cross_entropy(
             hidden, weight, target, bias, self.ignore_index, self.label_smoothing, self.reduction, self.z_loss,
-            chunk_size=self.chunk_size,
+            chunk_size=self.chunk_size, softcap=self.softcap,
         )
 
     def extra_repr(self) -> str:
         return (f"ignore_index={self.ignore_index}, label_smoothing={self.label_smoothing}, "
-                f"reduction={self.reduction!r}, z_loss={self.z_loss}")
+                f"reduction={self.reduction!r}, z_loss={self.z_loss}, softcap={self.softcap}")

@@ -21,6 +21,12 @@ Memory tricks:
 
 Shapes: ``a`` and ``b`` ``(..., I)`` with equal shapes; output the same shape.
 
+Packed form (:func:`swiglu_packed`, :func:`geglu_packed`): one ``(..., 2I)`` tensor holding ``a`` in its
+first half and ``b`` in its second, as a fused ``gate_up_proj`` (Phi-3's MLP, the experts of
+Mixtral and Qwen3-MoE in transformers 5) makes it. The kernel addresses both halves in place
+(one program per row and column block), so neither half is copied out, and the gradient is one
+``(..., 2I)`` tensor (``da`` then ``db``), written over the input when it is a private intermediate.
+
 Dtypes as ``act(a) * b`` in PyTorch, which autocast leaves alone: the output takes the promoted
 dtype of ``a`` and ``b``; ``da`` comes back in ``a``'s dtype, ``db`` in ``b``'s (the kernel loads
 any dtype and stores each tensor's own, so mixed dtypes cost no cast pass).
@@ -38,20 +44,47 @@ from torch import nn
 
 from ._utils import (
     LazyKernel,
+    as_rows,
     bump_version,
+    jit_helper,
     check_runnable_device,
     check_same_device,
     check_tensor,
+    next_power_of_2,
     op_def,
     owns_storage,
     tl,
 )
 
-__all__ = ["swiglu", "geglu", "GLUFunction", "SwiGLUMLP", "GeGLUMLP"]
+__all__ = ["swiglu", "geglu", "swiglu_packed", "geglu_packed", "GLUFunction", "PackedGLUFunction", "SwiGLUMLP",
+           "GeGLUMLP", "PackedGLUMLP"]
 
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 _SILU, _GELU_TANH = 0, 1
 _BLOCK = 2048  # 8 elements per thread with 8 warps: 16-byte bf16 accesses
+
+
+@jit_helper
+def _act(a, ACT: tl.constexpr):
+    """``silu(a)`` (``ACT`` 0) or ``gelu_tanh(a)`` (1), fp32."""
+    if ACT == 0:
+        return a * tl.sigmoid(a)
+    # tanh saturates in fp32 beyond |u| = 10; clamping keeps exp() finite
+    u = tl.minimum(tl.maximum(0.7978845608028654 * (a + 0.044715 * a * a * a), -10.0), 10.0)
+    t = 2.0 * tl.sigmoid(2.0 * u) - 1.0
+    return 0.5 * a * (1.0 + t)
+
+
+@jit_helper
+def _act_and_grad(a, ACT: tl.constexpr):
+    """``(act(a), act'(a))``, fp32."""
+    if ACT == 0:
+        s = tl.sigmoid(a)
+        return a * s, s * (1.0 + a * (1.0 - s))
+    k = 0.7978845608028654
+    u = tl.minimum(tl.maximum(k * (a + 0.044715 * a * a * a), -10.0), 10.0)
+    t = 2.0 * tl.sigmoid(2.0 * u) - 1.0
+    return 0.5 * a * (1.0 + t), 0.5 * (1.0 + t) + 0.5 * a * (1.0 - t * t) * k * (1.0 + 3.0 * 0.044715 * a * a)
 
 
 def _glu_fwd_kernel(A, B, C, n, ACT: tl.constexpr, BLOCK: tl.constexpr):
@@ -59,14 +92,7 @@ def _glu_fwd_kernel(A, B, C, n, ACT: tl.constexpr, BLOCK: tl.constexpr):
     mask = offs < n
     a = tl.load(A + offs, mask=mask, other=0.0).to(tl.float32)
     b = tl.load(B + offs, mask=mask, other=0.0).to(tl.float32)
-    if ACT == 0:
-        act = a * tl.sigmoid(a)
-    else:
-        # tanh saturates in fp32 beyond |u| = 10; clamping keeps exp() finite
-        u = tl.minimum(tl.maximum(0.7978845608028654 * (a + 0.044715 * a * a * a), -10.0), 10.0)
-        t = 2.0 * tl.sigmoid(2.0 * u) - 1.0
-        act = 0.5 * a * (1.0 + t)
-    tl.store(C + offs, (act * b).to(C.dtype.element_ty), mask=mask)
+    tl.store(C + offs, (_act(a, ACT) * b).to(C.dtype.element_ty), mask=mask)
 
 
 def _glu_bwd_kernel(DC, A, B, DA, DB, n, ACT: tl.constexpr, BLOCK: tl.constexpr):
@@ -75,19 +101,34 @@ def _glu_bwd_kernel(DC, A, B, DA, DB, n, ACT: tl.constexpr, BLOCK: tl.constexpr)
     dc = tl.load(DC + offs, mask=mask, other=0.0).to(tl.float32)
     a = tl.load(A + offs, mask=mask, other=0.0).to(tl.float32)
     b = tl.load(B + offs, mask=mask, other=0.0).to(tl.float32)
-    if ACT == 0:
-        s = tl.sigmoid(a)
-        act = a * s
-        dact = s * (1.0 + a * (1.0 - s))
-    else:
-        k = 0.7978845608028654
-        u = tl.minimum(tl.maximum(k * (a + 0.044715 * a * a * a), -10.0), 10.0)
-        t = 2.0 * tl.sigmoid(2.0 * u) - 1.0
-        act = 0.5 * a * (1.0 + t)
-        dact = 0.5 * (1.0 + t) + 0.5 * a * (1.0 - t * t) * k * (1.0 + 3.0 * 0.044715 * a * a)
+    act, dact = _act_and_grad(a, ACT)
     # DA/DB may alias A/B: both were read above, element for element.
     tl.store(DA + offs, (dc * dact * b).to(DA.dtype.element_ty), mask=mask)
     tl.store(DB + offs, (dc * act).to(DB.dtype.element_ty), mask=mask)
+
+
+def _glu_packed_fwd_kernel(X, C, stride_x, n_cols, ACT: tl.constexpr, BLOCK: tl.constexpr):
+    # row `row` of X holds a in columns [0, n_cols) and b in [n_cols, 2 n_cols); C is (rows, n_cols)
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    a = tl.load(X + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    b = tl.load(X + row * stride_x + n_cols + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(C + row * n_cols + cols, (_act(a, ACT) * b).to(C.dtype.element_ty), mask=mask)
+
+
+def _glu_packed_bwd_kernel(DC, X, DX, stride_dc, stride_x, stride_dx, n_cols, ACT: tl.constexpr,
+                           BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    dc = tl.load(DC + row * stride_dc + cols, mask=mask, other=0.0).to(tl.float32)
+    a = tl.load(X + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    b = tl.load(X + row * stride_x + n_cols + cols, mask=mask, other=0.0).to(tl.float32)
+    act, dact = _act_and_grad(a, ACT)
+    # DX may alias X: this program read both halves of these columns above.
+    tl.store(DX + row * stride_dx + cols, (dc * dact * b).to(DX.dtype.element_ty), mask=mask)
+    tl.store(DX + row * stride_dx + n_cols + cols, (dc * act).to(DX.dtype.element_ty), mask=mask)
 
 
 def _cdiv(n: int, d: int) -> int:
@@ -96,6 +137,9 @@ def _cdiv(n: int, d: int) -> int:
 
 _fwd = LazyKernel(_glu_fwd_kernel)
 _bwd = LazyKernel(_glu_bwd_kernel)
+_packed_fwd = LazyKernel(_glu_packed_fwd_kernel)
+_packed_bwd = LazyKernel(_glu_packed_bwd_kernel)
+_PACKED_BLOCK = 1024
 
 
 def _out_dtype(a: torch.Tensor, b: torch.Tensor) -> torch.dtype:
@@ -228,6 +272,127 @@ def geglu(a: torch.Tensor, b: torch.Tensor, *, inplace_grad: bool | None = None)
     _check(a, b)
     return _apply(a, b, _GELU_TANH, inplace_grad)
 
+# -- packed gate/up halves: ``act(x[..., :I]) * x[..., I:]`` --
+
+def _packed_rows(x: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """``x`` as ``(rows, 2I)`` with unit last stride (a view where one exists) and ``I``."""
+    x2, _, _ = as_rows(x)
+    if x2.dim() != 2:
+        x2 = x2.reshape(-1, x.shape[-1])
+    return x2, x.shape[-1] // 2
+
+
+def _packed_forward(x: torch.Tensor, act: int, x2: torch.Tensor | None = None) -> torch.Tensor:
+    """The ``(..., I)`` output for ``x`` ``(..., 2I)``; ``x2`` is :func:`_packed_rows` of ``x`` if made already."""
+    x2, half = (x2, x.shape[-1] // 2) if x2 is not None else _packed_rows(x)
+    c = torch.empty(x.shape[:-1] + (half,), dtype=x.dtype, device=x.device)
+    rows = x2.shape[0]
+    if rows and half:
+        block = min(_PACKED_BLOCK, next_power_of_2(half))
+        _packed_fwd[(rows, _cdiv(half, block))](x2, c, x2.stride(0), half, ACT=act, BLOCK=block,
+                                                num_warps=4 if block <= 1024 else 8)
+    return c
+
+
+def _packed_backward(dc: torch.Tensor, x2: torch.Tensor, dx2: torch.Tensor, act: int) -> None:
+    """Write ``[da, db]`` into ``dx2`` (rows x 2I, unit last stride; may be ``x2``)."""
+    rows, half = x2.shape[0], x2.shape[1] // 2
+    dc2 = dc.reshape(rows, half)
+    if dc2.stride(-1) != 1:
+        dc2 = dc2.contiguous()
+    if rows and half:
+        block = min(_PACKED_BLOCK, next_power_of_2(half))
+        _packed_bwd[(rows, _cdiv(half, block))](dc2, x2, dx2, dc2.stride(0), x2.stride(0), dx2.stride(0), half,
+                                                ACT=act, BLOCK=block, num_warps=4 if block <= 1024 else 8)
+
+
+class PackedGLUFunction(torch.autograd.Function):
+    """Autograd glue of the packed GLUs: saves the input only; its gradient may go over it."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, act: int, inplace_grad: bool | None) -> torch.Tensor:
+        private = inplace_grad if inplace_grad is not None else owns_storage(x)
+        x2, _ = _packed_rows(x)
+        ctx.reuse = (private and x2.is_contiguous()) or x2.data_ptr() != x.data_ptr()
+        ctx.save_for_backward(x2)
+        ctx.act, ctx.shape = act, x.shape
+        return _packed_forward(x, act, x2)
+
+    @staticmethod
+    def backward(ctx, dc: torch.Tensor):
+        (x2,) = ctx.saved_tensors
+        dx2 = x2 if ctx.reuse else torch.empty_like(x2, memory_format=torch.contiguous_format)
+        _packed_backward(dc, x2, dx2, ctx.act)
+        if ctx.reuse:
+            bump_version(x2)
+        return dx2.view(ctx.shape), None, None
+
+
+@op_def("glu_packed", "(Tensor x, int act) -> Tensor")
+def _glu_packed_op(x, act):
+    return _packed_forward(x, act)
+
+
+@_glu_packed_op.register_fake
+def _(x, act):
+    return x.new_empty(x.shape[:-1] + (x.shape[-1] // 2,))
+
+
+@op_def("glu_packed_backward", "(Tensor dc, Tensor x, int act) -> Tensor")
+def _glu_packed_backward_op(dc, x, act):
+    x2, _ = _packed_rows(x)
+    dx2 = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
+    _packed_backward(dc, x2, dx2, act)
+    return dx2.view(x.shape)
+
+
+@_glu_packed_backward_op.register_fake
+def _(dc, x, act):
+    return x.new_empty(x.shape)
+
+
+def _glu_packed_setup(ctx, inputs, output):
+    ctx.save_for_backward(inputs[0])
+    ctx.act = inputs[1]
+
+
+def _glu_packed_grad(ctx, dc):
+    (x,) = ctx.saved_tensors
+    return torch.ops.ckpt.glu_packed_backward(dc, x, ctx.act), None
+
+
+_glu_packed_op.register_autograd(_glu_packed_grad, setup_context=_glu_packed_setup)
+
+
+def _apply_packed(x: torch.Tensor, act: int, inplace_grad: bool | None) -> torch.Tensor:
+    check_tensor(x, "gate_up", dtypes=_FLOATS, min_ndim=1)
+    check_runnable_device(x, "gate_up")
+    if x.shape[-1] % 2:
+        raise ValueError(f"gate_up's last dim must be even (gate, then up), got shape {tuple(x.shape)}")
+    if torch.compiler.is_compiling():   # traced: one opaque operator node, no graph break
+        return torch.ops.ckpt.glu_packed(x, act)
+    return PackedGLUFunction.apply(x, act, inplace_grad)
+
+
+def swiglu_packed(gate_up: torch.Tensor, *, inplace_grad: bool | None = None) -> torch.Tensor:
+    """``silu(gate) * up`` for ``gate, up = gate_up.chunk(2, -1)``, fused, fp32 math, no copy of either half.
+
+    Args:
+        gate_up: ``(..., 2I)``: the gate in the first half of the last dim, the up projection in the second
+            (the output of a fused ``gate_up_proj``).
+        inplace_grad: write the ``(..., 2I)`` gradient over ``gate_up`` in backward. ``None`` (default)
+            does so only when it is a private autograd intermediate. Ignored under ``torch.compile``.
+
+    Returns:
+        ``(..., I)`` in ``gate_up``'s dtype.
+    """
+    return _apply_packed(gate_up, _SILU, inplace_grad)
+
+
+def geglu_packed(gate_up: torch.Tensor, *, inplace_grad: bool | None = None) -> torch.Tensor:
+    """``gelu_tanh(gate) * up`` for ``gate, up = gate_up.chunk(2, -1)`` (as :func:`swiglu_packed`)."""
+    return _apply_packed(gate_up, _GELU_TANH, inplace_grad)
+
 
 class _GLUMLP(nn.Module):
     """``down_proj(act(gate_proj(x)) * up_proj(x))``, the Llama / Gemma MLP block."""
@@ -275,3 +440,24 @@ class GeGLUMLP(_GLUMLP):
     """Gemma-style MLP with the fused tanh-GeGLU (``hidden_act="gelu_pytorch_tanh"``)."""
 
     _fn = staticmethod(geglu)
+
+
+class PackedGLUMLP(nn.Module):
+    """``down_proj(act(gate) * up)`` with ``gate, up = gate_up_proj(x).chunk(2, -1)``: Phi-3's MLP with the
+    fused packed GLU. ``activation`` is ``"silu"`` or ``"gelu_tanh"``."""
+
+    def __init__(self, gate_up_proj: nn.Linear, down_proj: nn.Linear, activation: str = "silu") -> None:
+        super().__init__()
+        if activation not in ("silu", "gelu_tanh"):
+            raise ValueError(f"activation must be 'silu' or 'gelu_tanh', got {activation!r}")
+        self.gate_up_proj = gate_up_proj
+        self.down_proj = down_proj
+        self.activation = activation
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` ``(..., hidden_size)`` -> ``(..., hidden_size)``."""
+        fn = swiglu_packed if self.activation == "silu" else geglu_packed
+        return self.down_proj(fn(self.gate_up_proj(x)))
+
+    def extra_repr(self) -> str:
+        return f"activation={self.activation!r}"

@@ -1,30 +1,51 @@
-"""Patch a Hugging Face Llama-family model in place to use the fused kernels.
+"""Patch a Hugging Face causal LM in place to use the fused kernels.
 
-``patch(model)`` changes, for ``model_type`` in :data:`SUPPORTED_MODEL_TYPES`:
+``patch(model)`` changes, for ``config.model_type`` in :data:`SUPPORTED_MODEL_TYPES` (Llama,
+Mistral, Qwen2, Qwen3, Gemma, Gemma 2, Gemma 3 text, Mixtral, Qwen3-MoE, Phi-3), finding the
+modules by their class (``<Arch>RMSNorm``, ``<Arch>MLP``, ``<Arch>Experts`` of the architecture's
+modeling module), so a model built from a config is patched as one loaded from a checkpoint:
 
-* every ``<Arch>RMSNorm`` module -> :class:`ckpt.kernels.RMSNorm` sharing the same
-  ``weight`` parameter (state-dict keys and optimizer state are unchanged; Gemma's
-  ``1 + w`` weights keep their meaning through ``offset=1.0``). The norms of a Llama-family
-  block feed only linear layers, so they write the input gradient in place;
-* every ``<Arch>MLP`` -> :class:`SwiGLUMLP` (``hidden_act="silu"``) or :class:`GeGLUMLP`
-  (``"gelu_pytorch_tanh"``) wrapping the *same* ``gate_proj``/``up_proj``/``down_proj``;
-* ``apply_rotary_pos_emb`` of the architecture's modeling module -> :func:`rope`. HF calls
-  this module-level function from its attention, so this part of the patch is
-  process-wide for that architecture; the replacement falls back to the original
-  function for tensors the kernels cannot run on (CPU without the interpreter);
-* for ``*ForCausalLM`` models, ``forward`` of *this instance*: in training mode with
-  ``labels`` the LM head and the shifted causal-LM loss go through
-  :func:`fused_linear_cross_entropy`, so the ``(tokens, vocab)`` logits are never built
-  (the output's ``logits`` is ``None``). Evaluation, generation and calls without labels
-  use the original forward. ``num_items_in_batch`` (gradient accumulation) is honoured.
+* every ``<Arch>RMSNorm`` module (the QK-norms of Qwen3, Qwen3-MoE and Gemma 3 included) ->
+  :class:`ckpt.kernels.RMSNorm` sharing the same ``weight`` parameter (state-dict keys and
+  optimizer state are unchanged) and ``eps``. Gemma's ``1 + w`` weights, computed in fp32 and
+  rounded once, keep their meaning through ``offset=1.0``. A norm writes its input gradient
+  over its output gradient (``in_place``) only where its output feeds layers that do not pass
+  that gradient on elsewhere: not Gemma 2/3's ``post_attention_layernorm`` and
+  ``post_feedforward_layernorm``, whose outputs join the residual stream;
+* every ``<Arch>MLP`` -> :class:`SwiGLUMLP` / :class:`GeGLUMLP` (``silu`` / tanh-approximated
+  GELU) wrapping the *same* ``gate_proj``/``up_proj``/``down_proj``; Phi-3's fused ``gate_up_proj``
+  MLP -> :class:`PackedGLUMLP` (no copy of either half);
+* the experts of a mixture-of-experts block (Mixtral, Qwen3-MoE; ``<Arch>Experts``): the SwiGLU
+  between each expert's ``gate_up_proj`` and ``down_proj`` -> :func:`swiglu_packed`, under every
+  experts implementation of transformers (``grouped_mm``, ``batched_mm``, ``eager``). The router
+  and the expert weights are untouched;
+* ``apply_rotary_pos_emb`` of the architecture's modeling module -> :func:`rope`. HF calls this
+  module-level function from its attention, so this part of the patch is process-wide for that
+  architecture; the replacement falls back to the original function for tensors the kernels
+  cannot run on (CPU without the interpreter). Scaled RoPE variants (Phi-3's ``longrope``,
+  ``yarn``, ``llama3``, ...) live in the ``cos``/``sin`` tables HF computes, which the kernel takes
+  as they are; a partial rotary dimension (``partial_rotary_factor < 1``) rotates the first
+  ``cos.shape[-1]`` features and passes the rest through, as HF does;
+* for ``*ForCausalLM`` models, ``forward`` of *this instance*: in training mode with ``labels``
+  the LM head and the shifted causal-LM loss go through :func:`fused_linear_cross_entropy`, so the
+  ``(tokens, vocab)`` logits are never built (the output's ``logits`` is ``None``). Gemma 2/3's
+  ``final_logit_softcapping`` is applied inside the loss; MoE models add the router's
+  load-balancing loss as HF does (``output_router_logits``). ``num_items_in_batch`` (gradient
+  accumulation, as the HF Trainer passes it) makes the loss a sum divided by it, and
+  ``shift_labels`` replaces the shifted labels, as in HF's loss. Evaluation, generation and calls
+  without labels use the original forward.
 
-``patch`` returns a dict ``{"rms_norm": [...], "mlp": [...], "rope": [...], "loss": [...]}``
-naming what it changed; calling it twice changes nothing the second time.
+``patch`` returns a dict ``{"rms_norm": [...], "mlp": [...], "experts": [...], "rope": [...],
+"loss": [...]}`` naming what it changed; calling it twice changes nothing the second time. What
+it leaves unpatched for a reason (an activation without a fused kernel, an experts layout it does
+not know) it names in a warning through ``logging``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
+import logging
 import types
 from typing import Any, Callable
 
@@ -33,130 +54,234 @@ from torch import nn
 
 from ._utils import interpreter_enabled
 from .fused_linear_cross_entropy import fused_linear_cross_entropy
-from .glu import GeGLUMLP, SwiGLUMLP
+from .glu import GeGLUMLP, PackedGLUMLP, SwiGLUMLP, swiglu_packed
 from .rms_norm import RMSNorm
 from .rope import rope
 
 __all__ = ["patch", "unpatch_rope", "SUPPORTED_MODEL_TYPES"]
 
-#: model_type -> class-name prefix in ``transformers.models.<type>.modeling_<type>``
-_ARCHS: dict[str, str] = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3", "gemma": "Gemma"}
-SUPPORTED_MODEL_TYPES: tuple[str, ...] = tuple(_ARCHS)
+log = logging.getLogger(__name__)
 
-#: RMSNorm weight parameterisation per model type: Gemma scales by ``1 + w`` in fp32 (rms_norm's
-#: ``offset=1.0``); the others multiply ``w`` by the normalised input rounded to its dtype
-_NORM_OFFSET: dict[str, float] = {"gemma": 1.0}
 
-_MLP_BY_ACT: dict[str, type[nn.Module]] = {
-    "silu": SwiGLUMLP,
-    "swish": SwiGLUMLP,
-    "gelu_pytorch_tanh": GeGLUMLP,
-    "gelu_new": GeGLUMLP,
+@dataclasses.dataclass(frozen=True)
+class _Family:
+    """How one architecture is patched."""
+
+    module: str                       # transformers.models.<module>.modeling_<module>
+    prefix: str                       # class-name prefix in that module
+    norm_offset: float = 0.0          # 1.0: Gemma's (1 + w) weights, fp32 product
+    residual_norms: tuple[str, ...] = ()   # norms whose output joins the residual: no in-place dx
+    softcap: bool = False             # config.final_logit_softcapping applies to the LM head's logits
+    moe: bool = False                 # <Arch>Experts blocks and the router's auxiliary loss
+
+
+_GEMMA_POST_NORMS = ("post_attention_layernorm", "post_feedforward_layernorm")
+
+_FAMILIES: dict[str, _Family] = {
+    "llama": _Family("llama", "Llama"),
+    "mistral": _Family("mistral", "Mistral"),
+    "qwen2": _Family("qwen2", "Qwen2"),
+    "qwen3": _Family("qwen3", "Qwen3"),
+    "gemma": _Family("gemma", "Gemma", norm_offset=1.0),
+    "gemma2": _Family("gemma2", "Gemma2", norm_offset=1.0, residual_norms=_GEMMA_POST_NORMS, softcap=True),
+    "gemma3_text": _Family("gemma3", "Gemma3", norm_offset=1.0, residual_norms=_GEMMA_POST_NORMS, softcap=True),
+    "mixtral": _Family("mixtral", "Mixtral", moe=True),
+    "qwen3_moe": _Family("qwen3_moe", "Qwen3Moe", moe=True),
+    "phi3": _Family("phi3", "Phi3"),
 }
+SUPPORTED_MODEL_TYPES: tuple[str, ...] = tuple(_FAMILIES)
+
+#: activation modules of transformers / torch -> the fused GLU's activation
+_SILU_ACTS = {"SiLUActivation", "SiLU"}
+_GELU_TANH_ACTS = {"GELUTanh", "PytorchGELUTanh", "NewGELUActivation", "GELUPytorchTanh"}
 
 _ORIGINAL_ROPE: dict[str, Callable[..., Any]] = {}
+
+
+def _activation(act: Any) -> str | None:
+    """``"silu"`` or ``"gelu_tanh"`` for an activation module the fused GLUs compute, else ``None``."""
+    name = type(act).__name__
+    if name in _SILU_ACTS:
+        return "silu"
+    if name in _GELU_TANH_ACTS or (isinstance(act, nn.GELU) and act.approximate == "tanh"):
+        return "gelu_tanh"
+    return None
+
+
+def _modeling(family: _Family) -> types.ModuleType:
+    return importlib.import_module(f"transformers.models.{family.module}.modeling_{family.module}")
 
 
 def _make_rope(original: Callable[..., Any]) -> Callable[..., Any]:
     def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
         """Fused replacement for HF's ``apply_rotary_pos_emb`` (see ``ckpt.kernels.rope``)."""
-        if q.device.type == "cuda" or interpreter_enabled():
+        if not (q.device.type == "cuda" or interpreter_enabled()):
+            return original(q, k, cos, sin, unsqueeze_dim=unsqueeze_dim)
+        rot = cos.shape[-1]
+        if rot == q.shape[-1]:
             return rope(q, k, cos, sin, unsqueeze_dim=unsqueeze_dim)
-        return original(q, k, cos, sin, unsqueeze_dim=unsqueeze_dim)
+        # partial rotary (Phi-3 with partial_rotary_factor < 1): rotate the first `rot` features
+        q_rot, k_rot = rope(q[..., :rot], k[..., :rot], cos, sin, unsqueeze_dim=unsqueeze_dim)
+        return torch.cat([q_rot, q[..., rot:]], dim=-1), torch.cat([k_rot, k[..., rot:]], dim=-1)
 
     apply_rotary_pos_emb._ckpt_fused = True  # type: ignore[attr-defined]
     return apply_rotary_pos_emb
 
 
-def _causal_lm_forward(
-    self: nn.Module,
-    input_ids: torch.Tensor | None = None,
-    attention_mask: torch.Tensor | None = None,
-    position_ids: torch.Tensor | None = None,
-    past_key_values: Any = None,
-    inputs_embeds: torch.Tensor | None = None,
-    labels: torch.Tensor | None = None,
-    use_cache: bool | None = None,
-    logits_to_keep: int | torch.Tensor = 0,
-    **kwargs: Any,
-) -> Any:
-    """``*ForCausalLM.forward`` whose training loss skips the logits (fused linear CE)."""
-    if past_key_values is not None:
-        # passed on only when given: transformers 5.2x renames it ``cache`` (which arrives in
-        # kwargs), warns whenever the old name is passed, even as None, and drops it in 5.40
-        kwargs["past_key_values"] = past_key_values
-    if labels is None or not self.training:
-        return self._ckpt_unpatched_forward(
-            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-            inputs_embeds=inputs_embeds, labels=labels, use_cache=use_cache, logits_to_keep=logits_to_keep,
-            **kwargs,
-        )
-    from transformers.modeling_outputs import CausalLMOutputWithPast
+def _experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                     top_k_weights: torch.Tensor) -> torch.Tensor:
+    """The experts' forward with the packed SwiGLU. transformers' ``grouped_mm`` and ``batched_mm``
+    implementations call the instance's ``_apply_gate`` (patched to the fused kernel); its ``eager``
+    loop writes ``act_fn(gate) * up`` inline, so it is reproduced here with ``_apply_gate``."""
+    if getattr(self.config, "_experts_implementation", None) not in (None, "eager"):
+        return type(self).forward(self, hidden_states, top_k_index, top_k_weights)
+    final = torch.zeros_like(hidden_states)
+    with torch.no_grad():
+        expert_mask = nn.functional.one_hot(top_k_index, num_classes=self.num_experts + 1).permute(2, 1, 0)
+        expert_hit = torch.greater(expert_mask.sum(dim=(-1, -2)), 0).nonzero()
+    for expert_idx in expert_hit:
+        expert_idx = expert_idx[0]
+        if expert_idx == self.num_experts:
+            continue
+        top_k_pos, token_idx = torch.where(expert_mask[expert_idx])
+        h = self._apply_gate(nn.functional.linear(hidden_states[token_idx], self.gate_up_proj[expert_idx]))
+        h = nn.functional.linear(h, self.down_proj[expert_idx]) * top_k_weights[token_idx, top_k_pos, None]
+        final.index_add_(0, token_idx, h.to(final.dtype))
+    return final
 
-    num_items = kwargs.pop("num_items_in_batch", None)
-    return_dict = kwargs.pop("return_dict", None)
-    if use_cache is None and kwargs.get("past_key_values", kwargs.get("cache")) is None:
-        # A training step needs no inference KV cache; left to config.use_cache (True in most
-        # configs), some transformers versions build one and copy every layer's keys and values
-        # into it (two concatenations per layer: about 2 ms per step at the 1B shape on an H200).
-        use_cache = False
-    ignore_index = kwargs.pop("ignore_index", -100)
-    outputs = self.model(
-        input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-        inputs_embeds=inputs_embeds, use_cache=use_cache, **kwargs,
-    )
-    hidden = outputs[0]
-    # HF's causal-LM shift: predict token t+1 at position t; the last position is ignored.
-    shift = nn.functional.pad(labels, (0, 1), value=ignore_index)[..., 1:].to(hidden.device)
-    # The head's parameters go in as they are: under autocast the fused loss runs its GEMMs in
-    # autocast's dtype, as the unpatched lm_head Linear does; otherwise in hidden's dtype. Either
-    # way their gradients come back in their own dtype (fp32 master weights stay fp32).
-    head = self.lm_head
-    weight, bias = head.weight, head.bias
-    keep_hidden = bool(kwargs.get("output_hidden_states", getattr(self.config, "output_hidden_states", False)))
-    loss = fused_linear_cross_entropy(
-        hidden, weight, shift, bias, ignore_index=ignore_index,
-        reduction="sum" if num_items is not None else "mean",
-        inplace=False if keep_hidden else None,
-    )
-    if num_items is not None:
-        loss = loss / num_items
-    out = CausalLMOutputWithPast(
-        loss=loss, logits=None, past_key_values=getattr(outputs, "past_key_values", None),
-        hidden_states=getattr(outputs, "hidden_states", None), attentions=getattr(outputs, "attentions", None),
-    )
-    return out.to_tuple() if return_dict is False else out
+
+def _experts_patchable(module: nn.Module) -> str | None:
+    """Why the packed GLU cannot serve these experts (``None`` when it can)."""
+    if not (isinstance(getattr(module, "gate_up_proj", None), torch.Tensor)
+            and isinstance(getattr(module, "down_proj", None), torch.Tensor)):
+        return "no gate_up_proj / down_proj expert weights"
+    if not getattr(module, "has_gate", True) or not getattr(module, "is_concatenated", True):
+        return "gate and up are not stored as [gate; up] halves"
+    if getattr(module, "has_bias", False) or getattr(module, "is_transposed", False):
+        return "biased or transposed expert weights"
+    if getattr(module, "has_post_expert_norm", False):
+        return "a norm after each expert"
+    if _activation(getattr(module, "act_fn", None)) != "silu":
+        return f"activation {type(getattr(module, 'act_fn', None)).__name__} (the experts' fused GLU is SwiGLU)"
+    return None
+
+
+def _make_causal_lm_forward(family: _Family, modeling: types.ModuleType) -> Callable[..., Any]:
+    from transformers import modeling_outputs
+
+    out_cls = modeling_outputs.MoeCausalLMOutputWithPast if family.moe else modeling_outputs.CausalLMOutputWithPast
+    # the cache's field name: ``cache`` from transformers 5.2x, ``past_key_values`` before (decided
+    # here, once: torch.compile cannot trace dataclasses.fields)
+    cache_name = "cache" if "cache" in {f.name for f in dataclasses.fields(out_cls)} else "past_key_values"
+
+    def forward(
+        self: nn.Module,
+        input_ids: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        past_key_values: Any = None,
+        inputs_embeds: torch.Tensor | None = None,
+        labels: torch.Tensor | None = None,
+        use_cache: bool | None = None,
+        logits_to_keep: int | torch.Tensor = 0,
+        **kwargs: Any,
+    ) -> Any:
+        """``*ForCausalLM.forward`` whose training loss skips the logits (fused linear CE)."""
+        if past_key_values is not None:
+            # passed on only when given: transformers 5.2x renames it ``cache`` (which arrives in
+            # kwargs), warns whenever the old name is passed, even as None, and drops it in 5.40
+            kwargs["past_key_values"] = past_key_values
+        if labels is None or not self.training:
+            return self._ckpt_unpatched_forward(
+                input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                inputs_embeds=inputs_embeds, labels=labels, use_cache=use_cache, logits_to_keep=logits_to_keep,
+                **kwargs,
+            )
+        num_items = kwargs.pop("num_items_in_batch", None)
+        shift_labels = kwargs.pop("shift_labels", None)
+        return_dict = kwargs.pop("return_dict", None)
+        ignore_index = kwargs.pop("ignore_index", -100)
+        if use_cache is None and kwargs.get("past_key_values", kwargs.get("cache")) is None:
+            # A training step needs no inference KV cache; left to config.use_cache (True in most
+            # configs), some transformers versions build one and copy every layer's keys and values
+            # into it (two concatenations per layer: about 2 ms per step at the 1B shape on an H200).
+            use_cache = False
+        router = None
+        if family.moe:
+            router = kwargs.pop("output_router_logits", None)
+            router = bool(self.config.output_router_logits if router is None else router)
+            kwargs["output_router_logits"] = router
+        outputs = self.model(
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+            inputs_embeds=inputs_embeds, use_cache=use_cache, **kwargs,
+        )
+        hidden = outputs[0]
+        if shift_labels is None:
+            # HF's causal-LM shift: predict token t+1 at position t; the last position is ignored.
+            shift_labels = nn.functional.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+        shift_labels = shift_labels.to(hidden.device)
+        # The head's parameters go in as they are: under autocast the fused loss runs its GEMMs in
+        # autocast's dtype, as the unpatched lm_head Linear does; otherwise in hidden's dtype. Either
+        # way their gradients come back in their own dtype (fp32 master weights stay fp32).
+        head = self.lm_head
+        keep_hidden = bool(kwargs.get("output_hidden_states", getattr(self.config, "output_hidden_states", False)))
+        softcap = getattr(self.config, "final_logit_softcapping", None) if family.softcap else None
+        loss = fused_linear_cross_entropy(
+            hidden, head.weight, shift_labels, head.bias, ignore_index=ignore_index,
+            reduction="sum" if num_items is not None else "mean",
+            inplace=False if keep_hidden else None, softcap=softcap,
+        )
+        if num_items is not None:
+            loss = loss / (num_items.to(loss.device) if torch.is_tensor(num_items) else num_items)
+        fields = dict(loss=loss, logits=None, hidden_states=outputs.get("hidden_states"),
+                      attentions=outputs.get("attentions"))
+        if family.moe:
+            aux = None
+            if router:
+                aux = modeling.load_balancing_loss_func(outputs.router_logits, self.num_experts,
+                                                        self.num_experts_per_tok, attention_mask)
+                loss = loss + self.router_aux_loss_coef * aux.to(loss.device)
+            fields.update(loss=loss, aux_loss=aux, router_logits=outputs.get("router_logits"))
+        fields[cache_name] = outputs.get("cache", outputs.get("past_key_values"))
+        out = out_cls(**fields)
+        return out.to_tuple() if return_dict is False else out
+
+    return forward
 
 
 def patch(
     model: nn.Module, *, rms_norm: bool = True, rope_embedding: bool = True, mlp: bool = True, loss: bool = True
 ) -> dict[str, list[str]]:
-    """Swap a Hugging Face Llama / Mistral / Qwen2 / Qwen3 / Gemma model's hot paths for fused kernels, in place.
+    """Swap a supported Hugging Face model's hot paths for fused kernels, in place.
 
     Args:
-        model: a ``*ForCausalLM`` or base ``*Model`` of a supported architecture.
-        rms_norm, rope_embedding, mlp, loss: which parts to patch (all by default).
+        model: a ``*ForCausalLM`` or base ``*Model`` whose ``config.model_type`` is in
+            :data:`SUPPORTED_MODEL_TYPES`.
+        rms_norm, rope_embedding, mlp, loss: which parts to patch (all by default; ``mlp`` covers
+            the dense MLPs and the experts of MoE blocks).
 
     Returns:
-        ``{"rms_norm": [module names], "mlp": [module names], "rope": [function], "loss": [class.forward]}``.
+        ``{"rms_norm": [module names], "mlp": [module names], "experts": [module names],
+        "rope": [function], "loss": [class.forward]}``.
 
     Raises:
         ValueError: the model's ``config.model_type`` is not supported (the message lists those that are).
     """
     config = getattr(model, "config", None)
     model_type = getattr(config, "model_type", None)
-    if model_type not in _ARCHS:
+    if model_type not in _FAMILIES:
         raise ValueError(
             f"ckpt.kernels.patch does not support {type(model).__name__} (model_type={model_type!r}); "
             f"supported model types: {', '.join(SUPPORTED_MODEL_TYPES)}"
         )
-    prefix = _ARCHS[model_type]
-    modeling = importlib.import_module(f"transformers.models.{model_type}.modeling_{model_type}")
-    changed: dict[str, list[str]] = {"rms_norm": [], "mlp": [], "rope": [], "loss": []}
+    family = _FAMILIES[model_type]
+    modeling = _modeling(family)
+    changed: dict[str, list[str]] = {"rms_norm": [], "mlp": [], "experts": [], "rope": [], "loss": []}
 
-    norm_cls = getattr(modeling, f"{prefix}RMSNorm")
-    mlp_cls = getattr(modeling, f"{prefix}MLP")
-    mlp_new = _MLP_BY_ACT.get(getattr(config, "hidden_act", ""))
+    norm_cls = getattr(modeling, f"{family.prefix}RMSNorm")
+    mlp_cls = getattr(modeling, f"{family.prefix}MLP", None)
+    experts_cls = getattr(modeling, f"{family.prefix}Experts", None)
+    skipped: dict[str, str] = {}
     for name, module in list(model.named_modules()):
         if not name:
             continue
@@ -164,14 +289,29 @@ def patch(
         parent = model.get_submodule(parent_name) if parent_name else model
         if rms_norm and isinstance(module, norm_cls):
             eps = getattr(module, "variance_epsilon", getattr(module, "eps", 1e-6))
-            new = RMSNorm(module.weight.shape[0], eps=eps, offset=_NORM_OFFSET.get(model_type, 0.0), in_place=True,
-                          device="meta")
+            new = RMSNorm(module.weight.shape[0], eps=eps, offset=family.norm_offset,
+                          in_place=attr not in family.residual_norms, device="meta")
             new.weight = module.weight  # share the parameter: same state dict, same optimizer state
             setattr(parent, attr, new)
             changed["rms_norm"].append(name)
-        elif mlp and mlp_new is not None and isinstance(module, mlp_cls):
-            setattr(parent, attr, mlp_new.from_linears(module.gate_proj, module.up_proj, module.down_proj))
-            changed["mlp"].append(name)
+        elif mlp and mlp_cls is not None and isinstance(module, mlp_cls):
+            new_mlp = _fused_mlp(module)
+            if isinstance(new_mlp, str):
+                skipped[name] = new_mlp
+            else:
+                setattr(parent, attr, new_mlp)
+                changed["mlp"].append(name)
+        elif mlp and experts_cls is not None and isinstance(module, experts_cls) and "_ckpt_fused" not in vars(module):
+            why = _experts_patchable(module)
+            if why is not None:
+                skipped[name] = why
+                continue
+            module._apply_gate = swiglu_packed   # an instance attribute: called as self._apply_gate(x)
+            module.forward = types.MethodType(_experts_forward, module)
+            module._ckpt_fused = True
+            changed["experts"].append(name)
+    for name, why in skipped.items():
+        log.warning("ckpt.kernels.patch left %s (%s) unpatched: %s", name, model_type, why)
 
     if rope_embedding:
         current = getattr(modeling, "apply_rotary_pos_emb")
@@ -182,14 +322,30 @@ def patch(
 
     if loss and hasattr(model, "lm_head") and hasattr(model, "model") and "_ckpt_unpatched_forward" not in vars(model):
         model._ckpt_unpatched_forward = model.forward
-        model.forward = types.MethodType(_causal_lm_forward, model)
+        model.forward = types.MethodType(_make_causal_lm_forward(family, modeling), model)
         changed["loss"].append(f"{type(model).__name__}.forward")
     return changed
 
 
+def _fused_mlp(module: nn.Module) -> nn.Module | str:
+    """The fused replacement of a dense MLP, or why there is none."""
+    if hasattr(module, "gate_up_proj"):   # Phi-3: one projection, gate then up
+        act = _activation(getattr(module, "activation_fn", None))
+        if act is None:
+            return f"activation {type(getattr(module, 'activation_fn', None)).__name__} has no fused GLU"
+        return PackedGLUMLP(module.gate_up_proj, module.down_proj, act)
+    act = _activation(getattr(module, "act_fn", None))
+    if act is None:
+        return f"activation {type(getattr(module, 'act_fn', None)).__name__} has no fused GLU"
+    new_cls = SwiGLUMLP if act == "silu" else GeGLUMLP
+    return new_cls.from_linears(module.gate_proj, module.up_proj, module.down_proj)
+
+
 def unpatch_rope(model_type: str) -> bool:
     """Restore HF's ``apply_rotary_pos_emb`` for ``model_type``; True if something was restored."""
-    modeling = importlib.import_module(f"transformers.models.{model_type}.modeling_{model_type}")
+    family = _FAMILIES.get(model_type)
+    modeling = _modeling(family) if family is not None else importlib.import_module(
+        f"transformers.models.{model_type}.modeling_{model_type}")
     original = _ORIGINAL_ROPE.pop(modeling.__name__, None)
     if original is None:
         return False

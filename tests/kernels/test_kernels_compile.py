@@ -1,9 +1,9 @@
 """The kernels inside ``torch.compile``.
 
-The norms, RoPE and the GLUs are custom operators: Dynamo traces them into the graph (no graph
-break; checked with ``torch._dynamo.explain``, and ``fullgraph=True`` fails on any break) and
-they pass ``torch.library.opcheck``. The losses graph-break and run eagerly. Either way a
-compiled function gives the eager function's values and gradients.
+Every kernel, the losses included, is a custom operator: Dynamo traces it into the graph (no
+graph break; checked with ``torch._dynamo.explain``, and ``fullgraph=True`` fails on any break)
+and passes ``torch.library.opcheck``. A compiled function gives the eager function's values and
+gradients.
 
 CPU (Triton interpreter): Dynamo plus AOTAutograd (``aot_eager``), static and dynamic shapes.
 GPU (``-m gpu``): inductor, on a patched tiny Llama.
@@ -24,8 +24,11 @@ def every_kernel(x, w, b, q, k, cos, sin, head, target):
     h = K.rms_norm(x, w) * 1.5
     h = K.layer_norm(h, w, b)
     m = K.swiglu(h * 1.0, h + 1.0) + K.geglu(h * 0.5, h - 1.0)
+    m = m + K.swiglu_packed(torch.cat([h, h * 2.0], -1)) + K.geglu_packed(torch.cat([h * 0.3, h], -1))
     qo, ko = K.rope(q, k, cos, sin)
     loss = K.cross_entropy(m @ head.t(), target) + K.fused_linear_cross_entropy(m * 2.0, head, target)
+    loss = loss + K.cross_entropy(m @ head.t(), target, softcap=2.0, label_smoothing=0.1, reduction="sum")
+    loss = loss + K.fused_linear_cross_entropy(m, head, target, reduction="none", softcap=3.0, z_loss=1e-3).mean()
     return loss + qo.square().mean() + ko.square().mean()
 
 
@@ -45,12 +48,46 @@ def run(fn, device):
     return [loss] + [t.grad for t in (x, w, b, q, k, head)]
 
 
-def test_kernels_under_torch_compile_match_eager():
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_kernels_and_losses_fullgraph_match_eager(dynamic):
     torch._dynamo.reset()
     expected = run(every_kernel, DEVICE)
-    got = run(torch.compile(every_kernel, backend="aot_eager", fullgraph=False), DEVICE)
+    got = run(torch.compile(every_kernel, backend="aot_eager", fullgraph=True, dynamic=dynamic), DEVICE)
     for name, a, e in zip(["loss", "x", "w", "b", "q", "k", "head"], got, expected):
         assert_close(name, a, e, 1e-5, 1e-5)
+
+
+def test_every_kernel_and_loss_traces_into_one_graph():
+    torch._dynamo.reset()
+    (x, w, b, q, k, head), (cos, sin, target) = inputs(DEVICE)
+    explained = torch._dynamo.explain(every_kernel)(x, w, b, q, k, cos, sin, head, target)
+    assert explained.graph_break_count == 0, explained.break_reasons
+    assert explained.graph_count == 1
+    code = explained.graphs[0].code
+    for op in ("rms_norm", "layer_norm", "glu", "glu_packed", "rope", "cross_entropy", "fused_linear_cross_entropy"):
+        assert f"torch.ops.ckpt.{op}" in code, code
+
+
+@pytest.mark.parametrize("frozen", [False, True], ids=["trained-head", "frozen-head"])
+def test_compiled_losses_without_gradients_or_with_a_frozen_head(frozen):
+    """Which gradients the compiled loss makes follows requires_grad and no_grad at trace time:
+    a frozen head gets none, and under no_grad the loss alone is computed."""
+    torch._dynamo.reset()
+    (x, _, _, _, _, head), (_, _, target) = inputs(DEVICE)
+    head.requires_grad_(not frozen)
+
+    def loss(h, wt, t):
+        return K.fused_linear_cross_entropy(h * 1.0, wt, t, softcap=2.0) + K.cross_entropy(h @ wt.t(), t)
+
+    compiled = torch.compile(loss, backend="aot_eager", fullgraph=True)
+    got, want = compiled(x, head, target), loss(x, head, target)
+    assert_close("loss", got, want, 1e-5, 1e-5)
+    grads = torch.autograd.grad(got, [x] if frozen else [x, head])
+    grads_ref = torch.autograd.grad(want, [x] if frozen else [x, head])
+    for name, a, e in zip(["x", "head"], grads, grads_ref):
+        assert_close(name, a, e, 1e-5, 1e-5)
+    with torch.no_grad():
+        assert_close("no_grad loss", compiled(x, head, target), loss(x, head, target), 1e-5, 1e-5)
 
 
 def layers(x, w, b, q, k, cos, sin):
@@ -115,8 +152,12 @@ def test_mixed_dtypes_compiled_match_eager(enabled):
 
 
 def _op_cases(device):
-    (x, w, b, q, k, _), (cos, sin, _) = inputs(device)
-    x, w, b, q, k = (t.detach().requires_grad_() for t in (x, w, b, q, k))
+    (x, w, b, q, k, head), (cos, sin, target) = inputs(device)
+    x, w, b, q, k, head = (t.detach().requires_grad_() for t in (x, w, b, q, k, head))
+    target = target.clone()
+    target[1] = -100
+    logits = (torch.randn(x.shape[0], head.shape[0], device=device) * 3).requires_grad_()
+    vbias = torch.randn(head.shape[0], device=device, requires_grad=True)
     rows = x.shape[0]
     stats = torch.rand(2, rows, device=device)
     a, c = torch.randn(5, 33, device=device), torch.randn(5, 33, device=device)
@@ -144,6 +185,27 @@ def _op_cases(device):
                                  sin.expand(q.shape[0], -1, -1), True, torch.bfloat16, torch.float32),
         "glu mixed": (a16, c, 0),
         "glu_backward mixed": (torch.randn(5, 33, device=device), a16.detach(), c.detach(), 1),
+        "glu_packed silu": (torch.randn(5, 3, 66, device=device, requires_grad=True), 0),
+        "glu_packed bf16 gelu_tanh": (torch.randn(5, 66, device=device).bfloat16().requires_grad_(), 1),
+        "glu_packed_backward": (torch.randn(5, 33, device=device), torch.randn(5, 66, device=device), 0),
+        # the losses: (logits, target, ignore_index, label_smoothing, reduction, z_loss, softcap, need_grad)
+        "cross_entropy mean": (logits, target, -100, 0.0, "mean", 0.0, 0.0, True),
+        "cross_entropy softcap none": (logits, target, -100, 0.1, "none", 1e-3, 2.0, True),
+        "cross_entropy bf16 sum": (logits.detach().bfloat16().requires_grad_(), target.clamp(min=0), 3, 0.0, "sum", 0.0, 5.0, True),
+        "cross_entropy no-grad": (logits.detach(), target, -100, 0.0, "mean", 0.0, 0.0, False),
+        # (hidden, weight, target, bias, ignore_index, label_smoothing, z_loss, softcap, chunk_size, dtype,
+        #  reduction, need)
+        "fused_linear_cross_entropy mean": (x, head, target, None, -100, 0.0, 0.0, 0.0, 0, torch.float32, "mean",
+                                            [True, True, False]),
+        "fused_linear_cross_entropy bias softcap sum": (x, head, target, vbias, -100, 0.1, 1e-3, 3.0, 4, torch.float32,
+                                                        "sum", [True, True, True]),
+        "fused_linear_cross_entropy none": (x, head, target, vbias, -100, 0.0, 0.0, 2.0, 5, torch.float32, "none",
+                                            [True, True, True]),
+        "fused_linear_cross_entropy frozen-head": (x, head.detach(), target, None, -100, 0.0, 0.0, 0.0, 0,
+                                                   torch.float32, "mean", [True, False, False]),
+        "fused_linear_cross_entropy_backward": (torch.rand(rows, device=device), x.detach(), head.detach(), target,
+                                                vbias.detach(), -100, 0.0, 0.0, 2.0, 4, torch.float32,
+                                                [True, True, True]),
     }
 
 
@@ -181,10 +243,10 @@ def _check_patched_llama_under_inductor(model):
 
     expected = step(model)
     torch._dynamo.reset()
-    got = step(torch.compile(model))
+    got = step(torch.compile(model, fullgraph=True))   # the fused loss included: one graph
     for i, (a, e) in enumerate(zip(got, expected)):
         assert_close(f"tensor {i}", a, e, 2e-4, 2e-4)
-    # without labels (no loss, so nothing graph-breaks) the patched model is one inductor graph
+    # without labels the patched model is one inductor graph too
     torch._dynamo.reset()
     with torch.no_grad():
         logits = torch.compile(model, fullgraph=True)(input_ids=ids).logits
@@ -214,3 +276,58 @@ def test_norms_rope_glu_under_cuda_graphs_match_eager():
             for name, a, e in zip(["loss", "x", "w", "b", "q", "k"], got, expected):
                 assert_close(name, a, e, 1e-4, 1e-4)
     assert all(int(t.abs().sum()) == 0 for t in _reduce._tickets.values())   # re-armed after the replays
+
+
+DENSE = ["llama", "gemma2", "gemma3_text", "qwen3", "phi3"]
+
+
+@pytest.mark.parametrize("model_type", DENSE)
+def test_patched_model_with_labels_compiles_fullgraph(model_type):
+    """A patched model's whole training forward (norms, RoPE, GLUs and the fused loss) is one graph:
+    ``fullgraph=True`` compiles it, and the compiled loss and every gradient equal eager's."""
+    from test_kernels_patch import batch, tiny_model
+
+    model = tiny_model(model_type)
+    K.patch(model)
+    try:
+        ids, labels = batch(model.config.vocab_size)
+        torch._dynamo.reset()
+        explained = torch._dynamo.explain(model)(input_ids=ids, labels=labels)
+        assert explained.graph_break_count == 0, explained.break_reasons
+        assert "torch.ops.ckpt.fused_linear_cross_entropy" in explained.graphs[0].code
+
+        def step(m):
+            m.zero_grad(set_to_none=True)
+            loss = m(input_ids=ids, labels=labels).loss
+            loss.backward()
+            return [loss.detach()] + [p.grad.clone() for p in model.parameters()]
+
+        expected = step(model)
+        torch._dynamo.reset()
+        got = step(torch.compile(model, backend="aot_eager", fullgraph=True))
+        for (name, _), a, e in zip([("loss", None)] + list(model.named_parameters()), got, expected):
+            assert_close(name, a, e, 1e-5, 1e-5)
+    finally:
+        K.unpatch_rope(model_type)
+
+
+@pytest.mark.parametrize("model_type", ["mixtral", "qwen3_moe"])
+def test_patched_moe_model_adds_no_graph_break(model_type):
+    """transformers' MoE blocks break the graph themselves (data-dependent expert selection); the
+    patched model breaks it no more often than the unpatched one."""
+    import copy
+
+    from test_kernels_patch import batch, tiny_model
+
+    ref = tiny_model(model_type)
+    model = copy.deepcopy(ref)
+    K.patch(model)
+    try:
+        ids, labels = batch(model.config.vocab_size)
+        counts = []
+        for m in (ref, model):
+            torch._dynamo.reset()
+            counts.append(torch._dynamo.explain(m)(input_ids=ids, labels=labels).graph_break_count)
+        assert counts[1] <= counts[0], counts
+    finally:
+        K.unpatch_rope(model_type)

@@ -10,8 +10,10 @@ from ckpt.kernels import CrossEntropyLoss, FusedLinearCrossEntropyLoss, cross_en
 from kernel_helpers import DEVICE, DTYPES, gpu_param, run_and_compare
 
 
-def ce_ref(logits, target, ignore_index=-100, label_smoothing=0.0, reduction="mean", z_loss=0.0):
+def ce_ref(logits, target, ignore_index=-100, label_smoothing=0.0, reduction="mean", z_loss=0.0, softcap=None):
     x = logits.float().reshape(-1, logits.shape[-1])
+    if softcap is not None:   # Gemma 2's final-logit softcapping, as its modeling code writes it
+        x = torch.tanh(x / softcap) * softcap
     t = target.reshape(-1)
     valid = t != ignore_index
     loss = F.cross_entropy(x, t, ignore_index=ignore_index, label_smoothing=label_smoothing, reduction="none")
@@ -229,3 +231,58 @@ def test_target_outside_the_classes_on_the_gpu_stops_at_a_device_assert(loss):
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.returncode != 0 and "NO ERROR" not in out.stdout, out.stdout + out.stderr
     assert "target outside [0, V)" in out.stdout + out.stderr, out.stdout + out.stderr
+
+
+SOFTCAP_OPTIONS = [
+    pytest.param(dict(softcap=30.0), id="cap30-mean"),   # Gemma 2's value: most logits far below it
+    pytest.param(dict(softcap=2.0, reduction="sum", label_smoothing=0.1), id="cap2-sum-smooth"),  # saturating
+    pytest.param(dict(softcap=0.7, reduction="none", z_loss=1e-3), id="cap0.7-none-z"),
+    pytest.param(dict(softcap=5.0, ignore_index=3, label_smoothing=0.05, z_loss=1e-4), id="cap5-mean-all"),
+]
+
+
+@pytest.mark.parametrize("shape,device", CE_SHAPES)
+@pytest.mark.parametrize("dtype,atol,rtol", DTYPES)
+@pytest.mark.parametrize("opts", SOFTCAP_OPTIONS)
+def test_cross_entropy_softcap(shape, device, dtype, atol, rtol, opts):
+    """Logits capped to c * tanh(x / c) before the loss, the gradient through the tanh; logits
+    scaled so that some rows saturate the cap (|x| >> c) and some do not."""
+    n, v = shape
+    x = torch.randn(n, v, device=device) * 8
+    t = targets(n, v, opts.get("ignore_index", -100))
+    run_and_compare(lambda x, t: cross_entropy(x, t, **opts), lambda x, t: ce_ref(x, t, **opts),
+                    [x, t], ["logits", "target"], dtype, atol, rtol, device)
+
+
+@pytest.mark.parametrize("shape,device", FLCE_SHAPES)
+@pytest.mark.parametrize("dtype,atol,rtol", BF16_LOOSE)
+@pytest.mark.parametrize("opts", SOFTCAP_OPTIONS)
+def test_fused_linear_cross_entropy_softcap(shape, device, dtype, atol, rtol, opts):
+    n, h, v = shape
+    if device == "cuda" and n * v > 10**8 and opts.get("reduction", "mean") != "mean":
+        pytest.skip("real-size case run for the mean reductions only, to bound the GPU run's time")
+    x = torch.randn(n, h, device=device)
+    w = torch.randn(v, h, device=device) / h ** 0.5 * 6
+    b = torch.randn(v, device=device)
+    t = targets(n, v, opts.get("ignore_index", -100))
+    chunk = None if n > 64 else 7
+    run_and_compare(lambda x, w, t, b: fused_linear_cross_entropy(x, w, t, b, chunk_size=chunk, **opts),
+                    lambda x, w, t, b: flce_ref(x, w, t, b, **opts),
+                    [x, w, t, b], ["hidden", "weight", "target", "bias"], dtype, atol, rtol, device)
+
+
+def test_softcap_changes_the_loss_and_rejects_non_positive_caps():
+    """The cap is applied (a small cap moves the loss), and a cap <= 0 or NaN is a ValueError
+    naming the argument rather than a silent division by zero."""
+    x = torch.randn(4, 9, device=DEVICE) * 10
+    w = torch.randn(9, 6, device=DEVICE)
+    t = torch.tensor([1, 2, 3, 4], device=DEVICE)
+    assert not torch.allclose(cross_entropy(x, t, softcap=1.0), cross_entropy(x, t))
+    for bad in (0.0, -1.0, float("nan")):
+        with pytest.raises(ValueError, match="softcap"):
+            cross_entropy(x, t, softcap=bad)
+        with pytest.raises(ValueError, match="softcap"):
+            fused_linear_cross_entropy(x[:, :6], w, t, softcap=bad)
+    assert "softcap=3.0" in repr(CrossEntropyLoss(softcap=3.0))
+    torch.testing.assert_close(FusedLinearCrossEntropyLoss(softcap=3.0)(x[:, :6], w, t),
+                               ce_ref(x[:, :6] @ w.t(), t, softcap=3.0))

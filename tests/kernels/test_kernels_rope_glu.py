@@ -1,4 +1,4 @@
-"""RoPE, SwiGLU and GeGLU against plain PyTorch references: outputs and every gradient."""
+"""RoPE, SwiGLU and GeGLU (separate and packed halves) against plain PyTorch references: outputs and every gradient."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from ckpt.kernels import GeGLUMLP, SwiGLUMLP, geglu, rope, swiglu
+from ckpt.kernels import GeGLUMLP, PackedGLUMLP, SwiGLUMLP, geglu, geglu_packed, rope, swiglu, swiglu_packed
 from kernel_helpers import DEVICE, DTYPES, gpu_param, run_and_compare
 
 
@@ -130,3 +130,79 @@ def test_mlp_modules(cls, act):
     x = torch.randn(3, 5, 24, device=DEVICE)
     want = mlp.down_proj(act(mlp.gate_proj(x)) * mlp.up_proj(x))
     torch.testing.assert_close(mlp(x), want)
+
+
+PACKED_SHAPES = [  # (..., 2I)
+    pytest.param((1, 2), DEVICE, id="1x2"),
+    pytest.param((3, 5, 74), DEVICE, id="3x5x74"),
+    pytest.param((7, 2 * 1100), DEVICE, id="7x2200"),   # I > one column block: two programs per row
+    gpu_param((8192, 2 * 14336), "cuda", id="8192x28672"),
+    gpu_param((3, 777, 2 * 11008), "cuda", id="3x777x22016"),
+]
+
+PACKED = [
+    pytest.param(swiglu_packed, F.silu, id="swiglu_packed"),
+    pytest.param(geglu_packed, lambda a: F.gelu(a, approximate="tanh"), id="geglu_packed"),
+]
+
+
+def packed_ref(act):
+    def ref(x):
+        gate, up = x.float().chunk(2, dim=-1)   # as Phi-3's MLP and transformers' experts split it
+        return act(gate) * up
+    return ref
+
+
+@pytest.mark.parametrize("shape,device", PACKED_SHAPES)
+@pytest.mark.parametrize("dtype,atol,rtol", DTYPES)
+@pytest.mark.parametrize("fn,act", PACKED)
+def test_glu_packed(shape, device, dtype, atol, rtol, fn, act):
+    x = torch.randn(shape, device=device) * 3
+    run_and_compare(fn, packed_ref(act), [x], ["gate_up"], dtype, atol, rtol, device)
+
+
+@pytest.mark.parametrize("dtype,atol,rtol", DTYPES)
+@pytest.mark.parametrize("fn,act", PACKED)
+def test_glu_packed_in_place_gradient_on_intermediates(dtype, atol, rtol, fn, act):
+    """The output of a gate_up projection (a private intermediate) takes [da, db] in place."""
+    x, w = torch.randn(2, 5, 16), torch.randn(16, 2 * 24)
+    run_and_compare(lambda x, w: fn(x @ w), lambda x, w: packed_ref(act)(x @ w), [x, w], ["x", "w"],
+                    dtype, atol, rtol)
+
+
+def test_glu_packed_in_place_clobbers_and_flags():
+    """The in-place gradient bumps the version counter: another node that saved the input fails
+    loudly instead of reading a gradient; a strided view of a bigger buffer is never written."""
+    x = torch.randn(4, 10, device=DEVICE, requires_grad=True)
+    y = x * 2.0
+    z = y.exp()   # saves its output, not y ... but this one saves y:
+    w = y * y
+    swiglu_packed(y).sum().backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        (z.sum() + w.sum()).backward()
+    base = torch.randn(4, 20, device=DEVICE)
+    view = base[:, ::2].requires_grad_()   # strided leaf-like view: gradient in a new buffer
+    before = base.clone()
+    swiglu_packed(view).sum().backward()
+    assert torch.equal(base, before)
+    ref = view.detach().clone().requires_grad_()
+    packed_ref(F.silu)(ref).sum().backward()
+    torch.testing.assert_close(view.grad, ref.grad)
+
+
+def test_glu_packed_rejects_odd_width():
+    with pytest.raises(ValueError, match="gate_up"):
+        swiglu_packed(torch.randn(3, 7, device=DEVICE))
+
+
+@pytest.mark.parametrize("activation,act", [("silu", F.silu), ("gelu_tanh", lambda t: F.gelu(t, approximate="tanh"))])
+def test_packed_mlp_module(activation, act):
+    gate_up, down = torch.nn.Linear(24, 80, bias=False, device=DEVICE), torch.nn.Linear(40, 24, bias=False,
+                                                                                        device=DEVICE)
+    mlp = PackedGLUMLP(gate_up, down, activation)
+    x = torch.randn(3, 5, 24, device=DEVICE)
+    gate, up = gate_up(x).chunk(2, dim=-1)
+    torch.testing.assert_close(mlp(x), down(act(gate) * up))
+    assert set(mlp.state_dict()) == {"gate_up_proj.weight", "down_proj.weight"}
+    with pytest.raises(ValueError, match="activation"):
+        PackedGLUMLP(gate_up, down, "relu")
