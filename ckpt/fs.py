@@ -6,7 +6,7 @@ Every backend is an fsspec file system, so the remote tier has one code path wha
 ============  ==============================  =======================================================
 scheme        backends                        default
 ============  ==============================  =======================================================
-``s3://``     ``"arrow"``, ``"s3fs"``         ``"arrow"`` when pyarrow is installed, else ``"s3fs"``
+``s3://``     ``"s3fs"``, ``"arrow"``         ``"s3fs"``
 ``hdfs://``   ``"arrow"``, ``"hdfs-native"``  ``"arrow"``
 ``file://``   ``"fsspec"``, ``"arrow"``       ``"fsspec"``
 any other     ``"fsspec"``                    ``"fsspec"`` (whatever fsspec registers for the scheme)
@@ -24,6 +24,11 @@ The same ``storage_options`` work with both S3 backends: s3fs's names (``key``, 
 {"retries": ..., "connect_timeout": ..., "read_timeout": ..., "s3": {"addressing_style": ...}}``) are
 translated for pyarrow, and pyarrow's own ``S3FileSystem`` arguments pass through; any other key is
 refused with an error naming it (rather than silently ignored). A bucket is never created.
+
+s3fs is the default for ``s3://``: on the 2-core development machine against moto's server, pyarrow
+downloaded and verified a 1 GiB state 1.8-1.9x faster, but uploaded it 2-3x slower (it sends each
+16 MiB part as a multipart upload of its own) and reads ranges of one large object 2x slower
+(docs/benchmarks.md); s3fs also reports every failure with a type of its own.
 
 pyarrow reports most S3 failures as a plain ``OSError`` whose only detail is its message, which is
 never parsed here: such a failure is classified by a check of our own (:meth:`Store.translate`), one
@@ -48,8 +53,8 @@ from fsspec.implementations.arrow import ArrowFSWrapper   # imports no pyarrow (
 
 __all__ = ["Store", "MissingBackendError", "resolve", "BACKENDS", "hdfs_arrow_missing"]
 
-#: the backends each scheme family can use, the default first where it does not depend on what is installed
-BACKENDS: dict[str, tuple[str, ...]] = {"s3": ("arrow", "s3fs"), "hdfs": ("arrow", "hdfs-native"),
+#: the backends each scheme family can use, its default first
+BACKENDS: dict[str, tuple[str, ...]] = {"s3": ("s3fs", "arrow"), "hdfs": ("arrow", "hdfs-native"),
                                         "file": ("fsspec", "arrow")}
 _FAMILY = {"s3": "s3", "s3a": "s3", "hdfs": "hdfs", "file": "file", "local": "file"}
 
@@ -121,7 +126,7 @@ def resolve(url: str, storage_options: dict[str, Any] | None = None) -> Store:
     env = f"CKPT_{family.upper()}_BACKEND"
     source = "storage_options['backend']" if chosen is not None else env
     if chosen is None:
-        chosen = os.environ.get(env) or _default(family)
+        chosen = os.environ.get(env) or BACKENDS[family][0]
     if chosen not in BACKENDS[family]:
         raise ValueError(f"{source}={chosen!r} for {url!r}: a {protocol}:// URL can use "
                          f"{' or '.join(map(repr, BACKENDS[family]))}")
@@ -130,13 +135,6 @@ def resolve(url: str, storage_options: dict[str, Any] | None = None) -> Store:
     if chosen == "hdfs-native":
         return _native_hdfs(url, opts)
     return _fsspec(url, opts)
-
-
-def _default(family: str) -> str:
-    if family == "s3":
-        import importlib.util
-        return "arrow" if importlib.util.find_spec("pyarrow") is not None else "s3fs"
-    return BACKENDS[family][0]
 
 
 # -- fsspec's own file systems (s3fs for s3://) --------------------------------------------------------
