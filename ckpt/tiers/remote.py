@@ -62,12 +62,12 @@ from typing import Any, Callable, Iterator
 import torch
 
 from .. import knobs
-from ..fs import Store, resolve
-from ..fs import with_retry_defaults as _with_retry_defaults  # noqa: F401 - integrations.dcp's import
 from ..codec import RAW, check_codec, decode, encode, max_decoded
 from ..errors import CheckpointError, CorruptCheckpointError, IncompatibleCheckpointError, IncompleteCheckpointError
 from ..format import (COMMIT_NAME, LATEST_NAME, Commit, ItemRecord, Manifest, data_name, fsync_dir, fsync_file,
                       manifest_name, new_generation, parse_step_dir, read_record_fs, read_records, step_dir_name)
+from ..fs import Store, resolve
+from ..fs import with_retry_defaults as _with_retry_defaults  # noqa: F401 - integrations.dcp's import
 from ..integrity import checksum
 from ..policy import Committed, Timeline, TimelineCopies
 from ..scatter import Scatter
