@@ -8,15 +8,25 @@ Also reports the compression ratio and throughput. Results are appended to
 ``benchmarks/results.csv``; a short table is printed last.
 
 ``python benchmarks/bench_remote.py [--mb 128] [--train-steps 300]`` (needs ``s3fs`` and ``moto[server]``).
+
+``--sections backends [--backend-mb 1024] [--rounds 2]``: the two S3 clients the remote tier can use
+(``ckpt.fs``: s3fs, and pyarrow's C++ ``S3FileSystem`` through fsspec's ``ArrowFSWrapper``) side by side
+in each round against one moto server running in a process of its own (so that neither client shares
+an interpreter lock with the server): the remote tier's own upload and download + verify of a state of
+random bytes (parallel 16 MiB objects, ranged reads), fsspec's ``put_file`` of one file of that size
+(a multipart upload) and parallel 16 MiB ranged reads of that one object.
 """
 
 from __future__ import annotations
 
 import argparse
 import shutil
+import socket
+import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -124,36 +134,115 @@ def codec_throughput(local: LocalTier, label: str) -> None:
         del chunks
 
 
+def moto_process(port: int) -> subprocess.Popen:
+    """moto's S3 server in a process of its own on 127.0.0.1:``port``, once it accepts connections."""
+    proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    for _ in range(300):
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            return proc
+        except OSError:
+            time.sleep(0.1)
+    proc.kill()
+    raise RuntimeError("moto's server did not start")
+
+
+def bench_backends(port: int, mb: int, rounds: int, work: Path) -> None:
+    """Both S3 clients, side by side in each round (see the module docstring)."""
+    from ckpt.fs import resolve
+    from s3server import storage_options
+
+    nbytes = mb << 20
+    label = f"backends {mb} MiB"
+    local, n = stage_to_local(random_state(nbytes), work / "backends")
+    _, manifest = local.open(1)
+    data = memoryview(bytearray((local.step_dir(1) / "rank-00000.bin").read_bytes()))
+    src = str(local.step_dir(1) / "rank-00000.bin")
+    row(label, "-", "state size", n / 1e6, "MB", f"{rounds} rounds, moto in its own process")
+    chunk = 16 << 20
+    for r in range(rounds):
+        for backend in ("s3fs", "arrow"):
+            opts = storage_options(port, backend=backend)
+            remote = RemoteTier(f"s3://bench/{backend}-{r}", opts)
+            t = time.perf_counter()
+            remote.write(1, manifest, data)
+            up = time.perf_counter() - t
+            _, rman = remote.open(1)
+            t = time.perf_counter()
+            remote.load(1, rman, None)
+            down = time.perf_counter() - t
+            remote.delete(1)
+            fs = resolve(f"s3://bench/{backend}-{r}", opts).fs
+            obj = f"bench/{backend}-{r}/one-object.bin"
+            t = time.perf_counter()
+            fs.put_file(src, obj)
+            put = time.perf_counter() - t
+            size = fs.info(obj)["size"]
+            assert size == n, (size, n)
+            ranges = [(o, min(o + chunk, n)) for o in range(0, n, chunk)]
+            t = time.perf_counter()
+            with ThreadPoolExecutor(8) as ex:
+                got = sum(ex.map(lambda ab: len(fs.cat_file(obj, start=ab[0], end=ab[1])), ranges))
+            ranged = time.perf_counter() - t
+            assert got == n
+            fs.rm(obj)
+            note = f"round {r + 1}"
+            row(label, backend, "ours upload", n / up / 1e9, "GB/s", note)
+            row(label, backend, "ours download+verify", n / down / 1e9, "GB/s", note)
+            row(label, backend, "put_file (multipart)", n / put / 1e9, "GB/s", note)
+            row(label, backend, "ranged reads x8", n / ranged / 1e9, "GB/s", note)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--mb", type=int, default=128)
     p.add_argument("--train-steps", type=int, default=300)
+    p.add_argument("--sections", default="targets,backends",
+                   help="comma-separated: targets (ours vs fsspec put/get, s3 and file://, raw and zstd), "
+                        "backends (s3fs vs pyarrow's S3)")
+    p.add_argument("--backend-mb", type=int, default=1024, help="state size of the backends section, MiB")
+    p.add_argument("--rounds", type=int, default=2, help="rounds of the backends section")
     p.add_argument("--csv", default=None)
     args = p.parse_args()
+    sections = set(args.sections.split(","))
     import moto.server
     from s3server import free_port, storage_options
 
-    port = free_port()
-    server = moto.server.ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
-    server.start()
-    import s3fs
-    s3fs.S3FileSystem(**storage_options(port)).mkdir("bench")
     work = Path(tempfile.mkdtemp(prefix="ckpt-remote-bench-"))
-    print(f"device: {harness.device_name()}; {args.mb} MB states; S3 = moto server on 127.0.0.1:{port}")
+    print(f"device: {harness.device_name()}; S3 = moto server on 127.0.0.1")
     try:
-        states = {"trained": trained_state(args.mb, args.train_steps)}
-        local, nbytes = stage_to_local(states["trained"], work / "trained")
-        states["random"] = random_state(nbytes)
-        tiers = {"trained": (local, nbytes), "random": stage_to_local(states["random"], work / "random")}
-        for kind, (tier, n) in tiers.items():
-            row(kind, "-", "state size", n / 1e6, "MB")
-            codec_throughput(tier, kind)
-            for target, url, opts in (("s3", "s3://bench/" + kind, storage_options(port)),
-                                      ("file", f"file://{work}/remote-{kind}", {})):
-                for comp in (None, "zstd"):
-                    bench_case(f"{kind} -> {target}", tier, url + f"-{comp or 'raw'}", opts, comp, n)
+        if "targets" in sections:
+            port = free_port()
+            server = moto.server.ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+            server.start()
+            try:
+                import s3fs
+                s3fs.S3FileSystem(**storage_options(port)).mkdir("bench")
+                states = {"trained": trained_state(args.mb, args.train_steps)}
+                local, nbytes = stage_to_local(states["trained"], work / "trained")
+                states["random"] = random_state(nbytes)
+                tiers = {"trained": (local, nbytes), "random": stage_to_local(states["random"], work / "random")}
+                for kind, (tier, n) in tiers.items():
+                    row(kind, "-", "state size", n / 1e6, "MB")
+                    codec_throughput(tier, kind)
+                    for target, url, opts in (("s3", "s3://bench/" + kind, storage_options(port, backend="s3fs")),
+                                              ("file", f"file://{work}/remote-{kind}", {})):
+                        for comp in (None, "zstd"):
+                            bench_case(f"{kind} -> {target}", tier, url + f"-{comp or 'raw'}", opts, comp, n)
+            finally:
+                server.stop()
+        if "backends" in sections:
+            port = free_port()
+            proc = moto_process(port)
+            try:
+                import s3fs
+                s3fs.S3FileSystem(**storage_options(port), skip_instance_cache=True).mkdir("bench")
+                bench_backends(port, args.backend_mb, args.rounds, work)
+            finally:
+                proc.kill()
+                proc.wait()
     finally:
-        server.stop()
         shutil.rmtree(work, ignore_errors=True)
     path = harness.record("remote", ROWS, args.csv)
     print(f"\nappended {len(ROWS)} rows to {path}\n")

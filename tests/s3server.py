@@ -73,8 +73,27 @@ class FaultProxy:
             def log_message(self, *args):  # keep test output clean
                 pass
 
+            def _body(self) -> bytes:
+                """The request's body as sent: by Content-Length, or chunk by chunk with its framing and
+                trailers (pyarrow's AWS client uploads with ``Transfer-Encoding: chunked``)."""
+                if "chunked" not in (self.headers.get("Transfer-Encoding") or "").lower():
+                    return self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                raw = bytearray()
+                while True:
+                    line = self.rfile.readline()
+                    raw += line
+                    size = int(line.split(b";")[0].strip() or b"0", 16)
+                    if size == 0:
+                        break
+                    raw += self.rfile.read(size + 2)
+                while True:   # trailers, then the empty line
+                    line = self.rfile.readline()
+                    raw += line
+                    if line in (b"\r\n", b"\n", b""):
+                        return bytes(raw)
+
             def _any(self) -> None:
-                body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                body = self._body()
                 action = faults.take(self.path, self.command)
                 if faults.delay:
                     time.sleep(faults.delay)
@@ -95,7 +114,7 @@ class FaultProxy:
                         self.wfile.write(payload)
                     return
                 conn = http.client.HTTPConnection("127.0.0.1", up, timeout=60)
-                headers = {k: v for k, v in self.headers.items() if k.lower() != "host"}
+                headers = {k: v for k, v in self.headers.items() if k.lower() not in ("host", "expect")}
                 headers["Host"] = f"127.0.0.1:{up}"
                 conn.request(self.command, self.path, body=body, headers=headers)
                 resp = conn.getresponse()
@@ -104,7 +123,9 @@ class FaultProxy:
                 for k, v in resp.getheaders():
                     if k.lower() not in ("transfer-encoding", "connection", "content-length"):
                         self.send_header(k, v)
-                self.send_header("Content-Length", str(len(data)))
+                # a HEAD answer has no body: its Content-Length is the object's (clients read sizes from it)
+                length = resp.getheader("Content-Length") if self.command == "HEAD" else None
+                self.send_header("Content-Length", length if length is not None else str(len(data)))
                 self.end_headers()
                 if self.command != "HEAD":
                     self.wfile.write(data)

@@ -15,12 +15,13 @@ naming it (object stores have no atomic rename: putting ``COMMIT`` is the
 switch); the old copy's files are deleted only once the new ``COMMIT`` is
 durable, so the step is readable, old or new, at every instant.
 
-The filesystem is resolved once (``fsspec.core.url_to_fs``), never per file;
-chained URLs (``simplecache::s3://...``) pass through. Transient failures are
-retried by the backend's own machinery: for S3 the default here is botocore's
-"standard" retry mode with 10 attempts (5xx answers, throttling, dropped
-connections, timeouts); ``storage_options={"config_kwargs": {"retries": ...}}``
-overrides it.
+The filesystem is resolved once (:func:`ckpt.fs.resolve`: an fsspec file system,
+pyarrow's through fsspec's ``ArrowFSWrapper`` included, chosen by the URL's
+scheme and ``storage_options["backend"]``), never per file; chained URLs
+(``simplecache::s3://...``) pass through. Transient failures are retried by the
+backend's own machinery: for S3 the default here is the AWS "standard" retry
+mode with 10 attempts (5xx answers, throttling, dropped connections, timeouts);
+``storage_options={"config_kwargs": {"retries": ...}}`` overrides it.
 
 Reachability is a separate, bounded question (:meth:`RemoteTier.probe`): at
 construction, and before each upload or listing while the store is known to be
@@ -58,7 +59,6 @@ import zlib
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Iterator
 
-import fsspec
 import torch
 
 from .. import knobs
@@ -66,6 +66,8 @@ from ..codec import RAW, check_codec, decode, encode, max_decoded
 from ..errors import CheckpointError, CorruptCheckpointError, IncompatibleCheckpointError, IncompleteCheckpointError
 from ..format import (COMMIT_NAME, LATEST_NAME, Commit, ItemRecord, Manifest, data_name, fsync_dir, fsync_file,
                       manifest_name, new_generation, parse_step_dir, read_record_fs, read_records, step_dir_name)
+from ..fs import Store, resolve
+from ..fs import with_retry_defaults as _with_retry_defaults  # noqa: F401 - integrations.dcp's import
 from ..integrity import checksum
 from ..policy import Committed, Timeline, TimelineCopies
 from ..scatter import Scatter
@@ -84,31 +86,6 @@ def is_local_fs(fs: Any) -> bool:
     page cache between a write and the disk)."""
     protocols = (fs.protocol,) if isinstance(fs.protocol, str) else tuple(fs.protocol)
     return any(p in ("file", "local") for p in protocols)
-
-
-def _with_retry_defaults(url: str, options: dict[str, Any]) -> dict[str, Any]:
-    protocols = fsspec.utils.get_protocol(url).split("::")
-    opts = dict(options)
-    if any(p in ("s3", "s3a") for p in protocols):
-        cfg = dict(opts.get("config_kwargs") or {})
-        cfg.setdefault("retries", {"max_attempts": 10, "mode": "standard"})
-        opts["config_kwargs"] = cfg
-    return opts
-
-
-#: the reachability probe's own client settings on S3: an answer or a failure within seconds,
-#: whatever retry policy ``storage_options`` sets for uploads
-_PROBE_CONNECT_S, _PROBE_READ_S = 5, 10
-
-
-def _probe_options(options: dict[str, Any]) -> dict[str, Any]:
-    opts = dict(options)
-    cfg = dict(opts.get("config_kwargs") or {})
-    cfg["retries"] = {"max_attempts": 2, "mode": "standard"}
-    cfg["connect_timeout"] = min(cfg.get("connect_timeout", _PROBE_CONNECT_S), _PROBE_CONNECT_S)
-    cfg["read_timeout"] = min(cfg.get("read_timeout", _PROBE_READ_S), _PROBE_READ_S)
-    opts.update(config_kwargs=cfg, skip_instance_cache=True)   # a client of its own, not the cached one
-    return opts
 
 
 # errno values of a store that cannot be reached or does not answer now (s3fs: 503 / SlowDown is EBUSY,
@@ -232,14 +209,10 @@ class RemoteTier(TimelineCopies):
         self.timeline = Timeline()   # what a fresh upload's COMMIT records (the Checkpointer sets it)
         self._copying: dict[int, Timeline] = {}
         self._options = dict(storage_options or {})
-        self.fs, self.root = fsspec.core.url_to_fs(url, **_with_retry_defaults(url, self._options))
-        self.root = self.root.rstrip("/")
+        self.store: Store = resolve(url, self._options)   # the client (backend) serving the URL: ckpt.fs
+        self.fs, self.root, self._probe_fs = self.store.fs, self.store.root, self.store.probe_fs
         self._local_fs = is_local_fs(self.fs)
         self.status = RemoteStatus()
-        self._probe_fs = self.fs
-        if fsspec.utils.get_protocol(url) in ("s3", "s3a") and "::" not in url:
-            self._probe_fs = fsspec.core.url_to_fs(url, **_probe_options(self._options))[0]
-            self._probe_fs.retries = 1   # s3fs's own retry loop around botocore's (a class attribute, 5): once
         failure = self.probe()   # raises when the store answers that this tier cannot work
         if failure is not None:
             if on_unreachable == "raise":
@@ -250,8 +223,7 @@ class RemoteTier(TimelineCopies):
 
     # -- reaching the store -----------------------------------------------------------------------
     def _endpoint(self) -> str:
-        ep = self._options.get("endpoint_url") or (self._options.get("client_kwargs") or {}).get("endpoint_url")
-        return f"endpoint_url={ep!r}" if ep else "the default endpoint (no endpoint_url in storage_options)"
+        return self.store.endpoint
 
     def _url(self, path: str) -> str:
         return self.fs.unstrip_protocol(path)
@@ -267,7 +239,7 @@ class RemoteTier(TimelineCopies):
         if _unavailable(e):
             return ConnectionError(_errno_of(e) or errno.EIO,
                                    f"{doing}: the store at {self._endpoint()} cannot be reached or is not answering "
-                                   f"({what}); check endpoint_url in storage_options and the network")
+                                   f"({what}); {self.store.hint}")
         return OSError(_errno_of(e) or errno.EIO, f"{doing}: {what}")
 
     @contextlib.contextmanager
@@ -278,6 +250,7 @@ class RemoteTier(TimelineCopies):
         except CheckpointError:
             raise
         except Exception as e:
+            e = self.store.translate(e)   # a client failure whose type says nothing: our own check (ckpt.fs)
             failure = self._failure(e, doing)
             if _unavailable(e):
                 self._note(failure)
@@ -308,7 +281,7 @@ class RemoteTier(TimelineCopies):
             try:
                 outcome.append((self._probe_once(), None))
             except BaseException as e:   # noqa: BLE001 - handed to the caller's thread
-                outcome.append((None, e))
+                outcome.append((None, self.store.translate(e, probing=True) if isinstance(e, Exception) else e))
 
         # a thread, so that a store that accepts connections and never answers cannot hold the caller
         t = threading.Thread(target=run, name="ckpt-remote-probe", daemon=True)
@@ -318,7 +291,7 @@ class RemoteTier(TimelineCopies):
         if not outcome:
             failure: OSError | None = ConnectionError(
                 errno.ETIMEDOUT, f"{doing}: no answer within {limit} s (CKPT_REMOTE_PROBE_S) from the store at "
-                f"{self._endpoint()}; check endpoint_url in storage_options and the network")
+                f"{self._endpoint()}; {self.store.hint}")
         else:
             answer, e = outcome[0]
             if answer is not None:
