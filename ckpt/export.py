@@ -133,6 +133,8 @@ def export(source: str | os.PathLike, dest: str | os.PathLike, *, format: str = 
         node, base = _select(tree, key, src.where)
         plan = _Plan(src.manifests[0])
         built = plan.walk(node, base)
+        if len(src.manifests) == 1:
+            _check_whole(plan, src)
         if format == "hf":
             writer: _Writer = _HFWriter(plan, config, tree, src)
         elif format == "safetensors":
@@ -459,6 +461,19 @@ class _Plan:
         if rank not in self._rank_layouts:
             self._rank_layouts[rank] = saved_layouts(m.tree)
         return self._rank_layouts[rank]
+
+
+def _check_whole(plan: _Plan, src: _Source) -> None:
+    """One saved rank's files hold a whole tensor only where its DTensor was not sharded across ranks."""
+    m = src.manifests[0]
+    for t in plan.tensors:
+        dt = plan.layouts.get(t.index)
+        if dt is not None and list(shard_box(dt, t.name)[1]) != [int(s) for s in dt["shape"]]:
+            who = f"rank {m.job[0]} of {m.job[1]}" if m.job else "one rank"
+            raise IncompatibleCheckpointError(
+                f"step {src.step} of {src.where} was saved by {who} alone and holds only its shard of the DTensor "
+                f"{t.name!r} ({dt['placements']} over a {dt['mesh']} mesh): export the job tier instead (the url "
+                "every rank saved to), which holds every rank's shards, or a key without sharded tensors")
 
 
 def _skipped(node: Any, plan: _Plan, path: str) -> bool:

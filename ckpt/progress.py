@@ -14,6 +14,7 @@ when stderr is a terminal and ``--json`` is not given). Two ways feed it:
 from __future__ import annotations
 
 import contextlib
+import os
 import sys
 import threading
 from typing import Any, Iterator
@@ -33,6 +34,14 @@ def wanted(quiet: bool = False) -> bool:
         return False
 
 
+def _size() -> tuple[int, int]:
+    """Columns and lines of the terminal on stderr (0 when it does not say)."""
+    try:
+        return tuple(os.get_terminal_size(sys.stderr.fileno()))   # type: ignore[return-value]
+    except (AttributeError, ValueError, OSError):
+        return 0, 0
+
+
 class Progress:
     """Counts bytes (from any thread); draws a bar of ``total`` bytes on stderr when ``enabled``.
 
@@ -48,8 +57,12 @@ class Progress:
         if enabled:
             from tqdm import tqdm
 
+            # a terminal that reports no size (a pty nobody sized) would make tqdm draw nothing at all
+            cols, rows = _size()
             self._bar = tqdm(total=total, desc=desc, unit="B", unit_scale=True, unit_divisor=1024,
-                             file=sys.stderr, leave=False, dynamic_ncols=True, mininterval=0.2, smoothing=0.1)
+                             file=sys.stderr, leave=False, dynamic_ncols=cols > 0 and rows > 0,
+                             ncols=None if cols > 0 else 80, nrows=None if rows > 0 else 24,
+                             mininterval=0.2, smoothing=0.1)
 
     def __call__(self, nbytes: int) -> None:
         n = nbytes * self.weight
