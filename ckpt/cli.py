@@ -142,11 +142,11 @@ def _ls(args: argparse.Namespace) -> int:
         return _ls_dcp(args)
     from .policy import live_and_abandoned
 
+    if args.url is not None and "://" in args.dir:
+        raise _UsageError(f"ls: --url {args.url}: {args.dir} is a URL already; give the local_dir first "
+                          "(ckpt ls LOCAL_DIR --url URL)")
     tiers = [_tier(args.dir, args.storage_options)]
     if args.url is not None:
-        if tiers[0].name == "remote":
-            raise _UsageError(f"ls: --url {args.url}: {args.dir} is a URL already; give the local_dir first "
-                              "(ckpt ls LOCAL_DIR --url URL)")
         tiers.append(_tier(args.url, args.storage_options))
     listed = [(e, t) for t in tiers for e in t.committed()]
     live, abandoned = live_and_abandoned(e for e, _ in listed)
