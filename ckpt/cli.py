@@ -191,6 +191,7 @@ def _step_info(tier: Any, step: int) -> dict[str, Any]:
 
     d = tier.step_dir(step)
     if tier.name == "remote":   # sizes and time from the commit record: one read per step
+        d = tier.fs.unstrip_protocol(d)   # the URL, as it is given to a Checkpointer or to ckpt
         try:
             c = tier.read_commit(step)
         except (CheckpointError, OSError):

@@ -49,7 +49,8 @@ def _state(seed: int = 0) -> dict:
     return {"model": model, "optim": opt,
             "extra": {"ints": torch.arange(7, dtype=torch.int64), "scalar": torch.tensor(2.5, dtype=torch.float64),
                       "empty": torch.empty(0, 4), "np": np.arange(6, dtype=np.int16).reshape(2, 3),
-                      "flag": torch.tensor([True, False])},
+                      "flag": torch.tensor([True, False]),
+                      "f8": torch.linspace(-2, 2, 9).to(torch.float8_e4m3fn)},
             "meta": {"epoch": 3, "name": "run", "inf": float("inf"), "pair": (1, 2), "none": None}}
 
 
@@ -450,6 +451,16 @@ def test_hf_directory_loads_with_from_pretrained_bit_exact(tmp_path, tie, dtype)
         assert ("lm_head.weight" in f.keys()) != tie
 
 
+def test_hf_export_removes_a_wrappers_prefix(tmp_path):
+    model = _llama(True)
+    wrapper = nn.Module()
+    wrapper.module = model   # as DistributedDataParallel names it: module.model.embed_tokens.weight, ...
+    _save(tmp_path / "ck", {"model": wrapper})
+    info = ckpt.export(tmp_path / "ck", tmp_path / "hf", format="hf", config=model.config)
+    assert any("'module.'" in d for d in info.dropped)
+    _assert_same_model(model, transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf"))
+
+
 def test_hf_config_from_a_directory_a_config_object_or_a_file(tmp_path):
     model = _llama(False)
     _save(tmp_path / "ck", {"model": model})
@@ -500,3 +511,27 @@ def test_a_real_trainer_run_through_the_callback_exports_to_from_pretrained(tmp_
     info = ckpt.export(tmp_path / "ck", tmp_path / "hf", format="hf", config=model.config)
     assert info.step == 4 and info.dropped == []
     _assert_same_model(trainer.model, transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf"))
+
+
+# ---------------------------------------------------------------------------------------------
+# docs/export.md
+
+
+def _doc_examples() -> dict[str, str]:
+    import re
+
+    text = (HERE.parent / "docs" / "export.md").read_text()
+    return {name: code for code, name in re.findall(r"```python\n(# runnable-example: (\w+)\n.*?)```", text, re.S)}
+
+
+@pytest.mark.parametrize("name, expected", [
+    ("export", ["100 ['model.safetensors']", "['meta', 'model', 'optim'] {'epoch': 3}"]),
+    ("export_hf", ["torch.bfloat16 True"]),
+])
+def test_the_docs_examples_run(tmp_path, name, expected):
+    script = tmp_path / f"{name}.py"
+    script.write_text(_doc_examples()[name])
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    for line in expected:
+        assert line in out.stdout, out.stdout
