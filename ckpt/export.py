@@ -25,18 +25,22 @@ import re
 import secrets
 import shutil
 import time
+import warnings
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
 
+from . import knobs
 from .errors import CorruptCheckpointError, IncompatibleCheckpointError, IncompleteCheckpointError
 from .format import Manifest, data_name, dtype_to_str, open_regular, str_to_dtype
 from .integrity import checksum
 from .policy import live_and_abandoned
 from .progress import Progress, wanted
 from .reshard import load_resharded, saved_layouts, shard_box
+from .scatter import Scatter
 
 __all__ = ["export", "ExportInfo", "FORMATS"]
 
@@ -310,19 +314,33 @@ def _pick(tier: Any, step: int | None, where: str) -> int:
 
 
 def _select(tree: Any, key: str | None, where: str) -> tuple[Any, str]:
-    """The node at ``key`` (a ``/``-separated path) and its path."""
+    """The node at ``key`` (a ``/``-separated path, through objects' state dicts, dicts, lists and tuples)."""
     if key is None:
         return tree, ""
     node: Any = tree
     for i, part in enumerate(key.split("/")):
-        node = node.get("sd") if isinstance(node, dict) and "$obj" in node else node
-        if not isinstance(node, dict) or part not in node or part.startswith("$"):
+        if isinstance(node, dict) and "$obj" in node:
+            node = node.get("sd")
+        children = _children(node)
+        if part.startswith("$") or part not in children:
             here = "/".join(key.split("/")[:i]) or "the state"
-            have = sorted(k for k in node if not k.startswith("$")) if isinstance(node, dict) else []
             raise ValueError(f"key {key!r}: {here} of the checkpoint at {where} has no {part!r} "
-                             f"(it has {have[:20]}); pass another key")
-        node = node[part]
+                             f"(it has {sorted(children)[:20]}); pass another key")
+        node = children[part]
     return node, key
+
+
+def _children(node: Any) -> dict[str, Any]:
+    """A saved container's children by the names their paths use."""
+    if isinstance(node, list):
+        return {str(i): x for i, x in enumerate(node)}
+    if not isinstance(node, dict) or "$t" in node:
+        return {}
+    if "$tuple" in node:
+        return {str(i): x for i, x in enumerate(node["$tuple"])}
+    if "$d" in node:
+        return {str(k): v for k, v in node["$d"]}
+    return {k: v for k, v in node.items() if not k.startswith("$")}
 
 
 @dataclass
@@ -402,22 +420,29 @@ class _Plan:
         return {k: self._walk(v, sub(k)) for k, v in node.items() if not _skipped(v, self, sub(k))}
 
     def load(self, tensors: list[_Tensor], src: _Source, counter: Callable[[int], None]) -> dict[int, torch.Tensor]:
-        """Read ``tensors`` whole (a DTensor's shards from every saved rank), verified; item -> tensor."""
-        dest: list[torch.Tensor | None] = [None] * len(self.items)
+        """Read ``tensors`` whole (a DTensor's shards from every saved rank), verified; item -> tensor.
+
+        Tensors stored whole in rank 0's file stream chunk by chunk into place (:class:`~ckpt.scatter.Scatter`,
+        as a restore reads a data file); sharded ones are assembled by :func:`load_resharded`."""
+        plain: list[torch.Tensor | None] = [None] * len(self.items)
+        sharded: list[torch.Tensor | None] = [None] * len(self.items)
         boxes: dict[int, tuple[Any, list[int]]] = {}
-        wanted_items = {self._origin(t.index) for t in tensors}
-        for i in wanted_items:
+        for i in {self._origin(t.index) for t in tensors}:
             it = self.items[i]
             dt = self.layouts.get(i)
             dtype = str_to_dtype(it.dtype, it.key)
             if dt is not None:
                 shape = [int(s) for s in dt["shape"]]
                 boxes[i] = ((tuple([0] * len(shape)), tuple(shape)), shape)
-                dest[i] = torch.empty(shape, dtype=dtype)
+                sharded[i] = torch.empty(shape, dtype=dtype)
             else:
-                dest[i] = torch.empty(it.shape, dtype=dtype)
-        if wanted_items:
-            load_resharded(src.manifests, 0, dest, boxes, src.fetch(counter))
+                plain[i] = torch.empty(it.shape, dtype=dtype)
+        fetch = src.fetch(counter)
+        if any(d is not None for d in plain):
+            _scatter_from(src.manifests[0], plain, fetch)
+        if boxes:
+            load_resharded(src.manifests, 0, sharded, boxes, fetch)
+        dest = [p if p is not None else q for p, q in zip(plain, sharded)]
         return {t.index: dest[self._origin(t.index)] for t in tensors}
 
     def _origin(self, i: int) -> int:
@@ -461,6 +486,33 @@ class _Plan:
         if rank not in self._rank_layouts:
             self._rank_layouts[rank] = saved_layouts(m.tree)
         return self._rank_layouts[rank]
+
+
+def _scatter_from(m: Manifest, dest: list[torch.Tensor | None], fetch: Callable[[int, Manifest, int], Any]) -> None:
+    """Fill ``dest`` (items of ``m``'s rank) from the chunks that hold them, read and verified in parallel;
+    only the chunks in flight are held in memory."""
+    sc = Scatter(m.items, dest)
+    c = m.chunk_bytes
+    need: set[int] = set()
+    for it, d in zip(m.items, dest):
+        if d is not None and it.alias_of is None and it.nbytes:
+            need.update(range(it.offset // c, (it.offset + it.nbytes - 1) // c + 1))
+
+    def one(i: int) -> None:
+        raw = fetch(m.rank, m, i)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)   # "non-writable buffer": it is only read
+            sc.copy(torch.frombuffer(raw, dtype=torch.uint8), i * c)
+
+    with ThreadPoolExecutor(knobs.get("CKPT_IO_THREADS"), thread_name_prefix="ckpt-export") as pool:
+        futures = [pool.submit(one, i) for i in sorted(need)]
+        try:
+            for f in futures:
+                f.result()
+        except BaseException:
+            for f in futures:   # a chunk failed: the export fails, read no more
+                f.cancel()
+            raise
 
 
 def _check_whole(plan: _Plan, src: _Source) -> None:

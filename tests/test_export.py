@@ -193,6 +193,19 @@ def test_torch_format_loads_with_weights_only_and_restores_the_optimizer(tmp_pat
     assert isinstance(got["extra"]["np"], torch.Tensor)   # a numpy array comes out as a tensor
 
 
+def test_a_key_reaches_into_an_optimizers_state_by_parameter_id(tmp_path):
+    state = _state()
+    _save(tmp_path / "ck", state)
+    ckpt.export(tmp_path / "ck", tmp_path / "o", key="optim/state/1")
+    got = safetensors_torch.load_file(tmp_path / "o" / "model.safetensors")
+    want = state["optim"].state_dict()["state"][1]
+    assert set(got) == set(want) and all(_same(got[k], want[k]) for k in want)
+    ckpt.export(tmp_path / "ck", tmp_path / "g.pt", format="torch", key="optim/param_groups/0")
+    assert torch.load(tmp_path / "g.pt", weights_only=True)["lr"] == 1e-2
+    with pytest.raises(ValueError, match="optim/state"):
+        ckpt.export(tmp_path / "ck", tmp_path / "x", key="optim/state/99")
+
+
 def test_torch_format_of_a_module_key_is_its_state_dict(tmp_path):
     state = _state()
     _save(tmp_path / "ck", state)
