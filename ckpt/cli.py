@@ -170,7 +170,8 @@ def _ls(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(rows, indent=1))
         return 0
-    print(f"{'step':>10} {'timeline':>8} {'size':>10} {'ranks':>5}  {'tiers':<12} {'age':>8}  committed            path")
+    print(f"{'step':>10} {'timeline':>8} {'size':>10} {'ranks':>5}  {'tiers':<12} {'age':>8}  "
+          "committed            path")
     for r in rows:
         when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(r["committed_unix"])) \
             if r.get("committed_unix") is not None else "?" * 19
@@ -493,8 +494,8 @@ def _parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="cmd", required=True, metavar=names)
 
     def command(name: str, helptext: str) -> argparse.ArgumentParser:
-        return sub.add_parser(name, parents=[common], help=helptext, description=helptext[0].upper() + helptext[1:] + ".",
-                              epilog=_EXAMPLES[name], formatter_class=argparse.RawDescriptionHelpFormatter)
+        return sub.add_parser(name, parents=[common], help=helptext, description=helptext[0].upper() + helptext[1:]
+                              + ".", epilog=_EXAMPLES[name], formatter_class=argparse.RawDescriptionHelpFormatter)
 
     def no_progress(q: argparse.ArgumentParser) -> None:
         q.add_argument("--no-progress", action="store_true",
@@ -505,7 +506,8 @@ def _parser() -> argparse.ArgumentParser:
                                            "picks"),
                                ("inspect", _inspect, "show the tensors of a checkpoint"),
                                ("verify", _verify, "read every byte and check its checksum"),
-                               ("gc", _gc, "delete all but the newest committed checkpoints (keeping the newest that verifies)")):
+                               ("gc", _gc, "delete all but the newest committed checkpoints (keeping the newest "
+                                           "that verifies)")):
         q = command(name, helptext)
         q.add_argument("dir", help="local tier directory (local_dir), or a remote tier URL (every rank's files "
                                    "of a job tier)")
@@ -558,7 +560,8 @@ def _parser() -> argparse.ArgumentParser:
                         "(default: the 'hf_config' the state holds)")
     q.add_argument("--force", action="store_true", help="replace dest if it exists")
     q.add_argument("--json", action="store_true", help="machine-readable output")
-    q.add_argument("--storage-options", type=_json_object, default=None, help="JSON object passed to fsspec (for a URL)")
+    q.add_argument("--storage-options", type=_json_object, default=None,
+                   help="JSON object passed to fsspec (for a URL)")
     no_progress(q)
     q.set_defaults(fn=_export)
     return p

@@ -220,7 +220,6 @@ class _Source:
         self.step = -1
         self.manifests: list[Manifest] = []
         self.read_bytes = 0
-        self.job_tier = False
         self._fd: int | None = None
         self._fetch: Callable[[int, Manifest, int], Any] = lambda r, m, i: b""
 
@@ -243,7 +242,6 @@ class _Source:
         if tier.name == "remote":
             commit = tier.read_commit(self.step)
             self.manifests = tier.read_manifests(self.step, commit)
-            self.job_tier = commit.world_size > 1
             self._fetch = lambda r, m, i: tier.fetch(self.step, r, m, i)
         else:
             self.manifests = [tier.open(self.step)[1]]
@@ -637,7 +635,6 @@ class _TorchWriter(_Writer):
     def __init__(self, plan: _Plan, built: Any) -> None:
         super().__init__(plan)
         self.built = built
-        self.name = ""
 
     def write(self, stage: Path, src: _Source, cast: torch.dtype | None, limit: int,
               progress: bool) -> dict[str, Any]:
@@ -678,8 +675,7 @@ class _HFWriter(_SafetensorsWriter):
         super().__init__(plan, src, None)
         self.meta = {"format": "pt", META_STEP: str(src.step), META_SOURCE: src.where}
         self.values = None
-        self.config = _config_dict(config, tree, src)
-        self.names: dict[int, str] = {}
+        self.config = _config_dict(config, tree, src)   # before anything is read or written
         self.dropped: list[str] = [f"{name}: a value, not a tensor (a model directory holds only weights)"
                                    for name in plan.values]
         self._chosen: list[_Tensor] = []
@@ -770,7 +766,8 @@ class _HFWriter(_SafetensorsWriter):
                     f"{len(unexpected)} of the checkpoint are not in the model ({unexpected[:5]})", [], [])
         for t in chosen:
             if list(sd[t.name].shape) != t.shape:
-                return f"{t.name!r} has shape {t.shape} in the checkpoint, {list(sd[t.name].shape)} in the model", [], []
+                want = list(sd[t.name].shape)
+                return f"{t.name!r} has shape {t.shape} in the checkpoint, {want} in the model", [], []
         return None, chosen, dropped
 
 
