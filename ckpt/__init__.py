@@ -12,6 +12,7 @@ from .errors import (CheckpointError, CorruptCheckpointError, HostMemoryError, I
                      IncompleteCheckpointError, LayoutMismatchError, NoCheckpointError, Preempted, RefusedStateError,
                      TornSnapshotError)
 from .errors import LockedError
+from .export import ExportInfo, export
 from .pipeline import SaveHandle
 from .policy import AutoInterval, Retention
 from .restore import RestoreInfo
@@ -25,6 +26,8 @@ __all__ = [
     "CheckpointInfo",
     "IfBusy",
     "promote",
+    "export",
+    "ExportInfo",
     "Retention",
     "AutoInterval",
     "RNGState",

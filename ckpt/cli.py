@@ -1,7 +1,9 @@
-"""The ``ckpt`` command: ``demo``, ``ls``, ``inspect``, ``verify``, ``gc``, ``promote``.
+"""The ``ckpt`` command: ``demo``, ``ls``, ``inspect``, ``verify``, ``gc``, ``promote``, ``export``.
 
 ``ls --dcp``, ``verify --dcp`` and ``gc --dcp`` act on checkpoints written by ``dcp.save`` through
-:mod:`ckpt.integrations.dcp`."""
+:mod:`ckpt.integrations.dcp`. ``verify``, ``gc``, ``promote`` and ``export`` draw a progress bar
+(bytes, rate, ETA) on stderr when it is a terminal, unless ``--json`` or ``--no-progress`` is given
+(:mod:`ckpt.progress`)."""
 
 from __future__ import annotations
 
@@ -133,37 +135,106 @@ def _verify_dcp(args: argparse.Namespace) -> int:
 
 def _ls(args: argparse.Namespace) -> int:
     """Committed checkpoints newest first: the live branch by (timeline, step), then the abandoned
-    branch of a rollback (``ckpt.policy.live_and_abandoned``)."""
+    branch of a rollback (``ckpt.policy.live_and_abandoned``); with ``--url``, those of the local and
+    the remote tier together. Each row says which tiers hold the checkpoint, its size and age, and the
+    one a restore would pick is marked."""
     if args.dcp:
         return _ls_dcp(args)
     from .policy import live_and_abandoned
 
-    tier = _tier(args.dir, args.storage_options)
-    live, abandoned = live_and_abandoned(tier.committed())
+    if args.url is not None and "://" in args.dir:
+        raise _UsageError(f"ls: --url {args.url}: {args.dir} is a URL already; give the local_dir first "
+                          "(ckpt ls LOCAL_DIR --url URL)")
+    tiers = [_tier(args.dir, args.storage_options)]
+    if args.url is not None:
+        tiers.append(_tier(args.url, args.storage_options))
+    listed = [(e, t) for t in tiers for e in t.committed()]
+    live, abandoned = live_and_abandoned(e for e, _ in listed)
+    gone = {e.key for e in abandoned}
+    pick = _restore_pick(live, listed)
+    now = time.time()
     rows = []
-    for e in live + abandoned:
-        s = e.step
-        d = tier.step_dir(s)
-        flags = {"timeline": e.timeline.number, "abandoned": e in abandoned, "linked": e.linked}
-        if tier.name == "remote":   # sizes and time from the commit record: one read per step
-            c = tier.read_commit(s)
-            rows.append({"step": s, "path": d, "bytes": sum(c.data.values()), "committed_unix": c.created_unix,
-                         "world_size": c.world_size, **flags})
-            continue
-        size = sum(f.stat().st_size for f in d.iterdir() if f.is_file())
-        rows.append({"step": s, "path": str(d), "bytes": size,
-                     "committed_unix": (d / "COMMIT").stat().st_mtime, "world_size": 1, **flags})
+    for key in dict.fromkeys(e.key for e in live + abandoned):
+        held = [(e, t) for e, t in listed if e.key == key]   # nearest tier first
+        row: dict[str, Any] = {}
+        for e, tier in held:
+            info = _step_info(tier, e.step)
+            for k, v in info.items():
+                row.setdefault(k, v)
+        e = held[0][0]
+        row.update({"step": e.step, "timeline": key[0], "tiers": [t.name for _, t in held], "abandoned": key in gone,
+                    "linked": any(x.linked for x, _ in held),
+                    "restore": pick[1].name if pick is not None and pick[0] == key else None})
+        row["age_s"] = now - row["committed_unix"] if row.get("committed_unix") is not None else None
+        rows.append(row)
     if args.json:
         print(json.dumps(rows, indent=1))
-    else:
-        print(f"{'step':>10} {'timeline':>8} {'size':>10} {'ranks':>5}  committed            path")
-        for r in rows:
-            when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(r["committed_unix"]))
-            note = "  (abandoned branch)" if r["abandoned"] else ""
-            note += "  (linked)" if r["linked"] else ""
-            print(f"{r['step']:>10} {r['timeline']:>8} {_size(r['bytes']):>10} {r['world_size']:>5}  {when}  "
-                  f"{r['path']}{note}")
+        return 0
+    print(f"{'step':>10} {'timeline':>8} {'size':>10} {'ranks':>5}  {'tiers':<12} {'age':>8}  "
+          "committed            path")
+    for r in rows:
+        when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(r["committed_unix"])) \
+            if r.get("committed_unix") is not None else "?" * 19
+        note = "  (abandoned branch)" if r["abandoned"] else ""
+        note += "  (linked)" if r["linked"] else ""
+        note += f"  <- restore picks this ({r['restore']} tier)" if r["restore"] else ""
+        size = _size(r["bytes"]) if r.get("bytes") is not None else "?"
+        print(f"{r['step']:>10} {r['timeline']:>8} {size:>10} {r.get('world_size') or '?':>5}  "
+              f"{','.join(r['tiers']):<12} {_age(r['age_s']):>8}  {when}  {r.get('path', '')}{note}")
+    if rows and pick is None:
+        print("(no checkpoint here passes the checks a restore makes first: `ckpt verify` says why)")
     return 0
+
+
+def _step_info(tier: Any, step: int) -> dict[str, Any]:
+    """Size, commit time, ranks and path of ``step`` on ``tier`` (what can be read of it)."""
+    from .errors import CheckpointError
+
+    d = tier.step_dir(step)
+    if tier.name == "remote":   # sizes and time from the commit record: one read per step
+        d = tier.fs.unstrip_protocol(d)   # the URL, as it is given to a Checkpointer or to ckpt
+        try:
+            c = tier.read_commit(step)
+        except (CheckpointError, OSError):
+            return {"path": d}
+        return {"path": d, "bytes": sum(c.data.values()), "committed_unix": c.created_unix, "world_size": c.world_size}
+    try:
+        size = sum(f.stat().st_size for f in d.iterdir() if f.is_file())
+        return {"path": str(d), "bytes": size, "committed_unix": (d / "COMMIT").stat().st_mtime, "world_size": 1}
+    except OSError:
+        return {"path": str(d)}
+
+
+def _restore_pick(live: list[Any], listed: list[tuple[Any, Any]]) -> tuple[tuple[int, int], Any] | None:
+    """The checkpoint (key, tier) a restore in one process would load now: the newest of the live branch,
+    nearest tier first, whose records pass the checks a restore makes before reading data (``COMMIT``
+    and manifests valid and agreeing, data sizes as committed). A restore then also verifies every
+    byte, and moves on to the next candidate if one fails: ``ckpt verify`` reads them all."""
+    from .errors import CheckpointError
+
+    for e in live:
+        for x, tier in listed:
+            if x.key != e.key:
+                continue
+            try:
+                if tier.name == "remote":
+                    tier.read_manifests(e.step, tier.read_commit(e.step))
+                else:
+                    tier.open(e.step)
+            except (CheckpointError, OSError):
+                continue
+            return e.key, tier
+    return None
+
+
+def _age(seconds: float | None) -> str:
+    if seconds is None:
+        return "?"
+    s = max(0.0, seconds)
+    for unit, size in (("d", 86400), ("h", 3600), ("min", 60)):
+        if s >= size:
+            return f"{s / size:.1f} {unit}" if s < 10 * size else f"{s / size:.0f} {unit}"
+    return f"{s:.0f} s"
 
 
 def _inspect(args: argparse.Namespace) -> int:
@@ -203,10 +274,39 @@ def _verify(args: argparse.Namespace) -> int:
     steps = [args.step] if args.step is not None else tier.committed_steps()
 
     def check(step: int) -> dict:
-        m = tier.verify(step)   # a remote tier verifies every rank's parts
+        with _bar(args, lambda: _stored_bytes(tier, step), f"verify step {step}"):
+            m = tier.verify(step)   # a remote tier verifies every rank's parts
         return {"bytes": sum(x.data_bytes for x in m) if isinstance(m, list) else m.data_bytes}
 
     return _verify_each(steps, check, "step", lambda s: f"step {s}", args.json, args.dir)
+
+
+def _bar(args: argparse.Namespace, total: Any, desc: str, weight: float = 1.0) -> Any:
+    """A progress bar counting the bytes checksummed while the block runs (:func:`ckpt.progress.counting`),
+    when stderr is a terminal and neither ``--json`` nor ``--no-progress`` was given; else nothing.
+    ``total()`` is called only then (it may read records); ``None`` or a failure: no ETA."""
+    from .progress import Progress, counting, wanted
+
+    if not wanted(getattr(args, "json", False) or getattr(args, "no_progress", False)):
+        return contextlib.nullcontext()
+    try:
+        size = total()
+    except Exception:   # noqa: BLE001 - only the bar's length: the operation itself reports the failure
+        size = None
+    return counting(Progress(size, desc, True, weight))
+
+
+def _stored_bytes(tier: Any, step: int) -> int:
+    """The bytes verifying ``step`` reads: the data file, or every stored part of every rank."""
+    if tier.name == "remote":
+        from .tiers.remote import ABSENT
+
+        total = 0
+        for m in tier.read_manifests(step, tier.read_commit(step)):
+            c = m.chunk_bytes
+            total += sum(min(c, m.data_bytes - i * c) for i, codec in enumerate(m.codecs) if codec != ABSENT)
+        return total
+    return tier.open(step)[1].data_bytes
 
 
 def _gc(args: argparse.Namespace) -> int:
@@ -234,7 +334,8 @@ def _gc(args: argparse.Namespace) -> int:
 
     def verifies(step: int) -> bool:
         try:
-            tier.verify(step)   # a remote tier verifies every rank's parts
+            with _bar(args, lambda: _stored_bytes(tier, step), f"verify step {step}"):
+                tier.verify(step)   # a remote tier verifies every rank's parts
             ok = True
         except (CheckpointError, OSError) as e:
             print(f"ckpt gc: step {step} does not verify, so it does not count as the checkpoint to keep: {e}",
@@ -266,11 +367,43 @@ def _promote(args: argparse.Namespace) -> int:
 
     opts = _opts(args)
     t0 = time.perf_counter()
-    if promote(args.step, args.to, local_dir=args.dir, url=args.url, storage_options=opts,
-               compression=args.compression):
+
+    def size() -> int:
+        from .tiers import LocalTier, RemoteTier
+
+        if args.to == "remote":
+            return LocalTier(args.dir).open(args.step)[1].data_bytes if os.path.isdir(args.dir) else None
+        return sum(RemoteTier(args.url, opts).read_commit(args.step).data.values())
+
+    # each byte is checksummed once on its way up; on its way down, once downloaded and once as written
+    with _bar(args, size, f"promote step {args.step}", weight=1.0 if args.to == "remote" else 0.5):
+        copied = promote(args.step, args.to, local_dir=args.dir, url=args.url, storage_options=opts,
+                         compression=args.compression)
+    if copied:
         print(f"step {args.step} copied to the {args.to} tier in {time.perf_counter() - t0:.2f} s")
     else:
         print(f"step {args.step} is already on the {args.to} tier and verifies: nothing copied")
+    return 0
+
+
+def _export(args: argparse.Namespace) -> int:
+    from .export import export
+
+    info = export(args.src, args.dest, format=args.format, step=args.step, key=args.key,
+                  storage_options=_opts(args), max_shard_size=args.max_shard_size, dtype=args.dtype,
+                  config=args.config, force=args.force,
+                  progress=not (args.json or args.no_progress))
+    if args.json:
+        print(json.dumps(info.to_dict(), indent=1))
+        return 0
+    what = f"key {info.key!r} of step {info.step}" if info.key else f"step {info.step}"
+    print(f"exported {what} of {info.source} to {info.path} ({info.format}): {info.tensors} tensors, "
+          f"{_size(info.nbytes)} in {len(info.files)} file(s), {_size(info.read_bytes)} read and verified in "
+          f"{info.seconds:.2f} s")
+    for f in info.files:
+        print(f"  {f}")
+    for d in info.dropped:
+        print(f"left out: {d}")
     return 0
 
 
@@ -291,25 +424,91 @@ def _size(n: int) -> str:
     return str(n)
 
 
+_EXAMPLES = {
+    "demo": """examples:
+  ckpt demo                          train a small model, SIGKILL it, resume, compare bit for bit
+  ckpt demo --device cuda --steps 60""",
+    "ls": """examples:
+  ckpt ls /mnt/nvme/ckpt
+  ckpt ls /mnt/nvme/ckpt --url s3://bucket/run     both tiers: which holds what, which a restore picks
+  ckpt ls s3://bucket/run --storage-options '{"endpoint_url": "http://127.0.0.1:9000"}'
+  ckpt ls /mnt/nvme/ckpt --json | jq '.[] | select(.restore) | .step'""",
+    "inspect": """examples:
+  ckpt inspect /mnt/nvme/ckpt                newest step: its tensors, dtypes and shapes
+  ckpt inspect s3://bucket/run --step 1200 --rank 3""",
+    "verify": """examples:
+  ckpt verify /mnt/nvme/ckpt                 read every byte of every step, check its checksum
+  ckpt verify s3://bucket/run --step 1200    every stored part of every rank of a job tier
+  ckpt verify /mnt/nvme/ckpt --json""",
+    "gc": """examples:
+  ckpt gc /mnt/nvme/ckpt --keep 2 --dry-run  what would go
+  ckpt gc s3://bucket/run --keep 5""",
+    "promote": """examples:
+  ckpt promote /mnt/nvme/ckpt s3://bucket/run --step 1200 --to remote
+  ckpt promote /mnt/nvme/ckpt s3://bucket/run --step 1200 --to local""",
+    "export": """examples:
+  ckpt export /mnt/nvme/ckpt weights/ --key model                 safetensors (sharded at 5GB, with an index)
+  ckpt export s3://bucket/run llama-hf/ --format hf --config ./llama-config/
+  ckpt export /mnt/nvme/ckpt model.pt --format torch --key model --dtype bfloat16
+  ckpt export /mnt/nvme/ckpt weights/ --step 1200 --max-shard-size 2GB --force""",
+}
+
+
+def _size_arg(text: str) -> int:
+    from .export import parse_size
+
+    try:
+        return parse_size(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e).removeprefix("max_shard_size: ")) from None
+
+
+def _dtype_arg(text: str) -> str:
+    from .export import _parse_dtype
+
+    try:
+        _parse_dtype(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e).removeprefix("dtype: ")) from None
+    return text
+
+
 def _parser() -> argparse.ArgumentParser:
     from . import demo
+    from .export import DEFAULT_MAX_SHARD_SIZE, FORMATS
 
     common = argparse.ArgumentParser(add_help=False)
     # SUPPRESS: a subcommand without --debug must not reset a --debug given before it
     common.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
                         help="show the full traceback of a failure")
     p = _Parser(prog="ckpt", description="Tiered asynchronous checkpointing for PyTorch.",
-                epilog="Exit status: 0 on success, 1 when the operation failed (a corrupt, incomplete or missing "
-                       "checkpoint, an I/O error; for verify: any step failed its check), 2 for a usage mistake.")
+                formatter_class=argparse.RawDescriptionHelpFormatter,
+                epilog="examples:\n  ckpt ls /mnt/nvme/ckpt\n  ckpt verify s3://bucket/run\n"
+                       "  ckpt export /mnt/nvme/ckpt weights/ --key model\n  ckpt COMMAND --help   (an example for "
+                       "each command)\n\nExit status: 0 on success, 1 when the operation failed (a corrupt, "
+                       "incomplete or missing\ncheckpoint, an I/O error; for verify: any step failed its check), 2 "
+                       "for a usage mistake.\nProgress bars (verify, gc, promote, export) go to stderr when it is a "
+                       "terminal.")
     p.add_argument("--debug", action="store_true", help="show the full traceback of a failure")
-    sub = p.add_subparsers(dest="cmd", required=True, metavar="{demo,ls,inspect,verify,gc,promote}")
-    d = sub.add_parser("demo", parents=[common], help="train, checkpoint, get SIGKILLed, resume; compare bit for bit")
-    demo.add_arguments(d)
-    for name, fn, helptext in (("ls", _ls, "list committed checkpoints of a local or remote tier"),
+    names = "{demo,ls,inspect,verify,gc,promote,export}"
+    sub = p.add_subparsers(dest="cmd", required=True, metavar=names)
+
+    def command(name: str, helptext: str) -> argparse.ArgumentParser:
+        return sub.add_parser(name, parents=[common], help=helptext, description=helptext[0].upper() + helptext[1:]
+                              + ".", epilog=_EXAMPLES[name], formatter_class=argparse.RawDescriptionHelpFormatter)
+
+    def no_progress(q: argparse.ArgumentParser) -> None:
+        q.add_argument("--no-progress", action="store_true",
+                       help="no progress bar (none is drawn anyway when stderr is not a terminal, or with --json)")
+
+    demo.add_arguments(command("demo", "train, checkpoint, get SIGKILLed, resume; compare bit for bit"))
+    for name, fn, helptext in (("ls", _ls, "list committed checkpoints: size, tiers, age, and the one a restore "
+                                           "picks"),
                                ("inspect", _inspect, "show the tensors of a checkpoint"),
                                ("verify", _verify, "read every byte and check its checksum"),
-                               ("gc", _gc, "delete all but the newest committed checkpoints (keeping the newest that verifies)")):
-        q = sub.add_parser(name, parents=[common], help=helptext)
+                               ("gc", _gc, "delete all but the newest committed checkpoints (keeping the newest "
+                                           "that verifies)")):
+        q = command(name, helptext)
         q.add_argument("dir", help="local tier directory (local_dir), or a remote tier URL (every rank's files "
                                    "of a job tier)")
         q.add_argument("--json", action="store_true", help="machine-readable output")
@@ -320,6 +519,8 @@ def _parser() -> argparse.ArgumentParser:
         if name in ("ls", "verify", "gc"):
             q.add_argument("--dcp", action="store_true", help="checkpoints written by dcp.save through "
                                                               "ckpt.integrations.dcp (named by checkpoint id)")
+        if name == "ls":
+            q.add_argument("--url", default=None, help="also the remote tier at this URL (dir is then the local_dir)")
         if name == "verify":
             q.add_argument("--id", default=None, help="with --dcp: one checkpoint id (default: all)")
         if name == "inspect":
@@ -327,16 +528,42 @@ def _parser() -> argparse.ArgumentParser:
         if name == "gc":
             q.add_argument("--keep", type=int, default=2, help="newest checkpoints to keep (at least 1)")
             q.add_argument("--dry-run", action="store_true")
+        if name in ("verify", "gc"):
+            no_progress(q)
         q.set_defaults(fn=fn)
-    q = sub.add_parser("promote", parents=[common],
-                       help="copy a committed checkpoint between the local and remote tiers")
+    q = command("promote", "copy a committed checkpoint between the local and remote tiers, verifying every byte")
     q.add_argument("dir", help="local tier directory (local_dir)")
     q.add_argument("url", help="remote tier URL (any fsspec URL)")
     q.add_argument("--step", type=int, required=True)
     q.add_argument("--to", choices=("remote", "local"), required=True)
     q.add_argument("--storage-options", type=_json_object, default=None, help="JSON object passed to fsspec")
     q.add_argument("--compression", choices=("zstd",), default=None)
+    no_progress(q)
     q.set_defaults(fn=_promote)
+    q = command("export", "write a committed checkpoint as safetensors, a Hugging Face model directory or a "
+                          "torch.save file")
+    q.add_argument("src", help="local tier directory (local_dir), or a remote tier URL (a job tier is consolidated "
+                               "into whole tensors)")
+    q.add_argument("dest", help="output directory (safetensors, hf) or file (torch); it must not exist unless --force")
+    q.add_argument("--format", choices=FORMATS, default="safetensors",
+                   help="safetensors (default): model.safetensors or shards + model.safetensors.index.json; hf: "
+                        "config.json + safetensors, for from_pretrained; torch: one torch.save file")
+    q.add_argument("--step", type=int, default=None, help="step (default: the one a restore would pick)")
+    q.add_argument("--key", default=None, help="the part of the state to export, e.g. model (default: all of it; "
+                                              "model for --format hf)")
+    q.add_argument("--max-shard-size", type=_size_arg, default=DEFAULT_MAX_SHARD_SIZE,
+                   help=f"largest safetensors file, e.g. 2GB or 4GiB (default {DEFAULT_MAX_SHARD_SIZE})")
+    q.add_argument("--dtype", type=_dtype_arg, default=None,
+                   help="cast floating-point tensors to this dtype, e.g. bfloat16 (default: keep each tensor's)")
+    q.add_argument("--config", default=None,
+                   help="--format hf: the model config: a config.json, a directory holding one, or a model name "
+                        "(default: the 'hf_config' the state holds)")
+    q.add_argument("--force", action="store_true", help="replace dest if it exists")
+    q.add_argument("--json", action="store_true", help="machine-readable output")
+    q.add_argument("--storage-options", type=_json_object, default=None,
+                   help="JSON object passed to fsspec (for a URL)")
+    no_progress(q)
+    q.set_defaults(fn=_export)
     return p
 
 

@@ -11,13 +11,23 @@ the same value to the object store.
 
 from __future__ import annotations
 
+from typing import Callable
+
 import crc32c as _crc32c
 
 __all__ = ["ALGORITHM", "checksum"]
 
 ALGORITHM = "crc32c"
 
+#: Called with the size of every range checksummed, when set: each chunk a tier reads and verifies, or
+#: writes, goes through :func:`checksum` once, so this counts the bytes a verify or a copy has done
+#: (the command line's progress bars, :mod:`ckpt.progress`). ``None`` (the default): nothing is called.
+on_bytes: Callable[[int], None] | None = None
+
 
 def checksum(data: bytes | bytearray | memoryview) -> int:
     """CRC-32C of ``data`` as an unsigned 32-bit int."""
-    return _crc32c.crc32c(data)
+    crc = _crc32c.crc32c(data)
+    if on_bytes is not None:
+        on_bytes(data.nbytes if isinstance(data, memoryview) else len(data))
+    return crc

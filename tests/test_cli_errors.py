@@ -152,3 +152,39 @@ def test_an_unexpected_exception_is_one_line_with_a_hint_to_rerun_with_debug(dir
 def test_good_input_still_succeeds_quietly(dirs):
     p = run("inspect", str(dirs["good"]))
     assert p.returncode == 0 and p.stderr == "" and "step 2" in p.stdout
+
+
+def test_export_of_a_corrupt_or_missing_step_is_one_line_and_writes_nothing(dirs, tmp_path):
+    for which, step in (("corrupt", "1"), ("truncated", "1"), ("nodata", "1"), ("good", "7")):
+        one_error_line(run("export", str(dirs[which]), str(tmp_path / which), "--step", step), 1, f"step-00000000{step}")
+        assert not (tmp_path / which).exists()
+    one_error_line(run("export", str(dirs["missing"]), str(tmp_path / "m")), 1, str(dirs["missing"]))
+    assert not dirs["missing"].exists() and not (tmp_path / "m").exists()
+    assert [p.name for p in tmp_path.iterdir()] == []
+
+
+def test_export_over_an_existing_destination_is_one_line_naming_force(dirs, tmp_path):
+    dest = tmp_path / "out"
+    dest.mkdir()
+    one_error_line(run("export", str(dirs["good"]), str(dest)), 1, str(dest), "--force")
+    assert list(dest.iterdir()) == []
+    p = run("export", str(dirs["good"]), str(dest), "--force")
+    assert p.returncode == 0 and p.stderr == "" and (dest / "model.safetensors").is_file()
+
+
+def test_export_with_a_key_the_state_lacks_is_one_line(dirs, tmp_path):
+    one_error_line(run("export", str(dirs["good"]), str(tmp_path / "o"), "--key", "nope"), 1, "'nope'", "key")
+
+
+@pytest.mark.parametrize("args, names", [
+    (["export", "D"], ["dest"]),
+    (["export", "D", "OUT", "--format", "zip"], ["--format"]),
+    (["export", "D", "OUT", "--max-shard-size", "lots"], ["--max-shard-size"]),
+    (["export", "D", "OUT", "--dtype", "int8"], ["--dtype"]),
+    (["verify", "D", "--no-progress", "--step", "x"], ["--step"]),
+    (["ls", "file:///x", "--url", "file:///y"], ["--url"]),
+])
+def test_export_and_progress_usage_mistakes_are_status_2_and_one_line(dirs, tmp_path, args, names):
+    args = [str(dirs["good"]) if a == "D" else str(tmp_path / "out") if a == "OUT" else a for a in args]
+    one_error_line(run(*args), 2, *names)
+    assert not (tmp_path / "out").exists()

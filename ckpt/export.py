@@ -1,0 +1,883 @@
+"""Export a committed checkpoint to the files other tools load: safetensors, a Hugging Face model
+directory, or a ``torch.save`` state dict.
+
+A checkpoint of any tier is read the way a restore reads it, without a live state to restore into:
+the records are validated by the tier (:meth:`LocalTier.open`, :meth:`RemoteTier.read_manifests`),
+every chunk is checked against its CRC-32C before any of its bytes is used, and the tensors are
+assembled by :func:`ckpt.reshard.load_resharded` with whole tensors as destinations, so the shards of
+a DTensor that N ranks saved into a job tier come out consolidated. Nothing is unpickled.
+
+Output is written into a hidden directory beside the destination and renamed into place at the end:
+a failed or interrupted export never leaves a partial destination, and an existing one is replaced
+only with ``force``.
+
+See ``docs/export.md``.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import logging
+import math
+import os
+import re
+import secrets
+import shutil
+import time
+import warnings
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from . import knobs
+from .errors import CorruptCheckpointError, IncompatibleCheckpointError, IncompleteCheckpointError
+from .format import Manifest, data_name, dtype_to_str, open_regular, str_to_dtype
+from .integrity import checksum
+from .policy import live_and_abandoned
+from .progress import Progress, wanted
+from .reshard import load_resharded, saved_layouts, shard_box
+from .scatter import Scatter
+
+__all__ = ["export", "ExportInfo", "FORMATS"]
+
+log = logging.getLogger(__name__)
+
+#: what :func:`export` writes
+FORMATS = ("safetensors", "hf", "torch")
+
+#: the shard size Hugging Face's ``save_pretrained`` uses by default
+DEFAULT_MAX_SHARD_SIZE = "5GB"
+
+#: metadata keys this library adds to the safetensors headers (values are strings, as the format wants)
+META_STEP, META_SOURCE, META_KEY, META_VALUES = "ckpt.step", "ckpt.source", "ckpt.key", "ckpt.values"
+
+# prefixes that wrappers put before a model's own state dict keys (DDP, torch.compile)
+_WRAPPER_PREFIXES = ("module.", "_orig_mod.")
+
+
+@dataclass
+class ExportInfo:
+    """What :func:`export` wrote.
+
+    ``path``: the destination (a directory for ``safetensors`` and ``hf``, a file for ``torch``);
+    ``files``: the names written there; ``tensors``/``nbytes``: how many tensors and tensor bytes;
+    ``dropped``: what the format cannot hold and was left out, one line each (``"<name>: why"``);
+    ``read_bytes``: bytes fetched and verified from the checkpoint."""
+
+    step: int
+    format: str
+    source: str
+    path: str
+    key: str | None
+    files: list[str]
+    tensors: int
+    nbytes: int
+    read_bytes: int
+    seconds: float
+    dropped: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def export(source: str | os.PathLike, dest: str | os.PathLike, *, format: str = "safetensors",
+           step: int | None = None, key: str | None = None, storage_options: dict[str, Any] | None = None,
+           max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE, dtype: str | torch.dtype | None = None,
+           config: Any = None, force: bool = False, progress: bool = False) -> ExportInfo:
+    """Write committed checkpoint ``step`` (default: the one a restore would pick) of ``source`` to ``dest``.
+
+    ``source``: a ``local_dir``, or a remote tier's URL (``s3://``, ``file://``, any fsspec URL, with
+    ``storage_options``); a job tier (every rank's files under one URL) is consolidated into whole
+    tensors. ``format``:
+
+    * ``"safetensors"``: ``dest`` is a directory holding ``model.safetensors``, or shards
+      ``model-00001-of-0000N.safetensors`` of at most ``max_shard_size`` each plus
+      ``model.safetensors.index.json``; tensors are named by their path in the state (``/`` between
+      levels, a module's own keys as in its ``state_dict``); the other values go into the header's
+      metadata as JSON (``ckpt.values``: path -> value);
+    * ``"hf"``: a Hugging Face model directory (``config.json`` plus safetensors as
+      ``save_pretrained`` writes them) for the model at ``key`` (default ``"model"``, where
+      :class:`ckpt.integrations.hf.CheckpointCallback` keeps it). ``config``: a
+      ``PretrainedConfig``, a dict, a path to a ``config.json`` or to a directory holding one, or a
+      model name for ``AutoConfig.from_pretrained``; ``None`` takes the config saved in the state
+      under ``"hf_config"`` (a dict or a JSON string). The weights must be exactly the ones the
+      config's architecture has, with the same shapes;
+    * ``"torch"``: ``dest`` is one file written with ``torch.save``, holding the state at ``key``
+      as nested dicts, lists and tuples of tensors and plain values (a module as its
+      ``state_dict``), loadable with ``torch.load(dest, weights_only=True)``.
+
+    ``key``: the part of the state to export (a top-level key, or a ``/``-separated path); default: all
+    of it (``"model"`` for ``hf``). ``dtype``: cast floating-point tensors to it (default: keep each
+    tensor's dtype). ``force``: replace an existing ``dest``. ``progress``: draw a progress bar on stderr
+    when it is a terminal.
+
+    Every byte exported is checked against its checksum as it is read: a mismatch raises
+    :class:`~ckpt.errors.CorruptCheckpointError` naming the file or part, a missing file
+    :class:`~ckpt.errors.IncompleteCheckpointError`; then nothing is left at ``dest`` (the output is
+    written beside it, in a hidden directory removed on failure, and renamed into place at the end).
+    Raises ``FileExistsError`` when ``dest`` exists and not ``force``, ``FileNotFoundError`` when the
+    source or the step does not exist, ``ValueError`` for arguments that do not fit the checkpoint.
+    """
+    t0 = time.perf_counter()
+    if format not in FORMATS:
+        raise ValueError(f"format must be one of {', '.join(FORMATS)}; got {format!r}")
+    cast = _parse_dtype(dtype)
+    limit = parse_size(max_shard_size)
+    dest = Path(dest).expanduser()
+    _refuse_existing(dest, force)
+    if format == "hf" and key is None:
+        key = "model"
+    src = _Source.open(source, storage_options, step)
+    try:
+        tree = src.manifests[0].tree
+        node, base = _select(tree, key, src.where)
+        plan = _Plan(src.manifests[0])
+        built = plan.walk(node, base)
+        if len(src.manifests) == 1:
+            _check_whole(plan, src)
+        if format == "hf":
+            writer: _Writer = _HFWriter(plan, config, tree, src)
+        elif format == "safetensors":
+            writer = _SafetensorsWriter(plan, src, key)
+        else:
+            writer = _TorchWriter(plan, built)
+        stage = _stage_beside(dest)
+        try:
+            info = writer.write(stage, src, cast, limit, progress)
+            _publish(stage, dest, force, single_file=format == "torch")
+        except BaseException:
+            shutil.rmtree(stage, ignore_errors=True)
+            raise
+    finally:
+        src.close()
+    info = ExportInfo(step=src.step, format=format, source=src.where, path=str(dest), key=key,
+                      files=info["files"], tensors=info["tensors"], nbytes=info["nbytes"],
+                      read_bytes=int(src.read_bytes), seconds=time.perf_counter() - t0,
+                      dropped=plan.dropped + info.get("dropped", []))
+    log.info("exported step %d of %s to %s (%s): %d tensors, %.3f GB in %.2f s", info.step, info.source, dest,
+             format, info.tensors, info.nbytes / 1e9, info.seconds)
+    return info
+
+
+# ---------------------------------------------------------------------------------------------
+# Arguments
+
+
+_SIZE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+               "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+
+
+def parse_size(size: int | str) -> int:
+    """``5000000``, ``"5GB"`` (10^9) or ``"4GiB"`` (2^30) as a number of bytes (at least 1)."""
+    if isinstance(size, bool) or not isinstance(size, (int, str)):
+        raise ValueError(f"max_shard_size must be a number of bytes or a size like '5GB', got {size!r}")
+    if isinstance(size, str):
+        m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", size)
+        unit = m.group(2).upper() if m else None
+        if m is None or unit not in _SIZE_UNITS:
+            raise ValueError(f"max_shard_size: cannot read {size!r} as a size (e.g. 5GB, 500MB, 4GiB)")
+        size = int(float(m.group(1)) * _SIZE_UNITS[unit])
+    if size < 1:
+        raise ValueError(f"max_shard_size must be at least 1 byte, got {size}")
+    return size
+
+
+def _parse_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
+    if dtype is None or isinstance(dtype, torch.dtype):
+        if isinstance(dtype, torch.dtype) and not dtype.is_floating_point:
+            raise ValueError(f"dtype must be a floating-point dtype (it casts floating-point tensors), got {dtype}")
+        return dtype
+    name = str(dtype).removeprefix("torch.")
+    try:
+        t = str_to_dtype(name, "dtype")
+    except CorruptCheckpointError:
+        raise ValueError(f"dtype: unknown dtype {dtype!r} (e.g. bfloat16, float16, float32)") from None
+    return _parse_dtype(t)
+
+
+def _refuse_existing(dest: Path, force: bool) -> None:
+    if not force and (dest.exists() or dest.is_symlink()):
+        raise FileExistsError(errno.EEXIST, "the export destination exists; pass force=True (--force) to "
+                              "replace it", str(dest))
+    if not dest.parent.is_dir():
+        raise FileNotFoundError(errno.ENOENT, "the export destination's parent directory does not exist",
+                                str(dest.parent))
+
+
+# ---------------------------------------------------------------------------------------------
+# Reading
+
+
+class _Source:
+    """The committed step's records (every saved rank's manifest) and a verified chunk reader."""
+
+    def __init__(self) -> None:
+        self.where = ""
+        self.step = -1
+        self.manifests: list[Manifest] = []
+        self.read_bytes = 0
+        self._fd: int | None = None
+        self._fetch: Callable[[int, Manifest, int], Any] = lambda r, m, i: b""
+
+    @classmethod
+    def open(cls, source: str | os.PathLike, storage_options: dict[str, Any] | None, step: int | None) -> "_Source":
+        from .tiers import LocalTier, RemoteTier
+
+        self = cls()
+        text = os.fspath(source)
+        if "://" in text:
+            _must_exist(text, storage_options)
+            tier: Any = RemoteTier(text, storage_options)
+            self.where = text
+        else:
+            if not os.path.isdir(text):
+                raise FileNotFoundError(errno.ENOENT, "no such checkpoint directory (local_dir)", text)
+            tier = LocalTier(text)
+            self.where = str(tier.root)
+        self.step = _pick(tier, step, self.where)
+        if tier.name == "remote":
+            commit = tier.read_commit(self.step)
+            self.manifests = tier.read_manifests(self.step, commit)
+            self._fetch = lambda r, m, i: tier.fetch(self.step, r, m, i)
+        else:
+            self.manifests = [tier.open(self.step)[1]]
+            path = tier.step_dir(self.step) / data_name(tier.rank)
+            try:
+                self._fd = open_regular(path)[0]
+            except FileNotFoundError:
+                raise IncompleteCheckpointError(f"{path}: data file is missing") from None
+            self._fetch = self._local_reader(path)
+        return self
+
+    def _local_reader(self, path: Path) -> Callable[[int, Manifest, int], bytes]:
+        def read(rank: int, m: Manifest, i: int) -> bytes:
+            off = i * m.chunk_bytes
+            length = min(m.chunk_bytes, m.data_bytes - off)
+            buf = bytearray(length)
+            view, got = memoryview(buf), 0
+            while got < length:
+                n = os.preadv(self._fd, [view[got:]], off + got)
+                if n == 0:
+                    raise IncompleteCheckpointError(f"{path}: ends at byte {off + got}, expected {off + length}")
+                got += n
+            if checksum(buf) != m.chunks[i]:
+                raise CorruptCheckpointError(f"{path}: bytes [{off}, {off + length}) fail their "
+                                             f"{m.checksum_algorithm} checksum")
+            return buf
+        return read
+
+    def fetch(self, counter: Callable[[int], None]) -> Callable[[int, Manifest, int], Any]:
+        """The chunk reader :func:`load_resharded` takes, reporting each verified chunk to ``counter``."""
+        def one(rank: int, m: Manifest, i: int) -> Any:
+            raw = self._fetch(rank, m, i)
+            counter(len(raw))
+            return raw
+        return one
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+
+def _must_exist(url: str, opts: dict | None) -> None:
+    """A ``file://`` URL's directory must exist: opening the remote tier would create it."""
+    import fsspec
+
+    from .tiers.remote import is_local_fs
+
+    fs, root = fsspec.core.url_to_fs(url, **(opts or {}))
+    if is_local_fs(fs) and not fs.isdir(root):
+        raise FileNotFoundError(errno.ENOENT, "no such checkpoint directory", url)
+
+
+def _pick(tier: Any, step: int | None, where: str) -> int:
+    """``step``, which must be committed; by default the newest of the live branch (what a restore picks
+    first; a rollback's abandoned branch is never picked)."""
+    listed = tier.committed()
+    if step is None:
+        live = live_and_abandoned(listed)[0]
+        if not live:
+            raise FileNotFoundError(errno.ENOENT, "no committed checkpoint to export", where)
+        return live[0].step
+    if step not in {e.step for e in listed}:
+        found = sorted({e.step for e in listed}, reverse=True)[:10]
+        raise FileNotFoundError(errno.ENOENT, f"step {step} is not committed there (committed: {found}); pass "
+                                "another step", f"{tier.step_dir(step)}")
+    return step
+
+
+def _select(tree: Any, key: str | None, where: str) -> tuple[Any, str]:
+    """The node at ``key`` (a ``/``-separated path, through objects' state dicts, dicts, lists and tuples)."""
+    if key is None:
+        return tree, ""
+    node: Any = tree
+    for i, part in enumerate(key.split("/")):
+        if isinstance(node, dict) and "$obj" in node:
+            node = node.get("sd")
+        children = _children(node)
+        if part.startswith("$") or part not in children:
+            here = "/".join(key.split("/")[:i]) or "the state"
+            raise ValueError(f"key {key!r}: {here} of the checkpoint at {where} has no {part!r} "
+                             f"(it has {sorted(children)[:20]}); pass another key")
+        node = children[part]
+    return node, key
+
+
+def _children(node: Any) -> dict[str, Any]:
+    """A saved container's children by the names their paths use."""
+    if isinstance(node, list):
+        return {str(i): x for i, x in enumerate(node)}
+    if not isinstance(node, dict) or "$t" in node:
+        return {}
+    if "$tuple" in node:
+        return {str(i): x for i, x in enumerate(node["$tuple"])}
+    if "$d" in node:
+        return {str(k): v for k, v in node["$d"]}
+    return {k: v for k, v in node.items() if not k.startswith("$")}
+
+
+@dataclass
+class _Tensor:
+    name: str            # the exported name: its path under the selected key
+    index: int           # the saved item (rank 0's manifest)
+    shape: list[int]     # whole (global) shape
+    dtype: torch.dtype
+
+
+class _Ref:
+    """A tensor's place in the structure the torch format writes."""
+
+    __slots__ = ("index",)
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+
+
+class _Plan:
+    """The selected part of the saved tree: its tensors by name, its other values, and what is dropped."""
+
+    def __init__(self, manifest: Manifest) -> None:
+        self.items = manifest.items
+        self.layouts = saved_layouts(manifest.tree)
+        self.tensors: list[_Tensor] = []
+        self.values: dict[str, Any] = {}
+        self.dropped: list[str] = []
+        self._base = ""
+        self._rank_layouts: dict[int, dict[int, Any]] = {}
+
+    def walk(self, node: Any, base: str) -> Any:
+        """Collect ``node``'s tensors and values; returns it as nested Python with :class:`_Ref` for tensors."""
+        self._base = base
+        return self._walk(node, base)
+
+    def _name(self, path: str) -> str:
+        if self._base and path.startswith(self._base + "/"):
+            return path[len(self._base) + 1:]
+        return path
+
+    def _walk(self, node: Any, path: str) -> Any:
+        if isinstance(node, list):
+            out = [self._walk(x, f"{path}/{i}" if path else str(i)) for i, x in enumerate(node)]
+            if not node:
+                self.values[self._name(path)] = []
+            return out
+        if not isinstance(node, dict):
+            self.values[self._name(path)] = node
+            return node
+        sub = (lambda k: f"{path}/{k}" if path else str(k))
+        if "$t" in node:
+            i = node["$t"]
+            it = self.items[i]
+            dt = self.layouts.get(i)
+            shape = [int(s) for s in dt["shape"]] if dt is not None else list(it.shape)
+            self.tensors.append(_Tensor(self._name(path) or path.rsplit("/", 1)[-1], i, shape,
+                                        str_to_dtype(it.dtype, it.key)))
+            return _Ref(i)
+        if "$obj" in node:
+            return self._walk(node.get("sd"), path)
+        if "$tuple" in node:
+            return tuple(self._walk(x, sub(i)) for i, x in enumerate(node["$tuple"]))
+        if "$d" in node:
+            return {k: self._walk(v, sub(k)) for k, v in node["$d"] if not _skipped(v, self, sub(k))}
+        if "$f" in node:
+            self.values[self._name(path)] = float(node["$f"])
+            return float(node["$f"])
+        if "$dtype" in node:
+            dt = str_to_dtype(node["$dtype"], path)
+            self.values[self._name(path)] = str(dt)
+            return dt
+        if "$skip" in node:
+            return None
+        if not node:
+            self.values[self._name(path)] = {}
+        return {k: self._walk(v, sub(k)) for k, v in node.items() if not _skipped(v, self, sub(k))}
+
+    def load(self, tensors: list[_Tensor], src: _Source, counter: Callable[[int], None]) -> dict[int, torch.Tensor]:
+        """Read ``tensors`` whole (a DTensor's shards from every saved rank), verified; item -> tensor.
+
+        Tensors stored whole in rank 0's file stream chunk by chunk into place (:class:`~ckpt.scatter.Scatter`,
+        as a restore reads a data file); sharded ones are assembled by :func:`load_resharded`."""
+        plain: list[torch.Tensor | None] = [None] * len(self.items)
+        sharded: list[torch.Tensor | None] = [None] * len(self.items)
+        boxes: dict[int, tuple[Any, list[int]]] = {}
+        for i in {self._origin(t.index) for t in tensors}:
+            it = self.items[i]
+            dt = self.layouts.get(i)
+            dtype = str_to_dtype(it.dtype, it.key)
+            if dt is not None:
+                shape = [int(s) for s in dt["shape"]]
+                boxes[i] = ((tuple([0] * len(shape)), tuple(shape)), shape)
+                sharded[i] = torch.empty(shape, dtype=dtype)
+            else:
+                plain[i] = torch.empty(it.shape, dtype=dtype)
+        fetch = src.fetch(counter)
+        if any(d is not None for d in plain):
+            _scatter_from(src.manifests[0], plain, fetch)
+        if boxes:
+            load_resharded(src.manifests, 0, sharded, boxes, fetch)
+        dest = [p if p is not None else q for p, q in zip(plain, sharded)]
+        return {t.index: dest[self._origin(t.index)] for t in tensors}
+
+    def _origin(self, i: int) -> int:
+        """The item holding the bytes of item ``i`` (itself, or the one it shares memory with)."""
+        a = self.items[i].alias_of
+        return i if a is None else a
+
+    def fetch_bytes(self, tensors: list[_Tensor], src: _Source) -> int:
+        """Bytes :meth:`load` fetches for ``tensors``: every chunk that holds a byte of them, on every rank
+        that holds a part of them (in rank order, a replica of a shard already counted is not read again,
+        as :func:`load_resharded` skips it)."""
+        items = {self._origin(t.index) for t in tensors}
+        seen: set[tuple[str, Any]] = set()
+        total = 0
+        for rank, m in enumerate(src.manifests):
+            by_key = {it.key: j for j, it in enumerate(m.items) if it.alias_of is None}
+            layouts = self.layouts if rank == 0 else self._layouts_of(rank, m)
+            chunks: set[int] = set()
+            for i in items:
+                it = self.items[i]
+                if i in self.layouts:
+                    j = by_key.get(it.key)
+                    if j is None or j not in layouts:
+                        continue   # the load refuses this checkpoint
+                    box = shard_box(layouts[j], it.key)
+                    if (it.key, box) in seen or not math.prod(box[1]):
+                        continue
+                    seen.add((it.key, box))
+                    rec = m.items[j]
+                elif rank == 0:
+                    rec = it
+                else:
+                    continue
+                if rec.nbytes:
+                    c = m.chunk_bytes
+                    chunks.update(range(rec.offset // c, (rec.offset + rec.nbytes - 1) // c + 1))
+            total += sum(min(m.chunk_bytes, m.data_bytes - k * m.chunk_bytes) for k in chunks)
+        return total
+
+    def _layouts_of(self, rank: int, m: Manifest) -> dict[int, Any]:
+        if rank not in self._rank_layouts:
+            self._rank_layouts[rank] = saved_layouts(m.tree)
+        return self._rank_layouts[rank]
+
+
+def _scatter_from(m: Manifest, dest: list[torch.Tensor | None], fetch: Callable[[int, Manifest, int], Any]) -> None:
+    """Fill ``dest`` (items of ``m``'s rank) from the chunks that hold them, read and verified in parallel;
+    only the chunks in flight are held in memory."""
+    sc = Scatter(m.items, dest)
+    c = m.chunk_bytes
+    need: set[int] = set()
+    for it, d in zip(m.items, dest):
+        if d is not None and it.alias_of is None and it.nbytes:
+            need.update(range(it.offset // c, (it.offset + it.nbytes - 1) // c + 1))
+
+    def one(i: int) -> None:
+        raw = fetch(m.rank, m, i)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)   # "non-writable buffer": it is only read
+            sc.copy(torch.frombuffer(raw, dtype=torch.uint8), i * c)
+
+    with ThreadPoolExecutor(knobs.get("CKPT_IO_THREADS"), thread_name_prefix="ckpt-export") as pool:
+        futures = [pool.submit(one, i) for i in sorted(need)]
+        try:
+            for f in futures:
+                f.result()
+        except BaseException:
+            for f in futures:   # a chunk failed: the export fails, read no more
+                f.cancel()
+            raise
+
+
+def _check_whole(plan: _Plan, src: _Source) -> None:
+    """One saved rank's files hold a whole tensor only where its DTensor was not sharded across ranks."""
+    m = src.manifests[0]
+    for t in plan.tensors:
+        dt = plan.layouts.get(t.index)
+        if dt is not None and list(shard_box(dt, t.name)[1]) != [int(s) for s in dt["shape"]]:
+            who = f"rank {m.job[0]} of {m.job[1]}" if m.job else "one rank"
+            raise IncompatibleCheckpointError(
+                f"step {src.step} of {src.where} was saved by {who} alone and holds only its shard of the DTensor "
+                f"{t.name!r} ({dt['placements']} over a {dt['mesh']} mesh): export the job tier instead (the url "
+                "every rank saved to), which holds every rank's shards, or a key without sharded tensors")
+
+
+def _skipped(node: Any, plan: _Plan, path: str) -> bool:
+    if isinstance(node, dict) and "$skip" in node:
+        plan.dropped.append(f"{plan._name(path)}: left out when the checkpoint was saved (on_unsupported='skip')")
+        return True
+    return False
+
+
+# ---------------------------------------------------------------------------------------------
+# Writing
+
+
+def _out_nbytes(t: _Tensor, cast: torch.dtype | None) -> int:
+    dtype = cast if cast is not None and t.dtype.is_floating_point else t.dtype
+    return math.prod(t.shape) * dtype.itemsize
+
+
+def _shards(tensors: list[_Tensor], cast: torch.dtype | None, limit: int) -> list[list[_Tensor]]:
+    """Tensors in order, cut greedily into groups of at most ``limit`` bytes (a larger tensor alone)."""
+    out: list[list[_Tensor]] = []
+    size = 0
+    for t in tensors:
+        n = _out_nbytes(t, cast)
+        if not out or (out[-1] and size + n > limit):
+            out.append([])
+            size = 0
+        out[-1].append(t)
+        size += n
+    return out or [[]]
+
+
+def _shard_names(n: int) -> list[str]:
+    if n == 1:
+        return ["model.safetensors"]
+    return [f"model-{k + 1:05d}-of-{n:05d}.safetensors" for k in range(n)]
+
+
+class _Writer:
+    def __init__(self, plan: _Plan) -> None:
+        self.plan = plan
+
+    def write(self, stage: Path, src: _Source, cast: torch.dtype | None, limit: int,
+              progress: bool) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def _progress(self, groups: list[list[_Tensor]], src: _Source, progress: bool) -> Progress:
+        enabled = progress and wanted()
+        total = sum(self.plan.fetch_bytes(g, src) for g in groups) if enabled else None
+        return Progress(total, f"export step {src.step}", enabled)
+
+
+class _SafetensorsWriter(_Writer):
+    """``model.safetensors`` or shards plus ``model.safetensors.index.json``."""
+
+    def __init__(self, plan: _Plan, src: _Source, key: str | None) -> None:
+        super().__init__(plan)
+        self.meta = {"format": "pt", META_STEP: str(src.step), META_SOURCE: src.where, META_KEY: key or ""}
+        self.values: dict[str, Any] | None = plan.values
+
+    def tensors(self) -> list[_Tensor]:
+        return self.plan.tensors
+
+    def write(self, stage: Path, src: _Source, cast: torch.dtype | None, limit: int,
+              progress: bool) -> dict[str, Any]:
+        from safetensors.torch import save_file
+
+        groups = _shards(self.tensors(), cast, limit)
+        names = _shard_names(len(groups))
+        weight_map: dict[str, str] = {}
+        nbytes = 0
+        with self._progress(groups, src, progress) as bar:
+            for k, (group, fname) in enumerate(zip(groups, names)):
+                loaded = self.plan.load(group, src, bar)
+                out: dict[str, torch.Tensor] = {}
+                held: set[int] = set()
+                for t in group:
+                    x = _cast(loaded[t.index], cast)
+                    if x.numel() and x.data_ptr() in held:
+                        x = x.clone()   # tied weights: safetensors stores each name's own bytes
+                    held.add(x.data_ptr())
+                    out[t.name] = x
+                    weight_map[t.name] = fname
+                    nbytes += x.numel() * x.element_size()
+                meta = dict(self.meta)
+                if k == 0 and self.values is not None:
+                    meta[META_VALUES] = json.dumps(self.values)
+                save_file(out, str(stage / fname), metadata=meta)
+                del loaded, out
+            src.read_bytes = int(bar.done)
+        files = list(names)
+        if len(groups) > 1:
+            index: dict[str, Any] = {"metadata": {"total_size": nbytes, **self.meta}, "weight_map": weight_map}
+            index["metadata"].pop("format")
+            if self.values is not None:
+                index["metadata"][META_VALUES] = self.values
+            (stage / "model.safetensors.index.json").write_text(json.dumps(index, indent=2, sort_keys=False) + "\n")
+            files.append("model.safetensors.index.json")
+        return {"files": files, "tensors": len(weight_map), "nbytes": nbytes}
+
+
+def _cast(x: torch.Tensor, cast: torch.dtype | None) -> torch.Tensor:
+    return x.to(cast) if cast is not None and x.is_floating_point() else x
+
+
+class _TorchWriter(_Writer):
+    """One ``torch.save`` file: the selected state as nested containers of tensors and plain values."""
+
+    def __init__(self, plan: _Plan, built: Any) -> None:
+        super().__init__(plan)
+        self.built = built
+
+    def write(self, stage: Path, src: _Source, cast: torch.dtype | None, limit: int,
+              progress: bool) -> dict[str, Any]:
+        tensors = self.plan.tensors
+        with self._progress([tensors], src, progress) as bar:
+            loaded = self.plan.load(tensors, src, bar)
+            src.read_bytes = int(bar.done)
+        done: dict[int, torch.Tensor] = {}
+
+        def build(x: Any) -> Any:
+            if isinstance(x, _Ref):
+                i = self.plan._origin(x.index)
+                if i not in done:   # one tensor per stored item: tied weights stay tied
+                    done[i] = _cast(loaded[x.index], cast)
+                return done[i]
+            if isinstance(x, list):
+                return [build(v) for v in x]
+            if isinstance(x, tuple):
+                return tuple(build(v) for v in x)
+            if isinstance(x, dict):
+                return {k: build(v) for k, v in x.items()}
+            return x
+
+        obj = build(self.built)
+        torch.save(obj, stage / _TORCH_FILE)
+        return {"files": [_TORCH_FILE], "tensors": len(tensors),
+                "nbytes": sum(t.numel() * t.element_size() for t in done.values())}
+
+
+_TORCH_FILE = "state.pt"   # inside the staging directory; renamed to the destination's own name
+
+
+class _HFWriter(_SafetensorsWriter):
+    """A model directory ``from_pretrained`` loads: ``config.json`` and the weights as safetensors,
+    named and tied as ``save_pretrained`` writes them."""
+
+    def __init__(self, plan: _Plan, config: Any, tree: Any, src: _Source) -> None:
+        super().__init__(plan, src, None)
+        self.meta = {"format": "pt", META_STEP: str(src.step), META_SOURCE: src.where}
+        self.values = None
+        self.config = _config_dict(config, tree, src)   # before anything is read or written
+        self.dropped: list[str] = [f"{name}: a value, not a tensor (a model directory holds only weights)"
+                                   for name in plan.values]
+        self._chosen: list[_Tensor] = []
+
+    def tensors(self) -> list[_Tensor]:
+        return self._chosen
+
+    def write(self, stage: Path, src: _Source, cast: torch.dtype | None, limit: int,
+              progress: bool) -> dict[str, Any]:
+        try:
+            import transformers
+        except ImportError:
+            raise ImportError("format='hf' needs transformers: pip install 'tierckpt[hf]'") from None
+        (stage / "config.json").write_text(json.dumps(self.config))
+        cfg = transformers.AutoConfig.from_pretrained(str(stage))
+        cls, chosen, dropped = self._match(transformers, cfg)
+        self._chosen = chosen
+        floats: dict[torch.dtype, int] = {}
+        for t in chosen:
+            if t.dtype.is_floating_point:
+                d = cast or t.dtype
+                floats[d] = floats.get(d, 0) + _out_nbytes(t, cast)
+        if floats:
+            main = max(floats, key=floats.get)
+            setattr(cfg, "dtype" if "dtype" in cfg.to_dict() else "torch_dtype", main)
+        cfg.architectures = [cls.__name__]
+        cfg.save_pretrained(str(stage))
+        out = super().write(stage, src, cast, limit, progress)
+        out["files"] = ["config.json"] + out["files"]
+        out["dropped"] = self.dropped + dropped
+        return out
+
+    def _match(self, transformers: Any, cfg: Any) -> tuple[type, list[_Tensor], list[str]]:
+        """The model class whose weights are exactly the checkpoint's (names, shapes); the tensors to
+        write, named as the model names them; what is left out (weights tied in the model)."""
+        tensors = self.plan.tensors
+        variants = [(tensors, "")]
+        for p in _WRAPPER_PREFIXES:
+            if tensors and all(t.name.startswith(p) for t in tensors):
+                variants.append(([_Tensor(t.name[len(p):], t.index, t.shape, t.dtype) for t in tensors], p))
+        names = list(getattr(cfg, "architectures", None) or [])
+        classes = [getattr(transformers, n) for n in names if isinstance(getattr(transformers, n, None), type)]
+        classes += [transformers.AutoModelForCausalLM, transformers.AutoModel]
+        first_error: str | None = None
+        for cls in classes:
+            try:
+                with torch.device("meta"):
+                    model = cls.from_config(cfg) if hasattr(cls, "from_config") else cls._from_config(cfg)
+            except (ValueError, TypeError, KeyError, AttributeError, ImportError, RuntimeError) as e:
+                first_error = first_error or f"{cls.__name__} cannot be built from the config ({e})"
+                continue
+            for ts, prefix in variants:
+                problem, chosen, dropped = self._compare(model, ts)
+                if problem is None:
+                    if prefix:
+                        dropped.append(f"the prefix {prefix!r} of every weight name (a wrapper's)")
+                    return type(model), chosen, dropped
+                first_error = first_error or f"{type(model).__name__}: {problem}"
+        raise IncompatibleCheckpointError(
+            f"the weights at key {self.plan._base!r} of step {self.meta[META_STEP]} of {self.meta[META_SOURCE]} do "
+            f"not fit the model config: {first_error}. Pass the config the model was built from (config=, "
+            "--config), or another key (key=, --key)")
+
+    def _compare(self, model: Any, tensors: list[_Tensor]) -> tuple[str | None, list[_Tensor], list[str]]:
+        sd = model.state_dict(keep_vars=True)
+        tied: dict[str, str] = {}
+        first: dict[int, str] = {}
+        for n, p in sd.items():
+            tied[n] = first.setdefault(id(p), n)
+        by_name = {t.name: t for t in tensors}
+        chosen, dropped = [], []
+        for t in tensors:
+            alias = self.plan.items[t.index].alias_of
+            head = tied.get(t.name, t.name)
+            if head != t.name and head in by_name:
+                if alias is None or self.plan._origin(by_name[head].index) != alias:
+                    return (f"{t.name!r} is tied to {head!r} in the model, but the checkpoint holds them as "
+                            "separate tensors (a config with the weights untied, e.g. tie_word_embeddings=False, "
+                            "fits it)", [], [])
+                dropped.append(f"{t.name}: tied to {head} (the model ties them again when it loads)")
+                continue
+            chosen.append(t)
+        have = {t.name for t in chosen}
+        missing = [n for n in sd if n not in have and tied[n] not in have]
+        unexpected = [t.name for t in chosen if t.name not in sd]
+        if missing or unexpected:
+            return (f"{len(missing)} weight(s) of the model are not in the checkpoint ({missing[:5]}) and "
+                    f"{len(unexpected)} of the checkpoint are not in the model ({unexpected[:5]})", [], [])
+        for t in chosen:
+            if list(sd[t.name].shape) != t.shape:
+                want = list(sd[t.name].shape)
+                return f"{t.name!r} has shape {t.shape} in the checkpoint, {want} in the model", [], []
+        return None, chosen, dropped
+
+
+def _config_dict(config: Any, tree: Any, src: _Source) -> dict[str, Any]:
+    """The model config as a dict, from ``config`` (see :func:`export`) or the state's ``"hf_config"``."""
+    if config is None:
+        node = tree.get("hf_config") if isinstance(tree, dict) else None
+        if node is None:
+            raise ValueError(f"step {src.step} of {src.where} holds no model config (no 'hf_config' in the state): "
+                             "pass config= (--config) with a config.json, the directory of the original model, "
+                             "or a model name")
+        value = _Plan(src.manifests[0]).walk(node, "hf_config")
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except ValueError as e:
+                raise CorruptCheckpointError(f"{src.where}: step {src.step}: 'hf_config' is not JSON ({e})") from None
+        config = value
+    if isinstance(config, dict):
+        d = config
+    elif hasattr(config, "to_dict") and hasattr(config, "model_type"):
+        d = config.to_dict()
+    elif isinstance(config, (str, os.PathLike)):
+        p = Path(config).expanduser()
+        if p.is_dir():
+            p = p / "config.json"
+        if p.is_file():
+            with open(p, encoding="utf-8") as f:
+                d = json.load(f)
+        else:
+            import transformers
+
+            d = transformers.AutoConfig.from_pretrained(os.fspath(config)).to_dict()
+    else:
+        raise ValueError(f"config must be a PretrainedConfig, a dict, a path or a model name; got "
+                         f"{type(config).__name__}")
+    if not isinstance(d, dict) or not isinstance(d.get("model_type"), str):
+        raise ValueError("config: the model config has no 'model_type' (is it a Hugging Face config.json?)")
+    return d
+
+
+# ---------------------------------------------------------------------------------------------
+# Putting the output in place
+
+
+def _stage_beside(dest: Path) -> Path:
+    stage = dest.parent / f".{dest.name}.export-{os.getpid()}-{secrets.token_hex(4)}"
+    os.mkdir(stage)
+    return stage
+
+
+def _publish(stage: Path, dest: Path, force: bool, single_file: bool) -> None:
+    """Make the staged output ``dest``: fsync it, then one rename (an atomic exchange with an existing
+    ``dest`` when ``force``); the old ``dest`` is removed only after that."""
+    new = stage / _TORCH_FILE if single_file else stage
+    for f in ([new] if single_file else sorted(stage.iterdir())):
+        fd = os.open(f, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    _fsync_dir(stage)
+    if os.path.lexists(dest):
+        if not force:
+            raise FileExistsError(errno.EEXIST, "the export destination appeared while exporting; pass "
+                                  "force=True (--force) to replace it", str(dest))
+        old = _swap(new, dest)
+        _remove(old)
+    else:
+        try:
+            if single_file:
+                os.link(new, dest)   # fails if dest appeared meanwhile, where a rename would replace it
+            else:
+                os.rename(new, dest)
+        except OSError as e:
+            if e.errno in (errno.EEXIST, errno.ENOTEMPTY):
+                raise FileExistsError(errno.EEXIST, "the export destination appeared while exporting; pass "
+                                      "force=True (--force) to replace it", str(dest)) from None
+            raise
+    _fsync_dir(dest.parent)
+    if single_file:
+        shutil.rmtree(stage, ignore_errors=True)
+
+
+def _swap(new: Path, dest: Path) -> Path:
+    """Put ``new`` at ``dest``; returns where the old ``dest`` now is."""
+    try:
+        from .tiers.local import _exchange
+
+        _exchange(new, dest)
+        return new
+    except (ImportError, OSError) as e:
+        if isinstance(e, OSError) and e.errno not in (errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP, errno.ENOTSUP):
+            raise
+    trash = dest.parent / f".{dest.name}.replaced-{os.getpid()}-{secrets.token_hex(4)}"
+    os.rename(dest, trash)
+    os.rename(new, dest)
+    return trash
+
+
+def _remove(path: Path) -> None:
+    if path.is_symlink() or not path.is_dir():
+        path.unlink(missing_ok=True)
+    else:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
