@@ -14,6 +14,7 @@ from .errors import (CheckpointError, CorruptCheckpointError, HostMemoryError, I
 from .errors import LockedError
 from .pipeline import SaveHandle
 from .policy import AutoInterval, Retention
+from .preempt import Signals
 from .restore import RestoreInfo
 from .rng import RNGState
 from .stage import SnapshotStats
@@ -26,6 +27,7 @@ __all__ = [
     "IfBusy",
     "promote",
     "Retention",
+    "Signals",
     "AutoInterval",
     "RNGState",
     "SaveHandle",
