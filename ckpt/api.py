@@ -267,7 +267,10 @@ class Checkpointer:
         """Save if the policy says so (see ``every_steps``/``every_seconds``); returns at once.
 
         ``state`` is the state *after* ``step``: a restore returns ``step`` and
-        the loop continues at ``step + 1``.
+        the loop continues at ``step + 1``. Inside the ``with`` block, after a signal
+        of ``signals``: a preemption saves ``step``, waits until it is durable and
+        exits (or raises); a save request saves ``step``, waits until it is durable on
+        ``save_tier`` (at most ``save_deadline`` seconds) and returns its handle.
         """
         self._metrics.poll()
         if self._guard is not None and self._guard.active:

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import threading
 from typing import Any, Callable
 
 __all__ = ["Metrics", "save_record", "restore_record", "save_line"]
@@ -128,11 +129,12 @@ class Metrics:
         self.on_metrics = on_metrics
         self._pending: list[Any] = []
         self._records: collections.deque[Record] = collections.deque(maxlen=maxlen)
-        self.latest: dict[str, Record] = {}   # the newest "save" and "restore" records
+        self._lock = threading.Lock()   # a Checkpointer driven from two threads records each save once
 
     def track(self, handle: Any) -> None:
         """A save was issued: its record is made once it finished on every tier."""
-        self._pending.append(handle)
+        with self._lock:
+            self._pending.append(handle)
         self.poll()
 
     def restored(self, info: Any) -> None:
@@ -142,11 +144,10 @@ class Metrics:
         """Record the saves that finished since the last call, in the order they were issued."""
         if not self._pending:
             return
-        done = [h for h in self._pending if h.done()]
-        if not done:
-            return
-        finished = {id(h) for h in done}
-        self._pending = [h for h in self._pending if id(h) not in finished]
+        with self._lock:
+            done = [h for h in self._pending if h.done()]
+            finished = {id(h) for h in done}
+            self._pending = [h for h in self._pending if id(h) not in finished]
         for h in done:
             if h.status != "skipped":   # a skipped save was logged (WARNING) when it was skipped
                 log.info("%s", save_line(h))
@@ -155,13 +156,14 @@ class Metrics:
     def take(self) -> list[Record]:
         """The records made since the last call, oldest first."""
         self.poll()
-        out = list(self._records)
-        self._records.clear()
+        with self._lock:
+            out = list(self._records)
+            self._records.clear()
         return out
 
     def _emit(self, kind: str, record: Record) -> None:
-        self._records.append(record)
-        self.latest[kind] = record
+        with self._lock:
+            self._records.append(record)
         if self.on_metrics is not None:
             try:
                 self.on_metrics(dict(record))
