@@ -15,6 +15,7 @@ from .errors import LockedError
 from .export import ExportInfo, export
 from .pipeline import SaveHandle
 from .policy import AutoInterval, Retention
+from .preempt import Signals
 from .restore import RestoreInfo
 from .rng import RNGState
 from .stage import SnapshotStats
@@ -29,6 +30,7 @@ __all__ = [
     "export",
     "ExportInfo",
     "Retention",
+    "Signals",
     "AutoInterval",
     "RNGState",
     "SaveHandle",

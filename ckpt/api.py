@@ -8,7 +8,6 @@ import errno
 import logging
 import os
 import secrets
-import signal as _signal
 import threading
 import time
 import zlib
@@ -19,11 +18,13 @@ import torch
 
 from . import knobs
 from .errors import (CheckpointError, CorruptCheckpointError, IncompatibleCheckpointError, IncompleteCheckpointError,
-                     LockedError, NoCheckpointError, Preempted)
+                     LockedError, NoCheckpointError)
 from .format import COMMIT_NAME, Manifest, data_name
+from .metrics import Metrics, Record
 from .pipeline import Pipeline, SaveHandle
 from .plan import flatten, layout
 from .policy import AutoInterval, Committed, Interval, Retention, Timeline, live_and_abandoned, prune
+from .preempt import PreemptionGuard, Signals, drain, save_on_request
 from .ranks import Ranks, distributed_world
 from .restore import RestoreInfo, listing as _listing, restore as _restore
 from .stage import HostPool, Snapshot, SnapshotStats, stage, wait_all_staged
@@ -129,13 +130,22 @@ class Checkpointer:
             measured cost of recent saves and ``mtbf`` (mean time between
             failures, seconds; ``restart_cost`` seconds per failure), updated as
             measurements come in; see :meth:`interval_report`.
-        signals: e.g. ``(signal.SIGTERM,)``: inside the ``with`` block these only
-            set a flag; the next :meth:`maybe_save` forces a save, waits until it
-            is durable on ``drain_tier`` (at most ``drain_deadline`` seconds), then
-            exits with status ``128 + signal`` (``on_preempt="exit"``) or raises
-            :class:`~ckpt.errors.Preempted` (``on_preempt="raise"``). ``drain_tier="peer"``
-            (with ``peers=``) waits until the peer rank, on another node, has committed
-            this rank's copy: durable off the draining node at network speed.
+        signals: a :class:`~ckpt.Signals`: what signals do inside the ``with`` block
+            (preemption: save, make durable, exit; a save request: save, make
+            durable, keep training), e.g. ``ckpt.Signals(preempt=(signal.SIGTERM,),
+            save=(signal.SIGUSR1,))``. Or a tuple of preemption signals, e.g.
+            ``(signal.SIGTERM,)``, with ``drain_deadline``, ``drain_tier`` and
+            ``on_preempt`` (the same fields of ``Signals``: ``deadline``, ``drain_tier``,
+            ``on_preempt``): each only sets a flag; the next :meth:`maybe_save` forces
+            a save, waits until it is durable on ``drain_tier`` (at most
+            ``drain_deadline`` seconds), then exits with status ``128 + signal``
+            (``on_preempt="exit"``) or raises :class:`~ckpt.errors.Preempted`
+            (``on_preempt="raise"``). ``drain_tier="peer"`` (with ``peers=``) waits until
+            the peer rank, on another node, has committed this rank's copy: durable off
+            the draining node at network speed.
+        on_metrics: called with a flat record (``dict`` of ``str -> int | float``) after
+            each save finished on every tier and after each restore, on the thread
+            driving the Checkpointer (see :meth:`metrics` and :mod:`ckpt.metrics`).
         clock: seconds clock for ``every_seconds`` and ``interval="auto"``
             (injectable for tests).
         collective: whether the ranks of a multi-process job agree (default: when
@@ -179,10 +189,11 @@ class Checkpointer:
                  max_in_flight: int | None = None, if_busy: str | IfBusy = IfBusy.SKIP,
                  persist_every: Mapping[str, int] | None = None, host_memory_limit: int | None = None,
                  on_unsupported: str = "error", interval: str | None = None, mtbf: float | None = None,
-                 restart_cost: float = 0.0, signals: tuple = (), drain_deadline: float = 30.0,
+                 restart_cost: float = 0.0, signals: Signals | tuple = (), drain_deadline: float = 30.0,
                  drain_tier: str = "local", on_preempt: str = "exit",
                  clock: Callable[[], float] = time.monotonic, collective: bool | None = None,
-                 replicated: tuple[str, ...] | list[str] = (), peers: bool | int | None = None) -> None:
+                 replicated: tuple[str, ...] | list[str] = (), peers: bool | int | None = None,
+                 on_metrics: Callable[[Record], Any] | None = None) -> None:
         local_dir = local_dir if local_dir is not None else os.environ.get("CKPT_LOCAL_DIR")
         if local_dir is None:
             raise ValueError("Checkpointer needs a local tier: pass local_dir=... or set $CKPT_LOCAL_DIR")
@@ -206,19 +217,14 @@ class Checkpointer:
             self.interval = AutoInterval(mtbf, restart_cost, clock=clock)
         else:
             raise ValueError(f"interval must be None or 'auto', got {interval!r}")
-        if drain_tier not in ("local", "remote", "peer") or (drain_tier == "remote" and url is None) \
-                or (drain_tier == "peer" and not peers):
-            raise ValueError(f"drain_tier must be 'local', 'remote' together with a url, or 'peer' together with "
-                             f"peers=; got {drain_tier!r}")
-        if on_preempt not in ("exit", "raise"):
-            raise ValueError(f"on_preempt must be 'exit' or 'raise', got {on_preempt!r}")
-        if signals and not drain_deadline > 0:
-            raise ValueError(f"drain_deadline must be a positive number of seconds, got {drain_deadline!r}")
-        self.drain_deadline = drain_deadline
-        self.drain_tier = drain_tier
-        self.on_preempt = on_preempt
-        self._signals = tuple(signals)
-        self._guard = None
+        self.signals = Signals.from_arguments(signals, drain_deadline, drain_tier, on_preempt)
+        self.signals.check_tiers(url is not None, bool(peers))
+        self.drain_deadline = self.signals.deadline
+        self.drain_tier = self.signals.drain_tier
+        self.on_preempt = self.signals.on_preempt
+        self._guard: PreemptionGuard | None = None
+        self._forcing = False   # a signal's save: never skipped (if_busy="skip"), it waits for a buffer
+        self._metrics = Metrics(on_metrics)
         self.on_unsupported = on_unsupported
         self.local = local_dir if isinstance(local_dir, LocalTier) else LocalTier(local_dir)
         # An unreachable store does not stop a job from resuming from its nearer tiers (each save retries
@@ -275,11 +281,7 @@ class Checkpointer:
 
     # -- context manager ----------------------------------------------------------------------------
     def __enter__(self) -> "Checkpointer":
-        if self._signals:
-            from .integrations.signals import PreemptionGuard
-
-            self._guard = PreemptionGuard(self._signals)
-            self._guard.install()
+        self._listen()
         return self
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
@@ -287,20 +289,41 @@ class Checkpointer:
             # a block that raised keeps the memory tier in RAM for the process that resumes
             self.close(raise_errors=exc_type is None, keep_memory=exc_type is not None)
         finally:
-            if self._guard is not None:
-                self._guard.uninstall()
+            self._unlisten()
+
+    def _listen(self, preempt: bool = True) -> None:
+        """Install the handlers of ``signals`` (main thread only); ``preempt=False``: the save requests
+        only (for a framework that handles preemption itself, as Lightning does)."""
+        wanted = (self.signals.preempt if preempt else ()), self.signals.save
+        if self._guard is None and any(wanted):
+            self._guard = PreemptionGuard(*wanted)
+            self._guard.install()
+
+    def _unlisten(self) -> None:
+        guard, self._guard = self._guard, None
+        if guard is not None:
+            guard.uninstall()
 
     # -- saving ---------------------------------------------------------------------------------------
     def maybe_save(self, step: int, state: Mapping[str, Any]) -> SaveHandle | None:
         """Save if the policy says so (see ``every_steps``/``every_seconds``); returns at once.
 
         ``state`` is the state *after* ``step``: a restore returns ``step`` and
-        the loop continues at ``step + 1``.
+        the loop continues at ``step + 1``. Inside the ``with`` block, after a signal
+        of ``signals``: a preemption saves ``step``, waits until it is durable and
+        exits (or raises); a save request saves ``step``, waits until it is durable on
+        ``save_tier`` (at most ``save_deadline`` seconds) and returns its handle.
         """
+        self._metrics.poll()
         if self._guard is not None and self._guard.active:
-            signum = self._guard.agreed(self.ranks)   # collective when torch.distributed is initialised
-            if signum:
-                self._drain(step, state, signum)
+            preempt, requested = self._guard.poll(self.ranks)   # collective over the ranks' CPU group
+            if preempt:   # wins over a save request
+                drain(lambda: self._forced_save(step, state, self.signals.drain_tier), step, preempt, self.signals,
+                      self._guard)
+            if requested:
+                self._guard.save_requested = None   # a request arriving from here on asks for another save
+                return save_on_request(lambda: self._forced_save(step, state, self.signals.save_tier), step,
+                                       requested, self.signals)
         if not self._prepared:
             self._prepare(state)
         due = self.interval.due(step)
@@ -328,27 +351,26 @@ class Checkpointer:
         """The preemption signal received (``None`` if none)."""
         return None if self._guard is None else self._guard.received
 
-    def _drain(self, step: int, state: Mapping[str, Any], signum: int) -> None:
-        name = _signal.Signals(signum).name
-        t0 = time.perf_counter()
-        log.warning("%s received: saving step %d and making it durable on the %s tier within %.0f s",
-                    name, step, self.drain_tier, self.drain_deadline)
-        durable = False
+    @property
+    def save_requested(self) -> int | None:
+        """The save signal received and not yet served by a save (``None`` if none)."""
+        return None if self._guard is None else self._guard.save_requested
+
+    def _forced_save(self, step: int, state: Mapping[str, Any], tier: str) -> SaveHandle:
+        """A signal's save: it waits for a buffer rather than being skipped, and ``tier`` writes it even
+        when busy or not due (``"peer"`` rides with the local tier)."""
+        self._forcing = True
         try:
-            handle = self._save(step, state, force="local" if self.drain_tier == "peer" else self.drain_tier)
-            handle.wait(self.drain_tier, timeout=max(0.0, self.drain_deadline - (time.perf_counter() - t0)))
-            durable = True
-            log.warning("step %d is durable on the %s tier after %.2f s; exiting", step, self.drain_tier,
-                        time.perf_counter() - t0)
-        except TimeoutError:
-            log.error("step %d was not durable on the %s tier within drain_deadline=%.0f s", step,
-                      self.drain_tier, self.drain_deadline)
-        except Exception as e:
-            log.error("the preemption save of step %d failed: %s", step, e)
-        self._guard.chain(signum)
-        if self.on_preempt == "raise":
-            raise Preempted(signum, step, durable)
-        raise SystemExit(128 + signum)
+            return self._save(step, state, force="local" if tier == "peer" else tier)
+        finally:
+            self._forcing = False
+
+    def metrics(self) -> list[Record]:
+        """The records (:mod:`ckpt.metrics`) of the saves that finished on every tier and the restores
+        since the last call, oldest first: flat dicts of ``str -> int | float`` (``ckpt/save/stall_ms``,
+        ``ckpt/save/local_gbps``, ``ckpt/restore/seconds``, ...) for TensorBoard, W&B or a Lightning
+        logger. At most the newest 1000 are kept between calls."""
+        return self._metrics.take()
 
     def interval_report(self) -> dict[str, float | None]:
         """With ``interval="auto"``: the current interval, measured cost, MTBF and expected fraction lost."""
@@ -387,7 +409,7 @@ class Checkpointer:
         stats = SnapshotStats(step, nbytes=data_bytes)
         handle = SaveHandle(step, self.tiers, stats)
         t_wait = time.perf_counter()
-        wait = self.if_busy is IfBusy.WAIT
+        wait = self.if_busy is IfBusy.WAIT or self._forcing
         pipe = self._pipeline
         busy = dict.fromkeys(pipe.tiers, 0)
         if not self._prepared_sync and not self.pool.buffers:
@@ -408,6 +430,7 @@ class Checkpointer:
                         self.pool.slots, "" if self.ranks is None else " on this rank or another")
             handle._skip()
             stats.stall_s = time.perf_counter() - t0
+            self._metrics.track(handle)
             return handle
         shared = [i for i, e in enumerate(plan.entries)
                   if not e.sharded and e.key.split("/", 1)[0] in self.replicated] if self.replicated else []
@@ -434,6 +457,7 @@ class Checkpointer:
         with self._lock:
             self._handles = [h for h in self._handles if not h.done()] + [handle]
         self.history.append(stats)
+        self._metrics.track(handle)
         return handle
 
     def wait_staged(self) -> None:
@@ -455,6 +479,7 @@ class Checkpointer:
             handles = list(self._handles)
         for h in handles:
             h._wait_quietly(tier)   # failures are raised below
+        self._metrics.poll()
         self._raise_failures(include_seen=True)
 
     # -- restoring ------------------------------------------------------------------------------------
@@ -491,6 +516,8 @@ class Checkpointer:
             restored = None if info is None else Committed(info.step, info.timeline)
             self._use_timeline(_resume_timeline(restored, [e for e, _ in listed]))
         self.last_restore = info
+        if info is not None:
+            self._metrics.restored(info)
         return None if info is None else info.step
 
     @property
@@ -798,6 +825,7 @@ class Checkpointer:
             self._disown()   # every write is over: another process may own local_dir now
         with self._lock:
             self._handles = []
+        self._metrics.poll()
         if raise_errors:
             self._raise_failures()
 

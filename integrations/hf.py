@@ -148,7 +148,10 @@ class CheckpointCallback(TrainerCallback):
     SIGTERM (with the Checkpointer's ``signals``): the next boundary saves the
     last completed step whatever the policy, waits until it is durable on
     ``drain_tier`` and exits with status ``128 + signal`` (or raises
-    :class:`ckpt.Preempted` with ``on_preempt="raise"``).
+    :class:`ckpt.Preempted` with ``on_preempt="raise"``). A save request
+    (``signals=ckpt.Signals(save=(signal.SIGUSR1,))``, which keeps SIGTERM as
+    the preemption signal) makes the next boundary save the last completed step
+    and wait until it is durable on ``save_tier``; training goes on.
 
     Not supported: DeepSpeed and FSDP (their weights and optimizer are loaded
     by their own engines), and several processes (``torchrun``): ``attach``

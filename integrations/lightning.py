@@ -799,7 +799,11 @@ class CheckpointCallback(Callback):
     ``trainer.received_sigterm`` is set, the callback saves that step
     whatever the policy (at the batch end, or in ``on_exception`` when the
     signal came after this callback's batch end) and blocks until the
-    checkpoint is durable, before Lightning stops the run. With
+    checkpoint is durable, before Lightning stops the run (Lightning handles
+    SIGTERM itself: the Checkpointer's preemption signals are not installed).
+    Save requests (``signals=ckpt.Signals(save=(signal.SIGUSR2,))``) are: from
+    the start of training to its end, such a signal makes the next batch end
+    save durably and training goes on. With
     ``save_on_train_end`` the final state is saved too (at the last batch end
     when ``max_steps`` stops the run, so a longer run continues that epoch
     exactly). ``teardown`` waits for every save and raises the first failure.
@@ -871,6 +875,7 @@ class CheckpointCallback(Callback):
         self._last_seen_step = -1
         self._last_saved_step = -1
         self._last_batch_stepped = False
+        self._listening = False   # this callback installed the Checkpointer's save-request handlers
 
     @property
     def checkpointer(self) -> Checkpointer:
@@ -980,6 +985,15 @@ class CheckpointCallback(Callback):
         self._last_seen_step = trainer.global_step
         if self._rng_to_load is not None:
             self._load_rng()
+        ck = self.checkpointer
+        if ck.signals.save and ck._guard is None:   # after Lightning's own handlers; SIGTERM stays Lightning's
+            ck._listen(preempt=False)
+            self._listening = True
+
+    def _unlisten(self) -> None:
+        if self._listening and self._ck is not None:
+            self._ck._unlisten()   # before Lightning reinstalls the handlers it found
+        self._listening = False
 
     def _load_rng(self) -> None:
         assert self._rng_to_load is not None
@@ -1014,12 +1028,14 @@ class CheckpointCallback(Callback):
             self._last_saved_step = step
 
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._unlisten()
         if self.save_on_train_end and trainer.global_step != self._last_saved_step and trainer.global_step > 0:
             self.checkpointer.save(trainer.global_step, self._state(trainer, pl_module))
             self._last_saved_step = trainer.global_step
         self.checkpointer.wait()
 
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
+        self._unlisten()
         if self._ck is None:
             return
         # Lightning checks received_sigterm right after the batch-end hooks and stops the run by raising
@@ -1042,6 +1058,7 @@ class CheckpointCallback(Callback):
             log.error("CheckpointCallback: a save failed while the run was stopping: %s", e)
 
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        self._unlisten()
         if self._ck is None:
             return
         if self._owned:

@@ -1,14 +1,20 @@
-"""Child side of the preemption tests: the demo's training loop with SIGTERM handling.
+"""Child side of the signal tests: the demo's training loop with signal handling.
 
-``python preempt_worker.py DIR STEPS [RANK WORLD]``: trains the demo model for
-STEPS steps (50 ms each at least), prints ``step N`` after each, checkpoints only when preempted
-(every_steps is larger than the run), restores first if DIR has a checkpoint,
-and prints ``final <sha256>`` at the end. With RANK and WORLD it joins a gloo
-process group first (MASTER_ADDR / MASTER_PORT from the environment).
+``python preempt_worker.py DIR STEPS [RANK WORLD] [--save-on SIG]``: trains the demo model for STEPS
+steps (50 ms each at least), prints ``step N <sha256 of the model>`` after each, checkpoints only when
+a signal asks (every_steps is larger than the run), restores first if DIR has a checkpoint, and
+prints ``final <sha256>`` at the end. With RANK and WORLD it joins a gloo process group first
+(MASTER_ADDR / MASTER_PORT from the environment).
+
+Without ``--save-on`` SIGTERM preempts (``signals=(signal.SIGTERM,)``: the keyword form). With
+``--save-on USR1`` the config is ``ckpt.Signals(save=(SIGUSR1,))`` (SIGTERM still preempts): the
+loop prints ``saved N <status> <sha256 of the model>`` when ``maybe_save`` returns a handle, logs at
+INFO, and trains on.
 """
 
 from __future__ import annotations
 
+import logging
 import signal
 import sys
 import time
@@ -20,20 +26,32 @@ from ckpt.demo import _build, _digest, _train_step
 
 
 def main() -> None:
-    local_dir, steps = sys.argv[1], int(sys.argv[2])
-    if len(sys.argv) > 3:
-        torch.distributed.init_process_group("gloo", rank=int(sys.argv[3]), world_size=int(sys.argv[4]))
+    args = sys.argv[1:]
+    save_on = None
+    if "--save-on" in args:
+        i = args.index("--save-on")
+        save_on = signal.Signals["SIG" + args[i + 1]]
+        del args[i:i + 2]
+    local_dir, steps = args[0], int(args[1])
+    if len(args) > 2:
+        torch.distributed.init_process_group("gloo", rank=int(args[2]), world_size=int(args[3]))
+    if save_on is None:
+        options = dict(signals=(signal.SIGTERM,), drain_deadline=60)
+    else:
+        logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+        options = dict(signals=ckpt.Signals(save=(save_on,), deadline=60))
     state = _build(torch.device("cpu"), 64)
-    with ckpt.Checkpointer(local_dir=local_dir, every_steps=10**9, signals=(signal.SIGTERM,),
-                           drain_deadline=60) as ck:
+    with ckpt.Checkpointer(local_dir=local_dir, every_steps=10**9, **options) as ck:
         last = ck.restore(state)
         print(f"restored {last}", flush=True)
         for step in range(1 if last is None else last + 1, steps + 1):
             _train_step(state)
             time.sleep(0.05)   # a step of realistic length, so the signal lands mid-run
             state["step"] = step
-            ck.maybe_save(step, state)
-            print(f"step {step}", flush=True)
+            handle = ck.maybe_save(step, state)
+            if handle is not None:
+                print(f"saved {step} {handle.status} {_digest(state['model'])}", flush=True)
+            print(f"step {step} {_digest(state['model'])}", flush=True)
     print(f"final {_digest(state['model'])}", flush=True)
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()

@@ -1,0 +1,295 @@
+"""Signals: a preemption that saves and exits, and a requested save that keeps training.
+
+Two kinds of signal reach a training process from outside:
+
+* a **preemption** (SIGTERM before a node drains, a scheduler's time limit): save the step that
+  just ended, wait until it is durable, exit (status ``128 + signal``) or raise
+  :class:`~ckpt.errors.Preempted`;
+* a **save request** (SIGUSR1 from an operator before planned maintenance, from
+  ``kubectl exec`` or ``scancel --signal``): save the step that just ended, wait until it is
+  durable, log it and *go on training*.
+
+:class:`Signals` holds both configurations (the ``signals=`` argument of
+:class:`~ckpt.Checkpointer`). :class:`PreemptionGuard` installs handlers that do nothing but
+record the signal (the interpreter runs them between two bytecodes of the main thread, where
+no real work is safe). The work happens at the next step boundary,
+``Checkpointer.maybe_save``: the ranks of a multi-process job agree with one small integer
+collective on the CPU group (so every rank saves the same step even when the signal reached
+one of them), then :func:`drain` or :func:`save_on_request` runs. A preemption wins over a save
+request that arrives with it. Previous handlers are reinstalled when the ``with`` block ends;
+a preemption calls the previous handler of its signal (a Python callable) before exiting.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import signal
+import threading
+import time
+from types import FrameType
+from typing import Any, Callable, Iterable, NoReturn, Sequence
+
+import torch
+
+from .errors import CheckpointError, Preempted
+
+__all__ = ["Signals", "PreemptionGuard", "drain", "save_on_request"]
+
+log = logging.getLogger(__name__)
+
+_TIERS = ("local", "remote", "peer")
+_UNCATCHABLE = {signal.SIGKILL, signal.SIGSTOP}
+
+
+def _signal_tuple(values: Iterable[int | signal.Signals], argument: str) -> tuple[signal.Signals, ...]:
+    if isinstance(values, (int, str)):
+        raise TypeError(f"{argument} must be a tuple of signals, e.g. (signal.SIGTERM,); got {values!r}")
+    out = []
+    for v in values:
+        try:
+            s = signal.Signals(v)
+        except (ValueError, TypeError):
+            raise ValueError(f"{argument}: {v!r} is not a signal number of this platform") from None
+        if s in _UNCATCHABLE:
+            raise ValueError(f"{argument}: {s.name} cannot be caught by any process; pick another signal")
+        if s not in out:
+            out.append(s)
+    return tuple(out)
+
+
+@dataclasses.dataclass(frozen=True)
+class Signals:
+    """What the signals a training process receives do (``Checkpointer(signals=ckpt.Signals(...))``).
+
+    Inside the Checkpointer's ``with`` block each listed signal only sets a flag; the next
+    :meth:`~ckpt.Checkpointer.maybe_save` acts on it (on every rank of a multi-process job, when
+    any rank received it: ``maybe_save`` is then collective at every step).
+
+    Args:
+        preempt: signals that mean "this process is about to be stopped": the next ``maybe_save``
+            saves its step whatever the policy, waits until it is durable on ``drain_tier`` (at
+            most ``deadline`` seconds) and exits with status ``128 + signal`` (``on_preempt="exit"``)
+            or raises :class:`~ckpt.errors.Preempted` (``on_preempt="raise"``). Default: SIGTERM.
+        save: signals that mean "save now and keep training" (``(signal.SIGUSR1,)``, say): the next
+            ``maybe_save`` saves its step whatever the policy, waits until it is durable on
+            ``save_tier`` (at most ``save_deadline`` seconds), logs it and returns the save's handle;
+            training goes on. Signals that arrive before the save is taken make one save; one that
+            arrives later (during the wait, say) asks for another at the next step. Default: none.
+        drain_tier: where a preemption save must land: ``"local"``, ``"remote"`` (needs the
+            Checkpointer's ``url``) or ``"peer"`` (needs ``peers=``: the peer rank on another node has
+            committed this rank's copy).
+        deadline: seconds a preemption waits for its save to become durable before it exits anyway
+            (logged; the step may then not be durable). Budget it inside the scheduler's grace period.
+        on_preempt: ``"exit"`` or ``"raise"``.
+        save_tier: where a requested save must land (the same choices as ``drain_tier``).
+        save_deadline: seconds a requested save may hold the training loop (default: ``deadline``).
+            When it passes, the loop goes on and the save keeps persisting in the background (logged).
+
+    A signal may be listed in ``preempt`` or in ``save``, not both. SIGKILL and SIGSTOP cannot be
+    caught. Python installs handlers only in the main thread: enter the ``with`` block there.
+    """
+
+    preempt: tuple[int | signal.Signals, ...] = (signal.SIGTERM,)
+    save: tuple[int | signal.Signals, ...] = ()
+    drain_tier: str = "local"
+    deadline: float = 30.0
+    on_preempt: str = "exit"
+    save_tier: str = "local"
+    save_deadline: float | None = None
+
+    def __post_init__(self) -> None:
+        preempt = _signal_tuple(self.preempt, "Signals(preempt=...)")
+        save = _signal_tuple(self.save, "Signals(save=...)")
+        both = [s.name for s in preempt if s in save]
+        if both:
+            raise ValueError(f"{both} listed in both Signals(preempt=...) and Signals(save=...): a signal either "
+                             "stops the run or saves and goes on; list it in one of them")
+        object.__setattr__(self, "preempt", preempt)
+        object.__setattr__(self, "save", save)
+        for name in ("drain_tier", "save_tier"):
+            if getattr(self, name) not in _TIERS:
+                raise ValueError(f"{name} must be 'local', 'remote' (with a url) or 'peer' (with peers=); "
+                                 f"got {getattr(self, name)!r}")
+        if self.on_preempt not in ("exit", "raise"):
+            raise ValueError(f"on_preempt must be 'exit' or 'raise', got {self.on_preempt!r}")
+        if self.save_deadline is None:
+            object.__setattr__(self, "save_deadline", self.deadline)
+        for name in ("deadline", "save_deadline"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+                raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
+
+    @classmethod
+    def from_arguments(cls, signals: "Signals | Sequence[int]", drain_deadline: float, drain_tier: str,
+                       on_preempt: str) -> "Signals":
+        """The configuration from ``Checkpointer``'s arguments: a :class:`Signals`, or the keyword form
+        (``signals=(signal.SIGTERM,), drain_deadline=..., drain_tier=..., on_preempt=...``), whose
+        signals are preemption signals. Given a :class:`Signals`, the keyword options must keep their
+        defaults (each is a field of it)."""
+        if isinstance(signals, Signals):
+            given = [n for n, v, default in (("drain_deadline", drain_deadline, 30.0), ("drain_tier", drain_tier,
+                     "local"), ("on_preempt", on_preempt, "exit")) if v != default]
+            if given:
+                raise ValueError(f"{given} given beside signals=ckpt.Signals(...): set them inside it "
+                                 "(ckpt.Signals(deadline=..., drain_tier=..., on_preempt=...))")
+            return signals
+        preempt = _signal_tuple(signals, "signals")
+        if not preempt:
+            # nothing to drain: the deadline is never used, so (as always) it is not checked either
+            try:
+                usable = not isinstance(drain_deadline, bool) and drain_deadline > 0
+            except TypeError:
+                usable = False
+            drain_deadline = drain_deadline if usable else 30.0
+        return cls(preempt=preempt, drain_tier=drain_tier, deadline=drain_deadline, on_preempt=on_preempt)
+
+    def check_tiers(self, has_url: bool, has_peers: bool) -> None:
+        """Refuse a tier the Checkpointer does not have (``ValueError`` naming the argument)."""
+        for name, tier in (("drain_tier", self.drain_tier), ("save_tier", self.save_tier)):
+            if (tier == "remote" and not has_url) or (tier == "peer" and not has_peers):
+                raise ValueError(f"{name} must be 'local', 'remote' together with a url, or 'peer' together with "
+                                 f"peers=; got {tier!r}")
+
+    @property
+    def handled(self) -> tuple[signal.Signals, ...]:
+        """Every signal handled."""
+        return self.preempt + self.save
+
+
+class PreemptionGuard:
+    """Installs flag-only handlers while active: ``signals`` (preemption) set :attr:`received`,
+    ``save`` set :attr:`save_requested`."""
+
+    def __init__(self, signals: Sequence[int | signal.Signals], save: Sequence[int | signal.Signals] = ()) -> None:
+        self.signals = _signal_tuple(signals, "signals")
+        self.save = _signal_tuple(save, "save signals")
+        self.received: int | None = None          # the first preemption signal
+        self.save_requested: int | None = None    # a save request not yet served
+        self._previous: dict[signal.Signals, Any] = {}
+
+    @property
+    def active(self) -> bool:
+        return bool(self._previous)
+
+    def install(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            raise RuntimeError("Checkpointer(signals=...) installs signal handlers, which Python allows only in "
+                               "the main thread: enter the `with` block there, or pass signals=()")
+        try:
+            for s in self.signals + self.save:
+                self._previous[s] = signal.getsignal(s)
+                signal.signal(s, self._handler)
+        except BaseException:
+            self.uninstall()
+            raise
+
+    def uninstall(self) -> None:
+        for s, prev in self._previous.items():
+            signal.signal(s, prev if prev is not None else signal.SIG_DFL)
+        self._previous = {}
+
+    def _handler(self, signum: int, frame: FrameType | None) -> None:
+        # nothing heavy in a signal handler: the step boundary does the work
+        if signum in self.save:
+            if self.save_requested is None:
+                self.save_requested = signum
+        elif self.received is None:
+            self.received = signum
+
+    def poll(self, ranks: Any = None) -> tuple[int | None, int | None]:
+        """``(preemption signal, save request)`` that any rank received, ``None`` for neither. Over
+        ``ranks`` (a :class:`ckpt.ranks.Ranks`: one all-reduce of two integers on the CPU group) when
+        given, collective then; else this process's own."""
+        preempt, save = self.received or 0, self.save_requested or 0
+        if ranks is not None:
+            preempt, save = ranks.max([preempt, save])
+        if preempt and self.received is None:
+            self.received = preempt
+        return preempt or None, save or None
+
+    def agreed(self, ranks: Any = None) -> int | None:
+        """The preemption signal any rank received (``None`` if none). Collective when torch.distributed
+        is initialised: over ``ranks`` (a :class:`ckpt.ranks.Ranks`, CPU only) when given, else one
+        all-reduce on the default group."""
+        if ranks is not None:
+            return self.poll(ranks)[0]
+        local = self.received or 0
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            backend = torch.distributed.get_backend()
+            device = "cuda" if backend == "nccl" else "cpu"
+            flag = torch.tensor([local], dtype=torch.int32, device=device)
+            torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+            local = int(flag.item())
+        if local and self.received is None:
+            self.received = local
+        return local or None
+
+    def chain(self, signum: int) -> None:
+        """Call the handler that was installed before ours, if it was a Python callable."""
+        prev = self._previous.get(signal.Signals(signum))
+        if callable(prev):
+            prev(signum, None)
+
+
+def _durable(handle: Any, tier: str, deadline: float, t0: float) -> tuple[bool, BaseException | None]:
+    """Wait (until ``t0 + deadline``) for ``handle`` to finish ``tier``: (finished in time, its error).
+    The error stays unseen, so ``Checkpointer.wait()`` / ``close()`` still raise it."""
+    try:
+        error = handle._wait_quietly(tier, timeout=max(0.0, deadline - (time.perf_counter() - t0)))
+    except TimeoutError:
+        return False, None
+    if error is None and handle.status == "skipped":   # forced saves wait for a buffer; never count a skip
+        error = CheckpointError(f"the save of step {handle.step} was skipped")
+    return True, error
+
+
+def drain(save: Callable[[], Any], step: int, signum: int, config: Signals, guard: PreemptionGuard) -> NoReturn:
+    """The preemption: ``save()`` (which saves ``step``), wait until it is durable on
+    ``config.drain_tier`` within ``config.deadline``, call the signal's previous handler, then exit
+    with ``128 + signum`` or raise :class:`~ckpt.errors.Preempted`."""
+    name = signal.Signals(signum).name
+    t0 = time.perf_counter()
+    log.warning("%s received: saving step %d and making it durable on the %s tier within %.0f s",
+                name, step, config.drain_tier, config.deadline)
+    durable = False
+    try:
+        done, error = _durable(save(), config.drain_tier, config.deadline, t0)
+        if not done:
+            log.error("step %d was not durable on the %s tier within the drain deadline of %.0f s", step,
+                      config.drain_tier, config.deadline)
+        elif error is not None:
+            log.error("the preemption save of step %d failed: %s", step, error)
+        else:
+            durable = True
+            log.warning("step %d is durable on the %s tier after %.2f s; exiting", step, config.drain_tier,
+                        time.perf_counter() - t0)
+    except Exception as e:
+        log.error("the preemption save of step %d failed: %s", step, e)
+    guard.chain(signum)
+    if config.on_preempt == "raise":
+        raise Preempted(signum, step, durable)
+    raise SystemExit(128 + signum)
+
+
+def save_on_request(save: Callable[[], Any], step: int, signum: int, config: Signals) -> Any:
+    """A requested save: ``save()`` (which saves ``step``), wait until it is durable on
+    ``config.save_tier`` within ``config.save_deadline``, log the outcome and return the handle.
+    A failure is logged (and stays on the handle for ``Checkpointer.wait()`` / ``close()``), never
+    raised here: the signal came from outside the program, which goes on training."""
+    name = signal.Signals(signum).name
+    t0 = time.perf_counter()
+    log.info("%s received: saving step %d and waiting until it is durable on the %s tier (at most %.0f s)",
+             name, step, config.save_tier, config.save_deadline)
+    handle = save()
+    done, error = _durable(handle, config.save_tier, config.save_deadline, t0)
+    if not done:
+        log.warning("the save of step %d requested by %s is not durable on the %s tier after %.0f s; training "
+                    "goes on while it persists", step, name, config.save_tier, config.save_deadline)
+    elif error is not None:
+        log.error("the save of step %d requested by %s failed on the %s tier: %s; training goes on", step, name,
+                  config.save_tier, error)
+    else:
+        log.info("step %d (requested by %s) is durable on the %s tier after %.2f s; training goes on", step, name,
+                 config.save_tier, time.perf_counter() - t0)
+    return handle
