@@ -16,6 +16,7 @@ import os
 import sys
 import time
 import traceback
+from pathlib import Path
 from typing import Any, Iterator
 
 __all__ = ["main"]
@@ -138,6 +139,10 @@ def _ls(args: argparse.Namespace) -> int:
     branch of a rollback (``ckpt.policy.live_and_abandoned``); with ``--url``, those of the local and
     the remote tier together. Each row says which tiers hold the checkpoint, its size and age, and the
     one a restore would pick is marked."""
+    if args.memory:
+        return _ls_memory(args)
+    if args.dir is None:
+        raise _UsageError("ls: give a local_dir or URL (or --memory)")
     if args.dcp:
         return _ls_dcp(args)
     from .policy import live_and_abandoned
@@ -146,6 +151,13 @@ def _ls(args: argparse.Namespace) -> int:
         raise _UsageError(f"ls: --url {args.url}: {args.dir} is a URL already; give the local_dir first "
                           "(ckpt ls LOCAL_DIR --url URL)")
     tiers = [_tier(args.dir, args.storage_options)]
+    if tiers[0].name == "local":   # the snapshots its memory tier left in shared memory come first
+        from .stage import HostPool
+        from .tiers.memory import MemoryTier, space_for
+
+        space = space_for(args.dir, 0)
+        if space is not None:
+            tiers.insert(0, MemoryTier(HostPool(1, None, pin=False), space))
     if args.url is not None:
         tiers.append(_tier(args.url, args.storage_options))
     listed = [(e, t) for t in tiers for e in t.committed()]
@@ -190,6 +202,12 @@ def _step_info(tier: Any, step: int) -> dict[str, Any]:
     """Size, commit time, ranks and path of ``step`` on ``tier`` (what can be read of it)."""
     from .errors import CheckpointError
 
+    if tier.name == "memory":
+        rec = tier._record(step, None)
+        if rec is None:
+            return {}
+        return {"path": str(Path(rec.path).with_name(rec.buffer)), "bytes": rec.manifest.data_bytes,
+                "committed_unix": rec.created_unix, "world_size": 1}
     d = tier.step_dir(step)
     if tier.name == "remote":   # sizes and time from the commit record: one read per step
         d = tier.fs.unstrip_protocol(d)   # the URL, as it is given to a Checkpointer or to ckpt
@@ -217,7 +235,10 @@ def _restore_pick(live: list[Any], listed: list[tuple[Any, Any]]) -> tuple[tuple
             if x.key != e.key:
                 continue
             try:
-                if tier.name == "remote":
+                if tier.name == "memory":
+                    if tier.manifest(e.step, e.timeline) is None:
+                        continue
+                elif tier.name == "remote":
                     tier.read_manifests(e.step, tier.read_commit(e.step))
                 else:
                     tier.open(e.step)
@@ -225,6 +246,70 @@ def _restore_pick(live: list[Any], listed: list[tuple[Any, Any]]) -> tuple[tuple
                 continue
             return e.key, tier
     return None
+
+
+def _memory_groups(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """The memory tier's segments on this node (those of ``args.dir`` when given), with their owner."""
+    from . import shm
+    from .tiers.local import owned
+
+    key = None
+    if args.dir is not None:
+        if "://" in args.dir:
+            raise _UsageError(f"--memory: {args.dir} is a URL; the memory tier belongs to a local_dir")
+        key = shm.prefix_for(args.dir, 0).rsplit("-r", 1)[0]   # every rank's segments of that local_dir
+    out = []
+    for g in shm.segments():
+        local_dir = g.local_dir
+        if key is not None and g.prefix.rsplit("-r", 1)[0] != key:
+            continue
+        alive = local_dir is not None and owned(local_dir)
+        out.append({"prefix": g.prefix, "local_dir": local_dir, "bytes": g.nbytes, "owned": alive,
+                    "steps": sorted(r.step for r in g.records), "files": [str(f) for f in g.files]})
+    return out
+
+
+def _ls_memory(args: argparse.Namespace) -> int:
+    from . import shm
+
+    rows = _memory_groups(args)
+    if args.json:
+        print(json.dumps(rows, indent=1))
+        return 0
+    root = shm.shm_root()
+    if root is None:
+        print("no RAM file system for the memory tier here (/dev/shm, $CKPT_SHM_DIR), or CKPT_SHM=0")
+        return 0
+    print(f"{'RAM':>10}  {'owner':<8} {'snapshots':<16} local_dir")
+    for r in rows:
+        steps = ",".join(map(str, r["steps"])) or "-"
+        print(f"{_size(r['bytes']):>10}  {'live' if r['owned'] else 'none':<8} {steps:<16} "
+              f"{r['local_dir'] or '? (no readable record: ' + r['prefix'] + ')'}")
+    print(f"{len(rows)} segment group(s) in {root}, {_size(sum(r['bytes'] for r in rows))} of RAM"
+          + ("; `ckpt gc --memory` frees those with no live owner" if any(not r["owned"] for r in rows) else ""))
+    return 0
+
+
+def _gc_memory(args: argparse.Namespace, verb: str) -> int:
+    """Free the RAM of memory-tier segments whose local tier no live process owns (the snapshots a
+    crashed job left); with ``dir``, those of that local_dir, refused while it is owned."""
+    from . import shm
+
+    rows = _memory_groups(args)
+    if args.dir is not None and any(r["owned"] for r in rows):
+        raise _Failure(f"gc --memory: {args.dir} is owned by a live process, which uses its segments; stop it "
+                       "(or let it close()) first")
+    freed = 0
+    for r in rows:
+        if r["owned"]:
+            continue
+        if not args.dry_run:
+            freed += shm.free(prefix=r["prefix"])
+        else:
+            freed += r["bytes"]
+        print(f"{verb} {_size(r['bytes'])} of memory-tier segments of {r['local_dir'] or r['prefix']}")
+    print(f"{verb} {_size(freed)} of RAM in all")
+    return 0
 
 
 def _age(seconds: float | None) -> str:
@@ -316,6 +401,10 @@ def _gc(args: argparse.Namespace) -> int:
     from .errors import CheckpointError, NoCheckpointError
 
     verb = "would remove" if args.dry_run else "removed"
+    if args.memory:
+        return _gc_memory(args, verb)
+    if args.dir is None:
+        raise _UsageError("gc: give a local_dir or URL (or --memory)")
     if args.dcp:
         from .integrations.dcp import prune as prune_dcp
 
@@ -432,7 +521,8 @@ _EXAMPLES = {
   ckpt ls /mnt/nvme/ckpt
   ckpt ls /mnt/nvme/ckpt --url s3://bucket/run     both tiers: which holds what, which a restore picks
   ckpt ls s3://bucket/run --storage-options '{"endpoint_url": "http://127.0.0.1:9000"}'
-  ckpt ls /mnt/nvme/ckpt --json | jq '.[] | select(.restore) | .step'""",
+  ckpt ls /mnt/nvme/ckpt --json | jq '.[] | select(.restore) | .step'
+  ckpt ls --memory                   the memory tier's shared-memory segments on this node: RAM, owner""",
     "inspect": """examples:
   ckpt inspect /mnt/nvme/ckpt                newest step: its tensors, dtypes and shapes
   ckpt inspect s3://bucket/run --step 1200 --rank 3""",
@@ -442,7 +532,9 @@ _EXAMPLES = {
   ckpt verify /mnt/nvme/ckpt --json""",
     "gc": """examples:
   ckpt gc /mnt/nvme/ckpt --keep 2 --dry-run  what would go
-  ckpt gc s3://bucket/run --keep 5""",
+  ckpt gc s3://bucket/run --keep 5
+  ckpt gc --memory                           free the RAM of segments no live process owns
+  ckpt gc --memory /mnt/nvme/ckpt            free that local_dir's segments (refused while it is owned)""",
     "promote": """examples:
   ckpt promote /mnt/nvme/ckpt s3://bucket/run --step 1200 --to remote
   ckpt promote /mnt/nvme/ckpt s3://bucket/run --step 1200 --to local""",
@@ -509,8 +601,8 @@ def _parser() -> argparse.ArgumentParser:
                                ("gc", _gc, "delete all but the newest committed checkpoints (keeping the newest "
                                            "that verifies)")):
         q = command(name, helptext)
-        q.add_argument("dir", help="local tier directory (local_dir), or a remote tier URL (every rank's files "
-                                   "of a job tier)")
+        q.add_argument("dir", nargs="?" if name in ("ls", "gc") else None,
+                       help="local tier directory (local_dir), or a remote tier URL (every rank's files of a job tier)")
         q.add_argument("--json", action="store_true", help="machine-readable output")
         q.add_argument("--storage-options", type=_json_object, default=None,
                        help="JSON object passed to fsspec (for a URL)")
@@ -519,6 +611,10 @@ def _parser() -> argparse.ArgumentParser:
         if name in ("ls", "verify", "gc"):
             q.add_argument("--dcp", action="store_true", help="checkpoints written by dcp.save through "
                                                               "ckpt.integrations.dcp (named by checkpoint id)")
+        if name in ("ls", "gc"):
+            q.add_argument("--memory", action="store_true",
+                           help="the memory tier's shared-memory segments (/dev/shm) on this node: every one, or "
+                                "those of dir" + (" (freed only when no live process owns them)" if name == "gc" else ""))
         if name == "ls":
             q.add_argument("--url", default=None, help="also the remote tier at this URL (dir is then the local_dir)")
         if name == "verify":

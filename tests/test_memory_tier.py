@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import signal
@@ -208,3 +209,29 @@ def test_the_first_maybe_save_allocates_the_buffers_in_the_background(local_dir)
         assert len(ck.pool.buffers) == 2 and ck.pool.allocations == 2
         ck.maybe_save(50, state).wait()
         assert ck.pool.allocations == 2   # the save took a prepared buffer
+
+
+def _ckpt(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "ckpt.cli", *args], capture_output=True, text=True, timeout=120)
+
+
+@needs_shm
+def test_ckpt_ls_and_gc_show_and_free_the_ram_a_crashed_job_left(tmp_path):
+    run = tmp_path / "run"
+    proc = _start(run, "0", "tear")
+    _kill_after(proc, "copying")
+    out = _ckpt("ls", str(run), "--json")
+    assert out.returncode == 0, out.stderr
+    rows = json.loads(out.stdout)
+    # step 1's record went with the copy of step 3 into its buffer: only its local copy is left
+    assert [(r["step"], r["tiers"], r["restore"]) for r in rows] == [(2, ["memory"], "memory"), (1, ["local"], None)]
+    mem = json.loads(_ckpt("ls", "--memory", "--json").stdout)
+    [group] = [g for g in mem if g["local_dir"] == os.path.realpath(run)]
+    assert group["owned"] is False and group["steps"] == [2] and group["bytes"] > 0
+    with ckpt.Checkpointer(local_dir=run) as ck:   # a live owner: its segments are not freed
+        ck.save(3, {"w": torch.ones(10)}).wait()
+        refused = _ckpt("gc", "--memory", str(run))
+        assert refused.returncode == 1 and "owned by a live process" in refused.stderr
+        ck.close(keep_memory=True)
+    assert _ckpt("gc", "--memory", str(run)).returncode == 0
+    assert shm.segments(prefix=shm.prefix_for(run, 0)) == []

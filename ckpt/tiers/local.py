@@ -54,7 +54,7 @@ from ..integrity import checksum
 from ..policy import Committed, Timeline, TimelineCopies
 from ..scatter import Scatter
 
-__all__ = ["LocalTier", "OwnerLock", "LOCK_NAME", "linked", "remove_step_dir"]
+__all__ = ["LocalTier", "OwnerLock", "LOCK_NAME", "linked", "owned", "remove_step_dir"]
 
 log = logging.getLogger(__name__)
 
@@ -702,6 +702,28 @@ class OwnerLock:
             self.release()
         except Exception:   # noqa: BLE001 - interpreter shutdown
             pass
+
+
+def owned(root: str | os.PathLike) -> bool:
+    """Whether a live process (this one included) owns the local tier at ``root`` now (holds its lock).
+    A missing directory or lock file has no owner."""
+    path = Path(root).expanduser() / LOCK_NAME
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+    except OSError:
+        return False
+    try:
+        st = os.fstat(fd)
+        with _held_guard:
+            if (st.st_dev, st.st_ino) in _held:
+                return True
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except OSError as e:
+            return e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES)
+        return False   # nobody held it (the shared lock goes with the descriptor)
+    finally:
+        os.close(fd)
 
 
 def _forget_in_child() -> None:
