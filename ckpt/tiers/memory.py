@@ -15,13 +15,16 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import queue
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
 
-from .. import shm
+from .. import knobs, shm
 from ..errors import CorruptCheckpointError
 from ..format import Manifest
+from ..integrity import checksum
 from ..policy import Committed, Timeline
 from ..scatter import Scatter
 from ..stage import HostBuffer, HostPool, SharedSpace
@@ -136,6 +139,18 @@ class MemoryTier:
         seg = shm.Segment.open(path, rec.manifest.data_bytes, writable=False)
         try:
             data = seg.tensor[:rec.manifest.data_bytes]
+            sc = Scatter(rec.manifest.items, dest) if dest is not None else None
+            if sc is not None and sc.to_device:
+                bad = _to_device(rec.manifest, data, sc)
+                if bad is not None and shm.still_current(rec):
+                    c = rec.manifest.chunk_bytes
+                    raise CorruptCheckpointError(
+                        f"{path}: bytes [{bad * c}, {min((bad + 1) * c, rec.manifest.data_bytes)}) of the memory "
+                        f"tier's snapshot of step {rec.step} fail their checksum")
+                if bad is not None or not shm.still_current(rec):
+                    raise LookupError(f"the memory tier's snapshot of step {rec.step} in {path} was being replaced "
+                                      "while it was read")
+                return
             bad = shm.first_bad_chunk(data, rec.manifest)
             if bad is not None and shm.still_current(rec):
                 c = rec.manifest.chunk_bytes
@@ -162,6 +177,47 @@ class MemoryTier:
             return m
         self._load_segment(rec, None)
         return rec.manifest
+
+
+def _to_device(manifest: Manifest, data: torch.Tensor, sc: Scatter) -> int | None:
+    """Copy a segment's snapshot to GPU destinations chunk by chunk: each chunk is copied into a small
+    ring of pinned buffers (the segment itself is pageable in a process that did not register it), its
+    checksum checked there, then sent to the device on a stream of its own while the next chunks are
+    copied and checked, on ``CKPT_IO_THREADS`` threads. Returns the first chunk that failed (``None``)."""
+    chunk = manifest.chunk_bytes
+    n = len(manifest.chunks)
+    ring: queue.Queue = queue.Queue()
+    for _ in range(min(n, knobs.get("CKPT_RESTORE_BUFFERS"))):
+        ring.put((torch.empty(min(chunk, manifest.data_bytes), dtype=torch.uint8, pin_memory=True), None))
+    stream = torch.cuda.Stream()
+    bad: list[int] = []
+
+    def one(i: int) -> None:
+        buf, ev = ring.get()
+        try:
+            if ev is not None:
+                ev.synchronize()   # the previous copy out of this buffer is done
+            off = i * chunk
+            length = min(chunk, manifest.data_bytes - off)
+            part = buf[:length]
+            part.numpy()[:] = data.numpy()[off:off + length]   # numpy's copy releases the GIL
+            if checksum(memoryview(part.numpy())) != manifest.chunks[i]:
+                bad.append(i)
+                return
+            with torch.cuda.stream(stream):
+                sc.copy(part, off)
+                ev = torch.cuda.Event()
+                ev.record(stream)
+        finally:
+            ring.put((buf, ev))
+
+    try:
+        with ThreadPoolExecutor(knobs.get("CKPT_IO_THREADS"), thread_name_prefix="ckpt-memory-read") as ex:
+            for f in [ex.submit(one, i) for i in range(n)]:
+                f.result()
+    finally:
+        stream.synchronize()
+    return min(bad) if bad else None
 
 
 def _scatter(manifest: Manifest, dest: list[torch.Tensor | None], data: torch.Tensor) -> None:
