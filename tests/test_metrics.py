@@ -134,16 +134,19 @@ def test_a_failed_save_is_recorded_as_failed_and_its_line_names_the_tier(local_d
 
 
 def test_a_skipped_save_is_recorded_as_skipped_without_an_info_line(local_dir, caplog):
-    go = threading.Event()
+    go, started = threading.Event(), threading.Event()
 
     class Gated(LocalTier):
         def write(self, step, manifest, data):
+            started.set()
             assert go.wait(60)
             return super().write(step, manifest, data)
 
     with caplog.at_level(logging.INFO, logger="ckpt.metrics"):
         with ckpt.Checkpointer(local_dir=Gated(local_dir), if_busy="skip", max_in_flight=1) as ck:
             ck.save(1, _state())
+            # the one buffer is being read by the write (before it starts, step 2 would supersede step 1)
+            assert started.wait(60)
             assert ck.save(2, _state()).status == "skipped"
             go.set()
             ck.wait()

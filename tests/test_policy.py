@@ -49,8 +49,10 @@ class GatedTier(LocalTier):
     def __init__(self, root):
         super().__init__(root)
         self.gate = threading.Event()
+        self.started = threading.Event()   # a write is under way: its buffer is being read
 
     def write(self, step, manifest, data):
+        self.started.set()
         self.gate.wait(10)
         return super().write(step, manifest, data)
 
@@ -61,6 +63,8 @@ def test_if_busy_skip_reports_the_skipped_save(local_dir, caplog):
     with ckpt.Checkpointer(local_dir=tier, if_busy="skip", max_in_flight=1) as ck:
         first = ck.save(1, {"s": torch.ones(10)})
         first.wait("memory")
+        # once the write started (before, step 2 would supersede step 1 in the queue: newest wins)
+        assert tier.started.wait(10)
         second = ck.save(2, {"s": torch.ones(10)})
         assert second.status == "skipped" and ck.skipped == 1
         assert "skipped the save of step 2" in caplog.text
