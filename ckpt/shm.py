@@ -31,6 +31,7 @@ the cgroup that touched them) and against the size of ``/dev/shm`` (Docker gives
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import errno
 import hashlib
 import json
@@ -54,7 +55,7 @@ from .format import FORMAT_VERSION, Manifest, parse_record, read_record
 from .integrity import checksum
 from .policy import Timeline
 
-__all__ = ["Segment", "SnapshotRecord", "SegmentInfo", "shm_root", "prefix_for", "available_bytes",
+__all__ = ["Segment", "SnapshotRecord", "host_register", "host_unregister", "open_for_read", "SegmentInfo", "shm_root", "prefix_for", "available_bytes",
            "chunk_checksums", "first_bad_chunk", "write_record", "read_snapshot_record", "remove_record",
            "segments", "free"]
 
@@ -141,24 +142,23 @@ class Segment:
         """Map the existing segment at ``path`` (at least ``nbytes``): a regular file owned by this user,
         else ``OSError``. ``writable=False`` maps it copy-on-write: reading never changes it."""
         st = os.lstat(path)
-        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid():
-            raise OSError(errno.EPERM, "not a regular file owned by this user: a memory-tier segment is "
-                          "never mapped from such a file", str(path))
-        if st.st_size < nbytes:
-            raise OSError(errno.EINVAL, f"segment holds {st.st_size} bytes, its record needs {nbytes}", str(path))
+        _check(st, path, nbytes)
         tensor = torch.from_file(str(path), shared=writable, size=st.st_size, dtype=torch.uint8)
         return cls(path, tensor, writable)
 
-    def register(self) -> bool:
-        """Page-lock the mapping with the CUDA driver (device-to-host copies at pinned bandwidth).
+    def register(self, device: int | None = None) -> bool:
+        """Page-lock the mapping with the CUDA driver (device-to-host copies at pinned bandwidth), as
+        ``device``'s memory (default: this thread's current device). Takes about a second per 7 GB
+        without holding the GIL, so a background registration does not stall the training loop.
         ``False`` where there is no CUDA or the driver refuses (copies then go through pageable memory)."""
         if self.registered or not torch.cuda.is_available() or self.nbytes == 0:
             return self.registered
-        cudart = torch.cuda.cudart()
-        rc = cudart.cudaHostRegister(self.tensor.data_ptr(), self.nbytes, 0)
-        if int(rc) != 0:
-            log.warning("cudaHostRegister of the %.2f GiB memory-tier segment %s failed (%s): its copies go "
-                        "through pageable memory, slower", self.nbytes / 2**30, self.path, rc)
+        if device is not None:
+            torch.cuda.set_device(device)   # register in the context the copies run in, never device 0's
+        rc = host_register(self.tensor.data_ptr(), self.nbytes)
+        if rc != 0:
+            log.warning("cudaHostRegister of the %.2f GiB memory-tier segment %s failed (CUDA error %d): its "
+                        "copies go through pageable memory, slower", self.nbytes / 2**30, self.path, rc)
             return False
         self.registered = True
         return True
@@ -168,9 +168,73 @@ class Segment:
         if self.registered:
             with contextlib.suppress(Exception):
                 torch.cuda.synchronize()
-                torch.cuda.cudart().cudaHostUnregister(self.tensor.data_ptr())
+                host_unregister(self.tensor.data_ptr())
             self.registered = False
         self.tensor = torch.empty(0, dtype=torch.uint8)
+
+
+_PORTABLE = 1   # cudaHostRegisterPortable: pinned for every context of the process
+
+
+def _loaded_cudart() -> Any:
+    """The CUDA runtime library this process's torch loaded, through ``ctypes`` (its calls release the
+    GIL, torch's ``cudart()`` bindings do not), or ``None`` (torch linked it statically: use those)."""
+    global _CUDART
+    if _CUDART is None:
+        _CUDART = False
+        with contextlib.suppress(OSError):
+            with open("/proc/self/maps") as f:
+                paths = {line.split()[-1] for line in f if "libcudart.so" in line}
+            for path in sorted(paths):   # the same file dlopen'ed again: the same handle, the same state
+                with contextlib.suppress(OSError, AttributeError):
+                    lib = ctypes.CDLL(path)
+                    lib.cudaHostRegister.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint]
+                    lib.cudaHostRegister.restype = ctypes.c_int
+                    lib.cudaHostUnregister.argtypes = [ctypes.c_void_p]
+                    lib.cudaHostUnregister.restype = ctypes.c_int
+                    _CUDART = lib
+                    break
+    return _CUDART or None
+
+
+_CUDART: Any = None
+
+
+def host_register(ptr: int, nbytes: int) -> int:
+    """``cudaHostRegister(ptr, nbytes, portable)``; the CUDA error code (0: registered)."""
+    torch.cuda.init()
+    lib = _loaded_cudart()
+    if lib is not None:
+        return int(lib.cudaHostRegister(ptr, nbytes, _PORTABLE))
+    return int(torch.cuda.cudart().cudaHostRegister(ptr, nbytes, _PORTABLE))
+
+
+def host_unregister(ptr: int) -> int:
+    """``cudaHostUnregister(ptr)``; the CUDA error code."""
+    lib = _loaded_cudart()
+    if lib is not None:
+        return int(lib.cudaHostUnregister(ptr))
+    return int(torch.cuda.cudart().cudaHostUnregister(ptr))
+
+
+def open_for_read(path: Path, nbytes: int) -> int:
+    """A read-only descriptor of the segment at ``path`` (at least ``nbytes``): a regular file owned by
+    this user, never followed through a link, else ``OSError``."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+    try:
+        _check(os.fstat(fd), path, nbytes)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _check(st: os.stat_result, path: Path, nbytes: int) -> None:
+    if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid():
+        raise OSError(errno.EPERM, "not a regular file owned by this user: a memory-tier segment is "
+                      "never mapped from such a file", str(path))
+    if st.st_size < nbytes:
+        raise OSError(errno.EINVAL, f"segment holds {st.st_size} bytes, its record needs {nbytes}", str(path))
 
 
 @dataclass
@@ -270,13 +334,15 @@ def _views(tensor: torch.Tensor, data_bytes: int, chunk: int) -> list[memoryview
     return [mv[i:min(i + chunk, data_bytes)] for i in range(0, data_bytes, chunk)]
 
 
-def chunk_checksums(tensor: torch.Tensor, data_bytes: int, chunk: int) -> list[int]:
+def chunk_checksums(tensor: torch.Tensor, data_bytes: int, chunk: int, background: bool = False) -> list[int]:
     """CRC-32C of each ``chunk`` bytes of ``tensor[:data_bytes]`` (a host tensor), on
-    ``CKPT_IO_THREADS`` threads (the checksum releases the GIL)."""
+    ``CKPT_IO_THREADS`` threads (the checksum releases the GIL); ``background`` (a commit while
+    training runs): on ``CKPT_PERSIST_THREADS``."""
     views = _views(tensor, data_bytes, chunk)
     if len(views) <= 1:
         return [checksum(v) for v in views]
-    with ThreadPoolExecutor(min(len(views), knobs.get("CKPT_IO_THREADS"))) as ex:
+    threads = knobs.get("CKPT_PERSIST_THREADS" if background else "CKPT_IO_THREADS")
+    with ThreadPoolExecutor(max(1, min(len(views), threads))) as ex:
         return list(ex.map(checksum, views))
 
 

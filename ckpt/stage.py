@@ -47,6 +47,7 @@ import numpy as np
 import psutil
 import torch
 
+from . import priority
 from .errors import CheckpointError, HostMemoryError, TornSnapshotError
 from .format import Manifest, ItemRecord
 from .plan import Entry
@@ -144,6 +145,7 @@ class HostPool:
         self.buffers: list[HostBuffer] = []
         self.allocations = 0
         self.shared: SharedSpace | None = None
+        self._device: int | None = None   # see _note_device
         self._closed = False
         self._allocating = 0      # allocations under way outside the lock
         self._cv = threading.Condition()
@@ -159,6 +161,14 @@ class HostPool:
         """Keep the buffers allocated from now on in shared memory (``None``: in this process)."""
         with self._cv:
             self.shared = space
+        self._note_device()
+
+    def _note_device(self) -> None:
+        """Remember the calling (training) thread's CUDA device: segments are registered in its context.
+        A background thread's current device is 0, and registering there would open a context on GPU 0
+        for every rank of the node."""
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            self._device = torch.cuda.current_device()
 
     def adopt(self) -> None:
         """Take over the shared-memory segments a previous owner of the same local tier left, with the
@@ -182,7 +192,7 @@ class HostPool:
                 log.warning("memory-tier segment %s is unusable (%s): not adopted", path, e)
                 shm.remove_record(space.root, space.prefix, slot)
                 continue
-            seg.register()
+            seg.register(self._device)
             buf = HostBuffer(0, self.pin, segment=seg, slot=slot)
             buf.image_step, buf.manifest, buf.image_timeline, buf.record = rec.step, rec.manifest, rec.timeline, rec
             with self._cv:
@@ -192,11 +202,13 @@ class HostPool:
     def prepare(self, nbytes: int) -> None:
         """Allocate every buffer for a state of ``nbytes`` in a background thread (once), so that the
         first save does not pay for the allocation (seconds for pinned or registered memory)."""
+        self._note_device()
         with self._cv:
             if self._prepared is not None or self._closed:
                 return
 
             def run() -> None:
+                priority.lower_this_thread()
                 try:
                     while True:
                         with self._cv:
@@ -244,6 +256,7 @@ class HostPool:
         is taken for ``step`` (whoever still wanted its snapshot lets go of it)."""
         from . import shm
 
+        self._note_device()
         with self._cv:
             while True:
                 if self._closed:
@@ -447,7 +460,7 @@ class HostPool:
                             "(enlarge it: docker --shm-size, or a Kubernetes emptyDir with medium: Memory)",
                             _mib(cap), space.root, e.strerror or e, self.slots)
             return None
-        seg.register()
+        seg.register(self._device)
         return HostBuffer(cap, self.pin, segment=seg, slot=slot)
 
 
@@ -780,6 +793,7 @@ def stage(snap: Snapshot, side_stream: torch.cuda.Stream | None) -> None:
 
         @torch.no_grad()
         def copy_cpu() -> None:
+            priority.lower_this_thread()
             try:
                 torn = []
                 for (e, r), words, fp in zip(rest, rest_words, expected):

@@ -20,6 +20,13 @@ from ckpt.tiers import LocalTier
 
 HERE = Path(__file__).parent
 needs_shm = pytest.mark.skipif(shm.shm_root() is None, reason="no RAM file system (/dev/shm) here")
+# restore into CPU tensors, and into CUDA tensors (read into pinned chunks, checked, sent on a side stream)
+DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA GPU (run on the device machine)")])]
+
+
+def _model(device: str) -> torch.nn.Module:
+    return torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.Tanh(), torch.nn.Linear(128, 8)).to(device)
 
 
 def _start(local_dir: Path, *args: str) -> subprocess.Popen:
@@ -65,14 +72,14 @@ def test_a_killed_training_process_resumes_from_ram_bit_identically(tmp_path):
 
 
 @needs_shm
-def test_a_snapshot_torn_by_a_kill_mid_copy_is_never_served(tmp_path):
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_snapshot_torn_by_a_kill_mid_copy_is_never_served(tmp_path, device):
     run = tmp_path / "run"
     proc = _start(run, "0", "tear")
     _kill_after(proc, "copying")
     recs = {r.slot: r.step for g in shm.segments(prefix=shm.prefix_for(run, 0)) for r in g.records}
     assert recs == {1: 2}, recs   # step 1's buffer was being overwritten: its record went first
-    state = {"model": torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.Tanh(), torch.nn.Linear(128, 8)),
-             "step": 0}
+    state = {"model": _model(device), "step": 0}
     with ckpt.Checkpointer(local_dir=run) as ck:
         assert ck.restore(state, strict=False) == 2
         assert ck.last_restore.tier == "memory" and ck.last_restore.skipped == []
@@ -80,7 +87,8 @@ def test_a_snapshot_torn_by_a_kill_mid_copy_is_never_served(tmp_path):
 
 
 @needs_shm
-def test_a_corrupt_memory_snapshot_is_refused_and_the_next_tier_used(tmp_path, caplog):
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_corrupt_memory_snapshot_is_refused_and_the_next_tier_used(tmp_path, caplog, device):
     run = tmp_path / "run"
     proc = _start(run, "0", "tear")
     _kill_after(proc, "copying")
@@ -91,8 +99,7 @@ def test_a_corrupt_memory_snapshot_is_refused_and_the_next_tier_used(tmp_path, c
         b = f.read(1)
         f.seek(-1, os.SEEK_CUR)
         f.write(bytes([b[0] ^ 1]))
-    state = {"model": torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.Tanh(), torch.nn.Linear(128, 8)),
-             "step": 0}
+    state = {"model": _model(device), "step": 0}
     with ckpt.Checkpointer(local_dir=run) as ck:
         with pytest.warns(RuntimeWarning, match=str(buf)):
             assert ck.restore(state, strict=False) == 1

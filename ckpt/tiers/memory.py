@@ -13,6 +13,7 @@ written again). A snapshot being written when its process died has no record and
 from __future__ import annotations
 
 import dataclasses
+import errno
 import logging
 import os
 import queue
@@ -52,7 +53,8 @@ class MemoryTier:
         record = None
         space = self.pool.shared
         if buffer.segment is not None and space is not None:
-            sums = shm.chunk_checksums(buffer.tensor, manifest.data_bytes, manifest.chunk_bytes)
+            sums = shm.chunk_checksums(buffer.tensor, manifest.data_bytes, manifest.chunk_bytes,
+                                       background=True)
             held = dataclasses.replace(manifest, chunks=sums)
             record = shm.write_record(space.root, space.prefix, buffer.slot, step, self.timeline, held,
                                       space.local_dir)
@@ -136,32 +138,22 @@ class MemoryTier:
 
     def _load_segment(self, rec: shm.SnapshotRecord, dest: list[torch.Tensor | None] | None) -> None:
         path = Path(rec.path).with_name(rec.buffer)
+        sc = Scatter(rec.manifest.items, dest) if dest is not None else None
+        if sc is not None and sc.to_device:
+            fd = shm.open_for_read(path, rec.manifest.data_bytes)
+            try:
+                bad = _to_device(rec.manifest, fd, sc)
+            finally:
+                os.close(fd)
+            _judge(rec, path, bad)
+            return
         seg = shm.Segment.open(path, rec.manifest.data_bytes, writable=False)
         try:
             data = seg.tensor[:rec.manifest.data_bytes]
-            sc = Scatter(rec.manifest.items, dest) if dest is not None else None
-            if sc is not None and sc.to_device:
-                bad = _to_device(rec.manifest, data, sc)
-                if bad is not None and shm.still_current(rec):
-                    c = rec.manifest.chunk_bytes
-                    raise CorruptCheckpointError(
-                        f"{path}: bytes [{bad * c}, {min((bad + 1) * c, rec.manifest.data_bytes)}) of the memory "
-                        f"tier's snapshot of step {rec.step} fail their checksum")
-                if bad is not None or not shm.still_current(rec):
-                    raise LookupError(f"the memory tier's snapshot of step {rec.step} in {path} was being replaced "
-                                      "while it was read")
-                return
             bad = shm.first_bad_chunk(data, rec.manifest)
-            if bad is not None and shm.still_current(rec):
-                c = rec.manifest.chunk_bytes
-                raise CorruptCheckpointError(
-                    f"{path}: bytes [{bad * c}, {min((bad + 1) * c, rec.manifest.data_bytes)}) of the memory tier's "
-                    f"snapshot of step {rec.step} fail their checksum")
-            if bad is None and dest is not None:
+            if bad is None and dest is not None and shm.still_current(rec):
                 _scatter(rec.manifest, dest, data)
-            if bad is not None or not shm.still_current(rec):
-                raise LookupError(f"the memory tier's snapshot of step {rec.step} in {path} was being replaced "
-                                  "while it was read")
+            _judge(rec, path, bad)
         finally:
             seg.release()
 
@@ -179,15 +171,31 @@ class MemoryTier:
         return rec.manifest
 
 
-def _to_device(manifest: Manifest, data: torch.Tensor, sc: Scatter) -> int | None:
-    """Copy a segment's snapshot to GPU destinations chunk by chunk: each chunk is copied into a small
-    ring of pinned buffers (the segment itself is pageable in a process that did not register it), its
-    checksum checked there, then sent to the device on a stream of its own while the next chunks are
-    copied and checked, on ``CKPT_IO_THREADS`` threads. Returns the first chunk that failed (``None``)."""
+def _judge(rec: shm.SnapshotRecord, path: Path, bad: int | None) -> None:
+    """After a read of ``rec``'s segment: a chunk that failed its checksum while the record still
+    stands is corruption; one that failed because the owner was rewriting the buffer (the record is
+    gone or changed) means the snapshot is no longer there (``LookupError``: restore moves on)."""
+    current = shm.still_current(rec)
+    if bad is not None and current:
+        c = rec.manifest.chunk_bytes
+        raise CorruptCheckpointError(
+            f"{path}: bytes [{bad * c}, {min((bad + 1) * c, rec.manifest.data_bytes)}) of the memory tier's "
+            f"snapshot of step {rec.step} fail their checksum")
+    if bad is not None or not current:
+        raise LookupError(f"the memory tier's snapshot of step {rec.step} in {path} was being replaced while it "
+                          "was read")
+
+
+def _to_device(manifest: Manifest, fd: int, sc: Scatter) -> int | None:
+    """Copy a segment's snapshot to its destinations chunk by chunk: each chunk is read from the RAM
+    file system into one of a small ring of pinned buffers (a ``pread``, no page faults on a mapping
+    of another process's file), its checksum checked there, then sent to the device on a side stream
+    while the next chunks are read and checked, on ``CKPT_IO_THREADS`` threads. Returns the first
+    chunk that failed its checksum (``None``: none did)."""
     chunk = manifest.chunk_bytes
     n = len(manifest.chunks)
     ring: queue.Queue = queue.Queue()
-    for _ in range(min(n, knobs.get("CKPT_RESTORE_BUFFERS"))):
+    for _ in range(min(n, max(2, knobs.get("CKPT_RESTORE_BUFFERS")))):
         ring.put((torch.empty(min(chunk, manifest.data_bytes), dtype=torch.uint8, pin_memory=True), None))
     stream = torch.cuda.Stream()
     bad: list[int] = []
@@ -196,16 +204,21 @@ def _to_device(manifest: Manifest, data: torch.Tensor, sc: Scatter) -> int | Non
         buf, ev = ring.get()
         try:
             if ev is not None:
-                ev.synchronize()   # the previous copy out of this buffer is done
+                ev.synchronize()   # the previous copy out of this buffer has landed
             off = i * chunk
             length = min(chunk, manifest.data_bytes - off)
-            part = buf[:length]
-            part.numpy()[:] = data.numpy()[off:off + length]   # numpy's copy releases the GIL
-            if checksum(memoryview(part.numpy())) != manifest.chunks[i]:
+            view = memoryview(buf.numpy())[:length]
+            got = 0
+            while got < length:   # pread releases the GIL
+                k = os.preadv(fd, [view[got:]], off + got)
+                if k <= 0:
+                    raise OSError(errno.EIO, f"the segment ended at byte {off + got} of {manifest.data_bytes}")
+                got += k
+            if checksum(view) != manifest.chunks[i]:
                 bad.append(i)
                 return
             with torch.cuda.stream(stream):
-                sc.copy(part, off)
+                sc.copy(buf[:length], off)
                 ev = torch.cuda.Event()
                 ev.record(stream)
         finally:
