@@ -31,7 +31,7 @@ import weakref
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
 
-from . import knobs
+from . import knobs, priority
 from .errors import CheckpointError
 from .stage import HostPool, Snapshot, SnapshotStats
 from .tiers import LocalTier, MemoryTier, RemoteTier
@@ -368,6 +368,7 @@ class Pipeline:
         t.start()
 
     def _watch(self, snap: Snapshot, handle: SaveHandle, take: dict[str, str | None], keep: bool) -> None:
+        priority.lower_this_thread()   # the memory tier's commit checksums the whole snapshot
         try:
             snap.wait_copied()
             if snap.error is None:
@@ -413,6 +414,7 @@ class Pipeline:
 
     # -- the workers --------------------------------------------------------------------------------
     def _run(self, lane: _Lane) -> None:
+        priority.lower_this_thread()   # its writer threads inherit it: the training thread keeps the CPU
         while True:
             with self._cv:
                 while not lane.queue and not (self._closing and not self._staging):

@@ -279,7 +279,7 @@ class LocalTier(TimelineCopies):
                     done += os.pwrite(fd, view[done:], off + done)
                 return checksum(view)
 
-            with ThreadPoolExecutor(knobs.get("CKPT_IO_THREADS"), thread_name_prefix="ckpt-write") as ex:
+            with ThreadPoolExecutor(max(1, knobs.get("CKPT_PERSIST_THREADS")), thread_name_prefix="ckpt-write") as ex:
                 futures = [ex.submit(one, i) for i in range(-(-size // chunk))]
                 try:
                     sums = [f.result() for f in futures]
