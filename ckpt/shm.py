@@ -45,7 +45,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -118,24 +118,16 @@ class Segment:
     def create(cls, path: Path, nbytes: int) -> "Segment":
         """A new segment of ``nbytes`` at ``path``, every page reserved now (a full RAM file system fails
         here with ``ENOSPC``, never later inside a copy), replacing any segment of that name."""
-        tmp = path.with_name(f".{path.name}.new-{os.getpid()}-{secrets.token_hex(4)}")
-        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-        try:
+        def fill(fd: int, tmp: Path) -> torch.Tensor:
             try:
                 os.posix_fallocate(fd, 0, nbytes)
             except OSError as e:
                 if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
                     raise
                 os.ftruncate(fd, nbytes)   # a file system without fallocate: pages come as they are written
-            tensor = torch.from_file(str(tmp), shared=True, size=nbytes, dtype=torch.uint8)
-            os.rename(tmp, path)
-        except BaseException:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
-            raise
-        finally:
-            os.close(fd)
-        return cls(path, tensor, writable=True)
+            return torch.from_file(str(tmp), shared=True, size=nbytes, dtype=torch.uint8)
+
+        return cls(path, _publish(path, fill), writable=True)
 
     @classmethod
     def open(cls, path: Path, nbytes: int, writable: bool) -> "Segment":
@@ -268,20 +260,31 @@ def write_record(root: Path, prefix: str, slot: int, step: int, timeline: Timeli
     rec = SnapshotRecord(step, timeline, manifest, slot, buffer_name(prefix, slot), os.path.realpath(local_dir),
                          os.getpid(), socket.gethostname(), time.time())
     path = root / record_name(prefix, slot)
-    tmp = path.with_name(f".{path.name}.new-{os.getpid()}-{secrets.token_hex(4)}")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-    try:
-        with open(fd, "wb", closefd=False) as f:
+    def fill(fd: int, tmp: Path) -> None:
+        with open(fd, "wb", closefd=False) as f:   # writes the whole record, however the OS splits it
             f.write(rec.to_bytes())
+
+    _publish(path, fill)
+    rec.path = path
+    return rec
+
+
+def _publish(path: Path, fill: Callable[[int, Path], Any]) -> Any:
+    """Create ``path`` under a fresh temporary name (``0600``, never through a link), ``fill(fd, tmp)``
+    it, then rename it into place: a reader sees the old file or the whole new one. On any failure
+    the temporary is removed and ``path`` is left as it was. Returns what ``fill`` returned."""
+    tmp = path.with_name(f".{path.name}.new-{os.getpid()}-{secrets.token_hex(4)}")
+    fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    try:
+        out = fill(fd, tmp)
         os.rename(tmp, path)
+        return out
     except BaseException:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
         raise
     finally:
         os.close(fd)
-    rec.path = path
-    return rec
 
 
 def remove_record(root: Path, prefix: str, slot: int) -> None:
