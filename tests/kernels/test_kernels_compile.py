@@ -281,20 +281,54 @@ def test_norms_rope_glu_under_cuda_graphs_match_eager():
 DENSE = ["llama", "gemma2", "gemma3_text", "qwen3", "phi3"]
 
 
+def _break_sites(explained) -> set[tuple[str, int]]:
+    """Where each graph break of a ``torch._dynamo.explain`` result happened: the innermost user
+    frame (file, line) of each break reason."""
+    return {(r.user_stack[-1].filename, r.user_stack[-1].lineno) for r in explained.break_reasons if r.user_stack}
+
+
+def _explain_unpatched_then_patched(model_type):
+    """A tiny model of ``model_type`` explained unpatched, then a copy of it patched and explained.
+
+    The unpatched one is explained first: ``patch`` swaps the modeling module's
+    ``apply_rotary_pos_emb`` process-wide, so afterwards the "unpatched" model would run our RoPE.
+    Returns ``(patched model, ids, labels, unpatched explanation, patched explanation)``; the
+    caller restores the RoPE function (``K.unpatch_rope``)."""
+    import copy
+
+    from test_kernels_patch import batch, tiny_model
+
+    ref = tiny_model(model_type)
+    model = copy.deepcopy(ref)
+    ids, labels = batch(ref.config.vocab_size)
+    torch._dynamo.reset()
+    ref_explained = torch._dynamo.explain(ref)(input_ids=ids, labels=labels)
+    K.patch(model)
+    torch._dynamo.reset()
+    explained = torch._dynamo.explain(model)(input_ids=ids, labels=labels)
+    return model, ids, labels, ref_explained, explained
+
+
 @pytest.mark.parametrize("model_type", DENSE)
 def test_patched_model_with_labels_compiles_fullgraph(model_type):
     """A patched model's whole training forward (norms, RoPE, GLUs and the fused loss) is one graph:
-    ``fullgraph=True`` compiles it, and the compiled loss and every gradient equal eager's."""
-    from test_kernels_patch import batch, tiny_model
+    ``fullgraph=True`` compiles it, and the compiled loss and every gradient equal eager's.
 
-    model = tiny_model(model_type)
-    K.patch(model)
+    Where transformers' own modeling code breaks the graph, which the unpatched model shows
+    (Phi-3's ``longrope`` in transformers 5.17 to 5.20.2 at least: ``dynamic_rope_update`` branches
+    in Python on ``torch.max(position_ids) + 1`` and re-registers ``inv_freq``; 5.21.1 and later
+    pick the frequencies with ``torch.where``), no fullgraph is possible: the
+    patched model must then break only where the unpatched one does and no more often, its compiled
+    loss and gradients still equal eager's, and the test is reported as skipped for fullgraph."""
     try:
-        ids, labels = batch(model.config.vocab_size)
-        torch._dynamo.reset()
-        explained = torch._dynamo.explain(model)(input_ids=ids, labels=labels)
-        assert explained.graph_break_count == 0, explained.break_reasons
-        assert "torch.ops.ckpt.fused_linear_cross_entropy" in explained.graphs[0].code
+        model, ids, labels, ref_explained, explained = _explain_unpatched_then_patched(model_type)
+        hf_breaks = ref_explained.graph_break_count
+        if hf_breaks == 0:
+            assert explained.graph_break_count == 0, explained.break_reasons
+        else:
+            assert explained.graph_break_count <= hf_breaks, explained.break_reasons
+            assert _break_sites(explained) <= _break_sites(ref_explained), explained.break_reasons
+        assert any("torch.ops.ckpt.fused_linear_cross_entropy" in g.code for g in explained.graphs)
 
         def step(m):
             m.zero_grad(set_to_none=True)
@@ -304,30 +338,28 @@ def test_patched_model_with_labels_compiles_fullgraph(model_type):
 
         expected = step(model)
         torch._dynamo.reset()
-        got = step(torch.compile(model, backend="aot_eager", fullgraph=True))
+        got = step(torch.compile(model, backend="aot_eager", fullgraph=hf_breaks == 0))
         for (name, _), a, e in zip([("loss", None)] + list(model.named_parameters()), got, expected):
             assert_close(name, a, e, 1e-5, 1e-5)
     finally:
         K.unpatch_rope(model_type)
+    if hf_breaks:
+        import transformers
+
+        sites = ", ".join(f"{f.rsplit('site-packages/', 1)[-1]}:{n}" for f, n in sorted(_break_sites(ref_explained)))
+        pytest.skip(f"fullgraph not possible with transformers {transformers.__version__}: the unpatched "
+                    f"{type(model).__name__} breaks the graph {hf_breaks} times itself (at {sites}); the patch "
+                    f"adds none, and the compiled model matches eager")
 
 
 @pytest.mark.parametrize("model_type", ["mixtral", "qwen3_moe"])
 def test_patched_moe_model_adds_no_graph_break(model_type):
     """transformers' MoE blocks break the graph themselves (data-dependent expert selection); the
-    patched model breaks it no more often than the unpatched one."""
-    import copy
-
-    from test_kernels_patch import batch, tiny_model
-
-    ref = tiny_model(model_type)
-    model = copy.deepcopy(ref)
-    K.patch(model)
+    patched model breaks it no more often than the unpatched one, and only where it does."""
     try:
-        ids, labels = batch(model.config.vocab_size)
-        counts = []
-        for m in (ref, model):
-            torch._dynamo.reset()
-            counts.append(torch._dynamo.explain(m)(input_ids=ids, labels=labels).graph_break_count)
+        _, _, _, ref_explained, explained = _explain_unpatched_then_patched(model_type)
+        counts = [ref_explained.graph_break_count, explained.graph_break_count]
         assert counts[1] <= counts[0], counts
+        assert _break_sites(explained) <= _break_sites(ref_explained), explained.break_reasons
     finally:
         K.unpatch_rope(model_type)
