@@ -257,7 +257,9 @@ def test_callback_with_gradient_accumulation_and_a_borrowed_checkpointer(tmp_pat
         trainer.fit(model)
         return model, cb
 
-    with ckpt.Checkpointer(local_dir=tmp_path / "a", every_steps=1, keep=ckpt.Retention(local=None)) as ck:
+    # if_busy="wait": every save reaches the disk, so the listing shows every optimizer step's save
+    with ckpt.Checkpointer(local_dir=tmp_path / "a", every_steps=1, keep=ckpt.Retention(local=None),
+                           if_busy="wait") as ck:
         _, cb = fit(tmp_path / "a", 3, ck)
         assert cb.restored_step is None
         assert [c.step for c in ck.list()] == [3, 2, 1]          # 9 batches, one save per optimizer step
