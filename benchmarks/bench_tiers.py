@@ -12,6 +12,10 @@ Part 2, a training process that snapshotted (the local tier every 1000 steps) is
 process restores the newest snapshot from the memory tier (shared memory), bit-exact, then, with the
 shared memory freed, from the local tier, and ``dcp.load`` of the same state from a ``dcp.save``.
 
+``--cpu`` runs the loop at small size on the CPU (fp32, no kernels; ``--disk-mbps`` emulates a slower
+local disk), to show the coalescing ratio on a machine without a GPU: ``--cpu --parts loop --layers 4
+--batch 4 --seq 256 --disk-mbps 100 --modes "none;every 1;every 5;every 1, if_busy=wait"``.
+
 Rows go to ``benchmarks/results.csv`` (``--csv``) with the device and the date; a short table last.
 """
 
@@ -46,13 +50,21 @@ def row(case: str, provider: str, metric: str, value: float, unit: str, note: st
     print(f"{case:<10} {provider:<24} {metric:<28} {value:>10.3f} {unit:<6} {note}", flush=True)
 
 
-def build(layers: int, seed: int = 0):
+def build(layers: int, seed: int = 0, cpu: bool = False):
+    """The Llama-3.2-1B-shaped model and fused AdamW on the GPU (bf16, kernels patched); with ``cpu``,
+    the same shape at small size in fp32 on the CPU (hidden 256, vocabulary 8192, plain AdamW)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    cfg = LlamaConfig(hidden_size=2048, num_hidden_layers=layers, num_attention_heads=32, num_key_value_heads=8,
-                      intermediate_size=8192, vocab_size=128256, tie_word_embeddings=True,
-                      max_position_embeddings=4096, attn_implementation="sdpa")
+    size = dict(hidden_size=256, num_attention_heads=4, num_key_value_heads=2, intermediate_size=1024,
+                vocab_size=VOCAB_CPU) if cpu else \
+        dict(hidden_size=2048, num_attention_heads=32, num_key_value_heads=8, intermediate_size=8192,
+             vocab_size=128256)
+    cfg = LlamaConfig(num_hidden_layers=layers, tie_word_embeddings=True, max_position_embeddings=4096,
+                      attn_implementation="sdpa", **size)
     torch.manual_seed(seed)
+    if cpu:
+        model = LlamaForCausalLM(cfg)
+        return model, torch.optim.AdamW(model.parameters(), lr=1e-5)
     model = LlamaForCausalLM(cfg).to("cuda", torch.bfloat16)
     try:
         from ckpt.kernels import patch
@@ -61,6 +73,9 @@ def build(layers: int, seed: int = 0):
         print(f"kernels not patched: {e}", flush=True)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
     return model, opt
+
+
+VOCAB_CPU = 8192
 
 
 def fingerprint(state: dict) -> list[int]:
@@ -77,8 +92,9 @@ def fingerprint(state: dict) -> list[int]:
 
 
 def train_loop(root: Path, args) -> None:
-    model, opt = build(args.layers)
-    ids = torch.randint(0, 128256, (args.batch, args.seq), device="cuda")
+    model, opt = build(args.layers, cpu=args.cpu)
+    ids = torch.randint(0, VOCAB_CPU if args.cpu else 128256, (args.batch, args.seq),
+                        device="cpu" if args.cpu else "cuda")
 
     def step() -> None:
         out = model(input_ids=ids, labels=ids)
@@ -93,7 +109,7 @@ def train_loop(root: Path, args) -> None:
     results = {}
     modes = [("none", None, {}), ("every 10", 10, {}), ("every 50", 50, {}),
              ("every 10, persist threads not niced", 10, {"nice": 0}),
-             ("every 10, 4 IO threads", 10, {"io": 4}),
+             ("every 10, 16 writer threads", 10, {"writers": 16}),
              ("every 10, memory only", 10, {"persist_every": {"local": 10 ** 9}}),
              ("every 10, memory only, in-process pinned", 10, {"persist_every": {"local": 10 ** 9}, "shm": 0}),
              ("every 50, in-process pinned", 50, {"shm": 0}),
@@ -101,6 +117,7 @@ def train_loop(root: Path, args) -> None:
              ("every 10, if_busy=wait", 10, {"if_busy": "wait"}),
              ("dcp.async_save every 10", 10, {"dcp": None}),
              ("dcp.async_save + DefaultStager every 10", 10, {"dcp": "stager"}),
+             ("every 1", 1, {}), ("every 5", 5, {}), ("every 1, if_busy=wait", 1, {"if_busy": "wait"}),
              ("none (again)", None, {})]
     modes = [m for m in modes if m[0] in args.modes.split(";")] if args.modes else modes
     for name, every, kw in modes:
@@ -113,9 +130,10 @@ def train_loop(root: Path, args) -> None:
             shutil.rmtree(d, ignore_errors=True)
             continue
         os.environ["CKPT_PERSIST_NICE"] = str(kw.pop("nice", 10))   # read as each persist thread starts
-        os.environ["CKPT_IO_THREADS"] = str(kw.pop("io", ckpt.knobs._DEFAULTS["CKPT_IO_THREADS"]))
+        os.environ["CKPT_PERSIST_THREADS"] = str(kw.pop("writers", ckpt.knobs._DEFAULTS["CKPT_PERSIST_THREADS"]))
         with ckpt.knobs.override(CKPT_SHM=kw.pop("shm", 1)):
-            ck = ckpt.Checkpointer(local_dir=d, every_steps=every, keep=ckpt.Retention(local=1), **kw) \
+            local = SlowDisk(d, args.disk_mbps) if args.disk_mbps else d
+            ck = ckpt.Checkpointer(local_dir=local, every_steps=every, keep=ckpt.Retention(local=1), **kw) \
                 if every else None
         times = []
         for s in range(1, args.steps + 1):
@@ -153,7 +171,23 @@ def train_loop(root: Path, args) -> None:
         if not name.startswith("none"):
             row("loop", name, "overhead vs no saves", (results[name] / results["none"] - 1) * 100, "%")
     del model, opt, state
-    torch.cuda.empty_cache()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+class SlowDisk(ckpt.tiers.LocalTier):
+    """The local tier on a disk of ``mbps`` MB/s (``--disk-mbps``): each write takes at least its bytes at
+    that rate (the real write, then a sleep for the rest), like a network file system or a busy disk."""
+
+    def __init__(self, root, mbps: float) -> None:
+        super().__init__(root)
+        self.mbps = mbps
+
+    def write(self, step, manifest, data):
+        t0 = time.perf_counter()
+        out = super().write(step, manifest, data)
+        time.sleep(max(0.0, manifest.data_bytes / (self.mbps * 1e6) - (time.perf_counter() - t0)))
+        return out
 
 
 def dcp_loop(name: str, every: int, stager: str | None, d: Path, step, model, opt, args) -> float:
@@ -302,6 +336,11 @@ def main() -> None:
     p.add_argument("--parts", default="loop,restore")
     p.add_argument("--modes", default=None, help="loop modes separated by ';' (default: all)")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--cpu", action="store_true",
+                   help="the same loop shape at small size on the CPU (the coalescing ratio on a machine "
+                        "without a GPU); use with --parts loop and --modes")
+    p.add_argument("--disk-mbps", type=float, default=None,
+                   help="emulate a local disk of this many MB/s (each write takes at least bytes / rate)")
     p.add_argument("--csv", default=None)
     args = p.parse_args()
     root = Path(args.dir or tempfile.mkdtemp(prefix="bench-tiers-"))
