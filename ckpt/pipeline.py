@@ -286,6 +286,11 @@ class Pipeline:
         self._closing = False
         self._closed = False
         self._watchers: list[threading.Thread] = []
+        # Snapshots reach the tiers in the order they were taken: each watcher hands its snapshot over
+        # only after the one before it did (their memory commits may finish in any order), so an older
+        # snapshot never supersedes a newer one, and every rank queues the same order.
+        self._submitted = 0
+        self._handed = 0
         for lane in self.lanes.values():
             lane.thread = threading.Thread(target=self._run, args=(lane,), name=f"ckpt-persist-{lane.name}",
                                            daemon=True)
@@ -343,6 +348,7 @@ class Pipeline:
         skip it for that reason: ``"not due"`` or ``"busy"``). ``keep``: never superseded (a drain)."""
         with self._cv:
             self._staging.add(snap.step)
+            seq, self._submitted = self._submitted, self._submitted + 1
             for name, lane in self.lanes.items():
                 reason = take.get(name, "not due")
                 if reason is None:
@@ -361,13 +367,13 @@ class Pipeline:
         # Not a daemon: interpreter shutdown joins it before finalizing. It lets go of the snapshot's
         # tensors before it ends, and a daemon freeing the last reference to a tensor while the
         # interpreter finalizes aborts the process (see _finish_at_exit).
-        t = threading.Thread(target=self._watch, args=(snap, handle, take, keep), name=f"ckpt-staged-{snap.step}",
-                             daemon=False)
+        t = threading.Thread(target=self._watch, args=(snap, handle, take, keep, seq),
+                             name=f"ckpt-staged-{snap.step}", daemon=False)
         with self._cv:
             self._watchers = [w for w in self._watchers if w.is_alive()] + [t]
         t.start()
 
-    def _watch(self, snap: Snapshot, handle: SaveHandle, take: dict[str, str | None], keep: bool) -> None:
+    def _watch(self, snap: Snapshot, handle: SaveHandle, take: dict[str, str | None], keep: bool, seq: int) -> None:
         priority.lower_this_thread()   # the memory tier's commit checksums the whole snapshot
         try:
             snap.wait_copied()
@@ -377,6 +383,10 @@ class Pipeline:
         except BaseException as e:
             snap.error = snap.error or e
         with self._cv:
+            while self._handed != seq:   # the snapshot taken before this one goes to the tiers first
+                self._cv.wait()
+            self._handed += 1
+            self._cv.notify_all()
             self._staging.discard(snap.step)
             lanes = [self.lanes[n] for n, r in take.items() if r is None and n in self.lanes]
             if snap.error is not None and self.independent:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 
 import torch
 
@@ -102,3 +103,32 @@ def test_two_buffers_and_a_busy_tier_newest_wins(local_dir):
         assert ck.pool.allocations == 2
         assert ck.tier_counts["local"].persisted == 2 and ck.tier_counts["local"].superseded == 1
         assert tier.committed_steps() == [3, 1]
+
+
+def test_an_older_snapshot_never_supersedes_a_newer_one(local_dir, monkeypatch):
+    """Snapshots reach the tiers in the order they were taken, whatever order their copies land in: the
+    memory commit of step 1 is slow, step 2's lands first, and the disk, busy with step 0, then writes
+    step 2 (the newest), never step 1 in its place."""
+    from ckpt.tiers.memory import MemoryTier
+
+    tier = GatedTier(local_dir)
+    commit = MemoryTier.commit
+
+    def slow_for_step_1(self, step, manifest, buffer):
+        if step == 1:
+            time.sleep(1.0)
+        return commit(self, step, manifest, buffer)
+
+    monkeypatch.setattr(MemoryTier, "commit", slow_for_step_1)
+    with ckpt.Checkpointer(local_dir=tier, max_in_flight=3) as ck:
+        h0 = ck.save(0, {"s": torch.zeros(10)})
+        assert tier.started.wait(10)   # the disk is busy with step 0
+        h1 = ck.save(1, {"s": torch.ones(10)})
+        h2 = ck.save(2, {"s": torch.full((10,), 2.0)})
+        h2.wait("memory")
+        h1.wait("memory")
+        tier.gate.set()
+        ck.wait()
+        assert h1.skipped_tiers == {"local": "superseded by step 2"} and h2.skipped_tiers == {}
+        assert h0.tier_status("local") == h2.tier_status("local") == "done"
+    assert LocalTier(local_dir).committed_steps() == [2, 0]
