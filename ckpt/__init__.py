@@ -8,6 +8,7 @@ the newest verified checkpoint from the nearest tier. See ``docs/``.
 """
 
 from .api import Checkpointer, CheckpointInfo, IfBusy, promote
+from .config import Policy, Storage
 from .errors import (CheckpointError, CorruptCheckpointError, HostMemoryError, IncompatibleCheckpointError,
                      IncompleteCheckpointError, LayoutMismatchError, NoCheckpointError, Preempted, RefusedStateError,
                      TornSnapshotError)
@@ -26,6 +27,8 @@ __all__ = [
     "Checkpointer",
     "CheckpointInfo",
     "IfBusy",
+    "Storage",
+    "Policy",
     "promote",
     "export",
     "ExportInfo",

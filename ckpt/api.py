@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import collections
+import dataclasses
 import enum
+import inspect
 import errno
 import logging
 import os
@@ -17,22 +19,28 @@ from typing import Any, Callable, Mapping
 import torch
 
 from . import knobs
+from .config import Policy, Storage, merge
 from .errors import (CheckpointError, CorruptCheckpointError, IncompatibleCheckpointError, IncompleteCheckpointError,
                      LockedError, NoCheckpointError)
-from .format import COMMIT_NAME, Manifest, data_name
+from .format import Manifest, data_name
 from .metrics import Metrics, Record
 from .pipeline import Pipeline, SaveHandle
 from .plan import flatten, layout
-from .policy import AutoInterval, Committed, Interval, Retention, Timeline, live_and_abandoned, prune
+from .policy import (AutoInterval, Committed, Interval, Retention, TierCadence, Timeline, live_and_abandoned,
+                     prune)
 from .preempt import PreemptionGuard, Signals, drain, save_on_request
 from .ranks import Ranks, distributed_world
 from .restore import RestoreInfo, listing as _listing, restore as _restore
 from .stage import HostPool, Snapshot, SnapshotStats, stage, wait_all_staged
 from .tiers import LocalTier, MemoryTier, PeerTier, RemoteTier
+from .tiers.base import PersistingTier, Tier, TierFigures
 from .tiers.local import OwnerLock
 from .tiers.memory import space_for
 
 __all__ = ["Checkpointer", "CheckpointInfo", "IfBusy", "promote"]
+
+_STORAGE_FIELDS = [f.name for f in dataclasses.fields(Storage)]
+_POLICY_FIELDS = [f.name for f in dataclasses.fields(Policy)]
 
 log = logging.getLogger(__name__)
 
@@ -129,7 +137,14 @@ class Checkpointer:
         interval: ``"auto"`` picks the Young/Daly optimum interval from the
             measured cost of recent saves and ``mtbf`` (mean time between
             failures, seconds; ``restart_cost`` seconds per failure), updated as
-            measurements come in; see :meth:`interval_report`.
+            measurements come in; see :meth:`interval_report`. Each persisting tier
+            without a ``persist_every`` cadence then gets its own Young/Daly interval
+            from what its writes cost the loop (the slowdown of the steps that run
+            while it writes; :class:`~ckpt.policy.TierCadence`). ``mtbf`` may be a
+            dict per tier, ``{"memory": ..., "local": ..., "remote": ...}``: the mean
+            time between the failures each tier is there for (a process crash for
+            the memory tier, a node's loss for the remote one); a tier not named
+            uses the memory tier's.
         signals: a :class:`~ckpt.Signals`: what signals do inside the ``with`` block
             (preemption: save, make durable, exit; a save request: save, make
             durable, keep training), e.g. ``ckpt.Signals(preempt=(signal.SIGTERM,),
@@ -143,6 +158,12 @@ class Checkpointer:
             (``on_preempt="raise"``). ``drain_tier="peer"`` (with ``peers=``) waits until
             the peer rank, on another node, has committed this rank's copy: durable off
             the draining node at network speed.
+        storage / policy: the same options grouped (:class:`~ckpt.Storage`: ``local_dir``, ``url``,
+            ``storage_options``, ``compression``, ``peers``, ``replicated``, ``max_in_flight``,
+            ``host_memory_limit``; :class:`~ckpt.Policy`: ``every_steps``, ``every_seconds``,
+            ``interval``, ``mtbf``, ``restart_cost``, ``persist_every``, ``if_busy``, ``keep``,
+            ``on_unsupported``); each option is given once, here or as its keyword (``ValueError``
+            otherwise). ``ck.storage`` and ``ck.policy`` show what the Checkpointer uses.
         on_metrics: called with a flat record (``dict`` of ``str -> int | float``) after
             each save finished on every tier and after each restore, on the thread
             driving the Checkpointer (see :meth:`metrics` and :mod:`ckpt.metrics`).
@@ -188,15 +209,30 @@ class Checkpointer:
                  every_seconds: float | None = None, keep: Retention | None = None,
                  max_in_flight: int | None = None, if_busy: str | IfBusy = IfBusy.SKIP,
                  persist_every: Mapping[str, int] | None = None, host_memory_limit: int | None = None,
-                 on_unsupported: str = "error", interval: str | None = None, mtbf: float | None = None,
+                 on_unsupported: str = "error", interval: str | None = None,
+                 mtbf: float | Mapping[str, float] | None = None,
                  restart_cost: float = 0.0, signals: Signals | tuple = (), drain_deadline: float = 30.0,
                  drain_tier: str = "local", on_preempt: str = "exit",
                  clock: Callable[[], float] = time.monotonic, collective: bool | None = None,
                  replicated: tuple[str, ...] | list[str] = (), peers: bool | int | None = None,
-                 on_metrics: Callable[[Record], Any] | None = None) -> None:
+                 on_metrics: Callable[[Record], Any] | None = None, storage: Storage | None = None,
+                 policy: Policy | None = None) -> None:
+        # the grouped options (ckpt.config) and the flat keywords are one set: each given once
+        defaults = {k: p.default for k, p in inspect.signature(Checkpointer.__init__).parameters.items()}
+        here = locals()
+        self.storage = merge(storage, Storage, {f: (tuple(here[f]) if f == "replicated" and isinstance(here[f], list)
+                                                    else here[f]) for f in _STORAGE_FIELDS}, defaults)
+        self.policy = merge(policy, Policy, {f: here[f] for f in _POLICY_FIELDS}, defaults)
+        (url, local_dir, storage_options, compression, peers, replicated, max_in_flight, host_memory_limit) = (
+            getattr(self.storage, f) for f in ("url", "local_dir", "storage_options", "compression", "peers",
+                                               "replicated", "max_in_flight", "host_memory_limit"))
+        (every_steps, every_seconds, interval, mtbf, restart_cost, persist_every, if_busy, keep, on_unsupported) = (
+            getattr(self.policy, f) for f in ("every_steps", "every_seconds", "interval", "mtbf", "restart_cost",
+                                              "persist_every", "if_busy", "keep", "on_unsupported"))
         local_dir = local_dir if local_dir is not None else os.environ.get("CKPT_LOCAL_DIR")
         if local_dir is None:
             raise ValueError("Checkpointer needs a local tier: pass local_dir=... or set $CKPT_LOCAL_DIR")
+        self.storage = dataclasses.replace(self.storage, local_dir=local_dir)
         try:
             self.if_busy = IfBusy(if_busy)
         except ValueError:
@@ -214,7 +250,13 @@ class Checkpointer:
         elif interval == "auto":
             if every_steps is not None or every_seconds is not None:
                 raise ValueError("interval='auto' picks the interval itself: drop every_steps / every_seconds")
-            self.interval = AutoInterval(mtbf, restart_cost, clock=clock)
+            if isinstance(mtbf, Mapping):
+                unknown = sorted(set(mtbf) - {"memory", "local", "remote"})
+                if unknown or "memory" not in mtbf:
+                    raise ValueError(f"mtbf= as a dict names the tiers 'memory' (required: the snapshots' failures), "
+                                     f"'local' and 'remote', got {sorted(mtbf)!r}")
+            self.interval = AutoInterval(mtbf["memory"] if isinstance(mtbf, Mapping) else mtbf, restart_cost,
+                                         clock=clock)
         else:
             raise ValueError(f"interval must be None or 'auto', got {interval!r}")
         self.signals = Signals.from_arguments(signals, drain_deadline, drain_tier, on_preempt)
@@ -259,6 +301,9 @@ class Checkpointer:
         self.ranks = Ranks() if (world > 1 if collective is None else collective) else None
         self._job = [self.ranks.rank, self.ranks.world] if self.ranks is not None else None
         self.memory = MemoryTier(self.pool, space_for(self.local.root, self.ranks.rank if self.ranks else 0))
+        # this rank's checkpoints, nearest first: what restore, list() and the timelines iterate
+        self._tiers: list[Tier] = sorted([t for t in (self.memory, self.local, self.remote) if t is not None],
+                                          key=lambda t: t.nearness)
         self._owner: OwnerLock | None = None
         self._owned = False
         if self.ranks is not None:
@@ -268,9 +313,17 @@ class Checkpointer:
             # a time-based policy decides by each rank's clock: those decisions are agreed in maybe_save
             self._agree_due = self.ranks is not None and (isinstance(self.interval, AutoInterval)
                                                           or self.interval.every_seconds is not None)
-            self._pipeline = Pipeline(self.pool, self.memory, self.local, self.remote, self._apply_retention,
-                                      self._failed, self.peer, coalesce=self.if_busy is IfBusy.SKIP,
-                                      independent=self.ranks is None, every=persist_every)
+            persisting = [t for t in self._tiers if isinstance(t, PersistingTier)]
+            # interval="auto": each persisting tier not given a persist_every cadence gets its own
+            cadences = {t.name: TierCadence(t.name, mtbf.get(t.name, mtbf["memory"]) if isinstance(mtbf, Mapping)
+                                            else mtbf)
+                        for t in persisting if t.name not in persist_every} if interval == "auto" else {}
+            self._pipeline = Pipeline(self.pool, self.memory, persisting, self._apply_retention, self._failed,
+                                      self.peer, peer_after=self.local, coalesce=self.if_busy is IfBusy.SKIP,
+                                      independent=self.ranks is None, every=persist_every, auto=cadences,
+                                      clock=clock)
+            self._clock = clock
+            self._last_step_at: float | None = None
         except BaseException:
             self._disown()
             raise
@@ -326,6 +379,10 @@ class Checkpointer:
                                        requested, self.signals)
         if not self._prepared:
             self._prepare(state)
+        now = self._clock()
+        if self._last_step_at is not None:   # a step's time, for the tiers' interval="auto" costs
+            self._pipeline.note_step(now - self._last_step_at)
+        self._last_step_at = now
         due = self.interval.due(step)
         if self._agree_due:
             due = bool(self.ranks.max([int(due)])[0])   # clocks differ between ranks: save if any says so
@@ -372,11 +429,14 @@ class Checkpointer:
         logger. At most the newest 1000 are kept between calls."""
         return self._metrics.take()
 
-    def interval_report(self) -> dict[str, float | None]:
-        """With ``interval="auto"``: the current interval, measured cost, MTBF and expected fraction lost."""
+    def interval_report(self) -> dict[str, Any]:
+        """With ``interval="auto"``: the snapshot interval, its measured cost, MTBF and expected fraction
+        lost; and under ``"tiers"``, per persisting tier without a ``persist_every`` cadence, its interval
+        (``None``: as soon as it can, still measuring), the training time one of its writes costs
+        (``cost_s``), its MTBF and its last write's seconds (see :class:`~ckpt.policy.TierCadence`)."""
         if not isinstance(self.interval, AutoInterval):
             raise ValueError("interval_report() needs Checkpointer(interval='auto', mtbf=...)")
-        return self.interval.report()
+        return {**self.interval.report(), "tiers": {n: c.report() for n, c in self._pipeline.cadences().items()}}
 
     def save(self, step: int, state: Mapping[str, Any]) -> SaveHandle:
         """Snapshot ``state`` as step ``step`` and persist it in the background.
@@ -445,6 +505,8 @@ class Checkpointer:
             self.pool.release(buf, staged=True)
             raise
         due = pipe.due(step)
+        if self.ranks is not None and pipe.cadences():   # each rank's clock and costs: due on all if due on any
+            due = dict(zip(pipe.tiers, (bool(v) for v in self.ranks.max([int(due[t]) for t in pipe.tiers]))))
         orphaned = pipe.take_orphaned()   # tiers whose waiting snapshot this buffer held: they get this one
         take = {t: None if t == force or t in orphaned or (due[t] and not busy[t]) else
                 ("not due" if not due[t] else "busy") for t in pipe.tiers}
@@ -453,7 +515,10 @@ class Checkpointer:
         stats.stall_s = time.perf_counter() - t0
         if isinstance(self.interval, AutoInterval):
             previous = self.history[-1] if self.history else None
-            self.interval.record(stats.stall_s, previous.persist_s.get("local") if previous else None)
+            # saves that wait for the tiers (if_busy="wait") cannot come faster than the local tier writes;
+            # with newest wins the snapshot cadence is the memory tier's alone (each tier has its own)
+            self.interval.record(stats.stall_s, previous.persist_s.get("local")
+                                 if previous and self.if_busy is IfBusy.WAIT else None)
         with self._lock:
             self._handles = [h for h in self._handles if not h.done()] + [handle]
         self.history.append(stats)
@@ -511,8 +576,8 @@ class Checkpointer:
         if self.ranks is not None:
             info = self._restore_agreed(state, step, strict)
         else:
-            listed = _listing(self.memory, self.local, self.remote)
-            info = _restore(state, self.memory, self.local, self.remote, step, strict, self._job, listed=listed)
+            listed = _listing(self._tiers)
+            info = _restore(state, self._tiers, step, strict, self._job, listed=listed)
             restored = None if info is None else Committed(info.step, info.timeline)
             self._use_timeline(_resume_timeline(restored, [e for e, _ in listed]))
         self.last_restore = info
@@ -536,12 +601,13 @@ class Checkpointer:
     def _newest_timeline(self) -> Timeline:
         """The newest checkpoint's timeline, on any tier (0 when there is none). A remote tier that cannot
         be listed now is left out (logged): a save must not fail on it before its upload even starts."""
-        try:
-            entries = [e for e, _ in _listing(self.memory, self.local, self.remote)]
-        except OSError as e:
-            log.warning("could not list the remote tier to find the newest checkpoint's timeline (%s); "
-                        "using the local tier's", e)
-            entries = [e for e, _ in _listing(self.memory, self.local, None)]
+        entries = []
+        for tier in self._tiers:
+            try:
+                entries += tier.committed()
+            except OSError as e:
+                log.warning("could not list the %s tier to find the newest checkpoint's timeline (%s); using the "
+                            "other tiers'", tier.name, e)
         live = live_and_abandoned(entries)[0]
         return live[0].timeline if live else Timeline()
 
@@ -556,9 +622,8 @@ class Checkpointer:
                 except BaseException:
                     pass
         self._timeline = timeline
-        for tier in (self.memory, self.local, self.remote, self.peer.store if self.peer is not None else None):
-            if tier is not None:
-                tier.timeline = timeline
+        for tier in self._tiers + ([self.peer.store] if self.peer is not None else []):
+            tier.timeline = timeline
 
     def _check_own_storage(self) -> None:
         """Refuse, on every rank, a ``local_dir`` or ``url`` that another rank of the job writes too
@@ -642,8 +707,8 @@ class Checkpointer:
         return PeerTier(self.local.root, Ranks(timeout_s=knobs.get("CKPT_COMMIT_TIMEOUT_S"), own_group=True), jump)
 
     def _near(self) -> list[Committed]:
-        """Checkpoints this rank holds in memory or on its local tier."""
-        return self.memory.committed() + self.local.committed()
+        """Checkpoints this rank holds on its node (the memory and local tiers: gone with a replaced node)."""
+        return [e for t in self._tiers if t.on_node for e in t.committed()]
 
     def _restore_agreed(self, state: dict, step: int | None, strict: bool) -> RestoreInfo | None:
         """:meth:`restore` when the ranks must agree: the newest checkpoint of the live branch that every
@@ -652,7 +717,8 @@ class Checkpointer:
         off onto the same new timeline when it is not the newest."""
         ranks = self.ranks
         near = [_decode(v) for v in ranks.gather(_encode(self._near()))]
-        far = [_decode(v) for v in ranks.gather(_encode(self.remote.committed() if self.remote is not None else []))]
+        far = [_decode(v) for v in ranks.gather(_encode([e for t in self._tiers if not t.on_node
+                                                          for e in t.committed()]))]
         kept = [_decode(v) for v in ranks.gather(_encode(self.peer.store.committed()))] \
             if self.peer is not None else None
         held = [{e.key for e in n + f + (kept[self.peer.holder_of(r)] if kept else [])}
@@ -685,7 +751,7 @@ class Checkpointer:
                 self._pull_from_peers(s, timelines[(n, s)], [{e.key for e in x} for x in near],
                                       [{e.key for e in x} for x in kept])
             try:
-                info = _restore(state, self.memory, self.local, self.remote, s, strict, self._job, timeline=n)
+                info = _restore(state, self._tiers, s, strict, self._job, timeline=n)
             except (NoCheckpointError, FileNotFoundError) as e:   # this rank's copies of s are unusable or
                 # gone (a peer's copy that failed verification was not committed): try an older step
                 error, code = e, 0
@@ -734,6 +800,12 @@ class Checkpointer:
         ``persisted``, ``superseded``, ``busy``, ``not_due``, ``failed``)."""
         return self._pipeline.counts()
 
+    def tier_figures(self) -> dict[str, TierFigures]:
+        """Per tier, nearest first, its capacity and cost figures (:class:`~ckpt.tiers.base.TierFigures`:
+        steps and bytes held, capacity, and the writes and reads measured in this process with their
+        throughput). Lists each tier (a remote tier: one listing of the store)."""
+        return {t.name: t.figures() for t in self._tiers}
+
     @property
     def tiers(self) -> list[str]:
         """The tiers a save goes to, nearest first."""
@@ -778,28 +850,20 @@ class Checkpointer:
     def list(self) -> list[CheckpointInfo]:
         """Checkpoints visible on any tier, newest first: the live branch by ``(timeline, step)``, then
         the abandoned branch of a rollback (``abandoned=True``), each newest first."""
-        listed = _listing(self.memory, self.local, self.remote)
+        listed = _listing(self._tiers)
         live, abandoned = live_and_abandoned(e for e, _ in listed)
         gone = {e.key for e in abandoned}
         found: dict[tuple[int, int], CheckpointInfo] = {}
-        for e, tier in sorted(listed, key=lambda c: ("memory", "local", "remote").index(c[1].name)):
+        for e, tier in sorted(listed, key=lambda c: c[1].nearness):
             info = found.get(e.key)
             if info is None:
                 info = found[e.key] = CheckpointInfo(e.step, [], None, None, None, e.timeline.number, e.key in gone)
             info.tiers.append(tier.name)
-            if tier is self.memory:
-                m = self.memory.manifest(e.step, e.timeline)
-                info.nbytes, info.created_unix = (m.data_bytes, m.created_unix) if m is not None else (None, None)
-            elif tier is self.local:
-                d = self.local.step_dir(e.step)
-                info.path = str(d)
-                try:
-                    info.nbytes = sum(f.stat().st_size for f in d.iterdir())
-                    info.created_unix = (d / COMMIT_NAME).stat().st_mtime
-                except OSError:
-                    info.nbytes = info.created_unix = None
-            elif info.path is None:
-                info.path = self.remote.step_dir(e.step)
+            d = tier.describe(e.step, e.timeline)
+            if info.nbytes is None:
+                info.nbytes, info.created_unix = d.nbytes, d.created_unix
+            if info.path is None and tier.durable:   # where it lies on disk or in storage
+                info.path = d.path
         order = [e.key for e in live + abandoned]
         return [found[k] for k in dict.fromkeys(order)]
 
@@ -858,18 +922,12 @@ class Checkpointer:
         sender's), or read back in full from it; never a step it saw fail verification."""
         busy = self._pipeline.in_flight()
         for name in tiers:
-            if name == "local":
-                tier, keep = self.local, self.keep.local
-            elif name == "peer":
-                tier, keep = self.peer.store, self.keep.local   # the peer's copies, kept like this rank's own
-            elif self.remote.job is None or self.remote.job.rank == 0:
-                # a job tier is pruned by rank 0 alone, after it committed (every rank is past older steps)
-                tier, keep = self.remote, self.keep.remote
-            else:
+            tier = self.peer.store if name == "peer" and self.peer is not None else \
+                next(t for t in self._tiers if t.name == name)
+            if not tier.prunes_here():
                 continue
-            record = getattr(tier, "verified", {})
-            prune(tier, keep, busy, verified=lambda s, record=record: record.get(s) is True)
-
+            prune(tier, tier.keep_of(self.keep), busy,
+                  verified=lambda s, record=tier.verified: record.get(s) is True)
 
 def promote(step: int, to: str, *, local_dir: str | os.PathLike, url: str,
             storage_options: dict[str, Any] | None = None, compression: str | None = None) -> bool:

@@ -16,7 +16,6 @@ import os
 import sys
 import time
 import traceback
-from pathlib import Path
 from typing import Any, Iterator
 
 __all__ = ["main"]
@@ -200,27 +199,9 @@ def _ls(args: argparse.Namespace) -> int:
 
 def _step_info(tier: Any, step: int) -> dict[str, Any]:
     """Size, commit time, ranks and path of ``step`` on ``tier`` (what can be read of it)."""
-    from .errors import CheckpointError
-
-    if tier.name == "memory":
-        rec = tier._record(step, None)
-        if rec is None:
-            return {}
-        return {"path": str(Path(rec.path).with_name(rec.buffer)), "bytes": rec.manifest.data_bytes,
-                "committed_unix": rec.created_unix, "world_size": 1}
-    d = tier.step_dir(step)
-    if tier.name == "remote":   # sizes and time from the commit record: one read per step
-        d = tier.fs.unstrip_protocol(d)   # the URL, as it is given to a Checkpointer or to ckpt
-        try:
-            c = tier.read_commit(step)
-        except (CheckpointError, OSError):
-            return {"path": d}
-        return {"path": d, "bytes": sum(c.data.values()), "committed_unix": c.created_unix, "world_size": c.world_size}
-    try:
-        size = sum(f.stat().st_size for f in d.iterdir() if f.is_file())
-        return {"path": str(d), "bytes": size, "committed_unix": (d / "COMMIT").stat().st_mtime, "world_size": 1}
-    except OSError:
-        return {"path": str(d)}
+    d = tier.describe(step)
+    info = {"path": d.path, "bytes": d.nbytes, "committed_unix": d.created_unix, "world_size": d.world_size}
+    return {k: v for k, v in info.items() if v is not None}
 
 
 def _restore_pick(live: list[Any], listed: list[tuple[Any, Any]]) -> tuple[tuple[int, int], Any] | None:
@@ -235,14 +216,8 @@ def _restore_pick(live: list[Any], listed: list[tuple[Any, Any]]) -> tuple[tuple
             if x.key != e.key:
                 continue
             try:
-                if tier.name == "memory":
-                    if tier.manifest(e.step, e.timeline) is None:
-                        continue
-                elif tier.name == "remote":
-                    tier.read_manifests(e.step, tier.read_commit(e.step))
-                else:
-                    tier.open(e.step)
-            except (CheckpointError, OSError):
+                tier.check(e.step, e.timeline)
+            except (CheckpointError, OSError, LookupError):
                 continue
             return e.key, tier
     return None

@@ -33,8 +33,10 @@ from typing import Any, Callable
 
 from . import knobs, priority
 from .errors import CheckpointError
+from .policy import TierCadence
 from .stage import HostPool, Snapshot, SnapshotStats
-from .tiers import LocalTier, MemoryTier, RemoteTier
+from .tiers import MemoryTier
+from .tiers.base import PersistingTier
 
 __all__ = ["SaveHandle", "Pipeline"]
 
@@ -232,9 +234,12 @@ class TierCounts:
 class _Lane:
     """One persisting tier's worker thread and its queue."""
 
-    def __init__(self, name: str, every: int | None) -> None:
-        self.name = name
+    def __init__(self, tier: PersistingTier, every: int | None, auto: TierCadence | None = None) -> None:
+        self.tier = tier
+        self.name = tier.name
         self.every = every
+        self.auto = auto                      # interval="auto": seconds between copies, from measured costs
+        self.last_time: float | None = None   # clock time of the newest snapshot handed to this tier
         self.queue: collections.deque[_Job] = collections.deque()
         self.current: _Job | None = None
         self.last_taken: int | None = None    # step of the newest snapshot handed to this tier
@@ -245,8 +250,12 @@ class _Lane:
     def busy(self) -> bool:
         return self.current is not None or bool(self.queue)
 
-    def due(self, step: int) -> bool:
-        """Whether a snapshot of ``step`` is due on this tier by its cadence (steps between copies)."""
+    def due(self, step: int, now: float) -> bool:
+        """Whether a snapshot of ``step`` is due on this tier by its cadence (steps between copies, or with
+        ``interval="auto"`` the seconds its measured cost makes worth it)."""
+        if self.every is None and self.auto is not None:
+            gap = self.auto.seconds
+            return gap is None or self.last_time is None or now - self.last_time >= gap
         return self.every is None or self.last_taken is None or step < self.last_taken \
             or step - self.last_taken >= self.every
 
@@ -260,23 +269,28 @@ class Pipeline:
     is still waiting for a tier may be taken for a newer snapshot, which that tier then gets instead;
     in a collective job the ranks decide together at ``save()`` and a waiting snapshot keeps its
     buffer. ``every``: steps between copies per tier (``None``: as often as it keeps up).
+
+    ``tiers``: the persisting tiers (:class:`~ckpt.tiers.base.PersistingTier`), one worker each, in
+    the order of their nearness. ``peer`` (a :class:`~ckpt.tiers.PeerTier`) sends what ``peer_after``
+    (one of ``tiers``) committed to the peer rank, on that tier's worker, right after its write.
     """
 
-    def __init__(self, pool: HostPool, memory: MemoryTier, local: LocalTier, remote: RemoteTier | None,
+    def __init__(self, pool: HostPool, memory: MemoryTier, tiers: list[PersistingTier],
                  retention: Callable[[list[str]], None],
-                 on_error: Callable[[SaveHandle, BaseException], None], peer: Any = None, *,
-                 coalesce: bool = False, independent: bool = True, every: dict[str, int] | None = None) -> None:
+                 on_error: Callable[[SaveHandle, BaseException], None], peer: Any = None,
+                 peer_after: PersistingTier | None = None, *,
+                 coalesce: bool = False, independent: bool = True, every: dict[str, int] | None = None,
+                 auto: dict[str, TierCadence] | None = None, clock: Callable[[], float] = time.monotonic) -> None:
         self.pool = pool
         self.memory = memory
-        self.local = local
-        self.remote = remote
         self.peer = peer
         self.coalesce = coalesce
         self.independent = independent
-        every = every or {}
-        self.lanes: dict[str, _Lane] = {"local": _Lane("local", every.get("local"))}
-        if remote is not None:
-            self.lanes["remote"] = _Lane("remote", every.get("remote"))
+        every, auto = every or {}, auto or {}
+        self.clock = clock
+        self.lanes: dict[str, _Lane] = {t.name: _Lane(t, every.get(t.name), auto.get(t.name))
+                                        for t in sorted(tiers, key=lambda t: t.nearness)}
+        self._peer_lane = peer_after.name if peer is not None and peer_after is not None else None
         self._retention = retention
         self._on_error = on_error
         self._cv = pool._cv   # one lock for the buffers and the queues: a buffer changes hands atomically
@@ -310,9 +324,22 @@ class Pipeline:
         with self._cv:
             return [int(lane.busy()) for lane in self.lanes.values()]
 
-    def due(self, step: int) -> dict[str, bool]:
+    def note_step(self, seconds: float) -> None:
+        """One training step took ``seconds`` (for the tiers' ``interval="auto"`` costs)."""
         with self._cv:
-            return {n: lane.due(step) for n, lane in self.lanes.items()}
+            writing = {n: lane.current is not None for n, lane in self.lanes.items()}
+        anyone = any(writing.values())
+        for n, lane in self.lanes.items():
+            if lane.auto is not None:
+                lane.auto.step(seconds, writing[n], anyone)
+
+    def cadences(self) -> dict[str, TierCadence]:
+        return {n: lane.auto for n, lane in self.lanes.items() if lane.auto is not None}
+
+    def due(self, step: int) -> dict[str, bool]:
+        now = self.clock()
+        with self._cv:
+            return {n: lane.due(step, now) for n, lane in self.lanes.items()}
 
     def in_flight(self) -> set[int]:
         """Steps still being staged, waiting for a tier or being written."""
@@ -352,14 +379,14 @@ class Pipeline:
             for name, lane in self.lanes.items():
                 reason = take.get(name, "not due")
                 if reason is None:
-                    lane.last_taken, lane.newest = snap.step, snap
+                    lane.last_taken, lane.newest, lane.last_time = snap.step, snap, self.clock()
                 else:
                     if reason == "busy":
                         lane.counts.busy += 1
                     else:
                         lane.counts.not_due += 1
                     handle._skip_tier(name, reason)
-                    if name == "local" and self.peer is not None:
+                    if name == self._peer_lane:
                         handle._skip_tier("peer", reason)
             self._newest = (snap, handle)
         # The memory tier does not queue behind earlier persists: a watcher publishes it as soon as
@@ -419,7 +446,7 @@ class Pipeline:
         log.info("step %d is not written to the %s tier: %s (the tier was busy; %d superseded there so far)",
                  job.snap.step, lane.name, reason, lane.counts.superseded)
         job.handle._skip_tier(lane.name, reason)
-        if lane.name == "local" and self.peer is not None:
+        if lane.name == self._peer_lane:
             job.handle._skip_tier("peer", reason)
 
     # -- the workers --------------------------------------------------------------------------------
@@ -439,10 +466,7 @@ class Pipeline:
                     job.held = True
                 lane.current = job
             try:
-                if lane.name == "local":
-                    self._persist_local(job, lane)
-                else:
-                    self._persist_remote(job, lane)
+                self._persist(job, lane)
             except BaseException as e:   # noqa: BLE001 - a bug must not stop the tier for good
                 log.exception("the %s tier's worker failed on step %d", lane.name, job.snap.step)
                 self._release(job, lane)
@@ -462,8 +486,11 @@ class Pipeline:
 
     def _run_write(self, job: _Job, lane: _Lane, write: Callable[[], float]) -> BaseException | None:
         try:
-            job.handle.stats.persist_s[lane.name] = write()
+            seconds = job.handle.stats.persist_s[lane.name] = write()
             lane.counts.persisted += 1
+            if lane.auto is not None:
+                lane.auto.wrote(seconds)
+            lane.tier.measured_write(job.snap.data_bytes, seconds)
             return None
         except BaseException as e:
             lane.counts.failed += 1
@@ -478,46 +505,36 @@ class Pipeline:
         except OSError as e:   # retention trouble never fails a committed save
             log.warning("retention after step %d failed: %s", step, e)
 
-    def _persist_remote(self, job: _Job, lane: _Lane) -> None:
-        snap, handle = job.snap, job.handle
-        if snap.error is not None:   # on a job tier the other ranks wait for this rank's report
-            self.remote.abstain(snap.step)
-            self._release(job, lane)
-            handle._finish("remote", snap.error)
-            return
-        data = snap.buffer.memoryview(snap.data_bytes)
-        err = self._run_write(job, lane, lambda: self.remote.write(snap.step, snap.manifest, data))
-        del data   # no view of the buffer may outlive the hold (a waiter may exit the process at once)
-        if err is None:
-            self._prune(["remote"], snap.step)
-        self._release(job, lane)   # before reporting: a save right after handle.wait() finds the buffer free
-        handle._finish("remote", err)
-
-    def _persist_local(self, job: _Job, lane: _Lane) -> None:
-        snap, handle = job.snap, job.handle
+    def _persist(self, job: _Job, lane: _Lane) -> None:
+        """Write ``job``'s snapshot to ``lane``'s tier from its host buffer, apply retention there, and
+        (the tier the peer rides) exchange the committed image with the peer ranks."""
+        snap, handle, tier = job.snap, job.handle, lane.tier
+        rides = lane.name == self._peer_lane
         if snap.error is not None:
-            if self.peer is not None:   # the peers wait for this rank's header
+            if rides:   # the peers wait for this rank's header
                 keep, _ = self._exchange(snap.step, None, None, handle)
                 kept = keep is not None and self._keep_peer_copy(snap.step, keep, handle) is None
                 self._confirm(snap.step, kept)
+            else:       # a tier whose commit needs every rank (a job tier) waits for this rank's word
+                tier.abstain(snap.step)
             self._release(job, lane)
-            handle._finish("local", snap.error)
-            if self.peer is not None:
+            handle._finish(lane.name, snap.error)
+            if rides:
                 handle._finish("peer", snap.error)
             return
         data = snap.buffer.memoryview(snap.data_bytes)
-        local_error = self._run_write(job, lane, lambda: self.local.write(snap.step, snap.manifest, data))
-        if local_error is None:
-            self._prune(["local"], snap.step)
-        if self.peer is None:
-            del data
-            self._release(job, lane)
-            handle._finish("local", local_error)
+        error = self._run_write(job, lane, lambda: tier.write(snap.step, snap.manifest, data))
+        if error is None:
+            self._prune([lane.name], snap.step)
+        if not rides:
+            del data   # no view of the buffer may outlive the hold (a waiter may exit the process at once)
+            self._release(job, lane)   # before reporting: a save right after handle.wait() finds the buffer free
+            handle._finish(lane.name, error)
             return
-        handle._finish("local", local_error)
+        handle._finish(lane.name, error)
         # the committed image to the peer rank, straight from the host buffer
-        keep, peer_error = self._exchange(snap.step, snap.manifest if local_error is None else None, data, handle)
-        peer_error = peer_error or local_error   # no local copy: none went to the peer either
+        keep, peer_error = self._exchange(snap.step, snap.manifest if error is None else None, data, handle)
+        peer_error = peer_error or error   # no copy on this tier: none went to the peer either
         del data
         self._release(job, lane)
         # the received copy is written after the buffer is free for the next save; then each rank
@@ -579,7 +596,7 @@ class Pipeline:
                 if snap.buffer.image_step != snap.step and snap.error is None and snap.step not in self._staging:
                     continue   # its buffer went to another snapshot (cannot happen to the newest; defensive)
                 handle._reopen(name)
-                if name == "local" and self.peer is not None:
+                if name == self._peer_lane:
                     handle._reopen("peer")
                 lane.last_taken, lane.newest = snap.step, snap
                 if snap.step in self._staging:   # the watcher hands it over once the copy has landed

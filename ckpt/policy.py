@@ -19,7 +19,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Collection, Iterable, Iterator
 
-__all__ = ["Retention", "Interval", "AutoInterval", "daly_interval", "prune", "Timeline", "TimelineCopies",
+__all__ = ["Retention", "Interval", "AutoInterval", "TierCadence", "daly_interval", "prune", "Timeline", "TimelineCopies",
            "Committed", "live_and_abandoned"]
 
 log = logging.getLogger(__name__)
@@ -277,6 +277,65 @@ class AutoInterval:
     def report(self) -> dict[str, float | None]:
         return {"interval_s": self.seconds, "cost_s": self.cost, "mtbf_s": self.mtbf,
                 "expected_loss_fraction": self.expected_loss()}
+
+
+class TierCadence:
+    """``interval="auto"`` for one persisting tier: how often it writes the newest snapshot.
+
+    A tier writes in the background, so what a copy costs the training loop is the slowdown of the steps
+    that run while it writes: ``cost = (median step while it writes - median step while no tier writes)
+    * (write seconds / median step while it writes)``, from the last ``window`` steps of each kind
+    (:meth:`step`) and its last write (:meth:`wrote`). The interval is Daly's optimum for that cost and the
+    MTBF of the failures the tier is there for (:func:`daly_interval`), and never shorter than a write takes
+    (a tier cannot write more often; newest wins meanwhile). With no measurable cost that is as often as
+    it keeps up. Before its first write and before enough steps were seen, the tier writes as soon as it
+    can, to measure.
+    """
+
+    def __init__(self, name: str, mtbf: float, window: int = 20) -> None:
+        if not mtbf or mtbf <= 0:
+            raise ValueError(f"interval='auto' needs an mtbf > 0 seconds for the {name} tier, got {mtbf!r}")
+        self.name = name
+        self.mtbf = float(mtbf)
+        self.window = window
+        self._busy: list[float] = []
+        self._idle: list[float] = []
+        self._write: float | None = None
+
+    def step(self, seconds: float, writing: bool, any_writing: bool) -> None:
+        """One training step of ``seconds``; ``writing``: this tier wrote during it; ``any_writing``: some tier did."""
+        if writing:
+            self._busy = (self._busy + [seconds])[-self.window:]
+        elif not any_writing:
+            self._idle = (self._idle + [seconds])[-self.window:]
+
+    def wrote(self, seconds: float) -> None:
+        """A write to the tier took ``seconds``."""
+        self._write = seconds
+
+    @property
+    def cost(self) -> float | None:
+        """Seconds of training lost per write (``None`` until measured)."""
+        if self._write is None or len(self._busy) < 3 or len(self._idle) < 3:
+            return None
+        busy, idle = _median(self._busy), _median(self._idle)
+        return max(0.0, busy - idle) * (self._write / busy) if busy > 0 else 0.0
+
+    @property
+    def seconds(self) -> float | None:
+        """Seconds between copies on this tier (``None``: write as soon as possible, to measure)."""
+        c = self.cost
+        if c is None:
+            return None
+        return max(self._write, daly_interval(c, self.mtbf) if c > 0 else 0.0)
+
+    def report(self) -> dict[str, float | None]:
+        return {"interval_s": self.seconds, "cost_s": self.cost, "mtbf_s": self.mtbf, "write_s": self._write}
+
+
+def _median(xs: list[float]) -> float:
+    s = sorted(xs)
+    return s[len(s) // 2]
 
 
 def daly_interval(cost: float, mtbf: float) -> float:

@@ -94,10 +94,10 @@ from torch.distributed.checkpoint.planner import (
 )
 from torch.distributed.checkpoint.storage import WriteResult
 
+from ..commit import DirSink, FsSink, Sink, publish
 from ..errors import CheckpointError, CorruptCheckpointError, IncompleteCheckpointError, NoCheckpointError
 from ..format import (COMMIT_NAME, MAX_TREE_DEPTH, _is_nonneg_int, _is_number, check_shape, dtype_to_str,
-                      fsync_dir, fsync_file, open_regular, parse_record, read_record, read_record_fs, str_to_dtype,
-                      write_atomic)
+                      fsync_dir, fsync_file, open_regular, parse_record, read_record, read_record_fs, str_to_dtype)
 from ..integrity import ALGORITHM, checksum
 from ..policy import Retention
 from ..tiers.local import _read_range, linked, remove_step_dir
@@ -160,15 +160,12 @@ class _Tier:
         so that a reader falls back to the next tier instead of crashing."""
         return OSError(getattr(e, "errno", None) or errno.EIO, f"{doing} on {self.where}: {type(e).__name__}: {e}")
 
-    def put_bytes(self, ckpt_id: str, name: str, data: bytes) -> None:
-        p = self.path(ckpt_id, name)
+    def sink(self, ckpt_id: str) -> Sink:
+        """Where checkpoint ``ckpt_id``'s records go (:mod:`ckpt.commit`)."""
         if self.local:
-            Path(p).parent.mkdir(parents=True, exist_ok=True)
-            write_atomic(Path(p), data)
-        else:
-            self.fs.makedirs(f"{self.root}/{ckpt_id}", exist_ok=True)
-            self.fs.pipe_file(p, data)
-            self.synced(p)
+            return DirSink(f"{self.root}/{ckpt_id}")
+        self.fs.makedirs(f"{self.root}/{ckpt_id}", exist_ok=True)
+        return FsSink(self.fs, f"{self.root}/{ckpt_id}", self.mounted)
 
     def open_stream(self, ckpt_id: str, name: str) -> Any:
         """A binary file to write ``name`` into as it is produced (remote tier only): fsspec's
@@ -662,9 +659,8 @@ class TierStorageWriter(StorageWriter):
         for tier in self.tiers:
             if tier.name in missing:
                 continue   # some rank's file did not reach this tier: no COMMIT may vouch for it
-            try:
-                tier.put_bytes(self.checkpoint_id, METADATA_NAME, raw)
-                tier.put_bytes(self.checkpoint_id, COMMIT_NAME, commit)
+            try:   # the metadata, then COMMIT last (ckpt.commit: the protocol every tier follows)
+                publish(tier.sink(self.checkpoint_id), [(METADATA_NAME, raw)], commit)
                 committed.append(tier.name)
             except Exception as e:   # noqa: BLE001 - reported below
                 warnings.warn(f"TierStorageWriter: could not commit {self.checkpoint_id!r} on {tier.where} "

@@ -68,3 +68,50 @@ def test_auto_interval_arguments(local_dir):
         ckpt.Checkpointer(local_dir=local_dir, interval="auto", mtbf=10, every_steps=5)
     with pytest.raises(ValueError, match="interval_report"):
         ckpt.Checkpointer(local_dir=local_dir).interval_report()
+
+
+def test_a_tiers_cadence_comes_from_the_slowdown_its_writes_cause():
+    from ckpt.policy import TierCadence
+
+    c = TierCadence("local", mtbf=3600)
+    assert c.seconds is None                  # nothing measured: write as soon as possible
+    c.wrote(5.0)
+    for _ in range(5):
+        c.step(1.2, writing=True, any_writing=True)
+        c.step(1.0, writing=False, any_writing=False)
+        c.step(9.0, writing=False, any_writing=True)   # another tier wrote: neither busy nor idle here
+    assert c.cost == pytest.approx(0.2 * 5.0 / 1.2)
+    assert c.seconds == pytest.approx(daly_interval(0.2 * 5.0 / 1.2, 3600))
+    free = TierCadence("remote", mtbf=3600)
+    free.wrote(40.0)
+    for _ in range(5):
+        free.step(1.0, writing=True, any_writing=True)
+        free.step(1.0, writing=False, any_writing=False)
+    assert free.cost == 0.0 and free.seconds == 40.0   # costs the loop nothing: as often as it keeps up
+    with pytest.raises(ValueError):
+        TierCadence("local", mtbf=0)
+
+
+def test_interval_auto_gives_each_tier_without_a_cadence_its_own(tmp_path):
+    now = [0.0]
+    with ckpt.Checkpointer(tmp_path.joinpath("remote").as_uri(), local_dir=tmp_path / "local", interval="auto",
+                           mtbf={"memory": 600, "remote": 86_400}, persist_every={"remote": 1000},
+                           clock=lambda: now[0], if_busy="wait") as ck:
+        w = torch.zeros(10)
+        for step in range(30):
+            now[0] += 1.0
+            h = ck.maybe_save(step, {"w": w})
+            if h is not None:
+                h.wait()
+        tiers = ck.interval_report()["tiers"]
+        assert list(tiers) == ["local"]            # the remote tier has its persist_every cadence
+        assert tiers["local"]["mtbf_s"] == 600     # not named in mtbf: the memory tier's
+        assert tiers["local"]["write_s"] is not None and tiers["local"]["write_s"] > 0
+        assert ck.tier_counts["local"].persisted >= 1
+
+
+def test_mtbf_per_tier_is_checked(local_dir):
+    with pytest.raises(ValueError):
+        ckpt.Checkpointer(local_dir=local_dir, interval="auto", mtbf={"local": 100})   # no "memory"
+    with pytest.raises(ValueError):
+        ckpt.Checkpointer(local_dir=local_dir, interval="auto", mtbf={"memory": 100, "disk": 5})

@@ -87,8 +87,8 @@ def test_restore_records_name_the_tier_and_the_size(tmp_path):
 
 def test_a_restore_that_passes_over_a_corrupt_checkpoint_counts_it(tmp_path):
     with ckpt.Checkpointer(local_dir=tmp_path) as ck:
-        ck.save(1, _state(1.0))
-        ck.save(2, _state(2.0))
+        ck.save(1, _state(1.0)).wait()   # each lands (a save superseded on a busy tier would not)
+        ck.save(2, _state(2.0)).wait()
     (data,) = (tmp_path / "step-000000002").glob("*.bin")
     with open(data, "r+b") as f:   # flip a byte in the data file
         f.seek(100)

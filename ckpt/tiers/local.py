@@ -47,12 +47,14 @@ from typing import Any, Callable, Iterator
 import torch
 
 from .. import knobs
+from ..commit import DirSink, publish, rank_record
 from ..errors import CorruptCheckpointError, IncompleteCheckpointError, LockedError
 from ..format import (COMMIT_NAME, LATEST_NAME, Commit, Manifest, data_name, fsync_dir, manifest_name,
                       open_regular, parse_step_dir, read_record, read_records, step_dir_name, write_atomic)
 from ..integrity import checksum
-from ..policy import Committed, Timeline, TimelineCopies
+from ..policy import Committed, Retention, Timeline, TimelineCopies
 from ..scatter import Scatter
+from .base import PersistingTier, StepInfo, register
 
 __all__ = ["LocalTier", "OwnerLock", "LOCK_NAME", "linked", "owned", "remove_step_dir"]
 
@@ -62,10 +64,13 @@ log = logging.getLogger(__name__)
 LOCK_NAME = ".ckpt-lock"
 
 
-class LocalTier(TimelineCopies):
-    """Committed checkpoints under ``root`` (``root/step-XXXXXXXXX/``)."""
+@register
+class LocalTier(PersistingTier, TimelineCopies):
+    """Committed checkpoints under ``root`` (``root/step-XXXXXXXXX/``): the tier on this node's disk."""
 
     name = "local"
+    nearness = 10
+    refills = True   # a checkpoint restored from a farther tier is written here on the way
 
     def __init__(self, root: str | os.PathLike, rank: int = 0, world_size: int = 1) -> None:
         self.root = Path(root).expanduser()
@@ -109,6 +114,34 @@ class LocalTier(TimelineCopies):
     def owns(self, step: int) -> bool:
         """Whether this tier may delete ``step``: ``False`` for a linked step (see :func:`linked`)."""
         return not linked(self.root, step_dir_name(step))
+
+    def describe(self, step: int, timeline: Timeline | None = None) -> StepInfo:
+        """The step directory, the bytes of its files, its ``COMMIT``'s modification time."""
+        d = self.step_dir(step)
+        try:
+            size = sum(f.stat().st_size for f in d.iterdir() if f.is_file())
+            return StepInfo(str(d), size, (d / COMMIT_NAME).stat().st_mtime, self.world_size)
+        except OSError:
+            return StepInfo(str(d))
+
+    def location(self) -> str:
+        return str(self.root)
+
+    def where(self, step: int) -> str:
+        return f"{self.step_dir(step)}/{manifest_name(self.rank)}"
+
+    def bytes_held(self) -> int | None:
+        return sum(self.describe(s).nbytes or 0 for s in self.committed_steps())
+
+    def capacity_bytes(self) -> int | None:
+        """Free space on the file system of ``root`` plus what the committed steps take."""
+        try:
+            return shutil.disk_usage(self.root).free + (self.bytes_held() or 0)
+        except OSError:
+            return None
+
+    def keep_of(self, keep: Retention) -> int | None:
+        return keep.local
 
     def all_step_dirs(self) -> dict[int, Path]:
         out = {}
@@ -160,12 +193,9 @@ class LocalTier(TimelineCopies):
             local = dataclasses.replace(manifest, codecs=None, stored_sizes=None, generation=None, rank=self.rank,
                                         world_size=self.world_size)
             raw = local.to_bytes()
-            write_atomic(stage / manifest_name(self.rank), raw)
-            commit = Commit(step=step, world_size=self.world_size,
-                            manifests={manifest_name(self.rank): Commit.manifest_checksum(raw)},
-                            data={data_name(self.rank): manifest.data_bytes},
-                            **self._copying.get(step, self.timeline).record())
-            write_atomic(stage / COMMIT_NAME, commit.to_bytes())
+            commit = rank_record(step, self.rank, self.world_size, raw, manifest.data_bytes,
+                                 self._copying.get(step, self.timeline))
+            publish(DirSink(stage), [(manifest_name(self.rank), raw)], commit.to_bytes())
             self._switch(step, stage, d)   # the checkpoint exists (or is replaced) from here on
             self.verified[step] = True
         except _SourceError as e:   # the bytes could not be had (a download failed): not the disk's fault
@@ -354,6 +384,10 @@ class LocalTier(TimelineCopies):
         if manifest.codecs is not None and any(c != "raw" for c in manifest.codecs):
             raise CorruptCheckpointError(f"{d}: the local tier stores raw chunks, the manifest lists codecs")
         return commit, manifest
+
+    def manifest_of(self, step: int, timeline: Timeline | None = None) -> Manifest:
+        """This rank's validated manifest of ``step`` (:meth:`open`; a step has one copy here)."""
+        return self.open(step)[1]
 
     def load(self, step: int, manifest: Manifest, dest: list[torch.Tensor | None]) -> None:
         """Read, verify and scatter this rank's data of ``step`` into ``dest``."""

@@ -12,6 +12,7 @@ written again). A snapshot being written when its process died has no record and
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import errno
 import logging
@@ -29,21 +30,31 @@ from ..integrity import checksum
 from ..policy import Committed, Timeline
 from ..scatter import Scatter
 from ..stage import HostBuffer, HostPool, SharedSpace
+from .base import StepInfo, Tier, register
 
 __all__ = ["MemoryTier", "space_for"]
 
 log = logging.getLogger(__name__)
 
 
-class MemoryTier:
+@register
+class MemoryTier(Tier):
     """Snapshots held in ``pool``'s buffers and, with ``space``, those a previous process left in its
-    shared-memory segments (``space``: where this local tier's and rank's segments live)."""
+    shared-memory segments (``space``: where this local tier's and rank's segments live).
+
+    Its commit is phase 1's: :meth:`commit` takes a host buffer the snapshot was copied into (no bytes
+    move); retention is the number of buffers (``max_in_flight``), each reused for a newer snapshot once
+    its record is withdrawn."""
 
     name = "memory"
+    nearness = 0
+    durable = False
 
     def __init__(self, pool: HostPool, space: SharedSpace | None = None) -> None:
         self.pool = pool
         self.space = space
+        self.rank = 0
+        self.verified: dict[int, bool] = {}
         self.timeline = Timeline()   # the timeline of the snapshots committed from now on (the Checkpointer sets it)
 
     # -- commit -----------------------------------------------------------------------------------
@@ -101,6 +112,70 @@ class MemoryTier:
     def _record(self, step: int, timeline: Timeline | None) -> shm.SnapshotRecord | None:
         recs = [r for r in self._left() if r.step == step and (timeline is None or r.timeline == timeline)]
         return max(recs, key=lambda r: r.created_unix) if recs else None
+
+    def manifest_of(self, step: int, timeline: Timeline | None = None) -> Manifest:
+        """The manifest of the snapshot of ``step`` held (``LookupError`` when it is no longer held)."""
+        m = self.manifest(step, timeline) if timeline is not None else \
+            next((b.manifest for b in self._held() if b.image_step == step), None) or \
+            (lambda r: r.manifest if r is not None else None)(self._record(step, None))
+        if m is None:
+            raise LookupError(f"step {step} is no longer in host memory")
+        return m
+
+    def describe(self, step: int, timeline: Timeline | None = None) -> StepInfo:
+        """The segment (or this process's memory) holding ``step``, its bytes and when it was committed."""
+        for b in self._held():
+            if b.image_step == step and (timeline is None or (b.image_timeline or Timeline()) == timeline):
+                where = str(b.segment.path) if b.segment is not None else f"host memory of process {os.getpid()}"
+                return StepInfo(where, b.manifest.data_bytes, b.manifest.created_unix, 1)
+        rec = self._record(step, timeline)
+        if rec is None:
+            return StepInfo()
+        return StepInfo(str(Path(rec.path).with_name(rec.buffer)), rec.manifest.data_bytes, rec.created_unix, 1)
+
+    def location(self) -> str:
+        if self.space is not None:
+            return f"{self.space.root}/{self.space.prefix}-*"
+        return f"host memory of process {os.getpid()}"
+
+    def where(self, step: int) -> str:
+        return f"step {step} in host memory ({self.describe(step).path})"
+
+    def delete(self, step: int) -> None:
+        """Withdraw the snapshot of ``step``: its record goes first (no reader is served it from then on);
+        the buffer stays allocated for the next snapshot. A buffer being read or persisted is left alone
+        (``OSError(EBUSY)``)."""
+        found = False
+        with self.pool._cv:
+            for b in self.pool.buffers:
+                if b.image_step != step:
+                    continue
+                if b.holds:
+                    raise OSError(errno.EBUSY, f"the snapshot of step {step} is being read or persisted")
+                if b.segment is not None and self.pool.shared is not None:
+                    shm.remove_record(self.pool.shared.root, self.pool.shared.prefix, b.slot)
+                b.forget_image()
+                found = True
+        for rec in self._left():
+            if rec.step == step and rec.path is not None:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(rec.path)
+                found = True
+        self.verified.pop(step, None)
+        if not found:
+            raise FileNotFoundError(errno.ENOENT, f"step {step} is not in host memory")
+
+    def bytes_held(self) -> int | None:
+        """RAM of the shared-memory segments (or this process's buffers) holding snapshots."""
+        return self.nbytes() if self.space is not None else self.pool.nbytes
+
+    def capacity_bytes(self) -> int | None:
+        """What the host buffers may take: ``host_memory_limit`` when set, else the RAM file system's room."""
+        if self.pool.limit is not None:
+            return self.pool.limit
+        if self.space is not None:
+            return shm.available_bytes(self.space.root) + self.nbytes()
+        return None
 
     def newest(self) -> tuple[int, Manifest] | None:
         buf = self.pool.newest_image()

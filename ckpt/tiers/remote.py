@@ -63,14 +63,17 @@ import torch
 
 from .. import knobs
 from ..codec import RAW, check_codec, decode, encode, max_decoded
-from ..errors import CheckpointError, CorruptCheckpointError, IncompatibleCheckpointError, IncompleteCheckpointError
+from ..commit import FsSink, publish, rank_record, record as record_of_job
+from ..errors import (CheckpointError, CorruptCheckpointError, IncompatibleCheckpointError, IncompleteCheckpointError,
+                      LayoutMismatchError)
 from ..format import (COMMIT_NAME, LATEST_NAME, Commit, ItemRecord, Manifest, data_name, fsync_dir, fsync_file,
                       manifest_name, new_generation, parse_step_dir, read_record_fs, read_records, step_dir_name)
 from ..fs import Store, resolve
 from ..fs import with_retry_defaults as _with_retry_defaults  # noqa: F401 - integrations.dcp's import
 from ..integrity import checksum
-from ..policy import Committed, Timeline, TimelineCopies
+from ..policy import Committed, Retention, Timeline, TimelineCopies
 from ..scatter import Scatter
+from .base import PersistingTier, StepInfo, register
 from .local import linked, remove_step_dir
 
 __all__ = ["RemoteTier", "RemoteStatus"]
@@ -178,7 +181,8 @@ class RemoteStatus:
     checked_unix: float | None = None
 
 
-class RemoteTier(TimelineCopies):
+@register
+class RemoteTier(PersistingTier, TimelineCopies):
     """Committed checkpoints under an fsspec URL.
 
     ``on_unreachable``: what construction does when the store cannot be reached (the bounded probe,
@@ -191,6 +195,9 @@ class RemoteTier(TimelineCopies):
     """
 
     name = "remote"
+    nearness = 30
+    on_node = False
+    reshards = True   # a job tier's checkpoint loads into another world size, mesh or placements
 
     def __init__(self, url: str, storage_options: dict[str, Any] | None = None, rank: int = 0,
                  world_size: int = 1, compression: str | None = None, on_unreachable: str = "raise") -> None:
@@ -406,6 +413,76 @@ class RemoteTier(TimelineCopies):
         (:func:`~ckpt.tiers.local.linked`); an object store has no links."""
         return not (self._local_fs and linked(self.root, step_dir_name(step)))
 
+    def describe(self, step: int, timeline: Timeline | None = None) -> StepInfo:
+        """The step's URL and, from its ``COMMIT`` (one read), the bytes of every rank's data, the commit
+        time and the world size."""
+        url = self._url(self.step_dir(step))
+        try:
+            c = self.read_commit(step)
+        except (CheckpointError, OSError):
+            return StepInfo(url)
+        return StepInfo(url, sum(c.data.values()), c.created_unix, c.world_size)
+
+    def location(self) -> str:
+        return self.url
+
+    def keep_of(self, keep: Retention) -> int | None:
+        return keep.remote
+
+    def prunes_here(self) -> bool:
+        """A job tier is pruned by rank 0 alone, after it committed (every rank is past older steps)."""
+        return self.job is None or self.job.rank == 0
+
+    def manifest_of(self, step: int, timeline: Timeline | None = None) -> Manifest:
+        """This rank's validated manifest of ``step`` (:meth:`open`)."""
+        return self.open(step)[1]
+
+    def check(self, step: int, timeline: Timeline | None = None) -> None:
+        """The commit record and every saved rank's manifest, validated and agreeing."""
+        self.read_manifests(step, self.read_commit(step))
+
+    def restore_into(self, state: dict, step: int, timeline: Timeline | None, strict: bool,
+                     job: list[int] | None, refill: Any = None) -> int:
+        """Load ``step`` into ``state``: this rank's own file when it was saved in the live layout and
+        holds all its tensors (writing it to ``refill``, the local tier, on the way, so that the next
+        restore is local), else through the loader that reads every saved rank's file (resharding, and
+        replicated tensors from rank 0's files). See :meth:`Tier.restore_into`."""
+        from ..loading import bind_checked, check_job, finish
+        from ..reshard import load_resharded
+
+        rank, world = job if job is not None else (0, 1)
+        commit = self.read_commit(step)
+        if commit.world_size == self.world_size:   # laid out for this tier's place: this rank's own file
+            commit, manifest = self.open(step)
+            check_job(manifest, job, self.name, step)
+            try:
+                # a rank whose replicated tensors rank 0 stored takes the loader that reads other ranks' files
+                binding = None if ABSENT in manifest.codecs else bind_checked(
+                    state, manifest.tree, manifest.items, strict, f"{self.step_dir(step)}/{manifest_name(manifest.rank)}")
+            except LayoutMismatchError:
+                if commit.world_size == 1:
+                    raise   # one rank's file: nothing to reshard from
+                binding = None   # same world size, another mesh or placements
+            if binding is not None:
+                if refill is not None:
+                    with refill.copying(step, Timeline.of(commit)):   # the local copy keeps the checkpoint's timeline
+                        self.load(step, manifest, binding.dest, refill=refill)
+                else:
+                    self.load(step, manifest, binding.dest)
+                finish(binding)
+                return manifest.data_bytes
+        manifests = self.read_manifests(step, commit)
+        own = rank if rank < commit.world_size else 0
+        t0 = time.perf_counter()
+        binding = bind_checked(state, manifests[own].tree, manifests[own].items, strict,
+                               f"{self.step_dir(step)}/{manifest_name(own)}", reshard=True)
+        nbytes = load_resharded(manifests, own, binding.dest, binding.boxes,
+                                lambda r, m, i: self.fetch(step, r, m, i))
+        finish(binding)
+        log.info("resharded step %d saved by %d rank(s) into rank %d of %d (%.3f GB fetched in %.2f s)", step,
+                 commit.world_size, rank, world, nbytes / 1e9, time.perf_counter() - t0)
+        return nbytes
+
     def all_step_dirs(self) -> list[int]:
         with self._store(f"listing the remote tier {self.url}"):
             self.fs.invalidate_cache(self.root)
@@ -491,14 +568,13 @@ class RemoteTier(TimelineCopies):
         if job.rank == 0 and not failed and not why:
             d = self.step_dir(step)
             try:
-                commit = Commit(step=step, world_size=job.world,
-                                manifests={manifest_name(r): rep[1] for r, rep in enumerate(reports)},
-                                data={data_name(r): rep[2] for r, rep in enumerate(reports)}, generation=gen,
-                                **self._copying.get(step, self.timeline).record())
-                if gen is None:
-                    self._put(f"{d}/{COMMIT_NAME}", commit.to_bytes(), sync_dir=True)   # the checkpoint exists from here on
-                else:
-                    self._switch(step, commit)   # the new copy replaces the old one from here on
+                commit = record_of_job(step, job.world,
+                                       {manifest_name(r): rep[1] for r, rep in enumerate(reports)},
+                                       {data_name(r): rep[2] for r, rep in enumerate(reports)},
+                                       self._copying.get(step, self.timeline), gen)
+                # every rank's manifest is durable already (each put it before reporting): COMMIT alone
+                publish(FsSink(self.fs, d, self._local_fs), [], commit.to_bytes(),
+                        put_commit=None if gen is None else lambda _raw: self._switch(step, commit))
                 self.verified[step] = True   # every rank uploaded its parts from its own bytes
                 committed = 1
             except Exception as e:   # noqa: BLE001 - reported to every rank below
@@ -629,18 +705,15 @@ class RemoteTier(TimelineCopies):
             raw = remote.to_bytes()
             if self._local_fs:
                 fsync_dir(f"{base}/rank-{self.rank:05d}")   # the parts' names, before anything vouches for them
-            self._put(f"{base}/{manifest_name(self.rank)}", raw, sync_dir=True)
+            record = rank_record(step, self.rank, self.world_size, raw, manifest.data_bytes,
+                                 self._copying.get(step, self.timeline), gen) if commit else None
+            maybe_committed = commit
+            # the checkpoint exists from the COMMIT put on (a replacement: from the switch to its generation)
+            publish(FsSink(self.fs, base, self._local_fs), [(manifest_name(self.rank), raw)],
+                    record.to_bytes() if record is not None else None,
+                    put_commit=None if gen is None else lambda _raw: self._switch(step, record))
+            maybe_committed = False
             if commit:
-                record = Commit(step=step, world_size=self.world_size,
-                                manifests={manifest_name(self.rank): Commit.manifest_checksum(raw)},
-                                data={data_name(self.rank): manifest.data_bytes}, generation=gen,
-                                **self._copying.get(step, self.timeline).record())
-                maybe_committed = True
-                if gen is None:
-                    self._put(f"{d}/{COMMIT_NAME}", record.to_bytes(), sync_dir=True)   # the checkpoint exists from here on
-                else:
-                    self._switch(step, record)   # the new copy replaces the old one from here on
-                maybe_committed = False
                 self.verified[step] = True
         except BaseException:
             self._undo(step, gen, maybe_committed)
