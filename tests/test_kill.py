@@ -96,7 +96,7 @@ def test_process_that_exits_with_saves_in_flight_finishes_them_first(tmp_path):
     threads (one killed inside torch's tensor deallocation used to abort the process)."""
     code = (
         "import sys, torch, ckpt\n"
-        "ck = ckpt.Checkpointer(local_dir=sys.argv[1], max_in_flight=2)\n"
+        "ck = ckpt.Checkpointer(local_dir=sys.argv[1], max_in_flight=2, if_busy='wait')  # both must land\n"
         "state = {'w': torch.arange(16 << 20, dtype=torch.float32)}\n"
         "ck.save(1, state)\n"
         "ck.wait_staged()\n"
