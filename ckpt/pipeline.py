@@ -328,10 +328,9 @@ class Pipeline:
         """One training step took ``seconds`` (for the tiers' ``interval="auto"`` costs)."""
         with self._cv:
             writing = {n: lane.current is not None for n, lane in self.lanes.items()}
-        anyone = any(writing.values())
         for n, lane in self.lanes.items():
             if lane.auto is not None:
-                lane.auto.step(seconds, writing[n], anyone)
+                lane.auto.step(seconds, writing[n])
 
     def cadences(self) -> dict[str, TierCadence]:
         return {n: lane.auto for n, lane in self.lanes.items() if lane.auto is not None}
@@ -485,12 +484,14 @@ class Pipeline:
             self._cv.notify_all()
 
     def _run_write(self, job: _Job, lane: _Lane, write: Callable[[], float]) -> BaseException | None:
+        t0 = time.perf_counter()
         try:
-            seconds = job.handle.stats.persist_s[lane.name] = write()
+            job.handle.stats.persist_s[lane.name] = write()
+            wall = time.perf_counter() - t0   # what the tier took, as the loop lives it (a tier may report less)
             lane.counts.persisted += 1
             if lane.auto is not None:
-                lane.auto.wrote(seconds)
-            lane.tier.measured_write(job.snap.data_bytes, seconds)
+                lane.auto.wrote(wall)
+            lane.tier.measured_write(job.snap.data_bytes, wall)
             return None
         except BaseException as e:
             lane.counts.failed += 1

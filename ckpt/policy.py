@@ -283,7 +283,7 @@ class TierCadence:
     """``interval="auto"`` for one persisting tier: how often it writes the newest snapshot.
 
     A tier writes in the background, so what a copy costs the training loop is the slowdown of the steps
-    that run while it writes: ``cost = (median step while it writes - median step while no tier writes)
+    that run while it writes: ``cost = (median step while it writes - median step while it does not)
     * (write seconds / median step while it writes)``, from the last ``window`` steps of each kind
     (:meth:`step`) and its last write (:meth:`wrote`). The interval is Daly's optimum for that cost and the
     MTBF of the failures the tier is there for (:func:`daly_interval`), and never shorter than a write takes
@@ -302,15 +302,15 @@ class TierCadence:
         self._idle: list[float] = []
         self._write: float | None = None
 
-    def step(self, seconds: float, writing: bool, any_writing: bool) -> None:
-        """One training step of ``seconds``; ``writing``: this tier wrote during it; ``any_writing``: some tier did."""
+    def step(self, seconds: float, writing: bool) -> None:
+        """One training step of ``seconds``; ``writing``: this tier was writing during it."""
         if writing:
             self._busy = (self._busy + [seconds])[-self.window:]
-        elif not any_writing:
+        else:
             self._idle = (self._idle + [seconds])[-self.window:]
 
     def wrote(self, seconds: float) -> None:
-        """A write to the tier took ``seconds``."""
+        """A write to the tier took ``seconds`` (wall time, as the training loop lives it)."""
         self._write = seconds
 
     @property

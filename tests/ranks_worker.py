@@ -31,8 +31,12 @@ from ckpt.tiers import LocalTier
 
 
 class SlowTier(LocalTier):
+    def __init__(self, root, seconds: float = 0.5) -> None:
+        super().__init__(root)
+        self.seconds = seconds
+
     def write(self, step, manifest, data):
-        time.sleep(0.5)
+        time.sleep(self.seconds)
         return super().write(step, manifest, data)
 
 
@@ -75,6 +79,28 @@ def main() -> None:
                     ck.maybe_save(step, state)
                 ck.wait()
                 print("committed", sorted(c.step for c in ck.list() if "local" in c.tiers), flush=True)
+        elif mode == "auto-tiers":
+            # interval="auto": each rank's clock and costs set its tiers' cadences; rank 0's clock moves
+            # 60 s per reading, rank 1's 0.001 s, and rank 1's disk is slow. The ranks must still hand the
+            # same snapshots to each tier (the job tier commits only what every rank uploaded).
+            now = [0.0]
+
+            def clock() -> float:
+                now[0] += 60.0 if rank == 0 else 0.001
+                return now[0]
+
+            tier = SlowTier(local_dir, 0.15) if rank == 1 else LocalTier(local_dir)
+            with ckpt.Checkpointer(f"file://{root}/job", local_dir=tier, interval="auto", mtbf=3600, clock=clock,
+                                   keep=ckpt.Retention(local=100, remote=100)) as ck:
+                for step in range(1, 41):
+                    ck.wait_staged()
+                    state["w"].fill_(step)
+                    ck.maybe_save(step, state)
+                    time.sleep(0.05)
+                ck.wait()
+                print("cadences", ck.interval_report()["tiers"], flush=True)
+                print("committed", sorted(c.step for c in ck.list() if "local" in c.tiers),
+                      sorted(c.step for c in ck.list() if "remote" in c.tiers), flush=True)
         elif mode in ("same-dir", "same-url"):
             shared = mode == "same-dir"
             # same-url: ranks 0 and 1 share a url, rank 2 has its own (a job tier needs every rank)

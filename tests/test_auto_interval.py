@@ -77,16 +77,15 @@ def test_a_tiers_cadence_comes_from_the_slowdown_its_writes_cause():
     assert c.seconds is None                  # nothing measured: write as soon as possible
     c.wrote(5.0)
     for _ in range(5):
-        c.step(1.2, writing=True, any_writing=True)
-        c.step(1.0, writing=False, any_writing=False)
-        c.step(9.0, writing=False, any_writing=True)   # another tier wrote: neither busy nor idle here
+        c.step(1.2, writing=True)
+        c.step(1.0, writing=False)
     assert c.cost == pytest.approx(0.2 * 5.0 / 1.2)
     assert c.seconds == pytest.approx(daly_interval(0.2 * 5.0 / 1.2, 3600))
     free = TierCadence("remote", mtbf=3600)
     free.wrote(40.0)
     for _ in range(5):
-        free.step(1.0, writing=True, any_writing=True)
-        free.step(1.0, writing=False, any_writing=False)
+        free.step(1.0, writing=True)
+        free.step(1.0, writing=False)
     assert free.cost == 0.0 and free.seconds == 40.0   # costs the loop nothing: as often as it keeps up
     with pytest.raises(ValueError):
         TierCadence("local", mtbf=0)

@@ -82,6 +82,17 @@ def test_time_based_policy_saves_the_same_steps_on_every_rank(tmp_path, backend)
 
 
 
+def test_automatic_tier_cadences_hand_the_same_snapshots_to_each_tier_on_every_rank(tmp_path):
+    # interval="auto": the ranks' clocks, step times and disks differ, so their tiers' cadences differ;
+    # a tier takes a snapshot on every rank when it is due on any, so the local tiers hold the same steps
+    # and the job tier (which needs every rank's upload) commits
+    results = _run(tmp_path, "auto-tiers")
+    _ok(results)
+    lines = [next(l for l in r.stdout.splitlines() if l.startswith("committed")) for r in results]
+    assert lines[0] == lines[1], lines
+    assert "[]" not in lines[0], lines   # something was committed on both tiers
+
+
 def test_skipped_saves_are_skipped_on_every_rank(tmp_path):
     # rank 1's disk is slow: with if_busy="skip" its local tier is busy for most saves, rank 0's never
     # is; both local tiers must skip the same snapshots and commit the same steps
