@@ -55,6 +55,7 @@ from torch import nn
 from ._utils import interpreter_enabled
 from .fused_linear_cross_entropy import fused_linear_cross_entropy
 from .glu import GeGLUMLP, PackedGLUMLP, SwiGLUMLP, swiglu_packed
+from .layer_norm import LayerNorm
 from .rms_norm import RMSNorm
 from .rope import rope
 
@@ -73,6 +74,8 @@ class _Family:
     residual_norms: tuple[str, ...] = ()   # norms whose output joins the residual: no in-place dx
     softcap: bool = False             # config.final_logit_softcapping applies to the LM head's logits
     moe: bool = False                 # <Arch>Experts blocks and the router's auxiliary loss
+    vision: bool = False              # a vision tower (LayerNorms, a plain MLP) beside the language model;
+                                      # the loss is <Prefix>ForConditionalGeneration's
 
 
 _GEMMA_POST_NORMS = ("post_attention_layernorm", "post_feedforward_layernorm")
@@ -85,6 +88,10 @@ _FAMILIES: dict[str, _Family] = {
     "gemma": _Family("gemma", "Gemma", norm_offset=1.0),
     "gemma2": _Family("gemma2", "Gemma2", norm_offset=1.0, residual_norms=_GEMMA_POST_NORMS, softcap=True),
     "gemma3_text": _Family("gemma3", "Gemma3", norm_offset=1.0, residual_norms=_GEMMA_POST_NORMS, softcap=True),
+    # Gemma3ForConditionalGeneration: the same language model (same modeling module and classes) plus
+    # a SigLIP vision tower. Its forward applies no final_logit_softcapping (transformers 5.24), so
+    # neither does the patched loss.
+    "gemma3": _Family("gemma3", "Gemma3", norm_offset=1.0, residual_norms=_GEMMA_POST_NORMS, vision=True),
     "mixtral": _Family("mixtral", "Mixtral", moe=True),
     "qwen3_moe": _Family("qwen3_moe", "Qwen3Moe", moe=True),
     "phi3": _Family("phi3", "Phi3"),
@@ -215,24 +222,8 @@ def _make_causal_lm_forward(family: _Family, modeling: types.ModuleType) -> Call
             input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
             inputs_embeds=inputs_embeds, use_cache=use_cache, **kwargs,
         )
-        hidden = outputs[0]
-        if shift_labels is None:
-            # HF's causal-LM shift: predict token t+1 at position t; the last position is ignored.
-            shift_labels = nn.functional.pad(labels, (0, 1), value=ignore_index)[..., 1:]
-        shift_labels = shift_labels.to(hidden.device)
-        # The head's parameters go in as they are: under autocast the fused loss runs its GEMMs in
-        # autocast's dtype, as the unpatched lm_head Linear does; otherwise in hidden's dtype. Either
-        # way their gradients come back in their own dtype (fp32 master weights stay fp32).
-        head = self.lm_head
-        keep_hidden = bool(kwargs.get("output_hidden_states", getattr(self.config, "output_hidden_states", False)))
         softcap = getattr(self.config, "final_logit_softcapping", None) if family.softcap else None
-        loss = fused_linear_cross_entropy(
-            hidden, head.weight, shift_labels, head.bias, ignore_index=ignore_index,
-            reduction="sum" if num_items is not None else "mean",
-            inplace=False if keep_hidden else None, softcap=softcap,
-        )
-        if num_items is not None:
-            loss = loss / (num_items.to(loss.device) if torch.is_tensor(num_items) else num_items)
+        loss = _causal_lm_loss(self, outputs[0], labels, shift_labels, ignore_index, num_items, softcap, kwargs)
         fields = dict(loss=loss, logits=None, hidden_states=outputs.get("hidden_states"),
                       attentions=outputs.get("attentions"))
         if family.moe:
@@ -249,20 +240,107 @@ def _make_causal_lm_forward(family: _Family, modeling: types.ModuleType) -> Call
     return forward
 
 
+def _causal_lm_loss(model: nn.Module, hidden: torch.Tensor, labels: torch.Tensor, shift_labels: torch.Tensor | None,
+                    ignore_index: int, num_items: Any, softcap: float | None, kwargs: dict[str, Any]) -> torch.Tensor:
+    """HF's ``ForCausalLMLoss`` over ``model.lm_head(hidden)``, through the fused linear CE (no logits)."""
+    if shift_labels is None:
+        # HF's causal-LM shift: predict token t+1 at position t; the last position is ignored.
+        shift_labels = nn.functional.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+    shift_labels = shift_labels.to(hidden.device)
+    # The head's parameters go in as they are: under autocast the fused loss runs its GEMMs in
+    # autocast's dtype, as the unpatched lm_head Linear does; otherwise in hidden's dtype. Either
+    # way their gradients come back in their own dtype (fp32 master weights stay fp32).
+    head = model.lm_head
+    keep_hidden = bool(kwargs.get("output_hidden_states", getattr(model.config, "output_hidden_states", False)))
+    loss = fused_linear_cross_entropy(
+        hidden, head.weight, shift_labels, head.bias, ignore_index=ignore_index,
+        reduction="sum" if num_items is not None else "mean",
+        inplace=False if keep_hidden else None, softcap=softcap,
+    )
+    if num_items is not None:
+        loss = loss / (num_items.to(loss.device) if torch.is_tensor(num_items) else num_items)
+    return loss
+
+
+def _make_conditional_generation_forward(modeling: types.ModuleType, prefix: str) -> Callable[..., Any]:
+    """``<Prefix>ForConditionalGeneration.forward`` (Gemma 3 with its vision tower) whose training loss
+    skips the logits.
+
+    transformers 5.24's forward runs the multimodal base model (image features scattered into the
+    image-token positions, a bidirectional mask over each image's tokens from ``token_type_ids``),
+    applies ``lm_head`` to every position and hands the logits to ``ForCausalLMLoss``: the shifted
+    causal-LM cross-entropy over the labels != ``ignore_index``, mean or sum / ``num_items_in_batch``;
+    no ``final_logit_softcapping``, no attention-mask filtering (image and padding positions count
+    unless their labels are ``ignore_index``, as a collator sets them). That is the loss computed
+    here from the same hidden states.
+    """
+    out_cls = getattr(modeling, f"{prefix}CausalLMOutputWithPast")
+    names = {f.name for f in dataclasses.fields(out_cls)}
+    # ``cache`` from transformers 5.2x, ``past_key_values`` before (decided here, not in the forward)
+    cache_name = "cache" if "cache" in names else "past_key_values"
+
+    def forward(
+        self: nn.Module,
+        input_ids: torch.Tensor | None = None,
+        pixel_values: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        cache: Any = None,
+        token_type_ids: torch.Tensor | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        labels: torch.Tensor | None = None,
+        use_cache: bool | None = None,
+        logits_to_keep: int | torch.Tensor = 0,
+        mm_encoder_outputs: Any = None,
+        **kwargs: Any,
+    ) -> Any:
+        """``*ForConditionalGeneration.forward`` whose training loss skips the logits (fused linear CE)."""
+        # Only what the caller gave is passed on (every default is None): an argument this
+        # transformers version does not know (or deprecates) is then never sent.
+        given = {k: v for k, v in (
+            ("input_ids", input_ids), ("pixel_values", pixel_values), ("attention_mask", attention_mask),
+            ("position_ids", position_ids), (cache_name, cache), ("token_type_ids", token_type_ids),
+            ("inputs_embeds", inputs_embeds), ("mm_encoder_outputs", mm_encoder_outputs)) if v is not None}
+        if labels is None or not self.training or not (isinstance(logits_to_keep, int) and logits_to_keep == 0):
+            # (logits_to_keep != 0 with labels: HF's loss over the kept positions, left to HF)
+            return self._ckpt_unpatched_forward(**given, labels=labels, use_cache=use_cache,
+                                                logits_to_keep=logits_to_keep, **kwargs)
+        num_items = kwargs.pop("num_items_in_batch", None)
+        shift_labels = kwargs.pop("shift_labels", None)
+        return_dict = kwargs.pop("return_dict", None)
+        ignore_index = kwargs.pop("ignore_index", -100)
+        if use_cache is None and cache is None and kwargs.get("past_key_values", kwargs.get("cache")) is None:
+            use_cache = False   # a training step needs no inference KV cache (see the causal-LM forward)
+        outputs = self.model(**given, use_cache=use_cache, **kwargs)
+        loss = _causal_lm_loss(self, outputs[0], labels, shift_labels, ignore_index, num_items, None, kwargs)
+        fields = dict(loss=loss, logits=None, hidden_states=outputs.get("hidden_states"),
+                      attentions=outputs.get("attentions"))
+        fields[cache_name] = outputs.get(cache_name)   # (asking for the old name warns in 5.2x)
+        for name in ("image_outputs", "image_hidden_states"):   # 5.2x / before
+            if name in names:
+                fields[name] = outputs.get(name)
+        out = out_cls(**fields)
+        return out.to_tuple() if return_dict is False else out
+
+    return forward
+
+
 def patch(
-    model: nn.Module, *, rms_norm: bool = True, rope_embedding: bool = True, mlp: bool = True, loss: bool = True
+    model: nn.Module, *, rms_norm: bool = True, rope_embedding: bool = True, mlp: bool = True, loss: bool = True,
+    layer_norm: bool = True,
 ) -> dict[str, list[str]]:
     """Swap a supported Hugging Face model's hot paths for fused kernels, in place.
 
     Args:
-        model: a ``*ForCausalLM`` or base ``*Model`` whose ``config.model_type`` is in
-            :data:`SUPPORTED_MODEL_TYPES`.
-        rms_norm, rope_embedding, mlp, loss: which parts to patch (all by default; ``mlp`` covers
-            the dense MLPs and the experts of MoE blocks).
+        model: a ``*ForCausalLM``, ``Gemma3ForConditionalGeneration`` or base ``*Model`` whose
+            ``config.model_type`` is in :data:`SUPPORTED_MODEL_TYPES`.
+        rms_norm, rope_embedding, mlp, loss, layer_norm: which parts to patch (all by default;
+            ``mlp`` covers the dense MLPs and the experts of MoE blocks; ``layer_norm`` the
+            ``nn.LayerNorm``s of a vision tower).
 
     Returns:
-        ``{"rms_norm": [module names], "mlp": [module names], "experts": [module names],
-        "rope": [function], "loss": [class.forward]}``.
+        ``{"rms_norm": [module names], "layer_norm": [module names], "mlp": [module names],
+        "experts": [module names], "rope": [function], "loss": [class.forward]}``.
 
     Raises:
         ValueError: the model's ``config.model_type`` is not supported (the message lists those that are).
@@ -276,7 +354,8 @@ def patch(
         )
     family = _FAMILIES[model_type]
     modeling = _modeling(family)
-    changed: dict[str, list[str]] = {"rms_norm": [], "mlp": [], "experts": [], "rope": [], "loss": []}
+    changed: dict[str, list[str]] = {"rms_norm": [], "layer_norm": [], "mlp": [], "experts": [], "rope": [],
+                                     "loss": []}
 
     norm_cls = getattr(modeling, f"{family.prefix}RMSNorm")
     mlp_cls = getattr(modeling, f"{family.prefix}MLP", None)
@@ -310,6 +389,16 @@ def patch(
             module.forward = types.MethodType(_experts_forward, module)
             module._ckpt_fused = True
             changed["experts"].append(name)
+        elif family.vision and layer_norm and type(module) is nn.LayerNorm:
+            new_ln = _fused_layer_norm(module)
+            if isinstance(new_ln, str):
+                skipped[name] = new_ln
+            else:
+                setattr(parent, attr, new_ln)
+                changed["layer_norm"].append(name)
+        elif family.vision and mlp and _plain_mlp(module):
+            skipped[name] = (f"{type(module).__name__} is fc1 -> {type(module.activation_fn).__name__} -> fc2, "
+                             "not a gated (GLU) MLP: no fused kernel")
     for name, why in skipped.items():
         log.warning("ckpt.kernels.patch left %s (%s) unpatched: %s", name, model_type, why)
 
@@ -321,9 +410,18 @@ def patch(
             changed["rope"].append(f"{modeling.__name__}.apply_rotary_pos_emb")
 
     if loss and hasattr(model, "lm_head") and hasattr(model, "model") and "_ckpt_unpatched_forward" not in vars(model):
-        model._ckpt_unpatched_forward = model.forward
-        model.forward = types.MethodType(_make_causal_lm_forward(family, modeling), model)
-        changed["loss"].append(f"{type(model).__name__}.forward")
+        if not family.vision:
+            make = _make_causal_lm_forward(family, modeling)
+        elif isinstance(model, getattr(modeling, f"{family.prefix}ForConditionalGeneration")):
+            make = _make_conditional_generation_forward(modeling, family.prefix)
+        else:
+            make = None
+            log.warning("ckpt.kernels.patch left the loss of %s (%s) unpatched: not %sForConditionalGeneration",
+                        type(model).__name__, model_type, family.prefix)
+        if make is not None:
+            model._ckpt_unpatched_forward = model.forward
+            model.forward = types.MethodType(make, model)
+            changed["loss"].append(f"{type(model).__name__}.forward")
     return changed
 
 
@@ -339,6 +437,25 @@ def _fused_mlp(module: nn.Module) -> nn.Module | str:
         return f"activation {type(getattr(module, 'act_fn', None)).__name__} has no fused GLU"
     new_cls = SwiGLUMLP if act == "silu" else GeGLUMLP
     return new_cls.from_linears(module.gate_proj, module.up_proj, module.down_proj)
+
+
+def _fused_layer_norm(module: nn.LayerNorm) -> nn.Module | str:
+    """The fused LayerNorm sharing ``module``'s ``weight``, ``bias`` and ``eps``, or why there is none."""
+    if len(module.normalized_shape) != 1:
+        return f"normalized over {len(module.normalized_shape)} dimensions (the fused LayerNorm: the last one)"
+    if module.weight is None:
+        return "no affine weight (elementwise_affine=False)"
+    new = LayerNorm(module.normalized_shape[0], eps=module.eps, bias=module.bias is not None, device="meta")
+    new.weight = module.weight   # shared parameters: same state dict, same optimizer state
+    if module.bias is not None:
+        new.bias = module.bias
+    return new
+
+
+def _plain_mlp(module: nn.Module) -> bool:
+    """A vision tower's two-layer MLP (SigLIP's ``fc1 -> activation -> fc2``), which no GLU kernel serves."""
+    return (type(module).__name__.endswith("MLP") and isinstance(getattr(module, "fc1", None), nn.Linear)
+            and isinstance(getattr(module, "fc2", None), nn.Linear) and hasattr(module, "activation_fn"))
 
 
 def unpatch_rope(model_type: str) -> bool:

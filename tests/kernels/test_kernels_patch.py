@@ -131,7 +131,8 @@ def test_patch_matches_unpatched(model_type, device, dtype, atol, rtol, restore_
     check_matches_unpatched(ref, ours, ids, labels, atol, rtol)
 
     # second patch is a no-op; eval mode still returns logits identical in meaning
-    assert K.patch(ours) == {"rms_norm": [], "mlp": [], "experts": [], "rope": [], "loss": []}
+    assert changed["layer_norm"] == []   # no vision tower
+    assert K.patch(ours) == {"rms_norm": [], "layer_norm": [], "mlp": [], "experts": [], "rope": [], "loss": []}
     ours.eval()
     ref.eval()
     with torch.no_grad():
@@ -439,3 +440,186 @@ def test_patch_forwards_no_cache_argument_the_caller_did_not_give(restore_rope):
     ours = [seen[0], next(x for x in seen[1:] if x[0] == "unpatched")]
     assert [w for w, _ in ours] == ["base", "unpatched"], seen
     assert not any("past_key_values" in names for _, names in ours), seen
+
+
+# -- Gemma 3 with its vision tower (Gemma3ForConditionalGeneration, model_type "gemma3") -------------
+
+#: image tokens per image (a 16 x 16 image in 4 x 4 patches, pooled 2 x 2) and their id (inside the
+#: tiny vocabulary, so HF's out-of-vocabulary replacement is not what is tested)
+MM_TOKENS, IMAGE_TOKEN = 4, 90
+
+
+def tiny_gemma3_multimodal(dtype: torch.dtype = torch.float32, **text_overrides):
+    """A tiny Gemma3ForConditionalGeneration: gemma3_text's tiny language model, a two-layer SigLIP
+    vision tower (no pooling head, as Gemma 3's), every norm's weight (and LayerNorm bias) moved off
+    its initial value and the projector's weight (zeros at init) random, so that a patch that drops
+    a weight, a bias or an offset, or cuts the vision tower's gradient, shows."""
+    _, _, extra = FAMILIES["gemma3_text"]
+    text = {**TINY, **extra, "final_logit_softcapping": 0.7, **text_overrides}
+    vision = dict(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=2,
+                  image_size=16, patch_size=4, vision_use_head=False, layer_norm_eps=3e-6)
+    cfg = transformers.Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=MM_TOKENS,
+                                    image_token_id=IMAGE_TOKEN, boi_token_id=91, eoi_token_id=92,
+                                    attn_implementation="sdpa")
+    torch.manual_seed(0)
+    model = transformers.Gemma3ForConditionalGeneration(cfg)
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(0.1 * torch.randn(p.shape, generator=g))
+        model.model.multi_modal_projector.mm_input_projection_weight.normal_(0.0, 0.2, generator=g)
+    return model.to(device=DEVICE, dtype=dtype).train()
+
+
+def mm_batch(model, seed: int = 1, length: int = 14):
+    """Two sequences, one image each (MM_TOKENS image tokens at different places), ``token_type_ids``
+    marking them, labels -100 on the image tokens and on a prompt, and an attention mask with two
+    padding positions whose labels are *not* -100: HF's loss counts them (it does not filter by the
+    attention mask), so the patched loss must as well."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(1, 89, (2, length), generator=g)
+    ids[0, 2:2 + MM_TOKENS] = IMAGE_TOKEN
+    ids[1, 6:6 + MM_TOKENS] = IMAGE_TOKEN
+    token_type_ids = (ids == IMAGE_TOKEN).long()
+    labels = ids.clone()
+    labels[token_type_ids.bool()] = -100
+    labels[0, :2] = -100
+    attention_mask = torch.ones_like(ids)
+    attention_mask[1, -2:] = 0
+    pixel_values = torch.randn(2, 3, 16, 16, generator=g)
+    kw = dict(pixel_values=pixel_values.to(DEVICE, next(model.parameters()).dtype), token_type_ids=token_type_ids.to(DEVICE),
+              attention_mask=attention_mask.to(DEVICE))
+    return ids.to(DEVICE), labels.to(DEVICE), kw
+
+
+def expected_multimodal_changes(model):
+    """What patch must change, found independently of patch's tables: Gemma3RMSNorm and Gemma3MLP by
+    class (language model and the projector's norm), every torch LayerNorm (the vision tower)."""
+    rms = [n for n, m in model.named_modules() if type(m).__name__ == "Gemma3RMSNorm"]
+    ln = [n for n, m in model.named_modules() if type(m) is torch.nn.LayerNorm]
+    mlp = [n for n, m in model.named_modules() if type(m).__name__ == "Gemma3MLP"]
+    return rms, ln, mlp
+
+
+#: the attention key biases of the vision tower: softmax is unchanged by adding q.b to every key's
+#: score, so their true gradient is 0 and both models hold rounding noise (~1e-10) there
+ZERO_GRAD = "self_attn.k_proj.bias"
+
+
+def check_mm_matches_unpatched(ref, ours, ids, labels, atol, rtol, **kw):
+    """check_matches_unpatched for the multimodal model: the gradients whose exact value is 0
+    (ZERO_GRAD) are held to that, within rounding of the largest gradient of their tower."""
+    out_ref = ref(input_ids=ids, labels=labels, **kw)
+    out_ref.loss.backward()
+    out = ours(input_ids=ids, labels=labels, **kw)
+    assert out.logits is None and out.image_outputs is not None
+    assert_close("loss", out.loss, out_ref.loss, atol, rtol)
+    out.loss.backward()
+    named_ref = dict(ref.named_parameters())
+    assert set(dict(ours.named_parameters())) == set(named_ref)
+    scale = max(p.grad.abs().max().item() for n, p in ref.named_parameters() if n.startswith("model.vision_tower"))
+    for name, p in ours.named_parameters():
+        assert p.grad is not None, f"{name} got no gradient"
+        if name.endswith(ZERO_GRAD):
+            for g in (p.grad, named_ref[name].grad):
+                assert g.abs().max().item() <= 1e-5 * scale, name
+        else:
+            assert_close(f"grad of {name}", p.grad, named_ref[name].grad, atol, rtol)
+
+
+@pytest.mark.parametrize("softcap", [None, 0.7])
+def test_patch_gemma3_multimodal_matches_unpatched(softcap, restore_rope):
+    """Gemma3ForConditionalGeneration with an image per sequence: what patch returns, the vision
+    tower's LayerNorms -> the fused LayerNorm sharing weight, bias and eps, and the loss and every
+    gradient (vision tower and projector included) against the unpatched model. HF's multimodal
+    forward applies no final_logit_softcapping (the text config's 0.7 is ignored by both)."""
+    ref = tiny_gemma3_multimodal(final_logit_softcapping=softcap)
+    ours = copy.deepcopy(ref)
+    ids, labels, kw = mm_batch(ref)
+    rms, ln, mlp = expected_multimodal_changes(ref)
+
+    changed = K.patch(ours)
+    assert changed["rms_norm"] == rms and len(rms) == 2 * 6 + 2   # 6 per layer, the final and the projector's
+    assert "model.multi_modal_projector.mm_soft_emb_norm" in rms
+    assert changed["layer_norm"] == ln and len(ln) == 2 * 2 + 1   # 2 per vision layer and post_layernorm
+    assert changed["mlp"] == mlp and len(mlp) == 2 and changed["experts"] == []
+    assert changed["loss"] == ["Gemma3ForConditionalGeneration.forward"]
+    assert changed["rope"] == [f"{modeling_of(ref).__name__}.apply_rotary_pos_emb"]
+    assert set(ours.state_dict()) == set(ref.state_dict())
+    for name in ln:
+        new, old = ours.get_submodule(name), ref.get_submodule(name)
+        assert isinstance(new, K.LayerNorm) and new.eps == old.eps == 3e-6
+    # SigLIP's MLP is left as it is
+    assert type(ours.model.vision_tower.encoder.layers[0].mlp) is type(ref.model.vision_tower.encoder.layers[0].mlp)
+    lang = ours.model.language_model.layers[0]
+    assert not lang.post_attention_layernorm.in_place and not lang.post_feedforward_layernorm.in_place
+    assert isinstance(lang.mlp, K.GeGLUMLP) and isinstance(lang.self_attn.q_norm, K.RMSNorm)
+
+    check_mm_matches_unpatched(ref, ours, ids, labels, 1e-5, 1e-4, **kw)
+    vision_grads = [p.grad for n, p in ours.named_parameters() if n.startswith("model.vision_tower")
+                    and not n.endswith(ZERO_GRAD)]
+    assert all(g.abs().sum() > 0 for g in vision_grads)   # the image reached the loss
+
+    # gradient accumulation's num_items_in_batch and return_dict=False, as HF
+    n = torch.tensor(7.0)
+    assert_close("loss / num_items", ours(input_ids=ids, labels=labels, num_items_in_batch=n, **kw).loss,
+                 ref(input_ids=ids, labels=labels, num_items_in_batch=n, **kw).loss, 1e-5, 1e-4)
+    assert_close("tuple loss", ours(input_ids=ids, labels=labels, return_dict=False, **kw)[0],
+                 ref(input_ids=ids, labels=labels, return_dict=False, **kw)[0], 1e-5, 1e-4)
+
+    assert K.patch(ours) == {"rms_norm": [], "layer_norm": [], "mlp": [], "experts": [], "rope": [], "loss": []}
+    ours.eval()
+    ref.eval()
+    with torch.no_grad():
+        assert_close("eval logits", ours(input_ids=ids, **kw).logits, ref(input_ids=ids, **kw).logits, 1e-5, 1e-4)
+
+
+def test_patch_gemma3_multimodal_shares_parameters(restore_rope):
+    """The fused LayerNorms and RMSNorms hold the very Parameters the model had (state dict and
+    optimizer state unchanged)."""
+    model = tiny_gemma3_multimodal()
+    before = dict(model.named_parameters())
+    K.patch(model)
+    after = dict(model.named_parameters())
+    assert set(after) == set(before) and all(after[n] is before[n] for n in before)
+    post = model.model.vision_tower.post_layernorm
+    assert post.weight is before["model.vision_tower.post_layernorm.weight"]
+    assert post.bias is before["model.vision_tower.post_layernorm.bias"]
+
+
+def test_patch_gemma3_multimodal_names_the_vision_mlp_it_leaves(caplog, restore_rope):
+    """SigLIP's MLP (fc1 -> tanh-GELU -> fc2) is no GLU: left as it is, each named in the warning;
+    ``layer_norm=False`` leaves the vision tower's LayerNorms alone."""
+    model = tiny_gemma3_multimodal()
+    with caplog.at_level("WARNING", logger="ckpt.kernels.patch"):
+        changed = K.patch(model, layer_norm=False)
+    for i in range(2):
+        assert f"model.vision_tower.encoder.layers.{i}.mlp" in caplog.text
+    assert "SiglipMLP" in caplog.text
+    assert changed["layer_norm"] == [] and changed["mlp"] and changed["loss"]
+    assert sum(type(m) is torch.nn.LayerNorm for m in model.modules()) == 5
+
+
+def test_patch_gemma3_multimodal_follows_unpatched_training_curve(restore_rope):
+    """Six AdamW steps with images: the patched model's loss follows the unpatched one's (the bound
+    of test_patch_follows_unpatched_training_curve)."""
+    ref = tiny_gemma3_multimodal()
+    ours = copy.deepcopy(ref)
+    K.patch(ours)
+    ids, labels, kw = mm_batch(ref)
+    curves = []
+    for model in (ref, ours):
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        curve = []
+        for _ in range(6):
+            loss = model(input_ids=ids, labels=labels, **kw).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            curve.append(loss.item())
+        curves.append(curve)
+    curve_ref, curve = curves
+    assert curve_ref[-1] < curve_ref[0] - 0.05   # it learns
+    for i, (a, b) in enumerate(zip(curve, curve_ref)):
+        assert abs(a - b) <= 1e-4 * abs(b), f"step {i}: patched {a} vs unpatched {b}"
