@@ -16,7 +16,7 @@ functional                      module                           file
 :func:`fused_linear_cross_      :class:`FusedLinearCross         ``fused_linear_cross_
 entropy`                        EntropyLoss`                     entropy.py``
 :func:`patch` (Hugging Face Llama, Mistral, Qwen2/3, Gemma 1/2/3,  ``patch.py``
-Mixtral, Qwen3-MoE, Phi-3)
+Gemma 3 multimodal, Mixtral, Qwen3-MoE, Phi-3)
 ==============================  ===============================  ==========================
 
 Importing this package needs neither Triton nor a GPU; the kernels raise a clear error

@@ -1,7 +1,8 @@
 """Patch a Hugging Face causal LM in place to use the fused kernels.
 
 ``patch(model)`` changes, for ``config.model_type`` in :data:`SUPPORTED_MODEL_TYPES` (Llama,
-Mistral, Qwen2, Qwen3, Gemma, Gemma 2, Gemma 3 text, Mixtral, Qwen3-MoE, Phi-3), finding the
+Mistral, Qwen2, Qwen3, Gemma, Gemma 2, Gemma 3 text, Gemma 3 with its vision tower, Mixtral,
+Qwen3-MoE, Phi-3), finding the
 modules by their class (``<Arch>RMSNorm``, ``<Arch>MLP``, ``<Arch>Experts`` of the architecture's
 modeling module), so a model built from a config is patched as one loaded from a checkpoint:
 
@@ -35,10 +36,27 @@ modeling module), so a model built from a config is patched as one loaded from a
   ``shift_labels`` replaces the shifted labels, as in HF's loss. Evaluation, generation and calls
   without labels use the original forward.
 
-``patch`` returns a dict ``{"rms_norm": [...], "mlp": [...], "experts": [...], "rope": [...],
-"loss": [...]}`` naming what it changed; calling it twice changes nothing the second time. What
-it leaves unpatched for a reason (an activation without a fused kernel, an experts layout it does
-not know) it names in a warning through ``logging``.
+Gemma 3 with its vision tower (``Gemma3ForConditionalGeneration``, model_type ``"gemma3"``: a
+``gemma3_text`` language model, a SigLIP vision tower, a projector):
+
+* the language model as for ``gemma3_text`` (same modeling module and classes), and the
+  projector's ``mm_soft_emb_norm`` (a ``Gemma3RMSNorm``) with it;
+* every ``nn.LayerNorm`` of the vision tower -> :class:`ckpt.kernels.LayerNorm` sharing the same
+  ``weight`` and ``bias`` parameters and ``eps`` (``"layer_norm"`` in the returned dict);
+* SigLIP's MLP (``fc1`` -> tanh-GELU -> ``fc2``) is not gated, so no GLU kernel computes it: it
+  stays, named in the warning;
+* ``forward`` of the instance, as for ``*ForCausalLM``: transformers 5.24's forward applies
+  ``lm_head`` to the base model's last hidden states and calls ``ForCausalLMLoss``, the plain
+  shifted causal-LM loss over the labels (no ``final_logit_softcapping``, unlike
+  ``Gemma3ForCausalLM``; no filtering by the attention mask; image tokens count unless their
+  labels are ``ignore_index``). The fused path computes exactly that, and returns HF's
+  ``Gemma3CausalLMOutputWithPast`` (``image_outputs`` included) with ``logits=None``. With
+  ``logits_to_keep != 0`` the original forward runs.
+
+``patch`` returns a dict ``{"rms_norm": [...], "layer_norm": [...], "mlp": [...], "experts": [...],
+"rope": [...], "loss": [...]}`` naming what it changed; calling it twice changes nothing the second time. What
+it leaves unpatched for a reason (an activation without a fused kernel, a vision tower's non-gated
+MLP, an experts layout it does not know) it names in a warning through ``logging``.
 """
 
 from __future__ import annotations
