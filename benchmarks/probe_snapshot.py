@@ -15,7 +15,9 @@ its parts. Phases (one model, one ``Checkpointer`` that snapshots every 10 steps
   buffer, the next optimizer step waiting for them on the GPU;
 * ``raw fingerprints``: no library: only the per-tensor fingerprint sums on the compute stream;
 
-and ``profile``: a torch.profiler trace of the steps around one snapshot (``$OUT``/``--out``).
+``profile``: a torch.profiler trace of the steps around one snapshot (``$OUT``/``--out``); and
+``alloc: as is`` / ``alloc: populate`` / ``alloc: pieces`` / ``alloc: pinned``: one snapshot buffer
+allocated in the background while the loop runs, each stage timed (see :func:`alloc_phase`).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import logging
 import os
 import statistics
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -130,6 +133,84 @@ def profile_snapshot(step, ck, state, s_ck: int, out: Path) -> int:
     return s_ck
 
 
+def alloc_phase(step, variant: str, nbytes: int, base_s: float) -> None:
+    """One snapshot buffer allocated in a background thread (niced, as the pool does) while the loop
+    runs: ``as is`` (fallocate, map, cudaHostRegister, as ``Segment.create`` + ``register``),
+    ``populate`` (MADV_POPULATE_WRITE before registering), ``pieces`` (registered 256 MiB at a time),
+    ``pinned`` (``torch.empty(pin_memory=True)``, the in-process buffer). Prints each stage's time
+    and the loop's excess over ``base_s`` per step while it ran."""
+    import ctypes
+
+    from ckpt import priority
+
+    marks: dict[str, float] = {}
+    holder: dict[str, object] = {}
+    path = Path(f"/dev/shm/probe-alloc-{os.getpid()}")
+
+    def bg() -> None:
+        priority.lower_this_thread()
+        torch.cuda.set_device(0)
+        now = time.perf_counter
+        marks["start"] = now()
+        if variant == "pinned":
+            holder["t"] = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+            marks["register"] = now()
+            return
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+        os.posix_fallocate(fd, 0, nbytes)
+        os.close(fd)
+        marks["fallocate"] = now()
+        t = torch.from_file(str(path), shared=True, size=nbytes, dtype=torch.uint8)
+        holder["t"] = t
+        marks["map"] = now()
+        if variant == "populate":
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+            rc = libc.madvise(t.data_ptr(), nbytes, 23)
+            marks["populate"] = now()
+            holder["populate_rc"] = (rc, ctypes.get_errno())
+        if variant == "pieces":
+            piece = 256 << 20
+            rcs = [shm.host_register(t.data_ptr() + off, min(piece, nbytes - off)) for off in range(0, nbytes, piece)]
+            holder["rc"] = max(rcs)
+            holder["pieces"] = list(range(0, nbytes, piece))
+        else:
+            holder["rc"] = shm.host_register(t.data_ptr(), nbytes)
+        marks["register"] = now()
+
+    th = threading.Thread(target=bg, name="probe-alloc")
+    t_begin = time.perf_counter()
+    th.start()
+    rows = []
+    after = 0
+    while after < 3 and len(rows) < 200:
+        r = step()
+        rows.append(r)
+        if not th.is_alive():
+            after += 1
+    th.join()
+    t = holder.get("t")
+    t0 = time.perf_counter()
+    if holder.get("rc") == 0 and t is not None:
+        for off in holder.get("pieces", [0]):
+            shm.host_unregister(t.data_ptr() + off)
+    unreg = time.perf_counter() - t0
+    holder.pop("t", None)
+    del t
+    path.unlink(missing_ok=True)
+    stages = " ".join(f"{k} +{(v - t_begin) * 1e3:.0f}" for k, v in marks.items())
+    excess = sum(max(0.0, r["host"] - base_s) for r in rows)
+    worst = max(rows, key=lambda r: r["host"])
+    print(f"\n== alloc, {variant}: {nbytes / 2**30:.2f} GiB; ms from the start: {stages}; register rc "
+          f"{holder.get('rc')}{' populate ' + str(holder['populate_rc']) if 'populate_rc' in holder else ''}; "
+          f"unregister {unreg * 1e3:.0f} ms", flush=True)
+    print(f"   {len(rows)} steps while it ran (+3): excess over {base_s * 1e3:.0f} ms: {excess * 1e3:.0f} ms in all; "
+          f"worst step {worst['host'] * 1e3:.0f} ms (enqueue {worst['enq'] * 1e3:.0f}) at +{(worst['t0'] - t_begin) * 1e3:.0f} ms",
+          flush=True)
+    print("   steps (start ms: host ms): " + " ".join(f"{(r['t0'] - t_begin) * 1e3:.0f}:{r['host'] * 1e3:.0f}"
+                                                    for r in rows), flush=True)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--layers", type=int, default=16)
@@ -184,6 +265,9 @@ def main() -> None:
     for phase in [x for x in args.phases.split(";") if x]:
         if phase == "profile":
             s_ck = profile_snapshot(step, ck, state, s_ck, out)
+            continue
+        if phase.startswith("alloc: "):
+            alloc_phase(step, phase[len("alloc: "):], int(7.415e9), results.get("none", 0.245))
             continue
         if phase == "ckpt, no host checks":
             stub_host_checks()
@@ -248,7 +332,9 @@ def main() -> None:
         host = [r["host"] + r["save"] for r in rows[10:]]
         mean = statistics.mean(host)
         results[phase] = mean
-        print(f"\n== {phase}: mean step {mean * 1e3:.1f} ms (steps 11-{args.steps}), median "
+        late = [r["host"] + r["save"] for r in rows[20:]]
+        print(f"\n== {phase}: mean step {mean * 1e3:.1f} ms (steps 11-{args.steps}; 21-{args.steps}: "
+              f"{statistics.mean(late) * 1e3:.1f}), median "
               f"{statistics.median(host) * 1e3:.1f}; GPU fwd+bwd median {statistics.median(r['fb'] for r in rows[10:]):.1f} ms,"
               f" opt {statistics.median(r['opt'] for r in rows[10:]):.2f} ms, enqueue median "
               f"{statistics.median(r['enq'] for r in rows[10:]) * 1e3:.1f} ms", flush=True)
