@@ -211,6 +211,74 @@ def alloc_phase(step, variant: str, nbytes: int, base_s: float) -> None:
                                                     for r in rows), flush=True)
 
 
+def ce_phase() -> None:
+    """How long a 4-byte ``.item()`` on the compute stream waits while a side stream copies 4 GiB to pinned
+    host memory, enqueued in different ways (no model): the copy engine's share between streams."""
+    n, chunk = 4 << 30, 64 << 20
+    big = torch.randint(0, 255, (n,), dtype=torch.uint8, device="cuda")
+    host = torch.empty(n, dtype=torch.uint8, pin_memory=True)
+    small = torch.ones(1, device="cuda")
+    pageable = torch.ones(1)
+
+    def chunks(stream, gap_cycles=0):
+        with torch.cuda.stream(stream):
+            for off in range(0, n, chunk):
+                host[off:off + chunk].copy_(big[off:off + chunk], non_blocking=True)
+                if gap_cycles:
+                    torch.cuda._sleep(gap_cycles)
+
+    def paced(stream, ahead):
+        def run():
+            evs = []
+            with torch.cuda.stream(stream):
+                for off in range(0, n, chunk):
+                    if len(evs) >= ahead:
+                        evs.pop(0).synchronize()
+                    host[off:off + chunk].copy_(big[off:off + chunk], non_blocking=True)
+                    ev = torch.cuda.Event()
+                    ev.record(stream)
+                    evs.append(ev)
+        th = threading.Thread(target=run)
+        th.start()
+        return th
+
+    low, high = torch.cuda.Stream(), torch.cuda.Stream(priority=-1)
+    variants = {
+        "one 4 GiB copy": lambda: _on(low, lambda: host.copy_(big, non_blocking=True)),
+        "64 MiB chunks at once": lambda: chunks(low),
+        "64 MiB chunks, high-priority stream": lambda: chunks(high),
+        "64 MiB chunks, 20 us sleep kernel between": lambda: chunks(low, 40000),
+        "64 MiB chunks, 2 us sleep kernel between": lambda: chunks(low, 4000),
+        "paced thread, 1 ahead": lambda: paced(low, 1),
+        "paced thread, 2 ahead": lambda: paced(low, 2),
+    }
+    print("\n== copy engine: a 4-byte .item() (and a pageable 4-byte upload) while 4 GiB go device-to-host", flush=True)
+    for name, go in variants.items():
+        for probe in ("item", "upload"):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            th = go()
+            time.sleep(0.01)
+            t1 = time.perf_counter()
+            if probe == "item":
+                small.item()
+            else:
+                pageable.to("cuda")
+                torch.cuda.current_stream().synchronize()
+            lat = time.perf_counter() - t1
+            if isinstance(th, threading.Thread):
+                th.join()
+            torch.cuda.synchronize()
+            total = time.perf_counter() - t0
+            print(f"   {name:<44} {probe:<6}: waited {lat * 1e3:7.2f} ms; the copy took {total * 1e3:6.1f} ms "
+                  f"({n / total / 1e9:.1f} GB/s)", flush=True)
+
+
+def _on(stream, fn):
+    with torch.cuda.stream(stream):
+        return fn()
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--layers", type=int, default=16)
@@ -266,9 +334,14 @@ def main() -> None:
         if phase == "profile":
             s_ck = profile_snapshot(step, ck, state, s_ck, out)
             continue
+        if phase == "ce":
+            ce_phase()
+            continue
         if phase.startswith("alloc: "):
             alloc_phase(step, phase[len("alloc: "):], int(7.415e9), results.get("none", 0.245))
             continue
+        if phase.startswith("ckpt, ahead "):
+            st._COPIES_AHEAD = int(phase.split()[-1])
         if phase == "ckpt, no host checks":
             stub_host_checks()
         if phase == "ckpt, no fingerprints, no host checks":

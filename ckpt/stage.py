@@ -748,7 +748,7 @@ def _fingerprints(pairs: list[tuple[Entry, ItemRecord]]) -> tuple[list[bool], to
 # waits for at most that much (about 2 ms), and the copy still runs at the copy engine's pace.
 
 _COPY_CHUNK = 64 << 20   # bytes per chunk: one event each; a tensor larger than this is copied in pieces
-_COPIES_AHEAD = 2        # chunks enqueued and not yet landed, at most (before the optimizer step takes over)
+_COPIES_AHEAD = 1        # chunks enqueued and not yet landed, at most (before the optimizer step takes over)
 
 
 def _chunks(buf: HostBuffer, items: list[tuple[torch.Tensor, ItemRecord]], chunk: int) -> Iterator[tuple[list, list[int]]]:
