@@ -136,11 +136,9 @@ def profile_snapshot(step, ck, state, s_ck: int, out: Path) -> int:
 def alloc_phase(step, variant: str, nbytes: int, base_s: float) -> None:
     """One snapshot buffer allocated in a background thread (niced, as the pool does) while the loop
     runs: ``as is`` (fallocate, map, cudaHostRegister, as ``Segment.create`` + ``register``),
-    ``populate`` (MADV_POPULATE_WRITE before registering), ``pieces`` (registered 256 MiB at a time),
+    ``populate [N]`` (MADV_POPULATE_WRITE before registering, on N threads), ``pieces`` (registered 256 MiB at a time),
     ``pinned`` (``torch.empty(pin_memory=True)``, the in-process buffer). Prints each stage's time
     and the loop's excess over ``base_s`` per step while it ran."""
-    import ctypes
-
     from ckpt import priority
 
     marks: dict[str, float] = {}
@@ -163,12 +161,10 @@ def alloc_phase(step, variant: str, nbytes: int, base_s: float) -> None:
         t = torch.from_file(str(path), shared=True, size=nbytes, dtype=torch.uint8)
         holder["t"] = t
         marks["map"] = now()
-        if variant == "populate":
-            libc = ctypes.CDLL(None, use_errno=True)
-            libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-            rc = libc.madvise(t.data_ptr(), nbytes, 23)
+        if variant.startswith("populate"):   # "populate N": on N threads (ckpt.shm.populate)
+            threads = int(variant.split()[1]) if " " in variant else 1
+            holder["populate_rc"] = shm.populate(t.data_ptr(), nbytes, threads=threads)
             marks["populate"] = now()
-            holder["populate_rc"] = (rc, ctypes.get_errno())
         if variant == "pieces":
             piece = 256 << 20
             rcs = [shm.host_register(t.data_ptr() + off, min(piece, nbytes - off)) for off in range(0, nbytes, piece)]
