@@ -401,7 +401,7 @@ def main() -> None:
         host = [r["host"] + r["save"] for r in rows[10:]]
         mean = statistics.mean(host)
         results[phase] = mean
-        late = [r["host"] + r["save"] for r in rows[20:]]
+        late = [r["host"] + r["save"] for r in rows[20:]] or host
         print(f"\n== {phase}: mean step {mean * 1e3:.1f} ms (steps 11-{args.steps}; 21-{args.steps}: "
               f"{statistics.mean(late) * 1e3:.1f}), median "
               f"{statistics.median(host) * 1e3:.1f}; GPU fwd+bwd median {statistics.median(r['fb'] for r in rows[10:]):.1f} ms,"
