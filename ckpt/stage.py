@@ -739,16 +739,21 @@ def _fingerprints(pairs: list[tuple[Entry, ItemRecord]]) -> tuple[list[bool], to
 
 
 # -- the paced device-to-host copy -------------------------------------------------------------------
-# A GPU runs device-to-host copies of all streams through the same copy engine, in the order they were
-# enqueued: a small copy the training loop makes (``loss.item()``, a ``.all()`` check in the model's
-# forward) waits behind every snapshot byte enqueued before it, and its host sync with it. Enqueued all
-# at once, a 7.4 GB snapshot (135 ms at 55 GB/s) held the first sync of the next step for the rest of
-# the copy, the GPU idle meanwhile (one H200, 2026-11-24: +120 ms per snapshot). So the copy is enqueued
-# in chunks, at most _COPIES_AHEAD of them queued at a time, by a thread of its own: a sync of the loop
-# waits for at most that much (about 2 ms), and the copy still runs at the copy engine's pace.
+# While one stream has device-to-host copies queued, a device-to-host copy of another stream waits for
+# them (one H200, 2026-11-24: a 4-byte .item() on the compute stream waited 67 ms behind 4 GiB queued on
+# the side stream, in one copy, in 64 MiB chunks, or on a high-priority stream alike); it gets the copy
+# engine as soon as the side stream has none queued, even for microseconds. Enqueued all at once, a
+# 7.4 GB snapshot held the first sync of the next step (the HF forward's .all().item(), loss.item()) for
+# the rest of its 135 ms copy, the GPU idle meanwhile: ~120 ms per snapshot. So the copy is enqueued in
+# chunks: a first burst by save() (it starts at once, whatever the threads do next), then one chunk at a
+# time, each after the previous one has landed, by a thread of its own: a sync of the loop waits for at
+# most the burst once, then for at most one chunk (~1 ms). The pacing costs ~10% of the copy's speed
+# (135 -> ~148 ms), still overlapped with forward and backward; the optimizer step's pre-hook enqueues
+# whatever is left at once.
 
 _COPY_CHUNK = 64 << 20   # bytes per chunk: one event each; a tensor larger than this is copied in pieces
-_COPIES_AHEAD = 1        # chunks enqueued and not yet landed, at most (before the optimizer step takes over)
+_COPY_BURST = 4          # chunks save() enqueues itself (~5 ms of copy at 55 GB/s)
+_COPIES_AHEAD = 1        # then: chunks enqueued and not yet landed, at most
 
 
 def _chunks(buf: HostBuffer, items: list[tuple[torch.Tensor, ItemRecord]], chunk: int) -> Iterator[tuple[list, list[int]]]:
@@ -788,7 +793,7 @@ def _chunks(buf: HostBuffer, items: list[tuple[torch.Tensor, ItemRecord]], chunk
 
 class _PacedCopy:
     """The copy of a snapshot's CUDA tensors (after its module buffers) on the side stream, enqueued a
-    chunk at a time: the first ones by ``save()``, the rest by a thread of its own as earlier chunks land,
+    chunk at a time: a first burst by ``save()``, the rest by a thread of its own as earlier chunks land,
     or all at once by :meth:`finish_now` (the optimizer step's pre-hook, which must order itself after
     the whole copy). ``done`` is recorded after the last chunk; :meth:`landed` yields each chunk's event
     with the items it completes, in order, until the end."""
@@ -804,8 +809,9 @@ class _PacedCopy:
         self._landed: queue.SimpleQueue = queue.SimpleQueue()
 
     def start(self) -> None:
-        """Enqueue the first chunks now (the caller's thread), and start the thread that enqueues the rest."""
-        ahead = [self._next() for _ in range(_COPIES_AHEAD)]
+        """Enqueue the first burst of chunks now (the caller's thread), and start the thread that enqueues
+        the rest."""
+        ahead = [self._next() for _ in range(max(_COPY_BURST, _COPIES_AHEAD))]
         if self.enqueued.is_set():
             return
         # Not a daemon, like the CPU staging thread: it holds tensor references until it has enqueued
@@ -842,7 +848,7 @@ class _PacedCopy:
             torch.cuda.set_device(self.stream.device)
             inflight = collections.deque(ahead)
             while True:
-                if len(inflight) >= _COPIES_AHEAD:
+                while len(inflight) >= _COPIES_AHEAD:
                     inflight.popleft().synchronize()   # releases the GIL
                 ev = self._next()
                 if ev is None:
