@@ -28,10 +28,11 @@ naming the tensor, instead of persisting a torn snapshot, through two checks:
   after the copy is never reported; one that leaves the fingerprint unchanged
   (an exact permutation of words) is not seen.
 
-The copy is enqueued in chunks, a few at a time, by a thread of its own (:class:`_PacedCopy`), not all
-at once: a GPU runs every stream's device-to-host copies through one copy engine in the order they were
-enqueued, so a small copy of the training loop (``loss.item()``) would otherwise wait behind the whole
-snapshot. The optimizer step's pre-hook enqueues whatever is left at once before it waits.
+The copy is enqueued in chunks (:class:`_PacedCopy`): a first burst by ``save()``, then one chunk at a
+time, each once the previous one has landed, by a thread of its own. While a stream has device-to-host
+copies queued, another stream's device-to-host copy waits for them: a small copy of the training loop
+(``loss.item()``) would otherwise wait behind the whole snapshot, the GPU idle. The optimizer step's
+pre-hook enqueues whatever is left at once before it waits.
 
 CPU tensors take the same path: a staging thread copies them into the pool
 (the buffers-first copy is done before ``save()`` returns), so CPU-only tests
