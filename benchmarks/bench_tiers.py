@@ -163,9 +163,11 @@ def train_loop(root: Path, args) -> None:
         print(f"    per 10 steps (ms, from step 11): {' '.join(f'{b:.0f}' for b in blocks)}", flush=True)
         mean = statistics.mean(times[10:])
         results[name] = mean
+        slow = max(range(10, len(times)), key=lambda i: times[i])
         row("loop", name, "mean step time", mean * 1e3, "ms", f"steps 11-{args.steps}; median "
             f"{statistics.median(times[10:]) * 1e3:.1f} ms; steps 11-40 {statistics.mean(times[10:40]) * 1e3:.1f}, "
-            f"41-{args.steps} {statistics.mean(times[40:]) * 1e3:.1f} ms")
+            f"41-{args.steps} {statistics.mean(times[40:]) * 1e3:.1f} ms; slowest: step {slow + 1}, "
+            f"{times[slow] * 1e3:.0f} ms")
         shutil.rmtree(d, ignore_errors=True)
     for name in results:
         if not name.startswith("none"):

@@ -28,6 +28,12 @@ naming the tensor, instead of persisting a torn snapshot, through two checks:
   after the copy is never reported; one that leaves the fingerprint unchanged
   (an exact permutation of words) is not seen.
 
+The copy is enqueued in chunks (:class:`_PacedCopy`): a first burst by ``save()``, then one chunk at a
+time, each once the previous one has landed, by a thread of its own. While a stream has device-to-host
+copies queued, another stream's device-to-host copy waits for them: a small copy of the training loop
+(``loss.item()``) would otherwise wait behind the whole snapshot, the GPU idle. The optimizer step's
+pre-hook enqueues whatever is left at once before it waits.
+
 CPU tensors take the same path: a staging thread copies them into the pool
 (the buffers-first copy is done before ``save()`` returns), so CPU-only tests
 exercise the asynchronous logic.
@@ -35,13 +41,15 @@ exercise the asynchronous logic.
 
 from __future__ import annotations
 
+import collections
 import errno
 import logging
 import os
+import queue
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import numpy as np
 import psutil
@@ -509,11 +517,12 @@ class Snapshot:
         self._fenced = False
         self._t0 = time.perf_counter()
         # Value checks of the CUDA tensors' copies: (key, record, dtype, shape, words) per tensor, their
-        # fingerprints at save() (copied to the host on the side stream), and the copies in groups,
-        # each with the event that says it has landed (verified as they land).
+        # fingerprints at save() (copied to the host on the side stream), and the paced copy itself,
+        # which hands over its chunks, each with the event that says it has landed (verified as they land).
         self._checks: list[tuple[str, ItemRecord, torch.dtype, torch.Size, bool]] = []
         self._fp_host: torch.Tensor | None = None
-        self._groups: list[tuple[torch.cuda.Event, list[int]]] = []
+        self._copy: _PacedCopy | None = None
+        self._verified = False
         self._verify_lock = threading.Lock()
 
     # -- fences -------------------------------------------------------------------------------
@@ -522,9 +531,12 @@ class Snapshot:
         return self._fenced
 
     def fence_on_device(self) -> None:
-        """Order the current stream after the copy (no host sync for CUDA), then check versions."""
+        """Order the current stream after the copy (no host sync for CUDA), then check versions. The
+        copies not yet enqueued are enqueued now, at once: the caller is about to change the state."""
         if self._fenced:
             return
+        if self._copy is not None:
+            self._copy.finish_now()
         if self._cuda_done is not None:
             torch.cuda.current_stream().wait_event(self._cuda_done)
         self._cpu_done.wait()
@@ -533,6 +545,8 @@ class Snapshot:
     def wait_copied(self) -> None:
         """Block the calling thread until every byte is in the host buffer and checked, then fence."""
         self._verify_cuda_copies()
+        if self._copy is not None:
+            self._copy.enqueued.wait()   # (returns at once after the verification: it waited for the end)
         if self._cuda_done is not None:
             self._cuda_done.synchronize()
         self._cpu_done.wait()
@@ -547,19 +561,20 @@ class Snapshot:
         """Compare each CUDA tensor's host copy with its fingerprint at save(), group by group as the
         copies land (so the check ends soon after the copy does). Done once, by the first caller."""
         with self._verify_lock:
-            groups, self._groups = self._groups, []
+            if self._verified or self._copy is None:
+                return
             torn: list[str] = []
             expected: list[int] | None = None
-            for ev, idxs in groups:
+            for ev, idxs in self._copy.landed():
                 ev.synchronize()
-                if expected is None:   # copied to the host before the first group, on the same stream
-                    expected = self._fp_host.tolist()
+                if expected is None:   # copied to the host before the first chunk, on the same stream
+                    expected = self._fp_host.tolist() if self._fp_host is not None else []
                 for i in idxs:
                     key, rec, dtype, shape, words = self._checks[i]
                     if _fingerprint(_view(self.buffer, rec, dtype, shape), words) != expected[i]:
                         torn.append(key)
-            if groups:
-                self._checks, self._fp_host = [], None
+            self._verified = True
+            self._checks, self._fp_host = [], None
         if torn:
             self._torn(torn)
 
@@ -673,7 +688,6 @@ def _view(buf: HostBuffer, rec: ItemRecord, dtype: torch.dtype, shape: torch.Siz
 # same fingerprint of its host copy once that has landed. A mismatch fails the save.
 
 _INT_OF_SIZE = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-_GROUP_BYTES = 64 << 20   # CUDA copies are checked on the host in groups of about this size, as they land
 
 
 def _fits_words(t: torch.Tensor) -> bool:
@@ -725,6 +739,166 @@ def _fingerprints(pairs: list[tuple[Entry, ItemRecord]]) -> tuple[list[bool], to
     return words, torch.stack([_fingerprint_on_device(t, w) for t, w in zip(srcs, words)])
 
 
+# -- the paced device-to-host copy -------------------------------------------------------------------
+# While one stream has device-to-host copies queued, a device-to-host copy of another stream waits for
+# them (one H200, 2026-11-24: a 4-byte .item() on the compute stream waited 67 ms behind 4 GiB queued on
+# the side stream, in one copy, in 64 MiB chunks, or on a high-priority stream alike); it gets the copy
+# engine as soon as the side stream has none queued, even for microseconds. Enqueued all at once, a
+# 7.4 GB snapshot held the first sync of the next step (the HF forward's .all().item(), loss.item()) for
+# the rest of its 135 ms copy, the GPU idle meanwhile: ~120 ms per snapshot. So the copy is enqueued in
+# chunks: a first burst by save() (it starts at once, whatever the threads do next), then one chunk at a
+# time, each after the previous one has landed, by a thread of its own: a sync of the loop waits for at
+# most the burst once, then for at most one chunk (~1 ms). The pacing costs ~10% of the copy's speed
+# (135 -> ~148 ms), still overlapped with forward and backward; the optimizer step's pre-hook enqueues
+# whatever is left at once.
+
+_COPY_CHUNK = 64 << 20   # bytes per chunk: one event each; a tensor larger than this is copied in pieces
+_COPY_BURST = 4          # chunks save() enqueues itself (~5 ms of copy at 55 GB/s)
+_COPIES_AHEAD = 1        # then: chunks enqueued and not yet landed, at most
+
+
+def _chunks(buf: HostBuffer, items: list[tuple[torch.Tensor, ItemRecord]], chunk: int) -> Iterator[tuple[list, list[int]]]:
+    """The copies of ``items`` into ``buf`` in chunks of about ``chunk`` bytes: per chunk, the (destination,
+    source) pairs and the items whose last byte it copies. A contiguous tensor larger than a chunk is
+    split (as bytes) across chunks; any other tensor is copied whole."""
+    pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
+    done: list[int] = []
+    size = 0
+    for i, (t, rec) in enumerate(items):
+        n = rec.nbytes
+        if n > chunk and t.is_contiguous() and not (t.is_complex() or t.is_conj() or t.is_neg()):
+            src = t.reshape(-1).view(torch.uint8)
+            dst = buf.tensor[rec.offset:rec.offset + n]
+            off = 0
+            while off < n:
+                k = min(chunk - size, n - off)
+                pairs.append((dst[off:off + k], src[off:off + k]))
+                size += k
+                off += k
+                if size >= chunk and off < n:
+                    yield pairs, done
+                    pairs, done, size = [], [], 0
+        else:
+            if size and size + n > chunk:
+                yield pairs, done
+                pairs, done, size = [], [], 0
+            pairs.append((_dst(buf, rec, t), t))
+            size += n
+        done.append(i)
+        if size >= chunk:
+            yield pairs, done
+            pairs, done, size = [], [], 0
+    if pairs or done:
+        yield pairs, done
+
+
+class _PacedCopy:
+    """The copy of a snapshot's CUDA tensors (after its module buffers) on the side stream, enqueued a
+    chunk at a time: a first burst by ``save()``, the rest by a thread of its own as earlier chunks land,
+    or all at once by :meth:`finish_now` (the optimizer step's pre-hook, which must order itself after
+    the whole copy). ``done`` is recorded after the last chunk; :meth:`landed` yields each chunk's event
+    with the items it completes, in order, until the end."""
+
+    def __init__(self, snap: Snapshot, items: list[tuple[torch.Tensor, ItemRecord]], stream: torch.cuda.Stream,
+                 done: torch.cuda.Event) -> None:
+        self.snap = snap
+        self.stream = stream
+        self.done = done
+        self.enqueued = threading.Event()   # every copy is enqueued and ``done`` recorded
+        self._chunks: Iterator[tuple[list, list[int]]] | None = _chunks(snap.buffer, items, _COPY_CHUNK)
+        self._lock = threading.Lock()       # one thread enqueues at a time
+        self._landed: queue.SimpleQueue = queue.SimpleQueue()
+
+    def start(self) -> None:
+        """Enqueue the first burst of chunks now (the caller's thread), and start the thread that enqueues
+        the rest."""
+        ahead = [self._next() for _ in range(max(_COPY_BURST, _COPIES_AHEAD))]
+        if self.enqueued.is_set():
+            return
+        # Not a daemon, like the CPU staging thread: it holds tensor references until it has enqueued
+        # the last copy (milliseconds to a fraction of a second), and shutdown waits for that.
+        try:
+            threading.Thread(target=self._run, args=([e for e in ahead if e is not None],),
+                             name=f"ckpt-copy-{self.snap.step}", daemon=False).start()
+        except RuntimeError:   # no thread to be had: enqueue the rest now, unpaced
+            self.finish_now()
+
+    def _next(self) -> torch.cuda.Event | None:
+        """Enqueue the next chunk (``None``: there is none left); after the last, record ``done``."""
+        with self._lock:
+            if self._chunks is None:
+                return None
+            try:
+                with torch.cuda.stream(self.stream):
+                    pairs, idxs = next(self._chunks, (None, None))
+                    if pairs is None:
+                        self._end()
+                        return None
+                    for dst, src in pairs:
+                        dst.copy_(src, non_blocking=True)
+                    ev = torch.cuda.Event()
+                    ev.record(self.stream)
+                self._landed.put((ev, idxs))
+                return ev
+            except BaseException as e:
+                self._fail(e)
+                return None
+
+    def _run(self, ahead: list[torch.cuda.Event]) -> None:
+        try:
+            torch.cuda.set_device(self.stream.device)
+            inflight = collections.deque(ahead)
+            while True:
+                while len(inflight) >= _COPIES_AHEAD:
+                    inflight.popleft().synchronize()   # releases the GIL
+                ev = self._next()
+                if ev is None:
+                    return
+                inflight.append(ev)
+        except BaseException as e:  # reported on the save handle by the pipeline
+            with self._lock:
+                self._fail(e)
+
+    def finish_now(self) -> None:
+        """Enqueue every copy left, at once (the caller's thread), and ``done`` after them."""
+        while self._next() is not None:
+            pass
+
+    def landed(self) -> Iterator[tuple[torch.cuda.Event, list[int]]]:
+        """Each enqueued chunk's event and the items it completes, in order, until the copy is enqueued
+        to its end (blocks while the next chunk is not enqueued yet)."""
+        while True:
+            item = self._landed.get()
+            if item is None:
+                return
+            yield item
+
+    def _end(self) -> None:
+        """(under the lock) No copy is left to enqueue: record ``done``, let go of the tensors, tell the waiters."""
+        try:
+            self.done.record(self.stream)
+        finally:
+            self._chunks = None
+            self._landed.put(None)
+            self.enqueued.set()
+
+    def _fail(self, e: BaseException) -> None:
+        """(under the lock) Enqueuing failed: the save fails; the copies already enqueued land first."""
+        if self.snap.error is None:
+            self.snap.error = e
+        if self.enqueued.is_set():
+            return
+        self._chunks = None
+        try:
+            self.stream.synchronize()   # no copy may still be writing into a buffer handed back
+            self.done.record(self.stream)
+        except BaseException:   # noqa: BLE001 - the error above is the one reported
+            pass
+        finally:
+            self._landed.put(None)
+            self.enqueued.set()
+
+
 def _stage_cuda(snap: Snapshot, cuda: list[tuple[Entry, ItemRecord]], side_stream: torch.cuda.Stream) -> None:
     compute = torch.cuda.current_stream()
     checked = [(e, r) for e, r in cuda if not e.is_buffer]
@@ -746,20 +920,10 @@ def _stage_cuda(snap: Snapshot, cuda: list[tuple[Entry, ItemRecord]], side_strea
             buf_ev = torch.cuda.Event()
             buf_ev.record(side_stream)
             compute.wait_event(buf_ev)   # next forward waits for this small copy, on the GPU
-        group: list[int] = []
-        group_bytes = 0
-        for i, (e, r) in enumerate(checked):
-            _dst(snap.buffer, r, e.tensor).copy_(e.tensor, non_blocking=True)
-            group.append(i)
-            group_bytes += r.nbytes
-            if group_bytes >= _GROUP_BYTES or i == len(checked) - 1:
-                ev = torch.cuda.Event()
-                ev.record(side_stream)
-                snap._groups.append((ev, group))
-                group, group_bytes = [], 0
-        done.record(side_stream)
     snap._checks = [(e.key, r, e.tensor.dtype, e.tensor.shape, w) for (e, r), w in zip(checked, words)]
     snap._cuda_start, snap._cuda_done = start, done
+    snap._copy = _PacedCopy(snap, [(e.tensor, r) for e, r in checked], side_stream, done)
+    snap._copy.start()
 
 
 @torch.no_grad()
