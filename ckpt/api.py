@@ -323,6 +323,7 @@ class Checkpointer:
                                       independent=self.ranks is None, every=persist_every, auto=cadences,
                                       clock=clock)
             self._clock = clock
+            self._auto_tiers = bool(cadences)
             self._last_step_at: float | None = None
         except BaseException:
             self._disown()
@@ -379,10 +380,11 @@ class Checkpointer:
                                        requested, self.signals)
         if not self._prepared:
             self._prepare(state)
-        now = self._clock()
-        if self._last_step_at is not None:   # a step's time, for the tiers' interval="auto" costs
-            self._pipeline.note_step(now - self._last_step_at)
-        self._last_step_at = now
+        if self._auto_tiers:   # a step's time, for the tiers' interval="auto" costs
+            now = self._clock()
+            if self._last_step_at is not None:
+                self._pipeline.note_step(now - self._last_step_at)
+            self._last_step_at = now
         due = self.interval.due(step)
         if self._agree_due:
             due = bool(self.ranks.max([int(due)])[0])   # clocks differ between ranks: save if any says so
@@ -505,7 +507,7 @@ class Checkpointer:
             self.pool.release(buf, staged=True)
             raise
         due = pipe.due(step)
-        if self.ranks is not None and pipe.cadences():   # each rank's clock and costs: due on all if due on any
+        if self.ranks is not None and self._auto_tiers:   # each rank's clock and costs: due on all if due on any
             due = dict(zip(pipe.tiers, (bool(v) for v in self.ranks.max([int(due[t]) for t in pipe.tiers]))))
         orphaned = pipe.take_orphaned()   # tiers whose waiting snapshot this buffer held: they get this one
         take = {t: None if t == force or t in orphaned or (due[t] and not busy[t]) else
