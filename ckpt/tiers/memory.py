@@ -152,9 +152,7 @@ class MemoryTier(Tier):
                     continue
                 if b.holds:
                     raise OSError(errno.EBUSY, f"the snapshot of step {step} is being read or persisted")
-                if b.segment is not None and self.pool.shared is not None:
-                    shm.remove_record(self.pool.shared.root, self.pool.shared.prefix, b.slot)
-                b.forget_image()
+                self.pool._withdraw(b, shm)   # its record first, then the image
                 found = True
         for rec in self._left():
             if rec.step == step and rec.path is not None:
