@@ -137,7 +137,7 @@ def _worker(rank: int, world: int, args: argparse.Namespace, port: int, out: str
         sync()
         timed("ours + peer tier", saving_with(ckp))
         results["peer_exchange_s"] = [h.persist_s.get("peer") for h in ckp.history]
-        results["peer_transfer_s"] = [h.persist_s.get("peer_transfer") for h in ckp.history]
+        results["peer_transfer_s"] = [h.persist_s.get("peer") for h in ckp.history]
         ckp.close()
         del ckp
 

@@ -14,6 +14,7 @@ import threading
 import time
 import zlib
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any, Callable, Mapping
 
 import torch
@@ -33,6 +34,7 @@ from .ranks import Ranks, distributed_world
 from .restore import RestoreInfo, listing as _listing, restore as _restore
 from .stage import HostPool, Snapshot, SnapshotStats, stage, wait_all_staged
 from .tiers import LocalTier, MemoryTier, PeerTier, RemoteTier
+from .tiers.peer import ReceivedCopy
 from .tiers.base import PersistingTier, Tier, TierFigures
 from .tiers.local import OwnerLock
 from .tiers.memory import space_for
@@ -278,8 +280,10 @@ class Checkpointer:
             raise ValueError("compression applies to the remote tier: pass a url too, or compression=None")
         persist_every = dict(persist_every or {})
         for name, n in persist_every.items():
-            if name not in ("local", "remote") or (name == "remote" and url is None):
-                raise ValueError(f"persist_every names the tiers 'local' and (with a url) 'remote', got {name!r}")
+            if name not in ("local", "remote", "peer") or (name == "remote" and url is None) or \
+                    (name == "peer" and not peers):
+                raise ValueError(f"persist_every names the tiers 'local', 'peer' (with peers=) and 'remote' (with a "
+                                 f"url), got {name!r}")
             if not isinstance(n, int) or isinstance(n, bool) or n < 1:
                 raise ValueError(f"persist_every[{name!r}] must be a positive number of steps, got {n!r}")
         self.persist_every = persist_every
@@ -313,13 +317,14 @@ class Checkpointer:
             # a time-based policy decides by each rank's clock: those decisions are agreed in maybe_save
             self._agree_due = self.ranks is not None and (isinstance(self.interval, AutoInterval)
                                                           or self.interval.every_seconds is not None)
-            persisting = [t for t in self._tiers if isinstance(t, PersistingTier)]
+            persisting = [t for t in self._tiers if isinstance(t, PersistingTier)] + \
+                ([self.peer] if self.peer is not None else [])
             # interval="auto": each persisting tier not given a persist_every cadence gets its own
             cadences = {t.name: TierCadence(t.name, mtbf.get(t.name, mtbf["memory"]) if isinstance(mtbf, Mapping)
                                             else mtbf)
                         for t in persisting if t.name not in persist_every} if interval == "auto" else {}
             self._pipeline = Pipeline(self.pool, self.memory, persisting, self._apply_retention, self._failed,
-                                      self.peer, peer_after=self.local, coalesce=self.if_busy is IfBusy.SKIP,
+                                      coalesce=self.if_busy is IfBusy.SKIP,
                                       independent=self.ranks is None, every=persist_every, auto=cadences,
                                       clock=clock)
             self._clock = clock
@@ -417,10 +422,10 @@ class Checkpointer:
 
     def _forced_save(self, step: int, state: Mapping[str, Any], tier: str) -> SaveHandle:
         """A signal's save: it waits for a buffer rather than being skipped, and ``tier`` writes it even
-        when busy or not due (``"peer"`` rides with the local tier)."""
+        when busy or not due."""
         self._forcing = True
         try:
-            return self._save(step, state, force="local" if tier == "peer" else tier)
+            return self._save(step, state, force=tier)
         finally:
             self._forcing = False
 
@@ -624,8 +629,8 @@ class Checkpointer:
                 except BaseException:
                     pass
         self._timeline = timeline
-        for tier in self._tiers + ([self.peer.store] if self.peer is not None else []):
-            tier.timeline = timeline
+        for tier in self._tiers + ([self.peer] if self.peer is not None else []):
+            tier.timeline = timeline   # the peer tier sends it with each replica
 
     def _check_own_storage(self) -> None:
         """Refuse, on every rank, a ``local_dir`` or ``url`` that another rank of the job writes too
@@ -706,7 +711,15 @@ class Checkpointer:
         else:
             raise ValueError(f"peers must be True (the next node's rank: LOCAL_WORLD_SIZE) or a rank distance "
                              f"that is not a multiple of the world size {world}, got {peers!r}")
-        return PeerTier(self.local.root, Ranks(timeout_s=knobs.get("CKPT_COMMIT_TIMEOUT_S"), own_group=True), jump)
+        timeout = knobs.get("CKPT_COMMIT_TIMEOUT_S")
+        ranks = Ranks(timeout_s=timeout, own_group=True)
+        data_group, device = None, None
+        dist = torch.distributed
+        # collective: the knob must be the same on every rank (it is read from the job's environment)
+        if knobs.get("CKPT_PEER_NCCL") and torch.cuda.is_available() and dist.is_nccl_available():
+            device = torch.device("cuda", torch.cuda.current_device())
+            data_group = dist.new_group(backend="nccl", timeout=timedelta(seconds=timeout))
+        return PeerTier(self.local.root, ranks, jump, data_group, device)
 
     def _near(self) -> list[Committed]:
         """Checkpoints this rank holds on its node (the memory and local tiers: gone with a replaced node)."""
@@ -721,7 +734,7 @@ class Checkpointer:
         near = [_decode(v) for v in ranks.gather(_encode(self._near()))]
         far = [_decode(v) for v in ranks.gather(_encode([e for t in self._tiers if not t.on_node
                                                           for e in t.committed()]))]
-        kept = [_decode(v) for v in ranks.gather(_encode(self.peer.store.committed()))] \
+        kept = [_decode(v) for v in ranks.gather(_encode(self.peer.committed()))] \
             if self.peer is not None else None
         held = [{e.key for e in n + f + (kept[self.peer.holder_of(r)] if kept else [])}
                 for r, (n, f) in enumerate(zip(near, far))]
@@ -749,11 +762,13 @@ class Checkpointer:
         failed: list[str] = []
         for n, s in agreed:
             info, error, code = None, None, 1
-            if kept is not None:   # ranks without a near copy of s get theirs back from the peer keeping it
-                self._pull_from_peers(s, timelines[(n, s)], [{e.key for e in x} for x in near],
-                                      [{e.key for e in x} for x in kept])
+            received = None
+            if kept is not None:   # ranks without a near copy of s get theirs back from the peer holding it
+                received = self._pull_from_peers(s, timelines[(n, s)], [{e.key for e in x} for x in near],
+                                                 [{e.key for e in x} for x in kept])
             try:
-                info = _restore(state, self._tiers, s, strict, self._job, timeline=n)
+                info = _restore(state, self._tiers + ([received] if received is not None else []), s, strict,
+                                self._job, timeline=n)
             except (NoCheckpointError, FileNotFoundError) as e:   # this rank's copies of s are unusable or
                 # gone (a peer's copy that failed verification was not committed): try an older step
                 error, code = e, 0
@@ -776,25 +791,26 @@ class Checkpointer:
         raise NoCheckpointError("no step that every rank holds could be loaded on every rank: " + "; ".join(failed))
 
     def _pull_from_peers(self, step: int, timeline: Timeline, near: list[set[tuple[int, int]]],
-                         kept: list[set[tuple[int, int]]]) -> None:
-        """Collective: every rank that holds no near copy of ``step`` (on ``timeline``) while its peer keeps
-        one gets it back into its local tier (the same transfers are derived on every rank from the
-        gathered sets of ``(timeline, step)``)."""
+                         kept: list[set[tuple[int, int]]]) -> ReceivedCopy | None:
+        """Collective: every rank that holds no near copy of ``step`` (on ``timeline``) while its holder keeps
+        a replica gets it back from the holder's RAM (the same transfers are derived on every rank from the
+        gathered sets of ``(timeline, step)``). Returns this rank's copy, checked, or ``None``."""
         peer = self.peer
         key = (timeline.number, step)
         needs = [r for r in range(peer.world) if key not in near[r] and key in kept[peer.holder_of(r)]]
         send_to = peer.src if peer.src in needs else None
         receive = peer.rank in needs
         if send_to is None and not receive:
-            return
+            return None
         try:
-            with self.local.copying(step, timeline):   # the copy keeps the checkpoint's timeline
-                got = peer.serve(step, send_to, receive, self.local)
-            if got:
-                log.info("rank %d got its copy of step %d back from rank %d (peer tier)", peer.rank, step,
-                         peer.holder_of(peer.rank))
+            got = peer.serve(step, timeline, send_to, receive)
+            if got is not None:
+                log.info("rank %d got its snapshot of step %d back from the RAM of rank %d (peer tier)", peer.rank,
+                         step, peer.holder_of(peer.rank))
+            return got
         except (CheckpointError, OSError) as e:   # this rank falls back to the remote tier, if any
             log.warning("rank %d could not get step %d back from its peer: %s", peer.rank, step, e)
+            return None
 
     @property
     def tier_counts(self) -> dict[str, Any]:
@@ -806,7 +822,8 @@ class Checkpointer:
         """Per tier, nearest first, its capacity and cost figures (:class:`~ckpt.tiers.base.TierFigures`:
         steps and bytes held, capacity, and the writes and reads measured in this process with their
         throughput). Lists each tier (a remote tier: one listing of the store)."""
-        return {t.name: t.figures() for t in self._tiers}
+        return {t.name: t.figures() for t in sorted(self._tiers + ([self.peer] if self.peer is not None else []),
+                                                     key=lambda t: t.nearness)}
 
     @property
     def tiers(self) -> list[str]:
@@ -887,6 +904,8 @@ class Checkpointer:
         try:
             self._pipeline.flush()
             self._pipeline.close(keep_shared=keep_memory or not self._owned)
+            if self.peer is not None:   # the replicas this rank holds: freed with its own snapshots, or kept
+                self.peer.close(keep_shared=keep_memory or not self._owned)
         finally:
             self._disown()   # every write is over: another process may own local_dir now
         with self._lock:
@@ -924,7 +943,7 @@ class Checkpointer:
         sender's), or read back in full from it; never a step it saw fail verification."""
         busy = self._pipeline.in_flight()
         for name in tiers:
-            tier = self.peer.store if name == "peer" and self.peer is not None else \
+            tier = self.peer if name == "peer" and self.peer is not None else \
                 next(t for t in self._tiers if t.name == name)
             if not tier.prunes_here():
                 continue

@@ -232,11 +232,11 @@ def _memory_groups(args: argparse.Namespace) -> list[dict[str, Any]]:
     if args.dir is not None:
         if "://" in args.dir:
             raise _UsageError(f"--memory: {args.dir} is a URL; the memory tier belongs to a local_dir")
-        key = shm.prefix_for(args.dir, 0).rsplit("-r", 1)[0]   # every rank's segments of that local_dir
+        key = shm.local_key(shm.prefix_for(args.dir, 0))   # every rank's segments of that local_dir, and replicas
     out = []
     for g in shm.segments():
         local_dir = g.local_dir
-        if key is not None and g.prefix.rsplit("-r", 1)[0] != key:
+        if key is not None and shm.local_key(g.prefix) != key:
             continue
         alive = local_dir is not None and owned(local_dir)
         out.append({"prefix": g.prefix, "local_dir": local_dir, "bytes": g.nbytes, "owned": alive,

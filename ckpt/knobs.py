@@ -41,6 +41,12 @@ _DEFAULTS: dict[str, int] = {
     # Nice value added to the persist threads and the background allocation (ckpt.priority): the
     # training thread keeps the CPU on a node whose cores are busy (0: same priority as the process).
     "CKPT_PERSIST_NICE": 10,
+    # Bytes per data message of the peer tier's replica exchange: the holder checks one piece's chunks
+    # while the next arrives (and, over NCCL, the size of each device staging buffer; two per direction).
+    "CKPT_PEER_PIECE_BYTES": 64 << 20,
+    # Move the peer tier's replicas over an NCCL group of its own, staged through device buffers, when
+    # the job has GPUs (1), or over gloo from host memory (0).
+    "CKPT_PEER_NCCL": 0,
     # Seconds the interpreter-exit hook waits for queued saves to persist (0: as long as they take).
     "CKPT_EXIT_WAIT_S": 0,
 }

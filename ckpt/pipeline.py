@@ -1,16 +1,16 @@
 """Phase 2: persist snapshots in the background, each tier at its own pace.
 
 A watcher thread per snapshot waits for its device-to-host copy (on the host, in
-the background) and commits it to the memory tier. Each slower tier (local, remote)
-has a worker thread of its own with a queue of snapshots to write: it reads them
-straight from their host buffer, commits, applies retention and lets go of the
-buffer. The peer tier rides with the local tier (it exchanges what the local tier
-committed). A tier that is still busy when a newer snapshot arrives does not make
-anyone wait: with ``coalesce``, the newer snapshot replaces the one waiting in its
-queue (newest wins; the replaced one is reported as *superseded* on its handle and
-counted per tier), so a slow disk writes fewer snapshots, never older ones, and
-training never waits for it. Without ``coalesce`` (``if_busy="wait"``) every
-snapshot reaches every tier in order, and saves wait for a free buffer instead.
+the background) and commits it to the memory tier. Each slower tier (local, peer,
+remote) has a worker thread of its own with a queue of snapshots to write: it reads
+them straight from their host buffer, commits, applies retention and lets go of the
+buffer (the peer tier's write is its collective exchange of replicas). A tier that
+is still busy when a newer snapshot arrives does not make anyone wait: with
+``coalesce``, the newer snapshot replaces the one waiting in its queue (newest wins;
+the replaced one is reported as *superseded* on its handle and counted per tier), so
+a slow disk writes fewer snapshots, never older ones, and training never waits for
+it. Without ``coalesce`` (``if_busy="wait"``) every snapshot reaches every tier in
+order, and saves wait for a free buffer instead.
 
 A failure cleans up the partial files, is logged, is recorded on the save's
 handle (``handle.wait()`` raises it) and on the checkpointer
@@ -271,26 +271,22 @@ class Pipeline:
     buffer. ``every``: steps between copies per tier (``None``: as often as it keeps up).
 
     ``tiers``: the persisting tiers (:class:`~ckpt.tiers.base.PersistingTier`), one worker each, in
-    the order of their nearness. ``peer`` (a :class:`~ckpt.tiers.PeerTier`) sends what ``peer_after``
-    (one of ``tiers``) committed to the peer rank, on that tier's worker, right after its write.
+    the order of their nearness.
     """
 
     def __init__(self, pool: HostPool, memory: MemoryTier, tiers: list[PersistingTier],
                  retention: Callable[[list[str]], None],
-                 on_error: Callable[[SaveHandle, BaseException], None], peer: Any = None,
-                 peer_after: PersistingTier | None = None, *,
+                 on_error: Callable[[SaveHandle, BaseException], None], *,
                  coalesce: bool = False, independent: bool = True, every: dict[str, int] | None = None,
                  auto: dict[str, TierCadence] | None = None, clock: Callable[[], float] = time.monotonic) -> None:
         self.pool = pool
         self.memory = memory
-        self.peer = peer
         self.coalesce = coalesce
         self.independent = independent
         every, auto = every or {}, auto or {}
         self.clock = clock
         self.lanes: dict[str, _Lane] = {t.name: _Lane(t, every.get(t.name), auto.get(t.name))
                                         for t in sorted(tiers, key=lambda t: t.nearness)}
-        self._peer_lane = peer_after.name if peer is not None and peer_after is not None else None
         self._retention = retention
         self._on_error = on_error
         self._cv = pool._cv   # one lock for the buffers and the queues: a buffer changes hands atomically
@@ -385,8 +381,6 @@ class Pipeline:
                     else:
                         lane.counts.not_due += 1
                     handle._skip_tier(name, reason)
-                    if name == self._peer_lane:
-                        handle._skip_tier("peer", reason)
             self._newest = (snap, handle)
         # The memory tier does not queue behind earlier persists: a watcher publishes it as soon as
         # the copy has landed, while the tiers may still be writing older snapshots.
@@ -445,8 +439,6 @@ class Pipeline:
         log.info("step %d is not written to the %s tier: %s (the tier was busy; %d superseded there so far)",
                  job.snap.step, lane.name, reason, lane.counts.superseded)
         job.handle._skip_tier(lane.name, reason)
-        if lane.name == self._peer_lane:
-            job.handle._skip_tier("peer", reason)
 
     # -- the workers --------------------------------------------------------------------------------
     def _run(self, lane: _Lane) -> None:
@@ -507,79 +499,24 @@ class Pipeline:
             log.warning("retention after step %d failed: %s", step, e)
 
     def _persist(self, job: _Job, lane: _Lane) -> None:
-        """Write ``job``'s snapshot to ``lane``'s tier from its host buffer, apply retention there, and
-        (the tier the peer rides) exchange the committed image with the peer ranks."""
+        """Write ``job``'s snapshot to ``lane``'s tier from its host buffer and apply retention there."""
         snap, handle, tier = job.snap, job.handle, lane.tier
-        rides = lane.name == self._peer_lane
         if snap.error is not None:
-            if rides:   # the peers wait for this rank's header
-                keep, _ = self._exchange(snap.step, None, None, handle)
-                kept = keep is not None and self._keep_peer_copy(snap.step, keep, handle) is None
-                self._confirm(snap.step, kept)
-            else:       # a tier whose commit needs every rank (a job tier) waits for this rank's word
+            # a tier whose write needs every rank (a job tier, the peer exchange) waits for this rank's word
+            try:
                 tier.abstain(snap.step)
+            except BaseException as e:   # noqa: BLE001 - the snapshot's own error is what the handle reports
+                log.error("the %s tier's part in step %d failed on this rank: %s", lane.name, snap.step, e)
             self._release(job, lane)
             handle._finish(lane.name, snap.error)
-            if rides:
-                handle._finish("peer", snap.error)
             return
         data = snap.buffer.memoryview(snap.data_bytes)
         error = self._run_write(job, lane, lambda: tier.write(snap.step, snap.manifest, data))
+        del data   # no view of the buffer may outlive the hold (a waiter may exit the process at once)
         if error is None:
             self._prune([lane.name], snap.step)
-        if not rides:
-            del data   # no view of the buffer may outlive the hold (a waiter may exit the process at once)
-            self._release(job, lane)   # before reporting: a save right after handle.wait() finds the buffer free
-            handle._finish(lane.name, error)
-            return
+        self._release(job, lane)   # before reporting: a save right after handle.wait() finds the buffer free
         handle._finish(lane.name, error)
-        # the committed image to the peer rank, straight from the host buffer
-        keep, peer_error = self._exchange(snap.step, snap.manifest if error is None else None, data, handle)
-        peer_error = peer_error or error   # no copy on this tier: none went to the peer either
-        del data
-        self._release(job, lane)
-        # the received copy is written after the buffer is free for the next save; then each rank
-        # hears from its peer whether its own copy is committed there ("peer" done = durable there)
-        kept = keep is not None and self._keep_peer_copy(snap.step, keep, handle) is None
-        acked = self._confirm(snap.step, kept)
-        if peer_error is None and not acked:
-            peer_error = CheckpointError(f"step {snap.step}: rank {self.peer.dst} did not keep this rank's copy "
-                                         "(its log says why)")
-            self._on_error(handle, peer_error)   # raised by Checkpointer.wait() / close() like any failure
-        handle._finish("peer", peer_error)
-
-    def _exchange(self, step: int, manifest: Any, data: Any, handle: SaveHandle) -> tuple[Any, BaseException | None]:
-        """The peer tier's collective exchange for ``step`` (``manifest`` None: this rank has nothing to
-        send, but still takes its part). Returns (what keeps the received copy, or None; the error)."""
-        t0 = time.perf_counter()
-        try:
-            keep = self.peer.exchange(step, manifest, data)
-        except BaseException as e:
-            log.error("the peer copy exchange of step %d failed on this rank: %s", step, e)
-            self._on_error(handle, e)
-            return None, e
-        handle.stats.persist_s["peer"] = handle.stats.persist_s["peer_transfer"] = time.perf_counter() - t0
-        return keep, None
-
-    def _confirm(self, step: int, kept: bool) -> bool:
-        try:
-            return self.peer.confirm(step, kept)
-        except Exception as e:   # noqa: BLE001 - the group failed: this rank's copy is not known to be kept
-            log.error("the peer confirmation of step %d failed: %s", step, e)
-            return False
-
-    def _keep_peer_copy(self, step: int, keep: Any, handle: SaveHandle) -> BaseException | None:
-        """Verify, write and commit the copy received from the peer source (after the buffer is free)."""
-        t0 = time.perf_counter()
-        try:
-            keep()
-        except BaseException as e:
-            log.error("the copy of step %d received from the peer source is not kept: %s", step, e)
-            self._on_error(handle, e)
-            return e
-        handle.stats.persist_s["peer"] = handle.stats.persist_s.get("peer", 0.0) + time.perf_counter() - t0
-        self._prune(["peer"], step)
-        return None
 
     # -- closing ------------------------------------------------------------------------------------
     def flush(self) -> None:
@@ -597,8 +534,6 @@ class Pipeline:
                 if snap.buffer.image_step != snap.step and snap.error is None and snap.step not in self._staging:
                     continue   # its buffer went to another snapshot (cannot happen to the newest; defensive)
                 handle._reopen(name)
-                if name == self._peer_lane:
-                    handle._reopen("peer")
                 lane.last_taken, lane.newest = snap.step, snap
                 if snap.step in self._staging:   # the watcher hands it over once the copy has landed
                     continue

@@ -11,6 +11,8 @@ Names, per ``local_dir`` (resolved) and rank::
     ckpt-<16 hex of sha256(local_dir)>-r<rank>-s<slot>.buf    a buffer: one snapshot's data file image
     ckpt-<16 hex of sha256(local_dir)>-r<rank>-s<slot>.rec    its commit record (JSON), present only
                                                               while the buffer holds a whole snapshot
+    ckpt-<16 hex of sha256(local_dir)>-p<src>-s<slot>.buf/.rec  a replica of rank <src>'s snapshot that
+                                                              the owner of local_dir holds (peer tier)
 
 A record exists only while its buffer holds exactly the snapshot it describes: it is removed before
 the buffer is written again and put back (a temporary name, then ``rename``) only once the copy has
@@ -55,14 +57,14 @@ from .format import FORMAT_VERSION, Manifest, parse_record, read_record
 from .integrity import checksum
 from .policy import Timeline
 
-__all__ = ["Segment", "SnapshotRecord", "host_register", "host_unregister", "populate", "open_for_read", "SegmentInfo", "shm_root", "prefix_for", "available_bytes",
+__all__ = ["Segment", "SnapshotRecord", "host_register", "host_unregister", "populate", "open_for_read", "SegmentInfo", "shm_root", "prefix_for", "replica_prefix", "local_key", "available_bytes",
            "chunk_checksums", "first_bad_chunk", "write_record", "read_snapshot_record", "remove_record",
            "segments", "free"]
 
 log = logging.getLogger(__name__)
 
 _KIND = "ckpt-memory-snapshot"
-_NAME_RE = re.compile(r"^(ckpt-[0-9a-f]{16}-r\d{5})-s(\d{2})\.(buf|rec)$")
+_NAME_RE = re.compile(r"^(ckpt-[0-9a-f]{16}-[rp]\d{5})-s(\d{2})\.(buf|rec)$")
 MAX_RECORD_BYTES = 256 << 20   # a record holds one manifest: far below this even for 100k tensors
 
 
@@ -85,6 +87,17 @@ def prefix_for(local_dir: str | os.PathLike, rank: int) -> str:
     """The segment names' prefix of ``local_dir``'s rank ``rank``: one name space per local tier and rank."""
     key = hashlib.sha256(os.path.realpath(os.fspath(local_dir)).encode()).hexdigest()[:16]
     return f"ckpt-{key}-r{rank:05d}"
+
+
+def replica_prefix(local_dir: str | os.PathLike, src: int) -> str:
+    """The segment names' prefix of the replicas of rank ``src``'s snapshots that the owner of ``local_dir``
+    holds (the peer tier): the local tier's name space, ``p`` for a replica instead of ``r``."""
+    return prefix_for(local_dir, src).rsplit("-r", 1)[0] + f"-p{src:05d}"
+
+
+def local_key(prefix: str) -> str:
+    """The part of a segment prefix that names its ``local_dir`` (shared by its own and its replicas')."""
+    return prefix[:len("ckpt-") + 16]
 
 
 def available_bytes(root: Path) -> int:

@@ -1,19 +1,29 @@
-"""Child side of the peer-tier tests: one gloo rank whose checkpoints are also kept by another rank.
+"""Child side of the peer-tier tests: one gloo rank whose snapshots are replicated into another rank's RAM.
 
 ``python peer_worker.py ROOT RANK WORLD MODE``, MASTER_ADDR / MASTER_PORT from the environment.
-Each rank checkpoints into ``ROOT/rank-<RANK>`` with ``peers=1``: rank r's copies go to rank r+1
-(mod WORLD), which keeps them under its own ``peers/`` directory. The state is ``{"w": 6 floats,
-"step": int}``; at step s, ``w`` is ``100 * rank + s`` everywhere.
+Each rank checkpoints into ``ROOT/rank-<RANK>`` with ``peers=1`` and keeps its shared memory in
+``ROOT/shm-<RANK>`` (its node's RAM: a replaced node loses both): rank r's snapshots go to rank r+1
+(mod WORLD), which holds them in its RAM. ``CKPT_TEST_REMOTE=1`` adds a remote tier per rank
+(``ROOT/remote-<RANK>``, written every step).
 
-* ``save``: steps 1..4, saved at 2 and 4; prints ``saved`` and the steps of the copies it keeps.
-* ``durable``: saves step 5 and waits for the ``peer`` tier; prints whether the peer's copy is committed.
-* ``drain``: SIGTERM to rank 0 at step 3 with ``drain_tier="peer"``; prints ``preempted S DURABLE KEPT``.
+* ``save``: ``w`` = ``100 * rank + s`` at steps 1..4, saved at 2 and 4; prints ``saved`` and the steps of
+  the replicas it holds, then exits leaving its RAM as a crash would (``close(keep_memory=True)``).
+* ``train``: a deterministic update every step, snapshots every step (the local tier every 1000
+  steps), every snapshot waited for; SIGKILLs itself after step ``KILL_AT``.
+* ``resume``: restores, prints ``restored S TIER``, trains on to step ``LAST``, prints ``digest D``.
+* ``straight``: the same training without any checkpointing: prints ``digest D``.
+* ``durable``: saves step 5 and waits for the ``peer`` tier; prints whether the holder has it in RAM.
+* ``drain``: SIGTERM to rank 0 at step 3 with ``drain_tier="peer"``; prints ``preempted S DURABLE HELD``.
 * ``rollback``: saves step 7 and restores at once (the exchange may still run); prints ``restored``.
+* ``staged``: moves images of several sizes both ways with :class:`ckpt.tiers.peer.Exchange` staged
+  through ``CKPT_TEST_DEVICE`` buffers (``cpu``: the device path's ring logic over gloo; ``cuda``: over
+  NCCL), checking every chunk; prints ``staged OK`` or what differed.
 * ``restore``: prints ``restored S W T`` (step, ``w[0]`` after it, the tier it came from).
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 import signal
 import sys
@@ -21,18 +31,93 @@ from pathlib import Path
 
 import torch
 
-import ckpt
+KILL_AT, LAST = 6, 10
+
+
+def held_by(root: str, holder: int, src: int) -> list[int]:
+    """Steps of rank ``src``'s replicas committed in ``holder``'s RAM (read from its segment records)."""
+    from ckpt import shm
+
+    groups = shm.segments(Path(root) / f"shm-{holder}", shm.replica_prefix(f"{root}/rank-{holder}", src))
+    return sorted(r.step for g in groups for r in g.records)
+
+
+def update(state: dict, step: int, rank: int) -> None:
+    state["w"].mul_(0.999).add_(torch.linspace(0, 1, state["w"].numel()) * (step + rank))
+    state["step"] = step
+
+
+def digest(state: dict) -> str:
+    return hashlib.sha256(state["w"].numpy().tobytes()).hexdigest()[:16]
+
+
+def staged(rank: int, world: int) -> None:
+    import dataclasses
+
+    from ckpt.format import Manifest
+    from ckpt.integrity import checksum
+    from ckpt.tiers.peer import Exchange, checked_receive
+
+    dev = torch.device(os.environ.get("CKPT_TEST_DEVICE", "cpu"))
+    dist = torch.distributed
+    if dev.type == "cuda":
+        torch.cuda.set_device(rank)
+        data_group = dist.new_group(backend="nccl")
+    else:
+        data_group = None
+    dst, src = (rank + 1) % world, (rank - 1) % world
+    chunk = 1000
+    # pieces of 3 chunks and a bit on one side, 2 on the other: the ring wraps, chunks straddle pieces
+    wire = Exchange(dist.new_group(backend="gloo"), 3100 if rank == 0 else 2000, data_group, dev)
+    problems = []
+    for n in (0, 1, 999, 1000, 7001, 25_000):
+        g = torch.Generator().manual_seed(1000 * rank + n)
+        out = torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g)
+        expect = torch.randint(0, 256, (n,), dtype=torch.uint8, generator=torch.Generator().manual_seed(1000 * src + n))
+        sums = [checksum(memoryview(expect.numpy())[i:i + chunk]) for i in range(0, n, chunk)]
+        m = Manifest(step=1, rank=src, world_size=world, data_bytes=n, chunk_bytes=chunk, chunks=sums, items=[], tree={})
+        into = torch.zeros(n, dtype=torch.uint8)
+        their_piece = 3100 if src == 0 else 2000
+        bad = checked_receive(wire, out, dst, into, src, their_piece, m)
+        if bad or not torch.equal(into, expect):
+            problems.append(f"size {n}: bad chunks {bad}, equal {torch.equal(into, expect)}")
+        wrong = dataclasses.replace(m, chunks=[s ^ 1 for s in sums])   # every chunk must be checked
+        if n and checked_receive(wire, out, dst, torch.zeros(n, dtype=torch.uint8), src, their_piece, wrong) \
+                != list(range(len(sums))):
+            problems.append(f"size {n}: a wrong checksum was not found")
+    print("staged", "OK" if not problems else problems, flush=True)
+    dist.destroy_process_group()
 
 
 def main() -> None:
     root, rank, world, mode = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+    os.makedirs(f"{root}/shm-{rank}", exist_ok=True)
+    os.environ["CKPT_SHM_DIR"] = f"{root}/shm-{rank}"
+    import ckpt
+
+    if os.environ.get("CKPT_PEER_NCCL") == "1" and torch.cuda.is_available():
+        torch.cuda.set_device(rank)   # the replicas move over NCCL: one GPU per rank
     torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
-    state = {"w": torch.zeros(6), "step": 0}
+    training = mode in ("train", "resume", "straight")
+    state = {"w": torch.full((300_000,), float(rank)) if training else torch.zeros(6), "step": 0}
+    if mode == "straight":
+        for step in range(1, LAST + 1):
+            update(state, step, rank)
+        print("digest", digest(state), flush=True)
+        return
+    if mode == "staged":
+        staged(rank, world)
+        return
+    remote = os.environ.get("CKPT_TEST_REMOTE") == "1"
     try:
         drain = mode == "drain"
-        with ckpt.Checkpointer(local_dir=f"{root}/rank-{rank}", every_steps=2, peers=1, on_preempt="raise", if_busy="wait",
+        ck = ckpt.Checkpointer(local_dir=f"{root}/rank-{rank}", every_steps=1 if training else 2, peers=1,
+                               url=f"file://{root}/remote-{rank}" if remote else None,
+                               persist_every={"local": 1000} if training else None,
+                               on_preempt="raise", if_busy="wait",
                                signals=(signal.SIGTERM,) if drain else (), drain_tier="peer" if drain else "local",
-                               drain_deadline=60) as ck:
+                               drain_deadline=60)
+        with ck:
             assert "peer" in ck.tiers
             if mode == "save":
                 for step in range(1, 5):
@@ -42,8 +127,22 @@ def main() -> None:
                     h = ck.maybe_save(step, state)
                     if h is not None:
                         h.wait()
-                print("saved", ck.peer.store.committed_steps(), flush=True)
-            elif drain:   # SIGTERM reaches rank 0 only; both ranks save step 3 and wait until their peer has it
+                print("saved", ck.peer.committed_steps(), flush=True)
+                ck.close(keep_memory=True)   # its RAM stays as a crash leaves it
+            elif mode == "train":
+                for step in range(1, KILL_AT + 1):
+                    ck.wait_staged()
+                    update(state, step, rank)
+                    ck.maybe_save(step, state).wait()
+                print("killing", flush=True)
+                os.kill(os.getpid(), signal.SIGKILL)
+            elif mode == "resume":
+                step = ck.restore(state)
+                print(f"restored {step} {ck.last_restore.tier}", flush=True)
+                for s in range(step + 1, LAST + 1):
+                    update(state, s, rank)
+                print("digest", digest(state), flush=True)
+            elif drain:   # SIGTERM reaches rank 0 only; both ranks save step 3 and wait until their holder has it
                 try:
                     for step in range(1, 10):
                         ck.wait_staged()   # before the in-place update: the last save may still be copying w
@@ -52,15 +151,14 @@ def main() -> None:
                             os.kill(os.getpid(), signal.SIGTERM)
                         ck.maybe_save(step, state)
                 except ckpt.Preempted as e:
-                    dst = (rank + 1) % world
-                    kept = (Path(root) / f"rank-{dst}" / "peers" / f"rank-{rank:05d}" / f"step-{e.step:09d}" / "COMMIT")
-                    print(f"preempted {e.step} {e.durable} {kept.is_file()}", flush=True)
-            elif mode == "durable":   # handle.wait("peer"): the peer has committed this rank's copy by then
+                    held = e.step in held_by(root, (rank + 1) % world, rank)
+                    print(f"preempted {e.step} {e.durable} {held}", flush=True)
+                    torch.distributed.barrier()   # no holder closes (freeing its replicas) before all looked
+            elif mode == "durable":   # handle.wait("peer"): the holder has committed the replica by then
                 state["w"].fill_(100 * rank + 5)
                 ck.save(5, state).wait("peer")
-                dst = (rank + 1) % world
-                print("durable", (Path(root) / f"rank-{dst}" / "peers" / f"rank-{rank:05d}" / "step-000000005"
-                                  / "COMMIT").is_file(), flush=True)
+                print("durable", 5 in held_by(root, (rank + 1) % world, rank), flush=True)
+                torch.distributed.barrier()   # no holder closes (freeing its replicas) before all looked
             elif mode == "rollback":   # restore while the save's exchange with the peers may still run
                 state["w"].fill_(100 * rank + 7)
                 ck.save(7, state)

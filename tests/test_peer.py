@@ -1,9 +1,10 @@
-"""The peer tier through real gloo jobs (tests/peer_worker.py): a rank's checkpoints are also kept by
-another rank, so a rank whose own copies are gone (a replaced node) resumes without a remote tier."""
+"""The peer tier through real gloo jobs (tests/peer_worker.py): each rank's snapshots are replicated into
+another rank's RAM, so a rank whose node was replaced (its RAM and local disk gone) resumes from there."""
 
 from __future__ import annotations
 
 import shutil
+import signal
 import subprocess
 from pathlib import Path
 
@@ -14,38 +15,75 @@ from helpers import assert_ok, run_ranks
 HERE = Path(__file__).parent
 
 
-def _run(root: Path, mode: str, world: int) -> list[subprocess.CompletedProcess]:
-    return run_ranks(HERE / "peer_worker.py", str(root), mode, world=world)
+def _run(root: Path, mode: str, world: int, env: dict | None = None) -> list[subprocess.CompletedProcess]:
+    return run_ranks(HERE / "peer_worker.py", str(root), mode, world=world, env=env)
 
 
-def _lines(results: list[subprocess.CompletedProcess], prefix: str) -> list[str]:
-    assert_ok(results)
+def _lines(results: list[subprocess.CompletedProcess], prefix: str, ok: bool = True) -> list[str]:
+    if ok:
+        assert_ok(results)
     return [next(l for l in r.stdout.splitlines() if l.startswith(prefix)) for r in results]
 
 
+def _replace_node(root: Path, rank: int) -> None:
+    """Rank ``rank``'s node is replaced: its local disk and its RAM (own snapshots, replicas held) are gone."""
+    shutil.rmtree(root / f"rank-{rank}")
+    shutil.rmtree(root / f"shm-{rank}")
+
+
+def _killed(results: list[subprocess.CompletedProcess]) -> None:
+    for r in results:
+        assert r.returncode == -signal.SIGKILL, r.stderr[-3000:]
+        assert "killing" in r.stdout
+
+
+def _replica_files(root: Path, holder: int) -> list[Path]:
+    return sorted((root / f"shm-{holder}").glob("ckpt-*-p*-s*.buf"))
+
+
 @pytest.mark.parametrize("world,lost", [(2, 1), (3, 1), (3, 0)])
-def test_a_rank_whose_copies_are_gone_gets_them_back_from_its_peer(tmp_path, world, lost):
-    assert _lines(_run(tmp_path, "save", world), "saved") == ["saved [4, 2]"] * world   # each keeps its source's
-    shutil.rmtree(tmp_path / f"rank-{lost}")   # a replaced node: its own copies and those it kept are gone
+def test_a_replaced_node_gets_its_snapshot_back_from_its_holders_ram(tmp_path, world, lost):
+    assert _lines(_run(tmp_path, "save", world), "saved") == ["saved [4, 2]"] * world   # each holds its source's
+    assert not list(tmp_path.glob("rank-*/peers")), "a replica never touches the holder's disk"
+    _replace_node(tmp_path, lost)
     got = _lines(_run(tmp_path, "restore", world), "restored")
-    assert got == [f"restored 4 {100.0 * r + 4} local" for r in range(world)], got
-    # the copy it got back is now its own local copy again
-    assert (tmp_path / f"rank-{lost}" / "step-000000004" / "COMMIT").is_file()
+    assert got == [f"restored 4 {100.0 * r + 4} {'peer' if r == lost else 'memory'}" for r in range(world)], got
 
 
-def test_a_corrupt_peer_copy_is_not_used(tmp_path):
-    assert_ok(_run(tmp_path, "save", 2))
-    shutil.rmtree(tmp_path / "rank-1")
-    kept = tmp_path / "rank-0" / "peers" / "rank-00001"   # rank 0 keeps rank 1's copies
-    for data in kept.glob("step-*/rank-00000.bin"):
-        raw = bytearray(data.read_bytes())
-        raw[0] ^= 0xFF
-        data.write_bytes(bytes(raw))
-    results = _run(tmp_path, "restore", 2)
-    for r in results:   # rank 1 has nothing usable: every rank says so instead of loading bad bytes
-        assert r.returncode != 0
-        assert "no step that every rank holds could be loaded" in r.stderr \
-            and "step 4 unusable on rank(s) [1]" in r.stderr, r.stderr[-2000:]
+def test_a_killed_job_resumes_bit_identical_with_the_lost_rank_from_its_peer(tmp_path):
+    _killed(_run(tmp_path, "train", 2))
+    _replace_node(tmp_path, 1)   # both processes died; rank 1's node is replaced
+    resumed = _run(tmp_path, "resume", 2)
+    assert _lines(resumed, "restored") == ["restored 6 memory", "restored 6 peer"]
+    straight = _run(tmp_path, "straight", 2)
+    assert _lines(resumed, "digest") == _lines(straight, "digest")
+
+
+def test_a_corrupt_replica_is_refused_and_the_next_tier_used(tmp_path):
+    env = {"CKPT_TEST_REMOTE": "1"}
+    _killed(_run(tmp_path, "train", 2, env))
+    _replace_node(tmp_path, 1)
+    flipped = 0
+    for buf in _replica_files(tmp_path, 0):   # rank 0 holds rank 1's replicas: flip a byte of each
+        raw = bytearray(buf.read_bytes())
+        raw[100] ^= 0xFF
+        buf.write_bytes(bytes(raw))
+        flipped += 1
+    assert flipped == 2
+    resumed = _run(tmp_path, "resume", 2, env)
+    assert _lines(resumed, "restored") == ["restored 6 memory", "restored 6 remote"]
+    assert any("fail their checksum" in r.stderr or "could not get step" in r.stderr for r in resumed[1:])
+    assert _lines(resumed, "digest") == _lines(_run(tmp_path, "straight", 2), "digest")
+
+
+def test_without_any_replica_the_lost_rank_has_nothing_and_says_so(tmp_path):
+    _killed(_run(tmp_path, "train", 2))
+    _replace_node(tmp_path, 1)
+    for f in _replica_files(tmp_path, 0):
+        f.unlink()
+    results = _run(tmp_path, "resume", 2)
+    for r in results:   # rank 0's snapshots alone are no common step: every rank refuses alike
+        assert r.returncode != 0 and "NoCheckpointError" in r.stderr, r.stderr[-2000:]
 
 
 def test_a_restore_right_after_a_save_waits_for_the_exchange(tmp_path):
@@ -54,10 +92,29 @@ def test_a_restore_right_after_a_save_waits_for_the_exchange(tmp_path):
     assert got == [f"restored 7 {100.0 * r + 7} memory" for r in range(2)], got
 
 
-def test_waiting_for_the_peer_tier_means_the_peer_has_committed_the_copy(tmp_path):
+def test_waiting_for_the_peer_tier_means_the_holder_has_committed_the_replica(tmp_path):
     assert _lines(_run(tmp_path, "durable", 2), "durable") == ["durable True"] * 2
 
 
 def test_a_sigterm_drain_to_the_peer_tier(tmp_path):
     # the signal reaches rank 0 only: both ranks save step 3, wait until the other node (rank) holds it, stop
     assert _lines(_run(tmp_path, "drain", 2), "preempted") == ["preempted 3 True True"] * 2
+
+
+def test_the_staged_exchange_moves_every_byte_and_checks_every_chunk(tmp_path):
+    # the device path's pieces, ring and chunk checks, with CPU staging buffers over gloo
+    assert _lines(_run(tmp_path, "staged", 2), "staged") == ["staged OK"] * 2
+
+
+@pytest.mark.multigpu
+def test_the_nccl_exchange_on_two_gpus(tmp_path):
+    torch = pytest.importorskip("torch")
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two GPUs")
+    assert _lines(_run(tmp_path, "staged", 2, {"CKPT_TEST_DEVICE": "cuda"}), "staged") == ["staged OK"] * 2
+    env = {"CKPT_PEER_NCCL": "1"}
+    _killed(_run(tmp_path, "train", 2, env))
+    _replace_node(tmp_path, 1)
+    resumed = _run(tmp_path, "resume", 2, env)
+    assert _lines(resumed, "restored") == ["restored 6 memory", "restored 6 peer"]
+    assert _lines(resumed, "digest") == _lines(_run(tmp_path, "straight", 2), "digest")

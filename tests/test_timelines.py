@@ -17,6 +17,7 @@ import pytest
 import torch
 
 import ckpt
+from ckpt import shm
 from ckpt.cli import main
 from ckpt.format import COMMIT_NAME, data_name
 from helpers import assert_ok, run_ranks
@@ -201,11 +202,17 @@ def test_ranks_that_fall_back_to_an_older_common_step_fork_together(tmp_path):
 def test_a_replaced_node_gets_the_live_branch_back_from_its_peer_with_its_timeline(tmp_path):
     assert _ranks(tmp_path, "save", peers=True) == ["saved"] * 2
     assert _ranks(tmp_path, "rollback", peers=True) == ["restored 100 100.0 1"] * 2
-    for d in (tmp_path / "rank-1").glob("step-*"):   # rank 1's node lost its own copies; its peer kept them
+    # rank 1's node is replaced: its own copies (disk and RAM) and the replicas it held are gone; rank 0 holds its
+    for d in (tmp_path / "rank-1").glob("step-*"):
         shutil.rmtree(d)
-    assert _ranks(tmp_path, "resume", peers=True) == ["restored 130 130.0 1"] * 2
-    back = _commit(tmp_path / "rank-1", 130)
-    assert back["timeline"] == 1 and back["forks"] == [[0, 100]], "the copy from the peer keeps its timeline"
+    shm.free(prefix=shm.prefix_for(tmp_path / "rank-1", 1))
+    shm.free(prefix=shm.replica_prefix(tmp_path / "rank-1", 0))
+    results = run_ranks(WORKER, str(tmp_path), "resume", world=2, env={"CKPT_TEST_PEERS": "1"})
+    assert_ok(results)
+    lines = [[l for l in r.stdout.splitlines() if l.startswith(("restored", "from"))] for r in results]
+    assert lines[0][0] == lines[1][0] == "restored 130 130.0 1"
+    # the replica keeps its timeline: timeline 1, which left timeline 0 after step 100
+    assert lines[1][1] == "from peer 1 [[0, 100]]" and lines[0][1] == "from memory 1 [[0, 100]]", lines
 
 
 @pytest.mark.parametrize("fields", [{"timeline": -1}, {"timeline": "1"}, {"timeline": 1, "forks": [[1, 100]]},

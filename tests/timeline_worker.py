@@ -39,9 +39,13 @@ def main() -> None:
 
     def report(ck: ckpt.Checkpointer, step: int | None) -> None:
         print(f"restored {step} {float(state['w'][0])} {ck.timeline.number}", flush=True)
+        if ck.last_restore is not None:
+            info = ck.last_restore
+            print(f"from {info.tier} {info.timeline.number} {[list(f) for f in info.timeline.forks]}", flush=True)
 
     try:
         peers = True if os.environ.get("CKPT_TEST_PEERS") == "1" else None
+        # with peers, each run leaves its RAM (snapshots, replicas held) as a crash would: close(keep_memory=True)
         with ckpt.Checkpointer(local_dir=local_dir, keep=ckpt.Retention(local=keep), peers=peers) as ck:
             if mode == "save":
                 for s in (100, 200, 300):
@@ -59,6 +63,8 @@ def main() -> None:
                     save(ck, step + 10)
             else:
                 raise SystemExit(f"unknown mode {mode!r}")
+            if peers:
+                ck.close(keep_memory=True)
     finally:
         if world > 1:
             torch.distributed.destroy_process_group()

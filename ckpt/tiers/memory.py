@@ -58,20 +58,25 @@ class MemoryTier(Tier):
         self.timeline = Timeline()   # the timeline of the snapshots committed from now on (the Checkpointer sets it)
 
     # -- commit -----------------------------------------------------------------------------------
-    def commit(self, step: int, manifest: Manifest, buffer: HostBuffer) -> None:
+    def commit(self, step: int, manifest: Manifest, buffer: HostBuffer, checksums: list[int] | None = None,
+               timeline: Timeline | None = None) -> None:
         """Mark ``buffer`` as holding the complete, fenced snapshot of ``step``; a shared-memory buffer
-        gets its record (chunk checksums computed now) before the snapshot counts as held."""
+        gets its record (chunk checksums computed now, or ``checksums`` already checked against the
+        bytes) before the snapshot counts as held. ``timeline``: the snapshot's (default: this tier's)."""
         record = None
         space = self.pool.shared
+        timeline = self.timeline if timeline is None else timeline
         if buffer.segment is not None and space is not None:
-            sums = shm.chunk_checksums(buffer.tensor, manifest.data_bytes, manifest.chunk_bytes,
-                                       background=True)
+            sums = checksums if checksums is not None else \
+                shm.chunk_checksums(buffer.tensor, manifest.data_bytes, manifest.chunk_bytes, background=True)
             held = dataclasses.replace(manifest, chunks=sums)
-            record = shm.write_record(space.root, space.prefix, buffer.slot, step, self.timeline, held,
+            record = shm.write_record(space.root, space.prefix, buffer.slot, step, timeline, held,
                                       space.local_dir)
+            if len(manifest.chunks) != len(sums):
+                manifest.chunks = sums   # the tiers that read this buffer next (the peer tier) reuse them
         with self.pool._cv:
             buffer.manifest = manifest
-            buffer.image_timeline = self.timeline
+            buffer.image_timeline = timeline
             buffer.image_step = step
             buffer.record = record
 

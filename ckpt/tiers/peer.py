@@ -1,152 +1,458 @@
-"""The peer tier: each rank keeps a copy of another rank's checkpoints on its own local disk.
+"""The peer tier: each rank's snapshots replicated into another rank's RAM, so that a replaced node
+resumes without touching a disk or object storage.
 
-Rank ``r`` sends every checkpoint it commits locally to rank ``(r + jump) % world`` and keeps
-the ones of rank ``(r - jump) % world``, under ``<local_dir>/peers/rank-<src>/`` in the local
-tier's format. With ``jump`` = ranks per node, the copy lives on the next node, so a node that is
-lost for good (its NVMe with it) does not force a restore from remote storage: the node that
-replaces it gets each of its ranks' files back from the peers at restore, over
-``torch.distributed``, at network speed.
+Rank ``r`` sends every snapshot its peer lane takes to rank ``(r + jump) % world`` (its *holder*)
+and holds the snapshots of rank ``(r - jump) % world`` (its *source*). With ``jump`` = ranks per node,
+the replica lives on the next node: a node that is lost for good (its RAM and NVMe with it) gets
+each of its ranks' newest snapshot back from the holders' RAM at restore.
 
-Transport: point-to-point ``isend``/``irecv`` over a gloo group of the tier's own, on the
-persist thread, right after the local write. Every rank sends a small header first (ok, manifest
-size, data size, step), then, if it has a committed image, the manifest and the data straight from
-the host buffer (no copy); a rank whose save failed sends ``ok = 0`` so that its peer does not
-wait. The receiver's local writer checks every chunk's CRC-32C against the sender's manifest as
-it writes, before it commits the copy, so a torn transfer is never committed. Collective contract: every rank
-exchanges the same steps in the same order, which holds because all ranks save the same steps
-(the checkpointer's agreements) and persist them in order.
+The holder keeps the replicas in a snapshot pool of its own (:class:`ckpt.stage.HostPool`, two
+buffers), as shared-memory segments named from its ``local_dir`` and the source rank
+(``ckpt-<hash>-p<source>-s<slot>``, :func:`ckpt.shm.replica_prefix`), so a replica outlives the
+holder's process too, and a :class:`~ckpt.tiers.memory.MemoryTier` over them lists, verifies and
+serves them like any snapshot. A replica is committed (its record written) only after every chunk
+landed and matched the sender's CRC-32C; the buffer it goes into has its record withdrawn first and
+is never the one holding the newest committed replica, so a replica being overwritten when a node
+dies is never served and the previous one stays valid. The holder's disk never sees a replica.
 
-Ideas from: Gemini (Wang et al., SOSP 2023, checkpoints in the CPU memory of peer machines) and
-the NVIDIA resiliency extension's local checkpointing with peer replication; the code is ours.
+Transport (:class:`Exchange`): small control messages (sizes, the manifest, "ready", "kept") over a
+gloo group of the tier's own; the data in pieces, either over the same gloo group straight from and
+into host memory (the default), or, with ``CKPT_PEER_NCCL=1`` in a job with GPUs, over an NCCL group
+of its own on a stream of its own, staged through a small ring of reused device buffers. Both move
+from the sender's host buffer into the holder's segment with no other copy.
+
+Collective contract: every rank exchanges the same steps in the same order. The pipeline gives the
+peer lane a snapshot only when the lane is idle on every rank (the busy flags are agreed at ``save()``),
+and a rank whose snapshot failed still takes its part (it sends "nothing").
+
+Ideas from: Gemini (Wang et al., SOSP 2023, checkpoints in the CPU memory of peer machines),
+ML Flashpoint's pairwise RAM replication and the NVIDIA resiliency extension's local checkpointing
+with peer replication; the code is ours.
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import logging
+import os
+import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
 
+from .. import knobs, shm
 from ..errors import CheckpointError, CorruptCheckpointError
-from ..format import Manifest, data_name, open_regular
-from .local import LocalTier
+from ..format import Manifest
+from ..integrity import checksum
+from ..policy import Committed, Timeline
+from ..stage import HostPool, SharedSpace
+from .base import PersistingTier, StepInfo, Tier, register
+from .memory import MemoryTier, _scatter
 
-__all__ = ["PeerTier"]
+__all__ = ["PeerTier", "Exchange", "ReceivedCopy", "REPLICA_SLOTS"]
 
 log = logging.getLogger(__name__)
 
+#: replica buffers a holder keeps per source rank: the newest committed one and the one being received
+REPLICA_SLOTS = 2
+_HDR = 7            # ok, manifest bytes, data bytes, step, timeline number, number of forks, piece bytes
+_MAX_FORKS = 1 << 16
 
-class PeerTier:
-    """Copies of rank ``src``'s checkpoints kept by this rank, and the exchange that makes them.
 
-    ``ranks``: a :class:`~ckpt.ranks.Ranks` over a gloo group used only by this tier.
+def replica_space(local_dir: str | os.PathLike, src: int) -> SharedSpace | None:
+    """Where the holder of ``local_dir`` keeps rank ``src``'s replicas (``None``: no RAM file system,
+    or ``CKPT_SHM=0``: the replicas then live in the holder's process memory)."""
+    root = shm.shm_root()
+    if root is None:
+        return None
+    return SharedSpace(root, shm.replica_prefix(local_dir, src), os.path.realpath(os.fspath(local_dir)))
+
+
+class Exchange:
+    """Moves one image each way between this rank and two others: its sends go to one rank, its receives
+    come from another (the same rank in a job of two).
+
+    Control messages go over ``group`` (gloo); the data over ``group`` too, or, with ``device`` (a CUDA
+    device) and ``data_group`` (NCCL), staged through ``ring`` pairs of device buffers on a stream of its
+    own. Each round posts its send and receive together (:func:`torch.distributed.batch_isend_irecv`),
+    so no order of posting can deadlock; messages between two ranks are matched in the order posted.
+    """
+
+    def __init__(self, group: Any, piece: int, data_group: Any = None, device: torch.device | None = None,
+                 ring: int = 2) -> None:
+        self.group = group
+        self.piece = piece   # bytes per data message this rank sends (the receiver is told)
+        self.data_group = data_group if data_group is not None else group
+        self.device = device
+        self._stream = torch.cuda.Stream(device) if device is not None and device.type == "cuda" else None
+        self._ring = ring
+        self._staging: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def swap(self, out: torch.Tensor | None, to: int | None, into: torch.Tensor | None, frm: int | None,
+             group: Any = None) -> None:
+        """One round: send ``out`` to ``to`` and receive ``into`` from ``frm`` (either side ``None``: none)."""
+        dist = torch.distributed
+        ops = []
+        if out is not None and to is not None:
+            ops.append(dist.P2POp(dist.isend, out, to, group=group or self.group))
+        if into is not None and frm is not None:
+            ops.append(dist.P2POp(dist.irecv, into, frm, group=group or self.group))
+        if ops:
+            for r in dist.batch_isend_irecv(ops):
+                r.wait()
+
+    def data(self, out: torch.Tensor | None, to: int | None, into: torch.Tensor | None, frm: int | None,
+             in_piece: int, landed: Callable[[int, int], None]) -> None:
+        """Send ``out`` (host bytes) to ``to`` in pieces of :attr:`piece` bytes and receive ``into`` (host
+        bytes) from ``frm`` in pieces of ``in_piece`` (the sender's); ``landed(offset, length)`` is called
+        as each received piece is in ``into`` (the caller checks it while the next one arrives)."""
+        n_out = out.numel() if out is not None and to is not None else 0
+        n_in = into.numel() if into is not None and frm is not None else 0
+        k_out = -(-n_out // self.piece)
+        k_in = -(-n_in // in_piece) if n_in else 0
+        if self.device is not None:
+            self._staged(out, to, into, frm, in_piece, n_out, n_in, max(k_out, k_in), landed)
+            return
+        for i in range(max(k_out, k_in)):
+            send = out[i * self.piece:(i + 1) * self.piece] if i < k_out else None
+            recv = into[i * in_piece:(i + 1) * in_piece] if i < k_in else None
+            self.swap(send, to, recv, frm, group=self.data_group)
+            if recv is not None:
+                landed(i * in_piece, recv.numel())
+
+    def _staged(self, out: torch.Tensor | None, to: int | None, into: torch.Tensor | None, frm: int | None,
+                in_piece: int, n_out: int, n_in: int, pieces: int, landed: Callable[[int, int], None]) -> None:
+        """The device path: per piece, host -> device staging (sender), send/receive over ``data_group``,
+        device staging -> host (receiver), on this exchange's stream; with ``ring`` staging pairs, piece
+        i + 1 moves while piece i's copy back to the host runs."""
+        size = max(self.piece, in_piece if n_in else 0)
+        if not self._staging or self._staging[0][0].numel() < size:
+            self._staging = [(torch.empty(size, dtype=torch.uint8, device=self.device),
+                              torch.empty(size, dtype=torch.uint8, device=self.device)) for _ in range(self._ring)]
+        stream = self._stream
+        pending: list[tuple[Any, int, int]] = []   # (event, offset, length) of pieces on their way to the host
+        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+            for i in range(pieces):
+                s_buf, r_buf = self._staging[i % self._ring]
+                a, b = i * self.piece, i * in_piece
+                k = min(self.piece, n_out - a) if a < n_out else 0
+                r = min(in_piece, n_in - b) if b < n_in else 0
+                if k:
+                    s_buf[:k].copy_(out[a:a + k], non_blocking=True)
+                self.swap(s_buf[:k] if k else None, to, r_buf[:r] if r else None, frm, group=self.data_group)
+                if r:
+                    into[b:b + r].copy_(r_buf[:r], non_blocking=True)
+                    ev = None
+                    if stream is not None:
+                        ev = torch.cuda.Event()
+                        ev.record(stream)
+                    pending.append((ev, b, r))
+                while pending and (len(pending) >= self._ring or i == pieces - 1):
+                    ev, off, n = pending.pop(0)
+                    if ev is not None:
+                        ev.synchronize()
+                    landed(off, n)
+            if stream is not None:
+                stream.synchronize()
+
+
+def checked_receive(wire: Exchange, out: torch.Tensor | None, to: int | None, into: torch.Tensor | None,
+                    frm: int | None, in_piece: int, manifest: Manifest | None) -> list[int]:
+    """:meth:`Exchange.data`, checking each received chunk against ``manifest`` on
+    ``CKPT_PERSIST_THREADS`` threads while later pieces arrive; returns the chunks that failed."""
+    if into is None or manifest is None or not into.numel():
+        wire.data(out, to, None, None, in_piece, lambda a, k: None)
+        return []
+    c, n = manifest.chunk_bytes, manifest.data_bytes
+    view = memoryview(into.numpy())
+    futures = {}
+    with ThreadPoolExecutor(max(1, knobs.get("CKPT_PERSIST_THREADS")), thread_name_prefix="ckpt-peer-crc") as ex:
+        def landed(off: int, k: int) -> None:
+            end = off + k
+            for i in range(off // c, (end // c) if end < n else -(-n // c)):   # the chunks now complete
+                futures[i] = ex.submit(checksum, view[i * c:min((i + 1) * c, n)])
+
+        wire.data(out, to, into, frm, in_piece, landed)
+        for i in range(len(manifest.chunks)):   # a chunk split across pieces: complete now
+            if i not in futures:
+                futures[i] = ex.submit(checksum, view[i * c:min((i + 1) * c, n)])
+        bad = [i for i, f in sorted(futures.items()) if i >= len(manifest.chunks) or f.result() != manifest.chunks[i]]
+    del view
+    return bad
+
+
+@register
+class PeerTier(PersistingTier):
+    """The replicas of rank ``src``'s snapshots this rank holds (what it lists, reads, verifies) and the
+    exchange that sends this rank's snapshots to its holder ``dst`` (:meth:`write`, collective).
+
+    ``ranks``: a :class:`~ckpt.ranks.Ranks` over a gloo group used only by this tier; ``data_group`` and
+    ``device``: an NCCL group and this rank's GPU, to move the data over NCCL (see :class:`Exchange`).
     """
 
     name = "peer"
+    nearness = 20
+    on_node = False    # for the rank it belongs to, a replica lives on another node
+    durable = False    # in RAM
 
-    def __init__(self, local_root: Path, ranks: Any, jump: int) -> None:
+    def __init__(self, local_dir: str | os.PathLike, ranks: Any, jump: int, data_group: Any = None,
+                 device: torch.device | None = None) -> None:
         self.ranks = ranks
         self.rank, self.world = ranks.rank, ranks.world
         self.jump = jump
-        self.dst = (self.rank + jump) % self.world   # receives this rank's copies
-        self.src = (self.rank - jump) % self.world   # whose copies this rank keeps
-        self.store = LocalTier(Path(local_root) / "peers" / f"rank-{self.src:05d}")
+        self.dst = (self.rank + jump) % self.world   # holds this rank's replicas
+        self.src = (self.rank - jump) % self.world   # whose replicas this rank holds
+        self.space = replica_space(local_dir, self.src)
+        self.pool = HostPool(REPLICA_SLOTS, None, pin=False)
+        if self.space is not None:
+            self.pool.share(self.space)
+            self.pool.adopt()   # replicas this rank's previous process held: still served, and reused
+        self.store = MemoryTier(self.pool, self.space)
+        self.store.rank = self.src
+        self.timeline = Timeline()
+        self.verified: dict[int, bool] = {}
+        piece = max(knobs.get("CKPT_CHUNK_BYTES"), knobs.get("CKPT_PEER_PIECE_BYTES"))
+        self.wire = Exchange(ranks.group, piece, data_group, device)
 
     def holder_of(self, rank: int) -> int:
-        """The rank that keeps ``rank``'s copies."""
+        """The rank that holds ``rank``'s replicas."""
         return (rank + self.jump) % self.world
 
-    def exchange(self, step: int, manifest: Manifest | None,
-                 data: memoryview | None) -> Callable[[], None] | None:
-        """Send this rank's committed image of ``step`` (``None``: it has none) to its peer and receive the
-        one its source sends. Collective over the job. Returns what keeps the received copy (verify every
-        chunk, write, commit; raises when it is unusable, and nothing is committed then), to be called once
-        ``data`` is no longer needed, or ``None`` when the source sent nothing."""
+    # -- the Tier contract: the replicas held here ---------------------------------------------------
+    def committed(self) -> list[Committed]:
+        return self.store.committed()
+
+    def location(self) -> str:
+        return f"RAM of rank {self.rank} ({self.store.location()}): the replicas of rank {self.src}"
+
+    def describe(self, step: int, timeline: Timeline | None = None) -> StepInfo:
+        return self.store.describe(step, timeline)
+
+    def manifest_of(self, step: int, timeline: Timeline | None = None) -> Manifest:
+        return self.store.manifest_of(step, timeline)
+
+    def load(self, step: int, manifest: Manifest, dest: list[torch.Tensor | None]) -> None:
+        self.store.load(step, manifest, dest)
+
+    def verify(self, step: int, timeline: Timeline | None = None) -> Manifest:
+        return self.store.verify(step, timeline)
+
+    def delete(self, step: int) -> None:
+        self.store.delete(step)
+
+    def prunes_here(self) -> bool:
+        return False   # what it keeps is its number of replica buffers
+
+    def bytes_held(self) -> int | None:
+        return self.store.bytes_held()
+
+    def capacity_bytes(self) -> int | None:
+        return self.store.capacity_bytes()
+
+    def close(self, keep_shared: bool) -> None:
+        """Let go of the replica buffers; their segments stay in RAM with ``keep_shared`` (the next
+        process of this rank serves them)."""
+        self.pool.close(keep_shared=keep_shared)
+
+    # -- the exchange (collective) -----------------------------------------------------------------
+    def write(self, step: int, manifest: Manifest, data: memoryview) -> float:
+        """Send this rank's snapshot of ``step`` to its holder and hold its source's; returns (seconds) once
+        the holder said it committed the replica. Raises :class:`~ckpt.errors.CheckpointError` when it did
+        not (the holder's log says why) or the exchange failed. Collective."""
+        return self._exchange(step, manifest, data)
+
+    def abstain(self, step: int) -> None:
+        """This rank has no snapshot of ``step``: it still takes its part (and holds its source's)."""
+        self._exchange(step, None, None)
+
+    def _exchange(self, step: int, manifest: Manifest | None, data: memoryview | None) -> float:
+        t0 = time.perf_counter()
+        sent = manifest is not None
+        raw, forks, body = b"", torch.zeros(0, dtype=torch.int64), None
+        if sent:
+            if len(manifest.chunks) != -(-manifest.data_bytes // manifest.chunk_bytes):   # no record computed them
+                manifest = dataclasses.replace(manifest, chunks=_sums(data, manifest))
+            raw = manifest.to_bytes()
+            forks = torch.tensor([v for f in self.timeline.forks for v in f], dtype=torch.int64)
+            body = torch.frombuffer(data, dtype=torch.uint8)[:manifest.data_bytes] if manifest.data_bytes else None
+        wire, dst, src = self.wire, self.dst, self.src
+        hdr = torch.tensor([int(sent), len(raw), manifest.data_bytes if sent else 0, step, self.timeline.number,
+                            forks.numel() // 2, wire.piece], dtype=torch.int64)
+        got = torch.zeros(_HDR, dtype=torch.int64)
         try:
-            received = self._swap(self.dst, self.src, step, manifest, data)
-        except RuntimeError as e:   # gloo: the peer or the source died, or the group timed out
-            raise CheckpointError(f"step {step}: the exchange with peer ranks {self.dst} (to) and {self.src} (from) "
-                                  f"failed; one may have died (gloo says: {e})") from e
-        if received is None:
-            return None
-        return lambda: self._keep(step, *received)
+            wire.swap(hdr, dst, got, src)
+            ok, mlen, dbytes, sstep, number, nforks, in_piece = got.tolist()
+            if ok and not (0 < mlen <= shm.MAX_RECORD_BYTES and 0 <= dbytes < 1 << 50 and 0 <= nforks <= _MAX_FORKS
+                           and in_piece > 0):
+                raise CheckpointError(f"step {step}: rank {src} sent a replica header out of bounds ({got.tolist()})")
+            meta = torch.empty(mlen if ok else 0, dtype=torch.uint8)
+            forks_in = torch.empty(2 * nforks if ok else 0, dtype=torch.int64)
+            wire.swap(_bytes(raw) if sent else None, dst, meta if ok else None, src)
+            wire.swap(forks if sent and forks.numel() else None, dst, forks_in if ok and nforks else None, src)
+            held = None   # the holder takes a buffer for the replica, or says it cannot
+            if ok:
+                try:
+                    timeline = Timeline(number, tuple((int(a), int(b)) for a, b in forks_in.view(-1, 2).tolist()))
+                    held = self._take(step, sstep, bytes(meta.numpy()), dbytes), timeline
+                except (CheckpointError, OSError) as e:   # HostMemoryError, a full /dev/shm, a bad manifest
+                    log.error("rank %d cannot hold rank %d's replica of step %d: %s", self.rank, src, step, e)
+            ready_in = torch.zeros(1, dtype=torch.int64)
+            wire.swap(torch.tensor([int(held is not None)]) if ok else None, src, ready_in if sent else None, dst)
+            out = body if sent and ready_in.item() else None
+            kept = False
+            if held is not None:
+                (buf, m), timeline = held
+                try:
+                    bad = checked_receive(wire, out, dst, buf.tensor[:m.data_bytes], src, in_piece, m)
+                    if bad:
+                        log.error("rank %d's replica of step %d: bytes [%d, ...) failed their checksum on arrival; "
+                                  "not committed", src, step, bad[0] * m.chunk_bytes)
+                        buf.forget_image()
+                    else:
+                        self.store.commit(m.step, m, buf, checksums=m.chunks, timeline=timeline)
+                        self.verified[m.step] = kept = True
+                finally:
+                    self.pool.release(buf, staged=True)
+            else:
+                checked_receive(wire, out, dst, None, None, 1, None)
+            ack = torch.zeros(2, dtype=torch.int64)
+            wire.swap(torch.tensor([int(kept), step]) if ok else None, src, ack if sent else None, dst)
+        except RuntimeError as e:   # gloo / NCCL: a peer died or the group timed out
+            raise CheckpointError(f"step {step}: the replica exchange with ranks {dst} (holder) and {src} (source) "
+                                  f"failed; one may have died ({type(e).__name__}: {e})") from e
+        if sent and not (ack[0].item() == 1 and ack[1].item() == step):
+            raise CheckpointError(f"step {step}: rank {dst} did not commit this rank's replica (its log says why)")
+        return time.perf_counter() - t0
 
-    def confirm(self, step: int, kept: bool) -> bool:
-        """Tell the source whether its copy of ``step`` is committed here, and hear the same from the
-        destination about this rank's copy. Collective, after every :meth:`exchange` (and the keep)."""
-        dist = torch.distributed
-        out = torch.tensor([int(kept), step], dtype=torch.int64)
-        got = torch.zeros(2, dtype=torch.int64)
-        for r in (dist.isend(out, self.src, group=self.ranks.group), dist.irecv(got, self.dst, group=self.ranks.group)):
-            r.wait()
-        return bool(got[0]) and int(got[1]) == step
-
-    def _swap(self, to: int | None, frm: int | None, step: int, manifest: Manifest | None,
-              data: memoryview | torch.Tensor | None) -> tuple[Manifest, torch.Tensor] | None:
-        """Send (``to``) and receive (``frm``) one image each, either side optional; returns what came in."""
-        dist = torch.distributed
-        group = self.ranks.group
-        raw = manifest.to_bytes() if manifest is not None else b""
-        reqs = []
-        if to is not None:
-            hdr = torch.tensor([int(manifest is not None), len(raw), manifest.data_bytes if manifest else 0, step],
-                               dtype=torch.int64)
-            reqs.append(dist.isend(hdr, to, group=group))
-        got = torch.zeros(4, dtype=torch.int64)
-        if frm is not None:
-            reqs.append(dist.irecv(got, frm, group=group))
-        for r in reqs:
-            r.wait()
-        reqs = []
-        if to is not None and manifest is not None:
-            reqs.append(dist.isend(torch.frombuffer(bytearray(raw), dtype=torch.uint8), to, group=group))
-            if manifest.data_bytes:
-                body = data if isinstance(data, torch.Tensor) else torch.frombuffer(data, dtype=torch.uint8)
-                reqs.append(dist.isend(body[:manifest.data_bytes], to, group=group))
-        ok, mlen, dbytes, sstep = got.tolist()
-        mbuf = dbuf = None
-        if frm is not None and ok:
-            mbuf = torch.empty(mlen, dtype=torch.uint8)
-            dbuf = torch.empty(dbytes, dtype=torch.uint8)
-            reqs.append(dist.irecv(mbuf, frm, group=group))
-            if dbytes:
-                reqs.append(dist.irecv(dbuf, frm, group=group))
-        for r in reqs:
-            r.wait()
-        if mbuf is None:
-            return None
-        where = f"the copy of rank {frm}'s step {sstep} received from it"
-        m = Manifest.from_bytes(bytes(mbuf.numpy()), where)
+    def _take(self, step: int, sstep: int, raw: bytes, dbytes: int) -> tuple[Any, Manifest]:
+        """Check an incoming manifest and take a replica buffer for it (its record withdrawn)."""
+        where = f"rank {self.src}'s replica of step {sstep} (received)"
+        m = Manifest.from_bytes(raw, where)
         if m.step != sstep or sstep != step or m.data_bytes != dbytes:
-            raise CorruptCheckpointError(f"{where}: step or size disagree with its header (step {step} expected)")
-        return m, dbuf
+            raise CorruptCheckpointError(f"{where}: its step or size disagree with its header (step {step} expected)")
+        return self.pool.acquire(max(dbytes, 1), block=True, step=step), m
 
-    def _keep(self, step: int, m: Manifest, data: torch.Tensor, into: LocalTier | None = None) -> None:
-        """Write and commit a received image; the local writer checks every chunk against the sender's
-        checksums on the way and commits nothing that differs."""
-        view, c = memoryview(data.numpy()), m.chunk_bytes
-        (into or self.store).write_chunks(step, m, lambda i: view[i * c:(i + 1) * c], compute_checksums=False)
-
-    def serve(self, step: int, send_to: int | None, receive: bool, local: LocalTier) -> bool:
-        """Restore side, collective: send this rank's kept copy of ``step`` to ``send_to`` (its owner,
-        whose own copies are gone) and/or, with ``receive``, take this rank's own copy back from its
-        holder into ``local``. Returns whether a copy was received and committed locally."""
-        manifest, data = None, None
+    # -- restore (collective) ----------------------------------------------------------------------
+    def serve(self, step: int, timeline: Timeline, send_to: int | None, receive: bool) -> "ReceivedCopy | None":
+        """Send the replica of ``step`` this rank holds to ``send_to`` (its owner, whose own copies are gone)
+        and/or, with ``receive``, take this rank's own snapshot of ``step`` back from its holder. Returns the
+        copy received, every chunk checked against the holder's checksums (``None``: the holder had none).
+        Raises :class:`~ckpt.errors.CorruptCheckpointError` for a copy that fails. Collective."""
+        manifest, body, buf, seg = None, None, None, None
         if send_to is not None:
             try:
-                manifest = self.store.open(step)[1]
-                data = torch.empty(manifest.data_bytes, dtype=torch.uint8)
-                path = self.store.step_dir(step) / data_name(0)
-                fd, _ = open_regular(path)   # never blocks on a FIFO put in its place
-                with open(fd, "rb") as f:
-                    if f.readinto(memoryview(data.numpy())) != manifest.data_bytes:
-                        raise CorruptCheckpointError(f"{path}: shorter than its manifest says")
+                manifest = self.store.manifest(step, timeline)
+                if manifest is None:
+                    raise LookupError(f"step {step} is no longer held")
+                buf = self._hold(step, timeline)
+                if buf is not None:
+                    body = buf.tensor[:manifest.data_bytes]
+                else:   # a replica a previous process left and this one did not take over
+                    rec = self.store._record(step, timeline)
+                    seg = shm.Segment.open(Path(rec.path).with_name(rec.buffer), manifest.data_bytes, writable=False)
+                    body = seg.tensor[:manifest.data_bytes]
             except Exception as e:   # noqa: BLE001 - the owner hears "none" and falls back to another tier
-                log.warning("rank %d cannot serve its copy of rank %d's step %d: %s", self.rank, send_to, step, e)
-                manifest, data = None, None
-        got = self._swap(send_to, self.holder_of(self.rank) if receive else None, step, manifest, data)
-        if got is None:
-            return False
-        self._keep(step, *got, into=local)
-        return True
+                log.warning("rank %d cannot serve its replica of rank %d's step %d: %s", self.rank, send_to, step, e)
+                manifest, body = None, None
+        raw = manifest.to_bytes() if manifest is not None else b""
+        holder = self.holder_of(self.rank) if receive else None
+        wire = self.wire
+        hdr = torch.tensor([int(manifest is not None), len(raw), manifest.data_bytes if manifest else 0, wire.piece],
+                           dtype=torch.int64)
+        got = torch.zeros(4, dtype=torch.int64)
+        try:
+            wire.swap(hdr, send_to, got if receive else None, holder)
+            ok, mlen, dbytes, in_piece = got.tolist()
+            if ok and not (0 < mlen <= shm.MAX_RECORD_BYTES and 0 <= dbytes < 1 << 50 and in_piece > 0):
+                raise CheckpointError(f"step {step}: rank {holder} sent a replica header out of bounds ({got.tolist()})")
+            meta = torch.empty(mlen if ok else 0, dtype=torch.uint8)
+            wire.swap(_bytes(raw) if raw else None, send_to, meta if ok else None, holder)
+            m = Manifest.from_bytes(bytes(meta.numpy()), f"rank {self.rank}'s step {step} from rank {holder}") \
+                if ok else None
+            into = torch.empty(dbytes, dtype=torch.uint8, pin_memory=torch.cuda.is_available()) if ok else None
+            sizes_ok = m is None or (m.step == step and m.data_bytes == dbytes)
+            bad = checked_receive(wire, body, send_to if body is not None else None, into,
+                                  holder if ok else None, in_piece if ok else 1, m if sizes_ok else None)
+        except RuntimeError as e:
+            raise CheckpointError(f"step {step}: moving replicas between the peers for a restore failed "
+                                  f"({type(e).__name__}: {e})") from e
+        finally:
+            del body
+            if buf is not None:
+                self.pool.release(buf)
+            if seg is not None:
+                seg.release()
+        if not ok:
+            return None
+        if not sizes_ok or bad:
+            raise CorruptCheckpointError(
+                f"this rank's replica of step {step}, received from rank {holder}: "
+                + (f"bytes [{bad[0] * m.chunk_bytes}, ...) fail their checksum" if bad else "its step or size disagree")
+                + "; not used")
+        return ReceivedCopy(step, timeline, m, into, holder)
+
+    def _hold(self, step: int, timeline: Timeline) -> Any:
+        """The replica buffer holding ``step`` on ``timeline``, held once (``None``: none)."""
+        with self.pool._cv:
+            for b in self.pool.buffers:
+                if b.image_step == step and (b.image_timeline or Timeline()) == timeline:
+                    b.holds += 1
+                    return b
+        return None
+
+
+def _bytes(raw: bytes) -> torch.Tensor:
+    return torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+
+
+def _sums(data: memoryview, manifest: Manifest) -> list[int]:
+    c = manifest.chunk_bytes
+    views = [data[i:min(i + c, manifest.data_bytes)] for i in range(0, manifest.data_bytes, c)]
+    with ThreadPoolExecutor(max(1, min(len(views), knobs.get("CKPT_PERSIST_THREADS")))) as ex:
+        return list(ex.map(checksum, views))
+
+
+class ReceivedCopy(Tier):
+    """This rank's snapshot of one step, received at restore from the RAM of the rank holding it, every
+    chunk checked. Restore reads it as the peer tier (``last_restore.tier == "peer"``)."""
+
+    name = "peer"
+    nearness = PeerTier.nearness
+    on_node = False
+    durable = False
+
+    def __init__(self, step: int, timeline: Timeline, manifest: Manifest, data: torch.Tensor, holder: int) -> None:
+        self.step, self.manifest, self.data, self.holder = step, manifest, data, holder
+        self.timeline = timeline
+        self.rank = manifest.rank
+        self.verified = {step: True}
+
+    def committed(self) -> list[Committed]:
+        return [Committed(self.step, self.timeline)] if self.data is not None else []
+
+    def location(self) -> str:
+        return f"RAM of rank {self.holder}"
+
+    def describe(self, step: int, timeline: Timeline | None = None) -> StepInfo:
+        if step != self.step:
+            return StepInfo()
+        return StepInfo(self.location(), self.manifest.data_bytes, self.manifest.created_unix, 1)
+
+    def manifest_of(self, step: int, timeline: Timeline | None = None) -> Manifest:
+        if step != self.step or self.data is None:
+            raise LookupError(f"step {step} was not received from a peer")
+        return self.manifest
+
+    def load(self, step: int, manifest: Manifest, dest: list[torch.Tensor | None]) -> None:
+        self.manifest_of(step)
+        _scatter(manifest, dest, self.data[:manifest.data_bytes])
+
+    def verify(self, step: int, timeline: Timeline | None = None) -> Manifest:
+        return self.manifest_of(step)   # every chunk was checked on arrival
+
+    def delete(self, step: int) -> None:
+        if step == self.step:
+            self.data = None
