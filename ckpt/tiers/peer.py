@@ -116,12 +116,21 @@ class Exchange:
         if self.device is not None:
             self._staged(out, to, into, frm, in_piece, n_out, n_in, max(k_out, k_in), landed)
             return
+        dist = torch.distributed
+        posted = []   # every piece posted at once (a stream, matched in order), then taken as it lands
         for i in range(max(k_out, k_in)):
-            send = out[i * self.piece:(i + 1) * self.piece] if i < k_out else None
+            ops = []
+            if i < k_out:
+                ops.append(dist.P2POp(dist.isend, out[i * self.piece:(i + 1) * self.piece], to, group=self.data_group))
             recv = into[i * in_piece:(i + 1) * in_piece] if i < k_in else None
-            self.swap(send, to, recv, frm, group=self.data_group)
             if recv is not None:
-                landed(i * in_piece, recv.numel())
+                ops.append(dist.P2POp(dist.irecv, recv, frm, group=self.data_group))
+            posted.append((dist.batch_isend_irecv(ops), recv, i * in_piece))
+        for works, recv, off in posted:
+            for w in works:
+                w.wait()
+            if recv is not None:
+                landed(off, recv.numel())
 
     def _staged(self, out: torch.Tensor | None, to: int | None, into: torch.Tensor | None, frm: int | None,
                 in_piece: int, n_out: int, n_in: int, pieces: int, landed: Callable[[int, int], None]) -> None:
