@@ -1,4 +1,4 @@
-"""Benchmark the fused kernels against torch eager, torch.compile and Liger-Kernel.
+"""Benchmark the fused kernels against torch eager, torch.compile, Liger-Kernel and Cut Cross-Entropy.
 
 Every case times forward + backward (median of ``triton.testing.do_bench``) and measures
 the peak memory allocated above the inputs (``max_memory_allocated`` minus what was
@@ -13,9 +13,15 @@ Usage (on a GPU)::
     python benchmarks/bench_kernels.py --only rms_norm --no-sweep
     python benchmarks/bench_kernels.py --plot-dir docs/img --csv /tmp/results.csv
 
-Liger-Kernel is optional (``pip install liger-kernel``; never a dependency): when it is
-not importable its column is left out. ``--smoke`` runs tiny shapes on the CPU through
-the Triton interpreter to check the script itself.
+Liger-Kernel and Cut Cross-Entropy are optional (``pip install liger-kernel
+cut-cross-entropy``; never dependencies): when one is not importable its column is left out.
+Cut Cross-Entropy has one loss, ``linear_cross_entropy`` (the fused linear cross-entropy), and
+no plain cross-entropy; it runs twice: ``cce`` with its defaults (mean reduction and its
+gradient filter ``filter_eps="high"``, which skips the backward blocks whose gradient entries,
+softmax minus one-hot, are all under 2^-12: an approximation) and ``cce_exact``
+(``filter_eps=None``). A provider that raises is reported as failed (its row says why) and the
+others go on. ``--smoke`` runs tiny shapes on the CPU through the Triton interpreter to check
+the script itself (the peers' kernels do not all run there: those show up as failed).
 
 Shapes (Llama-3-8B, bf16): 8192 tokens, hidden 4096, intermediate 14336, vocabulary
 128256; RoPE on q ``(2, 32, 4096, 128)`` and k ``(2, 8, 4096, 128)``.
@@ -55,6 +61,14 @@ try:  # optional peer, benchmark only
 except Exception as exc:  # noqa: BLE001 - any import problem just drops the column
     HAS_LIGER = False
     LIGER_ERROR = repr(exc)
+
+try:  # optional peer for the fused linear cross-entropy, benchmark only
+    from cut_cross_entropy import linear_cross_entropy as cce_linear_cross_entropy
+
+    HAS_CCE = True
+except Exception as exc:  # noqa: BLE001
+    HAS_CCE = False
+    CCE_ERROR = repr(exc)
 
 DT = torch.bfloat16
 
@@ -204,6 +218,9 @@ def make_case(kernel: str, size: int, dev: str, tokens: int, compile_: bool, flc
         if HAS_LIGER:
             m = LigerFusedLinearCrossEntropyLoss()
             case.providers["liger"] = lambda h, w: _loss_value(m(w, h, t))
+        if HAS_CCE:  # as shipped (its gradient filter drops softmax entries under 2^-12), and exact
+            case.providers["cce"] = lambda h, w: cce_linear_cross_entropy(h, w, t)
+            case.providers["cce_exact"] = lambda h, w: cce_linear_cross_entropy(h, w, t, filter_eps=None)
     else:
         raise ValueError(f"unknown kernel {kernel!r}")
     return case
@@ -228,8 +245,9 @@ def _step(case: Case, fn: Callable[..., Any]) -> Any:
     return out
 
 
-def check(case: Case, providers: list[str]) -> dict[str, float]:
-    """Relative L2 error of every provider's output and input gradients against eager."""
+def check(case: Case, providers: list[str]) -> dict[str, float | str]:
+    """Relative L2 error of every provider's output and input gradients against eager, or
+    why the provider failed (a string)."""
     def run(p):
         case.reset()
         out = _step(case, case.providers[p])
@@ -243,7 +261,12 @@ def check(case: Case, providers: list[str]) -> dict[str, float]:
     for p in providers:
         if p == "eager":
             continue
-        got = run(p)
+        try:
+            got = run(p)
+        except Exception as exc:  # noqa: BLE001 - a peer's failure is a result, reported as such
+            errs[p] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''}"
+            case.reset()
+            continue
         errs[p] = max(((a - b).norm() / b.norm().clamp_min(1e-30)).item() for a, b in zip(got, ref))
     return errs
 
@@ -310,6 +333,7 @@ def measure_graph(case: Case, provider: str, rep_ms: int) -> float:
     return float(ms)
 
 
+PROVIDERS = ("ours", "eager", "compile", "liger", "cce", "cce_exact")
 KERNELS = ["rms_norm", "layer_norm", "swiglu", "geglu", "rope", "cross_entropy", "fused_linear_cross_entropy"]
 MAIN_SIZE = {"rms_norm": 4096, "layer_norm": 4096, "swiglu": 14336, "geglu": 14336, "rope": 32,
              "cross_entropy": 128256, "fused_linear_cross_entropy": 128256}
@@ -333,14 +357,23 @@ def run_one(kernel: str, size: int, dev: str, tokens: int, compile_: bool, rep_m
     errs = check(case, providers) if verify else {}
     rows = []
     for p in providers:
-        try:
-            ms, mib = measure(case, p, rep_ms)
-        except torch.cuda.OutOfMemoryError:
-            ms, mib = float("nan"), float("nan")
-            torch.cuda.empty_cache()
-        gms = measure_graph(case, p, rep_ms) if graph and dev == "cuda" and p != "compile" else float("nan")
+        failed = errs.get(p) if isinstance(errs.get(p), str) else None
+        ms = mib = gms = float("nan")
+        if failed is None:
+            try:
+                ms, mib = measure(case, p, rep_ms)
+            except torch.cuda.OutOfMemoryError:
+                torch.cuda.empty_cache()
+            except Exception as exc:  # noqa: BLE001 - reported as failed, the others go on
+                failed = f"{type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''}"
+        if failed is None and graph and dev == "cuda" and p != "compile":
+            gms = measure_graph(case, p, rep_ms)
         rows.append({"kernel": kernel, "case": case.name, "size": size, "provider": p, "ms": ms, "peak_mib": mib,
-                     "graph_ms": gms, "rel_err_vs_eager": errs.get(p, 0.0)})
+                     "graph_ms": gms, "rel_err_vs_eager": errs.get(p, 0.0) if failed is None else float("nan"),
+                     "failed": failed})
+        if failed is not None:
+            print(f"  {case.name:48s} {p:8s} FAILED: {failed}", flush=True)
+            continue
         print(f"  {case.name:48s} {p:8s} {ms:9.3f} ms {mib:9.1f} MiB  graph {gms:8.3f} ms  "
               f"err {errs.get(p, 0.0):.2e}", flush=True)
     del case
@@ -361,7 +394,7 @@ def plot(rows: list[dict[str, Any]], out_dir: Path) -> list[Path]:
     for j, k in enumerate(kernels):
         for i, metric in enumerate(("ms", "peak_mib")):
             ax = axes[i][j]
-            for p in ("ours", "eager", "compile", "liger"):
+            for p in PROVIDERS:
                 pts = sorted((r["size"], r[metric]) for r in rows if r["kernel"] == k and r["provider"] == p)
                 if pts:
                     ax.plot([a for a, _ in pts], [b for _, b in pts], marker="o", label=p)
@@ -404,7 +437,8 @@ def main(argv: list[str] | None = None) -> int:
     kernels = args.only or KERNELS
     compile_ = not args.no_compile and not args.smoke
     print(f"device: {device_name()}  torch {torch.__version__}  liger: "
-          f"{'yes' if HAS_LIGER else 'no (' + LIGER_ERROR + ')'}", flush=True)
+          f"{'yes' if HAS_LIGER else 'no (' + LIGER_ERROR + ')'}  cce: "
+          f"{'yes' if HAS_CCE else 'no (' + CCE_ERROR + ')'}", flush=True)
 
     main_rows: list[dict[str, Any]] = []
     for k in kernels if not args.sweep_only else []:
@@ -430,6 +464,8 @@ def main(argv: list[str] | None = None) -> int:
         out = []
         for r in rows:
             note = f"{tag}; rel_err_vs_eager={r['rel_err_vs_eager']:.2e}"
+            if r.get("failed"):
+                note = f"{tag}; failed: {r['failed']}"
             out.append({"case": r["case"], "provider": r["provider"], "metric": "fwd_bwd_median",
                         "value": r["ms"], "unit": "ms", "note": note})
             out.append({"case": r["case"], "provider": r["provider"], "metric": "peak_mem_above_inputs",
@@ -453,10 +489,10 @@ def main(argv: list[str] | None = None) -> int:
         row: dict[str, Any] = {"case": case}
         for r in main_rows:
             if r["case"] == case:
-                row[f"{r['provider']} ms"] = round(r["ms"], 3)
-                row[f"{r['provider']} MiB"] = round(r["peak_mib"], 1)
+                row[f"{r['provider']} ms"] = "failed" if r.get("failed") else round(r["ms"], 3)
+                row[f"{r['provider']} MiB"] = "failed" if r.get("failed") else round(r["peak_mib"], 1)
         summary.append(row)
-    cols = ["case"] + [f"{p} {m}" for p in ("ours", "eager", "compile", "liger") for m in ("ms", "MiB")
+    cols = ["case"] + [f"{p} {m}" for p in PROVIDERS for m in ("ms", "MiB")
                        if any(f"{p} {m}" in r for r in summary)]
     print(table(summary, cols))
     if args.graph:
@@ -467,7 +503,7 @@ def main(argv: list[str] | None = None) -> int:
                 if r["case"] == case and r.get("graph_ms", float("nan")) == r.get("graph_ms"):
                     row[f"{r['provider']} graph ms"] = round(r["graph_ms"], 3)
             gsum.append(row)
-        gcols = ["case"] + [f"{p} graph ms" for p in ("ours", "eager", "liger") if any(f"{p} graph ms" in r
+        gcols = ["case"] + [f"{p} graph ms" for p in PROVIDERS if p != "compile" and any(f"{p} graph ms" in r
                                                                                    for r in gsum)]
         print("\nCUDA-graph replay (GPU time only, no host overhead):")
         print(table(gsum, gcols))
