@@ -239,7 +239,9 @@ def _memory_groups(args: argparse.Namespace) -> list[dict[str, Any]]:
         if key is not None and shm.local_key(g.prefix) != key:
             continue
         alive = local_dir is not None and owned(local_dir)
-        out.append({"prefix": g.prefix, "local_dir": local_dir, "bytes": g.nbytes, "owned": alive,
+        kind, rank = g.prefix[-6], int(g.prefix[-5:])   # r<rank>: its own snapshots; p<src>: replicas it holds
+        out.append({"prefix": g.prefix, "local_dir": local_dir, "rank": rank, "replica": kind == "p",
+                    "bytes": g.nbytes, "owned": alive,
                     "steps": sorted(r.step for r in g.records), "files": [str(f) for f in g.files]})
     return out
 
@@ -255,10 +257,11 @@ def _ls_memory(args: argparse.Namespace) -> int:
     if root is None:
         print("no RAM file system for the memory tier here (/dev/shm, $CKPT_SHM_DIR), or CKPT_SHM=0")
         return 0
-    print(f"{'RAM':>10}  {'owner':<8} {'snapshots':<16} local_dir")
+    print(f"{'RAM':>10}  {'owner':<8} {'snapshots':<16} {'of':<18} local_dir")
     for r in rows:
         steps = ",".join(map(str, r["steps"])) or "-"
-        print(f"{_size(r['bytes']):>10}  {'live' if r['owned'] else 'none':<8} {steps:<16} "
+        of = f"replica of rank {r['rank']}" if r["replica"] else f"rank {r['rank']}"
+        print(f"{_size(r['bytes']):>10}  {'live' if r['owned'] else 'none':<8} {steps:<16} {of:<18} "
               f"{r['local_dir'] or '? (no readable record: ' + r['prefix'] + ')'}")
     print(f"{len(rows)} segment group(s) in {root}, {_size(sum(r['bytes'] for r in rows))} of RAM"
           + ("; `ckpt gc --memory` frees those with no live owner" if any(not r["owned"] for r in rows) else ""))
@@ -497,7 +500,8 @@ _EXAMPLES = {
   ckpt ls /mnt/nvme/ckpt --url s3://bucket/run     both tiers: which holds what, which a restore picks
   ckpt ls s3://bucket/run --storage-options '{"endpoint_url": "http://127.0.0.1:9000"}'
   ckpt ls /mnt/nvme/ckpt --json | jq '.[] | select(.restore) | .step'
-  ckpt ls --memory                   the memory tier's shared-memory segments on this node: RAM, owner""",
+  ckpt ls --memory                   the memory tier's shared-memory segments on this node (and the peer
+                                     tier's replicas held here): RAM, owner""",
     "inspect": """examples:
   ckpt inspect /mnt/nvme/ckpt                newest step: its tensors, dtypes and shapes
   ckpt inspect s3://bucket/run --step 1200 --rank 3""",

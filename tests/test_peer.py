@@ -3,9 +3,12 @@ another rank's RAM, so a rank whose node was replaced (its RAM and local disk go
 
 from __future__ import annotations
 
+import json
+import os
 import shutil
 import signal
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -31,6 +34,14 @@ def _replace_node(root: Path, rank: int) -> None:
     shutil.rmtree(root / f"shm-{rank}")
 
 
+def _ls_memory(shm_dir: Path) -> list[dict]:
+    out = subprocess.run([sys.executable, "-c", "import sys, ckpt.cli; sys.exit(ckpt.cli.main())", "ls", "--memory",
+                          "--json"], capture_output=True, text=True,
+                         env={**os.environ, "CKPT_SHM_DIR": str(shm_dir)}, timeout=120)
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout)
+
+
 def _killed(results: list[subprocess.CompletedProcess]) -> None:
     for r in results:
         assert r.returncode == -signal.SIGKILL, r.stderr[-3000:]
@@ -45,6 +56,9 @@ def _replica_files(root: Path, holder: int) -> list[Path]:
 def test_a_replaced_node_gets_its_snapshot_back_from_its_holders_ram(tmp_path, world, lost):
     assert _lines(_run(tmp_path, "save", world), "saved") == ["saved [4, 2]"] * world   # each holds its source's
     assert not list(tmp_path.glob("rank-*/peers")), "a replica never touches the holder's disk"
+    rows = _ls_memory(tmp_path / "shm-0")   # rank 0's node: its own snapshots and rank world-1's replicas
+    assert sorted((r["replica"], r["rank"], r["steps"]) for r in rows) == [(False, 0, [2, 4]), (True, world - 1, [2, 4])]
+    assert all(r["local_dir"] == str((tmp_path / "rank-0").resolve()) and not r["owned"] for r in rows)
     _replace_node(tmp_path, lost)
     got = _lines(_run(tmp_path, "restore", world), "restored")
     assert got == [f"restored 4 {100.0 * r + 4} {'peer' if r == lost else 'memory'}" for r in range(world)], got
