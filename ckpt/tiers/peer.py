@@ -342,7 +342,9 @@ class PeerTier(PersistingTier):
         m = Manifest.from_bytes(raw, where)
         if m.step != sstep or sstep != step or m.data_bytes != dbytes:
             raise CorruptCheckpointError(f"{where}: its step or size disagree with its header (step {step} expected)")
-        return self.pool.acquire(max(dbytes, 1), block=True, step=step), m
+        buf = self.pool.acquire(max(dbytes, 1), block=True, step=step)
+        self.pool.prepare(dbytes)   # the other replica buffer, in the background, before the next exchange
+        return buf, m
 
     # -- restore (collective) ----------------------------------------------------------------------
     def serve(self, step: int, timeline: Timeline, send_to: int | None, receive: bool) -> "ReceivedCopy | None":
@@ -381,7 +383,7 @@ class PeerTier(PersistingTier):
             wire.swap(_bytes(raw) if raw else None, send_to, meta if ok else None, holder)
             m = Manifest.from_bytes(bytes(meta.numpy()), f"rank {self.rank}'s step {step} from rank {holder}") \
                 if ok else None
-            into = torch.empty(dbytes, dtype=torch.uint8, pin_memory=torch.cuda.is_available()) if ok else None
+            into = _receive_buffer(dbytes) if ok else None
             sizes_ok = m is None or (m.step == step and m.data_bytes == dbytes)
             bad = checked_receive(wire, body, send_to if body is not None else None, into,
                                   holder if ok else None, in_piece if ok else 1, m if sizes_ok else None)
@@ -411,6 +413,17 @@ class PeerTier(PersistingTier):
                     b.holds += 1
                     return b
         return None
+
+
+def _receive_buffer(nbytes: int) -> torch.Tensor:
+    """Host memory to receive a restore into: pinned where there is CUDA (it goes to the GPU next), else with
+    every page mapped now on ``CKPT_IO_THREADS`` threads (faulting them in one by one while receiving
+    would halve the rate: a restore waits for this, nothing else runs)."""
+    if torch.cuda.is_available():
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    t = torch.empty(nbytes, dtype=torch.uint8)
+    shm.populate(t.data_ptr(), nbytes, write=True, threads=knobs.get("CKPT_IO_THREADS"))
+    return t
 
 
 def _bytes(raw: bytes) -> torch.Tensor:
