@@ -18,6 +18,8 @@ Each rank checkpoints into ``ROOT/rank-<RANK>`` with ``peers=1`` and keeps its s
 * ``staged``: moves images of several sizes both ways with :class:`ckpt.tiers.peer.Exchange` staged
   through ``CKPT_TEST_DEVICE`` buffers (``cpu``: the device path's ring logic over gloo; ``cuda``: over
   NCCL), checking every chunk; prints ``staged OK`` or what differed.
+* ``tear``: saves step 2 (the replicas land), then rank 0 is SIGKILLed while rank 1's replica of step 4 is
+  arriving (a third of it in), and rank 1 kills itself when its exchange fails: prints ``torn``.
 * ``restore``: prints ``restored S W T`` (step, ``w[0]`` after it, the tier it came from).
 """
 
@@ -99,7 +101,8 @@ def main() -> None:
         torch.cuda.set_device(rank)   # the replicas move over NCCL: one GPU per rank
     torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
     training = mode in ("train", "resume", "straight")
-    state = {"w": torch.full((300_000,), float(rank)) if training else torch.zeros(6), "step": 0}
+    n = int(os.environ.get("CKPT_TEST_N", "6"))
+    state = {"w": torch.full((300_000,), float(rank)) if training else torch.zeros(n), "step": 0}
     if mode == "straight":
         for step in range(1, LAST + 1):
             update(state, step, rank)
@@ -129,6 +132,32 @@ def main() -> None:
                         h.wait()
                 print("saved", ck.peer.committed_steps(), flush=True)
                 ck.close(keep_memory=True)   # its RAM stays as a crash leaves it
+            elif mode == "tear":
+                state["w"] = torch.arange(n, dtype=torch.float32) + rank
+                ck.save(2, state).wait()
+                if rank == 0:   # the holder of rank 1's replicas dies while step 4's arrives
+                    from ckpt.tiers import peer as peer_mod
+
+                    real = peer_mod.Exchange.data
+
+                    def dying(self, out, to, into, frm, in_piece, landed):
+                        pieces = []
+
+                        def count(off, k):
+                            pieces.append(k)
+                            if into is not None and len(pieces) * 3 >= -(-into.numel() // in_piece):
+                                print("torn", flush=True)
+                                os.kill(os.getpid(), signal.SIGKILL)
+                            landed(off, k)
+                        return real(self, out, to, into, frm, in_piece, count)
+
+                    peer_mod.Exchange.data = dying
+                state["w"].add_(2)
+                try:
+                    ck.save(4, state).wait()
+                finally:
+                    print("torn", flush=True)
+                    os.kill(os.getpid(), signal.SIGKILL)
             elif mode == "train":
                 for step in range(1, KILL_AT + 1):
                     ck.wait_staged()

@@ -90,6 +90,20 @@ def test_a_corrupt_replica_is_refused_and_the_next_tier_used(tmp_path):
     assert _lines(resumed, "digest") == _lines(_run(tmp_path, "straight", 2), "digest")
 
 
+def test_a_replica_torn_by_the_holders_death_is_never_served_and_the_previous_one_is(tmp_path):
+    env = {"CKPT_CHUNK_BYTES": str(1 << 20), "CKPT_PEER_PIECE_BYTES": str(1 << 20),   # 12 pieces of 1 MiB
+           "CKPT_TEST_N": str(3_000_000)}
+    results = _run(tmp_path, "tear", 2, env)
+    for r in results:
+        assert r.returncode == -signal.SIGKILL and "torn" in r.stdout, r.stderr[-3000:]
+    # rank 0's RAM: its own snapshots 2 and 4, and rank 1's replica of step 2 only (4's was withdrawn, never committed)
+    rows = {(r["replica"], r["rank"]): r["steps"] for r in _ls_memory(tmp_path / "shm-0")}
+    assert rows[(True, 1)] == [2], rows
+    _replace_node(tmp_path, 1)
+    got = _lines(_run(tmp_path, "restore", 2, env), "restored")
+    assert got == ["restored 2 0.0 memory", "restored 2 1.0 peer"], got
+
+
 def test_without_any_replica_the_lost_rank_has_nothing_and_says_so(tmp_path):
     _killed(_run(tmp_path, "train", 2))
     _replace_node(tmp_path, 1)
