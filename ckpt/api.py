@@ -186,13 +186,13 @@ class Checkpointer:
             tier only rank 0 uploads them; the other ranks' restores read them from
             rank 0's files. DTensor shards are never treated as replicated. Every
             rank's local tier keeps its full state either way. Default: none.
-        peers: the peer tier (collective jobs): ``True`` sends every locally committed
-            checkpoint to the same local rank on the next node (a distance of
-            ``$LOCAL_WORLD_SIZE`` ranks, as torchrun sets it; 1 on one node), an int
-            sets that distance. Each rank keeps its source's copies under
-            ``<local_dir>/peers/``; a rank whose own copies are gone (a replaced node)
-            gets them back from its peer at restore, before any remote download.
-            ``handle.wait("peer")`` returns once the peer has committed this rank's copy.
+        peers: the peer tier (collective jobs): ``True`` replicates every snapshot into the RAM
+            of the same local rank on the next node (a distance of ``$LOCAL_WORLD_SIZE`` ranks, as
+            torchrun sets it; 1 on one node), an int sets that distance. Each rank holds its
+            source's two newest replicas in shared memory (never on disk); a rank whose own copies
+            are gone (a replaced node) gets its snapshot back from its holder's RAM at restore,
+            before any remote download. The peer tier has its own cadence (``persist_every``).
+            ``handle.wait("peer")`` returns once the holder has committed this rank's replica.
 
     A ``state`` is a dict of name -> value: ``nn.Module``, optimizer, LR
     scheduler, any object with ``state_dict()``/``load_state_dict()``, tensors,
@@ -576,7 +576,7 @@ class Checkpointer:
         for h in handles:       # snapshots still being copied become the memory tier first
             try:
                 # with the peer tier, the persist thread's exchanges must be over: a restore may use
-                # the same peer group to send a kept copy back. Failures stay for wait() / close().
+                # the same peer group to send a held replica back. Failures stay for wait() / close().
                 h._wait_quietly(None if self.peer is not None else "memory")
             except BaseException:
                 pass

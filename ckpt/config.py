@@ -38,7 +38,8 @@ class Storage:
             ``file:///...``), or ``None``. The same url on every rank makes it the job tier.
         storage_options: passed to fsspec for ``url`` (endpoint, credentials, retries).
         compression: ``None`` or ``"zstd"`` for the remote tier.
-        peers: the peer tier: ``True`` (the same local rank on the next node) or a rank distance.
+        peers: the peer tier, each snapshot replicated into another rank's RAM: ``True`` (the same local
+            rank on the next node) or a rank distance.
         replicated: top-level state keys whose plain tensors are the same on every rank (uploaded
             once, by rank 0, to a job tier).
         max_in_flight: host buffers of the memory tier, each the size of the state (default 2).
