@@ -3,8 +3,9 @@ restore of a killed process from the memory tier, in one run.
 
 Part 1, a Llama-3.2-1B-shaped Hugging Face model (bf16, fused AdamW, 8 x 2048 tokens, kernels patched
 when Triton is there), its state about 7.4 GB: mean step time with no saves, snapshots every 10 and every
-50 steps (the local tier writing as often as it keeps up, newest wins), and every 10 with
-``if_busy="wait"`` (every snapshot to the disk, in order); for each: the time a save blocks the loop
+50 steps (the local tier writing as often as it keeps up, newest wins), every 10 with
+``if_busy="wait"`` (every snapshot to the disk, in order), and ``interval="auto"`` (each tier's cadence
+from its measured cost and MTBF); for each: the time a save blocks the loop
 (the first one apart: it comes at step 50 of its run, the buffers allocated in the background from
 step 1), and how many snapshots each tier committed or skipped.
 
@@ -118,6 +119,7 @@ def train_loop(root: Path, args) -> None:
              ("dcp.async_save every 10", 10, {"dcp": None}),
              ("dcp.async_save + DefaultStager every 10", 10, {"dcp": "stager"}),
              ("every 1", 1, {}), ("every 5", 5, {}), ("every 1, if_busy=wait", 1, {"if_busy": "wait"}),
+             ("auto, mtbf memory 10 min, local 1 h", "auto", {"mtbf": {"memory": 600, "local": 3600}}),
              ("none (again)", None, {})]
     modes = [m for m in modes if m[0] in args.modes.split(";")] if args.modes else modes
     for name, every, kw in modes:
@@ -133,7 +135,8 @@ def train_loop(root: Path, args) -> None:
         os.environ["CKPT_PERSIST_THREADS"] = str(kw.pop("writers", ckpt.knobs._DEFAULTS["CKPT_PERSIST_THREADS"]))
         with ckpt.knobs.override(CKPT_SHM=kw.pop("shm", 1)):
             local = SlowDisk(d, args.disk_mbps) if args.disk_mbps else d
-            ck = ckpt.Checkpointer(local_dir=local, every_steps=every, keep=ckpt.Retention(local=1), **kw) \
+            cadence = {"interval": "auto"} if every == "auto" else {"every_steps": every}
+            ck = ckpt.Checkpointer(local_dir=local, keep=ckpt.Retention(local=1), **cadence, **kw) \
                 if every else None
         times = []
         for s in range(1, args.steps + 1):
@@ -143,6 +146,16 @@ def train_loop(root: Path, args) -> None:
                 ck.maybe_save(s, state)
             times.append(time.perf_counter() - t0)
         if ck is not None:
+            if every == "auto":   # the cadence each tier chose from what its writes cost this loop
+                rep = ck.interval_report()
+                snaps = [h.step for h in ck.history]
+                row("loop", name, "snapshot interval", rep.get("interval_s") or 0, "s",
+                    f"snapshots at steps {snaps[:12]}{'...' if len(snaps) > 12 else ''}; measured cost "
+                    f"{(rep.get('cost_s') or 0) * 1e3:.1f} ms per snapshot")
+                for tier, r in rep["tiers"].items():
+                    row("loop", name, f"{tier} tier interval", r.get("interval_s") or 0, "s",
+                        f"cost {r.get('cost_s')} s of training per write, last write {r.get('write_s')} s; "
+                        f"persisted {ck.tier_counts[tier].persisted}")
             t0 = time.perf_counter()
             ck.close()
             close_s = time.perf_counter() - t0
