@@ -41,6 +41,12 @@ _DEFAULTS: dict[str, int] = {
     # Nice value added to the persist threads and the background allocation (ckpt.priority): the
     # training thread keeps the CPU on a node whose cores are busy (0: same priority as the process).
     "CKPT_PERSIST_NICE": 10,
+    # Milliseconds a save of maybe_save() under if_busy="skip" waits for a host buffer before it skips the
+    # snapshot: while the background allocation of the buffers is still running (a fresh process; it starts
+    # at the first maybe_save() and takes seconds per GB-sized buffer), or while every buffer is held by a
+    # tier still persisting an earlier snapshot. Explicit save() calls, preemption drains and
+    # if_busy="wait" wait as long as it takes.
+    "CKPT_BUSY_WAIT_MS": 1000,
     # Seconds the interpreter-exit hook waits for queued saves to persist (0: as long as they take).
     "CKPT_EXIT_WAIT_S": 0,
 }
