@@ -54,7 +54,9 @@ class IfBusy(str, enum.Enum):
     snapshot writes the newest one next and skips those in between (newest wins; each skipped one
     is reported as superseded on its handle and counted in ``Checkpointer.tier_counts``); a save
     that finds every host buffer in use (each being read by a tier) is skipped as a whole (its
-    handle's status is ``"skipped"``, counted in ``Checkpointer.skipped``).
+    handle's status is ``"skipped"``, counted in ``Checkpointer.skipped``). A save of
+    :meth:`~Checkpointer.maybe_save` first waits for a buffer at most ``CKPT_BUSY_WAIT_MS``, also while
+    the buffers are still being allocated in the background (it never allocates one beside that).
 
     ``WAIT``: every snapshot reaches every tier, in order (subject to ``persist_every``); a save
     that finds every host buffer in use blocks until one is free (the stall is on the handle).
@@ -62,6 +64,46 @@ class IfBusy(str, enum.Enum):
 
     WAIT = "wait"
     SKIP = "skip"
+
+
+# Why a save found no host buffer (ordered: the ranks agree on the largest).
+_FREE, _HELD, _ALLOCATING = 0, 1, 2
+
+
+class _SkipLog:
+    """The log of skipped saves: the first of each cause at WARNING, then at most one a minute per cause
+    (with how many it stood for), the others at INFO. A loop that skips every snapshot for a while does not
+    flood the log, and each skip is still in it."""
+
+    def __init__(self, every_s: float = 60.0) -> None:
+        self.every_s = every_s
+        self._warned: dict[int, float] = {}   # cause -> when it was last logged at WARNING
+        self._quiet: dict[int, int] = collections.Counter()   # cause -> skips at INFO since then
+
+    def note(self, step: int, cause: int, where: str | None, pool: HostPool, waited: float) -> None:
+        """Log the skip of ``step`` for ``cause``, found on ``where`` (``None``: a single-process job)."""
+        now = time.monotonic()
+        loud = cause not in self._warned or now - self._warned[cause] >= self.every_s
+        more = ""
+        if loud:
+            if self._quiet[cause]:
+                more = f" ({self._quiet[cause]} more skipped for this reason since the last warning)"
+            self._warned[cause], self._quiet[cause] = now, 0
+        else:
+            self._quiet[cause] += 1
+        on = f" on {where}" if where else ""
+        if cause == _ALLOCATING:
+            running = pool.preparing
+            why = (f"the host buffers are still being allocated in the background{on}"
+                   + (f" (for {running:.1f} s so far)" if running is not None and where != "another rank" else "")
+                   + f"; waited {waited:.2f} s for one (CKPT_BUSY_WAIT_MS). A save does not allocate them in the "
+                   "training loop meanwhile; the allocation started at the first maybe_save(), saves resume when it "
+                   "ends. Call maybe_save() from the first step, or raise CKPT_BUSY_WAIT_MS to wait longer")
+        else:
+            why = (f"all {pool.slots} host buffers are still being read by the tiers{on}; waited {waited:.2f} s "
+                   "(if_busy='skip'). Raise max_in_flight (host_memory_limit must leave room for that many "
+                   "state-sized buffers), set persist_every, or save less often")
+        log.log(logging.WARNING if loud else logging.INFO, "skipped the save of step %d: %s%s", step, why, more)
 
 
 @dataclass
@@ -120,7 +162,9 @@ class Checkpointer:
             chunk checked. :meth:`close` frees them; a process that dies leaves them
             for its successor (``ckpt gc --memory`` frees what no one will use).
             They are allocated in the background from the first :meth:`maybe_save`
-            call, so the first save does not wait for seconds of allocation.
+            call, so the first save does not wait for seconds of allocation; a save of
+            ``maybe_save`` due before one is there waits at most ``CKPT_BUSY_WAIT_MS``,
+            then is skipped (``if_busy="skip"``).
         if_busy: ``"skip"`` (default) or ``"wait"`` (:class:`IfBusy`): whether a
             slow tier may skip snapshots (newest wins) or every snapshot reaches
             every tier and saves wait for it.
@@ -292,6 +336,7 @@ class Checkpointer:
         self.pool = HostPool(max_in_flight or 2, host_memory_limit, shrink=max_in_flight is None)
         self.history: collections.deque[SnapshotStats] = collections.deque(maxlen=10_000)
         self.skipped = 0
+        self._skips = _SkipLog()
         self.last_restore: RestoreInfo | None = None
         self._handles: list[SaveHandle] = []
         self._failures: list[tuple[SaveHandle, BaseException]] = []
@@ -368,10 +413,15 @@ class Checkpointer:
         """Save if the policy says so (see ``every_steps``/``every_seconds``); returns at once.
 
         ``state`` is the state *after* ``step``: a restore returns ``step`` and
-        the loop continues at ``step + 1``. Inside the ``with`` block, after a signal
-        of ``signals``: a preemption saves ``step``, waits until it is durable and
-        exits (or raises); a save request saves ``step``, waits until it is durable on
-        ``save_tier`` (at most ``save_deadline`` seconds) and returns its handle.
+        the loop continues at ``step + 1``. With ``if_busy="skip"`` a save that finds
+        no host buffer free (the tiers hold them all, or their background allocation,
+        started by the first call, is still running) waits at most ``CKPT_BUSY_WAIT_MS``
+        for one, then is skipped (its handle's status is ``"skipped"``).
+
+        Inside the ``with`` block, after a signal of ``signals``: a preemption saves
+        ``step``, waits until it is durable and exits (or raises); a save request saves
+        ``step``, waits until it is durable on ``save_tier`` (at most ``save_deadline``
+        seconds) and returns its handle.
         """
         self._metrics.poll()
         if self._guard is not None and self._guard.active:
@@ -395,7 +445,7 @@ class Checkpointer:
             due = bool(self.ranks.max([int(due)])[0])   # clocks differ between ranks: save if any says so
         if not due:
             return None
-        return self.save(step, state)
+        return self._save(step, state, patient=False)
 
     def _prepare(self, state: Mapping[str, Any]) -> None:
         """Once, at the first :meth:`maybe_save`: own ``local_dir`` and allocate the snapshot buffers for
@@ -462,8 +512,11 @@ class Checkpointer:
         """
         return self._save(step, state)
 
-    def _save(self, step: int, state: Mapping[str, Any], force: str | None = None) -> SaveHandle:
-        """:meth:`save`; ``force``: a tier that must write this snapshot (a drain), busy or not."""
+    def _save(self, step: int, state: Mapping[str, Any], force: str | None = None,
+              patient: bool = True) -> SaveHandle:
+        """:meth:`save`; ``force``: a tier that must write this snapshot (a drain), busy or not. Not
+        ``patient`` (:meth:`maybe_save`'s own saves): under ``if_busy="skip"`` it waits at most
+        ``CKPT_BUSY_WAIT_MS`` for a buffer, and never allocates one while the background allocation runs."""
         self._check_open()
         if not isinstance(step, int) or isinstance(step, bool) or step < 0:
             raise ValueError(f"step must be a non-negative int, got {step!r}")
@@ -482,19 +535,35 @@ class Checkpointer:
         if not self._prepared_sync and not self.pool.buffers:
             self._prepared_sync = True
             self.pool.adopt()   # no maybe_save() came first: take over a previous process's segments now
-        if not wait and self.ranks is not None:
+        here = cause = _FREE   # why this rank, and why the ranks together, found no buffer
+        if not wait and not patient:
+            # a buffer within CKPT_BUSY_WAIT_MS, or the snapshot is skipped: the loop never stalls for seconds
+            # on the background allocation (nor allocates beside it) or on the tiers. Each rank waits for its
+            # own buffer first, then the ranks agree on what they found: all skip, or none does.
+            free = self.pool.wait_free(data_bytes, step, knobs.get("CKPT_BUSY_WAIT_MS") / 1e3, pipe.reclaim)
+            here = cause = _FREE if free else _ALLOCATING if self.pool.preparing is not None else _HELD
+            if self.ranks is not None:
+                reply = self.ranks.max([here] + pipe.busy_tiers())
+                cause, busy = reply[0], dict(zip(pipe.tiers, reply[1:]))
+            # block: every rank found a buffer free just now (only a reader of the memory tier holds one briefly)
+            buf = None if cause != _FREE else \
+                self.pool.acquire(data_bytes, block=True, step=step, reclaim=pipe.reclaim, inline=False)
+        elif not wait and self.ranks is not None:
             # on several ranks: all skip a snapshot (or a tier) when it is busy on any, so they commit the same steps
-            agreed = self.ranks.max([int(not self.pool.has_free())] + pipe.busy_tiers())
-            busy = dict(zip(pipe.tiers, agreed[1:]))
-            buf = None if agreed[0] else self.pool.acquire(data_bytes, block=False, step=step, reclaim=pipe.reclaim)
+            here = _FREE if self.pool.has_free() else _HELD
+            reply = self.ranks.max([here] + pipe.busy_tiers())
+            cause, busy = reply[0], dict(zip(pipe.tiers, reply[1:]))
+            buf = None if cause != _FREE else \
+                self.pool.acquire(data_bytes, block=False, step=step, reclaim=pipe.reclaim)
         else:
             buf = self.pool.acquire(data_bytes, block=wait, step=step, reclaim=pipe.reclaim)
         stats.wait_s = time.perf_counter() - t_wait
         if buf is None:
             self.skipped += 1
-            log.warning("skipped the save of step %d: all %d host buffers are still being read by the tiers%s "
-                        "(if_busy='skip'; raise max_in_flight, set persist_every, or save less often)", step,
-                        self.pool.slots, "" if self.ranks is None else " on this rank or another")
+            if cause == _FREE:   # a copy that was still landing left its buffer to the tiers
+                here = cause = _HELD
+            where = None if self.ranks is None else "this rank" if here == cause else "another rank"
+            self._skips.note(step, cause, where, self.pool, stats.wait_s)
             handle._skip()
             stats.stall_s = time.perf_counter() - t0
             self._metrics.track(handle)

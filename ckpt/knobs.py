@@ -47,6 +47,12 @@ _DEFAULTS: dict[str, int] = {
     # Move the peer tier's replicas over an NCCL group of its own, staged through device buffers, when
     # the job has GPUs (1), or over gloo from host memory (0).
     "CKPT_PEER_NCCL": 0,
+    # Milliseconds a save of maybe_save() under if_busy="skip" waits for a host buffer before it skips the
+    # snapshot: while the background allocation of the buffers is still running (a fresh process; it starts
+    # at the first maybe_save() and takes seconds per GB-sized buffer), or while every buffer is held by a
+    # tier still persisting an earlier snapshot. Explicit save() calls, preemption drains and
+    # if_busy="wait" wait as long as it takes.
+    "CKPT_BUSY_WAIT_MS": 1000,
     # Seconds the interpreter-exit hook waits for queued saves to persist (0: as long as they take).
     "CKPT_EXIT_WAIT_S": 0,
 }

@@ -141,6 +141,11 @@ class HostPool:
     many as fit (at least one) and says so once. With :meth:`share`, buffers are shared-memory
     segments (adopting a segment a previous process left, with its committed snapshot), else
     pinned memory of this process. :meth:`close` frees every buffer (one still held: once released).
+
+    A save that may be skipped (``maybe_save``'s, under ``if_busy="skip"``) asks :meth:`wait_free` first,
+    then :meth:`acquire` with ``inline=False``: it waits a bounded time for a buffer and never allocates
+    one in the training thread while :meth:`prepare`'s background allocation runs (seconds per buffer of
+    pinned or registered memory, which that save would otherwise stall the loop for).
     """
 
     def __init__(self, slots: int, limit: int | None, pin: bool | None = None, shrink: bool = False) -> None:
@@ -158,12 +163,19 @@ class HostPool:
         self._allocating = 0      # allocations under way outside the lock
         self._cv = threading.Condition()
         self._prepared: threading.Thread | None = None
+        self._preparing: float | None = None   # when prepare()'s background allocation started, while it runs
         self._reserved: set[int] = set()   # slots being allocated
         self._warned_shm = False
 
     @property
     def nbytes(self) -> int:
         return sum(b.capacity for b in self.buffers)
+
+    @property
+    def preparing(self) -> float | None:
+        """Seconds :meth:`prepare`'s background allocation has been running (``None``: it is not)."""
+        started = self._preparing
+        return None if started is None else time.monotonic() - started
 
     def share(self, space: SharedSpace | None) -> None:
         """Keep the buffers allocated from now on in shared memory (``None``: in this process)."""
@@ -218,74 +230,70 @@ class HostPool:
             def run() -> None:
                 priority.lower_this_thread()
                 try:
-                    while True:
-                        with self._cv:
-                            if self._closed or len(self.buffers) + self._allocating >= self.slots:
-                                return
-                            if self.buffers and all(b.capacity >= nbytes for b in self.buffers) and \
-                                    len(self.buffers) + self._allocating >= self.slots:
-                                return
-                            self._allocating += 1
-                        try:
-                            buf = self._allocate(nbytes, -1, self._free_slot())
-                        except HostMemoryError as e:
-                            with self._cv:
-                                self._allocating -= 1
-                                if self.buffers and self.shrink:
-                                    self._shrink(e)
-                                self._cv.notify_all()
-                            return
-                        except BaseException:
-                            with self._cv:
-                                self._allocating -= 1
-                                self._cv.notify_all()
-                            raise
-                        with self._cv:
-                            self._allocating -= 1
-                            if self._closed:
-                                buf.free()
-                                return
-                            self.buffers.append(buf)
-                            self._cv.notify_all()
+                    self._prepare_buffers(nbytes)
                 except Exception as e:   # noqa: BLE001 - the save allocates (and reports) itself
                     log.warning("allocating the snapshot buffers ahead failed (%s); the first save allocates", e)
+                finally:
+                    with self._cv:
+                        self._preparing = None   # from now on a save may allocate itself
+                        self._cv.notify_all()
 
+            self._preparing = time.monotonic()
             self._prepared = threading.Thread(target=run, name="ckpt-prepare", daemon=True)
             self._prepared.start()
 
+    def _prepare_buffers(self, nbytes: int) -> None:
+        """:meth:`prepare`'s thread: allocate buffers of ``nbytes`` until the pool has ``slots`` of them."""
+        while True:
+            with self._cv:
+                if self._closed or len(self.buffers) + self._allocating >= self.slots:
+                    return
+                self._allocating += 1
+            try:
+                buf = self._allocate(nbytes, -1, self._free_slot())
+            except HostMemoryError as e:
+                with self._cv:
+                    self._allocating -= 1
+                    if self.buffers and self.shrink:
+                        self._shrink(e)
+                    self._cv.notify_all()
+                return
+            except BaseException:
+                with self._cv:
+                    self._allocating -= 1
+                    self._cv.notify_all()
+                raise
+            with self._cv:
+                self._allocating -= 1
+                if self._closed:
+                    buf.free()
+                    return
+                self.buffers.append(buf)
+                self._cv.notify_all()
+
     def acquire(self, nbytes: int, block: bool, step: int,
-                reclaim: Callable[[HostBuffer, bool, int], bool] | None = None) -> HostBuffer | None:
+                reclaim: Callable[[HostBuffer, bool, int], bool] | None = None,
+                inline: bool = True) -> HostBuffer | None:
         """A buffer of at least ``nbytes`` for a new snapshot, held once and marked ``staging``. A buffer
         no one holds is free. Without ``block``, returns ``None`` when no buffer is free and none will be
         without a tier finishing (it waits for a copy still landing, or an allocation under way); with
-        ``block``, it waits for a tier too. of those, one holding no snapshot goes first, then the
-        oldest snapshot. ``reclaim``, called under the pool's lock: ``reclaim(buf, True, step)`` asks
-        whether ``buf`` may be taken (``False``: it counts as busy), ``reclaim(buf, False, step)`` says it
-        is taken for ``step`` (whoever still wanted its snapshot lets go of it)."""
+        ``block``, it waits for a tier too. Of the free buffers, one holding no snapshot goes first, then
+        the oldest snapshot; with none free and room for another, it is allocated here (seconds for GBs
+        of pinned memory), unless ``inline`` is false and :meth:`prepare`'s background allocation is
+        running: then it waits for that. ``reclaim``, called under the pool's lock:
+        ``reclaim(buf, True, step)`` asks whether ``buf`` may be taken (``False``: it counts as busy),
+        ``reclaim(buf, False, step)`` says it is taken for ``step`` (whoever still wanted its snapshot
+        lets go of it)."""
         from . import shm
 
         self._note_device()
         with self._cv:
             while True:
-                if self._closed:
-                    raise CheckpointError("the host staging pool is closed (the Checkpointer was closed)")
-                free = [b for b in self.buffers if b.holds == 0]
-                free.sort(key=lambda b: (b.capacity < nbytes, b.image_step is not None,
-                                         b.image_step if b.image_step is not None else -1))
-                free = [b for b in free if reclaim is None or reclaim(b, True, step)]
-                newest = max((b for b in self.buffers if b.image_step is not None), default=None,
-                             key=lambda b: b.image_step)
-                room = len(self.buffers) + self._allocating < self.slots
-                if newest is not None and (room or len(free) > 1):
-                    # the newest snapshot stays whole while the next is copied, if there is any other way
-                    free = [b for b in free if b is not newest]
-                if free:
-                    buf = free[0]
-                    if reclaim is not None:
+                self._check_open()
+                found, buf = self._pick(nbytes, step, reclaim, inline)
+                if found:
+                    if buf is not None and reclaim is not None:
                         reclaim(buf, False, step)
-                    break
-                if len(self.buffers) + self._allocating < self.slots:
-                    buf = None
                     break
                 if not block and not self._allocating and not any(b.staging for b in self.buffers):
                     return None
@@ -310,7 +318,7 @@ class HostPool:
                 else:
                     self._cv.notify_all()
                     raise
-            return self.acquire(nbytes, block, step, reclaim)
+            return self.acquire(nbytes, block, step, reclaim, inline)
         with self._cv:
             self._allocating -= 1
             if buf is not None and buf in self.buffers:
@@ -319,6 +327,48 @@ class HostPool:
             self.buffers.append(new)
             self._cv.notify_all()
             return new
+
+    def _pick(self, nbytes: int, step: int, reclaim: Callable[[HostBuffer, bool, int], bool] | None,
+              inline: bool) -> tuple[bool, HostBuffer | None]:
+        """(under the lock) What :meth:`acquire` can do now: ``(True, buf)``, take the free ``buf`` (replaced
+        by a larger one if it is too small); ``(True, None)``, allocate another; ``(False, None)``, nothing
+        yet. Without ``inline``, nothing is allocated while the background allocation runs."""
+        grow = inline or self._preparing is None   # may the caller allocate now
+        free = [b for b in self.buffers if b.holds == 0 and (grow or b.capacity >= nbytes)]
+        free.sort(key=lambda b: (b.capacity < nbytes, b.image_step is not None,
+                                 b.image_step if b.image_step is not None else -1))
+        free = [b for b in free if reclaim is None or reclaim(b, True, step)]
+        newest = max((b for b in self.buffers if b.image_step is not None), default=None,
+                     key=lambda b: b.image_step)
+        room = grow and len(self.buffers) + self._allocating < self.slots
+        if newest is not None and (room or len(free) > 1):
+            # the newest snapshot stays whole while the next is copied, if there is any other way
+            free = [b for b in free if b is not newest]
+        if free:
+            return True, free[0]
+        return room, None
+
+    def wait_free(self, nbytes: int, step: int, timeout: float,
+                  reclaim: Callable[[HostBuffer, bool, int], bool] | None = None) -> bool:
+        """Wait at most ``timeout`` seconds until :meth:`acquire` with ``inline=False`` would take a buffer
+        at once: one is free (or room for one, with no background allocation running). Returns whether it
+        would. What it waits for: :meth:`prepare`'s allocation, a snapshot copy landing, a tier letting go
+        of a buffer. A save that may be skipped asks this first; in a collective job every rank asks before
+        the ranks agree, so that their answers (and hence the skip) are the same."""
+        deadline = time.monotonic() + timeout
+        with self._cv:
+            while True:
+                self._check_open()
+                if self._pick(nbytes, step, reclaim, inline=False)[0]:
+                    return True
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._cv.wait(left)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise CheckpointError("the host staging pool is closed (the Checkpointer was closed)")
 
     def _shrink(self, error: HostMemoryError) -> None:
         """Keep the buffers there are: the limit leaves no room for another (said once)."""
@@ -343,10 +393,10 @@ class HostPool:
             return slot
 
     def has_free(self) -> bool:
-        """Whether :meth:`acquire` without ``block`` would return a buffer (one is free, may be added, or is
-        held only by a copy still landing)."""
+        """Whether :meth:`acquire` without ``block`` would return a buffer (one is free, may be added, is
+        held only by a copy still landing, or is being allocated: it waits for those two)."""
         with self._cv:
-            return len(self.buffers) + self._allocating < self.slots or \
+            return len(self.buffers) + self._allocating < self.slots or self._allocating > 0 or \
                 any(b.holds == 0 or (b.staging and b.holds == 1) for b in self.buffers)
 
     def hold(self, buf: HostBuffer) -> None:

@@ -13,6 +13,10 @@ The state is ``{"w": 8 floats, "step": int}``; at step ``s`` every element of ``
   latter: the third has its own); prints ``accepted`` if the Checkpointer allows it.
 * ``skip``: ``if_busy="skip"`` with one host buffer, where rank 1's disk takes 0.5 s per write
   and saves come every 0.05 s; prints ``committed``, the committed steps and the skip count.
+* ``allocating``: ``every_steps=1`` where rank 1's host buffers take 4 s each to allocate (rank 0's
+  do not) and ``CKPT_BUSY_WAIT_MS=500``: saves step 1 while rank 1's background allocation runs, waits
+  for it, then saves step 2; prints ``step S STATUS SKIPPED`` for each, then ``allocated by`` and the
+  names of the threads that allocated a buffer.
 
 With ``CKPT_TEST_BACKEND=nccl`` the default group is NCCL (one GPU per rank) and the agreements
 run on the gloo group the Checkpointer makes for them (the ``multigpu`` tests).
@@ -22,6 +26,7 @@ from __future__ import annotations
 
 import os
 import sys
+import threading
 import time
 
 import torch
@@ -119,6 +124,32 @@ def main() -> None:
                 # the tier's skips (busy on either rank), decided together: the same steps on both ranks
                 print("committed", sorted(c.step for c in ck.list() if "local" in c.tiers),
                       ck.tier_counts["local"].busy, flush=True)
+        elif mode == "allocating":
+            from ckpt import knobs
+            from ckpt.stage import HostPool
+
+            threads = []
+            real = HostPool._allocate
+
+            def slow(self, *args, **kwargs):
+                threads.append(threading.current_thread().name)
+                if rank == 1:
+                    time.sleep(4.0)
+                return real(self, *args, **kwargs)
+
+            HostPool._allocate = slow
+            with knobs.override(CKPT_BUSY_WAIT_MS=500), \
+                    ckpt.Checkpointer(local_dir=local_dir, every_steps=1) as ck:
+                for step in (1, 2):
+                    ck.wait_staged()
+                    state["w"].fill_(step)
+                    handle = ck.maybe_save(step, state)
+                    if handle.status != "skipped":
+                        handle.wait()
+                    print("step", step, handle.status, ck.skipped, flush=True)
+                    ck.pool._prepared.join(60)   # every buffer is there before the next step
+                    torch.distributed.barrier()
+            print("allocated by", *threads, flush=True)
     finally:
         torch.distributed.destroy_process_group()
 

@@ -1,0 +1,189 @@
+"""A save of ``maybe_save`` that finds no host buffer free waits a bounded time (``CKPT_BUSY_WAIT_MS``), then
+is skipped: while the background allocation of a fresh process is still running (it is never done beside it,
+in the training thread), or while every buffer is held by a tier. Forced saves wait as long as it takes.
+
+The allocation is made slow the way a fresh node's is (seconds to pin or register GBs): each call of
+``HostPool._allocate`` sleeps first.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import ckpt
+from ckpt import knobs
+from ckpt.stage import HostPool
+from ckpt.tiers import LocalTier
+from helpers import assert_ok, run_ranks
+
+HERE = Path(__file__).parent
+SLOW_S = 4.0      # one buffer's allocation
+BOUND_MS = 500    # the busy wait in these tests: the slack around it is generous, the allocation far longer
+
+
+@pytest.fixture
+def slow_allocation(monkeypatch):
+    """Every host buffer takes SLOW_S seconds to allocate; returns the names of the threads that allocated."""
+    threads: list[str] = []
+    real = HostPool._allocate
+
+    def slow(self, *args, **kwargs):
+        threads.append(threading.current_thread().name)
+        time.sleep(SLOW_S)
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(HostPool, "_allocate", slow)
+    return threads
+
+
+def _state() -> dict:
+    return {"w": torch.ones(1000)}
+
+
+def _skip_records(caplog) -> list[logging.LogRecord]:
+    return [r for r in caplog.records if r.name == "ckpt.api" and r.levelno == logging.WARNING]
+
+
+def test_a_save_during_the_background_allocation_is_skipped_after_the_bound(local_dir, slow_allocation, caplog):
+    with knobs.override(CKPT_BUSY_WAIT_MS=BOUND_MS), ckpt.Checkpointer(local_dir=local_dir, every_steps=1) as ck:
+        t0 = time.monotonic()
+        handle = ck.maybe_save(1, _state())   # starts the allocation, then finds no buffer yet
+        took = time.monotonic() - t0
+        assert handle.status == "skipped" and ck.skipped == 1
+        assert took < SLOW_S - 1, took   # not a whole allocation, in the loop or waiting for the background one
+        assert [r.levelno for r in _skip_records(caplog)] == [logging.WARNING]
+        ck.pool._prepared.join(60)
+        # the training thread allocated nothing, not even beside the background allocation
+        assert slow_allocation == ["ckpt-prepare"] * 2 and ck.pool.allocations == 2
+
+
+def test_a_save_after_the_background_allocation_finished_is_taken(local_dir, slow_allocation):
+    with knobs.override(CKPT_BUSY_WAIT_MS=BOUND_MS), ckpt.Checkpointer(local_dir=local_dir, every_steps=1) as ck:
+        assert ck.maybe_save(1, _state()).status == "skipped"
+        ck.pool._prepared.join(60)
+        handle = ck.maybe_save(2, _state())
+        assert handle.wait().status == "done" and ck.skipped == 1
+        assert ck.local.committed_steps() == [2] and ck.pool.allocations == 2
+
+
+def test_a_save_waits_for_the_background_allocation_within_the_bound(local_dir, slow_allocation):
+    # the bound covers the allocation: the save waits for its first buffer instead of being skipped, and
+    # does not allocate the second one itself meanwhile
+    with knobs.override(CKPT_BUSY_WAIT_MS=int(SLOW_S * 1000) + 30_000), \
+            ckpt.Checkpointer(local_dir=local_dir, every_steps=1) as ck:
+        assert ck.maybe_save(1, _state()).wait().status == "done"
+        ck.pool._prepared.join(60)
+        assert ck.skipped == 0 and slow_allocation == ["ckpt-prepare"] * 2
+
+
+def test_an_explicit_save_during_the_background_allocation_waits_and_is_taken(local_dir, slow_allocation):
+    with knobs.override(CKPT_BUSY_WAIT_MS=BOUND_MS), ckpt.Checkpointer(local_dir=local_dir, every_steps=50) as ck:
+        assert ck.maybe_save(1, _state()) is None   # not due: starts the allocation only
+        handle = ck.save(2, _state())
+        assert handle.wait().status == "done" and ck.skipped == 0
+        assert handle.stats.wait_s > SLOW_S / 2
+
+
+def test_a_requested_save_during_the_background_allocation_waits_and_is_taken(local_dir, slow_allocation):
+    signals = ckpt.Signals(save=(signal.SIGUSR1,))
+    with knobs.override(CKPT_BUSY_WAIT_MS=BOUND_MS), \
+            ckpt.Checkpointer(local_dir=local_dir, every_steps=50, signals=signals) as ck:
+        assert ck.maybe_save(1, _state()) is None   # not due: starts the allocation only
+        os.kill(os.getpid(), signal.SIGUSR1)
+        handle = ck.maybe_save(2, _state())   # a forced save: waits for a buffer, durable on the local tier
+        assert handle.status == "done" and ck.skipped == 0 and ck.local.committed_steps() == [2]
+
+
+def test_if_busy_wait_never_skips_during_the_background_allocation(local_dir, slow_allocation):
+    with knobs.override(CKPT_BUSY_WAIT_MS=BOUND_MS), \
+            ckpt.Checkpointer(local_dir=local_dir, every_steps=1, if_busy="wait") as ck:
+        handle = ck.maybe_save(1, _state())
+        assert handle.wait().status == "done" and ck.skipped == 0
+
+
+class _GatedTier(LocalTier):
+    """A local tier whose writes wait for ``go``: the buffer it reads stays held meanwhile."""
+
+    def __init__(self, root) -> None:
+        super().__init__(root)
+        self.go, self.started = threading.Event(), threading.Event()
+
+    def write(self, step, manifest, data):
+        self.started.set()
+        assert self.go.wait(60)
+        return super().write(step, manifest, data)
+
+
+def test_a_save_finding_every_buffer_held_is_skipped_after_the_bound(local_dir, caplog):
+    tier = _GatedTier(local_dir)
+    with knobs.override(CKPT_BUSY_WAIT_MS=BOUND_MS), \
+            ckpt.Checkpointer(local_dir=tier, every_steps=1, max_in_flight=1) as ck:
+        first = ck.maybe_save(1, _state())
+        assert tier.started.wait(60)   # the write holds the one buffer (before it starts, step 2 would supersede it)
+        t0 = time.monotonic()
+        second = ck.maybe_save(2, _state())
+        took = time.monotonic() - t0
+        assert second.status == "skipped" and ck.skipped == 1
+        assert BOUND_MS / 1000 * 0.9 <= took < BOUND_MS / 1000 + 5, took   # it did wait for a buffer, that long
+        assert [r.levelno for r in _skip_records(caplog)] == [logging.WARNING]
+        tier.go.set()
+        first.wait()
+        assert ck.maybe_save(3, _state()).wait().status == "done"
+
+
+def test_a_save_takes_a_buffer_a_tier_lets_go_of_within_the_bound(local_dir):
+    tier = _GatedTier(local_dir)
+    with knobs.override(CKPT_BUSY_WAIT_MS=30_000), \
+            ckpt.Checkpointer(local_dir=tier, every_steps=1, max_in_flight=1) as ck:
+        first = ck.maybe_save(1, _state())
+        assert tier.started.wait(60)
+        threading.Timer(0.3, tier.go.set).start()
+        second = ck.maybe_save(2, _state())   # waits until the write of step 1 lets go of the buffer
+        assert second.wait().status == "done" and first.status == "done" and ck.skipped == 0
+        assert second.stats.wait_s >= 0.1
+
+
+def test_repeated_skips_for_one_cause_warn_once_then_log_at_info(local_dir, caplog):
+    tier = _GatedTier(local_dir)
+    caplog.set_level(logging.INFO, logger="ckpt.api")
+    with knobs.override(CKPT_BUSY_WAIT_MS=50), \
+            ckpt.Checkpointer(local_dir=tier, every_steps=1, max_in_flight=1) as ck:
+        first = ck.maybe_save(1, _state())
+        assert tier.started.wait(60)
+        caplog.clear()
+        assert [ck.maybe_save(s, _state()).status for s in (2, 3, 4)] == ["skipped"] * 3
+        levels = [r.levelno for r in caplog.records if r.name == "ckpt.api"]
+        assert levels == [logging.WARNING, logging.INFO, logging.INFO]
+        tier.go.set()
+        first.wait()
+
+
+def test_two_ranks_skip_together_while_one_still_allocates_then_save_together(tmp_path):
+    # rank 1's allocation is slow, rank 0's is not: both skip step 1 (the agreement), both save step 2
+    results = run_ranks(HERE / "ranks_worker.py", str(tmp_path), "allocating")
+    assert_ok(results)
+    lines = [[l for l in r.stdout.splitlines() if l.startswith(("step", "allocated"))] for r in results]
+    assert lines[0][:2] == lines[1][:2] == ["step 1 skipped 1", "step 2 done 1"], lines
+    assert lines[1][2] == "allocated by ckpt-prepare ckpt-prepare", lines   # never in rank 1's training thread
+
+
+def test_the_pool_counts_an_allocation_under_way_as_a_buffer_to_come(slow_allocation):
+    pool = HostPool(1, None, pin=False)
+    try:
+        pool.prepare(1000)
+        # acquire without block waits for that allocation: has_free says so (the ranks agree on it)
+        assert pool.has_free()
+        # a save that may be skipped does not wait that long
+        assert not pool.wait_free(1000, 1, timeout=BOUND_MS / 1000)
+        buf = pool.acquire(1000, block=False, step=1)
+        assert buf is not None and slow_allocation == ["ckpt-prepare"]
+    finally:
+        pool.close()
