@@ -342,6 +342,8 @@ class PeerTier(PersistingTier):
         m = Manifest.from_bytes(raw, where)
         if m.step != sstep or sstep != step or m.data_bytes != dbytes:
             raise CorruptCheckpointError(f"{where}: its step or size disagree with its header (step {step} expected)")
+        while self.pool.preparing is not None:   # the second buffer is still being allocated: waiting for it
+            time.sleep(0.005)                     # keeps the newest replica whole (acquire would take it now)
         buf = self.pool.acquire(max(dbytes, 1), block=True, step=step)
         self.pool.prepare(dbytes)   # the other replica buffer, in the background, before the next exchange
         return buf, m
