@@ -441,6 +441,9 @@ class Checkpointer:
                 self._pipeline.note_step(now - self._last_step_at)
             self._last_step_at = now
         due = self.interval.due(step)
+        if due and isinstance(self.interval, AutoInterval) and self.interval.seconds is None and \
+                self.pool.preparing is not None:
+            due = False   # "as soon as it can" means once the buffers are there: no bounded waits meanwhile
         if self._agree_due:
             due = bool(self.ranks.max([int(due)])[0])   # clocks differ between ranks: save if any says so
         if not due:
@@ -529,6 +532,7 @@ class Checkpointer:
         stats = SnapshotStats(step, nbytes=data_bytes)
         handle = SaveHandle(step, self.tiers, stats)
         t_wait = time.perf_counter()
+        allocations = self.pool.allocations
         wait = self.if_busy is IfBusy.WAIT or self._forcing
         pipe = self._pipeline
         busy = dict.fromkeys(pipe.tiers, 0)
@@ -593,7 +597,10 @@ class Checkpointer:
             previous = self.history[-1] if self.history else None
             # saves that wait for the tiers (if_busy="wait") cannot come faster than the local tier writes;
             # with newest wins the snapshot cadence is the memory tier's alone (each tier has its own)
-            self.interval.record(stats.stall_s, previous.persist_s.get("local")
+            # a save that allocated its buffer paid a one-time cost (seconds for GB of pinned memory), not the
+            # snapshot's: the interval is set from what every snapshot costs the loop
+            once = stats.wait_s if self.pool.allocations > allocations else 0.0
+            self.interval.record(stats.stall_s - once, previous.persist_s.get("local")
                                  if previous and self.if_busy is IfBusy.WAIT else None)
         with self._lock:
             self._handles = [h for h in self._handles if not h.done()] + [handle]
