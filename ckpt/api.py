@@ -455,6 +455,7 @@ class Checkpointer:
         ``state`` in the background (taking over the segments a previous process left first), so that
         the first save does not wait for the allocation."""
         self._prepared = True
+        self._prepared_sync = True   # the background allocation adopts the previous process's segments itself
         self._own_local()
         try:
             plan = flatten(state, self.on_unsupported)

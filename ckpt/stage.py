@@ -200,8 +200,9 @@ class HostPool:
             return
         for slot in range(self.slots):
             with self._cv:
-                if any(b.slot == slot for b in self.buffers) or len(self.buffers) >= self.slots:
-                    continue
+                if any(b.slot == slot for b in self.buffers) or slot in self._reserved or \
+                        len(self.buffers) >= self.slots:
+                    continue   # taken, or being allocated
             rec = shm.record_of(space.root, space.prefix, slot)
             path = space.root / shm.buffer_name(space.prefix, slot)
             if rec is None:
@@ -220,8 +221,9 @@ class HostPool:
                 self._cv.notify_all()
 
     def prepare(self, nbytes: int) -> None:
-        """Allocate every buffer for a state of ``nbytes`` in a background thread (once), so that the
-        first save does not pay for the allocation (seconds for pinned or registered memory)."""
+        """In a background thread (once): take over the segments a previous owner left (:meth:`adopt`), then
+        allocate the missing buffers for a state of ``nbytes``, so that the first save does not pay for the
+        allocation (seconds for pinned or registered memory)."""
         self._note_device()
         with self._cv:
             if self._prepared is not None or self._closed:
@@ -230,7 +232,8 @@ class HostPool:
             def run() -> None:
                 priority.lower_this_thread()
                 try:
-                    self._prepare_buffers(nbytes)
+                    self.adopt()   # a previous process's segments first (their snapshots stay listed), here:
+                    self._prepare_buffers(nbytes)   # a save adopting beside this allocation could map a slot twice
                 except Exception as e:   # noqa: BLE001 - the save allocates (and reports) itself
                     log.warning("allocating the snapshot buffers ahead failed (%s); the first save allocates", e)
                 finally:

@@ -218,6 +218,27 @@ def test_the_first_maybe_save_allocates_the_buffers_in_the_background(local_dir)
         assert ck.pool.allocations == 2   # the save took a prepared buffer
 
 
+@needs_shm
+def test_the_background_allocation_takes_over_what_the_previous_process_left_first(local_dir):
+    with ckpt.Checkpointer(local_dir=local_dir, persist_every={"local": 1000}) as ck:
+        for s in (1, 2):
+            ck.save(s, {"w": torch.full((100_000,), float(s))}).wait("memory")
+        ck.close(keep_memory=True)   # as a crash leaves them
+    with ckpt.Checkpointer(local_dir=local_dir, every_steps=10, persist_every={"local": 1000}) as ck:
+        state = {"w": torch.zeros(100_000)}
+        assert ck.maybe_save(3, state) is None   # starts the background allocation
+        ck.pool._prepared.join(60)
+        # both segments adopted with their snapshots, each slot mapped once, nothing allocated anew
+        assert sorted(b.slot for b in ck.pool.buffers) == [0, 1] and ck.pool.allocations == 0
+        assert sorted(b.image_step for b in ck.pool.buffers) == [1, 2] and ck.memory.committed_steps() == [2, 1]
+        state["w"].fill_(10.0)
+        ck.maybe_save(10, state).wait()
+        assert ck.memory.committed_steps() == [10, 2]   # the newest earlier snapshot stayed whole
+        assert len(list(Path(shm.shm_root()).glob(shm.prefix_for(local_dir, 0) + "-s*.buf"))) == 2
+        out = {"w": torch.zeros(100_000)}
+        assert ck.restore(out, step=2) == 2 and ck.last_restore.tier == "memory" and float(out["w"][0]) == 2.0
+
+
 def _ckpt(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "ckpt.cli", *args], capture_output=True, text=True, timeout=120)
 
