@@ -166,6 +166,7 @@ class HostPool:
         self._preparing: float | None = None   # when prepare()'s background allocation started, while it runs
         self._reserved: set[int] = set()   # slots being allocated
         self._warned_shm = False
+        self.holds_what = "the memory tier keeps its snapshots"   # for messages: what the buffers are for
 
     @property
     def nbytes(self) -> int:
@@ -516,10 +517,10 @@ class HostPool:
         except OSError as e:
             if not self._warned_shm:
                 self._warned_shm = True
-                log.warning("the memory tier keeps its snapshots in this process's memory, so they do not outlive "
-                            "it: a %s buffer does not fit in %s (%s); it needs %d buffer(s) of that size free there "
-                            "(enlarge it: docker --shm-size, or a Kubernetes emptyDir with medium: Memory)",
-                            _mib(cap), space.root, e.strerror or e, self.slots)
+                log.warning("%s in this process's memory, so they do not outlive it: a %s buffer does not fit in "
+                            "%s (%s); it needs %d buffer(s) of that size free there (enlarge it: docker --shm-size, "
+                            "or a Kubernetes emptyDir with medium: Memory)", self.holds_what, _mib(cap), space.root,
+                            e.strerror or e, self.slots)
             return None
         seg.register(self._device)
         return HostBuffer(cap, self.pin, segment=seg, slot=slot)

@@ -216,6 +216,7 @@ class PeerTier(PersistingTier):
         self.src = (self.rank - jump) % self.world   # whose replicas this rank holds
         self.space = replica_space(local_dir, self.src)
         self.pool = HostPool(REPLICA_SLOTS, None, pin=False)
+        self.pool.holds_what = f"the peer tier keeps rank {self.src}'s replicas"
         if self.space is not None:
             self.pool.share(self.space)
             self.pool.adopt()   # replicas this rank's previous process held: still served, and reused
