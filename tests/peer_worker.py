@@ -20,6 +20,8 @@ Each rank checkpoints into ``ROOT/rank-<RANK>`` with ``peers=1`` and keeps its s
   NCCL), checking every chunk; prints ``staged OK`` or what differed.
 * ``tear``: saves step 2 (the replicas land), then rank 0 is SIGKILLed while rank 1's replica of step 4 is
   arriving (a third of it in), and rank 1 kills itself when its exchange fails: prints ``torn``.
+* ``cadence``: snapshots every step, the peer tier every 3 (``persist_every``); prints ``cadence`` with the
+  replicas it holds, the peer tier's counts and figures.
 * ``restore``: prints ``restored S W T`` (step, ``w[0]`` after it, the tier it came from).
 """
 
@@ -114,9 +116,9 @@ def main() -> None:
     remote = os.environ.get("CKPT_TEST_REMOTE") == "1"
     try:
         drain = mode == "drain"
-        ck = ckpt.Checkpointer(local_dir=f"{root}/rank-{rank}", every_steps=1 if training else 2, peers=1,
-                               url=f"file://{root}/remote-{rank}" if remote else None,
-                               persist_every={"local": 1000} if training else None,
+        every = {"local": 1000, "peer": 3} if mode == "cadence" else {"local": 1000} if training else None
+        ck = ckpt.Checkpointer(local_dir=f"{root}/rank-{rank}", every_steps=1 if training or every else 2, peers=1,
+                               url=f"file://{root}/remote-{rank}" if remote else None, persist_every=every,
                                on_preempt="raise", if_busy="wait",
                                signals=(signal.SIGTERM,) if drain else (), drain_tier="peer" if drain else "local",
                                drain_deadline=60)
@@ -158,6 +160,15 @@ def main() -> None:
                 finally:
                     print("torn", flush=True)
                     os.kill(os.getpid(), signal.SIGKILL)
+            elif mode == "cadence":
+                for step in range(1, 8):
+                    ck.wait_staged()
+                    state["w"].fill_(step)
+                    ck.maybe_save(step, state).wait()
+                c, f = ck.tier_counts["peer"], ck.tier_figures()["peer"]
+                print("cadence", ck.peer.committed_steps(), c.persisted, c.not_due, f.committed, f.writes,
+                      f.write_gbps is not None, flush=True)
+                torch.distributed.barrier()
             elif mode == "train":
                 for step in range(1, KILL_AT + 1):
                     ck.wait_staged()

@@ -114,6 +114,11 @@ def test_without_any_replica_the_lost_rank_has_nothing_and_says_so(tmp_path):
         assert r.returncode != 0 and "NoCheckpointError" in r.stderr, r.stderr[-2000:]
 
 
+def test_the_peer_tier_keeps_its_own_cadence_and_reports_its_figures(tmp_path):
+    # snapshots every step, the peer tier every 3: it exchanges steps 1, 4 and 7 and holds the newest two
+    assert _lines(_run(tmp_path, "cadence", 2), "cadence") == ["cadence [7, 4] 3 4 2 3 True"] * 2
+
+
 def test_a_restore_right_after_a_save_waits_for_the_exchange(tmp_path):
     # the restore may use the peer group to send copies back: it must not interleave with the exchange
     got = _lines(_run(tmp_path, "rollback", 2), "restored")
