@@ -50,8 +50,9 @@ _DEFAULTS: dict[str, int] = {
     # Milliseconds a save of maybe_save() under if_busy="skip" waits for a host buffer before it skips the
     # snapshot: while the background allocation of the buffers is still running (a fresh process; it starts
     # at the first maybe_save() and takes seconds per GB-sized buffer), or while every buffer is held by a
-    # tier still persisting an earlier snapshot. Explicit save() calls, preemption drains and
-    # if_busy="wait" wait as long as it takes.
+    # tier still persisting an earlier snapshot (no wait when no buffer exists yet and the one being allocated
+    # cannot be there in time). Explicit save() calls, preemption drains and if_busy="wait" wait as long as
+    # it takes.
     "CKPT_BUSY_WAIT_MS": 1000,
     # Seconds the interpreter-exit hook waits for queued saves to persist (0: as long as they take).
     "CKPT_EXIT_WAIT_S": 0,

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import ckpt
-from ckpt import knobs
+from ckpt import knobs, stage
 from ckpt.stage import HostPool
 from ckpt.tiers import LocalTier
 from helpers import assert_ok, run_ranks
@@ -211,3 +211,13 @@ def test_interval_auto_takes_its_first_snapshot_once_the_buffers_are_there_and_n
         ck.save(1, _state()).wait()   # an explicit first save allocates its buffer itself (SLOW_S)
         assert ck.history[-1].stall_s >= SLOW_S
         assert ck.interval_report()["cost_s"] < SLOW_S / 4   # the allocation is not the snapshot's cost
+
+
+def test_a_save_skips_at_once_when_the_first_buffer_cannot_be_there_within_the_bound(local_dir, slow_allocation,
+                                                                                     monkeypatch):
+    # the first buffer's allocation needs far longer than the bound (a slow rate for its size): no wait at all
+    monkeypatch.setattr(stage, "_ALLOC_GBPS", 1e-9)
+    with knobs.override(CKPT_BUSY_WAIT_MS=3000), ckpt.Checkpointer(local_dir=local_dir, every_steps=1) as ck:
+        t0 = time.monotonic()
+        handle = ck.maybe_save(1, _state())
+        assert handle.status == "skipped" and time.monotonic() - t0 < 1.5
