@@ -221,3 +221,19 @@ def test_a_save_skips_at_once_when_the_first_buffer_cannot_be_there_within_the_b
         t0 = time.monotonic()
         handle = ck.maybe_save(1, _state())
         assert handle.status == "skipped" and time.monotonic() - t0 < 1.5
+
+
+def test_with_pinned_buffers_a_save_does_not_start_while_one_is_being_registered(tmp_path, slow_allocation):
+    # the first buffer is there, the second still being allocated (registered with the CUDA driver, which
+    # would hold up the snapshot's copies): the save waits out its bound for the allocation, then skips
+    pool = HostPool(2, None, pin=True)
+    pool.share(stage.SharedSpace(tmp_path, "ckpt-0123456789abcdef-r00000", str(tmp_path)))
+    pool.prepare(4096)
+    deadline = time.monotonic() + 3 * SLOW_S
+    while not pool.buffers and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert len(pool.buffers) == 1 and pool._allocating == 1
+    assert not pool.wait_free(4096, 1, 0.3)   # a free buffer, but a registration under way
+    pool._prepared.join(3 * SLOW_S)
+    assert pool.wait_free(4096, 1, 0.3)
+    pool.close()
