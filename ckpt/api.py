@@ -442,8 +442,8 @@ class Checkpointer:
             self._last_step_at = now
         due = self.interval.due(step)
         if due and isinstance(self.interval, AutoInterval) and self.interval.seconds is None and \
-                self.pool.preparing is not None:
-            due = False   # "as soon as it can" means once the buffers are there: no bounded waits meanwhile
+                self.pool.allocation_outlasts(knobs.get("CKPT_BUSY_WAIT_MS") / 1e3):
+            due = False   # "as soon as it can" means once a buffer can be there: no skip per step meanwhile
         if self._agree_due:
             due = bool(self.ranks.max([int(due)])[0])   # clocks differ between ranks: save if any says so
         if not due:

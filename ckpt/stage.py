@@ -382,6 +382,12 @@ class HostPool:
                     return False
                 self._cv.wait(left)
 
+    def allocation_outlasts(self, seconds: float) -> bool:
+        """Whether a save now would find no buffer within ``seconds`` because of the background allocation
+        (see :meth:`_allocation_outlasts`)."""
+        with self._cv:
+            return self._allocation_outlasts(seconds)
+
     def _allocation_outlasts(self, seconds: float) -> bool:
         """(under the lock) Whether no buffer can come within ``seconds``: none exists (so no tier will let go
         of one), or the buffers are pinned (a save waits for a registration to end), and the background
