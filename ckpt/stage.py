@@ -209,22 +209,36 @@ class HostPool:
                 if any(b.slot == slot for b in self.buffers) or slot in self._reserved or \
                         len(self.buffers) >= self.slots:
                     continue   # taken, or being allocated
-            rec = shm.record_of(space.root, space.prefix, slot)
-            path = space.root / shm.buffer_name(space.prefix, slot)
-            if rec is None:
-                continue
+                self._reserved.add(slot)   # being taken over: counted like an allocation (it registers)
+                self._allocating += 1
+            buf = None
             try:
-                seg = shm.Segment.open(path, rec.manifest.data_bytes, writable=True)
-            except OSError as e:
-                log.warning("memory-tier segment %s is unusable (%s): not adopted", path, e)
-                shm.remove_record(space.root, space.prefix, slot)
-                continue
-            seg.register(self._device)
-            buf = HostBuffer(0, self.pin, segment=seg, slot=slot)
-            buf.image_step, buf.manifest, buf.image_timeline, buf.record = rec.step, rec.manifest, rec.timeline, rec
-            with self._cv:
-                self.buffers.append(buf)
-                self._cv.notify_all()
+                buf = self._adopt_slot(space, slot, shm)
+            finally:
+                with self._cv:
+                    self._reserved.discard(slot)
+                    self._allocating -= 1
+                    if buf is not None:
+                        self.buffers.append(buf)
+                    self._cv.notify_all()
+
+    def _adopt_slot(self, space: SharedSpace, slot: int, shm: Any) -> HostBuffer | None:
+        """Map and register segment ``slot`` with the snapshot its record describes (``None``: it has none,
+        or it is unusable: its record is withdrawn then)."""
+        rec = shm.record_of(space.root, space.prefix, slot)
+        path = space.root / shm.buffer_name(space.prefix, slot)
+        if rec is None:
+            return None
+        try:
+            seg = shm.Segment.open(path, rec.manifest.data_bytes, writable=True)
+        except OSError as e:
+            log.warning("memory-tier segment %s is unusable (%s): not adopted", path, e)
+            shm.remove_record(space.root, space.prefix, slot)
+            return None
+        seg.register(self._device)
+        buf = HostBuffer(0, self.pin, segment=seg, slot=slot)
+        buf.image_step, buf.manifest, buf.image_timeline, buf.record = rec.step, rec.manifest, rec.timeline, rec
+        return buf
 
     def prepare(self, nbytes: int) -> None:
         """In a background thread (once): take over the segments a previous owner left (:meth:`adopt`), then
