@@ -22,6 +22,8 @@ Each rank checkpoints into ``ROOT/rank-<RANK>`` with ``peers=1`` and keeps its s
   arriving (a third of it in), and rank 1 kills itself when its exchange fails: prints ``torn``.
 * ``cadence``: snapshots every step, the peer tier every 3 (``persist_every``); prints ``cadence`` with the
   replicas it holds, the peer tier's counts and figures.
+* ``full``: rank 0 cannot write the record of rank 1's replica of step 4 (``ENOSPC``, a full /dev/shm); prints
+  ``full`` with each rank's peer-tier status of steps 2, 4 and 6.
 * ``restore``: prints ``restored S W T`` (step, ``w[0]`` after it, the tier it came from).
 """
 
@@ -169,6 +171,34 @@ def main() -> None:
                 print("cadence", ck.peer.committed_steps(), c.persisted, c.not_due, f.committed, f.writes,
                       f.write_gbps is not None, flush=True)
                 torch.distributed.barrier()
+            elif mode == "full":
+                import errno
+
+                from ckpt import shm as shm_mod
+
+                real = shm_mod.write_record
+
+                def full(root_, prefix, slot, step, *a, **k):
+                    if rank == 0 and "-p" in prefix and step == 4:
+                        raise OSError(errno.ENOSPC, "No space left on device")
+                    return real(root_, prefix, slot, step, *a, **k)
+
+                shm_mod.write_record = full
+                status = []
+                for step in (2, 4, 6):
+                    state["w"].fill_(step)
+                    h = ck.save(step, state)
+                    try:
+                        h.wait("peer")
+                    except ckpt.CheckpointError:
+                        pass
+                    status.append(h.tier_status("peer"))
+                print("full", status, ck.peer.committed_steps(), flush=True)
+                torch.distributed.barrier()
+                try:
+                    ck.wait()
+                except ckpt.CheckpointError:
+                    pass
             elif mode == "train":
                 for step in range(1, KILL_AT + 1):
                     ck.wait_staged()

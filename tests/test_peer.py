@@ -104,6 +104,13 @@ def test_a_replica_torn_by_the_holders_death_is_never_served_and_the_previous_on
     assert got == ["restored 2 0.0 memory", "restored 2 1.0 peer"], got
 
 
+def test_a_holder_that_cannot_commit_a_replica_says_so_and_the_exchanges_go_on(tmp_path):
+    # rank 0's /dev/shm is full when rank 1's replica of step 4 arrives: rank 1's step 4 fails on the peer
+    # tier (its holder did not commit it), nothing waits forever, and step 6 goes through again
+    got = _lines(_run(tmp_path, "full", 2), "full")
+    assert got == ["full ['done', 'done', 'done'] [6, 2]", "full ['done', 'failed', 'done'] [6, 4]"], got
+
+
 def test_without_any_replica_the_lost_rank_has_nothing_and_says_so(tmp_path):
     _killed(_run(tmp_path, "train", 2))
     _replace_node(tmp_path, 1)

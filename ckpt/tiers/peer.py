@@ -322,8 +322,13 @@ class PeerTier(PersistingTier):
                                   "not committed", src, step, bad[0] * m.chunk_bytes)
                         buf.forget_image()
                     else:
-                        self.store.commit(m.step, m, buf, checksums=m.chunks, timeline=timeline)
-                        self.verified[m.step] = kept = True
+                        try:
+                            self.store.commit(m.step, m, buf, checksums=m.chunks, timeline=timeline)
+                            self.verified[m.step] = kept = True
+                        except OSError as e:   # the record could not be written (a full /dev/shm): not held,
+                            buf.forget_image()  # and the source still hears so below
+                            log.error("rank %d cannot commit rank %d's replica of step %d: %s", self.rank, src,
+                                      step, e)
                 finally:
                     self.pool.release(buf, staged=True)
             else:
