@@ -139,6 +139,10 @@ def main() -> None:
             elif mode == "tear":
                 state["w"] = torch.arange(n, dtype=torch.float32) + rank
                 ck.save(2, state).wait()
+                if rank == 1:   # its holder dies under it: whether gloo notices or waits out its timeout, it dies too
+                    import threading
+
+                    threading.Timer(20, lambda: (print("torn", flush=True), os.kill(os.getpid(), signal.SIGKILL))).start()
                 if rank == 0:   # the holder of rank 1's replicas dies while step 4's arrives
                     from ckpt.tiers import peer as peer_mod
 
