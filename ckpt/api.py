@@ -706,6 +706,8 @@ class Checkpointer:
                 except BaseException:
                     pass
         self._timeline = timeline
+        with self.pool._cv:
+            self.pool.live = timeline   # a snapshot a rollback abandoned is the first to be overwritten
         for tier in self._tiers + ([self.peer] if self.peer is not None else []):
             tier.timeline = timeline   # the peer tier sends it with each replica
 
@@ -788,7 +790,9 @@ class Checkpointer:
         else:
             raise ValueError(f"peers must be True (the next node's rank: LOCAL_WORLD_SIZE) or a rank distance "
                              f"that is not a multiple of the world size {world}, got {peers!r}")
-        timeout = knobs.get("CKPT_COMMIT_TIMEOUT_S")
+        timeout = knobs.get("CKPT_PEER_TIMEOUT_S")
+        if timeout <= 0:
+            raise ValueError(f"CKPT_PEER_TIMEOUT_S must be a positive number of seconds, got {timeout}")
         ranks = Ranks(timeout_s=timeout, own_group=True)
         data_group, device = None, None
         dist = torch.distributed

@@ -47,6 +47,11 @@ _DEFAULTS: dict[str, int] = {
     # Move the peer tier's replicas over an NCCL group of its own, staged through device buffers, when
     # the job has GPUs (1), or over gloo from host memory (0).
     "CKPT_PEER_NCCL": 0,
+    # Seconds one message of the peer tier's exchange may wait for the other side (its groups' timeout):
+    # a holder or source that stopped answering (died unnoticed, hung) fails the exchange after this, and
+    # the peer tier stops replicating in this process (training and the other tiers go on). A message waits
+    # at most for one piece or for the holder to get a replica buffer (seconds), never for a whole replica.
+    "CKPT_PEER_TIMEOUT_S": 300,
     # Milliseconds a save of maybe_save() under if_busy="skip" waits for a host buffer before it skips the
     # snapshot: while the background allocation of the buffers is still running (a fresh process; it starts
     # at the first maybe_save() and takes seconds per GB-sized buffer), or while every buffer is held by a

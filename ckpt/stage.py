@@ -94,6 +94,8 @@ class HostBuffer:
         self.image_step: int | None = None   # step whose snapshot the buffer holds, for the memory tier
         self.manifest: Any = None            # and that snapshot's manifest
         self.image_timeline: Any = None      # and its timeline
+        self.image_order = 0.0               # when it was committed (the newest is the last committed, which a
+                                             # rollback's new branch makes the newest whatever its step number)
         self.record: Any = None              # its shared-memory commit record, if any
         self.views: dict[tuple, torch.Tensor] = {}   # typed views into the buffer, reused across saves
 
@@ -109,6 +111,7 @@ class HostBuffer:
         return memoryview(self.tensor.numpy())[:nbytes]
 
     def forget_image(self) -> None:
+        self.image_order = 0.0
         self.image_step = None
         self.manifest = None
         self.image_timeline = None
@@ -172,6 +175,9 @@ class HostPool:
         self._reserved: set[int] = set()   # slots being allocated
         self._warned_shm = False
         self.holds_what = "the memory tier keeps its snapshots"   # for messages: what the buffers are for
+        #: the timeline (:class:`~ckpt.policy.Timeline`) the next snapshots go to (``None``: not known); the
+        #: buffer kept whole while the next snapshot is copied is the newest on its branch
+        self.live: Any = None
 
     @property
     def nbytes(self) -> int:
@@ -238,6 +244,7 @@ class HostPool:
         seg.register(self._device)
         buf = HostBuffer(0, self.pin, segment=seg, slot=slot)
         buf.image_step, buf.manifest, buf.image_timeline, buf.record = rec.step, rec.manifest, rec.timeline, rec
+        buf.image_order = rec.created_unix
         return buf
 
     def prepare(self, nbytes: int) -> None:
@@ -360,11 +367,9 @@ class HostPool:
         yet. Without ``inline``, nothing is allocated while the background allocation runs."""
         grow = inline or self._preparing is None   # may the caller allocate now
         free = [b for b in self.buffers if b.holds == 0 and (grow or b.capacity >= nbytes)]
-        free.sort(key=lambda b: (b.capacity < nbytes, b.image_step is not None,
-                                 b.image_step if b.image_step is not None else -1))
+        free.sort(key=lambda b: (b.capacity < nbytes, b.image_step is not None, self._rank(b)))
         free = [b for b in free if reclaim is None or reclaim(b, True, step)]
-        newest = max((b for b in self.buffers if b.image_step is not None), default=None,
-                     key=lambda b: b.image_step)
+        newest = max((b for b in self.buffers if b.image_step is not None), default=None, key=self._rank)
         room = grow and len(self.buffers) + self._allocating < self.slots
         if newest is not None and (room or len(free) > 1):
             # the newest snapshot stays whole while the next is copied, if there is any other way
@@ -482,7 +487,19 @@ class HostPool:
     def newest_image(self) -> HostBuffer | None:
         with self._cv:
             imgs = [b for b in self.buffers if b.image_step is not None]
-            return max(imgs, key=lambda b: b.image_step) if imgs else None
+            return max(imgs, key=lambda b: b.image_order) if imgs else None
+
+    def _rank(self, b: HostBuffer) -> tuple[bool, float]:
+        """How much a buffer's snapshot is worth keeping (larger: more): a snapshot on the branch the next
+        ones go to (:attr:`live`) over one a rollback abandoned, then the last committed."""
+        live = self.live is None or b.image_step is None or \
+            self.live.holds(getattr(b.image_timeline, "number", 0), b.image_step)
+        return live, b.image_order
+
+    def commit_order(self) -> float:
+        """(under the lock) The order of a snapshot committed now: after every one this pool holds (its
+        wall-clock time, as a record's ``created_unix``, never behind one already held)."""
+        return max([time.time()] + [b.image_order + 1e-6 for b in self.buffers])
 
     def _allocate(self, nbytes: int, step: int, slot: int, replacing: HostBuffer | None = None) -> HostBuffer:
         """A new buffer of at least ``nbytes`` in ``slot``; ``replacing`` (a free buffer too small for the

@@ -19,12 +19,16 @@ Each rank checkpoints into ``ROOT/rank-<RANK>`` with ``peers=1`` and keeps its s
   through ``CKPT_TEST_DEVICE`` buffers (``cpu``: the device path's ring logic over gloo; ``cuda``: over
   NCCL), checking every chunk; prints ``staged OK`` or what differed.
 * ``tear``: saves step 2 (the replicas land), then rank 0 is SIGKILLed while rank 1's replica of step 4 is
-  arriving (a third of it in), and rank 1 kills itself when its exchange fails: prints ``torn``.
+  arriving (a third of it in); rank 1 prints ``peer STATUS BROKEN SECONDS`` once its exchange failed, and
+  kills itself: both print ``torn``.
 * ``cadence``: snapshots every step, the peer tier every 3 (``persist_every``); prints ``cadence`` with the
   replicas it holds, the peer tier's counts and figures.
-* ``full``: rank 0 cannot write the record of rank 1's replica of step 4 (``ENOSPC``, a full /dev/shm); prints
-  ``full`` with each rank's peer-tier status of steps 2, 4 and 6.
-* ``restore``: prints ``restored S W T`` (step, ``w[0]`` after it, the tier it came from).
+* ``full``: rank 0 cannot write the record of rank 1's replica of step 4 (``ENOSPC``, a full /dev/shm), or with
+  ``CKPT_TEST_FAULT=header`` refuses that replica's header as out of bounds; prints ``full`` with each rank's
+  peer-tier status of steps 2, 4 and 6.
+* ``restore``: prints ``restored S W T`` (step, ``w[0]`` after it, the tier it came from). ``CKPT_TEST_FAULT``
+  on rank 1: ``alloc`` (no host memory to receive its replica into), ``manifest`` (the replica's manifest
+  fails to parse on arrival).
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ import hashlib
 import os
 import signal
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -139,10 +144,6 @@ def main() -> None:
             elif mode == "tear":
                 state["w"] = torch.arange(n, dtype=torch.float32) + rank
                 ck.save(2, state).wait()
-                if rank == 1:   # its holder dies under it: whether gloo notices or waits out its timeout, it dies too
-                    import threading
-
-                    threading.Timer(20, lambda: (print("torn", flush=True), os.kill(os.getpid(), signal.SIGKILL))).start()
                 if rank == 0:   # the holder of rank 1's replicas dies while step 4's arrives
                     from ckpt.tiers import peer as peer_mod
 
@@ -162,7 +163,15 @@ def main() -> None:
                     peer_mod.Exchange.data = dying
                 state["w"].add_(2)
                 try:
-                    ck.save(4, state).wait()
+                    # rank 1: its holder dies under it; whether gloo notices or not, its exchange fails within
+                    # CKPT_PEER_TIMEOUT_S, and the peer tier stops in this process
+                    h = ck.save(4, state)
+                    t0 = time.monotonic()
+                    try:
+                        h.wait("peer")
+                    except ckpt.CheckpointError:
+                        pass
+                    print("peer", h.tier_status("peer"), ck.peer.broken is not None, time.monotonic() - t0, flush=True)
                 finally:
                     print("torn", flush=True)
                     os.kill(os.getpid(), signal.SIGKILL)
@@ -187,16 +196,22 @@ def main() -> None:
                         raise OSError(errno.ENOSPC, "No space left on device")
                     return real(root_, prefix, slot, step, *a, **k)
 
-                shm_mod.write_record = full
+                header = os.environ.get("CKPT_TEST_FAULT") == "header"
+                if not header:
+                    shm_mod.write_record = full
                 status = []
                 for step in (2, 4, 6):
                     state["w"].fill_(step)
+                    limit = shm_mod.MAX_RECORD_BYTES
+                    if header and rank == 0 and step == 4:   # rank 1's manifest is "too big" for its holder
+                        shm_mod.MAX_RECORD_BYTES = 8
                     h = ck.save(step, state)
                     try:
                         h.wait("peer")
                     except ckpt.CheckpointError:
                         pass
                     status.append(h.tier_status("peer"))
+                    shm_mod.MAX_RECORD_BYTES = limit
                 print("full", status, ck.peer.committed_steps(), flush=True)
                 torch.distributed.barrier()
                 try:
@@ -241,6 +256,21 @@ def main() -> None:
                 step = ck.restore(state)
                 print(f"restored {step} {float(state['w'][0])} {ck.last_restore.tier}", flush=True)
             else:
+                fault = os.environ.get("CKPT_TEST_FAULT") if rank == 1 else None
+                from ckpt.tiers import peer as peer_mod
+
+                if fault == "alloc":   # a pinned allocation that fails raises RuntimeError
+                    def no_memory(nbytes):
+                        raise RuntimeError(f"test: cannot allocate {nbytes} bytes")
+                    peer_mod._receive_buffer = no_memory
+                elif fault == "manifest":
+                    from ckpt.errors import CorruptCheckpointError
+
+                    class Garbled(peer_mod.Manifest):
+                        @classmethod
+                        def from_bytes(cls, raw, where):
+                            raise CorruptCheckpointError(f"{where}: garbled in this test")
+                    peer_mod.Manifest = Garbled
                 step = ck.restore(state)
                 print(f"restored {step} {float(state['w'][0])} {ck.last_restore.tier}", flush=True)
     finally:

@@ -263,3 +263,30 @@ def test_ckpt_ls_and_gc_show_and_free_the_ram_a_crashed_job_left(tmp_path):
         ck.close(keep_memory=True)
     assert _ckpt("gc", "--memory", str(run)).returncode == 0
     assert shm.segments(prefix=shm.prefix_for(run, 0)) == []
+
+
+def test_after_a_rollback_the_snapshot_kept_whole_is_the_newest_on_the_live_branch(local_dir):
+    # steps 1-3 saved, then a rollback to 2: the next snapshot (3 on the new branch) must be copied over the
+    # abandoned step 3, never over step 2, the newest snapshot the live branch has in RAM meanwhile
+    with ckpt.Checkpointer(local_dir=local_dir, persist_every={"local": 1000}, if_busy="wait") as ck:
+        for s in (1, 2, 3):
+            ck.save(s, {"w": torch.full((10,), float(s))}).wait()
+        out = {"w": torch.zeros(10)}
+        assert ck.restore(out, step=2) == 2 and ck.timeline.number == 1
+        ck.save(3, {"w": torch.full((10,), 30.0)}).wait()
+        assert sorted(c.key for c in ck.memory.committed()) == [(0, 2), (1, 3)]
+        ck.save(4, {"w": torch.full((10,), 40.0)}).wait()
+        assert sorted(c.key for c in ck.memory.committed()) == [(1, 3), (1, 4)]
+
+
+def test_a_run_restarted_from_scratch_overwrites_the_snapshot_it_replaces_first(local_dir):
+    # a previous run left steps 3 and 4 in RAM; a new run that does not restore saves 1, 2, 3 on the same
+    # branch: each new snapshot goes over the oldest-committed buffer, the one just committed stays whole
+    with ckpt.Checkpointer(local_dir=local_dir, persist_every={"local": 1000}, if_busy="wait") as ck:
+        for s in (3, 4):
+            ck.save(s, {"w": torch.full((10,), float(s))}).wait("memory")
+        ck.close(keep_memory=True)
+    with ckpt.Checkpointer(local_dir=local_dir, persist_every={"local": 1000}, if_busy="wait") as ck:
+        ck.save(1, {"w": torch.full((10,), 10.0)}).wait("memory")
+        ck.save(2, {"w": torch.full((10,), 20.0)}).wait("memory")
+        assert sorted(c.step for c in ck.memory.committed()) == [1, 2]

@@ -92,10 +92,13 @@ def test_a_corrupt_replica_is_refused_and_the_next_tier_used(tmp_path):
 
 def test_a_replica_torn_by_the_holders_death_is_never_served_and_the_previous_one_is(tmp_path):
     env = {"CKPT_CHUNK_BYTES": str(1 << 20), "CKPT_PEER_PIECE_BYTES": str(1 << 20),   # 12 pieces of 1 MiB
-           "CKPT_TEST_N": str(3_000_000)}
+           "CKPT_TEST_N": str(3_000_000), "CKPT_PEER_TIMEOUT_S": "10"}
     results = _run(tmp_path, "tear", 2, env)
     for r in results:
         assert r.returncode == -signal.SIGKILL and "torn" in r.stdout, r.stderr[-3000:]
+    # the source noticed, or gave up after CKPT_PEER_TIMEOUT_S at the latest; its peer tier stopped
+    status, broken, seconds = _lines(results[1:], "peer", ok=False)[0].split()[1:]
+    assert (status, broken) == ("failed", "True") and float(seconds) < 60, (status, broken, seconds)
     # rank 0's RAM: its own snapshots 2 and 4, and rank 1's replica of step 2 only (4's was withdrawn, never committed)
     rows = {(r["replica"], r["rank"]): r["steps"] for r in _ls_memory(tmp_path / "shm-0")}
     assert rows[(True, 1)] == [2], rows
@@ -109,6 +112,38 @@ def test_a_holder_that_cannot_commit_a_replica_says_so_and_the_exchanges_go_on(t
     # tier (its holder did not commit it), nothing waits forever, and step 6 goes through again
     got = _lines(_run(tmp_path, "full", 2), "full")
     assert got == ["full ['done', 'done', 'done'] [6, 2]", "full ['done', 'failed', 'done'] [6, 4]"], got
+
+
+def test_a_holder_refuses_a_header_out_of_bounds_and_the_exchanges_go_on(tmp_path):
+    got = _lines(_run(tmp_path, "full", 2, {"CKPT_TEST_FAULT": "header"}), "full")
+    assert got == ["full ['done', 'done', 'done'] [6, 2]", "full ['done', 'failed', 'done'] [6, 4]"], got
+
+
+@pytest.mark.parametrize("fault", ["alloc", "manifest"])
+@pytest.mark.parametrize("remote", [True, False])
+def test_a_replaced_rank_that_cannot_take_its_replica_falls_back_and_its_holder_never_waits(tmp_path, fault, remote):
+    # rank 1 (replaced) cannot allocate host memory for its replica, or the replica's manifest fails to parse:
+    # it says so to its holder before any data moves (or takes the data and drops it), so neither waits for the
+    # other (CKPT_PEER_TIMEOUT_S is far beyond the run's time limit); it falls back to the remote tier, or,
+    # without one, every rank says there is no common step
+    env = {"CKPT_TEST_REMOTE": "1" if remote else "0", "CKPT_PEER_TIMEOUT_S": "900"}
+    assert_ok(_run(tmp_path, "save", 2, env))
+    _replace_node(tmp_path, 1)
+    results = run_ranks(HERE / "peer_worker.py", str(tmp_path), "restore", world=2, timeout=150,
+                        env={**env, "CKPT_TEST_FAULT": fault})
+    if remote:
+        assert _lines(results, "restored") == ["restored 4 4.0 memory", "restored 4 104.0 remote"]
+    else:
+        for r in results:
+            assert r.returncode != 0 and "NoCheckpointError" in r.stderr, r.stderr[-2000:]
+
+
+def test_replicas_no_rank_of_the_job_can_ask_for_are_freed_once_a_new_one_is_committed(tmp_path):
+    assert _lines(_run(tmp_path, "save", 3), "saved") == ["saved [4, 2]"] * 3   # rank 0 holds rank 2's replicas
+    assert {r["rank"] for r in _ls_memory(tmp_path / "shm-0") if r["replica"]} == {2}
+    assert _lines(_run(tmp_path, "save", 2), "saved") == ["saved [4, 2]"] * 2   # the job shrinks: rank 1's now
+    rows = _ls_memory(tmp_path / "shm-0")
+    assert sorted((r["replica"], r["rank"], r["steps"]) for r in rows) == [(False, 0, [2, 4]), (True, 1, [2, 4])]
 
 
 def test_without_any_replica_the_lost_rank_has_nothing_and_says_so(tmp_path):

@@ -78,6 +78,7 @@ class MemoryTier(Tier):
             buffer.manifest = manifest
             buffer.image_timeline = timeline
             buffer.image_step = step
+            buffer.image_order = self.pool.commit_order()
             buffer.record = record
 
     # -- listing ----------------------------------------------------------------------------------

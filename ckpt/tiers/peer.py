@@ -172,8 +172,8 @@ def checked_receive(wire: Exchange, out: torch.Tensor | None, to: int | None, in
                     frm: int | None, in_piece: int, manifest: Manifest | None) -> list[int]:
     """:meth:`Exchange.data`, checking each received chunk against ``manifest`` on
     ``CKPT_PERSIST_THREADS`` threads while later pieces arrive; returns the chunks that failed."""
-    if into is None or manifest is None or not into.numel():
-        wire.data(out, to, None, None, in_piece, lambda a, k: None)
+    if into is None or manifest is None or not into.numel():   # nothing to check: the bytes still move
+        wire.data(out, to, into, frm if into is not None else None, in_piece, lambda a, k: None)
         return []
     c, n = manifest.chunk_bytes, manifest.data_bytes
     view = memoryview(into.numpy())
@@ -226,6 +226,9 @@ class PeerTier(PersistingTier):
         self.verified: dict[int, bool] = {}
         piece = max(knobs.get("CKPT_CHUNK_BYTES"), knobs.get("CKPT_PEER_PIECE_BYTES"))
         self.wire = Exchange(ranks.group, piece, data_group, device)
+        #: why the exchanges stopped in this process (a transport failure), or ``None``
+        self.broken: str | None = None
+        self._stale_checked = False
 
     def holder_of(self, rank: int) -> int:
         """The rank that holds ``rank``'s replicas."""
@@ -279,6 +282,14 @@ class PeerTier(PersistingTier):
         self._exchange(step, None, None)
 
     def _exchange(self, step: int, manifest: Manifest | None, data: memoryview | None) -> float:
+        """One exchange (collective): rounds of header, "header taken", manifest, forks, "buffer ready", data
+        and "kept". Each side sends a message only where the other said it will receive it, so a side that
+        refuses (a header out of bounds, a manifest that does not parse, no buffer, a record it cannot write)
+        leaves neither waiting; a transport failure (a peer died, or stopped answering for
+        ``CKPT_PEER_TIMEOUT_S``) stops the peer tier in this process (:attr:`broken`)."""
+        if self.broken is not None:
+            raise CheckpointError(f"step {step}: the peer tier stopped after a failed exchange ({self.broken}); "
+                                  "snapshots are no longer replicated in this process")
         t0 = time.perf_counter()
         sent = manifest is not None
         raw, forks, body = b"", torch.zeros(0, dtype=torch.int64), None
@@ -292,26 +303,36 @@ class PeerTier(PersistingTier):
         hdr = torch.tensor([int(sent), len(raw), manifest.data_bytes if sent else 0, step, self.timeline.number,
                             forks.numel() // 2, wire.piece], dtype=torch.int64)
         got = torch.zeros(_HDR, dtype=torch.int64)
+        refused = None   # why the holder refused this rank's replica (its header or its buffer)
         try:
             wire.swap(hdr, dst, got, src)
             ok, mlen, dbytes, sstep, number, nforks, in_piece = got.tolist()
             if ok and not (0 < mlen <= shm.MAX_RECORD_BYTES and 0 <= dbytes < 1 << 50 and 0 <= nforks <= _MAX_FORKS
-                           and in_piece > 0):
-                raise CheckpointError(f"step {step}: rank {src} sent a replica header out of bounds ({got.tolist()})")
+                           and in_piece > 0 and sstep == step):
+                log.error("rank %d refuses rank %d's replica of step %d: its header is out of bounds (%s)",
+                          self.rank, src, step, got.tolist())
+                ok = 0   # taken as "no replica": nothing more is received from the source
+            taken = torch.zeros(1, dtype=torch.int64)
+            wire.swap(torch.tensor([ok]) if got[0].item() else None, src, taken if sent else None, dst)
+            go = sent and bool(taken.item())
+            if sent and not go:
+                refused = "it refused the header"
             meta = torch.empty(mlen if ok else 0, dtype=torch.uint8)
             forks_in = torch.empty(2 * nforks if ok else 0, dtype=torch.int64)
-            wire.swap(_bytes(raw) if sent else None, dst, meta if ok else None, src)
-            wire.swap(forks if sent and forks.numel() else None, dst, forks_in if ok and nforks else None, src)
+            wire.swap(_bytes(raw) if go else None, dst, meta if ok else None, src)
+            wire.swap(forks if go and forks.numel() else None, dst, forks_in if ok and nforks else None, src)
             held = None   # the holder takes a buffer for the replica, or says it cannot
             if ok:
                 try:
                     timeline = Timeline(number, tuple((int(a), int(b)) for a, b in forks_in.view(-1, 2).tolist()))
-                    held = self._take(step, sstep, bytes(meta.numpy()), dbytes), timeline
-                except (CheckpointError, OSError) as e:   # HostMemoryError, a full /dev/shm, a bad manifest
+                    held = self._take(step, sstep, bytes(meta.numpy()), dbytes, timeline), timeline
+                except (CheckpointError, OSError, ValueError) as e:   # HostMemoryError, a full /dev/shm, a bad
                     log.error("rank %d cannot hold rank %d's replica of step %d: %s", self.rank, src, step, e)
             ready_in = torch.zeros(1, dtype=torch.int64)
-            wire.swap(torch.tensor([int(held is not None)]) if ok else None, src, ready_in if sent else None, dst)
-            out = body if sent and ready_in.item() else None
+            wire.swap(torch.tensor([int(held is not None)]) if ok else None, src, ready_in if go else None, dst)
+            if go and not ready_in.item():
+                refused = "it could not take a buffer for it"
+            out = body if go and ready_in.item() else None
             kept = False
             if held is not None:
                 (buf, m), timeline = held
@@ -331,25 +352,52 @@ class PeerTier(PersistingTier):
                                       step, e)
                 finally:
                     self.pool.release(buf, staged=True)
+                if kept:
+                    self._free_stale()
             else:
                 checked_receive(wire, out, dst, None, None, 1, None)
             ack = torch.zeros(2, dtype=torch.int64)
-            wire.swap(torch.tensor([int(kept), step]) if ok else None, src, ack if sent else None, dst)
-        except RuntimeError as e:   # gloo / NCCL: a peer died or the group timed out
+            wire.swap(torch.tensor([int(kept), step]) if ok else None, src, ack if go else None, dst)
+        except RuntimeError as e:   # gloo / NCCL: a peer died, or stopped answering for CKPT_PEER_TIMEOUT_S
+            self.broken = f"{type(e).__name__}: {e}"
+            log.error("rank %d: the replica exchange of step %d with ranks %d (holder) and %d (source) failed; the "
+                      "peer tier stops in this process (the other tiers go on): %s", self.rank, step, dst, src,
+                      self.broken)
             raise CheckpointError(f"step {step}: the replica exchange with ranks {dst} (holder) and {src} (source) "
-                                  f"failed; one may have died ({type(e).__name__}: {e})") from e
+                                  f"failed; one may have died or stopped answering ({self.broken})") from e
+        if refused is not None:
+            raise CheckpointError(f"step {step}: rank {dst} did not take this rank's replica: {refused} "
+                                  "(its log says why)")
         if sent and not (ack[0].item() == 1 and ack[1].item() == step):
             raise CheckpointError(f"step {step}: rank {dst} did not commit this rank's replica (its log says why)")
         return time.perf_counter() - t0
 
-    def _take(self, step: int, sstep: int, raw: bytes, dbytes: int) -> tuple[Any, Manifest]:
-        """Check an incoming manifest and take a replica buffer for it (its record withdrawn)."""
+    def _free_stale(self) -> None:
+        """Once a replica of this configuration's source is committed, give back the RAM of replicas this
+        ``local_dir`` holds for other source ranks (left by a job of another world size or peer distance:
+        no rank of this job can ask for them)."""
+        if self.space is None or self._stale_checked:
+            return
+        self._stale_checked = True
+        mine = self.space.prefix
+        key = shm.local_key(mine)
+        for g in shm.segments(self.space.root):
+            if g.prefix.startswith(key + "-p") and g.prefix != mine:
+                freed = shm.free(self.space.root, g.prefix)
+                log.info("rank %d freed %.2f GB of RAM held by replicas of another job layout (%s)", self.rank,
+                         freed / 1e9, g.prefix)
+
+    def _take(self, step: int, sstep: int, raw: bytes, dbytes: int, timeline: Timeline) -> tuple[Any, Manifest]:
+        """Check an incoming manifest and take a replica buffer for it (its record withdrawn): never the one
+        holding the newest replica on ``timeline``'s branch, while another can be taken."""
         where = f"rank {self.src}'s replica of step {sstep} (received)"
         m = Manifest.from_bytes(raw, where)
         if m.step != sstep or sstep != step or m.data_bytes != dbytes:
             raise CorruptCheckpointError(f"{where}: its step or size disagree with its header (step {step} expected)")
         while self.pool.preparing is not None:   # the second buffer is still being allocated: waiting for it
             time.sleep(0.005)                     # keeps the newest replica whole (acquire would take it now)
+        with self.pool._cv:
+            self.pool.live = timeline
         buf = self.pool.acquire(max(dbytes, 1), block=True, step=step)
         self.pool.prepare(dbytes)   # the other replica buffer, in the background, before the next exchange
         return buf, m
@@ -360,6 +408,8 @@ class PeerTier(PersistingTier):
         and/or, with ``receive``, take this rank's own snapshot of ``step`` back from its holder. Returns the
         copy received, every chunk checked against the holder's checksums (``None``: the holder had none).
         Raises :class:`~ckpt.errors.CorruptCheckpointError` for a copy that fails. Collective."""
+        if self.broken is not None:
+            raise CheckpointError(f"step {step}: the peer tier stopped after a failed exchange ({self.broken})")
         manifest, body, buf, seg = None, None, None, None
         if send_to is not None:
             try:
@@ -382,19 +432,41 @@ class PeerTier(PersistingTier):
         hdr = torch.tensor([int(manifest is not None), len(raw), manifest.data_bytes if manifest else 0, wire.piece],
                            dtype=torch.int64)
         got = torch.zeros(4, dtype=torch.int64)
+        problem = None   # why this rank's own copy, received, is not used
         try:
+            # rounds: header, "ready" (the owner checked the header and has a buffer), manifest, data; the holder
+            # sends the manifest and the data only to an owner that is ready, so a refusal leaves no one waiting
             wire.swap(hdr, send_to, got if receive else None, holder)
             ok, mlen, dbytes, in_piece = got.tolist()
-            if ok and not (0 < mlen <= shm.MAX_RECORD_BYTES and 0 <= dbytes < 1 << 50 and in_piece > 0):
-                raise CheckpointError(f"step {step}: rank {holder} sent a replica header out of bounds ({got.tolist()})")
-            meta = torch.empty(mlen if ok else 0, dtype=torch.uint8)
-            wire.swap(_bytes(raw) if raw else None, send_to, meta if ok else None, holder)
-            m = Manifest.from_bytes(bytes(meta.numpy()), f"rank {self.rank}'s step {step} from rank {holder}") \
-                if ok else None
-            into = _receive_buffer(dbytes) if ok else None
-            sizes_ok = m is None or (m.step == step and m.data_bytes == dbytes)
-            bad = checked_receive(wire, body, send_to if body is not None else None, into,
-                                  holder if ok else None, in_piece if ok else 1, m if sizes_ok else None)
+            into = None
+            if ok:
+                if not (0 < mlen <= shm.MAX_RECORD_BYTES and 0 <= dbytes < 1 << 50 and in_piece > 0):
+                    problem = CheckpointError(f"rank {holder} sent a replica header out of bounds ({got.tolist()})")
+                else:
+                    try:
+                        into = _receive_buffer(dbytes)
+                    except (RuntimeError, MemoryError, OSError) as e:   # no host memory for it: say so, go on
+                        problem = CheckpointError(f"no host memory to receive {dbytes} bytes "
+                                                  f"({type(e).__name__}: {e})")
+            ready = into is not None
+            ready_in = torch.zeros(1, dtype=torch.int64)
+            wire.swap(torch.tensor([int(ready)]) if ok else None, holder,
+                      ready_in if manifest is not None else None, send_to)
+            if manifest is not None and not ready_in.item():
+                log.warning("rank %d did not take its replica of step %d back (its log says why)", send_to, step)
+            go = manifest is not None and bool(ready_in.item())
+            meta = torch.empty(mlen if ready else 0, dtype=torch.uint8)
+            wire.swap(_bytes(raw) if go else None, send_to, meta if ready else None, holder)
+            m = None
+            if ready:
+                try:
+                    m = Manifest.from_bytes(bytes(meta.numpy()), f"rank {self.rank}'s step {step} from rank {holder}")
+                    if m.step != step or m.data_bytes != dbytes:
+                        problem = CorruptCheckpointError("its manifest's step or size disagree with its header")
+                except CorruptCheckpointError as e:
+                    problem = e
+            bad = checked_receive(wire, body if go else None, send_to if go else None, into,
+                                  holder if ready else None, in_piece if ready else 1, m if problem is None else None)
         except RuntimeError as e:
             raise CheckpointError(f"step {step}: moving replicas between the peers for a restore failed "
                                   f"({type(e).__name__}: {e})") from e
@@ -406,11 +478,12 @@ class PeerTier(PersistingTier):
                 seg.release()
         if not ok:
             return None
-        if not sizes_ok or bad:
-            raise CorruptCheckpointError(
-                f"this rank's replica of step {step}, received from rank {holder}: "
-                + (f"bytes [{bad[0] * m.chunk_bytes}, ...) fail their checksum" if bad else "its step or size disagree")
-                + "; not used")
+        where = f"this rank's replica of step {step}, received from rank {holder}"
+        if problem is not None:
+            raise type(problem)(f"{where}: {problem}; not used") from problem
+        if bad:
+            raise CorruptCheckpointError(f"{where}: bytes [{bad[0] * m.chunk_bytes}, ...) fail their checksum; "
+                                         "not used")
         return ReceivedCopy(step, timeline, m, into, holder)
 
     def _hold(self, step: int, timeline: Timeline) -> Any:
