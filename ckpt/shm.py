@@ -70,10 +70,11 @@ MAX_RECORD_BYTES = 256 << 20   # a record holds one manifest: far below this eve
 
 def shm_root() -> Path | None:
     """The RAM file system the memory tier uses (``$CKPT_SHM_DIR``, default ``/dev/shm``), or ``None``
-    when shared segments are off (``CKPT_SHM=0``) or the directory is missing or not writable."""
+    when shared segments are off (``CKPT_SHM=0``) or the directory is missing or not writable. An empty
+    ``CKPT_SHM_DIR`` (``export CKPT_SHM_DIR=$UNSET``) counts as not set, never as the working directory."""
     if not knobs.get("CKPT_SHM"):
         return None
-    root = Path(os.environ.get("CKPT_SHM_DIR", "/dev/shm"))
+    root = Path(os.path.abspath(os.environ.get("CKPT_SHM_DIR") or "/dev/shm"))
     try:
         st = os.stat(root)
     except OSError:

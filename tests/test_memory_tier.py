@@ -290,3 +290,13 @@ def test_a_run_restarted_from_scratch_overwrites_the_snapshot_it_replaces_first(
         ck.save(1, {"w": torch.full((10,), 10.0)}).wait("memory")
         ck.save(2, {"w": torch.full((10,), 20.0)}).wait("memory")
         assert sorted(c.step for c in ck.memory.committed()) == [1, 2]
+
+
+def test_an_empty_ckpt_shm_dir_means_the_default_never_the_working_directory(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("CKPT_SHM_DIR", "")
+    root = shm.shm_root()
+    assert root is None or root == Path("/dev/shm")
+    with ckpt.Checkpointer(local_dir=tmp_path / "l") as ck:
+        ck.save(1, {"w": torch.ones(4)}).wait()
+    assert not list(tmp_path.glob("ckpt-*")), "segments landed in the working directory"
