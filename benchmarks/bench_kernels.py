@@ -24,7 +24,10 @@ others go on. ``--smoke`` runs tiny shapes on the CPU through the Triton interpr
 the script itself (the peers' kernels do not all run there: those show up as failed).
 
 Shapes (Llama-3-8B, bf16): 8192 tokens, hidden 4096, intermediate 14336, vocabulary
-128256; RoPE on q ``(2, 32, 4096, 128)`` and k ``(2, 8, 4096, 128)``.
+128256; RoPE on q ``(2, 32, 4096, 128)`` and k ``(2, 8, 4096, 128)``. ``moe_experts``: the experts
+of the Qwen3-MoE end-to-end model (``bench_train_kernels.py --model qwen3_moe``): 16384 tokens,
+hidden 1024, 64 experts of intermediate 384, 8 per token; "eager" there is transformers' default
+``grouped_mm`` experts path and Liger's provider its ``LigerFusedMoEFunction``.
 """
 
 from __future__ import annotations
@@ -61,6 +64,13 @@ try:  # optional peer, benchmark only
 except Exception as exc:  # noqa: BLE001 - any import problem just drops the column
     HAS_LIGER = False
     LIGER_ERROR = repr(exc)
+
+try:  # optional peer for the mixture-of-experts experts (a separate import: newer than the others)
+    from liger_kernel.ops.fused_moe import LigerFusedMoEFunction
+
+    HAS_LIGER_MOE = True
+except Exception:  # noqa: BLE001
+    HAS_LIGER_MOE = False
 
 try:  # optional peer for the fused linear cross-entropy, benchmark only
     from cut_cross_entropy import linear_cross_entropy as cce_linear_cross_entropy
@@ -125,6 +135,28 @@ def _eager_ce(logits, t):
 
 def _eager_flce(h, w, t):
     return F.cross_entropy(F.linear(h, w).float(), t)
+
+
+def _eager_experts(x, w, gate_up, down, idx):
+    """transformers' default ``grouped_mm`` experts path (5.x ``grouped_mm_experts_forward``, Mixtral /
+    Qwen3-MoE layout): sort the token-slots by expert, gather, two grouped GEMMs with SwiGLU between,
+    routing weights, un-permute, sum over the top-k. On the CPU a loop over the experts instead."""
+    k = idx.shape[1]
+    if x.device.type != "cuda":
+        out = torch.zeros_like(x)
+        for e in range(gate_up.shape[0]):
+            tok, pos = torch.where(idx == e)
+            gate, up = F.linear(x[tok], gate_up[e]).chunk(2, dim=-1)
+            out.index_add_(0, tok, F.linear(F.silu(gate) * up, down[e]) * w[tok, pos, None])
+        return out
+    ids = idx.reshape(-1)
+    _, perm = torch.sort(ids)
+    offs = torch.cumsum(torch.bincount(ids, minlength=gate_up.shape[0]), 0, dtype=torch.int32)
+    gate, up = torch._grouped_mm(x[perm // k], gate_up.transpose(1, 2), offs=offs).chunk(2, dim=-1)
+    y = torch._grouped_mm(F.silu(gate) * up, down.transpose(1, 2), offs=offs) * w.reshape(-1)[perm, None]
+    inv = torch.empty_like(perm)
+    inv[perm] = torch.arange(perm.numel(), device=perm.device)
+    return y[inv].view(x.shape[0], k, x.shape[1]).sum(1)
 
 
 def _compiled(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -221,6 +253,25 @@ def make_case(kernel: str, size: int, dev: str, tokens: int, compile_: bool, flc
         if HAS_CCE:  # as shipped (its gradient filter drops softmax entries under 2^-12), and exact
             case.providers["cce"] = lambda h, w: cce_linear_cross_entropy(h, w, t)
             case.providers["cce_exact"] = lambda h, w: cce_linear_cross_entropy(h, w, t, filter_eps=None)
+    elif kernel == "moe_experts":
+        # Qwen3-MoE's experts at the end-to-end benchmark's shape: 8 x 2048 tokens, hidden 1024,
+        # 64 experts of intermediate `size`, 8 per token (a tenth of that on the CPU)
+        n_tok, hid, n_exp, top = (16384, 1024, 64, 8) if dev == "cuda" else (tokens, 32, 6, 2)
+        x = rnd(n_tok, hid)
+        logits = torch.randn(n_tok, n_exp, generator=g, device=dev)
+        w, idx = torch.softmax(logits, -1).topk(top, dim=-1)
+        w = (w / w.sum(-1, keepdim=True)).to(DT).requires_grad_()
+        gate_up = torch.nn.Parameter(rnd(n_exp, 2 * size, hid, scale=hid ** -0.5).detach())
+        down = torch.nn.Parameter(rnd(n_exp, hid, size, scale=size ** -0.5).detach())
+        case = Case(f"moe_experts {n_tok}x{hid} E{n_exp}x{size} top{top}", [x, w, gate_up, down],
+                    [torch.randn(n_tok, hid, device=dev, dtype=DT)])
+        case.providers["ours"] = lambda x, w, gu, dn: K.fused_experts(x, idx, w, gu, dn)
+        case.providers["eager"] = lambda x, w, gu, dn: _eager_experts(x, w, gu, dn, idx)
+        if compile_:
+            c = _compiled(_eager_experts)
+            case.providers["compile"] = lambda x, w, gu, dn: c(x, w, gu, dn, idx)
+        if HAS_LIGER_MOE:
+            case.providers["liger"] = lambda x, w, gu, dn: LigerFusedMoEFunction.apply(x, gu, dn, idx, w)
     else:
         raise ValueError(f"unknown kernel {kernel!r}")
     return case
@@ -334,19 +385,20 @@ def measure_graph(case: Case, provider: str, rep_ms: int) -> float:
 
 
 PROVIDERS = ("ours", "eager", "compile", "liger", "cce", "cce_exact")
-KERNELS = ["rms_norm", "layer_norm", "swiglu", "geglu", "rope", "cross_entropy", "fused_linear_cross_entropy"]
-MAIN_SIZE = {"rms_norm": 4096, "layer_norm": 4096, "swiglu": 14336, "geglu": 14336, "rope": 32,
+KERNELS = ["rms_norm", "layer_norm", "swiglu", "geglu", "rope", "cross_entropy", "fused_linear_cross_entropy",
+           "moe_experts"]
+MAIN_SIZE = {"moe_experts": 384, "rms_norm": 4096, "layer_norm": 4096, "swiglu": 14336, "geglu": 14336, "rope": 32,
              "cross_entropy": 128256, "fused_linear_cross_entropy": 128256}
-SWEEP = {"rms_norm": [1024, 2048, 4096, 8192, 16384], "layer_norm": [1024, 2048, 4096, 8192, 16384],
+SWEEP = {"moe_experts": [256, 384, 768, 1536], "rms_norm": [1024, 2048, 4096, 8192, 16384], "layer_norm": [1024, 2048, 4096, 8192, 16384],
          "swiglu": [2048, 4096, 8192, 14336, 28672], "geglu": [2048, 4096, 8192, 14336, 28672],
          "rope": [8, 16, 32, 64], "cross_entropy": [32000, 64000, 128256, 256000],
          "fused_linear_cross_entropy": [32000, 64000, 128256, 200064]}
-SWEEP_AXIS = {"rms_norm": "hidden size", "layer_norm": "hidden size", "swiglu": "intermediate size",
+SWEEP_AXIS = {"moe_experts": "expert intermediate size", "rms_norm": "hidden size", "layer_norm": "hidden size", "swiglu": "intermediate size",
               "geglu": "intermediate size", "rope": "q heads (k heads = q/4)", "cross_entropy": "vocabulary",
               "fused_linear_cross_entropy": "vocabulary"}
 #: torch.compile is slow to build: by default only where the reference table has a compile column
 COMPILE_KERNELS = {"rms_norm", "swiglu", "fused_linear_cross_entropy"}
-SMOKE_SIZE = {"rms_norm": 48, "layer_norm": 48, "swiglu": 40, "geglu": 40, "rope": 4, "cross_entropy": 100,
+SMOKE_SIZE = {"moe_experts": 24, "rms_norm": 48, "layer_norm": 48, "swiglu": 40, "geglu": 40, "rope": 4, "cross_entropy": 100,
               "fused_linear_cross_entropy": 100}
 
 

@@ -15,6 +15,7 @@ functional                      module                           file
 :func:`cross_entropy`           :class:`CrossEntropyLoss`        ``cross_entropy.py``
 :func:`fused_linear_cross_      :class:`FusedLinearCross         ``fused_linear_cross_
 entropy`                        EntropyLoss`                     entropy.py``
+:func:`fused_experts`           (HF ``<Arch>Experts``)           ``moe.py``
 :func:`patch` (Hugging Face Llama, Mistral, Qwen2/3, Gemma 1/2/3,  ``patch.py``
 Gemma 3 multimodal, Mixtral, Qwen3-MoE, Phi-3)
 ==============================  ===============================  ==========================
@@ -50,6 +51,7 @@ from .cross_entropy import CrossEntropyLoss, cross_entropy
 from .fused_linear_cross_entropy import FusedLinearCrossEntropyLoss, fused_linear_cross_entropy
 from .glu import GeGLUMLP, PackedGLUMLP, SwiGLUMLP, geglu, geglu_packed, swiglu, swiglu_packed
 from .layer_norm import LayerNorm, layer_norm
+from .moe import fused_experts
 from .patch import SUPPORTED_MODEL_TYPES, patch, unpatch_rope
 from .rms_norm import RMSNorm, rms_norm
 from .rope import rope
@@ -73,6 +75,7 @@ __all__ = [
     "CrossEntropyLoss",
     "fused_linear_cross_entropy",
     "FusedLinearCrossEntropyLoss",
+    "fused_experts",
     "patch",
     "unpatch_rope",
     "SUPPORTED_MODEL_TYPES",

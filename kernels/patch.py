@@ -16,10 +16,13 @@ modeling module), so a model built from a config is patched as one loaded from a
 * every ``<Arch>MLP`` -> :class:`SwiGLUMLP` / :class:`GeGLUMLP` (``silu`` / tanh-approximated
   GELU) wrapping the *same* ``gate_proj``/``up_proj``/``down_proj``; Phi-3's fused ``gate_up_proj``
   MLP -> :class:`PackedGLUMLP` (no copy of either half);
-* the experts of a mixture-of-experts block (Mixtral, Qwen3-MoE; ``<Arch>Experts``): the SwiGLU
-  between each expert's ``gate_up_proj`` and ``down_proj`` -> :func:`swiglu_packed`, under every
-  experts implementation of transformers (``grouped_mm``, ``batched_mm``, ``eager``). The router
-  and the expert weights are untouched;
+* the experts of a mixture-of-experts block (Mixtral, Qwen3-MoE; ``<Arch>Experts``): their forward
+  -> :func:`ckpt.kernels.fused_experts` (routing, both grouped GEMMs, the SwiGLU and the weighted
+  sum in Triton) over the same ``gate_up_proj`` / ``down_proj``, under every experts
+  implementation of transformers (``grouped_mm``, ``batched_mm``, ``eager``). Where it cannot run
+  (``torch.compile`` tracing, expert parallelism, CPU tensors without the interpreter, weights of
+  another dtype outside autocast) transformers' implementation runs with the SwiGLU between the
+  two projections -> :func:`swiglu_packed`. The router and the expert weights are untouched;
 * ``apply_rotary_pos_emb`` of the architecture's modeling module -> :func:`rope`. HF calls this
   module-level function from its attention, so this part of the patch is process-wide for that
   architecture; the replacement falls back to the original function for tensors the kernels
@@ -74,6 +77,7 @@ from ._utils import interpreter_enabled
 from .fused_linear_cross_entropy import fused_linear_cross_entropy
 from .glu import GeGLUMLP, PackedGLUMLP, SwiGLUMLP, swiglu_packed
 from .layer_norm import LayerNorm
+from .moe import fused_experts
 from .rms_norm import RMSNorm
 from .rope import rope
 
@@ -122,6 +126,10 @@ _GELU_TANH_ACTS = {"GELUTanh", "PytorchGELUTanh", "NewGELUActivation", "GELUPyto
 
 _ORIGINAL_ROPE: dict[str, Callable[..., Any]] = {}
 
+#: the patched experts' ``fused_experts(recompute=...)``: True keeps no ``(tokens * top_k, 2I)``
+#: pre-activation for backward and recomputes it there (less memory, one more grouped GEMM)
+_EXPERTS_RECOMPUTE = False
+
 
 def _activation(act: Any) -> str | None:
     """``"silu"`` or ``"gelu_tanh"`` for an activation module the fused GLUs compute, else ``None``."""
@@ -153,11 +161,28 @@ def _make_rope(original: Callable[..., Any]) -> Callable[..., Any]:
     return apply_rotary_pos_emb
 
 
+def _fused_experts_runnable(module: nn.Module, hidden_states: torch.Tensor) -> bool:
+    """Whether :func:`fused_experts` serves this call (else the packed-SwiGLU path does)."""
+    if torch.compiler.is_compiling() or getattr(module, "_is_expert_parallel", False):
+        return False   # traced: transformers' own graph; expert parallel: sentinel expert ids
+    if not (hidden_states.device.type == "cuda" or interpreter_enabled()) or hidden_states.dim() != 2:
+        return False
+    dtype = hidden_states.dtype
+    if torch.is_autocast_enabled(hidden_states.device.type):
+        return True   # fused_experts casts the three to autocast's dtype
+    return module.gate_up_proj.dtype == dtype and module.down_proj.dtype == dtype
+
+
 def _experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                      top_k_weights: torch.Tensor) -> torch.Tensor:
-    """The experts' forward with the packed SwiGLU. transformers' ``grouped_mm`` and ``batched_mm``
-    implementations call the instance's ``_apply_gate`` (patched to the fused kernel); its ``eager``
-    loop writes ``act_fn(gate) * up`` inline, so it is reproduced here with ``_apply_gate``."""
+    """The patched experts' forward: :func:`fused_experts` (routing, both grouped GEMMs, SwiGLU and
+    the weighted sum in Triton) wherever it runs; otherwise transformers' implementation with the
+    packed SwiGLU: its ``grouped_mm`` and ``batched_mm`` implementations call the instance's
+    ``_apply_gate`` (patched to the fused kernel); its ``eager`` loop writes ``act_fn(gate) * up``
+    inline, so it is reproduced here with ``_apply_gate``."""
+    if _fused_experts_runnable(self, hidden_states):
+        return fused_experts(hidden_states, top_k_index, top_k_weights, self.gate_up_proj, self.down_proj,
+                             recompute=_EXPERTS_RECOMPUTE)
     if getattr(self.config, "_experts_implementation", None) not in (None, "eager"):
         return type(self).forward(self, hidden_states, top_k_index, top_k_weights)
     final = torch.zeros_like(hidden_states)
