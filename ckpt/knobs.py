@@ -59,6 +59,9 @@ _DEFAULTS: dict[str, int] = {
     # cannot be there in time). Explicit save() calls, preemption drains and if_busy="wait" wait as long as
     # it takes.
     "CKPT_BUSY_WAIT_MS": 1000,
+    # Take the fingerprints of a save's CUDA tensors as one CUDA graph launch once the same tensors are
+    # saved twice in a row (1), or one reduction launch per tensor every time (0).
+    "CKPT_FINGERPRINT_GRAPH": 1,
     # Seconds the interpreter-exit hook waits for queued saves to persist (0: as long as they take).
     "CKPT_EXIT_WAIT_S": 0,
 }

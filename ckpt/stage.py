@@ -55,7 +55,7 @@ import numpy as np
 import psutil
 import torch
 
-from . import priority
+from . import knobs, priority
 from .errors import CheckpointError, HostMemoryError, TornSnapshotError
 from .format import Manifest, ItemRecord
 from .plan import Entry
@@ -852,7 +852,68 @@ def _fingerprints(pairs: list[tuple[Entry, ItemRecord]]) -> tuple[list[bool], to
         return words, None
     if srcs[0].device.type == "cpu":
         return words, [_fingerprint(t, w) for t, w in zip(srcs, words)]
-    return words, torch.stack([_fingerprint_on_device(t, w) for t, w in zip(srcs, words)])
+    return words, _GRAPHS.fingerprints(srcs, words)
+
+
+class _FingerprintGraphs:
+    """The CUDA tensors' fingerprints of one save, as one CUDA graph launch instead of one reduction
+    launch per tensor (584 for a 1.24 B model with AdamW: ~12 ms of the host's time in ``save()``, while
+    the GPU waits for the loop's next launches).
+
+    A graph reads fixed addresses, so it serves only the same tensors at the same addresses, shapes,
+    strides and forms as when it was captured (the key); a model and optimizer keep their tensors in
+    place across steps, so the key repeats. It is captured the second time in a row a key is seen (a
+    state made of new tensors each time never pays for a capture) and replayed on the caller's stream,
+    ordered like the launches it replaces; the result is cloned out of the graph's memory, so a later
+    replay never overwrites a save's fingerprints still being read. One graph per device; a capture that
+    fails (e.g. inside the caller's own capture) falls back to the launches for good."""
+
+    def __init__(self) -> None:
+        self._seen: dict[int, tuple] = {}     # device -> the key of the last save
+        self._graph: dict[int, tuple[tuple, Any, torch.Tensor]] = {}   # device -> (key, graph, output)
+        self._off = False   # a capture failed
+        self._lock = threading.Lock()
+
+    @staticmethod
+    def _launch(srcs: list[torch.Tensor], words: list[bool]) -> torch.Tensor:
+        return torch.stack([_fingerprint_on_device(t, w) for t, w in zip(srcs, words)])
+
+    def fingerprints(self, srcs: list[torch.Tensor], words: list[bool]) -> torch.Tensor:
+        dev = srcs[0].device.index if srcs[0].device.index is not None else torch.cuda.current_device()
+        if self._off or not knobs.get("CKPT_FINGERPRINT_GRAPH") or torch.cuda.is_current_stream_capturing() or any(t.device != srcs[0].device for t in srcs):
+            return self._launch(srcs, words)
+        key = tuple((t.data_ptr(), tuple(t.shape), tuple(t.stride()), t.dtype, w) for t, w in zip(srcs, words))
+        with self._lock:
+            held = self._graph.get(dev)
+            if held is not None and held[0] == key:
+                held[1].replay()   # on the current stream: ordered like the launches it stands for
+                return held[2].clone()
+            again = self._seen.get(dev) == key
+            self._seen[dev] = key
+            if not again:
+                return self._launch(srcs, words)
+            try:
+                graph = self._capture(srcs, words)
+            except Exception as e:   # noqa: BLE001 - the launches give the same numbers
+                log.info("fingerprints stay one launch per tensor: capturing them as a CUDA graph failed (%s: %s)",
+                         type(e).__name__, e)
+                self._off = True
+                return self._launch(srcs, words)
+            self._graph[dev] = (key, *graph)
+            graph[0].replay()
+            return graph[1].clone()
+
+    def _capture(self, srcs: list[torch.Tensor], words: list[bool]) -> tuple[Any, torch.Tensor]:
+        graph = torch.cuda.CUDAGraph()
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.graph(graph, stream=side, capture_error_mode="thread_local"):
+            out = self._launch(srcs, words)
+        torch.cuda.current_stream().wait_stream(side)
+        return graph, out
+
+
+_GRAPHS = _FingerprintGraphs()
 
 
 # -- the paced device-to-host copy -------------------------------------------------------------------

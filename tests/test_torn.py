@@ -317,3 +317,23 @@ def test_gpu_training_with_the_optimizer_right_after_save_is_never_reported(loca
                 _hold_side_stream(ck, 20)
                 ck.save(step, {"model": model, "optim": opt})
         ck.wait()
+
+
+@pytest.mark.gpu
+def test_gpu_fingerprints_replayed_from_a_graph_equal_the_launches_and_follow_the_values():
+    state = {k: v.cuda() for k, v in _tensors().items() if v.numel()}
+    state["strided"] = torch.randn(64, 33, device="cuda")[:, ::2]
+    srcs = [t.resolve_conj() for t in state.values()]
+    words = [stage_mod._fits_words(t) for t in srcs]
+    graphs = stage_mod._FingerprintGraphs()
+    for round_ in range(4):   # launches, capture, replay, replay; values changed in place between rounds
+        got = graphs.fingerprints(srcs, words)
+        want = stage_mod._FingerprintGraphs._launch(srcs, words)
+        assert torch.equal(got, want), round_
+        assert (round_ >= 1) == (len(graphs._graph) == 1), round_
+        for t in srcs:
+            _poke(t)
+    srcs[0] = srcs[0].clone()   # a tensor at another address: the next call launches, the one after recaptures
+    for _ in range(3):
+        assert torch.equal(graphs.fingerprints(srcs, words), stage_mod._FingerprintGraphs._launch(srcs, words))
+    assert graphs._graph[torch.cuda.current_device()][0][0][0] == srcs[0].data_ptr()
