@@ -55,7 +55,7 @@ import numpy as np
 import psutil
 import torch
 
-from . import knobs, priority
+from . import knobs, priority, shm as _shm
 from .errors import CheckpointError, HostMemoryError, TornSnapshotError
 from .format import Manifest, ItemRecord
 from .plan import Entry
@@ -68,6 +68,13 @@ _GRANULE = 2 << 20  # pool capacity is rounded up to this
 # What allocating a buffer runs at before one was measured in this process (GB/s): on an H200 node, 8 GB of
 # cudaHostAlloc took 3.45 s, a 6.9 GiB shared-memory segment created, mapped and registered 3.7 s.
 _ALLOC_GBPS = 2.0
+
+
+class _Flag(threading.local):
+    paced = False
+
+
+_background = _Flag()   # set in prepare()'s thread: segments registered there go in paced pieces
 
 
 class HostBuffer:
@@ -241,7 +248,8 @@ class HostPool:
             log.warning("memory-tier segment %s is unusable (%s): not adopted", path, e)
             shm.remove_record(space.root, space.prefix, slot)
             return None
-        seg.register(self._device)
+        if self.pin:
+            seg.register(self._device, paced=_background.paced)
         buf = HostBuffer(0, self.pin, segment=seg, slot=slot)
         buf.image_step, buf.manifest, buf.image_timeline, buf.record = rec.step, rec.manifest, rec.timeline, rec
         buf.image_order = rec.created_unix
@@ -258,6 +266,7 @@ class HostPool:
 
             def run() -> None:
                 priority.lower_this_thread()
+                _background.paced = True   # beside a training loop: registered in paced pieces
                 try:
                     self.adopt()   # a previous process's segments first (their snapshots stay listed), here:
                     self._prepare_buffers(nbytes)   # a save adopting beside this allocation could map a slot twice
@@ -391,10 +400,9 @@ class HostPool:
         with self._cv:
             while True:
                 self._check_open()
-                # with pinned buffers, not while one is being allocated: cudaHostRegister holds the driver, and
-                # the snapshot's copy calls would wait for it (a save at step 20 of a fresh H200 node: 3.4 s)
-                registering = self.pin and self._preparing is not None and self._allocating > 0
-                if not registering and self._pick(nbytes, step, reclaim, inline=False)[0]:
+                # a buffer being registered in the background does not hold up the copy into another one: the
+                # registration goes in paced pieces (ckpt.shm.Segment.register)
+                if self._pick(nbytes, step, reclaim, inline=False)[0]:
                     return True
                 left = deadline - time.monotonic()
                 if left <= 0 or self._allocation_outlasts(left):
@@ -584,7 +592,8 @@ class HostPool:
                             "or a Kubernetes emptyDir with medium: Memory)", self.holds_what, _mib(cap), space.root,
                             e.strerror or e, self.slots)
             return None
-        seg.register(self._device)
+        if self.pin:
+            seg.register(self._device, paced=_background.paced)
         return HostBuffer(cap, self.pin, segment=seg, slot=slot)
 
 
@@ -789,6 +798,38 @@ def _dst(buf: HostBuffer, rec: ItemRecord, t: torch.Tensor) -> torch.Tensor:
     return _view(buf, rec, t.dtype, t.shape)
 
 
+def _copies(buf: HostBuffer, rec: ItemRecord, t: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The (destination, source) pairs that copy ``t`` into its place in ``buf``: one, or, in a shared
+    segment where the item spans registration pieces, one per part inside a piece (a CUDA copy may not
+    span two registrations: :func:`ckpt.shm.pieces`)."""
+    dst = _dst(buf, rec, t)
+    if buf.segment is None:
+        return [(dst, t)]
+    return list(_within_pieces(dst, t, rec.offset))
+
+
+def _within_pieces(dst: torch.Tensor, src: torch.Tensor, offset: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """``dst := src`` (``dst`` a contiguous view at byte ``offset`` of a segment) as copies that each stay
+    inside one registration piece: as bytes where ``src`` is plain and contiguous, else by halving the
+    leading dimension (a row that still spans a boundary: its own elements) down to parts that fit."""
+    n = dst.numel() * dst.element_size()
+    piece = _shm.REGISTER_PIECE
+    if n == 0 or dst.dim() == 0 or offset // piece == (offset + n - 1) // piece:
+        yield dst, src
+        return
+    if src.is_contiguous() and not (src.is_complex() or src.is_conj() or src.is_neg()):
+        d, s_ = dst.reshape(-1).view(torch.uint8), src.reshape(-1).view(torch.uint8)
+        for a, b in _shm.pieces(offset, n):
+            yield d[a - offset:b - offset], s_[a - offset:b - offset]
+        return
+    if dst.shape[0] == 1:
+        yield from _within_pieces(dst[0], src[0], offset)
+        return
+    half = dst.shape[0] // 2
+    yield from _within_pieces(dst[:half], src[:half], offset)
+    yield from _within_pieces(dst[half:], src[half:], offset + half * (n // dst.shape[0]))
+
+
 def _view(buf: HostBuffer, rec: ItemRecord, dtype: torch.dtype, shape: torch.Size) -> torch.Tensor:
     key = (rec.offset, dtype, shape)
     view = buf.views.get(key)
@@ -949,6 +990,9 @@ def _chunks(buf: HostBuffer, items: list[tuple[torch.Tensor, ItemRecord]], chunk
             off = 0
             while off < n:
                 k = min(chunk - size, n - off)
+                if buf.segment is not None:   # a CUDA copy may not span two registration pieces
+                    at = rec.offset + off
+                    k = min(k, (at // _shm.REGISTER_PIECE + 1) * _shm.REGISTER_PIECE - at)
                 pairs.append((dst[off:off + k], src[off:off + k]))
                 size += k
                 off += k
@@ -959,7 +1003,7 @@ def _chunks(buf: HostBuffer, items: list[tuple[torch.Tensor, ItemRecord]], chunk
             if size and size + n > chunk:
                 yield pairs, done
                 pairs, done, size = [], [], 0
-            pairs.append((_dst(buf, rec, t), t))
+            pairs.extend(_copies(buf, rec, t))
             size += n
         done.append(i)
         if size >= chunk:
@@ -1093,7 +1137,8 @@ def _stage_cuda(snap: Snapshot, cuda: list[tuple[Entry, ItemRecord]], side_strea
         bufs = [(e, r) for e, r in cuda if e.is_buffer]
         if bufs:
             for e, r in bufs:
-                _dst(snap.buffer, r, e.tensor).copy_(e.tensor, non_blocking=True)
+                for dst, src in _copies(snap.buffer, r, e.tensor):
+                    dst.copy_(src, non_blocking=True)
             buf_ev = torch.cuda.Event()
             buf_ev.record(side_stream)
             compute.wait_event(buf_ev)   # next forward waits for this small copy, on the GPU

@@ -89,3 +89,26 @@ def test_restore_from_memory_lands_in_place_on_the_gpu(local_dir):
         assert ck.restore({"model": model}) == 1
         assert ck.last_restore.tier == "memory"
     assert model[0].weight.data_ptr() == ptr and torch.equal(model[0].weight, ref)
+
+
+def test_gpu_snapshot_and_restore_copies_stay_inside_registration_pieces(local_dir, monkeypatch):
+    # segments are registered with the driver in pieces, and a CUDA copy spanning two is refused
+    # (cudaErrorInvalidValue): with 1 MiB pieces, tensors crossing many boundaries (contiguous, transposed,
+    # strided, bf16) snapshot and restore from the memory tier, bit-exact
+    from ckpt import shm
+
+    if shm.shm_root() is None:
+        pytest.skip("no RAM file system for the memory tier's segments")
+    monkeypatch.setattr(shm, "REGISTER_PIECE", 1 << 20)
+    torch.manual_seed(0)
+    state = {"big": torch.randn(3_000_000, device="cuda"), "t": torch.randn(700, 900, device="cuda").t(),
+             "s": torch.randn(2_000_001, device="cuda")[::3], "b": torch.randn(1000, 700, device="cuda").bfloat16()}
+    with ckpt.Checkpointer(local_dir=local_dir, persist_every={"local": 1000}) as ck:
+        for step in (1, 2, 3):
+            ck.save(step, state).wait("memory")
+        segs = [b.segment for b in ck.pool.buffers if b.segment is not None]
+        assert segs and all(s.registered and len(s._pieces) > 10 for s in segs)
+        out = {k: torch.zeros(v.shape, dtype=v.dtype, device="cuda") for k, v in state.items()}
+        assert ck.restore(out) == 3 and ck.last_restore.tier == "memory"
+    for k, v in state.items():
+        assert torch.equal(out[k], v), k

@@ -117,3 +117,70 @@ def test_with_a_closure_the_wait_moves_after_backward(local_dir, slow_staging):
     with ckpt.Checkpointer(local_dir=local_dir) as ck:
         ck.restore({"model": fresh, "optim": torch.optim.SGD(fresh.parameters(), lr=1.0)})
     assert all(torch.equal(fresh.state_dict()[k], before[k]) for k in before)
+
+
+def _state_across_pieces() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    wide = torch.randn(64, 300, generator=g)
+    return {
+        "contiguous": torch.randn(10_000, generator=g),              # several pieces, split as bytes
+        "transposed": wide.t(),                                      # rows halved down to the boundary
+        "strided": torch.randn(9_000, generator=g)[::2],             # one dimension: its elements
+        "complex": torch.randn(3_000, dtype=torch.complex64, generator=g),
+        "conj": torch.randn(2_500, dtype=torch.complex64, generator=g).conj(),
+        "small": torch.arange(7, dtype=torch.int8),
+        "scalar": torch.tensor(3.5),
+        "bool_rows": torch.rand(40, 500, generator=g) > 0.5,
+    }
+
+
+@pytest.mark.parametrize("chunk", [16 << 10, 1 << 20])
+def test_no_copy_into_a_segment_spans_two_registration_pieces(tmp_path, monkeypatch, chunk):
+    # the CUDA driver refuses a copy spanning two registrations (cudaErrorInvalidValue): with 8 KiB pieces,
+    # every (destination, source) pair the snapshot copy makes stays inside one, and together they copy all
+    from ckpt import shm
+    from ckpt.format import ItemRecord
+    from ckpt.stage import HostBuffer, _chunks, _copies, _dst
+
+    monkeypatch.setattr(shm, "REGISTER_PIECE", 8192)
+    state = _state_across_pieces()
+    recs, off = [], 4096
+    for k, t in state.items():
+        n = t.numel() * t.element_size()
+        recs.append(ItemRecord(k, str(t.dtype), list(t.shape), "cpu", off, n))
+        off += -(-n // 4096) * 4096
+    seg = shm.Segment.create(tmp_path / "seg.buf", off)
+    buf = HostBuffer(0, False, segment=seg)
+    items = list(zip(state.values(), recs))
+    spans = 0
+    for pairs, _ in _chunks(buf, items, chunk):
+        for dst, src in pairs:
+            assert dst.is_contiguous()
+            start = dst.data_ptr() - buf.tensor.data_ptr()
+            end = start + dst.numel() * dst.element_size()
+            assert start // 8192 == (end - 1) // 8192, (start, end)
+            spans += 1
+            dst.copy_(src)
+    assert spans > len(state) + 10   # the boundaries were really crossed
+    for t, rec in items:
+        got = _dst(buf, rec, t)
+        assert torch.equal(got, t.resolve_conj()), rec.key
+    buf.tensor.zero_()
+    for t, rec in items:   # the same for the module buffers' copies, made whole-item
+        for dst, src in _copies(buf, rec, t):
+            dst.copy_(src)
+        assert torch.equal(_dst(buf, rec, t), t.resolve_conj()), rec.key
+    seg.release()
+
+
+def test_a_memory_tier_snapshot_round_trips_across_registration_pieces(local_dir, monkeypatch):
+    from ckpt import shm
+
+    monkeypatch.setattr(shm, "REGISTER_PIECE", 8192)
+    state = _state_across_pieces()
+    with ckpt.Checkpointer(local_dir=local_dir, persist_every={"local": 1000}) as ck:
+        ck.save(1, state).wait("memory")
+        out = {k: torch.zeros_like(v.resolve_conj()) for k, v in state.items()}
+        assert ck.restore(out) == 1 and ck.last_restore.tier == "memory"
+    for k, v in state.items():
+        assert torch.equal(out[k], v.resolve_conj()), k

@@ -313,14 +313,21 @@ def _to_device(manifest: Manifest, fd: int, sc: Scatter) -> int | None:
 
 
 def _scatter(manifest: Manifest, dest: list[torch.Tensor | None], data: torch.Tensor) -> None:
+    """Copy an image's bytes ``data`` (host memory: a snapshot buffer or segment) into ``dest``, piece by
+    registration piece (a CUDA copy may not span two: :func:`ckpt.shm.pieces`)."""
     sc = Scatter(manifest.items, dest)
+
+    def copy() -> None:
+        for a, b in shm.pieces(0, data.numel()):
+            sc.copy(data[a:b], a)
+
     if sc.to_device:
         stream = torch.cuda.Stream()
         with torch.cuda.stream(stream):
-            sc.copy(data, 0)
+            copy()
         stream.synchronize()
     else:
-        sc.copy(data, 0)
+        copy()
 
 
 def space_for(local_dir: str | os.PathLike, rank: int) -> SharedSpace | None:

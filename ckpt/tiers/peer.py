@@ -149,11 +149,13 @@ class Exchange:
                 a, b = i * self.piece, i * in_piece
                 k = min(self.piece, n_out - a) if a < n_out else 0
                 r = min(in_piece, n_in - b) if b < n_in else 0
-                if k:
-                    s_buf[:k].copy_(out[a:a + k], non_blocking=True)
+                if k:   # piece by registration piece of the snapshot buffer (ckpt.shm.pieces)
+                    for x, y in shm.pieces(a, k):
+                        s_buf[x - a:y - a].copy_(out[x:y], non_blocking=True)
                 self.swap(s_buf[:k] if k else None, to, r_buf[:r] if r else None, frm, group=self.data_group)
                 if r:
-                    into[b:b + r].copy_(r_buf[:r], non_blocking=True)
+                    for x, y in shm.pieces(b, r):
+                        into[x:y].copy_(r_buf[x - b:y - b], non_blocking=True)
                     ev = None
                     if stream is not None:
                         ev = torch.cuda.Event()
@@ -215,7 +217,8 @@ class PeerTier(PersistingTier):
         self.dst = (self.rank + jump) % self.world   # holds this rank's replicas
         self.src = (self.rank - jump) % self.world   # whose replicas this rank holds
         self.space = replica_space(local_dir, self.src)
-        self.pool = HostPool(REPLICA_SLOTS, None, pin=False)
+        # registered with the CUDA driver only where the replicas come through device staging (NCCL)
+        self.pool = HostPool(REPLICA_SLOTS, None, pin=device is not None and device.type == "cuda")
         self.pool.holds_what = f"the peer tier keeps rank {self.src}'s replicas"
         if self.space is not None:
             self.pool.share(self.space)
