@@ -130,12 +130,19 @@ class Segment:
         return self.tensor.numel()
 
     @classmethod
-    def create(cls, path: Path, nbytes: int) -> "Segment":
+    def create(cls, path: Path, nbytes: int, paced: bool = False) -> "Segment":
         """A new segment of ``nbytes`` at ``path``, every page reserved now (a full RAM file system fails
-        here with ``ENOSPC``, never later inside a copy), replacing any segment of that name."""
+        here with ``ENOSPC``, never later inside a copy), replacing any segment of that name. ``paced``
+        (beside a training loop): reserved :data:`REGISTER_PIECE` bytes at a time with a pause after each,
+        like :meth:`register`."""
         def fill(fd: int, tmp: Path) -> torch.Tensor:
             try:
-                os.posix_fallocate(fd, 0, nbytes)
+                if paced:
+                    for a, b in pieces(0, nbytes):
+                        os.posix_fallocate(fd, a, b - a)
+                        time.sleep(REGISTER_GAP_S)
+                else:
+                    os.posix_fallocate(fd, 0, nbytes)
             except OSError as e:
                 if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
                     raise
@@ -162,18 +169,23 @@ class Segment:
         (registering a 6.9 GiB segment whose pages were not mapped took 9 s on an H200 node). While the
         driver registers, the training thread's CUDA calls wait for it: registering 6.9 GiB at once
         stalled one step of a training loop 0.30-0.45 s, and back-to-back 64 MiB pieces 0.22 s; with
-        ``paced`` (a background allocation beside a training loop) each 64 MiB piece (~3 ms) is followed
-        by a pause of :data:`REGISTER_GAP_S`, and the loop ran at its own speed (same node: registration
-        0.9 s in all, no step slower than without it). Neither holds the GIL. ``False`` where there is no
+        ``paced`` (a background allocation beside a training loop) each 64 MiB piece is mapped (~16 ms)
+        and registered (~3 ms), then followed by a pause of :data:`REGISTER_GAP_S`, and the loop ran at its
+        own speed (same node, registration alone: 0.9 s in all, no step slower than without it). Mapping
+        6.9 GiB in one call held the process's mmap lock 1.9 s and stalled the training thread (a pinned
+        allocation of a save, a step) as long. Neither holds the GIL. ``False`` where there is no
         CUDA or the driver refuses (copies then go through pageable memory)."""
         if self.registered or not torch.cuda.is_available() or self.nbytes == 0:
             return self.registered
         if device is not None:
             torch.cuda.set_device(device)   # register in the context the copies run in, never device 0's
         ptr = self.tensor.data_ptr()
-        populate(ptr, self.nbytes, write=self.writable)
+        if not paced:
+            populate(ptr, self.nbytes, write=self.writable)
         done: list[int] = []
         for a, b in pieces(0, self.nbytes):
+            if paced:   # mapping pages holds this process's mmap lock, which any allocation of the loop needs
+                populate(ptr + a, b - a, write=self.writable)
             rc = host_register(ptr + a, b - a)
             if rc != 0:
                 for p in done:

@@ -400,8 +400,12 @@ class HostPool:
         with self._cv:
             while True:
                 self._check_open()
-                # a buffer being registered in the background does not hold up the copy into another one: the
-                # registration goes in paced pieces (ckpt.shm.Segment.register)
+                # not while a pinned buffer is being allocated in the background: even paced
+                # (ckpt.shm.Segment.create / register), a snapshot taken beside that allocation blocked
+                # the loop 0.4-0.8 s on an H200 node (2026-11-25), while the same snapshots once both
+                # buffers were there blocked it 10-15 ms. The save is skipped (counted) instead.
+                if self._pinned_allocation():
+                    return False
                 if self._pick(nbytes, step, reclaim, inline=False)[0]:
                     return True
                 left = deadline - time.monotonic()
@@ -417,14 +421,20 @@ class HostPool:
 
     def _allocation_outlasts(self, seconds: float) -> bool:
         """(under the lock) Whether no buffer can come within ``seconds``: none exists (so no tier will let go
-        of one), or the buffers are pinned (a save waits for a registration to end), and the background
-        allocation under way needs longer, at the rate buffers were allocated at here, or else at
-        ``_ALLOC_GBPS``. A save then skips at once instead of waiting out its bound."""
+        of one) and the background allocation under way needs longer, at the rate buffers were allocated at
+        here, or else at ``_ALLOC_GBPS``; always while a pinned buffer is being allocated in the background
+        (a snapshot beside it stalls the loop). A save then skips at once instead of waiting out its bound."""
+        if self._pinned_allocation():
+            return True
         if (self.buffers and not self.pin) or self._preparing is None or self._growing is None:
             return False
         started, nbytes = self._growing
         rate = self.alloc_gbps or _ALLOC_GBPS
         return started + nbytes / rate / 1e9 - time.monotonic() > seconds
+
+    def _pinned_allocation(self) -> bool:
+        """(under the lock) Whether a pinned (registered) buffer is being allocated in the background."""
+        return self.pin and self._preparing is not None and self._allocating > 0
 
     def _check_open(self) -> None:
         if self._closed:
@@ -583,7 +593,7 @@ class HostPool:
             free = shm.available_bytes(space.root) + old
             if free < cap:
                 raise OSError(errno.ENOSPC, f"{_mib(free)} free", str(space.root))
-            seg = shm.Segment.create(path, cap)
+            seg = shm.Segment.create(path, cap, paced=_background.paced)
         except OSError as e:
             if not self._warned_shm:
                 self._warned_shm = True

@@ -229,11 +229,10 @@ def test_a_save_skips_at_once_when_the_first_buffer_cannot_be_there_within_the_b
         assert handle.status == "skipped" and time.monotonic() - t0 < 1.5
 
 
-def test_with_pinned_buffers_a_save_takes_the_free_buffer_while_another_is_being_registered(tmp_path,
-                                                                                           slow_allocation):
-    # the first buffer is there, the second still being allocated: its registration with the CUDA driver goes
-    # in paced pieces (ckpt.shm.Segment.register), which the snapshot's copies get through, so a save takes
-    # the free buffer at once instead of waiting for the allocation
+def test_with_pinned_buffers_a_save_is_skipped_at_once_while_one_is_being_allocated(tmp_path, slow_allocation):
+    # the first buffer is there, the second still being allocated (pages reserved, mapped and registered with
+    # the CUDA driver in paced pieces): a snapshot beside that allocation stalls the loop, so the save does not
+    # wait for it nor take the free buffer: it answers "no" at once, and "yes" once the allocation is over
     pool = HostPool(2, None, pin=True)
     pool.share(stage.SharedSpace(tmp_path, "ckpt-0123456789abcdef-r00000", str(tmp_path)))
     pool.prepare(4096)
@@ -242,6 +241,8 @@ def test_with_pinned_buffers_a_save_takes_the_free_buffer_while_another_is_being
         time.sleep(0.05)
     assert len(pool.buffers) == 1 and pool._allocating == 1
     t0 = time.monotonic()
-    assert pool.wait_free(4096, 1, 0.3) and time.monotonic() - t0 < 0.1
+    assert not pool.wait_free(4096, 1, 5.0) and time.monotonic() - t0 < 0.5
+    assert pool.allocation_outlasts(5.0)
     pool._prepared.join(3 * SLOW_S)
+    assert pool.wait_free(4096, 1, 0.3) and not pool.allocation_outlasts(0.3)
     pool.close()
