@@ -505,7 +505,7 @@ class HostPool:
     def newest_image(self) -> HostBuffer | None:
         with self._cv:
             imgs = [b for b in self.buffers if b.image_step is not None]
-            return max(imgs, key=lambda b: b.image_order) if imgs else None
+            return max(imgs, key=self._rank) if imgs else None
 
     def _rank(self, b: HostBuffer) -> tuple[bool, float]:
         """How much a buffer's snapshot is worth keeping (larger: more): a snapshot on the branch the next
