@@ -43,6 +43,7 @@ import re
 import secrets
 import socket
 import stat
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -57,7 +58,7 @@ from .format import FORMAT_VERSION, Manifest, parse_record, read_record
 from .integrity import checksum
 from .policy import Timeline
 
-__all__ = ["Segment", "SnapshotRecord", "host_register", "host_unregister", "populate", "open_for_read", "SegmentInfo", "shm_root", "prefix_for", "replica_prefix", "local_key", "available_bytes",
+__all__ = ["Segment", "AllocationStopped", "SnapshotRecord", "host_register", "host_unregister", "populate", "open_for_read", "SegmentInfo", "shm_root", "prefix_for", "replica_prefix", "local_key", "available_bytes",
            "chunk_checksums", "first_bad_chunk", "write_record", "read_snapshot_record", "remove_record",
            "segments", "free"]
 
@@ -130,17 +131,20 @@ class Segment:
         return self.tensor.numel()
 
     @classmethod
-    def create(cls, path: Path, nbytes: int, paced: bool = False) -> "Segment":
+    def create(cls, path: Path, nbytes: int, paced: bool = False,
+               stop: threading.Event | None = None) -> "Segment":
         """A new segment of ``nbytes`` at ``path``, every page reserved now (a full RAM file system fails
         here with ``ENOSPC``, never later inside a copy), replacing any segment of that name. ``paced``
         (beside a training loop): reserved :data:`REGISTER_PIECE` bytes at a time with a pause after each,
-        like :meth:`register`."""
+        like :meth:`register`; ``stop`` set meanwhile: :class:`AllocationStopped`, nothing left at
+        ``path`` (and the segment it would have replaced kept)."""
         def fill(fd: int, tmp: Path) -> torch.Tensor:
             try:
                 if paced:
                     for a, b in pieces(0, nbytes):
+                        _pause(stop, 0.0)
                         os.posix_fallocate(fd, a, b - a)
-                        time.sleep(REGISTER_GAP_S)
+                        _pause(stop, REGISTER_GAP_S)
                 else:
                     os.posix_fallocate(fd, 0, nbytes)
             except OSError as e:
@@ -160,7 +164,8 @@ class Segment:
         tensor = torch.from_file(str(path), shared=writable, size=st.st_size, dtype=torch.uint8)
         return cls(path, tensor, writable)
 
-    def register(self, device: int | None = None, paced: bool = False) -> bool:
+    def register(self, device: int | None = None, paced: bool = False,
+                 stop: threading.Event | None = None) -> bool:
         """Page-lock the mapping with the CUDA driver (device-to-host copies at pinned bandwidth), as
         ``device``'s memory (default: this thread's current device), in pieces of :data:`REGISTER_PIECE`
         bytes: every CUDA copy into or out of a segment must stay inside one piece (:func:`pieces`).
@@ -174,7 +179,8 @@ class Segment:
         own speed (same node, registration alone: 0.9 s in all, no step slower than without it). Mapping
         6.9 GiB in one call held the process's mmap lock 1.9 s and stalled the training thread (a pinned
         allocation of a save, a step) as long. Neither holds the GIL. ``False`` where there is no
-        CUDA or the driver refuses (copies then go through pageable memory)."""
+        CUDA or the driver refuses (copies then go through pageable memory). ``stop`` set between two
+        pieces: every piece registered so far is unregistered and :class:`AllocationStopped` raised."""
         if self.registered or not torch.cuda.is_available() or self.nbytes == 0:
             return self.registered
         if device is not None:
@@ -183,19 +189,25 @@ class Segment:
         if not paced:
             populate(ptr, self.nbytes, write=self.writable)
         done: list[int] = []
-        for a, b in pieces(0, self.nbytes):
-            if paced:   # mapping pages holds this process's mmap lock, which any allocation of the loop needs
-                populate(ptr + a, b - a, write=self.writable)
-            rc = host_register(ptr + a, b - a)
-            if rc != 0:
-                for p in done:
-                    host_unregister(p)
-                log.warning("cudaHostRegister of the %.2f GiB memory-tier segment %s failed (CUDA error %d): its "
-                            "copies go through pageable memory, slower", self.nbytes / 2**30, self.path, rc)
-                return False
-            done.append(ptr + a)
-            if paced and b < self.nbytes:
-                time.sleep(REGISTER_GAP_S)
+        try:
+            for a, b in pieces(0, self.nbytes):
+                _pause(stop, 0.0)
+                if paced:   # mapping pages holds this process's mmap lock, which any allocation of the loop needs
+                    populate(ptr + a, b - a, write=self.writable)
+                rc = host_register(ptr + a, b - a)
+                if rc != 0:
+                    for p in done:
+                        host_unregister(p)
+                    log.warning("cudaHostRegister of the %.2f GiB memory-tier segment %s failed (CUDA error %d): "
+                                "its copies go through pageable memory, slower", self.nbytes / 2**30, self.path, rc)
+                    return False
+                done.append(ptr + a)
+                if paced and b < self.nbytes:
+                    _pause(stop, REGISTER_GAP_S)
+        except BaseException:   # stopped (or failed) between pieces: none of it stays registered
+            for p in done:
+                host_unregister(p)
+            raise
         self._pieces = done
         self.registered = True
         return True
@@ -210,6 +222,21 @@ class Segment:
             self.registered = False
             self._pieces = []
         self.tensor = torch.empty(0, dtype=torch.uint8)
+
+
+class AllocationStopped(Exception):
+    """A paced allocation (:meth:`Segment.create`, :meth:`Segment.register`) was told to stop: its owner
+    is closing. Nothing it had done is left behind."""
+
+
+def _pause(stop: threading.Event | None, seconds: float) -> None:
+    """Between two pieces of a paced allocation: wait ``seconds``, and raise :class:`AllocationStopped`
+    as soon as ``stop`` is set."""
+    if stop is None:
+        if seconds > 0:
+            time.sleep(seconds)
+    elif stop.wait(seconds) if seconds > 0 else stop.is_set():
+        raise AllocationStopped("the memory tier is closing")
 
 
 #: bytes per registration of a segment with the CUDA driver (a multiple of every chunk and alignment size)

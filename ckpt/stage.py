@@ -68,13 +68,18 @@ _GRANULE = 2 << 20  # pool capacity is rounded up to this
 # What allocating a buffer runs at before one was measured in this process (GB/s): on an H200 node, 8 GB of
 # cudaHostAlloc took 3.45 s, a 6.9 GiB shared-memory segment created, mapped and registered 3.7 s.
 _ALLOC_GBPS = 2.0
+# How long close() waits for prepare()'s thread to stop (seconds): it stops between two 64 MiB pieces, so
+# this is only reached by a file system that blocks one posix_fallocate or mapping for that long.
+_PREPARE_JOIN_S = 60
 
 
 class _Flag(threading.local):
     paced = False
+    stop: threading.Event | None = None
 
 
-_background = _Flag()   # set in prepare()'s thread: segments registered there go in paced pieces
+# set in prepare()'s thread: segments registered there go in paced pieces, and stop when the pool closes
+_background = _Flag()
 
 
 class HostBuffer:
@@ -176,6 +181,7 @@ class HostPool:
         self._allocating = 0      # allocations under way outside the lock
         self._cv = threading.Condition()
         self._prepared: threading.Thread | None = None
+        self._stop = threading.Event()   # close(): prepare()'s thread stops between two pieces
         self._preparing: float | None = None   # when prepare()'s background allocation started, while it runs
         self._growing: tuple[float, int] | None = None   # (start, bytes) of the background allocation under way
         self.alloc_gbps: float | None = None   # the rate buffers were allocated at in this process (GB/s)
@@ -249,7 +255,7 @@ class HostPool:
             shm.remove_record(space.root, space.prefix, slot)
             return None
         if self.pin:
-            seg.register(self._device, paced=_background.paced)
+            seg.register(self._device, paced=_background.paced, stop=_background.stop)
         buf = HostBuffer(0, self.pin, segment=seg, slot=slot)
         buf.image_step, buf.manifest, buf.image_timeline, buf.record = rec.step, rec.manifest, rec.timeline, rec
         buf.image_order = rec.created_unix
@@ -265,11 +271,16 @@ class HostPool:
                 return
 
             def run() -> None:
+                from . import shm
+
                 priority.lower_this_thread()
                 _background.paced = True   # beside a training loop: registered in paced pieces
+                _background.stop = self._stop
                 try:
                     self.adopt()   # a previous process's segments first (their snapshots stay listed), here:
                     self._prepare_buffers(nbytes)   # a save adopting beside this allocation could map a slot twice
+                except shm.AllocationStopped:
+                    pass   # close(): what was under way is undone, its segments are left as they were
                 except Exception as e:   # noqa: BLE001 - the save allocates (and reports) itself
                     log.warning("allocating the snapshot buffers ahead failed (%s); the first save allocates", e)
                 finally:
@@ -485,11 +496,24 @@ class HostPool:
 
     def close(self, keep_shared: bool = False) -> None:
         """Free every buffer that is not held now, and each held one when it is released. Idempotent.
-        Shared-memory segments are removed too (their RAM is given back), unless ``keep_shared``."""
+        Shared-memory segments are removed too (their RAM is given back), unless ``keep_shared``.
+
+        :meth:`prepare`'s background allocation is stopped first (between two of its pieces, within
+        milliseconds) and waited for: no thread of the pool outlives it, and no segment appears after it.
+        A daemon thread still inside torch when the interpreter finalizes aborts the process."""
         from . import shm
 
         with self._cv:
             self._closed = True
+            self._stop.set()
+            self._cv.notify_all()
+            thread = self._prepared
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(_PREPARE_JOIN_S)
+            if thread.is_alive():
+                log.warning("the memory tier's background allocation did not stop within %d s of close()",
+                            _PREPARE_JOIN_S)
+        with self._cv:
             for b in [b for b in self.buffers if b.holds == 0]:
                 self._drop(b)
             self._cv.notify_all()
@@ -593,7 +617,7 @@ class HostPool:
             free = shm.available_bytes(space.root) + old
             if free < cap:
                 raise OSError(errno.ENOSPC, f"{_mib(free)} free", str(space.root))
-            seg = shm.Segment.create(path, cap, paced=_background.paced)
+            seg = shm.Segment.create(path, cap, paced=_background.paced, stop=_background.stop)
         except OSError as e:
             if not self._warned_shm:
                 self._warned_shm = True
@@ -603,7 +627,7 @@ class HostPool:
                             e.strerror or e, self.slots)
             return None
         if self.pin:
-            seg.register(self._device, paced=_background.paced)
+            seg.register(self._device, paced=_background.paced, stop=_background.stop)
         return HostBuffer(cap, self.pin, segment=seg, slot=slot)
 
 

@@ -9,6 +9,10 @@ from __future__ import annotations
 
 import errno
 import gc
+import os
+import subprocess
+import sys
+import textwrap
 import threading
 import weakref
 
@@ -17,7 +21,8 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
 import ckpt
-from ckpt.stage import HostPool
+from ckpt import shm
+from ckpt.stage import HostPool, SharedSpace
 from ckpt.tiers import LocalTier, RemoteTier
 
 MiB = 1 << 20
@@ -222,3 +227,68 @@ def test_a_grown_state_frees_the_smaller_buffer_before_allocating_the_new_one(lo
         monkeypatch.setattr(stage_mod, "HostBuffer", Spy)
         ck.save(2, _state(8 * MiB)).wait()
     assert seen == [[True]], "the old buffer was still allocated while the bigger one was allocated"
+
+
+# -- the background allocation ---------------------------------------------------------------------
+
+@pytest.mark.parametrize("keep_shared", [False, True])
+def test_close_stops_the_background_allocation_between_two_pieces(tmp_path, monkeypatch, keep_shared):
+    """close() stops prepare()'s paced allocation where it stands and waits for its thread: nothing of the
+    pool runs after close() returns (a daemon thread inside torch at interpreter exit aborts the process),
+    and no segment, whole or half-made, appears in the RAM directory after it."""
+    monkeypatch.setattr(shm, "REGISTER_PIECE", 64 << 10)
+    monkeypatch.setattr(shm, "REGISTER_GAP_S", 0.05)   # 128 pieces of 8 MiB: 6.4 s unstopped
+    reserved, started = [], threading.Event()
+    fallocate = os.posix_fallocate
+
+    def counting(fd, offset, length):
+        reserved.append(offset)
+        started.set()
+        return fallocate(fd, offset, length)
+
+    monkeypatch.setattr(os, "posix_fallocate", counting)
+    root = tmp_path / "shm"
+    root.mkdir()
+    pool = HostPool(2, None, pin=False)
+    pool.share(SharedSpace(root, shm.prefix_for(tmp_path / "l", 0), str(tmp_path / "l")))
+    pool.prepare(8 << 20)
+    assert started.wait(60)
+    thread = pool._prepared
+    pool.close(keep_shared=keep_shared)
+    assert not thread.is_alive()
+    n = len(reserved)
+    assert 0 < n < 128, "the allocation ran to its end instead of stopping"
+    assert os.listdir(root) == [] and pool.buffers == []
+    thread.join(0.3)
+    assert len(reserved) == n and os.listdir(root) == []   # nothing more after close() returned
+
+
+@pytest.mark.parametrize("closes", [True, False])
+def test_a_process_that_exits_during_the_background_allocation_exits_cleanly(tmp_path, closes):
+    """A short run (or a restore followed by a few steps) ends while the buffers are still being allocated
+    in the background: whether it closes the Checkpointer or leaves that to the exit hook, no thread of
+    ours is still running when the interpreter finalizes, and the process exits 0."""
+    script = tmp_path / "short.py"
+    script.write_text(textwrap.dedent(f"""
+        import atexit, sys, threading
+        import torch
+        import ckpt
+        from ckpt import shm
+        shm.REGISTER_PIECE, shm.REGISTER_GAP_S = 64 << 10, 0.05
+        # atexit hooks run after threading's exit hooks (where ckpt finishes what was not closed)
+        atexit.register(lambda: print("left", sorted(t.name for t in threading.enumerate()
+                                                     if t.name.startswith("ckpt-")), flush=True))
+        state = {{"w": torch.nn.Parameter(torch.randn(2 << 20))}}
+        ck = ckpt.Checkpointer(local_dir=sys.argv[1], every_steps=1)
+        ck.maybe_save(0, state)   # starts the background allocation (8 MiB in 128 paced pieces)
+        if {closes}:
+            ck.close()
+    """))
+    env = {**os.environ, "CKPT_BUSY_WAIT_MS": "0"}
+    out = subprocess.run([sys.executable, str(script), str(tmp_path / "l")], capture_output=True, text=True,
+                         env=env, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "left []" in out.stdout.splitlines(), out.stdout + out.stderr
+    root = os.environ.get("CKPT_SHM_DIR")
+    if root and not closes:   # the exit hook keeps the memory tier for the next process: no half-made segment
+        assert not [f for f in os.listdir(root) if f.startswith(".") and shm.prefix_for(tmp_path / "l", 0) in f]
