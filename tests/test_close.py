@@ -292,3 +292,18 @@ def test_a_process_that_exits_during_the_background_allocation_exits_cleanly(tmp
     root = os.environ.get("CKPT_SHM_DIR")
     if root and not closes:   # the exit hook keeps the memory tier for the next process: no half-made segment
         assert not [f for f in os.listdir(root) if f.startswith(".") and shm.prefix_for(tmp_path / "l", 0) in f]
+
+
+def test_no_thread_of_ours_outlives_close(tmp_path):
+    """A whole life (background allocation, saves on every tier, a restore, close) leaves no ckpt thread."""
+    def ours():
+        return sorted(t.name for t in threading.enumerate() if t.name.startswith("ckpt-"))
+
+    before = ours()
+    state = {"w": torch.nn.Parameter(torch.randn(1000))}
+    with ckpt.Checkpointer(f"file://{tmp_path}/r", local_dir=tmp_path / "l", every_steps=1) as ck:
+        for step in range(4):
+            ck.maybe_save(step, state)
+        ck.save(4, state).wait()
+        assert ck.restore(state) == 4
+    assert ours() == before
