@@ -971,9 +971,11 @@ class Checkpointer:
     def close(self, raise_errors: bool = True, keep_memory: bool = False) -> None:
         """Write the newest snapshot to every tier that does not hold it yet (a tier that skipped it
         for its cadence or because it was busy), finish persisting every save, stop the background
-        workers, and free the host buffers: the memory tier goes with them, its shared memory
-        included, unless ``keep_memory`` (then the next process on this node may restore from it).
-        Safe to drop the object afterwards. Collective in a collective job.
+        workers (a background allocation of the host buffers still under way stops where it stands,
+        within milliseconds), and free the host buffers: the memory tier goes with them, its shared
+        memory included, unless ``keep_memory`` (then the next process on this node may restore from
+        it). No thread of the Checkpointer outlives it. Safe to drop the object afterwards. Collective
+        in a collective job.
 
         When ``raise_errors``, raises the first failure the user has not seen: one that neither
         ``handle.wait()`` nor :meth:`wait` raised already. ``__exit__`` calls it (without raising,
