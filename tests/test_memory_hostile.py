@@ -1,0 +1,179 @@
+"""The memory tier's files in the RAM file system, attacked.
+
+``/dev/shm`` is shared by every process of the node (and every job of a user): what a restore finds
+there may be a link, a FIFO, a file of the wrong size, a record that lies or is nested 100k deep, or a
+segment another process changes. Whatever it finds, a restore never hangs, never follows a link out of
+the directory, never maps more than the file holds, serves no byte that fails its checksum, and falls
+back to the next tier (the local one here, which holds the same step) with the state exact.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import ckpt
+from ckpt import shm
+from ckpt.cli import main as cli_main
+
+pytestmark = [pytest.mark.skipif(shm.shm_root() is None, reason="no RAM file system (/dev/shm) here"),
+              pytest.mark.timeout(120)]
+
+
+def _state(seed: int) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    return {"w": torch.randn(4096, generator=g), "b": torch.randn(7, generator=g)}
+
+
+def _leave(local_dir: Path, step: int = 3) -> tuple[dict, Path, Path]:
+    """A checkpoint of ``step`` on the local tier and in RAM (kept past close), and its segment and record."""
+    state = _state(step)
+    ck = ckpt.Checkpointer(local_dir=local_dir)
+    ck.save(step, state).wait()
+    ck.close(keep_memory=True)
+    root, prefix = shm.shm_root(), shm.prefix_for(local_dir, 0)
+    recs = [p for p in root.iterdir() if p.name.startswith(prefix) and p.name.endswith(".rec")]
+    assert len(recs) == 1, sorted(p.name for p in root.iterdir())
+    rec = shm.read_snapshot_record(recs[0])
+    return state, root / rec.buffer, recs[0]
+
+
+def _restore(local_dir: Path) -> tuple[int | None, str | None, dict]:
+    target = {k: torch.zeros_like(v) for k, v in _state(0).items()}
+    with ckpt.Checkpointer(local_dir=local_dir) as ck:
+        step = ck.restore(target)
+        tier = ck.last_restore.tier if step is not None else None
+    return step, tier, target
+
+
+def _exact(a: dict, b: dict) -> bool:
+    return all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_the_untouched_snapshot_is_restored_from_ram(local_dir):
+    state, _, _ = _leave(local_dir)
+    step, tier, got = _restore(local_dir)
+    assert (step, tier) == (3, "memory") and _exact(got, state)
+
+
+def _swap(path: Path, make) -> None:
+    os.unlink(path)
+    make(path)
+
+
+@pytest.mark.parametrize("which", ["buffer", "record"])
+@pytest.mark.parametrize("what", ["fifo", "symlink", "directory"])
+def test_a_segment_file_that_is_not_a_regular_file_of_ours_is_never_opened(local_dir, tmp_path, which, what):
+    state, buf, rec = _leave(local_dir)
+    target = buf if which == "buffer" else rec
+    copy = tmp_path / "elsewhere"
+    copy.write_bytes(target.read_bytes())
+    before = copy.read_bytes()
+    if what == "fifo":
+        _swap(target, os.mkfifo)        # opening it for reading would block until a writer comes
+    elif what == "symlink":
+        _swap(target, lambda p: os.symlink(copy, p))
+    else:
+        _swap(target, os.mkdir)
+    step, tier, got = _restore(local_dir)
+    assert (step, tier) == (3, "local") and _exact(got, state)
+    assert copy.read_bytes() == before   # the link's target was not written
+
+
+@pytest.mark.parametrize("size", ["truncated", "sparse 2 GiB", "empty"])
+def test_a_buffer_of_another_size_is_refused_or_checked(local_dir, size):
+    state, buf, rec = _leave(local_dir)
+    data_bytes = shm.read_snapshot_record(rec).manifest.data_bytes
+    with open(buf, "r+b") as f:
+        if size == "truncated":
+            f.truncate(data_bytes // 2)   # mapped as the record says: past the end would be SIGBUS
+        elif size == "empty":
+            f.truncate(0)
+        else:
+            f.truncate(0)
+            f.truncate(2 << 30)         # the right size and more, every byte zero: fails its checksums
+    step, tier, got = _restore(local_dir)
+    assert (step, tier) == (3, "local") and _exact(got, state)
+
+
+def _rewrite_record(rec: Path, change) -> None:
+    d = json.loads(rec.read_text())
+    change(d)
+    rec.write_text(json.dumps(d) if not isinstance(d, str) else d)
+
+
+@pytest.mark.parametrize("lie", ["data_bytes 2**60", "record and manifest disagree on the step", "another slot's buffer",
+                                 "negative slot", "100k-deep json", "huge record", "not json",
+                                 "manifest 100k deep", "chunk checksums flipped"])
+def test_a_record_that_lies_is_refused(local_dir, lie):
+    state, buf, rec = _leave(local_dir)
+    if lie == "100k-deep json":
+        rec.write_text("[" * 100_000 + "]" * 100_000)
+    elif lie == "huge record":
+        with open(rec, "r+b") as f:
+            f.truncate(1 << 30)         # sparse: a reader that slurps it takes 1 GiB
+    elif lie == "not json":
+        rec.write_bytes(b"\xff\xfe" + os.urandom(64))
+    else:
+        def change(d):
+            m = json.loads(d["manifest"])
+            if lie == "data_bytes 2**60":
+                m["data_bytes"] = 2 ** 60
+            elif lie == "record and manifest disagree on the step":
+                d["step"] = 4
+            elif lie == "another slot's buffer":
+                other = 1 - d["slot"]   # a record naming the other slot's segment (another snapshot's bytes)
+                d["buffer"] = d["buffer"].replace(f"-s{d['slot']:02d}.", f"-s{other:02d}.")
+                d["slot"] = other
+            elif lie == "negative slot":
+                d["slot"] = -1
+            elif lie == "manifest 100k deep":
+                d["manifest"] = "[" * 100_000 + "]" * 100_000
+                return
+            elif lie == "chunk checksums flipped":
+                m["chunks"] = [c ^ 1 for c in m["chunks"]]
+            d["manifest"] = json.dumps(m)
+        _rewrite_record(rec, change)
+    step, tier, got = _restore(local_dir)
+    assert step == 3 and _exact(got, state) and tier == "local"
+
+
+def test_a_buffer_changed_after_its_commit_is_refused(local_dir):
+    state, buf, _ = _leave(local_dir)
+    with open(buf, "r+b") as f:
+        f.seek(100)
+        b = f.read(1)
+        f.seek(100)
+        f.write(bytes([b[0] ^ 0x01]))
+    step, tier, got = _restore(local_dir)
+    assert (step, tier) == (3, "local") and _exact(got, state)
+
+
+def test_ls_and_gc_stand_hostile_files_and_free_only_regular_files_of_ours(local_dir, tmp_path, capsys):
+    state, buf, rec = _leave(local_dir)
+    outside = tmp_path / "precious"
+    outside.write_bytes(b"keep me")
+    root, prefix = shm.shm_root(), shm.prefix_for(local_dir, 0)
+    link = root / f"{prefix}-s01.buf"
+    os.symlink(outside, link)
+    fifo = root / f"{prefix}-s01.rec"
+    os.mkfifo(fifo)
+    deep = root / f"{prefix}-s02.rec"
+    deep.write_text("[" * 100_000 + "]" * 100_000)
+    try:
+        assert cli_main(["ls", str(local_dir), "--memory"]) == 0
+        out = capsys.readouterr().out
+        assert "3" in out
+        assert cli_main(["gc", "--memory", str(local_dir)]) == 0
+        assert outside.read_bytes() == b"keep me"
+        assert not buf.exists() and not rec.exists() and not deep.exists()
+    finally:
+        for p in (link, fifo, deep):
+            if os.path.lexists(p):
+                os.unlink(p)
