@@ -34,6 +34,11 @@ def test_save_returns_before_the_copy_and_the_optimizer_waits_on_the_gpu(local_d
     before = {k: v.clone() for k, v in model.state_dict().items()}
     before_m = [opt.state[p]["exp_avg"].clone() for p in model.parameters()]
     with ckpt.Checkpointer(local_dir=local_dir) as ck:
+        # the copy queues behind ~0.1 s of GPU spin on the side stream: a save() that waited for it could not
+        # return with the stream still busy (without it, the stream can be idle for a moment between two of
+        # the copy's paced chunks, and the check below would not say whether save() waited)
+        with torch.cuda.stream(ck._side_stream):
+            torch.cuda._sleep(200_000_000)
         h = ck.save(1, {"model": model, "optim": opt})
         assert ck._side_stream.query() is False, "save() waited for the copy"
         x = torch.randn(256, 4096, device="cuda")
