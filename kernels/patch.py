@@ -163,8 +163,6 @@ def _make_rope(original: Callable[..., Any]) -> Callable[..., Any]:
 
 def _fused_experts_runnable(module: nn.Module, hidden_states: torch.Tensor) -> bool:
     """Whether :func:`fused_experts` serves this call (else the packed-SwiGLU path does)."""
-    if torch.compiler.is_compiling() or getattr(module, "_is_expert_parallel", False):
-        return False   # traced: transformers' own graph; expert parallel: sentinel expert ids
     if not (hidden_states.device.type == "cuda" or interpreter_enabled()) or hidden_states.dim() != 2:
         return False
     dtype = hidden_states.dtype
@@ -176,13 +174,18 @@ def _fused_experts_runnable(module: nn.Module, hidden_states: torch.Tensor) -> b
 def _experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                      top_k_weights: torch.Tensor) -> torch.Tensor:
     """The patched experts' forward: :func:`fused_experts` (routing, both grouped GEMMs, SwiGLU and
-    the weighted sum in Triton) wherever it runs; otherwise transformers' implementation with the
-    packed SwiGLU: its ``grouped_mm`` and ``batched_mm`` implementations call the instance's
-    ``_apply_gate`` (patched to the fused kernel); its ``eager`` loop writes ``act_fn(gate) * up``
-    inline, so it is reproduced here with ``_apply_gate``."""
+    the weighted sum in Triton) wherever it runs, ``torch.compile`` and expert parallelism included;
+    otherwise transformers' implementation with the packed SwiGLU: its ``grouped_mm`` and
+    ``batched_mm`` implementations call the instance's ``_apply_gate`` (patched to the fused kernel);
+    its ``eager`` loop writes ``act_fn(gate) * up`` inline, so it is reproduced here with
+    ``_apply_gate``."""
     if _fused_experts_runnable(self, hidden_states):
+        # expert parallelism (transformers sets the flag where it splits the experts over ranks): the
+        # slots of other ranks' experts carry the index num_experts and must add nothing; elsewhere the
+        # flag's zeroing would be wasted work
         return fused_experts(hidden_states, top_k_index, top_k_weights, self.gate_up_proj, self.down_proj,
-                             recompute=_EXPERTS_RECOMPUTE)
+                             recompute=_EXPERTS_RECOMPUTE,
+                             expert_parallel=bool(getattr(self, "_is_expert_parallel", False)))
     if getattr(self.config, "_experts_implementation", None) not in (None, "eager"):
         return type(self).forward(self, hidden_states, top_k_index, top_k_weights)
     final = torch.zeros_like(hidden_states)
