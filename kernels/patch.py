@@ -19,10 +19,12 @@ modeling module), so a model built from a config is patched as one loaded from a
 * the experts of a mixture-of-experts block (Mixtral, Qwen3-MoE; ``<Arch>Experts``): their forward
   -> :func:`ckpt.kernels.fused_experts` (routing, both grouped GEMMs, the SwiGLU and the weighted
   sum in Triton) over the same ``gate_up_proj`` / ``down_proj``, under every experts
-  implementation of transformers (``grouped_mm``, ``batched_mm``, ``eager``). Where it cannot run
-  (``torch.compile`` tracing, expert parallelism, CPU tensors without the interpreter, weights of
-  another dtype outside autocast) transformers' implementation runs with the SwiGLU between the
-  two projections -> :func:`swiglu_packed`. The router and the expert weights are untouched;
+  implementation of transformers (``grouped_mm``, ``batched_mm``, ``eager``), ``torch.compile``
+  included. Where it cannot run (CPU tensors without the interpreter, weights of another dtype
+  outside autocast), and for experts whose ``forward`` was already replaced on the instance
+  (transformers' expert-parallel dispatch, a hook: kept, as replacing it would drop what it does),
+  transformers' implementation runs with the SwiGLU between the two projections ->
+  :func:`swiglu_packed`. The router and the expert weights are untouched;
 * ``apply_rotary_pos_emb`` of the architecture's modeling module -> :func:`rope`. HF calls this
   module-level function from its attention, so this part of the patch is process-wide for that
   architecture; the replacement falls back to the original function for tensors the kernels
@@ -407,6 +409,7 @@ def patch(
     mlp_cls = getattr(modeling, f"{family.prefix}MLP", None)
     experts_cls = getattr(modeling, f"{family.prefix}Experts", None)
     skipped: dict[str, str] = {}
+    wrapped: list[str] = []   # experts whose instance-level forward (a wrapper) is kept
     for name, module in list(model.named_modules()):
         if not name:
             continue
@@ -432,7 +435,14 @@ def patch(
                 skipped[name] = why
                 continue
             module._apply_gate = swiglu_packed   # an instance attribute: called as self._apply_gate(x)
-            module.forward = types.MethodType(_experts_forward, module)
+            if "forward" in vars(module):
+                # a forward installed on the instance wraps the class's: transformers' expert-parallel dispatch
+                # (it all-reduces or exchanges the ranks' shares around the inner call), an accelerate hook.
+                # Replacing it would drop what it does; its inner call runs transformers' implementation,
+                # whose SwiGLU is the packed kernel now.
+                wrapped.append(name)
+            else:
+                module.forward = types.MethodType(_experts_forward, module)
             module._ckpt_fused = True
             changed["experts"].append(name)
         elif family.vision and layer_norm and type(module) is nn.LayerNorm:
@@ -447,6 +457,10 @@ def patch(
                              "not a gated (GLU) MLP: no fused kernel")
     for name, why in skipped.items():
         log.warning("ckpt.kernels.patch left %s (%s) unpatched: %s", name, model_type, why)
+    if wrapped:
+        log.info("ckpt.kernels.patch: the experts %s (%s) have a forward of their own (transformers' expert "
+                 "parallelism or a hook), kept: their SwiGLU is fused, fused_experts does not serve them",
+                 ", ".join(wrapped), model_type)
 
     if rope_embedding:
         current = getattr(modeling, "apply_rotary_pos_emb")

@@ -338,3 +338,32 @@ def test_patch_experts_under_expert_parallelism(count_fused):
     for name in ("gate_up_proj", "down_proj"):
         got = torch.cat([getattr(local, name).grad for local in ranks])
         assert_close(f"grad of {name}", got, getattr(full, name).grad, 1e-5, 1e-5)
+
+
+def test_patch_keeps_an_experts_forward_installed_on_the_instance(count_fused, caplog):
+    """transformers' expert parallelism (``ExpertParallelLayer.install_forward``, 5.24) and accelerate's
+    hooks replace an experts module's ``forward`` on the instance with a wrapper around the class's: the
+    ranks' shares are exchanged or all-reduced there. patch() must keep that wrapper (replacing it would
+    drop the exchange: each rank's output would be its own experts' share alone); inside it transformers'
+    implementation runs with the SwiGLU fused."""
+    model = tiny_moe("qwen3_moe")
+    experts = model.model.layers[0].mlp.experts
+    reference = copy.deepcopy(experts)
+    calls = []
+    original_forward = experts.forward
+
+    def ep_forward(*args, **kwargs):   # stands for the dispatch: transforms the output after the inner call
+        calls.append(1)
+        return 2 * original_forward(*args, **kwargs)
+
+    experts.forward = ep_forward
+    with caplog.at_level("INFO", logger="ckpt.kernels.patch"):
+        kpatch.patch(model)
+    assert experts.forward is ep_forward and experts._apply_gate is kpatch.swiglu_packed
+    assert any("forward of their own" in r.getMessage() for r in caplog.records)
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(9, experts.gate_up_proj.shape[-1], generator=g).to(DEVICE)
+    w, idx = torch.softmax(torch.randn(9, experts.num_experts, generator=g), -1).topk(2, dim=-1)
+    out = experts(x, idx.to(DEVICE), w.to(DEVICE))
+    assert calls == [1] and not count_fused
+    assert_close("output", out, 2 * reference(x, idx.to(DEVICE), w.to(DEVICE)), 1e-5, 1e-5)
