@@ -1,9 +1,10 @@
 """Fused mixture-of-experts experts: routing, both grouped GEMMs, SwiGLU and the weighted sum in Triton.
 
 For ``x`` ``(T, H)`` (``T`` tokens), ``top_k_index`` ``(T, K)`` (each token's ``K`` experts, in
-``[0, E)``), ``top_k_weights`` ``(T, K)``, stacked expert weights ``gate_up`` ``(E, 2I, H)``
-(each expert's gate rows ``[0, I)``, then its up rows ``[I, 2I)``: the layout of transformers'
-``<Arch>Experts.gate_up_proj``) and ``down`` ``(E, H, I)``::
+``[0, E)``; under expert parallelism also other values, below), ``top_k_weights`` ``(T, K)``,
+stacked expert weights ``gate_up`` ``(E, 2I, H)`` (each expert's gate rows ``[0, I)``, then its up
+rows ``[I, 2I)``: the layout of transformers' ``<Arch>Experts.gate_up_proj``) and ``down``
+``(E, H, I)``::
 
     out[t] = sum_j  w[t, j] * down[e] @ (silu(g) * u),    g, u = (gate_up[e] @ x[t]).chunk(2)
              with e = top_k_index[t, j], w = top_k_weights
@@ -53,6 +54,25 @@ does for ``linear``). GEMMs accumulate in fp32; fp32 inputs use full-precision p
 ``torch.backends.cuda.matmul.allow_tf32`` is set. ``top_k_weights`` any float dtype; its
 gradient comes back in that dtype, the others in the inputs' dtype.
 
+Expert parallelism. A rank holding ``E`` of the model's experts gets slots of experts held
+elsewhere; transformers marks them with the index ``E``. Any index ``< 0`` or ``>= E`` sorts outside
+every expert's run of sorted rows (before expert 0's or after the last one's), so no tile covers
+it: no kernel reads or writes anything of such a slot. With ``expert_parallel=True`` the two
+``(T, K, H)`` slot buffers (the output's in forward, ``dx``'s in backward) and the routing
+weights' partial gradients start at zero, so such a slot adds nothing and its routing weight's
+gradient is zero; it costs those two buffers' zeroing, so without the flag they stay
+uninitialised and such a slot's share of the output, ``dx`` and its weight's gradient is
+undefined. All on the device: no host synchronisation either way.
+
+Under ``torch.compile``: two custom operators, ``torch.ops.ckpt.fused_experts`` and
+``fused_experts_backward``, launching the same kernels as eager. An operator keeps no state
+between forward and backward, so the forward returns what backward needs as outputs (``h``,
+the routing weights in sorted order, the routing tensors). The tile table's length is the bound
+``ceil(S / BLOCK_M) + E``, a function of shapes, so the fake implementations need no data. An
+operator may not write over its inputs: backward writes ``dh`` to a new ``(S, 2I)`` buffer
+instead of over ``h``. Under autocast the cast to autocast's dtype is traced before the
+operator, which then runs with autocast off, as eager does.
+
 References:
     Shazeer et al., "Outrageously Large Neural Networks: The Sparsely-Gated Mixture-of-Experts
     Layer", 2017; Jiang et al., "Mixtral of Experts", 2024.
@@ -75,6 +95,7 @@ from ._utils import (
     check_tensor,
     interpreter_enabled,
     jit_helper,
+    op_def,
     tl,
 )
 
@@ -394,7 +415,8 @@ def _route(top_k_index: torch.Tensor, num_experts: int, block_m: int) -> dict[st
 
     Returns ``perm`` (sorted row -> slot), ``tok`` (sorted row -> token), ``starts``/``ends``
     ``(E,)`` (each expert's run of sorted rows), ``tile_e``/``tile_row`` (per tile of ``block_m``
-    rows: its expert, ``E`` for an unused tile, and its first sorted row); all ``int32``.
+    rows: its expert, ``E`` for an unused tile, and its first sorted row); all ``int32``. An index
+    outside ``[0, E)`` sorts before expert 0's run or after the last expert's: no tile covers its slot.
     """
     k = top_k_index.shape[-1]
     ids = top_k_index.reshape(-1)
@@ -457,13 +479,14 @@ def _launch_wgrad(a, b, out, r, gather_a, gather_b, cfg, prec):
                            BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=nw, num_stages=ns)
 
 
-def _launch_down_bwd(dout, down, h, dh, wa, w_sorted, r, cfg, prec):
-    """Step 4 of the module docstring; returns the ``(column blocks, S)`` fp32 partial ``d_weights``."""
+def _launch_down_bwd(dout, down, h, dh, wa, w_sorted, r, cfg, prec, zero_dw):
+    """Step 4 of the module docstring; returns the ``(column blocks, S)`` fp32 partial ``d_weights``
+    (``zero_dw``: zeros, not garbage, in the columns of slots no tile covers)."""
     e, hid, inter = down.shape
     s = h.shape[0]
     bn, bk, nw, ns = _config(cfg, "down_bwd", h)
     n_blocks = _cdiv(inter, bn)
-    dwp = torch.empty((n_blocks, s), dtype=torch.float32, device=h.device)
+    dwp = (torch.zeros if zero_dw else torch.empty)((n_blocks, s), dtype=torch.float32, device=h.device)
     tiles = r["tile_e"].numel()
     _down_bwd[(tiles * n_blocks,)](dout, down, h, dh, wa, dwp, w_sorted, r["tok"], r["tile_e"], r["tile_row"],
                                    r["ends"], dout.stride(0), down.stride(0), down.stride(1), h.stride(0),
@@ -473,7 +496,13 @@ def _launch_down_bwd(dout, down, h, dh, wa, w_sorted, r, cfg, prec):
     return dwp
 
 
-def _forward(x, gate_up, down, weights, top_k_index, store_h):
+def _slot_buffer(t, k, hid, x, expert_parallel):
+    """The ``(T, K, H)`` buffer a rows GEMM writes at each slot's place. Slots of experts not held here
+    are written by no tile: with ``expert_parallel`` they start at zero, so they add nothing to the sum."""
+    return (torch.zeros if expert_parallel else torch.empty)((t, k, hid), dtype=x.dtype, device=x.device)
+
+
+def _forward(x, gate_up, down, weights, top_k_index, store_h, expert_parallel):
     cfg = experts_configs(x.device)
     prec = _precision(x)
     t, hid = x.shape
@@ -486,7 +515,7 @@ def _forward(x, gate_up, down, weights, top_k_index, store_h):
     h = torch.empty((s, two_i), dtype=x.dtype, device=x.device) if store_h else None
     a = torch.empty((s, inter), dtype=x.dtype, device=x.device)
     _launch_up(x, gate_up, r, h, a, cfg, prec)
-    y = torch.empty((t, k, hid), dtype=x.dtype, device=x.device)
+    y = _slot_buffer(t, k, hid, x, expert_parallel)
     # down[e] is (H, I): element [k, n] of the GEMM's right operand is down[e, n, k]
     _launch_rows(a, down, y.view(s, hid), w_sorted, r, (down.stride(2), down.stride(1)), hid, inter, cfg,
                  "down", prec)
@@ -495,8 +524,9 @@ def _forward(x, gate_up, down, weights, top_k_index, store_h):
     return out, r, w_sorted, h
 
 
-def _backward(dout, x, gate_up, down, weights_dtype, r, w_sorted, h, k, need):
-    """Gradients ``(dx, d_gate_up, d_down, d_weights)`` (``None`` where ``need`` says so)."""
+def _backward(dout, x, gate_up, down, weights_dtype, r, w_sorted, h, k, need, expert_parallel, h_private):
+    """Gradients ``(dx, d_gate_up, d_down, d_weights)`` (``None`` where ``need`` says so). ``h``: the
+    saved pre-activation, or ``None`` to recompute it; ``h_private``: ``dh`` may be written over it."""
     cfg = experts_configs(x.device)
     prec = _precision(x)
     t, hid = x.shape
@@ -507,9 +537,10 @@ def _backward(dout, x, gate_up, down, weights_dtype, r, w_sorted, h, k, need):
     if h is None:   # recompute mode: the pre-activation again, from the first GEMM
         h = torch.empty((s, two_i), dtype=x.dtype, device=x.device)
         _launch_up(x, gate_up, r, h, None, cfg, prec)
+        h_private = True
     wa = torch.empty((s, inter), dtype=x.dtype, device=x.device)
-    dh = h   # written over h (private to this node)
-    dwp = _launch_down_bwd(dout, down, h, dh, wa, w_sorted, r, cfg, prec)
+    dh = h if h_private else torch.empty_like(h)
+    dwp = _launch_down_bwd(dout, down, h, dh, wa, w_sorted, r, cfg, prec, zero_dw=expert_parallel and need[3])
     d_weights = None
     if need[3]:
         dw_sorted = dwp.sum(0) if dwp.shape[0] > 1 else dwp[0]
@@ -528,7 +559,7 @@ def _backward(dout, x, gate_up, down, weights_dtype, r, w_sorted, h, k, need):
         _launch_wgrad(dh, x, d_gate_up, r, False, True, cfg, prec)
     dx = None
     if need[0]:
-        dxs = torch.empty((t, k, hid), dtype=x.dtype, device=x.device)
+        dxs = _slot_buffer(t, k, hid, x, expert_parallel)
         # gate_up[e] is (2I, H): element [k, n] is gate_up[e, k, n]
         _launch_rows(dh, gate_up, dxs.view(s, hid), None, r, (gate_up.stride(1), gate_up.stride(2)), hid, two_i,
                      cfg, "dx", prec)
@@ -540,14 +571,16 @@ class FusedExpertsFunction(torch.autograd.Function):
     """Autograd glue of :func:`fused_experts` (inputs already checked, contiguous, one dtype)."""
 
     @staticmethod
-    def forward(ctx, x, gate_up, down, weights, top_k_index, recompute: bool):
+    def forward(ctx, x, gate_up, down, weights, top_k_index, recompute: bool, expert_parallel: bool = False):
         train = any(ctx.needs_input_grad[:4])
-        out, r, w_sorted, h = _forward(x, gate_up, down, weights, top_k_index, store_h=train and not recompute)
+        out, r, w_sorted, h = _forward(x, gate_up, down, weights, top_k_index, train and not recompute,
+                                       expert_parallel)
         if train:
             ctx.save_for_backward(x, gate_up, down, w_sorted, h, *r.values())
             ctx.route_keys = tuple(r)
             ctx.k = top_k_index.shape[1]
             ctx.weights_dtype = weights.dtype
+            ctx.expert_parallel = expert_parallel
         return out
 
     @staticmethod
@@ -556,10 +589,94 @@ class FusedExpertsFunction(torch.autograd.Function):
         x, gate_up, down, w_sorted, h, *route = ctx.saved_tensors
         r = dict(zip(ctx.route_keys, route))
         dx, dgu, dd, dw = _backward(dout, x, gate_up, down, ctx.weights_dtype, r, w_sorted, h, ctx.k,
-                                    ctx.needs_input_grad[:4])
+                                    ctx.needs_input_grad[:4], ctx.expert_parallel, h_private=True)
         if h is not None:
             bump_version(h)   # overwritten by the gradient
-        return dx, dgu, dd, dw, None, None
+        return dx, dgu, dd, dw, None, None, None
+
+
+# -- torch.compile: forward and backward as custom operators (``op_def``) ----------------------------------
+# A custom operator keeps no Python state between its forward and its backward, so the forward returns
+# what backward needs (the routing, the routing weights in sorted order, h) as outputs; the backward
+# writes dh into a new buffer (an operator may not write over its inputs), one (T K, 2I) more than eager.
+
+_ROUTE_KEYS = ("perm", "tok", "starts", "ends", "tile_e", "tile_row")
+_ROUTE_SCHEMA = ", ".join(f"Tensor {name}" for name in _ROUTE_KEYS)
+
+
+def _no_autocast(device: torch.device) -> contextlib.AbstractContextManager:
+    """Autocast off on ``device``'s type inside an operator (the dtypes were chosen at the call, and
+    CUDA autocast would run the slot sums in fp32); nothing to enter when it is off already."""
+    if torch.is_autocast_enabled(device.type):
+        return torch.autocast(device_type=device.type, enabled=False)
+    return contextlib.nullcontext()
+
+
+@op_def("fused_experts", "(Tensor x, Tensor top_k_index, Tensor top_k_weights, Tensor gate_up, Tensor down, "
+        "bool store_h, bool expert_parallel) -> (" + ", ".join(["Tensor"] * 9) + ")")
+def _fused_experts_op(x, top_k_index, top_k_weights, gate_up, down, store_h, expert_parallel):
+    with _no_autocast(x.device):
+        out, r, w_sorted, h = _forward(x.contiguous(), gate_up.contiguous(), down.contiguous(),
+                                       top_k_weights.contiguous(), top_k_index.contiguous(), store_h, expert_parallel)
+    return (out, h if h is not None else x.new_empty(0), w_sorted, *(r[name] for name in _ROUTE_KEYS))
+
+
+@_fused_experts_op.register_fake
+def _(x, top_k_index, top_k_weights, gate_up, down, store_h, expert_parallel):
+    t, k = top_k_index.shape
+    e, two_i, _ = gate_up.shape
+    s = t * k
+    # the tile table's length depends on shapes only: _route's bound on the tile count
+    n_tiles = _cdiv(s, experts_configs(x.device)["block_m"]) + e
+    i32 = dict(dtype=torch.int32, device=x.device)
+    return (x.new_empty(x.shape), x.new_empty((s, two_i) if store_h else (0,)), top_k_weights.new_empty(s),
+            torch.empty(s, **i32), torch.empty(s, **i32), torch.empty(e, **i32), torch.empty(e, **i32),
+            torch.empty(n_tiles, **i32), torch.empty(n_tiles, **i32))
+
+
+@op_def("fused_experts_backward",
+        f"(Tensor dout, Tensor x, Tensor gate_up, Tensor down, Tensor w_sorted, Tensor h, {_ROUTE_SCHEMA}, "
+        "SymInt top_k, ScalarType weights_dtype, bool has_h, bool[4] need, bool expert_parallel) "
+        "-> (Tensor, Tensor, Tensor, Tensor)")
+def _fused_experts_backward_op(dout, x, gate_up, down, w_sorted, h, perm, tok, starts, ends, tile_e, tile_row,
+                               top_k, weights_dtype, has_h, need, expert_parallel):
+    r = dict(zip(_ROUTE_KEYS, (perm, tok, starts, ends, tile_e, tile_row)))
+    with _no_autocast(x.device):
+        grads = _backward(dout, x.contiguous(), gate_up.contiguous(), down.contiguous(), weights_dtype, r, w_sorted,
+                          h if has_h else None, top_k, need, expert_parallel, h_private=False)
+    return tuple(g if g is not None else x.new_empty(0) for g in grads)
+
+
+@_fused_experts_backward_op.register_fake
+def _(dout, x, gate_up, down, w_sorted, h, perm, tok, starts, ends, tile_e, tile_row, top_k, weights_dtype, has_h,
+      need, expert_parallel):
+    none = x.new_empty(0)
+    return (x.new_empty(x.shape) if need[0] else none, gate_up.new_empty(gate_up.shape) if need[1] else none,
+            down.new_empty(down.shape) if need[2] else none,
+            x.new_empty((x.shape[0], top_k), dtype=weights_dtype) if need[3] else none)
+
+
+def _fused_experts_setup(ctx, inputs, output):
+    x, top_k_index, top_k_weights, gate_up, down, store_h, expert_parallel = inputs
+    ctx.mark_non_differentiable(*output[1:])
+    ctx.save_for_backward(x, gate_up, down, *output[1:])
+    ctx.top_k = top_k_index.shape[1]
+    ctx.weights_dtype = top_k_weights.dtype
+    ctx.has_h = store_h
+    ctx.expert_parallel = expert_parallel
+
+
+def _fused_experts_grad(ctx, dout, *_):
+    x, gate_up, down, h, w_sorted, *route = ctx.saved_tensors
+    wants = ctx.needs_input_grad
+    need = [wants[0], wants[3], wants[4], wants[2]]   # x, gate_up, down, top_k_weights
+    dx, dgu, dd, dw = torch.ops.ckpt.fused_experts_backward(dout, x, gate_up, down, w_sorted, h, *route, ctx.top_k,
+                                                           ctx.weights_dtype, ctx.has_h, need, ctx.expert_parallel)
+    return (dx if need[0] else None, None, dw if need[3] else None, dgu if need[1] else None,
+            dd if need[2] else None, None, None)
+
+
+_fused_experts_op.register_autograd(_fused_experts_grad, setup_context=_fused_experts_setup)
 
 
 def _check(x, top_k_index, top_k_weights, gate_up, down):
@@ -583,25 +700,35 @@ def _check(x, top_k_index, top_k_weights, gate_up, down):
 
 
 def fused_experts(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
-                  gate_up: torch.Tensor, down: torch.Tensor, *, recompute: bool = False) -> torch.Tensor:
+                  gate_up: torch.Tensor, down: torch.Tensor, *, recompute: bool = False,
+                  expert_parallel: bool = False) -> torch.Tensor:
     """The SwiGLU experts of a mixture-of-experts block, fused (module docstring).
 
     Args:
         hidden_states: ``(T, H)`` fp32 / fp16 / bf16.
-        top_k_index: ``(T, K)`` int64 or int32, each in ``[0, E)`` (not checked: an index out of
-            range reads and writes out of bounds, as an expert-parallel sentinel would).
+        top_k_index: ``(T, K)`` int64 or int32, each in ``[0, E)``; with ``expert_parallel`` also
+            any other value, meaning "an expert not on this rank".
         top_k_weights: ``(T, K)`` float, the routing weights (differentiable).
         gate_up: ``(E, 2I, H)``, each expert's gate rows then its up rows.
         down: ``(E, H, I)``.
         recompute: keep nothing of size ``(T K, 2I)`` for backward; recompute the pre-activation
             there with the first GEMM instead (less memory, ``2 T K H 2I`` more flops).
+        expert_parallel: this rank holds ``E`` of the model's experts, and a slot whose index is
+            ``< 0`` or ``>= E`` (transformers' expert parallelism marks the slots of other ranks'
+            experts with ``E``) belongs to none of them: it runs through no GEMM, adds nothing to
+            the output or to any gradient, and its routing weight's gradient is zero. It costs
+            zeroing the ``(T, K, H)`` slot buffer in forward and in backward. Without it such an
+            index is not checked (that would need a host sync): its slot is skipped all the same,
+            but its share of the output, of ``dx`` and its weight's gradient are undefined.
 
     Returns:
         ``(T, H)`` in the dtype the GEMMs ran in: ``hidden_states``' (the weights must share it),
         or autocast's when autocast is enabled on the device (inputs cast to it, as for ``linear``).
 
-    Under ``torch.compile`` the call is not traced: it runs eagerly between two graphs (a graph break;
-    :func:`ckpt.kernels.patch` uses transformers' experts path while compiling instead).
+    Under ``torch.compile`` the call is one custom operator, ``torch.ops.ckpt.fused_experts`` (its
+    backward ``fused_experts_backward``): no graph break, the same kernels as eager. Which gradients
+    backward makes follows ``requires_grad`` at trace time; ``dh`` goes to a new ``(T K, 2I)`` buffer
+    instead of over the saved pre-activation.
     """
     _check(hidden_states, top_k_index, top_k_weights, gate_up, down)
     amp = hidden_states.device.type if torch.is_autocast_enabled(hidden_states.device.type) else None
@@ -611,13 +738,13 @@ def fused_experts(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_
             raise ValueError(f"hidden_states ({hidden_states.dtype}), gate_up ({gate_up.dtype}) and down "
                              f"({down.dtype}) must share one dtype outside autocast")
         hidden_states, gate_up, down = hidden_states.to(dtype), gate_up.to(dtype), down.to(dtype)
-    return _apply(hidden_states, top_k_index, top_k_weights, gate_up, down, bool(recompute), amp)
-
-
-@torch.compiler.disable
-def _apply(x, top_k_index, top_k_weights, gate_up, down, recompute, amp):
-    # Not traced: under torch.compile the call runs eagerly between graphs (a graph break).
+    if torch.compiler.is_compiling():   # traced: one opaque operator node, no graph break
+        train = torch.is_grad_enabled() and any(
+            t.requires_grad for t in (hidden_states, top_k_weights, gate_up, down))
+        return torch.ops.ckpt.fused_experts(hidden_states, top_k_index, top_k_weights, gate_up, down,
+                                            train and not recompute, bool(expert_parallel))[0]
     ctx = torch.autocast(amp, enabled=False) if amp is not None else contextlib.nullcontext()
     with ctx:
-        return FusedExpertsFunction.apply(x.contiguous(), gate_up.contiguous(), down.contiguous(),
-                                          top_k_weights.contiguous(), top_k_index.contiguous(), recompute)
+        return FusedExpertsFunction.apply(hidden_states.contiguous(), gate_up.contiguous(), down.contiguous(),
+                                          top_k_weights.contiguous(), top_k_index.contiguous(), bool(recompute),
+                                          bool(expert_parallel))

@@ -19,10 +19,12 @@ modeling module), so a model built from a config is patched as one loaded from a
 * the experts of a mixture-of-experts block (Mixtral, Qwen3-MoE; ``<Arch>Experts``): their forward
   -> :func:`ckpt.kernels.fused_experts` (routing, both grouped GEMMs, the SwiGLU and the weighted
   sum in Triton) over the same ``gate_up_proj`` / ``down_proj``, under every experts
-  implementation of transformers (``grouped_mm``, ``batched_mm``, ``eager``). Where it cannot run
-  (``torch.compile`` tracing, expert parallelism, CPU tensors without the interpreter, weights of
-  another dtype outside autocast) transformers' implementation runs with the SwiGLU between the
-  two projections -> :func:`swiglu_packed`. The router and the expert weights are untouched;
+  implementation of transformers (``grouped_mm``, ``batched_mm``, ``eager``), ``torch.compile``
+  included. Where it cannot run (CPU tensors without the interpreter, weights of another dtype
+  outside autocast), and for experts whose ``forward`` was already replaced on the instance
+  (transformers' expert-parallel dispatch, a hook: kept, as replacing it would drop what it does),
+  transformers' implementation runs with the SwiGLU between the two projections ->
+  :func:`swiglu_packed`. The router and the expert weights are untouched;
 * ``apply_rotary_pos_emb`` of the architecture's modeling module -> :func:`rope`. HF calls this
   module-level function from its attention, so this part of the patch is process-wide for that
   architecture; the replacement falls back to the original function for tensors the kernels
@@ -163,8 +165,6 @@ def _make_rope(original: Callable[..., Any]) -> Callable[..., Any]:
 
 def _fused_experts_runnable(module: nn.Module, hidden_states: torch.Tensor) -> bool:
     """Whether :func:`fused_experts` serves this call (else the packed-SwiGLU path does)."""
-    if torch.compiler.is_compiling() or getattr(module, "_is_expert_parallel", False):
-        return False   # traced: transformers' own graph; expert parallel: sentinel expert ids
     if not (hidden_states.device.type == "cuda" or interpreter_enabled()) or hidden_states.dim() != 2:
         return False
     dtype = hidden_states.dtype
@@ -176,13 +176,18 @@ def _fused_experts_runnable(module: nn.Module, hidden_states: torch.Tensor) -> b
 def _experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                      top_k_weights: torch.Tensor) -> torch.Tensor:
     """The patched experts' forward: :func:`fused_experts` (routing, both grouped GEMMs, SwiGLU and
-    the weighted sum in Triton) wherever it runs; otherwise transformers' implementation with the
-    packed SwiGLU: its ``grouped_mm`` and ``batched_mm`` implementations call the instance's
-    ``_apply_gate`` (patched to the fused kernel); its ``eager`` loop writes ``act_fn(gate) * up``
-    inline, so it is reproduced here with ``_apply_gate``."""
+    the weighted sum in Triton) wherever it runs, ``torch.compile`` and expert parallelism included;
+    otherwise transformers' implementation with the packed SwiGLU: its ``grouped_mm`` and
+    ``batched_mm`` implementations call the instance's ``_apply_gate`` (patched to the fused kernel);
+    its ``eager`` loop writes ``act_fn(gate) * up`` inline, so it is reproduced here with
+    ``_apply_gate``."""
     if _fused_experts_runnable(self, hidden_states):
+        # expert parallelism (transformers sets the flag where it splits the experts over ranks): the
+        # slots of other ranks' experts carry the index num_experts and must add nothing; elsewhere the
+        # flag's zeroing would be wasted work
         return fused_experts(hidden_states, top_k_index, top_k_weights, self.gate_up_proj, self.down_proj,
-                             recompute=_EXPERTS_RECOMPUTE)
+                             recompute=_EXPERTS_RECOMPUTE,
+                             expert_parallel=bool(getattr(self, "_is_expert_parallel", False)))
     if getattr(self.config, "_experts_implementation", None) not in (None, "eager"):
         return type(self).forward(self, hidden_states, top_k_index, top_k_weights)
     final = torch.zeros_like(hidden_states)
@@ -404,6 +409,7 @@ def patch(
     mlp_cls = getattr(modeling, f"{family.prefix}MLP", None)
     experts_cls = getattr(modeling, f"{family.prefix}Experts", None)
     skipped: dict[str, str] = {}
+    wrapped: list[str] = []   # experts whose instance-level forward (a wrapper) is kept
     for name, module in list(model.named_modules()):
         if not name:
             continue
@@ -429,7 +435,14 @@ def patch(
                 skipped[name] = why
                 continue
             module._apply_gate = swiglu_packed   # an instance attribute: called as self._apply_gate(x)
-            module.forward = types.MethodType(_experts_forward, module)
+            if "forward" in vars(module):
+                # a forward installed on the instance wraps the class's: transformers' expert-parallel dispatch
+                # (it all-reduces or exchanges the ranks' shares around the inner call), an accelerate hook.
+                # Replacing it would drop what it does; its inner call runs transformers' implementation,
+                # whose SwiGLU is the packed kernel now.
+                wrapped.append(name)
+            else:
+                module.forward = types.MethodType(_experts_forward, module)
             module._ckpt_fused = True
             changed["experts"].append(name)
         elif family.vision and layer_norm and type(module) is nn.LayerNorm:
@@ -444,6 +457,10 @@ def patch(
                              "not a gated (GLU) MLP: no fused kernel")
     for name, why in skipped.items():
         log.warning("ckpt.kernels.patch left %s (%s) unpatched: %s", name, model_type, why)
+    if wrapped:
+        log.info("ckpt.kernels.patch: the experts %s (%s) have a forward of their own (transformers' expert "
+                 "parallelism or a hook), kept: their SwiGLU is fused, fused_experts does not serve them",
+                 ", ".join(wrapped), model_type)
 
     if rope_embedding:
         current = getattr(modeling, "apply_rotary_pos_emb")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import importlib
 
@@ -48,8 +49,52 @@ def weights(seed: int = 1):
             torch.randn(E, H, I, generator=g) / I ** 0.5)
 
 
-def fused(x, top_k_weights, gate_up, down, top_k_index, recompute=False):
-    return moe.fused_experts(x, top_k_index, top_k_weights, gate_up, down, recompute=recompute)
+def fused(x, top_k_weights, gate_up, down, top_k_index, recompute=False, expert_parallel=False):
+    return moe.fused_experts(x, top_k_index, top_k_weights, gate_up, down, recompute=recompute,
+                             expert_parallel=expert_parallel)
+
+
+def masked_experts(x, top_k_weights, gate_up, down, top_k_index):
+    """Every slot through its expert's weights (an index outside [0, E) through expert 0's), each slot's
+    output times its routing weight and a 0/1 mask of "index in [0, E)": the slots of experts on other
+    ranks add nothing and their weights get a zero gradient."""
+    e = gate_up.shape[0]
+    valid = (top_k_index >= 0) & (top_k_index < e)
+    idx = torch.where(valid, top_k_index, 0)
+    gate, up = torch.einsum("th,tknh->tkn", x, gate_up[idx]).chunk(2, dim=-1)
+    y = torch.einsum("tki,tkhi->tkh", torch.nn.functional.silu(gate) * up, down[idx])
+    return (y * (top_k_weights * valid)[..., None]).sum(1)
+
+
+def off_rank(top_k_index, share: float, seed: int = 3):
+    """``top_k_index`` with about ``share`` of its slots replaced by indices outside [0, E): ``E`` (what
+    transformers' expert parallelism writes), -1, and further out on both sides."""
+    g = torch.Generator().manual_seed(seed)
+    sentinels = torch.tensor([E, -1, E + 5, -7])[torch.randint(0, 4, top_k_index.shape, generator=g)]
+    return torch.where(torch.rand(top_k_index.shape, generator=g) < share, sentinels, top_k_index)
+
+
+@contextlib.contextmanager
+def poisoned_memory():
+    """``torch.empty`` returns NaN (integers: their maximum) instead of whatever memory held: a slot no
+    kernel writes then shows up in the result instead of passing by luck. (torch's deterministic mode,
+    warn-only: ops without a deterministic algorithm, cuBLAS among them, warn instead of failing; a few
+    pick other algorithms, so transformers' code, which checks for the mode, stays outside.)"""
+    was = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    fill = torch.utils.deterministic.fill_uninitialized_memory
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.utils.deterministic.fill_uninitialized_memory = True
+    try:
+        yield
+    finally:
+        torch.utils.deterministic.fill_uninitialized_memory = fill
+        torch.use_deterministic_algorithms(was[0], warn_only=was[1])
+
+
+@pytest.fixture
+def poisoned_empty():
+    with poisoned_memory():
+        yield
 
 
 @pytest.mark.parametrize("dtype,atol,rtol", DTYPES)
@@ -112,25 +157,73 @@ def test_fused_experts_under_autocast():
         assert_close(f"grad of {name}", a.grad, b.grad, 2e-2, 2e-2)
 
 
-def test_fused_experts_inside_torch_compile():
-    """Called from a compiled function, fused_experts runs eagerly between graphs, with the same values
-    and gradients."""
+@pytest.mark.parametrize("dtype,atol,rtol", DTYPES)
+@pytest.mark.parametrize("case", ["mixed", "top1", "all-off-rank"])
+def test_fused_experts_expert_parallel_slots_add_nothing(dtype, atol, rtol, case, poisoned_empty):
+    """With ``expert_parallel=True`` a slot whose index is outside [0, E) (``E``, -1, further out) adds
+    nothing to the output and to any gradient, and its routing weight's gradient is zero; checked against
+    the masked reference with uninitialised memory poisoned, with experts that get no token (``mixed``:
+    top_k 3, uneven routing), top_k 1 (no slot sum) and no slot on this rank at all."""
+    k, share = {"mixed": (3, 0.4), "top1": (1, 0.5), "all-off-rank": (2, 1.0)}[case]
+    w, idx = routing(k, "uneven")
+    idx = off_rank(idx, share)
+    x, gu, dn = weights()
+    out, _ = run_and_compare(lambda *a: fused(*a, expert_parallel=True), masked_experts, [x, w, gu, dn, idx],
+                             ["x", "top_k_weights", "gate_up", "down", "idx"], dtype, atol, rtol)
+    if case == "all-off-rank":
+        assert not out[0].any()
+
+
+def test_fused_experts_expert_parallel_recompute_and_frozen_router(poisoned_empty):
+    """The off-rank slots stay out of the recomputed pre-activation, and out of backward when only the
+    experts train (no routing-weight gradient asked for)."""
     w, idx = routing(2, "uneven")
-    x, gu, dn = (t.to(DEVICE) for t in weights())
-    w, idx = w.to(DEVICE), idx.to(DEVICE)
+    idx = off_rank(idx, 0.5).to(DEVICE)
+    x, gu, dn = (t.to(DEVICE).requires_grad_() for t in weights())
+    w = w.to(DEVICE)
+    moe.fused_experts(x, idx, w, gu, dn, recompute=True, expert_parallel=True).square().sum().backward()
+    refs = [t.detach().clone().requires_grad_() for t in (x, gu, dn)]
+    masked_experts(refs[0], w, refs[1], refs[2], idx).square().sum().backward()
+    for name, a, b in zip(("x", "gate_up", "down"), (x, gu, dn), refs):
+        assert_close(f"grad of {name}", a.grad, b.grad, 1e-5, 1e-5)
+
+
+@pytest.mark.parametrize("mode", ["expert-parallel", "recompute-dynamic", "autocast"])
+def test_fused_experts_compiles_fullgraph(mode, poisoned_empty):
+    """Inside ``torch.compile(fullgraph=True)`` fused_experts is one operator node, and the compiled
+    function's value and every gradient equal eager's bit for bit (the same kernels), with their dtypes:
+    off-rank slots; ``recompute`` with dynamic shapes (the fake's tile table sized from symbolic shapes);
+    fp32 weights under bf16 autocast (the cast traced before the operator)."""
+    w, idx = routing(2, "uneven")
+    if mode == "expert-parallel":
+        idx = off_rank(idx, 0.3)
+    x, gu, dn, w, idx = (t.to(DEVICE) for t in (*weights(), w, idx))
+    opts = dict(expert_parallel=mode == "expert-parallel", recompute=mode == "recompute-dynamic")
 
     def block(x, w, gu, dn):
-        return (moe.fused_experts(x * 2.0, idx, w, gu, dn) + 1.0).square().sum()
+        with torch.autocast(DEVICE, dtype=torch.bfloat16, enabled=mode == "autocast"):
+            y = moe.fused_experts(x * 2.0, idx, w, gu, dn, **opts)
+        return (y.float() + 1.0).square().sum(), y
 
-    compiled = torch.compile(block, backend="aot_eager")
+    graphs = []
+
+    def recording(gm, example_inputs):
+        graphs.append(gm.code)
+        return torch._dynamo.backends.registry.lookup_backend("aot_eager")(gm, example_inputs)
+
+    torch._dynamo.reset()
+    compiled = torch.compile(block, backend=recording, fullgraph=True, dynamic=mode == "recompute-dynamic")
     ins = [t.clone().requires_grad_() for t in (x, w, gu, dn)]
     refs = [t.clone().requires_grad_() for t in (x, w, gu, dn)]
-    out, ref = compiled(*ins), block(*refs)
+    (out, y), (ref, y_ref) = compiled(*ins), block(*refs)
     out.backward()
     ref.backward()
-    assert_close("output", out, ref, 1e-6, 1e-6)
+    assert len(graphs) == 1 and "torch.ops.ckpt.fused_experts(" in graphs[0], graphs
+    assert y.dtype == y_ref.dtype == (torch.bfloat16 if mode == "autocast" else torch.float32)
+    assert torch.equal(y, y_ref) and torch.equal(out, ref)
     for name, a, b in zip(("x", "top_k_weights", "gate_up", "down"), ins, refs):
-        assert_close(f"grad of {name}", a.grad, b.grad, 1e-6, 1e-6)
+        assert a.grad.dtype == b.grad.dtype == torch.float32, name
+        assert torch.equal(a.grad, b.grad), name
 
 
 @pytest.mark.parametrize("bad", ["gate_up", "down", "index", "dtype"])
@@ -182,28 +275,95 @@ def count_fused(monkeypatch):
         kpatch.unpatch_rope(t)
 
 
-@pytest.mark.parametrize("expert_parallel", [False, True])
 @pytest.mark.parametrize("model_type", ["qwen3_moe", "mixtral"])
-def test_patch_experts_use_the_fused_path(model_type, expert_parallel, count_fused):
+def test_patch_experts_use_the_fused_path(model_type, count_fused):
     """Each sparse layer's experts go through fused_experts (top_k 3 and 1 here), with the loss and every
-    gradient of the unpatched model; experts marked expert-parallel (sentinel ids possible) fall back to
-    transformers' implementation with the packed SwiGLU, with the same results."""
+    gradient of the unpatched model."""
     ref = tiny_moe(model_type)
     ours = copy.deepcopy(ref)
     changed = kpatch.patch(ours)
     assert len(changed["experts"]) == 2
-    if expert_parallel:   # the flag transformers' expert parallelism sets on the experts (5.2x)
-        for m in ours.modules():
-            if type(m).__name__.endswith("Experts"):
-                m._is_expert_parallel = True
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(0, 97, (2, 13), generator=g).to(DEVICE)
     out_ref = ref(input_ids=ids, labels=ids)
     out_ref.loss.backward()
     out = ours(input_ids=ids, labels=ids)
     out.loss.backward()
-    assert len(count_fused) == (0 if expert_parallel else 2)
+    assert len(count_fused) == 2
     assert_close("loss", out.loss, out_ref.loss, 1e-5, 1e-4)
     named = dict(ref.named_parameters())
     for name, p in ours.named_parameters():
         assert_close(f"grad of {name}", p.grad, named[name].grad, 1e-5, 1e-4)
+
+
+def test_patch_experts_under_expert_parallelism(count_fused):
+    """Qwen3-MoE's 8 experts split over two emulated ranks as transformers' expert parallelism runs them
+    when the ranks share a batch (``AllReduceEP``): each rank's patched experts hold 4 experts, are
+    flagged ``_is_expert_parallel``, and get the local index with ``4`` for the other rank's slots and
+    those slots' weights zeroed. Both ranks go through fused_experts, and the sum over ranks equals the
+    unpatched experts over all 8: output, input and routing-weight gradients (summed over ranks, as the
+    all-reduce does) and each rank's slice of the weight gradients."""
+    model = tiny_moe("qwen3_moe")
+    full = copy.deepcopy(model.model.layers[0].mlp.experts)   # unpatched: transformers' implementation
+    kpatch.patch(model)
+    patched = model.model.layers[0].mlp.experts
+    n_local = full.num_experts // 2
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(13, full.gate_up_proj.shape[-1], generator=g).to(DEVICE).requires_grad_()
+    w, idx = torch.softmax(torch.randn(13, full.num_experts, generator=g), -1).topk(3, dim=-1)
+    w, idx = w.to(DEVICE).requires_grad_(), idx.to(DEVICE)
+    xr, wr = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+    ref = full(xr, idx, wr)
+    grad = torch.randn(ref.shape, generator=g).to(DEVICE)
+    ref.backward(grad)
+    out = 0
+    ranks = []
+    with poisoned_memory():
+        for rank in range(2):
+            local = copy.deepcopy(patched)
+            for name in ("gate_up_proj", "down_proj"):
+                shard = getattr(full, name)[rank * n_local:(rank + 1) * n_local]
+                setattr(local, name, torch.nn.Parameter(shard.detach().clone()))
+            local.num_experts, local._is_expert_parallel = n_local, True
+            # transformers.distributed.expert_parallel.AllReduceEP.__call__ (5.24)
+            elsewhere = (idx // n_local) != rank
+            local_index = torch.where(elsewhere, n_local, idx % n_local)
+            out = out + local(x, local_index, w.masked_fill(elsewhere, 0.0))
+            ranks.append(local)
+        out.backward(grad)
+    assert len(count_fused) == 2
+    assert_close("output", out, ref, 1e-5, 1e-5)
+    assert_close("grad of x", x.grad, xr.grad, 1e-5, 1e-5)
+    assert_close("grad of top_k_weights", w.grad, wr.grad, 1e-5, 1e-5)
+    for name in ("gate_up_proj", "down_proj"):
+        got = torch.cat([getattr(local, name).grad for local in ranks])
+        assert_close(f"grad of {name}", got, getattr(full, name).grad, 1e-5, 1e-5)
+
+
+def test_patch_keeps_an_experts_forward_installed_on_the_instance(count_fused, caplog):
+    """transformers' expert parallelism (``ExpertParallelLayer.install_forward``, 5.24) and accelerate's
+    hooks replace an experts module's ``forward`` on the instance with a wrapper around the class's: the
+    ranks' shares are exchanged or all-reduced there. patch() must keep that wrapper (replacing it would
+    drop the exchange: each rank's output would be its own experts' share alone); inside it transformers'
+    implementation runs with the SwiGLU fused."""
+    model = tiny_moe("qwen3_moe")
+    experts = model.model.layers[0].mlp.experts
+    reference = copy.deepcopy(experts)
+    calls = []
+    original_forward = experts.forward
+
+    def ep_forward(*args, **kwargs):   # stands for the dispatch: transforms the output after the inner call
+        calls.append(1)
+        return 2 * original_forward(*args, **kwargs)
+
+    experts.forward = ep_forward
+    with caplog.at_level("INFO", logger="ckpt.kernels.patch"):
+        kpatch.patch(model)
+    assert experts.forward is ep_forward and experts._apply_gate is kpatch.swiglu_packed
+    assert any("forward of their own" in r.getMessage() for r in caplog.records)
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(9, experts.gate_up_proj.shape[-1], generator=g).to(DEVICE)
+    w, idx = torch.softmax(torch.randn(9, experts.num_experts, generator=g), -1).topk(2, dim=-1)
+    out = experts(x, idx.to(DEVICE), w.to(DEVICE))
+    assert calls == [1] and not count_fused
+    assert_close("output", out, 2 * reference(x, idx.to(DEVICE), w.to(DEVICE)), 1e-5, 1e-5)
