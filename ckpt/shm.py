@@ -60,7 +60,7 @@ from .policy import Timeline
 
 __all__ = ["Segment", "AllocationStopped", "SnapshotRecord", "host_register", "host_unregister", "populate", "open_for_read", "SegmentInfo", "shm_root", "prefix_for", "replica_prefix", "local_key", "available_bytes",
            "chunk_checksums", "first_bad_chunk", "write_record", "read_snapshot_record", "remove_record",
-           "segments", "free"]
+           "segments", "free", "remove_leftovers"]
 
 log = logging.getLogger(__name__)
 
@@ -556,6 +556,37 @@ def free(root: Path | None = None, prefix: str | None = None) -> int:
                 freed += n
             except FileNotFoundError:
                 pass
+    return freed
+
+
+_TEMP_RE = re.compile(r"^\.(ckpt-[0-9a-f]{16}-[rp]\d{5}-s\d{2}\.(?:buf|rec))\.new-(\d+)-[0-9a-f]+$")
+
+
+def remove_leftovers(root: Path, prefix: str) -> int:
+    """Remove the half-made segments and records of ``prefix`` that another process left in ``root``: the
+    temporaries :func:`_publish` writes before renaming them into place, when their writer was killed
+    first (an OOM kill while a 7 GB segment was being reserved leaves 7 GB of RAM taken, and a job that
+    keeps being killed there would fill the RAM file system). Called by the owner of ``prefix`` (one
+    process at a time owns a local tier, so a temporary of another process's is no longer being
+    written); regular files of this user only. Returns the bytes of RAM given back."""
+    freed = 0
+    try:
+        names = os.listdir(root)
+    except OSError:
+        return 0
+    for name in names:
+        m = _TEMP_RE.match(name)
+        if m is None or not m.group(1).startswith(prefix + "-s") or int(m.group(2)) == os.getpid():
+            continue
+        path = root / name
+        try:
+            st = os.lstat(path)
+            if stat.S_ISREG(st.st_mode) and st.st_uid == os.getuid():
+                os.unlink(path)
+                freed += st.st_blocks * 512
+                log.info("removed %s, a memory-tier segment its writer (pid %s) did not finish", path, m.group(2))
+        except FileNotFoundError:
+            pass
     return freed
 
 

@@ -217,12 +217,14 @@ class HostPool:
 
     def adopt(self) -> None:
         """Take over the shared-memory segments a previous owner of the same local tier left, with the
-        snapshots committed in them (the memory tier lists them as before), as this pool's buffers."""
+        snapshots committed in them (the memory tier lists them as before), as this pool's buffers; the
+        half-made ones it left (killed while allocating) are removed."""
         from . import shm
 
         space = self.shared
         if space is None:
             return
+        shm.remove_leftovers(space.root, space.prefix)   # what a writer killed mid-allocation left
         for slot in range(self.slots):
             with self._cv:
                 if any(b.slot == slot for b in self.buffers) or slot in self._reserved or \

@@ -13,6 +13,8 @@ import json
 import os
 import subprocess
 import sys
+import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -177,3 +179,46 @@ def test_ls_and_gc_stand_hostile_files_and_free_only_regular_files_of_ours(local
         for p in (link, fifo, deep):
             if os.path.lexists(p):
                 os.unlink(p)
+
+
+def test_a_segment_half_made_by_a_killed_process_is_removed_by_the_next_owner(local_dir, tmp_path):
+    """A process killed while it reserved a segment (the OOM killer strikes during exactly that) leaves the
+    temporary file and its RAM behind; the next process on the same local tier removes it when it takes
+    the tier's segments over, and leaves alone what is not its own."""
+    root, prefix = shm.shm_root(), shm.prefix_for(local_dir, 0)
+    script = tmp_path / "killed.py"
+    script.write_text(textwrap.dedent("""
+        import sys, time
+        import torch
+        import ckpt
+        from ckpt import shm
+        shm.REGISTER_PIECE, shm.REGISTER_GAP_S = 64 << 10, 0.2   # 8 MiB in 128 paced pieces: ~25 s
+        ck = ckpt.Checkpointer(local_dir=sys.argv[1], every_steps=1)
+        ck.maybe_save(0, {"w": torch.randn(2 << 20)})
+        print("allocating", flush=True)
+        time.sleep(600)
+    """))
+    env = {**os.environ, "CKPT_BUSY_WAIT_MS": "0"}
+    proc = subprocess.Popen([sys.executable, str(script), str(local_dir)], stdout=subprocess.PIPE, text=True, env=env)
+    try:
+        assert proc.stdout.readline().strip() == "allocating"
+        deadline = time.monotonic() + 60
+        while not [n for n in os.listdir(root) if n.startswith(f".{prefix}-s") and ".new-" in n]:
+            assert time.monotonic() < deadline, "no segment was being made"
+            time.sleep(0.05)
+    finally:
+        proc.kill()
+        proc.wait(60)
+    left = [n for n in os.listdir(root) if n.startswith(f".{prefix}-s") and ".new-" in n]
+    assert left
+    other = root / f".{shm.prefix_for(tmp_path / 'another', 0)}-s00.buf.new-{proc.pid}-abcd1234"
+    other.write_bytes(b"x")   # another local tier's: not this owner's to remove
+    try:
+        state = _state(5)
+        with ckpt.Checkpointer(local_dir=local_dir) as ck:
+            ck.save(5, state).wait()
+            assert not [n for n in os.listdir(root) if n in left]
+        assert other.exists()
+    finally:
+        other.unlink()
+    assert _restore(local_dir)[:2] == (5, "local")
