@@ -18,6 +18,15 @@ import ckpt.kernels as K
 from kernel_helpers import DEVICE, HAS_CUDA, assert_close
 
 
+def train_step(m, model, ids, labels):
+    """One training step of ``m`` (a model or its compiled form): the loss, then the gradient of each of
+    ``model``'s parameters."""
+    m.zero_grad(set_to_none=True)
+    loss = m(input_ids=ids, labels=labels).loss
+    loss.backward()
+    return [loss.detach()] + [p.grad.clone() for p in model.parameters()]
+
+
 def every_kernel(x, w, b, q, k, cos, sin, head, target):
     # every kernel input below is a fresh intermediate that nothing else saves, so the kernels
     # may write gradients over them (their default)
@@ -260,10 +269,7 @@ def _check_patched_llama_under_inductor(model):
     ids = torch.randint(0, 1000, (2, 64), device="cuda")
 
     def step(m):
-        m.zero_grad(set_to_none=True)
-        loss = m(input_ids=ids, labels=ids).loss
-        loss.backward()
-        return [loss.detach()] + [p.grad.clone() for p in m.parameters()]
+        return train_step(m, m, ids, ids)
 
     expected = step(model)
     torch._dynamo.reset()
@@ -291,10 +297,7 @@ def test_patched_moe_under_inductor_matches_eager(model_type):
     ids = torch.randint(0, 1000, (2, 64), device="cuda")
 
     def step(m):
-        m.zero_grad(set_to_none=True)
-        loss = m(input_ids=ids, labels=ids).loss
-        loss.backward()
-        return [loss.detach()] + [p.grad.clone() for p in model.parameters()]
+        return train_step(m, model, ids, ids)
 
     try:
         expected = step(model)
@@ -384,10 +387,7 @@ def test_patched_model_with_labels_compiles_fullgraph(model_type):
         assert any("torch.ops.ckpt.fused_linear_cross_entropy" in g.code for g in explained.graphs)
 
         def step(m):
-            m.zero_grad(set_to_none=True)
-            loss = m(input_ids=ids, labels=labels).loss
-            loss.backward()
-            return [loss.detach()] + [p.grad.clone() for p in model.parameters()]
+            return train_step(m, model, ids, labels)
 
         expected = step(model)
         torch._dynamo.reset()
@@ -440,10 +440,7 @@ def test_patched_moe_model_compiles_fullgraph(model_type):
     graphs, hf_breaks = [], 0
 
     def step(m):
-        m.zero_grad(set_to_none=True)
-        loss = m(input_ids=ids, labels=labels).loss
-        loss.backward()
-        return [loss.detach()] + [p.grad.clone() for p in model.parameters()]
+        return train_step(m, model, ids, labels)
 
     try:
         expected = step(model)
