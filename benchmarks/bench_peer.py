@@ -9,8 +9,17 @@ Two ranks on this machine (loopback), each with a state of ``--mb`` MB and a fix
 * replication: each exchange's seconds (``handle.stats.persist_s["peer"]``) -> GB/s per direction;
 * restore of rank 1 after both processes died and its RAM and disk were wiped: seconds, from the peer tier.
 
-Usage: ``python benchmarks/bench_peer.py [--mb 512] [--steps 60] [--every 10]``. On a GPU machine this
-runs the gloo path as well (CPU state); the NCCL path is ``CKPT_PEER_NCCL=1`` with CUDA state (two GPUs).
+With ``--nccl`` (two GPUs): the state lives on each rank's GPU, a step is ``--step-ms`` of GPU matmuls, the
+peer tier moves the data over NCCL (``CKPT_PEER_NCCL=1``: host -> device staging -> NCCL -> device -> host), and
+the floors are measured on the same GPUs: ``raw, GPU to GPU`` (one NCCL exchange of the state's bytes between
+the two GPUs: the link) and ``raw, RAM to GPU`` (a pinned host buffer copied to its GPU and sent to the other
+GPU, both directions at once: the least a restore from a holder's RAM onto the replaced rank's GPU must do,
+with no pieces and no checks); the restore is compared with the latter. ``wire`` rows time the staged exchange
+alone (host to host, no checks) for a few ring depths and piece sizes.
+
+Usage: ``python benchmarks/bench_peer.py [--mb 512] [--steps 60] [--every 10] [--nccl]``. The ranks' RAM
+directories (``CKPT_SHM_DIR``) and local tiers go under ``--root`` (default: ``/dev/shm`` where it has room
+for them, else the temporary directory).
 """
 
 from __future__ import annotations
@@ -40,15 +49,30 @@ def _worker(root: str, rank: int, world: int, mode: str, mb: int, steps: int, ev
 
     torch.set_num_threads(1)
     dist = torch.distributed
+    nccl = os.environ.get("CKPT_PEER_NCCL") == "1"
+    dev = torch.device("cuda", rank) if nccl else torch.device("cpu")
+    if nccl:
+        torch.cuda.set_device(rank)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     n = mb * 1_000_000 // 4
-    state = {"w": torch.randn(n, generator=torch.Generator().manual_seed(rank)), "step": 0}
-    a = torch.randn(256, 256)
-    reps = 1
-    t0 = time.perf_counter()
-    for _ in range(20):
-        a @ a
-    reps = max(1, int(step_ms / 1000 / ((time.perf_counter() - t0) / 20)))
+
+    def initial() -> torch.Tensor:
+        return torch.randn(n, generator=torch.Generator().manual_seed(rank)).to(dev)
+
+    state = {"w": initial(), "step": 0}
+    # a step's work: matmuls on the CPU, or large bf16 ones on the GPU (enough per launch that the GPU is busy)
+    a = torch.randn(8192, 8192, device=dev, dtype=torch.bfloat16) if nccl else torch.randn(256, 256)
+
+    def spin(k: int) -> float:
+        t0 = time.perf_counter()
+        for _ in range(k):
+            a @ a
+        if nccl:
+            torch.cuda.synchronize()
+        return time.perf_counter() - t0
+
+    spin(5)
+    reps = max(1, int(step_ms / 1000 / (spin(20) / 20)))
     out: dict = {"rank": rank}
 
     def step_fn(s: int) -> None:
@@ -56,10 +80,12 @@ def _worker(root: str, rank: int, world: int, mode: str, mb: int, steps: int, ev
             a @ a
         state["w"][:1000].add_(1.0)
         state["step"] = s
+        if nccl:
+            torch.cuda.synchronize()   # as a loop that reads its loss each step
 
     if mode == "raw":
         g = dist.new_group(backend="gloo")
-        buf, got = torch.empty(n * 4, dtype=torch.uint8), torch.empty(n * 4, dtype=torch.uint8)
+        buf, got = torch.empty(n * 4, dtype=torch.uint8), torch.empty(n * 4, dtype=torch.uint8)   # gloo: host
         times = []
         for _ in range(3):
             dist.barrier()
@@ -69,6 +95,8 @@ def _worker(root: str, rank: int, world: int, mode: str, mb: int, steps: int, ev
                 r.wait()
             times.append(time.perf_counter() - t)
         out["raw_s"] = min(times)
+        if nccl:
+            out.update(_nccl_floors(rank, n * 4))
     elif mode.startswith("loop"):
         peers = 1 if mode == "loop-peers" else None
         saving = mode != "loop-none"
@@ -99,21 +127,76 @@ def _worker(root: str, rank: int, world: int, mode: str, mb: int, steps: int, ev
             state["w"].zero_()
             t = time.perf_counter()
             step = ck.restore(state)
+            if nccl:
+                torch.cuda.synchronize()
             out["restore_s"] = time.perf_counter() - t
             out["tier"] = ck.last_restore.tier
             out["step"] = step
-            out["exact"] = bool(torch.equal(state["w"][1000:], torch.randn(
-                n, generator=torch.Generator().manual_seed(rank))[1000:]))
+            out["exact"] = bool(torch.equal(state["w"][1000:], initial()[1000:]))
     print("RESULT " + json.dumps(out), flush=True)
     dist.destroy_process_group()
+
+
+def _nccl_floors(rank: int, nbytes: int) -> dict:
+    """The NCCL floors on this pair of GPUs, and the staged exchange alone for a few rings and piece sizes."""
+    import torch
+
+    from ckpt.tiers.peer import Exchange
+
+    dist = torch.distributed
+    other = 1 - rank
+    g = dist.new_group(backend="nccl")
+    ctl = dist.new_group(backend="gloo")
+    dev_out = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    dev_in = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    host_in = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    host.fill_(rank + 1)
+
+    def best(fn, reps: int = 3) -> float:
+        times = []
+        for _ in range(reps + 1):   # the first one sets up the communicator
+            dist.barrier(group=ctl)
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            fn()
+            torch.cuda.synchronize()
+            times.append(time.perf_counter() - t)
+        return min(times[1:])
+
+    def link() -> None:
+        ops = [dist.P2POp(dist.isend, dev_out, other, group=g), dist.P2POp(dist.irecv, dev_in, other, group=g)]
+        for w in dist.batch_isend_irecv(ops):
+            w.wait()
+
+    def from_ram() -> None:
+        dev_out.copy_(host, non_blocking=True)
+        link()
+
+    res = {"link_s": best(link), "from_ram_s": best(from_ram), "wire": {}}
+    for ring in (2, 3):
+        for piece_mb in (16, 32, 64):
+            wire = Exchange(ctl, piece_mb << 20, g, torch.device("cuda", rank), ring=ring)
+            t = best(lambda: wire.data(host, other, host_in, other, piece_mb << 20, lambda off, k: None), reps=2)
+            ok = bool((host_in[:: 1 << 20] == other + 1).all())
+            res["wire"][f"ring {ring}, pieces of {piece_mb} MiB"] = (t, ok)
+            del wire
+    del dev_out, dev_in
+    torch.cuda.empty_cache()
+    return res
 
 
 def _run(root: str, mode: str, args: argparse.Namespace) -> list[dict]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "CUDA_VISIBLE_DEVICES": "",
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
            "PYTHONPATH": f"{HERE.parent}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    if args.nccl:
+        env["CKPT_PEER_NCCL"] = "1"
+    else:
+        env["CUDA_VISIBLE_DEVICES"] = ""
+        env.pop("CKPT_PEER_NCCL", None)
     procs = [subprocess.Popen([sys.executable, __file__, "--worker", root, str(r), mode, str(args.mb), str(args.steps),
                                str(args.every), str(args.step_ms)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                               text=True, env=env) for r in range(2)]
@@ -136,12 +219,19 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=100)
     ap.add_argument("--every", type=int, default=10)
     ap.add_argument("--step-ms", type=float, default=200.0, help="CPU work per step, ms")
+    ap.add_argument("--nccl", action="store_true", help="CUDA state on two GPUs, the peer tier over NCCL")
+    ap.add_argument("--root", default=None, help="where the ranks' RAM directories and local tiers go")
     ap.add_argument("--no-record", action="store_true")
     args = ap.parse_args()
     sys.path.insert(0, str(HERE))
     from harness import record, table
 
-    root = tempfile.mkdtemp(prefix="bench-peer-")
+    # per rank: two snapshot buffers, two replica buffers and a received copy, with room to spare
+    need = 6 * args.mb * 1_000_000 * 2
+    base_dir = args.root
+    if base_dir is None and os.path.isdir("/dev/shm") and shutil.disk_usage("/dev/shm").free > need:
+        base_dir = "/dev/shm"
+    root = tempfile.mkdtemp(prefix="bench-peer-", dir=base_dir)
     try:
         raw = _run(root, "raw", args)
         loops = {m: _run(root, m, args) for m in ("loop-none", "loop-snap", "loop-peers")}
@@ -155,10 +245,11 @@ def main() -> None:
     ex = [x for r in loops["loop-peers"] for x in r["peer_s"]]
     cold = [x for r in loops["loop-peers"] for x in r["peer_cold_s"]]
     base = statistics.mean(r["step_ms"] for r in loops["loop-none"])
-    case = f"2 gloo ranks, {nbytes / 1e9:.2f} GB per rank, snapshot every {args.every}"
+    case = (f"2 {'GPUs, NCCL' if args.nccl else 'gloo ranks'}, {nbytes / 1e9:.2f} GB per rank, "
+            f"snapshot every {args.every}")
     rows = [
         {"case": case, "provider": "raw gloo exchange", "metric": "GB/s per direction", "value": nbytes / raw_s / 1e9,
-         "unit": "GB/s", "note": f"{raw_s:.3f} s"},
+         "unit": "GB/s", "note": f"{raw_s:.3f} s, host to host"},
         {"case": case, "provider": "peer tier exchange", "metric": "GB/s per direction",
          "value": nbytes / statistics.median(ex) / 1e9, "unit": "GB/s",
          "note": f"median of {len(ex)} exchanges into warm buffers, {statistics.median(ex):.3f} s (send, receive, "
@@ -167,6 +258,23 @@ def main() -> None:
          "value": nbytes / statistics.median(cold) / 1e9, "unit": "GB/s",
          "note": f"median of {len(cold)}, {statistics.median(cold):.3f} s: the holder's replica buffers are new"},
     ]
+    floor_s, floor = raw_s, "the raw gloo exchange"
+    if args.nccl:
+        link_s = max(r["link_s"] for r in raw)
+        floor_s, floor = max(r["from_ram_s"] for r in raw), "the raw RAM-to-GPU transfer"
+        rows[:0] = [
+            {"case": case, "provider": "raw NCCL exchange, GPU to GPU", "metric": "GB/s per direction",
+             "value": nbytes / link_s / 1e9, "unit": "GB/s", "note": f"{link_s:.3f} s: the link"},
+            {"case": case, "provider": "raw, RAM to GPU over NCCL", "metric": "GB/s per direction",
+             "value": nbytes / floor_s / 1e9, "unit": "GB/s",
+             "note": f"{floor_s:.3f} s: pinned host -> own GPU -> other GPU, both ways at once, one piece"},
+        ]
+        for name in raw[0]["wire"]:
+            t = max(r["wire"][name][0] for r in raw)
+            ok = all(r["wire"][name][1] for r in raw)
+            rows.append({"case": case, "provider": f"wire: staged exchange, {name}", "metric": "GB/s per direction",
+                         "value": nbytes / t / 1e9, "unit": "GB/s",
+                         "note": f"{t:.3f} s host to host, no checks; bytes {'right' if ok else 'WRONG'}"})
     for m, label in (("loop-none", "no saves"), ("loop-snap", "snapshots (memory tier)"), ("loop-peers", "snapshots + peer tier")):
         v = statistics.mean(r["step_ms"] for r in loops[m])
         rows.append({"case": case, "provider": label, "metric": "mean step time", "value": v, "unit": "ms",
@@ -174,7 +282,7 @@ def main() -> None:
     r1 = rest[1]
     rows.append({"case": case, "provider": "restore of the replaced rank", "metric": "seconds", "value": r1["restore_s"],
                  "unit": "s", "note": f"tier {r1['tier']}, step {r1['step']}, bit-exact {r1['exact']}, "
-                                      f"{r1['restore_s'] / raw_s:.2f}x the raw transfer"})
+                                      f"{r1['restore_s'] / floor_s:.2f}x {floor}"})
     print(table(rows, ["provider", "metric", "value", "unit", "note"]))
     if not args.no_record:
         record("peer", rows)

@@ -87,7 +87,10 @@ class Exchange:
         self.piece = piece   # bytes per data message this rank sends (the receiver is told)
         self.data_group = data_group if data_group is not None else group
         self.device = device
-        self._stream = torch.cuda.Stream(device) if device is not None and device.type == "cuda" else None
+        # two streams of its own on a GPU: host -> device copies (and the sends/receives queued behind them),
+        # device -> host copies; pieces then move in a pipeline (see _staged)
+        cuda = device is not None and device.type == "cuda"
+        self._streams = (torch.cuda.Stream(device), torch.cuda.Stream(device)) if cuda else None
         self._ring = ring
         self._staging: list[tuple[torch.Tensor, torch.Tensor]] = []
 
@@ -135,39 +138,63 @@ class Exchange:
     def _staged(self, out: torch.Tensor | None, to: int | None, into: torch.Tensor | None, frm: int | None,
                 in_piece: int, n_out: int, n_in: int, pieces: int, landed: Callable[[int, int], None]) -> None:
         """The device path: per piece, host -> device staging (sender), send/receive over ``data_group``,
-        device staging -> host (receiver), on this exchange's stream; with ``ring`` staging pairs, piece
-        i + 1 moves while piece i's copy back to the host runs."""
+        device staging -> host (receiver). On a GPU the three run as a pipeline over ``ring`` staging pairs:
+        piece i + 1 is copied up on one stream while piece i is on the wire (NCCL's stream) and piece i - 1 is
+        copied down on the other; a staging pair is reused only once the piece it held is on the host.
+        ``landed`` runs on this thread for each piece once it is in ``into``, at most ``ring`` pieces behind."""
         size = max(self.piece, in_piece if n_in else 0)
         if not self._staging or self._staging[0][0].numel() < size:
+            self._staging = []   # the old pair goes first: a larger one must not need both at once
             self._staging = [(torch.empty(size, dtype=torch.uint8, device=self.device),
                               torch.empty(size, dtype=torch.uint8, device=self.device)) for _ in range(self._ring)]
-        stream = self._stream
+        up, down = self._streams if self._streams is not None else (None, None)
+        free: list[Any] = [None] * self._ring   # per pair: event after its last piece reached the host
         pending: list[tuple[Any, int, int]] = []   # (event, offset, length) of pieces on their way to the host
-        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+        with torch.cuda.device(self.device) if up is not None else contextlib.nullcontext():
             for i in range(pieces):
-                s_buf, r_buf = self._staging[i % self._ring]
+                j = i % self._ring
+                s_buf, r_buf = self._staging[j]
                 a, b = i * self.piece, i * in_piece
                 k = min(self.piece, n_out - a) if a < n_out else 0
                 r = min(in_piece, n_in - b) if b < n_in else 0
-                if k:   # piece by registration piece of the snapshot buffer (ckpt.shm.pieces)
-                    for x, y in shm.pieces(a, k):
-                        s_buf[x - a:y - a].copy_(out[x:y], non_blocking=True)
-                self.swap(s_buf[:k] if k else None, to, r_buf[:r] if r else None, frm, group=self.data_group)
-                if r:
-                    for x, y in shm.pieces(b, r):
-                        into[x:y].copy_(r_buf[x - b:y - b], non_blocking=True)
+                with torch.cuda.stream(up) if up is not None else contextlib.nullcontext():
+                    if free[j] is not None:
+                        up.wait_event(free[j])   # the pair's previous piece was sent and is on the host
+                    if k:   # piece by registration piece of the snapshot buffer (ckpt.shm.pieces)
+                        for x, y in shm.pieces(a, k):
+                            s_buf[x - a:y - a].copy_(out[x:y], non_blocking=True)
+                    works = self._post(s_buf[:k] if k else None, to, r_buf[:r] if r else None, frm)
+                with torch.cuda.stream(down) if down is not None else contextlib.nullcontext():
+                    for w in works:
+                        w.wait()   # on a GPU: the down stream waits for the wire, the host does not
+                    if r:
+                        for x, y in shm.pieces(b, r):
+                            into[x:y].copy_(r_buf[x - b:y - b], non_blocking=True)
                     ev = None
-                    if stream is not None:
+                    if down is not None:
                         ev = torch.cuda.Event()
-                        ev.record(stream)
+                        ev.record(down)
+                    free[j] = ev
+                if r:
                     pending.append((ev, b, r))
                 while pending and (len(pending) >= self._ring or i == pieces - 1):
                     ev, off, n = pending.pop(0)
                     if ev is not None:
                         ev.synchronize()
                     landed(off, n)
-            if stream is not None:
-                stream.synchronize()
+            if up is not None:
+                up.synchronize()
+                down.synchronize()
+
+    def _post(self, out: torch.Tensor | None, to: int | None, into: torch.Tensor | None, frm: int | None) -> list:
+        """Post one send and/or receive over ``data_group`` together; returns their works (not waited)."""
+        dist = torch.distributed
+        ops = []
+        if out is not None and to is not None:
+            ops.append(dist.P2POp(dist.isend, out, to, group=self.data_group))
+        if into is not None and frm is not None:
+            ops.append(dist.P2POp(dist.irecv, into, frm, group=self.data_group))
+        return dist.batch_isend_irecv(ops) if ops else []
 
 
 def checked_receive(wire: Exchange, out: torch.Tensor | None, to: int | None, into: torch.Tensor | None,
