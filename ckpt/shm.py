@@ -326,6 +326,8 @@ def _loaded_cudart() -> Any:
                     lib.cudaHostRegister.restype = ctypes.c_int
                     lib.cudaHostUnregister.argtypes = [ctypes.c_void_p]
                     lib.cudaHostUnregister.restype = ctypes.c_int
+                    lib.cudaGetLastError.argtypes = []
+                    lib.cudaGetLastError.restype = ctypes.c_int
                     _CUDART = lib
                     break
     return _CUDART or None
@@ -335,20 +337,42 @@ _CUDART: Any = None
 
 
 def host_register(ptr: int, nbytes: int) -> int:
-    """``cudaHostRegister(ptr, nbytes, portable)``; the CUDA error code (0: registered)."""
+    """``cudaHostRegister(ptr, nbytes, portable)``; the CUDA error code (0: registered). A failure is
+    cleared from this thread's CUDA error state (see :func:`_forget_error`)."""
     torch.cuda.init()
     lib = _loaded_cudart()
     if lib is not None:
-        return int(lib.cudaHostRegister(ptr, nbytes, _PORTABLE))
-    return int(torch.cuda.cudart().cudaHostRegister(ptr, nbytes, _PORTABLE))
+        rc = int(lib.cudaHostRegister(ptr, nbytes, _PORTABLE))
+    else:
+        rc = int(torch.cuda.cudart().cudaHostRegister(ptr, nbytes, _PORTABLE))
+    if rc:
+        _forget_error(lib)
+    return rc
 
 
 def host_unregister(ptr: int) -> int:
-    """``cudaHostUnregister(ptr)``; the CUDA error code."""
+    """``cudaHostUnregister(ptr)``; the CUDA error code (a failure cleared, as in :func:`host_register`)."""
     lib = _loaded_cudart()
     if lib is not None:
-        return int(lib.cudaHostUnregister(ptr))
-    return int(torch.cuda.cudart().cudaHostUnregister(ptr))
+        rc = int(lib.cudaHostUnregister(ptr))
+    else:
+        rc = int(torch.cuda.cudart().cudaHostUnregister(ptr))
+    if rc:
+        _forget_error(lib)
+    return rc
+
+
+def _forget_error(lib: Any) -> None:
+    """Clear the error a failed runtime call left in this thread's CUDA state. The runtime keeps the last
+    error of each thread until ``cudaGetLastError`` reads it, and torch checks it after its own kernel
+    launches: a registration we handled (its copies fall back to pageable memory) would otherwise fail the
+    next tensor operation of this thread with the registration's error."""
+    if lib is not None:
+        lib.cudaGetLastError()
+        return
+    # torch's own bindings have no cudaGetLastError: a kernel launch reads (and clears) the error
+    with contextlib.suppress(RuntimeError):
+        torch.empty(1, device="cuda").zero_()
 
 
 def open_for_read(path: Path, nbytes: int) -> int:

@@ -117,3 +117,35 @@ def test_gpu_snapshot_and_restore_copies_stay_inside_registration_pieces(local_d
         assert ck.restore(out) == 3 and ck.last_restore.tier == "memory"
     for k, v in state.items():
         assert torch.equal(out[k], v), k
+
+
+def test_a_failed_registration_does_not_fail_the_next_cuda_operation(tmp_path):
+    # A mapping of a regular file on disk cannot be registered with the CUDA driver; the runtime keeps that
+    # error as the thread's last error, and torch reads it after its next kernel launch. host_register must
+    # clear what it handled, or the next tensor operation of the thread (the peer tier's staging allocation
+    # was the one seen) fails with the registration's error.
+    import ctypes
+    import mmap
+
+    from ckpt import shm
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    path = tmp_path / "on-disk"
+    path.write_bytes(b"\0" * (1 << 20))
+    with path.open("r+b") as f:
+        m = mmap.mmap(f.fileno(), 1 << 20)
+    view = ctypes.c_char.from_buffer(m)
+    try:
+        ptr = ctypes.addressof(view)
+        rc = shm.host_register(ptr, 1 << 20)
+        if rc == 0:
+            shm.host_unregister(ptr)
+            pytest.skip(f"{tmp_path} is on a file system whose pages the driver registers: nothing fails here")
+        assert rc != 0
+        assert torch.ones(4, device="cuda").add(1).sum().item() == 8.0
+        assert shm.host_unregister(ptr) != 0   # not registered: the failure is reported, and cleared too
+        assert torch.ones(4, device="cuda").mul(3).sum().item() == 12.0
+    finally:
+        del view
+        m.close()
