@@ -200,13 +200,11 @@ def _run(root: str, mode: str, args: argparse.Namespace) -> list[dict]:
     procs = [subprocess.Popen([sys.executable, __file__, "--worker", root, str(r), mode, str(args.mb), str(args.steps),
                                str(args.every), str(args.step_ms)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                               text=True, env=env) for r in range(2)]
-    res = []
-    for p in procs:
-        o, e = p.communicate(timeout=1800)
-        if p.returncode != 0:
-            raise SystemExit(f"{mode}: rank failed ({p.returncode}):\n{e[-3000:]}")
-        res.append(json.loads(next(l for l in o.splitlines() if l.startswith("RESULT "))[7:]))
-    return res
+    outs = [p.communicate(timeout=1800) for p in procs]
+    if any(p.returncode != 0 for p in procs):   # every rank's log: the holder's says why it refused
+        logs = "\n".join(f"--- rank {r} (exit {p.returncode}):\n{e[-3000:]}" for r, (p, (o, e)) in enumerate(zip(procs, outs)))
+        raise SystemExit(f"{mode}: a rank failed\n{logs}")
+    return [json.loads(next(l for l in o.splitlines() if l.startswith("RESULT "))[7:]) for o, e in outs]
 
 
 def main() -> None:
@@ -244,6 +242,9 @@ def main() -> None:
     raw_s = max(r["raw_s"] for r in raw)
     ex = [x for r in loops["loop-peers"] for x in r["peer_s"]]
     cold = [x for r in loops["loop-peers"] for x in r["peer_cold_s"]]
+    if not ex or not cold:
+        raise SystemExit(f"--steps {args.steps} / --every {args.every}: too few exchanges to time warm ones "
+                         f"({len(cold)} first, {len(ex)} later); give three or more snapshots")
     base = statistics.mean(r["step_ms"] for r in loops["loop-none"])
     case = (f"2 {'GPUs, NCCL' if args.nccl else 'gloo ranks'}, {nbytes / 1e9:.2f} GB per rank, "
             f"snapshot every {args.every}")

@@ -77,25 +77,33 @@ def staged(rank: int, world: int) -> None:
     else:
         data_group = None
     dst, src = (rank + 1) % world, (rank - 1) % world
-    chunk = 1000
-    # pieces of 3 chunks and a bit on one side, 2 on the other: the ring wraps, chunks straddle pieces
-    wire = Exchange(dist.new_group(backend="gloo"), 3100 if rank == 0 else 2000, data_group, dev)
+    ctl = dist.new_group(backend="gloo")
     problems = []
-    for n in (0, 1, 999, 1000, 7001, 25_000):
+    # pieces of 3 chunks and a bit on one side, 2 on the other: the ring wraps, chunks straddle pieces
+    cases = [(1000, 3100, 2000, 2, n) for n in (0, 1, 999, 1000, 7001, 25_000)]
+    if dev.type == "cuda":   # pinned host memory: every copy is asynchronous, as the tiers' buffers are
+        cases += [(1 << 20, (3 << 20) + 100, 2 << 20, ring, (48 << 20) + 12345) for ring in (2, 3)]
+    for chunk, piece0, piece1, ring, n in cases:
+        wire = Exchange(ctl, piece0 if rank == 0 else piece1, data_group, dev, ring=ring)
+        pin = dev.type == "cuda" and n > 1 << 20
         g = torch.Generator().manual_seed(1000 * rank + n)
         out = torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g)
         expect = torch.randint(0, 256, (n,), dtype=torch.uint8, generator=torch.Generator().manual_seed(1000 * src + n))
         sums = [checksum(memoryview(expect.numpy())[i:i + chunk]) for i in range(0, n, chunk)]
         m = Manifest(step=1, rank=src, world_size=world, data_bytes=n, chunk_bytes=chunk, chunks=sums, items=[], tree={})
-        into = torch.zeros(n, dtype=torch.uint8)
-        their_piece = 3100 if src == 0 else 2000
-        bad = checked_receive(wire, out, dst, into, src, their_piece, m)
-        if bad or not torch.equal(into, expect):
-            problems.append(f"size {n}: bad chunks {bad}, equal {torch.equal(into, expect)}")
-        wrong = dataclasses.replace(m, chunks=[s ^ 1 for s in sums])   # every chunk must be checked
-        if n and checked_receive(wire, out, dst, torch.zeros(n, dtype=torch.uint8), src, their_piece, wrong) \
-                != list(range(len(sums))):
-            problems.append(f"size {n}: a wrong checksum was not found")
+        if pin:
+            out = out.pin_memory()
+        their_piece = piece0 if src == 0 else piece1
+        for check in ("right", "wrong"):
+            into = torch.zeros(n, dtype=torch.uint8, pin_memory=pin)
+            if check == "right":
+                bad = checked_receive(wire, out, dst, into, src, their_piece, m)
+                if bad or not torch.equal(into, expect):
+                    problems.append(f"size {n}, ring {ring}: bad chunks {bad[:5]}, equal {torch.equal(into, expect)}")
+            elif n:   # every chunk must be checked
+                wrong = dataclasses.replace(m, chunks=[s ^ 1 for s in sums])
+                if checked_receive(wire, out, dst, into, src, their_piece, wrong) != list(range(len(sums))):
+                    problems.append(f"size {n}, ring {ring}: a wrong checksum was not found")
     print("staged", "OK" if not problems else problems, flush=True)
     dist.destroy_process_group()
 
