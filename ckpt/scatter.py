@@ -29,6 +29,20 @@ class Scatter:
         self._pairs = [(off, n, _flat_bytes(d)) for off, n, d in pairs]
         self.to_device = any(d.device.type == "cuda" for _, _, d in self._pairs)
 
+    def device_stream(self) -> "torch.cuda.Stream | None":
+        """A CUDA stream of its own for the copies into GPU destinations (``None``: none is on a GPU),
+        ordered after everything the calling thread has queued on that device's current stream. Call it
+        on the thread that runs the training (restore's caller): a write the caller queued into a
+        destination (an initialisation, a ``zero_()``) then lands before the restored bytes instead of over
+        them, and memory the caching allocator just handed to a stand-in is no longer used by earlier work.
+        The caller synchronizes the stream before the destinations are used again."""
+        if not self.to_device:
+            return None
+        device = next(d.device for _, _, d in self._pairs if d.device.type == "cuda")
+        stream = torch.cuda.Stream(device)
+        stream.wait_stream(torch.cuda.current_stream(device))
+        return stream
+
     def copy(self, chunk: torch.Tensor, chunk_offset: int) -> None:
         """Copy ``chunk`` (uint8, host) holding file bytes ``[chunk_offset, +len)`` into place."""
         end = chunk_offset + chunk.numel()

@@ -149,3 +149,31 @@ def test_a_failed_registration_does_not_fail_the_next_cuda_operation(tmp_path):
     finally:
         del view
         m.close()
+
+
+@pytest.mark.parametrize("tier", ["memory", "local"])
+def test_restore_lands_after_the_work_the_caller_queued_on_the_gpu(local_dir, tier):
+    # The restore's copies run on a stream of their own. Work the caller queued before restore() (here a
+    # zero_() held back behind a long GPU spin) must land first: copies that ran ahead of it would be
+    # overwritten, and the "restored" state would be zeros.
+    model = _big_model(layers=2)
+    ref = [p.detach().clone() for p in model.parameters()]
+    with ckpt.Checkpointer(local_dir=local_dir) as ck:
+        ck.save(1, {"model": model}).wait()
+        if tier == "memory":
+            torch.cuda._sleep(2_000_000_000)   # ~1 s of GPU time on the current stream
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.zero_()
+            assert ck.restore({"model": model}) == 1
+            assert ck.last_restore.tier == "memory"
+    if tier == "local":
+        with ckpt.Checkpointer(local_dir=local_dir) as ck:
+            torch.cuda._sleep(2_000_000_000)
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.zero_()
+            assert ck.restore({"model": model}) == 1
+            assert ck.last_restore.tier == "local"
+    torch.cuda.synchronize()
+    assert all(torch.equal(p, r) for p, r in zip(model.parameters(), ref))

@@ -413,7 +413,7 @@ class LocalTier(PersistingTier, TimelineCopies):
         ring: queue.Queue = queue.Queue()
         for _ in range(min(n, knobs.get("CKPT_RESTORE_BUFFERS"))):
             ring.put((_aligned_empty(size, pin), None))
-        stream = torch.cuda.Stream() if pin else None
+        stream = sc.device_stream() if pin else None
         try:
             def one(i: int) -> None:
                 buf, ev = ring.get()

@@ -276,7 +276,7 @@ def _to_device(manifest: Manifest, fd: int, sc: Scatter) -> int | None:
     ring: queue.Queue = queue.Queue()
     for _ in range(min(n, max(2, knobs.get("CKPT_RESTORE_BUFFERS")))):
         ring.put((torch.empty(min(chunk, manifest.data_bytes), dtype=torch.uint8, pin_memory=True), None))
-    stream = torch.cuda.Stream()
+    stream = sc.device_stream()
     bad: list[int] = []
 
     def one(i: int) -> None:
@@ -322,7 +322,7 @@ def _scatter(manifest: Manifest, dest: list[torch.Tensor | None], data: torch.Te
             sc.copy(data[a:b], a)
 
     if sc.to_device:
-        stream = torch.cuda.Stream()
+        stream = sc.device_stream()
         with torch.cuda.stream(stream):
             copy()
         stream.synchronize()

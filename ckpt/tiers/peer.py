@@ -143,11 +143,16 @@ class Exchange:
         copied down on the other; a staging pair is reused only once the piece it held is on the host.
         ``landed`` runs on this thread for each piece once it is in ``into``, at most ``ring`` pieces behind."""
         size = max(self.piece, in_piece if n_in else 0)
+        up, down = self._streams if self._streams is not None else (None, None)
         if not self._staging or self._staging[0][0].numel() < size:
             self._staging = []   # the old pair goes first: a larger one must not need both at once
-            self._staging = [(torch.empty(size, dtype=torch.uint8, device=self.device),
-                              torch.empty(size, dtype=torch.uint8, device=self.device)) for _ in range(self._ring)]
-        up, down = self._streams if self._streams is not None else (None, None)
+            # allocated on the stream that first writes them: the caching allocator hands out memory that is
+            # free in that stream's order (on the training's stream, a block the training just freed could
+            # still be written by its queued kernels while ours lands in it)
+            with torch.cuda.stream(up) if up is not None else contextlib.nullcontext():
+                self._staging = [(torch.empty(size, dtype=torch.uint8, device=self.device),
+                                  torch.empty(size, dtype=torch.uint8, device=self.device))
+                                 for _ in range(self._ring)]
         free: list[Any] = [None] * self._ring   # per pair: event after its last piece reached the host
         pending: list[tuple[Any, int, int]] = []   # (event, offset, length) of pieces on their way to the host
         with torch.cuda.device(self.device) if up is not None else contextlib.nullcontext():
