@@ -5,11 +5,13 @@ from __future__ import annotations
 import contextlib
 import copy
 import importlib
+from pathlib import Path
 
 import pytest
 import torch
 
 import ckpt.kernels.moe as moe
+from helpers import assert_ok, run_ranks
 from kernel_helpers import DEVICE, DTYPES, assert_close, run_and_compare
 
 # the module (``ckpt.kernels.patch`` as an attribute is the function of that name)
@@ -432,3 +434,30 @@ def test_registry_route_falls_back_to_the_implementation_named_before_patch(coun
     out = experts(x, idx.to(DEVICE), w.to(DEVICE))
     assert not count_fused and out.dtype == torch.bfloat16
     assert_close("output", out, reference(x, idx.to(DEVICE), w.to(DEVICE)), 2e-2, 2e-2)
+
+
+WORKER = Path(__file__).parent / "experts_parallel_worker.py"
+
+
+@pytest.mark.parametrize("model_type,layout", [
+    ("qwen3_moe", "ep+tp"), ("qwen3_moe", "ep+fsdp"), ("qwen3_moe", "tp"), ("mixtral", "ep+tp")])
+def test_patch_serves_experts_under_transformers_parallelism(model_type, layout, tmp_path):
+    """Two gloo ranks load a tiny model with transformers' own parallelism (``from_pretrained`` with a
+    ``DistributedConfig``: expert parallelism with the ranks sharing a batch or each holding its own, or
+    the experts tensor-parallel), which installs its dispatch on each experts module's ``forward``.
+    patch() keeps that dispatch and fused_experts serves every sparse layer inside it, flagged
+    ``expert_parallel`` where transformers split the experts, in training (all-to-all) and at evaluation;
+    the loss, the logits and every gradient (each rank's shard) equal the unpatched parallel model's."""
+    tiny_moe(model_type).save_pretrained(tmp_path / "model")
+    results = run_ranks(WORKER, str(tmp_path / "model"), layout, str(tmp_path), timeout=400)
+    assert_ok(results)
+    n_layers = 2
+    for rank in range(2):
+        r = torch.load(tmp_path / f"rank-{rank}.pt", weights_only=False)
+        assert r["train_calls"] == r["eval_calls"] == [layout.startswith("ep")] * n_layers
+        assert r["wrapped"] == r["experts"] and len(r["experts"]) == n_layers and r["forwards_kept"]
+        assert r["implementation"] == kpatch.EXPERTS_IMPLEMENTATION
+        assert_close(f"rank {rank} loss", r["losses"][1], r["losses"][0], 1e-5, 1e-4)
+        assert_close(f"rank {rank} logits", r["logits"][1], r["logits"][0], 1e-5, 1e-4)
+        for name, (ref, ours) in r["grads"].items():
+            assert_close(f"rank {rank} grad of {name}", ours, ref, 1e-5, 1e-4)
