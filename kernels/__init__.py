@@ -52,7 +52,7 @@ from .fused_linear_cross_entropy import FusedLinearCrossEntropyLoss, fused_linea
 from .glu import GeGLUMLP, PackedGLUMLP, SwiGLUMLP, geglu, geglu_packed, swiglu, swiglu_packed
 from .layer_norm import LayerNorm, layer_norm
 from .moe import fused_experts
-from .patch import SUPPORTED_MODEL_TYPES, patch, unpatch_rope
+from .patch import EXPERTS_IMPLEMENTATION, SUPPORTED_MODEL_TYPES, patch, unpatch_rope
 from .rms_norm import RMSNorm, rms_norm
 from .rope import rope
 
@@ -78,5 +78,6 @@ __all__ = [
     "fused_experts",
     "patch",
     "unpatch_rope",
+    "EXPERTS_IMPLEMENTATION",
     "SUPPORTED_MODEL_TYPES",
 ]

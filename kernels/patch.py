@@ -20,10 +20,29 @@ modeling module), so a model built from a config is patched as one loaded from a
   -> :func:`ckpt.kernels.fused_experts` (routing, both grouped GEMMs, the SwiGLU and the weighted
   sum in Triton) over the same ``gate_up_proj`` / ``down_proj``, under every experts
   implementation of transformers (``grouped_mm``, ``batched_mm``, ``eager``), ``torch.compile``
-  included. Where it cannot run (CPU tensors without the interpreter, weights of another dtype
-  outside autocast), and for experts whose ``forward`` was already replaced on the instance
-  (transformers' expert-parallel dispatch, a hook: kept, as replacing it would drop what it does),
-  transformers' implementation runs with the SwiGLU between the two projections ->
+  included; experts that transformers split over ranks (``_is_expert_parallel``) run it with
+  ``expert_parallel=True``. Two routes:
+
+  - an experts module whose ``forward`` is its class's gets the patched forward on the instance
+    (it keeps serving if ``set_experts_implementation`` later names another implementation, and
+    touches no other model that shares the config object);
+  - one whose ``forward`` was replaced on the instance by a wrapper around the class's
+    (transformers' expert- or tensor-parallel dispatch, which exchanges or all-reduces the ranks'
+    shares around the inner call; an accelerate hook) keeps that wrapper, as replacing it would drop
+    what it does. The class's forward it calls dispatches on ``config._experts_implementation``
+    through transformers' experts registry (``transformers.integrations.moe.ExpertsInterface``), so
+    ``patch`` registers the fused experts there as :data:`EXPERTS_IMPLEMENTATION` (``"ckpt_fused"``)
+    and names it with ``model.set_experts_implementation``: fused_experts then runs inside the
+    wrapper, on the shard and routing the dispatch hands it. Where this cannot be done
+    (transformers without the registry, before 5.0; a model that does not let its experts
+    implementation be set) the wrapper's inner call runs transformers' implementation with the
+    SwiGLU fused, as below, and an INFO log says why. ``set_experts_implementation`` with another
+    name takes the route away again (the registry entry stays: it is process-wide, and serves only
+    a model whose config names it);
+
+  Where fused_experts cannot run (CPU tensors without the interpreter, weights of another dtype
+  outside autocast) transformers' implementation runs (the one the config names; where that is
+  ours, the one it named before ``patch``) with the SwiGLU between the two projections ->
   :func:`swiglu_packed`. The router and the expert weights are untouched;
 * ``apply_rotary_pos_emb`` of the architecture's modeling module -> :func:`rope`. HF calls this
   module-level function from its attention, so this part of the patch is process-wide for that
@@ -83,7 +102,7 @@ from .moe import fused_experts
 from .rms_norm import RMSNorm
 from .rope import rope
 
-__all__ = ["patch", "unpatch_rope", "SUPPORTED_MODEL_TYPES"]
+__all__ = ["patch", "unpatch_rope", "SUPPORTED_MODEL_TYPES", "EXPERTS_IMPLEMENTATION"]
 
 log = logging.getLogger(__name__)
 
@@ -132,6 +151,13 @@ _ORIGINAL_ROPE: dict[str, Callable[..., Any]] = {}
 #: pre-activation for backward and recomputes it there (less memory, one more grouped GEMM)
 _EXPERTS_RECOMPUTE = False
 
+#: the name of :func:`ckpt.kernels.fused_experts` in transformers' experts registry
+#: (``transformers.integrations.moe.ExpertsInterface``, next to ``"grouped_mm"``, ``"batched_mm"``, ...).
+#: :func:`patch` registers it and names it in the model's config (``set_experts_implementation``) for
+#: experts whose ``forward`` is a wrapper it keeps (transformers' expert- or tensor-parallel dispatch,
+#: an accelerate hook), so that the class's ``forward`` the wrapper calls runs the fused kernels.
+EXPERTS_IMPLEMENTATION = "ckpt_fused"
+
 
 def _activation(act: Any) -> str | None:
     """``"silu"`` or ``"gelu_tanh"`` for an activation module the fused GLUs compute, else ``None``."""
@@ -177,10 +203,11 @@ def _experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: 
                      top_k_weights: torch.Tensor) -> torch.Tensor:
     """The patched experts' forward: :func:`fused_experts` (routing, both grouped GEMMs, SwiGLU and
     the weighted sum in Triton) wherever it runs, ``torch.compile`` and expert parallelism included;
-    otherwise transformers' implementation with the packed SwiGLU: its ``grouped_mm`` and
-    ``batched_mm`` implementations call the instance's ``_apply_gate`` (patched to the fused kernel);
-    its ``eager`` loop writes ``act_fn(gate) * up`` inline, so it is reproduced here with
-    ``_apply_gate``."""
+    otherwise transformers' implementation with the packed SwiGLU (:func:`_transformers_experts`).
+
+    It serves two routes with one signature, transformers' ``(self, hidden_states, top_k_index,
+    top_k_weights)``: bound to the instance as its ``forward``, and registered in transformers' experts
+    registry as :data:`EXPERTS_IMPLEMENTATION`, which the class's ``forward`` dispatches to."""
     if _fused_experts_runnable(self, hidden_states):
         # expert parallelism (transformers sets the flag where it splits the experts over ranks): the
         # slots of other ranks' experts carry the index num_experts and must add nothing; elsewhere the
@@ -188,8 +215,23 @@ def _experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: 
         return fused_experts(hidden_states, top_k_index, top_k_weights, self.gate_up_proj, self.down_proj,
                              recompute=_EXPERTS_RECOMPUTE,
                              expert_parallel=bool(getattr(self, "_is_expert_parallel", False)))
-    if getattr(self.config, "_experts_implementation", None) not in (None, "eager"):
-        return type(self).forward(self, hidden_states, top_k_index, top_k_weights)
+    return _transformers_experts(self, hidden_states, top_k_index, top_k_weights)
+
+
+def _transformers_experts(self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                          top_k_weights: torch.Tensor) -> torch.Tensor:
+    """transformers' experts implementation, its SwiGLU the packed kernel: the one the config names or,
+    where it names ours, the one it named when :func:`patch` ran (``_ckpt_experts_fallback``). Its
+    ``grouped_mm`` and ``batched_mm`` call the instance's ``_apply_gate`` (patched to the fused kernel);
+    its ``eager`` loop writes ``act_fn(gate) * up`` inline, so it is reproduced here with ``_apply_gate``."""
+    implementation = getattr(getattr(self, "config", None), "_experts_implementation", None)
+    if implementation == EXPERTS_IMPLEMENTATION:
+        implementation = getattr(self, "_ckpt_experts_fallback", None)
+    registry = _experts_registry()
+    if implementation not in (None, "eager", EXPERTS_IMPLEMENTATION) and registry is not None:
+        forward = registry.ALL_EXPERTS_FUNCTIONS.get(implementation)
+        if forward is not None:
+            return forward(self, hidden_states, top_k_index, top_k_weights)
     final = torch.zeros_like(hidden_states)
     with torch.no_grad():
         expert_mask = nn.functional.one_hot(top_k_index, num_classes=self.num_experts + 1).permute(2, 1, 0)
@@ -203,6 +245,40 @@ def _experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: 
         h = nn.functional.linear(h, self.down_proj[expert_idx]) * top_k_weights[token_idx, top_k_pos, None]
         final.index_add_(0, token_idx, h.to(final.dtype))
     return final
+
+
+def _experts_registry() -> types.ModuleType | None:
+    """``transformers.integrations.moe``, home of transformers' experts registry: ``ExpertsInterface``
+    (whose ``register`` adds an implementation for every model) and ``ALL_EXPERTS_FUNCTIONS`` (the
+    mapping the experts' ``forward`` looks the config's name up in); ``None`` where this transformers has
+    no such registry (before 5.0)."""
+    try:
+        from transformers.integrations import moe
+    except ImportError:
+        return None
+    return moe if hasattr(moe, "ExpertsInterface") and hasattr(moe, "ALL_EXPERTS_FUNCTIONS") else None
+
+
+def _serve_through_registry(model: nn.Module, experts: list[nn.Module]) -> str | None:
+    """Make the class-level forward of ``experts`` (whose instance ``forward`` is a wrapper that calls it)
+    dispatch to :func:`_experts_forward`: register it in transformers' experts registry as
+    :data:`EXPERTS_IMPLEMENTATION` and name that in the model's config, as
+    ``model.set_experts_implementation`` does. Returns why not, where it cannot (``None`` when done)."""
+    registry = _experts_registry()
+    if registry is None:
+        return "this transformers has no experts registry (transformers.integrations.moe.ExpertsInterface)"
+    set_implementation = getattr(model, "set_experts_implementation", None)
+    if not callable(set_implementation):
+        return f"{type(model).__name__} has no set_experts_implementation"
+    registry.ExpertsInterface.register(EXPERTS_IMPLEMENTATION, _experts_forward)
+    try:
+        set_implementation(EXPERTS_IMPLEMENTATION)
+    except (RuntimeError, ValueError) as e:   # e.g. an implementation chosen for good at load time
+        return f"transformers kept its experts implementation ({type(e).__name__}: {e})"
+    missed = [m for m in experts if getattr(m.config, "_experts_implementation", None) != EXPERTS_IMPLEMENTATION]
+    if missed:
+        return f"{type(model).__name__} does not let set_experts_implementation reach its experts' config"
+    return None
 
 
 def _experts_patchable(module: nn.Module) -> str | None:
@@ -410,6 +486,7 @@ def patch(
     experts_cls = getattr(modeling, f"{family.prefix}Experts", None)
     skipped: dict[str, str] = {}
     wrapped: list[str] = []   # experts whose instance-level forward (a wrapper) is kept
+    experts_left = False      # experts of a layout fused_experts does not compute
     for name, module in list(model.named_modules()):
         if not name:
             continue
@@ -433,15 +510,23 @@ def patch(
             why = _experts_patchable(module)
             if why is not None:
                 skipped[name] = why
+                experts_left = True
                 continue
             module._apply_gate = swiglu_packed   # an instance attribute: called as self._apply_gate(x)
+            # what runs where fused_experts cannot once the config names ours (see _transformers_experts)
+            implementation = getattr(getattr(module, "config", None), "_experts_implementation", None)
+            if implementation != EXPERTS_IMPLEMENTATION:
+                module._ckpt_experts_fallback = implementation
             if "forward" in vars(module):
-                # a forward installed on the instance wraps the class's: transformers' expert-parallel dispatch
-                # (it all-reduces or exchanges the ranks' shares around the inner call), an accelerate hook.
-                # Replacing it would drop what it does; its inner call runs transformers' implementation,
-                # whose SwiGLU is the packed kernel now.
+                # a forward installed on the instance wraps the class's: transformers' expert- or tensor-parallel
+                # dispatch (it exchanges or all-reduces the ranks' shares around the inner call), an accelerate
+                # hook. Replacing it would drop what it does; the class's forward it calls is routed to
+                # fused_experts through transformers' experts registry below.
                 wrapped.append(name)
             else:
+                # an instance forward (not the registry) for the others: it serves whatever implementation
+                # the config names later (set_experts_implementation after patch), and no other model
+                # sharing this config object
                 module.forward = types.MethodType(_experts_forward, module)
             module._ckpt_fused = True
             changed["experts"].append(name)
@@ -458,9 +543,16 @@ def patch(
     for name, why in skipped.items():
         log.warning("ckpt.kernels.patch left %s (%s) unpatched: %s", name, model_type, why)
     if wrapped:
-        log.info("ckpt.kernels.patch: the experts %s (%s) have a forward of their own (transformers' expert "
-                 "parallelism or a hook), kept: their SwiGLU is fused, fused_experts does not serve them",
-                 ", ".join(wrapped), model_type)
+        why = ("experts of this model have a layout fused_experts does not compute" if experts_left
+               else _serve_through_registry(model, [model.get_submodule(name) for name in wrapped]))
+        if why is None:
+            log.info("ckpt.kernels.patch: the experts %s (%s) have a forward of their own (transformers' expert "
+                     "or tensor parallelism, a hook), kept: fused_experts serves the class's forward it calls "
+                     "(experts implementation %r)", ", ".join(wrapped), model_type, EXPERTS_IMPLEMENTATION)
+        else:
+            log.info("ckpt.kernels.patch: the experts %s (%s) have a forward of their own (transformers' expert "
+                     "or tensor parallelism, a hook), kept: their SwiGLU is fused, fused_experts does not serve "
+                     "them (%s)", ", ".join(wrapped), model_type, why)
 
     if rope_embedding:
         current = getattr(modeling, "apply_rotary_pos_emb")

@@ -5,11 +5,13 @@ from __future__ import annotations
 import contextlib
 import copy
 import importlib
+from pathlib import Path
 
 import pytest
 import torch
 
 import ckpt.kernels.moe as moe
+from helpers import assert_ok, run_ranks
 from kernel_helpers import DEVICE, DTYPES, assert_close, run_and_compare
 
 # the module (``ckpt.kernels.patch`` as an attribute is the function of that name)
@@ -340,15 +342,21 @@ def test_patch_experts_under_expert_parallelism(count_fused):
         assert_close(f"grad of {name}", got, getattr(full, name).grad, 1e-5, 1e-5)
 
 
-def test_patch_keeps_an_experts_forward_installed_on_the_instance(count_fused, caplog):
-    """transformers' expert parallelism (``ExpertParallelLayer.install_forward``, 5.24) and accelerate's
+@pytest.mark.parametrize("registry", ["transformers-registry", "no-registry"])
+def test_patch_keeps_an_experts_forward_installed_on_the_instance(registry, count_fused, caplog, monkeypatch):
+    """transformers' expert parallelism (``EpDispatchExpertsParallel.install_forward``, 5.24) and accelerate's
     hooks replace an experts module's ``forward`` on the instance with a wrapper around the class's: the
     ranks' shares are exchanged or all-reduced there. patch() must keep that wrapper (replacing it would
-    drop the exchange: each rank's output would be its own experts' share alone); inside it transformers'
-    implementation runs with the SwiGLU fused."""
+    drop the exchange: each rank's output would be its own experts' share alone). With transformers'
+    experts registry the class's forward it calls dispatches to fused_experts (the config names
+    ``EXPERTS_IMPLEMENTATION``); without one (transformers before 5) transformers' implementation runs
+    inside it with the SwiGLU fused, and the config is left as it was."""
+    if registry == "no-registry":
+        monkeypatch.setattr(kpatch, "_experts_registry", lambda: None)
     model = tiny_moe("qwen3_moe")
     experts = model.model.layers[0].mlp.experts
     reference = copy.deepcopy(experts)
+    before = model.config._experts_implementation
     calls = []
     original_forward = experts.forward
 
@@ -365,5 +373,91 @@ def test_patch_keeps_an_experts_forward_installed_on_the_instance(count_fused, c
     x = torch.randn(9, experts.gate_up_proj.shape[-1], generator=g).to(DEVICE)
     w, idx = torch.softmax(torch.randn(9, experts.num_experts, generator=g), -1).topk(2, dim=-1)
     out = experts(x, idx.to(DEVICE), w.to(DEVICE))
-    assert calls == [1] and not count_fused
+    assert calls == [1]
+    if registry == "no-registry":
+        assert not count_fused and model.config._experts_implementation == before
+    else:
+        assert len(count_fused) == 1 and model.config._experts_implementation == kpatch.EXPERTS_IMPLEMENTATION
     assert_close("output", out, 2 * reference(x, idx.to(DEVICE), w.to(DEVICE)), 1e-5, 1e-5)
+
+
+def hook_every_experts(model) -> list:
+    """An accelerate hook on each experts module, as ``dispatch_model`` / a ``device_map`` installs them: a
+    ``forward`` on the instance that calls the class's."""
+    hooks = pytest.importorskip("accelerate.hooks")
+    experts = [m for name, m in model.named_modules() if name.endswith("mlp.experts")]
+    for m in experts:
+        hooks.add_hook_to_module(m, hooks.ModelHook())
+    return experts
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "mixtral"])
+def test_patch_serves_hooked_experts_through_transformers_registry(model_type, count_fused):
+    """Every experts module behind an accelerate hook: patch() keeps the hooks, names its experts
+    implementation in the config, and fused_experts serves every sparse layer through the class's
+    forward, with the loss and every gradient of the unpatched model."""
+    ref = tiny_moe(model_type)
+    ours = copy.deepcopy(ref)
+    experts = hook_every_experts(ours)
+    hooked = [m.forward for m in experts]
+    changed = kpatch.patch(ours)
+    assert len(changed["experts"]) == len(experts) == 2
+    assert [m.forward for m in experts] == hooked
+    assert ours.config._experts_implementation == kpatch.EXPERTS_IMPLEMENTATION
+    assert ref.config._experts_implementation == "grouped_mm"
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 97, (2, 13), generator=g).to(DEVICE)
+    out_ref = ref(input_ids=ids, labels=ids)
+    out_ref.loss.backward()
+    out = ours(input_ids=ids, labels=ids)
+    out.loss.backward()
+    assert len(count_fused) == 2
+    assert_close("loss", out.loss, out_ref.loss, 1e-5, 1e-4)
+    named = dict(ref.named_parameters())
+    for name, p in ours.named_parameters():
+        assert_close(f"grad of {name}", p.grad, named[name].grad, 1e-5, 1e-4)
+
+
+def test_registry_route_falls_back_to_the_implementation_named_before_patch(count_fused):
+    """Where fused_experts cannot run (bf16 hidden states, fp32 weights, no autocast) the experts served
+    through the registry run the implementation the config named before patch (``grouped_mm``), with the
+    packed SwiGLU, not the registry's entry again."""
+    model = tiny_moe("qwen3_moe")
+    reference = copy.deepcopy(model.model.layers[0].mlp.experts)
+    hook_every_experts(model)
+    kpatch.patch(model)
+    experts = model.model.layers[0].mlp.experts
+    assert experts._ckpt_experts_fallback == "grouped_mm"
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(11, experts.gate_up_proj.shape[-1], generator=g).to(DEVICE, torch.bfloat16)
+    w, idx = torch.softmax(torch.randn(11, experts.num_experts, generator=g), -1).topk(3, dim=-1)
+    out = experts(x, idx.to(DEVICE), w.to(DEVICE))
+    assert not count_fused and out.dtype == torch.bfloat16
+    assert_close("output", out, reference(x, idx.to(DEVICE), w.to(DEVICE)), 2e-2, 2e-2)
+
+
+WORKER = Path(__file__).parent / "experts_parallel_worker.py"
+
+
+@pytest.mark.parametrize("model_type,layout", [
+    ("qwen3_moe", "ep+tp"), ("qwen3_moe", "ep+fsdp"), ("qwen3_moe", "tp"), ("mixtral", "ep+tp")])
+def test_patch_serves_experts_under_transformers_parallelism(model_type, layout, tmp_path):
+    """Two gloo ranks load a tiny model with transformers' own parallelism (``from_pretrained`` with a
+    ``DistributedConfig``: expert parallelism with the ranks sharing a batch or each holding its own, or
+    the experts tensor-parallel), which installs its dispatch on each experts module's ``forward``.
+    patch() keeps that dispatch and fused_experts serves every sparse layer inside it, flagged
+    ``expert_parallel`` where transformers split the experts, in training (all-to-all) and at evaluation;
+    the loss, the logits and every gradient (each rank's shard) equal the unpatched parallel model's."""
+    tiny_moe(model_type).save_pretrained(tmp_path / "model")
+    results = run_ranks(WORKER, str(tmp_path / "model"), layout, str(tmp_path), timeout=400)
+    assert_ok(results)
+    n_layers = 2
+    for rank in range(2):
+        r = torch.load(tmp_path / f"rank-{rank}.pt", weights_only=False)
+        assert r["train_calls"] == r["eval_calls"] == [layout.startswith("ep")] * n_layers
+        assert r["wrapped"] == r["experts"] and len(r["experts"]) == n_layers and r["forwards_kept"]
+        assert r["implementation"] == kpatch.EXPERTS_IMPLEMENTATION
+        assert_close(f"rank {rank} loss", r["losses"][1], r["losses"][0], 1e-5, 1e-4)
+        assert_close(f"rank {rank} logits", r["logits"][1], r["logits"][0], 1e-5, 1e-4)
+        for name, (ref, ours) in r["grads"].items():
+            assert_close(f"rank {rank} grad of {name}", ours, ref, 1e-5, 1e-4)
