@@ -174,7 +174,8 @@ def _nccl_floors(rank: int, nbytes: int) -> dict:
         link()
 
     res = {"link_s": best(link), "from_ram_s": best(from_ram), "wire": {}}
-    for ring in (2, 3):
+    sweep = os.environ.get("BENCH_PEER_SWEEP", "1") == "1"
+    for ring in (2, 3) if sweep else ():
         for piece_mb in (16, 32, 64):
             wire = Exchange(ctl, piece_mb << 20, g, torch.device("cuda", rank), ring=ring)
             t = best(lambda: wire.data(host, other, host_in, other, piece_mb << 20, lambda off, k: None), reps=2)
@@ -192,6 +193,7 @@ def _run(root: str, mode: str, args: argparse.Namespace) -> list[dict]:
         port = s.getsockname()[1]
     env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
            "PYTHONPATH": f"{HERE.parent}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    env["BENCH_PEER_SWEEP"] = "0" if args.no_sweep else "1"
     if args.nccl:
         env["CKPT_PEER_NCCL"] = "1"
     else:
@@ -219,6 +221,9 @@ def main() -> None:
     ap.add_argument("--step-ms", type=float, default=200.0, help="CPU work per step, ms")
     ap.add_argument("--nccl", action="store_true", help="CUDA state on two GPUs, the peer tier over NCCL")
     ap.add_argument("--root", default=None, help="where the ranks' RAM directories and local tiers go")
+    ap.add_argument("--loops", default="none,snap,peers",
+                    help="which loops to time (comma-separated; 'peers' is needed for the restore)")
+    ap.add_argument("--no-sweep", action="store_true", help="--nccl: leave the ring / piece sweep out")
     ap.add_argument("--no-record", action="store_true")
     args = ap.parse_args()
     sys.path.insert(0, str(HERE))
@@ -232,7 +237,8 @@ def main() -> None:
     root = tempfile.mkdtemp(prefix="bench-peer-", dir=base_dir)
     try:
         raw = _run(root, "raw", args)
-        loops = {m: _run(root, m, args) for m in ("loop-none", "loop-snap", "loop-peers")}
+        wanted = {f"loop-{m.strip()}" for m in args.loops.split(",")} | {"loop-peers"}
+        loops = {m: _run(root, m, args) for m in ("loop-none", "loop-snap", "loop-peers") if m in wanted}
         shutil.rmtree(f"{root}/rank-1")   # rank 1's node is replaced: its disk and RAM are gone
         shutil.rmtree(f"{root}/shm-1")
         rest = _run(root, "restore", args)
@@ -245,7 +251,7 @@ def main() -> None:
     if not ex or not cold:
         raise SystemExit(f"--steps {args.steps} / --every {args.every}: too few exchanges to time warm ones "
                          f"({len(cold)} first, {len(ex)} later); give three or more snapshots")
-    base = statistics.mean(r["step_ms"] for r in loops["loop-none"])
+    base = statistics.mean(r["step_ms"] for r in loops["loop-none"]) if "loop-none" in loops else None
     case = (f"2 {'GPUs, NCCL' if args.nccl else 'gloo ranks'}, {nbytes / 1e9:.2f} GB per rank, "
             f"snapshot every {args.every}")
     rows = [
@@ -277,9 +283,12 @@ def main() -> None:
                          "value": nbytes / t / 1e9, "unit": "GB/s",
                          "note": f"{t:.3f} s host to host, no checks; bytes {'right' if ok else 'WRONG'}"})
     for m, label in (("loop-none", "no saves"), ("loop-snap", "snapshots (memory tier)"), ("loop-peers", "snapshots + peer tier")):
+        if m not in loops:
+            continue
         v = statistics.mean(r["step_ms"] for r in loops[m])
+        over = f"{(v / base - 1) * 100:+.2f}% vs no saves" if base else "no saves not timed"
         rows.append({"case": case, "provider": label, "metric": "mean step time", "value": v, "unit": "ms",
-                     "note": f"{(v / base - 1) * 100:+.2f}% vs no saves; committed {loops[m][0]['counts']}"})
+                     "note": f"{over}; committed {loops[m][0]['counts']}"})
     r1 = rest[1]
     rows.append({"case": case, "provider": "restore of the replaced rank", "metric": "seconds", "value": r1["restore_s"],
                  "unit": "s", "note": f"tier {r1['tier']}, step {r1['step']}, bit-exact {r1['exact']}, "

@@ -25,9 +25,10 @@ ALGORITHM = "crc32c"
 on_bytes: Callable[[int], None] | None = None
 
 
-def checksum(data: bytes | bytearray | memoryview) -> int:
-    """CRC-32C of ``data`` as an unsigned 32-bit int."""
-    crc = _crc32c.crc32c(data)
+def checksum(data: bytes | bytearray | memoryview, value: int = 0) -> int:
+    """CRC-32C of ``data`` as an unsigned 32-bit int; ``value``: the CRC of the bytes before ``data``
+    (a range checked in parts: ``checksum(b, checksum(a)) == checksum(a + b)``)."""
+    crc = _crc32c.crc32c(data, value)
     if on_bytes is not None:
         on_bytes(data.nbytes if isinstance(data, memoryview) else len(data))
     return crc

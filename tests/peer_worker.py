@@ -80,10 +80,13 @@ def staged(rank: int, world: int) -> None:
     ctl = dist.new_group(backend="gloo")
     problems = []
     # pieces of 3 chunks and a bit on one side, 2 on the other: the ring wraps, chunks straddle pieces
-    cases = [(1000, 3100, 2000, 2, n) for n in (0, 1, 999, 1000, 7001, 25_000)]
-    if dev.type == "cuda":   # pinned host memory: every copy is asynchronous, as the tiers' buffers are
-        cases += [(1 << 20, (3 << 20) + 100, 2 << 20, ring, (48 << 20) + 12345) for ring in (2, 3)]
-    for chunk, piece0, piece1, ring, n in cases:
+    cases = [(1000, 3100, 2000, 2, n, "host") for n in (0, 1, 999, 1000, 7001, 25_000)]
+    if dev.type == "cuda":   # pinned host memory: every copy is asynchronous, as the tiers' buffers are;
+        # and a receive buffer on the GPU (a restore's): chunks straddle pieces, are longer than a check part
+        cases += [(1 << 20, (3 << 20) + 100, 2 << 20, ring, (48 << 20) + 12345, "host") for ring in (2, 3)]
+        cases += [(c, (3 << 20) + 100, 2 << 20, 2, n, "device") for c, n in ((1 << 20, (48 << 20) + 12345),
+                                                                             ((40 << 20) + 3, (90 << 20) + 7), (1000, 7001))]
+    for chunk, piece0, piece1, ring, n, where in cases:
         wire = Exchange(ctl, piece0 if rank == 0 else piece1, data_group, dev, ring=ring)
         pin = dev.type == "cuda" and n > 1 << 20
         g = torch.Generator().manual_seed(1000 * rank + n)
@@ -95,15 +98,17 @@ def staged(rank: int, world: int) -> None:
             out = out.pin_memory()
         their_piece = piece0 if src == 0 else piece1
         for check in ("right", "wrong"):
-            into = torch.zeros(n, dtype=torch.uint8, pin_memory=pin)
+            into = torch.zeros(n, dtype=torch.uint8, pin_memory=pin and where == "host",
+                               device=dev if where == "device" else "cpu")
             if check == "right":
                 bad = checked_receive(wire, out, dst, into, src, their_piece, m)
-                if bad or not torch.equal(into, expect):
-                    problems.append(f"size {n}, ring {ring}: bad chunks {bad[:5]}, equal {torch.equal(into, expect)}")
+                if bad or not torch.equal(into.cpu(), expect):
+                    problems.append(f"size {n}, ring {ring}, into {where}: bad chunks {bad[:5]}, "
+                                    f"equal {torch.equal(into.cpu(), expect)}")
             elif n:   # every chunk must be checked
                 wrong = dataclasses.replace(m, chunks=[s ^ 1 for s in sums])
                 if checked_receive(wire, out, dst, into, src, their_piece, wrong) != list(range(len(sums))):
-                    problems.append(f"size {n}, ring {ring}: a wrong checksum was not found")
+                    problems.append(f"size {n}, ring {ring}, into {where}: a wrong checksum was not found")
     print("staged", "OK" if not problems else problems, flush=True)
     dist.destroy_process_group()
 
@@ -268,7 +273,7 @@ def main() -> None:
                 from ckpt.tiers import peer as peer_mod
 
                 if fault == "alloc":   # a pinned allocation that fails raises RuntimeError
-                    def no_memory(nbytes):
+                    def no_memory(nbytes, device=None):
                         raise RuntimeError(f"test: cannot allocate {nbytes} bytes")
                     peer_mod._receive_buffer = no_memory
                 elif fault == "manifest":

@@ -36,6 +36,8 @@ import contextlib
 import dataclasses
 import logging
 import os
+import queue
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -141,9 +143,14 @@ class Exchange:
         device staging -> host (receiver). On a GPU the three run as a pipeline over ``ring`` staging pairs:
         piece i + 1 is copied up on one stream while piece i is on the wire (NCCL's stream) and piece i - 1 is
         copied down on the other; a staging pair is reused only once the piece it held is on the host.
-        ``landed`` runs on this thread for each piece once it is in ``into``, at most ``ring`` pieces behind."""
+        ``landed`` runs on this thread for each piece once it is in ``into``, at most ``ring`` pieces behind.
+        An ``into`` on the GPU (a restore) takes the pieces straight from the wire."""
         size = max(self.piece, in_piece if n_in else 0)
         up, down = self._streams if self._streams is not None else (None, None)
+        if up is not None:   # after what this thread queued on the device (an `into` just allocated there)
+            up.wait_stream(torch.cuda.current_stream(self.device))
+        # a receive buffer on the GPU (a restore): the pieces land in it directly, no staging, no copy down
+        direct = into is not None and into.device.type == "cuda"
         if not self._staging or self._staging[0][0].numel() < size:
             self._staging = []   # the old pair goes first: a larger one must not need both at once
             # allocated on the stream that first writes them: the caching allocator hands out memory that is
@@ -168,11 +175,12 @@ class Exchange:
                     if k:   # piece by registration piece of the snapshot buffer (ckpt.shm.pieces)
                         for x, y in shm.pieces(a, k):
                             s_buf[x - a:y - a].copy_(out[x:y], non_blocking=True)
-                    works = self._post(s_buf[:k] if k else None, to, r_buf[:r] if r else None, frm)
+                    target = (into[b:b + r] if direct else r_buf[:r]) if r else None
+                    works = self._post(s_buf[:k] if k else None, to, target, frm)
                 with torch.cuda.stream(down) if down is not None else contextlib.nullcontext():
                     for w in works:
                         w.wait()   # on a GPU: the down stream waits for the wire, the host does not
-                    if r:
+                    if r and not direct:
                         for x, y in shm.pieces(b, r):
                             into[x:y].copy_(r_buf[x - b:y - b], non_blocking=True)
                     ev = None
@@ -210,21 +218,61 @@ def checked_receive(wire: Exchange, out: torch.Tensor | None, to: int | None, in
         wire.data(out, to, into, frm if into is not None else None, in_piece, lambda a, k: None)
         return []
     c, n = manifest.chunk_bytes, manifest.data_bytes
-    view = memoryview(into.numpy())
+    threads = max(1, knobs.get("CKPT_PERSIST_THREADS"))
+    if into.device.type == "cuda":
+        crc_of = _DeviceChecks(into, threads)
+    else:
+        view = memoryview(into.numpy())
+
+        def crc_of(a: int, b: int) -> int:
+            return checksum(view[a:b])
     futures = {}
-    with ThreadPoolExecutor(max(1, knobs.get("CKPT_PERSIST_THREADS")), thread_name_prefix="ckpt-peer-crc") as ex:
+    with ThreadPoolExecutor(threads, thread_name_prefix="ckpt-peer-crc") as ex:
         def landed(off: int, k: int) -> None:
             end = off + k
             for i in range(off // c, (end // c) if end < n else -(-n // c)):   # the chunks now complete
-                futures[i] = ex.submit(checksum, view[i * c:min((i + 1) * c, n)])
+                futures[i] = ex.submit(crc_of, i * c, min((i + 1) * c, n))
 
         wire.data(out, to, into, frm, in_piece, landed)
         for i in range(len(manifest.chunks)):   # a chunk split across pieces: complete now
             if i not in futures:
-                futures[i] = ex.submit(checksum, view[i * c:min((i + 1) * c, n)])
+                futures[i] = ex.submit(crc_of, i * c, min((i + 1) * c, n))
         bad = [i for i, f in sorted(futures.items()) if i >= len(manifest.chunks) or f.result() != manifest.chunks[i]]
-    del view
+    crc_of = view = None   # noqa: F841 - no export of the buffer outlives the call
     return bad
+
+
+class _DeviceChecks:
+    """CRC-32C of byte ranges of a buffer on the GPU: each range is copied down through one of a few small
+    pinned buffers (on the calling thread's own stream) and checked there, in parts where it is longer than
+    one, so no host copy of the whole buffer is ever made. Callable from several threads at once."""
+
+    PART = 16 << 20
+
+    def __init__(self, data: torch.Tensor, buffers: int) -> None:
+        self.data = data
+        self._free: queue.Queue = queue.Queue()
+        size = min(self.PART, data.numel()) or 1
+        for _ in range(buffers):
+            self._free.put(torch.empty(size, dtype=torch.uint8, pin_memory=True))
+        self._local = threading.local()
+
+    def __call__(self, a: int, b: int) -> int:
+        stream = getattr(self._local, "stream", None)
+        if stream is None:
+            stream = self._local.stream = torch.cuda.Stream(self.data.device)
+        buf = self._free.get()
+        try:
+            crc, view = 0, memoryview(buf.numpy())
+            for x in range(a, b, buf.numel()):
+                y = min(x + buf.numel(), b)
+                with torch.cuda.stream(stream):
+                    buf[:y - x].copy_(self.data[x:y], non_blocking=True)
+                stream.synchronize()
+                crc = checksum(view[:y - x], crc)
+            return crc
+        finally:
+            self._free.put(buf)
 
 
 @register
@@ -479,7 +527,7 @@ class PeerTier(PersistingTier):
                     problem = CheckpointError(f"rank {holder} sent a replica header out of bounds ({got.tolist()})")
                 else:
                     try:
-                        into = _receive_buffer(dbytes)
+                        into = _receive_buffer(dbytes, wire.device)
                     except (RuntimeError, MemoryError, OSError) as e:   # no host memory for it: say so, go on
                         problem = CheckpointError(f"no host memory to receive {dbytes} bytes "
                                                   f"({type(e).__name__}: {e})")
@@ -531,10 +579,18 @@ class PeerTier(PersistingTier):
         return None
 
 
-def _receive_buffer(nbytes: int) -> torch.Tensor:
-    """Host memory to receive a restore into: pinned where there is CUDA (it goes to the GPU next), else with
-    every page mapped now on ``CKPT_IO_THREADS`` threads (faulting them in one by one while receiving
-    would halve the rate: a restore waits for this, nothing else runs)."""
+def _receive_buffer(nbytes: int, device: torch.device | None = None) -> torch.Tensor:
+    """Memory to receive a restore into. On ``device`` (the NCCL path's GPU) where it has room: the pieces
+    land there from the wire and go to the state's tensors without a host round trip (pinning gigabytes of
+    host memory would take seconds; the caching allocator reuses the block for training afterwards). Else
+    host memory: pinned where there is CUDA (it goes to the GPU next), or with every page mapped now on
+    ``CKPT_IO_THREADS`` threads (faulting them in one by one while receiving would halve the rate: a
+    restore waits for this, nothing else runs)."""
+    if device is not None and device.type == "cuda":
+        try:
+            return torch.empty(nbytes, dtype=torch.uint8, device=device)
+        except torch.cuda.OutOfMemoryError:
+            log.info("no room for %d bytes on %s to receive a restore: it goes through host memory", nbytes, device)
     if torch.cuda.is_available():
         return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
     t = torch.empty(nbytes, dtype=torch.uint8)
