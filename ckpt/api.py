@@ -796,8 +796,7 @@ class Checkpointer:
         ranks = Ranks(timeout_s=timeout, own_group=True)
         data_group, device = None, None
         dist = torch.distributed
-        # collective: the knob must be the same on every rank (it is read from the job's environment)
-        if knobs.get("CKPT_PEER_NCCL") and torch.cuda.is_available() and dist.is_nccl_available():
+        if _peer_over_nccl(knobs.get("CKPT_PEER_NCCL")):
             device = torch.device("cuda", torch.cuda.current_device())
             data_group = dist.new_group(backend="nccl", timeout=timedelta(seconds=timeout))
         return PeerTier(self.local.root, ranks, jump, data_group, device)
@@ -1114,6 +1113,22 @@ def _holds(tier: Any, step: int, manifest: Manifest) -> bool:
                     step, tier.name, e)
         return False
     return True
+
+
+def _peer_over_nccl(knob: int) -> bool:
+    """Whether the peer tier moves its replicas over NCCL: ``CKPT_PEER_NCCL`` 1 (where there is CUDA and NCCL),
+    0 (never: gloo from host memory), or -1, the default: where the job's own process group runs NCCL (then
+    each rank has a GPU of its own; a gloo-only job on a GPU machine may have put every rank on one GPU).
+    The same on every rank: the knob comes from the job's environment, the backend from the job's group."""
+    dist = torch.distributed
+    if knob == 0 or not torch.cuda.is_available() or not dist.is_nccl_available():
+        return False
+    if knob > 0:
+        return True
+    try:
+        return "nccl" in str(dist.get_backend()).lower()
+    except (RuntimeError, ValueError):   # no default group
+        return False
 
 
 def _resume_timeline(restored: Committed | None, entries: list[Committed]) -> Timeline:

@@ -44,9 +44,10 @@ _DEFAULTS: dict[str, int] = {
     # Bytes per data message of the peer tier's replica exchange: the holder checks one piece's chunks
     # while the next arrives (and, over NCCL, the size of each device staging buffer; two per direction).
     "CKPT_PEER_PIECE_BYTES": 64 << 20,
-    # Move the peer tier's replicas over an NCCL group of its own, staged through device buffers, when
-    # the job has GPUs (1), or over gloo from host memory (0).
-    "CKPT_PEER_NCCL": 0,
+    # Move the peer tier's replicas over an NCCL group of its own, staged through device buffers (1, where
+    # there is CUDA), or over gloo from host memory (0); -1: NCCL where the job's own process group runs
+    # NCCL (each rank then has its GPU), else gloo.
+    "CKPT_PEER_NCCL": -1,
     # Seconds one message of the peer tier's exchange may wait for the other side (its groups' timeout):
     # a holder or source that stopped answering (died unnoticed, hung) fails the exchange after this, and
     # the peer tier stops replicating in this process (training and the other tiers go on). A message waits

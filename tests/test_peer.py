@@ -193,3 +193,28 @@ def test_the_nccl_exchange_on_two_gpus(tmp_path):
     resumed = _run(tmp_path, "resume", 2, env)
     assert _lines(resumed, "restored") == ["restored 6 memory", "restored 6 peer"]
     assert _lines(resumed, "digest") == _lines(_run(tmp_path, "straight", 2), "digest")
+
+
+@pytest.mark.parametrize("knob,backend,cuda,want", [
+    (-1, "cpu:gloo,cuda:nccl", True, True),   # the job trains over NCCL: every rank has its GPU
+    (-1, "nccl", True, True),
+    (-1, "gloo", True, False),    # a gloo job on a GPU machine: its ranks may share one GPU
+    (-1, None, True, False),      # no default group
+    (1, "gloo", True, True),      # asked for
+    (0, "nccl", True, False),     # turned off
+    (1, "nccl", False, False),    # no CUDA: never
+])
+def test_the_peer_transport_follows_the_jobs_backend(monkeypatch, knob, backend, cuda, want):
+    import torch
+
+    from ckpt import api
+
+    def get_backend(group=None):
+        if backend is None:
+            raise ValueError("Default process group has not been initialized")
+        return backend
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+    monkeypatch.setattr(torch.distributed, "is_nccl_available", lambda: True)
+    monkeypatch.setattr(torch.distributed, "get_backend", get_backend)
+    assert api._peer_over_nccl(knob) is want
