@@ -96,6 +96,19 @@ class Exchange:
         self._ring = ring
         self._staging: list[tuple[torch.Tensor, torch.Tensor]] = []
 
+    def warm(self, to: int, frm: int) -> None:
+        """Set the data transport up with ``to`` and ``frm`` now, with one byte each way (collective with
+        both): NCCL creates the communicator of a pair and connects it at their first message, which takes a
+        second or more and would otherwise fall on the first exchange, or on a replaced rank's restore."""
+        dev = self.device if self.device is not None and self.device.type == "cuda" else None
+        with torch.cuda.device(dev) if dev is not None else contextlib.nullcontext():
+            out = torch.zeros(1, dtype=torch.uint8, device=dev or "cpu")
+            into = torch.empty(1, dtype=torch.uint8, device=dev or "cpu")
+            for w in self._post(out, to, into, frm):
+                w.wait()
+            if dev is not None:
+                torch.cuda.current_stream(dev).synchronize()
+
     def swap(self, out: torch.Tensor | None, to: int | None, into: torch.Tensor | None, frm: int | None,
              group: Any = None) -> None:
         """One round: send ``out`` to ``to`` and receive ``into`` from ``frm`` (either side ``None``: none)."""
@@ -311,6 +324,12 @@ class PeerTier(PersistingTier):
         self.wire = Exchange(ranks.group, piece, data_group, device)
         #: why the exchanges stopped in this process (a transport failure), or ``None``
         self.broken: str | None = None
+        try:
+            self.wire.warm(self.dst, self.src)   # collective: the tier is made on every rank at once
+        except RuntimeError as e:   # as a failed exchange: this process's peer tier stops, the rest goes on
+            self.broken = f"{type(e).__name__}: {e}"
+            log.error("rank %d: the peer tier could not reach ranks %d (holder) and %d (source); it stops in this "
+                      "process (the other tiers go on): %s", self.rank, self.dst, self.src, self.broken)
         self._stale_checked = False
 
     def holder_of(self, rank: int) -> int:
