@@ -77,10 +77,23 @@ Gemma 3 with its vision tower (``Gemma3ForConditionalGeneration``, model_type ``
   ``Gemma3CausalLMOutputWithPast`` (``image_outputs`` included) with ``logits=None``. With
   ``logits_to_keep != 0`` the original forward runs.
 
+What a module object carries is never dropped:
+
+* a norm, MLP, ``nn.LayerNorm`` or ``lm_head`` whose ``forward`` was replaced on the instance (a wrapper
+  around the class's: transformers' tensor-parallel styles, e.g. the QK-norms' gradient all-reduce or
+  ``lm_head``'s vocabulary gather; an accelerate hook) is left as it is, with the fused loss where it is
+  ``lm_head``: the wrapper calls the class's forward through its own reference, so nothing can be fused
+  under it. Named under ``"left"`` and at INFO. (Experts are served under theirs, above.)
+* a module with hooks registered on it (FSDP2's unit hooks, accelerate's, a user's) or DTensor
+  parameters (FSDP2 swaps the gathered weight onto that module object for its forward) is fused in place:
+  it keeps its object, class and hooks and gets a forward on the instance that runs the kernel over the
+  parameters it holds at call time (its class's forward where those are still DTensors).
+
 ``patch`` returns a dict ``{"rms_norm": [...], "layer_norm": [...], "mlp": [...], "experts": [...],
-"rope": [...], "loss": [...]}`` naming what it changed; calling it twice changes nothing the second time. What
-it leaves unpatched for a reason (an activation without a fused kernel, a vision tower's non-gated
-MLP, an experts layout it does not know) it names in a warning through ``logging``.
+"rope": [...], "loss": [...], "left": [...]}`` naming what it changed and what it left; calling it twice
+changes nothing the second time. What it leaves unpatched for want of a kernel (an activation without a
+fused kernel, a vision tower's non-gated MLP, an experts layout it does not know) it names in a warning
+through ``logging``.
 """
 
 from __future__ import annotations
@@ -464,7 +477,9 @@ def patch(
 
     Returns:
         ``{"rms_norm": [module names], "layer_norm": [module names], "mlp": [module names],
-        "experts": [module names], "rope": [function], "loss": [class.forward]}``.
+        "experts": [module names], "rope": [function], "loss": [class.forward], "left": [module names]}``;
+        ``"left"``: the modules found but left as they are (no fused kernel computes them, or a forward
+        of their own on the instance, which patching would drop; ``"lm_head"`` for the loss).
 
     Raises:
         ValueError: the model's ``config.model_type`` is not supported (the message lists those that are).

@@ -667,8 +667,11 @@ def test_patch_gemma3_multimodal_matches_unpatched(softcap, restore_rope):
     assert_close("tuple loss", ours(input_ids=ids, labels=labels, return_dict=False, **kw)[0],
                  ref(input_ids=ids, labels=labels, return_dict=False, **kw)[0], 1e-5, 1e-4)
 
+    # SigLIP's MLPs are named as left again, as the first time
+    assert changed["left"] == [n for n, m in ours.named_modules() if n.startswith("model.vision_tower")
+                               and n.endswith(".mlp")] and len(changed["left"]) == 2
     assert K.patch(ours) == {"rms_norm": [], "layer_norm": [], "mlp": [], "experts": [], "rope": [], "loss": [],
-                             "left": []}
+                             "left": changed["left"]}
     ours.eval()
     ref.eval()
     with torch.no_grad():
