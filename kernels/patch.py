@@ -77,10 +77,23 @@ Gemma 3 with its vision tower (``Gemma3ForConditionalGeneration``, model_type ``
   ``Gemma3CausalLMOutputWithPast`` (``image_outputs`` included) with ``logits=None``. With
   ``logits_to_keep != 0`` the original forward runs.
 
+What a module object carries is never dropped:
+
+* a norm, MLP, ``nn.LayerNorm`` or ``lm_head`` whose ``forward`` was replaced on the instance (a wrapper
+  around the class's: transformers' tensor-parallel styles, e.g. the QK-norms' gradient all-reduce or
+  ``lm_head``'s vocabulary gather; an accelerate hook) is left as it is, with the fused loss where it is
+  ``lm_head``: the wrapper calls the class's forward through its own reference, so nothing can be fused
+  under it. Named under ``"left"`` and at INFO. (Experts are served under theirs, above.)
+* a module with hooks registered on it (FSDP2's unit hooks, accelerate's, a user's) or DTensor
+  parameters (FSDP2 swaps the gathered weight onto that module object for its forward) is fused in place:
+  it keeps its object, class and hooks and gets a forward on the instance that runs the kernel over the
+  parameters it holds at call time (its class's forward where those are still DTensors).
+
 ``patch`` returns a dict ``{"rms_norm": [...], "layer_norm": [...], "mlp": [...], "experts": [...],
-"rope": [...], "loss": [...]}`` naming what it changed; calling it twice changes nothing the second time. What
-it leaves unpatched for a reason (an activation without a fused kernel, a vision tower's non-gated
-MLP, an experts layout it does not know) it names in a warning through ``logging``.
+"rope": [...], "loss": [...], "left": [...]}`` naming what it changed and what it left; calling it twice
+changes nothing the second time. What it leaves unpatched for want of a kernel (an activation without a
+fused kernel, a vision tower's non-gated MLP, an experts layout it does not know) it names in a warning
+through ``logging``.
 """
 
 from __future__ import annotations
@@ -96,10 +109,10 @@ from torch import nn
 
 from ._utils import interpreter_enabled
 from .fused_linear_cross_entropy import fused_linear_cross_entropy
-from .glu import GeGLUMLP, PackedGLUMLP, SwiGLUMLP, swiglu_packed
-from .layer_norm import LayerNorm
+from .glu import GeGLUMLP, PackedGLUMLP, SwiGLUMLP, geglu_packed, swiglu_packed
+from .layer_norm import LayerNorm, layer_norm
 from .moe import fused_experts
-from .rms_norm import RMSNorm
+from .rms_norm import RMSNorm, rms_norm
 from .rope import rope
 
 __all__ = ["patch", "unpatch_rope", "SUPPORTED_MODEL_TYPES", "EXPERTS_IMPLEMENTATION"]
@@ -464,7 +477,9 @@ def patch(
 
     Returns:
         ``{"rms_norm": [module names], "layer_norm": [module names], "mlp": [module names],
-        "experts": [module names], "rope": [function], "loss": [class.forward]}``.
+        "experts": [module names], "rope": [function], "loss": [class.forward], "left": [module names]}``;
+        ``"left"``: the modules found but left as they are (no fused kernel computes them, or a forward
+        of their own on the instance, which patching would drop; ``"lm_head"`` for the loss).
 
     Raises:
         ValueError: the model's ``config.model_type`` is not supported (the message lists those that are).
@@ -479,12 +494,13 @@ def patch(
     family = _FAMILIES[model_type]
     modeling = _modeling(family)
     changed: dict[str, list[str]] = {"rms_norm": [], "layer_norm": [], "mlp": [], "experts": [], "rope": [],
-                                     "loss": []}
+                                     "loss": [], "left": []}
 
     norm_cls = getattr(modeling, f"{family.prefix}RMSNorm")
     mlp_cls = getattr(modeling, f"{family.prefix}MLP", None)
     experts_cls = getattr(modeling, f"{family.prefix}Experts", None)
-    skipped: dict[str, str] = {}
+    skipped: dict[str, str] = {}   # left unpatched: no fused kernel computes it (a WARNING)
+    kept: list[str] = []           # left unpatched: a forward of its own on the instance (INFO)
     wrapped: list[str] = []   # experts whose instance-level forward (a wrapper) is kept
     experts_left = False      # experts of a layout fused_experts does not compute
     for name, module in list(model.named_modules()):
@@ -492,21 +508,39 @@ def patch(
             continue
         parent_name, _, attr = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
-        if rms_norm and isinstance(module, norm_cls):
+        if "_ckpt_fused" in vars(module):
+            continue   # patched in place by an earlier call
+        fusable = ((rms_norm and isinstance(module, norm_cls)) or (mlp and mlp_cls is not None and isinstance(module, mlp_cls))
+                   or (family.vision and layer_norm and type(module) is nn.LayerNorm))
+        if fusable and "forward" in vars(module):
+            # a forward installed on the instance wraps the class's (transformers' tensor-parallel styles: the QK-norms'
+            # gradient all-reduce, a sharded layer's collectives; an accelerate hook). Neither the fused module that
+            # would replace this one nor a fused forward on it would run what the wrapper does, and the wrapper calls
+            # the class's forward through a reference of its own, out of patch's reach: the module stays as it is.
+            kept.append(name)
+        elif rms_norm and isinstance(module, norm_cls):
             eps = getattr(module, "variance_epsilon", getattr(module, "eps", 1e-6))
-            new = RMSNorm(module.weight.shape[0], eps=eps, offset=family.norm_offset,
-                          in_place=attr not in family.residual_norms, device="meta")
+            in_place = attr not in family.residual_norms
+            new = RMSNorm(module.weight.shape[0], eps=eps, offset=family.norm_offset, in_place=in_place, device="meta")
             new.weight = module.weight  # share the parameter: same state dict, same optimizer state
-            setattr(parent, attr, new)
+            if _put(parent, attr, module, new):
+                module._ckpt_fused = (float(eps), family.norm_offset, in_place)
+                module.forward = types.MethodType(_rms_norm_in_place, module)
             changed["rms_norm"].append(name)
         elif mlp and mlp_cls is not None and isinstance(module, mlp_cls):
             new_mlp = _fused_mlp(module)
             if isinstance(new_mlp, str):
                 skipped[name] = new_mlp
-            else:
-                setattr(parent, attr, new_mlp)
-                changed["mlp"].append(name)
-        elif mlp and experts_cls is not None and isinstance(module, experts_cls) and "_ckpt_fused" not in vars(module):
+                continue
+            if _put(parent, attr, module, new_mlp):
+                if isinstance(new_mlp, PackedGLUMLP):
+                    module._ckpt_fused = swiglu_packed if new_mlp.activation == "silu" else geglu_packed
+                    module.forward = types.MethodType(_packed_mlp_in_place, module)
+                else:
+                    module._ckpt_fused = type(new_mlp)._fn
+                    module.forward = types.MethodType(_glu_mlp_in_place, module)
+            changed["mlp"].append(name)
+        elif mlp and experts_cls is not None and isinstance(module, experts_cls):
             why = _experts_patchable(module)
             if why is not None:
                 skipped[name] = why
@@ -534,14 +568,20 @@ def patch(
             new_ln = _fused_layer_norm(module)
             if isinstance(new_ln, str):
                 skipped[name] = new_ln
-            else:
-                setattr(parent, attr, new_ln)
-                changed["layer_norm"].append(name)
+                continue
+            if _put(parent, attr, module, new_ln):
+                module._ckpt_fused = True
+                module.forward = types.MethodType(_layer_norm_in_place, module)
+            changed["layer_norm"].append(name)
         elif family.vision and mlp and _plain_mlp(module):
             skipped[name] = (f"{type(module).__name__} is fc1 -> {type(module.activation_fn).__name__} -> fc2, "
                              "not a gated (GLU) MLP: no fused kernel")
     for name, why in skipped.items():
         log.warning("ckpt.kernels.patch left %s (%s) unpatched: %s", name, model_type, why)
+    if kept:
+        log.info("ckpt.kernels.patch left %s (%s) unpatched: a forward of their own on the instance (transformers' "
+                 "tensor parallelism, a hook) wraps the class's, and replacing either would drop what it does",
+                 ", ".join(kept), model_type)
     if wrapped:
         why = ("experts of this model have a layout fused_experts does not compute" if experts_left
                else _serve_through_registry(model, [model.get_submodule(name) for name in wrapped]))
@@ -561,7 +601,17 @@ def patch(
             setattr(modeling, "apply_rotary_pos_emb", _make_rope(current))
             changed["rope"].append(f"{modeling.__name__}.apply_rotary_pos_emb")
 
-    if loss and hasattr(model, "lm_head") and hasattr(model, "model") and "_ckpt_unpatched_forward" not in vars(model):
+    head = getattr(model, "lm_head", None)
+    if (loss and isinstance(head, nn.Module) and hasattr(model, "model") and "_ckpt_unpatched_forward" not in vars(model)
+            and "forward" in vars(head)):
+        # the head's own forward wraps the class's (transformers' tensor parallelism: a vocabulary-sharded weight,
+        # a DTensor, whose logits the wrapper gathers): the fused loss, which multiplies by the weight itself,
+        # would bypass it
+        kept.append("lm_head")
+        log.info("ckpt.kernels.patch left the loss of %s (%s) unpatched: lm_head has a forward of its own on the "
+                 "instance (transformers' tensor parallelism, a hook), which the fused loss would bypass",
+                 type(model).__name__, model_type)
+    elif loss and hasattr(model, "lm_head") and hasattr(model, "model") and "_ckpt_unpatched_forward" not in vars(model):
         if not family.vision:
             make = _make_causal_lm_forward(family, modeling)
         elif isinstance(model, getattr(modeling, f"{family.prefix}ForConditionalGeneration")):
@@ -574,7 +624,54 @@ def patch(
             model._ckpt_unpatched_forward = model.forward
             model.forward = types.MethodType(make, model)
             changed["loss"].append(f"{type(model).__name__}.forward")
+    changed["left"] = list(skipped) + kept
     return changed
+
+
+def _is_dtensor(t: Any) -> bool:
+    """Whether ``t`` is a ``torch.distributed.tensor.DTensor`` (a sharded or replicated parameter)."""
+    dtensor = getattr(getattr(getattr(torch, "distributed", None), "tensor", None), "DTensor", None)
+    return dtensor is not None and isinstance(t, dtensor)
+
+
+def _put(parent: nn.Module, attr: str, module: nn.Module, new: nn.Module) -> bool:
+    """Put the fused ``new`` (sharing ``module``'s parameters and submodules) in ``module``'s place, unless the
+    module object itself carries what a replacement would not: hooks registered on it (FSDP2's gather and
+    reshard of a unit, accelerate's, a user's), or parameters that FSDP2 swaps on it (a DTensor shard at rest,
+    the gathered tensor registered on this very module for its forward: a replacement would keep the shard).
+    Returns True where the caller must fuse ``module`` in place instead (a forward on the instance that reads
+    its parameters at call time)."""
+    hooks = (module._forward_pre_hooks, module._forward_hooks, module._backward_pre_hooks, module._backward_hooks)
+    if any(hooks) or any(_is_dtensor(p) for p in module.parameters(recurse=False)):
+        return True
+    setattr(parent, attr, new)
+    return False
+
+
+def _rms_norm_in_place(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """The forward of an ``<Arch>RMSNorm`` fused in place: ``_ckpt_fused`` is ``(eps, offset, in_place)``."""
+    weight = self.weight
+    if _is_dtensor(weight) or _is_dtensor(x):   # not gathered for this call: the class's forward takes DTensors
+        return type(self).forward(self, x)
+    eps, offset, in_place = self._ckpt_fused
+    return rms_norm(x, weight, eps, offset, in_place=in_place)
+
+
+def _layer_norm_in_place(self: nn.LayerNorm, x: torch.Tensor) -> torch.Tensor:
+    """The forward of an ``nn.LayerNorm`` fused in place."""
+    if _is_dtensor(self.weight) or _is_dtensor(x):
+        return type(self).forward(self, x)
+    return layer_norm(x, self.weight, self.bias, self.eps)
+
+
+def _glu_mlp_in_place(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """The forward of a gated MLP fused in place: ``_ckpt_fused`` is :func:`swiglu` or :func:`geglu`."""
+    return self.down_proj(self._ckpt_fused(self.gate_proj(x), self.up_proj(x)))
+
+
+def _packed_mlp_in_place(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """The forward of Phi-3's MLP fused in place: ``_ckpt_fused`` is :func:`swiglu_packed` or :func:`geglu_packed`."""
+    return self.down_proj(self._ckpt_fused(self.gate_up_proj(x)))
 
 
 def _fused_mlp(module: nn.Module) -> nn.Module | str:

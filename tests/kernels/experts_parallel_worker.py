@@ -8,10 +8,13 @@ the meshes, shards the experts and installs its dispatch on their ``forward``), 
 Both run a training step with labels (``AllToAllEP`` under expert parallelism: gradients flow) and an
 evaluation forward under ``no_grad`` (``AllReduceEP`` where the ranks share a batch). ``OUT`` gets, per
 rank, ``rank-<r>.pt``: both losses and evaluation logits, every parameter's gradient from both (this
-rank's shard of a sharded one) and the calls that reached ``fused_experts``.
+rank's shard of a sharded one), the calls that reached ``fused_experts`` and the fused RMSNorm in training,
+and what patch() changed and left.
 
-patch() runs with ``rms_norm=False, loss=False``: this job checks the experts; the fused norms and loss
-are not what transformers' tensor parallelism and FSDP shard.
+patch() runs in full: it leaves what transformers' tensor parallelism wraps (the QK-norms, whose weight
+gradients a wrapper on their ``forward`` all-reduces; ``lm_head``, whose wrapper gathers the vocabulary
+shards, and with it the fused loss) and fuses FSDP's norms in place (FSDP swaps their parameters on the
+module objects).
 """
 
 from __future__ import annotations
@@ -63,8 +66,17 @@ def main() -> None:
         return real(*args, **kwargs)
 
     kpatch.fused_experts = counting
+    norm_kernel = sys.modules["ckpt.kernels.rms_norm"]
+    norm_calls = []
+    real_norm = norm_kernel._forward
+
+    def counting_norm(*args, **kwargs):   # the fused RMSNorm's forward pass, counted
+        norm_calls.append(1)
+        return real_norm(*args, **kwargs)
+
+    norm_kernel._forward = counting_norm
     wrapped = [name for name, m in ours.named_modules() if name.endswith("mlp.experts") and "forward" in vars(m)]
-    changed = ckpt.kernels.patch(ours, rms_norm=False, loss=False)
+    changed = ckpt.kernels.patch(ours)
 
     # the ranks of a tensor-parallel group hold one batch; FSDP ranks each their own
     g = torch.Generator().manual_seed(rank if "fsdp" in layout else 0)
@@ -74,13 +86,14 @@ def main() -> None:
         loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
         losses.append(loss.detach())
-    train_calls = list(calls)
+    train_calls, train_norm_calls = list(calls), len(norm_calls)
     with torch.no_grad():
         logits = [local(model.eval()(input_ids=ids).logits) for model in (ref, ours)]
     grads = {name: (local(p.grad), local(q.grad))
              for (name, p), (_, q) in zip(ref.named_parameters(), ours.named_parameters())}
     torch.save(dict(losses=losses, logits=logits, grads=grads, train_calls=train_calls,
-                    eval_calls=calls[len(train_calls):], wrapped=wrapped, experts=changed["experts"],
+                    eval_calls=calls[len(train_calls):], wrapped=wrapped, experts=changed["experts"], changed=changed,
+                    train_norm_calls=train_norm_calls,
                     implementation=ours.config._experts_implementation,
                     forwards_kept=all("forward" in vars(ours.get_submodule(n)) for n in wrapped)),
                os.path.join(out_dir, f"rank-{rank}.pt"))

@@ -132,7 +132,8 @@ def test_patch_matches_unpatched(model_type, device, dtype, atol, rtol, restore_
 
     # second patch is a no-op; eval mode still returns logits identical in meaning
     assert changed["layer_norm"] == []   # no vision tower
-    assert K.patch(ours) == {"rms_norm": [], "layer_norm": [], "mlp": [], "experts": [], "rope": [], "loss": []}
+    assert K.patch(ours) == {"rms_norm": [], "layer_norm": [], "mlp": [], "experts": [], "rope": [], "loss": [],
+                             "left": []}
     ours.eval()
     ref.eval()
     with torch.no_grad():
@@ -155,6 +156,104 @@ def test_patch_gemma_norm_details(restore_rope):
         if model_type == "gemma3_text":
             assert isinstance(layer.self_attn.q_norm, K.RMSNorm) and isinstance(layer.self_attn.k_norm, K.RMSNorm)
         assert isinstance(layer.mlp, K.GeGLUMLP)
+
+
+def wrap_forward(module, on_call):
+    """Replace ``module.forward`` on the instance with a wrapper around the class's, as transformers' tensor-parallel
+    styles do (``TensorParallelLayer.install_forward``, 5.24): ``on_call(module)`` then the captured forward."""
+    inner = module.forward
+
+    def wrapped(*args, **kwargs):
+        on_call(module)
+        return inner(*args, **kwargs)
+
+    module.forward = wrapped
+    return wrapped
+
+
+def grad_doubling(module):
+    """What ``ReplicatedWithGradAllReduce`` (transformers' style for Qwen3's QK-norms) does in its wrapper: a hook on
+    each parameter's accumulated gradient (there, a sum over the ranks; here, two ranks that agree: times 2)."""
+    def double(param):
+        param.grad.mul_(2)
+
+    if not getattr(module, "_doubling", False):
+        for p in module.parameters(recurse=False):
+            p.register_post_accumulate_grad_hook(double)
+        module._doubling = True
+
+
+def wrap_like_tensor_parallelism(model):
+    """The QK-norms, one MLP and ``lm_head`` get a forward of their own on the instance."""
+    for layer in model.model.layers:
+        wrap_forward(layer.self_attn.q_norm, grad_doubling)
+        wrap_forward(layer.self_attn.k_norm, grad_doubling)
+    wrap_forward(model.model.layers[1].mlp, lambda m: None)
+    wrap_forward(model.lm_head, lambda m: None)
+
+
+def test_patch_leaves_a_module_whose_forward_is_wrapped_on_the_instance(restore_rope, caplog):
+    """A norm, MLP or ``lm_head`` whose ``forward`` was replaced on the instance by a wrapper (transformers' tensor
+    parallelism sums the QK-norms' weight gradients over the ranks from such a wrapper) is left as it is, wrapper
+    and class alike, with the loss when it is ``lm_head``'s: named under ``"left"`` and in an INFO log. The
+    gradients, the wrappers' work included, are the unpatched model's; the rest is patched."""
+    ref = tiny_model("qwen3_moe")
+    ours = copy.deepcopy(ref)
+    for model in (ref, ours):
+        wrap_like_tensor_parallelism(model)
+    wrapped = {name: m.forward for name, m in ours.named_modules() if "forward" in vars(m)}
+    with caplog.at_level("INFO", logger="ckpt.kernels.patch"):
+        changed = K.patch(ours)
+    assert {name: m.forward for name, m in ours.named_modules() if name in wrapped} == wrapped
+    assert sorted(changed["left"]) == sorted(wrapped) and changed["loss"] == []
+    assert not set(wrapped) & set(changed["rms_norm"] + changed["mlp"])
+    assert len(changed["rms_norm"]) == 2 * 2 + 1 and changed["experts"]
+    assert type(ours.model.layers[0].self_attn.q_norm) is type(ref.model.layers[0].self_attn.q_norm)
+    assert any(r.levelname == "INFO" and "model.layers.0.self_attn.q_norm" in r.getMessage() for r in caplog.records)
+    ids, labels = batch(ref.config.vocab_size)
+    out_ref = ref(input_ids=ids, labels=labels)
+    out_ref.loss.backward()
+    out = ours(input_ids=ids, labels=labels)
+    out.loss.backward()
+    assert_close("loss", out.loss, out_ref.loss, 1e-5, 1e-4)
+    named = dict(ref.named_parameters())
+    for name, p in ours.named_parameters():
+        assert_close(f"grad of {name}", p.grad, named[name].grad, 1e-5, 1e-4)
+    assert K.patch(ours)["left"] == changed["left"]   # a second call leaves them again, changes nothing
+
+
+def test_patch_fuses_a_module_with_hooks_in_place(restore_rope, monkeypatch):
+    """A norm or MLP with hooks registered on it (FSDP2's gather and reshard of a unit, accelerate's, a user's) keeps
+    its module object, so its hooks still run, and runs fused: its forward on the instance is the kernels'. FSDP2
+    also swaps parameters on the module object (its gathered weight for the forward), which the same route keeps."""
+    ref = tiny_model("qwen3")
+    ours = copy.deepcopy(ref)
+    seen = []
+    for model in (ref, ours):
+        for m in (model.model.norm, model.model.layers[0].mlp):
+            m.register_forward_hook(lambda m, args, out: seen.append(type(m).__name__) or 2 * out)
+    norm, mlp = ours.model.norm, ours.model.layers[0].mlp
+    kernels = []
+    real = K.rms_norm
+
+    def counting(*args, **kwargs):
+        kernels.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(kpatch_module(), "rms_norm", counting)
+    changed = K.patch(ours)
+    assert ours.model.norm is norm and ours.model.layers[0].mlp is mlp
+    assert "model.norm" in changed["rms_norm"] and "model.layers.0.mlp" in changed["mlp"] and changed["left"] == []
+    assert isinstance(ours.model.layers[1].mlp, K.SwiGLUMLP)   # no hooks: replaced as usual
+    ids, labels = batch(ref.config.vocab_size)
+    check_matches_unpatched(ref, ours, ids, labels, 1e-5, 1e-4)
+    assert kernels == [1] and seen.count("Qwen3RMSNorm") == 2 and seen.count("Qwen3MLP") == 2
+    assert K.patch(ours)["rms_norm"] == []
+
+
+def kpatch_module():
+    import sys
+    return sys.modules["ckpt.kernels.patch"]
 
 
 @pytest.mark.parametrize("softcap", [None, 0.3, 30.0])
@@ -568,7 +667,11 @@ def test_patch_gemma3_multimodal_matches_unpatched(softcap, restore_rope):
     assert_close("tuple loss", ours(input_ids=ids, labels=labels, return_dict=False, **kw)[0],
                  ref(input_ids=ids, labels=labels, return_dict=False, **kw)[0], 1e-5, 1e-4)
 
-    assert K.patch(ours) == {"rms_norm": [], "layer_norm": [], "mlp": [], "experts": [], "rope": [], "loss": []}
+    # SigLIP's MLPs are named as left again, as the first time
+    assert changed["left"] == [n for n, m in ours.named_modules() if n.startswith("model.vision_tower")
+                               and n.endswith(".mlp")] and len(changed["left"]) == 2
+    assert K.patch(ours) == {"rms_norm": [], "layer_norm": [], "mlp": [], "experts": [], "rope": [], "loss": [],
+                             "left": changed["left"]}
     ours.eval()
     ref.eval()
     with torch.no_grad():
