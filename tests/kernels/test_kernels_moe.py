@@ -277,14 +277,9 @@ def count_fused(monkeypatch):
         kpatch.unpatch_rope(t)
 
 
-@pytest.mark.parametrize("model_type", ["qwen3_moe", "mixtral"])
-def test_patch_experts_use_the_fused_path(model_type, count_fused):
-    """Each sparse layer's experts go through fused_experts (top_k 3 and 1 here), with the loss and every
-    gradient of the unpatched model."""
-    ref = tiny_moe(model_type)
-    ours = copy.deepcopy(ref)
-    changed = kpatch.patch(ours)
-    assert len(changed["experts"]) == 2
+def _train_step_matches(ref, ours, count_fused) -> None:
+    """One training step of both models on the same tokens: ``ours`` went through fused_experts in each of
+    its two sparse layers, with the loss and every gradient of ``ref``."""
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(0, 97, (2, 13), generator=g).to(DEVICE)
     out_ref = ref(input_ids=ids, labels=ids)
@@ -296,6 +291,17 @@ def test_patch_experts_use_the_fused_path(model_type, count_fused):
     named = dict(ref.named_parameters())
     for name, p in ours.named_parameters():
         assert_close(f"grad of {name}", p.grad, named[name].grad, 1e-5, 1e-4)
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "mixtral"])
+def test_patch_experts_use_the_fused_path(model_type, count_fused):
+    """Each sparse layer's experts go through fused_experts (top_k 3 and 1 here), with the loss and every
+    gradient of the unpatched model."""
+    ref = tiny_moe(model_type)
+    ours = copy.deepcopy(ref)
+    changed = kpatch.patch(ours)
+    assert len(changed["experts"]) == 2
+    _train_step_matches(ref, ours, count_fused)
 
 
 def test_patch_experts_under_expert_parallelism(count_fused):
@@ -405,17 +411,7 @@ def test_patch_serves_hooked_experts_through_transformers_registry(model_type, c
     assert [m.forward for m in experts] == hooked
     assert ours.config._experts_implementation == kpatch.EXPERTS_IMPLEMENTATION
     assert ref.config._experts_implementation == "grouped_mm"
-    g = torch.Generator().manual_seed(1)
-    ids = torch.randint(0, 97, (2, 13), generator=g).to(DEVICE)
-    out_ref = ref(input_ids=ids, labels=ids)
-    out_ref.loss.backward()
-    out = ours(input_ids=ids, labels=ids)
-    out.loss.backward()
-    assert len(count_fused) == 2
-    assert_close("loss", out.loss, out_ref.loss, 1e-5, 1e-4)
-    named = dict(ref.named_parameters())
-    for name, p in ours.named_parameters():
-        assert_close(f"grad of {name}", p.grad, named[name].grad, 1e-5, 1e-4)
+    _train_step_matches(ref, ours, count_fused)
 
 
 def test_registry_route_falls_back_to_the_implementation_named_before_patch(count_fused):
