@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import enum
 import inspect
@@ -797,7 +798,7 @@ class Checkpointer:
         data_group, device = None, None
         dist = torch.distributed
         if _peer_over_nccl(knobs.get("CKPT_PEER_NCCL")):
-            device = torch.device("cuda", torch.cuda.current_device())
+            device = _rank_gpu()
             data_group = dist.new_group(backend="nccl", timeout=timedelta(seconds=timeout))
         return PeerTier(self.local.root, ranks, jump, data_group, device)
 
@@ -1129,6 +1130,16 @@ def _peer_over_nccl(knob: int) -> bool:
         return "nccl" in str(dist.get_backend()).lower()
     except (RuntimeError, ValueError):   # no default group
         return False
+
+
+def _rank_gpu() -> torch.device:
+    """This rank's GPU: the one its default process group was bound to (``init_process_group(device_id=...)``),
+    else the current device (``torch.cuda.set_device``)."""
+    with contextlib.suppress(AttributeError, RuntimeError, ValueError):   # no default group, an older torch
+        bound = torch.distributed.distributed_c10d._get_default_group().bound_device_id
+        if bound is not None and bound.type == "cuda":
+            return torch.device("cuda", bound.index if bound.index is not None else torch.cuda.current_device())
+    return torch.device("cuda", torch.cuda.current_device())
 
 
 def _resume_timeline(restored: Committed | None, entries: list[Committed]) -> Timeline:

@@ -218,3 +218,26 @@ def test_the_peer_transport_follows_the_jobs_backend(monkeypatch, knob, backend,
     monkeypatch.setattr(torch.distributed, "is_nccl_available", lambda: True)
     monkeypatch.setattr(torch.distributed, "get_backend", get_backend)
     assert api._peer_over_nccl(knob) is want
+
+
+def test_the_peer_transport_uses_the_gpu_the_jobs_group_is_bound_to(monkeypatch):
+    # init_process_group(device_id=cuda:3) without torch.cuda.set_device: the current device is still 0,
+    # and every rank would stage its replicas on GPU 0
+    import torch
+
+    from ckpt import api
+
+    class Group:
+        bound_device_id = torch.device("cuda", 3)
+
+    monkeypatch.setattr(torch.distributed.distributed_c10d, "_get_default_group", lambda: Group())
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    assert api._rank_gpu() == torch.device("cuda", 3)
+    Group.bound_device_id = None
+    assert api._rank_gpu() == torch.device("cuda", 0)
+
+    def no_group():
+        raise ValueError("Default process group has not been initialized")
+
+    monkeypatch.setattr(torch.distributed.distributed_c10d, "_get_default_group", no_group)
+    assert api._rank_gpu() == torch.device("cuda", 0)
