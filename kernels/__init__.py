@@ -7,6 +7,7 @@ functional form plus (where it makes sense) an ``nn.Module``:
 functional                      module                           file
 ==============================  ===============================  ==========================
 :func:`rms_norm`                :class:`RMSNorm`                 ``rms_norm.py``
+:func:`fused_add_rms_norm`      :class:`FusedAddRMSNorm`         ``rms_norm.py``
 :func:`layer_norm`              :class:`LayerNorm`               ``layer_norm.py``
 :func:`rope`                    (HF ``apply_rotary_pos_emb``)    ``rope.py``
 :func:`swiglu`, :func:`geglu`   :class:`SwiGLUMLP`, GeGLUMLP     ``glu.py``
@@ -53,7 +54,7 @@ from .glu import GeGLUMLP, PackedGLUMLP, SwiGLUMLP, geglu, geglu_packed, swiglu,
 from .layer_norm import LayerNorm, layer_norm
 from .moe import fused_experts
 from .patch import EXPERTS_IMPLEMENTATION, SUPPORTED_MODEL_TYPES, patch, unpatch_rope
-from .rms_norm import RMSNorm, rms_norm
+from .rms_norm import FusedAddRMSNorm, RMSNorm, fused_add_rms_norm, rms_norm
 from .rope import rope
 
 __all__ = [
@@ -61,6 +62,8 @@ __all__ = [
     "interpreter_enabled",
     "rms_norm",
     "RMSNorm",
+    "fused_add_rms_norm",
+    "FusedAddRMSNorm",
     "layer_norm",
     "LayerNorm",
     "rope",

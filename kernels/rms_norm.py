@@ -78,7 +78,7 @@ from ._utils import (
     tl,
 )
 
-__all__ = ["rms_norm", "RMSNorm", "RMSNormFunction"]
+__all__ = ["rms_norm", "RMSNorm", "RMSNormFunction", "fused_add_rms_norm", "FusedAddRMSNorm", "FusedAddRMSNormFunction"]
 
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -103,6 +103,31 @@ def _rms_norm_fwd_kernel(
     tl.store(RSTD + row, rstd)
 
 
+def _fused_add_rms_norm_fwd_kernel(
+    X, R, H, Y, W, RSTD,
+    stride_x, stride_r, stride_h, stride_y, N, eps, offset,
+    BLOCK_N: tl.constexpr, LLAMA_CAST: tl.constexpr,
+):
+    # h = x + r rounded to h's dtype, as the unfused ``residual + hidden`` rounds it, then the
+    # norm of that rounded h: one read of x and r, one write of h and y.
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK_N)
+    mask = cols < N
+    x = tl.load(X + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    r = tl.load(R + row * stride_r + cols, mask=mask, other=0.0).to(tl.float32)
+    h = (x + r).to(H.dtype.element_ty)
+    tl.store(H + row * stride_h + cols, h, mask=mask)
+    h = h.to(tl.float32)
+    w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(h * h, axis=0) / N + eps)
+    hhat = h * rstd
+    if LLAMA_CAST:
+        hhat = hhat.to(H.dtype.element_ty).to(tl.float32)
+    y = hhat * (w + offset)
+    tl.store(Y + row * stride_y + cols, y.to(Y.dtype.element_ty), mask=mask)
+    tl.store(RSTD + row, rstd)
+
+
 @jit_helper
 def _load_rows(DY, X, RSTD, start, r_end, cols, cmask, stride_dy, stride_x, BLOCK_R: tl.constexpr):
     """Rows ``start .. start + BLOCK_R`` (those below ``r_end``) of ``dy`` and ``x`` at ``cols``, in fp32,
@@ -117,15 +142,16 @@ def _load_rows(DY, X, RSTD, start, r_end, cols, cmask, stride_dy, stride_x, BLOC
 
 
 def _rms_norm_bwd_kernel(
-    DY, X, W, RSTD, DX, DW_PART,
-    stride_dy, stride_x, stride_dx, n_rows, N, offset, rows_per_program,
+    DY, X, W, RSTD, DX, DW_PART, DH_OUT,
+    stride_dy, stride_x, stride_dx, stride_dho, n_rows, N, offset, rows_per_program,
     BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, NEED_DW: tl.constexpr, LLAMA_CAST: tl.constexpr,
-    STAGES: tl.constexpr,
+    STAGES: tl.constexpr, ADD_DH: tl.constexpr,
 ):
     # One pass: each program walks its own contiguous rows BLOCK_R at a time, writes their dx
     # and keeps dw's partial sum over them in a [BLOCK_R, BLOCK_N] fp32 tile; at the end it
     # stores one partial row. dx may alias dy: every row of dy is read by the program that
-    # then overwrites it, before it does.
+    # then overwrites it, before it does. ADD_DH (the fused residual add): the gradient that
+    # reached the sum h from later layers, DH_OUT, is added to each row of dx.
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK_N)
     cmask = cols < N
@@ -138,6 +164,8 @@ def _rms_norm_bwd_kernel(
         xhat = x * rstd[:, None]
         g = dy * w[None, :]
         dx = rstd[:, None] * (g - xhat * (tl.sum(g * xhat, axis=1) / N)[:, None])
+        if ADD_DH:
+            dx += tl.load(DH_OUT + rows[:, None] * stride_dho + cols[None, :], mask=m, other=0.0).to(tl.float32)
         tl.store(DX + rows[:, None] * stride_dx + cols[None, :], dx.to(DX.dtype.element_ty), mask=m)
         if NEED_DW:
             if LLAMA_CAST:  # the forward multiplied the weight by xhat rounded to x's dtype
@@ -176,9 +204,9 @@ def _rms_norm_bwd_dw_kernel(
 
 
 def _rms_norm_bwd_dx_wide_kernel(
-    DY, X, W, RSTD, DX, DW_PART, DW,
-    stride_dy, stride_x, stride_dx, N, offset, n_splits, n_sum_programs,
-    BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_C: tl.constexpr,
+    DY, X, W, RSTD, DX, DW_PART, DW, DH_OUT,
+    stride_dy, stride_x, stride_dx, stride_dho, N, offset, n_splits, n_sum_programs,
+    BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_C: tl.constexpr, ADD_DH: tl.constexpr,
 ):
     # Rows wider than _ONE_PASS_MAX_N, after _rms_norm_bwd_dw_kernel: the first n_sum_programs
     # programs finish dw (each sums one column block's partial rows in split order into dw in
@@ -198,12 +226,15 @@ def _rms_norm_bwd_dx_wide_kernel(
         xhat = x * rstd
         g = dy * w
         dx = rstd * (g - xhat * (tl.sum(g * xhat, axis=0) / N))
+        if ADD_DH:
+            dx += tl.load(DH_OUT + row * stride_dho + cols, mask=mask, other=0.0).to(tl.float32)
         # dx may alias dy: this row of dy was fully read above (and dw's partial rows were
         # made by the previous launch).
         tl.store(DX + row * stride_dx + cols, dx.to(DX.dtype.element_ty), mask=mask)
 
 
 _fwd = LazyKernel(_rms_norm_fwd_kernel)
+_fwd_add = LazyKernel(_fused_add_rms_norm_fwd_kernel)
 _bwd = LazyKernel(_rms_norm_bwd_kernel)
 _dw_sum = LazyKernel(_rms_norm_dw_sum_kernel)
 _bwd_dw_wide = LazyKernel(_rms_norm_bwd_dw_kernel)
@@ -257,13 +288,35 @@ def _forward(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float):
     return y, rows, rstd
 
 
+def _forward_add(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, offset: float):
+    """``(y, h, rstd)`` of the fused residual add: ``h = x + residual`` (contiguous, ``x``'s dtype),
+    ``y`` the norm of ``h`` and the per-row rstd."""
+    x2, n_rows, stride_x = as_rows(x)
+    r2, _, stride_r = as_rows(residual)
+    n = x.shape[-1]
+    h = empty_rows_like(x, x2)
+    y = empty_rows_like(x, x2, out_dtype(x, weight, offset))
+    rstd = torch.empty(n_rows, dtype=torch.float32, device=x.device)
+    block = next_power_of_2(n)
+    if n_rows > 0:
+        _fwd_add[(n_rows,)](
+            x2, r2, h, y, weight, rstd, stride_x, stride_r, n, n, n, float(eps), float(offset),
+            BLOCK_N=block, LLAMA_CAST=(offset == 0.0), num_warps=row_warps(block),
+        )
+    return y, h, rstd
+
+
 def _backward(dy: torch.Tensor, rows: tuple[torch.Tensor, int, int], weight: torch.Tensor, rstd: torch.Tensor,
-              offset: float, need_dw: bool, in_place: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+              offset: float, need_dw: bool, in_place: bool,
+              dh_out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``(dx, dw)`` (``dw`` is ``None`` unless ``need_dw``); ``rows`` as returned by :func:`_forward`.
-    ``dx`` has ``x``'s dtype, ``dw`` the weight's; ``dy`` (the output's dtype) may differ from both."""
+    ``dx`` has ``x``'s dtype, ``dw`` the weight's; ``dy`` (the output's dtype) may differ from both.
+    ``dh_out`` (the fused residual add: the gradient of its returned sum from later layers, ``x``'s
+    shape) is added to ``dx`` in the same pass."""
     x2, n_rows, stride_x = rows
     n = dy.shape[-1]
     dy2, _, stride_dy = as_rows(dy)
+    dho2, _, stride_dho = as_rows(dh_out) if dh_out is not None else (dy2, 0, stride_dy)
     if in_place and dy2 is dy and dy.dtype == x2.dtype:
         # a new tensor object over dy's memory: when x is a leaf, AccumulateGrad adopts an
         # object nobody else holds as x.grad, but copies one the caller still holds (dy)
@@ -274,13 +327,14 @@ def _backward(dy: torch.Tensor, rows: tuple[torch.Tensor, int, int], weight: tor
         return dx, torch.zeros_like(weight) if need_dw else None
     block = next_power_of_2(n)
     if block > _ONE_PASS_MAX_N:
-        return _backward_wide(dy2, stride_dy, x2, n_rows, stride_x, weight, rstd, offset, need_dw, dx, block)
+        return _backward_wide(dy2, stride_dy, x2, n_rows, stride_x, weight, rstd, offset, need_dw, dx, block,
+                              dho2, stride_dho, dh_out is not None)
     programs, per, step, stages, warps = _bwd_plan(n_rows, block, x2.element_size(), dy2.element_size(), dy.device)
     dw_part = torch.empty((programs, n), dtype=torch.float32, device=dy.device) if need_dw else rstd
     _bwd[(programs,)](
-        dy2, x2, weight, rstd, dx, dw_part, stride_dy, stride_x, n, n_rows, n, offset, per,
+        dy2, x2, weight, rstd, dx, dw_part, dho2, stride_dy, stride_x, n, stride_dho, n_rows, n, offset, per,
         BLOCK_R=step, BLOCK_N=block, NEED_DW=need_dw, LLAMA_CAST=(offset == 0.0), STAGES=stages,
-        num_warps=warps,
+        ADD_DH=dh_out is not None, num_warps=warps,
     )
     return dx, _sum_parts(dw_part, programs, weight) if need_dw else None
 
@@ -298,7 +352,8 @@ def _sum_parts(part: torch.Tensor, n_parts: int, weight: torch.Tensor) -> torch.
 
 def _backward_wide(dy2: torch.Tensor, stride_dy: int, x2: torch.Tensor, n_rows: int, stride_x: int,
                    weight: torch.Tensor, rstd: torch.Tensor, offset: float, need_dw: bool, dx: torch.Tensor,
-                   block: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+                   block: int, dho2: torch.Tensor, stride_dho: int,
+                   add_dh: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Backward for rows wider than ``_ONE_PASS_MAX_N``: dw's partial rows first (dx may overwrite
     dy), then one launch with a program per row for dx and a program per column block for the sum."""
     n = weight.shape[0]
@@ -313,9 +368,9 @@ def _backward_wide(dy2: torch.Tensor, stride_dy: int, x2: torch.Tensor, n_rows: 
             BLOCK_R=DW_BLOCK_R, BLOCK_C=DW_BLOCK_C, LLAMA_CAST=(offset == 0.0), num_warps=4,
         )
     _bwd_dx_wide[(col_blocks + n_rows,)](
-        dy2, x2, weight, rstd, dx, dw_part, dw if need_dw else dw_part,
-        stride_dy, stride_x, n, n, offset, splits, col_blocks,
-        BLOCK_N=block, BLOCK_S=min(next_power_of_2(max(splits, 1)), 32), BLOCK_C=DW_BLOCK_C,
+        dy2, x2, weight, rstd, dx, dw_part, dw if need_dw else dw_part, dho2,
+        stride_dy, stride_x, n, stride_dho, n, offset, splits, col_blocks,
+        BLOCK_N=block, BLOCK_S=min(next_power_of_2(max(splits, 1)), 32), BLOCK_C=DW_BLOCK_C, ADD_DH=add_dh,
         num_warps=row_warps(block),
     )
     return dx, dw
@@ -440,3 +495,154 @@ class RMSNorm(nn.Module):
 
     def extra_repr(self) -> str:
         return f"{tuple(self.weight.shape)}, eps={self.eps}, offset={self.offset}, in_place={self.in_place}"
+
+
+# -- the residual add fused in: h = x + residual, y = rms_norm(h) ---------------------------------
+
+def _check_add_inputs(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor) -> None:
+    check_tensor(x, "x", dtypes=_FLOATS, min_ndim=1)
+    check_tensor(residual, "residual", dtypes=_FLOATS, min_ndim=1)
+    check_tensor(weight, "weight", dtypes=_FLOATS, ndim=1)
+    check_runnable_device(x, "x")
+    check_same_device(x, "x", residual=residual, weight=weight)
+    if residual.shape != x.shape:
+        raise ValueError(f"residual has shape {tuple(residual.shape)} but x has {tuple(x.shape)}; they are added "
+                         "elementwise (no broadcasting)")
+    if residual.dtype != x.dtype:
+        raise ValueError(f"residual has dtype {str(residual.dtype).replace('torch.', '')} but x has "
+                         f"{str(x.dtype).replace('torch.', '')}; cast one so that both match (h = x + residual "
+                         "is stored in that dtype)")
+    if weight.shape[0] != x.shape[-1]:
+        raise ValueError(f"weight has shape {tuple(weight.shape)} but x's last dim is {x.shape[-1]}")
+
+
+class FusedAddRMSNormFunction(torch.autograd.Function):
+    """Autograd glue of :func:`fused_add_rms_norm`: saves ``h`` (an output, alive anyway: it is the
+    next block's residual) and the per-row ``rstd``; backward recomputes ``hhat``. The gradients of
+    ``x`` and ``residual`` are the same tensor ``dh`` (``h = x + residual``)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, offset: float,
+                in_place: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        y, h, rstd = _forward_add(x, residual, weight, eps, offset)
+        ctx.save_for_backward(h, weight, rstd)
+        ctx.offset = float(offset)
+        ctx.in_place = in_place
+        ctx.set_materialize_grads(False)   # an unused output costs no tensor of zeros
+        return y, h
+
+    @staticmethod
+    def backward(ctx, dy: torch.Tensor | None, dh_out: torch.Tensor | None):
+        h, weight, rstd = ctx.saved_tensors
+        need_dw = ctx.needs_input_grad[2]
+        if dy is None:   # only h was used: as unfused, the weight gets no gradient and x, residual h's
+            return dh_out, dh_out, None, None, None, None
+        dh, dw = _backward(dy, as_rows(h), weight, rstd, ctx.offset, need_dw, ctx.in_place, dh_out)
+        return dh, dh, dw, None, None, None
+
+
+@op_def("fused_add_rms_norm",
+        "(Tensor x, Tensor residual, Tensor weight, float eps, float offset) -> (Tensor, Tensor, Tensor)")
+def _fused_add_rms_norm_op(x, residual, weight, eps, offset):
+    return _forward_add(x, residual, weight, eps, offset)
+
+
+@_fused_add_rms_norm_op.register_fake
+def _(x, residual, weight, eps, offset):
+    return (x.new_empty(x.shape, dtype=out_dtype(x, weight, offset)), x.new_empty(x.shape),
+            x.new_empty(rows_of(x), dtype=torch.float32))
+
+
+@op_def("fused_add_rms_norm_backward",
+        "(Tensor dy, Tensor? dh_out, Tensor h, Tensor weight, Tensor rstd, float offset, bool need_dw) "
+        "-> (Tensor, Tensor)")
+def _fused_add_rms_norm_backward_op(dy, dh_out, h, weight, rstd, offset, need_dw):
+    dh, dw = _backward(dy, as_rows(h), weight, rstd, offset, need_dw, False, dh_out)
+    return dh, dw if dw is not None else weight.new_empty(0)
+
+
+@_fused_add_rms_norm_backward_op.register_fake
+def _(dy, dh_out, h, weight, rstd, offset, need_dw):
+    return dy.new_empty(dy.shape, dtype=h.dtype), weight.new_empty(weight.shape if need_dw else (0,))
+
+
+def _fused_add_rms_norm_setup(ctx, inputs, output):
+    _, _, weight, _, offset = inputs
+    ctx.save_for_backward(output[1], weight, output[2])
+    ctx.offset = offset
+
+
+def _fused_add_rms_norm_grad(ctx, dy, dh_out, _drstd):
+    h, weight, rstd = ctx.saved_tensors
+    need_dw = ctx.needs_input_grad[2]
+    if dy is None:   # only h was used (where the grads are not materialised as zeros)
+        return dh_out, dh_out, None, None, None
+    dh, dw = torch.ops.ckpt.fused_add_rms_norm_backward(dy, dh_out, h, weight, rstd, ctx.offset, need_dw)
+    return dh, dh, dw if need_dw else None, None, None
+
+
+_fused_add_rms_norm_op.register_autograd(_fused_add_rms_norm_grad, setup_context=_fused_add_rms_norm_setup)
+
+
+def fused_add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, offset: float = 0.0, *,
+    in_place: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Residual add fused with RMSNorm, the step between the sublayers of a pre-norm block::
+
+        h = x + residual                                      # stored in x's dtype
+        y = h * rsqrt(mean(h^2) + eps) * (offset + weight)    # computed in fp32, as rms_norm(h)
+
+    One kernel reads ``x`` and ``residual`` once and writes ``h`` and ``y``; the backward is one pass
+    that adds the gradient reaching ``h`` from later layers to the norm's input gradient, ``dh``,
+    which is the gradient of both ``x`` and ``residual``. Replaces ``h = residual + x; y =
+    norm(h)`` with the same values: ``h`` is rounded to its dtype before the norm reads it, as there.
+
+    Args:
+        x: ``(..., N)`` fp32/fp16/bf16 activations (a sublayer's output); any strides.
+        residual: the residual stream, ``x``'s shape and dtype; any strides.
+        weight, eps, offset: as :func:`rms_norm` (``offset=1.0`` for Gemma's ``1 + w``).
+        in_place: write ``dh`` over the gradient of ``y`` (as :func:`rms_norm`'s ``in_place``: safe
+            when ``y`` feeds only linear layers, as every pre-norm block's norm does). Ignored under
+            ``torch.compile``.
+
+    Returns:
+        ``(y, h)``: ``y`` as :func:`rms_norm` of ``h`` gives it (dtype included), ``h`` contiguous in
+        ``x``'s dtype: the next block's residual. Autocast changes nothing.
+    """
+    _check_add_inputs(x, residual, weight)
+    if torch.compiler.is_compiling():   # traced: one opaque operator node, no graph break
+        y, h, _ = torch.ops.ckpt.fused_add_rms_norm(x, residual, dense_vector(weight), float(eps), float(offset))
+        return y, h
+    return FusedAddRMSNormFunction.apply(x, residual, dense_vector(weight), eps, offset, in_place)
+
+
+class FusedAddRMSNorm(nn.Module):
+    """``nn.Module`` form of :func:`fused_add_rms_norm`: ``forward(x, residual) -> (y, h)``.
+
+    Same parameter (``weight``) and arguments as :class:`RMSNorm`, so a decoder layer's
+    ``post_attention_layernorm`` can be swapped for it with its state dict unchanged; the layer's
+    forward must then call it with the residual (nothing rewrites decoder layers automatically).
+    Not a subclass of :class:`RMSNorm`: its forward takes and returns two tensors.
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        eps: float = 1e-6,
+        offset: float = 0.0,
+        in_place: bool = False,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        init = torch.zeros if offset else torch.ones
+        self.weight = nn.Parameter(init(hidden_size, device=device, dtype=dtype))
+        self.eps = eps
+        self.offset = offset
+        self.in_place = in_place
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return fused_add_rms_norm(x, residual, self.weight, self.eps, self.offset, in_place=self.in_place)
+
+    extra_repr = RMSNorm.extra_repr

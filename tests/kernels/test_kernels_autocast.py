@@ -127,6 +127,32 @@ def test_rms_norm_in_place_with_mixed_dtypes():
             [x, w], ["x", "weight"], DEVICE)
 
 
+def hf_add_then_norm(norm):
+    """A decoder layer's ``hidden = residual + hidden; normed = norm(hidden)``, as ``(normed, hidden)``."""
+    def ref(x, r, w):
+        h = r + x
+        return norm(h, w), h
+    return ref
+
+
+@pytest.mark.parametrize("shape,device", NORM_SHAPES)
+@pytest.mark.parametrize("x_dtype,w_dtype", MIXES)
+@pytest.mark.parametrize("enabled", AUTOCAST)
+@pytest.mark.parametrize("offset,ref,shift", [
+    pytest.param(0.0, llama_rms_norm, 1.0, id="llama"),
+    pytest.param(1.0, gemma_rms_norm, 0.0, id="gemma"),
+])
+def test_fused_add_rms_norm_matches_hf_add_and_norm(shape, device, x_dtype, w_dtype, enabled, offset, ref, shift):
+    """The residual add and the norm after it: ``h`` in x's dtype, ``y`` in the dtype the Hugging Face
+    norm gives (promoted for Llama with an fp32 weight), autocast changing neither; every gradient
+    in its input's dtype."""
+    x = rnd(*shape, device=device, dtype=x_dtype)
+    r = rnd(*shape, device=device, dtype=x_dtype, scale=2.0)
+    w = rnd(shape[-1], device=device, dtype=w_dtype, scale=0.3, shift=shift)
+    compare(lambda x, r, w: K.fused_add_rms_norm(x, r, w, offset=offset), hf_add_then_norm(ref),
+            [x, r, w], ["x", "residual", "weight"], device, enabled=enabled)
+
+
 LN_MIXES = [m for m in MIXES if m.id != "x32-w16"]   # torch's layer_norm rejects fp32 x with bf16 parameters
 
 

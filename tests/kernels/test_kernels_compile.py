@@ -135,6 +135,36 @@ def test_norms_rope_glu_fullgraph_match_eager(dynamic):
         assert_close(name, a, e, 1e-5, 1e-5)
 
 
+def add_norm_layers(x, r, w):
+    # two residual adds fused with their norms, the second taking the first's h as its residual;
+    # in_place is ignored under compilation
+    y, h = K.fused_add_rms_norm(x * 1.0, r, w, in_place=True)
+    y2, h2 = K.fused_add_rms_norm(y * 2.0, h, w, offset=1.0)
+    return y2.square().mean() + (h2 * h2.detach()).mean()
+
+
+def run_add_norm(fn, device):
+    (x, w, _, _, _, _), _ = inputs(device)
+    r = (x.detach().flip(0) * 0.5 + 0.1).requires_grad_()
+    loss = fn(x, r, w)
+    loss.backward()
+    return [loss] + [t.grad for t in (x, r, w)]
+
+
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_fused_add_rms_norm_fullgraph_matches_eager(dynamic):
+    torch._dynamo.reset()
+    (x, w, _, _, _, _), _ = inputs(DEVICE)
+    explained = torch._dynamo.explain(add_norm_layers)(x, torch.randn_like(x), w)
+    assert explained.graph_break_count == 0, explained.break_reasons
+    assert "torch.ops.ckpt.fused_add_rms_norm" in explained.graphs[0].code
+    torch._dynamo.reset()
+    expected = run_add_norm(add_norm_layers, DEVICE)
+    got = run_add_norm(torch.compile(add_norm_layers, backend="aot_eager", fullgraph=True, dynamic=dynamic), DEVICE)
+    for name, a, e in zip(["loss", "x", "residual", "w"], got, expected):
+        assert_close(name, a, e, 1e-5, 1e-5)
+
+
 def mixed_inputs(device):
     """Activations in bf16, parameters, cos/sin in fp32 (an fp32 model's tensors under autocast)."""
     (x, w, b, q, k, _), (cos, sin, _) = inputs(device)
@@ -176,6 +206,12 @@ def _op_cases(device):
         "rms_norm": (x, w, 1e-6, 0.0),
         "rms_norm gemma": (x, w, 1e-6, 1.0),
         "rms_norm_backward": (x.detach(), x.detach(), w.detach(), torch.rand(rows, device=device), 0.0, True),
+        "fused_add_rms_norm": (x, x.detach().flip(0).requires_grad_(), w, 1e-6, 0.0),
+        "fused_add_rms_norm gemma mixed": (x16, x16.detach().flip(0).requires_grad_(), w, 1e-6, 1.0),
+        "fused_add_rms_norm_backward": (x.detach(), x.detach().flip(0), x.detach(), w.detach(),
+                                        torch.rand(rows, device=device), 0.0, True),
+        "fused_add_rms_norm_backward no-dh": (x.detach(), None, x16.detach(), w.detach(),
+                                              torch.rand(rows, device=device), 1.0, False),
         "layer_norm": (x, w, b, 1e-5),
         "layer_norm no bias": (x, w, None, 1e-5),
         "layer_norm_backward": (x.detach(), x.detach(), w.detach(), stats, True, b.detach(), True),
