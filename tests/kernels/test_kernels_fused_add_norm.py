@@ -139,14 +139,21 @@ def test_in_place_grad(dtype, atol, rtol):
                     [x, r, weight(40, 0.0)], ["x", "residual", "weight"], dtype, atol, rtol)
 
 
-def test_non_contiguous_inputs_and_output_grads():
-    """x with a strided last dim, a transposed residual and an expanded output gradient."""
-    x = torch.randn(5, 2 * 33, device=DEVICE)[:, ::2].requires_grad_()
-    r = torch.randn(33, 5, device=DEVICE).t().requires_grad_()
+@pytest.mark.parametrize("layout", ["row-slices", "strided-columns"])
+def test_non_contiguous_inputs_and_output_grads(layout):
+    """Inputs and output gradients that are views: ``row-slices`` are read in place with their
+    own row strides (x, residual and h's gradient each different), ``strided-columns`` (a last-dim
+    stride other than 1, a transpose, an expanded gradient) are copied first."""
+    rows = lambda width: torch.randn(5, width, device=DEVICE)[:, 3:36]  # noqa: E731
+    if layout == "row-slices":
+        x, r, dy, dh = rows(40).requires_grad_(), rows(48).requires_grad_(), rows(44), rows(52)
+    else:
+        x = torch.randn(5, 2 * 33, device=DEVICE)[:, ::2].requires_grad_()
+        r = torch.randn(33, 5, device=DEVICE).t().requires_grad_()
+        dy = torch.randn(1, 33, device=DEVICE).expand(5, 33)
+        dh = torch.randn(33, 5, device=DEVICE).t()
     w = (torch.rand(33, 2, device=DEVICE) + 0.5)[:, 1].detach().requires_grad_()
     xr, rr, wr = (t.detach().clone().requires_grad_() for t in (x, r, w))
-    dy = torch.randn(1, 33, device=DEVICE).expand(5, 33)
-    dh = torch.randn(33, 5, device=DEVICE).t()
     y, h = fused_add_rms_norm(x, r, w)
     yr, hr = fused_add_rms_norm_ref(xr, rr, wr)
     assert_close("y", y, yr, 1e-5, 1e-5)
