@@ -23,6 +23,10 @@ softmax minus one-hot, are all under 2^-12: an approximation) and ``cce_exact``
 others go on. ``--smoke`` runs tiny shapes on the CPU through the Triton interpreter to check
 the script itself (the peers' kernels do not all run there: those show up as failed).
 
+``fused_add_rms_norm`` times the residual add and the norm after it with gradients into both
+outputs (``y`` and the sum ``h``); eager and torch.compile run ``h = x + r`` then Llama's norm,
+Liger its ``LigerFusedAddRMSNorm`` (when that import works).
+
 Shapes (Llama-3-8B, bf16): 8192 tokens, hidden 4096, intermediate 14336, vocabulary
 128256; RoPE on q ``(2, 32, 4096, 128)`` and k ``(2, 8, 4096, 128)``. ``moe_experts``: the experts
 of the Qwen3-MoE end-to-end model (``bench_train_kernels.py --model qwen3_moe``): 16384 tokens,
@@ -64,6 +68,13 @@ try:  # optional peer, benchmark only
 except Exception as exc:  # noqa: BLE001 - any import problem just drops the column
     HAS_LIGER = False
     LIGER_ERROR = repr(exc)
+
+try:  # optional peer for the residual add fused with RMSNorm (a separate import: newer than the others)
+    from liger_kernel.transformers.fused_add_rms_norm import LigerFusedAddRMSNorm
+
+    HAS_LIGER_ADD_NORM = True
+except Exception:  # noqa: BLE001
+    HAS_LIGER_ADD_NORM = False
 
 try:  # optional peer for the mixture-of-experts experts (a separate import: newer than the others)
     from liger_kernel.ops.fused_moe import LigerFusedMoEFunction
@@ -117,6 +128,11 @@ def _loss_value(out: Any) -> torch.Tensor:
 def _eager_rms(x, w, eps=1e-6):
     h = x.float()
     return w * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def _eager_add_rms(x, r, w, eps=1e-6):
+    h = x + r   # a decoder layer's residual add, then the norm of the next sublayer
+    return _eager_rms(h, w, eps), h
 
 
 def _rotate_half(x):
@@ -182,6 +198,19 @@ def make_case(kernel: str, size: int, dev: str, tokens: int, compile_: bool, flc
         if HAS_LIGER:
             m = _share(LigerRMSNorm(size, eps=1e-6).to(dev, DT), w)
             case.providers["liger"] = lambda x, w: m(x)
+    elif kernel == "fused_add_rms_norm":
+        # both outputs get a gradient: y from the next sublayer, h from the rest of the residual stream
+        x, r = rnd(tokens, size), rnd(tokens, size)
+        w = torch.nn.Parameter((torch.rand(size, generator=g, device=dev) + 0.5).to(DT))
+        case = Case(f"fused_add_rms_norm {tokens}x{size}", [x, r, w],
+                    [torch.randn(tokens, size, device=dev, dtype=DT), torch.randn(tokens, size, device=dev, dtype=DT)])
+        case.providers["ours"] = lambda x, r, w: K.fused_add_rms_norm(x, r, w, in_place=True)
+        case.providers["eager"] = _eager_add_rms
+        if compile_:
+            case.providers["compile"] = _compiled(_eager_add_rms)
+        if HAS_LIGER_ADD_NORM:   # in_place as ours (dx over dy); Liger's module defaults to False
+            m = _share(LigerFusedAddRMSNorm(size, eps=1e-6, in_place=True).to(dev, DT), w)
+            case.providers["liger"] = lambda x, r, w: m(x, r)
     elif kernel == "layer_norm":
         x = rnd(tokens, size)
         w, b = torch.nn.Parameter(rnd(size).detach()), torch.nn.Parameter(rnd(size).detach())
@@ -385,20 +414,21 @@ def measure_graph(case: Case, provider: str, rep_ms: int) -> float:
 
 
 PROVIDERS = ("ours", "eager", "compile", "liger", "cce", "cce_exact")
-KERNELS = ["rms_norm", "layer_norm", "swiglu", "geglu", "rope", "cross_entropy", "fused_linear_cross_entropy",
+KERNELS = ["rms_norm", "fused_add_rms_norm", "layer_norm", "swiglu", "geglu", "rope", "cross_entropy", "fused_linear_cross_entropy",
            "moe_experts"]
-MAIN_SIZE = {"moe_experts": 384, "rms_norm": 4096, "layer_norm": 4096, "swiglu": 14336, "geglu": 14336, "rope": 32,
+MAIN_SIZE = {"moe_experts": 384, "rms_norm": 4096, "fused_add_rms_norm": 4096, "layer_norm": 4096, "swiglu": 14336, "geglu": 14336, "rope": 32,
              "cross_entropy": 128256, "fused_linear_cross_entropy": 128256}
-SWEEP = {"moe_experts": [256, 384, 768, 1536], "rms_norm": [1024, 2048, 4096, 8192, 16384], "layer_norm": [1024, 2048, 4096, 8192, 16384],
+SWEEP = {"moe_experts": [256, 384, 768, 1536], "rms_norm": [1024, 2048, 4096, 8192, 16384],
+         "fused_add_rms_norm": [1024, 2048, 4096, 8192, 16384], "layer_norm": [1024, 2048, 4096, 8192, 16384],
          "swiglu": [2048, 4096, 8192, 14336, 28672], "geglu": [2048, 4096, 8192, 14336, 28672],
          "rope": [8, 16, 32, 64], "cross_entropy": [32000, 64000, 128256, 256000],
          "fused_linear_cross_entropy": [32000, 64000, 128256, 200064]}
-SWEEP_AXIS = {"moe_experts": "expert intermediate size", "rms_norm": "hidden size", "layer_norm": "hidden size", "swiglu": "intermediate size",
+SWEEP_AXIS = {"moe_experts": "expert intermediate size", "rms_norm": "hidden size", "fused_add_rms_norm": "hidden size", "layer_norm": "hidden size", "swiglu": "intermediate size",
               "geglu": "intermediate size", "rope": "q heads (k heads = q/4)", "cross_entropy": "vocabulary",
               "fused_linear_cross_entropy": "vocabulary"}
 #: torch.compile is slow to build: by default only where the reference table has a compile column
-COMPILE_KERNELS = {"rms_norm", "swiglu", "fused_linear_cross_entropy"}
-SMOKE_SIZE = {"moe_experts": 24, "rms_norm": 48, "layer_norm": 48, "swiglu": 40, "geglu": 40, "rope": 4, "cross_entropy": 100,
+COMPILE_KERNELS = {"rms_norm", "fused_add_rms_norm", "swiglu", "fused_linear_cross_entropy"}
+SMOKE_SIZE = {"moe_experts": 24, "rms_norm": 48, "fused_add_rms_norm": 48, "layer_norm": 48, "swiglu": 40, "geglu": 40, "rope": 4, "cross_entropy": 100,
               "fused_linear_cross_entropy": 100}
 
 
