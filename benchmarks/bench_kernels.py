@@ -414,21 +414,25 @@ def measure_graph(case: Case, provider: str, rep_ms: int) -> float:
 
 
 PROVIDERS = ("ours", "eager", "compile", "liger", "cce", "cce_exact")
-KERNELS = ["rms_norm", "fused_add_rms_norm", "layer_norm", "swiglu", "geglu", "rope", "cross_entropy", "fused_linear_cross_entropy",
+KERNELS = ["rms_norm", "fused_add_rms_norm",
+           "layer_norm", "swiglu", "geglu", "rope", "cross_entropy", "fused_linear_cross_entropy",
            "moe_experts"]
-MAIN_SIZE = {"moe_experts": 384, "rms_norm": 4096, "fused_add_rms_norm": 4096, "layer_norm": 4096, "swiglu": 14336, "geglu": 14336, "rope": 32,
+MAIN_SIZE = {"moe_experts": 384, "rms_norm": 4096, "fused_add_rms_norm": 4096,
+             "layer_norm": 4096, "swiglu": 14336, "geglu": 14336, "rope": 32,
              "cross_entropy": 128256, "fused_linear_cross_entropy": 128256}
 SWEEP = {"moe_experts": [256, 384, 768, 1536], "rms_norm": [1024, 2048, 4096, 8192, 16384],
          "fused_add_rms_norm": [1024, 2048, 4096, 8192, 16384], "layer_norm": [1024, 2048, 4096, 8192, 16384],
          "swiglu": [2048, 4096, 8192, 14336, 28672], "geglu": [2048, 4096, 8192, 14336, 28672],
          "rope": [8, 16, 32, 64], "cross_entropy": [32000, 64000, 128256, 256000],
          "fused_linear_cross_entropy": [32000, 64000, 128256, 200064]}
-SWEEP_AXIS = {"moe_experts": "expert intermediate size", "rms_norm": "hidden size", "fused_add_rms_norm": "hidden size", "layer_norm": "hidden size", "swiglu": "intermediate size",
+SWEEP_AXIS = {"moe_experts": "expert intermediate size", "rms_norm": "hidden size",
+              "fused_add_rms_norm": "hidden size", "layer_norm": "hidden size", "swiglu": "intermediate size",
               "geglu": "intermediate size", "rope": "q heads (k heads = q/4)", "cross_entropy": "vocabulary",
               "fused_linear_cross_entropy": "vocabulary"}
 #: torch.compile is slow to build: by default only where the reference table has a compile column
 COMPILE_KERNELS = {"rms_norm", "fused_add_rms_norm", "swiglu", "fused_linear_cross_entropy"}
-SMOKE_SIZE = {"moe_experts": 24, "rms_norm": 48, "fused_add_rms_norm": 48, "layer_norm": 48, "swiglu": 40, "geglu": 40, "rope": 4, "cross_entropy": 100,
+SMOKE_SIZE = {"moe_experts": 24, "rms_norm": 48, "fused_add_rms_norm": 48,
+              "layer_norm": 48, "swiglu": 40, "geglu": 40, "rope": 4, "cross_entropy": 100,
               "fused_linear_cross_entropy": 100}
 
 

@@ -329,7 +329,9 @@ def _backward(dy: torch.Tensor, rows: tuple[torch.Tensor, int, int], weight: tor
     if block > _ONE_PASS_MAX_N:
         return _backward_wide(dy2, stride_dy, x2, n_rows, stride_x, weight, rstd, offset, need_dw, dx, block,
                               dho2, stride_dho, dh_out is not None)
-    programs, per, step, stages, warps = _bwd_plan(n_rows, block, x2.element_size(), dy2.element_size(), dy.device)
+    # dh_out is one more tile per step in the pipeline's shared memory: plan for it with dy's
+    grad_bytes = dy2.element_size() + (dho2.element_size() if dh_out is not None else 0)
+    programs, per, step, stages, warps = _bwd_plan(n_rows, block, x2.element_size(), grad_bytes, dy.device)
     dw_part = torch.empty((programs, n), dtype=torch.float32, device=dy.device) if need_dw else rstd
     _bwd[(programs,)](
         dy2, x2, weight, rstd, dx, dw_part, dho2, stride_dy, stride_x, n, stride_dho, n_rows, n, offset, per,
