@@ -16,6 +16,16 @@ Backward (``g = dy * (offset + w)``)::
     dx = rstd * (g - xhat * mean(g * xhat))
     dw = sum_rows(dy * xhat)
 
+Residual add fused in (:func:`fused_add_rms_norm`, the step between a pre-norm block's
+sublayers)::
+
+    h  = x + r                                # stored in x's dtype, then normalised as above
+    dh = rstd * (g - hhat * mean(g * hhat)) + dh_out    # dh_out: h's gradient from later layers
+    dx = dr = dh
+
+One forward kernel reads ``x`` and ``r`` once and writes ``h`` and ``y``; the backward is the
+one-pass (or wide-row) backward below with ``dh_out`` added to each row before it is stored.
+
 Memory tricks:
 
 * Only ``x`` (an input that is alive anyway) and the per-row ``rstd`` are saved; ``xhat``
