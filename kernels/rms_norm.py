@@ -479,12 +479,9 @@ def rms_norm(
     return RMSNormFunction.apply(x, dense_vector(weight), eps, offset, in_place)
 
 
-class RMSNorm(nn.Module):
-    """``nn.Module`` form of :func:`rms_norm`; drop-in for ``LlamaRMSNorm`` (parameter ``weight``).
-
-    Shapes: input ``(..., hidden_size)`` -> output of the same shape and dtype (the promoted dtype
-    when ``offset=0`` and the weight's dtype differs, as ``LlamaRMSNorm``).
-    """
+class _NormWeight(nn.Module):
+    """The parameter and arguments :class:`RMSNorm` and :class:`FusedAddRMSNorm` share: ``weight`` of
+    ``(hidden_size,)``, ones (zeros with ``offset``, Gemma's ``1 + w``), ``eps``, ``offset``, ``in_place``."""
 
     def __init__(
         self,
@@ -502,11 +499,19 @@ class RMSNorm(nn.Module):
         self.offset = offset
         self.in_place = in_place
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, self.weight, self.eps, self.offset, in_place=self.in_place)
-
     def extra_repr(self) -> str:
         return f"{tuple(self.weight.shape)}, eps={self.eps}, offset={self.offset}, in_place={self.in_place}"
+
+
+class RMSNorm(_NormWeight):
+    """``nn.Module`` form of :func:`rms_norm`; drop-in for ``LlamaRMSNorm`` (parameter ``weight``).
+
+    Shapes: input ``(..., hidden_size)`` -> output of the same shape and dtype (the promoted dtype
+    when ``offset=0`` and the weight's dtype differs, as ``LlamaRMSNorm``).
+    """
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, self.weight, self.eps, self.offset, in_place=self.in_place)
 
 
 # -- the residual add fused in: h = x + residual, y = rms_norm(h) ---------------------------------
@@ -629,32 +634,14 @@ def fused_add_rms_norm(
     return FusedAddRMSNormFunction.apply(x, residual, dense_vector(weight), eps, offset, in_place)
 
 
-class FusedAddRMSNorm(nn.Module):
+class FusedAddRMSNorm(_NormWeight):
     """``nn.Module`` form of :func:`fused_add_rms_norm`: ``forward(x, residual) -> (y, h)``.
 
     Same parameter (``weight``) and arguments as :class:`RMSNorm`, so a decoder layer's
     ``post_attention_layernorm`` can be swapped for it with its state dict unchanged; the layer's
     forward must then call it with the residual (nothing rewrites decoder layers automatically).
-    Not a subclass of :class:`RMSNorm`: its forward takes and returns two tensors.
+    A sibling of :class:`RMSNorm`, not a subclass: its forward takes and returns two tensors.
     """
-
-    def __init__(
-        self,
-        hidden_size: int,
-        eps: float = 1e-6,
-        offset: float = 0.0,
-        in_place: bool = False,
-        device: torch.device | str | None = None,
-        dtype: torch.dtype | None = None,
-    ) -> None:
-        super().__init__()
-        init = torch.zeros if offset else torch.ones
-        self.weight = nn.Parameter(init(hidden_size, device=device, dtype=dtype))
-        self.eps = eps
-        self.offset = offset
-        self.in_place = in_place
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return fused_add_rms_norm(x, residual, self.weight, self.eps, self.offset, in_place=self.in_place)
-
-    extra_repr = RMSNorm.extra_repr
