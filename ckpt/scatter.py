@@ -10,6 +10,7 @@ items it overlaps and copies exactly those bytes, host-to-device with
 from __future__ import annotations
 
 import bisect
+import contextlib
 
 import torch
 
@@ -28,23 +29,42 @@ class Scatter:
         self._starts = [p[0] for p in pairs]
         self._pairs = [(off, n, _flat_bytes(d)) for off, n, d in pairs]
         self.to_device = any(d.device.type == "cuda" for _, _, d in self._pairs)
+        self._streams: dict[torch.device, torch.cuda.Stream] = {}
 
-    def device_stream(self) -> "torch.cuda.Stream | None":
-        """A CUDA stream of its own for the copies into GPU destinations (``None``: none is on a GPU),
-        ordered after everything the calling thread has queued on that device's current stream. Call it
-        on the thread that runs the training (restore's caller): a write the caller queued into a
-        destination (an initialisation, a ``zero_()``) then lands before the restored bytes instead of over
-        them, and memory the caching allocator just handed to a stand-in is no longer used by earlier work.
-        The caller synchronizes the stream before the destinations are used again."""
+    def open_streams(self) -> bool:
+        """Give the copies into GPU destinations streams of their own, one per GPU that holds a destination,
+        each ordered after everything the calling thread has queued on that GPU's current stream; ``False``
+        (and nothing done) when no destination is on a GPU. Call it on the thread that runs the training
+        (restore's caller): a write the caller queued into a destination (an initialisation, a ``zero_()``)
+        then lands before the restored bytes instead of over them, and memory the caching allocator just
+        handed to a stand-in is no longer used by earlier work. A copy runs on the stream of its
+        destination's GPU (torch puts a copy on its device's current stream, so one stream of one GPU
+        would not hold the copies to another). :meth:`record` marks what is queued so far,
+        :meth:`synchronize` waits for all of it; destinations are used again only after that."""
         if not self.to_device:
-            return None
-        device = next(d.device for _, _, d in self._pairs if d.device.type == "cuda")
-        stream = torch.cuda.Stream(device)
-        stream.wait_stream(torch.cuda.current_stream(device))
-        return stream
+            return False
+        for d in sorted({flat.device for _, _, flat in self._pairs if flat.device.type == "cuda"}, key=str):
+            stream = torch.cuda.Stream(d)
+            stream.wait_stream(torch.cuda.current_stream(d))
+            self._streams[d] = stream
+        return True
+
+    def record(self) -> list[torch.cuda.Event]:
+        """Events after the copies queued so far on every stream of :meth:`open_streams` (none opened: [])."""
+        events = []
+        for stream in self._streams.values():
+            ev = torch.cuda.Event()
+            ev.record(stream)
+            events.append(ev)
+        return events
+
+    def synchronize(self) -> None:
+        """Wait (on the host) for every copy queued on the streams of :meth:`open_streams`."""
+        for stream in self._streams.values():
+            stream.synchronize()
 
     def copy(self, chunk: torch.Tensor, chunk_offset: int) -> None:
-        """Copy ``chunk`` (uint8, host) holding file bytes ``[chunk_offset, +len)`` into place."""
+        """Copy ``chunk`` (uint8, host, or on a GPU) holding file bytes ``[chunk_offset, +len)`` into place."""
         end = chunk_offset + chunk.numel()
         i = max(0, bisect.bisect_right(self._starts, chunk_offset) - 1)
         while i < len(self._pairs):
@@ -53,7 +73,9 @@ class Scatter:
                 break
             lo, hi = max(off, chunk_offset), min(off + n, end)
             if lo < hi:
-                flat[lo - off:hi - off].copy_(chunk[lo - chunk_offset:hi - chunk_offset], non_blocking=True)
+                stream = self._streams.get(flat.device)
+                with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+                    flat[lo - off:hi - off].copy_(chunk[lo - chunk_offset:hi - chunk_offset], non_blocking=True)
             i += 1
 
 

@@ -56,7 +56,7 @@ import psutil
 import torch
 
 from . import knobs, priority, shm as _shm
-from .errors import CheckpointError, HostMemoryError, TornSnapshotError
+from .errors import CheckpointError, HostMemoryError, RefusedStateError, TornSnapshotError
 from .format import Manifest, ItemRecord
 from .plan import Entry
 
@@ -673,6 +673,7 @@ class Snapshot:
         self.error: BaseException | None = None
         self._cuda_done: torch.cuda.Event | None = None
         self._cuda_start: torch.cuda.Event | None = None
+        self._cuda_device: torch.device | None = None   # the GPU whose side stream copies the state
         self._cpu_done = threading.Event()
         self._lock = threading.Lock()
         self._fenced = False
@@ -698,8 +699,8 @@ class Snapshot:
             return
         if self._copy is not None:
             self._copy.finish_now()
-        if self._cuda_done is not None:
-            torch.cuda.current_stream().wait_event(self._cuda_done)
+        if self._cuda_done is not None:   # the current stream of the state's GPU, not of the current GPU
+            torch.cuda.current_stream(self._cuda_device).wait_event(self._cuda_done)
         self._cpu_done.wait()
         self._fence()
 
@@ -1156,6 +1157,32 @@ class _PacedCopy:
             self.enqueued.set()
 
 
+_SIDE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def _side_stream_for(cuda: list[tuple[Entry, ItemRecord]], side_stream: torch.cuda.Stream) -> torch.cuda.Stream:
+    """The side stream of the GPU that holds the state's CUDA tensors: ``side_stream`` where it is that GPU's,
+    else one made for it once. torch runs a copy on the current stream of the copied tensor's GPU, so copies
+    of a state on another GPU than the current one (``model.to("cuda:1")`` without ``set_device``) would
+    escape a side stream of the current GPU, and the snapshot would count as copied before it was.
+    Raises :class:`~ckpt.errors.RefusedStateError` for a state spread over several GPUs of one process."""
+    devices = sorted({e.tensor.device for e, _ in cuda}, key=str)
+    if len(devices) > 1:
+        keys = {str(d): next(e.key for e, _ in cuda if e.tensor.device == d) for d in devices}
+        raise RefusedStateError(
+            f"the state's CUDA tensors are on {len(devices)} GPUs of this process ({keys}): a snapshot is "
+            "copied on one GPU's side stream; run one process per GPU (torchrun), or save each GPU's part "
+            "with a Checkpointer of its own")
+    device = devices[0]
+    if device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    if side_stream.device == device:
+        return side_stream
+    if device not in _SIDE_STREAMS:
+        _SIDE_STREAMS[device] = torch.cuda.Stream(device)
+    return _SIDE_STREAMS[device]
+
+
 def _stage_cuda(snap: Snapshot, cuda: list[tuple[Entry, ItemRecord]], side_stream: torch.cuda.Stream) -> None:
     compute = torch.cuda.current_stream()
     checked = [(e, r) for e, r in cuda if not e.is_buffer]
@@ -1179,7 +1206,7 @@ def _stage_cuda(snap: Snapshot, cuda: list[tuple[Entry, ItemRecord]], side_strea
             buf_ev.record(side_stream)
             compute.wait_event(buf_ev)   # next forward waits for this small copy, on the GPU
     snap._checks = [(e.key, r, e.tensor.dtype, e.tensor.shape, w) for (e, r), w in zip(checked, words)]
-    snap._cuda_start, snap._cuda_done = start, done
+    snap._cuda_start, snap._cuda_done, snap._cuda_device = start, done, side_stream.device
     snap._copy = _PacedCopy(snap, [(e.tensor, r) for e, r in checked], side_stream, done)
     snap._copy.start()
 
@@ -1205,8 +1232,10 @@ def stage(snap: Snapshot, side_stream: torch.cuda.Stream | None) -> None:
     if cuda:
         if side_stream is None:
             raise RuntimeError("CUDA tensors in the state but no side stream")
+        side_stream = _side_stream_for(cuda, side_stream)
         try:
-            _stage_cuda(snap, cuda, side_stream)
+            with torch.cuda.device(side_stream.device):   # the state's GPU: its streams, not the current GPU's
+                _stage_cuda(snap, cuda, side_stream)
         except BaseException:
             side_stream.synchronize()   # no copy may still be writing into a buffer handed back
             raise

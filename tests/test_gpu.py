@@ -177,3 +177,39 @@ def test_restore_lands_after_the_work_the_caller_queued_on_the_gpu(local_dir, ti
             assert ck.last_restore.tier == "local"
     torch.cuda.synchronize()
     assert all(torch.equal(p, r) for p, r in zip(model.parameters(), ref))
+
+
+@pytest.mark.multigpu
+def test_a_state_on_another_gpu_than_the_current_one_is_copied_on_its_own_gpus_stream(local_dir):
+    # model.to("cuda:1") without torch.cuda.set_device: torch runs each copy on the current stream of the
+    # copied tensor's GPU, so the snapshot's copies must be issued on a side stream of cuda:1, and the fence
+    # before the optimizer step must hold cuda:1's stream
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two GPUs")
+    assert torch.cuda.current_device() == 0
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(4096, 4096) for _ in range(4)]).to("cuda:1")
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.randn(256, 4096, device="cuda:1")
+    with ckpt.Checkpointer(local_dir=local_dir) as ck:
+        model(x).pow(2).mean().backward()
+        ref = [p.detach().clone() for p in model.parameters()]
+        h = ck.save(1, {"model": model})
+        torch.cuda._sleep(200_000_000)   # the optimizer's writes queued right behind the save
+        opt.step()                        # must wait (on cuda:1) for the copy
+        h.wait()
+        for p in model.parameters():
+            p.detach().zero_()
+        assert ck.restore({"model": model}) == 1
+    torch.cuda.synchronize(1)
+    assert all(torch.equal(p, r) for p, r in zip(model.parameters(), ref))
+
+
+@pytest.mark.multigpu
+def test_a_state_spread_over_two_gpus_of_one_process_is_refused(local_dir):
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two GPUs")
+    state = {"a": torch.ones(1000, device="cuda:0"), "b": torch.ones(1000, device="cuda:1")}
+    with ckpt.Checkpointer(local_dir=local_dir) as ck:
+        with pytest.raises(ckpt.errors.RefusedStateError):
+            ck.save(1, state).wait()

@@ -413,13 +413,13 @@ class LocalTier(PersistingTier, TimelineCopies):
         ring: queue.Queue = queue.Queue()
         for _ in range(min(n, knobs.get("CKPT_RESTORE_BUFFERS"))):
             ring.put((_aligned_empty(size, pin), None))
-        stream = sc.device_stream() if pin else None
+        streams = pin and sc.open_streams()
         try:
             def one(i: int) -> None:
                 buf, ev = ring.get()
                 try:
-                    if ev is not None:
-                        ev.synchronize()   # the previous H2D copy out of this buffer is done
+                    for e in ev or ():
+                        e.synchronize()   # the previous H2D copies out of this buffer are done
                     off = i * chunk
                     length = min(chunk, manifest.data_bytes - off)
                     view = memoryview(buf.numpy())
@@ -428,13 +428,9 @@ class LocalTier(PersistingTier, TimelineCopies):
                         raise CorruptCheckpointError(
                             f"{dpath}: bytes [{off}, {off + length}) fail their {manifest.checksum_algorithm} "
                             "checksum")
-                    if stream is not None:
-                        with torch.cuda.stream(stream):
-                            sc.copy(buf[:length], off)
-                            ev = torch.cuda.Event()
-                            ev.record(stream)
-                    elif sc is not None:
+                    if sc is not None:
                         sc.copy(buf[:length], off)
+                        ev = sc.record() if streams else None
                 finally:
                     ring.put((buf, ev))
 
@@ -443,8 +439,8 @@ class LocalTier(PersistingTier, TimelineCopies):
                     f.result()
         finally:
             os.close(fd)
-            if stream is not None:
-                stream.synchronize()
+            if streams:
+                sc.synchronize()
 
 
 def _is_link(path: str | os.PathLike, dir_fd: int | None = None) -> bool:

@@ -276,14 +276,14 @@ def _to_device(manifest: Manifest, fd: int, sc: Scatter) -> int | None:
     ring: queue.Queue = queue.Queue()
     for _ in range(min(n, max(2, knobs.get("CKPT_RESTORE_BUFFERS")))):
         ring.put((torch.empty(min(chunk, manifest.data_bytes), dtype=torch.uint8, pin_memory=True), None))
-    stream = sc.device_stream()
+    sc.open_streams()
     bad: list[int] = []
 
     def one(i: int) -> None:
         buf, ev = ring.get()
         try:
-            if ev is not None:
-                ev.synchronize()   # the previous copy out of this buffer has landed
+            for e in ev or ():
+                e.synchronize()   # the previous copies out of this buffer have landed
             off = i * chunk
             length = min(chunk, manifest.data_bytes - off)
             view = memoryview(buf.numpy())[:length]
@@ -296,10 +296,8 @@ def _to_device(manifest: Manifest, fd: int, sc: Scatter) -> int | None:
             if checksum(view) != manifest.chunks[i]:
                 bad.append(i)
                 return
-            with torch.cuda.stream(stream):
-                sc.copy(buf[:length], off)
-                ev = torch.cuda.Event()
-                ev.record(stream)
+            sc.copy(buf[:length], off)
+            ev = sc.record()
         finally:
             ring.put((buf, ev))
 
@@ -308,7 +306,7 @@ def _to_device(manifest: Manifest, fd: int, sc: Scatter) -> int | None:
             for f in [ex.submit(one, i) for i in range(n)]:
                 f.result()
     finally:
-        stream.synchronize()
+        sc.synchronize()
     return min(bad) if bad else None
 
 
@@ -321,13 +319,11 @@ def _scatter(manifest: Manifest, dest: list[torch.Tensor | None], data: torch.Te
         for a, b in shm.pieces(0, data.numel()):
             sc.copy(data[a:b], a)
 
-    if sc.to_device:
-        stream = sc.device_stream()
-        with torch.cuda.stream(stream):
-            copy()
-        stream.synchronize()
-    else:
+    sc.open_streams()
+    try:
         copy()
+    finally:
+        sc.synchronize()
 
 
 def space_for(local_dir: str | os.PathLike, rank: int) -> SharedSpace | None:

@@ -991,6 +991,8 @@ class RemoteTier(PersistingTier, TimelineCopies):
         the local tier ``refill`` (if given) on the way, so that the next restore is local."""
         self._check_stored(step, manifest)   # before the refill allocates room for data_bytes
         sc = Scatter(manifest.items, dest) if dest is not None else None
+        if sc is not None:
+            sc.open_streams()   # here, on the caller's thread: after what it queued on the GPU
         c, n = manifest.chunk_bytes, len(manifest.chunks)
 
         def fetch(i: int) -> bytes:
@@ -1004,7 +1006,7 @@ class RemoteTier(PersistingTier, TimelineCopies):
                 chunk = torch.frombuffer(bytearray(raw), dtype=torch.uint8) if size else torch.empty(0, dtype=torch.uint8)
                 sc.copy(chunk, i * c)
                 if sc.to_device:
-                    torch.cuda.current_stream().synchronize()   # the pageable source must outlive the copy
+                    sc.synchronize()   # the pageable source must outlive the copy
             return raw
 
         if refill is not None:
