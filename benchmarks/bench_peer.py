@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import shutil
 import signal
@@ -123,6 +124,8 @@ def _worker(root: str, rank: int, world: int, mode: str, mb: int, steps: int, ev
                 out["data_bytes"] = handles[-1].stats.nbytes
             ck.close(keep_memory=True)   # the RAM stays as a crash leaves it
     elif mode == "restore":
+        logging.basicConfig(level=logging.WARNING, format=f"rank {rank}: %(message)s")
+        logging.getLogger("ckpt.tiers.peer").setLevel(logging.INFO)   # the exchange's own breakdown
         with ckpt.Checkpointer(local_dir=f"{root}/rank-{rank}", every_steps=every, peers=1) as ck:
             state["w"].zero_()
             t = time.perf_counter()
@@ -132,6 +135,7 @@ def _worker(root: str, rank: int, world: int, mode: str, mb: int, steps: int, ev
             out["restore_s"] = time.perf_counter() - t
             out["tier"] = ck.last_restore.tier
             out["load_s"] = ck.last_restore.seconds   # reading its tier into the state, the agreement not counted
+            out["phases"] = ck.last_restore.phases
             out["step"] = step
             out["exact"] = bool(torch.equal(state["w"][1000:], initial()[1000:]))
     print("RESULT " + json.dumps(out), flush=True)
@@ -208,6 +212,10 @@ def _run(root: str, mode: str, args: argparse.Namespace) -> list[dict]:
         logs = "\n".join(f"--- rank {r} (exit {p.returncode}):\n{e[-3000:]}" for r, (p, (o, e)) in enumerate(zip(procs, outs)))
         raise SystemExit(f"{mode}: a rank failed\n{logs}")
     return [json.loads(next(l for l in o.splitlines() if l.startswith("RESULT "))[7:]) for o, e in outs]
+
+
+def _phases(r: dict) -> str:
+    return "phases " + ", ".join(f"{k} {v:.3f} s" for k, v in r["phases"].items())
 
 
 def main() -> None:
@@ -293,9 +301,9 @@ def main() -> None:
     r0, r1 = rest
     rows.append({"case": case, "provider": "restore of the replaced rank", "metric": "seconds", "value": r1["restore_s"],
                  "unit": "s", "note": f"tier {r1['tier']}, step {r1['step']}, bit-exact {r1['exact']}, "
-                                      f"{r1['restore_s'] / floor_s:.2f}x {floor}; its load {r1['load_s']:.3f} s"})
+                                      f"{r1['restore_s'] / floor_s:.2f}x {floor}; {_phases(r1)}"})
     rows.append({"case": case, "provider": "restore of the other rank", "metric": "seconds", "value": r0["restore_s"],
-                 "unit": "s", "note": f"tier {r0['tier']}, bit-exact {r0['exact']}; its load {r0['load_s']:.3f} s"})
+                 "unit": "s", "note": f"tier {r0['tier']}, bit-exact {r0['exact']}; {_phases(r0)}"})
     print(table(rows, ["provider", "metric", "value", "unit", "note"]))
     if not args.no_record:
         record("peer", rows)

@@ -812,6 +812,7 @@ class Checkpointer:
         Every rank sees every rank's checkpoints and timelines, so all pick the same one, and branch
         off onto the same new timeline when it is not the newest."""
         ranks = self.ranks
+        t0 = time.perf_counter()
         near = [_decode(v) for v in ranks.gather(_encode(self._near()))]
         far = [_decode(v) for v in ranks.gather(_encode([e for t in self._tiers if not t.on_node
                                                           for e in t.committed()]))]
@@ -841,12 +842,16 @@ class Checkpointer:
                 f"no step is committed on every rank ({where}, newest first): pass step= to restore "
                 "one anyway, or remove the ranks' checkpoint directories to start afresh")
         failed: list[str] = []
+        phases = {"agree": time.perf_counter() - t0}
         for n, s in agreed:
             info, error, code = None, None, 1
             received = None
             if kept is not None:   # ranks without a near copy of s get theirs back from the peer holding it
-                received = self._pull_from_peers(s, timelines[(n, s)], [{e.key for e in x} for x in near],
-                                                 [{e.key for e in x} for x in kept])
+                t0 = time.perf_counter()
+                took_part, received = self._pull_from_peers(s, timelines[(n, s)], [{e.key for e in x} for x in near],
+                                                            [{e.key for e in x} for x in kept])
+                if took_part:
+                    phases["peer"] = phases.get("peer", 0.0) + time.perf_counter() - t0
             try:
                 info = _restore(state, self._tiers + ([received] if received is not None else []), s, strict,
                                 self._job, timeline=n)
@@ -855,8 +860,11 @@ class Checkpointer:
                 error, code = e, 0
             except Exception as e:           # does not fit the state (or worse): stop on every rank
                 error, code = e, -1
+            t0 = time.perf_counter()
             codes = [c[0] for c in ranks.gather([code])]
+            phases["confirm"] = phases.get("confirm", 0.0) + time.perf_counter() - t0
             if min(codes) == 1:
+                info.phases = {**phases, **info.phases}
                 if failed:
                     log.warning("ranks agreed on step %d after skipping: %s", s, "; ".join(failed))
                 self._use_timeline(_resume_timeline(Committed(s, timelines[(n, s)]), everything))
@@ -872,26 +880,27 @@ class Checkpointer:
         raise NoCheckpointError("no step that every rank holds could be loaded on every rank: " + "; ".join(failed))
 
     def _pull_from_peers(self, step: int, timeline: Timeline, near: list[set[tuple[int, int]]],
-                         kept: list[set[tuple[int, int]]]) -> ReceivedCopy | None:
+                         kept: list[set[tuple[int, int]]]) -> tuple[bool, ReceivedCopy | None]:
         """Collective: every rank that holds no near copy of ``step`` (on ``timeline``) while its holder keeps
         a replica gets it back from the holder's RAM (the same transfers are derived on every rank from the
-        gathered sets of ``(timeline, step)``). Returns this rank's copy, checked, or ``None``."""
+        gathered sets of ``(timeline, step)``). Returns whether this rank took part (sent or received) and its
+        copy, checked, or ``None``."""
         peer = self.peer
         key = (timeline.number, step)
         needs = [r for r in range(peer.world) if key not in near[r] and key in kept[peer.holder_of(r)]]
         send_to = peer.src if peer.src in needs else None
         receive = peer.rank in needs
         if send_to is None and not receive:
-            return None
+            return False, None
         try:
             got = peer.serve(step, timeline, send_to, receive)
             if got is not None:
                 log.info("rank %d got its snapshot of step %d back from the RAM of rank %d (peer tier)", peer.rank,
                          step, peer.holder_of(peer.rank))
-            return got
+            return True, got
         except (CheckpointError, OSError) as e:   # this rank falls back to the remote tier, if any
             log.warning("rank %d could not get step %d back from its peer: %s", peer.rank, step, e)
-            return None
+            return True, None
 
     @property
     def tier_counts(self) -> dict[str, Any]:

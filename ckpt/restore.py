@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import time
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Sequence
 
 from .errors import CorruptCheckpointError, IncompleteCheckpointError, LayoutMismatchError, NoCheckpointError
@@ -29,7 +29,14 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class RestoreInfo:
-    """What a restore did: the step, the tier it came from, bytes and seconds."""
+    """What a restore did: the step, the tier it came from, bytes and seconds.
+
+    ``seconds``: reading the tier into the state. ``phases``: where the whole call's wall time went, in
+    seconds: ``load`` (the same read) and, in a collective restore, ``agree`` (the ranks exchanging what
+    they hold and picking the step), ``peer`` (getting this rank's copy back from the RAM of the rank
+    holding it and serving the copy this rank holds to its owner; absent when no rank needed one) and
+    ``confirm`` (waiting until every rank has loaded: a rank that finished first waits for the slowest).
+    """
 
     step: int
     tier: str
@@ -37,6 +44,7 @@ class RestoreInfo:
     seconds: float
     skipped: list[str]
     timeline: Timeline = Timeline()   # the restored checkpoint's
+    phases: dict[str, float] = field(default_factory=dict)
 
     @property
     def gbps(self) -> float:
@@ -101,7 +109,8 @@ def restore(state: dict, tiers: Sequence[Tier], step: int | None = None, strict:
             continue
         if tier.refills:
             tier.verified[s] = True   # every byte read and checked (a farther read refills and commits here)
-        info = RestoreInfo(s, tier.name, nbytes, time.perf_counter() - t0, skipped, entry.timeline)
+        took = time.perf_counter() - t0
+        info = RestoreInfo(s, tier.name, nbytes, took, skipped, entry.timeline, {"load": took})
         tier.measured_read(nbytes, info.seconds)
         log.info("restored step %d from the %s tier (%.3f GB in %.3f s)", s, tier.name,
                  info.nbytes / 1e9, info.seconds)

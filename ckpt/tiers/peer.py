@@ -513,6 +513,7 @@ class PeerTier(PersistingTier):
         if self.broken is not None:
             raise CheckpointError(f"step {step}: the peer tier stopped after a failed exchange ({self.broken})")
         manifest, body, buf, seg = None, None, None, None
+        t0 = time.perf_counter()
         if send_to is not None:
             try:
                 manifest = self.store.manifest(step, timeline)
@@ -567,6 +568,7 @@ class PeerTier(PersistingTier):
                         problem = CorruptCheckpointError("its manifest's step or size disagree with its header")
                 except CorruptCheckpointError as e:
                     problem = e
+            t1 = time.perf_counter()
             bad = checked_receive(wire, body if go else None, send_to if go else None, into,
                                   holder if ready else None, in_piece if ready else 1, m if problem is None else None)
         except RuntimeError as e:
@@ -578,6 +580,10 @@ class PeerTier(PersistingTier):
                 self.pool.release(buf)
             if seg is not None:
                 seg.release()
+        t2 = time.perf_counter()
+        log.info("rank %d, peer tier restore of step %d: %s%s; %.3f s to open and agree, %.3f s moving the data",
+                 self.rank, step, f"served {manifest.data_bytes} bytes to rank {send_to}" if go else "served none",
+                 f", received {dbytes} bytes from rank {holder}" if ready else "", t1 - t0, t2 - t1)
         if not ok:
             return None
         where = f"this rank's replica of step {step}, received from rank {holder}"
