@@ -14,8 +14,11 @@ peer tier moves the data over NCCL (``CKPT_PEER_NCCL=1``: host -> device staging
 the floors are measured on the same GPUs: ``raw, GPU to GPU`` (one NCCL exchange of the state's bytes between
 the two GPUs: the link) and ``raw, RAM to GPU`` (a pinned host buffer copied to its GPU and sent to the other
 GPU, both directions at once: the least a restore from a holder's RAM onto the replaced rank's GPU must do,
-with no pieces and no checks); the restore is compared with the latter. ``wire`` rows time the staged exchange
-alone (host to host, no checks) for a few ring depths and piece sizes.
+with no pieces and no checks), and ``raw, a restore's transfers`` (the holder copies its own state from pinned
+host memory to its GPU and, at once, the replica to its GPU and on to the replaced rank's: the bytes a restore
+moves over the holder's one host-to-GPU link); the restore is compared with both. The restore rows list
+``RestoreInfo.phases`` of both ranks (agreeing, the peer exchange, loading, waiting for the other rank).
+``wire`` rows time the staged exchange alone (host to host, no checks) for a few ring depths and piece sizes.
 
 Usage: ``python benchmarks/bench_peer.py [--mb 512] [--steps 60] [--every 10] [--nccl]``. The ranks' RAM
 directories (``CKPT_SHM_DIR``) and local tiers go under ``--root`` (default: ``/dev/shm`` where it has room
@@ -178,7 +181,23 @@ def _nccl_floors(rank: int, nbytes: int) -> dict:
         dev_out.copy_(host, non_blocking=True)
         link()
 
-    res = {"link_s": best(link), "from_ram_s": best(from_ram), "wire": {}}
+    side = torch.cuda.Stream()
+
+    def restore_moves() -> None:
+        # what a restore of rank 1 from rank 0's RAM must move: rank 0 loads its own state from its RAM onto its
+        # GPU and, over the same host-to-GPU link meanwhile, rank 1's replica, which goes on to rank 1's GPU
+        if rank == 0:
+            with torch.cuda.stream(side):
+                dev_in.copy_(host_in, non_blocking=True)   # its own state
+            dev_out.copy_(host, non_blocking=True)
+            works = dist.batch_isend_irecv([dist.P2POp(dist.isend, dev_out, other, group=g)])
+        else:
+            works = dist.batch_isend_irecv([dist.P2POp(dist.irecv, dev_in, other, group=g)])
+        for w in works:
+            w.wait()
+        side.synchronize()
+
+    res = {"link_s": best(link), "from_ram_s": best(from_ram), "restore_moves_s": best(restore_moves), "wire": {}}
     sweep = os.environ.get("BENCH_PEER_SWEEP", "1") == "1"
     for ring in (2, 3) if sweep else ():
         for piece_mb in (16, 32, 64):
@@ -278,12 +297,16 @@ def main() -> None:
     if args.nccl:
         link_s = max(r["link_s"] for r in raw)
         floor_s, floor = max(r["from_ram_s"] for r in raw), "the raw RAM-to-GPU transfer"
+        moves_s = max(r["restore_moves_s"] for r in raw)
         rows[:0] = [
             {"case": case, "provider": "raw NCCL exchange, GPU to GPU", "metric": "GB/s per direction",
              "value": nbytes / link_s / 1e9, "unit": "GB/s", "note": f"{link_s:.3f} s: the link"},
             {"case": case, "provider": "raw, RAM to GPU over NCCL", "metric": "GB/s per direction",
              "value": nbytes / floor_s / 1e9, "unit": "GB/s",
              "note": f"{floor_s:.3f} s: pinned host -> own GPU -> other GPU, both ways at once, one piece"},
+            {"case": case, "provider": "raw, a restore's transfers", "metric": "seconds", "value": moves_s, "unit": "s",
+             "note": "the holder's pinned host -> its GPU (its own state) and, at once, -> its GPU -> the replaced "
+                     "rank's GPU (the replica): both over the holder's one host-to-GPU link"},
         ]
         for name in raw[0]["wire"]:
             t = max(r["wire"][name][0] for r in raw)
@@ -301,7 +324,9 @@ def main() -> None:
     r0, r1 = rest
     rows.append({"case": case, "provider": "restore of the replaced rank", "metric": "seconds", "value": r1["restore_s"],
                  "unit": "s", "note": f"tier {r1['tier']}, step {r1['step']}, bit-exact {r1['exact']}, "
-                                      f"{r1['restore_s'] / floor_s:.2f}x {floor}; {_phases(r1)}"})
+                                      f"{r1['restore_s'] / floor_s:.2f}x {floor}"
+                                      + (f", {r1['restore_s'] / moves_s:.2f}x a restore's transfers" if args.nccl else "")
+                                      + f"; {_phases(r1)}"})
     rows.append({"case": case, "provider": "restore of the other rank", "metric": "seconds", "value": r0["restore_s"],
                  "unit": "s", "note": f"tier {r0['tier']}, bit-exact {r0['exact']}; {_phases(r0)}"})
     print(table(rows, ["provider", "metric", "value", "unit", "note"]))

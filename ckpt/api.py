@@ -8,6 +8,7 @@ import dataclasses
 import enum
 import inspect
 import errno
+import functools
 import logging
 import os
 import secrets
@@ -35,7 +36,7 @@ from .ranks import Ranks, distributed_world
 from .restore import RestoreInfo, listing as _listing, restore as _restore
 from .stage import HostPool, Snapshot, SnapshotStats, stage, wait_all_staged
 from .tiers import LocalTier, MemoryTier, PeerTier, RemoteTier
-from .tiers.peer import ReceivedCopy
+from .tiers.peer import Background, ReceivedCopy
 from .tiers.base import PersistingTier, Tier, TierFigures
 from .tiers.local import OwnerLock
 from .tiers.memory import space_for
@@ -845,13 +846,15 @@ class Checkpointer:
         phases = {"agree": time.perf_counter() - t0}
         for n, s in agreed:
             info, error, code = None, None, 1
-            received = None
+            received, serving = None, None
             if kept is not None:   # ranks without a near copy of s get theirs back from the peer holding it
-                t0 = time.perf_counter()
-                took_part, received = self._pull_from_peers(s, timelines[(n, s)], [{e.key for e in x} for x in near],
-                                                            [{e.key for e in x} for x in kept])
-                if took_part:
-                    phases["peer"] = phases.get("peer", 0.0) + time.perf_counter() - t0
+                send_to, receive = self._peer_roles(s, timelines[(n, s)], [{e.key for e in x} for x in near],
+                                                    [{e.key for e in x} for x in kept])
+                if receive:   # this rank loads from what it receives: first receive (and serve, if it must)
+                    received = self._pull_from_peers(s, timelines[(n, s)], send_to, receive, phases)
+                elif send_to is not None:   # serving only: its own load runs meanwhile (both read this node's RAM)
+                    serving = Background(functools.partial(self._pull_from_peers, s, timelines[(n, s)], send_to,
+                                                           False, phases), self.peer.wire.device)
             try:
                 info = _restore(state, self._tiers + ([received] if received is not None else []), s, strict,
                                 self._job, timeline=n)
@@ -860,6 +863,9 @@ class Checkpointer:
                 error, code = e, 0
             except Exception as e:           # does not fit the state (or worse): stop on every rank
                 error, code = e, -1
+            finally:
+                if serving is not None:
+                    serving.result()   # the replica is served (or the failure logged) before the ranks go on
             t0 = time.perf_counter()
             codes = [c[0] for c in ranks.gather([code])]
             phases["confirm"] = phases.get("confirm", 0.0) + time.perf_counter() - t0
@@ -879,28 +885,34 @@ class Checkpointer:
             log.warning("step %d is unusable on rank(s) %s; the ranks try an older common step", s, bad)
         raise NoCheckpointError("no step that every rank holds could be loaded on every rank: " + "; ".join(failed))
 
-    def _pull_from_peers(self, step: int, timeline: Timeline, near: list[set[tuple[int, int]]],
-                         kept: list[set[tuple[int, int]]]) -> tuple[bool, ReceivedCopy | None]:
-        """Collective: every rank that holds no near copy of ``step`` (on ``timeline``) while its holder keeps
-        a replica gets it back from the holder's RAM (the same transfers are derived on every rank from the
-        gathered sets of ``(timeline, step)``). Returns whether this rank took part (sent or received) and its
-        copy, checked, or ``None``."""
+    def _peer_roles(self, step: int, timeline: Timeline, near: list[set[tuple[int, int]]],
+                    kept: list[set[tuple[int, int]]]) -> tuple[int | None, bool]:
+        """Who gets ``step`` (on ``timeline``) back from a holder's RAM, from the gathered sets of
+        ``(timeline, step)`` (the same on every rank): every rank with no near copy whose holder keeps a
+        replica. Returns the rank this one must serve (``None``: none) and whether it receives its own."""
         peer = self.peer
         key = (timeline.number, step)
         needs = [r for r in range(peer.world) if key not in near[r] and key in kept[peer.holder_of(r)]]
-        send_to = peer.src if peer.src in needs else None
-        receive = peer.rank in needs
-        if send_to is None and not receive:
-            return False, None
+        return (peer.src if peer.src in needs else None), peer.rank in needs
+
+    def _pull_from_peers(self, step: int, timeline: Timeline, send_to: int | None, receive: bool,
+                         phases: dict[str, float]) -> ReceivedCopy | None:
+        """Collective with the ranks of :meth:`_peer_roles`: serve ``send_to`` the replica this rank holds and,
+        with ``receive``, get this rank's own copy back from its holder; adds the seconds to ``phases["peer"]``.
+        Returns this rank's copy, checked, or ``None``."""
+        peer = self.peer
+        t0 = time.perf_counter()
         try:
             got = peer.serve(step, timeline, send_to, receive)
             if got is not None:
                 log.info("rank %d got its snapshot of step %d back from the RAM of rank %d (peer tier)", peer.rank,
                          step, peer.holder_of(peer.rank))
-            return True, got
+            return got
         except (CheckpointError, OSError) as e:   # this rank falls back to the remote tier, if any
             log.warning("rank %d could not get step %d back from its peer: %s", peer.rank, step, e)
-            return True, None
+            return None
+        finally:
+            phases["peer"] = phases.get("peer", 0.0) + time.perf_counter() - t0
 
     @property
     def tier_counts(self) -> dict[str, Any]:

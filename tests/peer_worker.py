@@ -286,6 +286,7 @@ def main() -> None:
                     peer_mod.Manifest = Garbled
                 step = ck.restore(state)
                 print(f"restored {step} {float(state['w'][0])} {ck.last_restore.tier}", flush=True)
+                print("phases", ",".join(sorted(ck.last_restore.phases)), flush=True)
     finally:
         torch.distributed.destroy_process_group()
 

@@ -34,12 +34,15 @@ def test_save_returns_before_the_copy_and_the_optimizer_waits_on_the_gpu(local_d
     before = {k: v.clone() for k, v in model.state_dict().items()}
     before_m = [opt.state[p]["exp_avg"].clone() for p in model.parameters()]
     with ckpt.Checkpointer(local_dir=local_dir) as ck:
-        # the copy queues behind ~0.1 s of GPU spin on the side stream: a save() that waited for it could not
-        # return with the stream still busy (without it, the stream can be idle for a moment between two of
-        # the copy's paced chunks, and the check below would not say whether save() waited)
+        # two first saves make the two snapshot buffers (host memory allocated and mapped on the caller's thread:
+        # its time says nothing of the overlap), then the copy of the third, into a buffer made before, queues behind ~0.5 s of GPU spin
+        # on the side stream: a save() that waited for it could not return with the stream still busy
+        # (without the spin, the stream can be idle for a moment between two of the copy's paced chunks)
+        for s in (1, 2):
+            ck.save(s, {"model": model, "optim": opt}).wait()
         with torch.cuda.stream(ck._side_stream):
-            torch.cuda._sleep(200_000_000)
-        h = ck.save(1, {"model": model, "optim": opt})
+            torch.cuda._sleep(1_000_000_000)
+        h = ck.save(3, {"model": model, "optim": opt})
         assert ck._side_stream.query() is False, "save() waited for the copy"
         x = torch.randn(256, 4096, device="cuda")
         model(x).float().pow(2).mean().backward()
@@ -50,7 +53,7 @@ def test_save_returns_before_the_copy_and_the_optimizer_waits_on_the_gpu(local_d
     fresh = _big_model()
     fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=1e-3)
     with ckpt.Checkpointer(local_dir=local_dir) as ck:
-        assert ck.restore({"model": fresh, "optim": fresh_opt}) == 1
+        assert ck.restore({"model": fresh, "optim": fresh_opt}) == 3
     for k in before:
         assert torch.equal(fresh.state_dict()[k], before[k]), k
     for p, m in zip(fresh.parameters(), before_m):

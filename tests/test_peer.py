@@ -60,8 +60,13 @@ def test_a_replaced_node_gets_its_snapshot_back_from_its_holders_ram(tmp_path, w
     assert sorted((r["replica"], r["rank"], r["steps"]) for r in rows) == [(False, 0, [2, 4]), (True, world - 1, [2, 4])]
     assert all(r["local_dir"] == str((tmp_path / "rank-0").resolve()) and not r["owned"] for r in rows)
     _replace_node(tmp_path, lost)
-    got = _lines(_run(tmp_path, "restore", world), "restored")
+    out = _run(tmp_path, "restore", world)
+    got = _lines(out, "restored")
     assert got == [f"restored 4 {100.0 * r + 4} {'peer' if r == lost else 'memory'}" for r in range(world)], got
+    # where the time went: the lost rank and its holder (rank lost + 1) took part in the peer exchange
+    took_part = {lost, (lost + 1) % world}
+    assert _lines(out, "phases") == [f"phases agree,confirm,load{',peer' if r in took_part else ''}"
+                                     for r in range(world)]
 
 
 def test_a_killed_job_resumes_bit_identical_with_the_lost_rank_from_its_peer(tmp_path):
@@ -73,8 +78,11 @@ def test_a_killed_job_resumes_bit_identical_with_the_lost_rank_from_its_peer(tmp
     assert _lines(resumed, "digest") == _lines(straight, "digest")
 
 
-def test_a_corrupt_replica_is_refused_and_the_next_tier_used(tmp_path):
-    env = {"CKPT_TEST_REMOTE": "1"}
+@pytest.mark.parametrize("nccl", [False, pytest.param(True, marks=pytest.mark.multigpu)])
+def test_a_corrupt_replica_is_refused_and_the_next_tier_used(tmp_path, nccl):
+    # over NCCL the holder reads the replica onto its GPU and sends it as it lands: the holder's own check
+    # and the owner's both see the flipped byte
+    env = {"CKPT_TEST_REMOTE": "1", "CKPT_PEER_NCCL": "1" if nccl else "0"}
     _killed(_run(tmp_path, "train", 2, env))
     _replace_node(tmp_path, 1)
     flipped = 0

@@ -52,7 +52,7 @@ from ..integrity import checksum
 from ..policy import Committed, Timeline
 from ..stage import HostPool, SharedSpace
 from .base import PersistingTier, StepInfo, Tier, register
-from .memory import MemoryTier, _scatter
+from .memory import MemoryTier, _scatter, _to_device
 
 __all__ = ["PeerTier", "Exchange", "ReceivedCopy", "REPLICA_SLOTS"]
 
@@ -123,16 +123,20 @@ class Exchange:
                 r.wait()
 
     def data(self, out: torch.Tensor | None, to: int | None, into: torch.Tensor | None, frm: int | None,
-             in_piece: int, landed: Callable[[int, int], None]) -> None:
+             in_piece: int, landed: Callable[[int, int], None],
+             out_ready: Callable[[int, int], None] | None = None) -> None:
         """Send ``out`` (host bytes) to ``to`` in pieces of :attr:`piece` bytes and receive ``into`` (host
         bytes) from ``frm`` in pieces of ``in_piece`` (the sender's); ``landed(offset, length)`` is called
-        as each received piece is in ``into`` (the caller checks it while the next one arrives)."""
+        as each received piece is in ``into`` (the caller checks it while the next one arrives). On the
+        device path ``out`` and ``into`` may be on the GPU; ``out_ready(offset, length)``, with ``out`` on
+        the GPU, makes the current stream wait until those bytes of ``out`` are written (it is still being
+        filled)."""
         n_out = out.numel() if out is not None and to is not None else 0
         n_in = into.numel() if into is not None and frm is not None else 0
         k_out = -(-n_out // self.piece)
         k_in = -(-n_in // in_piece) if n_in else 0
         if self.device is not None:
-            self._staged(out, to, into, frm, in_piece, n_out, n_in, max(k_out, k_in), landed)
+            self._staged(out, to, into, frm, in_piece, n_out, n_in, max(k_out, k_in), landed, out_ready)
             return
         dist = torch.distributed
         posted = []   # every piece posted at once (a stream, matched in order), then taken as it lands
@@ -151,19 +155,23 @@ class Exchange:
                 landed(off, recv.numel())
 
     def _staged(self, out: torch.Tensor | None, to: int | None, into: torch.Tensor | None, frm: int | None,
-                in_piece: int, n_out: int, n_in: int, pieces: int, landed: Callable[[int, int], None]) -> None:
+                in_piece: int, n_out: int, n_in: int, pieces: int, landed: Callable[[int, int], None],
+                out_ready: Callable[[int, int], None] | None = None) -> None:
         """The device path: per piece, host -> device staging (sender), send/receive over ``data_group``,
         device staging -> host (receiver). On a GPU the three run as a pipeline over ``ring`` staging pairs:
         piece i + 1 is copied up on one stream while piece i is on the wire (NCCL's stream) and piece i - 1 is
         copied down on the other; a staging pair is reused only once the piece it held is on the host.
         ``landed`` runs on this thread for each piece once it is in ``into``, at most ``ring`` pieces behind.
-        An ``into`` on the GPU (a restore) takes the pieces straight from the wire."""
+        An ``into`` on the GPU (a restore) takes the pieces straight from the wire, an ``out`` on the GPU is sent
+        from where it is."""
         size = max(self.piece, in_piece if n_in else 0)
         up, down = self._streams if self._streams is not None else (None, None)
         if up is not None:   # after what this thread queued on the device (an `into` just allocated there)
             up.wait_stream(torch.cuda.current_stream(self.device))
-        # a receive buffer on the GPU (a restore): the pieces land in it directly, no staging, no copy down
+        # a receive buffer on the GPU (a restore): the pieces land in it directly, no staging, no copy down;
+        # data to send already on the GPU (a replica read there to be served) goes from where it is
         direct = into is not None and into.device.type == "cuda"
+        direct_out = out is not None and out.device.type == "cuda"
         if not self._staging or self._staging[0][0].numel() < size:
             self._staging = []   # the old pair goes first: a larger one must not need both at once
             # allocated on the stream that first writes them: the caching allocator hands out memory that is
@@ -185,11 +193,14 @@ class Exchange:
                 with torch.cuda.stream(up) if up is not None else contextlib.nullcontext():
                     if free[j] is not None:
                         up.wait_event(free[j])   # the pair's previous piece was sent and is on the host
-                    if k:   # piece by registration piece of the snapshot buffer (ckpt.shm.pieces)
+                    if k and not direct_out:   # piece by registration piece of the snapshot buffer (shm.pieces)
                         for x, y in shm.pieces(a, k):
                             s_buf[x - a:y - a].copy_(out[x:y], non_blocking=True)
                     target = (into[b:b + r] if direct else r_buf[:r]) if r else None
-                    works = self._post(s_buf[:k] if k else None, to, target, frm)
+                    if k and direct_out and out_ready is not None:
+                        out_ready(a, k)   # the up stream waits for the piece to be on the GPU
+                    source = (out[a:a + k] if direct_out else s_buf[:k]) if k else None
+                    works = self._post(source, to, target, frm)
                 with torch.cuda.stream(down) if down is not None else contextlib.nullcontext():
                     for w in works:
                         w.wait()   # on a GPU: the down stream waits for the wire, the host does not
@@ -224,14 +235,16 @@ class Exchange:
 
 
 def checked_receive(wire: Exchange, out: torch.Tensor | None, to: int | None, into: torch.Tensor | None,
-                    frm: int | None, in_piece: int, manifest: Manifest | None) -> list[int]:
-    """:meth:`Exchange.data`, checking each received chunk against ``manifest`` on
-    ``CKPT_PERSIST_THREADS`` threads while later pieces arrive; returns the chunks that failed."""
+                    frm: int | None, in_piece: int, manifest: Manifest | None, threads: int | None = None,
+                    out_ready: Callable[[int, int], None] | None = None) -> list[int]:
+    """:meth:`Exchange.data`, checking each received chunk against ``manifest`` on ``threads`` threads
+    (default ``CKPT_PERSIST_THREADS``: beside a training) while later pieces arrive; returns the chunks that
+    failed."""
     if into is None or manifest is None or not into.numel():   # nothing to check: the bytes still move
-        wire.data(out, to, into, frm if into is not None else None, in_piece, lambda a, k: None)
+        wire.data(out, to, into, frm if into is not None else None, in_piece, lambda a, k: None, out_ready)
         return []
     c, n = manifest.chunk_bytes, manifest.data_bytes
-    threads = max(1, knobs.get("CKPT_PERSIST_THREADS"))
+    threads = max(1, threads or knobs.get("CKPT_PERSIST_THREADS"))
     if into.device.type == "cuda":
         crc_of = _DeviceChecks(into, threads)
     else:
@@ -246,7 +259,7 @@ def checked_receive(wire: Exchange, out: torch.Tensor | None, to: int | None, in
             for i in range(off // c, (end // c) if end < n else -(-n // c)):   # the chunks now complete
                 futures[i] = ex.submit(crc_of, i * c, min((i + 1) * c, n))
 
-        wire.data(out, to, into, frm, in_piece, landed)
+        wire.data(out, to, into, frm, in_piece, landed, out_ready)
         for i in range(len(manifest.chunks)):   # a chunk split across pieces: complete now
             if i not in futures:
                 futures[i] = ex.submit(crc_of, i * c, min((i + 1) * c, n))
@@ -512,7 +525,7 @@ class PeerTier(PersistingTier):
         Raises :class:`~ckpt.errors.CorruptCheckpointError` for a copy that fails. Collective."""
         if self.broken is not None:
             raise CheckpointError(f"step {step}: the peer tier stopped after a failed exchange ({self.broken})")
-        manifest, body, buf, seg = None, None, None, None
+        manifest, body, buf, seg, reading = None, None, None, None, None
         t0 = time.perf_counter()
         if send_to is not None:
             try:
@@ -524,8 +537,13 @@ class PeerTier(PersistingTier):
                     body = buf.tensor[:manifest.data_bytes]
                 else:   # a replica a previous process left and this one did not take over
                     rec = self.store._record(step, timeline)
-                    seg = shm.Segment.open(Path(rec.path).with_name(rec.buffer), manifest.data_bytes, writable=False)
-                    body = seg.tensor[:manifest.data_bytes]
+                    path = Path(rec.path).with_name(rec.buffer)
+                    reading = _ReplicaRead.start(path, manifest, self.wire.device)
+                    if reading is not None:
+                        body = reading.data
+                    else:
+                        seg = shm.Segment.open(path, manifest.data_bytes, writable=False)
+                        body = seg.tensor[:manifest.data_bytes]
             except Exception as e:   # noqa: BLE001 - the owner hears "none" and falls back to another tier
                 log.warning("rank %d cannot serve its replica of rank %d's step %d: %s", self.rank, send_to, step, e)
                 manifest, body = None, None
@@ -569,12 +587,20 @@ class PeerTier(PersistingTier):
                 except CorruptCheckpointError as e:
                     problem = e
             t1 = time.perf_counter()
+            # a restore: nothing else runs, the checks take every I/O thread
             bad = checked_receive(wire, body if go else None, send_to if go else None, into,
-                                  holder if ready else None, in_piece if ready else 1, m if problem is None else None)
+                                  holder if ready else None, in_piece if ready else 1, m if problem is None else None,
+                                  knobs.get("CKPT_IO_THREADS"), reading.ready if reading is not None else None)
         except RuntimeError as e:
             raise CheckpointError(f"step {step}: moving replicas between the peers for a restore failed "
                                   f"({type(e).__name__}: {e})") from e
         finally:
+            if reading is not None:   # its copies are over before its buffer goes
+                try:
+                    reading.finish()
+                except Exception as e:   # noqa: BLE001 - the owner's checks refused what was sent
+                    log.warning("rank %d served its replica of rank %d's step %d as read, and the read failed: %s",
+                                self.rank, send_to, step, e)
             del body
             if buf is not None:
                 self.pool.release(buf)
@@ -602,6 +628,132 @@ class PeerTier(PersistingTier):
                     b.holds += 1
                     return b
         return None
+
+
+class _ReplicaRead:
+    """A replica segment that a previous process left, read onto ``device`` (the NCCL path's GPU) in the
+    background to be sent from there as it lands: ``pread`` into small pinned buffers on ``CKPT_IO_THREADS``
+    threads and copied up, every chunk checked against ``manifest`` on the way, as the memory tier reads
+    its own (:func:`~ckpt.tiers.memory._to_device`). A mapping of the segment would be pageable memory to
+    the GPU (copied a page fault and a bounce buffer at a time).
+
+    :meth:`ready` orders a stream after the copies of a byte range; :meth:`finish` waits for the read and
+    raises :class:`~ckpt.errors.CorruptCheckpointError` naming the first chunk that failed (the owner's own
+    checks refuse such a copy: it was sent as read)."""
+
+    def __init__(self, path: Path, manifest: Manifest, device: torch.device) -> None:
+        self.path, self.manifest = path, manifest
+        with torch.cuda.device(device):
+            self.data = torch.empty(manifest.data_bytes, dtype=torch.uint8, device=device)
+        self._landed: dict[int, torch.cuda.Event | None] = {}   # chunk -> event after its copy (None: failed)
+        self._cv = threading.Condition()
+        self._over = False
+        self._dest = _WholeBuffer(self.data, self._copied)
+        self._job = Background(self._read, device)
+
+    @classmethod
+    def start(cls, path: Path, manifest: Manifest, device: torch.device | None) -> "_ReplicaRead | None":
+        """The read started, or ``None`` (nothing started) without a GPU or where it has no room for the
+        replica: the caller sends from a mapping of the segment."""
+        if device is None or device.type != "cuda":
+            return None
+        try:
+            return cls(path, manifest, device)
+        except torch.cuda.OutOfMemoryError:
+            log.info("no room for %d bytes on %s to serve a replica from: it is sent from host memory",
+                     manifest.data_bytes, device)
+            return None
+
+    def _read(self) -> int | None:
+        fd = shm.open_for_read(self.path, self.manifest.data_bytes)
+        try:
+            return _to_device(self.manifest, fd, self._dest)
+        finally:
+            os.close(fd)
+            with self._cv:
+                self._over = True
+                self._cv.notify_all()
+
+    def _copied(self, offset: int, event: torch.cuda.Event) -> None:
+        with self._cv:
+            self._landed[offset // self.manifest.chunk_bytes] = event
+            self._cv.notify_all()
+
+    def ready(self, offset: int, length: int) -> None:
+        """Make the current stream wait for the copies of bytes ``[offset, offset + length)`` (blocks this
+        thread until they are queued; a chunk that failed its check or was never read is sent as it is)."""
+        c = self.manifest.chunk_bytes
+        for i in range(offset // c, -(-(offset + length) // c)):
+            with self._cv:
+                while i not in self._landed and not self._over:
+                    self._cv.wait()
+                ev = self._landed.get(i)
+            if ev is not None:
+                torch.cuda.current_stream(self.data.device).wait_event(ev)
+
+    def finish(self) -> None:
+        """Wait for the read; raises what it raised, or ``CorruptCheckpointError`` for a chunk that failed."""
+        bad = self._job.result()
+        if bad is not None:
+            raise CorruptCheckpointError(f"{self.path}: bytes [{bad * self.manifest.chunk_bytes}, ...) of the "
+                                         "replica fail their checksum")
+
+
+class _WholeBuffer:
+    """The destination of :func:`~ckpt.tiers.memory._to_device` for one flat GPU buffer: a snapshot's bytes at
+    their own offsets (the interface of :class:`~ckpt.scatter.Scatter`), copied on a stream of its own;
+    ``copied(offset, event)`` is told of each chunk once its copy is queued."""
+
+    def __init__(self, data: torch.Tensor, copied: Callable[[int, torch.cuda.Event], None]) -> None:
+        self.data = data
+        self._copied = copied
+        self._stream: torch.cuda.Stream | None = None
+
+    def open_streams(self) -> bool:
+        self._stream = torch.cuda.Stream(self.data.device)
+        self._stream.wait_stream(torch.cuda.current_stream(self.data.device))   # after the buffer's allocation
+        return True
+
+    def copy(self, chunk: torch.Tensor, offset: int) -> None:
+        with torch.cuda.stream(self._stream):
+            self.data[offset:offset + chunk.numel()].copy_(chunk, non_blocking=True)
+            ev = torch.cuda.Event()
+            ev.record(self._stream)
+        self._copied(offset, ev)
+
+    def record(self) -> list[torch.cuda.Event]:
+        ev = torch.cuda.Event()
+        ev.record(self._stream)
+        return [ev]
+
+    def synchronize(self) -> None:
+        if self._stream is not None:
+            self._stream.synchronize()
+
+
+class Background:
+    """``fn()`` on a thread of its own working on ``device`` (a GPU: its current device), started now;
+    :meth:`result` joins it and returns its value or raises what it raised."""
+
+    def __init__(self, fn: Callable[[], Any], device: torch.device | None) -> None:
+        self._value: Any = None
+        self._error: BaseException | None = None
+
+        def run() -> None:
+            try:
+                with torch.cuda.device(device) if device is not None else contextlib.nullcontext():
+                    self._value = fn()
+            except BaseException as e:   # noqa: BLE001 - handed to result()
+                self._error = e
+
+        self._thread = threading.Thread(target=run, name="ckpt-peer", daemon=True)
+        self._thread.start()
+
+    def result(self) -> Any:
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        return self._value
 
 
 def _receive_buffer(nbytes: int, device: torch.device | None = None) -> torch.Tensor:
