@@ -23,6 +23,11 @@ softmax minus one-hot, are all under 2^-12: an approximation) and ``cce_exact``
 others go on. ``--smoke`` runs tiny shapes on the CPU through the Triton interpreter to check
 the script itself (the peers' kernels do not all run there: those show up as failed).
 
+With ``--graph`` each case is also timed as one CUDA-graph replay (GPU time alone) and, for the
+memory-bound kernels, given a ``% HBM`` figure: the least bytes forward + backward must move (each
+activation, output and gradient read or written once; ``Case.min_bytes``) per second of replay, over
+the device-to-device copy rate measured at the start of the same run.
+
 ``fused_add_rms_norm`` times the residual add and the norm after it with gradients into both
 outputs (``y`` and the sum ``h``); eager and torch.compile run ``h = x + r`` then Llama's norm,
 Liger its ``LigerFusedAddRMSNorm`` (when that import works).
@@ -103,6 +108,9 @@ class Case:
     grad_out: list[torch.Tensor | float]
     providers: dict[str, Callable[..., Any]] = field(default_factory=dict)
     initial: list[torch.Tensor] = field(default_factory=list)
+    #: bytes forward + backward must move through device memory at the least (memory-bound kernels: each
+    #: input, output and gradient of the activations read or written once); None: compute-bound
+    min_bytes: int | None = None
 
     def reset(self) -> None:
         """Restore the inputs and output gradients (in-place gradient paths overwrite them)
@@ -191,6 +199,7 @@ def make_case(kernel: str, size: int, dev: str, tokens: int, compile_: bool, flc
         x = rnd(tokens, size)
         w = torch.nn.Parameter((torch.rand(size, generator=g, device=dev) + 0.5).to(DT))
         case = Case(f"rms_norm {tokens}x{size}", [x, w], [torch.randn(tokens, size, device=dev, dtype=DT)])
+        case.min_bytes = 5 * _nbytes(x)   # x, y; dy, x, dx
         case.providers["ours"] = lambda x, w: K.rms_norm(x, w, in_place=True)
         case.providers["eager"] = _eager_rms
         if compile_:
@@ -204,6 +213,7 @@ def make_case(kernel: str, size: int, dev: str, tokens: int, compile_: bool, flc
         w = torch.nn.Parameter((torch.rand(size, generator=g, device=dev) + 0.5).to(DT))
         case = Case(f"fused_add_rms_norm {tokens}x{size}", [x, r, w],
                     [torch.randn(tokens, size, device=dev, dtype=DT), torch.randn(tokens, size, device=dev, dtype=DT)])
+        case.min_bytes = 8 * _nbytes(x)   # x, r, h, y; dy, dh, h, dx (= dr)
         case.providers["ours"] = lambda x, r, w: K.fused_add_rms_norm(x, r, w, in_place=True)
         case.providers["eager"] = _eager_add_rms
         if compile_:
@@ -215,6 +225,7 @@ def make_case(kernel: str, size: int, dev: str, tokens: int, compile_: bool, flc
         x = rnd(tokens, size)
         w, b = torch.nn.Parameter(rnd(size).detach()), torch.nn.Parameter(rnd(size).detach())
         case = Case(f"layer_norm {tokens}x{size}", [x, w, b], [torch.randn(tokens, size, device=dev, dtype=DT)])
+        case.min_bytes = 5 * _nbytes(x)   # x, y; dy, x, dx
         case.providers["ours"] = K.layer_norm
         case.providers["eager"] = lambda x, w, b: F.layer_norm(x, (size,), w, b, 1e-5)
         if compile_:
@@ -225,6 +236,7 @@ def make_case(kernel: str, size: int, dev: str, tokens: int, compile_: bool, flc
     elif kernel in ("swiglu", "geglu"):
         a, b = rnd(tokens, size), rnd(tokens, size)
         case = Case(f"{kernel} {tokens}x{size}", [a, b], [torch.randn(tokens, size, device=dev, dtype=DT)])
+        case.min_bytes = 8 * _nbytes(a)   # a, b, y; dy, a, b, da, db
         ours = K.swiglu if kernel == "swiglu" else K.geglu
         # In an MLP a and b are private projection outputs, so their memory takes the gradients.
         case.providers["ours"] = lambda a, b: ours(a, b, inplace_grad=True)
@@ -244,6 +256,7 @@ def make_case(kernel: str, size: int, dev: str, tokens: int, compile_: bool, flc
         cos, sin = emb.cos().to(DT), emb.sin().to(DT)
         case = Case(f"rope q{tuple(q.shape)} k{tuple(k.shape)}", [q, k],
                     [torch.randn_like(q), torch.randn_like(k)])
+        case.min_bytes = 4 * (_nbytes(q) + _nbytes(k)) + 2 * (_nbytes(cos) + _nbytes(sin))   # q, k, q', k'; back
         case.providers["ours"] = lambda q, k: K.rope(q, k, cos, sin)
         case.providers["eager"] = lambda q, k: _eager_rope(q, k, cos, sin)
         if compile_:
@@ -255,6 +268,7 @@ def make_case(kernel: str, size: int, dev: str, tokens: int, compile_: bool, flc
         x = rnd(tokens, size, scale=2.0)
         t = torch.randint(0, size, (tokens,), generator=g, device=dev)
         case = Case(f"cross_entropy {tokens}x{size}", [x], [1.0])
+        case.min_bytes = 2 * _nbytes(x)   # the logits read once, their gradient written once
         case.providers["ours"] = lambda x: K.cross_entropy(x, t, inplace=True)
         case.providers["eager"] = lambda x: _eager_ce(x, t)
         if compile_:
@@ -304,6 +318,28 @@ def make_case(kernel: str, size: int, dev: str, tokens: int, compile_: bool, flc
     else:
         raise ValueError(f"unknown kernel {kernel!r}")
     return case
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def copy_bandwidth(nbytes: int = 1 << 30) -> float:
+    """Device memory bandwidth in bytes/s as one device-to-device copy reaches it (bytes read + written per
+    second, median CUDA-graph replay): the denominator of the % of HBM column, measured in the same run."""
+    import triton.testing
+
+    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        dst.copy_(src)
+    ms = triton.testing.do_bench(graph.replay, warmup=25, rep=200, return_mode="median")
+    del graph, src, dst
+    torch.cuda.empty_cache()
+    return 2 * nbytes / (ms / 1e3)
 
 
 def _share(module: torch.nn.Module, w: torch.nn.Parameter, b: torch.nn.Parameter | None = None) -> torch.nn.Module:
@@ -455,7 +491,7 @@ def run_one(kernel: str, size: int, dev: str, tokens: int, compile_: bool, rep_m
         if failed is None and graph and dev == "cuda" and p != "compile":
             gms = measure_graph(case, p, rep_ms)
         rows.append({"kernel": kernel, "case": case.name, "size": size, "provider": p, "ms": ms, "peak_mib": mib,
-                     "graph_ms": gms, "rel_err_vs_eager": errs.get(p, 0.0) if failed is None else float("nan"),
+                     "graph_ms": gms, "min_bytes": case.min_bytes, "rel_err_vs_eager": errs.get(p, 0.0) if failed is None else float("nan"),
                      "failed": failed})
         if failed is not None:
             print(f"  {case.name:48s} {p:8s} FAILED: {failed}", flush=True)
@@ -497,6 +533,10 @@ def plot(rows: list[dict[str, Any]], out_dir: Path) -> list[Path]:
     return [path]
 
 
+def _hbm_pct(row: dict[str, Any], copy_bw: float) -> float:
+    return 100.0 * row["min_bytes"] / (row["graph_ms"] / 1e3) / copy_bw
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--only", nargs="*", choices=KERNELS, help="kernels to run (default all)")
@@ -526,6 +566,9 @@ def main(argv: list[str] | None = None) -> int:
           f"{'yes' if HAS_LIGER else 'no (' + LIGER_ERROR + ')'}  cce: "
           f"{'yes' if HAS_CCE else 'no (' + CCE_ERROR + ')'}", flush=True)
 
+    copy_bw = copy_bandwidth() if dev == "cuda" and args.graph else None
+    if copy_bw:
+        print(f"device copy bandwidth: {copy_bw / 1e9:.0f} GB/s (read + write, CUDA graph)", flush=True)
     main_rows: list[dict[str, Any]] = []
     for k in kernels if not args.sweep_only else []:
         size = SMOKE_SIZE[k] if args.smoke else MAIN_SIZE[k]
@@ -559,6 +602,11 @@ def main(argv: list[str] | None = None) -> int:
             if r.get("graph_ms", float("nan")) == r.get("graph_ms"):  # not NaN
                 out.append({"case": r["case"], "provider": r["provider"], "metric": "fwd_bwd_graph_replay_median",
                             "value": r["graph_ms"], "unit": "ms", "note": note})
+                if copy_bw and r.get("min_bytes"):
+                    out.append({"case": r["case"], "provider": r["provider"], "metric": "fraction_of_hbm_copy_rate",
+                                "value": _hbm_pct(r, copy_bw), "unit": "%",
+                                "note": f"{note}; {r['min_bytes'] / 1e6:.0f} MB moved at the least / graph replay "
+                                        f"time / device copy rate {copy_bw / 1e9:.0f} GB/s"})
         return out
 
     path = record("bench_kernels", csv_rows(main_rows, "main") + csv_rows(sweep_rows, "sweep"), args.csv)
@@ -588,10 +636,13 @@ def main(argv: list[str] | None = None) -> int:
             for r in main_rows:
                 if r["case"] == case and r.get("graph_ms", float("nan")) == r.get("graph_ms"):
                     row[f"{r['provider']} graph ms"] = round(r["graph_ms"], 3)
+                    if copy_bw and r.get("min_bytes"):
+                        row[f"{r['provider']} % HBM"] = round(_hbm_pct(r, copy_bw), 1)
             gsum.append(row)
-        gcols = ["case"] + [f"{p} graph ms" for p in PROVIDERS if p != "compile" and any(f"{p} graph ms" in r
-                                                                                   for r in gsum)]
-        print("\nCUDA-graph replay (GPU time only, no host overhead):")
+        gcols = ["case"] + [f"{p} {m}" for p in PROVIDERS if p != "compile" for m in ("graph ms", "% HBM")
+                            if any(f"{p} {m}" in r for r in gsum)]
+        print("\nCUDA-graph replay (GPU time only, no host overhead; % HBM: the least bytes forward + backward "
+              "must move, per second, over the device's copy rate):")
         print(table(gsum, gcols))
     return 0
 

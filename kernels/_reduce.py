@@ -23,12 +23,32 @@ import threading
 
 import torch
 
-from ._utils import jit_helper, num_programs, tl
+from ._utils import jit_helper, next_power_of_2, num_programs, tl
 
-__all__ = ["split_rows", "tickets", "last_to_arrive", "sum_split_rows", "DW_BLOCK_R", "DW_BLOCK_C"]
+__all__ = ["split_rows", "one_pass_plan", "tickets", "last_to_arrive", "sum_split_rows", "DW_BLOCK_R", "DW_BLOCK_C"]
 
 #: tile of the column-parallel weight-gradient kernels: rows x columns per step
 DW_BLOCK_R, DW_BLOCK_C = 32, 128
+
+#: one-pass backward tiling (tuned on an H200 at 8192 x 4096 and 16384 x 2048 bf16): one program per SM,
+#: each step loads about 16 KiB of ``dy`` (and of ``x``), loads pipelined up to 3 steps ahead within the
+#: shared memory budget
+_BWD_PER_SM, _BWD_STEP_BYTES, _BWD_MAX_STAGES, _SMEM_BUDGET = 1, 16384, 3, 96 * 1024
+
+
+@functools.lru_cache(maxsize=256)
+def one_pass_plan(n_rows: int, block: int, x_bytes: int, dy_bytes: int, device: torch.device) -> tuple[int, ...]:
+    """(programs, rows per program, rows per step, pipeline stages, warps) of a norm's one-pass backward:
+    persistent programs, each over its own contiguous rows, a few rows per step with the next steps'
+    loads in flight; ``dy_bytes``: bytes per element of every gradient tile a step loads."""
+    step = min(max(1, _BWD_STEP_BYTES // (block * x_bytes)), 16, next_power_of_2(n_rows))
+    stages = min(_BWD_MAX_STAGES, max(1, _SMEM_BUDGET // (step * block * (x_bytes + dy_bytes))))
+    steps = -(-n_rows // step)
+    programs = num_programs(device, steps, per_sm=_BWD_PER_SM)
+    per = -(-steps // programs) * step
+    tile = step * block
+    warps = 4 if tile <= 1024 else 8 if tile <= 8192 else 16
+    return -(-n_rows // per), per, step, stages, warps
 
 
 @jit_helper

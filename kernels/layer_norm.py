@@ -46,7 +46,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ._reduce import DW_BLOCK_C, DW_BLOCK_R, last_to_arrive, split_rows, sum_split_rows, tickets
+from ._reduce import DW_BLOCK_C, DW_BLOCK_R, last_to_arrive, one_pass_plan, split_rows, sum_split_rows, tickets
 from ._utils import (
     LazyKernel,
     as_rows,
@@ -161,8 +161,67 @@ def _layer_norm_bwd_kernel(
         tl.store(DX + row * N + cols, dx.to(DX.dtype.element_ty), mask=mask)
 
 
+def _layer_norm_bwd_one_pass_kernel(
+    DY, X, W, STATS, DX, PART,
+    stride_dy, stride_x, n_rows, N, rows_per_program, n_programs,
+    BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, STAGES: tl.constexpr,
+    COMPUTE_DW: tl.constexpr, COMPUTE_DB: tl.constexpr,
+):
+    # One pass (RMSNorm's): each program walks its own contiguous rows BLOCK_R at a time, writes
+    # their dx and keeps dw's and db's partial sums over them in [BLOCK_R, BLOCK_N] fp32 tiles; at the
+    # end it stores one partial row of each into PART ((2, n_programs, N) fp32: dw, then db).
+    pid = tl.program_id(0)
+    cols = tl.arange(0, BLOCK_N)
+    cmask = cols < N
+    w = tl.load(W + cols, mask=cmask, other=0.0).to(tl.float32)
+    r0 = pid.to(tl.int64) * rows_per_program
+    r_end = tl.minimum(r0 + rows_per_program, n_rows)
+    acc_w = tl.zeros([BLOCK_R, BLOCK_N], dtype=tl.float32)
+    acc_b = tl.zeros([BLOCK_R, BLOCK_N], dtype=tl.float32)
+    for start in tl.range(r0, r_end, BLOCK_R, num_stages=STAGES):
+        rows = start + tl.arange(0, BLOCK_R)
+        rmask = rows < r_end
+        m = rmask[:, None] & cmask[None, :]
+        dy = tl.load(DY + rows[:, None] * stride_dy + cols[None, :], mask=m, other=0.0).to(tl.float32)
+        x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=m, other=0.0).to(tl.float32)
+        mean = tl.load(STATS + rows, mask=rmask, other=0.0)
+        rstd = tl.load(STATS + n_rows + rows, mask=rmask, other=0.0)
+        xhat = tl.where(m, (x - mean[:, None]) * rstd[:, None], 0.0)
+        g = dy * w[None, :]
+        c1 = tl.sum(g * xhat, axis=1) / N
+        c2 = tl.sum(g, axis=1) / N
+        dx = rstd[:, None] * (g - c2[:, None] - xhat * c1[:, None])
+        tl.store(DX + rows[:, None] * N + cols[None, :], dx.to(DX.dtype.element_ty), mask=m)
+        if COMPUTE_DW:
+            acc_w += dy * xhat
+        if COMPUTE_DB:
+            acc_b += dy
+    if COMPUTE_DW:
+        tl.store(PART + pid * N + cols, tl.sum(acc_w, axis=0), mask=cmask)
+    if COMPUTE_DB:
+        tl.store(PART + (n_programs + pid) * N + cols, tl.sum(acc_b, axis=0), mask=cmask)
+
+
+def _layer_norm_part_sum_kernel(PART, DW, DB, n_parts, N, COMPUTE_DW: tl.constexpr, COMPUTE_DB: tl.constexpr,
+                                BLOCK_S: tl.constexpr, BLOCK_C: tl.constexpr):
+    # dw[cols], db[cols] = the one-pass programs' partial rows summed in program order (deterministic)
+    cols = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
+    if COMPUTE_DW:
+        sum_split_rows(PART, DW, cols, cols < N, n_parts, N, BLOCK_S, BLOCK_C)
+    if COMPUTE_DB:
+        sum_split_rows(PART + n_parts * N, DB, cols, cols < N, n_parts, N, BLOCK_S, BLOCK_C)
+
+
 _fwd = LazyKernel(_layer_norm_fwd_kernel)
 _bwd = LazyKernel(_layer_norm_bwd_kernel)
+_bwd_one_pass = LazyKernel(_layer_norm_bwd_one_pass_kernel)
+_part_sum = LazyKernel(_layer_norm_part_sum_kernel)
+
+#: widest row the one-pass backward keeps in one program's registers (x, dy and two partial tiles);
+#: wider rows take the single-launch backward of column-parallel weight-gradient programs beside dx rows
+_ONE_PASS_MAX_N = 8192
+#: columns per program of the partial rows' sum
+_SUM_BLOCK_C = 16
 
 
 def _forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float, dtype: torch.dtype):
@@ -194,7 +253,26 @@ def _backward(dy: torch.Tensor, rows: tuple[torch.Tensor, int, int], weight: tor
         return (dx, torch.zeros_like(weight) if need_dw else None,
                 torch.zeros(n, dtype=bias_dtype, device=dy.device) if need_db else None)
     block = next_power_of_2(n)
-    # One launch: weight-gradient programs and dx rows side by side (kernel comment).
+    if block <= _ONE_PASS_MAX_N:
+        # one pass over x and dy (the floor: read both once, write dx), then a small launch for the sums
+        programs, per, step, stages, warps = one_pass_plan(n_rows, block, x2.element_size(), dy2.element_size(),
+                                                           dy.device)
+        wprog = need_dw or need_db
+        part = torch.empty((2, programs, n), dtype=torch.float32, device=dy.device) if wprog else stats
+        _bwd_one_pass[(programs,)](
+            dy2, x2, weight, stats, dx, part, stride_dy, stride_x, n_rows, n, per, programs,
+            BLOCK_R=step, BLOCK_N=block, STAGES=stages, COMPUTE_DW=need_dw, COMPUTE_DB=need_db, num_warps=warps,
+        )
+        dw = torch.empty_like(weight) if need_dw else None
+        db = torch.empty(n, dtype=bias_dtype, device=dy.device) if need_db else None
+        if wprog:
+            _part_sum[(-(-n // _SUM_BLOCK_C),)](
+                part, dw if need_dw else part, db if need_db else part, programs, n,
+                COMPUTE_DW=need_dw, COMPUTE_DB=need_db, BLOCK_S=min(next_power_of_2(programs), 2048 // _SUM_BLOCK_C),
+                BLOCK_C=_SUM_BLOCK_C, num_warps=4,
+            )
+        return dx, dw, db
+    # Rows too wide for that: one launch, weight-gradient programs and dx rows side by side (kernel comment).
     wprog = need_dw or need_db
     splits, per = split_rows(n_rows, n, dy.device) if wprog else (1, n_rows)
     col_blocks = -(-n // DW_BLOCK_C)

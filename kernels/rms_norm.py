@@ -65,12 +65,10 @@ References:
 
 from __future__ import annotations
 
-import functools
-
 import torch
 from torch import nn
 
-from ._reduce import DW_BLOCK_C, DW_BLOCK_R, split_rows, sum_split_rows
+from ._reduce import DW_BLOCK_C, DW_BLOCK_R, one_pass_plan, split_rows, sum_split_rows
 from ._utils import (
     LazyKernel,
     as_rows,
@@ -81,7 +79,6 @@ from ._utils import (
     empty_rows_like,
     jit_helper,
     next_power_of_2,
-    num_programs,
     op_def,
     rows_of,
     row_warps,
@@ -250,27 +247,12 @@ _dw_sum = LazyKernel(_rms_norm_dw_sum_kernel)
 _bwd_dw_wide = LazyKernel(_rms_norm_bwd_dw_kernel)
 _bwd_dx_wide = LazyKernel(_rms_norm_bwd_dx_wide_kernel)
 
-#: backward tiling (tuned on an H200 at 8192 x 4096 and 16384 x 2048 bf16): one program per SM,
-#: each step loads about 16 KiB of ``dy`` (and of ``x``), loads pipelined up to 3 steps ahead
-#: within the shared memory budget; the partial rows are summed 16 columns per program
-_BWD_PER_SM, _BWD_STEP_BYTES, _BWD_MAX_STAGES, _SMEM_BUDGET, _SUM_BLOCK_C = 1, 16384, 3, 96 * 1024, 16
+#: the partial rows are summed 16 columns per program
+_SUM_BLOCK_C = 16
 #: widest row the one-pass backward keeps in one program's registers (x, dy and the dw partial);
 #: wider rows spill (4096 x 32768 bf16 took 1.2-2.9 ms on the H200 against 0.35 ms for the
 #: column-parallel pass below), so they take a column-parallel dw pass, then dx one row per program
 _ONE_PASS_MAX_N = 16384
-
-
-@functools.lru_cache(maxsize=256)
-def _bwd_plan(n_rows: int, block: int, x_bytes: int, dy_bytes: int, device: torch.device) -> tuple[int, ...]:
-    """(programs, rows per program, rows per step, pipeline stages, warps) of the one-pass backward."""
-    step = min(max(1, _BWD_STEP_BYTES // (block * x_bytes)), 16, next_power_of_2(n_rows))
-    stages = min(_BWD_MAX_STAGES, max(1, _SMEM_BUDGET // (step * block * (x_bytes + dy_bytes))))
-    steps = -(-n_rows // step)
-    programs = num_programs(device, steps, per_sm=_BWD_PER_SM)
-    per = -(-steps // programs) * step
-    tile = step * block
-    warps = 4 if tile <= 1024 else 8 if tile <= 8192 else 16
-    return -(-n_rows // per), per, step, stages, warps
 
 
 def out_dtype(x: torch.Tensor, weight: torch.Tensor, offset: float) -> torch.dtype:
@@ -341,7 +323,7 @@ def _backward(dy: torch.Tensor, rows: tuple[torch.Tensor, int, int], weight: tor
                               dho2, stride_dho, dh_out is not None)
     # dh_out is one more tile per step in the pipeline's shared memory: plan for it with dy's
     grad_bytes = dy2.element_size() + (dho2.element_size() if dh_out is not None else 0)
-    programs, per, step, stages, warps = _bwd_plan(n_rows, block, x2.element_size(), grad_bytes, dy.device)
+    programs, per, step, stages, warps = one_pass_plan(n_rows, block, x2.element_size(), grad_bytes, dy.device)
     dw_part = torch.empty((programs, n), dtype=torch.float32, device=dy.device) if need_dw else rstd
     _bwd[(programs,)](
         dy2, x2, weight, rstd, dx, dw_part, dho2, stride_dy, stride_x, n, stride_dho, n_rows, n, offset, per,
