@@ -853,10 +853,8 @@ class Checkpointer:
                 if receive:   # this rank loads from what it receives: first receive (and serve, if it must)
                     received = self._pull_from_peers(s, timelines[(n, s)], send_to, receive, phases)
                 elif send_to is not None:   # serving only: its own load runs meanwhile (both read this node's RAM)
-                    # the two share this node's memory bandwidth: the replica's read gets half the I/O threads
                     serving = Background(functools.partial(self._pull_from_peers, s, timelines[(n, s)], send_to,
-                                                           False, phases, max(1, knobs.get("CKPT_IO_THREADS") // 2)),
-                                         self.peer.wire.device)
+                                                           False, phases), self.peer.wire.device)
             try:
                 info = _restore(state, self._tiers + ([received] if received is not None else []), s, strict,
                                 self._job, timeline=n)
@@ -898,14 +896,14 @@ class Checkpointer:
         return (peer.src if peer.src in needs else None), peer.rank in needs
 
     def _pull_from_peers(self, step: int, timeline: Timeline, send_to: int | None, receive: bool,
-                         phases: dict[str, float], threads: int | None = None) -> ReceivedCopy | None:
+                         phases: dict[str, float]) -> ReceivedCopy | None:
         """Collective with the ranks of :meth:`_peer_roles`: serve ``send_to`` the replica this rank holds and,
         with ``receive``, get this rank's own copy back from its holder; adds the seconds to ``phases["peer"]``.
         Returns this rank's copy, checked, or ``None``."""
         peer = self.peer
         t0 = time.perf_counter()
         try:
-            got = peer.serve(step, timeline, send_to, receive, threads)
+            got = peer.serve(step, timeline, send_to, receive)
             if got is not None:
                 log.info("rank %d got its snapshot of step %d back from the RAM of rank %d (peer tier)", peer.rank,
                          step, peer.holder_of(peer.rank))

@@ -265,12 +265,12 @@ def _judge(rec: shm.SnapshotRecord, path: Path, bad: int | None) -> None:
                           "was read")
 
 
-def _to_device(manifest: Manifest, fd: int, sc: Scatter, threads: int | None = None) -> int | None:
+def _to_device(manifest: Manifest, fd: int, sc: Scatter) -> int | None:
     """Copy a segment's snapshot to its destinations chunk by chunk: each chunk is read from the RAM
     file system into one of a small ring of pinned buffers (a ``pread``, no page faults on a mapping
     of another process's file), its checksum checked there, then sent to the device on a side stream
-    while the next chunks are read and checked, on ``threads`` threads (default ``CKPT_IO_THREADS``).
-    Returns the first chunk that failed its checksum (``None``: none did)."""
+    while the next chunks are read and checked, on ``CKPT_IO_THREADS`` threads. Returns the first
+    chunk that failed its checksum (``None``: none did)."""
     chunk = manifest.chunk_bytes
     n = len(manifest.chunks)
     ring: queue.Queue = queue.Queue()
@@ -302,7 +302,7 @@ def _to_device(manifest: Manifest, fd: int, sc: Scatter, threads: int | None = N
             ring.put((buf, ev))
 
     try:
-        with ThreadPoolExecutor(threads or knobs.get("CKPT_IO_THREADS"), thread_name_prefix="ckpt-memory-read") as ex:
+        with ThreadPoolExecutor(knobs.get("CKPT_IO_THREADS"), thread_name_prefix="ckpt-memory-read") as ex:
             for f in [ex.submit(one, i) for i in range(n)]:
                 f.result()
     finally:

@@ -518,14 +518,11 @@ class PeerTier(PersistingTier):
         return buf, m
 
     # -- restore (collective) ----------------------------------------------------------------------
-    def serve(self, step: int, timeline: Timeline, send_to: int | None, receive: bool,
-              threads: int | None = None) -> "ReceivedCopy | None":
+    def serve(self, step: int, timeline: Timeline, send_to: int | None, receive: bool) -> "ReceivedCopy | None":
         """Send the replica of ``step`` this rank holds to ``send_to`` (its owner, whose own copies are gone)
         and/or, with ``receive``, take this rank's own snapshot of ``step`` back from its holder. Returns the
         copy received, every chunk checked against the holder's checksums (``None``: the holder had none).
-        Raises :class:`~ckpt.errors.CorruptCheckpointError` for a copy that fails. Collective. ``threads``:
-        how many threads read a replica from the RAM file system (default ``CKPT_IO_THREADS``; fewer where
-        this rank loads its own state meanwhile)."""
+        Raises :class:`~ckpt.errors.CorruptCheckpointError` for a copy that fails. Collective."""
         if self.broken is not None:
             raise CheckpointError(f"step {step}: the peer tier stopped after a failed exchange ({self.broken})")
         manifest, body, buf, seg, reading = None, None, None, None, None
@@ -541,7 +538,7 @@ class PeerTier(PersistingTier):
                 else:   # a replica a previous process left and this one did not take over
                     rec = self.store._record(step, timeline)
                     path = Path(rec.path).with_name(rec.buffer)
-                    reading = _ReplicaRead.start(path, manifest, self.wire.device, threads)
+                    reading = _ReplicaRead.start(path, manifest, self.wire.device)
                     if reading is not None:
                         body = reading.data
                     else:
@@ -644,8 +641,8 @@ class _ReplicaRead:
     raises :class:`~ckpt.errors.CorruptCheckpointError` naming the first chunk that failed (the owner's own
     checks refuse such a copy: it was sent as read)."""
 
-    def __init__(self, path: Path, manifest: Manifest, device: torch.device, threads: int | None = None) -> None:
-        self.path, self.manifest, self.threads = path, manifest, threads
+    def __init__(self, path: Path, manifest: Manifest, device: torch.device) -> None:
+        self.path, self.manifest = path, manifest
         with torch.cuda.device(device):
             self.data = torch.empty(manifest.data_bytes, dtype=torch.uint8, device=device)
         self._landed: dict[int, torch.cuda.Event | None] = {}   # chunk -> event after its copy (None: failed)
@@ -655,14 +652,13 @@ class _ReplicaRead:
         self._job = Background(self._read, device)
 
     @classmethod
-    def start(cls, path: Path, manifest: Manifest, device: torch.device | None,
-              threads: int | None = None) -> "_ReplicaRead | None":
+    def start(cls, path: Path, manifest: Manifest, device: torch.device | None) -> "_ReplicaRead | None":
         """The read started, or ``None`` (nothing started) without a GPU or where it has no room for the
         replica: the caller sends from a mapping of the segment."""
         if device is None or device.type != "cuda":
             return None
         try:
-            return cls(path, manifest, device, threads)
+            return cls(path, manifest, device)
         except torch.cuda.OutOfMemoryError:
             log.info("no room for %d bytes on %s to serve a replica from: it is sent from host memory",
                      manifest.data_bytes, device)
@@ -671,7 +667,7 @@ class _ReplicaRead:
     def _read(self) -> int | None:
         fd = shm.open_for_read(self.path, self.manifest.data_bytes)
         try:
-            return _to_device(self.manifest, fd, self._dest, self.threads)
+            return _to_device(self.manifest, fd, self._dest)
         finally:
             os.close(fd)
             with self._cv:
