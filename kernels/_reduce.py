@@ -3,13 +3,12 @@
 The norms' weight-gradient programs each store one fp32 partial row (per column block and
 row split for LayerNorm, per program for RMSNorm). :func:`sum_split_rows` adds a column
 block's partial rows in split order (deterministic) and stores the result straight into the
-parameter's dtype. RMSNorm calls it from a small launch after its one-pass backward (whose
-programs each cover every column), or for rows too wide for that, from extra programs of its
-``dx`` launch, which follows the partial rows' launch. LayerNorm makes partial rows and ``dx`` in one launch:
-summing in a separate launch would cost more host time than the sum takes on the GPU (host
-time is what bounds a LayerNorm at LLM sizes), so the programs of a column block count
-themselves in on an atomic ticket (:func:`last_to_arrive`) and the last to arrive does the
-sum. Tickets live in one small int32 row per device and stream
+parameter's dtype. The one-pass backwards (RMSNorm's and LayerNorm's, planned by
+:func:`one_pass_plan`: programs that each cover every column) call it from a small launch after
+theirs. For rows too wide for one pass, RMSNorm calls it from extra programs of its ``dx`` launch,
+which follows the partial rows' launch; LayerNorm makes partial rows and ``dx`` in one launch, and
+the programs of a column block count themselves in on an atomic ticket (:func:`last_to_arrive`)
+and the last to arrive does the sum. Tickets live in one small int32 row per device and stream
 (:func:`tickets`), re-armed to zero by the program that used them, so no launch clears them
 and CUDA-graph replays find them zero.
 

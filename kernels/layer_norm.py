@@ -16,17 +16,20 @@ Memory tricks: ``xhat`` is recomputed from the saved input and the two per-row
 statistics rather than stored. The variance uses the two-pass form on the row held in
 registers (no ``E[x^2] - E[x]^2`` cancellation).
 
-Launches: one forward, one backward. At LLM sizes a LayerNorm is about 0.13 ms of GPU
-work, less than the host needs to issue it from Python, so the number of launches is what
-sets its speed (docs/benchmarks.md). The backward is one launch holding two kinds of
-program side by side (horizontal fusion): (column block x row split) programs that keep
-``[32, 128]`` fp32 tiles of ``dy * xhat`` and ``dy`` over their rows and store partial
-rows, placed first so that these longer programs start first; then one program per row
-for ``dx``. The last weight-gradient program of each column block to finish (an atomic
-ticket, ``_reduce.py``) sums that block's partial rows in split order into ``dw`` and
-``db`` in their own dtypes: deterministic, no second launch. Measured on an H200 (8192 x
-4096 bf16, side by side with the previous three-launch backward): 35-40 us less host time
-per forward + backward, 5 us more GPU time (139 vs 134 us).
+Launches: one forward; the backward is one pass over ``x`` and ``dy`` (RMSNorm's: the floor,
+read both once and write ``dx``): one program per SM walks its own contiguous rows a few at a
+time with the next steps' loads in flight (a ``tl.range`` software pipeline), writes each row's
+``dx`` and keeps the partial sums of ``dy * xhat`` and ``dy`` over its rows in registers; a
+small second launch adds the per-program partial rows in program order into ``dw`` and ``db``
+in their own dtypes (deterministic, no atomics). Measured on an H100 (8192 x 4096 bf16,
+forward + backward, CUDA-graph replay): 0.130 ms, 106% of the device's copy rate by the bytes a
+LayerNorm must move, against 0.175 ms (79%) for the earlier single-launch backward that re-read
+``x`` and ``dy`` for the weight gradients. Rows wider than ``_ONE_PASS_MAX_N`` (whose partial
+rows and tiles would spill out of one program's registers) keep that single launch: (column block
+x row split) programs that keep ``[32, 128]`` fp32 tiles of ``dy * xhat`` and ``dy`` over their
+rows and store partial rows, placed first so that these longer programs start first, then one
+program per row for ``dx``; the last weight-gradient program of each column block to finish (an
+atomic ticket, ``_reduce.py``) sums that block's partial rows in split order.
 
 Shapes: ``x`` ``(..., N)``; ``weight`` and ``bias`` ``(N,)`` (``bias`` may be ``None``).
 
