@@ -1,7 +1,7 @@
 """Finishing the norms' weight-gradient reductions: partial rows, summed in split order.
 
-The norms' weight-gradient programs each store one fp32 partial row (per column block and
-row split for LayerNorm, per program for RMSNorm). :func:`sum_split_rows` adds a column
+The norms' weight-gradient programs each store one fp32 partial row (per program in the one-pass
+backwards; per column block and row split in the wide-row backwards). :func:`sum_split_rows` adds a column
 block's partial rows in split order (deterministic) and stores the result straight into the
 parameter's dtype. The one-pass backwards (RMSNorm's and LayerNorm's, planned by
 :func:`one_pass_plan`: programs that each cover every column) call it from a small launch after
