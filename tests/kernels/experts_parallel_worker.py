@@ -1,5 +1,6 @@
 """Child side of test_kernels_moe's parallel tests: one gloo rank of transformers' own expert or tensor
-parallelism on the CPU, its experts served by ckpt.kernels.patch.
+parallelism on the CPU, its experts served by ckpt.kernels.patch; with ``CKPT_TEST_NCCL=1``, one NCCL rank
+on its own GPU (``cuda:RANK``), the kernels compiled.
 
 ``python experts_parallel_worker.py MODEL_DIR RANK WORLD LAYOUT OUT``, MASTER_ADDR / MASTER_PORT from the
 environment. ``LAYOUT`` names the ``DistributedConfig`` (below). The tiny model saved in ``MODEL_DIR`` is
@@ -22,10 +23,12 @@ from __future__ import annotations
 import os
 import sys
 
-# a CPU job: no GPU even where there is one (transformers picks the mesh's device from the accelerator),
-# and the kernels through Triton's interpreter, set before Triton is imported
-os.environ["CUDA_VISIBLE_DEVICES"] = ""
-os.environ["TRITON_INTERPRET"] = "1"
+NCCL = os.environ.get("CKPT_TEST_NCCL") == "1"
+if not NCCL:
+    # a CPU job: no GPU even where there is one (transformers picks the mesh's device from the accelerator),
+    # and the kernels through Triton's interpreter, set before Triton is imported
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""
+    os.environ["TRITON_INTERPRET"] = "1"
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
@@ -45,13 +48,19 @@ LAYOUTS = {
 
 
 def local(t: torch.Tensor | None) -> torch.Tensor | None:
-    return t.to_local() if hasattr(t, "to_local") else t
+    t = t.to_local() if hasattr(t, "to_local") else t
+    return t.cpu() if t is not None else None
 
 
 def main() -> None:
     model_dir, rank, world, layout, out_dir = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5]
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    if NCCL:
+        torch.cuda.set_device(rank)
+        dist.init_process_group("nccl", rank=rank, world_size=world, device_id=torch.device("cuda", rank))
+    else:
+        dist.init_process_group("gloo", rank=rank, world_size=world)
+    device = torch.device("cuda", rank) if NCCL else torch.device("cpu")
 
     def load():
         return transformers.AutoModelForCausalLM.from_pretrained(
@@ -80,12 +89,12 @@ def main() -> None:
 
     # the ranks of a tensor-parallel group hold one batch; FSDP ranks each their own
     g = torch.Generator().manual_seed(rank if "fsdp" in layout else 0)
-    ids = torch.randint(0, ref.config.vocab_size, (2, 13), generator=g)
+    ids = torch.randint(0, ref.config.vocab_size, (2, 13), generator=g).to(device)
     losses = []
     for model in (ref, ours):
         loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
-        losses.append(loss.detach())
+        losses.append(loss.detach().cpu())
     train_calls, train_norm_calls = list(calls), len(norm_calls)
     with torch.no_grad():
         logits = [local(model.eval()(input_ids=ids).logits) for model in (ref, ours)]

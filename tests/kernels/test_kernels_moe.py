@@ -435,22 +435,25 @@ def test_registry_route_falls_back_to_the_implementation_named_before_patch(coun
 WORKER = Path(__file__).parent / "experts_parallel_worker.py"
 
 
+@pytest.mark.parametrize("nccl", [False, pytest.param(True, marks=pytest.mark.multigpu)], ids=["gloo", "nccl"])
 @pytest.mark.parametrize("model_type,layout", [
     ("qwen3_moe", "ep+tp"), ("qwen3_moe", "ep+fsdp"), ("qwen3_moe", "tp"), ("mixtral", "ep+tp")])
-def test_patch_serves_experts_under_transformers_parallelism(model_type, layout, tmp_path):
+def test_patch_serves_experts_under_transformers_parallelism(model_type, layout, nccl, tmp_path):
     """Two gloo ranks load a tiny model with transformers' own parallelism (``from_pretrained`` with a
     ``DistributedConfig``: expert parallelism with the ranks sharing a batch or each holding its own, or
     the experts tensor-parallel), which installs its dispatch on each experts module's ``forward``.
     patch() keeps that dispatch and fused_experts serves every sparse layer inside it, flagged
     ``expert_parallel`` where transformers split the experts, in training (all-to-all) and at evaluation;
-    the loss, the logits and every gradient (each rank's shard) equal the unpatched parallel model's.
+    the loss, the logits and every gradient (each rank's shard) equal the unpatched parallel model's. The same
+    over NCCL on two GPUs (``multigpu``), the kernels compiled for them.
 
     The rest of the model is patched too (``patch(model)``). Under tensor parallelism transformers wraps the
     ``forward`` of Qwen3-MoE's QK-norms (their weight gradients are summed over the ranks there) and of
     ``lm_head`` (its vocabulary shards gathered): those stay as they are, with the fused loss, and are named
     under ``"left"``; the other norms run fused. Under FSDP every norm runs fused in place, and the loss too."""
     tiny_moe(model_type).save_pretrained(tmp_path / "model")
-    results = run_ranks(WORKER, str(tmp_path / "model"), layout, str(tmp_path), timeout=400)
+    results = run_ranks(WORKER, str(tmp_path / "model"), layout, str(tmp_path), timeout=400,
+                        env={"CKPT_TEST_NCCL": "1" if nccl else "0"})
     assert_ok(results)
     n_layers = 2
     for rank in range(2):
