@@ -22,7 +22,8 @@ cannot reuse ``hidden``). The chunk size trades the memory of the chunk against 
 traffic of step 3, which reads and writes the whole ``V x H`` weight gradient once per
 chunk: ``C`` defaults to the largest multiple of 64 for which the chunk is no larger than
 ``hidden`` (twice that when ``d_hidden`` reuses ``hidden``'s memory, since that budget is
-then free). Backward only rescales the three stored gradients by the incoming scalar
+then free), and to no fewer than 512 tokens (:data:`MIN_CHUNK`: shorter chunks make that update
+memory-bound). Backward only rescales the three stored gradients by the incoming scalar
 gradient (skipped on the device, without a host sync, when it is 1).
 
 ``reduction="none"`` cannot fold the incoming per-row gradients into ``d_weight`` before
@@ -88,12 +89,22 @@ __all__ = ["fused_linear_cross_entropy", "FusedLinearCrossEntropyLoss", "FusedLi
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 
 
+#: fewest tokens per chunk: the weight-gradient GEMM's inner dimension is the chunk, so it does C/2 flops per
+#: byte of ``d_weight`` it reads and writes; below ~500 that update is bound by memory on H100/H200-class GPUs
+#: (250-330 flop per byte of HBM), and its traffic, the whole ``V x H`` gradient twice per chunk, grows as
+#: the chunks shrink
+MIN_CHUNK = 512
+
+
 def default_chunk_size(n: int, h: int, v: int, reuse_hidden: bool, hidden_bytes: int = 2,
                        logit_bytes: int = 2) -> int:
     """Tokens per chunk: the chunk of logits is at most the size of ``hidden`` in bytes (x2 if
-    reused); ``hidden_bytes``/``logit_bytes`` are the element sizes of ``hidden`` and of the GEMMs."""
+    reused), but never fewer than :data:`MIN_CHUNK` tokens (a model whose hidden size is small beside
+    its vocabulary, e.g. H 1024 and V 151936, would otherwise run chunks of 64 tokens: 256 updates of
+    ``d_weight`` per 16k tokens); ``hidden_bytes``/``logit_bytes`` are the element sizes of ``hidden``
+    and of the GEMMs."""
     budget = n * h * hidden_bytes * (2 if reuse_hidden else 1)
-    c = max(64, (budget // max(v * logit_bytes, 1)) // 64 * 64)
+    c = max(MIN_CHUNK, (budget // max(v * logit_bytes, 1)) // 64 * 64)
     return max(1, min(n, c))
 
 

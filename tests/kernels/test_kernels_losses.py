@@ -286,3 +286,17 @@ def test_softcap_changes_the_loss_and_rejects_non_positive_caps():
     assert "softcap=3.0" in repr(CrossEntropyLoss(softcap=3.0))
     torch.testing.assert_close(FusedLinearCrossEntropyLoss(softcap=3.0)(x[:, :6], w, t),
                                ce_ref(x[:, :6] @ w.t(), t, softcap=3.0))
+
+
+@pytest.mark.parametrize("n,h,v,reuse,want", [
+    (8192, 4096, 128256, True, 512),     # Llama-3-8B head, hidden reused for d_hidden: the memory rule's 512
+    (8192, 4096, 128256, False, 512),    # a leaf hidden: the memory rule alone would say 256
+    (16384, 1024, 151936, True, 512),    # Qwen3-MoE-sized head (H small beside V): 128 by the memory rule
+    (65536, 8192, 32000, True, 33536),   # a small vocabulary: the memory rule, far above the floor
+    (300, 4096, 128256, True, 300),      # fewer tokens than the floor: one chunk
+])
+def test_default_chunk_keeps_the_weight_gradient_update_off_the_memory_bound(n, h, v, reuse, want):
+    from ckpt.kernels.fused_linear_cross_entropy import MIN_CHUNK, default_chunk_size
+
+    c = default_chunk_size(n, h, v, reuse)
+    assert c == want and (c >= MIN_CHUNK or c == n)
