@@ -216,3 +216,58 @@ def test_a_state_spread_over_two_gpus_of_one_process_is_refused(local_dir):
     with ckpt.Checkpointer(local_dir=local_dir) as ck:
         with pytest.raises(ckpt.errors.RefusedStateError):
             ck.save(1, state).wait()
+
+
+def _segment(path, nbytes: int, chunk: int):
+    """A file of random bytes standing for a replica segment, and the manifest fields a read checks."""
+    import types
+
+    from ckpt.integrity import checksum
+
+    data = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+    path.write_bytes(data.numpy().tobytes())
+    raw = data.numpy().tobytes()
+    chunks = [checksum(raw[i:i + chunk]) for i in range(0, nbytes, chunk)]
+    return data, types.SimpleNamespace(chunk_bytes=chunk, chunks=chunks, data_bytes=nbytes)
+
+
+def test_a_replica_read_onto_the_gpu_is_sent_piece_by_piece_as_it_lands(tmp_path):
+    # the holder's side of a restore over NCCL: a segment its previous process left, read onto its GPU in the
+    # background; ready() orders a stream after exactly the chunks a piece needs, across chunk boundaries
+    from ckpt.tiers.peer import _ReplicaRead
+
+    nbytes, chunk = (5 << 20) + 12345, 1 << 20
+    data, manifest = _segment(tmp_path / "seg.buf", nbytes, chunk)
+    reading = _ReplicaRead.start(tmp_path / "seg.buf", manifest, torch.device("cuda", 0))
+    out = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    side = torch.cuda.Stream()
+    piece = (3 << 20) // 2   # pieces straddle chunks
+    with torch.cuda.stream(side):
+        for a in range(0, nbytes, piece):
+            k = min(piece, nbytes - a)
+            reading.ready(a, k)
+            out[a:a + k].copy_(reading.data[a:a + k])
+    reading.finish()
+    side.synchronize()
+    assert torch.equal(out.cpu(), data)
+
+
+def test_a_replica_that_fails_its_check_or_is_gone_never_leaves_the_sender_waiting(tmp_path):
+    from ckpt.errors import CorruptCheckpointError
+    from ckpt.tiers.peer import _ReplicaRead
+
+    nbytes, chunk = 4 << 20, 1 << 20
+    data, manifest = _segment(tmp_path / "seg.buf", nbytes, chunk)
+    raw = bytearray((tmp_path / "seg.buf").read_bytes())
+    raw[(2 << 20) + 7] ^= 0xFF   # chunk 2 rots in RAM
+    (tmp_path / "seg.buf").write_bytes(bytes(raw))
+    reading = _ReplicaRead.start(tmp_path / "seg.buf", manifest, torch.device("cuda", 0))
+    reading.ready(0, nbytes)   # returns (chunk 2 is never copied: the read says so when over)
+    with pytest.raises(CorruptCheckpointError):
+        reading.finish()
+    with pytest.raises(FileNotFoundError):   # a segment gone: refused before anything is sent
+        _ReplicaRead.start(tmp_path / "gone.buf", manifest, torch.device("cuda", 0))
+    short = tmp_path / "short.buf"
+    short.write_bytes(b"\0" * 100)
+    with pytest.raises(OSError):
+        _ReplicaRead.start(short, manifest, torch.device("cuda", 0))

@@ -643,9 +643,15 @@ class _ReplicaRead:
 
     def __init__(self, path: Path, manifest: Manifest, device: torch.device) -> None:
         self.path, self.manifest = path, manifest
-        with torch.cuda.device(device):
-            self.data = torch.empty(manifest.data_bytes, dtype=torch.uint8, device=device)
-        self._landed: dict[int, torch.cuda.Event | None] = {}   # chunk -> event after its copy (None: failed)
+        # opened here: a segment that is gone or not one of ours is refused before anything is sent
+        self._fd = shm.open_for_read(path, manifest.data_bytes)
+        try:
+            with torch.cuda.device(device):
+                self.data = torch.empty(manifest.data_bytes, dtype=torch.uint8, device=device)
+        except BaseException:
+            os.close(self._fd)
+            raise
+        self._landed: dict[int, torch.cuda.Event] = {}   # chunk -> event after its copy
         self._cv = threading.Condition()
         self._over = False
         self._dest = _WholeBuffer(self.data, self._copied)
@@ -665,11 +671,10 @@ class _ReplicaRead:
             return None
 
     def _read(self) -> int | None:
-        fd = shm.open_for_read(self.path, self.manifest.data_bytes)
         try:
-            return _to_device(self.manifest, fd, self._dest)
-        finally:
-            os.close(fd)
+            return _to_device(self.manifest, self._fd, self._dest)
+        finally:   # whatever happened, a sender waiting in ready() goes on
+            os.close(self._fd)
             with self._cv:
                 self._over = True
                 self._cv.notify_all()
@@ -681,7 +686,8 @@ class _ReplicaRead:
 
     def ready(self, offset: int, length: int) -> None:
         """Make the current stream wait for the copies of bytes ``[offset, offset + length)`` (blocks this
-        thread until they are queued; a chunk that failed its check or was never read is sent as it is)."""
+        thread until they are queued or the read is over; a chunk that failed its check or was never read,
+        the read having stopped, is sent as it is: the owner's checks refuse it)."""
         c = self.manifest.chunk_bytes
         for i in range(offset // c, -(-(offset + length) // c)):
             with self._cv:
