@@ -24,7 +24,7 @@ import torch
 
 from ._utils import jit_helper, next_power_of_2, num_programs, tl
 
-__all__ = ["split_rows", "one_pass_plan", "tickets", "last_to_arrive", "sum_split_rows", "DW_BLOCK_R", "DW_BLOCK_C"]
+__all__ = ["split_rows", "one_pass_plan", "load_rows", "tickets", "last_to_arrive", "sum_split_rows", "DW_BLOCK_R", "DW_BLOCK_C"]
 
 #: tile of the column-parallel weight-gradient kernels: rows x columns per step
 DW_BLOCK_R, DW_BLOCK_C = 32, 128
@@ -58,6 +58,20 @@ def last_to_arrive(TICKET, n_programs):
     gpu-scope acquire-release atomic: the serial split-K semaphore pattern."""
     tl.debug_barrier()
     return tl.atomic_add(TICKET, 1, sem="acq_rel", scope="gpu") == n_programs - 1
+
+
+@jit_helper
+def load_rows(DY, X, STAT, start, r_end, cols, cmask, stride_dy, stride_x, BLOCK_R: tl.constexpr):
+    """Rows ``start .. start + BLOCK_R`` (those below ``r_end``) of ``dy`` and ``x`` at ``cols``, in fp32,
+    and their per-row statistic at ``STAT`` (a norm's rstd); also the row indices and the tile mask: one
+    step of a one-pass backward."""
+    rows = start + tl.arange(0, BLOCK_R)
+    rmask = rows < r_end
+    m = rmask[:, None] & cmask[None, :]
+    dy = tl.load(DY + rows[:, None] * stride_dy + cols[None, :], mask=m, other=0.0).to(tl.float32)
+    x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=m, other=0.0).to(tl.float32)
+    stat = tl.load(STAT + rows, mask=rmask, other=0.0)
+    return rows, m, dy, x, stat
 
 
 @jit_helper

@@ -49,7 +49,16 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ._reduce import DW_BLOCK_C, DW_BLOCK_R, last_to_arrive, one_pass_plan, split_rows, sum_split_rows, tickets
+from ._reduce import (
+    DW_BLOCK_C,
+    DW_BLOCK_R,
+    last_to_arrive,
+    load_rows,
+    one_pass_plan,
+    split_rows,
+    sum_split_rows,
+    tickets,
+)
 from ._utils import (
     LazyKernel,
     as_rows,
@@ -58,6 +67,7 @@ from ._utils import (
     check_tensor,
     dense_vector,
     empty_rows_like,
+    jit_helper,
     next_power_of_2,
     op_def,
     rows_of,
@@ -103,6 +113,17 @@ def _layer_norm_fwd_kernel(
     tl.store(STATS + n_rows + row, rstd)
 
 
+@jit_helper
+def _store_parts(PART, part, n_parts, N, cols, cmask, acc_w, acc_b, COMPUTE_DW: tl.constexpr,
+                 COMPUTE_DB: tl.constexpr):
+    """Partial row ``part`` of ``dw`` and of ``db`` (column sums of the fp32 tiles ``acc_w``, ``acc_b``) into
+    ``PART``, ``(2, n_parts, N)``: dw's rows, then db's."""
+    if COMPUTE_DW:
+        tl.store(PART + part * N + cols, tl.sum(acc_w, axis=0), mask=cmask)
+    if COMPUTE_DB:
+        tl.store(PART + (n_parts + part) * N + cols, tl.sum(acc_b, axis=0), mask=cmask)
+
+
 def _layer_norm_bwd_kernel(
     DY, X, W, STATS, DX, PART, DW, DB, TICKETS,
     stride_dy, stride_x, n_rows, N, rows_per_split, n_splits, n_col_blocks, n_weight_programs,
@@ -135,10 +156,7 @@ def _layer_norm_bwd_kernel(
                 acc_w += dy_t * ((x_t - mean_r[:, None]) * rstd_r[:, None])
             if COMPUTE_DB:
                 acc_b += dy_t
-        if COMPUTE_DW:
-            tl.store(PART + split * N + wcols, tl.sum(acc_w, axis=0), mask=wcmask)
-        if COMPUTE_DB:
-            tl.store(PART + (n_splits + split) * N + wcols, tl.sum(acc_b, axis=0), mask=wcmask)
+        _store_parts(PART, split, n_splits, N, wcols, wcmask, acc_w, acc_b, COMPUTE_DW, COMPUTE_DB)
         # The last program of this column block to finish sums its partial rows into dw
         # and db in their own dtypes, then re-arms the ticket for the next launch.
         if last_to_arrive(TICKETS + cb, n_splits):
@@ -182,13 +200,9 @@ def _layer_norm_bwd_one_pass_kernel(
     acc_w = tl.zeros([BLOCK_R, BLOCK_N], dtype=tl.float32)
     acc_b = tl.zeros([BLOCK_R, BLOCK_N], dtype=tl.float32)
     for start in tl.range(r0, r_end, BLOCK_R, num_stages=STAGES):
-        rows = start + tl.arange(0, BLOCK_R)
-        rmask = rows < r_end
-        m = rmask[:, None] & cmask[None, :]
-        dy = tl.load(DY + rows[:, None] * stride_dy + cols[None, :], mask=m, other=0.0).to(tl.float32)
-        x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=m, other=0.0).to(tl.float32)
-        mean = tl.load(STATS + rows, mask=rmask, other=0.0)
-        rstd = tl.load(STATS + n_rows + rows, mask=rmask, other=0.0)
+        rows, m, dy, x, rstd = load_rows(DY, X, STATS + n_rows, start, r_end, cols, cmask, stride_dy, stride_x,
+                                         BLOCK_R)
+        mean = tl.load(STATS + rows, mask=rows < r_end, other=0.0)
         xhat = tl.where(m, (x - mean[:, None]) * rstd[:, None], 0.0)
         g = dy * w[None, :]
         c1 = tl.sum(g * xhat, axis=1) / N
@@ -199,10 +213,7 @@ def _layer_norm_bwd_one_pass_kernel(
             acc_w += dy * xhat
         if COMPUTE_DB:
             acc_b += dy
-    if COMPUTE_DW:
-        tl.store(PART + pid * N + cols, tl.sum(acc_w, axis=0), mask=cmask)
-    if COMPUTE_DB:
-        tl.store(PART + (n_programs + pid) * N + cols, tl.sum(acc_b, axis=0), mask=cmask)
+    _store_parts(PART, pid, n_programs, N, cols, cmask, acc_w, acc_b, COMPUTE_DW, COMPUTE_DB)
 
 
 def _layer_norm_part_sum_kernel(PART, DW, DB, n_parts, N, COMPUTE_DW: tl.constexpr, COMPUTE_DB: tl.constexpr,

@@ -68,7 +68,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ._reduce import DW_BLOCK_C, DW_BLOCK_R, one_pass_plan, split_rows, sum_split_rows
+from ._reduce import DW_BLOCK_C, DW_BLOCK_R, load_rows, one_pass_plan, split_rows, sum_split_rows
 from ._utils import (
     LazyKernel,
     as_rows,
@@ -77,7 +77,6 @@ from ._utils import (
     check_tensor,
     dense_vector,
     empty_rows_like,
-    jit_helper,
     next_power_of_2,
     op_def,
     rows_of,
@@ -135,19 +134,6 @@ def _fused_add_rms_norm_fwd_kernel(
     tl.store(RSTD + row, rstd)
 
 
-@jit_helper
-def _load_rows(DY, X, RSTD, start, r_end, cols, cmask, stride_dy, stride_x, BLOCK_R: tl.constexpr):
-    """Rows ``start .. start + BLOCK_R`` (those below ``r_end``) of ``dy`` and ``x`` at ``cols``, in fp32,
-    and their ``rstd``; also the row indices and the tile mask."""
-    rows = start + tl.arange(0, BLOCK_R)
-    rmask = rows < r_end
-    m = rmask[:, None] & cmask[None, :]
-    dy = tl.load(DY + rows[:, None] * stride_dy + cols[None, :], mask=m, other=0.0).to(tl.float32)
-    x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=m, other=0.0).to(tl.float32)
-    rstd = tl.load(RSTD + rows, mask=rmask, other=0.0)
-    return rows, m, dy, x, rstd
-
-
 def _rms_norm_bwd_kernel(
     DY, X, W, RSTD, DX, DW_PART, DH_OUT,
     stride_dy, stride_x, stride_dx, stride_dho, n_rows, N, offset, rows_per_program,
@@ -167,7 +153,7 @@ def _rms_norm_bwd_kernel(
     r_end = tl.minimum(r0 + rows_per_program, n_rows)
     acc = tl.zeros([BLOCK_R, BLOCK_N], dtype=tl.float32)
     for start in tl.range(r0, r_end, BLOCK_R, num_stages=STAGES):
-        rows, m, dy, x, rstd = _load_rows(DY, X, RSTD, start, r_end, cols, cmask, stride_dy, stride_x, BLOCK_R)
+        rows, m, dy, x, rstd = load_rows(DY, X, RSTD, start, r_end, cols, cmask, stride_dy, stride_x, BLOCK_R)
         xhat = x * rstd[:, None]
         g = dy * w[None, :]
         dx = rstd[:, None] * (g - xhat * (tl.sum(g * xhat, axis=1) / N)[:, None])
@@ -202,7 +188,7 @@ def _rms_norm_bwd_dw_kernel(
     r_end = tl.minimum(r0 + rows_per_split, n_rows)
     acc = tl.zeros([BLOCK_R, BLOCK_C], dtype=tl.float32)
     for start in range(r0, r_end, BLOCK_R):
-        _, _, dy, x, rstd = _load_rows(DY, X, RSTD, start, r_end, cols, cmask, stride_dy, stride_x, BLOCK_R)
+        _, _, dy, x, rstd = load_rows(DY, X, RSTD, start, r_end, cols, cmask, stride_dy, stride_x, BLOCK_R)
         xhat = x * rstd[:, None]
         if LLAMA_CAST:
             xhat = xhat.to(X.dtype.element_ty).to(tl.float32)
