@@ -77,6 +77,7 @@ from ._utils import (
     check_tensor,
     dense_vector,
     empty_rows_like,
+    jit_helper,
     next_power_of_2,
     op_def,
     rows_of,
@@ -98,12 +99,20 @@ def _rms_norm_fwd_kernel(
     cols = tl.arange(0, BLOCK_N)
     mask = cols < N
     x = tl.load(X + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    _normalize_row(x, X.dtype.element_ty, W, Y, RSTD, row, stride_y, cols, mask, N, eps, offset, LLAMA_CAST)
+
+
+@jit_helper
+def _normalize_row(x, x_dtype: tl.constexpr, W, Y, RSTD, row, stride_y, cols, mask, N, eps, offset,
+                   LLAMA_CAST: tl.constexpr):
+    """The norm of one fp32 row ``x`` (its storage dtype ``x_dtype``) into row ``row`` of ``Y``, its rstd
+    into ``RSTD``."""
     w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
     rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / N + eps)
     xhat = x * rstd
     if LLAMA_CAST:
         # Llama rounds the normalised activations to the input dtype before the weight.
-        xhat = xhat.to(X.dtype.element_ty).to(tl.float32)
+        xhat = xhat.to(x_dtype).to(tl.float32)
     y = xhat * (w + offset)
     tl.store(Y + row * stride_y + cols, y.to(Y.dtype.element_ty), mask=mask)
     tl.store(RSTD + row, rstd)
@@ -123,15 +132,8 @@ def _fused_add_rms_norm_fwd_kernel(
     r = tl.load(R + row * stride_r + cols, mask=mask, other=0.0).to(tl.float32)
     h = (x + r).to(H.dtype.element_ty)
     tl.store(H + row * stride_h + cols, h, mask=mask)
-    h = h.to(tl.float32)
-    w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
-    rstd = 1.0 / tl.sqrt(tl.sum(h * h, axis=0) / N + eps)
-    hhat = h * rstd
-    if LLAMA_CAST:
-        hhat = hhat.to(H.dtype.element_ty).to(tl.float32)
-    y = hhat * (w + offset)
-    tl.store(Y + row * stride_y + cols, y.to(Y.dtype.element_ty), mask=mask)
-    tl.store(RSTD + row, rstd)
+    _normalize_row(h.to(tl.float32), H.dtype.element_ty, W, Y, RSTD, row, stride_y, cols, mask, N, eps, offset,
+                   LLAMA_CAST)
 
 
 def _rms_norm_bwd_kernel(
