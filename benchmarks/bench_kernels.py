@@ -15,6 +15,9 @@ Usage (on a GPU)::
 
 Liger-Kernel and Cut Cross-Entropy are optional (``pip install liger-kernel
 cut-cross-entropy``; never dependencies): when one is not importable its column is left out.
+The fused linear cross-entropy runs ours twice: ``ours`` with ``d_hidden`` written over ``hidden`` (as
+inside a model, where ``hidden`` is the final norm's private output) and ``ours_leaf`` with ``hidden`` a
+leaf input (``d_hidden`` in a buffer of its own).
 Cut Cross-Entropy has one loss, ``linear_cross_entropy`` (the fused linear cross-entropy), and
 no plain cross-entropy; it runs twice: ``cce`` with its defaults (mean reduction and its
 gradient filter ``filter_eps="high"``, which skips the backward blocks whose gradient entries,
@@ -286,6 +289,8 @@ def make_case(kernel: str, size: int, dev: str, tokens: int, compile_: bool, flc
         # In a model `hidden` is the final norm's private output, so its memory takes d_hidden.
         case.providers["ours"] = lambda h, w: K.fused_linear_cross_entropy(h, w, t, inplace=True,
                                                                             chunk_size=flce_chunk)
+        # `hidden` a leaf (or shared): d_hidden gets a buffer of its own, and the chunk its own budget
+        case.providers["ours_leaf"] = lambda h, w: K.fused_linear_cross_entropy(h, w, t, chunk_size=flce_chunk)
         case.providers["eager"] = lambda h, w: _eager_flce(h, w, t)
         if compile_:
             c = _compiled(_eager_flce)
@@ -449,7 +454,7 @@ def measure_graph(case: Case, provider: str, rep_ms: int) -> float:
     return float(ms)
 
 
-PROVIDERS = ("ours", "eager", "compile", "liger", "cce", "cce_exact")
+PROVIDERS = ("ours", "ours_leaf", "eager", "compile", "liger", "cce", "cce_exact")
 KERNELS = ["rms_norm", "fused_add_rms_norm",
            "layer_norm", "swiglu", "geglu", "rope", "cross_entropy", "fused_linear_cross_entropy",
            "moe_experts"]
