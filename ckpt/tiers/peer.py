@@ -112,15 +112,8 @@ class Exchange:
     def swap(self, out: torch.Tensor | None, to: int | None, into: torch.Tensor | None, frm: int | None,
              group: Any = None) -> None:
         """One round: send ``out`` to ``to`` and receive ``into`` from ``frm`` (either side ``None``: none)."""
-        dist = torch.distributed
-        ops = []
-        if out is not None and to is not None:
-            ops.append(dist.P2POp(dist.isend, out, to, group=group or self.group))
-        if into is not None and frm is not None:
-            ops.append(dist.P2POp(dist.irecv, into, frm, group=group or self.group))
-        if ops:
-            for r in dist.batch_isend_irecv(ops):
-                r.wait()
+        for w in _post(out, to, into, frm, group or self.group):
+            w.wait()
 
     def data(self, out: torch.Tensor | None, to: int | None, into: torch.Tensor | None, frm: int | None,
              in_piece: int, landed: Callable[[int, int], None],
@@ -225,13 +218,19 @@ class Exchange:
 
     def _post(self, out: torch.Tensor | None, to: int | None, into: torch.Tensor | None, frm: int | None) -> list:
         """Post one send and/or receive over ``data_group`` together; returns their works (not waited)."""
-        dist = torch.distributed
-        ops = []
-        if out is not None and to is not None:
-            ops.append(dist.P2POp(dist.isend, out, to, group=self.data_group))
-        if into is not None and frm is not None:
-            ops.append(dist.P2POp(dist.irecv, into, frm, group=self.data_group))
-        return dist.batch_isend_irecv(ops) if ops else []
+        return _post(out, to, into, frm, self.data_group)
+
+
+def _post(out: torch.Tensor | None, to: int | None, into: torch.Tensor | None, frm: int | None, group: Any) -> list:
+    """Post a send of ``out`` to ``to`` and a receive into ``into`` from ``frm`` over ``group`` together (either
+    side ``None``: none), so no order of posting between two ranks can deadlock; returns their works."""
+    dist = torch.distributed
+    ops = []
+    if out is not None and to is not None:
+        ops.append(dist.P2POp(dist.isend, out, to, group=group))
+    if into is not None and frm is not None:
+        ops.append(dist.P2POp(dist.irecv, into, frm, group=group))
+    return dist.batch_isend_irecv(ops) if ops else []
 
 
 def checked_receive(wire: Exchange, out: torch.Tensor | None, to: int | None, into: torch.Tensor | None,
