@@ -525,6 +525,7 @@ class PeerTier(PersistingTier):
         if self.broken is not None:
             raise CheckpointError(f"step {step}: the peer tier stopped after a failed exchange ({self.broken})")
         manifest, body, buf, seg, reading = None, None, None, None, None
+        source = ""   # where the served bytes came from, for the log
         t0 = time.perf_counter()
         if send_to is not None:
             try:
@@ -534,15 +535,18 @@ class PeerTier(PersistingTier):
                 buf = self._hold(step, timeline)
                 if buf is not None:
                     body = buf.tensor[:manifest.data_bytes]
+                    source = f"from its {'pinned' if buf.pinned else 'pageable'} replica buffer (slot {buf.slot})"
                 else:   # a replica a previous process left and this one did not take over
                     rec = self.store._record(step, timeline)
                     path = Path(rec.path).with_name(rec.buffer)
                     reading = _ReplicaRead.start(path, manifest, self.wire.device)
                     if reading is not None:
                         body = reading.data
+                        source = f"read onto {self.wire.device} from {path}"
                     else:
                         seg = shm.Segment.open(path, manifest.data_bytes, writable=False)
                         body = seg.tensor[:manifest.data_bytes]
+                        source = f"from a pageable mapping of {path}"
             except Exception as e:   # noqa: BLE001 - the owner hears "none" and falls back to another tier
                 log.warning("rank %d cannot serve its replica of rank %d's step %d: %s", self.rank, send_to, step, e)
                 manifest, body = None, None
@@ -607,7 +611,8 @@ class PeerTier(PersistingTier):
                 seg.release()
         t2 = time.perf_counter()
         log.info("rank %d, peer tier restore of step %d: %s%s; %.3f s to open and agree, %.3f s moving the data",
-                 self.rank, step, f"served {manifest.data_bytes} bytes to rank {send_to}" if go else "served none",
+                 self.rank, step,
+                 f"served {manifest.data_bytes} bytes to rank {send_to} {source}" if go else "served none",
                  f", received {dbytes} bytes from rank {holder}" if ready else "", t1 - t0, t2 - t1)
         if not ok:
             return None
