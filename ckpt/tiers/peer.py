@@ -165,7 +165,10 @@ class Exchange:
         # data to send already on the GPU (a replica read there to be served) goes from where it is
         direct = into is not None and into.device.type == "cuda"
         direct_out = out is not None and out.device.type == "cuda"
-        if not self._staging or self._staging[0][0].numel() < size:
+        # staging pairs only where a side goes through them (a restore's holder reading onto its GPU and an
+        # owner receiving onto its GPU need none: 2 x ring x piece of GPU memory not taken)
+        staged = (n_out and not direct_out) or (n_in and not direct)
+        if staged and (not self._staging or self._staging[0][0].numel() < size):
             self._staging = []   # the old pair goes first: a larger one must not need both at once
             # allocated on the stream that first writes them: the caching allocator hands out memory that is
             # free in that stream's order (on the training's stream, a block the training just freed could
@@ -179,7 +182,7 @@ class Exchange:
         with torch.cuda.device(self.device) if up is not None else contextlib.nullcontext():
             for i in range(pieces):
                 j = i % self._ring
-                s_buf, r_buf = self._staging[j]
+                s_buf, r_buf = self._staging[j] if staged else (None, None)
                 a, b = i * self.piece, i * in_piece
                 k = min(self.piece, n_out - a) if a < n_out else 0
                 r = min(in_piece, n_in - b) if b < n_in else 0
