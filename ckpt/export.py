@@ -24,6 +24,7 @@ import os
 import re
 import secrets
 import shutil
+import stat
 import time
 import warnings
 from concurrent.futures import ThreadPoolExecutor
@@ -35,7 +36,8 @@ import torch
 
 from . import knobs
 from .errors import CorruptCheckpointError, IncompatibleCheckpointError, IncompleteCheckpointError
-from .format import Manifest, data_name, dtype_to_str, open_regular, str_to_dtype
+from .format import (LATEST_NAME, Manifest, data_name, dtype_to_str, open_regular, parse_record, parse_step_dir,
+                     read_record, str_to_dtype)
 from .integrity import checksum
 from .policy import live_and_abandoned
 from .progress import Progress, wanted
@@ -127,8 +129,10 @@ def export(source: str | os.PathLike, dest: str | os.PathLike, *, format: str = 
         raise ValueError(f"format must be one of {', '.join(FORMATS)}; got {format!r}")
     cast = _parse_dtype(dtype)
     limit = parse_size(max_shard_size)
-    dest = Path(dest).expanduser()
+    shown = Path(dest).expanduser()
+    dest = Path(os.path.abspath(shown))   # "." or "x/..": a real name in a real parent directory
     _refuse_existing(dest, force)
+    _refuse_overlap(source, storage_options, dest)
     if format == "hf" and key is None:
         key = "model"
     src = _Source.open(source, storage_options, step)
@@ -136,9 +140,11 @@ def export(source: str | os.PathLike, dest: str | os.PathLike, *, format: str = 
         tree = src.manifests[0].tree
         node, base = _select(tree, key, src.where)
         plan = _Plan(src.manifests[0])
-        built = plan.walk(node, base)
+        built = plan.walk(node, base, root=node is tree)
         if len(src.manifests) == 1:
             _check_whole(plan, src)
+        if format != "torch":
+            _check_names(plan, format, src)
         if format == "hf":
             writer: _Writer = _HFWriter(plan, config, tree, src)
         elif format == "safetensors":
@@ -154,7 +160,7 @@ def export(source: str | os.PathLike, dest: str | os.PathLike, *, format: str = 
             raise
     finally:
         src.close()
-    info = ExportInfo(step=src.step, format=format, source=src.where, path=str(dest), key=key,
+    info = ExportInfo(step=src.step, format=format, source=src.where, path=str(shown), key=key,
                       files=info["files"], tensors=info["tensors"], nbytes=info["nbytes"],
                       read_bytes=int(src.read_bytes), seconds=time.perf_counter() - t0,
                       dropped=plan.dropped + info.get("dropped", []))
@@ -200,12 +206,37 @@ def _parse_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
 
 
 def _refuse_existing(dest: Path, force: bool) -> None:
-    if not force and (dest.exists() or dest.is_symlink()):
+    if not force and os.path.lexists(dest):
         raise FileExistsError(errno.EEXIST, "the export destination exists; pass force=True (--force) to "
                               "replace it", str(dest))
     if not dest.parent.is_dir():
+        if os.path.lexists(dest.parent):
+            raise NotADirectoryError(errno.ENOTDIR, "the export destination's parent is not a directory",
+                                     str(dest.parent))
         raise FileNotFoundError(errno.ENOENT, "the export destination's parent directory does not exist",
                                 str(dest.parent))
+
+
+def _refuse_overlap(source: str | os.PathLike, storage_options: dict[str, Any] | None, dest: Path) -> None:
+    """``dest`` must not be the checkpoint directory being read, a directory holding it, or a part of one
+    of its steps: replacing it (``force``) would delete the checkpoint, writing into it would add to it."""
+    text = os.fspath(source)
+    if "://" in text:
+        import fsspec
+
+        from .tiers.remote import is_local_fs
+
+        fs, root = fsspec.core.url_to_fs(text, **(storage_options or {}))
+        if not is_local_fs(fs):
+            return
+        text = root
+    src = os.path.realpath(text)
+    here = os.path.join(os.path.realpath(dest.parent), dest.name)   # dest itself may be a link: not followed
+    inside = os.path.relpath(here, src).split(os.sep)
+    if here == src or src.startswith(here.rstrip(os.sep) + os.sep) or (
+            inside[0] != ".." and (parse_step_dir(inside[0]) is not None or inside[0] == LATEST_NAME)):
+        raise ValueError(f"the export destination {str(dest)!r} is, holds or lies inside the checkpoint {text!r} "
+                         "it exports; pass a destination outside it")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -242,6 +273,8 @@ class _Source:
         if tier.name == "remote":
             commit = tier.read_commit(self.step)
             self.manifests = tier.read_manifests(self.step, commit)
+            for m in self.manifests:   # every part there at its committed size, before any size the manifests
+                tier._check_stored(self.step, m)   # state is allocated (as a restore checks)
             self._fetch = lambda r, m, i: tier.fetch(self.step, r, m, i)
         else:
             self.manifests = [tier.open(self.step)[1]]
@@ -317,10 +350,11 @@ def _select(tree: Any, key: str | None, where: str) -> tuple[Any, str]:
         return tree, ""
     node: Any = tree
     for i, part in enumerate(key.split("/")):
-        if isinstance(node, dict) and "$obj" in node:
+        if i and isinstance(node, dict) and "$obj" in node:
             node = node.get("sd")
-        children = _children(node)
-        if part.startswith("$") or part not in children:
+        # the top level is the state's own keys, whatever they are ("$t" included): never a tagged node
+        children = dict(tree) if i == 0 else _children(node)
+        if (i and part.startswith("$")) or part not in children:
             here = "/".join(key.split("/")[:i]) or "the state"
             raise ValueError(f"key {key!r}: {here} of the checkpoint at {where} has no {part!r} "
                              f"(it has {sorted(children)[:20]}); pass another key")
@@ -367,13 +401,27 @@ class _Plan:
         self.tensors: list[_Tensor] = []
         self.values: dict[str, Any] = {}
         self.dropped: list[str] = []
+        self.clashes: list[str] = []   # value names given twice (keys "a/b" and "a" -> "b"; 1 and "1")
         self._base = ""
         self._rank_layouts: dict[int, dict[int, Any]] = {}
 
-    def walk(self, node: Any, base: str) -> Any:
-        """Collect ``node``'s tensors and values; returns it as nested Python with :class:`_Ref` for tensors."""
+    def walk(self, node: Any, base: str, root: bool = False) -> Any:
+        """Collect ``node``'s tensors and values; returns it as nested Python with :class:`_Ref` for tensors.
+        ``root``: ``node`` is the whole saved tree, a plain mapping of the state's top-level keys (which may
+        look like tags: a key ``"$t"`` is saved as it is)."""
         self._base = base
+        if root:
+            sub = (lambda k: f"{base}/{k}" if base else str(k))
+            if not node:
+                self._value(base, {})
+            return {k: self._walk(v, sub(k)) for k, v in node.items() if not _skipped(v, self, sub(k))}
         return self._walk(node, base)
+
+    def _value(self, path: str, value: Any) -> None:
+        name = self._name(path)
+        if name in self.values:
+            self.clashes.append(name)
+        self.values[name] = value
 
     def _name(self, path: str) -> str:
         if self._base and path.startswith(self._base + "/"):
@@ -384,10 +432,10 @@ class _Plan:
         if isinstance(node, list):
             out = [self._walk(x, f"{path}/{i}" if path else str(i)) for i, x in enumerate(node)]
             if not node:
-                self.values[self._name(path)] = []
+                self._value(path, [])
             return out
         if not isinstance(node, dict):
-            self.values[self._name(path)] = node
+            self._value(path, node)
             return node
         sub = (lambda k: f"{path}/{k}" if path else str(k))
         if "$t" in node:
@@ -405,16 +453,16 @@ class _Plan:
         if "$d" in node:
             return {k: self._walk(v, sub(k)) for k, v in node["$d"] if not _skipped(v, self, sub(k))}
         if "$f" in node:
-            self.values[self._name(path)] = float(node["$f"])
+            self._value(path, float(node["$f"]))
             return float(node["$f"])
         if "$dtype" in node:
             dt = str_to_dtype(node["$dtype"], path)
-            self.values[self._name(path)] = str(dt)
+            self._value(path, str(dt))
             return dt
         if "$skip" in node:
             return None
         if not node:
-            self.values[self._name(path)] = {}
+            self._value(path, {})
         return {k: self._walk(v, sub(k)) for k, v in node.items() if not _skipped(v, self, sub(k))}
 
     def load(self, tensors: list[_Tensor], src: _Source, counter: Callable[[int], None]) -> dict[int, torch.Tensor]:
@@ -526,6 +574,45 @@ def _check_whole(plan: _Plan, src: _Source) -> None:
                 "every rank saved to), which holds every rank's shards, or a key without sharded tensors")
 
 
+#: torch dtype -> the dtype name a safetensors header gives it (complex128 has none)
+_ST_DTYPES: dict[torch.dtype, str] = {
+    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+    torch.complex64: "C64", torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
+    torch.uint8: "U8", torch.bool: "BOOL", torch.uint16: "U16", torch.uint32: "U32", torch.uint64: "U64",
+    torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
+}
+
+
+def _check_names(plan: _Plan, format: str, src: _Source) -> None:
+    """Before anything is read: every tensor must get a name of its own that a safetensors header can hold,
+    and a dtype the format has; every value (in the ``ckpt.values`` metadata) a name of its own. A state whose
+    names collide once flattened (a key ``"a/b"`` beside ``"a"`` -> ``"b"``; keys ``1`` and ``"1"``) would
+    otherwise lose all but one of them."""
+    where = f"step {src.step} of {src.where}"
+    seen: set[str] = set()
+    for t in plan.tensors:
+        if t.name in seen:
+            raise ValueError(f"{where}: two tensors are both named {t.name!r} once their paths are joined with '/' "
+                             "(a key holding '/', or keys like 1 and '1'); export another key, or format='torch', "
+                             "which keeps the structure")
+        seen.add(t.name)
+        if t.name == "__metadata__":
+            raise ValueError(f"{where}: a tensor is named {t.name!r}, the name a safetensors header reserves for its "
+                             "metadata; export another key, or format='torch'")
+        try:
+            t.name.encode("utf-8")
+        except UnicodeEncodeError:
+            raise ValueError(f"{where}: the tensor name {t.name!r} is not valid Unicode (a lone surrogate); a "
+                             "safetensors header cannot hold it; export another key, or format='torch'") from None
+        if t.dtype not in _ST_DTYPES:
+            raise ValueError(f"{where}: the tensor {t.name!r} is {t.dtype}, which safetensors cannot store; export "
+                             "another key, or format='torch'")
+    if format == "safetensors" and plan.clashes:
+        raise ValueError(f"{where}: two values are both named {plan.clashes[0]!r} once their paths are joined with '/' "
+                         "(a key holding '/', or keys like 1 and '1'); export another key, or format='torch', which "
+                         "keeps the structure")
+
+
 def _skipped(node: Any, plan: _Plan, path: str) -> bool:
     if isinstance(node, dict) and "$skip" in node:
         plan.dropped.append(f"{plan._name(path)}: left out when the checkpoint was saved (on_unsupported='skip')")
@@ -589,8 +676,6 @@ class _SafetensorsWriter(_Writer):
 
     def write(self, stage: Path, src: _Source, cast: torch.dtype | None, limit: int,
               progress: bool) -> dict[str, Any]:
-        from safetensors.torch import save_file
-
         groups = _shards(self.tensors(), cast, limit)
         names = _shard_names(len(groups))
         weight_map: dict[str, str] = {}
@@ -599,19 +684,15 @@ class _SafetensorsWriter(_Writer):
             for k, (group, fname) in enumerate(zip(groups, names)):
                 loaded = self.plan.load(group, src, bar)
                 out: dict[str, torch.Tensor] = {}
-                held: set[int] = set()
                 for t in group:
                     x = _cast(loaded[t.index], cast)
-                    if x.numel() and x.data_ptr() in held:
-                        x = x.clone()   # tied weights: safetensors stores each name's own bytes
-                    held.add(x.data_ptr())
-                    out[t.name] = x
+                    out[t.name] = x   # tied weights: each name's own bytes in the file, no copy held
                     weight_map[t.name] = fname
                     nbytes += x.numel() * x.element_size()
                 meta = dict(self.meta)
                 if k == 0 and self.values is not None:
                     meta[META_VALUES] = json.dumps(self.values)
-                save_file(out, str(stage / fname), metadata=meta)
+                _write_safetensors(stage / fname, out, meta)
                 del loaded, out
             src.read_bytes = int(bar.done)
         files = list(names)
@@ -620,9 +701,79 @@ class _SafetensorsWriter(_Writer):
             index["metadata"].pop("format")
             if self.values is not None:
                 index["metadata"][META_VALUES] = self.values
-            (stage / "model.safetensors.index.json").write_text(json.dumps(index, indent=2, sort_keys=False) + "\n")
+            _write_file(stage / "model.safetensors.index.json",
+                        (json.dumps(index, indent=2, sort_keys=False) + "\n").encode("utf-8"))
             files.append("model.safetensors.index.json")
         return {"files": files, "tensors": len(weight_map), "nbytes": nbytes}
+
+
+#: the largest header the safetensors reader accepts
+_ST_MAX_HEADER = 100_000_000
+
+
+def _create(path: Path) -> int:
+    """A new file in the staging directory, never through a link left at its name."""
+    return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0)
+                   | getattr(os, "O_CLOEXEC", 0), 0o644)
+
+
+def _write_file(path: Path, data: bytes) -> None:
+    with open(_create(path), "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _write_safetensors(path: Path, tensors: dict[str, torch.Tensor], meta: dict[str, str]) -> None:
+    """One safetensors file, streamed from the tensors (no serialised copy of them is held): an 8-byte
+    little-endian header length, the JSON header (padded with spaces to 8 bytes), the tensors' bytes.
+    Tensors are laid out by element size, largest first (in order otherwise), as ``safetensors`` lays
+    them out, so that each starts aligned to its element size. A write failure (a full disk, a file size
+    limit) is the ``OSError`` the system gave, with its errno."""
+    order = sorted(tensors.items(), key=lambda kv: -kv[1].element_size())
+    header: dict[str, Any] = {"__metadata__": meta} if meta else {}
+    off = 0
+    for name, x in order:
+        n = x.numel() * x.element_size()
+        header[name] = {"dtype": _ST_DTYPES[x.dtype], "shape": list(x.shape), "data_offsets": [off, off + n]}
+        off += n
+    raw = json.dumps(header, ensure_ascii=False, separators=(",", ":"), allow_nan=False).encode("utf-8")
+    raw += b" " * (-len(raw) % 8)
+    if len(raw) > _ST_MAX_HEADER:
+        raise ValueError(f"{path.name}: a safetensors header of {len(raw)} bytes, more than the {_ST_MAX_HEADER} "
+                         "its readers accept (too many tensors or values): export less at a time (key=) or use a "
+                         "smaller max_shard_size")
+    with open(_create(path), "wb") as f:
+        f.write(len(raw).to_bytes(8, "little"))
+        f.write(raw)
+        for _, x in order:
+            if x.numel():
+                f.write(memoryview(x.contiguous().reshape(-1).view(torch.uint8).numpy()))
+        f.flush()
+        os.fsync(f.fileno())
+
+
+class _Sink:
+    """A file ``torch.save`` writes through, keeping the ``OSError`` a write met: torch reports it as a
+    ``RuntimeError`` of its own, which loses the errno (a full disk would read as a bug)."""
+
+    def __init__(self, f: Any) -> None:
+        self.f = f
+        self.error: OSError | None = None
+
+    def write(self, b: Any) -> int:
+        try:
+            return self.f.write(b)
+        except OSError as e:
+            self.error = self.error or e
+            raise
+
+    def flush(self) -> None:
+        try:
+            self.f.flush()
+        except OSError as e:
+            self.error = self.error or e
+            raise
 
 
 def _cast(x: torch.Tensor, cast: torch.dtype | None) -> torch.Tensor:
@@ -659,7 +810,16 @@ class _TorchWriter(_Writer):
             return x
 
         obj = build(self.built)
-        torch.save(obj, stage / _TORCH_FILE)
+        with open(_create(stage / _TORCH_FILE), "wb") as f:
+            sink = _Sink(f)
+            try:
+                torch.save(obj, sink)
+                sink.flush()
+            except Exception:
+                if sink.error is not None:   # the system's error (ENOSPC, EFBIG, EIO), not torch's wrapper
+                    raise sink.error from None
+                raise
+            os.fsync(f.fileno())
         return {"files": [_TORCH_FILE], "tensors": len(tensors),
                 "nbytes": sum(t.numel() * t.element_size() for t in done.values())}
 
@@ -780,11 +940,9 @@ def _config_dict(config: Any, tree: Any, src: _Source) -> dict[str, Any]:
                              "pass config= (--config) with a config.json, the directory of the original model, "
                              "or a model name")
         value = _Plan(src.manifests[0]).walk(node, "hf_config")
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except ValueError as e:
-                raise CorruptCheckpointError(f"{src.where}: step {src.step}: 'hf_config' is not JSON ({e})") from None
+        if isinstance(value, str):   # bounded in depth and size before it is parsed, as every record is
+            value = parse_record(value.encode("utf-8", "surrogatepass"), f"{src.where}: step {src.step}: 'hf_config'",
+                                 expect=None)
         config = value
     if isinstance(config, dict):
         d = config
@@ -794,9 +952,13 @@ def _config_dict(config: Any, tree: Any, src: _Source) -> dict[str, Any]:
         p = Path(config).expanduser()
         if p.is_dir():
             p = p / "config.json"
-        if p.is_file():
-            with open(p, encoding="utf-8") as f:
-                d = json.load(f)
+        if p.is_file():   # a regular file of bounded size and depth (not a FIFO, not /dev/zero)
+            try:
+                d = parse_record(read_record(p), str(p), expect=None)
+            except CorruptCheckpointError as e:
+                raise ValueError(f"config: {e}") from None
+        elif os.path.lexists(p):
+            raise ValueError(f"config: {p} is not a regular file")
         else:
             import transformers
 
@@ -813,15 +975,25 @@ def _config_dict(config: Any, tree: Any, src: _Source) -> dict[str, Any]:
 # Putting the output in place
 
 
+def _hidden(dest: Path, kind: str) -> Path:
+    """``.NAME.KIND-PID-XXXXXXXX`` beside ``dest``, NAME cut so that the whole name stays within the
+    255 bytes a file name may have (a destination's own name may use all of them)."""
+    name = os.fsdecode(os.fsencode(dest.name)[:200])
+    return dest.parent / f".{name}.{kind}-{os.getpid()}-{secrets.token_hex(4)}"
+
+
 def _stage_beside(dest: Path) -> Path:
-    stage = dest.parent / f".{dest.name}.export-{os.getpid()}-{secrets.token_hex(4)}"
+    stage = _hidden(dest, "export")
     os.mkdir(stage)
     return stage
 
 
 def _publish(stage: Path, dest: Path, force: bool, single_file: bool) -> None:
-    """Make the staged output ``dest``: fsync it, then one rename (an atomic exchange with an existing
-    ``dest`` when ``force``); the old ``dest`` is removed only after that."""
+    """Make the staged output ``dest``: fsync it, then one rename that never replaces anything
+    (``renameat2(RENAME_NOREPLACE)``: a destination that appeared meanwhile, even an empty directory,
+    is refused), or with ``force`` an atomic exchange with the existing ``dest``, whose old content is
+    removed only after that. A destination that appears or goes away meanwhile is handled as it is
+    found at the moment of the rename."""
     new = stage / _TORCH_FILE if single_file else stage
     for f in ([new] if single_file else sorted(stage.iterdir())):
         fd = os.open(f, os.O_RDONLY)
@@ -830,41 +1002,110 @@ def _publish(stage: Path, dest: Path, force: bool, single_file: bool) -> None:
         finally:
             os.close(fd)
     _fsync_dir(stage)
-    if os.path.lexists(dest):
-        if not force:
-            raise FileExistsError(errno.EEXIST, "the export destination appeared while exporting; pass "
-                                  "force=True (--force) to replace it", str(dest))
-        old = _swap(new, dest)
-        _remove(old)
-    else:
+    for _ in range(16):
+        if os.path.lexists(dest):
+            if not force:
+                raise FileExistsError(errno.EEXIST, "the export destination appeared while exporting; pass "
+                                      "force=True (--force) to replace it", str(dest))
+            try:
+                old = _swap(new, dest, single_file)
+            except FileNotFoundError:
+                if os.path.lexists(new) and not os.path.lexists(dest):
+                    continue   # dest went away meanwhile: put the new one there
+                raise
+            if old is not None:
+                _remove(old)
+            break
         try:
-            if single_file:
-                os.link(new, dest)   # fails if dest appeared meanwhile, where a rename would replace it
-            else:
-                os.rename(new, dest)
-        except OSError as e:
-            if e.errno in (errno.EEXIST, errno.ENOTEMPTY):
+            _put(new, dest, single_file)
+            break
+        except FileExistsError:
+            if not force:
                 raise FileExistsError(errno.EEXIST, "the export destination appeared while exporting; pass "
                                       "force=True (--force) to replace it", str(dest)) from None
-            raise
+            # appeared meanwhile: replace it
+    else:
+        raise FileExistsError(errno.EEXIST, "the export destination kept appearing and going away while it was "
+                              "replaced; nothing was replaced", str(dest))
     _fsync_dir(dest.parent)
     if single_file:
         shutil.rmtree(stage, ignore_errors=True)
 
 
-def _swap(new: Path, dest: Path) -> Path:
-    """Put ``new`` at ``dest``; returns where the old ``dest`` now is."""
-    try:
-        from .tiers.local import _exchange
+_RENAME_NOREPLACE, _RENAME_EXCHANGE = 1, 2
+_NO_RENAMEAT2 = {errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP, errno.ENOTSUP}
+_libc_renameat2: Any = None
 
-        _exchange(new, dest)
-        return new
-    except (ImportError, OSError) as e:
-        if isinstance(e, OSError) and e.errno not in (errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP, errno.ENOTSUP):
+
+def _renameat2(a: Path, b: Path, flags: int) -> None:
+    """Linux ``renameat2``; an OSError with errno ENOSYS / EINVAL / EOPNOTSUPP where the kernel, the C
+    library or the file system cannot."""
+    global _libc_renameat2
+    if _libc_renameat2 is None:
+        import ctypes
+
+        fn = getattr(ctypes.CDLL(None, use_errno=True), "renameat2", None)
+        if fn is not None:
+            fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+            fn.restype = ctypes.c_int
+        _libc_renameat2 = fn or False
+    if not _libc_renameat2:
+        raise OSError(errno.ENOSYS, "renameat2 is not available", str(a))
+    import ctypes
+
+    if _libc_renameat2(-100, os.fsencode(a), -100, os.fsencode(b), flags) != 0:   # -100: AT_FDCWD
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err), str(a), None, str(b))
+
+
+def _put(new: Path, dest: Path, single_file: bool) -> None:
+    """Rename ``new`` to ``dest``, which must not exist: ``FileExistsError`` if it does."""
+    try:
+        _renameat2(new, dest, _RENAME_NOREPLACE)
+        return
+    except OSError as e:
+        if e.errno == errno.EEXIST:
+            raise FileExistsError(errno.EEXIST, "the export destination exists", str(dest)) from None
+        if e.errno not in _NO_RENAMEAT2:
             raise
-    trash = dest.parent / f".{dest.name}.replaced-{os.getpid()}-{secrets.token_hex(4)}"
+    try:   # no renameat2 here: a link fails on an existing name; rename(2) of a directory fails on all but an
+        if single_file:   # empty directory, which it would replace: checked just before
+            os.link(new, dest)
+        elif os.path.lexists(dest):
+            raise FileExistsError(errno.EEXIST, "the export destination exists", str(dest))
+        else:
+            os.rename(new, dest)
+    except OSError as e:
+        if e.errno in (errno.EEXIST, errno.ENOTEMPTY, errno.ENOTDIR, errno.EISDIR):
+            raise FileExistsError(errno.EEXIST, "the export destination exists", str(dest)) from None
+        raise
+
+
+def _swap(new: Path, dest: Path, single_file: bool) -> Path | None:
+    """Put ``new`` at ``dest`` in its place; returns where the old ``dest`` now is (None: already gone).
+
+    One atomic exchange where the file system has it. Elsewhere a file replaces a file (or a link) with
+    one atomic rename; a directory takes two renames (the old one aside, the new one in), undone if the
+    second fails; a kill between them leaves the old one at ``.NAME.replaced-PID-XXXXXXXX``."""
+    try:
+        _renameat2(new, dest, _RENAME_EXCHANGE)
+        return new
+    except OSError as e:
+        if e.errno not in _NO_RENAMEAT2:
+            raise
+    if single_file and not stat.S_ISDIR(os.lstat(dest).st_mode):
+        os.replace(new, dest)
+        return None
+    trash = _hidden(dest, "replaced")
     os.rename(dest, trash)
-    os.rename(new, dest)
+    try:
+        os.rename(new, dest)
+    except BaseException:
+        try:
+            os.rename(trash, dest)
+        except OSError:
+            log.error("the export could not put %s back after failing to replace it: it is at %s", dest, trash)
+        raise
     return trash
 
 
@@ -873,6 +1114,9 @@ def _remove(path: Path) -> None:
         path.unlink(missing_ok=True)
     else:
         shutil.rmtree(path, ignore_errors=True)
+    if os.path.lexists(path):
+        log.warning("the replaced export destination could not be removed completely: what is left of it is at %s",
+                    path)
 
 
 def _fsync_dir(path: Path) -> None:
