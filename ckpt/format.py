@@ -86,7 +86,8 @@ MAX_NDIM = 64
 _MAX_INT = (1 << 63) - 1          # every size, offset and count is an int64 to torch
 _MAX_SPAN = 1 << 62               # product of a shape's dims (0 counted as 1) times the element size
 
-_STEP_RE = re.compile(r"^step-(\d{9,})$")
+# ASCII digits to the very end: ``\d`` takes any script's digits (int() reads them) and ``$`` a trailing newline
+_STEP_RE = re.compile(r"step-([0-9]{9,})")
 _GENERATION_RE = re.compile(r"^g[0-9a-f]{16}$")
 
 _DTYPES: dict[str, torch.dtype] = {
@@ -105,8 +106,15 @@ def step_dir_name(step: int) -> str:
 
 
 def parse_step_dir(name: str) -> int | None:
-    m = _STEP_RE.match(name)
-    return int(m.group(1)) if m else None
+    """The step of a step directory's name, or ``None`` for any other name. One name per step: only
+    :func:`step_dir_name`'s (``step-000000001``, never ``step-0000000001``), since every reader and
+    writer goes by that name; another name parsed to the same step would list a checkpoint at a path
+    that holds none, and hand retention a directory that is not the step's."""
+    m = _STEP_RE.fullmatch(name)
+    if m is None:
+        return None
+    step = int(m.group(1))
+    return step if step_dir_name(step) == name else None
 
 
 def new_generation() -> str:
@@ -441,12 +449,15 @@ def read_record_fs(fs: Any, path: str, where: str | None = None, limit: int = MA
     protocols = (fs.protocol,) if isinstance(fs.protocol, str) else tuple(fs.protocol)
     if any(p in ("file", "local") for p in protocols):
         return read_record(fs._strip_protocol(path), where, limit)
+    fs.invalidate_cache(path)   # the record as it is now, not its size in a listing cached before it changed
     info = fs.info(path)
     if info.get("type") != "file":
         raise CorruptCheckpointError(f"{where}: is a {info.get('type')!r}, not a file; refused unread")
     size = info.get("size")
     if _is_nonneg_int(size):   # (a listing may be stale: the read below is bounded on its own)
         check_record_size(size, where, limit)
+        if size == 0:   # an empty object (a record truncated behind our back): a range of it is refused (416)
+            return b""
     raw = fs.cat_file(path, start=0, end=limit + 1)
     check_record_size(len(raw), where, limit)
     return bytes(raw)

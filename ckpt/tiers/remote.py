@@ -83,6 +83,10 @@ log = logging.getLogger(__name__)
 #: the codec of a part a rank did not upload: its bytes are replicated tensors that rank 0 stores
 ABSENT = "absent"
 
+# what rank 0 tells every rank of a job tier's commit (the largest wins): not committed, a COMMIT put that
+# failed but may still land, committed
+_NOT_COMMITTED, _MAYBE_COMMITTED, _COMMITTED = 0, 1, 2
+
 
 def is_local_fs(fs: Any) -> bool:
     """Whether an fsspec file system is the local one (a ``file://`` URL: real directories, and a
@@ -368,18 +372,15 @@ class RemoteTier(PersistingTier, TimelineCopies):
         """Steps with a ``COMMIT`` here, newest first (not yet verified).
 
         When the store cannot be reached: with ``on_unreachable="degrade"`` none (logged; ``status``
-        says why), so that a restore goes on with the nearer tiers; else the ``ConnectionError``.
+        says why), so that a restore goes on with the nearer tiers; else the ``ConnectionError``. That is
+        known within a bounded probe, also when the store went down since it last answered
+        (:meth:`_answered`): the first ``save()`` lists every tier on the training thread.
         """
         doing = f"listing the checkpoints of the remote tier {self.url}"
         failure = self._still_down()
         if failure is None:
             try:
-                with self._store(doing):
-                    self.fs.invalidate_cache(self.root)   # other processes write here too: never trust a cached listing
-                    try:
-                        found = self.fs.glob(self._path("step-*", COMMIT_NAME))
-                    except FileNotFoundError:
-                        found = []
+                found = self._answered(lambda: self._commit_paths(doing))
             except ConnectionError as e:
                 failure = e
             else:
@@ -390,6 +391,44 @@ class RemoteTier(PersistingTier, TimelineCopies):
             raise failure
         log.warning("%s; its checkpoints are left out until it answers again", failure)
         return []
+
+    def _commit_paths(self, doing: str) -> list[str]:
+        """The paths of the step directories' ``COMMIT`` files (a key prefix named ``COMMIT`` commits nothing)."""
+        with self._store(doing):
+            self.fs.invalidate_cache(self.root)   # other processes write here too: never trust a cached listing
+            try:
+                found = self.fs.glob(self._path("step-*", COMMIT_NAME), detail=True)
+            except FileNotFoundError:
+                return []
+        return [p for p, info in found.items() if info.get("type") != "directory"]
+
+    def _answered(self, call: Callable[[], Any]) -> Any:
+        """``call()``, a request through the upload retry policy, bounded like a probe: it runs on a thread
+        of its own, and while it has not returned, the store is probed every ``CKPT_REMOTE_PROBE_S``
+        seconds; an outage the probe finds is raised at once (a ``ConnectionError``, recorded in
+        :attr:`status`) instead of waiting out the retries, which may take minutes. A store that answers
+        the probe is waited for (a long listing is not an outage). The abandoned call ends on its own."""
+        limit = knobs.get("CKPT_REMOTE_PROBE_S")
+        outcome: list[tuple[Any, BaseException | None]] = []
+        done = threading.Event()
+
+        def run() -> None:
+            try:
+                outcome.append((call(), None))
+            except BaseException as e:   # noqa: BLE001 - handed to the caller's thread
+                outcome.append((None, e))
+            finally:
+                done.set()
+
+        threading.Thread(target=run, name="ckpt-remote-list", daemon=True).start()
+        while not done.wait(limit):
+            failure = self.probe()
+            if failure is not None:
+                raise failure
+        value, error = outcome[0]
+        if error is not None:
+            raise error
+        return value
 
     def committed(self) -> list[Committed]:
         """Every committed step here with its timeline (its ``COMMIT``s are read in parallel; timeline 0
@@ -544,6 +583,7 @@ class RemoteTier(PersistingTier, TimelineCopies):
         if any, is then untouched."""
         job = self.job
         ok = raw is not None
+        committed = _NOT_COMMITTED
         mine = [int(ok), Commit.manifest_checksum(raw) if ok else 0, data_bytes, step,
                 zlib.crc32(gen.encode()) if gen is not None else 0]
         try:
@@ -555,7 +595,7 @@ class RemoteTier(PersistingTier, TimelineCopies):
                 f"step {step} is not committed to the job tier {self.url}: not every rank reported its upload "
                 f"(a rank may have died; gloo says: {e}); the previous checkpoint there is untouched") from e
         failed = [r for r, rep in enumerate(reports) if rep[0] != 1]
-        committed, why = 0, ""
+        why = ""
         steps = sorted({rep[3] for rep in reports})
         if len(steps) > 1:   # saves paired up across ranks in order: a rank saved steps the others did not
             failed, why = [], (f"the ranks uploaded different steps ({steps}): with one url for all ranks every "
@@ -567,24 +607,41 @@ class RemoteTier(PersistingTier, TimelineCopies):
             log.error("%s", why)
         if job.rank == 0 and not failed and not why:
             d = self.step_dir(step)
+            sent: list[bool] = []
             try:
                 commit = record_of_job(step, job.world,
                                        {manifest_name(r): rep[1] for r, rep in enumerate(reports)},
                                        {data_name(r): rep[2] for r, rep in enumerate(reports)},
                                        self._copying.get(step, self.timeline), gen)
+                sink = FsSink(self.fs, d, self._local_fs)
+
+                def put_commit(raw_commit: bytes) -> None:
+                    sent.append(True)
+                    if gen is None:
+                        sink.put(COMMIT_NAME, raw_commit)
+                    else:
+                        self._switch(step, commit)
+
                 # every rank's manifest is durable already (each put it before reporting): COMMIT alone
-                publish(FsSink(self.fs, d, self._local_fs), [], commit.to_bytes(),
-                        put_commit=None if gen is None else lambda _raw: self._switch(step, commit))
+                publish(sink, [], commit.to_bytes(), put_commit=put_commit)
                 self.verified[step] = True   # every rank uploaded its parts from its own bytes
-                committed = 1
+                committed = _COMMITTED
             except Exception as e:   # noqa: BLE001 - reported to every rank below
+                # a COMMIT put that was sent may still land (see _undo): no rank may remove its files then
+                committed = _MAYBE_COMMITTED if sent else _NOT_COMMITTED
                 why = f"rank 0 could not write {d}/{COMMIT_NAME} ({type(e).__name__}: {e})"
                 log.error("%s", why)
         committed = job.max([committed])[0]
-        if committed:
+        if committed == _COMMITTED:
             if job.rank == 0:
                 self._after_commit(step, replaced, move_latest=True)
             return
+        if committed == _MAYBE_COMMITTED:
+            log.warning("step %d may still commit to the job tier %s (rank 0's COMMIT put failed, and such a put "
+                        "can land later): rank %d keeps its files", step, self.url, self.rank)
+            raise CheckpointError(f"step {step} is not known to be committed to the job tier {self.url}: rank 0's "
+                                  "COMMIT put failed (its log says why) and may still land; the files of every rank "
+                                  "are kept for it, and the previous checkpoint there is untouched until it does")
         if raw is not None:
             self._discard_own(step, gen)
         if failed:
@@ -642,7 +699,8 @@ class RemoteTier(PersistingTier, TimelineCopies):
                      move_latest: bool = True, generation: str | None = None) -> bytes:
         """Upload this rank's parts and manifest (and with ``commit``, ``COMMIT`` and ``latest``);
         returns the manifest's bytes. A failure removes what this write uploaded (unless the store cannot
-        be reached: retention removes the leftovers once a newer step commits) and raises an ``OSError``;
+        be reached, or its ``COMMIT`` put was sent and may still land, see :meth:`_undo`: retention removes
+        the leftovers once a newer step commits) and raises an ``OSError``;
         a committed copy it was to replace stays as it was. On a job tier the caller passes the
         ``generation`` that every rank writes into when the step is committed there already."""
         doing = f"uploading step {step} to {self.url}"
@@ -674,7 +732,7 @@ class RemoteTier(PersistingTier, TimelineCopies):
         replaced = self._replaced(step) if self.job is None else None
         gen = generation if self.job is not None else new_generation() if replaced is not None else None
         base = d if gen is None else f"{d}/{gen}"   # a committed copy is here: write beside it
-        maybe_committed = False
+        sent: list[bool] = []   # the COMMIT put was sent: from then on it may land, whatever the put says
         try:
             if self.job is not None and gen is None:
                 self._remove_own(step)               # the other ranks' files of this step are theirs
@@ -707,16 +765,22 @@ class RemoteTier(PersistingTier, TimelineCopies):
                 fsync_dir(f"{base}/rank-{self.rank:05d}")   # the parts' names, before anything vouches for them
             record = rank_record(step, self.rank, self.world_size, raw, manifest.data_bytes,
                                  self._copying.get(step, self.timeline), gen) if commit else None
-            maybe_committed = commit
+            sink = FsSink(self.fs, base, self._local_fs)
+
+            def put_commit(raw_commit: bytes) -> None:
+                sent.append(True)
+                if gen is None:
+                    sink.put(COMMIT_NAME, raw_commit)
+                else:
+                    self._switch(step, record)
+
             # the checkpoint exists from the COMMIT put on (a replacement: from the switch to its generation)
-            publish(FsSink(self.fs, base, self._local_fs), [(manifest_name(self.rank), raw)],
-                    record.to_bytes() if record is not None else None,
-                    put_commit=None if gen is None else lambda _raw: self._switch(step, record))
-            maybe_committed = False
+            publish(sink, [(manifest_name(self.rank), raw)], record.to_bytes() if record is not None else None,
+                    put_commit=put_commit)
             if commit:
                 self.verified[step] = True
         except BaseException:
-            self._undo(step, gen, maybe_committed)
+            self._undo(step, gen, maybe_committed=bool(sent))
             raise
         if commit:
             self._after_commit(step, replaced, move_latest)
@@ -775,21 +839,20 @@ class RemoteTier(PersistingTier, TimelineCopies):
             return False
 
     def _undo(self, step: int, gen: str | None, maybe_committed: bool) -> None:
-        """Remove what a failed write uploaded, never a committed copy: with ``maybe_committed`` (the
-        ``COMMIT`` put failed) nothing is removed unless the step's ``COMMIT`` is read and does not name
-        this write's files."""
+        """Remove what a failed write uploaded, never a committed copy. With ``maybe_committed`` (the
+        ``COMMIT`` put was sent and failed) nothing is removed: a put that its client gave up on may still
+        land (an object store can apply a request after the client's timeout, and a retry may be
+        answered after the first attempt landed), and a ``COMMIT`` read now that does not name this
+        write's files says nothing about one that lands later, which would vouch for deleted files (a
+        replacement's: switch a committed step to them). Its files stay: retention removes them once a
+        newer step commits if no ``COMMIT`` came to name them (a replacement's: when the step goes)."""
         d = self.step_dir(step)
         commit = f"{d}/{COMMIT_NAME}"
+        if maybe_committed:
+            log.warning("the failed write of step %d to %s may still commit (its COMMIT put failed, and such a put "
+                        "can land later): its files are kept", step, self.url)
+            return
         try:
-            if maybe_committed:
-                try:
-                    named = Commit.from_bytes(read_record_fs(self.fs, commit), commit).generation == gen
-                except FileNotFoundError:
-                    named = False
-                if named:
-                    log.warning("the failed write of step %d to %s may have committed; its files are kept",
-                                step, self.url)
-                    return
             if self.job is not None:
                 self._discard_own(step, gen)
             elif gen is not None:
@@ -874,13 +937,21 @@ class RemoteTier(PersistingTier, TimelineCopies):
     def _check_parts(self, step: int, m: Manifest) -> None:
         """Each part's codec must be one this library writes and its recorded stored size one that can
         hold its chunk (raw: the chunk itself; zstd: see :func:`~ckpt.codec.max_decoded`), so that no
-        size the manifest states is used unless the stored bytes can back it."""
+        size the manifest states is used unless the stored bytes can back it. A part may be left out
+        (``"absent"``, nothing stored) only where the writer leaves one out (:func:`_may_be_left_out`):
+        else a manifest could vouch for data that no object holds, and verify without reading a byte."""
         c = m.chunk_bytes
+        left_out = _may_be_left_out(m)
         for i, (codec, stored) in enumerate(zip(m.codecs, m.stored_sizes)):
             size = min(c, m.data_bytes - i * c)
             if codec == ABSENT:
-                if stored == 0:
+                if stored == 0 and left_out(i):
                     continue
+                if stored == 0:   # the manifest says that rank 0 holds bytes it does not
+                    raise CorruptCheckpointError(
+                        f"{self._url(self._part(step, i, m.rank, m.generation))}: not stored ({ABSENT!r}), but only a "
+                        "job's rank above 0 leaves out a chunk, and only one holding nothing but replicated "
+                        "tensors (which rank 0 stores)")
             else:
                 check_codec(codec, self._url(self._part(step, i, m.rank, m.generation)))
                 if (stored == size) if codec == RAW else (0 < stored <= size <= max_decoded(codec, stored)):
@@ -899,7 +970,9 @@ class RemoteTier(PersistingTier, TimelineCopies):
                 entries = self.fs.ls(d, detail=True)
             except FileNotFoundError:
                 entries = []
-        held = {e["name"].rstrip("/").rsplit("/", 1)[-1]: e.get("size") for e in entries}
+        # a key prefix that shares a part's name (``part-000001/x``: S3 lists both) is not the part
+        held = {e["name"].rstrip("/").rsplit("/", 1)[-1]: e.get("size") for e in entries
+                if e.get("type") != "directory"}
         for i, (codec, stored) in enumerate(zip(m.codecs, m.stored_sizes)):
             name = f"part-{i:06d}"
             if codec != ABSENT and held.get(name) != stored:
@@ -1031,6 +1104,30 @@ class RemoteTier(PersistingTier, TimelineCopies):
                 raise origin from None
             return
         _map_all(fetch, n, "ckpt-download")
+
+
+def _may_be_left_out(m: Manifest) -> Callable[[int], bool]:
+    """Whether the writer of ``m`` may have left chunk ``i`` out (:meth:`RemoteTier._held_by_rank0`): only
+    a job tier's rank above 0 does, and only a chunk that holds no byte of a tensor it stores alone (not
+    in ``m.replicated``). Built from merged chunk spans, so a manifest claiming vast sizes costs no more
+    than its items."""
+    if m.rank == 0 or m.world_size < 2 or not m.replicated:
+        return lambda i: False
+    c, shared = m.chunk_bytes, set(m.replicated)
+    spans: list[list[int]] = []
+    for a, b in sorted((it.offset // c, (it.offset + it.nbytes - 1) // c) for k, it in enumerate(m.items)
+                       if k not in shared and it.alias_of is None and it.nbytes):
+        if spans and a <= spans[-1][1] + 1:
+            spans[-1][1] = max(spans[-1][1], b)
+        else:
+            spans.append([a, b])
+    starts = [a for a, _ in spans]
+
+    def left_out(i: int) -> bool:
+        j = bisect.bisect_right(starts, i) - 1
+        return j < 0 or spans[j][1] < i
+
+    return left_out
 
 
 def _generation_after(old: Commit) -> str:
