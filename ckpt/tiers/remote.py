@@ -446,7 +446,6 @@ class RemoteTier(PersistingTier, TimelineCopies):
         with ThreadPoolExecutor(knobs.get("CKPT_REMOTE_THREADS"), thread_name_prefix="ckpt-list") as ex:
             return list(ex.map(one, steps))
 
-
     def owns(self, step: int) -> bool:
         """Whether this tier may delete ``step``: on a ``file://`` URL, not a linked step
         (:func:`~ckpt.tiers.local.linked`); an object store has no links."""
