@@ -39,11 +39,18 @@ to the remote copy item by item; bytes that fail their checksum are reported (a 
 one runs ``torch.load(weights_only=False)`` on bytes from the checkpoint. Here the metadata is
 JSON, validated field by field on load (a hostile or torn file gives a
 :class:`~ckpt.errors.CorruptCheckpointError` naming the file), and a non-tensor value is stored as
-JSON: ``None``, bools, ints, floats (NaN and infinities included), strings, and lists, tuples and
-dicts (string or integer keys) of those, which covers optimizer ``param_groups`` and scalar
-training state. Anything else is refused at save time with the key's name. DCP's load planner
-takes non-tensor values as ``torch.save`` bytes: the reader makes those itself from the decoded
-JSON value, so the bytes it unpickles were never read from storage.
+JSON: ``None``, bools, ints, floats (NaN and infinities included), strings, ``bytes`` and
+``io.BytesIO`` (as base64 text; read back as themselves), and lists, tuples and dicts (string or
+integer keys) of those, which covers optimizer ``param_groups`` and scalar training state. Anything
+else is refused at save time with the key's name. A save planner that overrides ``resolve_data`` or
+``transform_object`` is honoured: its ``torch.save`` bytes, made in this process, are read back with
+the ``weights_only`` unpickler and stored as JSON. DCP's load planner takes non-tensor values as
+``torch.save`` bytes: the reader makes those itself from the decoded JSON value, so the bytes it
+unpickles were never read from storage.
+
+``dcp.save(use_collectives=False)`` on several processes: each rank commits a checkpoint of one rank
+at ``<checkpoint_id>/rank-RRRRR/`` (and removes ``<checkpoint_id>/COMMIT``); ``dcp.load`` falls back to
+it per rank (``read_metadata(rank=...)``). Retention is not applied to such saves.
 
 ``dcp.async_save`` works with these classes (tested). Retention: ``TierStorageWriter(keep=
 Retention(local=2, remote=10))`` prunes after each save (the coordinator deletes whole committed
@@ -56,13 +63,17 @@ need the Checkpointer's snapshot and rank groups); for saves that overlap traini
 
 from __future__ import annotations
 
+import base64
+import binascii
 import dataclasses
 import errno
 import io
 import json
 import math
 import os
+import threading
 import time
+import uuid
 import warnings
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -71,7 +82,7 @@ from typing import Any
 import fsspec
 from fsspec.spec import AbstractBufferedFile
 import torch
-from torch.distributed.checkpoint import StorageReader, StorageWriter
+from torch.distributed.checkpoint import DefaultSavePlanner, StorageReader, StorageWriter
 from torch.futures import Future
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
@@ -257,6 +268,12 @@ def _tiers(local_dir: str | os.PathLike | None, url: str | None,
     return tiers
 
 
+def _rank_local_id(checkpoint_id: str, rank: int) -> str:
+    """Where rank ``rank``'s own checkpoint of a ``dcp.save(use_collectives=False)`` lies: a checkpoint
+    of one rank (its ``COMMIT``, metadata and data file) inside checkpoint ``checkpoint_id``."""
+    return f"{checkpoint_id}/rank-{rank:05d}"
+
+
 def _checkpoint_name(checkpoint_id: str | os.PathLike | None, default: str | None) -> str:
     name = os.fspath(checkpoint_id) if checkpoint_id is not None else default
     if name is None:
@@ -276,12 +293,19 @@ def _to_json(value: Any, where: str, depth: int = 1) -> Any:
         return value
     if isinstance(value, float) and math.isfinite(value):
         return value
-    if depth > MAX_TREE_DEPTH and isinstance(value, (float, list, tuple, dict)):
+    if depth > MAX_TREE_DEPTH and isinstance(value, (float, list, tuple, dict, bytes, io.BytesIO)):
         raise ValueError(f"state value {where!r} is nested more than {MAX_TREE_DEPTH} levels deep (lists, dicts "
                          "and tuples, tuples and dicts with integer keys counting their tags too), deeper than "
                          "TierStorageReader reads back; store it flatter (e.g. as a JSON string)")
     if isinstance(value, float):
         return {"$float": "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")}
+    # raw bytes, which DCP's planners treat as plain values like str (torchtitan keeps a data
+    # loader's state as bytes, a loss history as an io.BytesIO): stored as base64 text, read back
+    # as the same type (a BytesIO at the same position), never unpickled
+    if isinstance(value, bytes):
+        return {"$bytes": base64.b64encode(value).decode("ascii")}
+    if isinstance(value, io.BytesIO):
+        return {"$bytesio": base64.b64encode(value.getbuffer()).decode("ascii"), "pos": value.tell()}
     if isinstance(value, (list, tuple)):
         sub = depth + (1 if isinstance(value, list) else 2)
         items = [_to_json(v, f"{where}[{i}]", sub) for i, v in enumerate(value)]
@@ -293,8 +317,9 @@ def _to_json(value: Any, where: str, depth: int = 1) -> Any:
             return {"$dict": [[k, _to_json(v, f"{where}[{k!r}]", depth + 3)] for k, v in value.items()]}
     raise ValueError(
         f"state value {where!r} is a {type(value).__name__}, which TierStorageWriter cannot store without pickle. "
-        "Non-tensor values must be None, bool, int, float, str, or lists / tuples / dicts (str or int keys) of "
-        "those; convert it (e.g. to a tensor or a string) or leave it out of the state given to dcp.save")
+        "Non-tensor values must be None, bool, int, float, str, bytes, io.BytesIO, or lists / tuples / dicts "
+        "(str or int keys) of those; convert it (e.g. to a tensor or a string) or leave it out of the state given "
+        "to dcp.save")
 
 
 def _from_json(obj: Any, where: str) -> Any:
@@ -305,6 +330,13 @@ def _from_json(obj: Any, where: str) -> Any:
     if isinstance(obj, dict):
         if len(obj) == 1 and "$float" in obj and obj["$float"] in ("nan", "inf", "-inf"):
             return float(obj["$float"])
+        if len(obj) == 1 and "$bytes" in obj and isinstance(obj["$bytes"], str):
+            return _unbase64(obj["$bytes"], where)
+        if (set(obj) == {"$bytesio", "pos"} and isinstance(obj["$bytesio"], str) and _is_nonneg_int(obj["pos"])
+                and obj["pos"] < 1 << 62):
+            buf = io.BytesIO(_unbase64(obj["$bytesio"], where))
+            buf.seek(obj["pos"])
+            return buf
         if len(obj) == 1 and "$tuple" in obj and isinstance(obj["$tuple"], list):
             return tuple(_from_json(v, where) for v in obj["$tuple"])
         if len(obj) == 1 and "$dict" in obj and isinstance(obj["$dict"], list):
@@ -319,6 +351,41 @@ def _from_json(obj: Any, where: str) -> Any:
             raise CorruptCheckpointError(f"{where}: unknown tagged value {sorted(obj)!r}")
         return {k: _from_json(v, where) for k, v in obj.items()}
     raise CorruptCheckpointError(f"{where}: unexpected JSON value of type {type(obj).__name__}")
+
+
+def _plain_lookup(planner: SavePlanner) -> bool:
+    """Whether ``planner`` resolves a value item the way DCP's ``DefaultSavePlanner`` does
+    (``torch.save`` of ``lookup_object``), so the value can be looked up instead of unpickled."""
+    def own(name: str) -> bool:
+        return getattr(getattr(planner, name, None), "__func__", None) is getattr(DefaultSavePlanner, name)
+    return hasattr(planner, "lookup_object") and own("resolve_data") and own("transform_object")
+
+
+_SAFE_GLOBALS_LOCK = threading.Lock()
+
+
+def _planner_value(data: Any, where: str) -> Any:
+    """The value in a save planner's ``resolve_data`` result for a value item: ``torch.save`` output
+    made in this process, read by torch's ``weights_only`` unpickler (plain data only, and
+    ``io.BytesIO``, which DCP's planners treat as a value). Other bytes (a planner's own format) are
+    refused with the key's name: this storage keeps values as JSON, never as opaque bytes."""
+    raw = data.getvalue() if isinstance(data, io.BytesIO) else data
+    try:
+        with _SAFE_GLOBALS_LOCK:
+            extra = [] if io.BytesIO in torch.serialization.get_safe_globals() else [io.BytesIO]
+            with torch.serialization.safe_globals(extra):
+                return torch.load(io.BytesIO(bytes(raw)), weights_only=True)
+    except Exception as e:   # noqa: BLE001 - unpickling errors have many types
+        raise ValueError(f"state value {where!r}: the save planner's resolve_data gave {type(data).__name__} that "
+                         f"is not torch.save output of plain data ({type(e).__name__}); TierStorageWriter stores "
+                         "non-tensor values as JSON, never opaque bytes") from None
+
+
+def _unbase64(text: str, where: str) -> bytes:
+    try:
+        return base64.b64decode(text, validate=True)
+    except (binascii.Error, ValueError):
+        raise CorruptCheckpointError(f"{where}: malformed base64 bytes value") from None
 
 
 # -- metadata <-> JSON --------------------------------------------------------------------------------
@@ -502,29 +569,46 @@ class TierStorageWriter(StorageWriter):
         self.keep = keep
         self._default_id = checkpoint_id
         self.checkpoint_id = checkpoint_id
+        self.save_id = uuid.uuid4().hex   # StorageMeta.save_id of the next save (new at each reset)
         self.is_coordinator = False
+        self._collective = True
+        self._where = checkpoint_id   # the checkpoint this rank writes (set up by set_up_storage_writer)
 
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
         self.checkpoint_id = _checkpoint_name(checkpoint_id, self._default_id)
+        self._where = self.checkpoint_id
+        self.save_id = uuid.uuid4().hex
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         self.is_coordinator = is_coordinator
         if self.checkpoint_id is None:
             self.checkpoint_id = _checkpoint_name(None, self._default_id)
+        # dcp.save(use_collectives=False) on a job of several processes: every rank saves on its own
+        # (no plans exchanged, each rank runs finish() on its own results), so each one commits a
+        # checkpoint of its own, of one rank, inside this one; dcp.load reads it back (read_metadata
+        # with rank=) when the checkpoint has no COMMIT of its own
+        rank = kwargs.get("rank")
+        self._collective = (kwargs.get("use_collectives", True) is not False or not _is_nonneg_int(rank)
+                            or not (torch.distributed.is_available() and torch.distributed.is_initialized()
+                                    and torch.distributed.get_world_size() > 1))
+        self._where = self.checkpoint_id if self._collective else _rank_local_id(self.checkpoint_id, rank)
         self._no_commit: set[str] = set()
         for tier in self.tiers:   # every rank writes its file into the checkpoint's directory
             tier.refuse_linked(self.checkpoint_id)
-        if is_coordinator:
+            tier.refuse_linked(self._where)
+        if is_coordinator or not self._collective:
             # a COMMIT left by an earlier save under this name would vouch for a mix of old and new
-            # files while this save runs: take it away first (the files it covered go with the save)
+            # files while this save runs: take it away first (the files it covered go with the save);
+            # a rank-local save also takes away the checkpoint's own COMMIT, which dcp.load prefers
             for tier in self.tiers:
-                try:
-                    tier.remove(self.checkpoint_id, COMMIT_NAME)
-                except Exception as e:   # noqa: BLE001 - that tier then gets no COMMIT from this save
-                    self._no_commit.add(tier.name)
-                    warnings.warn(f"TierStorageWriter: could not clear {tier.where}/{self.checkpoint_id} "
-                                  f"({type(e).__name__}: {e}); this save will not be committed there",
-                                  stacklevel=2)
+                for name in dict.fromkeys((self._where, self.checkpoint_id)):
+                    try:
+                        tier.remove(name, COMMIT_NAME)
+                    except Exception as e:   # noqa: BLE001 - that tier then gets no COMMIT from this save
+                        self._no_commit.add(tier.name)
+                        warnings.warn(f"TierStorageWriter: could not clear {tier.where}/{name} "
+                                      f"({type(e).__name__}: {e}); this save will not be committed there",
+                                      stacklevel=2)
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         return plan
@@ -533,7 +617,7 @@ class TierStorageWriter(StorageWriter):
         return [dataclasses.replace(p, storage_data={"rank": i}) for i, p in enumerate(plans)]
 
     def storage_meta(self) -> StorageMeta | None:
-        return StorageMeta(checkpoint_id=self.checkpoint_id)
+        return StorageMeta(checkpoint_id=self.checkpoint_id, save_id=self.save_id)
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
@@ -541,12 +625,12 @@ class TierStorageWriter(StorageWriter):
 
     def _value_bytes(self, item: WriteItem, planner: SavePlanner) -> bytes:
         where = item.index.fqn
-        if hasattr(planner, "lookup_object"):
-            value = planner.lookup_object(item.index)
-        else:   # a planner without the lookup: its bytes are torch.save output made in this process
-            buf = planner.resolve_data(item)
-            buf.seek(0)
-            value = torch.load(buf, weights_only=True)
+        if _plain_lookup(planner):
+            value = planner.lookup_object(item.index)   # what DefaultSavePlanner would torch.save
+        else:
+            # a planner with its own resolve_data / transform_object (a hook that converts or redacts
+            # values): its result is what gets stored, torch.save output made in this process
+            value = _planner_value(planner.resolve_data(item), where)
         return json.dumps(_to_json(value, where), allow_nan=False).encode()
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
@@ -557,16 +641,16 @@ class TierStorageWriter(StorageWriter):
         # the rank's file is written once as it is produced: on the local tier when there is one (then
         # uploaded as a file), else streamed straight to the remote tier
         if local is not None:
-            final = Path(local.path(self.checkpoint_id, name))
+            final = Path(local.path(self._where, name))
             final.parent.mkdir(parents=True, exist_ok=True)
             tmp = final.with_name(final.name + f".tmp-{os.getpid()}")
             sink: Any = open(tmp, "wb")
         else:
             remote = self.tiers[0]
             try:
-                sink = remote.open_stream(self.checkpoint_id, name)
+                sink = remote.open_stream(self._where, name)
             except OSError as e:
-                raise _write_error(rank, name, self.checkpoint_id, remote, e) from e
+                raise _write_error(rank, name, self._where, remote, e) from e
         offset = 0
         # the caller's current stream per GPU: the helper thread copies on it, so the copies are
         # ordered after whatever produced the state there (a thread starts on the default stream)
@@ -614,28 +698,28 @@ class TierStorageWriter(StorageWriter):
                 fsync_dir(final.parent)
             else:
                 sink.close()   # the last block goes up here (s3fs: the multipart upload completes)
-                remote.synced(remote.path(self.checkpoint_id, name))
+                remote.synced(remote.path(self._where, name))
         except BaseException as e:
             if local is not None:
                 sink.close()
                 tmp.unlink(missing_ok=True)
                 raise
             try:
-                remote.abort_stream(sink, self.checkpoint_id, name)
+                remote.abort_stream(sink, self._where, name)
             except Exception:   # noqa: BLE001 - the first error is the one to report
                 pass
             if isinstance(e, OSError):   # the storage's failure (s3fs raises OSErrors): say where
-                raise _write_error(rank, name, self.checkpoint_id, remote, e) from e
+                raise _write_error(rank, name, self._where, remote, e) from e
             raise
-        if local is not None and self.keep is not None and self.keep.local is not None:
-            _prune_own_files(local, rank, self.keep.local, spare=self.checkpoint_id)
+        if local is not None and self.keep is not None and self.keep.local is not None and self._collective:
+            _prune_own_files(local, rank, self.keep.local, spare=self._where)
         for tier in self.tiers:
             if tier.local or local is None:
                 continue
             try:
-                tier.put_file(self.checkpoint_id, name, str(final))
+                tier.put_file(self._where, name, str(final))
             except Exception as e:   # noqa: BLE001 - reported; the save fails only if no tier took the file
-                warnings.warn(f"TierStorageWriter: rank {rank} could not write {name} of {self.checkpoint_id!r} "
+                warnings.warn(f"TierStorageWriter: rank {rank} could not write {name} of {self._where!r} "
                               f"to {tier.where} ({type(e).__name__}: {e}); the checkpoint stays on the local "
                               "tier only", stacklevel=2)
                 for r in results:
@@ -653,6 +737,9 @@ class TierStorageWriter(StorageWriter):
                 missing.update(rec.pop("missing", []))
                 storage[r.index] = rec
         metadata.storage_data = storage
+        # DCP's planners leave storage_meta to the storage (FileSystemWriter sets it here too): the
+        # checkpoint id and this save's id, recorded in metadata.json
+        metadata.storage_meta = self.storage_meta()
         raw = json.dumps(_metadata_to_json(metadata), allow_nan=False).encode()
         commit = _commit_record(len(results), raw)
         committed = []
@@ -660,20 +747,20 @@ class TierStorageWriter(StorageWriter):
             if tier.name in missing:
                 continue   # some rank's file did not reach this tier: no COMMIT may vouch for it
             try:   # the metadata, then COMMIT last (ckpt.commit: the protocol every tier follows)
-                publish(tier.sink(self.checkpoint_id), [(METADATA_NAME, raw)], commit)
+                publish(tier.sink(self._where), [(METADATA_NAME, raw)], commit)
                 committed.append(tier.name)
             except Exception as e:   # noqa: BLE001 - reported below
-                warnings.warn(f"TierStorageWriter: could not commit {self.checkpoint_id!r} on {tier.where} "
+                warnings.warn(f"TierStorageWriter: could not commit {self._where!r} on {tier.where} "
                               f"({type(e).__name__}: {e})", stacklevel=2)
         if not committed:
-            raise OSError(5, f"TierStorageWriter: checkpoint {self.checkpoint_id!r} was committed on no tier "
+            raise OSError(5, f"TierStorageWriter: checkpoint {self._where!r} was committed on no tier "
                              f"({', '.join(t.where for t in self.tiers)}); earlier checkpoints are untouched")
         for tier in self.tiers:
             n = None if self.keep is None else (self.keep.local if tier.local else self.keep.remote)
-            if n is None or tier.name not in committed:
+            if n is None or tier.name not in committed or not self._collective:   # rank-local: no retention
                 continue
             try:
-                _prune_tier(tier, n, spare=self.checkpoint_id)
+                _prune_tier(tier, n, spare=self._where)
             except Exception as e:   # noqa: BLE001 - the save itself succeeded
                 warnings.warn(f"TierStorageWriter: retention on {tier.where} failed ({type(e).__name__}: {e}); "
                               "older checkpoints stay until the next save or `ckpt gc --dcp`", stacklevel=2)
@@ -702,17 +789,36 @@ class TierStorageReader(StorageReader):
         self.storage: dict[MetadataIndex, dict[str, Any]] = {}
         self.committed: list[str] = []   # tiers (their paths) holding a valid COMMIT, after read_metadata
         self.source: str | None = None   # the tier the metadata came from
+        self.load_id = uuid.uuid4().hex   # StorageMeta.load_id given to the planner (new at each reset)
+        self._where = checkpoint_id   # the checkpoint read: checkpoint_id, or a rank's own inside it
 
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
         self.checkpoint_id = _checkpoint_name(checkpoint_id, self._default_id)
+        self._where = self.checkpoint_id
+        self.storage = {}
+        self.load_id = uuid.uuid4().hex
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
         return False
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        ckpt_id = self.checkpoint_id = _checkpoint_name(self.checkpoint_id, self._default_id)
-        problems = []
+        """The checkpoint's metadata; with ``rank=`` (what ``dcp.load`` asks when the checkpoint has
+        no ``COMMIT`` of its own: a ``dcp.save(use_collectives=False)``), that rank's own checkpoint
+        inside it, else the checkpoint's."""
+        self.checkpoint_id = _checkpoint_name(self.checkpoint_id, self._default_id)
+        rank = kwargs.get("rank")
+        names = [self.checkpoint_id] if not _is_nonneg_int(rank) else \
+            [_rank_local_id(self.checkpoint_id, rank), self.checkpoint_id]
+        problems: list[str] = []
+        for ckpt_id in names:
+            md = self._read_metadata_of(ckpt_id, problems)
+            if md is not None:
+                return md
+        raise IncompleteCheckpointError(f"no tier holds a valid committed checkpoint {names[0]!r}: "
+                                        + "; ".join(problems))
+
+    def _read_metadata_of(self, ckpt_id: str, problems: list[str]) -> Metadata | None:
         self.committed = []
         found: tuple[Metadata, dict, str] | None = None
         for tier in self.tiers:
@@ -734,13 +840,16 @@ class TierStorageReader(StorageReader):
                 problems.append(f"{tier.where}: no committed checkpoint {ckpt_id!r}")
             except CorruptCheckpointError as e:
                 problems.append(str(e))
-                warnings.warn(f"TierStorageReader: skipping {tier.where} ({e})", stacklevel=2)
+                warnings.warn(f"TierStorageReader: skipping {tier.where} ({e})", stacklevel=3)
             except OSError as e:
                 problems.append(f"{tier.where}: {type(e).__name__}: {e}")
         if found is None:
-            raise IncompleteCheckpointError(f"no tier holds a valid committed checkpoint {ckpt_id!r}: "
-                                            + "; ".join(problems))
+            return None
         md, self.storage, self.source = found
+        self._where = ckpt_id
+        if md.storage_meta is None:   # saved by a writer that recorded none
+            md.storage_meta = StorageMeta(checkpoint_id=ckpt_id)
+        md.storage_meta.load_id = self.load_id
         # the item records of the metadata's storage_data stay ours; DCP needs only the index keys
         return md
 
@@ -760,13 +869,13 @@ class TierStorageReader(StorageReader):
         none does and ``final`` is false (``tried`` then says why), else CorruptCheckpointError."""
         rec = self.storage.get(req.storage_index)
         if rec is None:
-            raise CorruptCheckpointError(f"checkpoint {self.checkpoint_id!r} has no stored item for "
+            raise CorruptCheckpointError(f"checkpoint {self._where!r} has no stored item for "
                                          f"{req.storage_index.fqn!r} at offset {req.storage_index.offset}")
         name = _data_name(rec["rank"])
         start, end = rec["offset_bytes"], rec["offset_bytes"] + rec["length"]
         for tier in tiers:   # nearest first; every copy is checked against the committed checksum
             try:
-                data = tier.get_bytes(self.checkpoint_id, name, start, end)
+                data = tier.get_bytes(self._where, name, start, end)
             except (OSError, IncompleteCheckpointError, CorruptCheckpointError) as e:
                 # missing, cut short, or not a regular file: that tier lacks it
                 tried.append(f"{tier.where}: {type(e).__name__}: {e}")
@@ -776,16 +885,16 @@ class TierStorageReader(StorageReader):
             tried.append(f"{tier.where}: {name} bytes {start}..{end} do not match their checksum")
             if final and tier is tiers[-1]:
                 break   # no tier left to try: the error below says it all
-            warnings.warn(f"TierStorageReader: the copy of {req.storage_index.fqn!r} of {self.checkpoint_id!r} on "
+            warnings.warn(f"TierStorageReader: the copy of {req.storage_index.fqn!r} of {self._where!r} on "
                           f"{tier.where} fails its checksum ({name} bytes {start}..{end}); trying the next tier",
                           stacklevel=3)
         if not final:
             return None
         raise CorruptCheckpointError(f"no tier holds a valid copy of {req.storage_index.fqn!r} "
-                                     f"(in {name} of {self.checkpoint_id!r}): {'; '.join(tried)}")
+                                     f"(in {name} of {self._where!r}): {'; '.join(tried)}")
 
     def _serve(self, req: ReadItem, data: bytes | bytearray, rec: dict[str, Any], planner: LoadPlanner) -> None:
-        where = f"{req.storage_index.fqn!r} of {self.checkpoint_id!r}"
+        where = f"{req.storage_index.fqn!r} of {self._where!r}"
         if req.type == LoadItemType.BYTE_IO:
             _need(rec["kind"] == "bytes", where, "stored as a tensor, read as a value")
             value = _from_json(parse_record(data, where, expect=None), where)   # depth-bounded: no RecursionError
