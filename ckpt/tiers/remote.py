@@ -613,16 +613,8 @@ class RemoteTier(PersistingTier, TimelineCopies):
                                        {data_name(r): rep[2] for r, rep in enumerate(reports)},
                                        self._copying.get(step, self.timeline), gen)
                 sink = FsSink(self.fs, d, self._local_fs)
-
-                def put_commit(raw_commit: bytes) -> None:
-                    sent.append(True)
-                    if gen is None:
-                        sink.put(COMMIT_NAME, raw_commit)
-                    else:
-                        self._switch(step, commit)
-
                 # every rank's manifest is durable already (each put it before reporting): COMMIT alone
-                publish(sink, [], commit.to_bytes(), put_commit=put_commit)
+                publish(sink, [], commit.to_bytes(), put_commit=self._commit_put(sink, step, commit, gen, sent))
                 self.verified[step] = True   # every rank uploaded its parts from its own bytes
                 committed = _COMMITTED
             except Exception as e:   # noqa: BLE001 - reported to every rank below
@@ -765,17 +757,9 @@ class RemoteTier(PersistingTier, TimelineCopies):
             record = rank_record(step, self.rank, self.world_size, raw, manifest.data_bytes,
                                  self._copying.get(step, self.timeline), gen) if commit else None
             sink = FsSink(self.fs, base, self._local_fs)
-
-            def put_commit(raw_commit: bytes) -> None:
-                sent.append(True)
-                if gen is None:
-                    sink.put(COMMIT_NAME, raw_commit)
-                else:
-                    self._switch(step, record)
-
             # the checkpoint exists from the COMMIT put on (a replacement: from the switch to its generation)
             publish(sink, [(manifest_name(self.rank), raw)], record.to_bytes() if record is not None else None,
-                    put_commit=put_commit)
+                    put_commit=self._commit_put(sink, step, record, gen, sent))
             if commit:
                 self.verified[step] = True
         except BaseException:
@@ -784,6 +768,19 @@ class RemoteTier(PersistingTier, TimelineCopies):
         if commit:
             self._after_commit(step, replaced, move_latest)
         return raw
+
+    def _commit_put(self, sink: FsSink, step: int, record: Commit | None, gen: str | None,
+                    sent: list[bool]) -> Callable[[bytes], None]:
+        """What puts a step's ``COMMIT`` (``record``'s bytes): straight into the step directory, or, for a
+        replacement (``gen``), the switch to its generation. ``sent`` gets an entry before the request
+        goes out: from then on the put may land even if it fails here, and no file it names may go."""
+        def put(raw_commit: bytes) -> None:
+            sent.append(True)
+            if gen is None:
+                sink.put(COMMIT_NAME, raw_commit)
+            else:
+                self._switch(step, record)
+        return put
 
     def _replaced(self, step: int) -> Commit | None:
         """The record of the committed copy of ``step`` a write would replace (``None``: none is here).
