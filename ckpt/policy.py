@@ -98,11 +98,14 @@ class TimelineCopies:
 @dataclass(frozen=True)
 class Committed:
     """A committed checkpoint as a tier lists it: its step, its timeline, and whether it is linked in
-    (its directory or ``COMMIT`` a symbolic link: listed and restorable, never deleted)."""
+    (its directory or ``COMMIT`` a symbolic link: listed and restorable, never deleted). ``known``:
+    whether its timeline was read (``False``: the store failed to give its ``COMMIT``; the timeline
+    shown is a guess, so retention deletes nothing on that tier, see :func:`prune`)."""
 
     step: int
     timeline: Timeline = Timeline()
     linked: bool = False
+    known: bool = True
 
     @property
     def key(self) -> tuple[int, int]:
@@ -147,9 +150,18 @@ def prune(tier: Any, keep: int | None, busy: Collection[int] = (), dry_run: bool
     be deleted (so it may read the step: ``ckpt gc`` verifies each one it asks about); when it is
     ``True`` for none, no committed step is deleted, so retention never leaves only checkpoints
     that are not known to verify.
+
+    A listing with a step whose ``COMMIT`` the store failed to give (:attr:`Committed.known` false)
+    deletes nothing: without its timeline the live branch is a guess, and a newer good step could
+    pass for an abandoned one. The next retention, once the store answers, prunes.
     """
     entries = _listing(tier)
     if not entries:
+        return []
+    unknown = [e.step for e in entries if not e.known]
+    if unknown:
+        log.warning("retention of the %s tier deletes nothing this time: the commit records of steps %s could "
+                    "not be read, so which steps are live is not known", getattr(tier, "name", "?"), unknown)
         return []
     live, abandoned = live_and_abandoned(entries)
     owns = getattr(tier, "owns", lambda s: True)

@@ -225,3 +225,43 @@ def test_a_commit_with_a_malformed_timeline_is_refused_and_skipped(local_dir, fi
         state = _state()
         with pytest.warns(RuntimeWarning, match="step-000000300/COMMIT"):
             assert ck.restore(state) == 200
+
+
+@pytest.mark.parametrize("tier", ["local", "remote"])
+def test_retention_deletes_nothing_while_a_commit_record_cannot_be_read(tmp_path, monkeypatch, tier):
+    """Step 120 (live branch, timeline 1) has a COMMIT the disk or store fails to give: listed with timeline
+    0 it would pass for the abandoned branch, and retention would delete it and keep the older 110."""
+    from ckpt.policy import prune
+    from ckpt.tiers import LocalTier, RemoteTier
+    from ckpt.tiers import local as local_mod
+
+    url = f"file://{tmp_path}/remote"
+    keep = ckpt.Retention(local=None, remote=None)
+    _three(tmp_path / "a", url, keep)
+    _rollback(tmp_path / "a", url, keep)
+    t = LocalTier(tmp_path / "a") if tier == "local" else RemoteTier(url)
+    bad = f"step-{120:09d}"
+    if tier == "local":
+        real = local_mod.read_record
+
+        def failing(path, *a, **k):
+            if Path(path).parent.name == bad:
+                raise OSError(5, "Input/output error", str(path))
+            return real(path, *a, **k)
+        monkeypatch.setattr(local_mod, "read_record", failing)
+    else:
+        real_get = RemoteTier._get
+
+        def failing_get(self, step, name, *a, **k):
+            if step == 120 and name == COMMIT_NAME:
+                raise ConnectionError("the store dropped the connection")
+            return real_get(self, step, name, *a, **k)
+        monkeypatch.setattr(RemoteTier, "_get", failing_get)
+    listed = {c.step: c for c in t.committed()}
+    assert listed[120].known is False and all(c.known for s, c in listed.items() if s != 120)
+    assert prune(t, 2) == []
+    root = tmp_path / ("a" if tier == "local" else "remote")
+    assert _steps(root) == [100, 110, 120, 130, 200, 300]
+    monkeypatch.undo()   # the record reads again: the abandoned branch and the oldest live steps go
+    assert sorted(prune(t, 2)) == [100, 110, 200, 300]
+    assert _steps(root) == [120, 130]

@@ -102,14 +102,25 @@ class LocalTier(PersistingTier, TimelineCopies):
         return sorted(steps, reverse=True)
 
     def committed(self) -> list[Committed]:
-        """Every committed step here with its timeline (read from its ``COMMIT``; timeline 0 when that
-        cannot be read, which a restore then finds anyway) and whether it is linked in."""
+        """Every committed step here with its timeline (read from its ``COMMIT``) and whether it is linked
+        in. A ``COMMIT`` gone since the listing leaves its step out; one that fails its checks lists
+        timeline 0 (a restore then finds it broken); one the disk fails to give (an I/O or permission
+        error) lists timeline 0 with ``known=False``, so that retention deletes nothing meanwhile."""
         out = []
         for s in self.committed_steps():
             name = step_dir_name(s)
-            out.append(Committed(s, _timeline(self.root / name / COMMIT_NAME), linked(self.root, name)))
+            path = self.root / name / COMMIT_NAME
+            try:
+                out.append(Committed(s, Timeline.of(Commit.from_bytes(read_record(path), str(path))),
+                                     linked(self.root, name)))
+            except FileNotFoundError:
+                continue
+            except CorruptCheckpointError:
+                out.append(Committed(s, Timeline(), linked(self.root, name)))
+            except OSError as e:
+                log.warning("%s could not be read (%s): its timeline is not known", path, e)
+                out.append(Committed(s, Timeline(), linked(self.root, name), known=False))
         return out
-
 
     def owns(self, step: int) -> bool:
         """Whether this tier may delete ``step``: ``False`` for a linked step (see :func:`linked`)."""
@@ -448,13 +459,6 @@ def _is_link(path: str | os.PathLike, dir_fd: int | None = None) -> bool:
         return stat.S_ISLNK(os.stat(path, dir_fd=dir_fd, follow_symlinks=False).st_mode)
     except (FileNotFoundError, NotADirectoryError):
         return False
-
-
-def _timeline(path: Path) -> Timeline:
-    try:
-        return Timeline.of(Commit.from_bytes(read_record(path), str(path)))
-    except (OSError, CorruptCheckpointError):
-        return Timeline()
 
 
 def linked(root: str | os.PathLike, name: str) -> bool:

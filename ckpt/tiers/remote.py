@@ -431,20 +431,30 @@ class RemoteTier(PersistingTier, TimelineCopies):
         return value
 
     def committed(self) -> list[Committed]:
-        """Every committed step here with its timeline (its ``COMMIT``s are read in parallel; timeline 0
-        when one cannot be read, which a restore then finds anyway) and whether it is linked in."""
-        def one(step: int) -> Committed:
+        """Every committed step here with its timeline (its ``COMMIT``s are read in parallel) and whether
+        it is linked in. A ``COMMIT`` gone since the listing (retention elsewhere) leaves its step out; one
+        that fails its checks lists timeline 0 (a restore then finds it broken); one the store fails to
+        give lists timeline 0 with ``known=False``, so that retention deletes nothing meanwhile."""
+        def one(step: int) -> Committed | None:
+            where = f"{self.step_dir(step)}/{COMMIT_NAME}"
             try:
-                tl = Timeline.of(Commit.from_bytes(self._get(step, COMMIT_NAME), f"{self.step_dir(step)}/{COMMIT_NAME}"))
-            except (OSError, CheckpointError):
+                tl = Timeline.of(Commit.from_bytes(self._get(step, COMMIT_NAME), where))
+            except FileNotFoundError:
+                return None
+            except CheckpointError:
                 tl = Timeline()
+            except OSError as e:
+                log.warning("%s could not be read (%s: %s): its timeline is not known", where, type(e).__name__, e)
+                return Committed(step, Timeline(), not self.owns(step), known=False)
             return Committed(step, tl, not self.owns(step))
 
         steps = self.committed_steps()
         if len(steps) <= 1:
-            return [one(s) for s in steps]
-        with ThreadPoolExecutor(knobs.get("CKPT_REMOTE_THREADS"), thread_name_prefix="ckpt-list") as ex:
-            return list(ex.map(one, steps))
+            found = [one(s) for s in steps]
+        else:
+            with ThreadPoolExecutor(knobs.get("CKPT_REMOTE_THREADS"), thread_name_prefix="ckpt-list") as ex:
+                found = list(ex.map(one, steps))
+        return [c for c in found if c is not None]
 
     def owns(self, step: int) -> bool:
         """Whether this tier may delete ``step``: on a ``file://`` URL, not a linked step
