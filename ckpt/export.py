@@ -43,6 +43,8 @@ from .policy import live_and_abandoned
 from .progress import Progress, wanted
 from .reshard import load_resharded, saved_layouts, shard_box
 from .scatter import Scatter
+from .tiers.local import NO_RENAMEAT2, RENAME_EXCHANGE, RENAME_NOREPLACE
+from .tiers.local import renameat2 as _renameat2
 
 __all__ = ["export", "ExportInfo", "FORMATS"]
 
@@ -1032,41 +1034,15 @@ def _publish(stage: Path, dest: Path, force: bool, single_file: bool) -> None:
         shutil.rmtree(stage, ignore_errors=True)
 
 
-_RENAME_NOREPLACE, _RENAME_EXCHANGE = 1, 2
-_NO_RENAMEAT2 = {errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP, errno.ENOTSUP}
-_libc_renameat2: Any = None
-
-
-def _renameat2(a: Path, b: Path, flags: int) -> None:
-    """Linux ``renameat2``; an OSError with errno ENOSYS / EINVAL / EOPNOTSUPP where the kernel, the C
-    library or the file system cannot."""
-    global _libc_renameat2
-    if _libc_renameat2 is None:
-        import ctypes
-
-        fn = getattr(ctypes.CDLL(None, use_errno=True), "renameat2", None)
-        if fn is not None:
-            fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
-            fn.restype = ctypes.c_int
-        _libc_renameat2 = fn or False
-    if not _libc_renameat2:
-        raise OSError(errno.ENOSYS, "renameat2 is not available", str(a))
-    import ctypes
-
-    if _libc_renameat2(-100, os.fsencode(a), -100, os.fsencode(b), flags) != 0:   # -100: AT_FDCWD
-        err = ctypes.get_errno()
-        raise OSError(err, os.strerror(err), str(a), None, str(b))
-
-
 def _put(new: Path, dest: Path, single_file: bool) -> None:
     """Rename ``new`` to ``dest``, which must not exist: ``FileExistsError`` if it does."""
     try:
-        _renameat2(new, dest, _RENAME_NOREPLACE)
+        _renameat2(new, dest, RENAME_NOREPLACE)
         return
     except OSError as e:
         if e.errno == errno.EEXIST:
             raise FileExistsError(errno.EEXIST, "the export destination exists", str(dest)) from None
-        if e.errno not in _NO_RENAMEAT2:
+        if e.errno not in NO_RENAMEAT2:
             raise
     try:   # no renameat2 here: a link fails on an existing name; rename(2) of a directory fails on all but an
         if single_file:   # empty directory, which it would replace: checked just before
@@ -1088,10 +1064,10 @@ def _swap(new: Path, dest: Path, single_file: bool) -> Path | None:
     one atomic rename; a directory takes two renames (the old one aside, the new one in), undone if the
     second fails; a kill between them leaves the old one at ``.NAME.replaced-PID-XXXXXXXX``."""
     try:
-        _renameat2(new, dest, _RENAME_EXCHANGE)
+        _renameat2(new, dest, RENAME_EXCHANGE)
         return new
     except OSError as e:
-        if e.errno not in _NO_RENAMEAT2:
+        if e.errno not in NO_RENAMEAT2:
             raise
     if single_file and not stat.S_ISDIR(os.lstat(dest).st_mode):
         os.replace(new, dest)

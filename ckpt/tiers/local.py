@@ -626,14 +626,17 @@ def _alive(pid: int) -> bool:
     return True
 
 
-_RENAME_EXCHANGE = 2
+RENAME_NOREPLACE, RENAME_EXCHANGE = 1, 2   # renameat2's flags
+#: the errnos of a renameat2 the kernel, the C library or the file system does not have
+NO_RENAMEAT2 = frozenset({errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP, errno.ENOTSUP})
 _AT_FDCWD = -100
 _renameat2: Any = None
 
 
-def _exchange(a: Path, b: Path) -> None:
-    """Swap the directory entries ``a`` and ``b`` atomically (Linux ``renameat2(RENAME_EXCHANGE)``).
-    Raises an OSError with errno EINVAL / ENOSYS / EOPNOTSUPP where the kernel or file system cannot."""
+def renameat2(a: Path, b: Path, flags: int) -> None:
+    """Linux ``renameat2(a, b, flags)`` (``RENAME_NOREPLACE``: fail with EEXIST where ``b`` exists, even an
+    empty directory; ``RENAME_EXCHANGE``: swap the two entries atomically). Raises an OSError with its
+    errno, one of :data:`NO_RENAMEAT2` where the kernel, the C library or the file system cannot."""
     global _renameat2
     if _renameat2 is None:
         fn = getattr(ctypes.CDLL(None, use_errno=True), "renameat2", None)
@@ -643,9 +646,14 @@ def _exchange(a: Path, b: Path) -> None:
         _renameat2 = fn or False
     if not _renameat2:
         raise OSError(errno.ENOSYS, "renameat2 is not available", str(a))
-    if _renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) != 0:
+    if _renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), flags) != 0:
         err = ctypes.get_errno()
         raise OSError(err, os.strerror(err), str(a), None, str(b))
+
+
+def _exchange(a: Path, b: Path) -> None:
+    """Swap the directory entries ``a`` and ``b`` atomically (:func:`renameat2` with ``RENAME_EXCHANGE``)."""
+    renameat2(a, b, RENAME_EXCHANGE)
 
 
 # -- ownership ----------------------------------------------------------------------------------------
