@@ -599,28 +599,29 @@ def test_a_store_that_goes_down_after_start_does_not_hold_the_first_save(tmp_pat
     url = f"s3://{bucket}/run"
     proxy = FaultProxy(port)
     try:
-        with knobs.override(CKPT_REMOTE_PROBE_S=2):
-            opts = storage_options(proxy.port)   # the library's upload retry policy: 10 attempts
-            with ckpt.Checkpointer(url, storage_options=opts, local_dir=tmp_path / "a") as ck:
-                assert ck.remote.status.available is True
-                if outage == "refused":
-                    proxy.down()
-                else:
-                    proxy.faults.delay = 120.0
-                t0 = time.monotonic()
-                h = ck.save(1, _state(1.0))
-                took = time.monotonic() - t0
-                h.wait("local")
-                with pytest.raises(ConnectionError):
-                    h.wait("remote")
-                assert ck.remote.status.available is False
-                t0 = time.monotonic()
-                ck.save(2, _state(2.0))
-                second = time.monotonic() - t0
-                with pytest.raises(ConnectionError):
-                    ck.wait()
-                proxy.up()
-                proxy.faults.delay = 0.0
+        opts = storage_options(proxy.port)   # the library's upload retry policy: 10 attempts
+        # the constructor's probe with its default bound (a loaded 2-core CI machine took over 2 s), then 2 s
+        with ckpt.Checkpointer(url, storage_options=opts, local_dir=tmp_path / "a") as ck, \
+                knobs.override(CKPT_REMOTE_PROBE_S=2):
+            assert ck.remote.status.available is True
+            if outage == "refused":
+                proxy.down()
+            else:
+                proxy.faults.delay = 120.0
+            t0 = time.monotonic()
+            h = ck.save(1, _state(1.0))
+            took = time.monotonic() - t0
+            h.wait("local")
+            with pytest.raises(ConnectionError):
+                h.wait("remote")
+            assert ck.remote.status.available is False
+            t0 = time.monotonic()
+            ck.save(2, _state(2.0))
+            second = time.monotonic() - t0
+            with pytest.raises(ConnectionError):
+                ck.wait()
+            proxy.up()
+            proxy.faults.delay = 0.0
         assert took < 12, f"the first save() waited {took:.1f} s for a store that is down"
         assert second < 2, f"the second save() waited {second:.1f} s"
     finally:
