@@ -276,7 +276,7 @@ class _Source:
             commit = tier.read_commit(self.step)
             self.manifests = tier.read_manifests(self.step, commit)
             for m in self.manifests:   # every part there at its committed size, before any size the manifests
-                tier._check_stored(self.step, m)   # state is allocated (as a restore checks)
+                tier.check_stored(self.step, m)   # state is allocated (as a restore checks)
             self._fetch = lambda r, m, i: tier.fetch(self.step, r, m, i)
         else:
             self.manifests = [tier.open(self.step)[1]]

@@ -965,7 +965,7 @@ class RemoteTier(PersistingTier, TimelineCopies):
             raise CorruptCheckpointError(f"{self._url(self._part(step, i, m.rank, m.generation))}: a {codec!r} part of {stored} "
                                          f"stored bytes cannot hold its {size}-byte chunk")
 
-    def _check_stored(self, step: int, m: Manifest) -> None:
+    def check_stored(self, step: int, m: Manifest) -> None:
         """Every part of saved rank ``m.rank`` is there with the size its manifest records: one listing,
         before any part is downloaded or room for the data is allocated."""
         base = self.step_dir(step) if m.generation is None else f"{self.step_dir(step)}/{m.generation}"
@@ -1023,7 +1023,7 @@ class RemoteTier(PersistingTier, TimelineCopies):
         commit = self.read_commit(step)
         manifests = self.read_manifests(step, commit)
         for m in manifests:
-            self._check_stored(step, m)
+            self.check_stored(step, m)
         parts = [(m, i) for m in manifests for i, codec in enumerate(m.codecs) if codec != ABSENT]
         with ThreadPoolExecutor(knobs.get("CKPT_REMOTE_THREADS"), thread_name_prefix="ckpt-verify") as ex:
             for f in [ex.submit(self.fetch, step, m.rank, m, i) for m, i in parts]:
@@ -1068,7 +1068,7 @@ class RemoteTier(PersistingTier, TimelineCopies):
              refill: Any = None) -> None:
         """Download, decode and verify every part in parallel; scatter into ``dest`` (if given) and write
         the local tier ``refill`` (if given) on the way, so that the next restore is local."""
-        self._check_stored(step, manifest)   # before the refill allocates room for data_bytes
+        self.check_stored(step, manifest)   # before the refill allocates room for data_bytes
         sc = Scatter(manifest.items, dest) if dest is not None else None
         if sc is not None:
             sc.open_streams()   # here, on the caller's thread: after what it queued on the GPU
