@@ -129,6 +129,14 @@ def _worker(root: str, rank: int, world: int, mode: str, mb: int, steps: int, ev
     elif mode == "restore":
         logging.basicConfig(level=logging.WARNING, format=f"rank {rank}: %(message)s")
         logging.getLogger("ckpt.tiers.peer").setLevel(logging.INFO)   # the exchange's own breakdown
+        lines: list[str] = []   # and printed under the table: where the holder served the bytes from
+
+        class _Keep(logging.Handler):
+            def emit(self, record: logging.LogRecord) -> None:
+                lines.append(record.getMessage())
+
+        logging.getLogger("ckpt.tiers.peer").addHandler(_Keep())
+        out["log"] = lines
         with ckpt.Checkpointer(local_dir=f"{root}/rank-{rank}", every_steps=every, peers=1) as ck:
             state["w"].zero_()
             t = time.perf_counter()
@@ -330,6 +338,9 @@ def main() -> None:
     rows.append({"case": case, "provider": "restore of the other rank", "metric": "seconds", "value": r0["restore_s"],
                  "unit": "s", "note": f"tier {r0['tier']}, bit-exact {r0['exact']}; {_phases(r0)}"})
     print(table(rows, ["provider", "metric", "value", "unit", "note"]))
+    for r in rest:   # each rank's own account of its peer-tier restore (what it served, from where)
+        for line in r.get("log", []):
+            print(f"rank {r['rank']}: {line}")
     if not args.no_record:
         record("peer", rows)
 
