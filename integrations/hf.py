@@ -38,6 +38,7 @@ from typing import Any, Callable
 import transformers
 from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 from transformers.trainer_callback import ExportableState
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
 
 from ..api import Checkpointer
 from ..errors import CheckpointError
@@ -65,6 +66,9 @@ if _version_tuple(transformers.__version__) < _MIN_TRANSFORMERS:
 # own holding only trainer_state.json and answers these calls for that directory from its checkpoint.
 _TRAINER_STATE_NAME = "trainer_state.json"
 _HOOKS = ("_load_from_checkpoint", "_load_optimizer_and_scheduler", "_load_scaler", "_load_rng_state")
+# Two more points of the loop the callback must see, where no callback event runs: the end of a step's (or an
+# epoch's) logging, evaluation and save, and the loading of the best model once the loop is over.
+_LOOP_HOOKS = ("_maybe_log_save_evaluate", "_load_best_model")
 
 
 class _View:
@@ -141,9 +145,17 @@ class CheckpointCallback(TrainerCallback):
     the batches of the current epoch it skips (``ignore_data_skip`` as
     usual), the states of ``ExportableState`` callbacks
     (``restore_callback_states_from_checkpoint``). ``callback.restored_step``
-    says which step was loaded. ``train(resume_from_checkpoint=...)`` resumes
-    from the Trainer's own checkpoint instead, and ``restore=False`` turns
-    restoring off.
+    says which step was loaded. ``train(resume_from_checkpoint=PATH)`` resumes
+    from the Trainer's own checkpoint instead; ``resume_from_checkpoint=True``
+    (the run's newest checkpoint) restores the newest snapshot, unless the
+    Trainer's own newest ``checkpoint-N`` is of a later step; ``False`` is the
+    same as leaving it out. ``restore=False`` turns restoring by itself off.
+
+    The ``TrainerState`` in a snapshot is the one the Trainer's own save of
+    that step writes (``total_flos`` included; the end-of-training summary in
+    the log history left out). With ``load_best_model_at_end``, the last
+    step's snapshot and the final one are taken before the best model is
+    loaded: they hold the last step's weights.
 
     SIGTERM (with the Checkpointer's ``signals``): the next boundary saves the
     last completed step whatever the policy, waits until it is durable on
@@ -195,6 +207,9 @@ class CheckpointCallback(TrainerCallback):
         self._handled = -1       # the step whose boundary was handled
         self._pending = -1       # a step the Trainer's schedule asked to save
         self._last_saved = -1
+        # (step, len(log_history)) when the step's logging, evaluation and save were over: the log entries
+        # appended later at that step are the Trainer's end-of-training summary, not part of the step's state
+        self._logged: tuple[int, int] = (-1, 0)
 
     @property
     def checkpointer(self) -> Checkpointer:
@@ -221,7 +236,7 @@ class CheckpointCallback(TrainerCallback):
             raise ValueError("this Trainer has a CheckpointCallback attached already; one Trainer takes one (two "
                              "would both restore and save the run)")
         self._check_supported(trainer)
-        missing = [n for n in _HOOKS if not callable(getattr(trainer, n, None))]
+        missing = [n for n in (*_HOOKS, *_LOOP_HOOKS) if not callable(getattr(trainer, n, None))]
         if missing:
             raise RuntimeError(f"this transformers {transformers.__version__} Trainer has no {missing}: "
                                "ckpt.integrations.hf was tested with transformers 4.57 and 5.x")
@@ -240,6 +255,22 @@ class CheckpointCallback(TrainerCallback):
 
         for name in _HOOKS:
             setattr(trainer, name, hook(name))
+
+        log_save_evaluate, load_best_model = (getattr(trainer, n) for n in _LOOP_HOOKS)
+
+        def maybe_log_save_evaluate(*args: Any, **kwargs: Any) -> Any:
+            out = log_save_evaluate(*args, **kwargs)
+            self._logged = (trainer.state.global_step, len(trainer.state.log_history))
+            return out
+
+        def load_best() -> Any:
+            # the last step's snapshot (and the final one) hold that step's weights, not the best model's
+            self._finish(trainer.state)
+            self.checkpointer.wait_staged()   # the load writes the weights in place: the copy must be done
+            return load_best_model()
+
+        trainer._maybe_log_save_evaluate = maybe_log_save_evaluate
+        trainer._load_best_model = load_best
 
         def train(resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any) -> Any:
             return self._train(trainer, originals["train"], resume_from_checkpoint, args, kwargs)
@@ -266,7 +297,12 @@ class CheckpointCallback(TrainerCallback):
     def _train(self, trainer: Trainer, train: Callable[..., Any], resume: Any, args: tuple, kwargs: dict) -> Any:
         ck = self.checkpointer
         self.restored_step, self._held, self._resume_dir = None, None, None
-        if resume is not None and resume is not False:
+        self._logged = (-1, 0)
+        if resume is True and _newest_is_ours(ck, trainer):
+            # True: "the run's newest checkpoint"; the run's checkpoints are the tiers' (the Trainer's own
+            # checkpoint-N directories are replaced by them, or, kept, hold the same steps)
+            self._resume_dir = resume = tempfile.mkdtemp(prefix="ckpt-hf-resume-")
+        elif resume is not None and resume is not False:
             log.info("CheckpointCallback: not restoring, since train(resume_from_checkpoint=%r) resumes the run",
                      resume)
         elif self.restore and ck.list():
@@ -341,7 +377,7 @@ class CheckpointCallback(TrainerCallback):
             "optimizer": trainer.optimizer,
             "scheduler": trainer.lr_scheduler,
             "scaler": _View(scaler, _refuse),
-            "trainer_state": _View(lambda: {"json": _trainer_state_json(trainer)}, _refuse),
+            "trainer_state": _View(lambda: {"json": _trainer_state_json(trainer, self._logged)}, _refuse),
             "rng": RNGState(),
         }
 
@@ -383,12 +419,18 @@ class CheckpointCallback(TrainerCallback):
 
     def on_train_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                      **kwargs: Any) -> None:
+        self._finish(state)
+        self.checkpointer.wait()
+
+    def _finish(self, state: TrainerState) -> None:
+        """The loop is over: save the last step if asked, and the final state (``save_on_train_end``).
+
+        Runs before the Trainer loads its best model (``load_best_model_at_end``), or at ``on_train_end``."""
         self._boundary(state)
         step = state.global_step
         if self.save_on_train_end and step != self._last_saved and step > 0:
             self.checkpointer.save(step, self._state(self._trainer))
             self._last_saved = step
-        self.checkpointer.wait()
 
     def _boundary(self, state: TrainerState) -> None:
         """Save the last completed step if the policy, the Trainer's schedule or a signal asks (once per step)."""
@@ -409,10 +451,30 @@ def _refuse(sd: Any) -> None:
     raise AssertionError("restores go through _Held")   # the save-side views are never restored into
 
 
-def _trainer_state_json(trainer: Trainer) -> str:
-    """``trainer.state`` as the Trainer writes trainer_state.json, with the states of its ``ExportableState``
-    callbacks (and of its ``TrainerControl``) as of now, as the Trainer's own save records them."""
+def _newest_is_ours(ck: Checkpointer, trainer: Trainer) -> bool:
+    """Whether the tiers hold a checkpoint at least as new as the Trainer's newest ``checkpoint-N`` directory."""
+    listed = ck.list()
+    if not listed:
+        return False
+    theirs = get_last_checkpoint(trainer.args.output_dir) if os.path.isdir(trainer.args.output_dir) else None
+    if theirs is None:
+        return True
+    step = os.path.basename(theirs)[len(PREFIX_CHECKPOINT_DIR) + 1:]
+    return not step.isdigit() or max(c.step for c in listed) >= int(step)
+
+
+def _trainer_state_json(trainer: Trainer, logged: tuple[int, int]) -> str:
+    """``trainer.state`` as the Trainer's own save at this step would write trainer_state.json.
+
+    As that save does, the floating-point operations counted since the Trainer last stored them are added to
+    ``total_flos``, and the states of the ``ExportableState`` callbacks (and of the ``TrainerControl``) are those
+    of now. ``logged`` is (step, length of the log history) when that step's logging, evaluation and save were
+    over: at the same step, the entries logged later (the end-of-training summary) are left out."""
     d = dataclasses.asdict(trainer.state)
+    d["total_flos"] = trainer.state.total_flos + trainer.current_flos
+    step, length = logged
+    if step == trainer.state.global_step:
+        d["log_history"] = d["log_history"][:length]
     stateful = [cb for cb in trainer.callback_handler.callbacks + [trainer.control] if isinstance(cb, ExportableState)]
     d["stateful_callbacks"] = TrainerState(stateful_callbacks=stateful).stateful_callbacks
     return json.dumps(d, sort_keys=True)
