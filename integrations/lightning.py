@@ -17,7 +17,10 @@ Two independent pieces (use either, or both):
   moment the save returns (a ``SAVING`` record, no ``COMMIT``, until the write
   commits), and loads of it wait for the write, in this process or another.
   Importing this module makes Lightning's ``AsyncCheckpointIO`` hand a wrapped
-  ``TieredCheckpointIO`` its saves directly and call its ``teardown``.
+  ``TieredCheckpointIO`` its saves directly and call its ``teardown``, makes
+  ``Trainer.save_checkpoint`` return once such a save's tensors are in host
+  memory, and makes ``ModelCheckpoint(save_last="link")`` link or copy its
+  checkpoint directories; with any other plugin, Lightning behaves as before.
 
 ``CheckpointCallback`` also runs on multi-process strategies (DDP; FSDP2 models
 save their DTensor shards): it makes one engine per rank in
@@ -57,7 +60,7 @@ from lightning.pytorch.callbacks import Callback
 
 from ..api import Checkpointer
 from ..errors import RefusedStateError
-from ..format import COMMIT_NAME, Manifest, parse_step_dir, step_dir_name
+from ..format import COMMIT_NAME, Manifest, fsync_dir, fsync_file, parse_step_dir, step_dir_name
 from ..pipeline import SaveHandle
 from ..policy import Retention
 from ..ranks import distributed_world
@@ -451,8 +454,13 @@ class TieredCheckpointIO(CheckpointIO):
     * ``save_checkpoint(checkpoint, path)`` returns once the checkpoint's
       tensors are being copied into a host buffer; the training loop goes on
       (the next ``optimizer.step()`` waits for the copy) and a background
-      thread writes ``path``. ``path`` becomes a **directory** in the ``ckpt``
-      format (one committed step inside; ``ckpt verify PATH`` checks it).
+      thread writes ``path``. Through ``trainer.save_checkpoint`` (every
+      ``ModelCheckpoint`` save) the call returns once the copy has landed, so
+      in-place changes made next (a ``WeightAveraging`` callback's, the
+      caller's) are not in the checkpoint; called directly, change none of its
+      tensors in place before ``checkpointer.wait_staged()`` (or the save
+      fails with ``TornSnapshotError``). ``path`` becomes a **directory** in
+      the ``ckpt`` format (one committed step inside; ``ckpt verify PATH`` checks it).
       It exists from the moment ``save_checkpoint`` returns (so
       ``ModelCheckpoint``'s ``-vN`` names never collide), holding only a
       ``SAVING`` record until the write commits: no loader takes it for a
@@ -500,6 +508,11 @@ class TieredCheckpointIO(CheckpointIO):
 
     Paths are local (a remote URL raises ``ValueError``). Loading a file
     written by another ``CheckpointIO`` (a ``torch.save`` pickle) is refused.
+    ``ModelCheckpoint(save_last="link")`` links ``last.ckpt`` to the newest
+    checkpoint directory, or copies it where the file system refuses links.
+    A copy of the plugin (``copy.deepcopy``, or the Trainer that
+    ``strategy="ddp_spawn"`` sends to its workers) has the same settings and
+    none of the saves: those in flight stay with the original.
     """
 
     def __init__(self, *, max_in_flight: int = 1, host_memory_limit: int | None = None,
@@ -523,6 +536,17 @@ class TieredCheckpointIO(CheckpointIO):
         self._seq = 0
         self._lock = threading.Lock()        # the fields above
         self._save_lock = threading.Lock()   # one save_checkpoint at a time (AsyncCheckpointIO may call from a thread)
+
+    # Copies (copy.deepcopy of a Trainer, a callback holding one) and the process a launcher starts
+    # (strategy="ddp_spawn" sends the Trainer to each worker) get the settings, never the engine: its buffers,
+    # threads and saves in flight stay with this instance; a copy starts its own writer on its first save.
+    _SETTINGS = ("max_in_flight", "host_memory_limit", "on_unsupported", "pending_save_timeout")
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {k: self.__dict__[k] for k in self._SETTINGS}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(**{k: state[k] for k in self._SETTINGS})
 
     # The tier class that writes each checkpoint directory (tests put a slow or failing subclass here).
     _local_tier: type[LocalTier] = LocalTier
@@ -628,6 +652,41 @@ class TieredCheckpointIO(CheckpointIO):
         finally:
             settler.stop()   # every save has ended: their reservations are settled once it returns
 
+    def _wait_copied(self) -> None:
+        """Block until the tensors of the saves made so far are copied into host memory (the writes go on):
+        from then on the caller may change them in place."""
+        ck = self._ck
+        if ck is not None:
+            ck.wait_staged()
+
+    def _link(self, filepath: str | os.PathLike, linkpath: str | os.PathLike) -> None:
+        """Make ``linkpath`` a relative symbolic link to the checkpoint ``filepath``, or a copy of it where the
+        file system refuses links (``ModelCheckpoint(save_last="link")``; Lightning copies a file there).
+
+        What is at ``linkpath`` is removed first, as Lightning does (a link or a file unlinked, a directory
+        removed: a save of it still pending is superseded, see :class:`_Reservation`). The copy waits for
+        ``filepath``'s pending save, takes its committed checkpoint, flushed to stable storage under a
+        temporary name and renamed to ``linkpath``: a crash leaves no partial ``linkpath``.
+        """
+        target, link = self._local_path(filepath), self._local_path(linkpath)
+        if link.is_symlink() or link.is_file():
+            link.unlink()
+        elif link.is_dir():
+            shutil.rmtree(link)
+        try:
+            os.symlink(os.path.relpath(target, link.parent), link)
+            return
+        except OSError as e:
+            log.info("could not link %s to %s (%s): copying the checkpoint instead", link, target, e)
+        deadline = time.monotonic() + self.pending_save_timeout
+        waited = self._wait_for(target, str(filepath), deadline)
+        self._wait_for_other_process(target, str(filepath), deadline)
+        failed = next((r.error for r in waited if r.error is not None), None)
+        if not _committed_steps(target):
+            why = f": its save failed ({failed})" if failed is not None else ""
+            raise FileNotFoundError(errno.ENOENT, f"no committed checkpoint to copy to {link}{why}", str(target))
+        _copy_checkpoint(target, link)
+
     # -- helpers -------------------------------------------------------------------------------------
     def _checkpointer(self, target: Path) -> tuple[Checkpointer, _PathTier, _Settler]:
         with self._lock:
@@ -719,9 +778,41 @@ def _keep_all() -> Retention:
     return Retention(local=None)
 
 
+def _copy_checkpoint(src: Path, dst: Path) -> None:
+    """Copy the checkpoint directory ``src`` (no ``SAVING`` record) to ``dst``, which must not exist: every file
+    fsynced under a temporary name next to ``dst``, then renamed to it."""
+    tmp = dst.with_name(f".{dst.name}.copy-{secrets.token_hex(6)}")
+
+    def copy(a: str, b: str) -> None:
+        shutil.copy2(a, b)
+        fsync_file(b)
+
+    try:
+        shutil.copytree(src, tmp, copy_function=copy,
+                        ignore=shutil.ignore_patterns(_SAVING_NAME, f".{_SAVING_NAME}.*"))
+        for d, _, _ in os.walk(tmp, topdown=False):
+            fsync_dir(d)
+        os.rename(tmp, dst)
+        fsync_dir(dst.parent)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def _tiered_base(io: Any, through: type | None = None) -> TieredCheckpointIO | None:
+    """The :class:`TieredCheckpointIO` at the bottom of ``io``'s wrappers (Lightning's ``_WrappingCheckpointIO``,
+    or only those of type ``through``), however deeply nested; ``None`` when another plugin is there."""
+    from lightning.pytorch.plugins.io.wrapper import _WrappingCheckpointIO
+
+    seen = 0
+    while isinstance(io, through or _WrappingCheckpointIO) and seen < 64:
+        io, seen = io.checkpoint_io, seen + 1
+    return io if isinstance(io, TieredCheckpointIO) else None
+
+
 def _route_async_checkpoint_io() -> None:
     """Make Lightning's ``AsyncCheckpointIO`` hand a wrapped :class:`TieredCheckpointIO` its saves at once and
-    its ``teardown``.
+    its ``teardown``, also through wrappers nested in each other (``AsyncCheckpointIO(AsyncCheckpointIO(...))``).
 
     The wrapper runs each save on a thread of its own after cloning every tensor on the caller's thread, and
     its ``teardown`` stops that thread without calling the wrapped plugin's. For this plugin, whose saves
@@ -740,18 +831,19 @@ def _route_async_checkpoint_io() -> None:
 
     @functools.wraps(wrapped_save)
     def save_checkpoint(self: Any, *args: Any, **kwargs: Any) -> None:
-        if isinstance(self.checkpoint_io, TieredCheckpointIO):
-            return self.checkpoint_io.save_checkpoint(*args, **kwargs)
+        base = _tiered_base(self, AsyncCheckpointIO)   # another wrapper in between keeps its own save
+        if base is not None:
+            return base.save_checkpoint(*args, **kwargs)
         return wrapped_save(self, *args, **kwargs)
 
     @functools.wraps(wrapped_teardown)
     def teardown(self: Any) -> None:
-        inner = self.checkpoint_io
+        base = _tiered_base(self, AsyncCheckpointIO)
         try:
             wrapped_teardown(self)
         finally:
-            if isinstance(inner, TieredCheckpointIO):
-                inner.teardown()
+            if base is not None:
+                base.teardown()
 
     AsyncCheckpointIO.save_checkpoint = save_checkpoint
     AsyncCheckpointIO.teardown = teardown
@@ -759,6 +851,69 @@ def _route_async_checkpoint_io() -> None:
 
 
 _route_async_checkpoint_io()
+
+
+def _route_model_checkpoint_link() -> None:
+    """Make ``ModelCheckpoint(save_last="link")`` link or copy a :class:`TieredCheckpointIO` checkpoint through it.
+
+    Lightning links ``last.ckpt`` to the newest checkpoint and, where the file system refuses symbolic links,
+    copies it with ``shutil.copy``, which cannot copy a checkpoint directory (and would copy one whose save is
+    still pending). With this plugin under the trainer's strategy (wrapped or not), :meth:`TieredCheckpointIO._link`
+    does it instead; any other plugin keeps Lightning's behaviour.
+    """
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    wrapped = ModelCheckpoint.__dict__.get("_link_checkpoint")
+    if not isinstance(wrapped, staticmethod) or getattr(wrapped.__func__, "_tierckpt_routed", False):
+        return
+    original = wrapped.__func__
+
+    @functools.wraps(original)
+    def _link_checkpoint(trainer: Trainer, filepath: str, linkpath: str) -> None:
+        base = _tiered_base(trainer.strategy.checkpoint_io)
+        if base is None:
+            return original(trainer, filepath, linkpath)
+        if trainer.is_global_zero and os.path.abspath(filepath) != os.path.abspath(linkpath):
+            base._link(filepath, linkpath)
+        trainer.strategy.barrier()
+        return None
+
+    _link_checkpoint._tierckpt_routed = True   # type: ignore[attr-defined]
+    ModelCheckpoint._link_checkpoint = staticmethod(_link_checkpoint)
+
+
+_route_model_checkpoint_link()
+
+
+def _route_trainer_save_checkpoint() -> None:
+    """Make ``Trainer.save_checkpoint`` return once a :class:`TieredCheckpointIO` save's tensors are in host memory.
+
+    The plugin's own ``save_checkpoint`` returns while the copy is still running, which is safe where the next
+    in-place write to the state comes through ``optimizer.step()`` (it waits for the copy). Through the
+    Trainer, other writes come first: a callback's hooks after the save (``WeightAveraging`` and
+    ``StochasticWeightAveraging`` copy the averaged weights into the model at the end of training, or update
+    them at an epoch's end), a BatchNorm forward under manual optimization, or the caller's own code after
+    ``trainer.save_checkpoint``. Each would tear the snapshot and drop that checkpoint; so every save made
+    through the Trainer (``ModelCheckpoint``'s, ``OnExceptionCheckpoint``'s, SLURM's, the user's) is a
+    point-in-time copy when the call returns, as with Lightning's own plugins. Only the write is in the
+    background.
+    """
+    wrapped = Trainer.save_checkpoint
+    if getattr(wrapped, "_tierckpt_routed", False):
+        return
+
+    @functools.wraps(wrapped)
+    def save_checkpoint(self: Trainer, *args: Any, **kwargs: Any) -> None:
+        wrapped(self, *args, **kwargs)
+        base = _tiered_base(self.strategy.checkpoint_io)
+        if base is not None:
+            base._wait_copied()
+
+    save_checkpoint._tierckpt_routed = True   # type: ignore[attr-defined]
+    Trainer.save_checkpoint = save_checkpoint
+
+
+_route_trainer_save_checkpoint()
 
 
 # ---------------------------------------------------------------------------------------------
