@@ -988,9 +988,22 @@ class CheckpointCallback(Callback):
     optimizer steps, and a SIGTERM in the middle of an accumulation keeps the
     last checkpoint (waiting for it to be durable).
 
-    A tensor of the state written in place outside ``optimizer.step()`` while
-    a save may be in flight (another callback's EMA, say) must be preceded by
-    ``callback.checkpointer.wait_staged()``.
+    In-place writers outside ``optimizer.step()``: the batch-end save runs
+    after every batch-end hook (the callbacks' in any order, then the
+    LightningModule's, whose ``on_train_batch_end`` is wrapped for the fit),
+    so it holds their writes (``WeightAveraging``'s EMA update, a weight
+    constraint) and none of them lands during its copy. The copy is waited
+    for where Lightning and its callbacks write at the rare points that
+    follow a batch end: after a save at an epoch's last batch, when the run
+    stops (epoch-end and epoch-start hooks: ``StochasticWeightAveraging``
+    averaging, ``WeightAveraging``/SWA copying the average into the model at
+    ``on_train_end``) and at ``on_validation_start`` (``WeightAveraging``
+    swaps the weights). Module buffers (BatchNorm statistics) are copied
+    before the save returns. ``WeightAveraging``'s averaged model is saved
+    (``averaged_models``, by ``state_key``), and SWA's own LR scheduler is
+    left to SWA's ``state_dict``. Other code that writes saved tensors in
+    place at other points calls ``callback.checkpointer.wait_staged()``
+    first.
 
     Multi-process strategies (DDP on several devices or nodes): the process
     group starts after the callback was built, so at ``setup`` the callback
@@ -1031,6 +1044,10 @@ class CheckpointCallback(Callback):
         self._last_saved_step = -1
         self._last_batch_stepped = False
         self._listening = False   # this callback installed the Checkpointer's save-request handlers
+        self._hooked: tuple[LightningModule, bool, Any] | None = None   # the module whose batch-end hook is wrapped
+        self._batch_ended = False
+        self._restored_lrs: list[list[Any]] | None = None   # the optimizers' learning rates as restored
+        self._epoch_start_owed = False   # restored at an epoch's end: the next epoch's start hooks are owed
 
     @property
     def checkpointer(self) -> Checkpointer:
@@ -1081,7 +1098,8 @@ class CheckpointCallback(Callback):
             "module": pl_module,
             "optimizers": {str(i): o for i, o in enumerate(trainer.optimizers)},
             "schedulers": {str(i): part(f"schedulers/{i}", c.scheduler)
-                           for i, c in enumerate(trainer.lr_scheduler_configs)},
+                           for i, c in enumerate(trainer.lr_scheduler_configs)
+                           if id(c.scheduler) not in _callback_schedulers(trainer)},
             "fit_loop": part("fit_loop", trainer.fit_loop),
             "callbacks": _Part("callbacks", lambda: self._callback_states(trainer),
                                lambda sd: self._load_callback_states(trainer, sd), mode),
@@ -1089,6 +1107,7 @@ class CheckpointCallback(Callback):
             "datamodule": _Part("datamodule", lambda: _datamodule_state(trainer),
                                 lambda sd: _load_datamodule_state(trainer, sd), mode),
             "rng": _Part("rng", lambda: self._rng_state(trainer), self._defer_rng, mode),
+            **_averaged_models(trainer),
         }
 
     def _callback_states(self, trainer: Trainer) -> dict[str, Any]:
@@ -1118,6 +1137,9 @@ class CheckpointCallback(Callback):
 
     # -- hooks ---------------------------------------------------------------------------------------
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._hook_batch_end(trainer, pl_module)
+        self._restored_lrs = None
+        self._epoch_start_owed = False
         self._last_seen_step = self._last_saved_step = -1
         self._last_batch_stepped = False
         self.restored_step = None
@@ -1131,6 +1153,8 @@ class CheckpointCallback(Callback):
         if step is not None:
             self.restored_step = self._last_seen_step = self._last_saved_step = step
             log.info("CheckpointCallback: resumed from step %d", step)
+            self._epoch_start_owed = self._rng_to_load is not None and self._rng_to_load["before_iterator"]
+            self._restored_lrs = [[g["lr"] for g in o.param_groups] for o in trainer.optimizers]
         if self._rng_to_load is not None and self._rng_to_load["before_iterator"]:
             self._load_rng()
 
@@ -1140,10 +1164,35 @@ class CheckpointCallback(Callback):
         self._last_seen_step = trainer.global_step
         if self._rng_to_load is not None:
             self._load_rng()
+        owed, self._epoch_start_owed = self._epoch_start_owed, False
+        loop = trainer.fit_loop
+        more = ((loop.max_epochs is None or loop.max_epochs < 0 or trainer.current_epoch < loop.max_epochs)
+                and (trainer.max_steps < 0 or trainer.global_step < trainer.max_steps))
+        if owed and more and (loop.restarted_mid_epoch or loop.restarted_on_epoch_end):
+            # Restored from a checkpoint taken at an epoch's last batch: the uninterrupted run went on with the
+            # next epoch's on_train_epoch_start, which Lightning (2.6) skips when it resumes from a batch-end
+            # checkpoint. Callbacks keep work there (StochasticWeightAveraging averages the weights and makes
+            # its LR scheduler): run the hooks once, as the uninterrupted run did.
+            from lightning.pytorch.trainer import call
+
+            call._call_callback_hooks(trainer, "on_train_epoch_start")
+            call._call_lightning_module_hook(trainer, "on_train_epoch_start")
         ck = self.checkpointer
         if ck.signals.save and ck._guard is None:   # after Lightning's own handlers; SIGTERM stays Lightning's
             ck._listen(preempt=False)
             self._listening = True
+
+    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
+        if self._restored_lrs is None:
+            return
+        lrs, self._restored_lrs = self._restored_lrs, None
+        # StochasticWeightAveraging makes its SWALR again in a resumed fit (at the first epoch start), whose
+        # first step sets the learning rates anew from the restored ones, then loads the scheduler's saved
+        # state, which leaves them: the checkpoint's learning rates are the ones the uninterrupted run had.
+        if _callback_schedulers(trainer):
+            for opt, group_lrs in zip(trainer.optimizers, lrs):
+                for g, lr in zip(opt.param_groups, group_lrs):
+                    g["lr"] = lr
 
     def _unlisten(self) -> None:
         if self._listening and self._ck is not None:
@@ -1155,8 +1204,46 @@ class CheckpointCallback(Callback):
         RNGState().load_state_dict(self._rng_to_load["generators"])
         self._rng_to_load = None
 
+    def _hook_batch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        """Make the batch-end save run after every batch-end hook: Lightning calls the callbacks' hooks in
+        their list's order, then the LightningModule's; that hook is wrapped, for this fit, so that the save
+        follows it (and so every callback's, whatever their order)."""
+        self._unhook_batch_end()
+        had = "on_train_batch_end" in vars(pl_module)
+        inner = pl_module.on_train_batch_end
+
+        @functools.wraps(inner)
+        def on_train_batch_end(*args: Any, **kwargs: Any) -> Any:
+            out = inner(*args, **kwargs)
+            if self._batch_ended:
+                self._batch_ended = False
+                self._after_batch(trainer, pl_module)
+            return out
+
+        on_train_batch_end._tierckpt_callback = self   # type: ignore[attr-defined]
+        pl_module.on_train_batch_end = on_train_batch_end   # type: ignore[method-assign]
+        self._hooked = (pl_module, had, inner)
+
+    def _unhook_batch_end(self) -> None:
+        if self._hooked is None:
+            return
+        module, had, inner = self._hooked
+        self._hooked = None
+        if getattr(vars(module).get("on_train_batch_end"), "_tierckpt_callback", None) is self:
+            if had:
+                module.on_train_batch_end = inner   # type: ignore[method-assign]
+            else:
+                del module.on_train_batch_end
+
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
+        # The save itself runs once every batch-end hook has run (see _hook_batch_end).
+        if self._hooked is not None and self._hooked[0] is pl_module:
+            self._batch_ended = True
+        else:
+            self._after_batch(trainer, pl_module)
+
+    def _after_batch(self, trainer: Trainer, pl_module: LightningModule) -> None:
         step = trainer.global_step
         stepped = step != self._last_seen_step
         self._last_seen_step = step
@@ -1174,13 +1261,30 @@ class CheckpointCallback(Callback):
             return
         if not stepped or step == self._last_saved_step:
             return
-        if self.save_on_train_end and 0 < trainer.max_steps <= step:
-            # The run stops at max_steps, possibly mid-epoch. Saved here, a later fit with a larger max_steps
-            # continues this epoch exactly; at on_train_end Lightning has already marked the epoch completed.
+        ending = _epoch_or_run_ends(trainer)
+        if self.save_on_train_end and (0 < trainer.max_steps <= step or ending == "run"):
+            # The run stops here (max_steps, possibly mid-epoch, or the last epoch's last batch). Saved here,
+            # a later fit with a larger max_steps / max_epochs continues exactly; at on_train_end Lightning
+            # has already marked the epoch completed, and callbacks (WeightAveraging,
+            # StochasticWeightAveraging) may have copied their averaged weights into the model.
             ck.save(step, self._state(trainer, pl_module))
             self._last_saved_step = step
         elif ck.maybe_save(step, self._state(trainer, pl_module)) is not None:
             self._last_saved_step = step
+        else:
+            return
+        if ending is not None or 0 < trainer.max_steps <= step or trainer.should_stop:
+            # Epoch-end, epoch-start and train-end hooks write the state in place outside optimizer.step():
+            # WeightAveraging's epoch updates and final copy, StochasticWeightAveraging's averaging at an
+            # epoch's start and its final copy. Rare: the copy is waited for here, once an epoch.
+            ck.wait_staged()
+
+    def on_validation_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        # Validation during fit comes after a batch end whose save may still be copying, and writes in
+        # place: WeightAveraging swaps the averaged and current weights at on_validation_epoch_start (which
+        # runs after every callback's on_validation_start), BatchNorm in train mode updates its statistics.
+        if trainer.state.fn == "fit" and self._ck is not None:
+            self._ck.wait_staged()
 
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._unlisten()
@@ -1191,6 +1295,7 @@ class CheckpointCallback(Callback):
 
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
         self._unlisten()
+        self._unhook_batch_end()
         if self._ck is None:
             return
         # Lightning checks received_sigterm right after the batch-end hooks and stops the run by raising
@@ -1214,6 +1319,7 @@ class CheckpointCallback(Callback):
 
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         self._unlisten()
+        self._unhook_batch_end()
         if self._ck is None:
             return
         if self._owned:
@@ -1221,6 +1327,44 @@ class CheckpointCallback(Callback):
             ck.close()
         else:
             self._ck.wait()
+
+
+def _epoch_or_run_ends(trainer: Trainer) -> str | None:
+    """At a batch end: ``"run"`` when it is the last batch of the last epoch, ``"epoch"`` when it is an
+    epoch's last batch, else ``None``."""
+    loop = trainer.fit_loop
+    epoch_loop = loop.epoch_loop
+    last = bool(epoch_loop.batch_progress.is_last_batch) or (
+        epoch_loop.batch_progress.current.ready >= trainer.num_training_batches)
+    if not last:
+        return None
+    max_epochs = loop.max_epochs
+    if max_epochs is not None and max_epochs >= 0 and trainer.current_epoch + 1 >= max_epochs:
+        return "run"
+    return "epoch"
+
+
+def _callback_schedulers(trainer: Trainer) -> set[int]:
+    """ids of the LR schedulers that callbacks put in ``trainer.lr_scheduler_configs`` and save and
+    restore themselves: ``StochasticWeightAveraging``'s ``SWALR`` (in its ``state_dict``; a resumed fit
+    has no such scheduler until SWA makes it again at an epoch's start, and loads it then)."""
+    from lightning.pytorch.callbacks import StochasticWeightAveraging
+
+    return {id(cb._swa_scheduler) for cb in trainer.callbacks
+            if isinstance(cb, StochasticWeightAveraging) and getattr(cb, "_swa_scheduler", None) is not None}
+
+
+def _averaged_models(trainer: Trainer) -> dict[str, Any]:
+    """``WeightAveraging`` callbacks' averaged models (Lightning 2.6), by ``state_key``: the callback keeps
+    them out of its ``state_dict`` (it writes them through ``on_save_checkpoint``, which the callback does
+    not call). Only present when there are some, so checkpoints without them restore as before."""
+    try:
+        from lightning.pytorch.callbacks import WeightAveraging
+    except ImportError:   # lightning < 2.6
+        return {}
+    models = {cb.state_key: cb._average_model for cb in trainer.callbacks
+              if isinstance(cb, WeightAveraging) and getattr(cb, "_average_model", None) is not None}
+    return {"averaged_models": models} if models else {}
 
 
 def _datamodule_state(trainer: Trainer) -> Any:
