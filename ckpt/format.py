@@ -96,9 +96,16 @@ _DTYPES: dict[str, torch.dtype] = {
         "float64", "float32", "float16", "bfloat16", "complex64", "complex128",
         "int64", "int32", "int16", "int8", "uint8", "bool",
         "uint16", "uint32", "uint64", "float8_e4m3fn", "float8_e5m2",
+        # one byte per element each (float4_e2m1fn_x2 packs two fp4 values), stored as their bytes
+        "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu", "float4_e2m1fn_x2",
     )
     if hasattr(torch, name)
 }
+
+
+def supported_dtypes() -> list[str]:
+    """The names of the tensor dtypes the format stores (those this torch has)."""
+    return list(_DTYPES)
 
 
 def step_dir_name(step: int) -> str:

@@ -31,7 +31,7 @@ from typing import Any, Callable, Mapping
 import torch
 
 from .errors import IncompatibleCheckpointError, LayoutMismatchError, RefusedStateError
-from .format import MAX_TREE_DEPTH, ItemRecord, dtype_to_str, str_to_dtype
+from .format import MAX_TREE_DEPTH, ItemRecord, dtype_to_str, str_to_dtype, supported_dtypes
 
 __all__ = ["Entry", "Plan", "flatten", "layout", "Binding", "bind"]
 
@@ -111,7 +111,7 @@ class _Flattener:
                 f"state value at {path!r} is a {t.layout} / quantized / nested / meta tensor; "
                 "only dense tensors can be saved: convert it (e.g. .to_dense()) before saving")
         if t.dtype not in _KNOWN_DTYPES:
-            dtype_to_str(t.dtype)  # refuses exotic dtypes with a clear message
+            _storable_dtype(t.dtype, path, "tensor")
             _KNOWN_DTYPES.add(t.dtype)
         if t.requires_grad:
             t = t.detach()
@@ -153,7 +153,7 @@ class _Flattener:
         if isinstance(v, list):
             return [self.walk(x, f"{path}/{i}", depth=depth + 1) for i, x in enumerate(v)]
         if isinstance(v, torch.dtype):
-            return {"$dtype": dtype_to_str(v)}
+            return {"$dtype": _storable_dtype(v, path, "torch.dtype value")}
         np = _numpy()
         if np is not None and isinstance(v, np.ndarray):
             if v.dtype == object:
@@ -189,6 +189,18 @@ class _Flattener:
         if plain:
             return dict(out)
         return {"$d": [[k, x] for k, x in out]}
+
+
+def _storable_dtype(dtype: torch.dtype, path: str, what: str) -> str:
+    """The format's name of ``dtype``, or :class:`RefusedStateError` naming the state value at ``path``."""
+    try:
+        return dtype_to_str(dtype)
+    except TypeError:
+        raise RefusedStateError(
+            f"state value at {path!r} is a {what} of dtype {dtype}, which the checkpoint format does not store "
+            f"(it stores {', '.join(supported_dtypes())}): convert it before saving (e.g. .view(torch.uint8) "
+            "keeps the bytes of a sub-byte or packed dtype)" + ("" if what == "tensor" else
+            ", or pass Checkpointer(on_unsupported='skip') to leave it out")) from None
 
 
 def _too_deep(path: str) -> None:

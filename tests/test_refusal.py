@@ -67,3 +67,37 @@ def test_bad_arguments_name_the_argument(local_dir, monkeypatch):
         ckpt.Retention(local=0)
     with pytest.raises(ValueError, match="max_in_flight"):
         ckpt.Checkpointer(local_dir=local_dir, max_in_flight=0)
+
+
+_BYTE_DTYPES = [n for n in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu",
+                            "float4_e2m1fn_x2") if hasattr(torch, n)]
+_UNSTORED_DTYPES = [n for n in ("complex32", "uint4", "int4", "bits8") if hasattr(torch, n)]
+
+
+@pytest.mark.parametrize("name", _BYTE_DTYPES)
+def test_one_byte_float_dtypes_round_trip_bit_exact(local_dir, name):
+    """MX / fp8 / fp4 dtypes (scales, packed weights) are kept as their bytes, tensors and dtype values alike."""
+    dt = getattr(torch, name)
+    raw = torch.arange(256, dtype=torch.int32).to(torch.uint8).reshape(16, 16)   # every bit pattern
+    with ckpt.Checkpointer(local_dir=local_dir) as ck:
+        ck.save(1, {"w": raw.view(dt), "extras": {"dtype": dt}}).wait()
+    target = {"w": torch.zeros(16, 16, dtype=torch.uint8).view(dt), "extras": {"dtype": None}}
+    with ckpt.Checkpointer(local_dir=local_dir) as ck:
+        assert ck.restore(target) == 1
+    assert target["w"].dtype == dt and torch.equal(target["w"].view(torch.uint8), raw)
+    assert target["extras"]["dtype"] == dt
+
+
+@pytest.mark.parametrize("name", _UNSTORED_DTYPES)
+def test_a_dtype_the_format_does_not_store_is_refused_naming_the_key(local_dir, name):
+    dt = getattr(torch, name)
+    with ckpt.Checkpointer(local_dir=local_dir) as ck:
+        with pytest.raises(ckpt.RefusedStateError) as ei:
+            ck.save(1, {"model": {"layer.w": torch.empty(0, dtype=dt)}})
+        assert "'model/layer.w'" in str(ei.value)
+        with pytest.raises(ckpt.RefusedStateError):   # a dtype value in the state too
+            ck.save(1, {"extras": {"dtype": dt}})
+        assert ck.list() == []
+    with ckpt.Checkpointer(local_dir=local_dir, on_unsupported="skip") as ck:   # a value can be left out
+        ck.save(2, {"w": torch.ones(2), "extras": {"dtype": dt}}).wait()
+        assert [c.step for c in ck.list()] == [2]
