@@ -10,6 +10,16 @@ softcap ``c`` (all arithmetic in fp32 whatever the logits dtype)::
     dloss/dx_j = p_j (1 + 2 z lse) - eps / V - (1 - eps) [j == t],     p_j = exp(x_j - lse)
     dloss/dr_j = dloss/dx_j (1 - tanh^2(r_j / c))      (softcap only)
 
+With per-class weights ``W`` (``weight=``, torch's definition), ``w = W_t``, ``S = sum_j W_j``::
+
+    ce   = (1 - eps) w (lse - x_t) + eps (S lse - sum_j W_j x_j) / V
+    loss = ce + z lse^2
+    dloss/dx_j = p_j ((1 - eps) w + eps S / V + 2 z lse) - eps W_j / V - (1 - eps) w [j == t]
+
+and ``reduction="mean"`` divides the ``ce`` parts by the summed weight of the non-ignored targets and
+the z-loss parts by their count (the kernel takes a scale for each part). Without weights ``W = 1``.
+The z-loss part of each row can be stored too, for ``return_z_loss``.
+
 ``tanh`` is evaluated as ``2 sigmoid(2u) - 1``, as in the GLU kernels; the capped logits are
 recomputed from ``r`` in every pass, never stored.
 
@@ -86,61 +96,65 @@ def _softcapped(r, softcap, HAS_SOFTCAP: tl.constexpr):
 
 
 @jit_helper
-def _stats_block(base, off, cols0, V, m, s, sum_x, softcap, HAS_SMOOTHING: tl.constexpr,
-                 HAS_SOFTCAP: tl.constexpr):
+def _stats_block(base, CW, off, cols0, V, m, s, sum_x, softcap, HAS_SMOOTHING: tl.constexpr,
+                 HAS_SOFTCAP: tl.constexpr, HAS_WEIGHT: tl.constexpr):
     """Pass 1 over the block of the row ``base`` starting at column ``off``: the online max /
-    sum-exp update, and the running sum of the logits when label smoothing needs it."""
+    sum-exp update, and the running sum of the logits (class-weighted with ``HAS_WEIGHT``) when
+    label smoothing needs it."""
     cols = off + cols0
     mask = cols < V
     x = _softcapped(tl.load(base + cols, mask=mask, other=0.0).to(tl.float32), softcap, HAS_SOFTCAP)
+    if HAS_SMOOTHING:   # masked columns load as 0 and weigh 0
+        if HAS_WEIGHT:
+            sum_x += tl.sum(x * tl.load(CW + cols, mask=mask, other=0.0), axis=0)
+        else:
+            sum_x += tl.sum(tl.where(mask, x, 0.0), axis=0)
     x = tl.where(mask, x, -float("inf"))
     m_new = tl.maximum(m, tl.max(x, axis=0))
     s = s * tl.exp(m - m_new) + tl.sum(tl.exp(x - m_new), axis=0)
-    if HAS_SMOOTHING:
-        sum_x += tl.sum(tl.where(mask, x, 0.0), axis=0)
     return m_new, s, sum_x
 
 
 @jit_helper
-def _row_loss(base, t, valid, m, s, sum_x, V, label_smoothing, z_loss, softcap, HAS_SMOOTHING: tl.constexpr,
+def _row_loss(base, t, valid, m, s, sum_x, V, label_smoothing, softcap, w_t, sum_w, HAS_SMOOTHING: tl.constexpr,
               HAS_SOFTCAP: tl.constexpr):
-    """``(lse, loss)`` of a row from pass 1's statistics (loss 0 where the target is ignored)."""
+    """``(lse, ce)`` of a row from pass 1's statistics: the cross-entropy part of its loss (class
+    weight ``w_t``, total class weight ``sum_w``; both 1 and ``V`` without weights), 0 where the
+    target is ignored."""
     lse = m + tl.log(s)
     in_range = valid & (t >= 0) & (t < V)
     x_t = _softcapped(tl.load(base + t, mask=in_range, other=0.0).to(tl.float32), softcap, HAS_SOFTCAP)
-    loss = (1.0 - label_smoothing) * (lse - x_t) + z_loss * lse * lse
+    loss = (1.0 - label_smoothing) * w_t * (lse - x_t)
     if HAS_SMOOTHING:
-        loss += label_smoothing * (lse - sum_x / V)
+        loss += label_smoothing * (lse * sum_w - sum_x) / V
     return lse, tl.where(valid, loss, 0.0)
 
 
 @jit_helper
-def _grad_scale(SCALE, row, stride_scale, valid, lse, z_loss):
-    """``(scale, coef)`` of pass 2: the row's loss scale (0 where ignored) and the z-loss factor."""
-    scale = tl.load(SCALE + row * stride_scale).to(tl.float32)
-    return tl.where(valid, scale, 0.0), 1.0 + 2.0 * z_loss * lse
-
-
-@jit_helper
-def _grad_block(base, gbase, off, cols0, t, lse, coef, scale, V, label_smoothing, softcap,
-                HAS_SOFTCAP: tl.constexpr):
-    """Pass 2 over one block: ``scale * dloss/dr`` stored at ``gbase`` (which may be ``base``)."""
+def _grad_block(base, gbase, CW, off, cols0, t, lse, p_coef, smooth, t_coef, V, softcap,
+                HAS_SOFTCAP: tl.constexpr, HAS_WEIGHT: tl.constexpr):
+    """Pass 2 over one block: ``p_j p_coef - smooth W_j - t_coef [j == t]``, through the softcap's
+    ``tanh``, stored at ``gbase`` (which may be ``base``); the coefficients carry the row's scales."""
     cols = off + cols0
     mask = cols < V
     r = tl.load(base + cols, mask=mask, other=0.0).to(tl.float32)
     x = _softcapped(r, softcap, HAS_SOFTCAP)
-    g = tl.exp(x - lse) * coef - label_smoothing / V
-    g = tl.where(cols == t, g - (1.0 - label_smoothing), g)
+    if HAS_WEIGHT:
+        g = tl.exp(x - lse) * p_coef - smooth * tl.load(CW + cols, mask=mask, other=0.0)
+    else:
+        g = tl.exp(x - lse) * p_coef - smooth
+    g = tl.where(cols == t, g - t_coef, g)
     if HAS_SOFTCAP:
         th = x / softcap
         g = g * (1.0 - th * th)
-    tl.store(gbase + cols, (g * scale).to(gbase.dtype.element_ty), mask=mask)
+    tl.store(gbase + cols, g.to(gbase.dtype.element_ty), mask=mask)
 
 
 def _ce_kernel(
-    LOGITS, GRAD, TARGET, LOSS, SCALE,
+    LOGITS, GRAD, TARGET, LOSS, ZROWS, SCALE, ZSCALE, CW, SUMW,
     stride_l, stride_g, stride_scale, V, ignore_index, label_smoothing, z_loss, softcap,
-    COMPUTE_GRAD: tl.constexpr, HAS_SMOOTHING: tl.constexpr, HAS_SOFTCAP: tl.constexpr, BLOCK_V: tl.constexpr,
+    COMPUTE_GRAD: tl.constexpr, HAS_SMOOTHING: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_WEIGHT: tl.constexpr,
+    STORE_Z: tl.constexpr, BLOCK_V: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     t = tl.load(TARGET + row).to(tl.int64)
@@ -148,22 +162,38 @@ def _ce_kernel(
     base = LOGITS + row * stride_l
     cols0 = tl.arange(0, BLOCK_V)
 
-    # pass 1: online max / sum-exp (and the sum of logits for label smoothing)
+    # pass 1: online max / sum-exp (and the (weighted) sum of logits for label smoothing)
     m = -float("inf")
     s = 0.0
     sum_x = 0.0
     for off in range(0, V, BLOCK_V):
-        m, s, sum_x = _stats_block(base, off, cols0, V, m, s, sum_x, softcap, HAS_SMOOTHING, HAS_SOFTCAP)
-    lse, loss = _row_loss(base, t, valid, m, s, sum_x, V, label_smoothing, z_loss, softcap, HAS_SMOOTHING,
-                          HAS_SOFTCAP)
-    tl.store(LOSS + row, loss)
+        m, s, sum_x = _stats_block(base, CW, off, cols0, V, m, s, sum_x, softcap, HAS_SMOOTHING, HAS_SOFTCAP,
+                                   HAS_WEIGHT)
+    if HAS_WEIGHT:
+        w_t = tl.load(CW + t, mask=valid & (t >= 0) & (t < V), other=0.0).to(tl.float32)
+        sum_w = tl.load(SUMW).to(tl.float32)
+    else:
+        w_t = 1.0
+        sum_w = V * 1.0
+    lse, ce = _row_loss(base, t, valid, m, s, sum_x, V, label_smoothing, softcap, w_t, sum_w, HAS_SMOOTHING,
+                        HAS_SOFTCAP)
+    z = tl.where(valid, z_loss * lse * lse, 0.0)
+    tl.store(LOSS + row, ce + z)
+    if STORE_Z:
+        tl.store(ZROWS + row, z)
 
     if COMPUTE_GRAD:
-        # pass 2: gradient, written over the logits when GRAD aliases LOGITS
-        scale, coef = _grad_scale(SCALE, row, stride_scale, valid, lse, z_loss)
+        # pass 2: gradient, written over the logits when GRAD aliases LOGITS. The cross-entropy part
+        # is scaled by SCALE (1/sum of target weights for a weighted mean), the z-loss by ZSCALE.
+        cs = tl.where(valid, tl.load(SCALE + row * stride_scale).to(tl.float32), 0.0)
+        zs = tl.where(valid, tl.load(ZSCALE + row * stride_scale).to(tl.float32), 0.0)
+        p_coef = cs * ((1.0 - label_smoothing) * w_t + label_smoothing * sum_w / V) + zs * 2.0 * z_loss * lse
+        smooth = cs * label_smoothing / V
+        t_coef = cs * (1.0 - label_smoothing) * w_t
         gbase = GRAD + row * stride_g
         for off in range(0, V, BLOCK_V):
-            _grad_block(base, gbase, off, cols0, t, lse, coef, scale, V, label_smoothing, softcap, HAS_SOFTCAP)
+            _grad_block(base, gbase, CW, off, cols0, t, lse, p_coef, smooth, t_coef, V, softcap, HAS_SOFTCAP,
+                        HAS_WEIGHT)
 
 
 def _scale_rows_kernel(G, SCALE, stride_g, stride_scale, n_cols, BLOCK: tl.constexpr):
@@ -209,20 +239,29 @@ def launch_ce(
     label_smoothing: float,
     z_loss: float,
     softcap: float = 0.0,
+    weights: "ClassWeights | None" = None,
+    z_rows: torch.Tensor | None = None,
+    zscale: torch.Tensor | None = None,
 ) -> None:
-    """Run the row kernel on ``logits`` ``(N, V)``: per-row losses into ``loss_rows`` and,
-    when ``grad`` is given, ``scale[row] * dloss/dlogits`` into ``grad`` (may be ``logits``).
-    ``scale`` is a 1-element (broadcast) or ``(N,)`` fp32 tensor; ``softcap`` 0 means none."""
+    """Run the row kernel on ``logits`` ``(N, V)``: per-row losses into ``loss_rows`` (and their
+    z-loss part into ``z_rows`` when given) and, when ``grad`` is given, the scaled ``dloss/dlogits``
+    into ``grad`` (may be ``logits``): the cross-entropy part times ``scale[row]``, the z-loss part
+    times ``zscale[row]`` (``scale`` when not given). Scales are 1-element (broadcast) or ``(N,)``
+    fp32 tensors of one stride; ``softcap`` 0 means none; ``weights`` the class weights, if any."""
     n, v = logits.shape
     if n == 0:
         return
     block = _block_v(v)
+    zscale = scale if zscale is None else zscale
+    cw, sum_w = (weights.w, weights.sum) if weights is not None else (loss_rows, loss_rows)   # dummies when unused
     _ce[(n,)](
-        logits, grad if grad is not None else logits, target, loss_rows, scale,
+        logits, grad if grad is not None else logits, target, loss_rows,
+        z_rows if z_rows is not None else loss_rows, scale, zscale, cw, sum_w,
         logits.stride(0), grad.stride(0) if grad is not None else 0,
         0 if scale.numel() == 1 else scale.stride(0), v, int(ignore_index),
         float(label_smoothing), float(z_loss), float(softcap),
         COMPUTE_GRAD=grad is not None, HAS_SMOOTHING=label_smoothing > 0.0, HAS_SOFTCAP=softcap > 0.0,
+        HAS_WEIGHT=weights is not None, STORE_Z=z_rows is not None,
         BLOCK_V=block, num_warps=8 if block >= 4096 else 4,
     )
 
@@ -241,20 +280,72 @@ def scale_rows_(g: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return g
 
 
-def reduction_scale(target: torch.Tensor, ignore_index: int, reduction: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-loss scale on the device: ``1/n_valid`` for mean, 1 for sum/none; and ``n_valid``."""
-    n_valid = (target != ignore_index).sum().to(torch.float32)
+class ClassWeights:
+    """Per-class loss weights as the kernel reads them: ``w`` fp32 ``(V,)`` contiguous, ``sum`` its
+    total as a 1-element device tensor (label smoothing spreads ``eps`` over the weighted classes)."""
+
+    __slots__ = ("w", "sum")
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        self.w = weight.detach().to(torch.float32).contiguous()
+        self.sum = self.w.sum().reshape(1)
+
+
+def class_weights(weight: torch.Tensor | None) -> ClassWeights | None:
+    return ClassWeights(weight) if weight is not None else None
+
+
+def reduction_scale(
+    target: torch.Tensor, ignore_index: int, reduction: str, weights: ClassWeights | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-loss scales on the device, and the two denominators of the mean.
+
+    Returns ``(scale, zscale, n_valid, w_valid)``: ``scale`` multiplies the cross-entropy part of each
+    row (``1/w_valid`` for mean, 1 for sum/none), ``zscale`` its z-loss part (``1/n_valid`` for mean);
+    ``n_valid`` counts the non-ignored rows, ``w_valid`` sums their target's class weight (``n_valid``
+    without weights), as ``torch.nn.functional.cross_entropy`` divides a weighted mean.
+    """
+    valid = target != ignore_index
+    n_valid = valid.sum().to(torch.float32)
+    if weights is None:
+        w_valid = n_valid
+    else:
+        t = torch.where(valid, target, 0).clamp(0, weights.w.shape[0] - 1)
+        w_valid = torch.where(valid, weights.w[t], 0.0).sum()
     if reduction == "mean":
-        return (1.0 / n_valid.clamp(min=1.0)).reshape(1), n_valid
-    return torch.ones(1, dtype=torch.float32, device=target.device), n_valid
+        zscale = (1.0 / n_valid.clamp(min=1.0)).reshape(1)
+        scale = zscale if weights is None else (1.0 / _nonzero(w_valid)).reshape(1)
+        return scale, zscale, n_valid, w_valid
+    ones = torch.ones(1, dtype=torch.float32, device=target.device)
+    return ones, ones, n_valid, w_valid
 
 
-def reduce_rows(loss_rows: torch.Tensor, n_valid: torch.Tensor, reduction: str, shape: torch.Size) -> torch.Tensor:
-    """The loss from the per-row losses: their mean over non-ignored rows, sum, or the rows themselves."""
+def _nonzero(d: torch.Tensor) -> torch.Tensor:
+    """A denominator with 0 replaced by 1 (no non-ignored rows, or only zero-weight targets: loss 0)."""
+    return torch.where(d == 0, torch.ones_like(d), d)
+
+
+def reduce_rows(loss_rows: torch.Tensor, n_valid: torch.Tensor, reduction: str, shape: torch.Size,
+                z_rows: torch.Tensor | None = None, w_valid: torch.Tensor | None = None) -> torch.Tensor:
+    """The loss from the per-row losses: their mean over non-ignored rows, sum, or the rows themselves.
+
+    With class weights (``w_valid`` given, and ``z_rows`` the rows' z-loss part) the mean divides the
+    cross-entropy part by ``w_valid`` and the z-loss part by ``n_valid``.
+    """
     if reduction == "none":
         return loss_rows.view(shape)
     total = loss_rows.sum()
-    return total / n_valid.clamp(min=1.0) if reduction == "mean" else total
+    if reduction == "sum":
+        return total
+    if w_valid is None:
+        return total / n_valid.clamp(min=1.0)
+    z = z_rows.sum()
+    return (total - z) / _nonzero(w_valid) + z / n_valid.clamp(min=1.0)
+
+
+def reduce_z(z_rows: torch.Tensor, n_valid: torch.Tensor, reduction: str, shape: torch.Size) -> torch.Tensor:
+    """The z-loss part of the loss, reduced as the loss (mean over non-ignored rows, sum, or per row)."""
+    return reduce_rows(z_rows, n_valid, reduction, shape).detach()
 
 
 def scaled_by(grad: torch.Tensor, grad_out: torch.Tensor) -> torch.Tensor:
@@ -314,14 +405,32 @@ def check_loss_args(
     return target.reshape(-1).contiguous()
 
 
+def _check_class_weight(weight: torch.Tensor | None, n_classes: int, ref: torch.Tensor, ref_name: str) -> None:
+    if weight is None:
+        return
+    check_tensor(weight, "weight", dtypes=_FLOATS, ndim=1)
+    check_same_device(ref, ref_name, weight=weight)
+    if weight.shape[0] != n_classes:
+        raise ValueError(f"class weight has shape {tuple(weight.shape)}; expected ({n_classes},), one per class")
+
+
+def _z_rows_for(n: int, device: torch.device, weights: ClassWeights | None, return_z_loss: bool) -> torch.Tensor | None:
+    """The per-row z-loss buffer: needed for a weighted mean and for ``return_z_loss``."""
+    return torch.empty(n, dtype=torch.float32, device=device) if weights is not None or return_z_loss else None
+
+
 class CrossEntropyFunction(torch.autograd.Function):
-    """Autograd glue: the forward computes loss and (scaled) gradient; backward rescales it."""
+    """Autograd glue: the forward computes loss and (scaled) gradient; backward rescales it.
+
+    Returns the loss, or ``(loss, z_loss)`` with ``return_z_loss`` (``z_loss`` non-differentiable: it
+    is part of the loss, reported separately)."""
 
     @staticmethod
     def forward(
         ctx, logits: torch.Tensor, target: torch.Tensor, ignore_index: int, label_smoothing: float,
         reduction: str, z_loss: float, inplace: bool | None, softcap: float = 0.0,
-    ) -> torch.Tensor:
+        class_weight: torch.Tensor | None = None, return_z_loss: bool = False,
+    ):
         v = logits.shape[-1]
         private = inplace if inplace is not None else owns_storage(logits)
         x = logits.reshape(-1, v)
@@ -330,22 +439,31 @@ class CrossEntropyFunction(torch.autograd.Function):
         private = private or x.data_ptr() != logits.data_ptr()  # our own copy
         n = x.shape[0]
         loss_rows = torch.empty(n, dtype=torch.float32, device=x.device)
-        scale, n_valid = reduction_scale(target, ignore_index, reduction)
+        weights = class_weights(class_weight)
+        z_rows = _z_rows_for(n, x.device, weights, return_z_loss)
+        scale, zscale, n_valid, w_valid = reduction_scale(target, ignore_index, reduction, weights)
         need_grad = ctx.needs_input_grad[0]
         grad = None
         if need_grad:
             grad = x if private and x.is_contiguous() else torch.empty_like(x, memory_format=torch.contiguous_format)
-        launch_ce(x, target, loss_rows, grad, scale, ignore_index, label_smoothing, z_loss, softcap)
+        launch_ce(x, target, loss_rows, grad, scale, ignore_index, label_smoothing, z_loss, softcap, weights, z_rows,
+                  zscale)
         if grad is not None:
             if grad.data_ptr() == logits.data_ptr():
                 bump_version(logits)
             ctx.grad = grad  # not save_for_backward: it may be a view of the (bumped) logits
         ctx.shape = logits.shape
         ctx.reduction = reduction
-        return reduce_rows(loss_rows, n_valid, reduction, logits.shape[:-1])
+        loss = reduce_rows(loss_rows, n_valid, reduction, logits.shape[:-1], z_rows,
+                           w_valid if weights is not None else None)
+        if not return_z_loss:
+            return loss
+        z = reduce_z(z_rows, n_valid, reduction, logits.shape[:-1])
+        ctx.mark_non_differentiable(z)
+        return loss, z
 
     @staticmethod
-    def backward(ctx, grad_out: torch.Tensor):
+    def backward(ctx, grad_out: torch.Tensor, *_):
         if not hasattr(ctx, "grad"):
             raise RuntimeError("cross_entropy computes its gradient once, in the forward pass; "
                                "it cannot be backpropagated twice (retain_graph)")
@@ -355,44 +473,50 @@ class CrossEntropyFunction(torch.autograd.Function):
         if scale.numel() != 1 and scale.stride(0) != 1:
             scale = scale.contiguous()
         scale_rows_(grad, scale)
-        return grad.view(ctx.shape), None, None, None, None, None, None, None
+        return (grad.view(ctx.shape),) + (None,) * 9
 
 
 # -- torch.compile: the loss as one custom operator (``op_def``). Its forward makes the loss and the
 # gradient (in a new buffer: an operator may not write over its inputs); its backward only scales
 # that gradient, as the eager Function does. The target check runs inside it, where data-dependent
-# checks cost Dynamo nothing.
+# checks cost Dynamo nothing. Its third output, the z-loss part reduced as the loss, is only reported.
 
 @op_def("cross_entropy", "(Tensor logits, Tensor target, int ignore_index, float label_smoothing, str reduction, "
-        "float z_loss, float softcap, bool need_grad) -> (Tensor, Tensor)")
-def _cross_entropy_op(logits, target, ignore_index, label_smoothing, reduction, z_loss, softcap, need_grad):
+        "float z_loss, float softcap, bool need_grad, Tensor? class_weight) -> (Tensor, Tensor, Tensor)")
+def _cross_entropy_op(logits, target, ignore_index, label_smoothing, reduction, z_loss, softcap, need_grad,
+                      class_weight):
     v = logits.shape[-1]
     check_target_range(target, v, ignore_index, "logits")
     x = logits.reshape(-1, v)
     if x.stride(-1) != 1:
         x = x.contiguous()
-    loss_rows = torch.empty(x.shape[0], dtype=torch.float32, device=x.device)
-    scale, n_valid = reduction_scale(target, ignore_index, reduction)
+    n = x.shape[0]
+    loss_rows = torch.empty(n, dtype=torch.float32, device=x.device)
+    weights = class_weights(class_weight)
+    z_rows = torch.empty(n, dtype=torch.float32, device=x.device)
+    scale, zscale, n_valid, w_valid = reduction_scale(target, ignore_index, reduction, weights)
     grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device) if need_grad else logits.new_empty(0)
     launch_ce(x, target, loss_rows, grad.view(-1, v) if need_grad else None, scale, ignore_index, label_smoothing,
-              z_loss, softcap)
-    return reduce_rows(loss_rows, n_valid, reduction, logits.shape[:-1]), grad
+              z_loss, softcap, weights, z_rows, zscale)
+    shape = logits.shape[:-1]
+    loss = reduce_rows(loss_rows, n_valid, reduction, shape, z_rows, w_valid if weights is not None else None)
+    return loss, grad, reduce_z(z_rows, n_valid, reduction, shape).clone()
 
 
 @_cross_entropy_op.register_fake
-def _(logits, target, ignore_index, label_smoothing, reduction, z_loss, softcap, need_grad):
+def _(logits, target, ignore_index, label_smoothing, reduction, z_loss, softcap, need_grad, class_weight):
     shape = logits.shape[:-1] if reduction == "none" else ()
     grad = logits.new_empty(logits.shape) if need_grad else logits.new_empty(0)
-    return logits.new_empty(shape, dtype=torch.float32), grad
+    return logits.new_empty(shape, dtype=torch.float32), grad, logits.new_empty(shape, dtype=torch.float32)
 
 
 def _cross_entropy_setup(ctx, inputs, output):
     ctx.save_for_backward(output[1])
 
 
-def _cross_entropy_grad(ctx, grad_out, _dgrad):
+def _cross_entropy_grad(ctx, grad_out, _dgrad, _dz):
     (grad,) = ctx.saved_tensors
-    return scaled_by(grad, grad_out), None, None, None, None, None, None, None
+    return (scaled_by(grad, grad_out),) + (None,) * 8
 
 
 _cross_entropy_op.register_autograd(_cross_entropy_grad, setup_context=_cross_entropy_setup)
@@ -408,7 +532,9 @@ def cross_entropy(
     *,
     inplace: bool | None = None,
     softcap: float | None = None,
-) -> torch.Tensor:
+    weight: torch.Tensor | None = None,
+    return_z_loss: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Fused cross-entropy over the last dim of ``logits``, fp32 accumulation.
 
     Args:
@@ -426,40 +552,57 @@ def cross_entropy(
             ``torch.compile``, where the loss is a custom operator.
         softcap: ``c > 0`` caps the logits to ``c * tanh(logits / c)`` before the loss (Gemma 2's
             ``final_logit_softcapping``); the gradient goes through the ``tanh``. ``None``: no cap.
+        weight: optional ``(V,)`` per-class weights, as ``torch.nn.functional.cross_entropy``'s
+            ``weight`` (label smoothing included; ``"mean"`` divides by the summed weight of the
+            non-ignored targets, 0 when that is 0). The z-loss term is not weighted. A constant:
+            it gets no gradient.
+        return_z_loss: also return the z-loss part of the loss, reduced as the loss (for logging;
+            non-differentiable, its gradient is in the loss's).
 
     Returns:
-        fp32 scalar, or fp32 ``logits.shape[:-1]`` for ``reduction="none"``.
+        fp32 scalar, or fp32 ``logits.shape[:-1]`` for ``reduction="none"``; ``(loss, z_loss)``
+        with ``return_z_loss``.
     """
     check_tensor(logits, "logits", dtypes=_FLOATS, min_ndim=1)
     check_runnable_device(logits, "logits")
     n_rows = logits.numel() // max(logits.shape[-1], 1)
     target = check_loss_args(target, n_rows, logits, "logits", label_smoothing, reduction, z_loss, softcap)
+    _check_class_weight(weight, logits.shape[-1], logits, "logits")
     cap = float(softcap) if softcap is not None else 0.0
     if torch.compiler.is_compiling():   # traced: one opaque operator node, no graph break
         need_grad = logits.requires_grad and torch.is_grad_enabled()
-        return torch.ops.ckpt.cross_entropy(logits, target, int(ignore_index), float(label_smoothing), reduction,
-                                            float(z_loss), cap, need_grad)[0]
+        loss, _, z = torch.ops.ckpt.cross_entropy(logits, target, int(ignore_index), float(label_smoothing),
+                                                  reduction, float(z_loss), cap, need_grad, weight)
+        return (loss, z.detach()) if return_z_loss else loss
     check_target_range(target, logits.shape[-1], ignore_index, "logits")
-    return CrossEntropyFunction.apply(logits, target, ignore_index, label_smoothing, reduction, z_loss, inplace, cap)
+    return CrossEntropyFunction.apply(logits, target, ignore_index, label_smoothing, reduction, z_loss, inplace, cap,
+                                      weight, bool(return_z_loss))
 
 
 class CrossEntropyLoss(nn.Module):
-    """``nn.Module`` form of :func:`cross_entropy`: ``loss(logits (N, V), target (N,))``."""
+    """``nn.Module`` form of :func:`cross_entropy`: ``loss(logits (N, V), target (N,))``.
+
+    ``weight`` (optional ``(V,)`` class weights) is kept as a non-persistent buffer, so ``.to()``
+    moves it and state dicts leave it out; ``return_z_loss=True`` makes the call return
+    ``(loss, z_loss)``.
+    """
 
     def __init__(
         self, ignore_index: int = -100, label_smoothing: float = 0.0, reduction: str = "mean", z_loss: float = 0.0,
-        softcap: float | None = None,
+        softcap: float | None = None, weight: torch.Tensor | None = None, return_z_loss: bool = False,
     ) -> None:
         super().__init__()
+        self.register_buffer("weight", weight, persistent=False)
+        self.return_z_loss = return_z_loss
         self.ignore_index = ignore_index
         self.label_smoothing = label_smoothing
         self.reduction = reduction
         self.z_loss = z_loss
         self.softcap = softcap
 
-    def forward(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    def forward(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         return cross_entropy(logits, target, self.ignore_index, self.label_smoothing, self.reduction, self.z_loss,
-                             softcap=self.softcap)
+                             softcap=self.softcap, weight=self.weight, return_z_loss=self.return_z_loss)
 
     def extra_repr(self) -> str:
         return (f"ignore_index={self.ignore_index}, label_smoothing={self.label_smoothing}, "

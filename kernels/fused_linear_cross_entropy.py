@@ -75,10 +75,15 @@ from ._utils import (
     owns_storage,
 )
 from .cross_entropy import (
+    ClassWeights,
+    _check_class_weight,
+    _z_rows_for,
     check_loss_args,
+    class_weights,
     check_target_range,
     launch_ce,
     reduce_rows,
+    reduce_z,
     reduction_scale,
     scale_rows_,
     scaled_by,
@@ -149,11 +154,16 @@ def _chunk_loop(
     grads: tuple[bool, bool, bool] | None,
     d_hidden_out: torch.Tensor | None,
     dtype: torch.dtype,
+    weights: ClassWeights | None = None,
+    z_rows: torch.Tensor | None = None,
+    zscale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """One pass over token chunks with the GEMMs in ``dtype`` (inputs of other dtypes are cast).
-    ``grads=None``: losses only. Otherwise ``(dh, dw, db)`` flags; ``scale`` is 1-element or
-    ``(N,)`` per-row. ``d_hidden_out`` (``hidden``'s dtype) may be ``hidden``. The gradients come
-    back in the dtypes of ``hidden``, ``weight`` and ``bias``."""
+    ``grads=None``: losses only. Otherwise ``(dh, dw, db)`` flags; ``scale`` (the cross-entropy
+    part's) and ``zscale`` (the z-loss part's, ``scale`` when ``None``) are 1-element or ``(N,)``
+    per-row. ``z_rows`` (optional) takes each row's z-loss; ``weights`` are the class weights.
+    ``d_hidden_out`` (``hidden``'s dtype) may be ``hidden``. The gradients come back in the dtypes
+    of ``hidden``, ``weight`` and ``bias``."""
     ignore_index, label_smoothing, z_loss, softcap = opts
     n = hidden.shape[0]
     want_dh, want_dw, want_db = grads if grads is not None else (False, False, False)
@@ -169,8 +179,10 @@ def _chunk_loop(
             h_c = h_c.to(dtype)   # a copy: d_hidden may then go over hidden's chunk before dw reads it
         logits = torch.addmm(b, h_c, wt) if b is not None else torch.mm(h_c, wt)
         sc = scale if scale.numel() == 1 else scale[start:end]
+        zs = sc if zscale is None else (zscale if zscale.numel() == 1 else zscale[start:end])
         launch_ce(logits, target[start:end], loss_rows[start:end], logits if grads is not None else None,
-                  sc, ignore_index, label_smoothing, z_loss, softcap)
+                  sc, ignore_index, label_smoothing, z_loss, softcap, weights,
+                  z_rows[start:end] if z_rows is not None else None, zs)
         if grads is None:
             continue
         if dw is not None:  # before d_hidden: it may overwrite h_c
@@ -193,7 +205,8 @@ class FusedLinearCrossEntropyFunction(torch.autograd.Function):
         ctx, hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, bias: torch.Tensor | None,
         ignore_index: int, label_smoothing: float, reduction: str, z_loss: float,
         chunk_size: int | None, inplace: bool | None, dtype: torch.dtype, softcap: float = 0.0,
-    ) -> torch.Tensor:
+        ce_weight: torch.Tensor | None = None, return_z_loss: bool = False,
+    ):
         shape = hidden.shape
         h2 = hidden.reshape(-1, shape[-1])
         if not h2.is_contiguous():
@@ -207,26 +220,35 @@ class FusedLinearCrossEntropyFunction(torch.autograd.Function):
         chunk = chunk_size or default_chunk_size(n, hdim, v, reuse, h2.element_size(), dtype.itemsize)
         opts = (int(ignore_index), float(label_smoothing), float(z_loss), float(softcap))
         loss_rows = torch.empty(n, dtype=torch.float32, device=h2.device)
-        scale, n_valid = reduction_scale(target, ignore_index, reduction)
+        weights = class_weights(ce_weight)
+        z_rows = _z_rows_for(n, h2.device, weights, return_z_loss)
+        scale, zscale, n_valid, w_valid = reduction_scale(target, ignore_index, reduction, weights)
         ctx.shape, ctx.reduction, ctx.opts, ctx.chunk, ctx.dtype = shape, reduction, opts, chunk, dtype
-        ctx.want = want
+        ctx.want, ctx.weights = want, weights
         if reduction == "none" or not any(want):
             with _no_autocast(h2.device):
-                _chunk_loop(h2, weight, bias, target, loss_rows, scale, opts, chunk, None, None, dtype)
+                _chunk_loop(h2, weight, bias, target, loss_rows, scale, opts, chunk, None, None, dtype, weights,
+                            z_rows, zscale)
             ctx.save_for_backward(h2, weight, bias, target)
         else:
             dh_out = (h2 if reuse else torch.empty_like(h2)) if want[0] else None
             with _no_autocast(h2.device):
-                dh, dw, db = _chunk_loop(h2, weight, bias, target, loss_rows, scale, opts, chunk, want, dh_out, dtype)
+                dh, dw, db = _chunk_loop(h2, weight, bias, target, loss_rows, scale, opts, chunk, want, dh_out, dtype,
+                                         weights, z_rows, zscale)
             if reuse and dh is not None and not copied:
                 bump_version(hidden)
             # kept on ctx, not save_for_backward: dh may be a view of `hidden`, whose version we
             # just bumped, and these are results rather than inputs autograd must check.
             ctx.grads = (dh, dw, db)
-        return reduce_rows(loss_rows, n_valid, reduction, shape[:-1])
+        loss = reduce_rows(loss_rows, n_valid, reduction, shape[:-1], z_rows, w_valid if weights is not None else None)
+        if not return_z_loss:
+            return loss
+        z = reduce_z(z_rows, n_valid, reduction, shape[:-1])
+        ctx.mark_non_differentiable(z)
+        return loss, z
 
     @staticmethod
-    def backward(ctx, grad_out: torch.Tensor):
+    def backward(ctx, grad_out: torch.Tensor, *_):
         if ctx.reduction == "none":
             h2, weight, bias, target = ctx.saved_tensors
             scale = grad_out.reshape(-1).to(torch.float32).contiguous()
@@ -235,7 +257,7 @@ class FusedLinearCrossEntropyFunction(torch.autograd.Function):
             dh_out = torch.empty_like(h2) if ctx.want[0] else None
             with _no_autocast(h2.device):
                 dh, dw, db = _chunk_loop(h2, weight, bias, target, loss_rows, scale, ctx.opts, ctx.chunk,
-                                         ctx.want, dh_out, ctx.dtype)
+                                         ctx.want, dh_out, ctx.dtype, ctx.weights)
         else:
             if not hasattr(ctx, "grads"):
                 raise RuntimeError("fused_linear_cross_entropy computes its gradients once, in the forward pass; "
@@ -250,7 +272,7 @@ class FusedLinearCrossEntropyFunction(torch.autograd.Function):
                 scale_rows_(db.view(1, -1), g)
         if dh is not None:
             dh = dh.view(ctx.shape)
-        return dh, dw, None, db, None, None, None, None, None, None, None, None
+        return (dh, dw, None, db) + (None,) * 10
 
 
 # -- torch.compile: the loss as custom operators (``op_def``). mean/sum: the forward makes the loss
@@ -258,7 +280,7 @@ class FusedLinearCrossEntropyFunction(torch.autograd.Function):
 # makes the losses and the backward recomputes the chunks with the per-row scales, as in eager.
 
 _FLCE_ARGS = ("Tensor hidden, Tensor weight, Tensor target, Tensor? bias, int ignore_index, float label_smoothing, "
-              "float z_loss, float softcap, int chunk_size, ScalarType dtype")
+              "float z_loss, float softcap, int chunk_size, ScalarType dtype, Tensor? ce_weight")
 
 
 def _flce_prepare(hidden, weight, target, ignore_index):
@@ -272,40 +294,47 @@ def _chunk_of(chunk_size, h2, weight, dtype, reuse):
                                             dtype.itemsize)
 
 
-@op_def("fused_linear_cross_entropy", f"({_FLCE_ARGS}, str reduction, bool[3] need) -> (Tensor, Tensor, Tensor, Tensor)")
+@op_def("fused_linear_cross_entropy",
+        f"({_FLCE_ARGS}, str reduction, bool[3] need) -> (Tensor, Tensor, Tensor, Tensor, Tensor)")
 def _flce_op(hidden, weight, target, bias, ignore_index, label_smoothing, z_loss, softcap, chunk_size, dtype,
-             reduction, need):
+             ce_weight, reduction, need):
     h2 = _flce_prepare(hidden, weight, target, ignore_index)
     want = (need[0], need[1], bias is not None and need[2])
     opts = (int(ignore_index), float(label_smoothing), float(z_loss), float(softcap))
     chunk = _chunk_of(chunk_size, h2, weight, dtype, False)
     loss_rows = torch.empty(h2.shape[0], dtype=torch.float32, device=h2.device)
-    scale, n_valid = reduction_scale(target, ignore_index, reduction)
+    z_rows = torch.empty(h2.shape[0], dtype=torch.float32, device=h2.device)
+    weights = class_weights(ce_weight)
+    scale, zscale, n_valid, w_valid = reduction_scale(target, ignore_index, reduction, weights)
     grads = None if reduction == "none" or not any(want) else want
     dh_out = torch.empty_like(h2) if want[0] and grads is not None else None
     with _no_autocast(h2.device):
-        dh, dw, db = _chunk_loop(h2, weight, bias, target, loss_rows, scale, opts, chunk, grads, dh_out, dtype)
-    return (reduce_rows(loss_rows, n_valid, reduction, hidden.shape[:-1]),
+        dh, dw, db = _chunk_loop(h2, weight, bias, target, loss_rows, scale, opts, chunk, grads, dh_out, dtype,
+                                 weights, z_rows, zscale)
+    shape = hidden.shape[:-1]
+    return (reduce_rows(loss_rows, n_valid, reduction, shape, z_rows, w_valid if weights is not None else None),
             dh.view(hidden.shape) if dh is not None else hidden.new_empty(0),
             dw if dw is not None else hidden.new_empty(0),
-            db if db is not None else hidden.new_empty(0))
+            db if db is not None else hidden.new_empty(0),
+            reduce_z(z_rows, n_valid, reduction, shape).clone())
 
 
 @_flce_op.register_fake
-def _(hidden, weight, target, bias, ignore_index, label_smoothing, z_loss, softcap, chunk_size, dtype, reduction,
-      need):
+def _(hidden, weight, target, bias, ignore_index, label_smoothing, z_loss, softcap, chunk_size, dtype, ce_weight,
+      reduction, need):
     made = reduction != "none"
     loss = hidden.new_empty(hidden.shape[:-1] if reduction == "none" else (), dtype=torch.float32)
     return (loss,
             hidden.new_empty(hidden.shape) if made and need[0] else hidden.new_empty(0),
             weight.new_empty(weight.shape) if made and need[1] else hidden.new_empty(0),
-            bias.new_empty(bias.shape) if made and need[2] and bias is not None else hidden.new_empty(0))
+            bias.new_empty(bias.shape) if made and need[2] and bias is not None else hidden.new_empty(0),
+            torch.empty_like(loss))
 
 
 @op_def("fused_linear_cross_entropy_backward",
         f"(Tensor grad_rows, {_FLCE_ARGS}, bool[3] need) -> (Tensor, Tensor, Tensor)")
 def _flce_backward_op(grad_rows, hidden, weight, target, bias, ignore_index, label_smoothing, z_loss, softcap,
-                      chunk_size, dtype, need):
+                      chunk_size, dtype, ce_weight, need):
     h2 = _flce_prepare(hidden, weight, target, ignore_index)
     want = (need[0], need[1], bias is not None and need[2])
     opts = (int(ignore_index), float(label_smoothing), float(z_loss), float(softcap))
@@ -314,7 +343,8 @@ def _flce_backward_op(grad_rows, hidden, weight, target, bias, ignore_index, lab
     dh_out = torch.empty_like(h2) if want[0] else None
     with _no_autocast(h2.device):
         dh, dw, db = _chunk_loop(h2, weight, bias, target, loss_rows, scale, opts,
-                                 _chunk_of(chunk_size, h2, weight, dtype, False), want, dh_out, dtype)
+                                 _chunk_of(chunk_size, h2, weight, dtype, False), want, dh_out, dtype,
+                                 class_weights(ce_weight))
     return (dh.view(hidden.shape) if dh is not None else hidden.new_empty(0),
             dw if dw is not None else hidden.new_empty(0),
             db if db is not None else hidden.new_empty(0))
@@ -322,7 +352,7 @@ def _flce_backward_op(grad_rows, hidden, weight, target, bias, ignore_index, lab
 
 @_flce_backward_op.register_fake
 def _(grad_rows, hidden, weight, target, bias, ignore_index, label_smoothing, z_loss, softcap, chunk_size, dtype,
-      need):
+      ce_weight, need):
     return (hidden.new_empty(hidden.shape) if need[0] else hidden.new_empty(0),
             weight.new_empty(weight.shape) if need[1] else hidden.new_empty(0),
             bias.new_empty(bias.shape) if need[2] and bias is not None else hidden.new_empty(0))
@@ -334,7 +364,7 @@ def _flce_setup(ctx, inputs, output):
     if reduction == "none":
         ctx.save_for_backward(hidden, weight, target, bias)
     else:
-        ctx.save_for_backward(*output[1:])
+        ctx.save_for_backward(*output[1:4])
 
 
 def _flce_grad(ctx, grad_out, *_):
@@ -345,7 +375,7 @@ def _flce_grad(ctx, grad_out, *_):
     else:
         grads = [scaled_by(g, grad_out) for g in ctx.saved_tensors]
     dh, dw, db = (g if flag else None for g, flag in zip(grads, (ctx.need[0], ctx.need[1], ctx.need[2] and ctx.has_bias)))
-    return (dh, dw, None, db) + (None,) * 8
+    return (dh, dw, None, db) + (None,) * 9
 
 
 _flce_op.register_autograd(_flce_grad, setup_context=_flce_setup)
@@ -364,7 +394,9 @@ def fused_linear_cross_entropy(
     chunk_size: int | None = None,
     inplace: bool | None = None,
     softcap: float | None = None,
-) -> torch.Tensor:
+    ce_weight: torch.Tensor | None = None,
+    return_z_loss: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """``cross_entropy(hidden @ weight.T + bias, target)`` without building the logits.
 
     Args:
@@ -380,9 +412,13 @@ def fused_linear_cross_entropy(
             ``torch.compile``, where the loss is a custom operator.
         softcap: ``c > 0`` caps the logits to ``c * tanh(logits / c)`` before the loss (Gemma 2's
             ``final_logit_softcapping``), as :func:`ckpt.kernels.cross_entropy`; ``None``: no cap.
+        ce_weight: optional ``(V,)`` per-class loss weights, :func:`ckpt.kernels.cross_entropy`'s
+            ``weight`` (named apart from the LM head's ``weight``).
+        return_z_loss: also return the z-loss part, as :func:`ckpt.kernels.cross_entropy`.
 
     Returns:
-        fp32 scalar, or fp32 ``hidden.shape[:-1]`` for ``reduction="none"``.
+        fp32 scalar, or fp32 ``hidden.shape[:-1]`` for ``reduction="none"``; ``(loss, z_loss)``
+        with ``return_z_loss``.
 
     The GEMMs run in autocast's dtype when autocast is enabled on ``hidden``'s device (as
     ``F.linear`` would), else in ``hidden``'s dtype; inputs of another dtype are cast, and
@@ -403,29 +439,39 @@ def fused_linear_cross_entropy(
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
     n_rows = hidden.numel() // max(hidden.shape[-1], 1)
     target = check_loss_args(target, n_rows, hidden, "hidden", label_smoothing, reduction, z_loss, softcap)
+    _check_class_weight(ce_weight, weight.shape[0], hidden, "hidden")
     dtype = autocast_dtype(hidden.device) or hidden.dtype
     cap = float(softcap) if softcap is not None else 0.0
     if torch.compiler.is_compiling():   # traced: one opaque operator node, no graph break
         grad_on = torch.is_grad_enabled()
         need = [grad_on and hidden.requires_grad, grad_on and weight.requires_grad,
                 grad_on and bias is not None and bias.requires_grad]
-        return torch.ops.ckpt.fused_linear_cross_entropy(
+        out = torch.ops.ckpt.fused_linear_cross_entropy(
             hidden, weight, target, bias, int(ignore_index), float(label_smoothing), float(z_loss), cap,
-            int(chunk_size or 0), dtype, reduction, need)[0]
+            int(chunk_size or 0), dtype, ce_weight, reduction, need)
+        return (out[0], out[4].detach()) if return_z_loss else out[0]
     check_target_range(target, weight.shape[0], ignore_index, "weight")
     return FusedLinearCrossEntropyFunction.apply(
-        hidden, weight, target, bias, ignore_index, label_smoothing, reduction, z_loss, chunk_size, inplace, dtype, cap
+        hidden, weight, target, bias, ignore_index, label_smoothing, reduction, z_loss, chunk_size, inplace, dtype, cap,
+        ce_weight, bool(return_z_loss),
     )
 
 
 class FusedLinearCrossEntropyLoss(nn.Module):
-    """``nn.Module`` form: ``loss(hidden (N, H), weight (V, H), target (N,), bias=None)``."""
+    """``nn.Module`` form: ``loss(hidden (N, H), weight (V, H), target (N,), bias=None)``.
+
+    ``ce_weight`` (optional ``(V,)`` class weights) is a non-persistent buffer; ``return_z_loss=True``
+    makes the call return ``(loss, z_loss)``.
+    """
 
     def __init__(
         self, ignore_index: int = -100, label_smoothing: float = 0.0, reduction: str = "mean",
         z_loss: float = 0.0, chunk_size: int | None = None, softcap: float | None = None,
+        ce_weight: torch.Tensor | None = None, return_z_loss: bool = False,
     ) -> None:
         super().__init__()
+        self.register_buffer("ce_weight", ce_weight, persistent=False)
+        self.return_z_loss = return_z_loss
         self.softcap = softcap
         self.ignore_index = ignore_index
         self.label_smoothing = label_smoothing
@@ -435,10 +481,11 @@ class FusedLinearCrossEntropyLoss(nn.Module):
 
     def forward(
         self, hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, bias: torch.Tensor | None = None
-    ) -> torch.Tensor:
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         return fused_linear_cross_entropy(
             hidden, weight, target, bias, self.ignore_index, self.label_smoothing, self.reduction, self.z_loss,
-            chunk_size=self.chunk_size, softcap=self.softcap,
+            chunk_size=self.chunk_size, softcap=self.softcap, ce_weight=self.ce_weight,
+            return_z_loss=self.return_z_loss,
         )
 
     def extra_repr(self) -> str:

@@ -197,6 +197,7 @@ def _op_cases(device):
     target[1] = -100
     logits = (torch.randn(x.shape[0], head.shape[0], device=device) * 3).requires_grad_()
     vbias = torch.randn(head.shape[0], device=device, requires_grad=True)
+    cw = torch.rand(head.shape[0], device=device)   # per-class loss weights
     rows = x.shape[0]
     stats = torch.rand(2, rows, device=device)
     a, c = torch.randn(5, 33, device=device), torch.randn(5, 33, device=device)
@@ -234,23 +235,27 @@ def _op_cases(device):
         "glu_packed silu": (torch.randn(5, 3, 66, device=device, requires_grad=True), 0),
         "glu_packed bf16 gelu_tanh": (torch.randn(5, 66, device=device).bfloat16().requires_grad_(), 1),
         "glu_packed_backward": (torch.randn(5, 33, device=device), torch.randn(5, 66, device=device), 0),
-        # the losses: (logits, target, ignore_index, label_smoothing, reduction, z_loss, softcap, need_grad)
-        "cross_entropy mean": (logits, target, -100, 0.0, "mean", 0.0, 0.0, True),
-        "cross_entropy softcap none": (logits, target, -100, 0.1, "none", 1e-3, 2.0, True),
-        "cross_entropy bf16 sum": (logits.detach().bfloat16().requires_grad_(), target.clamp(min=0), 3, 0.0, "sum", 0.0, 5.0, True),
-        "cross_entropy no-grad": (logits.detach(), target, -100, 0.0, "mean", 0.0, 0.0, False),
+        # the losses: (logits, target, ignore_index, label_smoothing, reduction, z_loss, softcap, need_grad,
+        #  class_weight)
+        "cross_entropy mean": (logits, target, -100, 0.0, "mean", 0.0, 0.0, True, None),
+        "cross_entropy softcap none": (logits, target, -100, 0.1, "none", 1e-3, 2.0, True, None),
+        "cross_entropy bf16 sum": (logits.detach().bfloat16().requires_grad_(), target.clamp(min=0), 3, 0.0, "sum", 0.0, 5.0, True, None),
+        "cross_entropy no-grad": (logits.detach(), target, -100, 0.0, "mean", 0.0, 0.0, False, None),
+        "cross_entropy class-weight mean": (logits, target, -100, 0.1, "mean", 1e-3, 0.0, True, cw),
         # (hidden, weight, target, bias, ignore_index, label_smoothing, z_loss, softcap, chunk_size, dtype,
-        #  reduction, need)
-        "fused_linear_cross_entropy mean": (x, head, target, None, -100, 0.0, 0.0, 0.0, 0, torch.float32, "mean",
+        #  ce_weight, reduction, need)
+        "fused_linear_cross_entropy mean": (x, head, target, None, -100, 0.0, 0.0, 0.0, 0, torch.float32, None, "mean",
                                             [True, True, False]),
         "fused_linear_cross_entropy bias softcap sum": (x, head, target, vbias, -100, 0.1, 1e-3, 3.0, 4, torch.float32,
-                                                        "sum", [True, True, True]),
-        "fused_linear_cross_entropy none": (x, head, target, vbias, -100, 0.0, 0.0, 2.0, 5, torch.float32, "none",
-                                            [True, True, True]),
+                                                        None, "sum", [True, True, True]),
+        "fused_linear_cross_entropy none": (x, head, target, vbias, -100, 0.0, 0.0, 2.0, 5, torch.float32, None,
+                                            "none", [True, True, True]),
         "fused_linear_cross_entropy frozen-head": (x, head.detach(), target, None, -100, 0.0, 0.0, 0.0, 0,
-                                                   torch.float32, "mean", [True, False, False]),
+                                                   torch.float32, None, "mean", [True, False, False]),
+        "fused_linear_cross_entropy class-weight mean": (x, head, target, None, -100, 0.1, 1e-3, 0.0, 4,
+                                                         torch.float32, cw, "mean", [True, True, False]),
         "fused_linear_cross_entropy_backward": (torch.rand(rows, device=device), x.detach(), head.detach(), target,
-                                                vbias.detach(), -100, 0.0, 0.0, 2.0, 4, torch.float32,
+                                                vbias.detach(), -100, 0.0, 0.0, 2.0, 4, torch.float32, cw,
                                                 [True, True, True]),
         # (x, top_k_index, top_k_weights, gate_up, down, store_h, expert_parallel); built when used
         "fused_experts": lambda: (*_experts_inputs(device, 0.0), True, False),
