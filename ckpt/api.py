@@ -8,6 +8,7 @@ import dataclasses
 import enum
 import inspect
 import errno
+import operator
 import functools
 import logging
 import os
@@ -70,6 +71,8 @@ class IfBusy(str, enum.Enum):
 
 # Why a save found no host buffer (ordered: the ranks agree on the largest).
 _FREE, _HELD, _ALLOCATING = 0, 1, 2
+#: the largest step a checkpoint records (COMMIT and manifests hold 64-bit integers)
+_MAX_STEP = (1 << 63) - 1
 
 
 class _SkipLog:
@@ -425,6 +428,7 @@ class Checkpointer:
         ``step``, waits until it is durable on ``save_tier`` (at most ``save_deadline``
         seconds) and returns its handle.
         """
+        step = _step_arg(step, "maybe_save(step=...)")
         self._metrics.poll()
         if self._guard is not None and self._guard.active:
             preempt, requested = self._guard.poll(self.ranks)   # collective over the ranks' CPU group
@@ -524,8 +528,7 @@ class Checkpointer:
         ``patient`` (:meth:`maybe_save`'s own saves): under ``if_busy="skip"`` it waits at most
         ``CKPT_BUSY_WAIT_MS`` for a buffer, and never allocates one while the background allocation runs."""
         self._check_open()
-        if not isinstance(step, int) or isinstance(step, bool) or step < 0:
-            raise ValueError(f"step must be a non-negative int, got {step!r}")
+        step = _step_arg(step, "save(step=...)")
         self._own_local()
         if self._timeline is None:   # no restore() first: the saves continue the newest checkpoint's branch
             self._use_timeline(self._newest_timeline())
@@ -650,6 +653,10 @@ class Checkpointer:
         resharded into the live layout (``last_restore.tier`` is ``"remote"``).
         """
         self._check_open()
+        if step is not None:
+            step = _step_arg(step, "restore(step=...)")
+        if not isinstance(strict, bool):
+            raise TypeError(f"restore(strict=...) must be True or False, got {strict!r}")
         with self._lock:
             handles = list(self._handles)
         for h in handles:       # snapshots still being copied become the memory tier first
@@ -707,6 +714,7 @@ class Checkpointer:
                     h.wait()
                 except BaseException:
                     pass
+            self._pipeline.branch_left(self._timeline, timeline)
         self._timeline = timeline
         with self.pool._cv:
             self.pool.live = timeline   # a snapshot a rollback abandoned is the first to be overwritten
@@ -1161,6 +1169,20 @@ def _rank_gpu() -> torch.device:
         if bound is not None and bound.type == "cuda":
             return torch.device("cuda", bound.index if bound.index is not None else torch.cuda.current_device())
     return torch.device("cuda", torch.cuda.current_device())
+
+
+def _step_arg(step: Any, what: str) -> int:
+    """``step`` as a Python int: an integer (numpy's too, not a bool) from 0 to 2**63 - 1, the range every
+    ``COMMIT`` and manifest records; anything else is a ``ValueError`` naming the argument."""
+    if not isinstance(step, bool):
+        try:
+            n = operator.index(step)
+        except TypeError:
+            n = None
+        if n is not None and 0 <= n <= _MAX_STEP:
+            return n
+    raise ValueError(f"{what}: step must be an int from 0 to 2**63 - 1 (a checkpoint records a 64-bit step), "
+                     f"got {step!r}")
 
 
 def _resume_timeline(restored: Committed | None, entries: list[Committed]) -> Timeline:

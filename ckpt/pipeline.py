@@ -255,7 +255,7 @@ class _Lane:
         ``interval="auto"`` the seconds its measured cost makes worth it)."""
         if self.every is None and self.auto is not None:
             gap = self.auto.seconds
-            return gap is None or self.last_time is None or now - self.last_time >= gap
+            return gap is None or self.last_time is None or now - self.last_time >= gap or now < self.last_time
         return self.every is None or self.last_taken is None or step < self.last_taken \
             or step - self.last_taken >= self.every
 
@@ -539,6 +539,15 @@ class Pipeline:
                     continue
                 self._enqueue(lane, _Job(snap, handle, True))
             self._cv.notify_all()
+
+    def branch_left(self, old: Any, new: Any) -> None:
+        """The saves go on ``new`` (a :class:`~ckpt.policy.Timeline`) from now on, after a rollback from
+        ``old``: the newest snapshot taken on ``old`` past the fork is the abandoned branch's, and is never
+        handed to a tier at close (a tier would commit it with ``new``'s timeline, and the next restore
+        would resume the abandoned branch as if it were the live one)."""
+        with self._cv:
+            if self._newest is not None and not new.holds(old.number, self._newest[0].step):
+                self._newest = None
 
     def close(self, timeout: float | None = None, keep_shared: bool = False) -> bool:
         """Persist everything handed over, then stop the workers (idempotent).

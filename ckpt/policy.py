@@ -44,7 +44,10 @@ class Retention:
     def __post_init__(self) -> None:
         for tier in ("local", "remote"):
             n = getattr(self, tier)
-            if n is not None and (not isinstance(n, int) or n < 1):
+            if n is not None and (not isinstance(n, int) or isinstance(n, bool)):
+                raise ValueError(f"Retention({tier}={n!r}): the number of checkpoints to keep must be an int "
+                                 "(or None to keep all)")
+            if n is not None and n < 1:
                 raise ValueError(f"Retention({tier}={n!r}): keep at least 1, since the newest committed "
                                  "checkpoint is never deleted (or None to keep all)")
 
@@ -187,6 +190,13 @@ def prune(tier: Any, keep: int | None, busy: Collection[int] = (), dry_run: bool
     return deleted
 
 
+def _elapsed(now: float, last: float, seconds: float) -> bool:
+    """Whether ``seconds`` passed since ``last`` on a clock that reads ``now``. A clock that went back past
+    ``last`` (a wall clock stepped back by NTP, an injected ``clock=``) makes it due at once, rather than
+    wait for the clock to catch up again, which would stop the saves for as long as the step back."""
+    return now - last >= seconds or now < last
+
+
 class Interval:
     """Decides whether ``maybe_save(step, ...)`` saves.
 
@@ -209,7 +219,7 @@ class Interval:
     def due(self, step: int) -> bool:
         if self.every_steps is not None and step % self.every_steps == 0:
             return True
-        return self.every_seconds is not None and self.clock() - self._last_time >= self.every_seconds
+        return self.every_seconds is not None and _elapsed(self.clock(), self._last_time, self.every_seconds)
 
     def saved(self, step: int) -> None:
         self._last_time = self.clock()
@@ -275,7 +285,7 @@ class AutoInterval:
     def due(self, step: int) -> bool:
         if self._last_time is None or self.seconds is None:
             return True
-        return self.clock() - self._last_time >= self.seconds
+        return _elapsed(self.clock(), self._last_time, self.seconds)
 
     def saved(self, step: int) -> None:
         self._last_time = self.clock()

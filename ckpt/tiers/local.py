@@ -190,6 +190,7 @@ class LocalTier(PersistingTier, TimelineCopies):
                           "elsewhere, read-only): a save never writes through it", str(d))
         self._sweep()
         stage = self.root / _staging_name(step, "new")
+        _writing(stage, True)   # this process's own sweep leaves it alone while it is being written
         try:
             stage.mkdir(parents=True)   # parents: a local_dir removed since is made again, as before
             sums = self._write_data(stage / data_name(self.rank), manifest.data_bytes, manifest.chunk_bytes, chunk)
@@ -212,9 +213,20 @@ class LocalTier(PersistingTier, TimelineCopies):
         except _SourceError as e:   # the bytes could not be had (a download failed): not the disk's fault
             self._discard(stage)
             raise e.error from None
+        except _Unsynced as u:   # in place and committed; only its durability is in doubt
+            self._discard(stage)   # nothing, or the copy it replaced
+            e = u.error
+            raise OSError(e.errno, f"{e.strerror} while making step {step} durable in the local tier: it is in "
+                          f"place and committed (listed, and restored like any other), but the fsync of {self.root} "
+                          "that makes its rename survive a power loss failed, so it may be gone (with the older "
+                          "copy of this step it replaced, if any) after one; check the disk", str(d)) from e
         except OSError as e:
             self._discard(stage)
             hint = ("free space there or point local_dir elsewhere" if e.errno in (errno.ENOSPC, errno.EDQUOT)
+                    else "the file is larger than this process may write (ulimit -f / RLIMIT_FSIZE) or the file "
+                    "system allows: raise that limit or point local_dir elsewhere" if e.errno == errno.EFBIG
+                    else f"{d.name} in local_dir is not a directory but has a checkpoint directory's name; "
+                    "move it out of local_dir" if e.errno == errno.ENOTDIR and os.path.lexists(d) and not os.path.isdir(d)
                     else "check the local_dir path and its permissions")
             at = f" at {e.filename}" if e.filename and str(e.filename) != str(d) else ""
             raise OSError(e.errno, f"{e.strerror}{at} while writing step {step} to the local tier (staged beside "
@@ -222,6 +234,8 @@ class LocalTier(PersistingTier, TimelineCopies):
         except BaseException:
             self._discard(stage)
             raise
+        finally:
+            _writing(stage, False)
         self._write_latest(step)
         return time.perf_counter() - t0
 
@@ -234,7 +248,7 @@ class LocalTier(PersistingTier, TimelineCopies):
             if e.errno not in (errno.ENOTEMPTY, errno.EEXIST):
                 raise
         else:
-            fsync_dir(self.root)
+            _synced(self.root)
             return
         try:
             _exchange(stage, d)
@@ -244,16 +258,22 @@ class LocalTier(PersistingTier, TimelineCopies):
             # No atomic exchange on this file system (NFS, say): two renames. A kill between them leaves the
             # old copy under its aside name, and the next write here (_sweep) moves it back.
             aside = self.root / _staging_name(step, "old")
-            os.rename(d, aside)
+            _writing(aside, True)
             try:
-                os.rename(stage, d)
-            except BaseException:
-                os.rename(aside, d)
-                raise
-            fsync_dir(self.root)
-            self._discard(aside)
+                os.rename(d, aside)
+                try:
+                    os.rename(stage, d)
+                except BaseException:
+                    os.rename(aside, d)
+                    raise
+                try:
+                    _synced(self.root)
+                finally:
+                    self._discard(aside)
+            finally:
+                _writing(aside, False)
             return
-        fsync_dir(self.root)
+        _synced(self.root)
         self._discard(stage)   # now the replaced copy: uncommitted first, then removed
 
     def _write_latest(self, step: int) -> None:
@@ -276,8 +296,16 @@ class LocalTier(PersistingTier, TimelineCopies):
             return
         host = _host_tag()
         for name in names:
+            t = _LATEST_TMP_RE.match(name)
+            if t is not None:   # `latest` being replaced: by a writer that died, unless in use
+                pid, path = int(t.group(1)), self.root / name
+                with contextlib.suppress(OSError):
+                    # this process's own: another thread may be replacing `latest` now, unless it is old
+                    if (time.time() - os.stat(path).st_mtime > 60) if pid == os.getpid() else not _in_use(path, pid):
+                        os.unlink(path)
+                continue
             m = _STAGING_RE.match(name)
-            if m is None or m.group(4) != host or _alive(int(m.group(3))):
+            if m is None or m.group(4) != host or _in_use(self.root / name, int(m.group(3)), m.group(2) == "new"):
                 continue
             path, d = self.root / name, self.root / m.group(1)
             try:
@@ -348,6 +376,8 @@ class LocalTier(PersistingTier, TimelineCopies):
             self._clear(d)
         except OSError as e:
             log.warning("could not remove the partial checkpoint %s: %s", d, e)
+            with _WRITING_GUARD:
+                _ABANDONED.add(_key(d))   # the next write of this process removes it (_sweep)
 
     def delete(self, step: int) -> None:
         """Remove a checkpoint: ``COMMIT`` first, so a crash mid-delete never leaves a torn 'committed' step.
@@ -395,6 +425,16 @@ class LocalTier(PersistingTier, TimelineCopies):
         if manifest.codecs is not None and any(c != "raw" for c in manifest.codecs):
             raise CorruptCheckpointError(f"{d}: the local tier stores raw chunks, the manifest lists codecs")
         return commit, manifest
+
+    def copy_id(self, step: int) -> tuple[int, ...] | None:
+        """What tells this copy of ``step`` from another (its ``COMMIT``'s identity), or ``None`` when the
+        step is not committed here now. A restore compares it before and after a failed read: a copy that
+        a live writer removed or replaced meanwhile is listed again, not taken for a corrupt one."""
+        try:
+            st = os.stat(self.step_dir(step) / COMMIT_NAME)
+        except (FileNotFoundError, NotADirectoryError):
+            return None
+        return st.st_dev, st.st_ino, st.st_mtime_ns, st.st_size
 
     def manifest_of(self, step: int, timeline: Timeline | None = None) -> Manifest:
         """This rank's validated manifest of ``step`` (:meth:`open`; a step has one copy here)."""
@@ -592,6 +632,60 @@ def _read(path: Path) -> bytes:
 
 
 # -- staging and exchange ---------------------------------------------------------------------------
+class _Unsynced(Exception):
+    """The fsync of the root after a step was renamed into place failed: the step is committed (visible),
+    its durability is not known."""
+
+    def __init__(self, error: OSError) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
+def _synced(root: Path) -> None:
+    try:
+        fsync_dir(root)
+    except OSError as e:
+        raise _Unsynced(e) from e
+
+
+#: staging directories being written by this process (absolute paths): its own sweep leaves them alone,
+#: and removes the others it left (a discard that failed), which no later process would while it lives
+_WRITING: set[str] = set()
+_ABANDONED: set[str] = set()   # this process's staging directories that a write failed to remove
+_WRITING_GUARD = threading.Lock()
+
+
+def _writing(stage: Path, on: bool) -> None:
+    with _WRITING_GUARD:
+        (_WRITING.add if on else _WRITING.discard)(_key(stage))
+
+
+def _key(path: Path) -> str:
+    """One name for ``path`` however its directory was spelled (a link to it, a relative path)."""
+    return os.path.join(os.path.realpath(path.parent), path.name)
+
+
+def _in_use(path: Path, pid: int, made_by_pid: bool = True) -> bool:
+    """Whether the staging directory (or temporary file) ``path`` of process ``pid`` of this host may
+    still be written: this process's own only while one of its writes uses it (one of an earlier process
+    that had the same pid is not), another's while that process lives and (``made_by_pid``: ``path`` was
+    made by it, not moved aside by it) started before ``path`` was last modified."""
+    since = None
+    if made_by_pid:
+        with contextlib.suppress(OSError):
+            since = os.stat(path, follow_symlinks=False).st_mtime
+    if pid != os.getpid():
+        return _alive(pid, since)
+    with _WRITING_GUARD:
+        key = _key(path)
+        if key in _WRITING:
+            return True
+        if key in _ABANDONED:   # a write of this process failed to remove it
+            return False
+    started = _started(pid)   # last written before this process started: an earlier one had its pid
+    return not (since is not None and started is not None and since < started - 2.0)
+
+
 class _SourceError(Exception):
     """What the chunk source of a write raised, carried past the write's own OSError handling."""
 
@@ -603,6 +697,8 @@ class _SourceError(Exception):
 # .step-000000005.new-<pid>-<host>-<nonce>: a write in progress (or the copy it replaced, after the exchange);
 # .step-000000005.old-...: a replaced copy moved aside on a file system without an atomic exchange
 _STAGING_RE = re.compile(r"^\.(step-\d{9,})\.(new|old)-(\d+)-([0-9a-f]{8})-[0-9a-f]{8}$")
+# .latest.tmp-<pid>-<12 hex>: format.write_atomic's temporary name for `latest`
+_LATEST_TMP_RE = re.compile(r"^\." + re.escape(LATEST_NAME) + r"\.tmp-(\d+)-[0-9a-f]{12}$")
 _NO_EXCHANGE = {errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOTSUP}
 
 
@@ -614,7 +710,10 @@ def _staging_name(step: int, kind: str) -> str:
     return f".{step_dir_name(step)}.{kind}-{os.getpid()}-{_host_tag()}-{secrets.token_hex(4)}"
 
 
-def _alive(pid: int) -> bool:
+def _alive(pid: int, since: float | None = None) -> bool:
+    """Whether process ``pid`` of this host lives and may be the one that made a file at wall-clock time
+    ``since``: a process that started later is another one that got the pid again (containers restart
+    their processes under the same small pids), never the writer of that file."""
     if pid == os.getpid():
         return True
     try:
@@ -622,8 +721,24 @@ def _alive(pid: int) -> bool:
     except ProcessLookupError:
         return False
     except PermissionError:
-        return True   # another user's process
+        pass   # another user's process
+    if since is not None:
+        started = _started(pid)
+        if started is not None and started > since + 2.0:   # (the clock-tick resolution, and slack)
+            return False
     return True
+
+
+def _started(pid: int) -> float | None:
+    """Wall-clock start time of process ``pid`` (Linux ``/proc``), or ``None`` where it cannot be had."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()
+        with open("/proc/stat", "rb") as f:
+            btime = next(int(line.split()[1]) for line in f if line.startswith(b"btime "))
+        return btime + int(fields[19]) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, StopIteration):
+        return None
 
 
 RENAME_NOREPLACE, RENAME_EXCHANGE = 1, 2   # renameat2's flags
@@ -695,12 +810,23 @@ class OwnerLock:
             except FileNotFoundError:
                 pass
             try:
-                fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+                # never through a link (the lock's content is rewritten: a link would make it truncate its
+                # target), and never blocking on a FIFO left at its name
+                fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK, 0o644)
             except OSError as e:
+                if e.errno == errno.ELOOP:
+                    raise OSError(e.errno, f"the owner lock {path} is a symbolic link: the lock file is rewritten "
+                                  "by each owner, so it is never opened through a link; remove the link (a plain "
+                                  "file is made in its place)", str(path)) from None
+                if e.errno in (errno.EISDIR, errno.ENXIO):
+                    raise _not_a_lock_file(path, e.errno)
                 raise OSError(e.errno, f"{e.strerror} while creating the owner lock {path}: a Checkpointer writes "
                               "local_dir, so it must be a writable directory", str(path)) from None
             try:
                 st = os.fstat(fd)
+                if not stat.S_ISREG(st.st_mode):
+                    raise _not_a_lock_file(path, errno.EEXIST, st.st_mode)
+                os.set_blocking(fd, True)
                 key = (st.st_dev, st.st_ino)
                 if key in _held:   # created and taken by another thread of this process meanwhile
                     raise _locked(root, me, same_process=True)
@@ -751,7 +877,7 @@ def owned(root: str | os.PathLike) -> bool:
     A missing directory or lock file has no owner."""
     path = Path(root).expanduser() / LOCK_NAME
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)   # a FIFO never blocks
     except OSError:
         return False
     try:
@@ -784,6 +910,16 @@ def _forget_in_child() -> None:
 
 
 os.register_at_fork(after_in_child=_forget_in_child)
+
+
+def _not_a_lock_file(path: Path, err: int, mode: int | None = None) -> OSError:
+    """The owner lock's name is taken by something else (``err``: ``EISDIR`` for a directory, else the
+    errno of what refused it); nothing is written to ``local_dir`` until it is moved away."""
+    what = ("a directory" if err == errno.EISDIR else "a FIFO" if mode is not None and stat.S_ISFIFO(mode)
+            else "not a regular file")
+    return OSError(err, f"the owner lock {path} is {what}, not the regular file this library keeps "
+                   "there: nothing is written to local_dir until it is removed (a plain file is made in its place)",
+                   str(path))
 
 
 def _read_owner(fd: int) -> dict:
