@@ -52,7 +52,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from . import knobs
+from . import knobs, procs
 from .errors import CorruptCheckpointError
 from .format import FORMAT_VERSION, Manifest, parse_record, read_record
 from .integrity import checksum
@@ -600,11 +600,15 @@ def remove_leftovers(root: Path, prefix: str) -> int:
         return 0
     for name in names:
         m = _TEMP_RE.match(name)
-        if m is None or not m.group(1).startswith(prefix + "-s") or int(m.group(2)) == os.getpid():
+        if m is None or not m.group(1).startswith(prefix + "-s"):
             continue
         path = root / name
         try:
             st = os.lstat(path)
+            # this process's own temporary is being written, unless it is older than this process: an earlier
+            # process with the same pid left it (a container restarted after an OOM kill gets the same pid)
+            if int(m.group(2)) == os.getpid() and procs.alive(os.getpid(), st.st_mtime):
+                continue
             if stat.S_ISREG(st.st_mode) and st.st_uid == os.getuid():
                 os.unlink(path)
                 freed += st.st_blocks * 512

@@ -58,6 +58,7 @@ from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import Callback
 
+from .. import procs
 from ..api import Checkpointer
 from ..errors import RefusedStateError
 from ..format import COMMIT_NAME, Manifest, fsync_dir, fsync_file, parse_step_dir, step_dir_name
@@ -323,13 +324,8 @@ def _saver_alive(record: dict[str, Any]) -> bool:
     if pid == os.getpid():   # this process: alive only if one of its reservations still holds the token
         with _reservations_lock:
             return any(r.token == record.get("token") for rs in _reservations.values() for r in rs)
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except OSError:
-        pass   # EPERM: a process of another user has that pid
-    return True
+    since = record.get("since_unix")   # a live process that started after the record is another with its pid
+    return procs.alive(pid, since if isinstance(since, (int, float)) and not isinstance(since, bool) else None)
 
 
 def _renamed(e: OSError, root: Path, path: Path) -> OSError:

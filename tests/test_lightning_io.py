@@ -449,3 +449,24 @@ def test_a_load_of_a_save_stuck_in_another_process_times_out_and_one_of_a_killed
     io.teardown()
     assert _leftover_reservations(p) == []
     assert TieredCheckpointIO().load_checkpoint(p)["global_step"] == 9
+
+
+def test_a_pending_save_whose_pid_a_later_process_got_does_not_hold_a_load(tmp_path):
+    """A SAVING record left by a killed process whose pid now belongs to another live process (containers
+    restart their processes under the same small pids) is a dead writer's: the load says so at once."""
+    import json
+    import socket
+
+    p = tmp_path / "x.ckpt"
+    p.mkdir()
+    later = subprocess.Popen(["sleep", "120"])   # started after the record below was written
+    try:
+        (p / "SAVING").write_text(json.dumps({"pid": later.pid, "host": socket.gethostname(), "step": 3,
+                                              "since_unix": time.time() - 3600, "token": "0" * 32}))
+        t0 = time.monotonic()
+        with pytest.raises(FileNotFoundError):
+            TieredCheckpointIO(pending_save_timeout=60).load_checkpoint(p)
+        assert time.monotonic() - t0 < 30
+    finally:
+        later.kill()
+        later.wait(60)

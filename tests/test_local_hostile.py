@@ -85,7 +85,7 @@ from torch import nn
 
 import ckpt
 import ckpt.tiers.local as local_mod
-from ckpt import knobs
+from ckpt import knobs, procs
 from ckpt.format import parse_step_dir, step_dir_name
 from ckpt.integrity import checksum
 from ckpt.tiers import LocalTier
@@ -438,7 +438,7 @@ def test_leftovers_of_writers_that_died_are_swept_even_when_their_pid_came_back(
         return p
 
     mine = staging(3, os.getpid())                  # a predecessor that had this process's pid (it died
-    long_ago = local_mod._started(os.getpid()) - 3600   # before this process started)
+    long_ago = procs.started(os.getpid()) - 3600   # before this process started)
     os.utime(mine, (long_ago, long_ago))
     own_live = staging(8, os.getpid())              # this process's own, made since it started: left alone
     recycled = staging(4, 0)                        # renamed below, once its pid is known

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 import ckpt
-from ckpt import shm
+from ckpt import procs, shm
 from ckpt.cli import main as cli_main
 
 pytestmark = [pytest.mark.skipif(shm.shm_root() is None, reason="no RAM file system (/dev/shm) here"),
@@ -222,3 +222,22 @@ def test_a_segment_half_made_by_a_killed_process_is_removed_by_the_next_owner(lo
     finally:
         other.unlink()
     assert _restore(local_dir)[:2] == (5, "local")
+
+
+def test_a_half_made_segment_of_an_earlier_process_with_this_pid_is_removed(local_dir):
+    """Containers restart their processes under the same small pids: a temporary left by a killed process
+    whose pid this process got again is not this process's own (it is older than this process) and is
+    removed; one this process made (modified since it started) is left to its writer."""
+    root, prefix = shm.shm_root(), shm.prefix_for(local_dir, 0)
+    earlier = root / f".{prefix}-s00.buf.new-{os.getpid()}-abcd1234"
+    mine = root / f".{prefix}-s01.buf.new-{os.getpid()}-beef5678"
+    for p in (earlier, mine):
+        p.write_bytes(b"\0" * 8192)
+    long_ago = procs.started(os.getpid()) - 3600
+    os.utime(earlier, (long_ago, long_ago))
+    try:
+        assert shm.remove_leftovers(root, prefix) >= 8192
+        assert not earlier.exists() and mine.exists()
+    finally:
+        for p in (earlier, mine):
+            p.unlink(missing_ok=True)

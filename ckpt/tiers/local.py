@@ -46,7 +46,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from .. import knobs
+from .. import knobs, procs
 from ..commit import DirSink, publish, rank_record
 from ..errors import CorruptCheckpointError, IncompleteCheckpointError, LockedError
 from ..format import (COMMIT_NAME, LATEST_NAME, Commit, Manifest, data_name, fsync_dir, manifest_name,
@@ -675,14 +675,14 @@ def _in_use(path: Path, pid: int, made_by_pid: bool = True) -> bool:
         with contextlib.suppress(OSError):
             since = os.stat(path, follow_symlinks=False).st_mtime
     if pid != os.getpid():
-        return _alive(pid, since)
+        return procs.alive(pid, since)
     with _WRITING_GUARD:
         key = _key(path)
         if key in _WRITING:
             return True
         if key in _ABANDONED:   # a write of this process failed to remove it
             return False
-    started = _started(pid)   # last written before this process started: an earlier one had its pid
+    started = procs.started(pid)   # last written before this process started: an earlier one had its pid
     return not (since is not None and started is not None and since < started - 2.0)
 
 
@@ -708,37 +708,6 @@ def _host_tag() -> str:
 
 def _staging_name(step: int, kind: str) -> str:
     return f".{step_dir_name(step)}.{kind}-{os.getpid()}-{_host_tag()}-{secrets.token_hex(4)}"
-
-
-def _alive(pid: int, since: float | None = None) -> bool:
-    """Whether process ``pid`` of this host lives and may be the one that made a file at wall-clock time
-    ``since``: a process that started later is another one that got the pid again (containers restart
-    their processes under the same small pids), never the writer of that file."""
-    if pid == os.getpid():
-        return True
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        pass   # another user's process
-    if since is not None:
-        started = _started(pid)
-        if started is not None and started > since + 2.0:   # (the clock-tick resolution, and slack)
-            return False
-    return True
-
-
-def _started(pid: int) -> float | None:
-    """Wall-clock start time of process ``pid`` (Linux ``/proc``), or ``None`` where it cannot be had."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            fields = f.read().rsplit(b")", 1)[1].split()
-        with open("/proc/stat", "rb") as f:
-            btime = next(int(line.split()[1]) for line in f if line.startswith(b"btime "))
-        return btime + int(fields[19]) / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, IndexError, StopIteration):
-        return None
 
 
 RENAME_NOREPLACE, RENAME_EXCHANGE = 1, 2   # renameat2's flags
