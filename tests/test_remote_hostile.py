@@ -825,3 +825,30 @@ def test_a_second_process_with_the_same_url_and_local_dir_writes_nothing_to_the_
     assert writes == [], f"the second process wrote to the store: {writes}"
     assert _listed_and_verified(url, direct) == [4, 3]
     assert _restore(url, direct, tmp_path / "fresh") == (4, 4.0, "remote")
+
+
+@pytest.mark.s3
+def test_a_consumer_restoring_while_the_trainer_prunes_the_store_loads_the_newer_step(tmp_path, s3_bucket, monkeypatch):
+    """A second job (evaluation, a fresh node) restores from the store a training job keeps writing: the steps
+    it listed are pruned and a newer one committed before it reads them. It lists again and loads the newer
+    one, instead of falling back past them to "no checkpoint"."""
+    bucket, port = s3_bucket
+    url, opts = f"s3://{bucket}/run", storage_options(port)
+    _save(url, opts, tmp_path / "trainer", [1, 2])
+    real, fired = RemoteTier.restore_into, []
+
+    def racing(self, state, step, *a, **kw):
+        if not fired:   # the trainer commits 3 and its retention (remote=1) deletes 1 and 2, just before the read
+            fired.append(step)
+            with ckpt.Checkpointer(url, storage_options=opts, local_dir=tmp_path / "trainer",
+                                   keep=ckpt.Retention(local=None, remote=1)) as trainer:
+                trainer.save(3, _state(3.0)).wait()
+        return real(self, state, step, *a, **kw)
+
+    monkeypatch.setattr(RemoteTier, "restore_into", racing)
+    target = _target()
+    with ckpt.Checkpointer(url, storage_options=opts, local_dir=tmp_path / "consumer") as ck:
+        assert ck.restore(target) == 3
+        assert ck.last_restore.tier == "remote" and ck.last_restore.skipped == []
+        assert ck.timeline.number == 0   # the newest was restored: no rollback, no new branch
+    assert fired == [2] and _seed_of(target) == 3.0

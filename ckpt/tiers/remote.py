@@ -930,6 +930,17 @@ class RemoteTier(PersistingTier, TimelineCopies):
         except FileNotFoundError:
             raise IncompleteCheckpointError(f"{where}: missing") from None
 
+    def copy_id(self, step: int) -> str | None:
+        """What tells this copy of ``step`` from another (a digest of its ``COMMIT``, which names its
+        generation and every manifest's checksum), or ``None`` when the step is not committed here now.
+        A restore compares it before and after a failed read: a copy that another process's retention
+        removed or a re-save replaced meanwhile (a consumer job reading a training job's store) is
+        listed again, not taken for a corrupt one. Raises ``OSError`` when the store does not answer."""
+        try:
+            return hashlib.sha256(self._get(step, COMMIT_NAME)).hexdigest()
+        except IncompleteCheckpointError:
+            return None
+
     def open(self, step: int) -> tuple[Commit, Manifest]:
         """Read and validate the commit record and this rank's manifest of ``step``
         (:class:`~ckpt.errors.IncompatibleCheckpointError` when another world size saved it)."""
