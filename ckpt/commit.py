@@ -20,7 +20,9 @@ lists every rank's files. All of them build their record here (:func:`record`) a
 
 from __future__ import annotations
 
+import contextlib
 import os
+import secrets
 from pathlib import Path
 from typing import Any, Callable, Iterable, Protocol
 
@@ -57,19 +59,30 @@ class DirSink:
 
 class FsSink:
     """Records under ``base`` on an fsspec file system: one put each (atomic on an object store). On a
-    local or mounted file system (``file://``, ``mounted=True``) each is also fsynced with its
-    directory, since a page cache, unlike an object store, may reach the disk out of order."""
+    local or mounted file system (``file://``, ``mounted=True``), where ``base`` is a path of this host,
+    each is written under a temporary name, fsynced, renamed into place and its directory fsynced: a
+    page cache, unlike an object store, may reach the disk out of order, and a process killed while it
+    writes a file in place leaves it torn (a ``COMMIT`` half written)."""
 
     def __init__(self, fs: Any, base: str, mounted: bool) -> None:
         self.fs, self.base, self.mounted = fs, base.rstrip("/"), mounted
 
     def put(self, name: str, data: bytes) -> None:
         path = f"{self.base}/{name}"
-        if self.mounted:
-            self.fs.makedirs(self.base, exist_ok=True)   # real directories here (an object store has none)
-        self.fs.pipe_file(path, data)
-        if self.mounted:
-            fsync_file(path, and_dir=True)
+        if not self.mounted:
+            self.fs.pipe_file(path, data)
+            return
+        self.fs.makedirs(self.base, exist_ok=True)   # real directories here (an object store has none)
+        tmp = f"{self.base}/.{name}.tmp-{os.getpid()}-{secrets.token_hex(6)}"
+        try:
+            self.fs.pipe_file(tmp, data)
+            fsync_file(tmp)
+            os.replace(tmp, path)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
+        fsync_dir(self.base)
 
     def sync(self) -> None:
         if self.mounted:

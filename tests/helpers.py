@@ -103,8 +103,9 @@ def assert_ok(results: list[subprocess.CompletedProcess]) -> None:
 
 
 class DiskLog:
-    """Spies (calling the real functions) on every write through fsspec's local file system and every
-    fsync, in order: enough to check that nothing vouches for a file before that file is on disk."""
+    """Spies (calling the real functions) on every write through fsspec's local file system, every rename
+    into place (``os.replace``: the write of its destination) and every fsync, in order: enough to check
+    that nothing vouches for a file before that file is on disk."""
 
     def __init__(self, monkeypatch):
         from fsspec.implementations.local import LocalFileSystem
@@ -121,16 +122,29 @@ class DiskLog:
             real_fsync(fd)
             log.append(("fsync", os.path.realpath(os.readlink(f"/proc/self/fd/{fd}"))))
 
+        real_replace = os.replace
+
+        renamed = self.renamed = {}   # destination -> the temporary name it was written and fsynced under
+
+        def replace(src, dst, *a, **kw):   # a file written under a temporary name lands at its rename
+            src_real = os.path.realpath(src)
+            real_replace(src, dst, *a, **kw)
+            renamed[os.path.realpath(dst)] = src_real
+            log.append(("write", os.path.realpath(dst)))
+
         monkeypatch.setattr(LocalFileSystem, "pipe_file", pipe_file)
         monkeypatch.setattr(os, "fsync", fsync)
+        monkeypatch.setattr(os, "replace", replace)
 
     def first(self, kind: str, path: Path) -> int:
         p = os.path.realpath(path)
         return next(i for i, (k, q) in enumerate(self.events) if k == kind and q == p)
 
     def synced_before(self, path: Path, index: int) -> bool:
+        """Whether ``path`` (or the temporary name it was renamed from) was fsynced before event ``index``."""
         p = os.path.realpath(path)
-        return any(k == "fsync" and q == p for k, q in self.events[:index])
+        names = {p, self.renamed.get(p)}
+        return any(k == "fsync" and q in names for k, q in self.events[:index])
 
 
 def run_worker_in_process(worker: str, *args: object, raises: type[BaseException] | None = None) -> str:

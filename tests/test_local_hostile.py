@@ -386,30 +386,40 @@ def test_eio_or_enospc_at_every_filesystem_call_of_a_save_loses_nothing_and_leav
     raise AssertionError("the save never finished")
 
 
-@pytest.mark.parametrize("scenario", ["resave", "next", "rollback"])
-def test_sigkill_at_every_filesystem_call_of_a_save_loses_nothing_and_the_next_writer_tidies_up(tmp_path, scenario):
+def _killed_at(d: str, scenario: str, k: int) -> None:
+    """A real process, killed for real at its ``k``-th file-system call of the save ``scenario`` makes."""
     def die() -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
+    with knobs.override(CKPT_CHUNK_BYTES=4096, CKPT_PERSIST_THREADS=1):
+        ck = ckpt.Checkpointer(local_dir=d, keep=ckpt.Retention(local=2))
+        ck.save(1, {"w": pat(1), "v": 0}).wait()
+        ck.save(2, {"w": pat(2), "v": 0}).wait()
+        with _Faults(k, die):
+            _target(ck, scenario)
+        ck.close()
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("scenario", ["resave", "next", "rollback"])
+def test_sigkill_at_every_filesystem_call_of_a_save_loses_nothing_and_the_next_writer_tidies_up(tmp_path, scenario):
+    # Each writer is forked from a fork server, a process with no threads: a fork of this test process
+    # (whose other threads hold locks at any moment: a store's server, a tier's workers) can hang on one.
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "ckpt", "test_local_hostile"])
     for k in range(1, 200):
         d = tmp_path / f"{scenario}-{k}"
-        pid = os.fork()
-        if pid == 0:   # a real process, killed for real at its k-th file-system call
-            code = 3
-            try:
-                with knobs.override(CKPT_CHUNK_BYTES=4096, CKPT_PERSIST_THREADS=1):
-                    ck = ckpt.Checkpointer(local_dir=d, keep=ckpt.Retention(local=2))
-                    ck.save(1, {"w": pat(1), "v": 0}).wait()
-                    ck.save(2, {"w": pat(2), "v": 0}).wait()
-                    with _Faults(k, die):
-                        _target(ck, scenario)
-                    ck.close()
-                code = 0
-            finally:
-                os._exit(code)
-        _, status = os.waitpid(pid, 0)
-        killed = os.WIFSIGNALED(status)
-        assert killed or os.WEXITSTATUS(status) == 0
+        proc = ctx.Process(target=_killed_at, args=(str(d), scenario, k))
+        proc.start()
+        proc.join(120)
+        if proc.exitcode is None:
+            proc.kill()
+            proc.join()
+            raise AssertionError(f"the writer killed at call {k} hung instead")
+        killed = proc.exitcode == -signal.SIGKILL
+        assert killed or proc.exitcode == 0, proc.exitcode
         _check_after(d, scenario, None if killed else True)
         with ckpt.Checkpointer(local_dir=d, keep=ckpt.Retention(local=5)) as ck:   # the next owner tidies up
             ck.save(9, {"w": pat(9), "v": 0}).wait()

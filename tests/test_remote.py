@@ -277,7 +277,9 @@ def _vouched_files_synced_before_commit(log: DiskLog, step_dir: Path) -> None:
     assert vouched
     for p in vouched + [step_dir]:
         assert log.synced_before(p, w), f"{p} was not on disk before COMMIT was written"
-    assert log.first("fsync", commit) > w
+    # and COMMIT's own name reaches the disk after: its file or its directory fsynced once it is written
+    assert any(k == "fsync" and q in (os.path.realpath(commit), os.path.realpath(step_dir))
+               for k, q in log.events[w + 1:])
 
 
 def test_a_file_url_commit_reaches_the_disk_after_the_files_it_vouches_for(tmp_path, monkeypatch, backend):
@@ -639,3 +641,53 @@ def test_reads_from_a_store_known_to_be_down_probe_it_instead_of_retrying_each_r
             assert ck.local.committed_steps() == [2]
     finally:
         proxy.close()
+
+
+_KILLED_MID_COMMIT = """
+import os, signal, sys
+import torch
+import ckpt
+from fsspec.implementations.local import LocalFileSystem
+
+def dying(real):
+    def pipe_file(fs, path, value, *a, **kw):
+        if os.path.basename(str(path)).startswith(".COMMIT") or str(path).endswith("/COMMIT"):
+            with open(fs._strip_protocol(path), "wb") as f:   # half of the record reaches the file, then SIGKILL
+                f.write(value[: len(value) // 2])
+                f.flush()
+                os.fsync(f.fileno())
+            os.kill(os.getpid(), signal.SIGKILL)
+        return real(fs, path, value, *a, **kw)
+    return pipe_file
+
+LocalFileSystem.pipe_file = dying(LocalFileSystem.pipe_file)
+try:
+    from ckpt.fs import ArrowFileSystem
+    ArrowFileSystem.pipe_file = dying(ArrowFileSystem.pipe_file)
+except ImportError:
+    pass
+url, local = sys.argv[1], sys.argv[2]
+with ckpt.Checkpointer(url, local_dir=local, keep=ckpt.Retention(remote=None)) as ck:
+    ck.save(2, {"w": torch.full((1000,), 2.0)}).wait()
+"""
+
+
+def test_a_process_killed_while_it_writes_a_commit_on_a_file_url_leaves_no_torn_commit(tmp_path):
+    """On a file:// (or mounted) remote tier, records are written under a temporary name and renamed: a
+    writer killed half way through a COMMIT leaves none, so the step is simply not committed (a torn COMMIT
+    would list a step that fails its checks)."""
+    url = f"file://{tmp_path}/remote"
+    with ckpt.Checkpointer(url, local_dir=tmp_path / "a", keep=ckpt.Retention(remote=None)) as ck:
+        ck.save(1, {"w": torch.full((1000,), 1.0)}).wait()
+    script = tmp_path / "killed.py"
+    script.write_text(_KILLED_MID_COMMIT)
+    proc = subprocess.run([sys.executable, str(script), url, str(tmp_path / "b")], capture_output=True, timeout=300)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr.decode()[-2000:]
+    step2 = tmp_path / "remote" / "step-000000002"
+    assert step2.is_dir() and not (step2 / "COMMIT").exists()
+    tier = ckpt.tiers.RemoteTier(url)
+    assert tier.committed_steps() == [1]
+    target = {"w": torch.zeros(1000)}
+    with ckpt.Checkpointer(url, local_dir=tmp_path / "c") as ck:
+        assert ck.restore(target) == 1 and ck.last_restore.skipped == []
+    assert torch.equal(target["w"], torch.full((1000,), 1.0))
