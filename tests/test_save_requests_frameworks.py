@@ -29,7 +29,9 @@ def test_lightning_callback_saves_on_request_and_training_goes_on(tmp_path, work
 
     from ckpt.integrations.lightning import CheckpointCallback
 
-    class SignalAt(Callback):   # runs after CheckpointCallback: the request is served at the next batch end
+    # listed after CheckpointCallback, and its batch-end save follows every batch-end hook: the request is
+    # served at this very batch end
+    class SignalAt(Callback):
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
             if trainer.global_step == 5:
                 os.kill(os.getpid(), signal.SIGUSR2)
@@ -50,9 +52,9 @@ def test_lightning_callback_saves_on_request_and_training_goes_on(tmp_path, work
     signalled, cb = fit([SignalAt()])
     assert (signal.getsignal(signal.SIGUSR2), signal.getsignal(signal.SIGTERM)) == before
     assert cb.restored_step is None
-    assert ckpt.tiers.LocalTier(tmp_path / "ck").committed_steps() == [6]
+    assert ckpt.tiers.LocalTier(tmp_path / "ck").committed_steps() == [5]
     resumed, cb = fit([])
-    assert cb.restored_step == 6 and weights_bytes(resumed) == weights_bytes(signalled)
+    assert cb.restored_step == 5 and weights_bytes(resumed) == weights_bytes(signalled)
 
 
 def test_hf_trainer_callback_saves_on_request_and_training_goes_on(tmp_path, worker_on_path):
