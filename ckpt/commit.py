@@ -20,13 +20,11 @@ lists every rank's files. All of them build their record here (:func:`record`) a
 
 from __future__ import annotations
 
-import contextlib
 import os
-import secrets
 from pathlib import Path
 from typing import Any, Callable, Iterable, Protocol
 
-from .format import COMMIT_NAME, Commit, data_name, fsync_dir, fsync_file, manifest_name, write_atomic
+from .format import COMMIT_NAME, Commit, data_name, fsync_dir, manifest_name, write_atomic
 from .policy import Timeline
 
 __all__ = ["Sink", "DirSink", "FsSink", "record", "rank_record", "publish"]
@@ -73,16 +71,7 @@ class FsSink:
             self.fs.pipe_file(path, data)
             return
         self.fs.makedirs(self.base, exist_ok=True)   # real directories here (an object store has none)
-        tmp = f"{self.base}/.{name}.tmp-{os.getpid()}-{secrets.token_hex(6)}"
-        try:
-            self.fs.pipe_file(tmp, data)
-            fsync_file(tmp)
-            os.replace(tmp, path)
-        except BaseException:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
-            raise
-        fsync_dir(self.base)
+        write_atomic(Path(path), data)
 
     def sync(self) -> None:
         if self.mounted:
