@@ -33,7 +33,7 @@ from typing import Any, Callable
 
 from . import knobs, priority
 from .errors import CheckpointError
-from .policy import TierCadence
+from .policy import TierCadence, elapsed
 from .stage import HostPool, Snapshot, SnapshotStats
 from .tiers import MemoryTier
 from .tiers.base import PersistingTier
@@ -255,7 +255,7 @@ class _Lane:
         ``interval="auto"`` the seconds its measured cost makes worth it)."""
         if self.every is None and self.auto is not None:
             gap = self.auto.seconds
-            return gap is None or self.last_time is None or now - self.last_time >= gap or now < self.last_time
+            return gap is None or self.last_time is None or elapsed(now, self.last_time, gap)
         return self.every is None or self.last_taken is None or step < self.last_taken \
             or step - self.last_taken >= self.every
 

@@ -190,7 +190,7 @@ def prune(tier: Any, keep: int | None, busy: Collection[int] = (), dry_run: bool
     return deleted
 
 
-def _elapsed(now: float, last: float, seconds: float) -> bool:
+def elapsed(now: float, last: float, seconds: float) -> bool:
     """Whether ``seconds`` passed since ``last`` on a clock that reads ``now``. A clock that went back past
     ``last`` (a wall clock stepped back by NTP, an injected ``clock=``) makes it due at once, rather than
     wait for the clock to catch up again, which would stop the saves for as long as the step back."""
@@ -219,7 +219,7 @@ class Interval:
     def due(self, step: int) -> bool:
         if self.every_steps is not None and step % self.every_steps == 0:
             return True
-        return self.every_seconds is not None and _elapsed(self.clock(), self._last_time, self.every_seconds)
+        return self.every_seconds is not None and elapsed(self.clock(), self._last_time, self.every_seconds)
 
     def saved(self, step: int) -> None:
         self._last_time = self.clock()
@@ -285,7 +285,7 @@ class AutoInterval:
     def due(self, step: int) -> bool:
         if self._last_time is None or self.seconds is None:
             return True
-        return _elapsed(self.clock(), self._last_time, self.seconds)
+        return elapsed(self.clock(), self._last_time, self.seconds)
 
     def saved(self, step: int) -> None:
         self._last_time = self.clock()
