@@ -36,8 +36,8 @@ import torch
 
 from . import knobs
 from .errors import CorruptCheckpointError, IncompatibleCheckpointError, IncompleteCheckpointError
-from .format import (LATEST_NAME, Manifest, data_name, dtype_to_str, open_regular, parse_record, parse_step_dir,
-                     read_record, str_to_dtype)
+from .format import (LATEST_NAME, Manifest, data_name, dtype_to_str, empty_tensor, open_regular, parse_record,
+                     parse_step_dir, read_record, str_to_dtype)
 from .integrity import checksum
 from .policy import live_and_abandoned
 from .progress import Progress, wanted
@@ -482,9 +482,9 @@ class _Plan:
             if dt is not None:
                 shape = [int(s) for s in dt["shape"]]
                 boxes[i] = ((tuple([0] * len(shape)), tuple(shape)), shape)
-                sharded[i] = torch.empty(shape, dtype=dtype)
+                sharded[i] = empty_tensor(shape, dtype)
             else:
-                plain[i] = torch.empty(it.shape, dtype=dtype)
+                plain[i] = empty_tensor(it.shape, dtype)
         fetch = src.fetch(counter)
         if any(d is not None for d in plain):
             _scatter_from(src.manifests[0], plain, fetch)

@@ -55,6 +55,7 @@ __all__ = [
     "manifest_name",
     "dtype_to_str",
     "str_to_dtype",
+    "empty_tensor",
     "write_atomic",
     "fsync_dir",
     "read_records",
@@ -153,6 +154,18 @@ def dtype_to_str(dtype: torch.dtype) -> str:
     if name not in _DTYPES:
         raise TypeError(f"dtype {dtype} is not supported by the checkpoint format")
     return name
+
+
+def empty_tensor(shape: Any, dtype: torch.dtype, device: Any = None, pin_memory: bool = False) -> torch.Tensor:
+    """An uninitialised tensor of ``shape`` and ``dtype`` (any stored dtype) that the caller fills.
+
+    Allocated as its bytes and viewed as ``dtype``: under ``torch.use_deterministic_algorithms(True)``
+    torch fills new memory, and it has no fill for the packed sub-byte dtypes (``float4_e2m1fn_x2``)
+    that the format stores; a restore must not fail because the user asked for deterministic kernels.
+    """
+    shape = torch.Size(shape)
+    raw = torch.empty(shape.numel() * dtype.itemsize, dtype=torch.uint8, device=device, pin_memory=pin_memory)
+    return raw.view(dtype).view(shape)
 
 
 def str_to_dtype(name: str, where: str) -> torch.dtype:

@@ -31,7 +31,7 @@ from typing import Any, Callable, Mapping
 import torch
 
 from .errors import IncompatibleCheckpointError, LayoutMismatchError, RefusedStateError
-from .format import MAX_TREE_DEPTH, ItemRecord, dtype_to_str, str_to_dtype, supported_dtypes
+from .format import MAX_TREE_DEPTH, ItemRecord, dtype_to_str, empty_tensor, str_to_dtype, supported_dtypes
 
 __all__ = ["Entry", "Plan", "flatten", "layout", "Binding", "bind"]
 
@@ -360,10 +360,10 @@ class _Binder:
         if fits and template.is_contiguous():
             self.dest[idx] = template.detach()
         elif fits:   # channels_last, a transposed view ...: bytes land in a stand-in, then are copied in
-            self.dest[idx] = torch.empty(it.shape, dtype=dtype, device=template.device)
+            self.dest[idx] = empty_tensor(it.shape, dtype, template.device)
             self.copy_back.append((idx, template.detach()))
         else:
-            self.dest[idx] = torch.empty(it.shape, dtype=dtype, device=_target_device(it.device))
+            self.dest[idx] = empty_tensor(it.shape, dtype, _target_device(it.device))
         self.in_place[idx] = fits
         return self.dest[idx]
 
@@ -408,7 +408,7 @@ class _Binder:
             self.in_place[idx] = True
         else:
             device = like.to_local().device if like is not None else _target_device(it.device)
-            self.dest[idx] = torch.empty(box[1], dtype=dtype, device=device)
+            self.dest[idx] = empty_tensor(box[1], dtype, device)
         self.boxes[idx] = (box, shape)
         return self.dest[idx]
 
@@ -636,5 +636,5 @@ def bind(state: dict, tree: Any, items: list[ItemRecord], strict: bool = True, r
             # strict=False): read it into a stand-in, from which finish() fills the alias
             it = items[orig]
             device = own.device if own is not None else _target_device(it.device)
-            b.dest[orig] = torch.empty(it.shape, dtype=str_to_dtype(it.dtype, it.key), device=device)
+            b.dest[orig] = empty_tensor(it.shape, str_to_dtype(it.dtype, it.key), device)
     return Binding(b.dest, b.actions, b.aliases, b.boxes, b.copy_back)

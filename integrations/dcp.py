@@ -108,7 +108,8 @@ from torch.distributed.checkpoint.storage import WriteResult
 from ..commit import DirSink, FsSink, Sink, publish
 from ..errors import CheckpointError, CorruptCheckpointError, IncompleteCheckpointError, NoCheckpointError
 from ..format import (COMMIT_NAME, MAX_TREE_DEPTH, _is_nonneg_int, _is_number, check_shape, dtype_to_str,
-                      fsync_dir, fsync_file, open_regular, parse_record, read_record, read_record_fs, str_to_dtype)
+                      empty_tensor, fsync_dir, fsync_file, open_regular, parse_record, read_record, read_record_fs,
+                      str_to_dtype)
 from ..integrity import ALGORITHM, checksum
 from ..policy import Retention
 from ..tiers.local import _read_range, linked, remove_step_dir
@@ -907,7 +908,7 @@ class TierStorageReader(StorageReader):
         dtype = str_to_dtype(rec["dtype"], where)
         if not isinstance(data, bytearray):
             data = bytearray(data)   # torch.frombuffer wants a writable buffer
-        stored = torch.frombuffer(data, dtype=dtype) if data else torch.empty(0, dtype=dtype)
+        stored = torch.frombuffer(data, dtype=dtype) if data else empty_tensor((0,), dtype)
         try:   # the metadata was checked; this guards against a load plan that does not fit it
             stored = stored.reshape(rec["shape"])
             for dim, (off, length) in enumerate(zip(req.storage_offsets, req.lengths)):

@@ -46,6 +46,19 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.skip(reason="needs two or more CUDA GPUs"))
 
 
+@pytest.fixture(autouse=True)
+def _torch_global_modes():
+    """Each test starts from torch's default global modes and leaves them so: a real Lightning
+    ``Trainer(deterministic=True)`` turns ``torch.use_deterministic_algorithms`` on for the whole
+    process and never turns it off, which changed what later tests ran (torch then fills new memory,
+    and has no fill for some dtypes). Tests of those modes set them themselves."""
+    det = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    fill = torch.utils.deterministic.fill_uninitialized_memory
+    yield
+    torch.use_deterministic_algorithms(det[0], warn_only=det[1])
+    torch.utils.deterministic.fill_uninitialized_memory = fill
+
+
 @pytest.fixture
 def local_dir(tmp_path):
     d = tmp_path / "local"

@@ -88,12 +88,34 @@ def test_one_byte_float_dtypes_round_trip_bit_exact(local_dir, name):
     assert target["extras"]["dtype"] == dt
 
 
+@pytest.mark.parametrize("name", _BYTE_DTYPES)
+def test_byte_dtypes_restore_and_export_under_deterministic_algorithms(tmp_path, local_dir, name):
+    """``torch.use_deterministic_algorithms(True)`` (also what Lightning's ``deterministic=True`` sets) makes
+    torch fill new memory, and torch has no fill for the packed fp4 dtype: every tensor a restore or an
+    export allocates (a key missing from the target, a stand-in for a non-contiguous target) must still come."""
+    dt = getattr(torch, name)
+    raw = torch.arange(256, dtype=torch.int32).to(torch.uint8).reshape(16, 16)
+    with ckpt.Checkpointer(local_dir=local_dir) as ck:
+        ck.save(1, {"w": raw.view(dt), "t": raw.view(dt)}).wait()
+    torch.use_deterministic_algorithms(True)   # the conftest fixture turns it off again
+    stand_in = torch.zeros(16, 16, dtype=torch.uint8).t().view(dt)   # fits, not contiguous
+    target = {"w": None, "t": stand_in}
+    with ckpt.Checkpointer(local_dir=local_dir) as ck:
+        assert ck.restore(target) == 1
+    assert target["w"].dtype == dt and torch.equal(target["w"].view(torch.uint8), raw)
+    assert target["t"] is stand_in and torch.equal(stand_in.view(torch.uint8).contiguous(), raw)
+    info = ckpt.export(local_dir, tmp_path / "out", format="torch")
+    assert info.tensors == 2
+
+
 @pytest.mark.parametrize("name", _UNSTORED_DTYPES)
 def test_a_dtype_the_format_does_not_store_is_refused_naming_the_key(local_dir, name):
     dt = getattr(torch, name)
+    torch.use_deterministic_algorithms(True)   # the refusal must not depend on torch's global modes
     with ckpt.Checkpointer(local_dir=local_dir) as ck:
         with pytest.raises(ckpt.RefusedStateError) as ei:
-            ck.save(1, {"model": {"layer.w": torch.empty(0, dtype=dt)}})
+            ck.save(1, {"model": {"layer.w": torch.zeros(0, dtype=torch.uint8).view(dt) if dt.itemsize == 1
+                                  else torch.zeros(0, dtype=dt)}})
         assert "'model/layer.w'" in str(ei.value)
         with pytest.raises(ckpt.RefusedStateError):   # a dtype value in the state too
             ck.save(1, {"extras": {"dtype": dt}})

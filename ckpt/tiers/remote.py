@@ -1168,7 +1168,7 @@ def _map_all(fn: Callable[[int], Any], n: int, name: str) -> list[Any]:
 
 def _dominant_elem_size(items: list[ItemRecord], chunk: int) -> Callable[[int], int]:
     """Element size of the tensor covering most of chunk ``i`` (for the byte shuffle)."""
-    spans = sorted((it.offset, it.offset + it.nbytes, torch.empty(0, dtype=getattr(torch, it.dtype)).element_size())
+    spans = sorted((it.offset, it.offset + it.nbytes, getattr(torch, it.dtype).itemsize)
                    for it in items if it.alias_of is None and it.nbytes)
     starts = [s[0] for s in spans]
 
