@@ -45,7 +45,7 @@ from typing import Any, Callable
 
 import torch
 
-from .. import knobs, shm
+from .. import device_crc, knobs, shm
 from ..errors import CheckpointError, CorruptCheckpointError
 from ..format import Manifest
 from ..integrity import checksum
@@ -246,8 +246,20 @@ def checked_receive(wire: Exchange, out: torch.Tensor | None, to: int | None, in
         wire.data(out, to, into, frm if into is not None else None, in_piece, lambda a, k: None, out_ready)
         return []
     c, n = manifest.chunk_bytes, manifest.data_bytes
+    if _checked_where_it_lands(into) and into.numel() == n and device_crc.usable(into, c):
+        # received onto the GPU (a restore): the GPU checks every chunk once all of it is there, with tensor
+        # operations over the buffer, instead of copying it back down through the host's link and cores
+        wire.data(out, to, into, frm, in_piece, lambda a, k: None, out_ready)
+        try:
+            with torch.cuda.device(into.device) if into.device.type == "cuda" else contextlib.nullcontext():
+                sums = device_crc.chunk_checksums(into, c)
+        except torch.cuda.OutOfMemoryError:   # no room for the checks' temporaries: through the host
+            log.info("no room on %s to check a received copy there: it is checked through the host", into.device)
+            sums = _host_checks(into, manifest, threads)
+        return [i for i in range(max(len(sums), len(manifest.chunks)))
+                if i >= len(sums) or i >= len(manifest.chunks) or sums[i] != manifest.chunks[i]]
     threads = max(1, threads or knobs.get("CKPT_PERSIST_THREADS"))
-    if into.device.type == "cuda":
+    if into.device.type == "cuda":   # chunks the device checks cannot take: through the host
         crc_of = _DeviceChecks(into, threads)
     else:
         view = memoryview(into.numpy())
@@ -268,6 +280,20 @@ def checked_receive(wire: Exchange, out: torch.Tensor | None, to: int | None, in
         bad = [i for i, f in sorted(futures.items()) if i >= len(manifest.chunks) or f.result() != manifest.chunks[i]]
     crc_of = view = None   # noqa: F841 - no export of the buffer outlives the call
     return bad
+
+
+def _checked_where_it_lands(into: torch.Tensor) -> bool:
+    """Whether a received copy is checked on its own device (:mod:`ckpt.device_crc`): one on a GPU."""
+    return into.device.type == "cuda"
+
+
+def _host_checks(into: torch.Tensor, manifest: Manifest, threads: int | None) -> list[int]:
+    """Every chunk's CRC-32C of a received copy on a GPU, computed on the host through :class:`_DeviceChecks`."""
+    c, n = manifest.chunk_bytes, manifest.data_bytes
+    threads = max(1, threads or knobs.get("CKPT_PERSIST_THREADS"))
+    crc_of = _DeviceChecks(into, threads)
+    with ThreadPoolExecutor(threads, thread_name_prefix="ckpt-peer-crc") as ex:
+        return list(ex.map(lambda i: crc_of(i, min(i + c, n)), range(0, n, c)))
 
 
 class _DeviceChecks:

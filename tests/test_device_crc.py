@@ -1,0 +1,118 @@
+"""CRC-32C of a buffer's chunks on its GPU (``ckpt.device_crc``): the same values as the host's
+``ckpt.integrity.checksum``, for every length (whole blocks, a tail, a chunk shorter than a block) and
+chunk size (a power of two of blocks or not), and a changed byte changes its own chunk's value only. The
+same tensor operations run on the CPU here and on the GPU of the device machine, where a snapshot-sized
+buffer is checked too."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+
+from ckpt import device_crc
+from ckpt.integrity import checksum
+
+HAS_CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if HAS_CUDA else "cpu"
+
+B = device_crc.BLOCK
+
+
+def _host(data: torch.Tensor, chunk: int) -> list[int]:
+    flat = data.cpu()
+    return [checksum(memoryview(flat[i:i + chunk].numpy())) for i in range(0, flat.numel(), chunk)]
+
+
+@pytest.mark.parametrize("n, chunk", [
+    (5 * B + 123, 2 * B),      # whole blocks, then a tail in the last chunk
+    (33 * B + 7, 16 * B),      # chunks of 16 blocks (four carry operators), a short last chunk
+    (100, B),                  # less than a block: all on the host
+    (8 * B, 8 * B),            # one chunk, exactly
+    (8 * B + 4, 8 * B),        # a last chunk of four bytes
+    (13 * B + 9, 3 * B),       # three blocks a chunk: padded in front to four
+    ((64 << 20) + 4093, 16 << 20),   # the format's default chunk, a tail
+], ids=["tail", "sixteen-blocks", "under-a-block", "one-chunk", "four-byte-chunk", "three-block-chunks",
+        "default-chunks"])
+def test_chunk_checksums_equal_the_hosts(n, chunk):
+    data = torch.randint(0, 256, (n,), dtype=torch.uint8, device=DEVICE)
+    assert device_crc.usable(data, chunk)
+    assert device_crc.chunk_checksums(data, chunk) == _host(data, chunk)
+
+
+def test_a_changed_byte_changes_its_own_chunk_only():
+    chunk = 2 * B
+    data = torch.randint(0, 256, (6 * B,), dtype=torch.uint8, device=DEVICE)
+    before = device_crc.chunk_checksums(data, chunk)
+    data[3 * B + 17] ^= 1   # a bit flip in chunk 1
+    after = device_crc.chunk_checksums(data, chunk)
+    assert [i for i, (a, b) in enumerate(zip(before, after)) if a != b] == [1]
+    assert after == _host(data, chunk)
+
+
+def test_buffers_it_cannot_check_are_said_so_and_refused():
+    data = torch.zeros(4 * B + 1, dtype=torch.uint8, device=DEVICE)
+    assert not device_crc.usable(data, B + 4)          # chunks not a multiple of a block
+    assert not device_crc.usable(data.view(torch.int8), B)   # not bytes
+    assert not device_crc.usable(data[1:], B)          # not four-byte aligned
+    assert not device_crc.usable(data.view(1, -1), B)  # not flat
+    with pytest.raises(ValueError):
+        device_crc.chunk_checksums(data[1:], B)
+    assert device_crc.chunk_checksums(data[:0], B) == []
+
+
+@pytest.mark.gpu
+def test_a_snapshot_sized_buffer_on_the_gpu():
+    """Over 2 GiB and a tail (more than one pass of the first stage; int32 word offsets past 2**31 bytes),
+    chunks of 16 MiB: every value equal to the host's."""
+    n, chunk = (2 << 30) + (48 << 20) + 4093, 16 << 20
+    data = torch.randint(-2**31, 2**31 - 1, (-(-n // 4),), dtype=torch.int32, device="cuda").view(torch.uint8)[:n]
+    assert device_crc.chunk_checksums(data, chunk) == _host(data, chunk)
+
+
+class _Wire:
+    """Stands in for the peer tier's transport: the bytes 'land' in ``into`` as the holder sent them."""
+
+    def __init__(self, sent: torch.Tensor) -> None:
+        self.sent = sent
+
+    def data(self, out, to, into, frm, in_piece, landed, out_ready=None):
+        into.copy_(self.sent)
+        landed(0, into.numel())
+
+
+@pytest.mark.parametrize("flip", [None, 0, 2, "last"])
+def test_a_copy_received_onto_the_device_is_checked_there_and_a_bad_chunk_named(monkeypatch, flip):
+    """The peer tier's receive (``checked_receive``) with the copy landing on a device: the device computes
+    the checks, and a changed byte names exactly its chunk (the restore then refuses the copy)."""
+    from ckpt.tiers import peer
+
+    monkeypatch.setattr(peer, "_checked_where_it_lands", lambda into: True)   # this CPU tensor stands for a GPU's
+    called = []
+    real = device_crc.chunk_checksums
+    monkeypatch.setattr(device_crc, "chunk_checksums", lambda d, c: called.append(d.numel()) or real(d, c))
+    chunk, n = 4 * B, 13 * B + 21
+    sent = torch.randint(0, 256, (n,), dtype=torch.uint8)
+    manifest = types.SimpleNamespace(chunk_bytes=chunk, data_bytes=n, chunks=_host(sent, chunk))
+    if flip is not None:
+        at = {0: 5, 2: 2 * chunk + 7, "last": n - 1}[flip]
+        sent = sent.clone()
+        sent[at] ^= 0x40
+    into = torch.empty(n, dtype=torch.uint8)
+    bad = peer.checked_receive(_Wire(sent), None, None, into, 1, 1 << 20, manifest)
+    assert called == [n]
+    assert bad == ({None: [], 0: [0], 2: [2], "last": [3]}[flip])
+
+
+def test_a_manifest_listing_other_chunks_than_the_bytes_fails(monkeypatch):
+    from ckpt.tiers import peer
+
+    monkeypatch.setattr(peer, "_checked_where_it_lands", lambda into: True)
+    chunk, n = 2 * B, 6 * B
+    sent = torch.randint(0, 256, (n,), dtype=torch.uint8)
+    sums = _host(sent, chunk)
+    for listed in (sums[:-1], sums + [0]):   # one chunk short, one too many
+        manifest = types.SimpleNamespace(chunk_bytes=chunk, data_bytes=n, chunks=listed)
+        assert peer.checked_receive(_Wire(sent), None, None, torch.empty(n, dtype=torch.uint8), 1, 1 << 20,
+                                    manifest) == [len(sums) - 1 if len(listed) < len(sums) else len(sums)]
