@@ -37,14 +37,14 @@ _ZSTD_MAX_RATIO = (128 << 10) // 4
 
 def _shuffle(data: memoryview, k: int) -> bytes:
     n = len(data) // k * k
-    t = torch.frombuffer(data, dtype=torch.uint8) if len(data) else torch.empty(0, dtype=torch.uint8)
+    t = torch.frombuffer(data, dtype=torch.uint8) if len(data) else torch.empty(0, dtype=torch.uint8, device="cpu")
     body = t[:n].view(-1, k).t().contiguous()
     return body.numpy().tobytes() + bytes(data[n:])
 
 
 def _unshuffle(data: bytearray, k: int) -> bytes:
     n = len(data) // k * k
-    t = torch.frombuffer(data, dtype=torch.uint8) if len(data) else torch.empty(0, dtype=torch.uint8)
+    t = torch.frombuffer(data, dtype=torch.uint8) if len(data) else torch.empty(0, dtype=torch.uint8, device="cpu")
     body = t[:n].view(k, -1).t().contiguous()
     return body.numpy().tobytes() + bytes(data[n:])
 

@@ -156,15 +156,18 @@ def dtype_to_str(dtype: torch.dtype) -> str:
     return name
 
 
-def empty_tensor(shape: Any, dtype: torch.dtype, device: Any = None, pin_memory: bool = False) -> torch.Tensor:
-    """An uninitialised tensor of ``shape`` and ``dtype`` (any stored dtype) that the caller fills.
+def empty_tensor(shape: Any, dtype: torch.dtype, device: Any = "cpu", pin_memory: bool = False) -> torch.Tensor:
+    """An uninitialised tensor of ``shape`` and ``dtype`` (any stored dtype) on ``device`` (host memory when
+    ``None``: never torch's default device, which a training script may have set to a GPU) that the caller
+    fills.
 
     Allocated as its bytes and viewed as ``dtype``: under ``torch.use_deterministic_algorithms(True)``
     torch fills new memory, and it has no fill for the packed sub-byte dtypes (``float4_e2m1fn_x2``)
     that the format stores; a restore must not fail because the user asked for deterministic kernels.
     """
     shape = torch.Size(shape)
-    raw = torch.empty(shape.numel() * dtype.itemsize, dtype=torch.uint8, device=device, pin_memory=pin_memory)
+    raw = torch.empty(shape.numel() * dtype.itemsize, dtype=torch.uint8, device=device if device is not None else "cpu",
+                      pin_memory=pin_memory)
     return raw.view(dtype).view(shape)
 
 

@@ -52,20 +52,20 @@ class Ranks:
     def gather(self, values: list[int]) -> list[list[int]]:
         """Every rank's list of integers, in rank order (lists may differ in length)."""
         dist = torch.distributed
-        n = torch.tensor([len(values)], dtype=torch.int64)
-        sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(self.world)]
+        n = torch.tensor([len(values)], dtype=torch.int64, device="cpu")
+        sizes = [torch.zeros(1, dtype=torch.int64, device="cpu") for _ in range(self.world)]
         dist.all_gather(sizes, n, group=self.group)
         width = max(int(s) for s in sizes)
         if width == 0:
             return [[] for _ in range(self.world)]
-        mine = torch.zeros(width, dtype=torch.int64)
-        mine[:len(values)] = torch.tensor(values, dtype=torch.int64)
-        out = [torch.zeros(width, dtype=torch.int64) for _ in range(self.world)]
+        mine = torch.zeros(width, dtype=torch.int64, device="cpu")
+        mine[:len(values)] = torch.tensor(values, dtype=torch.int64, device="cpu")
+        out = [torch.zeros(width, dtype=torch.int64, device="cpu") for _ in range(self.world)]
         dist.all_gather(out, mine, group=self.group)
         return [o[:int(s)].tolist() for o, s in zip(out, sizes)]
 
     def max(self, values: list[int]) -> list[int]:
         """Element-wise largest of ``values`` (the same length on every rank) over the ranks."""
-        t = torch.tensor(values, dtype=torch.int64)
+        t = torch.tensor(values, dtype=torch.int64, device="cpu")
         torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX, group=self.group)
         return t.tolist()

@@ -262,7 +262,7 @@ def _copy_into(c: int, copies: list[_Copy], spans: list[tuple[int, int]], chunks
                 warnings.simplefilter("ignore", UserWarning)   # "non-writable buffer": it is only read
                 raw = torch.frombuffer(chunks[k], dtype=torch.uint8, count=b - a, offset=a - k * c)
         else:
-            raw = torch.empty(b - a, dtype=torch.uint8)
+            raw = torch.empty(b - a, dtype=torch.uint8, device="cpu")
             out = raw.numpy()
             pos = a
             while pos < b:   # one copy of the span's bytes out of the chunks (numpy views of them copy nothing)

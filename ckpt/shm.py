@@ -221,7 +221,7 @@ class Segment:
                     host_unregister(p)
             self.registered = False
             self._pieces = []
-        self.tensor = torch.empty(0, dtype=torch.uint8)
+        self.tensor = torch.empty(0, dtype=torch.uint8, device="cpu")
 
 
 class AllocationStopped(Exception):

@@ -99,7 +99,7 @@ class HostBuffer:
             self.tensor = segment.tensor
             self.pinned = segment.registered
         else:
-            self.tensor = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
+            self.tensor = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin, device="cpu")
             self.pinned = pin
         self.holds = 0
         self.staging = False                 # a snapshot copy is being taken into it (one of the holds)
@@ -135,7 +135,7 @@ class HostBuffer:
         self.views = {}
         if self.segment is not None:
             self.segment.release()
-        self.tensor = torch.empty(0, dtype=torch.uint8)
+        self.tensor = torch.empty(0, dtype=torch.uint8, device="cpu")
         self.forget_image()
 
 
@@ -1194,7 +1194,7 @@ def _stage_cuda(snap: Snapshot, cuda: list[tuple[Entry, ItemRecord]], side_strea
     with torch.cuda.stream(side_stream):
         start.record(side_stream)
         if fp_dev is not None:
-            snap._fp_host = torch.empty(len(checked), dtype=torch.int64, pin_memory=True)
+            snap._fp_host = torch.empty(len(checked), dtype=torch.int64, pin_memory=True, device="cpu")
             snap._fp_host.copy_(fp_dev, non_blocking=True)
             fp_dev.record_stream(side_stream)   # not reused by the caller's stream before this copy read it
         bufs = [(e, r) for e, r in cuda if e.is_buffer]

@@ -51,12 +51,14 @@ def _torch_global_modes():
     """Each test starts from torch's default global modes and leaves them so: a real Lightning
     ``Trainer(deterministic=True)`` turns ``torch.use_deterministic_algorithms`` on for the whole
     process and never turns it off, which changed what later tests ran (torch then fills new memory,
-    and has no fill for some dtypes). Tests of those modes set them themselves."""
+    and has no fill for some dtypes). Tests of those modes (and of ``torch.set_default_device``) set
+    them themselves."""
     det = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
     fill = torch.utils.deterministic.fill_uninitialized_memory
     yield
     torch.use_deterministic_algorithms(det[0], warn_only=det[1])
     torch.utils.deterministic.fill_uninitialized_memory = fill
+    torch.set_default_device(None)
 
 
 @pytest.fixture

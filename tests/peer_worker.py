@@ -29,6 +29,8 @@ Each rank checkpoints into ``ROOT/rank-<RANK>`` with ``peers=1`` and keeps its s
 * ``restore``: prints ``restored S W T`` (step, ``w[0]`` after it, the tier it came from). ``CKPT_TEST_FAULT``
   on rank 1: ``alloc`` (no host memory to receive its replica into), ``manifest`` (the replica's manifest
   fails to parse on arrival).
+
+``CKPT_TEST_DEFAULT_DEVICE``: ``torch.set_default_device`` of the process once its state exists.
 """
 
 from __future__ import annotations
@@ -125,6 +127,8 @@ def main() -> None:
     training = mode in ("train", "resume", "straight")
     n = int(os.environ.get("CKPT_TEST_N", "6"))
     state = {"w": torch.full((300_000,), float(rank)) if training else torch.zeros(n), "step": 0}
+    if os.environ.get("CKPT_TEST_DEFAULT_DEVICE"):   # what a training script may set for the whole process
+        torch.set_default_device(os.environ["CKPT_TEST_DEFAULT_DEVICE"])
     if mode == "straight":
         for step in range(1, LAST + 1):
             update(state, step, rank)

@@ -69,6 +69,16 @@ def test_a_replaced_node_gets_its_snapshot_back_from_its_holders_ram(tmp_path, w
                                      for r in range(world)]
 
 
+def test_the_exchanges_and_a_peer_restore_do_not_follow_the_default_device(tmp_path):
+    """``torch.set_default_device`` in the training processes (``meta`` here; ``cuda`` in a real script)
+    changes nothing: the headers, replica buffers and receive buffers are host memory wherever they are
+    made."""
+    env = {"CKPT_TEST_DEFAULT_DEVICE": "meta"}
+    assert _lines(_run(tmp_path, "save", 2, env), "saved") == ["saved [4, 2]"] * 2
+    _replace_node(tmp_path, 1)
+    assert _lines(_run(tmp_path, "restore", 2, env), "restored") == ["restored 4 4.0 memory", "restored 4 104.0 peer"]
+
+
 def test_a_killed_job_resumes_bit_identical_with_the_lost_rank_from_its_peer(tmp_path):
     _killed(_run(tmp_path, "train", 2))
     _replace_node(tmp_path, 1)   # both processes died; rank 1's node is replaced

@@ -574,7 +574,7 @@ _PAGE = 4096
 
 def _aligned_empty(nbytes: int, pin: bool) -> torch.Tensor:
     """A uint8 host tensor of ``nbytes`` whose address is page aligned (as O_DIRECT requires)."""
-    t = torch.empty(nbytes + _PAGE, dtype=torch.uint8, pin_memory=pin)
+    t = torch.empty(nbytes + _PAGE, dtype=torch.uint8, pin_memory=pin, device="cpu")
     shift = (-t.data_ptr()) % _PAGE
     return t[shift:shift + nbytes]
 

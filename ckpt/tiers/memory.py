@@ -275,7 +275,7 @@ def _to_device(manifest: Manifest, fd: int, sc: Scatter) -> int | None:
     n = len(manifest.chunks)
     ring: queue.Queue = queue.Queue()
     for _ in range(min(n, max(2, knobs.get("CKPT_RESTORE_BUFFERS")))):
-        ring.put((torch.empty(min(chunk, manifest.data_bytes), dtype=torch.uint8, pin_memory=True), None))
+        ring.put((torch.empty(min(chunk, manifest.data_bytes), dtype=torch.uint8, pin_memory=True, device="cpu"), None))
     sc.open_streams()
     bad: list[int] = []
 

@@ -308,7 +308,7 @@ class _DeviceChecks:
         self._free: queue.Queue = queue.Queue()
         size = min(self.PART, data.numel()) or 1
         for _ in range(buffers):
-            self._free.put(torch.empty(size, dtype=torch.uint8, pin_memory=True))
+            self._free.put(torch.empty(size, dtype=torch.uint8, pin_memory=True, device="cpu"))
         self._local = threading.local()
 
     def __call__(self, a: int, b: int) -> int:
@@ -435,17 +435,17 @@ class PeerTier(PersistingTier):
                                   "snapshots are no longer replicated in this process")
         t0 = time.perf_counter()
         sent = manifest is not None
-        raw, forks, body = b"", torch.zeros(0, dtype=torch.int64), None
+        raw, forks, body = b"", torch.zeros(0, dtype=torch.int64, device="cpu"), None
         if sent:
             if len(manifest.chunks) != -(-manifest.data_bytes // manifest.chunk_bytes):   # no record computed them
                 manifest = dataclasses.replace(manifest, chunks=_sums(data, manifest))
             raw = manifest.to_bytes()
-            forks = torch.tensor([v for f in self.timeline.forks for v in f], dtype=torch.int64)
+            forks = torch.tensor([v for f in self.timeline.forks for v in f], dtype=torch.int64, device="cpu")
             body = torch.frombuffer(data, dtype=torch.uint8)[:manifest.data_bytes] if manifest.data_bytes else None
         wire, dst, src = self.wire, self.dst, self.src
         hdr = torch.tensor([int(sent), len(raw), manifest.data_bytes if sent else 0, step, self.timeline.number,
-                            forks.numel() // 2, wire.piece], dtype=torch.int64)
-        got = torch.zeros(_HDR, dtype=torch.int64)
+                            forks.numel() // 2, wire.piece], dtype=torch.int64, device="cpu")
+        got = torch.zeros(_HDR, dtype=torch.int64, device="cpu")
         refused = None   # why the holder refused this rank's replica (its header or its buffer)
         try:
             wire.swap(hdr, dst, got, src)
@@ -455,13 +455,13 @@ class PeerTier(PersistingTier):
                 log.error("rank %d refuses rank %d's replica of step %d: its header is out of bounds (%s)",
                           self.rank, src, step, got.tolist())
                 ok = 0   # taken as "no replica": nothing more is received from the source
-            taken = torch.zeros(1, dtype=torch.int64)
-            wire.swap(torch.tensor([ok]) if got[0].item() else None, src, taken if sent else None, dst)
+            taken = torch.zeros(1, dtype=torch.int64, device="cpu")
+            wire.swap(torch.tensor([ok], device="cpu") if got[0].item() else None, src, taken if sent else None, dst)
             go = sent and bool(taken.item())
             if sent and not go:
                 refused = "it refused the header"
-            meta = torch.empty(mlen if ok else 0, dtype=torch.uint8)
-            forks_in = torch.empty(2 * nforks if ok else 0, dtype=torch.int64)
+            meta = torch.empty(mlen if ok else 0, dtype=torch.uint8, device="cpu")
+            forks_in = torch.empty(2 * nforks if ok else 0, dtype=torch.int64, device="cpu")
             wire.swap(_bytes(raw) if go else None, dst, meta if ok else None, src)
             wire.swap(forks if go and forks.numel() else None, dst, forks_in if ok and nforks else None, src)
             held = None   # the holder takes a buffer for the replica, or says it cannot
@@ -471,8 +471,9 @@ class PeerTier(PersistingTier):
                     held = self._take(step, sstep, bytes(meta.numpy()), dbytes, timeline), timeline
                 except (CheckpointError, OSError, ValueError) as e:   # HostMemoryError, a full /dev/shm, a bad
                     log.error("rank %d cannot hold rank %d's replica of step %d: %s", self.rank, src, step, e)
-            ready_in = torch.zeros(1, dtype=torch.int64)
-            wire.swap(torch.tensor([int(held is not None)]) if ok else None, src, ready_in if go else None, dst)
+            ready_in = torch.zeros(1, dtype=torch.int64, device="cpu")
+            wire.swap(torch.tensor([int(held is not None)], device="cpu") if ok else None, src,
+                      ready_in if go else None, dst)
             if go and not ready_in.item():
                 refused = "it could not take a buffer for it"
             out = body if go and ready_in.item() else None
@@ -499,8 +500,8 @@ class PeerTier(PersistingTier):
                     self._free_stale()
             else:
                 checked_receive(wire, out, dst, None, None, 1, None)
-            ack = torch.zeros(2, dtype=torch.int64)
-            wire.swap(torch.tensor([int(kept), step]) if ok else None, src, ack if go else None, dst)
+            ack = torch.zeros(2, dtype=torch.int64, device="cpu")
+            wire.swap(torch.tensor([int(kept), step], device="cpu") if ok else None, src, ack if go else None, dst)
         except RuntimeError as e:   # gloo / NCCL: a peer died, or stopped answering for CKPT_PEER_TIMEOUT_S
             self.broken = f"{type(e).__name__}: {e}"
             log.error("rank %d: the replica exchange of step %d with ranks %d (holder) and %d (source) failed; the "
@@ -583,8 +584,8 @@ class PeerTier(PersistingTier):
         holder = self.holder_of(self.rank) if receive else None
         wire = self.wire
         hdr = torch.tensor([int(manifest is not None), len(raw), manifest.data_bytes if manifest else 0, wire.piece],
-                           dtype=torch.int64)
-        got = torch.zeros(4, dtype=torch.int64)
+                           dtype=torch.int64, device="cpu")
+        got = torch.zeros(4, dtype=torch.int64, device="cpu")
         problem = None   # why this rank's own copy, received, is not used
         try:
             # rounds: header, "ready" (the owner checked the header and has a buffer), manifest, data; the holder
@@ -602,13 +603,13 @@ class PeerTier(PersistingTier):
                         problem = CheckpointError(f"no host memory to receive {dbytes} bytes "
                                                   f"({type(e).__name__}: {e})")
             ready = into is not None
-            ready_in = torch.zeros(1, dtype=torch.int64)
-            wire.swap(torch.tensor([int(ready)]) if ok else None, holder,
+            ready_in = torch.zeros(1, dtype=torch.int64, device="cpu")
+            wire.swap(torch.tensor([int(ready)], device="cpu") if ok else None, holder,
                       ready_in if manifest is not None else None, send_to)
             if manifest is not None and not ready_in.item():
                 log.warning("rank %d did not take its replica of step %d back (its log says why)", send_to, step)
             go = manifest is not None and bool(ready_in.item())
-            meta = torch.empty(mlen if ready else 0, dtype=torch.uint8)
+            meta = torch.empty(mlen if ready else 0, dtype=torch.uint8, device="cpu")
             wire.swap(_bytes(raw) if go else None, send_to, meta if ready else None, holder)
             m = None
             if ready:
@@ -808,8 +809,8 @@ def _receive_buffer(nbytes: int, device: torch.device | None = None) -> torch.Te
         except torch.cuda.OutOfMemoryError:
             log.info("no room for %d bytes on %s to receive a restore: it goes through host memory", nbytes, device)
     if torch.cuda.is_available():
-        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-    t = torch.empty(nbytes, dtype=torch.uint8)
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True, device="cpu")
+    t = torch.empty(nbytes, dtype=torch.uint8, device="cpu")
     shm.populate(t.data_ptr(), nbytes, write=True, threads=knobs.get("CKPT_IO_THREADS"))
     return t
 

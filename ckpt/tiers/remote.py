@@ -1093,7 +1093,8 @@ class RemoteTier(PersistingTier, TimelineCopies):
                               f"from {self.url} failed ({e}); check storage_options and the store") from e
             size = len(raw)
             if sc is not None:
-                chunk = torch.frombuffer(bytearray(raw), dtype=torch.uint8) if size else torch.empty(0, dtype=torch.uint8)
+                chunk = (torch.frombuffer(bytearray(raw), dtype=torch.uint8) if size
+                         else torch.empty(0, dtype=torch.uint8, device="cpu"))
                 sc.copy(chunk, i * c)
                 if sc.to_device:
                     sc.synchronize()   # the pageable source must outlive the copy
