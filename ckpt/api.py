@@ -583,7 +583,7 @@ class Checkpointer:
         manifest = Manifest(step=step, rank=0, world_size=1, data_bytes=data_bytes,
                             chunk_bytes=knobs.get("CKPT_CHUNK_BYTES"), chunks=[], items=records, tree=plan.tree,
                             job=self._job, replicated=shared or None)
-        snap = Snapshot(step, plan.entries, records, data_bytes, manifest, buf, stats)
+        snap = Snapshot(step, plan.entries, records, data_bytes, manifest, buf, stats, self._timeline)
         try:
             stage(snap, self._side_stream)
         except BaseException:

@@ -33,7 +33,7 @@ from typing import Any, Callable
 
 from . import knobs, priority
 from .errors import CheckpointError
-from .policy import TierCadence, elapsed
+from .policy import TierCadence, TimelineCopies, elapsed
 from .stage import HostPool, Snapshot, SnapshotStats
 from .tiers import MemoryTier
 from .tiers.base import PersistingTier
@@ -398,7 +398,7 @@ class Pipeline:
         try:
             snap.wait_copied()
             if snap.error is None:
-                self.memory.commit(snap.step, snap.manifest, snap.buffer)
+                self.memory.commit(snap.step, snap.manifest, snap.buffer, timeline=snap.timeline)
                 handle._finish("memory")
         except BaseException as e:
             snap.error = snap.error or e
@@ -511,7 +511,13 @@ class Pipeline:
             handle._finish(lane.name, snap.error)
             return
         data = snap.buffer.memoryview(snap.data_bytes)
-        error = self._run_write(job, lane, lambda: tier.write(snap.step, snap.manifest, data))
+        def write() -> float:   # committed with the timeline the snapshot was taken on
+            if snap.timeline is None or not isinstance(tier, TimelineCopies):
+                return tier.write(snap.step, snap.manifest, data)
+            with tier.copying(snap.step, snap.timeline):
+                return tier.write(snap.step, snap.manifest, data)
+
+        error = self._run_write(job, lane, write)
         del data   # no view of the buffer may outlive the hold (a waiter may exit the process at once)
         if error is None:
             self._prune([lane.name], snap.step)

@@ -662,8 +662,11 @@ class Snapshot:
     """One state captured into a host buffer; fenced once the copy is known to be ordered."""
 
     def __init__(self, step: int, entries: list[Entry], records: list[ItemRecord], data_bytes: int,
-                 manifest: Manifest, buffer: HostBuffer, stats: SnapshotStats) -> None:
+                 manifest: Manifest, buffer: HostBuffer, stats: SnapshotStats, timeline: Any = None) -> None:
         self.step = step
+        #: the :class:`~ckpt.policy.Timeline` it was taken on: every tier commits it with this one, whatever
+        #: the Checkpointer's timeline is by the time the tier gets to it (a rollback may come in between)
+        self.timeline = timeline
         self.entries = entries
         self.records = records
         self.data_bytes = data_bytes

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
+import threading
 import sys
 from pathlib import Path
 
@@ -265,3 +266,37 @@ def test_retention_deletes_nothing_while_a_commit_record_cannot_be_read(tmp_path
     monkeypatch.undo()   # the record reads again: the abandoned branch and the oldest live steps go
     assert sorted(prune(t, 2)) == [100, 110, 200, 300]
     assert _steps(root) == [120, 130]
+
+
+def test_a_snapshot_is_committed_on_the_timeline_it_was_taken_on_whatever_the_tiers_say_by_then(tmp_path,
+                                                                                                  monkeypatch):
+    """A tier may get to a snapshot after the Checkpointer moved to another timeline (a rollback between
+    the save and a slow tier's write): the COMMIT must record the timeline the snapshot was taken on, or the
+    next restore would take the abandoned branch's step for the live one. Here the tiers' timeline is moved
+    while their writes are held back."""
+    from ckpt.policy import Timeline
+    from ckpt.tiers.local import LocalTier
+    from ckpt.tiers.remote import RemoteTier
+
+    gate = threading.Event()
+    for cls in (LocalTier, RemoteTier):
+        real = cls.write
+
+        def held(self, step, manifest, data, _real=real):
+            assert gate.wait(60)
+            return _real(self, step, manifest, data)
+
+        monkeypatch.setattr(cls, "write", held)
+    url = f"file://{tmp_path}/remote"
+    with ckpt.Checkpointer(url, local_dir=tmp_path / "local") as ck:
+        state = _state()
+        state["w"].fill_(100)
+        handle = ck.save(100, state)
+        ck.wait_staged()
+        moved = Timeline(1, ((0, 50),))
+        for tier in [ck.local, ck.remote]:
+            tier.timeline = moved
+        gate.set()
+        handle.wait()
+        assert {c.step: c.timeline for c in ck.local.committed()} == {100: Timeline()}
+        assert {c.step: c.timeline for c in ck.remote.committed()} == {100: Timeline()}

@@ -49,7 +49,7 @@ from .. import device_crc, knobs, shm
 from ..errors import CheckpointError, CorruptCheckpointError
 from ..format import Manifest
 from ..integrity import checksum
-from ..policy import Committed, Timeline
+from ..policy import Committed, Timeline, TimelineCopies
 from ..stage import HostPool, SharedSpace
 from .base import PersistingTier, StepInfo, Tier, register
 from .memory import MemoryTier, _scatter, _to_device
@@ -330,7 +330,7 @@ class _DeviceChecks:
 
 
 @register
-class PeerTier(PersistingTier):
+class PeerTier(PersistingTier, TimelineCopies):
     """The replicas of rank ``src``'s snapshots this rank holds (what it lists, reads, verifies) and the
     exchange that sends this rank's snapshots to its holder ``dst`` (:meth:`write`, collective).
 
@@ -360,6 +360,7 @@ class PeerTier(PersistingTier):
         self.store = MemoryTier(self.pool, self.space)
         self.store.rank = self.src
         self.timeline = Timeline()
+        self._copying: dict[int, Timeline] = {}
         self.verified: dict[int, bool] = {}
         piece = max(knobs.get("CKPT_CHUNK_BYTES"), knobs.get("CKPT_PEER_PIECE_BYTES"))
         self.wire = Exchange(ranks.group, piece, data_group, device)
@@ -435,15 +436,16 @@ class PeerTier(PersistingTier):
                                   "snapshots are no longer replicated in this process")
         t0 = time.perf_counter()
         sent = manifest is not None
+        timeline = self._copying.get(step, self.timeline)   # the snapshot's own (see TimelineCopies)
         raw, forks, body = b"", torch.zeros(0, dtype=torch.int64, device="cpu"), None
         if sent:
             if len(manifest.chunks) != -(-manifest.data_bytes // manifest.chunk_bytes):   # no record computed them
                 manifest = dataclasses.replace(manifest, chunks=_sums(data, manifest))
             raw = manifest.to_bytes()
-            forks = torch.tensor([v for f in self.timeline.forks for v in f], dtype=torch.int64, device="cpu")
+            forks = torch.tensor([v for f in timeline.forks for v in f], dtype=torch.int64, device="cpu")
             body = torch.frombuffer(data, dtype=torch.uint8)[:manifest.data_bytes] if manifest.data_bytes else None
         wire, dst, src = self.wire, self.dst, self.src
-        hdr = torch.tensor([int(sent), len(raw), manifest.data_bytes if sent else 0, step, self.timeline.number,
+        hdr = torch.tensor([int(sent), len(raw), manifest.data_bytes if sent else 0, step, timeline.number,
                             forks.numel() // 2, wire.piece], dtype=torch.int64, device="cpu")
         got = torch.zeros(_HDR, dtype=torch.int64, device="cpu")
         refused = None   # why the holder refused this rank's replica (its header or its buffer)
