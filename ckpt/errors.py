@@ -45,7 +45,17 @@ class LayoutMismatchError(IncompatibleCheckpointError):
 
 
 class RefusedStateError(CheckpointError, TypeError):
-    """A state value cannot be stored without pickle, so the save is refused."""
+    """A state value cannot be stored (without pickle, or in the format), so the save is refused.
+
+    ``path``: where in the state, its keys joined by ``/`` (``"model/layer.w"``), or ``None`` where the
+    refusal is about the state as a whole."""
+
+    def __init__(self, message: str, path: str | None = None) -> None:
+        super().__init__(message)
+        self.path = path
+
+    def __reduce__(self) -> tuple:
+        return type(self), (str(self), self.path)
 
 
 class TornSnapshotError(CheckpointError):

@@ -89,7 +89,7 @@ def dtensor_layout(t: Any, path: str) -> dict:
         else:
             raise RefusedStateError(
                 f"state value at {path!r} is a DTensor with a Partial placement ({p}: values not yet reduced): "
-                "redistribute it to Shard or Replicate placements before saving")
+                "redistribute it to Shard or Replicate placements before saving", path=path)
     coord = t.device_mesh.get_coordinate()
     return {"shape": list(t.shape), "mesh": list(t.device_mesh.shape), "coord": list(coord or []),
             "placements": placements}
@@ -109,7 +109,7 @@ class _Flattener:
         if t.layout is not torch.strided or t.device.type == "meta" or t.is_quantized or t.is_nested:
             raise RefusedStateError(
                 f"state value at {path!r} is a {t.layout} / quantized / nested / meta tensor; "
-                "only dense tensors can be saved: convert it (e.g. .to_dense()) before saving")
+                "only dense tensors can be saved: convert it (e.g. .to_dense()) before saving", path=path)
         if t.dtype not in _KNOWN_DTYPES:
             _storable_dtype(t.dtype, path, "tensor")
             _KNOWN_DTYPES.add(t.dtype)
@@ -157,7 +157,8 @@ class _Flattener:
         np = _numpy()
         if np is not None and isinstance(v, np.ndarray):
             if v.dtype == object:
-                raise RefusedStateError(f"state value at {path!r} is a numpy object array, which needs pickle")
+                raise RefusedStateError(f"state value at {path!r} is a numpy object array, which needs pickle",
+                                        path=path)
             node = self.tensor(torch.from_numpy(np.ascontiguousarray(v)), path, False)
             return {**node, "$np": 1}
         if np is not None and isinstance(v, np.generic):
@@ -166,7 +167,7 @@ class _Flattener:
             f"state value at {path!r} is a {type(v).__module__}.{type(v).__qualname__}, which cannot be "
             "stored without pickle. Store JSON-safe values (numbers, strings, lists, dicts), tensors, or an "
             "object with state_dict()/load_state_dict(); or pass Checkpointer(on_unsupported='skip') to "
-            "leave such values out of checkpoints (they are then not restored).")
+            "leave such values out of checkpoints (they are then not restored).", path=path)
 
     def _walk_sd(self, sd: Any, path: str, buffers: frozenset[str], depth: int) -> Any:
         if not isinstance(sd, Mapping):
@@ -183,7 +184,7 @@ class _Flattener:
         for k, x in v.items():
             if not isinstance(k, (str, int, float, bool, type(None))):
                 raise RefusedStateError(f"state dict at {path!r} has a key of type {type(k).__name__}; "
-                                        "keys must be str, int, float, bool or None")
+                                        "keys must be str, int, float, bool or None", path=path)
             sub_rel = str(k) if top else f"{rel}.{k}"
             out.append((k, self.walk(x, f"{path}/{k}", buffers if top else frozenset(), sub_rel, sub)))
         if plain:
@@ -200,7 +201,7 @@ def _storable_dtype(dtype: torch.dtype, path: str, what: str) -> str:
             f"state value at {path!r} is a {what} of dtype {dtype}, which the checkpoint format does not store "
             f"(it stores {', '.join(supported_dtypes())}): convert it before saving (e.g. .view(torch.uint8) "
             "keeps the bytes of a sub-byte or packed dtype)" + ("" if what == "tensor" else
-            ", or pass Checkpointer(on_unsupported='skip') to leave it out")) from None
+            ", or pass Checkpointer(on_unsupported='skip') to leave it out"), path=path) from None
 
 
 def _too_deep(path: str) -> None:
@@ -208,7 +209,7 @@ def _too_deep(path: str) -> None:
         f"state value at {path!r} is nested more than {MAX_TREE_DEPTH} levels deep (every dict, list and tuple "
         "counts, dicts with non-string keys and tuples their tags too): checkpoints read back records only that "
         "deep. Store such a value flatter (e.g. as a JSON string or a tensor), or pass "
-        "Checkpointer(on_unsupported='skip') to leave it out")
+        "Checkpointer(on_unsupported='skip') to leave it out", path=path)
 
 
 _np_module: Any = False

@@ -117,7 +117,8 @@ def _storable(value: Any, path: str, on_unsupported: str, dropped: list[str]) ->
                 if on_unsupported == "error":
                     raise RefusedStateError(
                         f"checkpoint dict at {path!r} has a key of type {type(k).__name__} ({k!r}); keys must be "
-                        "str, int, float, bool or None. Pass on_unsupported='skip' to leave such entries out.")
+                        "str, int, float, bool or None. Pass on_unsupported='skip' to leave such entries out.",
+                        path=path)
                 dropped.append(f"{path}/{k!r}")
                 continue
             sub = _storable(v, f"{path}/{k}", on_unsupported, dropped)
@@ -139,7 +140,7 @@ def _storable(value: Any, path: str, on_unsupported: str, dropped: list[str]) ->
         raise RefusedStateError(
             f"checkpoint value at {path!r} is a {type(value).__module__}.{type(value).__qualname__}, which cannot "
             "be stored without pickle. Store tensors or JSON-safe values there, or pass on_unsupported='skip' "
-            "to leave such values out of the checkpoint (they are then missing when it is loaded).")
+            "to leave such values out of the checkpoint (they are then missing when it is loaded).", path=path)
     dropped.append(path)
     return _SKIP
 

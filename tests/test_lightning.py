@@ -212,8 +212,9 @@ def test_checkpoint_io_values_that_need_pickle(tmp_path):
         pass
 
     ckpt_dict = {"global_step": 1, "state_dict": {"w": torch.ones(2)}, "hyper_parameters": {"obj": Opaque()}}
-    with pytest.raises(ckpt.RefusedStateError, match=r"checkpoint/hyper_parameters/obj.*on_unsupported='skip'"):
+    with pytest.raises(ckpt.RefusedStateError) as ei:
         TieredCheckpointIO().save_checkpoint(ckpt_dict, tmp_path / "refused.ckpt")
+    assert ei.value.path == "checkpoint/hyper_parameters/obj"
     assert not (tmp_path / "refused.ckpt").exists()
     io = TieredCheckpointIO(on_unsupported="skip")
     io.save_checkpoint(ckpt_dict, tmp_path / "skipped.ckpt")

@@ -16,8 +16,9 @@ class Opaque:
 def test_a_non_json_value_is_refused_with_its_key_named(local_dir):
     state = {"w": torch.ones(2), "extras": {"fn": Opaque()}}
     with ckpt.Checkpointer(local_dir=local_dir) as ck:
-        with pytest.raises(ckpt.RefusedStateError, match=r"'extras/fn'.*Opaque.*on_unsupported='skip'"):
+        with pytest.raises(ckpt.RefusedStateError) as ei:
             ck.save(1, state)
+        assert ei.value.path == "extras/fn"
         assert ck.list() == []
         ck.save(2, {"w": torch.ones(2)}).wait()   # the checkpointer is still usable
     assert not (local_dir / "step-000000001").exists()
@@ -25,10 +26,10 @@ def test_a_non_json_value_is_refused_with_its_key_named(local_dir):
 
 def test_a_set_and_a_lambda_are_refused_too(local_dir):
     with ckpt.Checkpointer(local_dir=local_dir) as ck:
-        with pytest.raises(ckpt.RefusedStateError, match="'s'"):
-            ck.save(1, {"s": {1, 2}})
-        with pytest.raises(ckpt.RefusedStateError, match="'cb'"):
-            ck.save(1, {"cb": lambda: 0})
+        for key, value in (("s", {1, 2}), ("cb", lambda: 0)):
+            with pytest.raises(ckpt.RefusedStateError) as ei:
+                ck.save(1, {key: value})
+            assert ei.value.path == key
 
 
 def test_on_unsupported_skip_leaves_such_values_out_and_keeps_them_on_restore(local_dir):
@@ -51,8 +52,9 @@ def test_non_string_top_level_keys_and_non_dict_states_are_type_errors(local_dir
 
 def test_sparse_tensors_are_refused_with_a_hint(local_dir):
     with ckpt.Checkpointer(local_dir=local_dir) as ck:
-        with pytest.raises(ckpt.RefusedStateError, match="to_dense"):
+        with pytest.raises(ckpt.RefusedStateError) as ei:
             ck.save(1, {"sp": torch.eye(3).to_sparse()})
+        assert ei.value.path == "sp"
 
 
 def test_bad_arguments_name_the_argument(local_dir, monkeypatch):
@@ -116,7 +118,7 @@ def test_a_dtype_the_format_does_not_store_is_refused_naming_the_key(local_dir, 
         with pytest.raises(ckpt.RefusedStateError) as ei:
             ck.save(1, {"model": {"layer.w": torch.zeros(0, dtype=torch.uint8).view(dt) if dt.itemsize == 1
                                   else torch.zeros(0, dtype=dt)}})
-        assert "'model/layer.w'" in str(ei.value)
+        assert ei.value.path == "model/layer.w"
         with pytest.raises(ckpt.RefusedStateError):   # a dtype value in the state too
             ck.save(1, {"extras": {"dtype": dt}})
         assert ck.list() == []

@@ -159,10 +159,12 @@ def _nested(depth):
 
 def test_a_value_nested_too_deep_to_read_back_is_refused_at_save_with_its_key(local_dir):
     with ckpt.Checkpointer(local_dir=local_dir) as ck:
-        with pytest.raises(ckpt.RefusedStateError, match=r"'cfg/deep/0/0/.*nested more than"):
+        with pytest.raises(ckpt.RefusedStateError) as ei:
             ck.save(1, {"w": torch.ones(2), "cfg": {"deep": _nested(100_000)}})
-        with pytest.raises(ckpt.RefusedStateError, match=r"'cfg/0/.*nested more than 100"):
+        assert ei.value.path.startswith("cfg/deep/0/0/")
+        with pytest.raises(ckpt.RefusedStateError) as ei:
             ck.save(1, {"cfg": _nested(MAX_TREE_DEPTH + 1)})
+        assert ei.value.path.startswith("cfg/0/") and ei.value.path.count("/") < MAX_TREE_DEPTH + 2
         ck.save(2, {"cfg": _nested(MAX_TREE_DEPTH)}).wait()
     assert not (local_dir / "step-000000001").exists()
     state = {"cfg": None}
