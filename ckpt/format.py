@@ -164,10 +164,12 @@ def empty_tensor(shape: Any, dtype: torch.dtype, device: Any = "cpu", pin_memory
     Allocated as its bytes and viewed as ``dtype``: under ``torch.use_deterministic_algorithms(True)``
     torch fills new memory, and it has no fill for the packed sub-byte dtypes (``float4_e2m1fn_x2``)
     that the format stores; a restore must not fail because the user asked for deterministic kernels.
+    Never an inference tensor: state a restore made inside ``torch.inference_mode()`` can still be trained.
     """
     shape = torch.Size(shape)
-    raw = torch.empty(shape.numel() * dtype.itemsize, dtype=torch.uint8, device=device if device is not None else "cpu",
-                      pin_memory=pin_memory)
+    with torch.inference_mode(False):   # a normal tensor even in a restore called in inference mode: it trains on
+        raw = torch.empty(shape.numel() * dtype.itemsize, dtype=torch.uint8,
+                          device=device if device is not None else "cpu", pin_memory=pin_memory)
     return raw.view(dtype).view(shape)
 
 

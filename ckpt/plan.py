@@ -32,6 +32,7 @@ import torch
 
 from .errors import IncompatibleCheckpointError, LayoutMismatchError, RefusedStateError
 from .format import MAX_TREE_DEPTH, ItemRecord, dtype_to_str, empty_tensor, str_to_dtype, supported_dtypes
+from .scatter import writing_state
 
 __all__ = ["Entry", "Plan", "flatten", "layout", "Binding", "bind"]
 
@@ -301,16 +302,17 @@ class Binding:
     _copy_back: list[tuple[int, torch.Tensor]] = field(default_factory=list)
 
     def finish(self) -> None:
-        for i, live in self._copy_back:
-            live.copy_(self.dest[i])
-            self.dest[i] = live
-        for i, orig, own in self._aliases:
-            src = self.dest[orig]
-            if own is not None and own.data_ptr() != src.data_ptr():
-                own.copy_(src)
-                self.dest[i] = own
-            else:
-                self.dest[i] = src
+        with writing_state():
+            for i, live in self._copy_back:
+                live.copy_(self.dest[i])
+                self.dest[i] = live
+            for i, orig, own in self._aliases:
+                src = self.dest[orig]
+                if own is not None and own.data_ptr() != src.data_ptr():
+                    own.copy_(src)
+                    self.dest[i] = own
+                else:
+                    self.dest[i] = src
         for act in self._actions:
             act()
 

@@ -42,6 +42,7 @@ import torch
 from . import knobs
 from .errors import CorruptCheckpointError, IncompatibleCheckpointError
 from .format import ItemRecord, Manifest, str_to_dtype
+from .scatter import writing_state
 
 __all__ = ["Box", "shard_box", "overlap", "saved_layouts", "load_resharded"]
 
@@ -277,4 +278,5 @@ def _copy_into(c: int, copies: list[_Copy], spans: list[tuple[int, int]], chunks
         dst = dest[cp.dst]
         for d, (o, n, off) in enumerate(zip(lo, size, cp.dst_off)):
             dst = dst.narrow(d, o - off, n)
-        dst.copy_(src)
+        with writing_state():
+            dst.copy_(src)

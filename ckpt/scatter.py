@@ -16,7 +16,16 @@ import torch
 
 from .format import ItemRecord
 
-__all__ = ["Scatter"]
+__all__ = ["Scatter", "writing_state"]
+
+
+def writing_state() -> contextlib.AbstractContextManager:
+    """The mode every write of restored bytes into the state's tensors runs in, on whatever thread:
+    inference mode. The state may hold inference tensors (made under ``torch.inference_mode()``), which
+    only inference mode may update in place, and a restore called inside inference mode makes its views of
+    the state's normal tensors there, which then only inference mode may update; inference mode updates
+    normal tensors too (their version counters move on), and records nothing for autograd."""
+    return torch.inference_mode()
 
 
 class Scatter:
@@ -67,16 +76,17 @@ class Scatter:
         """Copy ``chunk`` (uint8, host, or on a GPU) holding file bytes ``[chunk_offset, +len)`` into place."""
         end = chunk_offset + chunk.numel()
         i = max(0, bisect.bisect_right(self._starts, chunk_offset) - 1)
-        while i < len(self._pairs):
-            off, n, flat = self._pairs[i]
-            if off >= end:
-                break
-            lo, hi = max(off, chunk_offset), min(off + n, end)
-            if lo < hi:
-                stream = self._streams.get(flat.device)
-                with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-                    flat[lo - off:hi - off].copy_(chunk[lo - chunk_offset:hi - chunk_offset], non_blocking=True)
-            i += 1
+        with writing_state():
+            while i < len(self._pairs):
+                off, n, flat = self._pairs[i]
+                if off >= end:
+                    break
+                lo, hi = max(off, chunk_offset), min(off + n, end)
+                if lo < hi:
+                    stream = self._streams.get(flat.device)
+                    with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+                        flat[lo - off:hi - off].copy_(chunk[lo - chunk_offset:hi - chunk_offset], non_blocking=True)
+                i += 1
 
 
 def _flat_bytes(t: torch.Tensor) -> torch.Tensor:

@@ -112,6 +112,7 @@ from ..format import (COMMIT_NAME, MAX_TREE_DEPTH, _is_nonneg_int, _is_number, c
                       str_to_dtype)
 from ..integrity import ALGORITHM, checksum
 from ..policy import Retention
+from ..scatter import writing_state
 from ..tiers.local import _read_range, linked, remove_step_dir
 from ..tiers.remote import _with_retry_defaults, is_local_fs
 
@@ -921,7 +922,8 @@ class TierStorageReader(StorageReader):
         if target.shape != stored.shape:
             raise CorruptCheckpointError(f"{where}: stored chunk gives shape {tuple(stored.shape)}, the load "
                                          f"plan wants {tuple(target.shape)}")
-        target.copy_(stored)
+        with writing_state():
+            target.copy_(stored)
         planner.commit_tensor(req, target)
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:

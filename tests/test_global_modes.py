@@ -83,3 +83,66 @@ def test_dcp_save_and_load_through_the_tiers(tmp_path, mode):
     got = {"w": torch.zeros(8, 4, device="cpu"), "b": torch.zeros(4, dtype=torch.bfloat16, device="cpu")}
     dcp.load(got, storage_reader=TierStorageReader(**tiers), checkpoint_id="step-1")
     assert torch.equal(got["w"], ref["w"]) and torch.equal(got["b"], ref["b"])
+
+
+def _module_state() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    m = torch.nn.Linear(8, 4)
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
+    m(torch.ones(2, 8)).sum().backward()
+    opt.step()
+    return m, opt
+
+
+@pytest.mark.parametrize("where", ["memory", "local", "remote"])
+def test_a_restore_called_inside_inference_mode(tmp_path, where):
+    """Evaluation scripts restore inside ``torch.inference_mode()``: the restore's copies (on its own
+    threads) must still land in the state's normal tensors, and training must go on from them after."""
+    m, opt = _module_state()
+    url = f"file://{tmp_path}/remote"
+    with ckpt.Checkpointer(local_dir=tmp_path / "local", url=url) as ck:
+        ck.save(1, {"model": m, "optim": opt}).wait()
+        m2 = torch.nn.Linear(8, 4)
+        opt2 = torch.optim.AdamW(m2.parameters(), lr=1e-3)
+        if where == "memory":
+            with torch.inference_mode():
+                assert ck.restore({"model": m2, "optim": opt2}) == 1
+            assert ck.last_restore.tier == "memory"
+    if where != "memory":
+        with ckpt.Checkpointer(local_dir=tmp_path / ("local" if where == "local" else "fresh"), url=url) as ck:
+            with torch.inference_mode():
+                assert ck.restore({"model": m2, "optim": opt2}) == 1
+            assert ck.last_restore.tier == where
+    assert torch.equal(m2.weight, m.weight) and torch.equal(m2.bias, m.bias)
+    assert opt2.state_dict()["state"][0]["exp_avg"].equal(opt.state_dict()["state"][0]["exp_avg"])
+    assert not m2.weight.is_inference()   # restored in place: still the model's own parameters
+    m2(torch.ones(2, 8)).sum().backward()   # and they train on (the optimizer's own load_state_dict made its
+    torch.optim.SGD(m2.parameters(), lr=0.1).step()   # state inside inference mode: torch's rules apply there)
+
+
+def test_inference_tensors_are_restored_in_place_from_outside_inference_mode(tmp_path):
+    """A serving process that made its weights under ``torch.inference_mode()`` restores into them."""
+    ref = {"w": torch.randn(32, 16), "b": torch.randn(16).to(torch.bfloat16)}
+    with torch.inference_mode():
+        got = {"w": torch.zeros(32, 16), "b": torch.zeros(16, dtype=torch.bfloat16),
+               "t": None}   # and a non-contiguous inference tensor, bytes through a stand-in
+        stand_in = torch.zeros(16, 32).t()
+        got["t"] = stand_in
+    ref["t"] = torch.randn(16, 32).t().contiguous()
+    with ckpt.Checkpointer(local_dir=tmp_path / "local2") as ck:
+        ck.save(1, ref).wait()
+    with ckpt.Checkpointer(local_dir=tmp_path / "local2") as ck:   # read on the restore's own threads
+        assert ck.restore(got) == 1
+    assert got["t"] is stand_in and all(torch.equal(got[k], ref[k]) for k in ref)
+
+
+def test_dcp_load_inside_inference_mode(tmp_path):
+    dcp = pytest.importorskip("torch.distributed.checkpoint")
+    from ckpt.integrations.dcp import TierStorageReader, TierStorageWriter
+
+    ref = {"w": torch.randn(8, 4)}
+    tiers = {"local_dir": tmp_path / "local"}
+    dcp.save(ref, storage_writer=TierStorageWriter(**tiers), checkpoint_id="step-1")
+    got = {"w": torch.zeros(8, 4)}
+    with torch.inference_mode():
+        dcp.load(got, storage_reader=TierStorageReader(**tiers), checkpoint_id="step-1")
+    assert torch.equal(got["w"], ref["w"])
