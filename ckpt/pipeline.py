@@ -23,6 +23,7 @@ from __future__ import annotations
 import atexit
 import collections
 import logging
+import os
 import queue
 import threading
 import time
@@ -73,6 +74,17 @@ def _finish_at_exit() -> None:
 
 
 getattr(threading, "_register_atexit", atexit.register)(_finish_at_exit)
+
+
+def _forget_in_child() -> None:
+    """A forked child (a DataLoader worker, say) inherits the parent's pipelines but none of their threads:
+    they are the parent's to finish. Nothing of them may run at the child's exit (its exit hooks run
+    :func:`_finish_at_exit`): their lock may be held by a thread that does not exist in the child (the
+    exit would hang), and their buffers are the parent's (pinned memory a forked child cannot unregister)."""
+    _live.clear()
+
+
+os.register_at_fork(after_in_child=_forget_in_child)
 
 
 def _drop_locals(error: BaseException) -> None:
