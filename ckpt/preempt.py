@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 import signal
 import threading
 import time
@@ -168,7 +167,6 @@ class PreemptionGuard:
         self.received: int | None = None          # the first preemption signal
         self.save_requested: int | None = None    # a save request not yet served
         self._previous: dict[signal.Signals, Any] = {}
-        self._pid = os.getpid()   # the process whose handlers these are (install() sets it again)
 
     @property
     def active(self) -> bool:
@@ -178,7 +176,6 @@ class PreemptionGuard:
         if threading.current_thread() is not threading.main_thread():
             raise RuntimeError("Checkpointer(signals=...) installs signal handlers, which Python allows only in "
                                "the main thread: enter the `with` block there, or pass signals=()")
-        self._pid = os.getpid()
         try:
             for s in self.signals + self.save:
                 self._previous[s] = signal.getsignal(s)
@@ -193,27 +190,12 @@ class PreemptionGuard:
         self._previous = {}
 
     def _handler(self, signum: int, frame: FrameType | None) -> None:
-        if os.getpid() != self._pid:
-            # a forked child (a DataLoader worker) inherited the handler: it is not the process that saves,
-            # and a flag nobody reads would make it ignore the signal (a worker told to stop would run on)
-            self._as_before(signum, frame)
-            return
         # nothing heavy in a signal handler: the step boundary does the work
         if signum in self.save:
             if self.save_requested is None:
                 self.save_requested = signum
         elif self.received is None:
             self.received = signum
-
-    def _as_before(self, signum: int, frame: FrameType | None) -> None:
-        """What ``signum`` did before this guard's handler was installed: the previous Python handler, the
-        signal ignored, or its default action (for SIGTERM: the process ends)."""
-        prev = self._previous.get(signal.Signals(signum))
-        if callable(prev):
-            prev(signum, frame)
-        elif prev != signal.SIG_IGN:
-            signal.signal(signum, signal.SIG_DFL)
-            os.kill(os.getpid(), signum)
 
     def poll(self, ranks: Any = None) -> tuple[int | None, int | None]:
         """``(preemption signal, save request)`` that any rank received, ``None`` for neither. Over

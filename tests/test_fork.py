@@ -70,25 +70,3 @@ def test_a_child_forked_mid_save_with_the_pipelines_lock_held_exits_at_once(loca
     with ckpt.Checkpointer(local_dir=local_dir) as ck:   # committed on disk by the parent
         got = {"w": torch.zeros(1 << 16)}
         assert ck.restore(got) == 1 and torch.equal(got["w"], state["w"])
-
-
-def _sleeper() -> None:
-    time.sleep(60)
-
-
-@pytest.mark.timeout(120)
-def test_a_forked_worker_told_to_stop_stops(local_dir):
-    """With ``signals=``, the Checkpointer's SIGTERM handler only sets a flag for the next ``maybe_save``; a child forked while
-    it is installed (a DataLoader worker) inherits it, and a ``terminate()`` of that worker must still end it."""
-    ctx = mp.get_context("fork")
-    with ckpt.Checkpointer(local_dir=local_dir, signals=ckpt.Signals()):   # SIGTERM: a preemption
-        child = ctx.Process(target=_sleeper)
-        child.start()
-        time.sleep(0.5)
-        child.terminate()
-        child.join(20)
-        alive = child.is_alive()
-        if alive:
-            child.kill()
-        assert not alive, "the forked worker ignored SIGTERM"
-        assert child.exitcode == -15
