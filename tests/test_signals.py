@@ -365,3 +365,24 @@ def test_the_old_import_path_still_gives_the_guard():
     from ckpt.integrations.signals import PreemptionGuard
 
     assert PreemptionGuard is ckpt.preempt.PreemptionGuard
+
+
+def test_a_save_signal_sent_to_every_process_saves_and_the_data_loader_workers_live_on(tmp_path):
+    """SLURM's ``--signal`` and ``scancel --signal`` reach every process of the step, the data-loader
+    workers too. With SIGUSR1 as the save signal the workers (forked inside the ``with`` block: they
+    inherit the flag-only handler) live on, the save is taken and training goes on to its last step.
+    (SIGTERM sent the same way kills PyTorch's workers, whose own handler ends a worker on a SIGTERM
+    that its parent did not send; operations.md says what to do about it.)"""
+    env = {**os.environ, "PYTHONPATH": f"{HERE}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    p = subprocess.Popen([sys.executable, str(HERE / "dataloader_signal_worker.py"), str(tmp_path / "local")],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)
+    try:
+        assert p.stdout.readline().strip() == "ready"
+        os.killpg(p.pid, signal.SIGUSR1)   # every process of the group, as SLURM signals a step
+        out, err = p.communicate(timeout=120)
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+    assert p.returncode == 0, err[-2000:]
+    done = ast.literal_eval(out.strip().splitlines()[-1].removeprefix("done "))
+    assert len(done) == 1 and 5 <= done[0] < 40, out

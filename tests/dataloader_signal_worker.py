@@ -1,0 +1,42 @@
+"""Child side of the data-loader signal test: a training loop fed by a ``DataLoader`` with two forked
+workers, ``signals=ckpt.Signals(save=(signal.SIGUSR1,))``; prints ``ready`` at step 5, stops at step 40
+and prints ``done`` with the steps committed. ``python dataloader_signal_worker.py LOCAL_DIR``."""
+
+from __future__ import annotations
+
+import signal
+import sys
+import time
+
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+import ckpt
+
+
+class _Slow(Dataset):
+    def __len__(self) -> int:
+        return 10**6
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        time.sleep(0.01)
+        return torch.full((4,), float(i))
+
+
+def main() -> None:
+    w = torch.zeros(4)
+    with ckpt.Checkpointer(local_dir=sys.argv[1], signals=ckpt.Signals(save=(signal.SIGUSR1,))) as ck:
+        loader = DataLoader(_Slow(), batch_size=2, num_workers=2, multiprocessing_context="fork")
+        for step, batch in enumerate(loader, 1):
+            w += batch.sum(0)
+            ck.maybe_save(step, {"w": w})
+            if step == 5:
+                print("ready", flush=True)
+            if step == 40:
+                break
+            time.sleep(0.05)
+        print("done", [c.step for c in ck.list()], flush=True)
+
+
+if __name__ == "__main__":
+    main()
