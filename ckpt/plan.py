@@ -25,6 +25,7 @@ same layout.
 from __future__ import annotations
 
 import math
+import sys
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
@@ -61,6 +62,63 @@ class Plan:
 
 def _is_stateful(v: Any) -> bool:
     return callable(getattr(v, "state_dict", None)) and callable(getattr(v, "load_state_dict", None))
+
+
+def _wrapper_paths(module: torch.nn.Module) -> frozenset[str]:
+    """Where in ``module``'s state-dict keys a wrapper put a component of its own: ``torch.compile``'s
+    ``_orig_mod`` and ``DistributedDataParallel`` / ``DataParallel``'s ``module``, as dotted paths
+    (``"layers.0._orig_mod"``), found by the wrapper objects themselves, never by a name alone."""
+    frame = sys.modules.get("torch._dynamo.eval_frame")   # not imported: nothing can be compiled
+    compiled = frame.OptimizedModule if frame is not None else ()
+    out = set()
+    for name, sub in module.named_modules(remove_duplicate=False):
+        attr = "_orig_mod" if isinstance(sub, compiled) else \
+            "module" if isinstance(sub, (torch.nn.parallel.DistributedDataParallel, torch.nn.DataParallel)) else None
+        if attr is not None:
+            out.add(f"{name}.{attr}" if name else attr)
+    return frozenset(out)
+
+
+def canonical_key(key: str, wrappers: frozenset[str]) -> str:
+    """A module's state-dict ``key`` without the components its wrappers added (:func:`_wrapper_paths`):
+    the key the same parameter has in the unwrapped module. A module's state is stored under these keys, so
+    a checkpoint of a compiled or DDP-wrapped model restores into the plain model and the other way round."""
+    if not wrappers:
+        return key
+    parts, seen = [], ""
+    for p in key.split("."):
+        seen = f"{seen}.{p}" if seen else p
+        if seen not in wrappers:
+            parts.append(p)
+    return ".".join(parts)
+
+
+def _module_sd(module: torch.nn.Module, sd: Any,
+               wrappers: frozenset[str] | None = None) -> tuple[Any, dict[str, str]]:
+    """``module``'s state dict ``sd`` under canonical keys (:func:`canonical_key`; ``wrappers``: its
+    :func:`_wrapper_paths`, found here when not given), and the map from each canonical key back to the
+    module's own."""
+    wrappers = _wrapper_paths(module) if wrappers is None else wrappers
+    if not wrappers or not isinstance(sd, Mapping) or not all(isinstance(k, str) for k in sd):
+        return sd, {}
+    own = {canonical_key(k, wrappers): k for k in sd}
+    if len(own) != len(sd):   # two keys that differ only by a wrapper: keep the module's own names
+        return sd, {}
+    return {canonical_key(k, wrappers): v for k, v in sd.items()}, own
+
+
+def _stored_keys(node: dict, template: Mapping, own: dict[str, str]) -> dict:
+    """A saved module state dict's ``node`` with each key as the (canonical) ``template`` has it: checkpoints
+    written before keys were canonical carry ``_orig_mod`` components (``torch.compile``), and ``module``
+    ones (DDP) that match the target's own keys."""
+    raw = {k: c for c, k in own.items()}
+    out = {}
+    for k, v in node.items():
+        if k not in template:
+            bare = ".".join(p for p in k.split(".") if p != "_orig_mod")
+            k = bare if bare in template else raw.get(k, k)
+        out[k] = v
+    return out
 
 
 def _obj_kind(v: Any) -> str:
@@ -143,7 +201,11 @@ class _Flattener:
             return {"$f": repr(v)}
         if _is_stateful(v):
             sd = v.state_dict()
-            bufs = frozenset(n for n, _ in v.named_buffers()) if isinstance(v, torch.nn.Module) else frozenset()
+            bufs = frozenset()
+            if isinstance(v, torch.nn.Module):   # stored under the unwrapped module's keys
+                wrappers = _wrapper_paths(v)
+                sd, _ = _module_sd(v, sd, wrappers)
+                bufs = frozenset(canonical_key(n, wrappers) for n, _ in v.named_buffers())
             return {"$obj": _obj_kind(v), "sd": self._walk_sd(sd, path, bufs, depth + 1)}
         if isinstance(v, Mapping):
             return self._walk_map(v, path, buffers, rel, depth=depth)
@@ -519,6 +581,12 @@ class _Binder:
             self._note_dtensor_params(obj, sd_node, path)
         template = obj.state_dict()
         module = kind == "module" and isinstance(obj, torch.nn.Module)
+        own: dict[str, str] = {}
+        if module:   # matched under canonical keys, loaded under the module's own
+            template, own = _module_sd(obj, template)
+            if isinstance(sd_node, dict) and isinstance(template, Mapping) and \
+                    not any(k.startswith("$") for k in sd_node):
+                sd_node = _stored_keys(sd_node, template, own)
         partial = module and not self.strict and isinstance(sd_node, dict) and isinstance(template, Mapping) \
             and not any(k.startswith("$") for k in sd_node)
         if partial:   # strict=False: the module's keys that both sides have, nothing else is read
@@ -529,6 +597,8 @@ class _Binder:
             sd = build()
             if module and self._all_in_place(sd_node) and (partial or set(sd) == set(template)):
                 return  # every tensor already landed in the module's own memory
+            if own and isinstance(sd, Mapping):
+                sd = {own.get(k, k): v for k, v in sd.items()}
             if partial:
                 obj.load_state_dict(sd, strict=False)
             else:
