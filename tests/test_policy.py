@@ -114,10 +114,10 @@ def test_an_older_snapshot_never_supersedes_a_newer_one(local_dir, monkeypatch):
     tier = GatedTier(local_dir)
     commit = MemoryTier.commit
 
-    def slow_for_step_1(self, step, manifest, buffer):
+    def slow_for_step_1(self, step, manifest, buffer, *args, **kwargs):
         if step == 1:
             time.sleep(1.0)
-        return commit(self, step, manifest, buffer)
+        return commit(self, step, manifest, buffer, *args, **kwargs)
 
     monkeypatch.setattr(MemoryTier, "commit", slow_for_step_1)
     with ckpt.Checkpointer(local_dir=tier, max_in_flight=3) as ck:
