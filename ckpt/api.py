@@ -777,6 +777,9 @@ class Checkpointer:
                 self._owned = True
                 # the owner of local_dir is the one writer of its memory tier's shared-memory segments
                 self.pool.share(self.memory.space)
+                # and takes over the segments its previous process left, in the background from now on: a
+                # restore then copies them from pinned memory, and the first save finds them ready
+                self.pool.adopt_ahead()
 
     def _disown(self) -> None:
         with self._lock:

@@ -116,3 +116,76 @@ def test_a_manifest_listing_other_chunks_than_the_bytes_fails(monkeypatch):
         manifest = types.SimpleNamespace(chunk_bytes=chunk, data_bytes=n, chunks=listed)
         assert peer.checked_receive(_Wire(sent), None, None, torch.empty(n, dtype=torch.uint8), 1, 1 << 20,
                                     manifest) == [len(sums) - 1 if len(listed) < len(sums) else len(sums)]
+
+
+def test_warm_makes_the_tables_a_check_uses():
+    device_crc._tables.cache_clear()
+    device_crc.warm(torch.device(DEVICE), 16 * B)
+    made = device_crc._tables.cache_info().currsize
+    assert made >= 5   # the four-byte step and one per level of the 16-block combine
+    data = torch.randint(0, 256, (40 * B,), dtype=torch.uint8, device=DEVICE)
+    assert device_crc.chunk_checksums(data, 16 * B) == _host(data, 16 * B)
+    assert device_crc._tables.cache_info().currsize == made   # nothing left to build
+    device_crc.warm(torch.device(DEVICE), 100)   # a chunk it cannot check: left alone
+
+
+class _PieceWire:
+    """Lands the sent bytes piece by piece, noting how many checks had started when each piece landed."""
+
+    def __init__(self, sent: torch.Tensor, piece: int, started: list) -> None:
+        self.sent, self.piece, self.started, self.seen = sent, piece, started, []
+
+    def data(self, out, to, into, frm, in_piece, landed, out_ready=None):
+        for a in range(0, into.numel(), self.piece):
+            b = min(a + self.piece, into.numel())
+            into[a:b].copy_(self.sent[a:b])
+            self.seen.append(len(self.started))
+            landed(a, b - a)
+
+
+@pytest.mark.parametrize("flip", [None, 1, 6])
+def test_a_copy_is_checked_in_batches_of_whole_chunks_while_later_pieces_arrive(monkeypatch, flip):
+    from ckpt.tiers import peer
+
+    monkeypatch.setattr(peer, "_checked_where_it_lands", lambda into: True)
+    chunk = 2 * B
+    monkeypatch.setattr(peer, "GPU_CHECK_BYTES", 2 * chunk)   # two chunks a batch
+    started = []
+    real = device_crc.chunk_checksums
+    monkeypatch.setattr(device_crc, "chunk_checksums", lambda d, c: started.append(d.numel()) or real(d, c))
+    n = 7 * chunk + 100   # pieces of 3 blocks: chunks complete across piece boundaries, a short last chunk
+    sent = torch.randint(0, 256, (n,), dtype=torch.uint8)
+    manifest = types.SimpleNamespace(chunk_bytes=chunk, data_bytes=n, chunks=_host(sent, chunk))
+    if flip is not None:
+        sent = sent.clone()
+        sent[flip * chunk + 11] ^= 0x01
+    wire = _PieceWire(sent, 3 * B, started)
+    bad = peer.checked_receive(wire, None, None, torch.empty(n, dtype=torch.uint8), 1, 3 * B, manifest)
+    assert bad == ([] if flip is None else [flip])
+    assert sum(started) == n and all(k <= 2 * chunk for k in started)   # every byte once, batches of two chunks
+    assert wire.seen[-1] >= 1   # checks were under way before the last piece landed
+
+
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU (run on the device machine)")
+@pytest.mark.gpu
+def test_a_batch_the_gpu_has_no_room_to_check_is_checked_through_the_host(monkeypatch):
+    from ckpt.tiers import peer
+
+    chunk = 4 * B
+    monkeypatch.setattr(peer, "GPU_CHECK_BYTES", 2 * chunk)
+    real, calls = device_crc.chunk_checksums, []
+
+    def tight(d, c):
+        calls.append(d.numel())
+        if len(calls) == 2:
+            raise torch.cuda.OutOfMemoryError("stand-in: no room")
+        return real(d, c)
+
+    monkeypatch.setattr(device_crc, "chunk_checksums", tight)
+    n = 6 * chunk + 5
+    sent = torch.randint(0, 256, (n,), dtype=torch.uint8, device="cuda")
+    manifest = types.SimpleNamespace(chunk_bytes=chunk, data_bytes=n, chunks=_host(sent, chunk))
+    sent[3 * chunk + 1] ^= 0x02   # in the batch checked through the host
+    bad = peer.checked_receive(_PieceWire(sent, chunk, []), None, None, torch.empty(n, dtype=torch.uint8, device="cuda"),
+                               1, chunk, manifest)
+    assert bad == [3] and len(calls) == 4

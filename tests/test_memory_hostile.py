@@ -157,6 +157,27 @@ def test_a_buffer_changed_after_its_commit_is_refused(local_dir):
     assert (step, tier) == (3, "local") and _exact(got, state)
 
 
+@pytest.mark.parametrize("flip", [False, True], ids=["intact", "changed"])
+def test_a_segment_taken_over_by_the_next_process_is_checked_before_it_is_served(local_dir, flip):
+    """The next process takes the segment over (its first save maps and registers it as one of its own
+    buffers); a restore of the snapshot in it afterwards still checks every chunk, once."""
+    state, buf, _ = _leave(local_dir)
+    if flip:
+        with open(buf, "r+b") as f:
+            f.seek(4000)
+            b = f.read(1)
+            f.seek(4000)
+            f.write(bytes([b[0] ^ 0x10]))
+    target = {k: torch.zeros_like(v) for k, v in _state(0).items()}
+    with ckpt.Checkpointer(local_dir=local_dir, persist_every={"local": 1000}) as ck:
+        ck.save(5, _state(5)).wait()
+        adopted = [b for b in ck.pool.buffers if b.image_step == 3]
+        assert len(adopted) == 1 and not adopted[0].checked   # taken over, not yet checked
+        assert ck.restore(target, step=3) == 3
+        assert ck.last_restore.tier == ("local" if flip else "memory") and _exact(target, state)
+        assert adopted[0].checked is (not flip)   # checked once, and only when it held
+
+
 def test_ls_and_gc_stand_hostile_files_and_free_only_regular_files_of_ours(local_dir, tmp_path, capsys):
     state, buf, rec = _leave(local_dir)
     outside = tmp_path / "precious"

@@ -61,9 +61,11 @@ def test_a_killed_training_process_resumes_from_ram_bit_identically(tmp_path):
     run = tmp_path / "run"
     proc = _start(run, "12", "train", "0.05")
     _kill_after(proc, "step 7")
-    assert LocalTier(run).committed_steps() == [1]
+    on_disk = LocalTier(run).committed_steps()
     newest = max(r.step for g in shm.segments(prefix=shm.prefix_for(run, 0)) for r in g.records)
-    assert newest >= 7
+    # the disk holds the first snapshot only (step 1, or 2 where step 1 came while the first buffer was still
+    # being allocated, as on a GPU node, where that allocation starts CUDA): step 7 is in RAM alone
+    assert len(on_disk) == 1 and on_disk[0] <= 2 and newest >= 7
     out = _run(run, "12", "train")
     assert out[0] == f"restored {newest} memory"
     assert out[-1] == ref[-1]

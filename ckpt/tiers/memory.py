@@ -80,6 +80,7 @@ class MemoryTier(Tier):
             buffer.image_step = step
             buffer.image_order = self.pool.commit_order()
             buffer.record = record
+            buffer.checked = True   # bytes this process copied
 
     # -- listing ----------------------------------------------------------------------------------
     def _held(self) -> list[HostBuffer]:
@@ -197,7 +198,9 @@ class MemoryTier(Tier):
     def load(self, step: int, manifest: Manifest, dest: list[torch.Tensor | None]) -> None:
         """Copy snapshot ``step`` into ``dest``. From this process's buffer as it is; from a segment a
         previous process left, after checking every chunk (``CorruptCheckpointError`` naming the
-        segment) and, afterwards, that its record was not withdrawn meanwhile (``LookupError``)."""
+        segment) and, afterwards, that its record was not withdrawn meanwhile (``LookupError``). A segment this
+        process took over (adopted) is copied at the pinned rate while its chunks are checked beside the copy."""
+        self.pool.wait_adopted()   # a segment being taken over is read from its mapping once it is
         with self.pool._cv:
             buf = next((b for b in self.pool.buffers if b.image_step == step and b.manifest is manifest), None) or \
                 next((b for b in self.pool.buffers if b.image_step == step), None)
@@ -205,7 +208,10 @@ class MemoryTier(Tier):
                 buf.holds += 1   # not taken for a new snapshot while it is read
         if buf is not None:
             try:
-                _scatter(manifest, dest, buf.tensor[:manifest.data_bytes])
+                if buf.checked:
+                    _scatter(manifest, dest, buf.tensor[:manifest.data_bytes])
+                else:
+                    self._load_adopted(buf, manifest, dest)
             finally:
                 self.pool.release(buf)
             return
@@ -214,6 +220,29 @@ class MemoryTier(Tier):
         if rec is None:
             raise LookupError(f"step {step} is no longer in host memory")
         self._load_segment(rec, dest)
+
+    def _load_adopted(self, buf: HostBuffer, manifest: Manifest, dest: list[torch.Tensor | None] | None) -> None:
+        """Copy (``dest``) and check a snapshot in a segment this process took over but has not checked yet: its
+        chunks are checked on the I/O threads while the same bytes go to their destinations (registered
+        memory: straight to the GPU); a chunk that fails raises ``CorruptCheckpointError`` naming the segment
+        once the copy is done (the caller falls back to another tier, which overwrites ``dest``), else the buffer
+        counts as checked from now on."""
+        held = buf.manifest if buf.manifest is not None else manifest
+        data = buf.tensor[:held.data_bytes]
+        with ThreadPoolExecutor(1, thread_name_prefix="ckpt-memory-check") as ex:
+            bad = ex.submit(shm.first_bad_chunk, data, held)
+            try:
+                if dest is not None:
+                    _scatter(manifest, dest, data)
+            finally:
+                first = bad.result()
+        if first is not None:
+            c = held.chunk_bytes
+            raise CorruptCheckpointError(
+                f"{buf.segment.path if buf.segment is not None else 'host memory'}: bytes [{first * c}, "
+                f"{min((first + 1) * c, held.data_bytes)}) of the memory tier's snapshot of step {buf.image_step} "
+                "(taken over from the previous process) fail their checksum")
+        buf.checked = True
 
     def _load_segment(self, rec: shm.SnapshotRecord, dest: list[torch.Tensor | None] | None) -> None:
         path = Path(rec.path).with_name(rec.buffer)
@@ -239,13 +268,21 @@ class MemoryTier(Tier):
     def verify(self, step: int, timeline: Timeline | None = None) -> Manifest:
         """Check every chunk of the snapshot of ``step`` a previous process left (this process's own
         buffers hold bytes that never left it). Raises ``CorruptCheckpointError`` / ``LookupError``."""
+        self.pool.wait_adopted()
         rec = self._record(step, timeline)
         if rec is None:
-            m = self.manifest(step, timeline) if timeline is not None else \
-                next((b.manifest for b in self._held() if b.image_step == step), None)
-            if m is None:
-                raise LookupError(f"step {step} is not in host memory")
-            return m
+            with self.pool._cv:
+                buf = next((b for b in self._held() if b.image_step == step and
+                            (timeline is None or (b.image_timeline or Timeline()) == timeline)), None)
+                if buf is None:
+                    raise LookupError(f"step {step} is not in host memory")
+                buf.holds += 1   # not taken for a new snapshot while it is checked
+            try:
+                if not buf.checked:   # taken over from the previous process: its bytes are checked once
+                    self._load_adopted(buf, buf.manifest, None)
+                return buf.manifest
+            finally:
+                self.pool.release(buf)
         self._load_segment(rec, None)
         return rec.manifest
 

@@ -247,17 +247,7 @@ def checked_receive(wire: Exchange, out: torch.Tensor | None, to: int | None, in
         return []
     c, n = manifest.chunk_bytes, manifest.data_bytes
     if _checked_where_it_lands(into) and into.numel() == n and device_crc.usable(into, c):
-        # received onto the GPU (a restore): the GPU checks every chunk once all of it is there, with tensor
-        # operations over the buffer, instead of copying it back down through the host's link and cores
-        wire.data(out, to, into, frm, in_piece, lambda a, k: None, out_ready)
-        try:
-            with torch.cuda.device(into.device) if into.device.type == "cuda" else contextlib.nullcontext():
-                sums = device_crc.chunk_checksums(into, c)
-        except torch.cuda.OutOfMemoryError:   # no room for the checks' temporaries: through the host
-            log.info("no room on %s to check a received copy there: it is checked through the host", into.device)
-            sums = _host_checks(into, manifest, threads)
-        return [i for i in range(max(len(sums), len(manifest.chunks)))
-                if i >= len(sums) or i >= len(manifest.chunks) or sums[i] != manifest.chunks[i]]
+        return _checked_on_device(wire, out, to, into, frm, in_piece, manifest, threads, out_ready)
     threads = max(1, threads or knobs.get("CKPT_PERSIST_THREADS"))
     if into.device.type == "cuda":   # chunks the device checks cannot take: through the host
         crc_of = _DeviceChecks(into, threads)
@@ -282,18 +272,77 @@ def checked_receive(wire: Exchange, out: torch.Tensor | None, to: int | None, in
     return bad
 
 
+def _warm_checks(device: torch.device) -> None:
+    try:
+        device_crc.warm(device, knobs.get("CKPT_CHUNK_BYTES"))
+    except Exception as e:   # noqa: BLE001 - the restore builds them itself
+        log.info("making the received copy's checks ready on %s failed (%s); a restore makes them", device, e)
+
+
 def _checked_where_it_lands(into: torch.Tensor) -> bool:
     """Whether a received copy is checked on its own device (:mod:`ckpt.device_crc`): one on a GPU."""
     return into.device.type == "cuda"
 
 
-def _host_checks(into: torch.Tensor, manifest: Manifest, threads: int | None) -> list[int]:
-    """Every chunk's CRC-32C of a received copy on a GPU, computed on the host through :class:`_DeviceChecks`."""
+#: bytes of whole chunks the GPU checks at a time while the rest of a copy arrives: larger batches launch fewer
+#: of the check's tensor operations (each batch launches ~600), smaller ones leave less to check after the
+#: last piece and need less room for the check's temporaries (about 1.1x the batch)
+GPU_CHECK_BYTES = 512 << 20
+
+
+def _checked_on_device(wire: Exchange, out: torch.Tensor | None, to: int | None, into: torch.Tensor,
+                       frm: int | None, in_piece: int, manifest: Manifest, threads: int | None,
+                       out_ready: Callable[[int, int], None] | None) -> list[int]:
+    """:func:`checked_receive` of a copy received onto a GPU (a restore): the GPU checks the chunks where they
+    landed (:mod:`ckpt.device_crc`), :data:`GPU_CHECK_BYTES` of whole chunks at a time on a thread and stream
+    of their own while later pieces arrive, instead of copying them back down through the host's link and
+    cores; a batch the GPU has no room to check goes through the host. Returns the chunks that failed."""
     c, n = manifest.chunk_bytes, manifest.data_bytes
+    sums: list[int | None] = [None] * -(-n // c)
+    batch = max(c, GPU_CHECK_BYTES // c * c)
+    cuda = into.device.type == "cuda"
+    stream = torch.cuda.Stream(into.device) if cuda else None
+
+    def check(a: int, b: int) -> None:
+        try:
+            with torch.cuda.device(into.device) if cuda else contextlib.nullcontext(), \
+                    torch.cuda.stream(stream) if cuda else contextlib.nullcontext():
+                got = device_crc.chunk_checksums(into[a:b], c)
+        except torch.cuda.OutOfMemoryError:   # no room for the checks' temporaries: through the host
+            log.info("no room on %s to check bytes [%d, %d) of a received copy there: checked through the host",
+                     into.device, a, b)
+            got = _host_checks(into, a, b, c, threads)
+        sums[a // c:a // c + len(got)] = got
+
+    submitted = [0]   # bytes handed to the checking thread, whole chunks (all of it at the end)
+    futures = []
+    with ThreadPoolExecutor(1, thread_name_prefix="ckpt-peer-check") as ex:
+        def landed(off: int, k: int) -> None:   # the wire's pieces land in order
+            ready = n if off + k >= n else (off + k) // c * c
+            while submitted[0] < ready and (ready - submitted[0] >= batch or ready == n):
+                b = min(submitted[0] + batch, ready)
+                futures.append(ex.submit(check, submitted[0], b))
+                submitted[0] = b
+
+        try:
+            wire.data(out, to, into, frm, in_piece, landed, out_ready)
+            landed(0, n)   # what is left once every piece is in
+        finally:
+            for f in futures:   # none outlives the call (nor reads `into` after it)
+                f.exception()
+        for f in futures:
+            f.result()
+    return [i for i in range(max(len(sums), len(manifest.chunks)))
+            if i >= len(sums) or i >= len(manifest.chunks) or sums[i] != manifest.chunks[i]]
+
+
+def _host_checks(into: torch.Tensor, a: int, b: int, c: int, threads: int | None) -> list[int]:
+    """CRC-32C of each chunk of ``c`` bytes of ``into[a:b]`` (a copy on a GPU), computed on the host through
+    :class:`_DeviceChecks`."""
     threads = max(1, threads or knobs.get("CKPT_PERSIST_THREADS"))
     crc_of = _DeviceChecks(into, threads)
     with ThreadPoolExecutor(threads, thread_name_prefix="ckpt-peer-crc") as ex:
-        return list(ex.map(lambda i: crc_of(i, min(i + c, n)), range(0, n, c)))
+        return list(ex.map(lambda x: crc_of(x, min(x + c, b)), range(a, b, c)))
 
 
 class _DeviceChecks:
@@ -373,6 +422,10 @@ class PeerTier(PersistingTier, TimelineCopies):
             log.error("rank %d: the peer tier could not reach ranks %d (holder) and %d (source); it stops in this "
                       "process (the other tiers go on): %s", self.rank, self.dst, self.src, self.broken)
         self._stale_checked = False
+        if device is not None and device.type == "cuda" and self.broken is None:
+            # a restore receives onto the GPU and checks every chunk there: its tables and kernels are made now,
+            # beside whatever the job does next (building its model), not on the restore's path
+            threading.Thread(target=_warm_checks, args=(device,), name="ckpt-peer-warm", daemon=True).start()
 
     def holder_of(self, rank: int) -> int:
         """The rank that holds ``rank``'s replicas."""
