@@ -380,6 +380,8 @@ class Checkpointer:
             self._clock = clock
             self._auto_tiers = bool(cadences)
             self._last_step_at: float | None = None
+            if self._owned:   # again now that the peer tier's NCCL group has started CUDA on this rank's GPU
+                self.pool.adopt_ahead()
         except BaseException:
             self._disown()
             raise

@@ -227,7 +227,11 @@ class HostPool:
         previous process's segments mapped and registered: it then copies a snapshot to the GPU at the
         pinned rate instead of reading it through the host's cores (``pread`` into pinned chunks). Taking a
         segment over costs about 0.2 s per 3.7 GB (mapping its pages, ``cudaHostRegister``); anything the
-        caller does meanwhile (building the model) hides it. Every later :meth:`adopt` waits for it."""
+        caller does meanwhile (building the model) hides it. Every later :meth:`adopt` waits for it. Not
+        started while CUDA is not yet initialized in this process (the segments are registered in the calling
+        thread's device's context, which is not known before): a later call, or the first save, does it."""
+        if self.pin and torch.cuda.is_available() and not torch.cuda.is_initialized():
+            return   # this rank's GPU is not known yet: registering now would be in GPU 0's context (see _note_device)
         self._note_device()
         with self._cv:
             if self._adopting is not None or self.shared is None or self._closed:

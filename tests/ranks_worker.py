@@ -4,6 +4,10 @@
 The state is ``{"w": 8 floats, "step": int}``; at step ``s`` every element of ``w`` equals ``s``.
 
 * ``save``: steps 1..30 with ``every_steps=10`` (commits 10, 20, 30); prints ``saved``.
+* ``save-keep``: as ``save``, then closes keeping the memory tier's segments (as a crash leaves them).
+* ``takeover``: prints ``takeover STARTED ADOPTED restored S TIER W AFTER``: whether the Checkpointer began
+  taking the previous process's segments over when it was made, the (step, checked) of each buffer taken
+  over, the restore, and the buffers after it.
 * ``restore``: prints ``restored S W`` (the step restore agreed on and ``w[0]`` after it).
 * ``restore-wide``: rank 1's ``w`` has 9 elements, so the checkpoint does not fit it there.
 * ``restore-30``: ``restore(step=30)``.
@@ -55,15 +59,25 @@ def main() -> None:
     width = 9 if mode == "restore-wide" and rank == 1 else 8
     state = {"w": torch.zeros(width), "step": 0}
     try:
-        if mode == "save":
-            with ckpt.Checkpointer(local_dir=local_dir, every_steps=10, keep=ckpt.Retention(local=5),
-                                   if_busy="wait") as ck:
-                for step in range(1, 31):
-                    ck.wait_staged()   # w is updated in place below, outside optimizer.step()
-                    state["w"].fill_(step)
-                    state["step"] = step
-                    ck.maybe_save(step, state)
+        if mode in ("save", "save-keep"):
+            ck = ckpt.Checkpointer(local_dir=local_dir, every_steps=10, keep=ckpt.Retention(local=5),
+                                   if_busy="wait")
+            for step in range(1, 31):
+                ck.wait_staged()   # w is updated in place below, outside optimizer.step()
+                state["w"].fill_(step)
+                state["step"] = step
+                ck.maybe_save(step, state)
+            ck.close(keep_memory=mode == "save-keep")   # save-keep: the RAM stays, as a crash leaves it
             print("saved", flush=True)
+        elif mode == "takeover":
+            with ckpt.Checkpointer(local_dir=local_dir) as ck:
+                started = ck.pool.adopt_span is not None or ck.pool._adopting is not None
+                ck.pool.wait_adopted()
+                adopted = sorted((b.image_step, b.checked) for b in ck.pool.buffers)
+                step = ck.restore(state)
+                after = sorted((b.image_step, b.checked) for b in ck.pool.buffers)
+                print(f"takeover {started} {adopted} restored {step} {ck.last_restore.tier} "
+                      f"{float(state['w'][0])} {after}", flush=True)
         elif mode.startswith("restore"):
             with ckpt.Checkpointer(local_dir=local_dir) as ck:
                 step = ck.restore(state, step=30 if mode == "restore-30" else None)

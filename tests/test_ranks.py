@@ -112,3 +112,31 @@ def test_ranks_sharing_a_directory_or_part_of_them_a_url_are_refused(tmp_path, m
         assert r.returncode != 0 and "accepted" not in r.stdout
         assert message in r.stderr and "give every rank its own local_dir" in r.stderr, r.stderr[-2000:]
     assert not list(tmp_path.rglob(".ckpt-job-*")), "the ranks' marker files were left behind"
+
+
+@pytest.mark.skipif(__import__("ckpt").shm.shm_root() is None, reason="no RAM file system (/dev/shm) here")
+@pytest.mark.parametrize("flip", [False, True], ids=["intact", "changed-on-rank-1"])
+def test_a_collective_checkpointer_takes_the_ram_segments_over_when_made_and_checks_them_once(tmp_path, flip):
+    """A restarted collective job: each rank's Checkpointer starts taking its predecessor's memory-tier
+    segments over when it is made (mapped, and registered where there is CUDA); the restore then reads them
+    as its own buffers, checked chunk by chunk first: a byte changed in rank 1's RAM sends rank 1 to its
+    local tier, and the buffer stays unchecked."""
+    from ckpt import shm
+
+    _ok(_run(tmp_path, "save-keep"))
+    if flip:
+        rec = next(r for g in shm.segments(prefix=shm.prefix_for(tmp_path / "rank-1", 1)) for r in g.records
+                   if r.step == 30)
+        with open(Path(rec.path).with_name(rec.buffer), "r+b") as f:
+            f.seek(9)
+            b = f.read(1)
+            f.seek(9)
+            f.write(bytes([b[0] ^ 0x04]))
+    lines = []
+    for r in _run(tmp_path, "takeover"):
+        assert r.returncode == 0, r.stderr[-3000:]
+        lines.append(next(l for l in r.stdout.splitlines() if l.startswith("takeover")))
+    for rank, line in enumerate(lines):
+        bad = flip and rank == 1
+        assert line.startswith("takeover True [(20, False), (30, False)] restored 30 "), line
+        assert line.endswith(f"{'local' if bad else 'memory'} 30.0 [(20, False), (30, {not bad})]"), line

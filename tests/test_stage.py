@@ -184,3 +184,23 @@ def test_a_memory_tier_snapshot_round_trips_across_registration_pieces(local_dir
         assert ck.restore(out) == 1 and ck.last_restore.tier == "memory"
     for k, v in state.items():
         assert torch.equal(out[k], v.resolve_conj()), k
+
+
+def test_segments_are_not_taken_over_ahead_before_this_rank_s_gpu_is_known(tmp_path, monkeypatch):
+    """Registering a segment happens in the context of the device the pool noted; before CUDA is
+    initialised in the process that device is not known, and a background thread's is GPU 0: the
+    takeover ahead waits (for a later call, or the first save) rather than open a context on GPU 0."""
+    from ckpt.stage import HostPool, SharedSpace
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+    pool = HostPool(2, None, pin=True)
+    pool.share(SharedSpace(tmp_path, "ckpt-test", str(tmp_path)))
+    pool.adopt_ahead()
+    assert pool._adopting is None and pool._device is None
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    pool.adopt_ahead()   # now the training thread's device is known: noted, and the takeover starts
+    pool.wait_adopted()
+    assert pool._adopting is not None and pool._device == 3 and pool.buffers == []
+    pool.close()
