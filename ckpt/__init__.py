@@ -16,7 +16,7 @@ from .errors import LockedError
 from .export import ExportInfo, export
 from .pipeline import SaveHandle
 from .policy import AutoInterval, Retention
-from .preempt import Signals
+from .preempt import Signals, WorkerSignals
 from .restore import RestoreInfo
 from .rng import RNGState
 from .stage import SnapshotStats
@@ -34,6 +34,7 @@ __all__ = [
     "ExportInfo",
     "Retention",
     "Signals",
+    "WorkerSignals",
     "AutoInterval",
     "RNGState",
     "SaveHandle",

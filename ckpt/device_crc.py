@@ -114,7 +114,8 @@ def usable(data: torch.Tensor, chunk_bytes: int) -> bool:
     uint8 tensor, four-byte aligned, and chunks a multiple of :data:`BLOCK` bytes (the format's default
     chunk is)."""
     return (data.dtype == torch.uint8 and data.dim() == 1 and data.is_contiguous()
-            and data.data_ptr() % 4 == 0 and chunk_bytes > 0 and chunk_bytes % BLOCK == 0)
+            and data.data_ptr() % 4 == 0 and data.storage_offset() % 4 == 0   # viewed as int32 words
+            and chunk_bytes > 0 and chunk_bytes % BLOCK == 0)
 
 
 def chunk_checksums(data: torch.Tensor, chunk_bytes: int) -> list[int]:

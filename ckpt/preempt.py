@@ -34,7 +34,7 @@ import torch
 
 from .errors import CheckpointError, Preempted
 
-__all__ = ["Signals", "PreemptionGuard", "drain", "save_on_request"]
+__all__ = ["Signals", "PreemptionGuard", "WorkerSignals", "drain", "save_on_request"]
 
 log = logging.getLogger(__name__)
 
@@ -173,6 +173,7 @@ class PreemptionGuard:
         return bool(self._previous)
 
     def install(self) -> None:
+        _installed.append(self)   # what a data-loader worker forked from now on leaves to its parent
         if threading.current_thread() is not threading.main_thread():
             raise RuntimeError("Checkpointer(signals=...) installs signal handlers, which Python allows only in "
                                "the main thread: enter the `with` block there, or pass signals=()")
@@ -185,6 +186,8 @@ class PreemptionGuard:
             raise
 
     def uninstall(self) -> None:
+        if self in _installed:
+            _installed.remove(self)
         for s, prev in self._previous.items():
             signal.signal(s, prev if prev is not None else signal.SIG_DFL)
         self._previous = {}
@@ -230,6 +233,59 @@ class PreemptionGuard:
         prev = self._previous.get(signal.Signals(signum))
         if callable(prev):
             prev(signum, None)
+
+
+#: the guards installed in this process, in order (a forked child has its parent's list)
+_installed: list[PreemptionGuard] = []
+
+
+def _leave_to_parent(signum: int, frame: FrameType | None) -> None:
+    """A data-loader worker's handler of its parent's signals: nothing (the parent saves, then ends)."""
+
+
+class WorkerSignals:
+    """A ``worker_init_fn`` for :class:`torch.utils.data.DataLoader` that keeps its worker processes alive
+    through the signals a scheduler sends to every process of a job, so that the training process can take
+    its preemption (or requested) save at the next step boundary:
+    ``DataLoader(..., worker_init_fn=ckpt.WorkerSignals())`` (``WorkerSignals(my_init_fn)`` calls yours
+    after it).
+
+    Why: SLURM (``--signal``, ``scancel``) signals every process of a job step, the data-loader workers too.
+    PyTorch's workers end on a SIGTERM (their own handler), and a SIGUSR1 ends a process that does not
+    handle it; the training process then fails at its next batch ("DataLoader worker ... exited
+    unexpectedly"), before its save. In a worker this sets a handler that does nothing for the signals the
+    training process's :class:`~ckpt.Checkpointer` listens for (those of its active ``with`` block when the
+    worker was forked; ``signals`` to name them, e.g. for workers started with ``spawn`` before the block),
+    default SIGTERM and SIGUSR1. A worker still ends when its DataLoader is done with it or its parent is
+    gone (PyTorch's own checks), and on SIGKILL; programs it runs get the default handlers back.
+
+    Args:
+        fn: the ``worker_init_fn`` to call after (``fn(worker_id)``), or ``None``.
+        signals: the signals to leave to the parent; ``None``: as above.
+
+    Picklable when ``fn`` is (workers started with ``spawn`` or ``forkserver``).
+    """
+
+    def __init__(self, fn: Callable[[int], Any] | None = None,
+                 signals: Iterable[int | signal.Signals] | None = None) -> None:
+        if fn is not None and not callable(fn):
+            raise TypeError(f"WorkerSignals(fn=...) takes a worker_init_fn (a callable of the worker id), "
+                            f"got {type(fn).__name__}")
+        self.fn = fn
+        self.signals = None if signals is None else _signal_tuple(signals, "WorkerSignals(signals=...)")
+
+    def __call__(self, worker_id: int) -> None:
+        wanted = self.signals
+        if wanted is None:
+            wanted = tuple(dict.fromkeys(s for g in _installed for s in g.signals + g.save)) or \
+                (signal.SIGTERM, signal.SIGUSR1)
+        for s in wanted:
+            signal.signal(s, _leave_to_parent)
+        if self.fn is not None:
+            self.fn(worker_id)
+
+    def __repr__(self) -> str:
+        return f"WorkerSignals(fn={self.fn!r}, signals={self.signals!r})"
 
 
 def _durable(handle: Any, tier: str, deadline: float, t0: float) -> tuple[bool, BaseException | None]:

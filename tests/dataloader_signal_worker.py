@@ -1,6 +1,8 @@
-"""Child side of the data-loader signal test: a training loop fed by a ``DataLoader`` with two forked
-workers, ``signals=ckpt.Signals(save=(signal.SIGUSR1,))``; prints ``ready`` at step 5, stops at step 40
-and prints ``done`` with the steps committed. ``python dataloader_signal_worker.py LOCAL_DIR``."""
+"""Child side of the data-loader signal tests: a training loop fed by a ``DataLoader`` with two forked
+workers; prints ``ready`` at step 5, stops at step 40 and prints ``done`` with the steps committed.
+``python dataloader_signal_worker.py LOCAL_DIR [MODE]``; MODE ``save`` (default):
+``signals=ckpt.Signals(save=(signal.SIGUSR1,))``; ``preempt``: the default signals (SIGTERM preempts: save,
+then exit 143) and ``worker_init_fn=ckpt.WorkerSignals(note)``, where ``note`` prints ``worker N``."""
 
 from __future__ import annotations
 
@@ -23,10 +25,17 @@ class _Slow(Dataset):
         return torch.full((4,), float(i))
 
 
+def note(worker_id: int) -> None:
+    print("worker", worker_id, flush=True)
+
+
 def main() -> None:
     w = torch.zeros(4)
-    with ckpt.Checkpointer(local_dir=sys.argv[1], signals=ckpt.Signals(save=(signal.SIGUSR1,))) as ck:
-        loader = DataLoader(_Slow(), batch_size=2, num_workers=2, multiprocessing_context="fork")
+    preempt = len(sys.argv) > 2 and sys.argv[2] == "preempt"
+    signals = ckpt.Signals() if preempt else ckpt.Signals(save=(signal.SIGUSR1,))
+    with ckpt.Checkpointer(local_dir=sys.argv[1], signals=signals) as ck:
+        loader = DataLoader(_Slow(), batch_size=2, num_workers=2, multiprocessing_context="fork",
+                            worker_init_fn=ckpt.WorkerSignals(note) if preempt else None)
         for step, batch in enumerate(loader, 1):
             w += batch.sum(0)
             ck.maybe_save(step, {"w": w})

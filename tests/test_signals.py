@@ -386,3 +386,42 @@ def test_a_save_signal_sent_to_every_process_saves_and_the_data_loader_workers_l
     assert p.returncode == 0, err[-2000:]
     done = ast.literal_eval(out.strip().splitlines()[-1].removeprefix("done "))
     assert len(done) == 1 and 5 <= done[0] < 40, out
+
+
+def test_a_preemption_sent_to_every_process_is_saved_when_the_workers_leave_it_to_their_parent(tmp_path):
+    """SIGTERM to every process of the group (SLURM's preemption): with ``worker_init_fn=ckpt.WorkerSignals()``
+    the data-loader workers live through it, so the training process reaches its next step boundary, saves
+    that step durably and exits with 128 + SIGTERM; the user's own ``worker_init_fn`` still runs."""
+    env = {**os.environ, "PYTHONPATH": f"{HERE}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    local = tmp_path / "local"
+    p = subprocess.Popen([sys.executable, str(HERE / "dataloader_signal_worker.py"), str(local), "preempt"],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)
+    try:
+        lines = []
+        while True:
+            line = p.stdout.readline()
+            assert line, p.stderr.read()[-2000:]
+            lines.append(line.strip())
+            if line.strip() == "ready":
+                break
+        os.killpg(p.pid, signal.SIGTERM)   # every process of the group, the workers too
+        out, err = p.communicate(timeout=120)
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+    assert p.returncode == 128 + signal.SIGTERM, err[-2000:]
+    assert sorted(lines[:-1]) == ["worker 0", "worker 1"]   # the user's init function ran in each worker
+    assert "done" not in out   # it exited at the preemption, not at its last step
+    steps = [c.step for c in ckpt.Checkpointer(local_dir=local).list()]
+    assert len(steps) == 1 and 5 <= steps[0] < 40, (steps, err[-2000:])
+
+
+def test_worker_signals_checks_its_arguments_and_travels_to_spawned_workers():
+    import pickle
+
+    with pytest.raises(TypeError):
+        ckpt.WorkerSignals(fn=3)
+    with pytest.raises(ValueError):
+        ckpt.WorkerSignals(signals=(signal.SIGKILL,))
+    w = pickle.loads(pickle.dumps(ckpt.WorkerSignals(signals=(signal.SIGTERM,))))   # how spawn sends it
+    assert w.signals == (signal.SIGTERM,) and w.fn is None

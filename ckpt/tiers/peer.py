@@ -244,7 +244,7 @@ def checked_receive(wire: Exchange, out: torch.Tensor | None, to: int | None, in
     failed."""
     if into is None or manifest is None or not into.numel():   # nothing to check: the bytes still move
         wire.data(out, to, into, frm if into is not None else None, in_piece, lambda a, k: None, out_ready)
-        return []
+        return list(range(len(manifest.chunks))) if into is not None and manifest is not None else []
     c, n = manifest.chunk_bytes, manifest.data_bytes
     if _checked_where_it_lands(into) and into.numel() == n and device_crc.usable(into, c):
         return _checked_on_device(wire, out, to, into, frm, in_piece, manifest, threads, out_ready)
@@ -264,10 +264,12 @@ def checked_receive(wire: Exchange, out: torch.Tensor | None, to: int | None, in
                 futures[i] = ex.submit(crc_of, i * c, min((i + 1) * c, n))
 
         wire.data(out, to, into, frm, in_piece, landed, out_ready)
-        for i in range(len(manifest.chunks)):   # a chunk split across pieces: complete now
+        needed = -(-n // c)   # chunks the bytes make
+        for i in range(needed):   # a chunk split across pieces: complete now
             if i not in futures:
                 futures[i] = ex.submit(crc_of, i * c, min((i + 1) * c, n))
         bad = [i for i, f in sorted(futures.items()) if i >= len(manifest.chunks) or f.result() != manifest.chunks[i]]
+        bad += list(range(needed, len(manifest.chunks)))   # listed for bytes that do not exist
     crc_of = view = None   # noqa: F841 - no export of the buffer outlives the call
     return bad
 
