@@ -1,0 +1,98 @@
+"""A process for the takeover tests (tests/test_takeover_hostile.py): it owns LOCAL_DIR, so it takes the
+memory-tier segments its predecessor left over (maps them as its own buffers), and stops where told.
+
+``takeover_worker.py LOCAL_DIR MODE [STEP ...]``:
+
+* ``stall-takeover``: own LOCAL_DIR (the background takeover starts), and stall the takeover thread right
+  after it has mapped slot 0's segment (``adopted 0`` is printed): the parent kills it there.
+* ``stall-save``: save step 5 (its first save takes the segments over, then reuses the buffer of the older
+  adopted snapshot) and stall the copy after the first tensor is written into that buffer (``copying`` is
+  printed): the parent kills it there.
+* ``restore``: own LOCAL_DIR, wait for the takeover, then restore each STEP and print
+  ``restored <step> <tier> <sha256 of the state> <checked of the buffer holding it, or None>``; close
+  keeping the segments in RAM.
+
+The state is :func:`state` (two float tensors of a few 4 KiB chunks; the parent sets ``CKPT_CHUNK_BYTES``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import sys
+import threading
+import time
+
+import torch
+
+import ckpt
+from ckpt import stage as stage_mod
+
+
+def state(seed: int) -> dict:
+    """18288 bytes of data at 4096-byte alignment: ``a`` at [0, 12000), ``b`` at [12288, 18288)."""
+    g = torch.Generator().manual_seed(seed)
+    return {"a": torch.randn(3000, generator=g), "b": torch.randn(1500, generator=g)}
+
+
+def zeros() -> dict:
+    return {k: torch.zeros_like(v) for k, v in state(0).items()}
+
+
+def digest(s: dict) -> str:
+    h = hashlib.sha256()
+    for k in sorted(s):
+        h.update(k.encode())
+        h.update(s[k].contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def main(argv: list[str]) -> int:
+    local_dir, mode, steps = argv[0], argv[1], [int(a) for a in argv[2:]]
+    if mode == "stall-takeover":
+        real = stage_mod.HostPool._adopt_slot
+
+        def stall(self, space, slot, shm):
+            buf = real(self, space, slot, shm)
+            if slot == 0:
+                print("adopted", slot, flush=True)
+                time.sleep(600)
+            return buf
+
+        stage_mod.HostPool._adopt_slot = stall
+        ck = ckpt.Checkpointer(local_dir=local_dir)
+        ck._own_local()   # what a collective job's Checkpointer does when it is made
+        time.sleep(600)
+    elif mode == "stall-save":
+        real = stage_mod._dst
+        copied = [0]
+
+        def slow(buf, rec, t):   # the second tensor's copy never comes: the buffer is half overwritten
+            if threading.current_thread().name.startswith("ckpt-stage"):
+                copied[0] += 1
+                if copied[0] == 2:
+                    print("copying", flush=True)
+                    time.sleep(600)
+            return real(buf, rec, t)
+
+        stage_mod._dst = slow
+        ck = ckpt.Checkpointer(local_dir=local_dir, persist_every={"local": 1000})
+        ck.save(5, state(5))
+        time.sleep(600)
+    elif mode == "restore":
+        ck = ckpt.Checkpointer(local_dir=local_dir)
+        ck._own_local()
+        ck.pool.wait_adopted()
+        for step in steps:
+            target = zeros()
+            got = ck.restore(target, step=step)
+            buf = next((b for b in ck.pool.buffers if b.image_step == step), None)
+            print("restored", got, ck.last_restore.tier, digest(target), None if buf is None else buf.checked,
+                  flush=True)
+        ck.close(keep_memory=True)
+    else:
+        raise SystemExit(f"unknown mode {mode!r}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
