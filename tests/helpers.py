@@ -169,3 +169,25 @@ def run_worker_in_process(worker: str, *args: object, raises: type[BaseException
             else:
                 raise AssertionError(f"{worker}.main did not raise {raises.__name__}")
     return out.getvalue()
+
+
+def stall_second_tensor_copy() -> None:
+    """In a worker process about to be killed: the next snapshot's copy stops before its second tensor
+    (``copying`` is printed, then the staging thread sleeps), so the buffer is left half overwritten."""
+    import threading
+    import time
+
+    from ckpt import stage as stage_mod
+
+    real = stage_mod._dst
+    copied = [0]
+
+    def stall(buf, rec, t):
+        if threading.current_thread().name.startswith("ckpt-stage"):
+            copied[0] += 1
+            if copied[0] == 2:
+                print("copying", flush=True)
+                time.sleep(600)
+        return real(buf, rec, t)
+
+    stage_mod._dst = stall

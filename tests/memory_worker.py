@@ -13,13 +13,12 @@ from __future__ import annotations
 
 import hashlib
 import sys
-import threading
 import time
 
 import torch
 
 import ckpt
-from ckpt import stage as stage_mod
+from helpers import stall_second_tensor_copy
 
 
 def model_and_opt() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
@@ -68,18 +67,7 @@ def main(argv: list[str]) -> int:
                 for p in model.parameters():
                     p.fill_(step)
             ck.save(step, state).wait()   # step 1 on the local tier too: its buffer is free again
-        real = stage_mod._dst
-        copied = [0]
-
-        def stall(buf, rec, t):   # the second tensor's copy never comes: the buffer is half overwritten
-            if threading.current_thread().name.startswith("ckpt-stage"):
-                copied[0] += 1
-                if copied[0] == 2:
-                    print("copying", flush=True)
-                    time.sleep(600)
-            return real(buf, rec, t)
-
-        stage_mod._dst = stall
+        stall_second_tensor_copy()
         with torch.no_grad():
             for p in model.parameters():
                 p.fill_(3)

@@ -19,13 +19,13 @@ from __future__ import annotations
 
 import hashlib
 import sys
-import threading
 import time
 
 import torch
 
 import ckpt
 from ckpt import stage as stage_mod
+from helpers import stall_second_tensor_copy
 
 
 def state(seed: int) -> dict:
@@ -63,18 +63,7 @@ def main(argv: list[str]) -> int:
         ck._own_local()   # what a collective job's Checkpointer does when it is made
         time.sleep(600)
     elif mode == "stall-save":
-        real = stage_mod._dst
-        copied = [0]
-
-        def slow(buf, rec, t):   # the second tensor's copy never comes: the buffer is half overwritten
-            if threading.current_thread().name.startswith("ckpt-stage"):
-                copied[0] += 1
-                if copied[0] == 2:
-                    print("copying", flush=True)
-                    time.sleep(600)
-            return real(buf, rec, t)
-
-        stage_mod._dst = slow
+        stall_second_tensor_copy()
         ck = ckpt.Checkpointer(local_dir=local_dir, persist_every={"local": 1000})
         ck.save(5, state(5))
         time.sleep(600)
