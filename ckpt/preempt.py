@@ -173,7 +173,6 @@ class PreemptionGuard:
         return bool(self._previous)
 
     def install(self) -> None:
-        _installed.append(self)   # what a data-loader worker forked from now on leaves to its parent
         if threading.current_thread() is not threading.main_thread():
             raise RuntimeError("Checkpointer(signals=...) installs signal handlers, which Python allows only in "
                                "the main thread: enter the `with` block there, or pass signals=()")
@@ -184,6 +183,7 @@ class PreemptionGuard:
         except BaseException:
             self.uninstall()
             raise
+        _installed.append(self)   # what a data-loader worker forked from now on leaves to its parent
 
     def uninstall(self) -> None:
         if self in _installed:

@@ -425,3 +425,15 @@ def test_worker_signals_checks_its_arguments_and_travels_to_spawned_workers():
         ckpt.WorkerSignals(signals=(signal.SIGKILL,))
     w = pickle.loads(pickle.dumps(ckpt.WorkerSignals(signals=(signal.SIGTERM,))))   # how spawn sends it
     assert w.signals == (signal.SIGTERM,) and w.fn is None
+
+
+def test_a_guard_that_could_not_install_is_not_left_for_the_workers(local_dir):
+    """Installing from another thread fails: that guard's signals are not what a worker leaves to its parent."""
+    from ckpt import preempt
+
+    guard = preempt.PreemptionGuard((signal.SIGUSR2,))
+    errors = []
+    t = threading.Thread(target=lambda: errors.append(pytest.raises(RuntimeError, guard.install)))
+    t.start()
+    t.join()
+    assert errors and guard not in preempt._installed and not guard.active
