@@ -6,6 +6,7 @@ then exit 143) and ``worker_init_fn=ckpt.WorkerSignals(note)``, where ``note`` p
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
 import time
@@ -26,7 +27,8 @@ class _Slow(Dataset):
 
 
 def note(worker_id: int) -> None:
-    print("worker", worker_id, flush=True)
+    # one write of one line (atomic on a pipe): print's pieces from two workers interleave
+    os.write(sys.stdout.fileno(), f"worker {worker_id}\n".encode())
 
 
 def main() -> None:
