@@ -262,3 +262,156 @@ def test_a_half_made_segment_of_an_earlier_process_with_this_pid_is_removed(loca
     finally:
         for p in (earlier, mine):
             p.unlink(missing_ok=True)
+
+
+# -- a segment read to GPU destinations --------------------------------------------------------------------
+import shutil  # noqa: E402
+
+from ckpt import knobs  # noqa: E402
+from ckpt.errors import NoCheckpointError  # noqa: E402
+from ckpt.scatter import Scatter  # noqa: E402
+from ckpt.tiers import memory as memory_mod  # noqa: E402
+
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+ROOMS = ["scratch", "no room"]
+
+
+class _ClaimsGpu(Scatter):
+    """A Scatter whose host destinations count as on a GPU: the memory tier takes its GPU path on this machine."""
+
+    def __init__(self, records, dest):
+        super().__init__(records, dest)
+        self.to_device = True
+
+
+def _gpu_path(monkeypatch, device: str, room: str) -> list[bool]:
+    """Make a restore read segments the way it reads them into GPU destinations: on ``"cpu"`` with host
+    tensors standing in for the GPU's; ``room="no room"``: the GPU has no room for a scratch buffer. Returns
+    a list that gets, for each read of a segment, whether it copied (``False``: a check-only pass)."""
+    if device == "cpu":
+        monkeypatch.setattr(memory_mod, "Scatter", _ClaimsGpu)
+        monkeypatch.setattr(memory_mod, "_scratch", lambda n, dev: torch.empty(n, dtype=torch.uint8), raising=False)
+    if room == "no room":
+        def no_room(n, dev):
+            raise torch.cuda.OutOfMemoryError("no room")
+        monkeypatch.setattr(memory_mod, "_scratch", no_room, raising=False)
+    reads: list[bool] = []
+    real = memory_mod._to_device
+
+    def spy(manifest, fd, sc, *a, **kw):
+        reads.append(sc is not None)
+        return real(manifest, fd, sc, *a, **kw)
+
+    monkeypatch.setattr(memory_mod, "_to_device", spy)
+    return reads
+
+
+def _leave_alone(local_dir: Path, states: dict[int, dict]) -> dict[int, tuple[Path, Path]]:
+    """``states`` saved in 4 KiB chunks and left in RAM; the newest step is in RAM alone (its local copy
+    removed). Returns each step's segment and record."""
+    with knobs.override(CKPT_CHUNK_BYTES=4096):
+        ck = ckpt.Checkpointer(local_dir=local_dir)
+        for step, state in states.items():
+            ck.save(step, state).wait()
+        ck.close(keep_memory=True)
+    shutil.rmtree(local_dir / f"step-{max(states):09d}")
+    root, prefix = shm.shm_root(), shm.prefix_for(local_dir, 0)
+    out = {}
+    for p in root.iterdir():
+        if p.name.startswith(prefix) and p.name.endswith(".rec"):
+            rec = shm.read_snapshot_record(p)
+            out[rec.step] = (root / rec.buffer, p)
+    assert sorted(out) == sorted(states), out
+    return out
+
+
+def _flip_last_byte(buf: Path, rec: Path) -> None:
+    at = shm.read_snapshot_record(rec).manifest.data_bytes - 1   # in the last chunk
+    with open(buf, "r+b") as f:
+        f.seek(at)
+        b = f.read(1)
+        f.seek(at)
+        f.write(bytes([b[0] ^ 0x01]))
+
+
+def _target(keys, device: str) -> tuple[dict, dict]:
+    """A state of other values than any saved one, on ``device``, and a copy of it on the host."""
+    target = {k: torch.full_like(v, 7.0, device=device) for k, v in _state(0).items() if k in keys}
+    return target, {k: v.cpu().clone() for k, v in target.items()}
+
+
+def _host(state: dict) -> dict:
+    return {k: v.cpu() for k, v in state.items()}
+
+
+@pytest.mark.parametrize("room", ROOMS)
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_gpu_restore_of_a_snapshot_whose_last_chunk_fails_leaves_the_state_as_it_was(local_dir, monkeypatch,
+                                                                                       device, room):
+    """The earlier chunks pass their checks; none of their bytes reach the state before the last one has
+    passed too, and it does not: no other tier holds the step, and the state is exactly what it was."""
+    (buf, rec), = _leave_alone(local_dir, {3: _state(3)}).values()
+    _flip_last_byte(buf, rec)
+    reads = _gpu_path(monkeypatch, device, room)
+    target, before = _target(("w", "b"), device)
+    with ckpt.Checkpointer(local_dir=local_dir) as ck:
+        with pytest.raises(NoCheckpointError):
+            ck.restore(target)
+    assert _exact(_host(target), before)
+    assert reads == ([True] if room == "scratch" else [False])   # without room: the check-only pass alone
+
+
+@pytest.mark.parametrize("room", ROOMS)
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_gpu_restore_of_a_snapshot_withdrawn_while_it_was_read_leaves_the_state_as_it_was(local_dir, monkeypatch,
+                                                                                            device, room):
+    """Every chunk passes, but the record goes (its owner took the buffer back) while the segment is read:
+    nothing of it reaches the state."""
+    (buf, rec), = _leave_alone(local_dir, {3: _state(3)}).values()
+    _gpu_path(monkeypatch, device, room)
+    read = memory_mod._to_device
+
+    def withdrawn(manifest, fd, sc, *a, **kw):
+        out = read(manifest, fd, sc, *a, **kw)
+        os.unlink(rec)
+        return out
+
+    monkeypatch.setattr(memory_mod, "_to_device", withdrawn)
+    target, before = _target(("w", "b"), device)
+    with ckpt.Checkpointer(local_dir=local_dir) as ck:
+        with pytest.raises(NoCheckpointError):
+            ck.restore(target)
+    assert _exact(_host(target), before)
+
+
+@pytest.mark.parametrize("room", ROOMS)
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_key_the_fallback_lacks_keeps_its_value_when_a_gpu_restore_fails_under_strict_false(local_dir, monkeypatch,
+                                                                                              device, room):
+    """Step 3 (with ``a``, in its first chunk) is in RAM alone and fails its last chunk; step 2 (without ``a``)
+    is restored instead, and ``a`` keeps the value it had."""
+    old = _state(2)
+    new = {"a": torch.randn(5, generator=torch.Generator().manual_seed(9)), **_state(3)}
+    segs = _leave_alone(local_dir, {2: old, 3: new})
+    _flip_last_byte(*segs[3])
+    _gpu_path(monkeypatch, device, room)
+    target = {"a": torch.full((5,), 7.0, device=device), "w": torch.zeros(4096, device=device),
+              "b": torch.zeros(7, device=device)}
+    with ckpt.Checkpointer(local_dir=local_dir) as ck:
+        assert ck.restore(target, strict=False) == 2
+        assert ck.last_restore.tier == "memory" and ck.last_restore.skipped[0].startswith("memory:3")
+    got = _host(target)
+    assert torch.equal(got["a"], torch.full((5,), 7.0)) and _exact({"w": got["w"], "b": got["b"]}, old)
+
+
+@pytest.mark.parametrize("room", ROOMS)
+@pytest.mark.parametrize("device", DEVICES)
+def test_an_intact_snapshot_is_restored_to_gpu_destinations_either_way(local_dir, monkeypatch, device, room):
+    state = _state(3)
+    _leave_alone(local_dir, {3: state})
+    reads = _gpu_path(monkeypatch, device, room)
+    target, _ = _target(("w", "b"), device)
+    with ckpt.Checkpointer(local_dir=local_dir) as ck:
+        assert ck.restore(target) == 3 and ck.last_restore.tier == "memory"
+    assert _exact(_host(target), state)
+    assert reads == ([True] if room == "scratch" else [False, True])   # checked, then read, checked and copied

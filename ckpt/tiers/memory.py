@@ -25,7 +25,7 @@ import torch
 
 from .. import knobs, shm
 from ..errors import CorruptCheckpointError
-from ..format import Manifest
+from ..format import ItemRecord, Manifest
 from ..integrity import checksum
 from ..policy import Committed, Timeline
 from ..scatter import Scatter
@@ -242,12 +242,17 @@ class MemoryTier(Tier):
             _scatter(manifest, dest, data)
 
     def _load_segment(self, rec: shm.SnapshotRecord, dest: list[torch.Tensor | None] | None) -> None:
+        """Check, then copy (``dest``), the snapshot of ``rec`` in a segment a previous process left: nothing is
+        copied into ``dest`` before every chunk passed its checksum and the record was found still standing, so a
+        snapshot that fails its checks leaves ``dest`` as it was. Host destinations are copied from a mapping of
+        the segment; destinations on a GPU through :func:`_to_gpu` (which says what remains open where the GPU
+        has no room). Raises what :func:`_judge` raises."""
         path = Path(rec.path).with_name(rec.buffer)
         sc = Scatter(rec.manifest.items, dest) if dest is not None else None
         if sc is not None and sc.to_device:
             fd = shm.open_for_read(path, rec.manifest.data_bytes)
             try:
-                bad = _to_device(rec.manifest, fd, sc)
+                bad = _to_gpu(rec, fd, sc, _gpu_of(dest))
             finally:
                 os.close(fd)
             _judge(rec, path, bad)
@@ -299,18 +304,71 @@ def _judge(rec: shm.SnapshotRecord, path: Path, bad: int | None) -> None:
                           "was read")
 
 
-def _to_device(manifest: Manifest, fd: int, sc: Scatter) -> int | None:
+def _to_gpu(rec: shm.SnapshotRecord, fd: int, sc: Scatter, device: torch.device | None) -> int | None:
+    """Copy the snapshot of ``rec`` (``fd``: its segment) to ``sc``'s destinations, some on a GPU, none of them
+    written before every chunk passed its checksum. The chunks are read and checked (:func:`_to_device`) into a
+    scratch buffer of the snapshot's size on ``device`` (a destination's GPU), then, when every one passed and
+    the record still stands, copied from there into place device to device; the scratch buffer goes back to
+    the caching allocator. Where ``device`` has no room for it, two passes over the segment: the first reads
+    and checks every chunk and copies nothing; only when all passed and the record still stands, the second
+    reads them again, checks each again and copies it. A segment that changes between or during the two
+    passes (its owner took it back and rewrote it) is found by the second pass's checks, or by :func:`_judge`
+    from its record, and refused, but the chunks the second pass copied before the change stay in
+    ``dest``: the one window this way leaves. Returns the first chunk that failed (``None``: none did)."""
+    manifest = rec.manifest
+    try:
+        scratch = _scratch(manifest.data_bytes, device)
+    except torch.cuda.OutOfMemoryError:
+        log.info("no room for %d bytes on %s to check the memory tier's snapshot of step %d in: every chunk is "
+                 "checked first, then read, checked and copied again", manifest.data_bytes, device, rec.step)
+        bad = _to_device(manifest, fd, None)
+        if bad is not None or not shm.still_current(rec):
+            return bad
+        return _to_device(manifest, fd, sc)
+    log.info("the memory tier's snapshot of step %d is checked in %d bytes on %s before it is copied into place",
+             rec.step, manifest.data_bytes, scratch.device)
+    whole = Scatter([ItemRecord("", "uint8", [manifest.data_bytes], scratch.device.type, 0, manifest.data_bytes)],
+                    [scratch])
+    try:
+        bad = _to_device(manifest, fd, whole)
+        if bad is None and shm.still_current(rec):
+            sc.open_streams()
+            try:
+                sc.copy(scratch, 0)
+            finally:
+                sc.synchronize()
+        return bad
+    finally:
+        del whole, scratch   # every copy out of it has landed: the allocator may hand it out again
+
+
+def _gpu_of(dest: list[torch.Tensor | None]) -> torch.device | None:
+    """The device of the first destination on a GPU (``None``: none is)."""
+    return next((d.device for d in dest if d is not None and d.device.type == "cuda"), None)
+
+
+def _scratch(nbytes: int, device: torch.device | None) -> torch.Tensor:
+    """A buffer of ``nbytes`` on ``device`` to check a snapshot in (``torch.cuda.OutOfMemoryError``: no room)."""
+    return torch.empty(nbytes, dtype=torch.uint8, device=device)
+
+
+def _to_device(manifest: Manifest, fd: int, sc: Scatter | None) -> int | None:
     """Copy a segment's snapshot to its destinations chunk by chunk: each chunk is read from the RAM
     file system into one of a small ring of pinned buffers (a ``pread``, no page faults on a mapping
     of another process's file), its checksum checked there, then sent to the device on a side stream
-    while the next chunks are read and checked, on ``CKPT_IO_THREADS`` threads. Returns the first
-    chunk that failed its checksum (``None``: none did)."""
+    while the next chunks are read and checked, on ``CKPT_IO_THREADS`` threads. A chunk that fails is
+    not copied, but those before it may have been: a caller that must leave the destinations as they were
+    copies into a buffer of its own (:func:`_to_gpu`). ``sc=None``: every chunk is read and checked, and
+    nothing copied. Returns the first chunk that failed its checksum (``None``: none did)."""
     chunk = manifest.chunk_bytes
     n = len(manifest.chunks)
+    pinned = sc is not None and torch.cuda.is_available()   # sent to a GPU from pinned memory; a check alone sends none
     ring: queue.Queue = queue.Queue()
     for _ in range(min(n, max(2, knobs.get("CKPT_RESTORE_BUFFERS")))):
-        ring.put((torch.empty(min(chunk, manifest.data_bytes), dtype=torch.uint8, pin_memory=True, device="cpu"), None))
-    sc.open_streams()
+        ring.put((torch.empty(min(chunk, manifest.data_bytes), dtype=torch.uint8, pin_memory=pinned, device="cpu"),
+                  None))
+    if sc is not None:
+        sc.open_streams()
     bad: list[int] = []
 
     def one(i: int) -> None:
@@ -330,8 +388,9 @@ def _to_device(manifest: Manifest, fd: int, sc: Scatter) -> int | None:
             if checksum(view) != manifest.chunks[i]:
                 bad.append(i)
                 return
-            sc.copy(buf[:length], off)
-            ev = sc.record()
+            if sc is not None:
+                sc.copy(buf[:length], off)
+                ev = sc.record()
         finally:
             ring.put((buf, ev))
 
@@ -340,7 +399,8 @@ def _to_device(manifest: Manifest, fd: int, sc: Scatter) -> int | None:
             for f in [ex.submit(one, i) for i in range(n)]:
                 f.result()
     finally:
-        sc.synchronize()
+        if sc is not None:
+            sc.synchronize()
     return min(bad) if bad else None
 
 
