@@ -118,9 +118,12 @@ def test_a_manifest_listing_other_chunks_than_the_bytes_fails(monkeypatch):
                                     manifest) == [len(sums) - 1 if len(listed) < len(sums) else len(sums)]
 
 
-def test_warm_makes_the_tables_a_check_uses():
+def test_warm_without_triton_makes_the_tables_a_check_uses(monkeypatch):
+    monkeypatch.setattr(device_crc, "_kernels_ready", {})
+    monkeypatch.setattr(device_crc, "_lane_bytes", lambda chunk: None)   # as for a chunk the kernel cannot take
     device_crc._tables.cache_clear()
     device_crc.warm(torch.device(DEVICE), 16 * B)
+    assert not device_crc.ready(torch.device(DEVICE))
     made = device_crc._tables.cache_info().currsize
     assert made >= 5   # the four-byte step and one per level of the 16-block combine
     data = torch.randint(0, 256, (40 * B,), dtype=torch.uint8, device=DEVICE)
@@ -150,6 +153,7 @@ def test_a_copy_is_checked_in_batches_of_whole_chunks_while_later_pieces_arrive(
     monkeypatch.setattr(peer, "_checked_where_it_lands", lambda into: True)
     chunk = 2 * B
     monkeypatch.setattr(peer, "GPU_CHECK_BYTES", 2 * chunk)   # two chunks a batch
+    monkeypatch.setattr(peer, "GPU_CHECK_BYTES_TRITON", 2 * chunk)
     started = []
     real = device_crc.chunk_checksums
     monkeypatch.setattr(device_crc, "chunk_checksums", lambda d, c: started.append(d.numel()) or real(d, c))
@@ -173,6 +177,7 @@ def test_a_batch_the_gpu_has_no_room_to_check_is_checked_through_the_host(monkey
 
     chunk = 4 * B
     monkeypatch.setattr(peer, "GPU_CHECK_BYTES", 2 * chunk)
+    monkeypatch.setattr(peer, "GPU_CHECK_BYTES_TRITON", 2 * chunk)
     real, calls = device_crc.chunk_checksums, []
 
     def tight(d, c):
@@ -189,3 +194,88 @@ def test_a_batch_the_gpu_has_no_room_to_check_is_checked_through_the_host(monkey
     bad = peer.checked_receive(_PieceWire(sent, chunk, []), None, None, torch.empty(n, dtype=torch.uint8, device="cuda"),
                                1, chunk, manifest)
     assert bad == [3] and len(calls) == 4
+
+
+# -- the Triton kernels ------------------------------------------------------------------------------------------
+
+def test_lanes_of_the_triton_kernel_divide_the_chunk():
+    assert device_crc._lane_bytes(16 << 20) == 2048          # the format's default chunk: 8192 lanes
+    assert device_crc._lane_bytes(64 << 20) == 8192          # longer lanes: at most 8192 a chunk
+    assert device_crc._lane_bytes(3 * B) == B                # three blocks: no longer lane divides it
+    assert device_crc._lane_bytes(3 * 2048) == 2048
+    assert device_crc._lane_bytes(B * 9999) is None          # 9999 lanes of a block: too many
+    for chunk in (B, 2 * B, 3 * B, 6144, 16 << 20, 1 << 30, 7 << 20):
+        lane = device_crc._lane_bytes(chunk)
+        assert lane is None or (chunk % lane == 0 and lane % B == 0 and chunk // lane <= device_crc._MAX_LANES)
+
+
+def test_an_engine_it_does_not_have_is_refused():
+    with pytest.raises(ValueError):
+        device_crc.chunk_checksums(torch.zeros(4 * B, dtype=torch.uint8), B, engine="cuda")
+
+
+_INTERPRETED = r"""
+import torch
+from ckpt import device_crc
+from ckpt.integrity import checksum
+for n, chunk in [(1403, 512), (3337, 768), (8455, 4096), (2 * 6144 + 2048 + 100, 6144), (300, 512)]:
+    g = torch.Generator().manual_seed(n)
+    data = torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g)
+    want = [checksum(memoryview(data[i:i + chunk].numpy())) for i in range(0, n, chunk)]
+    got = device_crc.chunk_checksums(data, chunk, engine="triton")
+    assert got == want, (n, chunk, got, want)
+    if chunk != 768:
+        continue
+    data[n // 2] ^= 0x40
+    flipped = device_crc.chunk_checksums(data, chunk, engine="triton")
+    assert [i for i, (a, b) in enumerate(zip(got, flipped)) if a != b] == [n // 2 // chunk], (n, chunk)
+print("same")
+"""
+
+
+@pytest.mark.timeout(300)
+def test_the_triton_kernel_gives_the_hosts_values_in_the_interpreter():
+    """Lanes of one block to 2 KiB, chunks of 1 to 4 lanes, a chunk short of lanes, a tail
+    past the last lane, under Triton's interpreter (its own process: Triton fixes the mode at import)."""
+    pytest.importorskip("triton")
+    import os
+    import subprocess
+    import sys
+    out = subprocess.run([sys.executable, "-c", _INTERPRETED], env=dict(os.environ, TRITON_INTERPRET="1"),
+                         capture_output=True, text=True, timeout=280)
+    assert out.returncode == 0 and out.stdout.split() == ["same"], out.stderr[-3000:]
+
+
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU (run on the device machine)")
+@pytest.mark.gpu
+def test_warm_readies_the_triton_kernels_and_checks_then_use_them():
+    pytest.importorskip("triton")
+    here = torch.device("cuda", torch.cuda.current_device())
+    device_crc._kernels_ready.pop(str(here), None)
+    assert not device_crc.ready(here)
+    device_crc.warm(torch.device("cuda"), 16 << 20)
+    assert device_crc.ready(here) and device_crc.ready(torch.device("cuda"))
+    n, chunk = (2 << 30) + (48 << 20) + 4093, 16 << 20   # over 2 GiB, a tail
+    data = torch.randint(-2**31, 2**31 - 1, (-(-n // 4),), dtype=torch.int32, device="cuda").view(torch.uint8)[:n]
+    want = _host(data, chunk)
+    assert device_crc.chunk_checksums(data, chunk) == want
+    assert device_crc.chunk_checksums(data, chunk, engine="triton") == want
+    data[(1 << 30) + 12345] ^= 0x10
+    assert [i for i, (a, b) in enumerate(zip(want, device_crc.chunk_checksums(data, chunk))) if a != b] == [64]
+
+
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU (run on the device machine)")
+@pytest.mark.gpu
+def test_a_triton_kernel_that_disagrees_with_the_tensor_operations_are_not_used(monkeypatch):
+    pytest.importorskip("triton")
+    here = torch.device("cuda", torch.cuda.current_device())
+    monkeypatch.setitem(device_crc._kernels_ready, str(here), False)
+    real = device_crc._triton_raw
+    monkeypatch.setattr(device_crc, "_triton_raw", lambda *a: [v ^ 1 for v in real(*a)])   # a miscompile
+    device_crc._tables.cache_clear()
+    device_crc.warm(here, 16 << 20)
+    assert not device_crc.ready(here)
+    assert device_crc._tables.cache_info().currsize >= 5   # the tensor operations were made ready instead
+    data = torch.randint(0, 256, (3 << 20,), dtype=torch.uint8, device="cuda")
+    assert device_crc.chunk_checksums(data, 1 << 20) == _host(data, 1 << 20)   # the tensor operations
+

@@ -120,6 +120,7 @@ def _receive(monkeypatch, sent: torch.Tensor, chunk: int, manifest, plan, gpu_ch
     monkeypatch.setattr(peer, "_checked_where_it_lands", lambda into: True)
     if gpu_check_bytes is not None:
         monkeypatch.setattr(peer, "GPU_CHECK_BYTES", gpu_check_bytes)
+        monkeypatch.setattr(peer, "GPU_CHECK_BYTES_TRITON", gpu_check_bytes)
     into = _poisoned(sent)
     wire = _PlanWire(sent, plan)
     rec = _Recorder(into, wire, **recorder_kw)
@@ -286,6 +287,7 @@ def test_checks_run_while_later_pieces_arrive_not_only_at_the_end(monkeypatch):
     sent = _random_bytes(n, 3)
     monkeypatch.setattr(peer, "_checked_where_it_lands", lambda into: True)
     monkeypatch.setattr(peer, "GPU_CHECK_BYTES", chunk)
+    monkeypatch.setattr(peer, "GPU_CHECK_BYTES_TRITON", chunk)
     into = _poisoned(sent)
     wire = _PlanWire(sent, _pieces(n, chunk), pause=0.02)
     rec = _Recorder(into, wire)
@@ -330,6 +332,7 @@ def test_batches_the_device_has_no_room_for_are_checked_through_the_host_in_plac
         with monkeypatch.context() as m:
             m.setattr(peer, "_checked_where_it_lands", lambda into: True)
             m.setattr(peer, "GPU_CHECK_BYTES", gcb)
+            m.setattr(peer, "GPU_CHECK_BYTES_TRITON", gcb)
             into = _poisoned(received)
             wire = _PlanWire(received, _pieces(n, chunk + 1))
             rec = _Recorder(into, wire)
@@ -372,6 +375,7 @@ def test_a_failure_midway_propagates_and_no_check_outlives_the_call(monkeypatch,
     sent = _random_bytes(n, 11)
     monkeypatch.setattr(peer, "_checked_where_it_lands", lambda into: True)
     monkeypatch.setattr(peer, "GPU_CHECK_BYTES", chunk)   # a batch per chunk: several submitted before the failure
+    monkeypatch.setattr(peer, "GPU_CHECK_BYTES_TRITON", chunk)
     into = _poisoned(sent)
     wire_error, check_error = _WireBroke("stand-in: peer went away"), _CheckBroke("stand-in: check failed")
     plan = _pieces(n, chunk)

@@ -286,22 +286,26 @@ def _checked_where_it_lands(into: torch.Tensor) -> bool:
     return into.device.type == "cuda"
 
 
-#: bytes of whole chunks the GPU checks at a time while the rest of a copy arrives: larger batches launch fewer
-#: of the check's tensor operations (each batch launches ~600), smaller ones leave less to check after the
+#: bytes of whole chunks the GPU checks at a time while the rest of a copy arrives, by the tensor operations:
+#: larger batches launch fewer of them (each batch launches ~600), smaller ones leave less to check after the
 #: last piece and need less room for the check's temporaries (about 1.1x the batch)
 GPU_CHECK_BYTES = 512 << 20
+#: the same where the Triton kernel is ready (:func:`ckpt.device_crc.ready`: one launch a batch, no temporaries
+#: but the batch's values): about one piece of the wire, so little is left to check after the last one lands
+GPU_CHECK_BYTES_TRITON = 64 << 20
 
 
 def _checked_on_device(wire: Exchange, out: torch.Tensor | None, to: int | None, into: torch.Tensor,
                        frm: int | None, in_piece: int, manifest: Manifest, threads: int | None,
                        out_ready: Callable[[int, int], None] | None) -> list[int]:
     """:func:`checked_receive` of a copy received onto a GPU (a restore): the GPU checks the chunks where they
-    landed (:mod:`ckpt.device_crc`), :data:`GPU_CHECK_BYTES` of whole chunks at a time on a thread and stream
+    landed (:mod:`ckpt.device_crc`), :data:`GPU_CHECK_BYTES_TRITON` (:data:`GPU_CHECK_BYTES` by the tensor
+    operations) of whole chunks at a time on a thread and stream
     of their own while later pieces arrive, instead of copying them back down through the host's link and
     cores; a batch the GPU has no room to check goes through the host. Returns the chunks that failed."""
     c, n = manifest.chunk_bytes, manifest.data_bytes
     sums: list[int | None] = [None] * -(-n // c)
-    batch = max(c, GPU_CHECK_BYTES // c * c)
+    batch = max(c, (GPU_CHECK_BYTES_TRITON if device_crc.ready(into.device) else GPU_CHECK_BYTES) // c * c)
     cuda = into.device.type == "cuda"
     stream = torch.cuda.Stream(into.device) if cuda else None
 
@@ -425,9 +429,12 @@ class PeerTier(PersistingTier, TimelineCopies):
                       "process (the other tiers go on): %s", self.rank, self.dst, self.src, self.broken)
         self._stale_checked = False
         if device is not None and device.type == "cuda" and self.broken is None:
-            # a restore receives onto the GPU and checks every chunk there: its tables and kernels are made now,
-            # beside whatever the job does next (building its model), not on the restore's path
-            threading.Thread(target=_warm_checks, args=(device,), name="ckpt-peer-warm", daemon=True).start()
+            # a restore receives onto the GPU and checks every chunk there: the check's kernel is compiled now
+            # (construction is collective anyway), not beside a restore's or a save's transfers on the GPU
+            t0 = time.perf_counter()
+            _warm_checks(device)
+            log.info("rank %d: the GPU checks of received copies are ready on %s (%s) in %.3f s", self.rank, device,
+                     "Triton" if device_crc.ready(device) else "tensor operations", time.perf_counter() - t0)
 
     def holder_of(self, rank: int) -> int:
         """The rank that holds ``rank``'s replicas."""
