@@ -41,6 +41,7 @@ from .tiers.peer import Background, ReceivedCopy
 from .tiers.base import PersistingTier, Tier, TierFigures
 from .tiers.local import OwnerLock
 from .tiers.memory import space_for
+from .tiers.remote import refuse_overlap
 
 __all__ = ["Checkpointer", "CheckpointInfo", "IfBusy", "promote"]
 
@@ -325,6 +326,8 @@ class Checkpointer:
         self.remote = (url if isinstance(url, RemoteTier) else
                        RemoteTier(url, storage_options, compression=compression, on_unreachable="degrade")) \
             if url is not None else None
+        if self.remote is not None:
+            refuse_overlap(self.local.root, self.remote.url, self.remote.fs, self.remote.root)
         if url is None and compression is not None:
             raise ValueError("compression applies to the remote tier: pass a url too, or compression=None")
         persist_every = dict(persist_every or {})
@@ -1080,6 +1083,7 @@ def promote(step: int, to: str, *, local_dir: str | os.PathLike, url: str,
     if to not in ("remote", "local"):
         raise ValueError(f"to must be 'remote' or 'local', got {to!r}")
     remote = RemoteTier(url, storage_options, compression=compression)
+    refuse_overlap(local_dir, url, remote.fs, remote.root)
     local = LocalTier(local_dir)
     owner = local.acquire_owner() if to == "local" else None
     try:

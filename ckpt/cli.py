@@ -224,7 +224,10 @@ def _restore_pick(live: list[Any], listed: list[tuple[Any, Any]]) -> tuple[tuple
 
 
 def _memory_groups(args: argparse.Namespace) -> list[dict[str, Any]]:
-    """The memory tier's segments on this node (those of ``args.dir`` when given), with their owner."""
+    """The memory tier's segments on this node (those of ``args.dir`` when given), with whether a live
+    process owns them: with ``args.dir``, whether one owns that local_dir; else whether one owns the
+    local_dir their record names, ``None`` (not known) for a group with no readable record, as a live
+    owner's segments are between their allocation and its first snapshot."""
     from . import shm
     from .tiers.local import owned
 
@@ -233,12 +236,13 @@ def _memory_groups(args: argparse.Namespace) -> list[dict[str, Any]]:
         if "://" in args.dir:
             raise _UsageError(f"--memory: {args.dir} is a URL; the memory tier belongs to a local_dir")
         key = shm.local_key(shm.prefix_for(args.dir, 0))   # every rank's segments of that local_dir, and replicas
+    dir_owned = owned(args.dir) if args.dir is not None else None
     out = []
     for g in shm.segments():
         local_dir = g.local_dir
         if key is not None and shm.local_key(g.prefix) != key:
             continue
-        alive = local_dir is not None and owned(local_dir)
+        alive = dir_owned if args.dir is not None else owned(local_dir) if local_dir is not None else None
         kind, rank = g.prefix[-6], int(g.prefix[-5:])   # r<rank>: its own snapshots; p<src>: replicas it holds
         out.append({"prefix": g.prefix, "local_dir": local_dir, "rank": rank, "replica": kind == "p",
                     "bytes": g.nbytes, "owned": alive,
@@ -261,16 +265,19 @@ def _ls_memory(args: argparse.Namespace) -> int:
     for r in rows:
         steps = ",".join(map(str, r["steps"])) or "-"
         of = f"replica of rank {r['rank']}" if r["replica"] else f"rank {r['rank']}"
-        print(f"{_size(r['bytes']):>10}  {'live' if r['owned'] else 'none':<8} {steps:<16} {of:<18} "
+        owner = {True: "live", False: "none", None: "?"}[r["owned"]]
+        print(f"{_size(r['bytes']):>10}  {owner:<8} {steps:<16} {of:<18} "
               f"{r['local_dir'] or '? (no readable record: ' + r['prefix'] + ')'}")
     print(f"{len(rows)} segment group(s) in {root}, {_size(sum(r['bytes'] for r in rows))} of RAM"
-          + ("; `ckpt gc --memory` frees those with no live owner" if any(not r["owned"] for r in rows) else ""))
+          + ("; `ckpt gc --memory` frees those with no live owner" if any(r["owned"] is False for r in rows) else ""))
     return 0
 
 
 def _gc_memory(args: argparse.Namespace, verb: str) -> int:
     """Free the RAM of memory-tier segments whose local tier no live process owns (the snapshots a
-    crashed job left); with ``dir``, those of that local_dir, refused while it is owned."""
+    crashed job left); with ``dir``, those of that local_dir, refused while it is owned. Without ``dir``,
+    a group with no readable record (its local_dir, so its owner, not known) is kept and named: ``gc
+    --memory DIR`` frees it once DIR has no live owner."""
     from . import shm
 
     rows = _memory_groups(args)
@@ -279,7 +286,11 @@ def _gc_memory(args: argparse.Namespace, verb: str) -> int:
                        "(or let it close()) first")
     freed = 0
     for r in rows:
-        if r["owned"]:
+        if r["owned"] is None:
+            print(f"ckpt gc: kept {_size(r['bytes'])} of memory-tier segments {r['prefix']}: no readable record "
+                  "says whose they are, and a live owner's have none before its first snapshot; `ckpt gc --memory "
+                  "LOCAL_DIR` frees them once LOCAL_DIR has no live owner", file=sys.stderr)
+        if r["owned"] is not False:
             continue
         if not args.dry_run:
             freed += shm.free(prefix=r["prefix"])
@@ -431,8 +442,15 @@ def _gc(args: argparse.Namespace) -> int:
 
 def _promote(args: argparse.Namespace) -> int:
     from .api import promote
+    from .fs import resolve
+    from .tiers.remote import refuse_overlap
 
     opts = _opts(args)
+    try:   # the two tiers must be two places: a usage mistake, refused before anything is read or written
+        store = resolve(args.url, opts)
+        refuse_overlap(args.dir, args.url, store.fs, store.root)
+    except ValueError as e:
+        raise _UsageError(f"promote: {e}") from None
     t0 = time.perf_counter()
 
     def size() -> int:
@@ -534,6 +552,18 @@ def _size_arg(text: str) -> int:
         raise argparse.ArgumentTypeError(str(e).removeprefix("max_shard_size: ")) from None
 
 
+def _keep_arg(text: str) -> int:
+    """``gc --keep``: a whole number of at least 1, as ``Retention`` takes. A smaller one is refused, not
+    taken as 1: the newest committed checkpoint is never deleted, so ``--keep 0`` cannot do what it says."""
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"{n}: keep at least 1 (the newest committed checkpoint is never deleted)")
+    return n
+
+
 def _dtype_arg(text: str) -> str:
     from .export import _parse_dtype
 
@@ -601,7 +631,7 @@ def _parser() -> argparse.ArgumentParser:
         if name == "inspect":
             q.add_argument("--rank", type=int, default=0, help="which saved rank's tensors (a job tier)")
         if name == "gc":
-            q.add_argument("--keep", type=int, default=2, help="newest checkpoints to keep (at least 1)")
+            q.add_argument("--keep", type=_keep_arg, default=2, help="newest checkpoints to keep (at least 1)")
             q.add_argument("--dry-run", action="store_true")
         if name in ("verify", "gc"):
             no_progress(q)

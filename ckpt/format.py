@@ -310,6 +310,10 @@ class Manifest:
                 raise bad(f"items {k!r} and {k2!r} overlap in the data file")
 
 
+#: how a commit record's own checksum follows its other fields (the last key; over the bytes before it, closed)
+_CRC_KEY = b',"crc":'
+
+
 @dataclass
 class Commit:
     """The commit record: a checkpoint exists on a tier iff this file exists there."""
@@ -334,11 +338,19 @@ class Commit:
         d = _without_unset_generation(asdict(self))
         if not self.timeline and not self.forks:   # the old record, byte for byte readable by older versions
             del d["timeline"], d["forks"]
-        return json.dumps(d, separators=(",", ":"), allow_nan=False).encode()
+            return json.dumps(d, separators=(",", ":"), allow_nan=False).encode()
+        # a record on a timeline carries its own checksum (readers before timelines refuse it anyway): its
+        # timeline decides which checkpoints are live, and nothing else cross-checks that number
+        body = json.dumps(d, separators=(",", ":"), allow_nan=False).encode()
+        return body[:-1] + _CRC_KEY + str(checksum(body)).encode() + b"}"
 
     @classmethod
     def from_bytes(cls, raw: bytes, where: str) -> "Commit":
         d = _load_json(raw, where)
+        if isinstance(d, dict) and "crc" in d:
+            crc, at = d.pop("crc"), raw.rfind(_CRC_KEY)
+            if not _is_nonneg_int(crc) or at < 0 or checksum(raw[:at] + b"}") != crc:
+                raise CorruptCheckpointError(f"{where}: the commit record fails its own checksum")
         try:
             c = cls(**d)
         except TypeError as e:

@@ -143,10 +143,13 @@ def prune(tier: Any, keep: int | None, busy: Collection[int] = (), dry_run: bool
     Keeps the newest ``keep`` committed steps that the tier owns (all with ``None``), newest in the
     order of :func:`live_and_abandoned`: the live branch newest first, then the abandoned branch, so
     that the abandoned branch goes first. Also removes uncommitted leftovers older than the newest
-    commit (crashed or failed writes). Never deletes the newest committed step nor a step in
-    ``busy``. A linked step (its directory or ``COMMIT`` a symbolic link:
-    :func:`ckpt.tiers.local.linked`) is not the tier's own: it is neither counted nor deleted, and
-    nothing inside it is touched. A step that cannot be deleted is logged and skipped.
+    commit (crashed or failed writes): older than the live branch's newest, not than the largest step
+    listed, since after a rollback the new branch's next save, numbered below the abandoned steps, may
+    be in flight in another process (a job's upload beside ``ckpt gc URL``, another rank's part).
+    Never deletes the newest committed step nor a step in ``busy``. A linked step (its directory or
+    ``COMMIT`` a symbolic link: :func:`ckpt.tiers.local.linked`) is not the tier's own: it is neither
+    counted nor deleted, and nothing inside it is touched. A step that cannot be deleted is logged and
+    skipped.
 
     ``verified(step)`` says whether a step is known to verify. When given, the newest owned step
     for which it returns ``True`` is kept too, asked in the order above and only while steps would
@@ -176,7 +179,7 @@ def prune(tier: Any, keep: int | None, busy: Collection[int] = (), dry_run: bool
         kept = set(owned) if keeper is None else kept | {keeper}
     doomed = [s for s in owned if s not in kept]
     steps = {e.step for e in entries}
-    stale = [s for s in tier.all_step_dirs() if s < max(steps) and s not in steps and owns(s)]
+    stale = [s for s in tier.all_step_dirs() if s < newest and s not in steps and owns(s)]
     gone = [s for s in doomed + stale if s != newest and s not in busy]
     if dry_run:
         return gone

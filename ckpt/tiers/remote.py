@@ -95,6 +95,29 @@ def is_local_fs(fs: Any) -> bool:
     return any(p in ("file", "local") for p in protocols)
 
 
+def refuse_overlap(local_dir: str | os.PathLike, url: str, fs: Any, root: str) -> None:
+    """Raise ``ValueError`` where the remote tier of ``url`` (its file system ``fs`` and path ``root``: fsspec's
+    ``url_to_fs``), a ``file://`` URL, and the local tier of ``local_dir`` would share
+    their checkpoints: the URL is ``local_dir`` itself (through any path to it), or a step directory (or
+    ``latest``) of it, or the other way round. Both tiers would then write and prune one place: the remote
+    tier's ``COMMIT`` and manifest over the local ones (a good local checkpoint that no longer verifies once
+    they differ, e.g. by compression), a promote writing into ``local_dir`` without its owner lock. A URL
+    elsewhere in ``local_dir`` (``file://DIR/remote``) or around it (a job tier over ``ROOT/rank-N``) shares
+    nothing."""
+    if not is_local_fs(fs):
+        return
+    a, b = os.path.realpath(os.fspath(local_dir)), os.path.realpath(root)
+
+    def part_of(inner: str, outer: str) -> bool:
+        first = os.path.relpath(inner, outer).split(os.sep)[0]
+        return first != ".." and (first == "." or parse_step_dir(first) is not None or first == LATEST_NAME)
+
+    if part_of(a, b) or part_of(b, a):
+        raise ValueError(f"the remote tier's url {url} is local_dir {os.fspath(local_dir)} or one of its "
+                         "checkpoints (or holds it in one of its own): the two tiers would write one place; give "
+                         "the remote tier a directory of its own (a url of another directory)")
+
+
 # errno values of a store that cannot be reached or does not answer now (s3fs: 503 / SlowDown is EBUSY,
 # 500 InternalError EREMOTEIO); a stale NFS handle on a mounted file:// URL too
 _UNAVAILABLE_ERRNOS = frozenset(getattr(errno, n) for n in (
