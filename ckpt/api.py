@@ -154,7 +154,8 @@ class Checkpointer:
             ``promote(to="local")``; in a collective job, the construction) makes this
             one its owner until :meth:`close`, and another writer, in any process, gets
             :class:`~ckpt.errors.LockedError` naming the owner. Restoring needs no
-            ownership.
+            ownership (a restore that reads the remote tier writes the checkpoint into
+            ``local_dir`` on the way only while no other live process owns it).
         every_steps / every_seconds: the policy of :meth:`maybe_save`.
         keep: :class:`Retention` (default: 2 checkpoints in ``local_dir``).
         max_in_flight: host buffers for snapshots (each the size of the state);
@@ -675,7 +676,8 @@ class Checkpointer:
             info = self._restore_agreed(state, step, strict)
         else:
             listed = _listing(self._tiers)
-            info = _restore(state, self._tiers, step, strict, self._job, listed=listed)
+            with self._may_refill() as refill:
+                info = _restore(state, self._tiers, step, strict, self._job, listed=listed, refill=refill)
             restored = None if info is None else Committed(info.step, info.timeline)
             self._use_timeline(_resume_timeline(restored, [e for e, _ in listed]))
         self.last_restore = info
@@ -785,6 +787,27 @@ class Checkpointer:
                 # and takes over the segments its previous process left, in the background from now on: a
                 # restore then copies them from pinned memory, and the first save finds them ready
                 self.pool.adopt_ahead()
+
+    @contextlib.contextmanager
+    def _may_refill(self):
+        """Whether a restore may write what it reads from a farther tier into ``local_dir`` (a refill): where
+        this Checkpointer owns it, or can own it for the restore (the lock is held only meanwhile, so a
+        process that only restores never keeps a trainer out). Beside another live owner it reads and
+        writes nothing there: that process is the one writer of its directory."""
+        if self._owned:
+            yield True
+            return
+        try:
+            lock = self.local.acquire_owner()
+        except LockedError as e:
+            log.info("restoring without writing into %s: %s", self.local.root, e)
+            yield False
+            return
+        try:
+            yield True
+        finally:
+            if lock is not None:
+                lock.release()
 
     def _disown(self) -> None:
         with self._lock:

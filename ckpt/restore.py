@@ -95,7 +95,7 @@ def _candidates(tiers: Sequence[Tier], listed: list[tuple[Committed, Tier]], ste
 
 def restore(state: dict, tiers: Sequence[Tier], step: int | None = None, strict: bool = True,
             job: list[int] | None = None, timeline: int | None = None,
-            listed: list[tuple[Committed, Tier]] | None = None) -> RestoreInfo | None:
+            listed: list[tuple[Committed, Tier]] | None = None, refill: bool = True) -> RestoreInfo | None:
     """Load the newest verified checkpoint (or ``step``) on any of ``tiers`` into ``state`` in place.
 
     A checkpoint read from a tier farther than one that ``refills`` (the local tier) is written to that
@@ -106,6 +106,8 @@ def restore(state: dict, tiers: Sequence[Tier], step: int | None = None, strict:
     :func:`listing`, when the caller has it already. A candidate that failed because another process
     removed or replaced it while it was read (its tier's ``copy_id`` changed) is no fault of the copy:
     the tiers are listed again (into ``listed``, in place) and the search starts over from the newest.
+    ``refill=False``: write no tier on the way (the caller may not write the local tier: another process
+    owns it).
     """
     tiers = sorted(tiers, key=lambda t: t.nearness)
     if listed is None:
@@ -118,13 +120,13 @@ def restore(state: dict, tiers: Sequence[Tier], step: int | None = None, strict:
         changed = False
         for entry, tier in candidates:
             s = entry.step
-            refill = next((t for t in tiers if t.refills and t.nearness < tier.nearness), None)
+            near = next((t for t in tiers if refill and t.refills and t.nearness < tier.nearness), None)
             before = _stamp(tier, s)
             t0 = time.perf_counter()
             try:
                 if before is None:   # listed, and gone since: raise what a read of it would
                     raise IncompleteCheckpointError(f"step {s} on the {tier.name} tier is no longer committed")
-                nbytes = tier.restore_into(state, s, entry.timeline, strict, job, refill)
+                nbytes = tier.restore_into(state, s, entry.timeline, strict, job, near)
             except LayoutMismatchError as e:
                 if tier.reshards or not any(t.reshards and t.nearness > tier.nearness for t in tiers):
                     raise

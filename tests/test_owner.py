@@ -163,3 +163,25 @@ def test_every_rank_refuses_when_one_ranks_local_dir_has_another_owner(tmp_path)
     # rank 0 let go of its own directory when the construction failed
     with ckpt.Checkpointer(local_dir=tmp_path / "rank-0") as ck:
         ck.save(2, state(2.0)).wait()
+
+
+def test_a_restore_from_the_remote_tier_writes_nothing_into_a_live_owners_local_dir(local_dir, owner, tmp_path):
+    """A restore that reads a farther tier refills ``local_dir`` on the way only where it may write there:
+    beside a live owner it restores the remote step and leaves the directory as it was; once the owner is
+    gone it refills (and lets go of the directory again, so a trainer can start beside it)."""
+    url = f"file://{tmp_path}/remote"
+    with ckpt.Checkpointer(url, local_dir=tmp_path / "other") as ck:
+        ck.save(9, state(9.0)).wait()
+    before = _files(local_dir)
+    target = {"w": torch.empty(10_000), "value": None}
+    with ckpt.Checkpointer(url, local_dir=local_dir) as ck:
+        assert ck.restore(target) == 9 and ck.last_restore.tier == "remote"
+    assert target["value"] == 9.0 and torch.equal(target["w"], torch.full((10_000,), 9.0))
+    assert _files(local_dir) == before
+    owner.kill()
+    owner.wait()
+    with ckpt.Checkpointer(url, local_dir=local_dir) as ck:
+        assert ck.restore({"w": torch.empty(10_000), "value": None}) == 9 and ck.last_restore.tier == "remote"
+        with ckpt.Checkpointer(local_dir=local_dir) as trainer:   # the reader does not keep the directory
+            trainer.save(10, state(10.0)).wait()
+    assert _holds(local_dir, 9) == 9.0 and _holds(local_dir, 10) == 10.0   # 9 was refilled
