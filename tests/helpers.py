@@ -191,3 +191,14 @@ def stall_second_tensor_copy() -> None:
         return real(buf, rec, t)
 
     stage_mod._dst = stall
+
+
+def verifies(local_dir: str | os.PathLike, step: int) -> bool:
+    """Whether step ``step`` of the local tier in ``local_dir`` reads back with every byte checked."""
+    from ckpt.tiers import LocalTier
+
+    try:
+        LocalTier(local_dir).verify(step)
+        return True
+    except (ckpt.errors.CheckpointError, OSError):
+        return False

@@ -20,6 +20,7 @@ from ckpt.cli import main
 from ckpt.format import COMMIT_NAME, data_name
 from ckpt.policy import prune
 from ckpt.tiers import LocalTier
+from helpers import verifies
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
@@ -122,18 +123,10 @@ def test_retention_after_each_save_always_leaves_a_step_that_verifies(local_dir)
         for s in (21, 22):
             state["w"].fill_(s)
             ck.save(s, state).wait()
-            good = [x for x in _committed(local_dir) if _verifies(local_dir, x)]
+            good = [x for x in _committed(local_dir) if verifies(local_dir, x)]
             assert s in good
     with ckpt.Checkpointer(local_dir=local_dir) as ck:
         assert ck.restore({"w": torch.zeros(1000)}) == 22
-
-
-def _verifies(d: Path, step: int) -> bool:
-    try:
-        LocalTier(d).verify(step)
-        return True
-    except (ckpt.errors.CheckpointError, OSError):
-        return False
 
 
 def test_prune_without_anything_verified_deletes_no_committed_step(local_dir):

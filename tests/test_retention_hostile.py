@@ -54,6 +54,7 @@ from ckpt.cli import main
 from ckpt.format import COMMIT_NAME, data_name, manifest_name
 from ckpt.integrity import checksum
 from ckpt.tiers import LocalTier
+from helpers import verifies
 
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning", "ignore::UserWarning")
 
@@ -76,14 +77,6 @@ def _sd(d: Path, step: int) -> Path:
 def _committed(d: Path) -> list[int]:
     return sorted(int(p.name[5:]) for p in d.glob("step-*")
                   if p.is_dir() and not p.is_symlink() and (p / COMMIT_NAME).is_file())
-
-
-def _verifies(d: Path, step: int) -> bool:
-    try:
-        LocalTier(d).verify(step)
-        return True
-    except (ckpt.errors.CheckpointError, OSError):
-        return False
 
 
 def _restore(d: Path) -> tuple[int | None, torch.Tensor]:
@@ -154,7 +147,7 @@ def test_gc_keep_1_with_the_newest_damaged_keeps_a_good_one_and_restore_finds_it
     DAMAGE[damage](_sd(local_dir, 30))
     rc, out, err = _cli("gc", str(local_dir), "--keep", "1")
     assert rc == 0
-    assert 20 in _committed(local_dir) and _verifies(local_dir, 20)
+    assert 20 in _committed(local_dir) and verifies(local_dir, 20)
     assert 10 not in _committed(local_dir)
     assert _restore(local_dir)[0] == 20
     # a second gc, and the one after a new save, still never leave only damaged checkpoints
@@ -171,7 +164,7 @@ def test_a_fresh_process_with_keep_1_that_saves_beside_a_damaged_newer_step_keep
     DAMAGE[damage](_sd(local_dir, 30))
     with ckpt.Checkpointer(local_dir=local_dir, keep=ckpt.Retention(local=1)) as ck:
         ck.save(25, {"w": torch.full((NUMEL,), 25.0)}).wait()
-    assert 25 in _committed(local_dir) and _verifies(local_dir, 25)
+    assert 25 in _committed(local_dir) and verifies(local_dir, 25)
     assert not {10, 20} & set(_committed(local_dir))
     assert _restore(local_dir)[0] == 25
 
@@ -265,7 +258,7 @@ def test_a_step_name_that_is_no_step_directory_is_never_followed_nor_blocks(loca
         _run_bounded(save)
     assert _tree(outside) == outside_before
     newest = 30 if how == "gc" else 40
-    assert newest in _committed(local_dir) and _verifies(local_dir, newest)
+    assert newest in _committed(local_dir) and verifies(local_dir, newest)
     if kind in ("dir_with_commit_dir",):   # an uncommitted directory of our own: may go, never follows
         assert not os.path.lexists(odd) or stat.S_IFMT(os.lstat(odd).st_mode) == stat.S_IFDIR
     else:
@@ -319,14 +312,19 @@ def test_a_step_directory_named_past_64_bits_never_costs_the_good_newest(local_d
         assert rc in (0, 1) and "unexpected" not in err
     assert _cli("verify", str(local_dir))[0] == 1
     assert _cli("gc", str(local_dir), "--keep", "1")[0] == 0
-    assert _committed(local_dir)[:1] == [30] and _verifies(local_dir, 30)
+    assert _committed(local_dir)[:1] == [30] and verifies(local_dir, 30)
     assert _restore(local_dir)[0] == 30
-    with ckpt.Checkpointer(local_dir=local_dir, keep=ckpt.Retention(local=1)) as ck:
-        state = {"w": torch.zeros(NUMEL)}
-        assert ck.restore(state) == 30
-        state["w"].fill_(31)
-        ck.save(31, state).wait()
+    _resume_and_save(local_dir, 30, 31, keep=1)
     assert 31 in _committed(local_dir) and _restore(local_dir)[0] == 31
+
+
+def _resume_and_save(local_dir: Path, restored: int, step: int, keep: int) -> None:
+    """A training process: restores (``restored`` expected), saves ``step`` with ``keep`` local checkpoints."""
+    with ckpt.Checkpointer(local_dir=local_dir, keep=ckpt.Retention(local=keep)) as ck:
+        state = {"w": torch.zeros(NUMEL)}
+        assert ck.restore(state) == restored
+        state["w"].fill_(step)
+        ck.save(step, state).wait()
 
 
 # -- a manifest and COMMIT claiming 2**60 bytes --------------------------------------------------------
@@ -344,7 +342,7 @@ def test_sizes_of_2_to_the_60_in_the_newest_step_never_crash_a_command_nor_cost_
         assert rc in (0, 1) and "unexpected" not in err
     rc, _, err = _cli("gc", str(local_dir), "--keep", "1")
     assert rc == 0 and "unexpected" not in err
-    good = [s for s in _committed(local_dir) if _verifies(local_dir, s)]
+    good = [s for s in _committed(local_dir) if verifies(local_dir, s)]
     assert good and _restore(local_dir)[0] == good[-1] >= 20
 
 
@@ -417,7 +415,7 @@ def test_the_promote_function_refuses_a_url_naming_local_dir_itself(local_dir):
         with pytest.raises(ValueError):
             ckpt.promote(2, "remote", local_dir=local_dir, url=f"file://{local_dir}", compression="zstd")
     finally:
-        assert _verifies(local_dir, 2)
+        assert verifies(local_dir, 2)
 
 
 def test_a_checkpointer_whose_url_is_its_local_dir_is_refused_at_construction(local_dir):
@@ -506,7 +504,7 @@ def test_sigkill_in_the_middle_of_a_deletion_leaves_a_good_newest_and_nothing_to
     # the half-deleted step is not listed, not restored; every listed step verifies
     rc, out, _ = _cli("ls", str(local_dir), "--json")
     assert rc == 0 and half not in [r["step"] for r in json.loads(out)]
-    assert all(_verifies(local_dir, s) for s in _committed(local_dir))
+    assert all(verifies(local_dir, s) for s in _committed(local_dir))
     assert newest in _committed(local_dir)
     assert _restore(local_dir)[0] == newest
     assert _cli("verify", str(local_dir))[0] == 0
@@ -607,19 +605,24 @@ print("bad", bad, flush=True)
 def test_gc_deleting_many_steps_while_another_process_lists_them(local_dir):
     """A second process running ``ckpt ls`` in a loop while gc deletes 40 steps: every listing succeeds
     and shows the newest step; the newest is never deleted."""
+    assert _gc_beside(local_dir, LISTER, "60") == ["bad", "0"]
+    assert _committed(local_dir) == [40] and _restore(local_dir)[0] == 40
+
+
+def _gc_beside(local_dir: Path, script: str, arg: str) -> list[str]:
+    """Steps 1-40 written, ``script`` running in a second process (it prints ``ready``, then its verdict)
+    while ``ckpt gc --keep 1`` deletes 39 of them; returns the second process's last words."""
     _write(local_dir, *range(1, 41))
-    p = subprocess.Popen([sys.executable, "-c", LISTER, str(local_dir), "60", "40"], stdout=subprocess.PIPE,
+    p = subprocess.Popen([sys.executable, "-c", script, str(local_dir), arg, "40"], stdout=subprocess.PIPE,
                          text=True, env=dict(os.environ, PYTHONWARNINGS="ignore"))
     try:
         assert p.stdout.readline().strip() == "ready"
         rc, out, _ = _cli("gc", str(local_dir), "--keep", "1")
         assert rc == 0 and len(out.splitlines()) == 39
-        tail = p.communicate(timeout=120)[0].split()
+        return p.communicate(timeout=120)[0].split()
     finally:
         p.kill()
         p.wait()
-    assert tail == ["bad", "0"]
-    assert _committed(local_dir) == [40] and _restore(local_dir)[0] == 40
 
 
 # -- gc of a remote tier beside a live job after a rollback ---------------------------------------------
@@ -633,12 +636,7 @@ def test_gc_of_a_url_never_deletes_the_new_branchs_upload_in_flight(tmp_path, mo
     local = tmp_path / "local"
     _write(local, 100, 200, 300, url=url)
     with ckpt.Checkpointer(url, local_dir=local, keep=ckpt.Retention(local=None, remote=None)) as ck:
-        state = {"w": torch.zeros(NUMEL)}
-        assert ck.restore(state, step=100) == 100
-        for s in (110, 120, 130):
-            ck.wait_staged()
-            state["w"].fill_(s)
-            ck.save(s, state).wait()
+        state = _roll_back(ck)
         real, ran = RemoteTier._put, []
 
         def put(self, path, data, sync_dir=False):
@@ -696,18 +694,7 @@ def test_gc_deleting_many_steps_while_another_process_restores_them(local_dir):
     deletes 39 of 40 steps: the newest always restores exactly; an older one restores exactly or is
     reported missing (``FileNotFoundError``, or ``NoCheckpointError`` when deleted mid-read), never torn
     nor another step."""
-    _write(local_dir, *range(1, 41))
-    p = subprocess.Popen([sys.executable, "-c", RESTORER, str(local_dir), "40", "40"], stdout=subprocess.PIPE,
-                         text=True, env=dict(os.environ, PYTHONWARNINGS="ignore"))
-    try:
-        assert p.stdout.readline().strip() == "ready"
-        rc, out, _ = _cli("gc", str(local_dir), "--keep", "1")
-        assert rc == 0 and len(out.splitlines()) == 39
-        tail = p.communicate(timeout=120)[0].split()
-    finally:
-        p.kill()
-        p.wait()
-    assert tail == ["bad", "0"]
+    assert _gc_beside(local_dir, RESTORER, "40") == ["bad", "0"]
     assert _committed(local_dir) == [40]
 
 
@@ -716,12 +703,18 @@ def _rolled_back(d: Path) -> None:
     """Timeline 0: 100, 200, 300; rolled back to 100; timeline 1: 110, 120, 130."""
     _write(d, 100, 200, 300)
     with ckpt.Checkpointer(local_dir=d, keep=ckpt.Retention(local=None)) as ck:
-        state = {"w": torch.zeros(NUMEL)}
-        assert ck.restore(state, step=100) == 100
-        for s in (110, 120, 130):
-            ck.wait_staged()
-            state["w"].fill_(s)
-            ck.save(s, state).wait()
+        _roll_back(ck)
+
+
+def _roll_back(ck: ckpt.Checkpointer) -> dict:
+    """Restore step 100 (of 100, 200, 300) and save 110, 120, 130 on the new timeline; returns the state."""
+    state = {"w": torch.zeros(NUMEL)}
+    assert ck.restore(state, step=100) == 100
+    for s in (110, 120, 130):
+        ck.wait_staged()
+        state["w"].fill_(s)
+        ck.save(s, state).wait()
+    return state
 
 
 def test_gc_never_keeps_the_abandoned_branch_over_the_live_one_when_the_live_head_is_damaged(local_dir):
@@ -786,11 +779,7 @@ def test_a_latest_that_lies_is_never_followed(local_dir, tmp_path, lie):
     else:
         latest.write_bytes(b"step-000000300\n" if lie == "names_the_abandoned_head" else b"step-999999999\n")
     assert _restore(local_dir)[0] == 130
-    with ckpt.Checkpointer(local_dir=local_dir, keep=ckpt.Retention(local=2)) as ck:
-        state = {"w": torch.zeros(NUMEL)}
-        assert ck.restore(state) == 130
-        state["w"].fill_(140)
-        ck.save(140, state).wait()
+    _resume_and_save(local_dir, 130, 140, keep=2)
     assert _committed(local_dir) == [130, 140]
     assert outside.read_bytes() == b"precious"
     assert _restore(local_dir)[0] == 140
