@@ -27,6 +27,7 @@ lane) of the buffer are folded in on the host from a small copy.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 
@@ -150,9 +151,11 @@ def _triton_raw(data: torch.Tensor, nblocks: int, lane: int, per_chunk: int) -> 
     dev = data.device
     levels = (per_chunk - 1).bit_length()
     out = torch.zeros(-(-nblocks // per_chunk), dtype=torch.int32, device=dev)
-    k.chunk_crcs[(-(-nblocks // k.LANES),)](data[:nblocks * lane].view(torch.int32), _fold_columns(lane, levels, dev),
-                                           out, nblocks, WORDS=lane // 4, PER_CHUNK=per_chunk, LEVELS=levels,
-                                           LANES=k.LANES, POLY=k.POLY, num_warps=4)
+    with torch.cuda.device(dev) if dev.type == "cuda" else contextlib.nullcontext():   # launched on data's GPU
+        k.chunk_crcs[(-(-nblocks // k.LANES),)](data[:nblocks * lane].view(torch.int32),
+                                               _fold_columns(lane, levels, dev), out, nblocks, WORDS=lane // 4,
+                                               PER_CHUNK=per_chunk, LEVELS=levels, LANES=k.LANES, POLY=k.POLY,
+                                               num_warps=4)
     return [v & _MASK for v in out.tolist()]
 
 

@@ -279,3 +279,14 @@ def test_a_triton_kernel_that_disagrees_with_the_tensor_operations_are_not_used(
     data = torch.randint(0, 256, (3 << 20,), dtype=torch.uint8, device="cuda")
     assert device_crc.chunk_checksums(data, 1 << 20) == _host(data, 1 << 20)   # the tensor operations
 
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two or more CUDA GPUs")
+@pytest.mark.multigpu
+def test_a_buffer_on_another_gpu_than_the_current_one_is_checked_on_its_own():
+    pytest.importorskip("triton")
+    device_crc.warm(torch.device("cuda", 1), 1 << 20)
+    data = torch.randint(0, 256, (5 << 20,), dtype=torch.uint8, device="cuda:1")
+    with torch.cuda.device(0):
+        assert device_crc.chunk_checksums(data, 1 << 20, engine="triton") == _host(data, 1 << 20)
+        assert device_crc.chunk_checksums(data, 1 << 20) == _host(data, 1 << 20)
