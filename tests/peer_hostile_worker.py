@@ -16,9 +16,13 @@ tensor is bit-identical to that step's.
   ``HOSTILE_AT``: ``mid`` (a third of the replica it receives landed), ``verified`` (every chunk of the
   replica it holds landed and matched, before its record is written), ``committed`` (the record written,
   before the ack goes back), ``taken`` (its buffer taken for the replica, its record withdrawn, no byte in).
-  Every other rank waits for the peer tier (its exchange fails, or ``CKPT_PEER_TIMEOUT_S``) and SIGKILLs
-  itself; each prints ``dying``.
-* ``restore``: restores (``HOSTILE_STRICT=0``: ``strict=False`` with a key the checkpoint lacks), prints
+  The victim prints ``dying armed`` as it dies there; every other rank waits for the peer tier (its exchange
+  fails, or ``CKPT_PEER_TIMEOUT_S``), prints ``dying after`` and SIGKILLs itself. ``HOSTILE_RESUME=1``: restores first (prints ``resumed S TIER``), as a
+  restarted job whose holders take over the replicas their previous processes left. ``HOSTILE_GROW_AT=S``: from
+  step ``S`` on, the state is four times larger (new tensors). ``HOSTILE_ROLLBACK=S``: restores step ``S``
+  first (the steps saved after it start a new branch).
+* ``restore``: ``HOSTILE_SERVE_DIES=R``: rank R SIGKILLs itself a third into serving a replica. Restores (``HOSTILE_STRICT=0``: ``strict=False`` with a key the checkpoint lacks and without
+  ``b``), prints
   ``restored``.
 """
 
@@ -43,8 +47,8 @@ def expected(step: int, rank: int, n: int) -> dict:
     }
 
 
-def _die() -> None:
-    print("dying", flush=True)
+def _die(where: str = "armed") -> None:
+    print("dying", where, flush=True)
     os.kill(os.getpid(), signal.SIGKILL)
 
 
@@ -118,16 +122,24 @@ def main() -> None:
                                persist_every={"local": 1000}, if_busy="wait", signals=())
         with ck:
             if mode in ("save", "kill"):
-                if mode == "kill" and rank == int(os.environ["HOSTILE_VICTIM"]):
+                victim = mode == "kill" and rank == int(os.environ["HOSTILE_VICTIM"])
+                if os.environ.get("HOSTILE_RESUME") == "1":   # a restarted job: its replicas taken over first
+                    print("resumed", ck.restore(state), ck.last_restore.tier, flush=True)
+                if os.environ.get("HOSTILE_ROLLBACK"):   # a restarted job going back to an older step: a new branch
+                    print("resumed", ck.restore(state, step=int(os.environ["HOSTILE_ROLLBACK"])),
+                          ck.last_restore.tier, flush=True)
+                if victim:
                     ck.peer.store.hostile_peer = True
-                    _arm(rank, steps[-1])
                 for step in steps:
+                    if victim and step == steps[-1]:   # every earlier exchange is over (each save waited for)
+                        _arm(rank, step)
                     ck.wait_staged()
                     while ck.pool.preparing is not None or ck.peer.pool.preparing is not None:
                         time.sleep(0.01)   # every buffer there: no save reuses the only one
-                    for k, v in expected(step, rank, n).items():
+                    grow = int(os.environ.get("HOSTILE_GROW_AT", "0"))
+                    for k, v in expected(step, rank, 4 * n if grow and step >= grow else n).items():
                         if torch.is_tensor(v):
-                            state[k].copy_(v)
+                            state[k] = v.clone()
                         else:
                             state[k] = v
                     h = ck.save(step, state)
@@ -136,19 +148,33 @@ def main() -> None:
                             h.wait("peer")
                         except ckpt.CheckpointError:
                             pass
-                        _die()
+                        _die("after")
                     h.wait()
                 print("saved", ck.peer.committed_steps(), flush=True)
                 torch.distributed.barrier()
                 ck.close(keep_memory=True)
             elif mode == "restore":
+                if os.environ.get("HOSTILE_SERVE_DIES") == str(rank):   # dies a third into serving a replica
+                    from ckpt.tiers import peer as peer_mod
+
+                    real = peer_mod.Exchange.data
+
+                    def dying(self, out, to, into, frm, in_piece, landed, out_ready=None):
+                        if out is not None and to is not None and out.numel() > 1:
+                            real(self, out[:out.numel() // 3], to, None, None, in_piece, landed, out_ready)
+                            _die()
+                        return real(self, out, to, into, frm, in_piece, landed, out_ready)
+
+                    peer_mod.Exchange.data = dying
                 strict = os.environ.get("HOSTILE_STRICT", "1") == "1"
-                if not strict:
+                if not strict:   # a key the checkpoint lacks (left as it is), and one the state lacks
                     state["extra"] = torch.full((5,), 7, dtype=torch.int16)
+                    del state["b"]
                 step = ck.restore(state, strict=strict)
                 want = expected(step, rank, n)
                 exact = all(torch.equal(state[k], v) and state[k].dtype == v.dtype
-                            for k, v in want.items() if torch.is_tensor(v)) and state["step"] == step
+                            for k, v in want.items() if torch.is_tensor(v) and k in state) and state["step"] == step
+                exact = exact and ("b" in state) == strict
                 if not strict:
                     exact = exact and torch.equal(state["extra"], torch.full((5,), 7, dtype=torch.int16))
                 print(f"restored {step} {ck.last_restore.tier} {exact}", flush=True)
