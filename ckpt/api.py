@@ -39,7 +39,7 @@ from .stage import HostPool, Snapshot, SnapshotStats, stage, wait_all_staged
 from .tiers import LocalTier, MemoryTier, PeerTier, RemoteTier
 from .tiers.peer import Background, ReceivedCopy
 from .tiers.base import PersistingTier, Tier, TierFigures
-from .tiers.local import OwnerLock
+from .tiers.local import OwnerLock, owned
 from .tiers.memory import space_for
 from .tiers.remote import refuse_overlap
 
@@ -676,8 +676,7 @@ class Checkpointer:
             info = self._restore_agreed(state, step, strict)
         else:
             listed = _listing(self._tiers)
-            with self._may_refill() as refill:
-                info = _restore(state, self._tiers, step, strict, self._job, listed=listed, refill=refill)
+            info = _restore(state, self._tiers, step, strict, self._job, listed=listed, refill=self._may_refill())
             restored = None if info is None else Committed(info.step, info.timeline)
             self._use_timeline(_resume_timeline(restored, [e for e, _ in listed]))
         self.last_restore = info
@@ -788,26 +787,15 @@ class Checkpointer:
                 # restore then copies them from pinned memory, and the first save finds them ready
                 self.pool.adopt_ahead()
 
-    @contextlib.contextmanager
-    def _may_refill(self):
-        """Whether a restore may write what it reads from a farther tier into ``local_dir`` (a refill): where
-        this Checkpointer owns it, or can own it for the restore (the lock is held only meanwhile, so a
-        process that only restores never keeps a trainer out). Beside another live owner it reads and
-        writes nothing there: that process is the one writer of its directory."""
-        if self._owned:
-            yield True
-            return
-        try:
-            lock = self.local.acquire_owner()
-        except LockedError as e:
-            log.info("restoring without writing into %s: %s", self.local.root, e)
-            yield False
-            return
-        try:
-            yield True
-        finally:
-            if lock is not None:
-                lock.release()
+    def _may_refill(self) -> bool:
+        """Whether a restore may write what it reads from a farther tier into ``local_dir`` (a refill): where this
+        Checkpointer owns it, or no live process does (asked just before the restore: taking the lock for the
+        restore instead would make a trainer that starts meanwhile fail). Beside another live owner it writes
+        nothing there: that process is the one writer of its directory."""
+        if self._owned or not owned(self.local.root):
+            return True
+        log.info("restoring without writing into %s: another live process owns it", self.local.root)
+        return False
 
     def _disown(self) -> None:
         with self._lock:

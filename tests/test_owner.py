@@ -168,7 +168,7 @@ def test_every_rank_refuses_when_one_ranks_local_dir_has_another_owner(tmp_path)
 def test_a_restore_from_the_remote_tier_writes_nothing_into_a_live_owners_local_dir(local_dir, owner, tmp_path):
     """A restore that reads a farther tier refills ``local_dir`` on the way only where it may write there:
     beside a live owner it restores the remote step and leaves the directory as it was; once the owner is
-    gone it refills (and lets go of the directory again, so a trainer can start beside it)."""
+    gone it refills (without keeping the directory: a trainer can start beside it)."""
     url = f"file://{tmp_path}/remote"
     with ckpt.Checkpointer(url, local_dir=tmp_path / "other") as ck:
         ck.save(9, state(9.0)).wait()
