@@ -35,7 +35,7 @@ import torch
 
 from .integrity import checksum
 
-__all__ = ["BLOCK", "usable", "chunk_checksums", "ready", "warm"]
+__all__ = ["BLOCK", "usable", "chunk_checksums", "start", "Pending", "ready", "warm"]
 
 log = logging.getLogger(__name__)
 
@@ -145,18 +145,95 @@ def _fold_columns(lane: int, levels: int, device: torch.device) -> torch.Tensor:
     return torch.tensor([c - ((c >> 31) << 32) for c in cols] or [0], dtype=torch.int32).to(device)
 
 
-def _triton_raw(data: torch.Tensor, nblocks: int, lane: int, per_chunk: int) -> list[int]:
-    """Raw CRC states (zero start) of the whole lanes of each chunk holding one, by the Triton kernel."""
+def _triton_launch(data: torch.Tensor, nblocks: int, lane: int, per_chunk: int) -> torch.Tensor:
+    """Queue the Triton kernel on ``data``'s GPU (its current stream there): the raw CRC states (zero start)
+    of the whole lanes of each chunk holding one, as an int32 tensor on that GPU (read it once the stream
+    reached it)."""
     from . import _crc_kernels as k
     dev = data.device
     levels = (per_chunk - 1).bit_length()
-    out = torch.zeros(-(-nblocks // per_chunk), dtype=torch.int32, device=dev)
     with torch.cuda.device(dev) if dev.type == "cuda" else contextlib.nullcontext():   # launched on data's GPU
+        out = torch.zeros(-(-nblocks // per_chunk), dtype=torch.int32, device=dev)
         k.chunk_crcs[(-(-nblocks // k.LANES),)](data[:nblocks * lane].view(torch.int32),
                                                _fold_columns(lane, levels, dev), out, nblocks, WORDS=lane // 4,
                                                PER_CHUNK=per_chunk, LEVELS=levels, LANES=k.LANES, POLY=k.POLY,
                                                num_warps=4)
-    return [v & _MASK for v in out.tolist()]
+    return out
+
+
+class Pending:
+    """Chunk checksums queued on a GPU by :func:`start`, not yet read: :meth:`values` reads them. Everything it
+    needs from the GPU (the chunks' raw states, the bytes past the last whole lane) is copied to pinned host
+    memory on the stream the kernel was queued on, so reading them waits for that stream alone, never for work
+    another stream has queued (a training step on the default stream)."""
+
+    def __init__(self, raw: torch.Tensor | None, n: int, chunk_bytes: int, block: int, nblocks: int,
+                 data: torch.Tensor) -> None:
+        self.n, self.chunk_bytes, self._block, self._nblocks = n, chunk_bytes, block, nblocks
+        rest = data[nblocks * block:]
+        self._done = None
+        if data.device.type == "cuda":
+            self._raw = _to_host(raw) if raw is not None else None
+            self._tail = _to_host(rest) if rest.numel() else None
+            self._done = torch.cuda.Event()
+            self._done.record(torch.cuda.current_stream(data.device))
+        else:
+            self._raw = raw
+            self._tail = rest.clone() if rest.numel() else None
+
+    def values(self, tail: memoryview | None = None) -> list[int]:
+        """CRC-32C of each chunk (as :func:`chunk_checksums`). ``tail``: the same bytes as the checked tensor,
+        on the host (a copy made of it): the bytes past the last whole lane are folded in from it (otherwise
+        from the copy :func:`start` queued)."""
+        if self._done is not None:
+            self._done.synchronize()
+        raw = [0] * -(-self.n // self.chunk_bytes)
+        if self._raw is not None:
+            raw[:self._raw.numel()] = [v & _MASK for v in self._raw.tolist()]
+        if tail is not None:
+            return _finish(raw, self.n, self.chunk_bytes, self._block, self._nblocks, tail, 0)
+        src = memoryview(self._tail.numpy()) if self._tail is not None else None
+        return _finish(raw, self.n, self.chunk_bytes, self._block, self._nblocks, src, self._nblocks * self._block)
+
+
+def _to_host(t: torch.Tensor) -> torch.Tensor:
+    """A pinned host copy of ``t`` (on a GPU), queued on the current stream (read it once that stream got there)."""
+    out = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    out.copy_(t, non_blocking=True)
+    return out
+
+
+def start(data: torch.Tensor, chunk_bytes: int) -> Pending:
+    """Queue the CRC-32C of each chunk of ``data`` (a tensor :func:`usable` accepts, on a GPU where
+    :func:`ready`) on its current stream and return at once, without waiting for the GPU; read the values
+    with :meth:`Pending.values`. Raises ``ValueError`` where the Triton kernel cannot check ``data`` (not
+    ready there, or a chunk size it cannot take): :func:`chunk_checksums` takes any."""
+    if not (usable(data, chunk_bytes) and ready(data.device) and _lane_bytes(chunk_bytes) is not None):
+        raise ValueError(f"device_crc.start: the Triton kernel cannot check this tensor ({data.dtype}, shape "
+                         f"{tuple(data.shape)}, on {data.device}, ready there: {ready(data.device)}) in chunks of "
+                         f"{chunk_bytes} bytes; use chunk_checksums")
+    lane = _lane_bytes(chunk_bytes)
+    nblocks = data.numel() // lane
+    raw = _triton_launch(data, nblocks, lane, chunk_bytes // lane) if nblocks else None
+    return Pending(raw, data.numel(), chunk_bytes, lane, nblocks, data)
+
+
+def _finish(raw: list[int], n: int, chunk_bytes: int, block: int, nblocks: int, tail: memoryview | None,
+            tail_at: int) -> list[int]:
+    """The chunks' CRC-32C from the raw states of their whole blocks (``raw``, zero start): the standard start
+    value and final inversion applied, and the bytes past the last whole block folded in from ``tail`` (bytes
+    ``[tail_at, n)`` of the buffer, or the whole buffer where ``tail_at`` is 0)."""
+    per_chunk = chunk_bytes // block
+    out = []
+    for i in range(-(-n // chunk_bytes)):
+        whole = min(per_chunk, max(0, nblocks - i * per_chunk)) * block   # bytes of the chunk summed above
+        crc = (_apply(_zeros(whole), _MASK) ^ raw[i] ^ _MASK) if whole else 0
+        end = min((i + 1) * chunk_bytes, n)
+        rest = end - (i * chunk_bytes + whole)
+        if rest:
+            crc = checksum(tail[end - rest - tail_at:end - tail_at], crc)
+        out.append(crc)
+    return out
 
 
 def ready(device: torch.device) -> bool:
@@ -199,7 +276,7 @@ def chunk_checksums(data: torch.Tensor, chunk_bytes: int, engine: str | None = N
     per_chunk = chunk_bytes // block
     raw = [0] * nchunks
     if nblocks and lane is not None:
-        raw[:-(-nblocks // per_chunk)] = _triton_raw(data, nblocks, lane, per_chunk)
+        raw[:-(-nblocks // per_chunk)] = [v & _MASK for v in _triton_launch(data, nblocks, lane, per_chunk).tolist()]
     elif nblocks:
         dev = data.device
         words = data[:nblocks * BLOCK].view(torch.int32).view(nblocks, _WORDS)
@@ -232,16 +309,10 @@ def chunk_checksums(data: torch.Tensor, chunk_bytes: int, engine: str | None = N
             grid = carried.view(with_blocks, -1).bitwise_xor_(grid[:, 1::2])
             span *= 2
         raw[:with_blocks] = [v & _MASK for v in grid[:, 0].tolist()]
-    out = []
-    for i in range(nchunks):
-        whole = min(per_chunk, max(0, nblocks - i * per_chunk)) * block   # bytes of the chunk summed above
-        crc = (_apply(_zeros(whole), _MASK) ^ raw[i] ^ _MASK) if whole else 0
-        end = min((i + 1) * chunk_bytes, n)
-        tail = end - (i * chunk_bytes + whole)
-        if tail:
-            crc = checksum(memoryview(data[end - tail:end].cpu().numpy()), crc)
-        out.append(crc)
-    return out
+    if n > nblocks * block:   # bytes past the last whole block: one small copy down
+        return _finish(raw, n, chunk_bytes, block, nblocks, memoryview(data[nblocks * block:].cpu().numpy()),
+                       nblocks * block)
+    return _finish(raw, n, chunk_bytes, block, nblocks, None, 0)
 
 
 def warm(device: torch.device, chunk_bytes: int) -> None:

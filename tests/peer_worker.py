@@ -69,6 +69,8 @@ def staged(rank: int, world: int) -> None:
 
     from ckpt.format import Manifest
     from ckpt.integrity import checksum
+    from ckpt import device_crc
+    from ckpt.tiers import peer
     from ckpt.tiers.peer import Exchange, checked_receive
 
     dev = torch.device(os.environ.get("CKPT_TEST_DEVICE", "cpu"))
@@ -88,7 +90,17 @@ def staged(rank: int, world: int) -> None:
         cases += [(1 << 20, (3 << 20) + 100, 2 << 20, ring, (48 << 20) + 12345, "host") for ring in (2, 3)]
         cases += [(c, (3 << 20) + 100, 2 << 20, 2, n, "device") for c, n in ((1 << 20, (48 << 20) + 12345),
                                                                              ((40 << 20) + 3, (90 << 20) + 7), (1000, 7001))]
+    if dev.type == "cuda":   # once the Triton checks are ready: a replica received into host memory is
+        # checked on the GPU as each piece passes its staging buffer (pieces of whole chunks); a tail past the
+        # last lane, a copy shorter than one lane, rings of 2 and 3
+        cases += [(1 << 20, 3 << 20, 2 << 20, ring, n, "host, checked on the way")
+                  for ring in (2, 3) for n in ((48 << 20) + 12345, 1000, 5 << 20)]
+    on_the_way = []
+    real = peer._checked_on_the_way
+    peer._checked_on_the_way = lambda *a: on_the_way.append(a[3].numel()) or real(*a)   # a[3]: into
     for chunk, piece0, piece1, ring, n, where in cases:
+        if where == "host, checked on the way" and not device_crc.ready(dev):
+            device_crc.warm(dev, chunk)
         wire = Exchange(ctl, piece0 if rank == 0 else piece1, data_group, dev, ring=ring)
         pin = dev.type == "cuda" and n > 1 << 20
         g = torch.Generator().manual_seed(1000 * rank + n)
@@ -100,7 +112,7 @@ def staged(rank: int, world: int) -> None:
             out = out.pin_memory()
         their_piece = piece0 if src == 0 else piece1
         for check in ("right", "wrong"):
-            into = torch.zeros(n, dtype=torch.uint8, pin_memory=pin and where == "host",
+            into = torch.zeros(n, dtype=torch.uint8, pin_memory=pin and where.startswith("host"),
                                device=dev if where == "device" else "cpu")
             if check == "right":
                 bad = checked_receive(wire, out, dst, into, src, their_piece, m)
@@ -111,6 +123,30 @@ def staged(rank: int, world: int) -> None:
                 wrong = dataclasses.replace(m, chunks=[s ^ 1 for s in sums])
                 if checked_receive(wire, out, dst, into, src, their_piece, wrong) != list(range(len(sums))):
                     problems.append(f"size {n}, ring {ring}, into {where}: a wrong checksum was not found")
+    if dev.type == "cuda":   # an exchange between host buffers while the training's step is queued on the
+        # default stream (seconds of it): it neither waits for the step nor holds a piece until the step is done
+        n, chunk = (8 << 20) + 77, 1 << 20
+        wire = Exchange(ctl, 2 << 20, data_group, dev, ring=2)
+        out = torch.randint(0, 256, (n,), dtype=torch.uint8, generator=torch.Generator().manual_seed(rank)).pin_memory()
+        expect = torch.randint(0, 256, (n,), dtype=torch.uint8, generator=torch.Generator().manual_seed(src))
+        m = Manifest(step=1, rank=src, world_size=world, data_bytes=n, chunk_bytes=chunk, items=[], tree={},
+                     chunks=[checksum(memoryview(expect.numpy())[i:i + chunk]) for i in range(0, n, chunk)])
+        into = torch.zeros(n, dtype=torch.uint8).pin_memory()
+        dist.barrier(group=ctl)
+        torch.cuda._sleep(int(6e9))   # ~3 s of a "step" on the default stream
+        t0 = time.monotonic()
+        bad = checked_receive(wire, out, dst, into, src, 2 << 20, m)
+        took = time.monotonic() - t0
+        torch.cuda.synchronize()
+        if bad or not torch.equal(into, expect) or took > 1.0:
+            problems.append(f"beside a queued step: bad chunks {bad[:5]}, {took:.2f} s")
+        if n in on_the_way:
+            on_the_way.remove(n)
+        else:
+            problems.append("the copy beside a queued step was not checked on the GPU on the way")
+    want = [n for *_, n, where in cases if where == "host, checked on the way" for _ in ("right", "wrong") if n]
+    if sorted(on_the_way) != sorted(want):   # each such copy, right and wrong, and no other
+        problems.append(f"checked on the way: {sorted(on_the_way)}, expected {sorted(want)}")
     print("staged", "OK" if not problems else problems, flush=True)
     dist.destroy_process_group()
 

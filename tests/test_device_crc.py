@@ -74,6 +74,8 @@ def test_a_snapshot_sized_buffer_on_the_gpu():
 class _Wire:
     """Stands in for the peer tier's transport: the bytes 'land' in ``into`` as the holder sent them."""
 
+    device = None   # the transport moves host bytes (no GPU staging)
+
     def __init__(self, sent: torch.Tensor) -> None:
         self.sent = sent
 
@@ -134,6 +136,8 @@ def test_warm_without_triton_makes_the_tables_a_check_uses(monkeypatch):
 
 class _PieceWire:
     """Lands the sent bytes piece by piece, noting how many checks had started when each piece landed."""
+
+    device = None   # the transport moves host bytes (no GPU staging)
 
     def __init__(self, sent: torch.Tensor, piece: int, started: list) -> None:
         self.sent, self.piece, self.started, self.seen = sent, piece, started, []
@@ -224,6 +228,9 @@ for n, chunk in [(1403, 512), (3337, 768), (8455, 4096), (2 * 6144 + 2048 + 100,
     want = [checksum(memoryview(data[i:i + chunk].numpy())) for i in range(0, n, chunk)]
     got = device_crc.chunk_checksums(data, chunk, engine="triton")
     assert got == want, (n, chunk, got, want)
+    device_crc._kernels_ready["cpu"] = True   # start(): queued, read later; the tail from a host copy or not
+    pending = device_crc.start(data, chunk)
+    assert pending.values() == want and pending.values(memoryview(data.clone().numpy())) == want, (n, chunk)
     if chunk != 768:
         continue
     data[n // 2] ^= 0x40
@@ -270,8 +277,8 @@ def test_a_triton_kernel_that_disagrees_with_the_tensor_operations_are_not_used(
     pytest.importorskip("triton")
     here = torch.device("cuda", torch.cuda.current_device())
     monkeypatch.setitem(device_crc._kernels_ready, str(here), False)
-    real = device_crc._triton_raw
-    monkeypatch.setattr(device_crc, "_triton_raw", lambda *a: [v ^ 1 for v in real(*a)])   # a miscompile
+    real = device_crc._triton_launch
+    monkeypatch.setattr(device_crc, "_triton_launch", lambda *a: real(*a) ^ 1)   # a miscompile
     device_crc._tables.cache_clear()
     device_crc.warm(here, 16 << 20)
     assert not device_crc.ready(here)
@@ -279,6 +286,40 @@ def test_a_triton_kernel_that_disagrees_with_the_tensor_operations_are_not_used(
     data = torch.randint(0, 256, (3 << 20,), dtype=torch.uint8, device="cuda")
     assert device_crc.chunk_checksums(data, 1 << 20) == _host(data, 1 << 20)   # the tensor operations
 
+
+
+def test_start_refuses_what_the_triton_kernel_cannot_check(monkeypatch):
+    data = torch.zeros(4 * B, dtype=torch.uint8)
+    monkeypatch.setitem(device_crc._kernels_ready, "cpu", False)
+    with pytest.raises(ValueError):   # not ready on the device
+        device_crc.start(data, 2 * B)
+    monkeypatch.setitem(device_crc._kernels_ready, "cpu", True)
+    with pytest.raises(ValueError):   # a chunk no lane size divides
+        device_crc.start(data, B + 4)
+    with pytest.raises(ValueError):   # not a flat uint8 tensor
+        device_crc.start(data.view(torch.int32), 2 * B)
+
+
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU (run on the device machine)")
+@pytest.mark.gpu
+def test_checks_queued_on_a_stream_read_later_equal_the_hosts_even_once_the_buffer_is_reused():
+    pytest.importorskip("triton")
+    here = torch.device("cuda", torch.cuda.current_device())
+    device_crc.warm(here, 1 << 20)
+    assert device_crc.ready(here)
+    side = torch.cuda.Stream()
+    staging = torch.empty(3 << 20, dtype=torch.uint8, device="cuda")
+    pending, wants, copies = [], [], []
+    for i, n in enumerate(((3 << 20), (2 << 20) + 4093, 1000, (1 << 20) + 2048)):   # whole, tail, under a lane
+        piece = torch.randint(0, 256, (n,), dtype=torch.uint8, device="cuda")
+        with torch.cuda.stream(side):
+            side.wait_stream(torch.cuda.current_stream())
+            staging[:n].copy_(piece)
+            pending.append(device_crc.start(staging[:n], 1 << 20))
+            copies.append(staging[:n].cpu())
+        wants.append(_host(piece, 1 << 20))
+    side.synchronize()   # the staging buffer now holds the last piece only: each value was taken in order
+    assert [p.values(memoryview(c.numpy())) for p, c in zip(pending, copies)] == wants
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two or more CUDA GPUs")
@@ -290,3 +331,27 @@ def test_a_buffer_on_another_gpu_than_the_current_one_is_checked_on_its_own():
     with torch.cuda.device(0):
         assert device_crc.chunk_checksums(data, 1 << 20, engine="triton") == _host(data, 1 << 20)
         assert device_crc.chunk_checksums(data, 1 << 20) == _host(data, 1 << 20)
+
+
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU (run on the device machine)")
+@pytest.mark.gpu
+def test_reading_queued_checks_never_waits_for_work_another_stream_queued():
+    """The peer tier checks a replica's pieces on a stream of its own while the training's steps are queued on
+    the default stream: reading the values must wait for the checks alone (a read through the default stream
+    held each piece until the step in flight was done, and an exchange for seconds)."""
+    pytest.importorskip("triton")
+    here = torch.device("cuda", torch.cuda.current_device())
+    device_crc.warm(here, 1 << 20)
+    data = torch.randint(0, 256, ((3 << 20) + 100,), dtype=torch.uint8, device="cuda")
+    want = _host(data, 1 << 20)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    torch.cuda._sleep(int(4e9))   # a "step" of seconds on the default stream
+    import time
+    t0 = time.perf_counter()
+    with torch.cuda.stream(side):
+        pending = device_crc.start(data, 1 << 20)
+    got = pending.values()
+    took = time.perf_counter() - t0
+    torch.cuda.synchronize()
+    assert got == want and took < 0.5, took

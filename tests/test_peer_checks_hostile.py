@@ -56,6 +56,8 @@ class _PlanWire:
     piece's bytes are copied just before ``landed`` is called for it. ``upto`` is how far bytes have landed.
     ``fail_after``: raise ``error`` once that many calls of the plan were made."""
 
+    device = None   # the transport moves host bytes (no GPU staging)
+
     def __init__(self, sent: torch.Tensor, plan: list[tuple[int, int]], fail_after: int | None = None,
                  error: BaseException | None = None, pause: float = 0.0) -> None:
         self.sent, self.plan, self.fail_after, self.error, self.pause = sent, plan, fail_after, error, pause
@@ -564,3 +566,139 @@ def test_warm_from_many_threads_at_once_is_safe_and_checks_stay_right(monkeypatc
     for chunk in (B, 3 * B, 16 * B):
         data = _random_bytes(7 * chunk + 5, chunk)
         assert device_crc.chunk_checksums(data, chunk) == _host(data, chunk)
+
+
+# ------------------------------------------------------------------ checks on the GPU staging (a replica)
+#
+# A replica received into host memory through the GPU's staging buffers is checked where each piece lands on
+# the GPU (``peer._checked_on_the_way``). Here a fake wire hands each piece to ``on_gpu`` in a staging tensor
+# of its own (what came over the wire), then copies it into ``into`` (the copy down) and calls ``landed``;
+# ``device_crc.start`` is stood in for by the host's checksum of the staging bytes at that moment.
+
+class _StagingWire:
+    def __init__(self, sent: torch.Tensor, piece: int, on_wire=None, after_check=None) -> None:
+        self.sent, self.piece = sent, piece
+        self.on_wire = on_wire or (lambda staging, off: None)        # corrupts what arrives (before the check)
+        self.after_check = after_check or (lambda into, off, k: None)  # changes the host copy after it
+        self.device = torch.device("cuda", 0)
+        self.calls: list[tuple[int, int]] = []
+
+    def data(self, out, to, into, frm, in_piece, landed, out_ready=None, on_gpu=None):
+        assert on_gpu is not None and in_piece == self.piece
+        n = into.numel()
+        for off in range(0, n, in_piece):
+            k = min(in_piece, n - off)
+            staging = self.sent[off:off + k].clone()
+            self.on_wire(staging, off)
+            on_gpu(staging, off)
+            into[off:off + k].copy_(staging)
+            self.after_check(into, off, k)
+            staging.fill_(0)   # the staging buffer is reused: a check must not read it later
+            self.calls.append((off, k))
+            landed(off, k)
+
+
+class _HostPending:
+    def __init__(self, piece: torch.Tensor, chunk: int, fail: bool = False) -> None:
+        self.sums, self.fail = _host(piece, chunk), fail
+
+    def values(self, tail=None):
+        if self.fail:
+            raise RuntimeError("the GPU went away")
+        return list(self.sums)
+
+
+def _on_the_way(monkeypatch, sent, chunk, piece, listed=None, fail_start=(), fail_values=(), **wire_kw):
+    starts = []
+
+    def start(data, c):
+        assert c == chunk
+        starts.append(data.numel())
+        if len(starts) - 1 in fail_start:
+            raise torch.cuda.OutOfMemoryError("no room")
+        return _HostPending(data, c, fail=len(starts) - 1 in fail_values)
+
+    monkeypatch.setattr(device_crc, "start", start)
+    wire = _StagingWire(sent, piece, **wire_kw)
+    into = _poisoned(sent)
+    m = _manifest(chunk, sent.numel(), _host(sent, chunk) if listed is None else listed)
+    bad = peer._checked_on_the_way(wire, None, None, into, 1, piece, m, None)
+    return bad, into, starts
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_on_the_way_every_chunk_is_checked_and_a_byte_changed_on_the_wire_names_its_chunk(monkeypatch, seed):
+    rng = random.Random(seed)
+    chunk = rng.choice([B, 4 * B, 8 * B])
+    piece = chunk * rng.randint(1, 4)
+    n = rng.choice([0, 1, chunk - 3, piece, 3 * piece + rng.randrange(1, chunk), 5 * piece])
+    sent = _random_bytes(n, seed)
+    bad, into, starts = _on_the_way(monkeypatch, sent, chunk, piece)
+    assert bad == [] and torch.equal(into, sent)
+    assert sum(starts) == n   # every piece checked on the "GPU", nothing on the host
+    if not n:
+        return
+    at = rng.randrange(n)
+
+    def flip(staging, off):
+        if off <= at < off + staging.numel():
+            staging[at - off] ^= 0x08
+
+    bad, _, _ = _on_the_way(monkeypatch, sent, chunk, piece, on_wire=flip)
+    assert bad == [at // chunk]
+    wrong = [s ^ 1 for s in _host(sent, chunk)]
+    assert _on_the_way(monkeypatch, sent, chunk, piece, listed=wrong)[0] == list(range(len(wrong)))
+
+
+@pytest.mark.parametrize("fail", ["start", "values"])
+def test_on_the_way_a_piece_the_gpu_cannot_check_is_checked_on_the_host(monkeypatch, fail):
+    chunk, piece = 2 * B, 6 * B
+    n = 5 * piece + 100
+    sent = _random_bytes(n, 77)
+    which = {1, 5}   # the second piece and the last (short) one
+    kw = {"fail_start": which} if fail == "start" else {"fail_values": which}
+    assert _on_the_way(monkeypatch, sent, chunk, piece, **kw)[0] == []
+    at = piece + 3   # in the second piece: found by the host's check of the copy there
+
+    def flip(staging, off):
+        if off <= at < off + staging.numel():
+            staging[at - off] ^= 0x01
+
+    assert _on_the_way(monkeypatch, sent, chunk, piece, on_wire=flip, **kw)[0] == [at // chunk]
+    at = n - 1   # the last byte, in the tail of the last piece
+    assert _on_the_way(monkeypatch, sent, chunk, piece, on_wire=flip, **kw)[0] == [at // chunk]
+
+
+@pytest.mark.parametrize("how", HOWS)
+def test_on_the_way_a_manifest_with_fewer_or_more_chunks_names_exactly_those(monkeypatch, how):
+    chunk = 2 * B
+    n = 6 * chunk + 77
+    sent = _random_bytes(n, 23)
+    sums = _host(sent, chunk)
+    listed = _listed(sums, how)
+    want = list(range(min(len(sums), len(listed)), max(len(sums), len(listed))))
+    assert _on_the_way(monkeypatch, sent, chunk, 2 * chunk, listed=listed)[0] == want
+
+
+def test_copies_into_host_memory_are_checked_on_the_way_only_where_the_gpu_can(monkeypatch):
+    chunk, piece = 4 * B, 8 * B
+    into = torch.zeros(3 * piece, dtype=torch.uint8)
+    wire = _StagingWire(_random_bytes(3 * piece, 1), piece)
+    monkeypatch.setattr(device_crc, "ready", lambda d: d.type == "cuda")
+    assert peer._checked_in_staging(wire, into, piece, chunk)
+    assert not peer._checked_in_staging(wire, into, piece + B, chunk)   # a chunk across two pieces
+    assert not peer._checked_in_staging(wire, into, piece, chunk + 4)   # no lane size divides it
+    assert not peer._checked_in_staging(wire, torch.zeros(3 * piece, dtype=torch.uint8, device="meta"), piece,
+                                        chunk)   # not into host memory: a restore's copy, checked where it lands
+    wire.device = None   # gloo: no staging on a GPU
+    assert not peer._checked_in_staging(wire, into, piece, chunk)
+    wire.device = torch.device("cuda", 0)
+    monkeypatch.setattr(device_crc, "ready", lambda d: False)   # Triton not ready there
+    assert not peer._checked_in_staging(wire, into, piece, chunk)
+    # and checked_receive routes a host copy there exactly when it says so
+    monkeypatch.setattr(device_crc, "ready", lambda d: d.type == "cuda")
+    routed = []
+    monkeypatch.setattr(peer, "_checked_on_the_way", lambda *a: routed.append(a[4]) or [])
+    sent = wire.sent
+    m = _manifest(chunk, sent.numel(), _host(sent, chunk))
+    assert peer.checked_receive(wire, None, None, into, 1, piece, m) == [] and len(routed) == 1

@@ -117,19 +117,23 @@ class Exchange:
 
     def data(self, out: torch.Tensor | None, to: int | None, into: torch.Tensor | None, frm: int | None,
              in_piece: int, landed: Callable[[int, int], None],
-             out_ready: Callable[[int, int], None] | None = None) -> None:
+             out_ready: Callable[[int, int], None] | None = None,
+             on_gpu: Callable[[torch.Tensor, int], None] | None = None) -> None:
         """Send ``out`` (host bytes) to ``to`` in pieces of :attr:`piece` bytes and receive ``into`` (host
         bytes) from ``frm`` in pieces of ``in_piece`` (the sender's); ``landed(offset, length)`` is called
         as each received piece is in ``into`` (the caller checks it while the next one arrives). On the
         device path ``out`` and ``into`` may be on the GPU; ``out_ready(offset, length)``, with ``out`` on
         the GPU, makes the current stream wait until those bytes of ``out`` are written (it is still being
-        filled)."""
+        filled). ``on_gpu(piece, offset)``, on the device path with ``into`` on the host, is called with each
+        received piece where it landed on the GPU (a staging buffer), on a stream of its own that the copy
+        down waits for before the buffer is reused: work it queues there (checks) sees the piece's bytes;
+        ``landed`` for that piece runs after that work is done."""
         n_out = out.numel() if out is not None and to is not None else 0
         n_in = into.numel() if into is not None and frm is not None else 0
         k_out = -(-n_out // self.piece)
         k_in = -(-n_in // in_piece) if n_in else 0
         if self.device is not None:
-            self._staged(out, to, into, frm, in_piece, n_out, n_in, max(k_out, k_in), landed, out_ready)
+            self._staged(out, to, into, frm, in_piece, n_out, n_in, max(k_out, k_in), landed, out_ready, on_gpu)
             return
         dist = torch.distributed
         posted = []   # every piece posted at once (a stream, matched in order), then taken as it lands
@@ -149,7 +153,8 @@ class Exchange:
 
     def _staged(self, out: torch.Tensor | None, to: int | None, into: torch.Tensor | None, frm: int | None,
                 in_piece: int, n_out: int, n_in: int, pieces: int, landed: Callable[[int, int], None],
-                out_ready: Callable[[int, int], None] | None = None) -> None:
+                out_ready: Callable[[int, int], None] | None = None,
+                on_gpu: Callable[[torch.Tensor, int], None] | None = None) -> None:
         """The device path: per piece, host -> device staging (sender), send/receive over ``data_group``,
         device staging -> host (receiver). On a GPU the three run as a pipeline over ``ring`` staging pairs:
         piece i + 1 is copied up on one stream while piece i is on the wire (NCCL's stream) and piece i - 1 is
@@ -159,12 +164,15 @@ class Exchange:
         from where it is."""
         size = max(self.piece, in_piece if n_in else 0)
         up, down = self._streams if self._streams is not None else (None, None)
-        if up is not None:   # after what this thread queued on the device (an `into` just allocated there)
-            up.wait_stream(torch.cuda.current_stream(self.device))
         # a receive buffer on the GPU (a restore): the pieces land in it directly, no staging, no copy down;
         # data to send already on the GPU (a replica read there to be served) goes from where it is
         direct = into is not None and into.device.type == "cuda"
         direct_out = out is not None and out.device.type == "cuda"
+        if up is not None and (direct or direct_out):
+            # after what this thread queued on the device (an `into` just allocated there). Only then: the
+            # current stream of the persist thread is the default one, where the training queues its steps,
+            # and an exchange between host buffers must not wait for them
+            up.wait_stream(torch.cuda.current_stream(self.device))
         # staging pairs only where a side goes through them (a restore's holder reading onto its GPU and an
         # owner receiving onto its GPU need none: 2 x ring x piece of GPU memory not taken)
         staged = (n_out and not direct_out) or (n_in and not direct)
@@ -177,6 +185,9 @@ class Exchange:
                 self._staging = [(torch.empty(size, dtype=torch.uint8, device=self.device),
                                   torch.empty(size, dtype=torch.uint8, device=self.device))
                                  for _ in range(self._ring)]
+        # a received piece's own work on the GPU (checks) runs on a third stream, beside its copy down
+        check = torch.cuda.Stream(self.device) if on_gpu is not None and up is not None and n_in and not direct \
+            else None
         free: list[Any] = [None] * self._ring   # per pair: event after its last piece reached the host
         pending: list[tuple[Any, int, int]] = []   # (event, offset, length) of pieces on their way to the host
         with torch.cuda.device(self.device) if up is not None else contextlib.nullcontext():
@@ -200,9 +211,15 @@ class Exchange:
                 with torch.cuda.stream(down) if down is not None else contextlib.nullcontext():
                     for w in works:
                         w.wait()   # on a GPU: the down stream waits for the wire, the host does not
+                    if r and check is not None:   # the piece's checks, on the GPU while it is copied down
+                        check.wait_stream(down)
+                        with torch.cuda.stream(check):
+                            on_gpu(r_buf[:r], b)
                     if r and not direct:
                         for x, y in shm.pieces(b, r):
                             into[x:y].copy_(r_buf[x - b:y - b], non_blocking=True)
+                    if r and check is not None:
+                        down.wait_stream(check)   # the pair is reused, and the piece landed, once both are done
                     ev = None
                     if down is not None:
                         ev = torch.cuda.Event()
@@ -248,6 +265,8 @@ def checked_receive(wire: Exchange, out: torch.Tensor | None, to: int | None, in
     c, n = manifest.chunk_bytes, manifest.data_bytes
     if _checked_where_it_lands(into) and into.numel() == n and device_crc.usable(into, c):
         return _checked_on_device(wire, out, to, into, frm, in_piece, manifest, threads, out_ready)
+    if _checked_in_staging(wire, into, in_piece, c) and into.numel() == n:
+        return _checked_on_the_way(wire, out, to, into, frm, in_piece, manifest, out_ready)
     threads = max(1, threads or knobs.get("CKPT_PERSIST_THREADS"))
     if into.device.type == "cuda":   # chunks the device checks cannot take: through the host
         crc_of = _DeviceChecks(into, threads)
@@ -272,6 +291,61 @@ def checked_receive(wire: Exchange, out: torch.Tensor | None, to: int | None, in
         bad += list(range(needed, len(manifest.chunks)))   # listed for bytes that do not exist
     crc_of = view = None   # noqa: F841 - no export of the buffer outlives the call
     return bad
+
+
+def _checked_in_staging(wire: Exchange, into: torch.Tensor, in_piece: int, c: int) -> bool:
+    """Whether a copy received into host memory through ``wire``'s GPU staging is checked there, on the GPU,
+    as each piece passes (:func:`_checked_on_the_way`): the Triton checks are ready on that GPU and every
+    chunk lies within one piece."""
+    dev = wire.device
+    return (dev is not None and dev.type == "cuda" and into.device.type == "cpu" and in_piece % c == 0
+            and c % device_crc.BLOCK == 0 and device_crc.ready(dev) and device_crc._lane_bytes(c) is not None)
+
+
+def _checked_on_the_way(wire: Exchange, out: torch.Tensor | None, to: int | None, into: torch.Tensor,
+                        frm: int | None, in_piece: int, manifest: Manifest,
+                        out_ready: Callable[[int, int], None] | None) -> list[int]:
+    """:func:`checked_receive` of a copy received into host memory (a replica) through the GPU's staging
+    buffers: each piece's chunks are checked by the Triton kernel where the piece lands on the GPU, while it is
+    copied down (:meth:`Exchange.data`'s ``on_gpu``), so no host core reads the copy; a piece whose checks
+    could not be queued or read is checked on the host from its copy there. Returns the chunks that failed.
+
+    What is checked is what came over the wire; the copy down to host memory is a DMA over the host link (its
+    own link-level CRC), and a restore checks the replica again, end to end, as it lands on the rank that
+    gets it back."""
+    c, n = manifest.chunk_bytes, manifest.data_bytes
+    view = memoryview(into.numpy())
+    sums: list[int | None] = [None] * -(-n // c)
+    pending: dict[int, device_crc.Pending | None] = {}
+
+    def on_gpu(piece: torch.Tensor, off: int) -> None:   # on the wire's thread, the check stream current
+        try:
+            pending[off] = device_crc.start(piece, c)
+        except Exception as e:   # noqa: BLE001 - never stops the wire: the piece is checked on the host
+            log.info("the GPU checks of bytes [%d, %d) of a received replica could not be queued (%s): checked on "
+                     "the host", off, off + piece.numel(), e)
+            pending[off] = None
+
+    def landed(off: int, k: int) -> None:   # the piece is in `into`, its checks done
+        got = None
+        p = pending.pop(off, None)
+        if p is not None:
+            try:
+                got = p.values(view[off:off + k])
+            except Exception as e:   # noqa: BLE001 - checked on the host instead
+                log.info("the GPU checks of bytes [%d, %d) of a received replica failed (%s): checked on the host",
+                         off, off + k, e)
+        if got is None:
+            got = [checksum(view[a:min(a + c, off + k)]) for a in range(off, off + k, c)]
+        sums[off // c:off // c + len(got)] = got
+
+    try:
+        wire.data(out, to, into, frm, in_piece, landed, out_ready, on_gpu)
+    finally:
+        pending.clear()
+    view = None   # noqa: F841 - no export of the buffer outlives the call
+    return [i for i in range(max(len(sums), len(manifest.chunks)))
+            if i >= len(sums) or i >= len(manifest.chunks) or sums[i] is None or sums[i] != manifest.chunks[i]]
 
 
 def _warm_checks(device: torch.device) -> None:
