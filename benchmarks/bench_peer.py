@@ -10,6 +10,8 @@ Two ranks on this machine (loopback), each with a state of ``--mb`` MB and a fix
 * restore of rank 1 after both processes died and its RAM and disk were wiped: seconds, from the peer tier;
   each rank constructs its Checkpointer, then builds its state (0.5 s at least, as a model build), then
   restores; the construction's seconds and the background adoption of the RAM segments are reported beside.
+  The replaced rank calls restore 1 s after the other (a replaced node comes up after the others, which wait
+  for it in the restore's agreement); then again, rank 1 wiped anew, both calling restore at the same moment.
 
 With ``--nccl`` (two GPUs): the state lives on each rank's GPU, a step is ``--step-ms`` of GPU matmuls, the
 peer tier moves the data over NCCL (``CKPT_PEER_NCCL=1``: host -> device staging -> NCCL -> device -> host), and
@@ -44,6 +46,9 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+#: seconds after the other rank that the replaced rank calls restore in the first restore (a replaced node comes
+#: up after the others: they wait for it in the restore's agreement)
+LATE_S = 1.0
 
 
 def _worker(root: str, rank: int, world: int, mode: str, mb: int, steps: int, every: int, step_ms: float) -> None:
@@ -138,6 +143,8 @@ def _worker(root: str, rank: int, world: int, mode: str, mb: int, steps: int, ev
                 lines.append(record.getMessage())
 
         logging.getLogger("ckpt.tiers.peer").addHandler(_Keep())
+        logging.getLogger("ckpt.tiers.memory").setLevel(logging.INFO)   # and whether it read its own ahead
+        logging.getLogger("ckpt.tiers.memory").addHandler(_Keep())
         out["log"] = lines
         del state["w"]
         if nccl:
@@ -149,6 +156,9 @@ def _worker(root: str, rank: int, world: int, mode: str, mb: int, steps: int, ev
             # previous process's RAM segments runs meanwhile
             state["w"] = torch.zeros(n, device=dev)
             time.sleep(0.5)   # what building a model takes at least
+            dist.barrier()   # both ranks here; the replaced one calls restore BENCH_PEER_LATE seconds after
+            if rank == 1:
+                time.sleep(float(os.environ.get("BENCH_PEER_LATE", "0")))
             t = time.perf_counter()
             step = ck.restore(state)
             if nccl:
@@ -163,6 +173,7 @@ def _worker(root: str, rank: int, world: int, mode: str, mb: int, steps: int, ev
             out["phases"] = ck.last_restore.phases
             out["step"] = step
             out["exact"] = bool(torch.equal(state["w"][1000:], initial()[1000:]))
+            ck.close(keep_memory=True)   # the RAM stays as a crash leaves it: the next restore finds it again
     print("RESULT " + json.dumps(out), flush=True)
     dist.destroy_process_group()
 
@@ -233,12 +244,12 @@ def _nccl_floors(rank: int, nbytes: int) -> dict:
     return res
 
 
-def _run(root: str, mode: str, args: argparse.Namespace) -> list[dict]:
+def _run(root: str, mode: str, args: argparse.Namespace, extra: dict | None = None) -> list[dict]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-           "PYTHONPATH": f"{HERE.parent}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+           "PYTHONPATH": f"{HERE.parent}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", **(extra or {})}
     env["BENCH_PEER_SWEEP"] = "0" if args.no_sweep else "1"
     if args.nccl:
         env["CKPT_PEER_NCCL"] = "1"
@@ -289,9 +300,12 @@ def main() -> None:
         raw = _run(root, "raw", args)
         wanted = {f"loop-{m.strip()}" for m in args.loops.split(",")} | {"loop-peers"}
         loops = {m: _run(root, m, args) for m in ("loop-none", "loop-snap", "loop-peers") if m in wanted}
-        shutil.rmtree(f"{root}/rank-1")   # rank 1's node is replaced: its disk and RAM are gone
-        shutil.rmtree(f"{root}/shm-1")
-        rest = _run(root, "restore", args)
+        rests = []
+        for late in (LATE_S, 0.0):   # the replaced rank comes later (its node was replaced), then at once
+            shutil.rmtree(f"{root}/rank-1", ignore_errors=True)   # rank 1's node is replaced: disk and RAM gone
+            shutil.rmtree(f"{root}/shm-1", ignore_errors=True)
+            rests.append(_run(root, "restore", args, {"BENCH_PEER_LATE": str(late)}))
+        rest = rests[0]
     finally:
         shutil.rmtree(root, ignore_errors=True)
     nbytes = loops["loop-peers"][0]["data_bytes"]
@@ -310,10 +324,11 @@ def main() -> None:
         {"case": case, "provider": "peer tier exchange", "metric": "GB/s per direction",
          "value": nbytes / statistics.median(ex) / 1e9, "unit": "GB/s",
          "note": f"median of {len(ex)} exchanges into warm buffers, {statistics.median(ex):.3f} s (send, receive, "
-                 "every chunk checked, commit)"},
+                 f"every chunk checked, commit); each: {', '.join(f'{x:.3f}' for x in ex)}"},
         {"case": case, "provider": "peer tier exchange, first two", "metric": "GB/s per direction",
          "value": nbytes / statistics.median(cold) / 1e9, "unit": "GB/s",
-         "note": f"median of {len(cold)}, {statistics.median(cold):.3f} s: the holder's replica buffers are new"},
+         "note": f"median of {len(cold)}, {statistics.median(cold):.3f} s: the holder's replica buffers are new; "
+                 f"each: {', '.join(f'{x:.3f}' for x in cold)}"},
     ]
     floor_s, floor = raw_s, "the raw gloo exchange"
     if args.nccl:
@@ -344,13 +359,21 @@ def main() -> None:
         rows.append({"case": case, "provider": label, "metric": "mean step time", "value": v, "unit": "ms",
                      "note": f"{over}; committed {loops[m][0]['counts']}"})
     r0, r1 = rest
-    rows.append({"case": case, "provider": "restore of the replaced rank", "metric": "seconds", "value": r1["restore_s"],
+    rows.append({"case": case, "provider": f"restore of the replaced rank, calling restore {LATE_S:g} s after the other",
+                 "metric": "seconds", "value": r1["restore_s"],
                  "unit": "s", "note": f"tier {r1['tier']}, step {r1['step']}, bit-exact {r1['exact']}, "
                                       f"{r1['restore_s'] / floor_s:.2f}x {floor}"
                                       + (f", {r1['restore_s'] / moves_s:.2f}x a restore's transfers" if args.nccl else "")
                                       + f"; {_phases(r1)}"})
     rows.append({"case": case, "provider": "restore of the other rank", "metric": "seconds", "value": r0["restore_s"],
                  "unit": "s", "note": f"tier {r0['tier']}, bit-exact {r0['exact']}; {_phases(r0)}"})
+    t0, t1 = rests[1]
+    rows.append({"case": case, "provider": "restore of the replaced rank, both calling restore at once",
+                 "metric": "seconds", "value": t1["restore_s"], "unit": "s",
+                 "note": f"tier {t1['tier']}, bit-exact {t1['exact'] and t0['exact']}, "
+                         f"{t1['restore_s'] / floor_s:.2f}x {floor}"
+                         + (f", {t1['restore_s'] / moves_s:.2f}x a restore's transfers" if args.nccl else "")
+                         + f"; {_phases(t1)}; the other rank: {_phases(t0)}"})
     for r in (r1, r0):   # what came before each restore: the Checkpointer's construction, its adoption
         rows.append({"case": case, "provider": f"rank {r['rank']}: Checkpointer construction", "metric": "seconds",
                      "value": r["construct_s"], "unit": "s",

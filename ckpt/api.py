@@ -7,6 +7,7 @@ import contextlib
 import dataclasses
 import enum
 import inspect
+import itertools
 import errno
 import operator
 import functools
@@ -839,6 +840,25 @@ class Checkpointer:
         rank holds and loads (in memory, locally, on the remote tier, or as the copy its peer keeps).
         Every rank sees every rank's checkpoints and timelines, so all pick the same one, and branch
         off onto the same new timeline when it is not the newest."""
+        # A rank that waits for the others to agree (a replaced node still coming up, a slower start) reads its
+        # own newest snapshot onto its GPU meanwhile: begun only once the agreement has taken _READ_AHEAD_AFTER_S,
+        # so ranks that arrive together load as before, with no thread beside their agreement
+        gpu = _state_gpu(state)
+        timer = threading.Timer(_READ_AHEAD_AFTER_S, self.memory.read_ahead, (gpu,)) if gpu is not None else None
+        if timer is not None:
+            timer.daemon = True
+            timer.start()
+        try:
+            return self._agree_and_load(state, step, strict, timer.cancel if timer is not None else None)
+        finally:
+            if timer is not None:
+                timer.cancel()
+                timer.join()
+            self.memory.end_read_ahead()
+
+    def _agree_and_load(self, state: dict, step: int | None, strict: bool,
+                        agreed: Callable[[], None] | None = None) -> RestoreInfo | None:
+        """:meth:`_restore_agreed`'s agreement and loads; ``agreed`` is called once every rank's lists are in."""
         ranks = self.ranks
         t0 = time.perf_counter()
         near = [_decode(v) for v in ranks.gather(_encode(self._near()))]
@@ -846,6 +866,8 @@ class Checkpointer:
                                                           for e in t.committed()]))]
         kept = [_decode(v) for v in ranks.gather(_encode(self.peer.committed()))] \
             if self.peer is not None else None
+        if agreed is not None:
+            agreed()
         held = [{e.key for e in n + f + (kept[self.peer.holder_of(r)] if kept else [])}
                 for r, (n, f) in enumerate(zip(near, far))]
         everything = [e for lists in (near, far, kept or []) for entries in lists for e in entries]
@@ -1214,6 +1236,37 @@ def _resume_timeline(restored: Committed | None, entries: list[Committed]) -> Ti
     if restored.key == max(e.key for e in entries):
         return restored.timeline
     return restored.timeline.branch(restored.step, max(e.timeline.number for e in entries) + 1)
+
+
+#: seconds a collective restore's agreement runs before a rank reads its own newest snapshot onto its GPU
+#: (:meth:`ckpt.tiers.MemoryTier.read_ahead`): ranks arriving together agree in a few milliseconds
+_READ_AHEAD_AFTER_S = 0.02
+
+
+def _state_gpu(state: dict) -> torch.device | None:
+    """The GPU of the first tensor of ``state`` found on one (``None``: none is), looking at tensors, modules'
+    parameters and buffers and optimizers' parameters, never calling ``state_dict()`` (which an FSDP model
+    may answer with collectives)."""
+    stack: list[Any] = list(state.values())[::-1]
+    seen = 0
+    while stack and seen < 10_000:
+        v = stack.pop()
+        seen += 1
+        if isinstance(v, torch.Tensor):
+            t = v.to_local() if hasattr(v, "to_local") else v
+            if t.device.type == "cuda":
+                return t.device
+        elif isinstance(v, torch.nn.Module):
+            t = next((x for x in itertools.chain(v.parameters(), v.buffers()) if x.device.type == "cuda"), None)
+            if t is not None:
+                return t.device
+        elif isinstance(v, torch.optim.Optimizer):
+            stack.extend(p for g in v.param_groups[::-1] for p in g["params"][::-1])
+        elif isinstance(v, Mapping):
+            stack.extend(list(v.values())[::-1])
+        elif isinstance(v, (list, tuple)):
+            stack.extend(v[::-1])
+    return None
 
 
 def _encode(entries: list[Committed]) -> list[int]:

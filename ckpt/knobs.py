@@ -41,6 +41,10 @@ _DEFAULTS: dict[str, int] = {
     # Nice value added to the persist threads and the background allocation (ckpt.priority): the
     # training thread keeps the CPU on a node whose cores are busy (0: same priority as the process).
     "CKPT_PERSIST_NICE": 10,
+    # A collective restore copies this rank's newest snapshot in host memory onto its GPU while the ranks
+    # agree on a step (1), so a rank that waits for the others (a replaced node still starting) has its
+    # own state ready on the GPU; 0: each rank reads its tier only once the step is agreed.
+    "CKPT_READ_AHEAD": 1,
     # Bytes per data message of the peer tier's replica exchange: the holder checks one piece's chunks
     # while the next arrives (and, over NCCL, the size of each device staging buffer; two per direction).
     "CKPT_PEER_PIECE_BYTES": 64 << 20,

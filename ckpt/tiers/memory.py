@@ -18,6 +18,7 @@ import errno
 import logging
 import os
 import queue
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -56,6 +57,7 @@ class MemoryTier(Tier):
         self.rank = 0
         self.verified: dict[int, bool] = {}
         self.timeline = Timeline()   # the timeline of the snapshots committed from now on (the Checkpointer sets it)
+        self._ahead: _ReadAhead | None = None
 
     # -- commit -----------------------------------------------------------------------------------
     def commit(self, step: int, manifest: Manifest, buffer: HostBuffer, checksums: list[int] | None = None,
@@ -208,7 +210,10 @@ class MemoryTier(Tier):
                 buf.holds += 1   # not taken for a new snapshot while it is read
         if buf is not None:
             try:
-                if buf.checked:
+                early = self._ahead.take(buf, manifest) if self._ahead is not None else None
+                if early is not None:   # read onto the GPU (and checked) while the ranks agreed
+                    _scatter(manifest, dest, early)
+                elif buf.checked:
                     _scatter(manifest, dest, buf.tensor[:manifest.data_bytes])
                 else:
                     self._load_adopted(buf, manifest, dest)
@@ -267,6 +272,24 @@ class MemoryTier(Tier):
         finally:
             seg.release()
 
+    # -- reading ahead ----------------------------------------------------------------------------
+    def read_ahead(self, device: torch.device) -> None:
+        """Start copying this rank's newest snapshot in host memory onto ``device`` (the state's GPU), in the
+        background, while the ranks of a collective restore agree on a step: where they agree on that
+        snapshot, :meth:`load` copies it into place device to device instead of over the host link. The
+        snapshot is checked first where it was taken over from a previous process, and a copy is made only
+        where the GPU has room for twice the snapshot and 1 GiB more (a peer tier may need the same again
+        to serve a replica); nothing is written into the state before :meth:`load`. Ended (its GPU memory
+        given back) by :meth:`end_read_ahead`."""
+        if self._ahead is None and knobs.get("CKPT_READ_AHEAD"):
+            self._ahead = _ReadAhead(self, device)
+
+    def end_read_ahead(self) -> None:
+        """Give back what :meth:`read_ahead` took (once its copy, if one runs, has landed)."""
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None:
+            ahead.end()
+
     def verify(self, step: int, timeline: Timeline | None = None) -> Manifest:
         """Check every chunk of the snapshot of ``step`` a previous process left (this process's own
         buffers hold bytes that never left it). Raises ``CorruptCheckpointError`` / ``LookupError``."""
@@ -287,6 +310,89 @@ class MemoryTier(Tier):
                 self.pool.release(buf)
         self._load_segment(rec, None)
         return rec.manifest
+
+
+class _ReadAhead:
+    """:meth:`MemoryTier.read_ahead`: one thread copies the newest snapshot's buffer (held meanwhile, so no new
+    snapshot takes it) into a GPU buffer of its size; :meth:`take` hands that buffer to a load of the same
+    snapshot (the same buffer, committed at the same time), waiting for the copy where it is of that snapshot;
+    anything else, or a failure, leaves the load to read the host buffer as without it."""
+
+    def __init__(self, tier: MemoryTier, device: torch.device) -> None:
+        self.tier, self.device = tier, device
+        self._lock = threading.Lock()
+        self.target: tuple[HostBuffer, float] | None = None   # the buffer and its image's commit order
+        self.data: torch.Tensor | None = None
+        self._ended = False
+        self._thread = threading.Thread(target=self._run, name="ckpt-read-ahead", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        pool = self.tier.pool
+        try:
+            pool.wait_adopted()
+            with pool._cv:
+                buf = pool.newest_image()
+                if buf is None or buf.manifest is None or self._ended:
+                    return
+                buf.holds += 1
+                with self._lock:
+                    self.target = (buf, buf.image_order)
+            try:
+                n = buf.manifest.data_bytes
+                cuda = self.device.type == "cuda"
+                free = torch.cuda.mem_get_info(self.device)[0] if cuda else None
+                if free is not None and free < 2 * n + (1 << 30):
+                    log.info("no room on %s to read the memory tier's snapshot of step %d ahead (%d bytes free)",
+                             self.device, buf.image_step, free)
+                    return
+                if not buf.checked:   # taken over from the previous process: checked once, now
+                    self.tier._load_adopted(buf, buf.manifest, None)
+                with torch.cuda.device(self.device) if cuda else contextlib.nullcontext():
+                    data = torch.empty(n, dtype=torch.uint8, device=self.device)   # on the current stream: the
+                    side = torch.cuda.Stream(self.device) if cuda else None        # allocator's for later reuse
+                    if side is not None:
+                        side.wait_stream(torch.cuda.current_stream(self.device))
+                    with torch.cuda.stream(side) if cuda else contextlib.nullcontext():
+                        for a, b in shm.pieces(0, n):
+                            data[a:b].copy_(buf.tensor[a:b], non_blocking=cuda)
+                    if side is not None:
+                        side.synchronize()
+                with self._lock:
+                    if not self._ended:
+                        self.data = data
+                log.info("the memory tier's snapshot of step %d was read onto %s ahead of the restore (%d bytes)",
+                         buf.image_step, self.device, n)
+            finally:
+                pool.release(buf)
+        except Exception as e:   # noqa: BLE001 - the load reads the host buffer as without it
+            log.info("reading the memory tier's newest snapshot onto %s ahead failed (%s: %s)", self.device,
+                     type(e).__name__, e)
+
+    def take(self, buf: HostBuffer, manifest: Manifest) -> torch.Tensor | None:
+        """The copy of ``buf``'s snapshot on the GPU, if that is what was read ahead and it is still the image
+        ``buf`` holds (called with ``buf`` held: it cannot change meanwhile); ``None`` otherwise."""
+        with self._lock:
+            target = self.target
+        if target is None or target[0] is buf:   # not started yet, or reading this one: its result decides
+            self._thread.join()
+            with self._lock:
+                target = self.target
+        if target is None or target[0] is not buf or buf.image_order != target[1] or \
+                buf.manifest is None or buf.manifest.data_bytes != manifest.data_bytes or \
+                buf.manifest.chunks != manifest.chunks:
+            return None
+        with self._lock:
+            data, self.data = self.data, None
+        return data
+
+    def end(self) -> None:
+        with self._lock:
+            self._ended = True
+            self.data = None
+        self._thread.join()
+        with self._lock:
+            self.data = None
 
 
 def _judge(rec: shm.SnapshotRecord, path: Path, bad: int | None) -> None:
@@ -405,8 +511,8 @@ def _to_device(manifest: Manifest, fd: int, sc: Scatter | None) -> int | None:
 
 
 def _scatter(manifest: Manifest, dest: list[torch.Tensor | None], data: torch.Tensor) -> None:
-    """Copy an image's bytes ``data`` (host memory: a snapshot buffer or segment) into ``dest``, piece by
-    registration piece (a CUDA copy may not span two: :func:`ckpt.shm.pieces`)."""
+    """Copy an image's bytes ``data`` (host memory: a snapshot buffer or segment; or a copy of one on a GPU) into
+    ``dest``, piece by registration piece (a CUDA copy may not span two: :func:`ckpt.shm.pieces`)."""
     sc = Scatter(manifest.items, dest)
 
     def copy() -> None:
