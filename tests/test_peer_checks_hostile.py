@@ -437,14 +437,19 @@ def test_device_path_a_manifest_with_fewer_or_more_chunks_names_exactly_those(mo
 
 
 @pytest.mark.parametrize("how", HOWS)
-def test_host_path_a_manifest_with_fewer_or_more_chunks_names_exactly_those(how):
-    """The same on the host path (a CPU buffer, not monkeypatched): the result must not depend on the path."""
+@pytest.mark.parametrize("path", ["host", "on the way"])
+def test_host_copies_a_manifest_with_fewer_or_more_chunks_names_exactly_those(monkeypatch, how, path):
+    """The same for a copy into host memory (a CPU buffer, checked on the host, or on the GPU as it passes the
+    staging buffers: see below): the result must not depend on the path."""
     chunk = 2 * B
     n = 6 * chunk + 77
     sent = _random_bytes(n, 22)
     sums = _host(sent, chunk)
     listed = _listed(sums, how)
     want = list(range(min(len(sums), len(listed)), max(len(sums), len(listed))))
+    if path == "on the way":
+        assert _on_the_way(monkeypatch, sent, chunk, 2 * chunk, listed=listed)[0] == want
+        return
     into = _poisoned(sent)
     wire = _PlanWire(sent, _pieces(n, chunk + 5))
     assert peer.checked_receive(wire, None, None, into, 1, chunk + 5, _manifest(chunk, n, listed), threads=2) == want
@@ -667,17 +672,6 @@ def test_on_the_way_a_piece_the_gpu_cannot_check_is_checked_on_the_host(monkeypa
     assert _on_the_way(monkeypatch, sent, chunk, piece, on_wire=flip, **kw)[0] == [at // chunk]
     at = n - 1   # the last byte, in the tail of the last piece
     assert _on_the_way(monkeypatch, sent, chunk, piece, on_wire=flip, **kw)[0] == [at // chunk]
-
-
-@pytest.mark.parametrize("how", HOWS)
-def test_on_the_way_a_manifest_with_fewer_or_more_chunks_names_exactly_those(monkeypatch, how):
-    chunk = 2 * B
-    n = 6 * chunk + 77
-    sent = _random_bytes(n, 23)
-    sums = _host(sent, chunk)
-    listed = _listed(sums, how)
-    want = list(range(min(len(sums), len(listed)), max(len(sums), len(listed))))
-    assert _on_the_way(monkeypatch, sent, chunk, 2 * chunk, listed=listed)[0] == want
 
 
 def test_copies_into_host_memory_are_checked_on_the_way_only_where_the_gpu_can(monkeypatch):

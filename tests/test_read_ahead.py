@@ -54,30 +54,19 @@ class _Taken:
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_the_snapshot_read_ahead_is_what_the_load_copies_into_place(local_dir, monkeypatch, device):
+@pytest.mark.parametrize("step, used", [(None, True), (2, False)],
+                         ids=["the newest: the copy read ahead", "an older step: its own buffer"])
+def test_a_load_takes_the_copy_read_ahead_for_that_snapshot_alone(local_dir, monkeypatch, device, step, used):
     taken = _Taken(monkeypatch)
     with ckpt.Checkpointer(local_dir=local_dir, persist_every={"local": 1000}) as ck:
         ck.save(2, _state(2, device)).wait()
         ck.save(3, _state(3, device)).wait()
         ck.memory.read_ahead(torch.device(device))
         target = _blank(device)
-        assert ck.restore(target) == 3 and ck.last_restore.tier == "memory"
-        assert _exact(target, _state(3)) and taken.got == [True]
+        assert ck.restore(target, step=step) == (step or 3) and ck.last_restore.tier == "memory"
+        assert _exact(target, _state(step or 3)) and taken.got == [used]
         ck.memory.end_read_ahead()
         assert ck.memory._ahead is None
-
-
-@pytest.mark.parametrize("device", DEVICES)
-def test_a_restore_of_another_step_reads_its_own_buffer(local_dir, monkeypatch, device):
-    taken = _Taken(monkeypatch)
-    with ckpt.Checkpointer(local_dir=local_dir, persist_every={"local": 1000}) as ck:
-        ck.save(2, _state(2, device)).wait()
-        ck.save(3, _state(3, device)).wait()
-        ck.memory.read_ahead(torch.device(device))
-        target = _blank(device)
-        assert ck.restore(target, step=2) == 2 and ck.last_restore.tier == "memory"
-        assert _exact(target, _state(2)) and taken.got == [False]
-        ck.memory.end_read_ahead()
 
 
 def test_a_buffer_that_took_a_newer_snapshot_since_is_read_as_it_is_now(local_dir, monkeypatch):
