@@ -19,7 +19,9 @@ Transport (:class:`Exchange`): small control messages (sizes, the manifest, "rea
 gloo group of the tier's own; the data in pieces, either over the same gloo group straight from and
 into host memory (the default), or, with ``CKPT_PEER_NCCL=1`` in a job with GPUs, over an NCCL group
 of its own on a stream of its own, staged through a small ring of reused device buffers. Both move
-from the sender's host buffer into the holder's segment with no other copy.
+from the sender's host buffer into the holder's segment with no other copy. The holder checks each piece
+as it lands: over gloo on its host's threads, over NCCL on its GPU, in the staging buffer the piece passes
+through (:func:`_checked_on_the_way`), so no host core reads the replica.
 
 Collective contract: every rank exchanges the same steps in the same order. The pipeline gives the
 peer lane a snapshot only when the lane is idle on every rank (the busy flags are agreed at ``save()``),
