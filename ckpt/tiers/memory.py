@@ -387,12 +387,12 @@ class _ReadAhead:
         return data
 
     def end(self) -> None:
+        """Drop the copy (the caching allocator keeps its memory for the training) once the thread is done: a
+        copy still running is never kept (``_run`` keeps its result only while not ended)."""
         with self._lock:
             self._ended = True
             self.data = None
         self._thread.join()
-        with self._lock:
-            self.data = None
 
 
 def _judge(rec: shm.SnapshotRecord, path: Path, bad: int | None) -> None:

@@ -278,20 +278,23 @@ def checked_receive(wire: Exchange, out: torch.Tensor | None, to: int | None, in
         def crc_of(a: int, b: int) -> int:
             return checksum(view[a:b])
     futures = {}
-    with ThreadPoolExecutor(threads, thread_name_prefix="ckpt-peer-crc") as ex:
-        def landed(off: int, k: int) -> None:
-            end = off + k
-            for i in range(off // c, (end // c) if end < n else -(-n // c)):   # the chunks now complete
-                futures[i] = ex.submit(crc_of, i * c, min((i + 1) * c, n))
+    try:
+        with ThreadPoolExecutor(threads, thread_name_prefix="ckpt-peer-crc") as ex:
+            def landed(off: int, k: int) -> None:
+                end = off + k
+                for i in range(off // c, (end // c) if end < n else -(-n // c)):   # the chunks now complete
+                    futures[i] = ex.submit(crc_of, i * c, min((i + 1) * c, n))
 
-        wire.data(out, to, into, frm, in_piece, landed, out_ready)
-        needed = -(-n // c)   # chunks the bytes make
-        for i in range(needed):   # a chunk split across pieces: complete now
-            if i not in futures:
-                futures[i] = ex.submit(crc_of, i * c, min((i + 1) * c, n))
-        bad = [i for i, f in sorted(futures.items()) if i >= len(manifest.chunks) or f.result() != manifest.chunks[i]]
-        bad += list(range(needed, len(manifest.chunks)))   # listed for bytes that do not exist
-    crc_of = view = None   # noqa: F841 - no export of the buffer outlives the call
+            wire.data(out, to, into, frm, in_piece, landed, out_ready)
+            needed = -(-n // c)   # chunks the bytes make
+            for i in range(needed):   # a chunk split across pieces: complete now
+                if i not in futures:
+                    futures[i] = ex.submit(crc_of, i * c, min((i + 1) * c, n))
+            bad = [i for i, f in sorted(futures.items())
+                   if i >= len(manifest.chunks) or f.result() != manifest.chunks[i]]
+            bad += list(range(needed, len(manifest.chunks)))   # listed for bytes that do not exist
+    finally:
+        crc_of = view = None   # noqa: F841 - no export of the buffer outlives the call, nor a traceback of it
     return bad
 
 
@@ -345,7 +348,7 @@ def _checked_on_the_way(wire: Exchange, out: torch.Tensor | None, to: int | None
         wire.data(out, to, into, frm, in_piece, landed, out_ready, on_gpu)
     finally:
         pending.clear()
-    view = None   # noqa: F841 - no export of the buffer outlives the call
+        view = None   # noqa: F841 - no export of the buffer outlives the call, nor a traceback of it
     return [i for i in range(max(len(sums), len(manifest.chunks)))
             if i >= len(sums) or i >= len(manifest.chunks) or sums[i] is None or sums[i] != manifest.chunks[i]]
 
