@@ -10,8 +10,9 @@ Two ranks on this machine (loopback), each with a state of ``--mb`` MB and a fix
 * restore of rank 1 after both processes died and its RAM and disk were wiped: seconds, from the peer tier;
   each rank constructs its Checkpointer, then builds its state (0.5 s at least, as a model build), then
   restores; the construction's seconds and the background adoption of the RAM segments are reported beside.
-  The replaced rank calls restore 1 s after the other (a replaced node comes up after the others, which wait
-  for it in the restore's agreement); then again, rank 1 wiped anew, both calling restore at the same moment.
+  The replaced rank calls restore 1 s after the other (a replaced node's process starts cold and comes to the
+  restore after the others, which wait for it in the restore's agreement); then again, rank 1 wiped anew,
+  both calling restore at the same moment.
 
 With ``--nccl`` (two GPUs): the state lives on each rank's GPU, a step is ``--step-ms`` of GPU matmuls, the
 peer tier moves the data over NCCL (``CKPT_PEER_NCCL=1``: host -> device staging -> NCCL -> device -> host), and
