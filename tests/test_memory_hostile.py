@@ -415,3 +415,64 @@ def test_an_intact_snapshot_is_restored_to_gpu_destinations_either_way(local_dir
         assert ck.restore(target) == 3 and ck.last_restore.tier == "memory"
     assert _exact(_host(target), state)
     assert reads == ([True] if room == "scratch" else [False, True])   # checked, then read, checked and copied
+
+
+# ------------------------------------------------- a reader beside a live owner, host destinations
+
+def _rewritten_once_checked(monkeypatch, buf: Path, rec: Path) -> None:
+    """The owner takes the buffer back right after the reader found its record standing: the record is
+    withdrawn and the buffer rewritten (other bytes), and the reader's check of the record still said yes."""
+    real = shm.still_current
+    calls = []
+
+    def still_current(r):
+        calls.append(1)
+        if len(calls) == 1:
+            ok = real(r)
+            os.unlink(rec)
+            size = buf.stat().st_size
+            with open(buf, "r+b") as f:
+                f.write(os.urandom(size))
+            return ok
+        return real(r)
+
+    monkeypatch.setattr(shm, "still_current", still_current)
+
+
+@pytest.mark.parametrize("room", ["room", "no room"])
+def test_a_host_restore_beside_a_live_owner_that_takes_the_buffer_back_uses_only_checked_bytes(local_dir, monkeypatch,
+                                                                                             room):
+    """A reader beside a live trainer (an evaluation job on the trainer's local_dir) restores into host
+    tensors the snapshot in RAM alone; the trainer takes the buffer back and rewrites it just after the reader
+    found the record standing. What reaches the state is the snapshot every chunk of which passed its check,
+    never the rewritten bytes: with room, a private copy read and checked before the record was asked (the
+    restore is that step's); without room for one, the state is left as it was and the older step restored."""
+    old = _state(2)
+    new = {"a": torch.randn(5, generator=torch.Generator().manual_seed(9)), **_state(3)}
+    segs = _leave_alone(local_dir, {2: old, 3: new})
+    monkeypatch.setattr(memory_mod.MemoryTier, "_live_owner", lambda tier: True)
+    if room == "no room":
+        monkeypatch.setattr(memory_mod, "_scratch", lambda n, dev: (_ for _ in ()).throw(MemoryError("no room")))
+    _rewritten_once_checked(monkeypatch, *segs[3])
+    target = {"a": torch.full((5,), 7.0), "w": torch.zeros(4096), "b": torch.zeros(7)}
+    with ckpt.Checkpointer(local_dir=local_dir) as ck:
+        step = ck.restore(target, strict=False)
+    if room == "room":
+        assert step == 3 and _exact(target, new)
+    else:   # the check-only pass, then the record gone: nothing copied, the older step restored
+        assert step == 2 and torch.equal(target["a"], torch.full((5,), 7.0))
+        assert _exact({"w": target["w"], "b": target["b"]}, old)
+
+
+def test_a_live_owner_is_the_lock_holder_of_the_segments_local_dir(local_dir):
+    _leave_alone(local_dir, {3: _state(3)})
+    reader = ckpt.Checkpointer(local_dir=local_dir)
+    assert not reader.memory._live_owner()   # nobody holds local_dir: the segment is read from its mapping
+    owner = ckpt.Checkpointer(local_dir=local_dir)
+    owner._own_local()
+    try:
+        assert reader.memory._live_owner()
+    finally:
+        owner.close(keep_memory=True)
+    assert not reader.memory._live_owner()
+    reader.close(keep_memory=True)

@@ -249,18 +249,21 @@ class MemoryTier(Tier):
     def _load_segment(self, rec: shm.SnapshotRecord, dest: list[torch.Tensor | None] | None) -> None:
         """Check, then copy (``dest``), the snapshot of ``rec`` in a segment a previous process left: nothing is
         copied into ``dest`` before every chunk passed its checksum and the record was found still standing, so a
-        snapshot that fails its checks leaves ``dest`` as it was. Host destinations are copied from a mapping of
-        the segment; destinations on a GPU through :func:`_to_gpu` (which says what remains open where the GPU
-        has no room). Raises what :func:`_judge` raises."""
+        snapshot that fails its checks leaves ``dest`` as it was. Destinations on a GPU, and host ones while a
+        live process owns the segment's local tier (it may take the buffer back and rewrite it meanwhile), get a
+        private copy checked before any of it is used (:func:`_checked_copy`, which says what remains open
+        where there is no room for one); host destinations with no live owner beside are copied from a mapping
+        of the segment once every chunk passed there (nobody writes it). Raises what :func:`_judge` raises."""
         path = Path(rec.path).with_name(rec.buffer)
         sc = Scatter(rec.manifest.items, dest) if dest is not None else None
-        if sc is not None and sc.to_device:
+        if sc is not None and (sc.to_device or self._live_owner()):
             fd = shm.open_for_read(path, rec.manifest.data_bytes)
             try:
-                bad = _to_gpu(rec, fd, sc, _gpu_of(dest))
+                bad, copied = _checked_copy(rec, fd, sc, _gpu_of(dest))
             finally:
                 os.close(fd)
-            _judge(rec, path, bad)
+            if not copied:   # copied: every byte of it checked while its record stood, whatever happens now
+                _judge(rec, path, bad)
             return
         seg = shm.Segment.open(path, rec.manifest.data_bytes, writable=False)
         try:
@@ -271,6 +274,11 @@ class MemoryTier(Tier):
             _judge(rec, path, bad)
         finally:
             seg.release()
+
+    def _live_owner(self) -> bool:
+        """Whether a live process (this one included) owns the local tier these segments belong to."""
+        from .local import owned
+        return self.space is not None and owned(self.space.local_dir)
 
     # -- reading ahead ----------------------------------------------------------------------------
     def read_ahead(self, device: torch.device) -> None:
@@ -410,40 +418,47 @@ def _judge(rec: shm.SnapshotRecord, path: Path, bad: int | None) -> None:
                           "was read")
 
 
-def _to_gpu(rec: shm.SnapshotRecord, fd: int, sc: Scatter, device: torch.device | None) -> int | None:
-    """Copy the snapshot of ``rec`` (``fd``: its segment) to ``sc``'s destinations, some on a GPU, none of them
-    written before every chunk passed its checksum. The chunks are read and checked (:func:`_to_device`) into a
-    scratch buffer of the snapshot's size on ``device`` (a destination's GPU), then, when every one passed and
-    the record still stands, copied from there into place device to device; the scratch buffer goes back to
-    the caching allocator. Where ``device`` has no room for it, two passes over the segment: the first reads
-    and checks every chunk and copies nothing; only when all passed and the record still stands, the second
-    reads them again, checks each again and copies it. A segment that changes between or during the two
-    passes (its owner took it back and rewrote it) is found by the second pass's checks, or by :func:`_judge`
-    from its record, and refused, but the chunks the second pass copied before the change stay in
-    ``dest``: the one window this way leaves. Returns the first chunk that failed (``None``: none did)."""
+def _checked_copy(rec: shm.SnapshotRecord, fd: int, sc: Scatter,
+                  device: torch.device | None) -> tuple[int | None, bool]:
+    """Copy the snapshot of ``rec`` (``fd``: its segment) to ``sc``'s destinations, none of them written before
+    every chunk passed its checksum. The chunks are read and checked (:func:`_to_device`) into a scratch buffer
+    of the snapshot's size on ``device`` (a destination's GPU; ``None``: host memory), then, when every one
+    passed and the record still stands, copied from there into place; the scratch buffer goes back to the
+    allocator. Where there is no room for it (the GPU's memory; host memory, where less than the snapshot and
+    a quarter more is available), two passes over the segment: the first reads and checks every chunk and
+    copies nothing; only when all passed and the record still stands, the second reads them again, checks
+    each again and copies it. A segment that changes between or during the two passes (its owner took it back
+    and rewrote it) is found by the second pass's checks, or by :func:`_judge` from its record, and refused,
+    but the chunks the second pass copied before the change stay in ``dest``: the one window this way
+    leaves. Returns the first chunk that failed (``None``: none did) and whether the whole snapshot was copied
+    into place (then it is the committed one: its owner withdraws a record before it writes the buffer again,
+    and the record stood once every chunk had passed)."""
     manifest = rec.manifest
     try:
         scratch = _scratch(manifest.data_bytes, device)
-    except torch.cuda.OutOfMemoryError:
+    except (torch.cuda.OutOfMemoryError, MemoryError):
         log.info("no room for %d bytes on %s to check the memory tier's snapshot of step %d in: every chunk is "
-                 "checked first, then read, checked and copied again", manifest.data_bytes, device, rec.step)
+                 "checked first, then read, checked and copied again", manifest.data_bytes, device or "the host",
+                 rec.step)
         bad = _to_device(manifest, fd, None)
         if bad is not None or not shm.still_current(rec):
-            return bad
-        return _to_device(manifest, fd, sc)
+            return bad, False
+        bad = _to_device(manifest, fd, sc)   # every chunk checked again as it is copied
+        return bad, bad is None
     log.info("the memory tier's snapshot of step %d is checked in %d bytes on %s before it is copied into place",
              rec.step, manifest.data_bytes, scratch.device)
     whole = Scatter([ItemRecord("", "uint8", [manifest.data_bytes], scratch.device.type, 0, manifest.data_bytes)],
                     [scratch])
     try:
         bad = _to_device(manifest, fd, whole)
-        if bad is None and shm.still_current(rec):
-            sc.open_streams()
-            try:
-                sc.copy(scratch, 0)
-            finally:
-                sc.synchronize()
-        return bad
+        if bad is not None or not shm.still_current(rec):
+            return bad, False
+        sc.open_streams()
+        try:
+            sc.copy(scratch, 0)
+        finally:
+            sc.synchronize()
+        return None, True
     finally:
         del whole, scratch   # every copy out of it has landed: the allocator may hand it out again
 
@@ -454,7 +469,13 @@ def _gpu_of(dest: list[torch.Tensor | None]) -> torch.device | None:
 
 
 def _scratch(nbytes: int, device: torch.device | None) -> torch.Tensor:
-    """A buffer of ``nbytes`` on ``device`` to check a snapshot in (``torch.cuda.OutOfMemoryError``: no room)."""
+    """A buffer of ``nbytes`` on ``device`` (``None``: host memory) to check a snapshot in
+    (``torch.cuda.OutOfMemoryError`` / ``MemoryError``: no room; in host memory, where less than ``nbytes``
+    and a quarter more is available, so a restore never pushes the node into swapping or its OOM killer)."""
+    if device is None:
+        import psutil
+        if psutil.virtual_memory().available < nbytes + nbytes // 4:
+            raise MemoryError(f"{nbytes} bytes of host memory to check a snapshot in")
     return torch.empty(nbytes, dtype=torch.uint8, device=device)
 
 
@@ -464,7 +485,7 @@ def _to_device(manifest: Manifest, fd: int, sc: Scatter | None) -> int | None:
     of another process's file), its checksum checked there, then sent to the device on a side stream
     while the next chunks are read and checked, on ``CKPT_IO_THREADS`` threads. A chunk that fails is
     not copied, but those before it may have been: a caller that must leave the destinations as they were
-    copies into a buffer of its own (:func:`_to_gpu`). ``sc=None``: every chunk is read and checked, and
+    copies into a buffer of its own (:func:`_checked_copy`). ``sc=None``: every chunk is read and checked, and
     nothing copied. Returns the first chunk that failed its checksum (``None``: none did)."""
     chunk = manifest.chunk_bytes
     n = len(manifest.chunks)
