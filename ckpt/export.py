@@ -142,7 +142,8 @@ def export(source: str | os.PathLike, dest: str | os.PathLike, *, format: str = 
         tree = src.manifests[0].tree
         node, base = _select(tree, key, src.where)
         plan = _Plan(src.manifests[0])
-        built = plan.walk(node, base, root=node is tree)
+        built = _bare_keys(plan.walk(node, base, root=node is tree))
+        plan.bare_names()
         if len(src.manifests) == 1:
             _check_whole(plan, src)
         if format != "torch":
@@ -377,6 +378,28 @@ def _children(node: Any) -> dict[str, Any]:
     return {k: v for k, v in node.items() if not k.startswith("$")}
 
 
+def _bare(key: str) -> str:
+    """A module's state-dict ``key`` without ``torch.compile``'s ``_orig_mod`` components (``"_orig_mod.0.weight"``,
+    ``"layers.0._orig_mod.weight"``), as the uncompiled module names it."""
+    parts = key.split(".")
+    kept = [p for p in parts if p != "_orig_mod"]
+    return ".".join(kept) if kept and len(kept) < len(parts) else key
+
+
+def _bare_keys(node: Any) -> Any:
+    """``node`` (what the torch format writes) with each mapping's keys :func:`_bare` where no two become one."""
+    if isinstance(node, list):
+        return [_bare_keys(v) for v in node]
+    if isinstance(node, tuple):
+        return tuple(_bare_keys(v) for v in node)
+    if not isinstance(node, dict):
+        return node
+    keys = [_bare(k) if isinstance(k, str) else k for k in node]
+    if len(set(keys)) < len(keys):
+        keys = list(node)
+    return {k: _bare_keys(v) for k, v in zip(keys, node.values())}
+
+
 @dataclass
 class _Tensor:
     name: str            # the exported name: its path under the selected key
@@ -424,6 +447,16 @@ class _Plan:
         if name in self.values:
             self.clashes.append(name)
         self.values[name] = value
+
+    def bare_names(self) -> None:
+        """Name the tensors as the plain modules name them: checkpoints written before a module's state was
+        stored under its unwrapped keys carry ``torch.compile``'s ``_orig_mod`` components in them
+        (:func:`_bare`). Left as they are where that would give two tensors, or a tensor and a value, one name."""
+        bare = ["/".join(_bare(part) for part in t.name.split("/")) for t in self.tensors]
+        names = [t.name for t in self.tensors]
+        if bare != names and len(set(bare)) == len(bare) and not set(bare) & set(self.values):
+            for t, b in zip(self.tensors, bare):
+                t.name = b
 
     def _name(self, path: str) -> str:
         if self._base and path.startswith(self._base + "/"):

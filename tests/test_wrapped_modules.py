@@ -85,6 +85,36 @@ def test_a_checkpoint_written_with_wrapper_components_in_its_keys_still_restores
     assert all(torch.equal(want[k], got[k]) for k in want)
 
 
+@pytest.mark.parametrize("saved", ["compiled", "per-block"])
+def test_a_checkpoint_written_with_wrapper_components_exports_under_the_plain_names(tmp_path, local_dir, monkeypatch,
+                                                                                   saved):
+    """Such a checkpoint exports as the plain model names its tensors (safetensors and the torch format), so
+    ``load_state_dict`` of an uncompiled model and Hugging Face's loaders take it."""
+    src = _wrap(_net(0), saved)
+    with monkeypatch.context() as m:   # how checkpoints were written before: the module's own keys
+        m.setattr(plan, "_module_sd", lambda module, sd, wrappers=None: (sd, {}))
+        with ckpt.Checkpointer(local_dir=local_dir) as ck:
+            ck.save(1, {"model": src, "note": "x"}).wait()
+    from safetensors.torch import load_file
+    ckpt.export(local_dir, tmp_path / "st", format="safetensors")
+    names = set(load_file(tmp_path / "st" / "model.safetensors"))
+    assert names == {f"model/{k}" for k in _net().state_dict()}, names
+    ckpt.export(local_dir, tmp_path / "pt", format="torch", key="model")
+    out = torch.load(tmp_path / "pt")   # the torch format: one file
+    plain = _net(1)
+    plain.load_state_dict(out)   # strict: every key the plain model's
+    want = _plain(src)
+    assert all(torch.equal(plain.state_dict()[k], want[k]) for k in want)
+
+
+def test_export_leaves_names_that_would_become_one_as_they_are():
+    from ckpt.export import _bare, _bare_keys
+    assert _bare("_orig_mod.0.weight") == "0.weight" and _bare("layers.3._orig_mod.bias") == "layers.3.bias"
+    assert _bare("_orig_mod") == "_orig_mod" and _bare("a_orig_mod.b") == "a_orig_mod.b"
+    both = {"_orig_mod.w": 1, "w": 2}   # two keys that would become one: kept
+    assert _bare_keys({"m": both, "n": [{"_orig_mod.x": 3}]}) == {"m": both, "n": [{"x": 3}]}
+
+
 def test_strict_false_with_a_compiled_target_takes_the_common_keys(local_dir):
     src = _net(0)
     with ckpt.Checkpointer(local_dir=local_dir) as ck:
