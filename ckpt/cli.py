@@ -51,14 +51,18 @@ def _json_object(text: str) -> str:
 
 def _tier(path: str, storage_options: str | None = None):
     """The local tier at ``path``, or the remote tier when ``path`` is a URL (``s3://``, ``file://`` ...).
+    A ``file://`` URL of a local tier's directory (a Checkpointer's ``local_dir``) is that local tier: listed,
+    verified and pruned as one, and pruned only under its owner lock.
 
     A directory that does not exist is an error (never created by a command that only reads or prunes)."""
     from .tiers import LocalTier, RemoteTier
+    from .tiers.remote import local_tier_dir
 
     if "://" in path:
         opts = json.loads(storage_options) if storage_options else None
         _must_exist(path, opts)
-        return RemoteTier(path, opts)
+        local = local_tier_dir(path, opts)
+        return LocalTier(local) if local is not None else RemoteTier(path, opts)
     if not os.path.isdir(path):
         raise FileNotFoundError(errno.ENOENT, "no such checkpoint directory (local_dir)", path)
     return LocalTier(path)
@@ -154,7 +158,7 @@ def _ls(args: argparse.Namespace) -> int:
         from .stage import HostPool
         from .tiers.memory import MemoryTier, space_for
 
-        space = space_for(args.dir, 0)
+        space = space_for(str(tiers[0].root), 0)
         if space is not None:
             tiers.insert(0, MemoryTier(HostPool(1, None, pin=False), space))
     if args.url is not None:

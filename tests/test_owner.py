@@ -9,6 +9,7 @@ owner. Readers (``ckpt ls/verify/inspect``, a Checkpointer that only restores) n
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -185,3 +186,29 @@ def test_a_restore_from_the_remote_tier_writes_nothing_into_a_live_owners_local_
         with ckpt.Checkpointer(local_dir=local_dir) as trainer:   # the reader does not keep the directory
             trainer.save(10, state(10.0)).wait()
     assert _holds(local_dir, 9) == 9.0 and _holds(local_dir, 10) == 10.0   # 9 was refilled
+
+
+def test_a_file_url_of_an_owned_local_dir_is_that_local_tier(local_dir, owner, tmp_path, capsys):
+    """``file://`` + a local tier's directory is that local tier to the commands: listed and verified as one,
+    and gc refused while its owner lives (a remote tier there found none of the local steps valid, and pruned
+    without the owner's lock). A Checkpointer's remote tier there, or a promote to it, is refused outright."""
+    url = f"file://{local_dir}"
+    before = _files(local_dir)
+    capsys.readouterr()
+    assert cli(["ls", url, "--json"]) == 0
+    assert [r["step"] for r in json.loads(capsys.readouterr().out)] == [5]
+    assert cli(["verify", url]) == 0
+    try:
+        status = cli(["gc", url, "--keep", "1"])
+    except ckpt.LockedError:
+        status = "refused"
+    assert status != 0
+    assert _files(local_dir) == before
+    with pytest.raises(ValueError):
+        ckpt.Checkpointer(url, local_dir=tmp_path / "elsewhere")
+    (tmp_path / "other").mkdir()
+    with ckpt.Checkpointer(local_dir=tmp_path / "other") as ck:
+        ck.save(7, state(7.0)).wait()
+    with pytest.raises(ValueError):
+        ckpt.promote(7, "remote", local_dir=tmp_path / "other", url=url)
+    assert _files(local_dir) == before

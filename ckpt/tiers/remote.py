@@ -74,7 +74,7 @@ from ..integrity import checksum
 from ..policy import Committed, Retention, Timeline, TimelineCopies
 from ..scatter import Scatter
 from .base import PersistingTier, StepInfo, register
-from .local import linked, remove_step_dir
+from .local import LOCK_NAME, linked, remove_step_dir
 
 __all__ = ["RemoteTier", "RemoteStatus"]
 
@@ -93,6 +93,28 @@ def is_local_fs(fs: Any) -> bool:
     page cache between a write and the disk)."""
     protocols = (fs.protocol,) if isinstance(fs.protocol, str) else tuple(fs.protocol)
     return any(p in ("file", "local") for p in protocols)
+
+
+def local_tier_dir(url: str, storage_options: dict[str, Any] | None = None) -> str | None:
+    """The directory of ``url`` when it is a ``file://`` URL of a local tier's directory (one a Checkpointer's
+    ``local_dir`` made: it holds the owner lock file, whatever else it holds), else ``None``."""
+    import fsspec
+
+    fs, root = fsspec.core.url_to_fs(url, **(storage_options or {}))
+    if is_local_fs(fs) and os.path.lexists(os.path.join(root, LOCK_NAME)):
+        return root
+    return None
+
+
+def refuse_local_tier_dir(url: str, root: str) -> None:
+    """Raise ``ValueError`` where the remote tier's directory ``root`` (of ``url``, on the local file system)
+    is a local tier's: the two tiers lay out a step differently, so a remote tier there would find none of
+    the local steps valid, and would write and prune its own steps beside a live owner's without its lock."""
+    if os.path.lexists(os.path.join(root, LOCK_NAME)):
+        raise ValueError(
+            f"{url} is a local tier's directory (it holds {LOCK_NAME}, made by a Checkpointer with local_dir "
+            f"{root}), whose layout is not the remote tier's: pass it as local_dir=, or to the ckpt commands as "
+            "a path rather than a URL; a remote tier needs a directory of its own")
 
 
 def refuse_overlap(local_dir: str | os.PathLike, url: str, fs: Any, root: str) -> None:
@@ -246,6 +268,8 @@ class RemoteTier(PersistingTier, TimelineCopies):
         self.store: Store = resolve(url, self._options)   # the client (backend) serving the URL: ckpt.fs
         self.fs, self.root, self._probe_fs = self.store.fs, self.store.root, self.store.probe_fs
         self._local_fs = is_local_fs(self.fs)
+        if self._local_fs:
+            refuse_local_tier_dir(url, self.root)
         self.status = RemoteStatus()
         failure = self.probe()   # raises when the store answers that this tier cannot work
         if failure is not None:
