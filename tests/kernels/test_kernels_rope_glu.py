@@ -206,3 +206,35 @@ def test_packed_mlp_module(activation, act):
     assert set(mlp.state_dict()) == {"gate_up_proj.weight", "down_proj.weight"}
     with pytest.raises(ValueError, match="activation"):
         PackedGLUMLP(gate_up, down, "relu")
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["separate", "packed"])
+def test_geglu_keeps_its_relative_precision_where_tanh_saturates(packed):
+    """For a gate of -3 to -9, gelu_tanh and its derivative are tiny differences ``1 + tanh(u)`` and
+    ``1 - tanh(u)^2`` of numbers near 1; evaluated as such in fp32 they kept ~6e-8 of absolute error (0.2%
+    of the value at -4, all of it past -6). In fp32 each element must be within 1e-4 of its float64 value
+    relative to itself (what is left is the rounding of u itself, ~1e-5)."""
+    a = torch.linspace(-9.0, -3.0, 4096, device=DEVICE)
+    b = torch.full_like(a, 1.5)
+    k = (2.0 / torch.pi) ** 0.5
+    a64 = a.double()
+    # float64 cancels too past -6 (1 + tanh(-33) is 0 there): 0.5 (1 + tanh u) and 1 - tanh^2 u written
+    # as the sigmoids they equal
+    u2 = 2.0 * k * (a64 + 0.044715 * a64 ** 3)
+    half_1p_t, one_m_t2 = torch.sigmoid(u2), 4.0 * torch.sigmoid(u2) * torch.sigmoid(-u2)
+    want = a64 * half_1p_t * 1.5
+    want_da = (half_1p_t + 0.5 * a64 * one_m_t2 * k * (1.0 + 3 * 0.044715 * a64 ** 2)) * 1.5
+    x = a.clone().requires_grad_(True)
+    y = b.clone().requires_grad_(True)
+    if packed:   # gate and up are the two halves of the last dimension
+        xy = torch.cat([a, b]).reshape(1, -1).clone().requires_grad_(True)
+        out = geglu_packed(xy)
+        out.backward(torch.ones_like(out))
+        da = xy.grad[0, :4096]
+    else:
+        out = geglu(x, y)
+        out.backward(torch.ones_like(out))
+        da = x.grad
+    for name, got, ref in (("gelu_tanh(a) * b", out.reshape(-1), want), ("d/da", da, want_da)):
+        rel = ((got.double() - ref).abs() / ref.abs()).max().item()
+        assert rel < 1e-4, f"{name}: largest relative error {rel:.2e}"
