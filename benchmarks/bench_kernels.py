@@ -542,59 +542,6 @@ def _hbm_pct(row: dict[str, Any], copy_bw: float) -> float:
     return 100.0 * row["min_bytes"] / (row["graph_ms"] / 1e3) / copy_bw
 
 
-#: (columns per program, warps) tried by ``--ce-split-sweep``: 8, 16 or 32 columns a thread (none of
-#: these spill registers at sm_90), 1 KB to 32 KB of bf16 logits a program
-SPLIT_CONFIGS = [(b, w) for b in (1024, 2048, 4096, 8192, 16384) for w in (2, 4, 8, 16, 32)
-                 if 8 <= b // (32 * w) <= 32]
-
-
-def ce_split_sweep(copy_bw: float, rep_ms: int, vocabs: list[int], tokens: int = 8192) -> list[dict[str, Any]]:
-    """The cross-entropy's two kernels at each vocabulary: the row kernel (``split=False``) and the split
-    kernel at each of ``SPLIT_CONFIGS`` and at its tuned default (``split=True``), each checked against the
-    row kernel (loss and gradient) and timed as one CUDA-graph replay of the loss + gradient launch."""
-    import triton.testing
-
-    from ckpt.kernels.cross_entropy import launch_ce
-
-    rows = []
-    for v in vocabs:
-        x = torch.randn(tokens, v, device="cuda", dtype=torch.bfloat16) * 4
-        t = torch.randint(0, v, (tokens,), device="cuda")
-        t[::17] = -100
-        scale = torch.full((1,), 1.0 / tokens, device="cuda")
-        ref_loss = torch.empty(tokens, device="cuda")
-        ref_grad = torch.empty_like(x)
-        launch_ce(x, t, ref_loss, ref_grad, scale, -100, 0.0, 0.0, split=False)
-        for split in [False, True] + SPLIT_CONFIGS:
-            loss = torch.empty(tokens, device="cuda")
-            grad = torch.empty_like(x)
-
-            def go():
-                launch_ce(x, t, loss, grad, scale, -100, 0.0, 0.0, split=split)
-            go()
-            torch.cuda.synchronize()
-            err_loss = (loss - ref_loss).abs().max().item()
-            err_grad = (grad.float() - ref_grad.float()).abs().max().item()
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g):
-                go()
-            ms = triton.testing.do_bench(g.replay, warmup=10, rep=rep_ms, return_mode="median")
-            del g
-            pct = 100.0 * 2 * _nbytes(x) / (ms / 1e3) / copy_bw
-            name = "row kernel" if split is False else ("split (tuned)" if split is True else f"split {split}")
-            print(f"  V={v:7d} {name:24s} {ms:7.3f} ms {pct:6.1f} % HBM  max |dloss| {err_loss:.1e} "
-                  f"max |dgrad| {err_grad:.1e}", flush=True)
-            rows.append({"case": f"cross_entropy {tokens}x{v} {name}", "provider": "ours", "metric":
-                         "loss_and_grad_graph_replay_median", "value": ms, "unit": "ms",
-                         "note": f"ce-split-sweep; {pct:.1f}% of the copy rate {copy_bw / 1e9:.0f} GB/s for "
-                                 f"{2 * _nbytes(x) / 1e6:.0f} MB; max |dloss| {err_loss:.1e}, max |dgrad| "
-                                 f"{err_grad:.1e} vs the row kernel"})
-            del loss, grad
-        del x, ref_grad
-        torch.cuda.empty_cache()
-    return rows
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--only", nargs="*", choices=KERNELS, help="kernels to run (default all)")
@@ -611,9 +558,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU (Triton interpreter)")
     ap.add_argument("--graph", action="store_true",
                     help="also time one CUDA-graph replay of fwd+bwd (GPU time without host overhead)")
-    ap.add_argument("--ce-split-sweep", nargs="*", type=int, default=None, metavar="V",
-                    help="only time cross-entropy's row kernel against its split kernel's configurations at "
-                         "these vocabularies (default 65536 128256 151936 262144), 8192 tokens")
     args = ap.parse_args(argv)
 
     dev = "cpu" if args.smoke else "cuda"
@@ -627,17 +571,9 @@ def main(argv: list[str] | None = None) -> int:
           f"{'yes' if HAS_LIGER else 'no (' + LIGER_ERROR + ')'}  cce: "
           f"{'yes' if HAS_CCE else 'no (' + CCE_ERROR + ')'}", flush=True)
 
-    copy_bw = copy_bandwidth() if dev == "cuda" and (args.graph or args.ce_split_sweep is not None) else None
+    copy_bw = copy_bandwidth() if dev == "cuda" and args.graph else None
     if copy_bw:
         print(f"device copy bandwidth: {copy_bw / 1e9:.0f} GB/s (read + write, CUDA graph)", flush=True)
-    if args.ce_split_sweep is not None:
-        if dev != "cuda":
-            print("bench_kernels: --ce-split-sweep needs a CUDA GPU", file=sys.stderr)
-            return 2
-        rows = ce_split_sweep(copy_bw, max(50, args.rep_ms // 2), args.ce_split_sweep or [65536, 128256, 151936,
-                                                                                          262144])
-        print(f"csv: {record('bench_kernels', rows, args.csv)}")
-        return 0
     main_rows: list[dict[str, Any]] = []
     for k in kernels if not args.sweep_only else []:
         size = SMOKE_SIZE[k] if args.smoke else MAIN_SIZE[k]

@@ -45,6 +45,8 @@ CE_SHAPES = [
     pytest.param((1, 5), DEVICE, id="1x5"),
     pytest.param((9, 37), DEVICE, id="9x37"),
     pytest.param((17, 1000), DEVICE, id="17x1000"),
+    # three blocks of 16384 columns, the last of 232: pass 2 walks them last first
+    pytest.param((3, 33000), DEVICE, id="3x33000"),
     gpu_param((8192, 128256), "cuda", id="8192x128256"),
     gpu_param((1000, 32001), "cuda", id="1000x32001"),
 ]
