@@ -35,7 +35,7 @@ import torch
 
 from .integrity import checksum
 
-__all__ = ["BLOCK", "usable", "chunk_checksums", "start", "Pending", "ready", "warm"]
+__all__ = ["BLOCK", "usable", "chunk_checksums", "startable", "start", "Pending", "ready", "warm"]
 
 log = logging.getLogger(__name__)
 
@@ -203,12 +203,18 @@ def _to_host(t: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def startable(device: torch.device, chunk_bytes: int) -> bool:
+    """Whether :func:`start` can check chunks of ``chunk_bytes`` on ``device``: one where :func:`warm` made the
+    Triton kernel :func:`ready`, and a chunk size that is a multiple of :data:`BLOCK` the kernel's lanes divide."""
+    return chunk_bytes > 0 and chunk_bytes % BLOCK == 0 and ready(device) and _lane_bytes(chunk_bytes) is not None
+
+
 def start(data: torch.Tensor, chunk_bytes: int) -> Pending:
     """Queue the CRC-32C of each chunk of ``data`` (a tensor :func:`usable` accepts, on a GPU where
     :func:`ready`) on its current stream and return at once, without waiting for the GPU; read the values
     with :meth:`Pending.values`. Raises ``ValueError`` where the Triton kernel cannot check ``data`` (not
     ready there, or a chunk size it cannot take): :func:`chunk_checksums` takes any."""
-    if not (usable(data, chunk_bytes) and ready(data.device) and _lane_bytes(chunk_bytes) is not None):
+    if not (usable(data, chunk_bytes) and startable(data.device, chunk_bytes)):
         raise ValueError(f"device_crc.start: the Triton kernel cannot check this tensor ({data.dtype}, shape "
                          f"{tuple(data.shape)}, on {data.device}, ready there: {ready(data.device)}) in chunks of "
                          f"{chunk_bytes} bytes; use chunk_checksums")

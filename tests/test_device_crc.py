@@ -289,11 +289,16 @@ def test_a_triton_kernel_that_disagrees_with_the_tensor_operations_are_not_used(
 
 
 def test_start_refuses_what_the_triton_kernel_cannot_check(monkeypatch):
+    """And :func:`startable` says so beforehand, for the same reasons."""
     data = torch.zeros(4 * B, dtype=torch.uint8)
+    cpu = torch.device("cpu")
     monkeypatch.setitem(device_crc._kernels_ready, "cpu", False)
+    assert not device_crc.startable(cpu, 2 * B)
     with pytest.raises(ValueError):   # not ready on the device
         device_crc.start(data, 2 * B)
     monkeypatch.setitem(device_crc._kernels_ready, "cpu", True)
+    assert device_crc.startable(cpu, 2 * B)
+    assert not device_crc.startable(cpu, B + 4) and not device_crc.startable(cpu, 0)
     with pytest.raises(ValueError):   # a chunk no lane size divides
         device_crc.start(data, B + 4)
     with pytest.raises(ValueError):   # not a flat uint8 tensor

@@ -304,7 +304,7 @@ def _checked_in_staging(wire: Exchange, into: torch.Tensor, in_piece: int, c: in
     chunk lies within one piece."""
     dev = wire.device
     return (dev is not None and dev.type == "cuda" and into.device.type == "cpu" and in_piece % c == 0
-            and c % device_crc.BLOCK == 0 and device_crc.ready(dev) and device_crc._lane_bytes(c) is not None)
+            and device_crc.startable(dev, c))
 
 
 def _checked_on_the_way(wire: Exchange, out: torch.Tensor | None, to: int | None, into: torch.Tensor,
