@@ -212,3 +212,44 @@ def test_a_file_url_of_an_owned_local_dir_is_that_local_tier(local_dir, owner, t
     with pytest.raises(ValueError):
         ckpt.promote(7, "remote", local_dir=tmp_path / "other", url=url)
     assert _files(local_dir) == before
+
+
+def test_an_owner_whose_lock_file_is_removed_takes_it_again(local_dir):
+    """The lock is on the file at local_dir/.ckpt-lock: removed by hand, it no longer keeps a second writer
+    out. The owner finds that out before its next write and takes the name again."""
+    with ckpt.Checkpointer(local_dir=local_dir) as ck:
+        ck.save(1, state(1.0)).wait()
+        (local_dir / ".ckpt-lock").unlink()
+        ck.save(2, state(2.0)).wait()
+        assert (local_dir / ".ckpt-lock").is_file()
+        with pytest.raises(ckpt.LockedError):   # held again: a second writer is refused
+            ckpt.Checkpointer(local_dir=local_dir).save(3, state(3.0))
+        env = dict(os.environ, PYTHONPATH=f"{HERE}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+        out = subprocess.run([sys.executable, "-c", "import sys; from ckpt.tiers.local import owned; "
+                              "print(owned(sys.argv[1]))", str(local_dir)], capture_output=True, text=True, env=env)
+        assert out.stdout.split() == ["True"], out.stderr
+    assert _holds(local_dir, 2) == 2.0 and _holds(local_dir, 1) == 1.0
+
+
+def test_an_owner_whose_lock_another_process_took_stops_writing(local_dir, tmp_path):
+    """Lock file removed, then another process made a new one and saved: the first owner's next save is
+    refused before anything it wrote becomes visible, and the other process's step is untouched."""
+    first = ckpt.Checkpointer(local_dir=local_dir, keep=ckpt.Retention(local=1))
+    try:
+        first.save(1, state(1.0)).wait()
+        (local_dir / ".ckpt-lock").unlink()
+        env = dict(os.environ, PYTHONPATH=f"{HERE}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+        proc = subprocess.Popen([sys.executable, str(HERE / "owner_worker.py"), str(local_dir), "hold"],
+                                stdout=subprocess.PIPE, text=True, env=env)
+        try:
+            assert proc.stdout.readline().split()[0] == "saved"
+            with pytest.raises(ckpt.LockedError):
+                first.save(6, state(6.0)).wait()
+            assert not (local_dir / "step-000000006").exists()
+            assert (local_dir / "step-000000005").is_dir()   # not pruned by the first owner's retention
+        finally:
+            proc.kill()
+            proc.wait()
+        assert _holds(local_dir, 5) == 1.0
+    finally:
+        first.close()

@@ -82,6 +82,7 @@ class LocalTier(PersistingTier, TimelineCopies):
         self.verified: dict[int, bool] = {}
         self.timeline = Timeline()   # what a fresh write's COMMIT records (the Checkpointer sets it)
         self._copying: dict[int, Timeline] = {}
+        self.owner: OwnerLock | None = None   # this directory's lock, once acquire_owner took it
         self.root.mkdir(parents=True, exist_ok=True)
 
     # -- listing ----------------------------------------------------------------------------------
@@ -208,6 +209,7 @@ class LocalTier(PersistingTier, TimelineCopies):
             commit = rank_record(step, self.rank, self.world_size, raw, manifest.data_bytes,
                                  self._copying.get(step, self.timeline))
             publish(DirSink(stage), [(manifest_name(self.rank), raw)], commit.to_bytes())
+            self._still_owner()
             self._switch(step, stage, d)   # the checkpoint exists (or is replaced) from here on
             self.verified[step] = True
         except _SourceError as e:   # the bytes could not be had (a download failed): not the disk's fault
@@ -325,8 +327,15 @@ class LocalTier(PersistingTier, TimelineCopies):
         :class:`~ckpt.errors.LockedError` when another live Checkpointer, here or in another process,
         owns it. A subclass whose root holds no steps of its own may return ``None``."""
         lock = OwnerLock.acquire(self.root)
+        self.owner = lock
         self._sweep()
         return lock
+
+    def _still_owner(self) -> None:
+        """Before a change the directory's readers can see (a step switched into place, a step deleted): the
+        owner lock, where this tier holds one, still keeps other writers out (:meth:`OwnerLock.reassert`)."""
+        if self.owner is not None:
+            self.owner.reassert()
 
     def _write_data(self, path: Path, size: int, chunk: int, get: Callable[[int], bytes | memoryview]) -> list[int]:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
@@ -384,6 +393,7 @@ class LocalTier(PersistingTier, TimelineCopies):
 
         Never through a symbolic link: a linked step raises ``OSError(ELOOP)`` (see :func:`remove_step_dir`).
         """
+        self._still_owner()
         self.verified.pop(step, None)
         remove_step_dir(self.root, step_dir_name(step))
 
@@ -823,6 +833,40 @@ class OwnerLock:
     @property
     def held(self) -> bool:
         return self._fd is not None
+
+    def reassert(self) -> None:
+        """Make sure the lock still keeps other writers out, before this owner changes the directory.
+
+        The lock is on the file at ``root/.ckpt-lock``; a file removed or replaced by hand (a tidy-up
+        script, ``rm -rf local_dir/.*``) leaves this owner holding a lock nobody else can see, and a second
+        process would lock a new file of the same name and write beside it. Where the name no longer leads
+        to the locked file, the owner takes the name again (logged as an error); where another live process
+        already holds the new file, this raises :class:`~ckpt.errors.LockedError` and this owner holds
+        nothing (``held`` is false): two processes wrote the directory, and this one stops."""
+        with _held_guard:
+            fd = self._fd
+            if fd is None:
+                return
+            path = self.root / LOCK_NAME
+            mine = os.fstat(fd)
+            try:
+                st = os.stat(path, follow_symlinks=False)
+                if (st.st_dev, st.st_ino) == (mine.st_dev, mine.st_ino):
+                    return
+                what = "replaced by another file"
+            except FileNotFoundError:
+                what = "removed"
+            log.error("the owner lock %s of this process (pid %d) was %s: taking it again, so that no other "
+                      "process writes %s beside this one (never remove %s while a Checkpointer uses the "
+                      "directory)", path, os.getpid(), what, self.root, LOCK_NAME)
+            if _held.get(self._key) is self:
+                del _held[self._key]
+            self._fd = None
+            os.close(fd)
+            new = OwnerLock.acquire(self.root)   # LockedError: another live process took the name meanwhile
+            del _held[new._key]
+            self._fd, self._key, new._fd = new._fd, new._key, None
+            _held[self._key] = self
 
     def release(self) -> None:
         """Give up ownership (idempotent)."""
