@@ -192,7 +192,8 @@ def _compiled(fn: Callable[..., Any]) -> Callable[..., Any]:
 
 def make_case(kernel: str, size: int, dev: str, tokens: int, compile_: bool, flce_chunk: int | None = None) -> Case:
     """Build one case. ``size`` is the hidden/intermediate size, the q-head count for RoPE,
-    or the vocabulary for the losses."""
+    or the vocabulary for the losses. Every random tensor comes from the case's own generator: the
+    default CUDA generator is left unusable by a provider whose CUDA-graph capture failed."""
     g = torch.Generator(device=dev).manual_seed(0)
 
     def rnd(*shape, scale=1.0):
@@ -201,7 +202,7 @@ def make_case(kernel: str, size: int, dev: str, tokens: int, compile_: bool, flc
     if kernel == "rms_norm":
         x = rnd(tokens, size)
         w = torch.nn.Parameter((torch.rand(size, generator=g, device=dev) + 0.5).to(DT))
-        case = Case(f"rms_norm {tokens}x{size}", [x, w], [torch.randn(tokens, size, device=dev, dtype=DT)])
+        case = Case(f"rms_norm {tokens}x{size}", [x, w], [torch.randn(tokens, size, generator=g, device=dev, dtype=DT)])
         case.min_bytes = 5 * _nbytes(x)   # x, y; dy, x, dx
         case.providers["ours"] = lambda x, w: K.rms_norm(x, w, in_place=True)
         case.providers["eager"] = _eager_rms
@@ -215,7 +216,7 @@ def make_case(kernel: str, size: int, dev: str, tokens: int, compile_: bool, flc
         x, r = rnd(tokens, size), rnd(tokens, size)
         w = torch.nn.Parameter((torch.rand(size, generator=g, device=dev) + 0.5).to(DT))
         case = Case(f"fused_add_rms_norm {tokens}x{size}", [x, r, w],
-                    [torch.randn(tokens, size, device=dev, dtype=DT), torch.randn(tokens, size, device=dev, dtype=DT)])
+                    [torch.randn(tokens, size, generator=g, device=dev, dtype=DT), torch.randn(tokens, size, generator=g, device=dev, dtype=DT)])
         case.min_bytes = 8 * _nbytes(x)   # x, r, h, y; dy, dh, h, dx (= dr)
         case.providers["ours"] = lambda x, r, w: K.fused_add_rms_norm(x, r, w, in_place=True)
         case.providers["eager"] = _eager_add_rms
@@ -227,7 +228,7 @@ def make_case(kernel: str, size: int, dev: str, tokens: int, compile_: bool, flc
     elif kernel == "layer_norm":
         x = rnd(tokens, size)
         w, b = torch.nn.Parameter(rnd(size).detach()), torch.nn.Parameter(rnd(size).detach())
-        case = Case(f"layer_norm {tokens}x{size}", [x, w, b], [torch.randn(tokens, size, device=dev, dtype=DT)])
+        case = Case(f"layer_norm {tokens}x{size}", [x, w, b], [torch.randn(tokens, size, generator=g, device=dev, dtype=DT)])
         case.min_bytes = 5 * _nbytes(x)   # x, y; dy, x, dx
         case.providers["ours"] = K.layer_norm
         case.providers["eager"] = lambda x, w, b: F.layer_norm(x, (size,), w, b, 1e-5)
@@ -238,7 +239,7 @@ def make_case(kernel: str, size: int, dev: str, tokens: int, compile_: bool, flc
             case.providers["liger"] = lambda x, w, b: m(x)
     elif kernel in ("swiglu", "geglu"):
         a, b = rnd(tokens, size), rnd(tokens, size)
-        case = Case(f"{kernel} {tokens}x{size}", [a, b], [torch.randn(tokens, size, device=dev, dtype=DT)])
+        case = Case(f"{kernel} {tokens}x{size}", [a, b], [torch.randn(tokens, size, generator=g, device=dev, dtype=DT)])
         case.min_bytes = 8 * _nbytes(a)   # a, b, y; dy, a, b, da, db
         ours = K.swiglu if kernel == "swiglu" else K.geglu
         # In an MLP a and b are private projection outputs, so their memory takes the gradients.
@@ -258,7 +259,7 @@ def make_case(kernel: str, size: int, dev: str, tokens: int, compile_: bool, flc
         emb = torch.cat([torch.arange(seq, device=dev, dtype=torch.float32)[:, None] * inv] * 2, -1)[None]
         cos, sin = emb.cos().to(DT), emb.sin().to(DT)
         case = Case(f"rope q{tuple(q.shape)} k{tuple(k.shape)}", [q, k],
-                    [torch.randn_like(q), torch.randn_like(k)])
+                    [torch.randn(t.shape, generator=g, device=dev, dtype=t.dtype) for t in (q, k)])
         case.min_bytes = 4 * (_nbytes(q) + _nbytes(k)) + 2 * (_nbytes(cos) + _nbytes(sin))   # q, k, q', k'; back
         case.providers["ours"] = lambda q, k: K.rope(q, k, cos, sin)
         case.providers["eager"] = lambda q, k: _eager_rope(q, k, cos, sin)
@@ -312,7 +313,7 @@ def make_case(kernel: str, size: int, dev: str, tokens: int, compile_: bool, flc
         gate_up = torch.nn.Parameter(rnd(n_exp, 2 * size, hid, scale=hid ** -0.5).detach())
         down = torch.nn.Parameter(rnd(n_exp, hid, size, scale=size ** -0.5).detach())
         case = Case(f"moe_experts {n_tok}x{hid} E{n_exp}x{size} top{top}", [x, w, gate_up, down],
-                    [torch.randn(n_tok, hid, device=dev, dtype=DT)])
+                    [torch.randn(n_tok, hid, generator=g, device=dev, dtype=DT)])
         case.providers["ours"] = lambda x, w, gu, dn: K.fused_experts(x, idx, w, gu, dn)
         case.providers["eager"] = lambda x, w, gu, dn: _eager_experts(x, w, gu, dn, idx)
         if compile_:
