@@ -1,21 +1,24 @@
-"""Cross-entropy's row kernel against a reference that moves the same bytes in the same schedule and nothing else.
+"""Cross-entropy's row kernel at its launch configurations, against a reference with its schedule and little else.
 
 The library's kernel (``ckpt.kernels.cross_entropy``) streams each row of logits twice (the online
 normaliser, then the gradient, written over the logits or beside them) and relies on L2 to serve the second
 read: the least traffic is one read and one write of the logits. The reference kernel here has the library's
 schedule (the second pass from the row's last block, ``evict_last`` on the first pass's loads, ``evict_first``
-on the second pass's loads and stores, one block loaded ahead) and none of its per-row work (ignore index,
-scales, label smoothing, z-loss, class weights): what the schedule alone reaches. Both are timed as one
+on the second pass's loads and stores, one block loaded ahead) and only the per-row work of a plain loss
+(ignored rows, one scale; no label smoothing, z-loss, softcap or class weights). Each is timed as one
 CUDA-graph replay of the loss + gradient launch, over the device-to-device copy rate measured in the same run,
-after checking that their gradients agree.
+after checking that its gradient agrees with the library's, with the registers per thread and spills of its
+compiled code.
 
-``--bisect`` also times the reference with the library's per-row parts added one at a time (a 64-bit target,
-the scale read from memory, the loss of an ignored row): a part that costs the schedule its rate shows there.
+The library's kernel runs at three block sizes with and without the register cap (``maxnreg``): the kernel
+is bound by how many programs an SM holds, and ptxas left alone may give it more registers than two programs
+of 16 warps (or four of 8) leave room for. ``--options`` also times it with each loss option (label smoothing,
+softcap, class weights, all of them with z-loss) at both wide blocks, capped and not.
 
 Usage (on a GPU)::
 
     python benchmarks/bench_ce_schedules.py                      # 8192 x 128256 bf16
-    python benchmarks/bench_ce_schedules.py --vocab 151936 262144 --bisect
+    python benchmarks/bench_ce_schedules.py --vocab 32000 151936 262144 --options
     python benchmarks/bench_ce_schedules.py --smoke               # CPU, Triton interpreter: the reference checks out
 """
 
@@ -37,20 +40,16 @@ import triton.language as tl
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from harness import device_name, record, table  # noqa: E402
 
-from ckpt.kernels.cross_entropy import _block_v, _ce, _warps, launch_ce  # noqa: E402
+from ckpt.kernels._utils import register_cap  # noqa: E402
+from ckpt.kernels.cross_entropy import ClassWeights, _ce, _ce_config, _row_layout, launch_ce  # noqa: E402
 
 
 @triton.jit
-def _reference_kernel(L, G, T, LOSS, SCALE, stride, V, ignore_index, T64: tl.constexpr, SCALED: tl.constexpr,
-                      IGNORE: tl.constexpr, BLOCK: tl.constexpr):
-    """Loss ``lse - x_t`` and gradient ``softmax - onehot`` (times ``SCALE[0]`` with ``SCALED``) of one row per
-    program, in the library's schedule. ``T64``: the target compared as a 64-bit column; ``IGNORE``: rows whose
-    target is ``ignore_index`` get a zero loss and gradient."""
+def _reference_kernel(L, G, T, LOSS, SCALE, stride, V, ignore_index, BLOCK: tl.constexpr):
+    """Loss ``lse - x_t`` and gradient ``(softmax - onehot) * SCALE[0]`` of one row per program (zero for a row
+    whose target is ``ignore_index``), in the library's schedule."""
     row = tl.program_id(0).to(tl.int64)
-    if T64:
-        t = tl.load(T + row).to(tl.int64)
-    else:
-        t = tl.load(T + row).to(tl.int32)
+    t = tl.load(T + row).to(tl.int64)
     base = L + row * stride
     gbase = G + row * stride
     cols0 = tl.arange(0, BLOCK)
@@ -63,18 +62,10 @@ def _reference_kernel(L, G, T, LOSS, SCALE, stride, V, ignore_index, T64: tl.con
         s = s * tl.exp(m - m_new) + tl.sum(tl.exp(x - m_new), axis=0)
         m = m_new
     lse = m + tl.log(s)
-    if SCALED:
-        cs = tl.load(SCALE).to(tl.float32)
-    else:
-        cs = 1.0
-    if IGNORE:
-        valid = t != ignore_index
-        x_t = tl.load(base + t, mask=valid, other=0.0).to(tl.float32)
-        tl.store(LOSS + row, tl.where(valid, lse - x_t, 0.0))
-        cs = tl.where(valid, cs, 0.0)
-    else:
-        x_t = tl.load(base + t).to(tl.float32)
-        tl.store(LOSS + row, lse - x_t)
+    valid = t != ignore_index
+    x_t = tl.load(base + t, mask=valid, other=0.0).to(tl.float32)
+    tl.store(LOSS + row, tl.where(valid, lse - x_t, 0.0))
+    cs = tl.where(valid, tl.load(SCALE).to(tl.float32), 0.0)
     n_blocks = tl.cdiv(V, BLOCK)
     off = (n_blocks - 1) * BLOCK
     cols = off + cols0
@@ -92,9 +83,9 @@ def _reference_kernel(L, G, T, LOSS, SCALE, stride, V, ignore_index, T64: tl.con
 
 
 def reference(x: torch.Tensor, t: torch.Tensor, loss: torch.Tensor, grad: torch.Tensor, scale: torch.Tensor,
-              block: int, warps: int, t64: bool = True, scaled: bool = True, ignore: bool = False) -> None:
-    _reference_kernel[(x.shape[0],)](x, grad, t, loss, scale, x.stride(0), x.shape[1], -100, T64=t64, SCALED=scaled,
-                                     IGNORE=ignore, BLOCK=block, num_warps=warps)
+              block: int, warps: int) -> Any:
+    return _reference_kernel[(x.shape[0],)](x, grad, t, loss, scale, x.stride(0), x.shape[1], -100, BLOCK=block,
+                                            num_warps=warps)
 
 
 def copy_rate(nbytes: int = 1 << 30) -> float:
@@ -125,20 +116,29 @@ def smoke() -> int:
     want = torch.nn.functional.cross_entropy(x, t, reduction="none", ignore_index=-100)
     x_ = x.clone().requires_grad_(True)
     torch.nn.functional.cross_entropy(x_, t, reduction="sum", ignore_index=-100).backward()
-    for t64, scaled, ignore in ((True, True, True), (False, False, True)):
-        loss, grad = torch.empty(n), torch.empty_like(x)
-        reference(x, t, loss, grad, torch.ones(1), 1024, 4, t64, scaled, ignore)
-        torch.testing.assert_close(loss, want)
-        torch.testing.assert_close(grad, x_.grad)
+    loss, grad = torch.empty(n), torch.empty_like(x)
+    reference(x, t, loss, grad, torch.ones(1), 1024, 4)
+    torch.testing.assert_close(loss, want)
+    torch.testing.assert_close(grad, x_.grad)
     print("bench_ce_schedules --smoke: the reference kernel's loss and gradient match torch's")
     return 0
+
+
+_OPTION_SETS: dict[str, dict[str, Any]] = {
+    "label smoothing 0.1": {"label_smoothing": 0.1},
+    "softcap 30": {"softcap": 30.0},
+    "class weights": {"weighted": True},
+    "all (smoothing, softcap, weights, z-loss 1e-4, z rows)": {"label_smoothing": 0.1, "softcap": 30.0,
+                                                                "weighted": True, "z_loss": 1e-4},
+}
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--vocab", nargs="*", type=int, default=[128256])
     ap.add_argument("--tokens", type=int, default=8192)
-    ap.add_argument("--bisect", action="store_true", help="also the reference with the library's per-row parts")
+    ap.add_argument("--options", action="store_true",
+                    help="also the library's kernel with each loss option, with and without the register cap")
     ap.add_argument("--rep-ms", type=int, default=60)
     ap.add_argument("--csv", type=Path, default=None)
     ap.add_argument("--smoke", action="store_true")
@@ -155,56 +155,81 @@ def main(argv: list[str] | None = None) -> int:
     shown: list[dict[str, Any]] = []
     for v in args.vocab:
         n = args.tokens
-        x = torch.randn(n, v, device="cuda", dtype=torch.bfloat16) * 4
-        t = torch.randint(0, v, (n,), device="cuda")
+        gen = torch.Generator(device="cuda").manual_seed(v)
+        x = torch.randn(n, v, device="cuda", dtype=torch.bfloat16, generator=gen) * 4
+        t = torch.randint(0, v, (n,), device="cuda", generator=gen)
         t[::9] = -100
         one = torch.ones(1, device="cuda")
         loss = torch.empty(n, device="cuda")
-        want = torch.empty_like(x)
-        launch_ce(x, t, loss, want, one, -100, 0.0, 0.0)
+        zrows = torch.empty(n, device="cuda")
+        weights = ClassWeights(torch.rand(v, device="cuda", generator=gen) + 0.5)
         least = 2 * x.numel() * x.element_size()   # the logits read once, the gradient written once
-        block, warps = _block_v(v), _warps(_block_v(v))
         inplace = x.clone()
+        edges, align = _row_layout(inplace, inplace)
 
-        def library(block: int, warps: int) -> Callable[[], Any]:
-            return lambda: _ce[(n,)](inplace, inplace, t, loss, loss, one, one, loss, loss, inplace.stride(0),
-                                     inplace.stride(0), 0, v, -100, 0.0, 0.0, 0.0, COMPUTE_GRAD=True,
-                                     HAS_SMOOTHING=False, HAS_SOFTCAP=False, HAS_WEIGHT=False, STORE_Z=False,
-                                     BLOCK_V=block, num_warps=warps)
+        def expected(label_smoothing: float = 0.0, softcap: float = 0.0, weighted: bool = False,
+                     z_loss: float = 0.0) -> torch.Tensor:
+            want = torch.empty_like(x)
+            launch_ce(x, t, loss, want, one, -100, label_smoothing, z_loss, softcap,
+                      weights if weighted else None, zrows if z_loss else None)
+            return want
 
-        def ref(block: int, warps: int, **kw: bool) -> Callable[[], Any]:
-            return lambda: reference(inplace, t, loss, inplace, one, block, warps, **kw)
+        def library(block: int, warps: int, regs: int | None, label_smoothing: float = 0.0, softcap: float = 0.0,
+                    weighted: bool = False, z_loss: float = 0.0) -> Callable[[], Any]:
+            cw, sumw = (weights.w, weights.sum) if weighted else (loss, loss)
+            return lambda: _ce[(n,)](inplace, inplace, t, loss, zrows, one, one, cw, sumw, inplace.stride(0),
+                                     inplace.stride(0), 0, v, -100, label_smoothing, z_loss, softcap,
+                                     COMPUTE_GRAD=True, HAS_SMOOTHING=label_smoothing > 0.0,
+                                     HAS_SOFTCAP=softcap > 0.0, HAS_WEIGHT=weighted, STORE_Z=z_loss > 0.0,
+                                     BLOCK_V=block, EDGES=edges, ALIGN=align, num_warps=warps,
+                                     **register_cap(regs))
 
-        variants: list[tuple[str, Callable[[], Any]]] = [
-            (f"library ({block} columns, {warps} warps: the default)", library(block, warps)),
-            ("library (16384 columns, 16 warps)", library(16384, 16)),
-            ("reference (16384 columns, 16 warps)", ref(16384, 16, ignore=True)),
-            ("reference (8192 columns, 8 warps)", ref(8192, 8, ignore=True)),
+        def ref(block: int, warps: int) -> Callable[[], Any]:
+            return lambda: reference(inplace, t, loss, inplace, one, block, warps)
+
+        plain = expected()
+        default = _ce_config(v, edges)
+        variants: list[tuple[str, Callable[[], Any], torch.Tensor]] = []
+        for b, w in ((4096, 4), (8192, 8), (16384, 16)):
+            for regs in (None, 64):
+                mark = ": the default" if (b, w, regs) == default else ""
+                variants.append((f"library {b}/{w} regs {regs or 'uncapped'}{mark}", library(b, w, regs), plain))
+        variants += [
+            ("reference 16384/16", ref(16384, 16), plain),
+            ("reference 8192/8", ref(8192, 8), plain),
         ]
-        if args.bisect:
-            for t64 in (True, False):
-                for scaled in (True, False):
-                    for ignore in (True, False):
-                        variants.append((f"reference 16384/16 t64={t64} scaled={scaled} ignore={ignore}",
-                                         ref(16384, 16, t64=t64, scaled=scaled, ignore=ignore)))
-        for name, fn in variants:
+        if args.options:
+            for label, opts in _OPTION_SETS.items():
+                want = expected(**opts)
+                mine = _ce_config(v, edges, opts.get("softcap", 0.0) > 0.0)
+                for b, w in ((8192, 8), (16384, 16)):
+                    for regs in (None, 64):
+                        mark = ": the default" if (b, w, regs) == mine else ""
+                        variants.append((f"library {b}/{w} regs {regs or 'uncapped'}, {label}{mark}",
+                                         library(b, w, regs, **opts), want))
+        for name, fn, want in variants:
             inplace.copy_(x)
-            fn()
+            kernel = fn()
             torch.cuda.synchronize()
+            regs = getattr(kernel, "n_regs", None)   # the compiled kernel's registers per thread and spills
+            spills = getattr(kernel, "n_spills", None)
             err = (inplace.float() - want.float()).abs().max().item()
-            if err > 1e-2:
+            if not err <= 1e-2:
                 raise AssertionError(f"{name}: its gradient differs from the library's by {err:.3g}")
             ms = _replay_ms(fn, args.rep_ms)
             pct = 100.0 * least / (ms / 1e3) / rate
-            shown.append({"vocabulary": v, "kernel": name, "ms": round(ms, 3), "% of copy rate": round(pct, 1)})
-            rows.append({"case": f"cross_entropy {n}x{v} in place, {name}", "provider": "ours",
+            shown.append({"vocabulary": v, "kernel": name, "registers": regs, "spills": spills, "ms": round(ms, 3),
+                          "% of copy rate": round(pct, 1)})
+            rows.append({"case": f"cross_entropy {n}x{v} in place, {name}",
+                         "provider": "reference" if name.startswith("reference") else "ours",
                          "metric": "loss_and_grad_graph_replay_median", "value": ms, "unit": "ms",
-                         "note": f"{pct:.1f}% of the copy rate {rate / 1e9:.0f} GB/s for {least / 1e6:.0f} MB"})
-            print(f"  V={v} {name}: {ms:.3f} ms, {pct:.1f}%", flush=True)
-        del x, inplace, want
+                         "note": f"{pct:.1f}% of the copy rate {rate / 1e9:.0f} GB/s for {least / 1e6:.0f} MB; "
+                                 f"{regs} registers per thread, {spills} spills"})
+            print(f"  V={v} {name}: {ms:.3f} ms, {pct:.1f}%, {regs} registers, {spills} spills", flush=True)
+        del x, inplace, plain, variants
         torch.cuda.empty_cache()
     print(f"csv: {record('bench_ce_schedules', rows, args.csv)}\n")
-    print(table(shown, ["vocabulary", "kernel", "ms", "% of copy rate"]))
+    print(table(shown, ["vocabulary", "kernel", "registers", "spills", "ms", "% of copy rate"]))
     return 0
 
 

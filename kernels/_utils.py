@@ -56,6 +56,7 @@ __all__ = [
     "num_programs",
     "next_power_of_2",
     "row_warps",
+    "register_cap",
     "as_rows",
     "rows_of",
     "empty_rows_like",
@@ -232,7 +233,7 @@ class LazyKernel:
     run under the interpreter and then on the GPU. On the GPU, repeated launches with the
     same launch signature skip Triton's argument binding (module docstring). Call sites
     pass runtime arguments positionally and ``tl.constexpr`` parameters and launch options
-    (``num_warps``, ``num_stages``) by keyword.
+    (``num_warps``, ``num_stages``, ``maxnreg``) by keyword.
     """
 
     def __init__(self, fn: Callable[..., Any], *, debug: bool = False) -> None:
@@ -287,7 +288,7 @@ class LazyKernel:
         if any(p.is_constexpr for p in params[:n_pos]):
             return None
         tail = tuple(p.name for p in params[n_pos:])
-        ok = set(tail) <= set(names) and set(names) - set(tail) <= {"num_warps", "num_stages"}
+        ok = set(tail) <= set(names) and set(names) - set(tail) <= _LAUNCH_OPTIONS
         return tail if ok else None
 
     def _launch(self, jit: Any, grid: tuple[int, ...], args: tuple[Any, ...], kwargs: dict[str, Any],
@@ -315,6 +316,25 @@ class LazyKernel:
                    torch._C._cuda_getCurrentRawStream(device), kernel.function, kernel.packed_metadata,
                    None, enter, leave, *args, *tail_values)
         return kernel
+
+
+#: launch options (not kernel parameters) a cached launch may be called with
+_LAUNCH_OPTIONS = frozenset({"num_warps", "num_stages", "maxnreg"})
+
+
+def register_cap(n_regs: int | None) -> dict[str, int]:
+    """Launch options that cap a kernel at ``n_regs`` registers per thread (``{}`` for none).
+
+    A one-row-per-program kernel that streams its row is limited by how many loads the SM has in
+    flight, and that by how many programs fit its register file: 65536 registers per SM on
+    Hopper and Ampere, so programs of 256 threads fit four at a time only at <= 64 registers
+    each. ``ptxas`` left alone spends registers on keeping more of each thread's loads in flight
+    and fits fewer programs. The cap is an NVIDIA option (``maxnreg``, PTX ``.maxnreg``); other
+    backends get none.
+    """
+    if n_regs is None or torch.version.hip is not None:
+        return {}
+    return {"maxnreg": int(n_regs)}
 
 
 def row_warps(block: int) -> int:

@@ -20,9 +20,9 @@ and ``reduction="mean"`` divides the ``ce`` parts by the summed weight of the no
 the z-loss parts by their count (the kernel takes a scale for each part). Without weights ``W = 1``.
 The z-loss part of each row can be stored too, for ``return_z_loss``.
 
-``tanh`` is evaluated as ``2 sigmoid(2u) - 1``, as in the GLU kernels, and its derivative as
-``4 sigmoid(2u) sigmoid(-2u)`` (not ``1 - tanh^2``, which cancels to nothing where ``tanh`` saturates);
-the capped logits are recomputed from ``r`` in every pass, never stored.
+``tanh(u)`` is evaluated from ``e = exp(-2|u|)`` as ``sign(u) (1 - e) / (1 + e)`` and its derivative as
+``4 e / (1 + e)^2`` (not ``1 - tanh^2``, which cancels to nothing where ``tanh`` saturates): one ``exp`` and one
+division per logit, for both; the capped logits are recomputed from ``r`` in every pass, never stored.
 
 Rows whose target is ``ignore_index`` contribute zero loss and a zero gradient;
 ``reduction="mean"`` divides by the number of non-ignored rows (0 if there are none,
@@ -41,8 +41,16 @@ Memory and time tricks:
   loads ask L2 to keep their lines (``evict_last``), and pass 2's loads and gradient stores,
   each touched once, to drop theirs first (``evict_first``), so a write of the gradient does
   not push out logits still to be read; each block of pass 2 is loaded one step ahead. HBM traffic
-  is then close to one read and one write: 88% of the device copy rate at 8192 x 128256 bf16 on an
+  is then close to one read and one write: 100% of the device copy rate at 8192 x 128256 bf16 on an
   H100 (79-81% reading both passes front to back without the hints).
+* A program streams its row with few loads in flight, so the rate depends on how many programs an SM
+  holds: the launch caps the kernel at 64 registers per thread, two programs of 16 warps per SM
+  (``ptxas`` left alone spends 74-104 and fits one: 86%).
+* Rows off the 16-byte grid (an odd vocabulary such as GPT-2's 50257, or a row stride that is not a
+  multiple of 16) are walked as whole 16-byte vectors from their first aligned column, their few edge
+  columns element by element: 87% of the copy rate at 8192 x 50257 bf16 instead of 45%.
+* Softcapping costs one ``exp`` and one division per logit per pass, which the special-function unit
+  cannot issue at the memory's rate: 62% of the copy rate at 128256 classes.
 * The gradient is written over the logits in place when the logits are a private
   autograd intermediate (e.g. the output of the LM head), so the loss allocates nothing
   of size ``tokens x V``: backward only rescales the stored gradient by the incoming
@@ -81,6 +89,7 @@ from ._utils import (
     op_def,
     next_power_of_2,
     owns_storage,
+    register_cap,
     tl,
 )
 
@@ -92,25 +101,37 @@ _REDUCTIONS = ("mean", "sum", "none")
 
 
 @jit_helper
+def _softcap_parts(r, softcap):
+    """``(softcap * tanh(r / softcap), 1 - tanh^2(r / softcap))`` in fp32 from one ``exp`` and one division.
+
+    With ``e = exp(-2|u|)`` (in ``(0, 1]``: never overflows) and ``d = 1 / (1 + e)``: ``tanh |u| = (1 - e) d``
+    and ``1 - tanh^2 u = 4 e d^2``, which keeps its relative precision where ``tanh`` saturates (``1 - th * th``
+    cancels to nothing there). The special-function unit does two operations per logit instead of the five of
+    the sigmoid forms: the softcapped loss is bound by them, not by memory."""
+    u = r * (1.0 / softcap)
+    e = tl.exp(-2.0 * tl.abs(u))
+    d = 1.0 / (1.0 + e)
+    th = (1.0 - e) * d
+    return softcap * tl.where(u < 0.0, -th, th), 4.0 * e * d * d
+
+
+@jit_helper
 def _softcapped(r, softcap, HAS_SOFTCAP: tl.constexpr):
     """``softcap * tanh(r / softcap)`` (``r`` itself without softcap), fp32."""
     if HAS_SOFTCAP:
-        # tanh is 1 in fp32 beyond |u| = 9.01; clamping keeps exp() finite
-        u = tl.minimum(tl.maximum(r / softcap, -10.0), 10.0)
-        return softcap * (2.0 * tl.sigmoid(2.0 * u) - 1.0)
+        x, _ = _softcap_parts(r, softcap)
+        return x
     return r
 
 
 @jit_helper
-def _stats_block(base, CW, off, cols0, V, m, s, sum_x, softcap, HAS_SMOOTHING: tl.constexpr,
+def _stats_block(ptrs, cols, mask, CW, m, s, sum_x, softcap, HAS_SMOOTHING: tl.constexpr,
                  HAS_SOFTCAP: tl.constexpr, HAS_WEIGHT: tl.constexpr):
-    """Pass 1 over the block of the row ``base`` starting at column ``off``: the online max /
-    sum-exp update, and the running sum of the logits (class-weighted with ``HAS_WEIGHT``) when
+    """Pass 1 over the logits at ``ptrs`` (the row's columns ``cols``, those under ``mask``): the online
+    max / sum-exp update, and the running sum of the logits (class-weighted with ``HAS_WEIGHT``) when
     label smoothing needs it."""
-    cols = off + cols0
-    mask = cols < V
     # kept in L2 for pass 2 as long as it can be (pass 2 reads the row's last blocks first)
-    x = _softcapped(tl.load(base + cols, mask=mask, other=0.0, eviction_policy="evict_last").to(tl.float32),
+    x = _softcapped(tl.load(ptrs, mask=mask, other=0.0, eviction_policy="evict_last").to(tl.float32),
                     softcap, HAS_SOFTCAP)
     if HAS_SMOOTHING:   # masked columns load as 0 and weigh 0
         if HAS_WEIGHT:
@@ -139,54 +160,70 @@ def _row_loss(base, t, valid, m, s, sum_x, V, label_smoothing, softcap, w_t, sum
 
 
 @jit_helper
-def _pass2_load(base, off, cols0, V):
-    """Pass 2's logits of the block at column ``off`` (none where ``off`` < 0: past the row's start).
-    Read for the last time: they leave L2 first, so the blocks pass 2 has still to read stay."""
-    cols = off + cols0
-    return tl.load(base + cols, mask=(cols < V) & (cols >= 0), other=0.0, eviction_policy="evict_first")
-
-
-@jit_helper
-def _grad_block(r, gbase, CW, off, cols0, t, lse, p_coef, smooth, t_coef, V, softcap,
+def _grad_block(r, gptrs, cols, mask, CW, t, lse, p_coef, smooth, t_coef, softcap,
                 HAS_SOFTCAP: tl.constexpr, HAS_WEIGHT: tl.constexpr):
-    """Pass 2 over the block at column ``off``, its logits ``r`` already loaded: ``p_j p_coef - smooth W_j -
-    t_coef [j == t]``, through the softcap's ``tanh``, stored at ``gbase`` (which may be the logits' row);
-    the coefficients carry the row's scales. The gradient is not read again here: it leaves L2 first."""
-    cols = off + cols0
-    mask = cols < V
+    """Pass 2 over the logits ``r`` already loaded (the row's columns ``cols``, those under ``mask``):
+    ``p_j p_coef - smooth W_j - t_coef [j == t]``, through the softcap's ``tanh``, stored at ``gptrs``
+    (which may be the logits); the coefficients carry the row's scales. The gradient is not read again
+    here: it leaves L2 first."""
     r = r.to(tl.float32)
-    x = _softcapped(r, softcap, HAS_SOFTCAP)
+    if HAS_SOFTCAP:
+        x, slope = _softcap_parts(r, softcap)
+    else:
+        x = r
     if HAS_WEIGHT:
         g = tl.exp(x - lse) * p_coef - smooth * tl.load(CW + cols, mask=mask, other=0.0)
     else:
         g = tl.exp(x - lse) * p_coef - smooth
     g = tl.where(cols == t, g - t_coef, g)
-    if HAS_SOFTCAP:
-        # d/dr c tanh(r / c) = 1 - tanh^2(u) = 4 sigmoid(2u) sigmoid(-2u): no cancellation where tanh
-        # saturates (1 - th * th loses every digit there: up to 2x off in fp32 near |u| = 8)
-        u2 = 2.0 * (r / softcap)
-        g = g * (4.0 * tl.sigmoid(u2) * tl.sigmoid(-u2))
-    tl.store(gbase + cols, g.to(gbase.dtype.element_ty), mask=mask, eviction_policy="evict_first")
+    if HAS_SOFTCAP:   # d/dr c tanh(r / c) = 1 - tanh^2(r / c)
+        g = g * slope
+    tl.store(gptrs, g.to(gptrs.dtype.element_ty), mask=mask, eviction_policy="evict_first")
 
 
 def _ce_kernel(
     LOGITS, GRAD, TARGET, LOSS, ZROWS, SCALE, ZSCALE, CW, SUMW,
     stride_l, stride_g, stride_scale, V, ignore_index, label_smoothing, z_loss, softcap,
     COMPUTE_GRAD: tl.constexpr, HAS_SMOOTHING: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_WEIGHT: tl.constexpr,
-    STORE_Z: tl.constexpr, BLOCK_V: tl.constexpr,
+    STORE_Z: tl.constexpr, BLOCK_V: tl.constexpr, EDGES: tl.constexpr, ALIGN: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     t = tl.load(TARGET + row).to(tl.int64)
     valid = t != ignore_index
     base = LOGITS + row * stride_l
+    gbase = GRAD + row * stride_g
     cols0 = tl.arange(0, BLOCK_V)
+    # The row's blocks cover its columns [h, h + M): M a multiple of ALIGN (the elements in 16 bytes), and
+    # with EDGES their first one on the 16-byte grid, so the blocks load and store whole 16-byte vectors
+    # even where rows do not start on it (an odd vocabulary such as GPT-2's 50257: element-wise accesses
+    # there ran at 45% of the copy rate). The row's edges, the h < ALIGN columns before the first full
+    # vector and the fewer than ALIGN after the last, go element by element. The launcher sets EDGES only
+    # where GRAD's rows lie on the grid as the logits' do. Without EDGES: h = 0, M = V.
+    if EDGES:
+        h = ((ALIGN - (row * stride_l) % ALIGN) % ALIGN).to(tl.int32)
+        h = tl.minimum(h, V)
+        M = ((V - h) // ALIGN) * ALIGN
+        mbase = LOGITS + tl.multiple_of(row * stride_l + h, ALIGN)
+        gmbase = GRAD + tl.multiple_of(row * stride_g + h, ALIGN)
+        lanes = tl.arange(0, 2 * ALIGN)
+        ecols = tl.where(lanes < ALIGN, lanes, h + M + lanes - ALIGN)
+        emask = tl.where(lanes < ALIGN, lanes < h, ecols < V)
+    else:
+        h = 0
+        M = V
+        mbase = base
+        gmbase = gbase
 
     # pass 1: online max / sum-exp (and the (weighted) sum of logits for label smoothing)
     m = -float("inf")
     s = 0.0
     sum_x = 0.0
-    for off in range(0, V, BLOCK_V):
-        m, s, sum_x = _stats_block(base, CW, off, cols0, V, m, s, sum_x, softcap, HAS_SMOOTHING, HAS_SOFTCAP,
+    for off in range(0, M, BLOCK_V):
+        j = off + cols0
+        m, s, sum_x = _stats_block(mbase + j, h + j, j < M, CW, m, s, sum_x, softcap, HAS_SMOOTHING, HAS_SOFTCAP,
+                                   HAS_WEIGHT)
+    if EDGES:
+        m, s, sum_x = _stats_block(base + ecols, ecols, emask, CW, m, s, sum_x, softcap, HAS_SMOOTHING, HAS_SOFTCAP,
                                    HAS_WEIGHT)
     if HAS_WEIGHT:
         w_t = tl.load(CW + t, mask=valid & (t >= 0) & (t < V), other=0.0).to(tl.float32)
@@ -202,6 +239,10 @@ def _ce_kernel(
         tl.store(ZROWS + row, z)
 
     if COMPUTE_GRAD:
+        # Every warp has read the target's logit before any warp writes a gradient: where GRAD is
+        # LOGITS, a warp that ran ahead into pass 2 would otherwise write over it (the target's
+        # column is any warp's) while a slower warp still has to read it for the loss.
+        tl.debug_barrier()
         # pass 2: gradient, written over the logits when GRAD aliases LOGITS. The cross-entropy part
         # is scaled by SCALE (1/sum of target weights for a weighted mean), the z-loss by ZSCALE.
         cs = tl.where(valid, tl.load(SCALE + row * stride_scale).to(tl.float32), 0.0)
@@ -212,18 +253,26 @@ def _ce_kernel(
         # Last block first: what pass 1 read last is what L2 most likely still holds. Each block's
         # logits are loaded one step ahead, before the block before them is stored, so a load is always
         # in flight whatever order the compiler keeps loads and stores in (GRAD may alias LOGITS; the
-        # blocks never overlap). The target as a 32-bit column (-1, no column, when it is ignored or out
+        # blocks never overlap). Pass 2's loads are the logits' last: they leave L2 first, so the blocks
+        # still to be read stay. The target as a 32-bit column (-1, no column, when it is ignored or out
         # of range): no 64-bit compare per column.
         t32 = tl.where(valid & (t >= 0) & (t < V), t, -1).to(tl.int32)
-        gbase = GRAD + row * stride_g
-        off = (tl.cdiv(V, BLOCK_V) - 1) * BLOCK_V
-        r = _pass2_load(base, off, cols0, V)
-        for _ in range(0, tl.cdiv(V, BLOCK_V)):
-            r_next = _pass2_load(base, off - BLOCK_V, cols0, V)
-            _grad_block(r, gbase, CW, off, cols0, t32, lse, p_coef, smooth, t_coef, V, softcap, HAS_SOFTCAP,
+        off = (tl.cdiv(M, BLOCK_V) - 1) * BLOCK_V
+        j = off + cols0
+        r = tl.load(mbase + j, mask=(j >= 0) & (j < M), other=0.0, eviction_policy="evict_first")
+        for _ in range(0, tl.cdiv(M, BLOCK_V)):
+            j_next = off - BLOCK_V + cols0
+            r_next = tl.load(mbase + j_next, mask=(j_next >= 0) & (j_next < M), other=0.0,
+                             eviction_policy="evict_first")
+            j = off + cols0
+            _grad_block(r, gmbase + j, h + j, j < M, CW, t32, lse, p_coef, smooth, t_coef, softcap, HAS_SOFTCAP,
                         HAS_WEIGHT)
             r = r_next
             off -= BLOCK_V
+        if EDGES:   # at most two 16-byte lines per row, after the blocks: nothing held through the loop
+            r_edge = tl.load(base + ecols, mask=emask, other=0.0, eviction_policy="evict_first")
+            _grad_block(r_edge, gbase + ecols, ecols, emask, CW, t32, lse, p_coef, smooth, t_coef, softcap,
+                        HAS_SOFTCAP, HAS_WEIGHT)
 
 
 def _scale_rows_kernel(G, SCALE, stride_g, stride_scale, n_cols, BLOCK: tl.constexpr):
@@ -255,12 +304,29 @@ _target_check = LazyKernel(_target_check_kernel, debug=True)
 _CHECK_BLOCK = 1024
 
 
-def _block_v(v: int) -> int:
-    return min(next_power_of_2(v), 8192)
+#: vocabularies above this stream their rows in blocks of 16384 columns with 16 warps, smaller ones in
+#: blocks of up to 8192 with 8 (bench_ce_schedules.py; the figures in ``_ce_config``)
+_WIDE_VOCAB = 32768
+#: registers per thread the row kernel is capped at: two programs of 16 warps (or four of 8) per SM
+_CE_REGS = 64
 
 
-def _warps(block: int) -> int:
-    return 8 if block >= 4096 else 4
+def _ce_config(v: int, edges: bool = False, has_softcap: bool = False) -> tuple[int, int, int]:
+    """``(BLOCK_V, num_warps, register cap)`` of the row kernel for ``v`` classes; ``edges``: rows walked
+    as aligned vectors plus edge columns (:func:`_row_layout`).
+
+    The kernel is bound by the loads its SM keeps in flight, so by how many programs the register file
+    holds: left alone, ``ptxas`` gives it 74-104 registers per thread at 16 warps (one program per SM: 86%
+    of the copy rate for the plain loss at 128256 classes); capped at 64 it keeps two (99.8%). Measured
+    on an H100 (2026-11-27, 8192 rows, bf16, % of the copy rate), blocks of 16384 with 16 warps against
+    8192 with 8, both capped: plain loss 113 / 98 at 65536 classes, 99.8 / 88 at 128256, 89 / 84 at
+    262144, 106 / 114 at 32000; class weights 83 / 76 at 128256; softcap 58 / 62 (bound by its ``exp``
+    and division, not by memory); rows off the 16-byte grid 74 / 86 at 50257 and 84 / 97 at 32003.
+    """
+    if v > _WIDE_VOCAB and not edges and not has_softcap:
+        return 16384, 16, _CE_REGS
+    block = min(next_power_of_2(v), 8192)
+    return block, 8 if block >= 4096 else 4, _CE_REGS
 
 
 def launch_ce(
@@ -276,28 +342,51 @@ def launch_ce(
     weights: "ClassWeights | None" = None,
     z_rows: torch.Tensor | None = None,
     zscale: torch.Tensor | None = None,
-) -> None:
+) -> object:
     """Run the row kernel on ``logits`` ``(N, V)``: per-row losses into ``loss_rows`` (and their
     z-loss part into ``z_rows`` when given) and, when ``grad`` is given, the scaled ``dloss/dlogits``
     into ``grad`` (may be ``logits``): the cross-entropy part times ``scale[row]``, the z-loss part
     times ``zscale[row]`` (``scale`` when not given). Scales are 1-element (broadcast) or ``(N,)``
-    fp32 tensors of one stride; ``softcap`` 0 means none; ``weights`` the class weights, if any."""
+    fp32 tensors of one stride; ``softcap`` 0 means none; ``weights`` the class weights, if any.
+    Returns Triton's compiled kernel (``n_regs``, ``n_spills``), or ``None`` (interpreter, no rows)."""
     n, v = logits.shape
     if n == 0:
-        return
-    block = _block_v(v)
+        return None
+    edges, align = _row_layout(logits, grad)
+    block, warps, regs = _ce_config(v, edges, softcap > 0.0)
     zscale = scale if zscale is None else zscale
     cw, sum_w = (weights.w, weights.sum) if weights is not None else (loss_rows, loss_rows)   # dummies when unused
-    _ce[(n,)](
+    return _ce[(n,)](
         logits, grad if grad is not None else logits, target, loss_rows,
         z_rows if z_rows is not None else loss_rows, scale, zscale, cw, sum_w,
-        logits.stride(0), grad.stride(0) if grad is not None else 0,
+        logits.stride(0), grad.stride(0) if grad is not None else logits.stride(0),
         0 if scale.numel() == 1 else scale.stride(0), v, int(ignore_index),
         float(label_smoothing), float(z_loss), float(softcap),
         COMPUTE_GRAD=grad is not None, HAS_SMOOTHING=label_smoothing > 0.0, HAS_SOFTCAP=softcap > 0.0,
         HAS_WEIGHT=weights is not None, STORE_Z=z_rows is not None,
-        BLOCK_V=block, num_warps=_warps(block),
+        BLOCK_V=block, EDGES=edges, ALIGN=align, num_warps=warps, **register_cap(regs),
     )
+
+
+def _row_layout(logits: torch.Tensor, grad: torch.Tensor | None) -> tuple[bool, int]:
+    """The kernel's ``(EDGES, ALIGN)``: ``ALIGN`` the elements in 16 bytes; ``EDGES`` where rows must be
+    walked as whole 16-byte vectors plus up to ``2 (ALIGN - 1)`` edge columns element by element.
+
+    That is where the row length or row stride is off the 16-byte grid (the kernel's blocks can then only
+    prove element-wise accesses: 45% of the copy rate at 8192 x 50257 bf16 on an H100, against 90-100% for
+    aligned rows), and needs 16-byte aligned tensors whose gradient rows lie on the grid as the logits' do
+    (the same row stride modulo ``ALIGN``). Elsewhere the rows are walked as they are.
+    """
+    align = 16 // logits.element_size()
+    stride, v = logits.stride(0), logits.shape[1]
+    if stride % 16 == 0 and v % 16 == 0:   # Triton specializes on 16-divisible integers: vectors proven
+        return False, align
+    if logits.data_ptr() % 16:
+        return False, align
+    if grad is not None and (grad.data_ptr() % 16 or grad.element_size() != logits.element_size()
+                             or grad.stride(0) % align != stride % align):
+        return False, align
+    return True, align
 
 
 def scale_rows_(g: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:

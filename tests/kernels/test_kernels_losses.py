@@ -11,9 +11,13 @@ from kernel_helpers import DEVICE, DTYPES, gpu_param, run_and_compare
 
 
 def ce_ref(logits, target, ignore_index=-100, label_smoothing=0.0, reduction="mean", z_loss=0.0, softcap=None):
-    x = logits.float().reshape(-1, logits.shape[-1])
+    x = logits.reshape(-1, logits.shape[-1])
+    x = x if x.dtype == torch.float64 else x.float()
     if softcap is not None:   # Gemma 2's final-logit softcapping, as its modeling code writes it
-        x = torch.tanh(x / softcap) * softcap
+        # in float64: autograd's fp32 1 - tanh^2 loses every digit where tanh saturates (the kernel
+        # does not), so the fp32 reference is the less exact of the two there
+        return ce_ref(torch.tanh(x.double() / softcap) * softcap, target, ignore_index, label_smoothing, reduction,
+                      z_loss).float()
     t = target.reshape(-1)
     valid = t != ignore_index
     loss = F.cross_entropy(x, t, ignore_index=ignore_index, label_smoothing=label_smoothing, reduction="none")
@@ -45,8 +49,10 @@ CE_SHAPES = [
     pytest.param((1, 5), DEVICE, id="1x5"),
     pytest.param((9, 37), DEVICE, id="9x37"),
     pytest.param((17, 1000), DEVICE, id="17x1000"),
-    # three blocks of 16384 columns, the last of 232: pass 2 walks them last first
+    # five blocks of 8192 columns, the last of 232: pass 2 walks them last first
     pytest.param((3, 33000), DEVICE, id="3x33000"),
+    # a vocabulary wide enough for blocks of 16384 columns: five, the last of 64
+    pytest.param((2, 65600), DEVICE, id="2x65600"),
     gpu_param((8192, 128256), "cuda", id="8192x128256"),
     gpu_param((1000, 32001), "cuda", id="1000x32001"),
 ]
@@ -235,6 +241,26 @@ def test_target_outside_the_classes_on_the_gpu_stops_at_a_device_assert(loss):
     assert "target outside [0, V)" in out.stdout + out.stderr, out.stdout + out.stderr
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("v", [32000, 128256, 262144])
+@pytest.mark.parametrize("opts", [{}, {"label_smoothing": 0.1}], ids=["plain", "smoothing"])
+def test_cross_entropy_row_kernel_fits_its_register_cap(v, opts):
+    """The row kernel's speed rests on the SM holding two programs of 16 warps (four of 8): its launch
+    caps it at 64 registers per thread. Code that needs more spills to local memory (correct, slower):
+    the compiled kernel at each capped configuration must fit without spilling."""
+    import importlib
+
+    ce_mod = importlib.import_module("ckpt.kernels.cross_entropy")
+    _, _, cap = ce_mod._ce_config(v)
+    x = torch.randn(4, v, device="cuda", dtype=torch.bfloat16)
+    t = torch.randint(0, v, (4,), device="cuda")
+    loss_rows = torch.empty(4, device="cuda")
+    kernel = ce_mod.launch_ce(x, t, loss_rows, torch.empty_like(x), torch.ones(1, device="cuda"), -100,
+                              opts.get("label_smoothing", 0.0), 0.0)
+    torch.cuda.synchronize()
+    assert kernel.n_spills == 0 and kernel.n_regs <= cap, (kernel.n_regs, kernel.n_spills)
+
+
 SOFTCAP_OPTIONS = [
     pytest.param(dict(softcap=30.0), id="cap30-mean"),   # Gemma 2's value: most logits far below it
     pytest.param(dict(softcap=2.0, reduction="sum", label_smoothing=0.1), id="cap2-sum-smooth"),  # saturating
@@ -254,6 +280,85 @@ def test_cross_entropy_softcap(shape, device, dtype, atol, rtol, opts):
     t = targets(n, v, opts.get("ignore_index", -100))
     run_and_compare(lambda x, t: cross_entropy(x, t, **opts), lambda x, t: ce_ref(x, t, **opts),
                     [x, t], ["logits", "target"], dtype, atol, rtol, device)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("v,dtype", [(32003, torch.float32), (128256, torch.bfloat16)], ids=["32003-fp32", "128256-bf16"])
+def test_cross_entropy_in_place_reads_the_target_before_any_gradient_goes_over_it(v, dtype):
+    """With the gradient written over the logits, pass 2 starts at the row's last block: a warp there must
+    not write over the target's logit before every warp has read it for the loss (that race made a loss
+    1e-4 too large in 2 of 10 runs of the 3000 x 32003 fp32 test). Every target in the last block, every
+    row's loss against torch's, 20 times."""
+    n = 4096
+    for _ in range(20):
+        x = torch.randn(n, v, device="cuda", dtype=dtype) * 2
+        t = torch.randint(v - 4000, v, (n,), device="cuda")
+        want = F.cross_entropy(x.float(), t, reduction="none")
+        got = cross_entropy(x.requires_grad_(True), t, reduction="none", inplace=True)
+        bad = ((got - want).abs() > 1e-3).nonzero().flatten()
+        assert bad.numel() == 0, f"rows {bad[:8].tolist()} (of {bad.numel()}): {got[bad[:4]].tolist()} != {want[bad[:4]].tolist()}"
+
+
+ROW_LAYOUTS = [
+    # (buffer width, logits columns [start, stop), gradient in place, rows walked as aligned vectors + edges)
+    pytest.param(53, (0, 53), True, True, id="odd-width-in-place"),
+    pytest.param(53, (0, 53), False, True, id="odd-width-separate-grad"),
+    pytest.param(62, (0, 53), False, False, id="slice-of-wider-rows-grad-off-by-other-amount"),
+    pytest.param(61, (8, 61), True, True, id="slice-at-aligned-offset-in-place"),
+    pytest.param(54, (1, 54), True, False, id="storage-offset-one-element"),
+    pytest.param(64, (0, 64), True, False, id="aligned-rows"),
+    pytest.param(64, (0, 56), True, True, id="aligned-stride-rows-of-56"),
+    pytest.param(5, (0, 5), False, True, id="rows-shorter-than-a-vector"),
+]
+
+
+@pytest.mark.parametrize("width,cols,inplace,shifted", ROW_LAYOUTS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_cross_entropy_rows_off_the_16_byte_grid(width, cols, inplace, shifted, dtype):
+    """Rows off the 16-byte grid (an odd vocabulary) are walked as whole 16-byte vectors plus their edge
+    columns one by one: loss and gradient as torch's for every layout, nothing outside the rows written,
+    and that walk used exactly where its conditions hold (else the rows as they are)."""
+    import importlib
+
+    ce_mod = importlib.import_module("ckpt.kernels.cross_entropy")
+    n = 13
+    buf = (torch.randn(n, width, device=DEVICE) * 3).to(dtype)
+    x = buf[:, cols[0]:cols[1]]
+    v = x.shape[1]
+    t = torch.randint(0, v, (n,), device=DEVICE)
+    t[4] = -100
+    t[5], t[6] = 0, v - 1     # the first column (masked-in after the shift) and the last
+    want = torch.nn.functional.cross_entropy(x.float(), t, reduction="none")
+    ref = x.float().requires_grad_(True)
+    torch.nn.functional.cross_entropy(ref, t, reduction="sum").backward()
+    before, buf_before = x.clone(), buf.clone()
+    grad = x if inplace else torch.empty(n, v, device=DEVICE, dtype=dtype)   # rows of stride v
+    assert ce_mod._row_layout(x, grad)[0] == shifted
+    loss = torch.empty(n, device=DEVICE)
+    ce_mod.launch_ce(x, t, loss, grad, torch.ones(1, device=DEVICE), -100, 0.0, 0.0)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(loss, want, atol=tol, rtol=tol)
+    torch.testing.assert_close(grad.float(), ref.grad, atol=tol, rtol=tol)
+    if not inplace:
+        assert torch.equal(x, before)
+    rest = torch.ones(width, dtype=torch.bool, device=DEVICE)
+    rest[cols[0]:cols[1]] = False    # the buffer's columns outside the logits: never written
+    assert torch.equal(buf[:, rest], buf_before[:, rest])
+
+
+def test_cross_entropy_softcap_gradient_keeps_its_precision_where_tanh_saturates():
+    """Every gradient element within 1e-4 (relative to itself) of float64, for capped logits from -9c to 9c:
+    where ``tanh`` saturates its derivative is ``1 - tanh^2``, which fp32 evaluated that way cancels to
+    nothing (2x off near 8c)."""
+    c = 3.0
+    x = torch.linspace(-9 * c, 9 * c, 4001, device=DEVICE).reshape(1, -1).repeat(2, 1)
+    t = torch.tensor([2000, 3999], device=DEVICE)
+    ours = x.clone().requires_grad_(True)
+    cross_entropy(ours, t, softcap=c, reduction="sum").backward()
+    ref = x.double().requires_grad_(True)
+    F.cross_entropy(torch.tanh(ref / c) * c, t, reduction="sum").backward()
+    rel = ((ours.grad.double() - ref.grad) / ref.grad.abs()).abs()
+    assert rel.max().item() < 1e-4, (rel.max().item(), x.reshape(-1)[rel.argmax()].item())
 
 
 @pytest.mark.parametrize("shape,device", FLCE_SHAPES)
