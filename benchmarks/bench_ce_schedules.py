@@ -13,12 +13,15 @@ compiled code.
 The library's kernel runs at three block sizes with and without the register cap (``maxnreg``): the kernel
 is bound by how many programs an SM holds, and ptxas left alone may give it more registers than two programs
 of 16 warps (or four of 8) leave room for. ``--options`` also times it with each loss option (label smoothing,
-softcap, class weights, all of them with z-loss) at both wide blocks, capped and not.
+softcap, class weights, all of them with z-loss) at both wide blocks, capped and not; ``--sliced-from WIDTH``
+the logits as the first ``V`` columns of a padded vocabulary, the gradient not in place: in a contiguous
+buffer, and in the library's (rows laid out as the logits', so both can be walked as whole vectors).
 
 Usage (on a GPU)::
 
     python benchmarks/bench_ce_schedules.py                      # 8192 x 128256 bf16
     python benchmarks/bench_ce_schedules.py --vocab 32000 151936 262144 --options
+    python benchmarks/bench_ce_schedules.py --vocab 50257 --sliced-from 50304   # logits of a padded vocabulary
     python benchmarks/bench_ce_schedules.py --smoke               # CPU, Triton interpreter: the reference checks out
 """
 
@@ -41,7 +44,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from harness import device_name, record, table  # noqa: E402
 
 from ckpt.kernels._utils import register_cap  # noqa: E402
-from ckpt.kernels.cross_entropy import ClassWeights, _ce, _ce_config, _row_layout, launch_ce  # noqa: E402
+from ckpt.kernels.cross_entropy import (  # noqa: E402
+    ClassWeights, _ce, _ce_config, _grad_rows, _row_layout, launch_ce,
+)
 
 
 @triton.jit
@@ -139,6 +144,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tokens", type=int, default=8192)
     ap.add_argument("--options", action="store_true",
                     help="also the library's kernel with each loss option, with and without the register cap")
+    ap.add_argument("--sliced-from", type=int, default=0, metavar="WIDTH",
+                    help="also the logits as the first V columns of WIDTH (a padded vocabulary), the gradient "
+                         "in a contiguous buffer and in the library's")
     ap.add_argument("--rep-ms", type=int, default=60)
     ap.add_argument("--csv", type=Path, default=None)
     ap.add_argument("--smoke", action="store_true")
@@ -189,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
 
         plain = expected()
         default = _ce_config(v, edges)
-        variants: list[tuple[str, Callable[[], Any], torch.Tensor]] = []
+        variants: list[tuple[str, Callable[[], Any], torch.Tensor]] = []   # name, launch, expected gradient
         for b, w in ((4096, 4), (8192, 8), (16384, 16)):
             for regs in (None, 64):
                 mark = ": the default" if (b, w, regs) == default else ""
@@ -207,26 +215,37 @@ def main(argv: list[str] | None = None) -> int:
                         mark = ": the default" if (b, w, regs) == mine else ""
                         variants.append((f"library {b}/{w} regs {regs or 'uncapped'}, {label}{mark}",
                                          library(b, w, regs, **opts), want))
+        outs = {}   # variants whose gradient is not written over ``inplace``: where it is
+        if args.sliced_from:
+            width = max(args.sliced_from, v)
+            padded = torch.empty(n, width, device="cuda", dtype=x.dtype)
+            padded[:, :v] = x
+            sliced = padded[:, :v]
+            for label, g in (("a contiguous gradient", torch.empty(n, v, device="cuda", dtype=x.dtype)),
+                             ("the library's gradient buffer (_grad_rows)", _grad_rows(sliced))):
+                name = f"library default, logits sliced from {width} columns, {label}"
+                variants.append((name, lambda g=g: launch_ce(sliced, t, loss, g, one, -100, 0.0, 0.0), plain))
+                outs[name] = g
         for name, fn, want in variants:
             inplace.copy_(x)
             kernel = fn()
             torch.cuda.synchronize()
             regs = getattr(kernel, "n_regs", None)   # the compiled kernel's registers per thread and spills
             spills = getattr(kernel, "n_spills", None)
-            err = (inplace.float() - want.float()).abs().max().item()
+            err = (outs.get(name, inplace).float() - want.float()).abs().max().item()
             if not err <= 1e-2:
                 raise AssertionError(f"{name}: its gradient differs from the library's by {err:.3g}")
             ms = _replay_ms(fn, args.rep_ms)
             pct = 100.0 * least / (ms / 1e3) / rate
             shown.append({"vocabulary": v, "kernel": name, "registers": regs, "spills": spills, "ms": round(ms, 3),
                           "% of copy rate": round(pct, 1)})
-            rows.append({"case": f"cross_entropy {n}x{v} in place, {name}",
+            rows.append({"case": f"cross_entropy {n}x{v}{'' if name in outs else ' in place'}, {name}",
                          "provider": "reference" if name.startswith("reference") else "ours",
                          "metric": "loss_and_grad_graph_replay_median", "value": ms, "unit": "ms",
                          "note": f"{pct:.1f}% of the copy rate {rate / 1e9:.0f} GB/s for {least / 1e6:.0f} MB; "
                                  f"{regs} registers per thread, {spills} spills"})
             print(f"  V={v} {name}: {ms:.3f} ms, {pct:.1f}%, {regs} registers, {spills} spills", flush=True)
-        del x, inplace, plain, variants
+        del x, inplace, plain, variants, outs
         torch.cuda.empty_cache()
     print(f"csv: {record('bench_ce_schedules', rows, args.csv)}\n")
     print(table(shown, ["vocabulary", "kernel", "registers", "spills", "ms", "% of copy rate"]))

@@ -368,6 +368,20 @@ def launch_ce(
     )
 
 
+def _grad_rows(x: torch.Tensor) -> torch.Tensor:
+    """A new gradient buffer for the ``(N, V)`` logits ``x`` (unit column stride), its rows on the 16-byte grid
+    as ``x``'s are: row stride ``V`` plus the fewest columns (under 16 bytes' worth) that make it equal to
+    ``x``'s modulo 16 bytes, so the kernel walks both as whole vectors (:func:`_row_layout`). Logits sliced
+    from a padded vocabulary (``logits[..., :50257]`` of 50304 columns) would otherwise get a gradient
+    whose rows lie off the grid, and the element-wise walk (45% of the copy rate instead of 87%). An
+    ``(N, V)`` view; contiguous where ``x``'s row stride is ``V`` modulo 16 bytes."""
+    n, v = x.shape
+    pad = (x.stride(0) - v) % (16 // x.element_size())
+    if pad == 0 or n < 2:
+        return torch.empty((n, v), dtype=x.dtype, device=x.device)
+    return torch.empty((n, v + pad), dtype=x.dtype, device=x.device)[:, :v]
+
+
 def _row_layout(logits: torch.Tensor, grad: torch.Tensor | None) -> tuple[bool, int]:
     """The kernel's ``(EDGES, ALIGN)``: ``ALIGN`` the elements in 16 bytes; ``EDGES`` where rows must be
     walked as whole 16-byte vectors plus up to ``2 (ALIGN - 1)`` edge columns element by element.
@@ -568,7 +582,7 @@ class CrossEntropyFunction(torch.autograd.Function):
         need_grad = ctx.needs_input_grad[0]
         grad = None
         if need_grad:
-            grad = x if private and x.is_contiguous() else torch.empty_like(x, memory_format=torch.contiguous_format)
+            grad = x if private and x.is_contiguous() else _grad_rows(x)
         launch_ce(x, target, loss_rows, grad, scale, ignore_index, label_smoothing, z_loss, softcap, weights, z_rows,
                   zscale)
         if grad is not None:

@@ -346,6 +346,34 @@ def test_cross_entropy_rows_off_the_16_byte_grid(width, cols, inplace, shifted, 
     assert torch.equal(buf[:, rest], buf_before[:, rest])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("width,v", [(64, 53), (61, 53), (56, 56)], ids=["padded-64", "padded-61", "unpadded"])
+def test_cross_entropy_of_logits_sliced_from_a_padded_vocabulary(dtype, width, v):
+    """``logits[..., :V]`` of a padded vocabulary: the gradient comes out right, in a buffer whose rows lie
+    on the 16-byte grid as the logits' do (so both are walked as whole vectors), no wider than needed."""
+    import importlib
+
+    ce_mod = importlib.import_module("ckpt.kernels.cross_entropy")
+    padded = (torch.randn(2, 5, width, device=DEVICE) * 3).to(dtype)
+    t = torch.randint(0, v, (2, 5), device=DEVICE)
+    t[0, 1] = -100
+    ours = padded.clone().requires_grad_(True)
+    ref = padded.float().requires_grad_(True)
+    loss = cross_entropy(ours[..., :v], t, reduction="sum")
+    want = F.cross_entropy(ref[..., :v].reshape(-1, v), t.reshape(-1), reduction="sum")
+    loss.backward()
+    want.backward()
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(loss.float(), want, atol=tol, rtol=tol)
+    torch.testing.assert_close(ours.grad.float(), ref.grad, atol=tol, rtol=tol)
+    x = padded[..., :v].reshape(-1, v)
+    g = ce_mod._grad_rows(x)
+    align = 16 // x.element_size()
+    assert g.shape == x.shape and v <= g.stride(0) < v + align
+    assert g.stride(0) % align == x.stride(0) % align
+    assert ce_mod._row_layout(x, g)[0] == (x.stride(0) % 16 != 0 or v % 16 != 0)
+
+
 def test_cross_entropy_softcap_gradient_keeps_its_precision_where_tanh_saturates():
     """Every gradient element within 1e-4 (relative to itself) of float64, for capped logits from -9c to 9c:
     where ``tanh`` saturates its derivative is ``1 - tanh^2``, which fp32 evaluated that way cancels to
