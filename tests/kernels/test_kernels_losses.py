@@ -374,6 +374,68 @@ def test_cross_entropy_of_logits_sliced_from_a_padded_vocabulary(dtype, width, v
     assert ce_mod._row_layout(x, g)[0] == (x.stride(0) % 16 != 0 or v % 16 != 0)
 
 
+@pytest.mark.parametrize("seed", range(8))
+def test_cross_entropy_row_walks_against_float64_on_random_layouts(seed):
+    """Random small layouts (rows 1-5, 1-70 classes, slices of wider buffers at any element offset, fp32 /
+    bf16 / fp16, the gradient in place or not) with random options (label smoothing, softcap, class weights,
+    z-loss, an ignored row): every row's loss and every gradient element against float64 math, and nothing
+    outside the rows written. Whatever walk the launcher picks for a layout must agree with it (the seeds
+    cover both walks, in place and not)."""
+    import importlib
+
+    ce_mod = importlib.import_module("ckpt.kernels.cross_entropy")
+    gen = torch.Generator().manual_seed(seed)
+
+    def pick(*options):
+        return options[int(torch.randint(len(options), (1,), generator=gen))]
+
+    for _ in range(12):
+        dtype = pick(torch.float32, torch.bfloat16, torch.float16)
+        n = int(torch.randint(1, 6, (1,), generator=gen))
+        v = int(torch.randint(1, 71, (1,), generator=gen))
+        start = int(torch.randint(0, 9, (1,), generator=gen))
+        width = start + v + int(torch.randint(0, 9, (1,), generator=gen))
+        buf = (torch.randn(n, width, generator=gen) * 3).to(dtype).to(DEVICE)
+        x = buf[:, start:start + v]
+        t = torch.randint(0, v, (n,), generator=gen).to(DEVICE)
+        if n > 1:
+            t[0] = -100
+        eps = pick(0.0, 0.1)
+        cap = pick(0.0, 2.0)
+        z = pick(0.0, 1e-3)
+        w = pick(None, torch.rand(v, generator=gen).to(DEVICE) + 0.5)
+        weights = ce_mod.class_weights(w)
+        inplace = pick(True, False)
+        xd = x.double()
+        r = torch.tanh(xd / cap) * cap if cap else xd
+        lse = torch.logsumexp(r, -1)
+        p_ = torch.softmax(r, -1)
+        wd = w.double() if w is not None else torch.ones(v, dtype=torch.float64, device=DEVICE)
+        valid = t != -100
+        tt = torch.where(valid, t, 0)
+        w_t = wd[tt]
+        loss_want = (1 - eps) * w_t * (lse - r.gather(1, tt[:, None])[:, 0]) + eps * (wd.sum() * lse - r @ wd) / v
+        loss_want = torch.where(valid, loss_want + z * lse * lse, 0.0)
+        onehot = torch.nn.functional.one_hot(tt, v).double()
+        g = (p_ * ((1 - eps) * w_t + eps * wd.sum() / v + 2 * z * lse)[:, None] - eps * wd / v
+             - (1 - eps) * w_t[:, None] * onehot)
+        if cap:
+            g = g * (1 - torch.tanh(xd / cap) ** 2)
+        g = torch.where(valid[:, None], g, 0.0)
+        before = buf.clone()
+        grad = x if inplace else ce_mod._grad_rows(x)
+        loss = torch.empty(n, device=DEVICE)
+        z_rows = torch.empty(n, device=DEVICE)
+        ce_mod.launch_ce(x, t, loss, grad, torch.ones(1, device=DEVICE), -100, eps, z, cap, weights, z_rows)
+        tol = 2e-5 if dtype == torch.float32 else 2e-2
+        case = (dtype, n, v, start, width, eps, cap, z, w is not None, inplace, ce_mod._row_layout(x, grad))
+        torch.testing.assert_close(loss.double(), loss_want, atol=tol * 10, rtol=tol, msg=lambda m: f"{case}: {m}")
+        torch.testing.assert_close(grad.double(), g, atol=tol, rtol=tol, msg=lambda m: f"{case}: {m}")
+        outside = torch.ones(width, dtype=torch.bool, device=DEVICE)
+        outside[start:start + v] = False
+        assert torch.equal(buf[:, outside], before[:, outside]), case
+
+
 def test_cross_entropy_softcap_gradient_keeps_its_precision_where_tanh_saturates():
     """Every gradient element within 1e-4 (relative to itself) of float64, for capped logits from -9c to 9c:
     where ``tanh`` saturates its derivative is ``1 - tanh^2``, which fp32 evaluated that way cancels to
