@@ -106,8 +106,9 @@ def _softcap_parts(r, softcap):
 
     With ``e = exp(-2|u|)`` (in ``(0, 1]``: never overflows) and ``d = 1 / (1 + e)``: ``tanh |u| = (1 - e) d``
     and ``1 - tanh^2 u = 4 e d^2``, which keeps its relative precision where ``tanh`` saturates (``1 - th * th``
-    cancels to nothing there). The special-function unit does two operations per logit instead of the five of
-    the sigmoid forms: the softcapped loss is bound by them, not by memory."""
+    cancels to nothing there). That is two special-function operations per logit and pass (the sigmoid forms
+    took two in pass 1 and six in pass 2); the softcapped loss is still bound by its instructions, not by
+    memory."""
     u = r * (1.0 / softcap)
     e = tl.exp(-2.0 * tl.abs(u))
     d = 1.0 / (1.0 + e)
@@ -373,7 +374,8 @@ def _grad_rows(x: torch.Tensor) -> torch.Tensor:
     as ``x``'s are: row stride ``V`` plus the fewest columns (under 16 bytes' worth) that make it equal to
     ``x``'s modulo 16 bytes, so the kernel walks both as whole vectors (:func:`_row_layout`). Logits sliced
     from a padded vocabulary (``logits[..., :50257]`` of 50304 columns) would otherwise get a gradient
-    whose rows lie off the grid, and the element-wise walk (45% of the copy rate instead of 87%). An
+    whose rows lie off the grid, and the element-wise walk (53% of the copy rate instead of 90% at 8192
+    x 50257 bf16 on an H100). An
     ``(N, V)`` view; contiguous where ``x``'s row stride is ``V`` modulo 16 bytes."""
     n, v = x.shape
     pad = (x.stride(0) - v) % (16 // x.element_size())
