@@ -23,7 +23,7 @@ from typing import Any, Callable, Mapping
 
 import torch
 
-from . import knobs
+from . import knobs, shm
 from .config import Policy, Storage, merge
 from .errors import (CheckpointError, CorruptCheckpointError, IncompatibleCheckpointError, IncompleteCheckpointError,
                      LockedError, NoCheckpointError)
@@ -343,7 +343,7 @@ class Checkpointer:
         self.persist_every = persist_every
         if max_in_flight is not None and (not isinstance(max_in_flight, int) or max_in_flight < 1):
             raise ValueError(f"max_in_flight must be a positive number of host buffers, got {max_in_flight!r}")
-        self.pool = HostPool(max_in_flight or 2, host_memory_limit, shrink=max_in_flight is None)
+        self.pool = HostPool(max_in_flight or 3, host_memory_limit, shrink=max_in_flight is None)
         self.history: collections.deque[SnapshotStats] = collections.deque(maxlen=10_000)
         self.skipped = 0
         self._skips = _SkipLog()
@@ -359,7 +359,13 @@ class Checkpointer:
         # last: creating the group is a collective, and every rank must get this far to join it
         self.ranks = Ranks() if (world > 1 if collective is None else collective) else None
         self._job = [self.ranks.rank, self.ranks.world] if self.ranks is not None else None
-        self.memory = MemoryTier(self.pool, space_for(self.local.root, self.ranks.rank if self.ranks else 0))
+        self.memory = MemoryTier(self.pool, space_for(self.local.root, self.ranks.rank if self.ranks else 0, create=True))
+        if self.memory.space is not None and os.environ.get("LOCAL_RANK", "0") == "0":
+            # one rank per node: what dead jobs left in the RAM file system is named, or freed by the policy
+            try:
+                shm.sweep_orphans(self.memory.space.root, skip=shm.local_key(self.memory.space.prefix))
+            except OSError as e:
+                log.debug("looking for the RAM that dead jobs left failed: %s", e)
         # this rank's checkpoints, nearest first: what restore, list() and the timelines iterate
         self._tiers: list[Tier] = sorted([t for t in (self.memory, self.local, self.remote) if t is not None],
                                           key=lambda t: t.nearness)
@@ -394,6 +400,7 @@ class Checkpointer:
         self._prepared = False        # the first maybe_save() started allocating the buffers
         self._prepared_sync = False   # the first save took over a previous process's segments
         self._closed = False
+        self._exit_error = False      # __exit__ is closing after the block raised
 
     # -- context manager ----------------------------------------------------------------------------
     def __enter__(self) -> "Checkpointer":
@@ -402,8 +409,17 @@ class Checkpointer:
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
         try:
-            # a block that raised keeps the memory tier in RAM for the process that resumes
+            if exc_type is not None and issubclass(exc_type, KeyboardInterrupt):
+                busy = sorted(self._pipeline.in_flight())
+                log.warning("interrupted: finishing the checkpoint(s)%s before exiting (Ctrl-C again abandons "
+                            "them; older checkpoints stay intact)", f" of step(s) {busy}" if busy else "")
+            # a block that raised keeps the memory tier in RAM for the process that resumes, and says so
+            self._exit_error = exc_type is not None
             self.close(raise_errors=exc_type is None, keep_memory=exc_type is not None)
+        except KeyboardInterrupt:
+            if exc_type is None:
+                raise
+            log.warning("abandoned the checkpoint(s) still being written; the committed ones are intact")
         finally:
             self._unlisten()
 
@@ -577,6 +593,7 @@ class Checkpointer:
         stats.wait_s = time.perf_counter() - t_wait
         if buf is None:
             self.skipped += 1
+            self.memory.skipped += 1
             if cause == _FREE:   # a copy that was still landing left its buffer to the tiers
                 here = cause = _HELD
             where = None if self.ranks is None else "this rank" if here == cause else "another rank"
@@ -1055,8 +1072,9 @@ class Checkpointer:
             return
         self._closed = True
         try:
-            self._pipeline.flush()
             self._pipeline.close(keep_shared=keep_memory or not self._owned)
+            if keep_memory and self._owned:
+                self.memory.say_kept(loud=self._exit_error)
             if self.peer is not None:   # the replicas this rank holds: freed with its own snapshots, or kept
                 self.peer.close(keep_shared=keep_memory or not self._owned)
         finally:

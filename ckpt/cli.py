@@ -239,7 +239,8 @@ def _memory_groups(args: argparse.Namespace) -> list[dict[str, Any]]:
     if args.dir is not None:
         if "://" in args.dir:
             raise _UsageError(f"--memory: {args.dir} is a URL; the memory tier belongs to a local_dir")
-        key = shm.local_key(shm.prefix_for(args.dir, 0))   # every rank's segments of that local_dir, and replicas
+        prefix = shm.prefix_for(args.dir, 0)   # None: the directory has no id, so no segment is its
+        key = shm.local_key(prefix) if prefix is not None else ""   # every rank's segments of it, and replicas
     dir_owned = owned(args.dir) if args.dir is not None else None
     out = []
     for g in shm.segments():

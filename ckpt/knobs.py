@@ -58,15 +58,19 @@ _DEFAULTS: dict[str, int] = {
     # at most for one piece or for the holder to get a replica buffer (seconds), never for a whole replica.
     "CKPT_PEER_TIMEOUT_S": 300,
     # Milliseconds a save of maybe_save() under if_busy="skip" waits for a host buffer before it skips the
-    # snapshot: while the background allocation of the buffers is still running (a fresh process; it starts
-    # at the first maybe_save() and takes seconds per GB-sized buffer), or while every buffer is held by a
-    # tier still persisting an earlier snapshot (no wait when no buffer exists yet and the one being allocated
-    # cannot be there in time). Explicit save() calls, preemption drains and if_busy="wait" wait as long as
-    # it takes.
-    "CKPT_BUSY_WAIT_MS": 1000,
+    # snapshot (0: it skips at once, and the loop never waits): while the background allocation of the
+    # buffers is still running (a fresh process; it starts at the first maybe_save() and takes seconds per
+    # GB-sized buffer), or while every buffer is held by a tier still persisting an earlier snapshot or holds
+    # the newest committed one (no wait when no buffer exists yet and the one being allocated cannot be there
+    # in time). Explicit save() calls, preemption drains and if_busy="wait" wait as long as it takes.
+    "CKPT_BUSY_WAIT_MS": 0,
     # Take the fingerprints of a save's CUDA tensors as one CUDA graph launch once the same tensors are
     # saved twice in a row (1), or one reduction launch per tensor every time (0).
     "CKPT_FINGERPRINT_GRAPH": 1,
+    # Seconds after their last write that memory-tier segments whose job is gone (its local_dir kept, no live
+    # owner) are freed by the next Checkpointer started on the node (0: never; segments whose local_dir was
+    # deleted or made anew are freed at once: no job can use them).
+    "CKPT_SHM_ORPHAN_S": 86400,
     # Seconds the interpreter-exit hook waits for queued saves to persist (0: as long as they take).
     "CKPT_EXIT_WAIT_S": 0,
 }

@@ -67,7 +67,11 @@ def _finish_at_exit() -> None:
             log.info("finishing checkpoint(s) of step(s) %s before the process exits%s", sorted(busy),
                      f" (at most {limit} s, CKPT_EXIT_WAIT_S)" if deadline is not None else "")
         left = None if deadline is None else max(0.0, deadline - time.monotonic())
-        if not pipe.close(timeout=left, keep_shared=True):   # a process that did not close(): its snapshots stay in RAM
+        # a process that did not close(): its snapshots stay in RAM, and the newest reaches every tier (alone; in
+        # a collective job the other ranks may be gone, and a tier that needs their word would wait for them)
+        done = pipe.close(timeout=left, keep_shared=True, flush=pipe.independent)
+        pipe.memory.say_kept(loud=True)
+        if not done:
             log.error("exiting before checkpoint(s) of step(s) %s finished persisting (CKPT_EXIT_WAIT_S=%d s "
                       "passed); they are not committed, older checkpoints are intact. Raise CKPT_EXIT_WAIT_S "
                       "(0: no limit) or wait() for saves before exiting", sorted(pipe.in_flight()), limit)
@@ -256,6 +260,7 @@ class _Lane:
         self.current: _Job | None = None
         self.last_taken: int | None = None    # step of the newest snapshot handed to this tier
         self.newest: Snapshot | None = None   # that snapshot
+        self.written: Snapshot | None = None  # the newest snapshot this tier committed
         self.counts = TierCounts()
         self.thread: threading.Thread | None = None
 
@@ -303,7 +308,12 @@ class Pipeline:
         self._on_error = on_error
         self._cv = pool._cv   # one lock for the buffers and the queues: a buffer changes hands atomically
         self._staging: set[int] = set()
-        self._newest: tuple[Snapshot, SaveHandle] | None = None
+        self._newest: tuple[Snapshot, SaveHandle] | None = None      # the last snapshot submitted
+        self._committed: tuple[Snapshot, SaveHandle] | None = None   # the newest committed to the memory tier
+        # per snapshot still being copied (by its submission number): the tiers it goes to once it has landed
+        # (decided at submit; close() adds the tiers that skipped the newest, see flush)
+        self._assigned: dict[int, set[str]] = {}
+        self._watching: dict[int, Snapshot] = {}   # those snapshots, by submission number
         self._orphaned: set[str] = set()   # tiers whose waiting snapshot lost its buffer to the next one
         self._closing = False
         self._closed = False
@@ -383,6 +393,8 @@ class Pipeline:
         with self._cv:
             self._staging.add(snap.step)
             seq, self._submitted = self._submitted, self._submitted + 1
+            self._assigned[seq] = {n for n, r in take.items() if r is None and n in self.lanes}
+            self._watching[seq] = snap
             for name, lane in self.lanes.items():
                 reason = take.get(name, "not due")
                 if reason is None:
@@ -399,13 +411,13 @@ class Pipeline:
         # Not a daemon: interpreter shutdown joins it before finalizing. It lets go of the snapshot's
         # tensors before it ends, and a daemon freeing the last reference to a tensor while the
         # interpreter finalizes aborts the process (see _finish_at_exit).
-        t = threading.Thread(target=self._watch, args=(snap, handle, take, keep, seq),
+        t = threading.Thread(target=self._watch, args=(snap, handle, keep, seq),
                              name=f"ckpt-staged-{snap.step}", daemon=False)
         with self._cv:
             self._watchers = [w for w in self._watchers if w.is_alive()] + [t]
         t.start()
 
-    def _watch(self, snap: Snapshot, handle: SaveHandle, take: dict[str, str | None], keep: bool, seq: int) -> None:
+    def _watch(self, snap: Snapshot, handle: SaveHandle, keep: bool, seq: int) -> None:
         priority.lower_this_thread()   # the memory tier's commit checksums the whole snapshot
         try:
             snap.wait_copied()
@@ -420,8 +432,12 @@ class Pipeline:
             self._handed += 1
             self._cv.notify_all()
             self._staging.discard(snap.step)
-            lanes = [self.lanes[n] for n, r in take.items() if r is None and n in self.lanes]
-            if snap.error is not None and self.independent:
+            assigned = self._assigned.pop(seq, set())
+            lanes = [lane for n, lane in self.lanes.items() if n in assigned]
+            self._watching.pop(seq, None)
+            if snap.error is None:
+                self._committed = (snap, handle)
+            elif self.independent:
                 lanes = []   # no tier waits for this rank's word on it: nothing to hand over
             for lane in lanes:
                 self._enqueue(lane, _Job(snap, handle, keep))
@@ -532,28 +548,39 @@ class Pipeline:
         error = self._run_write(job, lane, write)
         del data   # no view of the buffer may outlive the hold (a waiter may exit the process at once)
         if error is None:
+            with self._cv:
+                lane.written = snap
+                if tier.durable and snap.buffer.manifest is snap.manifest:
+                    snap.buffer.durable = True   # its buffer may be reused where it is the only one (HostPool._pick)
             self._prune([lane.name], snap.step)
         self._release(job, lane)   # before reporting: a save right after handle.wait() finds the buffer free
         handle._finish(lane.name, error)
 
     # -- closing ------------------------------------------------------------------------------------
     def flush(self) -> None:
-        """Hand the newest snapshot to every tier that skipped it (its cadence, or busy), so that each
-        tier ends with it; the same decision on every rank of a collective job."""
+        """Hand the newest snapshot to every tier that has not got it (skipped for its cadence, or busy),
+        so that each tier ends with it. Alone, the newest committed to the memory tier (a save that failed
+        after it does not count); in a collective job, the last one taken, on every rank alike (a rank whose
+        copy failed tells the tier, which needs every rank's word). A snapshot still being copied gets its
+        tiers once it has landed."""
         with self._cv:
-            if self._newest is None:
+            newest = self._committed if self.independent else self._newest
+            if newest is None or newest[1]._skipped:
                 return
-            snap, handle = self._newest
+            snap, handle = newest
+            seq = next((q for q, _ in self._watching.items() if _ is snap), None)
             for name, lane in self.lanes.items():
-                if lane.newest is snap or handle._skipped:
+                if lane.newest is snap or lane.written is snap:
+                    continue   # handed to it (waiting, being written or written) or committed there
+                if self.independent and snap.buffer.manifest is not snap.manifest and seq is None:
+                    # the newest committed snapshot keeps its buffer (HostPool._pick): cannot happen
+                    log.error("step %d is not written to the %s tier at close: its host buffer was taken",
+                              snap.step, name)
                     continue
-                if snap.error is not None and self.independent:
-                    continue
-                if snap.buffer.image_step != snap.step and snap.error is None and snap.step not in self._staging:
-                    continue   # its buffer went to another snapshot (cannot happen to the newest; defensive)
                 handle._reopen(name)
                 lane.last_taken, lane.newest = snap.step, snap
-                if snap.step in self._staging:   # the watcher hands it over once the copy has landed
+                if seq is not None:   # still being copied: its watcher hands it over once the copy has landed
+                    self._assigned.setdefault(seq, set()).add(name)
                     continue
                 self._enqueue(lane, _Job(snap, handle, True))
             self._cv.notify_all()
@@ -566,21 +593,28 @@ class Pipeline:
         with self._cv:
             if self._newest is not None and not new.holds(old.number, self._newest[0].step):
                 self._newest = None
+            if self._committed is not None and not new.holds(old.number, self._committed[0].step):
+                self._committed = None
 
-    def close(self, timeout: float | None = None, keep_shared: bool = False) -> bool:
-        """Persist everything handed over, then stop the workers (idempotent).
+    def close(self, timeout: float | None = None, keep_shared: bool = False, flush: bool = True) -> bool:
+        """Let every snapshot still being copied land, hand the newest to every tier that has not got it
+        (``flush``: :meth:`flush`), persist everything handed over, then stop the workers (idempotent).
 
         ``timeout`` (seconds, ``None``: no limit) bounds the wait; returns False when a worker
         was still persisting when it ran out (it is then left to the interpreter). ``keep_shared``:
         leave the memory tier's shared-memory segments in RAM for the next process.
         """
+        deadline = None if timeout is None else time.monotonic() + timeout
         if not self._closed:
             self._closed = True
             _live.discard(self)
+            for t in list(self._watchers):   # the snapshots being copied are committed (or fail) first
+                t.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
+            if flush:
+                self.flush()
             with self._cv:
                 self._closing = True
                 self._cv.notify_all()
-        deadline = None if timeout is None else time.monotonic() + timeout
         for t in list(self._watchers):
             t.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
         with self._cv:

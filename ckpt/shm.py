@@ -6,13 +6,15 @@ CUDA driver, so device-to-host copies run at pinned bandwidth. A process that di
 OOM kill, a NCCL timeout) leaves them in RAM; a new process on the same node finds them by name
 and restores from them after checking every chunk against its checksum.
 
-Names, per ``local_dir`` (resolved) and rank::
+Names, per ``local_dir`` and rank (``<key>``: :func:`ckpt.identity.directory_key`, 16 hex digits of a
+hash of the directory's resolved path and the random id it keeps, so a directory deleted and made again,
+or one at another path, never finds another's segments, and no other user can predict the names)::
 
-    ckpt-<16 hex of sha256(local_dir)>-r<rank>-s<slot>.buf    a buffer: one snapshot's data file image
-    ckpt-<16 hex of sha256(local_dir)>-r<rank>-s<slot>.rec    its commit record (JSON), present only
-                                                              while the buffer holds a whole snapshot
-    ckpt-<16 hex of sha256(local_dir)>-p<src>-s<slot>.buf/.rec  a replica of rank <src>'s snapshot that
-                                                              the owner of local_dir holds (peer tier)
+    ckpt-<key>-r<rank>-s<slot>.buf    a buffer: one snapshot's data file image
+    ckpt-<key>-r<rank>-s<slot>.rec    its commit record (JSON), present only while the buffer holds a
+                                      whole snapshot
+    ckpt-<key>-p<src>-s<slot>.buf/.rec  a replica of rank <src>'s snapshot that the owner of local_dir
+                                      holds (peer tier)
 
 A record exists only while its buffer holds exactly the snapshot it describes: it is removed before
 the buffer is written again and put back (a temporary name, then ``rename``) only once the copy has
@@ -35,7 +37,6 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import errno
-import hashlib
 import json
 import logging
 import os
@@ -52,7 +53,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from . import knobs, procs
+from . import identity, knobs, procs
 from .errors import CorruptCheckpointError
 from .format import FORMAT_VERSION, Manifest, parse_record, read_record
 from .integrity import checksum
@@ -60,7 +61,7 @@ from .policy import Timeline
 
 __all__ = ["Segment", "AllocationStopped", "SnapshotRecord", "host_register", "host_unregister", "populate", "open_for_read", "SegmentInfo", "shm_root", "prefix_for", "replica_prefix", "local_key", "available_bytes",
            "chunk_checksums", "first_bad_chunk", "write_record", "read_snapshot_record", "remove_record",
-           "segments", "free", "remove_leftovers"]
+           "segments", "free", "remove_leftovers", "Orphan", "orphans", "sweep_orphans"]
 
 log = logging.getLogger(__name__)
 
@@ -85,16 +86,19 @@ def shm_root() -> Path | None:
     return root
 
 
-def prefix_for(local_dir: str | os.PathLike, rank: int) -> str:
-    """The segment names' prefix of ``local_dir``'s rank ``rank``: one name space per local tier and rank."""
-    key = hashlib.sha256(os.path.realpath(os.fspath(local_dir)).encode()).hexdigest()[:16]
-    return f"ckpt-{key}-r{rank:05d}"
+def prefix_for(local_dir: str | os.PathLike, rank: int, create: bool = False) -> str | None:
+    """The segment names' prefix of ``local_dir``'s rank ``rank``: one name space per local tier and rank.
+    ``None`` when the directory has no id (:func:`ckpt.identity.directory_id`; ``create``: give it one):
+    no segment can be its then."""
+    key = identity.directory_key(local_dir, create)
+    return None if key is None else f"ckpt-{key}-r{rank:05d}"
 
 
-def replica_prefix(local_dir: str | os.PathLike, src: int) -> str:
+def replica_prefix(local_dir: str | os.PathLike, src: int, create: bool = False) -> str | None:
     """The segment names' prefix of the replicas of rank ``src``'s snapshots that the owner of ``local_dir``
     holds (the peer tier): the local tier's name space, ``p`` for a replica instead of ``r``."""
-    return prefix_for(local_dir, src).rsplit("-r", 1)[0] + f"-p{src:05d}"
+    prefix = prefix_for(local_dir, src, create)
+    return None if prefix is None else prefix.rsplit("-r", 1)[0] + f"-p{src:05d}"
 
 
 def local_key(prefix: str) -> str:
@@ -454,9 +458,21 @@ def _publish(path: Path, fill: Callable[[int, Path], Any]) -> Any:
 
 
 def remove_record(root: Path, prefix: str, slot: int) -> None:
-    """Withdraw segment ``slot``'s snapshot (before its buffer is written again)."""
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(root / record_name(prefix, slot))
+    """Withdraw segment ``slot``'s snapshot (before its buffer is written again). An entry at the record's
+    name that is not a regular file of this user is no record (it is never read as one) and is left alone;
+    ``OSError`` when a record of this user's cannot be removed."""
+    path = root / record_name(prefix, slot)
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+    except OSError:
+        try:
+            st = os.lstat(path)
+        except FileNotFoundError:
+            return
+        if stat.S_ISREG(st.st_mode) and st.st_uid == os.getuid():
+            raise
 
 
 def read_snapshot_record(path: Path) -> SnapshotRecord:
@@ -464,6 +480,8 @@ def read_snapshot_record(path: Path) -> SnapshotRecord:
     naming the file when it does not validate, ``OSError`` when it cannot be read."""
     where = str(path)
     st = os.lstat(path)
+    if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid():
+        raise CorruptCheckpointError(f"{where}: not a regular file of this user, so no memory-tier record")
     raw = read_record(path, where, limit=MAX_RECORD_BYTES)
     d = parse_record(raw, where)
     try:
@@ -582,6 +600,77 @@ def free(root: Path | None = None, prefix: str | None = None) -> int:
                 pass
     return freed
 
+
+@dataclass
+class Orphan:
+    """A group of segments no running job uses (:func:`orphans`): ``why`` is ``"directory gone"`` (its
+    local_dir was deleted or made anew: no job can ever use them) or ``"owner gone"`` (the next job on that
+    directory restores from them); ``age_s``, seconds since they were last written."""
+
+    group: SegmentInfo
+    why: str
+    age_s: float
+
+
+def orphans(root: Path | None = None, skip: str | None = None) -> list[Orphan]:
+    """The groups of memory-tier segments in ``root`` (default :func:`shm_root`) that no running job uses:
+    no process that committed one of their snapshots lives on this host, and no live process owns their
+    local_dir. Groups with no readable record count only once they are a day old (a live job's segments
+    have no record between their allocation and its first snapshot). ``skip``: a local_dir key
+    (:func:`local_key`) to pass over (the caller's own)."""
+    from .tiers.local import owned
+
+    host = socket.gethostname()
+    now = time.time()
+    out = []
+    for g in segments(root):
+        key = local_key(g.prefix)
+        if key == skip:
+            continue
+        try:
+            age = now - max(os.lstat(f).st_mtime for f in g.files)
+        except OSError:
+            continue   # being removed
+        if not g.records:
+            if age > 86400:
+                out.append(Orphan(g, "owner gone", age))
+            continue
+        if any(r.host == host and procs.alive(r.pid, since=r.created_unix) for r in g.records):
+            continue
+        local_dir = g.local_dir
+        current = identity.directory_key(local_dir) if local_dir is not None else None
+        if current is None or f"ckpt-{current}" != key:
+            out.append(Orphan(g, "directory gone", age))
+        elif not owned(local_dir):
+            out.append(Orphan(g, "owner gone", age))
+    return out
+
+
+def sweep_orphans(root: Path | None = None, skip: str | None = None) -> int:
+    """Free the segments of :func:`orphans` that no job can use (their directory is gone) or that are older
+    than ``CKPT_SHM_ORPHAN_S``, and name the others in the log (once per group and process); returns the
+    bytes of RAM given back. The policy of a job's start (``Checkpointer``), documented in
+    docs/operations.md."""
+    limit = knobs.get("CKPT_SHM_ORPHAN_S")
+    freed = 0
+    for o in orphans(root, skip):
+        g = o.group
+        if o.why == "directory gone" or (limit > 0 and o.age_s > limit):
+            n = free(root, g.prefix)
+            freed += n
+            log.info("freed %.2f GB of RAM held by memory-tier segments no job can use (%s, %s; %.1f h old): %s",
+                     n / 1e9, o.why, g.local_dir or "no readable record", o.age_s / 3600, g.prefix)
+        elif g.prefix not in _NAMED:
+            _NAMED.add(g.prefix)
+            log.warning("%.2f GB of RAM in %s hold snapshots of %s (steps %s), whose job is not running: the next "
+                        "job on that directory restores from them. `ckpt gc --memory %s` frees them now; they are "
+                        "freed by themselves %.0f h after their last write (CKPT_SHM_ORPHAN_S)", g.nbytes / 1e9,
+                        (root or shm_root()), g.local_dir, sorted(r.step for r in g.records), g.local_dir,
+                        limit / 3600)
+    return freed
+
+
+_NAMED: set[str] = set()   # groups sweep_orphans named already in this process
 
 _TEMP_RE = re.compile(r"^\.(ckpt-[0-9a-f]{16}-[rp]\d{5}-s\d{2}\.(?:buf|rec))\.new-(\d+)-[0-9a-f]+$")
 

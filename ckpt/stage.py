@@ -42,10 +42,12 @@ exercise the asynchronous logic.
 from __future__ import annotations
 
 import collections
+import contextlib
 import errno
 import logging
 import os
 import queue
+import stat
 import threading
 import time
 from dataclasses import dataclass, field
@@ -68,6 +70,9 @@ _GRANULE = 2 << 20  # pool capacity is rounded up to this
 # What allocating a buffer runs at before one was measured in this process (GB/s): on an H200 node, 8 GB of
 # cudaHostAlloc took 3.45 s, a 6.9 GiB shared-memory segment created, mapped and registered 3.7 s.
 _ALLOC_GBPS = 2.0
+# A save of maybe_save() waits for a buffer the background allocation should finish within this many seconds
+# (a small state's: milliseconds), whatever CKPT_BUSY_WAIT_MS says
+_ALLOC_GRACE_S = 0.05
 # How long close() waits for prepare()'s thread to stop (seconds): it stops between two 64 MiB pieces, so
 # this is only reached by a file system that blocks one posix_fallocate or mapping for that long.
 _PREPARE_JOIN_S = 60
@@ -113,6 +118,9 @@ class HostBuffer:
         # checked against their record since it was taken over; False for a segment adopted from a previous
         # process: readers check every chunk before they use it (the RAM kept it across the restart, not us)
         self.checked = True
+        # its snapshot is committed on a durable tier too (local, remote): False until a tier says so; None for
+        # a snapshot taken over from a previous process (not known: HostPool._kept_elsewhere asks once)
+        self.durable: bool | None = False
         self.views: dict[tuple, torch.Tensor] = {}   # typed views into the buffer, reused across saves
 
     @property
@@ -127,6 +135,7 @@ class HostBuffer:
         return memoryview(self.tensor.numpy())[:nbytes]
 
     def forget_image(self) -> None:
+        self.durable = False
         self.image_order = 0.0
         self.image_step = None
         self.manifest = None
@@ -195,6 +204,9 @@ class HostPool:
         self._reserved: set[int] = set()   # slots being allocated
         self._warned_shm = False
         self.holds_what = "the memory tier keeps its snapshots"   # for messages: what the buffers are for
+        #: ``check(step, timeline)``: whether a durable tier holds that snapshot (for one taken over from a
+        #: previous process: see :meth:`_kept_elsewhere`); ``None``: none is known to
+        self.durable_check: Callable[[int, Any], bool] | None = None
         #: the timeline (:class:`~ckpt.policy.Timeline`) the next snapshots go to (``None``: not known); the
         #: buffer kept whole while the next snapshot is copied is the newest on its branch
         self.live: Any = None
@@ -310,6 +322,7 @@ class HostPool:
         buf.image_step, buf.manifest, buf.image_timeline, buf.record = rec.step, rec.manifest, rec.timeline, rec
         buf.image_order = rec.created_unix
         buf.checked = False
+        buf.durable = None   # whether a durable tier holds it too is asked when it matters (_kept_elsewhere)
         return buf
 
     def prepare(self, nbytes: int) -> None:
@@ -340,6 +353,7 @@ class HostPool:
                         self._cv.notify_all()
 
             self._preparing = time.monotonic()
+            self._growing = (self._preparing, nbytes)   # the first buffer, from now (the thread may start late)
             self._prepared = threading.Thread(target=run, name="ckpt-prepare", daemon=True)
             self._prepared.start()
 
@@ -410,17 +424,15 @@ class HostPool:
             self._allocating += 1
         try:
             new = self._allocate(nbytes, step, buf.slot if buf is not None else self._free_slot(), replacing=buf)
-        except HostMemoryError as e:
+        except BaseException as e:   # whatever failed, the counter and the reservation are given back
             with self._cv:
                 self._allocating -= 1
                 if buf is not None:
                     buf.holds = 0
-                if buf is None and self.buffers and self.shrink:
-                    self._shrink(e)
-                    self._cv.notify_all()
-                else:
-                    self._cv.notify_all()
+                self._cv.notify_all()
+                if not (isinstance(e, HostMemoryError) and buf is None and self.buffers and self.shrink):
                     raise
+                self._shrink(e)
             return self.acquire(nbytes, block, step, reclaim, inline)
         with self._cv:
             self._allocating -= 1
@@ -435,19 +447,35 @@ class HostPool:
               inline: bool) -> tuple[bool, HostBuffer | None]:
         """(under the lock) What :meth:`acquire` can do now: ``(True, buf)``, take the free ``buf`` (replaced
         by a larger one if it is too small); ``(True, None)``, allocate another; ``(False, None)``, nothing
-        yet. Without ``inline``, nothing is allocated while the background allocation runs."""
+        yet. Without ``inline``, nothing is allocated while the background allocation runs.
+
+        A buffer is free when no one holds it and it does not hold the newest committed snapshot: that one
+        stays whole until a newer one is committed, so a snapshot that then fails (torn, killed mid-copy)
+        costs nothing that was committed. The one exception is a snapshot that is durable on another tier
+        already (:meth:`_kept_elsewhere`): with room for a single buffer, that is the only way to go on."""
         grow = inline or self._preparing is None   # may the caller allocate now
+        newest = max((b for b in self.buffers if b.image_step is not None), default=None, key=self._rank)
         free = [b for b in self.buffers if b.holds == 0 and (grow or b.capacity >= nbytes)]
         free.sort(key=lambda b: (b.capacity < nbytes, b.image_step is not None, self._rank(b)))
         free = [b for b in free if reclaim is None or reclaim(b, True, step)]
-        newest = max((b for b in self.buffers if b.image_step is not None), default=None, key=self._rank)
-        room = grow and len(self.buffers) + self._allocating < self.slots
-        if newest is not None and (room or len(free) > 1):
-            # the newest snapshot stays whole while the next is copied, if there is any other way
-            free = [b for b in free if b is not newest]
-        if free:
-            return True, free[0]
-        return room, None
+        others = [b for b in free if b is not newest]
+        if others:
+            return True, others[0]
+        if grow and len(self.buffers) + self._allocating < self.slots:
+            return True, None   # another buffer, rather than the newest snapshot's
+        if newest in free and self._kept_elsewhere(newest):
+            return True, newest
+        return False, None
+
+    def _kept_elsewhere(self, buf: HostBuffer) -> bool:
+        """(under the lock) Whether ``buf``'s snapshot is committed on a durable tier too (so taking its buffer
+        loses no committed step): what this process's tiers said of it (:attr:`HostBuffer.durable`), or, for a
+        snapshot taken over from a previous process, what :attr:`durable_check` says (asked once)."""
+        if buf.durable is None:
+            check = self.durable_check
+            buf.durable = bool(check is not None and buf.image_step is not None and
+                               check(buf.image_step, buf.image_timeline))
+        return buf.durable
 
     def wait_free(self, nbytes: int, step: int, timeout: float,
                   reclaim: Callable[[HostBuffer, bool, int], bool] | None = None) -> bool:
@@ -458,20 +486,28 @@ class HostPool:
         under way needs longer: :meth:`_allocation_outlasts`). A save that may be skipped asks this first; in
         a collective job every rank asks before the ranks agree, so that their answers (and hence the skip)
         are the same."""
-        deadline = time.monotonic() + timeout
+        start = time.monotonic()
+        deadline = start + timeout
         with self._cv:
             while True:
                 self._check_open()
-                # not while a pinned buffer is being allocated in the background: even paced
+                # An allocation that should end within _ALLOC_GRACE_S (a small state's buffer) is waited for up to
+                # that long, whatever the timeout: skipping for it would cost the snapshot and save the loop nothing.
+                ends = self._allocation_ends()
+                soon = ends is not None and ends - time.monotonic() <= _ALLOC_GRACE_S
+                # Not while a pinned buffer is being allocated in the background: even paced
                 # (ckpt.shm.Segment.create / register), a snapshot taken beside that allocation blocked
                 # the loop 0.4-0.8 s on an H200 node (2026-11-25), while the same snapshots once both
                 # buffers were there blocked it 10-15 ms. The save is skipped (counted) instead.
-                if self._pinned_allocation():
-                    return False
-                if self._pick(nbytes, step, reclaim, inline=False)[0]:
+                pinned = self._pinned_allocation()
+                if not pinned and self._pick(nbytes, step, reclaim, inline=False)[0]:
                     return True
-                left = deadline - time.monotonic()
-                if left <= 0 or self._allocation_outlasts(left):
+                if pinned:
+                    limit = start + _ALLOC_GRACE_S if soon else start
+                else:
+                    limit = max(deadline, start + _ALLOC_GRACE_S) if soon else deadline
+                left = limit - time.monotonic()
+                if left <= 0 or (not soon and self._allocation_outlasts(left)):
                     return False
                 self._cv.wait(left)
 
@@ -488,11 +524,19 @@ class HostPool:
         (a snapshot beside it stalls the loop). A save then skips at once instead of waiting out its bound."""
         if self._pinned_allocation():
             return True
-        if (self.buffers and not self.pin) or self._preparing is None or self._growing is None:
+        if self.buffers and not self.pin:
             return False
+        ends = self._allocation_ends()
+        return ends is not None and ends - time.monotonic() > seconds
+
+    def _allocation_ends(self) -> float | None:
+        """(under the lock) When the buffer the background allocation is making now should be there
+        (``time.monotonic()``), at the rate buffers were allocated at here, or else at ``_ALLOC_GBPS``;
+        ``None`` when none is being made."""
+        if self._preparing is None or self._growing is None:
+            return None
         started, nbytes = self._growing
-        rate = self.alloc_gbps or _ALLOC_GBPS
-        return started + nbytes / rate / 1e9 - time.monotonic() > seconds
+        return started + nbytes / (self.alloc_gbps or _ALLOC_GBPS) / 1e9
 
     def _pinned_allocation(self) -> bool:
         """(under the lock) Whether a pinned (registered) buffer is being allocated in the background."""
@@ -505,16 +549,23 @@ class HostPool:
     def _shrink(self, error: HostMemoryError) -> None:
         """Keep the buffers there are: the limit leaves no room for another (said once)."""
         if self.slots > len(self.buffers):
-            log.warning("only %d snapshot buffer(s) fit (%s): with one buffer, a save while the previous "
-                        "snapshot is still being persisted waits (if_busy='wait') or is skipped (if_busy='skip'), "
-                        "and while a snapshot is being taken the memory tier holds none. Raise host_memory_limit "
-                        "for %d buffers", len(self.buffers), error, self.slots)
+            log.warning("only %d snapshot buffer(s) fit (%s): the newest committed snapshot is kept whole in one, "
+                        "so %s. Raise host_memory_limit for %d buffers", len(self.buffers), error,
+                        "a new snapshot waits (if_busy='wait') or is skipped (if_busy='skip') while a tier reads the "
+                        "other" if len(self.buffers) == 2 else "a new snapshot waits or is skipped until the previous "
+                        "one is committed on the local tier", self.slots)
             self.slots = len(self.buffers)
 
     def _withdraw(self, buf: HostBuffer, shm: Any) -> None:
-        """Before ``buf`` is written again: its snapshot leaves the memory tier (its record first)."""
+        """Before ``buf`` is written again: its snapshot leaves the memory tier (its record first). A record
+        that cannot be removed is logged, and the write goes on: a reader checks every chunk against the
+        record, so the bytes written under it fail their checksums and are never served."""
         if buf.segment is not None and self.shared is not None:
-            shm.remove_record(self.shared.root, self.shared.prefix, buf.slot)
+            try:
+                shm.remove_record(self.shared.root, self.shared.prefix, buf.slot)
+            except OSError as e:
+                log.warning("could not withdraw the memory tier's record of slot %d (%s): a reader will find its "
+                            "chunks rewritten and pass over it", buf.slot, e)
         buf.forget_image()
 
     def _free_slot(self) -> int:
@@ -660,26 +711,34 @@ class HostPool:
         if space is None:
             return None
         path = space.root / shm.buffer_name(space.prefix, slot)
-        shm.remove_record(space.root, space.prefix, slot)
+        seg = None
         try:
-            old = os.lstat(path).st_blocks * 512
-        except OSError:
-            old = 0
-        try:
+            shm.remove_record(space.root, space.prefix, slot)
+            try:
+                st = os.lstat(path)
+                old = st.st_blocks * 512 if stat.S_ISREG(st.st_mode) and st.st_uid == os.getuid() else 0
+            except FileNotFoundError:
+                old = 0
             free = shm.available_bytes(space.root) + old
             if free < cap:
-                raise OSError(errno.ENOSPC, f"{_mib(free)} free", str(space.root))
+                raise OSError(errno.ENOSPC, f"{_mib(free)} free, {_mib(cap)} needed", str(space.root))
             seg = shm.Segment.create(path, cap, paced=_background.paced, stop=_background.stop)
+            if self.pin:
+                seg.register(self._device, paced=_background.paced, stop=_background.stop)
         except OSError as e:
+            # the memory tier's trouble alone: this buffer lives in the process (the snapshots in it do not
+            # outlive the process), every other tier gets them as before
+            if seg is not None:   # made, then refused: its RAM goes back
+                seg.release()
+                with contextlib.suppress(OSError):
+                    os.unlink(path)
             if not self._warned_shm:
                 self._warned_shm = True
-                log.warning("%s in this process's memory, so they do not outlive it: a %s buffer does not fit in "
-                            "%s (%s); it needs %d buffer(s) of that size free there (enlarge it: docker --shm-size, "
-                            "or a Kubernetes emptyDir with medium: Memory)", self.holds_what, _mib(cap), space.root,
-                            e.strerror or e, self.slots)
+                log.warning("%s in this process's memory, so they do not outlive it: a %s segment could not be made "
+                            "at %s (%s); it needs %d buffer(s) of that size free in %s, as regular files of this "
+                            "user (enlarge it: docker --shm-size, or a Kubernetes emptyDir with medium: Memory)",
+                            self.holds_what, _mib(cap), e.filename or path, e.strerror or e, self.slots, space.root)
             return None
-        if self.pin:
-            seg.register(self._device, paced=_background.paced, stop=_background.stop)
         return HostBuffer(cap, self.pin, segment=seg, slot=slot)
 
 
@@ -728,6 +787,7 @@ class Snapshot:
         self._cuda_start: torch.cuda.Event | None = None
         self._cuda_device: torch.device | None = None   # the GPU whose side stream copies the state
         self._cpu_done = threading.Event()
+        self._cpu_thread: threading.Thread | None = None   # the CPU tensors' copy, once started
         self._lock = threading.Lock()
         self._fenced = False
         self._t0 = time.perf_counter()
@@ -765,6 +825,9 @@ class Snapshot:
         if self._cuda_done is not None:
             self._cuda_done.synchronize()
         self._cpu_done.wait()
+        thread = self._cpu_thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join()   # it has signalled; joined, no thread of the copy outlives the snapshot's watcher
         self._fence()
         if self.stats.stage_s is None:
             if self._cuda_start is not None:
@@ -1318,6 +1381,7 @@ def stage(snap: Snapshot, side_stream: torch.cuda.Stream | None) -> None:
                 snap._cpu_done.set()
         # Not a daemon, for the reason given where the pipeline starts its watcher thread: it
         # drops tensor references after signalling, so shutdown must wait for it (milliseconds).
-        threading.Thread(target=copy_cpu, name=f"ckpt-stage-{snap.step}", daemon=False).start()
+        snap._cpu_thread = threading.Thread(target=copy_cpu, name=f"ckpt-stage-{snap.step}", daemon=False)
+        snap._cpu_thread.start()
     else:
         snap._cpu_done.set()

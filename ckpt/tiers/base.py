@@ -53,7 +53,12 @@ class TierFigures:
     listing the tier does not make); ``capacity_bytes``: what it can hold (free space, RAM allowed;
     ``None``: unbounded or unknown); ``writes`` / ``reads``: commits and restores measured in this
     process; ``write_s`` / ``read_s``: seconds of the last one; ``write_gbps`` / ``read_gbps``: their
-    throughput, smoothed over recent ones (GB/s, ``None`` before the first)."""
+    throughput, smoothed over recent ones (GB/s, ``None`` before the first).
+
+    The memory tier also says (``None`` on the other tiers): ``buffers``, its host buffers (each the size of
+    the state); ``snapshots_skipped``, saves skipped because no buffer was free; ``records_failed``,
+    snapshots that stayed in this process only (their record could not be written in the RAM file system);
+    ``gives_up``, what it gives up with fewer than three buffers (``None``: nothing)."""
 
     name: str
     committed: int
@@ -65,6 +70,10 @@ class TierFigures:
     reads: int
     read_s: float | None
     read_gbps: float | None
+    buffers: int | None = None
+    snapshots_skipped: int | None = None
+    records_failed: int | None = None
+    gives_up: str | None = None
 
 
 class _Meter:

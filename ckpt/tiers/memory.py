@@ -31,7 +31,7 @@ from ..integrity import checksum
 from ..policy import Committed, Timeline
 from ..scatter import Scatter
 from ..stage import HostBuffer, HostPool, SharedSpace
-from .base import StepInfo, Tier, register
+from .base import StepInfo, Tier, TierFigures, register
 
 __all__ = ["MemoryTier", "space_for"]
 
@@ -58,6 +58,9 @@ class MemoryTier(Tier):
         self.verified: dict[int, bool] = {}
         self.timeline = Timeline()   # the timeline of the snapshots committed from now on (the Checkpointer sets it)
         self._ahead: _ReadAhead | None = None
+        self.records_failed = 0      # snapshots whose record could not be written (they did not outlive the process)
+        self.skipped = 0             # saves skipped: no buffer was free (counted by the Checkpointer)
+        self._record_error: tuple | None = None   # the cause of the last such failure (logged loudly when it changes)
 
     # -- commit -----------------------------------------------------------------------------------
     def commit(self, step: int, manifest: Manifest, buffer: HostBuffer, checksums: list[int] | None = None,
@@ -72,8 +75,11 @@ class MemoryTier(Tier):
             sums = checksums if checksums is not None else \
                 shm.chunk_checksums(buffer.tensor, manifest.data_bytes, manifest.chunk_bytes, background=True)
             held = dataclasses.replace(manifest, chunks=sums)
-            record = shm.write_record(space.root, space.prefix, buffer.slot, step, timeline, held,
-                                      space.local_dir)
+            try:
+                record = shm.write_record(space.root, space.prefix, buffer.slot, step, timeline, held,
+                                          space.local_dir)
+            except OSError as e:
+                self._record_failed(step, space, held, e)
             if len(manifest.chunks) != len(sums):
                 manifest.chunks = sums   # the tiers that read this buffer next (the peer tier) reuse them
         with self.pool._cv:
@@ -83,6 +89,22 @@ class MemoryTier(Tier):
             buffer.image_order = self.pool.commit_order()
             buffer.record = record
             buffer.checked = True   # bytes this process copied
+
+    def _record_failed(self, step: int, space: SharedSpace, held: Manifest, error: OSError) -> None:
+        """A record could not be written (``/dev/shm`` full, a foreign entry at its name): the snapshot stays in
+        this process's memory tier and goes to every other tier as usual, but does not outlive the process.
+        Counted (:meth:`figures`), and logged: at WARNING the first time and whenever the cause changes."""
+        self.records_failed += 1
+        path = space.root / shm.record_name(space.prefix, 0)
+        need = len(held.to_bytes()) + 512
+        cause = (error.errno, type(error))
+        loud = cause != self._record_error
+        self._record_error = cause
+        log.log(logging.WARNING if loud else logging.INFO,
+                "step %d is in the memory tier of this process only, not in RAM that outlives it: its record "
+                "could not be written in %s (%s; it needs %d bytes there: %s). The local and remote tiers still "
+                "get it (%d snapshot(s) so far without a record)", step, space.root, error.strerror or error,
+                need, path.name.replace("-s00", "-sNN"), self.records_failed)
 
     # -- listing ----------------------------------------------------------------------------------
     def _held(self) -> list[HostBuffer]:
@@ -184,6 +206,31 @@ class MemoryTier(Tier):
             return shm.available_bytes(self.space.root) + self.nbytes()
         return None
 
+    def say_kept(self, loud: bool) -> None:
+        """Log the RAM this tier's segments keep once the Checkpointer is gone, and how to free it (at WARNING
+        when ``loud``: the process did not close the Checkpointer itself, or its block raised)."""
+        if self.space is None or self.pool.shared is None:   # not the owner: none of the segments are its own
+            return
+        kept = self.nbytes()
+        if kept:
+            log.log(logging.WARNING if loud else logging.INFO,
+                    "the memory tier keeps %.2f GB of RAM in %s for the next process on this node (it restores from "
+                    "it); `ckpt gc --memory %s` frees it", kept / 1e9, self.location(), self.space.local_dir)
+
+    def figures(self) -> TierFigures:
+        """:meth:`Tier.figures`, with the buffers, the snapshots skipped for want of a free one, those that
+        stayed in this process only, and what fewer than three buffers give up."""
+        slots = self.pool.slots
+        gives_up = None
+        if slots == 2:
+            gives_up = ("two buffers: while a tier reads one snapshot, the newest is kept whole in the other and "
+                        "every new snapshot is skipped until the tier is done")
+        elif slots == 1:
+            gives_up = ("one buffer: a new snapshot is skipped until the previous one is committed on the local "
+                        "tier, and a snapshot that fails then leaves the memory tier empty")
+        return dataclasses.replace(super().figures(), buffers=slots, snapshots_skipped=self.skipped,
+                                   records_failed=self.records_failed, gives_up=gives_up)
+
     def newest(self) -> tuple[int, Manifest] | None:
         buf = self.pool.newest_image()
         if buf is None or buf.manifest is None:
@@ -204,8 +251,11 @@ class MemoryTier(Tier):
         process took over (adopted) is checked on the host's threads, then copied at the pinned rate."""
         self.pool.wait_adopted()   # a segment being taken over is read from its mapping once it is
         with self.pool._cv:
+            # the snapshot listed and described by ``manifest``, never another of the same step: a rollback's new
+            # branch saves the same step again, with other bytes (its manifest's chunk checksums and creation time
+            # differ), and only the copy that was listed may be loaded
             buf = next((b for b in self.pool.buffers if b.image_step == step and b.manifest is manifest), None) or \
-                next((b for b in self.pool.buffers if b.image_step == step), None)
+                next((b for b in self.pool.buffers if b.image_step == step and b.manifest == manifest), None)
             if buf is not None:
                 buf.holds += 1   # not taken for a new snapshot while it is read
         if buf is not None:
@@ -220,10 +270,9 @@ class MemoryTier(Tier):
             finally:
                 self.pool.release(buf)
             return
-        rec = next((r for r in self._left() if r.step == step and r.manifest.data_bytes == manifest.data_bytes
-                    and r.manifest.items == manifest.items), None)
+        rec = next((r for r in self._left() if r.step == step and r.manifest == manifest), None)
         if rec is None:
-            raise LookupError(f"step {step} is no longer in host memory")
+            raise LookupError(f"step {step} is no longer in host memory (not the copy that was listed)")
         self._load_segment(rec, dest)
 
     def _load_adopted(self, buf: HostBuffer, manifest: Manifest, dest: list[torch.Tensor | None] | None) -> None:
@@ -547,10 +596,12 @@ def _scatter(manifest: Manifest, dest: list[torch.Tensor | None], data: torch.Te
         sc.synchronize()
 
 
-def space_for(local_dir: str | os.PathLike, rank: int) -> SharedSpace | None:
+def space_for(local_dir: str | os.PathLike, rank: int, create: bool = False) -> SharedSpace | None:
     """Where the memory tier of ``local_dir``'s rank ``rank`` keeps its segments (``None``: shared
-    segments are off, or there is no RAM file system)."""
+    segments are off, there is no RAM file system, or the directory has no id and ``create`` is false or
+    it cannot hold one: :func:`ckpt.identity.directory_id`)."""
     root = shm.shm_root()
-    if root is None:
+    prefix = None if root is None else shm.prefix_for(local_dir, rank, create)
+    if prefix is None:
         return None
-    return SharedSpace(root, shm.prefix_for(local_dir, rank), os.path.realpath(os.fspath(local_dir)))
+    return SharedSpace(root, prefix, os.path.realpath(os.fspath(local_dir)))

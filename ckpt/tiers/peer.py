@@ -70,9 +70,10 @@ def replica_space(local_dir: str | os.PathLike, src: int) -> SharedSpace | None:
     """Where the holder of ``local_dir`` keeps rank ``src``'s replicas (``None``: no RAM file system,
     or ``CKPT_SHM=0``: the replicas then live in the holder's process memory)."""
     root = shm.shm_root()
-    if root is None:
+    prefix = None if root is None else shm.replica_prefix(local_dir, src, create=True)
+    if prefix is None:
         return None
-    return SharedSpace(root, shm.replica_prefix(local_dir, src), os.path.realpath(os.fspath(local_dir)))
+    return SharedSpace(root, prefix, os.path.realpath(os.fspath(local_dir)))
 
 
 class Exchange:

@@ -1,0 +1,495 @@
+"""The memory tier's buffer lifecycle: the newest committed snapshot is never lost, never waited for.
+
+Invariants (docs/concepts.md, "The buffer lifecycle"):
+
+1. the newest committed snapshot is never the target of a copy: it stays whole until a newer one is committed;
+2. a buffer is free when no tier reads it and it does not hold the newest committed snapshot;
+3. a snapshot that finds no free buffer is skipped at once (counted), never waited for by default;
+4. a failure of the memory tier's own bookkeeping (record, segment name, ``/dev/shm`` full) costs that snapshot
+   its crash survival only: the other tiers still get it;
+5. ``close()`` hands the newest snapshot to every tier that lacks it, and no handle stays pending.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import random
+import stat
+import subprocess
+import threading
+import time
+
+import pytest
+import torch
+
+import ckpt
+from ckpt import shm
+from ckpt.errors import TornSnapshotError
+from ckpt.tiers import LocalTier
+
+pytestmark = pytest.mark.skipif(shm.shm_root() is None, reason="needs a RAM file system for the memory tier")
+
+
+class GatedLocal(LocalTier):
+    """A local tier whose writes wait until the test opens its gate (it holds a buffer as long as the test
+    says), and fail while it is ``broken`` (a disk that is gone: nothing reaches it)."""
+
+    def __init__(self, root, gate: threading.Event, **kw):
+        super().__init__(root, **kw)
+        self.gate = gate
+        self.broken = False
+        self.started = threading.Event()
+
+    def write(self, step, manifest, data):
+        self.started.set()
+        assert self.gate.wait(60), "the test never opened the gate"
+        if self.broken:
+            raise OSError(errno.EIO, "Input/output error", str(self.root))
+        return super().write(step, manifest, data)
+
+
+def _state(value: float = 0.0) -> dict:
+    return {"w": torch.full((4096,), value), "meta": {"v": value}}
+
+
+def _restored(local_dir, step=None) -> tuple[int | None, float, str | None]:
+    """Restore in a new Checkpointer (as a new process on the node would): (step, value, tier)."""
+    st = _state(-1.0)
+    with ckpt.Checkpointer(local_dir=local_dir) as reader:
+        got = reader.restore(st, step=step)
+        tier = reader.last_restore.tier if reader.last_restore is not None else None
+    return got, float(st["w"][0]), tier
+
+
+# -- close() ------------------------------------------------------------------------------------------------
+
+def test_close_writes_the_newest_snapshot_to_every_tier_whatever_the_cadence(tmp_path):
+    """The README's loop: snapshots every 10 steps, the local tier every 50, a `with` block. The run's last
+    snapshot (120) is on the local and remote tiers after the block, and no handle is left pending."""
+    handles = []
+    with ckpt.Checkpointer(f"file://{tmp_path}/remote", local_dir=tmp_path / "local", every_steps=10,
+                           persist_every={"local": 50, "remote": 100}) as ck:
+        for step in range(121):
+            st = _state(float(step))
+            h = ck.maybe_save(step, st)
+            if h is not None:
+                handles.append(h)
+                h.wait("memory")   # the copy lands within the next training step, as in a real loop
+    assert handles[-1].step == 120 and handles[-1].tier_status("memory") == "done"
+    for h in handles:
+        assert h.done(), f"step {h.step}'s handle is still pending after close()"
+        h.wait(timeout=0)
+    assert handles[-1].tier_status("local") == "done" and handles[-1].tier_status("remote") == "done"
+    assert 120 in LocalTier(tmp_path / "local").committed_steps()
+    with ckpt.Checkpointer(f"file://{tmp_path}/remote", local_dir=tmp_path / "fresh") as reader:
+        st = _state(-1.0)
+        assert reader.restore(st) == 120 and reader.last_restore.tier == "remote"
+        assert float(st["w"][0]) == 120.0
+
+
+def test_close_writes_a_snapshot_still_being_copied(tmp_path, slow_staging):
+    """close() right after a save whose copy has not landed yet: the copy lands, is committed, and reaches the
+    local tier although its cadence skipped it."""
+    ck = ckpt.Checkpointer(local_dir=tmp_path, persist_every={"local": 1000})
+    first = ck.save(1, _state(1.0))
+    first.wait()
+    h = ck.save(2, _state(2.0))
+    assert h.tier_status("local") == "skipped"   # not due by its cadence
+    ck.close()
+    assert h.done() and h.tier_status("local") == "done"
+    assert LocalTier(tmp_path).committed_steps()[0] == 2
+    assert _restored(tmp_path)[:2] == (2, 2.0)
+
+
+def test_close_after_a_failed_save_writes_the_newest_committed_one(tmp_path, slow_staging):
+    """The run's last save fails (a torn snapshot): close() makes the snapshot before it durable, and the
+    failed one's handle ends with its error."""
+    ck = ckpt.Checkpointer(local_dir=tmp_path, persist_every={"local": 1000})
+    ck.save(1, _state(1.0)).wait()
+    ok = ck.save(2, _state(2.0))
+    ok.wait("memory")
+    st = _state(3.0)
+    bad = ck.save(3, st)
+    st["w"].data.add_(1)   # in place, before the (slow) copy is done: step 3's snapshot is torn
+    with pytest.raises(TornSnapshotError):
+        ck.close()
+    assert bad.status == "failed" and ok.done() and ok.tier_status("local") == "done"
+    assert LocalTier(tmp_path).committed_steps()[0] == 2
+
+
+# -- the newest committed snapshot keeps its buffer ---------------------------------------------------------
+
+def test_a_failed_snapshot_never_costs_the_newest_committed_one(tmp_path, slow_staging):
+    """Two buffers; the local tier holds one (a slow write of step 1); step 2 is committed in the other. Step 3
+    finds no free buffer: it is skipped, not copied over step 2. Had it been copied there and then failed
+    (torn), step 2 would be on no tier although its handle said "done"."""
+    gate = threading.Event()
+    local = GatedLocal(tmp_path / "local", gate)
+    ck = ckpt.Checkpointer(local_dir=local, max_in_flight=2)
+    try:
+        ck.save(1, _state(1.0)).wait("memory")
+        assert local.started.wait(10)           # the local tier reads step 1's buffer, and holds it
+        ck.save(2, _state(2.0)).wait("memory")  # committed in the second buffer: the newest
+        st = _state(3.0)
+        h3 = ck.save(3, st)
+        st["w"].data.add_(1)                    # would tear step 3's snapshot, had it been taken
+        assert h3.status == "skipped"
+        assert {c.step for c in ck.memory.committed()} >= {2}
+        got = _restored(tmp_path / "local")     # a new process on the node, the local tier still empty
+        assert got == (2, 2.0, "memory")
+    finally:
+        gate.set()
+        ck.close(raise_errors=False)
+
+
+def test_a_single_buffer_is_reused_only_once_its_snapshot_is_on_disk(tmp_path):
+    """Room for one buffer (max_in_flight=1): a snapshot is skipped until the previous one is committed on the
+    local tier; then its buffer is taken, and nothing committed is lost at any moment."""
+    gate = threading.Event()
+    local = GatedLocal(tmp_path / "local", gate)
+    ck = ckpt.Checkpointer(local_dir=local, max_in_flight=1)
+    try:
+        ck.save(1, _state(1.0)).wait("memory")
+        assert local.started.wait(10)
+        assert ck.save(2, _state(2.0)).status == "skipped"   # the only buffer holds step 1, not yet on disk
+        gate.set()
+        ck.wait("local")
+        h = ck.save(3, _state(3.0))   # step 1 is on disk now: its buffer may go to step 3
+        h.wait()
+        assert h.status == "done"
+    finally:
+        gate.set()
+        ck.close()
+    assert _restored(tmp_path / "local")[:2] == (3, 3.0)
+
+
+def test_snapshots_every_step_are_taken_while_a_slow_tier_writes(tmp_path):
+    """Three buffers, the default: while the local tier is busy with one snapshot, every step is still
+    snapshotted (the newest kept whole in a second buffer, the next copied into the third), and the local tier
+    writes the newest one each time it is free (newest wins, every superseded one counted)."""
+    gate = threading.Event()
+    local = GatedLocal(tmp_path / "local", gate)
+    ck = ckpt.Checkpointer(local_dir=local, every_steps=1)
+    taken = []
+    try:
+        for step in range(40):
+            if step == 30:
+                gate.set()   # the disk catches up
+            h = ck.maybe_save(step, _state(float(step)))
+            if h is not None:
+                h.wait("memory")
+                taken.append(h)
+        ck.wait()
+    finally:
+        gate.set()
+        ck.close()
+    committed = [h for h in taken if h.status != "skipped"]
+    assert len(committed) >= 38, [h.status for h in taken]   # every step but the first allocation's
+    counts = ck.tier_counts["local"]
+    assert counts.persisted >= 2 and counts.superseded >= 20
+    assert counts.persisted + counts.superseded + counts.busy + counts.not_due + counts.failed == len(committed)
+    assert LocalTier(tmp_path / "local").committed_steps()[0] == 39
+    fig = ck.tier_figures()["memory"]
+    assert fig.buffers == 3 and fig.snapshots_skipped == len(taken) - len(committed)
+
+
+def test_a_skip_costs_the_loop_no_waiting(tmp_path):
+    """No free buffer: maybe_save() returns at once (no busy wait by default), skipping the snapshot."""
+    gate = threading.Event()
+    local = GatedLocal(tmp_path / "local", gate)
+    ck = ckpt.Checkpointer(local_dir=local, every_steps=1, max_in_flight=1)
+    try:
+        ck.save(0, _state(0.0)).wait("memory")
+        assert local.started.wait(10)
+        t0 = time.perf_counter()
+        h = ck.maybe_save(1, _state(1.0))
+        took = time.perf_counter() - t0
+        assert h is not None and h.status == "skipped"
+        assert took < 0.5, f"a skipped snapshot held the loop {took:.3f} s"
+        assert ck.skipped == 1
+    finally:
+        gate.set()
+        ck.close()
+
+
+# -- the memory tier's failures are its own ----------------------------------------------------------------
+
+@pytest.fixture
+def small_shm(tmp_path, monkeypatch):
+    """A RAM file system of 16 MiB of its own as the memory tier's (mounted where the test may; else skipped)."""
+    root = tmp_path / "shm"
+    root.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", str(root)], capture_output=True).returncode:
+        pytest.skip("cannot mount a tmpfs here (needs root); test_a_record_that_cannot_be_written_... covers it")
+    monkeypatch.setenv("CKPT_SHM_DIR", str(root))
+    yield root
+    subprocess.run(["umount", "-l", str(root)], capture_output=True)
+
+
+def _fill(root) -> None:
+    """Take every byte left in ``root`` (a MiB at a time, then a page, then a byte)."""
+    fd = os.open(root / "filler", os.O_WRONLY | os.O_CREAT, 0o600)
+    try:
+        for size in (1 << 20, 4096, 1):
+            try:
+                while True:
+                    os.write(fd, b"\0" * size)
+            except OSError as e:
+                assert e.errno == errno.ENOSPC
+    finally:
+        os.close(fd)
+
+
+def test_a_full_ram_file_system_costs_only_crash_survival(tmp_path, small_shm, caplog):
+    """/dev/shm fills up after the buffers were allocated (data loader workers, NCCL): each snapshot's record
+    cannot be written. The snapshots still reach the local tier, restore in this process from memory, and the
+    loss is said once; once there is room again, records are written again."""
+    ck = ckpt.Checkpointer(local_dir=tmp_path / "local", every_steps=1)
+    try:
+        for step in range(3):
+            h = ck.maybe_save(step, _state(float(step)))
+            if h is not None:
+                h.wait()
+        assert len(ck.pool.buffers) == 3 and all(b.segment is not None for b in ck.pool.buffers)
+        _fill(small_shm)
+        with caplog.at_level(logging.INFO, logger="ckpt"):
+            for step in range(3, 8):
+                st = _state(float(step))
+                st["meta"]["note"] = "x" * 65536   # a longer record than the one withdrawn makes room for
+                ck.save(step, st).wait()   # raises if any tier failed
+        assert ck.memory.records_failed == 5
+        assert ck.tier_figures()["memory"].records_failed == 5
+        warned = [r for r in caplog.records if r.levelno >= logging.WARNING and r.name == "ckpt.tiers.memory"]
+        assert len(warned) == 1
+        assert 7 in LocalTier(tmp_path / "local").committed_steps()
+        st = _state(-1.0)
+        assert ck.restore(st) == 7 and ck.last_restore.tier == "memory" and float(st["w"][0]) == 7.0
+        os.unlink(small_shm / "filler")
+        ck.save(8, _state(8.0)).wait()
+    finally:
+        ck.close(keep_memory=True)
+    assert 8 in {r.step for g in shm.segments(small_shm) for r in g.records}
+
+
+def test_a_record_that_cannot_be_written_costs_only_crash_survival(tmp_path, monkeypatch):
+    """The same on any machine: the record's write fails (ENOSPC) for two snapshots; the local tier gets them."""
+    real = shm.write_record
+    fail = {"n": 2}
+
+    def write_record(*args, **kw):
+        if fail["n"]:
+            fail["n"] -= 1
+            raise OSError(errno.ENOSPC, "No space left on device", "/dev/shm/x.rec")
+        return real(*args, **kw)
+
+    monkeypatch.setattr(shm, "write_record", write_record)
+    with ckpt.Checkpointer(local_dir=tmp_path, keep=ckpt.Retention(local=None)) as ck:
+        for step in range(3):
+            ck.save(step, _state(float(step))).wait()
+        assert ck.memory.records_failed == 2
+    assert LocalTier(tmp_path).committed_steps()[:3] == [2, 1, 0]
+
+
+def _foreign(path, kind: str) -> None:
+    if kind == "directory":
+        os.mkdir(path)
+    elif kind == "fifo":
+        os.mkfifo(path)
+    elif kind == "symlink":
+        os.symlink("/etc/hostname", path)
+    elif kind == "other user's file":
+        with open(path, "wb") as f:
+            f.write(b"x" * 4096)
+        os.chown(path, 65534, 65534)
+
+
+@pytest.mark.parametrize("kind", ["directory", "fifo", "symlink", "other user's file"])
+def test_foreign_entries_at_the_segment_names_cost_only_crash_survival(tmp_path, kind, caplog):
+    """Entries at every name of the memory tier's segments and records that the job cannot use: every save
+    still reaches the local tier, none raises or blocks, and nothing is ever written through them (a
+    directory stays; a non-directory entry is replaced by a segment or record renamed over it, never
+    followed, opened or mapped)."""
+    if kind == "other user's file" and os.geteuid() != 0:
+        pytest.skip("chown to another user needs root")
+    with open("/etc/hostname", "rb") as f:
+        hostname = f.read()
+    ck = ckpt.Checkpointer(local_dir=tmp_path / "local", every_steps=1)
+    root, prefix = ck.memory.space.root, ck.memory.space.prefix
+    made = []
+    for slot in range(3):
+        for name in (shm.buffer_name(prefix, slot), shm.record_name(prefix, slot)):
+            _foreign(root / name, kind)
+            made.append(root / name)
+    try:
+        with caplog.at_level(logging.WARNING, logger="ckpt"):
+            for step in range(6):
+                h = ck.maybe_save(step, _state(float(step)))
+                if h is not None and h.status != "skipped":
+                    h.wait(timeout=30)
+            ck.save(6, _state(6.0)).wait(timeout=30)
+        assert LocalTier(tmp_path / "local").committed_steps()[0] == 6
+        assert any(r.name.startswith("ckpt.") for r in caplog.records)
+        st = _state(-1.0)
+        assert ck.restore(st) == 6 and float(st["w"][0]) == 6.0
+    finally:
+        ck.close()
+    with open("/etc/hostname", "rb") as f:
+        assert f.read() == hostname   # never written through the links
+    for p in made:
+        if kind == "directory":
+            assert stat.S_ISDIR(os.lstat(p).st_mode)
+            p.rmdir()
+
+
+def test_an_allocation_that_fails_leaks_nothing(tmp_path, monkeypatch):
+    """Any exception while a buffer is allocated (not only a memory limit): the save raises it, and the next
+    save finds the pool as before (no allocation counted as under way forever, which made saves block)."""
+    from ckpt.stage import HostPool
+
+    real = HostPool._allocate
+    fail = {"n": 2}
+
+    def allocate(self, *args, **kw):
+        if fail["n"]:
+            fail["n"] -= 1
+            raise OSError(errno.EPERM, "Operation not permitted")
+        return real(self, *args, **kw)
+
+    monkeypatch.setattr(HostPool, "_allocate", allocate)
+    with ckpt.Checkpointer(local_dir=tmp_path) as ck:
+        for step in range(2):
+            with pytest.raises(OSError):
+                ck.save(step, _state(float(step)))
+            assert ck.pool._allocating == 0
+        done = threading.Event()
+        threading.Thread(target=lambda: (ck.save(2, _state(2.0)).wait(), done.set()), daemon=True).start()
+        assert done.wait(30), "a save blocked after failed allocations"
+
+
+# -- a property test of the lifecycle ----------------------------------------------------------------------
+
+@pytest.fixture
+def slowish_staging(monkeypatch):
+    """CPU staging copies that take 10 ms each: a write right after save() lands before the copy."""
+    from ckpt import stage as stage_mod
+    real = stage_mod._dst
+
+    def slow(buf, rec, t):
+        if threading.current_thread().name.startswith("ckpt-stage"):
+            time.sleep(0.01)
+        return real(buf, rec, t)
+
+    monkeypatch.setattr(stage_mod, "_dst", slow)
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_random_saves_failures_slow_tiers_and_crashes_never_lose_the_newest_committed(tmp_path, seed,
+                                                                                       slowish_staging):
+    """Random sequences of saves, torn saves, a local tier that stalls, resumes or fails, and crashes of the
+    process (its memory tier kept, its disk writes lost from the crash on): after each crash, the newest
+    snapshot committed to the memory tier (or a newer one) is restored, bit-exact; every handle ends."""
+    rng = random.Random(seed)
+    gate = threading.Event()
+    values: dict[int, float] = {}   # step -> value, of every snapshot committed to the memory tier
+    newest = None
+    step = 0
+    handles = []
+    for life in range(4):
+        gate.set()
+        local = GatedLocal(tmp_path / "local", gate)
+        ck = ckpt.Checkpointer(local_dir=local, max_in_flight=rng.choice([1, 2, 3]))
+        if life:
+            st = _state(-1.0)
+            got = ck.restore(st)
+            assert got is not None and got >= newest, (got, newest)
+            assert float(st["w"][0]) == values[got]
+        for _ in range(rng.randint(6, 14)):
+            step += 1
+            op = rng.random()
+            if op < 0.25:
+                gate.clear()   # the local tier stalls (and holds its buffer)
+            elif op < 0.4:
+                gate.set()
+            elif op < 0.5:
+                local.broken = not local.broken
+            st = _state(float(step))
+            h = ck.save(step, st)
+            handles.append(h)
+            if rng.random() < 0.35 and h.status != "skipped":
+                st["w"].data.add_(0.5)   # in place before the slow copy: torn
+            try:
+                h.wait("memory", timeout=30)
+            except TornSnapshotError:
+                continue
+            if h.status != "skipped":
+                values[step] = float(step)
+                newest = step
+        local.broken = True   # the crash: no disk write from here on
+        gate.set()
+        ck.close(raise_errors=False, keep_memory=True)   # its RAM stays for the next process
+    for h in handles:
+        assert h.done()
+    got, value, _ = _restored(tmp_path / "local")
+    assert got is not None and got >= newest and value == values[got]
+
+
+def _read_until(proc, prefix: str, timeout: float) -> list[str]:
+    out = []
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            break
+        out.append(line.strip())
+        if line.startswith(prefix):
+            return out
+    raise AssertionError(f"no {prefix!r} line from the worker: {out[-5:]}")
+
+
+@pytest.mark.parametrize("buffers", [2, 3])
+def test_sigkill_mid_copy_or_at_random_never_loses_the_newest_committed_snapshot(tmp_path, buffers):
+    """A real process snapshots every step (its local tier slow, holding a buffer) and is SIGKILLed, in the
+    middle of a snapshot's copy or at a random moment; each new process restores at least the newest step the
+    killed one had committed to the memory tier, with its values (and never a torn one)."""
+    import select
+    import signal
+    import sys
+
+    rng = random.Random(buffers)
+    worker = os.path.join(os.path.dirname(__file__), "lifecycle_worker.py")
+    env = {**os.environ, "PYTHONUNBUFFERED": "1",
+           "PYTHONPATH": os.pathsep.join([os.path.dirname(__file__), os.environ.get("PYTHONPATH", "")])}
+    committed = None
+    for mid_copy in (True, False, True):
+        stall_at = rng.randint(3, 8) if mid_copy else -1
+        proc = subprocess.Popen([sys.executable, worker, str(tmp_path / "local"), str(buffers), str(stall_at)],
+                                stdout=subprocess.PIPE, text=True, env=env)
+        try:
+            restored = _read_until(proc, "restored", 120)[-1].split()
+            got = None if restored[1] == "None" else int(restored[1])
+            if committed is not None:
+                assert got is not None and got >= committed, (got, committed)
+                assert float(restored[2]) == float(got)
+            if mid_copy:
+                lines = _read_until(proc, "copying", 120)
+            else:
+                lines, deadline = [], time.monotonic() + rng.uniform(0.3, 1.0)
+                while time.monotonic() < deadline:
+                    if select.select([proc.stdout], [], [], 0.05)[0]:
+                        lines.append(proc.stdout.readline())
+            proc.send_signal(signal.SIGKILL)
+            proc.wait(30)
+            lines += list(proc.stdout)   # what it had printed before the kill
+            steps = [int(line.split()[1]) for line in lines if line.startswith("committed")]
+            committed = max(steps, default=committed)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    st = {"a": torch.zeros(1 << 18), "b": torch.zeros(1 << 18)}
+    with ckpt.Checkpointer(local_dir=tmp_path / "local") as reader:
+        got = reader.restore(st)
+    assert got is not None and got >= committed
+    assert torch.equal(st["a"], torch.full_like(st["a"], float(got))) and torch.equal(st["a"], st["b"])
