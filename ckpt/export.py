@@ -41,7 +41,7 @@ from .format import (LATEST_NAME, Manifest, data_name, dtype_to_str, empty_tenso
 from .integrity import checksum
 from .policy import live_and_abandoned
 from .progress import Progress, wanted
-from .reshard import load_resharded, saved_layouts, shard_box
+from .reshard import check_layouts, load_resharded, saved_layouts, shard_box
 from .scatter import Scatter
 from .tiers.local import NO_RENAMEAT2, RENAME_EXCHANGE, RENAME_NOREPLACE
 from .tiers.local import renameat2 as _renameat2
@@ -280,7 +280,10 @@ class _Source:
                 tier.check_stored(self.step, m)   # state is allocated (as a restore checks)
             self._fetch = lambda r, m, i: tier.fetch(self.step, r, m, i)
         else:
-            self.manifests = [tier.open(self.step)[1]]
+            commit, manifest = tier.open(self.step)
+            self.manifests = [manifest]
+            # a job tier's records are checked so by the tier itself (RemoteTier.read_manifests)
+            check_layouts(self.manifests, f"step {self.step} of {self.where}", whole=commit.world_size == 1)
             path = tier.step_dir(self.step) / data_name(tier.rank)
             try:
                 self._fd = open_regular(path)[0]

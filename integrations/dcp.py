@@ -467,6 +467,12 @@ def _metadata_from_json(raw: bytes, where: str) -> tuple[Metadata, dict[Metadata
             _need(all(o + s <= n for o, s, n in zip(c["offsets"], c["sizes"], e["size"])), w,
                   f"chunk {c!r} lies outside the tensor's size {e['size']}")
             chunks.append(ChunkStorageMetadata(offsets=torch.Size(c["offsets"]), sizes=torch.Size(c["sizes"])))
+        # the global size is what a planner that builds the state from the metadata allocates: it must be
+        # exactly what the chunks hold, each chunk once (one saved item each, checked below)
+        _need(len({tuple(c.offsets) for c in chunks}) == len(chunks), w, "two chunks at one offset")
+        _need(sum(math.prod(c.sizes) for c in chunks) == math.prod(e["size"]), w,
+              f"its chunks hold {sum(math.prod(c.sizes) for c in chunks)} elements, its size {e['size']} "
+              f"{math.prod(e['size'])}")
         _need(e.get("memory_format", "contiguous") in _MEMORY_FORMATS, w, "unknown memory_format")
         props = TensorProperties(dtype=str_to_dtype(e["dtype"], w), layout=torch.strided,
                                  requires_grad=bool(e.get("requires_grad", False)),
@@ -507,6 +513,11 @@ def _metadata_from_json(raw: bytes, where: str) -> tuple[Metadata, dict[Metadata
             spans.setdefault(it["rank"], []).append((it["offset_bytes"], it["length"], ix["fqn"]))
         offset = torch.Size(ix["offset"]) if ix.get("offset") is not None else None
         storage[MetadataIndex(fqn=ix["fqn"], offset=offset)] = it
+    for fqn, entry in sdm.items():
+        if isinstance(entry, TensorStorageMetadata):
+            for c in entry.chunks:
+                _need(MetadataIndex(fqn=fqn, offset=c.offsets) in storage, f"{where}: state[{fqn!r}]",
+                      f"no saved item holds its chunk at {list(c.offsets)}")
     for rank, ranges in spans.items():
         ranges.sort()
         for (a, n, k), (b, _, k2) in zip(ranges, ranges[1:]):

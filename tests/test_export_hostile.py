@@ -408,6 +408,53 @@ def test_a_manifest_claiming_2_60_bytes_is_refused_before_anything_is_allocated(
     assert not os.path.lexists(tmp_path / "out") and _hidden(tmp_path) == []
 
 
+def _claim_layout(m: dict, layout: dict) -> None:
+    m["tree"]["w"]["$dt"] = layout
+
+
+_HUGE_LAYOUTS = {
+    # one rank's plain tensor of 10 elements claimed as a replicated DTensor of 2**40
+    "replicated": {"shape": [2**40], "mesh": [1], "coord": [0], "placements": ["R"]},
+    # a shard of 10 elements whose layout makes it 10 of 2**40 / 4096 rows
+    "sharded": {"shape": [2**40], "mesh": [4096], "coord": [0], "placements": ["S0"]},
+}
+
+
+@pytest.mark.parametrize("tier", ["local", "remote"])
+@pytest.mark.parametrize("claim", sorted(_HUGE_LAYOUTS))
+def test_a_layout_claiming_a_huge_global_shape_is_corrupt_before_anything_is_allocated(tmp_path, tier, claim,
+                                                                                       monkeypatch):
+    _save(tmp_path / "ck", {"w": torch.arange(10.0)})
+    if tier == "local":
+        src, step_dir = tmp_path / "ck", tmp_path / "ck" / "step-000000005"
+    else:
+        src = f"file://{tmp_path}/r"
+        ckpt.promote(5, "remote", local_dir=tmp_path / "ck", url=src)
+        step_dir = tmp_path / "r" / "step-000000005"
+    _rewrite_manifest(step_dir, lambda m: _claim_layout(m, _HUGE_LAYOUTS[claim]))
+    allocations = []
+    real_empty = torch.empty
+    monkeypatch.setattr(torch, "empty", lambda *a, **k: (allocations.append(a), real_empty(*a, **k))[1])
+    with pytest.raises(CorruptCheckpointError) as e:
+        ckpt.export(src, tmp_path / "out")
+    assert "'w'" in str(e.value)   # names the tensor
+    assert not any(a and isinstance(a[0], int) and a[0] > 10**6 for a in allocations)
+    assert not os.path.lexists(tmp_path / "out") and _hidden(tmp_path) == []
+
+
+def test_a_job_tier_whose_layout_claims_a_huge_global_shape_is_skipped_by_restore_and_ls(tmp_path):
+    """The sibling in restore: a job tier's layouts are checked with its records, before a resharding
+    restore binds (and allocates) the global tensor, so a restore passes over the step like any corrupt one."""
+    _save(tmp_path / "ck", {"w": torch.arange(10.0)})
+    url = f"file://{tmp_path}/r"
+    ckpt.promote(5, "remote", local_dir=tmp_path / "ck", url=url)
+    _rewrite_manifest(tmp_path / "r" / "step-000000005", lambda m: _claim_layout(m, _HUGE_LAYOUTS["sharded"]))
+    from ckpt.tiers import RemoteTier
+
+    with pytest.raises(CorruptCheckpointError):
+        RemoteTier(url).check(5)
+
+
 def test_json_nested_100k_deep_is_refused_as_corrupt_never_a_recursion_error(tmp_path):
     _save(tmp_path / "ck", {"w": torch.arange(4.0)})
     deep = "[" * 100_000 + "]" * 100_000

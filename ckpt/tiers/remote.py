@@ -72,6 +72,7 @@ from ..fs import Store, resolve
 from ..fs import with_retry_defaults as _with_retry_defaults  # noqa: F401 - integrations.dcp's import
 from ..integrity import checksum
 from ..policy import Committed, Retention, Timeline, TimelineCopies
+from ..reshard import check_layouts
 from ..scatter import Scatter
 from .base import PersistingTier, StepInfo, register
 from .local import LOCK_NAME, linked, remove_step_dir
@@ -1073,7 +1074,9 @@ class RemoteTier(PersistingTier, TimelineCopies):
             return m
 
         with ThreadPoolExecutor(knobs.get("CKPT_REMOTE_THREADS"), thread_name_prefix="ckpt-manifest") as ex:
-            return list(ex.map(one, range(commit.world_size)))
+            manifests = list(ex.map(one, range(commit.world_size)))
+        check_layouts(manifests, d)   # before a resharding restore or an export allocates a global tensor
+        return manifests
 
     def verify(self, step: int) -> list[Manifest]:
         """Fetch every stored part of every rank of ``step`` and check it against its checksum (in parallel);
