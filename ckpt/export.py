@@ -9,7 +9,8 @@ a DTensor that N ranks saved into a job tier come out consolidated. Nothing is u
 
 Output is written into a hidden directory beside the destination and renamed into place at the end:
 a failed or interrupted export never leaves a partial destination, and an existing one is replaced
-only with ``force``.
+only with ``force``. What an export killed on the way left there is removed by the next export to that
+destination (:func:`remove_leftovers`, ``ckpt gc --exports DIR``), once its process is gone.
 
 See ``docs/export.md``.
 """
@@ -46,7 +47,7 @@ from .scatter import Scatter
 from .tiers.local import NO_RENAMEAT2, RENAME_EXCHANGE, RENAME_NOREPLACE
 from .tiers.local import renameat2 as _renameat2
 
-__all__ = ["export", "ExportInfo", "FORMATS"]
+__all__ = ["export", "ExportInfo", "FORMATS", "leftovers", "remove_leftovers"]
 
 log = logging.getLogger(__name__)
 
@@ -158,6 +159,7 @@ def export(source: str | os.PathLike, dest: str | os.PathLike, *, format: str = 
         try:
             info = writer.write(stage, src, cast, limit, progress)
             _publish(stage, dest, force, single_file=format == "torch")
+            remove_leftovers(dest.parent, dest.name)   # an old dest a killed export moved aside: replaced now
         except BaseException:
             shutil.rmtree(stage, ignore_errors=True)
             raise
@@ -223,16 +225,14 @@ def _refuse_existing(dest: Path, force: bool) -> None:
 def _refuse_overlap(source: str | os.PathLike, storage_options: dict[str, Any] | None, dest: Path) -> None:
     """``dest`` must not be the checkpoint directory being read, a directory holding it, or a part of one
     of its steps: replacing it (``force``) would delete the checkpoint, writing into it would add to it."""
+    from .fs import is_local_fs, is_url, resolve
+
     text = os.fspath(source)
-    if "://" in text:
-        import fsspec
-
-        from .tiers.remote import is_local_fs
-
-        fs, root = fsspec.core.url_to_fs(text, **(storage_options or {}))
-        if not is_local_fs(fs):
+    if is_url(text):
+        store = resolve(text, storage_options)
+        if not is_local_fs(store.fs):
             return
-        text = root
+        text = store.root
     src = os.path.realpath(text)
     here = os.path.join(os.path.realpath(dest.parent), dest.name)   # dest itself may be a link: not followed
     inside = os.path.relpath(here, src).split(os.sep)
@@ -259,19 +259,11 @@ class _Source:
 
     @classmethod
     def open(cls, source: str | os.PathLike, storage_options: dict[str, Any] | None, step: int | None) -> "_Source":
-        from .tiers import LocalTier, RemoteTier
+        from .tiers.locate import open_tier
 
         self = cls()
-        text = os.fspath(source)
-        if "://" in text:
-            _must_exist(text, storage_options)
-            tier: Any = RemoteTier(text, storage_options)
-            self.where = text
-        else:
-            if not os.path.isdir(text):
-                raise FileNotFoundError(errno.ENOENT, "no such checkpoint directory (local_dir)", text)
-            tier = LocalTier(text)
-            self.where = str(tier.root)
+        tier: Any = open_tier(source, storage_options)   # a file:// URL of a local_dir is that local tier
+        self.where = tier.url if tier.name == "remote" else str(tier.root)
         self.step = _pick(tier, step, self.where)
         if tier.name == "remote":
             commit = tier.read_commit(self.step)
@@ -280,10 +272,10 @@ class _Source:
                 tier.check_stored(self.step, m)   # state is allocated (as a restore checks)
             self._fetch = lambda r, m, i: tier.fetch(self.step, r, m, i)
         else:
-            commit, manifest = tier.open(self.step)
-            self.manifests = [manifest]
-            # a job tier's records are checked so by the tier itself (RemoteTier.read_manifests)
-            check_layouts(self.manifests, f"step {self.step} of {self.where}", whole=commit.world_size == 1)
+            self.manifests = [tier.open(self.step)[1]]
+            # each shard's layout against its item (a job tier's records are checked so by the tier itself,
+            # RemoteTier.read_manifests); one rank's copy holds a whole tensor only where _check_whole finds it
+            check_layouts(self.manifests, f"step {self.step} of {self.where}", whole=False)
             path = tier.step_dir(self.step) / data_name(tier.rank)
             try:
                 self._fd = open_regular(path)[0]
@@ -321,17 +313,6 @@ class _Source:
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None
-
-
-def _must_exist(url: str, opts: dict | None) -> None:
-    """A ``file://`` URL's directory must exist: opening the remote tier would create it."""
-    import fsspec
-
-    from .tiers.remote import is_local_fs
-
-    fs, root = fsspec.core.url_to_fs(url, **(opts or {}))
-    if is_local_fs(fs) and not fs.isdir(root):
-        raise FileNotFoundError(errno.ENOENT, "no such checkpoint directory", url)
 
 
 def _pick(tier: Any, step: int | None, where: str) -> int:
@@ -1021,9 +1002,60 @@ def _hidden(dest: Path, kind: str) -> Path:
 
 
 def _stage_beside(dest: Path) -> Path:
+    remove_leftovers(dest.parent, dest.name)
     stage = _hidden(dest, "export")
     os.mkdir(stage)
     return stage
+
+
+_LEFTOVER_RE = re.compile(r"^\.(?P<name>.+)\.(?P<kind>export|replaced)-(?P<pid>\d+)-[0-9a-f]{8}$", re.DOTALL)
+
+
+def leftovers(parent: str | os.PathLike, name: str | None = None) -> list[Path]:
+    """What exports that were killed on the way left in ``parent`` (those to the destination ``name``
+    when given): their hidden staging directories ``.NAME.export-PID-XXXXXXXX`` (partial output, or after
+    the exchange the old destination), and ``.NAME.replaced-PID-XXXXXXXX`` (an old destination moved aside
+    where the file system has no atomic exchange) once a destination ``NAME`` exists again. Only those of
+    a process that is gone: its pid names no live process of this host, or one that started after the
+    leftover was last modified (the pid was reused, :func:`ckpt.procs.alive`). A ``.replaced`` one is
+    never listed while ``NAME`` is missing: it is then the only copy of that destination."""
+    from . import procs
+
+    cut = os.fsdecode(os.fsencode(name)[:200]) if name is not None else None
+    try:
+        entries = list(os.scandir(parent))
+    except FileNotFoundError:
+        return []
+    out = []
+    for e in entries:
+        m = _LEFTOVER_RE.match(e.name)
+        if m is None or (cut is not None and m.group("name") != cut):
+            continue
+        try:
+            st = e.stat(follow_symlinks=False)
+        except FileNotFoundError:
+            continue
+        if not (stat.S_ISDIR(st.st_mode) or stat.S_ISREG(st.st_mode)) or st.st_uid != os.getuid():
+            continue   # never a link (followed by nothing here) nor another user's
+        if m.group("kind") == "replaced" and not os.path.lexists(os.path.join(parent, m.group("name"))):
+            continue
+        if procs.alive(int(m.group("pid")), since=st.st_mtime):
+            continue
+        out.append(Path(e.path))
+    return sorted(out)
+
+
+def remove_leftovers(parent: str | os.PathLike, name: str | None = None) -> list[Path]:
+    """Remove :func:`leftovers` (of destination ``name``, or every one in ``parent``); returns what was removed.
+    An export to a destination does it for that destination before it starts; ``ckpt gc --exports DIR``
+    for every destination in ``DIR``."""
+    gone = []
+    for p in leftovers(parent, name):
+        _remove(p)
+        if not os.path.lexists(p):
+            gone.append(p)
+            log.info("removed %s, left by an export that was killed", p)
+    return gone
 
 
 def _publish(stage: Path, dest: Path, force: bool, single_file: bool) -> None:

@@ -79,7 +79,6 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-import fsspec
 from fsspec.spec import AbstractBufferedFile
 import torch
 from torch.distributed.checkpoint import DefaultSavePlanner, StorageReader, StorageWriter
@@ -114,7 +113,7 @@ from ..integrity import ALGORITHM, checksum
 from ..policy import Retention
 from ..scatter import writing_state
 from ..tiers.local import _read_range, linked, remove_step_dir
-from ..tiers.remote import _with_retry_defaults, is_local_fs
+from ..fs import is_local_fs, is_url, resolve
 
 __all__ = ["TierStorageWriter", "TierStorageReader", "FORMAT", "list_checkpoints", "verify", "prune"]
 
@@ -144,8 +143,8 @@ class _Tier:
             self.root = str(Path(root).expanduser())
             self.fs = None
         else:
-            self.fs, self.root = fsspec.core.url_to_fs(root, **_with_retry_defaults(root, storage_options or {}))
-            self.root = self.root.rstrip("/")
+            store = resolve(root, storage_options)   # the library's one way to open a URL (its backend choice too)
+            self.fs, self.root = store.fs, store.root.rstrip("/")
         self.mounted = self.fs is not None and is_local_fs(self.fs)   # a file:// URL: a page cache to flush
         self.where = root
 
@@ -963,7 +962,7 @@ class TierStorageReader(StorageReader):
 # -- operations -------------------------------------------------------------------------------------
 def _one_tier(where: str | os.PathLike, storage_options: dict[str, Any] | None) -> _Tier:
     w = os.fspath(where)
-    return _Tier("remote", w, storage_options) if "://" in w else _Tier("local", w, None)
+    return _Tier("remote", w, storage_options) if is_url(w) else _Tier("local", w, None)
 
 
 def list_checkpoints(where: str | os.PathLike, storage_options: dict[str, Any] | None = None) -> list[dict[str, Any]]:

@@ -25,6 +25,7 @@ import stat
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import numpy as np
@@ -830,9 +831,67 @@ def test_sigkill_at_every_stage_leaves_the_old_dest_whole_or_the_new_one_complet
         assert _snapshot(held if fmt == "torch" else tmp_path / hidden[0]) == before
     else:
         assert _snapshot(dest) == before   # untouched (absent, or the old one whole)
-    ckpt.export(src, dest, format=fmt, force=True)   # a later export is not disturbed by what was left
+    ckpt.export(src, dest, format=fmt, force=True)   # a later export is not disturbed by what was left,
     _check_whole(dest, fmt, new)
-    assert _hidden(tmp_path) == hidden
+    assert _hidden(tmp_path) == []                   # and removes it: its process is dead
+
+
+def _leftover(parent: Path, name: str, pid: int, age_s: float = 0.0, kind: str = "export") -> Path:
+    p = parent / f".{name}.{kind}-{pid}-0123abcd"
+    p.mkdir()
+    (p / "model.safetensors").write_bytes(b"partial")
+    if age_s:
+        t = os.stat(p).st_mtime - age_s
+        os.utime(p, (t, t))
+    return p
+
+
+def _dead_pid() -> int:
+    p = subprocess.Popen([sys.executable, "-c", "pass"])
+    p.wait()
+    return p.pid
+
+
+def test_leftovers_of_a_live_export_are_kept_of_a_dead_or_reused_pid_removed(tmp_path):
+    src, old, new = _kill_state(tmp_path)
+    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        time.sleep(0.5)
+        mine = _leftover(tmp_path, "out", live.pid)                   # a live export's staging directory
+        dead = _leftover(tmp_path, "out", _dead_pid())
+        other = _leftover(tmp_path, "other", _dead_pid())             # another destination's: not this export's
+        ckpt.export(src, tmp_path / "out")
+        _check_whole(tmp_path / "out", "safetensors", new)
+        assert mine.is_dir() and not os.path.lexists(dead) and other.is_dir()
+        shutil.rmtree(mine)
+        # the pid lives, but its process started after the leftover was last written: the pid was reused
+        reused = _leftover(tmp_path, "out", live.pid, age_s=3600)
+        ckpt.export(src, tmp_path / "out", force=True)
+        assert not os.path.lexists(reused)
+    finally:
+        live.kill()
+        live.wait()
+
+
+def test_an_old_dest_moved_aside_is_kept_until_a_dest_exists_again(tmp_path):
+    src, old, new = _kill_state(tmp_path)
+    aside = _leftover(tmp_path, "out", _dead_pid(), kind="replaced")   # killed between the two renames
+    assert ex.leftovers(tmp_path) == []                                 # the only copy of "out": kept
+    ckpt.export(src, tmp_path / "out")
+    assert not os.path.lexists(aside)                                   # a new "out" took its place
+
+
+def test_ckpt_gc_exports_removes_the_leftovers_of_dead_exports(tmp_path, capsys):
+    from ckpt.cli import main
+
+    dead = [_leftover(tmp_path, n, _dead_pid()) for n in ("a", "b")]
+    live = _leftover(tmp_path, "c", os.getpid())
+    capsys.readouterr()
+    assert main(["gc", "--exports", str(tmp_path), "--dry-run", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out) == {"dry_run": True, "removed": [str(p) for p in dead]}
+    assert all(p.is_dir() for p in dead)
+    assert main(["gc", "--exports", str(tmp_path)]) == 0
+    assert not any(os.path.lexists(p) for p in dead) and live.is_dir()
 
 
 @pytest.mark.parametrize("force", [False, True])

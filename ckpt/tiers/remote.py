@@ -68,8 +68,7 @@ from ..errors import (CheckpointError, CorruptCheckpointError, IncompatibleCheck
                       LayoutMismatchError)
 from ..format import (COMMIT_NAME, LATEST_NAME, Commit, ItemRecord, Manifest, data_name, fsync_dir, fsync_file,
                       manifest_name, new_generation, parse_step_dir, read_record_fs, read_records, step_dir_name)
-from ..fs import Store, resolve
-from ..fs import with_retry_defaults as _with_retry_defaults  # noqa: F401 - integrations.dcp's import
+from ..fs import Store, is_local_fs, resolve
 from ..integrity import checksum
 from ..policy import Committed, Retention, Timeline, TimelineCopies
 from ..reshard import check_layouts
@@ -87,24 +86,6 @@ ABSENT = "absent"
 # what rank 0 tells every rank of a job tier's commit (the largest wins): not committed, a COMMIT put that
 # failed but may still land, committed
 _NOT_COMMITTED, _MAYBE_COMMITTED, _COMMITTED = 0, 1, 2
-
-
-def is_local_fs(fs: Any) -> bool:
-    """Whether an fsspec file system is the local one (a ``file://`` URL: real directories, and a
-    page cache between a write and the disk)."""
-    protocols = (fs.protocol,) if isinstance(fs.protocol, str) else tuple(fs.protocol)
-    return any(p in ("file", "local") for p in protocols)
-
-
-def local_tier_dir(url: str, storage_options: dict[str, Any] | None = None) -> str | None:
-    """The directory of ``url`` when it is a ``file://`` URL of a local tier's directory (one a Checkpointer's
-    ``local_dir`` made: it holds the owner lock file, whatever else it holds), else ``None``."""
-    import fsspec
-
-    fs, root = fsspec.core.url_to_fs(url, **(storage_options or {}))
-    if is_local_fs(fs) and os.path.lexists(os.path.join(root, LOCK_NAME)):
-        return root
-    return None
 
 
 def refuse_local_tier_dir(url: str, root: str) -> None:
