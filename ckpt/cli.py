@@ -690,7 +690,7 @@ def _parser() -> argparse.ArgumentParser:
                         "config.json + safetensors, for from_pretrained; torch: one torch.save file")
     q.add_argument("--step", type=int, default=None, help="step (default: the one a restore would pick)")
     q.add_argument("--key", default=None, help="the part of the state to export, e.g. model (default: all of it; "
-                                              "model for --format hf)")
+                                              "for --format hf the first of model, module, state_dict there)")
     q.add_argument("--max-shard-size", type=_size_arg, default=DEFAULT_MAX_SHARD_SIZE,
                    help=f"largest safetensors file, e.g. 2GB or 4GiB (default {DEFAULT_MAX_SHARD_SIZE})")
     q.add_argument("--dtype", type=_dtype_arg, default=None,

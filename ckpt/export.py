@@ -47,7 +47,7 @@ from .scatter import Scatter
 from .tiers.local import NO_RENAMEAT2, RENAME_EXCHANGE, RENAME_NOREPLACE
 from .tiers.local import renameat2 as _renameat2
 
-__all__ = ["export", "ExportInfo", "FORMATS", "leftovers", "remove_leftovers"]
+__all__ = ["export", "ExportInfo", "FORMATS", "MODEL_KEYS", "leftovers", "remove_leftovers"]
 
 log = logging.getLogger(__name__)
 
@@ -105,8 +105,9 @@ def export(source: str | os.PathLike, dest: str | os.PathLike, *, format: str = 
       levels, a module's own keys as in its ``state_dict``); the other values go into the header's
       metadata as JSON (``ckpt.values``: path -> value);
     * ``"hf"``: a Hugging Face model directory (``config.json`` plus safetensors as
-      ``save_pretrained`` writes them) for the model at ``key`` (default ``"model"``, where
-      :class:`ckpt.integrations.hf.CheckpointCallback` keeps it). ``config``: a
+      ``save_pretrained`` writes them) for the model at ``key`` (default: the first of
+      :data:`MODEL_KEYS` the state has: ``"model"``, where :class:`ckpt.integrations.hf.CheckpointCallback`
+      keeps it, ``"module"``, ``"state_dict"``, where the Lightning integrations do). ``config``: a
       ``PretrainedConfig``, a dict, a path to a ``config.json`` or to a directory holding one, or a
       model name for ``AutoConfig.from_pretrained``; ``None`` takes the config saved in the state
       under ``"hf_config"`` (a dict or a JSON string). The weights must be exactly the ones the
@@ -116,8 +117,8 @@ def export(source: str | os.PathLike, dest: str | os.PathLike, *, format: str = 
       ``state_dict``), loadable with ``torch.load(dest, weights_only=True)``.
 
     ``key``: the part of the state to export (a top-level key, or a ``/``-separated path); default: all
-    of it (``"model"`` for ``hf``). ``dtype``: cast floating-point tensors to it (default: keep each
-    tensor's dtype). ``force``: replace an existing ``dest``. ``progress``: draw a progress bar on stderr
+    of it (for ``hf``, the model found as said above). ``dtype``: cast floating-point tensors to it
+    (default: keep each tensor's dtype). ``force``: replace an existing ``dest``. ``progress``: draw a progress bar on stderr
     when it is a terminal.
 
     Every byte exported is checked against its checksum as it is read: a mismatch raises
@@ -136,11 +137,11 @@ def export(source: str | os.PathLike, dest: str | os.PathLike, *, format: str = 
     dest = Path(os.path.abspath(shown))   # "." or "x/..": a real name in a real parent directory
     _refuse_existing(dest, force)
     _refuse_overlap(source, storage_options, dest)
-    if format == "hf" and key is None:
-        key = "model"
     src = _Source.open(source, storage_options, step)
     try:
         tree = src.manifests[0].tree
+        if format == "hf" and key is None:
+            key = _model_key(tree, src)
         node, base = _select(tree, key, src.where)
         plan = _Plan(src.manifests[0])
         built = _bare_keys(plan.walk(node, base, root=node is tree))
@@ -329,6 +330,22 @@ def _pick(tier: Any, step: int | None, where: str) -> int:
         raise FileNotFoundError(errno.ENOENT, f"step {step} is not committed there (committed: {found}); pass "
                                 "another step", f"{tier.step_dir(step)}")
     return step
+
+
+#: the top-level keys under which the integrations keep the model: the plain loop's and the Hugging Face
+#: callback's ``"model"``, the Lightning callback's ``"module"``, a Lightning ``CheckpointIO`` checkpoint's
+#: ``"state_dict"``
+MODEL_KEYS = ("model", "module", "state_dict")
+
+
+def _model_key(tree: Any, src: "_Source") -> str:
+    """The first of :data:`MODEL_KEYS` the state has (what ``format="hf"`` exports without a ``key``)."""
+    found = next((k for k in MODEL_KEYS if isinstance(tree, dict) and k in tree), None)
+    if found is None:
+        have = sorted(tree)[:20] if isinstance(tree, dict) else []
+        raise ValueError(f"step {src.step} of {src.where} has none of the keys a model is kept under "
+                         f"({', '.join(MODEL_KEYS)}; it has {have}): pass the model's key (key=, --key)")
+    return found
 
 
 def _select(tree: Any, key: str | None, where: str) -> tuple[Any, str]:
@@ -892,7 +909,11 @@ class _HFWriter(_SafetensorsWriter):
         write, named as the model names them; what is left out (weights tied in the model)."""
         tensors = self.plan.tensors
         variants = [(tensors, "")]
-        for p in _WRAPPER_PREFIXES:
+        prefixes = list(_WRAPPER_PREFIXES)
+        if tensors:   # a LightningModule's attribute holding the model ("model." of every name), one or two deep
+            parts = tensors[0].name.split(".")
+            prefixes += [".".join(parts[:n]) + "." for n in (1, 2) if len(parts) > n]
+        for p in dict.fromkeys(prefixes):
             if tensors and all(t.name.startswith(p) for t in tensors):
                 variants.append(([_Tensor(t.name[len(p):], t.index, t.shape, t.dtype) for t in tensors], p))
         names = list(getattr(cfg, "architectures", None) or [])
