@@ -189,7 +189,25 @@ def _ls(args: argparse.Namespace) -> int:
               f"{','.join(r['tiers']):<12} {_age(r['age_s']):>8}  {when}  {r.get('path', '')}{note}")
     if rows and pick is None:
         print("(no checkpoint here passes the checks a restore makes first: `ckpt verify` says why)")
+    if not rows:
+        _hint_dcp(args.dir, args.storage_options)
     return 0
+
+
+def _hint_dcp(where: str, storage_options: str | None) -> None:
+    """Under an empty listing: say so, and name ``--dcp`` when ``where`` holds checkpoints of ``dcp.save``."""
+    from .integrations.dcp import list_checkpoints
+
+    try:
+        ids = [r["id"] for r in list_checkpoints(where, json.loads(storage_options) if storage_options else None)]
+    except (OSError, ValueError, ImportError):
+        ids = []
+    if ids:
+        print(f"ckpt ls: no Checkpointer checkpoint under {where}, but {len(ids)} written by dcp.save through "
+              f"ckpt.integrations.dcp ({', '.join(ids[:5])}{', ...' if len(ids) > 5 else ''}): add --dcp "
+              f"(ckpt ls {where} --dcp)", file=sys.stderr)
+    else:
+        print(f"ckpt ls: no committed checkpoint under {where}", file=sys.stderr)
 
 
 def _step_info(tier: Any, step: int) -> dict[str, Any]:
@@ -331,6 +349,10 @@ def _age(seconds: float | None) -> str:
 def _inspect(args: argparse.Namespace) -> int:
     tier = _tier(args.dir, args.storage_options)
     step = args.step if args.step is not None else _newest(tier)
+    if step not in tier.all_step_dirs():   # never saved (or deleted): not a step with a missing COMMIT
+        found = sorted({e.step for e in tier.committed()}, reverse=True)[:10]
+        raise FileNotFoundError(errno.ENOENT, f"step {step} does not exist (committed steps: {found})",
+                                str(tier.step_dir(step)))
     if tier.name == "remote":   # any saved rank of a job tier (rank 0 by default)
         commit = tier.read_commit(step)
         manifests = tier.read_manifests(step, commit)
@@ -493,7 +515,10 @@ def _promote(args: argparse.Namespace) -> int:
     with _bar(args, size, f"promote step {args.step}", weight=1.0 if args.to == "remote" else 0.5):
         copied = promote(args.step, args.to, local_dir=args.dir, url=args.url, storage_options=opts,
                          compression=args.compression)
-    if copied:
+    if args.json:
+        print(json.dumps({"step": args.step, "to": args.to, "copied": copied,
+                          "seconds": time.perf_counter() - t0}, indent=1))
+    elif copied:
         print(f"step {args.step} copied to the {args.to} tier in {time.perf_counter() - t0:.2f} s")
     else:
         print(f"step {args.step} is already on the {args.to} tier and verifies: nothing copied")
@@ -678,6 +703,7 @@ def _parser() -> argparse.ArgumentParser:
     q.add_argument("--to", choices=("remote", "local"), required=True)
     q.add_argument("--storage-options", type=_json_object, default=None, help="JSON object passed to fsspec")
     q.add_argument("--compression", choices=("zstd",), default=None)
+    q.add_argument("--json", action="store_true", help="machine-readable output")
     no_progress(q)
     q.set_defaults(fn=_promote)
     q = command("export", "write a committed checkpoint as safetensors, a Hugging Face model directory or a "
