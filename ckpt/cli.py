@@ -145,7 +145,7 @@ def _ls(args: argparse.Namespace) -> int:
         raise _UsageError(f"ls: --url {args.url}: {args.dir} is a URL already; give the local_dir first "
                           "(ckpt ls LOCAL_DIR --url URL)")
     tiers = [_tier(args.dir, args.storage_options)]
-    if tiers[0].name == "local":   # the snapshots its memory tier left in shared memory come first
+    if tiers[0].name == "local" and _ram_holds_segments():   # the snapshots its memory tier left come first
         from .stage import HostPool
         from .tiers.memory import MemoryTier, space_for
 
@@ -210,6 +210,20 @@ def _hint_dcp(where: str, storage_options: str | None) -> None:
         print(f"ckpt ls: no committed checkpoint under {where}", file=sys.stderr)
 
 
+def _ram_holds_segments() -> bool:
+    """Whether the RAM file system holds any memory-tier file at all (``ckpt-...`` in ``$CKPT_SHM_DIR`` or
+    ``/dev/shm``, as :mod:`ckpt.shm` names them): a look that needs no torch, so that ``ckpt ls`` of a
+    node without snapshots in RAM never imports the memory tier (and torch with it)."""
+    from . import knobs
+
+    if not knobs.get("CKPT_SHM"):
+        return False
+    try:
+        return any(n.startswith(("ckpt-", ".ckpt-")) for n in os.listdir(os.environ.get("CKPT_SHM_DIR") or "/dev/shm"))
+    except OSError:
+        return False
+
+
 def _step_info(tier: Any, step: int) -> dict[str, Any]:
     """Size, commit time, ranks and path of ``step`` on ``tier`` (what can be read of it)."""
     d = tier.describe(step)
@@ -241,13 +255,15 @@ def _memory_groups(args: argparse.Namespace) -> list[dict[str, Any]]:
     process owns them: with ``args.dir``, whether one owns that local_dir; else whether one owns the
     local_dir their record names, ``None`` (not known) for a group with no readable record, as a live
     owner's segments are between their allocation and its first snapshot."""
+    if args.dir is not None and _location(args.dir):
+        raise _UsageError(f"--memory: {args.dir} is a URL; the memory tier belongs to a local_dir")
+    if not _ram_holds_segments():
+        return []
     from . import shm
     from .tiers.local import owned
 
     key = None
     if args.dir is not None:
-        if _location(args.dir):
-            raise _UsageError(f"--memory: {args.dir} is a URL; the memory tier belongs to a local_dir")
         key = shm.local_key(shm.prefix_for(args.dir, 0))   # every rank's segments of that local_dir, and replicas
     dir_owned = owned(args.dir) if args.dir is not None else None
     out = []
@@ -291,8 +307,6 @@ def _gc_memory(args: argparse.Namespace, verb: str) -> int:
     crashed job left); with ``dir``, those of that local_dir, refused while it is owned. Without ``dir``,
     a group with no readable record (its local_dir, so its owner, not known) is kept and named: ``gc
     --memory DIR`` frees it once DIR has no live owner."""
-    from . import shm
-
     rows = _memory_groups(args)
     if args.dir is not None and any(r["owned"] for r in rows):
         raise _Failure(f"gc --memory: {args.dir} is owned by a live process, which uses its segments; stop it "
@@ -305,7 +319,12 @@ def _gc_memory(args: argparse.Namespace, verb: str) -> int:
                   "LOCAL_DIR` frees them once LOCAL_DIR has no live owner", file=sys.stderr)
         if r["owned"] is not False:
             continue
-        n = shm.free(prefix=r["prefix"]) if not args.dry_run else r["bytes"]
+        if not args.dry_run:
+            from . import shm
+
+            n = shm.free(prefix=r["prefix"])
+        else:
+            n = r["bytes"]
         freed += n
         removed.append({"prefix": r["prefix"], "local_dir": r["local_dir"], "rank": r["rank"], "replica": r["replica"],
                         "bytes": n})

@@ -18,6 +18,7 @@ See ``docs/export.md``.
 from __future__ import annotations
 
 import errno
+import functools
 import json
 import logging
 import math
@@ -31,9 +32,10 @@ import warnings
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 from . import knobs
 from .errors import CorruptCheckpointError, IncompatibleCheckpointError, IncompleteCheckpointError
@@ -199,6 +201,8 @@ def parse_size(size: int | str) -> int:
 
 
 def _parse_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
+    import torch
+
     if dtype is None or isinstance(dtype, torch.dtype):
         if isinstance(dtype, torch.dtype) and not dtype.is_floating_point:
             raise ValueError(f"dtype must be a floating-point dtype (it casts floating-point tensors), got {dtype}")
@@ -573,6 +577,8 @@ class _Plan:
 def _scatter_from(m: Manifest, dest: list[torch.Tensor | None], fetch: Callable[[int, Manifest, int], Any]) -> None:
     """Fill ``dest`` (items of ``m``'s rank) from the chunks that hold them, read and verified in parallel;
     only the chunks in flight are held in memory."""
+    import torch
+
     sc = Scatter(m.items, dest)
     c = m.chunk_bytes
     need: set[int] = set()
@@ -610,13 +616,17 @@ def _check_whole(plan: _Plan, src: _Source) -> None:
                 "every rank saved to), which holds every rank's shards, or a key without sharded tensors")
 
 
-#: torch dtype -> the dtype name a safetensors header gives it (complex128 has none)
-_ST_DTYPES: dict[torch.dtype, str] = {
-    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-    torch.complex64: "C64", torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
-    torch.uint8: "U8", torch.bool: "BOOL", torch.uint16: "U16", torch.uint32: "U32", torch.uint64: "U64",
-    torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
-}
+@functools.cache
+def _st_dtypes() -> dict[torch.dtype, str]:
+    """torch dtype -> the dtype name a safetensors header gives it (complex128 has none)."""
+    import torch
+
+    return {
+        torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+        torch.complex64: "C64", torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
+        torch.uint8: "U8", torch.bool: "BOOL", torch.uint16: "U16", torch.uint32: "U32", torch.uint64: "U64",
+        torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
+    }
 
 
 def _check_names(plan: _Plan, format: str, src: _Source) -> None:
@@ -640,7 +650,7 @@ def _check_names(plan: _Plan, format: str, src: _Source) -> None:
         except UnicodeEncodeError:
             raise ValueError(f"{where}: the tensor name {t.name!r} is not valid Unicode (a lone surrogate); a "
                              "safetensors header cannot hold it; export another key, or format='torch'") from None
-        if t.dtype not in _ST_DTYPES:
+        if t.dtype not in _st_dtypes():
             raise ValueError(f"{where}: the tensor {t.name!r} is {t.dtype}, which safetensors cannot store; export "
                              "another key, or format='torch'")
     if format == "safetensors" and plan.clashes:
@@ -766,12 +776,14 @@ def _write_safetensors(path: Path, tensors: dict[str, torch.Tensor], meta: dict[
     Tensors are laid out by element size, largest first (in order otherwise), as ``safetensors`` lays
     them out, so that each starts aligned to its element size. A write failure (a full disk, a file size
     limit) is the ``OSError`` the system gave, with its errno."""
+    import torch
+
     order = sorted(tensors.items(), key=lambda kv: -kv[1].element_size())
     header: dict[str, Any] = {"__metadata__": meta} if meta else {}
     off = 0
     for name, x in order:
         n = x.numel() * x.element_size()
-        header[name] = {"dtype": _ST_DTYPES[x.dtype], "shape": list(x.shape), "data_offsets": [off, off + n]}
+        header[name] = {"dtype": _st_dtypes()[x.dtype], "shape": list(x.shape), "data_offsets": [off, off + n]}
         off += n
     raw = json.dumps(header, ensure_ascii=False, separators=(",", ":"), allow_nan=False).encode("utf-8")
     raw += b" " * (-len(raw) % 8)
@@ -825,6 +837,8 @@ class _TorchWriter(_Writer):
 
     def write(self, stage: Path, src: _Source, cast: torch.dtype | None, limit: int,
               progress: bool) -> dict[str, Any]:
+        import torch
+
         tensors = self.plan.tensors
         with self._progress([tensors], src, progress) as bar:
             loaded = self.plan.load(tensors, src, bar)
@@ -907,6 +921,8 @@ class _HFWriter(_SafetensorsWriter):
     def _match(self, transformers: Any, cfg: Any) -> tuple[type, list[_Tensor], list[str]]:
         """The model class whose weights are exactly the checkpoint's (names, shapes); the tensors to
         write, named as the model names them; what is left out (weights tied in the model)."""
+        import torch
+
         tensors = self.plan.tensors
         variants = [(tensors, "")]
         prefixes = list(_WRAPPER_PREFIXES)

@@ -34,10 +34,11 @@ from __future__ import annotations
 import math
 import warnings
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
-import torch
+if TYPE_CHECKING:
+    import torch
 
 from . import knobs
 from .errors import CorruptCheckpointError, IncompatibleCheckpointError
@@ -296,6 +297,8 @@ def _fetch_for(plan: tuple[int, Manifest, list[_Copy]], pool: ThreadPoolExecutor
 def _copy_into(c: int, copies: list[_Copy], spans: list[tuple[int, int]], chunks: dict[int, bytes],
                dest: list[torch.Tensor | None]) -> None:
     """Copy each overlap box out of the fetched chunks (``c`` bytes each) into its destination."""
+    import torch
+
     views = {k: np.frombuffer(v, dtype=np.uint8) for k, v in chunks.items()}
     for cp, (a, b) in zip(copies, spans):
         k = a // c

@@ -297,3 +297,44 @@ def test_promote_with_zstd_prints_no_warning(local_dir, tmp_path):
                         f"file://{tmp_path}/r", "--step", "2", "--to", "remote", "--compression", "zstd"],
                        capture_output=True, text=True, timeout=120)
     assert p.returncode == 0 and "Warning" not in p.stderr, p.stderr
+
+
+_NO_TORCH = r"""
+import sys
+from ckpt.cli import main
+try:
+    rc = main(sys.argv[1:])
+except SystemExit as e:   # --help
+    rc = e.code
+sys.stdout.flush()
+print("RC", rc, "torch" in sys.modules, file=sys.stderr)
+"""
+
+
+def test_the_commands_that_only_read_files_do_not_import_torch(local_dir, tmp_path):
+    """``--help``, ``ls``, ``inspect``, ``verify`` and ``gc`` on a local and a remote tier start in a fraction of
+    the seconds importing torch takes (with no memory-tier snapshots in RAM to list)."""
+    import subprocess
+    import sys
+
+    _two_steps(local_dir)
+    url = f"file://{tmp_path}/r"
+    ckpt.promote(2, "remote", local_dir=local_dir, url=url)
+    (tmp_path / "shm").mkdir()
+    env = {**__import__("os").environ, "CKPT_SHM_DIR": str(tmp_path / "shm")}
+    for args in (["--help"], ["ls", "--help"], ["export", "--help"], ["demo", "--help"], ["ls", str(local_dir)],
+                 ["ls", url], ["inspect", str(local_dir)], ["inspect", url], ["verify", str(local_dir)],
+                 ["verify", url], ["gc", str(local_dir), "--keep", "1"], ["gc", url, "--dry-run"],
+                 ["gc", "--memory", "--dry-run"]):
+        p = subprocess.run([sys.executable, "-c", _NO_TORCH, *args], capture_output=True, text=True, env=env,
+                           timeout=120)
+        assert p.stderr.splitlines()[-1] == "RC 0 False", (args, p.stderr[-2000:])
+
+
+def test_import_ckpt_still_gives_every_public_name():
+    import subprocess
+    import sys
+
+    code = ("import ckpt; missing = [n for n in ckpt.__all__ if not hasattr(ckpt, n)]; "
+            "assert not missing, missing; assert callable(ckpt.export) and callable(ckpt.promote)")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)

@@ -57,9 +57,10 @@ import threading
 import time
 import zlib
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 from .. import knobs
 from ..codec import RAW, check_codec, decode, encode, max_decoded
@@ -1110,6 +1111,8 @@ class RemoteTier(PersistingTier, TimelineCopies):
              refill: Any = None) -> None:
         """Download, decode and verify every part in parallel; scatter into ``dest`` (if given) and write
         the local tier ``refill`` (if given) on the way, so that the next restore is local."""
+        import torch
+
         self.check_stored(step, manifest)   # before the refill allocates room for data_bytes
         sc = Scatter(manifest.items, dest) if dest is not None else None
         if sc is not None:
@@ -1200,6 +1203,8 @@ def _map_all(fn: Callable[[int], Any], n: int, name: str) -> list[Any]:
 
 def _dominant_elem_size(items: list[ItemRecord], chunk: int) -> Callable[[int], int]:
     """Element size of the tensor covering most of chunk ``i`` (for the byte shuffle)."""
+    import torch
+
     spans = sorted((it.offset, it.offset + it.nbytes, getattr(torch, it.dtype).itemsize)
                    for it in items if it.alias_of is None and it.nbytes)
     starts = [s[0] for s in spans]
