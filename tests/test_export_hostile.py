@@ -196,7 +196,7 @@ _CHILD_PRELUDE = r"""
 import json, os, sys, time
 import ckpt
 ex = sys.modules["ckpt.export"]
-import ckpt.tiers, ckpt.tiers.local, ckpt.tiers.remote, safetensors.torch   # imported before any limit below
+import torch, ckpt.tiers, ckpt.tiers.local, ckpt.tiers.remote, safetensors.torch   # imported before any limit below
 
 def report(fn):
     try:
