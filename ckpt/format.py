@@ -26,6 +26,7 @@ Data files are opened through :func:`open_regular`, with the same refusal of non
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import math
 import os
@@ -35,9 +36,10 @@ import stat
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 from .errors import CorruptCheckpointError
 from .integrity import ALGORITHM, checksum
@@ -91,22 +93,28 @@ _MAX_SPAN = 1 << 62               # product of a shape's dims (0 counted as 1) t
 _STEP_RE = re.compile(r"step-([0-9]{9,})")
 _GENERATION_RE = re.compile(r"^g[0-9a-f]{16}$")
 
-_DTYPES: dict[str, torch.dtype] = {
-    name: getattr(torch, name)
-    for name in (
-        "float64", "float32", "float16", "bfloat16", "complex64", "complex128",
-        "int64", "int32", "int16", "int8", "uint8", "bool",
-        "uint16", "uint32", "uint64", "float8_e4m3fn", "float8_e5m2",
-        # one byte per element each (float4_e2m1fn_x2 packs two fp4 values), stored as their bytes
-        "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu", "float4_e2m1fn_x2",
-    )
-    if hasattr(torch, name)
+#: element size in bytes of every dtype the format stores, by name (the records are read without torch)
+_ITEMSIZES: dict[str, int] = {
+    "float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "complex64": 8, "complex128": 16,
+    "int64": 8, "int32": 4, "int16": 2, "int8": 1, "uint8": 1, "bool": 1,
+    "uint16": 2, "uint32": 4, "uint64": 8, "float8_e4m3fn": 1, "float8_e5m2": 1,
+    # one byte per element each (float4_e2m1fn_x2 packs two fp4 values), stored as their bytes
+    "float8_e4m3fnuz": 1, "float8_e5m2fnuz": 1, "float8_e8m0fnu": 1, "float4_e2m1fn_x2": 1,
 }
+
+
+@functools.cache
+def _dtypes() -> dict[str, torch.dtype]:
+    """The stored dtypes this torch has, by name (torch is imported on first use: the commands that only read
+    records never import it)."""
+    import torch
+
+    return {name: getattr(torch, name) for name in _ITEMSIZES if hasattr(torch, name)}
 
 
 def supported_dtypes() -> list[str]:
     """The names of the tensor dtypes the format stores (those this torch has)."""
-    return list(_DTYPES)
+    return list(_dtypes())
 
 
 def step_dir_name(step: int) -> str:
@@ -151,7 +159,7 @@ def manifest_name(rank: int) -> str:
 
 def dtype_to_str(dtype: torch.dtype) -> str:
     name = str(dtype).removeprefix("torch.")
-    if name not in _DTYPES:
+    if name not in _dtypes():
         raise TypeError(f"dtype {dtype} is not supported by the checkpoint format")
     return name
 
@@ -166,6 +174,8 @@ def empty_tensor(shape: Any, dtype: torch.dtype, device: Any = "cpu", pin_memory
     that the format stores; a restore must not fail because the user asked for deterministic kernels.
     Never an inference tensor: state a restore made inside ``torch.inference_mode()`` can still be trained.
     """
+    import torch
+
     shape = torch.Size(shape)
     with torch.inference_mode(False):   # a normal tensor even in a restore called in inference mode: it trains on
         raw = torch.empty(shape.numel() * dtype.itemsize, dtype=torch.uint8,
@@ -175,7 +185,7 @@ def empty_tensor(shape: Any, dtype: torch.dtype, device: Any = "cpu", pin_memory
 
 def str_to_dtype(name: str, where: str) -> torch.dtype:
     try:
-        return _DTYPES[name]
+        return _dtypes()[name]
     except (KeyError, TypeError):
         raise CorruptCheckpointError(f"{where}: unknown dtype {name!r}") from None
 
@@ -284,10 +294,10 @@ class Manifest:
         for i, it in enumerate(self.items):
             if not isinstance(it.key, str) or not isinstance(it.device, str):
                 raise bad(f"item {i}: key and device must be strings")
-            dtype = _DTYPES.get(it.dtype) if isinstance(it.dtype, str) else None
-            if dtype is None:
+            itemsize = _ITEMSIZES.get(it.dtype) if isinstance(it.dtype, str) else None
+            if itemsize is None:
                 raise bad(f"item {it.key!r}: unknown dtype {it.dtype!r}")
-            if not check_shape(it.shape, dtype.itemsize):
+            if not check_shape(it.shape, itemsize):
                 raise bad(f"item {it.key!r}: bad shape {it.shape!r} (non-negative ints, at most {MAX_NDIM} "
                           "dimensions, within int64 sizes)")
             if it.alias_of is not None:
@@ -299,7 +309,7 @@ class Manifest:
                 continue
             if not (_is_nonneg_int(it.offset) and _is_nonneg_int(it.nbytes)):
                 raise bad(f"item {it.key!r}: bad byte range")
-            if it.nbytes != it.numel * dtype.itemsize or it.offset + it.nbytes > self.data_bytes:
+            if it.nbytes != it.numel * itemsize or it.offset + it.nbytes > self.data_bytes:
                 raise bad(f"item {it.key!r}: byte range [{it.offset}, {it.offset + it.nbytes}) "
                           f"does not fit its shape or the {self.data_bytes}-byte data file")
             if it.nbytes:
@@ -627,7 +637,7 @@ def _validate_tree(tree: Any, n_items: int, bad: Callable[[str], CorruptCheckpoi
             if v not in _FLOAT_TAGS:
                 raise bad(f"tree node at {path!r}: $f must be one of {_FLOAT_TAGS}")
         elif tag == "$dtype":
-            if not (isinstance(v, str) and v in _DTYPES):
+            if not (isinstance(v, str) and v in _ITEMSIZES):
                 raise bad(f"tree node at {path!r}: unknown dtype {v!r}")
 
 

@@ -19,6 +19,14 @@ first match wins: ``storage_options["backend"]``, then the environment variable
 ``CKPT_S3_BACKEND`` / ``CKPT_HDFS_BACKEND`` / ``CKPT_FILE_BACKEND``, then the default above.
 Chained URLs (``simplecache::s3://...``) always go through fsspec as they are.
 
+**What names a remote tier** (:func:`is_url`, applied by :func:`resolve`, so the same for the
+``Checkpointer``, :func:`ckpt.promote`, :func:`ckpt.export`, the DCP adapter and every ``ckpt``
+command): a URL, ``scheme://...`` (or a chained ``a::b://...``) whose every scheme fsspec knows
+(``fsspec.available_protocols()``). A path without a scheme is a local tier's directory, never a remote
+tier: a directory as a remote tier is ``file:///abs/path``. Text that starts like a URL of a known scheme
+but lacks its ``//`` (``s3:/bucket/run``, ``s3:bucket``) is a mistyped URL, refused, rather than a
+relative path ``./s3:/bucket/run``; so is a URL of an unknown scheme, with the schemes fsspec knows.
+
 The same ``storage_options`` work with both S3 backends: s3fs's names (``key``, ``secret``,
 ``token``, ``anon``, ``endpoint_url``, ``client_kwargs={"region_name": ...}``, ``config_kwargs=
 {"retries": ..., "connect_timeout": ..., "read_timeout": ..., "s3": {"addressing_style": ...}}``) are
@@ -45,13 +53,15 @@ import errno
 import glob
 import http.client
 import os
+import re
 from typing import Any, Callable
 from urllib.parse import urlsplit
 
 import fsspec
 from fsspec.implementations.arrow import ArrowFSWrapper   # imports no pyarrow (it is loaded on use)
 
-__all__ = ["Store", "MissingBackendError", "resolve", "BACKENDS", "hdfs_arrow_missing"]
+__all__ = ["Store", "MissingBackendError", "resolve", "is_url", "check_url", "is_local_fs", "local_tier_dir", "BACKENDS",
+           "hdfs_arrow_missing"]
 
 #: the backends each scheme family can use, its default first
 BACKENDS: dict[str, tuple[str, ...]] = {"s3": ("s3fs", "arrow"), "hdfs": ("arrow", "hdfs-native"),
@@ -109,10 +119,76 @@ class Store:
         return out
 
 
+#: a scheme at the start of a text, then ':' (a URL's, or a mistyped URL's)
+_SCHEME_RE = re.compile(r"^([A-Za-z][A-Za-z0-9+.\-]+):")
+
+
+def _schemes(url: str) -> list[str]:
+    """The schemes of a URL, one per link of a chained URL (``simplecache::s3://b`` -> simplecache, s3)."""
+    return [part.split("://", 1)[0] if "://" in part else part for part in url.split("::")]
+
+
+def is_url(location: str | os.PathLike) -> bool:
+    """Whether ``location`` names a place by URL (the module docstring's rule) rather than by a path on this
+    machine. Raises ``ValueError`` naming it for a mistyped URL (a known scheme without its ``//``:
+    ``s3:/bucket/run``) and for a URL whose scheme fsspec does not know, listing those it knows."""
+    text = os.fspath(location)
+    if not isinstance(text, str):
+        raise ValueError(f"a location must be a path or a URL string, got {text!r}")
+    known = set(fsspec.available_protocols())
+    if "://" in text:
+        unknown = [s for s in _schemes(text) if s.lower() not in known]
+        if unknown:
+            raise ValueError(f"{text!r}: unknown URL scheme {unknown[0]!r} (a typo? fsspec knows "
+                             f"{', '.join(sorted(known))}; a scheme of a package not installed here, such as gcsfs "
+                             "for gs://, is known once it is installed)")
+        return True
+    m = _SCHEME_RE.match(text)
+    if m and m.group(1).lower() in known:
+        scheme, rest = m.group(1), text[m.end():].lstrip("/")
+        raise ValueError(f"{text!r} looks like a mistyped URL ({scheme}: without '//'); write "
+                         f"{scheme}://{rest} (a directory: file:///absolute/path), or ./{text} for a local "
+                         "directory of that name")
+    return False
+
+
+def check_url(url: str | os.PathLike, argument: str = "url") -> str:
+    """``url`` if it names a remote tier (:func:`is_url`); else ``ValueError`` naming ``argument``: a path is
+    a local tier (``local_dir``), and a directory as a remote tier is a ``file://`` URL."""
+    if not is_url(url):
+        path = os.path.abspath(os.path.expanduser(os.fspath(url)))
+        raise ValueError(f"{argument}={os.fspath(url)!r} is a path, not a URL: a remote tier is named by a URL "
+                         f"(s3://bucket/run, file://{path} for a directory); a path is a local tier (local_dir=, "
+                         "or a ckpt command's DIR)")
+    return os.fspath(url)
+
+
+def is_local_fs(fs: Any) -> bool:
+    """Whether an fsspec file system is the local one (a ``file://`` URL: real directories, and a
+    page cache between a write and the disk)."""
+    protocols = (fs.protocol,) if isinstance(fs.protocol, str) else tuple(fs.protocol)
+    return any(p in ("file", "local") for p in protocols)
+
+
+def local_tier_dir(url: str, storage_options: dict[str, Any] | None = None) -> str | None:
+    """The directory of ``url`` when it is a ``file://`` URL of a local tier's directory (one a Checkpointer's
+    ``local_dir`` made: it holds the owner lock file, whatever else it holds), else ``None``. Every command
+    reads such a URL as that local tier (:func:`ckpt.tiers.locate.open_tier`)."""
+    from .tiers.local import LOCK_NAME
+
+    store = resolve(url, storage_options)
+    if is_local_fs(store.fs) and os.path.lexists(os.path.join(store.root, LOCK_NAME)):
+        return store.root
+    return None
+
+
 def resolve(url: str, storage_options: dict[str, Any] | None = None) -> Store:
     """The store for ``url``: the backend chosen as the module docstring says, built once from
-    ``storage_options`` (without the ``"backend"`` key). Raises ``ValueError`` for an unknown backend
-    or an option the backend cannot take, :class:`MissingBackendError` when it cannot run here."""
+    ``storage_options`` (without the ``"backend"`` key). The one way this library opens a URL: the
+    remote tier, the commands, export and the DCP adapter all call it. Raises ``ValueError`` for
+    what is not a URL (:func:`check_url`), an unknown backend or an option the backend cannot take,
+    :class:`MissingBackendError` when it cannot run here."""
+    check_url(url)
     opts = dict(storage_options or {})
     chosen = opts.pop("backend", None)
     protocol = fsspec.utils.get_protocol(url)

@@ -34,17 +34,18 @@ from __future__ import annotations
 import math
 import warnings
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
-import torch
+if TYPE_CHECKING:
+    import torch
 
 from . import knobs
 from .errors import CorruptCheckpointError, IncompatibleCheckpointError
 from .format import ItemRecord, Manifest, str_to_dtype
 from .scatter import writing_state
 
-__all__ = ["Box", "shard_box", "overlap", "saved_layouts", "load_resharded"]
+__all__ = ["Box", "shard_box", "overlap", "saved_layouts", "check_layouts", "load_resharded"]
 
 #: ``(offsets, sizes)`` of a box of a global tensor, one entry per dimension
 Box = tuple[tuple[int, ...], tuple[int, ...]]
@@ -109,6 +110,47 @@ def saved_layouts(tree: Any) -> dict[int, Any]:
 
     visit(tree)
     return found
+
+
+def check_layouts(manifests: list[Manifest], where: str, whole: bool = True) -> None:
+    """Check every sharded tensor's saved layout against the saved items, before any size a layout states
+    is used (consolidating shards allocates the global tensor): each saved rank's shard has the shape its
+    layout gives it (so its size is one the rank's data file holds), the ranks agree on the tensor's global
+    shape, dtype, mesh and placements, and, when ``manifests`` are every rank of the save (``whole``), their
+    shards cover the global tensor exactly (DTensor's rule makes two shards' boxes equal or disjoint, so
+    counting the elements of the distinct boxes is an exact test). A layout that fails is a
+    :class:`CorruptCheckpointError` naming the tensor and ``where`` (a consistent save never writes one);
+    a placement this library cannot place is an :class:`IncompatibleCheckpointError` (:func:`shard_box`)."""
+    agreed: dict[str, tuple] = {}
+    boxes: dict[str, set[Box]] = {}
+    for m in manifests:
+        for j, dt in saved_layouts(m.tree).items():
+            if not 0 <= j < len(m.items):
+                raise CorruptCheckpointError(f"{where}: rank {m.rank}'s state names item {j}, which it does not have")
+            it = m.items[j]
+            if not isinstance(dt, dict):
+                raise CorruptCheckpointError(f"{where}: tensor {it.key!r}: unreadable sharding layout {dt!r}")
+            box = shard_box(dt, it.key)
+            shape = [int(s) for s in dt["shape"]]
+            if list(box[1]) != list(it.shape):
+                raise CorruptCheckpointError(
+                    f"{where}: tensor {it.key!r}: rank {m.rank} saved a shard of shape {it.shape}, but its layout "
+                    f"({dt['placements']} over a {dt['mesh']} mesh of a {shape} tensor) gives it {list(box[1])}")
+            sig = (shape, it.dtype, [int(x) for x in dt["mesh"]], [str(p) for p in dt["placements"]])
+            first = agreed.setdefault(it.key, sig)
+            if first != sig:
+                raise CorruptCheckpointError(
+                    f"{where}: tensor {it.key!r}: rank {m.rank} saved a shard of a {sig[1]}{sig[0]} tensor over a "
+                    f"{sig[2]} mesh ({sig[3]}), an earlier rank of a {first[1]}{first[0]} one over {first[2]} "
+                    f"({first[3]}): the saved ranks disagree about its layout")
+            boxes.setdefault(it.key, set()).add(box)
+    if whole:
+        for key, held in boxes.items():
+            n, total = sum(math.prod(b[1]) for b in held), math.prod(agreed[key][0])
+            if n != total:
+                raise CorruptCheckpointError(
+                    f"{where}: tensor {key!r}: the saved shards of its {len(manifests)} rank(s) cover {n} of the "
+                    f"{total} elements of its global shape {agreed[key][0]}")
 
 
 def _strides(shape: tuple[int, ...] | list[int]) -> list[int]:
@@ -255,6 +297,8 @@ def _fetch_for(plan: tuple[int, Manifest, list[_Copy]], pool: ThreadPoolExecutor
 def _copy_into(c: int, copies: list[_Copy], spans: list[tuple[int, int]], chunks: dict[int, bytes],
                dest: list[torch.Tensor | None]) -> None:
     """Copy each overlap box out of the fetched chunks (``c`` bytes each) into its destination."""
+    import torch
+
     views = {k: np.frombuffer(v, dtype=np.uint8) for k, v in chunks.items()}
     for cp, (a, b) in zip(copies, spans):
         k = a // c

@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import bisect
 import contextlib
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 from .format import ItemRecord
 
@@ -25,6 +27,8 @@ def writing_state() -> contextlib.AbstractContextManager:
     only inference mode may update in place, and a restore called inside inference mode makes its views of
     the state's normal tensors there, which then only inference mode may update; inference mode updates
     normal tensors too (their version counters move on), and records nothing for autograd."""
+    import torch
+
     return torch.inference_mode()
 
 
@@ -50,6 +54,8 @@ class Scatter:
         destination's GPU (torch puts a copy on its device's current stream, so one stream of one GPU
         would not hold the copies to another). :meth:`record` marks what is queued so far,
         :meth:`synchronize` waits for all of it; destinations are used again only after that."""
+        import torch
+
         if not self.to_device:
             return False
         for d in sorted({flat.device for _, _, flat in self._pairs if flat.device.type == "cuda"}, key=str):
@@ -60,6 +66,8 @@ class Scatter:
 
     def record(self) -> list[torch.cuda.Event]:
         """Events after the copies queued so far on every stream of :meth:`open_streams` (none opened: [])."""
+        import torch
+
         events = []
         for stream in self._streams.values():
             ev = torch.cuda.Event()
@@ -74,6 +82,8 @@ class Scatter:
 
     def copy(self, chunk: torch.Tensor, chunk_offset: int) -> None:
         """Copy ``chunk`` (uint8, host, or on a GPU) holding file bytes ``[chunk_offset, +len)`` into place."""
+        import torch
+
         end = chunk_offset + chunk.numel()
         i = max(0, bisect.bisect_right(self._starts, chunk_offset) - 1)
         with writing_state():
@@ -90,6 +100,8 @@ class Scatter:
 
 
 def _flat_bytes(t: torch.Tensor) -> torch.Tensor:
+    import torch
+
     if not t.is_contiguous():   # plan.bind gives a non-contiguous live tensor a contiguous stand-in
         raise ValueError("restore destinations must be contiguous tensors")
     return t.view(-1).view(torch.uint8) if t.dim() else t.view(1).view(torch.uint8)

@@ -79,7 +79,6 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-import fsspec
 from fsspec.spec import AbstractBufferedFile
 import torch
 from torch.distributed.checkpoint import DefaultSavePlanner, StorageReader, StorageWriter
@@ -114,7 +113,7 @@ from ..integrity import ALGORITHM, checksum
 from ..policy import Retention
 from ..scatter import writing_state
 from ..tiers.local import _read_range, linked, remove_step_dir
-from ..tiers.remote import _with_retry_defaults, is_local_fs
+from ..fs import is_local_fs, is_url, resolve
 
 __all__ = ["TierStorageWriter", "TierStorageReader", "FORMAT", "list_checkpoints", "verify", "prune"]
 
@@ -144,8 +143,8 @@ class _Tier:
             self.root = str(Path(root).expanduser())
             self.fs = None
         else:
-            self.fs, self.root = fsspec.core.url_to_fs(root, **_with_retry_defaults(root, storage_options or {}))
-            self.root = self.root.rstrip("/")
+            store = resolve(root, storage_options)   # the library's one way to open a URL (its backend choice too)
+            self.fs, self.root = store.fs, store.root.rstrip("/")
         self.mounted = self.fs is not None and is_local_fs(self.fs)   # a file:// URL: a page cache to flush
         self.where = root
 
@@ -467,6 +466,12 @@ def _metadata_from_json(raw: bytes, where: str) -> tuple[Metadata, dict[Metadata
             _need(all(o + s <= n for o, s, n in zip(c["offsets"], c["sizes"], e["size"])), w,
                   f"chunk {c!r} lies outside the tensor's size {e['size']}")
             chunks.append(ChunkStorageMetadata(offsets=torch.Size(c["offsets"]), sizes=torch.Size(c["sizes"])))
+        # the global size is what a planner that builds the state from the metadata allocates: it must be
+        # exactly what the chunks hold, each chunk once (one saved item each, checked below)
+        _need(len({tuple(c.offsets) for c in chunks}) == len(chunks), w, "two chunks at one offset")
+        _need(sum(math.prod(c.sizes) for c in chunks) == math.prod(e["size"]), w,
+              f"its chunks hold {sum(math.prod(c.sizes) for c in chunks)} elements, its size {e['size']} "
+              f"{math.prod(e['size'])}")
         _need(e.get("memory_format", "contiguous") in _MEMORY_FORMATS, w, "unknown memory_format")
         props = TensorProperties(dtype=str_to_dtype(e["dtype"], w), layout=torch.strided,
                                  requires_grad=bool(e.get("requires_grad", False)),
@@ -507,6 +512,11 @@ def _metadata_from_json(raw: bytes, where: str) -> tuple[Metadata, dict[Metadata
             spans.setdefault(it["rank"], []).append((it["offset_bytes"], it["length"], ix["fqn"]))
         offset = torch.Size(ix["offset"]) if ix.get("offset") is not None else None
         storage[MetadataIndex(fqn=ix["fqn"], offset=offset)] = it
+    for fqn, entry in sdm.items():
+        if isinstance(entry, TensorStorageMetadata):
+            for c in entry.chunks:
+                _need(MetadataIndex(fqn=fqn, offset=c.offsets) in storage, f"{where}: state[{fqn!r}]",
+                      f"no saved item holds its chunk at {list(c.offsets)}")
     for rank, ranges in spans.items():
         ranges.sort()
         for (a, n, k), (b, _, k2) in zip(ranges, ranges[1:]):
@@ -952,7 +962,7 @@ class TierStorageReader(StorageReader):
 # -- operations -------------------------------------------------------------------------------------
 def _one_tier(where: str | os.PathLike, storage_options: dict[str, Any] | None) -> _Tier:
     w = os.fspath(where)
-    return _Tier("remote", w, storage_options) if "://" in w else _Tier("local", w, None)
+    return _Tier("remote", w, storage_options) if is_url(w) else _Tier("local", w, None)
 
 
 def list_checkpoints(where: str | os.PathLike, storage_options: dict[str, Any] | None = None) -> list[dict[str, Any]]:

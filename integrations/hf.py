@@ -41,7 +41,7 @@ from transformers.trainer_callback import ExportableState
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
 
 from ..api import Checkpointer
-from ..errors import CheckpointError
+from ..errors import CheckpointError, IncompatibleCheckpointError
 from ..rng import RNGState
 
 __all__ = ["CheckpointCallback"]
@@ -102,6 +102,16 @@ class _Held:
 
 
 _HELD = ("optimizer", "scheduler", "scaler", "trainer_state", "rng")
+#: where a checkpoint keeps the model's config: the key ``ckpt.export(format="hf")`` reads it from
+_CONFIG_KEY = "hf_config"
+
+
+def _config_json(model: Any) -> dict[str, Any]:
+    """``model.config`` as its ``config.json`` (plain JSON values); ``{}`` for a model without a config."""
+    config = getattr(model, "config", None)
+    if config is None or not hasattr(config, "to_json_string"):
+        return {}
+    return json.loads(config.to_json_string(use_diff=False))
 
 
 class CheckpointCallback(TrainerCallback):
@@ -336,8 +346,15 @@ class CheckpointCallback(TrainerCallback):
     def _load_model(self, trainer: Trainer, model: Any = None) -> None:
         """Read the newest checkpoint: the model in place, the rest held until the Trainer asks."""
         held = {k: _Held() for k in _HELD}
-        state = {"model": model if model is not None else trainer.model, **held}
-        step = self.checkpointer.restore(state)
+        state = {"model": model if model is not None else trainer.model, **held, _CONFIG_KEY: _Held()}
+        try:
+            step = self.checkpointer.restore(state)
+        except IncompatibleCheckpointError as first:   # a checkpoint from before the config was kept with it?
+            del state[_CONFIG_KEY]
+            try:
+                step = self.checkpointer.restore(state)
+            except IncompatibleCheckpointError:
+                raise first from None   # no: the first error says what does not fit
         if step is None:
             raise CheckpointError(f"the checkpoint listed in {self.checkpointer.local.root} when train() started is "
                                   "gone: was it deleted meanwhile?")
@@ -379,6 +396,9 @@ class CheckpointCallback(TrainerCallback):
             "scaler": _View(scaler, _refuse),
             "trainer_state": _View(lambda: {"json": _trainer_state_json(trainer, self._logged)}, _refuse),
             "rng": RNGState(),
+            # the model's config as config.json holds it: `ckpt export --format hf` makes a model directory from
+            # the checkpoint alone (computed at each save, never restored into: the model has its own)
+            _CONFIG_KEY: _View(lambda: _config_json(trainer.model), _refuse),
         }
 
     # -- hooks ---------------------------------------------------------------------------------------

@@ -913,6 +913,42 @@ def _route_trainer_save_checkpoint() -> None:
 _route_trainer_save_checkpoint()
 
 
+def _point_load_from_checkpoint() -> None:
+    """Make ``LightningModule.load_from_checkpoint`` (and ``LightningDataModule``'s) read a
+    :class:`TieredCheckpointIO` checkpoint directory: Lightning reads the path with ``torch.load``
+    (``lightning.pytorch.core.saving.pl_load``), which fails with a bare ``IsADirectoryError`` on a
+    directory; such a directory is loaded through :meth:`TieredCheckpointIO.load_checkpoint` instead (no
+    pickle), and the rest of ``load_from_checkpoint`` (hyperparameters, ``strict``, ``map_location``) runs
+    as for a file. Any other path is loaded as Lightning loads it."""
+    from lightning.pytorch.core import saving
+
+    wrapped = saving.pl_load
+    if getattr(wrapped, "_tierckpt_routed", False):
+        return
+
+    @functools.wraps(wrapped)
+    def pl_load(path_or_url: Any, map_location: Any = None, *args: Any, **kwargs: Any) -> Any:
+        if isinstance(path_or_url, (str, os.PathLike)) and _is_tiered_checkpoint(path_or_url):
+            return TieredCheckpointIO().load_checkpoint(path_or_url, map_location=map_location)
+        return wrapped(path_or_url, map_location, *args, **kwargs)
+
+    pl_load._tierckpt_routed = True   # type: ignore[attr-defined]
+    saving.pl_load = pl_load
+
+
+def _is_tiered_checkpoint(path: str | os.PathLike) -> bool:
+    """Whether ``path`` is a directory a :class:`TieredCheckpointIO` save made (a step directory, or a save
+    of it still pending, inside)."""
+    try:
+        names = os.listdir(path)
+    except OSError:
+        return False
+    return _SAVING_NAME in names or any(parse_step_dir(n) is not None for n in names)
+
+
+_point_load_from_checkpoint()
+
+
 # ---------------------------------------------------------------------------------------------
 # CheckpointCallback
 

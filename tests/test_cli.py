@@ -226,3 +226,115 @@ def test_export_from_the_command_line(tiers):
     p = _run("export", str(local), str(tmp / "sh"), "--max-shard-size", "1MB")
     # one 3 MB tensor over a 1 MB limit: a file of its own, which is all there is
     assert p.returncode == 0 and sorted(f.name for f in (tmp / "sh").iterdir()) == ["model.safetensors"]
+
+
+# -- polish: JSON everywhere it is offered, hints, exact errors ------------------------------------------
+
+def test_gc_json_prints_json(local_dir, capsys):
+    _two_steps(local_dir)
+    capsys.readouterr()
+    assert main(["gc", str(local_dir), "--keep", "1", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["removed"] == [1] and out["kept_verified"] == 2 and out["dry_run"] is False
+
+
+def test_gc_memory_json_prints_json(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("CKPT_SHM_DIR", str(tmp_path))   # an empty RAM directory of its own
+    capsys.readouterr()
+    assert main(["gc", "--memory", "--json", "--dry-run"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["freed_bytes"] == 0 and out["removed"] == [] and out["dry_run"] is True
+
+
+def test_every_option_a_commands_help_names_is_one_it_takes(capsys):
+    import re
+
+    for cmd in ("ls", "inspect", "verify", "gc", "promote", "export"):
+        capsys.readouterr()
+        try:
+            main([cmd, "--help"])
+        except SystemExit:
+            pass
+        text = capsys.readouterr().out
+        usage = text.split("\n\n", 1)[0] + text.split("options:", 1)[1].split("examples:", 1)[0]
+        named = set(re.findall(r"(?<![\w-])(--[a-z][a-z-]+)", text))
+        taken = set(re.findall(r"^\s+(--[a-z][a-z-]+)", usage, re.M)) | {"--help"}
+        assert named <= taken, (cmd, named - taken)
+
+
+def test_promote_json(local_dir, tmp_path, capsys):
+    _two_steps(local_dir)
+    capsys.readouterr()
+    assert main(["promote", str(local_dir), f"file://{tmp_path}/r", "--step", "2", "--to", "remote", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["copied"] is True and out["step"] == 2
+
+
+def test_ls_of_a_dcp_checkpoint_directory_hints_dcp(tmp_path, capsys):
+    import torch.distributed.checkpoint as dcp
+
+    from ckpt.integrations.dcp import TierStorageWriter
+
+    dcp.save({"w": torch.ones(3)}, storage_writer=TierStorageWriter(local_dir=tmp_path), checkpoint_id="c1")
+    capsys.readouterr()
+    assert main(["ls", str(tmp_path)]) == 0
+    assert "--dcp" in capsys.readouterr().err
+
+
+def test_inspect_of_a_step_that_never_existed_is_file_not_found(local_dir, capsys):
+    _two_steps(local_dir)
+    capsys.readouterr()
+    assert main(["inspect", str(local_dir), "--step", "7", "--debug"]) == 1
+    assert "FileNotFoundError" in capsys.readouterr().err   # the traceback's type, not IncompleteCheckpointError
+
+
+def test_promote_with_zstd_prints_no_warning(local_dir, tmp_path):
+    import subprocess
+    import sys
+
+    _two_steps(local_dir)
+    p = subprocess.run([sys.executable, "-W", "error::UserWarning", "-m", "ckpt.cli", "promote", str(local_dir),
+                        f"file://{tmp_path}/r", "--step", "2", "--to", "remote", "--compression", "zstd"],
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0 and "Warning" not in p.stderr, p.stderr
+
+
+_NO_TORCH = r"""
+import sys
+from ckpt.cli import main
+try:
+    rc = main(sys.argv[1:])
+except SystemExit as e:   # --help
+    rc = e.code
+sys.stdout.flush()
+print("RC", rc, "torch" in sys.modules, file=sys.stderr)
+"""
+
+
+def test_the_commands_that_only_read_files_do_not_import_torch(local_dir, tmp_path):
+    """``--help``, ``ls``, ``inspect``, ``verify`` and ``gc`` on a local and a remote tier start in a fraction of
+    the seconds importing torch takes (with no memory-tier snapshots in RAM to list)."""
+    import subprocess
+    import sys
+
+    _two_steps(local_dir)
+    url = f"file://{tmp_path}/r"
+    ckpt.promote(2, "remote", local_dir=local_dir, url=url)
+    (tmp_path / "shm").mkdir()
+    env = {**__import__("os").environ, "CKPT_SHM_DIR": str(tmp_path / "shm")}
+    for args in (["--help"], ["ls", "--help"], ["export", "--help"], ["demo", "--help"], ["ls", str(local_dir)],
+                 ["ls", url], ["inspect", str(local_dir)], ["inspect", url], ["verify", str(local_dir)],
+                 ["verify", url], ["gc", str(local_dir), "--keep", "1"], ["gc", url, "--dry-run"],
+                 ["gc", "--memory", "--dry-run"]):
+        p = subprocess.run([sys.executable, "-c", _NO_TORCH, *args], capture_output=True, text=True, env=env,
+                           timeout=120)
+        assert p.stderr.splitlines()[-1] == "RC 0 False", (args, p.stderr[-2000:])
+
+
+def test_import_ckpt_still_gives_every_public_name():
+    import subprocess
+    import sys
+
+    code = ("import ckpt; missing = [n for n in ckpt.__all__ if not hasattr(ckpt, n)]; "
+            "assert not missing, missing; assert callable(ckpt.export) and callable(ckpt.promote)")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)

@@ -133,7 +133,12 @@ def test_a_fifo_in_the_local_tier_is_refused_without_blocking(tmp_path, capsys, 
     lambda m: _item(m, "model.i").update(offset_bytes=_item(m, "model.w")["offset_bytes"]),   # overlap
     lambda m: m.update(storage_meta={"checkpoint_id": None, "save_id": None, "load_id": None, "modules": 5}),
     lambda m: _item(m, "model.w")["index"].update(offset=[1, 0]),            # no such chunk
-], ids=["item-shape-2^70x0", "size-2^70x0", "item-shape", "item-dtype", "overlap", "storage-meta", "no-chunk"])
+    # a global size of 2**40 rows that the one saved 5-row chunk does not cover: a planner that builds the
+    # state from the metadata (DCP's _load_state_dict_from_keys) would allocate 12 TiB
+    lambda m: m["state"]["model.w"].update(size=[2 ** 40, 3]),
+    lambda m: m["state"]["model.w"]["chunks"].append({"offsets": [0, 0], "sizes": [5, 3]}),   # a chunk twice
+], ids=["item-shape-2^70x0", "size-2^70x0", "item-shape", "item-dtype", "overlap", "storage-meta", "no-chunk",
+        "size-not-covered", "chunk-twice"])
 def test_hostile_metadata_fields_are_corrupt_and_the_remote_copy_is_used(tmp_path, capsys, edit):
     _save(tmp_path, "step-1", "step-2")
     _edit_metadata(tmp_path / "local" / "step-2", edit)

@@ -548,3 +548,39 @@ def test_the_docs_examples_run(tmp_path, name, expected):
     assert out.returncode == 0, out.stderr
     for line in expected:
         assert line in out.stdout, out.stdout
+
+
+class _LitLike(nn.Module):
+    """What a LightningModule wrapping a Hugging Face model saves: its weights under ``model.``."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+
+@pytest.mark.parametrize("layout", ["module", "state_dict"])
+def test_hf_export_finds_the_model_under_the_lightning_keys(tmp_path, layout):
+    """The Lightning callback keeps the model at ``module``, a ``TieredCheckpointIO`` checkpoint at
+    ``state_dict`` (prefixed by the LightningModule's attribute): ``format="hf"`` finds it without ``key``."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                      num_attention_heads=2, num_key_value_heads=1)
+    model = transformers.LlamaForCausalLM(config)
+    lit = _LitLike(model)
+    state = {"module": lit, "fit_loop": {"epoch": 1}} if layout == "module" else \
+        {"state_dict": lit.state_dict(), "epoch": 1, "global_step": 3}
+    with ckpt.Checkpointer(local_dir=tmp_path / "ck") as ck:
+        ck.save(3, state).wait()
+    info = ckpt.export(tmp_path / "ck", tmp_path / "hf", format="hf", config=config)
+    assert info.key == layout
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
+    want = model.state_dict()
+    assert all(torch.equal(v, want[k]) for k, v in loaded.state_dict().items())
+
+
+def test_hf_export_without_any_model_key_names_the_key_to_pass(tmp_path):
+    with ckpt.Checkpointer(local_dir=tmp_path / "ck") as ck:
+        ck.save(1, {"net": nn.Linear(2, 2)}).wait()
+    with pytest.raises(ValueError):
+        ckpt.export(tmp_path / "ck", tmp_path / "hf", format="hf", config={"model_type": "llama"})
+    assert not os.path.lexists(tmp_path / "hf")

@@ -25,6 +25,7 @@ import stat
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import numpy as np
@@ -195,7 +196,7 @@ _CHILD_PRELUDE = r"""
 import json, os, sys, time
 import ckpt
 ex = sys.modules["ckpt.export"]
-import ckpt.tiers, ckpt.tiers.local, ckpt.tiers.remote, safetensors.torch   # imported before any limit below
+import torch, ckpt.tiers, ckpt.tiers.local, ckpt.tiers.remote, safetensors.torch   # imported before any limit below
 
 def report(fn):
     try:
@@ -406,6 +407,53 @@ def test_a_manifest_claiming_2_60_bytes_is_refused_before_anything_is_allocated(
         ckpt.export(src, tmp_path / "out")
     assert not any(a and (a[0] == [2**60] or a[0] == (2**60,)) for a in allocations)
     assert not os.path.lexists(tmp_path / "out") and _hidden(tmp_path) == []
+
+
+def _claim_layout(m: dict, layout: dict) -> None:
+    m["tree"]["w"]["$dt"] = layout
+
+
+_HUGE_LAYOUTS = {
+    # one rank's plain tensor of 10 elements claimed as a replicated DTensor of 2**40
+    "replicated": {"shape": [2**40], "mesh": [1], "coord": [0], "placements": ["R"]},
+    # a shard of 10 elements whose layout makes it 10 of 2**40 / 4096 rows
+    "sharded": {"shape": [2**40], "mesh": [4096], "coord": [0], "placements": ["S0"]},
+}
+
+
+@pytest.mark.parametrize("tier", ["local", "remote"])
+@pytest.mark.parametrize("claim", sorted(_HUGE_LAYOUTS))
+def test_a_layout_claiming_a_huge_global_shape_is_corrupt_before_anything_is_allocated(tmp_path, tier, claim,
+                                                                                       monkeypatch):
+    _save(tmp_path / "ck", {"w": torch.arange(10.0)})
+    if tier == "local":
+        src, step_dir = tmp_path / "ck", tmp_path / "ck" / "step-000000005"
+    else:
+        src = f"file://{tmp_path}/r"
+        ckpt.promote(5, "remote", local_dir=tmp_path / "ck", url=src)
+        step_dir = tmp_path / "r" / "step-000000005"
+    _rewrite_manifest(step_dir, lambda m: _claim_layout(m, _HUGE_LAYOUTS[claim]))
+    allocations = []
+    real_empty = torch.empty
+    monkeypatch.setattr(torch, "empty", lambda *a, **k: (allocations.append(a), real_empty(*a, **k))[1])
+    with pytest.raises(CorruptCheckpointError) as e:
+        ckpt.export(src, tmp_path / "out")
+    assert "'w'" in str(e.value)   # names the tensor
+    assert not any(a and isinstance(a[0], int) and a[0] > 10**6 for a in allocations)
+    assert not os.path.lexists(tmp_path / "out") and _hidden(tmp_path) == []
+
+
+def test_a_job_tier_whose_layout_claims_a_huge_global_shape_is_skipped_by_restore_and_ls(tmp_path):
+    """The sibling in restore: a job tier's layouts are checked with its records, before a resharding
+    restore binds (and allocates) the global tensor, so a restore passes over the step like any corrupt one."""
+    _save(tmp_path / "ck", {"w": torch.arange(10.0)})
+    url = f"file://{tmp_path}/r"
+    ckpt.promote(5, "remote", local_dir=tmp_path / "ck", url=url)
+    _rewrite_manifest(tmp_path / "r" / "step-000000005", lambda m: _claim_layout(m, _HUGE_LAYOUTS["sharded"]))
+    from ckpt.tiers import RemoteTier
+
+    with pytest.raises(CorruptCheckpointError):
+        RemoteTier(url).check(5)
 
 
 def test_json_nested_100k_deep_is_refused_as_corrupt_never_a_recursion_error(tmp_path):
@@ -783,9 +831,67 @@ def test_sigkill_at_every_stage_leaves_the_old_dest_whole_or_the_new_one_complet
         assert _snapshot(held if fmt == "torch" else tmp_path / hidden[0]) == before
     else:
         assert _snapshot(dest) == before   # untouched (absent, or the old one whole)
-    ckpt.export(src, dest, format=fmt, force=True)   # a later export is not disturbed by what was left
+    ckpt.export(src, dest, format=fmt, force=True)   # a later export is not disturbed by what was left,
     _check_whole(dest, fmt, new)
-    assert _hidden(tmp_path) == hidden
+    assert _hidden(tmp_path) == []                   # and removes it: its process is dead
+
+
+def _leftover(parent: Path, name: str, pid: int, age_s: float = 0.0, kind: str = "export") -> Path:
+    p = parent / f".{name}.{kind}-{pid}-0123abcd"
+    p.mkdir()
+    (p / "model.safetensors").write_bytes(b"partial")
+    if age_s:
+        t = os.stat(p).st_mtime - age_s
+        os.utime(p, (t, t))
+    return p
+
+
+def _dead_pid() -> int:
+    p = subprocess.Popen([sys.executable, "-c", "pass"])
+    p.wait()
+    return p.pid
+
+
+def test_leftovers_of_a_live_export_are_kept_of_a_dead_or_reused_pid_removed(tmp_path):
+    src, old, new = _kill_state(tmp_path)
+    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        time.sleep(0.5)
+        mine = _leftover(tmp_path, "out", live.pid)                   # a live export's staging directory
+        dead = _leftover(tmp_path, "out", _dead_pid())
+        other = _leftover(tmp_path, "other", _dead_pid())             # another destination's: not this export's
+        ckpt.export(src, tmp_path / "out")
+        _check_whole(tmp_path / "out", "safetensors", new)
+        assert mine.is_dir() and not os.path.lexists(dead) and other.is_dir()
+        shutil.rmtree(mine)
+        # the pid lives, but its process started after the leftover was last written: the pid was reused
+        reused = _leftover(tmp_path, "out", live.pid, age_s=3600)
+        ckpt.export(src, tmp_path / "out", force=True)
+        assert not os.path.lexists(reused)
+    finally:
+        live.kill()
+        live.wait()
+
+
+def test_an_old_dest_moved_aside_is_kept_until_a_dest_exists_again(tmp_path):
+    src, old, new = _kill_state(tmp_path)
+    aside = _leftover(tmp_path, "out", _dead_pid(), kind="replaced")   # killed between the two renames
+    assert ex.leftovers(tmp_path) == []                                 # the only copy of "out": kept
+    ckpt.export(src, tmp_path / "out")
+    assert not os.path.lexists(aside)                                   # a new "out" took its place
+
+
+def test_ckpt_gc_exports_removes_the_leftovers_of_dead_exports(tmp_path, capsys):
+    from ckpt.cli import main
+
+    dead = [_leftover(tmp_path, n, _dead_pid()) for n in ("a", "b")]
+    live = _leftover(tmp_path, "c", os.getpid())
+    capsys.readouterr()
+    assert main(["gc", "--exports", str(tmp_path), "--dry-run", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out) == {"dry_run": True, "removed": [str(p) for p in dead]}
+    assert all(p.is_dir() for p in dead)
+    assert main(["gc", "--exports", str(tmp_path)]) == 0
+    assert not any(os.path.lexists(p) for p in dead) and live.is_dir()
 
 
 @pytest.mark.parametrize("force", [False, True])

@@ -353,3 +353,39 @@ def test_the_docs_examples_run(tmp_path, name, expected):
     if name == "trainer":
         # no checkpoint-N directory: the snapshots replace them
         assert not list((tmp_path / "runs").glob("*/out/checkpoint-*"))
+
+
+def test_a_callback_checkpoint_exports_as_a_model_directory_without_a_separate_config(tmp_path, capsys):
+    """The callback keeps ``trainer.model.config`` with every snapshot: ``ckpt export --format hf`` needs
+    nothing else, and the directory loads with ``from_pretrained`` bit for bit."""
+    pytest.importorskip("safetensors")
+    from transformers import AutoModelForCausalLM
+
+    from ckpt.cli import main
+    from ckpt.integrations.hf import CheckpointCallback
+
+    trainer = _trainer(tmp_path / "out", max_steps=2)
+    CheckpointCallback(local_dir=tmp_path / "ck", every_steps=2).attach(trainer)
+    trainer.train()
+    assert main(["export", str(tmp_path / "ck"), str(tmp_path / "hf"), "--format", "hf"]) == 0
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
+    want = trainer.model.state_dict()
+    assert loaded.config.to_dict()["hidden_size"] == trainer.model.config.hidden_size
+    assert all(torch.equal(v, want[k]) for k, v in loaded.state_dict().items())
+
+
+def test_a_checkpoint_without_the_config_still_resumes(tmp_path, monkeypatch):
+    """Checkpoints the callback wrote before it kept the config resume as they did."""
+    from ckpt.integrations import hf
+
+    real = hf.CheckpointCallback._state
+    monkeypatch.setattr(hf.CheckpointCallback, "_state",
+                        lambda self, trainer: {k: v for k, v in real(self, trainer).items() if k != "hf_config"})
+    trainer = _trainer(tmp_path / "out", max_steps=2)
+    hf.CheckpointCallback(local_dir=tmp_path / "ck", every_steps=2).attach(trainer)
+    trainer.train()
+    monkeypatch.undo()
+    again = _trainer(tmp_path / "out", max_steps=4)
+    cb = hf.CheckpointCallback(local_dir=tmp_path / "ck", every_steps=2).attach(again)
+    again.train()
+    assert cb.restored_step == 2 and again.state.global_step == 4

@@ -470,3 +470,25 @@ def test_a_pending_save_whose_pid_a_later_process_got_does_not_hold_a_load(tmp_p
     finally:
         later.kill()
         later.wait(60)
+
+
+def test_load_from_checkpoint_reads_a_tiered_checkpoint_directory(tmp_path):
+    """``LightningModule.load_from_checkpoint`` reads ``torch.save`` files; on a TieredCheckpointIO directory it
+    loads through the plugin (no pickle), hyperparameters included."""
+    import lightning.pytorch as pl
+
+    class Net(pl.LightningModule):
+        def __init__(self, width: int = 3) -> None:
+            super().__init__()
+            self.save_hyperparameters()
+            self.layer = torch.nn.Linear(width, 2)
+
+    net = Net(width=5)
+    trainer = pl.Trainer(plugins=[TieredCheckpointIO()], logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, max_epochs=0)
+    trainer.strategy.connect(net)
+    trainer.save_checkpoint(tmp_path / "net.ckpt")
+    trainer.strategy.checkpoint_io.teardown()
+    loaded = Net.load_from_checkpoint(tmp_path / "net.ckpt", map_location="cpu")
+    assert loaded.hparams.width == 5
+    assert all(torch.equal(a, b) for a, b in zip(loaded.state_dict().values(), net.state_dict().values()))

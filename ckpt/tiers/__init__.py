@@ -2,13 +2,31 @@
 
 Each tier implements the contract of :mod:`ckpt.tiers.base` (:class:`Tier`; :class:`PersistingTier`
 for those the persist pipeline writes to) and is registered with :func:`register`.
+
+The tier classes are imported on first use (``ckpt.tiers.LocalTier``...): the commands that only read
+records (``ckpt ls``, ``inspect``, ``verify``, ``gc``) never import torch for the memory and peer tiers.
 """
 
-from .base import PersistingTier, StepInfo, Tier, TierFigures, register, registered
-from .local import LocalTier
-from .memory import MemoryTier
-from .peer import PeerTier
-from .remote import RemoteTier
+from __future__ import annotations
+
+import importlib
+from typing import Any
 
 __all__ = ["Tier", "PersistingTier", "StepInfo", "TierFigures", "register", "registered", "LocalTier",
            "MemoryTier", "PeerTier", "RemoteTier"]
+
+_WHERE = {"Tier": "base", "PersistingTier": "base", "StepInfo": "base", "TierFigures": "base", "register": "base",
+          "registered": "base", "LocalTier": "local", "MemoryTier": "memory", "PeerTier": "peer",
+          "RemoteTier": "remote"}
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _WHERE:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{_WHERE[name]}", __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

@@ -23,9 +23,10 @@ from __future__ import annotations
 import abc
 import threading
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 from ..format import Manifest
 from ..policy import Committed, Retention, Timeline

@@ -42,9 +42,10 @@ import weakref
 import zlib
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 from .. import knobs, procs
 from ..commit import DirSink, publish, rank_record
@@ -473,7 +474,8 @@ class LocalTier(PersistingTier, TimelineCopies):
         size = min(chunk, -(-manifest.data_bytes // _PAGE) * _PAGE)
         ring: queue.Queue = queue.Queue()
         for _ in range(min(n, knobs.get("CKPT_RESTORE_BUFFERS"))):
-            ring.put((_aligned_empty(size, pin), None))
+            # verifying scatters nothing: a numpy buffer (no torch needed by `ckpt verify`)
+            ring.put((_aligned_empty(size, pin) if sc is not None else _aligned_bytes(size), None))
         streams = pin and sc.open_streams()
         try:
             def one(i: int) -> None:
@@ -483,7 +485,7 @@ class LocalTier(PersistingTier, TimelineCopies):
                         e.synchronize()   # the previous H2D copies out of this buffer are done
                     off = i * chunk
                     length = min(chunk, manifest.data_bytes - off)
-                    view = memoryview(buf.numpy())
+                    view = memoryview(buf.numpy() if sc is not None else buf)
                     _read_range(fd, direct, dpath, view, off, length)
                     if checksum(view[:length]) != manifest.chunks[i]:
                         raise CorruptCheckpointError(
@@ -582,8 +584,19 @@ def remove_step_dir(root: str | os.PathLike, name: str) -> bool:
 _PAGE = 4096
 
 
+def _aligned_bytes(nbytes: int) -> Any:
+    """A uint8 numpy array of ``nbytes`` whose address is page aligned (as O_DIRECT requires)."""
+    import numpy as np
+
+    raw = np.empty(nbytes + _PAGE, dtype=np.uint8)
+    shift = (-raw.ctypes.data) % _PAGE
+    return raw[shift:shift + nbytes]
+
+
 def _aligned_empty(nbytes: int, pin: bool) -> torch.Tensor:
     """A uint8 host tensor of ``nbytes`` whose address is page aligned (as O_DIRECT requires)."""
+    import torch
+
     t = torch.empty(nbytes + _PAGE, dtype=torch.uint8, pin_memory=pin, device="cpu")
     shift = (-t.data_ptr()) % _PAGE
     return t[shift:shift + nbytes]

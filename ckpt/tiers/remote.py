@@ -57,9 +57,10 @@ import threading
 import time
 import zlib
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 from .. import knobs
 from ..codec import RAW, check_codec, decode, encode, max_decoded
@@ -68,10 +69,10 @@ from ..errors import (CheckpointError, CorruptCheckpointError, IncompatibleCheck
                       LayoutMismatchError)
 from ..format import (COMMIT_NAME, LATEST_NAME, Commit, ItemRecord, Manifest, data_name, fsync_dir, fsync_file,
                       manifest_name, new_generation, parse_step_dir, read_record_fs, read_records, step_dir_name)
-from ..fs import Store, resolve
-from ..fs import with_retry_defaults as _with_retry_defaults  # noqa: F401 - integrations.dcp's import
+from ..fs import Store, is_local_fs, resolve
 from ..integrity import checksum
 from ..policy import Committed, Retention, Timeline, TimelineCopies
+from ..reshard import check_layouts
 from ..scatter import Scatter
 from .base import PersistingTier, StepInfo, register
 from .local import LOCK_NAME, linked, remove_step_dir
@@ -86,24 +87,6 @@ ABSENT = "absent"
 # what rank 0 tells every rank of a job tier's commit (the largest wins): not committed, a COMMIT put that
 # failed but may still land, committed
 _NOT_COMMITTED, _MAYBE_COMMITTED, _COMMITTED = 0, 1, 2
-
-
-def is_local_fs(fs: Any) -> bool:
-    """Whether an fsspec file system is the local one (a ``file://`` URL: real directories, and a
-    page cache between a write and the disk)."""
-    protocols = (fs.protocol,) if isinstance(fs.protocol, str) else tuple(fs.protocol)
-    return any(p in ("file", "local") for p in protocols)
-
-
-def local_tier_dir(url: str, storage_options: dict[str, Any] | None = None) -> str | None:
-    """The directory of ``url`` when it is a ``file://`` URL of a local tier's directory (one a Checkpointer's
-    ``local_dir`` made: it holds the owner lock file, whatever else it holds), else ``None``."""
-    import fsspec
-
-    fs, root = fsspec.core.url_to_fs(url, **(storage_options or {}))
-    if is_local_fs(fs) and os.path.lexists(os.path.join(root, LOCK_NAME)):
-        return root
-    return None
 
 
 def refuse_local_tier_dir(url: str, root: str) -> None:
@@ -1073,7 +1056,9 @@ class RemoteTier(PersistingTier, TimelineCopies):
             return m
 
         with ThreadPoolExecutor(knobs.get("CKPT_REMOTE_THREADS"), thread_name_prefix="ckpt-manifest") as ex:
-            return list(ex.map(one, range(commit.world_size)))
+            manifests = list(ex.map(one, range(commit.world_size)))
+        check_layouts(manifests, d)   # before a resharding restore or an export allocates a global tensor
+        return manifests
 
     def verify(self, step: int) -> list[Manifest]:
         """Fetch every stored part of every rank of ``step`` and check it against its checksum (in parallel);
@@ -1126,6 +1111,8 @@ class RemoteTier(PersistingTier, TimelineCopies):
              refill: Any = None) -> None:
         """Download, decode and verify every part in parallel; scatter into ``dest`` (if given) and write
         the local tier ``refill`` (if given) on the way, so that the next restore is local."""
+        import torch
+
         self.check_stored(step, manifest)   # before the refill allocates room for data_bytes
         sc = Scatter(manifest.items, dest) if dest is not None else None
         if sc is not None:
@@ -1216,6 +1203,8 @@ def _map_all(fn: Callable[[int], Any], n: int, name: str) -> list[Any]:
 
 def _dominant_elem_size(items: list[ItemRecord], chunk: int) -> Callable[[int], int]:
     """Element size of the tensor covering most of chunk ``i`` (for the byte shuffle)."""
+    import torch
+
     spans = sorted((it.offset, it.offset + it.nbytes, getattr(torch, it.dtype).itemsize)
                    for it in items if it.alias_of is None and it.nbytes)
     starts = [s[0] for s in spans]
