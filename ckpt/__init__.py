@@ -21,7 +21,17 @@ from .restore import RestoreInfo
 from .rng import RNGState
 from .stage import SnapshotStats
 
-__version__ = "0.1.0"
+def _installed_version() -> str:
+    """The version pyproject.toml gives, as the installed distribution's metadata records it."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("tierckpt")
+    except PackageNotFoundError:   # a source tree on sys.path that was never installed
+        return "0+unknown"
+
+
+__version__ = _installed_version()
 
 __all__ = [
     "Checkpointer",
