@@ -126,6 +126,7 @@ class SaveHandle:
 
     @property
     def status(self) -> str:
+        """``"pending"``, ``"done"``, ``"failed"`` (a tier failed: :attr:`errors`) or ``"skipped"``."""
         if self._skipped:
             return "skipped"
         if self.errors:
@@ -143,6 +144,7 @@ class SaveHandle:
 
     @property
     def error(self) -> BaseException | None:
+        """The first tier's failure, or ``None``."""
         return next(iter(self.errors.values()), None)
 
     def done(self, tier: str | None = None) -> bool:
