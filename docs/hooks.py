@@ -4,9 +4,9 @@
    and ``ckpt.integrations``. griffe, which reads the sources for mkdocstrings, looks for
    ``ckpt/kernels/`` and does not follow that mapping, so the build gives it a temporary tree laid out
    as the installed package (symbolic links into the checkout) and points the Python handler there.
-2. The docstrings write cross-references and literals in reStructuredText (``:class:`~ckpt.X```,
-   ````code````); :class:`RstRoles` turns the roles into Markdown code spans as griffe loads each object,
-   so the reference shows ``X`` rather than the role's markup.
+2. The docstrings write cross-references and literal blocks in reStructuredText (``:class:`~ckpt.X```,
+   a paragraph ending in ``::``); :class:`RstRoles` turns the roles into Markdown code spans and the
+   ``::`` into ``:`` as griffe loads each object, so the reference shows ``X`` rather than the markup.
 """
 
 from __future__ import annotations
@@ -53,4 +53,6 @@ class RstRoles(Extension):
 
     def on_instance(self, *, obj: Object, **kwargs: Any) -> None:
         if obj.docstring is not None:
-            obj.docstring.value = _ROLE.sub(_role, obj.docstring.value)
+            text = _ROLE.sub(_role, obj.docstring.value)
+            # a paragraph ending in "::" introduces an indented literal block: Markdown's indented code
+            obj.docstring.value = re.sub(r"::\n(\s*\n)", r":\n\1", text)
