@@ -18,7 +18,17 @@ from .errors import (CheckpointError, CorruptCheckpointError, HostMemoryError, I
 from .export import ExportInfo, export   # bound here: the submodule ckpt.export must not shadow the function
 from .policy import AutoInterval, Retention
 
-__version__ = "0.1.0"
+def _installed_version() -> str:
+    """The version pyproject.toml gives, as the installed distribution's metadata records it."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("tierckpt")
+    except PackageNotFoundError:   # a source tree on sys.path that was never installed
+        return "0+unknown"
+
+
+__version__ = _installed_version()
 
 __all__ = [
     "Checkpointer",

@@ -157,7 +157,8 @@ class Checkpointer:
             :class:`~ckpt.errors.LockedError` naming the owner. Restoring needs no
             ownership (a restore that reads the remote tier writes the checkpoint into
             ``local_dir`` on the way only while no other live process owns it).
-        every_steps / every_seconds: the policy of :meth:`maybe_save`.
+        every_steps: the policy of :meth:`maybe_save`: a save at every step divisible by it.
+        every_seconds: ... or once this many seconds passed since the last save.
         keep: :class:`Retention` (default: 2 checkpoints in ``local_dir``).
         max_in_flight: host buffers for snapshots (each the size of the state);
             default 2, so that a snapshot can be taken while the previous one is
@@ -212,12 +213,13 @@ class Checkpointer:
             (``on_preempt="raise"``). ``drain_tier="peer"`` (with ``peers=``) waits until
             the peer rank, on another node, has committed this rank's copy: durable off
             the draining node at network speed.
-        storage / policy: the same options grouped (:class:`~ckpt.Storage`: ``local_dir``, ``url``,
+        storage: the storage options grouped, a :class:`~ckpt.Storage` (``local_dir``, ``url``,
             ``storage_options``, ``compression``, ``peers``, ``replicated``, ``max_in_flight``,
-            ``host_memory_limit``; :class:`~ckpt.Policy`: ``every_steps``, ``every_seconds``,
+            ``host_memory_limit``); each option is given once, here or as its keyword (``ValueError``
+            otherwise). ``ck.storage`` shows what the Checkpointer uses.
+        policy: the policy options grouped, a :class:`~ckpt.Policy` (``every_steps``, ``every_seconds``,
             ``interval``, ``mtbf``, ``restart_cost``, ``persist_every``, ``if_busy``, ``keep``,
-            ``on_unsupported``); each option is given once, here or as its keyword (``ValueError``
-            otherwise). ``ck.storage`` and ``ck.policy`` show what the Checkpointer uses.
+            ``on_unsupported``), given once as for ``storage``; ``ck.policy`` shows what is used.
         on_metrics: called with a flat record (``dict`` of ``str -> int | float``) after
             each save finished on every tier and after each restore, on the thread
             driving the Checkpointer (see :meth:`metrics` and :mod:`ckpt.metrics`).

@@ -651,7 +651,7 @@ def _dtype_arg(text: str) -> str:
 
 
 def _parser() -> argparse.ArgumentParser:
-    from . import demo
+    from . import __version__, demo
     from .export import DEFAULT_MAX_SHARD_SIZE, FORMATS
 
     common = argparse.ArgumentParser(add_help=False)
@@ -667,6 +667,7 @@ def _parser() -> argparse.ArgumentParser:
                        "for a usage mistake.\nProgress bars (verify, gc, promote, export) go to stderr when it is a "
                        "terminal.")
     p.add_argument("--debug", action="store_true", help="show the full traceback of a failure")
+    p.add_argument("--version", action="version", version=f"ckpt (tierckpt) {__version__}")
     names = "{demo,ls,inspect,verify,gc,promote,export}"
     sub = p.add_subparsers(dest="cmd", required=True, metavar=names)
 

@@ -62,8 +62,9 @@ class Policy:
     """When snapshots are taken, when each slower tier persists one, and what each tier keeps.
 
     Args:
-        every_steps / every_seconds: the snapshot cadence of :meth:`~ckpt.Checkpointer.maybe_save`
-            (the memory tier's); either triggers.
+        every_steps: the snapshot cadence of :meth:`~ckpt.Checkpointer.maybe_save` (the memory
+            tier's), in steps; with ``every_seconds``, either triggers.
+        every_seconds: the same in seconds since the last save.
         interval: ``"auto"``: the Young/Daly interval from the measured cost of saves and ``mtbf``
             (seconds between failures; ``restart_cost`` seconds lost per failure besides the work
             since the last checkpoint), instead of ``every_steps`` / ``every_seconds``; and for each

@@ -88,6 +88,7 @@ class ExportInfo:
     dropped: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
+        """The fields as a JSON-safe dict (what ``ckpt export --json`` prints)."""
         return asdict(self)
 
 

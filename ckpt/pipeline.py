@@ -130,6 +130,7 @@ class SaveHandle:
 
     @property
     def status(self) -> str:
+        """``"pending"``, ``"done"``, ``"failed"`` (a tier failed: :attr:`errors`) or ``"skipped"``."""
         if self._skipped:
             return "skipped"
         if self.errors:
@@ -147,6 +148,7 @@ class SaveHandle:
 
     @property
     def error(self) -> BaseException | None:
+        """The first tier's failure, or ``None``."""
         return next(iter(self.errors.values()), None)
 
     def done(self, tier: str | None = None) -> bool:

@@ -265,6 +265,7 @@ class AutoInterval:
 
     @property
     def cost(self) -> float | None:
+        """Seconds a save costs the loop: the median of the last ``window`` stalls (``None`` before one)."""
         if not self._costs:
             return None
         s = sorted(self._costs)
@@ -286,11 +287,13 @@ class AutoInterval:
         return c / tau + (tau / 2 + self.restart) / self.mtbf
 
     def due(self, step: int) -> bool:
+        """Whether a save is due at ``step``: the interval has passed since the last (or none measured yet)."""
         if self._last_time is None or self.seconds is None:
             return True
         return elapsed(self.clock(), self._last_time, self.seconds)
 
     def saved(self, step: int) -> None:
+        """Note that a save was taken at ``step`` now: the interval counts from here."""
         self._last_time = self.clock()
 
     def record(self, stall_s: float, persist_s: float | None = None) -> None:
@@ -300,6 +303,7 @@ class AutoInterval:
             self._persist = persist_s
 
     def report(self) -> dict[str, float | None]:
+        """``interval_s``, ``cost_s``, ``mtbf_s`` (seconds) and ``expected_loss_fraction`` (of wall time)."""
         return {"interval_s": self.seconds, "cost_s": self.cost, "mtbf_s": self.mtbf,
                 "expected_loss_fraction": self.expected_loss()}
 

@@ -170,9 +170,11 @@ class PreemptionGuard:
 
     @property
     def active(self) -> bool:
+        """Whether the handlers are installed (between :meth:`install` and :meth:`uninstall`)."""
         return bool(self._previous)
 
     def install(self) -> None:
+        """Install the flag-only handlers, remembering the previous ones (main thread only: ``RuntimeError``)."""
         if threading.current_thread() is not threading.main_thread():
             raise RuntimeError("Checkpointer(signals=...) installs signal handlers, which Python allows only in "
                                "the main thread: enter the `with` block there, or pass signals=()")
@@ -186,6 +188,7 @@ class PreemptionGuard:
         _installed.append(self)   # what a data-loader worker forked from now on leaves to its parent
 
     def uninstall(self) -> None:
+        """Put the previous handlers back."""
         if self in _installed:
             _installed.remove(self)
         for s, prev in self._previous.items():

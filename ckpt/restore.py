@@ -48,6 +48,7 @@ class RestoreInfo:
 
     @property
     def gbps(self) -> float:
+        """Bytes loaded per second of :attr:`seconds`, GB/s (10^9 bytes)."""
         return self.nbytes / self.seconds / 1e9 if self.seconds else float("inf")
 
 

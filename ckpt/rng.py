@@ -19,6 +19,7 @@ class RNGState:
     """
 
     def state_dict(self) -> dict[str, Any]:
+        """The generators' states now: Python's, numpy's global, torch's CPU and every CUDA device's."""
         version, internal, gauss = random.getstate()
         sd: dict[str, Any] = {
             "python": {"version": version, "state": list(internal), "gauss": gauss},
@@ -36,6 +37,7 @@ class RNGState:
         return sd
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
+        """Set every generator to the state ``sd`` (from :meth:`state_dict`) records."""
         py = sd["python"]
         random.setstate((py["version"], tuple(py["state"]), py["gauss"]))
         torch.set_rng_state(sd["torch"].cpu())

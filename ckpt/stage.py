@@ -760,9 +760,11 @@ class SnapshotStats:
 
     @property
     def stage_gbps(self) -> float | None:
+        """The device-to-host copy's rate, GB/s (10^9 bytes), or ``None`` before it was timed."""
         return self.nbytes / self.stage_s / 1e9 if self.stage_s else None
 
     def persist_gbps(self, tier: str) -> float | None:
+        """State bytes per second persisted to ``tier``, GB/s, or ``None`` when it did not write this save."""
         s = self.persist_s.get(tier)
         return self.nbytes / s / 1e9 if s else None
 

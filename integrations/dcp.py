@@ -118,6 +118,8 @@ from ..fs import is_local_fs, is_url, resolve
 __all__ = ["TierStorageWriter", "TierStorageReader", "FORMAT", "list_checkpoints", "verify", "prune"]
 
 FORMAT = "ckpt.dcp"
+"""The ``format`` field of the ``COMMIT`` and ``metadata.json`` records :class:`TierStorageWriter` writes
+(readers refuse a record without it)."""
 _VERSION = 1
 METADATA_NAME = "metadata.json"
 _MEMORY_FORMATS = {"contiguous": torch.contiguous_format, "channels_last": torch.channels_last,
@@ -783,7 +785,9 @@ class TierStorageReader(StorageReader):
     """``dcp.load`` from the nearest tier holding a valid copy, item by item (see the module docstring).
 
     Args:
-        local_dir, url, storage_options: as :class:`TierStorageWriter`; the local tier is tried first.
+        local_dir: as :class:`TierStorageWriter`; the local tier is tried first.
+        url: as :class:`TierStorageWriter`.
+        storage_options: as :class:`TierStorageWriter`.
         checkpoint_id: default name when ``dcp.load`` gets none.
         threads: parallel range reads per rank (remote reads are latency-bound).
 

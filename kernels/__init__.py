@@ -3,23 +3,17 @@
 Each kernel comes in three layers: a Triton kernel, a ``torch.autograd.Function``, and a
 functional form plus (where it makes sense) an ``nn.Module``:
 
-==============================  ===============================  ==========================
-functional                      module                           file
-==============================  ===============================  ==========================
-:func:`rms_norm`                :class:`RMSNorm`                 ``rms_norm.py``
-:func:`fused_add_rms_norm`      :class:`FusedAddRMSNorm`         ``rms_norm.py``
-:func:`layer_norm`              :class:`LayerNorm`               ``layer_norm.py``
-:func:`rope`                    (HF ``apply_rotary_pos_emb``)    ``rope.py``
-:func:`swiglu`, :func:`geglu`   :class:`SwiGLUMLP`, GeGLUMLP     ``glu.py``
-:func:`swiglu_packed`,          :class:`PackedGLUMLP`            ``glu.py``
-:func:`geglu_packed`
-:func:`cross_entropy`           :class:`CrossEntropyLoss`        ``cross_entropy.py``
-:func:`fused_linear_cross_      :class:`FusedLinearCross         ``fused_linear_cross_
-entropy`                        EntropyLoss`                     entropy.py``
-:func:`fused_experts`           (HF ``<Arch>Experts``)           ``moe.py``
-:func:`patch` (Hugging Face Llama, Mistral, Qwen2/3, Gemma 1/2/3,  ``patch.py``
-Gemma 3 multimodal, Mixtral, Qwen3-MoE, Phi-3)
-==============================  ===============================  ==========================
+* :func:`rms_norm`, :class:`RMSNorm`; :func:`fused_add_rms_norm`, :class:`FusedAddRMSNorm` (``rms_norm.py``)
+* :func:`layer_norm`, :class:`LayerNorm` (``layer_norm.py``)
+* :func:`rope`, for Hugging Face's ``apply_rotary_pos_emb`` (``rope.py``)
+* :func:`swiglu`, :func:`geglu`, :class:`SwiGLUMLP`, :class:`GeGLUMLP`; :func:`swiglu_packed`,
+  :func:`geglu_packed`, :class:`PackedGLUMLP` (``glu.py``)
+* :func:`cross_entropy`, :class:`CrossEntropyLoss` (``cross_entropy.py``)
+* :func:`fused_linear_cross_entropy`, :class:`FusedLinearCrossEntropyLoss`
+  (``fused_linear_cross_entropy.py``)
+* :func:`fused_experts`, for Hugging Face's ``<Arch>Experts`` (``moe.py``)
+* :func:`patch`: Hugging Face Llama, Mistral, Qwen2/3, Gemma 1/2/3, Gemma 3 multimodal, Mixtral,
+  Qwen3-MoE, Phi-3 (``patch.py``)
 
 Importing this package needs neither Triton nor a GPU; the kernels raise a clear error
 on first use when Triton is missing, and accept CPU tensors only under the Triton

@@ -87,6 +87,8 @@ try:  # guarded: the package must import without triton
     except ImportError:  # pragma: no cover - depends on the Triton release
         _knobs = None
     HAS_TRITON = True
+    """Whether Triton imported. Without it ``import ckpt.kernels`` still works, and each kernel raises a
+    ``RuntimeError`` saying so on first use."""
 except ImportError:  # pragma: no cover - exercised in a subprocess test
     triton = None  # type: ignore[assignment]
     tl = _MissingTritonLanguage()  # type: ignore[assignment]

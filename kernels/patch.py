@@ -153,6 +153,7 @@ _FAMILIES: dict[str, _Family] = {
     "phi3": _Family("phi3", "Phi3"),
 }
 SUPPORTED_MODEL_TYPES: tuple[str, ...] = tuple(_FAMILIES)
+"""The Hugging Face ``config.model_type`` values :func:`patch` knows; another raises ``ValueError``."""
 
 #: activation modules of transformers / torch -> the fused GLU's activation
 _SILU_ACTS = {"SiLUActivation", "SiLU"}
@@ -164,12 +165,12 @@ _ORIGINAL_ROPE: dict[str, Callable[..., Any]] = {}
 #: pre-activation for backward and recomputes it there (less memory, one more grouped GEMM)
 _EXPERTS_RECOMPUTE = False
 
-#: the name of :func:`ckpt.kernels.fused_experts` in transformers' experts registry
-#: (``transformers.integrations.moe.ExpertsInterface``, next to ``"grouped_mm"``, ``"batched_mm"``, ...).
-#: :func:`patch` registers it and names it in the model's config (``set_experts_implementation``) for
-#: experts whose ``forward`` is a wrapper it keeps (transformers' expert- or tensor-parallel dispatch,
-#: an accelerate hook), so that the class's ``forward`` the wrapper calls runs the fused kernels.
 EXPERTS_IMPLEMENTATION = "ckpt_fused"
+"""The name of :func:`ckpt.kernels.fused_experts` in transformers' experts registry
+(``transformers.integrations.moe.ExpertsInterface``, next to ``"grouped_mm"``, ``"batched_mm"``, ...).
+:func:`patch` registers it and names it in the model's config (``set_experts_implementation``) for
+experts whose ``forward`` is a wrapper it keeps (transformers' expert- or tensor-parallel dispatch,
+an accelerate hook), so that the class's ``forward`` the wrapper calls runs the fused kernels."""
 
 
 def _activation(act: Any) -> str | None:

@@ -588,7 +588,9 @@ def fused_add_rms_norm(
     Args:
         x: ``(..., N)`` fp32/fp16/bf16 activations (a sublayer's output); any strides.
         residual: the residual stream, ``x``'s shape and dtype; any strides.
-        weight, eps, offset: as :func:`rms_norm` (``offset=1.0`` for Gemma's ``1 + w``).
+        weight: as :func:`rms_norm`.
+        eps: as :func:`rms_norm`.
+        offset: as :func:`rms_norm` (``offset=1.0`` for Gemma's ``1 + w``).
         in_place: write ``dh`` over the gradient of ``y`` (as :func:`rms_norm`'s ``in_place``: safe
             when ``y`` feeds only linear layers, as every pre-norm block's norm does). Ignored under
             ``torch.compile``.
