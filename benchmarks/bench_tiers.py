@@ -119,6 +119,8 @@ def train_loop(root: Path, args) -> None:
              ("dcp.async_save every 10", 10, {"dcp": None}),
              ("dcp.async_save + DefaultStager every 10", 10, {"dcp": "stager"}),
              ("every 1", 1, {}), ("every 5", 5, {}), ("every 1, if_busy=wait", 1, {"if_busy": "wait"}),
+             ("every 1, 4 buffers", 1, {"max_in_flight": 4}),
+             ("dcp.async_save every 50", 50, {"dcp": None}),
              ("auto, mtbf memory 10 min, local 1 h", "auto", {"mtbf": {"memory": 600, "local": 3600}}),
              ("none (again)", None, {})]
     modes = [m for m in modes if m[0] in args.modes.split(";")] if args.modes else modes
@@ -138,14 +140,41 @@ def train_loop(root: Path, args) -> None:
             cadence = {"interval": "auto"} if every == "auto" else {"every_steps": every}
             ck = ckpt.Checkpointer(local_dir=local, keep=ckpt.Retention(local=1), **cadence, **kw) \
                 if every else None
-        times = []
+        times, calls, handles = [], [], []
+        prof = None
+        if args.profile_save and ck is not None and every == 1:
+            import cProfile
+            prof = cProfile.Profile()
         for s in range(1, args.steps + 1):
             t0 = time.perf_counter()
             step()
             if ck is not None:
-                ck.maybe_save(s, state)
+                c0 = time.perf_counter()
+                if prof is not None and s > 10:
+                    prof.enable()
+                h = ck.maybe_save(s, state)
+                if prof is not None:
+                    prof.disable()
+                if s > 10 and h is not None:   # after the warm-up: what each due save cost the caller
+                    calls.append(time.perf_counter() - c0)
+                    handles.append(h)
             times.append(time.perf_counter() - t0)
+        if prof is not None:
+            import io
+            import pstats
+            out = io.StringIO()
+            pstats.Stats(prof, stream=out).sort_stats("cumulative").print_stats(30)
+            print(out.getvalue(), flush=True)
         if ck is not None:
+            ck.wait_staged()
+            taken = sum(1 for h in handles if h.status != "skipped" and h.tier_status("memory") != "failed")
+            row("loop", name, "snapshots committed after warm-up", 100 * taken / max(1, len(handles)), "%",
+                f"{taken} of {len(handles)} due saves (steps 11-{args.steps}) committed to the memory tier")
+            if calls:
+                calls.sort()
+                row("loop", name, "save() call returns (median)", calls[len(calls) // 2] * 1e3, "ms",
+                    f"p90 {calls[int(len(calls) * 0.9)] * 1e3:.1f} ms, max {calls[-1] * 1e3:.1f} ms, the GPU a step "
+                    "behind (no synchronize before the call)")
             if every == "auto":   # the cadence each tier chose from what its writes cost this loop
                 rep = ck.interval_report()
                 snaps = [h.step for h in ck.history]
@@ -303,7 +332,7 @@ def restore_after_kill(root: Path, args) -> None:
             f"step {step}, {got.nbytes / 1e9:.2f} GB, {got.nbytes / dt / 1e9:.1f} GB/s, "
             f"{'bit-exact' if exact else 'MISMATCH'}; new process, same node")
         if tier == "memory":
-            shm.free(prefix=shm.prefix_for(local, 0))
+            shm.free(prefix=shm.prefix_for(local, 0, create=True))
             harness_drop(local)
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
@@ -356,6 +385,8 @@ def main() -> None:
                         "without a GPU); use with --parts loop and --modes")
     p.add_argument("--disk-mbps", type=float, default=None,
                    help="emulate a local disk of this many MB/s (each write takes at least bytes / rate)")
+    p.add_argument("--profile-save", action="store_true",
+                   help="cProfile the maybe_save() calls of the 'every 1' modes and print where their time goes")
     p.add_argument("--csv", default=None)
     args = p.parse_args()
     root = Path(args.dir or tempfile.mkdtemp(prefix="bench-tiers-"))

@@ -58,10 +58,11 @@ class IfBusy(str, enum.Enum):
     ``SKIP`` (the default): the loop never waits for a slow tier. A tier still busy with an older
     snapshot writes the newest one next and skips those in between (newest wins; each skipped one
     is reported as superseded on its handle and counted in ``Checkpointer.tier_counts``); a save
-    that finds every host buffer in use (each being read by a tier) is skipped as a whole (its
-    handle's status is ``"skipped"``, counted in ``Checkpointer.skipped``). A save of
-    :meth:`~Checkpointer.maybe_save` first waits for a buffer at most ``CKPT_BUSY_WAIT_MS``, also while
-    the buffers are still being allocated in the background (it never allocates one beside that).
+    that finds no free host buffer (each is read by a tier, being copied into, or holds the newest
+    committed snapshot, which is never overwritten) is skipped as a whole, at once (its handle's status
+    is ``"skipped"``, counted in ``Checkpointer.skipped``). A save of :meth:`~Checkpointer.maybe_save`
+    waits for a buffer at most ``CKPT_BUSY_WAIT_MS`` (default 0), also while the buffers are still being
+    allocated in the background (it never allocates one beside that).
 
     ``WAIT``: every snapshot reaches every tier, in order (subject to ``persist_every``); a save
     that finds every host buffer in use blocks until one is free (the stall is on the handle).
@@ -107,9 +108,9 @@ class _SkipLog:
                    "training loop meanwhile; the allocation started at the first maybe_save(), saves resume when it "
                    "ends. Call maybe_save() from the first step, or raise CKPT_BUSY_WAIT_MS to wait longer")
         else:
-            why = (f"all {pool.slots} host buffers are still being read by the tiers{on}; waited {waited:.2f} s "
-                   "(if_busy='skip'). Raise max_in_flight (host_memory_limit must leave room for that many "
-                   "state-sized buffers), set persist_every, or save less often")
+            why = (f"no host buffer was free{on} ({pool.describe_busy() if where != 'another rank' else 'there'}; "
+                   f"waited {waited:.2f} s, if_busy='skip'). Raise max_in_flight (host_memory_limit must leave room "
+                   "for that many state-sized buffers), set persist_every, or save less often")
         log.log(logging.WARNING if loud else logging.INFO, "skipped the save of step %d: %s%s", step, why, more)
 
 
@@ -161,10 +162,11 @@ class Checkpointer:
         every_seconds: ... or once this many seconds passed since the last save.
         keep: :class:`Retention` (default: 2 checkpoints in ``local_dir``).
         max_in_flight: host buffers for snapshots (each the size of the state);
-            default 2, so that a snapshot can be taken while the previous one is
-            still being persisted, and the previous one stays whole in the memory
-            tier while the next is copied. With the default, fewer are kept when
-            ``host_memory_limit`` leaves room for fewer (said once in the log).
+            default 3: the newest committed snapshot stays whole in one until a newer
+            one is committed, a slow tier may read another, and the next snapshot is
+            copied into the third, so snapshots every step go on while the local tier
+            writes. With the default, fewer are kept when ``host_memory_limit`` leaves
+            room for fewer (said once in the log; ``tier_figures()["memory"].gives_up``).
             On Linux they are shared-memory segments in ``/dev/shm`` (``CKPT_SHM=0``:
             this process's pinned memory), so the memory tier outlives the process:
             a new process on the node restores the newest snapshot from RAM, each
@@ -172,8 +174,8 @@ class Checkpointer:
             for its successor (``ckpt gc --memory`` frees what no one will use).
             They are allocated in the background from the first :meth:`maybe_save`
             call, so the first save does not wait for seconds of allocation; a save of
-            ``maybe_save`` due before one is there waits at most ``CKPT_BUSY_WAIT_MS``,
-            then is skipped (``if_busy="skip"``).
+            ``maybe_save`` that finds no free buffer is skipped at once (``if_busy="skip"``;
+            ``CKPT_BUSY_WAIT_MS`` sets a bound to wait instead).
         if_busy: ``"skip"`` (default) or ``"wait"`` (:class:`IfBusy`): whether a
             slow tier may skip snapshots (newest wins) or every snapshot reaches
             every tier and saves wait for it.
@@ -445,8 +447,8 @@ class Checkpointer:
         ``state`` is the state *after* ``step``: a restore returns ``step`` and
         the loop continues at ``step + 1``. With ``if_busy="skip"`` a save that finds
         no host buffer free (the tiers hold them all, or their background allocation,
-        started by the first call, is still running) waits at most ``CKPT_BUSY_WAIT_MS``
-        for one, then is skipped (its handle's status is ``"skipped"``).
+        started by the first call, is still running) is skipped at once (its handle's status is
+        ``"skipped"``); ``CKPT_BUSY_WAIT_MS`` sets how long to wait for one instead.
 
         Inside the ``with`` block, after a signal of ``signals``: a preemption saves
         ``step``, waits until it is durable and exits (or raises); a save request saves

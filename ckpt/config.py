@@ -42,7 +42,7 @@ class Storage:
             rank on the next node) or a rank distance.
         replicated: top-level state keys whose plain tensors are the same on every rank (uploaded
             once, by rank 0, to a job tier).
-        max_in_flight: host buffers of the memory tier, each the size of the state (default 2).
+        max_in_flight: host buffers of the memory tier, each the size of the state (default 3).
         host_memory_limit: bytes of host memory the buffers may take (default: 80% of what is
             available when one is allocated).
     """

@@ -59,7 +59,13 @@ class RefusedStateError(CheckpointError, TypeError):
 
 
 class TornSnapshotError(CheckpointError):
-    """A tensor was modified in place while its snapshot copy could still be in flight."""
+    """A tensor was modified in place while its snapshot copy could still be in flight.
+
+    ``keys``: the state keys of the tensors found modified (the first few, in state order)."""
+
+    def __init__(self, message: str, *, keys: list[str] | None = None) -> None:
+        super().__init__(message)
+        self.keys = list(keys or [])
 
 
 class HostMemoryError(CheckpointError, MemoryError):

@@ -234,13 +234,22 @@ class AllocationStopped(Exception):
 
 
 def _pause(stop: threading.Event | None, seconds: float) -> None:
-    """Between two pieces of a paced allocation: wait ``seconds``, and raise :class:`AllocationStopped`
-    as soon as ``stop`` is set."""
+    """Between two pieces of a paced allocation: wait ``seconds`` (then, where :data:`quiet` is set, until it
+    returns), and raise :class:`AllocationStopped` as soon as ``stop`` is set."""
     if stop is None:
         if seconds > 0:
             time.sleep(seconds)
     elif stop.wait(seconds) if seconds > 0 else stop.is_set():
         raise AllocationStopped("the memory tier is closing")
+    if seconds > 0 and quiet is not None:
+        quiet()
+        if stop is not None and stop.is_set():
+            raise AllocationStopped("the memory tier is closing")
+
+
+#: called between two pieces of a paced (background) allocation: returns once no snapshot is being copied to
+#: the host (bounded), so that a snapshot's copy never runs beside a registration (:mod:`ckpt.stage` sets it)
+quiet: Callable[[], None] | None = None
 
 
 #: bytes per registration of a segment with the CUDA driver (a multiple of every chunk and alignment size)

@@ -86,6 +86,36 @@ class _Flag(threading.local):
 # set in prepare()'s thread: segments registered there go in paced pieces, and stop when the pool closes
 _background = _Flag()
 
+# Snapshot copies to the host in flight in this process (device-to-host DMA enqueued and not yet landed). The
+# background allocation of more buffers registers its pieces between them (ckpt.shm.quiet): a snapshot taken
+# beside a registration blocked the loop 0.4-0.8 s on an H200 node, and waiting for the whole allocation
+# before the first snapshot (three 7.4 GB buffers: 15 s) left the first minutes of a job without one.
+_dma_cv = threading.Condition()
+_dma_in_flight = 0
+#: the longest a background allocation waits for the copies in flight before its next piece (seconds)
+_QUIET_WAIT_S = 1.0
+
+
+def _copy_began() -> None:
+    global _dma_in_flight
+    with _dma_cv:
+        _dma_in_flight += 1
+
+
+def _copy_ended() -> None:
+    global _dma_in_flight
+    with _dma_cv:
+        _dma_in_flight = max(0, _dma_in_flight - 1)
+        _dma_cv.notify_all()
+
+
+def _no_copy_in_flight() -> None:
+    with _dma_cv:
+        _dma_cv.wait_for(lambda: _dma_in_flight == 0, timeout=_QUIET_WAIT_S)
+
+
+_shm.quiet = _no_copy_in_flight
+
 
 class HostBuffer:
     """One host staging buffer: pinned memory of this process, or a shared-memory segment
@@ -495,14 +525,15 @@ class HostPool:
                 # that long, whatever the timeout: skipping for it would cost the snapshot and save the loop nothing.
                 ends = self._allocation_ends()
                 soon = ends is not None and ends - time.monotonic() <= _ALLOC_GRACE_S
-                # Not while a pinned buffer is being allocated in the background: even paced
-                # (ckpt.shm.Segment.create / register), a snapshot taken beside that allocation blocked
-                # the loop 0.4-0.8 s on an H200 node (2026-11-25), while the same snapshots once both
-                # buffers were there blocked it 10-15 ms. The save is skipped (counted) instead.
+                # Even paced (ckpt.shm.Segment.create / register), a snapshot taken beside a pinned buffer's
+                # allocation blocked the loop 0.4-0.8 s on an H200 node (2026-11-25), while the same snapshots
+                # once the buffers were there blocked it 10-15 ms. So a buffer already there is taken while
+                # the others are allocated, whose pieces are then registered between snapshot copies
+                # (ckpt.shm.quiet), never beside one; with no buffer yet, the save is skipped (counted).
                 pinned = self._pinned_allocation()
-                if not pinned and self._pick(nbytes, step, reclaim, inline=False)[0]:
+                if self._pick(nbytes, step, reclaim, inline=False)[0]:
                     return True
-                if pinned:
+                if pinned and not self.buffers:
                     limit = start + _ALLOC_GRACE_S if soon else start
                 else:
                     limit = max(deadline, start + _ALLOC_GRACE_S) if soon else deadline
@@ -520,12 +551,12 @@ class HostPool:
     def _allocation_outlasts(self, seconds: float) -> bool:
         """(under the lock) Whether no buffer can come within ``seconds``: none exists (so no tier will let go
         of one) and the background allocation under way needs longer, at the rate buffers were allocated at
-        here, or else at ``_ALLOC_GBPS``; always while a pinned buffer is being allocated in the background
-        (a snapshot beside it stalls the loop). A save then skips at once instead of waiting out its bound."""
+        here, or else at ``_ALLOC_GBPS``; always while the first pinned buffer is being allocated in the
+        background. A save then skips at once instead of waiting out its bound."""
+        if self.buffers:
+            return False   # a tier may let go of one at any moment
         if self._pinned_allocation():
             return True
-        if self.buffers and not self.pin:
-            return False
         ends = self._allocation_ends()
         return ends is not None and ends - time.monotonic() > seconds
 
@@ -574,6 +605,18 @@ class HostPool:
             slot = next(i for i in range(len(used) + 1) if i not in used)
             self._reserved.add(slot)
             return slot
+
+    def describe_busy(self) -> str:
+        """What each buffer is doing, for a message: how many are being copied into, read by a tier, holding
+        the newest committed snapshot (kept whole), or being allocated."""
+        with self._cv:
+            newest = max((b for b in self.buffers if b.image_step is not None), default=None, key=self._rank)
+            counts = collections.Counter(
+                "being copied into" if b.staging else "read by a tier" if b.holds else
+                "holding the newest committed snapshot" if b is newest else "free" for b in self.buffers)
+            if self._allocating:
+                counts["being allocated"] += self._allocating
+        return ", ".join(f"{n} {what}" for what, n in counts.items()) or "none allocated yet"
 
     def has_free(self) -> bool:
         """Whether :meth:`acquire` without ``block`` would return a buffer (one is free, may be added, is
@@ -790,6 +833,8 @@ class Snapshot:
         self._cuda_device: torch.device | None = None   # the GPU whose side stream copies the state
         self._cpu_done = threading.Event()
         self._cpu_thread: threading.Thread | None = None   # the CPU tensors' copy, once started
+        self._cpu_ranges: list[tuple[int, int]] = []          # (offset, bytes) of what that thread copies
+        self._dma = False   # counted among the copies in flight (_copy_began) until the landing check saw it land
         self._lock = threading.Lock()
         self._fenced = False
         self._t0 = time.perf_counter()
@@ -801,6 +846,16 @@ class Snapshot:
         self._copy: _PacedCopy | None = None
         self._verified = False
         self._verify_lock = threading.Lock()
+        #: compute the chunk checksums of the buffer while the copy lands (a shared-memory buffer: the memory
+        #: tier's record needs them); :attr:`chunk_checksums` holds them once every chunk was read
+        self.want_checksums = buffer.segment is not None
+        self.chunk_checksums: list[int] | None = None
+
+    def _dma_landed(self) -> None:
+        """Its copy to the host is no longer in flight (counted once)."""
+        if self._dma:
+            self._dma = False
+            _copy_ended()
 
     # -- fences -------------------------------------------------------------------------------
     @property
@@ -838,23 +893,20 @@ class Snapshot:
                 self.stats.stage_s = time.perf_counter() - self._t0
 
     def _verify_cuda_copies(self) -> None:
-        """Compare each CUDA tensor's host copy with its fingerprint at save(), group by group as the
-        copies land (so the check ends soon after the copy does). Done once, by the first caller."""
+        """Compare each CUDA tensor's host copy with its fingerprint at save() and, where the memory tier
+        wants them (:attr:`want_checksums`), compute the CRC-32C of each chunk of the buffer, in one pass
+        over the bytes, chunk by chunk as the copies land, on ``CKPT_COMMIT_THREADS`` threads: the check and
+        the checksums end soon after the copy does (a 7.4 GB snapshot lands in 0.15 s; one thread reads it
+        in about a second). Done once, by the first caller."""
         with self._verify_lock:
             if self._verified or self._copy is None:
                 return
-            torn: list[str] = []
-            expected: list[int] | None = None
-            for ev, idxs in self._copy.landed():
-                ev.synchronize()
-                if expected is None:   # copied to the host before the first chunk, on the same stream
-                    expected = self._fp_host.tolist() if self._fp_host is not None else []
-                for i in idxs:
-                    key, rec, dtype, shape, words = self._checks[i]
-                    if _fingerprint(_view(self.buffer, rec, dtype, shape), words) != expected[i]:
-                        torn.append(key)
-            self._verified = True
-            self._checks, self._fp_host = [], None
+            try:
+                torn = _LandingCheck(self).run()
+            finally:
+                self._dma_landed()
+                self._verified = True
+                self._checks, self._fp_host = [], None
         if torn:
             self._torn(torn)
 
@@ -869,7 +921,7 @@ class Snapshot:
                     f"was complete: the copy differs from its value at save(), so step {self.step}'s save is "
                     "dropped rather than persisted torn. Writes through .data, a numpy view or torch.no_grad() "
                     "are not seen by version counters; call Checkpointer.wait_staged() before in-place updates "
-                    "outside optimizer.step() (an EMA update, say)")
+                    "outside optimizer.step() (an EMA update, say)", keys=keys)
 
     def _fence(self) -> None:
         with self._lock:
@@ -883,7 +935,7 @@ class Snapshot:
                             f"tensor {e.key!r} was modified in place while step {self.step}'s snapshot copy "
                             "could still be in flight, so this save is dropped rather than persisted torn. "
                             "Call Checkpointer.wait_staged() before in-place updates outside optimizer.step() "
-                            "(an EMA update, say)")
+                            "(an EMA update, say)", keys=[e.key])
                         break
             self.entries = []   # drop tensor references: the copy no longer needs them
         _forget(self)
@@ -1112,6 +1164,119 @@ class _FingerprintGraphs:
 _GRAPHS = _FingerprintGraphs()
 
 
+_NP_INT = {1: np.int8, 2: np.int16, 4: np.int32, 8: np.int64}
+
+
+class _LandingCheck:
+    """:meth:`Snapshot._verify_cuda_copies`: one pass over the buffer's bytes as the copies land, cut in the
+    manifest's chunks. Each chunk is read on a pool thread once every byte of it has landed (CPU tensors'
+    bytes once their copy is done too): its CRC-32C (when the memory tier wants the checksums) and, for each
+    checked CUDA tensor with bytes in it, the partial fingerprint of those bytes. A tensor's fingerprint is
+    the wrapping sum of its partial ones (integer addition modulo 2**64 splits at any element boundary, and
+    chunk boundaries fall on whole pages of the buffer, where every tensor starts)."""
+
+    def __init__(self, snap: "Snapshot") -> None:
+        self.snap = snap
+        self.data_bytes = snap.data_bytes
+        self.chunk = snap.manifest.chunk_bytes
+        self.nchunks = -(-self.data_bytes // self.chunk) if self.data_bytes else 0
+        self.crc = snap.want_checksums
+        self.arr = snap.buffer.tensor.numpy()
+        self.sums = [0] * len(snap._checks)
+        self.lock = threading.Lock()
+        # the checked tensors' byte ranges in the buffer, in offset order, each with its integer form
+        self.ranges = sorted((rec.offset, rec.offset + rec.nbytes, i, _np_int(dtype, words))
+                             for i, (_, rec, dtype, _, words) in enumerate(snap._checks) if rec.nbytes)
+        # chunks holding bytes that the CPU staging thread writes: read once it is done
+        self.late = {c for off, n in snap._cpu_ranges for c in range(off // self.chunk, (off + n - 1) // self.chunk + 1)}
+
+    def run(self) -> list[str]:
+        snap = self.snap
+        if not self.crc and not self.ranges:
+            for _ in snap._copy.landed():
+                pass
+            return []
+        from . import integrity
+
+        self.checksum = integrity.checksum
+        results: list[int | None] = [None] * self.nchunks
+        threads = max(1, min(knobs.get("CKPT_COMMIT_THREADS"), self.nchunks or 1))
+        expected: list[int] | None = None
+        pending = []
+        with _LoweredPool(threads) as pool:
+            nxt = 0
+            for ev, _, upto in snap._copy.landed():
+                ev.synchronize()
+                if expected is None:   # copied to the host before the first chunk, on the same stream
+                    expected = snap._fp_host.tolist() if snap._fp_host is not None else []
+                while nxt < self.nchunks and min((nxt + 1) * self.chunk, self.data_bytes) <= upto:
+                    if nxt not in self.late:
+                        pending.append(pool.submit(self._one, nxt, results))
+                    nxt += 1
+            if self.late:
+                snap._cpu_done.wait()
+            for c in sorted(self.late | set(range(nxt, self.nchunks))):
+                pending.append(pool.submit(self._one, c, results))
+            for f in pending:
+                f.result()
+        if expected is None:
+            expected = snap._fp_host.tolist() if snap._fp_host is not None else []
+        torn = [snap._checks[i][0] for i, want in enumerate(expected) if _wrap(self.sums[i]) != _wrap(want)]
+        if self.crc and not torn and snap.error is None:
+            snap.chunk_checksums = [int(v) for v in results]
+        return torn
+
+    def _one(self, c: int, results: list) -> None:
+        lo, hi = c * self.chunk, min((c + 1) * self.chunk, self.data_bytes)
+        if self.crc:
+            results[c] = self.checksum(memoryview(self.arr[lo:hi]))
+        parts = []
+        for start, end, i, kind in self.ranges:
+            if end <= lo:
+                continue
+            if start >= hi:
+                break
+            if start % np.dtype(kind).itemsize:   # cuts would split its elements: summed whole, with its end
+                if lo < end <= hi:
+                    parts.append((i, int(self.arr[start:end].view(kind).sum(dtype=np.int64))))
+                continue
+            a, b = max(start, lo), min(end, hi)
+            parts.append((i, int(self.arr[a:b].view(kind).sum(dtype=np.int64))))
+        if parts:
+            with self.lock:
+                for i, v in parts:
+                    self.sums[i] += v
+
+
+def _np_int(dtype: torch.dtype, words: bool) -> Any:
+    """The numpy integer type a tensor's bytes are summed as (:func:`_as_ints`)."""
+    if words:
+        return np.int64
+    size = dtype.itemsize // 2 if dtype.is_complex else dtype.itemsize
+    return _NP_INT[size]
+
+
+def _wrap(v: int) -> int:
+    """``v`` modulo 2**64, as a signed 64-bit integer (how torch and numpy report a wrapping int64 sum)."""
+    v &= (1 << 64) - 1
+    return v - (1 << 64) if v >= 1 << 63 else v
+
+
+class _LoweredPool:
+    """A thread pool whose threads run at the persist threads' lowered priority (:mod:`ckpt.priority`)."""
+
+    def __init__(self, n: int) -> None:
+        from concurrent.futures import ThreadPoolExecutor
+
+        self._ex = ThreadPoolExecutor(n, thread_name_prefix="ckpt-check", initializer=priority.lower_this_thread)
+
+    def __enter__(self) -> Any:
+        return self._ex
+
+    def __exit__(self, *exc: Any) -> None:
+        self._ex.shutdown(wait=True)
+
+
 # -- the paced device-to-host copy -------------------------------------------------------------------
 # While one stream has device-to-host copies queued, a device-to-host copy of another stream waits for
 # them (one H200, 2026-11-24: a 4-byte .item() on the compute stream waited 67 ms behind 4 GiB queued on
@@ -1130,10 +1295,13 @@ _COPY_BURST = 4          # chunks save() enqueues itself (~5 ms of copy at 55 GB
 _COPIES_AHEAD = 1        # then: chunks enqueued and not yet landed, at most
 
 
-def _chunks(buf: HostBuffer, items: list[tuple[torch.Tensor, ItemRecord]], chunk: int) -> Iterator[tuple[list, list[int]]]:
-    """The copies of ``items`` into ``buf`` in chunks of about ``chunk`` bytes: per chunk, the (destination,
-    source) pairs and the items whose last byte it copies. A contiguous tensor larger than a chunk is
-    split (as bytes) across chunks; any other tensor is copied whole."""
+def _chunks(buf: HostBuffer, items: list[tuple[torch.Tensor, ItemRecord]],
+            chunk: int) -> Iterator[tuple[list, list[int], int]]:
+    """The copies of ``items`` (in the order of their offsets) into ``buf`` in chunks of about ``chunk``
+    bytes: per chunk, the (destination, source) pairs, the items whose last byte it copies, and the offset
+    of the first byte of the buffer that a later chunk writes (every byte before it is written once this
+    chunk has landed). A contiguous tensor larger than a chunk is split (as bytes) across chunks; any other
+    tensor is copied whole."""
     pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
     done: list[int] = []
     size = 0
@@ -1152,20 +1320,20 @@ def _chunks(buf: HostBuffer, items: list[tuple[torch.Tensor, ItemRecord]], chunk
                 size += k
                 off += k
                 if size >= chunk and off < n:
-                    yield pairs, done
+                    yield pairs, done, rec.offset + off
                     pairs, done, size = [], [], 0
         else:
             if size and size + n > chunk:
-                yield pairs, done
+                yield pairs, done, rec.offset
                 pairs, done, size = [], [], 0
             pairs.extend(_copies(buf, rec, t))
             size += n
         done.append(i)
         if size >= chunk:
-            yield pairs, done
+            yield pairs, done, items[i + 1][1].offset if i + 1 < len(items) else 1 << 62
             pairs, done, size = [], [], 0
     if pairs or done:
-        yield pairs, done
+        yield pairs, done, 1 << 62
 
 
 class _PacedCopy:
@@ -1206,7 +1374,7 @@ class _PacedCopy:
                 return None
             try:
                 with torch.cuda.stream(self.stream):
-                    pairs, idxs = next(self._chunks, (None, None))
+                    pairs, idxs, upto = next(self._chunks, (None, None, None))
                     if pairs is None:
                         self._end()
                         return None
@@ -1214,7 +1382,7 @@ class _PacedCopy:
                         dst.copy_(src, non_blocking=True)
                     ev = torch.cuda.Event()
                     ev.record(self.stream)
-                self._landed.put((ev, idxs))
+                self._landed.put((ev, idxs, upto))
                 return ev
             except BaseException as e:
                 self._fail(e)
@@ -1240,9 +1408,10 @@ class _PacedCopy:
         while self._next() is not None:
             pass
 
-    def landed(self) -> Iterator[tuple[torch.cuda.Event, list[int]]]:
-        """Each enqueued chunk's event and the items it completes, in order, until the copy is enqueued
-        to its end (blocks while the next chunk is not enqueued yet)."""
+    def landed(self) -> Iterator[tuple[torch.cuda.Event, list[int], int]]:
+        """Each enqueued chunk's event, the items it completes and how far the buffer is written once it
+        has landed (see :func:`_chunks`), in order, until the copy is enqueued to its end (blocks while the
+        next chunk is not enqueued yet)."""
         while True:
             item = self._landed.get()
             if item is None:
@@ -1346,16 +1515,20 @@ def stage(snap: Snapshot, side_stream: torch.cuda.Stream | None) -> None:
         if e.is_buffer:
             _dst(snap.buffer, r, e.tensor).copy_(e.tensor)
     rest = [(e, r) for e, r in cpu if not e.is_buffer]
+    snap._cpu_ranges = [(r.offset, r.nbytes) for _, r in rest]
     rest_words, rest_fp = _fingerprints(rest)   # the values at save(): before save() returns
     if cuda:
         if side_stream is None:
             raise RuntimeError("CUDA tensors in the state but no side stream")
         side_stream = _side_stream_for(cuda, side_stream)
+        _copy_began()
+        snap._dma = True
         try:
             with torch.cuda.device(side_stream.device):   # the state's GPU: its streams, not the current GPU's
                 _stage_cuda(snap, cuda, side_stream)
         except BaseException:
             side_stream.synchronize()   # no copy may still be writing into a buffer handed back
+            snap._dma_landed()
             raise
     if rest:
         expected = rest_fp

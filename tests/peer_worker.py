@@ -51,7 +51,7 @@ def held_by(root: str, holder: int, src: int) -> list[int]:
     """Steps of rank ``src``'s replicas committed in ``holder``'s RAM (read from its segment records)."""
     from ckpt import shm
 
-    groups = shm.segments(Path(root) / f"shm-{holder}", shm.replica_prefix(f"{root}/rank-{holder}", src))
+    groups = shm.segments(Path(root) / f"shm-{holder}", shm.replica_prefix(f"{root}/rank-{holder}", src, create=True))
     return sorted(r.step for g in groups for r in g.records)
 
 

@@ -229,10 +229,11 @@ def test_a_save_skips_at_once_when_the_first_buffer_cannot_be_there_within_the_b
         assert handle.status == "skipped" and time.monotonic() - t0 < 1.5
 
 
-def test_with_pinned_buffers_a_save_is_skipped_at_once_while_one_is_being_allocated(tmp_path, slow_allocation):
+def test_with_pinned_buffers_the_first_is_taken_while_the_others_are_allocated_between_copies(tmp_path,
+                                                                                           slow_allocation):
     # the first buffer is there, the second still being allocated (pages reserved, mapped and registered with
-    # the CUDA driver in paced pieces): a snapshot beside that allocation stalls the loop, so the save does not
-    # wait for it nor take the free buffer: it answers "no" at once, and "yes" once the allocation is over
+    # the CUDA driver in paced pieces): a save takes the free buffer at once, and the allocation registers its
+    # pieces only while no snapshot is being copied (a snapshot beside a registration stalls the loop)
     pool = HostPool(2, None, pin=True)
     pool.share(stage.SharedSpace(tmp_path, "ckpt-0123456789abcdef-r00000", str(tmp_path)))
     pool.prepare(4096)
@@ -241,8 +242,25 @@ def test_with_pinned_buffers_a_save_is_skipped_at_once_while_one_is_being_alloca
         time.sleep(0.05)
     assert len(pool.buffers) == 1 and pool._allocating == 1
     t0 = time.monotonic()
-    assert not pool.wait_free(4096, 1, 5.0) and time.monotonic() - t0 < 0.5
-    assert pool.allocation_outlasts(5.0)
+    assert pool.wait_free(4096, 1, 5.0) and time.monotonic() - t0 < 0.5
+    assert not pool.allocation_outlasts(5.0)
     pool._prepared.join(3 * SLOW_S)
     assert pool.wait_free(4096, 1, 0.3) and not pool.allocation_outlasts(0.3)
     pool.close()
+
+
+def test_a_paced_allocation_waits_between_its_pieces_while_a_snapshot_is_copied(monkeypatch):
+    """The background allocation's pieces are registered between snapshot copies (ckpt.shm.quiet), never beside
+    one: while a copy is in flight, the next piece waits for it (at most stage._QUIET_WAIT_S)."""
+    from ckpt import shm
+
+    monkeypatch.setattr(stage, "_QUIET_WAIT_S", 30.0)
+    stop = threading.Event()
+    stage._copy_began()
+    done = threading.Event()
+    try:
+        threading.Thread(target=lambda: (shm._pause(stop, 0.001), done.set()), daemon=True).start()
+        assert not done.wait(0.5), "a piece went ahead beside a snapshot copy"
+    finally:
+        stage._copy_ended()
+    assert done.wait(10)

@@ -250,7 +250,7 @@ def test_close_stops_the_background_allocation_between_two_pieces(tmp_path, monk
     root = tmp_path / "shm"
     root.mkdir()
     pool = HostPool(2, None, pin=False)
-    pool.share(SharedSpace(root, shm.prefix_for(tmp_path / "l", 0), str(tmp_path / "l")))
+    pool.share(SharedSpace(root, shm.prefix_for(tmp_path / "l", 0, create=True), str(tmp_path / "l")))
     pool.prepare(8 << 20)
     assert started.wait(60)
     thread = pool._prepared
@@ -291,7 +291,7 @@ def test_a_process_that_exits_during_the_background_allocation_exits_cleanly(tmp
     assert "left []" in out.stdout.splitlines(), out.stdout + out.stderr
     root = os.environ.get("CKPT_SHM_DIR")
     if root and not closes:   # the exit hook keeps the memory tier for the next process: no half-made segment
-        assert not [f for f in os.listdir(root) if f.startswith(".") and shm.prefix_for(tmp_path / "l", 0) in f]
+        assert not [f for f in os.listdir(root) if f.startswith(".") and shm.prefix_for(tmp_path / "l", 0, create=True) in f]
 
 
 def test_no_thread_of_ours_outlives_close(tmp_path):

@@ -171,7 +171,7 @@ def test_a_corrupt_newest_checkpoint_resumes_from_the_previous_one_exactly(runs,
     _crash_in_process(tmp_path / "c", tmp_path / "c", "--every", "5", "--crash-at", "11")
     assert _committed(tmp_path / "c") == [10, 5]
     from ckpt import shm   # the crash left the snapshots in RAM: this node lost them, only the disk is left
-    shm.free(prefix=shm.prefix_for(tmp_path / "c", 0))
+    shm.free(prefix=shm.prefix_for(tmp_path / "c", 0, create=True))
     data = tmp_path / "c" / "step-000000010" / "rank-00000.bin"
     raw = bytearray(data.read_bytes())
     raw[100] ^= 0xFF

@@ -33,7 +33,7 @@ def _check_restore(local_dir: Path) -> int | None:
     """The newest snapshot committed anywhere (the local tier, or the memory tier's shared memory, which
     outlives the killed process) is restored, exactly; a snapshot torn by the kill is never served."""
     committed = sorted(int(p.name[5:]) for p in local_dir.glob("step-*") if (p / "COMMIT").exists())
-    committed = sorted(set(committed) | {r.step for g in shm.segments(prefix=shm.prefix_for(local_dir, 0))
+    committed = sorted(set(committed) | {r.step for g in shm.segments(prefix=shm.prefix_for(local_dir, 0, create=True))
                                          for r in g.records})
     target = {"w": torch.empty(NUMEL), "step": None, "b": torch.empty(NUMEL // 3)}
     with ckpt.Checkpointer(local_dir=local_dir) as ck:

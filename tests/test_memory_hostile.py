@@ -39,7 +39,7 @@ def _leave(local_dir: Path, step: int = 3) -> tuple[dict, Path, Path]:
     ck = ckpt.Checkpointer(local_dir=local_dir)
     ck.save(step, state).wait()
     ck.close(keep_memory=True)
-    root, prefix = shm.shm_root(), shm.prefix_for(local_dir, 0)
+    root, prefix = shm.shm_root(), shm.prefix_for(local_dir, 0, create=True)
     recs = [p for p in root.iterdir() if p.name.startswith(prefix) and p.name.endswith(".rec")]
     assert len(recs) == 1, sorted(p.name for p in root.iterdir())
     rec = shm.read_snapshot_record(recs[0])
@@ -182,7 +182,7 @@ def test_ls_and_gc_stand_hostile_files_and_free_only_regular_files_of_ours(local
     state, buf, rec = _leave(local_dir)
     outside = tmp_path / "precious"
     outside.write_bytes(b"keep me")
-    root, prefix = shm.shm_root(), shm.prefix_for(local_dir, 0)
+    root, prefix = shm.shm_root(), shm.prefix_for(local_dir, 0, create=True)
     link = root / f"{prefix}-s01.buf"
     os.symlink(outside, link)
     fifo = root / f"{prefix}-s01.rec"
@@ -206,7 +206,7 @@ def test_a_segment_half_made_by_a_killed_process_is_removed_by_the_next_owner(lo
     """A process killed while it reserved a segment (the OOM killer strikes during exactly that) leaves the
     temporary file and its RAM behind; the next process on the same local tier removes it when it takes
     the tier's segments over, and leaves alone what is not its own."""
-    root, prefix = shm.shm_root(), shm.prefix_for(local_dir, 0)
+    root, prefix = shm.shm_root(), shm.prefix_for(local_dir, 0, create=True)
     script = tmp_path / "killed.py"
     script.write_text(textwrap.dedent("""
         import sys, time
@@ -232,7 +232,8 @@ def test_a_segment_half_made_by_a_killed_process_is_removed_by_the_next_owner(lo
         proc.wait(60)
     left = [n for n in os.listdir(root) if n.startswith(f".{prefix}-s") and ".new-" in n]
     assert left
-    other = root / f".{shm.prefix_for(tmp_path / 'another', 0)}-s00.buf.new-{proc.pid}-abcd1234"
+    (tmp_path / 'another').mkdir()
+    other = root / f".{shm.prefix_for(tmp_path / 'another', 0, create=True)}-s00.buf.new-{proc.pid}-abcd1234"
     other.write_bytes(b"x")   # another local tier's: not this owner's to remove
     try:
         state = _state(5)
@@ -249,7 +250,7 @@ def test_a_half_made_segment_of_an_earlier_process_with_this_pid_is_removed(loca
     """Containers restart their processes under the same small pids: a temporary left by a killed process
     whose pid this process got again is not this process's own (it is older than this process) and is
     removed; one this process made (modified since it started) is left to its writer."""
-    root, prefix = shm.shm_root(), shm.prefix_for(local_dir, 0)
+    root, prefix = shm.shm_root(), shm.prefix_for(local_dir, 0, create=True)
     earlier = root / f".{prefix}-s00.buf.new-{os.getpid()}-abcd1234"
     mine = root / f".{prefix}-s01.buf.new-{os.getpid()}-beef5678"
     for p in (earlier, mine):
@@ -315,7 +316,7 @@ def _leave_alone(local_dir: Path, states: dict[int, dict]) -> dict[int, tuple[Pa
             ck.save(step, state).wait()
         ck.close(keep_memory=True)
     shutil.rmtree(local_dir / f"step-{max(states):09d}")
-    root, prefix = shm.shm_root(), shm.prefix_for(local_dir, 0)
+    root, prefix = shm.shm_root(), shm.prefix_for(local_dir, 0, create=True)
     out = {}
     for p in root.iterdir():
         if p.name.startswith(prefix) and p.name.endswith(".rec"):

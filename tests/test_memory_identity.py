@@ -56,7 +56,7 @@ def test_a_restore_loads_the_copy_of_the_timeline_it_listed(tmp_path):
         ck.save(100, st).wait()
         assert ck.timeline.number == 1
         ck.close(keep_memory=True)
-    recs = sorted((r.slot, r.step, r.timeline.number) for g in shm.segments(prefix=shm.prefix_for(d, 0))
+    recs = sorted((r.slot, r.step, r.timeline.number) for g in shm.segments(prefix=shm.prefix_for(d, 0, create=True))
                   for r in g.records)
     # both copies of step 100 in RAM, timeline 0's in the slot listed first
     assert recs[0] == (0, 100, 0) and any(r[1:] == (100, 1) for r in recs[1:]), recs
@@ -73,12 +73,12 @@ def test_deleting_the_directory_starts_afresh_whatever_ram_the_old_job_left(tmp_
     (which no job can use any more) are freed at B's start."""
     d = tmp_path / "local"
     _dead_job(d, 5)
-    old = shm.prefix_for(d, 0)
+    old = shm.prefix_for(d, 0, create=True)
     assert shm.segments(prefix=old)
     shutil.rmtree(d)
     with caplog.at_level(logging.INFO, logger="ckpt"):
         with ckpt.Checkpointer(local_dir=d) as ck:
-            assert shm.prefix_for(d, 0) != old
+            assert shm.prefix_for(d, 0, create=True) != old
             st = _state(0.0, n=77)   # another model: a restore of A's snapshot would not even fit
             assert ck.restore(st) is None
             ck.save(1, st).wait()
@@ -91,13 +91,13 @@ def test_segment_names_derive_from_the_path_and_an_id_kept_in_the_directory(tmp_
     directory at the same path gets new names, and the id file is this user's, 0600."""
     d = tmp_path / "local"
     d.mkdir()
-    assert shm.prefix_for(d, 0) is None   # no id yet: no segment can be this directory's
+    assert shm.prefix_for(d, 0, create=True) is None   # no id yet: no segment can be this directory's
     first = shm.prefix_for(d, 0, create=True)
     by_path = hashlib.sha256(os.path.realpath(d).encode()).hexdigest()[:16]
     assert first is not None and by_path not in first
     st = os.lstat(d / identity.ID_NAME)
     assert st.st_mode & 0o777 == 0o600 and st.st_uid == os.getuid()
-    assert shm.prefix_for(d, 0) == first   # stable
+    assert shm.prefix_for(d, 0, create=True) == first   # stable
     shutil.rmtree(d)
     d.mkdir()
     assert shm.prefix_for(d, 0, create=True) not in (None, first)
@@ -134,7 +134,7 @@ def test_ram_of_a_dead_job_is_named_at_the_next_start_and_freed_after_the_policy
     them (they serve the next job on that directory); once older than CKPT_SHM_ORPHAN_S they are freed."""
     a = tmp_path / "a"
     _dead_job(a, 3)
-    prefix = shm.prefix_for(a, 0)
+    prefix = shm.prefix_for(a, 0, create=True)
     with caplog.at_level(logging.WARNING, logger="ckpt.shm"):
         with ckpt.Checkpointer(local_dir=tmp_path / "b"):
             pass
@@ -153,7 +153,7 @@ def test_a_live_jobs_segments_are_never_swept(tmp_path):
     """A job that is running keeps its segments, whatever their age, when another job starts on the node."""
     with ckpt.Checkpointer(local_dir=tmp_path / "a") as live:
         live.save(1, _state(1.0)).wait()
-        prefix = shm.prefix_for(tmp_path / "a", 0)
+        prefix = shm.prefix_for(tmp_path / "a", 0, create=True)
         old = time.time() - 3 * 86400
         for g in shm.segments(prefix=prefix):
             for f in g.files:

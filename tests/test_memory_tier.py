@@ -62,7 +62,7 @@ def test_a_killed_training_process_resumes_from_ram_bit_identically(tmp_path):
     proc = _start(run, "12", "train", "0.05")
     _kill_after(proc, "step 7")
     on_disk = LocalTier(run).committed_steps()
-    newest = max(r.step for g in shm.segments(prefix=shm.prefix_for(run, 0)) for r in g.records)
+    newest = max(r.step for g in shm.segments(prefix=shm.prefix_for(run, 0, create=True)) for r in g.records)
     # the disk holds the first snapshot only (step 1, or 2 where step 1 came while the first buffer was still
     # being allocated, as on a GPU node, where that allocation starts CUDA): step 7 is in RAM alone
     assert len(on_disk) == 1 and on_disk[0] <= 2 and newest >= 7
@@ -70,7 +70,7 @@ def test_a_killed_training_process_resumes_from_ram_bit_identically(tmp_path):
     assert out[0] == f"restored {newest} memory"
     assert out[-1] == ref[-1]
     # a clean finish freed the RAM
-    assert shm.segments(prefix=shm.prefix_for(run, 0)) == []
+    assert shm.segments(prefix=shm.prefix_for(run, 0, create=True)) == []
 
 
 @needs_shm
@@ -79,7 +79,7 @@ def test_a_snapshot_torn_by_a_kill_mid_copy_is_never_served(tmp_path, device):
     run = tmp_path / "run"
     proc = _start(run, "0", "tear")
     _kill_after(proc, "copying")
-    recs = {r.slot: r.step for g in shm.segments(prefix=shm.prefix_for(run, 0)) for r in g.records}
+    recs = {r.slot: r.step for g in shm.segments(prefix=shm.prefix_for(run, 0, create=True)) for r in g.records}
     assert recs == {1: 2}, recs   # step 1's buffer was being overwritten: its record went first
     state = {"model": _model(device), "step": 0}
     with ckpt.Checkpointer(local_dir=run) as ck:
@@ -94,7 +94,7 @@ def test_a_corrupt_memory_snapshot_is_refused_and_the_next_tier_used(tmp_path, c
     run = tmp_path / "run"
     proc = _start(run, "0", "tear")
     _kill_after(proc, "copying")
-    [rec] = [r for g in shm.segments(prefix=shm.prefix_for(run, 0)) for r in g.records]
+    [rec] = [r for g in shm.segments(prefix=shm.prefix_for(run, 0, create=True)) for r in g.records]
     buf = Path(rec.path).with_name(rec.buffer)
     with open(buf, "r+b") as f:   # one bit of step 2's snapshot flips in RAM
         f.seek(rec.manifest.items[0].offset + 5)
@@ -181,8 +181,8 @@ def test_segments_belong_to_one_local_dir_and_one_writer(tmp_path):
         out = {"w": torch.zeros(100)}
         assert second.restore(out) == 1 and torch.equal(out["w"], torch.ones(100))   # reading needs no ownership
         second.close()
-        assert shm.segments(prefix=shm.prefix_for(a, 0)), "a reader's close freed the owner's segments"
-    assert shm.segments(prefix=shm.prefix_for(a, 0)) == []
+        assert shm.segments(prefix=shm.prefix_for(a, 0, create=True)), "a reader's close freed the owner's segments"
+    assert shm.segments(prefix=shm.prefix_for(a, 0, create=True)) == []
 
 
 @needs_shm
@@ -196,7 +196,7 @@ def test_a_block_that_raises_keeps_the_memory_tier_for_the_next_process(local_di
     with ckpt.Checkpointer(local_dir=local_dir) as ck:
         assert ck.restore(out) == 2 and ck.last_restore.tier in ("memory", "local")
     assert torch.equal(out["w"], torch.full((10,), 2.0))
-    assert shm.free(prefix=shm.prefix_for(local_dir, 0)) > 0   # the restore-only Checkpointer left them
+    assert shm.free(prefix=shm.prefix_for(local_dir, 0, create=True)) > 0   # the restore-only Checkpointer left them
 
 
 def test_without_room_in_ram_the_memory_tier_stays_in_the_process(local_dir, monkeypatch, caplog):
@@ -240,7 +240,7 @@ def test_the_background_allocation_takes_over_what_the_previous_process_left_fir
         state["w"].fill_(20.0)
         ck.maybe_save(20, state).wait()
         assert ck.memory.committed_steps() == [20, 10, 2]   # the oldest went, never the newest
-        assert len(list(Path(shm.shm_root()).glob(shm.prefix_for(local_dir, 0) + "-s*.buf"))) == 3
+        assert len(list(Path(shm.shm_root()).glob(shm.prefix_for(local_dir, 0, create=True) + "-s*.buf"))) == 3
         out = {"w": torch.zeros(100_000)}
         assert ck.restore(out, step=2) == 2 and ck.last_restore.tier == "memory" and float(out["w"][0]) == 2.0
 
@@ -268,7 +268,7 @@ def test_ckpt_ls_and_gc_show_and_free_the_ram_a_crashed_job_left(tmp_path):
         assert refused.returncode == 1 and "owned by a live process" in refused.stderr
         ck.close(keep_memory=True)
     assert _ckpt("gc", "--memory", str(run)).returncode == 0
-    assert shm.segments(prefix=shm.prefix_for(run, 0)) == []
+    assert shm.segments(prefix=shm.prefix_for(run, 0, create=True)) == []
 
 
 def test_after_a_rollback_the_snapshot_kept_whole_is_the_newest_on_the_live_branch(local_dir):

@@ -125,7 +125,7 @@ def test_a_collective_checkpointer_takes_the_ram_segments_over_when_made_and_che
 
     _ok(_run(tmp_path, "save-keep"))
     if flip:
-        rec = next(r for g in shm.segments(prefix=shm.prefix_for(tmp_path / "rank-1", 1)) for r in g.records
+        rec = next(r for g in shm.segments(prefix=shm.prefix_for(tmp_path / "rank-1", 1, create=True)) for r in g.records
                    if r.step == 30)
         with open(Path(rec.path).with_name(rec.buffer), "r+b") as f:
             f.seek(9)

@@ -96,7 +96,7 @@ def test_a_snapshot_taken_over_from_the_previous_process_is_checked_before_it_is
     ck.save(3, _state(3)).wait()
     ck.close(keep_memory=True)
     if flip:   # a byte of the segment changes while no process owns it: the local tier's copy is restored
-        root, prefix = shm.shm_root(), shm.prefix_for(local_dir, 0)
+        root, prefix = shm.shm_root(), shm.prefix_for(local_dir, 0, create=True)
         rec = next(shm.read_snapshot_record(p) for p in root.iterdir()
                    if p.name.startswith(prefix) and p.name.endswith(".rec"))
         with open(root / rec.buffer, "r+b") as f:

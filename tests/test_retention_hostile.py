@@ -529,7 +529,7 @@ def test_gc_memory_dry_run_frees_nothing_of_a_killed_writers_segments(local_dir)
     finally:
         proc.kill()
         proc.wait()
-    prefix = shm.prefix_for(local_dir, 0)
+    prefix = shm.prefix_for(local_dir, 0, create=True)
 
     def held() -> dict[str, bytes]:
         return {str(f): f.read_bytes() for g in shm.segments(prefix=prefix) for f in g.files}
@@ -560,7 +560,7 @@ def test_gc_memory_never_frees_a_live_owners_segments_before_its_first_snapshot(
                PYTHONWARNINGS="ignore")
     proc = subprocess.Popen([sys.executable, str(HERE / "retention_worker.py"), "memory", str(local_dir), "half"],
                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
-    prefix = shm.prefix_for(local_dir, 0)
+    prefix = shm.prefix_for(local_dir, 0, create=True)
 
     def held() -> dict[str, int]:
         return {str(f): f.stat().st_ino for g in shm.segments(prefix=prefix) for f in g.files}

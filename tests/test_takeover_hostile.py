@@ -79,7 +79,7 @@ def _leave(local_dir: Path, steps=(3,), **kw) -> dict[int, dict]:
 
 def _records(local_dir: Path) -> dict[int, shm.SnapshotRecord]:
     out = {}
-    for g in shm.segments(prefix=shm.prefix_for(local_dir, 0)):
+    for g in shm.segments(prefix=shm.prefix_for(local_dir, 0, create=True)):
         for r in g.records:
             assert r.step not in out, "two records of one step"
             out[r.step] = r
@@ -150,7 +150,7 @@ def _pool_threads() -> list[threading.Thread]:
 def _files(local_dir: Path) -> dict[str, bytes]:
     """The segment files of local_dir's rank 0 (data part of each buffer) and records, by name."""
     out = {}
-    for g in shm.segments(prefix=shm.prefix_for(local_dir, 0)):
+    for g in shm.segments(prefix=shm.prefix_for(local_dir, 0, create=True)):
         for p in g.files:
             data = p.read_bytes()
             out[p.name] = data[:DATA_BYTES] if p.name.endswith(".buf") else data
@@ -454,7 +454,7 @@ def test_close_without_keep_memory_while_the_takeover_runs_frees_every_segment(l
     ck.close()
     assert _pool_threads() == [] and ck.pool.buffers == []
     time.sleep(0.4)   # nothing the takeover had under way comes back afterwards
-    assert shm.segments(prefix=shm.prefix_for(local_dir, 0)) == []
+    assert shm.segments(prefix=shm.prefix_for(local_dir, 0, create=True)) == []
 
 
 # -- (3) SIGKILL while the takeover runs, or while a save rewrites an adopted buffer -----------------------

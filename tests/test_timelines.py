@@ -206,8 +206,8 @@ def test_a_replaced_node_gets_the_live_branch_back_from_its_peer_with_its_timeli
     # rank 1's node is replaced: its own copies (disk and RAM) and the replicas it held are gone; rank 0 holds its
     for d in (tmp_path / "rank-1").glob("step-*"):
         shutil.rmtree(d)
-    shm.free(prefix=shm.prefix_for(tmp_path / "rank-1", 1))
-    shm.free(prefix=shm.replica_prefix(tmp_path / "rank-1", 0))
+    shm.free(prefix=shm.prefix_for(tmp_path / "rank-1", 1, create=True))
+    shm.free(prefix=shm.replica_prefix(tmp_path / "rank-1", 0, create=True))
     results = run_ranks(WORKER, str(tmp_path), "resume", world=2, env={"CKPT_TEST_PEERS": "1"})
     assert_ok(results)
     lines = [[l for l in r.stdout.splitlines() if l.startswith(("restored", "from"))] for r in results]
