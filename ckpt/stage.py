@@ -843,6 +843,7 @@ class Snapshot:
         # which hands over its chunks, each with the event that says it has landed (verified as they land).
         self._checks: list[tuple[str, ItemRecord, torch.dtype, torch.Size, bool]] = []
         self._fp_host: torch.Tensor | None = None
+        self._fp_after: torch.Tensor | None = None   # the same fingerprints once the copy was taken (host)
         self._copy: _PacedCopy | None = None
         self._verified = False
         self._verify_lock = threading.Lock()
@@ -893,20 +894,28 @@ class Snapshot:
                 self.stats.stage_s = time.perf_counter() - self._t0
 
     def _verify_cuda_copies(self) -> None:
-        """Compare each CUDA tensor's host copy with its fingerprint at save() and, where the memory tier
-        wants them (:attr:`want_checksums`), compute the CRC-32C of each chunk of the buffer, in one pass
-        over the bytes, chunk by chunk as the copies land, on ``CKPT_COMMIT_THREADS`` threads: the check and
-        the checksums end soon after the copy does (a 7.4 GB snapshot lands in 0.15 s; one thread reads it
-        in about a second). Done once, by the first caller."""
+        """Compare each CUDA tensor's fingerprint at save() with its fingerprint once its copy was taken (both
+        computed on the GPU, the second on the side stream after the last copy and before the optimizer step
+        may run: equal, the copy read the values of save()) and, where the memory tier wants them
+        (:attr:`want_checksums`), compute the CRC-32C of each chunk of the buffer as the copies land, on
+        ``CKPT_COMMIT_THREADS`` threads (a 7.4 GB snapshot lands in 0.15 s; one thread reads it in about a
+        second). The host reads the snapshot's bytes once, for the checksums. Done once, by the first caller."""
         with self._verify_lock:
             if self._verified or self._copy is None:
                 return
+            torn: list[str] = []
             try:
-                torn = _LandingCheck(self).run()
+                sums = _LandingCheck(self).run()
+                self._cuda_done.synchronize()   # the second fingerprints are on the host
+                if self.error is None and self._fp_host is not None and self._fp_after is not None:
+                    before, after = self._fp_host.tolist(), self._fp_after.tolist()
+                    torn = [self._checks[i][0] for i, (a, b) in enumerate(zip(before, after)) if a != b]
+                if sums is not None and not torn and self.error is None:
+                    self.chunk_checksums = sums
             finally:
                 self._dma_landed()
                 self._verified = True
-                self._checks, self._fp_host = [], None
+                self._checks, self._fp_host, self._fp_after = [], None, None
         if torn:
             self._torn(torn)
 
@@ -1162,104 +1171,55 @@ class _FingerprintGraphs:
 
 
 _GRAPHS = _FingerprintGraphs()
-
-
-_NP_INT = {1: np.int8, 2: np.int16, 4: np.int32, 8: np.int64}
+_GRAPHS_AFTER = _FingerprintGraphs()   # the second fingerprints, on the side stream (a graph of their own)
 
 
 class _LandingCheck:
-    """:meth:`Snapshot._verify_cuda_copies`: one pass over the buffer's bytes as the copies land, cut in the
-    manifest's chunks. Each chunk is read on a pool thread once every byte of it has landed (CPU tensors'
-    bytes once their copy is done too): its CRC-32C (when the memory tier wants the checksums) and, for each
-    checked CUDA tensor with bytes in it, the partial fingerprint of those bytes. A tensor's fingerprint is
-    the wrapping sum of its partial ones (integer addition modulo 2**64 splits at any element boundary, and
-    chunk boundaries fall on whole pages of the buffer, where every tensor starts)."""
+    """:meth:`Snapshot._verify_cuda_copies`' pass over the buffer as the copies land: each chunk of the
+    manifest's size is checksummed (CRC-32C) on a pool thread once every byte of it has landed (CPU tensors'
+    bytes once their copy is done too), so the checksums are there soon after the copy is."""
 
     def __init__(self, snap: "Snapshot") -> None:
         self.snap = snap
         self.data_bytes = snap.data_bytes
         self.chunk = snap.manifest.chunk_bytes
         self.nchunks = -(-self.data_bytes // self.chunk) if self.data_bytes else 0
-        self.crc = snap.want_checksums
         self.arr = snap.buffer.tensor.numpy()
-        self.sums = [0] * len(snap._checks)
-        self.lock = threading.Lock()
-        # the checked tensors' byte ranges in the buffer, in offset order, each with its integer form
-        self.ranges = sorted((rec.offset, rec.offset + rec.nbytes, i, _np_int(dtype, words))
-                             for i, (_, rec, dtype, _, words) in enumerate(snap._checks) if rec.nbytes)
         # chunks holding bytes that the CPU staging thread writes: read once it is done
         self.late = {c for off, n in snap._cpu_ranges for c in range(off // self.chunk, (off + n - 1) // self.chunk + 1)}
 
-    def run(self) -> list[str]:
+    def run(self) -> list[int] | None:
+        """The chunk checksums when the snapshot wants them (:attr:`Snapshot.want_checksums`), else ``None``;
+        returns once every chunk has landed."""
         snap = self.snap
-        if not self.crc and not self.ranges:
+        if not snap.want_checksums:
             for _ in snap._copy.landed():
                 pass
-            return []
-        from . import integrity
+            return None
+        from .integrity import checksum
 
-        self.checksum = integrity.checksum
-        results: list[int | None] = [None] * self.nchunks
+        results: list[int] = [0] * self.nchunks
         threads = max(1, min(knobs.get("CKPT_COMMIT_THREADS"), self.nchunks or 1))
-        expected: list[int] | None = None
         pending = []
+
+        def one(c: int) -> None:
+            results[c] = checksum(memoryview(self.arr[c * self.chunk:min((c + 1) * self.chunk, self.data_bytes)]))
+
         with _LoweredPool(threads) as pool:
             nxt = 0
             for ev, _, upto in snap._copy.landed():
                 ev.synchronize()
-                if expected is None:   # copied to the host before the first chunk, on the same stream
-                    expected = snap._fp_host.tolist() if snap._fp_host is not None else []
                 while nxt < self.nchunks and min((nxt + 1) * self.chunk, self.data_bytes) <= upto:
                     if nxt not in self.late:
-                        pending.append(pool.submit(self._one, nxt, results))
+                        pending.append(pool.submit(one, nxt))
                     nxt += 1
             if self.late:
                 snap._cpu_done.wait()
             for c in sorted(self.late | set(range(nxt, self.nchunks))):
-                pending.append(pool.submit(self._one, c, results))
+                pending.append(pool.submit(one, c))
             for f in pending:
                 f.result()
-        if expected is None:
-            expected = snap._fp_host.tolist() if snap._fp_host is not None else []
-        torn = [snap._checks[i][0] for i, want in enumerate(expected) if _wrap(self.sums[i]) != _wrap(want)]
-        if self.crc and not torn and snap.error is None:
-            snap.chunk_checksums = [int(v) for v in results]
-        return torn
-
-    def _one(self, c: int, results: list) -> None:
-        lo, hi = c * self.chunk, min((c + 1) * self.chunk, self.data_bytes)
-        if self.crc:
-            results[c] = self.checksum(memoryview(self.arr[lo:hi]))
-        parts = []
-        for start, end, i, kind in self.ranges:
-            if end <= lo:
-                continue
-            if start >= hi:
-                break
-            if start % np.dtype(kind).itemsize:   # cuts would split its elements: summed whole, with its end
-                if lo < end <= hi:
-                    parts.append((i, int(self.arr[start:end].view(kind).sum(dtype=np.int64))))
-                continue
-            a, b = max(start, lo), min(end, hi)
-            parts.append((i, int(self.arr[a:b].view(kind).sum(dtype=np.int64))))
-        if parts:
-            with self.lock:
-                for i, v in parts:
-                    self.sums[i] += v
-
-
-def _np_int(dtype: torch.dtype, words: bool) -> Any:
-    """The numpy integer type a tensor's bytes are summed as (:func:`_as_ints`)."""
-    if words:
-        return np.int64
-    size = dtype.itemsize // 2 if dtype.is_complex else dtype.itemsize
-    return _NP_INT[size]
-
-
-def _wrap(v: int) -> int:
-    """``v`` modulo 2**64, as a signed 64-bit integer (how torch and numpy report a wrapping int64 sum)."""
-    v &= (1 << 64) - 1
-    return v - (1 << 64) if v >= 1 << 63 else v
+        return results
 
 
 class _LoweredPool:
@@ -1344,10 +1304,11 @@ class _PacedCopy:
     with the items it completes, in order, until the end."""
 
     def __init__(self, snap: Snapshot, items: list[tuple[torch.Tensor, ItemRecord]], stream: torch.cuda.Stream,
-                 done: torch.cuda.Event) -> None:
+                 done: torch.cuda.Event, after: Callable[[], None] | None = None) -> None:
         self.snap = snap
         self.stream = stream
         self.done = done
+        self.after = after   # enqueued after the last copy and before ``done`` (on the stream)
         self.enqueued = threading.Event()   # every copy is enqueued and ``done`` recorded
         self._chunks: Iterator[tuple[list, list[int]]] | None = _chunks(snap.buffer, items, _COPY_CHUNK)
         self._lock = threading.Lock()       # one thread enqueues at a time
@@ -1419,8 +1380,12 @@ class _PacedCopy:
             yield item
 
     def _end(self) -> None:
-        """(under the lock) No copy is left to enqueue: record ``done``, let go of the tensors, tell the waiters."""
+        """(under the lock, on the stream) No copy is left to enqueue: enqueue ``after``, record ``done``, let go
+        of the tensors, tell the waiters."""
         try:
+            after, self.after = self.after, None
+            if after is not None:
+                after()
             self.done.record(self.stream)
         finally:
             self._chunks = None
@@ -1434,6 +1399,7 @@ class _PacedCopy:
         if self.enqueued.is_set():
             return
         self._chunks = None
+        self.after = None
         try:
             self.stream.synchronize()   # no copy may still be writing into a buffer handed back
             self.done.record(self.stream)
@@ -1494,7 +1460,17 @@ def _stage_cuda(snap: Snapshot, cuda: list[tuple[Entry, ItemRecord]], side_strea
             compute.wait_event(buf_ev)   # next forward waits for this small copy, on the GPU
     snap._checks = [(e.key, r, e.tensor.dtype, e.tensor.shape, w) for (e, r), w in zip(checked, words)]
     snap._cuda_start, snap._cuda_done, snap._cuda_device = start, done, side_stream.device
-    snap._copy = _PacedCopy(snap, [(e.tensor, r) for e, r in checked], side_stream, done)
+    srcs = [e.tensor.resolve_conj().resolve_neg() if e.tensor.is_conj() or e.tensor.is_neg() else e.tensor
+            for e, _ in checked]
+
+    def after() -> None:   # on the side stream, after the last copy: the values the copy read
+        if srcs:
+            fp = _GRAPHS_AFTER.fingerprints(srcs, words)
+            snap._fp_after = torch.empty(len(srcs), dtype=torch.int64, pin_memory=True, device="cpu")
+            snap._fp_after.copy_(fp, non_blocking=True)
+        srcs.clear()
+
+    snap._copy = _PacedCopy(snap, [(e.tensor, r) for e, r in checked], side_stream, done, after)
     snap._copy.start()
 
 

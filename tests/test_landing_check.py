@@ -1,13 +1,12 @@
-"""The check of a CUDA snapshot's copy as it lands (``ckpt.stage._LandingCheck``), driven on the CPU: the copy's
-chunks land in order, each saying how far the buffer is written; the check reads each chunk of the buffer once
-it has landed, computes its CRC-32C (the memory tier's record) and the partial fingerprints of the tensors in
-it, and reports the tensors whose host copy differs from their fingerprint at save()."""
+"""The check of a CUDA snapshot's copy as it lands (``Snapshot._verify_cuda_copies``), driven on the CPU: the
+copy's chunks land in order, each saying how far the buffer is written; each chunk of the buffer is
+checksummed (the memory tier's record) once it has landed, and the tensors whose fingerprint after the copy
+differs from their fingerprint at save() fail the snapshot."""
 
 from __future__ import annotations
 
 import threading
 
-import numpy as np
 import pytest
 import torch
 
@@ -41,15 +40,17 @@ def _snap(tensors: list[torch.Tensor], chunk: int, cpu: list[int] = (), torn: in
     snap = stage.Snapshot(1, entries, records, nbytes, manifest, buf, stage.SnapshotStats(1))
     snap.want_checksums = checksums
     checked = [i for i in range(len(tensors)) if i not in cpu]
-    words_fp = stage._fingerprints([(entries[i], records[i]) for i in checked])
-    snap._checks = [(f"t{i}", records[i], tensors[i].dtype, tensors[i].shape, w)
-                    for i, w in zip(checked, words_fp[0])]
-    snap._fp_host = torch.tensor(words_fp[1] or [], dtype=torch.int64)
+    words, before = stage._fingerprints([(entries[i], records[i]) for i in checked])
+    snap._checks = [(f"t{i}", records[i], tensors[i].dtype, tensors[i].shape, w) for i, w in zip(checked, words)]
+    snap._fp_host = torch.tensor(before or [], dtype=torch.int64)
     snap._cpu_ranges = [(records[i].offset, records[i].nbytes) for i in cpu]
     for i in checked:   # the copies, landing in chunks of 3 tensors
         stage._dst(buf, records[i], tensors[i]).copy_(tensors[i])
-    if torn is not None:
-        stage._view(buf, records[torn], tensors[torn].dtype, tensors[torn].shape).view(-1)[3] += 1
+    if torn is not None:   # written in place while the copy ran: the second fingerprints see it
+        tensors[torn].view(-1)[3] += 1
+    snap._fp_after = torch.tensor(stage._fingerprints([(entries[i], records[i]) for i in checked])[1] or [],
+                                  dtype=torch.int64)
+    snap._cuda_done = _Ev()
     order = [records[i] for i in checked]
     landed = [(_Ev(), [], order[k + 3].offset if k + 3 < len(order) else 1 << 62) for k in range(0, len(order), 3)]
     snap._copy = _Copy(landed)
@@ -77,7 +78,7 @@ def _tensors(seed: int) -> list[torch.Tensor]:
 
 @pytest.mark.parametrize("chunk", [4096, 65536, 1 << 20])
 @pytest.mark.parametrize("cpu", [(), (2, 5)])
-def test_checksums_and_fingerprints_computed_as_chunks_land_match_a_pass_over_the_whole_buffer(chunk, cpu):
+def test_checksums_computed_as_chunks_land_match_a_pass_over_the_whole_buffer(chunk, cpu):
     snap, buf, nbytes = _snap(_tensors(0), chunk, list(cpu))
     snap._verify_cuda_copies()
     assert snap.error is None
@@ -85,7 +86,7 @@ def test_checksums_and_fingerprints_computed_as_chunks_land_match_a_pass_over_th
 
 
 @pytest.mark.parametrize("victim", [0, 3, 8, 9])
-def test_a_tensor_whose_copy_differs_from_its_value_at_save_fails_the_snapshot(victim):
+def test_a_tensor_written_while_its_copy_ran_fails_the_snapshot_and_gets_no_checksums(victim):
     snap, _, _ = _snap(_tensors(1), 65536, torn=victim)
     snap._verify_cuda_copies()
     assert isinstance(snap.error, TornSnapshotError) and snap.error.keys == [f"t{victim}"]
