@@ -777,8 +777,12 @@ class Checkpointer:
             self.remote.join_job(Ranks(timeout_s=knobs.get("CKPT_COMMIT_TIMEOUT_S"), own_group=True))
 
     def _own_local(self) -> None:
-        """Become the owner of ``local_dir`` (once): raises LockedError while another live writer owns it."""
+        """Become the owner of ``local_dir`` (once): raises LockedError while another live writer owns it, and
+        at every call once another process took the directory from this one (before a save's snapshot: no
+        tier, the memory tier included, gets a step of a writer fenced out of its directory)."""
         with self._lock:
+            if self._owned and self._owner is not None:
+                self._owner.reassert()
             if not self._owned:
                 self._owner = self.local.acquire_owner()
                 self._owned = True
