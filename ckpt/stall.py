@@ -68,6 +68,8 @@ class Watched:
         return self._inner
 
     def __getattr__(self, name: str) -> Any:
+        if name == "_inner":   # not set yet (a copy being made): never look it up through itself
+            raise AttributeError(name)
         attr = getattr(self._inner, name)
         if name in REQUESTS:
             return functools.partial(call, self._inner, name)
