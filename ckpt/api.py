@@ -76,6 +76,8 @@ class IfBusy(str, enum.Enum):
 _FREE, _HELD, _ALLOCATING = 0, 1, 2
 #: the largest step a checkpoint records (COMMIT and manifests hold 64-bit integers)
 _MAX_STEP = (1 << 63) - 1
+#: ``_save(force=...)``: every tier writes the snapshot, due or busy (``maybe_save(final=True)``)
+_EVERY_TIER = "*"
 
 
 class _SkipLog:
@@ -158,9 +160,12 @@ class Checkpointer:
             :class:`~ckpt.errors.LockedError` naming the owner. Restoring needs no
             ownership (a restore that reads the remote tier writes the checkpoint into
             ``local_dir`` on the way only while no other live process owns it).
-        every_steps: the policy of :meth:`maybe_save`: a save at every step divisible by it.
+        every_steps: the policy of :meth:`maybe_save`: a save at every step divisible by it (or
+            ``every_seconds``, or ``interval``; with none of them :meth:`maybe_save` raises ``ValueError``:
+            a loop that calls it would never save).
         every_seconds: ... or once this many seconds passed since the last save.
-        keep: :class:`Retention` (default: 2 checkpoints in ``local_dir``).
+        keep: :class:`Retention` (default: 2 checkpoints in ``local_dir``, 10 at the url), or an int
+            ``N``: ``N`` checkpoints on every tier (``Retention(local=N, remote=N)``).
         max_in_flight: host buffers for snapshots (each the size of the state);
             default 3: the newest committed snapshot stays whole in one until a newer
             one is committed, a slow tier may read another, and the next snapshot is
@@ -264,7 +269,7 @@ class Checkpointer:
     def __init__(self, url: str | None = None, *, local_dir: str | os.PathLike | LocalTier | None = None,
                  storage_options: dict[str, Any] | None = None, compression: str | None = None,
                  every_steps: int | None = None,
-                 every_seconds: float | None = None, keep: Retention | None = None,
+                 every_seconds: float | None = None, keep: Retention | int | None = None,
                  max_in_flight: int | None = None, if_busy: str | IfBusy = IfBusy.SKIP,
                  persist_every: Mapping[str, int] | None = None, host_memory_limit: int | None = None,
                  on_unsupported: str = "error", interval: str | None = None,
@@ -441,7 +446,7 @@ class Checkpointer:
             guard.uninstall()
 
     # -- saving ---------------------------------------------------------------------------------------
-    def maybe_save(self, step: int, state: Mapping[str, Any]) -> SaveHandle | None:
+    def maybe_save(self, step: int, state: Mapping[str, Any], *, final: bool = False) -> SaveHandle | None:
         """Save if the policy says so (see ``every_steps``/``every_seconds``); returns at once.
 
         ``state`` is the state *after* ``step``: a restore returns ``step`` and
@@ -450,12 +455,34 @@ class Checkpointer:
         started by the first call, is still running) is skipped at once (its handle's status is
         ``"skipped"``); ``CKPT_BUSY_WAIT_MS`` sets how long to wait for one instead.
 
+        ``final=True`` (``final=step == total_steps - 1`` in the loop): the loop's last step, saved
+        whatever the policy, never skipped (it waits for a host buffer) and written to every tier
+        whatever its ``persist_every`` cadence; :meth:`close` (the ``with`` block's end) waits until it
+        is durable. So the finished run's newest checkpoint is its final state, and running the script
+        again restores it and trains nothing. A loop that may stop early (a ``break``) calls
+        :meth:`save` with its last step after the loop instead.
+
+        Raises ``ValueError`` when the Checkpointer has no policy (no ``every_steps``,
+        ``every_seconds`` or ``interval``) and no ``signals``: such a call would never save.
+
         Inside the ``with`` block, after a signal of ``signals``: a preemption saves
         ``step``, waits until it is durable and exits (or raises); a save request saves
         ``step``, waits until it is durable on ``save_tier`` (at most ``save_deadline``
         seconds) and returns its handle.
         """
         step = _step_arg(step, "maybe_save(step=...)")
+        if not isinstance(final, bool):
+            raise TypeError(f"maybe_save(final=...) must be True or False, got {final!r}")
+        if isinstance(self.interval, Interval) and self.interval.every_steps is None and \
+                self.interval.every_seconds is None and not (self.signals.preempt or self.signals.save):
+            raise ValueError("maybe_save() has no policy to follow, so it would never save: pass every_steps=, "
+                             "every_seconds= or interval='auto' (with mtbf=) to ckpt.Checkpointer (or in "
+                             "ckpt.Policy), or call save() where the loop should save")
+        return self._maybe_save(step, state, final)
+
+    def _maybe_save(self, step: int, state: Mapping[str, Any], final: bool = False) -> SaveHandle | None:
+        """:meth:`maybe_save` without its check of a policy (the Hugging Face callback's own saves follow the
+        Trainer's save schedule, and call it for the signals and ``every_steps`` alone)."""
         self._metrics.poll()
         if self._guard is not None and self._guard.active:
             preempt, requested = self._guard.poll(self.ranks)   # collective over the ranks' CPU group
@@ -479,6 +506,12 @@ class Checkpointer:
             due = False   # "as soon as it can" means once a buffer can be there: no skip per step meanwhile
         if self._agree_due:
             due = bool(self.ranks.max([int(due)])[0])   # clocks differ between ranks: save if any says so
+        if final:   # the same on every rank: the loop's bound is
+            self._forcing = True   # waits for a buffer rather than being skipped
+            try:
+                return self._save(step, state, force=_EVERY_TIER)
+            finally:
+                self._forcing = False
         if not due:
             return None
         return self._save(step, state, patient=False)
@@ -551,7 +584,8 @@ class Checkpointer:
 
     def _save(self, step: int, state: Mapping[str, Any], force: str | None = None,
               patient: bool = True) -> SaveHandle:
-        """:meth:`save`; ``force``: a tier that must write this snapshot (a drain), busy or not. Not
+        """:meth:`save`; ``force``: a tier that must write this snapshot (a drain), busy or not, or
+        ``_EVERY_TIER`` (a loop's final step: every tier). Not
         ``patient`` (:meth:`maybe_save`'s own saves): under ``if_busy="skip"`` it waits at most
         ``CKPT_BUSY_WAIT_MS`` for a buffer, and never allocates one while the background allocation runs."""
         self._check_open()
@@ -622,7 +656,7 @@ class Checkpointer:
         if self.ranks is not None and self._auto_tiers:   # each rank's clock and costs: due on all if due on any
             due = dict(zip(pipe.tiers, (bool(v) for v in self.ranks.max([int(due[t]) for t in pipe.tiers]))))
         orphaned = pipe.take_orphaned()   # tiers whose waiting snapshot this buffer held: they get this one
-        take = {t: None if t == force or t in orphaned or (due[t] and not busy[t]) else
+        take = {t: None if force in (t, _EVERY_TIER) or t in orphaned or (due[t] and not busy[t]) else
                 ("not due" if not due[t] else "busy") for t in pipe.tiers}
         pipe.submit(snap, handle, take, keep=force is not None)
         self.interval.saved(step)
@@ -798,8 +832,12 @@ class Checkpointer:
             self.remote.join_job(Ranks(timeout_s=knobs.get("CKPT_COMMIT_TIMEOUT_S"), own_group=True))
 
     def _own_local(self) -> None:
-        """Become the owner of ``local_dir`` (once): raises LockedError while another live writer owns it."""
+        """Become the owner of ``local_dir`` (once): raises LockedError while another live writer owns it, and
+        at every call once another process took the directory from this one (before a save's snapshot: no
+        tier, the memory tier included, gets a step of a writer fenced out of its directory)."""
         with self._lock:
+            if self._owned and self._owner is not None:
+                self._owner.reassert()
             if not self._owned:
                 self._owner = self.local.acquire_owner()
                 self._owned = True

@@ -22,6 +22,9 @@ import os
 from dataclasses import dataclass
 from typing import Any, Mapping
 
+import math
+from numbers import Real
+
 from .policy import Retention
 
 __all__ = ["Storage", "Policy"]
@@ -74,8 +77,14 @@ class Policy:
             a tier not named writes as often as it keeps up (newest wins).
         if_busy: ``"skip"`` (default: the loop never waits for a slow tier) or ``"wait"`` (every
             snapshot reaches every tier; saves wait for buffers). See :class:`~ckpt.IfBusy`.
-        keep: :class:`~ckpt.Retention`, how many checkpoints each tier keeps.
+        keep: :class:`~ckpt.Retention`, how many checkpoints each tier keeps; an int ``N`` (as
+            ``save_total_limit`` / ``save_top_k`` are written) is ``Retention(local=N, remote=N)``: ``N`` on
+            every tier. ``None``: ``Retention()`` (2 in ``local_dir``, 10 at the url).
         on_unsupported: ``"error"`` refuses a state value that is not JSON-safe; ``"skip"`` leaves it out.
+
+    Every field is checked here, when the policy is made (and so when a Checkpointer is), with a
+    ``ValueError`` (a wrong value) or ``TypeError`` (a wrong type) naming the field: no wrong value
+    reaches a save. ``ck.policy.keep`` is always a :class:`~ckpt.Retention` (an int given is converted).
     """
 
     every_steps: int | None = None
@@ -85,8 +94,66 @@ class Policy:
     restart_cost: float = 0.0
     persist_every: Mapping[str, int] | None = None
     if_busy: str = "skip"
-    keep: Retention | None = None
+    keep: Retention | int | None = None
     on_unsupported: str = "error"
+
+    def __post_init__(self) -> None:
+        _count("every_steps", self.every_steps)
+        _seconds("every_seconds", self.every_seconds, positive=True)
+        if self.interval not in (None, "auto"):
+            raise ValueError(f"interval must be None or 'auto', got {self.interval!r}")
+        if isinstance(self.mtbf, Mapping):
+            for name, m in self.mtbf.items():
+                if not isinstance(name, str):
+                    raise TypeError(f"mtbf= as a dict is keyed by tier name ('memory', 'local', 'remote'), got {name!r}")
+                _seconds(f"mtbf[{name!r}]", m, positive=True)
+        else:
+            _seconds("mtbf", self.mtbf, positive=True)
+        if self.restart_cost is None:
+            raise TypeError("restart_cost must be a number of seconds (>= 0), got None")
+        _seconds("restart_cost", self.restart_cost, positive=False)
+        if self.persist_every is not None:
+            if not isinstance(self.persist_every, Mapping):
+                raise TypeError(f"persist_every must be a dict of tier name -> steps, e.g. {{'local': 50, 'remote': "
+                                f"500}}, got {type(self.persist_every).__name__}")
+            for name, n in self.persist_every.items():
+                if not isinstance(name, str):
+                    raise TypeError(f"persist_every is keyed by tier name ('local', 'peer', 'remote'), got {name!r}")
+                _count(f"persist_every[{name!r}]", n)
+        if self.if_busy not in ("skip", "wait"):   # ckpt.IfBusy's values (a str enum) compare equal too
+            raise ValueError(f"if_busy must be 'skip' or 'wait', got {self.if_busy!r}")
+        if self.on_unsupported not in ("error", "skip"):
+            raise ValueError(f"on_unsupported must be 'error' or 'skip', got {self.on_unsupported!r}")
+        keep = self.keep
+        if isinstance(keep, int) and not isinstance(keep, bool):
+            if keep < 1:
+                raise ValueError(f"keep={keep!r}: keep at least 1 checkpoint per tier (the newest committed one is "
+                                 "never deleted), or pass ckpt.Retention(local=..., remote=...) (None keeps all)")
+            object.__setattr__(self, "keep", Retention(local=keep, remote=keep))
+        elif keep is not None and not isinstance(keep, Retention):
+            raise TypeError(f"keep must be an int (that many checkpoints on every tier) or a ckpt.Retention(local=..., "
+                            f"remote=...), got {keep!r}")
+
+
+def _count(name: str, n: Any) -> None:
+    """``n`` is ``None`` or a positive int (a number of steps): else ``TypeError`` / ``ValueError`` naming ``name``."""
+    if n is None:
+        return
+    if not isinstance(n, int) or isinstance(n, bool):
+        raise TypeError(f"{name} must be a positive int (a number of steps), got {n!r}")
+    if n < 1:
+        raise ValueError(f"{name} must be a positive number of steps, got {n!r}")
+
+
+def _seconds(name: str, s: Any, positive: bool) -> None:
+    """``s`` is ``None`` or a finite number of seconds, above 0 (``positive``) or at least 0."""
+    if s is None:
+        return
+    if not isinstance(s, Real) or isinstance(s, bool):
+        raise TypeError(f"{name} must be a number of seconds, got {s!r}")
+    if not math.isfinite(s) or (s <= 0 if positive else s < 0):
+        raise ValueError(f"{name} must be a finite number of seconds {'above' if positive else 'of at least'} 0, "
+                         f"got {s!r}")
 
 
 _UNSET = object()

@@ -33,6 +33,10 @@ _DEFAULTS: dict[str, int] = {
     # Seconds the remote tier's reachability probe may take (at construction, and before an upload or a
     # listing while the store is down) before the store counts as unreachable.
     "CKPT_REMOTE_PROBE_S": 20,
+    # Seconds a request of the remote tier (one part, record, listing or removal) may go without finishing
+    # before it is aborted and sent again; after 3 such attempts the save's (or the restore's) remote copy
+    # fails with a TimeoutError naming the URL (ckpt.stall). 0: no deadline but the client's own timeouts.
+    "CKPT_REMOTE_STALL_S": 120,
     # Seconds a rank's upload waits for the other ranks' reports before a job tier's commit gives up.
     "CKPT_COMMIT_TIMEOUT_S": 3600,
     # Keep the memory tier's snapshot buffers in shared memory ($CKPT_SHM_DIR, default /dev/shm), so that

@@ -137,8 +137,12 @@ def restore(state: dict, tiers: Sequence[Tier], step: int | None = None, strict:
                 skipped.append(f"{tier.name}:{s}: {e}")
                 continue
             except (CorruptCheckpointError, IncompleteCheckpointError, OSError, LookupError) as e:
+                after = _UNSTAMPED if before is None or before is _UNSTAMPED or isinstance(e, LookupError) \
+                    else _stamp(tier, s)
+                # changed: gone since it was listed, or another copy now (a tier that cannot say now, its store
+                # down or stalled, says nothing: the read's failure is the copy's)
                 if (not isinstance(e, LookupError) and relist < _RELISTS and before is not _UNSTAMPED
-                        and (before is None or _stamp(tier, s) != before)):
+                        and (before is None or (after is not _UNSTAMPED and after != before))):
                     # Not a fault of the copy: another process removed or replaced it while this one read it
                     # (retention or a re-save of a live writer of the directory). List the tiers again and
                     # start over from the newest, rather than fall back past checkpoints that are fine.

@@ -460,7 +460,9 @@ class CheckpointCallback(TrainerCallback):
         self._handled = step
         ck = self.checkpointer
         payload = self._state(self._trainer)
-        handle = ck.maybe_save(step, payload)   # on a preemption signal: saves, makes it durable, exits
+        # on a preemption signal: saves, makes it durable, exits. Without a policy of its own the Checkpointer
+        # saves at the Trainer's schedule alone (below): not the error of a plain loop's maybe_save
+        handle = ck._maybe_save(step, payload)
         if handle is None and self._pending == step:
             handle = ck.save(step, payload)
         if handle is not None:

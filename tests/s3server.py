@@ -184,3 +184,79 @@ class FaultProxy:
 def storage_options(port: int, **extra) -> dict:
     # No region: s3fs would send it as the bucket's LocationConstraint, which us-east-1 refuses.
     return {"endpoint_url": f"http://127.0.0.1:{port}", "key": "testing", "secret": "testing", **extra}
+
+
+class StallProxy:
+    """A TCP relay on loopback in front of ``upstream`` port that can stop forwarding while keeping every
+    connection open: the store, as its clients see it, accepted their connections and then went silent
+    (nothing read, nothing answered). ``stall(after=b"...")``: forward until a client sends bytes holding
+    ``after`` (a request line, say), then stall every connection, new ones included; ``stall()``: at once.
+    Stalled connections stay open until ``close()``."""
+
+    def __init__(self, upstream_port: int) -> None:
+        self.upstream = upstream_port
+        self.stalled = threading.Event()
+        self.trigger: bytes | None = None
+        self.connections = 0
+        self._socks: list[socket.socket] = []
+        self._lock = threading.Lock()
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self._listener.getsockname()[1]
+        self._closed = False
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def stall(self, after: bytes | None = None) -> None:
+        if after is None:
+            self.stalled.set()
+        else:
+            self.trigger = after
+
+    def _accept(self) -> None:
+        while not self._closed:
+            try:
+                client, _ = self._listener.accept()
+            except OSError:
+                return
+            with self._lock:
+                self.connections += 1
+                self._socks.append(client)
+            threading.Thread(target=self._serve, args=(client,), daemon=True).start()
+
+    def _serve(self, client: socket.socket) -> None:
+        try:
+            upstream = socket.create_connection(("127.0.0.1", self.upstream))
+        except OSError:
+            client.close()
+            return
+        with self._lock:
+            self._socks.append(upstream)
+        threading.Thread(target=self._pump, args=(upstream, client, False), daemon=True).start()
+        self._pump(client, upstream, True)
+
+    def _pump(self, src: socket.socket, dst: socket.socket, from_client: bool) -> None:
+        try:
+            while not self.stalled.is_set():
+                data = src.recv(65536)
+                if not data:
+                    dst.shutdown(socket.SHUT_WR)
+                    return
+                if from_client and self.trigger is not None and self.trigger in data:
+                    self.stalled.set()   # this request never reaches the store
+                if self.stalled.is_set():
+                    break
+                dst.sendall(data)
+        except OSError:
+            return
+        while not self._closed:   # stalled: read nothing more, forward nothing more, keep the connection
+            time.sleep(0.05)
+
+    def close(self) -> None:
+        self._closed = True
+        self._listener.close()
+        with self._lock:
+            for s in self._socks:
+                for end in (lambda: s.shutdown(socket.SHUT_RDWR), s.close):
+                    try:
+                        end()
+                    except OSError:
+                        pass

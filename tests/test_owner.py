@@ -253,3 +253,44 @@ def test_an_owner_whose_lock_another_process_took_stops_writing(local_dir, tmp_p
         assert _holds(local_dir, 5) == 1.0
     finally:
         first.close()
+
+
+def test_an_owner_fenced_out_of_its_directory_writes_nothing_there_again(local_dir, tmp_path):
+    """Lock file removed, another process took the directory and saved: the first owner's loss is for good.
+    Its later saves, its retention's deletes, a promote and a restore's refill from the remote tier all raise
+    LockedError and leave the directory as the live owner has it; a restore there returns the live owner's
+    step, never a later one of the fenced writer."""
+    url = f"file://{tmp_path}/remote"
+    with ckpt.Checkpointer(url, local_dir=tmp_path / "other") as ck:   # step 3 on the remote tier only
+        ck.save(3, state(3.0)).wait()
+    first = ckpt.Checkpointer(url, local_dir=local_dir, keep=ckpt.Retention(local=1))
+    try:
+        first.save(1, state(1.0)).wait()
+        (local_dir / ".ckpt-lock").unlink()
+        env = dict(os.environ, PYTHONPATH=f"{HERE}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+        proc = subprocess.Popen([sys.executable, str(HERE / "owner_worker.py"), str(local_dir), "hold"],
+                                stdout=subprocess.PIPE, text=True, env=env)
+        try:
+            assert proc.stdout.readline().split()[0] == "saved"
+            theirs = _files(local_dir)
+            for s in (6, 7, 8):   # the first refusal, and every save after it
+                with pytest.raises(ckpt.LockedError) as e:
+                    first.save(s, state(float(s))).wait()
+                assert e.value.pid == proc.pid and e.value.path == str(local_dir)
+            assert first.local.owner.fenced and not first.local.owner.held
+            with pytest.raises(ckpt.LockedError):   # what retention calls
+                first.local.delete(5)
+            with pytest.raises(ckpt.LockedError):
+                first.promote(3, "local")
+            with pytest.raises(ckpt.LockedError):   # read from the remote tier, refilled into local_dir
+                first.restore({"w": torch.empty(10_000), "value": None}, step=3)
+            assert _files(local_dir) == theirs
+            assert [s for s in first.local.committed_steps()] == [5, 1]
+        finally:
+            proc.kill()
+            proc.wait()
+        target = {"w": torch.empty(10_000), "value": None}
+        with ckpt.Checkpointer(local_dir=local_dir) as reader:
+            assert reader.restore(target) == 5
+    finally:
+        first.close(raise_errors=False)

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import signal
 import threading
 import time
 
+import pytest
 import torch
 
 import ckpt
@@ -132,3 +134,95 @@ def test_an_older_snapshot_never_supersedes_a_newer_one(local_dir, monkeypatch):
         assert h1.skipped_tiers == {"local": "superseded by step 2"} and h2.skipped_tiers == {}
         assert h0.tier_status("local") == h2.tier_status("local") == "done"
     assert LocalTier(local_dir).committed_steps() == [2, 0]
+
+
+# -- no silent policies -----------------------------------------------------------------------------------
+def test_maybe_save_without_a_policy_refuses_at_the_first_call(local_dir):
+    """A Checkpointer with no every_steps / every_seconds / interval (and no signals) would never save from
+    maybe_save: the first call says so, naming the arguments, and nothing is written."""
+    with ckpt.Checkpointer(local_dir=local_dir) as ck:
+        with pytest.raises(ValueError) as e:
+            ck.maybe_save(0, {"s": 0})
+        assert "every_steps" in str(e.value)
+        ck.save(1, {"s": 1}).wait()   # save() needs no policy
+    with ckpt.Checkpointer(local_dir=local_dir, signals=(signal.SIGUSR1,)) as ck:
+        assert ck.maybe_save(2, {"s": 2}) is None   # a loop that saves on signals only
+    with ckpt.Checkpointer(local_dir=local_dir, every_steps=5) as ck:
+        assert ck.maybe_save(2, {"s": 2}) is None and ck.maybe_save(5, {"s": 5}) is not None
+
+
+def test_the_final_step_of_a_plain_loop_is_kept(local_dir, tmp_path):
+    """every_steps=10 and 100 steps: maybe_save(final=...) at the last step makes step 99 the newest
+    checkpoint on every tier (its cadences say otherwise), and a re-run restores it and trains nothing."""
+    url = f"file://{tmp_path}/remote"
+    total = 100
+    for run in range(2):
+        trained = []
+        with ckpt.Checkpointer(url, local_dir=local_dir, every_steps=10,
+                               persist_every={"local": 30, "remote": 50}) as ck:
+            last = ck.restore(state := {"s": None})
+            for step in range(0 if last is None else last + 1, total):
+                state["s"] = step
+                trained.append(step)
+                ck.maybe_save(step, state, final=step == total - 1)
+        assert (last, len(trained)) == ((None, total) if run == 0 else (total - 1, 0))
+        with ckpt.Checkpointer(url, local_dir=local_dir) as reader:
+            listed = reader.list()
+        assert listed[0].step == total - 1 and {"local", "remote"} <= set(listed[0].tiers)
+
+
+def test_the_final_step_is_saved_even_when_every_buffer_is_busy(local_dir):
+    """if_busy="skip" skips a due save that finds no free host buffer; the final one waits for one."""
+    tier = GatedTier(local_dir)
+    with ckpt.Checkpointer(local_dir=tier, if_busy="skip", max_in_flight=1, every_steps=1) as ck:
+        ck.save(1, {"s": torch.ones(10)}).wait("memory")
+        assert tier.started.wait(10)   # the only buffer is being read by the local tier
+        assert ck.maybe_save(2, {"s": torch.ones(10)}).status == "skipped"
+        threading.Timer(0.5, tier.gate.set).start()
+        handle = ck.maybe_save(3, {"s": torch.full((10,), 3.0)}, final=True)
+        assert handle.status != "skipped"
+        handle.wait()
+    assert tier.committed_steps()[0] == 3
+
+
+# -- keep= and the other fields of a Policy ---------------------------------------------------------------
+def test_keep_as_an_int_keeps_that_many_on_every_tier(local_dir, tmp_path, caplog):
+    url = f"file://{tmp_path}/remote"
+    with ckpt.Checkpointer(url, local_dir=local_dir, keep=2, if_busy="wait") as ck:
+        assert ck.policy.keep == ckpt.Retention(local=2, remote=2) and ck.keep == ck.policy.keep
+        for s in range(1, 6):
+            ck.save(s, {"s": s}).wait()
+    assert "Traceback" not in caplog.text and not [r for r in caplog.records if r.levelname == "ERROR"]
+    assert LocalTier(local_dir).committed_steps() == [5, 4]
+    with ckpt.Checkpointer(url, local_dir=tmp_path / "other") as reader:
+        assert [c.step for c in reader.list()] == [5, 4]
+    assert ckpt.Policy(keep=3).keep == ckpt.Retention(local=3, remote=3)
+
+
+@pytest.mark.parametrize("field, value, error", [
+    ("keep", 0, ValueError), ("keep", -1, ValueError), ("keep", True, TypeError), ("keep", 2.0, TypeError),
+    ("keep", "2", TypeError), ("keep", {"local": 2}, TypeError),
+    ("every_steps", 0, ValueError), ("every_steps", True, TypeError), ("every_steps", 2.5, TypeError),
+    ("every_steps", "10", TypeError),
+    ("every_seconds", 0, ValueError), ("every_seconds", -1.0, ValueError), ("every_seconds", float("nan"), ValueError),
+    ("every_seconds", float("inf"), ValueError), ("every_seconds", "60", TypeError),
+    ("interval", "daly", ValueError), ("mtbf", -5, ValueError), ("mtbf", "1h", TypeError),
+    ("mtbf", {"memory": 0}, ValueError), ("restart_cost", -1, ValueError), ("restart_cost", None, TypeError),
+    ("persist_every", {"local": 0}, ValueError), ("persist_every", {"local": 2.0}, TypeError),
+    ("persist_every", 50, TypeError), ("if_busy", "block", ValueError), ("on_unsupported", "pickle", ValueError),
+])
+def test_every_policy_field_is_checked_when_the_checkpointer_is_made(local_dir, field, value, error):
+    with pytest.raises(error) as e:
+        ckpt.Policy(**{field: value})
+    assert field in str(e.value)
+    with pytest.raises(error):   # the keyword argument is the same option
+        ckpt.Checkpointer(local_dir=local_dir, **{field: value})
+    assert not any(local_dir.iterdir())
+
+
+def test_a_retention_with_wrong_counts_is_refused():
+    for bad in (0, -2, 1.5, "3", True):
+        with pytest.raises(ValueError):
+            ckpt.Retention(local=bad)
+        with pytest.raises(ValueError):
+            ckpt.Retention(remote=bad)

@@ -190,6 +190,7 @@ class LocalTier(PersistingTier, TimelineCopies):
         if linked(self.root, step_dir_name(step)):
             raise OSError(errno.ELOOP, f"step {step} of the local tier is a symbolic link (a checkpoint kept "
                           "elsewhere, read-only): a save never writes through it", str(d))
+        self._still_owner()   # a fenced owner writes nothing, not even a staging directory (nor sweeps)
         self._sweep()
         stage = self.root / _staging_name(step, "new")
         _writing(stage, True)   # this process's own sweep leaves it alone while it is being written
@@ -333,8 +334,11 @@ class LocalTier(PersistingTier, TimelineCopies):
         return lock
 
     def _still_owner(self) -> None:
-        """Before a change the directory's readers can see (a step switched into place, a step deleted): the
-        owner lock, where this tier holds one, still keeps other writers out (:meth:`OwnerLock.reassert`)."""
+        """Before a write starts and before a change the directory's readers can see (a step switched into
+        place, a step deleted): the owner lock, where this tier holds one, still keeps other writers out
+        (:meth:`OwnerLock.reassert`). Once another process took the directory, every call raises
+        :class:`~ckpt.errors.LockedError`: the saves, the retention, the promotes and the restores' refills
+        of this tier (they all write through :meth:`write_chunks` or :meth:`delete`)."""
         if self.owner is not None:
             self.owner.reassert()
 
@@ -786,6 +790,8 @@ class OwnerLock:
 
     def __init__(self, root: Path, fd: int, key: tuple[int, int]) -> None:
         self.root, self._fd, self._key = root, fd, key
+        self._lost = False   # the lock file's name was taken from under it, and taking it again failed
+        self._fenced: LockedError | None = None   # another live process took the directory: final
 
     @classmethod
     def acquire(cls, root: str | os.PathLike) -> "OwnerLock":
@@ -853,38 +859,66 @@ class OwnerLock:
         The lock is on the file at ``root/.ckpt-lock``; a file removed or replaced by hand (a tidy-up
         script, ``rm -rf local_dir/.*``) leaves this owner holding a lock nobody else can see, and a second
         process would lock a new file of the same name and write beside it. Where the name no longer leads
-        to the locked file, the owner takes the name again (logged as an error); where another live process
-        already holds the new file, this raises :class:`~ckpt.errors.LockedError` and this owner holds
-        nothing (``held`` is false): two processes wrote the directory, and this one stops."""
+        to the locked file, the owner takes the name again (logged as an error). Where another live process
+        already holds the new file, this owner is *fenced*: this raises :class:`~ckpt.errors.LockedError`,
+        and so does every later call, for good (``held`` is false, ``fenced`` true): the other process owns
+        the directory now, and nothing this one would write, delete or promote there may land beside its
+        steps. A retake that failed otherwise (the directory not writable, say) is tried again at the next
+        call, which raises until it succeeds. After :meth:`release` this returns at once."""
         with _held_guard:
+            if self._fenced is not None:
+                raise self._refusal()
             fd = self._fd
-            if fd is None:
-                return
-            path = self.root / LOCK_NAME
-            mine = os.fstat(fd)
+            if fd is None and not self._lost:
+                return   # released
+            if fd is not None:
+                path = self.root / LOCK_NAME
+                mine = os.fstat(fd)
+                try:
+                    st = os.stat(path, follow_symlinks=False)
+                    if (st.st_dev, st.st_ino) == (mine.st_dev, mine.st_ino):
+                        return
+                    what = "replaced by another file"
+                except FileNotFoundError:
+                    what = "removed"
+                log.error("the owner lock %s of this process (pid %d) was %s: taking it again, so that no other "
+                          "process writes %s beside this one (never remove %s while a Checkpointer uses the "
+                          "directory)", path, os.getpid(), what, self.root, LOCK_NAME)
+                if _held.get(self._key) is self:
+                    del _held[self._key]
+                self._fd, self._lost = None, True
+                os.close(fd)
             try:
-                st = os.stat(path, follow_symlinks=False)
-                if (st.st_dev, st.st_ino) == (mine.st_dev, mine.st_ino):
-                    return
-                what = "replaced by another file"
-            except FileNotFoundError:
-                what = "removed"
-            log.error("the owner lock %s of this process (pid %d) was %s: taking it again, so that no other "
-                      "process writes %s beside this one (never remove %s while a Checkpointer uses the "
-                      "directory)", path, os.getpid(), what, self.root, LOCK_NAME)
-            if _held.get(self._key) is self:
-                del _held[self._key]
-            self._fd = None
-            os.close(fd)
-            new = OwnerLock.acquire(self.root)   # LockedError: another live process took the name meanwhile
+                new = OwnerLock.acquire(self.root)
+            except LockedError as e:   # another live process took the name meanwhile: it owns the directory
+                self._fenced = e
+                log.error("%s", self._refusal())
+                raise self._refusal() from None
             del _held[new._key]
-            self._fd, self._key, new._fd = new._fd, new._key, None
+            self._fd, self._key, self._lost, new._fd = new._fd, new._key, False, None
             _held[self._key] = self
+
+    @property
+    def fenced(self) -> bool:
+        """Whether another live process took the directory from this owner (see :meth:`reassert`)."""
+        return self._fenced is not None
+
+    def _refusal(self) -> LockedError:
+        """The error every write of a fenced owner raises (a new one each time: never re-raised with the
+        tracebacks of the earlier ones)."""
+        e = self._fenced
+        who = f"pid {e.pid} on host {e.host}" if e.pid is not None else "another live process"
+        return LockedError(f"this Checkpointer (pid {os.getpid()}) no longer owns local_dir {str(self.root)!r}: its "
+                           f"owner lock {LOCK_NAME} was removed or replaced, and {who} took the directory and owns "
+                           "it now. Nothing of this Checkpointer is written, deleted or promoted there any more "
+                           "(its saves, retention and restores that would refill local_dir raise this): stop this "
+                           f"process, or give it another local_dir; never remove {LOCK_NAME} while a Checkpointer "
+                           "uses the directory", e.path, e.pid, e.host)
 
     def release(self) -> None:
         """Give up ownership (idempotent)."""
         with _held_guard:
-            fd, self._fd = self._fd, None
+            fd, self._fd, self._lost = self._fd, None, False
             if fd is None:
                 return
             if _held.get(self._key) is self:

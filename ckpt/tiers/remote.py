@@ -21,7 +21,12 @@ scheme and ``storage_options["backend"]``), never per file; chained URLs
 (``simplecache::s3://...``) pass through. Transient failures are retried by the
 backend's own machinery: for S3 the default here is the AWS "standard" retry
 mode with 10 attempts (5xx answers, throttling, dropped connections, timeouts);
-``storage_options={"config_kwargs": {"retries": ...}}`` overrides it.
+``storage_options={"config_kwargs": {"retries": ...}}`` overrides it. A request that stops moving
+(a store or a proxy that accepted the connection and stopped reading or answering) is the library's
+own to bound, whatever the backend: every request runs under a watchdog (:mod:`ckpt.stall`) that
+aborts it after ``CKPT_REMOTE_STALL_S`` seconds without finishing, sends it again after a backoff,
+and after three stalled attempts fails the save's (or the read's) remote copy with a ``TimeoutError``
+naming the URL, the rank and the part.
 
 Reachability is a separate, bounded question (:meth:`RemoteTier.probe`): at
 construction, and before each upload or listing while the store is known to be
@@ -74,6 +79,7 @@ from ..integrity import checksum
 from ..policy import Committed, Retention, Timeline, TimelineCopies
 from ..reshard import check_layouts
 from ..scatter import Scatter
+from ..stall import StallError, Watched
 from .base import PersistingTier, StepInfo, register
 from .local import LOCK_NAME, linked, remove_step_dir
 
@@ -249,7 +255,8 @@ class RemoteTier(PersistingTier, TimelineCopies):
         self._copying: dict[int, Timeline] = {}
         self._options = dict(storage_options or {})
         self.store: Store = resolve(url, self._options)   # the client (backend) serving the URL: ckpt.fs
-        self.fs, self.root, self._probe_fs = self.store.fs, self.store.root, self.store.probe_fs
+        # every request under the watchdog of CKPT_REMOTE_STALL_S (ckpt.stall); the probe has its own bound
+        self.fs, self.root, self._probe_fs = Watched(self.store.fs), self.store.root, self.store.probe_fs
         self._local_fs = is_local_fs(self.fs)
         if self._local_fs:
             refuse_local_tier_dir(url, self.root)
@@ -272,6 +279,8 @@ class RemoteTier(PersistingTier, TimelineCopies):
     def _failure(self, e: BaseException, doing: str) -> OSError:
         """The ``OSError`` to raise for a failure ``e`` of the store client while ``doing`` something."""
         what = f"{type(e).__name__}: {e}"
+        if isinstance(e, StallError):   # a request that stopped moving: it names its URL itself
+            return StallError(e.errno, f"{doing}: {e.strerror}", e.filename)
         if isinstance(e, FileNotFoundError):
             return FileNotFoundError(errno.ENOENT, f"{doing}: not found ({what})")
         if _denied(e):
@@ -746,11 +755,12 @@ class RemoteTier(PersistingTier, TimelineCopies):
             with self._store(doing):
                 raw = self._upload(step, manifest, data, elem_size, commit, source, move_latest, generation)
         except BaseException as e:
-            if isinstance(e, ConnectionError):
-                log.warning("step %d: a partial upload may stay in %s while the store cannot be reached; "
+            if isinstance(e, (ConnectionError, StallError)):
+                log.warning("step %d: a partial upload may stay in %s while the store cannot be reached or stalls; "
                             "retention removes it once a newer step is committed there", step, self.url)
             if isinstance(e, OSError):
-                raise type(e)(e.errno, f"{e.strerror}; the previous remote checkpoint is untouched") from e
+                raise type(e)(e.errno, f"{e.strerror}; the previous remote checkpoint is untouched",
+                              e.filename) from e
             raise
         self._note(None)
         return raw
@@ -781,8 +791,13 @@ class RemoteTier(PersistingTier, TimelineCopies):
                 if i in absent:   # only replicated bytes: rank 0 uploads them
                     return crc, ABSENT, 0
                 stored, codec = encode(view, self.compression, sizer(i))
-                # Object-store clients want bytes; local and mounted file systems take the view as it is.
-                self._put(self._part(step, i, generation=gen), stored if self._local_fs else bytes(stored))
+                path = self._part(step, i, generation=gen)
+                try:
+                    # Object-store clients want bytes; local and mounted file systems take the view as it is.
+                    self._put(path, stored if self._local_fs else bytes(stored))
+                except StallError as e:
+                    raise StallError(e.errno, f"rank {self.rank}'s part {i} of step {step} ({self._url(path)}): "
+                                     f"{e.strerror}", e.filename) from None
                 return crc, codec, len(stored)
 
             parts = _map_all(put, n, "ckpt-upload")
@@ -802,8 +817,12 @@ class RemoteTier(PersistingTier, TimelineCopies):
                     put_commit=self._commit_put(sink, step, record, gen, sent))
             if commit:
                 self.verified[step] = True
-        except BaseException:
-            self._undo(step, gen, maybe_committed=bool(sent))
+        except BaseException as e:
+            if isinstance(e, StallError):   # removing the files would stall the same way: retention does it later
+                log.warning("the partial upload of step %d stays in %s (the store stalled): retention removes it "
+                            "once a newer step is committed there", step, self.url)
+            else:
+                self._undo(step, gen, maybe_committed=bool(sent))
             raise
         if commit:
             self._after_commit(step, replaced, move_latest)
@@ -1088,7 +1107,7 @@ class RemoteTier(PersistingTier, TimelineCopies):
         if down is not None:   # another part of this load met the outage: the load fails anyway, fail fast
             raise ConnectionError(down.errno, f"reading {where}: not attempted, {down.strerror}")
         try:
-            with self._store(f"reading {where}"):
+            with self._store(f"reading rank {rank}'s part {i} of step {step} ({where})"):
                 if self._local_fs:   # a local file's reader allocates what it is asked for: ask what the file holds
                     held = self.fs.size(path)
                     if held != expect:
@@ -1123,8 +1142,10 @@ class RemoteTier(PersistingTier, TimelineCopies):
             try:
                 raw = self.fetch(step, manifest.rank, manifest, i)
             except OSError as e:   # the store, not the local disk the bytes were going to
-                raise OSError(e.errno, f"downloading {self._part(step, i, manifest.rank, manifest.generation)} "
-                              f"from {self.url} failed ({e}); check storage_options and the store") from e
+                error = StallError if isinstance(e, StallError) else OSError
+                path = self._part(step, i, manifest.rank, manifest.generation)
+                raise error(e.errno, f"downloading {path} from {self.url} failed ({e.strerror or e}); check "
+                            "storage_options and the store", e.filename or self._url(path)) from e
             size = len(raw)
             if sc is not None:
                 chunk = (torch.frombuffer(bytearray(raw), dtype=torch.uint8) if size
