@@ -9,6 +9,7 @@ used (``ckpt.Checkpointer``...): the ``ckpt`` commands that only read files star
 """
 
 import importlib
+import importlib.util
 from typing import Any
 
 from .config import Policy, Storage
@@ -70,6 +71,9 @@ _WHERE = {
 
 def __getattr__(name: str) -> Any:
     if name not in _WHERE:
+        # a submodule (ckpt.shm, ckpt.knobs...), as `import ckpt` made them reachable before it was lazy
+        if not name.startswith("_") and importlib.util.find_spec(f"{__name__}.{name}") is not None:
+            return importlib.import_module(f".{name}", __name__)
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     value = getattr(importlib.import_module(f".{_WHERE[name]}", __name__), name)
     globals()[name] = value

@@ -138,5 +138,6 @@ def test_a_collective_checkpointer_takes_the_ram_segments_over_when_made_and_che
         lines.append(next(l for l in r.stdout.splitlines() if l.startswith("takeover")))
     for rank, line in enumerate(lines):
         bad = flip and rank == 1
-        assert line.startswith("takeover True [(20, False), (30, False)] restored 30 "), line
-        assert line.endswith(f"{'local' if bad else 'memory'} 30.0 [(20, False), (30, {not bad})]"), line
+        # three buffers, each with a snapshot of the previous job (steps 10, 20, 30), taken over unchecked
+        assert line.startswith("takeover True [(10, False), (20, False), (30, False)] restored 30 "), line
+        assert line.endswith(f"{'local' if bad else 'memory'} 30.0 [(10, False), (20, False), (30, {not bad})]"), line

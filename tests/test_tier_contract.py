@@ -111,7 +111,8 @@ def _memory_here(tmp: Path, request: Any) -> Case:
 def _memory_left(tmp: Path, request: Any) -> Case:
     """The memory tier a new process finds: the shared-memory segments a previous one left."""
     owner = tmp / "owner"
-    space = space_for(owner, 0)
+    owner.mkdir()
+    space = space_for(owner, 0, create=True)   # the directory's id, as its first Checkpointer makes it
     tier = MemoryTier(HostPool(1, None, pin=False), space)
     made: list[ckpt.Checkpointer] = []
 

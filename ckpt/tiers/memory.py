@@ -64,10 +64,16 @@ class MemoryTier(Tier):
 
     # -- commit -----------------------------------------------------------------------------------
     def commit(self, step: int, manifest: Manifest, buffer: HostBuffer, checksums: list[int] | None = None,
-               timeline: Timeline | None = None) -> None:
+               timeline: Timeline | None = None, record_required: bool = False) -> None:
         """Mark ``buffer`` as holding the complete, fenced snapshot of ``step``; a shared-memory buffer
         gets its record (chunk checksums computed now, or ``checksums`` already checked against the
-        bytes) before the snapshot counts as held. ``timeline``: the snapshot's (default: this tier's)."""
+        bytes) before the snapshot counts as held. ``timeline``: the snapshot's (default: this tier's).
+
+        A record the RAM file system refuses costs the snapshot its crash survival only (it is held in this
+        process, said once in the log, counted in :attr:`records_failed`), unless ``record_required`` (a
+        peer's replica, whose sender is told it is committed only once it outlives this process): then the
+        ``OSError`` is raised and nothing is held. A snapshot of the same step and timeline held in another
+        buffer no one reads (an earlier run's, saved again) is withdrawn: one copy of a step per timeline."""
         record = None
         space = self.pool.shared
         timeline = self.timeline if timeline is None else timeline
@@ -79,6 +85,8 @@ class MemoryTier(Tier):
                 record = shm.write_record(space.root, space.prefix, buffer.slot, step, timeline, held,
                                           space.local_dir)
             except OSError as e:
+                if record_required:
+                    raise
                 self._record_failed(step, space, held, e)
             if len(manifest.chunks) != len(sums):
                 manifest.chunks = sums   # the tiers that read this buffer next (the peer tier) reuse them
@@ -89,6 +97,10 @@ class MemoryTier(Tier):
             buffer.image_order = self.pool.commit_order()
             buffer.record = record
             buffer.checked = True   # bytes this process copied
+            for b in self.pool.buffers:
+                if b is not buffer and b.image_step == step and (b.image_timeline or Timeline()) == timeline \
+                        and not b.holds:
+                    self.pool._withdraw(b, shm)
 
     def _record_failed(self, step: int, space: SharedSpace, held: Manifest, error: OSError) -> None:
         """A record could not be written (``/dev/shm`` full, a foreign entry at its name): the snapshot stays in
@@ -108,8 +120,10 @@ class MemoryTier(Tier):
 
     # -- listing ----------------------------------------------------------------------------------
     def _held(self) -> list[HostBuffer]:
+        """The buffers holding a snapshot, the last committed first (lookups take the newest of a step)."""
         with self.pool._cv:
-            return [b for b in self.pool.buffers if b.image_step is not None and b.manifest is not None]
+            return sorted((b for b in self.pool.buffers if b.image_step is not None and b.manifest is not None),
+                          key=lambda b: -b.image_order)
 
     def _left(self) -> list[shm.SnapshotRecord]:
         """Records of segments this process has not taken over (a previous process's snapshots)."""
@@ -133,7 +147,7 @@ class MemoryTier(Tier):
         return out
 
     def manifest(self, step: int, timeline: Timeline) -> Manifest | None:
-        """The manifest of the snapshot of ``step`` on ``timeline`` still held, if any."""
+        """The manifest of the snapshot of ``step`` on ``timeline`` still held, if any (the newest such)."""
         for b in self._held():
             if b.image_step == step and (b.image_timeline or Timeline()) == timeline:
                 return b.manifest

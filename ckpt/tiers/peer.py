@@ -632,7 +632,7 @@ class PeerTier(PersistingTier, TimelineCopies):
                         buf.forget_image()
                     else:
                         try:
-                            self.store.commit(m.step, m, buf, checksums=m.chunks, timeline=timeline)
+                            self.store.commit(m.step, m, buf, checksums=m.chunks, timeline=timeline, record_required=True)
                             self.verified[m.step] = kept = True
                         except OSError as e:   # the record could not be written (a full /dev/shm): not held,
                             buf.forget_image()  # and the source still hears so below
