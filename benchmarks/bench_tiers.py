@@ -120,8 +120,6 @@ def train_loop(root: Path, args) -> None:
              ("dcp.async_save + DefaultStager every 10", 10, {"dcp": "stager"}),
              ("every 1", 1, {}), ("every 5", 5, {}), ("every 1, if_busy=wait", 1, {"if_busy": "wait"}),
              ("every 1, 4 buffers", 1, {"max_in_flight": 4}),
-             ("every 10, checksums after the copy", 10, {"commit_threads": 0}),
-             ("every 1, checksums after the copy", 1, {"commit_threads": 0}),
              ("dcp.async_save every 50", 50, {"dcp": None}),
              ("auto, mtbf memory 10 min, local 1 h", "auto", {"mtbf": {"memory": 600, "local": 3600}}),
              ("none (again)", None, {})]
@@ -136,7 +134,6 @@ def train_loop(root: Path, args) -> None:
             shutil.rmtree(d, ignore_errors=True)
             continue
         os.environ["CKPT_PERSIST_NICE"] = str(kw.pop("nice", 10))   # read as each persist thread starts
-        os.environ["CKPT_COMMIT_THREADS"] = str(kw.pop("commit_threads", ckpt.knobs._DEFAULTS["CKPT_COMMIT_THREADS"]))
         os.environ["CKPT_PERSIST_THREADS"] = str(kw.pop("writers", ckpt.knobs._DEFAULTS["CKPT_PERSIST_THREADS"]))
         with ckpt.knobs.override(CKPT_SHM=kw.pop("shm", 1)):
             local = SlowDisk(d, args.disk_mbps) if args.disk_mbps else d

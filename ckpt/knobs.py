@@ -68,10 +68,6 @@ _DEFAULTS: dict[str, int] = {
     # the newest committed one (no wait when no buffer exists yet and the one being allocated cannot be there
     # in time). Explicit save() calls, preemption drains and if_busy="wait" wait as long as it takes.
     "CKPT_BUSY_WAIT_MS": 0,
-    # Threads that compute the memory tier's chunk checksums of a CUDA snapshot as its copy lands, at the
-    # persist threads' priority (a 7.4 GB snapshot lands in 0.15 s; one thread reads it in about a second);
-    # 0: the commit computes them after the copy, on CKPT_PERSIST_THREADS threads.
-    "CKPT_COMMIT_THREADS": 8,
     # Take the fingerprints of a save's CUDA tensors as one CUDA graph launch once the same tensors are
     # saved twice in a row (1), or one reduction launch per tensor every time (0).
     "CKPT_FINGERPRINT_GRAPH": 1,

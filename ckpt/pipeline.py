@@ -424,8 +424,7 @@ class Pipeline:
         try:
             snap.wait_copied()
             if snap.error is None:
-                self.memory.commit(snap.step, snap.manifest, snap.buffer, checksums=snap.chunk_checksums,
-                                   timeline=snap.timeline)
+                self.memory.commit(snap.step, snap.manifest, snap.buffer, timeline=snap.timeline)
                 handle._finish("memory")
         except BaseException as e:
             snap.error = snap.error or e

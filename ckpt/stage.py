@@ -833,7 +833,6 @@ class Snapshot:
         self._cuda_device: torch.device | None = None   # the GPU whose side stream copies the state
         self._cpu_done = threading.Event()
         self._cpu_thread: threading.Thread | None = None   # the CPU tensors' copy, once started
-        self._cpu_ranges: list[tuple[int, int]] = []          # (offset, bytes) of what that thread copies
         self._dma = False   # counted among the copies in flight (_copy_began) until the landing check saw it land
         self._lock = threading.Lock()
         self._fenced = False
@@ -847,10 +846,7 @@ class Snapshot:
         self._copy: _PacedCopy | None = None
         self._verified = False
         self._verify_lock = threading.Lock()
-        #: compute the chunk checksums of the buffer while the copy lands (a shared-memory buffer: the memory
-        #: tier's record needs them); :attr:`chunk_checksums` holds them once every chunk was read
-        self.want_checksums = buffer.segment is not None
-        self.chunk_checksums: list[int] | None = None
+
 
     def _dma_landed(self) -> None:
         """Its copy to the host is no longer in flight (counted once)."""
@@ -896,22 +892,21 @@ class Snapshot:
     def _verify_cuda_copies(self) -> None:
         """Compare each CUDA tensor's fingerprint at save() with its fingerprint once its copy was taken (both
         computed on the GPU, the second on the side stream after the last copy and before the optimizer step
-        may run: equal, the copy read the values of save()) and, where the memory tier wants them
-        (:attr:`want_checksums`), compute the CRC-32C of each chunk of the buffer as the copies land, on
-        ``CKPT_COMMIT_THREADS`` threads (a 7.4 GB snapshot lands in 0.15 s; one thread reads it in about a
-        second). The host reads the snapshot's bytes once, for the checksums. Done once, by the first caller."""
+        may run: equal, the copy read the values of save()). The host reads none of the snapshot's bytes for
+        it: the memory tier's commit checksums the buffer once, after the copy (checksumming it while the copy
+        landed slowed the copy by a third and a snapshot every 10 steps cost the loop +3.2% instead of +0.4%
+        on an H200 node). Done once, by the first caller."""
         with self._verify_lock:
             if self._verified or self._copy is None:
                 return
             torn: list[str] = []
             try:
-                sums = _LandingCheck(self).run()
-                self._cuda_done.synchronize()   # the second fingerprints are on the host
+                for _ in self._copy.landed():   # until every chunk is enqueued and ``done`` recorded after them
+                    pass
+                self._cuda_done.synchronize()   # the copy has landed and the second fingerprints are on the host
                 if self.error is None and self._fp_host is not None and self._fp_after is not None:
                     before, after = self._fp_host.tolist(), self._fp_after.tolist()
                     torn = [self._checks[i][0] for i, (a, b) in enumerate(zip(before, after)) if a != b]
-                if sums is not None and not torn and self.error is None:
-                    self.chunk_checksums = sums
             finally:
                 self._dma_landed()
                 self._verified = True
@@ -1174,69 +1169,6 @@ _GRAPHS = _FingerprintGraphs()
 _GRAPHS_AFTER = _FingerprintGraphs()   # the second fingerprints, on the side stream (a graph of their own)
 
 
-class _LandingCheck:
-    """:meth:`Snapshot._verify_cuda_copies`' pass over the buffer as the copies land: each chunk of the
-    manifest's size is checksummed (CRC-32C) on a pool thread once every byte of it has landed (CPU tensors'
-    bytes once their copy is done too), so the checksums are there soon after the copy is."""
-
-    def __init__(self, snap: "Snapshot") -> None:
-        self.snap = snap
-        self.data_bytes = snap.data_bytes
-        self.chunk = snap.manifest.chunk_bytes
-        self.nchunks = -(-self.data_bytes // self.chunk) if self.data_bytes else 0
-        self.arr = snap.buffer.tensor.numpy()
-        # chunks holding bytes that the CPU staging thread writes: read once it is done
-        self.late = {c for off, n in snap._cpu_ranges for c in range(off // self.chunk, (off + n - 1) // self.chunk + 1)}
-
-    def run(self) -> list[int] | None:
-        """The chunk checksums when the snapshot wants them (:attr:`Snapshot.want_checksums`), else ``None``;
-        returns once every chunk has landed."""
-        snap = self.snap
-        if not snap.want_checksums or knobs.get("CKPT_COMMIT_THREADS") <= 0:
-            for _ in snap._copy.landed():   # (0: the memory tier's commit checksums the buffer after the copy)
-                pass
-            return None
-        from .integrity import checksum
-
-        results: list[int] = [0] * self.nchunks
-        threads = max(1, min(knobs.get("CKPT_COMMIT_THREADS"), self.nchunks or 1))
-        pending = []
-
-        def one(c: int) -> None:
-            results[c] = checksum(memoryview(self.arr[c * self.chunk:min((c + 1) * self.chunk, self.data_bytes)]))
-
-        with _LoweredPool(threads) as pool:
-            nxt = 0
-            for ev, _, upto in snap._copy.landed():
-                ev.synchronize()
-                while nxt < self.nchunks and min((nxt + 1) * self.chunk, self.data_bytes) <= upto:
-                    if nxt not in self.late:
-                        pending.append(pool.submit(one, nxt))
-                    nxt += 1
-            if self.late:
-                snap._cpu_done.wait()
-            for c in sorted(self.late | set(range(nxt, self.nchunks))):
-                pending.append(pool.submit(one, c))
-            for f in pending:
-                f.result()
-        return results
-
-
-class _LoweredPool:
-    """A thread pool whose threads run at the persist threads' lowered priority (:mod:`ckpt.priority`)."""
-
-    def __init__(self, n: int) -> None:
-        from concurrent.futures import ThreadPoolExecutor
-
-        self._ex = ThreadPoolExecutor(n, thread_name_prefix="ckpt-check", initializer=priority.lower_this_thread)
-
-    def __enter__(self) -> Any:
-        return self._ex
-
-    def __exit__(self, *exc: Any) -> None:
-        self._ex.shutdown(wait=True)
-
-
 # -- the paced device-to-host copy -------------------------------------------------------------------
 # While one stream has device-to-host copies queued, a device-to-host copy of another stream waits for
 # them (one H200, 2026-11-24: a 4-byte .item() on the compute stream waited 67 ms behind 4 GiB queued on
@@ -1255,13 +1187,10 @@ _COPY_BURST = 4          # chunks save() enqueues itself (~5 ms of copy at 55 GB
 _COPIES_AHEAD = 1        # then: chunks enqueued and not yet landed, at most
 
 
-def _chunks(buf: HostBuffer, items: list[tuple[torch.Tensor, ItemRecord]],
-            chunk: int) -> Iterator[tuple[list, list[int], int]]:
-    """The copies of ``items`` (in the order of their offsets) into ``buf`` in chunks of about ``chunk``
-    bytes: per chunk, the (destination, source) pairs, the items whose last byte it copies, and the offset
-    of the first byte of the buffer that a later chunk writes (every byte before it is written once this
-    chunk has landed). A contiguous tensor larger than a chunk is split (as bytes) across chunks; any other
-    tensor is copied whole."""
+def _chunks(buf: HostBuffer, items: list[tuple[torch.Tensor, ItemRecord]], chunk: int) -> Iterator[tuple[list, list[int]]]:
+    """The copies of ``items`` into ``buf`` in chunks of about ``chunk`` bytes: per chunk, the (destination,
+    source) pairs and the items whose last byte it copies. A contiguous tensor larger than a chunk is
+    split (as bytes) across chunks; any other tensor is copied whole."""
     pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
     done: list[int] = []
     size = 0
@@ -1280,20 +1209,20 @@ def _chunks(buf: HostBuffer, items: list[tuple[torch.Tensor, ItemRecord]],
                 size += k
                 off += k
                 if size >= chunk and off < n:
-                    yield pairs, done, rec.offset + off
+                    yield pairs, done
                     pairs, done, size = [], [], 0
         else:
             if size and size + n > chunk:
-                yield pairs, done, rec.offset
+                yield pairs, done
                 pairs, done, size = [], [], 0
             pairs.extend(_copies(buf, rec, t))
             size += n
         done.append(i)
         if size >= chunk:
-            yield pairs, done, items[i + 1][1].offset if i + 1 < len(items) else 1 << 62
+            yield pairs, done
             pairs, done, size = [], [], 0
     if pairs or done:
-        yield pairs, done, 1 << 62
+        yield pairs, done
 
 
 class _PacedCopy:
@@ -1335,7 +1264,7 @@ class _PacedCopy:
                 return None
             try:
                 with torch.cuda.stream(self.stream):
-                    pairs, idxs, upto = next(self._chunks, (None, None, None))
+                    pairs, idxs = next(self._chunks, (None, None))
                     if pairs is None:
                         self._end()
                         return None
@@ -1343,7 +1272,7 @@ class _PacedCopy:
                         dst.copy_(src, non_blocking=True)
                     ev = torch.cuda.Event()
                     ev.record(self.stream)
-                self._landed.put((ev, idxs, upto))
+                self._landed.put((ev, idxs))
                 return ev
             except BaseException as e:
                 self._fail(e)
@@ -1369,10 +1298,9 @@ class _PacedCopy:
         while self._next() is not None:
             pass
 
-    def landed(self) -> Iterator[tuple[torch.cuda.Event, list[int], int]]:
-        """Each enqueued chunk's event, the items it completes and how far the buffer is written once it
-        has landed (see :func:`_chunks`), in order, until the copy is enqueued to its end (blocks while the
-        next chunk is not enqueued yet)."""
+    def landed(self) -> Iterator[tuple[torch.cuda.Event, list[int]]]:
+        """Each enqueued chunk's event and the items it completes, in order, until the copy is enqueued
+        to its end (blocks while the next chunk is not enqueued yet)."""
         while True:
             item = self._landed.get()
             if item is None:
@@ -1491,7 +1419,6 @@ def stage(snap: Snapshot, side_stream: torch.cuda.Stream | None) -> None:
         if e.is_buffer:
             _dst(snap.buffer, r, e.tensor).copy_(e.tensor)
     rest = [(e, r) for e, r in cpu if not e.is_buffer]
-    snap._cpu_ranges = [(r.offset, r.nbytes) for _, r in rest]
     rest_words, rest_fp = _fingerprints(rest)   # the values at save(): before save() returns
     if cuda:
         if side_stream is None:

@@ -153,7 +153,7 @@ def test_no_copy_into_a_segment_spans_two_registration_pieces(tmp_path, monkeypa
     buf = HostBuffer(0, False, segment=seg)
     items = list(zip(state.values(), recs))
     spans = 0
-    for pairs, _, _ in _chunks(buf, items, chunk):
+    for pairs, _ in _chunks(buf, items, chunk):
         for dst, src in pairs:
             assert dst.is_contiguous()
             start = dst.data_ptr() - buf.tensor.data_ptr()
