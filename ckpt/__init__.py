@@ -8,10 +8,7 @@ the newest verified checkpoint from the nearest tier. See ``docs/``.
 used (``ckpt.Checkpointer``...): the ``ckpt`` commands that only read files start without it.
 """
 
-import importlib
-import importlib.util
-from typing import Any
-
+from ._lazy import exports
 from .config import Policy, Storage
 from .errors import (CheckpointError, CorruptCheckpointError, HostMemoryError, IncompatibleCheckpointError,
                      IncompleteCheckpointError, LayoutMismatchError, LockedError, NoCheckpointError, Preempted,
@@ -69,16 +66,4 @@ _WHERE = {
 }
 
 
-def __getattr__(name: str) -> Any:
-    if name not in _WHERE:
-        # a submodule (ckpt.shm, ckpt.knobs...), as `import ckpt` made them reachable before it was lazy
-        if not name.startswith("_") and importlib.util.find_spec(f"{__name__}.{name}") is not None:
-            return importlib.import_module(f".{name}", __name__)
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f".{_WHERE[name]}", __name__), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+__getattr__, __dir__ = exports(__name__, _WHERE)

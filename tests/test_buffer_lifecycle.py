@@ -377,15 +377,9 @@ def test_an_allocation_that_fails_leaks_nothing(tmp_path, monkeypatch):
 @pytest.fixture
 def slowish_staging(monkeypatch):
     """CPU staging copies that take 10 ms each: a write right after save() lands before the copy."""
-    from ckpt import stage as stage_mod
-    real = stage_mod._dst
+    from conftest import delay_staging
 
-    def slow(buf, rec, t):
-        if threading.current_thread().name.startswith("ckpt-stage"):
-            time.sleep(0.01)
-        return real(buf, rec, t)
-
-    monkeypatch.setattr(stage_mod, "_dst", slow)
+    delay_staging(monkeypatch, 0.01)
 
 
 @pytest.mark.parametrize("seed", range(8))

@@ -31,6 +31,14 @@ def _state(value: float, n: int = 1024) -> dict:
     return {"w": torch.full((n,), value)}
 
 
+def _age(prefix: str, days: float) -> None:
+    """Make the segments of ``prefix`` look last written ``days`` ago."""
+    then = time.time() - days * 86400
+    for g in shm.segments(prefix=prefix):
+        for f in g.files:
+            os.utime(f, (then, then))
+
+
 def _dead_job(local_dir, step: int) -> None:
     """A job in a process of its own saves ``step`` and exits without freeing its RAM (as a crash would)."""
     code = ("import sys, torch, ckpt\n"
@@ -91,13 +99,13 @@ def test_segment_names_derive_from_the_path_and_an_id_kept_in_the_directory(tmp_
     directory at the same path gets new names, and the id file is this user's, 0600."""
     d = tmp_path / "local"
     d.mkdir()
-    assert shm.prefix_for(d, 0, create=True) is None   # no id yet: no segment can be this directory's
+    assert shm.prefix_for(d, 0) is None   # no id yet: no segment can be this directory's
     first = shm.prefix_for(d, 0, create=True)
     by_path = hashlib.sha256(os.path.realpath(d).encode()).hexdigest()[:16]
     assert first is not None and by_path not in first
     st = os.lstat(d / identity.ID_NAME)
     assert st.st_mode & 0o777 == 0o600 and st.st_uid == os.getuid()
-    assert shm.prefix_for(d, 0, create=True) == first   # stable
+    assert shm.prefix_for(d, 0) == first   # stable
     shutil.rmtree(d)
     d.mkdir()
     assert shm.prefix_for(d, 0, create=True) not in (None, first)
@@ -140,10 +148,7 @@ def test_ram_of_a_dead_job_is_named_at_the_next_start_and_freed_after_the_policy
             pass
     assert shm.segments(prefix=prefix), "a dead job's RAM for its directory was freed before its time"
     assert any(str(a) in r.getMessage() for r in caplog.records)
-    old = time.time() - 3 * 86400
-    for g in shm.segments(prefix=prefix):
-        for f in g.files:
-            os.utime(f, (old, old))
+    _age(prefix, days=3)
     with ckpt.Checkpointer(local_dir=tmp_path / "c"):
         pass
     assert shm.segments(prefix=prefix) == []
@@ -154,10 +159,7 @@ def test_a_live_jobs_segments_are_never_swept(tmp_path):
     with ckpt.Checkpointer(local_dir=tmp_path / "a") as live:
         live.save(1, _state(1.0)).wait()
         prefix = shm.prefix_for(tmp_path / "a", 0, create=True)
-        old = time.time() - 3 * 86400
-        for g in shm.segments(prefix=prefix):
-            for f in g.files:
-                os.utime(f, (old, old))
+        _age(prefix, days=3)
         with ckpt.Checkpointer(local_dir=tmp_path / "b"):
             pass
         assert shm.segments(prefix=prefix)

@@ -9,8 +9,7 @@ records (``ckpt ls``, ``inspect``, ``verify``, ``gc``) never import torch for th
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from .._lazy import exports
 
 __all__ = ["Tier", "PersistingTier", "StepInfo", "TierFigures", "register", "registered", "LocalTier",
            "MemoryTier", "PeerTier", "RemoteTier"]
@@ -20,13 +19,4 @@ _WHERE = {"Tier": "base", "PersistingTier": "base", "StepInfo": "base", "TierFig
           "RemoteTier": "remote"}
 
 
-def __getattr__(name: str) -> Any:
-    if name not in _WHERE:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f".{_WHERE[name]}", __name__), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+__getattr__, __dir__ = exports(__name__, _WHERE)
