@@ -390,15 +390,20 @@ def _huge(m: dict, raw_parts: bool) -> None:
         m["codecs"], m["stored_sizes"] = ["raw"], [n]
 
 
+def _source(tmp_path, tier: str):
+    """Step 5 saved in ``tmp_path / "ck"``, as export's source: that local tier, or promoted to a remote one;
+    and the step's directory there."""
+    if tier == "local":
+        return tmp_path / "ck", tmp_path / "ck" / "step-000000005"
+    src = f"file://{tmp_path}/r"
+    ckpt.promote(5, "remote", local_dir=tmp_path / "ck", url=src)
+    return src, tmp_path / "r" / "step-000000005"
+
+
 @pytest.mark.parametrize("tier", ["local", "remote"])
 def test_a_manifest_claiming_2_60_bytes_is_refused_before_anything_is_allocated(tmp_path, tier, monkeypatch):
     _save(tmp_path / "ck", {"w": torch.arange(10.0)})
-    if tier == "local":
-        src, step_dir = tmp_path / "ck", tmp_path / "ck" / "step-000000005"
-    else:
-        src = f"file://{tmp_path}/r"
-        ckpt.promote(5, "remote", local_dir=tmp_path / "ck", url=src)
-        step_dir = tmp_path / "r" / "step-000000005"
+    src, step_dir = _source(tmp_path, tier)
     _rewrite_manifest(step_dir, lambda m: _huge(m, tier == "remote"))
     allocations = []
     real_empty = torch.empty
@@ -426,12 +431,7 @@ _HUGE_LAYOUTS = {
 def test_a_layout_claiming_a_huge_global_shape_is_corrupt_before_anything_is_allocated(tmp_path, tier, claim,
                                                                                        monkeypatch):
     _save(tmp_path / "ck", {"w": torch.arange(10.0)})
-    if tier == "local":
-        src, step_dir = tmp_path / "ck", tmp_path / "ck" / "step-000000005"
-    else:
-        src = f"file://{tmp_path}/r"
-        ckpt.promote(5, "remote", local_dir=tmp_path / "ck", url=src)
-        step_dir = tmp_path / "r" / "step-000000005"
+    src, step_dir = _source(tmp_path, tier)
     _rewrite_manifest(step_dir, lambda m: _claim_layout(m, _HUGE_LAYOUTS[claim]))
     allocations = []
     real_empty = torch.empty

@@ -231,18 +231,24 @@ def test_an_owner_whose_lock_file_is_removed_takes_it_again(local_dir):
     assert _holds(local_dir, 2) == 2.0 and _holds(local_dir, 1) == 1.0
 
 
+def _another_owner_takes(local_dir) -> subprocess.Popen:
+    """The lock file is removed by hand; another process takes the directory, saves, and holds it."""
+    (local_dir / ".ckpt-lock").unlink()
+    env = dict(os.environ, PYTHONPATH=f"{HERE}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    proc = subprocess.Popen([sys.executable, str(HERE / "owner_worker.py"), str(local_dir), "hold"],
+                            stdout=subprocess.PIPE, text=True, env=env)
+    assert proc.stdout.readline().split()[0] == "saved"
+    return proc
+
+
 def test_an_owner_whose_lock_another_process_took_stops_writing(local_dir, tmp_path):
     """Lock file removed, then another process made a new one and saved: the first owner's next save is
     refused before anything it wrote becomes visible, and the other process's step is untouched."""
     first = ckpt.Checkpointer(local_dir=local_dir, keep=ckpt.Retention(local=1))
     try:
         first.save(1, state(1.0)).wait()
-        (local_dir / ".ckpt-lock").unlink()
-        env = dict(os.environ, PYTHONPATH=f"{HERE}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
-        proc = subprocess.Popen([sys.executable, str(HERE / "owner_worker.py"), str(local_dir), "hold"],
-                                stdout=subprocess.PIPE, text=True, env=env)
+        proc = _another_owner_takes(local_dir)
         try:
-            assert proc.stdout.readline().split()[0] == "saved"
             with pytest.raises(ckpt.LockedError):
                 first.save(6, state(6.0)).wait()
             assert not (local_dir / "step-000000006").exists()
@@ -266,12 +272,8 @@ def test_an_owner_fenced_out_of_its_directory_writes_nothing_there_again(local_d
     first = ckpt.Checkpointer(url, local_dir=local_dir, keep=ckpt.Retention(local=1))
     try:
         first.save(1, state(1.0)).wait()
-        (local_dir / ".ckpt-lock").unlink()
-        env = dict(os.environ, PYTHONPATH=f"{HERE}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
-        proc = subprocess.Popen([sys.executable, str(HERE / "owner_worker.py"), str(local_dir), "hold"],
-                                stdout=subprocess.PIPE, text=True, env=env)
+        proc = _another_owner_takes(local_dir)
         try:
-            assert proc.stdout.readline().split()[0] == "saved"
             theirs = _files(local_dir)
             for s in (6, 7, 8):   # the first refusal, and every save after it
                 with pytest.raises(ckpt.LockedError) as e:
