@@ -315,7 +315,6 @@ class Pipeline:
         # per snapshot still being copied (by its submission number): the tiers it goes to once it has landed
         # (decided at submit; close() adds the tiers that skipped the newest, see flush)
         self._assigned: dict[int, set[str]] = {}
-        self._watching: dict[int, Snapshot] = {}   # those snapshots, by submission number
         self._orphaned: set[str] = set()   # tiers whose waiting snapshot lost its buffer to the next one
         self._closing = False
         self._closed = False
@@ -396,7 +395,7 @@ class Pipeline:
             self._staging.add(snap.step)
             seq, self._submitted = self._submitted, self._submitted + 1
             self._assigned[seq] = {n for n, r in take.items() if r is None and n in self.lanes}
-            self._watching[seq] = snap
+            snap.seq = seq
             for name, lane in self.lanes.items():
                 reason = take.get(name, "not due")
                 if reason is None:
@@ -436,7 +435,6 @@ class Pipeline:
             self._staging.discard(snap.step)
             assigned = self._assigned.pop(seq, set())
             lanes = [lane for n, lane in self.lanes.items() if n in assigned]
-            self._watching.pop(seq, None)
             if snap.error is None:
                 self._committed = (snap, handle)
             elif self.independent:
@@ -570,7 +568,7 @@ class Pipeline:
             if newest is None or newest[1]._skipped:
                 return
             snap, handle = newest
-            seq = next((q for q, _ in self._watching.items() if _ is snap), None)
+            seq = snap.seq if snap.seq in self._assigned else None   # not handed to the tiers yet
             for name, lane in self.lanes.items():
                 if lane.newest is snap or lane.written is snap:
                     continue   # handed to it (waiting, being written or written) or committed there

@@ -821,6 +821,7 @@ class Snapshot:
         #: the :class:`~ckpt.policy.Timeline` it was taken on: every tier commits it with this one, whatever
         #: the Checkpointer's timeline is by the time the tier gets to it (a rollback may come in between)
         self.timeline = timeline
+        self.seq: int | None = None   # its place in the order snapshots are handed to the tiers (the pipeline's)
         self.entries = entries
         self.records = records
         self.data_bytes = data_bytes
