@@ -491,3 +491,27 @@ def test_sigkill_mid_copy_or_at_random_never_loses_the_newest_committed_snapshot
         got = reader.restore(st)
     assert got is not None and got >= committed
     assert torch.equal(st["a"], torch.full_like(st["a"], float(got))) and torch.equal(st["a"], st["b"])
+
+
+@pytest.mark.parametrize("on_disk", [True, False])
+def test_a_single_buffer_taken_over_from_a_previous_process_is_reused(tmp_path, on_disk, caplog):
+    """Room for one buffer; a previous process left its newest snapshot in it. The next process's snapshot
+    takes that buffer (never skipping for good): quietly when the local tier holds that step too, and else
+    as well, said in the log (with one buffer there is no other way to take a snapshot)."""
+    import shutil
+
+    d = tmp_path / "local"
+    with ckpt.Checkpointer(local_dir=d, max_in_flight=1) as ck:
+        ck.save(2, _state(2.0)).wait()
+        ck.close(keep_memory=True)
+    if not on_disk:   # as if the process had died before its local write
+        shutil.rmtree(d / "step-000000002")
+    with caplog.at_level(logging.WARNING, logger="ckpt.api"):
+        with ckpt.Checkpointer(local_dir=d, max_in_flight=1) as ck:
+            st = _state(0.0)
+            assert ck.restore(st) == 2 and ck.last_restore.tier == "memory"
+            h = ck.save(3, _state(3.0))
+            h.wait()
+            assert h.status == "done"
+    assert _restored(d)[:2] == (3, 3.0)
+    assert any(r.levelno == logging.WARNING for r in caplog.records) == (not on_disk)
