@@ -353,7 +353,6 @@ class Checkpointer:
         if max_in_flight is not None and (not isinstance(max_in_flight, int) or max_in_flight < 1):
             raise ValueError(f"max_in_flight must be a positive number of host buffers, got {max_in_flight!r}")
         self.pool = HostPool(max_in_flight or 3, host_memory_limit, shrink=max_in_flight is None)
-        self.pool.durable_check = self._durable_elsewhere
         self.history: collections.deque[SnapshotStats] = collections.deque(maxlen=10_000)
         self.skipped = 0
         self._skips = _SkipLog()
@@ -847,23 +846,6 @@ class Checkpointer:
                 # and takes over the segments its previous process left, in the background from now on: a
                 # restore then copies them from pinned memory, and the first save finds them ready
                 self.pool.adopt_ahead()
-
-    def _durable_elsewhere(self, step: int, timeline: Timeline | None) -> bool:
-        """For the host pool (under its lock): whether the snapshot of ``step`` a previous process left in RAM
-        may give up its buffer, the newest there. Yes when the local tier holds it; and with room for one
-        buffer only, yes in any case (said in the log): the pool would take no snapshot again otherwise."""
-        key = Committed(step, timeline or Timeline()).key
-        try:
-            if any(c.key == key for c in self.local.committed()):
-                return True
-        except OSError:
-            pass
-        if self.pool.slots > 1:
-            return False
-        log.warning("the memory tier's only buffer holds step %d, which a previous process left there and no "
-                    "durable tier holds: it is overwritten by this process's next snapshot (room for one buffer "
-                    "only: raise host_memory_limit for three)", step)
-        return True
 
     def _may_refill(self) -> bool:
         """Whether a restore may write what it reads from a farther tier into ``local_dir`` (a refill): where this

@@ -550,8 +550,6 @@ class Pipeline:
         if error is None:
             with self._cv:
                 lane.written = snap
-                if tier.durable and snap.buffer.manifest is snap.manifest:
-                    snap.buffer.durable = True   # its buffer may be reused where it is the only one (HostPool._pick)
             self._prune([lane.name], snap.step)
         self._release(job, lane)   # before reporting: a save right after handle.wait() finds the buffer free
         handle._finish(lane.name, error)

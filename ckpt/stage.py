@@ -148,9 +148,6 @@ class HostBuffer:
         # checked against their record since it was taken over; False for a segment adopted from a previous
         # process: readers check every chunk before they use it (the RAM kept it across the restart, not us)
         self.checked = True
-        # its snapshot is committed on a durable tier too (local, remote): False until a tier says so; None for
-        # a snapshot taken over from a previous process (not known: HostPool._kept_elsewhere asks once)
-        self.durable: bool | None = False
         self.views: dict[tuple, torch.Tensor] = {}   # typed views into the buffer, reused across saves
 
     @property
@@ -165,7 +162,6 @@ class HostBuffer:
         return memoryview(self.tensor.numpy())[:nbytes]
 
     def forget_image(self) -> None:
-        self.durable = False
         self.image_order = 0.0
         self.image_step = None
         self.manifest = None
@@ -234,9 +230,6 @@ class HostPool:
         self._reserved: set[int] = set()   # slots being allocated
         self._warned_shm = False
         self.holds_what = "the memory tier keeps its snapshots"   # for messages: what the buffers are for
-        #: ``check(step, timeline)``: whether a durable tier holds that snapshot (for one taken over from a
-        #: previous process: see :meth:`_kept_elsewhere`); ``None``: none is known to
-        self.durable_check: Callable[[int, Any], bool] | None = None
         #: the timeline (:class:`~ckpt.policy.Timeline`) the next snapshots go to (``None``: not known); the
         #: buffer kept whole while the next snapshot is copied is the newest on its branch
         self.live: Any = None
@@ -352,7 +345,6 @@ class HostPool:
         buf.image_step, buf.manifest, buf.image_timeline, buf.record = rec.step, rec.manifest, rec.timeline, rec
         buf.image_order = rec.created_unix
         buf.checked = False
-        buf.durable = None   # whether a durable tier holds it too is asked when it matters (_kept_elsewhere)
         return buf
 
     def prepare(self, nbytes: int) -> None:
@@ -481,8 +473,9 @@ class HostPool:
 
         A buffer is free when no one holds it and it does not hold the newest committed snapshot: that one
         stays whole until a newer one is committed, so a snapshot that then fails (torn, killed mid-copy)
-        costs nothing that was committed. The one exception is a snapshot that is durable on another tier
-        already (:meth:`_kept_elsewhere`): with room for a single buffer, that is the only way to go on."""
+        costs nothing that was committed. With room for one buffer only, that promise cannot be kept: the
+        newest snapshot's buffer is taken once no tier reads it (a snapshot that then fails leaves the memory
+        tier empty, and a restore falls back to the other tiers)."""
         grow = inline or self._preparing is None   # may the caller allocate now
         newest = max((b for b in self.buffers if b.image_step is not None), default=None, key=self._rank)
         free = [b for b in self.buffers if b.holds == 0 and (grow or b.capacity >= nbytes)]
@@ -493,19 +486,9 @@ class HostPool:
             return True, others[0]
         if grow and len(self.buffers) + self._allocating < self.slots:
             return True, None   # another buffer, rather than the newest snapshot's
-        if newest in free and self._kept_elsewhere(newest):
+        if newest in free and self.slots == 1:
             return True, newest
         return False, None
-
-    def _kept_elsewhere(self, buf: HostBuffer) -> bool:
-        """(under the lock) Whether ``buf``'s snapshot is committed on a durable tier too (so taking its buffer
-        loses no committed step): what this process's tiers said of it (:attr:`HostBuffer.durable`), or, for a
-        snapshot taken over from a previous process, what :attr:`durable_check` says (asked once)."""
-        if buf.durable is None:
-            check = self.durable_check
-            buf.durable = bool(check is not None and buf.image_step is not None and
-                               check(buf.image_step, buf.image_timeline))
-        return buf.durable
 
     def wait_free(self, nbytes: int, step: int, timeout: float,
                   reclaim: Callable[[HostBuffer, bool, int], bool] | None = None) -> bool:
@@ -580,11 +563,12 @@ class HostPool:
     def _shrink(self, error: HostMemoryError) -> None:
         """Keep the buffers there are: the limit leaves no room for another (said once)."""
         if self.slots > len(self.buffers):
-            log.warning("only %d snapshot buffer(s) fit (%s): the newest committed snapshot is kept whole in one, "
-                        "so %s. Raise host_memory_limit for %d buffers", len(self.buffers), error,
-                        "a new snapshot waits (if_busy='wait') or is skipped (if_busy='skip') while a tier reads the "
-                        "other" if len(self.buffers) == 2 else "a new snapshot waits or is skipped until the previous "
-                        "one is committed on the local tier", self.slots)
+            log.warning("only %d snapshot buffer(s) fit (%s): %s. Raise host_memory_limit for %d buffers",
+                        len(self.buffers), error,
+                        "the newest committed snapshot is kept whole in one, so a new snapshot waits (if_busy='wait') "
+                        "or is skipped (if_busy='skip') while a tier reads the other" if len(self.buffers) == 2 else
+                        "a new snapshot waits or is skipped while a tier reads the one buffer, and otherwise takes "
+                        "it: one that then fails leaves the memory tier empty", self.slots)
             self.slots = len(self.buffers)
 
     def _withdraw(self, buf: HostBuffer, shm: Any) -> None:

@@ -240,8 +240,8 @@ class MemoryTier(Tier):
             gives_up = ("two buffers: while a tier reads one snapshot, the newest is kept whole in the other and "
                         "every new snapshot is skipped until the tier is done")
         elif slots == 1:
-            gives_up = ("one buffer: a new snapshot is skipped until the previous one is committed on the local "
-                        "tier, and a snapshot that fails then leaves the memory tier empty")
+            gives_up = ("one buffer: a new snapshot is skipped while a tier reads the previous one and otherwise "
+                        "takes its buffer; a snapshot that then fails leaves the memory tier empty")
         return dataclasses.replace(super().figures(), buffers=slots, snapshots_skipped=self.skipped,
                                    records_failed=self.records_failed, gives_up=gives_up)
 
