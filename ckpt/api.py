@@ -368,13 +368,7 @@ class Checkpointer:
         # last: creating the group is a collective, and every rank must get this far to join it
         self.ranks = Ranks() if (world > 1 if collective is None else collective) else None
         self._job = [self.ranks.rank, self.ranks.world] if self.ranks is not None else None
-        self.memory = MemoryTier(self.pool, space_for(self.local.root, self.ranks.rank if self.ranks else 0, create=True))
-        if self.memory.space is not None and os.environ.get("LOCAL_RANK", "0") == "0":
-            # one rank per node: what dead jobs left in the RAM file system is named, or freed by the policy
-            try:
-                shm.sweep_orphans(self.memory.space.root, skip=shm.local_key(self.memory.space.prefix))
-            except OSError as e:
-                log.debug("looking for the RAM that dead jobs left failed: %s", e)
+        self.memory = MemoryTier(self.pool, space_for(self.local.root, self.ranks.rank if self.ranks else 0))
         # this rank's checkpoints, nearest first: what restore, list() and the timelines iterate
         self._tiers: list[Tier] = sorted([t for t in (self.memory, self.local, self.remote) if t is not None],
                                           key=lambda t: t.nearness)
@@ -841,7 +835,18 @@ class Checkpointer:
             if not self._owned:
                 self._owner = self.local.acquire_owner()
                 self._owned = True
-                # the owner of local_dir is the one writer of its memory tier's shared-memory segments
+                # the owner of local_dir is the one writer of its memory tier's shared-memory segments, named
+                # from the directory's id, which the first owner makes (ckpt.identity); a local tier that guards
+                # no directory of its own (acquire_owner() gave no lock) keeps its snapshots in the process
+                if self.memory.space is None and self._owner is not None:
+                    self.memory.space = space_for(self.local.root, self.ranks.rank if self.ranks else 0, create=True)
+                if self.memory.space is not None and os.environ.get("LOCAL_RANK", "0") == "0":
+                    # one rank per node, before its first buffer: what dead jobs left in the RAM file system is
+                    # named, or freed by the policy (CKPT_SHM_ORPHAN_S)
+                    try:
+                        shm.sweep_orphans(skip=shm.local_key(self.memory.space.prefix))
+                    except OSError as e:
+                        log.debug("looking for the RAM that dead jobs left failed: %s", e)
                 self.pool.share(self.memory.space)
                 # and takes over the segments its previous process left, in the background from now on: a
                 # restore then copies them from pinned memory, and the first save finds them ready

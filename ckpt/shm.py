@@ -658,8 +658,8 @@ def orphans(root: Path | None = None, skip: str | None = None) -> list[Orphan]:
 def sweep_orphans(root: Path | None = None, skip: str | None = None) -> int:
     """Free the segments of :func:`orphans` that no job can use (their directory is gone) or that are older
     than ``CKPT_SHM_ORPHAN_S``, and name the others in the log (once per group and process); returns the
-    bytes of RAM given back. The policy of a job's start (``Checkpointer``), documented in
-    docs/operations.md."""
+    bytes of RAM given back. The policy of a job's first save (``Checkpointer``, once it owns its
+    local_dir), documented in docs/guides/memory.md."""
     limit = knobs.get("CKPT_SHM_ORPHAN_S")
     freed = 0
     for o in orphans(root, skip):

@@ -10,8 +10,6 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
-import threading
-import time
 
 import pytest
 import torch
@@ -98,20 +96,9 @@ def s3_bucket(s3_server, request):
     yield name, s3_server
 
 
-def delay_staging(monkeypatch, seconds: float) -> None:
-    """Make each CPU staging copy take ``seconds`` longer: a write right after save() lands before the copy."""
-    from ckpt import stage as stage_mod
-    real = stage_mod._dst
-
-    def slow(buf, rec, t):
-        if threading.current_thread().name.startswith("ckpt-stage"):
-            time.sleep(seconds)
-        return real(buf, rec, t)
-
-    monkeypatch.setattr(stage_mod, "_dst", slow)
-
-
 @pytest.fixture
 def slow_staging(monkeypatch):
-    """CPU staging copies that take 50 ms each (:func:`delay_staging`)."""
+    """CPU staging copies that take 50 ms each (:func:`helpers.delay_staging`)."""
+    from helpers import delay_staging
+
     delay_staging(monkeypatch, 0.05)

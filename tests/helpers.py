@@ -202,3 +202,19 @@ def verifies(local_dir: str | os.PathLike, step: int) -> bool:
         return True
     except (ckpt.errors.CheckpointError, OSError):
         return False
+
+
+def delay_staging(monkeypatch, seconds: float) -> None:
+    """Make each CPU staging copy take ``seconds`` longer: a write right after save() lands before the copy."""
+    import threading
+    import time
+
+    from ckpt import stage as stage_mod
+    real = stage_mod._dst
+
+    def slow(buf, rec, t):
+        if threading.current_thread().name.startswith("ckpt-stage"):
+            time.sleep(seconds)
+        return real(buf, rec, t)
+
+    monkeypatch.setattr(stage_mod, "_dst", slow)

@@ -64,7 +64,8 @@ def main(argv: list[str]) -> int:
         time.sleep(600)
     elif mode == "stall-save":
         stall_second_tensor_copy()
-        ck = ckpt.Checkpointer(local_dir=local_dir, persist_every={"local": 1000})
+        # two buffers: step 5 must reuse an adopted one (with a third it would allocate instead)
+        ck = ckpt.Checkpointer(local_dir=local_dir, persist_every={"local": 1000}, max_in_flight=2)
         ck.save(5, state(5))
         time.sleep(600)
     elif mode == "restore":

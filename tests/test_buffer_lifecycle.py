@@ -339,6 +339,7 @@ def test_foreign_entries_at_the_segment_names_cost_only_crash_survival(tmp_path,
     with open("/etc/hostname", "rb") as f:
         hostname = f.read()
     ck = ckpt.Checkpointer(local_dir=tmp_path / "local", every_steps=1)
+    ck._own_local()   # what the first save does: the space of the segments is made by the owner of local_dir
     root, prefix = ck.memory.space.root, ck.memory.space.prefix
     made = []
     for slot in range(3):
@@ -396,7 +397,7 @@ def test_an_allocation_that_fails_leaks_nothing(tmp_path, monkeypatch):
 @pytest.fixture
 def slowish_staging(monkeypatch):
     """CPU staging copies that take 10 ms each: a write right after save() lands before the copy."""
-    from conftest import delay_staging
+    from helpers import delay_staging
 
     delay_staging(monkeypatch, 0.01)
 

@@ -112,7 +112,10 @@ def _committed(d: Path) -> list[int]:
 
 
 def _hidden(d: Path) -> list[str]:
-    return sorted(n for n in os.listdir(d) if n.startswith(".") and n != local_mod.LOCK_NAME)
+    """The hidden names in ``d`` besides the directory's own lock and id (what a writer left)."""
+    from ckpt.identity import ID_NAME
+
+    return sorted(n for n in os.listdir(d) if n.startswith(".") and n not in (local_mod.LOCK_NAME, ID_NAME))
 
 
 def _restore(d: Path, step: int | None = None) -> tuple[int | None, int | None, list[str], bool]:

@@ -4,7 +4,8 @@
   and made anew (to start afresh) never finds the old job's RAM, and no other user can predict the names.
 * A rollback's new branch saves a step again: the memory tier then holds two snapshots of that step, and a
   restore loads the one it listed (its timeline's), never the other.
-* What dead jobs left in the RAM file system is named at the next start on the node, and freed by a policy.
+* What dead jobs left in the RAM file system is named at the next job's first save on the node, and freed by a
+  policy (more cases: tests/test_shm_orphans.py).
 """
 
 from __future__ import annotations
@@ -138,19 +139,19 @@ def test_an_id_file_that_is_not_one_turns_the_memory_tier_off_and_nothing_else(t
 
 def test_ram_of_a_dead_job_is_named_at_the_next_start_and_freed_after_the_policys_age(tmp_path, caplog,
                                                                                        monkeypatch):
-    """A job died and left its segments (its directory kept): the next Checkpointer started on the node names
-    them (they serve the next job on that directory); once older than CKPT_SHM_ORPHAN_S they are freed."""
+    """A job died and left its segments (its directory kept): the next job on the node names them at its first
+    save (they serve the next job on that directory); once older than CKPT_SHM_ORPHAN_S they are freed."""
     a = tmp_path / "a"
     _dead_job(a, 3)
     prefix = shm.prefix_for(a, 0, create=True)
     with caplog.at_level(logging.WARNING, logger="ckpt.shm"):
-        with ckpt.Checkpointer(local_dir=tmp_path / "b"):
-            pass
+        with ckpt.Checkpointer(local_dir=tmp_path / "b") as ck:
+            ck.save(1, _state(1.0)).wait()
     assert shm.segments(prefix=prefix), "a dead job's RAM for its directory was freed before its time"
     assert any(str(a) in r.getMessage() for r in caplog.records)
     _age(prefix, days=3)
-    with ckpt.Checkpointer(local_dir=tmp_path / "c"):
-        pass
+    with ckpt.Checkpointer(local_dir=tmp_path / "c") as ck:
+        ck.save(1, _state(1.0)).wait()
     assert shm.segments(prefix=prefix) == []
 
 
@@ -160,8 +161,8 @@ def test_a_live_jobs_segments_are_never_swept(tmp_path):
         live.save(1, _state(1.0)).wait()
         prefix = shm.prefix_for(tmp_path / "a", 0, create=True)
         _age(prefix, days=3)
-        with ckpt.Checkpointer(local_dir=tmp_path / "b"):
-            pass
+        with ckpt.Checkpointer(local_dir=tmp_path / "b") as other:
+            other.save(1, _state(1.0)).wait()
         assert shm.segments(prefix=prefix)
         st = _state(0.0)
         assert live.restore(st) == 1

@@ -507,7 +507,7 @@ def test_a_save_into_an_adopted_buffer_withdraws_its_record_before_the_bytes_cha
 
     monkeypatch.setattr(stage_mod, "_dst", stall)
     checks = _CountChecks(monkeypatch)
-    with ckpt.Checkpointer(local_dir=local_dir, persist_every={"local": 1000}) as ck:
+    with ckpt.Checkpointer(local_dir=local_dir, persist_every={"local": 1000}, max_in_flight=2) as ck:
         adopted = _take_over(ck)
         assert {s: b.checked for s, b in adopted.items()} == {3: False, 4: False}
         m3 = ck.memory.manifest_of(3)
