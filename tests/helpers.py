@@ -97,6 +97,19 @@ def run_ranks(script: Path, *args: str, world: int = 2, timeout: float = 180,
     return out
 
 
+def fork_server():
+    """A ``multiprocessing`` context whose processes fork from a server that imported torch and ckpt once:
+    real processes (their own pid, killable), started in a fraction of a second where a fresh interpreter
+    spends seconds importing torch. The server has no threads, unlike the test process (a store's server, a
+    tier's workers): a fork of that can hang on a lock one of them held. A forked process ends without
+    running ``atexit`` hooks: for processes a test kills, not for tests of how a process exits."""
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "ckpt"])
+    return ctx
+
+
 def assert_ok(results: list[subprocess.CompletedProcess]) -> None:
     for r in results:
         assert r.returncode == 0, r.stderr[-3000:]

@@ -25,6 +25,9 @@ import torch  # noqa: E402
 import ckpt  # noqa: E402
 from helpers import run_worker_in_process  # noqa: E402
 
+# Trainer.train() collects garbage three times: outside what this suite imported before (conftest.py)
+pytestmark = pytest.mark.usefixtures("frozen_heap")
+
 HERE = Path(__file__).parent
 WORKER = HERE / "hf_worker.py"
 DOC = HERE.parent / "docs" / "hf.md"
@@ -89,7 +92,7 @@ def _result(out: Path) -> tuple[bytes, dict]:
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def runs(tmp_path_factory, frozen_heap):
     """The uninterrupted run, then two real Trainer processes at once, each interrupted, then resumed.
 
     ``ref``: the uninterrupted run, in this process (transformers is imported already: seconds saved).
