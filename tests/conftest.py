@@ -7,6 +7,7 @@ real S3 server on loopback), ``slow`` (runs only when selected with
 
 from __future__ import annotations
 
+import gc
 import os
 import shutil
 import tempfile
@@ -102,3 +103,15 @@ def slow_staging(monkeypatch):
     from helpers import delay_staging
 
     delay_staging(monkeypatch, 0.05)
+
+
+@pytest.fixture(scope="module")
+def frozen_heap():
+    """The objects alive when a module starts are left out of the garbage collector's passes until it ends
+    (``gc.freeze``); what its tests create is collected as usual. Hugging Face's ``Trainer`` collects
+    (``gc.collect()``, three times per ``train()``: accelerate's ``clear_device_cache``), and late in the
+    suite this process holds millions of objects (every library the suite imports): each collection took
+    seconds, ten times the tiny training run it belonged to."""
+    gc.freeze()
+    yield
+    gc.unfreeze()

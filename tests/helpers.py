@@ -9,6 +9,7 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import torch
@@ -76,25 +77,109 @@ def assert_same(a: dict, b: dict) -> None:
 def run_ranks(script: Path, *args: str, world: int = 2, timeout: float = 180,
               env: dict | None = None) -> list[subprocess.CompletedProcess]:
     """Run ``python script args[0] RANK WORLD args[1:]`` for every rank of a fresh job on loopback
-    (MASTER_ADDR / MASTER_PORT set; ``env`` added); returns each rank's completed process."""
+    (MASTER_ADDR / MASTER_PORT set; ``env`` added); returns each rank's completed process.
+
+    Without CUDA the ranks fork from :func:`fork_server` and run the script as a fresh interpreter would
+    (:func:`_script_main`): the seconds each rank would spend importing torch are the bulk of a small job's
+    time. With CUDA (a GPU job's processes must not fork from one that may have touched the driver), or
+    ``CKPT_TEST_FRESH_INTERPRETERS=1``, each rank is a fresh interpreter."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
            "PYTHONPATH": f"{script.parent}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", **(env or {})}
-    procs = [subprocess.Popen([sys.executable, str(script), args[0], str(r), str(world), *args[1:]],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-             for r in range(world)]
-    out = []
-    for p in procs:
-        try:
-            stdout, stderr = p.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            raise
-        out.append(subprocess.CompletedProcess(p.args, p.returncode, stdout, stderr))
-    return out
+    argvs = [[args[0], str(r), str(world), *args[1:]] for r in range(world)]
+    if os.environ.get("CKPT_TEST_FRESH_INTERPRETERS") == "1" or torch.cuda.is_available():
+        procs = [subprocess.Popen([sys.executable, str(script), *argv], stdout=subprocess.PIPE,
+                                  stderr=subprocess.PIPE, text=True, env=env) for argv in argvs]
+        out = []
+        for p in procs:
+            try:
+                stdout, stderr = p.communicate(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                for q in procs:
+                    q.kill()
+                raise
+            out.append(subprocess.CompletedProcess(p.args, p.returncode, stdout, stderr))
+        return out
+    ctx = fork_server()
+    with tempfile.TemporaryDirectory(prefix="ckpt-ranks-") as tmp:
+        procs = []
+        for r, argv in enumerate(argvs):
+            files = (os.path.join(tmp, f"{r}.out"), os.path.join(tmp, f"{r}.err"))
+            for f in files:
+                Path(f).touch()
+            p = ctx.Process(target=_script_main, args=(str(script), argv, env, *files))
+            p.start()
+            procs.append((p, [sys.executable, str(script), *argv], files))
+        out = []
+        for p, cmd, (stdout, stderr) in procs:
+            p.join(timeout)
+            if p.exitcode is None:
+                for q, _, _ in procs:
+                    q.kill()
+                    q.join()
+                raise subprocess.TimeoutExpired(cmd, timeout)
+            out.append(subprocess.CompletedProcess(cmd, p.exitcode, Path(stdout).read_text(errors="replace"),
+                                                   Path(stderr).read_text(errors="replace")))
+        return out
+
+
+def _script_main(script: str, argv: list[str], env: dict, stdout: str, stderr: str) -> None:
+    """In a process forked from :func:`fork_server`: ``python script *argv`` with the environment ``env``,
+    its output into the files ``stdout`` and ``stderr``, as a fresh interpreter runs it: ``__main__``,
+    ``sys.argv``, ``sys.path`` (the script's folder, then ``PYTHONPATH``), the exit status of ``sys.exit``
+    or 1 and the traceback for an exception, and at the end what the interpreter does on its way out
+    (threading's exit hooks, where ckpt finishes the persists still queued; the wait for non-daemon
+    threads; ``atexit``'s hooks). Ends the process."""
+    import atexit
+    import runpy
+    import threading
+    import traceback
+
+    for fd, path in ((1, stdout), (2, stderr)):
+        f = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        os.dup2(f, fd)
+        os.close(f)
+    sys.stdout = open(1, "w", encoding="utf-8", closefd=False)
+    sys.stderr = open(2, "w", encoding="utf-8", buffering=1, closefd=False)
+    os.environ.clear()
+    os.environ.update(env)
+    sys.argv = [script, *argv]
+    sys.path[:0] = [os.path.dirname(script)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    status = 0
+    try:
+        runpy.run_path(script, run_name="__main__")
+    except SystemExit as e:
+        if e.code is None or isinstance(e.code, int):
+            status = e.code or 0
+        else:
+            print(e.code, file=sys.stderr)
+            status = 1
+    except BaseException:
+        traceback.print_exc()
+        status = 1
+    try:
+        threading._shutdown()
+        atexit._run_exitfuncs()
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(status & 0xFF)
+
+
+def fork_server():
+    """A ``multiprocessing`` context whose processes fork from a server that imported torch and ckpt once:
+    real processes (their own pid, killable), started in a fraction of a second where a fresh interpreter
+    spends seconds importing torch. The server has no threads, unlike the test process (a store's server, a
+    tier's workers): a fork of that can hang on a lock one of them held. A process forked from it ends
+    without the interpreter's exit (threading's and ``atexit``'s hooks) unless it runs that itself, as
+    :func:`_script_main` does."""
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "ckpt"])
+    return ctx
 
 
 def assert_ok(results: list[subprocess.CompletedProcess]) -> None:

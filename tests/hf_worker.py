@@ -1,13 +1,14 @@
 """A real ``transformers.Trainer`` run for tests/test_hf.py, meant to be killed and resumed.
 
     python hf_worker.py CKPT_DIR OUT [--every N] [--save-steps N] [--sleep S] [--no-restore] [--max-steps N]
-                        [--accum N] [--bf16] [--kernels] [--crash-at N]
+                        [--accum N] [--batch N] [--bf16] [--kernels] [--crash-at N]
 
 Trains a tiny ``LlamaForCausalLM`` built from a config (attention dropout, so the
 generators matter; AdamW, a cosine schedule stepped every step; a shuffled
-dataset of random tokens, 2 epochs of 12 optimizer steps; an evaluation every 5
-steps, which draws from the global generator) with ``CheckpointCallback``
-attached. Prints ``step N`` after each optimizer step, writes the final weights
+dataset of random tokens, 2 epochs of 12 optimizer steps of 4 sequences, or
+``--batch`` sequences; an evaluation every 5 steps, which draws from the global
+generator) with ``CheckpointCallback`` attached. Prints ``step N`` after each
+optimizer step, writes the final weights
 as raw bytes to OUT.bin (no pickle) and, as JSON to OUT.json, the restored step
 and the Trainer's log history (losses, gradient norms, learning rates, epochs,
 evaluation losses). ``--crash-at N`` raises :class:`Crash` after step N (a crash
@@ -67,6 +68,7 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--no-restore", action="store_true")
     ap.add_argument("--max-steps", type=int, default=-1)
     ap.add_argument("--accum", type=int, default=1)
+    ap.add_argument("--batch", type=int, default=BATCH, help="sequences per optimizer step")
     ap.add_argument("--bf16", action="store_true")
     ap.add_argument("--kernels", action="store_true")
     ap.add_argument("--crash-at", type=int, default=-1)
@@ -89,7 +91,7 @@ def main(argv: list[str]) -> int:
 
         ckpt.kernels.patch(model)
     args = TrainingArguments(
-        os.path.join(a.ckpt_dir + "-hf-out"), per_device_train_batch_size=BATCH // a.accum,
+        os.path.join(a.ckpt_dir + "-hf-out"), per_device_train_batch_size=a.batch // a.accum,
         gradient_accumulation_steps=a.accum, num_train_epochs=EPOCHS, max_steps=a.max_steps,
         learning_rate=1e-2, lr_scheduler_type="cosine", warmup_steps=2, seed=3, use_cpu=True, report_to=[],
         dataloader_num_workers=0, logging_steps=1, eval_strategy="steps", eval_steps=5, per_device_eval_batch_size=4,

@@ -3,7 +3,7 @@ is skipped: while the background allocation of a fresh process is still running 
 in the training thread), or while every buffer is held by a tier. Forced saves wait as long as it takes.
 
 The allocation is made slow the way a fresh node's is (seconds to pin or register GBs): each call of
-``HostPool._allocate`` sleeps first.
+``HostPool._allocate`` sleeps first, until the test has seen what happens meanwhile.
 """
 
 from __future__ import annotations
@@ -29,15 +29,27 @@ SLOW_S = 4.0      # one buffer's allocation
 BOUND_MS = 500    # the busy wait in these tests: the slack around it is generous, the allocation far longer
 
 
+class _Allocations(list):
+    """The names of the threads that allocated a host buffer; ``finish()`` ends the allocations' sleep (this
+    one's and those to come) once the test has checked what it needed while they ran."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.done = threading.Event()
+
+    def finish(self) -> None:
+        self.done.set()
+
+
 @pytest.fixture
 def slow_allocation(monkeypatch):
-    """Every host buffer takes SLOW_S seconds to allocate; returns the names of the threads that allocated."""
-    threads: list[str] = []
+    """Every host buffer takes SLOW_S seconds to allocate, or until ``finish()``; returns the _Allocations."""
+    threads = _Allocations()
     real = HostPool._allocate
 
     def slow(self, *args, **kwargs):
         threads.append(threading.current_thread().name)
-        time.sleep(SLOW_S)
+        threads.done.wait(SLOW_S)
         return real(self, *args, **kwargs)
 
     monkeypatch.setattr(HostPool, "_allocate", slow)
@@ -60,6 +72,7 @@ def test_a_save_during_the_background_allocation_is_skipped_after_the_bound(loca
         assert handle.status == "skipped" and ck.skipped == 1
         assert took < SLOW_S - 1, took   # not a whole allocation, in the loop or waiting for the background one
         assert [r.levelno for r in _skip_records(caplog)] == [logging.WARNING]
+        slow_allocation.finish()
         ck.pool._prepared.join(60)
         # the training thread allocated nothing, not even beside the background allocation
         assert slow_allocation == ["ckpt-prepare"] * 3 and ck.pool.allocations == 3
@@ -68,6 +81,7 @@ def test_a_save_during_the_background_allocation_is_skipped_after_the_bound(loca
 def test_a_save_after_the_background_allocation_finished_is_taken(local_dir, slow_allocation):
     with knobs.override(CKPT_BUSY_WAIT_MS=BOUND_MS), ckpt.Checkpointer(local_dir=local_dir, every_steps=1) as ck:
         assert ck.maybe_save(1, _state()).status == "skipped"
+        slow_allocation.finish()
         ck.pool._prepared.join(60)
         handle = ck.maybe_save(2, _state())
         assert handle.wait().status == "done" and ck.skipped == 1
@@ -77,6 +91,7 @@ def test_a_save_after_the_background_allocation_finished_is_taken(local_dir, slo
 def test_a_save_waits_for_the_background_allocation_within_the_bound(local_dir, slow_allocation):
     # the bound covers the allocation: the save waits for its first buffer instead of being skipped, and
     # does not allocate the second one itself meanwhile
+    threading.Timer(1.0, slow_allocation.finish).start()   # an allocation of 1 s, well within the bound
     with knobs.override(CKPT_BUSY_WAIT_MS=int(SLOW_S * 1000) + 30_000), \
             ckpt.Checkpointer(local_dir=local_dir, every_steps=1) as ck:
         assert ck.maybe_save(1, _state()).wait().status == "done"
@@ -98,6 +113,7 @@ def test_a_requested_save_during_the_background_allocation_waits_and_is_taken(lo
             ckpt.Checkpointer(local_dir=local_dir, every_steps=50, signals=signals) as ck:
         assert ck.maybe_save(1, _state()) is None   # not due: starts the allocation only
         os.kill(os.getpid(), signal.SIGUSR1)
+        threading.Timer(2 * BOUND_MS / 1000, slow_allocation.finish).start()   # the allocation outlasts the bound
         handle = ck.maybe_save(2, _state())   # a forced save: waits for a buffer, durable on the local tier
         assert handle.status == "done" and ck.skipped == 0 and ck.local.committed_steps() == [2]
 
@@ -105,6 +121,7 @@ def test_a_requested_save_during_the_background_allocation_waits_and_is_taken(lo
 def test_if_busy_wait_never_skips_during_the_background_allocation(local_dir, slow_allocation):
     with knobs.override(CKPT_BUSY_WAIT_MS=BOUND_MS), \
             ckpt.Checkpointer(local_dir=local_dir, every_steps=1, if_busy="wait") as ck:
+        threading.Timer(2 * BOUND_MS / 1000, slow_allocation.finish).start()   # the allocation outlasts the bound
         handle = ck.maybe_save(1, _state())
         assert handle.wait().status == "done" and ck.skipped == 0
 
@@ -183,6 +200,7 @@ def test_the_pool_counts_an_allocation_under_way_as_a_buffer_to_come(slow_alloca
         assert pool.has_free()
         # a save that may be skipped does not wait that long
         assert not pool.wait_free(1000, 1, timeout=BOUND_MS / 1000)
+        slow_allocation.finish()
         buf = pool.acquire(1000, block=False, step=1)
         assert buf is not None and slow_allocation == ["ckpt-prepare"]
     finally:
@@ -227,6 +245,7 @@ def test_a_save_skips_at_once_when_the_first_buffer_cannot_be_there_within_the_b
         t0 = time.monotonic()
         handle = ck.maybe_save(1, _state())
         assert handle.status == "skipped" and time.monotonic() - t0 < 1.5
+        slow_allocation.finish()
 
 
 def test_with_pinned_buffers_the_first_is_taken_while_the_others_are_allocated_between_copies(tmp_path,

@@ -505,6 +505,7 @@ def test_hf_export_refuses_weights_that_do_not_fit_the_config(tmp_path):
     assert not (tmp_path / "hf").exists() and _leftovers(tmp_path) == []
 
 
+@pytest.mark.usefixtures("frozen_heap")   # Trainer.train() collects garbage three times (conftest.py)
 def test_a_real_trainer_run_through_the_callback_exports_to_from_pretrained(tmp_path):
     pytest.importorskip("accelerate")
     from ckpt.integrations.hf import CheckpointCallback

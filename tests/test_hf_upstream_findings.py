@@ -60,6 +60,9 @@ from torch import nn  # noqa: E402
 
 import ckpt  # noqa: E402
 
+# Trainer.train() collects garbage three times: outside what this suite imported before (conftest.py)
+pytestmark = pytest.mark.usefixtures("frozen_heap")
+
 TIMINGS = ("train_runtime", "train_samples_per_second", "train_steps_per_second")
 
 

@@ -15,17 +15,21 @@ import torch
 
 import ckpt
 from ckpt import shm
-from killworker import pattern
+from helpers import fork_server
+from killworker import pattern, save_forever
 
 HERE = Path(__file__).parent
 NUMEL = 1 << 20   # 4 MiB of float32 + a third of that again: a few chunks per save
 
 
-def _start_worker(local_dir: Path) -> subprocess.Popen:
-    env = dict(os.environ, PYTHONPATH=f"{HERE}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
-    proc = subprocess.Popen([sys.executable, str(HERE / "killworker.py"), str(local_dir), str(NUMEL), str(256 << 10)],
-                            stdout=subprocess.PIPE, text=True, env=env)
-    assert proc.stdout.readline().strip() == "ready"
+def _start_worker(local_dir: Path):
+    """killworker.save_forever in a real process of its own, forked from a fork server that imported torch
+    and ckpt once (a fresh interpreter would spend seconds on them per round); returns once it is ready."""
+    ctx = fork_server()
+    ready = ctx.Event()
+    proc = ctx.Process(target=save_forever, args=(str(local_dir), NUMEL, 256 << 10, ready), daemon=True)
+    proc.start()
+    assert ready.wait(120), "the worker never got ready"
     return proc
 
 
@@ -59,9 +63,9 @@ def _kill_rounds(tmp_path: Path, rounds: int, seed: int) -> list[int | None]:
     for _ in range(rounds):
         proc = _start_worker(local_dir)
         time.sleep(rng.uniform(0.0, 0.25))
-        proc.send_signal(signal.SIGKILL)
-        proc.wait()
-        assert proc.returncode == -signal.SIGKILL
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.join()
+        assert proc.exitcode == -signal.SIGKILL
         results.append(_check_restore(local_dir))
     return results
 

@@ -57,6 +57,7 @@ def test_lightning_callback_saves_on_request_and_training_goes_on(tmp_path, work
     assert cb.restored_step == 5 and weights_bytes(resumed) == weights_bytes(signalled)
 
 
+@pytest.mark.usefixtures("frozen_heap")   # Trainer.train() collects garbage three times (conftest.py)
 def test_hf_trainer_callback_saves_on_request_and_training_goes_on(tmp_path, worker_on_path):
     pytest.importorskip("transformers")
     from transformers import Trainer, TrainerCallback, TrainingArguments

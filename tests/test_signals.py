@@ -51,7 +51,7 @@ def _committed(d: Path) -> list[int]:
 
 
 def test_sigterm_saves_exits_143_and_the_resumed_run_is_bit_identical(tmp_path):
-    reference, _ = _final(_spawn(tmp_path / "ref"))
+    ref = _spawn(tmp_path / "ref")   # the uninterrupted run, beside the one signalled (a directory of its own)
     d = tmp_path / "run"
     proc = _spawn(d)
     _wait_for_step(proc, 5)
@@ -61,6 +61,7 @@ def test_sigterm_saves_exits_143_and_the_resumed_run_is_bit_identical(tmp_path):
     assert "SIGTERM received" in err
     saved = _committed(d)
     assert len(saved) == 1 and 5 <= saved[0] < STEPS
+    reference, _ = _final(ref)
     digest, restored = _final(_spawn(d))
     assert restored == f"restored {saved[0]}"
     assert digest == reference
@@ -134,13 +135,13 @@ def _digests(lines: list[str]) -> dict[int, str]:
 
 
 def test_sigusr1_saves_that_step_and_training_goes_on_to_the_last_step(tmp_path):
-    ref_lines, _ = _run_to_end(_spawn(tmp_path / "ref", "--save-on", "USR1"))
-    reference = _digests(ref_lines)
+    ref = _spawn(tmp_path / "ref", "--save-on", "USR1")   # the uninterrupted run, beside the one signalled
     d = tmp_path / "run"
     proc = _spawn(d, "--save-on", "USR1")
     before = _wait_for_step(proc, 5)
     proc.send_signal(signal.SIGUSR1)
     lines, err = _run_to_end(proc)
+    reference = _digests(_run_to_end(ref)[0])
     lines = before + lines
     saved = [l.split() for l in lines if l.startswith("saved ")]
     assert len(saved) == 1, lines

@@ -376,7 +376,10 @@ def test_norms_rope_glu_under_cuda_graphs_match_eager():
     assert all(int(t.abs().sum()) == 0 for t in _reduce._tickets.values())   # re-armed after the replays
 
 
-DENSE = ["llama", "gemma2", "gemma3_text", "qwen3", "phi3"]
+#: Gemma 2's and Qwen3's fused modules are Gemma 3's (offset norms, QK-norms, GeGLU, softcapped loss) and
+#: Llama's: their cases run with -m slow
+DENSE = ["llama", pytest.param("gemma2", marks=pytest.mark.slow), "gemma3_text",
+         pytest.param("qwen3", marks=pytest.mark.slow), "phi3"]
 
 
 def _break_sites(explained) -> set[tuple[str, int]]:
@@ -417,7 +420,9 @@ def test_patched_model_with_labels_compiles_fullgraph(model_type):
     in Python on ``torch.max(position_ids) + 1`` and re-registers ``inv_freq``; 5.21.1 and later
     pick the frequencies with ``torch.where``), no fullgraph is possible: the
     patched model must then break only where the unpatched one does and no more often, its compiled
-    loss and gradients still equal eager's, and the test is reported as skipped for fullgraph."""
+    loss and gradients still equal eager's, and the test is reported as skipped for fullgraph.
+
+    Gemma 2 and Qwen3 run with ``-m slow``; their default siblings are the Gemma 3 and Llama cases."""
     try:
         model, ids, labels, ref_explained, explained = _explain_unpatched_then_patched(model_type)
         hf_breaks = ref_explained.graph_break_count
@@ -457,7 +462,7 @@ def _recording_aot_eager(graphs):
     return backend
 
 
-@pytest.mark.parametrize("model_type", ["mixtral", "qwen3_moe"])
+@pytest.mark.parametrize("model_type", [pytest.param("mixtral", marks=pytest.mark.slow), "qwen3_moe"])
 def test_patched_moe_model_compiles_fullgraph(model_type):
     """A patched MoE model's training forward (router, ``torch.ops.ckpt.fused_experts`` in every sparse
     layer, the router's auxiliary loss and the fused loss) is one graph: ``fullgraph=True`` compiles it,
@@ -468,7 +473,7 @@ def test_patched_moe_model_compiles_fullgraph(model_type):
     eager step runs first. Where transformers' own code still breaks the graph (its MoE routing in other
     versions), the patched model must break no more often than the unpatched one, every sparse layer's
     experts must still be our operator, the compiled model must match eager, and the test is reported as
-    skipped for fullgraph."""
+    skipped for fullgraph. Mixtral runs with ``-m slow``; its default sibling is the Qwen3-MoE case."""
     import copy
 
     from test_kernels_patch import batch, tiny_model

@@ -435,9 +435,20 @@ def test_registry_route_falls_back_to_the_implementation_named_before_patch(coun
 WORKER = Path(__file__).parent / "experts_parallel_worker.py"
 
 
-@pytest.mark.parametrize("nccl", [False, pytest.param(True, marks=pytest.mark.multigpu)], ids=["gloo", "nccl"])
-@pytest.mark.parametrize("model_type,layout", [
-    ("qwen3_moe", "ep+tp"), ("qwen3_moe", "ep+fsdp"), ("qwen3_moe", "tp"), ("mixtral", "ep+tp")])
+def _parallel_cases():
+    """(model, layout, NCCL) of the test below: every case over gloo and, on two GPUs, over NCCL; Mixtral's
+    gloo case with ``-m slow`` (its default sibling: Qwen3-MoE's ep+tp, the same layout)."""
+    cases = []
+    for nccl in (False, True):
+        for model_type, layout in (("qwen3_moe", "ep+tp"), ("qwen3_moe", "ep+fsdp"), ("qwen3_moe", "tp"),
+                                   ("mixtral", "ep+tp")):
+            marks = [pytest.mark.multigpu] if nccl else [pytest.mark.slow] if model_type == "mixtral" else []
+            cases.append(pytest.param(model_type, layout, nccl, marks=marks,
+                                      id=f"{model_type}-{layout}-{'nccl' if nccl else 'gloo'}"))
+    return cases
+
+
+@pytest.mark.parametrize("model_type,layout,nccl", _parallel_cases())
 def test_patch_serves_experts_under_transformers_parallelism(model_type, layout, nccl, tmp_path):
     """Two gloo ranks load a tiny model with transformers' own parallelism (``from_pretrained`` with a
     ``DistributedConfig``: expert parallelism with the ranks sharing a batch or each holding its own, or

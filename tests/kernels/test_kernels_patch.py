@@ -268,10 +268,11 @@ def test_patch_gemma2_final_logit_softcapping(softcap, restore_rope):
 
 
 @pytest.mark.parametrize("implementation", ["grouped_mm", "batched_mm", "eager"])
-@pytest.mark.parametrize("model_type", ["mixtral", "qwen3_moe"])
+@pytest.mark.parametrize("model_type", [pytest.param("mixtral", marks=pytest.mark.slow), "qwen3_moe"])
 def test_patch_moe_experts_under_every_implementation(model_type, implementation, restore_rope):
     """The experts' fused SwiGLU serves each of transformers' experts implementations; the router is
-    left as it is (same module, same weights)."""
+    left as it is (same module, same weights). Mixtral's run with ``-m slow``: in the default suite
+    Qwen3-MoE's cases here and test_patch_matches_unpatched[mixtral] (its default implementation) cover it."""
     ref = tiny_model(model_type)
     ref.set_experts_implementation(implementation)
     ours = copy.deepcopy(ref)
@@ -319,12 +320,24 @@ def test_patch_leaves_an_activation_without_a_fused_kernel_and_says_why(caplog, 
     check_matches_unpatched(ref, ours, ids, labels, 1e-5, 1e-4)
 
 
-@pytest.mark.parametrize("model_type", [t for t in FAMILIES if t != "llama"])
+#: the families whose training curve runs in the default suite: between them every module patch() fuses
+#: (Llama's norms, SwiGLU, rope and loss; Gemma 3's (1 + w) norms, GeGLU, QK-norms and softcapped loss;
+#: Qwen3-MoE's experts beside a dense MLP; Phi-3's packed GLU and longrope)
+CURVE_FAMILIES = ("llama", "gemma3_text", "qwen3_moe", "phi3")
+
+
+@pytest.mark.parametrize("model_type", [t if t in CURVE_FAMILIES else pytest.param(t, marks=pytest.mark.slow)
+                                        for t in FAMILIES])
 def test_patch_follows_unpatched_training_curve(model_type, restore_rope):
     """Six AdamW steps per family: the patched model's loss follows the unpatched one's. (The bound
-    is derived for Llama over 20 steps in the test below; over six steps at lr 1e-3 the curves stay
-    far from any loss spike, and a relative 1e-4 is ~100x the rounding-level difference observed.
-    A wrong gradient or state not shared moves the curve by 1e-2 and up.)"""
+    is derived for Llama over 20 steps in test_patch_tracks_training_curve; over six steps at lr 1e-3
+    the curves stay far from any loss spike, and a relative 1e-4 is ~100x the rounding-level difference
+    observed. A wrong gradient or state not shared moves the curve by 1e-2 and up.)
+
+    The families outside CURVE_FAMILIES run with ``-m slow``: their fused modules are those of a
+    family run here (Mistral and Qwen2: Llama's; Qwen3: Qwen3-MoE's; Gemma and Gemma 2: Gemma 3's;
+    Mixtral: Qwen3-MoE's experts), and test_patch_matches_unpatched checks each of them (loss and every
+    gradient) in the default suite."""
     ref = tiny_model(model_type)
     ours = copy.deepcopy(ref)
     K.patch(ours)
@@ -336,9 +349,11 @@ def test_patch_follows_unpatched_training_curve(model_type, restore_rope):
         assert abs(a - b) <= 1e-4 * abs(b), f"step {i}: patched {a} vs unpatched {b}"
 
 
+@pytest.mark.slow
 def test_patch_tracks_training_curve(restore_rope):
     """20 AdamW steps: the patched model follows the unpatched loss curve within what rounding
-    alone moves that curve by.
+    alone moves that curve by. (``-m slow``; its default sibling is
+    test_patch_follows_unpatched_training_curve[llama]: six steps, away from the spike.)
 
     The bound is measured, not picked. At lr=1e-2 this run passes through a loss spike (step 14)
     where the loss is very sensitive to the weights, and there the unpatched fp32 curve itself
@@ -410,12 +425,14 @@ def test_patch_honours_num_items_in_batch(restore_rope):
                  ref(input_ids=ids, labels=labels, num_items_in_batch=n).loss, 1e-5, 1e-4)
 
 
-@pytest.mark.parametrize("model_type", ["llama", "gemma2", "mixtral", "phi3"])
+@pytest.mark.parametrize("model_type", ["llama", "gemma2", pytest.param("mixtral", marks=pytest.mark.slow), "phi3"])
 def test_gradient_accumulation_with_num_items_in_batch(model_type, restore_rope):
     """Two micro-batches with different numbers of label tokens, each forward given the HF Trainer's
     ``num_items_in_batch`` (the label tokens of both): the patched model's accumulated losses and
     gradients equal the unpatched model's, and the accumulated loss is the mean over all label
-    tokens (a mean per micro-batch, then averaged, would weight the short one's tokens more)."""
+    tokens (a mean per micro-batch, then averaged, would weight the short one's tokens more).
+    Mixtral's runs with ``-m slow`` (its loss is the other families' fused loss; the default suite
+    checks it on Llama, Gemma 2 and Phi-3 here)."""
     ref = tiny_model(model_type, output_router_logits=False) if model_type == "mixtral" else tiny_model(model_type)
     ours = copy.deepcopy(ref)
     K.patch(ours)
@@ -704,9 +721,12 @@ def test_patch_gemma3_multimodal_names_the_vision_mlp_it_leaves(caplog, restore_
     assert sum(type(m) is torch.nn.LayerNorm for m in model.modules()) == 5
 
 
+@pytest.mark.slow
 def test_patch_gemma3_multimodal_follows_unpatched_training_curve(restore_rope):
     """Six AdamW steps with images: the patched model's loss follows the unpatched one's (the bound
-    of test_patch_follows_unpatched_training_curve)."""
+    of test_patch_follows_unpatched_training_curve). (``-m slow``; its default siblings are
+    test_patch_gemma3_multimodal_matches_unpatched, a step with images, and
+    test_patch_follows_unpatched_training_curve[gemma3_text], six steps of its language model.)"""
     ref = tiny_gemma3_multimodal()
     ours = copy.deepcopy(ref)
     K.patch(ours)
