@@ -4,6 +4,9 @@
    and ``ckpt.integrations``. griffe, which reads the sources for mkdocstrings, looks for
    ``ckpt/kernels/`` and does not follow that mapping, so the build gives it a temporary tree laid out
    as the installed package (symbolic links into the checkout) and points the Python handler there.
+   ``ckpt/__init__.py`` binds the names that need torch on first use (PEP 562: ``exports(__name__,
+   _WHERE)``), which griffe cannot follow; the tree's copy of that file adds the same names as imports
+   under ``if TYPE_CHECKING:``, read from ``_WHERE``, so the reference finds them where users do.
 2. The docstrings write cross-references and literal blocks in reStructuredText (``:class:`~ckpt.X```,
    a paragraph ending in ``::``); :class:`RstRoles` turns the roles into Markdown code spans and the
    ``::`` into ``:`` as griffe loads each object, so the reference shows ``X`` rather than the markup.
@@ -11,6 +14,7 @@
 
 from __future__ import annotations
 
+import ast
 import atexit
 import re
 import shutil
@@ -31,13 +35,32 @@ def on_config(config: Any) -> Any:
     package = tree / "ckpt"
     package.mkdir()
     for entry in (ROOT / "ckpt").iterdir():
-        if entry.name != "__pycache__":
+        if entry.name == "__init__.py":
+            (package / entry.name).write_text(_with_lazy_imports(entry.read_text()))
+        elif entry.name != "__pycache__":
             (package / entry.name).symlink_to(entry)
     for folder in ("kernels", "integrations"):
         (package / folder).symlink_to(ROOT / folder, target_is_directory=True)
     handler = config.plugins["mkdocstrings"].config.handlers.setdefault("python", {})
     handler["paths"] = [str(tree)]
     return config
+
+
+def _with_lazy_imports(source: str) -> str:
+    """``source`` with ``if TYPE_CHECKING:`` imports of the names its ``exports(__name__, TABLE)`` call binds
+    lazily (``TABLE``: a literal dict of name -> submodule)."""
+    tree = ast.parse(source)
+    tables = {node.args[1].id for node in ast.walk(tree)
+              if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "exports"
+              and len(node.args) == 2 and isinstance(node.args[1], ast.Name)}
+    where: dict[str, str] = {}
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) in tables for t in node.targets):
+            where.update(ast.literal_eval(node.value))
+    if not where:
+        return source
+    lines = [f"    from .{module} import {name}" for name, module in sorted(where.items(), key=lambda kv: kv[1])]
+    return source + "\n\nfrom typing import TYPE_CHECKING\n\nif TYPE_CHECKING:   # docs/hooks.py\n" + "\n".join(lines) + "\n"
 
 
 _ROLE = re.compile(r":(?:class|meth|func|mod|attr|exc|data|obj):`(~?)([^`]+)`")
