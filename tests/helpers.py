@@ -182,6 +182,31 @@ def fork_server():
     return ctx
 
 
+def kill_after(proc: subprocess.Popen, line: str, timeout: float = 120.0) -> None:
+    """Read ``proc``'s stdout (text) until it prints ``line``, then SIGKILL it at once. A worker that ends,
+    or does not print ``line`` within ``timeout`` seconds, is killed too and the test fails: a worker that
+    went another way never hangs the suite."""
+    import threading
+
+    found = threading.Event()
+
+    def read() -> None:
+        for got in proc.stdout:
+            if got.strip() == line:
+                found.set()
+                return
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    reader.join(timeout)
+    proc.kill()
+    proc.wait(timeout=60)
+    if not found.is_set():
+        err = proc.stderr.read()[-3000:] if proc.stderr is not None else ""
+        raise AssertionError(f"the worker did not print {line!r} within {timeout:.0f} s (status {proc.returncode})"
+                             f"{': ' + err if err else ''}")
+
+
 def assert_ok(results: list[subprocess.CompletedProcess]) -> None:
     for r in results:
         assert r.returncode == 0, r.stderr[-3000:]

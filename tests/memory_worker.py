@@ -61,7 +61,8 @@ def main(argv: list[str]) -> int:
         ck.close()
         print("final", digest(model), flush=True)
     elif mode == "tear":
-        ck = ckpt.Checkpointer(local_dir=local_dir, persist_every={"local": 1000})
+        # two buffers: step 3 must go into step 1's (with a third it would take that one)
+        ck = ckpt.Checkpointer(local_dir=local_dir, persist_every={"local": 1000}, max_in_flight=2)
         for step in (1, 2):
             with torch.no_grad():
                 for p in model.parameters():

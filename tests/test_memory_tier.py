@@ -17,6 +17,7 @@ import torch
 import ckpt
 from ckpt import shm
 from ckpt.tiers import LocalTier
+from helpers import kill_after
 
 HERE = Path(__file__).parent
 needs_shm = pytest.mark.skipif(shm.shm_root() is None, reason="no RAM file system (/dev/shm) here")
@@ -43,13 +44,7 @@ def _run(local_dir: Path, *args: str) -> list[str]:
 
 
 def _kill_after(proc: subprocess.Popen, line: str) -> None:
-    for got in proc.stdout:
-        if got.strip() == line:
-            break
-    else:
-        raise AssertionError(f"the worker ended before printing {line!r}: {proc.stderr.read()[-3000:]}")
-    proc.send_signal(signal.SIGKILL)
-    proc.wait(timeout=60)
+    kill_after(proc, line)
 
 
 @needs_shm

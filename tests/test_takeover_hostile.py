@@ -43,6 +43,7 @@ from ckpt.tiers import LocalTier
 from ckpt.tiers import memory as memory_mod
 from ckpt.tiers.memory import MemoryTier, space_for
 
+from helpers import kill_after
 import takeover_worker as W
 
 HERE = Path(__file__).parent
@@ -164,14 +165,7 @@ def _start(local_dir: Path, *args: str, stderr=subprocess.DEVNULL) -> subprocess
 
 
 def _kill_after(proc: subprocess.Popen, line: str) -> None:
-    for got in proc.stdout:
-        if got.strip() == line:
-            break
-    else:
-        proc.wait(timeout=60)
-        raise AssertionError(f"the worker ended (rc {proc.returncode}) before printing {line!r}")
-    proc.send_signal(signal.SIGKILL)
-    proc.wait(timeout=60)
+    kill_after(proc, line)
     assert proc.returncode == -signal.SIGKILL
 
 
