@@ -34,7 +34,7 @@ from .plan import flatten, layout
 from .policy import (AutoInterval, Committed, Interval, Retention, TierCadence, Timeline, live_and_abandoned,
                      prune)
 from .preempt import PreemptionGuard, Signals, drain, save_on_request
-from .ranks import Ranks, distributed_world
+from .ranks import Ranks, check_elastic_store, distributed_world
 from .restore import RestoreInfo, listing as _listing, restore as _restore
 from .stage import HostPool, Snapshot, SnapshotStats, stage, wait_all_staged
 from .tiers import LocalTier, MemoryTier, PeerTier, RemoteTier
@@ -367,6 +367,8 @@ class Checkpointer:
                              "(call init_process_group first, or leave collective=None)")
         # last: creating the group is a collective, and every rank must get this far to join it
         self.ranks = Ranks() if (world > 1 if collective is None else collective) else None
+        if self.ranks is not None:
+            check_elastic_store()   # a torchrun restart of this job would fail before it gets here again
         self._job = [self.ranks.rank, self.ranks.world] if self.ranks is not None else None
         self.memory = MemoryTier(self.pool, space_for(self.local.root, self.ranks.rank if self.ranks else 0))
         # this rank's checkpoints, nearest first: what restore, list() and the timelines iterate
