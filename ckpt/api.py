@@ -800,7 +800,9 @@ class Checkpointer:
         is found too."""
         ranks = self.ranks
         try:
-            self._own_local()
+            # the sweep waits for the other ranks' locks (below): a job restarted by its launcher would otherwise
+            # find a rank that has not taken its directory yet, and name that rank's RAM as a dead job's
+            self._own_local(sweep=False)
             lock_error: BaseException | None = None
         except Exception as e:   # noqa: BLE001 - reported below on every rank, after the agreement
             lock_error = e
@@ -837,13 +839,15 @@ class Checkpointer:
         except BaseException:
             self._disown()
             raise
+        self._sweep_orphans()   # every rank of the job owns its local_dir now
         if job_url:   # decided from gathered facts, so every rank joins (a collective) or none does
             self.remote.join_job(Ranks(timeout_s=knobs.get("CKPT_COMMIT_TIMEOUT_S"), own_group=True))
 
-    def _own_local(self) -> None:
+    def _own_local(self, sweep: bool = True) -> None:
         """Become the owner of ``local_dir`` (once): raises LockedError while another live writer owns it, and
         at every call once another process took the directory from this one (before a save's snapshot: no
-        tier, the memory tier included, gets a step of a writer fenced out of its directory)."""
+        tier, the memory tier included, gets a step of a writer fenced out of its directory). ``sweep=False``:
+        the caller looks for what dead jobs left in RAM itself (:meth:`_sweep_orphans`), later."""
         with self._lock:
             if self._owned and self._owner is not None:
                 self._owner.reassert()
@@ -855,17 +859,21 @@ class Checkpointer:
                 # no directory of its own (acquire_owner() gave no lock) keeps its snapshots in the process
                 if self.memory.space is None and self._owner is not None:
                     self.memory.space = space_for(self.local.root, self.ranks.rank if self.ranks else 0, create=True)
-                if self.memory.space is not None and os.environ.get("LOCAL_RANK", "0") == "0":
-                    # one rank per node, before its first buffer: what dead jobs left in the RAM file system is
-                    # named, or freed by the policy (CKPT_SHM_ORPHAN_S)
-                    try:
-                        shm.sweep_orphans(skip=shm.local_key(self.memory.space.prefix))
-                    except OSError as e:
-                        log.debug("looking for the RAM that dead jobs left failed: %s", e)
+                if sweep:
+                    self._sweep_orphans()
                 self.pool.share(self.memory.space)
                 # and takes over the segments its previous process left, in the background from now on: a
                 # restore then copies them from pinned memory, and the first save finds them ready
                 self.pool.adopt_ahead()
+
+    def _sweep_orphans(self) -> None:
+        """One rank per node, before its first buffer: what dead jobs left in the RAM file system is named, or
+        freed by the policy (CKPT_SHM_ORPHAN_S)."""
+        if self.memory.space is not None and os.environ.get("LOCAL_RANK", "0") == "0":
+            try:
+                shm.sweep_orphans(skip=shm.local_key(self.memory.space.prefix))
+            except OSError as e:
+                log.debug("looking for the RAM that dead jobs left failed: %s", e)
 
     def _may_refill(self) -> bool:
         """Whether a restore may write what it reads from a farther tier into ``local_dir`` (a refill): where this
