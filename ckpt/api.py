@@ -34,7 +34,7 @@ from .plan import flatten, layout
 from .policy import (AutoInterval, Committed, Interval, Retention, TierCadence, Timeline, live_and_abandoned,
                      prune)
 from .preempt import PreemptionGuard, Signals, drain, save_on_request
-from .ranks import Ranks, distributed_world
+from .ranks import Ranks, check_elastic_store, distributed_world
 from .restore import RestoreInfo, listing as _listing, restore as _restore
 from .stage import HostPool, Snapshot, SnapshotStats, stage, wait_all_staged
 from .tiers import LocalTier, MemoryTier, PeerTier, RemoteTier
@@ -367,6 +367,8 @@ class Checkpointer:
                              "(call init_process_group first, or leave collective=None)")
         # last: creating the group is a collective, and every rank must get this far to join it
         self.ranks = Ranks() if (world > 1 if collective is None else collective) else None
+        if self.ranks is not None:
+            check_elastic_store()   # a torchrun restart of this job would fail before it gets here again
         self._job = [self.ranks.rank, self.ranks.world] if self.ranks is not None else None
         self.memory = MemoryTier(self.pool, space_for(self.local.root, self.ranks.rank if self.ranks else 0))
         # this rank's checkpoints, nearest first: what restore, list() and the timelines iterate
@@ -374,6 +376,7 @@ class Checkpointer:
                                           key=lambda t: t.nearness)
         self._owner: OwnerLock | None = None
         self._owned = False
+        self._owned_by_restore = False   # ownership taken to persist a restored snapshot (_persist_restored)
         if self.ranks is not None:
             self._check_own_storage()
         try:
@@ -707,6 +710,13 @@ class Checkpointer:
         because it does not fit the state makes every rank raise. A checkpoint on
         the job tier saved by another number of ranks or in another sharding is
         resharded into the live layout (``last_restore.tier`` is ``"remote"``).
+
+        A snapshot loaded from the memory tier that a previous process took (one killed before its
+        local tier, or its remote tier by cadence, had it) and that no durable tier holds is written to
+        each tier that lacks it, in the background, right after the return: a second failure (the node
+        rebooting, which empties its RAM) then loses nothing. :meth:`wait` waits for it; its failures are
+        raised there. This makes the Checkpointer the owner of ``local_dir`` where no live process owns it
+        (as a save does); beside another live owner it writes nothing.
         """
         self._check_open()
         if step is not None:
@@ -729,6 +739,11 @@ class Checkpointer:
             info = _restore(state, self._tiers, step, strict, self._job, listed=listed, refill=self._may_refill())
             restored = None if info is None else Committed(info.step, info.timeline)
             self._use_timeline(_resume_timeline(restored, [e for e, _ in listed]))
+            if info is not None:
+                held: dict[str, set[tuple[int, int]]] = collections.defaultdict(set)
+                for e, tier in listed:
+                    held[tier.name].add(e.key)
+                self._persist_restored(info, self._unpersisted(info, held, [e for e, _ in listed]))
         self.last_restore = info
         if info is not None:
             self._metrics.restored(info)
@@ -785,7 +800,9 @@ class Checkpointer:
         is found too."""
         ranks = self.ranks
         try:
-            self._own_local()
+            # the sweep waits for the other ranks' locks (below): a job restarted by its launcher would otherwise
+            # find a rank that has not taken its directory yet, and name that rank's RAM as a dead job's
+            self._own_local(sweep=False)
             lock_error: BaseException | None = None
         except Exception as e:   # noqa: BLE001 - reported below on every rank, after the agreement
             lock_error = e
@@ -822,13 +839,15 @@ class Checkpointer:
         except BaseException:
             self._disown()
             raise
+        self._sweep_orphans()   # every rank of the job owns its local_dir now
         if job_url:   # decided from gathered facts, so every rank joins (a collective) or none does
             self.remote.join_job(Ranks(timeout_s=knobs.get("CKPT_COMMIT_TIMEOUT_S"), own_group=True))
 
-    def _own_local(self) -> None:
+    def _own_local(self, sweep: bool = True) -> None:
         """Become the owner of ``local_dir`` (once): raises LockedError while another live writer owns it, and
         at every call once another process took the directory from this one (before a save's snapshot: no
-        tier, the memory tier included, gets a step of a writer fenced out of its directory)."""
+        tier, the memory tier included, gets a step of a writer fenced out of its directory). ``sweep=False``:
+        the caller looks for what dead jobs left in RAM itself (:meth:`_sweep_orphans`), later."""
         with self._lock:
             if self._owned and self._owner is not None:
                 self._owner.reassert()
@@ -840,17 +859,21 @@ class Checkpointer:
                 # no directory of its own (acquire_owner() gave no lock) keeps its snapshots in the process
                 if self.memory.space is None and self._owner is not None:
                     self.memory.space = space_for(self.local.root, self.ranks.rank if self.ranks else 0, create=True)
-                if self.memory.space is not None and os.environ.get("LOCAL_RANK", "0") == "0":
-                    # one rank per node, before its first buffer: what dead jobs left in the RAM file system is
-                    # named, or freed by the policy (CKPT_SHM_ORPHAN_S)
-                    try:
-                        shm.sweep_orphans(skip=shm.local_key(self.memory.space.prefix))
-                    except OSError as e:
-                        log.debug("looking for the RAM that dead jobs left failed: %s", e)
+                if sweep:
+                    self._sweep_orphans()
                 self.pool.share(self.memory.space)
                 # and takes over the segments its previous process left, in the background from now on: a
                 # restore then copies them from pinned memory, and the first save finds them ready
                 self.pool.adopt_ahead()
+
+    def _sweep_orphans(self) -> None:
+        """One rank per node, before its first buffer: what dead jobs left in the RAM file system is named, or
+        freed by the policy (CKPT_SHM_ORPHAN_S)."""
+        if self.memory.space is not None and os.environ.get("LOCAL_RANK", "0") == "0":
+            try:
+                shm.sweep_orphans(skip=shm.local_key(self.memory.space.prefix))
+            except OSError as e:
+                log.debug("looking for the RAM that dead jobs left failed: %s", e)
 
     def _may_refill(self) -> bool:
         """Whether a restore may write what it reads from a farther tier into ``local_dir`` (a refill): where this
@@ -895,10 +918,6 @@ class Checkpointer:
             data_group = dist.new_group(backend="nccl", timeout=timedelta(seconds=timeout))
         return PeerTier(self.local.root, ranks, jump, data_group, device)
 
-    def _near(self) -> list[Committed]:
-        """Checkpoints this rank holds on its node (the memory and local tiers: gone with a replaced node)."""
-        return [e for t in self._tiers if t.on_node for e in t.committed()]
-
     def _restore_agreed(self, state: dict, step: int | None, strict: bool) -> RestoreInfo | None:
         """:meth:`restore` when the ranks must agree: the newest checkpoint of the live branch that every
         rank holds and loads (in memory, locally, on the remote tier, or as the copy its peer keeps).
@@ -925,9 +944,11 @@ class Checkpointer:
         """:meth:`_restore_agreed`'s agreement and loads; ``agreed`` is called once every rank's lists are in."""
         ranks = self.ranks
         t0 = time.perf_counter()
-        near = [_decode(v) for v in ranks.gather(_encode(self._near()))]
+        mine = {t.name: t.committed() for t in self._tiers}   # this rank's checkpoints, per tier
+        near = [_decode(v) for v in ranks.gather(_encode([e for t in self._tiers if t.on_node
+                                                           for e in mine[t.name]]))]
         far = [_decode(v) for v in ranks.gather(_encode([e for t in self._tiers if not t.on_node
-                                                          for e in t.committed()]))]
+                                                          for e in mine[t.name]]))]
         kept = [_decode(v) for v in ranks.gather(_encode(self.peer.committed()))] \
             if self.peer is not None else None
         if agreed is not None:
@@ -960,6 +981,7 @@ class Checkpointer:
         for n, s in agreed:
             info, error, code = None, None, 1
             received, serving = None, None
+            unpersisted: list[str] = []
             if kept is not None:   # ranks without a near copy of s get theirs back from the peer holding it
                 send_to, receive = self._peer_roles(s, timelines[(n, s)], [{e.key for e in x} for x in near],
                                                     [{e.key for e in x} for x in kept])
@@ -971,6 +993,7 @@ class Checkpointer:
             try:
                 info = _restore(state, self._tiers + ([received] if received is not None else []), s, strict,
                                 self._job, timeline=n)
+                unpersisted = self._unpersisted(info, {k: {e.key for e in v} for k, v in mine.items()}, everything)
             except (NoCheckpointError, FileNotFoundError) as e:   # this rank's copies of s are unusable or
                 # gone (a peer's copy that failed verification was not committed): try an older step
                 error, code = e, 0
@@ -980,13 +1003,22 @@ class Checkpointer:
                 if serving is not None:
                     serving.result()   # the replica is served (or the failure logged) before the ranks go on
             t0 = time.perf_counter()
-            codes = [c[0] for c in ranks.gather([code])]
+            # with each rank's word, whether the job tier lacks the step and this rank has it in its memory tier
+            job = self.remote is not None and self.remote.job is not None
+            replies = ranks.gather([code, int(job and "remote" in unpersisted)])
+            codes = [c[0] for c in replies]
             phases["confirm"] = phases.get("confirm", 0.0) + time.perf_counter() - t0
             if min(codes) == 1:
                 info.phases = {**phases, **info.phases}
                 if failed:
                     log.warning("ranks agreed on step %d after skipping: %s", s, "; ".join(failed))
                 self._use_timeline(_resume_timeline(Committed(s, timelines[(n, s)]), everything))
+                if job and "remote" in unpersisted and not all(c[1] for c in replies):
+                    # the job tier commits a step once every rank uploaded its part: only where every rank can
+                    unpersisted.remove("remote")
+                    log.info("step %d is not written to the job tier at restore: rank(s) %s restored it from "
+                             "another tier than their memory tier", s, [r for r, c in enumerate(replies) if not c[1]])
+                self._persist_restored(info, unpersisted)
                 return info
             bad = [r for r, c in enumerate(codes) if c != 1]
             if -1 in codes:
@@ -997,6 +1029,77 @@ class Checkpointer:
             failed.append(f"step {s} unusable on rank(s) {bad}")
             log.warning("step %d is unusable on rank(s) %s; the ranks try an older common step", s, bad)
         raise NoCheckpointError("no step that every rank holds could be loaded on every rank: " + "; ".join(failed))
+
+    def _unpersisted(self, info: RestoreInfo, held: Mapping[str, set[tuple[int, int]]],
+                     everything: list[Committed]) -> list[str]:
+        """The durable tiers that a restore's snapshot must still be written to: where ``info`` came from the
+        memory tier, a snapshot a previous process took (not this one), and is the newest checkpoint of all
+        (``everything``: what every tier of every rank holds), each persisting tier of this rank's that does
+        not hold it (``held``: tier name -> ``(timeline, step)`` keys). A previous process killed before its
+        local (or remote) tier had it leaves it in RAM alone, which the node's next reboot wipes."""
+        key = (info.timeline.number, info.step)
+        if info.tier != self.memory.name or not everything or key != max(e.key for e in everything):
+            return []
+        try:
+            if not self.memory.inherited(info.step, info.timeline):
+                return []
+        except OSError as e:   # the RAM file system could not be listed: the restore itself stands
+            log.warning("could not tell whether step %d, restored from the memory tier, is on a durable tier: %s",
+                        info.step, e)
+            return []
+        return [t.name for t in self._tiers if t.durable and isinstance(t, PersistingTier)
+                and t.name in self._pipeline.lanes and key not in held.get(t.name, ())]
+
+    def _persist_restored(self, info: RestoreInfo, tiers: list[str]) -> None:
+        """Write the snapshot that :meth:`restore` read from the memory tier to ``tiers`` in the background
+        (see :meth:`~ckpt.pipeline.Pipeline.persist_restored`), as the owner of ``local_dir``: beside another live
+        owner nothing is written (that process is the directory's one writer); where no live process owns it,
+        this Checkpointer takes it over, as its first save would. ``wait()`` and ``close()`` wait for it."""
+        if not tiers:
+            return
+        try:
+            self._hand_restored(info, tiers)
+        except Exception as e:   # noqa: BLE001 - the restore itself stands; the next saves persist as usual
+            log.warning("step %d, restored from the memory tier, is not written to the %s tier(s): %s (%s)",
+                        info.step, ", ".join(tiers), e, type(e).__name__)
+
+    def _hand_restored(self, info: RestoreInfo, tiers: list[str]) -> None:
+        step, timeline = info.step, info.timeline
+        if not self._owned:
+            if owned(self.local.root):
+                log.info("step %d, restored from the memory tier, is not on the %s tier(s); not writing it there: "
+                         "another live process owns %s", step, ", ".join(tiers), self.local.root)
+                return
+            self._own_local()   # LockedError: another process took it meanwhile
+            self._owned_by_restore = True
+        failure: BaseException | None = None
+        try:
+            manifest = self.memory.manifest(step, timeline)
+            if manifest is None:   # gone since the restore read it (not while this process owns local_dir)
+                raise LookupError(f"step {step} left the memory tier before it could be written to the durable tiers")
+        except (OSError, LookupError) as e:
+            if "remote" not in tiers or self.remote.job is None:
+                raise
+            manifest, failure = None, e   # the job tier's uploads of the other ranks wait for this rank's word
+        handle = SaveHandle(step, self.tiers, SnapshotStats(step, nbytes=manifest.data_bytes if manifest else 0))
+        handle._finish(self.memory.name)
+        for name in self.tiers:
+            if name != self.memory.name and name not in tiers:
+                handle._skip_tier(name, "holds it" if name != "peer" else "not written at restore")
+        self.pool.adopt_ahead()   # from this thread: the segments are registered in its CUDA device's context
+        if manifest is not None:
+            log.info("step %d, restored from the memory tier, is on no durable tier of this rank: writing it to the "
+                     "%s tier(s) in the background (%.3f GB)", step, ", ".join(tiers), manifest.data_bytes / 1e9)
+
+        def obtain() -> Any:
+            if failure is not None:
+                raise failure
+            self.pool.adopt()   # the previous process's segments are this pool's buffers (once)
+            return self.memory.hold_image(step, timeline, manifest)
+
+        self._pipeline.persist_restored(step, timeline, manifest, tiers, obtain, handle)
+        with self._lock:
+            self._handles = [h for h in self._handles if not h.done()] + [handle]
 
     def _peer_roles(self, step: int, timeline: Timeline, near: list[set[tuple[int, int]]],
                     kept: list[set[tuple[int, int]]]) -> tuple[int | None, bool]:
@@ -1109,7 +1212,9 @@ class Checkpointer:
         within milliseconds), and free the host buffers: the memory tier goes with them, its shared
         memory included, unless ``keep_memory`` (then the next process on this node may restore from
         it). No thread of the Checkpointer outlives it. Safe to drop the object afterwards. Collective
-        in a collective job.
+        in a collective job. A Checkpointer that owns ``local_dir`` only because its :meth:`restore` wrote a
+        previous process's snapshot to the durable tiers, and took no snapshot itself, leaves the memory
+        tier as it found it.
 
         When ``raise_errors``, raises the first failure the user has not seen: one that neither
         ``handle.wait()`` nor :meth:`wait` raised already. ``__exit__`` calls it (without raising,
@@ -1119,6 +1224,7 @@ class Checkpointer:
             return
         self._closed = True
         try:
+            keep_memory = keep_memory or (self._owned_by_restore and not self.history)
             self._pipeline.close(keep_shared=keep_memory or not self._owned)
             if keep_memory and self._owned:
                 self.memory.say_kept(loud=self._exit_error)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import atexit
 import collections
+import dataclasses
 import logging
 import os
 import queue
@@ -35,7 +36,8 @@ from typing import Any, Callable
 from . import knobs, priority
 from .errors import CheckpointError
 from .policy import TierCadence, TimelineCopies, elapsed
-from .stage import HostPool, Snapshot, SnapshotStats
+from .format import Manifest
+from .stage import HostBuffer, HostPool, Snapshot, SnapshotStats
 from .tiers import MemoryTier
 from .tiers.base import PersistingTier
 
@@ -224,12 +226,13 @@ class SaveHandle:
 
 
 class _Job:
-    """A snapshot handed to a tier: written unless a newer one supersedes it first (``keep``: never)."""
+    """A snapshot handed to a tier: written unless a newer one supersedes it first (``keep``: never).
+    ``restored``: a snapshot a previous process took, handed over after a restore (:meth:`Pipeline.persist_restored`)."""
 
-    __slots__ = ("snap", "handle", "keep", "held")
+    __slots__ = ("snap", "handle", "keep", "held", "restored")
 
-    def __init__(self, snap: Snapshot, handle: SaveHandle, keep: bool) -> None:
-        self.snap, self.handle, self.keep, self.held = snap, handle, keep, False
+    def __init__(self, snap: Snapshot, handle: SaveHandle, keep: bool, restored: bool = False) -> None:
+        self.snap, self.handle, self.keep, self.held, self.restored = snap, handle, keep, False, restored
 
 
 class TierCounts:
@@ -263,11 +266,12 @@ class _Lane:
         self.last_taken: int | None = None    # step of the newest snapshot handed to this tier
         self.newest: Snapshot | None = None   # that snapshot
         self.written: Snapshot | None = None  # the newest snapshot this tier committed
+        self.restoring = 0                    # restored snapshots assigned to it, not handed over yet
         self.counts = TierCounts()
         self.thread: threading.Thread | None = None
 
     def busy(self) -> bool:
-        return self.current is not None or bool(self.queue)
+        return self.current is not None or bool(self.queue) or self.restoring > 0
 
     def due(self, step: int, now: float) -> bool:
         """Whether a snapshot of ``step`` is due on this tier by its cadence (steps between copies, or with
@@ -448,6 +452,65 @@ class Pipeline:
             self._on_error(handle, snap.error)
             handle._fail_rest(snap.error)
 
+    def persist_restored(self, step: int, timeline: Any, manifest: Manifest | None, tiers: list[str],
+                         obtain: Callable[[], HostBuffer], handle: SaveHandle) -> None:
+        """Hand the snapshot of ``step`` (on ``timeline``, described by ``manifest``) that a restore read from the
+        memory tier to ``tiers``, in the background, as if it had just been taken: the snapshot a previous process
+        took and did not get to persist there (it was killed while the local tier wrote it, say; ``manifest`` is
+        ``None`` only where ``obtain`` fails: this rank has nothing to write). ``obtain()``,
+        run on a thread of its own, returns the pool's buffer holding it, held, and checked against its checksums
+        (it takes the previous process's segments over first where needed); it may raise, which fails ``handle``
+        on those tiers (a tier whose commit needs every rank is told this rank has nothing). The tiers get it
+        before any snapshot submitted after this call, as every rank of a collective job does, and it is never
+        superseded; until then each counts as busy (:meth:`busy_tiers`). ``handle`` reports it per tier."""
+        with self._cv:
+            self._staging.add(step)
+            seq, self._submitted = self._submitted, self._submitted + 1
+            self._assigned[seq] = set(tiers)
+            for name in tiers:
+                lane = self.lanes[name]
+                lane.restoring += 1
+                lane.last_taken, lane.last_time = step, self.clock()
+        t = threading.Thread(target=self._watch_restored, args=(step, timeline, manifest, seq, obtain, handle),
+                             name=f"ckpt-restored-{step}", daemon=False)
+        with self._cv:
+            self._watchers = [w for w in self._watchers if w.is_alive()] + [t]
+        t.start()
+
+    def _watch_restored(self, step: int, timeline: Any, manifest: Manifest | None, seq: int,
+                        obtain: Callable[[], HostBuffer], handle: SaveHandle) -> None:
+        priority.lower_this_thread()   # checking a snapshot taken over from a previous process reads all of it
+        buf: HostBuffer | None = None
+        error: BaseException | None = None
+        try:
+            buf = obtain()
+        except BaseException as e:   # noqa: BLE001 - reported on the handle and by wait()
+            error = e
+        # a copy of the manifest: the tiers fill in their own fields (checksums, codecs) as they write it
+        snap = Snapshot.of_image(step, buf if buf is not None else HostBuffer(0, pin=False),
+                                 dataclasses.replace(manifest) if manifest is not None else None, timeline)
+        snap.error = error
+        with self._cv:
+            while self._handed != seq:   # the snapshots submitted before it go to the tiers first
+                self._cv.wait()
+            self._handed += 1
+            self._cv.notify_all()
+            self._staging.discard(step)
+            assigned = self._assigned.pop(seq, set())
+            for name in assigned:
+                self.lanes[name].restoring -= 1
+            if error is None or not self.independent:   # a tier that needs this rank's word gets it
+                for name in assigned:
+                    self._enqueue(self.lanes[name], _Job(snap, handle, keep=True, restored=True))
+            if buf is not None:
+                self.pool.release(buf)   # obtain()'s hold: the tiers' jobs keep the buffer from here
+        if error is not None:
+            log.error("step %d, restored from the memory tier, could not be written to the %s tier(s): %s", step,
+                      ", ".join(sorted(assigned)), error)
+            _drop_locals(error)
+            self._on_error(handle, error)
+            handle._fail_rest(error)
+
     def _enqueue(self, lane: _Lane, job: _Job) -> None:
         """(under the lock) Queue ``job`` on ``lane``; coalescing, it replaces the snapshots waiting there."""
         if self.coalesce and job.snap.error is None:
@@ -548,6 +611,9 @@ class Pipeline:
         error = self._run_write(job, lane, write)
         del data   # no view of the buffer may outlive the hold (a waiter may exit the process at once)
         if error is None:
+            if job.restored:
+                log.info("step %d, restored from the memory tier, is on the %s tier now (%.2f s)", snap.step,
+                         lane.name, handle.stats.persist_s.get(lane.name, 0.0))
             with self._cv:
                 lane.written = snap
             self._prune([lane.name], snap.step)

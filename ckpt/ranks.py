@@ -18,11 +18,16 @@ every rank, in the same order.
 
 from __future__ import annotations
 
+import logging
+import os
 from datetime import timedelta
 
 import torch
 
-__all__ = ["Ranks", "distributed_world"]
+__all__ = ["Ranks", "distributed_world", "check_elastic_store"]
+
+log = logging.getLogger(__name__)
+_checked_elastic_store = False
 
 
 def distributed_world() -> int:
@@ -69,3 +74,26 @@ class Ranks:
         t = torch.tensor(values, dtype=torch.int64, device="cpu")
         torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX, group=self.group)
         return t.tolist()
+
+
+def check_elastic_store() -> bool:
+    """Warn (once per process, on each node's local rank 0) when torchrun will restart this job
+    (``--max-restarts`` above 0) with its rendezvous store shared with the workers: a restarted attempt's
+    ``init_process_group`` then reads the killed attempt's addresses from that store (torch keeps one store,
+    and its keys, for every attempt) and fails or hangs. Returns whether it warned."""
+    global _checked_elastic_store
+    env = os.environ
+    try:
+        restarts = int(env.get("TORCHELASTIC_MAX_RESTARTS", "0"))
+    except ValueError:
+        return False
+    if _checked_elastic_store or restarts <= 0 or env.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or \
+            env.get("LOCAL_RANK", "0") != "0":
+        return False
+    _checked_elastic_store = True
+    log.warning("torchrun restarts this job (--max-restarts %d) and shares its rendezvous store with the workers: "
+                "after a restart, init_process_group reads the failed attempt's addresses from that store and fails "
+                "(Connection refused) or hangs (pytorch/pytorch#135712, #167288). Launch torchrun with "
+                "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 and the c10d rendezvous (--standalone, or --rdzv-backend c10d "
+                "--rdzv-endpoint HOST:PORT); see docs/guides/launchers.md", restarts)
+    return True

@@ -148,6 +148,9 @@ class HostBuffer:
         # checked against their record since it was taken over; False for a segment adopted from a previous
         # process: readers check every chunk before they use it (the RAM kept it across the restart, not us)
         self.checked = True
+        # its snapshot was taken by a previous process (a segment taken over with the snapshot in it), not by
+        # this one: a restore of it after a crash may be the only copy left (Checkpointer.restore persists it)
+        self.inherited = False
         self.views: dict[tuple, torch.Tensor] = {}   # typed views into the buffer, reused across saves
 
     @property
@@ -345,6 +348,7 @@ class HostPool:
         buf.image_step, buf.manifest, buf.image_timeline, buf.record = rec.step, rec.manifest, rec.timeline, rec
         buf.image_order = rec.created_unix
         buf.checked = False
+        buf.inherited = True
         return buf
 
     def prepare(self, nbytes: int) -> None:
@@ -832,6 +836,19 @@ class Snapshot:
         self._verified = False
         self._verify_lock = threading.Lock()
 
+
+    @classmethod
+    def of_image(cls, step: int, buffer: HostBuffer, manifest: Manifest | None, timeline: Any) -> "Snapshot":
+        """The snapshot of ``step`` that ``buffer`` holds already (``manifest`` describes it; ``None``: none could
+        be had, for a snapshot that fails): nothing to copy, fenced, for the tiers to write as they write a new
+        one (a snapshot a previous process took and did not persist)."""
+        nbytes = manifest.data_bytes if manifest is not None else 0
+        stats = SnapshotStats(step, nbytes=nbytes, stage_s=0.0)
+        snap = cls(step, [], manifest.items if manifest is not None else [], nbytes, manifest, buffer, stats,
+                   timeline)
+        snap._cpu_done.set()
+        snap._fenced = True
+        return snap
 
     def _dma_landed(self) -> None:
         """Its copy to the host is no longer in flight (counted once)."""

@@ -28,6 +28,7 @@ RUNNABLE = {
     ("examples.md", "torchrun_job"): "tests/test_docs_examples.py",
     ("quickstart.md", "quickstart"): "tests/test_docs_examples.py",
     ("migrate-dcp.md", "migrate_dcp"): "tests/test_docs_examples.py",
+    ("launchers.md", "torchrun_elastic"): "tests/test_torchrun_recovery.py",
     ("hf.md", "trainer"): "tests/test_hf.py",
     ("hf.md", "accelerate"): "tests/test_hf.py",
     ("export.md", "export"): "tests/test_export.py",

@@ -134,6 +134,8 @@ def test_a_slow_tier_makes_no_save_wait_and_writes_the_newest_snapshot_at_the_en
         assert not t.is_alive() and len(handles) == 20, "a save waited for the local tier"
         assert all(h.status != "skipped" for h in handles)
         handles[-1].wait("memory")
+        # the newest supersedes the one waiting once its watcher hands it over, just after its memory commit
+        handles[-2].wait("local", timeout=30)
         # step 1 is being written (the gate), the newest waits; all those in between were superseded
         superseded = [h.step for h in handles if h.skipped_tiers.get("local", "").startswith("superseded")]
         assert superseded == list(range(2, 20)), superseded

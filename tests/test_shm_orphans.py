@@ -126,3 +126,17 @@ def test_a_checkpointer_that_owns_no_directory_of_its_own_sweeps_nothing(ram, tm
         ck = ckpt.Checkpointer(local_dir=tmp_path / "reader")
         ck.close()
     assert str(a) in _groups(ram) and not [r for r in caplog.records if "hold snapshots of" in r.getMessage()]
+
+
+def test_a_restarted_job_does_not_take_a_late_ranks_ram_for_a_dead_jobs(ram, tmp_path):
+    """A launcher restarts a two-rank job (torchrun's --max-restarts): rank 1 comes to its Checkpointer a second
+    after rank 0. Rank 0 looks for dead jobs' RAM only once every rank of its job owns its local_dir, so rank
+    1's snapshots (its predecessor's, which it is about to restore) are not named as a dead job's."""
+    from helpers import assert_ok, run_ranks
+
+    worker = Path(__file__).parent / "orphans_worker.py"
+    assert_ok(run_ranks(worker, str(tmp_path), "leave"))
+    restarted = run_ranks(worker, str(tmp_path), "restart")
+    assert_ok(restarted)
+    assert [r.stdout.split() for r in restarted] == [["warnings", "0"], ["warnings", "0"]]
+    assert len(shm.segments(ram)) == 2   # both ranks' snapshots are still there

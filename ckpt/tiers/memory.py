@@ -97,6 +97,7 @@ class MemoryTier(Tier):
             buffer.image_order = self.pool.commit_order()
             buffer.record = record
             buffer.checked = True   # bytes this process copied
+            buffer.inherited = False
             for b in self.pool.buffers:
                 if b is not buffer and b.image_step == step and (b.image_timeline or Timeline()) == timeline \
                         and not b.holds:
@@ -166,6 +167,33 @@ class MemoryTier(Tier):
         if m is None:
             raise LookupError(f"step {step} is no longer in host memory")
         return m
+
+    def inherited(self, step: int, timeline: Timeline) -> bool:
+        """Whether the snapshot of ``step`` on ``timeline`` held here was taken by a previous process (one that
+        died, or closed keeping its segments), not by this one."""
+        for b in self._held():
+            if b.image_step == step and (b.image_timeline or Timeline()) == timeline:
+                return b.inherited
+        return self._record(step, timeline) is not None
+
+    def hold_image(self, step: int, timeline: Timeline, manifest: Manifest) -> HostBuffer:
+        """The buffer of this process's pool holding the snapshot ``manifest`` describes (of ``step`` on
+        ``timeline``), held (:meth:`HostPool.release` it), its every chunk checked where it was taken over from a
+        previous process and not checked since. ``LookupError`` when no buffer holds it (its segment was not
+        taken over), ``CorruptCheckpointError`` when a chunk fails its checksum."""
+        with self.pool._cv:
+            buf = next((b for b in self.pool.buffers if b.image_step == step and b.manifest == manifest
+                        and (b.image_timeline or Timeline()) == timeline), None)
+            if buf is None:
+                raise LookupError(f"step {step} is not in a host buffer of this process")
+            buf.holds += 1
+        try:
+            if not buf.checked:
+                self._load_adopted(buf, buf.manifest, None)
+        except BaseException:
+            self.pool.release(buf)
+            raise
+        return buf
 
     def describe(self, step: int, timeline: Timeline | None = None) -> StepInfo:
         """The segment (or this process's memory) holding ``step``, its bytes and when it was committed."""
