@@ -35,7 +35,8 @@ from .preempt import PreemptionGuard, Signals, drain, save_on_request
 from .ranks import Ranks, distributed_world
 from .restore import AgreedRestore, RestoreInfo, listing as _listing, restore as _restore
 from .restore import resume_timeline as _resume_timeline
-from .stage import HostPool, Snapshot, SnapshotStats, stage, wait_all_staged
+from .pool import HostPool
+from .stage import Snapshot, SnapshotStats, stage, wait_all_staged
 from .tiers import LocalTier, MemoryTier, PeerTier, RemoteTier
 from .tiers.base import PersistingTier, Tier, TierFigures
 from .tiers.local import OwnerLock, owned

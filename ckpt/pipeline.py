@@ -35,7 +35,8 @@ from typing import Any, Callable
 from . import knobs, priority
 from .errors import CheckpointError
 from .policy import TierCadence, TimelineCopies, elapsed
-from .stage import HostPool, Snapshot, SnapshotStats
+from .pool import HostPool
+from .stage import Snapshot, SnapshotStats
 from .tiers import MemoryTier
 from .tiers.base import PersistingTier
 
