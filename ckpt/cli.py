@@ -146,7 +146,7 @@ def _ls(args: argparse.Namespace) -> int:
                           "(ckpt ls LOCAL_DIR --url URL)")
     tiers = [_tier(args.dir, args.storage_options)]
     if tiers[0].name == "local" and _ram_holds_segments():   # the snapshots its memory tier left come first
-        from .stage import HostPool
+        from .pool import HostPool
         from .tiers.memory import MemoryTier, space_for
 
         space = space_for(str(tiers[0].root), 0)

@@ -37,7 +37,8 @@ from . import knobs, priority
 from .errors import CheckpointError
 from .policy import TierCadence, TimelineCopies, elapsed
 from .format import Manifest
-from .stage import HostBuffer, HostPool, Snapshot, SnapshotStats
+from .pool import HostBuffer, HostPool
+from .stage import Snapshot, SnapshotStats
 from .tiers import MemoryTier
 from .tiers.base import PersistingTier
 

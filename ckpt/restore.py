@@ -11,18 +11,25 @@ world size) is not a storage fault: it raises at once.
 
 from __future__ import annotations
 
+import functools
+import itertools
 import logging
+import threading
 import time
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
-from .errors import CorruptCheckpointError, IncompleteCheckpointError, LayoutMismatchError, NoCheckpointError
+import torch
+
+from .errors import (CheckpointError, CorruptCheckpointError, IncompleteCheckpointError, LayoutMismatchError,
+                     NoCheckpointError)
 from .loading import OtherRanksCopy
 from .policy import Committed, Timeline, live_and_abandoned
 from .tiers.base import Tier
+from .tiers.peer import Background, ReceivedCopy
 
-__all__ = ["RestoreInfo", "restore", "listing", "OtherRanksCopy"]
+__all__ = ["RestoreInfo", "restore", "listing", "OtherRanksCopy", "AgreedRestore", "resume_timeline", "state_gpu"]
 
 log = logging.getLogger(__name__)
 
@@ -171,3 +178,227 @@ def restore(state: dict, tiers: Sequence[Tier], step: int | None = None, strict:
     raise NoCheckpointError("no checkpoint could be verified and loaded; tried:\n  " + "\n  ".join(skipped))
 
 
+def resume_timeline(restored: Committed | None, entries: list[Committed]) -> Timeline:
+    """The timeline of the saves after a restore of ``restored``: its own when it is the newest of
+    ``entries`` (every checkpoint on every tier, of every rank), else a new one (one more than the
+    largest seen) that branches off at the restored step."""
+    if restored is None or not entries:
+        return Timeline()
+    if restored.key == max(e.key for e in entries):
+        return restored.timeline
+    return restored.timeline.branch(restored.step, max(e.timeline.number for e in entries) + 1)
+
+
+#: seconds a collective restore's agreement runs before a rank reads its own newest snapshot onto its GPU
+#: (:meth:`ckpt.tiers.MemoryTier.read_ahead`): ranks arriving together agree in a few milliseconds
+READ_AHEAD_AFTER_S = 0.02
+
+
+def state_gpu(state: dict) -> torch.device | None:
+    """The GPU of the first tensor of ``state`` found on one (``None``: none is), looking at tensors, modules'
+    parameters and buffers and optimizers' parameters, never calling ``state_dict()`` (which an FSDP model
+    may answer with collectives)."""
+    stack: list[Any] = list(state.values())[::-1]
+    seen = 0
+    while stack and seen < 10_000:
+        v = stack.pop()
+        seen += 1
+        if isinstance(v, torch.Tensor):
+            t = v.to_local() if hasattr(v, "to_local") else v
+            if t.device.type == "cuda":
+                return t.device
+        elif isinstance(v, torch.nn.Module):
+            t = next((x for x in itertools.chain(v.parameters(), v.buffers()) if x.device.type == "cuda"), None)
+            if t is not None:
+                return t.device
+        elif isinstance(v, torch.optim.Optimizer):
+            stack.extend(p for g in v.param_groups[::-1] for p in g["params"][::-1])
+        elif isinstance(v, Mapping):
+            stack.extend(list(v.values())[::-1])
+        elif isinstance(v, (list, tuple)):
+            stack.extend(v[::-1])
+    return None
+
+
+def _encode(entries: list[Committed]) -> list[int]:
+    """``(timeline, step, forks)`` of each checkpoint as integers, for a gather between ranks."""
+    out: list[int] = []
+    for e in entries:
+        out += [e.timeline.number, e.step, len(e.timeline.forks)] + [v for f in e.timeline.forks for v in f]
+    return out
+
+
+def _decode(values: list[int]) -> list[Committed]:
+    out, i = [], 0
+    while i < len(values):
+        number, step, n = values[i:i + 3]
+        forks = tuple((values[i + 3 + 2 * j], values[i + 4 + 2 * j]) for j in range(n))
+        out.append(Committed(step, Timeline(number, forks)))
+        i += 3 + 2 * n
+    return out
+
+
+def _labels(keys: list[tuple[int, int]]) -> str:
+    """``[130 (timeline 1), 100]``: checkpoints by step, with their timeline when not 0."""
+    return "[" + ", ".join(str(s) if n == 0 else f"{s} (timeline {n})" for n, s in keys) + "]"
+
+
+class AgreedRestore:
+    """A restore in a job of several ranks: the newest checkpoint of the live branch that every rank holds
+    and loads (in its memory tier, locally, on the remote tier, or as the copy its peer keeps).
+
+    Collective contract: :meth:`run` is called on every rank, in the same order as the job's other
+    collectives. ``tiers``: this rank's tiers, nearest first; ``peer``: the peer tier (``None``: off);
+    ``memory``: the memory tier, which reads ahead while the ranks agree; ``job``: ``[rank, world]``;
+    ``use_timeline``: called with the timeline the saves after the restore take; ``unpersisted(info, held,
+    everything)``: the durable tiers the restored snapshot must still be written to, and ``persist(info,
+    tiers)`` hands it to them (a previous process's snapshot restored from RAM alone); ``job_tier``: the
+    remote tier commits steps job-wide (every rank must be able to upload its part)."""
+
+    def __init__(self, ranks: Any, tiers: Sequence[Tier], peer: Any, memory: Any, job: Any,
+                 use_timeline: Callable[[Timeline], None],
+                 unpersisted: Callable[[RestoreInfo, Mapping[str, set[tuple[int, int]]], list[Committed]], list[str]],
+                 persist: Callable[[RestoreInfo, list[str]], None], job_tier: bool) -> None:
+        self.ranks, self.tiers, self.peer, self.memory, self.job = ranks, list(tiers), peer, memory, job
+        self.use_timeline, self.unpersisted, self.persist, self.job_tier = use_timeline, unpersisted, persist, job_tier
+
+    def run(self, state: dict, step: int | None, strict: bool) -> RestoreInfo | None:
+        """:meth:`ckpt.Checkpointer.restore` when the ranks must agree: the newest checkpoint of the live branch that every
+        rank holds and loads (in memory, locally, on the remote tier, or as the copy its peer keeps).
+        Every rank sees every rank's checkpoints and timelines, so all pick the same one, and branch
+        off onto the same new timeline when it is not the newest."""
+        # A rank that waits for the others to agree (a replaced node still coming up, a slower start) reads its
+        # own newest snapshot onto its GPU meanwhile: begun only once the agreement has taken READ_AHEAD_AFTER_S,
+        # so ranks that arrive together load as before, with no thread beside their agreement
+        gpu = state_gpu(state)
+        timer = threading.Timer(READ_AHEAD_AFTER_S, self.memory.read_ahead, (gpu,)) if gpu is not None else None
+        if timer is not None:
+            timer.daemon = True
+            timer.start()
+        try:
+            return self._agree_and_load(state, step, strict, timer.cancel if timer is not None else None)
+        finally:
+            if timer is not None:
+                timer.cancel()
+                timer.join()
+            self.memory.end_read_ahead()
+
+    def _agree_and_load(self, state: dict, step: int | None, strict: bool,
+                        agreed: Callable[[], None] | None = None) -> RestoreInfo | None:
+        """:meth:`run`'s agreement and loads; ``agreed`` is called once every rank's lists are in."""
+        ranks = self.ranks
+        t0 = time.perf_counter()
+        mine = {t.name: t.committed() for t in self.tiers}   # this rank's checkpoints, per tier
+        near = [_decode(v) for v in ranks.gather(_encode([e for t in self.tiers if t.on_node
+                                                           for e in mine[t.name]]))]
+        far = [_decode(v) for v in ranks.gather(_encode([e for t in self.tiers if not t.on_node
+                                                          for e in mine[t.name]]))]
+        kept = [_decode(v) for v in ranks.gather(_encode(self.peer.committed()))] \
+            if self.peer is not None else None
+        if agreed is not None:
+            agreed()
+        held = [{e.key for e in n + f + (kept[self.peer.holder_of(r)] if kept else [])}
+                for r, (n, f) in enumerate(zip(near, far))]
+        everything = [e for lists in (near, far, kept or []) for entries in lists for e in entries]
+        timelines: dict[tuple[int, int], Timeline] = {}
+        for e in everything:
+            timelines.setdefault(e.key, e.timeline)
+        common = set.intersection(*held)
+        if step is None:
+            live = {e.key for e in live_and_abandoned(everything)[0]}
+            agreed = sorted((k for k in common if k in live), reverse=True)
+        else:
+            agreed = sorted((k for k in common if k[1] == step), reverse=True)[:1]   # the newest timeline's
+        where = "; ".join(f"rank {r}: {_labels(sorted(h, reverse=True)[:8]) if h else 'none'}"
+                          for r, h in enumerate(held))
+        if not agreed:
+            if step is not None:
+                raise FileNotFoundError(f"step {step} is not held by every rank ({where})")
+            if not any(held):
+                self.use_timeline(Timeline())
+                return None
+            raise NoCheckpointError(
+                f"no step is committed on every rank ({where}, newest first): pass step= to restore "
+                "one anyway, or remove the ranks' checkpoint directories to start afresh")
+        failed: list[str] = []
+        phases = {"agree": time.perf_counter() - t0}
+        for n, s in agreed:
+            info, error, code = None, None, 1
+            received, serving = None, None
+            unpersisted: list[str] = []
+            if kept is not None:   # ranks without a near copy of s get theirs back from the peer holding it
+                send_to, receive = self._peer_roles(s, timelines[(n, s)], [{e.key for e in x} for x in near],
+                                                    [{e.key for e in x} for x in kept])
+                if receive:   # this rank loads from what it receives: first receive (and serve, if it must)
+                    received = self._pull_from_peers(s, timelines[(n, s)], send_to, receive, phases)
+                elif send_to is not None:   # serving only: its own load runs meanwhile (both read this node's RAM)
+                    serving = Background(functools.partial(self._pull_from_peers, s, timelines[(n, s)], send_to,
+                                                           False, phases), self.peer.wire.device)
+            try:
+                info = restore(state, self.tiers + ([received] if received is not None else []), s, strict,
+                                self.job, timeline=n)
+                unpersisted = self.unpersisted(info, {k: {e.key for e in v} for k, v in mine.items()}, everything)
+            except (NoCheckpointError, FileNotFoundError) as e:   # this rank's copies of s are unusable or
+                # gone (a peer's copy that failed verification was not committed): try an older step
+                error, code = e, 0
+            except Exception as e:           # does not fit the state (or worse): stop on every rank
+                error, code = e, -1
+            finally:
+                if serving is not None:
+                    serving.result()   # the replica is served (or the failure logged) before the ranks go on
+            t0 = time.perf_counter()
+            # with each rank's word, whether the job tier lacks the step and this rank has it in its memory tier
+            job = self.job_tier
+            replies = ranks.gather([code, int(job and "remote" in unpersisted)])
+            codes = [c[0] for c in replies]
+            phases["confirm"] = phases.get("confirm", 0.0) + time.perf_counter() - t0
+            if min(codes) == 1:
+                info.phases = {**phases, **info.phases}
+                if failed:
+                    log.warning("ranks agreed on step %d after skipping: %s", s, "; ".join(failed))
+                self.use_timeline(resume_timeline(Committed(s, timelines[(n, s)]), everything))
+                if job and "remote" in unpersisted and not all(c[1] for c in replies):
+                    # the job tier commits a step once every rank uploaded its part: only where every rank can
+                    unpersisted.remove("remote")
+                    log.info("step %d is not written to the job tier at restore: rank(s) %s restored it from "
+                             "another tier than their memory tier", s, [r for r, c in enumerate(replies) if not c[1]])
+                self.persist(info, unpersisted)
+                return info
+            bad = [r for r, c in enumerate(codes) if c != 1]
+            if -1 in codes:
+                if error is not None and code == -1:
+                    raise error
+                raise CheckpointError(f"rank(s) {bad} could not load step {s} into the state (their logs say why); "
+                                      "every rank stops")
+            failed.append(f"step {s} unusable on rank(s) {bad}")
+            log.warning("step %d is unusable on rank(s) %s; the ranks try an older common step", s, bad)
+        raise NoCheckpointError("no step that every rank holds could be loaded on every rank: " + "; ".join(failed))
+
+    def _peer_roles(self, step: int, timeline: Timeline, near: list[set[tuple[int, int]]],
+                    kept: list[set[tuple[int, int]]]) -> tuple[int | None, bool]:
+        """Who gets ``step`` (on ``timeline``) back from a holder's RAM, from the gathered sets of
+        ``(timeline, step)`` (the same on every rank): every rank with no near copy whose holder keeps a
+        replica. Returns the rank this one must serve (``None``: none) and whether it receives its own."""
+        peer = self.peer
+        key = (timeline.number, step)
+        needs = [r for r in range(peer.world) if key not in near[r] and key in kept[peer.holder_of(r)]]
+        return (peer.src if peer.src in needs else None), peer.rank in needs
+
+    def _pull_from_peers(self, step: int, timeline: Timeline, send_to: int | None, receive: bool,
+                         phases: dict[str, float]) -> ReceivedCopy | None:
+        """Collective with the ranks of :meth:`_peer_roles`: serve ``send_to`` the replica this rank holds and,
+        with ``receive``, get this rank's own copy back from its holder; adds the seconds to ``phases["peer"]``.
+        Returns this rank's copy, checked, or ``None``."""
+        peer = self.peer
+        t0 = time.perf_counter()
+        try:
+            got = peer.serve(step, timeline, send_to, receive)
+            if got is not None:
+                log.info("rank %d got its snapshot of step %d back from the RAM of rank %d (peer tier)", peer.rank,
+                         step, peer.holder_of(peer.rank))
+            return got
+        except (CheckpointError, OSError) as e:   # this rank falls back to the remote tier, if any
+            log.warning("rank %d could not get step %d back from its peer: %s", peer.rank, step, e)
+            return None
+        finally:
+            phases["peer"] = phases.get("peer", 0.0) + time.perf_counter() - t0

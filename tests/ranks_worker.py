@@ -140,7 +140,7 @@ def main() -> None:
                       ck.tier_counts["local"].busy, flush=True)
         elif mode == "allocating":
             from ckpt import knobs
-            from ckpt.stage import HostPool
+            from ckpt.pool import HostPool
 
             threads = []
             real = HostPool._allocate

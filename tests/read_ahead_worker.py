@@ -27,11 +27,11 @@ def main() -> None:
     os.makedirs(f"{root}/shm-{rank}", exist_ok=True)
     os.environ["CKPT_SHM_DIR"] = f"{root}/shm-{rank}"
     import ckpt
-    from ckpt import api
+    from ckpt import restore
     from ckpt.tiers import memory
 
     torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
-    api._state_gpu = lambda s: torch.device("cpu")
+    restore.state_gpu = lambda s: torch.device("cpu")
     started, taken = [], []
     read_ahead, take = memory.MemoryTier.read_ahead, memory._ReadAhead.take
     memory.MemoryTier.read_ahead = lambda tier, dev: started.append(1) or read_ahead(tier, dev)

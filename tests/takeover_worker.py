@@ -24,7 +24,7 @@ import time
 import torch
 
 import ckpt
-from ckpt import stage as stage_mod
+from ckpt import pool as pool_mod
 from helpers import stall_second_tensor_copy
 
 
@@ -49,7 +49,7 @@ def digest(s: dict) -> str:
 def main(argv: list[str]) -> int:
     local_dir, mode, steps = argv[0], argv[1], [int(a) for a in argv[2:]]
     if mode == "stall-takeover":
-        real = stage_mod.HostPool._adopt_slot
+        real = pool_mod.HostPool._adopt_slot
 
         def stall(self, space, slot, shm):
             buf = real(self, space, slot, shm)
@@ -58,7 +58,7 @@ def main(argv: list[str]) -> int:
                 time.sleep(600)
             return buf
 
-        stage_mod.HostPool._adopt_slot = stall
+        pool_mod.HostPool._adopt_slot = stall
         ck = ckpt.Checkpointer(local_dir=local_dir)
         ck._own_local()   # what a collective job's Checkpointer does when it is made
         time.sleep(600)

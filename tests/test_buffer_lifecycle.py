@@ -370,7 +370,7 @@ def test_foreign_entries_at_the_segment_names_cost_only_crash_survival(tmp_path,
 def test_an_allocation_that_fails_leaks_nothing(tmp_path, monkeypatch):
     """Any exception while a buffer is allocated (not only a memory limit): the save raises it, and the next
     save finds the pool as before (no allocation counted as under way forever, which made saves block)."""
-    from ckpt.stage import HostPool
+    from ckpt.pool import HostPool
 
     real = HostPool._allocate
     fail = {"n": 2}

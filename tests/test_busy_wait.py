@@ -19,8 +19,8 @@ import pytest
 import torch
 
 import ckpt
-from ckpt import knobs, stage
-from ckpt.stage import HostPool
+from ckpt import knobs, pool as pool_mod
+from ckpt.pool import HostPool
 from ckpt.tiers import LocalTier
 from helpers import assert_ok, run_ranks
 
@@ -213,7 +213,7 @@ def test_interval_auto_takes_its_first_snapshot_once_the_buffers_are_there_and_n
     # "as soon as it can" under interval="auto": no skip (nor wait) per step while the buffers, which cannot be
     # there within the bound (a slow rate for their size), are allocated in the background, and the
     # allocation (a one-time cost) never becomes the snapshot's measured cost
-    monkeypatch.setattr(stage, "_ALLOC_GBPS", 1e-9)
+    monkeypatch.setattr(pool_mod, "_ALLOC_GBPS", 1e-9)
     clock = [0.0]
     with ckpt.Checkpointer(local_dir=local_dir, interval="auto", mtbf=3600, clock=lambda: clock[0]) as ck:
         t0 = time.monotonic()
@@ -240,7 +240,7 @@ def test_interval_auto_takes_its_first_snapshot_once_the_buffers_are_there_and_n
 def test_a_save_skips_at_once_when_the_first_buffer_cannot_be_there_within_the_bound(local_dir, slow_allocation,
                                                                                      monkeypatch):
     # the first buffer's allocation needs far longer than the bound (a slow rate for its size): no wait at all
-    monkeypatch.setattr(stage, "_ALLOC_GBPS", 1e-9)
+    monkeypatch.setattr(pool_mod, "_ALLOC_GBPS", 1e-9)
     with knobs.override(CKPT_BUSY_WAIT_MS=3000), ckpt.Checkpointer(local_dir=local_dir, every_steps=1) as ck:
         t0 = time.monotonic()
         handle = ck.maybe_save(1, _state())
@@ -254,7 +254,7 @@ def test_with_pinned_buffers_the_first_is_taken_while_the_others_are_allocated_b
     # the CUDA driver in paced pieces): a save takes the free buffer at once, and the allocation registers its
     # pieces only while no snapshot is being copied (a snapshot beside a registration stalls the loop)
     pool = HostPool(2, None, pin=True)
-    pool.share(stage.SharedSpace(tmp_path, "ckpt-0123456789abcdef-r00000", str(tmp_path)))
+    pool.share(pool_mod.SharedSpace(tmp_path, "ckpt-0123456789abcdef-r00000", str(tmp_path)))
     pool.prepare(4096)
     deadline = time.monotonic() + 3 * SLOW_S
     while not pool.buffers and time.monotonic() < deadline:
@@ -270,16 +270,16 @@ def test_with_pinned_buffers_the_first_is_taken_while_the_others_are_allocated_b
 
 def test_a_paced_allocation_waits_between_its_pieces_while_a_snapshot_is_copied(monkeypatch):
     """The background allocation's pieces are registered between snapshot copies (ckpt.shm.quiet), never beside
-    one: while a copy is in flight, the next piece waits for it (at most stage._QUIET_WAIT_S)."""
+    one: while a copy is in flight, the next piece waits for it (at most pool_mod._QUIET_WAIT_S)."""
     from ckpt import shm
 
-    monkeypatch.setattr(stage, "_QUIET_WAIT_S", 30.0)
+    monkeypatch.setattr(pool_mod, "_QUIET_WAIT_S", 30.0)
     stop = threading.Event()
-    stage._copy_began()
+    pool_mod._copy_began()
     done = threading.Event()
     try:
         threading.Thread(target=lambda: (shm._pause(stop, 0.001), done.set()), daemon=True).start()
         assert not done.wait(0.5), "a piece went ahead beside a snapshot copy"
     finally:
-        stage._copy_ended()
+        pool_mod._copy_ended()
     assert done.wait(10)

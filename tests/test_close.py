@@ -22,7 +22,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 import ckpt
 from ckpt import shm
-from ckpt.stage import HostPool, SharedSpace
+from ckpt.pool import HostPool, SharedSpace
 from ckpt.tiers import LocalTier, RemoteTier
 
 MiB = 1 << 20
@@ -210,10 +210,10 @@ def test_host_memory_error_counts_every_buffer(local_dir):
 
 
 def test_a_grown_state_frees_the_smaller_buffer_before_allocating_the_new_one(local_dir, monkeypatch):
-    from ckpt import stage as stage_mod
+    from ckpt import pool as pool_mod
 
     seen = []
-    real = stage_mod.HostBuffer
+    real = pool_mod.HostBuffer
 
     class Spy(real):
         def __init__(self, nbytes, pin, **kwargs):
@@ -224,7 +224,7 @@ def test_a_grown_state_frees_the_smaller_buffer_before_allocating_the_new_one(lo
     with ckpt.Checkpointer(local_dir=local_dir, max_in_flight=1) as ck:
         ck.save(1, _state(MiB)).wait()
         old = storage_of(ck)
-        monkeypatch.setattr(stage_mod, "HostBuffer", Spy)
+        monkeypatch.setattr(pool_mod, "HostBuffer", Spy)
         ck.save(2, _state(8 * MiB)).wait()
     assert seen == [[True]], "the old buffer was still allocated while the bigger one was allocated"
 

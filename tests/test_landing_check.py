@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ckpt import stage
+from ckpt import pool, stage
 from ckpt.errors import TornSnapshotError
 from ckpt.format import Manifest
 from ckpt.plan import Entry, layout
@@ -27,7 +27,7 @@ class _Copy:
 def _snap(tensors: list[torch.Tensor], torn: int | None = None):
     entries = [Entry(f"t{i}", t, t._version) for i, t in enumerate(tensors)]
     records, nbytes = layout(entries, 4096)
-    buf = stage.HostBuffer(nbytes, pin=False)
+    buf = pool.HostBuffer(nbytes, pin=False)
     manifest = Manifest(step=1, rank=0, world_size=1, data_bytes=nbytes, chunk_bytes=65536, chunks=[],
                         items=records, tree=None)
     snap = stage.Snapshot(1, entries, records, nbytes, manifest, buf, stage.SnapshotStats(1))

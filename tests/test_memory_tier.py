@@ -204,7 +204,7 @@ def test_without_room_in_ram_the_memory_tier_stays_in_the_process(local_dir, mon
         out = {"w": torch.zeros(1000)}
         assert ck.restore(out) == 1 and ck.last_restore.tier == "memory"
     if shm.shm_root() is not None:   # said once, at WARNING
-        assert [r.levelno for r in caplog.records if r.name == "ckpt.stage"].count(logging.WARNING) == 1
+        assert [r.levelno for r in caplog.records if r.name == "ckpt.pool"].count(logging.WARNING) == 1
 
 
 def test_the_first_maybe_save_allocates_the_buffers_in_the_background(local_dir):

@@ -179,7 +179,7 @@ class _NoStateDict(torch.nn.Linear):
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_the_state_gpu_is_found_without_calling_state_dict(device):
-    from ckpt.api import _state_gpu
+    from ckpt.restore import state_gpu as _state_gpu
     want = torch.device(device, torch.cuda.current_device()) if device == "cuda" else None
     m = _NoStateDict(3, 3).to(device)
     assert _state_gpu({"model": m, "step": 5}) == want

@@ -140,7 +140,8 @@ def test_no_copy_into_a_segment_spans_two_registration_pieces(tmp_path, monkeypa
     # every (destination, source) pair the snapshot copy makes stays inside one, and together they copy all
     from ckpt import shm
     from ckpt.format import ItemRecord
-    from ckpt.stage import HostBuffer, _chunks, _copies, _dst
+    from ckpt.pool import HostBuffer
+    from ckpt.stage import _chunks, _copies, _dst
 
     monkeypatch.setattr(shm, "REGISTER_PIECE", 8192)
     state = _state_across_pieces()
@@ -190,7 +191,7 @@ def test_segments_are_not_taken_over_ahead_before_this_rank_s_gpu_is_known(tmp_p
     """Registering a segment happens in the context of the device the pool noted; before CUDA is
     initialised in the process that device is not known, and a background thread's is GPU 0: the
     takeover ahead waits (for a later call, or the first save) rather than open a context on GPU 0."""
-    from ckpt.stage import HostPool, SharedSpace
+    from ckpt.pool import HostPool, SharedSpace
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)

@@ -1,7 +1,7 @@
 """The takeover of a previous process's memory-tier segments (adoption), attacked.
 
 A process that owns ``local_dir`` maps the segments its predecessor left as its own buffers, in a
-background thread (:meth:`ckpt.stage.HostPool.adopt_ahead`), with ``checked=False``: the RAM kept those
+background thread (:meth:`ckpt.pool.HostPool.adopt_ahead`), with ``checked=False``: the RAM kept those
 bytes across the restart, this process never wrote them. What must hold whatever happens:
 
 * a restore never serves a byte of an adopted segment that fails its chunk checksum, whichever chunk it
@@ -36,9 +36,10 @@ import torch
 
 import ckpt
 from ckpt import shm
+from ckpt import pool as pool_mod
 from ckpt import stage as stage_mod
 from ckpt.errors import CorruptCheckpointError, NoCheckpointError
-from ckpt.stage import HostPool
+from ckpt.pool import HostPool
 from ckpt.tiers import LocalTier
 from ckpt.tiers import memory as memory_mod
 from ckpt.tiers.memory import MemoryTier, space_for
@@ -106,7 +107,7 @@ def _unflipped(path: Path, offset: int, mask: int = 0x10) -> int:
         return f.read(1)[0] ^ mask
 
 
-def _take_over(ck: ckpt.Checkpointer) -> dict[int, stage_mod.HostBuffer]:
+def _take_over(ck: ckpt.Checkpointer) -> dict[int, pool_mod.HostBuffer]:
     """Own local_dir (what a collective job's Checkpointer does when it is made, a single process at its
     first save), wait for the background takeover, and return the adopted buffers by step."""
     ck._own_local()

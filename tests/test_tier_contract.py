@@ -23,7 +23,7 @@ import ckpt
 from ckpt import shm
 from ckpt.errors import CheckpointError, CorruptCheckpointError
 from ckpt.policy import Retention, Timeline, prune
-from ckpt.stage import HostPool
+from ckpt.pool import HostPool
 from ckpt.tiers import LocalTier, MemoryTier, RemoteTier
 from ckpt.tiers.base import PersistingTier, StepInfo, Tier, TierFigures, registered
 from ckpt.tiers.memory import space_for

@@ -1,6 +1,6 @@
 """The memory tier: the newest snapshots, in host memory, readable after the process dies.
 
-Each host buffer of the snapshot pool (:class:`ckpt.stage.HostPool`) holds at most one whole
+Each host buffer of the snapshot pool (:class:`ckpt.pool.HostPool`) holds at most one whole
 snapshot. In this process the memory tier needs no I/O and no checksum pass: when it is at least
 as new as anything on disk, restore uses it first, at host-to-device bandwidth. When the buffers
 are shared-memory segments (:mod:`ckpt.shm`, the default on Linux), each committed snapshot also
@@ -30,7 +30,7 @@ from ..format import ItemRecord, Manifest
 from ..integrity import checksum
 from ..policy import Committed, Timeline
 from ..scatter import Scatter
-from ..stage import HostBuffer, HostPool, SharedSpace
+from ..pool import HostBuffer, HostPool, SharedSpace
 from .base import StepInfo, Tier, TierFigures, register
 
 __all__ = ["MemoryTier", "space_for"]

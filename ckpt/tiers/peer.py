@@ -6,7 +6,7 @@ and holds the snapshots of rank ``(r - jump) % world`` (its *source*). With ``ju
 the replica lives on the next node: a node that is lost for good (its RAM and NVMe with it) gets
 each of its ranks' newest snapshot back from the holders' RAM at restore.
 
-The holder keeps the replicas in a snapshot pool of its own (:class:`ckpt.stage.HostPool`, two
+The holder keeps the replicas in a snapshot pool of its own (:class:`ckpt.pool.HostPool`, two
 buffers), as shared-memory segments named from its ``local_dir`` and the source rank
 (``ckpt-<hash>-p<source>-s<slot>``, :func:`ckpt.shm.replica_prefix`), so a replica outlives the
 holder's process too, and a :class:`~ckpt.tiers.memory.MemoryTier` over them lists, verifies and
@@ -52,7 +52,7 @@ from ..errors import CheckpointError, CorruptCheckpointError
 from ..format import Manifest
 from ..integrity import checksum
 from ..policy import Committed, Timeline, TimelineCopies
-from ..stage import HostPool, SharedSpace
+from ..pool import HostPool, SharedSpace
 from .base import PersistingTier, StepInfo, Tier, register
 from .memory import MemoryTier, _scatter, _to_device
 
