@@ -241,7 +241,10 @@ def _torchrun(args: argparse.Namespace, mode: str, out: Path, reference: bool) -
     if reference:
         cmd.append("--reference")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(HERE.parent), str(HERE), os.environ.get("PYTHONPATH", "")]),
-               CUBLAS_WORKSPACE_CONFIG=":4096:8", PYTHONUNBUFFERED="1")
+               CUBLAS_WORKSPACE_CONFIG=":4096:8", PYTHONUNBUFFERED="1",
+               # a fresh store per restart (docs/guides/launchers.md): with the agent's store shared, a restarted
+               # worker can read its peer's address from the killed attempt and its init_process_group fails
+               TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
     t0 = time.time()
     what = f"torchrun ({mode}, {'reference' if reference else 'killed'})"
     log = out / "torchrun.log"
