@@ -657,11 +657,13 @@ def orphans(root: Path | None = None, skip: str | None = None) -> list[Orphan]:
 
 def sweep_orphans(root: Path | None = None, skip: str | None = None) -> int:
     """Free the segments of :func:`orphans` that no job can use (their directory is gone) or that are older
-    than ``CKPT_SHM_ORPHAN_S``, and name the others in the log (once per group and process); returns the
-    bytes of RAM given back. The policy of a job's first save (``Checkpointer``, once it owns its
-    local_dir), documented in docs/guides/memory.md."""
+    than ``CKPT_SHM_ORPHAN_S``, and name the others in the log, in one warning (each group once per process;
+    the first :data:`NAMED_AT_MOST` by directory, the rest counted: a node that many dead jobs left RAM on
+    gets one line, not one per job); returns the bytes of RAM given back. The policy of a job's first save
+    (``Checkpointer``, once it owns its local_dir), documented in docs/guides/memory.md."""
     limit = knobs.get("CKPT_SHM_ORPHAN_S")
     freed = 0
+    named: list[SegmentInfo] = []
     for o in orphans(root, skip):
         g = o.group
         if o.why == "directory gone" or (limit > 0 and o.age_s > limit):
@@ -671,13 +673,21 @@ def sweep_orphans(root: Path | None = None, skip: str | None = None) -> int:
                      n / 1e9, o.why, g.local_dir or "no readable record", o.age_s / 3600, g.prefix)
         elif g.prefix not in _NAMED:
             _NAMED.add(g.prefix)
-            log.warning("%.2f GB of RAM in %s hold snapshots of %s (steps %s), whose job is not running: the next "
-                        "job on that directory restores from them. `ckpt gc --memory %s` frees them now; they are "
-                        "freed by themselves %.0f h after their last write (CKPT_SHM_ORPHAN_S)", g.nbytes / 1e9,
-                        (root or shm_root()), g.local_dir, sorted(r.step for r in g.records), g.local_dir,
-                        limit / 3600)
+            named.append(g)
+    if named:
+        shown = "; ".join(f"{g.local_dir} (steps {sorted(r.step for r in g.records)}, {g.nbytes / 1e9:.2f} GB)"
+                          for g in named[:NAMED_AT_MOST])
+        more = f"; and {len(named) - NAMED_AT_MOST} more (`ckpt ls --memory` lists them)" \
+            if len(named) > NAMED_AT_MOST else ""
+        log.warning("%.2f GB of RAM in %s hold snapshots of %d job(s) that are not running: %s%s. The next job on "
+                    "each directory restores from them; `ckpt gc --memory DIR` frees them now, and they are freed "
+                    "by themselves %.0f h after their last write (CKPT_SHM_ORPHAN_S)",
+                    sum(g.nbytes for g in named) / 1e9, root or shm_root(), len(named), shown, more, limit / 3600)
     return freed
 
+
+#: groups of segments :func:`sweep_orphans` names by directory in its one warning
+NAMED_AT_MOST = 5
 
 _NAMED: set[str] = set()   # groups sweep_orphans named already in this process
 

@@ -25,6 +25,22 @@ def pytest_configure(config: pytest.Config) -> None:
         os.environ["CKPT_SHM_DIR"] = config._ckpt_shm_dir = d
 
 
+@pytest.fixture(autouse=True)
+def _free_the_ram_of_dead_test_jobs(request):
+    """After each test, the memory-tier segments that no live process uses any more (a worker the test
+    killed, a Checkpointer closed keeping its RAM) are freed: the next test's jobs then start on a node as
+    clean as a real one, instead of one where hundreds of dead jobs left RAM (which every job's first save
+    looks at, and names)."""
+    yield
+    root = getattr(request.config, "_ckpt_shm_dir", None)
+    if root is None or os.environ.get("CKPT_SHM_DIR") != root:
+        return
+    from ckpt import shm
+
+    for o in shm.orphans():
+        shm.free(None, o.group.prefix)
+
+
 def pytest_unconfigure(config: pytest.Config) -> None:
     d = getattr(config, "_ckpt_shm_dir", None)
     if d is not None:

@@ -189,6 +189,7 @@ def kill_after(proc: subprocess.Popen, line: str, timeout: float = 120.0) -> Non
     import threading
 
     found = threading.Event()
+    errors: list[str] = []
 
     def read() -> None:
         for got in proc.stdout:
@@ -196,13 +197,19 @@ def kill_after(proc: subprocess.Popen, line: str, timeout: float = 120.0) -> Non
                 found.set()
                 return
 
+    def drain() -> None:   # a worker blocked writing a full stderr pipe would never print the line
+        for got in proc.stderr:
+            errors.append(got)
+
     reader = threading.Thread(target=read, daemon=True)
     reader.start()
+    if proc.stderr is not None:
+        threading.Thread(target=drain, daemon=True).start()
     reader.join(timeout)
     proc.kill()
     proc.wait(timeout=60)
     if not found.is_set():
-        err = proc.stderr.read()[-3000:] if proc.stderr is not None else ""
+        err = "".join(errors)[-3000:]
         raise AssertionError(f"the worker did not print {line!r} within {timeout:.0f} s (status {proc.returncode})"
                              f"{': ' + err if err else ''}")
 

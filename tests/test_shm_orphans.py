@@ -140,3 +140,20 @@ def test_a_restarted_job_does_not_take_a_late_ranks_ram_for_a_dead_jobs(ram, tmp
     assert_ok(restarted)
     assert [r.stdout.split() for r in restarted] == [["warnings", "0"], ["warnings", "0"]]
     assert len(shm.segments(ram)) == 2   # both ranks' snapshots are still there
+
+
+def test_many_dead_jobs_are_named_in_one_line(ram, tmp_path, gone, caplog):
+    """A node that dead jobs left RAM on (a test machine, a shared node) gets one warning naming a few
+    directories and counting the rest, not a line per job: a process whose stderr nobody reads yet must
+    not fill its pipe with them."""
+    dirs = [tmp_path / f"job{i}" for i in range(shm.NAMED_AT_MOST + 3)]
+    for d in dirs:
+        _leave(d, steps=(1,))
+    shm._NAMED.clear()
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="ckpt"):
+        assert shm.sweep_orphans() == 0
+    [warned] = [r for r in caplog.records if r.levelno >= logging.WARNING]
+    text = warned.getMessage()
+    assert sum(str(d) + " " in text for d in dirs) == shm.NAMED_AT_MOST
+    assert str(len(dirs)) in text and set(_groups(ram)) == {str(d) for d in dirs}
