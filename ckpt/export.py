@@ -17,6 +17,8 @@ See ``docs/export.md``.
 
 from __future__ import annotations
 
+import abc
+
 import errno
 import functools
 import json
@@ -696,13 +698,16 @@ def _shard_names(n: int) -> list[str]:
     return [f"model-{k + 1:05d}-of-{n:05d}.safetensors" for k in range(n)]
 
 
-class _Writer:
+class _Writer(abc.ABC):
+    """Writes an export's files into ``stage``, one format per subclass."""
+
     def __init__(self, plan: _Plan) -> None:
         self.plan = plan
 
+    @abc.abstractmethod
     def write(self, stage: Path, src: _Source, cast: torch.dtype | None, limit: int,
               progress: bool) -> dict[str, Any]:
-        raise NotImplementedError
+        """Write the files; returns the export's index (what ``ExportInfo`` reports)."""
 
     def _progress(self, groups: list[list[_Tensor]], src: _Source, progress: bool) -> Progress:
         enabled = progress and wanted()
