@@ -29,6 +29,7 @@ Usage::
 
     python benchmarks/bench_recovery.py                      # every GPU of the machine, the three modes
     python benchmarks/bench_recovery.py --modes ours,dcp --kill-step 37
+    python benchmarks/bench_recovery.py --shape 8b --batch 2 --modes ours,dcp
     python benchmarks/bench_recovery.py --smoke              # 2 CPU processes (gloo), a tiny model
 """
 
@@ -111,8 +112,12 @@ def worker(args: argparse.Namespace) -> None:
     dist.init_process_group("cpu:gloo,cuda:nccl" if cuda else "gloo")
     ev("pg")
     torch.use_deterministic_algorithms(True, warn_only=True)
+    if cuda:   # the fused attention kernels' backward passes are not deterministic under warn_only: the math one is
+        torch.backends.cuda.enable_cudnn_sdp(False)
+        torch.backends.cuda.enable_flash_sdp(False)
+        torch.backends.cuda.enable_mem_efficient_sdp(False)
     dev = "cuda" if cuda else "cpu"
-    model = build_model(args.smoke)
+    model = build_model(args.smoke) if args.shape == "1.24b" else _build_8b()
     mesh = init_device_mesh(dev, (world,))
     for layer in model.model.layers:
         fully_shard(layer, mesh=mesh)
@@ -209,6 +214,26 @@ def worker(args: argparse.Namespace) -> None:
     dist.destroy_process_group()
 
 
+def _build_8b():
+    """The Llama-3 8B shape (bf16, on this rank's GPU, seeded as build_model seeds)."""
+    import torch
+    import transformers
+
+    cfg = transformers.LlamaConfig(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                                   num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=128256,
+                                   max_position_embeddings=131072, rope_theta=500000.0, tie_word_embeddings=False,
+                                   rms_norm_eps=1e-5, attn_implementation="sdpa")
+    torch.manual_seed(0)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device("cuda"):
+            m = transformers.LlamaForCausalLM(cfg)
+    finally:
+        torch.set_default_dtype(default)
+    return m.train()
+
+
 def ckpt_flat(tree: Any, prefix: str = "") -> dict[str, Any]:
     """The tensors of a nested dict/list, by dotted path."""
     import torch
@@ -235,7 +260,8 @@ def _torchrun(args: argparse.Namespace, mode: str, out: Path, reference: bool) -
            f"--max-restarts={0 if reference else 3}", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",
            "--monitor-interval=0.1", str(Path(__file__).resolve()), "--worker", "--mode", mode, "--out", str(out),
            "--steps", str(args.steps), "--every", str(args.every), "--kill-step", str(args.kill_step),
-           "--kill-rank", str(args.kill_rank), "--batch", str(args.batch), "--seq", str(args.seq)]
+           "--kill-rank", str(args.kill_rank), "--batch", str(args.batch), "--seq", str(args.seq),
+           "--shape", args.shape]
     if args.smoke:
         cmd.append("--smoke")
     if reference:
@@ -339,6 +365,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kill-rank", type=int, default=None, help="default: random")
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--seq", type=int, default=2048)
+    p.add_argument("--shape", choices=("1.24b", "8b"), default="1.24b", help="the Llama shape (8b: Llama-3 8B)")
     p.add_argument("--timeout", type=float, default=900)
     p.add_argument("--smoke", action="store_true", help="CPU, gloo, a tiny model")
     p.add_argument("--csv", default=None, help="results file (default benchmarks/results.csv)")
@@ -355,6 +382,8 @@ def main(argv: list[str] | None = None) -> int:
         import torch
 
         args.nproc = args.nproc or torch.cuda.device_count()
+    if args.smoke and args.shape != "1.24b":
+        p.error("--smoke builds a tiny model; leave --shape out")
     rng = random.Random()
     if args.kill_step is None:
         args.kill_step = rng.randrange(args.every + 1, args.steps - args.every)
@@ -363,37 +392,49 @@ def main(argv: list[str] | None = None) -> int:
     from harness import record, table
 
     rows, results = [], {}
+    case = f"{'tiny' if args.smoke else args.shape.upper()} Llama, FSDP2 x{args.nproc}"
+    modes = args.modes.split(",")
     shm_dir = Path(tempfile.mkdtemp(prefix="ckpt-bench-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None))
     os.environ["CKPT_SHM_DIR"] = str(shm_dir)
+
+    def clear_ram() -> None:
+        for f in shm_dir.iterdir():
+            f.unlink()
+
     try:
-        for mode in args.modes.split(","):
-            with tempfile.TemporaryDirectory(prefix=f"recovery-{mode}-") as d:
-                ref_out, run_out = Path(d, "ref"), Path(d, "run")
-                ref_out.mkdir()
+        with tempfile.TemporaryDirectory(prefix="recovery-") as d:
+            # one uninterrupted run is the reference of every mode: checkpointing changes no number of training
+            ref_out = Path(d, "ref")
+            ref_out.mkdir()
+            took = _torchrun(args, modes[0], ref_out, reference=True)
+            print(f"reference ({modes[0]}, uninterrupted): {took:.1f} s", flush=True)
+            shutil.rmtree(ref_out / modes[0], ignore_errors=True)   # its checkpoints (a disk holds one run's)
+            clear_ram()
+            ref = _events(ref_out)
+            for mode in modes:
+                run_out = Path(d, mode)
                 run_out.mkdir()
-                _torchrun(args, mode, ref_out, reference=True)
-                for f in shm_dir.iterdir():
-                    f.unlink()
-                _torchrun(args, mode, run_out, reference=False)
-                for f in shm_dir.iterdir():
-                    f.unlink()
-                results[mode] = r = analyse(_events(ref_out), _events(run_out), args.nproc)
-            case = f"{'tiny' if args.smoke else '1.24B'} Llama, FSDP2 x{args.nproc}"
-            note = (f"{args.nproc} ranks, kill of rank {args.kill_rank} after step {r['kill_step']}, every "
-                    f"{args.every}; restored {r['restored']} from {sorted(set(map(str, r['tiers'].values())))}; "
-                    f"bit-identical {r['bit_identical']}")
-            rows.append({"case": case, "provider": mode, "metric": "kill to next good step", "value": r["kill_to_step_s"], "unit": "s",
-                         "note": note})
-            for k, v in r["phases"].items():
-                rows.append({"case": case, "provider": mode, "metric": k, "value": v, "unit": "s", "note": ""})
-            rows.append({"case": case, "provider": mode, "metric": "steps lost", "value": r["steps_lost"], "unit": "", "note": ""})
+                took = _torchrun(args, mode, run_out, reference=False)
+                clear_ram()
+                results[mode] = r = analyse(ref, _events(run_out), args.nproc)
+                shutil.rmtree(run_out, ignore_errors=True)
+                note = (f"{args.nproc} ranks, kill of rank {args.kill_rank} after step {r['kill_step']}, every "
+                        f"{args.every}; restored {r['restored']} from {sorted(set(map(str, r['tiers'].values())))}; "
+                        f"bit-identical {r['bit_identical']}")
+                got = [{"case": case, "provider": mode, "metric": "kill to next good step",
+                        "value": r["kill_to_step_s"], "unit": "s", "note": note}]
+                got += [{"case": case, "provider": mode, "metric": k, "value": v, "unit": "s", "note": ""}
+                        for k, v in r["phases"].items()]
+                got.append({"case": case, "provider": mode, "metric": "steps lost", "value": r["steps_lost"],
+                            "unit": "", "note": ""})
+                print(f"{mode}: run {took:.1f} s; kill to next good step {r['kill_to_step_s']:.2f} s; "
+                      f"restore phases by rank {json.dumps(r['restore_phases'])}", flush=True)
+                if not args.smoke:   # each mode as soon as it is measured: a later one that fails loses none
+                    record("bench_recovery", got, args.csv)
+                rows += got
     finally:
         shutil.rmtree(shm_dir, ignore_errors=True)
     print(table(rows, ["provider", "metric", "value", "unit", "note"]))
-    for mode, r in results.items():
-        print(mode, "restore phases by rank:", json.dumps(r["restore_phases"]))
-    if not args.smoke:
-        record("bench_recovery", rows, args.csv)
     bad = [m for m, r in results.items() if not r["bit_identical"]]
     if bad:
         print("NOT bit-identical to the uninterrupted run:", bad)
