@@ -10,7 +10,8 @@ worker again; each restores and trains on to ``--steps``. Every worker appends w
 * **kill to next good step**: seconds from the kill to the first step completed after the restart by
   every rank (the slowest), split into the agent (kill to the new worker's process start: detection,
   stopping the others, the rendezvous), the worker's start (interpreter and imports), the process-group
-  init, the model build, the restore (and the phases ``last_restore`` names) and the first step;
+  init, the model build, the restore (and the phases ``last_restore`` names) and the first step, each
+  ending when the slowest rank ends it (the critical path: they add up to the whole);
 * the steps lost (the kill step minus the step restored);
 * whether the run ends bit-identical to an uninterrupted run of the same job (a digest of every rank's
   shards and optimizer state after the last step).
@@ -329,13 +330,17 @@ def analyse(ref: list[dict], run: list[dict], nproc: int) -> dict[str, Any]:
     if missing:
         raise SystemExit(f"the restarted attempt did not reach {missing} on every rank")
     last = lambda k: max(e["t"] for e in marks[k].values())   # noqa: E731 - the slowest rank decides
+    # the critical path: each phase ends when the slowest rank ends it (a collective in the next phase waits
+    # for that rank), so the phases add up to the whole; the first starts at the kill
     phases = {"agent": min(e["t"] for e in marks["start"].values()) - kill["t"]}
     order = ["start", "imported", "pg", "built", "opened", "restored", "ready", "step"]
     names = {"imported": "worker start", "pg": "process group", "built": "model build",
              "opened": "checkpointer", "restored": "restore",
              "ready": "agree", "step": "first step"}
-    for a, b in zip(order, order[1:]):
-        phases[names[b]] = max(marks[b][r]["t"] - marks[a][r]["t"] for r in range(nproc))
+    prev = min(e["t"] for e in marks["start"].values())
+    for b in order[1:]:
+        phases[names[b]] = last(b) - prev
+        prev = last(b)
     restored = {e["step"] for e in marks["restored"].values()}
     digests_ref = {e["rank"]: e["digest"] for e in ref if e["event"] == "end"}
     digests = {r: e["digest"] for r, e in marks["end"].items()}
@@ -369,6 +374,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--timeout", type=float, default=900)
     p.add_argument("--smoke", action="store_true", help="CPU, gloo, a tiny model")
     p.add_argument("--csv", default=None, help="results file (default benchmarks/results.csv)")
+    p.add_argument("--events", default=None, help="a folder for each killed run's events (JSON lines)")
     args = p.parse_args(argv)
     if args.worker:
         worker(args)
@@ -417,6 +423,10 @@ def main(argv: list[str] | None = None) -> int:
                 took = _torchrun(args, mode, run_out, reference=False)
                 clear_ram()
                 results[mode] = r = analyse(ref, _events(run_out), args.nproc)
+                if args.events:   # every worker's events, for a look at each rank's timeline
+                    Path(args.events).mkdir(parents=True, exist_ok=True)
+                    Path(args.events, f"events-{mode}.jsonl").write_text(
+                        "".join(json.dumps(e) + "\n" for e in _events(run_out)))
                 shutil.rmtree(run_out, ignore_errors=True)
                 note = (f"{args.nproc} ranks, kill of rank {args.kill_rank} after step {r['kill_step']}, every "
                         f"{args.every}; restored {r['restored']} from {sorted(set(map(str, r['tiers'].values())))}; "

@@ -170,6 +170,11 @@ def train_loop(root: Path, args) -> None:
             taken = sum(1 for h in handles if h.status != "skipped" and h.tier_status("memory") != "failed")
             row("loop", name, "snapshots committed after warm-up", 100 * taken / max(1, len(handles)), "%",
                 f"{taken} of {len(handles)} due saves (steps 11-{args.steps}) committed to the memory tier")
+            recorded = sum(1 for h in handles if h.tier_status("memory") == "done")
+            mem = ck.tier_figures()["memory"]
+            row("loop", name, "snapshots recorded after warm-up", 100 * recorded / max(1, len(handles)), "%",
+                f"{recorded} of {len(handles)} due saves recorded in shared memory (they outlive the process); "
+                f"the rest superseded before their record ({mem.records_superseded} in the run)")
             if calls:
                 calls.sort()
                 row("loop", name, "save() call returns (median)", calls[len(calls) // 2] * 1e3, "ms",

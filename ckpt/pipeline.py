@@ -110,7 +110,9 @@ def _drop_locals(error: BaseException) -> None:
 class SaveHandle:
     """The progress of one save, tier by tier.
 
-    Tiers: ``"memory"`` (the snapshot is complete in host memory), ``"local"``, ``"peer"`` and, with a
+    Tiers: ``"memory"`` (the snapshot is complete in host memory and, in shared memory, its record written:
+    it outlives the process; ``"skipped"``, "superseded by step N", when a newer snapshot's record was
+    written first), ``"local"``, ``"peer"`` and, with a
     URL, ``"remote"``. ``status`` is ``"pending"``, ``"done"``, ``"failed"`` or ``"skipped"`` (no host
     buffer was free: the snapshot was not taken at all). A tier that does not write this snapshot
     finishes at once without error and says why in :attr:`skipped_tiers` (``tier_status(tier)`` is then
@@ -129,6 +131,7 @@ class SaveHandle:
         self._skipped = False
         self._all = threading.Event()
         self._raised: list[BaseException] = []   # errors wait() raised to its caller
+        self._urged = False   # someone waits for the memory tier (its record then goes first)
         self._lock = threading.Lock()
 
     @property
@@ -179,6 +182,8 @@ class SaveHandle:
         """:meth:`wait` for the library's own use: returns the error instead of raising it, and does not
         count it as shown to the user."""
         ev = self._all if tier is None else self._event(tier)
+        if tier in (None, "memory"):
+            self._urged = True
         if not ev.wait(timeout):
             raise TimeoutError(f"step {self.step}: tier {tier or 'all'} not done after {timeout} s")
         return self.errors.get(tier) if tier is not None else self.error
@@ -428,8 +433,10 @@ class Pipeline:
         try:
             snap.wait_copied()
             if snap.error is None:
-                self.memory.commit(snap.step, snap.manifest, snap.buffer, timeline=snap.timeline)
-                handle._finish("memory")
+                # held here at once; the record that makes it outlive the process follows in the background
+                self.memory.commit(snap.step, snap.manifest, snap.buffer, timeline=snap.timeline,
+                                   recorded=lambda why: handle._finish("memory") if why is None
+                                   else handle._skip_tier("memory", why), urgent=lambda: handle._urged)
         except BaseException as e:
             snap.error = snap.error or e
         with self._cv:
@@ -687,6 +694,9 @@ class Pipeline:
         for lane in self.lanes.values():
             lane.thread.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
         alive = any(lane.thread.is_alive() for lane in self.lanes.values())
+        # the newest snapshot's record is written (it outlives the process) where the segments stay
+        self.memory.settle(None if deadline is None else max(0.0, deadline - time.monotonic()),
+                           write=keep_shared or alive)
         # the host buffers go now; one still held by a persist that outlived `timeout`, once it is released
         self.pool.close(keep_shared=keep_shared or alive)
         return not alive

@@ -113,6 +113,9 @@ class HostBuffer:
         self.image_order = 0.0               # when it was committed (the newest is the last committed, which a
                                              # rollback's new branch makes the newest whatever its step number)
         self.record: Any = None              # its shared-memory commit record, if any
+        # told once its record is written in the background (None) or never will be (why): MemoryTier.commit
+        self.on_record: Any = None
+        self.record_urgent: Any = None       # and whether someone waits for that record (a callable)
         # its bytes are this process's own (a snapshot it copied, a replica it received and checked) or were
         # checked against their record since it was taken over; False for a segment adopted from a previous
         # process: readers check every chunk before they use it (the RAM kept it across the restart, not us)
@@ -133,12 +136,19 @@ class HostBuffer:
     def memoryview(self, nbytes: int) -> memoryview:
         return memoryview(self.tensor.numpy())[:nbytes]
 
-    def forget_image(self) -> None:
+    def forget_image(self) -> bool:
+        """Drop the snapshot this buffer holds (its image only; the record is the pool's to withdraw). Returns
+        whether it was still waiting for its record (whoever waited is told it will not be written)."""
+        callback, self.on_record, self.record_urgent = self.on_record, None, None
+        if callback is not None:   # taken back (for a newer snapshot, or freed) before its record was written
+            callback("its buffer was taken back before its record was written (it was in this process's "
+                     "memory only)")
         self.image_order = 0.0
         self.image_step = None
         self.manifest = None
         self.image_timeline = None
         self.record = None
+        return callback is not None
 
     def free(self) -> None:
         """Give the memory back now: drop the buffer and every view this object keeps of it (a
@@ -183,6 +193,7 @@ class HostPool:
         self.slots = slots
         self.limit = limit
         self.shrink = shrink
+        self.unrecorded_dropped = 0   # snapshots whose buffer was taken for a newer one before their record was written
         self.pin = torch.cuda.is_available() if pin is None else pin
         self.buffers: list[HostBuffer] = []
         self.allocations = 0
@@ -554,7 +565,8 @@ class HostPool:
             except OSError as e:
                 log.warning("could not withdraw the memory tier's record of slot %d (%s): a reader will find its "
                             "chunks rewritten and pass over it", buf.slot, e)
-        buf.forget_image()
+        if buf.forget_image():
+            self.unrecorded_dropped += 1
 
     def _free_slot(self) -> int:
         with self._cv:
@@ -585,6 +597,7 @@ class HostPool:
     def hold(self, buf: HostBuffer) -> None:
         with self._cv:
             buf.holds += 1
+            self._cv.notify_all()   # the memory tier's records prefer a buffer a tier holds (MemoryTier._pick_record)
 
     def release(self, buf: HostBuffer, staged: bool = False) -> None:
         """Drop one hold of ``buf`` (``staged``: the hold of its snapshot copy, which has landed or failed)."""

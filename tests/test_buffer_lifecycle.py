@@ -512,3 +512,70 @@ def test_sigkill_mid_copy_or_at_random_never_loses_the_newest_committed_snapshot
         got = reader.restore(st)
     assert got is not None and got >= committed
     assert torch.equal(st["a"], torch.full_like(st["a"], float(got))) and torch.equal(st["a"], st["b"])
+
+
+# -- records in the background (rule 6): committed in the process at once, crash survival one checksum behind --
+
+def _recorded_steps(local_dir) -> set[int]:
+    return {r.step for g in shm.segments(prefix=shm.prefix_for(local_dir, 0)) for r in g.records}
+
+
+def _committed(ck, timeout: float = 30.0) -> None:
+    """Until the snapshot being copied has landed and been committed (its buffer no longer staging)."""
+    deadline = time.monotonic() + timeout
+    while any(b.staging for b in ck.pool.buffers):
+        assert time.monotonic() < deadline, "a snapshot copy never landed"
+        time.sleep(0.002)
+
+
+def test_every_snapshot_is_committed_while_records_follow_and_a_waited_one_is_recorded(tmp_path, monkeypatch):
+    """A loop that never waits: every snapshot is committed in the process (a buffer is never held for its
+    checksums); each handle's memory tier ends recorded or superseded, saying which; a snapshot someone waits
+    for is recorded at once even while a slow tier holds a buffer (the record thread would otherwise wait for
+    the tier: far longer than this test allows)."""
+    from ckpt.tiers import memory
+
+    monkeypatch.setattr(memory, "RECORD_PATIENCE_S", 600.0)
+    gate = threading.Event()
+    local = GatedLocal(tmp_path / "local", gate)
+    ck = ckpt.Checkpointer(local_dir=local, every_steps=1)
+    try:
+        handles = []
+        for step in range(30):
+            handles.append(ck.maybe_save(step, _state(float(step))))
+            _committed(ck)   # a training step's time: only a record could hold a buffer now
+        handles[-1].wait("memory", timeout=60)   # the local tier still holds step 0's buffer: urged, not patient
+        assert 29 in _recorded_steps(local.root)
+        ends = [h for h in handles if h is not None and h.status != "skipped"]
+        assert len(ends) >= 28   # every step but the first allocation's: a record never holds up a copy
+        for h in ends:
+            h.wait("memory", timeout=60)
+            assert h.tier_status("memory") in ("done", "skipped")
+            if h.tier_status("memory") == "skipped":   # in this process only: says why
+                assert "before its record was written" in h.skipped_tiers["memory"]
+        fig = ck.tier_figures()["memory"]
+        assert fig.records_written >= 1
+        assert fig.records_written + fig.records_superseded >= len(ends) - 1
+    finally:
+        gate.set()
+        ck.close()
+
+
+def test_a_block_that_raises_leaves_the_newest_snapshot_recorded_and_close_leaves_no_record(tmp_path):
+    """The newest snapshot outlives a block that raised (its record is written before the block's exit
+    returns, however fast the saves came); a plain close frees the RAM and writes no record after it."""
+    run = tmp_path / "run"
+    with pytest.raises(RuntimeError):
+        with ckpt.Checkpointer(local_dir=run, every_steps=1, persist_every={"local": 1000}) as ck:
+            for step in range(1, 25):
+                ck.maybe_save(step, _state(float(step)))
+            raise RuntimeError("the loop failed")
+    assert max(_recorded_steps(run)) == 24
+    assert _restored(run)[:2] == (24, 24.0)
+    ck2 = ckpt.Checkpointer(local_dir=run, every_steps=1)
+    ck2.restore(_state())
+    for step in range(25, 40):
+        ck2.maybe_save(step, _state(float(step)))
+    ck2.close()
+    time.sleep(0.2)   # a record thread that outlived close() would write now
+    assert shm.segments(prefix=shm.prefix_for(run, 0)) == []

@@ -152,7 +152,9 @@ def test_persist_every_sets_each_tiers_cadence_and_close_writes_the_newest(tmp_p
                            persist_every={"local": 5, "remote": 10}, keep=ckpt.Retention(None, None)) as ck:
         handles = [ck.save(s, {"s": torch.tensor(s)}) for s in range(1, 13)]
         ck.wait()
-        assert handles[1].skipped_tiers == {"local": "not due", "remote": "not due"}
+        # (the memory tier may have recorded a newer snapshot first: it then says so for this one)
+        assert {t: why for t, why in handles[1].skipped_tiers.items() if t != "memory"} == \
+            {"local": "not due", "remote": "not due"}
         assert ck.tier_counts["local"].not_due == 9 and ck.tier_counts["remote"].not_due == 10
     assert local.committed_steps() == [12, 11, 6, 1]
     assert ck.remote.committed_steps() == [12, 11, 1]

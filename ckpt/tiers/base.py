@@ -59,6 +59,9 @@ class TierFigures:
     The memory tier also says (``None`` on the other tiers): ``buffers``, its host buffers (each the size of
     the state); ``snapshots_skipped``, saves skipped because no buffer was free; ``records_failed``,
     snapshots that stayed in this process only (their record could not be written in the RAM file system);
+    ``records_written``, records written in the background (each makes a snapshot outlive the process);
+    ``records_superseded``, snapshots a newer one replaced before their record was written (every snapshot
+    is committed in this process; at a snapshot every step, records follow as fast as checksums allow);
     ``gives_up``, what it gives up with fewer than three buffers (``None``: nothing)."""
 
     name: str
@@ -74,6 +77,8 @@ class TierFigures:
     buffers: int | None = None
     snapshots_skipped: int | None = None
     records_failed: int | None = None
+    records_written: int | None = None
+    records_superseded: int | None = None
     gives_up: str | None = None
 
 

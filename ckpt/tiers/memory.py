@@ -19,6 +19,8 @@ import logging
 import os
 import queue
 import threading
+import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -36,6 +38,10 @@ from .base import StepInfo, Tier, TierFigures, register
 __all__ = ["MemoryTier", "space_for"]
 
 log = logging.getLogger(__name__)
+
+#: seconds the memory tier's background records wait, at most, for a buffer to spare before the newest
+#: snapshot's record is written anyway (see MemoryTier._pick_record): about one write of the local tier
+RECORD_PATIENCE_S = 5.0
 
 
 @register
@@ -61,13 +67,30 @@ class MemoryTier(Tier):
         self.records_failed = 0      # snapshots whose record could not be written (they did not outlive the process)
         self.skipped = 0             # saves skipped: no buffer was free (counted by the Checkpointer)
         self._record_error: tuple | None = None   # the cause of the last such failure (logged loudly when it changes)
+        # the records written in the background (commit(..., recorded=...)): the thread writing them, whether
+        # the pipeline is closing (the newest is then recorded whatever it costs), and the counts
+        self._recorder: threading.Thread | None = None
+        self._settling = False
+        self._abandon = False
+        self.records_written = 0     # records written in the background
+        self.records_superseded = 0  # snapshots a newer one replaced before their record was written
 
     # -- commit -----------------------------------------------------------------------------------
     def commit(self, step: int, manifest: Manifest, buffer: HostBuffer, checksums: list[int] | None = None,
-               timeline: Timeline | None = None, record_required: bool = False) -> None:
+               timeline: Timeline | None = None, record_required: bool = False,
+               recorded: Callable[[str | None], None] | None = None,
+               urgent: Callable[[], bool] | None = None) -> None:
         """Mark ``buffer`` as holding the complete, fenced snapshot of ``step``; a shared-memory buffer
         gets its record (chunk checksums computed now, or ``checksums`` already checked against the
         bytes) before the snapshot counts as held. ``timeline``: the snapshot's (default: this tier's).
+
+        ``recorded`` (a snapshot just taken by this process): the snapshot counts as held in this process at
+        once, and its record (what makes it outlive the process) is written in the background, by one thread,
+        newest first: ``recorded(None)`` once it is, ``recorded(reason)`` when a newer snapshot was recorded
+        first or its buffer was taken back (this one then lives in this process's memory only). Checksumming a
+        large snapshot takes longer than a training step; the copy's buffer is free for the next snapshot
+        meanwhile. Without shared memory (nothing to record) ``recorded(None)`` is called at once. ``urgent()``
+        says whether someone waits for the record (``handle.wait("memory")``): it then goes before the rest.
 
         A record the RAM file system refuses costs the snapshot its crash survival only (it is held in this
         process, said once in the log, counted in :attr:`records_failed`), unless ``record_required`` (a
@@ -77,7 +100,8 @@ class MemoryTier(Tier):
         record = None
         space = self.pool.shared
         timeline = self.timeline if timeline is None else timeline
-        if buffer.segment is not None and space is not None:
+        later = recorded is not None and checksums is None and buffer.segment is not None and space is not None
+        if buffer.segment is not None and space is not None and not later:
             sums = checksums if checksums is not None else \
                 shm.chunk_checksums(buffer.tensor, manifest.data_bytes, manifest.chunk_bytes, background=True)
             held = dataclasses.replace(manifest, chunks=sums)
@@ -102,6 +126,126 @@ class MemoryTier(Tier):
                 if b is not buffer and b.image_step == step and (b.image_timeline or Timeline()) == timeline \
                         and not b.holds:
                     self.pool._withdraw(b, shm)
+            if later:
+                buffer.on_record, buffer.record_urgent = recorded, urgent
+                self._kick()
+        if recorded is not None and not later:
+            recorded(None)
+
+    # -- records written in the background ----------------------------------------------------------
+    def _kick(self) -> None:
+        """(under the pool's lock) Start the recording thread if none runs."""
+        if self._recorder is None or not self._recorder.is_alive():
+            # a daemon: at exit the pipelines are closed first (Pipeline.close settles the records), and a
+            # process that exits without that loses only records, which the next process does without
+            self._recorder = threading.Thread(target=self._record_loop, name="ckpt-memory-record", daemon=True)
+            self._recorder.start()
+        self.pool._cv.notify_all()
+
+    def _pick_record(self, waited: float) -> tuple[str, HostBuffer | None]:
+        """(under the pool's lock) What the recording thread does next: ``("record", buf)``, write ``buf``'s
+        record (the callbacks of older snapshots waiting for theirs are told they were superseded);
+        ``("wait", None)``, wait for a tier to let go of a buffer or take the newest; ``("idle", None)``,
+        nothing waits. ``waited``: seconds this thread has waited so far for the snapshot it would record.
+
+        The newest snapshot waiting for its record goes first. Holding its buffer while its checksums run
+        costs a buffer once a newer snapshot is committed (the newest is never taken for a copy anyway): it
+        needs three (the one recorded, the newest, the next copy's) plus one per buffer a tier reads. Short of
+        that, the newest one someone waits for goes first, then a snapshot a tier already reads (the local
+        tier's), at no cost; else the thread waits for a tier to let go or take the newest, at most
+        :data:`RECORD_PATIENCE_S`. When closing, or with fewer than three buffers (crash survival first), the
+        newest is recorded whatever it costs."""
+        waiting = sorted((b for b in self.pool.buffers if b.on_record is not None and b.image_step is not None),
+                         key=lambda b: -b.image_order)
+        if self._abandon:   # closing without keeping the segments: no record would outlive the close
+            for b in waiting:
+                callback, b.on_record = b.on_record, None
+                callback("the memory tier closed (freeing its RAM) before its record was written")
+            return "idle", None
+        if not waiting:
+            return "idle", None
+        newest = waiting[0]
+        read = [b for b in self.pool.buffers if b is not newest and b.holds > (1 if b.staging else 0)]
+        pick: HostBuffer | None = newest
+        if not (self._settling or self.pool._closed or newest.holds > 0 or self.pool.slots < 3
+                or self.pool.slots >= 3 + len(read) or waited >= RECORD_PATIENCE_S):
+            pick = next((b for b in waiting if b.record_urgent is not None and b.record_urgent()), None) or \
+                next((b for b in waiting if b.holds > 0 and not b.staging), None)
+            if pick is None:
+                return "wait", None
+        for b in waiting:
+            if b.image_order < pick.image_order:
+                callback, b.on_record = b.on_record, None
+                self.records_superseded += 1
+                callback(f"superseded by step {pick.image_step} before its record was written (it was in this "
+                         f"process's memory only)")
+        return "record", pick
+
+    def _record_loop(self) -> None:
+        from .. import priority
+
+        priority.lower_this_thread()   # a checksum pass over the whole snapshot, beside training
+        cv = self.pool._cv
+        while True:
+            with cv:
+                since = time.monotonic()
+                while True:
+                    what, buf = self._pick_record(time.monotonic() - since)
+                    if what != "wait":
+                        break
+                    cv.wait(0.05)   # a tier lets go of a buffer or takes the newest, or a newer one is committed
+                if buf is None:
+                    self._recorder = None
+                    cv.notify_all()
+                    return
+                buf.holds += 1
+                callback, buf.on_record, buf.record_urgent = buf.on_record, None, None
+                step, timeline, manifest, space = buf.image_step, buf.image_timeline, buf.manifest, self.pool.shared
+            reason = None
+            try:
+                if space is None:   # the pool closed meanwhile (its segments are gone or kept unrecorded)
+                    reason = "the memory tier closed before its record was written"
+                else:
+                    sums = shm.chunk_checksums(buf.tensor, manifest.data_bytes, manifest.chunk_bytes, background=True)
+                    held = dataclasses.replace(manifest, chunks=sums)
+                    try:
+                        record = shm.write_record(space.root, space.prefix, buf.slot, step, timeline, held,
+                                                  space.local_dir)
+                    except OSError as e:   # as commit's: held in this process only, said once, counted
+                        self._record_failed(step, space, held, e)
+                    else:
+                        with cv:
+                            buf.record = record
+                            self.records_written += 1
+                    if len(manifest.chunks) != len(sums):
+                        manifest.chunks = sums   # the tiers that read this buffer next (the peer tier) reuse them
+            except BaseException as e:   # noqa: BLE001 - the snapshot stays in this process's memory
+                self.records_failed += 1
+                log.warning("the record of step %d in the memory tier failed (%s: %s): it is in this process's "
+                            "memory only", step, type(e).__name__, e)
+            finally:
+                self.pool.release(buf)
+            callback(reason)
+
+    def settle(self, timeout: float | None = None, write: bool = True) -> bool:
+        """Write the record of the newest snapshot still waiting for one, whatever buffers that holds (close:
+        no copy comes after), and wait until no record is being written; ``write=False`` (a close that frees
+        the segments): write none, only wait for the one being written. Returns False when ``timeout``
+        (seconds) ran out first."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self.pool._cv:
+            self._settling = True
+            self._abandon = not write
+            if not write and (self._recorder is None or not self._recorder.is_alive()):
+                self._pick_record(0.0)   # no thread to tell the waiting snapshots: tell them here
+            self.pool._cv.notify_all()
+            while self._recorder is not None and self._recorder.is_alive():
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    return False
+                self.pool._cv.wait(0.05 if left is None else min(0.05, left))
+            self._settling = False
+        return True
 
     def _record_failed(self, step: int, space: SharedSpace, held: Manifest, error: OSError) -> None:
         """A record could not be written (``/dev/shm`` full, a foreign entry at its name): the snapshot stays in
@@ -271,7 +415,9 @@ class MemoryTier(Tier):
             gives_up = ("one buffer: a new snapshot is skipped while a tier reads the previous one and otherwise "
                         "takes its buffer; a snapshot that then fails leaves the memory tier empty")
         return dataclasses.replace(super().figures(), buffers=slots, snapshots_skipped=self.skipped,
-                                   records_failed=self.records_failed, gives_up=gives_up)
+                                   records_failed=self.records_failed, gives_up=gives_up,
+                                   records_written=self.records_written,
+                                   records_superseded=self.records_superseded + self.pool.unrecorded_dropped)
 
     def newest(self) -> tuple[int, Manifest] | None:
         buf = self.pool.newest_image()
