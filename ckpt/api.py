@@ -15,6 +15,7 @@ import secrets
 import threading
 import time
 import zlib
+import sys
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Callable, Mapping
@@ -24,14 +25,14 @@ import torch
 from . import knobs, shm
 from .config import Policy, Storage, merge
 from .errors import (CheckpointError, CorruptCheckpointError, IncompatibleCheckpointError, IncompleteCheckpointError,
-                     LockedError, NoCheckpointError)
+                     LockedError, NoCheckpointError, Preempted)
 from .format import Manifest, data_name
 from .metrics import Metrics, Record
 from .pipeline import Pipeline, SaveHandle
 from .plan import flatten, layout
 from .policy import (AutoInterval, Committed, Interval, Retention, TierCadence, Timeline, live_and_abandoned,
                      prune)
-from .preempt import PreemptionGuard, Signals, drain, save_on_request
+from .preempt import PreemptionGuard, Signals, drain, drain_outside, save_on_request
 from .ranks import Ranks, check_elastic_store, distributed_world
 from .restore import AgreedRestore, RestoreInfo, listing as _listing, restore as _restore
 from .restore import resume_timeline as _resume_timeline
@@ -327,6 +328,10 @@ class Checkpointer:
         self.drain_tier = self.signals.drain_tier
         self.on_preempt = self.signals.on_preempt
         self._guard: PreemptionGuard | None = None
+        self._preempt_watch: tuple[threading.Thread, threading.Event] | None = None
+        self._drain_lock = threading.Lock()
+        self._draining: str | None = None        # "loop" or "outside": who drains a preemption
+        self._outside: Preempted | None = None   # a drain outside the loop, for the next maybe_save to raise
         self._forcing = False   # a signal's save: never skipped (if_busy="skip"), it waits for a buffer
         self._metrics = Metrics(on_metrics)
         self.on_unsupported = on_unsupported
@@ -435,11 +440,45 @@ class Checkpointer:
         if self._guard is None and any(wanted):
             self._guard = PreemptionGuard(*wanted)
             self._guard.install()
+            if wanted[0] and self.signals.outside_loop_after is not None:
+                stop = threading.Event()
+                watcher = threading.Thread(target=self._watch_preemption, args=(self._guard, stop),
+                                           name="ckpt-preempt-watch", daemon=True)
+                self._preempt_watch = (watcher, stop)
+                watcher.start()
 
     def _unlisten(self) -> None:
         guard, self._guard = self._guard, None
         if guard is not None:
             guard.uninstall()
+        watch, self._preempt_watch = self._preempt_watch, None
+        if watch is not None:
+            watch[1].set()
+
+    def _watch_preemption(self, guard: PreemptionGuard, stop: threading.Event) -> None:
+        """A preemption that no maybe_save() acted on within ``signals.outside_loop_after`` seconds: drain
+        the newest snapshot in RAM from this thread, then exit (or leave :class:`Preempted` for the next
+        maybe_save to raise). See :class:`~ckpt.preempt.Signals`."""
+        while not stop.wait(0.1):
+            signum, since = guard.received, guard.received_at
+            if signum is None or since is None or time.monotonic() - since < self.signals.outside_loop_after:
+                continue
+            with self._drain_lock:
+                if self._draining is not None:
+                    return
+                self._draining = "outside"
+            step, durable = drain_outside(lambda tier: self._pipeline.flush(tiers=(tier,)), signum, self.signals,
+                                          since)
+            if self.signals.on_preempt == "exit":
+                for h in logging.getLogger().handlers + logging.getLogger("ckpt").handlers:
+                    with contextlib.suppress(Exception):
+                        h.flush()
+                for f in (sys.stdout, sys.stderr):
+                    with contextlib.suppress(Exception):
+                        f.flush()
+                os._exit(128 + signum)   # the main thread is elsewhere: no unwinding, the RAM stays
+            self._outside = Preempted(signum, step if step is not None else -1, durable)
+            return
 
     # -- saving ---------------------------------------------------------------------------------------
     def maybe_save(self, step: int, state: Mapping[str, Any], *, final: bool = False) -> SaveHandle | None:
@@ -480,9 +519,20 @@ class Checkpointer:
         """:meth:`maybe_save` without its check of a policy (the Hugging Face callback's own saves follow the
         Trainer's save schedule, and call it for the signals and ``every_steps`` alone)."""
         self._metrics.poll()
+        if self._outside is not None:   # drained outside the loop, on_preempt="raise"
+            raise self._outside
         if self._guard is not None and self._guard.active:
             preempt, requested = self._guard.poll(self.ranks)   # collective over the ranks' CPU group
             if preempt:   # wins over a save request
+                with self._drain_lock:
+                    outside = self._draining == "outside"
+                    self._draining = self._draining or "loop"
+                if outside:   # the watcher drains the newest snapshot in RAM: it exits or leaves Preempted
+                    watch = self._preempt_watch
+                    if watch is not None:
+                        watch[0].join()
+                    if self._outside is not None:
+                        raise self._outside
                 drain(lambda: self._forced_save(step, state, self.signals.drain_tier), step, preempt, self.signals,
                       self._guard)
             if requested:

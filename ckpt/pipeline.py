@@ -31,7 +31,7 @@ import time
 import traceback
 import weakref
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 from . import knobs, priority
 from .errors import CheckpointError
@@ -629,19 +629,21 @@ class Pipeline:
         handle._finish(lane.name, error)
 
     # -- closing ------------------------------------------------------------------------------------
-    def flush(self) -> None:
-        """Hand the newest snapshot to every tier that has not got it (skipped for its cadence, or busy),
-        so that each tier ends with it. Alone, the newest committed to the memory tier (a save that failed
-        after it does not count); in a collective job, the last one taken, on every rank alike (a rank whose
-        copy failed tells the tier, which needs every rank's word). A snapshot still being copied gets its
-        tiers once it has landed."""
+    def flush(self, tiers: Iterable[str] | None = None) -> SaveHandle | None:
+        """Hand the newest snapshot to every tier (of ``tiers``, default all) that has not got it (skipped for
+        its cadence, or busy), so that each tier ends with it, and return its handle (``None``: no snapshot).
+        Alone, the newest committed to the memory tier (a save that failed after it does not count); in a
+        collective job, the last one taken, on every rank alike (a rank whose copy failed tells the tier,
+        which needs every rank's word). A snapshot still being copied gets its tiers once it has landed."""
         with self._cv:
             newest = self._committed if self.independent else self._newest
             if newest is None or newest[1]._skipped:
-                return
+                return None
             snap, handle = newest
             seq = snap.seq if snap.seq in self._assigned else None   # not handed to the tiers yet
             for name, lane in self.lanes.items():
+                if tiers is not None and name not in tiers:
+                    continue
                 if lane.newest is snap or lane.written is snap:
                     continue   # handed to it (waiting, being written or written) or committed there
                 if self.independent and snap.buffer.manifest is not snap.manifest and seq is None:
@@ -656,6 +658,7 @@ class Pipeline:
                     continue
                 self._enqueue(lane, _Job(snap, handle, True))
             self._cv.notify_all()
+            return handle
 
     def branch_left(self, old: Any, new: Any) -> None:
         """The saves go on ``new`` (a :class:`~ckpt.policy.Timeline`) from now on, after a rollback from

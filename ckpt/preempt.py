@@ -34,7 +34,7 @@ import torch
 
 from .errors import CheckpointError, Preempted
 
-__all__ = ["Signals", "PreemptionGuard", "WorkerSignals", "drain", "save_on_request"]
+__all__ = ["Signals", "PreemptionGuard", "WorkerSignals", "drain", "drain_outside", "save_on_request"]
 
 log = logging.getLogger(__name__)
 
@@ -85,6 +85,14 @@ class Signals:
         save_tier: where a requested save must land (the same choices as ``drain_tier``).
         save_deadline: seconds a requested save may hold the training loop (default: ``deadline``).
             When it passes, the loop goes on and the save keeps persisting in the background (logged).
+        outside_loop_after: seconds a preemption waits for a ``maybe_save`` (default 5): when none comes
+            by then (the process is evaluating, waiting for data, or in a step longer than that), a
+            background thread makes the newest snapshot already in RAM durable on ``drain_tier`` (no new
+            copy from the GPU; it may be some steps old), within what is left of ``deadline``, then exits
+            the process with ``128 + signal`` at once (``os._exit``: no ``finally`` blocks or exit hooks
+            run, and the memory tier's RAM stays for the next process); with ``on_preempt="raise"`` the
+            next ``maybe_save`` raises :class:`~ckpt.errors.Preempted` instead. ``None``: only
+            ``maybe_save`` acts on a preemption.
 
     A signal may be listed in ``preempt`` or in ``save``, not both. SIGKILL and SIGSTOP cannot be
     caught. Python installs handlers only in the main thread: enter the ``with`` block there.
@@ -97,6 +105,7 @@ class Signals:
     on_preempt: str = "exit"
     save_tier: str = "local"
     save_deadline: float | None = None
+    outside_loop_after: float | None = 5.0
 
     def __post_init__(self) -> None:
         preempt = _signal_tuple(self.preempt, "Signals(preempt=...)")
@@ -115,10 +124,14 @@ class Signals:
             raise ValueError(f"on_preempt must be 'exit' or 'raise', got {self.on_preempt!r}")
         if self.save_deadline is None:
             object.__setattr__(self, "save_deadline", self.deadline)
-        for name in ("deadline", "save_deadline"):
+        for name in ("deadline", "save_deadline", "outside_loop_after"):
             value = getattr(self, name)
+            if name == "outside_loop_after" and value is None:
+                continue
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-                raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
+                raise ValueError(f"{name} must be a positive number of seconds, got {value!r}"
+                                 + (" (None: only maybe_save acts on a preemption)" if name == "outside_loop_after"
+                                    else ""))
 
     @classmethod
     def from_arguments(cls, signals: "Signals | Sequence[int]", drain_deadline: float, drain_tier: str,
@@ -165,6 +178,7 @@ class PreemptionGuard:
         self.signals = _signal_tuple(signals, "signals")
         self.save = _signal_tuple(save, "save signals")
         self.received: int | None = None          # the first preemption signal
+        self.received_at: float | None = None     # when it arrived (time.monotonic())
         self.save_requested: int | None = None    # a save request not yet served
         self._previous: dict[signal.Signals, Any] = {}
 
@@ -201,6 +215,7 @@ class PreemptionGuard:
             if self.save_requested is None:
                 self.save_requested = signum
         elif self.received is None:
+            self.received_at = time.monotonic()
             self.received = signum
 
     def poll(self, ranks: Any = None) -> tuple[int | None, int | None]:
@@ -329,6 +344,34 @@ def drain(save: Callable[[], Any], step: int, signum: int, config: Signals, guar
     if config.on_preempt == "raise":
         raise Preempted(signum, step, durable)
     raise SystemExit(128 + signum)
+
+
+def drain_outside(flush: Callable[[str], Any], signum: int, config: Signals, since: float) -> tuple[int | None, bool]:
+    """A preemption no ``maybe_save`` came to act on (see ``Signals.outside_loop_after``): hand the newest
+    snapshot in RAM to ``config.drain_tier`` (``flush(tier)`` returns its save handle, ``None`` when there is
+    none) and wait until it is durable there, at most until ``since + config.deadline`` (``since``: when the
+    signal arrived, ``time.monotonic()``). Returns ``(the step drained or None, durable)``."""
+    name = signal.Signals(signum).name
+    left = lambda: config.deadline - (time.monotonic() - since)   # noqa: E731
+    handle = flush(config.drain_tier)
+    if handle is None:
+        log.error("%s received outside the training loop and no snapshot is in RAM to drain: nothing was made "
+                  "durable", name)
+        return None, False
+    log.warning("%s received and no maybe_save() came within %.1f s (evaluating, waiting for data?): making the "
+                "newest snapshot in RAM, step %d, durable on the %s tier within %.0f s", name,
+                time.monotonic() - since, handle.step, config.drain_tier, max(0.0, left()))
+    t0 = time.perf_counter()
+    done, error = _durable(handle, config.drain_tier, max(0.0, left()), t0)
+    if not done:
+        log.error("step %d was not durable on the %s tier within the drain deadline of %.0f s", handle.step,
+                  config.drain_tier, config.deadline)
+    elif error is not None:
+        log.error("the preemption drain of step %d failed: %s", handle.step, error)
+    else:
+        log.warning("step %d is durable on the %s tier %.2f s after %s", handle.step, config.drain_tier,
+                    time.monotonic() - since, name)
+    return handle.step, done and error is None
 
 
 def save_on_request(save: Callable[[], Any], step: int, signum: int, config: Signals) -> Any:

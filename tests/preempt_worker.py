@@ -1,6 +1,6 @@
 """Child side of the signal tests: the demo's training loop with signal handling.
 
-``python preempt_worker.py DIR STEPS [RANK WORLD] [--save-on SIG]``: trains the demo model for STEPS
+``python preempt_worker.py DIR STEPS [RANK WORLD] [--save-on SIG] [--every N] [--evaluate-after K]``: trains the demo model for STEPS
 steps (50 ms each at least), prints ``step N <sha256 of the model>`` after each, checkpoints only when
 a signal asks (every_steps is larger than the run), restores first if DIR has a checkpoint, and
 prints ``final <sha256>`` at the end. With RANK and WORLD it joins a gloo process group first
@@ -9,7 +9,8 @@ prints ``final <sha256>`` at the end. With RANK and WORLD it joins a gloo proces
 Without ``--save-on`` SIGTERM preempts (``signals=(signal.SIGTERM,)``: the keyword form). With
 ``--save-on USR1`` the config is ``ckpt.Signals(save=(SIGUSR1,))`` (SIGTERM still preempts): the
 loop prints ``saved N <status> <sha256 of the model>`` when ``maybe_save`` returns a handle, logs at
-INFO, and trains on.
+INFO, and trains on. ``--every N`` snapshots every N steps; ``--evaluate-after K`` prints ``evaluating``
+after step K (its snapshot in RAM) and sleeps for minutes without calling ``maybe_save``.
 """
 
 from __future__ import annotations
@@ -32,6 +33,15 @@ def main() -> None:
         i = args.index("--save-on")
         save_on = signal.Signals["SIG" + args[i + 1]]
         del args[i:i + 2]
+    every, evaluate_after = 10**9, None
+    if "--every" in args:   # snapshots every N steps (in RAM; the local tier as it keeps up)
+        i = args.index("--every")
+        every = int(args[i + 1])
+        del args[i:i + 2]
+    if "--evaluate-after" in args:   # after step K: "evaluating" for minutes, with no maybe_save
+        i = args.index("--evaluate-after")
+        evaluate_after = int(args[i + 1])
+        del args[i:i + 2]
     local_dir, steps = args[0], int(args[1])
     if len(args) > 2:
         torch.distributed.init_process_group("gloo", rank=int(args[2]), world_size=int(args[3]))
@@ -41,7 +51,7 @@ def main() -> None:
         logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
         options = dict(signals=ckpt.Signals(save=(save_on,), deadline=60))
     state = _build(torch.device("cpu"), 64)
-    with ckpt.Checkpointer(local_dir=local_dir, every_steps=10**9, **options) as ck:
+    with ckpt.Checkpointer(local_dir=local_dir, every_steps=every, **options) as ck:
         last = ck.restore(state)
         print(f"restored {last}", flush=True)
         for step in range(1 if last is None else last + 1, steps + 1):
@@ -52,6 +62,10 @@ def main() -> None:
             if handle is not None:
                 print(f"saved {step} {handle.status} {_digest(state['model'])}", flush=True)
             print(f"step {step} {_digest(state['model'])}", flush=True)
+            if step == evaluate_after:
+                handle.wait("memory")
+                print("evaluating", flush=True)
+                time.sleep(300)
     print(f"final {_digest(state['model'])}", flush=True)
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()

@@ -9,6 +9,7 @@ import os
 import signal
 import socket
 import subprocess
+import time
 import sys
 import threading
 from pathlib import Path
@@ -65,6 +66,48 @@ def test_sigterm_saves_exits_143_and_the_resumed_run_is_bit_identical(tmp_path):
     digest, restored = _final(_spawn(d))
     assert restored == f"restored {saved[0]}"
     assert digest == reference
+
+
+def test_sigterm_outside_the_loop_drains_the_newest_snapshot_in_ram_and_exits_143(tmp_path):
+    """A preemption while the process evaluates (no maybe_save for minutes): the newest snapshot already in
+    RAM is made durable on the local tier from a background thread, and the process exits 143 long before
+    the evaluation would have ended; the next run resumes from it."""
+    d = tmp_path / "run"
+    proc = _spawn(d, "--every", "1", "--evaluate-after", "6")
+    for line in proc.stdout:
+        if line.startswith("evaluating"):
+            break
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)   # the evaluation sleeps 300 s
+    assert proc.returncode == 128 + signal.SIGTERM, err
+    assert 6 in _committed(d)
+    _, restored = _final(_spawn(d, steps=8))
+    assert restored == "restored 6"
+
+
+def test_a_preemption_outside_the_loop_raises_at_the_next_maybe_save_with_on_preempt_raise(local_dir):
+    w = torch.zeros(4)
+    signals = ckpt.Signals(preempt=(signal.SIGUSR1,), on_preempt="raise", outside_loop_after=0.2)
+    with ckpt.Checkpointer(local_dir=local_dir, every_steps=1, persist_every={"local": 100},
+                           signals=signals) as ck:
+        for step in (1, 2, 3):
+            w.fill_(step)
+            ck.maybe_save(step, {"w": w}).wait("memory")
+        os.kill(os.getpid(), signal.SIGUSR1)
+        deadline = time.monotonic() + 60
+        while not any(i.step == 3 and "local" in i.tiers for i in ck.list()):   # drained from RAM meanwhile
+            assert time.monotonic() < deadline, "the snapshot in RAM was not drained"
+            time.sleep(0.05)
+        w.fill_(4)
+        with pytest.raises(ckpt.Preempted) as info:
+            ck.maybe_save(4, {"w": w})   # the state of step 4 is not saved: step 3 was drained
+        assert info.value.step == 3 and info.value.durable
+
+
+@pytest.mark.parametrize("bad", [0, -1, True, "5"])
+def test_outside_loop_after_is_checked(bad):
+    with pytest.raises(ValueError, match="outside_loop_after"):
+        ckpt.Signals(outside_loop_after=bad)
 
 
 def _free_port() -> int:

@@ -72,6 +72,9 @@ class MemoryTier(Tier):
         self._recorder: threading.Thread | None = None
         self._settling = False
         self._abandon = False
+        self._record_s: float | None = None   # seconds a record pass took (smoothed)
+        self._commit_gap: float | None = None # seconds between two snapshots committed here (smoothed)
+        self._last_commit: float | None = None
         self.records_written = 0     # records written in the background
         self.records_superseded = 0  # snapshots a newer one replaced before their record was written
 
@@ -128,6 +131,10 @@ class MemoryTier(Tier):
                     self.pool._withdraw(b, shm)
             if later:
                 buffer.on_record, buffer.record_urgent = recorded, urgent
+                now = time.monotonic()
+                if self._last_commit is not None:
+                    self._commit_gap = _smooth(self._commit_gap, now - self._last_commit)
+                self._last_commit = now
                 self._kick()
         if recorded is not None and not later:
             recorded(None)
@@ -149,9 +156,10 @@ class MemoryTier(Tier):
         nothing waits. ``waited``: seconds this thread has waited so far for the snapshot it would record.
 
         The newest snapshot waiting for its record goes first. Holding its buffer while its checksums run
-        costs a buffer once a newer snapshot is committed (the newest is never taken for a copy anyway): it
-        needs three (the one recorded, the newest, the next copy's) plus one per buffer a tier reads. Short of
-        that, the newest one someone waits for goes first, then a snapshot a tier already reads (the local
+        costs a buffer only if the snapshot after the next one comes before the checksums end (the next one
+        goes to the third buffer; the newest is never taken for a copy anyway): with three buffers plus one
+        per buffer a tier reads, or a record pass shorter than two intervals between snapshots (as measured),
+        the newest goes. Short of that, the newest one someone waits for goes first, then a snapshot a tier already reads (the local
         tier's), at no cost; else the thread waits for a tier to let go or take the newest, at most
         :data:`RECORD_PATIENCE_S`. When closing, or with fewer than three buffers (crash survival first), the
         newest is recorded whatever it costs."""
@@ -167,8 +175,9 @@ class MemoryTier(Tier):
         newest = waiting[0]
         read = [b for b in self.pool.buffers if b is not newest and b.holds > (1 if b.staging else 0)]
         pick: HostBuffer | None = newest
+        in_time = self._record_s is None or self._commit_gap is None or 1.25 * self._record_s < 2 * self._commit_gap
         if not (self._settling or self.pool._closed or newest.holds > 0 or self.pool.slots < 3
-                or self.pool.slots >= 3 + len(read) or waited >= RECORD_PATIENCE_S):
+                or self.pool.slots >= 3 + len(read) or in_time or waited >= RECORD_PATIENCE_S):
             pick = next((b for b in waiting if b.record_urgent is not None and b.record_urgent()), None) or \
                 next((b for b in waiting if b.holds > 0 and not b.staging), None)
             if pick is None:
@@ -206,7 +215,9 @@ class MemoryTier(Tier):
                 if space is None:   # the pool closed meanwhile (its segments are gone or kept unrecorded)
                     reason = "the memory tier closed before its record was written"
                 else:
+                    t0 = time.monotonic()
                     sums = shm.chunk_checksums(buf.tensor, manifest.data_bytes, manifest.chunk_bytes, background=True)
+                    self._record_s = _smooth(self._record_s, time.monotonic() - t0)
                     held = dataclasses.replace(manifest, chunks=sums)
                     try:
                         record = shm.write_record(space.root, space.prefix, buf.slot, step, timeline, held,
@@ -638,6 +649,11 @@ class _ReadAhead:
             self._ended = True
             self.data = None
         self._thread.join()
+
+
+def _smooth(old: float | None, new: float) -> float:
+    """An exponentially smoothed figure (the last few values count most)."""
+    return new if old is None else 0.7 * old + 0.3 * new
 
 
 def _judge(rec: shm.SnapshotRecord, path: Path, bad: int | None) -> None:
