@@ -11,7 +11,10 @@ rank, and URL its job tier.
 * ``written``: the same, but step 3 reaches the local tier: prints ``written 3 <sha256>``, then sleeps until
   killed (it never closes: its snapshots stay in RAM).
 * ``restore``: restore what the tiers hold and wait for every write that started (``ck.wait()``); prints
-  ``restored <step> <tier> <sha256 of the state> <local writes of this process> <remote writes>``.
+  ``restored <step> <tier> <sha256 of the state> <local writes of this process> <remote writes>``, then
+  ``failed <error type>`` when ``ck.wait()`` raised.
+* ``restore-lost``: the same, but the snapshot restored from RAM cannot be taken again to be written (a chunk
+  fails its checksum when the writers take it).
 
 The state is two float tensors of a few 4 KiB chunks (the parent sets ``CKPT_CHUNK_BYTES``).
 """
@@ -20,6 +23,7 @@ from __future__ import annotations
 
 import hashlib
 import sys
+import threading
 import time
 
 import torch
@@ -28,6 +32,7 @@ import ckpt
 from ckpt.tiers import LocalTier
 
 STALLED = 3
+RECORDED = threading.Event()   # step 3 is recorded in RAM (it outlives the process)
 
 
 RANK = 0
@@ -57,6 +62,8 @@ class StalledLocal(LocalTier):
 
         def chunk(i):
             if i == 1:
+                # RAM holds the step once its record is written (in the background, beside this write)
+                assert RECORDED.wait(60), "the memory tier never recorded the stalled step"
                 print("stalled", step, digest(state(step)), flush=True)
                 time.sleep(3600)
             return data[i * c:(i + 1) * c]
@@ -80,18 +87,32 @@ def main(argv: list[str]) -> int:
         for step in (1, 2):
             ck.save(step, state(step)).wait()
         h = ck.save(STALLED, state(STALLED))
+        h.wait("memory")
+        RECORDED.set()
         if mode == "written":
             h.wait()
             print("written", STALLED, digest(state(STALLED)), flush=True)
         time.sleep(3600)
-    elif mode == "restore":
+    elif mode in ("restore", "restore-lost"):
+        if mode == "restore-lost":   # the snapshot read at restore cannot be taken again to be written
+            from ckpt.errors import CorruptCheckpointError
+            from ckpt.tiers.memory import MemoryTier
+
+            def lost(self, step, *args, **kwargs):
+                raise CorruptCheckpointError(f"step {step}: a chunk changed in RAM after the restore read it")
+
+            MemoryTier.hold_image = lost
         target = {"a": torch.zeros(3000), "b": torch.zeros(1500), "step": None}
         with ckpt.Checkpointer(url, local_dir=local_dir, persist_every=persist_every) as ck:
             step = ck.restore(target)
-            ck.wait()
+            outcome = []
+            try:
+                ck.wait()
+            except ckpt.CheckpointError as e:
+                outcome = ["failed", type(e).__name__]
             counts = ck.tier_counts
             print("restored", step, ck.last_restore.tier, digest(target), counts["local"].persisted,
-                  counts["remote"].persisted if url else 0, flush=True)
+                  counts["remote"].persisted if url else 0, *outcome, flush=True)
     if len(argv) > 3:
         dist.destroy_process_group()
     return 0

@@ -160,3 +160,21 @@ def test_in_a_job_each_rank_writes_its_local_tier_and_all_ranks_the_job_tier(tmp
         _reboot(root / f"rank-{r}", r)
     again = [w.result() for w in _job(str(tmp_path / "new-node"), "restore,restore", url)]
     assert again == [["restored", "3", "remote", saved[r], "0", "0"] for r in (0, 1)]
+
+
+def test_a_rank_that_cannot_hand_over_its_restored_snapshot_tells_the_job_tier_which_skips_it(tmp_path):
+    """Two gloo ranks killed while their local tiers wrote step 3 (the job tier has step 1). At the restart
+    both restore step 3 from RAM, but rank 1's snapshot cannot be taken again to be written (a chunk fails
+    its checksum then): rank 1 tells the job tier it has nothing, so no rank waits for it and the job tier
+    does not commit a step one rank lacks; rank 0 still writes step 3 to its own local tier; rank 1's
+    wait() raises the failure, the restore itself stands."""
+    root, url = tmp_path / "job", f"file://{tmp_path}/remote"
+    killed = _job(str(root), "stall,stall", url)
+    saved = [w.kill_at("stalled")[2] for w in killed]
+    restored = [w.result() for w in _job(str(root), "restore,restore-lost", url)]
+    assert restored[0][:4] == ["restored", "3", "memory", saved[0]] and restored[0][4] == "1"
+    assert restored[1][:4] == ["restored", "3", "memory", saved[1]]
+    assert restored[1][-2:] == ["failed", "CorruptCheckpointError"]
+    assert RemoteTier(url).committed_steps() == [1]
+    assert LocalTier(root / "rank-0").committed_steps()[0] == 3 and verifies(root / "rank-0", 3)
+    assert LocalTier(root / "rank-1").committed_steps() == [2, 1]
