@@ -37,7 +37,6 @@ import json
 import logging
 import os
 import shutil
-import signal
 import socket
 import statistics
 import subprocess

@@ -25,7 +25,7 @@ import torch
 from . import knobs, shm
 from .config import Policy, Storage, merge
 from .errors import (CheckpointError, CorruptCheckpointError, IncompatibleCheckpointError, IncompleteCheckpointError,
-                     LockedError, NoCheckpointError, Preempted)
+                     LockedError, Preempted)
 from .format import Manifest, data_name
 from .metrics import Metrics, Record
 from .pipeline import Pipeline, SaveHandle

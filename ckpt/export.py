@@ -41,7 +41,7 @@ if TYPE_CHECKING:
 
 from . import knobs
 from .errors import CorruptCheckpointError, IncompatibleCheckpointError, IncompleteCheckpointError
-from .format import (LATEST_NAME, Manifest, data_name, dtype_to_str, empty_tensor, open_regular, parse_record,
+from .format import (LATEST_NAME, Manifest, data_name, empty_tensor, open_regular, parse_record,
                      parse_step_dir, read_record, str_to_dtype)
 from .integrity import checksum
 from .policy import live_and_abandoned

@@ -25,16 +25,13 @@ import collections
 import dataclasses
 import logging
 import os
-import queue
 import threading
 import time
 import traceback
 import weakref
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Iterable
 
 from . import knobs, priority
-from .errors import CheckpointError
 from .policy import TierCadence, TimelineCopies, elapsed
 from .format import Manifest
 from .pool import HostBuffer, HostPool

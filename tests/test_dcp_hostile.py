@@ -13,13 +13,12 @@ import warnings
 from pathlib import Path
 
 import pytest
-import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 from ckpt.cli import main as cli_main
 from ckpt.errors import CorruptCheckpointError
-from ckpt.integrations.dcp import TierStorageReader, TierStorageWriter, list_checkpoints
+from ckpt.integrations.dcp import TierStorageReader, TierStorageWriter
 from ckpt.integrity import checksum
 from test_corruption import hang_detector
 from test_dcp_adapter import _check, _fresh, _inner, _state, _tiers

@@ -18,7 +18,7 @@ import torch.distributed.checkpoint as dcp
 
 import ckpt
 from ckpt.cli import main
-from ckpt.format import COMMIT_NAME, data_name
+from ckpt.format import data_name
 from ckpt.tiers import LocalTier, RemoteTier
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import signal
 import subprocess
 import sys
 import threading
@@ -43,10 +42,6 @@ def _run(local_dir: Path, *args: str) -> list[str]:
     return out.splitlines()
 
 
-def _kill_after(proc: subprocess.Popen, line: str) -> None:
-    kill_after(proc, line)
-
-
 @needs_shm
 def test_a_killed_training_process_resumes_from_ram_bit_identically(tmp_path):
     """Snapshots every step, the local tier every 1000: SIGKILLed at step 7, a new process restores step 7
@@ -55,7 +50,7 @@ def test_a_killed_training_process_resumes_from_ram_bit_identically(tmp_path):
     assert ref[-1].startswith("final ")
     run = tmp_path / "run"
     proc = _start(run, "12", "train", "0.05")
-    _kill_after(proc, "step 7")
+    kill_after(proc, "step 7")
     on_disk = LocalTier(run).committed_steps()
     newest = max(r.step for g in shm.segments(prefix=shm.prefix_for(run, 0, create=True)) for r in g.records)
     # the disk holds the first snapshot only (step 1, or 2 where step 1 came while the first buffer was still
@@ -73,7 +68,7 @@ def test_a_killed_training_process_resumes_from_ram_bit_identically(tmp_path):
 def test_a_snapshot_torn_by_a_kill_mid_copy_is_never_served(tmp_path, device):
     run = tmp_path / "run"
     proc = _start(run, "0", "tear")
-    _kill_after(proc, "copying")
+    kill_after(proc, "copying")
     recs = {r.slot: r.step for g in shm.segments(prefix=shm.prefix_for(run, 0, create=True)) for r in g.records}
     assert recs == {1: 2}, recs   # step 1's buffer was being overwritten: its record went first
     state = {"model": _model(device), "step": 0}
@@ -88,7 +83,7 @@ def test_a_snapshot_torn_by_a_kill_mid_copy_is_never_served(tmp_path, device):
 def test_a_corrupt_memory_snapshot_is_refused_and_the_next_tier_used(tmp_path, caplog, device):
     run = tmp_path / "run"
     proc = _start(run, "0", "tear")
-    _kill_after(proc, "copying")
+    kill_after(proc, "copying")
     [rec] = [r for g in shm.segments(prefix=shm.prefix_for(run, 0, create=True)) for r in g.records]
     buf = Path(rec.path).with_name(rec.buffer)
     with open(buf, "r+b") as f:   # one bit of step 2's snapshot flips in RAM
@@ -252,7 +247,7 @@ def _ckpt(*args: str) -> subprocess.CompletedProcess:
 def test_ckpt_ls_and_gc_show_and_free_the_ram_a_crashed_job_left(tmp_path):
     run = tmp_path / "run"
     proc = _start(run, "0", "tear")
-    _kill_after(proc, "copying")
+    kill_after(proc, "copying")
     out = _ckpt("ls", str(run), "--json")
     assert out.returncode == 0, out.stderr
     rows = json.loads(out.stdout)
