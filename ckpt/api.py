@@ -397,7 +397,7 @@ class Checkpointer:
             self._pipeline = Pipeline(self.pool, self.memory, persisting, self._apply_retention, self._failed,
                                       coalesce=self.if_busy is IfBusy.SKIP,
                                       independent=self.ranks is None, every=persist_every, auto=cadences,
-                                      clock=clock)
+                                      clock=clock, fence=self._still_owner)
             self._clock = clock
             self._auto_tiers = bool(cadences)
             self._last_step_at: float | None = None
@@ -914,6 +914,14 @@ class Checkpointer:
                 # and takes over the segments its previous process left, in the background from now on: a
                 # restore then copies them from pinned memory, and the first save finds them ready
                 self.pool.adopt_ahead()
+
+    def _still_owner(self) -> None:
+        """Raise :class:`~ckpt.errors.LockedError` when this Checkpointer owned ``local_dir`` and another process
+        took it (the persisting tiers ask before each write, from their threads: a fenced writer's snapshots
+        queued before it lost the directory reach no tier, the remote one included)."""
+        owner = self._owner
+        if self._owned and owner is not None:
+            owner.reassert()
 
     def _sweep_orphans(self) -> None:
         """One rank per node, before its first buffer: what dead jobs left in the RAM file system is named, or

@@ -304,8 +304,12 @@ class Pipeline:
                  retention: Callable[[list[str]], None],
                  on_error: Callable[[SaveHandle, BaseException], None], *,
                  coalesce: bool = False, independent: bool = True, every: dict[str, int] | None = None,
-                 auto: dict[str, TierCadence] | None = None, clock: Callable[[], float] = time.monotonic) -> None:
+                 auto: dict[str, TierCadence] | None = None, clock: Callable[[], float] = time.monotonic,
+                 fence: Callable[[], None] | None = None) -> None:
         self.pool = pool
+        # raises (LockedError) once the writer lost its directory to another process: no tier gets a snapshot
+        # of a fenced writer from then on, those queued before included (see OwnerLock.reassert)
+        self._fence = fence
         self.memory = memory
         self.coalesce = coalesce
         self.independent = independent
@@ -597,14 +601,24 @@ class Pipeline:
     def _persist(self, job: _Job, lane: _Lane) -> None:
         """Write ``job``'s snapshot to ``lane``'s tier from its host buffer and apply retention there."""
         snap, handle, tier = job.snap, job.handle, lane.tier
-        if snap.error is not None:
+        refused = None
+        if snap.error is None and self._fence is not None:
+            try:
+                self._fence()
+            except BaseException as e:   # noqa: BLE001 - reported on the handle, raised by wait()
+                refused = e
+        if snap.error is not None or refused is not None:
             # a tier whose write needs every rank (a job tier, the peer exchange) waits for this rank's word
             try:
                 tier.abstain(snap.step)
             except BaseException as e:   # noqa: BLE001 - the snapshot's own error is what the handle reports
                 log.error("the %s tier's part in step %d failed on this rank: %s", lane.name, snap.step, e)
             self._release(job, lane)
-            handle._finish(lane.name, snap.error)
+            if refused is not None:
+                lane.counts.failed += 1
+                log.error("step %d is not written to the %s tier: %s", snap.step, lane.name, refused)
+                self._on_error(handle, refused)
+            handle._finish(lane.name, snap.error or refused)
             return
         data = snap.buffer.memoryview(snap.data_bytes)
         def write() -> float:   # committed with the timeline the snapshot was taken on

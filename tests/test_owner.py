@@ -15,6 +15,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -22,6 +23,7 @@ import torch
 
 import ckpt
 from ckpt.cli import main as cli
+from ckpt.tiers import RemoteTier
 from helpers import run_ranks
 from owner_worker import state
 
@@ -295,4 +297,44 @@ def test_an_owner_fenced_out_of_its_directory_writes_nothing_there_again(local_d
         with ckpt.Checkpointer(local_dir=local_dir) as reader:
             assert reader.restore(target) == 5
     finally:
+        first.close(raise_errors=False)
+
+
+class _GatedRemote(RemoteTier):
+    """A remote tier whose writes wait for the test's gate: uploads still queued when the writer is fenced."""
+
+    def __init__(self, url):
+        super().__init__(url)
+        self.gate = threading.Event()
+        self.started = threading.Event()
+
+    def write(self, step, manifest, data):
+        self.started.set()
+        assert self.gate.wait(60), "the test never opened the gate"
+        return super().write(step, manifest, data)
+
+
+def test_uploads_queued_before_a_writer_was_fenced_never_reach_the_remote_tier(local_dir, tmp_path):
+    """The remote tier is busy with step 1 when another process takes local_dir; step 2, queued behind it,
+    is never uploaded (its handle fails with LockedError, so does wait()), and nothing of the fenced writer
+    lands on the remote tier after the upload that was already under way."""
+    remote = _GatedRemote(f"file://{tmp_path}/remote")
+    first = ckpt.Checkpointer(remote, local_dir=local_dir, if_busy="wait", keep=ckpt.Retention(None, None))
+    try:
+        h1 = first.save(1, state(1.0))
+        assert remote.started.wait(60)
+        h2 = first.save(2, state(2.0))
+        h2.wait("local")
+        proc = _another_owner_takes(local_dir)
+        try:
+            remote.gate.set()
+            h1.wait("remote", timeout=60)   # under way before the loss: it ends as it began
+            with pytest.raises(ckpt.LockedError):
+                h2.wait("remote", timeout=60)
+            assert remote.committed_steps() == [1]
+        finally:
+            proc.kill()
+            proc.wait()
+    finally:
+        remote.gate.set()
         first.close(raise_errors=False)
