@@ -463,6 +463,8 @@ class Checkpointer:
             signum, since = guard.received, guard.received_at
             if signum is None or since is None or time.monotonic() - since < self.signals.outside_loop_after:
                 continue
+            if self._closed:   # close() is making every snapshot durable already; the block's end follows
+                return
             with self._drain_lock:
                 if self._draining is not None:
                     return

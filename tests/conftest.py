@@ -20,9 +20,14 @@ def pytest_configure(config: pytest.Config) -> None:
     """The memory tier's shared-memory segments of this session (and of the processes its tests start)
     go to a directory of their own in the RAM file system, removed at the end: a test that kills a
     training process on purpose leaves its segments, as it should, and they must not pile up."""
+    # under pytest-xdist each worker gets a directory of its own (it inherits the controller's variable):
+    # the RAM each worker's tests leave is its own to free after each test
+    inherited = os.environ.get("_CKPT_TESTS_SHM_DIR")
+    if hasattr(config, "workerinput") and inherited and os.environ.get("CKPT_SHM_DIR") == inherited:
+        os.environ.pop("CKPT_SHM_DIR")
     if "CKPT_SHM_DIR" not in os.environ and os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK):
         d = tempfile.mkdtemp(prefix="ckpt-tests-", dir="/dev/shm")
-        os.environ["CKPT_SHM_DIR"] = config._ckpt_shm_dir = d
+        os.environ["CKPT_SHM_DIR"] = os.environ["_CKPT_TESTS_SHM_DIR"] = config._ckpt_shm_dir = d
 
 
 @pytest.fixture(autouse=True)
@@ -46,6 +51,7 @@ def pytest_unconfigure(config: pytest.Config) -> None:
     if d is not None:
         shutil.rmtree(d, ignore_errors=True)
         os.environ.pop("CKPT_SHM_DIR", None)
+        os.environ.pop("_CKPT_TESTS_SHM_DIR", None)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

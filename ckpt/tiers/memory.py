@@ -42,6 +42,9 @@ log = logging.getLogger(__name__)
 #: seconds the memory tier's background records wait, at most, for a buffer to spare before the newest
 #: snapshot's record is written anyway (see MemoryTier._pick_record): about one write of the local tier
 RECORD_PATIENCE_S = 5.0
+#: the shortest interval between snapshots (seconds) for which a record pass's measured time predicts whether
+#: holding the newest snapshot's buffer would make a later snapshot wait (see MemoryTier._pick_record)
+RECORD_GAP_S = 0.5
 
 
 @register
@@ -175,7 +178,10 @@ class MemoryTier(Tier):
         newest = waiting[0]
         read = [b for b in self.pool.buffers if b is not newest and b.holds > (1 if b.staging else 0)]
         pick: HostBuffer | None = newest
-        in_time = self._record_s is None or self._commit_gap is None or 1.25 * self._record_s < 2 * self._commit_gap
+        # measured: a record pass ends well before the snapshot after next comes (a training loop's pace; a loop
+        # that saves faster than RECORD_GAP_S apart is not predicted: it waits for a spare buffer instead)
+        in_time = self._record_s is not None and self._commit_gap is not None and \
+            self._commit_gap >= RECORD_GAP_S and 1.5 * self._record_s < 2 * self._commit_gap
         if not (self._settling or self.pool._closed or newest.holds > 0 or self.pool.slots < 3
                 or self.pool.slots >= 3 + len(read) or in_time or waited >= RECORD_PATIENCE_S):
             pick = next((b for b in waiting if b.record_urgent is not None and b.record_urgent()), None) or \
@@ -208,6 +214,7 @@ class MemoryTier(Tier):
                     cv.notify_all()
                     return
                 buf.holds += 1
+                held_at = time.monotonic()
                 callback, buf.on_record, buf.record_urgent = buf.on_record, None, None
                 step, timeline, manifest, space = buf.image_step, buf.image_timeline, buf.manifest, self.pool.shared
             reason = None
@@ -215,9 +222,7 @@ class MemoryTier(Tier):
                 if space is None:   # the pool closed meanwhile (its segments are gone or kept unrecorded)
                     reason = "the memory tier closed before its record was written"
                 else:
-                    t0 = time.monotonic()
                     sums = shm.chunk_checksums(buf.tensor, manifest.data_bytes, manifest.chunk_bytes, background=True)
-                    self._record_s = _smooth(self._record_s, time.monotonic() - t0)
                     held = dataclasses.replace(manifest, chunks=sums)
                     try:
                         record = shm.write_record(space.root, space.prefix, buf.slot, step, timeline, held,
@@ -235,6 +240,7 @@ class MemoryTier(Tier):
                 log.warning("the record of step %d in the memory tier failed (%s: %s): it is in this process's "
                             "memory only", step, type(e).__name__, e)
             finally:
+                self._record_s = _smooth(self._record_s, time.monotonic() - held_at)   # the whole pass, as held
                 self.pool.release(buf)
             callback(reason)
 
