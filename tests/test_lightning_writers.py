@@ -170,8 +170,10 @@ def _stop_resume_and_compare(tmp_path: Path, stop: int = STOP, **kw) -> None:
     assert _committed(tmp_path / "run") == list(range(1, total + 1))
 
 
-@pytest.mark.parametrize("first", ["ckpt", "averaging"])
-@pytest.mark.parametrize("averaging", ["ema", "swa"])
+# EMA with the checkpoint callback first in the default suite; SWA and the other order with -m slow
+@pytest.mark.parametrize("averaging,first", [("ema", "ckpt"), pytest.param("swa", "ckpt", marks=pytest.mark.slow),
+                                             pytest.param("ema", "averaging", marks=pytest.mark.slow),
+                                             pytest.param("swa", "averaging", marks=pytest.mark.slow)])
 def test_averaging_callbacks_save_every_step_and_resume_bit_identically(tmp_path, averaging, first):
     """EMA updates its average at every batch end, swaps it with the weights around validation and copies
     it into the model at the end of training; SWA averages at an epoch's start and copies at the end."""

@@ -404,7 +404,10 @@ def _killed_at(d: str, scenario: str, k: int) -> None:
 
 
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("scenario", ["resave", "next", "rollback"])
+# a real process killed at each call takes a quarter of a minute a scenario: the default suite kills the
+# "next" save so; the other scenarios with -m slow (every scenario meets an error at every call above)
+@pytest.mark.parametrize("scenario", [pytest.param("resave", marks=pytest.mark.slow), "next",
+                                      pytest.param("rollback", marks=pytest.mark.slow)])
 def test_sigkill_at_every_filesystem_call_of_a_save_loses_nothing_and_the_next_writer_tidies_up(tmp_path, scenario):
     # Each writer is forked from a fork server, a process with no threads: a fork of this test process
     # (whose other threads hold locks at any moment: a store's server, a tier's workers) can hang on one.

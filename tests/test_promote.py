@@ -373,6 +373,7 @@ def test_sigkill_at_any_point_of_a_promote_to_a_file_url_leaves_the_old_or_the_n
 
 
 @pytest.mark.s3
+@pytest.mark.slow   # its default siblings: the same kill sweep to a file:// URL (the remote tier's code) and to local
 def test_sigkill_at_any_point_of_a_promote_to_s3_leaves_the_old_or_the_new_copy(tmp_path, s3_bucket):
     bucket, port = s3_bucket
     opts = storage_options(port)

@@ -43,11 +43,26 @@ def small_chunks():
         yield
 
 
+_ARROW_SLOW = {
+    "test_a_remote_outage_at_restart_resumes_from_local_and_saves_report_it",
+    "test_transient_server_faults_are_retried_and_the_save_completes",
+    "test_a_store_answering_5xx_at_start_is_an_outage_not_a_configuration_error",
+    "test_a_new_run_in_a_bucket_named_like_bucket_starts",
+    "test_sigkill_mid_upload_leaves_no_visible_step_and_the_previous_restorable",
+    "test_a_read_error_on_a_remote_part_names_the_part_not_the_local_dir",
+    "test_an_unreachable_endpoint_is_named_not_called_a_missing_bucket",
+}
+
+
 def pytest_generate_tests(metafunc):
     """Every test runs through each client that can serve its store (ckpt.fs): s3fs and pyarrow's S3 for the
     ``s3`` tests, fsspec's and pyarrow's local file system for the others."""
     s3 = metafunc.definition.get_closest_marker("s3") is not None
-    metafunc.parametrize("backend", ["s3fs", "arrow"] if s3 else ["fsspec", "arrow"], indirect=True)
+    # the tests that take seconds a case run pyarrow's client with -m slow (tests/test_arrow.py and the cheaper
+    # tests here run it in the default suite)
+    arrow = pytest.param("arrow", marks=pytest.mark.slow) if metafunc.definition.originalname in _ARROW_SLOW \
+        else "arrow"
+    metafunc.parametrize("backend", ["s3fs", arrow] if s3 else ["fsspec", arrow], indirect=True)
 
 
 @pytest.fixture(autouse=True)
@@ -553,7 +568,7 @@ def test_a_local_write_error_during_a_refill_names_the_local_path(tmp_path, s3_b
 
 @pytest.mark.s3
 @pytest.mark.timeout(120)   # a hang detector: the outage must not hold construction for the upload retry policy
-@pytest.mark.parametrize("outage", ["refused", "dropped", "hanging"])
+@pytest.mark.parametrize("outage", ["refused", "dropped", pytest.param("hanging", marks=pytest.mark.slow)])
 def test_a_remote_outage_at_restart_resumes_from_local_and_saves_report_it(tmp_path, s3_bucket, outage, caplog):
     bucket, port = s3_bucket
     proxy = FaultProxy(port)

@@ -369,7 +369,8 @@ def _late_commit(proxy: FaultProxy, key: str) -> Hold:
 
 
 @pytest.mark.s3
-@pytest.mark.parametrize("how", ["fresh step", "step saved again", "promote"])
+@pytest.mark.parametrize("how", ["fresh step", pytest.param("step saved again", marks=pytest.mark.slow),
+                                 pytest.param("promote", marks=pytest.mark.slow)])   # one late PUT by default
 def test_a_commit_put_that_lands_after_the_writer_gave_up_never_vouches_for_deleted_files(tmp_path, s3_bucket,
                                                                                             how):
     bucket, port = s3_bucket
@@ -466,8 +467,14 @@ with knobs.override(CKPT_CHUNK_BYTES=CHUNK):
 """
 
 
+#: the kill points of the default suite (a part lost, the COMMIT landing, retention's delete landing); the
+#: others, a real process killed at each, with -m slow
+DEFAULT_KILL_POINTS = ("a part, lost", "COMMIT, landed", "retention removing step 2's COMMIT, landed")
+
+
 @pytest.mark.s3
-@pytest.mark.parametrize("point", list(KILL_POINTS))
+@pytest.mark.parametrize("point", [p if p in DEFAULT_KILL_POINTS else pytest.param(p, marks=pytest.mark.slow)
+                                   for p in KILL_POINTS])
 def test_sigkill_of_the_uploader_leaves_only_whole_steps_listed(tmp_path, s3_bucket, point):
     bucket, port = s3_bucket
     url, direct, fs = f"s3://{bucket}/run", storage_options(port), _fs(port)
@@ -599,7 +606,7 @@ def test_an_outage_mid_upload_fails_the_save_and_the_next_save_after_it_cleans_u
 
 @pytest.mark.s3
 @pytest.mark.timeout(180)   # a hang detector: a listing through the upload retry policy takes minutes
-@pytest.mark.parametrize("outage", ["refused", "hanging"])
+@pytest.mark.parametrize("outage", ["refused", pytest.param("hanging", marks=pytest.mark.slow)])
 def test_a_store_that_goes_down_after_start_does_not_hold_the_first_save(tmp_path, s3_bucket, outage):
     """No restore() first, so the first save() finds the newest checkpoint's timeline itself, on every
     tier: the remote listing must not run the upload retry policy into an outage on the training
@@ -684,7 +691,7 @@ RETENTION_FAILS = {
 
 @pytest.mark.s3
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("failing", ["uploads", "retention"])
+@pytest.mark.parametrize("failing", [pytest.param("uploads", marks=pytest.mark.slow), "retention"])
 def test_retention_under_repeated_failures_always_keeps_a_checkpoint_that_verifies(tmp_path, s3_bucket, failing):
     bucket, port = s3_bucket
     url, direct = f"s3://{bucket}/run", storage_options(port)

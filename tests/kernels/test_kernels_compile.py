@@ -378,8 +378,7 @@ def test_norms_rope_glu_under_cuda_graphs_match_eager():
 
 #: Gemma 2's and Qwen3's fused modules are Gemma 3's (offset norms, QK-norms, GeGLU, softcapped loss) and
 #: Llama's: their cases run with -m slow
-DENSE = ["llama", pytest.param("gemma2", marks=pytest.mark.slow), "gemma3_text",
-         pytest.param("qwen3", marks=pytest.mark.slow), "phi3"]
+DENSE = ["llama"] + [pytest.param(t, marks=pytest.mark.slow) for t in ("gemma2", "gemma3_text", "qwen3", "phi3")]
 
 
 def _break_sites(explained) -> set[tuple[str, int]]:

@@ -437,12 +437,15 @@ WORKER = Path(__file__).parent / "experts_parallel_worker.py"
 
 def _parallel_cases():
     """(model, layout, NCCL) of the test below: every case over gloo and, on two GPUs, over NCCL; Mixtral's
-    gloo case with ``-m slow`` (its default sibling: Qwen3-MoE's ep+tp, the same layout)."""
+    gloo cases but Qwen3-MoE's ep+tp with ``-m slow`` (their default sibling: that one, both layouts at once)."""
     cases = []
     for nccl in (False, True):
         for model_type, layout in (("qwen3_moe", "ep+tp"), ("qwen3_moe", "ep+fsdp"), ("qwen3_moe", "tp"),
                                    ("mixtral", "ep+tp")):
-            marks = [pytest.mark.multigpu] if nccl else [pytest.mark.slow] if model_type == "mixtral" else []
+            # over gloo the default suite runs Qwen3-MoE's ep+tp (expert and tensor parallel at once); the other
+            # layouts and Mixtral with -m slow
+            default = model_type == "qwen3_moe" and layout == "ep+tp"
+            marks = [pytest.mark.multigpu] if nccl else [] if default else [pytest.mark.slow]
             cases.append(pytest.param(model_type, layout, nccl, marks=marks,
                                       id=f"{model_type}-{layout}-{'nccl' if nccl else 'gloo'}"))
     return cases
