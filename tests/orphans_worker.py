@@ -36,6 +36,8 @@ def main(argv: list[str]) -> int:
             time.sleep(1.0)
         ck = ckpt.Checkpointer(local_dir=local_dir)
         print("warnings", len(warnings), flush=True)
+        for w in warnings:
+            print(w.getMessage(), file=sys.stderr, flush=True)
         ck.close(keep_memory=True)
     dist.destroy_process_group()
     return 0

@@ -37,7 +37,8 @@ def test_a_full_disk_fails_the_save_clearly_while_training_goes_on(local_dir, ca
             h.wait("local")
         assert info.value.errno == errno.ENOSPC
         assert "local_dir" in str(info.value) and "step 2" in str(info.value)
-        assert h.status == "failed" and h.done("memory") and not h.errors.get("memory")
+        h.wait("memory")   # its record in RAM may still be being written: the memory tier holds the step whole
+        assert h.status == "failed" and not h.errors.get("memory")
         assert "checkpoint of step 2 failed" in caplog.text
         with pytest.raises(OSError):
             ck.wait()
