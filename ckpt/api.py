@@ -12,10 +12,10 @@ import operator
 import logging
 import os
 import secrets
+import sys
 import threading
 import time
 import zlib
-import sys
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Callable, Mapping

@@ -18,7 +18,6 @@ See ``docs/export.md``.
 from __future__ import annotations
 
 import abc
-
 import errno
 import functools
 import json
