@@ -684,7 +684,7 @@ class Checkpointer:
                 here = cause = _HELD
             where = None if self.ranks is None else "this rank" if here == cause else "another rank"
             self._skips.note(step, cause, where, self.pool, stats.wait_s)
-            handle._skip()
+            handle._skip("allocating" if cause == _ALLOCATING else "busy")
             stats.stall_s = time.perf_counter() - t0
             self._metrics.track(handle)
             return handle

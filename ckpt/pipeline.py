@@ -115,7 +115,7 @@ class SaveHandle:
     finishes at once without error and says why in :attr:`skipped_tiers` (``tier_status(tier)`` is then
     ``"skipped"``): ``"superseded by step N"`` (the tier was busy and wrote the newer snapshot
     instead), ``"not due"`` (its ``persist_every`` cadence), or ``"busy"`` (busy on this rank or
-    another of a collective job).
+    another of a collective job). A snapshot not taken at all says why in :attr:`skip_reason`.
     """
 
     def __init__(self, step: int, tiers: list[str], stats: SnapshotStats) -> None:
@@ -126,6 +126,10 @@ class SaveHandle:
         self.skipped_tiers: dict[str, str] = {}
         self._events = {t: threading.Event() for t in tiers}
         self._skipped = False
+        self.skip_reason: str | None = None
+        """Why the snapshot was not taken (``status == "skipped"``), else ``None``: ``"allocating"`` (the host
+        buffers were still being allocated in the background) or ``"busy"`` (every buffer was being copied
+        into, read by a tier, or held the newest committed snapshot, on this rank or another)."""
         self._all = threading.Event()
         self._raised: list[BaseException] = []   # errors wait() raised to its caller
         self._urged = False   # someone waits for the memory tier (its record then goes first)
@@ -219,8 +223,9 @@ class SaveHandle:
             if not ev.is_set():
                 self._finish(t, error)
 
-    def _skip(self) -> None:
+    def _skip(self, reason: str) -> None:
         self._skipped = True
+        self.skip_reason = reason
         for t in self._events:
             self._finish(t)
 

@@ -139,7 +139,7 @@ def test_a_failed_snapshot_never_costs_the_newest_committed_one(tmp_path, slow_s
         st = _state(3.0)
         h3 = ck.save(3, st)
         st["w"].data.add_(1)                    # would tear step 3's snapshot, had it been taken
-        assert h3.status == "skipped"
+        assert h3.status == "skipped" and h3.skip_reason == "busy"
         assert {c.step for c in ck.memory.committed()} >= {2}
         got = _restored(tmp_path / "local")     # a new process on the node, the local tier still empty
         assert got == (2, 2.0, "memory")
@@ -157,7 +157,8 @@ def test_a_single_buffer_is_taken_for_the_next_snapshot_once_no_tier_reads_it(tm
     try:
         ck.save(1, _state(1.0)).wait("memory")
         assert local.started.wait(10)
-        assert ck.save(2, _state(2.0)).status == "skipped"   # the only buffer is read by the local tier
+        h2 = ck.save(2, _state(2.0))
+        assert (h2.status, h2.skip_reason) == ("skipped", "busy")   # the only buffer is read by the local tier
         gate.set()
         ck.wait("local")
         h = ck.save(3, _state(3.0))
@@ -209,9 +210,14 @@ def test_snapshots_every_step_are_taken_while_a_slow_tier_writes(tmp_path):
         gate.set()
         ck.close()
     committed = [h for h in taken if h.status != "skipped"]
-    assert len(committed) >= 38, [h.status for h in taken]   # every step but the first allocation's
+    # the slow tier costs no snapshot: a step is skipped only while the buffers are still being allocated in
+    # the background (on a loaded machine that low-priority thread may take longer than the loop's 50 ms grace)
+    assert {h.skip_reason for h in taken if h.status == "skipped"} <= {"allocating"}, \
+        [(h.step, h.skip_reason) for h in taken if h.status == "skipped"]
+    assert all(h.skip_reason is None for h in committed)
+    assert len(committed) >= 30, [h.status for h in taken]
     counts = ck.tier_counts["local"]
-    assert counts.persisted >= 2 and counts.superseded >= 20
+    assert counts.persisted >= 2 and counts.superseded >= 10
     assert counts.persisted + counts.superseded + counts.busy + counts.not_due + counts.failed == len(committed)
     assert LocalTier(tmp_path / "local").committed_steps()[0] == 39
     fig = ck.tier_figures()["memory"]
@@ -229,7 +235,7 @@ def test_a_skip_costs_the_loop_no_waiting(tmp_path):
         t0 = time.perf_counter()
         h = ck.maybe_save(1, _state(1.0))
         took = time.perf_counter() - t0
-        assert h is not None and h.status == "skipped"
+        assert h is not None and (h.status, h.skip_reason) == ("skipped", "busy")
         assert took < 0.5, f"a skipped snapshot held the loop {took:.3f} s"
         assert ck.skipped == 1
     finally:

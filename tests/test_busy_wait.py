@@ -245,6 +245,7 @@ def test_a_save_skips_at_once_when_the_first_buffer_cannot_be_there_within_the_b
         t0 = time.monotonic()
         handle = ck.maybe_save(1, _state())
         assert handle.status == "skipped" and time.monotonic() - t0 < 1.5
+        assert handle.skip_reason == "allocating"
         slow_allocation.finish()
 
 
