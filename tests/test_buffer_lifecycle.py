@@ -553,7 +553,9 @@ def test_every_snapshot_is_committed_while_records_follow_and_a_waited_one_is_re
         handles[-1].wait("memory", timeout=60)   # the local tier still holds step 0's buffer: urged, not patient
         assert 29 in _recorded_steps(local.root)
         ends = [h for h in handles if h is not None and h.status != "skipped"]
-        assert len(ends) >= 28   # every step but the first allocation's: a record never holds up a copy
+        # a record never holds up a copy: a step is skipped only while the buffers are still being allocated
+        assert {h.skip_reason for h in handles if h is not None and h.status == "skipped"} <= {"allocating"}
+        assert len(ends) >= 20
         for h in ends:
             h.wait("memory", timeout=60)
             assert h.tier_status("memory") in ("done", "skipped")
@@ -567,8 +569,34 @@ def test_every_snapshot_is_committed_while_records_follow_and_a_waited_one_is_re
         ck.close()
 
 
-@pytest.mark.xfail(strict=False, reason="known defect (issue 34 note): on a loaded machine the newest committed "
-                   "snapshot was once left unrecorded at close (step 8 committed, records of 6 and 7 only)")
+def test_a_record_thread_that_stopped_does_not_cost_the_newest_its_record_at_close(tmp_path, monkeypatch):
+    """The thread that writes the records dies (an error it did not expect) with the newest snapshot still
+    waiting for its record: a close that keeps the RAM writes that record all the same."""
+    from ckpt.tiers import memory
+
+    real = memory.MemoryTier._record_passes
+    calls = []
+
+    def dies_first(self):
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("the record thread's first run fails")
+        return real(self)
+
+    monkeypatch.setattr(memory.MemoryTier, "_record_passes", dies_first)
+    run = tmp_path / "run"
+    ck = ckpt.Checkpointer(local_dir=run, persist_every={"local": 1000})
+    h = ck.save(1, _state(1.0))
+    _committed(ck)
+    deadline = time.monotonic() + 30
+    while ck.memory._recorder is not None and time.monotonic() < deadline:
+        time.sleep(0.01)   # the thread has stopped, the record not written
+    assert calls and 1 not in _recorded_steps(run) and h.tier_status("memory") == "pending"
+    ck.close(keep_memory=True)
+    assert _recorded_steps(run) == {1} and h.tier_status("memory") == "done"
+    assert _restored(run)[:3] == (1, 1.0, "memory")
+
+
 def test_a_block_that_raises_leaves_the_newest_snapshot_recorded_and_close_leaves_no_record(tmp_path):
     """The newest snapshot outlives a block that raised (its record is written before the block's exit
     returns, however fast the saves came); a plain close frees the RAM and writes no record after it."""
@@ -580,7 +608,11 @@ def test_a_block_that_raises_leaves_the_newest_snapshot_recorded_and_close_leave
                 handles.append(ck.maybe_save(step, _state(float(step))))
             raise RuntimeError("the loop failed")
     newest = max(h.step for h in handles if h.status != "skipped")   # a save finding no free buffer is skipped
-    assert max(_recorded_steps(run)) == newest
+    fig = ck.tier_figures()["memory"]
+    assert max(_recorded_steps(run)) == newest, (
+        sorted(_recorded_steps(run)), [(h.step, h.status, h.tier_status("memory"), h.errors, h.skipped_tiers)
+                                       for h in handles if h.status != "skipped"],
+        fig.records_written, fig.records_superseded, ck.memory.records_failed)
     assert _restored(run)[:2] == (newest, float(newest))
     ck2 = ckpt.Checkpointer(local_dir=run, every_steps=1)
     ck2.restore(_state())

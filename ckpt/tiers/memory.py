@@ -197,6 +197,16 @@ class MemoryTier(Tier):
         return "record", pick
 
     def _record_loop(self) -> None:
+        try:
+            self._record_passes()
+        except BaseException as e:   # noqa: BLE001 - never die silently: settle() starts another if one still waits
+            with self.pool._cv:
+                self._recorder = None
+                self.pool._cv.notify_all()
+            log.warning("the memory tier's record thread stopped (%s: %s); the next commit or close() starts "
+                        "another", type(e).__name__, e)
+
+    def _record_passes(self) -> None:
         from .. import priority
 
         priority.lower_this_thread()   # a checksum pass over the whole snapshot, beside training
@@ -242,27 +252,47 @@ class MemoryTier(Tier):
             finally:
                 self._record_s = _smooth(self._record_s, time.monotonic() - held_at)   # the whole pass, as held
                 self.pool.release(buf)
-            callback(reason)
+            try:
+                callback(reason)
+            except Exception as e:   # noqa: BLE001 - a handle's bookkeeping never stops the records of the others
+                log.warning("telling the handle of step %d its record's outcome failed (%s: %s)", step,
+                            type(e).__name__, e)
 
     def settle(self, timeout: float | None = None, write: bool = True) -> bool:
         """Write the record of the newest snapshot still waiting for one, whatever buffers that holds (close:
         no copy comes after), and wait until no record is being written; ``write=False`` (a close that frees
         the segments): write none, only wait for the one being written. Returns False when ``timeout``
-        (seconds) ran out first."""
+        (seconds) ran out first. A snapshot still waiting once the thread is gone (it stopped on an error)
+        gets a thread of its own: close() never leaves the newest unrecorded where the segments stay."""
         deadline = None if timeout is None else time.monotonic() + timeout
         with self.pool._cv:
             self._settling = True
             self._abandon = not write
-            if not write and (self._recorder is None or not self._recorder.is_alive()):
-                self._pick_record(0.0)   # no thread to tell the waiting snapshots: tell them here
-            self.pool._cv.notify_all()
-            while self._recorder is not None and self._recorder.is_alive():
-                left = None if deadline is None else deadline - time.monotonic()
-                if left is not None and left <= 0:
-                    return False
-                self.pool._cv.wait(0.05 if left is None else min(0.05, left))
-            self._settling = False
-        return True
+            restarts = 0
+            try:
+                while True:
+                    idle = self._recorder is None or not self._recorder.is_alive()
+                    if idle:
+                        if not write:
+                            self._pick_record(0.0)   # no thread to tell the waiting snapshots: tell them here
+                            return True
+                        waiting = [b.image_step for b in self.pool.buffers
+                                   if b.on_record is not None and b.image_step is not None]
+                        if not waiting:
+                            return True
+                        if restarts == 3:
+                            log.warning("the memory tier could not write the record of step(s) %s: they stay in "
+                                        "this process's memory only", sorted(waiting))
+                            return True
+                        restarts += 1
+                        self._kick()   # a snapshot still waits for its record and no thread writes it
+                    self.pool._cv.notify_all()
+                    left = None if deadline is None else deadline - time.monotonic()
+                    if left is not None and left <= 0:
+                        return False
+                    self.pool._cv.wait(0.05 if left is None else min(0.05, left))
+            finally:
+                self._settling = False
 
     def _record_failed(self, step: int, space: SharedSpace, held: Manifest, error: OSError) -> None:
         """A record could not be written (``/dev/shm`` full, a foreign entry at its name): the snapshot stays in
