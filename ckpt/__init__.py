@@ -60,7 +60,7 @@ __all__ = [
 
 #: where each public name that needs torch lives (imported on first use, PEP 562)
 _WHERE = {
-    "Checkpointer": "api", "CheckpointInfo": "api", "IfBusy": "api", "promote": "api", "SaveHandle": "pipeline",
+    "Checkpointer": "api", "CheckpointInfo": "api", "IfBusy": "api", "promote": "promotion", "SaveHandle": "pipeline",
     "Signals": "preempt", "WorkerSignals": "preempt", "RestoreInfo": "restore", "RNGState": "rng",
     "SnapshotStats": "stage",
 }

@@ -7,32 +7,29 @@ import contextlib
 import dataclasses
 import enum
 import inspect
-import errno
 import operator
 import logging
 import os
-import secrets
 import sys
 import threading
 import time
-import zlib
 from dataclasses import dataclass
-from datetime import timedelta
 from typing import Any, Callable, Mapping
 
 import torch
 
-from . import knobs, shm
+from . import knobs
 from .config import Policy, Storage, merge
-from .errors import (CheckpointError, CorruptCheckpointError, IncompatibleCheckpointError, IncompleteCheckpointError,
-                     LockedError, Preempted)
-from .format import Manifest, data_name
+from .errors import CheckpointError, Preempted
+from .format import Manifest
 from .metrics import Metrics, Record
+from .ownership import Ownership
 from .pipeline import Pipeline, SaveHandle
 from .plan import flatten, layout
 from .policy import (AutoInterval, Committed, Interval, Retention, TierCadence, Timeline, live_and_abandoned,
                      prune)
 from .preempt import PreemptionGuard, Signals, drain, drain_outside, save_on_request
+from .promotion import copy_between
 from .ranks import Ranks, check_elastic_store, distributed_world
 from .restore import AgreedRestore, RestoreInfo, listing as _listing, restore as _restore
 from .restore import resume_timeline as _resume_timeline
@@ -40,11 +37,10 @@ from .pool import HostPool
 from .stage import Snapshot, SnapshotStats, stage, wait_all_staged
 from .tiers import LocalTier, MemoryTier, PeerTier, RemoteTier
 from .tiers.base import PersistingTier, Tier, TierFigures
-from .tiers.local import OwnerLock, owned
 from .tiers.memory import space_for
 from .tiers.remote import refuse_overlap
 
-__all__ = ["Checkpointer", "CheckpointInfo", "IfBusy", "promote"]
+__all__ = ["Checkpointer", "CheckpointInfo", "IfBusy"]
 
 _STORAGE_FIELDS = [f.name for f in dataclasses.fields(Storage)]
 _POLICY_FIELDS = [f.name for f in dataclasses.fields(Policy)]
@@ -378,13 +374,12 @@ class Checkpointer:
         # this rank's checkpoints, nearest first: what restore, list() and the timelines iterate
         self._tiers: list[Tier] = sorted([t for t in (self.memory, self.local, self.remote) if t is not None],
                                           key=lambda t: t.nearness)
-        self._owner: OwnerLock | None = None
-        self._owned = False
-        self._owned_by_restore = False   # ownership taken to persist a restored snapshot (_persist_restored)
-        if self.ranks is not None:
-            self._check_own_storage()
+        self._node = Ownership(self.local, self.memory, self.pool, self.ranks)   # local_dir's lock, segments
+        if self.ranks is not None and self._node.own_for_job(self.remote.url if self.remote is not None else None):
+            # decided from gathered facts, so every rank joins (a collective) or none does
+            self.remote.join_job(Ranks(timeout_s=knobs.get("CKPT_COMMIT_TIMEOUT_S"), own_group=True))
         try:
-            self.peer = self._make_peer(peers)
+            self.peer = None if peers is None or peers is False else PeerTier.for_job(self.local.root, self.ranks, peers)
             # a time-based policy decides by each rank's clock: those decisions are agreed in maybe_save
             self._agree_due = self.ranks is not None and (isinstance(self.interval, AutoInterval)
                                                           or self.interval.every_seconds is not None)
@@ -397,14 +392,14 @@ class Checkpointer:
             self._pipeline = Pipeline(self.pool, self.memory, persisting, self._apply_retention, self._failed,
                                       coalesce=self.if_busy is IfBusy.SKIP,
                                       independent=self.ranks is None, every=persist_every, auto=cadences,
-                                      clock=clock, fence=self._still_owner)
+                                      clock=clock, fence=self._node.still_owner)
             self._clock = clock
             self._auto_tiers = bool(cadences)
             self._last_step_at: float | None = None
-            if self._owned:   # again now that the peer tier's NCCL group has started CUDA on this rank's GPU
+            if self._node.owned:   # again now that the peer tier's NCCL group has started CUDA on this rank's GPU
                 self.pool.adopt_ahead()
         except BaseException:
-            self._disown()
+            self._node.disown()
             raise
         self._timeline: Timeline | None = None   # the saves' timeline: decided by restore() or the first save
         self._prepared = False        # the first maybe_save() started allocating the buffers
@@ -570,7 +565,7 @@ class Checkpointer:
         the first save does not wait for the allocation."""
         self._prepared = True
         self._prepared_sync = True   # the background allocation adopts the previous process's segments itself
-        self._own_local()
+        self._node.own()
         try:
             plan = flatten(state, self.on_unsupported)
             nbytes = layout(plan.entries, knobs.get("CKPT_ALIGN_BYTES"))[1]
@@ -638,7 +633,7 @@ class Checkpointer:
         ``CKPT_BUSY_WAIT_MS`` for a buffer, and never allocates one while the background allocation runs."""
         self._check_open()
         step = _step_arg(step, "save(step=...)")
-        self._own_local()
+        self._node.own()
         if self._timeline is None:   # no restore() first: the saves continue the newest checkpoint's branch
             self._use_timeline(self._newest_timeline())
         t0 = time.perf_counter()
@@ -787,7 +782,7 @@ class Checkpointer:
             info = self._restore_agreed(state, step, strict)
         else:
             listed = _listing(self._tiers)
-            info = _restore(state, self._tiers, step, strict, self._job, listed=listed, refill=self._may_refill())
+            info = _restore(state, self._tiers, step, strict, self._job, listed=listed, refill=self._node.may_refill())
             restored = None if info is None else Committed(info.step, info.timeline)
             self._use_timeline(_resume_timeline(restored, [e for e, _ in listed]))
             if info is not None:
@@ -843,140 +838,6 @@ class Checkpointer:
         for tier in self._tiers + ([self.peer] if self.peer is not None else []):
             tier.timeline = timeline   # the peer tier sends it with each replica
 
-    def _check_own_storage(self) -> None:
-        """Refuse, on every rank, a ``local_dir`` or ``url`` that another rank of the job writes too
-        (each rank's files and ``COMMIT`` would overwrite the others'), and a ``local_dir`` that a live
-        process outside the job owns; otherwise every rank now owns its ``local_dir``. Collective.
-        Sharing is found by marker files, so a directory shared across hosts (a network file system)
-        is found too."""
-        ranks = self.ranks
-        try:
-            # the sweep waits for the other ranks' locks (below): a job restarted by its launcher would otherwise
-            # find a rank that has not taken its directory yet, and name that rank's RAM as a dead job's
-            self._own_local(sweep=False)
-            lock_error: BaseException | None = None
-        except Exception as e:   # noqa: BLE001 - reported below on every rank, after the agreement
-            lock_error = e
-        try:
-            nonce = ranks.gather([secrets.randbits(62)])[0][0]   # rank 0's: one name space for this job
-            prefix = f".ckpt-job-{nonce:x}-rank-"
-            marker = self.local.root / f"{prefix}{ranks.rank}"
-            marker.touch()
-            try:
-                ranks.gather([])   # every marker exists before any rank looks
-                mates = sorted(int(p.name[len(prefix):]) for p in self.local.root.glob(f"{prefix}*"))
-                url = zlib.crc32(self.remote.url.encode()) if self.remote is not None else -1
-                # also: every rank has looked before markers go
-                seen = ranks.gather([len(mates), url, int(lock_error is not None)])
-            finally:
-                marker.unlink(missing_ok=True)
-            urls = [u for _, u, _ in seen]
-            job_url = urls[0] != -1 and urls.count(urls[0]) == len(urls)   # one url for the whole job
-            same_url = [] if job_url else [r for r, u in enumerate(urls) if u != -1 and urls.count(u) > 1]
-            problems = [f"local_dir {str(self.local.root)!r} is shared by ranks {mates}"] if len(mates) > 1 else \
-                ["another rank's local_dir is shared"] if any(n > 1 for n, _, _ in seen) else []
-            if same_url:
-                problems.append(f"ranks {same_url} were given the same url, other ranks another")
-            if problems:
-                raise ValueError(f"{'; '.join(problems)}: in a multi-process job give every rank its own local_dir "
-                                 "(e.g. f'{root}/rank-{rank}') and every rank the same url (a job tier) or each its "
-                                 "own, or pass collective=False if only one rank checkpoints")
-            if lock_error is not None:
-                raise lock_error
-            locked = [r for r, (_, _, bad) in enumerate(seen) if bad]
-            if locked:
-                raise LockedError(f"rank(s) {locked} could not take ownership of their local_dir (their errors say "
-                                  "why: another live process owns it, say): every rank stops", str(self.local.root))
-        except BaseException:
-            self._disown()
-            raise
-        self._sweep_orphans()   # every rank of the job owns its local_dir now
-        if job_url:   # decided from gathered facts, so every rank joins (a collective) or none does
-            self.remote.join_job(Ranks(timeout_s=knobs.get("CKPT_COMMIT_TIMEOUT_S"), own_group=True))
-
-    def _own_local(self, sweep: bool = True) -> None:
-        """Become the owner of ``local_dir`` (once): raises LockedError while another live writer owns it, and
-        at every call once another process took the directory from this one (before a save's snapshot: no
-        tier, the memory tier included, gets a step of a writer fenced out of its directory). ``sweep=False``:
-        the caller looks for what dead jobs left in RAM itself (:meth:`_sweep_orphans`), later."""
-        with self._lock:
-            if self._owned and self._owner is not None:
-                self._owner.reassert()
-            if not self._owned:
-                self._owner = self.local.acquire_owner()
-                self._owned = True
-                # the owner of local_dir is the one writer of its memory tier's shared-memory segments, named
-                # from the directory's id, which the first owner makes (ckpt.identity); a local tier that guards
-                # no directory of its own (acquire_owner() gave no lock) keeps its snapshots in the process
-                if self.memory.space is None and self._owner is not None:
-                    self.memory.space = space_for(self.local.root, self.ranks.rank if self.ranks else 0, create=True)
-                if sweep:
-                    self._sweep_orphans()
-                self.pool.share(self.memory.space)
-                # and takes over the segments its previous process left, in the background from now on: a
-                # restore then copies them from pinned memory, and the first save finds them ready
-                self.pool.adopt_ahead()
-
-    def _still_owner(self) -> None:
-        """Raise :class:`~ckpt.errors.LockedError` when this Checkpointer owned ``local_dir`` and another process
-        took it (the persisting tiers ask before each write, from their threads: a fenced writer's snapshots
-        queued before it lost the directory reach no tier, the remote one included)."""
-        owner = self._owner
-        if self._owned and owner is not None:
-            owner.reassert()
-
-    def _sweep_orphans(self) -> None:
-        """One rank per node, before its first buffer: what dead jobs left in the RAM file system is named, or
-        freed by the policy (CKPT_SHM_ORPHAN_S)."""
-        if self.memory.space is not None and os.environ.get("LOCAL_RANK", "0") == "0":
-            try:
-                shm.sweep_orphans(skip=shm.local_key(self.memory.space.prefix))
-            except OSError as e:
-                log.debug("looking for the RAM that dead jobs left failed: %s", e)
-
-    def _may_refill(self) -> bool:
-        """Whether a restore may write what it reads from a farther tier into ``local_dir`` (a refill): where this
-        Checkpointer owns it, or no live process does (asked just before the restore: taking the lock for the
-        restore instead would make a trainer that starts meanwhile fail). Beside another live owner it writes
-        nothing there: that process is the one writer of its directory."""
-        if self._owned or not owned(self.local.root):
-            return True
-        log.info("restoring without writing into %s: another live process owns it", self.local.root)
-        return False
-
-    def _disown(self) -> None:
-        with self._lock:
-            owner, self._owner, self._owned = self._owner, None, False
-        if owner is not None:
-            owner.release()
-
-    def _make_peer(self, peers: bool | int | None) -> PeerTier | None:
-        """The peer tier when asked for (collective: it makes a gloo group of its own)."""
-        if peers is None or peers is False:
-            return None
-        if self.ranks is None:
-            raise ValueError("peers= keeps copies on other ranks of a multi-process job: it needs torch.distributed "
-                             "with more than one rank (and collective=None or True)")
-        world = self.ranks.world
-        if peers is True:   # the same local rank on the next node (torchrun sets LOCAL_WORLD_SIZE)
-            per_node = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-            jump = per_node if 0 < per_node < world else 1
-        elif isinstance(peers, int) and not isinstance(peers, bool) and peers > 0 and peers % world:
-            jump = peers
-        else:
-            raise ValueError(f"peers must be True (the next node's rank: LOCAL_WORLD_SIZE) or a rank distance "
-                             f"that is not a multiple of the world size {world}, got {peers!r}")
-        timeout = knobs.get("CKPT_PEER_TIMEOUT_S")
-        if timeout <= 0:
-            raise ValueError(f"CKPT_PEER_TIMEOUT_S must be a positive number of seconds, got {timeout}")
-        ranks = Ranks(timeout_s=timeout, own_group=True)
-        data_group, device = None, None
-        dist = torch.distributed
-        if _peer_over_nccl(knobs.get("CKPT_PEER_NCCL")):
-            device = _rank_gpu()
-            data_group = dist.new_group(backend="nccl", timeout=timedelta(seconds=timeout))
-        return PeerTier(self.local.root, ranks, jump, data_group, device)
-
     def _restore_agreed(self, state: dict, step: int | None, strict: bool) -> RestoreInfo | None:
         """:meth:`restore` when the ranks must agree (:class:`ckpt.restore.AgreedRestore`)."""
         job_tier = self.remote is not None and self.remote.job is not None
@@ -1018,13 +879,13 @@ class Checkpointer:
 
     def _hand_restored(self, info: RestoreInfo, tiers: list[str]) -> None:
         step, timeline = info.step, info.timeline
-        if not self._owned:
-            if owned(self.local.root):
+        if not self._node.owned:
+            if self._node.other_owner():
                 log.info("step %d, restored from the memory tier, is not on the %s tier(s); not writing it there: "
                          "another live process owns %s", step, ", ".join(tiers), self.local.root)
                 return
-            self._own_local()   # LockedError: another process took it meanwhile
-            self._owned_by_restore = True
+            self._node.own()   # LockedError: another process took it meanwhile
+            self._node.by_restore = True
         failure: BaseException | None = None
         try:
             manifest = self.memory.manifest(step, timeline)
@@ -1105,8 +966,8 @@ class Checkpointer:
             except BaseException:
                 pass
         if to == "local":
-            self._own_local()
-        return _copy(self.local, self.remote, step, to)
+            self._node.own()
+        return copy_between(self.local, self.remote, step, to)
 
     def list(self) -> list[CheckpointInfo]:
         """Checkpoints visible on any tier, newest first: the live branch by ``(timeline, step)``, then
@@ -1148,14 +1009,14 @@ class Checkpointer:
             return
         self._closed = True
         try:
-            keep_memory = keep_memory or (self._owned_by_restore and not self.history)
-            self._pipeline.close(keep_shared=keep_memory or not self._owned)
-            if keep_memory and self._owned:
+            keep_memory = keep_memory or (self._node.by_restore and not self.history)
+            self._pipeline.close(keep_shared=keep_memory or not self._node.owned)
+            if keep_memory and self._node.owned:
                 self.memory.say_kept(loud=self._exit_error)
             if self.peer is not None:   # the replicas this rank holds: freed with its own snapshots, or kept
-                self.peer.close(keep_shared=keep_memory or not self._owned)
+                self.peer.close(keep_shared=keep_memory or not self._node.owned)
         finally:
-            self._disown()   # every write is over: another process may own local_dir now
+            self._node.disown()   # every write is over: another process may own local_dir now
         with self._lock:
             self._handles = []
         self._metrics.poll()
@@ -1197,116 +1058,6 @@ class Checkpointer:
                 continue
             prune(tier, tier.keep_of(self.keep), busy,
                   verified=lambda s, record=tier.verified: record.get(s) is True)
-
-def promote(step: int, to: str, *, local_dir: str | os.PathLike, url: str,
-            storage_options: dict[str, Any] | None = None, compression: str | None = None) -> bool:
-    """Copy committed checkpoint ``step`` between ``local_dir`` and ``url`` (see :meth:`Checkpointer.promote`:
-    the same guarantees); returns ``False`` when the destination already held it.
-
-    For scripts and the command line, outside a training process. ``to="remote"`` only reads
-    ``local_dir``, so it may run beside the job that owns it; ``to="local"`` writes there and raises
-    :class:`~ckpt.errors.LockedError` while a live Checkpointer owns ``local_dir`` (that one can
-    call ``ck.promote(step, "local")`` itself).
-    """
-    if to not in ("remote", "local"):
-        raise ValueError(f"to must be 'remote' or 'local', got {to!r}")
-    remote = RemoteTier(url, storage_options, compression=compression)
-    refuse_overlap(local_dir, url, remote.fs, remote.root)
-    local = LocalTier(local_dir)
-    owner = local.acquire_owner() if to == "local" else None
-    try:
-        return _copy(local, remote, step, to)
-    finally:
-        if owner is not None:
-            owner.release()
-
-
-def _copy(local: LocalTier, remote: RemoteTier, step: int, to: str) -> bool:
-    """The work of :func:`promote`: verify the source as it is copied, write the destination beside its
-    committed copy and switch on success (the tiers' writes do that). ``False``: nothing to do."""
-    if to == "remote":
-        src, dst = local, remote
-        where = str(local.step_dir(step))
-    else:
-        src, dst = remote, local
-        where = remote.step_dir(step)
-    if step not in src.committed_steps():
-        status = getattr(src, "status", None)   # a remote tier lists nothing while its store is down
-        if status is not None and status.available is False and status.error is not None:
-            raise ConnectionError(status.error.errno, f"promoting step {step}: {status.error.strerror}; nothing "
-                                  "was copied", where) from status.error
-        raise FileNotFoundError(errno.ENOENT, f"step {step} is not committed on the {src.name} tier "
-                                f"(committed there: {src.committed_steps()[:10]}); nothing was copied", where)
-    commit, manifest = src.open(step)   # the records, validated (CorruptCheckpointError names the file)
-    if _holds(dst, step, manifest):
-        log.info("step %d is already on the %s tier, the same checkpoint, and verifies: nothing to copy", step, to)
-        return False
-    if to == "remote":
-        committed = remote.committed_steps()
-        if remote.job is not None and step in committed:
-            raise CheckpointError(f"step {step} is committed on the job tier {remote.url} with other content than "
-                                  f"rank {remote.rank}'s local copy: promote does not replace a job-tier checkpoint "
-                                  "(every rank's files would have to switch at once); delete it there first")
-        # each chunk is checked against the manifest before it goes up; the copy keeps the checkpoint's timeline
-        with local.mapped(step) as data, remote.copying(step, Timeline.of(commit)):
-            remote.write(step, manifest, data, source=str(local.step_dir(step) / data_name(local.rank)),
-                         move_latest=step >= max(committed, default=-1))
-    else:
-        with local.copying(step, Timeline.of(commit)):   # the copy keeps the checkpoint's timeline
-            remote.load(step, manifest, None, refill=local)   # every part verified before the local switch
-    log.info("step %d copied to the %s tier", step, to)
-    return True
-
-
-def _holds(tier: Any, step: int, manifest: Manifest) -> bool:
-    """Whether ``tier`` holds a committed copy of ``step`` with the same contents as ``manifest`` that
-    verifies (every byte read). A copy that differs or fails is replaced by the promote."""
-    try:
-        if step not in tier.committed_steps():
-            return False
-        there = tier.open(step)[1]
-    except (CorruptCheckpointError, IncompleteCheckpointError, IncompatibleCheckpointError, OSError):
-        return False   # not a usable copy of this process's checkpoint: the write decides (or refuses)
-
-    def content(m: Manifest) -> tuple:
-        return (m.data_bytes, m.chunk_bytes, m.chunks, m.items, m.tree, m.job, m.replicated, m.checksum_algorithm)
-
-    if content(there) != content(manifest):
-        return False
-    try:
-        tier.verify(step)
-    except (CheckpointError, OSError) as e:
-        log.warning("step %d on the %s tier is the same checkpoint but fails verification (%s): replacing it",
-                    step, tier.name, e)
-        return False
-    return True
-
-
-def _peer_over_nccl(knob: int) -> bool:
-    """Whether the peer tier moves its replicas over NCCL: ``CKPT_PEER_NCCL`` 1 (where there is CUDA and NCCL),
-    0 (never: gloo from host memory), or -1, the default: where the job's own process group runs NCCL (then
-    each rank has a GPU of its own; a gloo-only job on a GPU machine may have put every rank on one GPU).
-    The same on every rank: the knob comes from the job's environment, the backend from the job's group."""
-    dist = torch.distributed
-    if knob == 0 or not torch.cuda.is_available() or not dist.is_nccl_available():
-        return False
-    if knob > 0:
-        return True
-    try:
-        return "nccl" in str(dist.get_backend()).lower()
-    except (RuntimeError, ValueError):   # no default group
-        return False
-
-
-def _rank_gpu() -> torch.device:
-    """This rank's GPU: the one its default process group was bound to (``init_process_group(device_id=...)``),
-    else the current device (``torch.cuda.set_device``)."""
-    with contextlib.suppress(AttributeError, RuntimeError, ValueError):   # no default group, an older torch
-        bound = torch.distributed.distributed_c10d._get_default_group().bound_device_id
-        if bound is not None and bound.type == "cuda":
-            return torch.device("cuda", bound.index if bound.index is not None else torch.cuda.current_device())
-    return torch.device("cuda", torch.cuda.current_device())
-
 
 def _step_arg(step: Any, what: str) -> int:
     """``step`` as a Python int: an integer (numpy's too, not a bool) from 0 to 2**63 - 1, the range every

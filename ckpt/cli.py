@@ -512,7 +512,7 @@ def _gc(args: argparse.Namespace) -> int:
 
 
 def _promote(args: argparse.Namespace) -> int:
-    from .api import promote
+    from .promotion import promote
     from .fs import resolve
     from .tiers.remote import refuse_overlap
 

@@ -60,7 +60,7 @@ def main(argv: list[str]) -> int:
 
         pool_mod.HostPool._adopt_slot = stall
         ck = ckpt.Checkpointer(local_dir=local_dir)
-        ck._own_local()   # what a collective job's Checkpointer does when it is made
+        ck._node.own()   # what a collective job's Checkpointer does when it is made
         time.sleep(600)
     elif mode == "stall-save":
         stall_second_tensor_copy()
@@ -70,7 +70,7 @@ def main(argv: list[str]) -> int:
         time.sleep(600)
     elif mode == "restore":
         ck = ckpt.Checkpointer(local_dir=local_dir)
-        ck._own_local()
+        ck._node.own()
         ck.pool.wait_adopted()
         for step in steps:
             target = zeros()

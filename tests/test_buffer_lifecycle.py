@@ -345,7 +345,7 @@ def test_foreign_entries_at_the_segment_names_cost_only_crash_survival(tmp_path,
     with open("/etc/hostname", "rb") as f:
         hostname = f.read()
     ck = ckpt.Checkpointer(local_dir=tmp_path / "local", every_steps=1)
-    ck._own_local()   # what the first save does: the space of the segments is made by the owner of local_dir
+    ck._node.own()   # what the first save does: the space of the segments is made by the owner of local_dir
     root, prefix = ck.memory.space.root, ck.memory.space.prefix
     made = []
     for slot in range(3):

@@ -470,7 +470,7 @@ def test_a_live_owner_is_the_lock_holder_of_the_segments_local_dir(local_dir):
     reader = ckpt.Checkpointer(local_dir=local_dir)
     assert not reader.memory._live_owner()   # nobody holds local_dir: the segment is read from its mapping
     owner = ckpt.Checkpointer(local_dir=local_dir)
-    owner._own_local()
+    owner._node.own()
     try:
         assert reader.memory._live_owner()
     finally:

@@ -225,7 +225,7 @@ def test_the_nccl_exchange_on_two_gpus(tmp_path):
 def test_the_peer_transport_follows_the_jobs_backend(monkeypatch, knob, backend, cuda, want):
     import torch
 
-    from ckpt import api
+    from ckpt.tiers import peer as peer_mod
 
     def get_backend(group=None):
         if backend is None:
@@ -235,7 +235,7 @@ def test_the_peer_transport_follows_the_jobs_backend(monkeypatch, knob, backend,
     monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
     monkeypatch.setattr(torch.distributed, "is_nccl_available", lambda: True)
     monkeypatch.setattr(torch.distributed, "get_backend", get_backend)
-    assert api._peer_over_nccl(knob) is want
+    assert peer_mod.over_nccl(knob) is want
 
 
 def test_the_peer_transport_uses_the_gpu_the_jobs_group_is_bound_to(monkeypatch):
@@ -243,19 +243,19 @@ def test_the_peer_transport_uses_the_gpu_the_jobs_group_is_bound_to(monkeypatch)
     # and every rank would stage its replicas on GPU 0
     import torch
 
-    from ckpt import api
+    from ckpt.tiers import peer as peer_mod
 
     class Group:
         bound_device_id = torch.device("cuda", 3)
 
     monkeypatch.setattr(torch.distributed.distributed_c10d, "_get_default_group", lambda: Group())
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    assert api._rank_gpu() == torch.device("cuda", 3)
+    assert peer_mod.rank_gpu() == torch.device("cuda", 3)
     Group.bound_device_id = None
-    assert api._rank_gpu() == torch.device("cuda", 0)
+    assert peer_mod.rank_gpu() == torch.device("cuda", 0)
 
     def no_group():
         raise ValueError("Default process group has not been initialized")
 
     monkeypatch.setattr(torch.distributed.distributed_c10d, "_get_default_group", no_group)
-    assert api._rank_gpu() == torch.device("cuda", 0)
+    assert peer_mod.rank_gpu() == torch.device("cuda", 0)

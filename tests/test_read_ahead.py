@@ -105,7 +105,7 @@ def test_a_snapshot_taken_over_from_the_previous_process_is_checked_before_it_is
             f.seek(1000)
             f.write(bytes([b[0] ^ 0x02]))
     with ckpt.Checkpointer(local_dir=local_dir) as ck:
-        ck._own_local()   # as every rank of a collective job does at construction: the segment is taken over
+        ck._node.own()   # as every rank of a collective job does at construction: the segment is taken over
         ck.memory.read_ahead(torch.device("cpu"))
         ck.memory._ahead._thread.join()
         assert [b.image_step for b in ck.pool.buffers] == [3]

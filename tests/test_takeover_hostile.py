@@ -110,7 +110,7 @@ def _unflipped(path: Path, offset: int, mask: int = 0x10) -> int:
 def _take_over(ck: ckpt.Checkpointer) -> dict[int, pool_mod.HostBuffer]:
     """Own local_dir (what a collective job's Checkpointer does when it is made, a single process at its
     first save), wait for the background takeover, and return the adopted buffers by step."""
-    ck._own_local()
+    ck._node.own()
     ck.pool.wait_adopted()
     assert ck.pool.adopt_span is not None and ck.pool.adopt_span[1] is not None   # it ran, and ended
     return {b.image_step: b for b in ck.pool.buffers if b.image_step is not None}
@@ -336,7 +336,7 @@ def test_a_restore_during_the_takeover_waits_for_it_and_maps_each_segment_once(l
     monkeypatch.setattr(HostPool, "_adopt_slot", slow)
     target = W.zeros()
     with ckpt.Checkpointer(local_dir=local_dir) as ck:
-        ck._own_local()
+        ck._node.own()
         assert ck.pool._adopting.is_alive()
         assert ck.restore(target) == 4   # no wait_adopted() first
         assert ck.last_restore.tier == ("local" if flip else "memory") and _exact(target, states[4])
@@ -407,7 +407,7 @@ def test_close_while_the_takeover_runs_stops_its_threads_and_keeps_the_segments_
     monkeypatch.setattr(HostPool, "_adopt_slot", slow)
     ck = ckpt.Checkpointer(local_dir=local_dir, every_steps=1000)
     if how == "owned when made":
-        ck._own_local()
+        ck._node.own()
     elif how == "first maybe_save":
         assert ck.maybe_save(1, W.state(1)) is None   # not due: it only owns local_dir and prepares the buffers
     else:
@@ -445,7 +445,7 @@ def test_close_without_keep_memory_while_the_takeover_runs_frees_every_segment(l
 
     monkeypatch.setattr(HostPool, "_adopt_slot", slow)
     ck = ckpt.Checkpointer(local_dir=local_dir)
-    ck._own_local()
+    ck._node.own()
     assert inside.wait(10)
     ck.close()
     assert _pool_threads() == [] and ck.pool.buffers == []

@@ -42,6 +42,7 @@ import queue
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable
 
@@ -53,10 +54,11 @@ from ..format import Manifest
 from ..integrity import checksum
 from ..policy import Committed, Timeline, TimelineCopies
 from ..pool import HostPool, SharedSpace
+from ..ranks import Ranks
 from .base import PersistingTier, StepInfo, Tier, register
 from .memory import MemoryTier, _scatter, _to_device
 
-__all__ = ["PeerTier", "Exchange", "ReceivedCopy", "REPLICA_SLOTS"]
+__all__ = ["PeerTier", "Exchange", "ReceivedCopy", "REPLICA_SLOTS", "over_nccl", "rank_gpu"]
 
 log = logging.getLogger(__name__)
 
@@ -477,6 +479,35 @@ class PeerTier(PersistingTier, TimelineCopies):
     nearness = 20
     on_node = False    # for the rank it belongs to, a replica lives on another node
     durable = False    # in RAM
+
+    @classmethod
+    def for_job(cls, local_dir: str | os.PathLike, job: Any, peers: bool | int) -> "PeerTier":
+        """The peer tier of this rank of ``job`` (its :class:`~ckpt.ranks.Ranks`, ``None`` in a single process:
+        refused), as ``Checkpointer(peers=...)`` asks: ``True`` holds each rank's replicas on the same local
+        rank of the next node (``LOCAL_WORLD_SIZE`` ranks on): a rank distance that is not a multiple of the
+        world size. Collective (call on all ranks): it makes a gloo group of its own, and an NCCL one where the
+        replicas move over NCCL (:func:`over_nccl`)."""
+        if job is None:
+            raise ValueError("peers= keeps copies on other ranks of a multi-process job: it needs torch.distributed "
+                             "with more than one rank (and collective=None or True)")
+        world = job.world
+        if peers is True:   # the same local rank on the next node (torchrun sets LOCAL_WORLD_SIZE)
+            per_node = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+            jump = per_node if 0 < per_node < world else 1
+        elif isinstance(peers, int) and not isinstance(peers, bool) and peers > 0 and peers % world:
+            jump = peers
+        else:
+            raise ValueError(f"peers must be True (the next node's rank: LOCAL_WORLD_SIZE) or a rank distance "
+                             f"that is not a multiple of the world size {world}, got {peers!r}")
+        timeout = knobs.get("CKPT_PEER_TIMEOUT_S")
+        if timeout <= 0:
+            raise ValueError(f"CKPT_PEER_TIMEOUT_S must be a positive number of seconds, got {timeout}")
+        ranks = Ranks(timeout_s=timeout, own_group=True)
+        data_group, device = None, None
+        if over_nccl(knobs.get("CKPT_PEER_NCCL")):
+            device = rank_gpu()
+            data_group = torch.distributed.new_group(backend="nccl", timeout=timedelta(seconds=timeout))
+        return cls(local_dir, ranks, jump, data_group, device)
 
     def __init__(self, local_dir: str | os.PathLike, ranks: Any, jump: int, data_group: Any = None,
                  device: torch.device | None = None) -> None:
@@ -1011,3 +1042,29 @@ class ReceivedCopy(Tier):
     def delete(self, step: int) -> None:
         if step == self.step:
             self.data = None
+
+
+def over_nccl(knob: int) -> bool:
+    """Whether the peer tier moves its replicas over NCCL: ``CKPT_PEER_NCCL`` 1 (where there is CUDA and NCCL),
+    0 (never: gloo from host memory), or -1, the default: where the job's own process group runs NCCL (then
+    each rank has a GPU of its own; a gloo-only job on a GPU machine may have put every rank on one GPU).
+    The same on every rank: the knob comes from the job's environment, the backend from the job's group."""
+    dist = torch.distributed
+    if knob == 0 or not torch.cuda.is_available() or not dist.is_nccl_available():
+        return False
+    if knob > 0:
+        return True
+    try:
+        return "nccl" in str(dist.get_backend()).lower()
+    except (RuntimeError, ValueError):   # no default group
+        return False
+
+
+def rank_gpu() -> torch.device:
+    """This rank's GPU: the one its default process group was bound to (``init_process_group(device_id=...)``),
+    else the current device (``torch.cuda.set_device``)."""
+    with contextlib.suppress(AttributeError, RuntimeError, ValueError):   # no default group, an older torch
+        bound = torch.distributed.distributed_c10d._get_default_group().bound_device_id
+        if bound is not None and bound.type == "cuda":
+            return torch.device("cuda", bound.index if bound.index is not None else torch.cuda.current_device())
+    return torch.device("cuda", torch.cuda.current_device())
