@@ -31,7 +31,7 @@ from .policy import (AutoInterval, Committed, Interval, Retention, TierCadence, 
 from .preempt import PreemptionGuard, Signals, drain, drain_outside, save_on_request
 from .promotion import copy_between
 from .ranks import Ranks, check_elastic_store, distributed_world
-from .restore import AgreedRestore, RestoreInfo, listing as _listing, restore as _restore
+from .restore import AgreedRestore, HandOver, RestoreInfo, listing as _listing, restore as _restore
 from .restore import resume_timeline as _resume_timeline
 from .pool import HostPool
 from .stage import Snapshot, SnapshotStats, stage, wait_all_staged
@@ -129,100 +129,17 @@ class Checkpointer:
     """Two-phase checkpointing of a training state: snapshot now, persist in the background.
 
     Args:
-        url: the durable remote tier, any fsspec URL (``s3://bucket/run``,
-            ``gs://...``, ``file:///...``, ``memory://...``), or ``None``.
-            Resolved once with ``storage_options``; uploads run beside the local
-            write, straight from host memory. In a multi-process job (``collective``)
-            give every rank the same url: it becomes the *job tier*, one step
-            directory holding every rank's files, committed by rank 0 once all
-            ranks' uploads succeeded, and restorable on another number of ranks,
-            into another mesh or placements, or into one process holding whole
-            tensors (resharding by overlap of shards).
-        storage_options: passed to fsspec for ``url`` (endpoint, credentials,
-            retry configuration). A store that cannot be reached does not stop the
-            constructor (a bounded probe, ``CKPT_REMOTE_PROBE_S``): it is logged and
-            recorded in ``ck.remote.status``, restore uses the nearer tiers and each
-            save's ``handle.wait("remote")`` raises until the store answers again. A
-            missing bucket (``FileNotFoundError``) or refused credentials
-            (``PermissionError``) raise here.
-        compression: ``None`` or ``"zstd"`` (byte-shuffled, per chunk) for the
-            remote tier.
-        local_dir: directory of the local tier, on fast local storage (default:
-            ``$CKPT_LOCAL_DIR``), or a :class:`~ckpt.tiers.LocalTier` instance
-            (a subclass, say, for fault injection or a custom layout). One live
-            Checkpointer writes a directory: the first :meth:`save` (or
-            ``promote(to="local")``; in a collective job, the construction) makes this
-            one its owner until :meth:`close`, and another writer, in any process, gets
-            :class:`~ckpt.errors.LockedError` naming the owner. Restoring needs no
-            ownership (a restore that reads the remote tier writes the checkpoint into
-            ``local_dir`` on the way only while no other live process owns it).
-        every_steps: the policy of :meth:`maybe_save`: a save at every step divisible by it (or
-            ``every_seconds``, or ``interval``; with none of them :meth:`maybe_save` raises ``ValueError``:
-            a loop that calls it would never save).
-        every_seconds: ... or once this many seconds passed since the last save.
-        keep: :class:`Retention` (default: 2 checkpoints in ``local_dir``, 10 at the url), or an int
-            ``N``: ``N`` checkpoints on every tier (``Retention(local=N, remote=N)``).
-        max_in_flight: host buffers for snapshots (each the size of the state);
-            default 3: the newest committed snapshot stays whole in one until a newer
-            one is committed, a slow tier may read another, and the next snapshot is
-            copied into the third, so snapshots every step go on while the local tier
-            writes. With the default, fewer are kept when ``host_memory_limit`` leaves
-            room for fewer (said once in the log; ``tier_figures()["memory"].gives_up``).
-            On Linux they are shared-memory segments in ``/dev/shm`` (``CKPT_SHM=0``:
-            this process's pinned memory), so the memory tier outlives the process:
-            a new process on the node restores the newest snapshot from RAM, each
-            chunk checked. :meth:`close` frees them; a process that dies leaves them
-            for its successor (``ckpt gc --memory`` frees what no one will use).
-            They are allocated in the background from the first :meth:`maybe_save`
-            call, so the first save does not wait for seconds of allocation; a save of
-            ``maybe_save`` that finds no free buffer is skipped at once (``if_busy="skip"``;
-            ``CKPT_BUSY_WAIT_MS`` sets a bound to wait instead).
-        if_busy: ``"skip"`` (default) or ``"wait"`` (:class:`IfBusy`): whether a
-            slow tier may skip snapshots (newest wins) or every snapshot reaches
-            every tier and saves wait for it.
-        persist_every: steps between copies on each slower tier, e.g.
-            ``{"local": 50, "remote": 500}``; a tier not named writes as often as it
-            keeps up. A snapshot is taken at every save (the memory tier); a tier
-            writes the ones due by its cadence. :meth:`close` writes the newest
-            snapshot to every tier that does not hold it yet.
-        host_memory_limit: bytes of host staging memory allowed (default: 80%
-            of what psutil reports available when a buffer is allocated).
-            When not even one buffer fits, a save raises
-            :class:`~ckpt.errors.HostMemoryError`.
-        on_unsupported: ``"error"`` (default) refuses a value that is not
-            JSON-safe, naming its key; ``"skip"`` leaves such values out
-            (logged), so they are not restored. Pickle is never used.
-        interval: ``"auto"`` picks the Young/Daly optimum interval from the
-            measured cost of recent saves and ``mtbf`` (mean time between
-            failures, seconds; ``restart_cost`` seconds per failure), updated as
-            measurements come in; see :meth:`interval_report`. Each persisting tier
-            without a ``persist_every`` cadence then gets its own Young/Daly interval
-            from what its writes cost the loop (the slowdown of the steps that run
-            while it writes; :class:`~ckpt.policy.TierCadence`). ``mtbf`` may be a
-            dict per tier, ``{"memory": ..., "local": ..., "remote": ...}``: the mean
-            time between the failures each tier is there for (a process crash for
-            the memory tier, a node's loss for the remote one); a tier not named
-            uses the memory tier's.
-        signals: a :class:`~ckpt.Signals`: what signals do inside the ``with`` block
-            (preemption: save, make durable, exit; a save request: save, make
-            durable, keep training), e.g. ``ckpt.Signals(preempt=(signal.SIGTERM,),
-            save=(signal.SIGUSR1,))``. Or a tuple of preemption signals, e.g.
-            ``(signal.SIGTERM,)``, with ``drain_deadline``, ``drain_tier`` and
-            ``on_preempt`` (the same fields of ``Signals``: ``deadline``, ``drain_tier``,
-            ``on_preempt``): each only sets a flag; the next :meth:`maybe_save` forces
-            a save, waits until it is durable on ``drain_tier`` (at most
-            ``drain_deadline`` seconds), then exits with status ``128 + signal``
-            (``on_preempt="exit"``) or raises :class:`~ckpt.errors.Preempted`
-            (``on_preempt="raise"``). ``drain_tier="peer"`` (with ``peers=``) waits until
-            the peer rank, on another node, has committed this rank's copy: durable off
-            the draining node at network speed.
-        storage: the storage options grouped, a :class:`~ckpt.Storage` (``local_dir``, ``url``,
-            ``storage_options``, ``compression``, ``peers``, ``replicated``, ``max_in_flight``,
-            ``host_memory_limit``); each option is given once, here or as its keyword (``ValueError``
-            otherwise). ``ck.storage`` shows what the Checkpointer uses.
-        policy: the policy options grouped, a :class:`~ckpt.Policy` (``every_steps``, ``every_seconds``,
-            ``interval``, ``mtbf``, ``restart_cost``, ``persist_every``, ``if_busy``, ``keep``,
-            ``on_unsupported``), given once as for ``storage``; ``ck.policy`` shows what is used.
+        storage: where checkpoints go, a :class:`~ckpt.Storage`: ``local_dir`` (required, or
+            ``$CKPT_LOCAL_DIR``), ``url``, ``storage_options``, ``compression``, ``peers``, ``replicated``,
+            ``max_in_flight``, ``host_memory_limit`` (each documented there). ``ck.storage`` shows what is
+            used.
+        policy: when snapshots are taken and what each tier keeps, a :class:`~ckpt.Policy`:
+            ``every_steps``, ``every_seconds``, ``interval``, ``mtbf``, ``restart_cost``, ``persist_every``,
+            ``if_busy``, ``keep``, ``on_unsupported`` (each documented there). ``ck.policy`` shows what is
+            used.
+        signals: a :class:`~ckpt.Signals`: what signals do inside the ``with`` block (preemption: save, make
+            durable, exit; a save request: save, make durable, keep training), e.g.
+            ``ckpt.Signals(preempt=(signal.SIGTERM,), save=(signal.SIGUSR1,))``.
         on_metrics: called with a flat record (``dict`` of ``str -> int | float``) after
             each save finished on every tier and after each restore, on the thread
             driving the Checkpointer (see :meth:`metrics` and :mod:`ckpt.metrics`).
@@ -238,18 +155,12 @@ class Checkpointer:
             steps everywhere. The agreement runs over a CPU (gloo) group, never
             synchronising the GPU. ``False``: every rank decides alone (for code
             that checkpoints from one rank only).
-        replicated: top-level state keys whose plain tensors are the same on every
-            rank (a DDP model and its optimizer: ``("model", "optim")``). On a job
-            tier only rank 0 uploads them; the other ranks' restores read them from
-            rank 0's files. DTensor shards are never treated as replicated. Every
-            rank's local tier keeps its full state either way. Default: none.
-        peers: the peer tier (collective jobs): ``True`` replicates every snapshot into the RAM
-            of the same local rank on the next node (a distance of ``$LOCAL_WORLD_SIZE`` ranks, as
-            torchrun sets it; 1 on one node), an int sets that distance. Each rank holds its
-            source's two newest replicas in shared memory (never on disk); a rank whose own copies
-            are gone (a replaced node) gets its snapshot back from its holder's RAM at restore,
-            before any remote download. The peer tier has its own cadence (``persist_every``).
-            ``handle.wait("peer")`` returns once the holder has committed this rank's replica.
+
+    Shorthand: each field of ``Storage`` and ``Policy`` may be given as a keyword argument instead
+    (``Checkpointer("s3://bucket/run", local_dir="/nvme/ckpt", every_steps=10)``), each option once
+    (``ValueError`` naming one given both ways); ``url`` may be the first positional argument. A tuple of
+    preemption signals with ``drain_deadline``, ``drain_tier`` and ``on_preempt`` is shorthand for
+    ``Signals(preempt=..., deadline=..., drain_tier=..., on_preempt=...)``.
 
     A ``state`` is a dict of name -> value: ``nn.Module``, optimizer, LR
     scheduler, any object with ``state_dict()``/``load_state_dict()``, tensors,
@@ -393,6 +304,8 @@ class Checkpointer:
                                       coalesce=self.if_busy is IfBusy.SKIP,
                                       independent=self.ranks is None, every=persist_every, auto=cadences,
                                       clock=clock, fence=self._node.still_owner)
+            self._handover = HandOver(self.memory, self._tiers, self._pipeline, self._node, self.tiers, self.remote,
+                                      self._track)
             self._clock = clock
             self._auto_tiers = bool(cadences)
             self._last_step_at: float | None = None
@@ -713,11 +626,15 @@ class Checkpointer:
             once = stats.wait_s if self.pool.allocations > allocations else 0.0
             self.interval.record(stats.stall_s - once, previous.persist_s.get("local")
                                  if previous and self.if_busy is IfBusy.WAIT else None)
-        with self._lock:
-            self._handles = [h for h in self._handles if not h.done()] + [handle]
+        self._track(handle)
         self.history.append(stats)
         self._metrics.track(handle)
         return handle
+
+    def _track(self, handle: SaveHandle) -> None:
+        """Keep ``handle`` among those :meth:`wait` and :meth:`close` wait for (the finished ones go)."""
+        with self._lock:
+            self._handles = [h for h in self._handles if not h.done()] + [handle]
 
     def wait_staged(self) -> None:
         """Block until every snapshot copy has landed in host memory.
@@ -789,7 +706,7 @@ class Checkpointer:
                 held: dict[str, set[tuple[int, int]]] = collections.defaultdict(set)
                 for e, tier in listed:
                     held[tier.name].add(e.key)
-                self._persist_restored(info, self._unpersisted(info, held, [e for e, _ in listed]))
+                self._handover.persist(info, self._handover.unpersisted(info, held, [e for e, _ in listed]))
         self.last_restore = info
         if info is not None:
             self._metrics.restored(info)
@@ -842,78 +759,7 @@ class Checkpointer:
         """:meth:`restore` when the ranks must agree (:class:`ckpt.restore.AgreedRestore`)."""
         job_tier = self.remote is not None and self.remote.job is not None
         return AgreedRestore(self.ranks, self._tiers, self.peer, self.memory, self._job, self._use_timeline,
-                             self._unpersisted, self._persist_restored, job_tier).run(state, step, strict)
-
-    def _unpersisted(self, info: RestoreInfo, held: Mapping[str, set[tuple[int, int]]],
-                     everything: list[Committed]) -> list[str]:
-        """The durable tiers that a restore's snapshot must still be written to: where ``info`` came from the
-        memory tier, a snapshot a previous process took (not this one), and is the newest checkpoint of all
-        (``everything``: what every tier of every rank holds), each persisting tier of this rank's that does
-        not hold it (``held``: tier name -> ``(timeline, step)`` keys). A previous process killed before its
-        local (or remote) tier had it leaves it in RAM alone, which the node's next reboot wipes."""
-        key = (info.timeline.number, info.step)
-        if info.tier != self.memory.name or not everything or key != max(e.key for e in everything):
-            return []
-        try:
-            if not self.memory.inherited(info.step, info.timeline):
-                return []
-        except OSError as e:   # the RAM file system could not be listed: the restore itself stands
-            log.warning("could not tell whether step %d, restored from the memory tier, is on a durable tier: %s",
-                        info.step, e)
-            return []
-        return [t.name for t in self._tiers if t.durable and isinstance(t, PersistingTier)
-                and t.name in self._pipeline.lanes and key not in held.get(t.name, ())]
-
-    def _persist_restored(self, info: RestoreInfo, tiers: list[str]) -> None:
-        """Write the snapshot that :meth:`restore` read from the memory tier to ``tiers`` in the background
-        (see :meth:`~ckpt.pipeline.Pipeline.persist_restored`), as the owner of ``local_dir``: beside another live
-        owner nothing is written (that process is the directory's one writer); where no live process owns it,
-        this Checkpointer takes it over, as its first save would. ``wait()`` and ``close()`` wait for it."""
-        if not tiers:
-            return
-        try:
-            self._hand_restored(info, tiers)
-        except Exception as e:   # noqa: BLE001 - the restore itself stands; the next saves persist as usual
-            log.warning("step %d, restored from the memory tier, is not written to the %s tier(s): %s (%s)",
-                        info.step, ", ".join(tiers), e, type(e).__name__)
-
-    def _hand_restored(self, info: RestoreInfo, tiers: list[str]) -> None:
-        step, timeline = info.step, info.timeline
-        if not self._node.owned:
-            if self._node.other_owner():
-                log.info("step %d, restored from the memory tier, is not on the %s tier(s); not writing it there: "
-                         "another live process owns %s", step, ", ".join(tiers), self.local.root)
-                return
-            self._node.own()   # LockedError: another process took it meanwhile
-            self._node.by_restore = True
-        failure: BaseException | None = None
-        try:
-            manifest = self.memory.manifest(step, timeline)
-            if manifest is None:   # gone since the restore read it (not while this process owns local_dir)
-                raise LookupError(f"step {step} left the memory tier before it could be written to the durable tiers")
-        except (OSError, LookupError) as e:
-            if "remote" not in tiers or self.remote.job is None:
-                raise
-            manifest, failure = None, e   # the job tier's uploads of the other ranks wait for this rank's word
-        handle = SaveHandle(step, self.tiers, SnapshotStats(step, nbytes=manifest.data_bytes if manifest else 0))
-        handle._finish(self.memory.name)
-        for name in self.tiers:
-            if name != self.memory.name and name not in tiers:
-                handle._skip_tier(name, "holds it" if name != "peer" else "not written at restore")
-        self.pool.adopt_ahead()   # from this thread: the segments are registered in its CUDA device's context
-        if manifest is not None:
-            log.info("step %d, restored from the memory tier, is on no durable tier of this rank: writing it to the "
-                     "%s tier(s) in the background (%.3f GB)", step, ", ".join(tiers), manifest.data_bytes / 1e9)
-
-        def obtain() -> Any:
-            if failure is not None:
-                raise failure
-            self.pool.adopt()   # the previous process's segments are this pool's buffers (once)
-            return self.memory.hold_image(step, timeline, manifest)
-
-        self._pipeline.persist_restored(step, timeline, manifest, tiers, obtain, handle)
-        with self._lock:
-            self._handles = [h for h in self._handles if not h.done()] + [handle]
+                             self._handover.unpersisted, self._handover.persist, job_tier).run(state, step, strict)
 
     @property
     def tier_counts(self) -> dict[str, Any]:

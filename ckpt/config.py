@@ -35,19 +35,51 @@ class Storage:
     """Where checkpoints go: the tiers and their settings.
 
     Args:
-        local_dir: the local tier, a directory on this node's fast disk (default ``$CKPT_LOCAL_DIR``),
-            or a :class:`~ckpt.tiers.LocalTier` instance. One per rank in a multi-process job.
-        url: the remote tier, any fsspec URL (``s3://bucket/run``, ``gs://...``, ``hdfs://...``,
-            ``file:///...``), or ``None``. The same url on every rank makes it the job tier.
-        storage_options: passed to fsspec for ``url`` (endpoint, credentials, retries).
-        compression: ``None`` or ``"zstd"`` for the remote tier.
-        peers: the peer tier, each snapshot replicated into another rank's RAM: ``True`` (the same local
-            rank on the next node) or a rank distance.
-        replicated: top-level state keys whose plain tensors are the same on every rank (uploaded
-            once, by rank 0, to a job tier).
-        max_in_flight: host buffers of the memory tier, each the size of the state (default 3).
-        host_memory_limit: bytes of host memory the buffers may take (default: 80% of what is
-            available when one is allocated).
+        local_dir: directory of the local tier, on this node's fast storage (default:
+            ``$CKPT_LOCAL_DIR``), or a :class:`~ckpt.tiers.LocalTier` instance (a subclass, say, for
+            fault injection or a custom layout). One per rank in a multi-process job. One live
+            Checkpointer writes a directory: the first save (or ``promote(to="local")``; in a
+            collective job, the construction) makes it the owner until ``close()``, and another writer,
+            in any process, gets :class:`~ckpt.errors.LockedError` naming the owner. Restoring needs no
+            ownership (a restore that reads the remote tier writes the checkpoint into ``local_dir`` on
+            the way only while no other live process owns it).
+        url: the durable remote tier, any fsspec URL (``s3://bucket/run``, ``gs://...``,
+            ``hdfs://...``, ``file:///...``), or ``None``. Uploads run beside the local write, straight
+            from host memory. In a multi-process job give every rank the same url: it becomes the *job
+            tier*, one step directory holding every rank's files, committed by rank 0 once all ranks'
+            uploads succeeded, and restorable on another number of ranks, into another mesh or
+            placements, or into one process holding whole tensors (resharding by overlap of shards).
+        storage_options: passed to fsspec for ``url`` (endpoint, credentials, retry configuration). A
+            store that cannot be reached does not stop the constructor (a bounded probe,
+            ``CKPT_REMOTE_PROBE_S``): it is logged and recorded in ``ck.remote.status``, restore uses the
+            nearer tiers and each save's ``handle.wait("remote")`` raises until the store answers again.
+            A missing bucket (``FileNotFoundError``) or refused credentials (``PermissionError``) raise
+            at construction.
+        compression: ``None`` or ``"zstd"`` (byte-shuffled, per chunk) for the remote tier.
+        peers: the peer tier (collective jobs): ``True`` replicates every snapshot into the RAM of the
+            same local rank on the next node (a distance of ``$LOCAL_WORLD_SIZE`` ranks, as torchrun sets
+            it; 1 on one node), an int sets that distance. Each rank holds its source's two newest
+            replicas in shared memory (never on disk); a rank whose own copies are gone (a replaced
+            node) gets its snapshot back from its holder's RAM at restore, before any remote download.
+            ``handle.wait("peer")`` returns once the holder has committed this rank's replica.
+        replicated: top-level state keys whose plain tensors are the same on every rank (a DDP model
+            and its optimizer: ``("model", "optim")``). On a job tier only rank 0 uploads them; the other
+            ranks' restores read them from rank 0's files. DTensor shards are never treated as
+            replicated. Every rank's local tier keeps its full state either way. Default: none.
+        max_in_flight: host buffers of the memory tier, each the size of the state; default 3: the
+            newest committed snapshot stays whole in one until a newer one is committed, a slow tier
+            may read another, and the next snapshot is copied into the third, so snapshots every step go
+            on while the local tier writes. With the default, fewer are kept when ``host_memory_limit``
+            leaves room for fewer (said once in the log; ``tier_figures()["memory"].gives_up``). On
+            Linux they are shared-memory segments in ``/dev/shm`` (``CKPT_SHM=0``: this process's pinned
+            memory), so the memory tier outlives the process: a new process on the node restores the
+            newest snapshot from RAM, each chunk checked. ``close()`` frees them; a process that dies
+            leaves them for its successor (``ckpt gc --memory`` frees what no one will use). They are
+            allocated in the background from the first ``maybe_save()``, so the first save does not
+            wait for seconds of allocation.
+        host_memory_limit: bytes of host memory the buffers may take (default: 80% of what psutil
+            reports available when a buffer is allocated). When not even one buffer fits, a save raises
+            :class:`~ckpt.errors.HostMemoryError`.
     """
 
     local_dir: str | os.PathLike | Any | None = None
@@ -66,21 +98,33 @@ class Policy:
 
     Args:
         every_steps: the snapshot cadence of :meth:`~ckpt.Checkpointer.maybe_save` (the memory
-            tier's), in steps; with ``every_seconds``, either triggers.
-        every_seconds: the same in seconds since the last save.
-        interval: ``"auto"``: the Young/Daly interval from the measured cost of saves and ``mtbf``
-            (seconds between failures; ``restart_cost`` seconds lost per failure besides the work
-            since the last checkpoint), instead of ``every_steps`` / ``every_seconds``; and for each
-            persisting tier not in ``persist_every``, its own interval from what its writes cost the
-            loop. ``mtbf`` may be a dict per tier (``{"memory": ..., "local": ..., "remote": ...}``).
-        persist_every: steps between copies on each slower tier, ``{"local": 50, "remote": 500}``;
-            a tier not named writes as often as it keeps up (newest wins).
-        if_busy: ``"skip"`` (default: the loop never waits for a slow tier) or ``"wait"`` (every
-            snapshot reaches every tier; saves wait for buffers). See :class:`~ckpt.IfBusy`.
+            tier's): a save at every step divisible by it; with ``every_seconds``, either triggers. With
+            none of ``every_steps``, ``every_seconds`` and ``interval``, ``maybe_save`` raises
+            ``ValueError`` (a loop that calls it would never save).
+        every_seconds: ... or once this many seconds passed since the last save.
+        interval: ``"auto"`` picks the Young/Daly optimum interval from the measured cost of recent
+            saves and ``mtbf`` (mean time between failures, seconds; ``restart_cost`` seconds lost per
+            failure besides the work since the last checkpoint), updated as measurements come in (see
+            :meth:`~ckpt.Checkpointer.interval_report`), instead of ``every_steps`` / ``every_seconds``.
+            Each persisting tier without a ``persist_every`` cadence then gets its own Young/Daly
+            interval from what its writes cost the loop (:class:`~ckpt.policy.TierCadence`). ``mtbf``
+            may be a dict per tier, ``{"memory": ..., "local": ..., "remote": ...}``: the mean time
+            between the failures each tier is there for (a process crash for the memory tier, a node's
+            loss for the remote one); a tier not named uses the memory tier's.
+        persist_every: steps between copies on each slower tier, ``{"local": 50, "remote": 500}``
+            (``"peer"`` with ``peers=``). A snapshot is taken at every save (the memory tier); a tier
+            writes the ones due by its cadence, and a tier not named writes as often as it keeps up
+            (newest wins). ``close()`` writes the newest snapshot to every tier that does not hold it.
+        if_busy: ``"skip"`` (default: a snapshot that finds no free host buffer is skipped at once and
+            a slow tier skips snapshots, newest wins; ``CKPT_BUSY_WAIT_MS`` sets a bound to wait
+            instead) or ``"wait"`` (every snapshot reaches every tier; saves wait for buffers). See
+            :class:`~ckpt.IfBusy`.
         keep: :class:`~ckpt.Retention`, how many checkpoints each tier keeps; an int ``N`` (as
             ``save_total_limit`` / ``save_top_k`` are written) is ``Retention(local=N, remote=N)``: ``N`` on
             every tier. ``None``: ``Retention()`` (2 in ``local_dir``, 10 at the url).
-        on_unsupported: ``"error"`` refuses a state value that is not JSON-safe; ``"skip"`` leaves it out.
+        on_unsupported: ``"error"`` (default) refuses a state value that is not JSON-safe, naming its
+            key; ``"skip"`` leaves such values out (logged), so they are not restored. Pickle is never
+            used.
 
     Every field is checked here, when the policy is made (and so when a Checkpointer is), with a
     ``ValueError`` (a wrong value) or ``TypeError`` (a wrong type) naming the field: no wrong value

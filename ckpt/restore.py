@@ -26,10 +26,13 @@ from .errors import (CheckpointError, CorruptCheckpointError, IncompleteCheckpoi
                      NoCheckpointError)
 from .loading import OtherRanksCopy
 from .policy import Committed, Timeline, live_and_abandoned
-from .tiers.base import Tier
+from .pipeline import SaveHandle
+from .stage import SnapshotStats
+from .tiers.base import PersistingTier, Tier
 from .tiers.peer import Background, ReceivedCopy
 
-__all__ = ["RestoreInfo", "restore", "listing", "OtherRanksCopy", "AgreedRestore", "resume_timeline", "state_gpu"]
+__all__ = ["RestoreInfo", "restore", "listing", "OtherRanksCopy", "AgreedRestore", "HandOver", "resume_timeline",
+           "state_gpu"]
 
 log = logging.getLogger(__name__)
 
@@ -402,3 +405,90 @@ class AgreedRestore:
             return None
         finally:
             phases["peer"] = phases.get("peer", 0.0) + time.perf_counter() - t0
+
+
+class HandOver:
+    """Persist at breakpoint: the snapshot a restore read from the memory tier, which a previous process took
+    and did not get to write to a durable tier (it was killed while the local tier wrote it, say), goes to
+    those tiers in the background right after the restore, so that a second failure (the node rebooting
+    next, which wipes its RAM) does not lose it.
+
+    ``memory``, ``tiers`` (this rank's, nearest first), ``pipeline``, ``node`` (:class:`~ckpt.ownership.Ownership`
+    of ``local_dir``), ``names`` (the tiers a save goes to), ``remote`` (or ``None``) are the Checkpointer's;
+    ``track(handle)``: the hand-over's :class:`~ckpt.pipeline.SaveHandle` joins the saves ``wait()`` and
+    ``close()`` wait for."""
+
+    def __init__(self, memory: Any, tiers: Sequence[Tier], pipeline: Any, node: Any, names: Sequence[str],
+                 remote: Any, track: Callable[[Any], None]) -> None:
+        self.memory, self.tiers, self.pipeline, self.node = memory, list(tiers), pipeline, node
+        self.names, self.remote, self.track = list(names), remote, track
+
+    def unpersisted(self, info: RestoreInfo, held: Mapping[str, set[tuple[int, int]]],
+                    everything: list[Committed]) -> list[str]:
+        """The durable tiers that a restore's snapshot must still be written to: where ``info`` came from the
+        memory tier, a snapshot a previous process took (not this one), and is the newest checkpoint of all
+        (``everything``: what every tier of every rank holds), each persisting tier of this rank's that does
+        not hold it (``held``: tier name -> ``(timeline, step)`` keys). A previous process killed before its
+        local (or remote) tier had it leaves it in RAM alone, which the node's next reboot wipes."""
+        key = (info.timeline.number, info.step)
+        if info.tier != self.memory.name or not everything or key != max(e.key for e in everything):
+            return []
+        try:
+            if not self.memory.inherited(info.step, info.timeline):
+                return []
+        except OSError as e:   # the RAM file system could not be listed: the restore itself stands
+            log.warning("could not tell whether step %d, restored from the memory tier, is on a durable tier: %s",
+                        info.step, e)
+            return []
+        return [t.name for t in self.tiers if t.durable and isinstance(t, PersistingTier)
+                and t.name in self.pipeline.lanes and key not in held.get(t.name, ())]
+
+    def persist(self, info: RestoreInfo, tiers: list[str]) -> None:
+        """Write the snapshot that a restore read from the memory tier to ``tiers`` in the background
+        (see :meth:`~ckpt.pipeline.Pipeline.persist_restored`), as the owner of ``local_dir``: beside another live
+        owner nothing is written (that process is the directory's one writer); where no live process owns it,
+        this process takes it over, as its first save would. ``wait()`` and ``close()`` wait for it."""
+        if not tiers:
+            return
+        try:
+            self._hand(info, tiers)
+        except Exception as e:   # noqa: BLE001 - the restore itself stands; the next saves persist as usual
+            log.warning("step %d, restored from the memory tier, is not written to the %s tier(s): %s (%s)",
+                        info.step, ", ".join(tiers), e, type(e).__name__)
+
+    def _hand(self, info: RestoreInfo, tiers: list[str]) -> None:
+        step, timeline = info.step, info.timeline
+        if not self.node.owned:
+            if self.node.other_owner():
+                log.info("step %d, restored from the memory tier, is not on the %s tier(s); not writing it there: "
+                         "another live process owns %s", step, ", ".join(tiers), self.node.local.root)
+                return
+            self.node.own()   # LockedError: another process took it meanwhile
+            self.node.by_restore = True
+        failure: BaseException | None = None
+        try:
+            manifest = self.memory.manifest(step, timeline)
+            if manifest is None:   # gone since the restore read it (not while this process owns local_dir)
+                raise LookupError(f"step {step} left the memory tier before it could be written to the durable tiers")
+        except (OSError, LookupError) as e:
+            if self.remote is None or self.remote.name not in tiers or self.remote.job is None:
+                raise
+            manifest, failure = None, e   # the job tier's uploads of the other ranks wait for this rank's word
+        handle = SaveHandle(step, self.names, SnapshotStats(step, nbytes=manifest.data_bytes if manifest else 0))
+        handle._finish(self.memory.name)
+        for name in self.names:
+            if name != self.memory.name and name not in tiers:
+                handle._skip_tier(name, "holds it" if name != "peer" else "not written at restore")
+        self.node.pool.adopt_ahead()   # from this thread: the segments are registered in its CUDA device's context
+        if manifest is not None:
+            log.info("step %d, restored from the memory tier, is on no durable tier of this rank: writing it to the "
+                     "%s tier(s) in the background (%.3f GB)", step, ", ".join(tiers), manifest.data_bytes / 1e9)
+
+        def obtain() -> Any:
+            if failure is not None:
+                raise failure
+            self.node.pool.adopt()   # the previous process's segments are this pool's buffers (once)
+            return self.memory.hold_image(step, timeline, manifest)
+
+        self.pipeline.persist_restored(step, timeline, manifest, tiers, obtain, handle)
+        self.track(handle)
