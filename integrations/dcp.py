@@ -19,9 +19,15 @@ Layout, the same on each tier (``local_dir``: this node's disk; ``url``: any fss
         COMMIT               written last, by the coordinator: format, world size, metadata checksum
 
 Each rank writes its own file to every tier (local first, fsynced and renamed into place; then
-the remote copy, uploaded from the local file; without ``local_dir`` the file is streamed to the
-remote tier as it is produced, so host memory holds one upload block, and a failed upload is
-aborted rather than published); the coordinator writes ``metadata.json`` and then ``COMMIT`` to every tier once DCP has
+the remote copy, uploaded from the local file; without ``local_dir`` the file goes to the remote tier
+as it is produced). A remote copy goes up in parts of ``CKPT_CHUNK_BYTES``, each part one request, so
+host memory holds about two parts: on S3 through s3fs one object by a multipart upload (parts of at least
+5 MiB, and at most ``default_block_size``), through any other object-store client one object per part
+(``rank-RRRRR.dcp.bin.parts/000000``, ...; the items' ``part_bytes`` in the metadata say so), on a
+``file://`` URL one file. A failed upload is aborted or removed, never published. Every remote request
+(parts, records, listings, removals, reads) runs under the watchdog of ``CKPT_REMOTE_STALL_S``
+(:mod:`ckpt.stall`): one that makes no progress is aborted and sent again, and after three attempts the
+save (or the load) fails with a ``TimeoutError`` naming the URL, the part and the rank. The coordinator writes ``metadata.json`` and then ``COMMIT`` to every tier once DCP has
 gathered all ranks' results, so a checkpoint exists on a tier iff its ``COMMIT`` does. When the
 remote tier cannot take a rank's file after the local tier did, that is reported (a warning) and
 the remote tier gets no ``COMMIT`` for this checkpoint; a failed local write (a full disk, say)
@@ -79,7 +85,6 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from fsspec.spec import AbstractBufferedFile
 import torch
 from torch.distributed.checkpoint import DefaultSavePlanner, StorageReader, StorageWriter
 from torch.futures import Future
@@ -104,6 +109,7 @@ from torch.distributed.checkpoint.planner import (
 )
 from torch.distributed.checkpoint.storage import WriteResult
 
+from .. import knobs, stall
 from ..commit import DirSink, FsSink, Sink, publish
 from ..errors import CheckpointError, CorruptCheckpointError, IncompleteCheckpointError, NoCheckpointError
 from ..format import (COMMIT_NAME, MAX_TREE_DEPTH, _is_nonneg_int, _is_number, check_shape, dtype_to_str,
@@ -112,6 +118,7 @@ from ..format import (COMMIT_NAME, MAX_TREE_DEPTH, _is_nonneg_int, _is_number, c
 from ..integrity import ALGORITHM, checksum
 from ..policy import Retention
 from ..scatter import writing_state
+from ..stall import StallError, Watched
 from ..tiers.local import _read_range, linked, remove_step_dir
 from ..fs import is_local_fs, is_url, resolve
 
@@ -127,16 +134,89 @@ _MEMORY_FORMATS = {"contiguous": torch.contiguous_format, "channels_last": torch
 _MEMORY_FORMAT_NAMES = {v: k for k, v in _MEMORY_FORMATS.items()}
 
 
-_STREAM_SLICE = 8 << 20   # bytes per write() into a remote stream
+_PARTS = ".parts"
+"""A data file on an object store is the objects ``<name>.parts/000000``, ``000001`` ... (one per part)."""
+_MIN_PART_BYTES = 4096
+_S3_MIN_PART_BYTES = 5 << 20
 
 
 def _data_name(rank: int) -> str:
     return f"rank-{rank:05d}.dcp.bin"
 
 
+def _part_bytes() -> int:
+    """Bytes per part of a data file uploaded to a remote tier: ``CKPT_CHUNK_BYTES`` (16 MiB; at least
+    4 KiB), small enough that one request finishes well within ``CKPT_REMOTE_STALL_S``."""
+    return max(_MIN_PART_BYTES, knobs.get("CKPT_CHUNK_BYTES"))
+
+
+class _OnMount:
+    """The requests of a mounted (``file://``) remote tier that go through the operating system rather
+    than fsspec, shaped as :func:`ckpt.stall.call` runs a file system's requests (the path first, and
+    ``unstrip_protocol`` for its messages): a network mount that stops answering fails them after
+    ``CKPT_REMOTE_STALL_S`` seconds in each of three attempts, rather than holding the save or the load.
+    Every write is positioned (``pwrite`` at its offset), so an attempt sent again writes the same bytes
+    at the same place."""
+
+    protocol = "file"
+
+    @staticmethod
+    def unstrip_protocol(path: str) -> str:
+        return f"file://{path}"
+
+    @staticmethod
+    def create(path: str) -> None:
+        os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644))
+
+    @staticmethod
+    def write_at(path: str, data: bytes, offset: int) -> None:
+        fd = os.open(path, os.O_WRONLY | os.O_NOFOLLOW)
+        try:
+            view = memoryview(data)
+            while view:
+                n = os.pwrite(fd, view, offset)
+                view, offset = view[n:], offset + n
+        finally:
+            os.close(fd)
+
+    @staticmethod
+    def publish(path: str, final: str) -> None:
+        """Flush ``path`` to stable storage, rename it to ``final`` and flush the name: the ``COMMIT``
+        written after it never reaches the disk first."""
+        fsync_file(path)
+        os.replace(path, final)
+        fsync_dir(Path(final).parent)
+
+    @staticmethod
+    def read_range(path: str, start: int, end: int) -> bytearray:
+        return _read_file_range(path, start, end)
+
+    @staticmethod
+    def read_record(path: str) -> bytes:
+        return read_record(path)
+
+
+def _read_file_range(p: str, start: int, end: int) -> bytearray:
+    """Bytes ``[start, end)`` of a regular file on this host (:func:`ckpt.format.open_regular`), fewer
+    when it is short, into a writable buffer (a tensor is built over it without another copy)."""
+    fd, st = open_regular(p)
+    try:
+        end = min(end, st.st_size)   # a hostile length allocates nothing
+        buf = bytearray(max(0, end - start))
+        _read_range(fd, False, Path(p), memoryview(buf), start, len(buf))
+    finally:
+        os.close(fd)
+    return buf
+
+
 class _Tier:
     """One place a checkpoint id can live: a local directory (fsync'd, renamed into place) or an
-    fsspec URL. ``name`` is ``"local"`` or ``"remote"``, for messages."""
+    fsspec URL. ``name`` is ``"local"`` or ``"remote"``, for messages.
+
+    Every request to a remote tier runs under the watchdog of ``CKPT_REMOTE_STALL_S`` (:mod:`ckpt.stall`):
+    its file system is :class:`ckpt.stall.Watched`, and a mounted (``file://``) tier's own file
+    operations go through :class:`_OnMount`. A request that stalls is aborted and sent again; after three
+    stalled attempts it raises :class:`~ckpt.stall.StallError` (a ``TimeoutError`` naming its URL)."""
 
     def __init__(self, name: str, root: str, storage_options: dict[str, Any] | None) -> None:
         self.name = name
@@ -146,19 +226,23 @@ class _Tier:
             self.fs = None
         else:
             store = resolve(root, storage_options)   # the library's one way to open a URL (its backend choice too)
-            self.fs, self.root = store.fs, store.root.rstrip("/")
+            self.fs, self.root = Watched(store.fs), store.root.rstrip("/")
         self.mounted = self.fs is not None and is_local_fs(self.fs)   # a file:// URL: a page cache to flush
+        # how a data file goes to an object store: s3fs's as one object, by a multipart upload of our own
+        # (each request under the watchdog); any other client's as one object per part (``parted``)
+        self.multipart = self.fs is not None and not self.mounted and hasattr(self.fs.inner, "call_s3")
+        self.parted = self.fs is not None and not self.mounted and not self.multipart
         self.where = root
-
-    def synced(self, path: str) -> None:
-        """On a ``file://`` URL, flush a file just written, and its directory, to stable storage, so
-        that the ``COMMIT`` written after it never reaches the disk first (an object store's write is
-        durable when it returns)."""
-        if self.mounted:
-            fsync_file(path, and_dir=True)
 
     def path(self, ckpt_id: str, name: str) -> str:
         return f"{self.root}/{ckpt_id}/{name}"
+
+    def part_path(self, ckpt_id: str, name: str, i: int) -> str:
+        return f"{self.path(ckpt_id, name)}{_PARTS}/{i:06d}"
+
+    def url(self, path: str) -> str:
+        """``path`` of this tier as a URL, for messages."""
+        return self.fs.unstrip_protocol(path) if self.fs is not None else path
 
     def refuse_linked(self, ckpt_id: str) -> None:
         """Refuse to write checkpoint ``ckpt_id`` on a file system where its directory (or its ``COMMIT``)
@@ -181,31 +265,79 @@ class _Tier:
         self.fs.makedirs(f"{self.root}/{ckpt_id}", exist_ok=True)
         return FsSink(self.fs, f"{self.root}/{ckpt_id}", self.mounted)
 
-    def open_stream(self, ckpt_id: str, name: str) -> Any:
-        """A binary file to write ``name`` into as it is produced (remote tier only): fsspec's
-        buffered writer, so host memory holds one block (s3fs: a multipart upload of
-        ``default_block_size`` parts, 50 MiB unless ``storage_options`` says otherwise), not the file."""
-        self.fs.makedirs(f"{self.root}/{ckpt_id}", exist_ok=True)
-        return self.fs.open(self.path(ckpt_id, name), "wb")
+    # -- a data file, part by part (remote tier only; see _Upload) -----------------------------------
+    def begin(self, ckpt_id: str, name: str) -> dict[str, Any]:
+        """Make ready to write data file ``name``; returns the upload's state for the calls below. On a
+        store of parts, the parts (and the single object of another layout) an earlier save under this
+        id left are removed first, so none outlives this save; on a mounted tier, the temporary file the
+        parts go into is created."""
+        state: dict[str, Any] = {"ckpt_id": ckpt_id, "name": name, "path": self.path(ckpt_id, name),
+                                 "tmp": None, "upload_id": None, "etags": []}
+        if self.mounted:
+            self.fs.makedirs(f"{self.root}/{ckpt_id}", exist_ok=True)
+            state["tmp"] = f"{state['path']}.tmp-{os.getpid()}"
+            stall.call(_OnMount, "create", state["tmp"])
+        elif self.parted:
+            self._clear(ckpt_id, name)
+        return state
 
-    def abort_stream(self, f: Any, ckpt_id: str, name: str) -> None:
-        """Give up a write begun by :meth:`open_stream` without publishing what was written: an
-        object store's pending multipart upload is aborted (closing would complete it), and whatever
-        the backend already made visible is removed."""
-        if isinstance(f, AbstractBufferedFile):
-            try:
-                f.discard()          # s3fs: abort the multipart upload
-            finally:
-                f.closed = True      # and never flush the buffer (close() or the finalizer would)
+    def put_part(self, state: dict[str, Any], i: int, data: bytes, offset: int) -> None:
+        """Part ``i`` (the file's bytes from ``offset``): bytes written at ``offset`` of the temporary
+        file (mounted), one object (a store of parts), or part ``i + 1`` of the object's multipart upload
+        (s3fs, begun with the first part; sent again after a stall, a part replaces itself)."""
+        if self.mounted:
+            stall.call(_OnMount, "write_at", state["tmp"], data, offset)
+        elif self.parted:
+            self.fs.pipe_file(self.part_path(state["ckpt_id"], state["name"], i), data)
         else:
-            f.close()
-        self.remove(ckpt_id, name)
+            if state["upload_id"] is None:
+                state["upload_id"] = self._s3(state, "create_multipart_upload")["UploadId"]
+            out = self._s3(state, "upload_part", PartNumber=i + 1, UploadId=state["upload_id"], Body=data)
+            state["etags"].append({"PartNumber": i + 1, "ETag": out["ETag"]})
 
-    def put_file(self, ckpt_id: str, name: str, src: str) -> None:
-        """Upload a finished local file (remote tier only)."""
-        self.fs.makedirs(f"{self.root}/{ckpt_id}", exist_ok=True)
-        self.fs.put_file(src, self.path(ckpt_id, name))
-        self.synced(self.path(ckpt_id, name))
+    def put_whole(self, state: dict[str, Any], data: bytes) -> None:
+        """The whole file as one object, in one request (a multipart upload's file smaller than a part)."""
+        self.fs.pipe_file(state["path"], data)
+
+    def end(self, state: dict[str, Any]) -> None:
+        """Every part is written: the mounted tier's file is flushed and renamed into place, the
+        multipart upload completed (the object appears only now)."""
+        if self.mounted:
+            stall.call(_OnMount, "publish", state["tmp"], state["path"])
+        elif state["upload_id"] is not None:
+            self._s3(state, "complete_multipart_upload", UploadId=state["upload_id"],
+                     MultipartUpload={"Parts": state["etags"]})
+            self.fs.invalidate_cache(state["path"])
+
+    def discard(self, state: dict[str, Any]) -> None:
+        """Remove what an upload left: its temporary file, its parts, or its pending multipart upload
+        (aborted: completing it would publish it)."""
+        if self.mounted:
+            try:
+                self.fs.rm_file(state["tmp"])
+            except FileNotFoundError:
+                pass
+        elif self.parted:
+            self._clear(state["ckpt_id"], state["name"])
+        elif state["upload_id"] is not None:
+            self._s3(state, "abort_multipart_upload", UploadId=state["upload_id"])
+
+    def _s3(self, state: dict[str, Any], method: str, **kwargs: Any) -> Any:
+        """One S3 request of s3fs for the object at ``state["path"]``, under the watchdog (cancelled
+        on the file system's loop when it stalls); a stall names the object's URL."""
+        inner = self.fs.inner
+        bucket, key, _ = inner.split_path(state["path"])
+        try:
+            return stall.call(inner, "call_s3", method, Bucket=bucket, Key=key, **kwargs)
+        except StallError as e:
+            raise StallError(e.errno, e.strerror, self.url(state["path"])) from None
+
+    def _clear(self, ckpt_id: str, name: str) -> None:
+        try:
+            self.fs.rm(f"{self.path(ckpt_id, name)}{_PARTS}", recursive=True)
+        except FileNotFoundError:
+            pass   # nothing there
+        self.remove(ckpt_id, name)
 
     def get_record(self, ckpt_id: str, name: str) -> bytes:
         """A record (``COMMIT``, ``metadata.json``) through :func:`ckpt.format.read_record`: a regular
@@ -213,6 +345,8 @@ class _Tier:
         p = self.path(ckpt_id, name)
         if self.local:
             return read_record(p)
+        if self.mounted:
+            return stall.call(_OnMount, "read_record", p)
         try:
             return read_record_fs(self.fs, p)
         except (OSError, CheckpointError):
@@ -220,22 +354,29 @@ class _Tier:
         except Exception as e:   # noqa: BLE001 - a store client's own error type
             raise self._store_error(e, f"reading {p}") from e
 
-    def get_bytes(self, ckpt_id: str, name: str, start: int, end: int) -> bytes | bytearray:
+    def get_bytes(self, ckpt_id: str, name: str, start: int, end: int,
+                  part_bytes: int | None = None) -> bytes | bytearray:
         """Bytes ``[start, end)`` of a data file (into a writable buffer for a local file, so a tensor
         can be built over it without another copy; fewer bytes when the file is short). A local or
-        ``file://`` file must be a regular file (:func:`ckpt.format.open_regular`)."""
+        ``file://`` file must be a regular file (:func:`ckpt.format.open_regular`). ``part_bytes``: the
+        size of the parts the file was uploaded in (its items' ``part_bytes``); on an object store the
+        range is then read from the parts it spans, else from the single object older saves wrote."""
         p = self.path(ckpt_id, name)
-        if self.local or self.mounted:
-            fd, st = open_regular(p)
-            try:
-                end = min(end, st.st_size)   # a hostile length allocates nothing
-                buf = bytearray(max(0, end - start))
-                _read_range(fd, False, Path(p), memoryview(buf), start, len(buf))
-            finally:
-                os.close(fd)
-            return buf
+        if self.local:
+            return _read_file_range(p, start, end)
+        if self.mounted:
+            return stall.call(_OnMount, "read_range", p, start, end)
         try:
-            return self.fs.cat_file(p, start=start, end=end)
+            if part_bytes is None:
+                return self.fs.cat_file(p, start=start, end=end)
+            out = bytearray()
+            for i in range(start // part_bytes, -(-end // part_bytes) if end > start else 0):
+                a, b = max(start, i * part_bytes) - i * part_bytes, min(end, (i + 1) * part_bytes) - i * part_bytes
+                got = self.fs.cat_file(self.part_path(ckpt_id, name, i), start=a, end=b)
+                out += got
+                if len(got) < b - a:
+                    break   # a short part: the file ends here (the item then fails its length check)
+            return out
         except OSError:
             raise
         except Exception as e:   # noqa: BLE001 - a store client's own error type
@@ -252,11 +393,120 @@ class _Tier:
             pass   # nothing there
 
 
+class _Upload:
+    """A rank's data file going to a remote tier as it is produced, in parts of ``part_bytes``: each part
+    one request under the watchdog (:meth:`_Tier.put_part`), at most one in flight while the next fills,
+    so host memory holds about two parts, never the file. A part that stalls in each of its attempts
+    raises :class:`~ckpt.stall.StallError` naming the URL, the part and the rank. ``close()`` finishes
+    the file; ``abort()`` gives it up without publishing anything."""
+
+    def __init__(self, tier: _Tier, ckpt_id: str, name: str, rank: int, part_bytes: int) -> None:
+        self.tier, self.ckpt_id, self.name, self.rank = tier, ckpt_id, name, rank
+        if tier.multipart:   # no larger than s3fs's own block (storage_options default_block_size), and S3
+            # takes no part below 5 MiB but the last
+            block = getattr(tier.fs.inner, "default_block_size", None) or part_bytes
+            part_bytes = max(min(part_bytes, block), _S3_MIN_PART_BYTES)
+        self.part_bytes = part_bytes
+        self.stalled = False
+        self.state: dict[str, Any] = self._guard(-1, tier.begin, ckpt_id, name)
+        self.buf = bytearray()
+        self.sent = 0        # parts sent
+        self.written = 0     # bytes written (a mounted tier's file)
+        self.pending: Any = None
+        self.pool = ThreadPoolExecutor(1, thread_name_prefix="ckpt-dcp-upload")
+
+    def _guard(self, i: int, fn: Any, *args: Any) -> Any:
+        """``fn(*args)``, a request of part ``i`` (-1: of the file), a stall named by rank and part."""
+        try:
+            return fn(*args)
+        except StallError as e:
+            self.stalled = True
+            what = f"part {i} of {self.name}" if i >= 0 else self.name
+            raise StallError(e.errno, f"rank {self.rank}'s {what} of {self.ckpt_id!r} ({e.filename}): {e.strerror}",
+                             e.filename) from None
+
+    def write(self, data: Any) -> None:
+        view = memoryview(data).cast("B")
+        if self.tier.mounted:   # positioned writes straight from the caller's buffer: nothing copied or held
+            for a in range(0, len(view), self.part_bytes):
+                piece = view[a:a + self.part_bytes]
+                self._guard(self.sent, self.tier.put_part, self.state, self.sent, piece, self.written)
+                self.sent, self.written = self.sent + 1, self.written + len(piece)
+            return
+        while view:
+            take = min(len(view), self.part_bytes - len(self.buf))
+            self.buf += view[:take]
+            view = view[take:]
+            if len(self.buf) == self.part_bytes:
+                self._send()
+
+    def _send(self) -> None:
+        data, self.buf = bytes(self.buf), bytearray()   # object-store clients want bytes
+        if self.pending is not None:
+            self.pending.result()   # the part before: at most one in flight
+        i, self.sent = self.sent, self.sent + 1
+        self.pending = self.pool.submit(self._guard, i, self.tier.put_part, self.state, i, data, i * self.part_bytes)
+
+    def close(self) -> None:
+        if self.tier.multipart and self.sent == 0:   # smaller than a part: one plain request
+            self._guard(-1, self.tier.put_whole, self.state, bytes(self.buf))
+            self.pool.shutdown()
+            return
+        if self.buf:
+            self._send()
+        if self.pending is not None:
+            self.pending.result()
+        self.pool.shutdown()
+        self._guard(-1, self.tier.end, self.state)
+
+    def abort(self) -> None:
+        """Give the file up: remove what was uploaded, unless the store stalled (removing it would stall
+        the same way; a warning says where it stays, uncommitted, so never read)."""
+        self.pool.shutdown(wait=True, cancel_futures=True)   # a part in flight ends within the watchdog's bound
+        if (self.pending is not None and self.pending.done() and not self.pending.cancelled()
+                and isinstance(self.pending.exception(), StallError)):
+            self.stalled = True
+        path = self.tier.path(self.ckpt_id, self.name)
+        where = self.tier.url(path + _PARTS if self.tier.parted else path)
+        if self.stalled:
+            if self.tier.multipart:
+                left = (f"the multipart upload of {where} stays pending (never completed, so no object: abort it, "
+                        "or let a lifecycle rule of the bucket expire it)")
+            else:
+                left = (f"its partial upload stays at {where}, uncommitted (no load reads it; the next save under "
+                        f"checkpoint_id {self.ckpt_id!r} replaces it)")
+            warnings.warn(f"TierStorageWriter: the store stalled while rank {self.rank} wrote {self.name}: {left}",
+                          stacklevel=3)
+            return
+        try:
+            self.tier.discard(self.state)
+        except Exception as e:   # noqa: BLE001 - the upload's own error is the one to report
+            warnings.warn(f"TierStorageWriter: could not remove rank {self.rank}'s partial upload at {where} "
+                          f"({type(e).__name__}: {e}); it is uncommitted (no load reads it)", stacklevel=3)
+
+
+def _upload_file(tier: _Tier, ckpt_id: str, name: str, rank: int, src: str, part_bytes: int) -> None:
+    """Upload a finished local data file to a remote tier, part by part (:class:`_Upload`)."""
+    up = _Upload(tier, ckpt_id, name, rank, part_bytes)
+    try:
+        with open(src, "rb") as f:
+            while chunk := f.read(part_bytes):
+                up.write(chunk)
+        up.close()
+    except BaseException:
+        up.abort()
+        raise
+
+
 def _write_error(rank: int, name: str, ckpt_id: str, tier: _Tier, e: BaseException) -> OSError:
-    return OSError(getattr(e, "errno", None) or 5,
-                   f"TierStorageWriter: rank {rank} could not write {name} of {ckpt_id!r} to {tier.where} "
-                   f"({type(e).__name__}: {e}); nothing of this save is committed there and earlier "
-                   "checkpoints are untouched (check url= and storage_options=, or add local_dir=)")
+    """The failure of a rank's data file on ``tier`` as an ``OSError`` of the same kind (a stall stays a
+    :class:`~ckpt.stall.StallError`, a refusal a ``PermissionError`` ...) that says what it means."""
+    msg = (f"TierStorageWriter: rank {rank} could not write {name} of {ckpt_id!r} to {tier.where} "
+           f"({type(e).__name__}: {e}); nothing of this save is committed there and earlier "
+           "checkpoints are untouched (check url= and storage_options=, or add local_dir=)")
+    code = getattr(e, "errno", None) or errno.EIO
+    cls = type(e) if isinstance(e, OSError) and type(e).__module__ in ("builtins", StallError.__module__) else OSError
+    return cls(code, msg, getattr(e, "filename", None))
 
 
 def _tiers(local_dir: str | os.PathLike | None, url: str | None,
@@ -484,6 +734,7 @@ def _metadata_from_json(raw: bytes, where: str) -> tuple[Metadata, dict[Metadata
     _need(isinstance(items, list), where, "'items' is not a list")
     storage: dict[MetadataIndex, dict[str, Any]] = {}
     spans: dict[int, list[tuple[int, int, str]]] = {}
+    part_sizes: dict[int, int | None] = {}
     for it in items:
         w = f"{where}: item {it.get('index') if isinstance(it, dict) else it!r}"
         _need(isinstance(it, dict) and isinstance(it.get("index"), dict), w, "malformed item")
@@ -493,6 +744,11 @@ def _metadata_from_json(raw: bytes, where: str) -> tuple[Metadata, dict[Metadata
         for key in ("rank", "offset_bytes", "length", "crc"):
             _need(_is_nonneg_int(it.get(key)) and it[key] < 1 << 62, w, f"{key} must be a non-negative int")
         _need(it.get("kind") in ("tensor", "bytes"), w, "kind must be 'tensor' or 'bytes'")
+        part = it.get("part_bytes")   # the rank's file is parts of this size on an object store
+        _need(part is None or (_is_nonneg_int(part) and _MIN_PART_BYTES <= part < 1 << 62), w,
+              f"part_bytes must be an int of at least {_MIN_PART_BYTES}")
+        _need(part_sizes.setdefault(it["rank"], part) == part, w,
+              f"part_bytes differs from that of the other items of {_data_name(it['rank'])}")
         entry = sdm[ix["fqn"]]
         if it["kind"] == "tensor":
             _need(isinstance(entry, TensorStorageMetadata) and ix.get("offset") is not None, w,
@@ -652,8 +908,9 @@ class TierStorageWriter(StorageWriter):
         name = _data_name(rank)
         results: list[WriteResult] = []
         local = next((t for t in self.tiers if t.local), None)
+        part_bytes = _part_bytes()
         # the rank's file is written once as it is produced: on the local tier when there is one (then
-        # uploaded as a file), else streamed straight to the remote tier
+        # uploaded from that file), else straight to the remote tier, part by part
         if local is not None:
             final = Path(local.path(self._where, name))
             final.parent.mkdir(parents=True, exist_ok=True)
@@ -662,7 +919,7 @@ class TierStorageWriter(StorageWriter):
         else:
             remote = self.tiers[0]
             try:
-                sink = remote.open_stream(self._where, name)
+                sink = _Upload(remote, self._where, name, rank, part_bytes)
             except OSError as e:
                 raise _write_error(rank, name, self._where, remote, e) from e
         offset = 0
@@ -687,6 +944,8 @@ class TierStorageWriter(StorageWriter):
                 rec = {"kind": "tensor", "dtype": dtype_to_str(t.dtype), "shape": list(t.shape)}
             return data, rec, checksum(data)
 
+        # an object store holds the file as parts: the reader maps an item's bytes onto them
+        parted = {"part_bytes": part_bytes} if any(t.parted for t in self.tiers) else {}
         try:
             with ThreadPoolExecutor(1, thread_name_prefix="ckpt-dcp-stage") as stage:
                 items = list(plan.items)
@@ -695,13 +954,8 @@ class TierStorageWriter(StorageWriter):
                     data, rec, crc = ahead.result()
                     if i + 1 < len(items):
                         ahead = stage.submit(prepare, items[i + 1])
-                    if local is not None:
-                        sink.write(data)
-                    else:   # in slices: fsspec buffers what one write() gets before it uploads a part
-                        view = memoryview(data).cast("B")
-                        for a in range(0, len(view), _STREAM_SLICE):
-                            sink.write(view[a:a + _STREAM_SLICE])
-                    rec.update(rank=rank, offset_bytes=offset, length=len(data), crc=crc)
+                    sink.write(data)
+                    rec.update(rank=rank, offset_bytes=offset, length=len(data), crc=crc, **parted)
                     offset += len(data)
                     results.append(WriteResult(index=item.index, size_in_bytes=len(data), storage_data=rec))
             if local is not None:
@@ -711,18 +965,14 @@ class TierStorageWriter(StorageWriter):
                 os.replace(tmp, final)
                 fsync_dir(final.parent)
             else:
-                sink.close()   # the last block goes up here (s3fs: the multipart upload completes)
-                remote.synced(remote.path(self._where, name))
+                sink.close()   # the last part goes up here (a mounted tier's file is flushed and renamed)
         except BaseException as e:
             if local is not None:
                 sink.close()
                 tmp.unlink(missing_ok=True)
                 raise
-            try:
-                remote.abort_stream(sink, self._where, name)
-            except Exception:   # noqa: BLE001 - the first error is the one to report
-                pass
-            if isinstance(e, OSError):   # the storage's failure (s3fs raises OSErrors): say where
+            sink.abort()
+            if isinstance(e, OSError):   # the storage's failure: say where, keeping its kind (a stall ...)
                 raise _write_error(rank, name, self._where, remote, e) from e
             raise
         if local is not None and self.keep is not None and self.keep.local is not None and self._collective:
@@ -731,7 +981,7 @@ class TierStorageWriter(StorageWriter):
             if tier.local or local is None:
                 continue
             try:
-                tier.put_file(self._where, name, str(final))
+                _upload_file(tier, self._where, name, rank, str(final), part_bytes)
             except Exception as e:   # noqa: BLE001 - reported; the save fails only if no tier took the file
                 warnings.warn(f"TierStorageWriter: rank {rank} could not write {name} of {self._where!r} "
                               f"to {tier.where} ({type(e).__name__}: {e}); the checkpoint stays on the local "
@@ -889,12 +1139,15 @@ class TierStorageReader(StorageReader):
                                          f"{req.storage_index.fqn!r} at offset {req.storage_index.offset}")
         name = _data_name(rec["rank"])
         start, end = rec["offset_bytes"], rec["offset_bytes"] + rec["length"]
+        stalled: StallError | None = None
         for tier in tiers:   # nearest first; every copy is checked against the committed checksum
             try:
-                data = tier.get_bytes(self._where, name, start, end)
+                data = tier.get_bytes(self._where, name, start, end, rec.get("part_bytes"))
             except (OSError, IncompleteCheckpointError, CorruptCheckpointError) as e:
-                # missing, cut short, or not a regular file: that tier lacks it
+                # missing, cut short, not a regular file, or the store stalled: that tier lacks it
                 tried.append(f"{tier.where}: {type(e).__name__}: {e}")
+                if isinstance(e, StallError):
+                    stalled = e
                 continue
             if len(data) == rec["length"] and checksum(data) == rec["crc"]:
                 return req, data, rec
@@ -906,6 +1159,10 @@ class TierStorageReader(StorageReader):
                           stacklevel=3)
         if not final:
             return None
+        if stalled is not None:   # not known to be corrupt: the store stopped answering (a later load may work)
+            raise StallError(errno.ETIMEDOUT, f"no tier gave a valid copy of {req.storage_index.fqn!r} (in {name} of "
+                             f"{self._where!r}) and a store stalled (CKPT_REMOTE_STALL_S): {'; '.join(tried)}",
+                             stalled.filename)
         raise CorruptCheckpointError(f"no tier holds a valid copy of {req.storage_index.fqn!r} "
                                      f"(in {name} of {self._where!r}): {'; '.join(tried)}")
 
@@ -992,9 +1249,12 @@ def _list_tier(tier: _Tier) -> list[dict[str, Any]]:
             rel = path[len(tier.root):].strip("/").split("/") if path.startswith(tier.root) else []
             if len(rel) < 2:
                 continue
+            data = rel[-1]
+            if len(rel) >= 3 and _is_data_name(rel[-2], _PARTS):   # a part of a data file
+                data, rel = rel[-2], rel[:-1]
             ckpt_id = "/".join(rel[:-1])
             names.add(ckpt_id)
-            if rel[-1].startswith("rank-") and rel[-1].endswith(".dcp.bin"):
+            if _is_data_name(data, _PARTS) or _is_data_name(data):
                 sizes[ckpt_id] = sizes.get(ckpt_id, 0) + int(info.get("size") or 0)
         names = sorted(names)
     for name in names:
@@ -1007,6 +1267,11 @@ def _list_tier(tier: _Tier) -> list[dict[str, Any]]:
                     "created_unix": created if isinstance(created, (int, float)) else None,
                     "linked": _linked(tier, name)})
     return out
+
+
+def _is_data_name(name: str, suffix: str = "") -> bool:
+    """Whether ``name`` is a rank's data file (``rank-RRRRR.dcp.bin``), with ``suffix`` (its parts' folder)."""
+    return name.startswith("rank-") and name.endswith(".dcp.bin" + suffix)
 
 
 def _linked(tier: _Tier, ckpt_id: str) -> bool:
@@ -1132,7 +1397,7 @@ def verify(where: str | os.PathLike, checkpoint_id: str,
         for ix, rec in sorted(recs, key=lambda r: r[1]["offset_bytes"]):   # item by item: one in memory
             a, b = rec["offset_bytes"], rec["offset_bytes"] + rec["length"]
             try:
-                data = tier.get_bytes(name, fname, a, b)
+                data = tier.get_bytes(name, fname, a, b, rec.get("part_bytes"))
             except FileNotFoundError:
                 raise IncompleteCheckpointError(f"{tier.path(name, fname)}: missing") from None
             if len(data) != b - a or checksum(data) != rec["crc"]:
