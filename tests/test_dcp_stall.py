@@ -111,8 +111,6 @@ def test_a_save_whose_upload_stalls_mid_file_fails_in_bounded_time_and_commits_n
     _assert_equal(loaded, first)
 
 
-# pyarrow's client waits at the end for the calls left to their threads: about a minute
-@pytest.mark.parametrize("backend", ["s3fs", pytest.param("arrow", marks=pytest.mark.slow)], indirect=True)
 def test_a_load_whose_reads_stall_fails_in_bounded_time(stalling):
     url, opts, proxy, direct = stalling
     state = _state(3, mib=3)
