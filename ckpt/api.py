@@ -35,10 +35,9 @@ from .restore import AgreedRestore, HandOver, RestoreInfo, listing as _listing, 
 from .restore import resume_timeline as _resume_timeline
 from .pool import HostPool
 from .stage import Snapshot, SnapshotStats, stage, wait_all_staged
-from .tiers import LocalTier, MemoryTier, PeerTier, RemoteTier
-from .tiers.base import PersistingTier, Tier, TierFigures
-from .tiers.memory import space_for
-from .tiers.remote import refuse_overlap
+from .tiers import LocalTier
+from .tiers.base import TierFigures
+from .tiers.stack import Tiers, default_local_dir
 
 __all__ = ["Checkpointer", "CheckpointInfo", "IfBusy"]
 
@@ -199,10 +198,7 @@ class Checkpointer:
         (every_steps, every_seconds, interval, mtbf, restart_cost, persist_every, if_busy, keep, on_unsupported) = (
             getattr(self.policy, f) for f in ("every_steps", "every_seconds", "interval", "mtbf", "restart_cost",
                                               "persist_every", "if_busy", "keep", "on_unsupported"))
-        local_dir = local_dir if local_dir is not None else os.environ.get("CKPT_LOCAL_DIR")
-        if local_dir is None:
-            raise ValueError("Checkpointer needs a local tier: pass local_dir=... or set $CKPT_LOCAL_DIR")
-        self.storage = dataclasses.replace(self.storage, local_dir=local_dir)
+        self.storage = dataclasses.replace(self.storage, local_dir=default_local_dir(local_dir))
         try:
             self.if_busy = IfBusy(if_busy)
         except ValueError:
@@ -214,23 +210,17 @@ class Checkpointer:
             raise ValueError(f"on_unsupported must be 'error' or 'skip', got {on_unsupported!r}")
         if host_memory_limit is not None and host_memory_limit <= 0:
             raise ValueError(f"host_memory_limit must be a positive number of bytes, got {host_memory_limit!r}")
+        if max_in_flight is not None and (not isinstance(max_in_flight, int) or max_in_flight < 1):
+            raise ValueError(f"max_in_flight must be a positive number of host buffers, got {max_in_flight!r}")
         self.keep = keep if keep is not None else Retention()
         if interval is None:
             self.interval: Interval | AutoInterval = Interval(every_steps, every_seconds, clock)
         elif interval == "auto":
             if every_steps is not None or every_seconds is not None:
                 raise ValueError("interval='auto' picks the interval itself: drop every_steps / every_seconds")
-            if isinstance(mtbf, Mapping):
-                unknown = sorted(set(mtbf) - {"memory", "local", "remote"})
-                if unknown or "memory" not in mtbf:
-                    raise ValueError(f"mtbf= as a dict names the tiers 'memory' (required: the snapshots' failures), "
-                                     f"'local' and 'remote', got {sorted(mtbf)!r}")
-            self.interval = AutoInterval(mtbf["memory"] if isinstance(mtbf, Mapping) else mtbf, restart_cost,
-                                         clock=clock)
         else:
             raise ValueError(f"interval must be None or 'auto', got {interval!r}")
         self.signals = Signals.from_arguments(signals, drain_deadline, drain_tier, on_preempt)
-        self.signals.check_tiers(url is not None, bool(peers))
         self.drain_deadline = self.signals.deadline
         self.drain_tier = self.signals.drain_tier
         self.on_preempt = self.signals.on_preempt
@@ -242,28 +232,20 @@ class Checkpointer:
         self._forcing = False   # a signal's save: never skipped (if_busy="skip"), it waits for a buffer
         self._metrics = Metrics(on_metrics)
         self.on_unsupported = on_unsupported
-        self.local = local_dir if isinstance(local_dir, LocalTier) else LocalTier(local_dir)
-        # An unreachable store does not stop a job from resuming from its nearer tiers (each save retries
-        # it); a store that answers "no such bucket" or "access denied" is a configuration error: raised.
-        self.remote = (url if isinstance(url, RemoteTier) else
-                       RemoteTier(url, storage_options, compression=compression, on_unreachable="degrade")) \
-            if url is not None else None
-        if self.remote is not None:
-            refuse_overlap(self.local.root, self.remote.url, self.remote.fs, self.remote.root)
-        if url is None and compression is not None:
-            raise ValueError("compression applies to the remote tier: pass a url too, or compression=None")
-        persist_every = dict(persist_every or {})
-        for name, n in persist_every.items():
-            if name not in ("local", "remote", "peer") or (name == "remote" and url is None) or \
-                    (name == "peer" and not peers):
-                raise ValueError(f"persist_every names the tiers 'local', 'peer' (with peers=) and 'remote' (with a "
-                                 f"url), got {name!r}")
-            if not isinstance(n, int) or isinstance(n, bool) or n < 1:
-                raise ValueError(f"persist_every[{name!r}] must be a positive number of steps, got {n!r}")
-        self.persist_every = persist_every
-        if max_in_flight is not None and (not isinstance(max_in_flight, int) or max_in_flight < 1):
-            raise ValueError(f"max_in_flight must be a positive number of host buffers, got {max_in_flight!r}")
+        world = distributed_world()
+        if collective and world <= 1:
+            raise ValueError("collective=True needs torch.distributed initialised with more than one rank "
+                             "(call init_process_group first, or leave collective=None)")
+        collective = world > 1 if collective is None else collective
         self.pool = HostPool(max_in_flight or 3, host_memory_limit, shrink=max_in_flight is None)
+        # which tiers there are (ckpt.tiers.stack): the settings that name tiers are checked against them
+        self._stack = Tiers.build(self.storage, self.pool, torch.distributed.get_rank() if collective else 0)
+        self.memory, self.local, self.remote = self._stack.memory, self._stack.local, self._stack.remote
+        self.signals.check_tiers(self._stack.planned)
+        self.persist_every = self._stack.check_cadences(persist_every or {})
+        mtbf = self._stack.per_tier(mtbf, "mtbf") if interval == "auto" else {}
+        if interval == "auto":
+            self.interval = AutoInterval(mtbf[self.memory.name], restart_cost, clock=clock)
         self.history: collections.deque[SnapshotStats] = collections.deque(maxlen=10_000)
         self.skipped = 0
         self._skips = _SkipLog()
@@ -272,40 +254,31 @@ class Checkpointer:
         self._failures: list[tuple[SaveHandle, BaseException]] = []
         self._lock = threading.Lock()
         self._side_stream = torch.cuda.Stream() if torch.cuda.is_available() else None
-        world = distributed_world()
-        if collective and world <= 1:
-            raise ValueError("collective=True needs torch.distributed initialised with more than one rank "
-                             "(call init_process_group first, or leave collective=None)")
         # last: creating the group is a collective, and every rank must get this far to join it
-        self.ranks = Ranks() if (world > 1 if collective is None else collective) else None
+        self.ranks = Ranks() if collective else None
         if self.ranks is not None:
             check_elastic_store()   # a torchrun restart of this job would fail before it gets here again
         self._job = [self.ranks.rank, self.ranks.world] if self.ranks is not None else None
-        self.memory = MemoryTier(self.pool, space_for(self.local.root, self.ranks.rank if self.ranks else 0))
-        # this rank's checkpoints, nearest first: what restore, list() and the timelines iterate
-        self._tiers: list[Tier] = sorted([t for t in (self.memory, self.local, self.remote) if t is not None],
-                                          key=lambda t: t.nearness)
         self._node = Ownership(self.local, self.memory, self.pool, self.ranks)   # local_dir's lock, segments
         if self.ranks is not None and self._node.own_for_job(self.remote.url if self.remote is not None else None):
             # decided from gathered facts, so every rank joins (a collective) or none does
             self.remote.join_job(Ranks(timeout_s=knobs.get("CKPT_COMMIT_TIMEOUT_S"), own_group=True))
         try:
-            self.peer = None if peers is None or peers is False else PeerTier.for_job(self.local.root, self.ranks, peers)
+            self._stack.add_peer(self.ranks, peers)
+            self.peer = self._stack.peer
             # a time-based policy decides by each rank's clock: those decisions are agreed in maybe_save
             self._agree_due = self.ranks is not None and (isinstance(self.interval, AutoInterval)
                                                           or self.interval.every_seconds is not None)
-            persisting = [t for t in self._tiers if isinstance(t, PersistingTier)] + \
-                ([self.peer] if self.peer is not None else [])
+            persisting = self._stack.persisting
             # interval="auto": each persisting tier not given a persist_every cadence gets its own
-            cadences = {t.name: TierCadence(t.name, mtbf.get(t.name, mtbf["memory"]) if isinstance(mtbf, Mapping)
-                                            else mtbf)
-                        for t in persisting if t.name not in persist_every} if interval == "auto" else {}
+            cadences = {t.name: TierCadence(t.name, mtbf[t.name])
+                        for t in persisting if t.name not in self.persist_every} if interval == "auto" else {}
             self._pipeline = Pipeline(self.pool, self.memory, persisting, self._apply_retention, self._failed,
                                       coalesce=self.if_busy is IfBusy.SKIP,
-                                      independent=self.ranks is None, every=persist_every, auto=cadences,
+                                      independent=self.ranks is None, every=self.persist_every, auto=cadences,
                                       clock=clock, fence=self._node.still_owner)
-            self._handover = HandOver(self.memory, self._tiers, self._pipeline, self._node, self.tiers, self.remote,
-                                      self._track)
+            self._handover = HandOver(self.memory, self._stack.own, self._pipeline, self._node, self.tiers,
+                                      self.remote, self._track)
             self._clock = clock
             self._auto_tiers = bool(cadences)
             self._last_step_at: float | None = None
@@ -698,8 +671,8 @@ class Checkpointer:
         if self.ranks is not None:
             info = self._restore_agreed(state, step, strict)
         else:
-            listed = _listing(self._tiers)
-            info = _restore(state, self._tiers, step, strict, self._job, listed=listed, refill=self._node.may_refill())
+            listed = _listing(self._stack.own)
+            info = _restore(state, self._stack.own, step, strict, self._job, listed=listed, refill=self._node.may_refill())
             restored = None if info is None else Committed(info.step, info.timeline)
             self._use_timeline(_resume_timeline(restored, [e for e, _ in listed]))
             if info is not None:
@@ -729,7 +702,7 @@ class Checkpointer:
         """The newest checkpoint's timeline, on any tier (0 when there is none). A remote tier that cannot
         be listed now is left out (logged): a save must not fail on it before its upload even starts."""
         entries = []
-        for tier in self._tiers:
+        for tier in self._stack.own:
             try:
                 entries += tier.committed()
             except OSError as e:
@@ -752,13 +725,13 @@ class Checkpointer:
         self._timeline = timeline
         with self.pool._cv:
             self.pool.live = timeline   # a snapshot a rollback abandoned is the first to be overwritten
-        for tier in self._tiers + ([self.peer] if self.peer is not None else []):
+        for tier in list(self._stack):
             tier.timeline = timeline   # the peer tier sends it with each replica
 
     def _restore_agreed(self, state: dict, step: int | None, strict: bool) -> RestoreInfo | None:
         """:meth:`restore` when the ranks must agree (:class:`ckpt.restore.AgreedRestore`)."""
         job_tier = self.remote is not None and self.remote.job is not None
-        return AgreedRestore(self.ranks, self._tiers, self.peer, self.memory, self._job, self._use_timeline,
+        return AgreedRestore(self.ranks, self._stack.own, self.peer, self.memory, self._job, self._use_timeline,
                              self._handover.unpersisted, self._handover.persist, job_tier).run(state, step, strict)
 
     @property
@@ -771,14 +744,13 @@ class Checkpointer:
         """Per tier, nearest first, its capacity and cost figures (:class:`~ckpt.tiers.base.TierFigures`:
         steps and bytes held, capacity, and the writes and reads measured in this process with their
         throughput). Lists each tier (a remote tier: one listing of the store)."""
-        return {t.name: t.figures() for t in sorted(self._tiers + ([self.peer] if self.peer is not None else []),
+        return {t.name: t.figures() for t in sorted(list(self._stack),
                                                      key=lambda t: t.nearness)}
 
     @property
     def tiers(self) -> list[str]:
         """The tiers a save goes to, nearest first."""
-        return ["memory", "local"] + (["peer"] if self.peer is not None else []) + \
-            (["remote"] if self.remote is not None else [])
+        return self._stack.names
 
     def promote(self, step: int, to: str) -> bool:
         """Copy committed checkpoint ``step`` to tier ``to`` (``"remote"`` or ``"local"``), verifying every byte.
@@ -818,7 +790,7 @@ class Checkpointer:
     def list(self) -> list[CheckpointInfo]:
         """Checkpoints visible on any tier, newest first: the live branch by ``(timeline, step)``, then
         the abandoned branch of a rollback (``abandoned=True``), each newest first."""
-        listed = _listing(self._tiers)
+        listed = _listing(self._stack.own)
         live, abandoned = live_and_abandoned(e for e, _ in listed)
         gone = {e.key for e in abandoned}
         found: dict[tuple[int, int], CheckpointInfo] = {}
@@ -898,8 +870,7 @@ class Checkpointer:
         sender's), or read back in full from it; never a step it saw fail verification."""
         busy = self._pipeline.in_flight()
         for name in tiers:
-            tier = self.peer if name == "peer" and self.peer is not None else \
-                next(t for t in self._tiers if t.name == name)
+            tier = self._stack.get(name)
             if not tier.prunes_here():
                 continue
             prune(tier, tier.keep_of(self.keep), busy,

@@ -28,7 +28,7 @@ import signal
 import threading
 import time
 from types import FrameType
-from typing import Any, Callable, Iterable, NoReturn, Sequence
+from typing import Any, Callable, Collection, Iterable, NoReturn, Sequence
 
 import torch
 
@@ -157,10 +157,11 @@ class Signals:
             drain_deadline = drain_deadline if usable else 30.0
         return cls(preempt=preempt, drain_tier=drain_tier, deadline=drain_deadline, on_preempt=on_preempt)
 
-    def check_tiers(self, has_url: bool, has_peers: bool) -> None:
-        """Refuse a tier the Checkpointer does not have (``ValueError`` naming the argument)."""
+    def check_tiers(self, planned: Collection[str]) -> None:
+        """Refuse a tier the Checkpointer does not have (``planned``: the names of those it has; ``ValueError``
+        naming the argument)."""
         for name, tier in (("drain_tier", self.drain_tier), ("save_tier", self.save_tier)):
-            if (tier == "remote" and not has_url) or (tier == "peer" and not has_peers):
+            if tier not in planned:
                 raise ValueError(f"{name} must be 'local', 'remote' together with a url, or 'peer' together with "
                                  f"peers=; got {tier!r}")
 

@@ -12,11 +12,11 @@ from __future__ import annotations
 from .._lazy import exports
 
 __all__ = ["Tier", "PersistingTier", "StepInfo", "TierFigures", "register", "registered", "LocalTier",
-           "MemoryTier", "PeerTier", "RemoteTier"]
+           "MemoryTier", "PeerTier", "RemoteTier", "Tiers"]
 
 _WHERE = {"Tier": "base", "PersistingTier": "base", "StepInfo": "base", "TierFigures": "base", "register": "base",
           "registered": "base", "LocalTier": "local", "MemoryTier": "memory", "PeerTier": "peer",
-          "RemoteTier": "remote"}
+          "RemoteTier": "remote", "Tiers": "stack"}
 
 
 __getattr__, __dir__ = exports(__name__, _WHERE)
