@@ -373,15 +373,14 @@ def _inspect(args: argparse.Namespace) -> int:
         found = sorted({e.step for e in tier.committed()}, reverse=True)[:10]
         raise FileNotFoundError(errno.ENOENT, f"step {step} does not exist (committed steps: {found})",
                                 str(tier.step_dir(step)))
-    if tier.name == "remote":   # any saved rank of a job tier (rank 0 by default)
-        commit = tier.read_commit(step)
-        manifests = tier.read_manifests(step, commit)
+    commit, manifests = tier.records(step)
+    if len(manifests) < commit.world_size:   # one rank's own tier of a job: its one copy
+        manifest = manifests[0]
+    else:                                      # any saved rank (rank 0 by default)
         if not 0 <= args.rank < len(manifests):
             raise _UsageError(f"--rank {args.rank}: step {step} of {args.dir} was saved by {len(manifests)} "
                               f"rank(s): pass --rank 0 to {len(manifests) - 1}")
         manifest = manifests[args.rank]
-    else:
-        commit, manifest = tier.open(step)
     out: dict[str, Any] = {"step": step, "world_size": commit.world_size, "data_bytes": manifest.data_bytes,
                            "chunk_bytes": manifest.chunk_bytes, "checksum": manifest.checksum_algorithm,
                            "items": [{"key": it.key, "dtype": it.dtype, "shape": it.shape, "device": it.device,
@@ -407,7 +406,7 @@ def _verify(args: argparse.Namespace) -> int:
     steps = [args.step] if args.step is not None else tier.committed_steps()
 
     def check(step: int) -> dict:
-        with _bar(args, lambda: _stored_bytes(tier, step), f"verify step {step}"):
+        with _bar(args, lambda: tier.stored_bytes(step), f"verify step {step}"):
             m = tier.verify(step)   # a remote tier verifies every rank's parts
         return {"bytes": sum(x.data_bytes for x in m) if isinstance(m, list) else m.data_bytes}
 
@@ -427,19 +426,6 @@ def _bar(args: argparse.Namespace, total: Any, desc: str, weight: float = 1.0) -
     except Exception:   # noqa: BLE001 - only the bar's length: the operation itself reports the failure
         size = None
     return counting(Progress(size, desc, True, weight))
-
-
-def _stored_bytes(tier: Any, step: int) -> int:
-    """The bytes verifying ``step`` reads: the data file, or every stored part of every rank."""
-    if tier.name == "remote":
-        from .tiers.remote import ABSENT
-
-        total = 0
-        for m in tier.read_manifests(step, tier.read_commit(step)):
-            c = m.chunk_bytes
-            total += sum(min(c, m.data_bytes - i * c) for i, codec in enumerate(m.codecs) if codec != ABSENT)
-        return total
-    return tier.open(step)[1].data_bytes
 
 
 def _gc(args: argparse.Namespace) -> int:
@@ -477,7 +463,7 @@ def _gc(args: argparse.Namespace) -> int:
 
     def verifies(step: int) -> bool:
         try:
-            with _bar(args, lambda: _stored_bytes(tier, step), f"verify step {step}"):
+            with _bar(args, lambda: tier.stored_bytes(step), f"verify step {step}"):
                 tier.verify(step)   # a remote tier verifies every rank's parts
             ok = True
         except (CheckpointError, OSError) as e:
@@ -488,7 +474,7 @@ def _gc(args: argparse.Namespace) -> int:
         return ok
 
     # Deleting from a local_dir is writing there: refused (LockedError) while a live Checkpointer owns it.
-    owner = tier.acquire_owner() if tier.name == "local" and not args.dry_run else None
+    owner = tier.acquire_owner() if not args.dry_run else None
     try:
         gone = prune(tier, max(1, args.keep), dry_run=args.dry_run, verified=verifies)
         none_verifies = bool(checked) and not any(ok for _, ok in checked)

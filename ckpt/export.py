@@ -39,10 +39,8 @@ if TYPE_CHECKING:
     import torch
 
 from . import knobs
-from .errors import CorruptCheckpointError, IncompatibleCheckpointError, IncompleteCheckpointError
-from .format import (LATEST_NAME, Manifest, data_name, empty_tensor, open_regular, parse_record,
-                     parse_step_dir, read_record, str_to_dtype)
-from .integrity import checksum
+from .errors import CorruptCheckpointError, IncompatibleCheckpointError
+from .format import LATEST_NAME, Manifest, empty_tensor, parse_record, parse_step_dir, read_record, str_to_dtype
 from .policy import live_and_abandoned
 from .progress import Progress, wanted
 from .reshard import check_layouts, load_resharded, saved_layouts, shard_box
@@ -261,7 +259,6 @@ class _Source:
         self.step = -1
         self.manifests: list[Manifest] = []
         self.read_bytes = 0
-        self._fd: int | None = None
         self._fetch: Callable[[int, Manifest, int], Any] = lambda r, m, i: b""
 
     @classmethod
@@ -270,43 +267,15 @@ class _Source:
 
         self = cls()
         tier: Any = open_tier(source, storage_options)   # a file:// URL of a local_dir is that local tier
-        self.where = tier.url if tier.name == "remote" else str(tier.root)
+        self.where = tier.location()
         self.step = _pick(tier, step, self.where)
-        if tier.name == "remote":
-            commit = tier.read_commit(self.step)
-            self.manifests = tier.read_manifests(self.step, commit)
-            for m in self.manifests:   # every part there at its committed size, before any size the manifests
-                tier.check_stored(self.step, m)   # state is allocated (as a restore checks)
-            self._fetch = lambda r, m, i: tier.fetch(self.step, r, m, i)
-        else:
-            self.manifests = [tier.open(self.step)[1]]
-            # each shard's layout against its item (a job tier's records are checked so by the tier itself,
-            # RemoteTier.read_manifests); one rank's copy holds a whole tensor only where _check_whole finds it
-            check_layouts(self.manifests, f"step {self.step} of {self.where}", whole=False)
-            path = tier.step_dir(self.step) / data_name(tier.rank)
-            try:
-                self._fd = open_regular(path)[0]
-            except FileNotFoundError:
-                raise IncompleteCheckpointError(f"{path}: data file is missing") from None
-            self._fetch = self._local_reader(path)
+        self.manifests = tier.records(self.step)[1]
+        for m in self.manifests:   # every stored byte there at its committed size, before any size the manifests
+            tier.check_stored(self.step, m)   # state is allocated (as a restore checks)
+        # each shard's layout against its item; one rank's copy holds a whole tensor only where _check_whole finds it
+        check_layouts(self.manifests, f"step {self.step} of {self.where}", whole=False)
+        self._fetch = lambda r, m, i: tier.fetch(self.step, r, m, i)
         return self
-
-    def _local_reader(self, path: Path) -> Callable[[int, Manifest, int], bytes]:
-        def read(rank: int, m: Manifest, i: int) -> bytes:
-            off = i * m.chunk_bytes
-            length = min(m.chunk_bytes, m.data_bytes - off)
-            buf = bytearray(length)
-            view, got = memoryview(buf), 0
-            while got < length:
-                n = os.preadv(self._fd, [view[got:]], off + got)
-                if n == 0:
-                    raise IncompleteCheckpointError(f"{path}: ends at byte {off + got}, expected {off + length}")
-                got += n
-            if checksum(buf) != m.chunks[i]:
-                raise CorruptCheckpointError(f"{path}: bytes [{off}, {off + length}) fail their "
-                                             f"{m.checksum_algorithm} checksum")
-            return buf
-        return read
 
     def fetch(self, counter: Callable[[int], None]) -> Callable[[int, Manifest, int], Any]:
         """The chunk reader :func:`load_resharded` takes, reporting each verified chunk to ``counter``."""
@@ -317,9 +286,7 @@ class _Source:
         return one
 
     def close(self) -> None:
-        if self._fd is not None:
-            os.close(self._fd)
-            self._fd = None
+        """Nothing is held open between chunks (each is read and checked on its own)."""
 
 
 def _pick(tier: Any, step: int | None, where: str) -> int:

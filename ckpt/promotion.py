@@ -54,8 +54,8 @@ def copy_between(local: LocalTier, remote: RemoteTier, step: int, to: str) -> bo
         src, dst = remote, local
         where = remote.step_dir(step)
     if step not in src.committed_steps():
-        status = getattr(src, "status", None)   # a remote tier lists nothing while its store is down
-        if status is not None and status.available is False and status.error is not None:
+        status = src.status   # a remote tier lists nothing while its store is down
+        if status.available is False and status.error is not None:
             raise ConnectionError(status.error.errno, f"promoting step {step}: {status.error.strerror}; nothing "
                                   "was copied", where) from status.error
         raise FileNotFoundError(errno.ENOENT, f"step {step} is not committed on the {src.name} tier "

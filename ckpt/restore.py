@@ -28,7 +28,7 @@ from .loading import OtherRanksCopy
 from .policy import Committed, Timeline, live_and_abandoned
 from .pipeline import SaveHandle
 from .stage import SnapshotStats
-from .tiers.base import PersistingTier, Tier
+from .tiers.base import COPY_UNKNOWN, PersistingTier, Tier
 from .tiers.peer import Background, ReceivedCopy
 
 __all__ = ["RestoreInfo", "restore", "listing", "OtherRanksCopy", "AgreedRestore", "HandOver", "resume_timeline",
@@ -70,19 +70,13 @@ def listing(tiers: Sequence[Tier]) -> list[tuple[Committed, Tier]]:
 #: how many times a restore lists the tiers again when a checkpoint changed under it (a live writer's
 #: retention or re-save), before such a change counts as a failure of that copy
 _RELISTS = 8
-_UNSTAMPED = object()   # a tier that cannot tell one copy of a step from another
-
-
 def _stamp(tier: Tier, step: int) -> Any:
     """What identifies the copy of ``step`` on ``tier`` now (``None``: it is not committed there), or
-    ``_UNSTAMPED`` for a tier that cannot say (no ``copy_id``, or the question failed)."""
-    copy_id = getattr(tier, "copy_id", None)
-    if copy_id is None:
-        return _UNSTAMPED
+    :data:`~ckpt.tiers.base.COPY_UNKNOWN` for a tier that cannot say (or when the question failed)."""
     try:
-        return copy_id(step)
+        return tier.copy_id(step)
     except OSError:
-        return _UNSTAMPED
+        return COPY_UNKNOWN
 
 
 def _candidates(tiers: Sequence[Tier], listed: list[tuple[Committed, Tier]], step: int | None,
@@ -147,12 +141,12 @@ def restore(state: dict, tiers: Sequence[Tier], step: int | None = None, strict:
                 skipped.append(f"{tier.name}:{s}: {e}")
                 continue
             except (CorruptCheckpointError, IncompleteCheckpointError, OSError, LookupError) as e:
-                after = _UNSTAMPED if before is None or before is _UNSTAMPED or isinstance(e, LookupError) \
+                after = COPY_UNKNOWN if before is None or before is COPY_UNKNOWN or isinstance(e, LookupError) \
                     else _stamp(tier, s)
                 # changed: gone since it was listed, or another copy now (a tier that cannot say now, its store
                 # down or stalled, says nothing: the read's failure is the copy's)
-                if (not isinstance(e, LookupError) and relist < _RELISTS and before is not _UNSTAMPED
-                        and (before is None or (after is not _UNSTAMPED and after != before))):
+                if (not isinstance(e, LookupError) and relist < _RELISTS and before is not COPY_UNKNOWN
+                        and (before is None or (after is not COPY_UNKNOWN and after != before))):
                     # Not a fault of the copy: another process removed or replaced it while this one read it
                     # (retention or a re-save of a live writer of the directory). List the tiers again and
                     # start over from the newest, rather than fall back past checkpoints that are fine.

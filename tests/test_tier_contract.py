@@ -281,3 +281,44 @@ def test_a_commit_records_the_tiers_timeline(case):
     case.commit(9, make_state(3))
     (e,) = [e for e in tier.committed() if e.step == 9]
     assert e.timeline == Timeline(2, ((0, 5),))
+
+
+def test_status_and_copy_identity_are_declared_by_every_tier(case):
+    """What restore and promote ask every tier, with one return type each: whether its storage answers
+    (a TierStatus), and what identifies the copy of a step committed there now (None once it is gone)."""
+    from ckpt.tiers.base import COPY_UNKNOWN, TierStatus
+
+    tier = case.tier
+    case.commit(4, make_state(4))
+    assert isinstance(tier.status, TierStatus) and tier.status.available is not False
+    stamp = tier.copy_id(4)
+    assert stamp is not None
+    if stamp is not COPY_UNKNOWN:   # a tier that can tell copies apart: stable while nothing changes
+        assert tier.copy_id(4) == stamp and tier.copy_id(99) is None
+        if isinstance(tier, PersistingTier):   # a re-save of the step is another copy
+            case.commit(4, make_state(5))
+            assert tier.copy_id(4) not in (None, stamp)
+
+
+def test_every_ranks_records_stored_bytes_and_verified_chunks(case):
+    """The tiers with commit records on storage give every rank's records of a step, check the stored
+    bytes, and serve each chunk checked against its checksum: what `ckpt inspect` / `verify` and export read
+    whatever the tier. A flipped byte fails the chunk that holds it, by type."""
+    tier = case.tier
+    case.commit(6, make_state(6))
+    try:
+        commit, manifests = tier.records(6)
+    except NotImplementedError:
+        assert isinstance(tier, MemoryTier)
+        pytest.skip("this tier keeps no commit records on storage")
+    assert commit.step == 6 and [m.rank for m in manifests] == [tier.rank]
+    m = manifests[0]
+    assert tier.stored_bytes(6) == m.data_bytes
+    tier.check_stored(6, m)
+    image = b"".join(bytes(tier.fetch(6, m.rank, m, i)) for i in range(len(m.chunks)))
+    assert len(image) == m.data_bytes
+    if case.corrupt is not None:
+        case.corrupt(6)
+        with pytest.raises(CorruptCheckpointError):
+            for i in range(len(m.chunks)):
+                tier.fetch(6, m.rank, m, i)

@@ -15,7 +15,12 @@ Every tier:
 - **deletes** one (:meth:`Tier.delete`: its commit record first, so a crash mid-delete never leaves a
   torn committed step);
 - reports **figures** (:meth:`Tier.figures`: what it holds, what it can hold, what its writes and reads
-  cost as measured in this process) and what it knows of a step (:meth:`Tier.describe`).
+  cost as measured in this process) and what it knows of a step (:meth:`Tier.describe`);
+- says whether its storage answers (:attr:`Tier.status`) and what identifies a copy (:meth:`Tier.copy_id`).
+
+A tier with commit records on storage (local, remote) also gives every rank's records of a step
+(:meth:`Tier.records`), checks that a rank's stored bytes are all there (:meth:`Tier.check_stored`) and reads
+one verified chunk (:meth:`Tier.fetch`): what ``ckpt inspect`` / ``verify`` and export read, whatever the tier.
 """
 
 from __future__ import annotations
@@ -23,15 +28,38 @@ from __future__ import annotations
 import abc
 import threading
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, Hashable
 
 if TYPE_CHECKING:
     import torch
 
+    from ..format import Commit
+    from .local import OwnerLock
+
 from ..format import Manifest
 from ..policy import Committed, Retention, Timeline
 
-__all__ = ["Tier", "PersistingTier", "StepInfo", "TierFigures", "register", "registered", "nearness"]
+__all__ = ["Tier", "PersistingTier", "StepInfo", "TierFigures", "TierStatus", "COPY_UNKNOWN", "register",
+           "registered", "nearness"]
+
+#: what :meth:`Tier.copy_id` returns on a tier that cannot tell one copy of a step from another
+COPY_UNKNOWN: Any = type("CopyUnknown", (), {"__repr__": lambda self: "COPY_UNKNOWN"})()
+
+
+@dataclass(frozen=True)
+class TierStatus:
+    """What a tier found the last time it used its storage.
+
+    ``available``: ``True`` when the storage last answered, ``False`` when it could not be reached or did
+    not answer (connections refused or dropped, timeouts, 5xx answers), ``None`` before any check.
+    ``error``: that failure, an ``OSError`` naming the endpoint. ``since_unix``: when the storage was first
+    found unavailable in this outage; ``checked_unix``: the last check. A tier on this node's own disk or RAM
+    is always available."""
+
+    available: bool | None = None
+    error: OSError | None = None
+    since_unix: float | None = None
+    checked_unix: float | None = None
 
 
 @dataclass(frozen=True)
@@ -125,6 +153,8 @@ class Tier(abc.ABC):
     rank: int = 0
     timeline: Timeline
     verified: dict[int, bool]
+    #: whether the storage answers (:class:`TierStatus`); the remote tier keeps it up to date
+    status: TierStatus = TierStatus(available=True)
 
     # -- listing ------------------------------------------------------------------------------------
     @abc.abstractmethod
@@ -170,6 +200,39 @@ class Tier(abc.ABC):
     @abc.abstractmethod
     def verify(self, step: int) -> Any:
         """Read every byte of ``step`` and check it; returns the manifest(s). Raises on a bad byte."""
+
+    def copy_id(self, step: int) -> Hashable | None:
+        """What tells the copy of ``step`` committed here now from another (``None``: not committed here now;
+        :data:`COPY_UNKNOWN`: this tier cannot tell). A restore compares it before and after a failed read: a
+        copy that another process removed or replaced meanwhile is listed again, not taken for a corrupt one.
+        May raise ``OSError`` when the storage does not answer."""
+        return COPY_UNKNOWN
+
+    def records(self, step: int) -> tuple[Commit, list[Manifest]]:
+        """The validated commit record of ``step`` and the manifests of every rank's files this tier holds of
+        it, in rank order (a job tier: every saved rank's; a rank's own tier: its one). Raises as
+        :meth:`manifest_of`; ``NotImplementedError`` on a tier without commit records (memory, peer)."""
+        raise NotImplementedError(f"the {self.name} tier keeps no commit records on storage")
+
+    def check_stored(self, step: int, manifest: Manifest) -> None:
+        """Every stored byte of the rank ``manifest`` describes is there at its committed size, checked before
+        any is read or room for the data allocated: :class:`~ckpt.errors.IncompleteCheckpointError` naming the
+        file otherwise."""
+
+    def fetch(self, step: int, rank: int, manifest: Manifest, i: int) -> bytes | bytearray:
+        """Chunk ``i`` of rank ``rank``'s data of ``step`` (described by ``manifest``), decoded and checked
+        against its checksum (:class:`~ckpt.errors.CorruptCheckpointError` naming the file and the byte range
+        otherwise)."""
+        raise NotImplementedError(f"the {self.name} tier serves no chunks by rank")
+
+    def stored_bytes(self, step: int) -> int:
+        """The bytes verifying ``step`` reads here (every stored chunk of every rank's files it holds)."""
+        return sum(m.data_bytes for m in self.records(step)[1])
+
+    def acquire_owner(self) -> OwnerLock | None:
+        """Become the one writer of this tier's storage where it has such an owner (a ``local_dir``), raising
+        :class:`~ckpt.errors.LockedError` while another live process is; ``None``: nothing to own here."""
+        return None
 
     def where(self, step: int) -> str:
         """How messages name this rank's copy of ``step`` here."""

@@ -441,6 +441,43 @@ class LocalTier(PersistingTier, TimelineCopies):
             raise CorruptCheckpointError(f"{d}: the local tier stores raw chunks, the manifest lists codecs")
         return commit, manifest
 
+    def records(self, step: int) -> tuple[Commit, list[Manifest]]:
+        """The commit record of ``step`` and this rank's manifest, its one copy here (:meth:`open`)."""
+        commit, manifest = self.open(step)
+        return commit, [manifest]
+
+    def check_stored(self, step: int, manifest: Manifest) -> None:
+        """Rank ``manifest.rank``'s data file is a regular file of its committed size."""
+        path = self.step_dir(step) / data_name(manifest.rank)
+        try:
+            fd, st = open_regular(path)
+        except FileNotFoundError:
+            raise IncompleteCheckpointError(f"{path}: data file is missing") from None
+        os.close(fd)
+        if st.st_size != manifest.data_bytes:
+            raise IncompleteCheckpointError(f"{path}: {st.st_size} bytes on disk, {manifest.data_bytes} committed")
+
+    def fetch(self, step: int, rank: int, manifest: Manifest, i: int) -> bytearray:
+        """Chunk ``i`` of rank ``rank``'s data file, read and checked against its checksum."""
+        path = self.step_dir(step) / data_name(rank)
+        off = i * manifest.chunk_bytes
+        length = min(manifest.chunk_bytes, manifest.data_bytes - off)
+        buf = bytearray(max(0, length))
+        fd = open_regular(path)[0]
+        try:
+            view, got = memoryview(buf), 0
+            while got < length:
+                n = os.preadv(fd, [view[got:]], off + got)
+                if n == 0:
+                    raise IncompleteCheckpointError(f"{path}: ends at byte {off + got}, expected {off + length}")
+                got += n
+        finally:
+            os.close(fd)
+        if checksum(buf) != manifest.chunks[i]:
+            raise CorruptCheckpointError(f"{path}: bytes [{off}, {off + length}) fail their "
+                                         f"{manifest.checksum_algorithm} checksum")
+        return buf
+
     def copy_id(self, step: int) -> tuple[int, ...] | None:
         """What tells this copy of ``step`` from another (its ``COMMIT``'s identity), or ``None`` when the
         step is not committed here now. A restore compares it before and after a failed read: a copy that

@@ -345,6 +345,20 @@ class RemoteTier(StoreClient, Parts, Uploads, JobCommit, PersistingTier, Timelin
         self._check_parts(step, manifest)
         return commit, manifest
 
+    def records(self, step: int) -> tuple[Commit, list[Manifest]]:
+        """The commit record of ``step`` and every saved rank's manifest (a job tier holds every rank's
+        files), each checked against it."""
+        commit = self.read_commit(step)
+        return commit, self.read_manifests(step, commit)
+
+    def stored_bytes(self, step: int) -> int:
+        """The bytes of every stored part of every rank (a part left to rank 0, ``ABSENT``, is not stored)."""
+        total = 0
+        for m in self.records(step)[1]:
+            c = m.chunk_bytes
+            total += sum(min(c, m.data_bytes - i * c) for i, codec in enumerate(m.codecs) if codec != ABSENT)
+        return total
+
     def read_commit(self, step: int) -> Commit:
         """The validated commit record of ``step``, whatever world size wrote it."""
         where = f"{self.step_dir(step)}/{COMMIT_NAME}"

@@ -11,7 +11,6 @@ The file system itself comes from :func:`ckpt.fs.resolve` (the client chosen by 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import errno
 import threading
 import time
@@ -22,25 +21,14 @@ from ..errors import CheckpointError
 from ..format import fsync_file
 from ..fs import Store
 from ..stall import StallError
+from .base import TierStatus
 from .remote_errors import denied, errno_of, unavailable
 
 __all__ = ["RemoteStatus", "StoreClient"]
 
 
-@dataclasses.dataclass(frozen=True)
-class RemoteStatus:
-    """What the remote tier found the last time it used its store.
-
-    ``available``: ``True`` when the store last answered, ``False`` when it could not be reached or
-    did not answer (connections refused or dropped, timeouts, 5xx answers), ``None`` before any check.
-    ``error``: that failure, an ``OSError`` naming the endpoint. ``since_unix``: when the store was
-    first found unavailable in this outage; ``checked_unix``: the last check.
-    """
-
-    available: bool | None = None
-    error: OSError | None = None
-    since_unix: float | None = None
-    checked_unix: float | None = None
+#: what the remote tier found the last time it used its store (the tier contract's :class:`~ckpt.tiers.base.TierStatus`)
+RemoteStatus = TierStatus
 
 
 class StoreClient:
