@@ -190,7 +190,7 @@ class Checkpointer:
         defaults = {k: p.default for k, p in inspect.signature(Checkpointer.__init__).parameters.items()}
         here = locals()
         self.storage = merge(storage, Storage, {f: (tuple(here[f]) if f == "replicated" and isinstance(here[f], list)
-                                                    else here[f]) for f in _STORAGE_FIELDS}, defaults)
+                                                    else here[f]) for f in _STORAGE_FIELDS if f in here}, defaults)
         self.policy = merge(policy, Policy, {f: here[f] for f in _POLICY_FIELDS}, defaults)
         (url, local_dir, storage_options, compression, peers, replicated, max_in_flight, host_memory_limit) = (
             getattr(self.storage, f) for f in ("url", "local_dir", "storage_options", "compression", "peers",
@@ -597,7 +597,7 @@ class Checkpointer:
             # a save that allocated its buffer paid a one-time cost (seconds for GB of pinned memory), not the
             # snapshot's: the interval is set from what every snapshot costs the loop
             once = stats.wait_s if self.pool.allocations > allocations else 0.0
-            self.interval.record(stats.stall_s - once, previous.persist_s.get("local")
+            self.interval.record(stats.stall_s - once, previous.persist_s.get(self.local.name)
                                  if previous and self.if_busy is IfBusy.WAIT else None)
         self._track(handle)
         self.history.append(stats)
@@ -665,7 +665,7 @@ class Checkpointer:
             try:
                 # with the peer tier, the persist thread's exchanges must be over: a restore may use
                 # the same peer group to send a held replica back. Failures stay for wait() / close().
-                h._wait_quietly(None if self.peer is not None else "memory")
+                h._wait_quietly(None if self.peer is not None else self.memory.name)
             except BaseException:
                 pass
         if self.ranks is not None:

@@ -80,6 +80,10 @@ class Storage:
         host_memory_limit: bytes of host memory the buffers may take (default: 80% of what psutil
             reports available when a buffer is allocated). When not even one buffer fits, a save raises
             :class:`~ckpt.errors.HostMemoryError`.
+        extra_tiers: the settings of tiers registered beyond the built-in ones (a tier class decorated with
+            :func:`ckpt.tiers.register`), by tier name: ``{"disk2": "/mnt/hdd/ckpt"}`` makes that tier from
+            its setting (:meth:`ckpt.tiers.Tier.for_storage`). A name no registered tier has is a
+            ``ValueError`` naming the registered ones. No flat keyword: ``storage=`` only.
     """
 
     local_dir: str | os.PathLike | Any | None = None
@@ -90,6 +94,7 @@ class Storage:
     replicated: tuple[str, ...] = ()
     max_in_flight: int | None = None
     host_memory_limit: int | None = None
+    extra_tiers: Mapping[str, Any] | None = None
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,9 @@
 Restore's nearest-tier search, retention, ``Checkpointer.list``, the ``ckpt`` command line and the persist
 pipeline iterate a list of :class:`Tier` objects and call only what is declared here; none of them names a
 tier. Adding a tier is one module: a subclass of :class:`Tier` (and of :class:`PersistingTier` when the
-pipeline writes snapshots to it), decorated with :func:`register`.
+pipeline writes snapshots to it), decorated with :func:`register`; a Checkpointer has it when its storage
+asks (``ckpt.Storage(extra_tiers={name: setting})``, :meth:`Tier.for_storage`), and its cadence
+(``persist_every``), restore's fallback, retention and the figures then include it.
 
 Every tier:
 
@@ -150,11 +152,27 @@ class Tier(abc.ABC):
     #: whether this tier can load a checkpoint saved in another layout (world size, mesh, placements)
     reshards: ClassVar[bool] = False
 
+    #: what makes a Checkpointer have this tier, for messages (``None``: it always has it)
+    needs: ClassVar[str | None] = "Storage(extra_tiers={name: ...})"
+    #: the tiers :meth:`for_storage` reads (built first)
+    built_after: ClassVar[tuple[str, ...]] = ()
+
     rank: int = 0
     timeline: Timeline
     verified: dict[int, bool]
     #: whether the storage answers (:class:`TierStatus`); the remote tier keeps it up to date
     status: TierStatus = TierStatus(available=True)
+
+    # -- building -----------------------------------------------------------------------------------
+    @classmethod
+    def for_storage(cls, storage: Any, built: dict[str, "Tier"], pool: Any, rank: int) -> "Tier | None":
+        """This tier as ``storage`` (a :class:`~ckpt.Storage`) asks for it, or ``None`` when it does not.
+        ``built``: the tiers made so far, by name (those of :attr:`built_after` among them); ``pool``: the
+        memory tier's host buffers; ``rank``: this process's rank in its job (0 alone). The default makes a
+        tier registered beyond the built-in ones from its setting, ``storage.extra_tiers[name]``, passed to
+        the class (``cls(setting)``)."""
+        setting = (storage.extra_tiers or {}).get(cls.name)
+        return None if setting is None else cls(setting)
 
     # -- listing ------------------------------------------------------------------------------------
     @abc.abstractmethod

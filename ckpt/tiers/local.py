@@ -73,6 +73,16 @@ class LocalTier(PersistingTier, TimelineCopies):
     nearness = 10
     refills = True   # a checkpoint restored from a farther tier is written here on the way
 
+    needs = None   # every Checkpointer has one (local_dir)
+
+    @classmethod
+    def for_storage(cls, storage: Any, built: dict[str, Any], pool: Any, rank: int) -> "LocalTier | None":
+        """The local tier of ``storage.local_dir`` (a directory, or a :class:`LocalTier` to use as it is)."""
+        if cls.name != LocalTier.name:   # a tier registered as a subclass: made from its own setting
+            return super().for_storage(storage, built, pool, rank)
+        local_dir = storage.local_dir
+        return local_dir if isinstance(local_dir, LocalTier) else cls(local_dir)
+
     def __init__(self, root: str | os.PathLike, rank: int = 0, world_size: int = 1) -> None:
         self.root = Path(root).expanduser()
         self.rank = rank

@@ -23,6 +23,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -59,6 +60,15 @@ class MemoryTier(Tier):
     name = "memory"
     nearness = 0
     durable = False
+    needs = None   # every Checkpointer has one
+    built_after = ("local",)   # its segments are named from local_dir's identity
+
+    @classmethod
+    def for_storage(cls, storage: Any, built: dict[str, Any], pool: Any, rank: int) -> "MemoryTier | None":
+        """The memory tier over ``pool``, in the shared-memory space of ``rank`` under the local tier."""
+        if cls.name != MemoryTier.name:
+            return super().for_storage(storage, built, pool, rank)
+        return cls(pool, space_for(built["local"].root, rank))
 
     def __init__(self, pool: HostPool, space: SharedSpace | None = None) -> None:
         self.pool = pool

@@ -479,6 +479,13 @@ class PeerTier(PersistingTier, TimelineCopies):
     nearness = 20
     on_node = False    # for the rank it belongs to, a replica lives on another node
     durable = False    # in RAM
+    needs = "peers="
+
+    @classmethod
+    def for_storage(cls, storage: Any, built: dict[str, Any], pool: Any, rank: int) -> None:
+        """Never here: making the peer tier is collective, so the Checkpointer makes it once every rank owns its
+        local_dir (:meth:`for_job`, through :meth:`ckpt.tiers.Tiers.add_peer`)."""
+        return None
 
     @classmethod
     def for_job(cls, local_dir: str | os.PathLike, job: Any, peers: bool | int) -> "PeerTier":

@@ -100,8 +100,29 @@ class RemoteTier(StoreClient, Parts, Uploads, JobCommit, PersistingTier, Timelin
 
     name = "remote"
     nearness = 30
+    built_after = ("local",)   # it must not overlap local_dir
     on_node = False
     reshards = True   # a job tier's checkpoint loads into another world size, mesh or placements
+
+    needs = "a url"
+
+    @classmethod
+    def for_storage(cls, storage: Any, built: dict[str, Any], pool: Any, rank: int) -> "RemoteTier | None":
+        """The remote tier of ``storage.url`` (or the :class:`RemoteTier` given as it), never overlapping the
+        local tier's directory. An unreachable store does not stop a job from resuming from its nearer tiers
+        (``on_unreachable="degrade"``: each save retries it); a store that answers "no such bucket" or
+        "access denied" is a configuration error: raised."""
+        if cls.name != RemoteTier.name:
+            return super().for_storage(storage, built, pool, rank)
+        url = storage.url
+        if url is None:
+            if storage.compression is not None:
+                raise ValueError("compression applies to the remote tier: pass a url too, or compression=None")
+            return None
+        tier = url if isinstance(url, RemoteTier) else \
+            cls(url, storage.storage_options, compression=storage.compression, on_unreachable="degrade")
+        refuse_overlap(built["local"].root, tier.url, tier.fs, tier.root)
+        return tier
 
     def __init__(self, url: str, storage_options: dict[str, Any] | None = None, rank: int = 0,
                  world_size: int = 1, compression: str | None = None, on_unreachable: str = "raise") -> None:

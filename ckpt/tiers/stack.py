@@ -7,52 +7,74 @@ the tiers that exist, so the rest of the library asks this object instead of spe
 
 from __future__ import annotations
 
+import importlib
 import os
 from typing import Any, Iterator, Mapping
 
-from .base import PersistingTier, Tier
+from .base import PersistingTier, Tier, nearness, registered
 
 __all__ = ["Tiers"]
 
+#: the modules of the built-in tiers (a tier of one's own registers when its module is imported)
+_BUILT_IN = ("memory", "local", "peer", "remote")
+
 
 class Tiers:
-    """The tiers of one rank, nearest first (by :attr:`~ckpt.tiers.base.Tier.nearness`).
+    """The tiers of one rank, nearest first (by :attr:`~ckpt.tiers.base.Tier.nearness`), made from the
+    registry (:func:`~ckpt.tiers.register`): each registered tier class makes itself from the storage settings
+    (:meth:`~ckpt.tiers.Tier.for_storage`) or stays out.
 
-    ``memory``, ``local`` and (or ``None``) ``remote`` hold this rank's own checkpoints: what restore,
-    listing and retention read. ``peer`` (or ``None``) holds another rank's replicas and writes this rank's
-    to its holder: a tier a save goes to, read by a restore only for a rank whose own copies are gone."""
+    :attr:`own` holds this rank's own checkpoints: what restore, listing and retention read. ``peer`` (or
+    ``None``) holds another rank's replicas and writes this rank's to its holder: a tier a save goes to, read by
+    a restore only for a rank whose own copies are gone. :attr:`memory`, :attr:`local` (always there) and
+    :attr:`remote` (or ``None``) are the tiers the Checkpointer itself works with (ownership of ``local_dir``,
+    the job tier)."""
 
-    #: the tiers a Checkpointer may have, nearest first, each with what makes it exist (``None``: always there)
-    POSSIBLE = {"memory": None, "local": None, "peer": "peers=", "remote": "a url"}
-
-    def __init__(self, memory: Tier, local: Tier, remote: Tier | None = None, peer_planned: bool = False) -> None:
-        self.memory, self.local, self.remote = memory, local, remote
+    def __init__(self, tiers: Mapping[str, Tier], peer_planned: bool = False) -> None:
+        self._by_name = dict(tiers)
         self.peer: Tier | None = None
         self.peer_planned = peer_planned   # add_peer() will make one (it is collective: it comes later)
 
+    @property
+    def memory(self) -> Tier:
+        return self._by_name["memory"]
+
+    @property
+    def local(self) -> Any:
+        return self._by_name["local"]
+
+    @property
+    def remote(self) -> Any:
+        return self._by_name.get("remote")
+
     @classmethod
     def build(cls, storage: Any, pool: Any, rank: int) -> "Tiers":
-        """The memory, local and (with ``storage.url``) remote tiers of ``storage`` (a :class:`~ckpt.Storage`
-        whose ``local_dir`` is set), the memory tier over ``pool`` (its host buffers) in the shared-memory
-        space of ``rank`` on this node. An unreachable store does not stop a job from resuming from its nearer
-        tiers (each save retries it); a store that answers "no such bucket" or "access denied" is a
-        configuration error: raised. The peer tier comes later (:meth:`add_peer`: collective)."""
-        from .local import LocalTier
-        from .memory import MemoryTier, space_for
-        from .remote import RemoteTier, refuse_overlap
+        """Every registered tier that ``storage`` (a :class:`~ckpt.Storage` whose ``local_dir`` is set) asks for,
+        the memory tier over ``pool`` (its host buffers) in the shared-memory space of ``rank`` on this node.
+        A name in ``storage.extra_tiers`` that no registered tier has is a ``ValueError``. The peer tier comes
+        later (:meth:`add_peer`: collective)."""
+        for module in _BUILT_IN:   # importing a tier's module registers it
+            importlib.import_module(f"{__package__}.{module}")
 
-        url, local_dir = storage.url, storage.local_dir
-        local = local_dir if isinstance(local_dir, LocalTier) else LocalTier(local_dir)
-        remote = None
-        if url is not None:
-            remote = url if isinstance(url, RemoteTier) else \
-                RemoteTier(url, storage.storage_options, compression=storage.compression, on_unreachable="degrade")
-            refuse_overlap(local.root, remote.url, remote.fs, remote.root)
-        elif storage.compression is not None:
-            raise ValueError("compression applies to the remote tier: pass a url too, or compression=None")
+        built: dict[str, Tier] = {}
+        waiting = list(registered())
+        while waiting:
+            ready = [c for c in waiting if all(n in built for n in c.built_after)]
+            if not ready:
+                raise TypeError(f"tier classes {[c.__qualname__ for c in waiting]} wait for tiers that are never "
+                                "made (their built_after)")
+            for c in ready:
+                waiting.remove(c)
+                tier = c.for_storage(storage, built, pool, rank)
+                if tier is not None:
+                    built[c.name] = tier
+        unknown = sorted(set(storage.extra_tiers or {}) - set(built))
+        if unknown:
+            raise ValueError(f"Storage(extra_tiers=...) names {unknown}: no registered tier has that name (the "
+                             f"registered tiers: {[c.name for c in registered()]}; a tier class is registered with "
+                             "@ckpt.tiers.register when its module is imported)")
         peers = storage.peers
-        return cls(MemoryTier(pool, space_for(local.root, rank)), local, remote,
-                   peer_planned=peers is not None and peers is not False)
+        return cls(built, peer_planned=peers is not None and peers is not False)
 
     def add_peer(self, job: Any, peers: bool | int | None) -> None:
         """The peer tier of ``peers`` (``None`` / ``False``: none) for this rank of ``job``
@@ -67,7 +89,7 @@ class Tiers:
     @property
     def own(self) -> list[Tier]:
         """This rank's checkpoints, nearest first: what restore, listing and the timelines iterate."""
-        return sorted([t for t in (self.memory, self.local, self.remote) if t is not None], key=lambda t: t.nearness)
+        return sorted(self._by_name.values(), key=lambda t: t.nearness)
 
     @property
     def persisting(self) -> list[Tier]:
@@ -98,8 +120,10 @@ class Tiers:
     def planned(self) -> list[str]:
         """The names of the tiers a save goes to, nearest first, the peer tier included from construction on
         (before :meth:`add_peer` made it): what settings naming a tier are checked against."""
-        return [n for n in self.POSSIBLE if n in ("memory", "local") or (n == "peer" and self.peer_planned)
-                or (n == "remote" and self.remote is not None)]
+        near = {t.name: t.nearness for t in self.own}
+        if self.peer_planned or self.peer is not None:
+            near["peer"] = nearness("peer")
+        return sorted(near, key=near.__getitem__)
 
     def check_cadences(self, persist_every: Mapping[str, int]) -> dict[str, int]:
         """``persist_every`` (tier name -> steps) as a dict, naming only persisting tiers this Checkpointer
@@ -107,8 +131,8 @@ class Tiers:
         have = [n for n in self.planned if n != self.memory.name]
         for name in persist_every:
             if name not in have:
-                known = ", ".join(f"{n!r}" + (f" (with {why})" if why else "")
-                                  for n, why in self.POSSIBLE.items() if n != self.memory.name)
+                known = ", ".join(f"{c.name!r}" + (f" (with {c.needs})" if c.needs else "")
+                                  for c in registered() if issubclass(c, PersistingTier))
                 raise ValueError(f"persist_every names the tiers {known}, got {name!r}")
         return dict(persist_every)
 
@@ -120,10 +144,11 @@ class Tiers:
         names = self.planned
         if not isinstance(value, Mapping):
             return dict.fromkeys(names, value)
-        unknown = sorted(set(value) - set(self.POSSIBLE))
+        possible = [c.name for c in registered()]
+        unknown = sorted(set(value) - set(possible))
         if unknown or self.memory.name not in value:
-            raise ValueError(f"{what}= as a dict names the tiers {list(self.POSSIBLE)!r} ({self.memory.name!r} "
-                             f"required: the snapshots' failures), got {sorted(value)!r}")
+            raise ValueError(f"{what}= as a dict names the tiers {possible!r} ({self.memory.name!r} required: the "
+                             f"snapshots' failures), got {sorted(value)!r}")
         return {n: value.get(n, value[self.memory.name]) for n in names}
 
 
