@@ -135,7 +135,8 @@ def test_a_data_file_in_parts_or_in_one_object_round_trips_bit_exact(s3_bucket, 
     url, opts = f"s3://{bucket}/run", storage_options(port)
     tiers = {"url": url, "storage_options": opts, **({"local_dir": tmp_path / "local"} if with_local else {})}
     state = _state(4)
-    with knobs.override(CKPT_CHUNK_BYTES=MIB):
+    # a request the loaded store never answers is the watchdog's to retry (after 10 s), not the client's (60 s)
+    with knobs.override(CKPT_CHUNK_BYTES=MIB, CKPT_REMOTE_STALL_S=10):
         monkeypatch.setenv("CKPT_S3_BACKEND", writer)
         dcp.save(state, storage_writer=TierStorageWriter(**tiers), checkpoint_id="step-4")
         fs = _s3fs(opts)

@@ -588,9 +588,10 @@ def test_readers_racing_saves_that_reuse_adopted_buffers_get_whole_snapshots_or_
             t.join(30)
         assert not t.is_alive() and bad == [] and seen["exact"] > 0 and seen["gone"] > 0, (seen, bad)
         # the newest is held, and checked (its own bytes); the other buffers hold earlier steps, or an adopted
-        # snapshot a reader held while a save needed a buffer
+        # snapshot a reader held while a save needed a buffer (a third buffer is made only when a save found the
+        # reader holding the one it would reuse: a matter of timing)
         held = {b.image_step: b.checked for b in ck.pool.buffers}
-        assert held.get(10) is True and len(held) == len(ck.pool.buffers) == 3, held
+        assert held.get(10) is True and len(held) == len(ck.pool.buffers) in (2, 3), held
         for step in held:
             target = W.zeros()
             assert ck.restore(target, step=step) == step and ck.last_restore.tier == "memory"
