@@ -47,9 +47,10 @@ def stalling(s3_bucket, backend):
     (s3fs's multipart parts: S3's least, 5 MiB)."""
     bucket, port = s3_bucket
     proxy = StallProxy(port)
-    # the client alone would wait 2 x 60 s for an answer (two attempts, so that calls abandoned to their
-    # threads, pyarrow's, end soon once the relay is closed)
-    client = {"config_kwargs": {"retries": {"max_attempts": 2, "mode": "standard"}, "read_timeout": 60}}
+    # the client alone would wait 2 x 5 s for an answer: longer than the watchdog's 1 s (what is tested), and
+    # short enough that the calls the watchdog abandons to their threads (pyarrow's: it cannot cancel them) end
+    # within seconds; until they do, pyarrow's S3 client makes the next request in this process wait
+    client = {"config_kwargs": {"retries": {"max_attempts": 2, "mode": "standard"}, "read_timeout": 5}}
     with knobs.override(CKPT_CHUNK_BYTES=MIB, CKPT_REMOTE_STALL_S=1, CKPT_REMOTE_PROBE_S=2):
         yield f"s3://{bucket}/run", storage_options(proxy.port, **client), proxy, storage_options(port)
     proxy.close()
@@ -111,10 +112,12 @@ def test_a_save_whose_upload_stalls_mid_file_fails_in_bounded_time_and_commits_n
     _assert_equal(loaded, first)
 
 
-def test_a_load_whose_reads_stall_fails_in_bounded_time(stalling):
+def test_a_load_whose_reads_stall_fails_in_bounded_time(stalling, backend, monkeypatch):
     url, opts, proxy, direct = stalling
     state = _state(3, mib=3)
+    monkeypatch.setenv("CKPT_S3_BACKEND", "s3fs")   # written directly; read through the relay by `backend`
     dcp.save(state, storage_writer=TierStorageWriter(url=url, storage_options=direct), checkpoint_id="step-3")
+    monkeypatch.setenv("CKPT_S3_BACKEND", backend)
     proxy.stall(after=b"rank-00000.dcp.bin")   # the COMMIT and the metadata come through, the data does not
     t0 = time.monotonic()
     with pytest.raises(CheckpointException) as e:

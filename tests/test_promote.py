@@ -317,11 +317,11 @@ def _worker(to: str, local_dir: Path, url: str, pause_at: int, opts: dict | None
 
 
 def _kill_points(total: int) -> list[int]:
-    """Every I/O call with CKPT_SLOW=1 (or -m slow); otherwise the first, the last and every third one
+    """Every I/O call with CKPT_SLOW=1 (or -m slow); otherwise the first, the last and every fifth one
     (each point costs a Python process with torch imported)."""
     if os.environ.get("CKPT_SLOW") == "1":
         return list(range(1, total + 1))
-    return sorted({1, total, *range(2, total, 3)})
+    return sorted({1, total, *range(2, total, 5)})
 
 
 def _sweep(to: str, prepare, holds, make_args) -> None:
