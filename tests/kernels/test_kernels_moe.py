@@ -397,7 +397,9 @@ def hook_every_experts(model) -> list:
     return experts
 
 
-@pytest.mark.parametrize("model_type", ["qwen3_moe", "mixtral"])
+# mixtral's experts take the fused path in the default suite (test_patch_experts_use_the_fused_path); the
+# registry's hook is the same code for both families
+@pytest.mark.parametrize("model_type", ["qwen3_moe", pytest.param("mixtral", marks=pytest.mark.slow)])
 def test_patch_serves_hooked_experts_through_transformers_registry(model_type, count_fused):
     """Every experts module behind an accelerate hook: patch() keeps the hooks, names its experts
     implementation in the config, and fused_experts serves every sparse layer through the class's
