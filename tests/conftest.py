@@ -119,6 +119,15 @@ def s3_bucket(s3_server, request):
     yield name, s3_server
 
 
+@pytest.fixture(params=["s3fs", "arrow"])
+def s3_client(request, monkeypatch):
+    """Each S3 client the remote tier can use (``CKPT_S3_BACKEND``): s3fs, and pyarrow's where installed."""
+    if request.param == "arrow":
+        pytest.importorskip("pyarrow")
+    monkeypatch.setenv("CKPT_S3_BACKEND", request.param)
+    return request.param
+
+
 @pytest.fixture
 def slow_staging(monkeypatch):
     """CPU staging copies that take 50 ms each (:func:`helpers.delay_staging`)."""

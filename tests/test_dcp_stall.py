@@ -33,16 +33,8 @@ BOUND_S = 25
 MIB = 1 << 20
 
 
-@pytest.fixture(params=["s3fs", "arrow"])
-def backend(request, monkeypatch):
-    if request.param == "arrow":
-        pytest.importorskip("pyarrow")
-    monkeypatch.setenv("CKPT_S3_BACKEND", request.param)
-    return request.param
-
-
 @pytest.fixture
-def stalling(s3_bucket, backend):
+def stalling(s3_bucket, s3_client):
     """(url, options through the relay, the relay, direct options) with a 1 s stall deadline and 1 MiB parts
     (s3fs's multipart parts: S3's least, 5 MiB)."""
     bucket, port = s3_bucket
@@ -84,13 +76,13 @@ def _inner(exc: CheckpointException) -> BaseException:
     return exc.failures[0][0]
 
 
-def test_a_save_whose_upload_stalls_mid_file_fails_in_bounded_time_and_commits_nothing(stalling, backend,
+def test_a_save_whose_upload_stalls_mid_file_fails_in_bounded_time_and_commits_nothing(stalling, s3_client,
                                                                                          monkeypatch):
     url, opts, proxy, direct = stalling
     first = _state(1)
     dcp.save(first, storage_writer=TierStorageWriter(url=url, storage_options=opts), checkpoint_id="step-1")
     # the third part's request, and everything after it: s3fs's multipart part 3, pyarrow's part object 000002
-    proxy.stall(after=b"partNumber=3&" if backend == "s3fs" else b".dcp.bin.parts/000002")
+    proxy.stall(after=b"partNumber=3&" if s3_client == "s3fs" else b".dcp.bin.parts/000002")
     t0 = time.monotonic()
     with pytest.warns(UserWarning), pytest.raises(CheckpointException) as e:
         dcp.save(_state(2), storage_writer=TierStorageWriter(url=url, storage_options=opts), checkpoint_id="step-2")
@@ -98,7 +90,7 @@ def test_a_save_whose_upload_stalls_mid_file_fails_in_bounded_time_and_commits_n
     err = _inner(e.value)
     assert isinstance(err, TimeoutError) and err.errno == errno.ETIMEDOUT, repr(err)
     assert "/run/step-2/rank-00000.dcp.bin" in err.filename, err.filename   # the URL of rank 0's file (or part)
-    if backend == "arrow":
+    if s3_client == "arrow":
         assert err.filename.endswith(".dcp.bin.parts/000002"), err.filename
     assert took < BOUND_S, took
     fs = _s3fs(direct)
@@ -112,12 +104,12 @@ def test_a_save_whose_upload_stalls_mid_file_fails_in_bounded_time_and_commits_n
     _assert_equal(loaded, first)
 
 
-def test_a_load_whose_reads_stall_fails_in_bounded_time(stalling, backend, monkeypatch):
+def test_a_load_whose_reads_stall_fails_in_bounded_time(stalling, s3_client, monkeypatch):
     url, opts, proxy, direct = stalling
     state = _state(3, mib=3)
-    monkeypatch.setenv("CKPT_S3_BACKEND", "s3fs")   # written directly; read through the relay by `backend`
+    monkeypatch.setenv("CKPT_S3_BACKEND", "s3fs")   # written directly; read through the relay by `s3_client`
     dcp.save(state, storage_writer=TierStorageWriter(url=url, storage_options=direct), checkpoint_id="step-3")
-    monkeypatch.setenv("CKPT_S3_BACKEND", backend)
+    monkeypatch.setenv("CKPT_S3_BACKEND", s3_client)
     proxy.stall(after=b"rank-00000.dcp.bin")   # the COMMIT and the metadata come through, the data does not
     t0 = time.monotonic()
     with pytest.raises(CheckpointException) as e:
