@@ -105,9 +105,6 @@ class Tiers:
     def __iter__(self) -> Iterator[Tier]:
         return iter(sorted(self.own + ([self.peer] if self.peer else []), key=lambda t: t.nearness))
 
-    def __contains__(self, name: object) -> bool:
-        return any(t.name == name for t in self)
-
     def get(self, name: str) -> Tier:
         """The tier called ``name``; ``KeyError`` naming the tiers there are."""
         for t in self:
