@@ -9,7 +9,7 @@ used (``ckpt.Checkpointer``...): the ``ckpt`` commands that only read files star
 """
 
 from ._lazy import exports
-from .config import Policy, Storage
+from .config import IfBusy, Policy, Storage
 from .errors import (CheckpointError, CorruptCheckpointError, HostMemoryError, IncompatibleCheckpointError,
                      IncompleteCheckpointError, LayoutMismatchError, LockedError, NoCheckpointError, Preempted,
                      RefusedStateError, TornSnapshotError)
@@ -60,7 +60,7 @@ __all__ = [
 
 #: where each public name that needs torch lives (imported on first use, PEP 562)
 _WHERE = {
-    "Checkpointer": "api", "CheckpointInfo": "api", "IfBusy": "api", "promote": "promotion", "SaveHandle": "pipeline",
+    "Checkpointer": "api", "CheckpointInfo": "catalog", "promote": "promotion", "SaveHandle": "pipeline",
     "Signals": "preempt", "WorkerSignals": "preempt", "RestoreInfo": "restore", "RNGState": "rng",
     "SnapshotStats": "stage",
 }

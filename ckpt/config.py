@@ -18,6 +18,7 @@ Checkpointer shows what it uses as ``ck.storage`` and ``ck.policy``.
 from __future__ import annotations
 
 import dataclasses
+import enum
 import os
 from dataclasses import dataclass
 from typing import Any, Mapping
@@ -27,7 +28,27 @@ from numbers import Real
 
 from .policy import Retention
 
-__all__ = ["Storage", "Policy"]
+__all__ = ["Storage", "Policy", "IfBusy"]
+
+
+class IfBusy(str, enum.Enum):
+    """What a save does when the tiers are slower than the snapshots.
+
+    ``SKIP`` (the default): the loop never waits for a slow tier. A tier still busy with an older
+    snapshot writes the newest one next and skips those in between (newest wins; each skipped one
+    is reported as superseded on its handle and counted in ``Checkpointer.tier_counts``); a save
+    that finds no free host buffer (each is read by a tier, being copied into, or holds the newest
+    committed snapshot, which is never overwritten) is skipped as a whole, at once (its handle's status
+    is ``"skipped"``, counted in ``Checkpointer.skipped``). A save of :meth:`~ckpt.Checkpointer.maybe_save`
+    waits for a buffer at most ``CKPT_BUSY_WAIT_MS`` (default 0), also while the buffers are still being
+    allocated in the background (it never allocates one beside that).
+
+    ``WAIT``: every snapshot reaches every tier, in order (subject to ``persist_every``); a save
+    that finds every host buffer in use blocks until one is free (the stall is on the handle).
+    """
+
+    WAIT = "wait"
+    SKIP = "skip"
 
 
 @dataclass(frozen=True)
@@ -237,3 +258,30 @@ def _same(a: Any, b: Any) -> bool:
     except Exception:   # noqa: BLE001 - values without a plain equality (a tensor, say) differ
         return False
 
+
+
+_STORAGE_FIELDS = [f.name for f in dataclasses.fields(Storage)]
+_POLICY_FIELDS = [f.name for f in dataclasses.fields(Policy)]
+
+
+def resolve(storage: Storage | None, policy: Policy | None, given: Mapping[str, Any],
+            defaults: Mapping[str, Any]) -> tuple[Storage, Policy]:
+    """A Checkpointer's :class:`Storage` and :class:`Policy`: ``storage`` and ``policy`` (each a config
+    object or ``None``) with the flat keyword arguments in ``given`` (argument name -> value; a value equal
+    to its entry in ``defaults`` counts as not given) merged in, each option given once (see :func:`merge`)."""
+    storage = merge(storage, Storage, {f: (tuple(given[f]) if f == "replicated" and isinstance(given[f], list)
+                                           else given[f]) for f in _STORAGE_FIELDS if f in given}, defaults)
+    policy = merge(policy, Policy, {f: given[f] for f in _POLICY_FIELDS}, defaults)
+    return storage, policy
+
+
+def check_storage(storage: Storage) -> None:
+    """What a Checkpointer needs of ``storage``'s ``replicated``, ``host_memory_limit`` and ``max_in_flight``
+    (a ``ValueError`` naming the field)."""
+    replicated, host_memory_limit, max_in_flight = storage.replicated, storage.host_memory_limit, storage.max_in_flight
+    if isinstance(replicated, str) or not all(isinstance(k, str) for k in replicated):
+        raise ValueError(f"replicated must be a tuple of top-level state keys, got {replicated!r}")
+    if host_memory_limit is not None and host_memory_limit <= 0:
+        raise ValueError(f"host_memory_limit must be a positive number of bytes, got {host_memory_limit!r}")
+    if max_in_flight is not None and (not isinstance(max_in_flight, int) or max_in_flight < 1):
+        raise ValueError(f"max_in_flight must be a positive number of host buffers, got {max_in_flight!r}")

@@ -17,12 +17,13 @@ import os
 import secrets
 import threading
 import zlib
+from typing import Any
 
-from . import shm
+from . import knobs, shm
 from .errors import LockedError
 from .pool import HostPool
 from .ranks import Ranks
-from .tiers import LocalTier, MemoryTier
+from .tiers import LocalTier, MemoryTier, RemoteTier
 from .tiers.local import OwnerLock, owned
 from .tiers.memory import space_for
 
@@ -119,6 +120,13 @@ class Ownership:
         self.sweep_orphans()   # every rank of the job owns its local_dir now
         return job_url
 
+    def join_job(self, remote: RemoteTier | None) -> None:
+        """In a collective job (call on all ranks; nothing otherwise): :meth:`own_for_job`, and where every rank
+        was given the same url, make ``remote`` the job tier. Decided from gathered facts, so every rank joins
+        (a collective) or none does."""
+        if self.ranks is not None and self.own_for_job(remote.url if remote is not None else None):
+            remote.join_job(Ranks(timeout_s=knobs.get("CKPT_COMMIT_TIMEOUT_S"), own_group=True))
+
     def still_owner(self) -> None:
         """Raise :class:`~ckpt.errors.LockedError` when this process owned ``local_dir`` and another process
         took it (the persisting tiers ask before each write, from their threads: a fenced writer's snapshots
@@ -149,6 +157,22 @@ class Ownership:
     def other_owner(self) -> bool:
         """Whether another live process owns ``local_dir`` now (this one does not)."""
         return not self.owned and owned(self.local.root)
+
+    def close(self, pipeline: Any, peer: Any, keep_memory: bool, took_snapshots: bool, loud: bool) -> None:
+        """A Checkpointer's end on this node: finish every write (``pipeline``, and the replicas ``peer`` holds,
+        or ``None``), keep the memory tier's segments in RAM for the next process or free them, then give the
+        directory back. Kept: with ``keep_memory``, and where this process owns ``local_dir`` only because a
+        restore persisted a previous process's snapshot and it took no snapshot itself (``took_snapshots``);
+        never beside another owner. ``loud``: the kept memory tier is announced at WARNING."""
+        try:
+            keep_memory = keep_memory or (self.by_restore and not took_snapshots)
+            pipeline.close(keep_shared=keep_memory or not self.owned)
+            if keep_memory and self.owned:
+                self.memory.say_kept(loud=loud)
+            if peer is not None:   # the replicas this rank holds: freed with its own snapshots, or kept
+                peer.close(keep_shared=keep_memory or not self.owned)
+        finally:
+            self.disown()   # every write is over: another process may own local_dir now
 
     def disown(self) -> None:
         """Give the directory back (idempotent): every write of this process is over."""

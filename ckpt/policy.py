@@ -19,8 +19,10 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Collection, Iterable, Iterator
 
-__all__ = ["Retention", "Interval", "AutoInterval", "TierCadence", "daly_interval", "prune", "Timeline", "TimelineCopies",
-           "Committed", "live_and_abandoned"]
+from . import knobs
+
+__all__ = ["Retention", "Interval", "AutoInterval", "TierCadence", "Schedule", "EVERY_TIER", "daly_interval", "prune", "Timeline",
+           "TimelineCopies", "Committed", "live_and_abandoned", "newest_timeline", "retain"]
 
 log = logging.getLogger(__name__)
 
@@ -129,6 +131,21 @@ def live_and_abandoned(entries: Iterable[Committed]) -> tuple[list[Committed], l
     return sorted(live, key=order, reverse=True), sorted(abandoned, key=order, reverse=True)
 
 
+def newest_timeline(tiers: Iterable[Any]) -> Timeline:
+    """The newest checkpoint's timeline, on any of ``tiers`` (0 when there is none). A tier that cannot be
+    listed now (a remote tier whose store is down) is left out (logged): a save must not fail on it before
+    its upload even starts."""
+    entries = []
+    for tier in tiers:
+        try:
+            entries += tier.committed()
+        except OSError as e:
+            log.warning("could not list the %s tier to find the newest checkpoint's timeline (%s); using the "
+                        "other tiers'", tier.name, e)
+    live = live_and_abandoned(entries)[0]
+    return live[0].timeline if live else Timeline()
+
+
 def _listing(tier: Any) -> list[Committed]:
     if hasattr(tier, "committed"):
         return list(tier.committed())
@@ -191,6 +208,18 @@ def prune(tier: Any, keep: int | None, busy: Collection[int] = (), dry_run: bool
         except OSError as e:
             log.warning("retention could not delete step %d: %s", s, e)
     return deleted
+
+
+def retain(tiers: Iterable[Any], keep: Retention, busy: Collection[int]) -> None:
+    """Retention after a commit, on each of ``tiers`` that prunes from this process (:func:`prune`, with each
+    tier's share of ``keep``; ``busy``: steps still being written). What counts as verified here (the newest
+    such step is always kept, and with none nothing committed is deleted): a step this process committed to
+    that tier itself (checksums computed from its own host buffer, or, for a copy, every chunk checked
+    against the sender's), or read back in full from it; never a step it saw fail verification."""
+    for tier in tiers:
+        if not tier.prunes_here():
+            continue
+        prune(tier, tier.keep_of(keep), busy, verified=lambda s, record=tier.verified: record.get(s) is True)
 
 
 def elapsed(now: float, last: float, seconds: float) -> bool:
@@ -360,6 +389,76 @@ class TierCadence:
 
     def report(self) -> dict[str, float | None]:
         return {"interval_s": self.seconds, "cost_s": self.cost, "mtbf_s": self.mtbf, "write_s": self._write}
+
+
+#: ``Schedule.takes(force=...)``: every tier writes the snapshot, due or busy (``maybe_save(final=True)``)
+EVERY_TIER = "*"
+
+
+class Schedule:
+    """When a Checkpointer's snapshots are due, and on which tiers.
+
+    ``interval``: the snapshot cadence (:class:`Interval` or :class:`AutoInterval`); ``pipeline``: the
+    persisting tiers and their own cadences; ``pool``: the host buffers; ``ranks``: the job's ranks
+    (``None``: this process decides alone); ``auto_tiers``: some tier has an ``interval="auto"`` cadence
+    of its own (:class:`TierCadence`). A decision taken by each rank's clock or costs is agreed over the
+    ranks (due on all when due on any), so every rank saves the same steps.
+    """
+
+    def __init__(self, interval: Interval | AutoInterval, pipeline: Any, pool: Any, ranks: Any,
+                 clock: Callable[[], float], auto_tiers: bool) -> None:
+        self.interval, self.pipeline, self.pool, self.ranks = interval, pipeline, pool, ranks
+        self.clock, self.auto_tiers = clock, auto_tiers
+        # a time-based policy decides by each rank's clock: those decisions are agreed in maybe_save
+        self.agree_due = ranks is not None and (isinstance(interval, AutoInterval)
+                                                or interval.every_seconds is not None)
+        self._last_step_at: float | None = None
+
+    def due(self, step: int) -> bool:
+        """Whether the snapshot interval makes ``step`` a save (collective when agreed over the ranks)."""
+        if self.auto_tiers:   # a step's time, for the tiers' interval="auto" costs
+            now = self.clock()
+            if self._last_step_at is not None:
+                self.pipeline.note_step(now - self._last_step_at)
+            self._last_step_at = now
+        due = self.interval.due(step)
+        if due and isinstance(self.interval, AutoInterval) and self.interval.seconds is None and \
+                self.pool.allocation_outlasts(knobs.get("CKPT_BUSY_WAIT_MS") / 1e3):
+            due = False   # "as soon as it can" means once a buffer can be there: no skip per step meanwhile
+        if self.agree_due:
+            due = bool(self.ranks.max([int(due)])[0])   # clocks differ between ranks: save if any says so
+        return due
+
+    def takes(self, step: int, busy: dict[str, int], force: str | None) -> dict[str, str | None]:
+        """Per persisting tier, whether it writes the snapshot of ``step`` (``None``) or why not (``"not due"``
+        by its cadence, ``"busy"`` with an older one: ``busy``). ``force``: a tier that writes it anyway (a
+        drain), or :data:`EVERY_TIER`. A tier whose waiting snapshot lost its buffer to this one writes it."""
+        pipe = self.pipeline
+        due = pipe.due(step)
+        if self.ranks is not None and self.auto_tiers:   # each rank's clock and costs: due on all if due on any
+            due = dict(zip(pipe.tiers, (bool(v) for v in self.ranks.max([int(due[t]) for t in pipe.tiers]))))
+        orphaned = pipe.take_orphaned()   # tiers whose waiting snapshot this buffer held: they get this one
+        return {t: None if force in (t, EVERY_TIER) or t in orphaned or (due[t] and not busy[t]) else
+                ("not due" if not due[t] else "busy") for t in pipe.tiers}
+
+    def report(self) -> dict[str, Any]:
+        """``Checkpointer.interval_report()``: the :class:`AutoInterval`'s report, and per tier with a cadence
+        of its own, its :class:`TierCadence`'s under ``"tiers"``."""
+        if not isinstance(self.interval, AutoInterval):
+            raise ValueError("interval_report() needs Checkpointer(interval='auto', mtbf=...)")
+        return {**self.interval.report(), "tiers": {n: c.report() for n, c in self.pipeline.cadences().items()}}
+
+    def record(self, stats: Any, allocations: int, local_s: float | None) -> None:
+        """After a save (``stats``: its :class:`~ckpt.stage.SnapshotStats`; ``allocations``: the pool's
+        allocations before it; ``local_s``: the previous save's local write, when saves wait for the
+        tiers), what an ``interval="auto"`` learns of the snapshot's cost."""
+        if isinstance(self.interval, AutoInterval):
+            # saves that wait for the tiers (if_busy="wait") cannot come faster than the local tier writes;
+            # with newest wins the snapshot cadence is the memory tier's alone (each tier has its own)
+            # a save that allocated its buffer paid a one-time cost (seconds for GB of pinned memory), not the
+            # snapshot's: the interval is set from what every snapshot costs the loop
+            once = stats.wait_s if self.pool.allocations > allocations else 0.0
+            self.interval.record(stats.stall_s - once, local_s)
 
 
 def _median(xs: list[float]) -> float:

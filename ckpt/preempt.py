@@ -22,9 +22,12 @@ a preemption calls the previous handler of its signal (a Python callable) before
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
+import os
 import signal
+import sys
 import threading
 import time
 from types import FrameType
@@ -34,7 +37,7 @@ import torch
 
 from .errors import CheckpointError, Preempted
 
-__all__ = ["Signals", "PreemptionGuard", "WorkerSignals", "drain", "drain_outside", "save_on_request"]
+__all__ = ["Signals", "PreemptionGuard", "Listening", "WorkerSignals", "drain", "drain_outside", "save_on_request"]
 
 log = logging.getLogger(__name__)
 
@@ -396,3 +399,107 @@ def save_on_request(save: Callable[[], Any], step: int, signum: int, config: Sig
         log.info("step %d (requested by %s) is durable on the %s tier after %.2f s; training goes on", step, name,
                  config.save_tier, time.perf_counter() - t0)
     return handle
+
+
+class Listening:
+    """The signals of a Checkpointer's ``with`` block: the flag-only handlers (:class:`PreemptionGuard`),
+    the thread that drains a preemption no ``maybe_save()`` acted on within ``signals.outside_loop_after``
+    seconds (:func:`drain_outside`), and which of the two drains it.
+
+    ``flush(tier)`` hands the newest snapshot in RAM to ``tier`` and returns its handle (``None``: there is
+    none); ``closing()`` says whether the Checkpointer is closing (then ``close()`` makes every snapshot
+    durable, and the watcher leaves it alone).
+    """
+
+    def __init__(self, signals: Signals, flush: Callable[[str], Any], closing: Callable[[], bool]) -> None:
+        self.signals = signals
+        self.guard: PreemptionGuard | None = None
+        self.outside: Preempted | None = None   # a drain outside the loop, for the next maybe_save to raise
+        self._flush, self._closing = flush, closing
+        self._watch: tuple[threading.Thread, threading.Event] | None = None
+        self._drain_lock = threading.Lock()
+        self._draining: str | None = None       # "loop" or "outside": who drains a preemption
+
+    @property
+    def received(self) -> int | None:
+        """The preemption signal received (``None`` if none, or outside the ``with`` block)."""
+        return None if self.guard is None else self.guard.received
+
+    @property
+    def save_requested(self) -> int | None:
+        """The save signal received and not yet served by a save (``None`` if none)."""
+        return None if self.guard is None else self.guard.save_requested
+
+    def listen(self, preempt: bool = True) -> None:
+        """Install the handlers of ``signals`` (main thread only); ``preempt=False``: the save requests
+        only (for a framework that handles preemption itself, as Lightning does)."""
+        wanted = (self.signals.preempt if preempt else ()), self.signals.save
+        if self.guard is None and any(wanted):
+            self.guard = PreemptionGuard(*wanted)
+            self.guard.install()
+            if wanted[0] and self.signals.outside_loop_after is not None:
+                stop = threading.Event()
+                watcher = threading.Thread(target=self._watch_preemption, args=(self.guard, stop),
+                                           name="ckpt-preempt-watch", daemon=True)
+                self._watch = (watcher, stop)
+                watcher.start()
+
+    def unlisten(self) -> None:
+        """Put the previous handlers back and stop the watcher."""
+        guard, self.guard = self.guard, None
+        if guard is not None:
+            guard.uninstall()
+        watch, self._watch = self._watch, None
+        if watch is not None:
+            watch[1].set()
+
+    def _watch_preemption(self, guard: PreemptionGuard, stop: threading.Event) -> None:
+        """A preemption that no maybe_save() acted on within ``signals.outside_loop_after`` seconds: drain
+        the newest snapshot in RAM from this thread, then exit (or leave :class:`Preempted` for the next
+        maybe_save to raise). See :class:`Signals`."""
+        while not stop.wait(0.1):
+            signum, since = guard.received, guard.received_at
+            if signum is None or since is None or time.monotonic() - since < self.signals.outside_loop_after:
+                continue
+            if self._closing():   # close() is making every snapshot durable already; the block's end follows
+                return
+            with self._drain_lock:
+                if self._draining is not None:
+                    return
+                self._draining = "outside"
+            step, durable = drain_outside(self._flush, signum, self.signals, since)
+            if self.signals.on_preempt == "exit":
+                for h in logging.getLogger().handlers + logging.getLogger("ckpt").handlers:
+                    with contextlib.suppress(Exception):
+                        h.flush()
+                for f in (sys.stdout, sys.stderr):
+                    with contextlib.suppress(Exception):
+                        f.flush()
+                os._exit(128 + signum)   # the main thread is elsewhere: no unwinding, the RAM stays
+            self.outside = Preempted(signum, step if step is not None else -1, durable)
+            return
+
+    def act(self, step: int, save: Callable[[str], Any], ranks: Any = None) -> Any:
+        """At the step boundary of ``step`` (``maybe_save``): raise the :class:`Preempted` a drain outside
+        the loop left; on a preemption any rank received (collective over ``ranks``), :func:`drain` with
+        ``save(tier)`` (it exits or raises); on a save request, :func:`save_on_request` and return its
+        handle. ``None``: no signal to act on."""
+        if self.outside is not None:   # drained outside the loop, on_preempt="raise"
+            raise self.outside
+        if self.guard is not None and self.guard.active:
+            preempt, requested = self.guard.poll(ranks)   # collective over the ranks' CPU group
+            if preempt:   # wins over a save request
+                with self._drain_lock:
+                    outside = self._draining == "outside"
+                    self._draining = self._draining or "loop"
+                if outside:   # the watcher drains the newest snapshot in RAM: it exits or leaves Preempted
+                    watch = self._watch
+                    if watch is not None:
+                        watch[0].join()
+                    if self.outside is not None:
+                        raise self.outside
+                drain(lambda: save(self.signals.drain_tier), step, preempt, self.signals, self.guard)
+            if requested:
+                self.guard.save_requested = None   # a request arriving from here on asks for another save
+                return save_on_request(lambda: save(self.signals.save_tier), step, requested, self.signals)
+        return None

@@ -15,7 +15,7 @@ from .policy import Timeline
 from .tiers import LocalTier, RemoteTier
 from .tiers.remote import refuse_overlap
 
-__all__ = ["promote", "copy_between"]
+__all__ = ["promote", "copy_between", "check_target"]
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +41,16 @@ def promote(step: int, to: str, *, local_dir: str | os.PathLike, url: str,
     finally:
         if owner is not None:
             owner.release()
+
+
+def check_target(to: str, remote: RemoteTier | None) -> None:
+    """``Checkpointer.promote(step, to)``'s ``to``: ``"remote"`` or ``"local"``, with a remote tier (``remote``) to
+    copy to or from; else a ``ValueError`` naming the argument to change."""
+    if to not in ("remote", "local"):
+        raise ValueError(f"to must be 'remote' or 'local', got {to!r}")
+    if remote is None:
+        raise ValueError("promote(to='remote') needs Checkpointer(url=...)" if to == "remote" else
+                         "promote(to='local') copies from the remote tier: pass Checkpointer(url=...)")
 
 
 def copy_between(local: LocalTier, remote: RemoteTier, step: int, to: str) -> bool:

@@ -24,7 +24,7 @@ from datetime import timedelta
 
 import torch
 
-__all__ = ["Ranks", "distributed_world", "check_elastic_store"]
+__all__ = ["Ranks", "distributed_world", "collective_job", "job_ranks", "check_elastic_store"]
 
 log = logging.getLogger(__name__)
 _checked_elastic_store = False
@@ -36,6 +36,16 @@ def distributed_world() -> int:
     if dist.is_available() and dist.is_initialized():
         return dist.get_world_size()
     return 1
+
+
+def collective_job(collective: bool | None) -> bool:
+    """Whether a Checkpointer's ranks agree (its ``collective`` argument): by default when torch.distributed
+    is initialised with more than one rank; ``True`` without that is a ``ValueError``."""
+    world = distributed_world()
+    if collective and world <= 1:
+        raise ValueError("collective=True needs torch.distributed initialised with more than one rank "
+                         "(call init_process_group first, or leave collective=None)")
+    return world > 1 if collective is None else collective
 
 
 class Ranks:
@@ -97,3 +107,13 @@ def check_elastic_store() -> bool:
                 "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 and the c10d rendezvous (--standalone, or --rdzv-backend c10d "
                 "--rdzv-endpoint HOST:PORT); see docs/guides/launchers.md", restarts)
     return True
+
+
+def job_ranks(collective: bool) -> Ranks | None:
+    """A Checkpointer's ranks: ``None`` unless ``collective``; then :class:`Ranks` (a collective: every rank
+    must get this far), after checking that a torchrun restart of this job could meet again."""
+    if not collective:
+        return None
+    ranks = Ranks()
+    check_elastic_store()   # a torchrun restart of this job would fail before it gets here again
+    return ranks

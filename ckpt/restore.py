@@ -11,6 +11,7 @@ world size) is not a storage fault: it raises at once.
 
 from __future__ import annotations
 
+import collections
 import functools
 import itertools
 import logging
@@ -31,8 +32,8 @@ from .stage import SnapshotStats
 from .tiers.base import COPY_UNKNOWN, PersistingTier, Tier
 from .tiers.peer import Background, ReceivedCopy
 
-__all__ = ["RestoreInfo", "restore", "listing", "OtherRanksCopy", "AgreedRestore", "HandOver", "resume_timeline",
-           "state_gpu"]
+__all__ = ["RestoreInfo", "restore", "listing", "OtherRanksCopy", "AgreedRestore", "HandOver", "restore_alone",
+           "resume_timeline", "state_gpu"]
 
 log = logging.getLogger(__name__)
 
@@ -399,6 +400,23 @@ class AgreedRestore:
             return None
         finally:
             phases["peer"] = phases.get("peer", 0.0) + time.perf_counter() - t0
+
+
+def restore_alone(state: dict, tiers: Sequence[Tier], step: int | None, strict: bool, job: Any, refill: Any,
+                  use_timeline: Callable[[Timeline], None], handover: "HandOver") -> RestoreInfo | None:
+    """The restore of a process that decides alone (no agreement between ranks): :func:`restore` from
+    ``tiers`` (nearest first), ``use_timeline`` for the saves that follow (:func:`resume_timeline`), and the
+    hand-over of a snapshot a previous process left in RAM alone to the durable tiers (:class:`HandOver`)."""
+    listed = listing(tiers)
+    info = restore(state, tiers, step, strict, job, listed=listed, refill=refill)
+    restored = None if info is None else Committed(info.step, info.timeline)
+    use_timeline(resume_timeline(restored, [e for e, _ in listed]))
+    if info is not None:
+        held: dict[str, set[tuple[int, int]]] = collections.defaultdict(set)
+        for e, tier in listed:
+            held[tier.name].add(e.key)
+        handover.persist(info, handover.unpersisted(info, held, [e for e, _ in listed]))
+    return info
 
 
 class HandOver:

@@ -263,8 +263,9 @@ class CheckpointCallback(Callback):
             call._call_callback_hooks(trainer, "on_train_epoch_start")
             call._call_lightning_module_hook(trainer, "on_train_epoch_start")
         ck = self.checkpointer
-        if ck.signals.save and ck._guard is None:   # after Lightning's own handlers; SIGTERM stays Lightning's
-            ck._listen(preempt=False)
+        # after Lightning's own handlers; SIGTERM stays Lightning's
+        if ck.signals.save and ck._listening.guard is None:
+            ck._listening.listen(preempt=False)
             self._listening = True
 
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
@@ -281,7 +282,7 @@ class CheckpointCallback(Callback):
 
     def _unlisten(self) -> None:
         if self._listening and self._ck is not None:
-            self._ck._unlisten()   # before Lightning reinstalls the handlers it found
+            self._ck._listening.unlisten()   # before Lightning reinstalls the handlers it found
         self._listening = False
 
     def _load_rng(self) -> None:
