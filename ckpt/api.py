@@ -383,7 +383,7 @@ class Checkpointer:
         # stay for wait() / close().
         self._handles.wait_quietly(None if self.peer is not None else self.memory.name, swallow=True)
         if self.ranks is not None:   # the ranks agree on one step (ckpt.restore.AgreedRestore)
-            job_tier = self.remote is not None and self.remote.job is not None
+            job_tier = self.remote.name if self.remote is not None and self.remote.job is not None else None
             info = AgreedRestore(self.ranks, self._stack.own, self.peer, self.memory, self._job, self._use_timeline,
                                  self._handover.unpersisted, self._handover.persist, job_tier).run(state, step, strict)
         else:

@@ -145,13 +145,9 @@ def _ls(args: argparse.Namespace) -> int:
         raise _UsageError(f"ls: --url {args.url}: {args.dir} is a URL already; give the local_dir first "
                           "(ckpt ls LOCAL_DIR --url URL)")
     tiers = [_tier(args.dir, args.storage_options)]
-    if tiers[0].name == "local" and _ram_holds_segments():   # the snapshots its memory tier left come first
-        from .pool import HostPool
-        from .tiers.memory import MemoryTier, space_for
-
-        space = space_for(str(tiers[0].root), 0)
-        if space is not None:
-            tiers.insert(0, MemoryTier(HostPool(1, None, pin=False), space))
+    ram = tiers[0].left_in_ram() if _ram_holds_segments() else None
+    if ram is not None:   # the snapshots its owners left in this node's RAM come first
+        tiers.insert(0, ram)
     if args.url is not None:
         tiers.append(_tier(args.url, args.storage_options))
     listed = [(e, t) for t in tiers for e in t.committed()]

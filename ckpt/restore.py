@@ -250,13 +250,13 @@ class AgreedRestore:
     ``memory``: the memory tier, which reads ahead while the ranks agree; ``job``: ``[rank, world]``;
     ``use_timeline``: called with the timeline the saves after the restore take; ``unpersisted(info, held,
     everything)``: the durable tiers the restored snapshot must still be written to, and ``persist(info,
-    tiers)`` hands it to them (a previous process's snapshot restored from RAM alone); ``job_tier``: the
-    remote tier commits steps job-wide (every rank must be able to upload its part)."""
+    tiers)`` hands it to them (a previous process's snapshot restored from RAM alone); ``job_tier``: the name of
+    the tier that commits steps job-wide (every rank must be able to upload its part), ``None`` without one."""
 
     def __init__(self, ranks: Any, tiers: Sequence[Tier], peer: Any, memory: Any, job: Any,
                  use_timeline: Callable[[Timeline], None],
                  unpersisted: Callable[[RestoreInfo, Mapping[str, set[tuple[int, int]]], list[Committed]], list[str]],
-                 persist: Callable[[RestoreInfo, list[str]], None], job_tier: bool) -> None:
+                 persist: Callable[[RestoreInfo, list[str]], None], job_tier: str | None) -> None:
         self.ranks, self.tiers, self.peer, self.memory, self.job = ranks, list(tiers), peer, memory, job
         self.use_timeline, self.unpersisted, self.persist, self.job_tier = use_timeline, unpersisted, persist, job_tier
 
@@ -347,7 +347,7 @@ class AgreedRestore:
             t0 = time.perf_counter()
             # with each rank's word, whether the job tier lacks the step and this rank has it in its memory tier
             job = self.job_tier
-            replies = ranks.gather([code, int(job and "remote" in unpersisted)])
+            replies = ranks.gather([code, int(job is not None and job in unpersisted)])
             codes = [c[0] for c in replies]
             phases["confirm"] = phases.get("confirm", 0.0) + time.perf_counter() - t0
             if min(codes) == 1:
@@ -355,9 +355,9 @@ class AgreedRestore:
                 if failed:
                     log.warning("ranks agreed on step %d after skipping: %s", s, "; ".join(failed))
                 self.use_timeline(resume_timeline(Committed(s, timelines[(n, s)]), everything))
-                if job and "remote" in unpersisted and not all(c[1] for c in replies):
+                if job is not None and job in unpersisted and not all(c[1] for c in replies):
                     # the job tier commits a step once every rank uploaded its part: only where every rank can
-                    unpersisted.remove("remote")
+                    unpersisted.remove(job)
                     log.info("step %d is not written to the job tier at restore: rank(s) %s restored it from "
                              "another tier than their memory tier", s, [r for r, c in enumerate(replies) if not c[1]])
                 self.persist(info, unpersisted)
@@ -488,9 +488,10 @@ class HandOver:
             manifest, failure = None, e   # the job tier's uploads of the other ranks wait for this rank's word
         handle = SaveHandle(step, self.names, SnapshotStats(step, nbytes=manifest.data_bytes if manifest else 0))
         handle._finish(self.memory.name)
+        durable = {t.name for t in self.tiers if t.durable}   # the others (the peer tier) get no copy at restore
         for name in self.names:
             if name != self.memory.name and name not in tiers:
-                handle._skip_tier(name, "holds it" if name != "peer" else "not written at restore")
+                handle._skip_tier(name, "holds it" if name in durable else "not written at restore")
         self.node.pool.adopt_ahead()   # from this thread: the segments are registered in its CUDA device's context
         if manifest is not None:
             log.info("step %d, restored from the memory tier, is on no durable tier of this rank: writing it to the "

@@ -11,11 +11,11 @@ from __future__ import annotations
 
 from .._lazy import exports
 
-__all__ = ["Tier", "PersistingTier", "StepInfo", "TierFigures", "register", "registered", "LocalTier",
+__all__ = ["Tier", "PersistingTier", "StoredTier", "StepInfo", "TierFigures", "register", "registered", "LocalTier",
            "MemoryTier", "PeerTier", "RemoteTier", "Tiers"]
 
-_WHERE = {"Tier": "base", "PersistingTier": "base", "StepInfo": "base", "TierFigures": "base", "register": "base",
-          "registered": "base", "LocalTier": "local", "MemoryTier": "memory", "PeerTier": "peer",
+_WHERE = {"Tier": "base", "PersistingTier": "base", "StoredTier": "base", "StepInfo": "base", "TierFigures": "base",
+          "register": "base", "registered": "base", "LocalTier": "local", "MemoryTier": "memory", "PeerTier": "peer",
           "RemoteTier": "remote", "Tiers": "stack"}
 
 

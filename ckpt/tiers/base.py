@@ -20,9 +20,11 @@ Every tier:
   cost as measured in this process) and what it knows of a step (:meth:`Tier.describe`);
 - says whether its storage answers (:attr:`Tier.status`) and what identifies a copy (:meth:`Tier.copy_id`).
 
-A tier with commit records on storage (local, remote) also gives every rank's records of a step
-(:meth:`Tier.records`), checks that a rank's stored bytes are all there (:meth:`Tier.check_stored`) and reads
-one verified chunk (:meth:`Tier.fetch`): what ``ckpt inspect`` / ``verify`` and export read, whatever the tier.
+A tier with commit records and data files on storage (local, remote) is a :class:`StoredTier` too: it
+gives every rank's records of a step (:meth:`StoredTier.records`), checks that a rank's stored bytes are all
+there (:meth:`StoredTier.check_stored`) and reads one verified chunk (:meth:`StoredTier.fetch`): what ``ckpt
+inspect`` / ``verify`` and export read, whatever the tier. Callers ask ``isinstance(tier, StoredTier)``; the
+memory and peer tiers keep snapshots in RAM and are not stored tiers.
 """
 
 from __future__ import annotations
@@ -41,8 +43,8 @@ if TYPE_CHECKING:
 from ..format import Manifest
 from ..policy import Committed, Retention, Timeline
 
-__all__ = ["Tier", "PersistingTier", "StepInfo", "TierFigures", "TierStatus", "COPY_UNKNOWN", "register",
-           "registered", "nearness"]
+__all__ = ["Tier", "PersistingTier", "StoredTier", "StepInfo", "TierFigures", "TierStatus", "COPY_UNKNOWN",
+           "register", "registered", "nearness"]
 
 #: what :meth:`Tier.copy_id` returns on a tier that cannot tell one copy of a step from another
 COPY_UNKNOWN: Any = type("CopyUnknown", (), {"__repr__": lambda self: "COPY_UNKNOWN"})()
@@ -226,30 +228,15 @@ class Tier(abc.ABC):
         May raise ``OSError`` when the storage does not answer."""
         return COPY_UNKNOWN
 
-    def records(self, step: int) -> tuple[Commit, list[Manifest]]:
-        """The validated commit record of ``step`` and the manifests of every rank's files this tier holds of
-        it, in rank order (a job tier: every saved rank's; a rank's own tier: its one). Raises as
-        :meth:`manifest_of`; ``NotImplementedError`` on a tier without commit records (memory, peer)."""
-        raise NotImplementedError(f"the {self.name} tier keeps no commit records on storage")
-
-    def check_stored(self, step: int, manifest: Manifest) -> None:
-        """Every stored byte of the rank ``manifest`` describes is there at its committed size, checked before
-        any is read or room for the data allocated: :class:`~ckpt.errors.IncompleteCheckpointError` naming the
-        file otherwise."""
-
-    def fetch(self, step: int, rank: int, manifest: Manifest, i: int) -> bytes | bytearray:
-        """Chunk ``i`` of rank ``rank``'s data of ``step`` (described by ``manifest``), decoded and checked
-        against its checksum (:class:`~ckpt.errors.CorruptCheckpointError` naming the file and the byte range
-        otherwise)."""
-        raise NotImplementedError(f"the {self.name} tier serves no chunks by rank")
-
-    def stored_bytes(self, step: int) -> int:
-        """The bytes verifying ``step`` reads here (every stored chunk of every rank's files it holds)."""
-        return sum(m.data_bytes for m in self.records(step)[1])
-
     def acquire_owner(self) -> OwnerLock | None:
         """Become the one writer of this tier's storage where it has such an owner (a ``local_dir``), raising
         :class:`~ckpt.errors.LockedError` while another live process is; ``None``: nothing to own here."""
+        return None
+
+    def left_in_ram(self) -> "Tier | None":
+        """The memory tier of what processes that owned this tier's storage left in this node's RAM (their
+        snapshots outlive them there; ``ckpt ls`` of a ``local_dir`` lists them first), or ``None``: this
+        tier's storage names no snapshots in RAM, or there are none."""
         return None
 
     def where(self, step: int) -> str:
@@ -331,6 +318,34 @@ class PersistingTier(Tier):
     def abstain(self, step: int) -> None:
         """This rank has nothing to write for ``step`` (its snapshot failed): a tier whose commit needs
         every rank (a job tier) is told, so that no rank waits for this one."""
+
+
+class StoredTier(Tier):
+    """A tier whose checkpoints are commit records and data files on storage (a directory, a URL), so that
+    a reader outside the training process (``ckpt inspect`` / ``verify``, export, the DCP adapter) can list
+    every rank's records of a step and read each chunk verified, whatever the tier."""
+
+    @abc.abstractmethod
+    def records(self, step: int) -> tuple[Commit, list[Manifest]]:
+        """The validated commit record of ``step`` and the manifests of every rank's files this tier holds of
+        it, in rank order (a job tier: every saved rank's; a rank's own tier: its one). Raises as
+        :meth:`~Tier.manifest_of`."""
+
+    @abc.abstractmethod
+    def check_stored(self, step: int, manifest: Manifest) -> None:
+        """Every stored byte of the rank ``manifest`` describes is there at its committed size, checked before
+        any is read or room for the data allocated: :class:`~ckpt.errors.IncompleteCheckpointError` naming the
+        file otherwise."""
+
+    @abc.abstractmethod
+    def fetch(self, step: int, rank: int, manifest: Manifest, i: int) -> bytes | bytearray:
+        """Chunk ``i`` of rank ``rank``'s data of ``step`` (described by ``manifest``), decoded and checked
+        against its checksum (:class:`~ckpt.errors.CorruptCheckpointError` naming the file and the byte range
+        otherwise)."""
+
+    def stored_bytes(self, step: int) -> int:
+        """The bytes verifying ``step`` reads here (every stored chunk of every rank's files it holds)."""
+        return sum(m.data_bytes for m in self.records(step)[1])
 
 
 _REGISTRY: dict[str, type[Tier]] = {}

@@ -55,7 +55,7 @@ from ..format import (COMMIT_NAME, LATEST_NAME, Commit, Manifest, data_name, fsy
 from ..integrity import checksum
 from ..policy import Committed, Retention, Timeline, TimelineCopies
 from ..scatter import Scatter
-from .base import PersistingTier, StepInfo, register
+from .base import PersistingTier, StepInfo, StoredTier, Tier, register
 
 __all__ = ["LocalTier", "OwnerLock", "LOCK_NAME", "linked", "owned", "remove_step_dir"]
 
@@ -66,7 +66,7 @@ LOCK_NAME = ".ckpt-lock"
 
 
 @register
-class LocalTier(PersistingTier, TimelineCopies):
+class LocalTier(PersistingTier, StoredTier, TimelineCopies):
     """Committed checkpoints under ``root`` (``root/step-XXXXXXXXX/``): the tier on this node's disk."""
 
     name = "local"
@@ -342,6 +342,16 @@ class LocalTier(PersistingTier, TimelineCopies):
         self.owner = lock
         self._sweep()
         return lock
+
+    def left_in_ram(self) -> Tier | None:
+        """The memory tier of the snapshots that this directory's owners left in this node's RAM (their
+        shared-memory segments are named from the directory's identity, :mod:`ckpt.identity`), or ``None``
+        when the directory has no identity yet."""
+        from ..pool import HostPool
+        from .memory import MemoryTier, space_for
+
+        space = space_for(str(self.root), 0)
+        return None if space is None else MemoryTier(HostPool(1, None, pin=False), space)
 
     def _still_owner(self) -> None:
         """Before a write starts and before a change the directory's readers can see (a step switched into

@@ -19,13 +19,15 @@ import os
 from typing import Any
 
 from ..fs import is_local_fs, is_url, local_tier_dir, resolve
+from .base import StoredTier
 
 __all__ = ["open_tier", "local_path"]
 
 
-def open_tier(location: str | os.PathLike, storage_options: dict[str, Any] | None = None) -> Any:
+def open_tier(location: str | os.PathLike, storage_options: dict[str, Any] | None = None) -> StoredTier:
     """The :class:`~ckpt.tiers.LocalTier` or :class:`~ckpt.tiers.RemoteTier` at ``location`` (see the
-    module docstring). Raises ``FileNotFoundError`` for a directory (or ``file://`` URL's directory) that
+    module docstring): a :class:`~ckpt.tiers.base.StoredTier`, whose records and chunks a reader lists and
+    fetches. Raises ``FileNotFoundError`` for a directory (or ``file://`` URL's directory) that
     does not exist, ``ValueError`` for a mistyped URL or an unknown scheme or backend."""
     from .local import LocalTier
 

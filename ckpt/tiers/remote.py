@@ -70,7 +70,7 @@ from ..fs import Store, is_local_fs, resolve
 from ..policy import Committed, Retention, Timeline, TimelineCopies
 from ..reshard import check_layouts
 from ..stall import Watched
-from .base import PersistingTier, StepInfo, register
+from .base import PersistingTier, StepInfo, StoredTier, register
 from .local import linked, remove_step_dir
 from .remote_job import JobCommit
 from .remote_parts import ABSENT, Parts, dominant_elem_size as _dominant_elem_size
@@ -86,7 +86,7 @@ log = logging.getLogger(__name__)
 
 
 @register
-class RemoteTier(StoreClient, Parts, Uploads, JobCommit, PersistingTier, TimelineCopies):
+class RemoteTier(StoreClient, Parts, Uploads, JobCommit, PersistingTier, StoredTier, TimelineCopies):
     """Committed checkpoints under an fsspec URL.
 
     ``on_unreachable``: what construction does when the store cannot be reached (the bounded probe,
