@@ -120,6 +120,7 @@ from ..policy import Retention
 from ..scatter import writing_state
 from ..stall import StallError, Watched
 from ..tiers.local import _read_range, linked, remove_step_dir
+from ..tiers.remote_errors import failure_type
 from ..fs import is_local_fs, is_url, resolve
 
 __all__ = ["TierStorageWriter", "TierStorageReader", "FORMAT", "list_checkpoints", "verify", "prune"]
@@ -254,9 +255,11 @@ class _Tier:
                           "under another checkpoint_id", f"{self.root}/{ckpt_id}")
 
     def _store_error(self, e: Exception, doing: str) -> OSError:
-        """A store client's failure that is not an ``OSError`` (botocore's, say) as one naming ``doing``,
-        so that a reader falls back to the next tier instead of crashing."""
-        return OSError(getattr(e, "errno", None) or errno.EIO, f"{doing} on {self.where}: {type(e).__name__}: {e}")
+        """A store client's failure that is not an ``OSError`` (botocore's, say) as the one of its kind
+        (:func:`ckpt.tiers.remote_errors.failure_type`: an outage is a ``ConnectionError``, refused credentials
+        a ``PermissionError``) naming ``doing``, so that a reader falls back to the next tier instead of crashing."""
+        kind = failure_type(e)
+        return kind(getattr(e, "errno", None) or errno.EIO, f"{doing} on {self.where}: {type(e).__name__}: {e}")
 
     def sink(self, ckpt_id: str) -> Sink:
         """Where checkpoint ``ckpt_id``'s records go (:mod:`ckpt.commit`)."""
@@ -500,12 +503,14 @@ def _upload_file(tier: _Tier, ckpt_id: str, name: str, rank: int, src: str, part
 
 def _write_error(rank: int, name: str, ckpt_id: str, tier: _Tier, e: BaseException) -> OSError:
     """The failure of a rank's data file on ``tier`` as an ``OSError`` of the same kind (a stall stays a
-    :class:`~ckpt.stall.StallError`, a refusal a ``PermissionError`` ...) that says what it means."""
+    :class:`~ckpt.stall.StallError`, a refusal a ``PermissionError`` ...; a store client's own ``OSError``
+    subclass as :func:`ckpt.tiers.remote_errors.failure_type` classifies it) that says what it means."""
     msg = (f"TierStorageWriter: rank {rank} could not write {name} of {ckpt_id!r} to {tier.where} "
            f"({type(e).__name__}: {e}); nothing of this save is committed there and earlier "
            "checkpoints are untouched (check url= and storage_options=, or add local_dir=)")
     code = getattr(e, "errno", None) or errno.EIO
-    cls = type(e) if isinstance(e, OSError) and type(e).__module__ in ("builtins", StallError.__module__) else OSError
+    cls = type(e) if isinstance(e, OSError) and type(e).__module__ in ("builtins", StallError.__module__) \
+        else failure_type(e)
     return cls(code, msg, getattr(e, "filename", None))
 
 

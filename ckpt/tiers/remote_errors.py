@@ -11,7 +11,7 @@ import errno
 import socket
 import sys
 
-__all__ = ["unavailable", "http_status", "denied", "errno_of", "caused_by"]
+__all__ = ["unavailable", "http_status", "denied", "errno_of", "caused_by", "failure_type"]
 
 # errno values of a store that cannot be reached or does not answer now (s3fs: 503 / SlowDown is EBUSY,
 # 500 InternalError EREMOTEIO); a stale NFS handle on a mounted file:// URL too
@@ -86,3 +86,17 @@ def caused_by(e: BaseException, origin: BaseException) -> bool:
         seen.add(id(e))
         e = e.__cause__ or e.__context__
     return False
+
+
+def failure_type(e: BaseException) -> type[OSError]:
+    """The built-in ``OSError`` that says what the store failure ``e`` is, for the library to raise in its
+    place: ``FileNotFoundError`` (not there), ``PermissionError`` (refused credentials, :func:`denied`),
+    ``ConnectionError`` (an outage, :func:`unavailable`), else ``OSError`` (an answer that is an error).
+    The one classifier of storage failures: the tiers' store client and the DCP adapter both ask it."""
+    if isinstance(e, FileNotFoundError):
+        return FileNotFoundError
+    if denied(e):
+        return PermissionError
+    if unavailable(e):
+        return ConnectionError
+    return OSError

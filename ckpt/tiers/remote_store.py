@@ -22,7 +22,7 @@ from ..format import fsync_file
 from ..fs import Store
 from ..stall import StallError
 from .base import TierStatus
-from .remote_errors import denied, errno_of, unavailable
+from .remote_errors import errno_of, failure_type, unavailable
 
 __all__ = ["RemoteStatus", "StoreClient"]
 
@@ -55,12 +55,13 @@ class StoreClient:
         what = f"{type(e).__name__}: {e}"
         if isinstance(e, StallError):   # a request that stopped moving: it names its URL itself
             return StallError(e.errno, f"{doing}: {e.strerror}", e.filename)
-        if isinstance(e, FileNotFoundError):
+        kind = failure_type(e)
+        if kind is FileNotFoundError:
             return FileNotFoundError(errno.ENOENT, f"{doing}: not found ({what})")
-        if denied(e):
+        if kind is PermissionError:
             return PermissionError(errno.EACCES, f"{doing}: access denied ({what}); check the credentials in "
                                    "storage_options (key / secret / profile) and the bucket's policy")
-        if unavailable(e):
+        if kind is ConnectionError:
             return ConnectionError(errno_of(e) or errno.EIO,
                                    f"{doing}: the store at {self._endpoint()} cannot be reached or is not answering "
                                    f"({what}); {self.store.hint}")
