@@ -120,6 +120,9 @@ def train_loop(root: Path, args) -> None:
              ("dcp.async_save + DefaultStager every 10", 10, {"dcp": "stager"}),
              ("every 1", 1, {}), ("every 5", 5, {}), ("every 1, if_busy=wait", 1, {"if_busy": "wait"}),
              ("every 1, 4 buffers", 1, {"max_in_flight": 4}),
+             ("every 1, 2 ahead", 1, {"ahead": 2}), ("every 1, 4 ahead", 1, {"ahead": 4}),
+             ("every 1, 8 ahead", 1, {"ahead": 8}), ("every 10, 4 ahead", 10, {"ahead": 4}),
+             ("every 1, profiled", 1, {"profile": True}),
              ("dcp.async_save every 50", 50, {"dcp": None}),
              ("auto, mtbf memory 10 min, local 1 h", "auto", {"mtbf": {"memory": 600, "local": 3600}}),
              ("none (again)", None, {})]
@@ -135,6 +138,8 @@ def train_loop(root: Path, args) -> None:
             continue
         os.environ["CKPT_PERSIST_NICE"] = str(kw.pop("nice", 10))   # read as each persist thread starts
         os.environ["CKPT_PERSIST_THREADS"] = str(kw.pop("writers", ckpt.knobs._DEFAULTS["CKPT_PERSIST_THREADS"]))
+        os.environ["CKPT_COPY_AHEAD"] = str(kw.pop("ahead", ckpt.knobs._DEFAULTS["CKPT_COPY_AHEAD"]))
+        profile = kw.pop("profile", False)
         with ckpt.knobs.override(CKPT_SHM=kw.pop("shm", 1)):
             local = SlowDisk(d, args.disk_mbps) if args.disk_mbps else d
             cadence = {"interval": "auto"} if every == "auto" else {"every_steps": every}
@@ -142,7 +147,7 @@ def train_loop(root: Path, args) -> None:
                 if every else None
         times, calls, handles = [], [], []
         prof = None
-        if args.profile_save and ck is not None and every == 1:
+        if (args.profile_save or profile) and ck is not None and every == 1:
             import cProfile
             prof = cProfile.Profile()
         for s in range(1, args.steps + 1):

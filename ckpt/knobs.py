@@ -75,6 +75,11 @@ _DEFAULTS: dict[str, int] = {
     # owner) are freed by the next Checkpointer started on the node (0: never; segments whose local_dir was
     # deleted or made anew are freed at once: no job can use them).
     "CKPT_SHM_ORPHAN_S": 86400,
+    # Chunks (64 MiB each) of a snapshot's device-to-host copy queued on the side stream at a time, after
+    # the first burst: a host sync of the training loop (loss.item()) waits behind at most these, and the
+    # thread that queues the next chunk needs the GIL, which the training thread holds for up to the
+    # interpreter's switch interval (5 ms): with one queued, the copy engine idles while that thread waits.
+    "CKPT_COPY_AHEAD": 1,
     # Seconds the interpreter-exit hook waits for queued saves to persist (0: as long as they take).
     "CKPT_EXIT_WAIT_S": 0,
 }

@@ -132,7 +132,6 @@ class SaveHandle:
         into, read by a tier, or held the newest committed snapshot, on this rank or another)."""
         self._all = threading.Event()
         self._raised: list[BaseException] = []   # errors wait() raised to its caller
-        self._urged = False   # someone waits for the memory tier (its record then goes first)
         self._lock = threading.Lock()
 
     @property
@@ -183,8 +182,6 @@ class SaveHandle:
         """:meth:`wait` for the library's own use: returns the error instead of raising it, and does not
         count it as shown to the user."""
         ev = self._all if tier is None else self._event(tier)
-        if tier in (None, "memory"):
-            self._urged = True
         if not ev.wait(timeout):
             raise TimeoutError(f"step {self.step}: tier {tier or 'all'} not done after {timeout} s")
         return self.errors.get(tier) if tier is not None else self.error
@@ -442,7 +439,7 @@ class Pipeline:
                 # held here at once; the record that makes it outlive the process follows in the background
                 self.memory.commit(snap.step, snap.manifest, snap.buffer, timeline=snap.timeline,
                                    recorded=lambda why: handle._finish("memory") if why is None
-                                   else handle._skip_tier("memory", why), urgent=lambda: handle._urged)
+                                   else handle._skip_tier("memory", why))
         except BaseException as e:
             snap.error = snap.error or e
         with self._cv:

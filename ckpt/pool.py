@@ -115,7 +115,10 @@ class HostBuffer:
         self.record: Any = None              # its shared-memory commit record, if any
         # told once its record is written in the background (None) or never will be (why): MemoryTier.commit
         self.on_record: Any = None
-        self.record_urgent: Any = None       # and whether someone waits for that record (a callable)
+        # while the memory tier's record pass reads it (one of the holds): whether that pass gives the buffer up
+        # to a new snapshot now (a callable), and the step of the snapshot that took it (the pass then stops)
+        self.record_yields: Any = None
+        self.record_taken: int | None = None
         # its bytes are this process's own (a snapshot it copied, a replica it received and checked) or were
         # checked against their record since it was taken over; False for a segment adopted from a previous
         # process: readers check every chunk before they use it (the RAM kept it across the restart, not us)
@@ -139,7 +142,7 @@ class HostBuffer:
     def forget_image(self) -> bool:
         """Drop the snapshot this buffer holds (its image only; the record is the pool's to withdraw). Returns
         whether it was still waiting for its record (whoever waited is told it will not be written)."""
-        callback, self.on_record, self.record_urgent = self.on_record, None, None
+        callback, self.on_record = self.on_record, None
         if callback is not None:   # taken back (for a newer snapshot, or freed) before its record was written
             callback("its buffer was taken back before its record was written (it was in this process's "
                      "memory only)")
@@ -423,7 +426,9 @@ class HostPool:
                 self._cv.wait()
             if buf is not None and buf.capacity >= nbytes:
                 self._withdraw(buf, shm)
-                buf.holds, buf.staging = 1, True
+                if buf.holds:   # a record pass that gives way: it stops at its next chunk and publishes nothing
+                    buf.record_taken = step
+                buf.holds, buf.staging = buf.holds + 1, True
                 return buf
             if buf is not None:
                 buf.holds = 1   # reserved while it is replaced by a larger one (its snapshot stays until then)
@@ -462,17 +467,25 @@ class HostPool:
         tier empty, and a restore falls back to the other tiers)."""
         grow = inline or self._preparing is None   # may the caller allocate now
         newest = max((b for b in self.buffers if b.image_step is not None), default=None, key=self._rank)
-        free = [b for b in self.buffers if b.holds == 0 and (grow or b.capacity >= nbytes)]
-        free.sort(key=lambda b: (b.capacity < nbytes, b.image_step is not None, self._rank(b)))
+        free = [b for b in self.buffers if (b.holds == 0 and (grow or b.capacity >= nbytes))
+                or (b is not newest and b.capacity >= nbytes and self._record_gives_way(b))]
+        free.sort(key=lambda b: (b.capacity < nbytes, b.holds > 0, b.image_step is not None, self._rank(b)))
         free = [b for b in free if reclaim is None or reclaim(b, True, step)]
         others = [b for b in free if b is not newest]
         if others:
             return True, others[0]
         if grow and len(self.buffers) + self._allocating < self.slots:
             return True, None   # another buffer, rather than the newest snapshot's
-        if newest in free and self.slots == 1:
+        if newest in free and newest.holds == 0 and self.slots == 1:
             return True, newest
         return False, None
+
+    @staticmethod
+    def _record_gives_way(b: HostBuffer) -> bool:
+        """(under the lock) Whether ``b``'s only hold is the memory tier's record pass of a snapshot a newer one
+        replaced, and that pass gives the buffer up to a new snapshot now (see MemoryTier._record_passes)."""
+        return b.holds == 1 and not b.staging and b.record_taken is None and b.record_yields is not None \
+            and b.record_yields()
 
     def wait_free(self, nbytes: int, step: int, timeout: float,
                   reclaim: Callable[[HostBuffer, bool, int], bool] | None = None) -> bool:
@@ -581,7 +594,9 @@ class HostPool:
         with self._cv:
             newest = max((b for b in self.buffers if b.image_step is not None), default=None, key=self._rank)
             counts = collections.Counter(
-                "being copied into" if b.staging else "read by a tier" if b.holds else
+                "being copied into" if b.staging else
+                "being checksummed for its record" if b.holds == 1 and b.record_yields is not None else
+                "read by a tier" if b.holds else
                 "holding the newest committed snapshot" if b is newest else "free" for b in self.buffers)
             if self._allocating:
                 counts["being allocated"] += self._allocating
@@ -591,8 +606,10 @@ class HostPool:
         """Whether :meth:`acquire` without ``block`` would return a buffer (one is free, may be added, is
         held only by a copy still landing, or is being allocated: it waits for those two)."""
         with self._cv:
+            newest = max((b for b in self.buffers if b.image_step is not None), default=None, key=self._rank)
             return len(self.buffers) + self._allocating < self.slots or self._allocating > 0 or \
-                any(b.holds == 0 or (b.staging and b.holds == 1) for b in self.buffers)
+                any(b.holds == 0 or (b.staging and b.holds == 1) or (b is not newest and self._record_gives_way(b))
+                    for b in self.buffers)
 
     def hold(self, buf: HostBuffer) -> None:
         with self._cv:

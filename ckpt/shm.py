@@ -49,7 +49,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, ContextManager, Iterator
 
 import torch
 
@@ -434,30 +434,45 @@ class SnapshotRecord:
 
 
 def write_record(root: Path, prefix: str, slot: int, step: int, timeline: Timeline, manifest: Manifest,
-                 local_dir: str) -> SnapshotRecord:
-    """Commit the snapshot in segment ``slot``: its record, put in place in one rename."""
+                 local_dir: str, guard: Callable[[SnapshotRecord], ContextManager[bool]] | None = None,
+                 ) -> SnapshotRecord | None:
+    """Commit the snapshot in segment ``slot``: its record, put in place in one rename. ``guard(record)``:
+    a context manager entered around that rename, whose value says whether to make it (``False``: nothing
+    is published, ``None`` is returned); the caller's lock, held across its check and the rename."""
     rec = SnapshotRecord(step, timeline, manifest, slot, buffer_name(prefix, slot), os.path.realpath(local_dir),
                          os.getpid(), socket.gethostname(), time.time())
     path = root / record_name(prefix, slot)
+    rec.path = path
     def fill(fd: int, tmp: Path) -> None:
         with open(fd, "wb", closefd=False) as f:   # writes the whole record, however the OS splits it
             f.write(rec.to_bytes())
 
-    _publish(path, fill)
-    rec.path = path
-    return rec
+    if guard is None:
+        _publish(path, fill)
+        return rec
+    return rec if _publish(path, fill, lambda: guard(rec)) else None
 
 
-def _publish(path: Path, fill: Callable[[int, Path], Any]) -> Any:
+def _publish(path: Path, fill: Callable[[int, Path], Any],
+             guard: Callable[[], ContextManager[bool]] | None = None) -> Any:
     """Create ``path`` under a fresh temporary name (``0600``, never through a link), ``fill(fd, tmp)``
     it, then rename it into place: a reader sees the old file or the whole new one. On any failure
-    the temporary is removed and ``path`` is left as it was. Returns what ``fill`` returned."""
+    the temporary is removed and ``path`` is left as it was. Returns what ``fill`` returned; with
+    ``guard`` (a context manager entered around the rename, whose value says whether to make it), whether
+    the file was put in place."""
     tmp = path.with_name(f".{path.name}.new-{os.getpid()}-{secrets.token_hex(4)}")
     fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     try:
         out = fill(fd, tmp)
-        os.rename(tmp, path)
-        return out
+        if guard is None:
+            os.rename(tmp, path)
+            return out
+        with guard() as go:
+            if go:
+                os.rename(tmp, path)
+        if not go:
+            os.unlink(tmp)
+        return go
     except BaseException:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
@@ -530,16 +545,24 @@ def _views(tensor: torch.Tensor, data_bytes: int, chunk: int) -> list[memoryview
     return [mv[i:min(i + chunk, data_bytes)] for i in range(0, data_bytes, chunk)]
 
 
-def chunk_checksums(tensor: torch.Tensor, data_bytes: int, chunk: int, background: bool = False) -> list[int]:
+def chunk_checksums(tensor: torch.Tensor, data_bytes: int, chunk: int, background: bool = False,
+                    stop: Callable[[], bool] | None = None) -> list[int] | None:
     """CRC-32C of each ``chunk`` bytes of ``tensor[:data_bytes]`` (a host tensor), on
     ``CKPT_IO_THREADS`` threads (the checksum releases the GIL); ``background`` (a commit while
-    training runs): on ``CKPT_PERSIST_THREADS``."""
+    training runs): on ``CKPT_PERSIST_THREADS``. ``stop()``, asked before each chunk: ``True`` gives the
+    pass up (``None`` is returned; the bytes are no longer wanted)."""
     views = _views(tensor, data_bytes, chunk)
+
+    def one(v: memoryview) -> int | None:
+        return None if stop is not None and stop() else checksum(v)
+
     if len(views) <= 1:
-        return [checksum(v) for v in views]
-    threads = knobs.get("CKPT_PERSIST_THREADS" if background else "CKPT_IO_THREADS")
-    with ThreadPoolExecutor(max(1, min(len(views), threads))) as ex:
-        return list(ex.map(checksum, views))
+        sums = [one(v) for v in views]
+    else:
+        threads = knobs.get("CKPT_PERSIST_THREADS" if background else "CKPT_IO_THREADS")
+        with ThreadPoolExecutor(max(1, min(len(views), threads))) as ex:
+            sums = list(ex.map(one, views))
+    return None if None in sums else sums   # type: ignore[return-value]
 
 
 def first_bad_chunk(tensor: torch.Tensor, manifest: Manifest) -> int | None:

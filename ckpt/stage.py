@@ -472,7 +472,6 @@ _GRAPHS_AFTER = _FingerprintGraphs()   # the second fingerprints, on the side st
 
 _COPY_CHUNK = 64 << 20   # bytes per chunk: one event each; a tensor larger than this is copied in pieces
 _COPY_BURST = 4          # chunks save() enqueues itself (~5 ms of copy at 55 GB/s)
-_COPIES_AHEAD = 1        # then: chunks enqueued and not yet landed, at most
 
 
 def _chunks(buf: HostBuffer, items: list[tuple[torch.Tensor, ItemRecord]], chunk: int) -> Iterator[tuple[list, list[int]]]:
@@ -534,7 +533,7 @@ class _PacedCopy:
     def start(self) -> None:
         """Enqueue the first burst of chunks now (the caller's thread), and start the thread that enqueues
         the rest."""
-        ahead = [self._next() for _ in range(max(_COPY_BURST, _COPIES_AHEAD))]
+        ahead = [self._next() for _ in range(max(_COPY_BURST, knobs.get("CKPT_COPY_AHEAD")))]
         if self.enqueued.is_set():
             return
         # Not a daemon, like the CPU staging thread: it holds tensor references until it has enqueued
@@ -570,8 +569,9 @@ class _PacedCopy:
         try:
             torch.cuda.set_device(self.stream.device)
             inflight = collections.deque(ahead)
+            limit = max(1, knobs.get("CKPT_COPY_AHEAD"))
             while True:
-                while len(inflight) >= _COPIES_AHEAD:
+                while len(inflight) >= limit:
                     inflight.popleft().synchronize()   # releases the GIL
                 ev = self._next()
                 if ev is None:

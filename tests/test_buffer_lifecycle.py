@@ -571,6 +571,83 @@ def test_every_snapshot_is_committed_while_records_follow_and_a_waited_one_is_re
         ck.close()
 
 
+def _slow_records(monkeypatch, per_chunk_s: float) -> None:
+    """Record passes of many small chunks, each checksummed slowly: a pass outlasts several snapshots."""
+    real = shm.checksum
+
+    def slow(data, value=0):
+        time.sleep(per_chunk_s)
+        return real(data, value)
+
+    monkeypatch.setattr(shm, "checksum", slow)
+
+
+def test_a_record_pass_gives_its_buffer_up_to_a_new_snapshot_and_publishes_nothing(tmp_path, monkeypatch):
+    """Snapshots come faster than their records (a record pass takes ~0.5 s, a step a few ms), while the local
+    tier holds one of the three buffers: the pass over a snapshot a newer one replaced gives its buffer up to
+    the next snapshot (no step skipped for it), stops, and publishes no record of the bytes being overwritten;
+    each handle's memory tier says what happened; the records that end in time make the newest outlive the
+    process, and close() records the newest."""
+    _slow_records(monkeypatch, 0.03)
+    gate = threading.Event()
+    local = GatedLocal(tmp_path / "local", gate)
+    with ckpt.knobs.override(CKPT_CHUNK_BYTES=4096, CKPT_PERSIST_THREADS=2):
+        ck = ckpt.Checkpointer(local_dir=local, every_steps=1)
+        handles = []
+        seen: set[int] = set()
+        try:
+            for step in range(60):
+                handles.append(ck.maybe_save(step, _state(float(step))))
+                _committed(ck)
+                time.sleep(0.01)
+                seen |= _recorded_steps(local.root)
+        finally:
+            gate.set()
+            ck.close(keep_memory=True)
+    skips = [(h.step, h.skip_reason) for h in handles if h is not None and h.status == "skipped"]
+    assert {why for _, why in skips} <= {"allocating"}, skips
+    ends = [h for h in handles if h is not None and h.status != "skipped"]
+    assert len(ends) >= 50
+    gave_up = [h for h in ends if h.tier_status("memory") == "skipped"
+               and "its buffer was taken for step" in h.skipped_tiers["memory"]]
+    assert gave_up, "no record pass gave its buffer up"
+    # a record is published only for bytes that are still the snapshot: every record seen named a step whose
+    # snapshot was then in that slot (a reader checks the chunks; here nothing published may fail them)
+    assert all(h.tier_status("memory") in ("done", "skipped") for h in ends)
+    assert _recorded_steps(local.root) and max(_recorded_steps(local.root)) == ends[-1].step
+    assert _restored(local.root)[:3] == (ends[-1].step, float(ends[-1].step), "memory")
+
+
+def test_a_record_pass_keeps_its_buffer_once_no_record_was_written_for_a_while(tmp_path, monkeypatch):
+    """Two buffers, snapshots so frequent that no record pass ends before its buffer is wanted again: each
+    pass gives way while a record is recent, and once none was written for the record patience the pass in
+    progress keeps its buffer (a snapshot is skipped for it, said as busy), so that the RAM holds a snapshot
+    that outlives the process at least that often."""
+    from ckpt.tiers import memory
+
+    monkeypatch.setattr(memory, "RECORD_PATIENCE_S", 0.3)
+    _slow_records(monkeypatch, 0.05)
+    run = tmp_path / "run"
+    with ckpt.knobs.override(CKPT_CHUNK_BYTES=4096, CKPT_PERSIST_THREADS=1):
+        ck = ckpt.Checkpointer(local_dir=run, every_steps=1, max_in_flight=2, persist_every={"local": 10 ** 6})
+        handles = []
+        recorded_during: set[int] = set()
+        try:
+            deadline = time.monotonic() + 20
+            step = 0
+            while time.monotonic() < deadline and not recorded_during:
+                handles.append(ck.maybe_save(step, _state(float(step))))
+                _committed(ck)
+                recorded_during |= _recorded_steps(run)
+                step += 1
+        finally:
+            ck.close()
+    assert recorded_during, "no record was written while snapshots came faster than a record pass"
+    taken = [h for h in handles if h is not None and h.status != "skipped"]
+    assert any("its buffer was taken for step" in h.skipped_tiers.get("memory", "") for h in taken)
+    assert any(h is not None and h.skip_reason == "busy" for h in handles)
+
+
 def test_a_record_thread_that_stopped_does_not_cost_the_newest_its_record_at_close(tmp_path, monkeypatch):
     """The thread that writes the records dies (an error it did not expect) with the newest snapshot still
     waiting for its record: a close that keeps the RAM writes that record all the same."""

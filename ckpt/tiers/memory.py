@@ -40,12 +40,10 @@ __all__ = ["MemoryTier", "space_for"]
 
 log = logging.getLogger(__name__)
 
-#: seconds the memory tier's background records wait, at most, for a buffer to spare before the newest
-#: snapshot's record is written anyway (see MemoryTier._pick_record): about one write of the local tier
+#: seconds since the last record was written after which a record pass in progress keeps its buffer instead of
+#: giving it up to a new snapshot (see MemoryTier._pick_record): the most a crash costs while snapshots come
+#: faster than their records can be written
 RECORD_PATIENCE_S = 5.0
-#: the shortest interval between snapshots (seconds) for which a record pass's measured time predicts whether
-#: holding the newest snapshot's buffer would make a later snapshot wait (see MemoryTier._pick_record)
-RECORD_GAP_S = 0.5
 
 
 @register
@@ -85,17 +83,14 @@ class MemoryTier(Tier):
         self._recorder: threading.Thread | None = None
         self._settling = False
         self._abandon = False
-        self._record_s: float | None = None   # seconds a record pass took (smoothed)
-        self._commit_gap: float | None = None # seconds between two snapshots committed here (smoothed)
-        self._last_commit: float | None = None
+        self._recorded_at: float | None = None   # when the last record was written (monotonic), or the first commit
         self.records_written = 0     # records written in the background
         self.records_superseded = 0  # snapshots a newer one replaced before their record was written
 
     # -- commit -----------------------------------------------------------------------------------
     def commit(self, step: int, manifest: Manifest, buffer: HostBuffer, checksums: list[int] | None = None,
                timeline: Timeline | None = None, record_required: bool = False,
-               recorded: Callable[[str | None], None] | None = None,
-               urgent: Callable[[], bool] | None = None) -> None:
+               recorded: Callable[[str | None], None] | None = None) -> None:
         """Mark ``buffer`` as holding the complete, fenced snapshot of ``step``; a shared-memory buffer
         gets its record (chunk checksums computed now, or ``checksums`` already checked against the
         bytes) before the snapshot counts as held. ``timeline``: the snapshot's (default: this tier's).
@@ -104,9 +99,9 @@ class MemoryTier(Tier):
         once, and its record (what makes it outlive the process) is written in the background, by one thread,
         newest first: ``recorded(None)`` once it is, ``recorded(reason)`` when a newer snapshot was recorded
         first or its buffer was taken back (this one then lives in this process's memory only). Checksumming a
-        large snapshot takes longer than a training step; the copy's buffer is free for the next snapshot
-        meanwhile. Without shared memory (nothing to record) ``recorded(None)`` is called at once. ``urgent()``
-        says whether someone waits for the record (``handle.wait("memory")``): it then goes before the rest.
+        large snapshot can take longer than a training step: the copy's buffer is free for the next snapshot
+        meanwhile, and a record pass gives its buffer up to a new snapshot (see :meth:`_pick_record`). Without
+        shared memory (nothing to record) ``recorded(None)`` is called at once.
 
         A record the RAM file system refuses costs the snapshot its crash survival only (it is held in this
         process, said once in the log, counted in :attr:`records_failed`), unless ``record_required`` (a
@@ -143,11 +138,9 @@ class MemoryTier(Tier):
                         and not b.holds:
                     self.pool._withdraw(b, shm)
             if later:
-                buffer.on_record, buffer.record_urgent = recorded, urgent
-                now = time.monotonic()
-                if self._last_commit is not None:
-                    self._commit_gap = _smooth(self._commit_gap, now - self._last_commit)
-                self._last_commit = now
+                buffer.on_record = recorded
+                if self._recorded_at is None:   # the record patience counts from the first snapshot
+                    self._recorded_at = time.monotonic()
                 self._kick()
         if recorded is not None and not later:
             recorded(None)
@@ -162,49 +155,36 @@ class MemoryTier(Tier):
             self._recorder.start()
         self.pool._cv.notify_all()
 
-    def _pick_record(self, waited: float) -> tuple[str, HostBuffer | None]:
-        """(under the pool's lock) What the recording thread does next: ``("record", buf)``, write ``buf``'s
-        record (the callbacks of older snapshots waiting for theirs are told they were superseded);
-        ``("wait", None)``, wait for a tier to let go of a buffer or take the newest; ``("idle", None)``,
-        nothing waits. ``waited``: seconds this thread has waited so far for the snapshot it would record.
+    def _pick_record(self) -> HostBuffer | None:
+        """(under the pool's lock) The buffer whose record the recording thread writes next: the newest
+        snapshot still waiting for one (the callbacks of older ones are told they were superseded), ``None``
+        when none waits or the tier closes without keeping its segments (the waiting ones are told).
 
-        The newest snapshot waiting for its record goes first. Holding its buffer while its checksums run
-        costs a buffer only if the snapshot after the next one comes before the checksums end (the next one
-        goes to the third buffer; the newest is never taken for a copy anyway): with three buffers plus one
-        per buffer a tier reads, or a record pass shorter than two intervals between snapshots (as measured),
-        the newest goes. Short of that, the newest one someone waits for goes first, then a snapshot a tier already reads (the local
-        tier's), at no cost; else the thread waits for a tier to let go or take the newest, at most
-        :data:`RECORD_PATIENCE_S`. When closing, or with fewer than three buffers (crash survival first), the
-        newest is recorded whatever it costs."""
+        The pass never costs a snapshot: once a newer snapshot is committed, a new one may take the buffer
+        of the one being recorded (the pass stops, nothing is published), as long as a record was written in
+        the last :data:`RECORD_PATIENCE_S` seconds; past that, the pass in progress keeps its buffer (a
+        snapshot due meanwhile may be skipped), so that a crash never costs more than about that much."""
         waiting = sorted((b for b in self.pool.buffers if b.on_record is not None and b.image_step is not None),
                          key=lambda b: -b.image_order)
         if self._abandon:   # closing without keeping the segments: no record would outlive the close
             for b in waiting:
                 callback, b.on_record = b.on_record, None
                 callback("the memory tier closed (freeing its RAM) before its record was written")
-            return "idle", None
+            return None
         if not waiting:
-            return "idle", None
-        newest = waiting[0]
-        read = [b for b in self.pool.buffers if b is not newest and b.holds > (1 if b.staging else 0)]
-        pick: HostBuffer | None = newest
-        # measured: a record pass ends well before the snapshot after next comes (a training loop's pace; a loop
-        # that saves faster than RECORD_GAP_S apart is not predicted: it waits for a spare buffer instead)
-        in_time = self._record_s is not None and self._commit_gap is not None and \
-            self._commit_gap >= RECORD_GAP_S and 1.5 * self._record_s < 2 * self._commit_gap
-        if not (self._settling or self.pool._closed or newest.holds > 0 or self.pool.slots < 3
-                or self.pool.slots >= 3 + len(read) or in_time or waited >= RECORD_PATIENCE_S):
-            pick = next((b for b in waiting if b.record_urgent is not None and b.record_urgent()), None) or \
-                next((b for b in waiting if b.holds > 0 and not b.staging), None)
-            if pick is None:
-                return "wait", None
-        for b in waiting:
-            if b.image_order < pick.image_order:
-                callback, b.on_record = b.on_record, None
-                self.records_superseded += 1
-                callback(f"superseded by step {pick.image_step} before its record was written (it was in this "
-                         f"process's memory only)")
-        return "record", pick
+            return None
+        pick = waiting[0]
+        for b in waiting[1:]:
+            callback, b.on_record = b.on_record, None
+            self.records_superseded += 1
+            callback(f"superseded by step {pick.image_step} before its record was written (it was in this "
+                     f"process's memory only)")
+        return pick
+
+    def _gives_way(self) -> bool:
+        """(under the pool's lock) Whether a record pass in progress gives its buffer up to a new snapshot now."""
+        return not (self._settling or self.pool._closed) and \
+            time.monotonic() - (self._recorded_at or 0.0) < RECORD_PATIENCE_S
 
     def _record_loop(self) -> None:
         try:
@@ -223,44 +203,57 @@ class MemoryTier(Tier):
         cv = self.pool._cv
         while True:
             with cv:
-                since = time.monotonic()
-                while True:
-                    what, buf = self._pick_record(time.monotonic() - since)
-                    if what != "wait":
-                        break
-                    cv.wait(0.05)   # a tier lets go of a buffer or takes the newest, or a newer one is committed
+                buf = self._pick_record()
                 if buf is None:
                     self._recorder = None
                     cv.notify_all()
                     return
                 buf.holds += 1
-                held_at = time.monotonic()
-                callback, buf.on_record, buf.record_urgent = buf.on_record, None, None
+                buf.record_yields, buf.record_taken = self._gives_way, None
+                callback, buf.on_record = buf.on_record, None
                 step, timeline, manifest, space = buf.image_step, buf.image_timeline, buf.manifest, self.pool.shared
             reason = None
+
+            @contextlib.contextmanager
+            def unless_taken(record: shm.SnapshotRecord):
+                with cv:   # a new snapshot takes the buffer under this lock: it finds the record published or none
+                    go = buf.record_taken is None
+                    yield go
+                    if go:
+                        buf.record = record
+                        buf.record_yields = None   # published: the buffer is this snapshot's until withdrawn
+                        self.records_written += 1
+                        self._recorded_at = time.monotonic()
+
+            def taken() -> str:
+                self.records_superseded += 1
+                return (f"its buffer was taken for step {buf.record_taken} before its record was written (it was "
+                        f"in this process's memory only)")
             try:
                 if space is None:   # the pool closed meanwhile (its segments are gone or kept unrecorded)
                     reason = "the memory tier closed before its record was written"
                 else:
-                    sums = shm.chunk_checksums(buf.tensor, manifest.data_bytes, manifest.chunk_bytes, background=True)
-                    held = dataclasses.replace(manifest, chunks=sums)
-                    try:
-                        record = shm.write_record(space.root, space.prefix, buf.slot, step, timeline, held,
-                                                  space.local_dir)
-                    except OSError as e:   # as commit's: held in this process only, said once, counted
-                        self._record_failed(step, space, held, e)
+                    sums = shm.chunk_checksums(buf.tensor, manifest.data_bytes, manifest.chunk_bytes, background=True,
+                                               stop=lambda: buf.record_taken is not None)
+                    if sums is None:
+                        reason = taken()
                     else:
-                        with cv:
-                            buf.record = record
-                            self.records_written += 1
-                    if len(manifest.chunks) != len(sums):
-                        manifest.chunks = sums   # the tiers that read this buffer next (the peer tier) reuse them
+                        held = dataclasses.replace(manifest, chunks=sums)
+                        try:
+                            if shm.write_record(space.root, space.prefix, buf.slot, step, timeline, held,
+                                                space.local_dir, guard=unless_taken) is None:
+                                reason = taken()
+                        except OSError as e:   # as commit's: held in this process only, said once, counted
+                            self._record_failed(step, space, held, e)
+                        if reason is None and len(manifest.chunks) != len(sums):
+                            manifest.chunks = sums   # the tiers that read this buffer next (the peer tier) reuse them
             except BaseException as e:   # noqa: BLE001 - the snapshot stays in this process's memory
                 self.records_failed += 1
                 log.warning("the record of step %d in the memory tier failed (%s: %s): it is in this process's "
                             "memory only", step, type(e).__name__, e)
             finally:
-                self._record_s = _smooth(self._record_s, time.monotonic() - held_at)   # the whole pass, as held
+                with cv:
+                    buf.record_yields, buf.record_taken = None, None
                 self.pool.release(buf)
             try:
                 callback(reason)
@@ -284,7 +277,7 @@ class MemoryTier(Tier):
                     idle = self._recorder is None or not self._recorder.is_alive()
                     if idle:
                         if not write:
-                            self._pick_record(0.0)   # no thread to tell the waiting snapshots: tell them here
+                            self._pick_record()   # no thread to tell the waiting snapshots: tell them here
                             return True
                         waiting = [b.image_step for b in self.pool.buffers
                                    if b.on_record is not None and b.image_step is not None]
@@ -695,11 +688,6 @@ class _ReadAhead:
             self._ended = True
             self.data = None
         self._thread.join()
-
-
-def _smooth(old: float | None, new: float) -> float:
-    """An exponentially smoothed figure (the last few values count most)."""
-    return new if old is None else 0.7 * old + 0.3 * new
 
 
 def _judge(rec: shm.SnapshotRecord, path: Path, bad: int | None) -> None:
