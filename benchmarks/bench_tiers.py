@@ -146,6 +146,7 @@ def train_loop(root: Path, args) -> None:
             ck = ckpt.Checkpointer(local_dir=local, keep=ckpt.Retention(local=1), **cadence, **kw) \
                 if every else None
         times, calls, handles = [], [], []
+        causes: dict[str, int] = {}
         prof = None
         if (args.profile_save or profile) and ck is not None and every == 1:
             import cProfile
@@ -163,6 +164,8 @@ def train_loop(root: Path, args) -> None:
                 if s > 10 and h is not None:   # after the warm-up: what each due save cost the caller
                     calls.append(time.perf_counter() - c0)
                     handles.append(h)
+                    if h.status == "skipped":   # what the buffers were doing (just after the skip)
+                        causes[ck.pool.describe_busy()] = causes.get(ck.pool.describe_busy(), 0) + 1
             times.append(time.perf_counter() - t0)
         if prof is not None:
             import io
@@ -173,8 +176,10 @@ def train_loop(root: Path, args) -> None:
         if ck is not None:
             ck.wait_staged()
             taken = sum(1 for h in handles if h.status != "skipped" and h.tier_status("memory") != "failed")
+            top = "; ".join(f"{n}x [{what}]" for what, n in sorted(causes.items(), key=lambda kv: -kv[1])[:3])
             row("loop", name, "snapshots committed after warm-up", 100 * taken / max(1, len(handles)), "%",
-                f"{taken} of {len(handles)} due saves (steps 11-{args.steps}) committed to the memory tier")
+                f"{taken} of {len(handles)} due saves (steps 11-{args.steps}) committed to the memory tier"
+                + (f"; buffers at the skips: {top}" if top else ""))
             recorded = sum(1 for h in handles if h.tier_status("memory") == "done")
             mem = ck.tier_figures()["memory"]
             row("loop", name, "snapshots recorded after warm-up", 100 * recorded / max(1, len(handles)), "%",
@@ -320,6 +325,9 @@ def restore_after_kill(root: Path, args) -> None:
     line = proc.stdout.readline()
     proc.send_signal(signal.SIGKILL)
     proc.wait()
+    if not line.strip():
+        raise RuntimeError(f"the training child ended before its snapshot (exit status {proc.returncode}); "
+                           "its error is above")
     want = json.loads(line)
     model, opt = build(args.layers, seed=1)
     # the optimizer's state must exist to be restored into: one step on the fresh model

@@ -402,10 +402,10 @@ class HostPool:
                 inline: bool = True) -> HostBuffer | None:
         """A buffer of at least ``nbytes`` for a new snapshot, held once and marked ``staging``. A buffer
         no one holds is free. Without ``block``, returns ``None`` when no buffer is free and none will be
-        without a tier finishing (it waits for a copy still landing, or an allocation under way); with
-        ``block``, it waits for a tier too. Of the free buffers, one holding no snapshot goes first, then
-        the oldest snapshot; with none free and room for another, it is allocated here (seconds for GBs
-        of pinned memory), unless ``inline`` is false and :meth:`prepare`'s background allocation is
+        without a tier finishing (it waits for a copy still landing, a record pass of the memory tier, or an
+        allocation under way); with ``block``, it waits for a tier too. Of the free buffers, one holding no
+        snapshot goes first, then the oldest snapshot; with none free and room for another, it is allocated
+        here (seconds for GBs of pinned memory), unless ``inline`` is false and :meth:`prepare`'s background allocation is
         running: then it waits for that. ``reclaim``, called under the pool's lock:
         ``reclaim(buf, True, step)`` asks whether ``buf`` may be taken (``False``: it counts as busy),
         ``reclaim(buf, False, step)`` says it is taken for ``step`` (whoever still wanted its snapshot
@@ -421,8 +421,9 @@ class HostPool:
                     if buf is not None and reclaim is not None:
                         reclaim(buf, False, step)
                     break
-                if not block and not self._allocating and not any(b.staging for b in self.buffers):
-                    return None
+                if not block and not self._allocating and \
+                        not any(b.staging or (b.holds == 1 and b.record_yields is not None) for b in self.buffers):
+                    return None   # (a copy landing, or a record pass, lets go of its buffer within moments)
                 self._cv.wait()
             if buf is not None and buf.capacity >= nbytes:
                 self._withdraw(buf, shm)

@@ -144,11 +144,11 @@ class Segment:
         ``path`` (and the segment it would have replaced kept)."""
         def fill(fd: int, tmp: Path) -> torch.Tensor:
             try:
-                if paced:
+                if paced:   # the pages only: nothing here waits on a snapshot copy (no CUDA call)
                     for a, b in pieces(0, nbytes):
                         _pause(stop, 0.0)
                         os.posix_fallocate(fd, a, b - a)
-                        _pause(stop, REGISTER_GAP_S)
+                        _pause(stop, REGISTER_GAP_S, quiet_first=False)
                 else:
                     os.posix_fallocate(fd, 0, nbytes)
             except OSError as e:
@@ -178,8 +178,9 @@ class Segment:
         (registering a 6.9 GiB segment whose pages were not mapped took 9 s on an H200 node). While the
         driver registers, the training thread's CUDA calls wait for it: registering 6.9 GiB at once
         stalled one step of a training loop 0.30-0.45 s, and back-to-back 64 MiB pieces 0.22 s; with
-        ``paced`` (a background allocation beside a training loop) each 64 MiB piece is mapped (~16 ms)
-        and registered (~3 ms), then followed by a pause of :data:`REGISTER_GAP_S`, and the loop ran at its
+        ``paced`` (a background allocation beside a training loop) the pages are mapped 64 MiB at a time
+        (~16 ms each) with a pause of :data:`REGISTER_GAP_S` after each, then each piece is registered (~3 ms)
+        after such a pause, at a moment no snapshot copy is in flight (:data:`quiet`), and the loop ran at its
         own speed (same node, registration alone: 0.9 s in all, no step slower than without it). Mapping
         6.9 GiB in one call held the process's mmap lock 1.9 s and stalled the training thread (a pinned
         allocation of a save, a step) as long. Neither holds the GIL. ``False`` where there is no
@@ -192,12 +193,16 @@ class Segment:
         ptr = self.tensor.data_ptr()
         if not paced:
             populate(ptr, self.nbytes, write=self.writable)
+        else:   # mapping pages holds this process's mmap lock, which any allocation of the loop needs: in pieces
+            for a, b in pieces(0, self.nbytes):
+                _pause(stop, 0.0)
+                populate(ptr + a, b - a, write=self.writable)
+                _pause(stop, REGISTER_GAP_S, quiet_first=False)   # no CUDA call: copies in flight go on
         done: list[int] = []
         try:
             for a, b in pieces(0, self.nbytes):
-                _pause(stop, 0.0)
-                if paced:   # mapping pages holds this process's mmap lock, which any allocation of the loop needs
-                    populate(ptr + a, b - a, write=self.writable)
+                # the driver's registration, a few ms a piece, waits for a moment with no snapshot copy in flight
+                _pause(stop, REGISTER_GAP_S if paced else 0.0)
                 rc = host_register(ptr + a, b - a)
                 if rc != 0:
                     for p in done:
@@ -206,8 +211,6 @@ class Segment:
                                 "its copies go through pageable memory, slower", self.nbytes / 2**30, self.path, rc)
                     return False
                 done.append(ptr + a)
-                if paced and b < self.nbytes:
-                    _pause(stop, REGISTER_GAP_S)
         except BaseException:   # stopped (or failed) between pieces: none of it stays registered
             for p in done:
                 host_unregister(p)
@@ -233,15 +236,16 @@ class AllocationStopped(Exception):
     is closing. Nothing it had done is left behind."""
 
 
-def _pause(stop: threading.Event | None, seconds: float) -> None:
-    """Between two pieces of a paced allocation: wait ``seconds`` (then, where :data:`quiet` is set, until it
-    returns), and raise :class:`AllocationStopped` as soon as ``stop`` is set."""
+def _pause(stop: threading.Event | None, seconds: float, quiet_first: bool = True) -> None:
+    """Between two pieces of a paced allocation: wait ``seconds`` (then, where :data:`quiet` is set and
+    ``quiet_first``, until it returns: before a registration), and raise :class:`AllocationStopped` as soon
+    as ``stop`` is set."""
     if stop is None:
         if seconds > 0:
             time.sleep(seconds)
     elif stop.wait(seconds) if seconds > 0 else stop.is_set():
         raise AllocationStopped("the memory tier is closing")
-    if seconds > 0 and quiet is not None:
+    if seconds > 0 and quiet_first and quiet is not None:
         quiet()
         if stop is not None and stop.is_set():
             raise AllocationStopped("the memory tier is closing")

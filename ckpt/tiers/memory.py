@@ -219,9 +219,8 @@ class MemoryTier(Tier):
                 with cv:   # a new snapshot takes the buffer under this lock: it finds the record published or none
                     go = buf.record_taken is None
                     yield go
-                    if go:
+                    if go:   # a snapshot that takes the buffer from now on withdraws this record first
                         buf.record = record
-                        buf.record_yields = None   # published: the buffer is this snapshot's until withdrawn
                         self.records_written += 1
                         self._recorded_at = time.monotonic()
 
