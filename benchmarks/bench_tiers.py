@@ -147,6 +147,7 @@ def train_loop(root: Path, args) -> None:
                 if every else None
         times, calls, handles = [], [], []
         causes: dict[str, int] = {}
+        first_call = ready = None   # the first maybe_save(); seconds until every host buffer was there
         prof = None
         if (args.profile_save or profile) and ck is not None and every == 1:
             import cProfile
@@ -159,6 +160,10 @@ def train_loop(root: Path, args) -> None:
                 if prof is not None and s > 10:
                     prof.enable()
                 h = ck.maybe_save(s, state)
+                if first_call is None:
+                    first_call = c0
+                if ready is None and len(ck.pool.buffers) >= ck.pool.slots:
+                    ready = time.perf_counter() - first_call
                 if prof is not None:
                     prof.disable()
                 if s > 10 and h is not None:   # after the warm-up: what each due save cost the caller
@@ -176,6 +181,9 @@ def train_loop(root: Path, args) -> None:
         if ck is not None:
             ck.wait_staged()
             taken = sum(1 for h in handles if h.status != "skipped" and h.tier_status("memory") != "failed")
+            row("loop", name, "host buffers ready after", ready if ready is not None else float("nan"), "s",
+                f"{ck.pool.slots} buffers of {ck.pool.buffers[0].capacity / 1e9:.2f} GB, from the first maybe_save()"
+                if ck.pool.buffers else "no buffer")
             top = "; ".join(f"{n}x [{what}]" for what, n in sorted(causes.items(), key=lambda kv: -kv[1])[:3])
             row("loop", name, "snapshots committed after warm-up", 100 * taken / max(1, len(handles)), "%",
                 f"{taken} of {len(handles)} due saves (steps 11-{args.steps}) committed to the memory tier"
