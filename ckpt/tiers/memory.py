@@ -251,9 +251,9 @@ class MemoryTier(Tier):
                 log.warning("the record of step %d in the memory tier failed (%s: %s): it is in this process's "
                             "memory only", step, type(e).__name__, e)
             finally:
-                with cv:
+                with cv:   # one step: a save never finds the buffer held by a pass that no longer gives way
                     buf.record_yields, buf.record_taken = None, None
-                self.pool.release(buf)
+                    self.pool.release(buf)
             try:
                 callback(reason)
             except Exception as e:   # noqa: BLE001 - a handle's bookkeeping never stops the records of the others
