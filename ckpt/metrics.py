@@ -14,8 +14,9 @@ key                        unit    what
 ``ckpt/save/wait_ms``      ms      part of the stall spent waiting for a free host buffer
 ``ckpt/save/stage_ms``     ms      the device-to-host copy, overlapped with training (if it completed)
 ``ckpt/save/stage_gbps``   GB/s    ``bytes / stage`` (if it completed)
-``ckpt/save/<tier>_s``     s       time to persist on ``<tier>`` (``local``, ``peer``, ``remote``), for
-                                   each tier the save reached
+``ckpt/save/<tier>_s``     s       time to persist on ``<tier>``, for each tier the save reached
+                                   among those the Checkpointer persists to (``local``, ``peer``,
+                                   ``remote``, a tier of one's own: ``ck.tiers``)
 ``ckpt/save/<tier>_gbps``  GB/s    ``bytes / <tier>_s`` (state bytes per second, before compression)
 ``ckpt/save/skipped``      0 or 1  1: ``if_busy="skip"`` skipped this save (no tier times then)
 ``ckpt/save/failed``       0 or 1  1: at least one tier failed (the error is logged and raised by
@@ -49,8 +50,6 @@ log = logging.getLogger(__name__)
 
 Record = dict[str, "int | float"]
 
-_PERSIST_TIERS = ("local", "peer", "remote")
-
 
 def save_record(handle: Any) -> Record:
     """The record of a finished save (a :class:`~ckpt.SaveHandle`)."""
@@ -65,9 +64,9 @@ def save_record(handle: Any) -> Record:
         r["ckpt/save/stage_ms"] = stats.stage_s * 1e3
         if stats.stage_s > 0:
             r["ckpt/save/stage_gbps"] = stats.nbytes / stats.stage_s / 1e9
-    for tier in _PERSIST_TIERS:
+    for tier in handle.tiers:   # the Checkpointer's tiers; those the pipeline wrote to have a persist time
         s = stats.persist_s.get(tier)
-        if s is not None and tier in handle.tiers and tier not in handle.errors:
+        if s is not None and tier not in handle.errors:
             r[f"ckpt/save/{tier}_s"] = s
             if s > 0:
                 r[f"ckpt/save/{tier}_gbps"] = stats.nbytes / s / 1e9
@@ -96,16 +95,15 @@ def _size(n: int) -> str:
 
 def save_line(handle: Any) -> str:
     """One line for the log: ``saved step 120: 7.40 GB, stall 15.2 ms, staged 0.14 s (52.9 GB/s);
-    local 4.93 s (1.50 GB/s), remote 12.10 s (0.61 GB/s)``, and the tiers that failed."""
+    local 4.93 s (1.50 GB/s), remote 12.10 s (0.61 GB/s)``: each tier of the save, nearest first, that
+    persisted it (with its time) or failed (``FAILED``)."""
     stats = handle.stats
     head = f"{'saved' if not handle.errors else 'save of'} step {stats.step}: {_size(stats.nbytes)}, " \
            f"stall {stats.stall_s * 1e3:.1f} ms"
     if stats.stage_s is not None and stats.stage_s > 0:
         head += f", staged {stats.stage_s:.2f} s ({stats.nbytes / stats.stage_s / 1e9:.1f} GB/s)"
     parts = []
-    for tier in _PERSIST_TIERS:
-        if tier not in handle.tiers:
-            continue
+    for tier in handle.tiers:
         if tier in handle.errors:
             parts.append(f"{tier} FAILED")
             continue

@@ -88,3 +88,18 @@ def test_settings_that_name_tiers_know_the_registered_one(tmp_path):
         assert ck.tiers == ["memory", "local", "disk2"]
     finally:
         ck.close()
+
+
+def test_the_registered_tier_gets_save_metrics_and_a_log_line(tmp_path, caplog):
+    """Metrics follow the tiers the Checkpointer has: the extra tier's persist time and throughput are in
+    each save's record, and the per-save log line names it."""
+    records = []
+    with caplog.at_level("INFO", logger="ckpt.metrics"):
+        with ckpt.Checkpointer(storage=_storage(tmp_path), every_steps=1, on_metrics=records.append) as ck:
+            ck.save(3, _state(3.0)).wait()
+            ck.metrics()   # the record is made on the thread that drives the Checkpointer
+    (r,) = [r for r in records if "ckpt/save/step" in r]
+    assert r["ckpt/save/step"] == 3 and r["ckpt/save/failed"] == 0
+    assert r["ckpt/save/disk2_s"] > 0 and r["ckpt/save/disk2_gbps"] > 0 and "ckpt/save/local_s" in r
+    (line,) = [x.getMessage() for x in caplog.records if x.name == "ckpt.metrics"]
+    assert "disk2 " in line and "local " in line
