@@ -238,7 +238,7 @@ def train_loop(root: Path, args) -> None:
         slow = max(range(10, len(times)), key=lambda i: times[i])
         row("loop", name, "mean step time", mean * 1e3, "ms", f"steps 11-{args.steps}; median "
             f"{statistics.median(times[10:]) * 1e3:.1f} ms; steps 11-40 {statistics.mean(times[10:40]) * 1e3:.1f}, "
-            f"41-{args.steps} {statistics.mean(times[40:]) * 1e3:.1f} ms; slowest: step {slow + 1}, "
+            f"41-{args.steps} {statistics.mean(times[40:] or [float('nan')]) * 1e3:.1f} ms; slowest: step {slow + 1}, "
             f"{times[slow] * 1e3:.0f} ms")
         shutil.rmtree(d, ignore_errors=True)
     for name in results:
