@@ -128,7 +128,7 @@ class Checkpointer:
         # which tiers there are (ckpt.tiers.stack): the settings that name tiers are checked against them
         self._stack = Tiers.build(self.storage, self.pool, torch.distributed.get_rank() if collective else 0)
         self.memory, self.local, self.remote = self._stack.memory, self._stack.local, self._stack.remote
-        self.signals.check_tiers(self._stack.planned)
+        self.signals.check_tiers(self._stack.planned_persisting)
         self.persist_every = self._stack.check_cadences(po.persist_every or {})
         mtbf = self._stack.per_tier(po.mtbf, "mtbf") if po.interval == "auto" else {}
         if po.interval == "auto":
@@ -393,6 +393,23 @@ class Checkpointer:
         if info is not None:
             self._metrics.restored(info)
         return None if info is None else info.step
+
+    def restorable(self) -> bool:
+        """Whether :meth:`restore` (of the newest step) will load a checkpoint: ``True`` when some rank
+        holds one on any of its tiers, or a peer holds a replica for it; ``restore()`` then returns a step
+        or raises, and returns ``None`` only when this is ``False``. Ask before building the model, to
+        build it empty for the restore to fill (:func:`ckpt.empty_params`, docs/guides/launchers.md,
+        "Restart fast") and normally on a job's first start.
+
+        Collective in a multi-process job, like :meth:`restore` (one integer all-reduce): every rank gets
+        the same answer, so a replaced rank with nothing of its own builds as its peers do.
+        """
+        self._check_open()
+        self._handles.wait_quietly(None if self.peer is not None else self.memory.name, swallow=True)
+        held = any(t.committed() for t in self._stack.own) or (self.peer is not None and bool(self.peer.committed()))
+        if self.ranks is not None:
+            held = bool(self.ranks.max([int(held)])[0])
+        return held
 
     @property
     def timeline(self) -> Timeline:

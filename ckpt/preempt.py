@@ -41,7 +41,6 @@ __all__ = ["Signals", "PreemptionGuard", "Listening", "WorkerSignals", "drain", 
 
 log = logging.getLogger(__name__)
 
-_TIERS = ("local", "remote", "peer")
 _UNCATCHABLE = {signal.SIGKILL, signal.SIGSTOP}
 
 
@@ -79,9 +78,10 @@ class Signals:
             ``save_tier`` (at most ``save_deadline`` seconds), logs it and returns the save's handle;
             training goes on. Signals that arrive before the save is taken make one save; one that
             arrives later (during the wait, say) asks for another at the next step. Default: none.
-        drain_tier: where a preemption save must land: ``"local"``, ``"remote"`` (needs the
-            Checkpointer's ``url``) or ``"peer"`` (needs ``peers=``: the peer rank on another node has
-            committed this rank's copy).
+        drain_tier: where a preemption save must land: a tier the persist pipeline writes to, among those
+            the Checkpointer has: ``"local"``, ``"remote"`` (needs the Checkpointer's ``url``), ``"peer"``
+            (needs ``peers=``: the peer rank on another node has committed this rank's copy) or a
+            registered tier of one's own (``Storage(extra_tiers=...)``).
         deadline: seconds a preemption waits for its save to become durable before it exits anyway
             (logged; the step may then not be durable). Budget it inside the scheduler's grace period.
         on_preempt: ``"exit"`` or ``"raise"``.
@@ -119,10 +119,13 @@ class Signals:
                              "stops the run or saves and goes on; list it in one of them")
         object.__setattr__(self, "preempt", preempt)
         object.__setattr__(self, "save", save)
+        from .tiers.stack import needs_text, persisting_kinds
+
+        kinds = persisting_kinds()
         for name in ("drain_tier", "save_tier"):
-            if getattr(self, name) not in _TIERS:
-                raise ValueError(f"{name} must be 'local', 'remote' (with a url) or 'peer' (with peers=); "
-                                 f"got {getattr(self, name)!r}")
+            if getattr(self, name) not in kinds:
+                raise ValueError(f"{name} must name a tier saves are written to: {needs_text(kinds)} (a tier of "
+                                 f"one's own once registered); got {getattr(self, name)!r}")
         if self.on_preempt not in ("exit", "raise"):
             raise ValueError(f"on_preempt must be 'exit' or 'raise', got {self.on_preempt!r}")
         if self.save_deadline is None:
@@ -161,12 +164,16 @@ class Signals:
         return cls(preempt=preempt, drain_tier=drain_tier, deadline=drain_deadline, on_preempt=on_preempt)
 
     def check_tiers(self, planned: Collection[str]) -> None:
-        """Refuse a tier the Checkpointer does not have (``planned``: the names of those it has; ``ValueError``
-        naming the argument)."""
+        """Refuse a tier the Checkpointer does not have (``planned``: the names of the tiers it writes saves to,
+        :attr:`ckpt.tiers.Tiers.planned_persisting`; ``ValueError`` naming the argument and what makes the
+        tier exist)."""
+        from .tiers.stack import persisting_kinds
+
         for name, tier in (("drain_tier", self.drain_tier), ("save_tier", self.save_tier)):
             if tier not in planned:
-                raise ValueError(f"{name} must be 'local', 'remote' together with a url, or 'peer' together with "
-                                 f"peers=; got {tier!r}")
+                needs = persisting_kinds().get(tier)
+                raise ValueError(f"{name}={tier!r}: this Checkpointer writes saves to {list(planned)}"
+                                 + (f"; the {tier!r} tier needs {needs}" if needs else ""))
 
     @property
     def handled(self) -> tuple[signal.Signals, ...]:

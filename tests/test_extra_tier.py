@@ -9,7 +9,9 @@ says so), and ``ckpt ls`` / ``verify`` / ``gc`` and export read its directory as
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import signal
 
 import pytest
 import torch
@@ -103,3 +105,19 @@ def test_the_registered_tier_gets_save_metrics_and_a_log_line(tmp_path, caplog):
     assert r["ckpt/save/disk2_s"] > 0 and r["ckpt/save/disk2_gbps"] > 0 and "ckpt/save/local_s" in r
     (line,) = [x.getMessage() for x in caplog.records if x.name == "ckpt.metrics"]
     assert "disk2 " in line and "local " in line
+
+
+def test_the_registered_tier_can_be_the_drain_tier(tmp_path):
+    """A preemption waits until its save is durable on the extra tier, though it writes only every 1000th step;
+    a Checkpointer without that tier refuses it as the drain tier, naming what makes it exist."""
+    policy = ckpt.Policy(every_steps=1000, persist_every={"disk2": 1000})
+    signals = ckpt.Signals(preempt=(signal.SIGUSR1,), drain_tier="disk2", on_preempt="raise")
+    with ckpt.Checkpointer(storage=_storage(tmp_path), policy=policy, signals=signals) as ck:
+        os.kill(os.getpid(), signal.SIGUSR1)   # the handler only sets the flag
+        with pytest.raises(ckpt.Preempted) as info:
+            ck.maybe_save(7, _state(7.0))
+        assert info.value.durable and info.value.step == 7
+    assert SecondDisk(tmp_path / "hdd").committed_steps() == [7]
+
+    with pytest.raises(ValueError, match="drain_tier='disk2'.*extra_tiers"):
+        ckpt.Checkpointer(local_dir=tmp_path / "other", signals=signals)

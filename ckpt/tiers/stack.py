@@ -13,10 +13,29 @@ from typing import Any, Iterator, Mapping
 
 from .base import PersistingTier, Tier, nearness, registered
 
-__all__ = ["Tiers"]
+__all__ = ["Tiers", "persisting_kinds", "needs_text"]
 
 #: the modules of the built-in tiers (a tier of one's own registers when its module is imported)
 _BUILT_IN = ("memory", "local", "peer", "remote")
+
+
+def _register_built_in() -> None:
+    for module in _BUILT_IN:   # importing a tier's module registers it
+        importlib.import_module(f"{__package__}.{module}")
+
+
+def persisting_kinds() -> dict[str, str | None]:
+    """The registered tiers the persist pipeline writes to (the built-in ones, and a tier of one's own once its
+    module is imported), nearest first: name -> what makes a Checkpointer have it (its
+    :attr:`~ckpt.tiers.Tier.needs`; ``None``: every Checkpointer has it). What a setting naming a tier a save is
+    written to may name (``persist_every``, ``Signals(drain_tier=..., save_tier=...)``)."""
+    _register_built_in()
+    return {c.name: c.needs for c in registered() if issubclass(c, PersistingTier)}
+
+
+def needs_text(kinds: Mapping[str, str | None]) -> str:
+    """``kinds`` (:func:`persisting_kinds`) for a message: ``'local', 'peer' (with peers=), ...``."""
+    return ", ".join(f"{name!r}" + (f" (with {needs})" if needs else "") for name, needs in kinds.items())
 
 
 class Tiers:
@@ -53,8 +72,7 @@ class Tiers:
         the memory tier over ``pool`` (its host buffers) in the shared-memory space of ``rank`` on this node.
         A name in ``storage.extra_tiers`` that no registered tier has is a ``ValueError``. The peer tier comes
         later (:meth:`add_peer`: collective)."""
-        for module in _BUILT_IN:   # importing a tier's module registers it
-            importlib.import_module(f"{__package__}.{module}")
+        _register_built_in()
 
         built: dict[str, Tier] = {}
         waiting = list(registered())
@@ -122,15 +140,19 @@ class Tiers:
             near["peer"] = nearness("peer")
         return sorted(near, key=near.__getitem__)
 
+    @property
+    def planned_persisting(self) -> list[str]:
+        """The names among :attr:`planned` of the tiers the persist pipeline writes to (all but the memory tier,
+        whose snapshots the pipeline takes): what ``persist_every`` and a drain tier may name."""
+        return [n for n in self.planned if n != self.memory.name]
+
     def check_cadences(self, persist_every: Mapping[str, int]) -> dict[str, int]:
         """``persist_every`` (tier name -> steps) as a dict, naming only persisting tiers this Checkpointer
         has: ``ValueError`` naming the tier and what makes each exist otherwise."""
-        have = [n for n in self.planned if n != self.memory.name]
+        have = self.planned_persisting
         for name in persist_every:
             if name not in have:
-                known = ", ".join(f"{c.name!r}" + (f" (with {c.needs})" if c.needs else "")
-                                  for c in registered() if issubclass(c, PersistingTier))
-                raise ValueError(f"persist_every names the tiers {known}, got {name!r}")
+                raise ValueError(f"persist_every names the tiers {needs_text(persisting_kinds())}, got {name!r}")
         return dict(persist_every)
 
     def per_tier(self, value: Any, what: str) -> dict[str, Any]:
