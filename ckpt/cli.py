@@ -403,8 +403,8 @@ def _verify(args: argparse.Namespace) -> int:
 
     def check(step: int) -> dict:
         with _bar(args, lambda: tier.stored_bytes(step), f"verify step {step}"):
-            m = tier.verify(step)   # a remote tier verifies every rank's parts
-        return {"bytes": sum(x.data_bytes for x in m) if isinstance(m, list) else m.data_bytes}
+            manifests = tier.verify(step)   # every rank's copy the tier holds (a job tier: every rank's)
+        return {"bytes": sum(m.data_bytes for m in manifests)}
 
     return _verify_each(steps, check, "step", lambda s: f"step {s}", args.json, args.dir)
 

@@ -218,8 +218,10 @@ class Tier(abc.ABC):
         """Read ``step`` (described by ``manifest``), check every chunk, scatter it into ``dest``."""
 
     @abc.abstractmethod
-    def verify(self, step: int) -> Any:
-        """Read every byte of ``step`` and check it; returns the manifest(s). Raises on a bad byte."""
+    def verify(self, step: int) -> list[Manifest]:
+        """Read every byte of ``step`` and check it; returns the manifests of every rank's copy of it this tier
+        holds, in rank order (a job tier: every saved rank's; a rank's own tier: its one). Raises as
+        :meth:`manifest_of` (a bad byte: :class:`~ckpt.errors.CorruptCheckpointError` naming the file)."""
 
     def copy_id(self, step: int) -> Hashable | None:
         """What tells the copy of ``step`` committed here now from another (``None``: not committed here now;

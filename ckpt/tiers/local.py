@@ -516,11 +516,12 @@ class LocalTier(PersistingTier, StoredTier, TimelineCopies):
         """Read, verify and scatter this rank's data of ``step`` into ``dest``."""
         self._read(step, manifest, Scatter(manifest.items, dest))
 
-    def verify(self, step: int) -> Manifest:
-        """Read every byte of ``step`` and check it against its checksums; returns the manifest."""
+    def verify(self, step: int) -> list[Manifest]:
+        """Read every byte of ``step`` and check it against its checksums; returns its manifest (this rank's
+        one copy) in a list, as every tier does."""
         manifest = self.open(step)[1]
         self._read(step, manifest, None)
-        return manifest
+        return [manifest]
 
     def _read(self, step: int, manifest: Manifest, sc: Scatter | None) -> None:
         dpath = self.step_dir(step) / data_name(self.rank)

@@ -574,8 +574,9 @@ class PeerTier(PersistingTier, TimelineCopies):
     def load(self, step: int, manifest: Manifest, dest: list[torch.Tensor | None]) -> None:
         self.store.load(step, manifest, dest)
 
-    def verify(self, step: int, timeline: Timeline | None = None) -> Manifest:
-        return self.store.verify(step, timeline)
+    def verify(self, step: int, timeline: Timeline | None = None) -> list[Manifest]:
+        """Check every chunk of the replica of ``step`` held here; returns its manifest in a list."""
+        return [self.store.verify(step, timeline)]   # the memory tier's verify gives the one manifest
 
     def delete(self, step: int) -> None:
         self.store.delete(step)
@@ -1043,8 +1044,8 @@ class ReceivedCopy(Tier):
         self.manifest_of(step)
         _scatter(manifest, dest, self.data[:manifest.data_bytes])
 
-    def verify(self, step: int, timeline: Timeline | None = None) -> Manifest:
-        return self.manifest_of(step)   # every chunk was checked on arrival
+    def verify(self, step: int, timeline: Timeline | None = None) -> list[Manifest]:
+        return [self.manifest_of(step)]   # every chunk was checked on arrival
 
     def delete(self, step: int) -> None:
         if step == self.step:
