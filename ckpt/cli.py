@@ -368,7 +368,7 @@ def _inspect(args: argparse.Namespace) -> int:
     if step not in tier.all_step_dirs():   # never saved (or deleted): not a step with a missing COMMIT
         found = sorted({e.step for e in tier.committed()}, reverse=True)[:10]
         raise FileNotFoundError(errno.ENOENT, f"step {step} does not exist (committed steps: {found})",
-                                str(tier.step_dir(step)))
+                                tier.step_location(step))
     commit, manifests = tier.records(step)
     if len(manifests) < commit.world_size:   # one rank's own tier of a job: its one copy
         manifest = manifests[0]

@@ -301,7 +301,7 @@ def _pick(tier: Any, step: int | None, where: str) -> int:
     if step not in {e.step for e in listed}:
         found = sorted({e.step for e in listed}, reverse=True)[:10]
         raise FileNotFoundError(errno.ENOENT, f"step {step} is not committed there (committed: {found}); pass "
-                                "another step", f"{tier.step_dir(step)}")
+                                "another step", tier.step_location(step))
     return step
 
 

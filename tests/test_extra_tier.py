@@ -3,7 +3,8 @@
 The tier here is a second disk directory (a slower, larger disk beside the NVMe one, say): a subclass of the
 local tier under another name and nearness, made from ``Storage(extra_tiers={"disk2": DIR})``. Saves reach it
 at its own cadence, retention applies to it, a restore falls back to it when the nearer tiers are gone (and
-says so), and ``ckpt ls`` / ``verify`` / ``gc`` and export read its directory as they read any local tier.
+says so), and ``ckpt ls`` / ``inspect`` / ``verify`` / ``gc`` and export read its directory as they read any
+local tier. Save metrics name it, and it can be the drain tier of a preemption.
 """
 
 from __future__ import annotations
@@ -68,6 +69,8 @@ def test_a_registered_tier_gets_saves_retention_and_restores_with_no_other_chang
     assert cli(["ls", str(tmp_path / "hdd"), "--json"]) == 0
     listed = json.loads(capsys.readouterr().out)
     assert {row["step"] for row in listed} == {4, 6}
+    assert cli(["inspect", str(tmp_path / "hdd"), "--step", "6", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["step"] == 6
     assert cli(["verify", str(tmp_path / "hdd"), "--step", "6"]) == 0
     assert cli(["gc", str(tmp_path / "hdd"), "--keep", "1"]) == 0
     assert SecondDisk(tmp_path / "hdd").committed_steps() == [6]

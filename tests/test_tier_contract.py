@@ -315,9 +315,9 @@ def test_verify_returns_the_manifests_of_the_copies_it_read(case, request):
 
 
 def test_every_ranks_records_stored_bytes_and_verified_chunks(case):
-    """The tiers with commit records on storage give every rank's records of a step, check the stored
-    bytes, and serve each chunk checked against its checksum: what `ckpt inspect` / `verify` and export read
-    whatever the tier. A flipped byte fails the chunk that holds it, by type."""
+    """The tiers with commit records on storage give every rank's records of a step, say where its files are,
+    check the stored bytes, and serve each chunk checked against its checksum: what `ckpt inspect` / `verify`
+    and export read whatever the tier. A flipped byte fails the chunk that holds it, by type."""
     tier = case.tier
     if not isinstance(tier, StoredTier):
         assert not tier.durable   # a tier in RAM (memory, peer): no files for a reader outside the process
@@ -325,6 +325,8 @@ def test_every_ranks_records_stored_bytes_and_verified_chunks(case):
     case.commit(6, make_state(6))
     commit, manifests = tier.records(6)
     assert commit.step == 6 and [m.rank for m in manifests] == [tier.rank]
+    assert tier.step_location(6) == tier.describe(6).path   # where messages say the step's files are
+    assert isinstance(tier.step_location(99), str)          # named without asking storage, committed or not
     m = manifests[0]
     assert tier.stored_bytes(6) == m.data_bytes
     tier.check_stored(6, m)

@@ -22,8 +22,9 @@ Every tier:
 
 A tier with commit records and data files on storage (local, remote) is a :class:`StoredTier` too: it
 gives every rank's records of a step (:meth:`StoredTier.records`), checks that a rank's stored bytes are all
-there (:meth:`StoredTier.check_stored`) and reads one verified chunk (:meth:`StoredTier.fetch`): what ``ckpt
-inspect`` / ``verify`` and export read, whatever the tier. Callers ask ``isinstance(tier, StoredTier)``; the
+there (:meth:`StoredTier.check_stored`), reads one verified chunk (:meth:`StoredTier.fetch`) and says where a
+step's files are (:meth:`StoredTier.step_location`): what ``ckpt inspect`` / ``verify`` and export read,
+whatever the tier. Callers ask ``isinstance(tier, StoredTier)``; the
 memory and peer tiers keep snapshots in RAM and are not stored tiers.
 """
 
@@ -326,6 +327,11 @@ class StoredTier(Tier):
     """A tier whose checkpoints are commit records and data files on storage (a directory, a URL), so that
     a reader outside the training process (``ckpt inspect`` / ``verify``, export, the DCP adapter) can list
     every rank's records of a step and read each chunk verified, whatever the tier."""
+
+    @abc.abstractmethod
+    def step_location(self, step: int) -> str:
+        """Where the files of ``step`` are, or would be, on this tier's storage (its directory; a URL on a store),
+        without asking the storage: what a message about the step names, committed or not."""
 
     @abc.abstractmethod
     def records(self, step: int) -> tuple[Commit, list[Manifest]]:

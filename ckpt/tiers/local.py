@@ -100,6 +100,10 @@ class LocalTier(PersistingTier, StoredTier, TimelineCopies):
     def step_dir(self, step: int) -> Path:
         return self.root / step_dir_name(step)
 
+    def step_location(self, step: int) -> str:
+        """The directory of ``step`` (:meth:`step_dir`) as text."""
+        return str(self.step_dir(step))
+
     def committed_steps(self) -> list[int]:
         """Steps with a ``COMMIT`` here, newest first (not yet verified)."""
         steps = []

@@ -163,6 +163,10 @@ class RemoteTier(StoreClient, Parts, Uploads, JobCommit, PersistingTier, StoredT
     def step_dir(self, step: int) -> str:
         return self._path(step_dir_name(step))
 
+    def step_location(self, step: int) -> str:
+        """The URL of ``step``'s prefix on the store."""
+        return self._url(self.step_dir(step))
+
     # -- listing ----------------------------------------------------------------------------------
     def committed_steps(self) -> list[int]:
         """Steps with a ``COMMIT`` here, newest first (not yet verified).
@@ -232,7 +236,7 @@ class RemoteTier(StoreClient, Parts, Uploads, JobCommit, PersistingTier, StoredT
     def describe(self, step: int, timeline: Timeline | None = None) -> StepInfo:
         """The step's URL and, from its ``COMMIT`` (one read), the bytes of every rank's data, the commit
         time and the world size."""
-        url = self._url(self.step_dir(step))
+        url = self.step_location(step)
         try:
             c = self.read_commit(step)
         except (CheckpointError, OSError):
