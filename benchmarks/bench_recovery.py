@@ -9,9 +9,10 @@ worker again; each restores and trains on to ``--steps``. Every worker appends w
 
 * **kill to next good step**: seconds from the kill to the first step completed after the restart by
   every rank (the slowest), split into the agent (kill to the new worker's process start: detection,
-  stopping the others, the rendezvous), the worker's start (interpreter and imports), the process-group
-  init, the model build, the restore (and the phases ``last_restore`` names) and the first step, each
-  ending when the slowest rank ends it (the critical path: they add up to the whole);
+  stopping the others, the rendezvous), the worker's start (interpreter and imports, the model's modeling
+  code included), the process-group init, the model build, the restore (and the phases ``last_restore``
+  names) and the first step, each ending when the slowest rank ends it (the critical path: they add up to
+  the whole);
 * the steps lost (the kill step minus the step restored);
 * whether the run ends bit-identical to an uninterrupted run of the same job (a digest of every rank's
   shards and optimizer state after the last step).
@@ -26,11 +27,19 @@ Modes, side by side in one run:
   ``every`` steps to the local disk (the previous one awaited first); the restarted job ``dcp.load``\\ s the
   newest complete one.
 
+``--fast-start`` (any mode): the restarted workers start as docs/guides/launchers.md's "Restart fast" says:
+the Checkpointer first (for ``dcp``: the listing of complete steps), then the model, built with its
+parameters on the meta device (``ckpt.empty_params``) when a restore will fill it, sharded and given
+storage (``ckpt.materialize``); the phases are then reported in that order (the checkpointer before the
+model build), and the rows' provider reads ``MODE, fast start``. A first start (the uninterrupted
+reference, the killed run's first attempt) builds the model as usual.
+
 Usage::
 
     python benchmarks/bench_recovery.py                      # every GPU of the machine, the three modes
     python benchmarks/bench_recovery.py --modes ours,dcp --kill-step 37
     python benchmarks/bench_recovery.py --shape 8b --batch 2 --modes ours,dcp
+    python benchmarks/bench_recovery.py --fast-start --modes ours,dcp
     python benchmarks/bench_recovery.py --smoke              # 2 CPU processes (gloo), a tiny model
 """
 
@@ -94,7 +103,7 @@ def worker(args: argparse.Namespace) -> None:
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     out = Path(args.out)
     ev = _Events(out / f"events-r{rank}.jsonl", rank, attempt)
-    ev("start", t=started)
+    ev("start", t=started, fast_start=args.fast_start)
 
     import torch
     import torch.distributed as dist
@@ -103,9 +112,12 @@ def worker(args: argparse.Namespace) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
+    import transformers
+
     import ckpt
     from bench_train_kernels import build_model
 
+    transformers.LlamaForCausalLM   # imports the modeling code (on first use): the start's, not the build's
     ev("imported")
     cuda = not args.smoke
     if cuda:
@@ -117,37 +129,39 @@ def worker(args: argparse.Namespace) -> None:
         torch.backends.cuda.enable_cudnn_sdp(False)
         torch.backends.cuda.enable_flash_sdp(False)
         torch.backends.cuda.enable_mem_efficient_sdp(False)
-    dev = "cuda" if cuda else "cpu"
-    model = build_model(args.smoke) if args.shape == "1.24b" else _build_8b()
-    mesh = init_device_mesh(dev, (world,))
-    for layer in model.model.layers:
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    state = {"model": model, "optim": opt}
-    if cuda:
-        torch.cuda.synchronize()
-    ev("built")
+    dev = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
 
-    def batch(step: int) -> Any:
-        g = torch.Generator().manual_seed(1_000_003 * step + rank)
-        return torch.randint(0, model.config.vocab_size, (args.batch, args.seq), generator=g).to(dev)
-
-    def train_step(step: int) -> None:
-        ids = batch(step)
-        model(input_ids=ids, labels=ids).loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+    def build(empty: bool) -> tuple[Any, Any]:
+        """The model, sharded, and its optimizer; ``empty``: its parameters built on meta and given storage
+        after fully_shard, for the restore to fill (docs/guides/launchers.md, "Restart fast")."""
+        t0 = time.time()
+        with ckpt.empty_params(empty):
+            model = build_model(args.smoke) if args.shape == "1.24b" else _build_8b()
+        mesh = init_device_mesh(dev.type, (world,))
+        for layer in model.model.layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        ckpt.materialize(model, dev)   # nothing to do after an ordinary build
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        if cuda:
+            torch.cuda.synchronize()
+        ev("built", empty=empty, build_s=round(time.time() - t0, 4))
+        return model, opt
 
     root = out / args.mode
     start = 0
     ck = None
     pending: list[Any] = []
     dcp_group = None
+    if not args.fast_start:   # the model first, as a job that knows nothing of restarts builds it
+        model, opt = build(False)
     if args.mode.startswith("ours"):
         ck = ckpt.Checkpointer(local_dir=root / f"rank-{rank}", every_steps=args.every,
                                peers=1 if args.mode == "ours-replaced" else None)
         ev("opened")
+        if args.fast_start:   # empty when a restore will fill it: the ranks agree on that
+            model, opt = build(ck.restorable())
+        state = {"model": model, "optim": opt}
         got = ck.restore(state)
         info = ck.last_restore
         start = got or 0
@@ -158,6 +172,8 @@ def worker(args: argparse.Namespace) -> None:
         ev("opened")
         done = sorted((int(p.name.split("-")[1]) for p in root.glob("step-*") if (p / ".metadata").exists()),
                       reverse=True)
+        if args.fast_start:   # every rank lists the same directory
+            model, opt = build(bool(done))
         if done:
             msd, osd = get_state_dict(model, opt)
             sd = {"model": msd, "optim": osd}
@@ -165,10 +181,21 @@ def worker(args: argparse.Namespace) -> None:
             set_state_dict(model, opt, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
             start = done[0]
         ev("restored", step=start if done else None, tier="disk" if done else None)
+        state = {"model": model, "optim": opt}
     if cuda:
         torch.cuda.synchronize()
     dist.barrier()
     ev("ready")
+
+    def batch(step: int) -> Any:
+        g = torch.Generator().manual_seed(1_000_003 * step + rank)
+        return torch.randint(0, model.config.vocab_size, (args.batch, args.seq), generator=g).to(dev)
+
+    def train_step(step: int) -> None:
+        ids = batch(step)
+        model(input_ids=ids, labels=ids).loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
 
     first = True
     for step in range(start + 1, args.steps + 1):
@@ -265,6 +292,8 @@ def _torchrun(args: argparse.Namespace, mode: str, out: Path, reference: bool) -
            "--shape", args.shape]
     if args.smoke:
         cmd.append("--smoke")
+    if args.fast_start:
+        cmd.append("--fast-start")
     if reference:
         cmd.append("--reference")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(HERE.parent), str(HERE), os.environ.get("PYTHONPATH", "")]),
@@ -326,6 +355,7 @@ def analyse(ref: list[dict], run: list[dict], nproc: int) -> dict[str, Any]:
         return {e["rank"]: e for e in after if e["event"] == event}
 
     marks = {k: at(k) for k in ("start", "imported", "pg", "built", "opened", "restored", "ready", "step", "end")}
+    fast = all(e.get("fast_start") for e in marks["start"].values())
     missing = [k for k, v in marks.items() if len(v) != nproc]
     if missing:
         raise SystemExit(f"the restarted attempt did not reach {missing} on every rank")
@@ -333,7 +363,8 @@ def analyse(ref: list[dict], run: list[dict], nproc: int) -> dict[str, Any]:
     # the critical path: each phase ends when the slowest rank ends it (a collective in the next phase waits
     # for that rank), so the phases add up to the whole; the first starts at the kill
     phases = {"agent": min(e["t"] for e in marks["start"].values()) - kill["t"]}
-    order = ["start", "imported", "pg", "built", "opened", "restored", "ready", "step"]
+    order = ["start", "imported", "pg", *(("opened", "built") if fast else ("built", "opened")), "restored", "ready",
+             "step"]
     names = {"imported": "worker start", "pg": "process group", "built": "model build",
              "opened": "checkpointer", "restored": "restore",
              "ready": "agree", "step": "first step"}
@@ -349,6 +380,8 @@ def analyse(ref: list[dict], run: list[dict], nproc: int) -> dict[str, Any]:
         "phases": phases,
         "restore_phases": {r: e.get("phases") for r, e in marks["restored"].items()},
         "tiers": {r: e.get("tier") for r, e in marks["restored"].items()},
+        "built_empty": sorted({bool(e.get("empty")) for e in marks["built"].values()}),
+        "build_s": {r: e.get("build_s") for r, e in marks["built"].items()},
         "restored": sorted(s for s in restored if s is not None),
         "kill_step": kill["step"],
         "steps_lost": kill["step"] - min((s or 0) for s in restored),
@@ -373,6 +406,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--shape", choices=("1.24b", "8b"), default="1.24b", help="the Llama shape (8b: Llama-3 8B)")
     p.add_argument("--timeout", type=float, default=900)
     p.add_argument("--smoke", action="store_true", help="CPU, gloo, a tiny model")
+    p.add_argument("--fast-start", action="store_true",
+                   help="each worker asks whether a restore will fill the model before building it, and builds it "
+                        "empty then (ckpt.empty_params, ckpt.materialize; docs/guides/launchers.md, Restart fast)")
     p.add_argument("--csv", default=None, help="results file (default benchmarks/results.csv)")
     p.add_argument("--events", default=None, help="a folder for each killed run's events (JSON lines)")
     args = p.parse_args(argv)
@@ -423,6 +459,7 @@ def main(argv: list[str] | None = None) -> int:
                 took = _torchrun(args, mode, run_out, reference=False)
                 clear_ram()
                 results[mode] = r = analyse(ref, _events(run_out), args.nproc)
+                provider = f"{mode}, fast start" if args.fast_start else mode
                 if args.events:   # every worker's events, for a look at each rank's timeline
                     Path(args.events).mkdir(parents=True, exist_ok=True)
                     Path(args.events, f"events-{mode}.jsonl").write_text(
@@ -430,15 +467,17 @@ def main(argv: list[str] | None = None) -> int:
                 shutil.rmtree(run_out, ignore_errors=True)
                 note = (f"{args.nproc} ranks, kill of rank {args.kill_rank} after step {r['kill_step']}, every "
                         f"{args.every}; restored {r['restored']} from {sorted(set(map(str, r['tiers'].values())))}; "
-                        f"bit-identical {r['bit_identical']}")
-                got = [{"case": case, "provider": mode, "metric": "kill to next good step",
+                        f"bit-identical {r['bit_identical']}"
+                        + (f"; model built empty {r['built_empty']}" if args.fast_start else ""))
+                got = [{"case": case, "provider": provider, "metric": "kill to next good step",
                         "value": r["kill_to_step_s"], "unit": "s", "note": note}]
-                got += [{"case": case, "provider": mode, "metric": k, "value": v, "unit": "s", "note": ""}
+                got += [{"case": case, "provider": provider, "metric": k, "value": v, "unit": "s", "note": ""}
                         for k, v in r["phases"].items()]
-                got.append({"case": case, "provider": mode, "metric": "steps lost", "value": r["steps_lost"],
+                got.append({"case": case, "provider": provider, "metric": "steps lost", "value": r["steps_lost"],
                             "unit": "", "note": ""})
-                print(f"{mode}: run {took:.1f} s; kill to next good step {r['kill_to_step_s']:.2f} s; "
-                      f"restore phases by rank {json.dumps(r['restore_phases'])}", flush=True)
+                print(f"{provider}: run {took:.1f} s; kill to next good step {r['kill_to_step_s']:.2f} s; "
+                      f"restore phases by rank {json.dumps(r['restore_phases'])}; model build (s) by rank "
+                      f"{json.dumps(r['build_s'])}, empty {r['built_empty']}", flush=True)
                 if not args.smoke:   # each mode as soon as it is measured: a later one that fails loses none
                     record("bench_recovery", got, args.csv)
                 rows += got

@@ -35,6 +35,8 @@ __all__ = [
     "Storage",
     "Policy",
     "promote",
+    "empty_params",
+    "materialize",
     "export",
     "ExportInfo",
     "Retention",
@@ -62,7 +64,7 @@ __all__ = [
 _WHERE = {
     "Checkpointer": "api", "CheckpointInfo": "catalog", "promote": "promotion", "SaveHandle": "pipeline",
     "Signals": "preempt", "WorkerSignals": "preempt", "RestoreInfo": "restore", "RNGState": "rng",
-    "SnapshotStats": "stage",
+    "SnapshotStats": "stage", "empty_params": "fast_start", "materialize": "fast_start",
 }
 
 
