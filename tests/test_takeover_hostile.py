@@ -374,7 +374,7 @@ def test_verify_of_an_adopted_snapshot_raises_on_a_changed_byte_and_passes_other
     with ckpt.Checkpointer(local_dir=local_dir) as ck:
         buf = _take_over(ck)[3]
         if flip is None:
-            m = ck.memory.verify(3)
+            (m,) = ck.memory.verify(3)
             assert m.step == 3 and m.data_bytes == DATA_BYTES and buf.checked is True and checks.n == 1
             ck.memory.verify(3)   # checked: not read again
             target = W.zeros()

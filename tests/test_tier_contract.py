@@ -300,13 +300,9 @@ def test_status_and_copy_identity_are_declared_by_every_tier(case):
             assert tier.copy_id(4) not in (None, stamp)
 
 
-def test_verify_returns_the_manifests_of_the_copies_it_read(case, request):
+def test_verify_returns_the_manifests_of_the_copies_it_read(case):
     """One return type on every tier: a list of manifests, one per rank's copy of the step the tier holds, in
     rank order (here one rank: its own)."""
-    if isinstance(case.tier, MemoryTier):
-        request.applymarker(pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-            "ckpt/tiers/memory.py's MemoryTier.verify still returns one Manifest: it returns [manifest] once its "
-            "owner changes it, and PeerTier.verify then returns the store's list as it is")))
     tier = case.tier
     case.commit(5, make_state(5))
     manifests = tier.verify(5)

@@ -584,9 +584,10 @@ class MemoryTier(Tier):
         if ahead is not None:
             ahead.end()
 
-    def verify(self, step: int, timeline: Timeline | None = None) -> Manifest:
+    def verify(self, step: int, timeline: Timeline | None = None) -> list[Manifest]:
         """Check every chunk of the snapshot of ``step`` a previous process left (this process's own
-        buffers hold bytes that never left it). Raises ``CorruptCheckpointError`` / ``LookupError``."""
+        buffers hold bytes that never left it); returns its manifest (this rank's one copy, in a list as every
+        tier's ``verify``). Raises ``CorruptCheckpointError`` / ``LookupError``."""
         self.pool.wait_adopted()
         rec = self._record(step, timeline)
         if rec is None:
@@ -599,11 +600,11 @@ class MemoryTier(Tier):
             try:
                 if not buf.checked:   # taken over from the previous process: its bytes are checked once
                     self._load_adopted(buf, buf.manifest, None)
-                return buf.manifest
+                return [buf.manifest]
             finally:
                 self.pool.release(buf)
         self._load_segment(rec, None)
-        return rec.manifest
+        return [rec.manifest]
 
 
 class _ReadAhead:
