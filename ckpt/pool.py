@@ -483,10 +483,11 @@ class HostPool:
 
     @staticmethod
     def _record_gives_way(b: HostBuffer) -> bool:
-        """(under the lock) Whether ``b``'s only hold is the memory tier's record pass of a snapshot a newer one
-        replaced, and that pass gives the buffer up to a new snapshot now (see MemoryTier._record_passes)."""
-        return b.holds == 1 and not b.staging and b.record_taken is None and b.record_yields is not None \
-            and b.record_yields()
+        """(under the lock) Whether ``b``'s only hold is the memory tier's record pass over a snapshot a newer one
+        replaced, and that pass gives the buffer up to a new snapshot now (see MemoryTier._record_passes), or was
+        told to already (it is stopping: it publishes nothing, whatever the buffer holds by then)."""
+        return b.holds == 1 and not b.staging and b.record_yields is not None \
+            and (b.record_taken is not None or b.record_yields())
 
     def wait_free(self, nbytes: int, step: int, timeout: float,
                   reclaim: Callable[[HostBuffer, bool, int], bool] | None = None) -> bool:
