@@ -45,7 +45,12 @@ from harness import device_name, record, table  # noqa: E402
 
 from ckpt.kernels._utils import register_cap  # noqa: E402
 from ckpt.kernels.cross_entropy import (  # noqa: E402
-    ClassWeights, _ce, _ce_config, _grad_rows, _row_layout, launch_ce,
+    ClassWeights,
+    _ce,
+    _ce_config,
+    _grad_rows,
+    _row_layout,
+    launch_ce,
 )
 
 
@@ -62,7 +67,9 @@ def _reference_kernel(L, G, T, LOSS, SCALE, stride, V, ignore_index, BLOCK: tl.c
     s = 0.0
     for off in range(0, V, BLOCK):
         cols = off + cols0
-        x = tl.load(base + cols, mask=cols < V, other=-float("inf"), eviction_policy="evict_last").to(tl.float32)
+        x = tl.load(base + cols, mask=cols < V, other=-float("inf"), eviction_policy="evict_last").to(
+            tl.float32
+        )
         m_new = tl.maximum(m, tl.max(x, axis=0))
         s = s * tl.exp(m - m_new) + tl.sum(tl.exp(x - m_new), axis=0)
         m = m_new
@@ -77,8 +84,12 @@ def _reference_kernel(L, G, T, LOSS, SCALE, stride, V, ignore_index, BLOCK: tl.c
     r = tl.load(base + cols, mask=cols < V, other=0.0, eviction_policy="evict_first")
     for _ in range(0, n_blocks):
         cols_next = off - BLOCK + cols0
-        r_next = tl.load(base + cols_next, mask=(cols_next < V) & (cols_next >= 0), other=0.0,
-                         eviction_policy="evict_first")
+        r_next = tl.load(
+            base + cols_next,
+            mask=(cols_next < V) & (cols_next >= 0),
+            other=0.0,
+            eviction_policy="evict_first",
+        )
         cols = off + cols0
         g = tl.exp(r.to(tl.float32) - lse) * cs
         g = tl.where(cols == t, g - cs, g)
@@ -87,10 +98,18 @@ def _reference_kernel(L, G, T, LOSS, SCALE, stride, V, ignore_index, BLOCK: tl.c
         off -= BLOCK
 
 
-def reference(x: torch.Tensor, t: torch.Tensor, loss: torch.Tensor, grad: torch.Tensor, scale: torch.Tensor,
-              block: int, warps: int) -> Any:
-    return _reference_kernel[(x.shape[0],)](x, grad, t, loss, scale, x.stride(0), x.shape[1], -100, BLOCK=block,
-                                            num_warps=warps)
+def reference(
+    x: torch.Tensor,
+    t: torch.Tensor,
+    loss: torch.Tensor,
+    grad: torch.Tensor,
+    scale: torch.Tensor,
+    block: int,
+    warps: int,
+) -> Any:
+    return _reference_kernel[(x.shape[0],)](
+        x, grad, t, loss, scale, x.stride(0), x.shape[1], -100, BLOCK=block, num_warps=warps
+    )
 
 
 def copy_rate(nbytes: int = 1 << 30) -> float:
@@ -133,8 +152,12 @@ _OPTION_SETS: dict[str, dict[str, Any]] = {
     "label smoothing 0.1": {"label_smoothing": 0.1},
     "softcap 30": {"softcap": 30.0},
     "class weights": {"weighted": True},
-    "all (smoothing, softcap, weights, z-loss 1e-4, z rows)": {"label_smoothing": 0.1, "softcap": 30.0,
-                                                                "weighted": True, "z_loss": 1e-4},
+    "all (smoothing, softcap, weights, z-loss 1e-4, z rows)": {
+        "label_smoothing": 0.1,
+        "softcap": 30.0,
+        "weighted": True,
+        "z_loss": 1e-4,
+    },
 }
 
 
@@ -142,11 +165,19 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--vocab", nargs="*", type=int, default=[128256])
     ap.add_argument("--tokens", type=int, default=8192)
-    ap.add_argument("--options", action="store_true",
-                    help="also the library's kernel with each loss option, with and without the register cap")
-    ap.add_argument("--sliced-from", type=int, default=0, metavar="WIDTH",
-                    help="also the logits as the first V columns of WIDTH (a padded vocabulary), the gradient "
-                         "in a contiguous buffer and in the library's")
+    ap.add_argument(
+        "--options",
+        action="store_true",
+        help="also the library's kernel with each loss option, with and without the register cap",
+    )
+    ap.add_argument(
+        "--sliced-from",
+        type=int,
+        default=0,
+        metavar="WIDTH",
+        help="also the logits as the first V columns of WIDTH (a padded vocabulary), the gradient "
+        "in a contiguous buffer and in the library's",
+    )
     ap.add_argument("--rep-ms", type=int, default=60)
     ap.add_argument("--csv", type=Path, default=None)
     ap.add_argument("--smoke", action="store_true")
@@ -157,8 +188,11 @@ def main(argv: list[str] | None = None) -> int:
         print("bench_ce_schedules: needs a CUDA GPU (or --smoke)", file=sys.stderr)
         return 2
     rate = copy_rate()
-    print(f"device: {device_name()}  torch {torch.__version__}  triton {triton.__version__}  copy rate "
-          f"{rate / 1e9:.0f} GB/s", flush=True)
+    print(
+        f"device: {device_name()}  torch {torch.__version__}  triton {triton.__version__}  copy rate "
+        f"{rate / 1e9:.0f} GB/s",
+        flush=True,
+    )
     rows: list[dict[str, Any]] = []
     shown: list[dict[str, Any]] = []
     for v in args.vocab:
@@ -171,37 +205,81 @@ def main(argv: list[str] | None = None) -> int:
         loss = torch.empty(n, device="cuda")
         zrows = torch.empty(n, device="cuda")
         weights = ClassWeights(torch.rand(v, device="cuda", generator=gen) + 0.5)
-        least = 2 * x.numel() * x.element_size()   # the logits read once, the gradient written once
+        least = 2 * x.numel() * x.element_size()  # the logits read once, the gradient written once
         inplace = x.clone()
         edges, align = _row_layout(inplace, inplace)
 
-        def expected(label_smoothing: float = 0.0, softcap: float = 0.0, weighted: bool = False,
-                     z_loss: float = 0.0) -> torch.Tensor:
+        def expected(
+            label_smoothing: float = 0.0, softcap: float = 0.0, weighted: bool = False, z_loss: float = 0.0
+        ) -> torch.Tensor:
             want = torch.empty_like(x)
-            launch_ce(x, t, loss, want, one, -100, label_smoothing, z_loss, softcap,
-                      weights if weighted else None, zrows if z_loss else None)
+            launch_ce(
+                x,
+                t,
+                loss,
+                want,
+                one,
+                -100,
+                label_smoothing,
+                z_loss,
+                softcap,
+                weights if weighted else None,
+                zrows if z_loss else None,
+            )
             return want
 
-        def library(block: int, warps: int, regs: int | None, label_smoothing: float = 0.0, softcap: float = 0.0,
-                    weighted: bool = False, z_loss: float = 0.0) -> Callable[[], Any]:
+        def library(
+            block: int,
+            warps: int,
+            regs: int | None,
+            label_smoothing: float = 0.0,
+            softcap: float = 0.0,
+            weighted: bool = False,
+            z_loss: float = 0.0,
+        ) -> Callable[[], Any]:
             cw, sumw = (weights.w, weights.sum) if weighted else (loss, loss)
-            return lambda: _ce[(n,)](inplace, inplace, t, loss, zrows, one, one, cw, sumw, inplace.stride(0),
-                                     inplace.stride(0), 0, v, -100, label_smoothing, z_loss, softcap,
-                                     COMPUTE_GRAD=True, HAS_SMOOTHING=label_smoothing > 0.0,
-                                     HAS_SOFTCAP=softcap > 0.0, HAS_WEIGHT=weighted, STORE_Z=z_loss > 0.0,
-                                     BLOCK_V=block, EDGES=edges, ALIGN=align, num_warps=warps,
-                                     **register_cap(regs))
+            return lambda: _ce[(n,)](
+                inplace,
+                inplace,
+                t,
+                loss,
+                zrows,
+                one,
+                one,
+                cw,
+                sumw,
+                inplace.stride(0),
+                inplace.stride(0),
+                0,
+                v,
+                -100,
+                label_smoothing,
+                z_loss,
+                softcap,
+                COMPUTE_GRAD=True,
+                HAS_SMOOTHING=label_smoothing > 0.0,
+                HAS_SOFTCAP=softcap > 0.0,
+                HAS_WEIGHT=weighted,
+                STORE_Z=z_loss > 0.0,
+                BLOCK_V=block,
+                EDGES=edges,
+                ALIGN=align,
+                num_warps=warps,
+                **register_cap(regs),
+            )
 
         def ref(block: int, warps: int) -> Callable[[], Any]:
             return lambda: reference(inplace, t, loss, inplace, one, block, warps)
 
         plain = expected()
         default = _ce_config(v, edges)
-        variants: list[tuple[str, Callable[[], Any], torch.Tensor]] = []   # name, launch, expected gradient
+        variants: list[tuple[str, Callable[[], Any], torch.Tensor]] = []  # name, launch, expected gradient
         for b, w in ((4096, 4), (8192, 8), (16384, 16)):
             for regs in (None, 64):
                 mark = ": the default" if (b, w, regs) == default else ""
-                variants.append((f"library {b}/{w} regs {regs or 'uncapped'}{mark}", library(b, w, regs), plain))
+                variants.append(
+                    (f"library {b}/{w} regs {regs or 'uncapped'}{mark}", library(b, w, regs), plain)
+                )
         variants += [
             ("reference 16384/16", ref(16384, 16), plain),
             ("reference 8192/8", ref(8192, 8), plain),
@@ -213,16 +291,23 @@ def main(argv: list[str] | None = None) -> int:
                 for b, w in ((8192, 8), (16384, 16)):
                     for regs in (None, 64):
                         mark = ": the default" if (b, w, regs) == mine else ""
-                        variants.append((f"library {b}/{w} regs {regs or 'uncapped'}, {label}{mark}",
-                                         library(b, w, regs, **opts), want))
-        outs = {}   # variants whose gradient is not written over ``inplace``: where it is
+                        variants.append(
+                            (
+                                f"library {b}/{w} regs {regs or 'uncapped'}, {label}{mark}",
+                                library(b, w, regs, **opts),
+                                want,
+                            )
+                        )
+        outs = {}  # variants whose gradient is not written over ``inplace``: where it is
         if args.sliced_from:
             width = max(args.sliced_from, v)
             padded = torch.empty(n, width, device="cuda", dtype=x.dtype)
             padded[:, :v] = x
             sliced = padded[:, :v]
-            for label, g in (("a contiguous gradient", torch.empty(n, v, device="cuda", dtype=x.dtype)),
-                             ("the library's gradient buffer (_grad_rows)", _grad_rows(sliced))):
+            for label, g in (
+                ("a contiguous gradient", torch.empty(n, v, device="cuda", dtype=x.dtype)),
+                ("the library's gradient buffer (_grad_rows)", _grad_rows(sliced)),
+            ):
                 name = f"library default, logits sliced from {width} columns, {label}"
                 variants.append((name, lambda g=g: launch_ce(sliced, t, loss, g, one, -100, 0.0, 0.0), plain))
                 outs[name] = g
@@ -230,20 +315,34 @@ def main(argv: list[str] | None = None) -> int:
             inplace.copy_(x)
             kernel = fn()
             torch.cuda.synchronize()
-            regs = getattr(kernel, "n_regs", None)   # the compiled kernel's registers per thread and spills
+            regs = getattr(kernel, "n_regs", None)  # the compiled kernel's registers per thread and spills
             spills = getattr(kernel, "n_spills", None)
             err = (outs.get(name, inplace).float() - want.float()).abs().max().item()
             if not err <= 1e-2:
                 raise AssertionError(f"{name}: its gradient differs from the library's by {err:.3g}")
             ms = _replay_ms(fn, args.rep_ms)
             pct = 100.0 * least / (ms / 1e3) / rate
-            shown.append({"vocabulary": v, "kernel": name, "registers": regs, "spills": spills, "ms": round(ms, 3),
-                          "% of copy rate": round(pct, 1)})
-            rows.append({"case": f"cross_entropy {n}x{v}{'' if name in outs else ' in place'}, {name}",
-                         "provider": "reference" if name.startswith("reference") else "ours",
-                         "metric": "loss_and_grad_graph_replay_median", "value": ms, "unit": "ms",
-                         "note": f"{pct:.1f}% of the copy rate {rate / 1e9:.0f} GB/s for {least / 1e6:.0f} MB; "
-                                 f"{regs} registers per thread, {spills} spills"})
+            shown.append(
+                {
+                    "vocabulary": v,
+                    "kernel": name,
+                    "registers": regs,
+                    "spills": spills,
+                    "ms": round(ms, 3),
+                    "% of copy rate": round(pct, 1),
+                }
+            )
+            rows.append(
+                {
+                    "case": f"cross_entropy {n}x{v}{'' if name in outs else ' in place'}, {name}",
+                    "provider": "reference" if name.startswith("reference") else "ours",
+                    "metric": "loss_and_grad_graph_replay_median",
+                    "value": ms,
+                    "unit": "ms",
+                    "note": f"{pct:.1f}% of the copy rate {rate / 1e9:.0f} GB/s for {least / 1e6:.0f} MB; "
+                    f"{regs} registers per thread, {spills} spills",
+                }
+            )
             print(f"  V={v} {name}: {ms:.3f} ms, {pct:.1f}%, {regs} registers, {spills} spills", flush=True)
         del x, inplace, plain, variants, outs
         torch.cuda.empty_cache()

@@ -40,12 +40,14 @@ import harness  # noqa: E402
 import ckpt  # noqa: E402
 
 ROWS: list[dict] = []
-REFERENCE: dict[str, torch.Tensor] = {}   # what was saved, to check every restore against
-READ_BW = [float("nan")]                  # the disk's cold-read GB/s, measured in this run
+REFERENCE: dict[str, torch.Tensor] = {}  # what was saved, to check every restore against
+READ_BW = [float("nan")]  # the disk's cold-read GB/s, measured in this run
 
 
 def row(case: str, provider: str, metric: str, value: float, unit: str, note: str = "") -> None:
-    ROWS.append({"case": case, "provider": provider, "metric": metric, "value": value, "unit": unit, "note": note})
+    ROWS.append(
+        {"case": case, "provider": provider, "metric": metric, "value": value, "unit": unit, "note": note}
+    )
     print(f"  {case:10s} {provider:28s} {metric:28s} {value:10.4g} {unit} {note}", flush=True)
 
 
@@ -140,18 +142,26 @@ def disk_bandwidth(root: Path, size: int) -> float:
 def disk_read_bandwidth(root: Path, size: int) -> float:
     """Cold-cache read of ``size`` bytes with 1/4/8/16 threads; returns the best GB/s."""
     path = root / "disk-read-probe"
-    size = max(16 << 20, size // (16 << 20) * (16 << 20))   # whole chunks: O_DIRECT needs aligned sizes
+    size = max(16 << 20, size // (16 << 20) * (16 << 20))  # whole chunks: O_DIRECT needs aligned sizes
     buf = memoryview(os.urandom(64 << 20))
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     for off in range(0, size, len(buf)):
         os.pwrite(fd, buf[: min(len(buf), size - off)], off)
     os.close(fd)
     best = 0.0
-    for threads, direct in ((1, False), (4, False), (8, False), (16, False), (1, True), (8, True), (16, True)):
+    for threads, direct in (
+        (1, False),
+        (4, False),
+        (8, False),
+        (16, False),
+        (1, True),
+        (8, True),
+        (16, True),
+    ):
         drop_cache(root)
         fd = os.open(path, os.O_RDONLY | (os.O_DIRECT if direct else 0))
         chunk = 16 << 20
-        bufs = [mmap.mmap(-1, chunk) for _ in range(threads)]   # page aligned, as O_DIRECT needs
+        bufs = [mmap.mmap(-1, chunk) for _ in range(threads)]  # page aligned, as O_DIRECT needs
         offs = list(range(0, size, chunk))
         t = time.perf_counter()
 
@@ -174,7 +184,7 @@ def checksum_bandwidth() -> None:
     from ckpt.integrity import checksum
 
     data = memoryview(os.urandom(256 << 20))
-    chunks = [data[i:i + (16 << 20)] for i in range(0, len(data), 16 << 20)]
+    chunks = [data[i : i + (16 << 20)] for i in range(0, len(data), 16 << 20)]
     for threads in (1, knobs.get("CKPT_IO_THREADS")):
         with ThreadPoolExecutor(threads) as ex:
             list(ex.map(checksum, chunks[:threads]))
@@ -197,12 +207,13 @@ class Workload:
         t = time.perf_counter()
         self.model(self.x).float().square().mean().backward()
         if torch.cuda.is_available():
-            torch.cuda.current_stream().synchronize()   # the loop's own stream, not the side copy stream
+            torch.cuda.current_stream().synchronize()  # the loop's own stream, not the side copy stream
         return time.perf_counter() - t
 
 
-def bench_ours(state: dict, root: Path, device: str, workload: Workload, pinned_bw: float, disk_bw: float,
-               repeats: int) -> None:
+def bench_ours(
+    state: dict, root: Path, device: str, workload: Workload, pinned_bw: float, disk_bw: float, repeats: int
+) -> None:
     total = nbytes(state)
     d = root / "ours"
     with ckpt.Checkpointer(local_dir=d, keep=ckpt.Retention(local=1)) as ck:
@@ -212,7 +223,7 @@ def bench_ours(state: dict, root: Path, device: str, workload: Workload, pinned_
             t0 = time.perf_counter()
             h = ck.save(i, state)
             blocked = time.perf_counter() - t0
-            step_t = workload.step() + blocked      # the loop's next step, overlapped with the copy
+            step_t = workload.step() + blocked  # the loop's next step, overlapped with the copy
             h.wait()
             note = "1st save (allocates the pinned buffer)" if i == 0 else ""
             row("state", "ours", "blocked per save", blocked * 1e3, "ms", note)
@@ -244,8 +255,6 @@ def bench_ours(state: dict, root: Path, device: str, workload: Workload, pinned_
         row("state", "ours", "restore local, cold cache", dt, "s", ck.last_restore.tier)
         row("state", "ours", "restore local / disk read", total / dt / 1e9 / READ_BW[0], "x")
     check(state)
-
-
 
 
 def check(state: dict) -> None:
@@ -295,6 +304,7 @@ def bench_dcp(state: dict, root: Path, device: str) -> None:
                 kwargs = {}
                 if stager:
                     from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
                     kwargs["async_stager"] = DefaultStager(StagingOptions(True, True, True, True))
                 fut = dcp.async_save(state, checkpoint_id=str(dd), **kwargs)
                 blocked = time.perf_counter() - t0
@@ -322,9 +332,17 @@ def bench_training(root: Path, steps: int, every: int, layers: int, batch: int, 
     from transformers import LlamaConfig, LlamaForCausalLM
     import torch.distributed.checkpoint as dcp
 
-    cfg = LlamaConfig(hidden_size=2048, num_hidden_layers=layers, num_attention_heads=32, num_key_value_heads=8,
-                      intermediate_size=8192, vocab_size=128256, tie_word_embeddings=True,
-                      max_position_embeddings=4096, attn_implementation="sdpa")
+    cfg = LlamaConfig(
+        hidden_size=2048,
+        num_hidden_layers=layers,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        intermediate_size=8192,
+        vocab_size=128256,
+        tie_word_embeddings=True,
+        max_position_embeddings=4096,
+        attn_implementation="sdpa",
+    )
     torch.manual_seed(0)
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     model = LlamaForCausalLM(cfg).to(dev, torch.bfloat16)
@@ -346,7 +364,11 @@ def bench_training(root: Path, steps: int, every: int, layers: int, batch: int, 
     for mode in ("none", "ours", "dcp.async_save"):
         times = []
         fut = None
-        ck = ckpt.Checkpointer(local_dir=root / "train-ours", keep=ckpt.Retention(local=1)) if mode == "ours" else None
+        ck = (
+            ckpt.Checkpointer(local_dir=root / "train-ours", keep=ckpt.Retention(local=1))
+            if mode == "ours"
+            else None
+        )
         for s in range(1, steps + 1):
             t0 = time.perf_counter()
             step()
@@ -357,19 +379,35 @@ def bench_training(root: Path, steps: int, every: int, layers: int, batch: int, 
                     if fut is not None:
                         fut.result()
                     from torch.distributed.checkpoint.state_dict import get_state_dict
+
                     msd, osd = get_state_dict(model, opt)
-                    fut = dcp.async_save({"model": msd, "optim": osd}, checkpoint_id=str(root / f"train-dcp-{s}"))
+                    fut = dcp.async_save(
+                        {"model": msd, "optim": osd}, checkpoint_id=str(root / f"train-dcp-{s}")
+                    )
             times.append(time.perf_counter() - t0)
         if ck is not None:
             ck.close()
             state_bytes = ck.history[-1].nbytes
             row("train", "ours", "state size", state_bytes / 1e9, "GB")
-            row("train", "ours", "blocked per save", statistics.mean(h.stall_s for h in ck.history) * 1e3, "ms")
+            row(
+                "train",
+                "ours",
+                "blocked per save",
+                statistics.mean(h.stall_s for h in ck.history) * 1e3,
+                "ms",
+            )
         if fut is not None:
             fut.result()
-        mean = statistics.mean(times[min(5, len(times) // 2):])
+        mean = statistics.mean(times[min(5, len(times) // 2) :])
         results[mode] = mean
-        row("train", mode, "mean step time", mean, "s", f"{steps} steps, save every {every}; {nparams / 1e9:.2f}B params")
+        row(
+            "train",
+            mode,
+            "mean step time",
+            mean,
+            "s",
+            f"{steps} steps, save every {every}; {nparams / 1e9:.2f}B params",
+        )
         row("train", mode, "tokens/s", batch * seq / mean, "tok/s")
     for mode in ("ours", "dcp.async_save"):
         row("train", mode, "overhead vs no saves", (results[mode] / results["none"] - 1) * 100, "%")
@@ -400,7 +438,7 @@ def main() -> None:
     state = build_state(args.gb, device)
     total = nbytes(state)
     row("state", "-", "state size", total / 1e9, "GB", f"{len(state)} tensors")
-    REFERENCE.update({k: v.clone() for k, v in state.items()})   # restores are checked against it
+    REFERENCE.update({k: v.clone() for k, v in state.items()})  # restores are checked against it
     disk_bw = disk_bandwidth(root, min(total, 4 << 30))
     read_bw = disk_read_bandwidth(root, min(total, 4 << 30))
     READ_BW[0] = read_bw
@@ -413,7 +451,9 @@ def main() -> None:
     else:
         pinned_bw = float("nan")
     workload = Workload(device, 4096 if device == "cuda" else 256)
-    bench_ours(state, root, device, workload, pinned_bw if device == "cuda" else float("inf"), disk_bw, args.repeats)
+    bench_ours(
+        state, root, device, workload, pinned_bw if device == "cuda" else float("inf"), disk_bw, args.repeats
+    )
     if args.baselines:
         init_single_process_group()
         bench_torch_save(state, root, device)
@@ -425,19 +465,49 @@ def main() -> None:
         torch.cuda.empty_cache()
     if args.train:
         init_single_process_group()
-        bench_training(root / "train", args.train_steps, args.train_every, args.train_layers, args.train_batch,
-                       args.train_seq)
+        bench_training(
+            root / "train",
+            args.train_steps,
+            args.train_every,
+            args.train_layers,
+            args.train_batch,
+            args.train_seq,
+        )
     path = harness.record("checkpoint", ROWS, args.csv)
     shutil.rmtree(root, ignore_errors=True)
     print(f"\nappended {len(ROWS)} rows to {path}\n")
-    keep = [r for r in ROWS if r["metric"] in (
-        "blocked per save", "staging", "persist local", "restore from memory", "restore local, cold cache",
-        "restore, warm cache", "total per save", "pinned bytes / state", "pinned allocations", "mean step time",
-        "overhead vs no saves", "step time, no save", "step time with save", "pinned D2H",
-        "write+fsync 8 threads", "write+fsync 4 threads", "staging / pinned copy", "persist / disk", "failed",
-        "cold read 1 threads", "cold read 16 threads", "cold read 1 threads O_DIRECT",
-        "cold read 16 threads O_DIRECT", "restore local / disk read")
-        or r["case"] == "checksum"]
+    keep = [
+        r
+        for r in ROWS
+        if r["metric"]
+        in (
+            "blocked per save",
+            "staging",
+            "persist local",
+            "restore from memory",
+            "restore local, cold cache",
+            "restore, warm cache",
+            "total per save",
+            "pinned bytes / state",
+            "pinned allocations",
+            "mean step time",
+            "overhead vs no saves",
+            "step time, no save",
+            "step time with save",
+            "pinned D2H",
+            "write+fsync 8 threads",
+            "write+fsync 4 threads",
+            "staging / pinned copy",
+            "persist / disk",
+            "failed",
+            "cold read 1 threads",
+            "cold read 16 threads",
+            "cold read 1 threads O_DIRECT",
+            "cold read 16 threads O_DIRECT",
+            "restore local / disk read",
+        )
+        or r["case"] == "checksum"
+    ]
     print(harness.table(keep, ["case", "provider", "metric", "value", "unit", "note"]))
 
 

@@ -44,7 +44,10 @@ def build(mb: int, device: str) -> dict:
     n = 2048
     per = n * n * (2 + 4 + 4)
     g = torch.Generator(device="cpu").manual_seed(0)
-    state = {"model": {}, "optim": {"param_groups": [{"lr": 1e-3, "betas": (0.9, 0.95), "eps": 1e-8}], "step": 7}}
+    state = {
+        "model": {},
+        "optim": {"param_groups": [{"lr": 1e-3, "betas": (0.9, 0.95), "eps": 1e-8}], "step": 7},
+    }
     for i in range(max(1, mb * 2**20 // per)):
         w = torch.randn(n, n, generator=g)
         state["model"][f"layer{i}.weight"] = w.to(device=device, dtype=torch.bfloat16)
@@ -54,10 +57,17 @@ def build(mb: int, device: str) -> dict:
 
 
 def empty_like(state: dict) -> dict:
-    return {"model": {k: torch.empty_like(v) for k, v in state["model"].items()},
-            "optim": {k: (torch.empty_like(v) if torch.is_tensor(v) else
-                          ([{"lr": 0.0, "betas": None, "eps": 0.0}] if k == "param_groups" else 0))
-                      for k, v in state["optim"].items()}}
+    return {
+        "model": {k: torch.empty_like(v) for k, v in state["model"].items()},
+        "optim": {
+            k: (
+                torch.empty_like(v)
+                if torch.is_tensor(v)
+                else ([{"lr": 0.0, "betas": None, "eps": 0.0}] if k == "param_groups" else 0)
+            )
+            for k, v in state["optim"].items()
+        },
+    }
 
 
 def same(a: dict, b: dict) -> bool:
@@ -85,16 +95,24 @@ def main() -> None:
     args = ap.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     state = build(args.mb, device)
-    nbytes = sum(t.numel() * t.element_size() for part in state.values() for t in part.values() if torch.is_tensor(t))
+    nbytes = sum(
+        t.numel() * t.element_size() for part in state.values() for t in part.values() if torch.is_tensor(t)
+    )
     root = Path(tempfile.mkdtemp(prefix="bench-dcp-", dir=args.dir))
     providers = {
         "dcp-fs": (lambda d: dcp.FileSystemWriter(d / "fs"), lambda d: dcp.FileSystemReader(d / "fs")),
-        "tiers-local": (lambda d: TierStorageWriter(local_dir=d / "local"),
-                        lambda d: TierStorageReader(local_dir=d / "local")),
-        "tiers-local+remote": (lambda d: TierStorageWriter(local_dir=d / "l2", url=f"file://{d}/remote"),
-                               lambda d: TierStorageReader(local_dir=d / "l2", url=f"file://{d}/remote")),
-        "tiers-remote": (lambda d: TierStorageWriter(url=f"file://{d}/remote-only"),
-                         lambda d: TierStorageReader(url=f"file://{d}/remote-only")),
+        "tiers-local": (
+            lambda d: TierStorageWriter(local_dir=d / "local"),
+            lambda d: TierStorageReader(local_dir=d / "local"),
+        ),
+        "tiers-local+remote": (
+            lambda d: TierStorageWriter(local_dir=d / "l2", url=f"file://{d}/remote"),
+            lambda d: TierStorageReader(local_dir=d / "l2", url=f"file://{d}/remote"),
+        ),
+        "tiers-remote": (
+            lambda d: TierStorageWriter(url=f"file://{d}/remote-only"),
+            lambda d: TierStorageReader(url=f"file://{d}/remote-only"),
+        ),
     }
     times = {p: {"save": [], "load": []} for p in providers}
     try:
@@ -103,10 +121,12 @@ def main() -> None:
                 d = root / f"r{rnd}"
                 sync()
                 t0 = time.perf_counter()
-                dcp.save(state, storage_writer=make_writer(d), checkpoint_id=None if name == "dcp-fs" else "ck")
+                dcp.save(
+                    state, storage_writer=make_writer(d), checkpoint_id=None if name == "dcp-fs" else "ck"
+                )
                 sync()
                 times[name]["save"].append(time.perf_counter() - t0)
-                os.sync()   # untimed: the next load must not compete with this save's writeback
+                os.sync()  # untimed: the next load must not compete with this save's writeback
                 out = empty_like(state)
                 sync()
                 t0 = time.perf_counter()
@@ -124,14 +144,33 @@ def main() -> None:
     for name, t in times.items():
         for op in ("save", "load"):
             med = statistics.median(t[op])
-            rows.append({"case": case, "provider": name, "metric": f"{op}_s", "value": round(med, 4), "unit": "s",
-                         "note": f"median of {args.rounds}; {nbytes / med / 1e9:.2f} GB/s; rounds "
-                                 + ", ".join(f"{x:.3f}" for x in t[op])})
+            rows.append(
+                {
+                    "case": case,
+                    "provider": name,
+                    "metric": f"{op}_s",
+                    "value": round(med, 4),
+                    "unit": "s",
+                    "note": f"median of {args.rounds}; {nbytes / med / 1e9:.2f} GB/s; rounds "
+                    + ", ".join(f"{x:.3f}" for x in t[op]),
+                }
+            )
     record("bench_dcp_adapter", rows, args.csv)
     print(f"device: {device_name()}  torch {torch.__version__}  state {nbytes / 1e9:.2f} GB on {device}")
-    print(table([{"provider": r["provider"], "metric": r["metric"], "seconds": r["value"],
-                  "GB/s": round(nbytes / r["value"] / 1e9, 2)} for r in rows],
-                ["provider", "metric", "seconds", "GB/s"]))
+    print(
+        table(
+            [
+                {
+                    "provider": r["provider"],
+                    "metric": r["metric"],
+                    "seconds": r["value"],
+                    "GB/s": round(nbytes / r["value"] / 1e9, 2),
+                }
+                for r in rows
+            ],
+            ["provider", "metric", "seconds", "GB/s"],
+        )
+    )
 
 
 if __name__ == "__main__":

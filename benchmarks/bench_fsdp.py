@@ -59,9 +59,9 @@ def _worker(rank: int, world: int, args: argparse.Namespace, port: int, out: str
         torch.cuda.set_device(rank)
     dist.init_process_group("cpu:gloo,cuda:nccl" if cuda else "gloo", rank=rank, world_size=world)
     dev = "cuda" if cuda else "cpu"
-    from bench_train_kernels import build_model   # the same model as the single-GPU training benchmark
+    from bench_train_kernels import build_model  # the same model as the single-GPU training benchmark
 
-    model = build_model(args.smoke)   # on the current device: GPU `rank`
+    model = build_model(args.smoke)  # on the current device: GPU `rank`
     mesh = init_device_mesh(dev, (world,))
     for layer in model.model.layers:
         fully_shard(layer, mesh=mesh)
@@ -99,7 +99,7 @@ def _worker(rank: int, world: int, args: argparse.Namespace, port: int, out: str
         dt = (time.perf_counter() - t0) / args.steps
         t1 = time.perf_counter()
         finish = getattr(after_step, "finish", None)
-        if finish is not None:   # the last save becoming durable: reported apart, not as step time
+        if finish is not None:  # the last save becoming durable: reported apart, not as step time
             finish()
         sync()
         results[name] = {"step_s": dt, "stalls": stalls, "drain_s": time.perf_counter() - t1}
@@ -113,8 +113,9 @@ def _worker(rank: int, world: int, args: argparse.Namespace, port: int, out: str
     # allocates its pinned buffer there, DCP sets up its staging.
     ck.save(0, state).wait()
     msd, osd = get_state_dict(model, opt)
-    dcp.async_save({"model": msd, "optim": osd}, checkpoint_id=str(root / "dcp-prime"),
-                   process_group=dcp_group).result()
+    dcp.async_save(
+        {"model": msd, "optim": osd}, checkpoint_id=str(root / "dcp-prime"), process_group=dcp_group
+    ).result()
     del msd, osd
     sync()
 
@@ -122,12 +123,13 @@ def _worker(rank: int, world: int, args: argparse.Namespace, port: int, out: str
 
     def saving_with(c: Any):
         """The per-step hook of a mode that saves with checkpointer ``c``: the time a save blocked."""
+
         def after_step(i: int) -> float | None:
             t = time.perf_counter()
             h = c.maybe_save(i, state)
             return None if h is None else time.perf_counter() - t
 
-        after_step.finish = c.wait   # type: ignore[attr-defined]
+        after_step.finish = c.wait  # type: ignore[attr-defined]
         return after_step
 
     timed("ours", saving_with(ck))
@@ -135,10 +137,14 @@ def _worker(rank: int, world: int, args: argparse.Namespace, port: int, out: str
     # the last save is the last step of this phase (steps % every == 0): remember the shards it holds
     want = {k: v.to_local().clone() for k, v in model.state_dict().items()}
 
-    if args.peers:   # snapshots, each also sent to the next rank's peer tier; the local tier off the path
-        ckp = ckpt.Checkpointer(local_dir=root / f"peer-rank-{rank}", every_steps=args.every, peers=1,
-                                persist_every={"local": 10_000})
-        for k in range(2):   # untimed: both replica buffers of the holder are filled once, as in a long job
+    if args.peers:  # snapshots, each also sent to the next rank's peer tier; the local tier off the path
+        ckp = ckpt.Checkpointer(
+            local_dir=root / f"peer-rank-{rank}",
+            every_steps=args.every,
+            peers=1,
+            persist_every={"local": 10_000},
+        )
+        for k in range(2):  # untimed: both replica buffers of the holder are filled once, as in a long job
             ckp.save(k, state).wait()
         sync()
         timed("ours + peer tier", saving_with(ckp))
@@ -155,11 +161,14 @@ def _worker(rank: int, world: int, args: argparse.Namespace, port: int, out: str
         if pending:
             pending.pop().result()
         msd, osd = get_state_dict(model, opt)
-        pending.append(dcp.async_save({"model": msd, "optim": osd}, checkpoint_id=str(root / f"dcp-{i}"),
-                                       process_group=dcp_group))
+        pending.append(
+            dcp.async_save(
+                {"model": msd, "optim": osd}, checkpoint_id=str(root / f"dcp-{i}"), process_group=dcp_group
+            )
+        )
         return time.perf_counter() - t
 
-    dcp_save.finish = lambda: pending and pending.pop().result()   # type: ignore[attr-defined]
+    dcp_save.finish = lambda: pending and pending.pop().result()  # type: ignore[attr-defined]
     if not args.no_dcp:
         timed("dcp.async_save", dcp_save)
 
@@ -170,13 +179,15 @@ def _worker(rank: int, world: int, args: argparse.Namespace, port: int, out: str
             p.to_local().zero_()
     got = ck.restore(state)
     ck.close()
-    ok = got == last == args.steps and all(torch.equal(v.to_local(), want[k]) for k, v in model.state_dict().items())
+    ok = got == last == args.steps and all(
+        torch.equal(v.to_local(), want[k]) for k, v in model.state_dict().items()
+    )
     results["check"] = {"restored": got, "ok": bool(ok), "nbytes": nbytes}
     if rank == 0:
         import json
 
         Path(out, "result.json").write_text(json.dumps(results))
-    del model, opt, state, ck   # before the groups end (see tests/dtensor_worker.py: a gloo shutdown race)
+    del model, opt, state, ck  # before the groups end (see tests/dtensor_worker.py: a gloo shutdown race)
     import gc
 
     gc.collect()
@@ -227,27 +238,66 @@ def main(argv: list[str] | None = None) -> int:
     for name in [n for n in ("no saves", "ours", "ours + peer tier", "dcp.async_save") if n in res]:
         r = res[name]
         stall = statistics.mean(r["stalls"]) * 1e3 if r["stalls"] else 0.0
-        rows.append({"mode": name, "step_ms": round(r["step_s"] * 1e3, 1),
-                     "overhead": f"{(r['step_s'] / base - 1) * 100:+.2f}%", "saves": len(r["stalls"]),
-                     "blocked_ms_per_save": round(stall, 1), "last_save_done_s": round(r["drain_s"], 2)})
-        csv_rows.append({"case": case, "provider": name, "metric": "step_time", "value": r["step_s"], "unit": "s",
-                         "note": f"shard bytes/rank={res['check']['nbytes']}"})
+        rows.append(
+            {
+                "mode": name,
+                "step_ms": round(r["step_s"] * 1e3, 1),
+                "overhead": f"{(r['step_s'] / base - 1) * 100:+.2f}%",
+                "saves": len(r["stalls"]),
+                "blocked_ms_per_save": round(stall, 1),
+                "last_save_done_s": round(r["drain_s"], 2),
+            }
+        )
+        csv_rows.append(
+            {
+                "case": case,
+                "provider": name,
+                "metric": "step_time",
+                "value": r["step_s"],
+                "unit": "s",
+                "note": f"shard bytes/rank={res['check']['nbytes']}",
+            }
+        )
         if r["stalls"]:
-            csv_rows.append({"case": case, "provider": name, "metric": "blocked_per_save", "value": stall / 1e3,
-                             "unit": "s", "note": f"{len(r['stalls'])} saves, rank 0"})
+            csv_rows.append(
+                {
+                    "case": case,
+                    "provider": name,
+                    "metric": "blocked_per_save",
+                    "value": stall / 1e3,
+                    "unit": "s",
+                    "note": f"{len(r['stalls'])} saves, rank 0",
+                }
+            )
     path = record("bench_fsdp", csv_rows, args.csv)
-    print(f"csv: {path}\ndevice: {device_name()} x{world}; per-rank shard state "
-          f"{res['check']['nbytes'] / 1e9:.2f} GB; restore check ok (step {res['check']['restored']})\n")
+    print(
+        f"csv: {path}\ndevice: {device_name()} x{world}; per-rank shard state "
+        f"{res['check']['nbytes'] / 1e9:.2f} GB; restore check ok (step {res['check']['restored']})\n"
+    )
     print(table(rows, ["mode", "step_ms", "overhead", "saves", "blocked_ms_per_save", "last_save_done_s"]))
     ex = [x for x in res.get("peer_exchange_s", []) if x]
     if ex:
         med = statistics.median(ex)
         gbs = res["check"]["nbytes"] / med / 1e9
-        print(f"peer tier, rank 0: {gbs:.2f} GB/s per direction (median of {len(ex)} exchanges, {med:.3f} s: send, "
-              f"receive, every chunk checked, commit); each (s): {[round(x, 3) for x in ex]}")
-        record("bench_fsdp", [{"case": case, "provider": "ours + peer tier", "metric": "peer exchange rate",
-                               "value": gbs, "unit": "GB/s", "note": f"per direction, median of {len(ex)}, {med:.3f} s, "
-                               f"transport {'nccl' if os.environ.get('CKPT_PEER_NCCL') == '1' else 'gloo'}"}], args.csv)
+        print(
+            f"peer tier, rank 0: {gbs:.2f} GB/s per direction (median of {len(ex)} exchanges, {med:.3f} s: send, "
+            f"receive, every chunk checked, commit); each (s): {[round(x, 3) for x in ex]}"
+        )
+        record(
+            "bench_fsdp",
+            [
+                {
+                    "case": case,
+                    "provider": "ours + peer tier",
+                    "metric": "peer exchange rate",
+                    "value": gbs,
+                    "unit": "GB/s",
+                    "note": f"per direction, median of {len(ex)}, {med:.3f} s, "
+                    f"transport {'nccl' if os.environ.get('CKPT_PEER_NCCL') == '1' else 'gloo'}",
+                }
+            ],
+            args.csv,
+        )
     return 0
 
 

@@ -49,7 +49,7 @@ def main() -> None:
     print(f"mm 8192^3 bf16 {2 * 8192**3 / t / 1e9:.0f} TFLOP/s", flush=True)
     del a, b
 
-    w = (torch.randn(V, H, device=dev) * H ** -0.5).to(torch.bfloat16)
+    w = (torch.randn(V, H, device=dev) * H**-0.5).to(torch.bfloat16)
     hidden = torch.randn(N, H, device=dev, dtype=torch.bfloat16)
     target = torch.randint(0, V, (N,), device=dev)
     dw = torch.randn(V, H, device=dev, dtype=torch.bfloat16) * 0.01
@@ -65,9 +65,12 @@ def main() -> None:
         dh = torch.empty(c, H, device=dev, dtype=torch.bfloat16)
         t_dh = bench(lambda: torch.mm(g, w, out=dh))
         flop = 2 * c * V * H / 1e9
-        print(f"C={c}: logits {t_logits:.3f} ms ({flop / t_logits:.0f} TFLOP/s)  ce {t_ce:.3f}  "
-              f"d_weight+= {t_dw:.3f} ({flop / t_dw:.0f})  d_hidden {t_dh:.3f} ({flop / t_dh:.0f});  "
-              f"x{N // c} chunks = {(N // c) * (t_logits + t_ce + t_dw + t_dh):.1f} ms", flush=True)
+        print(
+            f"C={c}: logits {t_logits:.3f} ms ({flop / t_logits:.0f} TFLOP/s)  ce {t_ce:.3f}  "
+            f"d_weight+= {t_dw:.3f} ({flop / t_dw:.0f})  d_hidden {t_dh:.3f} ({flop / t_dh:.0f});  "
+            f"x{N // c} chunks = {(N // c) * (t_logits + t_ce + t_dw + t_dh):.1f} ms",
+            flush=True,
+        )
         del g, dh
     del dw
 

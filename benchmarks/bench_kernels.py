@@ -142,7 +142,7 @@ def _eager_rms(x, w, eps=1e-6):
 
 
 def _eager_add_rms(x, r, w, eps=1e-6):
-    h = x + r   # a decoder layer's residual add, then the norm of the next sublayer
+    h = x + r  # a decoder layer's residual add, then the norm of the next sublayer
     return _eager_rms(h, w, eps), h
 
 
@@ -190,7 +190,9 @@ def _compiled(fn: Callable[..., Any]) -> Callable[..., Any]:
     return torch.compile(fn, dynamic=False)
 
 
-def make_case(kernel: str, size: int, dev: str, tokens: int, compile_: bool, flce_chunk: int | None = None) -> Case:
+def make_case(
+    kernel: str, size: int, dev: str, tokens: int, compile_: bool, flce_chunk: int | None = None
+) -> Case:
     """Build one case. ``size`` is the hidden/intermediate size, the q-head count for RoPE,
     or the vocabulary for the losses. Every random tensor comes from the case's own generator: the
     default CUDA generator is left unusable by a provider whose CUDA-graph capture failed."""
@@ -202,8 +204,12 @@ def make_case(kernel: str, size: int, dev: str, tokens: int, compile_: bool, flc
     if kernel == "rms_norm":
         x = rnd(tokens, size)
         w = torch.nn.Parameter((torch.rand(size, generator=g, device=dev) + 0.5).to(DT))
-        case = Case(f"rms_norm {tokens}x{size}", [x, w], [torch.randn(tokens, size, generator=g, device=dev, dtype=DT)])
-        case.min_bytes = 5 * _nbytes(x)   # x, y; dy, x, dx
+        case = Case(
+            f"rms_norm {tokens}x{size}",
+            [x, w],
+            [torch.randn(tokens, size, generator=g, device=dev, dtype=DT)],
+        )
+        case.min_bytes = 5 * _nbytes(x)  # x, y; dy, x, dx
         case.providers["ours"] = lambda x, w: K.rms_norm(x, w, in_place=True)
         case.providers["eager"] = _eager_rms
         if compile_:
@@ -215,21 +221,31 @@ def make_case(kernel: str, size: int, dev: str, tokens: int, compile_: bool, flc
         # both outputs get a gradient: y from the next sublayer, h from the rest of the residual stream
         x, r = rnd(tokens, size), rnd(tokens, size)
         w = torch.nn.Parameter((torch.rand(size, generator=g, device=dev) + 0.5).to(DT))
-        case = Case(f"fused_add_rms_norm {tokens}x{size}", [x, r, w],
-                    [torch.randn(tokens, size, generator=g, device=dev, dtype=DT), torch.randn(tokens, size, generator=g, device=dev, dtype=DT)])
-        case.min_bytes = 8 * _nbytes(x)   # x, r, h, y; dy, dh, h, dx (= dr)
+        case = Case(
+            f"fused_add_rms_norm {tokens}x{size}",
+            [x, r, w],
+            [
+                torch.randn(tokens, size, generator=g, device=dev, dtype=DT),
+                torch.randn(tokens, size, generator=g, device=dev, dtype=DT),
+            ],
+        )
+        case.min_bytes = 8 * _nbytes(x)  # x, r, h, y; dy, dh, h, dx (= dr)
         case.providers["ours"] = lambda x, r, w: K.fused_add_rms_norm(x, r, w, in_place=True)
         case.providers["eager"] = _eager_add_rms
         if compile_:
             case.providers["compile"] = _compiled(_eager_add_rms)
-        if HAS_LIGER_ADD_NORM:   # in_place as ours (dx over dy); Liger's module defaults to False
+        if HAS_LIGER_ADD_NORM:  # in_place as ours (dx over dy); Liger's module defaults to False
             m = _share(LigerFusedAddRMSNorm(size, eps=1e-6, in_place=True).to(dev, DT), w)
             case.providers["liger"] = lambda x, r, w: m(x, r)
     elif kernel == "layer_norm":
         x = rnd(tokens, size)
         w, b = torch.nn.Parameter(rnd(size).detach()), torch.nn.Parameter(rnd(size).detach())
-        case = Case(f"layer_norm {tokens}x{size}", [x, w, b], [torch.randn(tokens, size, generator=g, device=dev, dtype=DT)])
-        case.min_bytes = 5 * _nbytes(x)   # x, y; dy, x, dx
+        case = Case(
+            f"layer_norm {tokens}x{size}",
+            [x, w, b],
+            [torch.randn(tokens, size, generator=g, device=dev, dtype=DT)],
+        )
+        case.min_bytes = 5 * _nbytes(x)  # x, y; dy, x, dx
         case.providers["ours"] = K.layer_norm
         case.providers["eager"] = lambda x, w, b: F.layer_norm(x, (size,), w, b, 1e-5)
         if compile_:
@@ -239,13 +255,20 @@ def make_case(kernel: str, size: int, dev: str, tokens: int, compile_: bool, flc
             case.providers["liger"] = lambda x, w, b: m(x)
     elif kernel in ("swiglu", "geglu"):
         a, b = rnd(tokens, size), rnd(tokens, size)
-        case = Case(f"{kernel} {tokens}x{size}", [a, b], [torch.randn(tokens, size, generator=g, device=dev, dtype=DT)])
-        case.min_bytes = 8 * _nbytes(a)   # a, b, y; dy, a, b, da, db
+        case = Case(
+            f"{kernel} {tokens}x{size}",
+            [a, b],
+            [torch.randn(tokens, size, generator=g, device=dev, dtype=DT)],
+        )
+        case.min_bytes = 8 * _nbytes(a)  # a, b, y; dy, a, b, da, db
         ours = K.swiglu if kernel == "swiglu" else K.geglu
         # In an MLP a and b are private projection outputs, so their memory takes the gradients.
         case.providers["ours"] = lambda a, b: ours(a, b, inplace_grad=True)
-        eager = (lambda a, b: F.silu(a) * b) if kernel == "swiglu" else (
-            lambda a, b: F.gelu(a, approximate="tanh") * b)
+        eager = (
+            (lambda a, b: F.silu(a) * b)
+            if kernel == "swiglu"
+            else (lambda a, b: F.gelu(a, approximate="tanh") * b)
+        )
         case.providers["eager"] = eager
         if compile_:
             case.providers["compile"] = _compiled(eager)
@@ -258,9 +281,14 @@ def make_case(kernel: str, size: int, dev: str, tokens: int, compile_: bool, flc
         inv = 1.0 / (500000.0 ** (torch.arange(0, hd, 2, device=dev, dtype=torch.float32) / hd))
         emb = torch.cat([torch.arange(seq, device=dev, dtype=torch.float32)[:, None] * inv] * 2, -1)[None]
         cos, sin = emb.cos().to(DT), emb.sin().to(DT)
-        case = Case(f"rope q{tuple(q.shape)} k{tuple(k.shape)}", [q, k],
-                    [torch.randn(t.shape, generator=g, device=dev, dtype=t.dtype) for t in (q, k)])
-        case.min_bytes = 4 * (_nbytes(q) + _nbytes(k)) + 2 * (_nbytes(cos) + _nbytes(sin))   # q, k, q', k'; back
+        case = Case(
+            f"rope q{tuple(q.shape)} k{tuple(k.shape)}",
+            [q, k],
+            [torch.randn(t.shape, generator=g, device=dev, dtype=t.dtype) for t in (q, k)],
+        )
+        case.min_bytes = 4 * (_nbytes(q) + _nbytes(k)) + 2 * (
+            _nbytes(cos) + _nbytes(sin)
+        )  # q, k, q', k'; back
         case.providers["ours"] = lambda q, k: K.rope(q, k, cos, sin)
         case.providers["eager"] = lambda q, k: _eager_rope(q, k, cos, sin)
         if compile_:
@@ -272,7 +300,7 @@ def make_case(kernel: str, size: int, dev: str, tokens: int, compile_: bool, flc
         x = rnd(tokens, size, scale=2.0)
         t = torch.randint(0, size, (tokens,), generator=g, device=dev)
         case = Case(f"cross_entropy {tokens}x{size}", [x], [1.0])
-        case.min_bytes = 2 * _nbytes(x)   # the logits read once, their gradient written once
+        case.min_bytes = 2 * _nbytes(x)  # the logits read once, their gradient written once
         case.providers["ours"] = lambda x: K.cross_entropy(x, t, inplace=True)
         case.providers["eager"] = lambda x: _eager_ce(x, t)
         if compile_:
@@ -284,14 +312,17 @@ def make_case(kernel: str, size: int, dev: str, tokens: int, compile_: bool, flc
     elif kernel == "fused_linear_cross_entropy":
         hidden = 4096 if dev == "cuda" else 32
         h = rnd(tokens, hidden)
-        w = rnd(size, hidden, scale=hidden ** -0.5)
+        w = rnd(size, hidden, scale=hidden**-0.5)
         t = torch.randint(0, size, (tokens,), generator=g, device=dev)
         case = Case(f"fused_linear_ce {tokens}x{hidden}x{size}", [h, w], [1.0])
         # In a model `hidden` is the final norm's private output, so its memory takes d_hidden.
-        case.providers["ours"] = lambda h, w: K.fused_linear_cross_entropy(h, w, t, inplace=True,
-                                                                            chunk_size=flce_chunk)
+        case.providers["ours"] = lambda h, w: K.fused_linear_cross_entropy(
+            h, w, t, inplace=True, chunk_size=flce_chunk
+        )
         # `hidden` a leaf (or shared): d_hidden gets a buffer of its own, and the chunk its own budget
-        case.providers["ours_leaf"] = lambda h, w: K.fused_linear_cross_entropy(h, w, t, chunk_size=flce_chunk)
+        case.providers["ours_leaf"] = lambda h, w: K.fused_linear_cross_entropy(
+            h, w, t, chunk_size=flce_chunk
+        )
         case.providers["eager"] = lambda h, w: _eager_flce(h, w, t)
         if compile_:
             c = _compiled(_eager_flce)
@@ -310,10 +341,13 @@ def make_case(kernel: str, size: int, dev: str, tokens: int, compile_: bool, flc
         logits = torch.randn(n_tok, n_exp, generator=g, device=dev)
         w, idx = torch.softmax(logits, -1).topk(top, dim=-1)
         w = (w / w.sum(-1, keepdim=True)).to(DT).requires_grad_()
-        gate_up = torch.nn.Parameter(rnd(n_exp, 2 * size, hid, scale=hid ** -0.5).detach())
-        down = torch.nn.Parameter(rnd(n_exp, hid, size, scale=size ** -0.5).detach())
-        case = Case(f"moe_experts {n_tok}x{hid} E{n_exp}x{size} top{top}", [x, w, gate_up, down],
-                    [torch.randn(n_tok, hid, generator=g, device=dev, dtype=DT)])
+        gate_up = torch.nn.Parameter(rnd(n_exp, 2 * size, hid, scale=hid**-0.5).detach())
+        down = torch.nn.Parameter(rnd(n_exp, hid, size, scale=size**-0.5).detach())
+        case = Case(
+            f"moe_experts {n_tok}x{hid} E{n_exp}x{size} top{top}",
+            [x, w, gate_up, down],
+            [torch.randn(n_tok, hid, generator=g, device=dev, dtype=DT)],
+        )
         case.providers["ours"] = lambda x, w, gu, dn: K.fused_experts(x, idx, w, gu, dn)
         case.providers["eager"] = lambda x, w, gu, dn: _eager_experts(x, w, gu, dn, idx)
         if compile_:
@@ -348,7 +382,9 @@ def copy_bandwidth(nbytes: int = 1 << 30) -> float:
     return 2 * nbytes / (ms / 1e3)
 
 
-def _share(module: torch.nn.Module, w: torch.nn.Parameter, b: torch.nn.Parameter | None = None) -> torch.nn.Module:
+def _share(
+    module: torch.nn.Module, w: torch.nn.Parameter, b: torch.nn.Parameter | None = None
+) -> torch.nn.Module:
     """Point a peer's module at the case's parameters so every provider differentiates the same tensors."""
     module.weight = w
     if b is not None:
@@ -370,6 +406,7 @@ def _step(case: Case, fn: Callable[..., Any]) -> Any:
 def check(case: Case, providers: list[str]) -> dict[str, float | str]:
     """Relative L2 error of every provider's output and input gradients against eager, or
     why the provider failed (a string)."""
+
     def run(p):
         case.reset()
         out = _step(case, case.providers[p])
@@ -420,7 +457,9 @@ def measure(case: Case, provider: str, rep_ms: int) -> tuple[float, float]:
     def bench_step():
         _step(case, fn)
 
-    ms = triton.testing.do_bench(bench_step, warmup=25, rep=rep_ms, grad_to_none=case.inputs, return_mode="median")
+    ms = triton.testing.do_bench(
+        bench_step, warmup=25, rep=rep_ms, grad_to_none=case.inputs, return_mode="median"
+    )
     return float(ms), float(peak)
 
 
@@ -456,30 +495,75 @@ def measure_graph(case: Case, provider: str, rep_ms: int) -> float:
 
 
 PROVIDERS = ("ours", "ours_leaf", "eager", "compile", "liger", "cce", "cce_exact")
-KERNELS = ["rms_norm", "fused_add_rms_norm",
-           "layer_norm", "swiglu", "geglu", "rope", "cross_entropy", "fused_linear_cross_entropy",
-           "moe_experts"]
-MAIN_SIZE = {"moe_experts": 384, "rms_norm": 4096, "fused_add_rms_norm": 4096,
-             "layer_norm": 4096, "swiglu": 14336, "geglu": 14336, "rope": 32,
-             "cross_entropy": 128256, "fused_linear_cross_entropy": 128256}
-SWEEP = {"moe_experts": [256, 384, 768, 1536], "rms_norm": [1024, 2048, 4096, 8192, 16384],
-         "fused_add_rms_norm": [1024, 2048, 4096, 8192, 16384], "layer_norm": [1024, 2048, 4096, 8192, 16384],
-         "swiglu": [2048, 4096, 8192, 14336, 28672], "geglu": [2048, 4096, 8192, 14336, 28672],
-         "rope": [8, 16, 32, 64], "cross_entropy": [32000, 64000, 128256, 256000],
-         "fused_linear_cross_entropy": [32000, 64000, 128256, 200064]}
-SWEEP_AXIS = {"moe_experts": "expert intermediate size", "rms_norm": "hidden size",
-              "fused_add_rms_norm": "hidden size", "layer_norm": "hidden size", "swiglu": "intermediate size",
-              "geglu": "intermediate size", "rope": "q heads (k heads = q/4)", "cross_entropy": "vocabulary",
-              "fused_linear_cross_entropy": "vocabulary"}
+KERNELS = [
+    "rms_norm",
+    "fused_add_rms_norm",
+    "layer_norm",
+    "swiglu",
+    "geglu",
+    "rope",
+    "cross_entropy",
+    "fused_linear_cross_entropy",
+    "moe_experts",
+]
+MAIN_SIZE = {
+    "moe_experts": 384,
+    "rms_norm": 4096,
+    "fused_add_rms_norm": 4096,
+    "layer_norm": 4096,
+    "swiglu": 14336,
+    "geglu": 14336,
+    "rope": 32,
+    "cross_entropy": 128256,
+    "fused_linear_cross_entropy": 128256,
+}
+SWEEP = {
+    "moe_experts": [256, 384, 768, 1536],
+    "rms_norm": [1024, 2048, 4096, 8192, 16384],
+    "fused_add_rms_norm": [1024, 2048, 4096, 8192, 16384],
+    "layer_norm": [1024, 2048, 4096, 8192, 16384],
+    "swiglu": [2048, 4096, 8192, 14336, 28672],
+    "geglu": [2048, 4096, 8192, 14336, 28672],
+    "rope": [8, 16, 32, 64],
+    "cross_entropy": [32000, 64000, 128256, 256000],
+    "fused_linear_cross_entropy": [32000, 64000, 128256, 200064],
+}
+SWEEP_AXIS = {
+    "moe_experts": "expert intermediate size",
+    "rms_norm": "hidden size",
+    "fused_add_rms_norm": "hidden size",
+    "layer_norm": "hidden size",
+    "swiglu": "intermediate size",
+    "geglu": "intermediate size",
+    "rope": "q heads (k heads = q/4)",
+    "cross_entropy": "vocabulary",
+    "fused_linear_cross_entropy": "vocabulary",
+}
 #: torch.compile is slow to build: by default only where the reference table has a compile column
 COMPILE_KERNELS = {"rms_norm", "fused_add_rms_norm", "swiglu", "fused_linear_cross_entropy"}
-SMOKE_SIZE = {"moe_experts": 24, "rms_norm": 48, "fused_add_rms_norm": 48,
-              "layer_norm": 48, "swiglu": 40, "geglu": 40, "rope": 4, "cross_entropy": 100,
-              "fused_linear_cross_entropy": 100}
+SMOKE_SIZE = {
+    "moe_experts": 24,
+    "rms_norm": 48,
+    "fused_add_rms_norm": 48,
+    "layer_norm": 48,
+    "swiglu": 40,
+    "geglu": 40,
+    "rope": 4,
+    "cross_entropy": 100,
+    "fused_linear_cross_entropy": 100,
+}
 
 
-def run_one(kernel: str, size: int, dev: str, tokens: int, compile_: bool, rep_ms: int,
-            verify: bool = True, graph: bool = False) -> list[dict[str, Any]]:
+def run_one(
+    kernel: str,
+    size: int,
+    dev: str,
+    tokens: int,
+    compile_: bool,
+    rep_ms: int,
+    verify: bool = True,
+    graph: bool = False,
+) -> list[dict[str, Any]]:
     case = make_case(kernel, size, dev, tokens, compile_)
     providers = list(case.providers)
     errs = check(case, providers) if verify else {}
@@ -496,14 +580,28 @@ def run_one(kernel: str, size: int, dev: str, tokens: int, compile_: bool, rep_m
                 failed = f"{type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''}"
         if failed is None and graph and dev == "cuda" and p != "compile":
             gms = measure_graph(case, p, rep_ms)
-        rows.append({"kernel": kernel, "case": case.name, "size": size, "provider": p, "ms": ms, "peak_mib": mib,
-                     "graph_ms": gms, "min_bytes": case.min_bytes, "rel_err_vs_eager": errs.get(p, 0.0) if failed is None else float("nan"),
-                     "failed": failed})
+        rows.append(
+            {
+                "kernel": kernel,
+                "case": case.name,
+                "size": size,
+                "provider": p,
+                "ms": ms,
+                "peak_mib": mib,
+                "graph_ms": gms,
+                "min_bytes": case.min_bytes,
+                "rel_err_vs_eager": errs.get(p, 0.0) if failed is None else float("nan"),
+                "failed": failed,
+            }
+        )
         if failed is not None:
             print(f"  {case.name:48s} {p:8s} FAILED: {failed}", flush=True)
             continue
-        print(f"  {case.name:48s} {p:8s} {ms:9.3f} ms {mib:9.1f} MiB  graph {gms:8.3f} ms  "
-              f"err {errs.get(p, 0.0):.2e}", flush=True)
+        print(
+            f"  {case.name:48s} {p:8s} {ms:9.3f} ms {mib:9.1f} MiB  graph {gms:8.3f} ms  "
+            f"err {errs.get(p, 0.0):.2e}",
+            flush=True,
+        )
     del case
     if dev == "cuda":
         torch.cuda.empty_cache()
@@ -548,17 +646,30 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--only", nargs="*", choices=KERNELS, help="kernels to run (default all)")
     ap.add_argument("--no-sweep", action="store_true", help="skip the per-kernel sweeps")
     ap.add_argument("--no-compile", action="store_true", help="leave torch.compile out")
-    ap.add_argument("--compile-all", action="store_true", help="torch.compile every kernel, not only "
-                    + ", ".join(sorted(COMPILE_KERNELS)))
+    ap.add_argument(
+        "--compile-all",
+        action="store_true",
+        help="torch.compile every kernel, not only " + ", ".join(sorted(COMPILE_KERNELS)),
+    )
     ap.add_argument("--sweep-only", action="store_true", help="skip the main table")
-    ap.add_argument("--flce-chunks", nargs="*", type=int, default=[],
-                    help="also time ours fused linear CE at these chunk sizes (tokens per chunk)")
+    ap.add_argument(
+        "--flce-chunks",
+        nargs="*",
+        type=int,
+        default=[],
+        help="also time ours fused linear CE at these chunk sizes (tokens per chunk)",
+    )
     ap.add_argument("--rep-ms", type=int, default=200, help="do_bench repetition time per provider")
-    ap.add_argument("--csv", type=Path, default=None, help="CSV to append to (default benchmarks/results.csv)")
+    ap.add_argument(
+        "--csv", type=Path, default=None, help="CSV to append to (default benchmarks/results.csv)"
+    )
     ap.add_argument("--plot-dir", type=Path, default=None, help="where to write kernels_sweep.png")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU (Triton interpreter)")
-    ap.add_argument("--graph", action="store_true",
-                    help="also time one CUDA-graph replay of fwd+bwd (GPU time without host overhead)")
+    ap.add_argument(
+        "--graph",
+        action="store_true",
+        help="also time one CUDA-graph replay of fwd+bwd (GPU time without host overhead)",
+    )
     args = ap.parse_args(argv)
 
     dev = "cpu" if args.smoke else "cuda"
@@ -568,9 +679,12 @@ def main(argv: list[str] | None = None) -> int:
     tokens = 16 if args.smoke else 8192
     kernels = args.only or KERNELS
     compile_ = not args.no_compile and not args.smoke
-    print(f"device: {device_name()}  torch {torch.__version__}  liger: "
-          f"{'yes' if HAS_LIGER else 'no (' + LIGER_ERROR + ')'}  cce: "
-          f"{'yes' if HAS_CCE else 'no (' + CCE_ERROR + ')'}", flush=True)
+    print(
+        f"device: {device_name()}  torch {torch.__version__}  liger: "
+        f"{'yes' if HAS_LIGER else 'no (' + LIGER_ERROR + ')'}  cce: "
+        f"{'yes' if HAS_CCE else 'no (' + CCE_ERROR + ')'}",
+        flush=True,
+    )
 
     copy_bw = copy_bandwidth() if dev == "cuda" and args.graph else None
     if copy_bw:
@@ -578,14 +692,30 @@ def main(argv: list[str] | None = None) -> int:
     main_rows: list[dict[str, Any]] = []
     for k in kernels if not args.sweep_only else []:
         size = SMOKE_SIZE[k] if args.smoke else MAIN_SIZE[k]
-        main_rows += run_one(k, size, dev, tokens, compile_ and (args.compile_all or k in COMPILE_KERNELS),
-                             args.rep_ms, graph=args.graph)
+        main_rows += run_one(
+            k,
+            size,
+            dev,
+            tokens,
+            compile_ and (args.compile_all or k in COMPILE_KERNELS),
+            args.rep_ms,
+            graph=args.graph,
+        )
     for c in args.flce_chunks:
         k = "fused_linear_cross_entropy"
         case = make_case(k, SMOKE_SIZE[k] if args.smoke else MAIN_SIZE[k], dev, tokens, False, flce_chunk=c)
         ms, mib = measure(case, "ours", args.rep_ms)
-        main_rows.append({"kernel": k, "case": case.name + f" chunk={c}", "size": MAIN_SIZE[k], "provider": "ours",
-                          "ms": ms, "peak_mib": mib, "rel_err_vs_eager": 0.0})
+        main_rows.append(
+            {
+                "kernel": k,
+                "case": case.name + f" chunk={c}",
+                "size": MAIN_SIZE[k],
+                "provider": "ours",
+                "ms": ms,
+                "peak_mib": mib,
+                "rel_err_vs_eager": 0.0,
+            }
+        )
         print(f"  {case.name} chunk={c}: {ms:.3f} ms {mib:.1f} MiB", flush=True)
         del case
     sweep_rows: list[dict[str, Any]] = []
@@ -601,18 +731,49 @@ def main(argv: list[str] | None = None) -> int:
             note = f"{tag}; rel_err_vs_eager={r['rel_err_vs_eager']:.2e}"
             if r.get("failed"):
                 note = f"{tag}; failed: {r['failed']}"
-            out.append({"case": r["case"], "provider": r["provider"], "metric": "fwd_bwd_median",
-                        "value": r["ms"], "unit": "ms", "note": note})
-            out.append({"case": r["case"], "provider": r["provider"], "metric": "peak_mem_above_inputs",
-                        "value": r["peak_mib"], "unit": "MiB", "note": note})
+            out.append(
+                {
+                    "case": r["case"],
+                    "provider": r["provider"],
+                    "metric": "fwd_bwd_median",
+                    "value": r["ms"],
+                    "unit": "ms",
+                    "note": note,
+                }
+            )
+            out.append(
+                {
+                    "case": r["case"],
+                    "provider": r["provider"],
+                    "metric": "peak_mem_above_inputs",
+                    "value": r["peak_mib"],
+                    "unit": "MiB",
+                    "note": note,
+                }
+            )
             if r.get("graph_ms", float("nan")) == r.get("graph_ms"):  # not NaN
-                out.append({"case": r["case"], "provider": r["provider"], "metric": "fwd_bwd_graph_replay_median",
-                            "value": r["graph_ms"], "unit": "ms", "note": note})
+                out.append(
+                    {
+                        "case": r["case"],
+                        "provider": r["provider"],
+                        "metric": "fwd_bwd_graph_replay_median",
+                        "value": r["graph_ms"],
+                        "unit": "ms",
+                        "note": note,
+                    }
+                )
                 if copy_bw and r.get("min_bytes"):
-                    out.append({"case": r["case"], "provider": r["provider"], "metric": "fraction_of_hbm_copy_rate",
-                                "value": _hbm_pct(r, copy_bw), "unit": "%",
-                                "note": f"{note}; {r['min_bytes'] / 1e6:.0f} MB moved at the least / graph replay "
-                                        f"time / device copy rate {copy_bw / 1e9:.0f} GB/s"})
+                    out.append(
+                        {
+                            "case": r["case"],
+                            "provider": r["provider"],
+                            "metric": "fraction_of_hbm_copy_rate",
+                            "value": _hbm_pct(r, copy_bw),
+                            "unit": "%",
+                            "note": f"{note}; {r['min_bytes'] / 1e6:.0f} MB moved at the least / graph replay "
+                            f"time / device copy rate {copy_bw / 1e9:.0f} GB/s",
+                        }
+                    )
         return out
 
     path = record("bench_kernels", csv_rows(main_rows, "main") + csv_rows(sweep_rows, "sweep"), args.csv)
@@ -632,8 +793,9 @@ def main(argv: list[str] | None = None) -> int:
                 row[f"{r['provider']} ms"] = "failed" if r.get("failed") else round(r["ms"], 3)
                 row[f"{r['provider']} MiB"] = "failed" if r.get("failed") else round(r["peak_mib"], 1)
         summary.append(row)
-    cols = ["case"] + [f"{p} {m}" for p in PROVIDERS for m in ("ms", "MiB")
-                       if any(f"{p} {m}" in r for r in summary)]
+    cols = ["case"] + [
+        f"{p} {m}" for p in PROVIDERS for m in ("ms", "MiB") if any(f"{p} {m}" in r for r in summary)
+    ]
     print(table(summary, cols))
     if args.graph:
         gsum = []
@@ -645,10 +807,17 @@ def main(argv: list[str] | None = None) -> int:
                     if copy_bw and r.get("min_bytes"):
                         row[f"{r['provider']} % HBM"] = round(_hbm_pct(r, copy_bw), 1)
             gsum.append(row)
-        gcols = ["case"] + [f"{p} {m}" for p in PROVIDERS if p != "compile" for m in ("graph ms", "% HBM")
-                            if any(f"{p} {m}" in r for r in gsum)]
-        print("\nCUDA-graph replay (GPU time only, no host overhead; % HBM: the least bytes forward + backward "
-              "must move, per second, over the device's copy rate):")
+        gcols = ["case"] + [
+            f"{p} {m}"
+            for p in PROVIDERS
+            if p != "compile"
+            for m in ("graph ms", "% HBM")
+            if any(f"{p} {m}" in r for r in gsum)
+        ]
+        print(
+            "\nCUDA-graph replay (GPU time only, no host overhead; % HBM: the least bytes forward + backward "
+            "must move, per second, over the device's copy rate):"
+        )
         print(table(gsum, gcols))
     return 0
 

@@ -56,8 +56,10 @@ def main() -> None:
     logits = torch.randn(T, E, generator=g, device=dev)
     w, idx = torch.softmax(logits, -1).topk(TOP, dim=-1)
     w = (w / w.sum(-1, keepdim=True)).to(torch.bfloat16).requires_grad_()
-    gate_up = (torch.randn(E, 2 * I, H, generator=g, device=dev) * H ** -0.5).to(torch.bfloat16).requires_grad_()
-    down = (torch.randn(E, H, I, generator=g, device=dev) * I ** -0.5).to(torch.bfloat16).requires_grad_()
+    gate_up = (
+        (torch.randn(E, 2 * I, H, generator=g, device=dev) * H**-0.5).to(torch.bfloat16).requires_grad_()
+    )
+    down = (torch.randn(E, H, I, generator=g, device=dev) * I**-0.5).to(torch.bfloat16).requires_grad_()
     dout = torch.randn(T, H, generator=g, device=dev).to(torch.bfloat16)
     leaves = (x, w, gate_up, down)
 
@@ -80,7 +82,7 @@ def main() -> None:
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
-            step()   # warm on the side stream, as capture requires
+            step()  # warm on the side stream, as capture requires
             with torch.cuda.graph(graph, stream=stream):
                 step()
         torch.cuda.current_stream().wait_stream(stream)
@@ -89,8 +91,8 @@ def main() -> None:
     cfg = experts_configs(dev)
     default = tuple(cfg[args.kind])
     reference = results()
-    flops = 2 * T * TOP * H * 2 * I + 2 * T * TOP * I * H   # forward: gate/up GEMM and down GEMM
-    flops *= 3   # forward + backward (two GEMMs per forward GEMM)
+    flops = 2 * T * TOP * H * 2 * I + 2 * T * TOP * I * H  # forward: gate/up GEMM and down GEMM
+    flops *= 3  # forward + backward (two GEMMs per forward GEMM)
     if args.kind == "wgrad":
         grid = list(itertools.product(args.m, args.n, args.k, args.warps, args.stages))
     else:
@@ -102,30 +104,52 @@ def main() -> None:
         cfg[args.kind] = cand
         try:
             got = results()
-            worst = max(float((a - b).abs().max() / b.abs().max().clamp_min(1e-30)) for a, b in zip(got, reference))
+            worst = max(
+                float((a - b).abs().max() / b.abs().max().clamp_min(1e-30)) for a, b in zip(got, reference)
+            )
             ok = worst <= 2e-2
             ms = timed() if ok else float("nan")
             note = f"max relative difference to the table's tiles {worst:.1e}" + ("" if ok else ": WRONG")
-        except Exception as e:   # noqa: BLE001 - a tile that does not compile or launch: said, and the sweep goes on
+        except Exception as e:  # noqa: BLE001 - a tile that does not compile or launch: said, and the sweep goes on
             ms, note = float("nan"), f"failed: {type(e).__name__}: {str(e).splitlines()[0][:120]}"
         finally:
             cfg[args.kind] = default
-        rows.append({"tiles": str(cand), "ms": ms, "layer TFLOP/s": flops / ms / 1e9 if ms == ms else float("nan"),
-                     "table's": "yes" if cand == default else "", "note": note})
+        rows.append(
+            {
+                "tiles": str(cand),
+                "ms": ms,
+                "layer TFLOP/s": flops / ms / 1e9 if ms == ms else float("nan"),
+                "table's": "yes" if cand == default else "",
+                "note": note,
+            }
+        )
         print(f"{args.kind} {cand}: {ms:.3f} ms  {note}", flush=True)
     case = f"moe_experts fwd+bwd {T}x{H} E{E}x{I} top{TOP} bf16, sweep of {args.kind}"
     if not args.no_record:
-        record("moe_tiles", [{"case": case, "provider": f"{args.kind} {r['tiles']}", "metric": "fwd+bwd ms",
-                              "value": r["ms"], "unit": "ms", "note": r["note"] + (" (the table's)" if r["table's"]
-                                                                                 else "")} for r in rows])
+        record(
+            "moe_tiles",
+            [
+                {
+                    "case": case,
+                    "provider": f"{args.kind} {r['tiles']}",
+                    "metric": "fwd+bwd ms",
+                    "value": r["ms"],
+                    "unit": "ms",
+                    "note": r["note"] + (" (the table's)" if r["table's"] else ""),
+                }
+                for r in rows
+            ],
+        )
     ranked = sorted((r for r in rows if r["ms"] == r["ms"]), key=lambda r: r["ms"])
-    shown = ranked[:args.top] + [r for r in ranked[args.top:] if r["table's"]]
+    shown = ranked[: args.top] + [r for r in ranked[args.top :] if r["table's"]]
     print(f"\n{torch.cuda.get_device_name()}, {case}")
     print(table(shown, ["tiles", "ms", "layer TFLOP/s", "table's"]))
     failed = [r for r in rows if r["ms"] != r["ms"]]
     if failed:
-        print(f"{len(failed)} candidate(s) failed or gave other values: " + "; ".join(
-            f"{r['tiles']}: {r['note']}" for r in failed[:6]))
+        print(
+            f"{len(failed)} candidate(s) failed or gave other values: "
+            + "; ".join(f"{r['tiles']}: {r['note']}" for r in failed[:6])
+        )
 
 
 if __name__ == "__main__":

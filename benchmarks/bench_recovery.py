@@ -70,6 +70,7 @@ MODES = ("ours", "ours-replaced", "dcp")
 
 # -- the worker (one per rank, started by torchrun) -------------------------------------------------------
 
+
 def _process_start() -> float:
     """Wall-clock time this process started (from /proc: the kernel's start time, before the interpreter)."""
     try:
@@ -90,14 +91,16 @@ class _Events:
         self.base = {"rank": rank, "attempt": attempt}
 
     def __call__(self, event: str, t: float | None = None, **extra: Any) -> None:
-        self.f.write(json.dumps({**self.base, "event": event, "t": time.time() if t is None else t, **extra}) + "\n")
+        self.f.write(
+            json.dumps({**self.base, "event": event, "t": time.time() if t is None else t, **extra}) + "\n"
+        )
         self.f.flush()
         os.fsync(self.f.fileno())
 
 
 def worker(args: argparse.Namespace) -> None:
     started = _process_start()
-    faulthandler.register(signal.SIGUSR1)   # the parent asks for the stacks of a job that hangs
+    faulthandler.register(signal.SIGUSR1)  # the parent asks for the stacks of a job that hangs
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ.get("LOCAL_RANK", rank))
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
@@ -117,7 +120,7 @@ def worker(args: argparse.Namespace) -> None:
     import ckpt
     from bench_train_kernels import build_model
 
-    transformers.LlamaForCausalLM   # imports the modeling code (on first use): the start's, not the build's
+    transformers.LlamaForCausalLM  # imports the modeling code (on first use): the start's, not the build's
     ev("imported")
     cuda = not args.smoke
     if cuda:
@@ -125,7 +128,9 @@ def worker(args: argparse.Namespace) -> None:
     dist.init_process_group("cpu:gloo,cuda:nccl" if cuda else "gloo")
     ev("pg")
     torch.use_deterministic_algorithms(True, warn_only=True)
-    if cuda:   # the fused attention kernels' backward passes are not deterministic under warn_only: the math one is
+    if (
+        cuda
+    ):  # the fused attention kernels' backward passes are not deterministic under warn_only: the math one is
         torch.backends.cuda.enable_cudnn_sdp(False)
         torch.backends.cuda.enable_flash_sdp(False)
         torch.backends.cuda.enable_mem_efficient_sdp(False)
@@ -141,7 +146,7 @@ def worker(args: argparse.Namespace) -> None:
         for layer in model.model.layers:
             fully_shard(layer, mesh=mesh)
         fully_shard(model, mesh=mesh)
-        ckpt.materialize(model, dev)   # nothing to do after an ordinary build
+        ckpt.materialize(model, dev)  # nothing to do after an ordinary build
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
         if cuda:
             torch.cuda.synchronize()
@@ -153,26 +158,35 @@ def worker(args: argparse.Namespace) -> None:
     ck = None
     pending: list[Any] = []
     dcp_group = None
-    if not args.fast_start:   # the model first, as a job that knows nothing of restarts builds it
+    if not args.fast_start:  # the model first, as a job that knows nothing of restarts builds it
         model, opt = build(False)
     if args.mode.startswith("ours"):
-        ck = ckpt.Checkpointer(local_dir=root / f"rank-{rank}", every_steps=args.every,
-                               peers=1 if args.mode == "ours-replaced" else None)
+        ck = ckpt.Checkpointer(
+            local_dir=root / f"rank-{rank}",
+            every_steps=args.every,
+            peers=1 if args.mode == "ours-replaced" else None,
+        )
         ev("opened")
-        if args.fast_start:   # empty when a restore will fill it: the ranks agree on that
+        if args.fast_start:  # empty when a restore will fill it: the ranks agree on that
             model, opt = build(ck.restorable())
         state = {"model": model, "optim": opt}
         got = ck.restore(state)
         info = ck.last_restore
         start = got or 0
-        ev("restored", step=got, tier=None if info is None else info.tier,
-           phases=None if info is None else {k: round(v, 4) for k, v in (info.phases or {}).items()})
+        ev(
+            "restored",
+            step=got,
+            tier=None if info is None else info.tier,
+            phases=None if info is None else {k: round(v, 4) for k, v in (info.phases or {}).items()},
+        )
     else:
-        dcp_group = dist.new_group(backend="gloo")   # DCP's background save runs collectives from its thread
+        dcp_group = dist.new_group(backend="gloo")  # DCP's background save runs collectives from its thread
         ev("opened")
-        done = sorted((int(p.name.split("-")[1]) for p in root.glob("step-*") if (p / ".metadata").exists()),
-                      reverse=True)
-        if args.fast_start:   # every rank lists the same directory
+        done = sorted(
+            (int(p.name.split("-")[1]) for p in root.glob("step-*") if (p / ".metadata").exists()),
+            reverse=True,
+        )
+        if args.fast_start:  # every rank lists the same directory
             model, opt = build(bool(done))
         if done:
             msd, osd = get_state_dict(model, opt)
@@ -206,17 +220,22 @@ def worker(args: argparse.Namespace) -> None:
             if pending:
                 pending.pop().result()
             msd, osd = get_state_dict(model, opt)
-            pending.append(dcp.async_save({"model": msd, "optim": osd}, checkpoint_id=str(root / f"step-{step}"),
-                                          process_group=dcp_group))
+            pending.append(
+                dcp.async_save(
+                    {"model": msd, "optim": osd},
+                    checkpoint_id=str(root / f"step-{step}"),
+                    process_group=dcp_group,
+                )
+            )
         if first or (attempt == 0 and step == args.kill_step):
             if cuda:
                 torch.cuda.synchronize()
             ev("step", step=step)
             first = False
         if attempt == 0 and step == args.kill_step and rank == args.kill_rank and not args.reference:
-            if ck is not None:   # the last snapshot due is in RAM: the kill comes after a training step
+            if ck is not None:  # the last snapshot due is in RAM: the kill comes after a training step
                 ck.wait("memory")
-            if args.mode == "ours-replaced":   # a new node: no RAM, no local disk of the old one
+            if args.mode == "ours-replaced":  # a new node: no RAM, no local disk of the old one
                 from ckpt import shm
 
                 for g in shm.segments():
@@ -247,10 +266,20 @@ def _build_8b():
     import torch
     import transformers
 
-    cfg = transformers.LlamaConfig(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-                                   num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=128256,
-                                   max_position_embeddings=131072, rope_theta=500000.0, tie_word_embeddings=False,
-                                   rms_norm_eps=1e-5, attn_implementation="sdpa")
+    cfg = transformers.LlamaConfig(
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        vocab_size=128256,
+        max_position_embeddings=131072,
+        rope_theta=500000.0,
+        tie_word_embeddings=False,
+        rms_norm_eps=1e-5,
+        attn_implementation="sdpa",
+    )
     torch.manual_seed(0)
     default = torch.get_default_dtype()
     torch.set_default_dtype(torch.bfloat16)
@@ -280,41 +309,74 @@ def ckpt_flat(tree: Any, prefix: str = "") -> dict[str, Any]:
 
 # -- the parent ------------------------------------------------------------------------------------------
 
+
 def _torchrun(args: argparse.Namespace, mode: str, out: Path, reference: bool) -> float:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={args.nproc}",
-           f"--max-restarts={0 if reference else 3}", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",
-           "--monitor-interval=0.1", str(Path(__file__).resolve()), "--worker", "--mode", mode, "--out", str(out),
-           "--steps", str(args.steps), "--every", str(args.every), "--kill-step", str(args.kill_step),
-           "--kill-rank", str(args.kill_rank), "--batch", str(args.batch), "--seq", str(args.seq),
-           "--shape", args.shape]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nproc-per-node={args.nproc}",
+        f"--max-restarts={0 if reference else 3}",
+        "--rdzv-backend=c10d",
+        f"--rdzv-endpoint=127.0.0.1:{port}",
+        "--monitor-interval=0.1",
+        str(Path(__file__).resolve()),
+        "--worker",
+        "--mode",
+        mode,
+        "--out",
+        str(out),
+        "--steps",
+        str(args.steps),
+        "--every",
+        str(args.every),
+        "--kill-step",
+        str(args.kill_step),
+        "--kill-rank",
+        str(args.kill_rank),
+        "--batch",
+        str(args.batch),
+        "--seq",
+        str(args.seq),
+        "--shape",
+        args.shape,
+    ]
     if args.smoke:
         cmd.append("--smoke")
     if args.fast_start:
         cmd.append("--fast-start")
     if reference:
         cmd.append("--reference")
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(HERE.parent), str(HERE), os.environ.get("PYTHONPATH", "")]),
-               CUBLAS_WORKSPACE_CONFIG=":4096:8", PYTHONUNBUFFERED="1",
-               # a fresh store per restart (docs/guides/launchers.md): with the agent's store shared, a restarted
-               # worker can read its peer's address from the killed attempt and its init_process_group fails
-               TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
+    env = dict(
+        os.environ,
+        PYTHONPATH=os.pathsep.join([str(HERE.parent), str(HERE), os.environ.get("PYTHONPATH", "")]),
+        CUBLAS_WORKSPACE_CONFIG=":4096:8",
+        PYTHONUNBUFFERED="1",
+        # a fresh store per restart (docs/guides/launchers.md): with the agent's store shared, a restarted
+        # worker can read its peer's address from the killed attempt and its init_process_group fails
+        TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1",
+    )
     t0 = time.time()
     what = f"torchrun ({mode}, {'reference' if reference else 'killed'})"
     log = out / "torchrun.log"
-    with open(log, "w") as f:   # a file, not a pipe: a worker the agent left behind holds no pipe open
+    with open(log, "w") as f:  # a file, not a pipe: a worker the agent left behind holds no pipe open
         proc = subprocess.Popen(cmd, env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
         try:
             proc.wait(timeout=args.timeout)
         except subprocess.TimeoutExpired:
             _stop(out, proc)
             seen = "\n".join(json.dumps(e) for e in _events(out)[-12:])
-            raise SystemExit(f"{what} did not end in {args.timeout:.0f} s; its last events:\n{seen}\n"
-                             f"{log.read_text(errors='replace')[-8000:]}") from None
+            raise SystemExit(
+                f"{what} did not end in {args.timeout:.0f} s; its last events:\n{seen}\n"
+                f"{log.read_text(errors='replace')[-8000:]}"
+            ) from None
     if proc.returncode != 0:
-        raise SystemExit(f"{what} failed with status {proc.returncode}:\n{log.read_text(errors='replace')[-8000:]}")
+        raise SystemExit(
+            f"{what} failed with status {proc.returncode}:\n{log.read_text(errors='replace')[-8000:]}"
+        )
     return time.time() - t0
 
 
@@ -341,7 +403,9 @@ def _stop(out: Path, proc: subprocess.Popen) -> None:
 
 
 def _events(out: Path) -> list[dict]:
-    return [json.loads(line) for p in sorted(out.glob("events-r*.jsonl")) for line in p.read_text().splitlines()]
+    return [
+        json.loads(line) for p in sorted(out.glob("events-r*.jsonl")) for line in p.read_text().splitlines()
+    ]
 
 
 def analyse(ref: list[dict], run: list[dict], nproc: int) -> dict[str, Any]:
@@ -354,20 +418,35 @@ def analyse(ref: list[dict], run: list[dict], nproc: int) -> dict[str, Any]:
     def at(event: str) -> dict[int, dict]:
         return {e["rank"]: e for e in after if e["event"] == event}
 
-    marks = {k: at(k) for k in ("start", "imported", "pg", "built", "opened", "restored", "ready", "step", "end")}
+    marks = {
+        k: at(k) for k in ("start", "imported", "pg", "built", "opened", "restored", "ready", "step", "end")
+    }
     fast = all(e.get("fast_start") for e in marks["start"].values())
     missing = [k for k, v in marks.items() if len(v) != nproc]
     if missing:
         raise SystemExit(f"the restarted attempt did not reach {missing} on every rank")
-    last = lambda k: max(e["t"] for e in marks[k].values())   # noqa: E731 - the slowest rank decides
+    last = lambda k: max(e["t"] for e in marks[k].values())  # noqa: E731 - the slowest rank decides
     # the critical path: each phase ends when the slowest rank ends it (a collective in the next phase waits
     # for that rank), so the phases add up to the whole; the first starts at the kill
     phases = {"agent": min(e["t"] for e in marks["start"].values()) - kill["t"]}
-    order = ["start", "imported", "pg", *(("opened", "built") if fast else ("built", "opened")), "restored", "ready",
-             "step"]
-    names = {"imported": "worker start", "pg": "process group", "built": "model build",
-             "opened": "checkpointer", "restored": "restore",
-             "ready": "agree", "step": "first step"}
+    order = [
+        "start",
+        "imported",
+        "pg",
+        *(("opened", "built") if fast else ("built", "opened")),
+        "restored",
+        "ready",
+        "step",
+    ]
+    names = {
+        "imported": "worker start",
+        "pg": "process group",
+        "built": "model build",
+        "opened": "checkpointer",
+        "restored": "restore",
+        "ready": "agree",
+        "step": "first step",
+    }
     prev = min(e["t"] for e in marks["start"].values())
     for b in order[1:]:
         phases[names[b]] = last(b) - prev
@@ -403,12 +482,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kill-rank", type=int, default=None, help="default: random")
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--seq", type=int, default=2048)
-    p.add_argument("--shape", choices=("1.24b", "8b"), default="1.24b", help="the Llama shape (8b: Llama-3 8B)")
+    p.add_argument(
+        "--shape", choices=("1.24b", "8b"), default="1.24b", help="the Llama shape (8b: Llama-3 8B)"
+    )
     p.add_argument("--timeout", type=float, default=900)
     p.add_argument("--smoke", action="store_true", help="CPU, gloo, a tiny model")
-    p.add_argument("--fast-start", action="store_true",
-                   help="each worker asks whether a restore will fill the model before building it, and builds it "
-                        "empty then (ckpt.empty_params, ckpt.materialize; docs/guides/launchers.md, Restart fast)")
+    p.add_argument(
+        "--fast-start",
+        action="store_true",
+        help="each worker asks whether a restore will fill the model before building it, and builds it "
+        "empty then (ckpt.empty_params, ckpt.materialize; docs/guides/launchers.md, Restart fast)",
+    )
     p.add_argument("--csv", default=None, help="results file (default benchmarks/results.csv)")
     p.add_argument("--events", default=None, help="a folder for each killed run's events (JSON lines)")
     args = p.parse_args(argv)
@@ -436,7 +520,9 @@ def main(argv: list[str] | None = None) -> int:
     rows, results = [], {}
     case = f"{'tiny' if args.smoke else args.shape.upper()} Llama, FSDP2 x{args.nproc}"
     modes = args.modes.split(",")
-    shm_dir = Path(tempfile.mkdtemp(prefix="ckpt-bench-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None))
+    shm_dir = Path(
+        tempfile.mkdtemp(prefix="ckpt-bench-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+    )
     os.environ["CKPT_SHM_DIR"] = str(shm_dir)
 
     def clear_ram() -> None:
@@ -450,7 +536,7 @@ def main(argv: list[str] | None = None) -> int:
             ref_out.mkdir()
             took = _torchrun(args, modes[0], ref_out, reference=True)
             print(f"reference ({modes[0]}, uninterrupted): {took:.1f} s", flush=True)
-            shutil.rmtree(ref_out / modes[0], ignore_errors=True)   # its checkpoints (a disk holds one run's)
+            shutil.rmtree(ref_out / modes[0], ignore_errors=True)  # its checkpoints (a disk holds one run's)
             clear_ram()
             ref = _events(ref_out)
             for mode in modes:
@@ -460,25 +546,49 @@ def main(argv: list[str] | None = None) -> int:
                 clear_ram()
                 results[mode] = r = analyse(ref, _events(run_out), args.nproc)
                 provider = f"{mode}, fast start" if args.fast_start else mode
-                if args.events:   # every worker's events, for a look at each rank's timeline
+                if args.events:  # every worker's events, for a look at each rank's timeline
                     Path(args.events).mkdir(parents=True, exist_ok=True)
                     Path(args.events, f"events-{mode}.jsonl").write_text(
-                        "".join(json.dumps(e) + "\n" for e in _events(run_out)))
+                        "".join(json.dumps(e) + "\n" for e in _events(run_out))
+                    )
                 shutil.rmtree(run_out, ignore_errors=True)
-                note = (f"{args.nproc} ranks, kill of rank {args.kill_rank} after step {r['kill_step']}, every "
-                        f"{args.every}; restored {r['restored']} from {sorted(set(map(str, r['tiers'].values())))}; "
-                        f"bit-identical {r['bit_identical']}"
-                        + (f"; model built empty {r['built_empty']}" if args.fast_start else ""))
-                got = [{"case": case, "provider": provider, "metric": "kill to next good step",
-                        "value": r["kill_to_step_s"], "unit": "s", "note": note}]
-                got += [{"case": case, "provider": provider, "metric": k, "value": v, "unit": "s", "note": ""}
-                        for k, v in r["phases"].items()]
-                got.append({"case": case, "provider": provider, "metric": "steps lost", "value": r["steps_lost"],
-                            "unit": "", "note": ""})
-                print(f"{provider}: run {took:.1f} s; kill to next good step {r['kill_to_step_s']:.2f} s; "
-                      f"restore phases by rank {json.dumps(r['restore_phases'])}; model build (s) by rank "
-                      f"{json.dumps(r['build_s'])}, empty {r['built_empty']}", flush=True)
-                if not args.smoke:   # each mode as soon as it is measured: a later one that fails loses none
+                note = (
+                    f"{args.nproc} ranks, kill of rank {args.kill_rank} after step {r['kill_step']}, every "
+                    f"{args.every}; restored {r['restored']} from {sorted(set(map(str, r['tiers'].values())))}; "
+                    f"bit-identical {r['bit_identical']}"
+                    + (f"; model built empty {r['built_empty']}" if args.fast_start else "")
+                )
+                got = [
+                    {
+                        "case": case,
+                        "provider": provider,
+                        "metric": "kill to next good step",
+                        "value": r["kill_to_step_s"],
+                        "unit": "s",
+                        "note": note,
+                    }
+                ]
+                got += [
+                    {"case": case, "provider": provider, "metric": k, "value": v, "unit": "s", "note": ""}
+                    for k, v in r["phases"].items()
+                ]
+                got.append(
+                    {
+                        "case": case,
+                        "provider": provider,
+                        "metric": "steps lost",
+                        "value": r["steps_lost"],
+                        "unit": "",
+                        "note": "",
+                    }
+                )
+                print(
+                    f"{provider}: run {took:.1f} s; kill to next good step {r['kill_to_step_s']:.2f} s; "
+                    f"restore phases by rank {json.dumps(r['restore_phases'])}; model build (s) by rank "
+                    f"{json.dumps(r['build_s'])}, empty {r['built_empty']}",
+                    flush=True,
+                )
+                if not args.smoke:  # each mode as soon as it is measured: a later one that fails loses none
                     record("bench_recovery", got, args.csv)
                 rows += got
     finally:

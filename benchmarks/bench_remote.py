@@ -43,7 +43,9 @@ ROWS: list[dict] = []
 
 
 def row(case: str, provider: str, metric: str, value: float, unit: str, note: str = "") -> None:
-    ROWS.append({"case": case, "provider": provider, "metric": metric, "value": value, "unit": unit, "note": note})
+    ROWS.append(
+        {"case": case, "provider": provider, "metric": metric, "value": value, "unit": unit, "note": note}
+    )
     print(f"  {case:22s} {provider:18s} {metric:22s} {value:10.4g} {unit} {note}", flush=True)
 
 
@@ -75,14 +77,16 @@ def stage_to_local(state: dict, root: Path) -> tuple[LocalTier, int]:
     return LocalTier(root), h.stats.nbytes
 
 
-def bench_case(label: str, local: LocalTier, url: str, opts: dict, compression: str | None, nbytes: int) -> None:
+def bench_case(
+    label: str, local: LocalTier, url: str, opts: dict, compression: str | None, nbytes: int
+) -> None:
     _, manifest = local.open(1)
     remote = RemoteTier(url, opts, compression=compression)
     fs = remote.fs
     # Ours uploads from host memory in production (the staged snapshot), so the bytes come from memory here
     # too; fsspec's put_file gets the same bytes as the committed local file.
     data = memoryview(bytearray((local.step_dir(1) / "rank-00000.bin").read_bytes()))
-    remote.write(1, manifest, data)                # warm-up (connections, first requests)
+    remote.write(1, manifest, data)  # warm-up (connections, first requests)
     t = time.perf_counter()
     remote.write(1, manifest, data)
     up = time.perf_counter() - t
@@ -121,7 +125,7 @@ def codec_throughput(local: LocalTier, label: str) -> None:
     size = _dominant_elem_size(m.items, m.chunk_bytes)
     with local.mapped(1) as data:
         c = m.chunk_bytes
-        chunks = [data[i * c:(i + 1) * c] for i in range(len(m.chunks))]
+        chunks = [data[i * c : (i + 1) * c] for i in range(len(m.chunks))]
         t = time.perf_counter()
         out = [encode(v, "zstd", size(i))[0] for i, v in enumerate(chunks)]
         dt = time.perf_counter() - t
@@ -129,15 +133,24 @@ def codec_throughput(local: LocalTier, label: str) -> None:
         row(label, "zstd:shuffle", "ratio raw / stored", len(data) / sum(len(o) for o in out), "x")
         t = time.perf_counter()
         plain = [encode(v, "zstd", 1)[0] for v in chunks]
-        row(label, "zstd (no shuffle)", "ratio raw / stored", len(data) / sum(len(o) for o in plain), "x",
-            f"{len(data) / (time.perf_counter() - t) / 1e9:.3f} GB/s")
+        row(
+            label,
+            "zstd (no shuffle)",
+            "ratio raw / stored",
+            len(data) / sum(len(o) for o in plain),
+            "x",
+            f"{len(data) / (time.perf_counter() - t) / 1e9:.3f} GB/s",
+        )
         del chunks
 
 
 def moto_process(port: int) -> subprocess.Popen:
     """moto's S3 server in a process of its own on 127.0.0.1:``port``, once it accepts connections."""
-    proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     for _ in range(300):
         try:
             socket.create_connection(("127.0.0.1", port), timeout=1).close()
@@ -198,9 +211,12 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--mb", type=int, default=128)
     p.add_argument("--train-steps", type=int, default=300)
-    p.add_argument("--sections", default="targets,backends",
-                   help="comma-separated: targets (ours vs fsspec put/get, s3 and file://, raw and zstd), "
-                        "backends (s3fs vs pyarrow's S3)")
+    p.add_argument(
+        "--sections",
+        default="targets,backends",
+        help="comma-separated: targets (ours vs fsspec put/get, s3 and file://, raw and zstd), "
+        "backends (s3fs vs pyarrow's S3)",
+    )
     p.add_argument("--backend-mb", type=int, default=1024, help="state size of the backends section, MiB")
     p.add_argument("--rounds", type=int, default=2, help="rounds of the backends section")
     p.add_argument("--csv", default=None)
@@ -218,16 +234,22 @@ def main() -> None:
             server.start()
             try:
                 import s3fs
+
                 s3fs.S3FileSystem(**storage_options(port)).mkdir("bench")
                 states = {"trained": trained_state(args.mb, args.train_steps)}
                 local, nbytes = stage_to_local(states["trained"], work / "trained")
                 states["random"] = random_state(nbytes)
-                tiers = {"trained": (local, nbytes), "random": stage_to_local(states["random"], work / "random")}
+                tiers = {
+                    "trained": (local, nbytes),
+                    "random": stage_to_local(states["random"], work / "random"),
+                }
                 for kind, (tier, n) in tiers.items():
                     row(kind, "-", "state size", n / 1e6, "MB")
                     codec_throughput(tier, kind)
-                    for target, url, opts in (("s3", "s3://bench/" + kind, storage_options(port, backend="s3fs")),
-                                              ("file", f"file://{work}/remote-{kind}", {})):
+                    for target, url, opts in (
+                        ("s3", "s3://bench/" + kind, storage_options(port, backend="s3fs")),
+                        ("file", f"file://{work}/remote-{kind}", {}),
+                    ):
                         for comp in (None, "zstd"):
                             bench_case(f"{kind} -> {target}", tier, url + f"-{comp or 'raw'}", opts, comp, n)
             finally:
@@ -237,6 +259,7 @@ def main() -> None:
             proc = moto_process(port)
             try:
                 import s3fs
+
                 s3fs.S3FileSystem(**storage_options(port), skip_instance_cache=True).mkdir("bench")
                 bench_backends(port, args.backend_mb, args.rounds, work)
             finally:

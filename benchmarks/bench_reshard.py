@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from harness import device_name, record, table  # noqa: E402
 
 ROWS, COLS = 1024, 4096
-PER_MATRIX = ROWS * COLS * (2 + 4 + 4)   # bf16 parameter + two fp32 moments
+PER_MATRIX = ROWS * COLS * (2 + 4 + 4)  # bf16 parameter + two fp32 moments
 
 
 def _globals(n: int, device: str) -> dict[str, Any]:
@@ -87,7 +87,7 @@ def _worker(rank: int, world: int, phase: str, args: argparse.Namespace, port: i
         ck = ckpt.Checkpointer(url, local_dir=f"{root}/load-local-{world}/rank-{rank}")
         times: dict[str, list[float]] = {"ours": [], "dcp.load": []}
         ok = True
-        for r in range(-1, args.rounds):   # round -1: untimed, so that both read from the page cache
+        for r in range(-1, args.rounds):  # round -1: untimed, so that both read from the page cache
             order = ["ours", "dcp.load"] if r % 2 == 0 else ["dcp.load", "ours"]
             for name in order:
                 for v in state.values():
@@ -126,8 +126,13 @@ def main() -> None:
     ap.add_argument("--load-world", type=int, default=3)
     ap.add_argument("--mb", type=int, default=400, help="state size in MB (rounded down to whole matrices)")
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--load-dim", type=int, default=0, choices=(0, 1),
-                    help="the loading ranks shard by rows (0: FSDP2's layout, default) or by columns (1)")
+    ap.add_argument(
+        "--load-dim",
+        type=int,
+        default=0,
+        choices=(0, 1),
+        help="the loading ranks shard by rows (0: FSDP2's layout, default) or by columns (1)",
+    )
     ap.add_argument("--cuda", action="store_true", help="one GPU per rank, NCCL")
     ap.add_argument("--dir", default=None, help="where to write (default: a temporary directory)")
     ap.add_argument("--csv", type=Path, default=None)
@@ -140,21 +145,37 @@ def main() -> None:
     root = tempfile.mkdtemp(prefix="bench-reshard-", dir=args.dir)
     try:
         _spawn(args.save_world, "save", args, root)
-        os.sync()   # both savers' files written back: no writeback competes with the first restore
+        os.sync()  # both savers' files written back: no writeback competes with the first restore
         _spawn(args.load_world, "load", args, root)
         res = json.loads(Path(root, "result.json").read_text())
     finally:
         shutil.rmtree(root, ignore_errors=True)
     nbytes = n * PER_MATRIX
-    case = (f"{nbytes / 1e9:.2f} GB state, {args.save_world} -> {args.load_world} ranks, "
-            f"Shard(0) -> Shard({args.load_dim})")
+    case = (
+        f"{nbytes / 1e9:.2f} GB state, {args.save_world} -> {args.load_world} ranks, "
+        f"Shard(0) -> Shard({args.load_dim})"
+    )
     rows, csv_rows = [], []
     for name, ts in res["times"].items():
         med = statistics.median(ts)
-        rows.append({"provider": name, "restore_s": f"{med:.3f}", "GB/s": f"{nbytes / med / 1e9:.2f}",
-                     "rounds": ", ".join(f"{t:.3f}" for t in ts)})
-        csv_rows.append({"case": case, "provider": name, "metric": "restore_resharded", "value": med, "unit": "s",
-                         "note": f"{'cuda' if args.cuda else 'cpu'}; rounds {[round(t, 3) for t in ts]}"})
+        rows.append(
+            {
+                "provider": name,
+                "restore_s": f"{med:.3f}",
+                "GB/s": f"{nbytes / med / 1e9:.2f}",
+                "rounds": ", ".join(f"{t:.3f}" for t in ts),
+            }
+        )
+        csv_rows.append(
+            {
+                "case": case,
+                "provider": name,
+                "metric": "restore_resharded",
+                "value": med,
+                "unit": "s",
+                "note": f"{'cuda' if args.cuda else 'cpu'}; rounds {[round(t, 3) for t in ts]}",
+            }
+        )
     record("bench_reshard", csv_rows, args.csv)
     print(f"device: {device_name()}; {case}; every restore checked: {'ok' if res['ok'] else 'MISMATCH'}")
     print(table(rows, ["provider", "restore_s", "GB/s", "rounds"]))

@@ -34,8 +34,12 @@ def main() -> None:
     p.add_argument("--saves", type=int, default=1000)
     p.add_argument("--mb", type=int, default=256, help="state size (MB)")
     p.add_argument("--every", type=int, default=100, help="sample the memory every this many saves")
-    p.add_argument("--limit-factor", type=float, default=4.0,
-                   help="host_memory_limit as a multiple of the state (three buffers need 3)")
+    p.add_argument(
+        "--limit-factor",
+        type=float,
+        default=4.0,
+        help="host_memory_limit as a multiple of the state (three buffers need 3)",
+    )
     p.add_argument("--csv", default=None)
     args = p.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -49,8 +53,9 @@ def main() -> None:
     t0 = time.perf_counter()
     committed = 0
     try:
-        with ckpt.Checkpointer(local_dir=root, every_steps=1, host_memory_limit=limit,
-                               keep=ckpt.Retention(local=2)) as ck:
+        with ckpt.Checkpointer(
+            local_dir=root, every_steps=1, host_memory_limit=limit, keep=ckpt.Retention(local=2)
+        ) as ck:
             prefix = ck.memory.space.prefix if ck.memory.space is not None else None
             for step in range(1, args.saves + 1):
                 state["a"].fill_(step)
@@ -58,14 +63,17 @@ def main() -> None:
                 state["step"] = step
                 h = ck.maybe_save(step, state)
                 if h is not None and h.status != "skipped":
-                    h.wait("memory")   # the copy lands before the next change, as within a training step
+                    h.wait("memory")  # the copy lands before the next change, as within a training step
                     committed += 1
                 if step % args.every == 0 or step == 1:
                     shm_bytes = sum(g.nbytes for g in shm.segments(prefix=prefix)) if prefix else 0
                     rss = proc.memory_info().rss
                     samples.append((step, rss, shm_bytes))
-                    print(f"save {step:>5}: RSS {rss / 2**20:8.1f} MiB, /dev/shm {shm_bytes / 2**20:8.1f} MiB, "
-                          f"sum {(rss + shm_bytes) / 2**20:8.1f} MiB (limit {limit / 2**20:.0f} MiB)", flush=True)
+                    print(
+                        f"save {step:>5}: RSS {rss / 2**20:8.1f} MiB, /dev/shm {shm_bytes / 2**20:8.1f} MiB, "
+                        f"sum {(rss + shm_bytes) / 2**20:8.1f} MiB (limit {limit / 2**20:.0f} MiB)",
+                        flush=True,
+                    )
             counts = ck.tier_counts["local"]
     finally:
         shutil.rmtree(root, ignore_errors=True)
@@ -74,15 +82,37 @@ def main() -> None:
     last = samples[-1]
     grow = (last[1] + last[2]) - (first[1] + first[2])
     case = f"{args.mb} MB state, {device}"
-    rows.append({"case": case, "provider": "ours", "metric": "RSS + /dev/shm after the first sample",
-                 "value": round((first[1] + first[2]) / 2**20, 1), "unit": "MiB",
-                 "note": f"at save {first[0]}; host_memory_limit {limit / 2**20:.0f} MiB (for the buffers)"})
-    rows.append({"case": case, "provider": "ours", "metric": f"growth from save {first[0]} to {last[0]}",
-                 "value": round(grow / 2**20, 1), "unit": "MiB",
-                 "note": f"{args.saves} saves in {took:.0f} s, {committed} committed to the memory tier; local: "
-                         f"persisted {counts.persisted}, superseded {counts.superseded}"})
-    rows.append({"case": case, "provider": "ours", "metric": "/dev/shm at the end", "value": round(last[2] / 2**20, 1),
-                 "unit": "MiB", "note": f"{last[2] / nbytes:.2f} x the state"})
+    rows.append(
+        {
+            "case": case,
+            "provider": "ours",
+            "metric": "RSS + /dev/shm after the first sample",
+            "value": round((first[1] + first[2]) / 2**20, 1),
+            "unit": "MiB",
+            "note": f"at save {first[0]}; host_memory_limit {limit / 2**20:.0f} MiB (for the buffers)",
+        }
+    )
+    rows.append(
+        {
+            "case": case,
+            "provider": "ours",
+            "metric": f"growth from save {first[0]} to {last[0]}",
+            "value": round(grow / 2**20, 1),
+            "unit": "MiB",
+            "note": f"{args.saves} saves in {took:.0f} s, {committed} committed to the memory tier; local: "
+            f"persisted {counts.persisted}, superseded {counts.superseded}",
+        }
+    )
+    rows.append(
+        {
+            "case": case,
+            "provider": "ours",
+            "metric": "/dev/shm at the end",
+            "value": round(last[2] / 2**20, 1),
+            "unit": "MiB",
+            "note": f"{last[2] / nbytes:.2f} x the state",
+        }
+    )
     path = harness.record("soak", rows, args.csv)
     print(f"\ndevice: {harness.device_name()}; rows appended to {path}")
     print(harness.table(rows, ["case", "provider", "metric", "value", "unit", "note"]))

@@ -62,33 +62,100 @@ def model_config(model: str, tiny: bool):
 
     if model == "llama":
         if tiny:
-            return transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                            num_attention_heads=4, num_key_value_heads=2, vocab_size=300,
-                                            max_position_embeddings=128, tie_word_embeddings=True,
-                                            attn_implementation="sdpa")
-        return transformers.LlamaConfig(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
-                                        num_attention_heads=32, num_key_value_heads=8, head_dim=64,
-                                        vocab_size=128256, max_position_embeddings=131072, rope_theta=500000.0,
-                                        tie_word_embeddings=True, rms_norm_eps=1e-5, attn_implementation="sdpa")
+            return transformers.LlamaConfig(
+                hidden_size=64,
+                intermediate_size=128,
+                num_hidden_layers=2,
+                num_attention_heads=4,
+                num_key_value_heads=2,
+                vocab_size=300,
+                max_position_embeddings=128,
+                tie_word_embeddings=True,
+                attn_implementation="sdpa",
+            )
+        return transformers.LlamaConfig(
+            hidden_size=2048,
+            intermediate_size=8192,
+            num_hidden_layers=16,
+            num_attention_heads=32,
+            num_key_value_heads=8,
+            head_dim=64,
+            vocab_size=128256,
+            max_position_embeddings=131072,
+            rope_theta=500000.0,
+            tie_word_embeddings=True,
+            rms_norm_eps=1e-5,
+            attn_implementation="sdpa",
+        )
     # MoE: the router's load-balancing loss is on, as when such a model is trained
     if model == "qwen3_moe":
-        dims = (dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                     num_experts=8, moe_intermediate_size=32, num_experts_per_tok=2, vocab_size=300) if tiny else
-                dict(hidden_size=1024, num_hidden_layers=12, num_attention_heads=16, num_key_value_heads=4,
-                     head_dim=128, num_experts=64, moe_intermediate_size=384, num_experts_per_tok=8,
-                     vocab_size=151936))
-        return transformers.Qwen3MoeConfig(**dims, intermediate_size=4 * dims["hidden_size"],
-                                           max_position_embeddings=32768, rope_theta=1000000.0, rms_norm_eps=1e-6,
-                                           tie_word_embeddings=False, output_router_logits=True,
-                                           attn_implementation="sdpa")
+        dims = (
+            dict(
+                hidden_size=64,
+                num_hidden_layers=2,
+                num_attention_heads=4,
+                num_key_value_heads=2,
+                head_dim=16,
+                num_experts=8,
+                moe_intermediate_size=32,
+                num_experts_per_tok=2,
+                vocab_size=300,
+            )
+            if tiny
+            else dict(
+                hidden_size=1024,
+                num_hidden_layers=12,
+                num_attention_heads=16,
+                num_key_value_heads=4,
+                head_dim=128,
+                num_experts=64,
+                moe_intermediate_size=384,
+                num_experts_per_tok=8,
+                vocab_size=151936,
+            )
+        )
+        return transformers.Qwen3MoeConfig(
+            **dims,
+            intermediate_size=4 * dims["hidden_size"],
+            max_position_embeddings=32768,
+            rope_theta=1000000.0,
+            rms_norm_eps=1e-6,
+            tie_word_embeddings=False,
+            output_router_logits=True,
+            attn_implementation="sdpa",
+        )
     if model == "mixtral":
-        dims = (dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                     intermediate_size=96, num_local_experts=4, vocab_size=300) if tiny else
-                dict(hidden_size=1024, num_hidden_layers=16, num_attention_heads=16, num_key_value_heads=8,
-                     intermediate_size=3584, num_local_experts=8, vocab_size=32000))
-        return transformers.MixtralConfig(**dims, num_experts_per_tok=2, max_position_embeddings=32768,
-                                          rope_theta=1000000.0, rms_norm_eps=1e-5, tie_word_embeddings=False,
-                                          output_router_logits=True, attn_implementation="sdpa")
+        dims = (
+            dict(
+                hidden_size=64,
+                num_hidden_layers=2,
+                num_attention_heads=4,
+                num_key_value_heads=2,
+                intermediate_size=96,
+                num_local_experts=4,
+                vocab_size=300,
+            )
+            if tiny
+            else dict(
+                hidden_size=1024,
+                num_hidden_layers=16,
+                num_attention_heads=16,
+                num_key_value_heads=8,
+                intermediate_size=3584,
+                num_local_experts=8,
+                vocab_size=32000,
+            )
+        )
+        return transformers.MixtralConfig(
+            **dims,
+            num_experts_per_tok=2,
+            max_position_embeddings=32768,
+            rope_theta=1000000.0,
+            rms_norm_eps=1e-5,
+            tie_word_embeddings=False,
+            output_router_logits=True,
+            attn_implementation="sdpa",
+        )
     raise ValueError(f"unknown model {model!r}; choose from {MODELS}")
 
 
@@ -97,8 +164,11 @@ def build_model(tiny: bool, model: str = "llama"):
     import transformers
 
     cfg = model_config(model, tiny)
-    cls = {"llama": transformers.LlamaForCausalLM, "qwen3_moe": transformers.Qwen3MoeForCausalLM,
-           "mixtral": transformers.MixtralForCausalLM}[model]
+    cls = {
+        "llama": transformers.LlamaForCausalLM,
+        "qwen3_moe": transformers.Qwen3MoeForCausalLM,
+        "mixtral": transformers.MixtralForCausalLM,
+    }[model]
     dev = "cpu" if tiny else "cuda"
     torch.manual_seed(0)
     default = torch.get_default_dtype()
@@ -119,8 +189,15 @@ def apply_liger(model, family: str, with_loss: bool) -> None:
     getattr(lt, f"apply_liger_kernel_to_{family}")(model=model, fused_linear_cross_entropy=with_loss)
 
 
-def cce_forward(self, input_ids=None, attention_mask=None, position_ids=None, labels=None,
-                filter_eps: float | str | None = "high", **kwargs):
+def cce_forward(
+    self,
+    input_ids=None,
+    attention_mask=None,
+    position_ids=None,
+    labels=None,
+    filter_eps: float | str | None = "high",
+    **kwargs,
+):
     """A causal LM's training forward with the LM head and the shifted loss through Cut
     Cross-Entropy (``linear_cross_entropy(..., shift=True)``; ``filter_eps`` its gradient filter,
     ``"high"`` its default, ``None`` exact), and a mixture of experts' load-balancing loss added
@@ -131,23 +208,36 @@ def cce_forward(self, input_ids=None, attention_mask=None, position_ids=None, la
 
     moe = hasattr(self, "router_aux_loss_coef")
     extra = {"output_router_logits": self.config.output_router_logits} if moe else {}
-    out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                     **extra, **kwargs)
-    loss = linear_cross_entropy(out.last_hidden_state, self.lm_head.weight, labels, shift=True,
-                                filter_eps=filter_eps)
+    out = self.model(
+        input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, **extra, **kwargs
+    )
+    loss = linear_cross_entropy(
+        out.last_hidden_state, self.lm_head.weight, labels, shift=True, filter_eps=filter_eps
+    )
     if moe and self.config.output_router_logits:
         modeling = importlib.import_module(type(self).__module__)
-        aux = modeling.load_balancing_loss_func(out.router_logits, self.num_experts, self.num_experts_per_tok,
-                                                attention_mask)
+        aux = modeling.load_balancing_loss_func(
+            out.router_logits, self.num_experts, self.num_experts_per_tok, attention_mask
+        )
         loss = loss + self.router_aux_loss_coef * aux.to(loss.device)
     from transformers.modeling_outputs import CausalLMOutputWithPast
 
     return CausalLMOutputWithPast(loss=loss, logits=None)
 
 
-def child(provider: str, batch: int, seq: int, steps: int, warmup: int, tiny: bool,
-          compile_model: bool = False, profile: int = 0, flce_chunk: int = 0, trace: str = "",
-          family: str = "llama") -> dict[str, Any]:
+def child(
+    provider: str,
+    batch: int,
+    seq: int,
+    steps: int,
+    warmup: int,
+    tiny: bool,
+    compile_model: bool = False,
+    profile: int = 0,
+    flce_chunk: int = 0,
+    trace: str = "",
+    family: str = "llama",
+) -> dict[str, Any]:
     """Train ``steps`` timed steps with one provider in this process; return the measurements."""
     import functools
     import types
@@ -227,14 +317,29 @@ def child(provider: str, batch: int, seq: int, steps: int, warmup: int, tiny: bo
             opt.step()
             opt.zero_grad(set_to_none=True)
             ostep = torch.cuda.max_memory_allocated()
-            print(f"peak by phase (GiB): start {base / 2**30:.2f}, forward {fwd / 2**30:.2f}, "
-                  f"backward {bwd / 2**30:.2f}, optimizer {ostep / 2**30:.2f}", flush=True)
+            print(
+                f"peak by phase (GiB): start {base / 2**30:.2f}, forward {fwd / 2**30:.2f}, "
+                f"backward {bwd / 2**30:.2f}, optimizer {ostep / 2**30:.2f}",
+                flush=True,
+            )
     losses = [float(x) for x in losses]
     name = provider + ("+compile" if compile_model else "") + (f"(chunk {flce_chunk})" if flce_chunk else "")
-    if provider.startswith("liger") and os.environ.get("LIGER_FUSED_MOE_AUTOTUNE", "1").lower() in ("0", "false", "no"):
+    if provider.startswith("liger") and os.environ.get("LIGER_FUSED_MOE_AUTOTUNE", "1").lower() in (
+        "0",
+        "false",
+        "no",
+    ):
         name += "(fused-MoE autotune off)"  # Liger's escape hatch: one fixed config for its MoE kernels
-    return {"provider": name, "warmup_s": warmup_s, "params_b": n_params / 1e9, "tokens_per_s": batch * seq * steps / dt,
-            "step_ms": dt / steps * 1e3, "peak_gib": peak, "first_loss": losses[0], "last_loss": losses[-1]}
+    return {
+        "provider": name,
+        "warmup_s": warmup_s,
+        "params_b": n_params / 1e9,
+        "tokens_per_s": batch * seq * steps / dt,
+        "step_ms": dt / steps * 1e3,
+        "peak_gib": peak,
+        "first_loss": losses[0],
+        "last_loss": losses[-1],
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -248,20 +353,50 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--csv", type=Path, default=None)
     ap.add_argument("--smoke", action="store_true", help="tiny model on the CPU (Triton interpreter)")
     ap.add_argument("--compile", action="store_true", help="torch.compile each provider's model (inductor)")
-    ap.add_argument("--profile", type=int, default=0, metavar="STEPS",
-                    help="after timing, profile this many steps and print the top GPU kernels")
-    ap.add_argument("--flce-chunk", type=int, default=0, metavar="TOKENS",
-                    help="ours only: a fixed fused-linear-CE chunk instead of the default rule (a what-if)")
-    ap.add_argument("--trace", default="", metavar="DIR",
-                    help="with --profile: also write each provider's Chrome trace (DIR/<provider>.json)")
-    ap.add_argument("--timeout", type=float, default=None, metavar="S",
-                    help="stop a provider's process after S seconds and report it as failed")
+    ap.add_argument(
+        "--profile",
+        type=int,
+        default=0,
+        metavar="STEPS",
+        help="after timing, profile this many steps and print the top GPU kernels",
+    )
+    ap.add_argument(
+        "--flce-chunk",
+        type=int,
+        default=0,
+        metavar="TOKENS",
+        help="ours only: a fixed fused-linear-CE chunk instead of the default rule (a what-if)",
+    )
+    ap.add_argument(
+        "--trace",
+        default="",
+        metavar="DIR",
+        help="with --profile: also write each provider's Chrome trace (DIR/<provider>.json)",
+    )
+    ap.add_argument(
+        "--timeout",
+        type=float,
+        default=None,
+        metavar="S",
+        help="stop a provider's process after S seconds and report it as failed",
+    )
     ap.add_argument("--child", choices=PROVIDERS, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
 
     if args.child:
-        res = child(args.child, args.batch, args.seq, args.steps, args.warmup, args.smoke, args.compile,
-                    args.profile, args.flce_chunk, args.trace, args.model)
+        res = child(
+            args.child,
+            args.batch,
+            args.seq,
+            args.steps,
+            args.warmup,
+            args.smoke,
+            args.compile,
+            args.profile,
+            args.flce_chunk,
+            args.trace,
+            args.model,
+        )
         print("RESULT " + json.dumps(res), flush=True)
         return 0
 
@@ -271,12 +406,29 @@ def main(argv: list[str] | None = None) -> int:
         env["TRITON_INTERPRET"] = "1"
         args.batch, args.seq, args.steps, args.warmup = 2, 16, 2, 1
     for p in args.providers:
-        cmd = [sys.executable, __file__, "--child", p, "--model", args.model, "--batch", str(args.batch),
-               "--seq", str(args.seq), "--steps", str(args.steps), "--warmup", str(args.warmup)] \
-            + (["--smoke"] if args.smoke else []) + (["--compile"] if args.compile else []) \
-            + ["--profile", str(args.profile)] \
-            + (["--flce-chunk", str(args.flce_chunk)] if args.flce_chunk and p == "ours" else []) \
+        cmd = (
+            [
+                sys.executable,
+                __file__,
+                "--child",
+                p,
+                "--model",
+                args.model,
+                "--batch",
+                str(args.batch),
+                "--seq",
+                str(args.seq),
+                "--steps",
+                str(args.steps),
+                "--warmup",
+                str(args.warmup),
+            ]
+            + (["--smoke"] if args.smoke else [])
+            + (["--compile"] if args.compile else [])
+            + ["--profile", str(args.profile)]
+            + (["--flce-chunk", str(args.flce_chunk)] if args.flce_chunk and p == "ours" else [])
             + (["--trace", os.path.join(args.trace, f"{p}.json")] if args.trace else [])
+        )
         print(f"== {p}", flush=True)
         try:
             proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
@@ -286,11 +438,16 @@ def main(argv: list[str] | None = None) -> int:
             continue
         lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
         if proc.returncode != 0 or not lines:
-            print(f"{p} failed (rc {proc.returncode}):\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}", flush=True)
+            print(
+                f"{p} failed (rc {proc.returncode}):\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}",
+                flush=True,
+            )
             continue
         if args.profile:
-            print("\n".join(ln for ln in proc.stdout.splitlines() if not ln.startswith("RESULT ")), flush=True)
-        res = json.loads(lines[-1][len("RESULT "):])
+            print(
+                "\n".join(ln for ln in proc.stdout.splitlines() if not ln.startswith("RESULT ")), flush=True
+            )
+        res = json.loads(lines[-1][len("RESULT ") :])
         print(f"   {res}", flush=True)
         results.append(res)
 
@@ -300,14 +457,34 @@ def main(argv: list[str] | None = None) -> int:
     case = f"{CASE[args.model]} bf16 b{args.batch}x{args.seq}" + (" smoke" if args.smoke else "")
     for r in results:
         note = f"first_loss={r['first_loss']:.4f} last_loss={r['last_loss']:.4f} params={r['params_b']:.3f}B"
-        rows.append({"case": case, "provider": r["provider"], "metric": "tokens_per_s", "value": r["tokens_per_s"],
-                     "unit": "tok/s", "note": note})
-        rows.append({"case": case, "provider": r["provider"], "metric": "peak_mem", "value": r["peak_gib"],
-                     "unit": "GiB", "note": note})
+        rows.append(
+            {
+                "case": case,
+                "provider": r["provider"],
+                "metric": "tokens_per_s",
+                "value": r["tokens_per_s"],
+                "unit": "tok/s",
+                "note": note,
+            }
+        )
+        rows.append(
+            {
+                "case": case,
+                "provider": r["provider"],
+                "metric": "peak_mem",
+                "value": r["peak_gib"],
+                "unit": "GiB",
+                "note": note,
+            }
+        )
     path = record("bench_train_kernels", rows, args.csv)
     print(f"csv: {path}\ndevice: {device_name()}\n")
-    print(table([{k: (round(v, 4) if isinstance(v, float) else v) for k, v in r.items()} for r in results],
-                ["provider", "tokens_per_s", "step_ms", "peak_gib", "first_loss", "last_loss", "warmup_s"]))
+    print(
+        table(
+            [{k: (round(v, 4) if isinstance(v, float) else v) for k, v in r.items()} for r in results],
+            ["provider", "tokens_per_s", "step_ms", "peak_gib", "first_loss", "last_loss", "warmup_s"],
+        )
+    )
     return 0
 
 

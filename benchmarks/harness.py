@@ -42,15 +42,25 @@ def record(benchmark: str, rows: Iterable[Mapping[str, Any]], path: Path | str |
         if new:
             w.writeheader()
         for r in rows:
-            w.writerow({"date": stamp, "device": dev, "torch": torch.__version__, "benchmark": benchmark,
-                        "note": "", **{k: r[k] for k in r if k in FIELDS}})
+            w.writerow(
+                {
+                    "date": stamp,
+                    "device": dev,
+                    "torch": torch.__version__,
+                    "benchmark": benchmark,
+                    "note": "",
+                    **{k: r[k] for k in r if k in FIELDS},
+                }
+            )
     return path
 
 
 def table(rows: list[Mapping[str, Any]], columns: list[str]) -> str:
     """Format ``rows`` as a fixed-width text table with the given columns."""
     cells = [[_fmt(r.get(c, "")) for c in columns] for r in rows]
-    widths = [max(len(c), *(len(row[i]) for row in cells)) if cells else len(c) for i, c in enumerate(columns)]
+    widths = [
+        max(len(c), *(len(row[i]) for row in cells)) if cells else len(c) for i, c in enumerate(columns)
+    ]
     line = "  ".join(c.ljust(w) for c, w in zip(columns, widths))
     out = [line, "  ".join("-" * w for w in widths)]
     out += ["  ".join(v.ljust(w) for v, w in zip(row, widths)) for row in cells]

@@ -24,7 +24,7 @@ def newest_run(rows: list[dict], device: str) -> list[dict]:
     rows = [r for r in rows if r["benchmark"] == "checkpoint" and r["device"] == device]
     # A run is a contiguous block that starts with the pinned D2H probe; keep the last one.
     starts = [i for i, r in enumerate(rows) if r["metric"] == "pinned D2H"]
-    return rows[starts[-1]:] if starts else rows
+    return rows[starts[-1] :] if starts else rows
 
 
 def main() -> None:
@@ -49,8 +49,9 @@ def main() -> None:
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
     names = list(blocked)
     axes[0].bar(range(len(names)), [statistics.median(blocked[n]) for n in names], color="tab:blue")
-    axes[0].set_xticks(range(len(names)), [n.replace("+", "\n+").replace("dcp.", "dcp.\n") for n in names],
-                       fontsize=8)
+    axes[0].set_xticks(
+        range(len(names)), [n.replace("+", "\n+").replace("dcp.", "dcp.\n") for n in names], fontsize=8
+    )
     axes[0].set_yscale("log")
     axes[0].set_ylabel("seconds (log)")
     axes[0].set_title("training blocked per save (8.1 GB state, median)")

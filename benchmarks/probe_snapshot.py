@@ -46,7 +46,7 @@ EV = lambda: torch.cuda.Event(enable_timing=True)  # noqa: E731
 
 # host-side timings of the current save, and of the watcher threads
 SAVE: dict[str, float] = {}
-WATCH: list[tuple[str, int, float, float]] = []   # (what, step, t_start, t_end) on perf_counter
+WATCH: list[tuple[str, int, float, float]] = []  # (what, step, t_start, t_end) on perf_counter
 SNAPS: dict[int, st.Snapshot] = {}
 
 
@@ -59,6 +59,7 @@ def timed(mod, name, key):
             return real(*a, **k)
         finally:
             SAVE[key] = SAVE.get(key, 0.0) + time.perf_counter() - t0
+
     setattr(mod, name, wrapper)
     return real
 
@@ -73,6 +74,7 @@ def instrument() -> None:
         real_stage(snap, side)
         SAVE["stage"] = time.perf_counter() - t0
         SNAPS[snap.step] = snap
+
     api.stage = stage
     timed(pipeline.Pipeline, "submit", "submit")
     real_wait = st.Snapshot.wait_copied
@@ -81,6 +83,7 @@ def instrument() -> None:
         t0 = time.perf_counter()
         real_wait(self)
         WATCH.append(("verify", self.step, t0, time.perf_counter()))
+
     st.Snapshot.wait_copied = wait_copied
     real_commit = mem.MemoryTier.commit
 
@@ -88,19 +91,20 @@ def instrument() -> None:
         t0 = time.perf_counter()
         real_commit(self, step, manifest, buffer)
         WATCH.append(("commit", step, t0, time.perf_counter()))
+
     mem.MemoryTier.commit = commit
 
 
 def stub_host_checks() -> None:
-    def verify(self):   # wait for the copies only: no fingerprint comparison on the host
+    def verify(self):  # wait for the copies only: no fingerprint comparison on the host
         with self._verify_lock:
             groups, self._groups = self._groups, []
             for ev, _ in groups:
                 ev.synchronize()
             self._checks, self._fp_host = [], None
+
     st.Snapshot._verify_cuda_copies = verify
-    shm.chunk_checksums = lambda tensor, data_bytes, chunk, background=False: \
-        [0] * (-(-data_bytes // chunk))
+    shm.chunk_checksums = lambda tensor, data_bytes, chunk, background=False: [0] * (-(-data_bytes // chunk))
 
 
 def stub_fingerprints() -> None:
@@ -125,6 +129,7 @@ def profile_snapshot(step, ck, state, s_ck: int, out: Path) -> int:
     path = out / "trace.json"
     prof.export_chrome_trace(str(path))
     import trace_gaps
+
     trace_gaps.main([str(path), "--top", "25"])
     with open(path, "rb") as f, gzip.open(str(path) + ".gz", "wb") as g:
         g.write(f.read())
@@ -161,13 +166,16 @@ def alloc_phase(step, variant: str, nbytes: int, base_s: float) -> None:
         t = torch.from_file(str(path), shared=True, size=nbytes, dtype=torch.uint8)
         holder["t"] = t
         marks["map"] = now()
-        if variant.startswith("populate"):   # "populate N": on N threads (ckpt.shm.populate)
+        if variant.startswith("populate"):  # "populate N": on N threads (ckpt.shm.populate)
             threads = int(variant.split()[1]) if " " in variant else 1
             holder["populate_rc"] = shm.populate(t.data_ptr(), nbytes, threads=threads)
             marks["populate"] = now()
         if variant == "pieces":
             piece = 256 << 20
-            rcs = [shm.host_register(t.data_ptr() + off, min(piece, nbytes - off)) for off in range(0, nbytes, piece)]
+            rcs = [
+                shm.host_register(t.data_ptr() + off, min(piece, nbytes - off))
+                for off in range(0, nbytes, piece)
+            ]
             holder["rc"] = max(rcs)
             holder["pieces"] = list(range(0, nbytes, piece))
         else:
@@ -197,14 +205,22 @@ def alloc_phase(step, variant: str, nbytes: int, base_s: float) -> None:
     stages = " ".join(f"{k} +{(v - t_begin) * 1e3:.0f}" for k, v in marks.items())
     excess = sum(max(0.0, r["host"] - base_s) for r in rows)
     worst = max(rows, key=lambda r: r["host"])
-    print(f"\n== alloc, {variant}: {nbytes / 2**30:.2f} GiB; ms from the start: {stages}; register rc "
-          f"{holder.get('rc')}{' populate ' + str(holder['populate_rc']) if 'populate_rc' in holder else ''}; "
-          f"unregister {unreg * 1e3:.0f} ms", flush=True)
-    print(f"   {len(rows)} steps while it ran (+3): excess over {base_s * 1e3:.0f} ms: {excess * 1e3:.0f} ms in all; "
-          f"worst step {worst['host'] * 1e3:.0f} ms (enqueue {worst['enq'] * 1e3:.0f}) at +{(worst['t0'] - t_begin) * 1e3:.0f} ms",
-          flush=True)
-    print("   steps (start ms: host ms): " + " ".join(f"{(r['t0'] - t_begin) * 1e3:.0f}:{r['host'] * 1e3:.0f}"
-                                                    for r in rows), flush=True)
+    print(
+        f"\n== alloc, {variant}: {nbytes / 2**30:.2f} GiB; ms from the start: {stages}; register rc "
+        f"{holder.get('rc')}{' populate ' + str(holder['populate_rc']) if 'populate_rc' in holder else ''}; "
+        f"unregister {unreg * 1e3:.0f} ms",
+        flush=True,
+    )
+    print(
+        f"   {len(rows)} steps while it ran (+3): excess over {base_s * 1e3:.0f} ms: {excess * 1e3:.0f} ms in all; "
+        f"worst step {worst['host'] * 1e3:.0f} ms (enqueue {worst['enq'] * 1e3:.0f}) at +{(worst['t0'] - t_begin) * 1e3:.0f} ms",
+        flush=True,
+    )
+    print(
+        "   steps (start ms: host ms): "
+        + " ".join(f"{(r['t0'] - t_begin) * 1e3:.0f}:{r['host'] * 1e3:.0f}" for r in rows),
+        flush=True,
+    )
 
 
 def ce_phase() -> None:
@@ -219,7 +235,7 @@ def ce_phase() -> None:
     def chunks(stream, gap_cycles=0):
         with torch.cuda.stream(stream):
             for off in range(0, n, chunk):
-                host[off:off + chunk].copy_(big[off:off + chunk], non_blocking=True)
+                host[off : off + chunk].copy_(big[off : off + chunk], non_blocking=True)
                 if gap_cycles:
                     torch.cuda._sleep(gap_cycles)
 
@@ -230,10 +246,11 @@ def ce_phase() -> None:
                 for off in range(0, n, chunk):
                     if len(evs) >= ahead:
                         evs.pop(0).synchronize()
-                    host[off:off + chunk].copy_(big[off:off + chunk], non_blocking=True)
+                    host[off : off + chunk].copy_(big[off : off + chunk], non_blocking=True)
                     ev = torch.cuda.Event()
                     ev.record(stream)
                     evs.append(ev)
+
         th = threading.Thread(target=run)
         th.start()
         return th
@@ -248,7 +265,10 @@ def ce_phase() -> None:
         "paced thread, 1 ahead": lambda: paced(low, 1),
         "paced thread, 2 ahead": lambda: paced(low, 2),
     }
-    print("\n== copy engine: a 4-byte .item() (and a pageable 4-byte upload) while 4 GiB go device-to-host", flush=True)
+    print(
+        "\n== copy engine: a 4-byte .item() (and a pageable 4-byte upload) while 4 GiB go device-to-host",
+        flush=True,
+    )
     for name, go in variants.items():
         for probe in ("item", "upload"):
             torch.cuda.synchronize()
@@ -266,8 +286,11 @@ def ce_phase() -> None:
                 th.join()
             torch.cuda.synchronize()
             total = time.perf_counter() - t0
-            print(f"   {name:<44} {probe:<6}: waited {lat * 1e3:7.2f} ms; the copy took {total * 1e3:6.1f} ms "
-                  f"({n / total / 1e9:.1f} GB/s)", flush=True)
+            print(
+                f"   {name:<44} {probe:<6}: waited {lat * 1e3:7.2f} ms; the copy took {total * 1e3:6.1f} ms "
+                f"({n / total / 1e9:.1f} GB/s)",
+                flush=True,
+            )
 
 
 def _on(stream, fn):
@@ -281,8 +304,11 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--seq", type=int, default=2048)
     p.add_argument("--steps", type=int, default=50, help="steps per phase")
-    p.add_argument("--phases", default="none;ckpt;profile;ckpt, no host checks;"
-                                       "ckpt, no fingerprints, no host checks;raw copy;raw fingerprints;none (again)")
+    p.add_argument(
+        "--phases",
+        default="none;ckpt;profile;ckpt, no host checks;"
+        "ckpt, no fingerprints, no host checks;raw copy;raw fingerprints;none (again)",
+    )
     p.add_argument("--out", default=os.environ.get("OUT", "."))
     p.add_argument("--dir", default=None)
     args = p.parse_args()
@@ -303,7 +329,7 @@ def main() -> None:
         o = model(input_ids=ids, labels=ids)
         o.loss.backward()
         e1.record()
-        if pending:   # the raw copy's fence
+        if pending:  # the raw copy's fence
             compute.wait_event(pending.pop())
         opt.step()
         e2.record()
@@ -316,16 +342,20 @@ def main() -> None:
         step()
     state = {"model": model, "optim": opt}
     instrument()
-    tensors = [t for t in model.parameters()] + \
-        [v for s in opt.state.values() for v in s.values() if torch.is_tensor(v) and v.numel()]
-    print(f"{len(tensors)} state tensors, {sum(t.numel() * t.element_size() for t in tensors) / 1e9:.3f} GB",
-          flush=True)
+    tensors = [t for t in model.parameters()] + [
+        v for s in opt.state.values() for v in s.values() if torch.is_tensor(v) and v.numel()
+    ]
+    print(
+        f"{len(tensors)} state tensors, {sum(t.numel() * t.element_size() for t in tensors) / 1e9:.3f} GB",
+        flush=True,
+    )
     raw_buf = None
     results = {}
     root = Path(args.dir or f"/tmp/probe-{os.getpid()}")
-    ck = ckpt.Checkpointer(local_dir=root, every_steps=10, keep=ckpt.Retention(local=1),
-                           persist_every={"local": 10 ** 9})
-    s_ck = 0   # the checkpointer's step counter runs across the ckpt phases
+    ck = ckpt.Checkpointer(
+        local_dir=root, every_steps=10, keep=ckpt.Retention(local=1), persist_every={"local": 10**9}
+    )
+    s_ck = 0  # the checkpointer's step counter runs across the ckpt phases
     for phase in [x for x in args.phases.split(";") if x]:
         if phase == "profile":
             s_ck = profile_snapshot(step, ck, state, s_ck, out)
@@ -334,7 +364,7 @@ def main() -> None:
             ce_phase()
             continue
         if phase.startswith("alloc: "):
-            alloc_phase(step, phase[len("alloc: "):], int(7.415e9), results.get("none", 0.245))
+            alloc_phase(step, phase[len("alloc: ") :], int(7.415e9), results.get("none", 0.245))
             continue
         if phase.startswith("ckpt, ahead "):
             st._COPIES_AHEAD = int(phase.split()[-1])
@@ -384,7 +414,7 @@ def main() -> None:
             e0, e1, e2 = r["e"]
             r["fb"] = e0.elapsed_time(e1)
             r["opt"] = e1.elapsed_time(e2)
-            if k + 1 < len(rows):   # GPU time from this step's start to the next one's: includes idle
+            if k + 1 < len(rows):  # GPU time from this step's start to the next one's: includes idle
                 r["gpu_period"] = e0.elapsed_time(rows[k + 1]["e"][0])
             copy = None
             if "save_step" in r:
@@ -397,33 +427,47 @@ def main() -> None:
                 n0, n1, _ = rows[k + 1]["e"]
                 r["copy_ms"] = copy[0].elapsed_time(copy[1])
                 r["copy_start_vs_next_fwd"] = n0.elapsed_time(copy[0])
-                r["copy_end_vs_next_bwd_end"] = n1.elapsed_time(copy[1])   # > 0: the next opt step waited
+                r["copy_end_vs_next_bwd_end"] = n1.elapsed_time(copy[1])  # > 0: the next opt step waited
         host = [r["host"] + r["save"] for r in rows[10:]]
         mean = statistics.mean(host)
         results[phase] = mean
         late = [r["host"] + r["save"] for r in rows[20:]] or host
-        print(f"\n== {phase}: mean step {mean * 1e3:.1f} ms (steps 11-{args.steps}; 21-{args.steps}: "
-              f"{statistics.mean(late) * 1e3:.1f}), median "
-              f"{statistics.median(host) * 1e3:.1f}; GPU fwd+bwd median {statistics.median(r['fb'] for r in rows[10:]):.1f} ms,"
-              f" opt {statistics.median(r['opt'] for r in rows[10:]):.2f} ms, enqueue median "
-              f"{statistics.median(r['enq'] for r in rows[10:]) * 1e3:.1f} ms", flush=True)
-        print("   step  host  enq  save |  fb   opt  period | copy  c0-next  cEnd-nextBwd | save parts", flush=True)
+        print(
+            f"\n== {phase}: mean step {mean * 1e3:.1f} ms (steps 11-{args.steps}; 21-{args.steps}: "
+            f"{statistics.mean(late) * 1e3:.1f}), median "
+            f"{statistics.median(host) * 1e3:.1f}; GPU fwd+bwd median {statistics.median(r['fb'] for r in rows[10:]):.1f} ms,"
+            f" opt {statistics.median(r['opt'] for r in rows[10:]):.2f} ms, enqueue median "
+            f"{statistics.median(r['enq'] for r in rows[10:]) * 1e3:.1f} ms",
+            flush=True,
+        )
+        print(
+            "   step  host  enq  save |  fb   opt  period | copy  c0-next  cEnd-nextBwd | save parts",
+            flush=True,
+        )
         for k, r in enumerate(rows):
-            near = any(abs(k - j) <= 3 and any(x in rows[j] for x in ("save_step", "raw", "raw_fp"))
-                       for j in range(len(rows)))
+            near = any(
+                abs(k - j) <= 3 and any(x in rows[j] for x in ("save_step", "raw", "raw_fp"))
+                for j in range(len(rows))
+            )
             if not (near or (phase == "ckpt" and k < 25)):
                 continue
             parts = " ".join(f"{a}={b * 1e3:.1f}" for a, b in r["save_parts"].items())
-            print(f"   {r['i']:4d} {r['host'] * 1e3:5.0f} {r['enq'] * 1e3:4.0f} {r['save'] * 1e3:5.1f} | "
-                  f"{r['fb']:5.1f} {r['opt']:5.2f} {r.get('gpu_period', 0):6.1f} | "
-                  f"{r.get('copy_ms', float('nan')):5.1f} {r.get('copy_start_vs_next_fwd', float('nan')):7.1f} "
-                  f"{r.get('copy_end_vs_next_bwd_end', float('nan')):8.1f} | {parts}", flush=True)
+            print(
+                f"   {r['i']:4d} {r['host'] * 1e3:5.0f} {r['enq'] * 1e3:4.0f} {r['save'] * 1e3:5.1f} | "
+                f"{r['fb']:5.1f} {r['opt']:5.2f} {r.get('gpu_period', 0):6.1f} | "
+                f"{r.get('copy_ms', float('nan')):5.1f} {r.get('copy_start_vs_next_fwd', float('nan')):7.1f} "
+                f"{r.get('copy_end_vs_next_bwd_end', float('nan')):8.1f} | {parts}",
+                flush=True,
+            )
         if phase.startswith("ckpt"):
             t_first = rows[0]["t0"]
             for what, s, a, b in WATCH:
                 if a >= t_first:
-                    print(f"   watcher {what} of step {s}: from {(a - t_first) * 1e3:.0f} to {(b - t_first) * 1e3:.0f} ms "
-                          f"({(b - a) * 1e3:.0f} ms) after the phase began", flush=True)
+                    print(
+                        f"   watcher {what} of step {s}: from {(a - t_first) * 1e3:.0f} to {(b - t_first) * 1e3:.0f} ms "
+                        f"({(b - a) * 1e3:.0f} ms) after the phase began",
+                        flush=True,
+                    )
             WATCH.clear()
     ck.close()
     print("\nphase                                      mean step   over none")

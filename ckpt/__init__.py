@@ -10,11 +10,22 @@ used (``ckpt.Checkpointer``...): the ``ckpt`` commands that only read files star
 
 from ._lazy import exports
 from .config import IfBusy, Policy, Storage
-from .errors import (CheckpointError, CorruptCheckpointError, HostMemoryError, IncompatibleCheckpointError,
-                     IncompleteCheckpointError, LayoutMismatchError, LockedError, NoCheckpointError, Preempted,
-                     RefusedStateError, TornSnapshotError)
-from .export import ExportInfo, export   # bound here: the submodule ckpt.export must not shadow the function
+from .errors import (
+    CheckpointError,
+    CorruptCheckpointError,
+    HostMemoryError,
+    IncompatibleCheckpointError,
+    IncompleteCheckpointError,
+    LayoutMismatchError,
+    LockedError,
+    NoCheckpointError,
+    Preempted,
+    RefusedStateError,
+    TornSnapshotError,
+)
+from .export import ExportInfo, export  # bound here: the submodule ckpt.export must not shadow the function
 from .policy import AutoInterval, Retention
+
 
 def _installed_version() -> str:
     """The version pyproject.toml gives, as the installed distribution's metadata records it."""
@@ -22,7 +33,7 @@ def _installed_version() -> str:
 
     try:
         return version("tierckpt")
-    except PackageNotFoundError:   # a source tree on sys.path that was never installed
+    except PackageNotFoundError:  # a source tree on sys.path that was never installed
         return "0+unknown"
 
 
@@ -62,9 +73,17 @@ __all__ = [
 
 #: where each public name that needs torch lives (imported on first use, PEP 562)
 _WHERE = {
-    "Checkpointer": "api", "CheckpointInfo": "catalog", "promote": "promotion", "SaveHandle": "pipeline",
-    "Signals": "preempt", "WorkerSignals": "preempt", "RestoreInfo": "restore", "RNGState": "rng",
-    "SnapshotStats": "stage", "empty_params": "fast_start", "materialize": "fast_start",
+    "Checkpointer": "api",
+    "CheckpointInfo": "catalog",
+    "promote": "promotion",
+    "SaveHandle": "pipeline",
+    "Signals": "preempt",
+    "WorkerSignals": "preempt",
+    "RestoreInfo": "restore",
+    "RNGState": "rng",
+    "SnapshotStats": "stage",
+    "empty_params": "fast_start",
+    "materialize": "fast_start",
 }
 
 

@@ -23,8 +23,17 @@ POLY = 0x82F63B78
 
 
 @triton.jit(do_not_specialize=["nblocks"])
-def chunk_crcs(words, cols, out, nblocks, WORDS: tl.constexpr, PER_CHUNK: tl.constexpr, LEVELS: tl.constexpr,
-               LANES: tl.constexpr, POLY: tl.constexpr):
+def chunk_crcs(
+    words,
+    cols,
+    out,
+    nblocks,
+    WORDS: tl.constexpr,
+    PER_CHUNK: tl.constexpr,
+    LEVELS: tl.constexpr,
+    LANES: tl.constexpr,
+    POLY: tl.constexpr,
+):
     lanes = tl.program_id(0).to(tl.int64) * LANES + tl.arange(0, LANES)
     live = lanes < nblocks
     at = words + lanes * WORDS
@@ -37,7 +46,7 @@ def chunk_crcs(words, cols, out, nblocks, WORDS: tl.constexpr, PER_CHUNK: tl.con
             crc = (crc >> 1) ^ tl.where((crc & 1) != 0, poly, zero)
     chunk = lanes // PER_CHUNK
     first = chunk * PER_CHUNK
-    after = tl.minimum(nblocks - first, PER_CHUNK) - 1 - (lanes - first)   # lanes after this one in its chunk
+    after = tl.minimum(nblocks - first, PER_CHUNK) - 1 - (lanes - first)  # lanes after this one in its chunk
     for level in range(LEVELS):
         carried = zero
         for b in tl.static_range(32):

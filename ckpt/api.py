@@ -21,8 +21,17 @@ from .metrics import Metrics, Record
 from .ownership import Ownership
 from .pipeline import Pipeline, SaveHandle
 from .plan import flatten, layout
-from .policy import (EVERY_TIER, AutoInterval, Interval, Retention, Schedule, TierCadence, Timeline, newest_timeline,
-                     retain)
+from .policy import (
+    EVERY_TIER,
+    AutoInterval,
+    Interval,
+    Retention,
+    Schedule,
+    TierCadence,
+    Timeline,
+    newest_timeline,
+    retain,
+)
 from .preempt import Listening, Signals
 from .promotion import check_target, copy_between
 from .ranks import collective_job, job_ranks
@@ -87,26 +96,42 @@ class Checkpointer:
     passes them over and reshards from the job tier.
     """
 
-    def __init__(self, url: str | None = None, *, local_dir: str | os.PathLike | LocalTier | None = None,
-                 storage_options: dict[str, Any] | None = None, compression: str | None = None,
-                 every_steps: int | None = None,
-                 every_seconds: float | None = None, keep: Retention | int | None = None,
-                 max_in_flight: int | None = None, if_busy: str | IfBusy = IfBusy.SKIP,
-                 persist_every: Mapping[str, int] | None = None, host_memory_limit: int | None = None,
-                 on_unsupported: str = "error", interval: str | None = None,
-                 mtbf: float | Mapping[str, float] | None = None,
-                 restart_cost: float = 0.0, signals: Signals | tuple = (), drain_deadline: float = 30.0,
-                 drain_tier: str = "local", on_preempt: str = "exit",
-                 clock: Callable[[], float] = time.monotonic, collective: bool | None = None,
-                 replicated: tuple[str, ...] | list[str] = (), peers: bool | int | None = None,
-                 on_metrics: Callable[[Record], Any] | None = None, storage: Storage | None = None,
-                 policy: Policy | None = None) -> None:
+    def __init__(
+        self,
+        url: str | None = None,
+        *,
+        local_dir: str | os.PathLike | LocalTier | None = None,
+        storage_options: dict[str, Any] | None = None,
+        compression: str | None = None,
+        every_steps: int | None = None,
+        every_seconds: float | None = None,
+        keep: Retention | int | None = None,
+        max_in_flight: int | None = None,
+        if_busy: str | IfBusy = IfBusy.SKIP,
+        persist_every: Mapping[str, int] | None = None,
+        host_memory_limit: int | None = None,
+        on_unsupported: str = "error",
+        interval: str | None = None,
+        mtbf: float | Mapping[str, float] | None = None,
+        restart_cost: float = 0.0,
+        signals: Signals | tuple = (),
+        drain_deadline: float = 30.0,
+        drain_tier: str = "local",
+        on_preempt: str = "exit",
+        clock: Callable[[], float] = time.monotonic,
+        collective: bool | None = None,
+        replicated: tuple[str, ...] | list[str] = (),
+        peers: bool | int | None = None,
+        on_metrics: Callable[[Record], Any] | None = None,
+        storage: Storage | None = None,
+        policy: Policy | None = None,
+    ) -> None:
         # the grouped options (ckpt.config) and the flat keywords are one set: each given once
         defaults = {k: p.default for k, p in inspect.signature(Checkpointer.__init__).parameters.items()}
         self.storage, self.policy = resolve(storage, policy, locals(), defaults)
         st, po = self.storage, self.policy
         self.storage = dataclasses.replace(st, local_dir=default_local_dir(st.local_dir))
-        self.if_busy = IfBusy(po.if_busy)   # the Policy checked it, and interval and on_unsupported
+        self.if_busy = IfBusy(po.if_busy)  # the Policy checked it, and interval and on_unsupported
         check_storage(self.storage)
         self.replicated = frozenset(st.replicated)
         self.keep = po.keep if po.keep is not None else Retention()
@@ -119,8 +144,9 @@ class Checkpointer:
         self.drain_tier = self.signals.drain_tier
         self.on_preempt = self.signals.on_preempt
         # the with block's signal handlers, and the watcher that drains a preemption outside the loop
-        self._listening = Listening(self.signals, lambda tier: self._pipeline.flush(tiers=(tier,)),
-                                    lambda: self._closed)
+        self._listening = Listening(
+            self.signals, lambda tier: self._pipeline.flush(tiers=(tier,)), lambda: self._closed
+        )
         self._metrics = Metrics(on_metrics)
         self.on_unsupported = po.on_unsupported
         collective = collective_job(collective)
@@ -140,31 +166,60 @@ class Checkpointer:
         # last: creating the group is a collective, and every rank must get this far to join it
         self.ranks = job_ranks(collective)
         self._job = [self.ranks.rank, self.ranks.world] if self.ranks is not None else None
-        self._node = Ownership(self.local, self.memory, self.pool, self.ranks)   # local_dir's lock, segments
-        self._node.join_job(self.remote)   # a collective job: each rank owns its local_dir; one url: the job tier
+        self._node = Ownership(self.local, self.memory, self.pool, self.ranks)  # local_dir's lock, segments
+        self._node.join_job(
+            self.remote
+        )  # a collective job: each rank owns its local_dir; one url: the job tier
         try:
             self._stack.add_peer(self.ranks, st.peers)
             self.peer = self._stack.peer
             persisting = self._stack.persisting
             # interval="auto": each persisting tier not given a persist_every cadence gets its own
-            cadences = {t.name: TierCadence(t.name, mtbf[t.name])
-                        for t in persisting if t.name not in self.persist_every} if po.interval == "auto" else {}
-            self._pipeline = Pipeline(self.pool, self.memory, persisting, self._apply_retention, self._handles.failed,
-                                      coalesce=self.if_busy is IfBusy.SKIP,
-                                      independent=self.ranks is None, every=self.persist_every, auto=cadences,
-                                      clock=clock, fence=self._node.still_owner)
-            self._handover = HandOver(self.memory, self._stack.own, self._pipeline, self._node, self.tiers,
-                                      self.remote, self._handles.track)
-            self._schedule = Schedule(self.interval, self._pipeline, self.pool, self.ranks, clock, bool(cadences))
+            cadences = (
+                {
+                    t.name: TierCadence(t.name, mtbf[t.name])
+                    for t in persisting
+                    if t.name not in self.persist_every
+                }
+                if po.interval == "auto"
+                else {}
+            )
+            self._pipeline = Pipeline(
+                self.pool,
+                self.memory,
+                persisting,
+                self._apply_retention,
+                self._handles.failed,
+                coalesce=self.if_busy is IfBusy.SKIP,
+                independent=self.ranks is None,
+                every=self.persist_every,
+                auto=cadences,
+                clock=clock,
+                fence=self._node.still_owner,
+            )
+            self._handover = HandOver(
+                self.memory,
+                self._stack.own,
+                self._pipeline,
+                self._node,
+                self.tiers,
+                self.remote,
+                self._handles.track,
+            )
+            self._schedule = Schedule(
+                self.interval, self._pipeline, self.pool, self.ranks, clock, bool(cadences)
+            )
             self._taking = Taking(self.pool, self.memory, self._pipeline, self.ranks, self._node)
-            if self._node.owned:   # again now that the peer tier's NCCL group has started CUDA on this rank's GPU
+            if (
+                self._node.owned
+            ):  # again now that the peer tier's NCCL group has started CUDA on this rank's GPU
                 self.pool.adopt_ahead()
         except BaseException:
             self._node.disown()
             raise
-        self._timeline: Timeline | None = None   # the saves' timeline: decided by restore() or the first save
+        self._timeline: Timeline | None = None  # the saves' timeline: decided by restore() or the first save
         self._closed = False
-        self._exit_error = False      # __exit__ is closing after the block raised
+        self._exit_error = False  # __exit__ is closing after the block raised
 
     # -- context manager ----------------------------------------------------------------------------
     def __enter__(self) -> "Checkpointer":
@@ -175,8 +230,11 @@ class Checkpointer:
         try:
             if exc_type is not None and issubclass(exc_type, KeyboardInterrupt):
                 busy = sorted(self._pipeline.in_flight())
-                log.warning("interrupted: finishing the checkpoint(s)%s before exiting (Ctrl-C again abandons "
-                            "them; older checkpoints stay intact)", f" of step(s) {busy}" if busy else "")
+                log.warning(
+                    "interrupted: finishing the checkpoint(s)%s before exiting (Ctrl-C again abandons "
+                    "them; older checkpoints stay intact)",
+                    f" of step(s) {busy}" if busy else "",
+                )
             # a block that raised keeps the memory tier in RAM for the process that resumes, and says so
             self._exit_error = exc_type is not None
             self.close(raise_errors=exc_type is None, keep_memory=exc_type is not None)
@@ -215,11 +273,17 @@ class Checkpointer:
         step = step_arg(step, "maybe_save(step=...)")
         if not isinstance(final, bool):
             raise TypeError(f"maybe_save(final=...) must be True or False, got {final!r}")
-        if isinstance(self.interval, Interval) and self.interval.every_steps is None and \
-                self.interval.every_seconds is None and not (self.signals.preempt or self.signals.save):
-            raise ValueError("maybe_save() has no policy to follow, so it would never save: pass every_steps=, "
-                             "every_seconds= or interval='auto' (with mtbf=) to ckpt.Checkpointer (or in "
-                             "ckpt.Policy), or call save() where the loop should save")
+        if (
+            isinstance(self.interval, Interval)
+            and self.interval.every_steps is None
+            and self.interval.every_seconds is None
+            and not (self.signals.preempt or self.signals.save)
+        ):
+            raise ValueError(
+                "maybe_save() has no policy to follow, so it would never save: pass every_steps=, "
+                "every_seconds= or interval='auto' (with mtbf=) to ckpt.Checkpointer (or in "
+                "ckpt.Policy), or call save() where the loop should save"
+            )
         return self._maybe_save(step, state, final)
 
     def _maybe_save(self, step: int, state: Mapping[str, Any], final: bool = False) -> SaveHandle | None:
@@ -227,12 +291,14 @@ class Checkpointer:
         Trainer's save schedule, and call it for the signals and ``every_steps`` alone)."""
         self._metrics.poll()
         requested = self._listening.act(step, lambda tier: self._forced_save(step, state, tier), self.ranks)
-        if requested is not None:   # a save request's save, durable on its tier
+        if requested is not None:  # a save request's save, durable on its tier
             return requested
         if not self._taking.prepared:
             self._taking.prepare(state, self.on_unsupported)
         due = self._schedule.due(step)
-        if final:   # the same on every rank: the loop's bound is; it waits for a buffer rather than being skipped
+        if (
+            final
+        ):  # the same on every rank: the loop's bound is; it waits for a buffer rather than being skipped
             return self._forced_save(step, state, EVERY_TIER)
         if not due:
             return None
@@ -289,8 +355,9 @@ class Checkpointer:
         """
         return self._save(step, state)
 
-    def _save(self, step: int, state: Mapping[str, Any], force: str | None = None,
-              patient: bool = True) -> SaveHandle:
+    def _save(
+        self, step: int, state: Mapping[str, Any], force: str | None = None, patient: bool = True
+    ) -> SaveHandle:
         """:meth:`save`; ``force``: a tier that must write this snapshot (a drain), busy or not, or
         ``EVERY_TIER`` (a loop's final step: every tier); a forced save waits for a buffer, never skipped. Not
         ``patient`` (:meth:`maybe_save`'s own saves): under ``if_busy="skip"`` it waits at most
@@ -298,7 +365,7 @@ class Checkpointer:
         self._check_open()
         step = step_arg(step, "save(step=...)")
         self._node.own()
-        if self._timeline is None:   # no restore() first: the saves continue the newest checkpoint's branch
+        if self._timeline is None:  # no restore() first: the saves continue the newest checkpoint's branch
             self._use_timeline(newest_timeline(self._stack.own))
         t0 = time.perf_counter()
         plan = flatten(state, self.on_unsupported)
@@ -308,7 +375,7 @@ class Checkpointer:
         wait = self.if_busy is IfBusy.WAIT or force is not None
         taken = self._taking.take(step, data_bytes, stats, handle, wait, patient)
         buf = taken.buffer
-        if buf is None:   # skipped: counted and logged
+        if buf is None:  # skipped: counted and logged
             stats.stall_s = time.perf_counter() - t0
             self._metrics.track(handle)
             return handle
@@ -320,12 +387,17 @@ class Checkpointer:
             snap._fence()
             self.pool.release(buf, staged=True)
             raise
-        self._pipeline.submit(snap, handle, self._schedule.takes(step, taken.busy, force), keep=force is not None)
+        self._pipeline.submit(
+            snap, handle, self._schedule.takes(step, taken.busy, force), keep=force is not None
+        )
         self.interval.saved(step)
         stats.stall_s = time.perf_counter() - t0
         previous = self.history[-1] if self.history else None
-        self._schedule.record(stats, taken.allocations, previous.persist_s.get(self.local.name)
-                              if previous and self.if_busy is IfBusy.WAIT else None)
+        self._schedule.record(
+            stats,
+            taken.allocations,
+            previous.persist_s.get(self.local.name) if previous and self.if_busy is IfBusy.WAIT else None,
+        )
         self._handles.track(handle)
         self.history.append(stats)
         self._metrics.track(handle)
@@ -346,7 +418,7 @@ class Checkpointer:
         ``handle.wait()`` raised it already: this reports on every save); the
         failure was also logged when it happened.
         """
-        self._handles.wait_quietly(tier)   # failures are raised below
+        self._handles.wait_quietly(tier)  # failures are raised below
         self._metrics.poll()
         self._handles.raise_failures(include_seen=True)
 
@@ -382,13 +454,30 @@ class Checkpointer:
         # exchanges must be over: a restore may use the same peer group to send a held replica back. Failures
         # stay for wait() / close().
         self._handles.wait_quietly(None if self.peer is not None else self.memory.name, swallow=True)
-        if self.ranks is not None:   # the ranks agree on one step (ckpt.restore.AgreedRestore)
+        if self.ranks is not None:  # the ranks agree on one step (ckpt.restore.AgreedRestore)
             job_tier = self.remote.name if self.remote is not None and self.remote.job is not None else None
-            info = AgreedRestore(self.ranks, self._stack.own, self.peer, self.memory, self._job, self._use_timeline,
-                                 self._handover.unpersisted, self._handover.persist, job_tier).run(state, step, strict)
+            info = AgreedRestore(
+                self.ranks,
+                self._stack.own,
+                self.peer,
+                self.memory,
+                self._job,
+                self._use_timeline,
+                self._handover.unpersisted,
+                self._handover.persist,
+                job_tier,
+            ).run(state, step, strict)
         else:
-            info = restore_alone(state, self._stack.own, step, strict, self._job, self._node.may_refill(),
-                                 self._use_timeline, self._handover)
+            info = restore_alone(
+                state,
+                self._stack.own,
+                step,
+                strict,
+                self._job,
+                self._node.may_refill(),
+                self._use_timeline,
+                self._handover,
+            )
         self.last_restore = info
         if info is not None:
             self._metrics.restored(info)
@@ -406,7 +495,9 @@ class Checkpointer:
         """
         self._check_open()
         self._handles.wait_quietly(None if self.peer is not None else self.memory.name, swallow=True)
-        held = any(t.committed() for t in self._stack.own) or (self.peer is not None and bool(self.peer.committed()))
+        held = any(t.committed() for t in self._stack.own) or (
+            self.peer is not None and bool(self.peer.committed())
+        )
         if self.ranks is not None:
             held = bool(self.ranks.max([int(held)])[0])
         return held
@@ -427,13 +518,13 @@ class Checkpointer:
     def _use_timeline(self, timeline: Timeline) -> None:
         """Make ``timeline`` the one the next saves record, on every tier."""
         if self._timeline is not None and timeline != self._timeline:
-            self._handles.settle()   # saves still persisting were taken on the previous timeline: they commit on it
+            self._handles.settle()  # saves still persisting were taken on the previous timeline: they commit on it
             self._pipeline.branch_left(self._timeline, timeline)
         self._timeline = timeline
         with self.pool._cv:
-            self.pool.live = timeline   # a snapshot a rollback abandoned is the first to be overwritten
+            self.pool.live = timeline  # a snapshot a rollback abandoned is the first to be overwritten
         for tier in list(self._stack):
-            tier.timeline = timeline   # the peer tier sends it with each replica
+            tier.timeline = timeline  # the peer tier sends it with each replica
 
     @property
     def tier_counts(self) -> dict[str, Any]:
@@ -472,7 +563,7 @@ class Checkpointer:
         """
         self._check_open()
         check_target(to, self.remote)
-        self._handles.settle(step)   # the pipeline's own write of this step comes first
+        self._handles.settle(step)  # the pipeline's own write of this step comes first
         if to == "local":
             self._node.own()
         return copy_between(self.local, self.remote, step, to)

@@ -22,8 +22,8 @@ class CheckpointInfo:
     path: str | None
     nbytes: int | None
     created_unix: float | None
-    timeline: int = 0          # its timeline (see ckpt.policy.Timeline)
-    abandoned: bool = False    # on the branch a rollback left: restored only when asked for by step
+    timeline: int = 0  # its timeline (see ckpt.policy.Timeline)
+    abandoned: bool = False  # on the branch a rollback left: restored only when asked for by step
 
 
 def catalog(tiers: Sequence[Tier]) -> list[CheckpointInfo]:
@@ -38,12 +38,14 @@ def catalog(tiers: Sequence[Tier]) -> list[CheckpointInfo]:
     for e, tier in sorted(listed, key=lambda c: c[1].nearness):
         info = found.get(e.key)
         if info is None:
-            info = found[e.key] = CheckpointInfo(e.step, [], None, None, None, e.timeline.number, e.key in gone)
+            info = found[e.key] = CheckpointInfo(
+                e.step, [], None, None, None, e.timeline.number, e.key in gone
+            )
         info.tiers.append(tier.name)
         d = tier.describe(e.step, e.timeline)
         if info.nbytes is None:
             info.nbytes, info.created_unix = d.nbytes, d.created_unix
-        if info.path is None and tier.durable:   # where it lies on disk or in storage
+        if info.path is None and tier.durable:  # where it lies on disk or in storage
             info.path = d.path
     order = [e.key for e in live + abandoned]
     return [found[k] for k in dict.fromkeys(order)]

@@ -61,7 +61,7 @@ def encode(data: memoryview, codec: str | None, elem_size: int) -> tuple[bytes |
         payload, name = bytes(data), "zstd"
     out = zstandard.ZstdCompressor(level=_LEVEL).compress(payload)
     if len(out) >= len(data):
-        return data, RAW   # incompressible (random data, say): store it as it is
+        return data, RAW  # incompressible (random data, say): store it as it is
     return out, name
 
 
@@ -71,7 +71,9 @@ def check_codec(codec: object, where: str) -> None:
     from .errors import CorruptCheckpointError
 
     if not isinstance(codec, str) or codec not in CODECS:
-        raise CorruptCheckpointError(f"{where}: unknown codec {codec!r} (this library writes {sorted(CODECS)})")
+        raise CorruptCheckpointError(
+            f"{where}: unknown codec {codec!r} (this library writes {sorted(CODECS)})"
+        )
 
 
 def max_decoded(codec: str, stored: int) -> int:
@@ -95,7 +97,7 @@ def decode(stored: bytes, codec: str, size: int, where: str) -> bytes | bytearra
     if size > max_decoded(codec, len(stored)):
         raise bad(f"{len(stored)} zstd bytes cannot hold a {size}-byte chunk")
     try:
-        declared = zstandard.frame_content_size(stored)   # -1: the header states no size
+        declared = zstandard.frame_content_size(stored)  # -1: the header states no size
     except zstandard.ZstdError as e:
         raise bad(f"not a zstd frame: {e}") from None
     if declared not in (-1, size):

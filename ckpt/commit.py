@@ -70,7 +70,7 @@ class FsSink:
         if not self.mounted:
             self.fs.pipe_file(path, data)
             return
-        self.fs.makedirs(self.base, exist_ok=True)   # real directories here (an object store has none)
+        self.fs.makedirs(self.base, exist_ok=True)  # real directories here (an object store has none)
         write_atomic(Path(path), data)
 
     def sync(self) -> None:
@@ -78,23 +78,52 @@ class FsSink:
             fsync_dir(self.base)
 
 
-def record(step: int, world_size: int, manifests: dict[str, int], data: dict[str, int], timeline: Timeline,
-           generation: str | None = None) -> Commit:
+def record(
+    step: int,
+    world_size: int,
+    manifests: dict[str, int],
+    data: dict[str, int],
+    timeline: Timeline,
+    generation: str | None = None,
+) -> Commit:
     """The ``COMMIT`` of ``step``: every manifest's checksum by name, every data file's size by name, the
     timeline the checkpoint is on, and (remote tier) the generation subdirectory holding its files."""
-    return Commit(step=step, world_size=world_size, manifests=dict(manifests), data=dict(data),
-                  generation=generation, **timeline.record())
+    return Commit(
+        step=step,
+        world_size=world_size,
+        manifests=dict(manifests),
+        data=dict(data),
+        generation=generation,
+        **timeline.record(),
+    )
 
 
-def rank_record(step: int, rank: int, world_size: int, manifest_raw: bytes, data_bytes: int, timeline: Timeline,
-                generation: str | None = None) -> Commit:
+def rank_record(
+    step: int,
+    rank: int,
+    world_size: int,
+    manifest_raw: bytes,
+    data_bytes: int,
+    timeline: Timeline,
+    generation: str | None = None,
+) -> Commit:
     """The ``COMMIT`` of one rank's copy (a tier that one rank writes alone)."""
-    return record(step, world_size, {manifest_name(rank): Commit.manifest_checksum(manifest_raw)},
-                  {data_name(rank): data_bytes}, timeline, generation)
+    return record(
+        step,
+        world_size,
+        {manifest_name(rank): Commit.manifest_checksum(manifest_raw)},
+        {data_name(rank): data_bytes},
+        timeline,
+        generation,
+    )
 
 
-def publish(sink: Sink, records: Iterable[tuple[str, bytes]], commit: bytes | None,
-            put_commit: Callable[[bytes], None] | None = None) -> None:
+def publish(
+    sink: Sink,
+    records: Iterable[tuple[str, bytes]],
+    commit: bytes | None,
+    put_commit: Callable[[bytes], None] | None = None,
+) -> None:
     """Steps 2-4 of the protocol: each of ``records`` (the manifests), their names made durable, then
     ``commit`` last (``None``: not this writer's to commit, e.g. a job tier's rank waiting for rank 0).
     ``put_commit`` replaces the plain put of ``COMMIT`` (a switch over a committed copy)."""

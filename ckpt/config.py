@@ -175,7 +175,9 @@ class Policy:
         if isinstance(self.mtbf, Mapping):
             for name, m in self.mtbf.items():
                 if not isinstance(name, str):
-                    raise TypeError(f"mtbf= as a dict is keyed by tier name ('memory', 'local', 'remote'), got {name!r}")
+                    raise TypeError(
+                        f"mtbf= as a dict is keyed by tier name ('memory', 'local', 'remote'), got {name!r}"
+                    )
                 _seconds(f"mtbf[{name!r}]", m, positive=True)
         else:
             _seconds("mtbf", self.mtbf, positive=True)
@@ -184,25 +186,33 @@ class Policy:
         _seconds("restart_cost", self.restart_cost, positive=False)
         if self.persist_every is not None:
             if not isinstance(self.persist_every, Mapping):
-                raise TypeError(f"persist_every must be a dict of tier name -> steps, e.g. {{'local': 50, 'remote': "
-                                f"500}}, got {type(self.persist_every).__name__}")
+                raise TypeError(
+                    f"persist_every must be a dict of tier name -> steps, e.g. {{'local': 50, 'remote': "
+                    f"500}}, got {type(self.persist_every).__name__}"
+                )
             for name, n in self.persist_every.items():
                 if not isinstance(name, str):
-                    raise TypeError(f"persist_every is keyed by tier name ('local', 'peer', 'remote'), got {name!r}")
+                    raise TypeError(
+                        f"persist_every is keyed by tier name ('local', 'peer', 'remote'), got {name!r}"
+                    )
                 _count(f"persist_every[{name!r}]", n)
-        if self.if_busy not in ("skip", "wait"):   # ckpt.IfBusy's values (a str enum) compare equal too
+        if self.if_busy not in ("skip", "wait"):  # ckpt.IfBusy's values (a str enum) compare equal too
             raise ValueError(f"if_busy must be 'skip' or 'wait', got {self.if_busy!r}")
         if self.on_unsupported not in ("error", "skip"):
             raise ValueError(f"on_unsupported must be 'error' or 'skip', got {self.on_unsupported!r}")
         keep = self.keep
         if isinstance(keep, int) and not isinstance(keep, bool):
             if keep < 1:
-                raise ValueError(f"keep={keep!r}: keep at least 1 checkpoint per tier (the newest committed one is "
-                                 "never deleted), or pass ckpt.Retention(local=..., remote=...) (None keeps all)")
+                raise ValueError(
+                    f"keep={keep!r}: keep at least 1 checkpoint per tier (the newest committed one is "
+                    "never deleted), or pass ckpt.Retention(local=..., remote=...) (None keeps all)"
+                )
             object.__setattr__(self, "keep", Retention(local=keep, remote=keep))
         elif keep is not None and not isinstance(keep, Retention):
-            raise TypeError(f"keep must be an int (that many checkpoints on every tier) or a ckpt.Retention(local=..., "
-                            f"remote=...), got {keep!r}")
+            raise TypeError(
+                f"keep must be an int (that many checkpoints on every tier) or a ckpt.Retention(local=..., "
+                f"remote=...), got {keep!r}"
+            )
 
 
 def _count(name: str, n: Any) -> None:
@@ -222,8 +232,9 @@ def _seconds(name: str, s: Any, positive: bool) -> None:
     if not isinstance(s, Real) or isinstance(s, bool):
         raise TypeError(f"{name} must be a number of seconds, got {s!r}")
     if not math.isfinite(s) or (s <= 0 if positive else s < 0):
-        raise ValueError(f"{name} must be a finite number of seconds {'above' if positive else 'of at least'} 0, "
-                         f"got {s!r}")
+        raise ValueError(
+            f"{name} must be a finite number of seconds {'above' if positive else 'of at least'} 0, got {s!r}"
+        )
 
 
 _UNSET = object()
@@ -241,11 +252,16 @@ def merge(config: Any, kind: type, given: dict[str, Any], defaults: dict[str, An
         value = given.get(f.name, _UNSET)
         if value is _UNSET or _same(value, defaults.get(f.name, f.default)):
             continue
-        if config is not None and not _same(getattr(config, f.name), f.default) \
-                and not _same(getattr(config, f.name), value):
-            raise ValueError(f"{f.name} is given twice, as a keyword argument ({value!r}) and in "
-                             f"{kind.__name__.lower()}=ckpt.{kind.__name__}({f.name}={getattr(config, f.name)!r}): "
-                             "give it once")
+        if (
+            config is not None
+            and not _same(getattr(config, f.name), f.default)
+            and not _same(getattr(config, f.name), value)
+        ):
+            raise ValueError(
+                f"{f.name} is given twice, as a keyword argument ({value!r}) and in "
+                f"{kind.__name__.lower()}=ckpt.{kind.__name__}({f.name}={getattr(config, f.name)!r}): "
+                "give it once"
+            )
         changes[f.name] = value
     return dataclasses.replace(base, **changes) if changes else base
 
@@ -255,22 +271,30 @@ def _same(a: Any, b: Any) -> bool:
         return True
     try:
         return bool(a == b)
-    except Exception:   # noqa: BLE001 - values without a plain equality (a tensor, say) differ
+    except Exception:  # noqa: BLE001 - values without a plain equality (a tensor, say) differ
         return False
-
 
 
 _STORAGE_FIELDS = [f.name for f in dataclasses.fields(Storage)]
 _POLICY_FIELDS = [f.name for f in dataclasses.fields(Policy)]
 
 
-def resolve(storage: Storage | None, policy: Policy | None, given: Mapping[str, Any],
-            defaults: Mapping[str, Any]) -> tuple[Storage, Policy]:
+def resolve(
+    storage: Storage | None, policy: Policy | None, given: Mapping[str, Any], defaults: Mapping[str, Any]
+) -> tuple[Storage, Policy]:
     """A Checkpointer's :class:`Storage` and :class:`Policy`: ``storage`` and ``policy`` (each a config
     object or ``None``) with the flat keyword arguments in ``given`` (argument name -> value; a value equal
     to its entry in ``defaults`` counts as not given) merged in, each option given once (see :func:`merge`)."""
-    storage = merge(storage, Storage, {f: (tuple(given[f]) if f == "replicated" and isinstance(given[f], list)
-                                           else given[f]) for f in _STORAGE_FIELDS if f in given}, defaults)
+    storage = merge(
+        storage,
+        Storage,
+        {
+            f: (tuple(given[f]) if f == "replicated" and isinstance(given[f], list) else given[f])
+            for f in _STORAGE_FIELDS
+            if f in given
+        },
+        defaults,
+    )
     policy = merge(policy, Policy, {f: given[f] for f in _POLICY_FIELDS}, defaults)
     return storage, policy
 
@@ -278,7 +302,11 @@ def resolve(storage: Storage | None, policy: Policy | None, given: Mapping[str, 
 def check_storage(storage: Storage) -> None:
     """What a Checkpointer needs of ``storage``'s ``replicated``, ``host_memory_limit`` and ``max_in_flight``
     (a ``ValueError`` naming the field)."""
-    replicated, host_memory_limit, max_in_flight = storage.replicated, storage.host_memory_limit, storage.max_in_flight
+    replicated, host_memory_limit, max_in_flight = (
+        storage.replicated,
+        storage.host_memory_limit,
+        storage.max_in_flight,
+    )
     if isinstance(replicated, str) or not all(isinstance(k, str) for k in replicated):
         raise ValueError(f"replicated must be a tuple of top-level state keys, got {replicated!r}")
     if host_memory_limit is not None and host_memory_limit <= 0:

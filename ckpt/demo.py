@@ -69,14 +69,27 @@ def _build(device: torch.device, width: int) -> dict[str, Any]:
 
     torch.manual_seed(1234)
     model = nn.Sequential(
-        nn.Linear(256, width), nn.BatchNorm1d(width), nn.GELU(), nn.Dropout(0.1),
-        nn.Linear(width, width), nn.GELU(), nn.Dropout(0.1),
-        nn.Linear(width, width), nn.GELU(), nn.Linear(width, 8),
+        nn.Linear(256, width),
+        nn.BatchNorm1d(width),
+        nn.GELU(),
+        nn.Dropout(0.1),
+        nn.Linear(width, width),
+        nn.GELU(),
+        nn.Dropout(0.1),
+        nn.Linear(width, width),
+        nn.GELU(),
+        nn.Linear(width, 8),
     ).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
     sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=200)
-    return {"model": model, "optim": opt, "sched": sched, "data": SyntheticStream(7, 64, 256, device),
-            "rng": ckpt.RNGState(), "step": 0}
+    return {
+        "model": model,
+        "optim": opt,
+        "sched": sched,
+        "data": SyntheticStream(7, 64, 256, device),
+        "rng": ckpt.RNGState(),
+        "step": 0,
+    }
 
 
 def _train_step(state: dict[str, Any]) -> float:
@@ -137,35 +150,72 @@ def child(args: argparse.Namespace) -> None:
                 pending.remove(h)
                 h.wait()
                 s = h.stats
-                _emit(event="save", step=h.step, stall_ms=s.stall_s * 1e3, wait_ms=s.wait_s * 1e3, nbytes=s.nbytes,
-                      stage_gbps=s.stage_gbps, persist_gbps=s.persist_gbps("local"))
+                _emit(
+                    event="save",
+                    step=h.step,
+                    stall_ms=s.stall_s * 1e3,
+                    wait_ms=s.wait_s * 1e3,
+                    nbytes=s.nbytes,
+                    stage_gbps=s.stage_gbps,
+                    persist_gbps=s.persist_gbps("local"),
+                )
             _emit(event="step", step=step, loss=loss)
             if fault_at is not None and step == fault_at:
                 fault_at = None
-                ck.wait_staged()   # in-place writes outside optimizer.step() must not race a snapshot copy
+                ck.wait_staged()  # in-place writes outside optimizer.step() must not race a snapshot copy
                 with torch.no_grad():
                     for p in state["model"].parameters():
-                        p.fill_(float("nan"))   # a recoverable fault: roll back in this process
+                        p.fill_(float("nan"))  # a recoverable fault: roll back in this process
                 t1 = time.perf_counter()
                 back = ck.restore(state)
                 r = ck.last_restore
-                _emit(event="restore", step=back, tier=r.tier, seconds=time.perf_counter() - t1,
-                      nbytes=r.nbytes, reason="NaN weights")
+                _emit(
+                    event="restore",
+                    step=back,
+                    tier=r.tier,
+                    seconds=time.perf_counter() - t1,
+                    nbytes=r.nbytes,
+                    reason="NaN weights",
+                )
                 step = back + 1
                 continue
             step += 1
         ck.wait()
         for h in pending:
             s = h.stats
-            _emit(event="save", step=h.step, stall_ms=s.stall_s * 1e3, wait_ms=s.wait_s * 1e3, nbytes=s.nbytes,
-                  stage_gbps=s.stage_gbps, persist_gbps=s.persist_gbps("local"))
+            _emit(
+                event="save",
+                step=h.step,
+                stall_ms=s.stall_s * 1e3,
+                wait_ms=s.wait_s * 1e3,
+                nbytes=s.nbytes,
+                stage_gbps=s.stage_gbps,
+                persist_gbps=s.persist_gbps("local"),
+            )
     _emit(event="final", digest=_digest(state["model"]))
 
 
 def _spawn(args: argparse.Namespace, mode: str) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "ckpt.demo", "--child", "--mode", mode, "--dir", args.dir,
-           "--steps", str(args.steps), "--every", str(args.every), "--device", args.device,
-           "--width", str(args.width), "--fault-at", str(args.fault_at)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "ckpt.demo",
+        "--child",
+        "--mode",
+        mode,
+        "--dir",
+        args.dir,
+        "--steps",
+        str(args.steps),
+        "--every",
+        str(args.every),
+        "--device",
+        args.device,
+        "--width",
+        str(args.width),
+        "--fault-at",
+        str(args.fault_at),
+    ]
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, bufsize=1)
 
 
@@ -186,7 +236,7 @@ def _collect(proc: subprocess.Popen, events: list[dict], kill_at: int | None = N
 
 
 def parent(args: argparse.Namespace) -> int:
-    if args.device is None:   # chosen here, not when the command line is parsed: `ckpt --help` needs no torch
+    if args.device is None:  # chosen here, not when the command line is parsed: `ckpt --help` needs no torch
         import torch
 
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -197,8 +247,10 @@ def parent(args: argparse.Namespace) -> int:
     if args.fault_at is None or args.fault_at < 0:
         args.fault_at = min(args.steps - 1, args.kill_at + args.every + 2)
     dev = args.device
-    print(f"ckpt demo: {args.steps} steps of an MLP (width {args.width}) with AdamW, a cosine LR schedule, "
-          f"dropout and BatchNorm on {dev}; checkpoint every {args.every} steps to {args.dir}")
+    print(
+        f"ckpt demo: {args.steps} steps of an MLP (width {args.width}) with AdamW, a cosine LR schedule, "
+        f"dropout and BatchNorm on {dev}; checkpoint every {args.every} steps to {args.dir}"
+    )
     t0 = time.perf_counter()
     ref: list[dict] = []
     _collect(_spawn(args, "reference"), ref)
@@ -208,9 +260,11 @@ def parent(args: argparse.Namespace) -> int:
     t1 = time.perf_counter()
     rc = _collect(_spawn(args, "train"), run1, kill_at=args.kill_at)
     killed = [e for e in run1 if e.get("killed")]
-    print(f"[2/3] training run: SIGKILLed at step {killed[0]['step'] if killed else '?'} "
-          f"(exit status {rc}) after {time.perf_counter() - t1:.1f} s; "
-          f"committed before the kill: {sorted(int(p.name.split('-')[1]) for p in Path(args.dir).glob('step-*') if (p / 'COMMIT').exists())}")
+    print(
+        f"[2/3] training run: SIGKILLed at step {killed[0]['step'] if killed else '?'} "
+        f"(exit status {rc}) after {time.perf_counter() - t1:.1f} s; "
+        f"committed before the kill: {sorted(int(p.name.split('-')[1]) for p in Path(args.dir).glob('step-*') if (p / 'COMMIT').exists())}"
+    )
 
     run2: list[dict] = []
     t2 = time.perf_counter()
@@ -218,25 +272,36 @@ def parent(args: argparse.Namespace) -> int:
     print(f"[3/3] resumed run in a new process: exit status {rc2} after {time.perf_counter() - t2:.1f} s")
 
     saves = [e for e in run1 + run2 if e["event"] == "save"]
-    print("\nPer save: how long save() blocked the loop (of which: waiting for the previous save to finish "
-          "persisting, if_busy='wait'), and the bandwidth of each phase.")
-    print(f"{'save of step':>12} {'stall ms':>9} {'of which waiting':>17} {'MB':>7} {'staging GB/s':>13} "
-          f"{'persist GB/s':>13}")
+    print(
+        "\nPer save: how long save() blocked the loop (of which: waiting for the previous save to finish "
+        "persisting, if_busy='wait'), and the bandwidth of each phase."
+    )
+    print(
+        f"{'save of step':>12} {'stall ms':>9} {'of which waiting':>17} {'MB':>7} {'staging GB/s':>13} "
+        f"{'persist GB/s':>13}"
+    )
     for e in saves:
-        print(f"{e['step']:>12} {e['stall_ms']:>9.2f} {e['wait_ms']:>17.2f} {e['nbytes'] / 1e6:>7.1f} "
-              f"{_f(e['stage_gbps']):>13} {_f(e['persist_gbps']):>13}")
+        print(
+            f"{e['step']:>12} {e['stall_ms']:>9.2f} {e['wait_ms']:>17.2f} {e['nbytes'] / 1e6:>7.1f} "
+            f"{_f(e['stage_gbps']):>13} {_f(e['persist_gbps']):>13}"
+        )
     print()
     for e in [e for e in run2 if e["event"] == "restore"]:
         why = f" after {e['reason']}" if "reason" in e else " after the SIGKILL"
-        print(f"restore{why}: step {e['step']} from the {e['tier']} tier in {e['seconds'] * 1e3:.1f} ms "
-              f"({e['nbytes'] / 1e6:.1f} MB)")
+        print(
+            f"restore{why}: step {e['step']} from the {e['tier']} tier in {e['seconds'] * 1e3:.1f} ms "
+            f"({e['nbytes'] / 1e6:.1f} MB)"
+        )
     ref_digest = next((e["digest"] for e in ref if e["event"] == "final"), None)
     got = next((e["digest"] for e in run2 if e["event"] == "final"), None)
     same = ref_digest is not None and ref_digest == got
-    print(f"final weights vs the uninterrupted run: {'IDENTICAL bit for bit' if same else 'DIFFERENT'} "
-          f"(sha256 {str(got)[:16]}... vs {str(ref_digest)[:16]}...)")
+    print(
+        f"final weights vs the uninterrupted run: {'IDENTICAL bit for bit' if same else 'DIFFERENT'} "
+        f"(sha256 {str(got)[:16]}... vs {str(ref_digest)[:16]}...)"
+    )
     if own_dir:
         import shutil
+
         shutil.rmtree(args.dir, ignore_errors=True)
     return 0 if same and rc2 == 0 else 1
 
@@ -249,10 +314,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--steps", type=int, default=60, help="training steps (default 60)")
     p.add_argument("--every", type=int, default=5, help="checkpoint every N steps (default 5)")
     p.add_argument("--dir", default=None, help="local tier directory (default: a temporary one)")
-    p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda when there is one, else cpu)")
+    p.add_argument(
+        "--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda when there is one, else cpu)"
+    )
     p.add_argument("--width", type=int, default=1024, help="hidden width of the MLP (default 1024)")
     p.add_argument("--kill-at", type=int, default=None, help="step at which the training child is SIGKILLed")
-    p.add_argument("--fault-at", type=int, default=None, help="step of the simulated NaN fault in the resumed run")
+    p.add_argument(
+        "--fault-at", type=int, default=None, help="step of the simulated NaN fault in the resumed run"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

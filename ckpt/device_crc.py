@@ -42,7 +42,7 @@ log = logging.getLogger(__name__)
 #: bytes per block of the first stage (a multiple of 4; chunks must be a multiple of it)
 BLOCK = 256
 _WORDS = BLOCK // 4
-_POLY = 0x82F63B78   # CRC-32C (Castagnoli), reflected
+_POLY = 0x82F63B78  # CRC-32C (Castagnoli), reflected
 _MASK = 0xFFFFFFFF
 #: data handled per pass of the first stage, bounding its temporaries (a few times SLAB / BLOCK * 4 bytes)
 _SLAB = 1 << 30
@@ -93,7 +93,7 @@ def _tables(n: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         t = torch.zeros(1 << 16, dtype=torch.int64, device="cpu")
         for b, col in enumerate(half):
             t ^= ((x >> b) & 1) * col
-        t -= (t >> 31) << 32   # as signed 32-bit values, the bits unchanged
+        t -= (t >> 31) << 32  # as signed 32-bit values, the bits unchanged
         out.append(t.to(torch.int32).to(device))
     return out[0], out[1]
 
@@ -109,7 +109,7 @@ class _Carry:
 
     def __call__(self, v: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """``out`` = the operator applied to ``v`` (both of the buffers' length; ``out`` may not be ``v``)."""
-        index, high = self.index[:v.numel()], self.high[:v.numel()]
+        index, high = self.index[: v.numel()], self.high[: v.numel()]
         torch.bitwise_and(v, 0xFFFF, out=index)
         torch.index_select(self.lo, 0, index, out=out)
         torch.bitwise_right_shift(v, 16, out=index)
@@ -150,14 +150,23 @@ def _triton_launch(data: torch.Tensor, nblocks: int, lane: int, per_chunk: int) 
     of the whole lanes of each chunk holding one, as an int32 tensor on that GPU (read it once the stream
     reached it)."""
     from . import _crc_kernels as k
+
     dev = data.device
     levels = (per_chunk - 1).bit_length()
-    with torch.cuda.device(dev) if dev.type == "cuda" else contextlib.nullcontext():   # launched on data's GPU
+    with torch.cuda.device(dev) if dev.type == "cuda" else contextlib.nullcontext():  # launched on data's GPU
         out = torch.zeros(-(-nblocks // per_chunk), dtype=torch.int32, device=dev)
-        k.chunk_crcs[(-(-nblocks // k.LANES),)](data[:nblocks * lane].view(torch.int32),
-                                               _fold_columns(lane, levels, dev), out, nblocks, WORDS=lane // 4,
-                                               PER_CHUNK=per_chunk, LEVELS=levels, LANES=k.LANES, POLY=k.POLY,
-                                               num_warps=4)
+        k.chunk_crcs[(-(-nblocks // k.LANES),)](
+            data[: nblocks * lane].view(torch.int32),
+            _fold_columns(lane, levels, dev),
+            out,
+            nblocks,
+            WORDS=lane // 4,
+            PER_CHUNK=per_chunk,
+            LEVELS=levels,
+            LANES=k.LANES,
+            POLY=k.POLY,
+            num_warps=4,
+        )
     return out
 
 
@@ -167,10 +176,11 @@ class Pending:
     memory on the stream the kernel was queued on, so reading them waits for that stream alone, never for work
     another stream has queued (a training step on the default stream)."""
 
-    def __init__(self, raw: torch.Tensor | None, n: int, chunk_bytes: int, block: int, nblocks: int,
-                 data: torch.Tensor) -> None:
+    def __init__(
+        self, raw: torch.Tensor | None, n: int, chunk_bytes: int, block: int, nblocks: int, data: torch.Tensor
+    ) -> None:
         self.n, self.chunk_bytes, self._block, self._nblocks = n, chunk_bytes, block, nblocks
-        rest = data[nblocks * block:]
+        rest = data[nblocks * block :]
         self._done = None
         if data.device.type == "cuda":
             self._raw = _to_host(raw) if raw is not None else None
@@ -189,11 +199,13 @@ class Pending:
             self._done.synchronize()
         raw = [0] * -(-self.n // self.chunk_bytes)
         if self._raw is not None:
-            raw[:self._raw.numel()] = [v & _MASK for v in self._raw.tolist()]
+            raw[: self._raw.numel()] = [v & _MASK for v in self._raw.tolist()]
         if tail is not None:
             return _finish(raw, self.n, self.chunk_bytes, self._block, self._nblocks, tail, 0)
         src = memoryview(self._tail.numpy()) if self._tail is not None else None
-        return _finish(raw, self.n, self.chunk_bytes, self._block, self._nblocks, src, self._nblocks * self._block)
+        return _finish(
+            raw, self.n, self.chunk_bytes, self._block, self._nblocks, src, self._nblocks * self._block
+        )
 
 
 def _to_host(t: torch.Tensor) -> torch.Tensor:
@@ -206,7 +218,12 @@ def _to_host(t: torch.Tensor) -> torch.Tensor:
 def startable(device: torch.device, chunk_bytes: int) -> bool:
     """Whether :func:`start` can check chunks of ``chunk_bytes`` on ``device``: one where :func:`warm` made the
     Triton kernel :func:`ready`, and a chunk size that is a multiple of :data:`BLOCK` the kernel's lanes divide."""
-    return chunk_bytes > 0 and chunk_bytes % BLOCK == 0 and ready(device) and _lane_bytes(chunk_bytes) is not None
+    return (
+        chunk_bytes > 0
+        and chunk_bytes % BLOCK == 0
+        and ready(device)
+        and _lane_bytes(chunk_bytes) is not None
+    )
 
 
 def start(data: torch.Tensor, chunk_bytes: int) -> Pending:
@@ -215,29 +232,32 @@ def start(data: torch.Tensor, chunk_bytes: int) -> Pending:
     with :meth:`Pending.values`. Raises ``ValueError`` where the Triton kernel cannot check ``data`` (not
     ready there, or a chunk size it cannot take): :func:`chunk_checksums` takes any."""
     if not (usable(data, chunk_bytes) and startable(data.device, chunk_bytes)):
-        raise ValueError(f"device_crc.start: the Triton kernel cannot check this tensor ({data.dtype}, shape "
-                         f"{tuple(data.shape)}, on {data.device}, ready there: {ready(data.device)}) in chunks of "
-                         f"{chunk_bytes} bytes; use chunk_checksums")
+        raise ValueError(
+            f"device_crc.start: the Triton kernel cannot check this tensor ({data.dtype}, shape "
+            f"{tuple(data.shape)}, on {data.device}, ready there: {ready(data.device)}) in chunks of "
+            f"{chunk_bytes} bytes; use chunk_checksums"
+        )
     lane = _lane_bytes(chunk_bytes)
     nblocks = data.numel() // lane
     raw = _triton_launch(data, nblocks, lane, chunk_bytes // lane) if nblocks else None
     return Pending(raw, data.numel(), chunk_bytes, lane, nblocks, data)
 
 
-def _finish(raw: list[int], n: int, chunk_bytes: int, block: int, nblocks: int, tail: memoryview | None,
-            tail_at: int) -> list[int]:
+def _finish(
+    raw: list[int], n: int, chunk_bytes: int, block: int, nblocks: int, tail: memoryview | None, tail_at: int
+) -> list[int]:
     """The chunks' CRC-32C from the raw states of their whole blocks (``raw``, zero start): the standard start
     value and final inversion applied, and the bytes past the last whole block folded in from ``tail`` (bytes
     ``[tail_at, n)`` of the buffer, or the whole buffer where ``tail_at`` is 0)."""
     per_chunk = chunk_bytes // block
     out = []
     for i in range(-(-n // chunk_bytes)):
-        whole = min(per_chunk, max(0, nblocks - i * per_chunk)) * block   # bytes of the chunk summed above
+        whole = min(per_chunk, max(0, nblocks - i * per_chunk)) * block  # bytes of the chunk summed above
         crc = (_apply(_zeros(whole), _MASK) ^ raw[i] ^ _MASK) if whole else 0
         end = min((i + 1) * chunk_bytes, n)
         rest = end - (i * chunk_bytes + whole)
         if rest:
-            crc = checksum(tail[end - rest - tail_at:end - tail_at], crc)
+            crc = checksum(tail[end - rest - tail_at : end - tail_at], crc)
         out.append(crc)
     return out
 
@@ -254,9 +274,15 @@ def usable(data: torch.Tensor, chunk_bytes: int) -> bool:
     """Whether :func:`chunk_checksums` can check ``data`` in chunks of ``chunk_bytes``: a flat, contiguous
     uint8 tensor, four-byte aligned, and chunks a multiple of :data:`BLOCK` bytes (the format's default
     chunk is)."""
-    return (data.dtype == torch.uint8 and data.dim() == 1 and data.is_contiguous()
-            and data.data_ptr() % 4 == 0 and data.storage_offset() % 4 == 0   # viewed as int32 words
-            and chunk_bytes > 0 and chunk_bytes % BLOCK == 0)
+    return (
+        data.dtype == torch.uint8
+        and data.dim() == 1
+        and data.is_contiguous()
+        and data.data_ptr() % 4 == 0
+        and data.storage_offset() % 4 == 0  # viewed as int32 words
+        and chunk_bytes > 0
+        and chunk_bytes % BLOCK == 0
+    )
 
 
 def chunk_checksums(data: torch.Tensor, chunk_bytes: int, engine: str | None = None) -> list[int]:
@@ -267,57 +293,68 @@ def chunk_checksums(data: torch.Tensor, chunk_bytes: int, engine: str | None = N
     ``engine``: ``"triton"`` (one kernel: :func:`warm` compiles it), ``"torch"`` (tensor operations, nothing
     to compile), or ``None``: Triton where :func:`warm` made it ready for ``data``'s device, else torch."""
     if not usable(data, chunk_bytes):
-        raise ValueError(f"chunk_checksums: a flat, contiguous, 4-byte aligned uint8 tensor and chunks a multiple "
-                         f"of {BLOCK} bytes are needed (got {data.dtype}, shape {tuple(data.shape)}, "
-                         f"chunk_bytes={chunk_bytes})")
+        raise ValueError(
+            f"chunk_checksums: a flat, contiguous, 4-byte aligned uint8 tensor and chunks a multiple "
+            f"of {BLOCK} bytes are needed (got {data.dtype}, shape {tuple(data.shape)}, "
+            f"chunk_bytes={chunk_bytes})"
+        )
     if engine is None:
         engine = "triton" if ready(data.device) else "torch"
     if engine not in ("triton", "torch"):
         raise ValueError(f"chunk_checksums: engine must be 'triton', 'torch' or None, got {engine!r}")
     n = data.numel()
     nchunks = -(-n // chunk_bytes)
-    lane = _lane_bytes(chunk_bytes) if engine == "triton" else None   # None: the tensor operations
+    lane = _lane_bytes(chunk_bytes) if engine == "triton" else None  # None: the tensor operations
     block = lane or BLOCK
-    nblocks = n // block   # whole blocks; the rest of the last chunk is folded in on the host
+    nblocks = n // block  # whole blocks; the rest of the last chunk is folded in on the host
     per_chunk = chunk_bytes // block
     raw = [0] * nchunks
     if nblocks and lane is not None:
-        raw[:-(-nblocks // per_chunk)] = [v & _MASK for v in _triton_launch(data, nblocks, lane, per_chunk).tolist()]
+        raw[: -(-nblocks // per_chunk)] = [
+            v & _MASK for v in _triton_launch(data, nblocks, lane, per_chunk).tolist()
+        ]
     elif nblocks:
         dev = data.device
-        words = data[:nblocks * BLOCK].view(torch.int32).view(nblocks, _WORDS)
+        words = data[: nblocks * BLOCK].view(torch.int32).view(nblocks, _WORDS)
         crcs = torch.empty(nblocks, dtype=torch.int32, device=dev)
         slab = max(1, min(nblocks, _SLAB // BLOCK))
         step = _Carry(4, slab, dev)
         x = torch.empty(slab, dtype=torch.int32, device=dev)
-        for a in range(0, nblocks, slab):   # every block at once, four bytes a step
+        for a in range(0, nblocks, slab):  # every block at once, four bytes a step
             # word k of every block side by side (one pass over the slab), so each step reads one row
-            rows = words[a:a + slab].t().contiguous()
-            crc = crcs[a:a + rows.shape[1]]
+            rows = words[a : a + slab].t().contiguous()
+            crc = crcs[a : a + rows.shape[1]]
             step(rows[0], crc)
             for k in range(1, _WORDS):
-                torch.bitwise_xor(crc, rows[k], out=x[:crc.numel()])
-                step(x[:crc.numel()], crc)
+                torch.bitwise_xor(crc, rows[k], out=x[: crc.numel()])
+                step(x[: crc.numel()], crc)
             del rows
-        with_blocks = -(-nblocks // per_chunk)   # chunks holding a whole block
-        width = 1 << (per_chunk - 1).bit_length()   # blocks per chunk, padded in front to a power of two
+        with_blocks = -(-nblocks // per_chunk)  # chunks holding a whole block
+        width = 1 << (per_chunk - 1).bit_length()  # blocks per chunk, padded in front to a power of two
         grid = torch.zeros(with_blocks, width, dtype=torch.int32, device=dev)
         full = nblocks // per_chunk
-        grid[:full, width - per_chunk:] = crcs[:full * per_chunk].view(full, per_chunk)
+        grid[:full, width - per_chunk :] = crcs[: full * per_chunk].view(full, per_chunk)
         if full < with_blocks:
             rest = nblocks - full * per_chunk
-            grid[full, width - rest:] = crcs[full * per_chunk:]
+            grid[full, width - rest :] = crcs[full * per_chunk :]
         del crcs
-        span = BLOCK   # bytes each value of the grid stands for
-        while grid.shape[1] > 1:   # pairwise: left carried over right's bytes, XORed with right
+        span = BLOCK  # bytes each value of the grid stands for
+        while grid.shape[1] > 1:  # pairwise: left carried over right's bytes, XORed with right
             left = grid[:, 0::2].reshape(-1)
             carried = _Carry(span, left.numel(), dev)(left, torch.empty_like(left))
             grid = carried.view(with_blocks, -1).bitwise_xor_(grid[:, 1::2])
             span *= 2
         raw[:with_blocks] = [v & _MASK for v in grid[:, 0].tolist()]
-    if n > nblocks * block:   # bytes past the last whole block: one small copy down
-        return _finish(raw, n, chunk_bytes, block, nblocks, memoryview(data[nblocks * block:].cpu().numpy()),
-                       nblocks * block)
+    if n > nblocks * block:  # bytes past the last whole block: one small copy down
+        return _finish(
+            raw,
+            n,
+            chunk_bytes,
+            block,
+            nblocks,
+            memoryview(data[nblocks * block :].cpu().numpy()),
+            nblocks * block,
+        )
     return _finish(raw, n, chunk_bytes, block, nblocks, None, 0)
 
 
@@ -331,7 +368,9 @@ def warm(device: torch.device, chunk_bytes: int) -> None:
     if chunk_bytes <= 0 or chunk_bytes % BLOCK:
         return
     if device.type != "cuda":
-        chunk_checksums(torch.zeros(chunk_bytes, dtype=torch.uint8, device=device), chunk_bytes, engine="torch")
+        chunk_checksums(
+            torch.zeros(chunk_bytes, dtype=torch.uint8, device=device), chunk_bytes, engine="torch"
+        )
         return
     with torch.cuda.device(device), torch.cuda.stream(torch.cuda.Stream(device)):
         here = torch.device("cuda", torch.cuda.current_device())
@@ -340,14 +379,19 @@ def warm(device: torch.device, chunk_bytes: int) -> None:
         if _lane_bytes(chunk_bytes) is not None:
             try:
                 # two chunks and a tail: whole chunks, a chunk short of lanes, bytes past the last lane
-                probe = torch.randint(0, 256, (2 * chunk_bytes + chunk_bytes // 2 + 5,), dtype=torch.uint8,
-                                      device=here)
+                probe = torch.randint(
+                    0, 256, (2 * chunk_bytes + chunk_bytes // 2 + 5,), dtype=torch.uint8, device=here
+                )
                 got = chunk_checksums(probe, chunk_bytes, "triton")
                 flat = memoryview(probe.cpu().numpy())
-                same = got == [checksum(flat[a:a + chunk_bytes]) for a in range(0, len(flat), chunk_bytes)]
-            except Exception as e:   # noqa: BLE001 - no Triton, no compiler, no room: the tensor operations check
-                log.info("the Triton checks are not used on %s (%s: %s); tensor operations check there", here,
-                         type(e).__name__, e)
+                same = got == [checksum(flat[a : a + chunk_bytes]) for a in range(0, len(flat), chunk_bytes)]
+            except Exception as e:  # noqa: BLE001 - no Triton, no compiler, no room: the tensor operations check
+                log.info(
+                    "the Triton checks are not used on %s (%s: %s); tensor operations check there",
+                    here,
+                    type(e).__name__,
+                    e,
+                )
             else:
                 if same:
                     _kernels_ready[str(here)] = True

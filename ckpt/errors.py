@@ -76,8 +76,14 @@ class HostMemoryError(CheckpointError, MemoryError):
     ``limit``: the bytes allowed (``host_memory_limit``, or its default).
     """
 
-    def __init__(self, message: str, *, needed: int | None = None, allocated: int | None = None,
-                 limit: int | None = None) -> None:
+    def __init__(
+        self,
+        message: str,
+        *,
+        needed: int | None = None,
+        allocated: int | None = None,
+        limit: int | None = None,
+    ) -> None:
         super().__init__(message)
         self.needed, self.allocated, self.limit = needed, allocated, limit
 
@@ -97,7 +103,7 @@ class LockedError(CheckpointError):
         super().__init__(message)
         self.path, self.pid, self.host = path, pid, host
 
-    def __reduce__(self):   # keep the fields through copy/pickle (multiprocessing) like any exception's args
+    def __reduce__(self):  # keep the fields through copy/pickle (multiprocessing) like any exception's args
         return (type(self), (str(self), self.path, self.pid, self.host))
 
 
@@ -112,6 +118,8 @@ class Preempted(CheckpointError):
         import signal as _signal
 
         name = _signal.Signals(signum).name
-        super().__init__(f"preempted by {name}: step {step} saved"
-                         f"{'' if durable else ' but NOT durable within drain_deadline'}")
+        super().__init__(
+            f"preempted by {name}: step {step} saved"
+            f"{'' if durable else ' but NOT durable within drain_deadline'}"
+        )
         self.signum, self.step, self.durable = signum, step, durable

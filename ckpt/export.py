@@ -40,7 +40,15 @@ if TYPE_CHECKING:
 
 from . import knobs
 from .errors import CorruptCheckpointError, IncompatibleCheckpointError
-from .format import LATEST_NAME, Manifest, empty_tensor, parse_record, parse_step_dir, read_record, str_to_dtype
+from .format import (
+    LATEST_NAME,
+    Manifest,
+    empty_tensor,
+    parse_record,
+    parse_step_dir,
+    read_record,
+    str_to_dtype,
+)
 from .policy import live_and_abandoned
 from .progress import Progress, wanted
 from .reshard import check_layouts, load_resharded, saved_layouts, shard_box
@@ -91,10 +99,20 @@ class ExportInfo:
         return asdict(self)
 
 
-def export(source: str | os.PathLike, dest: str | os.PathLike, *, format: str = "safetensors",
-           step: int | None = None, key: str | None = None, storage_options: dict[str, Any] | None = None,
-           max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE, dtype: str | torch.dtype | None = None,
-           config: Any = None, force: bool = False, progress: bool = False) -> ExportInfo:
+def export(
+    source: str | os.PathLike,
+    dest: str | os.PathLike,
+    *,
+    format: str = "safetensors",
+    step: int | None = None,
+    key: str | None = None,
+    storage_options: dict[str, Any] | None = None,
+    max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
+    dtype: str | torch.dtype | None = None,
+    config: Any = None,
+    force: bool = False,
+    progress: bool = False,
+) -> ExportInfo:
     """Write committed checkpoint ``step`` (default: the one a restore would pick) of ``source`` to ``dest``.
 
     ``source``: a ``local_dir``, or a remote tier's URL (``s3://``, ``file://``, any fsspec URL, with
@@ -136,7 +154,7 @@ def export(source: str | os.PathLike, dest: str | os.PathLike, *, format: str = 
     cast = _parse_dtype(dtype)
     limit = parse_size(max_shard_size)
     shown = Path(dest).expanduser()
-    dest = Path(os.path.abspath(shown))   # "." or "x/..": a real name in a real parent directory
+    dest = Path(os.path.abspath(shown))  # "." or "x/..": a real name in a real parent directory
     _refuse_existing(dest, force)
     _refuse_overlap(source, storage_options, dest)
     src = _Source.open(source, storage_options, step)
@@ -162,18 +180,35 @@ def export(source: str | os.PathLike, dest: str | os.PathLike, *, format: str = 
         try:
             info = writer.write(stage, src, cast, limit, progress)
             _publish(stage, dest, force, single_file=format == "torch")
-            remove_leftovers(dest.parent, dest.name)   # an old dest a killed export moved aside: replaced now
+            remove_leftovers(dest.parent, dest.name)  # an old dest a killed export moved aside: replaced now
         except BaseException:
             shutil.rmtree(stage, ignore_errors=True)
             raise
     finally:
         src.close()
-    info = ExportInfo(step=src.step, format=format, source=src.where, path=str(shown), key=key,
-                      files=info["files"], tensors=info["tensors"], nbytes=info["nbytes"],
-                      read_bytes=int(src.read_bytes), seconds=time.perf_counter() - t0,
-                      dropped=plan.dropped + info.get("dropped", []))
-    log.info("exported step %d of %s to %s (%s): %d tensors, %.3f GB in %.2f s", info.step, info.source, dest,
-             format, info.tensors, info.nbytes / 1e9, info.seconds)
+    info = ExportInfo(
+        step=src.step,
+        format=format,
+        source=src.where,
+        path=str(shown),
+        key=key,
+        files=info["files"],
+        tensors=info["tensors"],
+        nbytes=info["nbytes"],
+        read_bytes=int(src.read_bytes),
+        seconds=time.perf_counter() - t0,
+        dropped=plan.dropped + info.get("dropped", []),
+    )
+    log.info(
+        "exported step %d of %s to %s (%s): %d tensors, %.3f GB in %.2f s",
+        info.step,
+        info.source,
+        dest,
+        format,
+        info.tensors,
+        info.nbytes / 1e9,
+        info.seconds,
+    )
     return info
 
 
@@ -181,8 +216,18 @@ def export(source: str | os.PathLike, dest: str | os.PathLike, *, format: str = 
 # Arguments
 
 
-_SIZE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
-               "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+_SIZE_UNITS = {
+    "": 1,
+    "B": 1,
+    "KB": 10**3,
+    "MB": 10**6,
+    "GB": 10**9,
+    "TB": 10**12,
+    "KIB": 2**10,
+    "MIB": 2**20,
+    "GIB": 2**30,
+    "TIB": 2**40,
+}
 
 
 def parse_size(size: int | str) -> int:
@@ -205,7 +250,9 @@ def _parse_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
 
     if dtype is None or isinstance(dtype, torch.dtype):
         if isinstance(dtype, torch.dtype) and not dtype.is_floating_point:
-            raise ValueError(f"dtype must be a floating-point dtype (it casts floating-point tensors), got {dtype}")
+            raise ValueError(
+                f"dtype must be a floating-point dtype (it casts floating-point tensors), got {dtype}"
+            )
         return dtype
     name = str(dtype).removeprefix("torch.")
     try:
@@ -217,14 +264,17 @@ def _parse_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
 
 def _refuse_existing(dest: Path, force: bool) -> None:
     if not force and os.path.lexists(dest):
-        raise FileExistsError(errno.EEXIST, "the export destination exists; pass force=True (--force) to "
-                              "replace it", str(dest))
+        raise FileExistsError(
+            errno.EEXIST, "the export destination exists; pass force=True (--force) to replace it", str(dest)
+        )
     if not dest.parent.is_dir():
         if os.path.lexists(dest.parent):
-            raise NotADirectoryError(errno.ENOTDIR, "the export destination's parent is not a directory",
-                                     str(dest.parent))
-        raise FileNotFoundError(errno.ENOENT, "the export destination's parent directory does not exist",
-                                str(dest.parent))
+            raise NotADirectoryError(
+                errno.ENOTDIR, "the export destination's parent is not a directory", str(dest.parent)
+            )
+        raise FileNotFoundError(
+            errno.ENOENT, "the export destination's parent directory does not exist", str(dest.parent)
+        )
 
 
 def _refuse_overlap(source: str | os.PathLike, storage_options: dict[str, Any] | None, dest: Path) -> None:
@@ -239,12 +289,17 @@ def _refuse_overlap(source: str | os.PathLike, storage_options: dict[str, Any] |
             return
         text = store.root
     src = os.path.realpath(text)
-    here = os.path.join(os.path.realpath(dest.parent), dest.name)   # dest itself may be a link: not followed
+    here = os.path.join(os.path.realpath(dest.parent), dest.name)  # dest itself may be a link: not followed
     inside = os.path.relpath(here, src).split(os.sep)
-    if here == src or src.startswith(here.rstrip(os.sep) + os.sep) or (
-            inside[0] != ".." and (parse_step_dir(inside[0]) is not None or inside[0] == LATEST_NAME)):
-        raise ValueError(f"the export destination {str(dest)!r} is, holds or lies inside the checkpoint {text!r} "
-                         "it exports; pass a destination outside it")
+    if (
+        here == src
+        or src.startswith(here.rstrip(os.sep) + os.sep)
+        or (inside[0] != ".." and (parse_step_dir(inside[0]) is not None or inside[0] == LATEST_NAME))
+    ):
+        raise ValueError(
+            f"the export destination {str(dest)!r} is, holds or lies inside the checkpoint {text!r} "
+            "it exports; pass a destination outside it"
+        )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -262,16 +317,20 @@ class _Source:
         self._fetch: Callable[[int, Manifest, int], Any] = lambda r, m, i: b""
 
     @classmethod
-    def open(cls, source: str | os.PathLike, storage_options: dict[str, Any] | None, step: int | None) -> "_Source":
+    def open(
+        cls, source: str | os.PathLike, storage_options: dict[str, Any] | None, step: int | None
+    ) -> "_Source":
         from .tiers.locate import open_tier
 
         self = cls()
-        tier: Any = open_tier(source, storage_options)   # a file:// URL of a local_dir is that local tier
+        tier: Any = open_tier(source, storage_options)  # a file:// URL of a local_dir is that local tier
         self.where = tier.location()
         self.step = _pick(tier, step, self.where)
         self.manifests = tier.records(self.step)[1]
-        for m in self.manifests:   # every stored byte there at its committed size, before any size the manifests
-            tier.check_stored(self.step, m)   # state is allocated (as a restore checks)
+        for (
+            m
+        ) in self.manifests:  # every stored byte there at its committed size, before any size the manifests
+            tier.check_stored(self.step, m)  # state is allocated (as a restore checks)
         # each shard's layout against its item; one rank's copy holds a whole tensor only where _check_whole finds it
         check_layouts(self.manifests, f"step {self.step} of {self.where}", whole=False)
         self._fetch = lambda r, m, i: tier.fetch(self.step, r, m, i)
@@ -279,10 +338,12 @@ class _Source:
 
     def fetch(self, counter: Callable[[int], None]) -> Callable[[int, Manifest, int], Any]:
         """The chunk reader :func:`load_resharded` takes, reporting each verified chunk to ``counter``."""
+
         def one(rank: int, m: Manifest, i: int) -> Any:
             raw = self._fetch(rank, m, i)
             counter(len(raw))
             return raw
+
         return one
 
     def close(self) -> None:
@@ -300,8 +361,11 @@ def _pick(tier: Any, step: int | None, where: str) -> int:
         return live[0].step
     if step not in {e.step for e in listed}:
         found = sorted({e.step for e in listed}, reverse=True)[:10]
-        raise FileNotFoundError(errno.ENOENT, f"step {step} is not committed there (committed: {found}); pass "
-                                "another step", tier.step_location(step))
+        raise FileNotFoundError(
+            errno.ENOENT,
+            f"step {step} is not committed there (committed: {found}); pass another step",
+            tier.step_location(step),
+        )
     return step
 
 
@@ -316,8 +380,10 @@ def _model_key(tree: Any, src: "_Source") -> str:
     found = next((k for k in MODEL_KEYS if isinstance(tree, dict) and k in tree), None)
     if found is None:
         have = sorted(tree)[:20] if isinstance(tree, dict) else []
-        raise ValueError(f"step {src.step} of {src.where} has none of the keys a model is kept under "
-                         f"({', '.join(MODEL_KEYS)}; it has {have}): pass the model's key (key=, --key)")
+        raise ValueError(
+            f"step {src.step} of {src.where} has none of the keys a model is kept under "
+            f"({', '.join(MODEL_KEYS)}; it has {have}): pass the model's key (key=, --key)"
+        )
     return found
 
 
@@ -333,8 +399,10 @@ def _select(tree: Any, key: str | None, where: str) -> tuple[Any, str]:
         children = dict(tree) if i == 0 else _children(node)
         if (i and part.startswith("$")) or part not in children:
             here = "/".join(key.split("/")[:i]) or "the state"
-            raise ValueError(f"key {key!r}: {here} of the checkpoint at {where} has no {part!r} "
-                             f"(it has {sorted(children)[:20]}); pass another key")
+            raise ValueError(
+                f"key {key!r}: {here} of the checkpoint at {where} has no {part!r} "
+                f"(it has {sorted(children)[:20]}); pass another key"
+            )
         node = children[part]
     return node, key
 
@@ -376,9 +444,9 @@ def _bare_keys(node: Any) -> Any:
 
 @dataclass
 class _Tensor:
-    name: str            # the exported name: its path under the selected key
-    index: int           # the saved item (rank 0's manifest)
-    shape: list[int]     # whole (global) shape
+    name: str  # the exported name: its path under the selected key
+    index: int  # the saved item (rank 0's manifest)
+    shape: list[int]  # whole (global) shape
     dtype: torch.dtype
 
 
@@ -400,7 +468,7 @@ class _Plan:
         self.tensors: list[_Tensor] = []
         self.values: dict[str, Any] = {}
         self.dropped: list[str] = []
-        self.clashes: list[str] = []   # value names given twice (keys "a/b" and "a" -> "b"; 1 and "1")
+        self.clashes: list[str] = []  # value names given twice (keys "a/b" and "a" -> "b"; 1 and "1")
         self._base = ""
         self._rank_layouts: dict[int, dict[int, Any]] = {}
 
@@ -410,7 +478,7 @@ class _Plan:
         look like tags: a key ``"$t"`` is saved as it is)."""
         self._base = base
         if root:
-            sub = (lambda k: f"{base}/{k}" if base else str(k))
+            sub = lambda k: f"{base}/{k}" if base else str(k)
             if not node:
                 self._value(base, {})
             return {k: self._walk(v, sub(k)) for k, v in node.items() if not _skipped(v, self, sub(k))}
@@ -434,7 +502,7 @@ class _Plan:
 
     def _name(self, path: str) -> str:
         if self._base and path.startswith(self._base + "/"):
-            return path[len(self._base) + 1:]
+            return path[len(self._base) + 1 :]
         return path
 
     def _walk(self, node: Any, path: str) -> Any:
@@ -446,14 +514,15 @@ class _Plan:
         if not isinstance(node, dict):
             self._value(path, node)
             return node
-        sub = (lambda k: f"{path}/{k}" if path else str(k))
+        sub = lambda k: f"{path}/{k}" if path else str(k)
         if "$t" in node:
             i = node["$t"]
             it = self.items[i]
             dt = self.layouts.get(i)
             shape = [int(s) for s in dt["shape"]] if dt is not None else list(it.shape)
-            self.tensors.append(_Tensor(self._name(path) or path.rsplit("/", 1)[-1], i, shape,
-                                        str_to_dtype(it.dtype, it.key)))
+            self.tensors.append(
+                _Tensor(self._name(path) or path.rsplit("/", 1)[-1], i, shape, str_to_dtype(it.dtype, it.key))
+            )
             return _Ref(i)
         if "$obj" in node:
             return self._walk(node.get("sd"), path)
@@ -474,7 +543,9 @@ class _Plan:
             self._value(path, {})
         return {k: self._walk(v, sub(k)) for k, v in node.items() if not _skipped(v, self, sub(k))}
 
-    def load(self, tensors: list[_Tensor], src: _Source, counter: Callable[[int], None]) -> dict[int, torch.Tensor]:
+    def load(
+        self, tensors: list[_Tensor], src: _Source, counter: Callable[[int], None]
+    ) -> dict[int, torch.Tensor]:
         """Read ``tensors`` whole (a DTensor's shards from every saved rank), verified; item -> tensor.
 
         Tensors stored whole in rank 0's file stream chunk by chunk into place (:class:`~ckpt.scatter.Scatter`,
@@ -521,7 +592,7 @@ class _Plan:
                 if i in self.layouts:
                     j = by_key.get(it.key)
                     if j is None or j not in layouts:
-                        continue   # the load refuses this checkpoint
+                        continue  # the load refuses this checkpoint
                     box = shard_box(layouts[j], it.key)
                     if (it.key, box) in seen or not math.prod(box[1]):
                         continue
@@ -543,7 +614,9 @@ class _Plan:
         return self._rank_layouts[rank]
 
 
-def _scatter_from(m: Manifest, dest: list[torch.Tensor | None], fetch: Callable[[int, Manifest, int], Any]) -> None:
+def _scatter_from(
+    m: Manifest, dest: list[torch.Tensor | None], fetch: Callable[[int, Manifest, int], Any]
+) -> None:
     """Fill ``dest`` (items of ``m``'s rank) from the chunks that hold them, read and verified in parallel;
     only the chunks in flight are held in memory."""
     import torch
@@ -558,7 +631,7 @@ def _scatter_from(m: Manifest, dest: list[torch.Tensor | None], fetch: Callable[
     def one(i: int) -> None:
         raw = fetch(m.rank, m, i)
         with warnings.catch_warnings():
-            warnings.simplefilter("ignore", UserWarning)   # "non-writable buffer": it is only read
+            warnings.simplefilter("ignore", UserWarning)  # "non-writable buffer": it is only read
             sc.copy(torch.frombuffer(raw, dtype=torch.uint8), i * c)
 
     with ThreadPoolExecutor(knobs.get("CKPT_IO_THREADS"), thread_name_prefix="ckpt-export") as pool:
@@ -567,7 +640,7 @@ def _scatter_from(m: Manifest, dest: list[torch.Tensor | None], fetch: Callable[
             for f in futures:
                 f.result()
         except BaseException:
-            for f in futures:   # a chunk failed: the export fails, read no more
+            for f in futures:  # a chunk failed: the export fails, read no more
                 f.cancel()
             raise
 
@@ -582,7 +655,8 @@ def _check_whole(plan: _Plan, src: _Source) -> None:
             raise IncompatibleCheckpointError(
                 f"step {src.step} of {src.where} was saved by {who} alone and holds only its shard of the DTensor "
                 f"{t.name!r} ({dt['placements']} over a {dt['mesh']} mesh): export the job tier instead (the url "
-                "every rank saved to), which holds every rank's shards, or a key without sharded tensors")
+                "every rank saved to), which holds every rank's shards, or a key without sharded tensors"
+            )
 
 
 @functools.cache
@@ -591,10 +665,22 @@ def _st_dtypes() -> dict[torch.dtype, str]:
     import torch
 
     return {
-        torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-        torch.complex64: "C64", torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
-        torch.uint8: "U8", torch.bool: "BOOL", torch.uint16: "U16", torch.uint32: "U32", torch.uint64: "U64",
-        torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
+        torch.float64: "F64",
+        torch.float32: "F32",
+        torch.float16: "F16",
+        torch.bfloat16: "BF16",
+        torch.complex64: "C64",
+        torch.int64: "I64",
+        torch.int32: "I32",
+        torch.int16: "I16",
+        torch.int8: "I8",
+        torch.uint8: "U8",
+        torch.bool: "BOOL",
+        torch.uint16: "U16",
+        torch.uint32: "U32",
+        torch.uint64: "U64",
+        torch.float8_e4m3fn: "F8_E4M3",
+        torch.float8_e5m2: "F8_E5M2",
     }
 
 
@@ -607,30 +693,42 @@ def _check_names(plan: _Plan, format: str, src: _Source) -> None:
     seen: set[str] = set()
     for t in plan.tensors:
         if t.name in seen:
-            raise ValueError(f"{where}: two tensors are both named {t.name!r} once their paths are joined with '/' "
-                             "(a key holding '/', or keys like 1 and '1'); export another key, or format='torch', "
-                             "which keeps the structure")
+            raise ValueError(
+                f"{where}: two tensors are both named {t.name!r} once their paths are joined with '/' "
+                "(a key holding '/', or keys like 1 and '1'); export another key, or format='torch', "
+                "which keeps the structure"
+            )
         seen.add(t.name)
         if t.name == "__metadata__":
-            raise ValueError(f"{where}: a tensor is named {t.name!r}, the name a safetensors header reserves for its "
-                             "metadata; export another key, or format='torch'")
+            raise ValueError(
+                f"{where}: a tensor is named {t.name!r}, the name a safetensors header reserves for its "
+                "metadata; export another key, or format='torch'"
+            )
         try:
             t.name.encode("utf-8")
         except UnicodeEncodeError:
-            raise ValueError(f"{where}: the tensor name {t.name!r} is not valid Unicode (a lone surrogate); a "
-                             "safetensors header cannot hold it; export another key, or format='torch'") from None
+            raise ValueError(
+                f"{where}: the tensor name {t.name!r} is not valid Unicode (a lone surrogate); a "
+                "safetensors header cannot hold it; export another key, or format='torch'"
+            ) from None
         if t.dtype not in _st_dtypes():
-            raise ValueError(f"{where}: the tensor {t.name!r} is {t.dtype}, which safetensors cannot store; export "
-                             "another key, or format='torch'")
+            raise ValueError(
+                f"{where}: the tensor {t.name!r} is {t.dtype}, which safetensors cannot store; export "
+                "another key, or format='torch'"
+            )
     if format == "safetensors" and plan.clashes:
-        raise ValueError(f"{where}: two values are both named {plan.clashes[0]!r} once their paths are joined with '/' "
-                         "(a key holding '/', or keys like 1 and '1'); export another key, or format='torch', which "
-                         "keeps the structure")
+        raise ValueError(
+            f"{where}: two values are both named {plan.clashes[0]!r} once their paths are joined with '/' "
+            "(a key holding '/', or keys like 1 and '1'); export another key, or format='torch', which "
+            "keeps the structure"
+        )
 
 
 def _skipped(node: Any, plan: _Plan, path: str) -> bool:
     if isinstance(node, dict) and "$skip" in node:
-        plan.dropped.append(f"{plan._name(path)}: left out when the checkpoint was saved (on_unsupported='skip')")
+        plan.dropped.append(
+            f"{plan._name(path)}: left out when the checkpoint was saved (on_unsupported='skip')"
+        )
         return True
     return False
 
@@ -671,8 +769,9 @@ class _Writer(abc.ABC):
         self.plan = plan
 
     @abc.abstractmethod
-    def write(self, stage: Path, src: _Source, cast: torch.dtype | None, limit: int,
-              progress: bool) -> dict[str, Any]:
+    def write(
+        self, stage: Path, src: _Source, cast: torch.dtype | None, limit: int, progress: bool
+    ) -> dict[str, Any]:
         """Write the files; returns the export's index (what ``ExportInfo`` reports)."""
 
     def _progress(self, groups: list[list[_Tensor]], src: _Source, progress: bool) -> Progress:
@@ -692,8 +791,9 @@ class _SafetensorsWriter(_Writer):
     def tensors(self) -> list[_Tensor]:
         return self.plan.tensors
 
-    def write(self, stage: Path, src: _Source, cast: torch.dtype | None, limit: int,
-              progress: bool) -> dict[str, Any]:
+    def write(
+        self, stage: Path, src: _Source, cast: torch.dtype | None, limit: int, progress: bool
+    ) -> dict[str, Any]:
         groups = _shards(self.tensors(), cast, limit)
         names = _shard_names(len(groups))
         weight_map: dict[str, str] = {}
@@ -704,7 +804,7 @@ class _SafetensorsWriter(_Writer):
                 out: dict[str, torch.Tensor] = {}
                 for t in group:
                     x = _cast(loaded[t.index], cast)
-                    out[t.name] = x   # tied weights: each name's own bytes in the file, no copy held
+                    out[t.name] = x  # tied weights: each name's own bytes in the file, no copy held
                     weight_map[t.name] = fname
                     nbytes += x.numel() * x.element_size()
                 meta = dict(self.meta)
@@ -715,12 +815,17 @@ class _SafetensorsWriter(_Writer):
             src.read_bytes = int(bar.done)
         files = list(names)
         if len(groups) > 1:
-            index: dict[str, Any] = {"metadata": {"total_size": nbytes, **self.meta}, "weight_map": weight_map}
+            index: dict[str, Any] = {
+                "metadata": {"total_size": nbytes, **self.meta},
+                "weight_map": weight_map,
+            }
             index["metadata"].pop("format")
             if self.values is not None:
                 index["metadata"][META_VALUES] = self.values
-            _write_file(stage / "model.safetensors.index.json",
-                        (json.dumps(index, indent=2, sort_keys=False) + "\n").encode("utf-8"))
+            _write_file(
+                stage / "model.safetensors.index.json",
+                (json.dumps(index, indent=2, sort_keys=False) + "\n").encode("utf-8"),
+            )
             files.append("model.safetensors.index.json")
         return {"files": files, "tensors": len(weight_map), "nbytes": nbytes}
 
@@ -731,8 +836,11 @@ _ST_MAX_HEADER = 100_000_000
 
 def _create(path: Path) -> int:
     """A new file in the staging directory, never through a link left at its name."""
-    return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0)
-                   | getattr(os, "O_CLOEXEC", 0), 0o644)
+    return os.open(
+        path,
+        os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0),
+        0o644,
+    )
 
 
 def _write_file(path: Path, data: bytes) -> None:
@@ -755,14 +863,20 @@ def _write_safetensors(path: Path, tensors: dict[str, torch.Tensor], meta: dict[
     off = 0
     for name, x in order:
         n = x.numel() * x.element_size()
-        header[name] = {"dtype": _st_dtypes()[x.dtype], "shape": list(x.shape), "data_offsets": [off, off + n]}
+        header[name] = {
+            "dtype": _st_dtypes()[x.dtype],
+            "shape": list(x.shape),
+            "data_offsets": [off, off + n],
+        }
         off += n
     raw = json.dumps(header, ensure_ascii=False, separators=(",", ":"), allow_nan=False).encode("utf-8")
     raw += b" " * (-len(raw) % 8)
     if len(raw) > _ST_MAX_HEADER:
-        raise ValueError(f"{path.name}: a safetensors header of {len(raw)} bytes, more than the {_ST_MAX_HEADER} "
-                         "its readers accept (too many tensors or values): export less at a time (key=) or use a "
-                         "smaller max_shard_size")
+        raise ValueError(
+            f"{path.name}: a safetensors header of {len(raw)} bytes, more than the {_ST_MAX_HEADER} "
+            "its readers accept (too many tensors or values): export less at a time (key=) or use a "
+            "smaller max_shard_size"
+        )
     with open(_create(path), "wb") as f:
         f.write(len(raw).to_bytes(8, "little"))
         f.write(raw)
@@ -807,8 +921,9 @@ class _TorchWriter(_Writer):
         super().__init__(plan)
         self.built = built
 
-    def write(self, stage: Path, src: _Source, cast: torch.dtype | None, limit: int,
-              progress: bool) -> dict[str, Any]:
+    def write(
+        self, stage: Path, src: _Source, cast: torch.dtype | None, limit: int, progress: bool
+    ) -> dict[str, Any]:
         import torch
 
         tensors = self.plan.tensors
@@ -820,7 +935,7 @@ class _TorchWriter(_Writer):
         def build(x: Any) -> Any:
             if isinstance(x, _Ref):
                 i = self.plan._origin(x.index)
-                if i not in done:   # one tensor per stored item: tied weights stay tied
+                if i not in done:  # one tensor per stored item: tied weights stay tied
                     done[i] = _cast(loaded[x.index], cast)
                 return done[i]
             if isinstance(x, list):
@@ -838,15 +953,18 @@ class _TorchWriter(_Writer):
                 torch.save(obj, sink)
                 sink.flush()
             except Exception:
-                if sink.error is not None:   # the system's error (ENOSPC, EFBIG, EIO), not torch's wrapper
+                if sink.error is not None:  # the system's error (ENOSPC, EFBIG, EIO), not torch's wrapper
                     raise sink.error from None
                 raise
             os.fsync(f.fileno())
-        return {"files": [_TORCH_FILE], "tensors": len(tensors),
-                "nbytes": sum(t.numel() * t.element_size() for t in done.values())}
+        return {
+            "files": [_TORCH_FILE],
+            "tensors": len(tensors),
+            "nbytes": sum(t.numel() * t.element_size() for t in done.values()),
+        }
 
 
-_TORCH_FILE = "state.pt"   # inside the staging directory; renamed to the destination's own name
+_TORCH_FILE = "state.pt"  # inside the staging directory; renamed to the destination's own name
 
 
 class _HFWriter(_SafetensorsWriter):
@@ -857,16 +975,18 @@ class _HFWriter(_SafetensorsWriter):
         super().__init__(plan, src, None)
         self.meta = {"format": "pt", META_STEP: str(src.step), META_SOURCE: src.where}
         self.values = None
-        self.config = _config_dict(config, tree, src)   # before anything is read or written
-        self.dropped: list[str] = [f"{name}: a value, not a tensor (a model directory holds only weights)"
-                                   for name in plan.values]
+        self.config = _config_dict(config, tree, src)  # before anything is read or written
+        self.dropped: list[str] = [
+            f"{name}: a value, not a tensor (a model directory holds only weights)" for name in plan.values
+        ]
         self._chosen: list[_Tensor] = []
 
     def tensors(self) -> list[_Tensor]:
         return self._chosen
 
-    def write(self, stage: Path, src: _Source, cast: torch.dtype | None, limit: int,
-              progress: bool) -> dict[str, Any]:
+    def write(
+        self, stage: Path, src: _Source, cast: torch.dtype | None, limit: int, progress: bool
+    ) -> dict[str, Any]:
         try:
             import transformers
         except ImportError:
@@ -898,14 +1018,18 @@ class _HFWriter(_SafetensorsWriter):
         tensors = self.plan.tensors
         variants = [(tensors, "")]
         prefixes = list(_WRAPPER_PREFIXES)
-        if tensors:   # a LightningModule's attribute holding the model ("model." of every name), one or two deep
+        if (
+            tensors
+        ):  # a LightningModule's attribute holding the model ("model." of every name), one or two deep
             parts = tensors[0].name.split(".")
             prefixes += [".".join(parts[:n]) + "." for n in (1, 2) if len(parts) > n]
         for p in dict.fromkeys(prefixes):
             if tensors and all(t.name.startswith(p) for t in tensors):
-                variants.append(([_Tensor(t.name[len(p):], t.index, t.shape, t.dtype) for t in tensors], p))
+                variants.append(([_Tensor(t.name[len(p) :], t.index, t.shape, t.dtype) for t in tensors], p))
         names = list(getattr(cfg, "architectures", None) or [])
-        classes = [getattr(transformers, n) for n in names if isinstance(getattr(transformers, n, None), type)]
+        classes = [
+            getattr(transformers, n) for n in names if isinstance(getattr(transformers, n, None), type)
+        ]
         classes += [transformers.AutoModelForCausalLM, transformers.AutoModel]
         first_error: str | None = None
         for cls in classes:
@@ -925,7 +1049,8 @@ class _HFWriter(_SafetensorsWriter):
         raise IncompatibleCheckpointError(
             f"the weights at key {self.plan._base!r} of step {self.meta[META_STEP]} of {self.meta[META_SOURCE]} do "
             f"not fit the model config: {first_error}. Pass the config the model was built from (config=, "
-            "--config), or another key (key=, --key)")
+            "--config), or another key (key=, --key)"
+        )
 
     def _compare(self, model: Any, tensors: list[_Tensor]) -> tuple[str | None, list[_Tensor], list[str]]:
         sd = model.state_dict(keep_vars=True)
@@ -940,9 +1065,13 @@ class _HFWriter(_SafetensorsWriter):
             head = tied.get(t.name, t.name)
             if head != t.name and head in by_name:
                 if alias is None or self.plan._origin(by_name[head].index) != alias:
-                    return (f"{t.name!r} is tied to {head!r} in the model, but the checkpoint holds them as "
-                            "separate tensors (a config with the weights untied, e.g. tie_word_embeddings=False, "
-                            "fits it)", [], [])
+                    return (
+                        f"{t.name!r} is tied to {head!r} in the model, but the checkpoint holds them as "
+                        "separate tensors (a config with the weights untied, e.g. tie_word_embeddings=False, "
+                        "fits it)",
+                        [],
+                        [],
+                    )
                 dropped.append(f"{t.name}: tied to {head} (the model ties them again when it loads)")
                 continue
             chosen.append(t)
@@ -950,8 +1079,12 @@ class _HFWriter(_SafetensorsWriter):
         missing = [n for n in sd if n not in have and tied[n] not in have]
         unexpected = [t.name for t in chosen if t.name not in sd]
         if missing or unexpected:
-            return (f"{len(missing)} weight(s) of the model are not in the checkpoint ({missing[:5]}) and "
-                    f"{len(unexpected)} of the checkpoint are not in the model ({unexpected[:5]})", [], [])
+            return (
+                f"{len(missing)} weight(s) of the model are not in the checkpoint ({missing[:5]}) and "
+                f"{len(unexpected)} of the checkpoint are not in the model ({unexpected[:5]})",
+                [],
+                [],
+            )
         for t in chosen:
             if list(sd[t.name].shape) != t.shape:
                 want = list(sd[t.name].shape)
@@ -964,13 +1097,18 @@ def _config_dict(config: Any, tree: Any, src: _Source) -> dict[str, Any]:
     if config is None:
         node = tree.get("hf_config") if isinstance(tree, dict) else None
         if node is None:
-            raise ValueError(f"step {src.step} of {src.where} holds no model config (no 'hf_config' in the state): "
-                             "pass config= (--config) with a config.json, the directory of the original model, "
-                             "or a model name")
+            raise ValueError(
+                f"step {src.step} of {src.where} holds no model config (no 'hf_config' in the state): "
+                "pass config= (--config) with a config.json, the directory of the original model, "
+                "or a model name"
+            )
         value = _Plan(src.manifests[0]).walk(node, "hf_config")
-        if isinstance(value, str):   # bounded in depth and size before it is parsed, as every record is
-            value = parse_record(value.encode("utf-8", "surrogatepass"), f"{src.where}: step {src.step}: 'hf_config'",
-                                 expect=None)
+        if isinstance(value, str):  # bounded in depth and size before it is parsed, as every record is
+            value = parse_record(
+                value.encode("utf-8", "surrogatepass"),
+                f"{src.where}: step {src.step}: 'hf_config'",
+                expect=None,
+            )
         config = value
     if isinstance(config, dict):
         d = config
@@ -980,7 +1118,7 @@ def _config_dict(config: Any, tree: Any, src: _Source) -> dict[str, Any]:
         p = Path(config).expanduser()
         if p.is_dir():
             p = p / "config.json"
-        if p.is_file():   # a regular file of bounded size and depth (not a FIFO, not /dev/zero)
+        if p.is_file():  # a regular file of bounded size and depth (not a FIFO, not /dev/zero)
             try:
                 d = parse_record(read_record(p), str(p), expect=None)
             except CorruptCheckpointError as e:
@@ -992,8 +1130,9 @@ def _config_dict(config: Any, tree: Any, src: _Source) -> dict[str, Any]:
 
             d = transformers.AutoConfig.from_pretrained(os.fspath(config)).to_dict()
     else:
-        raise ValueError(f"config must be a PretrainedConfig, a dict, a path or a model name; got "
-                         f"{type(config).__name__}")
+        raise ValueError(
+            f"config must be a PretrainedConfig, a dict, a path or a model name; got {type(config).__name__}"
+        )
     if not isinstance(d, dict) or not isinstance(d.get("model_type"), str):
         raise ValueError("config: the model config has no 'model_type' (is it a Hugging Face config.json?)")
     return d
@@ -1045,7 +1184,7 @@ def leftovers(parent: str | os.PathLike, name: str | None = None) -> list[Path]:
         except FileNotFoundError:
             continue
         if not (stat.S_ISDIR(st.st_mode) or stat.S_ISREG(st.st_mode)) or st.st_uid != os.getuid():
-            continue   # never a link (followed by nothing here) nor another user's
+            continue  # never a link (followed by nothing here) nor another user's
         if m.group("kind") == "replaced" and not os.path.lexists(os.path.join(parent, m.group("name"))):
             continue
         if procs.alive(int(m.group("pid")), since=st.st_mtime):
@@ -1074,7 +1213,7 @@ def _publish(stage: Path, dest: Path, force: bool, single_file: bool) -> None:
     removed only after that. A destination that appears or goes away meanwhile is handled as it is
     found at the moment of the rename."""
     new = stage / _TORCH_FILE if single_file else stage
-    for f in ([new] if single_file else sorted(stage.iterdir())):
+    for f in [new] if single_file else sorted(stage.iterdir()):
         fd = os.open(f, os.O_RDONLY)
         try:
             os.fsync(fd)
@@ -1084,13 +1223,17 @@ def _publish(stage: Path, dest: Path, force: bool, single_file: bool) -> None:
     for _ in range(16):
         if os.path.lexists(dest):
             if not force:
-                raise FileExistsError(errno.EEXIST, "the export destination appeared while exporting; pass "
-                                      "force=True (--force) to replace it", str(dest))
+                raise FileExistsError(
+                    errno.EEXIST,
+                    "the export destination appeared while exporting; pass "
+                    "force=True (--force) to replace it",
+                    str(dest),
+                )
             try:
                 old = _swap(new, dest, single_file)
             except FileNotFoundError:
                 if os.path.lexists(new) and not os.path.lexists(dest):
-                    continue   # dest went away meanwhile: put the new one there
+                    continue  # dest went away meanwhile: put the new one there
                 raise
             if old is not None:
                 _remove(old)
@@ -1100,12 +1243,20 @@ def _publish(stage: Path, dest: Path, force: bool, single_file: bool) -> None:
             break
         except FileExistsError:
             if not force:
-                raise FileExistsError(errno.EEXIST, "the export destination appeared while exporting; pass "
-                                      "force=True (--force) to replace it", str(dest)) from None
+                raise FileExistsError(
+                    errno.EEXIST,
+                    "the export destination appeared while exporting; pass "
+                    "force=True (--force) to replace it",
+                    str(dest),
+                ) from None
             # appeared meanwhile: replace it
     else:
-        raise FileExistsError(errno.EEXIST, "the export destination kept appearing and going away while it was "
-                              "replaced; nothing was replaced", str(dest))
+        raise FileExistsError(
+            errno.EEXIST,
+            "the export destination kept appearing and going away while it was "
+            "replaced; nothing was replaced",
+            str(dest),
+        )
     _fsync_dir(dest.parent)
     if single_file:
         shutil.rmtree(stage, ignore_errors=True)
@@ -1121,8 +1272,8 @@ def _put(new: Path, dest: Path, single_file: bool) -> None:
             raise FileExistsError(errno.EEXIST, "the export destination exists", str(dest)) from None
         if e.errno not in NO_RENAMEAT2:
             raise
-    try:   # no renameat2 here: a link fails on an existing name; rename(2) of a directory fails on all but an
-        if single_file:   # empty directory, which it would replace: checked just before
+    try:  # no renameat2 here: a link fails on an existing name; rename(2) of a directory fails on all but an
+        if single_file:  # empty directory, which it would replace: checked just before
             os.link(new, dest)
         elif os.path.lexists(dest):
             raise FileExistsError(errno.EEXIST, "the export destination exists", str(dest))
@@ -1157,7 +1308,9 @@ def _swap(new: Path, dest: Path, single_file: bool) -> Path | None:
         try:
             os.rename(trash, dest)
         except OSError:
-            log.error("the export could not put %s back after failing to replace it: it is at %s", dest, trash)
+            log.error(
+                "the export could not put %s back after failing to replace it: it is at %s", dest, trash
+            )
         raise
     return trash
 
@@ -1168,8 +1321,10 @@ def _remove(path: Path) -> None:
     else:
         shutil.rmtree(path, ignore_errors=True)
     if os.path.lexists(path):
-        log.warning("the replaced export destination could not be removed completely: what is left of it is at %s",
-                    path)
+        log.warning(
+            "the replaced export destination could not be removed completely: what is left of it is at %s",
+            path,
+        )
 
 
 def _fsync_dir(path: Path) -> None:

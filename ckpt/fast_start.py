@@ -32,9 +32,14 @@ _register_parameter = nn.Module.register_parameter
 
 
 def _register_on_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
-    if param is not None and getattr(_local, "on", False) and type(param) is nn.Parameter and not param.is_meta:
+    if (
+        param is not None
+        and getattr(_local, "on", False)
+        and type(param) is nn.Parameter
+        and not param.is_meta
+    ):
         empty = nn.Parameter(param.detach().to("meta"), requires_grad=param.requires_grad)
-        empty.__dict__.update(param.__dict__)   # attributes set before registration (no_weight_decay flags)
+        empty.__dict__.update(param.__dict__)  # attributes set before registration (no_weight_decay flags)
         param = empty
     _register_parameter(module, name, param)
 
@@ -58,7 +63,7 @@ def empty_params(enabled: bool = True) -> Iterator[None]:
         return
     with _lock:
         if _users == 0:
-            nn.Module.register_parameter = _register_on_meta   # type: ignore[method-assign]
+            nn.Module.register_parameter = _register_on_meta  # type: ignore[method-assign]
         _users += 1
     outer = getattr(_local, "on", False)
     _local.on = True
@@ -69,20 +74,20 @@ def empty_params(enabled: bool = True) -> Iterator[None]:
         with _lock:
             _users -= 1
             if _users == 0:
-                nn.Module.register_parameter = _register_parameter   # type: ignore[method-assign]
+                nn.Module.register_parameter = _register_parameter  # type: ignore[method-assign]
 
 
 def materialize(module: nn.Module, device: torch.device | str) -> nn.Module:
     """Give a model built in :func:`empty_params` (or on the meta device) storage on ``device``, keeping
-    its buffers' values; returns ``module``. Under FSDP2 call it after ``fully_shard`` (each rank then
-    allocates only its shards), and make the optimizer after it (parameters may be replaced; weights tied
-before stay tied). Every
-    parameter and persistent buffer is then uninitialised memory until ``restore`` (strict) fills it.
+        its buffers' values; returns ``module``. Under FSDP2 call it after ``fully_shard`` (each rank then
+        allocates only its shards), and make the optimizer after it (parameters may be replaced; weights tied
+    before stay tied). Every
+        parameter and persistent buffer is then uninitialised memory until ``restore`` (strict) fills it.
 
-    A module with no parameter or buffer on meta is returned as it is: after an ordinary build (the
-    ``enabled=False`` case) this does nothing. A non-persistent buffer on meta (a model built entirely
-    under ``torch.device("meta")``) has no value to keep and none in a checkpoint: ``ValueError`` naming
-    those buffers, before anything is changed.
+        A module with no parameter or buffer on meta is returned as it is: after an ordinary build (the
+        ``enabled=False`` case) this does nothing. A non-persistent buffer on meta (a model built entirely
+        under ``torch.device("meta")``) has no value to keep and none in a checkpoint: ``ValueError`` naming
+        those buffers, before anything is changed.
     """
     if not any(t.is_meta for t in [*module.parameters(), *module.buffers()]):
         return module
@@ -96,10 +101,12 @@ before stay tied). Every
             elif name in owner._non_persistent_buffers_set:
                 lost.append(f"{prefix}.{name}" if prefix else name)
     if lost:
-        raise ValueError(f"materialize(module): non-persistent buffers {sorted(set(lost))} are on the meta device, "
-                         "and no checkpoint holds them: build the model in ckpt.empty_params() instead of "
-                         "torch.device('meta'), so that its buffers are computed")
-    slots: dict[int, list[tuple[nn.Module, str]]] = {}   # where each parameter is registered (tied: several)
+        raise ValueError(
+            f"materialize(module): non-persistent buffers {sorted(set(lost))} are on the meta device, "
+            "and no checkpoint holds them: build the model in ckpt.empty_params() instead of "
+            "torch.device('meta'), so that its buffers are computed"
+        )
+    slots: dict[int, list[tuple[nn.Module, str]]] = {}  # where each parameter is registered (tied: several)
     for _, owner in module.named_modules(remove_duplicate=False):
         for name, param in owner._parameters.items():
             if param is not None:
@@ -112,5 +119,5 @@ before stay tied). Every
                 setattr(owner, name, first._parameters[first_name])
     with torch.no_grad():
         for owner, name, buf in kept:
-            owner._buffers[name].copy_(buf)   # type: ignore[union-attr]
+            owner._buffers[name].copy_(buf)  # type: ignore[union-attr]
     return module

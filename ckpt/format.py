@@ -86,8 +86,8 @@ MAX_JSON_DEPTH = 128
 MAX_TREE_DEPTH = 100
 #: dimensions a saved tensor may have
 MAX_NDIM = 64
-_MAX_INT = (1 << 63) - 1          # every size, offset and count is an int64 to torch
-_MAX_SPAN = 1 << 62               # product of a shape's dims (0 counted as 1) times the element size
+_MAX_INT = (1 << 63) - 1  # every size, offset and count is an int64 to torch
+_MAX_SPAN = 1 << 62  # product of a shape's dims (0 counted as 1) times the element size
 
 # ASCII digits to the very end: ``\d`` takes any script's digits (int() reads them) and ``$`` a trailing newline
 _STEP_RE = re.compile(r"step-([0-9]{9,})")
@@ -95,11 +95,28 @@ _GENERATION_RE = re.compile(r"^g[0-9a-f]{16}$")
 
 #: element size in bytes of every dtype the format stores, by name (the records are read without torch)
 _ITEMSIZES: dict[str, int] = {
-    "float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "complex64": 8, "complex128": 16,
-    "int64": 8, "int32": 4, "int16": 2, "int8": 1, "uint8": 1, "bool": 1,
-    "uint16": 2, "uint32": 4, "uint64": 8, "float8_e4m3fn": 1, "float8_e5m2": 1,
+    "float64": 8,
+    "float32": 4,
+    "float16": 2,
+    "bfloat16": 2,
+    "complex64": 8,
+    "complex128": 16,
+    "int64": 8,
+    "int32": 4,
+    "int16": 2,
+    "int8": 1,
+    "uint8": 1,
+    "bool": 1,
+    "uint16": 2,
+    "uint32": 4,
+    "uint64": 8,
+    "float8_e4m3fn": 1,
+    "float8_e5m2": 1,
     # one byte per element each (float4_e2m1fn_x2 packs two fp4 values), stored as their bytes
-    "float8_e4m3fnuz": 1, "float8_e5m2fnuz": 1, "float8_e8m0fnu": 1, "float4_e2m1fn_x2": 1,
+    "float8_e4m3fnuz": 1,
+    "float8_e5m2fnuz": 1,
+    "float8_e8m0fnu": 1,
+    "float4_e2m1fn_x2": 1,
 }
 
 
@@ -164,7 +181,9 @@ def dtype_to_str(dtype: torch.dtype) -> str:
     return name
 
 
-def empty_tensor(shape: Any, dtype: torch.dtype, device: Any = "cpu", pin_memory: bool = False) -> torch.Tensor:
+def empty_tensor(
+    shape: Any, dtype: torch.dtype, device: Any = "cpu", pin_memory: bool = False
+) -> torch.Tensor:
     """An uninitialised tensor of ``shape`` and ``dtype`` (any stored dtype) on ``device`` (host memory when
     ``None``: never torch's default device, which a training script may have set to a GPU) that the caller
     fills.
@@ -177,9 +196,15 @@ def empty_tensor(shape: Any, dtype: torch.dtype, device: Any = "cpu", pin_memory
     import torch
 
     shape = torch.Size(shape)
-    with torch.inference_mode(False):   # a normal tensor even in a restore called in inference mode: it trains on
-        raw = torch.empty(shape.numel() * dtype.itemsize, dtype=torch.uint8,
-                          device=device if device is not None else "cpu", pin_memory=pin_memory)
+    with torch.inference_mode(
+        False
+    ):  # a normal tensor even in a restore called in inference mode: it trains on
+        raw = torch.empty(
+            shape.numel() * dtype.itemsize,
+            dtype=torch.uint8,
+            device=device if device is not None else "cpu",
+            pin_memory=pin_memory,
+        )
     return raw.view(dtype).view(shape)
 
 
@@ -225,17 +250,19 @@ class Manifest:
     chunks: list[int]
     items: list[ItemRecord]
     tree: Any
-    codecs: list[str] | None = None        # per chunk, on tiers that encode chunks (remote); None: raw
+    codecs: list[str] | None = None  # per chunk, on tiers that encode chunks (remote); None: raw
     stored_sizes: list[int] | None = None  # per chunk, bytes as stored (after the codec)
-    job: list[int] | None = None           # [rank, world size] of the multi-process job that saved it
-    replicated: list[int] | None = None    # items the same on every rank: a job tier stores them once (rank 0)
+    job: list[int] | None = None  # [rank, world size] of the multi-process job that saved it
+    replicated: list[int] | None = None  # items the same on every rank: a job tier stores them once (rank 0)
     checksum_algorithm: str = ALGORITHM
     format_version: int = FORMAT_VERSION
     created_unix: float = field(default_factory=time.time)
-    generation: str | None = None          # remote tier: the subdirectory holding this copy (Commit.generation)
+    generation: str | None = None  # remote tier: the subdirectory holding this copy (Commit.generation)
 
     def to_bytes(self) -> bytes:
-        return json.dumps(_without_unset_generation(asdict(self)), separators=(",", ":"), allow_nan=False).encode()
+        return json.dumps(
+            _without_unset_generation(asdict(self)), separators=(",", ":"), allow_nan=False
+        ).encode()
 
     @classmethod
     def from_bytes(cls, raw: bytes, where: str) -> "Manifest":
@@ -272,17 +299,25 @@ class Manifest:
         if (self.codecs is None) != (self.stored_sizes is None):
             raise bad("codecs and stored_sizes must both be present or both absent")
         if self.codecs is not None:
-            if not (isinstance(self.codecs, list) and isinstance(self.stored_sizes, list)
-                    and len(self.codecs) == len(self.chunks) == len(self.stored_sizes)
-                    and all(isinstance(c, str) for c in self.codecs)
-                    and all(_is_nonneg_int(n) for n in self.stored_sizes)):
+            if not (
+                isinstance(self.codecs, list)
+                and isinstance(self.stored_sizes, list)
+                and len(self.codecs) == len(self.chunks) == len(self.stored_sizes)
+                and all(isinstance(c, str) for c in self.codecs)
+                and all(_is_nonneg_int(n) for n in self.stored_sizes)
+            ):
                 raise bad("per-chunk codecs / stored sizes do not match the chunk list")
-        if self.job is not None and not (isinstance(self.job, list) and len(self.job) == 2
-                                         and all(_is_nonneg_int(v) for v in self.job) and self.job[0] < self.job[1]):
+        if self.job is not None and not (
+            isinstance(self.job, list)
+            and len(self.job) == 2
+            and all(_is_nonneg_int(v) for v in self.job)
+            and self.job[0] < self.job[1]
+        ):
             raise bad(f"job must be [rank, world size], got {self.job!r}")
         if self.replicated is not None and not (
-                isinstance(self.replicated, list)
-                and all(_is_nonneg_int(i) and i < len(self.items) for i in self.replicated)):
+            isinstance(self.replicated, list)
+            and all(_is_nonneg_int(i) and i < len(self.items) for i in self.replicated)
+        ):
             raise bad("replicated must list item indices")
         self._validate_items(bad)
         _validate_tree(self.tree, len(self.items), bad)
@@ -298,8 +333,10 @@ class Manifest:
             if itemsize is None:
                 raise bad(f"item {it.key!r}: unknown dtype {it.dtype!r}")
             if not check_shape(it.shape, itemsize):
-                raise bad(f"item {it.key!r}: bad shape {it.shape!r} (non-negative ints, at most {MAX_NDIM} "
-                          "dimensions, within int64 sizes)")
+                raise bad(
+                    f"item {it.key!r}: bad shape {it.shape!r} (non-negative ints, at most {MAX_NDIM} "
+                    "dimensions, within int64 sizes)"
+                )
             if it.alias_of is not None:
                 if not _is_nonneg_int(it.alias_of) or it.alias_of >= i:
                     raise bad(f"item {it.key!r}: alias_of must name an earlier item")
@@ -310,8 +347,10 @@ class Manifest:
             if not (_is_nonneg_int(it.offset) and _is_nonneg_int(it.nbytes)):
                 raise bad(f"item {it.key!r}: bad byte range")
             if it.nbytes != it.numel * itemsize or it.offset + it.nbytes > self.data_bytes:
-                raise bad(f"item {it.key!r}: byte range [{it.offset}, {it.offset + it.nbytes}) "
-                          f"does not fit its shape or the {self.data_bytes}-byte data file")
+                raise bad(
+                    f"item {it.key!r}: byte range [{it.offset}, {it.offset + it.nbytes}) "
+                    f"does not fit its shape or the {self.data_bytes}-byte data file"
+                )
             if it.nbytes:
                 ranges.append((it.offset, it.nbytes, it.key))
         ranges.sort()
@@ -330,8 +369,8 @@ class Commit:
 
     step: int
     world_size: int
-    manifests: dict[str, int]   # manifest file name -> checksum of its bytes
-    data: dict[str, int]        # data file name -> size in bytes
+    manifests: dict[str, int]  # manifest file name -> checksum of its bytes
+    data: dict[str, int]  # data file name -> size in bytes
     format_version: int = FORMAT_VERSION
     created_unix: float = field(default_factory=time.time)
     # the branch of history (ckpt.policy.Timeline): its number, and [timeline, step] where each ancestor
@@ -346,7 +385,7 @@ class Commit:
 
     def to_bytes(self) -> bytes:
         d = _without_unset_generation(asdict(self))
-        if not self.timeline and not self.forks:   # the old record, byte for byte readable by older versions
+        if not self.timeline and not self.forks:  # the old record, byte for byte readable by older versions
             del d["timeline"], d["forks"]
             return json.dumps(d, separators=(",", ":"), allow_nan=False).encode()
         # a record on a timeline carries its own checksum (readers before timelines refuse it anyway): its
@@ -367,16 +406,25 @@ class Commit:
             raise CorruptCheckpointError(f"{where}: malformed commit record ({e})") from None
         ok = (
             c.format_version == FORMAT_VERSION
-            and _is_nonneg_int(c.step) and c.step <= _MAX_INT
-            and _is_nonneg_int(c.world_size) and 0 < c.world_size <= _MAX_INT
-            and isinstance(c.manifests, dict) and len(c.manifests) == c.world_size
+            and _is_nonneg_int(c.step)
+            and c.step <= _MAX_INT
+            and _is_nonneg_int(c.world_size)
+            and 0 < c.world_size <= _MAX_INT
+            and isinstance(c.manifests, dict)
+            and len(c.manifests) == c.world_size
             and all(isinstance(k, str) and _is_nonneg_int(v) and v < 1 << 32 for k, v in c.manifests.items())
             and isinstance(c.data, dict)
             and all(isinstance(k, str) and _is_nonneg_int(v) and v <= _MAX_INT for k, v in c.data.items())
             and _is_number(c.created_unix)
-            and _is_nonneg_int(c.timeline) and isinstance(c.forks, list) and all(
-                isinstance(f, list) and len(f) == 2 and all(_is_nonneg_int(v) for v in f) and f[0] < c.timeline
-                for f in c.forks)
+            and _is_nonneg_int(c.timeline)
+            and isinstance(c.forks, list)
+            and all(
+                isinstance(f, list)
+                and len(f) == 2
+                and all(_is_nonneg_int(v) for v in f)
+                and f[0] < c.timeline
+                for f in c.forks
+            )
             and _valid_generation(c.generation)
         )
         if not ok:
@@ -415,8 +463,14 @@ def check_shape(shape: Any, itemsize: int = 1) -> bool:
 
 # -- reading records ------------------------------------------------------------------------------
 def _kind(mode: int) -> str:
-    for test, name in ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
-                       (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"), (stat.S_ISLNK, "a symlink")):
+    for test, name in (
+        (stat.S_ISDIR, "a directory"),
+        (stat.S_ISFIFO, "a FIFO"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+        (stat.S_ISSOCK, "a socket"),
+        (stat.S_ISLNK, "a symlink"),
+    ):
         if test(mode):
             return name
     return "not a regular file"
@@ -427,7 +481,9 @@ def _need_regular(st: os.stat_result, where: str) -> None:
         raise CorruptCheckpointError(f"{where}: is {_kind(st.st_mode)}, not a regular file; refused unread")
 
 
-def open_regular(path: str | os.PathLike, flags: int = os.O_RDONLY, where: str | None = None) -> tuple[int, os.stat_result]:
+def open_regular(
+    path: str | os.PathLike, flags: int = os.O_RDONLY, where: str | None = None
+) -> tuple[int, os.stat_result]:
     """Open ``path`` read-only (with extra ``flags``, e.g. ``O_DIRECT``) only if it is a regular file.
 
     The file is checked before it is opened (a symlink is followed: one to a regular file is read,
@@ -451,8 +507,10 @@ def open_regular(path: str | os.PathLike, flags: int = os.O_RDONLY, where: str |
 def check_record_size(size: int, where: str, limit: int = MAX_RECORD_BYTES) -> None:
     """Refuse a record of ``size`` bytes when it is larger than ``limit``."""
     if size > limit:
-        raise CorruptCheckpointError(f"{where}: a record of {size} bytes is larger than the {limit}-byte limit "
-                                     "(larger than any this library writes); refused unread")
+        raise CorruptCheckpointError(
+            f"{where}: a record of {size} bytes is larger than the {limit}-byte limit "
+            "(larger than any this library writes); refused unread"
+        )
 
 
 def read_record(path: str | os.PathLike, where: str | None = None, limit: int = MAX_RECORD_BYTES) -> bytes:
@@ -469,7 +527,7 @@ def read_record(path: str | os.PathLike, where: str | None = None, limit: int = 
     try:
         check_record_size(st.st_size, where, limit)
         parts, n = [], 0
-        want = st.st_size + 1          # one read for the whole file, and one byte to see it ends
+        want = st.st_size + 1  # one read for the whole file, and one byte to see it ends
         while n <= limit:
             b = os.read(fd, min(want, limit + 1 - n))
             if not b:
@@ -496,14 +554,14 @@ def read_record_fs(fs: Any, path: str, where: str | None = None, limit: int = MA
     protocols = (fs.protocol,) if isinstance(fs.protocol, str) else tuple(fs.protocol)
     if any(p in ("file", "local") for p in protocols):
         return read_record(fs._strip_protocol(path), where, limit)
-    fs.invalidate_cache(path)   # the record as it is now, not its size in a listing cached before it changed
+    fs.invalidate_cache(path)  # the record as it is now, not its size in a listing cached before it changed
     info = fs.info(path)
     if info.get("type") != "file":
         raise CorruptCheckpointError(f"{where}: is a {info.get('type')!r}, not a file; refused unread")
     size = info.get("size")
-    if _is_nonneg_int(size):   # (a listing may be stale: the read below is bounded on its own)
+    if _is_nonneg_int(size):  # (a listing may be stale: the read below is bounded on its own)
         check_record_size(size, where, limit)
-        if size == 0:   # an empty object (a record truncated behind our back): a range of it is refused (416)
+        if size == 0:  # an empty object (a record truncated behind our back): a range of it is refused (416)
             return b""
     raw = fs.cat_file(path, start=0, end=limit + 1)
     check_record_size(len(raw), where, limit)
@@ -534,7 +592,7 @@ def json_depth(raw: bytes | bytearray | memoryview, stop: int | None = None) -> 
     depth = peak = quotes = 0
     block = 1 << 22
     for a in range(0, len(codes), block):
-        c = codes[a:a + block]
+        c = codes[a : a + block]
         q = np.cumsum(c == 0x22, dtype=np.int32) + (quotes & 1)
         outside = (q & 1) == 0
         run = np.cumsum(_DEPTH_STEP[c] * outside, dtype=np.int32) + np.int64(depth)
@@ -545,8 +603,13 @@ def json_depth(raw: bytes | bytearray | memoryview, stop: int | None = None) -> 
     return peak
 
 
-def parse_record(raw: bytes | bytearray | memoryview, where: str, expect: type | None = dict,
-                 max_depth: int = MAX_JSON_DEPTH, limit: int = MAX_RECORD_BYTES) -> Any:
+def parse_record(
+    raw: bytes | bytearray | memoryview,
+    where: str,
+    expect: type | None = dict,
+    max_depth: int = MAX_JSON_DEPTH,
+    limit: int = MAX_RECORD_BYTES,
+) -> Any:
     """Parse JSON record ``raw`` (of ``where``): at most ``limit`` bytes, nested at most ``max_depth``
     deep (checked before parsing, so no parser or later walk of the value can exhaust the stack),
     and of type ``expect`` when given. Any problem is a :class:`CorruptCheckpointError` naming
@@ -554,13 +617,17 @@ def parse_record(raw: bytes | bytearray | memoryview, where: str, expect: type |
     check_record_size(len(raw), where, limit)
     depth = json_depth(raw, stop=max_depth)
     if depth > max_depth:
-        raise CorruptCheckpointError(f"{where}: JSON nested more than {max_depth} levels deep; refused unparsed")
+        raise CorruptCheckpointError(
+            f"{where}: JSON nested more than {max_depth} levels deep; refused unparsed"
+        )
     try:
         d = json.loads(raw)
     except (UnicodeDecodeError, ValueError, RecursionError, MemoryError) as e:
         raise CorruptCheckpointError(f"{where}: not valid JSON ({type(e).__name__}: {e})") from None
     if expect is not None and not isinstance(d, expect):
-        raise CorruptCheckpointError(f"{where}: expected a JSON {'object' if expect is dict else expect.__name__}")
+        raise CorruptCheckpointError(
+            f"{where}: expected a JSON {'object' if expect is dict else expect.__name__}"
+        )
     return d
 
 
@@ -571,8 +638,15 @@ def _load_json(raw: bytes, where: str) -> dict:
 # -- the saved state tree ---------------------------------------------------------------------------
 _OBJ_KINDS = ("module", "optimizer", "stateful")
 _FLOAT_TAGS = ("nan", "inf", "-inf")
-_TAG_KEYS = {"$t": {"$t", "$np", "$dt"}, "$obj": {"$obj", "sd"}, "$tuple": {"$tuple"}, "$d": {"$d"},
-             "$f": {"$f"}, "$dtype": {"$dtype"}, "$skip": {"$skip"}}
+_TAG_KEYS = {
+    "$t": {"$t", "$np", "$dt"},
+    "$obj": {"$obj", "sd"},
+    "$tuple": {"$tuple"},
+    "$d": {"$d"},
+    "$f": {"$f"},
+    "$dtype": {"$dtype"},
+    "$skip": {"$skip"},
+}
 
 
 def _check_layout_record(dt: Any) -> bool:
@@ -580,12 +654,17 @@ def _check_layout_record(dt: Any) -> bool:
     if not (isinstance(dt, dict) and set(dt) == {"shape", "mesh", "coord", "placements"}):
         return False
     mesh, coord, placements = dt["mesh"], dt["coord"], dt["placements"]
-    return (check_shape(dt["shape"])
-            and check_shape(mesh) and all(m > 0 for m in mesh)
-            and isinstance(coord, list) and isinstance(placements, list)
-            and len(coord) in (0, len(mesh)) and len(placements) == len(mesh)
-            and all(_is_nonneg_int(c) and c < m for c, m in zip(coord, mesh))
-            and all(isinstance(p, str) and len(p) <= 64 for p in placements))
+    return (
+        check_shape(dt["shape"])
+        and check_shape(mesh)
+        and all(m > 0 for m in mesh)
+        and isinstance(coord, list)
+        and isinstance(placements, list)
+        and len(coord) in (0, len(mesh))
+        and len(placements) == len(mesh)
+        and all(_is_nonneg_int(c) and c < m for c, m in zip(coord, mesh))
+        and all(isinstance(p, str) and len(p) <= 64 for p in placements)
+    )
 
 
 def _validate_tree(tree: Any, n_items: int, bad: Callable[[str], CorruptCheckpointError]) -> None:
@@ -621,16 +700,24 @@ def _validate_tree(tree: Any, n_items: int, bad: Callable[[str], CorruptCheckpoi
                 raise bad(f"tree node at {path!r}: $np must be 0 or 1")
         elif tag == "$obj":
             if v not in _OBJ_KINDS or "sd" not in node:
-                raise bad(f"tree node at {path!r}: an object node needs a kind in {_OBJ_KINDS} and a state dict")
+                raise bad(
+                    f"tree node at {path!r}: an object node needs a kind in {_OBJ_KINDS} and a state dict"
+                )
             stack.append((node["sd"], path))
         elif tag == "$tuple":
             if not isinstance(v, list):
                 raise bad(f"tree node at {path!r}: $tuple must be a list")
             stack.extend((x, f"{path}/{i}") for i, x in enumerate(v))
         elif tag == "$d":
-            if not (isinstance(v, list) and all(isinstance(p, list) and len(p) == 2
-                                                and (p[0] is None or isinstance(p[0], (str, int, float)))
-                                                for p in v)):
+            if not (
+                isinstance(v, list)
+                and all(
+                    isinstance(p, list)
+                    and len(p) == 2
+                    and (p[0] is None or isinstance(p[0], (str, int, float)))
+                    for p in v
+                )
+            ):
                 raise bad(f"tree node at {path!r}: $d must list [key, value] pairs with scalar keys")
             stack.extend((x, f"{path}/{k}") for k, x in v)
         elif tag == "$f":
@@ -664,8 +751,11 @@ def write_atomic(path: Path, data: bytes) -> None:
     The temporary file's name is unique to this call (two threads, or two processes, writing the same
     record never share one) and it is created exclusively, never through a link left at its name."""
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{secrets.token_hex(6)}")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0)
-                 | getattr(os, "O_CLOEXEC", 0), 0o644)
+    fd = os.open(
+        tmp,
+        os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0),
+        0o644,
+    )
     try:
         with open(fd, "wb") as f:
             f.write(data)
@@ -679,8 +769,9 @@ def write_atomic(path: Path, data: bytes) -> None:
     fsync_dir(path.parent)
 
 
-def read_records(get: "Callable[[str], bytes]", step: int, rank: int, world_size: int,
-                 where: str) -> tuple[Commit, Manifest]:
+def read_records(
+    get: "Callable[[str], bytes]", step: int, rank: int, world_size: int, where: str
+) -> tuple[Commit, Manifest]:
     """Read and validate ``COMMIT`` and rank ``rank``'s manifest of ``step`` through ``get(name)``.
 
     ``get`` returns a file's bytes by its name inside the step directory (raising
@@ -695,7 +786,8 @@ def read_records(get: "Callable[[str], bytes]", step: int, rank: int, world_size
         raise CorruptCheckpointError(f"{cwhere}: records step {commit.step}, directory says {step}")
     if commit.world_size != world_size:
         raise IncompatibleCheckpointError(
-            f"{cwhere}: saved with world size {commit.world_size}, restoring with {world_size}")
+            f"{cwhere}: saved with world size {commit.world_size}, restoring with {world_size}"
+        )
     mname = manifest_name(rank)
     if mname not in commit.manifests:
         raise CorruptCheckpointError(f"{cwhere}: does not list {mname}")
@@ -705,5 +797,7 @@ def read_records(get: "Callable[[str], bytes]", step: int, rank: int, world_size
         raise CorruptCheckpointError(f"{where}/{mpath}: checksum does not match the one recorded in {cwhere}")
     manifest = Manifest.from_bytes(raw, f"{where}/{mpath}")
     if commit.data.get(data_name(rank)) != manifest.data_bytes or manifest.generation != commit.generation:
-        raise CorruptCheckpointError(f"{cwhere}: data size or generation record disagrees with {where}/{mpath}")
+        raise CorruptCheckpointError(
+            f"{cwhere}: data size or generation record disagrees with {where}/{mpath}"
+        )
     return commit, manifest

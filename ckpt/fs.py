@@ -58,14 +58,26 @@ from typing import Any, Callable
 from urllib.parse import urlsplit
 
 import fsspec
-from fsspec.implementations.arrow import ArrowFSWrapper   # imports no pyarrow (it is loaded on use)
+from fsspec.implementations.arrow import ArrowFSWrapper  # imports no pyarrow (it is loaded on use)
 
-__all__ = ["Store", "MissingBackendError", "resolve", "is_url", "check_url", "is_local_fs", "local_tier_dir", "BACKENDS",
-           "hdfs_arrow_missing"]
+__all__ = [
+    "Store",
+    "MissingBackendError",
+    "resolve",
+    "is_url",
+    "check_url",
+    "is_local_fs",
+    "local_tier_dir",
+    "BACKENDS",
+    "hdfs_arrow_missing",
+]
 
 #: the backends each scheme family can use, its default first
-BACKENDS: dict[str, tuple[str, ...]] = {"s3": ("s3fs", "arrow"), "hdfs": ("arrow", "hdfs-native"),
-                                        "file": ("fsspec", "arrow")}
+BACKENDS: dict[str, tuple[str, ...]] = {
+    "s3": ("s3fs", "arrow"),
+    "hdfs": ("arrow", "hdfs-native"),
+    "file": ("fsspec", "arrow"),
+}
 _FAMILY = {"s3": "s3", "s3a": "s3", "hdfs": "hdfs", "file": "file", "local": "file"}
 
 #: seconds our own reachability check (one HTTP request to the endpoint) may take
@@ -111,8 +123,10 @@ class Store:
         if down is not None:
             out: OSError = ConnectionError(down.errno, f"{e} [the store at {self.endpoint} {down.strerror}]")
         elif probing:
-            out = PermissionError(errno.EACCES, f"{e} [the store at {self.endpoint} answers, and refused the "
-                                  "request for the bucket]")
+            out = PermissionError(
+                errno.EACCES,
+                f"{e} [the store at {self.endpoint} answers, and refused the request for the bucket]",
+            )
         else:
             return e
         out.__cause__ = e
@@ -139,16 +153,20 @@ def is_url(location: str | os.PathLike) -> bool:
     if "://" in text:
         unknown = [s for s in _schemes(text) if s.lower() not in known]
         if unknown:
-            raise ValueError(f"{text!r}: unknown URL scheme {unknown[0]!r} (a typo? fsspec knows "
-                             f"{', '.join(sorted(known))}; a scheme of a package not installed here, such as gcsfs "
-                             "for gs://, is known once it is installed)")
+            raise ValueError(
+                f"{text!r}: unknown URL scheme {unknown[0]!r} (a typo? fsspec knows "
+                f"{', '.join(sorted(known))}; a scheme of a package not installed here, such as gcsfs "
+                "for gs://, is known once it is installed)"
+            )
         return True
     m = _SCHEME_RE.match(text)
     if m and m.group(1).lower() in known:
-        scheme, rest = m.group(1), text[m.end():].lstrip("/")
-        raise ValueError(f"{text!r} looks like a mistyped URL ({scheme}: without '//'); write "
-                         f"{scheme}://{rest} (a directory: file:///absolute/path), or ./{text} for a local "
-                         "directory of that name")
+        scheme, rest = m.group(1), text[m.end() :].lstrip("/")
+        raise ValueError(
+            f"{text!r} looks like a mistyped URL ({scheme}: without '//'); write "
+            f"{scheme}://{rest} (a directory: file:///absolute/path), or ./{text} for a local "
+            "directory of that name"
+        )
     return False
 
 
@@ -157,9 +175,11 @@ def check_url(url: str | os.PathLike, argument: str = "url") -> str:
     a local tier (``local_dir``), and a directory as a remote tier is a ``file://`` URL."""
     if not is_url(url):
         path = os.path.abspath(os.path.expanduser(os.fspath(url)))
-        raise ValueError(f"{argument}={os.fspath(url)!r} is a path, not a URL: a remote tier is named by a URL "
-                         f"(s3://bucket/run, file://{path} for a directory); a path is a local tier (local_dir=, "
-                         "or a ckpt command's DIR)")
+        raise ValueError(
+            f"{argument}={os.fspath(url)!r} is a path, not a URL: a remote tier is named by a URL "
+            f"(s3://bucket/run, file://{path} for a directory); a path is a local tier (local_dir=, "
+            "or a ckpt command's DIR)"
+        )
     return os.fspath(url)
 
 
@@ -195,17 +215,21 @@ def resolve(url: str, storage_options: dict[str, Any] | None = None) -> Store:
     family = _FAMILY.get(protocol)
     if "::" in url or family is None:
         if chosen not in (None, "fsspec"):
-            raise ValueError(f"storage_options['backend']={chosen!r} for {url!r}: only 's3://', 'hdfs://' and "
-                             "'file://' URLs have a choice of backend (chained URLs go through fsspec as they are); "
-                             "drop the key")
+            raise ValueError(
+                f"storage_options['backend']={chosen!r} for {url!r}: only 's3://', 'hdfs://' and "
+                "'file://' URLs have a choice of backend (chained URLs go through fsspec as they are); "
+                "drop the key"
+            )
         return _fsspec(url, opts)
     env = f"CKPT_{family.upper()}_BACKEND"
     source = "storage_options['backend']" if chosen is not None else env
     if chosen is None:
         chosen = os.environ.get(env) or BACKENDS[family][0]
     if chosen not in BACKENDS[family]:
-        raise ValueError(f"{source}={chosen!r} for {url!r}: a {protocol}:// URL can use "
-                         f"{' or '.join(map(repr, BACKENDS[family]))}")
+        raise ValueError(
+            f"{source}={chosen!r} for {url!r}: a {protocol}:// URL can use "
+            f"{' or '.join(map(repr, BACKENDS[family]))}"
+        )
     if chosen == "arrow":
         return {"s3": _arrow_s3, "hdfs": _arrow_hdfs, "file": _arrow_local}[family](url, opts)
     if chosen == "hdfs-native":
@@ -214,6 +238,7 @@ def resolve(url: str, storage_options: dict[str, Any] | None = None) -> Store:
 
 
 # -- fsspec's own file systems (s3fs for s3://) --------------------------------------------------------
+
 
 def with_retry_defaults(url: str, options: dict[str, Any]) -> dict[str, Any]:
     """s3fs's options with this library's upload retry policy unless they set one: botocore's
@@ -248,9 +273,10 @@ def _fsspec(url: str, opts: dict[str, Any]) -> Store:
     probe_fs, protocol = fs, fsspec.utils.get_protocol(url)
     if protocol in ("s3", "s3a") and "::" not in url:
         probe_fs = fsspec.core.url_to_fs(url, **probe_options(opts))[0]
-        probe_fs.retries = 1   # s3fs's own retry loop around botocore's (a class attribute, 5): once
-    return Store(fs, root.rstrip("/"), "s3fs" if protocol in ("s3", "s3a") else "fsspec", probe_fs,
-                 *_where(url, opts))
+        probe_fs.retries = 1  # s3fs's own retry loop around botocore's (a class attribute, 5): once
+    return Store(
+        fs, root.rstrip("/"), "s3fs" if protocol in ("s3", "s3a") else "fsspec", probe_fs, *_where(url, opts)
+    )
 
 
 def _where(url: str, opts: dict[str, Any]) -> tuple[str, str]:
@@ -259,15 +285,25 @@ def _where(url: str, opts: dict[str, Any]) -> tuple[str, str]:
     if family == "hdfs":
         u = urlsplit(url)
         if u.hostname:
-            return f"namenode {u.hostname}:{u.port or 8020}", "check the namenode's host and port in the URL and the network"
-        return "the namenode of fs.defaultFS (no host in the URL)", "check fs.defaultFS in core-site.xml and the network"
-    ep = opts.get("endpoint_url") or (opts.get("client_kwargs") or {}).get("endpoint_url") \
+            return (
+                f"namenode {u.hostname}:{u.port or 8020}",
+                "check the namenode's host and port in the URL and the network",
+            )
+        return (
+            "the namenode of fs.defaultFS (no host in the URL)",
+            "check fs.defaultFS in core-site.xml and the network",
+        )
+    ep = (
+        opts.get("endpoint_url")
+        or (opts.get("client_kwargs") or {}).get("endpoint_url")
         or opts.get("endpoint_override")
+    )
     endpoint = f"endpoint_url={ep!r}" if ep else "the default endpoint (no endpoint_url in storage_options)"
     return endpoint, "check endpoint_url in storage_options and the network"
 
 
 # -- pyarrow's file systems through fsspec ----------------------------------------------------------------
+
 
 class ArrowFileSystem(ArrowFSWrapper):
     """fsspec's ``ArrowFSWrapper`` with ranged reads that work on every pyarrow file system (the
@@ -276,7 +312,7 @@ class ArrowFileSystem(ArrowFSWrapper):
     read ``file://...``)."""
 
     @property
-    def protocol(self):   # noqa: D102 - fsspec's attribute
+    def protocol(self):  # noqa: D102 - fsspec's attribute
         name = self.fs.type_name
         return ("file", "local") if name == "local" else name
 
@@ -285,7 +321,7 @@ class ArrowFileSystem(ArrowFSWrapper):
         if not start and end is None:
             with self.fs.open_input_stream(path, compression=None) as f:
                 return f.read()
-        with self.fs.open_input_file(path) as f:   # a ranged read: the store sends only [start, end)
+        with self.fs.open_input_file(path) as f:  # a ranged read: the store sends only [start, end)
             size = f.size()
             lo = 0 if start is None else start if start >= 0 else max(0, size + start)
             hi = size if end is None else min(size, end if end >= 0 else size + end)
@@ -296,22 +332,47 @@ def _pyarrow_fs(backend: str) -> Any:
     try:
         import pyarrow.fs
     except ImportError as e:
-        raise MissingBackendError(f"the {backend!r} backend needs pyarrow: pip install 'tierckpt[arrow]' "
-                                  "(or pick another backend with storage_options['backend'])",
-                                  backend, ("pyarrow",)) from e
+        raise MissingBackendError(
+            f"the {backend!r} backend needs pyarrow: pip install 'tierckpt[arrow]' "
+            "(or pick another backend with storage_options['backend'])",
+            backend,
+            ("pyarrow",),
+        ) from e
     return pyarrow.fs
 
 
 #: pyarrow.fs.S3FileSystem's own keyword arguments (passed through as they are)
-_S3_NATIVE = frozenset((
-    "access_key", "secret_key", "session_token", "anonymous", "region", "request_timeout", "connect_timeout",
-    "scheme", "endpoint_override", "background_writes", "default_metadata", "role_arn", "session_name",
-    "external_id", "load_frequency", "proxy_options", "allow_delayed_open", "allow_bucket_creation",
-    "allow_bucket_deletion", "check_directory_existence_before_creation", "retry_strategy",
-    "force_virtual_addressing", "tls_ca_file_path"))
+_S3_NATIVE = frozenset(
+    (
+        "access_key",
+        "secret_key",
+        "session_token",
+        "anonymous",
+        "region",
+        "request_timeout",
+        "connect_timeout",
+        "scheme",
+        "endpoint_override",
+        "background_writes",
+        "default_metadata",
+        "role_arn",
+        "session_name",
+        "external_id",
+        "load_frequency",
+        "proxy_options",
+        "allow_delayed_open",
+        "allow_bucket_creation",
+        "allow_bucket_deletion",
+        "check_directory_existence_before_creation",
+        "retry_strategy",
+        "force_virtual_addressing",
+        "tls_ca_file_path",
+    )
+)
 #: s3fs options about s3fs's own caches, which pyarrow does not have: nothing to translate
-_S3FS_CACHES = frozenset(("skip_instance_cache", "use_listings_cache", "listings_expiry_time", "max_paths",
-                          "cache_regions"))
+_S3FS_CACHES = frozenset(
+    ("skip_instance_cache", "use_listings_cache", "listings_expiry_time", "max_paths", "cache_regions")
+)
 
 
 def arrow_s3_options(options: dict[str, Any], attempts: int = 10) -> dict[str, Any]:
@@ -322,8 +383,12 @@ def arrow_s3_options(options: dict[str, Any], attempts: int = 10) -> dict[str, A
     o = dict(options)
     client, config = dict(o.pop("client_kwargs", None) or {}), dict(o.pop("config_kwargs", None) or {})
     kw: dict[str, Any] = {}
-    for ours, theirs in (("key", "access_key"), ("secret", "secret_key"), ("token", "session_token"),
-                         ("anon", "anonymous")):
+    for ours, theirs in (
+        ("key", "access_key"),
+        ("secret", "secret_key"),
+        ("token", "session_token"),
+        ("anon", "anonymous"),
+    ):
         if ours in o:
             kw[theirs] = o.pop(ours)
     endpoint = o.pop("endpoint_url", None) or client.pop("endpoint_url", None)
@@ -333,7 +398,9 @@ def arrow_s3_options(options: dict[str, Any], attempts: int = 10) -> dict[str, A
     if "region_name" in client:
         kw["region"] = client.pop("region_name")
     retries = config.pop("retries", None) or {}
-    strategy = pafs.AwsDefaultS3RetryStrategy if retries.get("mode") == "legacy" else pafs.AwsStandardS3RetryStrategy
+    strategy = (
+        pafs.AwsDefaultS3RetryStrategy if retries.get("mode") == "legacy" else pafs.AwsStandardS3RetryStrategy
+    )
     kw["retry_strategy"] = strategy(max_attempts=int(retries.get("max_attempts", attempts)))
     if "connect_timeout" in config:
         kw["connect_timeout"] = float(config.pop("connect_timeout"))
@@ -345,14 +412,21 @@ def arrow_s3_options(options: dict[str, Any], attempts: int = 10) -> dict[str, A
     for k in _S3FS_CACHES:
         o.pop(k, None)
     native = {k: o.pop(k) for k in list(o) if k in _S3_NATIVE}
-    left = sorted(o) + [f"client_kwargs[{k!r}]" for k in sorted(client)] + \
-        [f"config_kwargs[{k!r}]" for k in sorted(config)]
+    left = (
+        sorted(o)
+        + [f"client_kwargs[{k!r}]" for k in sorted(client)]
+        + [f"config_kwargs[{k!r}]" for k in sorted(config)]
+    )
     if left:
-        raise ValueError(f"storage_options {', '.join(left)} have no equivalent in pyarrow's S3 client (backend "
-                         "'arrow'): drop them, use pyarrow.fs.S3FileSystem's own argument names, or set "
-                         "storage_options['backend'] = 's3fs'")
+        raise ValueError(
+            f"storage_options {', '.join(left)} have no equivalent in pyarrow's S3 client (backend "
+            "'arrow'): drop them, use pyarrow.fs.S3FileSystem's own argument names, or set "
+            "storage_options['backend'] = 's3fs'"
+        )
     kw.update(native)
-    kw.setdefault("allow_delayed_open", True)   # a part that fits one request is one PUT, not a multipart upload
+    kw.setdefault(
+        "allow_delayed_open", True
+    )  # a part that fits one request is one PUT, not a multipart upload
     return kw
 
 
@@ -361,17 +435,21 @@ def _arrow_s3(url: str, opts: dict[str, Any]) -> Store:
     root = url.split("://", 1)[1].strip("/")
     kw = arrow_s3_options(opts)
     if "region" not in kw and "endpoint_override" not in kw and root:
-        try:   # AWS itself: the bucket's region, as s3fs finds it (one unsigned request)
+        try:  # AWS itself: the bucket's region, as s3fs finds it (one unsigned request)
             kw["region"] = pafs.resolve_s3_region(root.split("/", 1)[0])
         except OSError:
-            pass   # unreachable or no such bucket: the probe says which, by our own check
-    probe_kw = dict(kw, retry_strategy=pafs.AwsStandardS3RetryStrategy(max_attempts=PROBE_ATTEMPTS),
-                    connect_timeout=min(float(kw.get("connect_timeout") or PROBE_CONNECT_S), PROBE_CONNECT_S))
+            pass  # unreachable or no such bucket: the probe says which, by our own check
+    probe_kw = dict(
+        kw,
+        retry_strategy=pafs.AwsStandardS3RetryStrategy(max_attempts=PROBE_ATTEMPTS),
+        connect_timeout=min(float(kw.get("connect_timeout") or PROBE_CONNECT_S), PROBE_CONNECT_S),
+    )
     fs = ArrowFileSystem(pafs.S3FileSystem(**kw), skip_instance_cache=True)
     probe_fs = ArrowFileSystem(pafs.S3FileSystem(**probe_kw), skip_instance_cache=True)
     scheme = kw.get("scheme") or "https"
-    host = kw.get("endpoint_override") or \
-        (f"s3.{kw['region']}.amazonaws.com" if kw.get("region") else "s3.amazonaws.com")
+    host = kw.get("endpoint_override") or (
+        f"s3.{kw['region']}.amazonaws.com" if kw.get("region") else "s3.amazonaws.com"
+    )
     endpoint, hint = _where(url, opts)
     return Store(fs, root, "arrow", probe_fs, endpoint, hint, check=lambda: http_answers(scheme, host))
 
@@ -390,10 +468,10 @@ def http_answers(scheme: str, netloc: str, timeout: float = _CHECK_S) -> OSError
         status = conn.getresponse().status
     except TimeoutError:
         return ConnectionError(errno.ETIMEDOUT, f"did not answer within {timeout:g} s")
-    except OSError as e:   # refused, reset, unreachable, TLS
+    except OSError as e:  # refused, reset, unreachable, TLS
         code = e.errno if isinstance(e.errno, int) and e.errno > 0 else errno.ECONNRESET
         return ConnectionError(code, f"could not be reached ({type(e).__name__}: {os.strerror(code)})")
-    except http.client.HTTPException as e:   # a connection closed without a valid answer
+    except http.client.HTTPException as e:  # a connection closed without a valid answer
         return ConnectionError(errno.ECONNRESET, f"sent no valid HTTP answer ({type(e).__name__})")
     finally:
         conn.close()
@@ -405,7 +483,9 @@ def http_answers(scheme: str, netloc: str, timeout: float = _CHECK_S) -> OSError
 def _arrow_local(url: str, opts: dict[str, Any]) -> Store:
     pafs = _pyarrow_fs("arrow")
     if opts:
-        raise ValueError(f"storage_options {sorted(opts)} for {url!r}: pyarrow's local file system takes none")
+        raise ValueError(
+            f"storage_options {sorted(opts)} for {url!r}: pyarrow's local file system takes none"
+        )
     fs = ArrowFileSystem(pafs.LocalFileSystem(), skip_instance_cache=True)
     root = fs._strip_protocol(url).rstrip("/") or "/"
     return Store(fs, root, "arrow", fs, f"the local file system ({root})", "check the path")
@@ -414,7 +494,9 @@ def _arrow_local(url: str, opts: dict[str, Any]) -> Store:
 # -- HDFS: pyarrow's libhdfs client (JVM) or hdfs-native (Rust) ------------------------------------------
 
 #: pyarrow.fs.HadoopFileSystem's keyword arguments (besides host and port, which come from the URL)
-_HDFS_NATIVE = frozenset(("user", "replication", "buffer_size", "default_block_size", "kerb_ticket", "extra_conf"))
+_HDFS_NATIVE = frozenset(
+    ("user", "replication", "buffer_size", "default_block_size", "kerb_ticket", "extra_conf")
+)
 
 
 def _arrow_hdfs(url: str, opts: dict[str, Any]) -> Store:
@@ -422,8 +504,10 @@ def _arrow_hdfs(url: str, opts: dict[str, Any]) -> Store:
     u = urlsplit(url)
     unknown = sorted(set(opts) - _HDFS_NATIVE)
     if unknown:
-        raise ValueError(f"storage_options {unknown} for {url!r}: pyarrow's HadoopFileSystem takes "
-                         f"{sorted(_HDFS_NATIVE)} (Hadoop settings go in extra_conf)")
+        raise ValueError(
+            f"storage_options {unknown} for {url!r}: pyarrow's HadoopFileSystem takes "
+            f"{sorted(_HDFS_NATIVE)} (Hadoop settings go in extra_conf)"
+        )
     kw = dict(opts)
     if u.username and "user" not in kw:
         kw["user"] = u.username
@@ -435,14 +519,28 @@ def _arrow_hdfs(url: str, opts: dict[str, Any]) -> Store:
         if missing:
             raise MissingBackendError(_hdfs_missing_message(url, missing), "arrow", missing) from e
         raise
-    return Store(ArrowFileSystem(hdfs, skip_instance_cache=True), u.path.rstrip("/") or "/", "arrow",
-                 ArrowFileSystem(hdfs, skip_instance_cache=True), *_where(url, opts))
+    return Store(
+        ArrowFileSystem(hdfs, skip_instance_cache=True),
+        u.path.rstrip("/") or "/",
+        "arrow",
+        ArrowFileSystem(hdfs, skip_instance_cache=True),
+        *_where(url, opts),
+    )
 
 
 #: where pyarrow looks for libjvm when JAVA_HOME is not set (arrow/io/hdfs_internal.cc), and under each
-_JVM_PREFIXES = ("/usr/lib/jvm/default-java", "/usr/lib/jvm/java", "/usr/lib/jvm", "/usr/lib64/jvm",
-                 "/usr/local/lib/jvm/default-java", "/usr/local/lib/jvm/java", "/usr/local/lib/jvm",
-                 "/usr/local/lib64/jvm", "/usr/lib/jvm/default", "/usr/java/latest")
+_JVM_PREFIXES = (
+    "/usr/lib/jvm/default-java",
+    "/usr/lib/jvm/java",
+    "/usr/lib/jvm",
+    "/usr/lib64/jvm",
+    "/usr/local/lib/jvm/default-java",
+    "/usr/local/lib/jvm/java",
+    "/usr/local/lib/jvm",
+    "/usr/local/lib64/jvm",
+    "/usr/lib/jvm/default",
+    "/usr/java/latest",
+)
 _JVM_SUFFIXES = ("", "lib/server", "jre/lib/amd64/server", "lib/amd64/server")
 
 
@@ -456,15 +554,21 @@ def hdfs_arrow_missing(env: dict[str, str] | None = None) -> tuple[str, ...]:
     missing = []
     java = env.get("JAVA_HOME")
     prefixes = (java,) if java else _JVM_PREFIXES
-    if not any(os.path.isfile(os.path.join(p, s, "libjvm.so")) for p in prefixes for s in _JVM_SUFFIXES) \
-            and not (env is os.environ and ctypes.util.find_library("jvm")):
+    if not any(
+        os.path.isfile(os.path.join(p, s, "libjvm.so")) for p in prefixes for s in _JVM_SUFFIXES
+    ) and not (env is os.environ and ctypes.util.find_library("jvm")):
         missing.append("java")
-    dirs = [env.get("ARROW_LIBHDFS_DIR") or "", os.path.join(env.get("HADOOP_HOME") or "", "lib", "native")
-            if env.get("HADOOP_HOME") else ""] + (env.get("LD_LIBRARY_PATH") or "").split(os.pathsep)
-    if not any(d and os.path.isfile(os.path.join(d, "libhdfs.so")) for d in dirs) \
-            and not (env is os.environ and ctypes.util.find_library("hdfs")):
+    dirs = [
+        env.get("ARROW_LIBHDFS_DIR") or "",
+        os.path.join(env.get("HADOOP_HOME") or "", "lib", "native") if env.get("HADOOP_HOME") else "",
+    ] + (env.get("LD_LIBRARY_PATH") or "").split(os.pathsep)
+    if not any(d and os.path.isfile(os.path.join(d, "libhdfs.so")) for d in dirs) and not (
+        env is os.environ and ctypes.util.find_library("hdfs")
+    ):
         missing.append("libhdfs")
-    if not any(_has_hadoop_common(entry) for entry in (env.get("CLASSPATH") or "").split(os.pathsep) if entry):
+    if not any(
+        _has_hadoop_common(entry) for entry in (env.get("CLASSPATH") or "").split(os.pathsep) if entry
+    ):
         missing.append("hadoop-jars")
     return tuple(missing)
 
@@ -480,26 +584,32 @@ def _has_hadoop_common(entry: str) -> bool:
 _HDFS_INSTALL = {
     "java": "a Java runtime (set JAVA_HOME to a JDK/JRE holding lib/server/libjvm.so)",
     "libhdfs": "Hadoop's native client libhdfs.so (in a Hadoop release's lib/native: set HADOOP_HOME, or "
-               "ARROW_LIBHDFS_DIR to the folder holding it)",
+    "ARROW_LIBHDFS_DIR to the folder holding it)",
     "hadoop-jars": "Hadoop's jars on CLASSPATH (export CLASSPATH=$($HADOOP_HOME/bin/hadoop classpath --glob))",
 }
 
 
 def _hdfs_missing_message(url: str, missing: tuple[str, ...]) -> str:
     needs = "; ".join(_HDFS_INSTALL[m] for m in missing)
-    return (f"{url}: pyarrow's HDFS client (backend 'arrow', libhdfs through a JVM) cannot start here; it "
-            f"needs {needs}. Or use the Rust client, which needs none of these: pip install hdfs-native, and "
-            "storage_options={'backend': 'hdfs-native'} (or CKPT_HDFS_BACKEND=hdfs-native)")
+    return (
+        f"{url}: pyarrow's HDFS client (backend 'arrow', libhdfs through a JVM) cannot start here; it "
+        f"needs {needs}. Or use the Rust client, which needs none of these: pip install hdfs-native, and "
+        "storage_options={'backend': 'hdfs-native'} (or CKPT_HDFS_BACKEND=hdfs-native)"
+    )
 
 
 def _native_hdfs(url: str, opts: dict[str, Any]) -> Store:
     try:
         from hdfs_native.fsspec import HdfsFileSystem
     except ImportError as e:
-        raise MissingBackendError(f"{url}: the 'hdfs-native' backend needs the hdfs-native package: "
-                                  "pip install hdfs-native", "hdfs-native", ("hdfs-native",)) from e
+        raise MissingBackendError(
+            f"{url}: the 'hdfs-native' backend needs the hdfs-native package: pip install hdfs-native",
+            "hdfs-native",
+            ("hdfs-native",),
+        ) from e
     u = urlsplit(url)
     # storage_options are Hadoop configuration keys here (e.g. dfs.ha.namenodes.<nameservice>)
-    fs = HdfsFileSystem(host=u.hostname, port=u.port, skip_instance_cache=True,
-                        **{k: str(v) for k, v in opts.items()})
+    fs = HdfsFileSystem(
+        host=u.hostname, port=u.port, skip_instance_cache=True, **{k: str(v) for k, v in opts.items()}
+    )
     return Store(fs, u.path.rstrip("/") or "/", "hdfs-native", fs, *_where(url, opts))

@@ -57,7 +57,7 @@ def directory_id(local_dir: str | os.PathLike, create: bool = False) -> str | No
             f.flush()
             os.fsync(f.fileno())
         try:
-            os.link(tmp, path)   # fails with EEXIST where another process put its id first: that one counts
+            os.link(tmp, path)  # fails with EEXIST where another process put its id first: that one counts
         except FileExistsError:
             pass
         except OSError as e:
@@ -79,16 +79,22 @@ def _read(path: str) -> str | None:
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid() or st.st_size > 64:
-            log.warning("%s is not a directory id of this user (a regular file of at most 64 bytes owned by "
-                        "uid %d): the directory's memory tier is off; remove it to start a new one",
-                        path, os.getuid())
+            log.warning(
+                "%s is not a directory id of this user (a regular file of at most 64 bytes owned by "
+                "uid %d): the directory's memory tier is off; remove it to start a new one",
+                path,
+                os.getuid(),
+            )
             return None
         raw = os.read(fd, 64).decode("ascii", "replace")
     finally:
         os.close(fd)
     if not _ID_RE.match(raw):
-        log.warning("%s does not hold a directory id: the directory's memory tier is off; remove it to start "
-                    "a new one", path)
+        log.warning(
+            "%s does not hold a directory id: the directory's memory tier is off; remove it to start "
+            "a new one",
+            path,
+        )
         return None
     return raw.strip()
 

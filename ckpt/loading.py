@@ -27,11 +27,13 @@ def check_job(manifest: Any, job: list[int] | None, tier: str, step: int) -> Non
     if job is not None and saved is not None and list(saved) != list(job):
         raise OtherRanksCopy(
             f"this {tier} copy of step {step} was saved by rank {saved[0]} of {saved[1]}, this is rank {job[0]} "
-            f"of {job[1]}: a rank's own copy cannot be resharded; a job tier (the same url on every rank) can")
+            f"of {job[1]}: a rank's own copy cannot be resharded; a job tier (the same url on every rank) can"
+        )
 
 
-def bind_checked(state: dict, tree: Any, items: list[ItemRecord], strict: bool, where: str,
-                 reshard: bool = False) -> Binding:
+def bind_checked(
+    state: dict, tree: Any, items: list[ItemRecord], strict: bool, where: str, reshard: bool = False
+) -> Binding:
     """:func:`~ckpt.plan.bind`, where any failure that is not a verdict of the library's own (the
     checkpoint does not fit the state) makes this candidate corrupt, naming its manifest, so that
     restore skips it for the next one instead of crashing."""
@@ -39,9 +41,19 @@ def bind_checked(state: dict, tree: Any, items: list[ItemRecord], strict: bool, 
         return bind(state, tree, items, strict, reshard=reshard)
     except CheckpointError:
         raise
-    except (TypeError, ValueError, RuntimeError, LookupError, AttributeError, ArithmeticError,
-            RecursionError, MemoryError) as e:
-        raise CorruptCheckpointError(f"{where}: cannot be bound to the state ({type(e).__name__}: {e})") from e
+    except (
+        TypeError,
+        ValueError,
+        RuntimeError,
+        LookupError,
+        AttributeError,
+        ArithmeticError,
+        RecursionError,
+        MemoryError,
+    ) as e:
+        raise CorruptCheckpointError(
+            f"{where}: cannot be bound to the state ({type(e).__name__}: {e})"
+        ) from e
 
 
 def finish(binding: Any) -> None:

@@ -64,7 +64,7 @@ def save_record(handle: Any) -> Record:
         r["ckpt/save/stage_ms"] = stats.stage_s * 1e3
         if stats.stage_s > 0:
             r["ckpt/save/stage_gbps"] = stats.nbytes / stats.stage_s / 1e9
-    for tier in handle.tiers:   # the Checkpointer's tiers; those the pipeline wrote to have a persist time
+    for tier in handle.tiers:  # the Checkpointer's tiers; those the pipeline wrote to have a persist time
         s = stats.persist_s.get(tier)
         if s is not None and tier not in handle.errors:
             r[f"ckpt/save/{tier}_s"] = s
@@ -98,8 +98,10 @@ def save_line(handle: Any) -> str:
     local 4.93 s (1.50 GB/s), remote 12.10 s (0.61 GB/s)``: each tier of the save, nearest first, that
     persisted it (with its time) or failed (``FAILED``)."""
     stats = handle.stats
-    head = f"{'saved' if not handle.errors else 'save of'} step {stats.step}: {_size(stats.nbytes)}, " \
-           f"stall {stats.stall_s * 1e3:.1f} ms"
+    head = (
+        f"{'saved' if not handle.errors else 'save of'} step {stats.step}: {_size(stats.nbytes)}, "
+        f"stall {stats.stall_s * 1e3:.1f} ms"
+    )
     if stats.stage_s is not None and stats.stage_s > 0:
         head += f", staged {stats.stage_s:.2f} s ({stats.nbytes / stats.stage_s / 1e9:.1f} GB/s)"
     parts = []
@@ -127,7 +129,7 @@ class Metrics:
         self.on_metrics = on_metrics
         self._pending: list[Any] = []
         self._records: collections.deque[Record] = collections.deque(maxlen=maxlen)
-        self._lock = threading.Lock()   # a Checkpointer driven from two threads records each save once
+        self._lock = threading.Lock()  # a Checkpointer driven from two threads records each save once
 
     def track(self, handle: Any) -> None:
         """A save was issued: its record is made once it finished on every tier."""
@@ -147,7 +149,7 @@ class Metrics:
             finished = {id(h) for h in done}
             self._pending = [h for h in self._pending if id(h) not in finished]
         for h in done:
-            if h.status != "skipped":   # a skipped save was logged (WARNING) when it was skipped
+            if h.status != "skipped":  # a skipped save was logged (WARNING) when it was skipped
                 log.info("%s", save_line(h))
             self._emit("save", save_record(h))
 
@@ -165,6 +167,9 @@ class Metrics:
         if self.on_metrics is not None:
             try:
                 self.on_metrics(dict(record))
-            except Exception:   # noqa: BLE001 - a logging problem must not stop training or a save
-                log.exception("on_metrics raised on the %s record of step %s; checkpointing goes on", kind,
-                              record.get(f"ckpt/{kind}/step"))
+            except Exception:  # noqa: BLE001 - a logging problem must not stop training or a save
+                log.exception(
+                    "on_metrics raised on the %s record of step %s; checkpointing goes on",
+                    kind,
+                    record.get(f"ckpt/{kind}/step"),
+                )

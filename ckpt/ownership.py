@@ -43,7 +43,7 @@ class Ownership:
         self.local, self.memory, self.pool, self.ranks = local, memory, pool, ranks
         self.owner: OwnerLock | None = None
         self.owned = False
-        self.by_restore = False   # taken only to persist a restored snapshot (ckpt.restore's hand-over)
+        self.by_restore = False  # taken only to persist a restored snapshot (ckpt.restore's hand-over)
         self._lock = threading.Lock()
 
     def own(self, sweep: bool = True) -> None:
@@ -61,7 +61,9 @@ class Ownership:
                 # from the directory's id, which the first owner makes (ckpt.identity); a local tier that guards
                 # no directory of its own (acquire_owner() gave no lock) keeps its snapshots in the process
                 if self.memory.space is None and self.owner is not None:
-                    self.memory.space = space_for(self.local.root, self.ranks.rank if self.ranks else 0, create=True)
+                    self.memory.space = space_for(
+                        self.local.root, self.ranks.rank if self.ranks else 0, create=True
+                    )
                 if sweep:
                     self.sweep_orphans()
                 self.pool.share(self.memory.space)
@@ -82,42 +84,52 @@ class Ownership:
             # find a rank that has not taken its directory yet, and name that rank's RAM as a dead job's
             self.own(sweep=False)
             lock_error: BaseException | None = None
-        except Exception as e:   # noqa: BLE001 - reported below on every rank, after the agreement
+        except Exception as e:  # noqa: BLE001 - reported below on every rank, after the agreement
             lock_error = e
         try:
-            nonce = ranks.gather([secrets.randbits(62)])[0][0]   # rank 0's: one name space for this job
+            nonce = ranks.gather([secrets.randbits(62)])[0][0]  # rank 0's: one name space for this job
             prefix = f".ckpt-job-{nonce:x}-rank-"
             marker = self.local.root / f"{prefix}{ranks.rank}"
             marker.touch()
             try:
-                ranks.gather([])   # every marker exists before any rank looks
-                mates = sorted(int(p.name[len(prefix):]) for p in self.local.root.glob(f"{prefix}*"))
+                ranks.gather([])  # every marker exists before any rank looks
+                mates = sorted(int(p.name[len(prefix) :]) for p in self.local.root.glob(f"{prefix}*"))
                 url = zlib.crc32(remote_url.encode()) if remote_url is not None else -1
                 # also: every rank has looked before markers go
                 seen = ranks.gather([len(mates), url, int(lock_error is not None)])
             finally:
                 marker.unlink(missing_ok=True)
             urls = [u for _, u, _ in seen]
-            job_url = urls[0] != -1 and urls.count(urls[0]) == len(urls)   # one url for the whole job
+            job_url = urls[0] != -1 and urls.count(urls[0]) == len(urls)  # one url for the whole job
             same_url = [] if job_url else [r for r, u in enumerate(urls) if u != -1 and urls.count(u) > 1]
-            problems = [f"local_dir {str(self.local.root)!r} is shared by ranks {mates}"] if len(mates) > 1 else \
-                ["another rank's local_dir is shared"] if any(n > 1 for n, _, _ in seen) else []
+            problems = (
+                [f"local_dir {str(self.local.root)!r} is shared by ranks {mates}"]
+                if len(mates) > 1
+                else ["another rank's local_dir is shared"]
+                if any(n > 1 for n, _, _ in seen)
+                else []
+            )
             if same_url:
                 problems.append(f"ranks {same_url} were given the same url, other ranks another")
             if problems:
-                raise ValueError(f"{'; '.join(problems)}: in a multi-process job give every rank its own local_dir "
-                                 "(e.g. f'{root}/rank-{rank}') and every rank the same url (a job tier) or each its "
-                                 "own, or pass collective=False if only one rank checkpoints")
+                raise ValueError(
+                    f"{'; '.join(problems)}: in a multi-process job give every rank its own local_dir "
+                    "(e.g. f'{root}/rank-{rank}') and every rank the same url (a job tier) or each its "
+                    "own, or pass collective=False if only one rank checkpoints"
+                )
             if lock_error is not None:
                 raise lock_error
             locked = [r for r, (_, _, bad) in enumerate(seen) if bad]
             if locked:
-                raise LockedError(f"rank(s) {locked} could not take ownership of their local_dir (their errors say "
-                                  "why: another live process owns it, say): every rank stops", str(self.local.root))
+                raise LockedError(
+                    f"rank(s) {locked} could not take ownership of their local_dir (their errors say "
+                    "why: another live process owns it, say): every rank stops",
+                    str(self.local.root),
+                )
         except BaseException:
             self.disown()
             raise
-        self.sweep_orphans()   # every rank of the job owns its local_dir now
+        self.sweep_orphans()  # every rank of the job owns its local_dir now
         return job_url
 
     def join_job(self, remote: RemoteTier | None) -> None:
@@ -169,10 +181,10 @@ class Ownership:
             pipeline.close(keep_shared=keep_memory or not self.owned)
             if keep_memory and self.owned:
                 self.memory.say_kept(loud=loud)
-            if peer is not None:   # the replicas this rank holds: freed with its own snapshots, or kept
+            if peer is not None:  # the replicas this rank holds: freed with its own snapshots, or kept
                 peer.close(keep_shared=keep_memory or not self.owned)
         finally:
-            self.disown()   # every write is over: another process may own local_dir now
+            self.disown()  # every write is over: another process may own local_dir now
 
     def disown(self) -> None:
         """Give the directory back (idempotent): every write of this process is over."""

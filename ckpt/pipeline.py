@@ -64,17 +64,24 @@ def _finish_at_exit() -> None:
     for pipe in list(_live):
         busy = pipe.in_flight()
         if busy:
-            log.info("finishing checkpoint(s) of step(s) %s before the process exits%s", sorted(busy),
-                     f" (at most {limit} s, CKPT_EXIT_WAIT_S)" if deadline is not None else "")
+            log.info(
+                "finishing checkpoint(s) of step(s) %s before the process exits%s",
+                sorted(busy),
+                f" (at most {limit} s, CKPT_EXIT_WAIT_S)" if deadline is not None else "",
+            )
         left = None if deadline is None else max(0.0, deadline - time.monotonic())
         # a process that did not close(): its snapshots stay in RAM, and the newest reaches every tier (alone; in
         # a collective job the other ranks may be gone, and a tier that needs their word would wait for them)
         done = pipe.close(timeout=left, keep_shared=True, flush=pipe.independent)
         pipe.memory.say_kept(loud=True)
         if not done:
-            log.error("exiting before checkpoint(s) of step(s) %s finished persisting (CKPT_EXIT_WAIT_S=%d s "
-                      "passed); they are not committed, older checkpoints are intact. Raise CKPT_EXIT_WAIT_S "
-                      "(0: no limit) or wait() for saves before exiting", sorted(pipe.in_flight()), limit)
+            log.error(
+                "exiting before checkpoint(s) of step(s) %s finished persisting (CKPT_EXIT_WAIT_S=%d s "
+                "passed); they are not committed, older checkpoints are intact. Raise CKPT_EXIT_WAIT_S "
+                "(0: no limit) or wait() for saves before exiting",
+                sorted(pipe.in_flight()),
+                limit,
+            )
 
 
 getattr(threading, "_register_atexit", atexit.register)(_finish_at_exit)
@@ -131,7 +138,7 @@ class SaveHandle:
         buffers were still being allocated in the background) or ``"busy"`` (every buffer was being copied
         into, read by a tier, or held the newest committed snapshot, on this rank or another)."""
         self._all = threading.Event()
-        self._raised: list[BaseException] = []   # errors wait() raised to its caller
+        self._raised: list[BaseException] = []  # errors wait() raised to its caller
         self._lock = threading.Lock()
 
     @property
@@ -244,10 +251,10 @@ class TierCounts:
     """What one tier did with the snapshots taken so far (``Checkpointer.tier_counts``)."""
 
     def __init__(self) -> None:
-        self.persisted = 0    # snapshots committed on the tier
-        self.superseded = 0   # handed to it, then replaced by a newer one before it started (newest wins)
-        self.busy = 0         # not handed to it: busy (on some rank of a collective job) when taken
-        self.not_due = 0      # not handed to it: its persist_every cadence
+        self.persisted = 0  # snapshots committed on the tier
+        self.superseded = 0  # handed to it, then replaced by a newer one before it started (newest wins)
+        self.busy = 0  # not handed to it: busy (on some rank of a collective job) when taken
+        self.not_due = 0  # not handed to it: its persist_every cadence
         self.failed = 0
 
     def as_dict(self) -> dict[str, int]:
@@ -264,14 +271,14 @@ class _Lane:
         self.tier = tier
         self.name = tier.name
         self.every = every
-        self.auto = auto                      # interval="auto": seconds between copies, from measured costs
-        self.last_time: float | None = None   # clock time of the newest snapshot handed to this tier
+        self.auto = auto  # interval="auto": seconds between copies, from measured costs
+        self.last_time: float | None = None  # clock time of the newest snapshot handed to this tier
         self.queue: collections.deque[_Job] = collections.deque()
         self.current: _Job | None = None
-        self.last_taken: int | None = None    # step of the newest snapshot handed to this tier
-        self.newest: Snapshot | None = None   # that snapshot
+        self.last_taken: int | None = None  # step of the newest snapshot handed to this tier
+        self.newest: Snapshot | None = None  # that snapshot
         self.written: Snapshot | None = None  # the newest snapshot this tier committed
-        self.restoring = 0                    # restored snapshots assigned to it, not handed over yet
+        self.restoring = 0  # restored snapshots assigned to it, not handed over yet
         self.counts = TierCounts()
         self.thread: threading.Thread | None = None
 
@@ -284,8 +291,12 @@ class _Lane:
         if self.every is None and self.auto is not None:
             gap = self.auto.seconds
             return gap is None or self.last_time is None or elapsed(now, self.last_time, gap)
-        return self.every is None or self.last_taken is None or step < self.last_taken \
+        return (
+            self.every is None
+            or self.last_taken is None
+            or step < self.last_taken
             or step - self.last_taken >= self.every
+        )
 
 
 class Pipeline:
@@ -302,12 +313,21 @@ class Pipeline:
     the order of their nearness.
     """
 
-    def __init__(self, pool: HostPool, memory: MemoryTier, tiers: list[PersistingTier],
-                 retention: Callable[[list[str]], None],
-                 on_error: Callable[[SaveHandle, BaseException], None], *,
-                 coalesce: bool = False, independent: bool = True, every: dict[str, int] | None = None,
-                 auto: dict[str, TierCadence] | None = None, clock: Callable[[], float] = time.monotonic,
-                 fence: Callable[[], None] | None = None) -> None:
+    def __init__(
+        self,
+        pool: HostPool,
+        memory: MemoryTier,
+        tiers: list[PersistingTier],
+        retention: Callable[[list[str]], None],
+        on_error: Callable[[SaveHandle, BaseException], None],
+        *,
+        coalesce: bool = False,
+        independent: bool = True,
+        every: dict[str, int] | None = None,
+        auto: dict[str, TierCadence] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        fence: Callable[[], None] | None = None,
+    ) -> None:
         self.pool = pool
         # raises (LockedError) once the writer lost its directory to another process: no tier gets a snapshot
         # of a fenced writer from then on, those queued before included (see OwnerLock.reassert)
@@ -317,18 +337,20 @@ class Pipeline:
         self.independent = independent
         every, auto = every or {}, auto or {}
         self.clock = clock
-        self.lanes: dict[str, _Lane] = {t.name: _Lane(t, every.get(t.name), auto.get(t.name))
-                                        for t in sorted(tiers, key=lambda t: t.nearness)}
+        self.lanes: dict[str, _Lane] = {
+            t.name: _Lane(t, every.get(t.name), auto.get(t.name))
+            for t in sorted(tiers, key=lambda t: t.nearness)
+        }
         self._retention = retention
         self._on_error = on_error
-        self._cv = pool._cv   # one lock for the buffers and the queues: a buffer changes hands atomically
+        self._cv = pool._cv  # one lock for the buffers and the queues: a buffer changes hands atomically
         self._staging: set[int] = set()
-        self._newest: tuple[Snapshot, SaveHandle] | None = None      # the last snapshot submitted
-        self._committed: tuple[Snapshot, SaveHandle] | None = None   # the newest committed to the memory tier
+        self._newest: tuple[Snapshot, SaveHandle] | None = None  # the last snapshot submitted
+        self._committed: tuple[Snapshot, SaveHandle] | None = None  # the newest committed to the memory tier
         # per snapshot still being copied (by its submission number): the tiers it goes to once it has landed
         # (decided at submit; close() adds the tiers that skipped the newest, see flush)
         self._assigned: dict[int, set[str]] = {}
-        self._orphaned: set[str] = set()   # tiers whose waiting snapshot lost its buffer to the next one
+        self._orphaned: set[str] = set()  # tiers whose waiting snapshot lost its buffer to the next one
         self._closing = False
         self._closed = False
         self._watchers: list[threading.Thread] = []
@@ -338,8 +360,9 @@ class Pipeline:
         self._submitted = 0
         self._handed = 0
         for lane in self.lanes.values():
-            lane.thread = threading.Thread(target=self._run, args=(lane,), name=f"ckpt-persist-{lane.name}",
-                                           daemon=True)
+            lane.thread = threading.Thread(
+                target=self._run, args=(lane,), name=f"ckpt-persist-{lane.name}", daemon=True
+            )
             lane.thread.start()
         _live.add(self)
 
@@ -401,7 +424,9 @@ class Pipeline:
             return out
 
     # -- submitting ---------------------------------------------------------------------------------
-    def submit(self, snap: Snapshot, handle: SaveHandle, take: dict[str, str | None], keep: bool = False) -> None:
+    def submit(
+        self, snap: Snapshot, handle: SaveHandle, take: dict[str, str | None], keep: bool = False
+    ) -> None:
         """Hand ``snap`` to the memory tier and to each tier in ``take`` whose reason is ``None`` (the others
         skip it for that reason: ``"not due"`` or ``"busy"``). ``keep``: never superseded (a drain)."""
         with self._cv:
@@ -425,25 +450,32 @@ class Pipeline:
         # Not a daemon: interpreter shutdown joins it before finalizing. It lets go of the snapshot's
         # tensors before it ends, and a daemon freeing the last reference to a tensor while the
         # interpreter finalizes aborts the process (see _finish_at_exit).
-        t = threading.Thread(target=self._watch, args=(snap, handle, keep, seq),
-                             name=f"ckpt-staged-{snap.step}", daemon=False)
+        t = threading.Thread(
+            target=self._watch, args=(snap, handle, keep, seq), name=f"ckpt-staged-{snap.step}", daemon=False
+        )
         with self._cv:
             self._watchers = [w for w in self._watchers if w.is_alive()] + [t]
         t.start()
 
     def _watch(self, snap: Snapshot, handle: SaveHandle, keep: bool, seq: int) -> None:
-        priority.lower_this_thread()   # the memory tier's commit checksums the whole snapshot
+        priority.lower_this_thread()  # the memory tier's commit checksums the whole snapshot
         try:
             snap.wait_copied()
             if snap.error is None:
                 # held here at once; the record that makes it outlive the process follows in the background
-                self.memory.commit(snap.step, snap.manifest, snap.buffer, timeline=snap.timeline,
-                                   recorded=lambda why: handle._finish("memory") if why is None
-                                   else handle._skip_tier("memory", why))
+                self.memory.commit(
+                    snap.step,
+                    snap.manifest,
+                    snap.buffer,
+                    timeline=snap.timeline,
+                    recorded=lambda why: (
+                        handle._finish("memory") if why is None else handle._skip_tier("memory", why)
+                    ),
+                )
         except BaseException as e:
             snap.error = snap.error or e
         with self._cv:
-            while self._handed != seq:   # the snapshot taken before this one goes to the tiers first
+            while self._handed != seq:  # the snapshot taken before this one goes to the tiers first
                 self._cv.wait()
             self._handed += 1
             self._cv.notify_all()
@@ -453,18 +485,25 @@ class Pipeline:
             if snap.error is None:
                 self._committed = (snap, handle)
             elif self.independent:
-                lanes = []   # no tier waits for this rank's word on it: nothing to hand over
+                lanes = []  # no tier waits for this rank's word on it: nothing to hand over
             for lane in lanes:
                 self._enqueue(lane, _Job(snap, handle, keep))
-            self.pool.release(snap.buffer, staged=True)   # the copy's own hold
+            self.pool.release(snap.buffer, staged=True)  # the copy's own hold
         if snap.error is not None:
             snap.buffer.forget_image()
             log.error("checkpoint of step %d failed: %s", snap.step, snap.error)
             self._on_error(handle, snap.error)
             handle._fail_rest(snap.error)
 
-    def persist_restored(self, step: int, timeline: Any, manifest: Manifest | None, tiers: list[str],
-                         obtain: Callable[[], HostBuffer], handle: SaveHandle) -> None:
+    def persist_restored(
+        self,
+        step: int,
+        timeline: Any,
+        manifest: Manifest | None,
+        tiers: list[str],
+        obtain: Callable[[], HostBuffer],
+        handle: SaveHandle,
+    ) -> None:
         """Hand the snapshot of ``step`` (on ``timeline``, described by ``manifest``) that a restore read from the
         memory tier to ``tiers``, in the background, as if it had just been taken: the snapshot a previous process
         took and did not get to persist there (it was killed while the local tier wrote it, say; ``manifest`` is
@@ -482,27 +521,42 @@ class Pipeline:
                 lane = self.lanes[name]
                 lane.restoring += 1
                 lane.last_taken, lane.last_time = step, self.clock()
-        t = threading.Thread(target=self._watch_restored, args=(step, timeline, manifest, seq, obtain, handle),
-                             name=f"ckpt-restored-{step}", daemon=False)
+        t = threading.Thread(
+            target=self._watch_restored,
+            args=(step, timeline, manifest, seq, obtain, handle),
+            name=f"ckpt-restored-{step}",
+            daemon=False,
+        )
         with self._cv:
             self._watchers = [w for w in self._watchers if w.is_alive()] + [t]
         t.start()
 
-    def _watch_restored(self, step: int, timeline: Any, manifest: Manifest | None, seq: int,
-                        obtain: Callable[[], HostBuffer], handle: SaveHandle) -> None:
-        priority.lower_this_thread()   # checking a snapshot taken over from a previous process reads all of it
+    def _watch_restored(
+        self,
+        step: int,
+        timeline: Any,
+        manifest: Manifest | None,
+        seq: int,
+        obtain: Callable[[], HostBuffer],
+        handle: SaveHandle,
+    ) -> None:
+        priority.lower_this_thread()  # checking a snapshot taken over from a previous process reads all of it
         buf: HostBuffer | None = None
         error: BaseException | None = None
         try:
             buf = obtain()
-        except BaseException as e:   # noqa: BLE001 - reported on the handle and by wait()
+        except BaseException as e:  # noqa: BLE001 - reported on the handle and by wait()
             error = e
         # a copy of the manifest: the tiers fill in their own fields (checksums, codecs) as they write it
-        snap = Snapshot.of_image(step, buf if buf is not None else HostBuffer(0, pin=False),
-                                 dataclasses.replace(manifest) if manifest is not None else None, timeline)
+        snap = Snapshot.of_image(
+            step,
+            buf if buf is not None else HostBuffer(0, pin=False),
+            dataclasses.replace(manifest) if manifest is not None else None,
+            timeline,
+        )
         snap.error = error
         with self._cv:
-            while self._handed != seq:   # the snapshots submitted before it go to the tiers first
+            while self._handed != seq:  # the snapshots submitted before it go to the tiers first
                 self._cv.wait()
             self._handed += 1
             self._cv.notify_all()
@@ -510,14 +564,18 @@ class Pipeline:
             assigned = self._assigned.pop(seq, set())
             for name in assigned:
                 self.lanes[name].restoring -= 1
-            if error is None or not self.independent:   # a tier that needs this rank's word gets it
+            if error is None or not self.independent:  # a tier that needs this rank's word gets it
                 for name in assigned:
                     self._enqueue(self.lanes[name], _Job(snap, handle, keep=True, restored=True))
             if buf is not None:
-                self.pool.release(buf)   # obtain()'s hold: the tiers' jobs keep the buffer from here
+                self.pool.release(buf)  # obtain()'s hold: the tiers' jobs keep the buffer from here
         if error is not None:
-            log.error("step %d, restored from the memory tier, could not be written to the %s tier(s): %s", step,
-                      ", ".join(sorted(assigned)), error)
+            log.error(
+                "step %d, restored from the memory tier, could not be written to the %s tier(s): %s",
+                step,
+                ", ".join(sorted(assigned)),
+                error,
+            )
             _drop_locals(error)
             self._on_error(handle, error)
             handle._fail_rest(error)
@@ -529,7 +587,7 @@ class Pipeline:
                 lane.queue.remove(old)
                 self._supersede(lane, old, job.snap.step)
         if not self.independent or not self.coalesce:
-            job.held = True   # waits with its buffer held: decided on every rank alike, never taken away
+            job.held = True  # waits with its buffer held: decided on every rank alike, never taken away
             job.snap.buffer.holds += 1
         lane.queue.append(job)
 
@@ -538,13 +596,18 @@ class Pipeline:
         if job.held:
             job.snap.buffer.holds = max(0, job.snap.buffer.holds - 1)
         reason = f"superseded by step {by}" if by is not None else "superseded by a newer snapshot"
-        log.info("step %d is not written to the %s tier: %s (the tier was busy; %d superseded there so far)",
-                 job.snap.step, lane.name, reason, lane.counts.superseded)
+        log.info(
+            "step %d is not written to the %s tier: %s (the tier was busy; %d superseded there so far)",
+            job.snap.step,
+            lane.name,
+            reason,
+            lane.counts.superseded,
+        )
         job.handle._skip_tier(lane.name, reason)
 
     # -- the workers --------------------------------------------------------------------------------
     def _run(self, lane: _Lane) -> None:
-        priority.lower_this_thread()   # its writer threads inherit it: the training thread keeps the CPU
+        priority.lower_this_thread()  # its writer threads inherit it: the training thread keeps the CPU
         while True:
             with self._cv:
                 while not lane.queue and not (self._closing and not self._staging):
@@ -560,7 +623,7 @@ class Pipeline:
                 lane.current = job
             try:
                 self._persist(job, lane)
-            except BaseException as e:   # noqa: BLE001 - a bug must not stop the tier for good
+            except BaseException as e:  # noqa: BLE001 - a bug must not stop the tier for good
                 log.exception("the %s tier's worker failed on step %d", lane.name, job.snap.step)
                 self._release(job, lane)
                 job.handle._finish(lane.name, e)
@@ -581,7 +644,9 @@ class Pipeline:
         t0 = time.perf_counter()
         try:
             job.handle.stats.persist_s[lane.name] = write()
-            wall = time.perf_counter() - t0   # what the tier took, as the loop lives it (a tier may report less)
+            wall = (
+                time.perf_counter() - t0
+            )  # what the tier took, as the loop lives it (a tier may report less)
             lane.counts.persisted += 1
             if lane.auto is not None:
                 lane.auto.wrote(wall)
@@ -597,7 +662,7 @@ class Pipeline:
     def _prune(self, tiers: list[str], step: int) -> None:
         try:
             self._retention(tiers)
-        except OSError as e:   # retention trouble never fails a committed save
+        except OSError as e:  # retention trouble never fails a committed save
             log.warning("retention after step %d failed: %s", step, e)
 
     def _persist(self, job: _Job, lane: _Lane) -> None:
@@ -607,13 +672,13 @@ class Pipeline:
         if snap.error is None and self._fence is not None:
             try:
                 self._fence()
-            except BaseException as e:   # noqa: BLE001 - reported on the handle, raised by wait()
+            except BaseException as e:  # noqa: BLE001 - reported on the handle, raised by wait()
                 refused = e
         if snap.error is not None or refused is not None:
             # a tier whose write needs every rank (a job tier, the peer exchange) waits for this rank's word
             try:
                 tier.abstain(snap.step)
-            except BaseException as e:   # noqa: BLE001 - the snapshot's own error is what the handle reports
+            except BaseException as e:  # noqa: BLE001 - the snapshot's own error is what the handle reports
                 log.error("the %s tier's part in step %d failed on this rank: %s", lane.name, snap.step, e)
             self._release(job, lane)
             if refused is not None:
@@ -623,22 +688,27 @@ class Pipeline:
             handle._finish(lane.name, snap.error or refused)
             return
         data = snap.buffer.memoryview(snap.data_bytes)
-        def write() -> float:   # committed with the timeline the snapshot was taken on
+
+        def write() -> float:  # committed with the timeline the snapshot was taken on
             if snap.timeline is None or not isinstance(tier, TimelineCopies):
                 return tier.write(snap.step, snap.manifest, data)
             with tier.copying(snap.step, snap.timeline):
                 return tier.write(snap.step, snap.manifest, data)
 
         error = self._run_write(job, lane, write)
-        del data   # no view of the buffer may outlive the hold (a waiter may exit the process at once)
+        del data  # no view of the buffer may outlive the hold (a waiter may exit the process at once)
         if error is None:
             if job.restored:
-                log.info("step %d, restored from the memory tier, is on the %s tier now (%.2f s)", snap.step,
-                         lane.name, handle.stats.persist_s.get(lane.name, 0.0))
+                log.info(
+                    "step %d, restored from the memory tier, is on the %s tier now (%.2f s)",
+                    snap.step,
+                    lane.name,
+                    handle.stats.persist_s.get(lane.name, 0.0),
+                )
             with self._cv:
                 lane.written = snap
             self._prune([lane.name], snap.step)
-        self._release(job, lane)   # before reporting: a save right after handle.wait() finds the buffer free
+        self._release(job, lane)  # before reporting: a save right after handle.wait() finds the buffer free
         handle._finish(lane.name, error)
 
     # -- closing ------------------------------------------------------------------------------------
@@ -653,20 +723,23 @@ class Pipeline:
             if newest is None or newest[1]._skipped:
                 return None
             snap, handle = newest
-            seq = snap.seq if snap.seq in self._assigned else None   # not handed to the tiers yet
+            seq = snap.seq if snap.seq in self._assigned else None  # not handed to the tiers yet
             for name, lane in self.lanes.items():
                 if tiers is not None and name not in tiers:
                     continue
                 if lane.newest is snap or lane.written is snap:
-                    continue   # handed to it (waiting, being written or written) or committed there
+                    continue  # handed to it (waiting, being written or written) or committed there
                 if self.independent and snap.buffer.manifest is not snap.manifest and seq is None:
                     # the newest committed snapshot keeps its buffer (HostPool._pick): cannot happen
-                    log.error("step %d is not written to the %s tier at close: its host buffer was taken",
-                              snap.step, name)
+                    log.error(
+                        "step %d is not written to the %s tier at close: its host buffer was taken",
+                        snap.step,
+                        name,
+                    )
                     continue
                 handle._reopen(name)
                 lane.last_taken, lane.newest = snap.step, snap
-                if seq is not None:   # still being copied: its watcher hands it over once the copy has landed
+                if seq is not None:  # still being copied: its watcher hands it over once the copy has landed
                     self._assigned.setdefault(seq, set()).add(name)
                     continue
                 self._enqueue(lane, _Job(snap, handle, True))
@@ -696,7 +769,7 @@ class Pipeline:
         if not self._closed:
             self._closed = True
             _live.discard(self)
-            for t in list(self._watchers):   # the snapshots being copied are committed (or fail) first
+            for t in list(self._watchers):  # the snapshots being copied are committed (or fail) first
                 t.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
             if flush:
                 self.flush()
@@ -711,8 +784,9 @@ class Pipeline:
             lane.thread.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
         alive = any(lane.thread.is_alive() for lane in self.lanes.values())
         # the newest snapshot's record is written (it outlives the process) where the segments stay
-        self.memory.settle(None if deadline is None else max(0.0, deadline - time.monotonic()),
-                           write=keep_shared or alive)
+        self.memory.settle(
+            None if deadline is None else max(0.0, deadline - time.monotonic()), write=keep_shared or alive
+        )
         # the host buffers go now; one still held by a persist that outlived `timeout`, once it is released
         self.pool.close(keep_shared=keep_shared or alive)
         return not alive

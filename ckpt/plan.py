@@ -48,10 +48,10 @@ class Entry:
 
     key: str
     tensor: torch.Tensor
-    is_buffer: bool = False          # mutated in place by forward (BatchNorm running stats)
-    alias_of: int | None = None      # shares memory with an earlier entry
-    version: int = 0                 # tensor._version when captured, to detect in-place writes
-    sharded: bool = False            # a DTensor's local shard
+    is_buffer: bool = False  # mutated in place by forward (BatchNorm running stats)
+    alias_of: int | None = None  # shares memory with an earlier entry
+    version: int = 0  # tensor._version when captured, to detect in-place writes
+    sharded: bool = False  # a DTensor's local shard
 
 
 @dataclass
@@ -68,12 +68,17 @@ def _wrapper_paths(module: torch.nn.Module) -> frozenset[str]:
     """Where in ``module``'s state-dict keys a wrapper put a component of its own: ``torch.compile``'s
     ``_orig_mod`` and ``DistributedDataParallel`` / ``DataParallel``'s ``module``, as dotted paths
     (``"layers.0._orig_mod"``), found by the wrapper objects themselves, never by a name alone."""
-    frame = sys.modules.get("torch._dynamo.eval_frame")   # not imported: nothing can be compiled
+    frame = sys.modules.get("torch._dynamo.eval_frame")  # not imported: nothing can be compiled
     compiled = frame.OptimizedModule if frame is not None else ()
     out = set()
     for name, sub in module.named_modules(remove_duplicate=False):
-        attr = "_orig_mod" if isinstance(sub, compiled) else \
-            "module" if isinstance(sub, (torch.nn.parallel.DistributedDataParallel, torch.nn.DataParallel)) else None
+        attr = (
+            "_orig_mod"
+            if isinstance(sub, compiled)
+            else "module"
+            if isinstance(sub, (torch.nn.parallel.DistributedDataParallel, torch.nn.DataParallel))
+            else None
+        )
         if attr is not None:
             out.add(f"{name}.{attr}" if name else attr)
     return frozenset(out)
@@ -93,8 +98,9 @@ def canonical_key(key: str, wrappers: frozenset[str]) -> str:
     return ".".join(parts)
 
 
-def _module_sd(module: torch.nn.Module, sd: Any,
-               wrappers: frozenset[str] | None = None) -> tuple[Any, dict[str, str]]:
+def _module_sd(
+    module: torch.nn.Module, sd: Any, wrappers: frozenset[str] | None = None
+) -> tuple[Any, dict[str, str]]:
     """``module``'s state dict ``sd`` under canonical keys (:func:`canonical_key`; ``wrappers``: its
     :func:`_wrapper_paths`, found here when not given), and the map from each canonical key back to the
     module's own."""
@@ -102,7 +108,7 @@ def _module_sd(module: torch.nn.Module, sd: Any,
     if not wrappers or not isinstance(sd, Mapping) or not all(isinstance(k, str) for k in sd):
         return sd, {}
     own = {canonical_key(k, wrappers): k for k in sd}
-    if len(own) != len(sd):   # two keys that differ only by a wrapper: keep the module's own names
+    if len(own) != len(sd):  # two keys that differ only by a wrapper: keep the module's own names
         return sd, {}
     return {canonical_key(k, wrappers): v for k, v in sd.items()}, own
 
@@ -139,7 +145,7 @@ def dtensor_layout(t: Any, path: str) -> dict:
     replicated). A ``Partial`` placement (unreduced values) is refused."""
     placements = []
     for p in t.placements:
-        if p.is_shard() and hasattr(p, "split_factor"):   # _StridedShard (FSDP over TP): recorded apart
+        if p.is_shard() and hasattr(p, "split_factor"):  # _StridedShard (FSDP over TP): recorded apart
             placements.append(f"SS{p.dim}:{p.split_factor}")
         elif p.is_shard():
             placements.append(f"S{p.dim}")
@@ -148,10 +154,16 @@ def dtensor_layout(t: Any, path: str) -> dict:
         else:
             raise RefusedStateError(
                 f"state value at {path!r} is a DTensor with a Partial placement ({p}: values not yet reduced): "
-                "redistribute it to Shard or Replicate placements before saving", path=path)
+                "redistribute it to Shard or Replicate placements before saving",
+                path=path,
+            )
     coord = t.device_mesh.get_coordinate()
-    return {"shape": list(t.shape), "mesh": list(t.device_mesh.shape), "coord": list(coord or []),
-            "placements": placements}
+    return {
+        "shape": list(t.shape),
+        "mesh": list(t.device_mesh.shape),
+        "coord": list(coord or []),
+        "placements": placements,
+    }
 
 
 class _Flattener:
@@ -168,7 +180,9 @@ class _Flattener:
         if t.layout is not torch.strided or t.device.type == "meta" or t.is_quantized or t.is_nested:
             raise RefusedStateError(
                 f"state value at {path!r} is a {t.layout} / quantized / nested / meta tensor; "
-                "only dense tensors can be saved: convert it (e.g. .to_dense()) before saving", path=path)
+                "only dense tensors can be saved: convert it (e.g. .to_dense()) before saving",
+                path=path,
+            )
         if t.dtype not in _KNOWN_DTYPES:
             _storable_dtype(t.dtype, path, "tensor")
             _KNOWN_DTYPES.add(t.dtype)
@@ -184,7 +198,9 @@ class _Flattener:
         self.entries.append(Entry(path, t, is_buffer, alias, t._version, dt is not None))
         return {"$t": idx} if dt is None else {"$t": idx, "$dt": dt}
 
-    def walk(self, v: Any, path: str, buffers: frozenset[str] = frozenset(), rel: str = "", depth: int = 1) -> Any:
+    def walk(
+        self, v: Any, path: str, buffers: frozenset[str] = frozenset(), rel: str = "", depth: int = 1
+    ) -> Any:
         """The tree node of ``v``; ``depth``: the JSON nesting level that node sits at (a top-level
         value at 1), so that a value nested too deep to be read back is refused here, by key."""
         if isinstance(v, torch.Tensor):
@@ -202,7 +218,7 @@ class _Flattener:
         if _is_stateful(v):
             sd = v.state_dict()
             bufs = frozenset()
-            if isinstance(v, torch.nn.Module):   # stored under the unwrapped module's keys
+            if isinstance(v, torch.nn.Module):  # stored under the unwrapped module's keys
                 wrappers = _wrapper_paths(v)
                 sd, _ = _module_sd(v, sd, wrappers)
                 bufs = frozenset(canonical_key(n, wrappers) for n, _ in v.named_buffers())
@@ -220,8 +236,9 @@ class _Flattener:
         np = _numpy()
         if np is not None and isinstance(v, np.ndarray):
             if v.dtype == object:
-                raise RefusedStateError(f"state value at {path!r} is a numpy object array, which needs pickle",
-                                        path=path)
+                raise RefusedStateError(
+                    f"state value at {path!r} is a numpy object array, which needs pickle", path=path
+                )
             node = self.tensor(torch.from_numpy(np.ascontiguousarray(v)), path, False)
             return {**node, "$np": 1}
         if np is not None and isinstance(v, np.generic):
@@ -230,7 +247,9 @@ class _Flattener:
             f"state value at {path!r} is a {type(v).__module__}.{type(v).__qualname__}, which cannot be "
             "stored without pickle. Store JSON-safe values (numbers, strings, lists, dicts), tensors, or an "
             "object with state_dict()/load_state_dict(); or pass Checkpointer(on_unsupported='skip') to "
-            "leave such values out of checkpoints (they are then not restored).", path=path)
+            "leave such values out of checkpoints (they are then not restored).",
+            path=path,
+        )
 
     def _walk_sd(self, sd: Any, path: str, buffers: frozenset[str], depth: int) -> Any:
         if not isinstance(sd, Mapping):
@@ -239,15 +258,19 @@ class _Flattener:
             _too_deep(path)
         return self._walk_map(sd, path, buffers, "", top=True, depth=depth)
 
-    def _walk_map(self, v: Mapping, path: str, buffers: frozenset[str], rel: str, top: bool = False,
-                  depth: int = 1) -> Any:
+    def _walk_map(
+        self, v: Mapping, path: str, buffers: frozenset[str], rel: str, top: bool = False, depth: int = 1
+    ) -> Any:
         plain = all(isinstance(k, str) and not k.startswith("$") for k in v)
-        sub = depth + 1 if plain else depth + 3     # {"$d": [[k, v], ...]} nests each value three deeper
+        sub = depth + 1 if plain else depth + 3  # {"$d": [[k, v], ...]} nests each value three deeper
         out = []
         for k, x in v.items():
             if not isinstance(k, (str, int, float, bool, type(None))):
-                raise RefusedStateError(f"state dict at {path!r} has a key of type {type(k).__name__}; "
-                                        "keys must be str, int, float, bool or None", path=path)
+                raise RefusedStateError(
+                    f"state dict at {path!r} has a key of type {type(k).__name__}; "
+                    "keys must be str, int, float, bool or None",
+                    path=path,
+                )
             sub_rel = str(k) if top else f"{rel}.{k}"
             out.append((k, self.walk(x, f"{path}/{k}", buffers if top else frozenset(), sub_rel, sub)))
         if plain:
@@ -263,8 +286,10 @@ def _storable_dtype(dtype: torch.dtype, path: str, what: str) -> str:
         raise RefusedStateError(
             f"state value at {path!r} is a {what} of dtype {dtype}, which the checkpoint format does not store "
             f"(it stores {', '.join(supported_dtypes())}): convert it before saving (e.g. .view(torch.uint8) "
-            "keeps the bytes of a sub-byte or packed dtype)" + ("" if what == "tensor" else
-            ", or pass Checkpointer(on_unsupported='skip') to leave it out"), path=path) from None
+            "keeps the bytes of a sub-byte or packed dtype)"
+            + ("" if what == "tensor" else ", or pass Checkpointer(on_unsupported='skip') to leave it out"),
+            path=path,
+        ) from None
 
 
 def _too_deep(path: str) -> None:
@@ -272,7 +297,9 @@ def _too_deep(path: str) -> None:
         f"state value at {path!r} is nested more than {MAX_TREE_DEPTH} levels deep (every dict, list and tuple "
         "counts, dicts with non-string keys and tuples their tags too): checkpoints read back records only that "
         "deep. Store such a value flatter (e.g. as a JSON string or a tensor), or pass "
-        "Checkpointer(on_unsupported='skip') to leave it out", path=path)
+        "Checkpointer(on_unsupported='skip') to leave it out",
+        path=path,
+    )
 
 
 _np_module: Any = False
@@ -283,6 +310,7 @@ def _numpy() -> Any:
     if _np_module is False:
         try:
             import numpy
+
             _np_module = numpy
         except ImportError:
             _np_module = None
@@ -296,7 +324,9 @@ class SkipUnsupported(_Flattener):
         super().__init__()
         self.skipped: list[str] = []
 
-    def walk(self, v: Any, path: str, buffers: frozenset[str] = frozenset(), rel: str = "", depth: int = 1) -> Any:
+    def walk(
+        self, v: Any, path: str, buffers: frozenset[str] = frozenset(), rel: str = "", depth: int = 1
+    ) -> Any:
         try:
             return super().walk(v, path, buffers, rel, depth)
         except RefusedStateError:
@@ -330,7 +360,9 @@ def layout(entries: list[Entry], align: int) -> tuple[list[ItemRecord], int]:
         t = e.tensor
         nbytes = t.numel() * t.element_size()
         if e.alias_of is not None:
-            records.append(ItemRecord(e.key, dtype_to_str(t.dtype), list(t.shape), t.device.type, 0, 0, e.alias_of))
+            records.append(
+                ItemRecord(e.key, dtype_to_str(t.dtype), list(t.shape), t.device.type, 0, 0, e.alias_of)
+            )
             continue
         offset = -(-cursor // align) * align
         records.append(ItemRecord(e.key, dtype_to_str(t.dtype), list(t.shape), t.device.type, offset, nbytes))
@@ -396,11 +428,13 @@ class _Binder:
         self.in_place = [False] * len(items)
         self.actions: list[Callable[[], None]] = []
         self.aliases: list[tuple[int, int, torch.Tensor | None]] = []
-        self.dtensor_like: dict[str, Any] = {}   # path of an optimizer's per-parameter state -> its DTensor
+        self.dtensor_like: dict[str, Any] = {}  # path of an optimizer's per-parameter state -> its DTensor
 
     def bind_tensor(self, idx: Any, template: Any, path: str, dt: Any = None) -> torch.Tensor | None:
         if not isinstance(idx, int) or isinstance(idx, bool) or not 0 <= idx < len(self.items):
-            raise IncompatibleCheckpointError(f"saved tree at {path!r} references a tensor that does not exist")
+            raise IncompatibleCheckpointError(
+                f"saved tree at {path!r} references a tensor that does not exist"
+            )
         it = self.items[idx]
         dtype = str_to_dtype(it.dtype, path)
         if self.reshard and dt is not None:
@@ -409,22 +443,27 @@ class _Binder:
             if dt is None:
                 raise LayoutMismatchError(
                     f"tensor at {path!r} was saved as a plain tensor but the state holds a DTensor there: "
-                    "restore into the layout it was saved from (sharded state is restored shard by shard)")
+                    "restore into the layout it was saved from (sharded state is restored shard by shard)"
+                )
             _check_layout(template, dt, path)
             template = template.to_local()
         elif dt is not None and isinstance(template, torch.Tensor):
             raise LayoutMismatchError(
                 f"tensor at {path!r} was saved as a DTensor ({_describe(dt)}) but the state holds a plain "
-                "tensor there: restore into the same sharding (same mesh and placements)")
-        fits = (isinstance(template, torch.Tensor) and template.dtype == dtype
-                and list(template.shape) == it.shape)
+                "tensor there: restore into the same sharding (same mesh and placements)"
+            )
+        fits = (
+            isinstance(template, torch.Tensor)
+            and template.dtype == dtype
+            and list(template.shape) == it.shape
+        )
         if it.alias_of is not None:
             self.aliases.append((idx, it.alias_of, template.detach() if fits else None))
             self.in_place[idx] = fits
             return None
         if fits and template.is_contiguous():
             self.dest[idx] = template.detach()
-        elif fits:   # channels_last, a transposed view ...: bytes land in a stand-in, then are copied in
+        elif fits:  # channels_last, a transposed view ...: bytes land in a stand-in, then are copied in
             self.dest[idx] = empty_tensor(it.shape, dtype, template.device)
             self.copy_back.append((idx, template.detach()))
         else:
@@ -455,11 +494,12 @@ class _Binder:
                 raise IncompatibleCheckpointError(
                     f"tensor at {path!r}: its local shard has shape {list(local.shape)}, but sharding "
                     f"{now['placements']} over a {now['mesh']} mesh gives {list(box[1])}: a layout this "
-                    "library cannot reshard into")
+                    "library cannot reshard into"
+                )
             gshape = now["shape"]
             local = local if _is_distributed_tensor(live) else None
         elif isinstance(live, torch.Tensor):
-            gshape, local = list(live.shape), live     # a whole tensor: consolidate the shards into it
+            gshape, local = list(live.shape), live  # a whole tensor: consolidate the shards into it
             box = (tuple([0] * live.dim()), tuple(live.shape))
         else:
             gshape, local = shape, None
@@ -467,8 +507,9 @@ class _Binder:
         if list(gshape) != shape or (local is not None and local.dtype != dtype):
             have = f"{local.dtype if local is not None else dtype}{list(gshape)}".replace("torch.", "")
             raise IncompatibleCheckpointError(
-                f"tensor at {path!r}: checkpoint has {it.dtype}{shape} (global), the state has {have}")
-        if local is not None:   # the resharding copies are strided: any memory layout takes them in place
+                f"tensor at {path!r}: checkpoint has {it.dtype}{shape} (global), the state has {have}"
+            )
+        if local is not None:  # the resharding copies are strided: any memory layout takes them in place
             self.dest[idx] = local.detach()
             self.in_place[idx] = True
         else:
@@ -484,7 +525,7 @@ class _Binder:
             return lambda: [s() for s in subs]
         if not isinstance(node, dict):
             return lambda: node
-        if "$skip" in node:   # left out at save time (on_unsupported="skip"): the live value stays
+        if "$skip" in node:  # left out at save time (on_unsupported="skip"): the live value stays
             return lambda: template
         if "$t" in node:
             dt = node.get("$dt")
@@ -497,8 +538,11 @@ class _Binder:
             subs = [self.decode(x, _index(template, i), f"{path}/{i}") for i, x in enumerate(node["$tuple"])]
             return lambda: tuple(s() for s in subs)
         if "$d" in node:
-            pairs = [(k, self.decode(v, _index(template, k), f"{path}/{k}")) for k, v in node["$d"]
-                     if not _skipped(v)]
+            pairs = [
+                (k, self.decode(v, _index(template, k), f"{path}/{k}"))
+                for k, v in node["$d"]
+                if not _skipped(v)
+            ]
             return lambda: {k: s() for k, s in pairs}
         if "$f" in node:
             return lambda: float(node["$f"])
@@ -508,8 +552,11 @@ class _Binder:
         if "$obj" in node:
             raise IncompatibleCheckpointError(
                 f"saved object at {path!r} has no object to load into: the state passed to restore must hold "
-                "the object (module, optimizer, Stateful) at that place")
-        subs = {k: self.decode(v, _index(template, k), f"{path}/{k}") for k, v in node.items() if not _skipped(v)}
+                "the object (module, optimizer, Stateful) at that place"
+            )
+        subs = {
+            k: self.decode(v, _index(template, k), f"{path}/{k}") for k, v in node.items() if not _skipped(v)
+        }
         return lambda: {k: s() for k, s in subs.items()}
 
     def bind_value(self, container: dict | list, key: Any, node: Any, path: str) -> None:
@@ -521,7 +568,8 @@ class _Binder:
             if not _is_stateful(live):
                 raise IncompatibleCheckpointError(
                     f"checkpoint holds a {node['$obj']} at {path!r}, but the state passed to restore has "
-                    f"{type(live).__name__} there")
+                    f"{type(live).__name__} there"
+                )
             self._bind_object(live, node, path)
             return
         if isinstance(live, torch.Tensor) and isinstance(node, dict) and "$t" in node:
@@ -530,11 +578,12 @@ class _Binder:
             if not self.in_place[idx]:
                 raise IncompatibleCheckpointError(
                     f"tensor at {path!r}: checkpoint has {self.items[idx].dtype}{self.items[idx].shape}, "
-                    f"the state has {str(live.dtype).removeprefix('torch.')}{list(live.shape)}")
+                    f"the state has {str(live.dtype).removeprefix('torch.')}{list(live.shape)}"
+                )
             return
         if isinstance(live, dict) and isinstance(node, dict) and not any(k.startswith("$") for k in node):
             for k, v in node.items():
-                if self.strict or k in live:   # strict=False: only the keys both have
+                if self.strict or k in live:  # strict=False: only the keys both have
                     self.bind_value(live, k, v, f"{path}/{k}")
             return
         items = node if isinstance(node, list) else node.get("$tuple") if isinstance(node, dict) else None
@@ -557,21 +606,30 @@ class _Binder:
         state of an optimizer that has not stepped yet) the mesh comes from the state's parameter."""
         like = live if live is not None else self.dtensor_like.get(path.rsplit("/", 1)[0])
         if like is None and self.reshard:
-            return lambda: self.dest[idx]    # consolidated into a whole (plain) tensor
+            return lambda: self.dest[idx]  # consolidated into a whole (plain) tensor
         if like is None:
             raise LayoutMismatchError(
                 f"tensor at {path!r} was saved as a DTensor ({_describe(dt)}) and the state has no DTensor "
-                "there to take its mesh from: restore into the same model and optimizer layout")
+                "there to take its mesh from: restore into the same model and optimizer layout"
+            )
         if live is None and not self.reshard:
-            _check_layout(like, dt, path)   # per-parameter state (AdamW's moments) is laid out like the parameter
+            _check_layout(
+                like, dt, path
+            )  # per-parameter state (AdamW's moments) is laid out like the parameter
         from torch.distributed.tensor import DTensor
 
         def build() -> Any:
             local = self.dest[idx]
             if live is not None and local.data_ptr() == live.to_local().data_ptr():
                 return live
-            return DTensor.from_local(local, like.device_mesh, like.placements, run_check=False,
-                                      shape=like.shape, stride=like.stride())
+            return DTensor.from_local(
+                local,
+                like.device_mesh,
+                like.placements,
+                run_check=False,
+                shape=like.shape,
+                stride=like.stride(),
+            )
 
         return build
 
@@ -582,14 +640,22 @@ class _Binder:
         template = obj.state_dict()
         module = kind == "module" and isinstance(obj, torch.nn.Module)
         own: dict[str, str] = {}
-        if module:   # matched under canonical keys, loaded under the module's own
+        if module:  # matched under canonical keys, loaded under the module's own
             template, own = _module_sd(obj, template)
-            if isinstance(sd_node, dict) and isinstance(template, Mapping) and \
-                    not any(k.startswith("$") for k in sd_node):
+            if (
+                isinstance(sd_node, dict)
+                and isinstance(template, Mapping)
+                and not any(k.startswith("$") for k in sd_node)
+            ):
                 sd_node = _stored_keys(sd_node, template, own)
-        partial = module and not self.strict and isinstance(sd_node, dict) and isinstance(template, Mapping) \
+        partial = (
+            module
+            and not self.strict
+            and isinstance(sd_node, dict)
+            and isinstance(template, Mapping)
             and not any(k.startswith("$") for k in sd_node)
-        if partial:   # strict=False: the module's keys that both sides have, nothing else is read
+        )
+        if partial:  # strict=False: the module's keys that both sides have, nothing else is read
             sd_node = {k: v for k, v in sd_node.items() if k in template}
         build = self.decode(sd_node, template, path)
 
@@ -647,7 +713,8 @@ def _check_layout(live: Any, dt: Any, path: str) -> None:
             f"{dt.get('coord') if isinstance(dt, dict) else '?'}); the state holds {_describe(now)}, coordinate "
             f"{now['coord']}: a rank's own copy loads only into the layout it was saved from. To change world "
             "size, mesh or placements, restore from a job tier (the same url on every rank when saving), "
-            "which holds every rank's shards and reshards them")
+            "which holds every rank's shards and reshards them"
+        )
 
 
 def _skipped(node: Any) -> bool:
@@ -675,7 +742,9 @@ def _set(container: Any, key: Any, value: Any) -> None:
     container[key] = value
 
 
-def bind(state: dict, tree: Any, items: list[ItemRecord], strict: bool = True, reshard: bool = False) -> Binding:
+def bind(
+    state: dict, tree: Any, items: list[ItemRecord], strict: bool = True, reshard: bool = False
+) -> Binding:
     """Bind a saved tree to the live ``state`` (see :class:`Binding`).
 
     Raises :class:`IncompatibleCheckpointError` when top-level keys differ (with
@@ -698,10 +767,11 @@ def bind(state: dict, tree: Any, items: list[ItemRecord], strict: bool = True, r
     if strict and (missing or unexpected):
         raise IncompatibleCheckpointError(
             f"state keys differ from the checkpoint's: missing from checkpoint {missing}, "
-            f"not in the state {unexpected}; pass restore(..., strict=False) to load the common keys")
+            f"not in the state {unexpected}; pass restore(..., strict=False) to load the common keys"
+        )
     b = _Binder(items, reshard, strict)
     for k, node in tree.items():
-        if k in state:   # with strict=False, the keys both have; the state never gains a key
+        if k in state:  # with strict=False, the keys both have; the state never gains a key
             b.bind_value(state, k, node, k)
     for i, orig, own in b.aliases:
         if b.dest[orig] is None and items[orig].alias_of is None and orig not in b.boxes:

@@ -21,8 +21,22 @@ from typing import Any, Callable, Collection, Iterable, Iterator
 
 from . import knobs
 
-__all__ = ["Retention", "Interval", "AutoInterval", "TierCadence", "Schedule", "EVERY_TIER", "daly_interval", "prune", "Timeline",
-           "TimelineCopies", "Committed", "live_and_abandoned", "newest_timeline", "retain"]
+__all__ = [
+    "Retention",
+    "Interval",
+    "AutoInterval",
+    "TierCadence",
+    "Schedule",
+    "EVERY_TIER",
+    "daly_interval",
+    "prune",
+    "Timeline",
+    "TimelineCopies",
+    "Committed",
+    "live_and_abandoned",
+    "newest_timeline",
+    "retain",
+]
 
 log = logging.getLogger(__name__)
 
@@ -47,11 +61,15 @@ class Retention:
         for tier in ("local", "remote"):
             n = getattr(self, tier)
             if n is not None and (not isinstance(n, int) or isinstance(n, bool)):
-                raise ValueError(f"Retention({tier}={n!r}): the number of checkpoints to keep must be an int "
-                                 "(or None to keep all)")
+                raise ValueError(
+                    f"Retention({tier}={n!r}): the number of checkpoints to keep must be an int "
+                    "(or None to keep all)"
+                )
             if n is not None and n < 1:
-                raise ValueError(f"Retention({tier}={n!r}): keep at least 1, since the newest committed "
-                                 "checkpoint is never deleted (or None to keep all)")
+                raise ValueError(
+                    f"Retention({tier}={n!r}): keep at least 1, since the newest committed "
+                    "checkpoint is never deleted (or None to keep all)"
+                )
 
 
 @dataclass(frozen=True)
@@ -82,7 +100,6 @@ class Timeline:
     def record(self) -> dict[str, Any]:
         """The :class:`~ckpt.format.Commit` fields recording this timeline."""
         return {"timeline": self.number, "forks": [[n, s] for n, s in self.forks]}
-
 
 
 class TimelineCopies:
@@ -127,7 +144,7 @@ def live_and_abandoned(entries: Iterable[Committed]) -> tuple[list[Committed], l
     head = max(entries, key=lambda e: (e.key, e.timeline.forks))
     live = [e for e in entries if head.timeline.holds(*e.key)]
     abandoned = [e for e in entries if not head.timeline.holds(*e.key)]
-    order = lambda e: e.key   # noqa: E731
+    order = lambda e: e.key  # noqa: E731
     return sorted(live, key=order, reverse=True), sorted(abandoned, key=order, reverse=True)
 
 
@@ -140,8 +157,12 @@ def newest_timeline(tiers: Iterable[Any]) -> Timeline:
         try:
             entries += tier.committed()
         except OSError as e:
-            log.warning("could not list the %s tier to find the newest checkpoint's timeline (%s); using the "
-                        "other tiers'", tier.name, e)
+            log.warning(
+                "could not list the %s tier to find the newest checkpoint's timeline (%s); using the "
+                "other tiers'",
+                tier.name,
+                e,
+            )
     live = live_and_abandoned(entries)[0]
     return live[0].timeline if live else Timeline()
 
@@ -153,8 +174,13 @@ def _listing(tier: Any) -> list[Committed]:
     return [Committed(s, linked=not owns(s)) for s in tier.committed_steps()]
 
 
-def prune(tier: Any, keep: int | None, busy: Collection[int] = (), dry_run: bool = False,
-          verified: Callable[[int], bool] | None = None) -> list[int]:
+def prune(
+    tier: Any,
+    keep: int | None,
+    busy: Collection[int] = (),
+    dry_run: bool = False,
+    verified: Callable[[int], bool] | None = None,
+) -> list[int]:
     """Apply retention to one tier: returns the steps deleted (or that would be, with ``dry_run``).
 
     Keeps the newest ``keep`` committed steps that the tier owns (all with ``None``), newest in the
@@ -183,8 +209,12 @@ def prune(tier: Any, keep: int | None, busy: Collection[int] = (), dry_run: bool
         return []
     unknown = [e.step for e in entries if not e.known]
     if unknown:
-        log.warning("retention of the %s tier deletes nothing this time: the commit records of steps %s could "
-                    "not be read, so which steps are live is not known", getattr(tier, "name", "?"), unknown)
+        log.warning(
+            "retention of the %s tier deletes nothing this time: the commit records of steps %s could "
+            "not be read, so which steps are live is not known",
+            getattr(tier, "name", "?"),
+            unknown,
+        )
         return []
     live, abandoned = live_and_abandoned(entries)
     owns = getattr(tier, "owns", lambda s: True)
@@ -237,8 +267,12 @@ class Interval:
     Both may be given; either triggers. Neither: ``maybe_save`` never saves.
     """
 
-    def __init__(self, every_steps: int | None = None, every_seconds: float | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        every_steps: int | None = None,
+        every_seconds: float | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         if every_steps is not None and (not isinstance(every_steps, int) or every_steps < 1):
             raise ValueError(f"every_steps must be a positive integer, got {every_steps!r}")
         if every_seconds is not None and not every_seconds > 0:
@@ -278,10 +312,13 @@ class AutoInterval:
     (checkpoint overhead plus the expected rework and restart per failure).
     """
 
-    def __init__(self, mtbf: float, restart: float = 0.0, window: int = 5,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self, mtbf: float, restart: float = 0.0, window: int = 5, clock: Callable[[], float] = time.monotonic
+    ) -> None:
         if not mtbf or mtbf <= 0:
-            raise ValueError(f"interval='auto' needs mtbf=<mean time between failures, seconds> > 0, got {mtbf!r}")
+            raise ValueError(
+                f"interval='auto' needs mtbf=<mean time between failures, seconds> > 0, got {mtbf!r}"
+            )
         if restart < 0:
             raise ValueError(f"restart cost must be >= 0 seconds, got {restart!r}")
         self.mtbf = float(mtbf)
@@ -327,14 +364,18 @@ class AutoInterval:
 
     def record(self, stall_s: float, persist_s: float | None = None) -> None:
         """Feed one save's measured stall (and its persist time, once known)."""
-        self._costs = (self._costs + [max(stall_s, 1e-6)])[-self.window:]
+        self._costs = (self._costs + [max(stall_s, 1e-6)])[-self.window :]
         if persist_s is not None:
             self._persist = persist_s
 
     def report(self) -> dict[str, float | None]:
         """``interval_s``, ``cost_s``, ``mtbf_s`` (seconds) and ``expected_loss_fraction`` (of wall time)."""
-        return {"interval_s": self.seconds, "cost_s": self.cost, "mtbf_s": self.mtbf,
-                "expected_loss_fraction": self.expected_loss()}
+        return {
+            "interval_s": self.seconds,
+            "cost_s": self.cost,
+            "mtbf_s": self.mtbf,
+            "expected_loss_fraction": self.expected_loss(),
+        }
 
 
 class TierCadence:
@@ -363,9 +404,9 @@ class TierCadence:
     def step(self, seconds: float, writing: bool) -> None:
         """One training step of ``seconds``; ``writing``: this tier was writing during it."""
         if writing:
-            self._busy = (self._busy + [seconds])[-self.window:]
+            self._busy = (self._busy + [seconds])[-self.window :]
         else:
-            self._idle = (self._idle + [seconds])[-self.window:]
+            self._idle = (self._idle + [seconds])[-self.window :]
 
     def wrote(self, seconds: float) -> None:
         """A write to the tier took ``seconds`` (wall time, as the training loop lives it)."""
@@ -405,28 +446,40 @@ class Schedule:
     ranks (due on all when due on any), so every rank saves the same steps.
     """
 
-    def __init__(self, interval: Interval | AutoInterval, pipeline: Any, pool: Any, ranks: Any,
-                 clock: Callable[[], float], auto_tiers: bool) -> None:
+    def __init__(
+        self,
+        interval: Interval | AutoInterval,
+        pipeline: Any,
+        pool: Any,
+        ranks: Any,
+        clock: Callable[[], float],
+        auto_tiers: bool,
+    ) -> None:
         self.interval, self.pipeline, self.pool, self.ranks = interval, pipeline, pool, ranks
         self.clock, self.auto_tiers = clock, auto_tiers
         # a time-based policy decides by each rank's clock: those decisions are agreed in maybe_save
-        self.agree_due = ranks is not None and (isinstance(interval, AutoInterval)
-                                                or interval.every_seconds is not None)
+        self.agree_due = ranks is not None and (
+            isinstance(interval, AutoInterval) or interval.every_seconds is not None
+        )
         self._last_step_at: float | None = None
 
     def due(self, step: int) -> bool:
         """Whether the snapshot interval makes ``step`` a save (collective when agreed over the ranks)."""
-        if self.auto_tiers:   # a step's time, for the tiers' interval="auto" costs
+        if self.auto_tiers:  # a step's time, for the tiers' interval="auto" costs
             now = self.clock()
             if self._last_step_at is not None:
                 self.pipeline.note_step(now - self._last_step_at)
             self._last_step_at = now
         due = self.interval.due(step)
-        if due and isinstance(self.interval, AutoInterval) and self.interval.seconds is None and \
-                self.pool.allocation_outlasts(knobs.get("CKPT_BUSY_WAIT_MS") / 1e3):
-            due = False   # "as soon as it can" means once a buffer can be there: no skip per step meanwhile
+        if (
+            due
+            and isinstance(self.interval, AutoInterval)
+            and self.interval.seconds is None
+            and self.pool.allocation_outlasts(knobs.get("CKPT_BUSY_WAIT_MS") / 1e3)
+        ):
+            due = False  # "as soon as it can" means once a buffer can be there: no skip per step meanwhile
         if self.agree_due:
-            due = bool(self.ranks.max([int(due)])[0])   # clocks differ between ranks: save if any says so
+            due = bool(self.ranks.max([int(due)])[0])  # clocks differ between ranks: save if any says so
         return due
 
     def takes(self, step: int, busy: dict[str, int], force: str | None) -> dict[str, str | None]:
@@ -435,18 +488,27 @@ class Schedule:
         drain), or :data:`EVERY_TIER`. A tier whose waiting snapshot lost its buffer to this one writes it."""
         pipe = self.pipeline
         due = pipe.due(step)
-        if self.ranks is not None and self.auto_tiers:   # each rank's clock and costs: due on all if due on any
+        if (
+            self.ranks is not None and self.auto_tiers
+        ):  # each rank's clock and costs: due on all if due on any
             due = dict(zip(pipe.tiers, (bool(v) for v in self.ranks.max([int(due[t]) for t in pipe.tiers]))))
-        orphaned = pipe.take_orphaned()   # tiers whose waiting snapshot this buffer held: they get this one
-        return {t: None if force in (t, EVERY_TIER) or t in orphaned or (due[t] and not busy[t]) else
-                ("not due" if not due[t] else "busy") for t in pipe.tiers}
+        orphaned = pipe.take_orphaned()  # tiers whose waiting snapshot this buffer held: they get this one
+        return {
+            t: None
+            if force in (t, EVERY_TIER) or t in orphaned or (due[t] and not busy[t])
+            else ("not due" if not due[t] else "busy")
+            for t in pipe.tiers
+        }
 
     def report(self) -> dict[str, Any]:
         """``Checkpointer.interval_report()``: the :class:`AutoInterval`'s report, and per tier with a cadence
         of its own, its :class:`TierCadence`'s under ``"tiers"``."""
         if not isinstance(self.interval, AutoInterval):
             raise ValueError("interval_report() needs Checkpointer(interval='auto', mtbf=...)")
-        return {**self.interval.report(), "tiers": {n: c.report() for n, c in self.pipeline.cadences().items()}}
+        return {
+            **self.interval.report(),
+            "tiers": {n: c.report() for n, c in self.pipeline.cadences().items()},
+        }
 
     def record(self, stats: Any, allocations: int, local_s: float | None) -> None:
         """After a save (``stats``: its :class:`~ckpt.stage.SnapshotStats`; ``allocations``: the pool's

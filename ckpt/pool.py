@@ -106,13 +106,13 @@ class HostBuffer:
             self.tensor = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin, device="cpu")
             self.pinned = pin
         self.holds = 0
-        self.staging = False                 # a snapshot copy is being taken into it (one of the holds)
-        self.image_step: int | None = None   # step whose snapshot the buffer holds, for the memory tier
-        self.manifest: Any = None            # and that snapshot's manifest
-        self.image_timeline: Any = None      # and its timeline
-        self.image_order = 0.0               # when it was committed (the newest is the last committed, which a
-                                             # rollback's new branch makes the newest whatever its step number)
-        self.record: Any = None              # its shared-memory commit record, if any
+        self.staging = False  # a snapshot copy is being taken into it (one of the holds)
+        self.image_step: int | None = None  # step whose snapshot the buffer holds, for the memory tier
+        self.manifest: Any = None  # and that snapshot's manifest
+        self.image_timeline: Any = None  # and its timeline
+        self.image_order = 0.0  # when it was committed (the newest is the last committed, which a
+        # rollback's new branch makes the newest whatever its step number)
+        self.record: Any = None  # its shared-memory commit record, if any
         # told once its record is written in the background (None) or never will be (why): MemoryTier.commit
         self.on_record: Any = None
         # while the memory tier's record pass reads it (one of the holds): whether that pass gives the buffer up
@@ -126,7 +126,7 @@ class HostBuffer:
         # its snapshot was taken by a previous process (a segment taken over with the snapshot in it), not by
         # this one: a restore of it after a crash may be the only copy left (Checkpointer.restore persists it)
         self.inherited = False
-        self.views: dict[tuple, torch.Tensor] = {}   # typed views into the buffer, reused across saves
+        self.views: dict[tuple, torch.Tensor] = {}  # typed views into the buffer, reused across saves
 
     @property
     def busy(self) -> bool:
@@ -143,9 +143,11 @@ class HostBuffer:
         """Drop the snapshot this buffer holds (its image only; the record is the pool's to withdraw). Returns
         whether it was still waiting for its record (whoever waited is told it will not be written)."""
         callback, self.on_record = self.on_record, None
-        if callback is not None:   # taken back (for a newer snapshot, or freed) before its record was written
-            callback("its buffer was taken back before its record was written (it was in this process's "
-                     "memory only)")
+        if callback is not None:  # taken back (for a newer snapshot, or freed) before its record was written
+            callback(
+                "its buffer was taken back before its record was written (it was in this process's "
+                "memory only)"
+            )
         self.image_order = 0.0
         self.image_step = None
         self.manifest = None
@@ -196,26 +198,30 @@ class HostPool:
         self.slots = slots
         self.limit = limit
         self.shrink = shrink
-        self.unrecorded_dropped = 0   # snapshots whose buffer was taken for a newer one before their record was written
+        self.unrecorded_dropped = (
+            0  # snapshots whose buffer was taken for a newer one before their record was written
+        )
         self.pin = torch.cuda.is_available() if pin is None else pin
         self.buffers: list[HostBuffer] = []
         self.allocations = 0
         self.shared: SharedSpace | None = None
-        self._device: int | None = None   # see _note_device
+        self._device: int | None = None  # see _note_device
         self._closed = False
-        self._allocating = 0      # allocations under way outside the lock
+        self._allocating = 0  # allocations under way outside the lock
         self._cv = threading.Condition()
         self._prepared: threading.Thread | None = None
-        self._adopting: threading.Thread | None = None   # adopt_ahead()'s thread
+        self._adopting: threading.Thread | None = None  # adopt_ahead()'s thread
         #: (start, end) of adopt_ahead()'s run in time.monotonic() seconds (end None while it runs)
         self.adopt_span: tuple[float, float | None] | None = None
-        self._stop = threading.Event()   # close(): prepare()'s thread stops between two pieces
-        self._preparing: float | None = None   # when prepare()'s background allocation started, while it runs
-        self._growing: tuple[float, int] | None = None   # (start, bytes) of the background allocation under way
-        self.alloc_gbps: float | None = None   # the rate buffers were allocated at in this process (GB/s)
-        self._reserved: set[int] = set()   # slots being allocated
+        self._stop = threading.Event()  # close(): prepare()'s thread stops between two pieces
+        self._preparing: float | None = None  # when prepare()'s background allocation started, while it runs
+        self._growing: tuple[float, int] | None = (
+            None  # (start, bytes) of the background allocation under way
+        )
+        self.alloc_gbps: float | None = None  # the rate buffers were allocated at in this process (GB/s)
+        self._reserved: set[int] = set()  # slots being allocated
         self._warned_shm = False
-        self.holds_what = "the memory tier keeps its snapshots"   # for messages: what the buffers are for
+        self.holds_what = "the memory tier keeps its snapshots"  # for messages: what the buffers are for
         #: the timeline (:class:`~ckpt.policy.Timeline`) the next snapshots go to (``None``: not known); the
         #: buffer kept whole while the next snapshot is copied is the newest on its branch
         self.live: Any = None
@@ -252,7 +258,7 @@ class HostPool:
         started while CUDA is not yet initialized in this process (the segments are registered in the calling
         thread's device's context, which is not known before): a later call, or the first save, does it."""
         if self.pin and torch.cuda.is_available() and not torch.cuda.is_initialized():
-            return   # this rank's GPU is not known yet: registering now would be in GPU 0's context (see _note_device)
+            return  # this rank's GPU is not known yet: registering now would be in GPU 0's context (see _note_device)
         self._note_device()
         with self._cv:
             if self._adopting is not None or self.shared is None or self._closed:
@@ -261,14 +267,14 @@ class HostPool:
             def run() -> None:
                 from . import shm
 
-                _background.stop = self._stop   # close() stops it between two registered pieces
+                _background.stop = self._stop  # close() stops it between two registered pieces
                 start = time.monotonic()
                 self.adopt_span = (start, None)
                 try:
                     self.adopt()
                 except shm.AllocationStopped:
                     pass
-                except Exception as e:   # noqa: BLE001 - the restore reads the segments through pread instead
+                except Exception as e:  # noqa: BLE001 - the restore reads the segments through pread instead
                     log.warning("taking over the memory tier's segments ahead failed (%s)", e)
                 finally:
                     self.adopt_span = (start, time.monotonic())
@@ -293,13 +299,16 @@ class HostPool:
         space = self.shared
         if space is None:
             return
-        shm.remove_leftovers(space.root, space.prefix)   # what a writer killed mid-allocation left
+        shm.remove_leftovers(space.root, space.prefix)  # what a writer killed mid-allocation left
         for slot in range(self.slots):
             with self._cv:
-                if any(b.slot == slot for b in self.buffers) or slot in self._reserved or \
-                        len(self.buffers) >= self.slots:
-                    continue   # taken, or being allocated
-                self._reserved.add(slot)   # being taken over: counted like an allocation (it registers)
+                if (
+                    any(b.slot == slot for b in self.buffers)
+                    or slot in self._reserved
+                    or len(self.buffers) >= self.slots
+                ):
+                    continue  # taken, or being allocated
+                self._reserved.add(slot)  # being taken over: counted like an allocation (it registers)
                 self._allocating += 1
             buf = None
             try:
@@ -328,7 +337,12 @@ class HostPool:
         if self.pin:
             seg.register(self._device, paced=_background.paced, stop=_background.stop)
         buf = HostBuffer(0, self.pin, segment=seg, slot=slot)
-        buf.image_step, buf.manifest, buf.image_timeline, buf.record = rec.step, rec.manifest, rec.timeline, rec
+        buf.image_step, buf.manifest, buf.image_timeline, buf.record = (
+            rec.step,
+            rec.manifest,
+            rec.timeline,
+            rec,
+        )
         buf.image_order = rec.created_unix
         buf.checked = False
         buf.inherited = True
@@ -347,22 +361,29 @@ class HostPool:
                 from . import shm
 
                 priority.lower_this_thread()
-                _background.paced = True   # beside a training loop: registered in paced pieces
+                _background.paced = True  # beside a training loop: registered in paced pieces
                 _background.stop = self._stop
                 try:
-                    self.adopt()   # a previous process's segments first (their snapshots stay listed), here:
-                    self._prepare_buffers(nbytes)   # a save adopting beside this allocation could map a slot twice
+                    self.adopt()  # a previous process's segments first (their snapshots stay listed), here:
+                    self._prepare_buffers(
+                        nbytes
+                    )  # a save adopting beside this allocation could map a slot twice
                 except shm.AllocationStopped:
-                    pass   # close(): what was under way is undone, its segments are left as they were
-                except Exception as e:   # noqa: BLE001 - the save allocates (and reports) itself
-                    log.warning("allocating the snapshot buffers ahead failed (%s); the first save allocates", e)
+                    pass  # close(): what was under way is undone, its segments are left as they were
+                except Exception as e:  # noqa: BLE001 - the save allocates (and reports) itself
+                    log.warning(
+                        "allocating the snapshot buffers ahead failed (%s); the first save allocates", e
+                    )
                 finally:
                     with self._cv:
-                        self._preparing = None   # from now on a save may allocate itself
+                        self._preparing = None  # from now on a save may allocate itself
                         self._cv.notify_all()
 
             self._preparing = time.monotonic()
-            self._growing = (self._preparing, nbytes)   # the first buffer, from now (the thread may start late)
+            self._growing = (
+                self._preparing,
+                nbytes,
+            )  # the first buffer, from now (the thread may start late)
             self._prepared = threading.Thread(target=run, name="ckpt-prepare", daemon=True)
             self._prepared.start()
 
@@ -374,7 +395,7 @@ class HostPool:
                     return
                 self._allocating += 1
                 self._growing = (time.monotonic(), nbytes)
-                self._cv.notify_all()   # a save waiting for a buffer learns how long this one takes
+                self._cv.notify_all()  # a save waiting for a buffer learns how long this one takes
             try:
                 buf = self._allocate(nbytes, -1, self._free_slot())
             except HostMemoryError as e:
@@ -397,9 +418,14 @@ class HostPool:
                 self.buffers.append(buf)
                 self._cv.notify_all()
 
-    def acquire(self, nbytes: int, block: bool, step: int,
-                reclaim: Callable[[HostBuffer, bool, int], bool] | None = None,
-                inline: bool = True) -> HostBuffer | None:
+    def acquire(
+        self,
+        nbytes: int,
+        block: bool,
+        step: int,
+        reclaim: Callable[[HostBuffer, bool, int], bool] | None = None,
+        inline: bool = True,
+    ) -> HostBuffer | None:
         """A buffer of at least ``nbytes`` for a new snapshot, held once and marked ``staging``. A buffer
         no one holds is free. Without ``block``, returns ``None`` when no buffer is free and none will be
         without a tier finishing (it waits for a copy still landing, a record pass of the memory tier, or an
@@ -421,22 +447,31 @@ class HostPool:
                     if buf is not None and reclaim is not None:
                         reclaim(buf, False, step)
                     break
-                if not block and not self._allocating and \
-                        not any(b.staging or (b.holds == 1 and b.record_yields is not None) for b in self.buffers):
-                    return None   # (a copy landing, or a record pass, lets go of its buffer within moments)
+                if (
+                    not block
+                    and not self._allocating
+                    and not any(
+                        b.staging or (b.holds == 1 and b.record_yields is not None) for b in self.buffers
+                    )
+                ):
+                    return None  # (a copy landing, or a record pass, lets go of its buffer within moments)
                 self._cv.wait()
             if buf is not None and buf.capacity >= nbytes:
                 self._withdraw(buf, shm)
-                if buf.holds:   # a record pass that gives way: it stops at its next chunk and publishes nothing
+                if (
+                    buf.holds
+                ):  # a record pass that gives way: it stops at its next chunk and publishes nothing
                     buf.record_taken = step
                 buf.holds, buf.staging = buf.holds + 1, True
                 return buf
             if buf is not None:
-                buf.holds = 1   # reserved while it is replaced by a larger one (its snapshot stays until then)
+                buf.holds = 1  # reserved while it is replaced by a larger one (its snapshot stays until then)
             self._allocating += 1
         try:
-            new = self._allocate(nbytes, step, buf.slot if buf is not None else self._free_slot(), replacing=buf)
-        except BaseException as e:   # whatever failed, the counter and the reservation are given back
+            new = self._allocate(
+                nbytes, step, buf.slot if buf is not None else self._free_slot(), replacing=buf
+            )
+        except BaseException as e:  # whatever failed, the counter and the reservation are given back
             with self._cv:
                 self._allocating -= 1
                 if buf is not None:
@@ -455,8 +490,9 @@ class HostPool:
             self._cv.notify_all()
             return new
 
-    def _pick(self, nbytes: int, step: int, reclaim: Callable[[HostBuffer, bool, int], bool] | None,
-              inline: bool) -> tuple[bool, HostBuffer | None]:
+    def _pick(
+        self, nbytes: int, step: int, reclaim: Callable[[HostBuffer, bool, int], bool] | None, inline: bool
+    ) -> tuple[bool, HostBuffer | None]:
         """(under the lock) What :meth:`acquire` can do now: ``(True, buf)``, take the free ``buf`` (replaced
         by a larger one if it is too small); ``(True, None)``, allocate another; ``(False, None)``, nothing
         yet. Without ``inline``, nothing is allocated while the background allocation runs.
@@ -466,17 +502,21 @@ class HostPool:
         costs nothing that was committed. With room for one buffer only, that promise cannot be kept: the
         newest snapshot's buffer is taken once no tier reads it (a snapshot that then fails leaves the memory
         tier empty, and a restore falls back to the other tiers)."""
-        grow = inline or self._preparing is None   # may the caller allocate now
+        grow = inline or self._preparing is None  # may the caller allocate now
         newest = max((b for b in self.buffers if b.image_step is not None), default=None, key=self._rank)
-        free = [b for b in self.buffers if (b.holds == 0 and (grow or b.capacity >= nbytes))
-                or (b is not newest and b.capacity >= nbytes and self._record_gives_way(b))]
+        free = [
+            b
+            for b in self.buffers
+            if (b.holds == 0 and (grow or b.capacity >= nbytes))
+            or (b is not newest and b.capacity >= nbytes and self._record_gives_way(b))
+        ]
         free.sort(key=lambda b: (b.capacity < nbytes, b.holds > 0, b.image_step is not None, self._rank(b)))
         free = [b for b in free if reclaim is None or reclaim(b, True, step)]
         others = [b for b in free if b is not newest]
         if others:
             return True, others[0]
         if grow and len(self.buffers) + self._allocating < self.slots:
-            return True, None   # another buffer, rather than the newest snapshot's
+            return True, None  # another buffer, rather than the newest snapshot's
         if newest in free and newest.holds == 0 and self.slots == 1:
             return True, newest
         return False, None
@@ -486,11 +526,20 @@ class HostPool:
         """(under the lock) Whether ``b``'s only hold is the memory tier's record pass over a snapshot a newer one
         replaced, and that pass gives the buffer up to a new snapshot now (see MemoryTier._record_passes), or was
         told to already (it is stopping: it publishes nothing, whatever the buffer holds by then)."""
-        return b.holds == 1 and not b.staging and b.record_yields is not None \
+        return (
+            b.holds == 1
+            and not b.staging
+            and b.record_yields is not None
             and (b.record_taken is not None or b.record_yields())
+        )
 
-    def wait_free(self, nbytes: int, step: int, timeout: float,
-                  reclaim: Callable[[HostBuffer, bool, int], bool] | None = None) -> bool:
+    def wait_free(
+        self,
+        nbytes: int,
+        step: int,
+        timeout: float,
+        reclaim: Callable[[HostBuffer, bool, int], bool] | None = None,
+    ) -> bool:
         """Wait at most ``timeout`` seconds until :meth:`acquire` with ``inline=False`` would take a buffer
         at once: one is free (or room for one, with no background allocation running). Returns whether it
         would. What it waits for: :meth:`prepare`'s allocation, a snapshot copy landing, a tier letting go
@@ -536,7 +585,7 @@ class HostPool:
         here, or else at ``_ALLOC_GBPS``; always while the first pinned buffer is being allocated in the
         background. A save then skips at once instead of waiting out its bound."""
         if self.buffers:
-            return False   # a tier may let go of one at any moment
+            return False  # a tier may let go of one at any moment
         if self._pinned_allocation():
             return True
         ends = self._allocation_ends()
@@ -562,12 +611,17 @@ class HostPool:
     def _shrink(self, error: HostMemoryError) -> None:
         """Keep the buffers there are: the limit leaves no room for another (said once)."""
         if self.slots > len(self.buffers):
-            log.warning("only %d snapshot buffer(s) fit (%s): %s. Raise host_memory_limit for %d buffers",
-                        len(self.buffers), error,
-                        "the newest committed snapshot is kept whole in one, so a new snapshot waits (if_busy='wait') "
-                        "or is skipped (if_busy='skip') while a tier reads the other" if len(self.buffers) == 2 else
-                        "a new snapshot waits or is skipped while a tier reads the one buffer, and otherwise takes "
-                        "it: one that then fails leaves the memory tier empty", self.slots)
+            log.warning(
+                "only %d snapshot buffer(s) fit (%s): %s. Raise host_memory_limit for %d buffers",
+                len(self.buffers),
+                error,
+                "the newest committed snapshot is kept whole in one, so a new snapshot waits (if_busy='wait') "
+                "or is skipped (if_busy='skip') while a tier reads the other"
+                if len(self.buffers) == 2
+                else "a new snapshot waits or is skipped while a tier reads the one buffer, and otherwise takes "
+                "it: one that then fails leaves the memory tier empty",
+                self.slots,
+            )
             self.slots = len(self.buffers)
 
     def _withdraw(self, buf: HostBuffer, shm: Any) -> None:
@@ -578,8 +632,12 @@ class HostPool:
             try:
                 shm.remove_record(self.shared.root, self.shared.prefix, buf.slot)
             except OSError as e:
-                log.warning("could not withdraw the memory tier's record of slot %d (%s): a reader will find its "
-                            "chunks rewritten and pass over it", buf.slot, e)
+                log.warning(
+                    "could not withdraw the memory tier's record of slot %d (%s): a reader will find its "
+                    "chunks rewritten and pass over it",
+                    buf.slot,
+                    e,
+                )
         if buf.forget_image():
             self.unrecorded_dropped += 1
 
@@ -596,10 +654,17 @@ class HostPool:
         with self._cv:
             newest = max((b for b in self.buffers if b.image_step is not None), default=None, key=self._rank)
             counts = collections.Counter(
-                "being copied into" if b.staging else
-                "being checksummed for its record" if b.holds == 1 and b.record_yields is not None else
-                "read by a tier" if b.holds else
-                "holding the newest committed snapshot" if b is newest else "free" for b in self.buffers)
+                "being copied into"
+                if b.staging
+                else "being checksummed for its record"
+                if b.holds == 1 and b.record_yields is not None
+                else "read by a tier"
+                if b.holds
+                else "holding the newest committed snapshot"
+                if b is newest
+                else "free"
+                for b in self.buffers
+            )
             if self._allocating:
                 counts["being allocated"] += self._allocating
         return ", ".join(f"{n} {what}" for what, n in counts.items()) or "none allocated yet"
@@ -609,14 +674,21 @@ class HostPool:
         held only by a copy still landing, or is being allocated: it waits for those two)."""
         with self._cv:
             newest = max((b for b in self.buffers if b.image_step is not None), default=None, key=self._rank)
-            return len(self.buffers) + self._allocating < self.slots or self._allocating > 0 or \
-                any(b.holds == 0 or (b.staging and b.holds == 1) or (b is not newest and self._record_gives_way(b))
-                    for b in self.buffers)
+            return (
+                len(self.buffers) + self._allocating < self.slots
+                or self._allocating > 0
+                or any(
+                    b.holds == 0
+                    or (b.staging and b.holds == 1)
+                    or (b is not newest and self._record_gives_way(b))
+                    for b in self.buffers
+                )
+            )
 
     def hold(self, buf: HostBuffer) -> None:
         with self._cv:
             buf.holds += 1
-            self._cv.notify_all()   # the memory tier's records prefer a buffer a tier holds (MemoryTier._pick_record)
+            self._cv.notify_all()  # the memory tier's records prefer a buffer a tier holds (MemoryTier._pick_record)
 
     def release(self, buf: HostBuffer, staged: bool = False) -> None:
         """Drop one hold of ``buf`` (``staged``: the hold of its snapshot copy, which has landed or failed)."""
@@ -624,7 +696,7 @@ class HostPool:
             if staged:
                 buf.staging = False
             buf.holds = max(0, buf.holds - 1)
-            if self._closed and buf.holds == 0:   # the persist that held it ended after close(): free it now
+            if self._closed and buf.holds == 0:  # the persist that held it ended after close(): free it now
                 self._drop(buf)
             self._cv.notify_all()
 
@@ -646,8 +718,10 @@ class HostPool:
             if thread is not None and thread is not threading.current_thread():
                 thread.join(_PREPARE_JOIN_S)
                 if thread.is_alive():
-                    log.warning("the memory tier's background allocation did not stop within %d s of close()",
-                                _PREPARE_JOIN_S)
+                    log.warning(
+                        "the memory tier's background allocation did not stop within %d s of close()",
+                        _PREPARE_JOIN_S,
+                    )
         with self._cv:
             for b in [b for b in self.buffers if b.holds == 0]:
                 self._drop(b)
@@ -669,8 +743,11 @@ class HostPool:
     def _rank(self, b: HostBuffer) -> tuple[bool, float]:
         """How much a buffer's snapshot is worth keeping (larger: more): a snapshot on the branch the next
         ones go to (:attr:`live`) over one a rollback abandoned, then the last committed."""
-        live = self.live is None or b.image_step is None or \
-            self.live.holds(getattr(b.image_timeline, "number", 0), b.image_step)
+        live = (
+            self.live is None
+            or b.image_step is None
+            or self.live.holds(getattr(b.image_timeline, "number", 0), b.image_step)
+        )
         return live, b.image_order
 
     def commit_order(self) -> float:
@@ -688,33 +765,44 @@ class HostPool:
             with self._cv:
                 self._reserved.discard(slot)
 
-    def _allocate_unlocked(self, nbytes: int, step: int, slot: int, replacing: HostBuffer | None) -> HostBuffer:
+    def _allocate_unlocked(
+        self, nbytes: int, step: int, slot: int, replacing: HostBuffer | None
+    ) -> HostBuffer:
         cap = max(_GRANULE, -(-nbytes // _GRANULE) * _GRANULE)
         with self._cv:
             allocated = self.nbytes
             count = len(self.buffers)
-        others = allocated - (replacing.capacity if replacing is not None else 0)   # what stays allocated
+        others = allocated - (replacing.capacity if replacing is not None else 0)  # what stays allocated
         if self.limit is not None:
             limit, why = self.limit, "host_memory_limit"
-        else:   # what this pool holds already would be available to it, too
-            limit, why = int(0.8 * psutil.virtual_memory().available) + allocated, \
-                "80% of available host memory (the default of host_memory_limit)"
+        else:  # what this pool holds already would be available to it, too
+            limit, why = (
+                int(0.8 * psutil.virtual_memory().available) + allocated,
+                "80% of available host memory (the default of host_memory_limit)",
+            )
         if others + cap > limit >= others + nbytes:
-            cap = limit - others   # the rounding alone would cross the limit
+            cap = limit - others  # the rounding alone would cross the limit
         if others + cap > limit:
             kind = "pinned" if self.pin else "pageable"
-            have = f"{_mib(allocated)} of {kind} staging memory is allocated already in {count} " \
-                   f"buffer(s) (max_in_flight={self.slots})"
+            have = (
+                f"{_mib(allocated)} of {kind} staging memory is allocated already in {count} "
+                f"buffer(s) (max_in_flight={self.slots})"
+            )
             if replacing is not None:
-                have += f", of which the {_mib(replacing.capacity)} buffer of a smaller earlier state would be " \
-                        "freed to make room"
+                have += (
+                    f", of which the {_mib(replacing.capacity)} buffer of a smaller earlier state would be "
+                    "freed to make room"
+                )
             raise HostMemoryError(
                 f"staging step {step} needs a host buffer of {_mib(nbytes)}: {have}, so {_mib(others + nbytes)} "
                 f"would be needed in all, over the {_mib(limit)} allowed by {why}. Pass "
                 f"Checkpointer(host_memory_limit=...) of at least {others + nbytes} bytes"
                 f"{', or a smaller max_in_flight' if others else ''}",
-                needed=nbytes, allocated=allocated, limit=limit)
-        if replacing is not None:   # give its memory back before asking for more: peak = the new buffer
+                needed=nbytes,
+                allocated=allocated,
+                limit=limit,
+            )
+        if replacing is not None:  # give its memory back before asking for more: peak = the new buffer
             from . import shm
 
             with self._cv:
@@ -730,8 +818,12 @@ class HostPool:
         took = time.perf_counter() - t0
         if took > 0:
             self.alloc_gbps = cap / took / 1e9
-        log.info("allocated %.2f GiB %s host staging buffer in %.3f s", cap / 2**30,
-                 "shared-memory" if buf.segment is not None else "pinned" if self.pin else "pageable", took)
+        log.info(
+            "allocated %.2f GiB %s host staging buffer in %.3f s",
+            cap / 2**30,
+            "shared-memory" if buf.segment is not None else "pinned" if self.pin else "pageable",
+            took,
+        )
         return buf
 
     def _shared_buffer(self, cap: int, slot: int) -> HostBuffer | None:
@@ -760,16 +852,23 @@ class HostPool:
         except OSError as e:
             # the memory tier's trouble alone: this buffer lives in the process (the snapshots in it do not
             # outlive the process), every other tier gets them as before
-            if seg is not None:   # made, then refused: its RAM goes back
+            if seg is not None:  # made, then refused: its RAM goes back
                 seg.release()
                 with contextlib.suppress(OSError):
                     os.unlink(path)
             if not self._warned_shm:
                 self._warned_shm = True
-                log.warning("%s in this process's memory, so they do not outlive it: a %s segment could not be made "
-                            "at %s (%s); it needs %d buffer(s) of that size free in %s, as regular files of this "
-                            "user (enlarge it: docker --shm-size, or a Kubernetes emptyDir with medium: Memory)",
-                            self.holds_what, _mib(cap), e.filename or path, e.strerror or e, self.slots, space.root)
+                log.warning(
+                    "%s in this process's memory, so they do not outlive it: a %s segment could not be made "
+                    "at %s (%s); it needs %d buffer(s) of that size free in %s, as regular files of this "
+                    "user (enlarge it: docker --shm-size, or a Kubernetes emptyDir with medium: Memory)",
+                    self.holds_what,
+                    _mib(cap),
+                    e.filename or path,
+                    e.strerror or e,
+                    self.slots,
+                    space.root,
+                )
             return None
         return HostBuffer(cap, self.pin, segment=seg, slot=slot)
 

@@ -37,7 +37,15 @@ import torch
 
 from .errors import CheckpointError, Preempted
 
-__all__ = ["Signals", "PreemptionGuard", "Listening", "WorkerSignals", "drain", "drain_outside", "save_on_request"]
+__all__ = [
+    "Signals",
+    "PreemptionGuard",
+    "Listening",
+    "WorkerSignals",
+    "drain",
+    "drain_outside",
+    "save_on_request",
+]
 
 log = logging.getLogger(__name__)
 
@@ -115,8 +123,10 @@ class Signals:
         save = _signal_tuple(self.save, "Signals(save=...)")
         both = [s.name for s in preempt if s in save]
         if both:
-            raise ValueError(f"{both} listed in both Signals(preempt=...) and Signals(save=...): a signal either "
-                             "stops the run or saves and goes on; list it in one of them")
+            raise ValueError(
+                f"{both} listed in both Signals(preempt=...) and Signals(save=...): a signal either "
+                "stops the run or saves and goes on; list it in one of them"
+            )
         object.__setattr__(self, "preempt", preempt)
         object.__setattr__(self, "save", save)
         from .tiers.stack import needs_text, persisting_kinds
@@ -124,8 +134,10 @@ class Signals:
         kinds = persisting_kinds()
         for name in ("drain_tier", "save_tier"):
             if getattr(self, name) not in kinds:
-                raise ValueError(f"{name} must name a tier saves are written to: {needs_text(kinds)} (a tier of "
-                                 f"one's own once registered); got {getattr(self, name)!r}")
+                raise ValueError(
+                    f"{name} must name a tier saves are written to: {needs_text(kinds)} (a tier of "
+                    f"one's own once registered); got {getattr(self, name)!r}"
+                )
         if self.on_preempt not in ("exit", "raise"):
             raise ValueError(f"on_preempt must be 'exit' or 'raise', got {self.on_preempt!r}")
         if self.save_deadline is None:
@@ -135,23 +147,38 @@ class Signals:
             if name == "outside_loop_after" and value is None:
                 continue
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-                raise ValueError(f"{name} must be a positive number of seconds, got {value!r}"
-                                 + (" (None: only maybe_save acts on a preemption)" if name == "outside_loop_after"
-                                    else ""))
+                raise ValueError(
+                    f"{name} must be a positive number of seconds, got {value!r}"
+                    + (
+                        " (None: only maybe_save acts on a preemption)"
+                        if name == "outside_loop_after"
+                        else ""
+                    )
+                )
 
     @classmethod
-    def from_arguments(cls, signals: "Signals | Sequence[int]", drain_deadline: float, drain_tier: str,
-                       on_preempt: str) -> "Signals":
+    def from_arguments(
+        cls, signals: "Signals | Sequence[int]", drain_deadline: float, drain_tier: str, on_preempt: str
+    ) -> "Signals":
         """The configuration from ``Checkpointer``'s arguments: a :class:`Signals`, or the keyword form
         (``signals=(signal.SIGTERM,), drain_deadline=..., drain_tier=..., on_preempt=...``), whose
         signals are preemption signals. Given a :class:`Signals`, the keyword options must keep their
         defaults (each is a field of it)."""
         if isinstance(signals, Signals):
-            given = [n for n, v, default in (("drain_deadline", drain_deadline, 30.0), ("drain_tier", drain_tier,
-                     "local"), ("on_preempt", on_preempt, "exit")) if v != default]
+            given = [
+                n
+                for n, v, default in (
+                    ("drain_deadline", drain_deadline, 30.0),
+                    ("drain_tier", drain_tier, "local"),
+                    ("on_preempt", on_preempt, "exit"),
+                )
+                if v != default
+            ]
             if given:
-                raise ValueError(f"{given} given beside signals=ckpt.Signals(...): set them inside it "
-                                 "(ckpt.Signals(deadline=..., drain_tier=..., on_preempt=...))")
+                raise ValueError(
+                    f"{given} given beside signals=ckpt.Signals(...): set them inside it "
+                    "(ckpt.Signals(deadline=..., drain_tier=..., on_preempt=...))"
+                )
             return signals
         preempt = _signal_tuple(signals, "signals")
         if not preempt:
@@ -172,8 +199,10 @@ class Signals:
         for name, tier in (("drain_tier", self.drain_tier), ("save_tier", self.save_tier)):
             if tier not in planned:
                 needs = persisting_kinds().get(tier)
-                raise ValueError(f"{name}={tier!r}: this Checkpointer writes saves to {list(planned)}"
-                                 + (f"; the {tier!r} tier needs {needs}" if needs else ""))
+                raise ValueError(
+                    f"{name}={tier!r}: this Checkpointer writes saves to {list(planned)}"
+                    + (f"; the {tier!r} tier needs {needs}" if needs else "")
+                )
 
     @property
     def handled(self) -> tuple[signal.Signals, ...]:
@@ -185,12 +214,14 @@ class PreemptionGuard:
     """Installs flag-only handlers while active: ``signals`` (preemption) set :attr:`received`,
     ``save`` set :attr:`save_requested`."""
 
-    def __init__(self, signals: Sequence[int | signal.Signals], save: Sequence[int | signal.Signals] = ()) -> None:
+    def __init__(
+        self, signals: Sequence[int | signal.Signals], save: Sequence[int | signal.Signals] = ()
+    ) -> None:
         self.signals = _signal_tuple(signals, "signals")
         self.save = _signal_tuple(save, "save signals")
-        self.received: int | None = None          # the first preemption signal
-        self.received_at: float | None = None     # when it arrived (time.monotonic())
-        self.save_requested: int | None = None    # a save request not yet served
+        self.received: int | None = None  # the first preemption signal
+        self.received_at: float | None = None  # when it arrived (time.monotonic())
+        self.save_requested: int | None = None  # a save request not yet served
         self._previous: dict[signal.Signals, Any] = {}
 
     @property
@@ -201,8 +232,10 @@ class PreemptionGuard:
     def install(self) -> None:
         """Install the flag-only handlers, remembering the previous ones (main thread only: ``RuntimeError``)."""
         if threading.current_thread() is not threading.main_thread():
-            raise RuntimeError("Checkpointer(signals=...) installs signal handlers, which Python allows only in "
-                               "the main thread: enter the `with` block there, or pass signals=()")
+            raise RuntimeError(
+                "Checkpointer(signals=...) installs signal handlers, which Python allows only in "
+                "the main thread: enter the `with` block there, or pass signals=()"
+            )
         try:
             for s in self.signals + self.save:
                 self._previous[s] = signal.getsignal(s)
@@ -210,7 +243,7 @@ class PreemptionGuard:
         except BaseException:
             self.uninstall()
             raise
-        _installed.append(self)   # what a data-loader worker forked from now on leaves to its parent
+        _installed.append(self)  # what a data-loader worker forked from now on leaves to its parent
 
     def uninstall(self) -> None:
         """Put the previous handlers back."""
@@ -295,19 +328,24 @@ class WorkerSignals:
     Picklable when ``fn`` is (workers started with ``spawn`` or ``forkserver``).
     """
 
-    def __init__(self, fn: Callable[[int], Any] | None = None,
-                 signals: Iterable[int | signal.Signals] | None = None) -> None:
+    def __init__(
+        self, fn: Callable[[int], Any] | None = None, signals: Iterable[int | signal.Signals] | None = None
+    ) -> None:
         if fn is not None and not callable(fn):
-            raise TypeError(f"WorkerSignals(fn=...) takes a worker_init_fn (a callable of the worker id), "
-                            f"got {type(fn).__name__}")
+            raise TypeError(
+                f"WorkerSignals(fn=...) takes a worker_init_fn (a callable of the worker id), "
+                f"got {type(fn).__name__}"
+            )
         self.fn = fn
         self.signals = None if signals is None else _signal_tuple(signals, "WorkerSignals(signals=...)")
 
     def __call__(self, worker_id: int) -> None:
         wanted = self.signals
         if wanted is None:
-            wanted = tuple(dict.fromkeys(s for g in _installed for s in g.signals + g.save)) or \
-                (signal.SIGTERM, signal.SIGUSR1)
+            wanted = tuple(dict.fromkeys(s for g in _installed for s in g.signals + g.save)) or (
+                signal.SIGTERM,
+                signal.SIGUSR1,
+            )
         for s in wanted:
             signal.signal(s, _leave_to_parent)
         if self.fn is not None:
@@ -324,31 +362,46 @@ def _durable(handle: Any, tier: str, deadline: float, t0: float) -> tuple[bool, 
         error = handle._wait_quietly(tier, timeout=max(0.0, deadline - (time.perf_counter() - t0)))
     except TimeoutError:
         return False, None
-    if error is None and handle.status == "skipped":   # forced saves wait for a buffer; never count a skip
+    if error is None and handle.status == "skipped":  # forced saves wait for a buffer; never count a skip
         error = CheckpointError(f"the save of step {handle.step} was skipped")
     return True, error
 
 
-def drain(save: Callable[[], Any], step: int, signum: int, config: Signals, guard: PreemptionGuard) -> NoReturn:
+def drain(
+    save: Callable[[], Any], step: int, signum: int, config: Signals, guard: PreemptionGuard
+) -> NoReturn:
     """The preemption: ``save()`` (which saves ``step``), wait until it is durable on
     ``config.drain_tier`` within ``config.deadline``, call the signal's previous handler, then exit
     with ``128 + signum`` or raise :class:`~ckpt.errors.Preempted`."""
     name = signal.Signals(signum).name
     t0 = time.perf_counter()
-    log.warning("%s received: saving step %d and making it durable on the %s tier within %.0f s",
-                name, step, config.drain_tier, config.deadline)
+    log.warning(
+        "%s received: saving step %d and making it durable on the %s tier within %.0f s",
+        name,
+        step,
+        config.drain_tier,
+        config.deadline,
+    )
     durable = False
     try:
         done, error = _durable(save(), config.drain_tier, config.deadline, t0)
         if not done:
-            log.error("step %d was not durable on the %s tier within the drain deadline of %.0f s", step,
-                      config.drain_tier, config.deadline)
+            log.error(
+                "step %d was not durable on the %s tier within the drain deadline of %.0f s",
+                step,
+                config.drain_tier,
+                config.deadline,
+            )
         elif error is not None:
             log.error("the preemption save of step %d failed: %s", step, error)
         else:
             durable = True
-            log.warning("step %d is durable on the %s tier after %.2f s; exiting", step, config.drain_tier,
-                        time.perf_counter() - t0)
+            log.warning(
+                "step %d is durable on the %s tier after %.2f s; exiting",
+                step,
+                config.drain_tier,
+                time.perf_counter() - t0,
+            )
     except Exception as e:
         log.error("the preemption save of step %d failed: %s", step, e)
     guard.chain(signum)
@@ -357,31 +410,51 @@ def drain(save: Callable[[], Any], step: int, signum: int, config: Signals, guar
     raise SystemExit(128 + signum)
 
 
-def drain_outside(flush: Callable[[str], Any], signum: int, config: Signals, since: float) -> tuple[int | None, bool]:
+def drain_outside(
+    flush: Callable[[str], Any], signum: int, config: Signals, since: float
+) -> tuple[int | None, bool]:
     """A preemption no ``maybe_save`` came to act on (see ``Signals.outside_loop_after``): hand the newest
     snapshot in RAM to ``config.drain_tier`` (``flush(tier)`` returns its save handle, ``None`` when there is
     none) and wait until it is durable there, at most until ``since + config.deadline`` (``since``: when the
     signal arrived, ``time.monotonic()``). Returns ``(the step drained or None, durable)``."""
     name = signal.Signals(signum).name
-    left = lambda: config.deadline - (time.monotonic() - since)   # noqa: E731
+    left = lambda: config.deadline - (time.monotonic() - since)  # noqa: E731
     handle = flush(config.drain_tier)
     if handle is None:
-        log.error("%s received outside the training loop and no snapshot is in RAM to drain: nothing was made "
-                  "durable", name)
+        log.error(
+            "%s received outside the training loop and no snapshot is in RAM to drain: nothing was made "
+            "durable",
+            name,
+        )
         return None, False
-    log.warning("%s received and no maybe_save() came within %.1f s (evaluating, waiting for data?): making the "
-                "newest snapshot in RAM, step %d, durable on the %s tier within %.0f s", name,
-                time.monotonic() - since, handle.step, config.drain_tier, max(0.0, left()))
+    log.warning(
+        "%s received and no maybe_save() came within %.1f s (evaluating, waiting for data?): making the "
+        "newest snapshot in RAM, step %d, durable on the %s tier within %.0f s",
+        name,
+        time.monotonic() - since,
+        handle.step,
+        config.drain_tier,
+        max(0.0, left()),
+    )
     t0 = time.perf_counter()
     done, error = _durable(handle, config.drain_tier, max(0.0, left()), t0)
     if not done:
-        log.error("step %d was not durable on the %s tier within the drain deadline of %.0f s", handle.step,
-                  config.drain_tier, config.deadline)
+        log.error(
+            "step %d was not durable on the %s tier within the drain deadline of %.0f s",
+            handle.step,
+            config.drain_tier,
+            config.deadline,
+        )
     elif error is not None:
         log.error("the preemption drain of step %d failed: %s", handle.step, error)
     else:
-        log.warning("step %d is durable on the %s tier %.2f s after %s", handle.step, config.drain_tier,
-                    time.monotonic() - since, name)
+        log.warning(
+            "step %d is durable on the %s tier %.2f s after %s",
+            handle.step,
+            config.drain_tier,
+            time.monotonic() - since,
+            name,
+        )
     return handle.step, done and error is None
 
 
@@ -392,19 +465,40 @@ def save_on_request(save: Callable[[], Any], step: int, signum: int, config: Sig
     raised here: the signal came from outside the program, which goes on training."""
     name = signal.Signals(signum).name
     t0 = time.perf_counter()
-    log.info("%s received: saving step %d and waiting until it is durable on the %s tier (at most %.0f s)",
-             name, step, config.save_tier, config.save_deadline)
+    log.info(
+        "%s received: saving step %d and waiting until it is durable on the %s tier (at most %.0f s)",
+        name,
+        step,
+        config.save_tier,
+        config.save_deadline,
+    )
     handle = save()
     done, error = _durable(handle, config.save_tier, config.save_deadline, t0)
     if not done:
-        log.warning("the save of step %d requested by %s is not durable on the %s tier after %.0f s; training "
-                    "goes on while it persists", step, name, config.save_tier, config.save_deadline)
+        log.warning(
+            "the save of step %d requested by %s is not durable on the %s tier after %.0f s; training "
+            "goes on while it persists",
+            step,
+            name,
+            config.save_tier,
+            config.save_deadline,
+        )
     elif error is not None:
-        log.error("the save of step %d requested by %s failed on the %s tier: %s; training goes on", step, name,
-                  config.save_tier, error)
+        log.error(
+            "the save of step %d requested by %s failed on the %s tier: %s; training goes on",
+            step,
+            name,
+            config.save_tier,
+            error,
+        )
     else:
-        log.info("step %d (requested by %s) is durable on the %s tier after %.2f s; training goes on", step, name,
-                 config.save_tier, time.perf_counter() - t0)
+        log.info(
+            "step %d (requested by %s) is durable on the %s tier after %.2f s; training goes on",
+            step,
+            name,
+            config.save_tier,
+            time.perf_counter() - t0,
+        )
     return handle
 
 
@@ -421,11 +515,11 @@ class Listening:
     def __init__(self, signals: Signals, flush: Callable[[str], Any], closing: Callable[[], bool]) -> None:
         self.signals = signals
         self.guard: PreemptionGuard | None = None
-        self.outside: Preempted | None = None   # a drain outside the loop, for the next maybe_save to raise
+        self.outside: Preempted | None = None  # a drain outside the loop, for the next maybe_save to raise
         self._flush, self._closing = flush, closing
         self._watch: tuple[threading.Thread, threading.Event] | None = None
         self._drain_lock = threading.Lock()
-        self._draining: str | None = None       # "loop" or "outside": who drains a preemption
+        self._draining: str | None = None  # "loop" or "outside": who drains a preemption
 
     @property
     def received(self) -> int | None:
@@ -446,8 +540,12 @@ class Listening:
             self.guard.install()
             if wanted[0] and self.signals.outside_loop_after is not None:
                 stop = threading.Event()
-                watcher = threading.Thread(target=self._watch_preemption, args=(self.guard, stop),
-                                           name="ckpt-preempt-watch", daemon=True)
+                watcher = threading.Thread(
+                    target=self._watch_preemption,
+                    args=(self.guard, stop),
+                    name="ckpt-preempt-watch",
+                    daemon=True,
+                )
                 self._watch = (watcher, stop)
                 watcher.start()
 
@@ -468,7 +566,7 @@ class Listening:
             signum, since = guard.received, guard.received_at
             if signum is None or since is None or time.monotonic() - since < self.signals.outside_loop_after:
                 continue
-            if self._closing():   # close() is making every snapshot durable already; the block's end follows
+            if self._closing():  # close() is making every snapshot durable already; the block's end follows
                 return
             with self._drain_lock:
                 if self._draining is not None:
@@ -482,7 +580,7 @@ class Listening:
                 for f in (sys.stdout, sys.stderr):
                     with contextlib.suppress(Exception):
                         f.flush()
-                os._exit(128 + signum)   # the main thread is elsewhere: no unwinding, the RAM stays
+                os._exit(128 + signum)  # the main thread is elsewhere: no unwinding, the RAM stays
             self.outside = Preempted(signum, step if step is not None else -1, durable)
             return
 
@@ -491,15 +589,15 @@ class Listening:
         the loop left; on a preemption any rank received (collective over ``ranks``), :func:`drain` with
         ``save(tier)`` (it exits or raises); on a save request, :func:`save_on_request` and return its
         handle. ``None``: no signal to act on."""
-        if self.outside is not None:   # drained outside the loop, on_preempt="raise"
+        if self.outside is not None:  # drained outside the loop, on_preempt="raise"
             raise self.outside
         if self.guard is not None and self.guard.active:
-            preempt, requested = self.guard.poll(ranks)   # collective over the ranks' CPU group
-            if preempt:   # wins over a save request
+            preempt, requested = self.guard.poll(ranks)  # collective over the ranks' CPU group
+            if preempt:  # wins over a save request
                 with self._drain_lock:
                     outside = self._draining == "outside"
                     self._draining = self._draining or "loop"
-                if outside:   # the watcher drains the newest snapshot in RAM: it exits or leaves Preempted
+                if outside:  # the watcher drains the newest snapshot in RAM: it exits or leaves Preempted
                     watch = self._watch
                     if watch is not None:
                         watch[0].join()
@@ -507,6 +605,6 @@ class Listening:
                         raise self.outside
                 drain(lambda: save(self.signals.drain_tier), step, preempt, self.signals, self.guard)
             if requested:
-                self.guard.save_requested = None   # a request arriving from here on asks for another save
+                self.guard.save_requested = None  # a request arriving from here on asks for another save
                 return save_on_request(lambda: save(self.signals.save_tier), step, requested, self.signals)
         return None

@@ -34,5 +34,5 @@ def lower_this_thread() -> None:
     try:
         now = os.getpriority(os.PRIO_PROCESS, tid)
         os.setpriority(os.PRIO_PROCESS, tid, min(19, now + step))
-    except OSError as e:   # a sandbox that forbids it: the thread runs at the process's priority
+    except OSError as e:  # a sandbox that forbids it: the thread runs at the process's priority
         log.debug("could not lower the priority of thread %s: %s", threading.current_thread().name, e)

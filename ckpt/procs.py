@@ -41,7 +41,7 @@ def alive(pid: int, since: float | None = None) -> bool:
         except ProcessLookupError:
             return False
         except PermissionError:
-            pass   # another user's process
+            pass  # another user's process
     if since is not None:
         start = started(pid)
         if start is not None and start > since + _SLACK_S:

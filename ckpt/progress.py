@@ -30,14 +30,14 @@ def wanted(quiet: bool = False) -> bool:
         return False
     try:
         return sys.stderr.isatty()
-    except (AttributeError, ValueError):   # replaced or closed stderr
+    except (AttributeError, ValueError):  # replaced or closed stderr
         return False
 
 
 def _size() -> tuple[int, int]:
     """Columns and lines of the terminal on stderr (0 when it does not say)."""
     try:
-        return tuple(os.get_terminal_size(sys.stderr.fileno()))   # type: ignore[return-value]
+        return tuple(os.get_terminal_size(sys.stderr.fileno()))  # type: ignore[return-value]
     except (AttributeError, ValueError, OSError):
         return 0, 0
 
@@ -59,10 +59,20 @@ class Progress:
 
             # a terminal that reports no size (a pty nobody sized) would make tqdm draw nothing at all
             cols, rows = _size()
-            self._bar = tqdm(total=total, desc=desc, unit="B", unit_scale=True, unit_divisor=1024,
-                             file=sys.stderr, leave=False, dynamic_ncols=cols > 0 and rows > 0,
-                             ncols=None if cols > 0 else 80, nrows=None if rows > 0 else 24,
-                             mininterval=0.2, smoothing=0.1)
+            self._bar = tqdm(
+                total=total,
+                desc=desc,
+                unit="B",
+                unit_scale=True,
+                unit_divisor=1024,
+                file=sys.stderr,
+                leave=False,
+                dynamic_ncols=cols > 0 and rows > 0,
+                ncols=None if cols > 0 else 80,
+                nrows=None if rows > 0 else 24,
+                mininterval=0.2,
+                smoothing=0.1,
+            )
 
     def __call__(self, nbytes: int) -> None:
         n = nbytes * self.weight

@@ -9,7 +9,12 @@ import logging
 import os
 from typing import Any
 
-from .errors import CheckpointError, CorruptCheckpointError, IncompatibleCheckpointError, IncompleteCheckpointError
+from .errors import (
+    CheckpointError,
+    CorruptCheckpointError,
+    IncompatibleCheckpointError,
+    IncompleteCheckpointError,
+)
 from .format import Manifest, data_name
 from .policy import Timeline
 from .tiers import LocalTier, RemoteTier
@@ -20,8 +25,15 @@ __all__ = ["promote", "copy_between", "check_target"]
 log = logging.getLogger(__name__)
 
 
-def promote(step: int, to: str, *, local_dir: str | os.PathLike, url: str,
-            storage_options: dict[str, Any] | None = None, compression: str | None = None) -> bool:
+def promote(
+    step: int,
+    to: str,
+    *,
+    local_dir: str | os.PathLike,
+    url: str,
+    storage_options: dict[str, Any] | None = None,
+    compression: str | None = None,
+) -> bool:
     """Copy committed checkpoint ``step`` between ``local_dir`` and ``url`` (see :meth:`ckpt.Checkpointer.promote`:
     the same guarantees); returns ``False`` when the destination already held it.
 
@@ -49,8 +61,11 @@ def check_target(to: str, remote: RemoteTier | None) -> None:
     if to not in ("remote", "local"):
         raise ValueError(f"to must be 'remote' or 'local', got {to!r}")
     if remote is None:
-        raise ValueError("promote(to='remote') needs Checkpointer(url=...)" if to == "remote" else
-                         "promote(to='local') copies from the remote tier: pass Checkpointer(url=...)")
+        raise ValueError(
+            "promote(to='remote') needs Checkpointer(url=...)"
+            if to == "remote"
+            else "promote(to='local') copies from the remote tier: pass Checkpointer(url=...)"
+        )
 
 
 def copy_between(local: LocalTier, remote: RemoteTier, step: int, to: str) -> bool:
@@ -64,29 +79,45 @@ def copy_between(local: LocalTier, remote: RemoteTier, step: int, to: str) -> bo
         src, dst = remote, local
         where = remote.step_dir(step)
     if step not in src.committed_steps():
-        status = src.status   # a remote tier lists nothing while its store is down
+        status = src.status  # a remote tier lists nothing while its store is down
         if status.available is False and status.error is not None:
-            raise ConnectionError(status.error.errno, f"promoting step {step}: {status.error.strerror}; nothing "
-                                  "was copied", where) from status.error
-        raise FileNotFoundError(errno.ENOENT, f"step {step} is not committed on the {src.name} tier "
-                                f"(committed there: {src.committed_steps()[:10]}); nothing was copied", where)
-    commit, manifest = src.open(step)   # the records, validated (CorruptCheckpointError names the file)
+            raise ConnectionError(
+                status.error.errno,
+                f"promoting step {step}: {status.error.strerror}; nothing was copied",
+                where,
+            ) from status.error
+        raise FileNotFoundError(
+            errno.ENOENT,
+            f"step {step} is not committed on the {src.name} tier "
+            f"(committed there: {src.committed_steps()[:10]}); nothing was copied",
+            where,
+        )
+    commit, manifest = src.open(step)  # the records, validated (CorruptCheckpointError names the file)
     if _holds(dst, step, manifest):
-        log.info("step %d is already on the %s tier, the same checkpoint, and verifies: nothing to copy", step, to)
+        log.info(
+            "step %d is already on the %s tier, the same checkpoint, and verifies: nothing to copy", step, to
+        )
         return False
     if to == "remote":
         committed = remote.committed_steps()
         if remote.job is not None and step in committed:
-            raise CheckpointError(f"step {step} is committed on the job tier {remote.url} with other content than "
-                                  f"rank {remote.rank}'s local copy: promote does not replace a job-tier checkpoint "
-                                  "(every rank's files would have to switch at once); delete it there first")
+            raise CheckpointError(
+                f"step {step} is committed on the job tier {remote.url} with other content than "
+                f"rank {remote.rank}'s local copy: promote does not replace a job-tier checkpoint "
+                "(every rank's files would have to switch at once); delete it there first"
+            )
         # each chunk is checked against the manifest before it goes up; the copy keeps the checkpoint's timeline
         with local.mapped(step) as data, remote.copying(step, Timeline.of(commit)):
-            remote.write(step, manifest, data, source=str(local.step_dir(step) / data_name(local.rank)),
-                         move_latest=step >= max(committed, default=-1))
+            remote.write(
+                step,
+                manifest,
+                data,
+                source=str(local.step_dir(step) / data_name(local.rank)),
+                move_latest=step >= max(committed, default=-1),
+            )
     else:
-        with local.copying(step, Timeline.of(commit)):   # the copy keeps the checkpoint's timeline
-            remote.load(step, manifest, None, refill=local)   # every part verified before the local switch
+        with local.copying(step, Timeline.of(commit)):  # the copy keeps the checkpoint's timeline
+            remote.load(step, manifest, None, refill=local)  # every part verified before the local switch
     log.info("step %d copied to the %s tier", step, to)
     return True
 
@@ -99,17 +130,30 @@ def _holds(tier: Any, step: int, manifest: Manifest) -> bool:
             return False
         there = tier.open(step)[1]
     except (CorruptCheckpointError, IncompleteCheckpointError, IncompatibleCheckpointError, OSError):
-        return False   # not a usable copy of this process's checkpoint: the write decides (or refuses)
+        return False  # not a usable copy of this process's checkpoint: the write decides (or refuses)
 
     def content(m: Manifest) -> tuple:
-        return (m.data_bytes, m.chunk_bytes, m.chunks, m.items, m.tree, m.job, m.replicated, m.checksum_algorithm)
+        return (
+            m.data_bytes,
+            m.chunk_bytes,
+            m.chunks,
+            m.items,
+            m.tree,
+            m.job,
+            m.replicated,
+            m.checksum_algorithm,
+        )
 
     if content(there) != content(manifest):
         return False
     try:
         tier.verify(step)
     except (CheckpointError, OSError) as e:
-        log.warning("step %d on the %s tier is the same checkpoint but fails verification (%s): replacing it",
-                    step, tier.name, e)
+        log.warning(
+            "step %d on the %s tier is the same checkpoint but fails verification (%s): replacing it",
+            step,
+            tier.name,
+            e,
+        )
         return False
     return True

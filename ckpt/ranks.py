@@ -43,8 +43,10 @@ def collective_job(collective: bool | None) -> bool:
     is initialised with more than one rank; ``True`` without that is a ``ValueError``."""
     world = distributed_world()
     if collective and world <= 1:
-        raise ValueError("collective=True needs torch.distributed initialised with more than one rank "
-                         "(call init_process_group first, or leave collective=None)")
+        raise ValueError(
+            "collective=True needs torch.distributed initialised with more than one rank "
+            "(call init_process_group first, or leave collective=None)"
+        )
     return world > 1 if collective is None else collective
 
 
@@ -60,7 +62,7 @@ class Ranks:
         self.rank = dist.get_rank()
         self.world = dist.get_world_size()
         if dist.get_backend() == "gloo" and not own_group:
-            self.group = None   # the default group already runs on the CPU
+            self.group = None  # the default group already runs on the CPU
         else:
             self.group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
 
@@ -74,10 +76,10 @@ class Ranks:
         if width == 0:
             return [[] for _ in range(self.world)]
         mine = torch.zeros(width, dtype=torch.int64, device="cpu")
-        mine[:len(values)] = torch.tensor(values, dtype=torch.int64, device="cpu")
+        mine[: len(values)] = torch.tensor(values, dtype=torch.int64, device="cpu")
         out = [torch.zeros(width, dtype=torch.int64, device="cpu") for _ in range(self.world)]
         dist.all_gather(out, mine, group=self.group)
-        return [o[:int(s)].tolist() for o, s in zip(out, sizes)]
+        return [o[: int(s)].tolist() for o, s in zip(out, sizes)]
 
     def max(self, values: list[int]) -> list[int]:
         """Element-wise largest of ``values`` (the same length on every rank) over the ranks."""
@@ -97,15 +99,22 @@ def check_elastic_store() -> bool:
         restarts = int(env.get("TORCHELASTIC_MAX_RESTARTS", "0"))
     except ValueError:
         return False
-    if _checked_elastic_store or restarts <= 0 or env.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or \
-            env.get("LOCAL_RANK", "0") != "0":
+    if (
+        _checked_elastic_store
+        or restarts <= 0
+        or env.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
+        or env.get("LOCAL_RANK", "0") != "0"
+    ):
         return False
     _checked_elastic_store = True
-    log.warning("torchrun restarts this job (--max-restarts %d) and shares its rendezvous store with the workers: "
-                "after a restart, init_process_group reads the failed attempt's addresses from that store and fails "
-                "(Connection refused) or hangs (pytorch/pytorch#135712, #167288). Launch torchrun with "
-                "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 and the c10d rendezvous (--standalone, or --rdzv-backend c10d "
-                "--rdzv-endpoint HOST:PORT); see docs/guides/launchers.md", restarts)
+    log.warning(
+        "torchrun restarts this job (--max-restarts %d) and shares its rendezvous store with the workers: "
+        "after a restart, init_process_group reads the failed attempt's addresses from that store and fails "
+        "(Connection refused) or hangs (pytorch/pytorch#135712, #167288). Launch torchrun with "
+        "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 and the c10d rendezvous (--standalone, or --rdzv-backend c10d "
+        "--rdzv-endpoint HOST:PORT); see docs/guides/launchers.md",
+        restarts,
+    )
     return True
 
 
@@ -115,5 +124,5 @@ def job_ranks(collective: bool) -> Ranks | None:
     if not collective:
         return None
     ranks = Ranks()
-    check_elastic_store()   # a torchrun restart of this job would fail before it gets here again
+    check_elastic_store()  # a torchrun restart of this job would fail before it gets here again
     return ranks

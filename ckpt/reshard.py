@@ -37,6 +37,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
+
 if TYPE_CHECKING:
     import torch
 
@@ -63,7 +64,9 @@ def shard_box(layout: Any, path: str = "?") -> Box:
         coord = [int(c) for c in layout["coord"]]
         placements = [str(p) for p in layout["placements"]]
     except (TypeError, KeyError, ValueError):
-        raise IncompatibleCheckpointError(f"tensor at {path!r}: unreadable sharding layout {layout!r}") from None
+        raise IncompatibleCheckpointError(
+            f"tensor at {path!r}: unreadable sharding layout {layout!r}"
+        ) from None
     if not (len(mesh) == len(coord) == len(placements)) or any(not 0 <= c < m for c, m in zip(coord, mesh)):
         raise IncompatibleCheckpointError(f"tensor at {path!r}: inconsistent sharding layout {layout!r}")
     offsets = [0] * len(shape)
@@ -73,7 +76,8 @@ def shard_box(layout: Any, path: str = "?") -> Box:
             continue
         if not (p.startswith("S") and p[1:].isdigit() and int(p[1:]) < len(shape)):
             raise IncompatibleCheckpointError(
-                f"tensor at {path!r}: placement {p!r} cannot be resharded (only Shard(dim) and Replicate can)")
+                f"tensor at {path!r}: placement {p!r} cannot be resharded (only Shard(dim) and Replicate can)"
+            )
         d = int(p[1:])
         per = -(-sizes[d] // n)
         start = min(per * c, sizes[d])
@@ -126,7 +130,9 @@ def check_layouts(manifests: list[Manifest], where: str, whole: bool = True) -> 
     for m in manifests:
         for j, dt in saved_layouts(m.tree).items():
             if not 0 <= j < len(m.items):
-                raise CorruptCheckpointError(f"{where}: rank {m.rank}'s state names item {j}, which it does not have")
+                raise CorruptCheckpointError(
+                    f"{where}: rank {m.rank}'s state names item {j}, which it does not have"
+                )
             it = m.items[j]
             if not isinstance(dt, dict):
                 raise CorruptCheckpointError(f"{where}: tensor {it.key!r}: unreadable sharding layout {dt!r}")
@@ -135,14 +141,16 @@ def check_layouts(manifests: list[Manifest], where: str, whole: bool = True) -> 
             if list(box[1]) != list(it.shape):
                 raise CorruptCheckpointError(
                     f"{where}: tensor {it.key!r}: rank {m.rank} saved a shard of shape {it.shape}, but its layout "
-                    f"({dt['placements']} over a {dt['mesh']} mesh of a {shape} tensor) gives it {list(box[1])}")
+                    f"({dt['placements']} over a {dt['mesh']} mesh of a {shape} tensor) gives it {list(box[1])}"
+                )
             sig = (shape, it.dtype, [int(x) for x in dt["mesh"]], [str(p) for p in dt["placements"]])
             first = agreed.setdefault(it.key, sig)
             if first != sig:
                 raise CorruptCheckpointError(
                     f"{where}: tensor {it.key!r}: rank {m.rank} saved a shard of a {sig[1]}{sig[0]} tensor over a "
                     f"{sig[2]} mesh ({sig[3]}), an earlier rank of a {first[1]}{first[0]} one over {first[2]} "
-                    f"({first[3]}): the saved ranks disagree about its layout")
+                    f"({first[3]}): the saved ranks disagree about its layout"
+                )
             boxes.setdefault(it.key, set()).add(box)
     if whole:
         for key, held in boxes.items():
@@ -150,7 +158,8 @@ def check_layouts(manifests: list[Manifest], where: str, whole: bool = True) -> 
             if n != total:
                 raise CorruptCheckpointError(
                     f"{where}: tensor {key!r}: the saved shards of its {len(manifests)} rank(s) cover {n} of the "
-                    f"{total} elements of its global shape {agreed[key][0]}")
+                    f"{total} elements of its global shape {agreed[key][0]}"
+                )
 
 
 def _strides(shape: tuple[int, ...] | list[int]) -> list[int]:
@@ -166,8 +175,9 @@ class _Copy:
 
     __slots__ = ("src", "dst", "src_off", "dst_off", "box")
 
-    def __init__(self, src: ItemRecord, dst: int, src_off: tuple[int, ...], dst_off: tuple[int, ...],
-                 box: Box) -> None:
+    def __init__(
+        self, src: ItemRecord, dst: int, src_off: tuple[int, ...], dst_off: tuple[int, ...], box: Box
+    ) -> None:
         self.src, self.dst, self.src_off, self.dst_off, self.box = src, dst, src_off, dst_off, box
 
     def span(self) -> tuple[int, int]:
@@ -180,9 +190,13 @@ class _Copy:
         return self.src.offset + first * item, self.src.offset + (last + 1) * item
 
 
-def load_resharded(manifests: list[Manifest], own: int, dest: list[torch.Tensor | None],
-                   boxes: dict[int, tuple[Box, list[int]]],
-                   fetch: Callable[[int, Manifest, int], bytes]) -> int:
+def load_resharded(
+    manifests: list[Manifest],
+    own: int,
+    dest: list[torch.Tensor | None],
+    boxes: dict[int, tuple[Box, list[int]]],
+    fetch: Callable[[int, Manifest, int], bytes],
+) -> int:
     """Copy every saved rank's share of the bound destinations; returns the bytes fetched.
 
     ``manifests``: every saved rank's manifest, in rank order; ``own``: the rank whose tree
@@ -197,14 +211,17 @@ def load_resharded(manifests: list[Manifest], own: int, dest: list[torch.Tensor 
     seen: set[tuple[str, Box]] = set()
     agreed: dict[str, tuple] = {}
     # every saved rank's copies first: a layout that does not fit fails before any byte is fetched
-    plans = [(rank, m, _from_rank(rank, m, own, items, boxes, covered, seen, dest, from_zero, agreed))
-             for rank, m in enumerate(manifests)]
+    plans = [
+        (rank, m, _from_rank(rank, m, own, items, boxes, covered, seen, dest, from_zero, agreed))
+        for rank, m in enumerate(manifests)
+    ]
     plans = [p for p in plans if p[2]]
     for i, n in covered.items():
         if n != dest[i].numel():
             raise IncompatibleCheckpointError(
                 f"tensor at {items[i].key!r}: the saved shards cover {n} of the {dest[i].numel()} elements this "
-                "rank holds: the checkpoint's global shape or sharding does not fit the state")
+                "rank holds: the checkpoint's global shape or sharding does not fit the state"
+            )
     total = 0
     # One pool for the whole load (starting threads while others hold the GIL costs up to 0.1 s each).
     # Saved ranks one after another: fetching the next one's chunks during this one's copies was measured
@@ -220,9 +237,18 @@ def load_resharded(manifests: list[Manifest], own: int, dest: list[torch.Tensor 
     return total
 
 
-def _from_rank(rank: int, m: Manifest, own: int, items: list[ItemRecord], boxes: dict[int, tuple[Box, list[int]]],
-               covered: dict[int, int], seen: set[tuple[str, Box]], dest: list[torch.Tensor | None],
-               from_zero: set[int], agreed: dict[str, tuple]) -> list[_Copy]:
+def _from_rank(
+    rank: int,
+    m: Manifest,
+    own: int,
+    items: list[ItemRecord],
+    boxes: dict[int, tuple[Box, list[int]]],
+    covered: dict[int, int],
+    seen: set[tuple[str, Box]],
+    dest: list[torch.Tensor | None],
+    from_zero: set[int],
+    agreed: dict[str, tuple],
+) -> list[_Copy]:
     """The copies that bring saved rank ``rank``'s share into ``dest`` (counted into ``covered``).
 
     The saved ranks must agree on each sharded tensor's global shape, dtype, mesh and placements
@@ -242,23 +268,27 @@ def _from_rank(rank: int, m: Manifest, own: int, items: list[ItemRecord], boxes:
         if src is None or dt is None:
             raise CorruptCheckpointError(
                 f"tensor at {key!r} is sharded in the checkpoint, but saved rank {rank} holds no shard of it: "
-                "the saved ranks disagree about the state")
+                "the saved ranks disagree about the state"
+            )
         if list(dt.get("shape", [])) != list(gshape) or src.dtype != items[i].dtype:
             raise CorruptCheckpointError(
                 f"tensor at {key!r}: saved rank {rank} holds a shard of a {src.dtype}{dt.get('shape')} tensor, "
-                f"rank {own} of a {items[i].dtype}{list(gshape)} one")
+                f"rank {own} of a {items[i].dtype}{list(gshape)} one"
+            )
         common = agreed.setdefault(key, (list(dt.get("mesh", [])), list(dt.get("placements", []))))
         if common != (list(dt.get("mesh", [])), list(dt.get("placements", []))):
             raise CorruptCheckpointError(
                 f"tensor at {key!r}: saved rank {rank} holds a shard over a {dt.get('mesh')} mesh with placements "
                 f"{dt.get('placements')}, an earlier rank over {common[0]} with {common[1]}: the saved ranks "
-                "disagree about its layout")
+                "disagree about its layout"
+            )
         sbox = shard_box(dt, key)
         if list(sbox[1]) != src.shape:
             raise CorruptCheckpointError(
                 f"tensor at {key!r}: saved rank {rank}'s shard has shape {src.shape}, its layout says "
-                f"{list(sbox[1])}")
-        if (key, sbox) in seen:      # a replica of a shard already copied (Replicate on some mesh dim)
+                f"{list(sbox[1])}"
+            )
+        if (key, sbox) in seen:  # a replica of a shard already copied (Replicate on some mesh dim)
             continue
         seen.add((key, sbox))
         ov = overlap(sbox, box)
@@ -278,14 +308,18 @@ def _from_rank(rank: int, m: Manifest, own: int, items: list[ItemRecord], boxes:
             if src is None or src.dtype != it.dtype or src.shape != it.shape:
                 raise CorruptCheckpointError(
                     f"tensor at {it.key!r} is marked replicated by rank {own}, but rank 0 holds "
-                    f"{'no such tensor' if src is None else f'{src.dtype}{src.shape}'}, not {it.dtype}{it.shape}")
+                    f"{'no such tensor' if src is None else f'{src.dtype}{src.shape}'}, not {it.dtype}{it.shape}"
+                )
             full = (tuple([0] * len(it.shape)), tuple(it.shape))
             copies.append(_Copy(src, i, full[0], full[0], full))
     return copies
 
 
-def _fetch_for(plan: tuple[int, Manifest, list[_Copy]], pool: ThreadPoolExecutor,
-               fetch: Callable[[int, Manifest, int], bytes]) -> tuple[list[tuple[int, int]], dict[int, Any]]:
+def _fetch_for(
+    plan: tuple[int, Manifest, list[_Copy]],
+    pool: ThreadPoolExecutor,
+    fetch: Callable[[int, Manifest, int], bytes],
+) -> tuple[list[tuple[int, int]], dict[int, Any]]:
     """Start fetching the chunks a saved rank's copies need: ``(spans, chunk -> future)``."""
     rank, m, copies = plan
     c = m.chunk_bytes
@@ -294,26 +328,33 @@ def _fetch_for(plan: tuple[int, Manifest, list[_Copy]], pool: ThreadPoolExecutor
     return spans, {k: pool.submit(fetch, rank, m, k) for k in need}
 
 
-def _copy_into(c: int, copies: list[_Copy], spans: list[tuple[int, int]], chunks: dict[int, bytes],
-               dest: list[torch.Tensor | None]) -> None:
+def _copy_into(
+    c: int,
+    copies: list[_Copy],
+    spans: list[tuple[int, int]],
+    chunks: dict[int, bytes],
+    dest: list[torch.Tensor | None],
+) -> None:
     """Copy each overlap box out of the fetched chunks (``c`` bytes each) into its destination."""
     import torch
 
     views = {k: np.frombuffer(v, dtype=np.uint8) for k, v in chunks.items()}
     for cp, (a, b) in zip(copies, spans):
         k = a // c
-        if b > a and (b - 1) // c == k:   # inside one chunk: a view of it, no copy (only ever read)
+        if b > a and (b - 1) // c == k:  # inside one chunk: a view of it, no copy (only ever read)
             with warnings.catch_warnings():
-                warnings.simplefilter("ignore", UserWarning)   # "non-writable buffer": it is only read
+                warnings.simplefilter("ignore", UserWarning)  # "non-writable buffer": it is only read
                 raw = torch.frombuffer(chunks[k], dtype=torch.uint8, count=b - a, offset=a - k * c)
         else:
             raw = torch.empty(b - a, dtype=torch.uint8, device="cpu")
             out = raw.numpy()
             pos = a
-            while pos < b:   # one copy of the span's bytes out of the chunks (numpy views of them copy nothing)
+            while (
+                pos < b
+            ):  # one copy of the span's bytes out of the chunks (numpy views of them copy nothing)
                 k = pos // c
                 take = min(b, (k + 1) * c) - pos
-                out[pos - a:pos - a + take] = views[k][pos - k * c:pos - k * c + take]
+                out[pos - a : pos - a + take] = views[k][pos - k * c : pos - k * c + take]
                 pos += take
         dtype = str_to_dtype(cp.src.dtype, cp.src.key)
         flat = raw.view(dtype)

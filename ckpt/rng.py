@@ -32,8 +32,13 @@ class RNGState:
         except ImportError:
             return sd
         kind, keys, pos, has_gauss, cached = np.random.get_state()
-        sd["numpy"] = {"kind": kind, "keys": torch.from_numpy(keys.copy()), "pos": int(pos),
-                       "has_gauss": int(has_gauss), "cached": float(cached)}
+        sd["numpy"] = {
+            "kind": kind,
+            "keys": torch.from_numpy(keys.copy()),
+            "pos": int(pos),
+            "has_gauss": int(has_gauss),
+            "cached": float(cached),
+        }
         return sd
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:

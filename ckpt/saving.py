@@ -39,8 +39,8 @@ class SkipLog:
 
     def __init__(self, every_s: float = 60.0) -> None:
         self.every_s = every_s
-        self._warned: dict[int, float] = {}   # cause -> when it was last logged at WARNING
-        self._quiet: dict[int, int] = collections.Counter()   # cause -> skips at INFO since then
+        self._warned: dict[int, float] = {}  # cause -> when it was last logged at WARNING
+        self._quiet: dict[int, int] = collections.Counter()  # cause -> skips at INFO since then
 
     def note(self, step: int, cause: int, where: str | None, pool: HostPool, waited: float) -> None:
         """Log the skip of ``step`` for ``cause``, found on ``where`` (``None``: a single-process job)."""
@@ -56,25 +56,35 @@ class SkipLog:
         on = f" on {where}" if where else ""
         if cause == _ALLOCATING:
             running = pool.preparing
-            why = (f"the host buffers are still being allocated in the background{on}"
-                   + (f" (for {running:.1f} s so far)" if running is not None and where != "another rank" else "")
-                   + f"; waited {waited:.2f} s for one (CKPT_BUSY_WAIT_MS). A save does not allocate them in the "
-                   "training loop meanwhile; the allocation started at the first maybe_save(), saves resume when it "
-                   "ends. Call maybe_save() from the first step, or raise CKPT_BUSY_WAIT_MS to wait longer")
+            why = (
+                f"the host buffers are still being allocated in the background{on}"
+                + (
+                    f" (for {running:.1f} s so far)"
+                    if running is not None and where != "another rank"
+                    else ""
+                )
+                + f"; waited {waited:.2f} s for one (CKPT_BUSY_WAIT_MS). A save does not allocate them in the "
+                "training loop meanwhile; the allocation started at the first maybe_save(), saves resume when it "
+                "ends. Call maybe_save() from the first step, or raise CKPT_BUSY_WAIT_MS to wait longer"
+            )
         else:
-            why = (f"no host buffer was free{on} ({pool.describe_busy() if where != 'another rank' else 'there'}; "
-                   f"waited {waited:.2f} s, if_busy='skip'). Raise max_in_flight (host_memory_limit must leave room "
-                   "for that many state-sized buffers), set persist_every, or save less often")
-        log.log(logging.WARNING if loud else logging.INFO, "skipped the save of step %d: %s%s", step, why, more)
+            why = (
+                f"no host buffer was free{on} ({pool.describe_busy() if where != 'another rank' else 'there'}; "
+                f"waited {waited:.2f} s, if_busy='skip'). Raise max_in_flight (host_memory_limit must leave room "
+                "for that many state-sized buffers), set persist_every, or save less often"
+            )
+        log.log(
+            logging.WARNING if loud else logging.INFO, "skipped the save of step %d: %s%s", step, why, more
+        )
 
 
 @dataclass
 class Taken:
     """What :meth:`Taking.take` found for one snapshot."""
 
-    buffer: Any                 # the host buffer to copy into; ``None``: the snapshot was skipped
-    busy: dict[str, int]        # per persisting tier, whether it is busy (on any rank, in a collective job)
-    allocations: int            # the pool's allocations before the save (more after it: it allocated one)
+    buffer: Any  # the host buffer to copy into; ``None``: the snapshot was skipped
+    busy: dict[str, int]  # per persisting tier, whether it is busy (on any rank, in a collective job)
+    allocations: int  # the pool's allocations before the save (more after it: it allocated one)
 
 
 class Taking:
@@ -87,9 +97,9 @@ class Taking:
 
     def __init__(self, pool: HostPool, memory: Any, pipeline: Any, ranks: Any, node: Any) -> None:
         self.pool, self.memory, self.pipeline, self.ranks, self.node = pool, memory, pipeline, ranks, node
-        self.skipped = 0             # snapshots skipped for want of a buffer
+        self.skipped = 0  # snapshots skipped for want of a buffer
         self._skips = SkipLog()
-        self.prepared = False        # the first maybe_save() started allocating the buffers
+        self.prepared = False  # the first maybe_save() started allocating the buffers
         self._prepared_sync = False  # the first save took over a previous process's segments
 
     def prepare(self, state: Mapping[str, Any], on_unsupported: str) -> None:
@@ -97,12 +107,12 @@ class Taking:
         snapshot buffers for ``state`` in the background (taking over the segments a previous process left
         first), so that the first save does not wait for the allocation."""
         self.prepared = True
-        self._prepared_sync = True   # the background allocation adopts the previous process's segments itself
+        self._prepared_sync = True  # the background allocation adopts the previous process's segments itself
         self.node.own()
         try:
             plan = flatten(state, on_unsupported)
             nbytes = layout(plan.entries, knobs.get("CKPT_ALIGN_BYTES"))[1]
-        except Exception:   # noqa: BLE001 - the save itself reports what is wrong with the state
+        except Exception:  # noqa: BLE001 - the save itself reports what is wrong with the state
             return
         self.pool.prepare(nbytes)
 
@@ -118,8 +128,8 @@ class Taking:
         busy = dict.fromkeys(pipe.tiers, 0)
         if not self._prepared_sync and not self.pool.buffers:
             self._prepared_sync = True
-            self.pool.adopt()   # no maybe_save() came first: take over a previous process's segments now
-        here = cause = _FREE   # why this rank, and why the ranks together, found no buffer
+            self.pool.adopt()  # no maybe_save() came first: take over a previous process's segments now
+        here = cause = _FREE  # why this rank, and why the ranks together, found no buffer
         if not wait and not patient:
             # a buffer within CKPT_BUSY_WAIT_MS, or the snapshot is skipped: the loop never stalls for seconds
             # on the background allocation (nor allocates beside it) or on the tiers. Each rank waits for its
@@ -130,22 +140,28 @@ class Taking:
                 reply = self.ranks.max([here] + pipe.busy_tiers())
                 cause, busy = reply[0], dict(zip(pipe.tiers, reply[1:]))
             # block: every rank found a buffer free just now (only a reader of the memory tier holds one briefly)
-            buf = None if cause != _FREE else \
-                self.pool.acquire(data_bytes, block=True, step=step, reclaim=pipe.reclaim, inline=False)
+            buf = (
+                None
+                if cause != _FREE
+                else self.pool.acquire(data_bytes, block=True, step=step, reclaim=pipe.reclaim, inline=False)
+            )
         elif not wait and self.ranks is not None:
             # on several ranks: all skip a snapshot (or a tier) when it is busy on any, so they commit the same steps
             here = _FREE if self.pool.has_free() else _HELD
             reply = self.ranks.max([here] + pipe.busy_tiers())
             cause, busy = reply[0], dict(zip(pipe.tiers, reply[1:]))
-            buf = None if cause != _FREE else \
-                self.pool.acquire(data_bytes, block=False, step=step, reclaim=pipe.reclaim)
+            buf = (
+                None
+                if cause != _FREE
+                else self.pool.acquire(data_bytes, block=False, step=step, reclaim=pipe.reclaim)
+            )
         else:
             buf = self.pool.acquire(data_bytes, block=wait, step=step, reclaim=pipe.reclaim)
         stats.wait_s = time.perf_counter() - t_wait
         if buf is None:
             self.skipped += 1
             self.memory.skipped += 1
-            if cause == _FREE:   # a copy that was still landing left its buffer to the tiers
+            if cause == _FREE:  # a copy that was still landing left its buffer to the tiers
                 here = cause = _HELD
             where = None if self.ranks is None else "this rank" if here == cause else "another rank"
             self._skips.note(step, cause, where, self.pool, stats.wait_s)
@@ -153,15 +169,29 @@ class Taking:
         return Taken(buf, busy, allocations)
 
 
-def manifest_for(step: int, plan: Any, records: list, data_bytes: int, replicated: frozenset[str],
-                 job: list[int] | None) -> Manifest:
+def manifest_for(
+    step: int, plan: Any, records: list, data_bytes: int, replicated: frozenset[str], job: list[int] | None
+) -> Manifest:
     """The manifest of one snapshot of ``plan`` (:func:`~ckpt.plan.flatten`) laid out as ``records``
     (:func:`~ckpt.plan.layout`); ``replicated``: the top-level keys whose plain tensors every rank holds;
     ``job``: ``[rank, world]`` in a collective job. Its chunks' checksums are filled in as it is staged."""
-    shared = [i for i, e in enumerate(plan.entries)
-              if not e.sharded and e.key.split("/", 1)[0] in replicated] if replicated else []
-    return Manifest(step=step, rank=0, world_size=1, data_bytes=data_bytes, chunk_bytes=knobs.get("CKPT_CHUNK_BYTES"),
-                    chunks=[], items=records, tree=plan.tree, job=job, replicated=shared or None)
+    shared = (
+        [i for i, e in enumerate(plan.entries) if not e.sharded and e.key.split("/", 1)[0] in replicated]
+        if replicated
+        else []
+    )
+    return Manifest(
+        step=step,
+        rank=0,
+        world_size=1,
+        data_bytes=data_bytes,
+        chunk_bytes=knobs.get("CKPT_CHUNK_BYTES"),
+        chunks=[],
+        items=records,
+        tree=plan.tree,
+        job=job,
+        replicated=shared or None,
+    )
 
 
 def step_arg(step: Any, what: str) -> int:
@@ -174,5 +204,6 @@ def step_arg(step: Any, what: str) -> int:
             n = None
         if n is not None and 0 <= n <= MAX_STEP:
             return n
-    raise ValueError(f"{what}: step must be an int from 0 to 2**63 - 1 (a checkpoint records a 64-bit step), "
-                     f"got {step!r}")
+    raise ValueError(
+        f"{what}: step must be an int from 0 to 2**63 - 1 (a checkpoint records a 64-bit step), got {step!r}"
+    )

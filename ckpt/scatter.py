@@ -37,8 +37,14 @@ class Scatter:
     (``None``: not bound to the state, e.g. keys left out with ``strict=False``) are skipped."""
 
     def __init__(self, records: list[ItemRecord], dest: list[torch.Tensor | None]) -> None:
-        pairs = sorted(((r.offset, r.nbytes, d) for r, d in zip(records, dest)
-                        if r.alias_of is None and r.nbytes > 0 and d is not None), key=lambda p: p[0])
+        pairs = sorted(
+            (
+                (r.offset, r.nbytes, d)
+                for r, d in zip(records, dest)
+                if r.alias_of is None and r.nbytes > 0 and d is not None
+            ),
+            key=lambda p: p[0],
+        )
         self._starts = [p[0] for p in pairs]
         self._pairs = [(off, n, _flat_bytes(d)) for off, n, d in pairs]
         self.to_device = any(d.device.type == "cuda" for _, _, d in self._pairs)
@@ -95,13 +101,15 @@ class Scatter:
                 if lo < hi:
                     stream = self._streams.get(flat.device)
                     with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-                        flat[lo - off:hi - off].copy_(chunk[lo - chunk_offset:hi - chunk_offset], non_blocking=True)
+                        flat[lo - off : hi - off].copy_(
+                            chunk[lo - chunk_offset : hi - chunk_offset], non_blocking=True
+                        )
                 i += 1
 
 
 def _flat_bytes(t: torch.Tensor) -> torch.Tensor:
     import torch
 
-    if not t.is_contiguous():   # plan.bind gives a non-contiguous live tensor a contiguous stand-in
+    if not t.is_contiguous():  # plan.bind gives a non-contiguous live tensor a contiguous stand-in
         raise ValueError("restore destinations must be contiguous tensors")
     return t.view(-1).view(torch.uint8) if t.dim() else t.view(1).view(torch.uint8)

@@ -59,15 +59,38 @@ from .format import FORMAT_VERSION, Manifest, parse_record, read_record
 from .integrity import checksum
 from .policy import Timeline
 
-__all__ = ["Segment", "AllocationStopped", "SnapshotRecord", "host_register", "host_unregister", "populate", "open_for_read", "SegmentInfo", "shm_root", "prefix_for", "replica_prefix", "local_key", "available_bytes",
-           "chunk_checksums", "first_bad_chunk", "write_record", "read_snapshot_record", "remove_record",
-           "segments", "free", "remove_leftovers", "Orphan", "orphans", "sweep_orphans"]
+__all__ = [
+    "Segment",
+    "AllocationStopped",
+    "SnapshotRecord",
+    "host_register",
+    "host_unregister",
+    "populate",
+    "open_for_read",
+    "SegmentInfo",
+    "shm_root",
+    "prefix_for",
+    "replica_prefix",
+    "local_key",
+    "available_bytes",
+    "chunk_checksums",
+    "first_bad_chunk",
+    "write_record",
+    "read_snapshot_record",
+    "remove_record",
+    "segments",
+    "free",
+    "remove_leftovers",
+    "Orphan",
+    "orphans",
+    "sweep_orphans",
+]
 
 log = logging.getLogger(__name__)
 
 _KIND = "ckpt-memory-snapshot"
 _NAME_RE = re.compile(r"^(ckpt-[0-9a-f]{16}-[rp]\d{5})-s(\d{2})\.(buf|rec)$")
-MAX_RECORD_BYTES = 256 << 20   # a record holds one manifest: far below this even for 100k tensors
+MAX_RECORD_BYTES = 256 << 20  # a record holds one manifest: far below this even for 100k tensors
 
 
 def shm_root() -> Path | None:
@@ -103,7 +126,7 @@ def replica_prefix(local_dir: str | os.PathLike, src: int, create: bool = False)
 
 def local_key(prefix: str) -> str:
     """The part of a segment prefix that names its ``local_dir`` (shared by its own and its replicas')."""
-    return prefix[:len("ckpt-") + 16]
+    return prefix[: len("ckpt-") + 16]
 
 
 def available_bytes(root: Path) -> int:
@@ -128,23 +151,25 @@ class Segment:
         self.tensor = tensor
         self.writable = writable
         self.registered = False
-        self._pieces: list[int] = []   # the registered pieces' addresses
+        self._pieces: list[int] = []  # the registered pieces' addresses
 
     @property
     def nbytes(self) -> int:
         return self.tensor.numel()
 
     @classmethod
-    def create(cls, path: Path, nbytes: int, paced: bool = False,
-               stop: threading.Event | None = None) -> "Segment":
+    def create(
+        cls, path: Path, nbytes: int, paced: bool = False, stop: threading.Event | None = None
+    ) -> "Segment":
         """A new segment of ``nbytes`` at ``path``, every page reserved now (a full RAM file system fails
         here with ``ENOSPC``, never later inside a copy), replacing any segment of that name. ``paced``
         (beside a training loop): reserved :data:`REGISTER_PIECE` bytes at a time with a pause after each,
         like :meth:`register`; ``stop`` set meanwhile: :class:`AllocationStopped`, nothing left at
         ``path`` (and the segment it would have replaced kept)."""
+
         def fill(fd: int, tmp: Path) -> torch.Tensor:
             try:
-                if paced:   # the pages only: nothing here waits on a snapshot copy (no CUDA call)
+                if paced:  # the pages only: nothing here waits on a snapshot copy (no CUDA call)
                     for a, b in pieces(0, nbytes):
                         _pause(stop, 0.0)
                         os.posix_fallocate(fd, a, b - a)
@@ -154,7 +179,7 @@ class Segment:
             except OSError as e:
                 if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
                     raise
-                os.ftruncate(fd, nbytes)   # a file system without fallocate: pages come as they are written
+                os.ftruncate(fd, nbytes)  # a file system without fallocate: pages come as they are written
             return torch.from_file(str(tmp), shared=True, size=nbytes, dtype=torch.uint8)
 
         return cls(path, _publish(path, fill), writable=True)
@@ -168,8 +193,9 @@ class Segment:
         tensor = torch.from_file(str(path), shared=writable, size=st.st_size, dtype=torch.uint8)
         return cls(path, tensor, writable)
 
-    def register(self, device: int | None = None, paced: bool = False,
-                 stop: threading.Event | None = None) -> bool:
+    def register(
+        self, device: int | None = None, paced: bool = False, stop: threading.Event | None = None
+    ) -> bool:
         """Page-lock the mapping with the CUDA driver (device-to-host copies at pinned bandwidth), as
         ``device``'s memory (default: this thread's current device), in pieces of :data:`REGISTER_PIECE`
         bytes: every CUDA copy into or out of a segment must stay inside one piece (:func:`pieces`).
@@ -189,15 +215,15 @@ class Segment:
         if self.registered or not torch.cuda.is_available() or self.nbytes == 0:
             return self.registered
         if device is not None:
-            torch.cuda.set_device(device)   # register in the context the copies run in, never device 0's
+            torch.cuda.set_device(device)  # register in the context the copies run in, never device 0's
         ptr = self.tensor.data_ptr()
         if not paced:
             populate(ptr, self.nbytes, write=self.writable)
-        else:   # mapping pages holds this process's mmap lock, which any allocation of the loop needs: in pieces
+        else:  # mapping pages holds this process's mmap lock, which any allocation of the loop needs: in pieces
             for a, b in pieces(0, self.nbytes):
                 _pause(stop, 0.0)
                 populate(ptr + a, b - a, write=self.writable)
-                _pause(stop, REGISTER_GAP_S, quiet_first=False)   # no CUDA call: copies in flight go on
+                _pause(stop, REGISTER_GAP_S, quiet_first=False)  # no CUDA call: copies in flight go on
         done: list[int] = []
         try:
             for a, b in pieces(0, self.nbytes):
@@ -207,11 +233,16 @@ class Segment:
                 if rc != 0:
                     for p in done:
                         host_unregister(p)
-                    log.warning("cudaHostRegister of the %.2f GiB memory-tier segment %s failed (CUDA error %d): "
-                                "its copies go through pageable memory, slower", self.nbytes / 2**30, self.path, rc)
+                    log.warning(
+                        "cudaHostRegister of the %.2f GiB memory-tier segment %s failed (CUDA error %d): "
+                        "its copies go through pageable memory, slower",
+                        self.nbytes / 2**30,
+                        self.path,
+                        rc,
+                    )
                     return False
                 done.append(ptr + a)
-        except BaseException:   # stopped (or failed) between pieces: none of it stays registered
+        except BaseException:  # stopped (or failed) between pieces: none of it stays registered
             for p in done:
                 host_unregister(p)
             raise
@@ -273,8 +304,8 @@ def pieces(offset: int, nbytes: int) -> Iterator[tuple[int, int]]:
         offset = cut
 
 
-_PORTABLE = 1   # cudaHostRegisterPortable: pinned for every context of the process
-_MADV_POPULATE_READ, _MADV_POPULATE_WRITE = 22, 23   # Linux 5.14+
+_PORTABLE = 1  # cudaHostRegisterPortable: pinned for every context of the process
+_MADV_POPULATE_READ, _MADV_POPULATE_WRITE = 22, 23  # Linux 5.14+
 
 
 def populate(ptr: int, nbytes: int, write: bool = True, threads: int = 1) -> bool:
@@ -305,8 +336,11 @@ def populate(ptr: int, nbytes: int, write: bool = True, threads: int = 1) -> boo
             errs = list(ex.map(one, ranges))
     bad = next((e for e in errs if e), 0)
     if bad:
-        log.debug("madvise(MADV_POPULATE) of %d bytes failed (errno %d): pages are mapped on first touch",
-                  nbytes, bad)
+        log.debug(
+            "madvise(MADV_POPULATE) of %d bytes failed (errno %d): pages are mapped on first touch",
+            nbytes,
+            bad,
+        )
         return False
     return True
 
@@ -336,7 +370,7 @@ def _loaded_cudart() -> Any:
         with contextlib.suppress(OSError):
             with open("/proc/self/maps") as f:
                 paths = {line.split()[-1] for line in f if "libcudart.so" in line}
-            for path in sorted(paths):   # the same file dlopen'ed again: the same handle, the same state
+            for path in sorted(paths):  # the same file dlopen'ed again: the same handle, the same state
                 with contextlib.suppress(OSError, AttributeError):
                     lib = ctypes.CDLL(path)
                     lib.cudaHostRegister.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint]
@@ -406,8 +440,11 @@ def open_for_read(path: Path, nbytes: int) -> int:
 
 def _check(st: os.stat_result, path: Path, nbytes: int) -> None:
     if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid():
-        raise OSError(errno.EPERM, "not a regular file owned by this user: a memory-tier segment is "
-                      "never mapped from such a file", str(path))
+        raise OSError(
+            errno.EPERM,
+            "not a regular file owned by this user: a memory-tier segment is never mapped from such a file",
+            str(path),
+        )
     if st.st_size < nbytes:
         raise OSError(errno.EINVAL, f"segment holds {st.st_size} bytes, its record needs {nbytes}", str(path))
 
@@ -420,35 +457,63 @@ class SnapshotRecord:
     timeline: Timeline
     manifest: Manifest
     slot: int
-    buffer: str          # the segment's file name
+    buffer: str  # the segment's file name
     local_dir: str
     pid: int
     host: str
     created_unix: float
-    path: Path | None = None   # the record file it was read from
-    stamp: tuple[int, int] | None = None   # (inode, mtime_ns) of that file: it changes when rewritten
+    path: Path | None = None  # the record file it was read from
+    stamp: tuple[int, int] | None = None  # (inode, mtime_ns) of that file: it changes when rewritten
 
     def to_bytes(self) -> bytes:
-        return json.dumps({
-            "kind": _KIND, "format_version": FORMAT_VERSION, "step": self.step, **self.timeline.record(),
-            "slot": self.slot, "buffer": self.buffer, "local_dir": self.local_dir, "pid": self.pid,
-            "host": self.host, "created_unix": self.created_unix,
-            "manifest": self.manifest.to_bytes().decode(),
-        }, separators=(",", ":"), allow_nan=False).encode()
+        return json.dumps(
+            {
+                "kind": _KIND,
+                "format_version": FORMAT_VERSION,
+                "step": self.step,
+                **self.timeline.record(),
+                "slot": self.slot,
+                "buffer": self.buffer,
+                "local_dir": self.local_dir,
+                "pid": self.pid,
+                "host": self.host,
+                "created_unix": self.created_unix,
+                "manifest": self.manifest.to_bytes().decode(),
+            },
+            separators=(",", ":"),
+            allow_nan=False,
+        ).encode()
 
 
-def write_record(root: Path, prefix: str, slot: int, step: int, timeline: Timeline, manifest: Manifest,
-                 local_dir: str, guard: Callable[[SnapshotRecord], ContextManager[bool]] | None = None,
-                 ) -> SnapshotRecord | None:
+def write_record(
+    root: Path,
+    prefix: str,
+    slot: int,
+    step: int,
+    timeline: Timeline,
+    manifest: Manifest,
+    local_dir: str,
+    guard: Callable[[SnapshotRecord], ContextManager[bool]] | None = None,
+) -> SnapshotRecord | None:
     """Commit the snapshot in segment ``slot``: its record, put in place in one rename. ``guard(record)``:
     a context manager entered around that rename, whose value says whether to make it (``False``: nothing
     is published, ``None`` is returned); the caller's lock, held across its check and the rename."""
-    rec = SnapshotRecord(step, timeline, manifest, slot, buffer_name(prefix, slot), os.path.realpath(local_dir),
-                         os.getpid(), socket.gethostname(), time.time())
+    rec = SnapshotRecord(
+        step,
+        timeline,
+        manifest,
+        slot,
+        buffer_name(prefix, slot),
+        os.path.realpath(local_dir),
+        os.getpid(),
+        socket.gethostname(),
+        time.time(),
+    )
     path = root / record_name(prefix, slot)
     rec.path = path
+
     def fill(fd: int, tmp: Path) -> None:
-        with open(fd, "wb", closefd=False) as f:   # writes the whole record, however the OS splits it
+        with open(fd, "wb", closefd=False) as f:  # writes the whole record, however the OS splits it
             f.write(rec.to_bytes())
 
     if guard is None:
@@ -457,8 +522,9 @@ def write_record(root: Path, prefix: str, slot: int, step: int, timeline: Timeli
     return rec if _publish(path, fill, lambda: guard(rec)) else None
 
 
-def _publish(path: Path, fill: Callable[[int, Path], Any],
-             guard: Callable[[], ContextManager[bool]] | None = None) -> Any:
+def _publish(
+    path: Path, fill: Callable[[int, Path], Any], guard: Callable[[], ContextManager[bool]] | None = None
+) -> Any:
     """Create ``path`` under a fresh temporary name (``0600``, never through a link), ``fill(fd, tmp)``
     it, then rename it into place: a reader sees the old file or the whole new one. On any failure
     the temporary is removed and ``path`` is left as it was. Returns what ``fill`` returned; with
@@ -513,26 +579,49 @@ def read_snapshot_record(path: Path) -> SnapshotRecord:
     raw = read_record(path, where, limit=MAX_RECORD_BYTES)
     d = parse_record(raw, where)
     try:
-        ok = (d.get("kind") == _KIND and d.get("format_version") == FORMAT_VERSION
-              and all(isinstance(d.get(k), int) and not isinstance(d.get(k), bool) and d[k] >= 0
-                      for k in ("step", "slot", "pid", "timeline"))
-              and isinstance(d.get("forks", []), list)
-              and all(isinstance(f, list) and len(f) == 2 and all(isinstance(v, int) and v >= 0 for v in f)
-                      for f in d.get("forks", []))
-              and all(isinstance(d.get(k), str) for k in ("buffer", "local_dir", "host", "manifest"))
-              and isinstance(d.get("created_unix"), (int, float)))
+        ok = (
+            d.get("kind") == _KIND
+            and d.get("format_version") == FORMAT_VERSION
+            and all(
+                isinstance(d.get(k), int) and not isinstance(d.get(k), bool) and d[k] >= 0
+                for k in ("step", "slot", "pid", "timeline")
+            )
+            and isinstance(d.get("forks", []), list)
+            and all(
+                isinstance(f, list) and len(f) == 2 and all(isinstance(v, int) and v >= 0 for v in f)
+                for f in d.get("forks", [])
+            )
+            and all(isinstance(d.get(k), str) for k in ("buffer", "local_dir", "host", "manifest"))
+            and isinstance(d.get("created_unix"), (int, float))
+        )
     except TypeError:
         ok = False
     if not ok:
         raise CorruptCheckpointError(f"{where}: memory-tier record fails validation")
     manifest = Manifest.from_bytes(d["manifest"].encode(), where)
     m = _NAME_RE.match(d["buffer"])
-    if m is None or m.group(3) != "buf" or int(m.group(2)) != d["slot"] or manifest.step != d["step"] \
-            or not path.name.startswith(m.group(1)):
+    if (
+        m is None
+        or m.group(3) != "buf"
+        or int(m.group(2)) != d["slot"]
+        or manifest.step != d["step"]
+        or not path.name.startswith(m.group(1))
+    ):
         raise CorruptCheckpointError(f"{where}: names another segment or step than its own")
     timeline = Timeline(d["timeline"], tuple((int(n), int(s)) for n, s in d.get("forks", [])))
-    return SnapshotRecord(d["step"], timeline, manifest, d["slot"], d["buffer"], d["local_dir"], d["pid"],
-                          d["host"], float(d["created_unix"]), path, (st.st_ino, st.st_mtime_ns))
+    return SnapshotRecord(
+        d["step"],
+        timeline,
+        manifest,
+        d["slot"],
+        d["buffer"],
+        d["local_dir"],
+        d["pid"],
+        d["host"],
+        float(d["created_unix"]),
+        path,
+        (st.st_ino, st.st_mtime_ns),
+    )
 
 
 def still_current(rec: SnapshotRecord) -> bool:
@@ -546,11 +635,16 @@ def still_current(rec: SnapshotRecord) -> bool:
 
 def _views(tensor: torch.Tensor, data_bytes: int, chunk: int) -> list[memoryview]:
     mv = memoryview(tensor.numpy())
-    return [mv[i:min(i + chunk, data_bytes)] for i in range(0, data_bytes, chunk)]
+    return [mv[i : min(i + chunk, data_bytes)] for i in range(0, data_bytes, chunk)]
 
 
-def chunk_checksums(tensor: torch.Tensor, data_bytes: int, chunk: int, background: bool = False,
-                    stop: Callable[[], bool] | None = None) -> list[int] | None:
+def chunk_checksums(
+    tensor: torch.Tensor,
+    data_bytes: int,
+    chunk: int,
+    background: bool = False,
+    stop: Callable[[], bool] | None = None,
+) -> list[int] | None:
     """CRC-32C of each ``chunk`` bytes of ``tensor[:data_bytes]`` (a host tensor), on
     ``CKPT_IO_THREADS`` threads (the checksum releases the GIL); ``background`` (a commit while
     training runs): on ``CKPT_PERSIST_THREADS``. ``stop()``, asked before each chunk: ``True`` gives the
@@ -566,7 +660,7 @@ def chunk_checksums(tensor: torch.Tensor, data_bytes: int, chunk: int, backgroun
         threads = knobs.get("CKPT_PERSIST_THREADS" if background else "CKPT_IO_THREADS")
         with ThreadPoolExecutor(max(1, min(len(views), threads))) as ex:
             sums = list(ex.map(one, views))
-    return None if None in sums else sums   # type: ignore[return-value]
+    return None if None in sums else sums  # type: ignore[return-value]
 
 
 def first_bad_chunk(tensor: torch.Tensor, manifest: Manifest) -> int | None:
@@ -580,10 +674,10 @@ class SegmentInfo:
     """Segments of one local tier and rank found in the RAM file system (for ``ckpt ls`` / ``ckpt gc``)."""
 
     prefix: str
-    nbytes: int                     # RAM the files take
+    nbytes: int  # RAM the files take
     files: list[Path]
-    records: list[SnapshotRecord]   # the committed snapshots among them
-    local_dir: str | None           # from a record, when one could be read
+    records: list[SnapshotRecord]  # the committed snapshots among them
+    local_dir: str | None  # from a record, when one could be read
 
 
 def segments(root: Path | None = None, prefix: str | None = None) -> list[SegmentInfo]:
@@ -598,7 +692,11 @@ def segments(root: Path | None = None, prefix: str | None = None) -> list[Segmen
     except OSError:
         return []
     for name in sorted(names):
-        m = _NAME_RE.match(name.split(".new-")[0].lstrip(".")) if name.startswith(".ckpt-") else _NAME_RE.match(name)
+        m = (
+            _NAME_RE.match(name.split(".new-")[0].lstrip("."))
+            if name.startswith(".ckpt-")
+            else _NAME_RE.match(name)
+        )
         if m is None or (prefix is not None and m.group(1) != prefix):
             continue
         path = root / name
@@ -666,7 +764,7 @@ def orphans(root: Path | None = None, skip: str | None = None) -> list[Orphan]:
         try:
             age = now - max(os.lstat(f).st_mtime for f in g.files)
         except OSError:
-            continue   # being removed
+            continue  # being removed
         if not g.records:
             if age > 86400:
                 out.append(Orphan(g, "owner gone", age))
@@ -696,27 +794,45 @@ def sweep_orphans(root: Path | None = None, skip: str | None = None) -> int:
         if o.why == "directory gone" or (limit > 0 and o.age_s > limit):
             n = free(root, g.prefix)
             freed += n
-            log.info("freed %.2f GB of RAM held by memory-tier segments no job can use (%s, %s; %.1f h old): %s",
-                     n / 1e9, o.why, g.local_dir or "no readable record", o.age_s / 3600, g.prefix)
+            log.info(
+                "freed %.2f GB of RAM held by memory-tier segments no job can use (%s, %s; %.1f h old): %s",
+                n / 1e9,
+                o.why,
+                g.local_dir or "no readable record",
+                o.age_s / 3600,
+                g.prefix,
+            )
         elif g.prefix not in _NAMED:
             _NAMED.add(g.prefix)
             named.append(g)
     if named:
-        shown = "; ".join(f"{g.local_dir} (steps {sorted(r.step for r in g.records)}, {g.nbytes / 1e9:.2f} GB)"
-                          for g in named[:NAMED_AT_MOST])
-        more = f"; and {len(named) - NAMED_AT_MOST} more (`ckpt ls --memory` lists them)" \
-            if len(named) > NAMED_AT_MOST else ""
-        log.warning("%.2f GB of RAM in %s hold snapshots of %d job(s) that are not running: %s%s. The next job on "
-                    "each directory restores from them; `ckpt gc --memory DIR` frees them now, and they are freed "
-                    "by themselves %.0f h after their last write (CKPT_SHM_ORPHAN_S)",
-                    sum(g.nbytes for g in named) / 1e9, root or shm_root(), len(named), shown, more, limit / 3600)
+        shown = "; ".join(
+            f"{g.local_dir} (steps {sorted(r.step for r in g.records)}, {g.nbytes / 1e9:.2f} GB)"
+            for g in named[:NAMED_AT_MOST]
+        )
+        more = (
+            f"; and {len(named) - NAMED_AT_MOST} more (`ckpt ls --memory` lists them)"
+            if len(named) > NAMED_AT_MOST
+            else ""
+        )
+        log.warning(
+            "%.2f GB of RAM in %s hold snapshots of %d job(s) that are not running: %s%s. The next job on "
+            "each directory restores from them; `ckpt gc --memory DIR` frees them now, and they are freed "
+            "by themselves %.0f h after their last write (CKPT_SHM_ORPHAN_S)",
+            sum(g.nbytes for g in named) / 1e9,
+            root or shm_root(),
+            len(named),
+            shown,
+            more,
+            limit / 3600,
+        )
     return freed
 
 
 #: groups of segments :func:`sweep_orphans` names by directory in its one warning
 NAMED_AT_MOST = 5
 
-_NAMED: set[str] = set()   # groups sweep_orphans named already in this process
+_NAMED: set[str] = set()  # groups sweep_orphans named already in this process
 
 _TEMP_RE = re.compile(r"^\.(ckpt-[0-9a-f]{16}-[rp]\d{5}-s\d{2}\.(?:buf|rec))\.new-(\d+)-[0-9a-f]+$")
 
@@ -747,7 +863,9 @@ def remove_leftovers(root: Path, prefix: str) -> int:
             if stat.S_ISREG(st.st_mode) and st.st_uid == os.getuid():
                 os.unlink(path)
                 freed += st.st_blocks * 512
-                log.info("removed %s, a memory-tier segment its writer (pid %s) did not finish", path, m.group(2))
+                log.info(
+                    "removed %s, a memory-tier segment its writer (pid %s) did not finish", path, m.group(2)
+                )
         except FileNotFoundError:
             pass
     return freed
@@ -763,4 +881,3 @@ def record_of(root: Path, prefix: str, slot: int) -> SnapshotRecord | None:
     except (OSError, CorruptCheckpointError) as e:
         log.warning("memory-tier record %s is unusable, its snapshot is not served: %s", path, e)
         return None
-

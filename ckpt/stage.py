@@ -69,11 +69,11 @@ class SnapshotStats:
 
     step: int
     nbytes: int = 0
-    stall_s: float = 0.0          # time save() blocked the caller
-    wait_s: float = 0.0           # part of the stall spent waiting for a free buffer
+    stall_s: float = 0.0  # time save() blocked the caller
+    wait_s: float = 0.0  # part of the stall spent waiting for a free buffer
     stage_s: float | None = None  # device-to-host copy time
     persist_s: dict[str, float] = field(default_factory=dict)
-    skipped_tiers: dict[str, str] = field(default_factory=dict)   # tiers that did not write it, and why
+    skipped_tiers: dict[str, str] = field(default_factory=dict)  # tiers that did not write it, and why
 
     @property
     def stage_gbps(self) -> float | None:
@@ -89,13 +89,24 @@ class SnapshotStats:
 class Snapshot:
     """One state captured into a host buffer; fenced once the copy is known to be ordered."""
 
-    def __init__(self, step: int, entries: list[Entry], records: list[ItemRecord], data_bytes: int,
-                 manifest: Manifest, buffer: HostBuffer, stats: SnapshotStats, timeline: Any = None) -> None:
+    def __init__(
+        self,
+        step: int,
+        entries: list[Entry],
+        records: list[ItemRecord],
+        data_bytes: int,
+        manifest: Manifest,
+        buffer: HostBuffer,
+        stats: SnapshotStats,
+        timeline: Any = None,
+    ) -> None:
         self.step = step
         #: the :class:`~ckpt.policy.Timeline` it was taken on: every tier commits it with this one, whatever
         #: the Checkpointer's timeline is by the time the tier gets to it (a rollback may come in between)
         self.timeline = timeline
-        self.seq: int | None = None   # its place in the order snapshots are handed to the tiers (the pipeline's)
+        self.seq: int | None = (
+            None  # its place in the order snapshots are handed to the tiers (the pipeline's)
+        )
         self.entries = entries
         self.records = records
         self.data_bytes = data_bytes
@@ -105,10 +116,12 @@ class Snapshot:
         self.error: BaseException | None = None
         self._cuda_done: torch.cuda.Event | None = None
         self._cuda_start: torch.cuda.Event | None = None
-        self._cuda_device: torch.device | None = None   # the GPU whose side stream copies the state
+        self._cuda_device: torch.device | None = None  # the GPU whose side stream copies the state
         self._cpu_done = threading.Event()
-        self._cpu_thread: threading.Thread | None = None   # the CPU tensors' copy, once started
-        self._dma = False   # counted among the copies in flight (_copy_began) until the landing check saw it land
+        self._cpu_thread: threading.Thread | None = None  # the CPU tensors' copy, once started
+        self._dma = (
+            False  # counted among the copies in flight (_copy_began) until the landing check saw it land
+        )
         self._lock = threading.Lock()
         self._fenced = False
         self._t0 = time.perf_counter()
@@ -117,11 +130,10 @@ class Snapshot:
         # which hands over its chunks, each with the event that says it has landed (verified as they land).
         self._checks: list[tuple[str, ItemRecord, torch.dtype, torch.Size, bool]] = []
         self._fp_host: torch.Tensor | None = None
-        self._fp_after: torch.Tensor | None = None   # the same fingerprints once the copy was taken (host)
+        self._fp_after: torch.Tensor | None = None  # the same fingerprints once the copy was taken (host)
         self._copy: _PacedCopy | None = None
         self._verified = False
         self._verify_lock = threading.Lock()
-
 
     @classmethod
     def of_image(cls, step: int, buffer: HostBuffer, manifest: Manifest | None, timeline: Any) -> "Snapshot":
@@ -130,8 +142,16 @@ class Snapshot:
         one (a snapshot a previous process took and did not persist)."""
         nbytes = manifest.data_bytes if manifest is not None else 0
         stats = SnapshotStats(step, nbytes=nbytes, stage_s=0.0)
-        snap = cls(step, [], manifest.items if manifest is not None else [], nbytes, manifest, buffer, stats,
-                   timeline)
+        snap = cls(
+            step,
+            [],
+            manifest.items if manifest is not None else [],
+            nbytes,
+            manifest,
+            buffer,
+            stats,
+            timeline,
+        )
         snap._cpu_done.set()
         snap._fenced = True
         return snap
@@ -154,7 +174,7 @@ class Snapshot:
             return
         if self._copy is not None:
             self._copy.finish_now()
-        if self._cuda_done is not None:   # the current stream of the state's GPU, not of the current GPU
+        if self._cuda_done is not None:  # the current stream of the state's GPU, not of the current GPU
             torch.cuda.current_stream(self._cuda_device).wait_event(self._cuda_done)
         self._cpu_done.wait()
         self._fence()
@@ -163,13 +183,13 @@ class Snapshot:
         """Block the calling thread until every byte is in the host buffer and checked, then fence."""
         self._verify_cuda_copies()
         if self._copy is not None:
-            self._copy.enqueued.wait()   # (returns at once after the verification: it waited for the end)
+            self._copy.enqueued.wait()  # (returns at once after the verification: it waited for the end)
         if self._cuda_done is not None:
             self._cuda_done.synchronize()
         self._cpu_done.wait()
         thread = self._cpu_thread
         if thread is not None and thread is not threading.current_thread():
-            thread.join()   # it has signalled; joined, no thread of the copy outlives the snapshot's watcher
+            thread.join()  # it has signalled; joined, no thread of the copy outlives the snapshot's watcher
         self._fence()
         if self.stats.stage_s is None:
             if self._cuda_start is not None:
@@ -189,9 +209,11 @@ class Snapshot:
                 return
             torn: list[str] = []
             try:
-                for _ in self._copy.landed():   # until every chunk is enqueued and ``done`` recorded after them
+                for (
+                    _
+                ) in self._copy.landed():  # until every chunk is enqueued and ``done`` recorded after them
                     pass
-                self._cuda_done.synchronize()   # the copy has landed and the second fingerprints are on the host
+                self._cuda_done.synchronize()  # the copy has landed and the second fingerprints are on the host
                 if self.error is None and self._fp_host is not None and self._fp_after is not None:
                     before, after = self._fp_host.tolist(), self._fp_after.tolist()
                     torn = [self._checks[i][0] for i, (a, b) in enumerate(zip(before, after)) if a != b]
@@ -204,8 +226,11 @@ class Snapshot:
 
     def _torn(self, keys: list[str]) -> None:
         """Fail the save: the host copy of ``keys`` differs from their values at save()."""
-        more = f" (and {len(keys) - 1} more: {', '.join(repr(k) for k in keys[1:4])}{', ...' if len(keys) > 4 else ''})" \
-            if len(keys) > 1 else ""
+        more = (
+            f" (and {len(keys) - 1} more: {', '.join(repr(k) for k in keys[1:4])}{', ...' if len(keys) > 4 else ''})"
+            if len(keys) > 1
+            else ""
+        )
         with self._lock:
             if self.error is None:
                 self.error = TornSnapshotError(
@@ -213,7 +238,9 @@ class Snapshot:
                     f"was complete: the copy differs from its value at save(), so step {self.step}'s save is "
                     "dropped rather than persisted torn. Writes through .data, a numpy view or torch.no_grad() "
                     "are not seen by version counters; call Checkpointer.wait_staged() before in-place updates "
-                    "outside optimizer.step() (an EMA update, say)", keys=keys)
+                    "outside optimizer.step() (an EMA update, say)",
+                    keys=keys,
+                )
 
     def _fence(self) -> None:
         with self._lock:
@@ -227,9 +254,11 @@ class Snapshot:
                             f"tensor {e.key!r} was modified in place while step {self.step}'s snapshot copy "
                             "could still be in flight, so this save is dropped rather than persisted torn. "
                             "Call Checkpointer.wait_staged() before in-place updates outside optimizer.step() "
-                            "(an EMA update, say)", keys=[e.key])
+                            "(an EMA update, say)",
+                            keys=[e.key],
+                        )
                         break
-            self.entries = []   # drop tensor references: the copy no longer needs them
+            self.entries = []  # drop tensor references: the copy no longer needs them
         _forget(self)
 
 
@@ -307,7 +336,9 @@ def _copies(buf: HostBuffer, rec: ItemRecord, t: torch.Tensor) -> list[tuple[tor
     return list(_within_pieces(dst, t, rec.offset))
 
 
-def _within_pieces(dst: torch.Tensor, src: torch.Tensor, offset: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+def _within_pieces(
+    dst: torch.Tensor, src: torch.Tensor, offset: int
+) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """``dst := src`` (``dst`` a contiguous view at byte ``offset`` of a segment) as copies that each stay
     inside one registration piece: as bytes where ``src`` is plain and contiguous, else by halving the
     leading dimension (a row that still spans a boundary: its own elements) down to parts that fit."""
@@ -319,7 +350,7 @@ def _within_pieces(dst: torch.Tensor, src: torch.Tensor, offset: int) -> Iterato
     if src.is_contiguous() and not (src.is_complex() or src.is_conj() or src.is_neg()):
         d, s_ = dst.reshape(-1).view(torch.uint8), src.reshape(-1).view(torch.uint8)
         for a, b in _shm.pieces(offset, n):
-            yield d[a - offset:b - offset], s_[a - offset:b - offset]
+            yield d[a - offset : b - offset], s_[a - offset : b - offset]
         return
     if dst.shape[0] == 1:
         yield from _within_pieces(dst[0], src[0], offset)
@@ -332,8 +363,8 @@ def _within_pieces(dst: torch.Tensor, src: torch.Tensor, offset: int) -> Iterato
 def _view(buf: HostBuffer, rec: ItemRecord, dtype: torch.dtype, shape: torch.Size) -> torch.Tensor:
     key = (rec.offset, dtype, shape)
     view = buf.views.get(key)
-    if view is None:   # the same state saves into the same views every time: build them once
-        view = buf.views[key] = buf.tensor[rec.offset:rec.offset + rec.nbytes].view(dtype).view(shape)
+    if view is None:  # the same state saves into the same views every time: build them once
+        view = buf.views[key] = buf.tensor[rec.offset : rec.offset + rec.nbytes].view(dtype).view(shape)
     return view
 
 
@@ -379,14 +410,18 @@ def _fingerprint_on_device(t: torch.Tensor, words: bool) -> torch.Tensor:
     return _as_ints(t, words).sum(dtype=torch.int64)
 
 
-def _fingerprints(pairs: list[tuple[Entry, ItemRecord]]) -> tuple[list[bool], torch.Tensor | list[int] | None]:
+def _fingerprints(
+    pairs: list[tuple[Entry, ItemRecord]],
+) -> tuple[list[bool], torch.Tensor | list[int] | None]:
     """Each tensor's form (words or items: the copy lands at ``rec.offset`` and must allow the same
     form) and fingerprint at this point of the caller's thread (CPU tensors: a list of ints) or stream
     (CUDA tensors: stacked in one int64 tensor on the device)."""
     # A lazily conjugated or negated view's bytes are not its values (the copy holds the values):
     # such rare tensors are resolved into a temporary first.
-    srcs = [e.tensor.resolve_conj().resolve_neg() if e.tensor.is_conj() or e.tensor.is_neg() else e.tensor
-            for e, _ in pairs]
+    srcs = [
+        e.tensor.resolve_conj().resolve_neg() if e.tensor.is_conj() or e.tensor.is_neg() else e.tensor
+        for e, _ in pairs
+    ]
     words = [_fits_words(t) and r.offset % 8 == 0 for t, (_, r) in zip(srcs, pairs)]
     if not pairs:
         return words, None
@@ -409,9 +444,9 @@ class _FingerprintGraphs:
     fails (e.g. inside the caller's own capture) falls back to the launches for good."""
 
     def __init__(self) -> None:
-        self._seen: dict[int, tuple] = {}     # device -> the key of the last save
-        self._graph: dict[int, tuple[tuple, Any, torch.Tensor]] = {}   # device -> (key, graph, output)
-        self._off = False   # a capture failed
+        self._seen: dict[int, tuple] = {}  # device -> the key of the last save
+        self._graph: dict[int, tuple[tuple, Any, torch.Tensor]] = {}  # device -> (key, graph, output)
+        self._off = False  # a capture failed
         self._lock = threading.Lock()
 
     @staticmethod
@@ -420,13 +455,20 @@ class _FingerprintGraphs:
 
     def fingerprints(self, srcs: list[torch.Tensor], words: list[bool]) -> torch.Tensor:
         dev = srcs[0].device.index if srcs[0].device.index is not None else torch.cuda.current_device()
-        if self._off or not knobs.get("CKPT_FINGERPRINT_GRAPH") or torch.cuda.is_current_stream_capturing() or any(t.device != srcs[0].device for t in srcs):
+        if (
+            self._off
+            or not knobs.get("CKPT_FINGERPRINT_GRAPH")
+            or torch.cuda.is_current_stream_capturing()
+            or any(t.device != srcs[0].device for t in srcs)
+        ):
             return self._launch(srcs, words)
-        key = tuple((t.data_ptr(), tuple(t.shape), tuple(t.stride()), t.dtype, w) for t, w in zip(srcs, words))
+        key = tuple(
+            (t.data_ptr(), tuple(t.shape), tuple(t.stride()), t.dtype, w) for t, w in zip(srcs, words)
+        )
         with self._lock:
             held = self._graph.get(dev)
             if held is not None and held[0] == key:
-                held[1].replay()   # on the current stream: ordered like the launches it stands for
+                held[1].replay()  # on the current stream: ordered like the launches it stands for
                 return held[2].clone()
             again = self._seen.get(dev) == key
             self._seen[dev] = key
@@ -434,9 +476,12 @@ class _FingerprintGraphs:
                 return self._launch(srcs, words)
             try:
                 graph = self._capture(srcs, words)
-            except Exception as e:   # noqa: BLE001 - the launches give the same numbers
-                log.info("fingerprints stay one launch per tensor: capturing them as a CUDA graph failed (%s: %s)",
-                         type(e).__name__, e)
+            except Exception as e:  # noqa: BLE001 - the launches give the same numbers
+                log.info(
+                    "fingerprints stay one launch per tensor: capturing them as a CUDA graph failed (%s: %s)",
+                    type(e).__name__,
+                    e,
+                )
                 self._off = True
                 return self._launch(srcs, words)
             self._graph[dev] = (key, *graph)
@@ -454,7 +499,7 @@ class _FingerprintGraphs:
 
 
 _GRAPHS = _FingerprintGraphs()
-_GRAPHS_AFTER = _FingerprintGraphs()   # the second fingerprints, on the side stream (a graph of their own)
+_GRAPHS_AFTER = _FingerprintGraphs()  # the second fingerprints, on the side stream (a graph of their own)
 
 
 # -- the paced device-to-host copy -------------------------------------------------------------------
@@ -470,11 +515,13 @@ _GRAPHS_AFTER = _FingerprintGraphs()   # the second fingerprints, on the side st
 # (135 -> ~148 ms), still overlapped with forward and backward; the optimizer step's pre-hook enqueues
 # whatever is left at once.
 
-_COPY_CHUNK = 64 << 20   # bytes per chunk: one event each; a tensor larger than this is copied in pieces
-_COPY_BURST = 4          # chunks save() enqueues itself (~5 ms of copy at 55 GB/s)
+_COPY_CHUNK = 64 << 20  # bytes per chunk: one event each; a tensor larger than this is copied in pieces
+_COPY_BURST = 4  # chunks save() enqueues itself (~5 ms of copy at 55 GB/s)
 
 
-def _chunks(buf: HostBuffer, items: list[tuple[torch.Tensor, ItemRecord]], chunk: int) -> Iterator[tuple[list, list[int]]]:
+def _chunks(
+    buf: HostBuffer, items: list[tuple[torch.Tensor, ItemRecord]], chunk: int
+) -> Iterator[tuple[list, list[int]]]:
     """The copies of ``items`` into ``buf`` in chunks of about ``chunk`` bytes: per chunk, the (destination,
     source) pairs and the items whose last byte it copies. A contiguous tensor larger than a chunk is
     split (as bytes) across chunks; any other tensor is copied whole."""
@@ -485,14 +532,14 @@ def _chunks(buf: HostBuffer, items: list[tuple[torch.Tensor, ItemRecord]], chunk
         n = rec.nbytes
         if n > chunk and t.is_contiguous() and not (t.is_complex() or t.is_conj() or t.is_neg()):
             src = t.reshape(-1).view(torch.uint8)
-            dst = buf.tensor[rec.offset:rec.offset + n]
+            dst = buf.tensor[rec.offset : rec.offset + n]
             off = 0
             while off < n:
                 k = min(chunk - size, n - off)
-                if buf.segment is not None:   # a CUDA copy may not span two registration pieces
+                if buf.segment is not None:  # a CUDA copy may not span two registration pieces
                     at = rec.offset + off
                     k = min(k, (at // _shm.REGISTER_PIECE + 1) * _shm.REGISTER_PIECE - at)
-                pairs.append((dst[off:off + k], src[off:off + k]))
+                pairs.append((dst[off : off + k], src[off : off + k]))
                 size += k
                 off += k
                 if size >= chunk and off < n:
@@ -519,15 +566,21 @@ class _PacedCopy:
     the whole copy). ``done`` is recorded after the last chunk; :meth:`landed` yields each chunk's event
     with the items it completes, in order, until the end."""
 
-    def __init__(self, snap: Snapshot, items: list[tuple[torch.Tensor, ItemRecord]], stream: torch.cuda.Stream,
-                 done: torch.cuda.Event, after: Callable[[], None] | None = None) -> None:
+    def __init__(
+        self,
+        snap: Snapshot,
+        items: list[tuple[torch.Tensor, ItemRecord]],
+        stream: torch.cuda.Stream,
+        done: torch.cuda.Event,
+        after: Callable[[], None] | None = None,
+    ) -> None:
         self.snap = snap
         self.stream = stream
         self.done = done
-        self.after = after   # enqueued after the last copy and before ``done`` (on the stream)
-        self.enqueued = threading.Event()   # every copy is enqueued and ``done`` recorded
+        self.after = after  # enqueued after the last copy and before ``done`` (on the stream)
+        self.enqueued = threading.Event()  # every copy is enqueued and ``done`` recorded
         self._chunks: Iterator[tuple[list, list[int]]] | None = _chunks(snap.buffer, items, _COPY_CHUNK)
-        self._lock = threading.Lock()       # one thread enqueues at a time
+        self._lock = threading.Lock()  # one thread enqueues at a time
         self._landed: queue.SimpleQueue = queue.SimpleQueue()
 
     def start(self) -> None:
@@ -539,9 +592,13 @@ class _PacedCopy:
         # Not a daemon, like the CPU staging thread: it holds tensor references until it has enqueued
         # the last copy (milliseconds to a fraction of a second), and shutdown waits for that.
         try:
-            threading.Thread(target=self._run, args=([e for e in ahead if e is not None],),
-                             name=f"ckpt-copy-{self.snap.step}", daemon=False).start()
-        except RuntimeError:   # no thread to be had: enqueue the rest now, unpaced
+            threading.Thread(
+                target=self._run,
+                args=([e for e in ahead if e is not None],),
+                name=f"ckpt-copy-{self.snap.step}",
+                daemon=False,
+            ).start()
+        except RuntimeError:  # no thread to be had: enqueue the rest now, unpaced
             self.finish_now()
 
     def _next(self) -> torch.cuda.Event | None:
@@ -572,7 +629,7 @@ class _PacedCopy:
             limit = max(1, knobs.get("CKPT_COPY_AHEAD"))
             while True:
                 while len(inflight) >= limit:
-                    inflight.popleft().synchronize()   # releases the GIL
+                    inflight.popleft().synchronize()  # releases the GIL
                 ev = self._next()
                 if ev is None:
                     return
@@ -617,9 +674,9 @@ class _PacedCopy:
         self._chunks = None
         self.after = None
         try:
-            self.stream.synchronize()   # no copy may still be writing into a buffer handed back
+            self.stream.synchronize()  # no copy may still be writing into a buffer handed back
             self.done.record(self.stream)
-        except BaseException:   # noqa: BLE001 - the error above is the one reported
+        except BaseException:  # noqa: BLE001 - the error above is the one reported
             pass
         finally:
             self._landed.put(None)
@@ -629,7 +686,9 @@ class _PacedCopy:
 _SIDE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
 
 
-def _side_stream_for(cuda: list[tuple[Entry, ItemRecord]], side_stream: torch.cuda.Stream) -> torch.cuda.Stream:
+def _side_stream_for(
+    cuda: list[tuple[Entry, ItemRecord]], side_stream: torch.cuda.Stream
+) -> torch.cuda.Stream:
     """The side stream of the GPU that holds the state's CUDA tensors: ``side_stream`` where it is that GPU's,
     else one made for it once. torch runs a copy on the current stream of the copied tensor's GPU, so copies
     of a state on another GPU than the current one (``model.to("cuda:1")`` without ``set_device``) would
@@ -641,7 +700,8 @@ def _side_stream_for(cuda: list[tuple[Entry, ItemRecord]], side_stream: torch.cu
         raise RefusedStateError(
             f"the state's CUDA tensors are on {len(devices)} GPUs of this process ({keys}): a snapshot is "
             "copied on one GPU's side stream; run one process per GPU (torchrun), or save each GPU's part "
-            "with a Checkpointer of its own")
+            "with a Checkpointer of its own"
+        )
     device = devices[0]
     if device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
@@ -657,7 +717,7 @@ def _stage_cuda(snap: Snapshot, cuda: list[tuple[Entry, ItemRecord]], side_strea
     checked = [(e, r) for e, r in cuda if not e.is_buffer]
     # on the caller's stream: ordered before anything the caller enqueues after save()
     words, fp_dev = _fingerprints(checked)
-    side_stream.wait_stream(compute)   # the copy must see the step that was just computed
+    side_stream.wait_stream(compute)  # the copy must see the step that was just computed
     start = torch.cuda.Event(enable_timing=True)
     done = torch.cuda.Event(enable_timing=True)
     with torch.cuda.stream(side_stream):
@@ -665,7 +725,7 @@ def _stage_cuda(snap: Snapshot, cuda: list[tuple[Entry, ItemRecord]], side_strea
         if fp_dev is not None:
             snap._fp_host = torch.empty(len(checked), dtype=torch.int64, pin_memory=True, device="cpu")
             snap._fp_host.copy_(fp_dev, non_blocking=True)
-            fp_dev.record_stream(side_stream)   # not reused by the caller's stream before this copy read it
+            fp_dev.record_stream(side_stream)  # not reused by the caller's stream before this copy read it
         bufs = [(e, r) for e, r in cuda if e.is_buffer]
         if bufs:
             for e, r in bufs:
@@ -673,13 +733,15 @@ def _stage_cuda(snap: Snapshot, cuda: list[tuple[Entry, ItemRecord]], side_strea
                     dst.copy_(src, non_blocking=True)
             buf_ev = torch.cuda.Event()
             buf_ev.record(side_stream)
-            compute.wait_event(buf_ev)   # next forward waits for this small copy, on the GPU
+            compute.wait_event(buf_ev)  # next forward waits for this small copy, on the GPU
     snap._checks = [(e.key, r, e.tensor.dtype, e.tensor.shape, w) for (e, r), w in zip(checked, words)]
     snap._cuda_start, snap._cuda_done, snap._cuda_device = start, done, side_stream.device
-    srcs = [e.tensor.resolve_conj().resolve_neg() if e.tensor.is_conj() or e.tensor.is_neg() else e.tensor
-            for e, _ in checked]
+    srcs = [
+        e.tensor.resolve_conj().resolve_neg() if e.tensor.is_conj() or e.tensor.is_neg() else e.tensor
+        for e, _ in checked
+    ]
 
-    def after() -> None:   # on the side stream, after the last copy: the values the copy read
+    def after() -> None:  # on the side stream, after the last copy: the values the copy read
         if srcs:
             fp = _GRAPHS_AFTER.fingerprints(srcs, words)
             snap._fp_after = torch.empty(len(srcs), dtype=torch.int64, pin_memory=True, device="cpu")
@@ -707,7 +769,7 @@ def stage(snap: Snapshot, side_stream: torch.cuda.Stream | None) -> None:
         if e.is_buffer:
             _dst(snap.buffer, r, e.tensor).copy_(e.tensor)
     rest = [(e, r) for e, r in cpu if not e.is_buffer]
-    rest_words, rest_fp = _fingerprints(rest)   # the values at save(): before save() returns
+    rest_words, rest_fp = _fingerprints(rest)  # the values at save(): before save() returns
     if cuda:
         if side_stream is None:
             raise RuntimeError("CUDA tensors in the state but no side stream")
@@ -715,10 +777,10 @@ def stage(snap: Snapshot, side_stream: torch.cuda.Stream | None) -> None:
         _copy_began()
         snap._dma = True
         try:
-            with torch.cuda.device(side_stream.device):   # the state's GPU: its streams, not the current GPU's
+            with torch.cuda.device(side_stream.device):  # the state's GPU: its streams, not the current GPU's
                 _stage_cuda(snap, cuda, side_stream)
         except BaseException:
-            side_stream.synchronize()   # no copy may still be writing into a buffer handed back
+            side_stream.synchronize()  # no copy may still be writing into a buffer handed back
             snap._dma_landed()
             raise
     if rest:
@@ -732,7 +794,7 @@ def stage(snap: Snapshot, side_stream: torch.cuda.Stream | None) -> None:
                 for (e, r), words, fp in zip(rest, rest_words, expected):
                     dst = _dst(snap.buffer, r, e.tensor)
                     dst.copy_(e.tensor)
-                    if _fingerprint(dst, words) != fp:   # the copy is not the value at save()
+                    if _fingerprint(dst, words) != fp:  # the copy is not the value at save()
                         torn.append(e.key)
                 if torn:
                     snap._torn(torn)
@@ -745,6 +807,7 @@ def stage(snap: Snapshot, side_stream: torch.cuda.Stream | None) -> None:
                 snap.error = exc
             finally:
                 snap._cpu_done.set()
+
         # Not a daemon, for the reason given where the pipeline starts its watcher thread: it
         # drops tensor references after signalling, so shutdown must wait for it (milliseconds).
         snap._cpu_thread = threading.Thread(target=copy_cpu, name=f"ckpt-stage-{snap.step}", daemon=False)

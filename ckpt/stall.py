@@ -45,8 +45,26 @@ log = logging.getLogger(__name__)
 ATTEMPTS = 3
 
 #: the fsspec methods that send requests: every one of them goes through :func:`call`
-REQUESTS = frozenset({"cat_file", "cat", "pipe_file", "pipe", "exists", "info", "size", "ls", "glob", "find",
-                      "rm", "rm_file", "makedirs", "mkdir", "put_file", "get_file"})
+REQUESTS = frozenset(
+    {
+        "cat_file",
+        "cat",
+        "pipe_file",
+        "pipe",
+        "exists",
+        "info",
+        "size",
+        "ls",
+        "glob",
+        "find",
+        "rm",
+        "rm_file",
+        "makedirs",
+        "mkdir",
+        "put_file",
+        "get_file",
+    }
+)
 
 
 class StallError(TimeoutError):
@@ -68,7 +86,7 @@ class Watched:
         return self._inner
 
     def __getattr__(self, name: str) -> Any:
-        if name == "_inner":   # not set yet (a copy being made): never look it up through itself
+        if name == "_inner":  # not set yet (a copy being made): never look it up through itself
             raise AttributeError(name)
         attr = getattr(self._inner, name)
         if name in REQUESTS:
@@ -93,15 +111,25 @@ def call(fs: Any, name: str, *args: Any, **kwargs: Any) -> Any:
             finished, value = _once(fs, name, args, kwargs, stall)
         except FileNotFoundError:
             if attempt and name in ("rm", "rm_file"):
-                return None   # the stalled attempt removed it after all
+                return None  # the stalled attempt removed it after all
             raise
         if finished:
             return value
-        log.warning("%s of %s made no progress for %d s (CKPT_REMOTE_STALL_S): aborted (attempt %d of %d)", name,
-                    _url(fs, args, kwargs), stall, attempt + 1, ATTEMPTS)
-    raise StallError(errno.ETIMEDOUT, f"no progress for {stall} s (CKPT_REMOTE_STALL_S) in each of {ATTEMPTS} "
-                     f"attempts of a {name} request (each aborted and sent again after a backoff): the store or the "
-                     "network stalled", _url(fs, args, kwargs))
+        log.warning(
+            "%s of %s made no progress for %d s (CKPT_REMOTE_STALL_S): aborted (attempt %d of %d)",
+            name,
+            _url(fs, args, kwargs),
+            stall,
+            attempt + 1,
+            ATTEMPTS,
+        )
+    raise StallError(
+        errno.ETIMEDOUT,
+        f"no progress for {stall} s (CKPT_REMOTE_STALL_S) in each of {ATTEMPTS} "
+        f"attempts of a {name} request (each aborted and sent again after a backoff): the store or the "
+        "network stalled",
+        _url(fs, args, kwargs),
+    )
 
 
 def _once(fs: Any, name: str, args: tuple, kwargs: dict, limit: float) -> tuple[bool, Any]:
@@ -112,12 +140,12 @@ def _once(fs: Any, name: str, args: tuple, kwargs: dict, limit: float) -> tuple[
     # sync wrapper, which says which): that coroutine is run here, so that it can be cancelled
     coro = getattr(method, "__wrapped__", None) if getattr(fs, "async_impl", False) else None
     if coro is not None and inspect.iscoroutinefunction(coro):
-        if not inspect.ismethod(coro):   # the class's wrapper wraps the plain function
+        if not inspect.ismethod(coro):  # the class's wrapper wraps the plain function
             coro = functools.partial(coro, fs)
         future = asyncio.run_coroutine_threadsafe(coro(*args, **kwargs), fs.loop)
         done, _ = concurrent.futures.wait([future], timeout=limit)
         if not done:
-            future.cancel()   # cancels the task on the file system's loop: its connection is closed
+            future.cancel()  # cancels the task on the file system's loop: its connection is closed
             return False, None
         return True, future.result()
     outcome: list[tuple[Any, BaseException | None]] = []
@@ -126,7 +154,7 @@ def _once(fs: Any, name: str, args: tuple, kwargs: dict, limit: float) -> tuple[
     def run() -> None:
         try:
             outcome.append((method(*args, **kwargs), None))
-        except BaseException as e:   # noqa: BLE001 - handed to the caller's thread
+        except BaseException as e:  # noqa: BLE001 - handed to the caller's thread
             outcome.append((None, e))
         finally:
             finished.set()
@@ -150,5 +178,5 @@ def _url(fs: Any, args: tuple, kwargs: dict) -> str:
         path = path[0] if path else ""
     try:
         return fs.unstrip_protocol(path) + more
-    except Exception:   # noqa: BLE001 - a name for a message only
+    except Exception:  # noqa: BLE001 - a name for a message only
         return f"{path}{more}"

@@ -5,4 +5,5 @@
 * :mod:`ckpt.integrations.signals`: re-exports :mod:`ckpt.preempt` (signals turned into durable saves).
 * :mod:`ckpt.integrations.dcp`: ``torch.distributed.checkpoint`` storage over the tiers, without pickle.
 """
+
 __all__: list[str] = []

@@ -112,9 +112,22 @@ from torch.distributed.checkpoint.storage import WriteResult
 from .. import knobs, stall
 from ..commit import DirSink, FsSink, Sink, publish
 from ..errors import CheckpointError, CorruptCheckpointError, IncompleteCheckpointError, NoCheckpointError
-from ..format import (COMMIT_NAME, MAX_TREE_DEPTH, _is_nonneg_int, _is_number, check_shape, dtype_to_str,
-                      empty_tensor, fsync_dir, fsync_file, open_regular, parse_record, read_record, read_record_fs,
-                      str_to_dtype)
+from ..format import (
+    COMMIT_NAME,
+    MAX_TREE_DEPTH,
+    _is_nonneg_int,
+    _is_number,
+    check_shape,
+    dtype_to_str,
+    empty_tensor,
+    fsync_dir,
+    fsync_file,
+    open_regular,
+    parse_record,
+    read_record,
+    read_record_fs,
+    str_to_dtype,
+)
 from ..integrity import ALGORITHM, checksum
 from ..policy import Retention
 from ..scatter import writing_state
@@ -130,8 +143,12 @@ FORMAT = "ckpt.dcp"
 (readers refuse a record without it)."""
 _VERSION = 1
 METADATA_NAME = "metadata.json"
-_MEMORY_FORMATS = {"contiguous": torch.contiguous_format, "channels_last": torch.channels_last,
-                   "channels_last_3d": torch.channels_last_3d, "preserve": torch.preserve_format}
+_MEMORY_FORMATS = {
+    "contiguous": torch.contiguous_format,
+    "channels_last": torch.channels_last,
+    "channels_last_3d": torch.channels_last_3d,
+    "preserve": torch.preserve_format,
+}
 _MEMORY_FORMAT_NAMES = {v: k for k, v in _MEMORY_FORMATS.items()}
 
 
@@ -202,7 +219,7 @@ def _read_file_range(p: str, start: int, end: int) -> bytearray:
     when it is short, into a writable buffer (a tensor is built over it without another copy)."""
     fd, st = open_regular(p)
     try:
-        end = min(end, st.st_size)   # a hostile length allocates nothing
+        end = min(end, st.st_size)  # a hostile length allocates nothing
         buf = bytearray(max(0, end - start))
         _read_range(fd, False, Path(p), memoryview(buf), start, len(buf))
     finally:
@@ -226,9 +243,11 @@ class _Tier:
             self.root = str(Path(root).expanduser())
             self.fs = None
         else:
-            store = resolve(root, storage_options)   # the library's one way to open a URL (its backend choice too)
+            store = resolve(
+                root, storage_options
+            )  # the library's one way to open a URL (its backend choice too)
             self.fs, self.root = Watched(store.fs), store.root.rstrip("/")
-        self.mounted = self.fs is not None and is_local_fs(self.fs)   # a file:// URL: a page cache to flush
+        self.mounted = self.fs is not None and is_local_fs(self.fs)  # a file:// URL: a page cache to flush
         # how a data file goes to an object store: s3fs's as one object, by a multipart upload of our own
         # (each request under the watchdog); any other client's as one object per part (``parted``)
         self.multipart = self.fs is not None and not self.mounted and hasattr(self.fs.inner, "call_s3")
@@ -250,16 +269,22 @@ class _Tier:
         is a symbolic link: a checkpoint kept elsewhere is read-only (``OSError(ELOOP)``), as for the
         Checkpointer's tiers (:func:`ckpt.tiers.local.linked`)."""
         if (self.local or self.mounted) and linked(self.root, ckpt_id):
-            raise OSError(errno.ELOOP, f"TierStorageWriter: checkpoint {ckpt_id!r} under {self.where} is a symbolic "
-                          "link (a checkpoint kept elsewhere, read-only): a save never writes through it; save "
-                          "under another checkpoint_id", f"{self.root}/{ckpt_id}")
+            raise OSError(
+                errno.ELOOP,
+                f"TierStorageWriter: checkpoint {ckpt_id!r} under {self.where} is a symbolic "
+                "link (a checkpoint kept elsewhere, read-only): a save never writes through it; save "
+                "under another checkpoint_id",
+                f"{self.root}/{ckpt_id}",
+            )
 
     def _store_error(self, e: Exception, doing: str) -> OSError:
         """A store client's failure that is not an ``OSError`` (botocore's, say) as the one of its kind
         (:func:`ckpt.tiers.remote_errors.failure_type`: an outage is a ``ConnectionError``, refused credentials
         a ``PermissionError``) naming ``doing``, so that a reader falls back to the next tier instead of crashing."""
         kind = failure_type(e)
-        return kind(getattr(e, "errno", None) or errno.EIO, f"{doing} on {self.where}: {type(e).__name__}: {e}")
+        return kind(
+            getattr(e, "errno", None) or errno.EIO, f"{doing} on {self.where}: {type(e).__name__}: {e}"
+        )
 
     def sink(self, ckpt_id: str) -> Sink:
         """Where checkpoint ``ckpt_id``'s records go (:mod:`ckpt.commit`)."""
@@ -274,8 +299,14 @@ class _Tier:
         store of parts, the parts (and the single object of another layout) an earlier save under this
         id left are removed first, so none outlives this save; on a mounted tier, the temporary file the
         parts go into is created."""
-        state: dict[str, Any] = {"ckpt_id": ckpt_id, "name": name, "path": self.path(ckpt_id, name),
-                                 "tmp": None, "upload_id": None, "etags": []}
+        state: dict[str, Any] = {
+            "ckpt_id": ckpt_id,
+            "name": name,
+            "path": self.path(ckpt_id, name),
+            "tmp": None,
+            "upload_id": None,
+            "etags": [],
+        }
         if self.mounted:
             self.fs.makedirs(f"{self.root}/{ckpt_id}", exist_ok=True)
             state["tmp"] = f"{state['path']}.tmp-{os.getpid()}"
@@ -308,8 +339,12 @@ class _Tier:
         if self.mounted:
             stall.call(_OnMount, "publish", state["tmp"], state["path"])
         elif state["upload_id"] is not None:
-            self._s3(state, "complete_multipart_upload", UploadId=state["upload_id"],
-                     MultipartUpload={"Parts": state["etags"]})
+            self._s3(
+                state,
+                "complete_multipart_upload",
+                UploadId=state["upload_id"],
+                MultipartUpload={"Parts": state["etags"]},
+            )
             self.fs.invalidate_cache(state["path"])
 
     def discard(self, state: dict[str, Any]) -> None:
@@ -339,7 +374,7 @@ class _Tier:
         try:
             self.fs.rm(f"{self.path(ckpt_id, name)}{_PARTS}", recursive=True)
         except FileNotFoundError:
-            pass   # nothing there
+            pass  # nothing there
         self.remove(ckpt_id, name)
 
     def get_record(self, ckpt_id: str, name: str) -> bytes:
@@ -354,11 +389,12 @@ class _Tier:
             return read_record_fs(self.fs, p)
         except (OSError, CheckpointError):
             raise
-        except Exception as e:   # noqa: BLE001 - a store client's own error type
+        except Exception as e:  # noqa: BLE001 - a store client's own error type
             raise self._store_error(e, f"reading {p}") from e
 
-    def get_bytes(self, ckpt_id: str, name: str, start: int, end: int,
-                  part_bytes: int | None = None) -> bytes | bytearray:
+    def get_bytes(
+        self, ckpt_id: str, name: str, start: int, end: int, part_bytes: int | None = None
+    ) -> bytes | bytearray:
         """Bytes ``[start, end)`` of a data file (into a writable buffer for a local file, so a tensor
         can be built over it without another copy; fewer bytes when the file is short). A local or
         ``file://`` file must be a regular file (:func:`ckpt.format.open_regular`). ``part_bytes``: the
@@ -374,15 +410,18 @@ class _Tier:
                 return self.fs.cat_file(p, start=start, end=end)
             out = bytearray()
             for i in range(start // part_bytes, -(-end // part_bytes) if end > start else 0):
-                a, b = max(start, i * part_bytes) - i * part_bytes, min(end, (i + 1) * part_bytes) - i * part_bytes
+                a, b = (
+                    max(start, i * part_bytes) - i * part_bytes,
+                    min(end, (i + 1) * part_bytes) - i * part_bytes,
+                )
                 got = self.fs.cat_file(self.part_path(ckpt_id, name, i), start=a, end=b)
                 out += got
                 if len(got) < b - a:
-                    break   # a short part: the file ends here (the item then fails its length check)
+                    break  # a short part: the file ends here (the item then fails its length check)
             return out
         except OSError:
             raise
-        except Exception as e:   # noqa: BLE001 - a store client's own error type
+        except Exception as e:  # noqa: BLE001 - a store client's own error type
             raise self._store_error(e, f"reading {p}") from e
 
     def remove(self, ckpt_id: str, name: str) -> None:
@@ -393,7 +432,7 @@ class _Tier:
             else:
                 self.fs.rm_file(p)
         except (FileNotFoundError, NotADirectoryError):
-            pass   # nothing there
+            pass  # nothing there
 
 
 class _Upload:
@@ -405,7 +444,7 @@ class _Upload:
 
     def __init__(self, tier: _Tier, ckpt_id: str, name: str, rank: int, part_bytes: int) -> None:
         self.tier, self.ckpt_id, self.name, self.rank = tier, ckpt_id, name, rank
-        if tier.multipart:   # no larger than s3fs's own block (storage_options default_block_size), and S3
+        if tier.multipart:  # no larger than s3fs's own block (storage_options default_block_size), and S3
             # takes no part below 5 MiB but the last
             block = getattr(tier.fs.inner, "default_block_size", None) or part_bytes
             part_bytes = max(min(part_bytes, block), _S3_MIN_PART_BYTES)
@@ -413,8 +452,8 @@ class _Upload:
         self.stalled = False
         self.state: dict[str, Any] = self._guard(-1, tier.begin, ckpt_id, name)
         self.buf = bytearray()
-        self.sent = 0        # parts sent
-        self.written = 0     # bytes written (a mounted tier's file)
+        self.sent = 0  # parts sent
+        self.written = 0  # bytes written (a mounted tier's file)
         self.pending: Any = None
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="ckpt-dcp-upload")
 
@@ -425,14 +464,17 @@ class _Upload:
         except StallError as e:
             self.stalled = True
             what = f"part {i} of {self.name}" if i >= 0 else self.name
-            raise StallError(e.errno, f"rank {self.rank}'s {what} of {self.ckpt_id!r} ({e.filename}): {e.strerror}",
-                             e.filename) from None
+            raise StallError(
+                e.errno,
+                f"rank {self.rank}'s {what} of {self.ckpt_id!r} ({e.filename}): {e.strerror}",
+                e.filename,
+            ) from None
 
     def write(self, data: Any) -> None:
         view = memoryview(data).cast("B")
-        if self.tier.mounted:   # positioned writes straight from the caller's buffer: nothing copied or held
+        if self.tier.mounted:  # positioned writes straight from the caller's buffer: nothing copied or held
             for a in range(0, len(view), self.part_bytes):
-                piece = view[a:a + self.part_bytes]
+                piece = view[a : a + self.part_bytes]
                 self._guard(self.sent, self.tier.put_part, self.state, self.sent, piece, self.written)
                 self.sent, self.written = self.sent + 1, self.written + len(piece)
             return
@@ -444,14 +486,16 @@ class _Upload:
                 self._send()
 
     def _send(self) -> None:
-        data, self.buf = bytes(self.buf), bytearray()   # object-store clients want bytes
+        data, self.buf = bytes(self.buf), bytearray()  # object-store clients want bytes
         if self.pending is not None:
-            self.pending.result()   # the part before: at most one in flight
+            self.pending.result()  # the part before: at most one in flight
         i, self.sent = self.sent, self.sent + 1
-        self.pending = self.pool.submit(self._guard, i, self.tier.put_part, self.state, i, data, i * self.part_bytes)
+        self.pending = self.pool.submit(
+            self._guard, i, self.tier.put_part, self.state, i, data, i * self.part_bytes
+        )
 
     def close(self) -> None:
-        if self.tier.multipart and self.sent == 0:   # smaller than a part: one plain request
+        if self.tier.multipart and self.sent == 0:  # smaller than a part: one plain request
             self._guard(-1, self.tier.put_whole, self.state, bytes(self.buf))
             self.pool.shutdown()
             return
@@ -465,27 +509,42 @@ class _Upload:
     def abort(self) -> None:
         """Give the file up: remove what was uploaded, unless the store stalled (removing it would stall
         the same way; a warning says where it stays, uncommitted, so never read)."""
-        self.pool.shutdown(wait=True, cancel_futures=True)   # a part in flight ends within the watchdog's bound
-        if (self.pending is not None and self.pending.done() and not self.pending.cancelled()
-                and isinstance(self.pending.exception(), StallError)):
+        self.pool.shutdown(
+            wait=True, cancel_futures=True
+        )  # a part in flight ends within the watchdog's bound
+        if (
+            self.pending is not None
+            and self.pending.done()
+            and not self.pending.cancelled()
+            and isinstance(self.pending.exception(), StallError)
+        ):
             self.stalled = True
         path = self.tier.path(self.ckpt_id, self.name)
         where = self.tier.url(path + _PARTS if self.tier.parted else path)
         if self.stalled:
             if self.tier.multipart:
-                left = (f"the multipart upload of {where} stays pending (never completed, so no object: abort it, "
-                        "or let a lifecycle rule of the bucket expire it)")
+                left = (
+                    f"the multipart upload of {where} stays pending (never completed, so no object: abort it, "
+                    "or let a lifecycle rule of the bucket expire it)"
+                )
             else:
-                left = (f"its partial upload stays at {where}, uncommitted (no load reads it; the next save under "
-                        f"checkpoint_id {self.ckpt_id!r} replaces it)")
-            warnings.warn(f"TierStorageWriter: the store stalled while rank {self.rank} wrote {self.name}: {left}",
-                          stacklevel=3)
+                left = (
+                    f"its partial upload stays at {where}, uncommitted (no load reads it; the next save under "
+                    f"checkpoint_id {self.ckpt_id!r} replaces it)"
+                )
+            warnings.warn(
+                f"TierStorageWriter: the store stalled while rank {self.rank} wrote {self.name}: {left}",
+                stacklevel=3,
+            )
             return
         try:
             self.tier.discard(self.state)
-        except Exception as e:   # noqa: BLE001 - the upload's own error is the one to report
-            warnings.warn(f"TierStorageWriter: could not remove rank {self.rank}'s partial upload at {where} "
-                          f"({type(e).__name__}: {e}); it is uncommitted (no load reads it)", stacklevel=3)
+        except Exception as e:  # noqa: BLE001 - the upload's own error is the one to report
+            warnings.warn(
+                f"TierStorageWriter: could not remove rank {self.rank}'s partial upload at {where} "
+                f"({type(e).__name__}: {e}); it is uncommitted (no load reads it)",
+                stacklevel=3,
+            )
 
 
 def _upload_file(tier: _Tier, ckpt_id: str, name: str, rank: int, src: str, part_bytes: int) -> None:
@@ -505,17 +564,23 @@ def _write_error(rank: int, name: str, ckpt_id: str, tier: _Tier, e: BaseExcepti
     """The failure of a rank's data file on ``tier`` as an ``OSError`` of the same kind (a stall stays a
     :class:`~ckpt.stall.StallError`, a refusal a ``PermissionError`` ...; a store client's own ``OSError``
     subclass as :func:`ckpt.tiers.remote_errors.failure_type` classifies it) that says what it means."""
-    msg = (f"TierStorageWriter: rank {rank} could not write {name} of {ckpt_id!r} to {tier.where} "
-           f"({type(e).__name__}: {e}); nothing of this save is committed there and earlier "
-           "checkpoints are untouched (check url= and storage_options=, or add local_dir=)")
+    msg = (
+        f"TierStorageWriter: rank {rank} could not write {name} of {ckpt_id!r} to {tier.where} "
+        f"({type(e).__name__}: {e}); nothing of this save is committed there and earlier "
+        "checkpoints are untouched (check url= and storage_options=, or add local_dir=)"
+    )
     code = getattr(e, "errno", None) or errno.EIO
-    cls = type(e) if isinstance(e, OSError) and type(e).__module__ in ("builtins", StallError.__module__) \
+    cls = (
+        type(e)
+        if isinstance(e, OSError) and type(e).__module__ in ("builtins", StallError.__module__)
         else failure_type(e)
+    )
     return cls(code, msg, getattr(e, "filename", None))
 
 
-def _tiers(local_dir: str | os.PathLike | None, url: str | None,
-           storage_options: dict[str, Any] | None) -> list[_Tier]:
+def _tiers(
+    local_dir: str | os.PathLike | None, url: str | None, storage_options: dict[str, Any] | None
+) -> list[_Tier]:
     if local_dir is None and url is None:
         raise ValueError("give local_dir (this node's disk), url (an fsspec URL), or both")
     tiers = []
@@ -535,8 +600,10 @@ def _rank_local_id(checkpoint_id: str, rank: int) -> str:
 def _checkpoint_name(checkpoint_id: str | os.PathLike | None, default: str | None) -> str:
     name = os.fspath(checkpoint_id) if checkpoint_id is not None else default
     if name is None:
-        raise ValueError("no checkpoint_id: pass checkpoint_id= to dcp.save / dcp.load (a name such as "
-                         "'step-1200') or to the storage writer / reader")
+        raise ValueError(
+            "no checkpoint_id: pass checkpoint_id= to dcp.save / dcp.load (a name such as "
+            "'step-1200') or to the storage writer / reader"
+        )
     name = str(name).strip("/")
     if not name or any(part in ("", ".", "..") for part in name.split("/")):
         raise ValueError(f"checkpoint_id must be a relative name like 'step-1200', got {checkpoint_id!r}")
@@ -552,9 +619,11 @@ def _to_json(value: Any, where: str, depth: int = 1) -> Any:
     if isinstance(value, float) and math.isfinite(value):
         return value
     if depth > MAX_TREE_DEPTH and isinstance(value, (float, list, tuple, dict, bytes, io.BytesIO)):
-        raise ValueError(f"state value {where!r} is nested more than {MAX_TREE_DEPTH} levels deep (lists, dicts "
-                         "and tuples, tuples and dicts with integer keys counting their tags too), deeper than "
-                         "TierStorageReader reads back; store it flatter (e.g. as a JSON string)")
+        raise ValueError(
+            f"state value {where!r} is nested more than {MAX_TREE_DEPTH} levels deep (lists, dicts "
+            "and tuples, tuples and dicts with integer keys counting their tags too), deeper than "
+            "TierStorageReader reads back; store it flatter (e.g. as a JSON string)"
+        )
     if isinstance(value, float):
         return {"$float": "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")}
     # raw bytes, which DCP's planners treat as plain values like str (torchtitan keeps a data
@@ -577,7 +646,8 @@ def _to_json(value: Any, where: str, depth: int = 1) -> Any:
         f"state value {where!r} is a {type(value).__name__}, which TierStorageWriter cannot store without pickle. "
         "Non-tensor values must be None, bool, int, float, str, bytes, io.BytesIO, or lists / tuples / dicts "
         "(str or int keys) of those; convert it (e.g. to a tensor or a string) or leave it out of the state given "
-        "to dcp.save")
+        "to dcp.save"
+    )
 
 
 def _from_json(obj: Any, where: str) -> Any:
@@ -590,8 +660,12 @@ def _from_json(obj: Any, where: str) -> Any:
             return float(obj["$float"])
         if len(obj) == 1 and "$bytes" in obj and isinstance(obj["$bytes"], str):
             return _unbase64(obj["$bytes"], where)
-        if (set(obj) == {"$bytesio", "pos"} and isinstance(obj["$bytesio"], str) and _is_nonneg_int(obj["pos"])
-                and obj["pos"] < 1 << 62):
+        if (
+            set(obj) == {"$bytesio", "pos"}
+            and isinstance(obj["$bytesio"], str)
+            and _is_nonneg_int(obj["pos"])
+            and obj["pos"] < 1 << 62
+        ):
             buf = io.BytesIO(_unbase64(obj["$bytesio"], where))
             buf.seek(obj["pos"])
             return buf
@@ -600,8 +674,12 @@ def _from_json(obj: Any, where: str) -> Any:
         if len(obj) == 1 and "$dict" in obj and isinstance(obj["$dict"], list):
             out = {}
             for pair in obj["$dict"]:
-                if not (isinstance(pair, list) and len(pair) == 2 and isinstance(pair[0], (str, int))
-                        and not isinstance(pair[0], bool)):
+                if not (
+                    isinstance(pair, list)
+                    and len(pair) == 2
+                    and isinstance(pair[0], (str, int))
+                    and not isinstance(pair[0], bool)
+                ):
                     raise CorruptCheckpointError(f"{where}: malformed dict entry {pair!r}")
                 out[pair[0]] = _from_json(pair[1], where)
             return out
@@ -614,8 +692,10 @@ def _from_json(obj: Any, where: str) -> Any:
 def _plain_lookup(planner: SavePlanner) -> bool:
     """Whether ``planner`` resolves a value item the way DCP's ``DefaultSavePlanner`` does
     (``torch.save`` of ``lookup_object``), so the value can be looked up instead of unpickled."""
+
     def own(name: str) -> bool:
         return getattr(getattr(planner, name, None), "__func__", None) is getattr(DefaultSavePlanner, name)
+
     return hasattr(planner, "lookup_object") and own("resolve_data") and own("transform_object")
 
 
@@ -633,10 +713,12 @@ def _planner_value(data: Any, where: str) -> Any:
             extra = [] if io.BytesIO in torch.serialization.get_safe_globals() else [io.BytesIO]
             with torch.serialization.safe_globals(extra):
                 return torch.load(io.BytesIO(bytes(raw)), weights_only=True)
-    except Exception as e:   # noqa: BLE001 - unpickling errors have many types
-        raise ValueError(f"state value {where!r}: the save planner's resolve_data gave {type(data).__name__} that "
-                         f"is not torch.save output of plain data ({type(e).__name__}); TierStorageWriter stores "
-                         "non-tensor values as JSON, never opaque bytes") from None
+    except Exception as e:  # noqa: BLE001 - unpickling errors have many types
+        raise ValueError(
+            f"state value {where!r}: the save planner's resolve_data gave {type(data).__name__} that "
+            f"is not torch.save output of plain data ({type(e).__name__}); TierStorageWriter stores "
+            "non-tensor values as JSON, never opaque bytes"
+        ) from None
 
 
 def _unbase64(text: str, where: str) -> bytes:
@@ -659,29 +741,47 @@ def _metadata_to_json(md: Metadata) -> dict[str, Any]:
         elif isinstance(m, TensorStorageMetadata):
             p = m.properties
             if p.layout != torch.strided:
-                raise ValueError(f"tensor {fqn!r} has layout {p.layout}; TierStorageWriter stores strided tensors only")
+                raise ValueError(
+                    f"tensor {fqn!r} has layout {p.layout}; TierStorageWriter stores strided tensors only"
+                )
             entries[fqn] = {
-                "kind": "tensor", "dtype": dtype_to_str(p.dtype), "size": list(m.size),
-                "requires_grad": bool(p.requires_grad), "pin_memory": bool(p.pin_memory),
+                "kind": "tensor",
+                "dtype": dtype_to_str(p.dtype),
+                "size": list(m.size),
+                "requires_grad": bool(p.requires_grad),
+                "pin_memory": bool(p.pin_memory),
                 "memory_format": _MEMORY_FORMAT_NAMES.get(p.memory_format, "contiguous"),
                 "chunks": [{"offsets": list(c.offsets), "sizes": list(c.sizes)} for c in m.chunks],
             }
         else:
-            raise ValueError(f"state entry {fqn!r} has DCP metadata of type {type(m).__name__}, which this "
-                             "storage does not know")
+            raise ValueError(
+                f"state entry {fqn!r} has DCP metadata of type {type(m).__name__}, which this "
+                "storage does not know"
+            )
     try:
         planner_data = _to_json(md.planner_data, "planner_data")
     except ValueError as e:
-        raise ValueError(f"{e} (the save planner's planner_data; use DCP's DefaultSavePlanner or one whose "
-                         "planner_data is plain data)") from None
+        raise ValueError(
+            f"{e} (the save planner's planner_data; use DCP's DefaultSavePlanner or one whose "
+            "planner_data is plain data)"
+        ) from None
     items = [{"index": _index_to_json(ix), **rec} for ix, rec in (md.storage_data or {}).items()]
     sm = md.storage_meta
     return {
-        "format": FORMAT, "version": _VERSION, "dcp_version": md.version,
-        "state": entries, "planner_data": planner_data, "items": items,
-        "storage_meta": None if sm is None else {
+        "format": FORMAT,
+        "version": _VERSION,
+        "dcp_version": md.version,
+        "state": entries,
+        "planner_data": planner_data,
+        "items": items,
+        "storage_meta": None
+        if sm is None
+        else {
             "checkpoint_id": None if sm.checkpoint_id is None else os.fspath(sm.checkpoint_id),
-            "save_id": sm.save_id, "load_id": sm.load_id, "modules": list(sm.modules)},
+            "save_id": sm.save_id,
+            "load_id": sm.load_id,
+            "modules": list(sm.modules),
+        },
     }
 
 
@@ -701,14 +801,21 @@ def _metadata_from_json(raw: bytes, where: str) -> tuple[Metadata, dict[Metadata
     :class:`CorruptCheckpointError` naming the file."""
     obj = parse_record(raw, where)
     _need(obj.get("format") == FORMAT, where, f"not a {FORMAT} metadata record")
-    _need(obj.get("version") == _VERSION, where, f"format version {obj.get('version')!r}; this reader knows "
-          f"{_VERSION}")
+    _need(
+        obj.get("version") == _VERSION,
+        where,
+        f"format version {obj.get('version')!r}; this reader knows {_VERSION}",
+    )
     state = obj.get("state")
     _need(isinstance(state, dict), where, "'state' is not an object")
     sdm: dict[str, Any] = {}
     for fqn, e in state.items():
         w = f"{where}: state[{fqn!r}]"
-        _need(isinstance(e, dict) and e.get("kind") in ("bytes", "tensor"), w, "kind must be 'bytes' or 'tensor'")
+        _need(
+            isinstance(e, dict) and e.get("kind") in ("bytes", "tensor"),
+            w,
+            "kind must be 'bytes' or 'tensor'",
+        )
         if e["kind"] == "bytes":
             sdm[fqn] = BytesStorageMetadata()
             continue
@@ -718,22 +825,39 @@ def _metadata_from_json(raw: bytes, where: str) -> tuple[Metadata, dict[Metadata
         _need(isinstance(e.get("chunks"), list), w, "chunks must be a list")
         chunks = []
         for c in e["chunks"]:
-            _need(isinstance(c, dict) and check_shape(c.get("offsets")) and check_shape(c.get("sizes"), itemsize)
-                  and len(c["offsets"]) == len(c["sizes"]) == len(e["size"]), w, f"malformed chunk {c!r}")
-            _need(all(o + s <= n for o, s, n in zip(c["offsets"], c["sizes"], e["size"])), w,
-                  f"chunk {c!r} lies outside the tensor's size {e['size']}")
-            chunks.append(ChunkStorageMetadata(offsets=torch.Size(c["offsets"]), sizes=torch.Size(c["sizes"])))
+            _need(
+                isinstance(c, dict)
+                and check_shape(c.get("offsets"))
+                and check_shape(c.get("sizes"), itemsize)
+                and len(c["offsets"]) == len(c["sizes"]) == len(e["size"]),
+                w,
+                f"malformed chunk {c!r}",
+            )
+            _need(
+                all(o + s <= n for o, s, n in zip(c["offsets"], c["sizes"], e["size"])),
+                w,
+                f"chunk {c!r} lies outside the tensor's size {e['size']}",
+            )
+            chunks.append(
+                ChunkStorageMetadata(offsets=torch.Size(c["offsets"]), sizes=torch.Size(c["sizes"]))
+            )
         # the global size is what a planner that builds the state from the metadata allocates: it must be
         # exactly what the chunks hold, each chunk once (one saved item each, checked below)
         _need(len({tuple(c.offsets) for c in chunks}) == len(chunks), w, "two chunks at one offset")
-        _need(sum(math.prod(c.sizes) for c in chunks) == math.prod(e["size"]), w,
-              f"its chunks hold {sum(math.prod(c.sizes) for c in chunks)} elements, its size {e['size']} "
-              f"{math.prod(e['size'])}")
+        _need(
+            sum(math.prod(c.sizes) for c in chunks) == math.prod(e["size"]),
+            w,
+            f"its chunks hold {sum(math.prod(c.sizes) for c in chunks)} elements, its size {e['size']} "
+            f"{math.prod(e['size'])}",
+        )
         _need(e.get("memory_format", "contiguous") in _MEMORY_FORMATS, w, "unknown memory_format")
-        props = TensorProperties(dtype=str_to_dtype(e["dtype"], w), layout=torch.strided,
-                                 requires_grad=bool(e.get("requires_grad", False)),
-                                 memory_format=_MEMORY_FORMATS[e.get("memory_format", "contiguous")],
-                                 pin_memory=bool(e.get("pin_memory", False)))
+        props = TensorProperties(
+            dtype=str_to_dtype(e["dtype"], w),
+            layout=torch.strided,
+            requires_grad=bool(e.get("requires_grad", False)),
+            memory_format=_MEMORY_FORMATS[e.get("memory_format", "contiguous")],
+            pin_memory=bool(e.get("pin_memory", False)),
+        )
         sdm[fqn] = TensorStorageMetadata(properties=props, size=torch.Size(e["size"]), chunks=chunks)
     items = obj.get("items")
     _need(isinstance(items, list), where, "'items' is not a list")
@@ -745,32 +869,55 @@ def _metadata_from_json(raw: bytes, where: str) -> tuple[Metadata, dict[Metadata
         _need(isinstance(it, dict) and isinstance(it.get("index"), dict), w, "malformed item")
         ix = it["index"]
         _need(isinstance(ix.get("fqn"), str) and ix["fqn"] in sdm, w, "names no entry of 'state'")
-        _need(ix.get("offset") is None or check_shape(ix["offset"]), w, "offset must be null or a list of ints")
+        _need(
+            ix.get("offset") is None or check_shape(ix["offset"]), w, "offset must be null or a list of ints"
+        )
         for key in ("rank", "offset_bytes", "length", "crc"):
             _need(_is_nonneg_int(it.get(key)) and it[key] < 1 << 62, w, f"{key} must be a non-negative int")
         _need(it.get("kind") in ("tensor", "bytes"), w, "kind must be 'tensor' or 'bytes'")
-        part = it.get("part_bytes")   # the rank's file is parts of this size on an object store
-        _need(part is None or (_is_nonneg_int(part) and _MIN_PART_BYTES <= part < 1 << 62), w,
-              f"part_bytes must be an int of at least {_MIN_PART_BYTES}")
-        _need(part_sizes.setdefault(it["rank"], part) == part, w,
-              f"part_bytes differs from that of the other items of {_data_name(it['rank'])}")
+        part = it.get("part_bytes")  # the rank's file is parts of this size on an object store
+        _need(
+            part is None or (_is_nonneg_int(part) and _MIN_PART_BYTES <= part < 1 << 62),
+            w,
+            f"part_bytes must be an int of at least {_MIN_PART_BYTES}",
+        )
+        _need(
+            part_sizes.setdefault(it["rank"], part) == part,
+            w,
+            f"part_bytes differs from that of the other items of {_data_name(it['rank'])}",
+        )
         entry = sdm[ix["fqn"]]
         if it["kind"] == "tensor":
-            _need(isinstance(entry, TensorStorageMetadata) and ix.get("offset") is not None, w,
-                  "a tensor item must name a chunk of a tensor entry of 'state'")
+            _need(
+                isinstance(entry, TensorStorageMetadata) and ix.get("offset") is not None,
+                w,
+                "a tensor item must name a chunk of a tensor entry of 'state'",
+            )
             _need(isinstance(it.get("dtype"), str), w, "tensor item needs a dtype")
             dt = str_to_dtype(it["dtype"], w)
-            _need(dt == entry.properties.dtype and check_shape(it.get("shape"), dt.itemsize), w,
-                  "tensor item needs its entry's dtype and a bounded shape")
+            _need(
+                dt == entry.properties.dtype and check_shape(it.get("shape"), dt.itemsize),
+                w,
+                "tensor item needs its entry's dtype and a bounded shape",
+            )
             chunk = next((c for c in entry.chunks if list(c.offsets) == ix["offset"]), None)
-            _need(chunk is not None and list(chunk.sizes) == it["shape"], w,
-                  f"shape {it['shape']} at offset {ix['offset']} is no chunk of the entry's chunks")
+            _need(
+                chunk is not None and list(chunk.sizes) == it["shape"],
+                w,
+                f"shape {it['shape']} at offset {ix['offset']} is no chunk of the entry's chunks",
+            )
             n = math.prod(it["shape"])
-            _need(n * dt.itemsize == it["length"], w,
-                  f"length {it['length']} does not match shape {it['shape']} of {it['dtype']}")
+            _need(
+                n * dt.itemsize == it["length"],
+                w,
+                f"length {it['length']} does not match shape {it['shape']} of {it['dtype']}",
+            )
         else:
-            _need(isinstance(entry, BytesStorageMetadata) and ix.get("offset") is None, w,
-                  "a value item must name a value entry of 'state'")
+            _need(
+                isinstance(entry, BytesStorageMetadata) and ix.get("offset") is None,
+                w,
+                "a value item must name a value entry of 'state'",
+            )
         if it["length"]:
             spans.setdefault(it["rank"], []).append((it["offset_bytes"], it["length"], ix["fqn"]))
         offset = torch.Size(ix["offset"]) if ix.get("offset") is not None else None
@@ -778,8 +925,11 @@ def _metadata_from_json(raw: bytes, where: str) -> tuple[Metadata, dict[Metadata
     for fqn, entry in sdm.items():
         if isinstance(entry, TensorStorageMetadata):
             for c in entry.chunks:
-                _need(MetadataIndex(fqn=fqn, offset=c.offsets) in storage, f"{where}: state[{fqn!r}]",
-                      f"no saved item holds its chunk at {list(c.offsets)}")
+                _need(
+                    MetadataIndex(fqn=fqn, offset=c.offsets) in storage,
+                    f"{where}: state[{fqn!r}]",
+                    f"no saved item holds its chunk at {list(c.offsets)}",
+                )
     for rank, ranges in spans.items():
         ranges.sort()
         for (a, n, k), (b, _, k2) in zip(ranges, ranges[1:]):
@@ -787,32 +937,60 @@ def _metadata_from_json(raw: bytes, where: str) -> tuple[Metadata, dict[Metadata
     sm = obj.get("storage_meta")
     storage_meta = None
     if sm is not None:
-        _need(isinstance(sm, dict) and all(_opt_str(sm.get(k)) for k in ("checkpoint_id", "save_id", "load_id"))
-              and isinstance(sm.get("modules") or [], list) and all(isinstance(m, str) for m in sm.get("modules") or []),
-              where, "malformed storage_meta")
-        storage_meta = StorageMeta(checkpoint_id=sm.get("checkpoint_id"), save_id=sm.get("save_id"),
-                                   load_id=sm.get("load_id"), modules=list(sm.get("modules") or []))
-    md = Metadata(state_dict_metadata=sdm, planner_data=_from_json(obj.get("planner_data"), f"{where}: planner_data"),
-                  storage_data=storage, storage_meta=storage_meta)
+        _need(
+            isinstance(sm, dict)
+            and all(_opt_str(sm.get(k)) for k in ("checkpoint_id", "save_id", "load_id"))
+            and isinstance(sm.get("modules") or [], list)
+            and all(isinstance(m, str) for m in sm.get("modules") or []),
+            where,
+            "malformed storage_meta",
+        )
+        storage_meta = StorageMeta(
+            checkpoint_id=sm.get("checkpoint_id"),
+            save_id=sm.get("save_id"),
+            load_id=sm.get("load_id"),
+            modules=list(sm.get("modules") or []),
+        )
+    md = Metadata(
+        state_dict_metadata=sdm,
+        planner_data=_from_json(obj.get("planner_data"), f"{where}: planner_data"),
+        storage_data=storage,
+        storage_meta=storage_meta,
+    )
     if isinstance(obj.get("dcp_version"), str):
         md.version = obj["dcp_version"]
     return md, storage
 
 
 def _commit_record(world_size: int, metadata: bytes) -> bytes:
-    return json.dumps({"format": FORMAT, "version": _VERSION, "world_size": world_size,
-                       "metadata_bytes": len(metadata), "metadata_checksum": checksum(metadata),
-                       "algorithm": ALGORITHM, "created_unix": time.time()}).encode()
+    return json.dumps(
+        {
+            "format": FORMAT,
+            "version": _VERSION,
+            "world_size": world_size,
+            "metadata_bytes": len(metadata),
+            "metadata_checksum": checksum(metadata),
+            "algorithm": ALGORITHM,
+            "created_unix": time.time(),
+        }
+    ).encode()
 
 
 def _check_commit(raw: bytes, where: str) -> dict[str, Any]:
     obj = parse_record(raw, where)
-    _need(obj.get("format") == FORMAT and obj.get("version") == _VERSION, where,
-          f"not a {FORMAT} commit record of version {_VERSION}")
+    _need(
+        obj.get("format") == FORMAT and obj.get("version") == _VERSION,
+        where,
+        f"not a {FORMAT} commit record of version {_VERSION}",
+    )
     for key in ("world_size", "metadata_bytes", "metadata_checksum"):
         _need(_is_nonneg_int(obj.get(key)), where, f"{key} must be a non-negative int")
     _need(obj.get("algorithm") == ALGORITHM, where, f"checksum algorithm {obj.get('algorithm')!r}")
-    _need(obj.get("created_unix") is None or _is_number(obj["created_unix"]), where, "created_unix must be a number")
+    _need(
+        obj.get("created_unix") is None or _is_number(obj["created_unix"]),
+        where,
+        "created_unix must be a number",
+    )
     return obj
 
 
@@ -834,20 +1012,27 @@ class TierStorageWriter(StorageWriter):
     Collective: used through ``dcp.save``, which calls it on every rank.
     """
 
-    def __init__(self, local_dir: str | os.PathLike | None = None, url: str | None = None,
-                 storage_options: dict[str, Any] | None = None, checkpoint_id: str | None = None,
-                 keep: Retention | None = None) -> None:
+    def __init__(
+        self,
+        local_dir: str | os.PathLike | None = None,
+        url: str | None = None,
+        storage_options: dict[str, Any] | None = None,
+        checkpoint_id: str | None = None,
+        keep: Retention | None = None,
+    ) -> None:
         super().__init__()
         self.tiers = _tiers(local_dir, url, storage_options)
         if keep is not None and not isinstance(keep, Retention):
-            raise TypeError(f"keep must be a ckpt.Retention (e.g. Retention(local=2, remote=10)), got {keep!r}")
+            raise TypeError(
+                f"keep must be a ckpt.Retention (e.g. Retention(local=2, remote=10)), got {keep!r}"
+            )
         self.keep = keep
         self._default_id = checkpoint_id
         self.checkpoint_id = checkpoint_id
-        self.save_id = uuid.uuid4().hex   # StorageMeta.save_id of the next save (new at each reset)
+        self.save_id = uuid.uuid4().hex  # StorageMeta.save_id of the next save (new at each reset)
         self.is_coordinator = False
         self._collective = True
-        self._where = checkpoint_id   # the checkpoint this rank writes (set up by set_up_storage_writer)
+        self._where = checkpoint_id  # the checkpoint this rank writes (set up by set_up_storage_writer)
 
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
         self.checkpoint_id = _checkpoint_name(checkpoint_id, self._default_id)
@@ -863,12 +1048,18 @@ class TierStorageWriter(StorageWriter):
         # checkpoint of its own, of one rank, inside this one; dcp.load reads it back (read_metadata
         # with rank=) when the checkpoint has no COMMIT of its own
         rank = kwargs.get("rank")
-        self._collective = (kwargs.get("use_collectives", True) is not False or not _is_nonneg_int(rank)
-                            or not (torch.distributed.is_available() and torch.distributed.is_initialized()
-                                    and torch.distributed.get_world_size() > 1))
+        self._collective = (
+            kwargs.get("use_collectives", True) is not False
+            or not _is_nonneg_int(rank)
+            or not (
+                torch.distributed.is_available()
+                and torch.distributed.is_initialized()
+                and torch.distributed.get_world_size() > 1
+            )
+        )
         self._where = self.checkpoint_id if self._collective else _rank_local_id(self.checkpoint_id, rank)
         self._no_commit: set[str] = set()
-        for tier in self.tiers:   # every rank writes its file into the checkpoint's directory
+        for tier in self.tiers:  # every rank writes its file into the checkpoint's directory
             tier.refuse_linked(self.checkpoint_id)
             tier.refuse_linked(self._where)
         if is_coordinator or not self._collective:
@@ -879,11 +1070,13 @@ class TierStorageWriter(StorageWriter):
                 for name in dict.fromkeys((self._where, self.checkpoint_id)):
                     try:
                         tier.remove(name, COMMIT_NAME)
-                    except Exception as e:   # noqa: BLE001 - that tier then gets no COMMIT from this save
+                    except Exception as e:  # noqa: BLE001 - that tier then gets no COMMIT from this save
                         self._no_commit.add(tier.name)
-                        warnings.warn(f"TierStorageWriter: could not clear {tier.where}/{name} "
-                                      f"({type(e).__name__}: {e}); this save will not be committed there",
-                                      stacklevel=2)
+                        warnings.warn(
+                            f"TierStorageWriter: could not clear {tier.where}/{name} "
+                            f"({type(e).__name__}: {e}); this save will not be committed there",
+                            stacklevel=2,
+                        )
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         return plan
@@ -896,12 +1089,12 @@ class TierStorageWriter(StorageWriter):
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
-        return False   # never picked by DCP's storage auto-detection: pass it explicitly
+        return False  # never picked by DCP's storage auto-detection: pass it explicitly
 
     def _value_bytes(self, item: WriteItem, planner: SavePlanner) -> bytes:
         where = item.index.fqn
         if _plain_lookup(planner):
-            value = planner.lookup_object(item.index)   # what DefaultSavePlanner would torch.save
+            value = planner.lookup_object(item.index)  # what DefaultSavePlanner would torch.save
         else:
             # a planner with its own resolve_data / transform_object (a hook that converts or redacts
             # values): its result is what gets stored, torch.save output made in this process
@@ -930,8 +1123,11 @@ class TierStorageWriter(StorageWriter):
         offset = 0
         # the caller's current stream per GPU: the helper thread copies on it, so the copies are
         # ordered after whatever produced the state there (a thread starts on the default stream)
-        streams = ({i: torch.cuda.current_stream(i) for i in range(torch.cuda.device_count())}
-                   if torch.cuda.is_initialized() else {})
+        streams = (
+            {i: torch.cuda.current_stream(i) for i in range(torch.cuda.device_count())}
+            if torch.cuda.is_initialized()
+            else {}
+        )
 
         def prepare(item: WriteItem) -> tuple[Any, dict[str, Any], int]:
             # on a helper thread, one item ahead of the writes: the device-to-host copy and the
@@ -970,14 +1166,14 @@ class TierStorageWriter(StorageWriter):
                 os.replace(tmp, final)
                 fsync_dir(final.parent)
             else:
-                sink.close()   # the last part goes up here (a mounted tier's file is flushed and renamed)
+                sink.close()  # the last part goes up here (a mounted tier's file is flushed and renamed)
         except BaseException as e:
             if local is not None:
                 sink.close()
                 tmp.unlink(missing_ok=True)
                 raise
             sink.abort()
-            if isinstance(e, OSError):   # the storage's failure: say where, keeping its kind (a stall ...)
+            if isinstance(e, OSError):  # the storage's failure: say where, keeping its kind (a stall ...)
                 raise _write_error(rank, name, self._where, remote, e) from e
             raise
         if local is not None and self.keep is not None and self.keep.local is not None and self._collective:
@@ -987,10 +1183,13 @@ class TierStorageWriter(StorageWriter):
                 continue
             try:
                 _upload_file(tier, self._where, name, rank, str(final), part_bytes)
-            except Exception as e:   # noqa: BLE001 - reported; the save fails only if no tier took the file
-                warnings.warn(f"TierStorageWriter: rank {rank} could not write {name} of {self._where!r} "
-                              f"to {tier.where} ({type(e).__name__}: {e}); the checkpoint stays on the local "
-                              "tier only", stacklevel=2)
+            except Exception as e:  # noqa: BLE001 - reported; the save fails only if no tier took the file
+                warnings.warn(
+                    f"TierStorageWriter: rank {rank} could not write {name} of {self._where!r} "
+                    f"to {tier.where} ({type(e).__name__}: {e}); the checkpoint stays on the local "
+                    "tier only",
+                    stacklevel=2,
+                )
                 for r in results:
                     r.storage_data["missing"] = sorted(set(r.storage_data.get("missing", [])) | {tier.name})
         fut: Future[list[WriteResult]] = Future()
@@ -1014,25 +1213,34 @@ class TierStorageWriter(StorageWriter):
         committed = []
         for tier in self.tiers:
             if tier.name in missing:
-                continue   # some rank's file did not reach this tier: no COMMIT may vouch for it
-            try:   # the metadata, then COMMIT last (ckpt.commit: the protocol every tier follows)
+                continue  # some rank's file did not reach this tier: no COMMIT may vouch for it
+            try:  # the metadata, then COMMIT last (ckpt.commit: the protocol every tier follows)
                 publish(tier.sink(self._where), [(METADATA_NAME, raw)], commit)
                 committed.append(tier.name)
-            except Exception as e:   # noqa: BLE001 - reported below
-                warnings.warn(f"TierStorageWriter: could not commit {self._where!r} on {tier.where} "
-                              f"({type(e).__name__}: {e})", stacklevel=2)
+            except Exception as e:  # noqa: BLE001 - reported below
+                warnings.warn(
+                    f"TierStorageWriter: could not commit {self._where!r} on {tier.where} "
+                    f"({type(e).__name__}: {e})",
+                    stacklevel=2,
+                )
         if not committed:
-            raise OSError(5, f"TierStorageWriter: checkpoint {self._where!r} was committed on no tier "
-                             f"({', '.join(t.where for t in self.tiers)}); earlier checkpoints are untouched")
+            raise OSError(
+                5,
+                f"TierStorageWriter: checkpoint {self._where!r} was committed on no tier "
+                f"({', '.join(t.where for t in self.tiers)}); earlier checkpoints are untouched",
+            )
         for tier in self.tiers:
             n = None if self.keep is None else (self.keep.local if tier.local else self.keep.remote)
-            if n is None or tier.name not in committed or not self._collective:   # rank-local: no retention
+            if n is None or tier.name not in committed or not self._collective:  # rank-local: no retention
                 continue
             try:
                 _prune_tier(tier, n, spare=self._where)
-            except Exception as e:   # noqa: BLE001 - the save itself succeeded
-                warnings.warn(f"TierStorageWriter: retention on {tier.where} failed ({type(e).__name__}: {e}); "
-                              "older checkpoints stay until the next save or `ckpt gc --dcp`", stacklevel=2)
+            except Exception as e:  # noqa: BLE001 - the save itself succeeded
+                warnings.warn(
+                    f"TierStorageWriter: retention on {tier.where} failed ({type(e).__name__}: {e}); "
+                    "older checkpoints stay until the next save or `ckpt gc --dcp`",
+                    stacklevel=2,
+                )
 
 
 # -- reader -------------------------------------------------------------------------------------------
@@ -1049,19 +1257,24 @@ class TierStorageReader(StorageReader):
     Collective: used through ``dcp.load``, which calls it on every rank.
     """
 
-    def __init__(self, local_dir: str | os.PathLike | None = None, url: str | None = None,
-                 storage_options: dict[str, Any] | None = None, checkpoint_id: str | None = None,
-                 threads: int = 8) -> None:
+    def __init__(
+        self,
+        local_dir: str | os.PathLike | None = None,
+        url: str | None = None,
+        storage_options: dict[str, Any] | None = None,
+        checkpoint_id: str | None = None,
+        threads: int = 8,
+    ) -> None:
         super().__init__()
         self.tiers = _tiers(local_dir, url, storage_options)
         self._default_id = checkpoint_id
         self.checkpoint_id = checkpoint_id
         self.threads = max(1, int(threads))
         self.storage: dict[MetadataIndex, dict[str, Any]] = {}
-        self.committed: list[str] = []   # tiers (their paths) holding a valid COMMIT, after read_metadata
-        self.source: str | None = None   # the tier the metadata came from
-        self.load_id = uuid.uuid4().hex   # StorageMeta.load_id given to the planner (new at each reset)
-        self._where = checkpoint_id   # the checkpoint read: checkpoint_id, or a rank's own inside it
+        self.committed: list[str] = []  # tiers (their paths) holding a valid COMMIT, after read_metadata
+        self.source: str | None = None  # the tier the metadata came from
+        self.load_id = uuid.uuid4().hex  # StorageMeta.load_id given to the planner (new at each reset)
+        self._where = checkpoint_id  # the checkpoint read: checkpoint_id, or a rank's own inside it
 
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
         self.checkpoint_id = _checkpoint_name(checkpoint_id, self._default_id)
@@ -1079,15 +1292,19 @@ class TierStorageReader(StorageReader):
         inside it, else the checkpoint's."""
         self.checkpoint_id = _checkpoint_name(self.checkpoint_id, self._default_id)
         rank = kwargs.get("rank")
-        names = [self.checkpoint_id] if not _is_nonneg_int(rank) else \
-            [_rank_local_id(self.checkpoint_id, rank), self.checkpoint_id]
+        names = (
+            [self.checkpoint_id]
+            if not _is_nonneg_int(rank)
+            else [_rank_local_id(self.checkpoint_id, rank), self.checkpoint_id]
+        )
         problems: list[str] = []
         for ckpt_id in names:
             md = self._read_metadata_of(ckpt_id, problems)
             if md is not None:
                 return md
-        raise IncompleteCheckpointError(f"no tier holds a valid committed checkpoint {names[0]!r}: "
-                                        + "; ".join(problems))
+        raise IncompleteCheckpointError(
+            f"no tier holds a valid committed checkpoint {names[0]!r}: " + "; ".join(problems)
+        )
 
     def _read_metadata_of(self, ckpt_id: str, problems: list[str]) -> Metadata | None:
         self.committed = []
@@ -1098,13 +1315,19 @@ class TierStorageReader(StorageReader):
                 commit = _check_commit(tier.get_record(ckpt_id, COMMIT_NAME), where)
                 raw = tier.get_record(ckpt_id, METADATA_NAME)
                 mwhere = tier.path(ckpt_id, METADATA_NAME)
-                _need(len(raw) == commit["metadata_bytes"] and checksum(raw) == commit["metadata_checksum"], mwhere,
-                      "does not match the checksum its COMMIT records")
+                _need(
+                    len(raw) == commit["metadata_bytes"] and checksum(raw) == commit["metadata_checksum"],
+                    mwhere,
+                    "does not match the checksum its COMMIT records",
+                )
                 if found is None:
                     md, storage = _metadata_from_json(raw, mwhere)
                     ranks = {rec["rank"] for rec in storage.values()}
-                    _need(all(r < commit["world_size"] for r in ranks), mwhere,
-                          f"items name ranks {sorted(ranks)} but its COMMIT says {commit['world_size']} ranks saved")
+                    _need(
+                        all(r < commit["world_size"] for r in ranks),
+                        mwhere,
+                        f"items name ranks {sorted(ranks)} but its COMMIT says {commit['world_size']} ranks saved",
+                    )
                     found = (md, storage, tier.where)
                 self.committed.append(tier.where)
             except FileNotFoundError:
@@ -1118,15 +1341,17 @@ class TierStorageReader(StorageReader):
             return None
         md, self.storage, self.source = found
         self._where = ckpt_id
-        if md.storage_meta is None:   # saved by a writer that recorded none
+        if md.storage_meta is None:  # saved by a writer that recorded none
             md.storage_meta = StorageMeta(checkpoint_id=ckpt_id)
         md.storage_meta.load_id = self.load_id
         # the item records of the metadata's storage_data stay ours; DCP needs only the index keys
         return md
 
-    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+    def set_up_storage_reader(
+        self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any
+    ) -> None:
         if not self.storage and isinstance(metadata.storage_data, dict):
-            self.storage = metadata.storage_data   # metadata read by another reader instance
+            self.storage = metadata.storage_data  # metadata read by another reader instance
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
         return plan
@@ -1134,18 +1359,21 @@ class TierStorageReader(StorageReader):
     def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
         return plans
 
-    def _fetch(self, req: ReadItem, tiers: list[_Tier], tried: list[str],
-               final: bool) -> tuple[ReadItem, bytes | bytearray, dict[str, Any]] | None:
+    def _fetch(
+        self, req: ReadItem, tiers: list[_Tier], tried: list[str], final: bool
+    ) -> tuple[ReadItem, bytes | bytearray, dict[str, Any]] | None:
         """The item's bytes from the first of ``tiers`` whose copy matches its checksum; ``None`` when
         none does and ``final`` is false (``tried`` then says why), else CorruptCheckpointError."""
         rec = self.storage.get(req.storage_index)
         if rec is None:
-            raise CorruptCheckpointError(f"checkpoint {self._where!r} has no stored item for "
-                                         f"{req.storage_index.fqn!r} at offset {req.storage_index.offset}")
+            raise CorruptCheckpointError(
+                f"checkpoint {self._where!r} has no stored item for "
+                f"{req.storage_index.fqn!r} at offset {req.storage_index.offset}"
+            )
         name = _data_name(rec["rank"])
         start, end = rec["offset_bytes"], rec["offset_bytes"] + rec["length"]
         stalled: StallError | None = None
-        for tier in tiers:   # nearest first; every copy is checked against the committed checksum
+        for tier in tiers:  # nearest first; every copy is checked against the committed checksum
             try:
                 data = tier.get_bytes(self._where, name, start, end, rec.get("part_bytes"))
             except (OSError, IncompleteCheckpointError, CorruptCheckpointError) as e:
@@ -1158,46 +1386,63 @@ class TierStorageReader(StorageReader):
                 return req, data, rec
             tried.append(f"{tier.where}: {name} bytes {start}..{end} do not match their checksum")
             if final and tier is tiers[-1]:
-                break   # no tier left to try: the error below says it all
-            warnings.warn(f"TierStorageReader: the copy of {req.storage_index.fqn!r} of {self._where!r} on "
-                          f"{tier.where} fails its checksum ({name} bytes {start}..{end}); trying the next tier",
-                          stacklevel=3)
+                break  # no tier left to try: the error below says it all
+            warnings.warn(
+                f"TierStorageReader: the copy of {req.storage_index.fqn!r} of {self._where!r} on "
+                f"{tier.where} fails its checksum ({name} bytes {start}..{end}); trying the next tier",
+                stacklevel=3,
+            )
         if not final:
             return None
-        if stalled is not None:   # not known to be corrupt: the store stopped answering (a later load may work)
-            raise StallError(errno.ETIMEDOUT, f"no tier gave a valid copy of {req.storage_index.fqn!r} (in {name} of "
-                             f"{self._where!r}) and a store stalled (CKPT_REMOTE_STALL_S): {'; '.join(tried)}",
-                             stalled.filename)
-        raise CorruptCheckpointError(f"no tier holds a valid copy of {req.storage_index.fqn!r} "
-                                     f"(in {name} of {self._where!r}): {'; '.join(tried)}")
+        if (
+            stalled is not None
+        ):  # not known to be corrupt: the store stopped answering (a later load may work)
+            raise StallError(
+                errno.ETIMEDOUT,
+                f"no tier gave a valid copy of {req.storage_index.fqn!r} (in {name} of "
+                f"{self._where!r}) and a store stalled (CKPT_REMOTE_STALL_S): {'; '.join(tried)}",
+                stalled.filename,
+            )
+        raise CorruptCheckpointError(
+            f"no tier holds a valid copy of {req.storage_index.fqn!r} "
+            f"(in {name} of {self._where!r}): {'; '.join(tried)}"
+        )
 
-    def _serve(self, req: ReadItem, data: bytes | bytearray, rec: dict[str, Any], planner: LoadPlanner) -> None:
+    def _serve(
+        self, req: ReadItem, data: bytes | bytearray, rec: dict[str, Any], planner: LoadPlanner
+    ) -> None:
         where = f"{req.storage_index.fqn!r} of {self._where!r}"
         if req.type == LoadItemType.BYTE_IO:
             _need(rec["kind"] == "bytes", where, "stored as a tensor, read as a value")
-            value = _from_json(parse_record(data, where, expect=None), where)   # depth-bounded: no RecursionError
+            value = _from_json(
+                parse_record(data, where, expect=None), where
+            )  # depth-bounded: no RecursionError
             buf = io.BytesIO()
-            torch.save(value, buf)   # made here from plain data, for DCP's load planner
+            torch.save(value, buf)  # made here from plain data, for DCP's load planner
             buf.seek(0)
             planner.load_bytes(req, buf)
             return
         _need(rec["kind"] == "tensor", where, "stored as a value, read as a tensor")
         dtype = str_to_dtype(rec["dtype"], where)
         if not isinstance(data, bytearray):
-            data = bytearray(data)   # torch.frombuffer wants a writable buffer
+            data = bytearray(data)  # torch.frombuffer wants a writable buffer
         stored = torch.frombuffer(data, dtype=dtype) if data else empty_tensor((0,), dtype)
-        try:   # the metadata was checked; this guards against a load plan that does not fit it
+        try:  # the metadata was checked; this guards against a load plan that does not fit it
             stored = stored.reshape(rec["shape"])
             for dim, (off, length) in enumerate(zip(req.storage_offsets, req.lengths)):
                 stored = stored.narrow(dim, off, length)
         except (RuntimeError, ValueError, IndexError) as e:
-            raise CorruptCheckpointError(f"{where}: the stored chunk {rec['shape']} does not hold the requested "
-                                         f"offsets {list(req.storage_offsets)} / lengths {list(req.lengths)} "
-                                         f"({type(e).__name__}: {e})") from None
+            raise CorruptCheckpointError(
+                f"{where}: the stored chunk {rec['shape']} does not hold the requested "
+                f"offsets {list(req.storage_offsets)} / lengths {list(req.lengths)} "
+                f"({type(e).__name__}: {e})"
+            ) from None
         target = planner.resolve_tensor(req).detach()
         if target.shape != stored.shape:
-            raise CorruptCheckpointError(f"{where}: stored chunk gives shape {tuple(stored.shape)}, the load "
-                                         f"plan wants {tuple(target.shape)}")
+            raise CorruptCheckpointError(
+                f"{where}: stored chunk gives shape {tuple(stored.shape)}, the load "
+                f"plan wants {tuple(target.shape)}"
+            )
         with writing_state():
             target.copy_(stored)
         planner.commit_tensor(req, target)
@@ -1231,7 +1476,9 @@ def _one_tier(where: str | os.PathLike, storage_options: dict[str, Any] | None) 
     return _Tier("remote", w, storage_options) if is_url(w) else _Tier("local", w, None)
 
 
-def list_checkpoints(where: str | os.PathLike, storage_options: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+def list_checkpoints(
+    where: str | os.PathLike, storage_options: dict[str, Any] | None = None
+) -> list[dict[str, Any]]:
     """The checkpoint ids under ``where`` (a local directory or an fsspec URL) whose ``COMMIT`` is a
     valid record of this format, sorted by name: dicts ``{"id", "world_size", "bytes"}`` (``bytes``: the
     ranks' data files, as listed)."""
@@ -1251,11 +1498,11 @@ def _list_tier(tier: _Tier) -> list[dict[str, Any]]:
             listing = {}
         names, sizes = set(), {}
         for path, info in listing.items():
-            rel = path[len(tier.root):].strip("/").split("/") if path.startswith(tier.root) else []
+            rel = path[len(tier.root) :].strip("/").split("/") if path.startswith(tier.root) else []
             if len(rel) < 2:
                 continue
             data = rel[-1]
-            if len(rel) >= 3 and _is_data_name(rel[-2], _PARTS):   # a part of a data file
+            if len(rel) >= 3 and _is_data_name(rel[-2], _PARTS):  # a part of a data file
                 data, rel = rel[-2], rel[:-1]
             ckpt_id = "/".join(rel[:-1])
             names.add(ckpt_id)
@@ -1268,9 +1515,15 @@ def _list_tier(tier: _Tier) -> list[dict[str, Any]]:
         except (OSError, CorruptCheckpointError):
             continue
         created = commit.get("created_unix")
-        out.append({"id": name, "world_size": commit["world_size"], "bytes": sizes.get(name, 0),
-                    "created_unix": created if isinstance(created, (int, float)) else None,
-                    "linked": _linked(tier, name)})
+        out.append(
+            {
+                "id": name,
+                "world_size": commit["world_size"],
+                "bytes": sizes.get(name, 0),
+                "created_unix": created if isinstance(created, (int, float)) else None,
+                "linked": _linked(tier, name),
+            }
+        )
     return out
 
 
@@ -1288,8 +1541,13 @@ def _linked(tier: _Tier, ckpt_id: str) -> bool:
     return any(linked(tier.root, "/".join(parts[:i])) for i in range(1, len(parts) + 1))
 
 
-def prune(where: str | os.PathLike, keep: int, storage_options: dict[str, Any] | None = None,
-          dry_run: bool = False, verify: bool = False) -> list[str]:
+def prune(
+    where: str | os.PathLike,
+    keep: int,
+    storage_options: dict[str, Any] | None = None,
+    dry_run: bool = False,
+    verify: bool = False,
+) -> list[str]:
     """Delete all but the ``keep`` (at least 1) newest committed checkpoints under ``where`` (one
     tier: a local directory or an fsspec URL), newest by the time their ``COMMIT`` records; returns
     the ids removed (or, with ``dry_run``, that would be). Each goes ``COMMIT`` first, so a deletion
@@ -1313,15 +1571,20 @@ def _verifies(where: str | os.PathLike, ckpt_id: str, storage_options: dict[str,
         verify(where, ckpt_id, storage_options)
         return True
     except (CorruptCheckpointError, IncompleteCheckpointError, OSError) as e:
-        warnings.warn(f"{ckpt_id!r} does not verify, so it does not count as the checkpoint to keep: {e}",
-                      stacklevel=4)
+        warnings.warn(
+            f"{ckpt_id!r} does not verify, so it does not count as the checkpoint to keep: {e}", stacklevel=4
+        )
         return False
 
 
-def _prune_tier(tier: _Tier, keep: int, dry_run: bool = False, spare: str | None = None,
-                verify: Any = None) -> list[str]:
-    rows = sorted((r for r in _list_tier(tier) if not r["linked"]),
-                  key=lambda r: (r["created_unix"] or 0.0, r["id"]), reverse=True)
+def _prune_tier(
+    tier: _Tier, keep: int, dry_run: bool = False, spare: str | None = None, verify: Any = None
+) -> list[str]:
+    rows = sorted(
+        (r for r in _list_tier(tier) if not r["linked"]),
+        key=lambda r: (r["created_unix"] or 0.0, r["id"]),
+        reverse=True,
+    )
     kept = {r["id"] for r in rows[:keep]} | ({spare} if spare is not None else set())
     if verify is not None and len(rows) > keep:
         keeper = next((r["id"] for r in rows if verify(r["id"])), None)
@@ -1334,7 +1597,7 @@ def _prune_tier(tier: _Tier, keep: int, dry_run: bool = False, spare: str | None
     removed = []
     for ckpt_id in doomed:
         try:
-            if tier.local or tier.mounted:   # never through a link swapped in meanwhile
+            if tier.local or tier.mounted:  # never through a link swapped in meanwhile
                 remove_step_dir(tier.root, ckpt_id)
             else:
                 tier.remove(ckpt_id, COMMIT_NAME)
@@ -1360,13 +1623,16 @@ def _prune_own_files(tier: _Tier, rank: int, keep: int, spare: str) -> None:
         if d.name != spare and not d.is_symlink() and f.is_file() and not (d / COMMIT_NAME).exists():
             mine.append((f.stat().st_mtime, d))
     mine.sort(reverse=True)
-    for _, d in mine[max(0, keep - 1):]:   # the spared checkpoint counts as one of the kept
+    for _, d in mine[max(0, keep - 1) :]:  # the spared checkpoint counts as one of the kept
         try:
-            fd = os.open(d, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)   # a link swapped in: ELOOP
+            fd = os.open(d, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)  # a link swapped in: ELOOP
             try:
                 os.unlink(name, dir_fd=fd)
-                left = [e for e in os.listdir(fd) if e.startswith("rank-") and e.endswith(".dcp.bin")
-                        or e == COMMIT_NAME]
+                left = [
+                    e
+                    for e in os.listdir(fd)
+                    if e.startswith("rank-") and e.endswith(".dcp.bin") or e == COMMIT_NAME
+                ]
             finally:
                 os.close(fd)
             if not left:
@@ -1375,8 +1641,9 @@ def _prune_own_files(tier: _Tier, rank: int, keep: int, spare: str) -> None:
             warnings.warn(f"TierStorageWriter: retention could not delete {d / name} ({e})", stacklevel=3)
 
 
-def verify(where: str | os.PathLike, checkpoint_id: str,
-           storage_options: dict[str, Any] | None = None) -> dict[str, Any]:
+def verify(
+    where: str | os.PathLike, checkpoint_id: str, storage_options: dict[str, Any] | None = None
+) -> dict[str, Any]:
     """Read every byte of checkpoint ``checkpoint_id`` under ``where`` (one tier: a local directory or
     an fsspec URL) and check the ``COMMIT``, the metadata and every item's checksum.
 
@@ -1388,10 +1655,15 @@ def verify(where: str | os.PathLike, checkpoint_id: str,
         commit = _check_commit(tier.get_record(name, COMMIT_NAME), tier.path(name, COMMIT_NAME))
         raw = tier.get_record(name, METADATA_NAME)
     except FileNotFoundError as e:
-        raise IncompleteCheckpointError(f"{tier.path(name, COMMIT_NAME)}: no committed checkpoint ({e})") from None
+        raise IncompleteCheckpointError(
+            f"{tier.path(name, COMMIT_NAME)}: no committed checkpoint ({e})"
+        ) from None
     mwhere = tier.path(name, METADATA_NAME)
-    _need(len(raw) == commit["metadata_bytes"] and checksum(raw) == commit["metadata_checksum"], mwhere,
-          "does not match the checksum its COMMIT records")
+    _need(
+        len(raw) == commit["metadata_bytes"] and checksum(raw) == commit["metadata_checksum"],
+        mwhere,
+        "does not match the checksum its COMMIT records",
+    )
     _, storage = _metadata_from_json(raw, mwhere)
     by_rank: dict[int, list[tuple[MetadataIndex, dict[str, Any]]]] = {}
     for ix, rec in storage.items():
@@ -1399,14 +1671,16 @@ def verify(where: str | os.PathLike, checkpoint_id: str,
     total = 0
     for rank, recs in sorted(by_rank.items()):
         fname = _data_name(rank)
-        for ix, rec in sorted(recs, key=lambda r: r[1]["offset_bytes"]):   # item by item: one in memory
+        for ix, rec in sorted(recs, key=lambda r: r[1]["offset_bytes"]):  # item by item: one in memory
             a, b = rec["offset_bytes"], rec["offset_bytes"] + rec["length"]
             try:
                 data = tier.get_bytes(name, fname, a, b, rec.get("part_bytes"))
             except FileNotFoundError:
                 raise IncompleteCheckpointError(f"{tier.path(name, fname)}: missing") from None
             if len(data) != b - a or checksum(data) != rec["crc"]:
-                raise CorruptCheckpointError(f"{tier.path(name, fname)}: item {ix.fqn!r} (bytes {a}..{b}) "
-                                             "fails its checksum" + (" (file too short)" if len(data) < b - a else ""))
+                raise CorruptCheckpointError(
+                    f"{tier.path(name, fname)}: item {ix.fqn!r} (bytes {a}..{b}) "
+                    "fails its checksum" + (" (file too short)" if len(data) < b - a else "")
+                )
             total += len(data)
     return {"id": name, "items": len(storage), "bytes": total}

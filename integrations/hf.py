@@ -57,8 +57,10 @@ def _version_tuple(v: str) -> tuple[int, ...]:
 
 
 if _version_tuple(transformers.__version__) < _MIN_TRANSFORMERS:
-    raise ImportError(f"ckpt.integrations.hf needs transformers>=4.57, found {transformers.__version__}: "
-                      "upgrade with pip install -U 'transformers>=4.57'")
+    raise ImportError(
+        f"ckpt.integrations.hf needs transformers>=4.57, found {transformers.__version__}: "
+        "upgrade with pip install -U 'transformers>=4.57'"
+    )
 
 # ``Trainer.train(resume_from_checkpoint=DIR)`` reads DIR/trainer_state.json itself and loads the rest through
 # these methods, at the points of the loop where an exact resume needs them (the random generators, say, after
@@ -95,7 +97,7 @@ class _Held:
         self.value: Any = None
 
     def state_dict(self) -> dict:
-        return {}          # no live tensors to load into: the restore makes new ones
+        return {}  # no live tensors to load into: the restore makes new ones
 
     def load_state_dict(self, sd: Any) -> None:
         self.value = sd
@@ -193,12 +195,20 @@ class CheckpointCallback(TrainerCallback):
             ``checkpointer`` is not given.
     """
 
-    def __init__(self, checkpointer: Checkpointer | None = None, *, restore: bool = True,
-                 save_on_train_end: bool = True, keep_trainer_checkpoints: bool = False,
-                 **checkpointer_args: Any) -> None:
+    def __init__(
+        self,
+        checkpointer: Checkpointer | None = None,
+        *,
+        restore: bool = True,
+        save_on_train_end: bool = True,
+        keep_trainer_checkpoints: bool = False,
+        **checkpointer_args: Any,
+    ) -> None:
         if checkpointer is not None and checkpointer_args:
-            raise TypeError("pass either checkpointer=... or Checkpointer arguments, not both (got checkpointer "
-                            f"and {sorted(checkpointer_args)})")
+            raise TypeError(
+                "pass either checkpointer=... or Checkpointer arguments, not both (got checkpointer "
+                f"and {sorted(checkpointer_args)})"
+            )
         if checkpointer is not None and not isinstance(checkpointer, Checkpointer):
             raise TypeError(f"checkpointer must be a ckpt.Checkpointer, got {type(checkpointer).__name__}")
         if checkpointer is None:
@@ -206,7 +216,9 @@ class CheckpointCallback(TrainerCallback):
         self._args = checkpointer_args
         self._owned = checkpointer is None
         # Built now so that bad arguments fail at construction, not when train() starts.
-        self._ck: Checkpointer | None = checkpointer if checkpointer is not None else Checkpointer(**checkpointer_args)
+        self._ck: Checkpointer | None = (
+            checkpointer if checkpointer is not None else Checkpointer(**checkpointer_args)
+        )
         self.restore = restore
         self.save_on_train_end = save_on_train_end
         self.keep_trainer_checkpoints = keep_trainer_checkpoints
@@ -214,8 +226,8 @@ class CheckpointCallback(TrainerCallback):
         self._trainer: Trainer | None = None
         self._resume_dir: str | None = None
         self._held: dict[str, _Held] | None = None
-        self._handled = -1       # the step whose boundary was handled
-        self._pending = -1       # a step the Trainer's schedule asked to save
+        self._handled = -1  # the step whose boundary was handled
+        self._pending = -1  # a step the Trainer's schedule asked to save
         self._last_saved = -1
         # (step, len(log_history)) when the step's logging, evaluation and save were over: the log entries
         # appended later at that step are the Trainer's end-of-training summary, not part of the step's state
@@ -241,26 +253,37 @@ class CheckpointCallback(TrainerCallback):
         if self._trainer is trainer:
             return self
         if self._trainer is not None:
-            raise ValueError("this CheckpointCallback is attached to another Trainer already; make one per Trainer")
+            raise ValueError(
+                "this CheckpointCallback is attached to another Trainer already; make one per Trainer"
+            )
         if getattr(trainer, "_ckpt_callback", None) is not None:
-            raise ValueError("this Trainer has a CheckpointCallback attached already; one Trainer takes one (two "
-                             "would both restore and save the run)")
+            raise ValueError(
+                "this Trainer has a CheckpointCallback attached already; one Trainer takes one (two "
+                "would both restore and save the run)"
+            )
         self._check_supported(trainer)
         missing = [n for n in (*_HOOKS, *_LOOP_HOOKS) if not callable(getattr(trainer, n, None))]
         if missing:
-            raise RuntimeError(f"this transformers {transformers.__version__} Trainer has no {missing}: "
-                               "ckpt.integrations.hf was tested with transformers 4.57 and 5.x")
+            raise RuntimeError(
+                f"this transformers {transformers.__version__} Trainer has no {missing}: "
+                "ckpt.integrations.hf was tested with transformers 4.57 and 5.x"
+            )
         if self not in trainer.callback_handler.callbacks:
             trainer.add_callback(self)
         originals = {n: getattr(trainer, n) for n in ("train", *_HOOKS)}
-        mine = {"_load_from_checkpoint": self._load_model, "_load_optimizer_and_scheduler": self._load_optimizer,
-                "_load_scaler": self._load_scaler, "_load_rng_state": self._load_rng}
+        mine = {
+            "_load_from_checkpoint": self._load_model,
+            "_load_optimizer_and_scheduler": self._load_optimizer,
+            "_load_scaler": self._load_scaler,
+            "_load_rng_state": self._load_rng,
+        }
 
         def hook(name: str) -> Callable[..., Any]:
             def call(path: Any, *args: Any, **kwargs: Any) -> Any:
                 if path is not None and path == self._resume_dir:
                     return mine[name](trainer, *args, **kwargs)
                 return originals[name](path, *args, **kwargs)
+
             return call
 
         for name in _HOOKS:
@@ -276,7 +299,7 @@ class CheckpointCallback(TrainerCallback):
         def load_best() -> Any:
             # the last step's snapshot (and the final one) hold that step's weights, not the best model's
             self._finish(trainer.state)
-            self.checkpointer.wait_staged()   # the load writes the weights in place: the copy must be done
+            self.checkpointer.wait_staged()  # the load writes the weights in place: the copy must be done
             return load_best_model()
 
         trainer._maybe_log_save_evaluate = maybe_log_save_evaluate
@@ -293,18 +316,26 @@ class CheckpointCallback(TrainerCallback):
     def _check_supported(self, trainer: Trainer) -> None:
         args = trainer.args
         if getattr(trainer, "is_deepspeed_enabled", False) or getattr(trainer, "is_fsdp_enabled", False):
-            raise ValueError("CheckpointCallback does not support DeepSpeed or FSDP Trainers (their engines load the "
-                             "weights and optimizer): drop the deepspeed / fsdp TrainingArguments, or use the "
-                             "Trainer's own checkpoints")
+            raise ValueError(
+                "CheckpointCallback does not support DeepSpeed or FSDP Trainers (their engines load the "
+                "weights and optimizer): drop the deepspeed / fsdp TrainingArguments, or use the "
+                "Trainer's own checkpoints"
+            )
         if args.world_size > 1:
-            raise ValueError(f"CheckpointCallback runs in one process; this Trainer has world_size={args.world_size}. "
-                             "Use the Trainer's own checkpoints for multi-process runs")
+            raise ValueError(
+                f"CheckpointCallback runs in one process; this Trainer has world_size={args.world_size}. "
+                "Use the Trainer's own checkpoints for multi-process runs"
+            )
         if args.load_best_model_at_end and not self.keep_trainer_checkpoints:
-            raise ValueError("load_best_model_at_end=True loads the Trainer's own checkpoint-N directories: pass "
-                             "CheckpointCallback(keep_trainer_checkpoints=True), or drop load_best_model_at_end")
+            raise ValueError(
+                "load_best_model_at_end=True loads the Trainer's own checkpoint-N directories: pass "
+                "CheckpointCallback(keep_trainer_checkpoints=True), or drop load_best_model_at_end"
+            )
 
     # -- train() -------------------------------------------------------------------------------------
-    def _train(self, trainer: Trainer, train: Callable[..., Any], resume: Any, args: tuple, kwargs: dict) -> Any:
+    def _train(
+        self, trainer: Trainer, train: Callable[..., Any], resume: Any, args: tuple, kwargs: dict
+    ) -> Any:
         ck = self.checkpointer
         self.restored_step, self._held, self._resume_dir = None, None, None
         self._logged = (-1, 0)
@@ -313,14 +344,16 @@ class CheckpointCallback(TrainerCallback):
             # checkpoint-N directories are replaced by them, or, kept, hold the same steps)
             self._resume_dir = resume = tempfile.mkdtemp(prefix="ckpt-hf-resume-")
         elif resume is not None and resume is not False:
-            log.info("CheckpointCallback: not restoring, since train(resume_from_checkpoint=%r) resumes the run",
-                     resume)
+            log.info(
+                "CheckpointCallback: not restoring, since train(resume_from_checkpoint=%r) resumes the run",
+                resume,
+            )
         elif self.restore and ck.list():
             # The Trainer resumes from this directory; trainer_state.json is written into it from the checkpoint
             # when the Trainer asks for the model (_load_model), before it reads the file.
             self._resume_dir = resume = tempfile.mkdtemp(prefix="ckpt-hf-resume-")
         if self._owned:
-            ck.__enter__()      # installs the signal handlers (main thread)
+            ck.__enter__()  # installs the signal handlers (main thread)
         try:
             out = train(resume, *args, **kwargs)
         except BaseException:
@@ -335,7 +368,7 @@ class CheckpointCallback(TrainerCallback):
         self._resume_dir, self._held = None, None
         if self._owned:
             self._ck = None
-            ck.__exit__(*exc)   # waits until every save is durable; raises the first failure when no exception
+            ck.__exit__(*exc)  # waits until every save is durable; raises the first failure when no exception
         elif exc[0] is not None:
             try:
                 ck.wait()
@@ -349,20 +382,24 @@ class CheckpointCallback(TrainerCallback):
         state = {"model": model if model is not None else trainer.model, **held, _CONFIG_KEY: _Held()}
         try:
             step = self.checkpointer.restore(state)
-        except IncompatibleCheckpointError as first:   # a checkpoint from before the config was kept with it?
+        except IncompatibleCheckpointError as first:  # a checkpoint from before the config was kept with it?
             del state[_CONFIG_KEY]
             try:
                 step = self.checkpointer.restore(state)
             except IncompatibleCheckpointError:
-                raise first from None   # no: the first error says what does not fit
+                raise first from None  # no: the first error says what does not fit
         if step is None:
-            raise CheckpointError(f"the checkpoint listed in {self.checkpointer.local.root} when train() started is "
-                                  "gone: was it deleted meanwhile?")
+            raise CheckpointError(
+                f"the checkpoint listed in {self.checkpointer.local.root} when train() started is "
+                "gone: was it deleted meanwhile?"
+            )
         with open(os.path.join(self._resume_dir, _TRAINER_STATE_NAME), "w", encoding="utf-8") as f:
             f.write(held["trainer_state"].value["json"])
         self._held = held
         self.restored_step = step
-        log.info("CheckpointCallback: resuming from step %d (%s tier)", step, self.checkpointer.last_restore.tier)
+        log.info(
+            "CheckpointCallback: resuming from step %d (%s tier)", step, self.checkpointer.last_restore.tier
+        )
 
     def _load_optimizer(self, trainer: Trainer) -> None:
         assert self._held is not None
@@ -374,8 +411,10 @@ class CheckpointCallback(TrainerCallback):
         sd = self._held["scaler"].value["sd"]
         scaler = getattr(trainer.accelerator, "scaler", None)
         if sd is not None and scaler is None:
-            log.warning("CheckpointCallback: the checkpoint holds a gradient scaler's state, but this Trainer has no "
-                        "scaler (fp16 off?); it is ignored")
+            log.warning(
+                "CheckpointCallback: the checkpoint holds a gradient scaler's state, but this Trainer has no "
+                "scaler (fp16 off?); it is ignored"
+            )
         elif sd is not None:
             scaler.load_state_dict(sd)
 
@@ -402,26 +441,33 @@ class CheckpointCallback(TrainerCallback):
         }
 
     # -- hooks ---------------------------------------------------------------------------------------
-    def on_train_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
-                       **kwargs: Any) -> None:
+    def on_train_begin(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
         if self._trainer is None:
-            raise RuntimeError("CheckpointCallback is among the Trainer's callbacks but was not attached: call "
-                               "callback.attach(trainer) before trainer.train(), so that it can resume the run")
+            raise RuntimeError(
+                "CheckpointCallback is among the Trainer's callbacks but was not attached: call "
+                "callback.attach(trainer) before trainer.train(), so that it can resume the run"
+            )
         # Nothing to save before the next optimizer step: the restored step is saved, step 0 is the initial state.
         self._handled = state.global_step
         self._last_saved = state.global_step if self.restored_step is not None else -1
         self._pending = -1
 
-    def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
-                    **kwargs: Any) -> None:
+    def on_step_end(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
         self._take_trainer_save(state, control)
 
-    def on_epoch_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
-                     **kwargs: Any) -> None:
-        self._take_trainer_save(state, control)     # save_strategy="epoch"
+    def on_epoch_end(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
+        self._take_trainer_save(state, control)  # save_strategy="epoch"
 
-    def on_save(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
-        self._pending = state.global_step           # the Trainer wrote a checkpoint of its own: snapshot it too
+    def on_save(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
+        self._pending = state.global_step  # the Trainer wrote a checkpoint of its own: snapshot it too
 
     def _take_trainer_save(self, state: TrainerState, control: TrainerControl) -> None:
         if control.should_save:
@@ -429,16 +475,19 @@ class CheckpointCallback(TrainerCallback):
             if not self.keep_trainer_checkpoints:
                 control.should_save = False
 
-    def on_epoch_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
-                       **kwargs: Any) -> None:
+    def on_epoch_begin(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
         self._boundary(state)
 
-    def on_step_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
-                      **kwargs: Any) -> None:
+    def on_step_begin(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
         self._boundary(state)
 
-    def on_train_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
-                     **kwargs: Any) -> None:
+    def on_train_end(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
         self._finish(state)
         self.checkpointer.wait()
 
@@ -470,7 +519,7 @@ class CheckpointCallback(TrainerCallback):
 
 
 def _refuse(sd: Any) -> None:
-    raise AssertionError("restores go through _Held")   # the save-side views are never restored into
+    raise AssertionError("restores go through _Held")  # the save-side views are never restored into
 
 
 def _newest_is_ours(ck: Checkpointer, trainer: Trainer) -> bool:
@@ -481,7 +530,7 @@ def _newest_is_ours(ck: Checkpointer, trainer: Trainer) -> bool:
     theirs = get_last_checkpoint(trainer.args.output_dir) if os.path.isdir(trainer.args.output_dir) else None
     if theirs is None:
         return True
-    step = os.path.basename(theirs)[len(PREFIX_CHECKPOINT_DIR) + 1:]
+    step = os.path.basename(theirs)[len(PREFIX_CHECKPOINT_DIR) + 1 :]
     return not step.isdigit() or max(c.step for c in listed) >= int(step)
 
 
@@ -497,6 +546,8 @@ def _trainer_state_json(trainer: Trainer, logged: tuple[int, int]) -> str:
     step, length = logged
     if step == trainer.state.global_step:
         d["log_history"] = d["log_history"][:length]
-    stateful = [cb for cb in trainer.callback_handler.callbacks + [trainer.control] if isinstance(cb, ExportableState)]
+    stateful = [
+        cb for cb in trainer.callback_handler.callbacks + [trainer.control] if isinstance(cb, ExportableState)
+    ]
     d["stateful_callbacks"] = TrainerState(stateful_callbacks=stateful).stateful_callbacks
     return json.dumps(d, sort_keys=True)

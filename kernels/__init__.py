@@ -38,7 +38,7 @@ if __name__ != "ckpt.kernels":  # pragma: no cover - exercised in a subprocess t
     if _canonical is not None:
         for _name, _module in list(_sys.modules.items()):
             if _name.startswith("ckpt.kernels."):
-                _sys.modules[__name__ + _name[len("ckpt.kernels"):]] = _module
+                _sys.modules[__name__ + _name[len("ckpt.kernels") :]] = _module
         _sys.modules[__name__] = _canonical
 
 from ._utils import HAS_TRITON, interpreter_enabled

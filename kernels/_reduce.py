@@ -24,7 +24,16 @@ import torch
 
 from ._utils import jit_helper, next_power_of_2, num_programs, tl
 
-__all__ = ["split_rows", "one_pass_plan", "load_rows", "tickets", "last_to_arrive", "sum_split_rows", "DW_BLOCK_R", "DW_BLOCK_C"]
+__all__ = [
+    "split_rows",
+    "one_pass_plan",
+    "load_rows",
+    "tickets",
+    "last_to_arrive",
+    "sum_split_rows",
+    "DW_BLOCK_R",
+    "DW_BLOCK_C",
+]
 
 #: tile of the column-parallel weight-gradient kernels: rows x columns per step
 DW_BLOCK_R, DW_BLOCK_C = 32, 128
@@ -36,7 +45,9 @@ _BWD_PER_SM, _BWD_STEP_BYTES, _BWD_MAX_STAGES, _SMEM_BUDGET = 1, 16384, 3, 96 * 
 
 
 @functools.lru_cache(maxsize=256)
-def one_pass_plan(n_rows: int, block: int, x_bytes: int, dy_bytes: int, device: torch.device) -> tuple[int, ...]:
+def one_pass_plan(
+    n_rows: int, block: int, x_bytes: int, dy_bytes: int, device: torch.device
+) -> tuple[int, ...]:
     """(programs, rows per program, rows per step, pipeline stages, warps) of a norm's one-pass backward:
     persistent programs, each over its own contiguous rows, a few rows per step with the next steps'
     loads in flight; ``dy_bytes``: bytes per element of every gradient tile a step loads."""
@@ -106,9 +117,10 @@ def split_rows(n_rows: int, n: int, device: torch.device) -> tuple[int, int]:
 # recording reports as a leak; the buffer itself is made outside any graph pool
 # (_zeros_outside_graph_pools), also when the first call is a compiled warm-up.
 _TICKET_ROWS, _TICKET_WIDTH = 32, 1024
-_tickets: dict[tuple[int, int], torch.Tensor] = {}    # (device, stream) -> its row (a device has rows 0..n-1)
-_ticket_bufs: dict[int, torch.Tensor] = {}             # device -> the buffer those rows belong to
-_retired: list[torch.Tensor] = []                      # replaced buffers, kept: kernels may still use them
+_tickets: dict[tuple[int, int], torch.Tensor] = {}  # (device, stream) -> its row (a device has rows 0..n-1)
+_ticket_bufs: dict[int, torch.Tensor] = {}  # device -> the buffer those rows belong to
+_retired: list[torch.Tensor] = []  # replaced buffers, kept: kernels may still use them
+
 
 def _zeros_outside_graph_pools(shape: tuple[int, int], device: torch.device) -> torch.Tensor:
     """Zeroed int32 counters from the device's ordinary memory, made on a helper thread.
@@ -155,13 +167,15 @@ def tickets(like: torch.Tensor, count: int) -> torch.Tensor:
     if t is not None and t.numel() >= count:
         return t
     buf = _ticket_bufs.get(dev)
-    streams = [k for k in _tickets if k[0] == dev and k != key] + [key]   # those with a row here, this one last
+    streams = [k for k in _tickets if k[0] == dev and k != key] + [
+        key
+    ]  # those with a row here, this one last
     if buf is None or buf.shape[0] < len(streams) or buf.shape[1] < count:
         if buf is not None:
             _retired.append(buf)
         rows = max(_TICKET_ROWS, 2 * len(streams))
         buf = _ticket_bufs[dev] = _zeros_outside_graph_pools((rows, max(count, _TICKET_WIDTH)), like.device)
-        for i, k in enumerate(streams):   # every stream of this device moves to the new buffer
+        for i, k in enumerate(streams):  # every stream of this device moves to the new buffer
             _tickets[k] = buf[i]
     else:
         _tickets[key] = buf[len(streams) - 1]

@@ -147,8 +147,10 @@ def op_def(name: str, schema: str) -> Callable[[Callable[..., Any]], Any]:
     ``schema`` is given explicitly (``"(Tensor x, float eps) -> Tensor"``): no annotations to
     infer from. Operators here never mutate or alias their inputs.
     """
+
     def register(fn: Callable[..., Any]) -> Any:
         return torch.library.custom_op(f"{OP_NAMESPACE}::{name}", fn, mutates_args=(), schema=schema)
+
     return register
 
 
@@ -240,7 +242,7 @@ class LazyKernel:
 
     def __init__(self, fn: Callable[..., Any], *, debug: bool = False) -> None:
         self.fn = fn
-        self.debug = debug   # compile with Triton's debug mode: tl.device_assert active
+        self.debug = debug  # compile with Triton's debug mode: tl.device_assert active
         self._jit: Any = None
         self._interp: bool | None = None
         self._compiled: dict[Any, Any] = {}
@@ -293,8 +295,9 @@ class LazyKernel:
         ok = set(tail) <= set(names) and set(names) - set(tail) <= _LAUNCH_OPTIONS
         return tail if ok else None
 
-    def _launch(self, jit: Any, grid: tuple[int, ...], args: tuple[Any, ...], kwargs: dict[str, Any],
-                device: int) -> Any:
+    def _launch(
+        self, jit: Any, grid: tuple[int, ...], args: tuple[Any, ...], kwargs: dict[str, Any], device: int
+    ) -> Any:
         # Hot path: one dict lookup keyed by (device, argument signature, keyword values),
         # then the compiled kernel's own launcher. Everything else happens on a miss.
         if _runtime is None:
@@ -314,9 +317,19 @@ class LazyKernel:
             return kernel
         kernel, tail_values = entry
         n = len(grid)
-        kernel.run(grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1,
-                   torch._C._cuda_getCurrentRawStream(device), kernel.function, kernel.packed_metadata,
-                   None, enter, leave, *args, *tail_values)
+        kernel.run(
+            grid[0],
+            grid[1] if n > 1 else 1,
+            grid[2] if n > 2 else 1,
+            torch._C._cuda_getCurrentRawStream(device),
+            kernel.function,
+            kernel.packed_metadata,
+            None,
+            enter,
+            leave,
+            *args,
+            *tail_values,
+        )
         return kernel
 
 
@@ -402,11 +415,15 @@ def check_tensor(
         dtypes = tuple(dtypes)
         if t.dtype not in dtypes:
             names = ", ".join(str(d).replace("torch.", "") for d in dtypes)
-            raise ValueError(f"{name} has dtype {str(t.dtype).replace('torch.', '')}; expected one of: {names}")
+            raise ValueError(
+                f"{name} has dtype {str(t.dtype).replace('torch.', '')}; expected one of: {names}"
+            )
     if ndim is not None:
         allowed = (ndim,) if isinstance(ndim, int) else ndim
         if t.dim() not in allowed:
-            raise ValueError(f"{name} must have {' or '.join(map(str, allowed))} dimensions, got shape {tuple(t.shape)}")
+            raise ValueError(
+                f"{name} must have {' or '.join(map(str, allowed))} dimensions, got shape {tuple(t.shape)}"
+            )
     if min_ndim is not None and t.dim() < min_ndim:
         raise ValueError(f"{name} must have at least {min_ndim} dimension(s), got shape {tuple(t.shape)}")
 
@@ -432,7 +449,9 @@ def check_same_device(ref: torch.Tensor, ref_name: str, **others: torch.Tensor |
     """Raise ``ValueError`` naming the first tensor in ``others`` not on ``ref``'s device."""
     for name, t in others.items():
         if t is not None and t.device != ref.device:
-            raise ValueError(f"{name} is on {t.device} but {ref_name} is on {ref.device}; they must share a device")
+            raise ValueError(
+                f"{name} is on {t.device} but {ref_name} is on {ref.device}; they must share a device"
+            )
 
 
 @functools.lru_cache(maxsize=None)

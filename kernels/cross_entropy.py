@@ -126,15 +126,27 @@ def _softcapped(r, softcap, HAS_SOFTCAP: tl.constexpr):
 
 
 @jit_helper
-def _stats_block(ptrs, cols, mask, CW, m, s, sum_x, softcap, HAS_SMOOTHING: tl.constexpr,
-                 HAS_SOFTCAP: tl.constexpr, HAS_WEIGHT: tl.constexpr):
+def _stats_block(
+    ptrs,
+    cols,
+    mask,
+    CW,
+    m,
+    s,
+    sum_x,
+    softcap,
+    HAS_SMOOTHING: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
+    HAS_WEIGHT: tl.constexpr,
+):
     """Pass 1 over the logits at ``ptrs`` (the row's columns ``cols``, those under ``mask``): the online
     max / sum-exp update, and the running sum of the logits (class-weighted with ``HAS_WEIGHT``) when
     label smoothing needs it."""
     # kept in L2 for pass 2 as long as it can be (pass 2 reads the row's last blocks first)
-    x = _softcapped(tl.load(ptrs, mask=mask, other=0.0, eviction_policy="evict_last").to(tl.float32),
-                    softcap, HAS_SOFTCAP)
-    if HAS_SMOOTHING:   # masked columns load as 0 and weigh 0
+    x = _softcapped(
+        tl.load(ptrs, mask=mask, other=0.0, eviction_policy="evict_last").to(tl.float32), softcap, HAS_SOFTCAP
+    )
+    if HAS_SMOOTHING:  # masked columns load as 0 and weigh 0
         if HAS_WEIGHT:
             sum_x += tl.sum(x * tl.load(CW + cols, mask=mask, other=0.0), axis=0)
         else:
@@ -146,8 +158,21 @@ def _stats_block(ptrs, cols, mask, CW, m, s, sum_x, softcap, HAS_SMOOTHING: tl.c
 
 
 @jit_helper
-def _row_loss(base, t, valid, m, s, sum_x, V, label_smoothing, softcap, w_t, sum_w, HAS_SMOOTHING: tl.constexpr,
-              HAS_SOFTCAP: tl.constexpr):
+def _row_loss(
+    base,
+    t,
+    valid,
+    m,
+    s,
+    sum_x,
+    V,
+    label_smoothing,
+    softcap,
+    w_t,
+    sum_w,
+    HAS_SMOOTHING: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
+):
     """``(lse, ce)`` of a row from pass 1's statistics: the cross-entropy part of its loss (class
     weight ``w_t``, total class weight ``sum_w``; both 1 and ``V`` without weights), 0 where the
     target is ignored."""
@@ -161,8 +186,21 @@ def _row_loss(base, t, valid, m, s, sum_x, V, label_smoothing, softcap, w_t, sum
 
 
 @jit_helper
-def _grad_block(r, gptrs, cols, mask, CW, t, lse, p_coef, smooth, t_coef, softcap,
-                HAS_SOFTCAP: tl.constexpr, HAS_WEIGHT: tl.constexpr):
+def _grad_block(
+    r,
+    gptrs,
+    cols,
+    mask,
+    CW,
+    t,
+    lse,
+    p_coef,
+    smooth,
+    t_coef,
+    softcap,
+    HAS_SOFTCAP: tl.constexpr,
+    HAS_WEIGHT: tl.constexpr,
+):
     """Pass 2 over the logits ``r`` already loaded (the row's columns ``cols``, those under ``mask``):
     ``p_j p_coef - smooth W_j - t_coef [j == t]``, through the softcap's ``tanh``, stored at ``gptrs``
     (which may be the logits); the coefficients carry the row's scales. The gradient is not read again
@@ -177,16 +215,37 @@ def _grad_block(r, gptrs, cols, mask, CW, t, lse, p_coef, smooth, t_coef, softca
     else:
         g = tl.exp(x - lse) * p_coef - smooth
     g = tl.where(cols == t, g - t_coef, g)
-    if HAS_SOFTCAP:   # d/dr c tanh(r / c) = 1 - tanh^2(r / c)
+    if HAS_SOFTCAP:  # d/dr c tanh(r / c) = 1 - tanh^2(r / c)
         g = g * slope
     tl.store(gptrs, g.to(gptrs.dtype.element_ty), mask=mask, eviction_policy="evict_first")
 
 
 def _ce_kernel(
-    LOGITS, GRAD, TARGET, LOSS, ZROWS, SCALE, ZSCALE, CW, SUMW,
-    stride_l, stride_g, stride_scale, V, ignore_index, label_smoothing, z_loss, softcap,
-    COMPUTE_GRAD: tl.constexpr, HAS_SMOOTHING: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_WEIGHT: tl.constexpr,
-    STORE_Z: tl.constexpr, BLOCK_V: tl.constexpr, EDGES: tl.constexpr, ALIGN: tl.constexpr,
+    LOGITS,
+    GRAD,
+    TARGET,
+    LOSS,
+    ZROWS,
+    SCALE,
+    ZSCALE,
+    CW,
+    SUMW,
+    stride_l,
+    stride_g,
+    stride_scale,
+    V,
+    ignore_index,
+    label_smoothing,
+    z_loss,
+    softcap,
+    COMPUTE_GRAD: tl.constexpr,
+    HAS_SMOOTHING: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
+    HAS_WEIGHT: tl.constexpr,
+    STORE_Z: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    EDGES: tl.constexpr,
+    ALIGN: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     t = tl.load(TARGET + row).to(tl.int64)
@@ -221,19 +280,22 @@ def _ce_kernel(
     sum_x = 0.0
     for off in range(0, M, BLOCK_V):
         j = off + cols0
-        m, s, sum_x = _stats_block(mbase + j, h + j, j < M, CW, m, s, sum_x, softcap, HAS_SMOOTHING, HAS_SOFTCAP,
-                                   HAS_WEIGHT)
+        m, s, sum_x = _stats_block(
+            mbase + j, h + j, j < M, CW, m, s, sum_x, softcap, HAS_SMOOTHING, HAS_SOFTCAP, HAS_WEIGHT
+        )
     if EDGES:
-        m, s, sum_x = _stats_block(base + ecols, ecols, emask, CW, m, s, sum_x, softcap, HAS_SMOOTHING, HAS_SOFTCAP,
-                                   HAS_WEIGHT)
+        m, s, sum_x = _stats_block(
+            base + ecols, ecols, emask, CW, m, s, sum_x, softcap, HAS_SMOOTHING, HAS_SOFTCAP, HAS_WEIGHT
+        )
     if HAS_WEIGHT:
         w_t = tl.load(CW + t, mask=valid & (t >= 0) & (t < V), other=0.0).to(tl.float32)
         sum_w = tl.load(SUMW).to(tl.float32)
     else:
         w_t = 1.0
         sum_w = V * 1.0
-    lse, ce = _row_loss(base, t, valid, m, s, sum_x, V, label_smoothing, softcap, w_t, sum_w, HAS_SMOOTHING,
-                        HAS_SOFTCAP)
+    lse, ce = _row_loss(
+        base, t, valid, m, s, sum_x, V, label_smoothing, softcap, w_t, sum_w, HAS_SMOOTHING, HAS_SOFTCAP
+    )
     z = tl.where(valid, z_loss * lse * lse, 0.0)
     tl.store(LOSS + row, ce + z)
     if STORE_Z:
@@ -263,17 +325,44 @@ def _ce_kernel(
         r = tl.load(mbase + j, mask=(j >= 0) & (j < M), other=0.0, eviction_policy="evict_first")
         for _ in range(0, tl.cdiv(M, BLOCK_V)):
             j_next = off - BLOCK_V + cols0
-            r_next = tl.load(mbase + j_next, mask=(j_next >= 0) & (j_next < M), other=0.0,
-                             eviction_policy="evict_first")
+            r_next = tl.load(
+                mbase + j_next, mask=(j_next >= 0) & (j_next < M), other=0.0, eviction_policy="evict_first"
+            )
             j = off + cols0
-            _grad_block(r, gmbase + j, h + j, j < M, CW, t32, lse, p_coef, smooth, t_coef, softcap, HAS_SOFTCAP,
-                        HAS_WEIGHT)
+            _grad_block(
+                r,
+                gmbase + j,
+                h + j,
+                j < M,
+                CW,
+                t32,
+                lse,
+                p_coef,
+                smooth,
+                t_coef,
+                softcap,
+                HAS_SOFTCAP,
+                HAS_WEIGHT,
+            )
             r = r_next
             off -= BLOCK_V
-        if EDGES:   # at most two 16-byte lines per row, after the blocks: nothing held through the loop
+        if EDGES:  # at most two 16-byte lines per row, after the blocks: nothing held through the loop
             r_edge = tl.load(base + ecols, mask=emask, other=0.0, eviction_policy="evict_first")
-            _grad_block(r_edge, gbase + ecols, ecols, emask, CW, t32, lse, p_coef, smooth, t_coef, softcap,
-                        HAS_SOFTCAP, HAS_WEIGHT)
+            _grad_block(
+                r_edge,
+                gbase + ecols,
+                ecols,
+                emask,
+                CW,
+                t32,
+                lse,
+                p_coef,
+                smooth,
+                t_coef,
+                softcap,
+                HAS_SOFTCAP,
+                HAS_WEIGHT,
+            )
 
 
 def _scale_rows_kernel(G, SCALE, stride_g, stride_scale, n_cols, BLOCK: tl.constexpr):
@@ -356,16 +445,37 @@ def launch_ce(
     edges, align = _row_layout(logits, grad)
     block, warps, regs = _ce_config(v, edges, softcap > 0.0)
     zscale = scale if zscale is None else zscale
-    cw, sum_w = (weights.w, weights.sum) if weights is not None else (loss_rows, loss_rows)   # dummies when unused
+    cw, sum_w = (
+        (weights.w, weights.sum) if weights is not None else (loss_rows, loss_rows)
+    )  # dummies when unused
     return _ce[(n,)](
-        logits, grad if grad is not None else logits, target, loss_rows,
-        z_rows if z_rows is not None else loss_rows, scale, zscale, cw, sum_w,
-        logits.stride(0), grad.stride(0) if grad is not None else logits.stride(0),
-        0 if scale.numel() == 1 else scale.stride(0), v, int(ignore_index),
-        float(label_smoothing), float(z_loss), float(softcap),
-        COMPUTE_GRAD=grad is not None, HAS_SMOOTHING=label_smoothing > 0.0, HAS_SOFTCAP=softcap > 0.0,
-        HAS_WEIGHT=weights is not None, STORE_Z=z_rows is not None,
-        BLOCK_V=block, EDGES=edges, ALIGN=align, num_warps=warps, **register_cap(regs),
+        logits,
+        grad if grad is not None else logits,
+        target,
+        loss_rows,
+        z_rows if z_rows is not None else loss_rows,
+        scale,
+        zscale,
+        cw,
+        sum_w,
+        logits.stride(0),
+        grad.stride(0) if grad is not None else logits.stride(0),
+        0 if scale.numel() == 1 else scale.stride(0),
+        v,
+        int(ignore_index),
+        float(label_smoothing),
+        float(z_loss),
+        float(softcap),
+        COMPUTE_GRAD=grad is not None,
+        HAS_SMOOTHING=label_smoothing > 0.0,
+        HAS_SOFTCAP=softcap > 0.0,
+        HAS_WEIGHT=weights is not None,
+        STORE_Z=z_rows is not None,
+        BLOCK_V=block,
+        EDGES=edges,
+        ALIGN=align,
+        num_warps=warps,
+        **register_cap(regs),
     )
 
 
@@ -395,12 +505,15 @@ def _row_layout(logits: torch.Tensor, grad: torch.Tensor | None) -> tuple[bool, 
     """
     align = 16 // logits.element_size()
     stride, v = logits.stride(0), logits.shape[1]
-    if stride % 16 == 0 and v % 16 == 0:   # Triton specializes on 16-divisible integers: vectors proven
+    if stride % 16 == 0 and v % 16 == 0:  # Triton specializes on 16-divisible integers: vectors proven
         return False, align
     if logits.data_ptr() % 16:
         return False, align
-    if grad is not None and (grad.data_ptr() % 16 or grad.element_size() != logits.element_size()
-                             or grad.stride(0) % align != stride % align):
+    if grad is not None and (
+        grad.data_ptr() % 16
+        or grad.element_size() != logits.element_size()
+        or grad.stride(0) % align != stride % align
+    ):
         return False, align
     return True, align
 
@@ -415,7 +528,9 @@ def scale_rows_(g: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     scale = scale.to(torch.float32)
     n, c = g.shape
     block = min(next_power_of_2(c), 4096)
-    _scale[(n,)](g, scale, g.stride(0), 0 if scale.numel() == 1 else scale.stride(0), c, BLOCK=block, num_warps=4)
+    _scale[(n,)](
+        g, scale, g.stride(0), 0 if scale.numel() == 1 else scale.stride(0), c, BLOCK=block, num_warps=4
+    )
     return g
 
 
@@ -435,7 +550,10 @@ def class_weights(weight: torch.Tensor | None) -> ClassWeights | None:
 
 
 def reduction_scale(
-    target: torch.Tensor, ignore_index: int, reduction: str, weights: ClassWeights | None = None,
+    target: torch.Tensor,
+    ignore_index: int,
+    reduction: str,
+    weights: ClassWeights | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per-loss scales on the device, and the two denominators of the mean.
 
@@ -464,8 +582,14 @@ def _nonzero(d: torch.Tensor) -> torch.Tensor:
     return torch.where(d == 0, torch.ones_like(d), d)
 
 
-def reduce_rows(loss_rows: torch.Tensor, n_valid: torch.Tensor, reduction: str, shape: torch.Size,
-                z_rows: torch.Tensor | None = None, w_valid: torch.Tensor | None = None) -> torch.Tensor:
+def reduce_rows(
+    loss_rows: torch.Tensor,
+    n_valid: torch.Tensor,
+    reduction: str,
+    shape: torch.Size,
+    z_rows: torch.Tensor | None = None,
+    w_valid: torch.Tensor | None = None,
+) -> torch.Tensor:
     """The loss from the per-row losses: their mean over non-ignored rows, sum, or the rows themselves.
 
     With class weights (``w_valid`` given, and ``z_rows`` the rows' z-loss part) the mean divides the
@@ -511,8 +635,9 @@ def check_target_range(target: torch.Tensor, n_classes: int, ignore_index: int, 
     if n == 0:
         return
     if target.is_cuda:
-        _target_check[(-(-n // _CHECK_BLOCK),)](target, n, n_classes, int(ignore_index), BLOCK=_CHECK_BLOCK,
-                                                 num_warps=4)
+        _target_check[(-(-n // _CHECK_BLOCK),)](
+            target, n, n_classes, int(ignore_index), BLOCK=_CHECK_BLOCK, num_warps=4
+        )
         return
     bad = (target != ignore_index) & ((target < 0) | (target >= n_classes))
     if bool(bad.any()):
@@ -524,38 +649,54 @@ def check_target_range(target: torch.Tensor, n_classes: int, ignore_index: int, 
 
 
 def check_loss_args(
-    target: torch.Tensor, n_rows: int, ref: torch.Tensor, ref_name: str,
-    label_smoothing: float, reduction: str, z_loss: float, softcap: float | None = None,
+    target: torch.Tensor,
+    n_rows: int,
+    ref: torch.Tensor,
+    ref_name: str,
+    label_smoothing: float,
+    reduction: str,
+    z_loss: float,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Validate the options shared by both losses; return ``target`` flattened to ``(N,)``."""
     check_tensor(target, "target", dtypes=_INTS)
     check_same_device(ref, ref_name, target=target)
     if target.numel() != n_rows:
-        raise ValueError(f"target has {target.numel()} elements (shape {tuple(target.shape)}) but "
-                         f"{ref_name} has {n_rows} rows")
+        raise ValueError(
+            f"target has {target.numel()} elements (shape {tuple(target.shape)}) but "
+            f"{ref_name} has {n_rows} rows"
+        )
     if reduction not in _REDUCTIONS:
         raise ValueError(f"reduction must be one of {_REDUCTIONS}, got {reduction!r}")
     if not 0.0 <= label_smoothing <= 1.0:
         raise ValueError(f"label_smoothing must be in [0, 1], got {label_smoothing}")
     if z_loss < 0.0:
         raise ValueError(f"z_loss must be >= 0, got {z_loss}")
-    if softcap is not None and not softcap > 0.0:   # also rejects NaN
+    if softcap is not None and not softcap > 0.0:  # also rejects NaN
         raise ValueError(f"softcap must be > 0 (or None for no softcapping), got {softcap}")
     return target.reshape(-1).contiguous()
 
 
-def _check_class_weight(weight: torch.Tensor | None, n_classes: int, ref: torch.Tensor, ref_name: str) -> None:
+def _check_class_weight(
+    weight: torch.Tensor | None, n_classes: int, ref: torch.Tensor, ref_name: str
+) -> None:
     if weight is None:
         return
     check_tensor(weight, "weight", dtypes=_FLOATS, ndim=1)
     check_same_device(ref, ref_name, weight=weight)
     if weight.shape[0] != n_classes:
-        raise ValueError(f"class weight has shape {tuple(weight.shape)}; expected ({n_classes},), one per class")
+        raise ValueError(
+            f"class weight has shape {tuple(weight.shape)}; expected ({n_classes},), one per class"
+        )
 
 
-def _z_rows_for(n: int, device: torch.device, weights: ClassWeights | None, return_z_loss: bool) -> torch.Tensor | None:
+def _z_rows_for(
+    n: int, device: torch.device, weights: ClassWeights | None, return_z_loss: bool
+) -> torch.Tensor | None:
     """The per-row z-loss buffer: needed for a weighted mean and for ``return_z_loss``."""
-    return torch.empty(n, dtype=torch.float32, device=device) if weights is not None or return_z_loss else None
+    return (
+        torch.empty(n, dtype=torch.float32, device=device) if weights is not None or return_z_loss else None
+    )
 
 
 class CrossEntropyFunction(torch.autograd.Function):
@@ -566,9 +707,17 @@ class CrossEntropyFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        ctx, logits: torch.Tensor, target: torch.Tensor, ignore_index: int, label_smoothing: float,
-        reduction: str, z_loss: float, inplace: bool | None, softcap: float = 0.0,
-        class_weight: torch.Tensor | None = None, return_z_loss: bool = False,
+        ctx,
+        logits: torch.Tensor,
+        target: torch.Tensor,
+        ignore_index: int,
+        label_smoothing: float,
+        reduction: str,
+        z_loss: float,
+        inplace: bool | None,
+        softcap: float = 0.0,
+        class_weight: torch.Tensor | None = None,
+        return_z_loss: bool = False,
     ):
         v = logits.shape[-1]
         private = inplace if inplace is not None else owns_storage(logits)
@@ -585,16 +734,29 @@ class CrossEntropyFunction(torch.autograd.Function):
         grad = None
         if need_grad:
             grad = x if private and x.is_contiguous() else _grad_rows(x)
-        launch_ce(x, target, loss_rows, grad, scale, ignore_index, label_smoothing, z_loss, softcap, weights, z_rows,
-                  zscale)
+        launch_ce(
+            x,
+            target,
+            loss_rows,
+            grad,
+            scale,
+            ignore_index,
+            label_smoothing,
+            z_loss,
+            softcap,
+            weights,
+            z_rows,
+            zscale,
+        )
         if grad is not None:
             if grad.data_ptr() == logits.data_ptr():
                 bump_version(logits)
             ctx.grad = grad  # not save_for_backward: it may be a view of the (bumped) logits
         ctx.shape = logits.shape
         ctx.reduction = reduction
-        loss = reduce_rows(loss_rows, n_valid, reduction, logits.shape[:-1], z_rows,
-                           w_valid if weights is not None else None)
+        loss = reduce_rows(
+            loss_rows, n_valid, reduction, logits.shape[:-1], z_rows, w_valid if weights is not None else None
+        )
         if not return_z_loss:
             return loss
         z = reduce_z(z_rows, n_valid, reduction, logits.shape[:-1])
@@ -604,8 +766,10 @@ class CrossEntropyFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor, *_):
         if not hasattr(ctx, "grad"):
-            raise RuntimeError("cross_entropy computes its gradient once, in the forward pass; "
-                               "it cannot be backpropagated twice (retain_graph)")
+            raise RuntimeError(
+                "cross_entropy computes its gradient once, in the forward pass; "
+                "it cannot be backpropagated twice (retain_graph)"
+            )
         grad = ctx.grad
         del ctx.grad
         scale = grad_out.reshape(-1)
@@ -620,10 +784,15 @@ class CrossEntropyFunction(torch.autograd.Function):
 # that gradient, as the eager Function does. The target check runs inside it, where data-dependent
 # checks cost Dynamo nothing. Its third output, the z-loss part reduced as the loss, is only reported.
 
-@op_def("cross_entropy", "(Tensor logits, Tensor target, int ignore_index, float label_smoothing, str reduction, "
-        "float z_loss, float softcap, bool need_grad, Tensor? class_weight) -> (Tensor, Tensor, Tensor)")
-def _cross_entropy_op(logits, target, ignore_index, label_smoothing, reduction, z_loss, softcap, need_grad,
-                      class_weight):
+
+@op_def(
+    "cross_entropy",
+    "(Tensor logits, Tensor target, int ignore_index, float label_smoothing, str reduction, "
+    "float z_loss, float softcap, bool need_grad, Tensor? class_weight) -> (Tensor, Tensor, Tensor)",
+)
+def _cross_entropy_op(
+    logits, target, ignore_index, label_smoothing, reduction, z_loss, softcap, need_grad, class_weight
+):
     v = logits.shape[-1]
     check_target_range(target, v, ignore_index, "logits")
     x = logits.reshape(-1, v)
@@ -634,9 +803,25 @@ def _cross_entropy_op(logits, target, ignore_index, label_smoothing, reduction, 
     weights = class_weights(class_weight)
     z_rows = torch.empty(n, dtype=torch.float32, device=x.device)
     scale, zscale, n_valid, w_valid = reduction_scale(target, ignore_index, reduction, weights)
-    grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device) if need_grad else logits.new_empty(0)
-    launch_ce(x, target, loss_rows, grad.view(-1, v) if need_grad else None, scale, ignore_index, label_smoothing,
-              z_loss, softcap, weights, z_rows, zscale)
+    grad = (
+        torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
+        if need_grad
+        else logits.new_empty(0)
+    )
+    launch_ce(
+        x,
+        target,
+        loss_rows,
+        grad.view(-1, v) if need_grad else None,
+        scale,
+        ignore_index,
+        label_smoothing,
+        z_loss,
+        softcap,
+        weights,
+        z_rows,
+        zscale,
+    )
     shape = logits.shape[:-1]
     loss = reduce_rows(loss_rows, n_valid, reduction, shape, z_rows, w_valid if weights is not None else None)
     return loss, grad, reduce_z(z_rows, n_valid, reduction, shape).clone()
@@ -708,14 +893,33 @@ def cross_entropy(
     target = check_loss_args(target, n_rows, logits, "logits", label_smoothing, reduction, z_loss, softcap)
     _check_class_weight(weight, logits.shape[-1], logits, "logits")
     cap = float(softcap) if softcap is not None else 0.0
-    if torch.compiler.is_compiling():   # traced: one opaque operator node, no graph break
+    if torch.compiler.is_compiling():  # traced: one opaque operator node, no graph break
         need_grad = logits.requires_grad and torch.is_grad_enabled()
-        loss, _, z = torch.ops.ckpt.cross_entropy(logits, target, int(ignore_index), float(label_smoothing),
-                                                  reduction, float(z_loss), cap, need_grad, weight)
+        loss, _, z = torch.ops.ckpt.cross_entropy(
+            logits,
+            target,
+            int(ignore_index),
+            float(label_smoothing),
+            reduction,
+            float(z_loss),
+            cap,
+            need_grad,
+            weight,
+        )
         return (loss, z.detach()) if return_z_loss else loss
     check_target_range(target, logits.shape[-1], ignore_index, "logits")
-    return CrossEntropyFunction.apply(logits, target, ignore_index, label_smoothing, reduction, z_loss, inplace, cap,
-                                      weight, bool(return_z_loss))
+    return CrossEntropyFunction.apply(
+        logits,
+        target,
+        ignore_index,
+        label_smoothing,
+        reduction,
+        z_loss,
+        inplace,
+        cap,
+        weight,
+        bool(return_z_loss),
+    )
 
 
 class CrossEntropyLoss(nn.Module):
@@ -727,8 +931,14 @@ class CrossEntropyLoss(nn.Module):
     """
 
     def __init__(
-        self, ignore_index: int = -100, label_smoothing: float = 0.0, reduction: str = "mean", z_loss: float = 0.0,
-        softcap: float | None = None, weight: torch.Tensor | None = None, return_z_loss: bool = False,
+        self,
+        ignore_index: int = -100,
+        label_smoothing: float = 0.0,
+        reduction: str = "mean",
+        z_loss: float = 0.0,
+        softcap: float | None = None,
+        weight: torch.Tensor | None = None,
+        return_z_loss: bool = False,
     ) -> None:
         super().__init__()
         self.register_buffer("weight", weight, persistent=False)
@@ -739,10 +949,23 @@ class CrossEntropyLoss(nn.Module):
         self.z_loss = z_loss
         self.softcap = softcap
 
-    def forward(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        return cross_entropy(logits, target, self.ignore_index, self.label_smoothing, self.reduction, self.z_loss,
-                             softcap=self.softcap, weight=self.weight, return_z_loss=self.return_z_loss)
+    def forward(
+        self, logits: torch.Tensor, target: torch.Tensor
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        return cross_entropy(
+            logits,
+            target,
+            self.ignore_index,
+            self.label_smoothing,
+            self.reduction,
+            self.z_loss,
+            softcap=self.softcap,
+            weight=self.weight,
+            return_z_loss=self.return_z_loss,
+        )
 
     def extra_repr(self) -> str:
-        return (f"ignore_index={self.ignore_index}, label_smoothing={self.label_smoothing}, "
-                f"reduction={self.reduction!r}, z_loss={self.z_loss}, softcap={self.softcap}")
+        return (
+            f"ignore_index={self.ignore_index}, label_smoothing={self.label_smoothing}, "
+            f"reduction={self.reduction!r}, z_loss={self.z_loss}, softcap={self.softcap}"
+        )

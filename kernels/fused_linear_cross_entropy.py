@@ -101,8 +101,9 @@ _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 MIN_CHUNK = 512
 
 
-def default_chunk_size(n: int, h: int, v: int, reuse_hidden: bool, hidden_bytes: int = 2,
-                       logit_bytes: int = 2) -> int:
+def default_chunk_size(
+    n: int, h: int, v: int, reuse_hidden: bool, hidden_bytes: int = 2, logit_bytes: int = 2
+) -> int:
     """Tokens per chunk: the chunk of logits is at most the size of ``hidden`` in bytes (x2 if
     reused), but never fewer than :data:`MIN_CHUNK` tokens (a model whose hidden size is small beside
     its vocabulary, e.g. H 1024 and V 151936, would otherwise run chunks of 64 tokens: 256 updates of
@@ -169,20 +170,31 @@ def _chunk_loop(
     want_dh, want_dw, want_db = grads if grads is not None else (False, False, False)
     dw = torch.empty_like(weight) if want_dw else None
     db = torch.zeros(weight.shape[0], dtype=torch.float32, device=weight.device) if want_db else None
-    w = weight if weight.dtype == dtype else weight.to(dtype)   # one copy per call, as autocast makes
+    w = weight if weight.dtype == dtype else weight.to(dtype)  # one copy per call, as autocast makes
     b = bias if bias is None or bias.dtype == dtype else bias.to(dtype)
     wt = w.t()
     for i, start in enumerate(range(0, n, chunk)):
         end = min(start + chunk, n)
         h_c = hidden[start:end]
         if h_c.dtype != dtype:
-            h_c = h_c.to(dtype)   # a copy: d_hidden may then go over hidden's chunk before dw reads it
+            h_c = h_c.to(dtype)  # a copy: d_hidden may then go over hidden's chunk before dw reads it
         logits = torch.addmm(b, h_c, wt) if b is not None else torch.mm(h_c, wt)
         sc = scale if scale.numel() == 1 else scale[start:end]
         zs = sc if zscale is None else (zscale if zscale.numel() == 1 else zscale[start:end])
-        launch_ce(logits, target[start:end], loss_rows[start:end], logits if grads is not None else None,
-                  sc, ignore_index, label_smoothing, z_loss, softcap, weights,
-                  z_rows[start:end] if z_rows is not None else None, zs)
+        launch_ce(
+            logits,
+            target[start:end],
+            loss_rows[start:end],
+            logits if grads is not None else None,
+            sc,
+            ignore_index,
+            label_smoothing,
+            z_loss,
+            softcap,
+            weights,
+            z_rows[start:end] if z_rows is not None else None,
+            zs,
+        )
         if grads is None:
             continue
         if dw is not None:  # before d_hidden: it may overwrite h_c
@@ -202,10 +214,21 @@ class FusedLinearCrossEntropyFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        ctx, hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, bias: torch.Tensor | None,
-        ignore_index: int, label_smoothing: float, reduction: str, z_loss: float,
-        chunk_size: int | None, inplace: bool | None, dtype: torch.dtype, softcap: float = 0.0,
-        ce_weight: torch.Tensor | None = None, return_z_loss: bool = False,
+        ctx,
+        hidden: torch.Tensor,
+        weight: torch.Tensor,
+        target: torch.Tensor,
+        bias: torch.Tensor | None,
+        ignore_index: int,
+        label_smoothing: float,
+        reduction: str,
+        z_loss: float,
+        chunk_size: int | None,
+        inplace: bool | None,
+        dtype: torch.dtype,
+        softcap: float = 0.0,
+        ce_weight: torch.Tensor | None = None,
+        return_z_loss: bool = False,
     ):
         shape = hidden.shape
         h2 = hidden.reshape(-1, shape[-1])
@@ -214,9 +237,16 @@ class FusedLinearCrossEntropyFunction(torch.autograd.Function):
         copied = h2.data_ptr() != hidden.data_ptr()
         n, hdim = h2.shape
         v = weight.shape[0]
-        want = (ctx.needs_input_grad[0], ctx.needs_input_grad[1], bias is not None and ctx.needs_input_grad[3])
-        reuse = want[0] and reduction != "none" and (
-            copied or (inplace if inplace is not None else owns_storage(hidden)))
+        want = (
+            ctx.needs_input_grad[0],
+            ctx.needs_input_grad[1],
+            bias is not None and ctx.needs_input_grad[3],
+        )
+        reuse = (
+            want[0]
+            and reduction != "none"
+            and (copied or (inplace if inplace is not None else owns_storage(hidden)))
+        )
         chunk = chunk_size or default_chunk_size(n, hdim, v, reuse, h2.element_size(), dtype.itemsize)
         opts = (int(ignore_index), float(label_smoothing), float(z_loss), float(softcap))
         loss_rows = torch.empty(n, dtype=torch.float32, device=h2.device)
@@ -227,20 +257,50 @@ class FusedLinearCrossEntropyFunction(torch.autograd.Function):
         ctx.want, ctx.weights = want, weights
         if reduction == "none" or not any(want):
             with _no_autocast(h2.device):
-                _chunk_loop(h2, weight, bias, target, loss_rows, scale, opts, chunk, None, None, dtype, weights,
-                            z_rows, zscale)
+                _chunk_loop(
+                    h2,
+                    weight,
+                    bias,
+                    target,
+                    loss_rows,
+                    scale,
+                    opts,
+                    chunk,
+                    None,
+                    None,
+                    dtype,
+                    weights,
+                    z_rows,
+                    zscale,
+                )
             ctx.save_for_backward(h2, weight, bias, target)
         else:
             dh_out = (h2 if reuse else torch.empty_like(h2)) if want[0] else None
             with _no_autocast(h2.device):
-                dh, dw, db = _chunk_loop(h2, weight, bias, target, loss_rows, scale, opts, chunk, want, dh_out, dtype,
-                                         weights, z_rows, zscale)
+                dh, dw, db = _chunk_loop(
+                    h2,
+                    weight,
+                    bias,
+                    target,
+                    loss_rows,
+                    scale,
+                    opts,
+                    chunk,
+                    want,
+                    dh_out,
+                    dtype,
+                    weights,
+                    z_rows,
+                    zscale,
+                )
             if reuse and dh is not None and not copied:
                 bump_version(hidden)
             # kept on ctx, not save_for_backward: dh may be a view of `hidden`, whose version we
             # just bumped, and these are results rather than inputs autograd must check.
             ctx.grads = (dh, dw, db)
-        loss = reduce_rows(loss_rows, n_valid, reduction, shape[:-1], z_rows, w_valid if weights is not None else None)
+        loss = reduce_rows(
+            loss_rows, n_valid, reduction, shape[:-1], z_rows, w_valid if weights is not None else None
+        )
         if not return_z_loss:
             return loss
         z = reduce_z(z_rows, n_valid, reduction, shape[:-1])
@@ -256,12 +316,26 @@ class FusedLinearCrossEntropyFunction(torch.autograd.Function):
             loss_rows = torch.empty(n, dtype=torch.float32, device=h2.device)
             dh_out = torch.empty_like(h2) if ctx.want[0] else None
             with _no_autocast(h2.device):
-                dh, dw, db = _chunk_loop(h2, weight, bias, target, loss_rows, scale, ctx.opts, ctx.chunk,
-                                         ctx.want, dh_out, ctx.dtype, ctx.weights)
+                dh, dw, db = _chunk_loop(
+                    h2,
+                    weight,
+                    bias,
+                    target,
+                    loss_rows,
+                    scale,
+                    ctx.opts,
+                    ctx.chunk,
+                    ctx.want,
+                    dh_out,
+                    ctx.dtype,
+                    ctx.weights,
+                )
         else:
             if not hasattr(ctx, "grads"):
-                raise RuntimeError("fused_linear_cross_entropy computes its gradients once, in the forward pass; "
-                                   "it cannot be backpropagated twice (retain_graph)")
+                raise RuntimeError(
+                    "fused_linear_cross_entropy computes its gradients once, in the forward pass; "
+                    "it cannot be backpropagated twice (retain_graph)"
+                )
             dh, dw, db = ctx.grads
             del ctx.grads
             g = grad_out.reshape(1)
@@ -279,8 +353,10 @@ class FusedLinearCrossEntropyFunction(torch.autograd.Function):
 # and the three gradients (d_hidden in a new buffer), the backward scales them; none: the forward
 # makes the losses and the backward recomputes the chunks with the per-row scales, as in eager.
 
-_FLCE_ARGS = ("Tensor hidden, Tensor weight, Tensor target, Tensor? bias, int ignore_index, float label_smoothing, "
-              "float z_loss, float softcap, int chunk_size, ScalarType dtype, Tensor? ce_weight")
+_FLCE_ARGS = (
+    "Tensor hidden, Tensor weight, Tensor target, Tensor? bias, int ignore_index, float label_smoothing, "
+    "float z_loss, float softcap, int chunk_size, ScalarType dtype, Tensor? ce_weight"
+)
 
 
 def _flce_prepare(hidden, weight, target, ignore_index):
@@ -290,14 +366,30 @@ def _flce_prepare(hidden, weight, target, ignore_index):
 
 
 def _chunk_of(chunk_size, h2, weight, dtype, reuse):
-    return chunk_size or default_chunk_size(h2.shape[0], h2.shape[1], weight.shape[0], reuse, h2.element_size(),
-                                            dtype.itemsize)
+    return chunk_size or default_chunk_size(
+        h2.shape[0], h2.shape[1], weight.shape[0], reuse, h2.element_size(), dtype.itemsize
+    )
 
 
-@op_def("fused_linear_cross_entropy",
-        f"({_FLCE_ARGS}, str reduction, bool[3] need) -> (Tensor, Tensor, Tensor, Tensor, Tensor)")
-def _flce_op(hidden, weight, target, bias, ignore_index, label_smoothing, z_loss, softcap, chunk_size, dtype,
-             ce_weight, reduction, need):
+@op_def(
+    "fused_linear_cross_entropy",
+    f"({_FLCE_ARGS}, str reduction, bool[3] need) -> (Tensor, Tensor, Tensor, Tensor, Tensor)",
+)
+def _flce_op(
+    hidden,
+    weight,
+    target,
+    bias,
+    ignore_index,
+    label_smoothing,
+    z_loss,
+    softcap,
+    chunk_size,
+    dtype,
+    ce_weight,
+    reduction,
+    need,
+):
     h2 = _flce_prepare(hidden, weight, target, ignore_index)
     want = (need[0], need[1], bias is not None and need[2])
     opts = (int(ignore_index), float(label_smoothing), float(z_loss), float(softcap))
@@ -309,32 +401,78 @@ def _flce_op(hidden, weight, target, bias, ignore_index, label_smoothing, z_loss
     grads = None if reduction == "none" or not any(want) else want
     dh_out = torch.empty_like(h2) if want[0] and grads is not None else None
     with _no_autocast(h2.device):
-        dh, dw, db = _chunk_loop(h2, weight, bias, target, loss_rows, scale, opts, chunk, grads, dh_out, dtype,
-                                 weights, z_rows, zscale)
+        dh, dw, db = _chunk_loop(
+            h2,
+            weight,
+            bias,
+            target,
+            loss_rows,
+            scale,
+            opts,
+            chunk,
+            grads,
+            dh_out,
+            dtype,
+            weights,
+            z_rows,
+            zscale,
+        )
     shape = hidden.shape[:-1]
-    return (reduce_rows(loss_rows, n_valid, reduction, shape, z_rows, w_valid if weights is not None else None),
-            dh.view(hidden.shape) if dh is not None else hidden.new_empty(0),
-            dw if dw is not None else hidden.new_empty(0),
-            db if db is not None else hidden.new_empty(0),
-            reduce_z(z_rows, n_valid, reduction, shape).clone())
+    return (
+        reduce_rows(loss_rows, n_valid, reduction, shape, z_rows, w_valid if weights is not None else None),
+        dh.view(hidden.shape) if dh is not None else hidden.new_empty(0),
+        dw if dw is not None else hidden.new_empty(0),
+        db if db is not None else hidden.new_empty(0),
+        reduce_z(z_rows, n_valid, reduction, shape).clone(),
+    )
 
 
 @_flce_op.register_fake
-def _(hidden, weight, target, bias, ignore_index, label_smoothing, z_loss, softcap, chunk_size, dtype, ce_weight,
-      reduction, need):
+def _(
+    hidden,
+    weight,
+    target,
+    bias,
+    ignore_index,
+    label_smoothing,
+    z_loss,
+    softcap,
+    chunk_size,
+    dtype,
+    ce_weight,
+    reduction,
+    need,
+):
     made = reduction != "none"
     loss = hidden.new_empty(hidden.shape[:-1] if reduction == "none" else (), dtype=torch.float32)
-    return (loss,
-            hidden.new_empty(hidden.shape) if made and need[0] else hidden.new_empty(0),
-            weight.new_empty(weight.shape) if made and need[1] else hidden.new_empty(0),
-            bias.new_empty(bias.shape) if made and need[2] and bias is not None else hidden.new_empty(0),
-            torch.empty_like(loss))
+    return (
+        loss,
+        hidden.new_empty(hidden.shape) if made and need[0] else hidden.new_empty(0),
+        weight.new_empty(weight.shape) if made and need[1] else hidden.new_empty(0),
+        bias.new_empty(bias.shape) if made and need[2] and bias is not None else hidden.new_empty(0),
+        torch.empty_like(loss),
+    )
 
 
-@op_def("fused_linear_cross_entropy_backward",
-        f"(Tensor grad_rows, {_FLCE_ARGS}, bool[3] need) -> (Tensor, Tensor, Tensor)")
-def _flce_backward_op(grad_rows, hidden, weight, target, bias, ignore_index, label_smoothing, z_loss, softcap,
-                      chunk_size, dtype, ce_weight, need):
+@op_def(
+    "fused_linear_cross_entropy_backward",
+    f"(Tensor grad_rows, {_FLCE_ARGS}, bool[3] need) -> (Tensor, Tensor, Tensor)",
+)
+def _flce_backward_op(
+    grad_rows,
+    hidden,
+    weight,
+    target,
+    bias,
+    ignore_index,
+    label_smoothing,
+    z_loss,
+    softcap,
+    chunk_size,
+    dtype,
+    ce_weight,
+    need,
+):
     h2 = _flce_prepare(hidden, weight, target, ignore_index)
     want = (need[0], need[1], bias is not None and need[2])
     opts = (int(ignore_index), float(label_smoothing), float(z_loss), float(softcap))
@@ -342,20 +480,48 @@ def _flce_backward_op(grad_rows, hidden, weight, target, bias, ignore_index, lab
     loss_rows = torch.empty(h2.shape[0], dtype=torch.float32, device=h2.device)
     dh_out = torch.empty_like(h2) if want[0] else None
     with _no_autocast(h2.device):
-        dh, dw, db = _chunk_loop(h2, weight, bias, target, loss_rows, scale, opts,
-                                 _chunk_of(chunk_size, h2, weight, dtype, False), want, dh_out, dtype,
-                                 class_weights(ce_weight))
-    return (dh.view(hidden.shape) if dh is not None else hidden.new_empty(0),
-            dw if dw is not None else hidden.new_empty(0),
-            db if db is not None else hidden.new_empty(0))
+        dh, dw, db = _chunk_loop(
+            h2,
+            weight,
+            bias,
+            target,
+            loss_rows,
+            scale,
+            opts,
+            _chunk_of(chunk_size, h2, weight, dtype, False),
+            want,
+            dh_out,
+            dtype,
+            class_weights(ce_weight),
+        )
+    return (
+        dh.view(hidden.shape) if dh is not None else hidden.new_empty(0),
+        dw if dw is not None else hidden.new_empty(0),
+        db if db is not None else hidden.new_empty(0),
+    )
 
 
 @_flce_backward_op.register_fake
-def _(grad_rows, hidden, weight, target, bias, ignore_index, label_smoothing, z_loss, softcap, chunk_size, dtype,
-      ce_weight, need):
-    return (hidden.new_empty(hidden.shape) if need[0] else hidden.new_empty(0),
-            weight.new_empty(weight.shape) if need[1] else hidden.new_empty(0),
-            bias.new_empty(bias.shape) if need[2] and bias is not None else hidden.new_empty(0))
+def _(
+    grad_rows,
+    hidden,
+    weight,
+    target,
+    bias,
+    ignore_index,
+    label_smoothing,
+    z_loss,
+    softcap,
+    chunk_size,
+    dtype,
+    ce_weight,
+    need,
+):
+    return (
+        hidden.new_empty(hidden.shape) if need[0] else hidden.new_empty(0),
+        weight.new_empty(weight.shape) if need[1] else hidden.new_empty(0),
+        bias.new_empty(bias.shape) if need[2] and bias is not None else hidden.new_empty(0),
+    )
 
 
 def _flce_setup(ctx, inputs, output):
@@ -370,11 +536,15 @@ def _flce_setup(ctx, inputs, output):
 def _flce_grad(ctx, grad_out, *_):
     if ctx.reduction == "none":
         hidden, weight, target, bias = ctx.saved_tensors
-        grads = torch.ops.ckpt.fused_linear_cross_entropy_backward(grad_out, hidden, weight, target, bias, *ctx.opts,
-                                                                   ctx.need)
+        grads = torch.ops.ckpt.fused_linear_cross_entropy_backward(
+            grad_out, hidden, weight, target, bias, *ctx.opts, ctx.need
+        )
     else:
         grads = [scaled_by(g, grad_out) for g in ctx.saved_tensors]
-    dh, dw, db = (g if flag else None for g, flag in zip(grads, (ctx.need[0], ctx.need[1], ctx.need[2] and ctx.has_bias)))
+    dh, dw, db = (
+        g if flag else None
+        for g, flag in zip(grads, (ctx.need[0], ctx.need[1], ctx.need[2] and ctx.has_bias))
+    )
     return (dh, dw, None, db) + (None,) * 9
 
 
@@ -429,8 +599,10 @@ def fused_linear_cross_entropy(
     check_runnable_device(hidden, "hidden")
     check_same_device(hidden, "hidden", weight=weight, bias=bias)
     if weight.shape[1] != hidden.shape[-1]:
-        raise ValueError(f"weight has shape {tuple(weight.shape)}; expected (V, {hidden.shape[-1]}) "
-                         "to match hidden's last dim")
+        raise ValueError(
+            f"weight has shape {tuple(weight.shape)}; expected (V, {hidden.shape[-1]}) "
+            "to match hidden's last dim"
+        )
     if bias is not None:
         check_tensor(bias, "bias", dtypes=_FLOATS, ndim=1)
         if bias.shape[0] != weight.shape[0]:
@@ -442,18 +614,45 @@ def fused_linear_cross_entropy(
     _check_class_weight(ce_weight, weight.shape[0], hidden, "hidden")
     dtype = autocast_dtype(hidden.device) or hidden.dtype
     cap = float(softcap) if softcap is not None else 0.0
-    if torch.compiler.is_compiling():   # traced: one opaque operator node, no graph break
+    if torch.compiler.is_compiling():  # traced: one opaque operator node, no graph break
         grad_on = torch.is_grad_enabled()
-        need = [grad_on and hidden.requires_grad, grad_on and weight.requires_grad,
-                grad_on and bias is not None and bias.requires_grad]
+        need = [
+            grad_on and hidden.requires_grad,
+            grad_on and weight.requires_grad,
+            grad_on and bias is not None and bias.requires_grad,
+        ]
         out = torch.ops.ckpt.fused_linear_cross_entropy(
-            hidden, weight, target, bias, int(ignore_index), float(label_smoothing), float(z_loss), cap,
-            int(chunk_size or 0), dtype, ce_weight, reduction, need)
+            hidden,
+            weight,
+            target,
+            bias,
+            int(ignore_index),
+            float(label_smoothing),
+            float(z_loss),
+            cap,
+            int(chunk_size or 0),
+            dtype,
+            ce_weight,
+            reduction,
+            need,
+        )
         return (out[0], out[4].detach()) if return_z_loss else out[0]
     check_target_range(target, weight.shape[0], ignore_index, "weight")
     return FusedLinearCrossEntropyFunction.apply(
-        hidden, weight, target, bias, ignore_index, label_smoothing, reduction, z_loss, chunk_size, inplace, dtype, cap,
-        ce_weight, bool(return_z_loss),
+        hidden,
+        weight,
+        target,
+        bias,
+        ignore_index,
+        label_smoothing,
+        reduction,
+        z_loss,
+        chunk_size,
+        inplace,
+        dtype,
+        cap,
+        ce_weight,
+        bool(return_z_loss),
     )
 
 
@@ -465,9 +664,15 @@ class FusedLinearCrossEntropyLoss(nn.Module):
     """
 
     def __init__(
-        self, ignore_index: int = -100, label_smoothing: float = 0.0, reduction: str = "mean",
-        z_loss: float = 0.0, chunk_size: int | None = None, softcap: float | None = None,
-        ce_weight: torch.Tensor | None = None, return_z_loss: bool = False,
+        self,
+        ignore_index: int = -100,
+        label_smoothing: float = 0.0,
+        reduction: str = "mean",
+        z_loss: float = 0.0,
+        chunk_size: int | None = None,
+        softcap: float | None = None,
+        ce_weight: torch.Tensor | None = None,
+        return_z_loss: bool = False,
     ) -> None:
         super().__init__()
         self.register_buffer("ce_weight", ce_weight, persistent=False)
@@ -480,14 +685,29 @@ class FusedLinearCrossEntropyLoss(nn.Module):
         self.chunk_size = chunk_size
 
     def forward(
-        self, hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, bias: torch.Tensor | None = None
+        self,
+        hidden: torch.Tensor,
+        weight: torch.Tensor,
+        target: torch.Tensor,
+        bias: torch.Tensor | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         return fused_linear_cross_entropy(
-            hidden, weight, target, bias, self.ignore_index, self.label_smoothing, self.reduction, self.z_loss,
-            chunk_size=self.chunk_size, softcap=self.softcap, ce_weight=self.ce_weight,
+            hidden,
+            weight,
+            target,
+            bias,
+            self.ignore_index,
+            self.label_smoothing,
+            self.reduction,
+            self.z_loss,
+            chunk_size=self.chunk_size,
+            softcap=self.softcap,
+            ce_weight=self.ce_weight,
             return_z_loss=self.return_z_loss,
         )
 
     def extra_repr(self) -> str:
-        return (f"ignore_index={self.ignore_index}, label_smoothing={self.label_smoothing}, "
-                f"reduction={self.reduction!r}, z_loss={self.z_loss}, softcap={self.softcap}")
+        return (
+            f"ignore_index={self.ignore_index}, label_smoothing={self.label_smoothing}, "
+            f"reduction={self.reduction!r}, z_loss={self.z_loss}, softcap={self.softcap}"
+        )

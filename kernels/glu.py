@@ -57,8 +57,17 @@ from ._utils import (
     tl,
 )
 
-__all__ = ["swiglu", "geglu", "swiglu_packed", "geglu_packed", "GLUFunction", "PackedGLUFunction", "SwiGLUMLP",
-           "GeGLUMLP", "PackedGLUMLP"]
+__all__ = [
+    "swiglu",
+    "geglu",
+    "swiglu_packed",
+    "geglu_packed",
+    "GLUFunction",
+    "PackedGLUFunction",
+    "SwiGLUMLP",
+    "GeGLUMLP",
+    "PackedGLUMLP",
+]
 
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 _SILU, _GELU_TANH = 0, 1
@@ -119,8 +128,9 @@ def _glu_packed_fwd_kernel(X, C, stride_x, n_cols, ACT: tl.constexpr, BLOCK: tl.
     tl.store(C + row * n_cols + cols, (_act(a, ACT) * b).to(C.dtype.element_ty), mask=mask)
 
 
-def _glu_packed_bwd_kernel(DC, X, DX, stride_dc, stride_x, stride_dx, n_cols, ACT: tl.constexpr,
-                           BLOCK: tl.constexpr):
+def _glu_packed_bwd_kernel(
+    DC, X, DX, stride_dc, stride_x, stride_dx, n_cols, ACT: tl.constexpr, BLOCK: tl.constexpr
+):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < n_cols
@@ -157,8 +167,9 @@ def _forward(ac: torch.Tensor, bc: torch.Tensor, act: int) -> torch.Tensor:
     return c
 
 
-def _backward(dc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, act: int,
-              da: torch.Tensor, db: torch.Tensor) -> None:
+def _backward(
+    dc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, act: int, da: torch.Tensor, db: torch.Tensor
+) -> None:
     """Write the gradients into ``da``/``db`` (which may be ``a``/``b`` themselves); all contiguous."""
     n = a.numel()
     if n:
@@ -199,6 +210,7 @@ class GLUFunction(torch.autograd.Function):
 
 # -- torch.compile: the same two passes as custom operators (``op_def``); gradients in new buffers --
 
+
 @op_def("glu", "(Tensor a, Tensor b, int act) -> Tensor")
 def _glu_op(a, b, act):
     return _forward(a.contiguous(), b.contiguous(), act)
@@ -237,7 +249,7 @@ _glu_op.register_autograd(_glu_grad, setup_context=_glu_setup)
 
 
 def _apply(a: torch.Tensor, b: torch.Tensor, act: int, inplace_grad: bool | None) -> torch.Tensor:
-    if torch.compiler.is_compiling():   # traced: one opaque operator node, no graph break
+    if torch.compiler.is_compiling():  # traced: one opaque operator node, no graph break
         return torch.ops.ckpt.glu(a, b, act)
     return GLUFunction.apply(a, b, act, inplace_grad)
 
@@ -274,7 +286,9 @@ def geglu(a: torch.Tensor, b: torch.Tensor, *, inplace_grad: bool | None = None)
     _check(a, b)
     return _apply(a, b, _GELU_TANH, inplace_grad)
 
+
 # -- packed gate/up halves: ``act(x[..., :I]) * x[..., I:]`` --
+
 
 def _packed_rows(x: torch.Tensor) -> tuple[torch.Tensor, int]:
     """``x`` as ``(rows, 2I)`` with unit last stride (a view where one exists) and ``I``."""
@@ -291,8 +305,9 @@ def _packed_forward(x: torch.Tensor, act: int, x2: torch.Tensor | None = None) -
     rows = x2.shape[0]
     if rows and half:
         block = min(_PACKED_BLOCK, next_power_of_2(half))
-        _packed_fwd[(rows, _cdiv(half, block))](x2, c, x2.stride(0), half, ACT=act, BLOCK=block,
-                                                num_warps=4 if block <= 1024 else 8)
+        _packed_fwd[(rows, _cdiv(half, block))](
+            x2, c, x2.stride(0), half, ACT=act, BLOCK=block, num_warps=4 if block <= 1024 else 8
+        )
     return c
 
 
@@ -304,8 +319,18 @@ def _packed_backward(dc: torch.Tensor, x2: torch.Tensor, dx2: torch.Tensor, act:
         dc2 = dc2.contiguous()
     if rows and half:
         block = min(_PACKED_BLOCK, next_power_of_2(half))
-        _packed_bwd[(rows, _cdiv(half, block))](dc2, x2, dx2, dc2.stride(0), x2.stride(0), dx2.stride(0), half,
-                                                ACT=act, BLOCK=block, num_warps=4 if block <= 1024 else 8)
+        _packed_bwd[(rows, _cdiv(half, block))](
+            dc2,
+            x2,
+            dx2,
+            dc2.stride(0),
+            x2.stride(0),
+            dx2.stride(0),
+            half,
+            ACT=act,
+            BLOCK=block,
+            num_warps=4 if block <= 1024 else 8,
+        )
 
 
 class PackedGLUFunction(torch.autograd.Function):
@@ -371,7 +396,7 @@ def _apply_packed(x: torch.Tensor, act: int, inplace_grad: bool | None) -> torch
     check_runnable_device(x, "gate_up")
     if x.shape[-1] % 2:
         raise ValueError(f"gate_up's last dim must be even (gate, then up), got shape {tuple(x.shape)}")
-    if torch.compiler.is_compiling():   # traced: one opaque operator node, no graph break
+    if torch.compiler.is_compiling():  # traced: one opaque operator node, no graph break
         return torch.ops.ckpt.glu_packed(x, act)
     return PackedGLUFunction.apply(x, act, inplace_grad)
 

@@ -92,9 +92,18 @@ def out_dtype(x: torch.Tensor) -> torch.dtype:
 
 
 def _layer_norm_fwd_kernel(
-    X, Y, W, B, STATS,
-    stride_x, stride_y, n_rows, N, eps,
-    BLOCK_N: tl.constexpr, HAS_BIAS: tl.constexpr,
+    X,
+    Y,
+    W,
+    B,
+    STATS,
+    stride_x,
+    stride_y,
+    n_rows,
+    N,
+    eps,
+    BLOCK_N: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
 ):
     # STATS is (2, n_rows) fp32: mean then rstd
     row = tl.program_id(0).to(tl.int64)
@@ -114,8 +123,9 @@ def _layer_norm_fwd_kernel(
 
 
 @jit_helper
-def _store_parts(PART, part, n_parts, N, cols, cmask, acc_w, acc_b, COMPUTE_DW: tl.constexpr,
-                 COMPUTE_DB: tl.constexpr):
+def _store_parts(
+    PART, part, n_parts, N, cols, cmask, acc_w, acc_b, COMPUTE_DW: tl.constexpr, COMPUTE_DB: tl.constexpr
+):
     """Partial row ``part`` of ``dw`` and of ``db`` (column sums of the fp32 tiles ``acc_w``, ``acc_b``) into
     ``PART``, ``(2, n_parts, N)``: dw's rows, then db's."""
     if COMPUTE_DW:
@@ -125,10 +135,29 @@ def _store_parts(PART, part, n_parts, N, cols, cmask, acc_w, acc_b, COMPUTE_DW: 
 
 
 def _layer_norm_bwd_kernel(
-    DY, X, W, STATS, DX, PART, DW, DB, TICKETS,
-    stride_dy, stride_x, n_rows, N, rows_per_split, n_splits, n_col_blocks, n_weight_programs,
-    BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_S: tl.constexpr,
-    COMPUTE_DW: tl.constexpr, COMPUTE_DB: tl.constexpr,
+    DY,
+    X,
+    W,
+    STATS,
+    DX,
+    PART,
+    DW,
+    DB,
+    TICKETS,
+    stride_dy,
+    stride_x,
+    n_rows,
+    N,
+    rows_per_split,
+    n_splits,
+    n_col_blocks,
+    n_weight_programs,
+    BLOCK_N: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    COMPUTE_DW: tl.constexpr,
+    COMPUTE_DB: tl.constexpr,
 ):
     # One launch, two kinds of program (horizontal fusion). The first n_weight_programs are
     # (column block, row split) weight-gradient programs, first so that the long ones start
@@ -183,10 +212,23 @@ def _layer_norm_bwd_kernel(
 
 
 def _layer_norm_bwd_one_pass_kernel(
-    DY, X, W, STATS, DX, PART,
-    stride_dy, stride_x, n_rows, N, rows_per_program, n_programs,
-    BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, STAGES: tl.constexpr,
-    COMPUTE_DW: tl.constexpr, COMPUTE_DB: tl.constexpr,
+    DY,
+    X,
+    W,
+    STATS,
+    DX,
+    PART,
+    stride_dy,
+    stride_x,
+    n_rows,
+    N,
+    rows_per_program,
+    n_programs,
+    BLOCK_R: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    STAGES: tl.constexpr,
+    COMPUTE_DW: tl.constexpr,
+    COMPUTE_DB: tl.constexpr,
 ):
     # One pass (RMSNorm's): each program walks its own contiguous rows BLOCK_R at a time, writes
     # their dx and keeps dw's and db's partial sums over them in [BLOCK_R, BLOCK_N] fp32 tiles; at the
@@ -200,8 +242,9 @@ def _layer_norm_bwd_one_pass_kernel(
     acc_w = tl.zeros([BLOCK_R, BLOCK_N], dtype=tl.float32)
     acc_b = tl.zeros([BLOCK_R, BLOCK_N], dtype=tl.float32)
     for start in tl.range(r0, r_end, BLOCK_R, num_stages=STAGES):
-        rows, m, dy, x, rstd = load_rows(DY, X, STATS + n_rows, start, r_end, cols, cmask, stride_dy, stride_x,
-                                         BLOCK_R)
+        rows, m, dy, x, rstd = load_rows(
+            DY, X, STATS + n_rows, start, r_end, cols, cmask, stride_dy, stride_x, BLOCK_R
+        )
         mean = tl.load(STATS + rows, mask=rows < r_end, other=0.0)
         xhat = tl.where(m, (x - mean[:, None]) * rstd[:, None], 0.0)
         g = dy * w[None, :]
@@ -216,8 +259,17 @@ def _layer_norm_bwd_one_pass_kernel(
     _store_parts(PART, pid, n_programs, N, cols, cmask, acc_w, acc_b, COMPUTE_DW, COMPUTE_DB)
 
 
-def _layer_norm_part_sum_kernel(PART, DW, DB, n_parts, N, COMPUTE_DW: tl.constexpr, COMPUTE_DB: tl.constexpr,
-                                BLOCK_S: tl.constexpr, BLOCK_C: tl.constexpr):
+def _layer_norm_part_sum_kernel(
+    PART,
+    DW,
+    DB,
+    n_parts,
+    N,
+    COMPUTE_DW: tl.constexpr,
+    COMPUTE_DB: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+):
     # dw[cols], db[cols] = the one-pass programs' partial rows summed in program order (deterministic)
     cols = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
     if COMPUTE_DW:
@@ -238,7 +290,9 @@ _ONE_PASS_MAX_N = 8192
 _SUM_BLOCK_C = 16
 
 
-def _forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float, dtype: torch.dtype):
+def _forward(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float, dtype: torch.dtype
+):
     """``(y, rows, stats)``: the output (in ``dtype``), :func:`as_rows` of ``x`` (what backward
     reads), per-row (mean, rstd)."""
     rows = x2, n_rows, stride_x = as_rows(x)
@@ -248,14 +302,31 @@ def _forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, e
     block = next_power_of_2(n)
     if n_rows > 0:
         _fwd[(n_rows,)](
-            x2, y, weight, bias if bias is not None else weight, stats, stride_x, n, n_rows, n, float(eps),
-            BLOCK_N=block, HAS_BIAS=bias is not None, num_warps=row_warps(block),
+            x2,
+            y,
+            weight,
+            bias if bias is not None else weight,
+            stats,
+            stride_x,
+            n,
+            n_rows,
+            n,
+            float(eps),
+            BLOCK_N=block,
+            HAS_BIAS=bias is not None,
+            num_warps=row_warps(block),
         )
     return y, rows, stats
 
 
-def _backward(dy: torch.Tensor, rows: tuple[torch.Tensor, int, int], weight: torch.Tensor, stats: torch.Tensor,
-              need_dw: bool, bias_dtype: torch.dtype | None):
+def _backward(
+    dy: torch.Tensor,
+    rows: tuple[torch.Tensor, int, int],
+    weight: torch.Tensor,
+    stats: torch.Tensor,
+    need_dw: bool,
+    bias_dtype: torch.dtype | None,
+):
     """``(dx, dw, db)`` in the dtypes of ``x``, the weight and the bias; ``db`` only when
     ``bias_dtype`` is given, ``None`` where not needed."""
     x2, n_rows, stride_x = rows
@@ -264,26 +335,53 @@ def _backward(dy: torch.Tensor, rows: tuple[torch.Tensor, int, int], weight: tor
     dx = empty_rows_like(dy, dy2, x2.dtype)
     need_db = bias_dtype is not None
     if n_rows == 0:
-        return (dx, torch.zeros_like(weight) if need_dw else None,
-                torch.zeros(n, dtype=bias_dtype, device=dy.device) if need_db else None)
+        return (
+            dx,
+            torch.zeros_like(weight) if need_dw else None,
+            torch.zeros(n, dtype=bias_dtype, device=dy.device) if need_db else None,
+        )
     block = next_power_of_2(n)
     if block <= _ONE_PASS_MAX_N:
         # one pass over x and dy (the floor: read both once, write dx), then a small launch for the sums
-        programs, per, step, stages, warps = one_pass_plan(n_rows, block, x2.element_size(), dy2.element_size(),
-                                                           dy.device)
+        programs, per, step, stages, warps = one_pass_plan(
+            n_rows, block, x2.element_size(), dy2.element_size(), dy.device
+        )
         wprog = need_dw or need_db
         part = torch.empty((2, programs, n), dtype=torch.float32, device=dy.device) if wprog else stats
         _bwd_one_pass[(programs,)](
-            dy2, x2, weight, stats, dx, part, stride_dy, stride_x, n_rows, n, per, programs,
-            BLOCK_R=step, BLOCK_N=block, STAGES=stages, COMPUTE_DW=need_dw, COMPUTE_DB=need_db, num_warps=warps,
+            dy2,
+            x2,
+            weight,
+            stats,
+            dx,
+            part,
+            stride_dy,
+            stride_x,
+            n_rows,
+            n,
+            per,
+            programs,
+            BLOCK_R=step,
+            BLOCK_N=block,
+            STAGES=stages,
+            COMPUTE_DW=need_dw,
+            COMPUTE_DB=need_db,
+            num_warps=warps,
         )
         dw = torch.empty_like(weight) if need_dw else None
         db = torch.empty(n, dtype=bias_dtype, device=dy.device) if need_db else None
         if wprog:
             _part_sum[(-(-n // _SUM_BLOCK_C),)](
-                part, dw if need_dw else part, db if need_db else part, programs, n,
-                COMPUTE_DW=need_dw, COMPUTE_DB=need_db, BLOCK_S=min(next_power_of_2(programs), 2048 // _SUM_BLOCK_C),
-                BLOCK_C=_SUM_BLOCK_C, num_warps=4,
+                part,
+                dw if need_dw else part,
+                db if need_db else part,
+                programs,
+                n,
+                COMPUTE_DW=need_dw,
+                COMPUTE_DB=need_db,
+                BLOCK_S=min(next_power_of_2(programs), 2048 // _SUM_BLOCK_C),
+                BLOCK_C=_SUM_BLOCK_C,
+                num_warps=4,
             )
         return dx, dw, db
     # Rows too wide for that: one launch, weight-gradient programs and dx rows side by side (kernel comment).
@@ -295,10 +393,30 @@ def _backward(dy: torch.Tensor, rows: tuple[torch.Tensor, int, int], weight: tor
     db = torch.empty(n, dtype=bias_dtype, device=dy.device) if need_db else None
     n_wprog = col_blocks * splits if wprog else 0
     _bwd[(n_wprog + n_rows,)](
-        dy2, x2, weight, stats, dx, part, dw if need_dw else part, db if need_db else part,
-        tickets(dy, col_blocks), stride_dy, stride_x, n_rows, n, per, splits, col_blocks, n_wprog,
-        BLOCK_N=block, BLOCK_R=DW_BLOCK_R, BLOCK_C=DW_BLOCK_C, BLOCK_S=min(next_power_of_2(splits), 32),
-        COMPUTE_DW=need_dw, COMPUTE_DB=need_db, num_warps=row_warps(block),
+        dy2,
+        x2,
+        weight,
+        stats,
+        dx,
+        part,
+        dw if need_dw else part,
+        db if need_db else part,
+        tickets(dy, col_blocks),
+        stride_dy,
+        stride_x,
+        n_rows,
+        n,
+        per,
+        splits,
+        col_blocks,
+        n_wprog,
+        BLOCK_N=block,
+        BLOCK_R=DW_BLOCK_R,
+        BLOCK_C=DW_BLOCK_C,
+        BLOCK_S=min(next_power_of_2(splits), 32),
+        COMPUTE_DW=need_dw,
+        COMPUTE_DB=need_db,
+        num_warps=row_warps(block),
     )
     return dx, dw, db
 
@@ -311,8 +429,9 @@ class LayerNormFunction(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float,
-                dtype: torch.dtype) -> torch.Tensor:
+    def forward(
+        ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float, dtype: torch.dtype
+    ) -> torch.Tensor:
         y, rows, stats = _forward(x, weight, bias, eps, dtype)
         ctx.save_for_backward(rows[0], weight, stats)
         ctx.rows = rows[1:]
@@ -323,13 +442,19 @@ class LayerNormFunction(torch.autograd.Function):
     def backward(ctx, dy: torch.Tensor):
         x2, weight, stats = ctx.saved_tensors
         _, need_dw, need_db = ctx.needs_input_grad[:3]
-        dx, dw, db = _backward(dy, (x2, *ctx.rows), weight, stats, need_dw, ctx.bias_dtype if need_db else None)
+        dx, dw, db = _backward(
+            dy, (x2, *ctx.rows), weight, stats, need_dw, ctx.bias_dtype if need_db else None
+        )
         return dx, dw, db, None, None
 
 
 # -- torch.compile: the same two passes as custom operators (``op_def``) --------------------------
 
-@op_def("layer_norm", "(Tensor x, Tensor weight, Tensor? bias, float eps, ScalarType? dtype=None) -> (Tensor, Tensor)")
+
+@op_def(
+    "layer_norm",
+    "(Tensor x, Tensor weight, Tensor? bias, float eps, ScalarType? dtype=None) -> (Tensor, Tensor)",
+)
 def _layer_norm_op(x, weight, bias, eps, dtype=None):
     y, _, stats = _forward(x, weight, bias, eps, dtype or x.dtype)
     return y, stats
@@ -340,11 +465,15 @@ def _(x, weight, bias, eps, dtype=None):
     return x.new_empty(x.shape, dtype=dtype or x.dtype), x.new_empty((2, rows_of(x)), dtype=torch.float32)
 
 
-@op_def("layer_norm_backward", "(Tensor dy, Tensor x, Tensor weight, Tensor stats, bool need_dw, "
-        "Tensor? bias, bool need_db) -> (Tensor, Tensor, Tensor)")
+@op_def(
+    "layer_norm_backward",
+    "(Tensor dy, Tensor x, Tensor weight, Tensor stats, bool need_dw, "
+    "Tensor? bias, bool need_db) -> (Tensor, Tensor, Tensor)",
+)
 def _layer_norm_backward_op(dy, x, weight, stats, need_dw, bias, need_db):
-    dx, dw, db = _backward(dy, as_rows(x), weight, stats, need_dw,
-                           bias.dtype if need_db and bias is not None else None)
+    dx, dw, db = _backward(
+        dy, as_rows(x), weight, stats, need_dw, bias.dtype if need_db and bias is not None else None
+    )
     none = weight.new_empty(0)
     return dx, dw if dw is not None else none, db if db is not None else none
 
@@ -371,7 +500,9 @@ def _layer_norm_grad(ctx, dy, _dstats):
 _layer_norm_op.register_autograd(_layer_norm_grad, setup_context=_layer_norm_setup)
 
 
-def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, eps: float = 1e-5) -> torch.Tensor:
+def layer_norm(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, eps: float = 1e-5
+) -> torch.Tensor:
     """Fused LayerNorm over the last dimension, fp32 statistics.
 
     Args:
@@ -395,7 +526,7 @@ def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
     if bias is not None and bias.shape[0] != x.shape[-1]:
         raise ValueError(f"bias has shape {tuple(bias.shape)} but x's last dim is {x.shape[-1]}")
     dtype = out_dtype(x)
-    if torch.compiler.is_compiling():   # traced: one opaque operator node, no graph break
+    if torch.compiler.is_compiling():  # traced: one opaque operator node, no graph break
         return torch.ops.ckpt.layer_norm(x, dense_vector(weight), dense_vector(bias), float(eps), dtype)[0]
     return LayerNormFunction.apply(x, dense_vector(weight), dense_vector(bias), eps, dtype)
 

@@ -108,6 +108,7 @@ _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 # kernels
 # ----------------------------------------------------------------------------------------------------------
 
+
 @jit_helper
 def _dot(a, b, acc, PREC: tl.constexpr, UPCAST: tl.constexpr):
     """``acc + a @ b``; ``UPCAST``: the operands in fp32 first (the interpreter, whose ``tl.dot``
@@ -117,10 +118,32 @@ def _dot(a, b, acc, PREC: tl.constexpr, UPCAST: tl.constexpr):
     return tl.dot(a, b, acc, input_precision=PREC)
 
 
-def _moe_up_kernel(X, W, HB, AB, TOK, TILE_E, TILE_ROW, ENDS,
-                   stride_x, stride_we, stride_wn, stride_h, stride_a, I, K_DIM, n_blocks, E,
-                   STORE_H: tl.constexpr, STORE_A: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _moe_up_kernel(
+    X,
+    W,
+    HB,
+    AB,
+    TOK,
+    TILE_E,
+    TILE_ROW,
+    ENDS,
+    stride_x,
+    stride_we,
+    stride_wn,
+    stride_h,
+    stride_a,
+    I,
+    K_DIM,
+    n_blocks,
+    E,
+    STORE_H: tl.constexpr,
+    STORE_A: tl.constexpr,
+    PREC: tl.constexpr,
+    UPCAST: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
     # one program: BLOCK_M sorted rows of one expert x BLOCK_N columns of both gate and up
     pid = tl.program_id(0)
     t = pid // n_blocks
@@ -166,10 +189,31 @@ def _moe_up_kernel(X, W, HB, AB, TOK, TILE_E, TILE_ROW, ENDS,
         tl.store(AB + r64[:, None] * stride_a + cols[None, :], a.to(AB.dtype.element_ty), mask=mask)
 
 
-def _moe_rows_kernel(A, W, OUT, SCALE, SLOT, TILE_E, TILE_ROW, ENDS,
-                     stride_a, stride_we, stride_wk, stride_wn, stride_o, N, K_DIM, n_blocks, E,
-                     HAS_SCALE: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
-                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _moe_rows_kernel(
+    A,
+    W,
+    OUT,
+    SCALE,
+    SLOT,
+    TILE_E,
+    TILE_ROW,
+    ENDS,
+    stride_a,
+    stride_we,
+    stride_wk,
+    stride_wn,
+    stride_o,
+    N,
+    K_DIM,
+    n_blocks,
+    E,
+    HAS_SCALE: tl.constexpr,
+    PREC: tl.constexpr,
+    UPCAST: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
     # OUT[SLOT[r], n] = SCALE[r] * sum_k A[r, k] W[e, k, n] for the sorted rows r of one expert
     pid = tl.program_id(0)
     t = pid // n_blocks
@@ -198,14 +242,42 @@ def _moe_rows_kernel(A, W, OUT, SCALE, SLOT, TILE_E, TILE_ROW, ENDS,
     if HAS_SCALE:
         acc = acc * tl.load(SCALE + rows, mask=rmask, other=0.0).to(tl.float32)[:, None]
     slot = tl.load(SLOT + rows, mask=rmask, other=0).to(tl.int64)
-    tl.store(OUT + slot[:, None] * stride_o + cols[None, :], acc.to(OUT.dtype.element_ty),
-             mask=rmask[:, None] & cmask[None, :])
+    tl.store(
+        OUT + slot[:, None] * stride_o + cols[None, :],
+        acc.to(OUT.dtype.element_ty),
+        mask=rmask[:, None] & cmask[None, :],
+    )
 
 
-def _moe_down_bwd_kernel(DO, W, HB, DH, WA, DWP, SCALE, TOK, TILE_E, TILE_ROW, ENDS,
-                         stride_do, stride_we, stride_wk, stride_h, stride_dh, stride_wa, S, I, K_DIM, n_blocks, E,
-                         PREC: tl.constexpr, UPCAST: tl.constexpr,
-                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _moe_down_bwd_kernel(
+    DO,
+    W,
+    HB,
+    DH,
+    WA,
+    DWP,
+    SCALE,
+    TOK,
+    TILE_E,
+    TILE_ROW,
+    ENDS,
+    stride_do,
+    stride_we,
+    stride_wk,
+    stride_h,
+    stride_dh,
+    stride_wa,
+    S,
+    I,
+    K_DIM,
+    n_blocks,
+    E,
+    PREC: tl.constexpr,
+    UPCAST: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
     # dA = DO[TOK[r]] @ W[e] (W[e] is (K_DIM=H, I)); epilogue: SwiGLU backward, d_weights, w * a
     pid = tl.program_id(0)
     t = pid // n_blocks
@@ -243,7 +315,9 @@ def _moe_down_bwd_kernel(DO, W, HB, DH, WA, DWP, SCALE, TOK, TILE_E, TILE_ROW, E
     dw = tl.sum(acc * a, axis=1)
     tl.store(DWP + nb.to(tl.int64) * S + rows, dw, mask=rmask)
     scale = tl.load(SCALE + rows, mask=rmask, other=0.0).to(tl.float32)
-    tl.store(WA + r64[:, None] * stride_wa + cols[None, :], (a * scale[:, None]).to(WA.dtype.element_ty), mask=mask)
+    tl.store(
+        WA + r64[:, None] * stride_wa + cols[None, :], (a * scale[:, None]).to(WA.dtype.element_ty), mask=mask
+    )
     da = (acc * scale[:, None]).to(WA.dtype.element_ty).to(tl.float32)
     dg = da * u * sg * (1.0 + g * (1.0 - sg))
     du = da * act
@@ -253,10 +327,29 @@ def _moe_down_bwd_kernel(DO, W, HB, DH, WA, DWP, SCALE, TOK, TILE_E, TILE_ROW, E
     tl.store(dh_ptrs + I, du.to(DH.dtype.element_ty), mask=mask)
 
 
-def _moe_wgrad_kernel(A, B, OUT, IDX, STARTS, ENDS, stride_a, stride_b, stride_oe, stride_om, M, N,
-                      m_blocks, n_blocks,
-                      GATHER_A: tl.constexpr, GATHER_B: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
-                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _moe_wgrad_kernel(
+    A,
+    B,
+    OUT,
+    IDX,
+    STARTS,
+    ENDS,
+    stride_a,
+    stride_b,
+    stride_oe,
+    stride_om,
+    M,
+    N,
+    m_blocks,
+    n_blocks,
+    GATHER_A: tl.constexpr,
+    GATHER_B: tl.constexpr,
+    PREC: tl.constexpr,
+    UPCAST: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
     # OUT[e, m, n] = sum over the sorted rows r of expert e of A[ra, m] B[rb, n], where ra (rb) is
     # IDX[r] when A (B) is gathered, else r. Zero when the expert has no row.
     pid = tl.program_id(0)
@@ -289,8 +382,11 @@ def _moe_wgrad_kernel(A, B, OUT, IDX, STARTS, ENDS, stride_a, stride_b, stride_o
         a = tl.load(A + ra[:, None] * stride_a + ms[None, :], mask=rmask[:, None] & mmask[None, :], other=0.0)
         b = tl.load(B + rb[:, None] * stride_b + ns[None, :], mask=rmask[:, None] & nmask[None, :], other=0.0)
         acc = _dot(tl.trans(a), b, acc, PREC, UPCAST)
-    tl.store(OUT + e.to(tl.int64) * stride_oe + ms[:, None].to(tl.int64) * stride_om + ns[None, :],
-             acc.to(OUT.dtype.element_ty), mask=mmask[:, None] & nmask[None, :])
+    tl.store(
+        OUT + e.to(tl.int64) * stride_oe + ms[:, None].to(tl.int64) * stride_om + ns[None, :],
+        acc.to(OUT.dtype.element_ty),
+        mask=mmask[:, None] & nmask[None, :],
+    )
 
 
 _up = LazyKernel(_moe_up_kernel)
@@ -375,7 +471,7 @@ def _fitted(kind: str, entry: tuple[int, ...], block_m: int, itemsize: int, smem
         bm, bn, bk, nw, ns = entry
     else:
         (bn, bk, nw, ns), bm = entry, block_m
-    need = lambda k, st: _TILE_ELEMENTS[kind](bm, bn, k) * itemsize * st + 16384   # noqa: E731
+    need = lambda k, st: _TILE_ELEMENTS[kind](bm, bn, k) * itemsize * st + 16384  # noqa: E731
     while ns > 2 and need(bk, ns) > smem:
         ns -= 1
     while bk > 16 and need(bk, ns) > smem:
@@ -410,6 +506,7 @@ def _precision(x: torch.Tensor) -> tuple[str, bool]:
 # routing
 # ----------------------------------------------------------------------------------------------------------
 
+
 def _route(top_k_index: torch.Tensor, num_experts: int, block_m: int) -> dict[str, torch.Tensor]:
     """Sort the token-slots by expert and build the tile table (all on the device, no host sync).
 
@@ -427,19 +524,26 @@ def _route(top_k_index: torch.Tensor, num_experts: int, block_m: int) -> dict[st
     starts = torch.searchsorted(sorted_ids, experts, right=False)
     tiles = (ends - starts + (block_m - 1)) // block_m
     tile_ends = torch.cumsum(tiles, 0)
-    n_tiles = _cdiv(ids.numel(), block_m) + num_experts   # an upper bound of tiles.sum()
+    n_tiles = _cdiv(ids.numel(), block_m) + num_experts  # an upper bound of tiles.sum()
     t = torch.arange(n_tiles, device=dev, dtype=tile_ends.dtype)
     tile_e = torch.searchsorted(tile_ends, t, right=True)
     ec = tile_e.clamp(max=num_experts - 1)
     tile_row = starts[ec] + (t - (tile_ends - tiles)[ec]) * block_m
     i32 = torch.int32
-    return {"perm": perm.to(i32), "tok": torch.div(perm, k, rounding_mode="floor").to(i32),
-            "starts": starts.to(i32), "ends": ends.to(i32), "tile_e": tile_e.to(i32), "tile_row": tile_row.to(i32)}
+    return {
+        "perm": perm.to(i32),
+        "tok": torch.div(perm, k, rounding_mode="floor").to(i32),
+        "starts": starts.to(i32),
+        "ends": ends.to(i32),
+        "tile_e": tile_e.to(i32),
+        "tile_row": tile_row.to(i32),
+    }
 
 
 # ----------------------------------------------------------------------------------------------------------
 # launches
 # ----------------------------------------------------------------------------------------------------------
+
 
 def _launch_up(x, gate_up, r, h, a, cfg, prec):
     e, two_i, hid = gate_up.shape
@@ -449,11 +553,34 @@ def _launch_up(x, gate_up, r, h, a, cfg, prec):
     tiles = r["tile_e"].numel()
     hb = h if h is not None else a
     ab = a if a is not None else h
-    _up[(tiles * n_blocks,)](x, gate_up, hb, ab, r["tok"], r["tile_e"], r["tile_row"], r["ends"],
-                             x.stride(0), gate_up.stride(0), gate_up.stride(1), hb.stride(0), ab.stride(0),
-                             inter, hid, n_blocks, e,
-                             STORE_H=h is not None, STORE_A=a is not None, PREC=prec[0], UPCAST=prec[1],
-                             BLOCK_M=cfg["block_m"], BLOCK_N=bn, BLOCK_K=bk, num_warps=nw, num_stages=ns)
+    _up[(tiles * n_blocks,)](
+        x,
+        gate_up,
+        hb,
+        ab,
+        r["tok"],
+        r["tile_e"],
+        r["tile_row"],
+        r["ends"],
+        x.stride(0),
+        gate_up.stride(0),
+        gate_up.stride(1),
+        hb.stride(0),
+        ab.stride(0),
+        inter,
+        hid,
+        n_blocks,
+        e,
+        STORE_H=h is not None,
+        STORE_A=a is not None,
+        PREC=prec[0],
+        UPCAST=prec[1],
+        BLOCK_M=cfg["block_m"],
+        BLOCK_N=bn,
+        BLOCK_K=bk,
+        num_warps=nw,
+        num_stages=ns,
+    )
 
 
 def _launch_rows(a, w, out, scale, r, w_strides, n, k_dim, cfg, name, prec):
@@ -462,10 +589,33 @@ def _launch_rows(a, w, out, scale, r, w_strides, n, k_dim, cfg, name, prec):
     n_blocks = _cdiv(n, bn)
     tiles = r["tile_e"].numel()
     sc = scale if scale is not None else a
-    _rows[(tiles * n_blocks,)](a, w, out, sc, r["perm"], r["tile_e"], r["tile_row"], r["ends"],
-                               a.stride(0), w.stride(0), w_strides[0], w_strides[1], out.stride(0), n, k_dim,
-                               n_blocks, w.shape[0], HAS_SCALE=scale is not None, PREC=prec[0], UPCAST=prec[1],
-                               BLOCK_M=cfg["block_m"], BLOCK_N=bn, BLOCK_K=bk, num_warps=nw, num_stages=ns)
+    _rows[(tiles * n_blocks,)](
+        a,
+        w,
+        out,
+        sc,
+        r["perm"],
+        r["tile_e"],
+        r["tile_row"],
+        r["ends"],
+        a.stride(0),
+        w.stride(0),
+        w_strides[0],
+        w_strides[1],
+        out.stride(0),
+        n,
+        k_dim,
+        n_blocks,
+        w.shape[0],
+        HAS_SCALE=scale is not None,
+        PREC=prec[0],
+        UPCAST=prec[1],
+        BLOCK_M=cfg["block_m"],
+        BLOCK_N=bn,
+        BLOCK_K=bk,
+        num_warps=nw,
+        num_stages=ns,
+    )
 
 
 def _launch_wgrad(a, b, out, r, gather_a, gather_b, cfg, prec):
@@ -473,10 +623,31 @@ def _launch_wgrad(a, b, out, r, gather_a, gather_b, cfg, prec):
     bm, bn, bk, nw, ns = _config(cfg, "wgrad", a)
     e, m, n = out.shape
     mb, nb = _cdiv(m, bm), _cdiv(n, bn)
-    _wgrad[(e * mb * nb,)](a, b, out, r["tok"], r["starts"], r["ends"], a.stride(0), b.stride(0),
-                           out.stride(0), out.stride(1), m, n, mb, nb,
-                           GATHER_A=gather_a, GATHER_B=gather_b, PREC=prec[0], UPCAST=prec[1],
-                           BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=nw, num_stages=ns)
+    _wgrad[(e * mb * nb,)](
+        a,
+        b,
+        out,
+        r["tok"],
+        r["starts"],
+        r["ends"],
+        a.stride(0),
+        b.stride(0),
+        out.stride(0),
+        out.stride(1),
+        m,
+        n,
+        mb,
+        nb,
+        GATHER_A=gather_a,
+        GATHER_B=gather_b,
+        PREC=prec[0],
+        UPCAST=prec[1],
+        BLOCK_M=bm,
+        BLOCK_N=bn,
+        BLOCK_K=bk,
+        num_warps=nw,
+        num_stages=ns,
+    )
 
 
 def _launch_down_bwd(dout, down, h, dh, wa, w_sorted, r, cfg, prec, zero_dw):
@@ -488,11 +659,37 @@ def _launch_down_bwd(dout, down, h, dh, wa, w_sorted, r, cfg, prec, zero_dw):
     n_blocks = _cdiv(inter, bn)
     dwp = (torch.zeros if zero_dw else torch.empty)((n_blocks, s), dtype=torch.float32, device=h.device)
     tiles = r["tile_e"].numel()
-    _down_bwd[(tiles * n_blocks,)](dout, down, h, dh, wa, dwp, w_sorted, r["tok"], r["tile_e"], r["tile_row"],
-                                   r["ends"], dout.stride(0), down.stride(0), down.stride(1), h.stride(0),
-                                   dh.stride(0), wa.stride(0), s, inter, hid, n_blocks, e,
-                                   PREC=prec[0], UPCAST=prec[1],
-                                   BLOCK_M=cfg["block_m"], BLOCK_N=bn, BLOCK_K=bk, num_warps=nw, num_stages=ns)
+    _down_bwd[(tiles * n_blocks,)](
+        dout,
+        down,
+        h,
+        dh,
+        wa,
+        dwp,
+        w_sorted,
+        r["tok"],
+        r["tile_e"],
+        r["tile_row"],
+        r["ends"],
+        dout.stride(0),
+        down.stride(0),
+        down.stride(1),
+        h.stride(0),
+        dh.stride(0),
+        wa.stride(0),
+        s,
+        inter,
+        hid,
+        n_blocks,
+        e,
+        PREC=prec[0],
+        UPCAST=prec[1],
+        BLOCK_M=cfg["block_m"],
+        BLOCK_N=bn,
+        BLOCK_K=bk,
+        num_warps=nw,
+        num_stages=ns,
+    )
     return dwp
 
 
@@ -517,8 +714,9 @@ def _forward(x, gate_up, down, weights, top_k_index, store_h, expert_parallel):
     _launch_up(x, gate_up, r, h, a, cfg, prec)
     y = _slot_buffer(t, k, hid, x, expert_parallel)
     # down[e] is (H, I): element [k, n] of the GEMM's right operand is down[e, n, k]
-    _launch_rows(a, down, y.view(s, hid), w_sorted, r, (down.stride(2), down.stride(1)), hid, inter, cfg,
-                 "down", prec)
+    _launch_rows(
+        a, down, y.view(s, hid), w_sorted, r, (down.stride(2), down.stride(1)), hid, inter, cfg, "down", prec
+    )
     del a
     out = y.sum(1) if k > 1 else y.view(t, hid)
     return out, r, w_sorted, h
@@ -534,7 +732,7 @@ def _backward(dout, x, gate_up, down, weights_dtype, r, w_sorted, h, k, need, ex
     inter = two_i // 2
     s = t * k
     dout = dout.to(x.dtype).contiguous()
-    if h is None:   # recompute mode: the pre-activation again, from the first GEMM
+    if h is None:  # recompute mode: the pre-activation again, from the first GEMM
         h = torch.empty((s, two_i), dtype=x.dtype, device=x.device)
         _launch_up(x, gate_up, r, h, None, cfg, prec)
         h_private = True
@@ -561,8 +759,19 @@ def _backward(dout, x, gate_up, down, weights_dtype, r, w_sorted, h, k, need, ex
     if need[0]:
         dxs = _slot_buffer(t, k, hid, x, expert_parallel)
         # gate_up[e] is (2I, H): element [k, n] is gate_up[e, k, n]
-        _launch_rows(dh, gate_up, dxs.view(s, hid), None, r, (gate_up.stride(1), gate_up.stride(2)), hid, two_i,
-                     cfg, "dx", prec)
+        _launch_rows(
+            dh,
+            gate_up,
+            dxs.view(s, hid),
+            None,
+            r,
+            (gate_up.stride(1), gate_up.stride(2)),
+            hid,
+            two_i,
+            cfg,
+            "dx",
+            prec,
+        )
         dx = dxs.sum(1) if k > 1 else dxs.view(t, hid)
     return dx, d_gate_up, d_down, d_weights
 
@@ -573,8 +782,9 @@ class FusedExpertsFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, gate_up, down, weights, top_k_index, recompute: bool, expert_parallel: bool = False):
         train = any(ctx.needs_input_grad[:4])
-        out, r, w_sorted, h = _forward(x, gate_up, down, weights, top_k_index, train and not recompute,
-                                       expert_parallel)
+        out, r, w_sorted, h = _forward(
+            x, gate_up, down, weights, top_k_index, train and not recompute, expert_parallel
+        )
         if train:
             ctx.save_for_backward(x, gate_up, down, w_sorted, h, *r.values())
             ctx.route_keys = tuple(r)
@@ -588,10 +798,22 @@ class FusedExpertsFunction(torch.autograd.Function):
     def backward(ctx, dout):
         x, gate_up, down, w_sorted, h, *route = ctx.saved_tensors
         r = dict(zip(ctx.route_keys, route))
-        dx, dgu, dd, dw = _backward(dout, x, gate_up, down, ctx.weights_dtype, r, w_sorted, h, ctx.k,
-                                    ctx.needs_input_grad[:4], ctx.expert_parallel, h_private=True)
+        dx, dgu, dd, dw = _backward(
+            dout,
+            x,
+            gate_up,
+            down,
+            ctx.weights_dtype,
+            r,
+            w_sorted,
+            h,
+            ctx.k,
+            ctx.needs_input_grad[:4],
+            ctx.expert_parallel,
+            h_private=True,
+        )
         if h is not None:
-            bump_version(h)   # overwritten by the gradient
+            bump_version(h)  # overwritten by the gradient
         return dx, dgu, dd, dw, None, None, None
 
 
@@ -612,12 +834,22 @@ def _no_autocast(device: torch.device) -> contextlib.AbstractContextManager:
     return contextlib.nullcontext()
 
 
-@op_def("fused_experts", "(Tensor x, Tensor top_k_index, Tensor top_k_weights, Tensor gate_up, Tensor down, "
-        "bool store_h, bool expert_parallel) -> (" + ", ".join(["Tensor"] * 9) + ")")
+@op_def(
+    "fused_experts",
+    "(Tensor x, Tensor top_k_index, Tensor top_k_weights, Tensor gate_up, Tensor down, "
+    "bool store_h, bool expert_parallel) -> (" + ", ".join(["Tensor"] * 9) + ")",
+)
 def _fused_experts_op(x, top_k_index, top_k_weights, gate_up, down, store_h, expert_parallel):
     with _no_autocast(x.device):
-        out, r, w_sorted, h = _forward(x.contiguous(), gate_up.contiguous(), down.contiguous(),
-                                       top_k_weights.contiguous(), top_k_index.contiguous(), store_h, expert_parallel)
+        out, r, w_sorted, h = _forward(
+            x.contiguous(),
+            gate_up.contiguous(),
+            down.contiguous(),
+            top_k_weights.contiguous(),
+            top_k_index.contiguous(),
+            store_h,
+            expert_parallel,
+        )
     return (out, h if h is not None else x.new_empty(0), w_sorted, *(r[name] for name in _ROUTE_KEYS))
 
 
@@ -629,31 +861,90 @@ def _(x, top_k_index, top_k_weights, gate_up, down, store_h, expert_parallel):
     # the tile table's length depends on shapes only: _route's bound on the tile count
     n_tiles = _cdiv(s, experts_configs(x.device)["block_m"]) + e
     i32 = dict(dtype=torch.int32, device=x.device)
-    return (x.new_empty(x.shape), x.new_empty((s, two_i) if store_h else (0,)), top_k_weights.new_empty(s),
-            torch.empty(s, **i32), torch.empty(s, **i32), torch.empty(e, **i32), torch.empty(e, **i32),
-            torch.empty(n_tiles, **i32), torch.empty(n_tiles, **i32))
+    return (
+        x.new_empty(x.shape),
+        x.new_empty((s, two_i) if store_h else (0,)),
+        top_k_weights.new_empty(s),
+        torch.empty(s, **i32),
+        torch.empty(s, **i32),
+        torch.empty(e, **i32),
+        torch.empty(e, **i32),
+        torch.empty(n_tiles, **i32),
+        torch.empty(n_tiles, **i32),
+    )
 
 
-@op_def("fused_experts_backward",
-        f"(Tensor dout, Tensor x, Tensor gate_up, Tensor down, Tensor w_sorted, Tensor h, {_ROUTE_SCHEMA}, "
-        "SymInt top_k, ScalarType weights_dtype, bool has_h, bool[4] need, bool expert_parallel) "
-        "-> (Tensor, Tensor, Tensor, Tensor)")
-def _fused_experts_backward_op(dout, x, gate_up, down, w_sorted, h, perm, tok, starts, ends, tile_e, tile_row,
-                               top_k, weights_dtype, has_h, need, expert_parallel):
+@op_def(
+    "fused_experts_backward",
+    f"(Tensor dout, Tensor x, Tensor gate_up, Tensor down, Tensor w_sorted, Tensor h, {_ROUTE_SCHEMA}, "
+    "SymInt top_k, ScalarType weights_dtype, bool has_h, bool[4] need, bool expert_parallel) "
+    "-> (Tensor, Tensor, Tensor, Tensor)",
+)
+def _fused_experts_backward_op(
+    dout,
+    x,
+    gate_up,
+    down,
+    w_sorted,
+    h,
+    perm,
+    tok,
+    starts,
+    ends,
+    tile_e,
+    tile_row,
+    top_k,
+    weights_dtype,
+    has_h,
+    need,
+    expert_parallel,
+):
     r = dict(zip(_ROUTE_KEYS, (perm, tok, starts, ends, tile_e, tile_row)))
     with _no_autocast(x.device):
-        grads = _backward(dout, x.contiguous(), gate_up.contiguous(), down.contiguous(), weights_dtype, r, w_sorted,
-                          h if has_h else None, top_k, need, expert_parallel, h_private=False)
+        grads = _backward(
+            dout,
+            x.contiguous(),
+            gate_up.contiguous(),
+            down.contiguous(),
+            weights_dtype,
+            r,
+            w_sorted,
+            h if has_h else None,
+            top_k,
+            need,
+            expert_parallel,
+            h_private=False,
+        )
     return tuple(g if g is not None else x.new_empty(0) for g in grads)
 
 
 @_fused_experts_backward_op.register_fake
-def _(dout, x, gate_up, down, w_sorted, h, perm, tok, starts, ends, tile_e, tile_row, top_k, weights_dtype, has_h,
-      need, expert_parallel):
+def _(
+    dout,
+    x,
+    gate_up,
+    down,
+    w_sorted,
+    h,
+    perm,
+    tok,
+    starts,
+    ends,
+    tile_e,
+    tile_row,
+    top_k,
+    weights_dtype,
+    has_h,
+    need,
+    expert_parallel,
+):
     none = x.new_empty(0)
-    return (x.new_empty(x.shape) if need[0] else none, gate_up.new_empty(gate_up.shape) if need[1] else none,
-            down.new_empty(down.shape) if need[2] else none,
-            x.new_empty((x.shape[0], top_k), dtype=weights_dtype) if need[3] else none)
+    return (
+        x.new_empty(x.shape) if need[0] else none,
+        gate_up.new_empty(gate_up.shape) if need[1] else none,
+        down.new_empty(down.shape) if need[2] else none,
+        x.new_empty((x.shape[0], top_k), dtype=weights_dtype) if need[3] else none,
+    )
 
 
 def _fused_experts_setup(ctx, inputs, output):
@@ -669,11 +960,30 @@ def _fused_experts_setup(ctx, inputs, output):
 def _fused_experts_grad(ctx, dout, *_):
     x, gate_up, down, h, w_sorted, *route = ctx.saved_tensors
     wants = ctx.needs_input_grad
-    need = [wants[0], wants[3], wants[4], wants[2]]   # x, gate_up, down, top_k_weights
-    dx, dgu, dd, dw = torch.ops.ckpt.fused_experts_backward(dout, x, gate_up, down, w_sorted, h, *route, ctx.top_k,
-                                                           ctx.weights_dtype, ctx.has_h, need, ctx.expert_parallel)
-    return (dx if need[0] else None, None, dw if need[3] else None, dgu if need[1] else None,
-            dd if need[2] else None, None, None)
+    need = [wants[0], wants[3], wants[4], wants[2]]  # x, gate_up, down, top_k_weights
+    dx, dgu, dd, dw = torch.ops.ckpt.fused_experts_backward(
+        dout,
+        x,
+        gate_up,
+        down,
+        w_sorted,
+        h,
+        *route,
+        ctx.top_k,
+        ctx.weights_dtype,
+        ctx.has_h,
+        need,
+        ctx.expert_parallel,
+    )
+    return (
+        dx if need[0] else None,
+        None,
+        dw if need[3] else None,
+        dgu if need[1] else None,
+        dd if need[2] else None,
+        None,
+        None,
+    )
 
 
 _fused_experts_op.register_autograd(_fused_experts_grad, setup_context=_fused_experts_setup)
@@ -686,22 +996,34 @@ def _check(x, top_k_index, top_k_weights, gate_up, down):
     check_tensor(top_k_weights, "top_k_weights", dtypes=_FLOATS, ndim=2)
     check_tensor(top_k_index, "top_k_index", dtypes=(torch.int64, torch.int32), ndim=2)
     check_runnable_device(x, "hidden_states")
-    check_same_device(x, "hidden_states", gate_up=gate_up, down=down, top_k_weights=top_k_weights,
-                      top_k_index=top_k_index)
+    check_same_device(
+        x, "hidden_states", gate_up=gate_up, down=down, top_k_weights=top_k_weights, top_k_index=top_k_index
+    )
     t, hid = x.shape
     e, two_i, h2 = gate_up.shape
     if two_i % 2 or h2 != hid:
-        raise ValueError(f"gate_up must be (E, 2I, {hid}) for hidden size {hid}, got shape {tuple(gate_up.shape)}")
+        raise ValueError(
+            f"gate_up must be (E, 2I, {hid}) for hidden size {hid}, got shape {tuple(gate_up.shape)}"
+        )
     if tuple(down.shape) != (e, hid, two_i // 2):
         raise ValueError(f"down must be (E, H, I) = {(e, hid, two_i // 2)}, got shape {tuple(down.shape)}")
     if top_k_index.shape[0] != t or top_k_weights.shape != top_k_index.shape:
-        raise ValueError(f"top_k_index and top_k_weights must both be (tokens, top_k) with tokens = {t}, got "
-                         f"{tuple(top_k_index.shape)} and {tuple(top_k_weights.shape)}")
+        raise ValueError(
+            f"top_k_index and top_k_weights must both be (tokens, top_k) with tokens = {t}, got "
+            f"{tuple(top_k_index.shape)} and {tuple(top_k_weights.shape)}"
+        )
 
 
-def fused_experts(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
-                  gate_up: torch.Tensor, down: torch.Tensor, *, recompute: bool = False,
-                  expert_parallel: bool = False) -> torch.Tensor:
+def fused_experts(
+    hidden_states: torch.Tensor,
+    top_k_index: torch.Tensor,
+    top_k_weights: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    *,
+    recompute: bool = False,
+    expert_parallel: bool = False,
+) -> torch.Tensor:
     """The SwiGLU experts of a mixture-of-experts block, fused (module docstring).
 
     Args:
@@ -735,16 +1057,32 @@ def fused_experts(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_
     dtype = torch.get_autocast_dtype(amp) if amp is not None else hidden_states.dtype
     if gate_up.dtype != dtype or down.dtype != dtype or hidden_states.dtype != dtype:
         if amp is None:
-            raise ValueError(f"hidden_states ({hidden_states.dtype}), gate_up ({gate_up.dtype}) and down "
-                             f"({down.dtype}) must share one dtype outside autocast")
+            raise ValueError(
+                f"hidden_states ({hidden_states.dtype}), gate_up ({gate_up.dtype}) and down "
+                f"({down.dtype}) must share one dtype outside autocast"
+            )
         hidden_states, gate_up, down = hidden_states.to(dtype), gate_up.to(dtype), down.to(dtype)
-    if torch.compiler.is_compiling():   # traced: one opaque operator node, no graph break
+    if torch.compiler.is_compiling():  # traced: one opaque operator node, no graph break
         train = torch.is_grad_enabled() and any(
-            t.requires_grad for t in (hidden_states, top_k_weights, gate_up, down))
-        return torch.ops.ckpt.fused_experts(hidden_states, top_k_index, top_k_weights, gate_up, down,
-                                            train and not recompute, bool(expert_parallel))[0]
+            t.requires_grad for t in (hidden_states, top_k_weights, gate_up, down)
+        )
+        return torch.ops.ckpt.fused_experts(
+            hidden_states,
+            top_k_index,
+            top_k_weights,
+            gate_up,
+            down,
+            train and not recompute,
+            bool(expert_parallel),
+        )[0]
     ctx = torch.autocast(amp, enabled=False) if amp is not None else contextlib.nullcontext()
     with ctx:
-        return FusedExpertsFunction.apply(hidden_states.contiguous(), gate_up.contiguous(), down.contiguous(),
-                                          top_k_weights.contiguous(), top_k_index.contiguous(), bool(recompute),
-                                          bool(expert_parallel))
+        return FusedExpertsFunction.apply(
+            hidden_states.contiguous(),
+            gate_up.contiguous(),
+            down.contiguous(),
+            top_k_weights.contiguous(),
+            top_k_index.contiguous(),
+            bool(recompute),
+            bool(expert_parallel),
+        )

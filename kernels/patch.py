@@ -124,14 +124,14 @@ log = logging.getLogger(__name__)
 class _Family:
     """How one architecture is patched."""
 
-    module: str                       # transformers.models.<module>.modeling_<module>
-    prefix: str                       # class-name prefix in that module
-    norm_offset: float = 0.0          # 1.0: Gemma's (1 + w) weights, fp32 product
-    residual_norms: tuple[str, ...] = ()   # norms whose output joins the residual: no in-place dx
-    softcap: bool = False             # config.final_logit_softcapping applies to the LM head's logits
-    moe: bool = False                 # <Arch>Experts blocks and the router's auxiliary loss
-    vision: bool = False              # a vision tower (LayerNorms, a plain MLP) beside the language model;
-                                      # the loss is <Prefix>ForConditionalGeneration's
+    module: str  # transformers.models.<module>.modeling_<module>
+    prefix: str  # class-name prefix in that module
+    norm_offset: float = 0.0  # 1.0: Gemma's (1 + w) weights, fp32 product
+    residual_norms: tuple[str, ...] = ()  # norms whose output joins the residual: no in-place dx
+    softcap: bool = False  # config.final_logit_softcapping applies to the LM head's logits
+    moe: bool = False  # <Arch>Experts blocks and the router's auxiliary loss
+    vision: bool = False  # a vision tower (LayerNorms, a plain MLP) beside the language model;
+    # the loss is <Prefix>ForConditionalGeneration's
 
 
 _GEMMA_POST_NORMS = ("post_attention_layernorm", "post_feedforward_layernorm")
@@ -143,7 +143,9 @@ _FAMILIES: dict[str, _Family] = {
     "qwen3": _Family("qwen3", "Qwen3"),
     "gemma": _Family("gemma", "Gemma", norm_offset=1.0),
     "gemma2": _Family("gemma2", "Gemma2", norm_offset=1.0, residual_norms=_GEMMA_POST_NORMS, softcap=True),
-    "gemma3_text": _Family("gemma3", "Gemma3", norm_offset=1.0, residual_norms=_GEMMA_POST_NORMS, softcap=True),
+    "gemma3_text": _Family(
+        "gemma3", "Gemma3", norm_offset=1.0, residual_norms=_GEMMA_POST_NORMS, softcap=True
+    ),
     # Gemma3ForConditionalGeneration: the same language model (same modeling module and classes) plus
     # a SigLIP vision tower. Its forward applies no final_logit_softcapping (transformers 5.24), so
     # neither does the patched loss.
@@ -209,12 +211,13 @@ def _fused_experts_runnable(module: nn.Module, hidden_states: torch.Tensor) -> b
         return False
     dtype = hidden_states.dtype
     if torch.is_autocast_enabled(hidden_states.device.type):
-        return True   # fused_experts casts the three to autocast's dtype
+        return True  # fused_experts casts the three to autocast's dtype
     return module.gate_up_proj.dtype == dtype and module.down_proj.dtype == dtype
 
 
-def _experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
-                     top_k_weights: torch.Tensor) -> torch.Tensor:
+def _experts_forward(
+    self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+) -> torch.Tensor:
     """The patched experts' forward: :func:`fused_experts` (routing, both grouped GEMMs, SwiGLU and
     the weighted sum in Triton) wherever it runs, ``torch.compile`` and expert parallelism included;
     otherwise transformers' implementation with the packed SwiGLU (:func:`_transformers_experts`).
@@ -226,14 +229,21 @@ def _experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: 
         # expert parallelism (transformers sets the flag where it splits the experts over ranks): the
         # slots of other ranks' experts carry the index num_experts and must add nothing; elsewhere the
         # flag's zeroing would be wasted work
-        return fused_experts(hidden_states, top_k_index, top_k_weights, self.gate_up_proj, self.down_proj,
-                             recompute=_EXPERTS_RECOMPUTE,
-                             expert_parallel=bool(getattr(self, "_is_expert_parallel", False)))
+        return fused_experts(
+            hidden_states,
+            top_k_index,
+            top_k_weights,
+            self.gate_up_proj,
+            self.down_proj,
+            recompute=_EXPERTS_RECOMPUTE,
+            expert_parallel=bool(getattr(self, "_is_expert_parallel", False)),
+        )
     return _transformers_experts(self, hidden_states, top_k_index, top_k_weights)
 
 
-def _transformers_experts(self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
-                          top_k_weights: torch.Tensor) -> torch.Tensor:
+def _transformers_experts(
+    self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+) -> torch.Tensor:
     """transformers' experts implementation, its SwiGLU the packed kernel: the one the config names or,
     where it names ours, the one it named when :func:`patch` ran (``_ckpt_experts_fallback``). Its
     ``grouped_mm`` and ``batched_mm`` call the instance's ``_apply_gate`` (patched to the fused kernel);
@@ -287,9 +297,11 @@ def _serve_through_registry(model: nn.Module, experts: list[nn.Module]) -> str |
     registry.ExpertsInterface.register(EXPERTS_IMPLEMENTATION, _experts_forward)
     try:
         set_implementation(EXPERTS_IMPLEMENTATION)
-    except (RuntimeError, ValueError) as e:   # e.g. an implementation chosen for good at load time
+    except (RuntimeError, ValueError) as e:  # e.g. an implementation chosen for good at load time
         return f"transformers kept its experts implementation ({type(e).__name__}: {e})"
-    missed = [m for m in experts if getattr(m.config, "_experts_implementation", None) != EXPERTS_IMPLEMENTATION]
+    missed = [
+        m for m in experts if getattr(m.config, "_experts_implementation", None) != EXPERTS_IMPLEMENTATION
+    ]
     if missed:
         return f"{type(model).__name__} does not let set_experts_implementation reach its experts' config"
     return None
@@ -297,8 +309,10 @@ def _serve_through_registry(model: nn.Module, experts: list[nn.Module]) -> str |
 
 def _experts_patchable(module: nn.Module) -> str | None:
     """Why the packed GLU cannot serve these experts (``None`` when it can)."""
-    if not (isinstance(getattr(module, "gate_up_proj", None), torch.Tensor)
-            and isinstance(getattr(module, "down_proj", None), torch.Tensor)):
+    if not (
+        isinstance(getattr(module, "gate_up_proj", None), torch.Tensor)
+        and isinstance(getattr(module, "down_proj", None), torch.Tensor)
+    ):
         return "no gate_up_proj / down_proj expert weights"
     if not getattr(module, "has_gate", True) or not getattr(module, "is_concatenated", True):
         return "gate and up are not stored as [gate; up] halves"
@@ -307,14 +321,18 @@ def _experts_patchable(module: nn.Module) -> str | None:
     if getattr(module, "has_post_expert_norm", False):
         return "a norm after each expert"
     if _activation(getattr(module, "act_fn", None)) != "silu":
-        return f"activation {type(getattr(module, 'act_fn', None)).__name__} (the experts' fused GLU is SwiGLU)"
+        return (
+            f"activation {type(getattr(module, 'act_fn', None)).__name__} (the experts' fused GLU is SwiGLU)"
+        )
     return None
 
 
 def _make_causal_lm_forward(family: _Family, modeling: types.ModuleType) -> Callable[..., Any]:
     from transformers import modeling_outputs
 
-    out_cls = modeling_outputs.MoeCausalLMOutputWithPast if family.moe else modeling_outputs.CausalLMOutputWithPast
+    out_cls = (
+        modeling_outputs.MoeCausalLMOutputWithPast if family.moe else modeling_outputs.CausalLMOutputWithPast
+    )
     # the cache's field name: ``cache`` from transformers 5.2x, ``past_key_values`` before (decided
     # here, once: torch.compile cannot trace dataclasses.fields)
     cache_name = "cache" if "cache" in {f.name for f in dataclasses.fields(out_cls)} else "past_key_values"
@@ -338,8 +356,13 @@ def _make_causal_lm_forward(family: _Family, modeling: types.ModuleType) -> Call
             kwargs["past_key_values"] = past_key_values
         if labels is None or not self.training:
             return self._ckpt_unpatched_forward(
-                input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                inputs_embeds=inputs_embeds, labels=labels, use_cache=use_cache, logits_to_keep=logits_to_keep,
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                position_ids=position_ids,
+                inputs_embeds=inputs_embeds,
+                labels=labels,
+                use_cache=use_cache,
+                logits_to_keep=logits_to_keep,
                 **kwargs,
             )
         num_items = kwargs.pop("num_items_in_batch", None)
@@ -357,18 +380,29 @@ def _make_causal_lm_forward(family: _Family, modeling: types.ModuleType) -> Call
             router = bool(self.config.output_router_logits if router is None else router)
             kwargs["output_router_logits"] = router
         outputs = self.model(
-            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-            inputs_embeds=inputs_embeds, use_cache=use_cache, **kwargs,
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            inputs_embeds=inputs_embeds,
+            use_cache=use_cache,
+            **kwargs,
         )
         softcap = getattr(self.config, "final_logit_softcapping", None) if family.softcap else None
-        loss = _causal_lm_loss(self, outputs[0], labels, shift_labels, ignore_index, num_items, softcap, kwargs)
-        fields = dict(loss=loss, logits=None, hidden_states=outputs.get("hidden_states"),
-                      attentions=outputs.get("attentions"))
+        loss = _causal_lm_loss(
+            self, outputs[0], labels, shift_labels, ignore_index, num_items, softcap, kwargs
+        )
+        fields = dict(
+            loss=loss,
+            logits=None,
+            hidden_states=outputs.get("hidden_states"),
+            attentions=outputs.get("attentions"),
+        )
         if family.moe:
             aux = None
             if router:
-                aux = modeling.load_balancing_loss_func(outputs.router_logits, self.num_experts,
-                                                        self.num_experts_per_tok, attention_mask)
+                aux = modeling.load_balancing_loss_func(
+                    outputs.router_logits, self.num_experts, self.num_experts_per_tok, attention_mask
+                )
                 loss = loss + self.router_aux_loss_coef * aux.to(loss.device)
             fields.update(loss=loss, aux_loss=aux, router_logits=outputs.get("router_logits"))
         fields[cache_name] = outputs.get("cache", outputs.get("past_key_values"))
@@ -378,8 +412,16 @@ def _make_causal_lm_forward(family: _Family, modeling: types.ModuleType) -> Call
     return forward
 
 
-def _causal_lm_loss(model: nn.Module, hidden: torch.Tensor, labels: torch.Tensor, shift_labels: torch.Tensor | None,
-                    ignore_index: int, num_items: Any, softcap: float | None, kwargs: dict[str, Any]) -> torch.Tensor:
+def _causal_lm_loss(
+    model: nn.Module,
+    hidden: torch.Tensor,
+    labels: torch.Tensor,
+    shift_labels: torch.Tensor | None,
+    ignore_index: int,
+    num_items: Any,
+    softcap: float | None,
+    kwargs: dict[str, Any],
+) -> torch.Tensor:
     """HF's ``ForCausalLMLoss`` over ``model.lm_head(hidden)``, through the fused linear CE (no logits)."""
     if shift_labels is None:
         # HF's causal-LM shift: predict token t+1 at position t; the last position is ignored.
@@ -389,11 +431,18 @@ def _causal_lm_loss(model: nn.Module, hidden: torch.Tensor, labels: torch.Tensor
     # autocast's dtype, as the unpatched lm_head Linear does; otherwise in hidden's dtype. Either
     # way their gradients come back in their own dtype (fp32 master weights stay fp32).
     head = model.lm_head
-    keep_hidden = bool(kwargs.get("output_hidden_states", getattr(model.config, "output_hidden_states", False)))
+    keep_hidden = bool(
+        kwargs.get("output_hidden_states", getattr(model.config, "output_hidden_states", False))
+    )
     loss = fused_linear_cross_entropy(
-        hidden, head.weight, shift_labels, head.bias, ignore_index=ignore_index,
+        hidden,
+        head.weight,
+        shift_labels,
+        head.bias,
+        ignore_index=ignore_index,
         reduction="sum" if num_items is not None else "mean",
-        inplace=False if keep_hidden else None, softcap=softcap,
+        inplace=False if keep_hidden else None,
+        softcap=softcap,
     )
     if num_items is not None:
         loss = loss / (num_items.to(loss.device) if torch.is_tensor(num_items) else num_items)
@@ -435,26 +484,45 @@ def _make_conditional_generation_forward(modeling: types.ModuleType, prefix: str
         """``*ForConditionalGeneration.forward`` whose training loss skips the logits (fused linear CE)."""
         # Only what the caller gave is passed on (every default is None): an argument this
         # transformers version does not know (or deprecates) is then never sent.
-        given = {k: v for k, v in (
-            ("input_ids", input_ids), ("pixel_values", pixel_values), ("attention_mask", attention_mask),
-            ("position_ids", position_ids), (cache_name, cache), ("token_type_ids", token_type_ids),
-            ("inputs_embeds", inputs_embeds), ("mm_encoder_outputs", mm_encoder_outputs)) if v is not None}
-        if labels is None or not self.training or not (isinstance(logits_to_keep, int) and logits_to_keep == 0):
+        given = {
+            k: v
+            for k, v in (
+                ("input_ids", input_ids),
+                ("pixel_values", pixel_values),
+                ("attention_mask", attention_mask),
+                ("position_ids", position_ids),
+                (cache_name, cache),
+                ("token_type_ids", token_type_ids),
+                ("inputs_embeds", inputs_embeds),
+                ("mm_encoder_outputs", mm_encoder_outputs),
+            )
+            if v is not None
+        }
+        if (
+            labels is None
+            or not self.training
+            or not (isinstance(logits_to_keep, int) and logits_to_keep == 0)
+        ):
             # (logits_to_keep != 0 with labels: HF's loss over the kept positions, left to HF)
-            return self._ckpt_unpatched_forward(**given, labels=labels, use_cache=use_cache,
-                                                logits_to_keep=logits_to_keep, **kwargs)
+            return self._ckpt_unpatched_forward(
+                **given, labels=labels, use_cache=use_cache, logits_to_keep=logits_to_keep, **kwargs
+            )
         num_items = kwargs.pop("num_items_in_batch", None)
         shift_labels = kwargs.pop("shift_labels", None)
         return_dict = kwargs.pop("return_dict", None)
         ignore_index = kwargs.pop("ignore_index", -100)
         if use_cache is None and cache is None and kwargs.get("past_key_values", kwargs.get("cache")) is None:
-            use_cache = False   # a training step needs no inference KV cache (see the causal-LM forward)
+            use_cache = False  # a training step needs no inference KV cache (see the causal-LM forward)
         outputs = self.model(**given, use_cache=use_cache, **kwargs)
         loss = _causal_lm_loss(self, outputs[0], labels, shift_labels, ignore_index, num_items, None, kwargs)
-        fields = dict(loss=loss, logits=None, hidden_states=outputs.get("hidden_states"),
-                      attentions=outputs.get("attentions"))
-        fields[cache_name] = outputs.get(cache_name)   # (asking for the old name warns in 5.2x)
-        for name in ("image_outputs", "image_hidden_states"):   # 5.2x / before
+        fields = dict(
+            loss=loss,
+            logits=None,
+            hidden_states=outputs.get("hidden_states"),
+            attentions=outputs.get("attentions"),
+        )
+        fields[cache_name] = outputs.get(cache_name)  # (asking for the old name warns in 5.2x)
+        for name in ("image_outputs", "image_hidden_states"):  # 5.2x / before
             if name in names:
                 fields[name] = outputs.get(name)
         out = out_cls(**fields)
@@ -464,7 +532,12 @@ def _make_conditional_generation_forward(modeling: types.ModuleType, prefix: str
 
 
 def patch(
-    model: nn.Module, *, rms_norm: bool = True, rope_embedding: bool = True, mlp: bool = True, loss: bool = True,
+    model: nn.Module,
+    *,
+    rms_norm: bool = True,
+    rope_embedding: bool = True,
+    mlp: bool = True,
+    loss: bool = True,
     layer_norm: bool = True,
 ) -> dict[str, list[str]]:
     """Swap a supported Hugging Face model's hot paths for fused kernels, in place.
@@ -494,25 +567,35 @@ def patch(
         )
     family = _FAMILIES[model_type]
     modeling = _modeling(family)
-    changed: dict[str, list[str]] = {"rms_norm": [], "layer_norm": [], "mlp": [], "experts": [], "rope": [],
-                                     "loss": [], "left": []}
+    changed: dict[str, list[str]] = {
+        "rms_norm": [],
+        "layer_norm": [],
+        "mlp": [],
+        "experts": [],
+        "rope": [],
+        "loss": [],
+        "left": [],
+    }
 
     norm_cls = getattr(modeling, f"{family.prefix}RMSNorm")
     mlp_cls = getattr(modeling, f"{family.prefix}MLP", None)
     experts_cls = getattr(modeling, f"{family.prefix}Experts", None)
-    skipped: dict[str, str] = {}   # left unpatched: no fused kernel computes it (a WARNING)
-    kept: list[str] = []           # left unpatched: a forward of its own on the instance (INFO)
-    wrapped: list[str] = []   # experts whose instance-level forward (a wrapper) is kept
-    experts_left = False      # experts of a layout fused_experts does not compute
+    skipped: dict[str, str] = {}  # left unpatched: no fused kernel computes it (a WARNING)
+    kept: list[str] = []  # left unpatched: a forward of its own on the instance (INFO)
+    wrapped: list[str] = []  # experts whose instance-level forward (a wrapper) is kept
+    experts_left = False  # experts of a layout fused_experts does not compute
     for name, module in list(model.named_modules()):
         if not name:
             continue
         parent_name, _, attr = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         if "_ckpt_fused" in vars(module):
-            continue   # patched in place by an earlier call
-        fusable = ((rms_norm and isinstance(module, norm_cls)) or (mlp and mlp_cls is not None and isinstance(module, mlp_cls))
-                   or (family.vision and layer_norm and type(module) is nn.LayerNorm))
+            continue  # patched in place by an earlier call
+        fusable = (
+            (rms_norm and isinstance(module, norm_cls))
+            or (mlp and mlp_cls is not None and isinstance(module, mlp_cls))
+            or (family.vision and layer_norm and type(module) is nn.LayerNorm)
+        )
         if fusable and "forward" in vars(module):
             # a forward installed on the instance wraps the class's (transformers' tensor-parallel styles: the QK-norms'
             # gradient all-reduce, a sharded layer's collectives; an accelerate hook). Neither the fused module that
@@ -522,7 +605,9 @@ def patch(
         elif rms_norm and isinstance(module, norm_cls):
             eps = getattr(module, "variance_epsilon", getattr(module, "eps", 1e-6))
             in_place = attr not in family.residual_norms
-            new = RMSNorm(module.weight.shape[0], eps=eps, offset=family.norm_offset, in_place=in_place, device="meta")
+            new = RMSNorm(
+                module.weight.shape[0], eps=eps, offset=family.norm_offset, in_place=in_place, device="meta"
+            )
             new.weight = module.weight  # share the parameter: same state dict, same optimizer state
             if _put(parent, attr, module, new):
                 module._ckpt_fused = (float(eps), family.norm_offset, in_place)
@@ -547,7 +632,7 @@ def patch(
                 skipped[name] = why
                 experts_left = True
                 continue
-            module._apply_gate = swiglu_packed   # an instance attribute: called as self._apply_gate(x)
+            module._apply_gate = swiglu_packed  # an instance attribute: called as self._apply_gate(x)
             # what runs where fused_experts cannot once the config names ours (see _transformers_experts)
             implementation = getattr(getattr(module, "config", None), "_experts_implementation", None)
             if implementation != EXPERTS_IMPLEMENTATION:
@@ -575,25 +660,43 @@ def patch(
                 module.forward = types.MethodType(_layer_norm_in_place, module)
             changed["layer_norm"].append(name)
         elif family.vision and mlp and _plain_mlp(module):
-            skipped[name] = (f"{type(module).__name__} is fc1 -> {type(module.activation_fn).__name__} -> fc2, "
-                             "not a gated (GLU) MLP: no fused kernel")
+            skipped[name] = (
+                f"{type(module).__name__} is fc1 -> {type(module.activation_fn).__name__} -> fc2, "
+                "not a gated (GLU) MLP: no fused kernel"
+            )
     for name, why in skipped.items():
         log.warning("ckpt.kernels.patch left %s (%s) unpatched: %s", name, model_type, why)
     if kept:
-        log.info("ckpt.kernels.patch left %s (%s) unpatched: a forward of their own on the instance (transformers' "
-                 "tensor parallelism, a hook) wraps the class's, and replacing either would drop what it does",
-                 ", ".join(kept), model_type)
+        log.info(
+            "ckpt.kernels.patch left %s (%s) unpatched: a forward of their own on the instance (transformers' "
+            "tensor parallelism, a hook) wraps the class's, and replacing either would drop what it does",
+            ", ".join(kept),
+            model_type,
+        )
     if wrapped:
-        why = ("experts of this model have a layout fused_experts does not compute" if experts_left
-               else _serve_through_registry(model, [model.get_submodule(name) for name in wrapped]))
+        why = (
+            "experts of this model have a layout fused_experts does not compute"
+            if experts_left
+            else _serve_through_registry(model, [model.get_submodule(name) for name in wrapped])
+        )
         if why is None:
-            log.info("ckpt.kernels.patch: the experts %s (%s) have a forward of their own (transformers' expert "
-                     "or tensor parallelism, a hook), kept: fused_experts serves the class's forward it calls "
-                     "(experts implementation %r)", ", ".join(wrapped), model_type, EXPERTS_IMPLEMENTATION)
+            log.info(
+                "ckpt.kernels.patch: the experts %s (%s) have a forward of their own (transformers' expert "
+                "or tensor parallelism, a hook), kept: fused_experts serves the class's forward it calls "
+                "(experts implementation %r)",
+                ", ".join(wrapped),
+                model_type,
+                EXPERTS_IMPLEMENTATION,
+            )
         else:
-            log.info("ckpt.kernels.patch: the experts %s (%s) have a forward of their own (transformers' expert "
-                     "or tensor parallelism, a hook), kept: their SwiGLU is fused, fused_experts does not serve "
-                     "them (%s)", ", ".join(wrapped), model_type, why)
+            log.info(
+                "ckpt.kernels.patch: the experts %s (%s) have a forward of their own (transformers' expert "
+                "or tensor parallelism, a hook), kept: their SwiGLU is fused, fused_experts does not serve "
+                "them (%s)",
+                ", ".join(wrapped),
+                model_type,
+                why,
+            )
 
     if rope_embedding:
         current = getattr(modeling, "apply_rotary_pos_emb")
@@ -603,24 +706,41 @@ def patch(
             changed["rope"].append(f"{modeling.__name__}.apply_rotary_pos_emb")
 
     head = getattr(model, "lm_head", None)
-    if (loss and isinstance(head, nn.Module) and hasattr(model, "model") and "_ckpt_unpatched_forward" not in vars(model)
-            and "forward" in vars(head)):
+    if (
+        loss
+        and isinstance(head, nn.Module)
+        and hasattr(model, "model")
+        and "_ckpt_unpatched_forward" not in vars(model)
+        and "forward" in vars(head)
+    ):
         # the head's own forward wraps the class's (transformers' tensor parallelism: a vocabulary-sharded weight,
         # a DTensor, whose logits the wrapper gathers): the fused loss, which multiplies by the weight itself,
         # would bypass it
         kept.append("lm_head")
-        log.info("ckpt.kernels.patch left the loss of %s (%s) unpatched: lm_head has a forward of its own on the "
-                 "instance (transformers' tensor parallelism, a hook), which the fused loss would bypass",
-                 type(model).__name__, model_type)
-    elif loss and hasattr(model, "lm_head") and hasattr(model, "model") and "_ckpt_unpatched_forward" not in vars(model):
+        log.info(
+            "ckpt.kernels.patch left the loss of %s (%s) unpatched: lm_head has a forward of its own on the "
+            "instance (transformers' tensor parallelism, a hook), which the fused loss would bypass",
+            type(model).__name__,
+            model_type,
+        )
+    elif (
+        loss
+        and hasattr(model, "lm_head")
+        and hasattr(model, "model")
+        and "_ckpt_unpatched_forward" not in vars(model)
+    ):
         if not family.vision:
             make = _make_causal_lm_forward(family, modeling)
         elif isinstance(model, getattr(modeling, f"{family.prefix}ForConditionalGeneration")):
             make = _make_conditional_generation_forward(modeling, family.prefix)
         else:
             make = None
-            log.warning("ckpt.kernels.patch left the loss of %s (%s) unpatched: not %sForConditionalGeneration",
-                        type(model).__name__, model_type, family.prefix)
+            log.warning(
+                "ckpt.kernels.patch left the loss of %s (%s) unpatched: not %sForConditionalGeneration",
+                type(model).__name__,
+                model_type,
+                family.prefix,
+            )
         if make is not None:
             model._ckpt_unpatched_forward = model.forward
             model.forward = types.MethodType(make, model)
@@ -642,7 +762,12 @@ def _put(parent: nn.Module, attr: str, module: nn.Module, new: nn.Module) -> boo
     the gathered tensor registered on this very module for its forward: a replacement would keep the shard).
     Returns True where the caller must fuse ``module`` in place instead (a forward on the instance that reads
     its parameters at call time)."""
-    hooks = (module._forward_pre_hooks, module._forward_hooks, module._backward_pre_hooks, module._backward_hooks)
+    hooks = (
+        module._forward_pre_hooks,
+        module._forward_hooks,
+        module._backward_pre_hooks,
+        module._backward_hooks,
+    )
     if any(hooks) or any(_is_dtensor(p) for p in module.parameters(recurse=False)):
         return True
     setattr(parent, attr, new)
@@ -652,7 +777,9 @@ def _put(parent: nn.Module, attr: str, module: nn.Module, new: nn.Module) -> boo
 def _rms_norm_in_place(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """The forward of an ``<Arch>RMSNorm`` fused in place: ``_ckpt_fused`` is ``(eps, offset, in_place)``."""
     weight = self.weight
-    if _is_dtensor(weight) or _is_dtensor(x):   # not gathered for this call: the class's forward takes DTensors
+    if _is_dtensor(weight) or _is_dtensor(
+        x
+    ):  # not gathered for this call: the class's forward takes DTensors
         return type(self).forward(self, x)
     eps, offset, in_place = self._ckpt_fused
     return rms_norm(x, weight, eps, offset, in_place=in_place)
@@ -677,7 +804,7 @@ def _packed_mlp_in_place(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
 
 def _fused_mlp(module: nn.Module) -> nn.Module | str:
     """The fused replacement of a dense MLP, or why there is none."""
-    if hasattr(module, "gate_up_proj"):   # Phi-3: one projection, gate then up
+    if hasattr(module, "gate_up_proj"):  # Phi-3: one projection, gate then up
         act = _activation(getattr(module, "activation_fn", None))
         if act is None:
             return f"activation {type(getattr(module, 'activation_fn', None)).__name__} has no fused GLU"
@@ -692,11 +819,13 @@ def _fused_mlp(module: nn.Module) -> nn.Module | str:
 def _fused_layer_norm(module: nn.LayerNorm) -> nn.Module | str:
     """The fused LayerNorm sharing ``module``'s ``weight``, ``bias`` and ``eps``, or why there is none."""
     if len(module.normalized_shape) != 1:
-        return f"normalized over {len(module.normalized_shape)} dimensions (the fused LayerNorm: the last one)"
+        return (
+            f"normalized over {len(module.normalized_shape)} dimensions (the fused LayerNorm: the last one)"
+        )
     if module.weight is None:
         return "no affine weight (elementwise_affine=False)"
     new = LayerNorm(module.normalized_shape[0], eps=module.eps, bias=module.bias is not None, device="meta")
-    new.weight = module.weight   # shared parameters: same state dict, same optimizer state
+    new.weight = module.weight  # shared parameters: same state dict, same optimizer state
     if module.bias is not None:
         new.bias = module.bias
     return new
@@ -704,15 +833,22 @@ def _fused_layer_norm(module: nn.LayerNorm) -> nn.Module | str:
 
 def _plain_mlp(module: nn.Module) -> bool:
     """A vision tower's two-layer MLP (SigLIP's ``fc1 -> activation -> fc2``), which no GLU kernel serves."""
-    return (type(module).__name__.endswith("MLP") and isinstance(getattr(module, "fc1", None), nn.Linear)
-            and isinstance(getattr(module, "fc2", None), nn.Linear) and hasattr(module, "activation_fn"))
+    return (
+        type(module).__name__.endswith("MLP")
+        and isinstance(getattr(module, "fc1", None), nn.Linear)
+        and isinstance(getattr(module, "fc2", None), nn.Linear)
+        and hasattr(module, "activation_fn")
+    )
 
 
 def unpatch_rope(model_type: str) -> bool:
     """Restore HF's ``apply_rotary_pos_emb`` for ``model_type``; True if something was restored."""
     family = _FAMILIES.get(model_type)
-    modeling = _modeling(family) if family is not None else importlib.import_module(
-        f"transformers.models.{model_type}.modeling_{model_type}")
+    modeling = (
+        _modeling(family)
+        if family is not None
+        else importlib.import_module(f"transformers.models.{model_type}.modeling_{model_type}")
+    )
     original = _ORIGINAL_ROPE.pop(modeling.__name__, None)
     if original is None:
         return False

@@ -85,15 +85,30 @@ from ._utils import (
     tl,
 )
 
-__all__ = ["rms_norm", "RMSNorm", "RMSNormFunction", "fused_add_rms_norm", "FusedAddRMSNorm", "FusedAddRMSNormFunction"]
+__all__ = [
+    "rms_norm",
+    "RMSNorm",
+    "RMSNormFunction",
+    "fused_add_rms_norm",
+    "FusedAddRMSNorm",
+    "FusedAddRMSNormFunction",
+]
 
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 
 
 def _rms_norm_fwd_kernel(
-    X, Y, W, RSTD,
-    stride_x, stride_y, N, eps, offset,
-    BLOCK_N: tl.constexpr, LLAMA_CAST: tl.constexpr,
+    X,
+    Y,
+    W,
+    RSTD,
+    stride_x,
+    stride_y,
+    N,
+    eps,
+    offset,
+    BLOCK_N: tl.constexpr,
+    LLAMA_CAST: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_N)
@@ -103,8 +118,9 @@ def _rms_norm_fwd_kernel(
 
 
 @jit_helper
-def _normalize_row(x, x_dtype: tl.constexpr, W, Y, RSTD, row, stride_y, cols, mask, N, eps, offset,
-                   LLAMA_CAST: tl.constexpr):
+def _normalize_row(
+    x, x_dtype: tl.constexpr, W, Y, RSTD, row, stride_y, cols, mask, N, eps, offset, LLAMA_CAST: tl.constexpr
+):
     """The norm of one fp32 row ``x`` (its storage dtype ``x_dtype``) into row ``row`` of ``Y``, its rstd
     into ``RSTD``."""
     w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
@@ -119,9 +135,21 @@ def _normalize_row(x, x_dtype: tl.constexpr, W, Y, RSTD, row, stride_y, cols, ma
 
 
 def _fused_add_rms_norm_fwd_kernel(
-    X, R, H, Y, W, RSTD,
-    stride_x, stride_r, stride_h, stride_y, N, eps, offset,
-    BLOCK_N: tl.constexpr, LLAMA_CAST: tl.constexpr,
+    X,
+    R,
+    H,
+    Y,
+    W,
+    RSTD,
+    stride_x,
+    stride_r,
+    stride_h,
+    stride_y,
+    N,
+    eps,
+    offset,
+    BLOCK_N: tl.constexpr,
+    LLAMA_CAST: tl.constexpr,
 ):
     # h = x + r rounded to h's dtype, as the unfused ``residual + hidden`` rounds it, then the
     # norm of that rounded h: one read of x and r, one write of h and y.
@@ -132,15 +160,45 @@ def _fused_add_rms_norm_fwd_kernel(
     r = tl.load(R + row * stride_r + cols, mask=mask, other=0.0).to(tl.float32)
     h = (x + r).to(H.dtype.element_ty)
     tl.store(H + row * stride_h + cols, h, mask=mask)
-    _normalize_row(h.to(tl.float32), H.dtype.element_ty, W, Y, RSTD, row, stride_y, cols, mask, N, eps, offset,
-                   LLAMA_CAST)
+    _normalize_row(
+        h.to(tl.float32),
+        H.dtype.element_ty,
+        W,
+        Y,
+        RSTD,
+        row,
+        stride_y,
+        cols,
+        mask,
+        N,
+        eps,
+        offset,
+        LLAMA_CAST,
+    )
 
 
 def _rms_norm_bwd_kernel(
-    DY, X, W, RSTD, DX, DW_PART, DH_OUT,
-    stride_dy, stride_x, stride_dx, stride_dho, n_rows, N, offset, rows_per_program,
-    BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, NEED_DW: tl.constexpr, LLAMA_CAST: tl.constexpr,
-    STAGES: tl.constexpr, ADD_DH: tl.constexpr,
+    DY,
+    X,
+    W,
+    RSTD,
+    DX,
+    DW_PART,
+    DH_OUT,
+    stride_dy,
+    stride_x,
+    stride_dx,
+    stride_dho,
+    n_rows,
+    N,
+    offset,
+    rows_per_program,
+    BLOCK_R: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    NEED_DW: tl.constexpr,
+    LLAMA_CAST: tl.constexpr,
+    STAGES: tl.constexpr,
+    ADD_DH: tl.constexpr,
 ):
     # One pass: each program walks its own contiguous rows BLOCK_R at a time, writes their dx
     # and keeps dw's partial sum over them in a [BLOCK_R, BLOCK_N] fp32 tile; at the end it
@@ -160,7 +218,9 @@ def _rms_norm_bwd_kernel(
         g = dy * w[None, :]
         dx = rstd[:, None] * (g - xhat * (tl.sum(g * xhat, axis=1) / N)[:, None])
         if ADD_DH:
-            dx += tl.load(DH_OUT + rows[:, None] * stride_dho + cols[None, :], mask=m, other=0.0).to(tl.float32)
+            dx += tl.load(DH_OUT + rows[:, None] * stride_dho + cols[None, :], mask=m, other=0.0).to(
+                tl.float32
+            )
         tl.store(DX + rows[:, None] * stride_dx + cols[None, :], dx.to(DX.dtype.element_ty), mask=m)
         if NEED_DW:
             if LLAMA_CAST:  # the forward multiplied the weight by xhat rounded to x's dtype
@@ -177,9 +237,18 @@ def _rms_norm_dw_sum_kernel(DW_PART, DW, n_parts, N, BLOCK_S: tl.constexpr, BLOC
 
 
 def _rms_norm_bwd_dw_kernel(
-    DY, X, RSTD, DW_PART,
-    stride_dy, stride_x, n_rows, N, rows_per_split,
-    BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, LLAMA_CAST: tl.constexpr,
+    DY,
+    X,
+    RSTD,
+    DW_PART,
+    stride_dy,
+    stride_x,
+    n_rows,
+    N,
+    rows_per_split,
+    BLOCK_R: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    LLAMA_CAST: tl.constexpr,
 ):
     # Rows too wide for one program's registers (N > _ONE_PASS_MAX_N): dw's partial rows from a
     # grid of (column block x row split) programs, each accumulating a [BLOCK_R, BLOCK_C] fp32
@@ -199,9 +268,26 @@ def _rms_norm_bwd_dw_kernel(
 
 
 def _rms_norm_bwd_dx_wide_kernel(
-    DY, X, W, RSTD, DX, DW_PART, DW, DH_OUT,
-    stride_dy, stride_x, stride_dx, stride_dho, N, offset, n_splits, n_sum_programs,
-    BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_C: tl.constexpr, ADD_DH: tl.constexpr,
+    DY,
+    X,
+    W,
+    RSTD,
+    DX,
+    DW_PART,
+    DW,
+    DH_OUT,
+    stride_dy,
+    stride_x,
+    stride_dx,
+    stride_dho,
+    N,
+    offset,
+    n_splits,
+    n_sum_programs,
+    BLOCK_N: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    ADD_DH: tl.constexpr,
 ):
     # Rows wider than _ONE_PASS_MAX_N, after _rms_norm_bwd_dw_kernel: the first n_sum_programs
     # programs finish dw (each sums one column block's partial rows in split order into dw in
@@ -262,8 +348,18 @@ def _forward(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float):
     block = next_power_of_2(n)
     if n_rows > 0:
         _fwd[(n_rows,)](
-            x2, y, weight, rstd, stride_x, n, n, float(eps), float(offset),
-            BLOCK_N=block, LLAMA_CAST=(offset == 0.0), num_warps=row_warps(block),
+            x2,
+            y,
+            weight,
+            rstd,
+            stride_x,
+            n,
+            n,
+            float(eps),
+            float(offset),
+            BLOCK_N=block,
+            LLAMA_CAST=(offset == 0.0),
+            num_warps=row_warps(block),
         )
     return y, rows, rstd
 
@@ -280,15 +376,36 @@ def _forward_add(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, 
     block = next_power_of_2(n)
     if n_rows > 0:
         _fwd_add[(n_rows,)](
-            x2, r2, h, y, weight, rstd, stride_x, stride_r, n, n, n, float(eps), float(offset),
-            BLOCK_N=block, LLAMA_CAST=(offset == 0.0), num_warps=row_warps(block),
+            x2,
+            r2,
+            h,
+            y,
+            weight,
+            rstd,
+            stride_x,
+            stride_r,
+            n,
+            n,
+            n,
+            float(eps),
+            float(offset),
+            BLOCK_N=block,
+            LLAMA_CAST=(offset == 0.0),
+            num_warps=row_warps(block),
         )
     return y, h, rstd
 
 
-def _backward(dy: torch.Tensor, rows: tuple[torch.Tensor, int, int], weight: torch.Tensor, rstd: torch.Tensor,
-              offset: float, need_dw: bool, in_place: bool,
-              dh_out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+def _backward(
+    dy: torch.Tensor,
+    rows: tuple[torch.Tensor, int, int],
+    weight: torch.Tensor,
+    rstd: torch.Tensor,
+    offset: float,
+    need_dw: bool,
+    in_place: bool,
+    dh_out: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``(dx, dw)`` (``dw`` is ``None`` unless ``need_dw``); ``rows`` as returned by :func:`_forward`.
     ``dx`` has ``x``'s dtype, ``dw`` the weight's; ``dy`` (the output's dtype) may differ from both.
     ``dh_out`` (the fused residual add: the gradient of its returned sum from later layers, ``x``'s
@@ -307,16 +424,51 @@ def _backward(dy: torch.Tensor, rows: tuple[torch.Tensor, int, int], weight: tor
         return dx, torch.zeros_like(weight) if need_dw else None
     block = next_power_of_2(n)
     if block > _ONE_PASS_MAX_N:
-        return _backward_wide(dy2, stride_dy, x2, n_rows, stride_x, weight, rstd, offset, need_dw, dx, block,
-                              dho2, stride_dho, dh_out is not None)
+        return _backward_wide(
+            dy2,
+            stride_dy,
+            x2,
+            n_rows,
+            stride_x,
+            weight,
+            rstd,
+            offset,
+            need_dw,
+            dx,
+            block,
+            dho2,
+            stride_dho,
+            dh_out is not None,
+        )
     # dh_out is one more tile per step in the pipeline's shared memory: plan for it with dy's
     grad_bytes = dy2.element_size() + (dho2.element_size() if dh_out is not None else 0)
-    programs, per, step, stages, warps = one_pass_plan(n_rows, block, x2.element_size(), grad_bytes, dy.device)
+    programs, per, step, stages, warps = one_pass_plan(
+        n_rows, block, x2.element_size(), grad_bytes, dy.device
+    )
     dw_part = torch.empty((programs, n), dtype=torch.float32, device=dy.device) if need_dw else rstd
     _bwd[(programs,)](
-        dy2, x2, weight, rstd, dx, dw_part, dho2, stride_dy, stride_x, n, stride_dho, n_rows, n, offset, per,
-        BLOCK_R=step, BLOCK_N=block, NEED_DW=need_dw, LLAMA_CAST=(offset == 0.0), STAGES=stages,
-        ADD_DH=dh_out is not None, num_warps=warps,
+        dy2,
+        x2,
+        weight,
+        rstd,
+        dx,
+        dw_part,
+        dho2,
+        stride_dy,
+        stride_x,
+        n,
+        stride_dho,
+        n_rows,
+        n,
+        offset,
+        per,
+        BLOCK_R=step,
+        BLOCK_N=block,
+        NEED_DW=need_dw,
+        LLAMA_CAST=(offset == 0.0),
+        STAGES=stages,
+        ADD_DH=dh_out is not None,
+        num_warps=warps,
     )
     return dx, _sum_parts(dw_part, programs, weight) if need_dw else None
 
@@ -326,16 +478,33 @@ def _sum_parts(part: torch.Tensor, n_parts: int, weight: torch.Tensor) -> torch.
     n = weight.shape[0]
     dw = torch.empty_like(weight)
     _dw_sum[(-(-n // _SUM_BLOCK_C),)](
-        part, dw, n_parts, n, BLOCK_S=min(next_power_of_2(n_parts), 2048 // _SUM_BLOCK_C), BLOCK_C=_SUM_BLOCK_C,
+        part,
+        dw,
+        n_parts,
+        n,
+        BLOCK_S=min(next_power_of_2(n_parts), 2048 // _SUM_BLOCK_C),
+        BLOCK_C=_SUM_BLOCK_C,
         num_warps=4,
     )
     return dw
 
 
-def _backward_wide(dy2: torch.Tensor, stride_dy: int, x2: torch.Tensor, n_rows: int, stride_x: int,
-                   weight: torch.Tensor, rstd: torch.Tensor, offset: float, need_dw: bool, dx: torch.Tensor,
-                   block: int, dho2: torch.Tensor, stride_dho: int,
-                   add_dh: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+def _backward_wide(
+    dy2: torch.Tensor,
+    stride_dy: int,
+    x2: torch.Tensor,
+    n_rows: int,
+    stride_x: int,
+    weight: torch.Tensor,
+    rstd: torch.Tensor,
+    offset: float,
+    need_dw: bool,
+    dx: torch.Tensor,
+    block: int,
+    dho2: torch.Tensor,
+    stride_dho: int,
+    add_dh: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Backward for rows wider than ``_ONE_PASS_MAX_N``: dw's partial rows first (dx may overwrite
     dy), then one launch with a program per row for dx and a program per column block for the sum."""
     n = weight.shape[0]
@@ -346,13 +515,41 @@ def _backward_wide(dy2: torch.Tensor, stride_dy: int, x2: torch.Tensor, n_rows: 
         dw_part = torch.empty((splits, n), dtype=torch.float32, device=dy2.device)
         dw = torch.empty_like(weight)
         _bwd_dw_wide[(col_blocks, splits)](
-            dy2, x2, rstd, dw_part, stride_dy, stride_x, n_rows, n, per,
-            BLOCK_R=DW_BLOCK_R, BLOCK_C=DW_BLOCK_C, LLAMA_CAST=(offset == 0.0), num_warps=4,
+            dy2,
+            x2,
+            rstd,
+            dw_part,
+            stride_dy,
+            stride_x,
+            n_rows,
+            n,
+            per,
+            BLOCK_R=DW_BLOCK_R,
+            BLOCK_C=DW_BLOCK_C,
+            LLAMA_CAST=(offset == 0.0),
+            num_warps=4,
         )
     _bwd_dx_wide[(col_blocks + n_rows,)](
-        dy2, x2, weight, rstd, dx, dw_part, dw if need_dw else dw_part, dho2,
-        stride_dy, stride_x, n, stride_dho, n, offset, splits, col_blocks,
-        BLOCK_N=block, BLOCK_S=min(next_power_of_2(max(splits, 1)), 32), BLOCK_C=DW_BLOCK_C, ADD_DH=add_dh,
+        dy2,
+        x2,
+        weight,
+        rstd,
+        dx,
+        dw_part,
+        dw if need_dw else dw_part,
+        dho2,
+        stride_dy,
+        stride_x,
+        n,
+        stride_dho,
+        n,
+        offset,
+        splits,
+        col_blocks,
+        BLOCK_N=block,
+        BLOCK_S=min(next_power_of_2(max(splits, 1)), 32),
+        BLOCK_C=DW_BLOCK_C,
+        ADD_DH=add_dh,
         num_warps=row_warps(block),
     )
     return dx, dw
@@ -362,7 +559,9 @@ class RMSNormFunction(torch.autograd.Function):
     """Autograd glue: saves ``x`` and the per-row ``rstd``; backward recomputes ``xhat``."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float, in_place: bool) -> torch.Tensor:
+    def forward(
+        ctx, x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float, in_place: bool
+    ) -> torch.Tensor:
         y, rows, rstd = _forward(x, weight, eps, offset)
         ctx.save_for_backward(rows[0], weight, rstd)
         ctx.rows = rows[1:]
@@ -373,11 +572,14 @@ class RMSNormFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy: torch.Tensor):
         x2, weight, rstd = ctx.saved_tensors
-        dx, dw = _backward(dy, (x2, *ctx.rows), weight, rstd, ctx.offset, ctx.needs_input_grad[1], ctx.in_place)
+        dx, dw = _backward(
+            dy, (x2, *ctx.rows), weight, rstd, ctx.offset, ctx.needs_input_grad[1], ctx.in_place
+        )
         return dx, dw, None, None, None
 
 
 # -- torch.compile: the same two passes as custom operators (``op_def``) --------------------------
+
 
 @op_def("rms_norm", "(Tensor x, Tensor weight, float eps, float offset) -> (Tensor, Tensor)")
 def _rms_norm_op(x, weight, eps, offset):
@@ -387,11 +589,15 @@ def _rms_norm_op(x, weight, eps, offset):
 
 @_rms_norm_op.register_fake
 def _(x, weight, eps, offset):
-    return x.new_empty(x.shape, dtype=out_dtype(x, weight, offset)), x.new_empty(rows_of(x), dtype=torch.float32)
+    return x.new_empty(x.shape, dtype=out_dtype(x, weight, offset)), x.new_empty(
+        rows_of(x), dtype=torch.float32
+    )
 
 
-@op_def("rms_norm_backward",
-        "(Tensor dy, Tensor x, Tensor weight, Tensor rstd, float offset, bool need_dw) -> (Tensor, Tensor)")
+@op_def(
+    "rms_norm_backward",
+    "(Tensor dy, Tensor x, Tensor weight, Tensor rstd, float offset, bool need_dw) -> (Tensor, Tensor)",
+)
 def _rms_norm_backward_op(dy, x, weight, rstd, offset, need_dw):
     dx, dw = _backward(dy, as_rows(x), weight, rstd, offset, need_dw, False)
     return dx, dw if dw is not None else weight.new_empty(0)
@@ -444,7 +650,7 @@ def rms_norm(
     check_same_device(x, "x", weight=weight)
     if weight.shape[0] != x.shape[-1]:
         raise ValueError(f"weight has shape {tuple(weight.shape)} but x's last dim is {x.shape[-1]}")
-    if torch.compiler.is_compiling():   # traced: one opaque operator node, no graph break
+    if torch.compiler.is_compiling():  # traced: one opaque operator node, no graph break
         return torch.ops.ckpt.rms_norm(x, dense_vector(weight), float(eps), float(offset))[0]
     return RMSNormFunction.apply(x, dense_vector(weight), eps, offset, in_place)
 
@@ -486,6 +692,7 @@ class RMSNorm(_NormWeight):
 
 # -- the residual add fused in: h = x + residual, y = rms_norm(h) ---------------------------------
 
+
 def _check_add_inputs(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor) -> None:
     check_tensor(x, "x", dtypes=_FLOATS, min_ndim=1)
     check_tensor(residual, "residual", dtypes=_FLOATS, min_ndim=1)
@@ -493,12 +700,16 @@ def _check_add_inputs(x: torch.Tensor, residual: torch.Tensor, weight: torch.Ten
     check_runnable_device(x, "x")
     check_same_device(x, "x", residual=residual, weight=weight)
     if residual.shape != x.shape:
-        raise ValueError(f"residual has shape {tuple(residual.shape)} but x has {tuple(x.shape)}; they are added "
-                         "elementwise (no broadcasting)")
+        raise ValueError(
+            f"residual has shape {tuple(residual.shape)} but x has {tuple(x.shape)}; they are added "
+            "elementwise (no broadcasting)"
+        )
     if residual.dtype != x.dtype:
-        raise ValueError(f"residual has dtype {str(residual.dtype).replace('torch.', '')} but x has "
-                         f"{str(x.dtype).replace('torch.', '')}; cast one so that both match (h = x + residual "
-                         "is stored in that dtype)")
+        raise ValueError(
+            f"residual has dtype {str(residual.dtype).replace('torch.', '')} but x has "
+            f"{str(x.dtype).replace('torch.', '')}; cast one so that both match (h = x + residual "
+            "is stored in that dtype)"
+        )
     if weight.shape[0] != x.shape[-1]:
         raise ValueError(f"weight has shape {tuple(weight.shape)} but x's last dim is {x.shape[-1]}")
 
@@ -509,40 +720,54 @@ class FusedAddRMSNormFunction(torch.autograd.Function):
     ``x`` and ``residual`` are the same tensor ``dh`` (``h = x + residual``)."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, offset: float,
-                in_place: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        ctx,
+        x: torch.Tensor,
+        residual: torch.Tensor,
+        weight: torch.Tensor,
+        eps: float,
+        offset: float,
+        in_place: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         y, h, rstd = _forward_add(x, residual, weight, eps, offset)
         ctx.save_for_backward(h, weight, rstd)
         ctx.offset = float(offset)
         ctx.in_place = in_place
-        ctx.set_materialize_grads(False)   # an unused output costs no tensor of zeros
+        ctx.set_materialize_grads(False)  # an unused output costs no tensor of zeros
         return y, h
 
     @staticmethod
     def backward(ctx, dy: torch.Tensor | None, dh_out: torch.Tensor | None):
         h, weight, rstd = ctx.saved_tensors
         need_dw = ctx.needs_input_grad[2]
-        if dy is None:   # only h was used: as unfused, the weight gets no gradient and x, residual h's
+        if dy is None:  # only h was used: as unfused, the weight gets no gradient and x, residual h's
             return dh_out, dh_out, None, None, None, None
         dh, dw = _backward(dy, as_rows(h), weight, rstd, ctx.offset, need_dw, ctx.in_place, dh_out)
         return dh, dh, dw, None, None, None
 
 
-@op_def("fused_add_rms_norm",
-        "(Tensor x, Tensor residual, Tensor weight, float eps, float offset) -> (Tensor, Tensor, Tensor)")
+@op_def(
+    "fused_add_rms_norm",
+    "(Tensor x, Tensor residual, Tensor weight, float eps, float offset) -> (Tensor, Tensor, Tensor)",
+)
 def _fused_add_rms_norm_op(x, residual, weight, eps, offset):
     return _forward_add(x, residual, weight, eps, offset)
 
 
 @_fused_add_rms_norm_op.register_fake
 def _(x, residual, weight, eps, offset):
-    return (x.new_empty(x.shape, dtype=out_dtype(x, weight, offset)), x.new_empty(x.shape),
-            x.new_empty(rows_of(x), dtype=torch.float32))
+    return (
+        x.new_empty(x.shape, dtype=out_dtype(x, weight, offset)),
+        x.new_empty(x.shape),
+        x.new_empty(rows_of(x), dtype=torch.float32),
+    )
 
 
-@op_def("fused_add_rms_norm_backward",
-        "(Tensor dy, Tensor? dh_out, Tensor h, Tensor weight, Tensor rstd, float offset, bool need_dw) "
-        "-> (Tensor, Tensor)")
+@op_def(
+    "fused_add_rms_norm_backward",
+    "(Tensor dy, Tensor? dh_out, Tensor h, Tensor weight, Tensor rstd, float offset, bool need_dw) "
+    "-> (Tensor, Tensor)",
+)
 def _fused_add_rms_norm_backward_op(dy, dh_out, h, weight, rstd, offset, need_dw):
     dh, dw = _backward(dy, as_rows(h), weight, rstd, offset, need_dw, False, dh_out)
     return dh, dw if dw is not None else weight.new_empty(0)
@@ -562,7 +787,7 @@ def _fused_add_rms_norm_setup(ctx, inputs, output):
 def _fused_add_rms_norm_grad(ctx, dy, dh_out, _drstd):
     h, weight, rstd = ctx.saved_tensors
     need_dw = ctx.needs_input_grad[2]
-    if dy is None:   # only h was used (where the grads are not materialised as zeros)
+    if dy is None:  # only h was used (where the grads are not materialised as zeros)
         return dh_out, dh_out, None, None, None
     dh, dw = torch.ops.ckpt.fused_add_rms_norm_backward(dy, dh_out, h, weight, rstd, ctx.offset, need_dw)
     return dh, dh, dw if need_dw else None, None, None
@@ -572,7 +797,12 @@ _fused_add_rms_norm_op.register_autograd(_fused_add_rms_norm_grad, setup_context
 
 
 def fused_add_rms_norm(
-    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, offset: float = 0.0, *,
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float = 1e-6,
+    offset: float = 0.0,
+    *,
     in_place: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Residual add fused with RMSNorm, the step between the sublayers of a pre-norm block::
@@ -600,8 +830,10 @@ def fused_add_rms_norm(
         ``x``'s dtype: the next block's residual. Autocast changes nothing.
     """
     _check_add_inputs(x, residual, weight)
-    if torch.compiler.is_compiling():   # traced: one opaque operator node, no graph break
-        y, h, _ = torch.ops.ckpt.fused_add_rms_norm(x, residual, dense_vector(weight), float(eps), float(offset))
+    if torch.compiler.is_compiling():  # traced: one opaque operator node, no graph break
+        y, h, _ = torch.ops.ckpt.fused_add_rms_norm(
+            x, residual, dense_vector(weight), float(eps), float(offset)
+        )
         return y, h
     return FusedAddRMSNormFunction.apply(x, residual, dense_vector(weight), eps, offset, in_place)
 

@@ -58,12 +58,34 @@ _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 
 
 def _rope_kernel(
-    Q, K, QO, KO, COS, SIN,
-    S, n_qh, n_kh, half,
-    sq_b, sq_h, sq_s, sqo_b, sqo_h, sqo_s,
-    sk_b, sk_h, sk_s, sko_b, sko_h, sko_s,
-    sc_b, sc_s,
-    BACKWARD: tl.constexpr, BLOCK_QH: tl.constexpr, BLOCK_KH: tl.constexpr, BLOCK_HALF: tl.constexpr,
+    Q,
+    K,
+    QO,
+    KO,
+    COS,
+    SIN,
+    S,
+    n_qh,
+    n_kh,
+    half,
+    sq_b,
+    sq_h,
+    sq_s,
+    sqo_b,
+    sqo_h,
+    sqo_s,
+    sk_b,
+    sk_h,
+    sk_s,
+    sko_b,
+    sko_h,
+    sko_s,
+    sc_b,
+    sc_s,
+    BACKWARD: tl.constexpr,
+    BLOCK_QH: tl.constexpr,
+    BLOCK_KH: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
 ):
     pid = tl.program_id(0).to(tl.int64)
     b = pid // S
@@ -112,7 +134,9 @@ def _unit_last(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
-def _out_dtypes(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.dtype, ...]:
+def _out_dtypes(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.dtype, ...]:
     """The dtypes of HF's ``q * cos + rotate_half(q) * sin`` and of the same for ``k``."""
     if q.dtype == k.dtype == cos.dtype == sin.dtype:
         return q.dtype, q.dtype
@@ -120,8 +144,15 @@ def _out_dtypes(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.
     return torch.promote_types(q.dtype, cs), torch.promote_types(k.dtype, cs)
 
 
-def _launch(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backward: bool,
-            q_dtype: torch.dtype, k_dtype: torch.dtype):
+def _launch(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    backward: bool,
+    q_dtype: torch.dtype,
+    k_dtype: torch.dtype,
+):
     """Rotate (``backward``: rotate back) ``q`` and ``k`` into new tensors of ``q_dtype``/``k_dtype``."""
     q, k = _unit_last(q), _unit_last(k)
     qo = torch.empty_like(q, dtype=q_dtype)  # keeps q's (possibly transposed) layout when dense
@@ -135,11 +166,26 @@ def _launch(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tens
         block_half = next_power_of_2(half)
         warps = 8 if (n_qh + n_kh) * block_half >= 4096 else 4
         _kernel[grid](
-            q, k, qo, ko, cos, sin,
-            seq, n_qh, n_kh, half,
-            *qs[:3], *qos[:3], *ks[:3], *kos[:3], *cos.stride()[:2],
-            BACKWARD=backward, BLOCK_QH=next_power_of_2(n_qh), BLOCK_KH=next_power_of_2(n_kh),
-            BLOCK_HALF=block_half, num_warps=warps,
+            q,
+            k,
+            qo,
+            ko,
+            cos,
+            sin,
+            seq,
+            n_qh,
+            n_kh,
+            half,
+            *qs[:3],
+            *qos[:3],
+            *ks[:3],
+            *kos[:3],
+            *cos.stride()[:2],
+            BACKWARD=backward,
+            BLOCK_QH=next_power_of_2(n_qh),
+            BLOCK_KH=next_power_of_2(n_kh),
+            BLOCK_HALF=block_half,
+            num_warps=warps,
         )
     return qo, ko
 
@@ -162,16 +208,22 @@ class RoPEFunction(torch.autograd.Function):
 
 # -- torch.compile: one custom operator; its gradient is the same operator with ``backward`` flipped --
 
-@op_def("rope", "(Tensor q, Tensor k, Tensor cos, Tensor sin, bool backward, ScalarType? q_dtype=None, "
-        "ScalarType? k_dtype=None) -> (Tensor, Tensor)")
+
+@op_def(
+    "rope",
+    "(Tensor q, Tensor k, Tensor cos, Tensor sin, bool backward, ScalarType? q_dtype=None, "
+    "ScalarType? k_dtype=None) -> (Tensor, Tensor)",
+)
 def _rope_op(q, k, cos, sin, backward, q_dtype=None, k_dtype=None):
     return _launch(q, k, cos, sin, backward, q_dtype or q.dtype, k_dtype or k.dtype)
 
 
 @_rope_op.register_fake
 def _(q, k, cos, sin, backward, q_dtype=None, k_dtype=None):
-    return (torch.empty_like(_unit_last(q), dtype=q_dtype or q.dtype),
-            torch.empty_like(_unit_last(k), dtype=k_dtype or k.dtype))
+    return (
+        torch.empty_like(_unit_last(q), dtype=q_dtype or q.dtype),
+        torch.empty_like(_unit_last(k), dtype=k_dtype or k.dtype),
+    )
 
 
 def _rope_setup(ctx, inputs, output):
@@ -198,8 +250,10 @@ def _normalise_cos(t: torch.Tensor, name: str, bsz: int, seq: int, dim: int) -> 
     elif t.dim() == 2:
         t = t.unsqueeze(0)
     if t.dim() != 3 or t.shape[-2] != seq or t.shape[-1] != dim or t.shape[0] not in (1, bsz):
-        raise ValueError(f"{name} has shape {tuple(t.shape)}; expected (S, D), (1|B, S, D) or (1|B, 1, S, D) "
-                         f"with B={bsz}, S={seq}, D={dim}")
+        raise ValueError(
+            f"{name} has shape {tuple(t.shape)}; expected (S, D), (1|B, S, D) or (1|B, 1, S, D) "
+            f"with B={bsz}, S={seq}, D={dim}"
+        )
     t = _unit_last(t)
     return t.expand(bsz, seq, dim)
 
@@ -234,13 +288,15 @@ def rope(
     if dim % 2:
         raise ValueError(f"q's head_dim must be even, got {dim}")
     if k.shape[0] != bsz or k.shape[2] != seq or k.shape[3] != dim:
-        raise ValueError(f"k has shape {tuple(k.shape)}, incompatible with q's {tuple(q.shape)} "
-                         "(batch, sequence and head_dim must match)")
+        raise ValueError(
+            f"k has shape {tuple(k.shape)}, incompatible with q's {tuple(q.shape)} "
+            "(batch, sequence and head_dim must match)"
+        )
     cos = _normalise_cos(cos, "cos", bsz, seq, dim)
     sin = _normalise_cos(sin, "sin", bsz, seq, dim)
     if cos.stride() != sin.stride():  # the kernel addresses both with one set of strides
         cos, sin = cos.contiguous(), sin.contiguous()
-    if torch.compiler.is_compiling():   # traced: one opaque operator node, no graph break
+    if torch.compiler.is_compiling():  # traced: one opaque operator node, no graph break
         qo, ko = torch.ops.ckpt.rope(q, k, cos, sin, False, *_out_dtypes(q, k, cos, sin))
     else:
         qo, ko = RoPEFunction.apply(q, k, cos, sin)

@@ -36,8 +36,13 @@ def main() -> None:
     preempt = len(sys.argv) > 2 and sys.argv[2] == "preempt"
     signals = ckpt.Signals() if preempt else ckpt.Signals(save=(signal.SIGUSR1,))
     with ckpt.Checkpointer(local_dir=sys.argv[1], signals=signals) as ck:
-        loader = DataLoader(_Slow(), batch_size=2, num_workers=2, multiprocessing_context="fork",
-                            worker_init_fn=ckpt.WorkerSignals(note) if preempt else None)
+        loader = DataLoader(
+            _Slow(),
+            batch_size=2,
+            num_workers=2,
+            multiprocessing_context="fork",
+            worker_init_fn=ckpt.WorkerSignals(note) if preempt else None,
+        )
         for step, batch in enumerate(loader, 1):
             w += batch.sum(0)
             ck.maybe_save(step, {"w": w})

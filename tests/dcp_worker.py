@@ -56,23 +56,33 @@ def main() -> None:
         model, opt = build(world)
         if mode == "retain":
             from ckpt import Retention
+
             for step in range(1, 5):
                 train_step(model, opt, step, rank)
                 msd, osd = get_state_dict(model, opt)
-                dcp.save({"model": msd, "optim": osd}, checkpoint_id=f"step-{step}",
-                         storage_writer=TierStorageWriter(**tiers, keep=Retention(local=2, remote=3)))
+                dcp.save(
+                    {"model": msd, "optim": osd},
+                    checkpoint_id=f"step-{step}",
+                    storage_writer=TierStorageWriter(**tiers, keep=Retention(local=2, remote=3)),
+                )
                 torch.distributed.barrier()
             return
         if mode == "save":
             for step in range(1, 4):
                 train_step(model, opt, step, rank)
             msd, osd = get_state_dict(model, opt)
-            dcp.save({"model": msd, "optim": osd, "extra": dict(EXTRA)},
-                     storage_writer=TierStorageWriter(**tiers), checkpoint_id="step-3")
+            dcp.save(
+                {"model": msd, "optim": osd, "extra": dict(EXTRA)},
+                storage_writer=TierStorageWriter(**tiers),
+                checkpoint_id="step-3",
+            )
         else:
             msd, osd = get_state_dict(model, opt)
-            state = {"model": msd, "optim": osd,
-                     "extra": {"step": 0, "betas": None, "name": "", "lrs": None, "inf": 0.0}}
+            state = {
+                "model": msd,
+                "optim": osd,
+                "extra": {"step": 0, "betas": None, "name": "", "lrs": None, "inf": 0.0},
+            }
             dcp.load(state, storage_reader=TierStorageReader(**tiers), checkpoint_id="step-3")
             set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
             print(f"extra {state['extra']!r}", flush=True)

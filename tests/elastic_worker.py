@@ -46,8 +46,14 @@ def main(argv: list[str]) -> None:
         digest.update(p.detach().numpy().tobytes())
     info = done["ck"].last_restore
     with open(os.path.join(out, f"rank-{rank}.json"), "w") as f:
-        json.dump({"attempt": attempt, "restored": None if info is None else [info.step, info.tier],
-                   "digest": digest.hexdigest()}, f)
+        json.dump(
+            {
+                "attempt": attempt,
+                "restored": None if info is None else [info.step, info.tier],
+                "digest": digest.hexdigest(),
+            },
+            f,
+        )
 
 
 if __name__ == "__main__":

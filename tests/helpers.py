@@ -20,12 +20,18 @@ import ckpt
 
 def make_state(seed: int = 0, device: str = "cpu") -> dict:
     torch.manual_seed(seed)
-    model = nn.Sequential(nn.Linear(12, 32), nn.BatchNorm1d(32), nn.ReLU(), nn.Dropout(0.2),
-                          nn.Linear(32, 5)).to(device)
+    model = nn.Sequential(
+        nn.Linear(12, 32), nn.BatchNorm1d(32), nn.ReLU(), nn.Dropout(0.2), nn.Linear(32, 5)
+    ).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)
-    return {"model": model, "optim": opt, "sched": sched, "rng": ckpt.RNGState(),
-            "meta": {"epoch": 0, "name": "run", "lrs": [1e-2, None, True], "inf": float("inf")}}
+    return {
+        "model": model,
+        "optim": opt,
+        "sched": sched,
+        "rng": ckpt.RNGState(),
+        "meta": {"epoch": 0, "name": "run", "lrs": [1e-2, None, True], "inf": float("inf")},
+    }
 
 
 def train(state: dict, steps: int = 1) -> None:
@@ -46,8 +52,11 @@ def snapshot_values(state: dict) -> dict:
     opt = state["optim"]
     return {
         "model": {k: v.detach().clone() for k, v in state["model"].state_dict().items()},
-        "optim": [{k: (v.clone() if torch.is_tensor(v) else v) for k, v in opt.state[p].items()}
-                  for g in opt.param_groups for p in g["params"]],
+        "optim": [
+            {k: (v.clone() if torch.is_tensor(v) else v) for k, v in opt.state[p].items()}
+            for g in opt.param_groups
+            for p in g["params"]
+        ],
         "lr": [g["lr"] for g in opt.param_groups],
         "sched": dict(state["sched"].state_dict()),
         "rng": torch.get_rng_state().clone(),
@@ -74,8 +83,9 @@ def assert_same(a: dict, b: dict) -> None:
     assert a["meta"] == b["meta"]
 
 
-def run_ranks(script: Path, *args: str, world: int = 2, timeout: float = 180,
-              env: dict | None = None) -> list[subprocess.CompletedProcess]:
+def run_ranks(
+    script: Path, *args: str, world: int = 2, timeout: float = 180, env: dict | None = None
+) -> list[subprocess.CompletedProcess]:
     """Run ``python script args[0] RANK WORLD args[1:]`` for every rank of a fresh job on loopback
     (MASTER_ADDR / MASTER_PORT set; ``env`` added); returns each rank's completed process.
 
@@ -86,12 +96,25 @@ def run_ranks(script: Path, *args: str, world: int = 2, timeout: float = 180,
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-           "PYTHONPATH": f"{script.parent}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", **(env or {})}
+    env = {
+        **os.environ,
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+        "PYTHONPATH": f"{script.parent}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+        **(env or {}),
+    }
     argvs = [[args[0], str(r), str(world), *args[1:]] for r in range(world)]
     if os.environ.get("CKPT_TEST_FRESH_INTERPRETERS") == "1" or torch.cuda.is_available():
-        procs = [subprocess.Popen([sys.executable, str(script), *argv], stdout=subprocess.PIPE,
-                                  stderr=subprocess.PIPE, text=True, env=env) for argv in argvs]
+        procs = [
+            subprocess.Popen(
+                [sys.executable, str(script), *argv],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+                env=env,
+            )
+            for argv in argvs
+        ]
         out = []
         for p in procs:
             try:
@@ -120,8 +143,14 @@ def run_ranks(script: Path, *args: str, world: int = 2, timeout: float = 180,
                     q.kill()
                     q.join()
                 raise subprocess.TimeoutExpired(cmd, timeout)
-            out.append(subprocess.CompletedProcess(cmd, p.exitcode, Path(stdout).read_text(errors="replace"),
-                                                   Path(stderr).read_text(errors="replace")))
+            out.append(
+                subprocess.CompletedProcess(
+                    cmd,
+                    p.exitcode,
+                    Path(stdout).read_text(errors="replace"),
+                    Path(stderr).read_text(errors="replace"),
+                )
+            )
         return out
 
 
@@ -197,7 +226,7 @@ def kill_after(proc: subprocess.Popen, line: str, timeout: float = 120.0) -> Non
                 found.set()
                 return
 
-    def drain() -> None:   # a worker blocked writing a full stderr pipe would never print the line
+    def drain() -> None:  # a worker blocked writing a full stderr pipe would never print the line
         for got in proc.stderr:
             errors.append(got)
 
@@ -210,8 +239,10 @@ def kill_after(proc: subprocess.Popen, line: str, timeout: float = 120.0) -> Non
     proc.wait(timeout=60)
     if not found.is_set():
         err = "".join(errors)[-3000:]
-        raise AssertionError(f"the worker did not print {line!r} within {timeout:.0f} s (status {proc.returncode})"
-                             f"{': ' + err if err else ''}")
+        raise AssertionError(
+            f"the worker did not print {line!r} within {timeout:.0f} s (status {proc.returncode})"
+            f"{': ' + err if err else ''}"
+        )
 
 
 def assert_ok(results: list[subprocess.CompletedProcess]) -> None:
@@ -226,6 +257,7 @@ class DiskLog:
 
     def __init__(self, monkeypatch):
         from fsspec.implementations.local import LocalFileSystem
+
         self.events: list[tuple[str, str]] = []
         real_pipe, real_fsync = LocalFileSystem.pipe_file, os.fsync
         log = self.events
@@ -241,9 +273,9 @@ class DiskLog:
 
         real_replace = os.replace
 
-        renamed = self.renamed = {}   # destination -> the temporary name it was written and fsynced under
+        renamed = self.renamed = {}  # destination -> the temporary name it was written and fsynced under
 
-        def replace(src, dst, *a, **kw):   # a file written under a temporary name lands at its rename
+        def replace(src, dst, *a, **kw):  # a file written under a temporary name lands at its rename
             src_real = os.path.realpath(src)
             real_replace(src, dst, *a, **kw)
             renamed[os.path.realpath(dst)] = src_real
@@ -327,6 +359,7 @@ def delay_staging(monkeypatch, seconds: float) -> None:
     import time
 
     from ckpt import stage as stage_mod
+
     real = stage_mod._dst
 
     def slow(buf, rec, t):

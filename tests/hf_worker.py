@@ -49,8 +49,16 @@ def tiny_llama(seed: int = 0):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
-    cfg = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=2, vocab_size=128, max_position_embeddings=64, attention_dropout=0.1)
+    cfg = LlamaConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=128,
+        max_position_embeddings=64,
+        attention_dropout=0.1,
+    )
     return LlamaForCausalLM(cfg)
 
 
@@ -63,7 +71,9 @@ def main(argv: list[str]) -> int:
     ap.add_argument("ckpt_dir")
     ap.add_argument("out")
     ap.add_argument("--every", type=int, default=None, help="Checkpointer(every_steps=...)")
-    ap.add_argument("--save-steps", type=int, default=0, help="the Trainer's save_steps (0: save_strategy='no')")
+    ap.add_argument(
+        "--save-steps", type=int, default=0, help="the Trainer's save_steps (0: save_strategy='no')"
+    )
     ap.add_argument("--sleep", type=float, default=0.0)
     ap.add_argument("--no-restore", action="store_true")
     ap.add_argument("--max-steps", type=int, default=-1)
@@ -91,17 +101,37 @@ def main(argv: list[str]) -> int:
 
         ckpt.kernels.patch(model)
     args = TrainingArguments(
-        os.path.join(a.ckpt_dir + "-hf-out"), per_device_train_batch_size=a.batch // a.accum,
-        gradient_accumulation_steps=a.accum, num_train_epochs=EPOCHS, max_steps=a.max_steps,
-        learning_rate=1e-2, lr_scheduler_type="cosine", warmup_steps=2, seed=3, use_cpu=True, report_to=[],
-        dataloader_num_workers=0, logging_steps=1, eval_strategy="steps", eval_steps=5, per_device_eval_batch_size=4,
-        save_strategy="steps" if a.save_steps else "no", save_steps=a.save_steps or 500, bf16=a.bf16,
-        disable_tqdm=True)
-    trainer = Trainer(model, args, train_dataset=Tokens(SAMPLES, 1), eval_dataset=Tokens(8, 2),
-                      callbacks=[Progress()])
-    cb = CheckpointCallback(local_dir=a.ckpt_dir, every_steps=a.every, restore=not a.no_restore).attach(trainer)
+        os.path.join(a.ckpt_dir + "-hf-out"),
+        per_device_train_batch_size=a.batch // a.accum,
+        gradient_accumulation_steps=a.accum,
+        num_train_epochs=EPOCHS,
+        max_steps=a.max_steps,
+        learning_rate=1e-2,
+        lr_scheduler_type="cosine",
+        warmup_steps=2,
+        seed=3,
+        use_cpu=True,
+        report_to=[],
+        dataloader_num_workers=0,
+        logging_steps=1,
+        eval_strategy="steps",
+        eval_steps=5,
+        per_device_eval_batch_size=4,
+        save_strategy="steps" if a.save_steps else "no",
+        save_steps=a.save_steps or 500,
+        bf16=a.bf16,
+        disable_tqdm=True,
+    )
+    trainer = Trainer(
+        model, args, train_dataset=Tokens(SAMPLES, 1), eval_dataset=Tokens(8, 2), callbacks=[Progress()]
+    )
+    cb = CheckpointCallback(local_dir=a.ckpt_dir, every_steps=a.every, restore=not a.no_restore).attach(
+        trainer
+    )
     trainer.train()
-    log = [{k: e[k] for k in LOG_KEYS if k in e} for e in trainer.state.log_history if "train_runtime" not in e]
+    log = [
+        {k: e[k] for k in LOG_KEYS if k in e} for e in trainer.state.log_history if "train_runtime" not in e
+    ]
     with open(a.out + ".bin", "wb") as f:
         f.write(weights_bytes(model))
     with open(a.out + ".json", "w") as f:

@@ -17,7 +17,7 @@ from helpers import stall_second_tensor_copy
 
 class SlowLocal(LocalTier):
     def write(self, step, manifest, data):
-        time.sleep(0.2)   # a slow disk
+        time.sleep(0.2)  # a slow disk
         return super().write(step, manifest, data)
 
 
@@ -41,7 +41,7 @@ def main() -> None:
             print("committed", step, flush=True)
             n += 1
         step += 1
-        time.sleep(0.01)   # the rest of a training step
+        time.sleep(0.01)  # the rest of a training step
 
 
 if __name__ == "__main__":

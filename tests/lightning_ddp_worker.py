@@ -39,9 +39,17 @@ def main() -> None:
     torch.manual_seed(0)
     data = TensorDataset(torch.randn(64, 4), torch.randn(64, 1))
     cb = CheckpointCallback(local_dir=ckpt_dir, url=f"file://{ckpt_dir}/job", every_steps=2)
-    trainer = L.Trainer(accelerator="cpu", devices=2, strategy="ddp", max_steps=max_steps, logger=False,
-                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                        callbacks=[cb])
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy="ddp",
+        max_steps=max_steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[cb],
+    )
     trainer.fit(Tiny(), train_dataloaders=DataLoader(data, batch_size=4))
     with open(f"{ckpt_dir}/result-{trainer.global_rank}.txt", "w") as f:
         f.write(f"restored {cb.restored_step} dir {cb.checkpointer.local.root}")

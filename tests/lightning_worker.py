@@ -45,7 +45,9 @@ class ResumableSampler(Sampler[int]):
         return self.n
 
     def __iter__(self):
-        order = torch.randperm(self.n, generator=torch.Generator().manual_seed(self.seed + self.epoch)).tolist()
+        order = torch.randperm(
+            self.n, generator=torch.Generator().manual_seed(self.seed + self.epoch)
+        ).tolist()
         while self.pos < self.n:
             self.pos += 1
             yield order[self.pos - 1]
@@ -67,8 +69,9 @@ class ResumableLoader(DataLoader):
 class Tiny(L.LightningModule):
     def __init__(self, dropout: float = 0.2) -> None:
         super().__init__()
-        self.net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Dropout(dropout),
-                                       torch.nn.Linear(16, 1))
+        self.net = torch.nn.Sequential(
+            torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Dropout(dropout), torch.nn.Linear(16, 1)
+        )
 
     def training_step(self, batch, batch_idx):
         x, y = batch
@@ -129,9 +132,18 @@ def main(argv: list[str]) -> int:
     L.seed_everything(0, verbose=False)
     model = Tiny()
     cb = CheckpointCallback(local_dir=a.ckpt_dir, every_steps=a.every, restore=not a.no_restore)
-    trainer = L.Trainer(max_epochs=EPOCHS, val_check_interval=0.5, accelerator="cpu", devices=1, deterministic=True,
-                        logger=False, enable_progress_bar=False, enable_model_summary=False,
-                        enable_checkpointing=False, callbacks=[cb, Progress(a.sleep, a.sleep_at)])
+    trainer = L.Trainer(
+        max_epochs=EPOCHS,
+        val_check_interval=0.5,
+        accelerator="cpu",
+        devices=1,
+        deterministic=True,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        callbacks=[cb, Progress(a.sleep, a.sleep_at)],
+    )
     trainer.fit(model)
     print(f"restored {cb.restored_step}", flush=True)
     with open(a.out, "wb") as f:

@@ -67,7 +67,7 @@ def main(argv: list[str]) -> int:
             with torch.no_grad():
                 for p in model.parameters():
                     p.fill_(step)
-            ck.save(step, state).wait()   # step 1 on the local tier too: its buffer is free again
+            ck.save(step, state).wait()  # step 1 on the local tier too: its buffer is free again
         stall_second_tensor_copy()
         with torch.no_grad():
             for p in model.parameters():

@@ -20,7 +20,7 @@ import ckpt
 
 def main(argv: list[str]) -> int:
     root, rank, world, mode = argv[0], int(argv[1]), int(argv[2]), argv[3]
-    os.environ["LOCAL_RANK"] = str(rank)   # one node: each rank its own local rank
+    os.environ["LOCAL_RANK"] = str(rank)  # one node: each rank its own local rank
     dist.init_process_group("gloo", rank=rank, world_size=world)
     local_dir = os.path.join(root, f"rank-{rank}")
     if mode == "leave":

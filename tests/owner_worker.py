@@ -34,7 +34,7 @@ def main() -> None:
         r, w = os.pipe()
         child = os.fork()
         if child == 0:
-            os.write(w, b"x")   # fork() has returned here: the child's fork handlers have run
+            os.write(w, b"x")  # fork() has returned here: the child's fork handlers have run
             time.sleep(3600)
             os._exit(0)
         os.read(r, 1)
@@ -54,7 +54,7 @@ def rank_main() -> None:
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
         ck = ckpt.Checkpointer(local_dir=os.path.join(root, f"rank-{rank}"))
-    except Exception as e:   # noqa: BLE001 - reported to the test
+    except Exception as e:  # noqa: BLE001 - reported to the test
         print(f"raised {type(e).__name__}: {e}", flush=True)
     else:
         ck.save(7, state(float(rank))).wait()

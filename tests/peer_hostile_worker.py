@@ -68,6 +68,7 @@ def _arm(rank: int, last: int) -> None:
                 if into is not None and into.numel() > 1 and len(pieces) * 3 >= -(-into.numel() // in_piece):
                     _die()
                 landed(off, k)
+
             return real(self, out, to, into, frm, in_piece, count, out_ready)
 
         peer_mod.Exchange.data = dying
@@ -75,7 +76,7 @@ def _arm(rank: int, last: int) -> None:
         real_commit = peer_mod.MemoryTier.commit
 
         def commit(self, step, *a, **k):
-            if step == last and getattr(self, "hostile_peer", False):   # the holder's store of replicas
+            if step == last and getattr(self, "hostile_peer", False):  # the holder's store of replicas
                 _die()
             return real_commit(self, step, *a, **k)
 
@@ -117,25 +118,37 @@ def main() -> None:
     remote = os.environ.get("HOSTILE_REMOTE") == "1"
     state = {k: (v.clone() if torch.is_tensor(v) else v) for k, v in expected(0, rank, n).items()}
     try:
-        ck = ckpt.Checkpointer(local_dir=f"{root}/rank-{rank}", every_steps=1, peers=peers,
-                               url=f"file://{root}/remote-{rank}" if remote else None,
-                               persist_every={"local": 1000}, if_busy="wait", signals=())
+        ck = ckpt.Checkpointer(
+            local_dir=f"{root}/rank-{rank}",
+            every_steps=1,
+            peers=peers,
+            url=f"file://{root}/remote-{rank}" if remote else None,
+            persist_every={"local": 1000},
+            if_busy="wait",
+            signals=(),
+        )
         with ck:
             if mode in ("save", "kill"):
                 victim = mode == "kill" and rank == int(os.environ["HOSTILE_VICTIM"])
-                if os.environ.get("HOSTILE_RESUME") == "1":   # a restarted job: its replicas taken over first
+                if os.environ.get("HOSTILE_RESUME") == "1":  # a restarted job: its replicas taken over first
                     print("resumed", ck.restore(state), ck.last_restore.tier, flush=True)
-                if os.environ.get("HOSTILE_ROLLBACK"):   # a restarted job going back to an older step: a new branch
-                    print("resumed", ck.restore(state, step=int(os.environ["HOSTILE_ROLLBACK"])),
-                          ck.last_restore.tier, flush=True)
+                if os.environ.get(
+                    "HOSTILE_ROLLBACK"
+                ):  # a restarted job going back to an older step: a new branch
+                    print(
+                        "resumed",
+                        ck.restore(state, step=int(os.environ["HOSTILE_ROLLBACK"])),
+                        ck.last_restore.tier,
+                        flush=True,
+                    )
                 if victim:
                     ck.peer.store.hostile_peer = True
                 for step in steps:
-                    if victim and step == steps[-1]:   # every earlier exchange is over (each save waited for)
+                    if victim and step == steps[-1]:  # every earlier exchange is over (each save waited for)
                         _arm(rank, step)
                     ck.wait_staged()
                     while ck.pool.preparing is not None or ck.peer.pool.preparing is not None:
-                        time.sleep(0.01)   # every buffer there: no save reuses the only one
+                        time.sleep(0.01)  # every buffer there: no save reuses the only one
                     grow = int(os.environ.get("HOSTILE_GROW_AT", "0"))
                     for k, v in expected(step, rank, 4 * n if grow and step >= grow else n).items():
                         if torch.is_tensor(v):
@@ -154,26 +167,32 @@ def main() -> None:
                 torch.distributed.barrier()
                 ck.close(keep_memory=True)
             elif mode == "restore":
-                if os.environ.get("HOSTILE_SERVE_DIES") == str(rank):   # dies a third into serving a replica
+                if os.environ.get("HOSTILE_SERVE_DIES") == str(rank):  # dies a third into serving a replica
                     from ckpt.tiers import peer as peer_mod
 
                     real = peer_mod.Exchange.data
 
                     def dying(self, out, to, into, frm, in_piece, landed, out_ready=None):
                         if out is not None and to is not None and out.numel() > 1:
-                            real(self, out[:out.numel() // 3], to, None, None, in_piece, landed, out_ready)
+                            real(self, out[: out.numel() // 3], to, None, None, in_piece, landed, out_ready)
                             _die()
                         return real(self, out, to, into, frm, in_piece, landed, out_ready)
 
                     peer_mod.Exchange.data = dying
                 strict = os.environ.get("HOSTILE_STRICT", "1") == "1"
-                if not strict:   # a key the checkpoint lacks (left as it is), and one the state lacks
+                if not strict:  # a key the checkpoint lacks (left as it is), and one the state lacks
                     state["extra"] = torch.full((5,), 7, dtype=torch.int16)
                     del state["b"]
                 step = ck.restore(state, strict=strict)
                 want = expected(step, rank, n)
-                exact = all(torch.equal(state[k], v) and state[k].dtype == v.dtype
-                            for k, v in want.items() if torch.is_tensor(v) and k in state) and state["step"] == step
+                exact = (
+                    all(
+                        torch.equal(state[k], v) and state[k].dtype == v.dtype
+                        for k, v in want.items()
+                        if torch.is_tensor(v) and k in state
+                    )
+                    and state["step"] == step
+                )
                 exact = exact and ("b" in state) == strict
                 if not strict:
                     exact = exact and torch.equal(state["extra"], torch.full((5,), 7, dtype=torch.int16))

@@ -51,7 +51,9 @@ def held_by(root: str, holder: int, src: int) -> list[int]:
     """Steps of rank ``src``'s replicas committed in ``holder``'s RAM (read from its segment records)."""
     from ckpt import shm
 
-    groups = shm.segments(Path(root) / f"shm-{holder}", shm.replica_prefix(f"{root}/rank-{holder}", src, create=True))
+    groups = shm.segments(
+        Path(root) / f"shm-{holder}", shm.replica_prefix(f"{root}/rank-{holder}", src, create=True)
+    )
     return sorted(r.step for g in groups for r in g.records)
 
 
@@ -85,19 +87,24 @@ def staged(rank: int, world: int) -> None:
     problems = []
     # pieces of 3 chunks and a bit on one side, 2 on the other: the ring wraps, chunks straddle pieces
     cases = [(1000, 3100, 2000, 2, n, "host") for n in (0, 1, 999, 1000, 7001, 25_000)]
-    if dev.type == "cuda":   # pinned host memory: every copy is asynchronous, as the tiers' buffers are;
+    if dev.type == "cuda":  # pinned host memory: every copy is asynchronous, as the tiers' buffers are;
         # and a receive buffer on the GPU (a restore's): chunks straddle pieces, are longer than a check part
         cases += [(1 << 20, (3 << 20) + 100, 2 << 20, ring, (48 << 20) + 12345, "host") for ring in (2, 3)]
-        cases += [(c, (3 << 20) + 100, 2 << 20, 2, n, "device") for c, n in ((1 << 20, (48 << 20) + 12345),
-                                                                             ((40 << 20) + 3, (90 << 20) + 7), (1000, 7001))]
-    if dev.type == "cuda":   # once the Triton checks are ready: a replica received into host memory is
+        cases += [
+            (c, (3 << 20) + 100, 2 << 20, 2, n, "device")
+            for c, n in ((1 << 20, (48 << 20) + 12345), ((40 << 20) + 3, (90 << 20) + 7), (1000, 7001))
+        ]
+    if dev.type == "cuda":  # once the Triton checks are ready: a replica received into host memory is
         # checked on the GPU as each piece passes its staging buffer (pieces of whole chunks); a tail past the
         # last lane, a copy shorter than one lane, rings of 2 and 3
-        cases += [(1 << 20, 3 << 20, 2 << 20, ring, n, "host, checked on the way")
-                  for ring in (2, 3) for n in ((48 << 20) + 12345, 1000, 5 << 20)]
+        cases += [
+            (1 << 20, 3 << 20, 2 << 20, ring, n, "host, checked on the way")
+            for ring in (2, 3)
+            for n in ((48 << 20) + 12345, 1000, 5 << 20)
+        ]
     on_the_way = []
     real = peer._checked_on_the_way
-    peer._checked_on_the_way = lambda *a: on_the_way.append(a[3].numel()) or real(*a)   # a[3]: into
+    peer._checked_on_the_way = lambda *a: on_the_way.append(a[3].numel()) or real(*a)  # a[3]: into
     for chunk, piece0, piece1, ring, n, where in cases:
         if where == "host, checked on the way" and not device_crc.ready(dev):
             device_crc.warm(dev, chunk)
@@ -105,35 +112,62 @@ def staged(rank: int, world: int) -> None:
         pin = dev.type == "cuda" and n > 1 << 20
         g = torch.Generator().manual_seed(1000 * rank + n)
         out = torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g)
-        expect = torch.randint(0, 256, (n,), dtype=torch.uint8, generator=torch.Generator().manual_seed(1000 * src + n))
-        sums = [checksum(memoryview(expect.numpy())[i:i + chunk]) for i in range(0, n, chunk)]
-        m = Manifest(step=1, rank=src, world_size=world, data_bytes=n, chunk_bytes=chunk, chunks=sums, items=[], tree={})
+        expect = torch.randint(
+            0, 256, (n,), dtype=torch.uint8, generator=torch.Generator().manual_seed(1000 * src + n)
+        )
+        sums = [checksum(memoryview(expect.numpy())[i : i + chunk]) for i in range(0, n, chunk)]
+        m = Manifest(
+            step=1,
+            rank=src,
+            world_size=world,
+            data_bytes=n,
+            chunk_bytes=chunk,
+            chunks=sums,
+            items=[],
+            tree={},
+        )
         if pin:
             out = out.pin_memory()
         their_piece = piece0 if src == 0 else piece1
         for check in ("right", "wrong"):
-            into = torch.zeros(n, dtype=torch.uint8, pin_memory=pin and where.startswith("host"),
-                               device=dev if where == "device" else "cpu")
+            into = torch.zeros(
+                n,
+                dtype=torch.uint8,
+                pin_memory=pin and where.startswith("host"),
+                device=dev if where == "device" else "cpu",
+            )
             if check == "right":
                 bad = checked_receive(wire, out, dst, into, src, their_piece, m)
                 if bad or not torch.equal(into.cpu(), expect):
-                    problems.append(f"size {n}, ring {ring}, into {where}: bad chunks {bad[:5]}, "
-                                    f"equal {torch.equal(into.cpu(), expect)}")
-            elif n:   # every chunk must be checked
+                    problems.append(
+                        f"size {n}, ring {ring}, into {where}: bad chunks {bad[:5]}, "
+                        f"equal {torch.equal(into.cpu(), expect)}"
+                    )
+            elif n:  # every chunk must be checked
                 wrong = dataclasses.replace(m, chunks=[s ^ 1 for s in sums])
                 if checked_receive(wire, out, dst, into, src, their_piece, wrong) != list(range(len(sums))):
                     problems.append(f"size {n}, ring {ring}, into {where}: a wrong checksum was not found")
-    if dev.type == "cuda":   # an exchange between host buffers while the training's step is queued on the
+    if dev.type == "cuda":  # an exchange between host buffers while the training's step is queued on the
         # default stream (seconds of it): it neither waits for the step nor holds a piece until the step is done
         n, chunk = (8 << 20) + 77, 1 << 20
         wire = Exchange(ctl, 2 << 20, data_group, dev, ring=2)
-        out = torch.randint(0, 256, (n,), dtype=torch.uint8, generator=torch.Generator().manual_seed(rank)).pin_memory()
+        out = torch.randint(
+            0, 256, (n,), dtype=torch.uint8, generator=torch.Generator().manual_seed(rank)
+        ).pin_memory()
         expect = torch.randint(0, 256, (n,), dtype=torch.uint8, generator=torch.Generator().manual_seed(src))
-        m = Manifest(step=1, rank=src, world_size=world, data_bytes=n, chunk_bytes=chunk, items=[], tree={},
-                     chunks=[checksum(memoryview(expect.numpy())[i:i + chunk]) for i in range(0, n, chunk)])
+        m = Manifest(
+            step=1,
+            rank=src,
+            world_size=world,
+            data_bytes=n,
+            chunk_bytes=chunk,
+            items=[],
+            tree={},
+            chunks=[checksum(memoryview(expect.numpy())[i : i + chunk]) for i in range(0, n, chunk)],
+        )
         into = torch.zeros(n, dtype=torch.uint8).pin_memory()
         dist.barrier(group=ctl)
-        torch.cuda._sleep(int(6e9))   # ~3 s of a "step" on the default stream
+        torch.cuda._sleep(int(6e9))  # ~3 s of a "step" on the default stream
         t0 = time.monotonic()
         bad = checked_receive(wire, out, dst, into, src, 2 << 20, m)
         took = time.monotonic() - t0
@@ -144,8 +178,10 @@ def staged(rank: int, world: int) -> None:
             on_the_way.remove(n)
         else:
             problems.append("the copy beside a queued step was not checked on the GPU on the way")
-    want = [n for *_, n, where in cases if where == "host, checked on the way" for _ in ("right", "wrong") if n]
-    if sorted(on_the_way) != sorted(want):   # each such copy, right and wrong, and no other
+    want = [
+        n for *_, n, where in cases if where == "host, checked on the way" for _ in ("right", "wrong") if n
+    ]
+    if sorted(on_the_way) != sorted(want):  # each such copy, right and wrong, and no other
         problems.append(f"checked on the way: {sorted(on_the_way)}, expected {sorted(want)}")
     print("staged", "OK" if not problems else problems, flush=True)
     dist.destroy_process_group()
@@ -158,12 +194,12 @@ def main() -> None:
     import ckpt
 
     if os.environ.get("CKPT_PEER_NCCL") == "1" and torch.cuda.is_available():
-        torch.cuda.set_device(rank)   # the replicas move over NCCL: one GPU per rank
+        torch.cuda.set_device(rank)  # the replicas move over NCCL: one GPU per rank
     torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
     training = mode in ("train", "resume", "straight")
     n = int(os.environ.get("CKPT_TEST_N", "6"))
     state = {"w": torch.full((300_000,), float(rank)) if training else torch.zeros(n), "step": 0}
-    if os.environ.get("CKPT_TEST_DEFAULT_DEVICE"):   # what a training script may set for the whole process
+    if os.environ.get("CKPT_TEST_DEFAULT_DEVICE"):  # what a training script may set for the whole process
         torch.set_default_device(os.environ["CKPT_TEST_DEFAULT_DEVICE"])
     if mode == "straight":
         for step in range(1, LAST + 1):
@@ -177,11 +213,18 @@ def main() -> None:
     try:
         drain = mode == "drain"
         every = {"local": 1000, "peer": 3} if mode == "cadence" else {"local": 1000} if training else None
-        ck = ckpt.Checkpointer(local_dir=f"{root}/rank-{rank}", every_steps=1 if training or every else 2, peers=1,
-                               url=f"file://{root}/remote-{rank}" if remote else None, persist_every=every,
-                               on_preempt="raise", if_busy="wait",
-                               signals=(signal.SIGTERM,) if drain else (), drain_tier="peer" if drain else "local",
-                               drain_deadline=60)
+        ck = ckpt.Checkpointer(
+            local_dir=f"{root}/rank-{rank}",
+            every_steps=1 if training or every else 2,
+            peers=1,
+            url=f"file://{root}/remote-{rank}" if remote else None,
+            persist_every=every,
+            on_preempt="raise",
+            if_busy="wait",
+            signals=(signal.SIGTERM,) if drain else (),
+            drain_tier="peer" if drain else "local",
+            drain_deadline=60,
+        )
         with ck:
             assert "peer" in ck.tiers
             if mode == "save":
@@ -198,11 +241,11 @@ def main() -> None:
                     if h is not None:
                         h.wait()
                 print("saved", ck.peer.committed_steps(), flush=True)
-                ck.close(keep_memory=True)   # its RAM stays as a crash leaves it
+                ck.close(keep_memory=True)  # its RAM stays as a crash leaves it
             elif mode == "tear":
                 state["w"] = torch.arange(n, dtype=torch.float32) + rank
                 ck.save(2, state).wait()
-                if rank == 0:   # the holder of rank 1's replicas dies while step 4's arrives
+                if rank == 0:  # the holder of rank 1's replicas dies while step 4's arrives
                     from ckpt.tiers import peer as peer_mod
 
                     real = peer_mod.Exchange.data
@@ -216,6 +259,7 @@ def main() -> None:
                                 print("torn", flush=True)
                                 os.kill(os.getpid(), signal.SIGKILL)
                             landed(off, k)
+
                         return real(self, out, to, into, frm, in_piece, count)
 
                     peer_mod.Exchange.data = dying
@@ -229,7 +273,13 @@ def main() -> None:
                         h.wait("peer")
                     except ckpt.CheckpointError:
                         pass
-                    print("peer", h.tier_status("peer"), ck.peer.broken is not None, time.monotonic() - t0, flush=True)
+                    print(
+                        "peer",
+                        h.tier_status("peer"),
+                        ck.peer.broken is not None,
+                        time.monotonic() - t0,
+                        flush=True,
+                    )
                 finally:
                     print("torn", flush=True)
                     os.kill(os.getpid(), signal.SIGKILL)
@@ -239,8 +289,16 @@ def main() -> None:
                     state["w"].fill_(step)
                     ck.maybe_save(step, state).wait()
                 c, f = ck.tier_counts["peer"], ck.tier_figures()["peer"]
-                print("cadence", ck.peer.committed_steps(), c.persisted, c.not_due, f.committed, f.writes,
-                      f.write_gbps is not None, flush=True)
+                print(
+                    "cadence",
+                    ck.peer.committed_steps(),
+                    c.persisted,
+                    c.not_due,
+                    f.committed,
+                    f.writes,
+                    f.write_gbps is not None,
+                    flush=True,
+                )
                 torch.distributed.barrier()
             elif mode == "full":
                 import errno
@@ -261,7 +319,7 @@ def main() -> None:
                 for step in (2, 4, 6):
                     state["w"].fill_(step)
                     limit = shm_mod.MAX_RECORD_BYTES
-                    if header and rank == 0 and step == 4:   # rank 1's manifest is "too big" for its holder
+                    if header and rank == 0 and step == 4:  # rank 1's manifest is "too big" for its holder
                         shm_mod.MAX_RECORD_BYTES = 8
                     h = ck.save(step, state)
                     try:
@@ -289,10 +347,12 @@ def main() -> None:
                 for s in range(step + 1, LAST + 1):
                     update(state, s, rank)
                 print("digest", digest(state), flush=True)
-            elif drain:   # SIGTERM reaches rank 0 only; both ranks save step 3 and wait until their holder has it
+            elif (
+                drain
+            ):  # SIGTERM reaches rank 0 only; both ranks save step 3 and wait until their holder has it
                 try:
                     for step in range(1, 10):
-                        ck.wait_staged()   # before the in-place update: the last save may still be copying w
+                        ck.wait_staged()  # before the in-place update: the last save may still be copying w
                         state["w"].fill_(100 * rank + step)
                         if step == 3 and rank == 0:
                             os.kill(os.getpid(), signal.SIGTERM)
@@ -300,16 +360,16 @@ def main() -> None:
                 except ckpt.Preempted as e:
                     held = e.step in held_by(root, (rank + 1) % world, rank)
                     print(f"preempted {e.step} {e.durable} {held}", flush=True)
-                    torch.distributed.barrier()   # no holder closes (freeing its replicas) before all looked
-            elif mode == "durable":   # handle.wait("peer"): the holder has committed the replica by then
+                    torch.distributed.barrier()  # no holder closes (freeing its replicas) before all looked
+            elif mode == "durable":  # handle.wait("peer"): the holder has committed the replica by then
                 state["w"].fill_(100 * rank + 5)
                 ck.save(5, state).wait("peer")
                 print("durable", 5 in held_by(root, (rank + 1) % world, rank), flush=True)
-                torch.distributed.barrier()   # no holder closes (freeing its replicas) before all looked
-            elif mode == "rollback":   # restore while the save's exchange with the peers may still run
+                torch.distributed.barrier()  # no holder closes (freeing its replicas) before all looked
+            elif mode == "rollback":  # restore while the save's exchange with the peers may still run
                 state["w"].fill_(100 * rank + 7)
                 ck.save(7, state)
-                ck.wait_staged()   # the copy into host memory, not the exchange with the peer
+                ck.wait_staged()  # the copy into host memory, not the exchange with the peer
                 state["w"].fill_(float("nan"))
                 step = ck.restore(state)
                 print(f"restored {step} {float(state['w'][0])} {ck.last_restore.tier}", flush=True)
@@ -317,9 +377,11 @@ def main() -> None:
                 fault = os.environ.get("CKPT_TEST_FAULT") if rank == 1 else None
                 from ckpt.tiers import peer as peer_mod
 
-                if fault == "alloc":   # a pinned allocation that fails raises RuntimeError
+                if fault == "alloc":  # a pinned allocation that fails raises RuntimeError
+
                     def no_memory(nbytes, device=None):
                         raise RuntimeError(f"test: cannot allocate {nbytes} bytes")
+
                     peer_mod._receive_buffer = no_memory
                 elif fault == "manifest":
                     from ckpt.errors import CorruptCheckpointError
@@ -328,6 +390,7 @@ def main() -> None:
                         @classmethod
                         def from_bytes(cls, raw, where):
                             raise CorruptCheckpointError(f"{where}: garbled in this test")
+
                     peer_mod.Manifest = Garbled
                 step = ck.restore(state)
                 print(f"restored {step} {float(state['w'][0])} {ck.last_restore.tier}", flush=True)

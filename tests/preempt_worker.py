@@ -32,16 +32,16 @@ def main() -> None:
     if "--save-on" in args:
         i = args.index("--save-on")
         save_on = signal.Signals["SIG" + args[i + 1]]
-        del args[i:i + 2]
+        del args[i : i + 2]
     every, evaluate_after = 10**9, None
-    if "--every" in args:   # snapshots every N steps (in RAM; the local tier as it keeps up)
+    if "--every" in args:  # snapshots every N steps (in RAM; the local tier as it keeps up)
         i = args.index("--every")
         every = int(args[i + 1])
-        del args[i:i + 2]
-    if "--evaluate-after" in args:   # after step K: "evaluating" for minutes, with no maybe_save
+        del args[i : i + 2]
+    if "--evaluate-after" in args:  # after step K: "evaluating" for minutes, with no maybe_save
         i = args.index("--evaluate-after")
         evaluate_after = int(args[i + 1])
-        del args[i:i + 2]
+        del args[i : i + 2]
     local_dir, steps = args[0], int(args[1])
     if len(args) > 2:
         torch.distributed.init_process_group("gloo", rank=int(args[2]), world_size=int(args[3]))
@@ -56,7 +56,7 @@ def main() -> None:
         print(f"restored {last}", flush=True)
         for step in range(1 if last is None else last + 1, steps + 1):
             _train_step(state)
-            time.sleep(0.05)   # a step of realistic length, so the signal lands mid-run
+            time.sleep(0.05)  # a step of realistic length, so the signal lands mid-run
             state["step"] = step
             handle = ck.maybe_save(step, state)
             if handle is not None:

@@ -24,7 +24,13 @@ from ckpt.tiers import local as local_tier, remote as remote_tier
 
 
 def main() -> None:
-    to, local_dir, url, step, pause_at = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5])
+    to, local_dir, url, step, pause_at = (
+        sys.argv[1],
+        sys.argv[2],
+        sys.argv[3],
+        int(sys.argv[4]),
+        int(sys.argv[5]),
+    )
     opts = json.loads(sys.argv[6]) or None
     counter, lock = itertools.count(1), threading.Lock()
     seen = [0]
@@ -38,6 +44,7 @@ def main() -> None:
                 print(f"paused {n} {name} {args[0] if args else ''}", flush=True)
                 time.sleep(3600)
             return fn(*args, **kwargs)
+
         return call
 
     for name in ("pwrite", "replace", "rename", "unlink"):

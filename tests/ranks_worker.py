@@ -60,14 +60,15 @@ def main() -> None:
     state = {"w": torch.zeros(width), "step": 0}
     try:
         if mode in ("save", "save-keep"):
-            ck = ckpt.Checkpointer(local_dir=local_dir, every_steps=10, keep=ckpt.Retention(local=5),
-                                   if_busy="wait")
+            ck = ckpt.Checkpointer(
+                local_dir=local_dir, every_steps=10, keep=ckpt.Retention(local=5), if_busy="wait"
+            )
             for step in range(1, 31):
-                ck.wait_staged()   # w is updated in place below, outside optimizer.step()
+                ck.wait_staged()  # w is updated in place below, outside optimizer.step()
                 state["w"].fill_(step)
                 state["step"] = step
                 ck.maybe_save(step, state)
-            ck.close(keep_memory=mode == "save-keep")   # save-keep: the RAM stays, as a crash leaves it
+            ck.close(keep_memory=mode == "save-keep")  # save-keep: the RAM stays, as a crash leaves it
             print("saved", flush=True)
         elif mode == "takeover":
             with ckpt.Checkpointer(local_dir=local_dir) as ck:
@@ -76,8 +77,11 @@ def main() -> None:
                 adopted = sorted((b.image_step, b.checked) for b in ck.pool.buffers)
                 step = ck.restore(state)
                 after = sorted((b.image_step, b.checked) for b in ck.pool.buffers)
-                print(f"takeover {started} {adopted} restored {step} {ck.last_restore.tier} "
-                      f"{float(state['w'][0])} {after}", flush=True)
+                print(
+                    f"takeover {started} {adopted} restored {step} {ck.last_restore.tier} "
+                    f"{float(state['w'][0])} {after}",
+                    flush=True,
+                )
         elif mode.startswith("restore"):
             with ckpt.Checkpointer(local_dir=local_dir) as ck:
                 step = ck.restore(state, step=30 if mode == "restore-30" else None)
@@ -90,8 +94,13 @@ def main() -> None:
                     now[0] += 60.0
                 return now[0]
 
-            with ckpt.Checkpointer(local_dir=local_dir, every_seconds=50, clock=clock, if_busy="wait",
-                                   keep=ckpt.Retention(local=100)) as ck:
+            with ckpt.Checkpointer(
+                local_dir=local_dir,
+                every_seconds=50,
+                clock=clock,
+                if_busy="wait",
+                keep=ckpt.Retention(local=100),
+            ) as ck:
                 for step in range(1, 6):
                     ck.wait_staged()
                     state["w"].fill_(step)
@@ -109,8 +118,14 @@ def main() -> None:
                 return now[0]
 
             tier = SlowTier(local_dir, 0.15) if rank == 1 else LocalTier(local_dir)
-            with ckpt.Checkpointer(f"file://{root}/job", local_dir=tier, interval="auto", mtbf=3600, clock=clock,
-                                   keep=ckpt.Retention(local=100, remote=100)) as ck:
+            with ckpt.Checkpointer(
+                f"file://{root}/job",
+                local_dir=tier,
+                interval="auto",
+                mtbf=3600,
+                clock=clock,
+                keep=ckpt.Retention(local=100, remote=100),
+            ) as ck:
                 for step in range(1, 41):
                     ck.wait_staged()
                     state["w"].fill_(step)
@@ -118,8 +133,12 @@ def main() -> None:
                     time.sleep(0.05)
                 ck.wait()
                 print("cadences", ck.interval_report()["tiers"], flush=True)
-                print("committed", sorted(c.step for c in ck.list() if "local" in c.tiers),
-                      sorted(c.step for c in ck.list() if "remote" in c.tiers), flush=True)
+                print(
+                    "committed",
+                    sorted(c.step for c in ck.list() if "local" in c.tiers),
+                    sorted(c.step for c in ck.list() if "remote" in c.tiers),
+                    flush=True,
+                )
         elif mode in ("same-dir", "same-url"):
             shared = mode == "same-dir"
             # same-url: ranks 0 and 1 share a url, rank 2 has its own (a job tier needs every rank)
@@ -136,8 +155,12 @@ def main() -> None:
                     time.sleep(0.05)
                 ck.wait()
                 # the tier's skips (busy on either rank), decided together: the same steps on both ranks
-                print("committed", sorted(c.step for c in ck.list() if "local" in c.tiers),
-                      ck.tier_counts["local"].busy, flush=True)
+                print(
+                    "committed",
+                    sorted(c.step for c in ck.list() if "local" in c.tiers),
+                    ck.tier_counts["local"].busy,
+                    flush=True,
+                )
         elif mode == "allocating":
             from ckpt import knobs
             from ckpt.pool import HostPool
@@ -152,8 +175,10 @@ def main() -> None:
                 return real(self, *args, **kwargs)
 
             HostPool._allocate = slow
-            with knobs.override(CKPT_BUSY_WAIT_MS=500), \
-                    ckpt.Checkpointer(local_dir=local_dir, every_steps=1) as ck:
+            with (
+                knobs.override(CKPT_BUSY_WAIT_MS=500),
+                ckpt.Checkpointer(local_dir=local_dir, every_steps=1) as ck,
+            ):
                 for step in (1, 2):
                     ck.wait_staged()
                     state["w"].fill_(step)
@@ -161,7 +186,7 @@ def main() -> None:
                     if handle.status != "skipped":
                         handle.wait()
                     print("step", step, handle.status, ck.skipped, flush=True)
-                    ck.pool._prepared.join(60)   # every buffer is there before the next step
+                    ck.pool._prepared.join(60)  # every buffer is there before the next step
                     torch.distributed.barrier()
             print("allocated by", *threads, flush=True)
     finally:

@@ -36,7 +36,8 @@ def main() -> None:
     read_ahead, take = memory.MemoryTier.read_ahead, memory._ReadAhead.take
     memory.MemoryTier.read_ahead = lambda tier, dev: started.append(1) or read_ahead(tier, dev)
     memory._ReadAhead.take = lambda ahead, buf, m: (lambda out: taken.append(int(out is not None)) or out)(
-        take(ahead, buf, m))
+        take(ahead, buf, m)
+    )
     with ckpt.Checkpointer(local_dir=f"{root}/rank-{rank}", persist_every={"local": 1000}) as ck:
         ck.save(3, state(rank, 3)).wait()
         target = {k: torch.zeros_like(v) for k, v in state(rank, 0).items()}
@@ -46,7 +47,9 @@ def main() -> None:
         step = ck.restore(target)
         exact = all(torch.equal(target[k], v) for k, v in state(rank, 3).items())
         left = ck.memory._ahead is not None or any(b.holds for b in ck.pool.buffers)
-        print("ahead", rank, step, ck.last_restore.tier, int(exact), sum(started), taken, int(left), flush=True)
+        print(
+            "ahead", rank, step, ck.last_restore.tier, int(exact), sum(started), taken, int(left), flush=True
+        )
     torch.distributed.destroy_process_group()
 
 

@@ -27,7 +27,13 @@ class FailingRemote(RemoteTier):
 
 
 def main() -> None:
-    root, rank, world, mode, value = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], float(sys.argv[5])
+    root, rank, world, mode, value = (
+        sys.argv[1],
+        int(sys.argv[2]),
+        int(sys.argv[3]),
+        sys.argv[4],
+        float(sys.argv[5]),
+    )
     torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
     url = f"file://{root}/job"
     try:

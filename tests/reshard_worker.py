@@ -40,11 +40,11 @@ import ckpt
 from ckpt.tiers import RemoteTier
 from dtensor_worker import BACKEND, DEVICE, build, train_step
 
-GLOBALS = {   # name -> (shape, dtype)
+GLOBALS = {  # name -> (shape, dtype)
     "a": ((7, 5), torch.float32),
     "b": ((6, 9), torch.bfloat16),
     "c": ((4, 3), torch.float32),
-    "e": ((2, 3), torch.float32),   # fewer rows than ranks: some shards are empty
+    "e": ((2, 3), torch.float32),  # fewer rows than ranks: some shards are empty
 }
 SAVE_PLACEMENTS = {"a": Shard(0), "b": Shard(1), "c": Replicate(), "e": Shard(0)}
 LOAD_PLACEMENTS = {"a": Shard(1), "b": Shard(0), "c": Shard(0), "e": Shard(1)}
@@ -53,7 +53,9 @@ LOAD_PLACEMENTS = {"a": Shard(1), "b": Shard(0), "c": Shard(0), "e": Shard(1)}
 def global_tensor(name: str, device: str = "cpu") -> torch.Tensor:
     shape, dtype = GLOBALS[name]
     n = torch.tensor(shape).prod().item()
-    return (torch.arange(n, dtype=torch.float32).reshape(shape) * 0.5 + ord(name)).to(device=device, dtype=dtype)
+    return (torch.arange(n, dtype=torch.float32).reshape(shape) * 0.5 + ord(name)).to(
+        device=device, dtype=dtype
+    )
 
 
 def dt_state(mesh, placements: dict, zero: bool) -> dict:
@@ -117,7 +119,10 @@ def main() -> None:
                 else:
                     got = state[name]
                 assert got.dtype == want.dtype and torch.equal(got, want), (name, got, want)
-            assert torch.equal(state["plain"], torch.tensor([1.0, 2.0, 3.0])) and state["meta"] == {"epoch": 7, "name": "run"}
+            assert torch.equal(state["plain"], torch.tensor([1.0, 2.0, 3.0])) and state["meta"] == {
+                "epoch": 7,
+                "name": "run",
+            }
             print(f"restored {step} from {ck.last_restore.tier}", flush=True)
         elif mode in ("fsdp-save", "fsdp-load", "fsdp-whole"):
             model, opt = build(world, shard=mode != "fsdp-whole")
@@ -134,7 +139,7 @@ def main() -> None:
                 print(f"digest {d}", flush=True)
             if mode != "fsdp-save":
                 train_step(model, opt, 4, rank)
-            del model, opt, state   # see dtensor_worker: FSDP2 + gloo at interpreter exit
+            del model, opt, state  # see dtensor_worker: FSDP2 + gloo at interpreter exit
             gc.collect()
         elif mode == "commit-fail":
             remote = FailingRemote(url) if rank == 1 else url
@@ -150,14 +155,18 @@ def main() -> None:
                 try:
                     ck.wait()
                 except (ckpt.CheckpointError, OSError):
-                    pass   # the failure above, raised again by the checkpointer
+                    pass  # the failure above, raised again by the checkpointer
                 print("errors", errors, flush=True)
                 print("remote", sorted(c.step for c in ck.list() if "remote" in c.tiers), flush=True)
         elif mode in ("dedupe-save", "dedupe-load"):
             # "model" is the same on every rank (replicated=("model",)); "mine" is each rank's own
             model = {"w": torch.arange(300_000, dtype=torch.float32), "b": torch.ones(5)}
-            state = {"model": model if mode == "dedupe-save" else {k: torch.zeros_like(v) for k, v in model.items()},
-                     "mine": torch.full((3,), float(rank)) if mode == "dedupe-save" else torch.zeros(3)}
+            state = {
+                "model": model
+                if mode == "dedupe-save"
+                else {k: torch.zeros_like(v) for k, v in model.items()},
+                "mine": torch.full((3,), float(rank)) if mode == "dedupe-save" else torch.zeros(3),
+            }
             with ckpt.Checkpointer(url, local_dir=local, replicated=("model",)) as ck:
                 if mode == "dedupe-save":
                     ck.save(1, state).wait()
@@ -167,7 +176,7 @@ def main() -> None:
                     assert all(torch.equal(state["model"][k], v) for k, v in model.items())
                     assert torch.equal(state["mine"], torch.full((3,), float(rank if rank < 2 else 0)))
                     print(f"restored {step} from {ck.last_restore.tier}", flush=True)
-        elif mode == "rank-dies":   # rank 1 dies before its upload reports; rank 0 must hear of it at once
+        elif mode == "rank-dies":  # rank 1 dies before its upload reports; rank 0 must hear of it at once
             # if_busy="wait": the save itself agrees nothing with the other ranks, so the upload is what fails
             with ckpt.Checkpointer(url, local_dir=local, if_busy="wait") as ck:
                 if rank == 1:
@@ -178,8 +187,8 @@ def main() -> None:
                     print(f"error {e}", flush=True)
                 print("remote", sorted(c.step for c in ck.list() if "remote" in c.tiers), flush=True)
                 ck.close(raise_errors=False)
-            os._exit(0)   # the process group cannot be torn down with a dead member
-        elif mode == "steps-differ":   # a rank-dependent save: rank 0 saves step 1, rank 1 step 2
+            os._exit(0)  # the process group cannot be torn down with a dead member
+        elif mode == "steps-differ":  # a rank-dependent save: rank 0 saves step 1, rank 1 step 2
             with ckpt.Checkpointer(url, local_dir=local) as ck:
                 try:
                     ck.save(1 + rank, {"w": torch.ones(2)}).wait("remote")

@@ -32,7 +32,7 @@ import ckpt
 from ckpt.tiers import LocalTier
 
 STALLED = 3
-RECORDED = threading.Event()   # step 3 is recorded in RAM (it outlives the process)
+RECORDED = threading.Event()  # step 3 is recorded in RAM (it outlives the process)
 
 
 RANK = 0
@@ -66,7 +66,7 @@ class StalledLocal(LocalTier):
                 assert RECORDED.wait(60), "the memory tier never recorded the stalled step"
                 print("stalled", step, digest(state(step)), flush=True)
                 time.sleep(3600)
-            return data[i * c:(i + 1) * c]
+            return data[i * c : (i + 1) * c]
 
         return self.write_chunks(step, manifest, chunk, compute_checksums=True)
 
@@ -94,7 +94,7 @@ def main(argv: list[str]) -> int:
             print("written", STALLED, digest(state(STALLED)), flush=True)
         time.sleep(3600)
     elif mode in ("restore", "restore-lost"):
-        if mode == "restore-lost":   # the snapshot read at restore cannot be taken again to be written
+        if mode == "restore-lost":  # the snapshot read at restore cannot be taken again to be written
             from ckpt.errors import CorruptCheckpointError
             from ckpt.tiers.memory import MemoryTier
 
@@ -111,8 +111,16 @@ def main(argv: list[str]) -> int:
             except ckpt.CheckpointError as e:
                 outcome = ["failed", type(e).__name__]
             counts = ck.tier_counts
-            print("restored", step, ck.last_restore.tier, digest(target), counts["local"].persisted,
-                  counts["remote"].persisted if url else 0, *outcome, flush=True)
+            print(
+                "restored",
+                step,
+                ck.last_restore.tier,
+                digest(target),
+                counts["local"].persisted,
+                counts["remote"].persisted if url else 0,
+                *outcome,
+                flush=True,
+            )
     if len(argv) > 3:
         dist.destroy_process_group()
     return 0

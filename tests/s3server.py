@@ -26,14 +26,16 @@ class Faults:
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
-        self.fail_next = 0          # answer this many requests with ``fail_status``
+        self.fail_next = 0  # answer this many requests with ``fail_status``
         self.fail_status = 503
-        self.fail_code = "ServiceUnavailable"   # the S3 error code of those answers
-        self.drop_next = 0          # close this many connections without an answer
-        self.delay = 0.0            # seconds before forwarding each request
-        self.forbid = False         # answer every request 403 InvalidAccessKeyId (bad credentials)
-        self.fail_parts_from = None  # fail every multipart-upload part numbered at least this (an outage mid-upload)
-        self.fail_if = None         # callable(method, path) -> bool: answer those requests with ``fail_status``
+        self.fail_code = "ServiceUnavailable"  # the S3 error code of those answers
+        self.drop_next = 0  # close this many connections without an answer
+        self.delay = 0.0  # seconds before forwarding each request
+        self.forbid = False  # answer every request 403 InvalidAccessKeyId (bad credentials)
+        self.fail_parts_from = (
+            None  # fail every multipart-upload part numbered at least this (an outage mid-upload)
+        )
+        self.fail_if = None  # callable(method, path) -> bool: answer those requests with ``fail_status``
         self.requests = 0
         self.injected = 0
 
@@ -86,7 +88,7 @@ class FaultProxy:
                     if size == 0:
                         break
                     raw += self.rfile.read(size + 2)
-                while True:   # trailers, then the empty line
+                while True:  # trailers, then the empty line
                     line = self.rfile.readline()
                     raw += line
                     if line in (b"\r\n", b"\n", b""):
@@ -104,8 +106,10 @@ class FaultProxy:
                 if action in ("fail", "forbid"):
                     status = 403 if action == "forbid" else faults.fail_status
                     code = "InvalidAccessKeyId" if action == "forbid" else faults.fail_code
-                    payload = (f'<?xml version="1.0" encoding="UTF-8"?><Error><Code>{code}</Code>'
-                               f"<Message>injected by the test proxy</Message></Error>").encode()
+                    payload = (
+                        f'<?xml version="1.0" encoding="UTF-8"?><Error><Code>{code}</Code>'
+                        f"<Message>injected by the test proxy</Message></Error>"
+                    ).encode()
                     self.send_response(status)
                     self.send_header("Content-Type", "application/xml")
                     self.send_header("Content-Length", str(len(payload)))
@@ -138,11 +142,11 @@ class FaultProxy:
         class Server(ThreadingHTTPServer):
             daemon_threads = True
 
-            def handle_error(self, request, client_address):   # clients killed mid-request are expected
+            def handle_error(self, request, client_address):  # clients killed mid-request are expected
                 pass
 
             def process_request(self, request, client_address):
-                open_conns.add(request)   # so that down() can cut kept-alive connections too
+                open_conns.add(request)  # so that down() can cut kept-alive connections too
                 super().process_request(request, client_address)
 
             def shutdown_request(self, request):
@@ -241,13 +245,13 @@ class StallProxy:
                     dst.shutdown(socket.SHUT_WR)
                     return
                 if from_client and self.trigger is not None and self.trigger in data:
-                    self.stalled.set()   # this request never reaches the store
+                    self.stalled.set()  # this request never reaches the store
                 if self.stalled.is_set():
                     break
                 dst.sendall(data)
         except OSError:
             return
-        while not self._closed:   # stalled: read nothing more, forward nothing more, keep the connection
+        while not self._closed:  # stalled: read nothing more, forward nothing more, keep the connection
             time.sleep(0.05)
 
     def close(self) -> None:

@@ -60,7 +60,7 @@ def main(argv: list[str]) -> int:
 
         pool_mod.HostPool._adopt_slot = stall
         ck = ckpt.Checkpointer(local_dir=local_dir)
-        ck._node.own()   # what a collective job's Checkpointer does when it is made
+        ck._node.own()  # what a collective job's Checkpointer does when it is made
         time.sleep(600)
     elif mode == "stall-save":
         stall_second_tensor_copy()
@@ -76,8 +76,14 @@ def main(argv: list[str]) -> int:
             target = zeros()
             got = ck.restore(target, step=step)
             buf = next((b for b in ck.pool.buffers if b.image_step == step), None)
-            print("restored", got, ck.last_restore.tier, digest(target), None if buf is None else buf.checked,
-                  flush=True)
+            print(
+                "restored",
+                got,
+                ck.last_restore.tier,
+                digest(target),
+                None if buf is None else buf.checked,
+                flush=True,
+            )
         ck.close(keep_memory=True)
     else:
         raise SystemExit(f"unknown mode {mode!r}")

@@ -49,12 +49,15 @@ def small_chunks(monkeypatch):
 
 
 def test_import_ckpt_imports_no_pyarrow():
-    code = ("import sys, ckpt, ckpt.fs, ckpt.tiers.remote, ckpt.cli\n"
-            "assert 'pyarrow' not in sys.modules, sorted(m for m in sys.modules if 'arrow' in m)\n")
+    code = (
+        "import sys, ckpt, ckpt.fs, ckpt.tiers.remote, ckpt.cli\n"
+        "assert 'pyarrow' not in sys.modules, sorted(m for m in sys.modules if 'arrow' in m)\n"
+    )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
 
 
 # -- which client serves a URL -----------------------------------------------------------------------
+
 
 @pytest.mark.s3
 def test_s3_uses_s3fs_by_default_and_arrow_when_asked(s3_server, monkeypatch):
@@ -62,10 +65,16 @@ def test_s3_uses_s3fs_by_default_and_arrow_when_asked(s3_server, monkeypatch):
 
     assert isinstance(resolve("s3://bucket/run", storage_options(s3_server)).fs, s3fs.S3FileSystem)
     store = resolve("s3://bucket/run", storage_options(s3_server, backend="arrow"))
-    assert store.backend == "arrow" and isinstance(store.fs.fs, pa_fs.S3FileSystem) and store.root == "bucket/run"
+    assert (
+        store.backend == "arrow"
+        and isinstance(store.fs.fs, pa_fs.S3FileSystem)
+        and store.root == "bucket/run"
+    )
     monkeypatch.setenv("CKPT_S3_BACKEND", "arrow")
     assert resolve("s3://bucket/run", storage_options(s3_server)).backend == "arrow"
-    assert resolve("s3://bucket/run", storage_options(s3_server, backend="s3fs")).backend == "s3fs"   # the key wins
+    assert (
+        resolve("s3://bucket/run", storage_options(s3_server, backend="s3fs")).backend == "s3fs"
+    )  # the key wins
 
 
 def test_file_urls_use_fsspec_by_default_and_arrow_when_asked(tmp_path):
@@ -74,15 +83,18 @@ def test_file_urls_use_fsspec_by_default_and_arrow_when_asked(tmp_path):
     assert isinstance(resolve(f"file://{tmp_path}/r").fs, LocalFileSystem)
     store = resolve(f"file://{tmp_path}/r", {"backend": "arrow"})
     assert isinstance(store.fs.fs, pa_fs.LocalFileSystem) and store.root == f"{tmp_path}/r"
-    assert store.fs.unstrip_protocol(store.root) == f"file://{tmp_path}/r"   # messages name file:// URLs
+    assert store.fs.unstrip_protocol(store.root) == f"file://{tmp_path}/r"  # messages name file:// URLs
 
 
-@pytest.mark.parametrize("url, options, named", [
-    ("s3://b/run", {"backend": "hdfs-native"}, "storage_options['backend']"),
-    ("file:///tmp/x", {"backend": "s3fs"}, "storage_options['backend']"),
-    ("memory://x", {"backend": "arrow"}, "storage_options['backend']"),
-    ("simplecache::s3://b/run", {"backend": "arrow"}, "chained"),
-])
+@pytest.mark.parametrize(
+    "url, options, named",
+    [
+        ("s3://b/run", {"backend": "hdfs-native"}, "storage_options['backend']"),
+        ("file:///tmp/x", {"backend": "s3fs"}, "storage_options['backend']"),
+        ("memory://x", {"backend": "arrow"}, "storage_options['backend']"),
+        ("simplecache::s3://b/run", {"backend": "arrow"}, "chained"),
+    ],
+)
 def test_a_backend_the_url_cannot_use_is_refused_naming_the_key(url, options, named):
     with pytest.raises(ValueError, match=named.replace("[", r"\[").replace("]", r"\]")) as ei:
         resolve(url, options)
@@ -98,24 +110,37 @@ def test_a_bad_backend_in_the_environment_names_the_variable(monkeypatch):
 def test_s3fs_options_are_translated_for_pyarrow_and_unknown_ones_refused():
     from ckpt.fs import arrow_s3_options
 
-    kw = arrow_s3_options({"key": "k", "secret": "s", "token": "t", "endpoint_url": "http://127.0.0.1:9000",
-                           "client_kwargs": {"region_name": "eu-west-1"}, "skip_instance_cache": True,
-                           "config_kwargs": {"retries": {"max_attempts": 4, "mode": "standard"},
-                                             "connect_timeout": 2, "s3": {"addressing_style": "path"}}})
+    kw = arrow_s3_options(
+        {
+            "key": "k",
+            "secret": "s",
+            "token": "t",
+            "endpoint_url": "http://127.0.0.1:9000",
+            "client_kwargs": {"region_name": "eu-west-1"},
+            "skip_instance_cache": True,
+            "config_kwargs": {
+                "retries": {"max_attempts": 4, "mode": "standard"},
+                "connect_timeout": 2,
+                "s3": {"addressing_style": "path"},
+            },
+        }
+    )
     assert (kw["access_key"], kw["secret_key"], kw["session_token"]) == ("k", "s", "t")
     assert (kw["scheme"], kw["endpoint_override"], kw["region"]) == ("http", "127.0.0.1:9000", "eu-west-1")
     assert kw["connect_timeout"] == 2.0 and kw["force_virtual_addressing"] is False
     assert isinstance(kw["retry_strategy"], pa_fs.AwsStandardS3RetryStrategy)
-    assert arrow_s3_options({"region": "us-west-2", "allow_delayed_open": False})["allow_delayed_open"] is False
+    assert (
+        arrow_s3_options({"region": "us-west-2", "allow_delayed_open": False})["allow_delayed_open"] is False
+    )
     with pytest.raises(ValueError, match=r"requester_pays.*config_kwargs\['signature_version'\]") as ei:
         arrow_s3_options({"requester_pays": True, "config_kwargs": {"signature_version": "s3v4"}})
     assert "storage_options['backend'] = 's3fs'" in str(ei.value)
-    s3fs_store = pa_fs.S3FileSystem(**kw)   # pyarrow takes every argument produced
+    s3fs_store = pa_fs.S3FileSystem(**kw)  # pyarrow takes every argument produced
     assert s3fs_store.region == "eu-west-1"
 
 
 def test_a_missing_pyarrow_names_what_to_install(tmp_path, monkeypatch):
-    monkeypatch.setitem(sys.modules, "pyarrow", None)      # `import pyarrow` raises ImportError
+    monkeypatch.setitem(sys.modules, "pyarrow", None)  # `import pyarrow` raises ImportError
     monkeypatch.setitem(sys.modules, "pyarrow.fs", None)
     with pytest.raises(MissingBackendError) as ei:
         ckpt.tiers.RemoteTier(f"file://{tmp_path}/r", {"backend": "arrow"})
@@ -125,8 +150,23 @@ def test_a_missing_pyarrow_names_what_to_install(tmp_path, monkeypatch):
 
 # -- ranged reads through the wrapper --------------------------------------------------------------------
 
-@pytest.mark.parametrize("start, end", [(None, None), (0, None), (0, 10), (0, 1001), (0, 5000), (7, 300),
-                                        (990, 1000), (1000, 1010), (-10, None), (5, -5), (400, 100)])
+
+@pytest.mark.parametrize(
+    "start, end",
+    [
+        (None, None),
+        (0, None),
+        (0, 10),
+        (0, 1001),
+        (0, 5000),
+        (7, 300),
+        (990, 1000),
+        (1000, 1010),
+        (-10, None),
+        (5, -5),
+        (400, 100),
+    ],
+)
 def test_ranged_reads_through_pyarrow_match_slicing(tmp_path, start, end):
     data = (bytes(range(256)) * 4)[:1000]
     (tmp_path / "obj").write_bytes(data)
@@ -142,6 +182,7 @@ def test_a_missing_file_read_through_pyarrow_is_file_not_found(tmp_path):
 
 
 # -- the remote tier through pyarrow: round trips, corruption, outages ---------------------------------
+
 
 def _arrow_url(kind: str, tmp_path: Path, request) -> tuple[str, dict]:
     if kind == "local":
@@ -162,7 +203,7 @@ def test_save_restore_promote_verify_through_pyarrow(tmp_path, request, kind):
     with ckpt.Checkpointer(url, storage_options=opts, local_dir=tmp_path / "b") as ck:
         assert ck.restore(target) == 2 and ck.last_restore.tier == "remote"
         assert _same(target, _state(2.0))
-        assert ck.promote(1, to="local") is True                  # a download into the local tier
+        assert ck.promote(1, to="local") is True  # a download into the local tier
         assert ck.local.committed_steps() == [2, 1]
     (tmp_path / "c").mkdir()
     with ckpt.Checkpointer(local_dir=tmp_path / "c") as ck:
@@ -180,8 +221,9 @@ def test_save_restore_promote_verify_through_pyarrow(tmp_path, request, kind):
 @pytest.mark.parametrize("kind", ["local", pytest.param("s3", marks=pytest.mark.s3)])
 def test_a_corrupt_part_is_refused_through_pyarrow_and_restore_falls_back(tmp_path, request, kind):
     url, opts = _arrow_url(kind, tmp_path, request)
-    with ckpt.Checkpointer(url, storage_options=opts, local_dir=tmp_path / "a",
-                           keep=ckpt.Retention(remote=None)) as ck:
+    with ckpt.Checkpointer(
+        url, storage_options=opts, local_dir=tmp_path / "a", keep=ckpt.Retention(remote=None)
+    ) as ck:
         ck.save(1, _state(1.0)).wait()
         ck.save(2, _state(2.0)).wait()
         fs, root = ck.remote.fs, ck.remote.root
@@ -207,14 +249,15 @@ def test_an_outage_in_the_middle_of_a_multipart_upload_leaves_the_previous_check
     proxy = FaultProxy(port)
     try:
         url = f"s3://{bucket}/run"
-        opts = storage_options(proxy.port, backend="arrow",
-                               config_kwargs={"retries": {"max_attempts": 2, "mode": "standard"}})
-        big = {"w": torch.arange(5 << 20, dtype=torch.float32), "step": 1}   # 20 MiB: two chunks
+        opts = storage_options(
+            proxy.port, backend="arrow", config_kwargs={"retries": {"max_attempts": 2, "mode": "standard"}}
+        )
+        big = {"w": torch.arange(5 << 20, dtype=torch.float32), "step": 1}  # 20 MiB: two chunks
         with knobs.override(CKPT_CHUNK_BYTES=16 << 20):
             with ckpt.Checkpointer(url, storage_options=opts, local_dir=tmp_path / "a") as ck:
                 ck.save(1, big).wait()
                 proxy.faults.fail_parts_from = 2
-                proxy.faults.fail_if = lambda method, path: method == "HEAD" and path == "/"   # our own check
+                proxy.faults.fail_if = lambda method, path: method == "HEAD" and path == "/"  # our own check
                 h = ck.save(2, {"w": big["w"] + 1, "step": 2})
                 with pytest.raises(ConnectionError, match="previous remote checkpoint is untouched"):
                     h.wait("remote")
@@ -222,8 +265,9 @@ def test_an_outage_in_the_middle_of_a_multipart_upload_leaves_the_previous_check
                 assert ck.remote.status.available is False
             proxy.faults.fail_parts_from = proxy.faults.fail_if = None
             target = {"w": torch.empty(5 << 20), "step": None}
-            with ckpt.Checkpointer(url, storage_options=storage_options(port, backend="arrow"),
-                                   local_dir=tmp_path / "b") as ck:
+            with ckpt.Checkpointer(
+                url, storage_options=storage_options(port, backend="arrow"), local_dir=tmp_path / "b"
+            ) as ck:
                 assert ck.remote.committed_steps() == [1]
                 assert ck.restore(target) == 1 and ck.last_restore.tier == "remote"
         assert target["step"] == 1 and torch.equal(target["w"], big["w"])
@@ -233,11 +277,12 @@ def test_an_outage_in_the_middle_of_a_multipart_upload_leaves_the_previous_check
 
 # -- our own reachability check (pyarrow's S3 errors carry no errno) -----------------------------------
 
+
 def test_the_endpoint_check_says_how_an_endpoint_fails():
     dead = free_port()
     refused = http_answers("http", f"127.0.0.1:{dead}", timeout=2)
     assert isinstance(refused, ConnectionError) and refused.errno == errno.ECONNREFUSED
-    with socket.socket() as silent:              # accepts connections, never answers
+    with socket.socket() as silent:  # accepts connections, never answers
         silent.bind(("127.0.0.1", 0))
         silent.listen(4)
         hung = http_answers("http", f"127.0.0.1:{silent.getsockname()[1]}", timeout=1)
@@ -261,20 +306,21 @@ def test_the_endpoint_check_counts_5xx_as_down_and_other_answers_as_up(s3_server
 def test_translate_types_only_errno_less_errors_by_our_own_check(s3_server):
     up = resolve("s3://bucket/run", storage_options(s3_server, backend="arrow"))
     plain = OSError("the store said no")
-    assert up.translate(plain) is plain                                   # answered: as it is
+    assert up.translate(plain) is plain  # answered: as it is
     denied = up.translate(plain, probing=True)
     assert isinstance(denied, PermissionError) and denied.errno == errno.EACCES and denied.__cause__ is plain
     typed = FileNotFoundError(errno.ENOENT, "gone")
-    assert up.translate(typed) is typed                                   # a type of its own: untouched
+    assert up.translate(typed) is typed  # a type of its own: untouched
     down = resolve("s3://bucket/run", storage_options(free_port(), backend="arrow"))
     lost = down.translate(plain)
     assert isinstance(lost, ConnectionError) and lost.errno == errno.ECONNREFUSED
     assert "endpoint_url='http://127.0.0.1:" in str(lost)
     s3fs_store = resolve("s3://bucket/run", storage_options(s3_server))
-    assert s3fs_store.translate(plain) is plain                           # s3fs's errors are typed already
+    assert s3fs_store.translate(plain) is plain  # s3fs's errors are typed already
 
 
 # -- HDFS ----------------------------------------------------------------------------------------------
+
 
 def _fake_hadoop(root: Path, java: bool, libhdfs: bool, jars: bool) -> dict[str, str]:
     """An environment pointing at folders that hold (empty) files named as a JDK, libhdfs and Hadoop's jars."""
@@ -297,8 +343,16 @@ def _fake_hadoop(root: Path, java: bool, libhdfs: bool, jars: bool) -> dict[str,
     return env
 
 
-@pytest.mark.parametrize("java, libhdfs, jars", [(False, False, False), (True, False, False), (True, True, False),
-                                                 (False, True, True), (True, True, True)])
+@pytest.mark.parametrize(
+    "java, libhdfs, jars",
+    [
+        (False, False, False),
+        (True, False, False),
+        (True, True, False),
+        (False, True, True),
+        (True, True, True),
+    ],
+)
 def test_what_pyarrows_hdfs_client_lacks_is_found_by_looking(tmp_path, java, libhdfs, jars):
     env = _fake_hadoop(tmp_path, java, libhdfs, jars)
     expect = tuple(n for n, have in (("java", java), ("libhdfs", libhdfs), ("hadoop-jars", jars)) if not have)
@@ -309,7 +363,9 @@ def test_a_hadoop_common_jar_named_directly_on_classpath_counts(tmp_path):
     jar = tmp_path / "hadoop-common-3.3.6.jar"
     jar.write_bytes(b"")
     assert "hadoop-jars" not in hdfs_arrow_missing({"CLASSPATH": f"/nowhere:{jar}"})
-    assert "hadoop-jars" in hdfs_arrow_missing({"CLASSPATH": f"{tmp_path / 'hadoop-common-9.jar'}"})   # not there
+    assert "hadoop-jars" in hdfs_arrow_missing(
+        {"CLASSPATH": f"{tmp_path / 'hadoop-common-9.jar'}"}
+    )  # not there
 
 
 _OPEN_HDFS = (
@@ -319,23 +375,38 @@ _OPEN_HDFS = (
     "try:\n"
     "    ckpt.tiers.RemoteTier(sys.argv[1])\n"
     "except MissingBackendError as e:\n"
-    "    print(','.join(e.missing)); print(e)\n")
+    "    print(','.join(e.missing)); print(e)\n"
+)
 
 
 @pytest.mark.parametrize("real_java", [False, True])
 def test_hdfs_without_libhdfs_is_an_import_error_naming_what_to_install(tmp_path, real_java):
     """In a process of its own (pyarrow loads libjvm once per process); with this machine's real JDK the
     JVM is found and libhdfs is not, as on a host with Java but no Hadoop."""
-    jdk = next((p for p in sorted(Path("/usr/lib/jvm").glob("*")) if (p / "lib/server/libjvm.so").is_file()), None) \
-        if Path("/usr/lib/jvm").is_dir() else None
+    jdk = (
+        next(
+            (p for p in sorted(Path("/usr/lib/jvm").glob("*")) if (p / "lib/server/libjvm.so").is_file()),
+            None,
+        )
+        if Path("/usr/lib/jvm").is_dir()
+        else None
+    )
     if real_java and jdk is None:
         pytest.skip("no JDK on this machine")
-    env = {k: v for k, v in os.environ.items() if k not in ("JAVA_HOME", "HADOOP_HOME", "CLASSPATH",
-                                                              "ARROW_LIBHDFS_DIR", "CKPT_HDFS_BACKEND")}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("JAVA_HOME", "HADOOP_HOME", "CLASSPATH", "ARROW_LIBHDFS_DIR", "CKPT_HDFS_BACKEND")
+    }
     env["JAVA_HOME"] = str(jdk) if real_java else str(tmp_path)
     env["PYTHONPATH"] = str(HERE.parent)
-    out = subprocess.run([sys.executable, "-c", _OPEN_HDFS, "hdfs://namenode.example:8020/ckpt/run"], env=env,
-                         capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-c", _OPEN_HDFS, "hdfs://namenode.example:8020/ckpt/run"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 0, out.stderr
     missing, message = out.stdout.split("\n", 1)
     assert missing == ("libhdfs,hadoop-jars" if real_java else "java,libhdfs,hadoop-jars")
@@ -352,7 +423,7 @@ def test_hdfs_urls_route_to_pyarrow_by_default_and_hdfs_native_when_asked(monkey
     monkeypatch.setenv("CKPT_HDFS_BACKEND", "hdfs-native")
     assert resolve("hdfs://127.0.0.1:9/ckpt/run").backend == "hdfs-native"
     monkeypatch.setenv("CKPT_HDFS_BACKEND", "arrow")
-    monkeypatch.setitem(sys.modules, "pyarrow", None)     # the default client, shown by what it needs
+    monkeypatch.setitem(sys.modules, "pyarrow", None)  # the default client, shown by what it needs
     monkeypatch.setitem(sys.modules, "pyarrow.fs", None)
     with pytest.raises(MissingBackendError) as ei:
         resolve("hdfs://127.0.0.1:9/ckpt/run")
@@ -367,7 +438,7 @@ def test_a_missing_hdfs_native_names_what_to_install(monkeypatch):
     assert ei.value.missing == ("hdfs-native",) and "pip install hdfs-native" in str(ei.value)
 
 
-@pytest.mark.timeout(120)   # a hang detector: the probe is bounded whatever the client does
+@pytest.mark.timeout(120)  # a hang detector: the probe is bounded whatever the client does
 def test_an_unreachable_namenode_is_a_connection_error_naming_it(tmp_path):
     pytest.importorskip("hdfs_native")
     dead = free_port()
@@ -376,7 +447,7 @@ def test_an_unreachable_namenode_is_a_connection_error_naming_it(tmp_path):
         with pytest.raises(ConnectionError) as ei:
             ckpt.tiers.RemoteTier(url, opts)
         assert ei.value.errno == errno.ETIMEDOUT and f"namenode 127.0.0.1:{dead}" in str(ei.value)
-        with ckpt.Checkpointer(url, storage_options=opts, local_dir=tmp_path) as ck:   # a job goes on locally
+        with ckpt.Checkpointer(url, storage_options=opts, local_dir=tmp_path) as ck:  # a job goes on locally
             assert ck.remote.status.available is False
             h = ck.save(1, _state(1.0))
             h.wait("local")

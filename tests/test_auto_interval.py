@@ -21,7 +21,7 @@ def test_interval_follows_the_median_of_recent_costs():
     now = [0.0]
     ai = AutoInterval(mtbf=3600, clock=lambda: now[0])
     assert ai.due(0) and ai.seconds is None
-    for c in (1.0, 100.0, 1.0):          # one outlier does not move the median
+    for c in (1.0, 100.0, 1.0):  # one outlier does not move the median
         ai.record(c)
     assert ai.cost == 1.0
     assert ai.seconds == pytest.approx(daly_interval(1.0, 3600))
@@ -47,10 +47,15 @@ def test_expected_loss_fraction():
 
 def test_checkpointer_with_auto_interval_saves_by_the_injected_clock(local_dir):
     now = [0.0]
-    with ckpt.Checkpointer(local_dir=local_dir, interval="auto", mtbf=10_000, clock=lambda: now[0],
-                           keep=ckpt.Retention(local=None)) as ck:
+    with ckpt.Checkpointer(
+        local_dir=local_dir,
+        interval="auto",
+        mtbf=10_000,
+        clock=lambda: now[0],
+        keep=ckpt.Retention(local=None),
+    ) as ck:
         w = torch.zeros(10)
-        assert ck.maybe_save(0, {"w": w}) is not None      # the first save measures the cost
+        assert ck.maybe_save(0, {"w": w}) is not None  # the first save measures the cost
         ck.wait()
         report = ck.interval_report()
         tau = report["interval_s"]
@@ -74,7 +79,7 @@ def test_a_tiers_cadence_comes_from_the_slowdown_its_writes_cause():
     from ckpt.policy import TierCadence
 
     c = TierCadence("local", mtbf=3600)
-    assert c.seconds is None                  # nothing measured: write as soon as possible
+    assert c.seconds is None  # nothing measured: write as soon as possible
     c.wrote(5.0)
     for _ in range(5):
         c.step(1.2, writing=True)
@@ -86,16 +91,22 @@ def test_a_tiers_cadence_comes_from_the_slowdown_its_writes_cause():
     for _ in range(5):
         free.step(1.0, writing=True)
         free.step(1.0, writing=False)
-    assert free.cost == 0.0 and free.seconds == 40.0   # costs the loop nothing: as often as it keeps up
+    assert free.cost == 0.0 and free.seconds == 40.0  # costs the loop nothing: as often as it keeps up
     with pytest.raises(ValueError):
         TierCadence("local", mtbf=0)
 
 
 def test_interval_auto_gives_each_tier_without_a_cadence_its_own(tmp_path):
     now = [0.0]
-    with ckpt.Checkpointer(tmp_path.joinpath("remote").as_uri(), local_dir=tmp_path / "local", interval="auto",
-                           mtbf={"memory": 600, "remote": 86_400}, persist_every={"remote": 1000},
-                           clock=lambda: now[0], if_busy="wait") as ck:
+    with ckpt.Checkpointer(
+        tmp_path.joinpath("remote").as_uri(),
+        local_dir=tmp_path / "local",
+        interval="auto",
+        mtbf={"memory": 600, "remote": 86_400},
+        persist_every={"remote": 1000},
+        clock=lambda: now[0],
+        if_busy="wait",
+    ) as ck:
         w = torch.zeros(10)
         for step in range(30):
             now[0] += 1.0
@@ -103,14 +114,14 @@ def test_interval_auto_gives_each_tier_without_a_cadence_its_own(tmp_path):
             if h is not None:
                 h.wait()
         tiers = ck.interval_report()["tiers"]
-        assert list(tiers) == ["local"]            # the remote tier has its persist_every cadence
-        assert tiers["local"]["mtbf_s"] == 600     # not named in mtbf: the memory tier's
+        assert list(tiers) == ["local"]  # the remote tier has its persist_every cadence
+        assert tiers["local"]["mtbf_s"] == 600  # not named in mtbf: the memory tier's
         assert tiers["local"]["write_s"] is not None and tiers["local"]["write_s"] > 0
         assert ck.tier_counts["local"].persisted >= 1
 
 
 def test_mtbf_per_tier_is_checked(local_dir):
     with pytest.raises(ValueError):
-        ckpt.Checkpointer(local_dir=local_dir, interval="auto", mtbf={"local": 100})   # no "memory"
+        ckpt.Checkpointer(local_dir=local_dir, interval="auto", mtbf={"local": 100})  # no "memory"
     with pytest.raises(ValueError):
         ckpt.Checkpointer(local_dir=local_dir, interval="auto", mtbf={"memory": 100, "disk": 5})

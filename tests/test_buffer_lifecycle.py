@@ -65,20 +65,25 @@ def _restored(local_dir, step=None) -> tuple[int | None, float, str | None]:
 
 # -- close() ------------------------------------------------------------------------------------------------
 
+
 def test_close_writes_the_newest_snapshot_to_every_tier_whatever_the_cadence(tmp_path):
     """The README's loop: snapshots every 10 steps, the local tier every 50, the remote every 100, a `with`
     block. The newest snapshot the memory tier committed is on the local and remote tiers after the block,
     and no handle is left pending."""
     handles = []
-    with ckpt.Checkpointer(f"file://{tmp_path}/remote", local_dir=tmp_path / "local", every_steps=10,
-                           persist_every={"local": 50, "remote": 100}) as ck:
+    with ckpt.Checkpointer(
+        f"file://{tmp_path}/remote",
+        local_dir=tmp_path / "local",
+        every_steps=10,
+        persist_every={"local": 50, "remote": 100},
+    ) as ck:
         for step in range(121):
-            time.sleep(0.005)   # the training step
+            time.sleep(0.005)  # the training step
             st = _state(float(step))
             h = ck.maybe_save(step, st)
             if h is not None:
                 handles.append(h)
-                if step < 120:   # the copy lands within the next training step; the last one is closed at once
+                if step < 120:  # the copy lands within the next training step; the last one is closed at once
                     h.wait("memory")
     # the newest the memory tier committed (a snapshot is skipped while both tiers still write: three buffers)
     newest = [h for h in handles if h.status != "skipped"][-1]
@@ -100,7 +105,7 @@ def test_close_writes_a_snapshot_still_being_copied(tmp_path, slow_staging):
     first = ck.save(1, _state(1.0))
     first.wait()
     h = ck.save(2, _state(2.0))
-    assert h.tier_status("local") == "skipped"   # not due by its cadence
+    assert h.tier_status("local") == "skipped"  # not due by its cadence
     ck.close()
     assert h.done() and h.tier_status("local") == "done"
     assert LocalTier(tmp_path).committed_steps()[0] == 2
@@ -116,7 +121,7 @@ def test_close_after_a_failed_save_writes_the_newest_committed_one(tmp_path, slo
     ok.wait("memory")
     st = _state(3.0)
     bad = ck.save(3, st)
-    st["w"].data.add_(1)   # in place, before the (slow) copy is done: step 3's snapshot is torn
+    st["w"].data.add_(1)  # in place, before the (slow) copy is done: step 3's snapshot is torn
     with pytest.raises(TornSnapshotError):
         ck.close()
     assert bad.status == "failed" and ok.done() and ok.tier_status("local") == "done"
@@ -124,6 +129,7 @@ def test_close_after_a_failed_save_writes_the_newest_committed_one(tmp_path, slo
 
 
 # -- the newest committed snapshot keeps its buffer ---------------------------------------------------------
+
 
 def test_a_failed_snapshot_never_costs_the_newest_committed_one(tmp_path, slow_staging):
     """Two buffers; the local tier holds one (a slow write of step 1); step 2 is committed in the other. Step 3
@@ -134,14 +140,14 @@ def test_a_failed_snapshot_never_costs_the_newest_committed_one(tmp_path, slow_s
     ck = ckpt.Checkpointer(local_dir=local, max_in_flight=2)
     try:
         ck.save(1, _state(1.0)).wait("memory")
-        assert local.started.wait(10)           # the local tier reads step 1's buffer, and holds it
+        assert local.started.wait(10)  # the local tier reads step 1's buffer, and holds it
         ck.save(2, _state(2.0)).wait("memory")  # committed in the second buffer: the newest
         st = _state(3.0)
         h3 = ck.save(3, st)
-        st["w"].data.add_(1)                    # would tear step 3's snapshot, had it been taken
+        st["w"].data.add_(1)  # would tear step 3's snapshot, had it been taken
         assert h3.status == "skipped" and h3.skip_reason == "busy"
         assert {c.step for c in ck.memory.committed()} >= {2}
-        got = _restored(tmp_path / "local")     # a new process on the node, the local tier still empty
+        got = _restored(tmp_path / "local")  # a new process on the node, the local tier still empty
         assert got == (2, 2.0, "memory")
     finally:
         gate.set()
@@ -158,7 +164,7 @@ def test_a_single_buffer_is_taken_for_the_next_snapshot_once_no_tier_reads_it(tm
         ck.save(1, _state(1.0)).wait("memory")
         assert local.started.wait(10)
         h2 = ck.save(2, _state(2.0))
-        assert (h2.status, h2.skip_reason) == ("skipped", "busy")   # the only buffer is read by the local tier
+        assert (h2.status, h2.skip_reason) == ("skipped", "busy")  # the only buffer is read by the local tier
         gate.set()
         ck.wait("local")
         h = ck.save(3, _state(3.0))
@@ -174,8 +180,14 @@ def test_a_single_buffer_is_taken_for_the_next_snapshot_once_no_tier_reads_it(tm
 def test_a_single_buffer_whose_snapshot_no_tier_wants_never_blocks_a_waiting_save(tmp_path):
     """One buffer, if_busy="wait", the local tier every 4 snapshots: a snapshot not due anywhere gives its
     buffer to the next save (which would otherwise wait for a tier that never comes)."""
-    with ckpt.Checkpointer(local_dir=tmp_path, max_in_flight=1, if_busy="wait", every_steps=2,
-                           persist_every={"local": 4}, keep=ckpt.Retention(local=1)) as ck:
+    with ckpt.Checkpointer(
+        local_dir=tmp_path,
+        max_in_flight=1,
+        if_busy="wait",
+        every_steps=2,
+        persist_every={"local": 4},
+        keep=ckpt.Retention(local=1),
+    ) as ck:
         done = threading.Event()
 
         def loop():
@@ -200,7 +212,7 @@ def test_snapshots_every_step_are_taken_while_a_slow_tier_writes(tmp_path):
     try:
         for step in range(40):
             if step == 30:
-                gate.set()   # the disk catches up
+                gate.set()  # the disk catches up
             h = ck.maybe_save(step, _state(float(step)))
             if h is not None:
                 h.wait("memory")
@@ -220,7 +232,9 @@ def test_snapshots_every_step_are_taken_while_a_slow_tier_writes(tmp_path):
     assert len(committed) >= 30, skips
     counts = ck.tier_counts["local"]
     assert counts.persisted >= 2 and counts.superseded >= 10
-    assert counts.persisted + counts.superseded + counts.busy + counts.not_due + counts.failed == len(committed)
+    assert counts.persisted + counts.superseded + counts.busy + counts.not_due + counts.failed == len(
+        committed
+    )
     assert LocalTier(tmp_path / "local").committed_steps()[0] == 39
     fig = ck.tier_figures()["memory"]
     assert fig.buffers == 3 and fig.snapshots_skipped == len(taken) - len(committed)
@@ -247,13 +261,18 @@ def test_a_skip_costs_the_loop_no_waiting(tmp_path):
 
 # -- the memory tier's failures are its own ----------------------------------------------------------------
 
+
 @pytest.fixture
 def small_shm(tmp_path, monkeypatch):
     """A RAM file system of 16 MiB of its own as the memory tier's (mounted where the test may; else skipped)."""
     root = tmp_path / "shm"
     root.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", str(root)], capture_output=True).returncode:
-        pytest.skip("cannot mount a tmpfs here (needs root); test_a_record_that_cannot_be_written_... covers it")
+    if subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", str(root)], capture_output=True
+    ).returncode:
+        pytest.skip(
+            "cannot mount a tmpfs here (needs root); test_a_record_that_cannot_be_written_... covers it"
+        )
     monkeypatch.setenv("CKPT_SHM_DIR", str(root))
     yield root
     subprocess.run(["umount", "-l", str(root)], capture_output=True)
@@ -288,8 +307,8 @@ def test_a_full_ram_file_system_costs_only_crash_survival(tmp_path, small_shm, c
         with caplog.at_level(logging.INFO, logger="ckpt"):
             for step in range(3, 8):
                 st = _state(float(step))
-                st["meta"]["note"] = "x" * 65536   # a longer record than the one withdrawn makes room for
-                ck.save(step, st).wait()   # raises if any tier failed
+                st["meta"]["note"] = "x" * 65536  # a longer record than the one withdrawn makes room for
+                ck.save(step, st).wait()  # raises if any tier failed
         assert ck.memory.records_failed == 5
         assert ck.tier_figures()["memory"].records_failed == 5
         warned = [r for r in caplog.records if r.levelno >= logging.WARNING and r.name == "ckpt.tiers.memory"]
@@ -347,7 +366,7 @@ def test_foreign_entries_at_the_segment_names_cost_only_crash_survival(tmp_path,
     with open("/etc/hostname", "rb") as f:
         hostname = f.read()
     ck = ckpt.Checkpointer(local_dir=tmp_path / "local", every_steps=1)
-    ck._node.own()   # what the first save does: the space of the segments is made by the owner of local_dir
+    ck._node.own()  # what the first save does: the space of the segments is made by the owner of local_dir
     root, prefix = ck.memory.space.root, ck.memory.space.prefix
     made = []
     for slot in range(3):
@@ -368,7 +387,7 @@ def test_foreign_entries_at_the_segment_names_cost_only_crash_survival(tmp_path,
     finally:
         ck.close()
     with open("/etc/hostname", "rb") as f:
-        assert f.read() == hostname   # never written through the links
+        assert f.read() == hostname  # never written through the links
     for p in made:
         if kind == "directory":
             assert stat.S_ISDIR(os.lstat(p).st_mode)
@@ -402,6 +421,7 @@ def test_an_allocation_that_fails_leaks_nothing(tmp_path, monkeypatch):
 
 # -- a property test of the lifecycle ----------------------------------------------------------------------
 
+
 @pytest.fixture
 def slowish_staging(monkeypatch):
     """CPU staging copies that take 10 ms each: a write right after save() lands before the copy."""
@@ -411,14 +431,15 @@ def slowish_staging(monkeypatch):
 
 
 @pytest.mark.parametrize("seed", range(8))
-def test_random_saves_failures_slow_tiers_and_crashes_never_lose_the_newest_committed(tmp_path, seed,
-                                                                                       slowish_staging):
+def test_random_saves_failures_slow_tiers_and_crashes_never_lose_the_newest_committed(
+    tmp_path, seed, slowish_staging
+):
     """Random sequences of saves, torn saves, a local tier that stalls, resumes or fails, and crashes of the
     process (its memory tier kept, its disk writes lost from the crash on): after each crash, the newest
     snapshot committed to the memory tier (or a newer one) is restored, bit-exact; every handle ends."""
     rng = random.Random(seed)
     gate = threading.Event()
-    values: dict[int, float] = {}   # step -> value, of every snapshot committed to the memory tier
+    values: dict[int, float] = {}  # step -> value, of every snapshot committed to the memory tier
     newest = None
     step = 0
     handles = []
@@ -436,7 +457,7 @@ def test_random_saves_failures_slow_tiers_and_crashes_never_lose_the_newest_comm
             step += 1
             op = rng.random()
             if op < 0.25:
-                gate.clear()   # the local tier stalls (and holds its buffer)
+                gate.clear()  # the local tier stalls (and holds its buffer)
             elif op < 0.4:
                 gate.set()
             elif op < 0.5:
@@ -445,7 +466,7 @@ def test_random_saves_failures_slow_tiers_and_crashes_never_lose_the_newest_comm
             h = ck.save(step, st)
             handles.append(h)
             if rng.random() < 0.35 and h.status != "skipped":
-                st["w"].data.add_(0.5)   # in place before the slow copy: torn
+                st["w"].data.add_(0.5)  # in place before the slow copy: torn
             try:
                 h.wait("memory", timeout=30)
             except TornSnapshotError:
@@ -453,9 +474,9 @@ def test_random_saves_failures_slow_tiers_and_crashes_never_lose_the_newest_comm
             if h.status != "skipped":
                 values[step] = float(step)
                 newest = step
-        local.broken = True   # the crash: no disk write from here on
+        local.broken = True  # the crash: no disk write from here on
         gate.set()
-        ck.close(raise_errors=False, keep_memory=True)   # its RAM stays for the next process
+        ck.close(raise_errors=False, keep_memory=True)  # its RAM stays for the next process
     for h in handles:
         assert h.done()
     got, value, _ = _restored(tmp_path / "local")
@@ -486,13 +507,20 @@ def test_sigkill_mid_copy_or_at_random_never_loses_the_newest_committed_snapshot
 
     rng = random.Random(buffers)
     worker = os.path.join(os.path.dirname(__file__), "lifecycle_worker.py")
-    env = {**os.environ, "PYTHONUNBUFFERED": "1",
-           "PYTHONPATH": os.pathsep.join([os.path.dirname(__file__), os.environ.get("PYTHONPATH", "")])}
+    env = {
+        **os.environ,
+        "PYTHONUNBUFFERED": "1",
+        "PYTHONPATH": os.pathsep.join([os.path.dirname(__file__), os.environ.get("PYTHONPATH", "")]),
+    }
     committed = None
     for mid_copy in (True, False, True):
         stall_at = rng.randint(3, 8) if mid_copy else -1
-        proc = subprocess.Popen([sys.executable, worker, str(tmp_path / "local"), str(buffers), str(stall_at)],
-                                stdout=subprocess.PIPE, text=True, env=env)
+        proc = subprocess.Popen(
+            [sys.executable, worker, str(tmp_path / "local"), str(buffers), str(stall_at)],
+            stdout=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
         try:
             restored = _read_until(proc, "restored", 120)[-1].split()
             got = None if restored[1] == "None" else int(restored[1])
@@ -508,7 +536,7 @@ def test_sigkill_mid_copy_or_at_random_never_loses_the_newest_committed_snapshot
                         lines.append(proc.stdout.readline())
             proc.send_signal(signal.SIGKILL)
             proc.wait(30)
-            lines += list(proc.stdout)   # what it had printed before the kill
+            lines += list(proc.stdout)  # what it had printed before the kill
             steps = [int(line.split()[1]) for line in lines if line.startswith("committed")]
             committed = max(steps, default=committed)
         finally:
@@ -523,6 +551,7 @@ def test_sigkill_mid_copy_or_at_random_never_loses_the_newest_committed_snapshot
 
 
 # -- records in the background (rule 6): committed in the process at once, crash survival one checksum behind --
+
 
 def _recorded_steps(local_dir) -> set[int]:
     return {r.step for g in shm.segments(prefix=shm.prefix_for(local_dir, 0)) for r in g.records}
@@ -551,8 +580,10 @@ def test_every_snapshot_is_committed_while_records_follow_and_a_waited_one_is_re
         handles = []
         for step in range(30):
             handles.append(ck.maybe_save(step, _state(float(step))))
-            _committed(ck)   # a training step's time: only a record could hold a buffer now
-        handles[-1].wait("memory", timeout=60)   # the local tier still holds step 0's buffer: urged, not patient
+            _committed(ck)  # a training step's time: only a record could hold a buffer now
+        handles[-1].wait(
+            "memory", timeout=60
+        )  # the local tier still holds step 0's buffer: urged, not patient
         assert 29 in _recorded_steps(local.root)
         ends = [h for h in handles if h is not None and h.status != "skipped"]
         # a record never holds up a copy: a step is skipped only while the buffers are still being allocated
@@ -561,7 +592,7 @@ def test_every_snapshot_is_committed_while_records_follow_and_a_waited_one_is_re
         for h in ends:
             h.wait("memory", timeout=60)
             assert h.tier_status("memory") in ("done", "skipped")
-            if h.tier_status("memory") == "skipped":   # in this process only: says why
+            if h.tier_status("memory") == "skipped":  # in this process only: says why
                 assert "before its record was written" in h.skipped_tiers["memory"]
         fig = ck.tier_figures()["memory"]
         assert fig.records_written >= 1
@@ -612,8 +643,12 @@ def test_a_record_pass_gives_its_buffer_up_to_a_new_snapshot_and_publishes_nothi
     assert {why for _, why in skips} <= {"allocating"}, skips
     ends = [h for h in handles if h is not None and h.status != "skipped"]
     assert len(ends) >= 50
-    gave_up = [h for h in ends if h.tier_status("memory") == "skipped"
-               and "its buffer was taken for step" in h.skipped_tiers["memory"]]
+    gave_up = [
+        h
+        for h in ends
+        if h.tier_status("memory") == "skipped"
+        and "its buffer was taken for step" in h.skipped_tiers["memory"]
+    ]
     assert gave_up, "no record pass gave its buffer up"
     # a record is published only for bytes that are still the snapshot: every record seen named a step whose
     # snapshot was then in that slot (a reader checks the chunks; here nothing published may fail them)
@@ -633,7 +668,7 @@ def test_a_record_pass_keeps_its_buffer_once_no_record_was_written_for_a_while(t
     _slow_records(monkeypatch, 0.05)
     run = tmp_path / "run"
     with ckpt.knobs.override(CKPT_CHUNK_BYTES=4096, CKPT_PERSIST_THREADS=1):
-        ck = ckpt.Checkpointer(local_dir=run, every_steps=1, max_in_flight=2, persist_every={"local": 10 ** 6})
+        ck = ckpt.Checkpointer(local_dir=run, every_steps=1, max_in_flight=2, persist_every={"local": 10**6})
         handles = []
         recorded_during: set[int] = set()
         try:
@@ -673,7 +708,7 @@ def test_a_record_thread_that_stopped_does_not_cost_the_newest_its_record_at_clo
     _committed(ck)
     deadline = time.monotonic() + 30
     while ck.memory._recorder is not None and time.monotonic() < deadline:
-        time.sleep(0.01)   # the thread has stopped, the record not written
+        time.sleep(0.01)  # the thread has stopped, the record not written
     assert calls and 1 not in _recorded_steps(run) and h.tier_status("memory") == "pending"
     ck.close(keep_memory=True)
     assert _recorded_steps(run) == {1} and h.tier_status("memory") == "done"
@@ -690,17 +725,24 @@ def test_a_block_that_raises_leaves_the_newest_snapshot_recorded_and_close_leave
             for step in range(1, 25):
                 handles.append(ck.maybe_save(step, _state(float(step))))
             raise RuntimeError("the loop failed")
-    newest = max(h.step for h in handles if h.status != "skipped")   # a save finding no free buffer is skipped
+    newest = max(h.step for h in handles if h.status != "skipped")  # a save finding no free buffer is skipped
     fig = ck.tier_figures()["memory"]
     assert max(_recorded_steps(run)) == newest, (
-        sorted(_recorded_steps(run)), [(h.step, h.status, h.tier_status("memory"), h.errors, h.skipped_tiers)
-                                       for h in handles if h.status != "skipped"],
-        fig.records_written, fig.records_superseded, ck.memory.records_failed)
+        sorted(_recorded_steps(run)),
+        [
+            (h.step, h.status, h.tier_status("memory"), h.errors, h.skipped_tiers)
+            for h in handles
+            if h.status != "skipped"
+        ],
+        fig.records_written,
+        fig.records_superseded,
+        ck.memory.records_failed,
+    )
     assert _restored(run)[:2] == (newest, float(newest))
     ck2 = ckpt.Checkpointer(local_dir=run, every_steps=1)
     ck2.restore(_state())
     for step in range(25, 40):
         ck2.maybe_save(step, _state(float(step)))
     ck2.close()
-    time.sleep(0.2)   # a record thread that outlived close() would write now
+    time.sleep(0.2)  # a record thread that outlived close() would write now
     assert shm.segments(prefix=shm.prefix_for(run, 0)) == []

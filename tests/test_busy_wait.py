@@ -25,8 +25,8 @@ from ckpt.tiers import LocalTier
 from helpers import assert_ok, run_ranks
 
 HERE = Path(__file__).parent
-SLOW_S = 4.0      # one buffer's allocation
-BOUND_MS = 500    # the busy wait in these tests: the slack around it is generous, the allocation far longer
+SLOW_S = 4.0  # one buffer's allocation
+BOUND_MS = 500  # the busy wait in these tests: the slack around it is generous, the allocation far longer
 
 
 class _Allocations(list):
@@ -64,13 +64,20 @@ def _skip_records(caplog) -> list[logging.LogRecord]:
     return [r for r in caplog.records if r.name == "ckpt.api" and r.levelno == logging.WARNING]
 
 
-def test_a_save_during_the_background_allocation_is_skipped_after_the_bound(local_dir, slow_allocation, caplog):
-    with knobs.override(CKPT_BUSY_WAIT_MS=BOUND_MS), ckpt.Checkpointer(local_dir=local_dir, every_steps=1) as ck:
+def test_a_save_during_the_background_allocation_is_skipped_after_the_bound(
+    local_dir, slow_allocation, caplog
+):
+    with (
+        knobs.override(CKPT_BUSY_WAIT_MS=BOUND_MS),
+        ckpt.Checkpointer(local_dir=local_dir, every_steps=1) as ck,
+    ):
         t0 = time.monotonic()
-        handle = ck.maybe_save(1, _state())   # starts the allocation, then finds no buffer yet
+        handle = ck.maybe_save(1, _state())  # starts the allocation, then finds no buffer yet
         took = time.monotonic() - t0
         assert handle.status == "skipped" and ck.skipped == 1
-        assert took < SLOW_S - 1, took   # not a whole allocation, in the loop or waiting for the background one
+        assert took < SLOW_S - 1, (
+            took
+        )  # not a whole allocation, in the loop or waiting for the background one
         assert [r.levelno for r in _skip_records(caplog)] == [logging.WARNING]
         slow_allocation.finish()
         ck.pool._prepared.join(60)
@@ -79,7 +86,10 @@ def test_a_save_during_the_background_allocation_is_skipped_after_the_bound(loca
 
 
 def test_a_save_after_the_background_allocation_finished_is_taken(local_dir, slow_allocation):
-    with knobs.override(CKPT_BUSY_WAIT_MS=BOUND_MS), ckpt.Checkpointer(local_dir=local_dir, every_steps=1) as ck:
+    with (
+        knobs.override(CKPT_BUSY_WAIT_MS=BOUND_MS),
+        ckpt.Checkpointer(local_dir=local_dir, every_steps=1) as ck,
+    ):
         assert ck.maybe_save(1, _state()).status == "skipped"
         slow_allocation.finish()
         ck.pool._prepared.join(60)
@@ -91,17 +101,22 @@ def test_a_save_after_the_background_allocation_finished_is_taken(local_dir, slo
 def test_a_save_waits_for_the_background_allocation_within_the_bound(local_dir, slow_allocation):
     # the bound covers the allocation: the save waits for its first buffer instead of being skipped, and
     # does not allocate the second one itself meanwhile
-    threading.Timer(1.0, slow_allocation.finish).start()   # an allocation of 1 s, well within the bound
-    with knobs.override(CKPT_BUSY_WAIT_MS=int(SLOW_S * 1000) + 30_000), \
-            ckpt.Checkpointer(local_dir=local_dir, every_steps=1) as ck:
+    threading.Timer(1.0, slow_allocation.finish).start()  # an allocation of 1 s, well within the bound
+    with (
+        knobs.override(CKPT_BUSY_WAIT_MS=int(SLOW_S * 1000) + 30_000),
+        ckpt.Checkpointer(local_dir=local_dir, every_steps=1) as ck,
+    ):
         assert ck.maybe_save(1, _state()).wait().status == "done"
         ck.pool._prepared.join(60)
         assert ck.skipped == 0 and slow_allocation == ["ckpt-prepare"] * 3
 
 
 def test_an_explicit_save_during_the_background_allocation_waits_and_is_taken(local_dir, slow_allocation):
-    with knobs.override(CKPT_BUSY_WAIT_MS=BOUND_MS), ckpt.Checkpointer(local_dir=local_dir, every_steps=50) as ck:
-        assert ck.maybe_save(1, _state()) is None   # not due: starts the allocation only
+    with (
+        knobs.override(CKPT_BUSY_WAIT_MS=BOUND_MS),
+        ckpt.Checkpointer(local_dir=local_dir, every_steps=50) as ck,
+    ):
+        assert ck.maybe_save(1, _state()) is None  # not due: starts the allocation only
         handle = ck.save(2, _state())
         assert handle.wait().status == "done" and ck.skipped == 0
         assert handle.stats.wait_s > SLOW_S / 2
@@ -109,19 +124,27 @@ def test_an_explicit_save_during_the_background_allocation_waits_and_is_taken(lo
 
 def test_a_requested_save_during_the_background_allocation_waits_and_is_taken(local_dir, slow_allocation):
     signals = ckpt.Signals(save=(signal.SIGUSR1,))
-    with knobs.override(CKPT_BUSY_WAIT_MS=BOUND_MS), \
-            ckpt.Checkpointer(local_dir=local_dir, every_steps=50, signals=signals) as ck:
-        assert ck.maybe_save(1, _state()) is None   # not due: starts the allocation only
+    with (
+        knobs.override(CKPT_BUSY_WAIT_MS=BOUND_MS),
+        ckpt.Checkpointer(local_dir=local_dir, every_steps=50, signals=signals) as ck,
+    ):
+        assert ck.maybe_save(1, _state()) is None  # not due: starts the allocation only
         os.kill(os.getpid(), signal.SIGUSR1)
-        threading.Timer(2 * BOUND_MS / 1000, slow_allocation.finish).start()   # the allocation outlasts the bound
-        handle = ck.maybe_save(2, _state())   # a forced save: waits for a buffer, durable on the local tier
+        threading.Timer(
+            2 * BOUND_MS / 1000, slow_allocation.finish
+        ).start()  # the allocation outlasts the bound
+        handle = ck.maybe_save(2, _state())  # a forced save: waits for a buffer, durable on the local tier
         assert handle.status == "done" and ck.skipped == 0 and ck.local.committed_steps() == [2]
 
 
 def test_if_busy_wait_never_skips_during_the_background_allocation(local_dir, slow_allocation):
-    with knobs.override(CKPT_BUSY_WAIT_MS=BOUND_MS), \
-            ckpt.Checkpointer(local_dir=local_dir, every_steps=1, if_busy="wait") as ck:
-        threading.Timer(2 * BOUND_MS / 1000, slow_allocation.finish).start()   # the allocation outlasts the bound
+    with (
+        knobs.override(CKPT_BUSY_WAIT_MS=BOUND_MS),
+        ckpt.Checkpointer(local_dir=local_dir, every_steps=1, if_busy="wait") as ck,
+    ):
+        threading.Timer(
+            2 * BOUND_MS / 1000, slow_allocation.finish
+        ).start()  # the allocation outlasts the bound
         handle = ck.maybe_save(1, _state())
         assert handle.wait().status == "done" and ck.skipped == 0
 
@@ -141,15 +164,21 @@ class _GatedTier(LocalTier):
 
 def test_a_save_finding_every_buffer_held_is_skipped_after_the_bound(local_dir, caplog):
     tier = _GatedTier(local_dir)
-    with knobs.override(CKPT_BUSY_WAIT_MS=BOUND_MS), \
-            ckpt.Checkpointer(local_dir=tier, every_steps=1, max_in_flight=1) as ck:
+    with (
+        knobs.override(CKPT_BUSY_WAIT_MS=BOUND_MS),
+        ckpt.Checkpointer(local_dir=tier, every_steps=1, max_in_flight=1) as ck,
+    ):
         first = ck.maybe_save(1, _state())
-        assert tier.started.wait(60)   # the write holds the one buffer (before it starts, step 2 would supersede it)
+        assert tier.started.wait(
+            60
+        )  # the write holds the one buffer (before it starts, step 2 would supersede it)
         t0 = time.monotonic()
         second = ck.maybe_save(2, _state())
         took = time.monotonic() - t0
         assert second.status == "skipped" and ck.skipped == 1
-        assert BOUND_MS / 1000 * 0.9 <= took < BOUND_MS / 1000 + 5, took   # it did wait for a buffer, that long
+        assert BOUND_MS / 1000 * 0.9 <= took < BOUND_MS / 1000 + 5, (
+            took
+        )  # it did wait for a buffer, that long
         assert [r.levelno for r in _skip_records(caplog)] == [logging.WARNING]
         tier.go.set()
         first.wait()
@@ -158,12 +187,14 @@ def test_a_save_finding_every_buffer_held_is_skipped_after_the_bound(local_dir, 
 
 def test_a_save_takes_a_buffer_a_tier_lets_go_of_within_the_bound(local_dir):
     tier = _GatedTier(local_dir)
-    with knobs.override(CKPT_BUSY_WAIT_MS=30_000), \
-            ckpt.Checkpointer(local_dir=tier, every_steps=1, max_in_flight=1) as ck:
+    with (
+        knobs.override(CKPT_BUSY_WAIT_MS=30_000),
+        ckpt.Checkpointer(local_dir=tier, every_steps=1, max_in_flight=1) as ck,
+    ):
         first = ck.maybe_save(1, _state())
         assert tier.started.wait(60)
         threading.Timer(0.3, tier.go.set).start()
-        second = ck.maybe_save(2, _state())   # waits until the write of step 1 lets go of the buffer
+        second = ck.maybe_save(2, _state())  # waits until the write of step 1 lets go of the buffer
         assert second.wait().status == "done" and first.status == "done" and ck.skipped == 0
         assert second.stats.wait_s >= 0.1
 
@@ -171,8 +202,10 @@ def test_a_save_takes_a_buffer_a_tier_lets_go_of_within_the_bound(local_dir):
 def test_repeated_skips_for_one_cause_warn_once_then_log_at_info(local_dir, caplog):
     tier = _GatedTier(local_dir)
     caplog.set_level(logging.INFO, logger="ckpt.api")
-    with knobs.override(CKPT_BUSY_WAIT_MS=50), \
-            ckpt.Checkpointer(local_dir=tier, every_steps=1, max_in_flight=1) as ck:
+    with (
+        knobs.override(CKPT_BUSY_WAIT_MS=50),
+        ckpt.Checkpointer(local_dir=tier, every_steps=1, max_in_flight=1) as ck,
+    ):
         first = ck.maybe_save(1, _state())
         assert tier.started.wait(60)
         caplog.clear()
@@ -189,7 +222,9 @@ def test_two_ranks_skip_together_while_one_still_allocates_then_save_together(tm
     assert_ok(results)
     lines = [[l for l in r.stdout.splitlines() if l.startswith(("step", "allocated"))] for r in results]
     assert lines[0][:2] == lines[1][:2] == ["step 1 skipped 1", "step 2 done 1"], lines
-    assert lines[1][2] == "allocated by ckpt-prepare ckpt-prepare ckpt-prepare", lines   # never in rank 1's training thread
+    assert lines[1][2] == "allocated by ckpt-prepare ckpt-prepare ckpt-prepare", (
+        lines
+    )  # never in rank 1's training thread
 
 
 def test_the_pool_counts_an_allocation_under_way_as_a_buffer_to_come(slow_allocation):
@@ -207,9 +242,9 @@ def test_the_pool_counts_an_allocation_under_way_as_a_buffer_to_come(slow_alloca
         pool.close()
 
 
-def test_interval_auto_takes_its_first_snapshot_once_the_buffers_are_there_and_not_their_cost(local_dir,
-                                                                                             slow_allocation,
-                                                                                             monkeypatch):
+def test_interval_auto_takes_its_first_snapshot_once_the_buffers_are_there_and_not_their_cost(
+    local_dir, slow_allocation, monkeypatch
+):
     # "as soon as it can" under interval="auto": no skip (nor wait) per step while the buffers, which cannot be
     # there within the bound (a slow rate for their size), are allocated in the background, and the
     # allocation (a one-time cost) never becomes the snapshot's measured cost
@@ -217,9 +252,9 @@ def test_interval_auto_takes_its_first_snapshot_once_the_buffers_are_there_and_n
     clock = [0.0]
     with ckpt.Checkpointer(local_dir=local_dir, interval="auto", mtbf=3600, clock=lambda: clock[0]) as ck:
         t0 = time.monotonic()
-        first = ck.maybe_save(1, _state())   # starts the allocation: its first moments may still take a skip
+        first = ck.maybe_save(1, _state())  # starts the allocation: its first moments may still take a skip
         assert first is None or first.status == "skipped"
-        assert ck.maybe_save(2, _state()) is None   # the allocation runs: not due yet, and no wait
+        assert ck.maybe_save(2, _state()) is None  # the allocation runs: not due yet, and no wait
         assert time.monotonic() - t0 < SLOW_S / 2 and ck.skipped <= 1
         skipped = ck.skipped
         deadline = time.monotonic() + 10 * SLOW_S
@@ -232,13 +267,14 @@ def test_interval_auto_takes_its_first_snapshot_once_the_buffers_are_there_and_n
         assert handle is not None and handle.status != "skipped" and ck.skipped == skipped
         handle.wait()
     with ckpt.Checkpointer(local_dir=local_dir / "b", interval="auto", mtbf=3600) as ck:
-        ck.save(1, _state()).wait()   # an explicit first save allocates its buffer itself (SLOW_S)
+        ck.save(1, _state()).wait()  # an explicit first save allocates its buffer itself (SLOW_S)
         assert ck.history[-1].stall_s >= SLOW_S
-        assert ck.interval_report()["cost_s"] < SLOW_S / 4   # the allocation is not the snapshot's cost
+        assert ck.interval_report()["cost_s"] < SLOW_S / 4  # the allocation is not the snapshot's cost
 
 
-def test_a_save_skips_at_once_when_the_first_buffer_cannot_be_there_within_the_bound(local_dir, slow_allocation,
-                                                                                     monkeypatch):
+def test_a_save_skips_at_once_when_the_first_buffer_cannot_be_there_within_the_bound(
+    local_dir, slow_allocation, monkeypatch
+):
     # the first buffer's allocation needs far longer than the bound (a slow rate for its size): no wait at all
     monkeypatch.setattr(pool_mod, "_ALLOC_GBPS", 1e-9)
     with knobs.override(CKPT_BUSY_WAIT_MS=3000), ckpt.Checkpointer(local_dir=local_dir, every_steps=1) as ck:
@@ -249,8 +285,9 @@ def test_a_save_skips_at_once_when_the_first_buffer_cannot_be_there_within_the_b
         slow_allocation.finish()
 
 
-def test_with_pinned_buffers_the_first_is_taken_while_the_others_are_allocated_between_copies(tmp_path,
-                                                                                           slow_allocation):
+def test_with_pinned_buffers_the_first_is_taken_while_the_others_are_allocated_between_copies(
+    tmp_path, slow_allocation
+):
     # the first buffer is there, the second still being allocated (pages reserved, mapped and registered with
     # the CUDA driver in paced pieces): a save takes the free buffer at once, and the allocation registers its
     # pieces only while no snapshot is being copied (a snapshot beside a registration stalls the loop)

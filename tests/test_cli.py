@@ -74,21 +74,31 @@ COMMANDS = ("demo", "ls", "inspect", "verify", "gc", "promote", "export")
 
 
 def _run(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([str(CONSOLE), *args], capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    return subprocess.run(
+        [str(CONSOLE), *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "PYTHONWARNINGS": "ignore"},
+    )
 
 
 def _run_on_a_terminal(*args: str) -> tuple[int, str, str]:
     """``ckpt args`` with stderr on a pseudo-terminal (stdout a pipe): (status, stdout, what the terminal got)."""
     master, slave = pty.openpty()
-    p = subprocess.Popen([str(CONSOLE), *args], stdout=subprocess.PIPE, stderr=slave, stdin=subprocess.DEVNULL,
-                         env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    p = subprocess.Popen(
+        [str(CONSOLE), *args],
+        stdout=subprocess.PIPE,
+        stderr=slave,
+        stdin=subprocess.DEVNULL,
+        env={**os.environ, "PYTHONWARNINGS": "ignore"},
+    )
     os.close(slave)
     got = b""
     while True:
         try:
             block = os.read(master, 1 << 16)
-        except OSError:   # EIO: the child closed its end
+        except OSError:  # EIO: the child closed its end
             break
         if not block:
             break
@@ -116,7 +126,10 @@ def _bar_cases(local, url, tmp):
         "verify": (["verify", str(local), "--step", "2"], "verify step 2"),
         "gc": (["gc", str(local), "--keep", "1", "--dry-run"], "verify step 2"),
         "promote-remote": (["promote", str(local), url, "--step", "1", "--to", "remote"], "promote step 1"),
-        "promote-local": (["promote", str(tmp / "other"), url, "--step", "2", "--to", "local"], "promote step 2"),
+        "promote-local": (
+            ["promote", str(tmp / "other"), url, "--step", "2", "--to", "local"],
+            "promote step 2",
+        ),
         "export": (["export", str(local), str(tmp / "out")], "export step 2"),
     }
 
@@ -126,8 +139,8 @@ def test_a_progress_bar_with_bytes_and_rate_is_drawn_on_a_terminal(tiers, case):
     args, desc = _bar_cases(*tiers)[case]
     status, out, terminal = _run_on_a_terminal(*args)
     assert status == 0, terminal
-    assert desc in terminal and "2.86M" in terminal and "B/s" in terminal, terminal   # its size, the rate
-    assert "\r" in terminal and desc not in out   # drawn in place on stderr; stdout keeps the plain report
+    assert desc in terminal and "2.86M" in terminal and "B/s" in terminal, terminal  # its size, the rate
+    assert "\r" in terminal and desc not in out  # drawn in place on stderr; stdout keeps the plain report
 
 
 @pytest.mark.parametrize("case", ["verify", "gc", "promote-remote", "promote-local", "export"])
@@ -155,12 +168,12 @@ def test_the_byte_counter_sees_each_byte_once_and_is_off_by_default(tiers):
     local, url, tmp = tiers
     tier = LocalTier(local)
     data = tier.open(2)[1].data_bytes
-    records = 64 << 10   # COMMIT and manifests are checksummed too: a few hundred bytes each
+    records = 64 << 10  # COMMIT and manifests are checksummed too: a few hundred bytes each
     assert integrity.on_bytes is None
     with counting(Progress(data, "", False)) as p:
         tier.verify(2)
-    assert data <= p.done <= data + records   # the data once (and the records)
-    with counting(Progress(data, "", False, weight=0.5)) as p:   # as `ckpt promote --to local` counts
+    assert data <= p.done <= data + records  # the data once (and the records)
+    with counting(Progress(data, "", False, weight=0.5)) as p:  # as `ckpt promote --to local` counts
         ckpt.promote(2, "local", local_dir=tmp / "down", url=url)
     assert data <= p.done <= data + records
     assert integrity.on_bytes is None
@@ -191,11 +204,14 @@ def test_ls_never_marks_the_abandoned_branch(local_dir):
     with ckpt.Checkpointer(local_dir=local_dir, keep=ckpt.Retention(local=None)) as ck:
         for s in (1, 2, 3):
             ck.save(s, {"w": torch.zeros(3)}).wait()
-        ck.restore({"w": torch.zeros(3)}, step=1)   # a rollback: the next save starts timeline 1
+        ck.restore({"w": torch.zeros(3)}, step=1)  # a rollback: the next save starts timeline 1
         ck.save(2, {"w": torch.ones(3)}).wait()
     rows = json.loads(_run("ls", str(local_dir), "--json").stdout)
-    assert [(r["step"], r["timeline"], r["abandoned"], r["restore"]) for r in rows] == \
-        [(2, 1, False, "local"), (1, 0, False, None), (3, 0, True, None)]   # one directory per step: 2 replaced
+    assert [(r["step"], r["timeline"], r["abandoned"], r["restore"]) for r in rows] == [
+        (2, 1, False, "local"),
+        (1, 0, False, None),
+        (3, 0, True, None),
+    ]  # one directory per step: 2 replaced
 
 
 @pytest.mark.parametrize("cmd", COMMANDS)
@@ -218,7 +234,9 @@ def test_export_from_the_command_line(tiers):
     info = json.loads(p.stdout)
     assert p.returncode == 0 and info["step"] == 2 and info["files"] == ["model.safetensors"]
     assert torch.equal(load_file(tmp / "w" / "model.safetensors")["w"], torch.full((750_000,), 2.0))
-    p = _run("export", str(local), str(tmp / "s.pt"), "--format", "torch", "--step", "1", "--dtype", "bfloat16")
+    p = _run(
+        "export", str(local), str(tmp / "s.pt"), "--format", "torch", "--step", "1", "--dtype", "bfloat16"
+    )
     assert p.returncode == 0 and "exported step 1" in p.stdout and "s.pt" in p.stdout
     got = torch.load(tmp / "s.pt", weights_only=True)
     assert got["note"] == "x" and torch.equal(got["w"], torch.ones(750_000, dtype=torch.bfloat16))
@@ -230,6 +248,7 @@ def test_export_from_the_command_line(tiers):
 
 # -- polish: JSON everywhere it is offered, hints, exact errors ------------------------------------------
 
+
 def test_gc_json_prints_json(local_dir, capsys):
     _two_steps(local_dir)
     capsys.readouterr()
@@ -239,7 +258,7 @@ def test_gc_json_prints_json(local_dir, capsys):
 
 
 def test_gc_memory_json_prints_json(tmp_path, capsys, monkeypatch):
-    monkeypatch.setenv("CKPT_SHM_DIR", str(tmp_path))   # an empty RAM directory of its own
+    monkeypatch.setenv("CKPT_SHM_DIR", str(tmp_path))  # an empty RAM directory of its own
     capsys.readouterr()
     assert main(["gc", "--memory", "--json", "--dry-run"]) == 0
     out = json.loads(capsys.readouterr().out)
@@ -265,7 +284,10 @@ def test_every_option_a_commands_help_names_is_one_it_takes(capsys):
 def test_promote_json(local_dir, tmp_path, capsys):
     _two_steps(local_dir)
     capsys.readouterr()
-    assert main(["promote", str(local_dir), f"file://{tmp_path}/r", "--step", "2", "--to", "remote", "--json"]) == 0
+    assert (
+        main(["promote", str(local_dir), f"file://{tmp_path}/r", "--step", "2", "--to", "remote", "--json"])
+        == 0
+    )
     out = json.loads(capsys.readouterr().out)
     assert out["copied"] is True and out["step"] == 2
 
@@ -285,7 +307,9 @@ def test_inspect_of_a_step_that_never_existed_is_file_not_found(local_dir, capsy
     _two_steps(local_dir)
     capsys.readouterr()
     assert main(["inspect", str(local_dir), "--step", "7", "--debug"]) == 1
-    assert "FileNotFoundError" in capsys.readouterr().err   # the traceback's type, not IncompleteCheckpointError
+    assert (
+        "FileNotFoundError" in capsys.readouterr().err
+    )  # the traceback's type, not IncompleteCheckpointError
 
 
 def test_promote_with_zstd_prints_no_warning(local_dir, tmp_path):
@@ -293,9 +317,27 @@ def test_promote_with_zstd_prints_no_warning(local_dir, tmp_path):
     import sys
 
     _two_steps(local_dir)
-    p = subprocess.run([sys.executable, "-W", "error::UserWarning", "-m", "ckpt.cli", "promote", str(local_dir),
-                        f"file://{tmp_path}/r", "--step", "2", "--to", "remote", "--compression", "zstd"],
-                       capture_output=True, text=True, timeout=120)
+    p = subprocess.run(
+        [
+            sys.executable,
+            "-W",
+            "error::UserWarning",
+            "-m",
+            "ckpt.cli",
+            "promote",
+            str(local_dir),
+            f"file://{tmp_path}/r",
+            "--step",
+            "2",
+            "--to",
+            "remote",
+            "--compression",
+            "zstd",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert p.returncode == 0 and "Warning" not in p.stderr, p.stderr
 
 
@@ -322,12 +364,24 @@ def test_the_commands_that_only_read_files_do_not_import_torch(local_dir, tmp_pa
     ckpt.promote(2, "remote", local_dir=local_dir, url=url)
     (tmp_path / "shm").mkdir()
     env = {**__import__("os").environ, "CKPT_SHM_DIR": str(tmp_path / "shm")}
-    for args in (["--help"], ["ls", "--help"], ["export", "--help"], ["demo", "--help"], ["ls", str(local_dir)],
-                 ["ls", url], ["inspect", str(local_dir)], ["inspect", url], ["verify", str(local_dir)],
-                 ["verify", url], ["gc", str(local_dir), "--keep", "1"], ["gc", url, "--dry-run"],
-                 ["gc", "--memory", "--dry-run"]):
-        p = subprocess.run([sys.executable, "-c", _NO_TORCH, *args], capture_output=True, text=True, env=env,
-                           timeout=120)
+    for args in (
+        ["--help"],
+        ["ls", "--help"],
+        ["export", "--help"],
+        ["demo", "--help"],
+        ["ls", str(local_dir)],
+        ["ls", url],
+        ["inspect", str(local_dir)],
+        ["inspect", url],
+        ["verify", str(local_dir)],
+        ["verify", url],
+        ["gc", str(local_dir), "--keep", "1"],
+        ["gc", url, "--dry-run"],
+        ["gc", "--memory", "--dry-run"],
+    ):
+        p = subprocess.run(
+            [sys.executable, "-c", _NO_TORCH, *args], capture_output=True, text=True, env=env, timeout=120
+        )
         assert p.stderr.splitlines()[-1] == "RC 0 False", (args, p.stderr[-2000:])
 
 
@@ -335,6 +389,8 @@ def test_import_ckpt_still_gives_every_public_name():
     import subprocess
     import sys
 
-    code = ("import ckpt; missing = [n for n in ckpt.__all__ if not hasattr(ckpt, n)]; "
-            "assert not missing, missing; assert callable(ckpt.export) and callable(ckpt.promote)")
+    code = (
+        "import ckpt; missing = [n for n in ckpt.__all__ if not hasattr(ckpt, n)]; "
+        "assert not missing, missing; assert callable(ckpt.export) and callable(ckpt.promote)"
+    )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)

@@ -97,28 +97,42 @@ def test_verify_of_a_missing_step_is_status_1(dirs):
 
 
 def test_promote_of_a_corrupt_step_is_one_line(dirs, tmp_path):
-    one_error_line(run("promote", str(dirs["corrupt"]), f"file://{tmp_path}/r", "--step", "1", "--to", "remote"),
-                   1, "step-000000001")
+    one_error_line(
+        run("promote", str(dirs["corrupt"]), f"file://{tmp_path}/r", "--step", "1", "--to", "remote"),
+        1,
+        "step-000000001",
+    )
 
 
 def test_promote_of_a_missing_step_is_one_line(dirs, tmp_path):
-    one_error_line(run("promote", str(dirs["good"]), f"file://{tmp_path}/r", "--step", "9", "--to", "remote",
-                       module=True), 1, "step-000000009")
-    one_error_line(run("promote", str(tmp_path / "dst"), dirs["remote"], "--step", "9", "--to", "local"),
-                   1, "step-000000009")
+    one_error_line(
+        run(
+            "promote", str(dirs["good"]), f"file://{tmp_path}/r", "--step", "9", "--to", "remote", module=True
+        ),
+        1,
+        "step-000000009",
+    )
+    one_error_line(
+        run("promote", str(tmp_path / "dst"), dirs["remote"], "--step", "9", "--to", "local"),
+        1,
+        "step-000000009",
+    )
 
 
-@pytest.mark.parametrize("args, names", [
-    ([], []),
-    (["nosuch"], ["nosuch"]),
-    (["inspect"], ["dir"]),
-    (["inspect", "D", "--step", "x"], ["--step"]),
-    (["gc", "D", "--keep", "many"], ["--keep"]),
-    (["ls", "D", "--storage-options", "{not json"], ["--storage-options"]),
-    (["ls", "D", "--storage-options", "[1, 2]"], ["--storage-options"]),
-    (["promote", "D", "file:///x", "--step", "1", "--to", "elsewhere"], ["--to"]),
-    (["demo", "--steps", "x"], ["--steps"]),
-])
+@pytest.mark.parametrize(
+    "args, names",
+    [
+        ([], []),
+        (["nosuch"], ["nosuch"]),
+        (["inspect"], ["dir"]),
+        (["inspect", "D", "--step", "x"], ["--step"]),
+        (["gc", "D", "--keep", "many"], ["--keep"]),
+        (["ls", "D", "--storage-options", "{not json"], ["--storage-options"]),
+        (["ls", "D", "--storage-options", "[1, 2]"], ["--storage-options"]),
+        (["promote", "D", "file:///x", "--step", "1", "--to", "elsewhere"], ["--to"]),
+        (["demo", "--steps", "x"], ["--steps"]),
+    ],
+)
 def test_usage_mistakes_are_status_2_and_one_line(dirs, args, names):
     args = [str(dirs["good"]) if a == "D" else a for a in args]
     one_error_line(run(*args), 2, *names)
@@ -133,7 +147,7 @@ def test_debug_shows_the_traceback(dirs):
     assert p.returncode == 1
     assert "Traceback (most recent call last)" in p.stderr
     assert p.stderr.strip().splitlines()[-1].startswith("ckpt: error: ")
-    p = run("inspect", str(dirs["corrupt"]), "--step", "1", "--debug")   # after the subcommand too
+    p = run("inspect", str(dirs["corrupt"]), "--step", "1", "--debug")  # after the subcommand too
     assert p.returncode == 1 and "Traceback (most recent call last)" in p.stderr
 
 
@@ -144,7 +158,9 @@ def test_an_unexpected_exception_is_one_line_with_a_hint_to_rerun_with_debug(dir
     monkeypatch.setattr(cli, "_ls", broken)
     assert cli.main(["ls", str(dirs["good"])]) == 1
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith("ckpt: error: ") and "KeyError" in err[0] and "--debug" in err[0]
+    assert (
+        len(err) == 1 and err[0].startswith("ckpt: error: ") and "KeyError" in err[0] and "--debug" in err[0]
+    )
     assert cli.main(["--debug", "ls", str(dirs["good"])]) == 1
     assert "Traceback (most recent call last)" in capsys.readouterr().err
 
@@ -156,7 +172,9 @@ def test_good_input_still_succeeds_quietly(dirs):
 
 def test_export_of_a_corrupt_or_missing_step_is_one_line_and_writes_nothing(dirs, tmp_path):
     for which, step in (("corrupt", "1"), ("truncated", "1"), ("nodata", "1"), ("good", "7")):
-        one_error_line(run("export", str(dirs[which]), str(tmp_path / which), "--step", step), 1, f"step-00000000{step}")
+        one_error_line(
+            run("export", str(dirs[which]), str(tmp_path / which), "--step", step), 1, f"step-00000000{step}"
+        )
         assert not (tmp_path / which).exists()
     one_error_line(run("export", str(dirs["missing"]), str(tmp_path / "m")), 1, str(dirs["missing"]))
     assert not dirs["missing"].exists() and not (tmp_path / "m").exists()
@@ -176,14 +194,17 @@ def test_export_with_a_key_the_state_lacks_is_one_line(dirs, tmp_path):
     one_error_line(run("export", str(dirs["good"]), str(tmp_path / "o"), "--key", "nope"), 1, "'nope'", "key")
 
 
-@pytest.mark.parametrize("args, names", [
-    (["export", "D"], ["dest"]),
-    (["export", "D", "OUT", "--format", "zip"], ["--format"]),
-    (["export", "D", "OUT", "--max-shard-size", "lots"], ["--max-shard-size"]),
-    (["export", "D", "OUT", "--dtype", "int8"], ["--dtype"]),
-    (["verify", "D", "--no-progress", "--step", "x"], ["--step"]),
-    (["ls", "file:///x", "--url", "file:///y"], ["--url"]),
-])
+@pytest.mark.parametrize(
+    "args, names",
+    [
+        (["export", "D"], ["dest"]),
+        (["export", "D", "OUT", "--format", "zip"], ["--format"]),
+        (["export", "D", "OUT", "--max-shard-size", "lots"], ["--max-shard-size"]),
+        (["export", "D", "OUT", "--dtype", "int8"], ["--dtype"]),
+        (["verify", "D", "--no-progress", "--step", "x"], ["--step"]),
+        (["ls", "file:///x", "--url", "file:///y"], ["--url"]),
+    ],
+)
 def test_export_and_progress_usage_mistakes_are_status_2_and_one_line(dirs, tmp_path, args, names):
     args = [str(dirs["good"]) if a == "D" else str(tmp_path / "out") if a == "OUT" else a for a in args]
     one_error_line(run(*args), 2, *names)

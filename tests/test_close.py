@@ -49,23 +49,24 @@ class FullLocal(LocalTier):
     """A disk that is full: fails after having looked at the data (a local holds a view of it)."""
 
     def write(self, step, manifest, data):
-        head = data[:16]   # noqa: F841 - a live view of the host buffer in this frame
+        head = data[:16]  # noqa: F841 - a live view of the host buffer in this frame
         raise OSError(errno.ENOSPC, "No space left on device (injected)", str(self.root))
 
 
 class FailingRemote(RemoteTier):
     def write(self, step, manifest, data, *args, **kwargs):
-        head = data[:16]   # noqa: F841
+        head = data[:16]  # noqa: F841
         raise OSError(errno.EIO, "upload failed (injected)", self.url)
 
 
 # -- freeing the staging memory --------------------------------------------------------------------
 
+
 def test_close_frees_the_host_buffer(local_dir):
     ck = ckpt.Checkpointer(local_dir=local_dir)
     ck.save(1, {"w": torch.randn(100_000)}).wait()
     refs = storage_of(ck)
-    assert refs and not any(r.expired() for r in refs)   # the memory tier keeps it between saves
+    assert refs and not any(r.expired() for r in refs)  # the memory tier keeps it between saves
     ck.close()
     assert ck.pool.buffers == [] and ck.pool.nbytes == 0
     assert all(r.expired() for r in refs), "close() left the staging buffer allocated"
@@ -80,7 +81,7 @@ def test_a_buffer_still_persisting_at_close_is_freed_when_its_persist_ends(tmp_p
     closer = threading.Thread(target=ck.close)
     closer.start()
     closer.join(0.2)
-    assert closer.is_alive() and not any(r.expired() for r in refs)   # still being written: kept
+    assert closer.is_alive() and not any(r.expired() for r in refs)  # still being written: kept
     go.set()
     closer.join(60)
     assert not closer.is_alive()
@@ -123,10 +124,13 @@ def test_a_closed_checkpointer_is_safe_to_drop(local_dir):
     del ck
     gc.collect()
     assert ref() is None
-    assert not any(w.is_alive() for w in workers)   # this checkpointer's threads (other tests' may still be finishing)
+    assert not any(
+        w.is_alive() for w in workers
+    )  # this checkpointer's threads (other tests' may still be finishing)
 
 
 # -- errors raised once ----------------------------------------------------------------------------
+
 
 def test_an_error_raised_by_handle_wait_is_not_raised_again_at_the_end_of_the_with_block(tmp_path):
     with ckpt.Checkpointer(local_dir=FullLocal(tmp_path / "l")) as ck:
@@ -142,7 +146,7 @@ def test_wait_reports_every_failed_save_but_close_does_not_repeat_it(tmp_path):
         with pytest.raises(OSError):
             h.wait()
         with pytest.raises(OSError):
-            ck.wait()   # "did every save so far succeed?": no
+            ck.wait()  # "did every save so far succeed?": no
 
 
 def test_an_error_nobody_saw_is_raised_at_close(tmp_path):
@@ -158,7 +162,7 @@ def test_an_error_nobody_saw_is_raised_at_close(tmp_path):
 def test_an_error_the_library_waited_on_internally_is_still_raised_at_close(tmp_path):
     ck = ckpt.Checkpointer(local_dir=FullLocal(tmp_path / "l"))
     ck.save(1, {"w": torch.randn(1000)})
-    ck.restore({"w": torch.empty(1000)})   # waits for the save internally, without raising its error
+    ck.restore({"w": torch.empty(1000)})  # waits for the save internally, without raising its error
     with pytest.raises(OSError):
         ck.close()
 
@@ -172,10 +176,11 @@ def test_seeing_one_tier_fail_does_not_hide_another_tiers_failure(tmp_path):
     assert seen.value.errno == errno.ENOSPC
     with pytest.raises(OSError) as info:
         ck.close()
-    assert info.value.errno == errno.EIO   # the remote failure was never shown
+    assert info.value.errno == errno.EIO  # the remote failure was never shown
 
 
 # -- HostMemoryError -------------------------------------------------------------------------------
+
 
 def _state(nbytes: int) -> dict:
     return {"w": torch.zeros(nbytes // 4)}
@@ -200,7 +205,7 @@ def test_host_memory_error_after_the_state_grew_reports_what_is_allocated(local_
 
 def test_host_memory_error_counts_every_buffer(local_dir):
     with ckpt.Checkpointer(local_dir=local_dir, host_memory_limit=5 * MiB, max_in_flight=2) as ck:
-        go = [ck.save(s, _state(MiB)) for s in (1, 2)]   # two buffers of 2 MiB (one may still be busy)
+        go = [ck.save(s, _state(MiB)) for s in (1, 2)]  # two buffers of 2 MiB (one may still be busy)
         for h in go:
             h.wait()
         assert ck.pool.nbytes == 4 * MiB
@@ -231,13 +236,14 @@ def test_a_grown_state_frees_the_smaller_buffer_before_allocating_the_new_one(lo
 
 # -- the background allocation ---------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("keep_shared", [False, True])
 def test_close_stops_the_background_allocation_between_two_pieces(tmp_path, monkeypatch, keep_shared):
     """close() stops prepare()'s paced allocation where it stands and waits for its thread: nothing of the
     pool runs after close() returns (a daemon thread inside torch at interpreter exit aborts the process),
     and no segment, whole or half-made, appears in the RAM directory after it."""
     monkeypatch.setattr(shm, "REGISTER_PIECE", 64 << 10)
-    monkeypatch.setattr(shm, "REGISTER_GAP_S", 0.05)   # 128 pieces of 8 MiB: 6.4 s unstopped
+    monkeypatch.setattr(shm, "REGISTER_GAP_S", 0.05)  # 128 pieces of 8 MiB: 6.4 s unstopped
     reserved, started = [], threading.Event()
     fallocate = os.posix_fallocate
 
@@ -260,7 +266,7 @@ def test_close_stops_the_background_allocation_between_two_pieces(tmp_path, monk
     assert 0 < n < 128, "the allocation ran to its end instead of stopping"
     assert os.listdir(root) == [] and pool.buffers == []
     thread.join(0.3)
-    assert len(reserved) == n and os.listdir(root) == []   # nothing more after close() returned
+    assert len(reserved) == n and os.listdir(root) == []  # nothing more after close() returned
 
 
 @pytest.mark.parametrize("closes", [True, False])
@@ -269,7 +275,8 @@ def test_a_process_that_exits_during_the_background_allocation_exits_cleanly(tmp
     in the background: whether it closes the Checkpointer or leaves that to the exit hook, no thread of
     ours is still running when the interpreter finalizes, and the process exits 0."""
     script = tmp_path / "short.py"
-    script.write_text(textwrap.dedent(f"""
+    script.write_text(
+        textwrap.dedent(f"""
         import atexit, sys, threading
         import torch
         import ckpt
@@ -283,19 +290,30 @@ def test_a_process_that_exits_during_the_background_allocation_exits_cleanly(tmp
         ck.maybe_save(0, state)   # starts the background allocation (8 MiB in 128 paced pieces)
         if {closes}:
             ck.close()
-    """))
+    """)
+    )
     env = {**os.environ, "CKPT_BUSY_WAIT_MS": "0"}
-    out = subprocess.run([sys.executable, str(script), str(tmp_path / "l")], capture_output=True, text=True,
-                         env=env, timeout=120)
+    out = subprocess.run(
+        [sys.executable, str(script), str(tmp_path / "l")],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
     assert out.returncode == 0, out.stderr
     assert "left []" in out.stdout.splitlines(), out.stdout + out.stderr
     root = os.environ.get("CKPT_SHM_DIR")
-    if root and not closes:   # the exit hook keeps the memory tier for the next process: no half-made segment
-        assert not [f for f in os.listdir(root) if f.startswith(".") and shm.prefix_for(tmp_path / "l", 0, create=True) in f]
+    if root and not closes:  # the exit hook keeps the memory tier for the next process: no half-made segment
+        assert not [
+            f
+            for f in os.listdir(root)
+            if f.startswith(".") and shm.prefix_for(tmp_path / "l", 0, create=True) in f
+        ]
 
 
 def test_no_thread_of_ours_outlives_close(tmp_path):
     """A whole life (background allocation, saves on every tier, a restore, close) leaves no ckpt thread."""
+
     def ours():
         return sorted(t.name for t in threading.enumerate() if t.name.startswith("ckpt-"))
 
@@ -304,7 +322,7 @@ def test_no_thread_of_ours_outlives_close(tmp_path):
     with ckpt.Checkpointer(f"file://{tmp_path}/r", local_dir=tmp_path / "l", every_steps=1) as ck:
         for step in range(4):
             ck.maybe_save(step, state)
-        ck.wait()   # the tiers let go of the buffers (an explicit save finding none free would be skipped)
+        ck.wait()  # the tiers let go of the buffers (an explicit save finding none free would be skipped)
         ck.save(4, state).wait()
         assert ck.restore(state) == 4
     assert ours() == before

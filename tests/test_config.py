@@ -11,7 +11,9 @@ from helpers import make_state
 
 
 def test_config_objects_drive_the_checkpointer_like_the_keywords(tmp_path):
-    policy = ckpt.Policy(every_steps=2, persist_every={"local": 4}, keep=ckpt.Retention(local=1), if_busy="wait")
+    policy = ckpt.Policy(
+        every_steps=2, persist_every={"local": 4}, keep=ckpt.Retention(local=1), if_busy="wait"
+    )
     with ckpt.Checkpointer(storage=ckpt.Storage(local_dir=tmp_path, max_in_flight=1), policy=policy) as ck:
         assert ck.policy == policy and ck.storage.local_dir == tmp_path and ck.pool.slots == 1
         state = make_state()
@@ -26,7 +28,9 @@ def test_an_option_given_twice_is_refused_naming_it(tmp_path):
         ckpt.Checkpointer(local_dir=tmp_path, every_steps=5, policy=ckpt.Policy(every_steps=10))
     assert "every_steps" in str(e.value)
     with pytest.raises(ValueError):
-        ckpt.Checkpointer(tmp_path.as_uri(), storage=ckpt.Storage(local_dir=tmp_path / "l", url="memory://other"))
+        ckpt.Checkpointer(
+            tmp_path.as_uri(), storage=ckpt.Storage(local_dir=tmp_path / "l", url="memory://other")
+        )
     with pytest.raises(TypeError):
         ckpt.Checkpointer(local_dir=tmp_path, policy={"every_steps": 3})
 
@@ -47,7 +51,9 @@ def test_keywords_alone_show_up_in_the_config_objects(tmp_path, monkeypatch):
 
 
 def test_tier_figures_report_what_each_tier_holds_and_measured(tmp_path):
-    with ckpt.Checkpointer(tmp_path.joinpath("remote").as_uri(), local_dir=tmp_path / "local", if_busy="wait") as ck:
+    with ckpt.Checkpointer(
+        tmp_path.joinpath("remote").as_uri(), local_dir=tmp_path / "local", if_busy="wait"
+    ) as ck:
         state = make_state()
         ck.save(1, state).wait()
         ck.restore(make_state(1))

@@ -13,8 +13,10 @@ from ckpt import knobs
 
 
 def _save_steps(local_dir, steps=(1, 2), numel=50_000):
-    with knobs.override(CKPT_CHUNK_BYTES=64 << 10), \
-            ckpt.Checkpointer(local_dir=local_dir, keep=ckpt.Retention(local=None)) as ck:
+    with (
+        knobs.override(CKPT_CHUNK_BYTES=64 << 10),
+        ckpt.Checkpointer(local_dir=local_dir, keep=ckpt.Retention(local=None)) as ck,
+    ):
         for s in steps:
             ck.save(s, {"w": torch.full((numel,), float(s)), "step": s}).wait()
 
@@ -72,8 +74,10 @@ def test_an_edited_manifest_fails_its_recorded_checksum(local_dir):
         assert _restore(local_dir)[0] == 1
 
 
-@pytest.mark.parametrize("commit", [b"not json", b"[]", b'{"step": 2}',
-                                    b'{"step":2,"world_size":1,"manifests":{"x":-1},"data":{}}'])
+@pytest.mark.parametrize(
+    "commit",
+    [b"not json", b"[]", b'{"step": 2}', b'{"step":2,"world_size":1,"manifests":{"x":-1},"data":{}}'],
+)
 def test_a_garbage_commit_record_is_caught(local_dir, commit):
     _save_steps(local_dir)
     (_newest(local_dir) / "COMMIT").write_bytes(commit)
@@ -91,6 +95,7 @@ def test_a_hostile_manifest_with_consistent_checksums_is_refused_before_any_read
     (d / "rank-00000.manifest.json").write_bytes(raw)
     c = json.loads((d / "COMMIT").read_bytes())
     from ckpt.integrity import checksum
+
     c["manifests"]["rank-00000.manifest.json"] = checksum(raw)
     (d / "COMMIT").write_bytes(json.dumps(c).encode())
     with pytest.warns(RuntimeWarning, match="does not fit"):
@@ -142,8 +147,10 @@ class Hang(BaseException):
 def hang_detector(seconds=60):
     """Fail (instead of blocking the suite forever) when the body is still running after ``seconds``:
     SIGALRM interrupts a blocking open() of a FIFO in this thread."""
+
     def fire(signum, frame):
         raise Hang(f"still blocked after {seconds} s")
+
     old = signal.signal(signal.SIGALRM, fire)
     signal.alarm(seconds)
     try:
@@ -198,7 +205,7 @@ def test_a_deeply_nested_manifest_value_is_corrupt_and_the_older_step_is_used(lo
     _restore_falls_back(local_dir, MANIFEST)
     rc, res = _cli_verify(local_dir, capsys)
     assert rc == 1 and res[1]["ok"] and not res[2]["ok"] and MANIFEST in res[2]["error"]
-    assert cli_main(["inspect", str(local_dir), "--step", "2"]) == 1   # one "ckpt: error:" line naming it
+    assert cli_main(["inspect", str(local_dir), "--step", "2"]) == 1  # one "ckpt: error:" line naming it
     err = capsys.readouterr().err
     assert err.startswith("ckpt: error:") and MANIFEST in err and "CorruptCheckpointError" in err
 
@@ -213,35 +220,60 @@ def test_a_deeply_nested_commit_record_is_corrupt_and_the_older_step_is_used(loc
     assert rc == 1 and res[1]["ok"] and not res[2]["ok"] and "COMMIT" in res[2]["error"]
 
 
-@pytest.mark.parametrize("edit", [
-    # a zero-element tensor whose other dimension overflows int64
-    lambda m: m["items"][0].update(shape=[2 ** 70, 0], nbytes=0),
-    lambda m: m["items"][0].update(shape=[2 ** 40, 2 ** 40, 0], nbytes=0),
-    lambda m: m["items"][0].update(shape=[-1, -50_000], nbytes=200_000),
-    # two items over the same bytes (every destination would be allocated again)
-    lambda m: m["items"].append(dict(m["items"][0], key="w2")) or m["tree"].update(w2={"$t": 1}),
-    # aliases: to a later item, to itself, to an item of another shape
-    lambda m: m["items"][0].update(alias_of=0),
-    lambda m: m["items"].append(dict(m["items"][0], key="w2", shape=[7], alias_of=0, offset=0, nbytes=0))
-    or m["tree"].update(w2={"$t": 1}),
-    # malformed tree nodes
-    lambda m: m["tree"].update(w={"$t": "0"}),
-    lambda m: m["tree"].update(w={"$t": 5}),
-    lambda m: m["tree"].update(step={"$f": "not a float"}),
-    lambda m: m["tree"].update(step={"$tuple": 7}),
-    lambda m: m["tree"].update(step={"$d": [[1]]}),
-    lambda m: m["tree"].update(step={"$d": [[[1], 2]]}),
-    lambda m: m["tree"].update(step={"$dtype": "torch.object"}),
-    lambda m: m["tree"].update(step={"$obj": "module"}),
-    lambda m: m["tree"].update(w={"$t": 0, "$dt": {"shape": [2 ** 70], "mesh": [0], "coord": [0],
-                                                    "placements": ["S0"]}}),
-    lambda m: m.update(tree=[1, 2]),
-    lambda m: m["items"][0].update(dtype=["float32"]),
-    lambda m: m.update(items={"0": 1}),
-    lambda m: m.update(created_unix="yesterday"),
-], ids=["shape-2^70x0", "shape-2^40x2^40x0", "negative-shape", "overlapping-items", "self-alias",
-        "alias-other-shape", "index-str", "index-range", "float-tag", "tuple-tag", "dict-tag-pair", "dict-tag-key",
-        "dtype-tag", "obj-without-sd", "dtensor-layout", "tree-list", "dtype-list", "items-dict", "created"])
+@pytest.mark.parametrize(
+    "edit",
+    [
+        # a zero-element tensor whose other dimension overflows int64
+        lambda m: m["items"][0].update(shape=[2**70, 0], nbytes=0),
+        lambda m: m["items"][0].update(shape=[2**40, 2**40, 0], nbytes=0),
+        lambda m: m["items"][0].update(shape=[-1, -50_000], nbytes=200_000),
+        # two items over the same bytes (every destination would be allocated again)
+        lambda m: m["items"].append(dict(m["items"][0], key="w2")) or m["tree"].update(w2={"$t": 1}),
+        # aliases: to a later item, to itself, to an item of another shape
+        lambda m: m["items"][0].update(alias_of=0),
+        lambda m: (
+            m["items"].append(dict(m["items"][0], key="w2", shape=[7], alias_of=0, offset=0, nbytes=0))
+            or m["tree"].update(w2={"$t": 1})
+        ),
+        # malformed tree nodes
+        lambda m: m["tree"].update(w={"$t": "0"}),
+        lambda m: m["tree"].update(w={"$t": 5}),
+        lambda m: m["tree"].update(step={"$f": "not a float"}),
+        lambda m: m["tree"].update(step={"$tuple": 7}),
+        lambda m: m["tree"].update(step={"$d": [[1]]}),
+        lambda m: m["tree"].update(step={"$d": [[[1], 2]]}),
+        lambda m: m["tree"].update(step={"$dtype": "torch.object"}),
+        lambda m: m["tree"].update(step={"$obj": "module"}),
+        lambda m: m["tree"].update(
+            w={"$t": 0, "$dt": {"shape": [2**70], "mesh": [0], "coord": [0], "placements": ["S0"]}}
+        ),
+        lambda m: m.update(tree=[1, 2]),
+        lambda m: m["items"][0].update(dtype=["float32"]),
+        lambda m: m.update(items={"0": 1}),
+        lambda m: m.update(created_unix="yesterday"),
+    ],
+    ids=[
+        "shape-2^70x0",
+        "shape-2^40x2^40x0",
+        "negative-shape",
+        "overlapping-items",
+        "self-alias",
+        "alias-other-shape",
+        "index-str",
+        "index-range",
+        "float-tag",
+        "tuple-tag",
+        "dict-tag-pair",
+        "dict-tag-key",
+        "dtype-tag",
+        "obj-without-sd",
+        "dtensor-layout",
+        "tree-list",
+        "dtype-list",
+        "items-dict",
+        "created",
+    ],
+)
 def test_a_hostile_manifest_field_is_corrupt_and_the_older_step_is_used(local_dir, capsys, edit):
     _save_steps(local_dir)
     _edit_manifest(_newest(local_dir), edit)
@@ -254,7 +286,7 @@ def test_a_chunk_of_2_to_the_45_bytes_over_a_small_file_allocates_nothing_of_tha
     """One chunk of 32 TiB declared over a 200 kB file, with a checksum that is wrong for it: the
     data file fails its checksum (nothing of 32 TiB is allocated) and the older step is used."""
     _save_steps(local_dir)
-    _edit_manifest(_newest(local_dir), lambda m: m.update(chunk_bytes=2 ** 45, chunks=[0]))
+    _edit_manifest(_newest(local_dir), lambda m: m.update(chunk_bytes=2**45, chunks=[0]))
     _restore_falls_back(local_dir, "rank-00000.bin")
 
 
@@ -264,7 +296,7 @@ def test_a_chunk_size_larger_than_the_data_file_reads_only_the_file(local_dir):
     _save_steps(local_dir)
     d = _newest(local_dir)
     data = (d / "rank-00000.bin").read_bytes()
-    _edit_manifest(d, lambda m: m.update(chunk_bytes=2 ** 45, chunks=[_crc(data)]))
+    _edit_manifest(d, lambda m: m.update(chunk_bytes=2**45, chunks=[_crc(data)]))
     step, target, _ = _restore(local_dir)
     assert step == 2 and torch.equal(target["w"], torch.full((50_000,), 2.0))
 
@@ -277,7 +309,7 @@ def test_a_fifo_in_place_of_the_manifest_is_refused_without_blocking(local_dir, 
     rc, res = _cli_verify(local_dir, capsys)
     assert rc == 1 and res[1]["ok"] and not res[2]["ok"] and MANIFEST in res[2]["error"]
     with hang_detector():
-        assert cli_main(["inspect", str(local_dir), "--step", "2"]) == 1   # one "ckpt: error:" line naming it
+        assert cli_main(["inspect", str(local_dir), "--step", "2"]) == 1  # one "ckpt: error:" line naming it
     err = capsys.readouterr().err
     assert err.startswith("ckpt: error:") and MANIFEST in err and "CorruptCheckpointError" in err
 
@@ -318,8 +350,12 @@ _LIMITED_RESTORE = textwrap.dedent("""
 
 
 def _restore_in_capped_child(local_dir, cap=1536 << 20, timeout=120):
-    r = subprocess.run([sys.executable, "-c", _LIMITED_RESTORE, str(local_dir), str(cap)],
-                       capture_output=True, text=True, timeout=timeout)
+    r = subprocess.run(
+        [sys.executable, "-c", _LIMITED_RESTORE, str(local_dir), str(cap)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     return json.loads(r.stdout.splitlines()[-1])
 
@@ -328,7 +364,7 @@ def test_a_2gib_sparse_manifest_is_refused_unread(local_dir):
     _save_steps(local_dir)
     m = _newest(local_dir) / MANIFEST
     with open(m, "r+b") as f:
-        f.truncate(2 << 30)   # sparse: costs no disk
+        f.truncate(2 << 30)  # sparse: costs no disk
     out = _restore_in_capped_child(local_dir)
     assert out["step"] == 1 and out["w"] == 1.0
     assert any(MANIFEST in s and "step-000000002" in s for s in out["skipped"])
@@ -348,6 +384,7 @@ def test_a_record_whose_size_lies_is_read_no_further_than_the_limit():
     """/proc files are regular files that stat as 0 bytes and then read on: the bound holds on the read
     itself, not only on the size the file system reports."""
     from ckpt.format import read_record
+
     assert os.stat("/proc/self/maps").st_size == 0
     with pytest.raises(ckpt.CorruptCheckpointError, match="/proc/self/maps"):
         read_record("/proc/self/maps", limit=1000)

@@ -33,40 +33,59 @@ def _line(results, prefix):
     return [l for r in results for l in r.stdout.splitlines() if l.startswith(prefix)]
 
 
-@pytest.mark.parametrize("backend,load_world", [
-    ("gloo", 2), ("gloo", 3), pytest.param("nccl", 2, marks=pytest.mark.multigpu, id="nccl-two-gpus")])
+@pytest.mark.parametrize(
+    "backend,load_world",
+    [("gloo", 2), ("gloo", 3), pytest.param("nccl", 2, marks=pytest.mark.multigpu, id="nccl-two-gpus")],
+)
 def test_fsdp2_model_and_optimizer_saved_on_2_ranks_load_on_any_number(tmp_path, backend, load_world):
     env = {"CKPT_TEST_BACKEND": backend}
     saved = _line(run_ranks(HERE / "dcp_worker.py", str(tmp_path), "save", world=2, env=env), "digest")
     assert len(saved) == 1
     # one node per rank: each local tier holds its own rank's file, the coordinator's also the commit
-    assert sorted(p.name for p in (tmp_path / "node-0" / "step-3").iterdir()) == \
-        ["COMMIT", "metadata.json", "rank-00000.dcp.bin"]
+    assert sorted(p.name for p in (tmp_path / "node-0" / "step-3").iterdir()) == [
+        "COMMIT",
+        "metadata.json",
+        "rank-00000.dcp.bin",
+    ]
     assert [p.name for p in (tmp_path / "node-1" / "step-3").iterdir()] == ["rank-00001.dcp.bin"]
     assert (tmp_path / "remote" / "step-3" / "COMMIT").exists()
     results = run_ranks(HERE / "dcp_worker.py", str(tmp_path), "load", world=load_world, env=env)
     assert _line(results, "digest") == saved
     extra = _line(results, "extra")
-    assert extra == ["extra {'step': 3, 'betas': (0.9, 0.95), 'name': 'run-a', 'lrs': [0.01, None, True], "
-                     "'inf': inf}"] * load_world
+    assert (
+        extra
+        == ["extra {'step': 3, 'betas': (0.9, 0.95), 'name': 'run-a', 'lrs': [0.01, None, True], 'inf': inf}"]
+        * load_world
+    )
 
 
 def _state():
     g = torch.Generator().manual_seed(0)
     return {
-        "model": {"w": torch.randn(5, 3, generator=g), "b": torch.randn(4, generator=g).to(torch.bfloat16),
-                  "i": torch.arange(6).reshape(2, 3), "flag": torch.tensor(True), "s": torch.tensor(2.5),
-                  "empty": torch.zeros(0, 4)},
-        "optim": {"param_groups": [{"lr": 1e-3, "betas": (0.9, 0.999), "params": ["w", "b"], "fused": None}],
-                  "nan": float("nan"), "ids": {"a": -1, "b": [1, 2]}},
+        "model": {
+            "w": torch.randn(5, 3, generator=g),
+            "b": torch.randn(4, generator=g).to(torch.bfloat16),
+            "i": torch.arange(6).reshape(2, 3),
+            "flag": torch.tensor(True),
+            "s": torch.tensor(2.5),
+            "empty": torch.zeros(0, 4),
+        },
+        "optim": {
+            "param_groups": [{"lr": 1e-3, "betas": (0.9, 0.999), "params": ["w", "b"], "fused": None}],
+            "nan": float("nan"),
+            "ids": {"a": -1, "b": [1, 2]},
+        },
     }
 
 
 def _fresh():
     st = _state()
     st["model"] = {k: torch.zeros_like(v) for k, v in st["model"].items()}
-    st["optim"] = {"param_groups": [{"lr": 0.0, "betas": None, "params": None, "fused": 1}], "nan": 0.0,
-                   "ids": {"a": 0, "b": None}}
+    st["optim"] = {
+        "param_groups": [{"lr": 0.0, "betas": None, "params": None, "fused": 1}],
+        "nan": 0.0,
+        "ids": {"a": 0, "b": None},
+    }
     return st
 
 
@@ -121,11 +140,13 @@ def test_a_lost_local_tier_loads_from_remote_and_corruption_everywhere_is_named(
     dcp.load(loaded, storage_reader=TierStorageReader(**_tiers(tmp_path)), checkpoint_id="step-1")
     _check(loaded)
     _corrupt_item(tmp_path / "remote", "optim.nan")
-    with pytest.raises(CheckpointException) as e:   # DCP wraps each rank's error (a BaseException)
+    with pytest.raises(CheckpointException) as e:  # DCP wraps each rank's error (a BaseException)
         dcp.load(_fresh(), storage_reader=TierStorageReader(**_tiers(tmp_path)), checkpoint_id="step-1")
     err = _inner(e.value)
     assert isinstance(err, CorruptCheckpointError)
-    assert "no tier holds a valid copy of 'optim.nan'" in str(err) and "do not match their checksum" in str(err)
+    assert "no tier holds a valid copy of 'optim.nan'" in str(err) and "do not match their checksum" in str(
+        err
+    )
 
 
 def test_an_uncommitted_or_missing_checkpoint_is_refused_with_every_tier_named(tmp_path):
@@ -133,22 +154,37 @@ def test_an_uncommitted_or_missing_checkpoint_is_refused_with_every_tier_named(t
     for tier in ("local", "remote"):
         (tmp_path / tier / "step-1" / "COMMIT").unlink()
     reader = TierStorageReader(**_tiers(tmp_path), checkpoint_id="step-1")
-    with pytest.raises(IncompleteCheckpointError, match="no tier holds a valid committed checkpoint 'step-1'"):
+    with pytest.raises(
+        IncompleteCheckpointError, match="no tier holds a valid committed checkpoint 'step-1'"
+    ):
         reader.read_metadata()
     with pytest.raises(IncompleteCheckpointError, match="remote"):
         TierStorageReader(**_tiers(tmp_path), checkpoint_id="step-9").read_metadata()
 
 
-@pytest.mark.parametrize("edit", [
-    lambda m: m.update(format="other"),
-    lambda m: m["state"]["model.w"].update(size=[5, -3]),
-    lambda m: m["state"]["model.w"]["chunks"][0].update(offsets=[4, 0]),       # outside the tensor
-    lambda m: m["state"]["model.w"].update(dtype="object"),
-    lambda m: next(i for i in m["items"] if i["index"]["fqn"] == "model.w").update(length=7),
-    lambda m: next(i for i in m["items"] if i["index"]["fqn"] == "model.w").update(rank="0; rm -rf /"),
-    lambda m: m.update(planner_data={"x": {"$code": "os.system"}}),
-    lambda m: next(i for i in m["items"] if i["index"]["fqn"] == "model.w").update(rank=3),
-], ids=["format", "negative-size", "chunk-outside", "dtype", "length", "rank-type", "tagged-value", "rank-range"])
+@pytest.mark.parametrize(
+    "edit",
+    [
+        lambda m: m.update(format="other"),
+        lambda m: m["state"]["model.w"].update(size=[5, -3]),
+        lambda m: m["state"]["model.w"]["chunks"][0].update(offsets=[4, 0]),  # outside the tensor
+        lambda m: m["state"]["model.w"].update(dtype="object"),
+        lambda m: next(i for i in m["items"] if i["index"]["fqn"] == "model.w").update(length=7),
+        lambda m: next(i for i in m["items"] if i["index"]["fqn"] == "model.w").update(rank="0; rm -rf /"),
+        lambda m: m.update(planner_data={"x": {"$code": "os.system"}}),
+        lambda m: next(i for i in m["items"] if i["index"]["fqn"] == "model.w").update(rank=3),
+    ],
+    ids=[
+        "format",
+        "negative-size",
+        "chunk-outside",
+        "dtype",
+        "length",
+        "rank-type",
+        "tagged-value",
+        "rank-range",
+    ],
+)
 def test_hostile_metadata_is_refused_field_by_field(tmp_path, edit):
     dcp.save(_state(), storage_writer=TierStorageWriter(local_dir=tmp_path), checkpoint_id="step-1")
     step = tmp_path / "step-1"
@@ -156,7 +192,7 @@ def test_hostile_metadata_is_refused_field_by_field(tmp_path, edit):
     edit(meta)
     raw = json.dumps(meta).encode()
     (step / "metadata.json").write_bytes(raw)
-    commit = json.loads((step / "COMMIT").read_text())   # the attacker fixes the checksum too
+    commit = json.loads((step / "COMMIT").read_text())  # the attacker fixes the checksum too
     commit.update(metadata_bytes=len(raw), metadata_checksum=checksum(raw))
     (step / "COMMIT").write_text(json.dumps(commit))
     with warnings.catch_warnings():
@@ -181,9 +217,10 @@ def test_a_metadata_file_that_does_not_match_its_commit_is_skipped_for_the_next_
 def test_a_value_that_would_need_pickle_is_refused_by_name_and_nothing_is_committed(tmp_path):
     class Opaque:
         pass
+
     state = _state()
     state["optim"]["hook"] = Opaque()
-    with pytest.raises(CheckpointException) as e:   # DCP wraps each rank's error (a BaseException)
+    with pytest.raises(CheckpointException) as e:  # DCP wraps each rank's error (a BaseException)
         dcp.save(state, storage_writer=TierStorageWriter(**_tiers(tmp_path)), checkpoint_id="step-1")
     err = _inner(e.value)
     assert isinstance(err, ValueError)
@@ -229,14 +266,18 @@ def test_bad_arguments_are_named():
 def test_s3_through_s3fs_with_a_lost_local_tier_and_a_corrupted_object(tmp_path, s3_bucket):
     from s3server import storage_options
     import s3fs
+
     bucket, port = s3_bucket
     opts = storage_options(port)
     tiers = {"local_dir": tmp_path / "local", "url": f"s3://{bucket}/run", "storage_options": opts}
     dcp.save(_state(), storage_writer=TierStorageWriter(**tiers), checkpoint_id="step-1")
     fs = s3fs.S3FileSystem(**opts, skip_instance_cache=True)
-    assert sorted(p.rsplit("/", 1)[1] for p in fs.ls(f"{bucket}/run/step-1")) == \
-        ["COMMIT", "metadata.json", "rank-00000.dcp.bin"]
-    shutil.rmtree(tmp_path / "local")                       # a replaced node
+    assert sorted(p.rsplit("/", 1)[1] for p in fs.ls(f"{bucket}/run/step-1")) == [
+        "COMMIT",
+        "metadata.json",
+        "rank-00000.dcp.bin",
+    ]
+    shutil.rmtree(tmp_path / "local")  # a replaced node
     loaded = _fresh()
     reader = TierStorageReader(**tiers)
     dcp.load(loaded, storage_reader=reader, checkpoint_id="step-1")
@@ -254,7 +295,9 @@ def test_s3_through_s3fs_with_a_lost_local_tier_and_a_corrupted_object(tmp_path,
 
 
 def test_async_save_through_the_writer(tmp_path):
-    future = dcp.async_save(_state(), storage_writer=TierStorageWriter(**_tiers(tmp_path)), checkpoint_id="step-1")
+    future = dcp.async_save(
+        _state(), storage_writer=TierStorageWriter(**_tiers(tmp_path)), checkpoint_id="step-1"
+    )
     future.result(timeout=120)
     assert (tmp_path / "remote" / "step-1" / "COMMIT").exists()
     loaded = _fresh()
@@ -264,27 +307,31 @@ def test_async_save_through_the_writer(tmp_path):
 
 def test_the_command_line_lists_and_verifies_dcp_checkpoints(tmp_path, capsys):
     from ckpt.cli import main
+
     dcp.save(_state(), storage_writer=TierStorageWriter(**_tiers(tmp_path)), checkpoint_id="step-1")
     dcp.save(_state(), storage_writer=TierStorageWriter(**_tiers(tmp_path)), checkpoint_id="step-2")
-    (tmp_path / "local" / "junk").mkdir()                       # not a checkpoint: not listed
+    (tmp_path / "local" / "junk").mkdir()  # not a checkpoint: not listed
     assert main(["ls", str(tmp_path / "local"), "--dcp", "--json"]) == 0
     rows = json.loads(capsys.readouterr().out)
-    assert [(r["id"], r["world_size"]) for r in rows] == [("step-1", 1), ("step-2", 1)] and rows[0]["bytes"] > 0
+    assert [(r["id"], r["world_size"]) for r in rows] == [("step-1", 1), ("step-2", 1)] and rows[0][
+        "bytes"
+    ] > 0
     assert main(["verify", f"file://{tmp_path}/remote", "--dcp"]) == 0
     assert capsys.readouterr().out.count(": OK") == 2
     _corrupt_item(tmp_path / "remote", "model.i", "step-2")
     assert main(["verify", f"file://{tmp_path}/remote", "--dcp"]) == 1
     out = capsys.readouterr().out
     assert "step-1: OK" in out and "step-2: FAILED" in out and "'model.i'" in out
-    assert main(["verify", str(tmp_path / "local"), "--dcp", "--id", "step-2"]) == 0   # the local copy is fine
+    assert main(["verify", str(tmp_path / "local"), "--dcp", "--id", "step-2"]) == 0  # the local copy is fine
 
 
 def test_gc_keeps_the_newest_committed_checkpoints_and_leaves_uncommitted_ones(tmp_path, capsys):
     from ckpt.cli import main
     from ckpt.integrations.dcp import list_checkpoints, prune
-    for name in ("b-first", "a-second", "c-third"):             # names deliberately not in time order
+
+    for name in ("b-first", "a-second", "c-third"):  # names deliberately not in time order
         dcp.save(_state(), storage_writer=TierStorageWriter(**_tiers(tmp_path)), checkpoint_id=name)
-    (tmp_path / "local" / "in-progress").mkdir()                 # no COMMIT: a save under way
+    (tmp_path / "local" / "in-progress").mkdir()  # no COMMIT: a save under way
     (tmp_path / "local" / "in-progress" / "rank-00000.dcp.bin").write_bytes(b"x")
     assert prune(tmp_path / "local", 2, dry_run=True) == ["b-first"]
     assert len(list_checkpoints(tmp_path / "local")) == 3
@@ -313,6 +360,7 @@ def _zeros_like(state: dict) -> dict:
 
 def test_a_remote_only_save_streams_the_rank_file_instead_of_building_it_in_memory(tmp_path):
     import tracemalloc
+
     state = _big_state(0, mib=24)
     url = f"file://{tmp_path}/remote"
     tracemalloc.start()
@@ -330,33 +378,46 @@ def test_a_remote_only_save_streams_the_rank_file_instead_of_building_it_in_memo
 
 
 @pytest.mark.s3
-def test_a_remote_only_s3_save_goes_up_in_parts_and_an_outage_mid_upload_publishes_nothing(tmp_path, s3_bucket):
+def test_a_remote_only_s3_save_goes_up_in_parts_and_an_outage_mid_upload_publishes_nothing(
+    tmp_path, s3_bucket
+):
     from s3server import FaultProxy, storage_options
     import s3fs
+
     bucket, port = s3_bucket
     proxy = FaultProxy(port)
     try:
-        opts = storage_options(proxy.port, default_block_size=5 << 20,
-                               config_kwargs={"retries": {"max_attempts": 2, "mode": "standard"}})
+        opts = storage_options(
+            proxy.port,
+            default_block_size=5 << 20,
+            config_kwargs={"retries": {"max_attempts": 2, "mode": "standard"}},
+        )
         url = f"s3://{bucket}/run"
         first = _big_state(1)
-        dcp.save(first, storage_writer=TierStorageWriter(url=url, storage_options=opts), checkpoint_id="step-1")
+        dcp.save(
+            first, storage_writer=TierStorageWriter(url=url, storage_options=opts), checkpoint_id="step-1"
+        )
         fs = s3fs.S3FileSystem(**storage_options(port), skip_instance_cache=True)
         assert fs.info(f"{bucket}/run/step-1/rank-00000.dcp.bin")["size"] >= 12 << 20
-        proxy.faults.fail_parts_from = 2                        # the store fails from the second part on
+        proxy.faults.fail_parts_from = 2  # the store fails from the second part on
         with pytest.raises(CheckpointException) as e:
-            dcp.save(_big_state(2), storage_writer=TierStorageWriter(url=url, storage_options=opts),
-                     checkpoint_id="step-2")
+            dcp.save(
+                _big_state(2),
+                storage_writer=TierStorageWriter(url=url, storage_options=opts),
+                checkpoint_id="step-2",
+            )
         err = _inner(e.value)
         assert isinstance(err, OSError) and proxy.faults.injected > 0
         assert f"could not write rank-00000.dcp.bin of 'step-2' to {url}" in str(err)
         assert "storage_options" in str(err) and "earlier checkpoints are untouched" in str(err)
         proxy.faults.fail_parts_from = None
         assert not fs.exists(f"{bucket}/run/step-2/COMMIT")
-        assert not fs.exists(f"{bucket}/run/step-2/rank-00000.dcp.bin")   # the multipart upload was aborted
+        assert not fs.exists(f"{bucket}/run/step-2/rank-00000.dcp.bin")  # the multipart upload was aborted
         assert fs.list_multipart_uploads(bucket) == []
         loaded = _zeros_like(first)
-        dcp.load(loaded, storage_reader=TierStorageReader(url=url, storage_options=opts), checkpoint_id="step-1")
+        dcp.load(
+            loaded, storage_reader=TierStorageReader(url=url, storage_options=opts), checkpoint_id="step-1"
+        )
         assert all(torch.equal(loaded["model"][k], v) for k, v in first["model"].items())
     finally:
         proxy.close()
@@ -365,11 +426,15 @@ def test_a_remote_only_s3_save_goes_up_in_parts_and_an_outage_mid_upload_publish
 def test_retention_during_saves_keeps_the_newest_per_tier(tmp_path):
     from ckpt import Retention
     from ckpt.integrations.dcp import list_checkpoints
+
     for i in range(1, 5):
         st = _state()
         st["model"]["w"] += i
-        dcp.save(st, storage_writer=TierStorageWriter(**_tiers(tmp_path), keep=Retention(local=2, remote=1)),
-                 checkpoint_id=f"step-{i}")
+        dcp.save(
+            st,
+            storage_writer=TierStorageWriter(**_tiers(tmp_path), keep=Retention(local=2, remote=1)),
+            checkpoint_id=f"step-{i}",
+        )
     assert [r["id"] for r in list_checkpoints(tmp_path / "local")] == ["step-3", "step-4"]
     assert sorted(p.name for p in (tmp_path / "local").iterdir()) == ["step-3", "step-4"]
     assert [r["id"] for r in list_checkpoints(f"file://{tmp_path}/remote")] == ["step-4"]
@@ -389,8 +454,11 @@ def test_retention_on_a_two_node_job_prunes_each_nodes_own_files(tmp_path):
     assert_ok(run_ranks(HERE / "dcp_worker.py", str(tmp_path), "retain", world=2))
     # the coordinator's node: whole committed checkpoints; the other node: its rank's files only
     assert sorted(p.name for p in (tmp_path / "node-0").iterdir()) == ["step-3", "step-4"]
-    assert sorted(p.name for p in (tmp_path / "node-0" / "step-4").iterdir()) == \
-        ["COMMIT", "metadata.json", "rank-00000.dcp.bin"]
+    assert sorted(p.name for p in (tmp_path / "node-0" / "step-4").iterdir()) == [
+        "COMMIT",
+        "metadata.json",
+        "rank-00000.dcp.bin",
+    ]
     assert sorted(p.name for p in (tmp_path / "node-1").iterdir()) == ["step-3", "step-4"]
     assert [p.name for p in (tmp_path / "node-1" / "step-3").iterdir()] == ["rank-00001.dcp.bin"]
     assert sorted(p.name for p in (tmp_path / "remote").iterdir()) == ["step-2", "step-3", "step-4"]
@@ -400,6 +468,7 @@ def test_retention_on_a_two_node_job_prunes_each_nodes_own_files(tmp_path):
 def test_a_file_url_commit_reaches_the_disk_after_the_files_it_vouches_for(tmp_path, monkeypatch, with_local):
     from helpers import DiskLog
     from test_remote import _vouched_files_synced_before_commit
+
     log = DiskLog(monkeypatch)
     tiers = _tiers(tmp_path) if with_local else {"url": f"file://{tmp_path}/remote"}
     dcp.save(_state(), storage_writer=TierStorageWriter(**tiers), checkpoint_id="step-1")

@@ -105,7 +105,7 @@ def test_a_fifo_in_the_local_tier_is_refused_without_blocking(tmp_path, capsys, 
     p = tmp_path / "local" / "step-2" / name
     p.unlink()
     os.mkfifo(p)
-    if name == "rank-00000.dcp.bin":   # the metadata is fine: the items come from the remote tier instead
+    if name == "rank-00000.dcp.bin":  # the metadata is fine: the items come from the remote tier instead
         reader = TierStorageReader(**_tiers(tmp_path))
         loaded = _fresh()
         with hang_detector(), warnings.catch_warnings():
@@ -116,28 +116,47 @@ def test_a_fifo_in_the_local_tier_is_refused_without_blocking(tmp_path, capsys, 
         _loads_from_remote(tmp_path, name)
     rc, rows = _cli(capsys, "ls", str(tmp_path / "local"), "--dcp")
     assert rc == 0 and [r["id"] for r in rows] == (["step-1"] if name == "COMMIT" else ["step-1", "step-2"])
-    if name == "COMMIT":   # not listed, so not verified with the others: name it
+    if name == "COMMIT":  # not listed, so not verified with the others: name it
         rc, rows = _cli(capsys, "verify", str(tmp_path / "local"), "--dcp", "--id", "step-2")
         assert rc == 1 and not rows[0]["ok"] and name in rows[0]["error"]
     else:
         _verify_reports_one_bad(tmp_path, capsys, name)
 
 
-@pytest.mark.parametrize("edit", [
-    lambda m: _item(m, "model.empty").update(shape=[2 ** 70, 0]),
-    lambda m: m["state"]["model.empty"].update(size=[2 ** 70, 0]) or
-    m["state"]["model.empty"]["chunks"][0].update(sizes=[2 ** 70, 0]),
-    lambda m: _item(m, "model.w").update(shape=[3, 5]),                     # not its chunk's shape
-    lambda m: _item(m, "model.i").update(dtype="float64"),                   # not the entry's dtype
-    lambda m: _item(m, "model.i").update(offset_bytes=_item(m, "model.w")["offset_bytes"]),   # overlap
-    lambda m: m.update(storage_meta={"checkpoint_id": None, "save_id": None, "load_id": None, "modules": 5}),
-    lambda m: _item(m, "model.w")["index"].update(offset=[1, 0]),            # no such chunk
-    # a global size of 2**40 rows that the one saved 5-row chunk does not cover: a planner that builds the
-    # state from the metadata (DCP's _load_state_dict_from_keys) would allocate 12 TiB
-    lambda m: m["state"]["model.w"].update(size=[2 ** 40, 3]),
-    lambda m: m["state"]["model.w"]["chunks"].append({"offsets": [0, 0], "sizes": [5, 3]}),   # a chunk twice
-], ids=["item-shape-2^70x0", "size-2^70x0", "item-shape", "item-dtype", "overlap", "storage-meta", "no-chunk",
-        "size-not-covered", "chunk-twice"])
+@pytest.mark.parametrize(
+    "edit",
+    [
+        lambda m: _item(m, "model.empty").update(shape=[2**70, 0]),
+        lambda m: (
+            m["state"]["model.empty"].update(size=[2**70, 0])
+            or m["state"]["model.empty"]["chunks"][0].update(sizes=[2**70, 0])
+        ),
+        lambda m: _item(m, "model.w").update(shape=[3, 5]),  # not its chunk's shape
+        lambda m: _item(m, "model.i").update(dtype="float64"),  # not the entry's dtype
+        lambda m: _item(m, "model.i").update(offset_bytes=_item(m, "model.w")["offset_bytes"]),  # overlap
+        lambda m: m.update(
+            storage_meta={"checkpoint_id": None, "save_id": None, "load_id": None, "modules": 5}
+        ),
+        lambda m: _item(m, "model.w")["index"].update(offset=[1, 0]),  # no such chunk
+        # a global size of 2**40 rows that the one saved 5-row chunk does not cover: a planner that builds the
+        # state from the metadata (DCP's _load_state_dict_from_keys) would allocate 12 TiB
+        lambda m: m["state"]["model.w"].update(size=[2**40, 3]),
+        lambda m: m["state"]["model.w"]["chunks"].append(
+            {"offsets": [0, 0], "sizes": [5, 3]}
+        ),  # a chunk twice
+    ],
+    ids=[
+        "item-shape-2^70x0",
+        "size-2^70x0",
+        "item-shape",
+        "item-dtype",
+        "overlap",
+        "storage-meta",
+        "no-chunk",
+        "size-not-covered",
+        "chunk-twice",
+    ],
+)
 def test_hostile_metadata_fields_are_corrupt_and_the_remote_copy_is_used(tmp_path, capsys, edit):
     _save(tmp_path, "step-1", "step-2")
     _edit_metadata(tmp_path / "local" / "step-2", edit)
@@ -153,11 +172,13 @@ def test_a_deeply_nested_value_in_a_rank_file_is_corrupt_and_named(tmp_path):
     start = data.stat().st_size
     with open(data, "ab") as f:
         f.write(deep)
-    _edit_metadata(step, lambda m: _item(m, "optim.nan").update(offset_bytes=start, length=len(deep),
-                                                                crc=checksum(deep)))
+    _edit_metadata(
+        step, lambda m: _item(m, "optim.nan").update(offset_bytes=start, length=len(deep), crc=checksum(deep))
+    )
     with pytest.raises(CheckpointException) as e:
-        dcp.load(_fresh(), storage_reader=TierStorageReader(local_dir=tmp_path / "local"),
-                 checkpoint_id="step-2")
+        dcp.load(
+            _fresh(), storage_reader=TierStorageReader(local_dir=tmp_path / "local"), checkpoint_id="step-2"
+        )
     err = _inner(e.value)
     assert isinstance(err, CorruptCheckpointError) and "optim.nan" in str(err)
 
@@ -166,6 +187,7 @@ def test_a_value_nested_too_deep_is_refused_at_save_with_its_key(tmp_path):
     """(DCP's own planner walks the state recursively before the writer sees it, so a value much deeper
     than this fails inside torch.distributed.checkpoint itself.)"""
     from ckpt.format import MAX_TREE_DEPTH
+
     v = 1
     for _ in range(MAX_TREE_DEPTH + 1):
         v = [v]
@@ -206,8 +228,12 @@ def test_a_huge_or_endless_record_is_refused_unread(tmp_path, name, how):
     else:
         with open(p, "r+b") as f:
             f.truncate(2 << 30)
-    r = subprocess.run([sys.executable, "-c", _CAPPED, str(tmp_path), str(1536 << 20)],
-                       capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        [sys.executable, "-c", _CAPPED, str(tmp_path), str(1536 << 20)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     out = json.loads(r.stdout.splitlines()[-1])
     assert out["source"] == f"file://{tmp_path}/remote"

@@ -51,14 +51,21 @@ def stalling(s3_bucket, s3_client):
 def _state(seed: int, mib: int = 12) -> dict:
     g = torch.Generator().manual_seed(seed)
     n = mib * MIB // 4 // 3
-    return {"model": {**{f"w{i}": torch.randn(n, generator=g) for i in range(3)},
-                      "empty": torch.zeros(0, 7), "half": torch.randn(5, 3, generator=g).to(torch.bfloat16)},
-            "extra": {"step": seed, "name": "run", "blob": b"\x00\x01"}}
+    return {
+        "model": {
+            **{f"w{i}": torch.randn(n, generator=g) for i in range(3)},
+            "empty": torch.zeros(0, 7),
+            "half": torch.randn(5, 3, generator=g).to(torch.bfloat16),
+        },
+        "extra": {"step": seed, "name": "run", "blob": b"\x00\x01"},
+    }
 
 
 def _blank(state: dict) -> dict:
-    return {"model": {k: torch.zeros_like(v) for k, v in state["model"].items()},
-            "extra": {"step": 0, "name": "", "blob": b""}}
+    return {
+        "model": {k: torch.zeros_like(v) for k, v in state["model"].items()},
+        "extra": {"step": 0, "name": "", "blob": b""},
+    }
 
 
 def _assert_equal(loaded: dict, ref: dict) -> None:
@@ -69,6 +76,7 @@ def _assert_equal(loaded: dict, ref: dict) -> None:
 
 def _s3fs(opts: dict):
     import s3fs
+
     return s3fs.S3FileSystem(**opts, skip_instance_cache=True)
 
 
@@ -76,8 +84,9 @@ def _inner(exc: CheckpointException) -> BaseException:
     return exc.failures[0][0]
 
 
-def test_a_save_whose_upload_stalls_mid_file_fails_in_bounded_time_and_commits_nothing(stalling, s3_client,
-                                                                                         monkeypatch):
+def test_a_save_whose_upload_stalls_mid_file_fails_in_bounded_time_and_commits_nothing(
+    stalling, s3_client, monkeypatch
+):
     url, opts, proxy, direct = stalling
     first = _state(1)
     dcp.save(first, storage_writer=TierStorageWriter(url=url, storage_options=opts), checkpoint_id="step-1")
@@ -85,36 +94,45 @@ def test_a_save_whose_upload_stalls_mid_file_fails_in_bounded_time_and_commits_n
     proxy.stall(after=b"partNumber=3&" if s3_client == "s3fs" else b".dcp.bin.parts/000002")
     t0 = time.monotonic()
     with pytest.warns(UserWarning), pytest.raises(CheckpointException) as e:
-        dcp.save(_state(2), storage_writer=TierStorageWriter(url=url, storage_options=opts), checkpoint_id="step-2")
+        dcp.save(
+            _state(2), storage_writer=TierStorageWriter(url=url, storage_options=opts), checkpoint_id="step-2"
+        )
     took = time.monotonic() - t0
     err = _inner(e.value)
     assert isinstance(err, TimeoutError) and err.errno == errno.ETIMEDOUT, repr(err)
-    assert "/run/step-2/rank-00000.dcp.bin" in err.filename, err.filename   # the URL of rank 0's file (or part)
+    assert "/run/step-2/rank-00000.dcp.bin" in err.filename, (
+        err.filename
+    )  # the URL of rank 0's file (or part)
     if s3_client == "arrow":
         assert err.filename.endswith(".dcp.bin.parts/000002"), err.filename
     assert took < BOUND_S, took
     fs = _s3fs(direct)
     root = url.removeprefix("s3://")
     assert fs.exists(f"{root}/step-1/COMMIT") and not fs.exists(f"{root}/step-2/COMMIT")
-    assert not fs.exists(f"{root}/step-2/rank-00000.dcp.bin")   # no object published from a torn upload
+    assert not fs.exists(f"{root}/step-2/rank-00000.dcp.bin")  # no object published from a torn upload
     # read back through s3fs: pyarrow's S3 client would first wait for the calls left to their threads
     monkeypatch.setenv("CKPT_S3_BACKEND", "s3fs")
     loaded = _blank(first)
-    dcp.load(loaded, storage_reader=TierStorageReader(url=url, storage_options=direct), checkpoint_id="step-1")
+    dcp.load(
+        loaded, storage_reader=TierStorageReader(url=url, storage_options=direct), checkpoint_id="step-1"
+    )
     _assert_equal(loaded, first)
 
 
 def test_a_load_whose_reads_stall_fails_in_bounded_time(stalling, s3_client, monkeypatch):
     url, opts, proxy, direct = stalling
     state = _state(3, mib=3)
-    monkeypatch.setenv("CKPT_S3_BACKEND", "s3fs")   # written directly; read through the relay by `s3_client`
+    monkeypatch.setenv("CKPT_S3_BACKEND", "s3fs")  # written directly; read through the relay by `s3_client`
     dcp.save(state, storage_writer=TierStorageWriter(url=url, storage_options=direct), checkpoint_id="step-3")
     monkeypatch.setenv("CKPT_S3_BACKEND", s3_client)
-    proxy.stall(after=b"rank-00000.dcp.bin")   # the COMMIT and the metadata come through, the data does not
+    proxy.stall(after=b"rank-00000.dcp.bin")  # the COMMIT and the metadata come through, the data does not
     t0 = time.monotonic()
     with pytest.raises(CheckpointException) as e:
-        dcp.load(_blank(state), storage_reader=TierStorageReader(url=url, storage_options=opts),
-                 checkpoint_id="step-3")
+        dcp.load(
+            _blank(state),
+            storage_reader=TierStorageReader(url=url, storage_options=opts),
+            checkpoint_id="step-3",
+        )
     assert time.monotonic() - t0 < BOUND_S
     err = _inner(e.value)
     assert isinstance(err, TimeoutError) and err.errno == errno.ETIMEDOUT, repr(err)
@@ -123,8 +141,9 @@ def test_a_load_whose_reads_stall_fails_in_bounded_time(stalling, s3_client, mon
 
 @pytest.mark.parametrize("writer,reader", [("s3fs", "arrow"), ("arrow", "s3fs"), ("arrow", "arrow")])
 @pytest.mark.parametrize("with_local", [False, True], ids=["url-only", "local+url"])
-def test_a_data_file_in_parts_or_in_one_object_round_trips_bit_exact(s3_bucket, tmp_path, monkeypatch, writer,
-                                                                       reader, with_local):
+def test_a_data_file_in_parts_or_in_one_object_round_trips_bit_exact(
+    s3_bucket, tmp_path, monkeypatch, writer, reader, with_local
+):
     pytest.importorskip("pyarrow")
     bucket, port = s3_bucket
     url, opts = f"s3://{bucket}/run", storage_options(port)
@@ -138,42 +157,51 @@ def test_a_data_file_in_parts_or_in_one_object_round_trips_bit_exact(s3_bucket, 
         base = f"{bucket}/run/step-4"
         items = json.loads(fs.cat_file(f"{base}/metadata.json"))["items"]
         size = max(i["offset_bytes"] + i["length"] for i in items)
-        if writer == "s3fs":    # one object (a multipart upload of 5 MiB parts); nothing says parts
+        if writer == "s3fs":  # one object (a multipart upload of 5 MiB parts); nothing says parts
             assert fs.info(f"{base}/rank-00000.dcp.bin")["size"] == size
             assert all("part_bytes" not in i for i in items)
-        else:                   # one object per 1 MiB part, the part size recorded with every item
+        else:  # one object per 1 MiB part, the part size recorded with every item
             parts = sorted(fs.ls(f"{base}/rank-00000.dcp.bin.parts"))
             assert len(parts) == -(-size // MIB) > 1 and not fs.exists(f"{base}/rank-00000.dcp.bin")
-            assert [fs.info(p)["size"] for p in parts] == [MIB] * (len(parts) - 1) + [size - MIB * (len(parts) - 1)]
+            assert [fs.info(p)["size"] for p in parts] == [MIB] * (len(parts) - 1) + [
+                size - MIB * (len(parts) - 1)
+            ]
             assert all(i["part_bytes"] == MIB for i in items)
         assert [r["bytes"] for r in list_checkpoints(url, opts)] == [size]
         monkeypatch.setenv("CKPT_S3_BACKEND", reader)
         assert verify(url, "step-4", opts)["bytes"] == size
         loaded = _blank(state)
-        dcp.load(loaded, storage_reader=TierStorageReader(url=url, storage_options=opts), checkpoint_id="step-4")
+        dcp.load(
+            loaded, storage_reader=TierStorageReader(url=url, storage_options=opts), checkpoint_id="step-4"
+        )
     _assert_equal(loaded, state)
 
 
 def _ids(fs, root: str) -> set[str]:
     """The checkpoint ids of the objects under ``root`` (not the empty directory markers pyarrow makes)."""
-    return {p[len(root):].split("/")[1] for p in fs.find(root) if not p.endswith("/")}
+    return {p[len(root) :].split("/")[1] for p in fs.find(root) if not p.endswith("/")}
 
 
 def test_retention_and_prune_remove_a_checkpoints_parts(s3_bucket, monkeypatch):
     pytest.importorskip("pyarrow")
-    monkeypatch.setenv("CKPT_S3_BACKEND", "arrow")   # the layout of parts
+    monkeypatch.setenv("CKPT_S3_BACKEND", "arrow")  # the layout of parts
     bucket, port = s3_bucket
     url, opts = f"s3://{bucket}/run", storage_options(port)
     fs = _s3fs(opts)
     with knobs.override(CKPT_CHUNK_BYTES=64 << 10):
         for i in (1, 2, 3):
-            dcp.save(_state(i, mib=1), storage_writer=TierStorageWriter(url=url, storage_options=opts,
-                                                                        keep=Retention(remote=1)),
-                     checkpoint_id=f"step-{i}")
+            dcp.save(
+                _state(i, mib=1),
+                storage_writer=TierStorageWriter(url=url, storage_options=opts, keep=Retention(remote=1)),
+                checkpoint_id=f"step-{i}",
+            )
         assert [r["id"] for r in list_checkpoints(url, opts)] == ["step-3"]
         assert _ids(fs, f"{bucket}/run") == {"step-3"}
         assert len(fs.ls(f"{bucket}/run/step-3/rank-00000.dcp.bin.parts")) > 1
-        dcp.save(_state(4, mib=1), storage_writer=TierStorageWriter(url=url, storage_options=opts),
-                 checkpoint_id="step-4")
+        dcp.save(
+            _state(4, mib=1),
+            storage_writer=TierStorageWriter(url=url, storage_options=opts),
+            checkpoint_id="step-4",
+        )
         assert prune(url, 1, opts) == ["step-3"]
     assert _ids(fs, f"{bucket}/run") == {"step-4"}

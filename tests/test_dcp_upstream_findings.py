@@ -41,7 +41,7 @@ def _tiers(root: Path) -> dict:
 
 def _losses(values) -> io.BytesIO:
     buf = io.BytesIO()
-    torch.save(values, buf)   # what a torchtitan-style train state keeps (its own bytes, written by the user)
+    torch.save(values, buf)  # what a torchtitan-style train state keeps (its own bytes, written by the user)
     return buf
 
 
@@ -50,12 +50,21 @@ def test_bytes_and_bytesio_values_round_trip_as_themselves(tmp_path, tiers):
     kw = _tiers(tmp_path)
     kw = {"local": {"local_dir": kw["local_dir"]}, "remote": {"url": kw["url"]}, "both": kw}[tiers]
     losses = _losses([0.5, 0.25])
-    losses.seek(3)   # a position that is not the end: kept, as a torch.save of the BytesIO keeps it
-    state = {"w": torch.arange(4.0), "loader": b"\x00\xff\x80rank-state", "empty": b"",
-             "train": {"losses": losses, "pairs": [b"a", (b"b", io.BytesIO(b"c"))]}}
+    losses.seek(3)  # a position that is not the end: kept, as a torch.save of the BytesIO keeps it
+    state = {
+        "w": torch.arange(4.0),
+        "loader": b"\x00\xff\x80rank-state",
+        "empty": b"",
+        "train": {"losses": losses, "pairs": [b"a", (b"b", io.BytesIO(b"c"))]},
+    }
     dcp.save(state, storage_writer=TierStorageWriter(**kw), checkpoint_id="step-1")
 
-    out = {"w": torch.zeros(4), "loader": b"", "empty": None, "train": {"losses": io.BytesIO(), "pairs": None}}
+    out = {
+        "w": torch.zeros(4),
+        "loader": b"",
+        "empty": None,
+        "train": {"losses": io.BytesIO(), "pairs": None},
+    }
     dcp.load(out, storage_reader=TierStorageReader(**kw), checkpoint_id="step-1")
     assert torch.equal(out["w"], torch.arange(4.0))
     assert type(out["loader"]) is bytes and out["loader"] == b"\x00\xff\x80rank-state"
@@ -71,14 +80,22 @@ def test_bytes_and_bytesio_values_round_trip_as_themselves(tmp_path, tiers):
 
 def test_bytes_are_stored_as_json_text_and_malformed_base64_is_corrupt(tmp_path):
     from ckpt.integrations.dcp import _from_json
+
     root = tmp_path / "local"
     dcp.save({"blob": b"\x01\x02"}, storage_writer=TierStorageWriter(local_dir=root), checkpoint_id="c")
     meta = json.loads((root / "c" / "metadata.json").read_text())
     rec = next(i for i in meta["items"] if i["index"]["fqn"] == "blob")
-    raw = (root / "c" / "rank-00000.dcp.bin").read_bytes()[rec["offset_bytes"]:rec["offset_bytes"] + rec["length"]]
+    raw = (root / "c" / "rank-00000.dcp.bin").read_bytes()[
+        rec["offset_bytes"] : rec["offset_bytes"] + rec["length"]
+    ]
     assert json.loads(raw) == {"$bytes": "AQI="}
-    for bad in ({"$bytes": "not base64!"}, {"$bytes": 5}, {"$bytesio": "AQI=", "pos": -1},
-                {"$bytesio": "AQI=", "pos": True}, {"$bytesio": "AQI="}):
+    for bad in (
+        {"$bytes": "not base64!"},
+        {"$bytes": 5},
+        {"$bytesio": "AQI=", "pos": -1},
+        {"$bytesio": "AQI=", "pos": True},
+        {"$bytesio": "AQI="},
+    ):
         with pytest.raises(CorruptCheckpointError):
             _from_json(bad, "blob")
 
@@ -122,14 +139,23 @@ class _OwnBytes(DefaultSavePlanner):
 
 def test_a_save_planner_hook_decides_what_a_value_is_stored_as(tmp_path):
     kw = _tiers(tmp_path)
-    dcp.save({"token": "secret", "t": torch.ones(2)}, storage_writer=TierStorageWriter(**kw),
-             checkpoint_id="step-1", planner=_Redacting())
+    dcp.save(
+        {"token": "secret", "t": torch.ones(2)},
+        storage_writer=TierStorageWriter(**kw),
+        checkpoint_id="step-1",
+        planner=_Redacting(),
+    )
     out = {"token": None, "t": torch.zeros(2)}
     dcp.load(out, storage_reader=TierStorageReader(**kw), checkpoint_id="step-1")
     assert out["token"] == "<redacted>" and torch.equal(out["t"], torch.ones(2))
     # bytes that are no torch.save of plain data are refused at save (never stored opaque), by key
     with pytest.raises(CheckpointException) as e:
-        dcp.save({"token": "x"}, storage_writer=TierStorageWriter(**kw), checkpoint_id="step-2", planner=_OwnBytes())
+        dcp.save(
+            {"token": "x"},
+            storage_writer=TierStorageWriter(**kw),
+            checkpoint_id="step-2",
+            planner=_OwnBytes(),
+        )
     inner = e.value.failures[0][0]
     assert isinstance(inner, ValueError) and "'token'" in str(inner)
     assert not (tmp_path / "local" / "step-2" / "COMMIT").exists()
@@ -137,11 +163,12 @@ def test_a_save_planner_hook_decides_what_a_value_is_stored_as(tmp_path):
 
 def test_use_collectives_false_gives_every_rank_its_own_state_back(tmp_path):
     from helpers import assert_ok, run_ranks
+
     results = run_ranks(Path(__file__), str(tmp_path), "no-collectives", world=2)
     assert_ok(results)
     lines = sorted(l for r in results for l in r.stdout.splitlines() if l.startswith("loaded"))
     assert lines == ["loaded 0 1.0 0 'r0'", "loaded 1 2.0 1 'r1'"]
-    for rank in (0, 1):   # each rank committed a checkpoint of its own, locally and remotely
+    for rank in (0, 1):  # each rank committed a checkpoint of its own, locally and remotely
         for tier in ("local", "remote"):
             assert (tmp_path / tier / "step-1" / f"rank-{rank:05d}" / "COMMIT").exists()
     assert not (tmp_path / "local" / "step-1" / "COMMIT").exists()
@@ -155,10 +182,15 @@ def _child() -> None:
     tiers = _tiers(Path(root))
     try:
         # an earlier collective save under the same id: the rank-local saves below replace it
-        dcp.save({"w": torch.full((3,), -1.0), "r": -1, "b": "old"}, storage_writer=TierStorageWriter(**tiers),
-                 checkpoint_id="step-1")
+        dcp.save(
+            {"w": torch.full((3,), -1.0), "r": -1, "b": "old"},
+            storage_writer=TierStorageWriter(**tiers),
+            checkpoint_id="step-1",
+        )
         state = {"w": torch.full((3,), float(rank + 1)), "r": rank, "b": f"r{rank}"}
-        dcp.save(state, storage_writer=TierStorageWriter(**tiers), checkpoint_id="step-1", use_collectives=False)
+        dcp.save(
+            state, storage_writer=TierStorageWriter(**tiers), checkpoint_id="step-1", use_collectives=False
+        )
         torch.distributed.barrier()
         out = {"w": torch.zeros(3), "r": None, "b": None}
         dcp.load(out, storage_reader=TierStorageReader(**tiers), checkpoint_id="step-1")

@@ -66,9 +66,13 @@ def test_every_code_block_is_run_by_a_test_or_marked_as_a_fragment():
                 runnable.add((path.name, first.split(":", 1)[1].strip()))
             elif before != FRAGMENT:
                 unmarked.append(f"{path.relative_to(ROOT)}:{line}")
-    assert not unmarked, f"mark these blocks with a {FRAGMENT} line before the fence, or make them runnable: {unmarked}"
-    assert runnable == set(RUNNABLE), ("runnable examples without a test (add them to RUNNABLE and run them), or "
-                                       f"listed ones that are gone: {runnable ^ set(RUNNABLE)}")
+    assert not unmarked, (
+        f"mark these blocks with a {FRAGMENT} line before the fence, or make them runnable: {unmarked}"
+    )
+    assert runnable == set(RUNNABLE), (
+        "runnable examples without a test (add them to RUNNABLE and run them), or "
+        f"listed ones that are gone: {runnable ^ set(RUNNABLE)}"
+    )
     for (page, name), test in RUNNABLE.items():
         assert page in (ROOT / test).read_text(), f"{test} does not read {page}"
 
@@ -91,8 +95,10 @@ def test_plain_loop_example_runs_and_resumes(tmp_path):
     # the local tier wrote: 40, or older when the tier was still busy with an older snapshot and newer ones
     # superseded each other (if_busy="skip": newest wins)
     runs = [("resumed from step None", ["memory", "local"]), ("resumed from step 49", ["local"])]
-    for resumed, tiers in runs:   # the second run restores step 49 and trains nothing
-        out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=300)
+    for resumed, tiers in runs:  # the second run restores step 49 and trains nothing
+        out = subprocess.run(
+            [sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=300
+        )
         assert out.returncode == 0, out.stderr
         lines = out.stdout.splitlines()
         assert lines[0] == resumed, out.stdout
@@ -112,7 +118,7 @@ def test_torchrun_example_runs_on_two_gloo_ranks(tmp_path):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script)]
     out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
     assert out.returncode == 0, out.stdout + out.stderr
-    assert "newest checkpoint: 29" in out.stdout   # the last step (final=True), off the every_steps=10 cadence
+    assert "newest checkpoint: 29" in out.stdout  # the last step (final=True), off the every_steps=10 cadence
     for r in range(2):
         assert (tmp_path / "ck" / f"rank-{r}" / "step-000000029" / "COMMIT").exists()
     # the job tier holds both ranks' files under one COMMIT (the peer tier's replicas were in RAM: freed at close)
@@ -120,7 +126,9 @@ def test_torchrun_example_runs_on_two_gloo_ranks(tmp_path):
 
 
 def _quickstart() -> str:
-    blocks = re.findall(r"```python\n(# runnable-example: quickstart\n.*?)```", (DOCS / "quickstart.md").read_text(), re.S)
+    blocks = re.findall(
+        r"```python\n(# runnable-example: quickstart\n.*?)```", (DOCS / "quickstart.md").read_text(), re.S
+    )
     assert len(blocks) == 1
     return blocks[0]
 
@@ -134,8 +142,9 @@ def test_quickstart_killed_midway_resumes_to_the_uninterrupted_runs_weights(tmp_
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}
 
     def run(cwd: Path) -> list[str]:
-        out = subprocess.run([sys.executable, str(script)], cwd=cwd, capture_output=True, text=True, env=env,
-                             timeout=300)
+        out = subprocess.run(
+            [sys.executable, str(script)], cwd=cwd, capture_output=True, text=True, env=env, timeout=300
+        )
         assert out.returncode == 0, out.stdout + out.stderr
         return out.stdout.splitlines()
 
@@ -144,10 +153,11 @@ def test_quickstart_killed_midway_resumes_to_the_uninterrupted_runs_weights(tmp_
     killed.mkdir()
     reference = run(straight)
     assert reference[0] == "starting at step 0" and reference[-1].startswith("weights: ")
-    assert "(99, " in reference[-2], reference   # the final save is listed
+    assert "(99, " in reference[-2], reference  # the final save is listed
 
-    p = subprocess.Popen([sys.executable, str(script)], cwd=killed, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                         env=env)
+    p = subprocess.Popen(
+        [sys.executable, str(script)], cwd=killed, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env
+    )
     try:
         deadline = time.monotonic() + 240
         while not (killed / "ckpt-quickstart" / "step-000000020" / "COMMIT").exists():
@@ -163,8 +173,9 @@ def test_quickstart_killed_midway_resumes_to_the_uninterrupted_runs_weights(tmp_
     assert resumed[-1] == reference[-1]
     # the loss lines the resumed run printed are the uninterrupted run's
     assert [line for line in resumed if line.startswith("step ")] == [
-        line for line in reference if line.startswith("step ") and int(line.split()[1]) >= start]
-    again = run(killed)   # a finished run trains nothing more and reports the same weights
+        line for line in reference if line.startswith("step ") and int(line.split()[1]) >= start
+    ]
+    again = run(killed)  # a finished run trains nothing more and reports the same weights
     assert again[0] == "starting at step 100" and again[-1] == reference[-1]
 
 
@@ -175,9 +186,12 @@ def test_the_dcp_migration_guide_shows_the_silent_wrong_resume(tmp_path):
     code = re.findall(r"```python\n(# runnable-example: migrate_dcp\n.*?)```", text, re.S)[0]
     script = tmp_path / "migrate_dcp.py"
     script.write_text(code)
-    out = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    out = subprocess.run(
+        [sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=300
+    )
     assert out.returncode == 0, out.stdout + out.stderr
     assert [" ".join(line.split()) for line in out.stdout.splitlines()] == [
         "dcp, state_dict(): optimizer states 0; resumed exactly: False",
         "dcp, get_state_dict(): resumed exactly: True",
-        "ckpt: optimizer states 2; resumed exactly: True"]
+        "ckpt: optimizer states 2; resumed exactly: True",
+    ]

@@ -23,13 +23,17 @@ def _prose(path: Path) -> list[str]:
             inside = not inside
             continue
         if not inside:
-            out.append(re.sub(r"`[^`]*`", lambda m: "`" * len(m.group(0)) if "](" in m.group(0) else m.group(0), line))
+            out.append(
+                re.sub(
+                    r"`[^`]*`", lambda m: "`" * len(m.group(0)) if "](" in m.group(0) else m.group(0), line
+                )
+            )
     return out
 
 
 def slug(heading: str) -> str:
     """GitHub's anchor of a heading: markup dropped, lower case, punctuation removed, spaces to hyphens."""
-    text = re.sub(r"\[([^\]]*)\]\([^)]*\)", r"\1", heading)          # links: their text
+    text = re.sub(r"\[([^\]]*)\]\([^)]*\)", r"\1", heading)  # links: their text
     text = re.sub(r"<[^>]+>", "", text).replace("`", "").replace("*", "")
     text = re.sub(r"[^\w\- ]", "", text.strip().lower())
     return text.replace(" ", "-")
@@ -46,7 +50,7 @@ def anchors(path: Path) -> set[str]:
             counts[base] = n + 1
             found.add(base if n == 0 else f"{base}-{n}")
         found.update(re.findall(r'\bid="([^"]+)"', line))
-        found.update(re.findall(r"^::: ([\w.]+)$", line))   # mkdocstrings: the object's path is its anchor
+        found.update(re.findall(r"^::: ([\w.]+)$", line))  # mkdocstrings: the object's path is its anchor
     return found
 
 
@@ -62,7 +66,7 @@ def test_every_relative_link_and_anchor_resolves():
         for line in _prose(page):
             for m in _LINK.finditer(line):
                 target = m.group(1) or m.group(2)
-                if re.match(r"^[a-z][a-z0-9+.-]*:", target):   # http:, https:, mailto:
+                if re.match(r"^[a-z][a-z0-9+.-]*:", target):  # http:, https:, mailto:
                     continue
                 file, _, anchor = target.partition("#")
                 dest = (page.parent / file).resolve() if file else page

@@ -18,8 +18,14 @@ ROOT = Path(__file__).resolve().parents[1]
 REFERENCE = ROOT / "docs" / "reference"
 
 # The public modules: ckpt.__all__, ckpt.kernels.__all__ and every ckpt.integrations module's __all__.
-MODULES = ["ckpt", "ckpt.kernels", "ckpt.integrations.dcp", "ckpt.integrations.signals",
-           "ckpt.integrations.lightning", "ckpt.integrations.hf"]
+MODULES = [
+    "ckpt",
+    "ckpt.kernels",
+    "ckpt.integrations.dcp",
+    "ckpt.integrations.signals",
+    "ckpt.integrations.lightning",
+    "ckpt.integrations.hf",
+]
 NEEDS = {"ckpt.integrations.lightning": "lightning", "ckpt.integrations.hf": "transformers"}
 
 
@@ -46,10 +52,19 @@ def _attribute_docstring(module, name: str) -> str | None:
     tree = ast.parse(inspect.getsource(module))
     for body in _statements(tree.body):
         for node, nxt in zip(body, body[1:] + [None]):
-            targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(
-                node, ast.AnnAssign) else []
+            targets = (
+                node.targets
+                if isinstance(node, ast.Assign)
+                else [node.target]
+                if isinstance(node, ast.AnnAssign)
+                else []
+            )
             if any(isinstance(t, ast.Name) and t.id == name for t in targets):
-                if isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant) and isinstance(nxt.value.value, str):
+                if (
+                    isinstance(nxt, ast.Expr)
+                    and isinstance(nxt.value, ast.Constant)
+                    and isinstance(nxt.value.value, str)
+                ):
                     return nxt.value.value
             if isinstance(node, ast.ImportFrom) and any((a.asname or a.name) == name for a in node.names):
                 source = importlib.import_module("." * node.level + (node.module or ""), module.__package__)
@@ -62,8 +77,10 @@ def _own_doc(obj) -> str | None:
     doc = obj.__dict__.get("__doc__") if inspect.isclass(obj) else obj.__doc__
     if not doc or not doc.strip():
         return None
-    if inspect.isclass(obj) and (doc.startswith(f"{obj.__name__}(") or
-                                 (issubclass(obj, enum.Enum) and doc.strip() == "An enumeration.")):
+    if inspect.isclass(obj) and (
+        doc.startswith(f"{obj.__name__}(")
+        or (issubclass(obj, enum.Enum) and doc.strip() == "An enumeration.")
+    ):
         return None
     return doc
 
@@ -98,12 +115,14 @@ def test_every_public_name_has_a_docstring(name):
             if inspect.isclass(obj) and obj.__module__.startswith("ckpt."):
                 missing += _members_without_docs(obj)
         elif not _attribute_docstring(module, public):
-            missing.append(public)   # a constant: a string literal after its assignment
+            missing.append(public)  # a constant: a string literal after its assignment
     assert not missing, f"{name}: public names without a docstring: {missing}"
 
 
 def _directives() -> set[str]:
-    return {m for page in REFERENCE.glob("*.md") for m in re.findall(r"^::: ([\w.]+)$", page.read_text(), re.M)}
+    return {
+        m for page in REFERENCE.glob("*.md") for m in re.findall(r"^::: ([\w.]+)$", page.read_text(), re.M)
+    }
 
 
 def test_every_public_name_is_on_a_reference_page():
@@ -111,7 +130,7 @@ def test_every_public_name_is_on_a_reference_page():
 
     shown = _directives()
     missing = [f"ckpt.{n}" for n in ckpt.__all__ if f"ckpt.{n}" not in shown]
-    missing += [m for m in MODULES[1:] if m not in shown]   # a module's directive shows its __all__
+    missing += [m for m in MODULES[1:] if m not in shown]  # a module's directive shows its __all__
     assert not missing, f"add '::: NAME' for these to a page of docs/reference/: {missing}"
 
 
@@ -119,7 +138,12 @@ def test_the_site_builds_with_no_warning(tmp_path):
     """``mkdocs build --strict``: the reference from the docstrings, every link and anchor checked."""
     pytest.importorskip("mkdocs")
     pytest.importorskip("mkdocstrings_handlers.python")
-    out = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path / "site")],
-                         cwd=ROOT, capture_output=True, text=True, timeout=300)
+    out = subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path / "site")],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
     assert (tmp_path / "site" / "reference" / "checkpointer" / "index.html").exists()

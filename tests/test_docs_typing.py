@@ -18,14 +18,27 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-THIRD_PARTY = ["torch", "transformers", "lightning", "accelerate", "torchdata", "safetensors", "numpy", "triton",
-               "fsspec", "s3fs", "pyarrow"]
+THIRD_PARTY = [
+    "torch",
+    "transformers",
+    "lightning",
+    "accelerate",
+    "torchdata",
+    "safetensors",
+    "numpy",
+    "triton",
+    "fsspec",
+    "s3fs",
+    "pyarrow",
+]
 
 
 def _examples() -> dict[str, str]:
     found = {}
     for page in [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]:
-        for code, name in re.findall(r"```python\n(# runnable-example: (\w+)\n.*?)```", page.read_text(), re.S):
+        for code, name in re.findall(
+            r"```python\n(# runnable-example: (\w+)\n.*?)```", page.read_text(), re.S
+        ):
             found[name] = code
     return found
 
@@ -43,13 +56,27 @@ def test_mypy_passes_on_the_docs_runnable_examples(tmp_path):
     examples.mkdir()
     found = _examples()
     assert len(found) >= 8, sorted(found)
-    for name, code in found.items():   # example_*: a file named accelerate.py would import itself
+    for name, code in found.items():  # example_*: a file named accelerate.py would import itself
         (examples / f"example_{name}.py").write_text(code)
     config = tmp_path / "mypy.ini"
-    config.write_text("[mypy]\npython_version = 3.11\nfollow_imports = silent\nignore_missing_imports = True\n"
-                      f"[mypy-{','.join(m + '.*' for m in THIRD_PARTY)}]\nfollow_imports = skip\n")
-    out = subprocess.run([sys.executable, "-m", "mypy", "--config-file", str(config), "--cache-dir",
-                          str(tmp_path / "cache"), str(examples)],
-                         capture_output=True, text=True, timeout=300,
-                         env={**os.environ, "MYPYPATH": str(tmp_path / "src")})
+    config.write_text(
+        "[mypy]\npython_version = 3.11\nfollow_imports = silent\nignore_missing_imports = True\n"
+        f"[mypy-{','.join(m + '.*' for m in THIRD_PARTY)}]\nfollow_imports = skip\n"
+    )
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "mypy",
+            "--config-file",
+            str(config),
+            "--cache-dir",
+            str(tmp_path / "cache"),
+            str(examples),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "MYPYPATH": str(tmp_path / "src")},
+    )
     assert out.returncode == 0, out.stdout + out.stderr

@@ -22,17 +22,20 @@ def _line(results, prefix: str) -> str:
     return next(l for r in results for l in r.stdout.splitlines() if l.startswith(prefix))
 
 
-@pytest.mark.parametrize("backend", [
-    "gloo", pytest.param("nccl", marks=pytest.mark.multigpu, id="nccl-two-gpus")])
+@pytest.mark.parametrize(
+    "backend", ["gloo", pytest.param("nccl", marks=pytest.mark.multigpu, id="nccl-two-gpus")]
+)
 def test_fsdp2_training_resumes_bit_identically_on_two_ranks(tmp_path, backend):
     env = {"CKPT_TEST_BACKEND": backend}
     straight = run_ranks(WORKER, str(tmp_path / "a"), "run", "7", env=env)
     assert_ok(straight)
-    interrupted = run_ranks(WORKER, str(tmp_path / "b"), "run", "4", env=env)   # saves step 3, stops after 4
+    interrupted = run_ranks(WORKER, str(tmp_path / "b"), "run", "4", env=env)  # saves step 3, stops after 4
     assert_ok(interrupted)
     resumed = run_ranks(WORKER, str(tmp_path / "b"), "resume", "7", env=env)
     assert_ok(resumed)
-    assert [l for r in resumed for l in r.stdout.splitlines() if l.startswith("restored")] == ["restored 3"] * 2
+    assert [l for r in resumed for l in r.stdout.splitlines() if l.startswith("restored")] == [
+        "restored 3"
+    ] * 2
     # parameters (in place, shard by shard) and AdamW moments (re-made as DTensors on their
     # parameters' mesh, the optimizer never having stepped) both came back exactly
     assert _line(resumed, "digest") == _line(straight, "digest")
@@ -67,7 +70,9 @@ def test_a_dtensor_round_trips_in_place_with_its_layout_checked(local_dir, one_r
         assert ck.restore({"w": w}) == 1
         assert torch.equal(w.full_tensor(), saved)
         other = distribute_tensor(torch.zeros(6, 4), one_rank, [Replicate()])
-        with pytest.raises(ckpt.IncompatibleCheckpointError, match=r"placements \['S0'\].*job tier.*reshards"):
+        with pytest.raises(
+            ckpt.IncompatibleCheckpointError, match=r"placements \['S0'\].*job tier.*reshards"
+        ):
             ck.restore({"w": other})
         with pytest.raises(ckpt.IncompatibleCheckpointError, match="saved as a DTensor"):
             ck.restore({"w": torch.zeros(6, 4)})
@@ -106,4 +111,4 @@ def test_a_stepped_optimizers_dtensor_state_stays_dtensor_after_restore(local_di
         assert ck.restore({"p": p, "opt": opt}) == 1
     exp_avg = opt.state[p]["exp_avg"]
     assert isinstance(exp_avg, DTensor) and torch.equal(exp_avg.full_tensor(), saved)
-    step()   # mixing DTensor parameters with plain-tensor state would fail here
+    step()  # mixing DTensor parameters with plain-tensor state would fail here

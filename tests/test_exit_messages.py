@@ -41,25 +41,36 @@ def own_shm(monkeypatch):
 
 def _run(tmp_path, open_: str, end: str) -> subprocess.CompletedProcess:
     code = _LOOP.replace("{open}", open_).replace("{end}", end)
-    return subprocess.run([sys.executable, "-c", code, str(tmp_path / "local")], capture_output=True, text=True,
-                          timeout=120)
+    return subprocess.run(
+        [sys.executable, "-c", code, str(tmp_path / "local")], capture_output=True, text=True, timeout=120
+    )
 
 
 def test_ctrl_c_in_the_with_block_says_once_what_it_waits_for_and_what_ram_it_keeps(tmp_path):
-    code = _LOOP.replace("{open}", "with ckpt.Checkpointer(local_dir=sys.argv[1], every_steps=1) as ck:\n if True:")
-    code = code.replace("\nfor step", "\n  for step").replace("\n    state[", "\n      state[").replace(
-        "\n    ck.maybe", "\n      ck.maybe").replace("\n    if step", "\n      if step").replace(
-        "\n        ck.wait()", "\n          ck.wait()").replace("\n        {end}", "\n          os.kill(os.getpid(), signal.SIGINT)").replace(
-        "\n    time.sleep", "\n      time.sleep")
-    out = subprocess.run([sys.executable, "-c", code, str(tmp_path / "local")], capture_output=True, text=True,
-                         timeout=120)
+    code = _LOOP.replace(
+        "{open}", "with ckpt.Checkpointer(local_dir=sys.argv[1], every_steps=1) as ck:\n if True:"
+    )
+    code = (
+        code.replace("\nfor step", "\n  for step")
+        .replace("\n    state[", "\n      state[")
+        .replace("\n    ck.maybe", "\n      ck.maybe")
+        .replace("\n    if step", "\n      if step")
+        .replace("\n        ck.wait()", "\n          ck.wait()")
+        .replace("\n        {end}", "\n          os.kill(os.getpid(), signal.SIGINT)")
+        .replace("\n    time.sleep", "\n      time.sleep")
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code, str(tmp_path / "local")], capture_output=True, text=True, timeout=120
+    )
     assert out.returncode != 0 and "KeyboardInterrupt" in out.stderr
     warnings = [line for line in out.stderr.splitlines() if line.startswith("WARNING ckpt")]
-    assert len([w for w in warnings if "ckpt.api" in w]) == 1, out.stderr   # one line: what the exit waits for
-    assert len([w for w in warnings if "ckpt.tiers.memory" in w]) == 1, out.stderr   # the RAM kept, and how to free it
-    assert "During handling of the above exception" not in out.stderr   # no chained traceback
+    assert len([w for w in warnings if "ckpt.api" in w]) == 1, out.stderr  # one line: what the exit waits for
+    assert len([w for w in warnings if "ckpt.tiers.memory" in w]) == 1, (
+        out.stderr
+    )  # the RAM kept, and how to free it
+    assert "During handling of the above exception" not in out.stderr  # no chained traceback
     assert shm.prefix_for(tmp_path / "local", 0) is not None
-    assert shm.segments(prefix=shm.prefix_for(tmp_path / "local", 0))   # kept for the next process
+    assert shm.segments(prefix=shm.prefix_for(tmp_path / "local", 0))  # kept for the next process
 
 
 def test_a_process_that_never_closes_says_what_ram_it_keeps(tmp_path):
@@ -72,7 +83,9 @@ def test_a_process_that_never_closes_says_what_ram_it_keeps(tmp_path):
 
 
 def test_a_clean_close_keeps_no_ram_and_says_nothing(tmp_path):
-    out = _run(tmp_path, "ck = ckpt.Checkpointer(local_dir=sys.argv[1], every_steps=1)", "ck.close(); sys.exit(0)")
+    out = _run(
+        tmp_path, "ck = ckpt.Checkpointer(local_dir=sys.argv[1], every_steps=1)", "ck.close(); sys.exit(0)"
+    )
     assert out.returncode == 0, out.stderr
     assert not [line for line in out.stderr.splitlines() if line.startswith("WARNING")], out.stderr
     assert shm.segments(prefix=shm.prefix_for(tmp_path / "local", 0)) == []

@@ -45,12 +45,19 @@ def _state(seed: int = 0) -> dict:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     model.norm(model.emb(torch.arange(8))).sum().backward()
     opt.step()
-    return {"model": model, "optim": opt,
-            "extra": {"ints": torch.arange(7, dtype=torch.int64), "scalar": torch.tensor(2.5, dtype=torch.float64),
-                      "empty": torch.empty(0, 4), "np": np.arange(6, dtype=np.int16).reshape(2, 3),
-                      "flag": torch.tensor([True, False]),
-                      "f8": torch.linspace(-2, 2, 9).to(torch.float8_e4m3fn)},
-            "meta": {"epoch": 3, "name": "run", "inf": float("inf"), "pair": (1, 2), "none": None}}
+    return {
+        "model": model,
+        "optim": opt,
+        "extra": {
+            "ints": torch.arange(7, dtype=torch.int64),
+            "scalar": torch.tensor(2.5, dtype=torch.float64),
+            "empty": torch.empty(0, 4),
+            "np": np.arange(6, dtype=np.int16).reshape(2, 3),
+            "flag": torch.tensor([True, False]),
+            "f8": torch.linspace(-2, 2, 9).to(torch.float8_e4m3fn),
+        },
+        "meta": {"epoch": 3, "name": "run", "inf": float("inf"), "pair": (1, 2), "none": None},
+    }
 
 
 def _save(local_dir: Path, state: dict, steps=(5,), url: str | None = None) -> None:
@@ -93,8 +100,10 @@ def test_safetensors_round_trip_is_bit_exact_with_the_values_in_the_metadata(tmp
     assert set(got) == set(want)
     for k in want:
         assert _same(got[k], want[k]), k
-    assert _same(got["model/head.weight"], got["model/emb.weight"])   # tied: each name its own bytes
-    assert info.tensors == len(want) and info.nbytes == sum(t.numel() * t.element_size() for t in want.values())
+    assert _same(got["model/head.weight"], got["model/emb.weight"])  # tied: each name its own bytes
+    assert info.tensors == len(want) and info.nbytes == sum(
+        t.numel() * t.element_size() for t in want.values()
+    )
     with safe_open(tmp_path / "out" / "model.safetensors", "pt") as f:
         meta = f.metadata()
     assert meta["format"] == "pt" and meta["ckpt.step"] == "5"
@@ -130,7 +139,7 @@ def test_shards_stay_under_the_limit_and_the_index_maps_every_tensor(tmp_path):
     for name in info.files[:-1]:
         part = safetensors_torch.load_file(tmp_path / "out" / name)
         size = sum(t.numel() * t.element_size() for t in part.values())
-        assert size <= limit or len(part) == 1, (name, size)   # a tensor larger than the limit sits alone
+        assert size <= limit or len(part) == 1, (name, size)  # a tensor larger than the limit sits alone
         assert all(index["weight_map"][k] == name for k in part)
         got.update(part)
     assert set(index["weight_map"]) == set(got) == {f"w/t{i}" for i in range(12)} | {"big"}
@@ -178,7 +187,7 @@ def test_torch_format_loads_with_weights_only_and_restores_the_optimizer(tmp_pat
     got = torch.load(tmp_path / "state.pt", weights_only=True)
     assert set(got) == {"model", "optim", "extra", "meta"}
     assert got["meta"] == {"epoch": 3, "name": "run", "inf": float("inf"), "pair": (1, 2), "none": None}
-    assert got["model"]["head.weight"] is got["model"]["emb.weight"]   # tied stays tied
+    assert got["model"]["head.weight"] is got["model"]["emb.weight"]  # tied stays tied
     fresh = Tied()
     fresh.load_state_dict(got["model"])
     opt = torch.optim.AdamW(fresh.parameters(), lr=1.0)
@@ -187,9 +196,13 @@ def test_torch_format_loads_with_weights_only_and_restores_the_optimizer(tmp_pat
     for k, v in _expected(state).items():
         node = got
         for part in k.split("/"):
-            node = node[int(part)] if isinstance(node, dict) and part.isdigit() and int(part) in node else node[part]
+            node = (
+                node[int(part)]
+                if isinstance(node, dict) and part.isdigit() and int(part) in node
+                else node[part]
+            )
         assert _same(node, v), k
-    assert isinstance(got["extra"]["np"], torch.Tensor)   # a numpy array comes out as a tensor
+    assert isinstance(got["extra"]["np"], torch.Tensor)  # a numpy array comes out as a tensor
 
 
 def test_a_key_reaches_into_an_optimizers_state_by_parameter_id(tmp_path):
@@ -237,7 +250,7 @@ def test_default_step_is_the_newest_of_the_live_branch_and_step_picks_another(tm
     with ckpt.Checkpointer(local_dir=tmp_path / "ck", keep=ckpt.Retention(local=None)) as ck:
         for s in (1, 2, 3):
             ck.save(s, {"w": torch.full((4,), float(s))}).wait()
-        ck.restore({"w": torch.zeros(4)}, step=1)   # a rollback: 2 and 3 become the abandoned branch
+        ck.restore({"w": torch.zeros(4)}, step=1)  # a rollback: 2 and 3 become the abandoned branch
         ck.save(2, {"w": torch.full((4,), 20.0)}).wait()
     info = ckpt.export(tmp_path / "ck", tmp_path / "a")
     assert info.step == 2
@@ -293,20 +306,29 @@ def test_a_job_tier_saved_by_two_ranks_is_consolidated(tmp_path):
         from reshard_worker import GLOBALS, global_tensor
     finally:
         sys.path.remove(str(HERE))
-    assert_ok(run_ranks(HERE / "reshard_worker.py", str(tmp_path), "save-dt", world=2,
-                        env={"CKPT_TEST_BACKEND": "gloo", "CKPT_CHUNK_BYTES": "4096"}))
+    assert_ok(
+        run_ranks(
+            HERE / "reshard_worker.py",
+            str(tmp_path),
+            "save-dt",
+            world=2,
+            env={"CKPT_TEST_BACKEND": "gloo", "CKPT_CHUNK_BYTES": "4096"},
+        )
+    )
     url = f"file://{tmp_path}/job"
     info = ckpt.export(url, tmp_path / "st")
     got = safetensors_torch.load_file(tmp_path / "st" / "model.safetensors")
     assert set(got) == set(GLOBALS) | {"plain"}
-    for name in GLOBALS:   # Shard(0), Shard(1) in bf16, Replicate, shards that are empty on one rank
+    for name in GLOBALS:  # Shard(0), Shard(1) in bf16, Replicate, shards that are empty on one rank
         assert _same(got[name], global_tensor(name)), name
     assert _same(got["plain"], torch.tensor([1.0, 2.0, 3.0]))
     with safe_open(tmp_path / "st" / "model.safetensors", "pt") as f:
         assert json.loads(f.metadata()["ckpt.values"]) == {"meta/epoch": 7, "meta/name": "run"}
     # every chunk read was verified: replicas of a shard are read once, so less than both ranks' data
-    job = [ckpt.format.Manifest.from_bytes(p.read_bytes(), str(p))
-           for p in sorted((tmp_path / "job" / "step-000000005").glob("rank-*.manifest.json"))]
+    job = [
+        ckpt.format.Manifest.from_bytes(p.read_bytes(), str(p))
+        for p in sorted((tmp_path / "job" / "step-000000005").glob("rank-*.manifest.json"))
+    ]
     assert 0 < info.read_bytes <= sum(m.data_bytes for m in job)
     ckpt.export(url, tmp_path / "t.pt", format="torch", key="b")
     assert _same(torch.load(tmp_path / "t.pt", weights_only=True), global_tensor("b"))
@@ -332,7 +354,7 @@ def test_a_flipped_bit_is_refused_naming_the_file_and_leaves_nothing(tmp_path):
     for fmt, dest in (("safetensors", out / "st"), ("torch", out / "t.pt")):
         with pytest.raises(CorruptCheckpointError, match="rank-00000.bin"):
             ckpt.export(tmp_path / "ck", dest, format=fmt)
-    assert list(out.iterdir()) == []   # no destination, no staging directory
+    assert list(out.iterdir()) == []  # no destination, no staging directory
 
 
 def test_a_corrupt_remote_part_is_refused_naming_the_part(tmp_path):
@@ -412,8 +434,12 @@ def test_an_export_killed_midway_leaves_no_destination(tmp_path):
     torch.manual_seed(0)
     _save(tmp_path / "ck", {f"t{i}": torch.randn(400) for i in range(8)})
     out = tmp_path / "out"
-    p = subprocess.Popen([sys.executable, "-c", _SLOW_EXPORT, str(tmp_path / "ck"), str(out)],
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    p = subprocess.Popen(
+        [sys.executable, "-c", _SLOW_EXPORT, str(tmp_path / "ck"), str(out)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert p.stdout.readline().strip() == "two shards written", p.stderr.read()
         os.kill(p.pid, signal.SIGKILL)
@@ -421,9 +447,9 @@ def test_an_export_killed_midway_leaves_no_destination(tmp_path):
         p.wait(timeout=60)
     assert not out.exists()
     staged = [p for p in tmp_path.iterdir() if p.name.startswith(".out.export-")]
-    assert len(staged) == 1 and len(list(staged[0].iterdir())) == 2   # the hidden staging directory only
-    info = ckpt.export(tmp_path / "ck", out, max_shard_size=2000)   # a later export is not disturbed by it
-    assert len(info.files) == 9   # 8 shards of one 1600-byte tensor each, and the index
+    assert len(staged) == 1 and len(list(staged[0].iterdir())) == 2  # the hidden staging directory only
+    info = ckpt.export(tmp_path / "ck", out, max_shard_size=2000)  # a later export is not disturbed by it
+    assert len(info.files) == 9  # 8 shards of one 1600-byte tensor each, and the index
 
 
 # ---------------------------------------------------------------------------------------------
@@ -434,8 +460,15 @@ transformers = pytest.importorskip("transformers")
 
 
 def _llama(tie: bool, dtype: torch.dtype = torch.float32, seed: int = 0):
-    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
-                                   num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=tie)
+    cfg = transformers.LlamaConfig(
+        vocab_size=64,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        tie_word_embeddings=tie,
+    )
     torch.manual_seed(seed)
     return transformers.LlamaForCausalLM(cfg).to(dtype)
 
@@ -466,7 +499,7 @@ def test_hf_directory_loads_with_from_pretrained_bit_exact(tmp_path, tie, dtype)
 def test_hf_export_removes_a_wrappers_prefix(tmp_path):
     model = _llama(True)
     wrapper = nn.Module()
-    wrapper.module = model   # as DistributedDataParallel names it: module.model.embed_tokens.weight, ...
+    wrapper.module = model  # as DistributedDataParallel names it: module.model.embed_tokens.weight, ...
     _save(tmp_path / "ck", {"model": wrapper})
     info = ckpt.export(tmp_path / "ck", tmp_path / "hf", format="hf", config=model.config)
     assert any("'module.'" in d for d in info.dropped)
@@ -498,13 +531,13 @@ def test_hf_export_refuses_weights_that_do_not_fit_the_config(tmp_path):
         ckpt.export(tmp_path / "ck", tmp_path / "hf", format="hf", config=wider)
     with pytest.raises(IncompatibleCheckpointError, match="--key"):
         ckpt.export(tmp_path / "ck", tmp_path / "hf", format="hf", config=model.config, key="other")
-    tied = _llama(True).config   # the checkpoint holds lm_head apart from the embedding
+    tied = _llama(True).config  # the checkpoint holds lm_head apart from the embedding
     with pytest.raises(IncompatibleCheckpointError, match="tie_word_embeddings"):
         ckpt.export(tmp_path / "ck", tmp_path / "hf", format="hf", config=tied)
     assert not (tmp_path / "hf").exists() and _leftovers(tmp_path) == []
 
 
-@pytest.mark.usefixtures("frozen_heap")   # Trainer.train() collects garbage three times (conftest.py)
+@pytest.mark.usefixtures("frozen_heap")  # Trainer.train() collects garbage three times (conftest.py)
 def test_a_real_trainer_run_through_the_callback_exports_to_from_pretrained(tmp_path):
     pytest.importorskip("accelerate")
     from ckpt.integrations.hf import CheckpointCallback
@@ -515,9 +548,17 @@ def test_a_real_trainer_run_through_the_callback_exports_to_from_pretrained(tmp_
     finally:
         sys.path.remove(str(HERE))
     model = tiny_llama()
-    args = transformers.TrainingArguments(str(tmp_path / "out"), per_device_train_batch_size=4, max_steps=4,
-                                          learning_rate=1e-2, use_cpu=True, report_to=[], save_strategy="no",
-                                          disable_tqdm=True, dataloader_num_workers=0)
+    args = transformers.TrainingArguments(
+        str(tmp_path / "out"),
+        per_device_train_batch_size=4,
+        max_steps=4,
+        learning_rate=1e-2,
+        use_cpu=True,
+        report_to=[],
+        save_strategy="no",
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+    )
     trainer = transformers.Trainer(model, args, train_dataset=Tokens(16, 1))
     CheckpointCallback(local_dir=tmp_path / "ck", every_steps=2).attach(trainer)
     trainer.train()
@@ -534,13 +575,18 @@ def _doc_examples() -> dict[str, str]:
     import re
 
     text = (HERE.parent / "docs" / "export.md").read_text()
-    return {name: code for code, name in re.findall(r"```python\n(# runnable-example: (\w+)\n.*?)```", text, re.S)}
+    return {
+        name: code for code, name in re.findall(r"```python\n(# runnable-example: (\w+)\n.*?)```", text, re.S)
+    }
 
 
-@pytest.mark.parametrize("name, expected", [
-    ("export", ["100 ['model.safetensors']", "['meta', 'model', 'optim'] {'epoch': 3}"]),
-    ("export_hf", ["torch.bfloat16 True"]),
-])
+@pytest.mark.parametrize(
+    "name, expected",
+    [
+        ("export", ["100 ['model.safetensors']", "['meta', 'model', 'optim'] {'epoch': 3}"]),
+        ("export_hf", ["torch.bfloat16 True"]),
+    ],
+)
 def test_the_docs_examples_run(tmp_path, name, expected):
     script = tmp_path / f"{name}.py"
     script.write_text(_doc_examples()[name])
@@ -563,12 +609,21 @@ def test_hf_export_finds_the_model_under_the_lightning_keys(tmp_path, layout):
     """The Lightning callback keeps the model at ``module``, a ``TieredCheckpointIO`` checkpoint at
     ``state_dict`` (prefixed by the LightningModule's attribute): ``format="hf"`` finds it without ``key``."""
     transformers = pytest.importorskip("transformers")
-    config = transformers.LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                                      num_attention_heads=2, num_key_value_heads=1)
+    config = transformers.LlamaConfig(
+        vocab_size=64,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+    )
     model = transformers.LlamaForCausalLM(config)
     lit = _LitLike(model)
-    state = {"module": lit, "fit_loop": {"epoch": 1}} if layout == "module" else \
-        {"state_dict": lit.state_dict(), "epoch": 1, "global_step": 3}
+    state = (
+        {"module": lit, "fit_loop": {"epoch": 1}}
+        if layout == "module"
+        else {"state_dict": lit.state_dict(), "epoch": 1, "global_step": 3}
+    )
     with ckpt.Checkpointer(local_dir=tmp_path / "ck") as ck:
         ck.save(3, state).wait()
     info = ckpt.export(tmp_path / "ck", tmp_path / "hf", format="hf", config=config)

@@ -41,8 +41,24 @@ from safetensors import safe_open  # noqa: E402
 
 ex = sys.modules["ckpt.export"]
 REPO = Path(__file__).resolve().parent.parent
-_ST_SIZES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "C64": 8, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1,
-             "BOOL": 1, "U16": 2, "U32": 4, "U64": 8, "F8_E4M3": 1, "F8_E5M2": 1}
+_ST_SIZES = {
+    "F64": 8,
+    "F32": 4,
+    "F16": 2,
+    "BF16": 2,
+    "C64": 8,
+    "I64": 8,
+    "I32": 4,
+    "I16": 2,
+    "I8": 1,
+    "U8": 1,
+    "BOOL": 1,
+    "U16": 2,
+    "U32": 4,
+    "U64": 8,
+    "F8_E4M3": 1,
+    "F8_E5M2": 1,
+}
 _STAGE_RE = re.compile(r"^\.out\.export-\d+-[0-9a-f]{8}$")
 
 
@@ -70,7 +86,7 @@ def _header(path: Path) -> dict:
     raw = path.read_bytes()
     n = int.from_bytes(raw[:8], "little")
     assert 8 + n <= len(raw) and n % 8 == 0, (path, n)
-    text = raw[8:8 + n]
+    text = raw[8 : 8 + n]
     header = json.loads(text.decode("utf-8"))
     assert text == text.rstrip(b" ") + b" " * (len(text) - len(text.rstrip(b" ")))
     meta = header.pop("__metadata__", {})
@@ -80,7 +96,7 @@ def _header(path: Path) -> dict:
         assert set(e) == {"dtype", "shape", "data_offsets"}, (name, e)
         a, b = e["data_offsets"]
         assert b - a == math.prod(e["shape"]) * _ST_SIZES[e["dtype"]], (name, e)
-        assert a % _ST_SIZES[e["dtype"]] == 0, (name, e)   # aligned to its element size
+        assert a % _ST_SIZES[e["dtype"]] == 0, (name, e)  # aligned to its element size
         spans.append((a, b))
     spans.sort()
     end = 0
@@ -139,11 +155,28 @@ def _load_dir(d: Path) -> tuple[dict[str, torch.Tensor], dict]:
 
 def _weird_floats(dtype: torch.dtype) -> torch.Tensor:
     """NaNs with payloads, both zeros, infinities, subnormals, extremes of ``dtype``, as raw bit patterns."""
-    int_of = {torch.float64: torch.int64, torch.float32: torch.int32, torch.float16: torch.int16,
-              torch.bfloat16: torch.int16}[dtype]
+    int_of = {
+        torch.float64: torch.int64,
+        torch.float32: torch.int32,
+        torch.float16: torch.int16,
+        torch.bfloat16: torch.int16,
+    }[dtype]
     info = torch.finfo(dtype)
-    vals = torch.tensor([0.0, -0.0, float("inf"), float("-inf"), info.max, info.min, info.tiny, info.tiny / 4,
-                         1.0 / 3.0, -1e-30], dtype=torch.float64).to(dtype)
+    vals = torch.tensor(
+        [
+            0.0,
+            -0.0,
+            float("inf"),
+            float("-inf"),
+            info.max,
+            info.min,
+            info.tiny,
+            info.tiny / 4,
+            1.0 / 3.0,
+            -1e-30,
+        ],
+        dtype=torch.float64,
+    ).to(dtype)
     bits = vals.view(int_of).clone()
     nan = torch.tensor([float("nan")], dtype=dtype).view(int_of)
     payloads = torch.cat([nan, nan | 1, nan | 3, nan ^ 5])
@@ -154,27 +187,40 @@ def _all_dtypes_state() -> dict:
     torch.manual_seed(3)
     base = torch.randn(6, 5, dtype=torch.float64)
     return {
-        "f": {str(d).removeprefix("torch."): _weird_floats(d) for d in
-              (torch.float64, torch.float32, torch.float16, torch.bfloat16)},
-        "f8": {"e4m3": torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn),
-               "e5m2": torch.arange(256, dtype=torch.uint8).view(torch.float8_e5m2)},
+        "f": {
+            str(d).removeprefix("torch."): _weird_floats(d)
+            for d in (torch.float64, torch.float32, torch.float16, torch.bfloat16)
+        },
+        "f8": {
+            "e4m3": torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn),
+            "e5m2": torch.arange(256, dtype=torch.uint8).view(torch.float8_e5m2),
+        },
         "c64": torch.complex(torch.randn(4), torch.tensor([float("nan"), -0.0, float("inf"), 1.0])),
-        "ints": {"i64": torch.tensor([-(2**63), 2**63 - 1, 0, -1]),
-                 "i32": torch.tensor([-(2**31), 2**31 - 1], dtype=torch.int32),
-                 "i16": torch.tensor([-(2**15), 2**15 - 1], dtype=torch.int16),
-                 "i8": torch.tensor([-128, 127], dtype=torch.int8),
-                 "u8": torch.arange(256, dtype=torch.uint8),
-                 "u16": torch.tensor([0, 2**16 - 1], dtype=torch.int32).to(torch.uint16),
-                 "u32": torch.tensor([0, 2**32 - 1], dtype=torch.int64).to(torch.uint32),
-                 "u64": torch.tensor([0, 2**63 - 1], dtype=torch.int64).to(torch.uint64)},
+        "ints": {
+            "i64": torch.tensor([-(2**63), 2**63 - 1, 0, -1]),
+            "i32": torch.tensor([-(2**31), 2**31 - 1], dtype=torch.int32),
+            "i16": torch.tensor([-(2**15), 2**15 - 1], dtype=torch.int16),
+            "i8": torch.tensor([-128, 127], dtype=torch.int8),
+            "u8": torch.arange(256, dtype=torch.uint8),
+            "u16": torch.tensor([0, 2**16 - 1], dtype=torch.int32).to(torch.uint16),
+            "u32": torch.tensor([0, 2**32 - 1], dtype=torch.int64).to(torch.uint32),
+            "u64": torch.tensor([0, 2**63 - 1], dtype=torch.int64).to(torch.uint64),
+        },
         "bool": torch.tensor([[True, False, True], [False, False, True]]),
-        "shapes": {"scalar": torch.tensor(2.5, dtype=torch.float64), "empty": torch.empty(0),
-                   "empty3d": torch.empty(3, 0, 2, dtype=torch.bfloat16), "ones": torch.ones([1] * 20),
-                   "scalar_bool": torch.tensor(True), "empty_bool": torch.empty(0, 7, dtype=torch.bool)},
-        "views": {"t": base.t(),                             # non-contiguous
-                  "strided": base[::2, 1::2].to(torch.float32),
-                  "expanded": torch.arange(3.0).expand(4, 3),  # stride 0
-                  "neg": base.flip(0)},
+        "shapes": {
+            "scalar": torch.tensor(2.5, dtype=torch.float64),
+            "empty": torch.empty(0),
+            "empty3d": torch.empty(3, 0, 2, dtype=torch.bfloat16),
+            "ones": torch.ones([1] * 20),
+            "scalar_bool": torch.tensor(True),
+            "empty_bool": torch.empty(0, 7, dtype=torch.bool),
+        },
+        "views": {
+            "t": base.t(),  # non-contiguous
+            "strided": base[::2, 1::2].to(torch.float32),
+            "expanded": torch.arange(3.0).expand(4, 3),  # stride 0
+            "neg": base.flip(0),
+        },
         "np": np.arange(12, dtype=np.int16).reshape(3, 4)[:, ::2],
     }
 
@@ -211,8 +257,13 @@ def report(fn):
 
 def _child(code: str, *args: str, timeout: float = 60) -> list[dict]:
     """Run ``code`` after the prelude in a fresh interpreter; what each ``report`` said, in order."""
-    p = subprocess.run([sys.executable, "-c", _CHILD_PRELUDE + code, *map(str, args)], capture_output=True,
-                       text=True, timeout=timeout, cwd=REPO)
+    p = subprocess.run(
+        [sys.executable, "-c", _CHILD_PRELUDE + code, *map(str, args)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=REPO,
+    )
     assert p.returncode == 0, p.stderr[-3000:]
     return [json.loads(line) for line in p.stdout.splitlines() if line.startswith("{")]
 
@@ -258,8 +309,10 @@ def test_a_cast_changes_floats_only_and_keeps_every_other_dtype_bit_for_bit(tmp_
 
 
 def test_complex128_has_no_safetensors_dtype_refused_before_reading_kept_by_torch(tmp_path, monkeypatch):
-    z = torch.complex(torch.randn(5, dtype=torch.float64), torch.tensor([0.0, -0.0, float("nan"), 1e300, -1.0],
-                                                                         dtype=torch.float64))
+    z = torch.complex(
+        torch.randn(5, dtype=torch.float64),
+        torch.tensor([0.0, -0.0, float("nan"), 1e300, -1.0], dtype=torch.float64),
+    )
     _save(tmp_path / "ck", {"z": z, "w": torch.ones(3)})
     reads = []
     real = ex._scatter_from
@@ -267,7 +320,7 @@ def test_complex128_has_no_safetensors_dtype_refused_before_reading_kept_by_torc
     with pytest.raises(ValueError):
         ckpt.export(tmp_path / "ck", tmp_path / "out")
     assert reads == [] and not os.path.lexists(tmp_path / "out") and _hidden(tmp_path) == []
-    ckpt.export(tmp_path / "ck", tmp_path / "w", key="w")   # without it, the rest exports
+    ckpt.export(tmp_path / "ck", tmp_path / "w", key="w")  # without it, the rest exports
     assert _same_bits(safetensors_torch.load_file(tmp_path / "w" / "model.safetensors")["w"], torch.ones(3))
     ckpt.export(tmp_path / "ck", tmp_path / "z.pt", format="torch")
     assert _same_bits(torch.load(tmp_path / "z.pt", weights_only=True)["z"], z)
@@ -276,10 +329,15 @@ def test_complex128_has_no_safetensors_dtype_refused_before_reading_kept_by_torc
 def test_shards_each_file_exact_the_index_complete_the_values_in_the_first_and_the_index(tmp_path):
     torch.manual_seed(2)
     emb = torch.randn(40, 8)
-    state = {"a": {f"t{i}": torch.randn(17 * i + 1) for i in range(9)}, "tied1": emb, "tied2": emb,
-             "zero": torch.empty(0, 3), "huge": torch.randn(1500).to(torch.bfloat16),
-             "u8": torch.arange(200, dtype=torch.uint8),
-             "meta": {"epoch": 7, "nan": float("nan"), "name": "ru\"n\n"}}
+    state = {
+        "a": {f"t{i}": torch.randn(17 * i + 1) for i in range(9)},
+        "tied1": emb,
+        "tied2": emb,
+        "zero": torch.empty(0, 3),
+        "huge": torch.randn(1500).to(torch.bfloat16),
+        "u8": torch.arange(200, dtype=torch.uint8),
+        "meta": {"epoch": 7, "nan": float("nan"), "name": 'ru"n\n'},
+    }
     _save(tmp_path / "ck", state)
     want = {k: v for k, v in _flat(state).items()}
     for limit in (1, 700, 2999):
@@ -298,16 +356,19 @@ def test_shards_each_file_exact_the_index_complete_the_values_in_the_first_and_t
         for k, f in enumerate(shards):
             h = _header(out / f)
             size = sum(b - a for a, b in (e["data_offsets"] for e in h["tensors"].values()))
-            assert size <= limit or len([e for e in h["tensors"].values() if math.prod(e["shape"])]) == 1, (f, size)
+            assert size <= limit or len([e for e in h["tensors"].values() if math.prod(e["shape"])]) == 1, (
+                f,
+                size,
+            )
             assert h["meta"]["format"] == "pt" and h["meta"]["ckpt.step"] == "5"
-            assert ("ckpt.values" in h["meta"]) == (k == 0)   # the values: in the first shard only
+            assert ("ckpt.values" in h["meta"]) == (k == 0)  # the values: in the first shard only
             names = [t for t in order if t in h["tensors"]]
             seen += names
-        assert seen == order   # cut in state order
+        assert seen == order  # cut in state order
         index = json.loads((out / "model.safetensors.index.json").read_text())
-        values = index["metadata"]["ckpt.values"]   # an object in the index, as JSON text in the shard
+        values = index["metadata"]["ckpt.values"]  # an object in the index, as JSON text in the shard
         first = json.loads(_header(out / shards[0])["meta"]["ckpt.values"])
-        assert values["meta/epoch"] == first["meta/epoch"] == 7 and values["meta/name"] == "ru\"n\n"
+        assert values["meta/epoch"] == first["meta/epoch"] == 7 and values["meta/name"] == 'ru"n\n'
         assert math.isnan(values["meta/nan"]) and math.isnan(first["meta/nan"])
         assert not _same_bits(got["tied1"], torch.zeros_like(emb)) and _same_bits(got["tied1"], got["tied2"])
 
@@ -321,11 +382,34 @@ def test_tied_weights_in_torch_format_stay_one_tensor_and_cast_together(tmp_path
 
 
 def test_names_with_odd_characters_round_trip_and_top_level_keys_that_look_like_tags(tmp_path):
-    odd = ["sp ace", "quo\"te", "back\\slash", "new\nline", "tab\t", "nul\x00", "é", "😀", "日本", "\u2028",
-           "..", ".", "-", "a.b.c", "{}", "[0]", "$t", "$obj", "$d"]
-    state = {"n": {k: torch.full((2,), float(i)) for i, k in enumerate(odd)},
-             "$t": torch.arange(3.0), "$obj": {"x": torch.arange(2)}, "": torch.ones(1),
-             "v": {k: i for i, k in enumerate(odd)}}
+    odd = [
+        "sp ace",
+        'quo"te',
+        "back\\slash",
+        "new\nline",
+        "tab\t",
+        "nul\x00",
+        "é",
+        "😀",
+        "日本",
+        "\u2028",
+        "..",
+        ".",
+        "-",
+        "a.b.c",
+        "{}",
+        "[0]",
+        "$t",
+        "$obj",
+        "$d",
+    ]
+    state = {
+        "n": {k: torch.full((2,), float(i)) for i, k in enumerate(odd)},
+        "$t": torch.arange(3.0),
+        "$obj": {"x": torch.arange(2)},
+        "": torch.ones(1),
+        "v": {k: i for i, k in enumerate(odd)},
+    }
     _save(tmp_path / "ck", state)
     info = ckpt.export(tmp_path / "ck", tmp_path / "out")
     got, meta = _load_dir(tmp_path / "out")
@@ -346,16 +430,18 @@ def test_names_with_odd_characters_round_trip_and_top_level_keys_that_look_like_
 @pytest.mark.parametrize("case", ["slash", "int-and-str", "values", "reserved", "surrogate"])
 def test_names_that_safetensors_cannot_hold_apart_are_refused_before_writing(tmp_path, case):
     a, b = torch.arange(3.0), torch.arange(3.0) + 10
-    state = {"slash": {"a/b": a, "a": {"b": b}},
-             "int-and-str": {"d": {1: a, "1": b}},
-             "values": {"w": a, "m": {"x/y": 1, "x": {"y": 2}}},
-             "reserved": {"__metadata__": a, "w": b},
-             "surrogate": {"\ud800": a}}[case]
+    state = {
+        "slash": {"a/b": a, "a": {"b": b}},
+        "int-and-str": {"d": {1: a, "1": b}},
+        "values": {"w": a, "m": {"x/y": 1, "x": {"y": 2}}},
+        "reserved": {"__metadata__": a, "w": b},
+        "surrogate": {"\ud800": a},
+    }[case]
     _save(tmp_path / "ck", state)
     with pytest.raises(ValueError):
         ckpt.export(tmp_path / "ck", tmp_path / "out")
     assert not os.path.lexists(tmp_path / "out") and _hidden(tmp_path) == []
-    ckpt.export(tmp_path / "ck", tmp_path / "t.pt", format="torch")   # the structure keeps them apart
+    ckpt.export(tmp_path / "ck", tmp_path / "t.pt", format="torch")  # the structure keeps them apart
     got = torch.load(tmp_path / "t.pt", weights_only=True)
     if case == "slash":
         assert _same_bits(got["a/b"], a) and _same_bits(got["a"]["b"], b)
@@ -383,8 +469,17 @@ def _rewrite_manifest(step_dir: Path, edit, manifest_path: Path | None = None) -
 def _huge(m: dict, raw_parts: bool) -> None:
     n = 2**60
     m["data_bytes"], m["chunk_bytes"], m["chunks"] = n, n, [0]
-    m["items"] = [{"key": "w", "dtype": "uint8", "shape": [n], "device": "cpu", "offset": 0, "nbytes": n,
-                   "alias_of": None}]
+    m["items"] = [
+        {
+            "key": "w",
+            "dtype": "uint8",
+            "shape": [n],
+            "device": "cpu",
+            "offset": 0,
+            "nbytes": n,
+            "alias_of": None,
+        }
+    ]
     m["tree"] = {"w": {"$t": 0}}
     if raw_parts:
         m["codecs"], m["stored_sizes"] = ["raw"], [n]
@@ -408,7 +503,7 @@ def test_a_manifest_claiming_2_60_bytes_is_refused_before_anything_is_allocated(
     allocations = []
     real_empty = torch.empty
     monkeypatch.setattr(torch, "empty", lambda *a, **k: (allocations.append(a), real_empty(*a, **k))[1])
-    with pytest.raises(IncompleteCheckpointError):   # the stored bytes cannot back the size: nothing allocated
+    with pytest.raises(IncompleteCheckpointError):  # the stored bytes cannot back the size: nothing allocated
         ckpt.export(src, tmp_path / "out")
     assert not any(a and (a[0] == [2**60] or a[0] == (2**60,)) for a in allocations)
     assert not os.path.lexists(tmp_path / "out") and _hidden(tmp_path) == []
@@ -428,8 +523,9 @@ _HUGE_LAYOUTS = {
 
 @pytest.mark.parametrize("tier", ["local", "remote"])
 @pytest.mark.parametrize("claim", sorted(_HUGE_LAYOUTS))
-def test_a_layout_claiming_a_huge_global_shape_is_corrupt_before_anything_is_allocated(tmp_path, tier, claim,
-                                                                                       monkeypatch):
+def test_a_layout_claiming_a_huge_global_shape_is_corrupt_before_anything_is_allocated(
+    tmp_path, tier, claim, monkeypatch
+):
     _save(tmp_path / "ck", {"w": torch.arange(10.0)})
     src, step_dir = _source(tmp_path, tier)
     _rewrite_manifest(step_dir, lambda m: _claim_layout(m, _HUGE_LAYOUTS[claim]))
@@ -438,7 +534,7 @@ def test_a_layout_claiming_a_huge_global_shape_is_corrupt_before_anything_is_all
     monkeypatch.setattr(torch, "empty", lambda *a, **k: (allocations.append(a), real_empty(*a, **k))[1])
     with pytest.raises(CorruptCheckpointError) as e:
         ckpt.export(src, tmp_path / "out")
-    assert "'w'" in str(e.value)   # names the tensor
+    assert "'w'" in str(e.value)  # names the tensor
     assert not any(a and isinstance(a[0], int) and a[0] > 10**6 for a in allocations)
     assert not os.path.lexists(tmp_path / "out") and _hidden(tmp_path) == []
 
@@ -481,7 +577,7 @@ def test_an_hf_config_nested_100k_deep_in_the_state_or_a_file_and_a_fifo_config_
     (tmp_path / "config.json").write_text('{"model_type": ' + deep + "}")
     with pytest.raises(ValueError):
         ckpt.export(tmp_path / "ck", tmp_path / "out", format="hf", config=tmp_path / "config.json")
-    os.mkfifo(tmp_path / "fifo")   # never opened: a read would block for ever
+    os.mkfifo(tmp_path / "fifo")  # never opened: a read would block for ever
     old = signal.signal(signal.SIGALRM, lambda *a: (_ for _ in ()).throw(TimeoutError("blocked on the FIFO")))
     signal.alarm(20)
     try:
@@ -520,7 +616,7 @@ def test_nothing_is_read_before_an_existing_dest_or_a_bad_parent_is_refused(tmp_
     with pytest.raises(FileExistsError) as e:
         ckpt.export(src, tmp_path / "there")
     assert e.value.errno == errno.EEXIST
-    with pytest.raises(NotADirectoryError) as e:   # a file where the parent directory goes
+    with pytest.raises(NotADirectoryError) as e:  # a file where the parent directory goes
         ckpt.export(src, tmp_path / "file" / "out")
     assert e.value.errno == errno.ENOTDIR
     with pytest.raises(FileNotFoundError) as e:
@@ -553,7 +649,7 @@ def test_an_existing_dest_of_any_kind_is_refused_and_replaced_itself_with_force(
         (dest / "old").write_bytes(b"old")
     before = _snapshot(dest)
     old = signal.signal(signal.SIGALRM, lambda *a: (_ for _ in ()).throw(TimeoutError("blocked")))
-    signal.alarm(30)   # a FIFO opened by mistake would block
+    signal.alarm(30)  # a FIFO opened by mistake would block
     try:
         with pytest.raises(FileExistsError) as e:
             ckpt.export(src, dest, format=fmt)
@@ -562,18 +658,20 @@ def test_an_existing_dest_of_any_kind_is_refused_and_replaced_itself_with_force(
     finally:
         signal.alarm(0)
         signal.signal(signal.SIGALRM, old)
-    assert not dest.is_symlink()   # the link itself replaced, never written through
+    assert not dest.is_symlink()  # the link itself replaced, never written through
     if fmt == "torch":
         assert stat.S_ISREG(os.lstat(dest).st_mode) and set(torch.load(dest, weights_only=True)) == {"w", "b"}
     else:
         assert _is_export(dest)
-    assert (target / "precious").read_bytes() == b"keep me" and (tmp_path / "tfile").read_bytes() == b"keep me too"
+    assert (target / "precious").read_bytes() == b"keep me" and (
+        tmp_path / "tfile"
+    ).read_bytes() == b"keep me too"
     assert _hidden(tmp_path) == [] and not (tmp_path / "nowhere").exists()
 
 
 def test_a_dest_name_of_255_bytes_exports_and_is_replaced(tmp_path):
     src = _ck(tmp_path)
-    dest = tmp_path / ("é" * 127 + "x")   # 255 bytes in UTF-8
+    dest = tmp_path / ("é" * 127 + "x")  # 255 bytes in UTF-8
     assert len(os.fsencode(dest.name)) == 255
     ckpt.export(src, dest)
     assert _is_export(dest)
@@ -597,17 +695,23 @@ def test_dot_as_dest_means_the_directory_itself(tmp_path, monkeypatch):
 def test_a_dest_that_is_holds_or_lies_inside_the_source_is_refused_even_with_force(tmp_path):
     src = _ck(tmp_path)
     before = _snapshot(src)
-    for dest in (src, src / "..", tmp_path, src / "step-000000005", src / "step-000000005" / "x.pt",
-                 src / "latest"):
+    for dest in (
+        src,
+        src / "..",
+        tmp_path,
+        src / "step-000000005",
+        src / "step-000000005" / "x.pt",
+        src / "latest",
+    ):
         with pytest.raises(ValueError):
             ckpt.export(src, dest, force=True, format="torch")
         with pytest.raises(ValueError):
             ckpt.export(f"file://{src}", dest, force=True)
     assert _snapshot(src) == before
-    (tmp_path / "link").symlink_to(src)   # a link to it is replaced itself, the checkpoint is untouched
+    (tmp_path / "link").symlink_to(src)  # a link to it is replaced itself, the checkpoint is untouched
     ckpt.export(src, tmp_path / "link", force=True)
     assert _snapshot(src) == before and _is_export(tmp_path / "link")
-    ckpt.export(src, src / "exported")   # a new name inside the tier, beside its steps, is fine
+    ckpt.export(src, src / "exported")  # a new name inside the tier, beside its steps, is fine
     assert _is_export(src / "exported")
 
 
@@ -626,10 +730,16 @@ def test_a_read_only_parent_is_refused_with_eacces_and_the_old_dest_stays(tmp_pa
         before = _snapshot(ro)
         os.chmod(ro, 0o555)
         drop = "os.setgid(65534); os.setuid(65534)\n" if os.geteuid() == 0 else ""
-        code = drop + ("for dest, force, fmt in json.loads(sys.argv[2]):\n"
-                       "    report(lambda: ckpt.export(sys.argv[1], dest, force=force, format=fmt))\n")
-        cases = [(str(ro / "new"), False, "safetensors"), (str(ro / "old"), True, "safetensors"),
-                 (str(ro / "new.pt"), False, "torch"), (str(ro / "old"), True, "torch")]
+        code = drop + (
+            "for dest, force, fmt in json.loads(sys.argv[2]):\n"
+            "    report(lambda: ckpt.export(sys.argv[1], dest, force=force, format=fmt))\n"
+        )
+        cases = [
+            (str(ro / "new"), False, "safetensors"),
+            (str(ro / "old"), True, "safetensors"),
+            (str(ro / "new.pt"), False, "torch"),
+            (str(ro / "old"), True, "torch"),
+        ]
         results = _child(code, src, json.dumps(cases))
         assert len(results) == len(cases)
         for case, r in zip(cases, results):
@@ -652,8 +762,11 @@ class _Race:
 
         def lexists(p):
             out = real(p)
-            if os.fspath(p) == self.dest and not self.fired and any(
-                    _STAGE_RE.match(n) for n in os.listdir(os.path.dirname(self.dest))):
+            if (
+                os.fspath(p) == self.dest
+                and not self.fired
+                and any(_STAGE_RE.match(n) for n in os.listdir(os.path.dirname(self.dest)))
+            ):
                 self.fired = True
                 self.action()
             return out
@@ -674,7 +787,9 @@ def test_a_dest_that_appears_while_exporting_is_never_replaced_even_an_empty_dir
 
 @pytest.mark.parametrize("fmt", ["safetensors", "torch"])
 @pytest.mark.parametrize("action", ["appears", "goes-away"])
-def test_with_force_a_dest_that_appears_or_goes_away_meanwhile_is_still_replaced(tmp_path, monkeypatch, fmt, action):
+def test_with_force_a_dest_that_appears_or_goes_away_meanwhile_is_still_replaced(
+    tmp_path, monkeypatch, fmt, action
+):
     src = _ck(tmp_path)
     dest = tmp_path / "out"
     if action == "goes-away":
@@ -696,7 +811,7 @@ def test_with_force_a_dest_that_appears_or_goes_away_meanwhile_is_still_replaced
 def test_without_an_atomic_exchange_a_failed_second_rename_puts_the_old_dest_back(tmp_path, monkeypatch, fmt):
     src = _ck(tmp_path)
     dest = tmp_path / "out"
-    dest.mkdir()   # a directory: even a file replacing it takes two renames without an exchange
+    dest.mkdir()  # a directory: even a file replacing it takes two renames without an exchange
     (dest / "old").write_bytes(b"old")
     before = _snapshot(dest)
 
@@ -706,7 +821,7 @@ def test_without_an_atomic_exchange_a_failed_second_rename_puts_the_old_dest_bac
     real_rename = os.rename
     calls = []
 
-    def rename(a, b):   # the new one into place fails, once
+    def rename(a, b):  # the new one into place fails, once
         calls.append((a, b))
         if Path(b) == dest and Path(a).name != "out" and not any(Path(c[1]) == dest for c in calls[:-1]):
             raise OSError(errno.EIO, "injected", str(b))
@@ -719,7 +834,7 @@ def test_without_an_atomic_exchange_a_failed_second_rename_puts_the_old_dest_bac
     assert e.value.errno == errno.EIO and len(calls) >= 2
     assert _snapshot(dest) == before and _hidden(tmp_path) == []
     monkeypatch.setattr(os, "rename", real_rename)
-    ckpt.export(src, dest, format=fmt, force=True)   # and without the fault, it replaces it
+    ckpt.export(src, dest, format=fmt, force=True)  # and without the fault, it replaces it
     assert _hidden(tmp_path) == []
 
 
@@ -731,7 +846,7 @@ def test_without_an_atomic_exchange_a_file_replaces_a_file_in_one_rename(tmp_pat
     monkeypatch.setattr(os, "rename", lambda a, b: (calls.append(b), real_rename(a, b))[1])
     ckpt.export(src, tmp_path / "a.pt", format="torch", force=True)
     assert calls == [] and set(torch.load(tmp_path / "a.pt", weights_only=True)) == {"w", "b"}
-    ckpt.export(src, tmp_path / "d")   # and a new directory still goes in with no replace
+    ckpt.export(src, tmp_path / "d")  # and a new directory still goes in with no replace
     assert _is_export(tmp_path / "d") and _hidden(tmp_path) == []
 
 
@@ -800,16 +915,34 @@ def _check_whole(dest: Path, fmt: str, want: dict) -> None:
 
 
 def _start(*args) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-c", _CHILD_PRELUDE + _PAUSE, *map(str, args)], cwd=REPO, text=True,
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    return subprocess.Popen(
+        [sys.executable, "-c", _CHILD_PRELUDE + _PAUSE, *map(str, args)],
+        cwd=REPO,
+        text=True,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
 
 
-@pytest.mark.parametrize("fmt,force,point", [
-    ("safetensors", False, "read"), ("safetensors", True, "shard2"), ("safetensors", True, "written"),
-    ("safetensors", False, "rename"), ("safetensors", True, "rename"), ("safetensors", True, "remove"),
-    ("torch", True, "written"), ("torch", False, "rename"), ("torch", True, "rename"), ("torch", True, "remove"),
-])
-def test_sigkill_at_every_stage_leaves_the_old_dest_whole_or_the_new_one_complete(tmp_path, fmt, force, point):
+@pytest.mark.parametrize(
+    "fmt,force,point",
+    [
+        ("safetensors", False, "read"),
+        ("safetensors", True, "shard2"),
+        ("safetensors", True, "written"),
+        ("safetensors", False, "rename"),
+        ("safetensors", True, "rename"),
+        ("safetensors", True, "remove"),
+        ("torch", True, "written"),
+        ("torch", False, "rename"),
+        ("torch", True, "rename"),
+        ("torch", True, "remove"),
+    ],
+)
+def test_sigkill_at_every_stage_leaves_the_old_dest_whole_or_the_new_one_complete(
+    tmp_path, fmt, force, point
+):
     src, old, new = _kill_state(tmp_path)
     dest = tmp_path / "out"
     if force:
@@ -824,16 +957,16 @@ def test_sigkill_at_every_stage_leaves_the_old_dest_whole_or_the_new_one_complet
         p.kill()
         p.wait(timeout=30)
     hidden = _hidden(tmp_path)
-    assert len(hidden) == 1 and _STAGE_RE.match(hidden[0]), hidden   # only the hidden directory
-    if point == "remove":   # exchanged: the new one complete, the old one whole in the hidden directory
+    assert len(hidden) == 1 and _STAGE_RE.match(hidden[0]), hidden  # only the hidden directory
+    if point == "remove":  # exchanged: the new one complete, the old one whole in the hidden directory
         _check_whole(dest, fmt, new)
         held = tmp_path / hidden[0] / ("state.pt" if fmt == "torch" else "")
         assert _snapshot(held if fmt == "torch" else tmp_path / hidden[0]) == before
     else:
-        assert _snapshot(dest) == before   # untouched (absent, or the old one whole)
-    ckpt.export(src, dest, format=fmt, force=True)   # a later export is not disturbed by what was left,
+        assert _snapshot(dest) == before  # untouched (absent, or the old one whole)
+    ckpt.export(src, dest, format=fmt, force=True)  # a later export is not disturbed by what was left,
     _check_whole(dest, fmt, new)
-    assert _hidden(tmp_path) == []                   # and removes it: its process is dead
+    assert _hidden(tmp_path) == []  # and removes it: its process is dead
 
 
 def _leftover(parent: Path, name: str, pid: int, age_s: float = 0.0, kind: str = "export") -> Path:
@@ -857,9 +990,9 @@ def test_leftovers_of_a_live_export_are_kept_of_a_dead_or_reused_pid_removed(tmp
     live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
         time.sleep(0.5)
-        mine = _leftover(tmp_path, "out", live.pid)                   # a live export's staging directory
+        mine = _leftover(tmp_path, "out", live.pid)  # a live export's staging directory
         dead = _leftover(tmp_path, "out", _dead_pid())
-        other = _leftover(tmp_path, "other", _dead_pid())             # another destination's: not this export's
+        other = _leftover(tmp_path, "other", _dead_pid())  # another destination's: not this export's
         ckpt.export(src, tmp_path / "out")
         _check_whole(tmp_path / "out", "safetensors", new)
         assert mine.is_dir() and not os.path.lexists(dead) and other.is_dir()
@@ -875,10 +1008,10 @@ def test_leftovers_of_a_live_export_are_kept_of_a_dead_or_reused_pid_removed(tmp
 
 def test_an_old_dest_moved_aside_is_kept_until_a_dest_exists_again(tmp_path):
     src, old, new = _kill_state(tmp_path)
-    aside = _leftover(tmp_path, "out", _dead_pid(), kind="replaced")   # killed between the two renames
-    assert ex.leftovers(tmp_path) == []                                 # the only copy of "out": kept
+    aside = _leftover(tmp_path, "out", _dead_pid(), kind="replaced")  # killed between the two renames
+    assert ex.leftovers(tmp_path) == []  # the only copy of "out": kept
     ckpt.export(src, tmp_path / "out")
-    assert not os.path.lexists(aside)                                   # a new "out" took its place
+    assert not os.path.lexists(aside)  # a new "out" took its place
 
 
 def test_ckpt_gc_exports_removes_the_leftovers_of_dead_exports(tmp_path, capsys):
@@ -898,10 +1031,10 @@ def test_ckpt_gc_exports_removes_the_leftovers_of_dead_exports(tmp_path, capsys)
 def test_two_processes_exporting_to_one_dest_one_waiting_at_publish(tmp_path, force):
     src, old, new = _kill_state(tmp_path)
     dest = tmp_path / "out"
-    p = _start(src, dest, "safetensors", "1" if force else "0", "wait")   # exports step 5 (new)
+    p = _start(src, dest, "safetensors", "1" if force else "0", "wait")  # exports step 5 (new)
     try:
         assert p.stdout.readline().strip() == "at wait", p.stderr.read() if p.poll() is not None else ""
-        ckpt.export(src, dest, step=3, max_shard_size=2000)   # the other one publishes first
+        ckpt.export(src, dest, step=3, max_shard_size=2000)  # the other one publishes first
         out, err = p.communicate("go\n", timeout=60)
     finally:
         p.kill()
@@ -920,13 +1053,23 @@ def test_two_processes_exporting_to_one_dest_one_waiting_at_publish(tmp_path, fo
 def test_two_processes_racing_for_one_dest(tmp_path, force):
     src, old, new = _kill_state(tmp_path)
     dest = tmp_path / "out"
-    code = ("print('ready', flush=True)\nsys.stdin.readline()\n"
-            "report(lambda: ckpt.export(sys.argv[1], sys.argv[2], force=sys.argv[3] == '1', max_shard_size=2000))\n")
-    procs = [subprocess.Popen([sys.executable, "-c", _CHILD_PRELUDE + code, str(src), str(dest), "1" if force else "0"],
-                              cwd=REPO, text=True, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE) for _ in range(2)]
+    code = (
+        "print('ready', flush=True)\nsys.stdin.readline()\n"
+        "report(lambda: ckpt.export(sys.argv[1], sys.argv[2], force=sys.argv[3] == '1', max_shard_size=2000))\n"
+    )
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", _CHILD_PRELUDE + code, str(src), str(dest), "1" if force else "0"],
+            cwd=REPO,
+            text=True,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+        )
+        for _ in range(2)
+    ]
     try:
-        for p in procs:   # both imported: start them together
+        for p in procs:  # both imported: start them together
             assert p.stdout.readline().strip() == "ready"
         for p in procs:
             p.stdin.write("go\n")
@@ -944,7 +1087,9 @@ def test_two_processes_racing_for_one_dest(tmp_path, force):
         assert all(r["ok"] for r in results), results
     else:
         assert sum(r["ok"] for r in results) == 1, results
-        assert all(r["ok"] or (r["type"] == "FileExistsError" and r["errno"] == errno.EEXIST) for r in results)
+        assert all(
+            r["ok"] or (r["type"] == "FileExistsError" and r["errno"] == errno.EEXIST) for r in results
+        )
     _check_whole(dest, "safetensors", new)
     assert _hidden(tmp_path) == []
 
@@ -952,23 +1097,25 @@ def test_two_processes_racing_for_one_dest(tmp_path, force):
 def test_a_full_disk_is_the_oserror_with_its_errno_and_the_old_dest_stays_whole(tmp_path):
     torch.manual_seed(0)
     state = {f"t{i}": torch.randn(400) for i in range(3)}
-    state["big"] = torch.randn(4000)   # 16 kB: over the file size limit below, after smaller shards
+    state["big"] = torch.randn(4000)  # 16 kB: over the file size limit below, after smaller shards
     _save(tmp_path / "ck", state)
     dest = tmp_path / "out"
     dest.mkdir()
     (dest / "old").write_bytes(b"old")
     before = _snapshot(dest)
     # under an 8000-byte file size limit (EFBIG, as a full disk gives ENOSPC): the API, then the command line
-    code = ("import contextlib, io, resource\n"
-            "from ckpt.cli import main\n"
-            "resource.setrlimit(resource.RLIMIT_FSIZE, (8000, 8000))\n"
-            "for fmt, shard in (('safetensors', None), ('safetensors', 2000), ('torch', None)):\n"
-            "    kw = {'max_shard_size': shard} if shard else {}\n"
-            "    report(lambda: ckpt.export(sys.argv[1], sys.argv[2], format=fmt, force=True, **kw))\n"
-            "    err = io.StringIO()\n"
-            "    with contextlib.redirect_stderr(err):\n"
-            "        rc = main(['export', sys.argv[1], sys.argv[2], '--format', fmt, '--force', '--no-progress'])\n"
-            "    print(json.dumps({'rc': rc, 'lines': len(err.getvalue().strip().splitlines())}), flush=True)\n")
+    code = (
+        "import contextlib, io, resource\n"
+        "from ckpt.cli import main\n"
+        "resource.setrlimit(resource.RLIMIT_FSIZE, (8000, 8000))\n"
+        "for fmt, shard in (('safetensors', None), ('safetensors', 2000), ('torch', None)):\n"
+        "    kw = {'max_shard_size': shard} if shard else {}\n"
+        "    report(lambda: ckpt.export(sys.argv[1], sys.argv[2], format=fmt, force=True, **kw))\n"
+        "    err = io.StringIO()\n"
+        "    with contextlib.redirect_stderr(err):\n"
+        "        rc = main(['export', sys.argv[1], sys.argv[2], '--format', fmt, '--force', '--no-progress'])\n"
+        "    print(json.dumps({'rc': rc, 'lines': len(err.getvalue().strip().splitlines())}), flush=True)\n"
+    )
     results = _child(code, tmp_path / "ck", dest)
     assert len(results) == 6, results
     for r, cli in zip(results[::2], results[1::2]):

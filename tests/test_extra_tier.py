@@ -54,7 +54,7 @@ def test_a_registered_tier_gets_saves_retention_and_restores_with_no_other_chang
             assert h.tier_status("disk2") == ("done" if step % 2 == 0 else "skipped")
         assert "disk2" in ck.tier_figures() and ck.tier_counts["disk2"].persisted >= 3
     disk2 = SecondDisk(tmp_path / "hdd")
-    assert disk2.committed_steps() == [6, 4]   # its cadence, and retention (keep=2 as the local tier's)
+    assert disk2.committed_steps() == [6, 4]  # its cadence, and retention (keep=2 as the local tier's)
 
     # the node's NVMe and RAM are gone: the restore falls back to the second disk
     shutil.rmtree(tmp_path / "nvme")
@@ -84,11 +84,15 @@ def test_settings_that_name_tiers_know_the_registered_one(tmp_path):
     """persist_every and a per-tier mtbf may name it when the Checkpointer has it; a name no registered tier
     has, in extra_tiers or persist_every, is refused at construction naming the tiers there are."""
     with pytest.raises(ValueError):
-        ckpt.Checkpointer(storage=ckpt.Storage(local_dir=tmp_path / "a", extra_tiers={"disk3": tmp_path / "x"}))
+        ckpt.Checkpointer(
+            storage=ckpt.Storage(local_dir=tmp_path / "a", extra_tiers={"disk3": tmp_path / "x"})
+        )
 
-    with pytest.raises(ValueError):   # not configured here
+    with pytest.raises(ValueError):  # not configured here
         ckpt.Checkpointer(local_dir=tmp_path / "b", every_steps=1, persist_every={"disk2": 5})
-    ck = ckpt.Checkpointer(storage=_storage(tmp_path), interval="auto", mtbf={"memory": 600.0, "disk2": 3600.0})
+    ck = ckpt.Checkpointer(
+        storage=_storage(tmp_path), interval="auto", mtbf={"memory": 600.0, "disk2": 3600.0}
+    )
     try:
         assert ck.tiers == ["memory", "local", "disk2"]
     finally:
@@ -102,7 +106,7 @@ def test_the_registered_tier_gets_save_metrics_and_a_log_line(tmp_path, caplog):
     with caplog.at_level("INFO", logger="ckpt.metrics"):
         with ckpt.Checkpointer(storage=_storage(tmp_path), every_steps=1, on_metrics=records.append) as ck:
             ck.save(3, _state(3.0)).wait()
-            ck.metrics()   # the record is made on the thread that drives the Checkpointer
+            ck.metrics()  # the record is made on the thread that drives the Checkpointer
     (r,) = [r for r in records if "ckpt/save/step" in r]
     assert r["ckpt/save/step"] == 3 and r["ckpt/save/failed"] == 0
     assert r["ckpt/save/disk2_s"] > 0 and r["ckpt/save/disk2_gbps"] > 0 and "ckpt/save/local_s" in r
@@ -116,7 +120,7 @@ def test_the_registered_tier_can_be_the_drain_tier(tmp_path):
     policy = ckpt.Policy(every_steps=1000, persist_every={"disk2": 1000})
     signals = ckpt.Signals(preempt=(signal.SIGUSR1,), drain_tier="disk2", on_preempt="raise")
     with ckpt.Checkpointer(storage=_storage(tmp_path), policy=policy, signals=signals) as ck:
-        os.kill(os.getpid(), signal.SIGUSR1)   # the handler only sets the flag
+        os.kill(os.getpid(), signal.SIGUSR1)  # the handler only sets the flag
         with pytest.raises(ckpt.Preempted) as info:
             ck.maybe_save(7, _state(7.0))
         assert info.value.durable and info.value.step == 7

@@ -32,19 +32,19 @@ def test_a_full_disk_fails_the_save_clearly_while_training_goes_on(local_dir, ca
         ck.save(1, {"w": w}).wait()
         tier.full = True
         w.fill_(2)
-        h = ck.save(2, {"w": w})          # returns at once: training is not blocked
+        h = ck.save(2, {"w": w})  # returns at once: training is not blocked
         with pytest.raises(OSError) as info:
             h.wait("local")
         assert info.value.errno == errno.ENOSPC
         assert "local_dir" in str(info.value) and "step 2" in str(info.value)
-        h.wait("memory")   # its record in RAM may still be being written: the memory tier holds the step whole
+        h.wait("memory")  # its record in RAM may still be being written: the memory tier holds the step whole
         assert h.status == "failed" and not h.errors.get("memory")
         assert "checkpoint of step 2 failed" in caplog.text
         with pytest.raises(OSError):
             ck.wait()
         assert not (local_dir / "step-000000002").exists()
         assert (local_dir / "step-000000001" / "COMMIT").exists()
-        tier.full = False                  # space freed: the next save works again
+        tier.full = False  # space freed: the next save works again
         ck.save(3, {"w": w}).wait()
     out = {"w": torch.empty(10_000)}
     with ckpt.Checkpointer(local_dir=local_dir) as ck:

@@ -15,9 +15,17 @@ transformers = pytest.importorskip("transformers")
 
 
 def _llama() -> nn.Module:
-    cfg = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                                   num_key_value_heads=2, vocab_size=97, max_position_embeddings=64,
-                                   tie_word_embeddings=True, attn_implementation="sdpa")
+    cfg = transformers.LlamaConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=97,
+        max_position_embeddings=64,
+        tie_word_embeddings=True,
+        attn_implementation="sdpa",
+    )
     return transformers.LlamaForCausalLM(cfg).train()
 
 
@@ -64,7 +72,9 @@ def _assert_same_bits(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) ->
     assert a.keys() == b.keys()
     for k in a:
         assert a[k].dtype == b[k].dtype and a[k].shape == b[k].shape, k
-        assert torch.equal(a[k].detach().view(-1).view(torch.uint8), b[k].detach().view(-1).view(torch.uint8)), k
+        assert torch.equal(
+            a[k].detach().view(-1).view(torch.uint8), b[k].detach().view(-1).view(torch.uint8)
+        ), k
 
 
 def _saved(build, local_dir) -> tuple[nn.Module, torch.optim.Optimizer]:
@@ -84,7 +94,7 @@ def _restarted(build, local_dir) -> tuple[nn.Module, torch.optim.Optimizer, int 
     """The recipe of the launchers guide: build empty when a restore will fill the model."""
     with ckpt.Checkpointer(local_dir=local_dir, every_steps=1) as ck:
         restoring = ck.restorable()
-        torch.manual_seed(1)   # another seed: nothing of the restored model may come from the build
+        torch.manual_seed(1)  # another seed: nothing of the restored model may come from the build
         with ckpt.empty_params(restoring):
             model = build()
         if restoring:
@@ -100,7 +110,7 @@ def test_a_model_built_empty_and_restored_is_the_saved_one_bit_for_bit(build, lo
     saved, saved_opt = _saved(build, local_dir)
     model, opt, step, restoring = _restarted(build, local_dir)
     assert restoring and step == 2
-    _assert_same_bits(_tensors(model), _tensors(saved))   # non-persistent buffers too (rotary inv_freq)
+    _assert_same_bits(_tensors(model), _tensors(saved))  # non-persistent buffers too (rotary inv_freq)
     assert not any(t.is_meta for t in _tensors(model).values())
     # the same loss, and the same next optimizer step
     assert torch.equal(_step(model, opt, 3), _step(saved, saved_opt, 3))
@@ -142,5 +152,5 @@ def test_the_block_leaves_module_registration_as_it_was():
     with ckpt.empty_params():
         with ckpt.empty_params():
             pass
-        assert nn.Linear(2, 2).weight.is_meta   # the inner block's exit kept the outer one's
+        assert nn.Linear(2, 2).weight.is_meta  # the inner block's exit kept the outer one's
     assert nn.Module.register_parameter is before and not nn.Linear(2, 2).weight.is_meta

@@ -46,7 +46,7 @@ def test_save_returns_before_the_copy_and_the_optimizer_waits_on_the_gpu(local_d
         assert ck._side_stream.query() is False, "save() waited for the copy"
         x = torch.randn(256, 4096, device="cuda")
         model(x).float().pow(2).mean().backward()
-        opt.step()    # the pre-hook makes the GPU, not the host, wait for the copy
+        opt.step()  # the pre-hook makes the GPU, not the host, wait for the copy
         assert ck._side_stream.query() is False, "optimizer.step() waited on the host"
         h.wait()
         assert h.stats.stage_gbps and h.stats.stage_gbps > 1.0
@@ -63,7 +63,7 @@ def test_save_returns_before_the_copy_and_the_optimizer_waits_on_the_gpu(local_d
 
 def test_buffers_are_copied_before_the_next_forward(local_dir):
     model = nn.Sequential(nn.Linear(4096, 4096), nn.BatchNorm1d(4096)).cuda()
-    big = torch.randn(256 << 20, device="cuda")   # 1 GiB queued behind the buffers
+    big = torch.randn(256 << 20, device="cuda")  # 1 GiB queued behind the buffers
     model(torch.randn(64, 4096, device="cuda"))
     before = model[1].running_mean.clone()
     with ckpt.Checkpointer(local_dir=local_dir) as ck:
@@ -76,7 +76,7 @@ def test_buffers_are_copied_before_the_next_forward(local_dir):
 
 
 def test_an_unfenced_in_place_write_on_the_gpu_fails_the_save(local_dir):
-    big = torch.randn(512 << 20, device="cuda")   # 2 GiB: the copy is still running when add_ is issued
+    big = torch.randn(512 << 20, device="cuda")  # 2 GiB: the copy is still running when add_ is issued
     with ckpt.Checkpointer(local_dir=local_dir) as ck:
         h = ck.save(1, {"big": big})
         big.add_(1)
@@ -109,8 +109,12 @@ def test_gpu_snapshot_and_restore_copies_stay_inside_registration_pieces(local_d
         pytest.skip("no RAM file system for the memory tier's segments")
     monkeypatch.setattr(shm, "REGISTER_PIECE", 1 << 20)
     torch.manual_seed(0)
-    state = {"big": torch.randn(3_000_000, device="cuda"), "t": torch.randn(700, 900, device="cuda").t(),
-             "s": torch.randn(2_000_001, device="cuda")[::3], "b": torch.randn(1000, 700, device="cuda").bfloat16()}
+    state = {
+        "big": torch.randn(3_000_000, device="cuda"),
+        "t": torch.randn(700, 900, device="cuda").t(),
+        "s": torch.randn(2_000_001, device="cuda")[::3],
+        "b": torch.randn(1000, 700, device="cuda").bfloat16(),
+    }
     with ckpt.Checkpointer(local_dir=local_dir, persist_every={"local": 1000}) as ck:
         for step in (1, 2, 3):
             ck.save(step, state).wait("memory")
@@ -144,10 +148,12 @@ def test_a_failed_registration_does_not_fail_the_next_cuda_operation(tmp_path):
         rc = shm.host_register(ptr, 1 << 20)
         if rc == 0:
             shm.host_unregister(ptr)
-            pytest.skip(f"{tmp_path} is on a file system whose pages the driver registers: nothing fails here")
+            pytest.skip(
+                f"{tmp_path} is on a file system whose pages the driver registers: nothing fails here"
+            )
         assert rc != 0
         assert torch.ones(4, device="cuda").add(1).sum().item() == 8.0
-        assert shm.host_unregister(ptr) != 0   # not registered: the failure is reported, and cleared too
+        assert shm.host_unregister(ptr) != 0  # not registered: the failure is reported, and cleared too
         assert torch.ones(4, device="cuda").mul(3).sum().item() == 12.0
     finally:
         del view
@@ -164,7 +170,7 @@ def test_restore_lands_after_the_work_the_caller_queued_on_the_gpu(local_dir, ti
     with ckpt.Checkpointer(local_dir=local_dir) as ck:
         ck.save(1, {"model": model}).wait()
         if tier == "memory":
-            torch.cuda._sleep(2_000_000_000)   # ~1 s of GPU time on the current stream
+            torch.cuda._sleep(2_000_000_000)  # ~1 s of GPU time on the current stream
             with torch.no_grad():
                 for p in model.parameters():
                     p.zero_()
@@ -198,8 +204,8 @@ def test_a_state_on_another_gpu_than_the_current_one_is_copied_on_its_own_gpus_s
         model(x).pow(2).mean().backward()
         ref = [p.detach().clone() for p in model.parameters()]
         h = ck.save(1, {"model": model})
-        torch.cuda._sleep(200_000_000)   # the optimizer's writes queued right behind the save
-        opt.step()                        # must wait (on cuda:1) for the copy
+        torch.cuda._sleep(200_000_000)  # the optimizer's writes queued right behind the save
+        opt.step()  # must wait (on cuda:1) for the copy
         h.wait()
         for p in model.parameters():
             p.detach().zero_()
@@ -227,7 +233,7 @@ def _segment(path, nbytes: int, chunk: int):
     data = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
     path.write_bytes(data.numpy().tobytes())
     raw = data.numpy().tobytes()
-    chunks = [checksum(raw[i:i + chunk]) for i in range(0, nbytes, chunk)]
+    chunks = [checksum(raw[i : i + chunk]) for i in range(0, nbytes, chunk)]
     return data, types.SimpleNamespace(chunk_bytes=chunk, chunks=chunks, data_bytes=nbytes)
 
 
@@ -241,12 +247,12 @@ def test_a_replica_read_onto_the_gpu_is_sent_piece_by_piece_as_it_lands(tmp_path
     reading = _ReplicaRead.start(tmp_path / "seg.buf", manifest, torch.device("cuda", 0))
     out = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
     side = torch.cuda.Stream()
-    piece = (3 << 20) // 2   # pieces straddle chunks
+    piece = (3 << 20) // 2  # pieces straddle chunks
     with torch.cuda.stream(side):
         for a in range(0, nbytes, piece):
             k = min(piece, nbytes - a)
             reading.ready(a, k)
-            out[a:a + k].copy_(reading.data[a:a + k])
+            out[a : a + k].copy_(reading.data[a : a + k])
     reading.finish()
     side.synchronize()
     assert torch.equal(out.cpu(), data)
@@ -259,13 +265,13 @@ def test_a_replica_that_fails_its_check_or_is_gone_never_leaves_the_sender_waiti
     nbytes, chunk = 4 << 20, 1 << 20
     data, manifest = _segment(tmp_path / "seg.buf", nbytes, chunk)
     raw = bytearray((tmp_path / "seg.buf").read_bytes())
-    raw[(2 << 20) + 7] ^= 0xFF   # chunk 2 rots in RAM
+    raw[(2 << 20) + 7] ^= 0xFF  # chunk 2 rots in RAM
     (tmp_path / "seg.buf").write_bytes(bytes(raw))
     reading = _ReplicaRead.start(tmp_path / "seg.buf", manifest, torch.device("cuda", 0))
-    reading.ready(0, nbytes)   # returns (chunk 2 is never copied: the read says so when over)
+    reading.ready(0, nbytes)  # returns (chunk 2 is never copied: the read says so when over)
     with pytest.raises(CorruptCheckpointError):
         reading.finish()
-    with pytest.raises(FileNotFoundError):   # a segment gone: refused before anything is sent
+    with pytest.raises(FileNotFoundError):  # a segment gone: refused before anything is sent
         _ReplicaRead.start(tmp_path / "gone.buf", manifest, torch.device("cuda", 0))
     short = tmp_path / "short.buf"
     short.write_bytes(b"\0" * 100)

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("transformers", minversion="4.57")   # the version ckpt.integrations.hf needs
-pytest.importorskip("accelerate", minversion="1.1")      # transformers' Trainer needs it
+pytest.importorskip("transformers", minversion="4.57")  # the version ckpt.integrations.hf needs
+pytest.importorskip("accelerate", minversion="1.1")  # transformers' Trainer needs it
 
 import torch  # noqa: E402
 
@@ -31,13 +31,17 @@ pytestmark = pytest.mark.usefixtures("frozen_heap")
 HERE = Path(__file__).parent
 WORKER = HERE / "hf_worker.py"
 DOC = HERE.parent / "docs" / "hf.md"
-TOTAL_STEPS = 24   # hf_worker: 2 epochs of 12 optimizer steps
+TOTAL_STEPS = 24  # hf_worker: 2 epochs of 12 optimizer steps
 
 
 def _worker(ckpt_dir: Path, out: Path, *args: str, env: dict | None = None) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, str(WORKER), str(ckpt_dir), str(out), *args],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, "PYTHONWARNINGS": "ignore", **(env or {})})
+    return subprocess.Popen(
+        [sys.executable, str(WORKER), str(ckpt_dir), str(out), *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={**os.environ, "PYTHONWARNINGS": "ignore", **(env or {})},
+    )
 
 
 def _committed(local_dir: Path) -> list[int]:
@@ -84,6 +88,7 @@ def _in_process(*args: str) -> str:
 
 def _crash_in_process(*args: str) -> str:
     from hf_worker import Crash
+
     return run_worker_in_process("hf_worker", *args, raises=Crash)
 
 
@@ -166,7 +171,8 @@ def test_crash_after_an_epoch_boundary_checkpoint_resumes_exactly(runs, tmp_path
 def test_a_corrupt_newest_checkpoint_resumes_from_the_previous_one_exactly(runs, tmp_path):
     _crash_in_process(tmp_path / "c", tmp_path / "c", "--every", "5", "--crash-at", "11")
     assert _committed(tmp_path / "c") == [10, 5]
-    from ckpt import shm   # the crash left the snapshots in RAM: this node lost them, only the disk is left
+    from ckpt import shm  # the crash left the snapshots in RAM: this node lost them, only the disk is left
+
     shm.free(prefix=shm.prefix_for(tmp_path / "c", 0, create=True))
     data = tmp_path / "c" / "step-000000010" / "rank-00000.bin"
     raw = bytearray(data.read_bytes())
@@ -185,8 +191,9 @@ def test_a_corrupt_newest_checkpoint_resumes_from_the_previous_one_exactly(runs,
 
 def test_gradient_accumulation_resumes_exactly(tmp_path):
     _in_process(tmp_path / "ref", tmp_path / "ref", "--no-restore", "--accum", "2", "--max-steps", "10")
-    _crash_in_process(tmp_path / "c", tmp_path / "c", "--every", "4", "--accum", "2", "--max-steps", "10",
-                      "--crash-at", "6")
+    _crash_in_process(
+        tmp_path / "c", tmp_path / "c", "--every", "4", "--accum", "2", "--max-steps", "10", "--crash-at", "6"
+    )
     _in_process(tmp_path / "c", tmp_path / "c", "--every", "4", "--accum", "2", "--max-steps", "10")
     ref_w, ref = _result(tmp_path / "ref")
     w, got = _result(tmp_path / "c")
@@ -196,7 +203,9 @@ def test_gradient_accumulation_resumes_exactly(tmp_path):
 
 def test_bf16_autocast_resumes_exactly(tmp_path):
     _in_process(tmp_path / "ref", tmp_path / "ref", "--no-restore", "--bf16", "--max-steps", "8")
-    _crash_in_process(tmp_path / "c", tmp_path / "c", "--every", "3", "--bf16", "--max-steps", "8", "--crash-at", "4")
+    _crash_in_process(
+        tmp_path / "c", tmp_path / "c", "--every", "3", "--bf16", "--max-steps", "8", "--crash-at", "4"
+    )
     _in_process(tmp_path / "c", tmp_path / "c", "--every", "3", "--bf16", "--max-steps", "8")
     ref_w, ref = _result(tmp_path / "ref")
     w, got = _result(tmp_path / "c")
@@ -210,14 +219,21 @@ def _kernels_run(*runs: list[str]) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}
     if not torch.cuda.is_available():
         env["TRITON_INTERPRET"] = "1"
-    code = ("import json, sys; sys.path.insert(0, sys.argv[1]); import hf_worker\n"
-            "for argv in json.loads(sys.argv[2]):\n"
-            "    try:\n"
-            "        hf_worker.main(argv)\n"
-            "    except hf_worker.Crash:\n"
-            "        pass\n")
-    return subprocess.run([sys.executable, "-c", code, str(HERE), json.dumps(runs)], capture_output=True, text=True,
-                          env=env, timeout=600)
+    code = (
+        "import json, sys; sys.path.insert(0, sys.argv[1]); import hf_worker\n"
+        "for argv in json.loads(sys.argv[2]):\n"
+        "    try:\n"
+        "        hf_worker.main(argv)\n"
+        "    except hf_worker.Crash:\n"
+        "        pass\n"
+    )
+    return subprocess.run(
+        [sys.executable, "-c", code, str(HERE), json.dumps(runs)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
 
 
 def test_bf16_with_kernels_patch_resumes_exactly(tmp_path):
@@ -227,9 +243,11 @@ def test_bf16_with_kernels_patch_resumes_exactly(tmp_path):
     # the tokens; what is tested (the patched model's state saved and resumed bit for bit) does not
     common = ["--bf16", "--kernels", "--max-steps", "3", "--batch", "1"]
     # one process: the uninterrupted run, a run crashing after step 3 (saved every 2 steps), its resume
-    out = _kernels_run([str(ref), str(ref), *common, "--no-restore"],
-                       [str(c), str(c), *common, "--every", "2", "--crash-at", "3"],
-                       [str(c), str(c), *common, "--every", "2"])
+    out = _kernels_run(
+        [str(ref), str(ref), *common, "--no-restore"],
+        [str(c), str(c), *common, "--every", "2", "--crash-at", "3"],
+        [str(c), str(c), *common, "--every", "2"],
+    )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     ref_w, ref_r = _result(ref)
     w, got = _result(c)
@@ -249,12 +267,26 @@ def _trainer(out_dir: Path, callbacks: list | None = None, **overrides):
         sys.path.remove(str(HERE))
     from transformers import Trainer, TrainingArguments
 
-    args = dict(per_device_train_batch_size=4, max_steps=4, learning_rate=1e-2, use_cpu=True, report_to=[],
-                dataloader_num_workers=0, save_strategy="no", disable_tqdm=True, seed=3)
+    args = dict(
+        per_device_train_batch_size=4,
+        max_steps=4,
+        learning_rate=1e-2,
+        use_cpu=True,
+        report_to=[],
+        dataloader_num_workers=0,
+        save_strategy="no",
+        disable_tqdm=True,
+        seed=3,
+    )
     args.update(overrides)
     evaluates = args.get("eval_strategy", "no") != "no"
-    return Trainer(tiny_llama(), TrainingArguments(str(out_dir), **args), train_dataset=Tokens(16, 1),
-                   eval_dataset=Tokens(4, 2) if evaluates else None, callbacks=callbacks)
+    return Trainer(
+        tiny_llama(),
+        TrainingArguments(str(out_dir), **args),
+        train_dataset=Tokens(16, 1),
+        eval_dataset=Tokens(4, 2) if evaluates else None,
+        callbacks=callbacks,
+    )
 
 
 def test_a_callback_that_was_not_attached_stops_train_with_a_clear_error(tmp_path):
@@ -304,7 +336,7 @@ def test_a_later_train_call_resumes_from_the_tiers_and_leaves_no_resume_director
     trainer.train()
     assert cb.restored_step == 4 and trainer.state.global_step == 6
     assert _committed(tmp_path / "ck") == [6, 4]
-    assert list((tmp_path / "tmp").iterdir()) == []     # the Trainer's resume directory is gone
+    assert list((tmp_path / "tmp").iterdir()) == []  # the Trainer's resume directory is gone
 
 
 def test_refusals_name_the_argument_to_change(tmp_path):
@@ -312,15 +344,22 @@ def test_refusals_name_the_argument_to_change(tmp_path):
 
     with pytest.raises(ValueError, match="keep_trainer_checkpoints=True"):
         CheckpointCallback(local_dir=tmp_path / "ck").attach(
-            _trainer(tmp_path / "out", load_best_model_at_end=True, eval_strategy="steps", save_strategy="steps",
-                     eval_steps=2, save_steps=2))
+            _trainer(
+                tmp_path / "out",
+                load_best_model_at_end=True,
+                eval_strategy="steps",
+                save_strategy="steps",
+                eval_steps=2,
+                save_steps=2,
+            )
+        )
     with pytest.raises(TypeError, match="not both"):
         CheckpointCallback(ckpt.Checkpointer(local_dir=tmp_path / "ck"), every_steps=2)
     with pytest.raises(ValueError, match="every_steps"):
         CheckpointCallback(local_dir=tmp_path / "ck", every_steps=0)
     trainer = _trainer(tmp_path / "out")
     cb = CheckpointCallback(local_dir=tmp_path / "ck").attach(trainer)
-    assert cb.attach(trainer) is cb    # attaching again to the same Trainer changes nothing
+    assert cb.attach(trainer) is cb  # attaching again to the same Trainer changes nothing
     with pytest.raises(ValueError, match="another Trainer"):
         cb.attach(_trainer(tmp_path / "out2"))
     with pytest.raises(ValueError, match="has a CheckpointCallback attached already"):
@@ -336,16 +375,25 @@ def _doc_examples() -> dict[str, str]:
     return {name: code for code, name in blocks}
 
 
-@pytest.mark.parametrize("name, expected", [
-    ("trainer", "resumed from step 13; final weights and all 24 losses equal the uninterrupted run's"),
-    ("accelerate", "accelerate: resumed from step 10; final weights equal the uninterrupted run's"),
-])
+@pytest.mark.parametrize(
+    "name, expected",
+    [
+        ("trainer", "resumed from step 13; final weights and all 24 losses equal the uninterrupted run's"),
+        ("accelerate", "accelerate: resumed from step 10; final weights equal the uninterrupted run's"),
+    ],
+)
 def test_the_docs_examples_run(tmp_path, name, expected):
     assert set(_doc_examples()) == {"trainer", "accelerate"}
-    script = tmp_path / f"example_{name}.py"   # not accelerate.py: it would shadow the package
+    script = tmp_path / f"example_{name}.py"  # not accelerate.py: it would shadow the package
     script.write_text(_doc_examples()[name])
-    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, cwd=tmp_path, timeout=300,
-                         env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    out = subprocess.run(
+        [sys.executable, str(script)],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=300,
+        env={**os.environ, "PYTHONWARNINGS": "ignore"},
+    )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert expected in out.stdout
     if name == "trainer":
@@ -377,8 +425,11 @@ def test_a_checkpoint_without_the_config_still_resumes(tmp_path, monkeypatch):
     from ckpt.integrations import hf
 
     real = hf.CheckpointCallback._state
-    monkeypatch.setattr(hf.CheckpointCallback, "_state",
-                        lambda self, trainer: {k: v for k, v in real(self, trainer).items() if k != "hf_config"})
+    monkeypatch.setattr(
+        hf.CheckpointCallback,
+        "_state",
+        lambda self, trainer: {k: v for k, v in real(self, trainer).items() if k != "hf_config"},
+    )
     trainer = _trainer(tmp_path / "out", max_steps=2)
     hf.CheckpointCallback(local_dir=tmp_path / "ck", every_steps=2).attach(trainer)
     trainer.train()

@@ -121,8 +121,15 @@ def _crash_after(step: int):
 def _args(out, **kw):
     from transformers import TrainingArguments
 
-    base = dict(per_device_train_batch_size=8, learning_rate=0.1, use_cpu=True, report_to=[], disable_tqdm=True,
-                save_strategy="no", seed=3)
+    base = dict(
+        per_device_train_batch_size=8,
+        learning_rate=0.1,
+        use_cpu=True,
+        report_to=[],
+        disable_tqdm=True,
+        save_strategy="no",
+        seed=3,
+    )
     base.update(kw)
     return TrainingArguments(str(out), **base)
 
@@ -133,8 +140,13 @@ def _regression_trainer(out, ck=None, callbacks=None, cb_kwargs=None, **kw):
     from ckpt.integrations.hf import CheckpointCallback
 
     torch.manual_seed(0)
-    t = Trainer(RegressionModel(), _args(out, **kw), train_dataset=Regression(), eval_dataset=Regression(16),
-                callbacks=callbacks)
+    t = Trainer(
+        RegressionModel(),
+        _args(out, **kw),
+        train_dataset=Regression(),
+        eval_dataset=Regression(16),
+        callbacks=callbacks,
+    )
     if ck is not None:
         CheckpointCallback(local_dir=str(ck), **(cb_kwargs or {})).attach(t)
     return t
@@ -151,13 +163,32 @@ def test_total_flos_after_a_resume_equals_the_uninterrupted_runs(tmp_path):
 
     def trainer(out, ck=None, callbacks=None):
         torch.manual_seed(0)
-        model = LlamaForCausalLM(LlamaConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                                             num_attention_heads=2, num_key_value_heads=1, vocab_size=128,
-                                             max_position_embeddings=32))
+        model = LlamaForCausalLM(
+            LlamaConfig(
+                hidden_size=16,
+                intermediate_size=32,
+                num_hidden_layers=1,
+                num_attention_heads=2,
+                num_key_value_heads=1,
+                vocab_size=128,
+                max_position_embeddings=32,
+            )
+        )
         # logging_steps beyond the run: the Trainer never stores the operations it counted before the end
-        t = Trainer(model, _args(out, per_device_train_batch_size=4, max_steps=6, logging_steps=100,
-                                 save_strategy="steps", save_steps=2, learning_rate=1e-2),
-                    train_dataset=Tokens(), callbacks=callbacks)
+        t = Trainer(
+            model,
+            _args(
+                out,
+                per_device_train_batch_size=4,
+                max_steps=6,
+                logging_steps=100,
+                save_strategy="steps",
+                save_steps=2,
+                learning_rate=1e-2,
+            ),
+            train_dataset=Tokens(),
+            callbacks=callbacks,
+        )
         if ck is not None:
             CheckpointCallback(local_dir=str(ck)).attach(t)
         return t
@@ -178,9 +209,9 @@ def test_a_continued_run_has_the_log_history_of_an_uninterrupted_one(tmp_path):
     ref = _regression_trainer(tmp_path / "ref", max_steps=8, **common)
     ref.train()
     first = _regression_trainer(tmp_path / "a", tmp_path / "ck", max_steps=5, **common)
-    first.train()                                    # saves steps 3 and 5 (the final state)
+    first.train()  # saves steps 3 and 5 (the final state)
     more = _regression_trainer(tmp_path / "b", tmp_path / "ck", max_steps=8, **common)
-    more.train()                                     # continues from step 5
+    more.train()  # continues from step 5
     assert more._ckpt_callback.restored_step == 5
     assert torch.equal(more.model.a, ref.model.a) and torch.equal(more.model.b, ref.model.b)
     got, want = _log(more.state), _log(ref.state)
@@ -190,13 +221,25 @@ def test_a_continued_run_has_the_log_history_of_an_uninterrupted_one(tmp_path):
 
 
 def test_resume_from_checkpoint_true_resumes_from_the_newest_snapshot(tmp_path):
-    first = _regression_trainer(tmp_path / "out", tmp_path / "ck", max_steps=4, save_strategy="steps", save_steps=2,
-                                cb_kwargs=dict(restore=False))
+    first = _regression_trainer(
+        tmp_path / "out",
+        tmp_path / "ck",
+        max_steps=4,
+        save_strategy="steps",
+        save_steps=2,
+        cb_kwargs=dict(restore=False),
+    )
     first.train()
-    assert not list((tmp_path / "out").glob("checkpoint-*"))     # the snapshots replaced them
-    again = _regression_trainer(tmp_path / "out", tmp_path / "ck", max_steps=6, save_strategy="steps",
-                                save_steps=2, cb_kwargs=dict(restore=False))
-    again.train(resume_from_checkpoint=True)          # the Trainer's "resume from the newest checkpoint"
+    assert not list((tmp_path / "out").glob("checkpoint-*"))  # the snapshots replaced them
+    again = _regression_trainer(
+        tmp_path / "out",
+        tmp_path / "ck",
+        max_steps=6,
+        save_strategy="steps",
+        save_steps=2,
+        cb_kwargs=dict(restore=False),
+    )
+    again.train(resume_from_checkpoint=True)  # the Trainer's "resume from the newest checkpoint"
     assert again._ckpt_callback.restored_step == 4
     assert again.state.global_step == 6
 
@@ -204,10 +247,19 @@ def test_resume_from_checkpoint_true_resumes_from_the_newest_snapshot(tmp_path):
 def test_the_last_snapshot_holds_the_last_steps_weights_with_load_best_model_at_end(tmp_path):
     import safetensors.torch
 
-    t = _regression_trainer(tmp_path / "out", tmp_path / "ck", cb_kwargs=dict(keep_trainer_checkpoints=True),
-                            max_steps=7, save_strategy="steps", save_steps=3, eval_strategy="steps", eval_steps=3,
-                            load_best_model_at_end=True, metric_for_best_model="loss",
-                            greater_is_better=True)   # the highest loss is the best: the first evaluation's
+    t = _regression_trainer(
+        tmp_path / "out",
+        tmp_path / "ck",
+        cb_kwargs=dict(keep_trainer_checkpoints=True),
+        max_steps=7,
+        save_strategy="steps",
+        save_steps=3,
+        eval_strategy="steps",
+        eval_steps=3,
+        load_best_model_at_end=True,
+        metric_for_best_model="loss",
+        greater_is_better=True,
+    )  # the highest loss is the best: the first evaluation's
     t.train()
     assert t.state.best_global_step == 3
     last = safetensors.torch.load_file(str(tmp_path / "out" / "checkpoint-7" / "model.safetensors"))

@@ -87,9 +87,12 @@ def test_gc_of_a_remote_tier_keeps_the_newest_that_verifies(tmp_path, capsys):
 
 def test_gc_dcp_keeps_the_newest_checkpoint_that_verifies(tmp_path, capsys):
     from ckpt.integrations.dcp import TierStorageWriter, list_checkpoints
+
     local = tmp_path / "local"
     for name in ("a", "b", "c"):
-        dcp.save({"w": torch.arange(1000.0)}, storage_writer=TierStorageWriter(local_dir=local), checkpoint_id=name)
+        dcp.save(
+            {"w": torch.arange(1000.0)}, storage_writer=TierStorageWriter(local_dir=local), checkpoint_id=name
+        )
     _flip(local / "c" / "rank-00000.dcp.bin")
     with pytest.warns(UserWarning, match="'c' does not verify"):
         assert main(["gc", str(local), "--dcp", "--keep", "1"]) == 0
@@ -131,7 +134,7 @@ def test_retention_after_each_save_always_leaves_a_step_that_verifies(local_dir)
 
 def test_prune_without_anything_verified_deletes_no_committed_step(local_dir):
     _write(local_dir, 10, 20, 30)
-    (local_dir / "step-000000005").mkdir()   # an uncommitted leftover: always safe to remove
+    (local_dir / "step-000000005").mkdir()  # an uncommitted leftover: always safe to remove
     tier = LocalTier(local_dir)
     assert prune(tier, 1, verified=lambda s: False) == [5]
     assert _committed(local_dir) == [10, 20, 30]

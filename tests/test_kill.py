@@ -20,7 +20,7 @@ from helpers import fork_server
 from killworker import pattern, save_forever
 
 HERE = Path(__file__).parent
-NUMEL = 1 << 20   # 4 MiB of float32 + a third of that again: a few chunks per save
+NUMEL = 1 << 20  # 4 MiB of float32 + a third of that again: a few chunks per save
 
 
 def _start_worker(local_dir: Path):
@@ -38,8 +38,10 @@ def _check_restore(local_dir: Path) -> int | None:
     """The newest snapshot committed anywhere (the local tier, or the memory tier's shared memory, which
     outlives the killed process) is restored, exactly; a snapshot torn by the kill is never served."""
     committed = sorted(int(p.name[5:]) for p in local_dir.glob("step-*") if (p / "COMMIT").exists())
-    committed = sorted(set(committed) | {r.step for g in shm.segments(prefix=shm.prefix_for(local_dir, 0, create=True))
-                                         for r in g.records})
+    committed = sorted(
+        set(committed)
+        | {r.step for g in shm.segments(prefix=shm.prefix_for(local_dir, 0, create=True)) for r in g.records}
+    )
     target = {"w": torch.empty(NUMEL), "step": None, "b": torch.empty(NUMEL // 3)}
     with ckpt.Checkpointer(local_dir=local_dir) as ck:
         step = ck.restore(target)
@@ -83,8 +85,12 @@ def test_many_random_sigkills(tmp_path):
 
 
 def test_demo_kills_its_training_child_and_resumes_bit_identically():
-    out = subprocess.run([sys.executable, "-m", "ckpt.cli", "demo", "--steps", "24", "--every", "4",
-                          "--width", "128"], capture_output=True, text=True, timeout=300)
+    out = subprocess.run(
+        [sys.executable, "-m", "ckpt.cli", "demo", "--steps", "24", "--every", "4", "--width", "128"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.returncode == 0, out.stdout + out.stderr
     assert "SIGKILLed at step" in out.stdout
     # at least the newest step on disk before the kill is restored: from RAM (the killed child's snapshots
@@ -116,7 +122,9 @@ def test_process_that_exits_with_saves_in_flight_finishes_them_first(tmp_path):
         "ck.save(2, state)\n"
         "print('returning', flush=True)\n"
     )
-    out = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, timeout=300)
+    out = subprocess.run(
+        [sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, timeout=300
+    )
     assert out.returncode == 0, out.stderr
     committed = sorted(int(p.name[5:]) for p in tmp_path.glob("step-*") if (p / "COMMIT").exists())
     assert committed == [1, 2], (committed, out.stderr)
@@ -139,8 +147,9 @@ def test_exit_wait_is_bounded_by_ckpt_exit_wait_s(tmp_path):
     )
     env = dict(os.environ, CKPT_EXIT_WAIT_S="1")
     t0 = time.monotonic()
-    out = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, env=env,
-                         timeout=50)
+    out = subprocess.run(
+        [sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, env=env, timeout=50
+    )
     assert time.monotonic() - t0 < 40, "the exit hook did not stop waiting"
     assert "step(s) [7] finished persisting" in out.stderr and "CKPT_EXIT_WAIT_S" in out.stderr, out.stderr
     assert not [p for p in tmp_path.glob("step-*") if (p / "COMMIT").exists()]

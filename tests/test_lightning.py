@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("lightning", minversion="2.5")   # the version ckpt.integrations.lightning needs
+pytest.importorskip("lightning", minversion="2.5")  # the version ckpt.integrations.lightning needs
 
 import torch  # noqa: E402
 
@@ -27,12 +27,16 @@ from ckpt.integrations.lightning import CheckpointCallback, TieredCheckpointIO  
 HERE = Path(__file__).parent
 WORKER = HERE / "lightning_worker.py"
 DOC = HERE.parent / "docs" / "lightning.md"
-TOTAL_STEPS = 24   # lightning_worker: 3 epochs of 8 batches
+TOTAL_STEPS = 24  # lightning_worker: 3 epochs of 8 batches
 
 
 def _worker(ckpt_dir: Path, out: Path, *args: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, str(WORKER), str(ckpt_dir), str(out), *args],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return subprocess.Popen(
+        [sys.executable, str(WORKER), str(ckpt_dir), str(out), *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
 
 
 def _signal_after(proc: subprocess.Popen, step: int, sig: int) -> tuple[int, str]:
@@ -77,19 +81,32 @@ def runs(tmp_path_factory):
     """
     d = tmp_path_factory.mktemp("lightning_runs")
     kill = _worker(d / "kill", d / "kill.bin", "--sleep", "0.05")
-    terms = {w: _worker(d / f"term_{w}", d / f"term_{w}.bin", "--sleep", "0.05", "--sleep-at", w, "--every", "100")
-             for w in ("end", "start")}
+    terms = {
+        w: _worker(d / f"term_{w}", d / f"term_{w}.bin", "--sleep", "0.05", "--sleep-at", w, "--every", "100")
+        for w in ("end", "start")
+    }
     # Each run is watched by its own thread, so every signal is sent as soon as its step is reported.
     with ThreadPoolExecutor(3) as ex:
         kill_f = ex.submit(_signal_after, kill, 10, signal.SIGKILL)
         term_f = {w: ex.submit(_signal_after, proc, 13, signal.SIGTERM) for w, proc in terms.items()}
         _in_process(d / "ref", d / "ref.bin", "--no-restore")
         kill_last, kill_out = kill_f.result()
-        r = {"dir": d, "ref": (d / "ref.bin").read_bytes(), "kill_rc": kill.returncode, "kill_last": kill_last,
-             "kill_out": kill_out, "kill_steps": _committed(d / "kill")}
+        r = {
+            "dir": d,
+            "ref": (d / "ref.bin").read_bytes(),
+            "kill_rc": kill.returncode,
+            "kill_last": kill_last,
+            "kill_out": kill_out,
+            "kill_steps": _committed(d / "kill"),
+        }
         for w, proc in terms.items():
             last, out = term_f[w].result()
-            r[f"term_{w}"] = {"rc": proc.returncode, "last": last, "out": out, "steps": _committed(d / f"term_{w}")}
+            r[f"term_{w}"] = {
+                "rc": proc.returncode,
+                "last": last,
+                "out": out,
+                "steps": _committed(d / f"term_{w}"),
+            }
     resume_kill = _worker(d / "kill", d / "kill.bin")
     for w in terms:
         r[f"term_{w}_resume_out"] = _in_process(d / f"term_{w}", d / f"term_{w}.bin", "--every", "100")
@@ -119,7 +136,7 @@ def test_sigkill_mid_fit_then_resume_is_bit_identical(runs):
 @pytest.mark.parametrize("where", ["end", "start"])
 def test_sigterm_saves_at_once_durably_then_resume_is_bit_identical(runs, where):
     t = runs[f"term_{where}"]
-    assert t["rc"] == 0, t["out"]       # Lightning stops the run itself on SIGTERM (SystemExit)
+    assert t["rc"] == 0, t["out"]  # Lightning stops the run itself on SIGTERM (SystemExit)
     assert "finished" not in t["out"]
     # every_steps=100 never triggers: the one checkpoint is the SIGTERM's, of the last completed step.
     assert t["steps"] == [t["last"]], (t["steps"], t["out"])
@@ -140,10 +157,20 @@ def _fit(root: Path, max_epochs: int, plugins: list, ckpt_path: str | None = Non
     L.seed_everything(0, verbose=False)
     model = Tiny(dropout)
     model.save_hyperparameters({"dropout": dropout, "run": argparse.Namespace(name="tiny", width=16)})
-    mc = ModelCheckpoint(dirpath=root, every_n_train_steps=4, save_top_k=2, monitor="step", mode="max",
-                         save_last=True)
-    trainer = L.Trainer(max_epochs=max_epochs, accelerator="cpu", devices=1, deterministic=True, logger=False,
-                        enable_progress_bar=False, enable_model_summary=False, callbacks=[mc], plugins=plugins)
+    mc = ModelCheckpoint(
+        dirpath=root, every_n_train_steps=4, save_top_k=2, monitor="step", mode="max", save_last=True
+    )
+    trainer = L.Trainer(
+        max_epochs=max_epochs,
+        accelerator="cpu",
+        devices=1,
+        deterministic=True,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[mc],
+        plugins=plugins,
+    )
     trainer.fit(model, ckpt_path=ckpt_path)
     return model, trainer, mc
 
@@ -161,13 +188,13 @@ def test_checkpoint_io_under_model_checkpoint_saves_prunes_and_resumes(tmp_path,
     model, trainer, mc = _fit(root, 2, [io])
     # top-k pruning went through remove_checkpoint; every checkpoint is a verified ckpt directory.
     assert sorted(os.listdir(root)) == ["epoch=1-step=12.ckpt", "epoch=1-step=16.ckpt", "last.ckpt"]
-    assert io.checkpointer is None       # teardown at the end of fit made everything durable
+    assert io.checkpointer is None  # teardown at the end of fit made everything durable
     for name in os.listdir(root):
         assert (root / name).is_dir()
         assert ckpt_cli(["verify", str(root / name)]) == 0
     sd = TieredCheckpointIO().load_checkpoint(root / "last.ckpt")
     assert sd["global_step"] == 16 and sd["epoch"] == 1
-    assert sd["hyper_parameters"]["run"] == {"name": "tiny", "width": 16}    # Namespace -> dict
+    assert sd["hyper_parameters"]["run"] == {"name": "tiny", "width": 16}  # Namespace -> dict
     for k, v in model.state_dict().items():
         assert torch.equal(sd["state_dict"][k], v)
     assert set(sd["optimizer_states"][0]["state"]) == {0, 1, 2, 3}
@@ -184,7 +211,7 @@ def test_checkpoint_io_async_save_load_overwrite_remove(tmp_path):
     w = torch.arange(1000, dtype=torch.float32)
     path = tmp_path / "a.ckpt"
     io.save_checkpoint({"global_step": 3, "state_dict": {"w": w}, "extra": (1, 2.5, None)}, path)
-    first = io.load_checkpoint(path)               # waits for the pending write of that path
+    first = io.load_checkpoint(path)  # waits for the pending write of that path
     assert torch.equal(first["state_dict"]["w"], w) and first["extra"] == (1, 2.5, None)
     io.save_checkpoint({"global_step": 7, "state_dict": {"w": w + 1}}, path)
     io.save_checkpoint({"global_step": 7, "state_dict": {"w": w + 2}}, tmp_path / "b.ckpt")
@@ -202,7 +229,7 @@ def test_checkpoint_io_async_save_load_overwrite_remove(tmp_path):
     assert torch.equal(io.load_checkpoint(path)["state_dict"]["w"], w + 3)
     io.remove_checkpoint(tmp_path / "b.ckpt")
     assert not (tmp_path / "b.ckpt").exists()
-    io.remove_checkpoint(tmp_path / "never-saved.ckpt")         # absent: nothing to do
+    io.remove_checkpoint(tmp_path / "never-saved.ckpt")  # absent: nothing to do
     io.teardown()
     assert torch.equal(TieredCheckpointIO().load_checkpoint(path)["state_dict"]["w"], w + 3)
 
@@ -252,19 +279,29 @@ def test_callback_with_gradient_accumulation_and_a_borrowed_checkpointer(tmp_pat
     def fit(local_dir: Path, max_steps: int, ck: ckpt.Checkpointer):
         L.seed_everything(0, verbose=False)
         model, cb = Tiny(), CheckpointCallback(ck)
-        trainer = L.Trainer(max_steps=max_steps, accumulate_grad_batches=3, accelerator="cpu", devices=1,
-                            deterministic=True, logger=False, enable_progress_bar=False, enable_model_summary=False,
-                            enable_checkpointing=False, callbacks=[cb])
+        trainer = L.Trainer(
+            max_steps=max_steps,
+            accumulate_grad_batches=3,
+            accelerator="cpu",
+            devices=1,
+            deterministic=True,
+            logger=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            enable_checkpointing=False,
+            callbacks=[cb],
+        )
         trainer.fit(model)
         return model, cb
 
     # if_busy="wait": every save reaches the disk, so the listing shows every optimizer step's save
-    with ckpt.Checkpointer(local_dir=tmp_path / "a", every_steps=1, keep=ckpt.Retention(local=None),
-                           if_busy="wait") as ck:
+    with ckpt.Checkpointer(
+        local_dir=tmp_path / "a", every_steps=1, keep=ckpt.Retention(local=None), if_busy="wait"
+    ) as ck:
         _, cb = fit(tmp_path / "a", 3, ck)
         assert cb.restored_step is None
-        assert [c.step for c in ck.list()] == [3, 2, 1]          # 9 batches, one save per optimizer step
-        resumed, cb = fit(tmp_path / "a", 7, ck)                  # same Checkpointer: not closed by the first fit
+        assert [c.step for c in ck.list()] == [3, 2, 1]  # 9 batches, one save per optimizer step
+        resumed, cb = fit(tmp_path / "a", 7, ck)  # same Checkpointer: not closed by the first fit
         assert cb.restored_step == 3
     with ckpt.Checkpointer(local_dir=tmp_path / "b", every_steps=100) as ck:
         straight, _ = fit(tmp_path / "b", 7, ck)
@@ -282,7 +319,9 @@ def test_docs_example_runs(tmp_path):
     assert len(blocks) == 1, "docs/lightning.md should hold exactly one python block: the runnable example"
     script = tmp_path / "example.py"
     script.write_text(blocks[0])
-    out = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=120
+    )
     assert out.returncode == 0, out.stdout + out.stderr
     assert "resumed from step 12; final weights equal the uninterrupted run's" in out.stdout, out.stdout
 
@@ -294,17 +333,26 @@ def test_callback_on_two_ddp_ranks_checkpoints_each_rank_and_resumes_both(tmp_pa
     script = str(HERE / "lightning_ddp_worker.py")
 
     def run(max_steps: int) -> list[str]:
-        p = subprocess.run([sys.executable, script, str(tmp_path), str(max_steps)], capture_output=True, text=True,
-                           env=env, timeout=240)
+        p = subprocess.run(
+            [sys.executable, script, str(tmp_path), str(max_steps)],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=240,
+        )
         assert p.returncode == 0, p.stderr[-3000:]
         return [(tmp_path / f"result-{r}.txt").read_text() for r in range(2)]
 
     assert run(4) == [f"restored None dir {tmp_path / f'rank-{r:05d}'}" for r in range(2)]
     for r in range(2):
-        assert sorted(p.name for p in (tmp_path / f"rank-{r:05d}").glob("step-*")) == \
-            ["step-000000002", "step-000000004"]
+        assert sorted(p.name for p in (tmp_path / f"rank-{r:05d}").glob("step-*")) == [
+            "step-000000002",
+            "step-000000004",
+        ]
     # both ranks' files of a step share one directory of the url, committed once by rank 0
     commit = json.loads((tmp_path / "job" / "step-000000004" / "COMMIT").read_text())
     assert commit["world_size"] == 2 and sorted(commit["manifests"]) == [
-        "rank-00000.manifest.json", "rank-00001.manifest.json"]
+        "rank-00000.manifest.json",
+        "rank-00001.manifest.json",
+    ]
     assert run(6) == [f"restored 4 dir {tmp_path / f'rank-{r:05d}'}" for r in range(2)]

@@ -65,7 +65,7 @@ def io_with(tier: type[LocalTier], **kwargs) -> TieredCheckpointIO:
 def gate():
     ev = threading.Event()
     yield ev, type("Gated", (GatedLocal,), {"gate": ev})
-    ev.set()   # never leave a writer blocked
+    ev.set()  # never leave a writer blocked
 
 
 @pytest.fixture
@@ -98,7 +98,9 @@ class EpochWeights(Callback):
         self.weights: dict[int, dict[str, torch.Tensor]] = {}
 
     def on_train_epoch_end(self, trainer, pl_module):
-        self.weights[trainer.current_epoch] = {k: v.detach().clone() for k, v in pl_module.state_dict().items()}
+        self.weights[trainer.current_epoch] = {
+            k: v.detach().clone() for k, v in pl_module.state_dict().items()
+        }
 
 
 def _fit(plugin, mc, epochs: int = 4):
@@ -109,20 +111,33 @@ def _fit(plugin, mc, epochs: int = 4):
 
     L.seed_everything(0, verbose=False)
     rec = EpochWeights()
-    trainer = L.Trainer(max_epochs=epochs, limit_train_batches=2, limit_val_batches=0, num_sanity_val_steps=0,
-                        accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
-                        enable_model_summary=False, callbacks=[rec, mc], plugins=[plugin])
+    trainer = L.Trainer(
+        max_epochs=epochs,
+        limit_train_batches=2,
+        limit_val_batches=0,
+        num_sanity_val_steps=0,
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[rec, mc],
+        plugins=[plugin],
+    )
     trainer.fit(Tiny(0.0))
     return rec.weights, trainer
 
 
 def _versioned_checkpoint(root: Path):
     # One file name for every epoch: ModelCheckpoint's version counter must make it model-vN.ckpt.
-    return ModelCheckpoint(dirpath=root, filename="model", save_top_k=-1, monitor="step", mode="max",
-                           every_n_epochs=1)
+    return ModelCheckpoint(
+        dirpath=root, filename="model", save_top_k=-1, monitor="step", mode="max", every_n_epochs=1
+    )
 
 
-def _assert_each_holds_its_epoch(root: Path, names: list[str], weights: dict[int, dict[str, torch.Tensor]]) -> None:
+def _assert_each_holds_its_epoch(
+    root: Path, names: list[str], weights: dict[int, dict[str, torch.Tensor]]
+) -> None:
     epochs = []
     for name in names:
         sd = TieredCheckpointIO().load_checkpoint(root / name)
@@ -154,7 +169,9 @@ def test_save_last_link_with_a_name_per_epoch_removes_links_not_their_targets(tm
     weights, _ = _fit(io_with(SlowLocal), mc)
     assert sorted(os.listdir(root)) == ["epoch=2-step=6.ckpt", "epoch=3-last.ckpt", "epoch=3-step=8.ckpt"]
     assert os.readlink(root / "epoch=3-last.ckpt") == "epoch=3-step=8.ckpt"
-    _assert_each_holds_its_epoch(root, ["epoch=2-step=6.ckpt", "epoch=3-last.ckpt"], {e: weights[e] for e in (2, 3)})
+    _assert_each_holds_its_epoch(
+        root, ["epoch=2-step=6.ckpt", "epoch=3-last.ckpt"], {e: weights[e] for e in (2, 3)}
+    )
 
 
 def test_load_through_another_instance_right_after_trainer_save_checkpoint(tmp_path, worker_on_path):
@@ -175,7 +192,7 @@ def test_async_checkpoint_io_wrapper_end_to_end(tmp_path, worker_on_path):
     root = tmp_path / "ckpts"
     io = io_with(SlowLocal)
     weights, _ = _fit(AsyncCheckpointIO(io), _versioned_checkpoint(root))
-    assert io.checkpointer is None            # teardown reached the plugin through the wrapper
+    assert io.checkpointer is None  # teardown reached the plugin through the wrapper
     names = sorted(os.listdir(root))
     assert names == ["model-v1.ckpt", "model-v2.ckpt", "model-v3.ckpt", "model.ckpt"]
     assert _leftover_reservations(root) == []
@@ -187,7 +204,7 @@ def test_async_checkpoint_io_wrapper_raises_a_failed_write_at_the_end_of_fit(tmp
     with pytest.raises(OSError) as e:
         _fit(AsyncCheckpointIO(io_with(FullDisk)), _versioned_checkpoint(root), epochs=2)
     assert e.value.errno == errno.ENOSPC
-    assert not root.exists() or os.listdir(root) == []     # no reservation outlives its failed save
+    assert not root.exists() or os.listdir(root) == []  # no reservation outlives its failed save
 
 
 def test_async_checkpoint_io_keeps_its_own_thread_for_other_plugins(tmp_path):
@@ -215,12 +232,14 @@ def test_a_pending_save_holds_its_path_and_is_not_a_checkpoint_until_committed(t
     io = io_with(gated)
     p = tmp_path / "x.ckpt"
     io.save_checkpoint(_state(5, torch.ones(3)), p)
-    assert p.is_dir()                                        # what ModelCheckpoint's exists() sees
+    assert p.is_dir()  # what ModelCheckpoint's exists() sees
     with ckpt.Checkpointer(local_dir=p, collective=False) as reader:
         assert reader.list() == [] and reader.restore({"w": torch.zeros(3)}) is None
-    with pytest.raises(TimeoutError) as e:                   # another reader would wait for it
+    with pytest.raises(TimeoutError) as e:  # another reader would wait for it
         TieredCheckpointIO(pending_save_timeout=0.2).load_checkpoint(p)
-    assert e.value.errno == errno.ETIMEDOUT and str(p) in str(e.value) and "pending_save_timeout" in str(e.value)
+    assert (
+        e.value.errno == errno.ETIMEDOUT and str(p) in str(e.value) and "pending_save_timeout" in str(e.value)
+    )
     ev.set()
     io.teardown()
     assert sorted(os.listdir(p)) == ["latest", "step-000000005"]
@@ -238,7 +257,7 @@ def test_a_failed_save_removes_its_reservation_and_keeps_the_older_checkpoint(tm
     with pytest.raises(OSError) as e:
         io.teardown()
     assert e.value.errno == errno.ENOSPC
-    assert str(new) in str(e.value) and "/proc/" not in str(e.value)     # names the checkpoint's path
+    assert str(new) in str(e.value) and "/proc/" not in str(e.value)  # names the checkpoint's path
     assert not new.exists()
     assert sorted(os.listdir(old)) == ["latest", "step-000000001"]
     assert torch.equal(TieredCheckpointIO().load_checkpoint(old)["state_dict"]["w"], torch.ones(4))
@@ -262,14 +281,14 @@ def test_a_snapshot_torn_before_the_write_removes_its_reservation(tmp_path):
         io.save_checkpoint(_state(1, w), p)
         w.add_(1)
         try:
-            TieredCheckpointIO().load_checkpoint(p)      # waits for the save to end
+            TieredCheckpointIO().load_checkpoint(p)  # waits for the save to end
         except FileNotFoundError as e:
             assert isinstance(e.__cause__, ckpt.TornSnapshotError) and str(p) in str(e)
             assert not p.exists()
             with pytest.raises(ckpt.TornSnapshotError):
                 io.teardown()
             return
-        io.teardown()      # the copy won the race: a complete checkpoint, loaded above
+        io.teardown()  # the copy won the race: a complete checkpoint, loaded above
     pytest.fail("no copy was torn in 5 attempts")
 
 
@@ -316,7 +335,7 @@ def test_remove_checkpoint_of_a_link_removes_the_link_only(tmp_path, gate):
     io.save_checkpoint(_state(1, torch.ones(2)), target)
     link = tmp_path / "last.ckpt"
     link.symlink_to(target.name)
-    io.remove_checkpoint(link)                # the target's save is still pending: not waited for, not touched
+    io.remove_checkpoint(link)  # the target's save is still pending: not waited for, not touched
     assert not os.path.lexists(link)
     dangling = tmp_path / "dangling.ckpt"
     dangling.symlink_to("never-written.ckpt")
@@ -392,9 +411,16 @@ def savers(tmp_path_factory):
     """Two processes (started together: importing Lightning is most of their cost), each with a save pending
     in its own directory until the test writes a line to its stdin."""
     d = tmp_path_factory.mktemp("savers")
-    procs = {name: subprocess.Popen([sys.executable, str(WORKER), str(d / name / "x.ckpt")], stdin=subprocess.PIPE,
-                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for name in ("released", "killed")}
+    procs = {
+        name: subprocess.Popen(
+            [sys.executable, str(WORKER), str(d / name / "x.ckpt")],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for name in ("released", "killed")
+    }
     yield d, procs
     for p in procs.values():
         p.kill()
@@ -422,14 +448,18 @@ def test_a_load_waits_for_a_save_pending_in_another_process(savers):
     d, procs = savers
     saver, p = procs["released"], d / "released" / "x.ckpt"
     _reserved(saver)
-    t = _release_after(saver, 0.3)      # its disk writes nothing before: a load that did not wait would fail
+    t = _release_after(saver, 0.3)  # its disk writes nothing before: a load that did not wait would fail
     sd = TieredCheckpointIO().load_checkpoint(p)
     t.join()
     assert saver.stdout.readline() == "committed\n"
-    assert sd["global_step"] == 3 and torch.equal(sd["state_dict"]["w"], torch.arange(64, dtype=torch.float32))
+    assert sd["global_step"] == 3 and torch.equal(
+        sd["state_dict"]["w"], torch.arange(64, dtype=torch.float32)
+    )
 
 
-def test_a_load_of_a_save_stuck_in_another_process_times_out_and_one_of_a_killed_process_does_not_wait(savers):
+def test_a_load_of_a_save_stuck_in_another_process_times_out_and_one_of_a_killed_process_does_not_wait(
+    savers,
+):
     d, procs = savers
     saver, p = procs["killed"], d / "killed" / "x.ckpt"
     _reserved(saver)
@@ -459,10 +489,19 @@ def test_a_pending_save_whose_pid_a_later_process_got_does_not_hold_a_load(tmp_p
 
     p = tmp_path / "x.ckpt"
     p.mkdir()
-    later = subprocess.Popen(["sleep", "120"])   # started after the record below was written
+    later = subprocess.Popen(["sleep", "120"])  # started after the record below was written
     try:
-        (p / "SAVING").write_text(json.dumps({"pid": later.pid, "host": socket.gethostname(), "step": 3,
-                                              "since_unix": time.time() - 3600, "token": "0" * 32}))
+        (p / "SAVING").write_text(
+            json.dumps(
+                {
+                    "pid": later.pid,
+                    "host": socket.gethostname(),
+                    "step": 3,
+                    "since_unix": time.time() - 3600,
+                    "token": "0" * 32,
+                }
+            )
+        )
         t0 = time.monotonic()
         with pytest.raises(FileNotFoundError):
             TieredCheckpointIO(pending_save_timeout=60).load_checkpoint(p)
@@ -484,8 +523,14 @@ def test_load_from_checkpoint_reads_a_tiered_checkpoint_directory(tmp_path):
             self.layer = torch.nn.Linear(width, 2)
 
     net = Net(width=5)
-    trainer = pl.Trainer(plugins=[TieredCheckpointIO()], logger=False, enable_checkpointing=False,
-                         enable_progress_bar=False, enable_model_summary=False, max_epochs=0)
+    trainer = pl.Trainer(
+        plugins=[TieredCheckpointIO()],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        max_epochs=0,
+    )
     trainer.strategy.connect(net)
     trainer.save_checkpoint(tmp_path / "net.ckpt")
     trainer.strategy.checkpoint_io.teardown()

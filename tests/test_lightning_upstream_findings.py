@@ -84,7 +84,9 @@ class EpochWeights(Callback):
         self.weights: dict[int, dict[str, torch.Tensor]] = {}
 
     def on_train_epoch_end(self, trainer, pl_module):
-        self.weights[trainer.current_epoch] = {k: v.detach().clone() for k, v in pl_module.state_dict().items()}
+        self.weights[trainer.current_epoch] = {
+            k: v.detach().clone() for k, v in pl_module.state_dict().items()
+        }
 
 
 @pytest.fixture
@@ -99,10 +101,20 @@ def fit(monkeypatch, tmp_path):
 
         L.seed_everything(0, verbose=False)
         rec = EpochWeights()
-        trainer = L.Trainer(max_epochs=epochs, limit_train_batches=2, limit_val_batches=0, num_sanity_val_steps=0,
-                            accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
-                            enable_model_summary=False, callbacks=[rec, *callbacks], plugins=[plugin],
-                            default_root_dir=tmp_path)
+        trainer = L.Trainer(
+            max_epochs=epochs,
+            limit_train_batches=2,
+            limit_val_batches=0,
+            num_sanity_val_steps=0,
+            accelerator="cpu",
+            devices=1,
+            logger=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            callbacks=[rec, *callbacks],
+            plugins=[plugin],
+            default_root_dir=tmp_path,
+        )
         trainer.fit(Tiny(0.0))
         return rec.weights, trainer
 
@@ -121,7 +133,7 @@ def test_save_last_link_copies_the_checkpoint_where_links_are_refused(tmp_path, 
     def no_links(*args, **kwargs):
         raise OSError(errno.EPERM, os.strerror(errno.EPERM))
 
-    monkeypatch.setattr(os, "symlink", no_links)     # a file system without symbolic links
+    monkeypatch.setattr(os, "symlink", no_links)  # a file system without symbolic links
     root = tmp_path / "ckpts"
     mc = ModelCheckpoint(dirpath=root, save_top_k=2, monitor="step", mode="max", save_last="link")
     weights, _ = fit(_slow_io(), mc)
@@ -147,7 +159,12 @@ def test_save_last_link_copy_of_a_failed_save_raises_and_leaves_no_last(tmp_path
     mc = ModelCheckpoint(dirpath=root, save_top_k=2, monitor="step", mode="max", save_last="link")
     with pytest.raises(OSError) as e:
         # slow and full: the save is still pending when ModelCheckpoint links last.ckpt to it, then fails
-        fit(type("FullIO", (TieredCheckpointIO,), {"_local_tier": type("SlowFull", (SlowLocal, FullDisk), {})})(), mc)
+        fit(
+            type(
+                "FullIO", (TieredCheckpointIO,), {"_local_tier": type("SlowFull", (SlowLocal, FullDisk), {})}
+            )(),
+            mc,
+        )
     assert e.value.errno == errno.ENOSPC
     # the save's failure itself, not one raised while handling another error (the copy's, say)
     seen, todo = [], [e.value]
@@ -175,7 +192,7 @@ def test_nested_async_wrappers_hand_the_plugin_its_saves_and_teardown(tmp_path, 
     # one name for every epoch: the version counter must see each save's path taken when the save returns
     mc = ModelCheckpoint(dirpath=root, filename="model", save_top_k=-1, monitor="step", mode="max")
     weights, _ = fit(AsyncCheckpointIO(AsyncCheckpointIO(io)), mc, epochs=4)
-    assert io.checkpointer is None                    # the end of fit reached the plugin's teardown
+    assert io.checkpointer is None  # the end of fit reached the plugin's teardown
     names = sorted(os.listdir(root))
     assert names == ["model-v1.ckpt", "model-v2.ckpt", "model-v3.ckpt", "model.ckpt"]
     assert _leftovers(root) == []
@@ -188,9 +205,9 @@ def test_nested_async_wrappers_hand_the_plugin_its_saves_and_teardown(tmp_path, 
 
 
 def test_the_plugin_can_be_deep_copied_with_the_trainer(tmp_path, fit):
-    class CopyCallbacks(Callback):          # what Lightning's test_restore does at fit start
+    class CopyCallbacks(Callback):  # what Lightning's test_restore does at fit start
         def on_fit_start(self, trainer, pl_module):
-            self._trainer = trainer          # as Lightning's progress bars hold it
+            self._trainer = trainer  # as Lightning's progress bars hold it
             self.copies = copy.deepcopy(trainer.callbacks)
             self._trainer = None
 
@@ -210,7 +227,9 @@ def test_the_plugin_can_be_deep_copied_with_the_trainer(tmp_path, fit):
     dup.save_checkpoint({"global_step": 2, "state_dict": {"w": torch.zeros(3)}}, tmp_path / "y.ckpt")
     dup.teardown()
     io.teardown()
-    assert torch.equal(TieredCheckpointIO().load_checkpoint(tmp_path / "y.ckpt")["state_dict"]["w"], torch.zeros(3))
+    assert torch.equal(
+        TieredCheckpointIO().load_checkpoint(tmp_path / "y.ckpt")["state_dict"]["w"], torch.zeros(3)
+    )
 
 
 def _wide_tiny():
@@ -231,19 +250,33 @@ def test_averaging_callbacks_writing_the_model_after_the_last_save(tmp_path, mon
 
     try:
         from lightning.pytorch.callbacks import WeightAveraging
-    except ImportError:   # lightning < 2.6
+    except ImportError:  # lightning < 2.6
         WeightAveraging = None
     if averaging == "ema" and WeightAveraging is None:
         pytest.skip("lightning.pytorch.callbacks.WeightAveraging needs lightning 2.6")
     monkeypatch.syspath_prepend(str(HERE))
     L.seed_everything(0, verbose=False)
     rec = EpochWeights()
-    avg = WeightAveraging() if averaging == "ema" else StochasticWeightAveraging(swa_lrs=0.05, swa_epoch_start=1)
+    avg = (
+        WeightAveraging()
+        if averaging == "ema"
+        else StochasticWeightAveraging(swa_lrs=0.05, swa_epoch_start=1)
+    )
     root = tmp_path / "ckpts"
-    trainer = L.Trainer(max_epochs=2, limit_train_batches=2, limit_val_batches=0, num_sanity_val_steps=0,
-                        accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
-                        enable_model_summary=False, plugins=[TieredCheckpointIO()], default_root_dir=tmp_path,
-                        callbacks=[rec, avg, ModelCheckpoint(dirpath=root, save_last=True)])
+    trainer = L.Trainer(
+        max_epochs=2,
+        limit_train_batches=2,
+        limit_val_batches=0,
+        num_sanity_val_steps=0,
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        plugins=[TieredCheckpointIO()],
+        default_root_dir=tmp_path,
+        callbacks=[rec, avg, ModelCheckpoint(dirpath=root, save_last=True)],
+    )
     model = _wide_tiny()
     trainer.fit(model)
     assert sorted(os.listdir(root)) == ["epoch=1-step=4.ckpt", "last.ckpt"] and _leftovers(root) == []

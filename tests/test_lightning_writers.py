@@ -31,12 +31,12 @@ from ckpt.integrations.lightning import CheckpointCallback  # noqa: E402
 
 try:
     from lightning.pytorch.callbacks import WeightAveraging
-except ImportError:   # lightning < 2.6
+except ImportError:  # lightning < 2.6
     WeightAveraging = None
 
 HERE = Path(__file__).parent
-EPOCHS, BATCHES = 3, 8          # lightning_worker's loader: 8 batches an epoch
-STOP = 5                        # the interrupted run stops mid-epoch 1 (after 5 of its 8 steps)
+EPOCHS, BATCHES = 3, 8  # lightning_worker's loader: 8 batches an epoch
+STOP = 5  # the interrupted run stops mid-epoch 1 (after 5 of its 8 steps)
 
 
 @pytest.fixture(autouse=True)
@@ -79,8 +79,9 @@ def _model(kind: str = "tiny") -> L.LightningModule:
         def __init__(self) -> None:
             super().__init__(0.0)
             self.automatic_optimization = False
-            self.net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.BatchNorm1d(16), torch.nn.Tanh(),
-                                           torch.nn.Linear(16, 1))
+            self.net = torch.nn.Sequential(
+                torch.nn.Linear(8, 16), torch.nn.BatchNorm1d(16), torch.nn.Tanh(), torch.nn.Linear(16, 1)
+            )
 
         def training_step(self, batch, batch_idx):
             opt = self.optimizers()
@@ -91,13 +92,15 @@ def _model(kind: str = "tiny") -> L.LightningModule:
             opt.step()
 
         def validation_step(self, batch, batch_idx):
-            self.train()     # BatchNorm in train mode during validation: its running statistics move
+            self.train()  # BatchNorm in train mode during validation: its running statistics move
             super().validation_step(batch, batch_idx)
 
         def configure_optimizers(self):
             return torch.optim.AdamW(self.parameters(), lr=0.05)
 
-    return {"tiny": lambda: Tiny(0.0), "plain": Plain, "clamped": Clamped, "bn_manual": BatchNormManual}[kind]()
+    return {"tiny": lambda: Tiny(0.0), "plain": Plain, "clamped": Clamped, "bn_manual": BatchNormManual}[
+        kind
+    ]()
 
 
 def _averaging(kind: str):
@@ -110,21 +113,41 @@ def _averaging(kind: str):
     return None
 
 
-def _fit(local_dir: Path, *, model: str = "tiny", averaging: str | None = None, first: str = "ckpt",
-         max_steps: int = -1, restore: bool = True):
+def _fit(
+    local_dir: Path,
+    *,
+    model: str = "tiny",
+    averaging: str | None = None,
+    first: str = "ckpt",
+    max_steps: int = -1,
+    restore: bool = True,
+):
     """One fit with CheckpointCallback saving every step (every save kept and waited for: none is skipped
     because the previous one is still being written). Returns (model, averaging callback, trainer, cb)."""
     L.seed_everything(0, verbose=False)
     module = _model(model)
-    cb = CheckpointCallback(local_dir=local_dir, every_steps=1, keep=ckpt.Retention(local=None), if_busy="wait",
-                            restore=restore)
+    cb = CheckpointCallback(
+        local_dir=local_dir, every_steps=1, keep=ckpt.Retention(local=None), if_busy="wait", restore=restore
+    )
     avg = _averaging(averaging) if averaging else None
     callbacks = [cb] if avg is None else ([cb, avg] if first == "ckpt" else [avg, cb])
-    trainer = L.Trainer(max_epochs=EPOCHS, max_steps=max_steps, limit_train_batches=BATCHES, limit_val_batches=2,
-                        val_check_interval=4, num_sanity_val_steps=0, accelerator="cpu", devices=1,
-                        deterministic=True, logger=False, enable_progress_bar=False, enable_model_summary=False,
-                        enable_checkpointing=False, callbacks=callbacks)
-    trainer.fit(module)     # raises a save's failure (a torn snapshot dropped) when the Checkpointer closes
+    trainer = L.Trainer(
+        max_epochs=EPOCHS,
+        max_steps=max_steps,
+        limit_train_batches=BATCHES,
+        limit_val_batches=2,
+        val_check_interval=4,
+        num_sanity_val_steps=0,
+        accelerator="cpu",
+        devices=1,
+        deterministic=True,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        callbacks=callbacks,
+    )
+    trainer.fit(module)  # raises a save's failure (a torn snapshot dropped) when the Checkpointer closes
     return module, avg, trainer, cb
 
 
@@ -171,16 +194,27 @@ def _stop_resume_and_compare(tmp_path: Path, stop: int = STOP, **kw) -> None:
 
 
 # EMA with the checkpoint callback first in the default suite; SWA and the other order with -m slow
-@pytest.mark.parametrize("averaging,first", [("ema", "ckpt"), pytest.param("swa", "ckpt", marks=pytest.mark.slow),
-                                             pytest.param("ema", "averaging", marks=pytest.mark.slow),
-                                             pytest.param("swa", "averaging", marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+    "averaging,first",
+    [
+        ("ema", "ckpt"),
+        pytest.param("swa", "ckpt", marks=pytest.mark.slow),
+        pytest.param("ema", "averaging", marks=pytest.mark.slow),
+        pytest.param("swa", "averaging", marks=pytest.mark.slow),
+    ],
+)
 def test_averaging_callbacks_save_every_step_and_resume_bit_identically(tmp_path, averaging, first):
     """EMA updates its average at every batch end, swaps it with the weights around validation and copies
     it into the model at the end of training; SWA averages at an epoch's start and copies at the end."""
     # SWA is resumed at an epoch's end: on a mid-epoch restart Lightning does not run on_train_epoch_start,
     # where SWA makes its LR scheduler, so the rest of that epoch has none (with Lightning's own resume too).
-    _stop_resume_and_compare(tmp_path, model="tiny" if averaging == "ema" else "plain", averaging=averaging,
-                             first=first, stop=STOP if averaging == "ema" else 2 * BATCHES)
+    _stop_resume_and_compare(
+        tmp_path,
+        model="tiny" if averaging == "ema" else "plain",
+        averaging=averaging,
+        first=first,
+        stop=STOP if averaging == "ema" else 2 * BATCHES,
+    )
 
 
 def test_module_editing_its_weights_at_batch_end(tmp_path):
@@ -208,10 +242,19 @@ def test_final_save_holds_the_weights_before_the_averaging_callback_copies_its_a
         module = _model("tiny")
         cb = CheckpointCallback(local_dir=local_dir, every_steps=1000)
         avg = _averaging("ema")
-        trainer = L.Trainer(max_epochs=epochs, limit_val_batches=0, num_sanity_val_steps=0, accelerator="cpu",
-                            devices=1, deterministic=True, logger=False, enable_progress_bar=False,
-                            enable_model_summary=False, enable_checkpointing=False,
-                            callbacks=[cb, avg] if first == "ckpt" else [avg, cb])
+        trainer = L.Trainer(
+            max_epochs=epochs,
+            limit_val_batches=0,
+            num_sanity_val_steps=0,
+            accelerator="cpu",
+            devices=1,
+            deterministic=True,
+            logger=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            enable_checkpointing=False,
+            callbacks=[cb, avg] if first == "ckpt" else [avg, cb],
+        )
         trainer.fit(module)
         return module, avg, trainer, cb
 

@@ -61,8 +61,10 @@ def test_retention_never_deletes_a_linked_step_nor_anything_in_its_target(local_
             ck.save(s, {"w": torch.full((1000,), float(s))}).wait()
     assert _tree(base) == before
     assert link.is_symlink() and sorted(p.name for p in local_dir.glob("step-*")) == [
-        "step-000000005", "step-000000030"]
-    with ckpt.Checkpointer(local_dir=local_dir) as ck:   # listed and restorable, read-only
+        "step-000000005",
+        "step-000000030",
+    ]
+    with ckpt.Checkpointer(local_dir=local_dir) as ck:  # listed and restorable, read-only
         assert 5 in [i.step for i in ck.list()]
         state = {"w": torch.zeros(1000)}
         assert ck.restore(state, step=5) == 5 and float(state["w"][0]) == 5.0
@@ -83,13 +85,15 @@ def test_gc_never_deletes_a_linked_step(local_dir, tmp_path, capsys):
 def test_a_step_whose_commit_is_a_link_is_not_owned(local_dir, tmp_path):
     base = _baseline(tmp_path, 5)
     before = _tree(base)
-    farm = local_dir / "step-000000005"   # a real directory of links to the baseline's files
+    farm = local_dir / "step-000000005"  # a real directory of links to the baseline's files
     farm.mkdir()
     for f in (base / "step-000000005").iterdir():
         (farm / f.name).symlink_to(f)
     _write(local_dir, 10, 20)
     assert main(["gc", str(local_dir), "--keep", "1"]) == 0
-    assert sorted(p.name for p in farm.iterdir()) == sorted(p.name for p in (base / "step-000000005").iterdir())
+    assert sorted(p.name for p in farm.iterdir()) == sorted(
+        p.name for p in (base / "step-000000005").iterdir()
+    )
     assert _tree(base) == before
 
 
@@ -127,7 +131,7 @@ def test_a_link_swapped_in_mid_delete_cannot_redirect_it(local_dir, tmp_path, mo
     real_unlink = os.unlink
     swapped = []
 
-    def unlink(path, *a, **kw):   # the attacker's move lands just before the first unlink of the delete
+    def unlink(path, *a, **kw):  # the attacker's move lands just before the first unlink of the delete
         if not swapped:
             swapped.append(True)
             os.rename(local_dir / "step-000000010", tmp_path / "moved-away")
@@ -161,7 +165,7 @@ def test_remote_retention_on_a_file_url_never_deletes_through_a_link(tmp_path):
     remote = tmp_path / "remote"
     remote.mkdir()
     url = f"file://{remote}"
-    ckpt.promote(5, "remote", local_dir=base, url=url)   # a baseline on the shared file system
+    ckpt.promote(5, "remote", local_dir=base, url=url)  # a baseline on the shared file system
     shared = tmp_path / "shared-remote"
     (remote / "step-000000005").rename(shared)
     (remote / "step-000000005").symlink_to(shared, target_is_directory=True)
@@ -180,11 +184,15 @@ def test_remote_retention_on_a_file_url_never_deletes_through_a_link(tmp_path):
 
 def _dcp_save(local: Path, name: str) -> None:
     from ckpt.integrations.dcp import TierStorageWriter
-    dcp.save({"w": torch.arange(1000.0)}, storage_writer=TierStorageWriter(local_dir=local), checkpoint_id=name)
+
+    dcp.save(
+        {"w": torch.arange(1000.0)}, storage_writer=TierStorageWriter(local_dir=local), checkpoint_id=name
+    )
 
 
 def test_dcp_prune_and_gc_never_delete_through_a_linked_checkpoint(tmp_path, capsys):
     from ckpt.integrations.dcp import list_checkpoints, prune
+
     shared, local = tmp_path / "shared", tmp_path / "local"
     _dcp_save(shared, "base")
     before = _tree(shared)
@@ -192,7 +200,7 @@ def test_dcp_prune_and_gc_never_delete_through_a_linked_checkpoint(tmp_path, cap
     (local / "base").symlink_to(shared / "base", target_is_directory=True)
     for name in ("a", "b", "c"):
         _dcp_save(local, name)
-    assert "base" in [r["id"] for r in list_checkpoints(local)]   # listed, so it can be loaded
+    assert "base" in [r["id"] for r in list_checkpoints(local)]  # listed, so it can be loaded
     assert prune(local, 2) == ["a"]
     assert main(["gc", str(local), "--dcp", "--keep", "1"]) == 0
     assert capsys.readouterr().out.splitlines() == ["removed b"]
@@ -202,6 +210,7 @@ def test_dcp_prune_and_gc_never_delete_through_a_linked_checkpoint(tmp_path, cap
 
 def test_dcp_retention_of_a_nodes_own_files_never_follows_a_link(tmp_path):
     from ckpt.integrations.dcp import TierStorageWriter
+
     shared, local = tmp_path / "shared", tmp_path / "local"
     shared.mkdir(parents=True)
     (shared / "old").mkdir()
@@ -222,7 +231,7 @@ def test_a_dcp_save_never_writes_into_a_linked_checkpoint(tmp_path):
     before = _tree(shared)
     local.mkdir()
     (local / "base").symlink_to(shared / "base", target_is_directory=True)
-    with pytest.raises(BaseException) as e:   # DCP's CheckpointException is a BaseException
+    with pytest.raises(BaseException) as e:  # DCP's CheckpointException is a BaseException
         _dcp_save(local, "base")
     assert _errnos(e.value) & {errno.ELOOP}, e.value
     assert _tree(shared) == before and (local / "base").is_symlink()

@@ -107,8 +107,11 @@ def _no_shared_memory():
 
 
 def _committed(d: Path) -> list[int]:
-    return sorted(s for s in map(parse_step_dir, os.listdir(d)) if s is not None
-                  and (d / step_dir_name(s) / "COMMIT").is_file())
+    return sorted(
+        s
+        for s in map(parse_step_dir, os.listdir(d))
+        if s is not None and (d / step_dir_name(s) / "COMMIT").is_file()
+    )
 
 
 def _hidden(d: Path) -> list[str]:
@@ -133,7 +136,7 @@ def _two_steps(d: Path, keep: int = 5) -> None:
         ck.save(2, {"w": pat(2), "v": 0}).wait()
 
 
-WORKER = textwrap.dedent('''
+WORKER = textwrap.dedent("""
     import os, resource, signal, sys, time, warnings
     import torch, ckpt
     warnings.simplefilter("ignore")
@@ -176,7 +179,7 @@ WORKER = textwrap.dedent('''
             while True:
                 s += 1
                 ck.save(s, {"w": pat(s, 7), "v": 7}).wait()
-''')
+""")
 
 
 @pytest.fixture
@@ -209,7 +212,7 @@ def test_steps_outside_64_bits_and_non_integers_are_refused_naming_the_argument(
                 ck.maybe_save(bad, {"w": pat(1)})
         assert _committed(local_dir) == []
         ck.save(2**63 - 1, {"w": pat(1), "v": 0}).wait()
-        ck.save(np.int64(3), {"w": pat(3), "v": 0}).wait()   # a numpy integer is an integer
+        ck.save(np.int64(3), {"w": pat(3), "v": 0}).wait()  # a numpy integer is an integer
         for bad in (-1, True, 3.0, "3", 2**63):
             with pytest.raises(ValueError):
                 ck.restore({"w": torch.zeros(N), "v": None}, step=bad)
@@ -220,7 +223,7 @@ def test_steps_outside_64_bits_and_non_integers_are_refused_naming_the_argument(
         assert ck.restore(out, step=np.int64(3)) == 3 and torch.equal(out["w"], pat(3))
     assert _committed(local_dir) == [3, 2**63 - 1]
     out = {"w": torch.zeros(N), "v": None}
-    with ckpt.Checkpointer(local_dir=local_dir) as ck:   # the largest step is a checkpoint like any other
+    with ckpt.Checkpointer(local_dir=local_dir) as ck:  # the largest step is a checkpoint like any other
         assert ck.restore(out) == 2**63 - 1 and ck.last_restore.skipped == []
     assert torch.equal(out["w"], pat(1))
     for bad in (True, "2", 2.5, 0, -1):
@@ -239,7 +242,7 @@ def test_the_owner_lock_is_never_opened_through_a_link(local_dir, tmp_path):
         assert info.value.errno == errno.ELOOP
     assert victim.read_bytes() == b"not yours"
     assert _committed(local_dir) == []
-    os.unlink(local_dir / local_mod.LOCK_NAME)   # the fix the error names: remove the link
+    os.unlink(local_dir / local_mod.LOCK_NAME)  # the fix the error names: remove the link
     with ckpt.Checkpointer(local_dir=local_dir) as ck:
         ck.save(1, {"w": pat(1), "v": 0}).wait()
     assert _restore(local_dir)[:3] == (1, 0, [])
@@ -252,7 +255,7 @@ def test_a_fifo_or_directory_at_the_owner_lock_is_refused_without_blocking(local
     result: list = []
 
     def attempt() -> None:
-        result.append(local_mod.owned(local_dir))   # gc / promote / ls ask this: it must not block
+        result.append(local_mod.owned(local_dir))  # gc / promote / ls ask this: it must not block
         try:
             with ckpt.Checkpointer(local_dir=local_dir) as ck:
                 ck.save(1, {"w": pat(1)})
@@ -275,14 +278,16 @@ def test_a_file_size_limit_fails_the_save_with_efbig_and_keeps_the_older_checkpo
     r = worker.run("fsize", local_dir)
     assert r.returncode == 0, r.stderr[-2000:]
     assert r.stdout.split() == ["errno", str(errno.EFBIG)]
-    assert _committed(local_dir) == [3]      # 1 pruned by the save of 3, 2 never committed
+    assert _committed(local_dir) == [3]  # 1 pruned by the save of 3, 2 never committed
     assert _hidden(local_dir) == []
     out = {"w": torch.zeros(10), "v": None}
     with ckpt.Checkpointer(local_dir=local_dir) as ck:
         assert ck.restore(out) == 3 and torch.equal(out["w"], pat(3)[:10])
 
 
-def test_sigterm_while_the_disk_refuses_the_preemption_save_exits_143_and_keeps_the_older_step(local_dir, worker):
+def test_sigterm_while_the_disk_refuses_the_preemption_save_exits_143_and_keeps_the_older_step(
+    local_dir, worker
+):
     p = worker("sigterm", local_dir, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     assert p.stdout.readline().strip() == "ready"
     time.sleep(0.2)
@@ -315,12 +320,14 @@ class _Faults:
             def wrapped(*a, _fn=fn, _name=name, **kw):
                 self._tick(_name)
                 return _fn(*a, **kw)
+
             setattr(os, name, wrapped)
         fn = self.saved["renameat2"] = local_mod.renameat2
 
         def exchange(*a, _fn=fn):
             self._tick("renameat2")
             return _fn(*a)
+
         local_mod.renameat2 = exchange
         return self
 
@@ -331,11 +338,11 @@ class _Faults:
 
 def _target(ck: ckpt.Checkpointer, scenario: str) -> None:
     """What is attacked, after steps 1 and 2 (v=0) are committed."""
-    if scenario == "resave":       # step 2 saved again (v=7): an exchange with the committed copy
+    if scenario == "resave":  # step 2 saved again (v=7): an exchange with the committed copy
         ck.save(2, {"w": pat(2, 7), "v": 7}).wait()
-    elif scenario == "next":       # step 3 (v=0); keep=2 then deletes step 1
+    elif scenario == "next":  # step 3 (v=0); keep=2 then deletes step 1
         ck.save(3, {"w": pat(3), "v": 0}).wait()
-    else:                          # a rollback to 1, then step 2 of the new branch (v=5) replaces the old 2
+    else:  # a rollback to 1, then step 2 of the new branch (v=5) replaces the old 2
         ck.restore({"w": torch.zeros(N), "v": None}, step=1)
         ck.save(2, {"w": pat(2, 5), "v": 5}).wait()
 
@@ -359,7 +366,9 @@ def _check_after(d: Path, scenario: str, state_new: bool | None) -> None:
 
 @pytest.mark.parametrize("scenario", ["resave", "next", "rollback"])
 @pytest.mark.parametrize("err", [errno.EIO, errno.ENOSPC])
-def test_eio_or_enospc_at_every_filesystem_call_of_a_save_loses_nothing_and_leaves_nothing(tmp_path, scenario, err):
+def test_eio_or_enospc_at_every_filesystem_call_of_a_save_loses_nothing_and_leaves_nothing(
+    tmp_path, scenario, err
+):
     def fail() -> None:
         raise OSError(err, os.strerror(err))
 
@@ -375,15 +384,15 @@ def test_eio_or_enospc_at_every_filesystem_call_of_a_save_loses_nothing_and_leav
                     _target(ck, scenario)
                 except OSError as e:
                     raised = e
-                except ckpt.NoCheckpointError:   # the rollback's restore could not read step 1: nothing saved
+                except ckpt.NoCheckpointError:  # the rollback's restore could not read step 1: nothing saved
                     assert scenario == "rollback"
             if raised is not None:
                 assert raised.errno == err
             _check_after(d, scenario, None)
-            ck.save(9, {"w": pat(9), "v": 0}).wait()   # the next save works, and tidies up
+            ck.save(9, {"w": pat(9), "v": 0}).wait()  # the next save works, and tidies up
             ck.close()
         assert _hidden(d) == [], f"call {k} ({faults.hit}) left {_hidden(d)}"
-        if faults.hit is None:   # every call of the save was attacked
+        if faults.hit is None:  # every call of the save was attacked
             assert k > 20
             return
     raise AssertionError("the save never finished")
@@ -391,6 +400,7 @@ def test_eio_or_enospc_at_every_filesystem_call_of_a_save_loses_nothing_and_leav
 
 def _killed_at(d: str, scenario: str, k: int) -> None:
     """A real process, killed for real at its ``k``-th file-system call of the save ``scenario`` makes."""
+
     def die() -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
@@ -406,9 +416,17 @@ def _killed_at(d: str, scenario: str, k: int) -> None:
 @pytest.mark.timeout(900)
 # a real process killed at each call takes a quarter of a minute a scenario: the default suite kills the
 # "next" save so; the other scenarios with -m slow (every scenario meets an error at every call above)
-@pytest.mark.parametrize("scenario", [pytest.param("resave", marks=pytest.mark.slow), "next",
-                                      pytest.param("rollback", marks=pytest.mark.slow)])
-def test_sigkill_at_every_filesystem_call_of_a_save_loses_nothing_and_the_next_writer_tidies_up(tmp_path, scenario):
+@pytest.mark.parametrize(
+    "scenario",
+    [
+        pytest.param("resave", marks=pytest.mark.slow),
+        "next",
+        pytest.param("rollback", marks=pytest.mark.slow),
+    ],
+)
+def test_sigkill_at_every_filesystem_call_of_a_save_loses_nothing_and_the_next_writer_tidies_up(
+    tmp_path, scenario
+):
     # Each writer is forked from a fork server, a process with no threads: a fork of this test process
     # (whose other threads hold locks at any moment: a store's server, a tier's workers) can hang on one.
     import multiprocessing
@@ -428,7 +446,7 @@ def test_sigkill_at_every_filesystem_call_of_a_save_loses_nothing_and_the_next_w
         killed = proc.exitcode == -signal.SIGKILL
         assert killed or proc.exitcode == 0, proc.exitcode
         _check_after(d, scenario, None if killed else True)
-        with ckpt.Checkpointer(local_dir=d, keep=ckpt.Retention(local=5)) as ck:   # the next owner tidies up
+        with ckpt.Checkpointer(local_dir=d, keep=ckpt.Retention(local=5)) as ck:  # the next owner tidies up
             ck.save(9, {"w": pat(9), "v": 0}).wait()
         assert _hidden(d) == [], f"a kill at call {k} left {_hidden(d)} behind the next writer"
         if not killed:
@@ -443,7 +461,7 @@ def test_leftovers_of_writers_that_died_are_swept_even_when_their_pid_came_back(
     _two_steps(local_dir)
     host = local_mod._host_tag()
     hour_ago = time.time() - 3600
-    before = subprocess.Popen(["sleep", "120"])     # a live writer: started before its directory was made
+    before = subprocess.Popen(["sleep", "120"])  # a live writer: started before its directory was made
     time.sleep(0.05)
     dead = subprocess.Popen(["true"])
     dead.wait()
@@ -454,13 +472,13 @@ def test_leftovers_of_writers_that_died_are_swept_even_when_their_pid_came_back(
         (p / "rank-00000.bin").write_bytes(b"\0" * 4096)
         return p
 
-    mine = staging(3, os.getpid())                  # a predecessor that had this process's pid (it died
-    long_ago = procs.started(os.getpid()) - 3600   # before this process started)
+    mine = staging(3, os.getpid())  # a predecessor that had this process's pid (it died
+    long_ago = procs.started(os.getpid()) - 3600  # before this process started)
     os.utime(mine, (long_ago, long_ago))
-    own_live = staging(8, os.getpid())              # this process's own, made since it started: left alone
-    recycled = staging(4, 0)                        # renamed below, once its pid is known
+    own_live = staging(8, os.getpid())  # this process's own, made since it started: left alone
+    recycled = staging(4, 0)  # renamed below, once its pid is known
     os.utime(recycled, (hour_ago, hour_ago))
-    after = subprocess.Popen(["sleep", "120"])      # got the pid of the writer that made `recycled`
+    after = subprocess.Popen(["sleep", "120"])  # got the pid of the writer that made `recycled`
     recycled = recycled.rename(local_dir / f".step-000000004.new-{after.pid}-{host}-0123abcd")
     os.utime(recycled, (hour_ago, hour_ago))
     live = staging(6, before.pid)
@@ -487,7 +505,7 @@ def test_a_restore_whose_candidates_a_live_writer_prunes_loads_the_newer_step(lo
         fired = False
 
         def restore_into(self, *a, **kw):
-            if not Racing.fired:   # the other process commits 6 and prunes 5 just before this one reads 5
+            if not Racing.fired:  # the other process commits 6 and prunes 5 just before this one reads 5
                 Racing.fired = True
                 assert worker.run("save", local_dir, 6).returncode == 0
             return super().restore_into(*a, **kw)
@@ -496,7 +514,7 @@ def test_a_restore_whose_candidates_a_live_writer_prunes_loads_the_newer_step(lo
     with ckpt.Checkpointer(local_dir=Racing(local_dir)) as ck:
         assert ck.restore(out) == 6
         assert ck.last_restore.skipped == []
-        assert ck.timeline.number == 0   # the newest was restored: no rollback, no new branch
+        assert ck.timeline.number == 0  # the newest was restored: no rollback, no new branch
     assert Racing.fired and out["v"] == 7 and torch.equal(out["w"], pat(6, 7))
 
 
@@ -507,7 +525,7 @@ def test_a_restore_straddling_a_resave_of_the_same_step_reads_the_new_copy(local
 
     def read(path):
         raw = real_read(path)
-        if path.name == "COMMIT" and not fired:   # COMMIT read; the step is exchanged before its manifest is
+        if path.name == "COMMIT" and not fired:  # COMMIT read; the step is exchanged before its manifest is
             fired.append(True)
             assert worker.run("save", local_dir, 2).returncode == 0
         return raw
@@ -544,16 +562,18 @@ def test_a_second_process_restoring_while_the_owner_saves_and_prunes_with_keep_1
 def test_a_rollback_then_close_never_commits_the_abandoned_snapshot_as_live(local_dir):
     w = torch.zeros(N)
     ck = ckpt.Checkpointer(local_dir=local_dir, persist_every={"local": 10})
-    for s in (1, 2, 3):       # the local tier writes 1; 2 and 3 stay in memory (not due there)
+    for s in (1, 2, 3):  # the local tier writes 1; 2 and 3 stay in memory (not due there)
         w.copy_(pat(s))
         ck.save(s, {"w": w, "v": 0}).wait()
     assert _committed(local_dir) == [1]
     out = {"w": torch.zeros(N), "v": None}
-    assert ck.restore(out, step=2) == 2 and ck.timeline.number == 1   # the loss diverged: back to 2
-    ck.close()                # stopped before the first save of the new branch
+    assert ck.restore(out, step=2) == 2 and ck.timeline.number == 1  # the loss diverged: back to 2
+    ck.close()  # stopped before the first save of the new branch
     for s in _committed(local_dir):
         c = json.loads((local_dir / f"step-{s:09d}" / "COMMIT").read_bytes())
-        assert not (s == 3 and c.get("timeline", 0) == 1), "the abandoned step 3 was committed on the new branch"
+        assert not (s == 3 and c.get("timeline", 0) == 1), (
+            "the abandoned step 3 was committed on the new branch"
+        )
     step, v, skipped, exact = _restore(local_dir)
     assert step != 3 and exact
 
@@ -563,11 +583,11 @@ def test_a_clock_that_steps_back_does_not_stop_the_saves(local_dir):
     with ckpt.Checkpointer(local_dir=local_dir, every_seconds=10, clock=lambda: now[0]) as ck:
         now[0] += 11
         assert ck.maybe_save(1, {"w": pat(1), "v": 0}) is not None
-        now[0] -= 3600   # NTP steps the wall clock back an hour
+        now[0] -= 3600  # NTP steps the wall clock back an hour
         h = ck.maybe_save(2, {"w": pat(2), "v": 0})
         assert h is not None, "no save until the clock catches up an hour later"
         now[0] += 5
-        assert ck.maybe_save(3, {"w": pat(3), "v": 0}) is None   # the interval counts from there
+        assert ck.maybe_save(3, {"w": pat(3), "v": 0}) is None  # the interval counts from there
         now[0] += 6
         assert ck.maybe_save(4, {"w": pat(4), "v": 0}) is not None
         ck.wait()
@@ -591,24 +611,40 @@ def _sized(n: int):
         man["data_bytes"] = n
         man["chunks"] += [0] * (-(-n // man["chunk_bytes"]) - len(man["chunks"]))
         return json.dumps(man).encode()
+
     return m
 
 
 HOSTILE = {
     # a duplicate key: the last wins, and the step it names is not the directory's
-    "duplicate_key": lambda d, sd: _recommit(d, 2, raw_commit=(sd / "COMMIT").read_bytes()[:-1] + b',"step":1}'),
+    "duplicate_key": lambda d, sd: _recommit(
+        d, 2, raw_commit=(sd / "COMMIT").read_bytes()[:-1] + b',"step":1}'
+    ),
     "json_100k_deep": lambda d, sd: _recommit(d, 2, raw_commit=b"[" * 100_000 + b"]" * 100_000),
-    "size_2_60_in_commit": lambda d, sd: _recommit(d, 2, commit=lambda c: {**c, "data": {"rank-00000.bin": 2**60}}),
+    "size_2_60_in_commit": lambda d, sd: _recommit(
+        d, 2, commit=lambda c: {**c, "data": {"rank-00000.bin": 2**60}}
+    ),
     "size_2_60_everywhere": lambda d, sd: _recommit(
-        d, 2, manifest=lambda m: json.dumps({**m, "data_bytes": 2**60, "chunk_bytes": 2**60, "chunks": [0]}).encode(),
-        commit=lambda c: {**c, "data": {"rank-00000.bin": 2**60}}),
+        d,
+        2,
+        manifest=lambda m: json.dumps(
+            {**m, "data_bytes": 2**60, "chunk_bytes": 2**60, "chunks": [0]}
+        ).encode(),
+        commit=lambda c: {**c, "data": {"rank-00000.bin": 2**60}},
+    ),
     "sparse_2gib_agreeing_records": lambda d, sd: (
         os.truncate(sd / "rank-00000.bin", 2**31),
-        _recommit(d, 2, manifest=_sized(2**31), commit=lambda c: {**c, "data": {"rank-00000.bin": 2**31}})),
-    "data_file_is_a_directory": lambda d, sd: ((sd / "rank-00000.bin").unlink(), (sd / "rank-00000.bin").mkdir()),
+        _recommit(d, 2, manifest=_sized(2**31), commit=lambda c: {**c, "data": {"rank-00000.bin": 2**31}}),
+    ),
+    "data_file_is_a_directory": lambda d, sd: (
+        (sd / "rank-00000.bin").unlink(),
+        (sd / "rank-00000.bin").mkdir(),
+    ),
     "data_file_is_a_fifo": lambda d, sd: ((sd / "rank-00000.bin").unlink(), os.mkfifo(sd / "rank-00000.bin")),
-    "manifest_links_to_dev_zero": lambda d, sd: ((sd / "rank-00000.manifest.json").unlink(),
-                                                 os.symlink("/dev/zero", sd / "rank-00000.manifest.json")),
+    "manifest_links_to_dev_zero": lambda d, sd: (
+        (sd / "rank-00000.manifest.json").unlink(),
+        os.symlink("/dev/zero", sd / "rank-00000.manifest.json"),
+    ),
     "commit_is_a_directory": lambda d, sd: ((sd / "COMMIT").unlink(), (sd / "COMMIT").mkdir()),
     "commit_is_a_fifo": lambda d, sd: ((sd / "COMMIT").unlink(), os.mkfifo(sd / "COMMIT")),
 }
@@ -632,7 +668,7 @@ def test_a_hostile_step_2_is_passed_over_for_step_1(local_dir, attack):
 def test_nan_created_unix_and_a_created_unix_in_the_future_still_restore_and_order_by_step(local_dir):
     _two_steps(local_dir)
     _recommit(local_dir, 1, commit=lambda c: {**c, "created_unix": time.time() + 10**8})
-    _recommit(local_dir, 2, commit=lambda c: {**c, "created_unix": float("nan")})   # json writes a bare NaN
+    _recommit(local_dir, 2, commit=lambda c: {**c, "created_unix": float("nan")})  # json writes a bare NaN
     assert b"NaN" in (local_dir / "step-000000002" / "COMMIT").read_bytes()
     step, v, skipped, exact = _restore(local_dir)
     # a NaN (not written by this library) makes step 2 corrupt or is read as a number; never a crash,
@@ -642,8 +678,14 @@ def test_nan_created_unix_and_a_created_unix_in_the_future_still_restore_and_ord
 
 def test_names_that_are_not_canonical_step_directories_are_neither_listed_nor_deleted(local_dir):
     _two_steps(local_dir)
-    odd = ["step-1", "step-000000009.tmp", "step-\uff10\uff10\uff10\uff10\uff10\uff10\uff10\uff10\uff19",
-           "step-0000000009", "step-000000009\n", "step-000000009 "]
+    odd = [
+        "step-1",
+        "step-000000009.tmp",
+        "step-\uff10\uff10\uff10\uff10\uff10\uff10\uff10\uff10\uff19",
+        "step-0000000009",
+        "step-000000009\n",
+        "step-000000009 ",
+    ]
     for n in odd:
         shutil.copytree(local_dir / "step-000000002", local_dir / n)
     (local_dir / "step-000000007").write_bytes(b"a file where a step directory goes")

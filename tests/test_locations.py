@@ -36,6 +36,7 @@ def _weights(path):
 
 # -- a file:// URL of a local_dir is that local tier --------------------------------------------------
 
+
 def test_export_of_a_file_url_of_a_local_dir_exports_that_local_tier(tmp_path, capsys):
     pytest.importorskip("safetensors")
     _saved(tmp_path / "ck")
@@ -68,7 +69,7 @@ def test_every_command_applies_the_backend_choice(tmp_path, capsys, cmd, tier):
     if tier == "remote":
         url = f"file://{tmp_path}/r"
         ckpt.promote(3, "remote", local_dir=tmp_path / "ck", url=url)
-    assert main([*cmd, url, "--storage-options", _BOGUS]) == 1   # refused, whichever tier the URL is
+    assert main([*cmd, url, "--storage-options", _BOGUS]) == 1  # refused, whichever tier the URL is
     assert "no-such-backend" in capsys.readouterr().err
     pytest.importorskip("pyarrow")
     assert main([*cmd, url, "--storage-options", _ARROW]) == 0
@@ -104,8 +105,11 @@ def test_the_dcp_adapter_applies_the_backend_choice(tmp_path):
 
 # -- URL typos, unknown schemes, paths ------------------------------------------------------------------
 
-@pytest.mark.parametrize("url", ["s3:/bucket/run", "s3:bucket/run", "file:/abs/dir", "s4://bucket/run",
-                                 "simplecache::s4://bucket/run"])
+
+@pytest.mark.parametrize(
+    "url",
+    ["s3:/bucket/run", "s3:bucket/run", "file:/abs/dir", "s4://bucket/run", "simplecache::s4://bucket/run"],
+)
 def test_a_mistyped_url_or_an_unknown_scheme_is_refused_and_creates_nothing(tmp_path, monkeypatch, url):
     monkeypatch.chdir(tmp_path)
     with pytest.raises(ValueError):
@@ -116,9 +120,9 @@ def test_a_mistyped_url_or_an_unknown_scheme_is_refused_and_creates_nothing(tmp_
         TierStorageWriter(url=url)
     with pytest.raises(ValueError):
         ckpt.export(url, tmp_path / "out")
-    assert main(["ls", url]) == 2   # a usage mistake
+    assert main(["ls", url]) == 2  # a usage mistake
     assert main(["verify", url]) == 2
-    assert sorted(p.name for p in tmp_path.iterdir()) in ([], ["ck"])   # no ./s3:, ./s4:
+    assert sorted(p.name for p in tmp_path.iterdir()) in ([], ["ck"])  # no ./s3:, ./s4:
 
 
 def test_a_path_as_url_is_refused_pointing_at_file_urls(tmp_path):
@@ -132,8 +136,8 @@ def test_the_file_url_the_error_names_works_for_the_checkpointer_and_the_cli(tmp
     url = f"file://{tmp_path}/remote"
     with ckpt.Checkpointer(url, local_dir=tmp_path / "ck") as ck:
         ck.save(1, {"w": torch.ones(3)}).wait()
-    assert main(["verify", url]) == 0   # the remote tier, as the Checkpointer wrote it
-    assert main(["verify", str(tmp_path / "ck")]) == 0   # a path: the local tier
+    assert main(["verify", url]) == 0  # the remote tier, as the Checkpointer wrote it
+    assert main(["verify", str(tmp_path / "ck")]) == 0  # a path: the local tier
 
 
 def test_a_local_dir_named_like_a_scheme_is_reached_as_a_relative_path(tmp_path, monkeypatch):

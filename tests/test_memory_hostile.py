@@ -24,8 +24,10 @@ import ckpt
 from ckpt import procs, shm
 from ckpt.cli import main as cli_main
 
-pytestmark = [pytest.mark.skipif(shm.shm_root() is None, reason="no RAM file system (/dev/shm) here"),
-              pytest.mark.timeout(120)]
+pytestmark = [
+    pytest.mark.skipif(shm.shm_root() is None, reason="no RAM file system (/dev/shm) here"),
+    pytest.mark.timeout(120),
+]
 
 
 def _state(seed: int) -> dict:
@@ -78,14 +80,14 @@ def test_a_segment_file_that_is_not_a_regular_file_of_ours_is_never_opened(local
     copy.write_bytes(target.read_bytes())
     before = copy.read_bytes()
     if what == "fifo":
-        _swap(target, os.mkfifo)        # opening it for reading would block until a writer comes
+        _swap(target, os.mkfifo)  # opening it for reading would block until a writer comes
     elif what == "symlink":
         _swap(target, lambda p: os.symlink(copy, p))
     else:
         _swap(target, os.mkdir)
     step, tier, got = _restore(local_dir)
     assert (step, tier) == (3, "local") and _exact(got, state)
-    assert copy.read_bytes() == before   # the link's target was not written
+    assert copy.read_bytes() == before  # the link's target was not written
 
 
 @pytest.mark.parametrize("size", ["truncated", "sparse 2 GiB", "empty"])
@@ -94,12 +96,12 @@ def test_a_buffer_of_another_size_is_refused_or_checked(local_dir, size):
     data_bytes = shm.read_snapshot_record(rec).manifest.data_bytes
     with open(buf, "r+b") as f:
         if size == "truncated":
-            f.truncate(data_bytes // 2)   # mapped as the record says: past the end would be SIGBUS
+            f.truncate(data_bytes // 2)  # mapped as the record says: past the end would be SIGBUS
         elif size == "empty":
             f.truncate(0)
         else:
             f.truncate(0)
-            f.truncate(2 << 30)         # the right size and more, every byte zero: fails its checksums
+            f.truncate(2 << 30)  # the right size and more, every byte zero: fails its checksums
     step, tier, got = _restore(local_dir)
     assert (step, tier) == (3, "local") and _exact(got, state)
 
@@ -110,27 +112,39 @@ def _rewrite_record(rec: Path, change) -> None:
     rec.write_text(json.dumps(d))
 
 
-@pytest.mark.parametrize("lie", ["data_bytes 2**60", "record and manifest disagree on the step", "another slot's buffer",
-                                 "negative slot", "100k-deep json", "huge record", "not json",
-                                 "manifest 100k deep", "chunk checksums flipped"])
+@pytest.mark.parametrize(
+    "lie",
+    [
+        "data_bytes 2**60",
+        "record and manifest disagree on the step",
+        "another slot's buffer",
+        "negative slot",
+        "100k-deep json",
+        "huge record",
+        "not json",
+        "manifest 100k deep",
+        "chunk checksums flipped",
+    ],
+)
 def test_a_record_that_lies_is_refused(local_dir, lie):
     state, buf, rec = _leave(local_dir)
     if lie == "100k-deep json":
         rec.write_text("[" * 100_000 + "]" * 100_000)
     elif lie == "huge record":
         with open(rec, "r+b") as f:
-            f.truncate(1 << 30)         # sparse: a reader that slurps it takes 1 GiB
+            f.truncate(1 << 30)  # sparse: a reader that slurps it takes 1 GiB
     elif lie == "not json":
         rec.write_bytes(b"\xff\xfe" + os.urandom(64))
     else:
+
         def change(d):
             m = json.loads(d["manifest"])
             if lie == "data_bytes 2**60":
-                m["data_bytes"] = 2 ** 60
+                m["data_bytes"] = 2**60
             elif lie == "record and manifest disagree on the step":
                 d["step"] = 4
             elif lie == "another slot's buffer":
-                other = 1 - d["slot"]   # a record naming the other slot's segment (another snapshot's bytes)
+                other = 1 - d["slot"]  # a record naming the other slot's segment (another snapshot's bytes)
                 d["buffer"] = d["buffer"].replace(f"-s{d['slot']:02d}.", f"-s{other:02d}.")
                 d["slot"] = other
             elif lie == "negative slot":
@@ -141,6 +155,7 @@ def test_a_record_that_lies_is_refused(local_dir, lie):
             elif lie == "chunk checksums flipped":
                 m["chunks"] = [c ^ 1 for c in m["chunks"]]
             d["manifest"] = json.dumps(m)
+
         _rewrite_record(rec, change)
     step, tier, got = _restore(local_dir)
     assert step == 3 and _exact(got, state) and tier == "local"
@@ -172,10 +187,10 @@ def test_a_segment_taken_over_by_the_next_process_is_checked_before_it_is_served
     with ckpt.Checkpointer(local_dir=local_dir, persist_every={"local": 1000}) as ck:
         ck.save(5, _state(5)).wait()
         adopted = [b for b in ck.pool.buffers if b.image_step == 3]
-        assert len(adopted) == 1 and not adopted[0].checked   # taken over, not yet checked
+        assert len(adopted) == 1 and not adopted[0].checked  # taken over, not yet checked
         assert ck.restore(target, step=3) == 3
         assert ck.last_restore.tier == ("local" if flip else "memory") and _exact(target, state)
-        assert adopted[0].checked is (not flip)   # checked once, and only when it held
+        assert adopted[0].checked is (not flip)  # checked once, and only when it held
 
 
 def test_ls_and_gc_stand_hostile_files_and_free_only_regular_files_of_ours(local_dir, tmp_path, capsys):
@@ -208,7 +223,8 @@ def test_a_segment_half_made_by_a_killed_process_is_removed_by_the_next_owner(lo
     the tier's segments over, and leaves alone what is not its own."""
     root, prefix = shm.shm_root(), shm.prefix_for(local_dir, 0, create=True)
     script = tmp_path / "killed.py"
-    script.write_text(textwrap.dedent("""
+    script.write_text(
+        textwrap.dedent("""
         import sys, time
         import torch
         import ckpt
@@ -218,9 +234,12 @@ def test_a_segment_half_made_by_a_killed_process_is_removed_by_the_next_owner(lo
         ck.maybe_save(0, {"w": torch.randn(2 << 20)})
         print("allocating", flush=True)
         time.sleep(600)
-    """))
+    """)
+    )
     env = {**os.environ, "CKPT_BUSY_WAIT_MS": "0"}
-    proc = subprocess.Popen([sys.executable, str(script), str(local_dir)], stdout=subprocess.PIPE, text=True, env=env)
+    proc = subprocess.Popen(
+        [sys.executable, str(script), str(local_dir)], stdout=subprocess.PIPE, text=True, env=env
+    )
     try:
         assert proc.stdout.readline().strip() == "allocating"
         deadline = time.monotonic() + 60
@@ -232,9 +251,9 @@ def test_a_segment_half_made_by_a_killed_process_is_removed_by_the_next_owner(lo
         proc.wait(60)
     left = [n for n in os.listdir(root) if n.startswith(f".{prefix}-s") and ".new-" in n]
     assert left
-    (tmp_path / 'another').mkdir()
+    (tmp_path / "another").mkdir()
     other = root / f".{shm.prefix_for(tmp_path / 'another', 0, create=True)}-s00.buf.new-{proc.pid}-abcd1234"
-    other.write_bytes(b"x")   # another local tier's: not this owner's to remove
+    other.write_bytes(b"x")  # another local tier's: not this owner's to remove
     try:
         state = _state(5)
         with ckpt.Checkpointer(local_dir=local_dir) as ck:
@@ -291,10 +310,14 @@ def _gpu_path(monkeypatch, device: str, room: str) -> list[bool]:
     a list that gets, for each read of a segment, whether it copied (``False``: a check-only pass)."""
     if device == "cpu":
         monkeypatch.setattr(memory_mod, "Scatter", _ClaimsGpu)
-        monkeypatch.setattr(memory_mod, "_scratch", lambda n, dev: torch.empty(n, dtype=torch.uint8), raising=False)
+        monkeypatch.setattr(
+            memory_mod, "_scratch", lambda n, dev: torch.empty(n, dtype=torch.uint8), raising=False
+        )
     if room == "no room":
+
         def no_room(n, dev):
             raise torch.cuda.OutOfMemoryError("no room")
+
         monkeypatch.setattr(memory_mod, "_scratch", no_room, raising=False)
     reads: list[bool] = []
     real = memory_mod._to_device
@@ -327,7 +350,7 @@ def _leave_alone(local_dir: Path, states: dict[int, dict]) -> dict[int, tuple[Pa
 
 
 def _flip_last_byte(buf: Path, rec: Path) -> None:
-    at = shm.read_snapshot_record(rec).manifest.data_bytes - 1   # in the last chunk
+    at = shm.read_snapshot_record(rec).manifest.data_bytes - 1  # in the last chunk
     with open(buf, "r+b") as f:
         f.seek(at)
         b = f.read(1)
@@ -347,11 +370,12 @@ def _host(state: dict) -> dict:
 
 @pytest.mark.parametrize("room", ROOMS)
 @pytest.mark.parametrize("device", DEVICES)
-def test_a_gpu_restore_of_a_snapshot_whose_last_chunk_fails_leaves_the_state_as_it_was(local_dir, monkeypatch,
-                                                                                       device, room):
+def test_a_gpu_restore_of_a_snapshot_whose_last_chunk_fails_leaves_the_state_as_it_was(
+    local_dir, monkeypatch, device, room
+):
     """The earlier chunks pass their checks; none of their bytes reach the state before the last one has
     passed too, and it does not: no other tier holds the step, and the state is exactly what it was."""
-    (buf, rec), = _leave_alone(local_dir, {3: _state(3)}).values()
+    ((buf, rec),) = _leave_alone(local_dir, {3: _state(3)}).values()
     _flip_last_byte(buf, rec)
     reads = _gpu_path(monkeypatch, device, room)
     target, before = _target(("w", "b"), device)
@@ -359,16 +383,17 @@ def test_a_gpu_restore_of_a_snapshot_whose_last_chunk_fails_leaves_the_state_as_
         with pytest.raises(NoCheckpointError):
             ck.restore(target)
     assert _exact(_host(target), before)
-    assert reads == ([True] if room == "scratch" else [False])   # without room: the check-only pass alone
+    assert reads == ([True] if room == "scratch" else [False])  # without room: the check-only pass alone
 
 
 @pytest.mark.parametrize("room", ROOMS)
 @pytest.mark.parametrize("device", DEVICES)
-def test_a_gpu_restore_of_a_snapshot_withdrawn_while_it_was_read_leaves_the_state_as_it_was(local_dir, monkeypatch,
-                                                                                            device, room):
+def test_a_gpu_restore_of_a_snapshot_withdrawn_while_it_was_read_leaves_the_state_as_it_was(
+    local_dir, monkeypatch, device, room
+):
     """Every chunk passes, but the record goes (its owner took the buffer back) while the segment is read:
     nothing of it reaches the state."""
-    (buf, rec), = _leave_alone(local_dir, {3: _state(3)}).values()
+    ((buf, rec),) = _leave_alone(local_dir, {3: _state(3)}).values()
     _gpu_path(monkeypatch, device, room)
     read = memory_mod._to_device
 
@@ -387,8 +412,9 @@ def test_a_gpu_restore_of_a_snapshot_withdrawn_while_it_was_read_leaves_the_stat
 
 @pytest.mark.parametrize("room", ROOMS)
 @pytest.mark.parametrize("device", DEVICES)
-def test_a_key_the_fallback_lacks_keeps_its_value_when_a_gpu_restore_fails_under_strict_false(local_dir, monkeypatch,
-                                                                                              device, room):
+def test_a_key_the_fallback_lacks_keeps_its_value_when_a_gpu_restore_fails_under_strict_false(
+    local_dir, monkeypatch, device, room
+):
     """Step 3 (with ``a``, in its first chunk) is in RAM alone and fails its last chunk; step 2 (without ``a``)
     is restored instead, and ``a`` keeps the value it had."""
     old = _state(2)
@@ -396,8 +422,11 @@ def test_a_key_the_fallback_lacks_keeps_its_value_when_a_gpu_restore_fails_under
     segs = _leave_alone(local_dir, {2: old, 3: new})
     _flip_last_byte(*segs[3])
     _gpu_path(monkeypatch, device, room)
-    target = {"a": torch.full((5,), 7.0, device=device), "w": torch.zeros(4096, device=device),
-              "b": torch.zeros(7, device=device)}
+    target = {
+        "a": torch.full((5,), 7.0, device=device),
+        "w": torch.zeros(4096, device=device),
+        "b": torch.zeros(7, device=device),
+    }
     with ckpt.Checkpointer(local_dir=local_dir) as ck:
         assert ck.restore(target, strict=False) == 2
         assert ck.last_restore.tier == "memory" and ck.last_restore.skipped[0].startswith("memory:3")
@@ -415,10 +444,11 @@ def test_an_intact_snapshot_is_restored_to_gpu_destinations_either_way(local_dir
     with ckpt.Checkpointer(local_dir=local_dir) as ck:
         assert ck.restore(target) == 3 and ck.last_restore.tier == "memory"
     assert _exact(_host(target), state)
-    assert reads == ([True] if room == "scratch" else [False, True])   # checked, then read, checked and copied
+    assert reads == ([True] if room == "scratch" else [False, True])  # checked, then read, checked and copied
 
 
 # ------------------------------------------------- a reader beside a live owner, host destinations
+
 
 def _rewritten_once_checked(monkeypatch, buf: Path, rec: Path) -> None:
     """The owner takes the buffer back right after the reader found its record standing: the record is
@@ -441,8 +471,9 @@ def _rewritten_once_checked(monkeypatch, buf: Path, rec: Path) -> None:
 
 
 @pytest.mark.parametrize("room", ["room", "no room"])
-def test_a_host_restore_beside_a_live_owner_that_takes_the_buffer_back_uses_only_checked_bytes(local_dir, monkeypatch,
-                                                                                             room):
+def test_a_host_restore_beside_a_live_owner_that_takes_the_buffer_back_uses_only_checked_bytes(
+    local_dir, monkeypatch, room
+):
     """A reader beside a live trainer (an evaluation job on the trainer's local_dir) restores into host
     tensors the snapshot in RAM alone; the trainer takes the buffer back and rewrites it just after the reader
     found the record standing. What reaches the state is the snapshot every chunk of which passed its check,
@@ -453,14 +484,16 @@ def test_a_host_restore_beside_a_live_owner_that_takes_the_buffer_back_uses_only
     segs = _leave_alone(local_dir, {2: old, 3: new})
     monkeypatch.setattr(memory_mod.MemoryTier, "_live_owner", lambda tier: True)
     if room == "no room":
-        monkeypatch.setattr(memory_mod, "_scratch", lambda n, dev: (_ for _ in ()).throw(MemoryError("no room")))
+        monkeypatch.setattr(
+            memory_mod, "_scratch", lambda n, dev: (_ for _ in ()).throw(MemoryError("no room"))
+        )
     _rewritten_once_checked(monkeypatch, *segs[3])
     target = {"a": torch.full((5,), 7.0), "w": torch.zeros(4096), "b": torch.zeros(7)}
     with ckpt.Checkpointer(local_dir=local_dir) as ck:
         step = ck.restore(target, strict=False)
     if room == "room":
         assert step == 3 and _exact(target, new)
-    else:   # the check-only pass, then the record gone: nothing copied, the older step restored
+    else:  # the check-only pass, then the record gone: nothing copied, the older step restored
         assert step == 2 and torch.equal(target["a"], torch.full((5,), 7.0))
         assert _exact({"w": target["w"], "b": target["b"]}, old)
 
@@ -468,7 +501,7 @@ def test_a_host_restore_beside_a_live_owner_that_takes_the_buffer_back_uses_only
 def test_a_live_owner_is_the_lock_holder_of_the_segments_local_dir(local_dir):
     _leave_alone(local_dir, {3: _state(3)})
     reader = ckpt.Checkpointer(local_dir=local_dir)
-    assert not reader.memory._live_owner()   # nobody holds local_dir: the segment is read from its mapping
+    assert not reader.memory._live_owner()  # nobody holds local_dir: the segment is read from its mapping
     owner = ckpt.Checkpointer(local_dir=local_dir)
     owner._node.own()
     try:

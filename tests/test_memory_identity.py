@@ -42,10 +42,12 @@ def _age(prefix: str, days: float) -> None:
 
 def _dead_job(local_dir, step: int) -> None:
     """A job in a process of its own saves ``step`` and exits without freeing its RAM (as a crash would)."""
-    code = ("import sys, torch, ckpt\n"
-            "ck = ckpt.Checkpointer(local_dir=sys.argv[1])\n"
-            "ck.save(int(sys.argv[2]), {'w': torch.full((1024,), float(sys.argv[2]))}).wait()\n"
-            "ck.close(keep_memory=True)\n")
+    code = (
+        "import sys, torch, ckpt\n"
+        "ck = ckpt.Checkpointer(local_dir=sys.argv[1])\n"
+        "ck.save(int(sys.argv[2]), {'w': torch.full((1024,), float(sys.argv[2]))}).wait()\n"
+        "ck.close(keep_memory=True)\n"
+    )
     subprocess.run([sys.executable, "-c", code, str(local_dir), str(step)], check=True, timeout=120)
 
 
@@ -61,12 +63,15 @@ def test_a_restore_loads_the_copy_of_the_timeline_it_listed(tmp_path):
     with ckpt.Checkpointer(local_dir=d) as ck:
         st = _state(0.0)
         assert ck.restore(st, step=100) == 100 and float(st["w"][0]) == 100.0
-        st["w"].fill_(101.0)   # the new branch
+        st["w"].fill_(101.0)  # the new branch
         ck.save(100, st).wait()
         assert ck.timeline.number == 1
         ck.close(keep_memory=True)
-    recs = sorted((r.slot, r.step, r.timeline.number) for g in shm.segments(prefix=shm.prefix_for(d, 0, create=True))
-                  for r in g.records)
+    recs = sorted(
+        (r.slot, r.step, r.timeline.number)
+        for g in shm.segments(prefix=shm.prefix_for(d, 0, create=True))
+        for r in g.records
+    )
     # both copies of step 100 in RAM, timeline 0's in the slot listed first
     assert recs[0] == (0, 100, 0) and any(r[1:] == (100, 1) for r in recs[1:]), recs
     st = _state(0.0)
@@ -88,10 +93,10 @@ def test_deleting_the_directory_starts_afresh_whatever_ram_the_old_job_left(tmp_
     with caplog.at_level(logging.INFO, logger="ckpt"):
         with ckpt.Checkpointer(local_dir=d) as ck:
             assert shm.prefix_for(d, 0, create=True) != old
-            st = _state(0.0, n=77)   # another model: a restore of A's snapshot would not even fit
+            st = _state(0.0, n=77)  # another model: a restore of A's snapshot would not even fit
             assert ck.restore(st) is None
             ck.save(1, st).wait()
-    assert shm.segments(prefix=old) == []   # freed: their directory is gone
+    assert shm.segments(prefix=old) == []  # freed: their directory is gone
     assert any("directory gone" in r.getMessage() for r in caplog.records if r.name == "ckpt.shm")
 
 
@@ -100,13 +105,13 @@ def test_segment_names_derive_from_the_path_and_an_id_kept_in_the_directory(tmp_
     directory at the same path gets new names, and the id file is this user's, 0600."""
     d = tmp_path / "local"
     d.mkdir()
-    assert shm.prefix_for(d, 0) is None   # no id yet: no segment can be this directory's
+    assert shm.prefix_for(d, 0) is None  # no id yet: no segment can be this directory's
     first = shm.prefix_for(d, 0, create=True)
     by_path = hashlib.sha256(os.path.realpath(d).encode()).hexdigest()[:16]
     assert first is not None and by_path not in first
     st = os.lstat(d / identity.ID_NAME)
     assert st.st_mode & 0o777 == 0o600 and st.st_uid == os.getuid()
-    assert shm.prefix_for(d, 0) == first   # stable
+    assert shm.prefix_for(d, 0) == first  # stable
     shutil.rmtree(d)
     d.mkdir()
     assert shm.prefix_for(d, 0, create=True) not in (None, first)
@@ -137,8 +142,9 @@ def test_an_id_file_that_is_not_one_turns_the_memory_tier_off_and_nothing_else(t
     assert LocalTier(d).committed_steps() == [1]
 
 
-def test_ram_of_a_dead_job_is_named_at_the_next_start_and_freed_after_the_policys_age(tmp_path, caplog,
-                                                                                       monkeypatch):
+def test_ram_of_a_dead_job_is_named_at_the_next_start_and_freed_after_the_policys_age(
+    tmp_path, caplog, monkeypatch
+):
     """A job died and left its segments (its directory kept): the next job on the node names them at its first
     save (they serve the next job on that directory); once older than CKPT_SHM_ORPHAN_S they are freed."""
     a = tmp_path / "a"

@@ -21,8 +21,18 @@ from helpers import kill_after
 HERE = Path(__file__).parent
 needs_shm = pytest.mark.skipif(shm.shm_root() is None, reason="no RAM file system (/dev/shm) here")
 # restore into CPU tensors, and into CUDA tensors (read into pinned chunks, checked, sent on a side stream)
-DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
-    not torch.cuda.is_available(), reason="needs a CUDA GPU (run on the device machine)")])]
+DEVICES = [
+    "cpu",
+    pytest.param(
+        "cuda",
+        marks=[
+            pytest.mark.gpu,
+            pytest.mark.skipif(
+                not torch.cuda.is_available(), reason="needs a CUDA GPU (run on the device machine)"
+            ),
+        ],
+    ),
+]
 
 
 def _model(device: str) -> torch.nn.Module:
@@ -31,8 +41,13 @@ def _model(device: str) -> torch.nn.Module:
 
 def _start(local_dir: Path, *args: str) -> subprocess.Popen:
     env = dict(os.environ, PYTHONPATH=f"{HERE}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
-    return subprocess.Popen([sys.executable, str(HERE / "memory_worker.py"), str(local_dir), *args],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    return subprocess.Popen(
+        [sys.executable, str(HERE / "memory_worker.py"), str(local_dir), *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
 
 
 def _run(local_dir: Path, *args: str) -> list[str]:
@@ -69,8 +84,10 @@ def test_a_snapshot_torn_by_a_kill_mid_copy_is_never_served(tmp_path, device):
     run = tmp_path / "run"
     proc = _start(run, "0", "tear")
     kill_after(proc, "copying")
-    recs = {r.slot: r.step for g in shm.segments(prefix=shm.prefix_for(run, 0, create=True)) for r in g.records}
-    assert recs == {1: 2}, recs   # step 1's buffer was being overwritten: its record went first
+    recs = {
+        r.slot: r.step for g in shm.segments(prefix=shm.prefix_for(run, 0, create=True)) for r in g.records
+    }
+    assert recs == {1: 2}, recs  # step 1's buffer was being overwritten: its record went first
     state = {"model": _model(device), "step": 0}
     with ckpt.Checkpointer(local_dir=run) as ck:
         assert ck.restore(state, strict=False) == 2
@@ -86,7 +103,7 @@ def test_a_corrupt_memory_snapshot_is_refused_and_the_next_tier_used(tmp_path, c
     kill_after(proc, "copying")
     [rec] = [r for g in shm.segments(prefix=shm.prefix_for(run, 0, create=True)) for r in g.records]
     buf = Path(rec.path).with_name(rec.buffer)
-    with open(buf, "r+b") as f:   # one bit of step 2's snapshot flips in RAM
+    with open(buf, "r+b") as f:  # one bit of step 2's snapshot flips in RAM
         f.seek(rec.manifest.items[0].offset + 5)
         b = f.read(1)
         f.seek(-1, os.SEEK_CUR)
@@ -117,6 +134,7 @@ def test_a_slow_tier_makes_no_save_wait_and_writes_the_newest_snapshot_at_the_en
     handles = []
     caplog.set_level(logging.INFO, logger="ckpt.pipeline")
     with ckpt.Checkpointer(local_dir=tier, keep=ckpt.Retention(local=None)) as ck:
+
         def loop():
             for step in range(1, 21):
                 ck.wait_staged()
@@ -125,7 +143,7 @@ def test_a_slow_tier_makes_no_save_wait_and_writes_the_newest_snapshot_at_the_en
 
         t = threading.Thread(target=loop)
         t.start()
-        t.join(60)   # the gate is closed: a save that waited for the tier would never return
+        t.join(60)  # the gate is closed: a save that waited for the tier would never return
         assert not t.is_alive() and len(handles) == 20, "a save waited for the local tier"
         assert all(h.status != "skipped" for h in handles)
         handles[-1].wait("memory")
@@ -143,13 +161,20 @@ def test_a_slow_tier_makes_no_save_wait_and_writes_the_newest_snapshot_at_the_en
 
 def test_persist_every_sets_each_tiers_cadence_and_close_writes_the_newest(tmp_path):
     local = LocalTier(tmp_path / "l")
-    with ckpt.Checkpointer(f"file://{tmp_path}/r", local_dir=local, if_busy="wait",
-                           persist_every={"local": 5, "remote": 10}, keep=ckpt.Retention(None, None)) as ck:
+    with ckpt.Checkpointer(
+        f"file://{tmp_path}/r",
+        local_dir=local,
+        if_busy="wait",
+        persist_every={"local": 5, "remote": 10},
+        keep=ckpt.Retention(None, None),
+    ) as ck:
         handles = [ck.save(s, {"s": torch.tensor(s)}) for s in range(1, 13)]
         ck.wait()
         # (the memory tier may have recorded a newer snapshot first: it then says so for this one)
-        assert {t: why for t, why in handles[1].skipped_tiers.items() if t != "memory"} == \
-            {"local": "not due", "remote": "not due"}
+        assert {t: why for t, why in handles[1].skipped_tiers.items() if t != "memory"} == {
+            "local": "not due",
+            "remote": "not due",
+        }
         assert ck.tier_counts["local"].not_due == 9 and ck.tier_counts["remote"].not_due == 10
     assert local.committed_steps() == [12, 11, 6, 1]
     assert ck.remote.committed_steps() == [12, 11, 1]
@@ -157,7 +182,7 @@ def test_persist_every_sets_each_tiers_cadence_and_close_writes_the_newest(tmp_p
 
 @pytest.mark.parametrize("bad", [{"disk": 5}, {"local": 0}, {"remote": 5}, {"local": 2.5}])
 def test_persist_every_refuses_what_it_cannot_mean(local_dir, bad):
-    with pytest.raises((ValueError, TypeError)):   # a step count that is not an int is a TypeError
+    with pytest.raises((ValueError, TypeError)):  # a step count that is not an int is a TypeError
         ckpt.Checkpointer(local_dir=local_dir, persist_every=bad)
 
 
@@ -167,15 +192,19 @@ def test_segments_belong_to_one_local_dir_and_one_writer(tmp_path):
     with ckpt.Checkpointer(local_dir=a) as ck:
         ck.save(1, {"w": torch.ones(100)}).wait()
         assert [c.step for c in ck.memory.committed()] == [1]
-        with ckpt.Checkpointer(local_dir=b) as other:   # another local tier: another name space
+        with ckpt.Checkpointer(local_dir=b) as other:  # another local tier: another name space
             assert other.memory.committed() == []
         second = ckpt.Checkpointer(local_dir=a)
-        with pytest.raises(ckpt.LockedError):   # one writer of a's directory and of its segments
+        with pytest.raises(ckpt.LockedError):  # one writer of a's directory and of its segments
             second.save(2, {"w": torch.ones(100)})
         out = {"w": torch.zeros(100)}
-        assert second.restore(out) == 1 and torch.equal(out["w"], torch.ones(100))   # reading needs no ownership
+        assert second.restore(out) == 1 and torch.equal(
+            out["w"], torch.ones(100)
+        )  # reading needs no ownership
         second.close()
-        assert shm.segments(prefix=shm.prefix_for(a, 0, create=True)), "a reader's close freed the owner's segments"
+        assert shm.segments(prefix=shm.prefix_for(a, 0, create=True)), (
+            "a reader's close freed the owner's segments"
+        )
     assert shm.segments(prefix=shm.prefix_for(a, 0, create=True)) == []
 
 
@@ -190,7 +219,9 @@ def test_a_block_that_raises_keeps_the_memory_tier_for_the_next_process(local_di
     with ckpt.Checkpointer(local_dir=local_dir) as ck:
         assert ck.restore(out) == 2 and ck.last_restore.tier in ("memory", "local")
     assert torch.equal(out["w"], torch.full((10,), 2.0))
-    assert shm.free(prefix=shm.prefix_for(local_dir, 0, create=True)) > 0   # the restore-only Checkpointer left them
+    assert (
+        shm.free(prefix=shm.prefix_for(local_dir, 0, create=True)) > 0
+    )  # the restore-only Checkpointer left them
 
 
 def test_without_room_in_ram_the_memory_tier_stays_in_the_process(local_dir, monkeypatch, caplog):
@@ -200,7 +231,7 @@ def test_without_room_in_ram_the_memory_tier_stays_in_the_process(local_dir, mon
         assert all(b.segment is None for b in ck.pool.buffers)
         out = {"w": torch.zeros(1000)}
         assert ck.restore(out) == 1 and ck.last_restore.tier == "memory"
-    if shm.shm_root() is not None:   # said once, at WARNING
+    if shm.shm_root() is not None:  # said once, at WARNING
         assert [r.levelno for r in caplog.records if r.name == "ckpt.pool"].count(logging.WARNING) == 1
 
 
@@ -211,7 +242,7 @@ def test_the_first_maybe_save_allocates_the_buffers_in_the_background(local_dir)
         ck.pool._prepared.join(60)
         assert len(ck.pool.buffers) == 3 and ck.pool.allocations == 3
         ck.maybe_save(50, state).wait()
-        assert ck.pool.allocations == 3   # the save took a prepared buffer
+        assert ck.pool.allocations == 3  # the save took a prepared buffer
 
 
 @needs_shm
@@ -219,10 +250,10 @@ def test_the_background_allocation_takes_over_what_the_previous_process_left_fir
     with ckpt.Checkpointer(local_dir=local_dir, persist_every={"local": 1000}) as ck:
         for s in (1, 2):
             ck.save(s, {"w": torch.full((100_000,), float(s))}).wait("memory")
-        ck.close(keep_memory=True)   # as a crash leaves them
+        ck.close(keep_memory=True)  # as a crash leaves them
     with ckpt.Checkpointer(local_dir=local_dir, every_steps=10, persist_every={"local": 1000}) as ck:
         state = {"w": torch.zeros(100_000)}
-        assert ck.maybe_save(3, state) is None   # starts the background allocation
+        assert ck.maybe_save(3, state) is None  # starts the background allocation
         ck.pool._prepared.join(60)
         # both segments adopted with their snapshots, each slot mapped once; only the third buffer allocated
         assert sorted(b.slot for b in ck.pool.buffers) == [0, 1, 2] and ck.pool.allocations == 1
@@ -230,17 +261,25 @@ def test_the_background_allocation_takes_over_what_the_previous_process_left_fir
         assert ck.memory.committed_steps() == [2, 1]
         state["w"].fill_(10.0)
         ck.maybe_save(10, state).wait()
-        assert ck.memory.committed_steps() == [10, 2, 1]   # into the empty buffer: both earlier ones stayed whole
+        assert ck.memory.committed_steps() == [
+            10,
+            2,
+            1,
+        ]  # into the empty buffer: both earlier ones stayed whole
         state["w"].fill_(20.0)
         ck.maybe_save(20, state).wait()
-        assert ck.memory.committed_steps() == [20, 10, 2]   # the oldest went, never the newest
-        assert len(list(Path(shm.shm_root()).glob(shm.prefix_for(local_dir, 0, create=True) + "-s*.buf"))) == 3
+        assert ck.memory.committed_steps() == [20, 10, 2]  # the oldest went, never the newest
+        assert (
+            len(list(Path(shm.shm_root()).glob(shm.prefix_for(local_dir, 0, create=True) + "-s*.buf"))) == 3
+        )
         out = {"w": torch.zeros(100_000)}
         assert ck.restore(out, step=2) == 2 and ck.last_restore.tier == "memory" and float(out["w"][0]) == 2.0
 
 
 def _ckpt(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "ckpt.cli", *args], capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "ckpt.cli", *args], capture_output=True, text=True, timeout=120
+    )
 
 
 @needs_shm
@@ -252,11 +291,14 @@ def test_ckpt_ls_and_gc_show_and_free_the_ram_a_crashed_job_left(tmp_path):
     assert out.returncode == 0, out.stderr
     rows = json.loads(out.stdout)
     # step 1's record went with the copy of step 3 into its buffer: only its local copy is left
-    assert [(r["step"], r["tiers"], r["restore"]) for r in rows] == [(2, ["memory"], "memory"), (1, ["local"], None)]
+    assert [(r["step"], r["tiers"], r["restore"]) for r in rows] == [
+        (2, ["memory"], "memory"),
+        (1, ["local"], None),
+    ]
     mem = json.loads(_ckpt("ls", "--memory", "--json").stdout)
     [group] = [g for g in mem if g["local_dir"] == os.path.realpath(run)]
     assert group["owned"] is False and group["steps"] == [2] and group["bytes"] > 0
-    with ckpt.Checkpointer(local_dir=run) as ck:   # a live owner: its segments are not freed
+    with ckpt.Checkpointer(local_dir=run) as ck:  # a live owner: its segments are not freed
         ck.save(3, {"w": torch.ones(10)}).wait()
         refused = _ckpt("gc", "--memory", str(run))
         assert refused.returncode == 1 and shm.segments(prefix=shm.prefix_for(run, 0))
@@ -292,7 +334,7 @@ def test_a_run_restarted_from_scratch_overwrites_the_snapshot_it_replaces_first(
         assert {1, 2} <= {c.step for c in ck.memory.committed()}
         ck.save(3, {"w": torch.full((10,), 30.0)}).wait("memory")
         held = {c.step for c in ck.memory.committed()}
-        assert {2, 3} <= held and 4 not in held, held   # the old run's step 4 went before any of the new run's
+        assert {2, 3} <= held and 4 not in held, held  # the old run's step 4 went before any of the new run's
 
 
 def test_an_empty_ckpt_shm_dir_means_the_default_never_the_working_directory(tmp_path, monkeypatch):

@@ -13,8 +13,16 @@ import torch
 import ckpt
 from ckpt.tiers import LocalTier
 
-SAVE_KEYS = {"ckpt/save/step", "ckpt/save/bytes", "ckpt/save/stall_ms", "ckpt/save/wait_ms", "ckpt/save/stage_ms",
-             "ckpt/save/stage_gbps", "ckpt/save/skipped", "ckpt/save/failed"}
+SAVE_KEYS = {
+    "ckpt/save/step",
+    "ckpt/save/bytes",
+    "ckpt/save/stall_ms",
+    "ckpt/save/wait_ms",
+    "ckpt/save/stage_ms",
+    "ckpt/save/stage_gbps",
+    "ckpt/save/skipped",
+    "ckpt/save/failed",
+}
 
 
 def _state(scale: float = 1.0) -> dict:
@@ -22,17 +30,20 @@ def _state(scale: float = 1.0) -> dict:
 
 
 def _numbers(record: dict) -> bool:
-    return all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in record.values())
+    return all(
+        isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in record.values()
+    )
 
 
 def test_save_records_have_the_documented_keys_and_agree_with_the_measurements(tmp_path):
     # if_busy="wait": every save reaches every tier (no newest-wins superseding), so each record has both
-    with ckpt.Checkpointer(f"file://{tmp_path}/remote", local_dir=tmp_path / "local", every_steps=1,
-                           if_busy="wait") as ck:
+    with ckpt.Checkpointer(
+        f"file://{tmp_path}/remote", local_dir=tmp_path / "local", every_steps=1, if_busy="wait"
+    ) as ck:
         handles = [ck.save(s, _state(s)) for s in (10, 20, 30)]
         ck.wait()
         records = ck.metrics()
-        assert ck.metrics() == []   # taken: the next call returns only newer ones
+        assert ck.metrics() == []  # taken: the next call returns only newer ones
     assert [r["ckpt/save/step"] for r in records] == [10, 20, 30]
     for r, h in zip(records, handles):
         tiers = {f"ckpt/save/{t}_{u}" for t in ("local", "remote") for u in ("s", "gbps")}
@@ -44,7 +55,9 @@ def test_save_records_have_the_documented_keys_and_agree_with_the_measurements(t
         for tier in ("local", "remote"):
             assert r[f"ckpt/save/{tier}_s"] == stats.persist_s[tier] > 0
             assert r[f"ckpt/save/{tier}_gbps"] == pytest.approx(stats.nbytes / stats.persist_s[tier] / 1e9)
-        assert r["ckpt/save/stage_gbps"] == pytest.approx(stats.nbytes / (r["ckpt/save/stage_ms"] / 1e3) / 1e9)
+        assert r["ckpt/save/stage_gbps"] == pytest.approx(
+            stats.nbytes / (r["ckpt/save/stage_ms"] / 1e3) / 1e9
+        )
         assert (r["ckpt/save/skipped"], r["ckpt/save/failed"]) == (0, 0)
 
 
@@ -59,7 +72,7 @@ def test_a_record_appears_only_once_its_save_finished_on_every_tier(local_dir):
     with ckpt.Checkpointer(local_dir=Gated(local_dir), every_steps=1000) as ck:
         h = ck.save(1, _state())
         h.wait("memory")
-        assert ck.metrics() == [] and ck.maybe_save(2, _state()) is None   # not due
+        assert ck.metrics() == [] and ck.maybe_save(2, _state()) is None  # not due
         go.set()
         h.wait()
         records = ck.metrics()
@@ -71,15 +84,21 @@ def test_restore_records_name_the_tier_and_the_size(tmp_path):
     with ckpt.Checkpointer(local_dir=tmp_path / "local") as ck:
         ck.save(5, state).wait()
         ck.metrics()
-        assert ck.restore(state) == 5   # from host memory, in this process
+        assert ck.restore(state) == 5  # from host memory, in this process
         (memory,) = ck.metrics()
-    with ckpt.Checkpointer(local_dir=tmp_path / "local") as ck:   # a new process would see the disk
+    with ckpt.Checkpointer(local_dir=tmp_path / "local") as ck:  # a new process would see the disk
         assert ck.restore(_state()) == 5
         (local,) = ck.metrics()
         info = ck.last_restore
     assert memory["ckpt/restore/from_memory"] == 1 and "ckpt/restore/from_local" not in memory
-    assert set(local) == {"ckpt/restore/step", "ckpt/restore/bytes", "ckpt/restore/seconds", "ckpt/restore/gbps",
-                          "ckpt/restore/skipped", "ckpt/restore/from_local"} and _numbers(local)
+    assert set(local) == {
+        "ckpt/restore/step",
+        "ckpt/restore/bytes",
+        "ckpt/restore/seconds",
+        "ckpt/restore/gbps",
+        "ckpt/restore/skipped",
+        "ckpt/restore/from_local",
+    } and _numbers(local)
     assert local["ckpt/restore/step"] == 5 and local["ckpt/restore/bytes"] == info.nbytes > 0
     assert local["ckpt/restore/seconds"] == info.seconds > 0 and local["ckpt/restore/skipped"] == 0
     assert local["ckpt/restore/gbps"] == pytest.approx(info.nbytes / info.seconds / 1e9)
@@ -87,10 +106,10 @@ def test_restore_records_name_the_tier_and_the_size(tmp_path):
 
 def test_a_restore_that_passes_over_a_corrupt_checkpoint_counts_it(tmp_path):
     with ckpt.Checkpointer(local_dir=tmp_path) as ck:
-        ck.save(1, _state(1.0)).wait()   # each lands (a save superseded on a busy tier would not)
+        ck.save(1, _state(1.0)).wait()  # each lands (a save superseded on a busy tier would not)
         ck.save(2, _state(2.0)).wait()
     (data,) = (tmp_path / "step-000000002").glob("*.bin")
-    with open(data, "r+b") as f:   # flip a byte in the data file
+    with open(data, "r+b") as f:  # flip a byte in the data file
         f.seek(100)
         b = f.read(1)
         f.seek(100)
@@ -103,8 +122,9 @@ def test_a_restore_that_passes_over_a_corrupt_checkpoint_counts_it(tmp_path):
 
 def test_one_info_line_per_save_once_it_finished_and_nothing_at_warning(tmp_path, caplog):
     with caplog.at_level(logging.INFO, logger="ckpt.metrics"):
-        with ckpt.Checkpointer(f"file://{tmp_path}/remote", local_dir=tmp_path / "local", every_steps=2,
-                               if_busy="wait") as ck:   # every due save is taken, however slow the tiers
+        with ckpt.Checkpointer(
+            f"file://{tmp_path}/remote", local_dir=tmp_path / "local", every_steps=2, if_busy="wait"
+        ) as ck:  # every due save is taken, however slow the tiers
             for step in range(1, 8):
                 ck.maybe_save(step, _state(step))
     lines = [r for r in caplog.records if r.name == "ckpt.metrics"]
@@ -153,14 +173,20 @@ def test_a_skipped_save_is_recorded_as_skipped_without_an_info_line(local_dir, c
             records = {r["ckpt/save/step"]: r for r in ck.metrics()}
     assert records[2]["ckpt/save/skipped"] == 1 and "ckpt/save/local_s" not in records[2]
     assert records[1]["ckpt/save/skipped"] == 0
-    assert [x.getMessage().split(":")[0] for x in caplog.records if x.name == "ckpt.metrics"] == ["saved step 1"]
+    assert [x.getMessage().split(":")[0] for x in caplog.records if x.name == "ckpt.metrics"] == [
+        "saved step 1"
+    ]
 
 
 def test_on_metrics_gets_every_record_on_the_calling_thread(local_dir):
     got = []
-    with ckpt.Checkpointer(local_dir=local_dir, every_steps=1, if_busy="wait",
-                           on_metrics=lambda r: got.append((threading.current_thread(), r))) as ck:
-        ck.restore(_state())   # nothing to restore: no record
+    with ckpt.Checkpointer(
+        local_dir=local_dir,
+        every_steps=1,
+        if_busy="wait",
+        on_metrics=lambda r: got.append((threading.current_thread(), r)),
+    ) as ck:
+        ck.restore(_state())  # nothing to restore: no record
         for step in (1, 2, 3):
             ck.maybe_save(step, _state())
     assert [r["ckpt/save/step"] for _, r in got] == [1, 2, 3]

@@ -34,8 +34,12 @@ HERE = Path(__file__).parent
 def owner(local_dir):
     """Another process that saved step 5 (all 1.0) into ``local_dir`` and still has it open."""
     env = dict(os.environ, PYTHONPATH=f"{HERE}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
-    proc = subprocess.Popen([sys.executable, str(HERE / "owner_worker.py"), str(local_dir), "hold"],
-                            stdout=subprocess.PIPE, text=True, env=env)
+    proc = subprocess.Popen(
+        [sys.executable, str(HERE / "owner_worker.py"), str(local_dir), "hold"],
+        stdout=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
     try:
         line = proc.stdout.readline().split()
         assert line and line[0] == "saved", line
@@ -64,12 +68,16 @@ def test_a_second_process_cannot_write_into_a_live_owners_local_dir(local_dir, o
         with pytest.raises(ckpt.LockedError) as e:
             ck.save(5, state(2.0))
         assert e.value.pid == owner.pid and e.value.host == socket.gethostname()
-        assert e.value.path == str(local_dir) and str(local_dir) in str(e.value) and str(owner.pid) in str(e.value)
-        with pytest.raises(ckpt.LockedError):   # a new step too: retention would prune the owner's steps
+        assert (
+            e.value.path == str(local_dir)
+            and str(local_dir) in str(e.value)
+            and str(owner.pid) in str(e.value)
+        )
+        with pytest.raises(ckpt.LockedError):  # a new step too: retention would prune the owner's steps
             ck.save(6, state(2.0))
     finally:
         ck.close()
-    assert _files(local_dir) == before          # the owner's committed step 5 was not replaced
+    assert _files(local_dir) == before  # the owner's committed step 5 was not replaced
     assert _holds(local_dir) == 1.0
 
 
@@ -90,7 +98,7 @@ def test_a_second_checkpointer_in_the_same_process_is_refused_until_the_first_cl
     assert e.value.pid == os.getpid()
     link = tmp_path / "link"
     link.symlink_to(local_dir)
-    with pytest.raises(ckpt.LockedError):   # the same directory through a symlink
+    with pytest.raises(ckpt.LockedError):  # the same directory through a symlink
         ckpt.Checkpointer(local_dir=link).save(1, state(2.0))
     first.close()
     second.save(2, state(2.0)).wait()
@@ -102,8 +110,8 @@ def test_readers_need_no_lock(local_dir, owner, tmp_path, capsys):
     assert cli(["ls", str(local_dir)]) == 0
     assert cli(["verify", str(local_dir)]) == 0
     assert cli(["inspect", str(local_dir)]) == 0
-    assert _holds(local_dir) == 1.0                                   # a restore-only Checkpointer
-    ckpt.promote(5, "remote", local_dir=local_dir, url=f"file://{tmp_path}/remote")   # reads local_dir only
+    assert _holds(local_dir) == 1.0  # a restore-only Checkpointer
+    ckpt.promote(5, "remote", local_dir=local_dir, url=f"file://{tmp_path}/remote")  # reads local_dir only
     with ckpt.Checkpointer(f"file://{tmp_path}/remote", local_dir=tmp_path / "elsewhere") as ck:
         assert ck.restore({"w": torch.empty(10_000), "value": None}) == 5
 
@@ -121,7 +129,7 @@ def test_gc_and_promote_into_an_owned_local_dir_are_refused(local_dir, owner, tm
     except ckpt.LockedError:
         status = "refused"
     assert status != 0
-    assert cli(["gc", str(local_dir), "--keep", "1", "--dry-run"]) == 0   # only reads
+    assert cli(["gc", str(local_dir), "--keep", "1", "--dry-run"]) == 0  # only reads
     assert _files(local_dir) == before
     owner.kill()
     owner.wait()
@@ -131,14 +139,18 @@ def test_gc_and_promote_into_an_owned_local_dir_are_refused(local_dir, owner, tm
 
 def test_a_forked_child_does_not_keep_the_directory_locked(local_dir):
     env = dict(os.environ, PYTHONPATH=f"{HERE}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
-    proc = subprocess.Popen([sys.executable, str(HERE / "owner_worker.py"), str(local_dir), "fork"],
-                            stdout=subprocess.PIPE, text=True, env=env)
+    proc = subprocess.Popen(
+        [sys.executable, str(HERE / "owner_worker.py"), str(local_dir), "fork"],
+        stdout=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
     child = None
     try:
         line = proc.stdout.readline().split()
         assert line and line[0] == "closed", line
         child = int(line[1])
-        with ckpt.Checkpointer(local_dir=local_dir) as ck:   # the parent closed: the child must not hold it
+        with ckpt.Checkpointer(local_dir=local_dir) as ck:  # the parent closed: the child must not hold it
             ck.save(6, state(6.0)).wait()
     finally:
         proc.kill()
@@ -168,7 +180,9 @@ def test_every_rank_refuses_when_one_ranks_local_dir_has_another_owner(tmp_path)
         ck.save(2, state(2.0)).wait()
 
 
-def test_a_restore_from_the_remote_tier_writes_nothing_into_a_live_owners_local_dir(local_dir, owner, tmp_path):
+def test_a_restore_from_the_remote_tier_writes_nothing_into_a_live_owners_local_dir(
+    local_dir, owner, tmp_path
+):
     """A restore that reads a farther tier refills ``local_dir`` on the way only where it may write there:
     beside a live owner it restores the remote step and leaves the directory as it was; once the owner is
     gone it refills (without keeping the directory: a trainer can start beside it)."""
@@ -185,9 +199,9 @@ def test_a_restore_from_the_remote_tier_writes_nothing_into_a_live_owners_local_
     owner.wait()
     with ckpt.Checkpointer(url, local_dir=local_dir) as ck:
         assert ck.restore({"w": torch.empty(10_000), "value": None}) == 9 and ck.last_restore.tier == "remote"
-        with ckpt.Checkpointer(local_dir=local_dir) as trainer:   # the reader does not keep the directory
+        with ckpt.Checkpointer(local_dir=local_dir) as trainer:  # the reader does not keep the directory
             trainer.save(10, state(10.0)).wait()
-    assert _holds(local_dir, 9) == 9.0 and _holds(local_dir, 10) == 10.0   # 9 was refilled
+    assert _holds(local_dir, 9) == 9.0 and _holds(local_dir, 10) == 10.0  # 9 was refilled
 
 
 def test_a_file_url_of_an_owned_local_dir_is_that_local_tier(local_dir, owner, tmp_path, capsys):
@@ -224,11 +238,20 @@ def test_an_owner_whose_lock_file_is_removed_takes_it_again(local_dir):
         (local_dir / ".ckpt-lock").unlink()
         ck.save(2, state(2.0)).wait()
         assert (local_dir / ".ckpt-lock").is_file()
-        with pytest.raises(ckpt.LockedError):   # held again: a second writer is refused
+        with pytest.raises(ckpt.LockedError):  # held again: a second writer is refused
             ckpt.Checkpointer(local_dir=local_dir).save(3, state(3.0))
         env = dict(os.environ, PYTHONPATH=f"{HERE}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
-        out = subprocess.run([sys.executable, "-c", "import sys; from ckpt.tiers.local import owned; "
-                              "print(owned(sys.argv[1]))", str(local_dir)], capture_output=True, text=True, env=env)
+        out = subprocess.run(
+            [
+                sys.executable,
+                "-c",
+                "import sys; from ckpt.tiers.local import owned; print(owned(sys.argv[1]))",
+                str(local_dir),
+            ],
+            capture_output=True,
+            text=True,
+            env=env,
+        )
         assert out.stdout.split() == ["True"], out.stderr
     assert _holds(local_dir, 2) == 2.0 and _holds(local_dir, 1) == 1.0
 
@@ -237,8 +260,12 @@ def _another_owner_takes(local_dir) -> subprocess.Popen:
     """The lock file is removed by hand; another process takes the directory, saves, and holds it."""
     (local_dir / ".ckpt-lock").unlink()
     env = dict(os.environ, PYTHONPATH=f"{HERE}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
-    proc = subprocess.Popen([sys.executable, str(HERE / "owner_worker.py"), str(local_dir), "hold"],
-                            stdout=subprocess.PIPE, text=True, env=env)
+    proc = subprocess.Popen(
+        [sys.executable, str(HERE / "owner_worker.py"), str(local_dir), "hold"],
+        stdout=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
     assert proc.stdout.readline().split()[0] == "saved"
     return proc
 
@@ -254,7 +281,7 @@ def test_an_owner_whose_lock_another_process_took_stops_writing(local_dir, tmp_p
             with pytest.raises(ckpt.LockedError):
                 first.save(6, state(6.0)).wait()
             assert not (local_dir / "step-000000006").exists()
-            assert (local_dir / "step-000000005").is_dir()   # not pruned by the first owner's retention
+            assert (local_dir / "step-000000005").is_dir()  # not pruned by the first owner's retention
         finally:
             proc.kill()
             proc.wait()
@@ -269,7 +296,7 @@ def test_an_owner_fenced_out_of_its_directory_writes_nothing_there_again(local_d
     LockedError and leave the directory as the live owner has it; a restore there returns the live owner's
     step, never a later one of the fenced writer."""
     url = f"file://{tmp_path}/remote"
-    with ckpt.Checkpointer(url, local_dir=tmp_path / "other") as ck:   # step 3 on the remote tier only
+    with ckpt.Checkpointer(url, local_dir=tmp_path / "other") as ck:  # step 3 on the remote tier only
         ck.save(3, state(3.0)).wait()
     first = ckpt.Checkpointer(url, local_dir=local_dir, keep=ckpt.Retention(local=1))
     try:
@@ -277,16 +304,16 @@ def test_an_owner_fenced_out_of_its_directory_writes_nothing_there_again(local_d
         proc = _another_owner_takes(local_dir)
         try:
             theirs = _files(local_dir)
-            for s in (6, 7, 8):   # the first refusal, and every save after it
+            for s in (6, 7, 8):  # the first refusal, and every save after it
                 with pytest.raises(ckpt.LockedError) as e:
                     first.save(s, state(float(s))).wait()
                 assert e.value.pid == proc.pid and e.value.path == str(local_dir)
             assert first.local.owner.fenced and not first.local.owner.held
-            with pytest.raises(ckpt.LockedError):   # what retention calls
+            with pytest.raises(ckpt.LockedError):  # what retention calls
                 first.local.delete(5)
             with pytest.raises(ckpt.LockedError):
                 first.promote(3, "local")
-            with pytest.raises(ckpt.LockedError):   # read from the remote tier, refilled into local_dir
+            with pytest.raises(ckpt.LockedError):  # read from the remote tier, refilled into local_dir
                 first.restore({"w": torch.empty(10_000), "value": None}, step=3)
             assert _files(local_dir) == theirs
             assert [s for s in first.local.committed_steps()] == [5, 1]
@@ -328,7 +355,7 @@ def test_uploads_queued_before_a_writer_was_fenced_never_reach_the_remote_tier(l
         proc = _another_owner_takes(local_dir)
         try:
             remote.gate.set()
-            h1.wait("remote", timeout=60)   # under way before the loss: it ends as it began
+            h1.wait("remote", timeout=60)  # under way before the loss: it ends as it began
             with pytest.raises(ckpt.LockedError):
                 h2.wait("remote", timeout=60)
             assert remote.committed_steps() == [1]

@@ -55,13 +55,19 @@ def test_ckpt_version_prints_it(capsys):
 
 def test_the_changelog_has_an_entry_for_this_version():
     text = (ROOT / "CHANGELOG.md").read_text()
-    assert re.search(rf"^## \[{re.escape(PYPROJECT['project']['version'])}\] - \d{{4}}-\d{{2}}-\d{{2}}$", text, re.M)
+    assert re.search(
+        rf"^## \[{re.escape(PYPROJECT['project']['version'])}\] - \d{{4}}-\d{{2}}-\d{{2}}$", text, re.M
+    )
 
 
 def test_license_file_is_the_apache_license_pyproject_names():
     assert PYPROJECT["project"]["license"] == "Apache-2.0"
     text = (ROOT / "LICENSE").read_text()
-    assert "Apache License" in text and "Version 2.0, January 2004" in text and "END OF TERMS AND CONDITIONS" in text
+    assert (
+        "Apache License" in text
+        and "Version 2.0, January 2004" in text
+        and "END OF TERMS AND CONDITIONS" in text
+    )
 
 
 @pytest.fixture(scope="module")
@@ -75,8 +81,12 @@ def wheel(tmp_path_factory) -> Path:
         shutil.copy(ROOT / name, src / name)
     for name in ("ckpt", "kernels", "integrations"):
         shutil.copytree(ROOT / name, src / name, ignore=shutil.ignore_patterns("__pycache__"))
-    out = subprocess.run([sys.executable, "-m", "build", "--wheel", "--no-isolation", "--outdir", str(tmp), str(src)],
-                         capture_output=True, text=True, timeout=300)
+    out = subprocess.run(
+        [sys.executable, "-m", "build", "--wheel", "--no-isolation", "--outdir", str(tmp), str(src)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     wheels = list(tmp.glob("tierckpt-*.whl"))
     assert len(wheels) == 1, wheels
@@ -107,17 +117,20 @@ def test_the_hf_extra_allows_no_transformers_the_integration_refuses():
     assert _minimum("dev", "transformers") == extra
 
 
-@pytest.mark.parametrize("page, name, extra, package", [
-    ("hf.md", "transformers", "hf", "transformers"),
-    ("hf.md", "accelerate", "hf", "accelerate"),
-    ("lightning.md", "Lightning", "lightning", "lightning"),
-    ("install.md", "transformers", "hf", "transformers"),
-    ("install.md", "accelerate", "hf", "accelerate"),
-    ("install.md", "lightning", "lightning", "lightning"),
-    ("install.md", "triton", "kernels", "triton"),
-    ("install.md", "safetensors", "export", "safetensors"),
-    ("install.md", "pyarrow", "arrow", "pyarrow"),
-])
+@pytest.mark.parametrize(
+    "page, name, extra, package",
+    [
+        ("hf.md", "transformers", "hf", "transformers"),
+        ("hf.md", "accelerate", "hf", "accelerate"),
+        ("lightning.md", "Lightning", "lightning", "lightning"),
+        ("install.md", "transformers", "hf", "transformers"),
+        ("install.md", "accelerate", "hf", "accelerate"),
+        ("install.md", "lightning", "lightning", "lightning"),
+        ("install.md", "triton", "kernels", "triton"),
+        ("install.md", "safetensors", "export", "safetensors"),
+        ("install.md", "pyarrow", "arrow", "pyarrow"),
+    ],
+)
 def test_the_docs_state_the_extras_minimum_versions(page, name, extra, package):
     text = (ROOT / "docs" / page).read_text()
     stated = set(re.findall(rf"\b{name} ([0-9][0-9.]*[0-9]) or newer", text))

@@ -8,9 +8,11 @@ import sys
 
 
 def test_import_ckpt_does_not_import_triton_lightning_or_s3fs():
-    code = ("import sys, ckpt, ckpt.integrations; "
-            "bad = [m for m in ('triton', 'lightning', 'pytorch_lightning', 's3fs') if m in sys.modules]; "
-            "print(bad); sys.exit(1 if bad else 0)")
+    code = (
+        "import sys, ckpt, ckpt.integrations; "
+        "bad = [m for m in ('triton', 'lightning', 'pytorch_lightning', 's3fs') if m in sys.modules]; "
+        "print(bad); sys.exit(1 if bad else 0)"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert out.returncode == 0, out.stdout + out.stderr
 
@@ -58,9 +60,21 @@ def test_wheel_ships_every_module(tmp_path):
     for name in ("ckpt", "kernels", "integrations"):
         shutil.copytree(root / name, src / name, ignore=shutil.ignore_patterns("__pycache__"))
     out = subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation",
-         "-q", "-w", str(tmp_path), str(src)],
-        capture_output=True, text=True)
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "-q",
+            "-w",
+            str(tmp_path),
+            str(src),
+        ],
+        capture_output=True,
+        text=True,
+    )
     assert out.returncode == 0, out.stdout + out.stderr
     wheels = list(tmp_path.glob("tierckpt-*.whl"))
     assert len(wheels) == 1, wheels

@@ -35,9 +35,13 @@ def _replace_node(root: Path, rank: int) -> None:
 
 
 def _ls_memory(shm_dir: Path) -> list[dict]:
-    out = subprocess.run([sys.executable, "-c", "import sys, ckpt.cli; sys.exit(ckpt.cli.main())", "ls", "--memory",
-                          "--json"], capture_output=True, text=True,
-                         env={**os.environ, "CKPT_SHM_DIR": str(shm_dir)}, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-c", "import sys, ckpt.cli; sys.exit(ckpt.cli.main())", "ls", "--memory", "--json"],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "CKPT_SHM_DIR": str(shm_dir)},
+        timeout=120,
+    )
     assert out.returncode == 0, out.stderr
     return json.loads(out.stdout)
 
@@ -54,19 +58,27 @@ def _replica_files(root: Path, holder: int) -> list[Path]:
 
 @pytest.mark.parametrize("world,lost", [(2, 1), (3, 1), (3, 0)])
 def test_a_replaced_node_gets_its_snapshot_back_from_its_holders_ram(tmp_path, world, lost):
-    assert _lines(_run(tmp_path, "save", world), "saved") == ["saved [4, 2]"] * world   # each holds its source's
+    assert (
+        _lines(_run(tmp_path, "save", world), "saved") == ["saved [4, 2]"] * world
+    )  # each holds its source's
     assert not list(tmp_path.glob("rank-*/peers")), "a replica never touches the holder's disk"
-    rows = _ls_memory(tmp_path / "shm-0")   # rank 0's node: its own snapshots and rank world-1's replicas
-    assert sorted((r["replica"], r["rank"], r["steps"]) for r in rows) == [(False, 0, [2, 4]), (True, world - 1, [2, 4])]
+    rows = _ls_memory(tmp_path / "shm-0")  # rank 0's node: its own snapshots and rank world-1's replicas
+    assert sorted((r["replica"], r["rank"], r["steps"]) for r in rows) == [
+        (False, 0, [2, 4]),
+        (True, world - 1, [2, 4]),
+    ]
     assert all(r["local_dir"] == str((tmp_path / "rank-0").resolve()) and not r["owned"] for r in rows)
     _replace_node(tmp_path, lost)
     out = _run(tmp_path, "restore", world)
     got = _lines(out, "restored")
-    assert got == [f"restored 4 {100.0 * r + 4} {'peer' if r == lost else 'memory'}" for r in range(world)], got
+    assert got == [f"restored 4 {100.0 * r + 4} {'peer' if r == lost else 'memory'}" for r in range(world)], (
+        got
+    )
     # where the time went: the lost rank and its holder (rank lost + 1) took part in the peer exchange
     took_part = {lost, (lost + 1) % world}
-    assert _lines(out, "phases") == [f"phases agree,confirm,load{',peer' if r in took_part else ''}"
-                                     for r in range(world)]
+    assert _lines(out, "phases") == [
+        f"phases agree,confirm,load{',peer' if r in took_part else ''}" for r in range(world)
+    ]
 
 
 def test_the_exchanges_and_a_peer_restore_do_not_follow_the_default_device(tmp_path):
@@ -76,12 +88,15 @@ def test_the_exchanges_and_a_peer_restore_do_not_follow_the_default_device(tmp_p
     env = {"CKPT_TEST_DEFAULT_DEVICE": "meta"}
     assert _lines(_run(tmp_path, "save", 2, env), "saved") == ["saved [4, 2]"] * 2
     _replace_node(tmp_path, 1)
-    assert _lines(_run(tmp_path, "restore", 2, env), "restored") == ["restored 4 4.0 memory", "restored 4 104.0 peer"]
+    assert _lines(_run(tmp_path, "restore", 2, env), "restored") == [
+        "restored 4 4.0 memory",
+        "restored 4 104.0 peer",
+    ]
 
 
 def test_a_killed_job_resumes_bit_identical_with_the_lost_rank_from_its_peer(tmp_path):
     _killed(_run(tmp_path, "train", 2))
-    _replace_node(tmp_path, 1)   # both processes died; rank 1's node is replaced
+    _replace_node(tmp_path, 1)  # both processes died; rank 1's node is replaced
     resumed = _run(tmp_path, "resume", 2)
     assert _lines(resumed, "restored") == ["restored 6 memory", "restored 6 peer"]
     straight = _run(tmp_path, "straight", 2)
@@ -96,7 +111,7 @@ def test_a_corrupt_replica_is_refused_and_the_next_tier_used(tmp_path, nccl):
     _killed(_run(tmp_path, "train", 2, env))
     _replace_node(tmp_path, 1)
     flipped = 0
-    for buf in _replica_files(tmp_path, 0):   # rank 0 holds rank 1's replicas: flip a byte of each
+    for buf in _replica_files(tmp_path, 0):  # rank 0 holds rank 1's replicas: flip a byte of each
         raw = bytearray(buf.read_bytes())
         raw[100] ^= 0xFF
         buf.write_bytes(bytes(raw))
@@ -109,8 +124,12 @@ def test_a_corrupt_replica_is_refused_and_the_next_tier_used(tmp_path, nccl):
 
 
 def test_a_replica_torn_by_the_holders_death_is_never_served_and_the_previous_one_is(tmp_path):
-    env = {"CKPT_CHUNK_BYTES": str(1 << 20), "CKPT_PEER_PIECE_BYTES": str(1 << 20),   # 12 pieces of 1 MiB
-           "CKPT_TEST_N": str(3_000_000), "CKPT_PEER_TIMEOUT_S": "10"}
+    env = {
+        "CKPT_CHUNK_BYTES": str(1 << 20),
+        "CKPT_PEER_PIECE_BYTES": str(1 << 20),  # 12 pieces of 1 MiB
+        "CKPT_TEST_N": str(3_000_000),
+        "CKPT_PEER_TIMEOUT_S": "10",
+    }
     results = _run(tmp_path, "tear", 2, env)
     for r in results:
         assert r.returncode == -signal.SIGKILL and "torn" in r.stdout, r.stderr[-3000:]
@@ -139,7 +158,9 @@ def test_a_holder_refuses_a_header_out_of_bounds_and_the_exchanges_go_on(tmp_pat
 
 @pytest.mark.parametrize("fault", ["alloc", "manifest"])
 @pytest.mark.parametrize("remote", [True, False])
-def test_a_replaced_rank_that_cannot_take_its_replica_falls_back_and_its_holder_never_waits(tmp_path, fault, remote):
+def test_a_replaced_rank_that_cannot_take_its_replica_falls_back_and_its_holder_never_waits(
+    tmp_path, fault, remote
+):
     # rank 1 (replaced) cannot allocate host memory for its replica, or the replica's manifest fails to parse:
     # it says so to its holder before any data moves (or takes the data and drops it), so neither waits for the
     # other (CKPT_PEER_TIMEOUT_S is far beyond the run's time limit); it falls back to the remote tier, or,
@@ -147,8 +168,14 @@ def test_a_replaced_rank_that_cannot_take_its_replica_falls_back_and_its_holder_
     env = {"CKPT_TEST_REMOTE": "1" if remote else "0", "CKPT_PEER_TIMEOUT_S": "900"}
     assert_ok(_run(tmp_path, "save", 2, env))
     _replace_node(tmp_path, 1)
-    results = run_ranks(HERE / "peer_worker.py", str(tmp_path), "restore", world=2, timeout=150,
-                        env={**env, "CKPT_TEST_FAULT": fault})
+    results = run_ranks(
+        HERE / "peer_worker.py",
+        str(tmp_path),
+        "restore",
+        world=2,
+        timeout=150,
+        env={**env, "CKPT_TEST_FAULT": fault},
+    )
     if remote:
         assert _lines(results, "restored") == ["restored 4 4.0 memory", "restored 4 104.0 remote"]
     else:
@@ -157,11 +184,16 @@ def test_a_replaced_rank_that_cannot_take_its_replica_falls_back_and_its_holder_
 
 
 def test_replicas_no_rank_of_the_job_can_ask_for_are_freed_once_a_new_one_is_committed(tmp_path):
-    assert _lines(_run(tmp_path, "save", 3), "saved") == ["saved [4, 2]"] * 3   # rank 0 holds rank 2's replicas
+    assert (
+        _lines(_run(tmp_path, "save", 3), "saved") == ["saved [4, 2]"] * 3
+    )  # rank 0 holds rank 2's replicas
     assert {r["rank"] for r in _ls_memory(tmp_path / "shm-0") if r["replica"]} == {2}
-    assert _lines(_run(tmp_path, "save", 2), "saved") == ["saved [4, 2]"] * 2   # the job shrinks: rank 1's now
+    assert _lines(_run(tmp_path, "save", 2), "saved") == ["saved [4, 2]"] * 2  # the job shrinks: rank 1's now
     rows = _ls_memory(tmp_path / "shm-0")
-    assert sorted((r["replica"], r["rank"], r["steps"]) for r in rows) == [(False, 0, [2, 4]), (True, 1, [2, 4])]
+    assert sorted((r["replica"], r["rank"], r["steps"]) for r in rows) == [
+        (False, 0, [2, 4]),
+        (True, 1, [2, 4]),
+    ]
 
 
 def test_without_any_replica_the_lost_rank_has_nothing_and_says_so(tmp_path):
@@ -170,7 +202,7 @@ def test_without_any_replica_the_lost_rank_has_nothing_and_says_so(tmp_path):
     for f in _replica_files(tmp_path, 0):
         f.unlink()
     results = _run(tmp_path, "resume", 2)
-    for r in results:   # rank 0's snapshots alone are no common step: every rank refuses alike
+    for r in results:  # rank 0's snapshots alone are no common step: every rank refuses alike
         assert r.returncode != 0 and "NoCheckpointError" in r.stderr, r.stderr[-2000:]
 
 
@@ -213,15 +245,18 @@ def test_the_nccl_exchange_on_two_gpus(tmp_path):
     assert _lines(resumed, "digest") == _lines(_run(tmp_path, "straight", 2), "digest")
 
 
-@pytest.mark.parametrize("knob,backend,cuda,want", [
-    (-1, "cpu:gloo,cuda:nccl", True, True),   # the job trains over NCCL: every rank has its GPU
-    (-1, "nccl", True, True),
-    (-1, "gloo", True, False),    # a gloo job on a GPU machine: its ranks may share one GPU
-    (-1, None, True, False),      # no default group
-    (1, "gloo", True, True),      # asked for
-    (0, "nccl", True, False),     # turned off
-    (1, "nccl", False, False),    # no CUDA: never
-])
+@pytest.mark.parametrize(
+    "knob,backend,cuda,want",
+    [
+        (-1, "cpu:gloo,cuda:nccl", True, True),  # the job trains over NCCL: every rank has its GPU
+        (-1, "nccl", True, True),
+        (-1, "gloo", True, False),  # a gloo job on a GPU machine: its ranks may share one GPU
+        (-1, None, True, False),  # no default group
+        (1, "gloo", True, True),  # asked for
+        (0, "nccl", True, False),  # turned off
+        (1, "nccl", False, False),  # no CUDA: never
+    ],
+)
 def test_the_peer_transport_follows_the_jobs_backend(monkeypatch, knob, backend, cuda, want):
     import torch
 

@@ -28,9 +28,10 @@ CHECK_THREAD = "ckpt-peer-check"
 
 # --------------------------------------------------------------------------------------------- helpers
 
+
 def _host(data: torch.Tensor, chunk: int) -> list[int]:
     flat = data.cpu().contiguous()
-    return [checksum(memoryview(flat[i:i + chunk].numpy())) for i in range(0, flat.numel(), chunk)]
+    return [checksum(memoryview(flat[i : i + chunk].numpy())) for i in range(0, flat.numel(), chunk)]
 
 
 def _manifest(chunk: int, n: int, chunks: list[int]) -> types.SimpleNamespace:
@@ -56,10 +57,16 @@ class _PlanWire:
     piece's bytes are copied just before ``landed`` is called for it. ``upto`` is how far bytes have landed.
     ``fail_after``: raise ``error`` once that many calls of the plan were made."""
 
-    device = None   # the transport moves host bytes (no GPU staging)
+    device = None  # the transport moves host bytes (no GPU staging)
 
-    def __init__(self, sent: torch.Tensor, plan: list[tuple[int, int]], fail_after: int | None = None,
-                 error: BaseException | None = None, pause: float = 0.0) -> None:
+    def __init__(
+        self,
+        sent: torch.Tensor,
+        plan: list[tuple[int, int]],
+        fail_after: int | None = None,
+        error: BaseException | None = None,
+        pause: float = 0.0,
+    ) -> None:
         self.sent, self.plan, self.fail_after, self.error, self.pause = sent, plan, fail_after, error, pause
         self.upto = 0
         self.calls = 0
@@ -69,7 +76,7 @@ class _PlanWire:
             if self.fail_after is not None and self.calls == self.fail_after:
                 raise self.error
             if k:
-                into[off:off + k].copy_(self.sent[off:off + k])
+                into[off : off + k].copy_(self.sent[off : off + k])
             self.upto = max(self.upto, off + k)
             self.calls += 1
             landed(off, k)
@@ -84,8 +91,14 @@ class _Recorder:
     bytes landed when it started, thread name, start and end time) and compares each value it returns with the
     host's checksum of the same bytes at that moment."""
 
-    def __init__(self, into: torch.Tensor, wire: _PlanWire, delay: float = 0.0, fail_at: int | None = None,
-                 error: BaseException | None = None) -> None:
+    def __init__(
+        self,
+        into: torch.Tensor,
+        wire: _PlanWire,
+        delay: float = 0.0,
+        fail_at: int | None = None,
+        error: BaseException | None = None,
+    ) -> None:
         self.into, self.wire, self.delay, self.fail_at, self.error = into, wire, delay, fail_at, error
         self.real = device_crc.chunk_checksums
         self.calls: list[dict] = []
@@ -93,8 +106,15 @@ class _Recorder:
         self.lock = threading.Lock()
 
     def __call__(self, d: torch.Tensor, c: int) -> list[int]:
-        rec = {"off": d.data_ptr() - self.into.data_ptr(), "len": d.numel(), "chunk": c, "landed": self.wire.upto,
-               "thread": threading.current_thread().name, "start": time.monotonic(), "end": None}
+        rec = {
+            "off": d.data_ptr() - self.into.data_ptr(),
+            "len": d.numel(),
+            "chunk": c,
+            "landed": self.wire.upto,
+            "thread": threading.current_thread().name,
+            "start": time.monotonic(),
+            "end": None,
+        }
         with self.lock:
             self.calls.append(rec)
             k = len(self.calls)
@@ -116,8 +136,9 @@ def _check_threads() -> list[threading.Thread]:
     return [t for t in threading.enumerate() if t.name.startswith(CHECK_THREAD) and t.is_alive()]
 
 
-def _receive(monkeypatch, sent: torch.Tensor, chunk: int, manifest, plan, gpu_check_bytes: int | None,
-             **recorder_kw):
+def _receive(
+    monkeypatch, sent: torch.Tensor, chunk: int, manifest, plan, gpu_check_bytes: int | None, **recorder_kw
+):
     """checked_receive of ``sent`` landing per ``plan`` into a poisoned buffer, on the device path."""
     monkeypatch.setattr(peer, "_checked_where_it_lands", lambda into: True)
     if gpu_check_bytes is not None:
@@ -127,7 +148,9 @@ def _receive(monkeypatch, sent: torch.Tensor, chunk: int, manifest, plan, gpu_ch
     wire = _PlanWire(sent, plan)
     rec = _Recorder(into, wire, **recorder_kw)
     monkeypatch.setattr(device_crc, "chunk_checksums", rec)
-    bad = peer.checked_receive(wire, None, None, into, 1, max(1, max((k for _, k in plan), default=1)), manifest)
+    bad = peer.checked_receive(
+        wire, None, None, into, 1, max(1, max((k for _, k in plan), default=1)), manifest
+    )
     return bad, rec, into
 
 
@@ -136,7 +159,7 @@ def _assert_tiled_once(rec: _Recorder, n: int, chunk: int, gpu_check_bytes: int)
     n), none larger than a batch, none started before its bytes landed, every value equal to the host's."""
     batch = max(chunk, gpu_check_bytes // chunk * chunk)
     pos = 0
-    for r in rec.calls:   # one checking thread: the checks run in the order submitted
+    for r in rec.calls:  # one checking thread: the checks run in the order submitted
         assert r["chunk"] == chunk
         assert r["off"] == pos, (r, pos)
         assert r["off"] % chunk == 0
@@ -162,25 +185,37 @@ def _flip(sent: torch.Tensor, chunk: int, which: list[int], rng: random.Random) 
 
 # --------------------------------------------------------------------------------------------- (1)
 
+
 def _random_case(rng: random.Random) -> tuple[int, int, int, int]:
     chunk = B * rng.choice([1, 2, 3, 4, 5, 6, 7, 8, 12, 16])
     kind = rng.choice(["short", "odd", "blocks", "chunks", "chunks+4", "any"])
     if kind == "short":
-        n = rng.randrange(1, chunk)                          # shorter than a chunk (maybe than a block)
+        n = rng.randrange(1, chunk)  # shorter than a chunk (maybe than a block)
     elif kind == "odd":
-        n = rng.randrange(chunk, 12 * chunk) | 1             # not a multiple of 2, 4 or 256
+        n = rng.randrange(chunk, 12 * chunk) | 1  # not a multiple of 2, 4 or 256
     elif kind == "blocks":
-        n = B * rng.randrange(1, 12 * chunk // B + 1)        # whole blocks, maybe not whole chunks
+        n = B * rng.randrange(1, 12 * chunk // B + 1)  # whole blocks, maybe not whole chunks
     elif kind == "chunks":
-        n = chunk * rng.randrange(1, 12)                     # whole chunks
+        n = chunk * rng.randrange(1, 12)  # whole chunks
     elif kind == "chunks+4":
         n = chunk * rng.randrange(1, 12) + rng.choice([1, 2, 3, 4, 255, 257])
     else:
         n = rng.randrange(1, 12 * chunk)
-    piece = rng.choice([1 + rng.randrange(chunk - 1), chunk, chunk + 1 + rng.randrange(3 * chunk), chunk // 2 + 3,
-                        3 * chunk, 2 * chunk - 7, n, n + 5, 97])
+    piece = rng.choice(
+        [
+            1 + rng.randrange(chunk - 1),
+            chunk,
+            chunk + 1 + rng.randrange(3 * chunk),
+            chunk // 2 + 3,
+            3 * chunk,
+            2 * chunk - 7,
+            n,
+            n + 5,
+            97,
+        ]
+    )
     if piece < 64 and n > 4096:
-        piece = 64 + piece   # keep the number of landed calls bounded; pieces of 1 byte have their own test
+        piece = 64 + piece  # keep the number of landed calls bounded; pieces of 1 byte have their own test
     gcb = rng.choice([0, 1, chunk - 1, chunk, chunk + 1, 2 * chunk, 3 * chunk + B, 5 * chunk - 1, 1 << 40])
     return n, chunk, piece, gcb
 
@@ -210,8 +245,15 @@ def test_random_chunk_checksums_equal_the_hosts_and_a_flip_moves_only_its_chunk(
     rng = random.Random(2000 + seed)
     for case in range(6):
         chunk = B * rng.choice([1, 2, 3, 5, 8, 11, 16, 32])
-        n = rng.choice([rng.randrange(1, B), rng.randrange(1, chunk + 1), rng.randrange(chunk, 9 * chunk),
-                        chunk * rng.randrange(1, 9), rng.randrange(1, 9) * chunk + 3])
+        n = rng.choice(
+            [
+                rng.randrange(1, B),
+                rng.randrange(1, chunk + 1),
+                rng.randrange(chunk, 9 * chunk),
+                chunk * rng.randrange(1, 9),
+                rng.randrange(1, 9) * chunk + 3,
+            ]
+        )
         slab = rng.choice([None, B, 3 * B, 7 * B, chunk, 2 * chunk + B])
         with monkeypatch.context() as m:
             if slab is not None:
@@ -228,6 +270,7 @@ def test_random_chunk_checksums_equal_the_hosts_and_a_flip_moves_only_its_chunk(
 
 
 # --------------------------------------------------------------------------------------------- (2)
+
 
 def _plan(name: str, n: int, chunk: int) -> list[tuple[int, int]]:
     rng = random.Random(name)
@@ -258,9 +301,16 @@ def _plan(name: str, n: int, chunk: int) -> list[tuple[int, int]]:
     raise AssertionError(name)
 
 
-PLANS = ["one-call", "one-byte-pieces", "zero-length-final", "zero-length-final-at-chunk-edge",
-         "zero-length-first-and-between", "one-call-then-zero-length", "uneven-pieces",
-         "all-but-the-last-byte-then-it"]
+PLANS = [
+    "one-call",
+    "one-byte-pieces",
+    "zero-length-final",
+    "zero-length-final-at-chunk-edge",
+    "zero-length-first-and-between",
+    "one-call-then-zero-length",
+    "uneven-pieces",
+    "all-but-the-last-byte-then-it",
+]
 
 
 @pytest.mark.parametrize("plan", PLANS)
@@ -275,7 +325,9 @@ def test_wires_landing_pieces_in_unusual_but_allowed_ways(monkeypatch, plan, n_k
         which = sorted(rng.sample(range(len(sums)), 2))
         received = _flip(sent, chunk, which, rng)
         with monkeypatch.context() as m:
-            bad, rec, into = _receive(m, received, chunk, _manifest(chunk, n, sums), _plan(plan, n, chunk), gcb)
+            bad, rec, into = _receive(
+                m, received, chunk, _manifest(chunk, n, sums), _plan(plan, n, chunk), gcb
+            )
         assert bad == which, (plan, gcb)
         _assert_tiled_once(rec, n, chunk, gcb)
         assert torch.equal(into, received)
@@ -294,8 +346,10 @@ def test_checks_run_while_later_pieces_arrive_not_only_at_the_end(monkeypatch):
     wire = _PlanWire(sent, _pieces(n, chunk), pause=0.02)
     rec = _Recorder(into, wire)
     monkeypatch.setattr(device_crc, "chunk_checksums", rec)
-    assert peer.checked_receive(wire, None, None, into, 1, chunk, _manifest(chunk, n, _host(sent, chunk))) == []
-    assert min(r["landed"] for r in rec.calls) < n   # at least one check started before the last piece
+    assert (
+        peer.checked_receive(wire, None, None, into, 1, chunk, _manifest(chunk, n, _host(sent, chunk))) == []
+    )
+    assert min(r["landed"] for r in rec.calls) < n  # at least one check started before the last piece
     _assert_tiled_once(rec, n, chunk, chunk)
 
 
@@ -329,7 +383,7 @@ def test_batches_the_device_has_no_room_for_are_checked_through_the_host_in_plac
         sums = _host(sent, chunk)
         which = sorted(rng.sample(range(len(sums)), min(3, len(sums))))
         received = _flip(sent, chunk, which, rng)
-        oom = {rng.choice([1, 2]), rng.choice([3, 4])}   # which checks (1-based) find no room
+        oom = {rng.choice([1, 2]), rng.choice([3, 4])}  # which checks (1-based) find no room
         _HostStandIn.ranges = []
         with monkeypatch.context() as m:
             m.setattr(peer, "_checked_where_it_lands", lambda into: True)
@@ -343,24 +397,37 @@ def test_batches_the_device_has_no_room_for_are_checked_through_the_host_in_plac
             def tight(d, c):
                 calls.append(d.numel())
                 if len(calls) in oom:
-                    rec.calls.append({"off": d.data_ptr() - into.data_ptr(), "len": d.numel(), "chunk": c,
-                                      "landed": wire.upto, "thread": threading.current_thread().name})
+                    rec.calls.append(
+                        {
+                            "off": d.data_ptr() - into.data_ptr(),
+                            "len": d.numel(),
+                            "chunk": c,
+                            "landed": wire.upto,
+                            "thread": threading.current_thread().name,
+                        }
+                    )
                     raise torch.cuda.OutOfMemoryError("stand-in: no room")
                 return rec(d, c)
 
             m.setattr(device_crc, "chunk_checksums", tight)
-            bad = peer.checked_receive(wire, None, None, into, 1, chunk + 1, _manifest(chunk, n, sums), threads=2)
+            bad = peer.checked_receive(
+                wire, None, None, into, 1, chunk + 1, _manifest(chunk, n, sums), threads=2
+            )
         what = dict(n=n, chunk=chunk, gcb=gcb, oom=oom, which=which)
         assert bad == which, what
-        _assert_tiled_once(rec, n, chunk, gcb)   # device and host batches together: every byte once
+        _assert_tiled_once(rec, n, chunk, gcb)  # device and host batches together: every byte once
         through_host = [r for k, r in enumerate(rec.calls, 1) if k in oom]
         assert through_host, what
-        want = sorted((x, min(x + chunk, r["off"] + r["len"]))
-                      for r in through_host for x in range(r["off"], r["off"] + r["len"], chunk))
+        want = sorted(
+            (x, min(x + chunk, r["off"] + r["len"]))
+            for r in through_host
+            for x in range(r["off"], r["off"] + r["len"], chunk)
+        )
         assert sorted(_HostStandIn.ranges) == want, what
 
 
 # --------------------------------------------------------------------------------------------- (3)
+
 
 class _WireBroke(ConnectionResetError):
     """The transport failing midway (a type of its own: the caller must see exactly it)."""
@@ -376,13 +443,17 @@ def test_a_failure_midway_propagates_and_no_check_outlives_the_call(monkeypatch,
     n = 12 * chunk + 9
     sent = _random_bytes(n, 11)
     monkeypatch.setattr(peer, "_checked_where_it_lands", lambda into: True)
-    monkeypatch.setattr(peer, "GPU_CHECK_BYTES", chunk)   # a batch per chunk: several submitted before the failure
+    monkeypatch.setattr(
+        peer, "GPU_CHECK_BYTES", chunk
+    )  # a batch per chunk: several submitted before the failure
     monkeypatch.setattr(peer, "GPU_CHECK_BYTES_TRITON", chunk)
     into = _poisoned(sent)
     wire_error, check_error = _WireBroke("stand-in: peer went away"), _CheckBroke("stand-in: check failed")
     plan = _pieces(n, chunk)
     wire = _PlanWire(sent, plan, fail_after=7 if who in ("wire", "both") else None, error=wire_error)
-    rec = _Recorder(into, wire, delay=0.03, fail_at=2 if who in ("check", "both") else None, error=check_error)
+    rec = _Recorder(
+        into, wire, delay=0.03, fail_at=2 if who in ("check", "both") else None, error=check_error
+    )
     monkeypatch.setattr(device_crc, "chunk_checksums", rec)
     expected = check_error if who == "check" else wire_error
     before = len(rec.calls)
@@ -390,25 +461,26 @@ def test_a_failure_midway_propagates_and_no_check_outlives_the_call(monkeypatch,
         peer.checked_receive(wire, None, None, into, 1, chunk, _manifest(chunk, n, _host(sent, chunk)))
     returned = time.monotonic()
     assert type(got.value) is type(expected) and got.value is expected
-    assert _check_threads() == []   # the checking thread is gone once the call is back
+    assert _check_threads() == []  # the checking thread is gone once the call is back
     ran = list(rec.calls)
-    assert len(ran) - before >= 2   # batches had been submitted (and ran) before the failure
-    assert all(r["end"] is not None and r["end"] <= returned for r in ran)   # none was still reading `into`
+    assert len(ran) - before >= 2  # batches had been submitted (and ran) before the failure
+    assert all(r["end"] is not None and r["end"] <= returned for r in ran)  # none was still reading `into`
     if who != "check":
-        assert all(r["off"] + r["len"] <= wire.upto for r in ran)   # nothing past what landed was checked
+        assert all(r["off"] + r["len"] <= wire.upto for r in ran)  # nothing past what landed was checked
     time.sleep(0.15)
-    assert len(rec.calls) == len(ran)   # and none starts later
+    assert len(rec.calls) == len(ran)  # and none starts later
     assert _check_threads() == []
 
 
 # --------------------------------------------------------------------------------------------- (4)
+
 
 def _listed(sums: list[int], how: str) -> list[int]:
     return {
         "one-short": sums[:-1],
         "three-short": sums[:-3],
         "none-listed": [],
-        "one-extra-zero": sums + [0],   # 0: the CRC-32C of no bytes
+        "one-extra-zero": sums + [0],  # 0: the CRC-32C of no bytes
         "one-extra-copy": sums + [sums[-1]],
         "three-extra": sums + [0, sums[0], 0xFFFFFFFF],
     }[how]
@@ -427,13 +499,17 @@ def test_device_path_a_manifest_with_fewer_or_more_chunks_names_exactly_those(mo
     sums = _host(sent, chunk)
     listed = _listed(sums, how)
     received = _flip(sent, chunk, [flip], random.Random(5)) if flip is not None else sent
-    want = sorted(set(range(min(len(sums), len(listed)), max(len(sums), len(listed))))
-                  | ({flip} if flip is not None and flip < len(listed) else set()))
+    want = sorted(
+        set(range(min(len(sums), len(listed)), max(len(sums), len(listed))))
+        | ({flip} if flip is not None and flip < len(listed) else set())
+    )
     for gcb in (1, 3 * chunk):
         with monkeypatch.context() as m:
-            bad, rec, _ = _receive(m, received, chunk, _manifest(chunk, n, listed), _pieces(n, chunk + 5), gcb)
+            bad, rec, _ = _receive(
+                m, received, chunk, _manifest(chunk, n, listed), _pieces(n, chunk + 5), gcb
+            )
         assert bad == want, (how, gcb)
-        _assert_tiled_once(rec, n, chunk, gcb)   # the data's chunks are what is checked, whatever is listed
+        _assert_tiled_once(rec, n, chunk, gcb)  # the data's chunks are what is checked, whatever is listed
 
 
 @pytest.mark.parametrize("how", HOWS)
@@ -452,37 +528,41 @@ def test_host_copies_a_manifest_with_fewer_or_more_chunks_names_exactly_those(mo
         return
     into = _poisoned(sent)
     wire = _PlanWire(sent, _pieces(n, chunk + 5))
-    assert peer.checked_receive(wire, None, None, into, 1, chunk + 5, _manifest(chunk, n, listed), threads=2) == want
+    assert (
+        peer.checked_receive(wire, None, None, into, 1, chunk + 5, _manifest(chunk, n, listed), threads=2)
+        == want
+    )
 
 
 # --------------------------------------------------------------------------------------------- (5)
 
+
 def _candidates():
     """Tensors and chunk sizes around every condition of ``usable``."""
-    base = _random_bytes(64 * B + 64, 31)   # the allocator's memory: 64-byte aligned
+    base = _random_bytes(64 * B + 64, 31)  # the allocator's memory: 64-byte aligned
     assert base.data_ptr() % 64 == 0
     out = []
     for off in range(0, 9):
         for length in (0, 1, 3, B - 1, B, B + 1, 4 * B, 4 * B + 2, 13 * B + 7):
-            t = base[off:off + length]
+            t = base[off : off + length]
             for chunk in (B, 3 * B, 4 * B, 64 * B):
                 out.append((f"off{off}-len{length}-c{chunk}", t, chunk))
-    t = base[:9 * B]
+    t = base[: 9 * B]
     for chunk in (0, -B, 1, 4, 64, B - 4, B + 4, 2 * B - 1, 3 * B + 128, 1000):
         out.append((f"chunk{chunk}", t, chunk))
     out += [
-        ("strided", base[:8 * B:2], B),
-        ("strided-offset", base[4:8 * B + 4:2], B),
-        ("strided-one-element", base[0:8:8], B),   # one element: contiguous whatever its stride
-        ("int8", base[:8 * B].view(torch.int8), B),
-        ("int32", base[:8 * B].view(torch.int32), B),
-        ("float32", base[:8 * B].view(torch.float32), B),
-        ("bool", base[:8 * B].view(torch.bool), B),
-        ("2d", base[:8 * B].view(8, B), B),
-        ("2d-one-row", base[:8 * B].view(1, 8 * B), B),
-        ("2d-transposed", base[:8 * B].view(B, 8).t(), B),
+        ("strided", base[: 8 * B : 2], B),
+        ("strided-offset", base[4 : 8 * B + 4 : 2], B),
+        ("strided-one-element", base[0:8:8], B),  # one element: contiguous whatever its stride
+        ("int8", base[: 8 * B].view(torch.int8), B),
+        ("int32", base[: 8 * B].view(torch.int32), B),
+        ("float32", base[: 8 * B].view(torch.float32), B),
+        ("bool", base[: 8 * B].view(torch.bool), B),
+        ("2d", base[: 8 * B].view(8, B), B),
+        ("2d-one-row", base[: 8 * B].view(1, 8 * B), B),
+        ("2d-transposed", base[: 8 * B].view(B, 8).t(), B),
         ("0d", base[0], B),
-        ("clone-of-misaligned", base[1:1 + 5 * B + 3].clone(), B),   # fresh memory: aligned again
+        ("clone-of-misaligned", base[1 : 1 + 5 * B + 3].clone(), B),  # fresh memory: aligned again
         ("expanded", base[:1].expand(4 * B), B),
     ]
     return out
@@ -503,11 +583,13 @@ def test_chunk_checksums_refuses_exactly_what_usable_rejects():
     # the conditions themselves, one at a time
     base = _random_bytes(8 * B, 32)
     assert device_crc.usable(base, B)
-    assert not device_crc.usable(base[1:], B) and not device_crc.usable(base[2:], B)   # misaligned
+    assert not device_crc.usable(base[1:], B) and not device_crc.usable(base[2:], B)  # misaligned
     assert device_crc.usable(base[4:], B)
-    assert not device_crc.usable(base[::2], B)             # non-contiguous
-    assert not device_crc.usable(base.view(2, -1), B)      # 2-D
-    assert not device_crc.usable(base.view(torch.int8), B) and not device_crc.usable(base.view(torch.int32), B)
+    assert not device_crc.usable(base[::2], B)  # non-contiguous
+    assert not device_crc.usable(base.view(2, -1), B)  # 2-D
+    assert not device_crc.usable(base.view(torch.int8), B) and not device_crc.usable(
+        base.view(torch.int32), B
+    )
     assert not device_crc.usable(base, B + 4) and not device_crc.usable(base, 0)
     assert accepted > 50 and rejected > 50
 
@@ -519,7 +601,7 @@ def _misaligned_storage_view(n: int) -> torch.Tensor:
     probe = torch.frombuffer(raw, dtype=torch.uint8)
     skip = (1 - probe.data_ptr()) % 4
     odd = torch.frombuffer(memoryview(raw)[skip:], dtype=torch.uint8)
-    t = odd[3:3 + n]
+    t = odd[3 : 3 + n]
     t.copy_(_random_bytes(n, 33))
     return t
 
@@ -537,11 +619,12 @@ def test_an_aligned_view_of_an_odd_storage_is_refused_as_usable_says():
 
 # --------------------------------------------------------------------------------------------- (6)
 
+
 def test_warm_from_many_threads_at_once_is_safe_and_checks_stay_right(monkeypatch):
     device_crc._tables.cache_clear()
     device_crc._zeros.cache_clear()
     device_crc._one_zero_byte.cache_clear()
-    chunks = [B, 2 * B, 3 * B, 8 * B, 16 * B, 0, 100, B + 4]   # the last three: left alone
+    chunks = [B, 2 * B, 3 * B, 8 * B, 16 * B, 0, 100, B + 4]  # the last three: left alone
     threads = 8
     barrier = threading.Barrier(threads)
     errors: list[BaseException] = []
@@ -557,7 +640,7 @@ def test_warm_from_many_threads_at_once_is_safe_and_checks_stay_right(monkeypatc
                     data = _random_bytes(5 * chunk + 7 * k + 1, 100 * k + r)
                     if device_crc.chunk_checksums(data, chunk) != _host(data, chunk):
                         wrong.append((k, r, chunk))
-        except BaseException as e:   # noqa: BLE001 - reported below
+        except BaseException as e:  # noqa: BLE001 - reported below
             errors.append(e)
 
     pool = [threading.Thread(target=work, args=(k,)) for k in range(threads)]
@@ -580,10 +663,11 @@ def test_warm_from_many_threads_at_once_is_safe_and_checks_stay_right(monkeypatc
 # of its own (what came over the wire), then copies it into ``into`` (the copy down) and calls ``landed``;
 # ``device_crc.start`` is stood in for by the host's checksum of the staging bytes at that moment.
 
+
 class _StagingWire:
     def __init__(self, sent: torch.Tensor, piece: int, on_wire=None, after_check=None) -> None:
         self.sent, self.piece = sent, piece
-        self.on_wire = on_wire or (lambda staging, off: None)        # corrupts what arrives (before the check)
+        self.on_wire = on_wire or (lambda staging, off: None)  # corrupts what arrives (before the check)
         self.after_check = after_check or (lambda into, off, k: None)  # changes the host copy after it
         self.device = torch.device("cuda", 0)
         self.calls: list[tuple[int, int]] = []
@@ -593,12 +677,12 @@ class _StagingWire:
         n = into.numel()
         for off in range(0, n, in_piece):
             k = min(in_piece, n - off)
-            staging = self.sent[off:off + k].clone()
+            staging = self.sent[off : off + k].clone()
             self.on_wire(staging, off)
             on_gpu(staging, off)
-            into[off:off + k].copy_(staging)
+            into[off : off + k].copy_(staging)
             self.after_check(into, off, k)
-            staging.fill_(0)   # the staging buffer is reused: a check must not read it later
+            staging.fill_(0)  # the staging buffer is reused: a check must not read it later
             self.calls.append((off, k))
             landed(off, k)
 
@@ -640,7 +724,7 @@ def test_on_the_way_every_chunk_is_checked_and_a_byte_changed_on_the_wire_names_
     sent = _random_bytes(n, seed)
     bad, into, starts = _on_the_way(monkeypatch, sent, chunk, piece)
     assert bad == [] and torch.equal(into, sent)
-    assert sum(starts) == n   # every piece checked on the "GPU", nothing on the host
+    assert sum(starts) == n  # every piece checked on the "GPU", nothing on the host
     if not n:
         return
     at = rng.randrange(n)
@@ -660,17 +744,17 @@ def test_on_the_way_a_piece_the_gpu_cannot_check_is_checked_on_the_host(monkeypa
     chunk, piece = 2 * B, 6 * B
     n = 5 * piece + 100
     sent = _random_bytes(n, 77)
-    which = {1, 5}   # the second piece and the last (short) one
+    which = {1, 5}  # the second piece and the last (short) one
     kw = {"fail_start": which} if fail == "start" else {"fail_values": which}
     assert _on_the_way(monkeypatch, sent, chunk, piece, **kw)[0] == []
-    at = piece + 3   # in the second piece: found by the host's check of the copy there
+    at = piece + 3  # in the second piece: found by the host's check of the copy there
 
     def flip(staging, off):
         if off <= at < off + staging.numel():
             staging[at - off] ^= 0x01
 
     assert _on_the_way(monkeypatch, sent, chunk, piece, on_wire=flip, **kw)[0] == [at // chunk]
-    at = n - 1   # the last byte, in the tail of the last piece
+    at = n - 1  # the last byte, in the tail of the last piece
     assert _on_the_way(monkeypatch, sent, chunk, piece, on_wire=flip, **kw)[0] == [at // chunk]
 
 
@@ -680,14 +764,15 @@ def test_copies_into_host_memory_are_checked_on_the_way_only_where_the_gpu_can(m
     wire = _StagingWire(_random_bytes(3 * piece, 1), piece)
     monkeypatch.setattr(device_crc, "ready", lambda d: d.type == "cuda")
     assert peer._checked_in_staging(wire, into, piece, chunk)
-    assert not peer._checked_in_staging(wire, into, piece + B, chunk)   # a chunk across two pieces
-    assert not peer._checked_in_staging(wire, into, piece, chunk + 4)   # no lane size divides it
-    assert not peer._checked_in_staging(wire, torch.zeros(3 * piece, dtype=torch.uint8, device="meta"), piece,
-                                        chunk)   # not into host memory: a restore's copy, checked where it lands
-    wire.device = None   # gloo: no staging on a GPU
+    assert not peer._checked_in_staging(wire, into, piece + B, chunk)  # a chunk across two pieces
+    assert not peer._checked_in_staging(wire, into, piece, chunk + 4)  # no lane size divides it
+    assert not peer._checked_in_staging(
+        wire, torch.zeros(3 * piece, dtype=torch.uint8, device="meta"), piece, chunk
+    )  # not into host memory: a restore's copy, checked where it lands
+    wire.device = None  # gloo: no staging on a GPU
     assert not peer._checked_in_staging(wire, into, piece, chunk)
     wire.device = torch.device("cuda", 0)
-    monkeypatch.setattr(device_crc, "ready", lambda d: False)   # Triton not ready there
+    monkeypatch.setattr(device_crc, "ready", lambda d: False)  # Triton not ready there
     assert not peer._checked_in_staging(wire, into, piece, chunk)
     # and checked_receive routes a host copy there exactly when it says so
     monkeypatch.setattr(device_crc, "ready", lambda d: d.type == "cuda")

@@ -28,8 +28,10 @@ from helpers import _script_main, fork_server, verifies
 HERE = Path(__file__).parent
 WORKER = HERE / "restored_worker.py"
 
-pytestmark = [pytest.mark.skipif(shm.shm_root() is None, reason="no RAM file system (/dev/shm) here"),
-              pytest.mark.timeout(120)]
+pytestmark = [
+    pytest.mark.skipif(shm.shm_root() is None, reason="no RAM file system (/dev/shm) here"),
+    pytest.mark.timeout(120),
+]
 
 
 @pytest.fixture(autouse=True)
@@ -44,8 +46,14 @@ class Worker:
     def __init__(self, *args: str, env: dict | None = None) -> None:
         self._tmp = tempfile.TemporaryDirectory(prefix="ckpt-restored-")
         self.out, err = (os.path.join(self._tmp.name, n) for n in ("out", "err"))
-        env = {**os.environ, "PYTHONPATH": f"{HERE}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", **(env or {})}
-        self.proc = fork_server().Process(target=_script_main, args=(str(WORKER), list(args), env, self.out, err))
+        env = {
+            **os.environ,
+            "PYTHONPATH": f"{HERE}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+            **(env or {}),
+        }
+        self.proc = fork_server().Process(
+            target=_script_main, args=(str(WORKER), list(args), env, self.out, err)
+        )
         self.proc.start()
         self.err = err
 
@@ -95,12 +103,12 @@ def test_a_snapshot_the_local_tier_had_not_finished_is_written_there_after_the_r
     step 3 from the local tier, bit-exact."""
     run = tmp_path / "run"
     _, step, saved = Worker(str(run), "stall").kill_at("stalled")
-    assert LocalTier(run).committed_steps() == [2, 1]   # step 3 was being written: RAM alone holds it
+    assert LocalTier(run).committed_steps() == [2, 1]  # step 3 was being written: RAM alone holds it
     restored = Worker(str(run), "restore").result()
-    assert restored == ["restored", step, "memory", saved, "1", "0"]   # one write: step 3 to the local tier
+    assert restored == ["restored", step, "memory", saved, "1", "0"]  # one write: step 3 to the local tier
     assert LocalTier(run).committed_steps() == [3, 2] and verifies(run, 3)
-    assert not [p for p in os.listdir(run) if p.startswith(".step-")]   # the killed writer's staging is gone
-    assert _reboot(run) == [2, 3]   # the restoring process left the RAM as it found it
+    assert not [p for p in os.listdir(run) if p.startswith(".step-")]  # the killed writer's staging is gone
+    assert _reboot(run) == [2, 3]  # the restoring process left the RAM as it found it
     assert Worker(str(run), "restore").result() == ["restored", step, "local", saved, "0", "0"]
 
 
@@ -109,7 +117,7 @@ def test_nothing_is_written_when_the_local_tier_holds_the_restored_step(tmp_path
     _, step, saved = Worker(str(run), "written").kill_at("written")
     before = os.stat(run / "step-000000003").st_ino
     assert Worker(str(run), "restore").result() == ["restored", step, "memory", saved, "0", "0"]
-    assert os.stat(run / "step-000000003").st_ino == before   # the committed copy was not replaced
+    assert os.stat(run / "step-000000003").st_ino == before  # the committed copy was not replaced
 
 
 def test_beside_a_live_owner_of_local_dir_the_restore_writes_nothing_there(tmp_path):
@@ -117,7 +125,7 @@ def test_beside_a_live_owner_of_local_dir_the_restore_writes_nothing_there(tmp_p
     3 from RAM, and leaves the directory and the RAM as they were."""
     run = tmp_path / "run"
     _, step, saved = Worker(str(run), "stall").kill_at("stalled")
-    owner = LocalTier(run).acquire_owner()   # what a save or promote into the directory takes, in this process
+    owner = LocalTier(run).acquire_owner()  # what a save or promote into the directory takes, in this process
     try:
         assert Worker(str(run), "restore").result() == ["restored", step, "memory", saved, "0", "0"]
         assert LocalTier(run).committed_steps() == [2, 1]
@@ -136,8 +144,14 @@ def test_the_restored_snapshot_goes_to_the_remote_tier_too(tmp_path):
     assert Worker(str(run), "restore", url).result() == ["restored", step, "memory", saved, "1", "1"]
     assert RemoteTier(url).committed_steps() == [3, 1]
     assert _reboot(run) == [2, 3]
-    assert Worker(str(tmp_path / "new-node"), "restore", url).result() == ["restored", step, "remote", saved,
-                                                                            "0", "0"]
+    assert Worker(str(tmp_path / "new-node"), "restore", url).result() == [
+        "restored",
+        step,
+        "remote",
+        saved,
+        "0",
+        "0",
+    ]
 
 
 def test_in_a_job_each_rank_writes_its_local_tier_and_all_ranks_the_job_tier(tmp_path):
@@ -152,8 +166,10 @@ def test_in_a_job_each_rank_writes_its_local_tier_and_all_ranks_the_job_tier(tmp
     assert [LocalTier(root / f"rank-{r}").committed_steps() for r in (0, 1)] == [[2, 1], [3, 2]]
     assert RemoteTier(url).committed_steps() == [1]
     restored = [w.result() for w in _job(str(root), "restore,restore", url)]
-    assert restored == [["restored", "3", "memory", saved[0], "1", "1"],
-                        ["restored", "3", "memory", saved[1], "0", "1"]]
+    assert restored == [
+        ["restored", "3", "memory", saved[0], "1", "1"],
+        ["restored", "3", "memory", saved[1], "0", "1"],
+    ]
     assert RemoteTier(url).committed_steps() == [3, 1]
     for r in (0, 1):
         assert LocalTier(root / f"rank-{r}").committed_steps()[0] == 3 and verifies(root / f"rank-{r}", 3)

@@ -21,15 +21,16 @@ def test_every_steps(local_dir):
 
 def test_every_seconds_with_an_injected_clock(local_dir):
     now = [0.0]
-    with ckpt.Checkpointer(local_dir=local_dir, every_seconds=10, clock=lambda: now[0],
-                           keep=ckpt.Retention(local=None)) as ck:
+    with ckpt.Checkpointer(
+        local_dir=local_dir, every_seconds=10, clock=lambda: now[0], keep=ckpt.Retention(local=None)
+    ) as ck:
         saved = []
         for s in range(1, 30):
             now[0] += 3.0
             h = ck.maybe_save(s, {"s": s})
             if h is not None:
                 saved.append(s)
-                h.wait("memory")   # the copy lands before the next step, as in a training loop
+                h.wait("memory")  # the copy lands before the next step, as in a training loop
     assert saved == [4, 8, 12, 16, 20, 24, 28]
 
 
@@ -54,7 +55,7 @@ class GatedTier(LocalTier):
     def __init__(self, root):
         super().__init__(root)
         self.gate = threading.Event()
-        self.started = threading.Event()   # a write is under way: its buffer is being read
+        self.started = threading.Event()  # a write is under way: its buffer is being read
 
     def write(self, step, manifest, data):
         self.started.set()
@@ -125,7 +126,7 @@ def test_an_older_snapshot_never_supersedes_a_newer_one(local_dir, monkeypatch):
     monkeypatch.setattr(MemoryTier, "commit", slow_for_step_1)
     with ckpt.Checkpointer(local_dir=tier, max_in_flight=3) as ck:
         h0 = ck.save(0, {"s": torch.zeros(10)})
-        assert tier.started.wait(10)   # the disk is busy with step 0
+        assert tier.started.wait(10)  # the disk is busy with step 0
         h1 = ck.save(1, {"s": torch.ones(10)})
         h2 = ck.save(2, {"s": torch.full((10,), 2.0)})
         h2.wait("memory")
@@ -145,9 +146,9 @@ def test_maybe_save_without_a_policy_refuses_at_the_first_call(local_dir):
         with pytest.raises(ValueError) as e:
             ck.maybe_save(0, {"s": 0})
         assert "every_steps" in str(e.value)
-        ck.save(1, {"s": 1}).wait()   # save() needs no policy
+        ck.save(1, {"s": 1}).wait()  # save() needs no policy
     with ckpt.Checkpointer(local_dir=local_dir, signals=(signal.SIGUSR1,)) as ck:
-        assert ck.maybe_save(2, {"s": 2}) is None   # a loop that saves on signals only
+        assert ck.maybe_save(2, {"s": 2}) is None  # a loop that saves on signals only
     with ckpt.Checkpointer(local_dir=local_dir, every_steps=5) as ck:
         assert ck.maybe_save(2, {"s": 2}) is None and ck.maybe_save(5, {"s": 5}) is not None
 
@@ -159,8 +160,9 @@ def test_the_final_step_of_a_plain_loop_is_kept(local_dir, tmp_path):
     total = 100
     for run in range(2):
         trained = []
-        with ckpt.Checkpointer(url, local_dir=local_dir, every_steps=10,
-                               persist_every={"local": 30, "remote": 50}) as ck:
+        with ckpt.Checkpointer(
+            url, local_dir=local_dir, every_steps=10, persist_every={"local": 30, "remote": 50}
+        ) as ck:
             last = ck.restore(state := {"s": None})
             for step in range(0 if last is None else last + 1, total):
                 state["s"] = step
@@ -177,7 +179,7 @@ def test_the_final_step_is_saved_even_when_every_buffer_is_busy(local_dir):
     tier = GatedTier(local_dir)
     with ckpt.Checkpointer(local_dir=tier, if_busy="skip", max_in_flight=1, every_steps=1) as ck:
         ck.save(1, {"s": torch.ones(10)}).wait("memory")
-        assert tier.started.wait(10)   # the only buffer is being read by the local tier
+        assert tier.started.wait(10)  # the only buffer is being read by the local tier
         assert ck.maybe_save(2, {"s": torch.ones(10)}).status == "skipped"
         threading.Timer(0.5, tier.gate.set).start()
         handle = ck.maybe_save(3, {"s": torch.full((10,), 3.0)}, final=True)
@@ -200,23 +202,42 @@ def test_keep_as_an_int_keeps_that_many_on_every_tier(local_dir, tmp_path, caplo
     assert ckpt.Policy(keep=3).keep == ckpt.Retention(local=3, remote=3)
 
 
-@pytest.mark.parametrize("field, value, error", [
-    ("keep", 0, ValueError), ("keep", -1, ValueError), ("keep", True, TypeError), ("keep", 2.0, TypeError),
-    ("keep", "2", TypeError), ("keep", {"local": 2}, TypeError),
-    ("every_steps", 0, ValueError), ("every_steps", True, TypeError), ("every_steps", 2.5, TypeError),
-    ("every_steps", "10", TypeError),
-    ("every_seconds", 0, ValueError), ("every_seconds", -1.0, ValueError), ("every_seconds", float("nan"), ValueError),
-    ("every_seconds", float("inf"), ValueError), ("every_seconds", "60", TypeError),
-    ("interval", "daly", ValueError), ("mtbf", -5, ValueError), ("mtbf", "1h", TypeError),
-    ("mtbf", {"memory": 0}, ValueError), ("restart_cost", -1, ValueError), ("restart_cost", None, TypeError),
-    ("persist_every", {"local": 0}, ValueError), ("persist_every", {"local": 2.0}, TypeError),
-    ("persist_every", 50, TypeError), ("if_busy", "block", ValueError), ("on_unsupported", "pickle", ValueError),
-])
+@pytest.mark.parametrize(
+    "field, value, error",
+    [
+        ("keep", 0, ValueError),
+        ("keep", -1, ValueError),
+        ("keep", True, TypeError),
+        ("keep", 2.0, TypeError),
+        ("keep", "2", TypeError),
+        ("keep", {"local": 2}, TypeError),
+        ("every_steps", 0, ValueError),
+        ("every_steps", True, TypeError),
+        ("every_steps", 2.5, TypeError),
+        ("every_steps", "10", TypeError),
+        ("every_seconds", 0, ValueError),
+        ("every_seconds", -1.0, ValueError),
+        ("every_seconds", float("nan"), ValueError),
+        ("every_seconds", float("inf"), ValueError),
+        ("every_seconds", "60", TypeError),
+        ("interval", "daly", ValueError),
+        ("mtbf", -5, ValueError),
+        ("mtbf", "1h", TypeError),
+        ("mtbf", {"memory": 0}, ValueError),
+        ("restart_cost", -1, ValueError),
+        ("restart_cost", None, TypeError),
+        ("persist_every", {"local": 0}, ValueError),
+        ("persist_every", {"local": 2.0}, TypeError),
+        ("persist_every", 50, TypeError),
+        ("if_busy", "block", ValueError),
+        ("on_unsupported", "pickle", ValueError),
+    ],
+)
 def test_every_policy_field_is_checked_when_the_checkpointer_is_made(local_dir, field, value, error):
     with pytest.raises(error) as e:
         ckpt.Policy(**{field: value})
     assert field in str(e.value)
-    with pytest.raises(error):   # the keyword argument is the same option
+    with pytest.raises(error):  # the keyword argument is the same option
         ckpt.Checkpointer(local_dir=local_dir, **{field: value})
     assert not any(local_dir.iterdir())
 

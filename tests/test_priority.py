@@ -30,7 +30,7 @@ def test_persist_writers_run_below_the_training_thread(local_dir):
     me = _nice(threading.get_native_id())
     with ckpt.Checkpointer(local_dir=Spy(local_dir)) as ck:
         ck.save(1, {"w": torch.ones(1000)}).wait()
-    assert _nice(threading.get_native_id()) == me   # the caller's own priority is untouched
+    assert _nice(threading.get_native_id()) == me  # the caller's own priority is untouched
     [(name, nice)] = seen
     assert name.startswith("ckpt-persist") and nice == min(19, me + knobs.get("CKPT_PERSIST_NICE"))
 
@@ -38,7 +38,9 @@ def test_persist_writers_run_below_the_training_thread(local_dir):
 def test_nice_zero_leaves_background_threads_alone():
     got = []
     with knobs.override(CKPT_PERSIST_NICE=0):
-        t = threading.Thread(target=lambda: (priority.lower_this_thread(), got.append(_nice(threading.get_native_id()))))
+        t = threading.Thread(
+            target=lambda: (priority.lower_this_thread(), got.append(_nice(threading.get_native_id())))
+        )
         t.start()
         t.join()
     assert got == [_nice(threading.get_native_id())]

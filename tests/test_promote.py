@@ -27,7 +27,7 @@ from s3server import FaultProxy, storage_options
 
 HERE = Path(__file__).parent
 CHUNK = 64 << 10
-N = 40_000          # 160 kB of float32 plus a third of that in bfloat16: 4 chunks
+N = 40_000  # 160 kB of float32 plus a third of that in bfloat16: 4 chunks
 STEP = 5
 DATA = "step-000000005/rank-00000.bin"
 
@@ -39,8 +39,11 @@ def small_chunks():
 
 
 def _state(seed: float) -> dict:
-    return {"w": torch.arange(N, dtype=torch.float32).mul_(0.001).add_(seed), "seed": seed,
-            "h": torch.full((N // 3,), seed, dtype=torch.bfloat16)}
+    return {
+        "w": torch.arange(N, dtype=torch.float32).mul_(0.001).add_(seed),
+        "seed": seed,
+        "h": torch.full((N // 3,), seed, dtype=torch.bfloat16),
+    }
 
 
 def _target() -> dict:
@@ -51,7 +54,11 @@ def _which(target: dict) -> float | None:
     """The seed whose state ``target`` holds exactly (A=1.0 or B=2.0), or None."""
     for seed in (1.0, 2.0):
         ref = _state(seed)
-        if target["seed"] == seed and torch.equal(target["w"], ref["w"]) and torch.equal(target["h"], ref["h"]):
+        if (
+            target["seed"] == seed
+            and torch.equal(target["w"], ref["w"])
+            and torch.equal(target["h"], ref["h"])
+        ):
             return seed
     return None
 
@@ -107,7 +114,7 @@ def test_a_corrupt_local_source_is_reported_and_the_remote_copy_survives(tmp_pat
     _flip(tmp_path / "a" / DATA, CHUNK + 10)
     with pytest.raises(ckpt.CorruptCheckpointError) as e:
         ckpt.promote(STEP, "remote", local_dir=tmp_path / "a", url=url)
-    assert str(tmp_path / "a" / DATA) in str(e.value)       # names the corrupt file, not the upload
+    assert str(tmp_path / "a" / DATA) in str(e.value)  # names the corrupt file, not the upload
     assert _remote_holds(url, tmp_path / "s") == 1.0
 
 
@@ -212,7 +219,9 @@ def test_an_s3_outage_halfway_through_the_download_leaves_the_local_copy(tmp_pat
         with pytest.raises(OSError) as e:
             ckpt.promote(STEP, "local", local_dir=tmp_path / "a", url=url, storage_options=opts)
         assert not isinstance(e.value, ckpt.CheckpointError)
-        assert url in str(e.value) and str(tmp_path / "a") not in str(e.value)   # the store failed, not the disk
+        assert url in str(e.value) and str(tmp_path / "a") not in str(
+            e.value
+        )  # the store failed, not the disk
     finally:
         proxy.close()
     assert _local_holds(tmp_path / "a") == 1.0
@@ -221,7 +230,9 @@ def test_an_s3_outage_halfway_through_the_download_leaves_the_local_copy(tmp_pat
 # -- success: replaced in place, nothing left behind ---------------------------------------------------
 @pytest.mark.parametrize("scheme", ["file", "memory"])
 def test_promote_replaces_a_different_copy_and_leaves_no_old_parts(tmp_path, scheme):
-    url = f"file://{tmp_path}/remote" if scheme == "file" else f"memory://promote-{os.getpid()}-{tmp_path.name}"
+    url = (
+        f"file://{tmp_path}/remote" if scheme == "file" else f"memory://promote-{os.getpid()}-{tmp_path.name}"
+    )
     _save_remote(url, 1.0, tmp_path / "s")
     _save_local(tmp_path / "a", 2.0)
     ckpt.promote(STEP, "remote", local_dir=tmp_path / "a", url=url)
@@ -230,16 +241,19 @@ def test_promote_replaces_a_different_copy_and_leaves_no_old_parts(tmp_path, sch
     step_dir = tier.step_dir(STEP)
     manifest = tier.open(STEP)[1]
     files = [p for p in tier.fs.find(step_dir)]
-    assert len(files) == 2 + len(manifest.chunks), files   # COMMIT, the manifest, one object per part
-    if scheme == "file":   # the command line reads the replaced layout too
+    assert len(files) == 2 + len(manifest.chunks), files  # COMMIT, the manifest, one object per part
+    if scheme == "file":  # the command line reads the replaced layout too
         from ckpt.cli import main as cli
+
         assert cli(["verify", url]) == 0 and cli(["inspect", url]) == 0
     ckpt.promote(STEP, "local", local_dir=tmp_path / "b", url=url)
     _save_local(tmp_path / "c", 1.0)
     ckpt.promote(STEP, "local", local_dir=tmp_path / "c", url=url)
     assert _local_holds(tmp_path / "c") == 2.0
-    assert sorted(p.name for p in (tmp_path / "c").iterdir() if not p.name.startswith(".ckpt")) == \
-        ["latest", "step-000000005"]
+    assert sorted(p.name for p in (tmp_path / "c").iterdir() if not p.name.startswith(".ckpt")) == [
+        "latest",
+        "step-000000005",
+    ]
 
 
 def test_promoting_an_identical_copy_writes_nothing(tmp_path, monkeypatch):
@@ -280,7 +294,7 @@ def test_promote_refuses_to_replace_a_job_tier_step_with_one_ranks_copy(tmp_path
     url = f"file://{tmp_path}/remote"
     _save_remote(url, 1.0, tmp_path / "s")
     commit = tmp_path / "remote" / "step-000000005" / "COMMIT"
-    record = json.loads(commit.read_bytes())          # make it look like a two-rank job's step
+    record = json.loads(commit.read_bytes())  # make it look like a two-rank job's step
     record["world_size"] = 2
     record["manifests"]["rank-00001.manifest.json"] = 0
     commit.write_text(json.dumps(record))
@@ -296,8 +310,16 @@ def _worker(to: str, local_dir: Path, url: str, pause_at: int, opts: dict | None
     """Run tests/promote_worker.py; with ``pause_at`` it stops before that I/O call and is SIGKILLed there.
     Returns (what it printed last, the number of I/O calls it made when it ran to the end)."""
     env = dict(os.environ, PYTHONPATH=f"{HERE}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
-    args = [sys.executable, str(HERE / "promote_worker.py"), to, str(local_dir), url, str(STEP), str(pause_at),
-            json.dumps(opts or {})]
+    args = [
+        sys.executable,
+        str(HERE / "promote_worker.py"),
+        to,
+        str(local_dir),
+        url,
+        str(STEP),
+        str(pause_at),
+        json.dumps(opts or {}),
+    ]
     proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     try:
         for line in proc.stdout:
@@ -337,7 +359,7 @@ def _sweep(to: str, prepare, holds, make_args) -> None:
         got = holds(where)
         assert got in (1.0, 2.0), f"after a SIGKILL at {paused!r} the destination holds nothing usable"
         outcomes.append(got)
-    assert outcomes[0] == 1.0 and 2.0 in outcomes, outcomes   # both sides of the switch were hit
+    assert outcomes[0] == 1.0 and 2.0 in outcomes, outcomes  # both sides of the switch were hit
     # a promote after the kill succeeds and tidies up
     where, args = prepare("again")
     _worker(to, *make_args(args, total // 2))
@@ -357,7 +379,10 @@ def test_sigkill_at_any_point_of_a_promote_to_local_leaves_the_old_or_the_new_co
 
     _sweep("local", prepare, _local_holds, lambda a, k: (a[0], a[1], k))
     dest = tmp_path / "dest-again"
-    assert sorted(p.name for p in dest.iterdir() if not p.name.startswith(".ckpt")) == ["latest", "step-000000005"]
+    assert sorted(p.name for p in dest.iterdir() if not p.name.startswith(".ckpt")) == [
+        "latest",
+        "step-000000005",
+    ]
 
 
 def test_sigkill_at_any_point_of_a_promote_to_a_file_url_leaves_the_old_or_the_new_copy(tmp_path):
@@ -373,7 +398,7 @@ def test_sigkill_at_any_point_of_a_promote_to_a_file_url_leaves_the_old_or_the_n
 
 
 @pytest.mark.s3
-@pytest.mark.slow   # its default siblings: the same kill sweep to a file:// URL (the remote tier's code) and to local
+@pytest.mark.slow  # its default siblings: the same kill sweep to a file:// URL (the remote tier's code) and to local
 def test_sigkill_at_any_point_of_a_promote_to_s3_leaves_the_old_or_the_new_copy(tmp_path, s3_bucket):
     bucket, port = s3_bucket
     opts = storage_options(port)
@@ -384,8 +409,12 @@ def test_sigkill_at_any_point_of_a_promote_to_s3_leaves_the_old_or_the_new_copy(
         _save_remote(url, 1.0, tmp_path / "s", opts)
         return url, (tmp_path / "a", url, 0, opts)
 
-    _sweep("remote", prepare, lambda url: _remote_holds(url, tmp_path / "s", opts),
-           lambda a, k: (a[0], a[1], k, a[3]))
+    _sweep(
+        "remote",
+        prepare,
+        lambda url: _remote_holds(url, tmp_path / "s", opts),
+        lambda a, k: (a[0], a[1], k, a[3]),
+    )
 
 
 # -- the same mechanism under every write, not only promote -------------------------------------------
@@ -404,13 +433,13 @@ def test_saving_a_committed_step_again_keeps_the_old_copy_when_the_write_fails(t
     with monkeypatch.context() as m:
         m.setattr(os, "pwrite", pwrite)
         _failing_after(m, 2)
-        with ckpt.Checkpointer(url, local_dir=tmp_path / "a") as ck:   # a run that went back to step 4
+        with ckpt.Checkpointer(url, local_dir=tmp_path / "a") as ck:  # a run that went back to step 4
             h = ck.save(STEP, _state(2.0))
             with pytest.raises(OSError) as local_error:
                 h.wait("local")
             with pytest.raises(OSError):
                 h.wait("remote")
-            ck.close()   # both failures were raised by h.wait() already: close() does not raise them again
+            ck.close()  # both failures were raised by h.wait() already: close() does not raise them again
     assert local_error.value.errno == errno.ENOSPC
     assert _local_holds(tmp_path / "a") == 1.0
     assert _remote_holds(url, tmp_path / "s") == 1.0
@@ -450,9 +479,9 @@ def test_a_copy_left_aside_by_a_killed_writer_is_put_back_and_staging_is_swept(t
     (root / "step-000000005").rename(aside)
     staged = root / f".step-000000005.new-{pid}-{tag}-00c0ffee"
     shutil.copytree(aside, staged)
-    live = root / f".step-000000006.new-{os.getpid()}-{tag}-12345678"   # a live writer's: left alone
+    live = root / f".step-000000006.new-{os.getpid()}-{tag}-12345678"  # a live writer's: left alone
     live.mkdir()
-    assert _local_holds(root) is None           # readers do not repair; the next writer does
+    assert _local_holds(root) is None  # readers do not repair; the next writer does
     with ckpt.Checkpointer(local_dir=root) as ck:
         ck.save(7, _state(2.0)).wait()
     assert _local_holds(root) == 1.0
@@ -463,18 +492,25 @@ def test_a_job_tier_step_saved_again_keeps_its_old_copy_until_every_rank_uploade
     from helpers import run_ranks
 
     def run(mode: str, value: float) -> list[str]:
-        results = run_ranks(HERE / "replace_worker.py", str(tmp_path), mode, str(value), timeout=180,
-                            env={"CKPT_CHUNK_BYTES": str(CHUNK)})   # 400 kB: 7 parts per rank
+        results = run_ranks(
+            HERE / "replace_worker.py",
+            str(tmp_path),
+            mode,
+            str(value),
+            timeout=180,
+            env={"CKPT_CHUNK_BYTES": str(CHUNK)},
+        )  # 400 kB: 7 parts per rank
         assert all(r.returncode == 0 for r in results), [r.stderr[-2000:] for r in results]
         return [r.stdout.strip().splitlines()[-1] for r in results]
 
     assert run("save", 1.0) == ["saved"] * 2
-    assert all(line.startswith("error") for line in run("fail", 2.0))   # rank 1's upload failed halfway
-    assert run("check", 0.0) == ["restored 5 1.0"] * 2                   # the old step 5, on every rank
+    assert all(line.startswith("error") for line in run("fail", 2.0))  # rank 1's upload failed halfway
+    assert run("check", 0.0) == ["restored 5 1.0"] * 2  # the old step 5, on every rank
     assert run("save", 3.0) == ["saved"] * 2
     assert run("check", 0.0) == ["restored 5 3.0"] * 2
     step_dir = tmp_path / "job" / "step-000000005"
-    (gen,) = [p.name for p in step_dir.iterdir() if p.is_dir()]           # the old copies' files are gone
+    (gen,) = [p.name for p in step_dir.iterdir() if p.is_dir()]  # the old copies' files are gone
     assert sorted(p.name for p in step_dir.iterdir()) == ["COMMIT", gen]
     from ckpt.cli import main as cli
+
     assert cli(["verify", f"file://{tmp_path}/job"]) == 0

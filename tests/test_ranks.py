@@ -20,7 +20,9 @@ HERE = Path(__file__).parent
 
 
 def _run(root: Path, mode: str, backend: str = "gloo", world: int = 2) -> list[subprocess.CompletedProcess]:
-    return run_ranks(HERE / "ranks_worker.py", str(root), mode, world=world, env={"CKPT_TEST_BACKEND": backend})
+    return run_ranks(
+        HERE / "ranks_worker.py", str(root), mode, world=world, env={"CKPT_TEST_BACKEND": backend}
+    )
 
 
 def _restored(results: list[subprocess.CompletedProcess]) -> list[str]:
@@ -41,9 +43,11 @@ def test_ranks_restore_the_newest_step_every_rank_can_load(tmp_path):
     shutil.rmtree(_step_dir(tmp_path, 1, 30))
     assert _restored(_run(tmp_path, "restore")) == ["restored 20 20.0"] * 2
     assert not list(tmp_path.rglob(".ckpt-job-*")), "the ranks' marker files were left behind"
-    for r in _run(tmp_path, "restore-30"):   # an explicit step that one rank lacks: every rank says so
-        assert r.returncode != 0 and "step 30 is not held by every rank (rank 0: [30, 20, 10]; rank 1: [20, 10])" \
-            in r.stderr, r.stderr[-2000:]
+    for r in _run(tmp_path, "restore-30"):  # an explicit step that one rank lacks: every rank says so
+        assert (
+            r.returncode != 0
+            and "step 30 is not held by every rank (rank 0: [30, 20, 10]; rank 1: [20, 10])" in r.stderr
+        ), r.stderr[-2000:]
 
     # rank 1's copy of step 20 is corrupt: both fall back to the next step they all hold
     data = _step_dir(tmp_path, 1, 20) / data_name(0)
@@ -68,18 +72,25 @@ def test_ranks_without_a_common_step_raise_on_every_rank(tmp_path):
     results = _run(tmp_path, "restore")
     for r in results:
         assert r.returncode != 0
-        assert "no step is committed on every rank" in r.stderr and "rank 0: [30]" in r.stderr \
-            and "rank 1: [20]" in r.stderr, r.stderr[-2000:]
+        assert (
+            "no step is committed on every rank" in r.stderr
+            and "rank 0: [30]" in r.stderr
+            and "rank 1: [20]" in r.stderr
+        ), r.stderr[-2000:]
 
 
-@pytest.mark.parametrize("backend", ["gloo", pytest.param("nccl", marks=pytest.mark.multigpu, id="nccl-two-gpus")])
+@pytest.mark.parametrize(
+    "backend", ["gloo", pytest.param("nccl", marks=pytest.mark.multigpu, id="nccl-two-gpus")]
+)
 def test_time_based_policy_saves_the_same_steps_on_every_rank(tmp_path, backend):
     # rank 0's clock says every step is due, rank 1's says none is: they agree to save each step
     # (under NCCL, over the CPU group the Checkpointer makes)
-    lines = [next(l for l in r.stdout.splitlines() if l.startswith("committed"))
-             for r in _run(tmp_path, "seconds", backend) if r.returncode == 0]
+    lines = [
+        next(l for l in r.stdout.splitlines() if l.startswith("committed"))
+        for r in _run(tmp_path, "seconds", backend)
+        if r.returncode == 0
+    ]
     assert lines == ["committed [1, 2, 3, 4, 5]"] * 2, lines
-
 
 
 def test_automatic_tier_cadences_hand_the_same_snapshots_to_each_tier_on_every_rank(tmp_path):
@@ -90,7 +101,7 @@ def test_automatic_tier_cadences_hand_the_same_snapshots_to_each_tier_on_every_r
     _ok(results)
     lines = [next(l for l in r.stdout.splitlines() if l.startswith("committed")) for r in results]
     assert lines[0] == lines[1], lines
-    assert "[]" not in lines[0], lines   # something was committed on both tiers
+    assert "[]" not in lines[0], lines  # something was committed on both tiers
 
 
 def test_skipped_saves_are_skipped_on_every_rank(tmp_path):
@@ -100,12 +111,16 @@ def test_skipped_saves_are_skipped_on_every_rank(tmp_path):
     _ok(results)
     lines = [next(l for l in r.stdout.splitlines() if l.startswith("committed")) for r in results]
     assert lines[0] == lines[1], lines
-    assert int(lines[0].rsplit(" ", 1)[1]) > 0, lines   # some saves were skipped
+    assert int(lines[0].rsplit(" ", 1)[1]) > 0, lines  # some saves were skipped
 
 
-@pytest.mark.parametrize("mode,message,world", [
-    ("same-dir", "is shared by ranks [0, 1]", 2),
-    ("same-url", "ranks [0, 1] were given the same url, other ranks another", 3)])
+@pytest.mark.parametrize(
+    "mode,message,world",
+    [
+        ("same-dir", "is shared by ranks [0, 1]", 2),
+        ("same-url", "ranks [0, 1] were given the same url, other ranks another", 3),
+    ],
+)
 def test_ranks_sharing_a_directory_or_part_of_them_a_url_are_refused(tmp_path, mode, message, world):
     # one url for every rank is a job tier (tests/test_reshard.py); for only some of them it is a mistake
     for r in _run(tmp_path, mode, world=world):
@@ -126,12 +141,20 @@ def test_a_collective_checkpointer_takes_the_ram_segments_over_when_made_and_che
     _ok(_run(tmp_path, "save-keep"))
     # the snapshots each rank left in RAM: 10, 20 and 30 in three buffers, or fewer where a buffer was still
     # being allocated when a snapshot came (a loaded machine), which then went into an older one's buffer
-    left = [sorted(r.step for g in shm.segments(prefix=shm.prefix_for(tmp_path / f"rank-{k}", k)) for r in g.records)
-            for k in range(2)]
+    left = [
+        sorted(
+            r.step for g in shm.segments(prefix=shm.prefix_for(tmp_path / f"rank-{k}", k)) for r in g.records
+        )
+        for k in range(2)
+    ]
     assert all(steps[-1] == 30 for steps in left), left
     if flip:
-        rec = next(r for g in shm.segments(prefix=shm.prefix_for(tmp_path / "rank-1", 1, create=True)) for r in g.records
-                   if r.step == 30)
+        rec = next(
+            r
+            for g in shm.segments(prefix=shm.prefix_for(tmp_path / "rank-1", 1, create=True))
+            for r in g.records
+            if r.step == 30
+        )
         with open(Path(rec.path).with_name(rec.buffer), "r+b") as f:
             f.seek(9)
             b = f.read(1)

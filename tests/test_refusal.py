@@ -20,7 +20,7 @@ def test_a_non_json_value_is_refused_with_its_key_named(local_dir):
             ck.save(1, state)
         assert ei.value.path == "extras/fn"
         assert ck.list() == []
-        ck.save(2, {"w": torch.ones(2)}).wait()   # the checkpointer is still usable
+        ck.save(2, {"w": torch.ones(2)}).wait()  # the checkpointer is still usable
     assert not (local_dir / "step-000000001").exists()
 
 
@@ -71,8 +71,18 @@ def test_bad_arguments_name_the_argument(local_dir, monkeypatch):
         ckpt.Checkpointer(local_dir=local_dir, max_in_flight=0)
 
 
-_BYTE_DTYPES = [n for n in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu",
-                            "float4_e2m1fn_x2") if hasattr(torch, n)]
+_BYTE_DTYPES = [
+    n
+    for n in (
+        "float8_e4m3fn",
+        "float8_e5m2",
+        "float8_e4m3fnuz",
+        "float8_e5m2fnuz",
+        "float8_e8m0fnu",
+        "float4_e2m1fn_x2",
+    )
+    if hasattr(torch, n)
+]
 _UNSTORED_DTYPES = [n for n in ("complex32", "uint4", "int4", "bits8") if hasattr(torch, n)]
 
 
@@ -80,7 +90,7 @@ _UNSTORED_DTYPES = [n for n in ("complex32", "uint4", "int4", "bits8") if hasatt
 def test_one_byte_float_dtypes_round_trip_bit_exact(local_dir, name):
     """MX / fp8 / fp4 dtypes (scales, packed weights) are kept as their bytes, tensors and dtype values alike."""
     dt = getattr(torch, name)
-    raw = torch.arange(256, dtype=torch.int32).to(torch.uint8).reshape(16, 16)   # every bit pattern
+    raw = torch.arange(256, dtype=torch.int32).to(torch.uint8).reshape(16, 16)  # every bit pattern
     with ckpt.Checkpointer(local_dir=local_dir) as ck:
         ck.save(1, {"w": raw.view(dt), "extras": {"dtype": dt}}).wait()
     target = {"w": torch.zeros(16, 16, dtype=torch.uint8).view(dt), "extras": {"dtype": None}}
@@ -99,8 +109,8 @@ def test_byte_dtypes_restore_and_export_under_deterministic_algorithms(tmp_path,
     raw = torch.arange(256, dtype=torch.int32).to(torch.uint8).reshape(16, 16)
     with ckpt.Checkpointer(local_dir=local_dir) as ck:
         ck.save(1, {"w": raw.view(dt), "t": raw.view(dt)}).wait()
-    torch.use_deterministic_algorithms(True)   # the conftest fixture turns it off again
-    stand_in = torch.zeros(16, 16, dtype=torch.uint8).t().view(dt)   # fits, not contiguous
+    torch.use_deterministic_algorithms(True)  # the conftest fixture turns it off again
+    stand_in = torch.zeros(16, 16, dtype=torch.uint8).t().view(dt)  # fits, not contiguous
     target = {"w": None, "t": stand_in}
     with ckpt.Checkpointer(local_dir=local_dir) as ck:
         assert ck.restore(target) == 1
@@ -113,15 +123,23 @@ def test_byte_dtypes_restore_and_export_under_deterministic_algorithms(tmp_path,
 @pytest.mark.parametrize("name", _UNSTORED_DTYPES)
 def test_a_dtype_the_format_does_not_store_is_refused_naming_the_key(local_dir, name):
     dt = getattr(torch, name)
-    torch.use_deterministic_algorithms(True)   # the refusal must not depend on torch's global modes
+    torch.use_deterministic_algorithms(True)  # the refusal must not depend on torch's global modes
     with ckpt.Checkpointer(local_dir=local_dir) as ck:
         with pytest.raises(ckpt.RefusedStateError) as ei:
-            ck.save(1, {"model": {"layer.w": torch.zeros(0, dtype=torch.uint8).view(dt) if dt.itemsize == 1
-                                  else torch.zeros(0, dtype=dt)}})
+            ck.save(
+                1,
+                {
+                    "model": {
+                        "layer.w": torch.zeros(0, dtype=torch.uint8).view(dt)
+                        if dt.itemsize == 1
+                        else torch.zeros(0, dtype=dt)
+                    }
+                },
+            )
         assert ei.value.path == "model/layer.w"
-        with pytest.raises(ckpt.RefusedStateError):   # a dtype value in the state too
+        with pytest.raises(ckpt.RefusedStateError):  # a dtype value in the state too
             ck.save(1, {"extras": {"dtype": dt}})
         assert ck.list() == []
-    with ckpt.Checkpointer(local_dir=local_dir, on_unsupported="skip") as ck:   # a value can be left out
+    with ckpt.Checkpointer(local_dir=local_dir, on_unsupported="skip") as ck:  # a value can be left out
         ck.save(2, {"w": torch.ones(2), "extras": {"dtype": dt}}).wait()
         assert [c.step for c in ck.list()] == [2]

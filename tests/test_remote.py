@@ -25,8 +25,11 @@ CHUNK = 256 << 10
 
 
 def _state(seed: float, n: int = 300_000) -> dict:
-    return {"w": torch.arange(n, dtype=torch.float32).mul_(0.001).add_(seed), "step": int(seed),
-            "h": torch.full((n // 3,), seed, dtype=torch.bfloat16)}
+    return {
+        "w": torch.arange(n, dtype=torch.float32).mul_(0.001).add_(seed),
+        "step": int(seed),
+        "h": torch.full((n // 3,), seed, dtype=torch.bfloat16),
+    }
 
 
 def _target(n: int = 300_000) -> dict:
@@ -60,8 +63,11 @@ def pytest_generate_tests(metafunc):
     s3 = metafunc.definition.get_closest_marker("s3") is not None
     # the tests that take seconds a case run pyarrow's client with -m slow (tests/test_arrow.py and the cheaper
     # tests here run it in the default suite)
-    arrow = pytest.param("arrow", marks=pytest.mark.slow) if metafunc.definition.originalname in _ARROW_SLOW \
+    arrow = (
+        pytest.param("arrow", marks=pytest.mark.slow)
+        if metafunc.definition.originalname in _ARROW_SLOW
         else "arrow"
+    )
     metafunc.parametrize("backend", ["s3fs", arrow] if s3 else ["fsspec", arrow], indirect=True)
 
 
@@ -78,7 +84,9 @@ def backend(request, monkeypatch):
 @pytest.mark.parametrize("compression", [None, "zstd"])
 @pytest.mark.parametrize("scheme", ["file", "memory"])
 def test_round_trip_through_fsspec_urls(tmp_path, scheme, compression):
-    url = f"file://{tmp_path}/remote" if scheme == "file" else f"memory://ckpt-test-{os.getpid()}-{compression}"
+    url = (
+        f"file://{tmp_path}/remote" if scheme == "file" else f"memory://ckpt-test-{os.getpid()}-{compression}"
+    )
     with ckpt.Checkpointer(url, local_dir=tmp_path / "a", compression=compression) as ck:
         h = ck.save(3, _state(3.0)).wait()
         assert h.done("remote") and h.stats.persist_s["remote"] > 0
@@ -96,14 +104,14 @@ def test_s3_round_trip_refills_the_local_tier(tmp_path, s3_bucket):
         ck.save(1, _state(1.0)).wait()
         ck.save(2, _state(2.0)).wait()
         assert [(i.step, i.tiers) for i in ck.list()][0] == (2, ["memory", "local", "remote"])
-    fresh = tmp_path / "fresh"                  # a replaced node: nothing local
+    fresh = tmp_path / "fresh"  # a replaced node: nothing local
     target = _target()
     with ckpt.Checkpointer(url, storage_options=opts, local_dir=fresh) as ck:
         assert ck.restore(target) == 2 and ck.last_restore.tier == "remote"
         assert _same(target, _state(2.0))
         assert (fresh / "step-000000002" / "COMMIT").exists()
         target = _target()
-        assert ck.restore(target) == 2 and ck.last_restore.tier == "local"   # filled on the way
+        assert ck.restore(target) == 2 and ck.last_restore.tier == "local"  # filled on the way
         assert _same(target, _state(2.0))
 
 
@@ -113,7 +121,9 @@ def test_a_corrupted_object_is_detected_and_restore_falls_back(tmp_path, s3_buck
 
     bucket, port = s3_bucket
     url, opts = f"s3://{bucket}/run", storage_options(port)
-    with ckpt.Checkpointer(url, storage_options=opts, local_dir=tmp_path / "a", keep=ckpt.Retention(remote=None)) as ck:
+    with ckpt.Checkpointer(
+        url, storage_options=opts, local_dir=tmp_path / "a", keep=ckpt.Retention(remote=None)
+    ) as ck:
         ck.save(1, _state(1.0)).wait()
         ck.save(2, _state(2.0)).wait()
     fs = s3fs.S3FileSystem(**opts, skip_instance_cache=True)
@@ -126,14 +136,17 @@ def test_a_corrupted_object_is_detected_and_restore_falls_back(tmp_path, s3_buck
         with pytest.warns(RuntimeWarning, match="part-000001"):
             assert ck.restore(target) == 1
     assert _same(target, _state(1.0))
-    assert not (tmp_path / "b" / "step-000000002").exists(), "a corrupt download must not be committed locally"
+    assert not (tmp_path / "b" / "step-000000002").exists(), (
+        "a corrupt download must not be committed locally"
+    )
 
 
 @pytest.mark.s3
 def test_a_missing_bucket_names_storage_options(tmp_path, s3_server):
     with pytest.raises(OSError, match="storage_options"):
-        ckpt.Checkpointer("s3://no-such-bucket-here/run", storage_options=storage_options(s3_server),
-                          local_dir=tmp_path)
+        ckpt.Checkpointer(
+            "s3://no-such-bucket-here/run", storage_options=storage_options(s3_server), local_dir=tmp_path
+        )
 
 
 @pytest.mark.s3
@@ -143,8 +156,11 @@ def test_bad_credentials_name_storage_options(tmp_path, s3_bucket):
     proxy.faults.forbid = True
     try:
         with pytest.raises(OSError, match="storage_options"):
-            ckpt.Checkpointer(f"s3://{bucket}/run", local_dir=tmp_path,
-                              storage_options=storage_options(proxy.port, key="wrong", secret="wrong"))
+            ckpt.Checkpointer(
+                f"s3://{bucket}/run",
+                local_dir=tmp_path,
+                storage_options=storage_options(proxy.port, key="wrong", secret="wrong"),
+            )
     finally:
         proxy.close()
 
@@ -155,8 +171,14 @@ def test_transient_server_faults_are_retried_and_the_save_completes(tmp_path, s3
     bucket, port = s3_bucket
     proxy = FaultProxy(port)
     try:
-        opts = storage_options(proxy.port, config_kwargs={"retries": {"max_attempts": 10, "mode": "standard"},
-                                                          "read_timeout": 5, "connect_timeout": 5})
+        opts = storage_options(
+            proxy.port,
+            config_kwargs={
+                "retries": {"max_attempts": 10, "mode": "standard"},
+                "read_timeout": 5,
+                "connect_timeout": 5,
+            },
+        )
         with ckpt.Checkpointer(f"s3://{bucket}/run", storage_options=opts, local_dir=tmp_path / "a") as ck:
             f = proxy.faults
             if fault in ("503", "500"):
@@ -171,8 +193,9 @@ def test_transient_server_faults_are_retried_and_the_save_completes(tmp_path, s3
             assert fault == "slow" or f.injected >= 3
             f.delay = 0.0
         target = _target()
-        with ckpt.Checkpointer(f"s3://{bucket}/run", storage_options=storage_options(port),
-                               local_dir=tmp_path / "b") as ck:
+        with ckpt.Checkpointer(
+            f"s3://{bucket}/run", storage_options=storage_options(port), local_dir=tmp_path / "b"
+        ) as ck:
             assert ck.restore(target) == 1 and ck.last_restore.tier == "remote"
         assert _same(target, _state(1.0))
     finally:
@@ -188,11 +211,11 @@ def test_a_failed_upload_is_reported_and_leaves_the_previous_checkpoint(tmp_path
         url = f"s3://{bucket}/run"
         with ckpt.Checkpointer(url, storage_options=opts, local_dir=tmp_path / "a") as ck:
             ck.save(1, _state(1.0)).wait()
-            proxy.faults.fail_next = 10**6          # an outage
+            proxy.faults.fail_next = 10**6  # an outage
             h = ck.save(2, _state(2.0))
             with pytest.raises(OSError, match="previous remote checkpoint is untouched"):
                 h.wait("remote")
-            assert h.done("local") and not h.errors.get("local")   # the local tier still committed it
+            assert h.done("local") and not h.errors.get("local")  # the local tier still committed it
             assert "failed on the remote tier" in caplog.text
             with pytest.raises(OSError):
                 ck.wait()
@@ -213,7 +236,7 @@ def test_sigkill_mid_upload_leaves_no_visible_step_and_the_previous_restorable(t
         url = f"s3://{bucket}/run"
         with ckpt.Checkpointer(url, storage_options=storage_options(port), local_dir=tmp_path / "a") as ck:
             ck.save(1, _state(1.0)).wait()
-        proxy.faults.delay = 0.25                   # slow uploads (32 parts, 8 in flight): the kill lands mid-upload
+        proxy.faults.delay = 0.25  # slow uploads (32 parts, 8 in flight): the kill lands mid-upload
         code = (
             "import sys, torch, ckpt\n"
             "from ckpt import knobs\n"
@@ -231,10 +254,11 @@ def test_sigkill_mid_upload_leaves_no_visible_step_and_the_previous_restorable(t
         proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, env=env)
         assert proc.stdout.readline().strip() == "uploading"
         import s3fs
+
         fs = s3fs.S3FileSystem(**storage_options(port), skip_instance_cache=True)
         parts = f"{bucket}/run/step-000000002/rank-00000"
         deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:          # kill once some parts, not all, are up
+        while time.monotonic() < deadline:  # kill once some parts, not all, are up
             fs.invalidate_cache()
             if fs.exists(parts) and len(fs.ls(parts)) >= 2:
                 break
@@ -277,8 +301,9 @@ def test_promote_copies_between_tiers_and_verifies(tmp_path):
 
 
 def test_remote_retention_keeps_the_newest_n(tmp_path):
-    with ckpt.Checkpointer(f"file://{tmp_path}/r", local_dir=tmp_path / "a",
-                           keep=ckpt.Retention(local=1, remote=2)) as ck:
+    with ckpt.Checkpointer(
+        f"file://{tmp_path}/r", local_dir=tmp_path / "a", keep=ckpt.Retention(local=1, remote=2)
+    ) as ck:
         for s in range(1, 5):
             ck.save(s, _state(float(s), 1000)).wait()
         assert ck.remote.committed_steps() == [4, 3]
@@ -293,14 +318,17 @@ def _vouched_files_synced_before_commit(log: DiskLog, step_dir: Path) -> None:
     for p in vouched + [step_dir]:
         assert log.synced_before(p, w), f"{p} was not on disk before COMMIT was written"
     # and COMMIT's own name reaches the disk after: its file or its directory fsynced once it is written
-    assert any(k == "fsync" and q in (os.path.realpath(commit), os.path.realpath(step_dir))
-               for k, q in log.events[w + 1:])
+    assert any(
+        k == "fsync" and q in (os.path.realpath(commit), os.path.realpath(step_dir))
+        for k, q in log.events[w + 1 :]
+    )
 
 
 def test_a_file_url_commit_reaches_the_disk_after_the_files_it_vouches_for(tmp_path, monkeypatch, backend):
     log = DiskLog(monkeypatch)
-    if backend == "arrow":   # the same spy on writes through pyarrow's local file system
+    if backend == "arrow":  # the same spy on writes through pyarrow's local file system
         from ckpt.fs import ArrowFileSystem
+
         real = ArrowFileSystem.pipe_file
 
         def pipe_file(fs, path, value, *a, **kw):
@@ -317,11 +345,13 @@ def test_a_file_url_commit_reaches_the_disk_after_the_files_it_vouches_for(tmp_p
 
 # -- hostile or damaged remote manifests and parts ----------------------------------------------------
 
+
 def _saved_remote(tmp_path: Path, compression: str | None = "zstd") -> tuple[str, Path]:
     """Steps 1 and 2 on a file:// remote tier (zstd parts); returns the url and step 2's directory."""
     url = f"file://{tmp_path}/remote"
-    with ckpt.Checkpointer(url, local_dir=tmp_path / "a", compression=compression,
-                           keep=ckpt.Retention(remote=None)) as ck:
+    with ckpt.Checkpointer(
+        url, local_dir=tmp_path / "a", compression=compression, keep=ckpt.Retention(remote=None)
+    ) as ck:
         ck.save(1, _state(1.0)).wait()
         ck.save(2, _state(2.0)).wait()
     return url, tmp_path / "remote" / "step-000000002"
@@ -348,7 +378,7 @@ def _zstd_frame_claiming(nbytes: int, rle: int = 1000) -> bytes:
     """A zstd frame whose header declares ``nbytes`` of content, holding one RLE block of ``rle`` zeros."""
     # magic, then a descriptor: an 8-byte content size, single segment (no window descriptor)
     header = struct.pack("<I", 0xFD2FB528) + bytes([0b11100000]) + struct.pack("<Q", nbytes)
-    block = 1 | (1 << 1) | (rle << 3)                                                            # last block, RLE
+    block = 1 | (1 << 1) | (rle << 3)  # last block, RLE
     return header + block.to_bytes(3, "little") + b"\x00"
 
 
@@ -376,7 +406,9 @@ def test_a_zstd_frame_declaring_16_tib_is_refused_before_any_allocation(tmp_path
     url, step2 = _saved_remote(tmp_path)
     frame = _zstd_frame_claiming(16 << 40)
     (step2 / "rank-00000" / "part-000001").write_bytes(frame)
-    _tamper(step2, lambda m: (m["codecs"].__setitem__(1, "zstd"), m["stored_sizes"].__setitem__(1, len(frame))))
+    _tamper(
+        step2, lambda m: (m["codecs"].__setitem__(1, "zstd"), m["stored_sizes"].__setitem__(1, len(frame)))
+    )
     with ckpt.Checkpointer(url, local_dir=tmp_path / "b") as ck:
         with pytest.raises(ckpt.CorruptCheckpointError, match="part-000001"):
             ck.remote.verify(2)
@@ -387,9 +419,13 @@ def test_a_zstd_frame_that_decodes_past_its_chunk_is_refused(tmp_path):
     import zstandard
 
     url, step2 = _saved_remote(tmp_path)
-    frame = zstandard.ZstdCompressor(write_content_size=False).compress(bytes(4 * CHUNK))   # no size in the header
+    frame = zstandard.ZstdCompressor(write_content_size=False).compress(
+        bytes(4 * CHUNK)
+    )  # no size in the header
     (step2 / "rank-00000" / "part-000001").write_bytes(frame)
-    _tamper(step2, lambda m: (m["codecs"].__setitem__(1, "zstd"), m["stored_sizes"].__setitem__(1, len(frame))))
+    _tamper(
+        step2, lambda m: (m["codecs"].__setitem__(1, "zstd"), m["stored_sizes"].__setitem__(1, len(frame)))
+    )
     with ckpt.Checkpointer(url, local_dir=tmp_path / "b") as ck:
         with pytest.raises(ckpt.CorruptCheckpointError, match="part-000001"):
             ck.remote.verify(2)
@@ -429,10 +465,18 @@ def test_a_raw_part_whose_recorded_size_is_not_its_chunk_is_corrupt(tmp_path):
 
 # -- what the remote tier says when the store fails -------------------------------------------------
 
+
 def _fast(port: int, **extra) -> dict:
     """storage_options whose failures show within seconds (2 attempts, short timeouts)."""
-    return storage_options(port, config_kwargs={"retries": {"max_attempts": 2, "mode": "standard"},
-                                                "connect_timeout": 2, "read_timeout": 5}, **extra)
+    return storage_options(
+        port,
+        config_kwargs={
+            "retries": {"max_attempts": 2, "mode": "standard"},
+            "connect_timeout": 2,
+            "read_timeout": 5,
+        },
+        **extra,
+    )
 
 
 @pytest.fixture
@@ -444,7 +488,7 @@ def named_bucket(s3_server):
 
     def make(name: str) -> str:
         if fs.exists(name):
-            fs.rm(name, recursive=True)   # left by an earlier test: empty it
+            fs.rm(name, recursive=True)  # left by an earlier test: empty it
         if not fs.exists(name):
             fs.mkdir(name)
         fs.invalidate_cache()
@@ -485,10 +529,13 @@ def test_refused_credentials_are_a_permission_error(tmp_path, s3_bucket):
     proxy.faults.forbid = True
     try:
         with pytest.raises(PermissionError) as ei:
-            ckpt.Checkpointer(f"s3://{bucket}/run", local_dir=tmp_path,
-                              storage_options=_fast(proxy.port, key="wrong", secret="wrong"))
+            ckpt.Checkpointer(
+                f"s3://{bucket}/run",
+                local_dir=tmp_path,
+                storage_options=_fast(proxy.port, key="wrong", secret="wrong"),
+            )
         assert ei.value.errno == errno.EACCES and "credentials" in str(ei.value)
-        assert "wrong" not in str(ei.value)               # never the key or secret themselves
+        assert "wrong" not in str(ei.value)  # never the key or secret themselves
     finally:
         proxy.close()
 
@@ -498,12 +545,12 @@ def test_an_unreachable_endpoint_is_named_not_called_a_missing_bucket(tmp_path, 
     from s3server import free_port
 
     bucket, _ = s3_bucket
-    dead = free_port()                                  # nothing listens there
+    dead = free_port()  # nothing listens there
     url, opts = f"s3://{bucket}/run", _fast(dead)
-    with pytest.raises(ConnectionError) as ei:          # a tool's RemoteTier: the outage is an error
+    with pytest.raises(ConnectionError) as ei:  # a tool's RemoteTier: the outage is an error
         ckpt.tiers.RemoteTier(url, opts)
     assert f"http://127.0.0.1:{dead}" in str(ei.value) and "endpoint_url" in str(ei.value)
-    with ckpt.Checkpointer(url, storage_options=opts, local_dir=tmp_path) as ck:   # a job goes on without it
+    with ckpt.Checkpointer(url, storage_options=opts, local_dir=tmp_path) as ck:  # a job goes on without it
         status = ck.remote.status
         assert status.available is False and isinstance(status.error, ConnectionError)
         assert f"http://127.0.0.1:{dead}" in str(status.error)
@@ -517,8 +564,9 @@ def test_an_unreachable_endpoint_is_named_not_called_a_missing_bucket(tmp_path, 
 
 def _two_remote_steps(tmp_path: Path, bucket: str, port: int) -> str:
     url = f"s3://{bucket}/run"
-    with ckpt.Checkpointer(url, storage_options=storage_options(port), local_dir=tmp_path / "a",
-                           keep=ckpt.Retention(remote=None)) as ck:
+    with ckpt.Checkpointer(
+        url, storage_options=storage_options(port), local_dir=tmp_path / "a", keep=ckpt.Retention(remote=None)
+    ) as ck:
         ck.save(1, _state(1.0)).wait()
         ck.save(2, _state(2.0)).wait()
     return url
@@ -529,12 +577,14 @@ def test_a_read_error_on_a_remote_part_names_the_part_not_the_local_dir(tmp_path
     bucket, port = s3_bucket
     url = _two_remote_steps(tmp_path, bucket, port)
     proxy = FaultProxy(port)
-    proxy.faults.fail_if = lambda method, path: method == "GET" and "step-000000002/rank-00000/part-000002" in path
+    proxy.faults.fail_if = lambda method, path: (
+        method == "GET" and "step-000000002/rank-00000/part-000002" in path
+    )
     try:
         opts = _fast(proxy.port)
         with ckpt.Checkpointer(url, storage_options=opts, local_dir=tmp_path / "b") as ck:
             with pytest.raises(OSError) as ei:
-                ck.promote(2, to="local")                  # downloads into the local tier (a refill)
+                ck.promote(2, to="local")  # downloads into the local tier (a refill)
             msg = str(ei.value)
             assert f"s3://{bucket}/run/step-000000002/rank-00000/part-000002" in msg
             assert "local_dir" not in msg and str(tmp_path / "b") not in msg
@@ -557,7 +607,7 @@ def test_a_local_write_error_during_a_refill_names_the_local_path(tmp_path, s3_b
     url = _two_remote_steps(tmp_path, bucket, port)
     local = tmp_path / "b"
     local.mkdir()
-    (local / "step-000000002").write_bytes(b"")        # a file where the refill needs a directory
+    (local / "step-000000002").write_bytes(b"")  # a file where the refill needs a directory
     with ckpt.Checkpointer(url, storage_options=_fast(port), local_dir=local) as ck:
         with pytest.raises(OSError) as ei:
             ck.promote(2, to="local")
@@ -567,14 +617,20 @@ def test_a_local_write_error_during_a_refill_names_the_local_path(tmp_path, s3_b
 
 
 @pytest.mark.s3
-@pytest.mark.timeout(120)   # a hang detector: the outage must not hold construction for the upload retry policy
+@pytest.mark.timeout(
+    120
+)  # a hang detector: the outage must not hold construction for the upload retry policy
 @pytest.mark.parametrize("outage", ["refused", "dropped", pytest.param("hanging", marks=pytest.mark.slow)])
-def test_a_remote_outage_at_restart_resumes_from_local_and_saves_report_it(tmp_path, s3_bucket, outage, caplog):
+def test_a_remote_outage_at_restart_resumes_from_local_and_saves_report_it(
+    tmp_path, s3_bucket, outage, caplog
+):
     bucket, port = s3_bucket
     proxy = FaultProxy(port)
     try:
         url = f"s3://{bucket}/run"
-        opts = storage_options(proxy.port)   # the library's upload retry policy (10 attempts, ~2 min when down)
+        opts = storage_options(
+            proxy.port
+        )  # the library's upload retry policy (10 attempts, ~2 min when down)
         with ckpt.Checkpointer(url, storage_options=opts, local_dir=tmp_path / "a") as ck:
             ck.save(1, _state(1.0)).wait()
             ck.save(2, _state(2.0)).wait()
@@ -607,7 +663,9 @@ def test_a_remote_outage_at_restart_resumes_from_local_and_saves_report_it(tmp_p
                 h.wait()
                 assert h.status == "done" and ck.remote.status.available is True
         target = _target()
-        with ckpt.Checkpointer(url, storage_options=storage_options(port), local_dir=tmp_path / "fresh") as ck:
+        with ckpt.Checkpointer(
+            url, storage_options=storage_options(port), local_dir=tmp_path / "fresh"
+        ) as ck:
             assert [i.step for i in ck.list()] == [4, 2, 1]
             assert ck.restore(target) == 4 and ck.last_restore.tier == "remote"
         assert _same(target, _state(4.0))
@@ -616,8 +674,12 @@ def test_a_remote_outage_at_restart_resumes_from_local_and_saves_report_it(tmp_p
 
 
 @pytest.mark.s3
-@pytest.mark.parametrize("status, code", [(503, "ServiceUnavailable"), (502, "BadGateway"), (500, "InternalError")])
-def test_a_store_answering_5xx_at_start_is_an_outage_not_a_configuration_error(tmp_path, s3_bucket, status, code):
+@pytest.mark.parametrize(
+    "status, code", [(503, "ServiceUnavailable"), (502, "BadGateway"), (500, "InternalError")]
+)
+def test_a_store_answering_5xx_at_start_is_an_outage_not_a_configuration_error(
+    tmp_path, s3_bucket, status, code
+):
     bucket, port = s3_bucket
     proxy = FaultProxy(port)
     proxy.faults.fail_status, proxy.faults.fail_code, proxy.faults.fail_next = status, code, 10**9
@@ -636,15 +698,19 @@ def test_a_store_answering_5xx_at_start_is_an_outage_not_a_configuration_error(t
 
 
 @pytest.mark.s3
-@pytest.mark.timeout(120)   # a hang detector: explicit reads must not run the upload retry policy into an outage
+@pytest.mark.timeout(
+    120
+)  # a hang detector: explicit reads must not run the upload retry policy into an outage
 def test_reads_from_a_store_known_to_be_down_probe_it_instead_of_retrying_each_request(tmp_path, s3_bucket):
     bucket, port = s3_bucket
     proxy = FaultProxy(port)
     try:
         url = _two_remote_steps(tmp_path, bucket, proxy.port)
         f = proxy.faults
-        f.drop_next = 10**9                  # every connection dropped: an outage
-        opts = storage_options(proxy.port)   # the library's upload retry policy: 10 attempts (and s3fs's 5 rounds)
+        f.drop_next = 10**9  # every connection dropped: an outage
+        opts = storage_options(
+            proxy.port
+        )  # the library's upload retry policy: 10 attempts (and s3fs's 5 rounds)
         with ckpt.Checkpointer(url, storage_options=opts, local_dir=tmp_path / "b") as ck:
             before = f.requests
             with pytest.raises(ConnectionError, match=f"127.0.0.1:{proxy.port}") as ei:
@@ -652,7 +718,7 @@ def test_reads_from_a_store_known_to_be_down_probe_it_instead_of_retrying_each_r
             assert "step-000000002" in str(ei.value)
             assert f.requests - before <= 8, f"{f.requests - before} requests into a store known to be down"
             f.drop_next = 0
-            ck.promote(2, to="local")        # the store is back: the next read probes it and goes ahead
+            ck.promote(2, to="local")  # the store is back: the next read probes it and goes ahead
             assert ck.local.committed_steps() == [2]
     finally:
         proxy.close()
@@ -705,7 +771,9 @@ def test_a_process_killed_while_it_writes_a_commit_on_a_file_url_leaves_no_torn_
         ck.save(1, {"w": torch.full((1000,), 1.0)}).wait()
     script = tmp_path / "killed.py"
     script.write_text(_KILLED_MID_COMMIT)
-    proc = subprocess.run([sys.executable, str(script), url, str(tmp_path / "b")], capture_output=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, str(script), url, str(tmp_path / "b")], capture_output=True, timeout=300
+    )
     assert proc.returncode == -signal.SIGKILL, proc.stderr.decode()[-2000:]
     step2 = tmp_path / "remote" / "step-000000002"
     assert step2.is_dir() and not (step2 / "COMMIT").exists()

@@ -41,7 +41,7 @@ from s3server import FaultProxy, storage_options
 
 HERE = Path(__file__).parent
 CHUNK = 64 << 10
-N = 40_000     # 160 kB of float32 and 27 kB of bfloat16: 3 parts of 64 kB
+N = 40_000  # 160 kB of float32 and 27 kB of bfloat16: 3 parts of 64 kB
 
 
 @pytest.fixture(autouse=True)
@@ -59,8 +59,11 @@ def s3fs_backend(monkeypatch):
 
 
 def _state(seed: float) -> dict:
-    return {"w": torch.arange(N, dtype=torch.float32).mul_(0.001).add_(seed), "seed": seed,
-            "h": torch.full((N // 3,), seed, dtype=torch.bfloat16)}
+    return {
+        "w": torch.arange(N, dtype=torch.float32).mul_(0.001).add_(seed),
+        "seed": seed,
+        "h": torch.full((N // 3,), seed, dtype=torch.bfloat16),
+    }
 
 
 def _target() -> dict:
@@ -84,14 +87,26 @@ def _fs(port: int):
 
 def _fast(port: int, **extra) -> dict:
     """storage_options whose failures show within seconds (2 attempts, short timeouts)."""
-    return storage_options(port, config_kwargs={"retries": {"max_attempts": 2, "mode": "standard"},
-                                                "connect_timeout": 2, "read_timeout": 3}, **extra)
+    return storage_options(
+        port,
+        config_kwargs={
+            "retries": {"max_attempts": 2, "mode": "standard"},
+            "connect_timeout": 2,
+            "read_timeout": 3,
+        },
+        **extra,
+    )
 
 
 def _save(url: str, opts: dict | None, local_dir: Path, steps, compression: str | None = None) -> None:
     """Steps (each holding the state of its own number as seed) on the remote tier, nothing deleted."""
-    with ckpt.Checkpointer(url, storage_options=opts, local_dir=local_dir, compression=compression,
-                           keep=ckpt.Retention(remote=None)) as ck:
+    with ckpt.Checkpointer(
+        url,
+        storage_options=opts,
+        local_dir=local_dir,
+        compression=compression,
+        keep=ckpt.Retention(remote=None),
+    ) as ck:
         for s in steps:
             ck.save(s, _state(float(s))).wait()
 
@@ -109,11 +124,13 @@ def _listed_and_verified(url: str, opts: dict | None) -> list[int]:
         tier = RemoteTier(url, opts)
         steps = tier.committed_steps()
         for s in steps:
-            tier.verify(s)   # raises if a listed step is not whole
+            tier.verify(s)  # raises if a listed step is not whole
     return steps
 
 
-def _restore(url: str, opts: dict | None, local_dir: Path, **kw) -> tuple[int | None, float | None, str | None]:
+def _restore(
+    url: str, opts: dict | None, local_dir: Path, **kw
+) -> tuple[int | None, float | None, str | None]:
     """(step, seed of the restored state, tier) through a Checkpointer with ``local_dir``."""
     target = _target()
     with ckpt.Checkpointer(url, storage_options=opts, local_dir=local_dir) as ck:
@@ -139,8 +156,15 @@ class Hold:
     :meth:`let_go`; it then reaches the store (``land``) or is answered 503 without reaching it.
     ``then``: what the proxy does to the later requests that match (``"fail"``: 503)."""
 
-    def __init__(self, proxy: FaultProxy, method: str, key: str, nth: int = 1, then: str | None = None,
-                 hold_s: float | None = None) -> None:
+    def __init__(
+        self,
+        proxy: FaultProxy,
+        method: str,
+        key: str,
+        nth: int = 1,
+        then: str | None = None,
+        hold_s: float | None = None,
+    ) -> None:
         self.hit, self.released = threading.Event(), threading.Event()
         self.land, self.seen, self.lock = True, 0, threading.Lock()
         self.forwarded = threading.Event()
@@ -171,6 +195,7 @@ class Hold:
 
 # -- objects deleted, truncated, replaced or shadowed behind the library's back ------------------------
 
+
 def _part(step_dir: str, i: int = 1) -> str:
     return f"{step_dir}/rank-00000/part-{i:06d}"
 
@@ -183,8 +208,13 @@ def _claim_2_60(fs, d: str) -> None:
     """A self-consistent manifest claiming one 2**60-byte chunk stored in 2**60 bytes."""
     m = json.loads(fs.cat_file(f"{d}/rank-00000.manifest.json"))
     huge = 1 << 60
-    m.update(data_bytes=huge, chunk_bytes=huge, chunks=[m["chunks"][0]], codecs=[m["codecs"][0]],
-             stored_sizes=[huge])
+    m.update(
+        data_bytes=huge,
+        chunk_bytes=huge,
+        chunks=[m["chunks"][0]],
+        codecs=[m["codecs"][0]],
+        stored_sizes=[huge],
+    )
     _resign(fs, d, json.dumps(m).encode(), data_bytes=huge)
 
 
@@ -229,13 +259,15 @@ def test_a_damaged_newest_checkpoint_is_refused_and_restore_falls_back(tmp_path,
     real = os.posix_fallocate
     monkeypatch.setattr(os, "posix_fallocate", lambda fd, off, n: (asked.append(n), real(fd, off, n))[1])
     tier = RemoteTier(url, opts)
-    with pytest.raises(ckpt.CheckpointError):   # corrupt or incomplete: never a bare OSError of the store
+    with pytest.raises(ckpt.CheckpointError):  # corrupt or incomplete: never a bare OSError of the store
         tier.verify(2)
     tier.verify(1)
     fresh = tmp_path / "fresh"
     with pytest.warns(RuntimeWarning):
         assert _restore(url, opts, fresh) == (1, 1.0, "remote")
-    assert not (fresh / "step-000000002" / "COMMIT").exists(), "a damaged download must not be committed locally"
+    assert not (fresh / "step-000000002" / "COMMIT").exists(), (
+        "a damaged download must not be committed locally"
+    )
     assert not asked or max(asked) < 1 << 30, f"the local tier was asked to preallocate {max(asked)} bytes"
 
 
@@ -248,7 +280,7 @@ def test_a_damaged_step_can_be_saved_again_over_and_restores(tmp_path, s3_bucket
     TAMPER[how](fs, f"{bucket}/run/step-000000002")
     fs.invalidate_cache()
     with ckpt.Checkpointer(url, storage_options=opts, local_dir=tmp_path / "again") as ck:
-        ck.save(2, _state(22.0)).wait()   # raises if the damaged copy keeps the new one out
+        ck.save(2, _state(22.0)).wait()  # raises if the damaged copy keeps the new one out
     assert _listed_and_verified(url, opts) == [2, 1]
     assert _restore(url, opts, tmp_path / "fresh") == (2, 22.0, "remote")
 
@@ -263,7 +295,7 @@ def test_a_junk_key_under_a_parts_name_does_not_make_a_whole_checkpoint_unusable
     fs.invalidate_cache()
     RemoteTier(url, opts).verify(2)
     with warnings.catch_warnings():
-        warnings.simplefilter("error", RuntimeWarning)   # no step is skipped
+        warnings.simplefilter("error", RuntimeWarning)  # no step is skipped
         assert _restore(url, opts, tmp_path / "fresh") == (2, 2.0, "remote")
 
 
@@ -307,16 +339,20 @@ def test_a_single_rank_manifest_that_stores_no_part_never_verifies(tmp_path, req
 
 # -- junk in the listing -------------------------------------------------------------------------------
 
+
 @pytest.mark.s3
 def test_junk_keys_in_the_listing_are_not_steps_and_cost_no_checkpoint(tmp_path, s3_bucket):
     bucket, port = s3_bucket
     url, opts, fs = f"s3://{bucket}/run", storage_options(port), _fs(port)
     _save(url, opts, tmp_path / "w", (1, 2))
     junk = {
-        "step-abc/COMMIT": b"{}", "step-/COMMIT": b"{}", "notastep/COMMIT": b"{}", "step-000000006": b"object",
+        "step-abc/COMMIT": b"{}",
+        "step-/COMMIT": b"{}",
+        "notastep/COMMIT": b"{}",
+        "step-000000006": b"object",
         "step-000000009/COMMIT/inside": b"a COMMIT that is a directory commits nothing",
-        "step-0000000008/COMMIT": b"{}",                              # 10 digits: not step-000000008
-        "step-\u0660\u0660\u0660\u0660\u0660\u0660\u0660\u0660\u0667/COMMIT": b"{}",   # Arabic-Indic digits
+        "step-0000000008/COMMIT": b"{}",  # 10 digits: not step-000000008
+        "step-\u0660\u0660\u0660\u0660\u0660\u0660\u0660\u0660\u0667/COMMIT": b"{}",  # Arabic-Indic digits
         "latest": b"\xff\xfe garbage",
         "step-000000002/rank-00000/part-000099": b"a part no manifest names",
         "step-000000002/stray": b"x",
@@ -328,16 +364,17 @@ def test_junk_keys_in_the_listing_are_not_steps_and_cost_no_checkpoint(tmp_path,
     assert tier.committed_steps() == [2, 1]
     assert sorted(tier.all_step_dirs()) == [1, 2, 6, 9], "only canonical step names are step directories"
     with warnings.catch_warnings():
-        warnings.simplefilter("error", RuntimeWarning)   # nothing listed fails to load
+        warnings.simplefilter("error", RuntimeWarning)  # nothing listed fails to load
         assert _restore(url, opts, tmp_path / "fresh") == (2, 2.0, "remote")
-    with ckpt.Checkpointer(url, storage_options=opts, local_dir=tmp_path / "next",
-                           keep=ckpt.Retention(remote=1)) as ck:
+    with ckpt.Checkpointer(
+        url, storage_options=opts, local_dir=tmp_path / "next", keep=ckpt.Retention(remote=1)
+    ) as ck:
         assert [i.step for i in ck.list()] == [2, 1]
         ck.save(3, _state(3.0)).wait()
     assert _listed_and_verified(url, opts) == [3]
     fs.invalidate_cache()
     left = {p.split("/run/", 1)[1] for p in fs.find(f"{bucket}/run")}
-    for key in junk:   # retention removed steps 1 and 2 (with what lay inside) and touched nothing else
+    for key in junk:  # retention removed steps 1 and 2 (with what lay inside) and touched nothing else
         if not key.startswith(("step-000000002/", "step-000000006")):
             assert key in left, f"retention deleted the junk key {key!r}"
 
@@ -347,8 +384,12 @@ def test_step_names_that_only_look_like_a_steps_are_not_steps_on_a_file_url(tmp_
     url, root = f"file://{tmp_path}/remote", tmp_path / "remote"
     _save(url, None, tmp_path / "w", (1, 2))
     commit = (root / "step-000000002" / "COMMIT").read_bytes()
-    for name in ("step-0000000005", "step-\u0660\u0660\u0660\u0660\u0660\u0660\u0660\u0660\u0666",
-                 "step-000000007\n", "step-00000000\uff18"):
+    for name in (
+        "step-0000000005",
+        "step-\u0660\u0660\u0660\u0660\u0660\u0660\u0660\u0660\u0666",
+        "step-000000007\n",
+        "step-00000000\uff18",
+    ):
         (root / name).mkdir()
         (root / name / "COMMIT").write_bytes(commit)
     tier = RemoteTier(url)
@@ -357,10 +398,13 @@ def test_step_names_that_only_look_like_a_steps_are_not_steps_on_a_file_url(tmp_
     with ckpt.Checkpointer(url, local_dir=tmp_path / "next", keep=ckpt.Retention(remote=1)) as ck:
         ck.save(3, _state(3.0)).wait()
     assert _listed_and_verified(url, None) == [3]
-    assert len([p for p in root.iterdir() if p.name.startswith("step-")]) == 5   # the lookalikes are left alone
+    assert (
+        len([p for p in root.iterdir() if p.name.startswith("step-")]) == 5
+    )  # the lookalikes are left alone
 
 
 # -- a COMMIT put that fails but lands after all ---------------------------------------------------------
+
 
 def _late_commit(proxy: FaultProxy, key: str) -> Hold:
     """The first put of ``key`` reaches the store 7 s late, after its client gave up (3 s read timeout,
@@ -369,10 +413,17 @@ def _late_commit(proxy: FaultProxy, key: str) -> Hold:
 
 
 @pytest.mark.s3
-@pytest.mark.parametrize("how", ["fresh step", pytest.param("step saved again", marks=pytest.mark.slow),
-                                 pytest.param("promote", marks=pytest.mark.slow)])   # one late PUT by default
-def test_a_commit_put_that_lands_after_the_writer_gave_up_never_vouches_for_deleted_files(tmp_path, s3_bucket,
-                                                                                            how):
+@pytest.mark.parametrize(
+    "how",
+    [
+        "fresh step",
+        pytest.param("step saved again", marks=pytest.mark.slow),
+        pytest.param("promote", marks=pytest.mark.slow),
+    ],
+)  # one late PUT by default
+def test_a_commit_put_that_lands_after_the_writer_gave_up_never_vouches_for_deleted_files(
+    tmp_path, s3_bucket, how
+):
     bucket, port = s3_bucket
     url, direct = f"s3://{bucket}/run", storage_options(port)
     _save(url, direct, tmp_path / "w", (1,))
@@ -387,18 +438,19 @@ def test_a_commit_put_that_lands_after_the_writer_gave_up_never_vouches_for_dele
             with pytest.raises(OSError):
                 ckpt.promote(1, "remote", local_dir=tmp_path / "src", url=url, storage_options=opts)
         else:
-            with ckpt.Checkpointer(url, storage_options=opts, local_dir=tmp_path / "a",
-                                   keep=ckpt.Retention(remote=None)) as ck:
+            with ckpt.Checkpointer(
+                url, storage_options=opts, local_dir=tmp_path / "a", keep=ckpt.Retention(remote=None)
+            ) as ck:
                 h = ck.save(step, _state(11.0))
                 with pytest.raises(OSError):
                     h.wait("remote")
                 with pytest.raises(OSError):
                     ck.wait()
         assert hold.forwarded.wait(10), "the late put did not reach the store"
-        time.sleep(0.5)   # the store takes it
+        time.sleep(0.5)  # the store takes it
     finally:
         proxy.close()
-    listed = _listed_and_verified(url, direct)   # whatever is listed is whole
+    listed = _listed_and_verified(url, direct)  # whatever is listed is whole
     assert 1 in listed
     got = _restore(url, direct, tmp_path / "fresh", step=step)
     assert got[0] == step and got[1] in ((1.0, 11.0) if step == 1 else (11.0,))
@@ -473,8 +525,9 @@ DEFAULT_KILL_POINTS = ("a part, lost", "COMMIT, landed", "retention removing ste
 
 
 @pytest.mark.s3
-@pytest.mark.parametrize("point", [p if p in DEFAULT_KILL_POINTS else pytest.param(p, marks=pytest.mark.slow)
-                                   for p in KILL_POINTS])
+@pytest.mark.parametrize(
+    "point", [p if p in DEFAULT_KILL_POINTS else pytest.param(p, marks=pytest.mark.slow) for p in KILL_POINTS]
+)
 def test_sigkill_of_the_uploader_leaves_only_whole_steps_listed(tmp_path, s3_bucket, point):
     bucket, port = s3_bucket
     url, direct, fs = f"s3://{bucket}/run", storage_options(port), _fs(port)
@@ -484,8 +537,13 @@ def test_sigkill_of_the_uploader_leaves_only_whole_steps_listed(tmp_path, s3_buc
     try:
         hold = Hold(proxy, method, key, nth)
         env = {**os.environ, "PYTHONPATH": f"{HERE}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-        proc = subprocess.Popen([sys.executable, "-c", _CHILD, url, str(proxy.port), str(tmp_path / "child")],
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+        proc = subprocess.Popen(
+            [sys.executable, "-c", _CHILD, url, str(proxy.port), str(tmp_path / "child")],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
         try:
             if not hold.hit.wait(90):
                 proc.kill()
@@ -499,26 +557,28 @@ def test_sigkill_of_the_uploader_leaves_only_whole_steps_listed(tmp_path, s3_buc
         hold.let_go(land)
         if land:
             assert hold.forwarded.wait(10)
-            time.sleep(0.5)   # the store takes it
+            time.sleep(0.5)  # the store takes it
     finally:
         proxy.close()
     fs.invalidate_cache()
     listed = _listed_and_verified(url, direct)
-    retention = point.startswith("retention")   # step 3 committed, step 2's COMMIT removed (or being)
+    retention = point.startswith("retention")  # step 3 committed, step 2's COMMIT removed (or being)
     assert (3 in listed) == (retention or point in ("COMMIT, landed", "latest, landed")), listed
     assert (2 in listed) == (not retention), listed
     assert 1 in listed
     step, seed, tier = _restore(url, direct, tmp_path / "fresh")
     assert (step, seed, tier) == (listed[0], float(listed[0]), "remote")
     # the next writer's retention removes whatever the killed one left
-    with ckpt.Checkpointer(url, storage_options=direct, local_dir=tmp_path / "next",
-                           keep=ckpt.Retention(remote=1)) as ck:
+    with ckpt.Checkpointer(
+        url, storage_options=direct, local_dir=tmp_path / "next", keep=ckpt.Retention(remote=1)
+    ) as ck:
         ck.save(4, _state(4.0)).wait()
     assert _listed_and_verified(url, direct) == [4]
     assert sorted(RemoteTier(url, direct).all_step_dirs()) == [4]
 
 
 # -- the store stopped in the middle of an upload, and started again -------------------------------------
+
 
 class _Outage:
     """At the first request for ``key`` the store goes away: that request and every one after it is
@@ -559,11 +619,13 @@ def test_a_short_outage_mid_upload_is_ridden_out_by_the_retries(tmp_path, s3_buc
     url = f"s3://{bucket}/run"
     proxy = FaultProxy(port)
     try:
-        with ckpt.Checkpointer(url, storage_options=storage_options(proxy.port), local_dir=tmp_path / "a") as ck:
+        with ckpt.Checkpointer(
+            url, storage_options=storage_options(proxy.port), local_dir=tmp_path / "a"
+        ) as ck:
             ck.save(1, _state(1.0)).wait()
             outage = _Outage(proxy, "step-000000002/rank-00000/part-000001", outage_s=1.5)
             h = ck.save(2, _state(2.0))
-            h.wait()                       # the library's retry policy (10 attempts) outlasts 1.5 s
+            h.wait()  # the library's retry policy (10 attempts) outlasts 1.5 s
             assert outage.hit.is_set() and h.status == "done"
     finally:
         proxy.close()
@@ -579,8 +641,9 @@ def test_an_outage_mid_upload_fails_the_save_and_the_next_save_after_it_cleans_u
     proxy = FaultProxy(port)
     try:
         # the constructor's probe and the first save with the default bound, then 2 s from the outage on
-        with ckpt.Checkpointer(url, storage_options=_fast(proxy.port), local_dir=tmp_path / "a",
-                               keep=ckpt.Retention(remote=1)) as ck:
+        with ckpt.Checkpointer(
+            url, storage_options=_fast(proxy.port), local_dir=tmp_path / "a", keep=ckpt.Retention(remote=1)
+        ) as ck:
             ck.save(1, _state(1.0)).wait()
             with knobs.override(CKPT_REMOTE_PROBE_S=2):
                 outage = _Outage(proxy, "step-000000002/rank-00000/part-000001", outage_s=None)
@@ -589,7 +652,7 @@ def test_an_outage_mid_upload_fails_the_save_and_the_next_save_after_it_cleans_u
                     h.wait("remote")
                 assert h.tier_status("local") == "done"
                 assert ck.remote.status.available is False
-                assert ck.remote.committed_steps() == []      # left out while down (logged), never the partial
+                assert ck.remote.committed_steps() == []  # left out while down (logged), never the partial
                 assert _listed_and_verified(url, direct) == [1]
             outage.end()
             ck.save(3, _state(3.0)).wait("remote")
@@ -604,8 +667,9 @@ def test_an_outage_mid_upload_fails_the_save_and_the_next_save_after_it_cleans_u
 
 # -- a slow, hanging or failing store never makes save() wait ---------------------------------------------
 
+
 @pytest.mark.s3
-@pytest.mark.timeout(180)   # a hang detector: a listing through the upload retry policy takes minutes
+@pytest.mark.timeout(180)  # a hang detector: a listing through the upload retry policy takes minutes
 @pytest.mark.parametrize("outage", ["refused", pytest.param("hanging", marks=pytest.mark.slow)])
 def test_a_store_that_goes_down_after_start_does_not_hold_the_first_save(tmp_path, s3_bucket, outage):
     """No restore() first, so the first save() finds the newest checkpoint's timeline itself, on every
@@ -615,10 +679,12 @@ def test_a_store_that_goes_down_after_start_does_not_hold_the_first_save(tmp_pat
     url = f"s3://{bucket}/run"
     proxy = FaultProxy(port)
     try:
-        opts = storage_options(proxy.port)   # the library's upload retry policy: 10 attempts
+        opts = storage_options(proxy.port)  # the library's upload retry policy: 10 attempts
         # the constructor's probe with its default bound (a loaded 2-core CI machine took over 2 s), then 2 s
-        with ckpt.Checkpointer(url, storage_options=opts, local_dir=tmp_path / "a") as ck, \
-                knobs.override(CKPT_REMOTE_PROBE_S=2):
+        with (
+            ckpt.Checkpointer(url, storage_options=opts, local_dir=tmp_path / "a") as ck,
+            knobs.override(CKPT_REMOTE_PROBE_S=2),
+        ):
             assert ck.remote.status.available is True
             if outage == "refused":
                 proxy.down()
@@ -651,9 +717,11 @@ def test_a_slow_store_makes_the_remote_tier_skip_snapshots_never_save_wait(tmp_p
     url = f"s3://{bucket}/run"
     proxy = FaultProxy(port)
     try:
-        with ckpt.Checkpointer(url, storage_options=storage_options(proxy.port), local_dir=tmp_path / "a") as ck:
+        with ckpt.Checkpointer(
+            url, storage_options=storage_options(proxy.port), local_dir=tmp_path / "a"
+        ) as ck:
             assert ck.restore(_target()) is None
-            proxy.faults.delay = 0.25                # every request to the store takes 0.25 s: an upload ~2.5 s
+            proxy.faults.delay = 0.25  # every request to the store takes 0.25 s: an upload ~2.5 s
             stalls, handles = [], []
             for s in range(1, 7):
                 t0 = time.monotonic()
@@ -665,7 +733,9 @@ def test_a_slow_store_makes_the_remote_tier_skip_snapshots_never_save_wait(tmp_p
             remote = ck.remote.committed_steps()
         assert max(stalls) < 1.5, f"save() waited for the slow store: {[round(s, 2) for s in stalls]}"
         assert all(h.tier_status("local") in ("done", "skipped") for h in handles)
-        assert any(h.tier_status("remote") == "skipped" for h in handles), "the store was not slower than the saves"
+        assert any(h.tier_status("remote") == "skipped" for h in handles), (
+            "the store was not slower than the saves"
+        )
         newest = max(h.step for h in handles if h.status != "skipped")
         assert newest in remote, "the remote tier did not write the newest snapshot next (newest wins)"
     finally:
@@ -692,7 +762,9 @@ RETENTION_FAILS = {
 @pytest.mark.s3
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("failing", [pytest.param("uploads", marks=pytest.mark.slow), "retention"])
-def test_retention_under_repeated_failures_always_keeps_a_checkpoint_that_verifies(tmp_path, s3_bucket, failing):
+def test_retention_under_repeated_failures_always_keeps_a_checkpoint_that_verifies(
+    tmp_path, s3_bucket, failing
+):
     bucket, port = s3_bucket
     url, direct = f"s3://{bucket}/run", storage_options(port)
     failures = UPLOAD_FAILS if failing == "uploads" else RETENTION_FAILS
@@ -700,8 +772,12 @@ def test_retention_under_repeated_failures_always_keeps_a_checkpoint_that_verifi
     proxy = FaultProxy(port)
     try:
         # the store answers every request (503 to the failing ones): the probe keeps its default bound
-        with ckpt.Checkpointer(url, storage_options=_fast(proxy.port), local_dir=tmp_path / "a",
-                               keep=ckpt.Retention(local=1, remote=1)) as ck:
+        with ckpt.Checkpointer(
+            url,
+            storage_options=_fast(proxy.port),
+            local_dir=tmp_path / "a",
+            keep=ckpt.Retention(local=1, remote=1),
+        ) as ck:
             ck.save(1, _state(1.0)).wait()
             good = {1}
             for step in range(2, last + 1):
@@ -713,7 +789,7 @@ def test_retention_under_repeated_failures_always_keeps_a_checkpoint_that_verifi
                 except OSError:
                     assert failing == "uploads" and step in failures
                 proxy.faults.fail_if = None
-                listed = _listed_and_verified(url, direct)   # only whole steps, every time
+                listed = _listed_and_verified(url, direct)  # only whole steps, every time
                 assert listed and listed[0] == max(good), (step, listed)
                 assert set(listed) <= good, (step, listed)
             with pytest.raises(OSError) if failing == "uploads" else contextlib.nullcontext():
@@ -727,15 +803,18 @@ def test_retention_under_repeated_failures_always_keeps_a_checkpoint_that_verifi
 
 # -- restore falls back tier by tier ---------------------------------------------------------------------
 
+
 @pytest.mark.s3
 def test_restore_falls_back_tier_by_tier_and_refills_the_local_copy(tmp_path, s3_bucket):
     bucket, port = s3_bucket
     url, opts, fs = f"s3://{bucket}/run", storage_options(port), _fs(port)
     local = tmp_path / "a"
-    with ckpt.Checkpointer(url, storage_options=opts, local_dir=local, keep=ckpt.Retention(local=None, remote=None)) as ck:
+    with ckpt.Checkpointer(
+        url, storage_options=opts, local_dir=local, keep=ckpt.Retention(local=None, remote=None)
+    ) as ck:
         for s in (1, 2, 3):
             ck.save(s, _state(float(s))).wait()
-    shutil.rmtree(local / "step-000000003")                  # 3: on the remote tier alone, and damaged there
+    shutil.rmtree(local / "step-000000003")  # 3: on the remote tier alone, and damaged there
     _flip(fs, _part(f"{bucket}/run/step-000000003", 0))
     data = local / "step-000000002" / "rank-00000.bin"  # 2: damaged on the local tier, whole on the remote
     raw = bytearray(data.read_bytes())
@@ -746,8 +825,8 @@ def test_restore_falls_back_tier_by_tier_and_refills_the_local_copy(tmp_path, s3
         with pytest.warns(RuntimeWarning):
             assert ck.restore(target) == 2
         assert ck.last_restore.tier == "remote" and _seed_of(target) == 2.0
-        assert ck.remote.verified.get(3) is False and len(ck.last_restore.skipped) == 2   # remote 3, local 2
-    assert _restore(url, opts, local, step=2) == (2, 2.0, "local")   # the local copy was replaced on the way
+        assert ck.remote.verified.get(3) is False and len(ck.last_restore.skipped) == 2  # remote 3, local 2
+    assert _restore(url, opts, local, step=2) == (2, 2.0, "local")  # the local copy was replaced on the way
     # the store down as well: the local tier alone, older steps
     proxy = FaultProxy(port)
     proxy.down()
@@ -787,9 +866,15 @@ def test_a_second_process_with_the_same_url_and_local_dir_writes_nothing_to_the_
     url, direct = f"s3://{bucket}/run", storage_options(port)
     local = tmp_path / "shared"
     env = {**os.environ, "PYTHONPATH": f"{HERE}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    owner = subprocess.Popen([sys.executable, "-c", _OWNER, url, str(port), str(local)], stdin=subprocess.PIPE,
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-    proxy = FaultProxy(port)      # the second process's own way to the store: every request it sends is seen
+    owner = subprocess.Popen(
+        [sys.executable, "-c", _OWNER, url, str(port), str(local)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    proxy = FaultProxy(port)  # the second process's own way to the store: every request it sends is seen
     writes: list[tuple[str, str]] = []
     real = proxy.faults.take
 
@@ -800,21 +885,26 @@ def test_a_second_process_with_the_same_url_and_local_dir_writes_nothing_to_the_
 
     proxy.faults.take = take
     try:
+
         def owner_saves(step: int) -> None:
             owner.stdin.write(f"{step}\n")
             owner.stdin.flush()
             line = owner.stdout.readline()
-            assert line.split() == ["saved", str(step)], (line, owner.stderr.read()[-3000:] if not line else "")
+            assert line.split() == ["saved", str(step)], (
+                line,
+                owner.stderr.read()[-3000:] if not line else "",
+            )
 
         owner_saves(1)
-        with ckpt.Checkpointer(url, storage_options=storage_options(proxy.port), local_dir=local,
-                               keep=ckpt.Retention(remote=1)) as ck:
+        with ckpt.Checkpointer(
+            url, storage_options=storage_options(proxy.port), local_dir=local, keep=ckpt.Retention(remote=1)
+        ) as ck:
             with pytest.raises(ckpt.LockedError):
                 ck.save(2, _state(-2.0))
             with pytest.raises(ckpt.LockedError):
                 ck.promote(1, to="local")
             target = _target()
-            assert ck.restore(target) == 1 and _seed_of(target) == 1.0   # reading needs no lock
+            assert ck.restore(target) == 1 and _seed_of(target) == 1.0  # reading needs no lock
             owner_saves(2)
             owner_saves(3)
             assert ck.remote.committed_steps() == [3, 2]
@@ -835,7 +925,9 @@ def test_a_second_process_with_the_same_url_and_local_dir_writes_nothing_to_the_
 
 
 @pytest.mark.s3
-def test_a_consumer_restoring_while_the_trainer_prunes_the_store_loads_the_newer_step(tmp_path, s3_bucket, monkeypatch):
+def test_a_consumer_restoring_while_the_trainer_prunes_the_store_loads_the_newer_step(
+    tmp_path, s3_bucket, monkeypatch
+):
     """A second job (evaluation, a fresh node) restores from the store a training job keeps writing: the steps
     it listed are pruned and a newer one committed before it reads them. It lists again and loads the newer
     one, instead of falling back past them to "no checkpoint"."""
@@ -845,10 +937,16 @@ def test_a_consumer_restoring_while_the_trainer_prunes_the_store_loads_the_newer
     real, fired = RemoteTier.restore_into, []
 
     def racing(self, state, step, *a, **kw):
-        if not fired:   # the trainer commits 3 and its retention (remote=1) deletes 1 and 2, just before the read
+        if (
+            not fired
+        ):  # the trainer commits 3 and its retention (remote=1) deletes 1 and 2, just before the read
             fired.append(step)
-            with ckpt.Checkpointer(url, storage_options=opts, local_dir=tmp_path / "trainer",
-                                   keep=ckpt.Retention(local=None, remote=1)) as trainer:
+            with ckpt.Checkpointer(
+                url,
+                storage_options=opts,
+                local_dir=tmp_path / "trainer",
+                keep=ckpt.Retention(local=None, remote=1),
+            ) as trainer:
                 trainer.save(3, _state(3.0)).wait()
         return real(self, state, step, *a, **kw)
 
@@ -857,5 +955,5 @@ def test_a_consumer_restoring_while_the_trainer_prunes_the_store_loads_the_newer
     with ckpt.Checkpointer(url, storage_options=opts, local_dir=tmp_path / "consumer") as ck:
         assert ck.restore(target) == 3
         assert ck.last_restore.tier == "remote" and ck.last_restore.skipped == []
-        assert ck.timeline.number == 0   # the newest was restored: no rollback, no new branch
+        assert ck.timeline.number == 0  # the newest was restored: no rollback, no new branch
     assert fired == [2] and _seed_of(target) == 3.0

@@ -24,7 +24,7 @@ from s3server import StallProxy, storage_options
 
 pytestmark = pytest.mark.s3
 
-N = 100_000          # 400 kB of float32: 7 parts of 64 kB
+N = 100_000  # 400 kB of float32: 7 parts of 64 kB
 #: seconds within which a stalled save or restore must have failed: 3 attempts of 1 s, the backoffs between
 #: them, a bounded probe, and a loaded 2-core machine's slack; the client's own policy alone takes minutes
 BOUND_S = 25
@@ -60,8 +60,8 @@ def test_a_stalled_upload_fails_the_saves_remote_copy_in_bounded_time(stalling, 
     url, opts, proxy, direct = stalling
     ck = ckpt.Checkpointer(url, storage_options=opts, local_dir=local_dir)
     try:
-        ck.save(1, _state(1.0)).wait()          # through the relay while it forwards
-        proxy.stall(after=b"/part-")             # the next part's request, and everything after it
+        ck.save(1, _state(1.0)).wait()  # through the relay while it forwards
+        proxy.stall(after=b"/part-")  # the next part's request, and everything after it
         t0 = time.monotonic()
         handle = ck.save(2, _state(2.0))
         with pytest.raises(OSError) as e:
@@ -70,13 +70,13 @@ def test_a_stalled_upload_fails_the_saves_remote_copy_in_bounded_time(stalling, 
         assert isinstance(e.value, TimeoutError) and e.value.errno == errno.ETIMEDOUT, repr(e.value)
         assert "/step-000000002/rank-00000/part-" in e.value.filename, e.value.filename
         assert took < BOUND_S, took
-        handle.wait("local")                     # the nearer tiers have the step
+        handle.wait("local")  # the nearer tiers have the step
         assert 2 in ck.local.committed_steps()
     finally:
         t0 = time.monotonic()
         assert _closed_within(ck, BOUND_S * 2), "close() hung"
     assert time.monotonic() - t0 < BOUND_S * 2
-    import s3fs   # asked directly (pyarrow's S3 client waits for its calls left to their threads to end)
+    import s3fs  # asked directly (pyarrow's S3 client waits for its calls left to their threads to end)
 
     fs = s3fs.S3FileSystem(**direct, skip_instance_cache=True)
     root = url.removeprefix("s3://")
@@ -91,12 +91,14 @@ def test_a_restore_whose_reads_stall_falls_back_in_bounded_time(stalling, tmp_pa
         ck.save(3, _state(3.0)).wait()
     reader = ckpt.Checkpointer(url, storage_options=opts, local_dir=tmp_path / "fresh")
     try:
-        proxy.stall(after=b"/part-")             # the listing and the records come through, the data does not
+        proxy.stall(after=b"/part-")  # the listing and the records come through, the data does not
         t0 = time.monotonic()
         with pytest.raises(ckpt.NoCheckpointError) as e:
             reader.restore({"w": torch.empty(N), "seed": None})
         assert time.monotonic() - t0 < BOUND_S
-        assert "/step-000000003/rank-00000/part-" in str(e.value)   # what stalled is named among what was tried
-        assert not (tmp_path / "fresh" / "step-000000003").exists()   # no refill of a read that stalled
+        assert "/step-000000003/rank-00000/part-" in str(
+            e.value
+        )  # what stalled is named among what was tried
+        assert not (tmp_path / "fresh" / "step-000000003").exists()  # no refill of a read that stalled
     finally:
         assert _closed_within(reader, BOUND_S), "close() hung"

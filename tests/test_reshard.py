@@ -26,17 +26,24 @@ WORKER = HERE / "reshard_worker.py"
 def _run(root: Path, mode: str, world: int, backend: str = "gloo") -> list[subprocess.CompletedProcess]:
     env = {"CKPT_TEST_BACKEND": backend}
     if world == 1:
-        r = subprocess.run([sys.executable, str(WORKER), str(root), "0", "1", mode], capture_output=True, text=True,
-                           timeout=180, env={**os.environ, **env,
-                                             "PYTHONPATH": f"{HERE}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"})
+        r = subprocess.run(
+            [sys.executable, str(WORKER), str(root), "0", "1", mode],
+            capture_output=True,
+            text=True,
+            timeout=180,
+            env={**os.environ, **env, "PYTHONPATH": f"{HERE}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"},
+        )
         return [r]
     return run_ranks(WORKER, str(root), mode, world=world, env=env)
 
 
 def _line(results: list[subprocess.CompletedProcess], prefix: str) -> list[str]:
     assert_ok(results)
-    return [next(l for l in r.stdout.splitlines() if l.startswith(prefix)) for r in results
-            if any(l.startswith(prefix) for l in r.stdout.splitlines())]
+    return [
+        next(l for l in r.stdout.splitlines() if l.startswith(prefix))
+        for r in results
+        if any(l.startswith(prefix) for l in r.stdout.splitlines())
+    ]
 
 
 def test_shard_boxes_follow_dtensor_rule():
@@ -45,8 +52,14 @@ def test_shard_boxes_follow_dtensor_rule():
     assert boxes == [((0, 0), (3, 5)), ((3, 0), (3, 5)), ((6, 0), (1, 5))]
     assert shard_box({"shape": [2, 3], "mesh": [3], "coord": [2], "placements": ["S0"]})[1] == (0, 3)
     # two mesh dims sharding one tensor dim split it in mesh order; Replicate keeps the whole dim
-    assert shard_box({"shape": [8, 4], "mesh": [2, 2], "coord": [1, 0], "placements": ["S0", "S0"]}) == ((4, 0), (2, 4))
-    assert shard_box({"shape": [8, 4], "mesh": [2, 2], "coord": [1, 1], "placements": ["R", "S1"]}) == ((0, 2), (8, 2))
+    assert shard_box({"shape": [8, 4], "mesh": [2, 2], "coord": [1, 0], "placements": ["S0", "S0"]}) == (
+        (4, 0),
+        (2, 4),
+    )
+    assert shard_box({"shape": [8, 4], "mesh": [2, 2], "coord": [1, 1], "placements": ["R", "S1"]}) == (
+        (0, 2),
+        (8, 2),
+    )
     assert overlap(((0, 0), (3, 5)), ((2, 1), (4, 4))) == ((2, 1), (1, 4))
     assert overlap(((0, 0), (3, 5)), ((3, 0), (3, 5))) is None
 
@@ -64,7 +77,7 @@ def test_dtensors_reshard_to_another_world_size_and_placements(tmp_path, save_wo
     assert _line(_run(tmp_path, "save-dt", save_world), "saved") == ["saved"] * save_world
     step = tmp_path / "job" / step_dir_name(5)
     commit = Commit.from_bytes((step / COMMIT_NAME).read_bytes(), "COMMIT")
-    assert commit.world_size == save_world and len(commit.manifests) == save_world   # rank 0's global commit
+    assert commit.world_size == save_world and len(commit.manifests) == save_world  # rank 0's global commit
     assert _line(_run(tmp_path, "load-dt", load_world), "restored") == ["restored 5 from remote"] * load_world
 
 
@@ -88,7 +101,7 @@ def test_one_process_consolidates_a_sharded_checkpoint(tmp_path):
 
 def test_fsdp2_model_and_optimizer_resume_on_another_world_size(tmp_path):
     saved = _line(_run(tmp_path, "fsdp-save", 2), "digest")
-    for world in (3, 1):   # three FSDP2 ranks; one process with the model unsharded
+    for world in (3, 1):  # three FSDP2 ranks; one process with the model unsharded
         got = _run(tmp_path, "fsdp-load" if world > 1 else "fsdp-whole", world)
         assert _line(got, "restored") == ["restored 3"] * world
         assert _line(got, "digest") == saved, f"world {world}: restored parameters or optimizer state differ"
@@ -107,17 +120,20 @@ def test_ranks_saving_different_steps_commit_nothing_and_say_why(tmp_path):
     results = _run(tmp_path, "steps-differ", 2)
     assert _line(results, "remote") == ["remote []"] * 2
     for r in results:
-        assert "uploaded different steps ([1, 2])" in r.stdout and "every rank must save the same steps" in r.stdout
+        assert (
+            "uploaded different steps ([1, 2])" in r.stdout
+            and "every rank must save the same steps" in r.stdout
+        )
 
 
 def test_replicated_tensors_are_uploaded_by_rank_0_alone_and_restored_everywhere(tmp_path, monkeypatch):
-    monkeypatch.setenv("CKPT_CHUNK_BYTES", str(64 << 10))   # 1.2 MB of model in 64 KiB parts
+    monkeypatch.setenv("CKPT_CHUNK_BYTES", str(64 << 10))  # 1.2 MB of model in 64 KiB parts
     assert_ok(_run(tmp_path, "dedupe-save", 2))
     step = tmp_path / "job" / step_dir_name(1)
     parts = [len(list((step / f"rank-{r:05d}").iterdir())) for r in range(2)]
-    assert parts[0] >= 18 and parts[1] == 1, parts   # rank 1 stored only the part holding its own tensor
-    shutil.rmtree(tmp_path / "local-2")   # the ranks' own full copies: the restores must use the job tier
-    for world in (2, 3):   # the same world (rank 1 reads the model from rank 0's files) and a larger one
+    assert parts[0] >= 18 and parts[1] == 1, parts  # rank 1 stored only the part holding its own tensor
+    shutil.rmtree(tmp_path / "local-2")  # the ranks' own full copies: the restores must use the job tier
+    for world in (2, 3):  # the same world (rank 1 reads the model from rank 0's files) and a larger one
         assert _line(_run(tmp_path, "dedupe-load", world), "restored") == ["restored 1 from remote"] * world
 
 
@@ -127,7 +143,7 @@ def test_the_cli_lists_inspects_and_verifies_a_job_tier(tmp_path, capsys):
     assert_ok(_run(tmp_path, "save-dt", 2))
     url = f"file://{tmp_path}/job"
     assert cli(["ls", url]) == 0
-    assert "    2  " in capsys.readouterr().out   # the ranks column
+    assert "    2  " in capsys.readouterr().out  # the ranks column
     assert cli(["inspect", url, "--rank", "1"]) == 0
     assert "world size 2" in capsys.readouterr().out
     assert cli(["verify", url]) == 0

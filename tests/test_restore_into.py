@@ -83,7 +83,7 @@ class WithView(nn.Module):
     def __init__(self):
         super().__init__()
         self.conv = nn.Conv2d(3, 8, 3)
-        self.register_buffer("t", torch.randn(5, 4).t())   # a transposed view as a buffer
+        self.register_buffer("t", torch.randn(5, 4).t())  # a transposed view as a buffer
 
 
 def test_a_channels_last_model_and_its_optimizer_restore_into_themselves(local_dir):
@@ -136,7 +136,7 @@ def test_a_channels_last_model_on_the_gpu_restores_into_itself(local_dir):
     want = m.weight.detach().clone()
     with torch.no_grad():
         m.weight.zero_()
-    for memory in (False, True):   # from the local tier, then from the memory tier
+    for memory in (False, True):  # from the local tier, then from the memory tier
         with ckpt.Checkpointer(local_dir=local_dir) as ck:
             if memory:
                 ck.save(2, {"m": m}).wait()

@@ -75,8 +75,11 @@ def _sd(d: Path, step: int) -> Path:
 
 
 def _committed(d: Path) -> list[int]:
-    return sorted(int(p.name[5:]) for p in d.glob("step-*")
-                  if p.is_dir() and not p.is_symlink() and (p / COMMIT_NAME).is_file())
+    return sorted(
+        int(p.name[5:])
+        for p in d.glob("step-*")
+        if p.is_dir() and not p.is_symlink() and (p / COMMIT_NAME).is_file()
+    )
 
 
 def _restore(d: Path) -> tuple[int | None, torch.Tensor]:
@@ -135,8 +138,10 @@ DAMAGE = {
     "data_gone": lambda sd: (sd / data_name(0)).unlink(),
     "manifest_gone": lambda sd: (sd / manifest_name(0)).unlink(),
     "manifest_garbage": lambda sd: (sd / manifest_name(0)).write_bytes(b"\x00" * 64),
-    "commit_garbage": lambda sd: (sd / COMMIT_NAME).write_bytes(b"{\"step\": 30"),
-    "commit_of_another_step": lambda sd: shutil.copy(sd.parent / "step-000000020" / COMMIT_NAME, sd / COMMIT_NAME),
+    "commit_garbage": lambda sd: (sd / COMMIT_NAME).write_bytes(b'{"step": 30'),
+    "commit_of_another_step": lambda sd: shutil.copy(
+        sd.parent / "step-000000020" / COMMIT_NAME, sd / COMMIT_NAME
+    ),
     "uncommitted_half_deleted": lambda sd: ((sd / COMMIT_NAME).unlink(), (sd / data_name(0)).unlink()),
 }
 
@@ -176,16 +181,17 @@ def test_gc_with_every_checkpoint_damaged_deletes_no_committed_one_and_exits_1(l
     before = _tree(local_dir)
     rc, out, err = _cli("gc", str(local_dir), "--keep", "1")
     assert rc == 1 and out == ""
-    assert {k: v for k, v in _tree(local_dir).items() if k != ".ckpt-lock"} == \
-        {k: v for k, v in before.items() if k != ".ckpt-lock"}
+    assert {k: v for k, v in _tree(local_dir).items() if k != ".ckpt-lock"} == {
+        k: v for k, v in before.items() if k != ".ckpt-lock"
+    }
 
 
 # -- --dry-run deletes nothing ----------------------------------------------------------------------
 def test_gc_dry_run_deletes_nothing_not_even_leftovers_and_says_what_gc_would(local_dir):
     _write(local_dir, 10, 20, 30, 40)
     _flip(_sd(local_dir, 40) / data_name(0))
-    (_sd(local_dir, 20) / COMMIT_NAME).unlink()               # an uncommitted leftover
-    stage = local_dir / ".step-000000050.new-999999-00000000-00000000"   # a staging directory of another host
+    (_sd(local_dir, 20) / COMMIT_NAME).unlink()  # an uncommitted leftover
+    stage = local_dir / ".step-000000050.new-999999-00000000-00000000"  # a staging directory of another host
     stage.mkdir()
     before = _tree(local_dir)
     rc, out, _ = _cli("gc", str(local_dir), "--keep", "1", "--dry-run")
@@ -223,8 +229,16 @@ def _make(kind: str, path: Path, outside: Path) -> None:
         raise AssertionError(kind)
 
 
-ODD = ["file", "fifo", "link_to_outside_dir", "link_to_outside_file", "dangling_link", "link_to_own_step",
-       "dir_with_commit_dir", "dir_with_commit_link_to_outside"]
+ODD = [
+    "file",
+    "fifo",
+    "link_to_outside_dir",
+    "link_to_outside_file",
+    "dangling_link",
+    "link_to_own_step",
+    "dir_with_commit_dir",
+    "dir_with_commit_link_to_outside",
+]
 
 
 def _run_bounded(fn, seconds: float = 60):
@@ -252,14 +266,16 @@ def test_a_step_name_that_is_no_step_directory_is_never_followed_nor_blocks(loca
         rc, _, _ = _run_bounded(lambda: _cli("gc", str(local_dir), "--keep", "1"))
         assert rc == 0
     else:
+
         def save():
             with ckpt.Checkpointer(local_dir=local_dir, keep=ckpt.Retention(local=1)) as ck:
                 ck.save(40, {"w": torch.full((NUMEL,), 40.0)}).wait()
+
         _run_bounded(save)
     assert _tree(outside) == outside_before
     newest = 30 if how == "gc" else 40
     assert newest in _committed(local_dir) and verifies(local_dir, newest)
-    if kind in ("dir_with_commit_dir",):   # an uncommitted directory of our own: may go, never follows
+    if kind in ("dir_with_commit_dir",):  # an uncommitted directory of our own: may go, never follows
         assert not os.path.lexists(odd) or stat.S_IFMT(os.lstat(odd).st_mode) == stat.S_IFDIR
     else:
         st = os.lstat(odd)
@@ -329,12 +345,18 @@ def _resume_and_save(local_dir: Path, restored: int, step: int, keep: int) -> No
 
 # -- a manifest and COMMIT claiming 2**60 bytes --------------------------------------------------------
 @pytest.mark.parametrize("field", ["data_bytes", "chunk_bytes"])
-def test_sizes_of_2_to_the_60_in_the_newest_step_never_crash_a_command_nor_cost_the_good_step(local_dir, field):
+def test_sizes_of_2_to_the_60_in_the_newest_step_never_crash_a_command_nor_cost_the_good_step(
+    local_dir, field
+):
     _write(local_dir, 10, 20, 30)
     big = 1 << 60
     if field == "data_bytes":
-        _recommit(local_dir, 30, manifest=lambda m: {**m, "data_bytes": big},
-                  commit=lambda c: {**c, "data": {data_name(0): big}})
+        _recommit(
+            local_dir,
+            30,
+            manifest=lambda m: {**m, "data_bytes": big},
+            commit=lambda c: {**c, "data": {data_name(0): big}},
+        )
     else:
         _recommit(local_dir, 30, manifest=lambda m: {**m, "chunk_bytes": big})
     for cmd in ("ls", "inspect", "verify"):
@@ -348,8 +370,9 @@ def test_sizes_of_2_to_the_60_in_the_newest_step_never_crash_a_command_nor_cost_
 
 # -- the command line on a path that is not a checkpoint directory ----------------------------------
 @pytest.mark.parametrize("kind", ["missing", "file", "fifo", "link_to_file", "dangling_link"])
-@pytest.mark.parametrize("cmd", [["gc", "--keep", "1"], ["gc", "--keep", "1", "--dry-run"], ["ls"], ["verify"],
-                                 ["inspect"]])
+@pytest.mark.parametrize(
+    "cmd", [["gc", "--keep", "1"], ["gc", "--keep", "1", "--dry-run"], ["ls"], ["verify"], ["inspect"]]
+)
 def test_a_command_on_a_path_that_is_no_directory_is_status_1_and_changes_nothing(tmp_path, kind, cmd):
     p = tmp_path / "target"
     if kind == "file":
@@ -379,24 +402,39 @@ def test_gc_keep_below_1_is_a_usage_mistake_and_deletes_nothing(local_dir, keep,
 
 # -- promote between a directory and itself ---------------------------------------------------------
 @pytest.mark.parametrize("to", ["remote", "local"])
-@pytest.mark.parametrize("where", ["same", "via_link", "trailing_slash", "a_step_of_it", "holds_it_as_a_step"])
+@pytest.mark.parametrize(
+    "where", ["same", "via_link", "trailing_slash", "a_step_of_it", "holds_it_as_a_step"]
+)
 def test_promote_between_a_local_dir_and_a_url_of_itself_is_refused_and_touches_nothing(tmp_path, to, where):
     local_dir = tmp_path / "local"
     _write(local_dir, 1, 2)
-    url = {"same": f"file://{local_dir}", "trailing_slash": f"file://{local_dir}/",
-           "a_step_of_it": f"file://{_sd(local_dir, 2)}"}.get(where)
+    url = {
+        "same": f"file://{local_dir}",
+        "trailing_slash": f"file://{local_dir}/",
+        "a_step_of_it": f"file://{_sd(local_dir, 2)}",
+    }.get(where)
     if where == "via_link":
         os.symlink(local_dir, tmp_path / "link")
         url = f"file://{tmp_path / 'link'}"
     src = local_dir
-    if where == "holds_it_as_a_step":   # local_dir lies inside a step directory of the remote tier
+    if where == "holds_it_as_a_step":  # local_dir lies inside a step directory of the remote tier
         _write(tmp_path / "other", 1)
         url = f"file://{tmp_path / 'other'}"
         src = _sd(tmp_path / "other", 1) / "nested"
         shutil.copytree(local_dir, src)
     before = _tree(tmp_path)
-    rc, out, err = _cli("promote", str(src), url, "--step", "2" if where != "holds_it_as_a_step" else "1",
-                        "--to", to, "--compression", "zstd", "--no-progress")
+    rc, out, err = _cli(
+        "promote",
+        str(src),
+        url,
+        "--step",
+        "2" if where != "holds_it_as_a_step" else "1",
+        "--to",
+        to,
+        "--compression",
+        "zstd",
+        "--no-progress",
+    )
     assert rc == 2 and len(err.strip().splitlines()) == 1
     assert _tree(tmp_path) == before
     assert _cli("verify", str(local_dir))[0] == 0
@@ -405,7 +443,9 @@ def test_promote_between_a_local_dir_and_a_url_of_itself_is_refused_and_touches_
 def test_promote_to_a_url_elsewhere_inside_local_dir_still_works(local_dir):
     _write(local_dir, 1, 2)
     url = f"file://{local_dir}/remote"
-    assert _cli("promote", str(local_dir), url, "--step", "2", "--to", "remote", "--compression", "zstd")[0] == 0
+    assert (
+        _cli("promote", str(local_dir), url, "--step", "2", "--to", "remote", "--compression", "zstd")[0] == 0
+    )
     assert _cli("verify", url)[0] == 0 and _cli("verify", str(local_dir))[0] == 0
 
 
@@ -430,8 +470,12 @@ def live_writer(tmp_path):
     d = tmp_path / "local"
     d.mkdir()
     env = dict(os.environ, PYTHONPATH=f"{HERE}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
-    proc = subprocess.Popen([sys.executable, str(HERE / "killworker.py"), str(d), str(1 << 14), str(4096)],
-                            stdout=subprocess.PIPE, text=True, env=env)
+    proc = subprocess.Popen(
+        [sys.executable, str(HERE / "killworker.py"), str(d), str(1 << 14), str(4096)],
+        stdout=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
     try:
         assert proc.stdout.readline().strip() == "ready"
         deadline = time.monotonic() + 60
@@ -450,11 +494,11 @@ def test_gc_through_any_path_to_a_live_writers_dir_is_refused_and_the_writer_goe
     for path in (str(d), str(tmp_path / "alias"), str(d) + "/", str(d) + "/."):
         rc, out, err = _cli("gc", path, "--keep", "1")
         assert rc == 1 and out == "" and len(err.strip().splitlines()) == 1
-    rc, out, _ = _cli("gc", str(d), "--keep", "1", "--dry-run")   # only reads
+    rc, out, _ = _cli("gc", str(d), "--keep", "1", "--dry-run")  # only reads
     assert rc == 0
     seen = _committed(d)[-1]
     deadline = time.monotonic() + 60
-    while _committed(d)[-1] <= seen:   # the writer was not disturbed
+    while _committed(d)[-1] <= seen:  # the writer was not disturbed
         assert time.monotonic() < deadline and proc.poll() is None
         time.sleep(0.02)
 
@@ -463,7 +507,7 @@ def test_gc_of_a_live_writers_dir_as_a_file_url_deletes_none_of_its_checkpoints(
     """The remote tier's reading of a local tier's directory: nothing there verifies as a remote
     checkpoint, so nothing committed is deleted (and no lock protects it)."""
     d, proc = live_writer
-    proc.send_signal(signal.SIGSTOP)   # a writer frozen mid-save: its committed steps must all stay
+    proc.send_signal(signal.SIGSTOP)  # a writer frozen mid-save: its committed steps must all stay
     try:
         before = _committed(d)
         rc, _, _ = _cli("gc", f"file://{d}", "--keep", "1")
@@ -478,10 +522,18 @@ def test_gc_of_a_live_writers_dir_as_a_file_url_deletes_none_of_its_checkpoints(
 @pytest.mark.parametrize("mode", ["gc", "save"])
 def test_sigkill_in_the_middle_of_a_deletion_leaves_a_good_newest_and_nothing_torn(local_dir, mode, where):
     _write(local_dir, 10, 20, 30)
-    env = dict(os.environ, PYTHONPATH=f"{HERE}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
-               PYTHONWARNINGS="ignore")
-    proc = subprocess.Popen([sys.executable, str(HERE / "retention_worker.py"), mode, str(local_dir), where],
-                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
+    env = dict(
+        os.environ,
+        PYTHONPATH=f"{HERE}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+        PYTHONWARNINGS="ignore",
+    )
+    proc = subprocess.Popen(
+        [sys.executable, str(HERE / "retention_worker.py"), mode, str(local_dir), where],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        env=env,
+    )
     try:
         line = proc.stdout.readline().split()
         assert line[:1] == ["stopped"], line
@@ -520,10 +572,18 @@ def test_gc_memory_dry_run_frees_nothing_of_a_killed_writers_segments(local_dir)
     from ckpt import shm
 
     _write(local_dir, 10, 20, 30)
-    env = dict(os.environ, PYTHONPATH=f"{HERE}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
-               PYTHONWARNINGS="ignore")
-    proc = subprocess.Popen([sys.executable, str(HERE / "retention_worker.py"), "save", str(local_dir), "uncommitted"],
-                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
+    env = dict(
+        os.environ,
+        PYTHONPATH=f"{HERE}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+        PYTHONWARNINGS="ignore",
+    )
+    proc = subprocess.Popen(
+        [sys.executable, str(HERE / "retention_worker.py"), "save", str(local_dir), "uncommitted"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        env=env,
+    )
     try:
         assert proc.stdout.readline().split()[:1] == ["stopped"]
     finally:
@@ -538,15 +598,17 @@ def test_gc_memory_dry_run_frees_nothing_of_a_killed_writers_segments(local_dir)
     if not before:
         pytest.skip("no memory tier here (no RAM file system)")
     assert _cli("gc", "--memory", str(local_dir), "--dry-run")[0] == 0
-    for cmd in (["ls", str(local_dir)], ["ls", "--memory"], ["gc", str(local_dir), "--dry-run"]):   # read only
+    for cmd in (["ls", str(local_dir)], ["ls", "--memory"], ["gc", str(local_dir), "--dry-run"]):  # read only
         assert _cli(*cmd)[0] == 0
     assert held() == before
     assert _cli("gc", "--memory", str(local_dir))[0] == 0
     assert held() == {}
-    assert _restore(local_dir)[0] == 31   # from the local tier alone now
+    assert _restore(local_dir)[0] == 31  # from the local tier alone now
 
 
-def test_gc_memory_never_frees_a_live_owners_segments_before_its_first_snapshot(local_dir, tmp_path, monkeypatch):
+def test_gc_memory_never_frees_a_live_owners_segments_before_its_first_snapshot(
+    local_dir, tmp_path, monkeypatch
+):
     """A live owner has allocated its memory-tier segments and not yet written a snapshot record (as
     between a first save's allocation and its first memory commit): ``gc --memory DIR`` is refused as
     for any live owner, ``gc --memory`` (every local_dir) keeps them since no record says whose they
@@ -556,10 +618,18 @@ def test_gc_memory_never_frees_a_live_owners_segments_before_its_first_snapshot(
     monkeypatch.setenv("CKPT_SHM_DIR", str(tmp_path / "shm"))
     (tmp_path / "shm").mkdir()
     _write(local_dir, 10)
-    env = dict(os.environ, PYTHONPATH=f"{HERE}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
-               PYTHONWARNINGS="ignore")
-    proc = subprocess.Popen([sys.executable, str(HERE / "retention_worker.py"), "memory", str(local_dir), "half"],
-                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
+    env = dict(
+        os.environ,
+        PYTHONPATH=f"{HERE}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+        PYTHONWARNINGS="ignore",
+    )
+    proc = subprocess.Popen(
+        [sys.executable, str(HERE / "retention_worker.py"), "memory", str(local_dir), "half"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        env=env,
+    )
     prefix = shm.prefix_for(local_dir, 0, create=True)
 
     def held() -> dict[str, int]:
@@ -613,8 +683,12 @@ def _gc_beside(local_dir: Path, script: str, arg: str) -> list[str]:
     """Steps 1-40 written, ``script`` running in a second process (it prints ``ready``, then its verdict)
     while ``ckpt gc --keep 1`` deletes 39 of them; returns the second process's last words."""
     _write(local_dir, *range(1, 41))
-    p = subprocess.Popen([sys.executable, "-c", script, str(local_dir), arg, "40"], stdout=subprocess.PIPE,
-                         text=True, env=dict(os.environ, PYTHONWARNINGS="ignore"))
+    p = subprocess.Popen(
+        [sys.executable, "-c", script, str(local_dir), arg, "40"],
+        stdout=subprocess.PIPE,
+        text=True,
+        env=dict(os.environ, PYTHONWARNINGS="ignore"),
+    )
     try:
         assert p.stdout.readline().strip() == "ready"
         rc, out, _ = _cli("gc", str(local_dir), "--keep", "1")
@@ -641,7 +715,7 @@ def test_gc_of_a_url_never_deletes_the_new_branchs_upload_in_flight(tmp_path, mo
 
         def put(self, path, data, sync_dir=False):
             real(self, path, data, sync_dir)
-            if "step-000000140" in path and "/part-" in path and not ran:   # a part is up, no COMMIT yet
+            if "step-000000140" in path and "/part-" in path and not ran:  # a part is up, no COMMIT yet
                 ran.append(_cli("gc", url, "--keep", "3"))
 
         monkeypatch.setattr(RemoteTier, "_put", put)
@@ -756,7 +830,7 @@ def test_one_flipped_bit_in_an_old_commits_timeline_never_costs_the_newest(local
     _rolled_back(local_dir)
     p = _sd(local_dir, 110) / COMMIT_NAME
     raw = p.read_bytes()
-    flipped = raw.replace(b'"timeline":1', b'"timeline":9')   # '1' -> '9': one bit (0x31 -> 0x39)
+    flipped = raw.replace(b'"timeline":1', b'"timeline":9')  # '1' -> '9': one bit (0x31 -> 0x39)
     assert flipped != raw and sum(a != b for a, b in zip(raw, flipped)) == 1
     p.write_bytes(flipped)
     assert _cli("gc", str(local_dir), "--keep", "1")[0] == 0
@@ -783,4 +857,3 @@ def test_a_latest_that_lies_is_never_followed(local_dir, tmp_path, lie):
     assert _committed(local_dir) == [130, 140]
     assert outside.read_bytes() == b"precious"
     assert _restore(local_dir)[0] == 140
-

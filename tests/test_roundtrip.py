@@ -73,9 +73,17 @@ def test_plain_tensors_numpy_tuples_and_json_values_round_trip(local_dir):
     }
     with ckpt.Checkpointer(local_dir=local_dir) as ck:
         ck.save(1, state).wait()
-    target = {"t": torch.zeros(2, 5, dtype=torch.float64), "bf16": torch.zeros(7, dtype=torch.bfloat16),
-              "flags": torch.zeros(3, dtype=torch.bool), "scalar": torch.tensor(0.0), "empty": torch.empty(0, 3),
-              "arr": None, "nested": None, "np_scalar": None, "dtype": None}
+    target = {
+        "t": torch.zeros(2, 5, dtype=torch.float64),
+        "bf16": torch.zeros(7, dtype=torch.bfloat16),
+        "flags": torch.zeros(3, dtype=torch.bool),
+        "scalar": torch.tensor(0.0),
+        "empty": torch.empty(0, 3),
+        "arr": None,
+        "nested": None,
+        "np_scalar": None,
+        "dtype": None,
+    }
     t_before = target["t"]
     with ckpt.Checkpointer(local_dir=local_dir) as ck:
         assert ck.restore(target) == 1

@@ -39,13 +39,26 @@ def test_lightning_callback_saves_on_request_and_training_goes_on(tmp_path, work
     def fit(extra: list) -> tuple[Tiny, CheckpointCallback]:
         L.seed_everything(0, verbose=False)
         model = Tiny()
-        cb = CheckpointCallback(local_dir=tmp_path / "ck", every_steps=1000, save_on_train_end=False,
-                                signals=ckpt.Signals(save=(signal.SIGUSR2,)))
-        trainer = L.Trainer(max_epochs=EPOCHS, accelerator="cpu", devices=1, deterministic=True, logger=False,
-                            enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
-                            limit_val_batches=0, callbacks=[cb, *extra])
+        cb = CheckpointCallback(
+            local_dir=tmp_path / "ck",
+            every_steps=1000,
+            save_on_train_end=False,
+            signals=ckpt.Signals(save=(signal.SIGUSR2,)),
+        )
+        trainer = L.Trainer(
+            max_epochs=EPOCHS,
+            accelerator="cpu",
+            devices=1,
+            deterministic=True,
+            logger=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            enable_checkpointing=False,
+            limit_val_batches=0,
+            callbacks=[cb, *extra],
+        )
         trainer.fit(model)
-        assert trainer.global_step == EPOCHS * BATCHES   # trained on to the end
+        assert trainer.global_step == EPOCHS * BATCHES  # trained on to the end
         return model, cb
 
     before = signal.getsignal(signal.SIGUSR2), signal.getsignal(signal.SIGTERM)
@@ -57,7 +70,7 @@ def test_lightning_callback_saves_on_request_and_training_goes_on(tmp_path, work
     assert cb.restored_step == 5 and weights_bytes(resumed) == weights_bytes(signalled)
 
 
-@pytest.mark.usefixtures("frozen_heap")   # Trainer.train() collects garbage three times (conftest.py)
+@pytest.mark.usefixtures("frozen_heap")  # Trainer.train() collects garbage three times (conftest.py)
 def test_hf_trainer_callback_saves_on_request_and_training_goes_on(tmp_path, worker_on_path):
     pytest.importorskip("transformers")
     from transformers import Trainer, TrainerCallback, TrainingArguments
@@ -65,20 +78,34 @@ def test_hf_trainer_callback_saves_on_request_and_training_goes_on(tmp_path, wor
 
     from ckpt.integrations.hf import CheckpointCallback
 
-    class SignalAt(TrainerCallback):   # the callback serves the request at the next step's start
+    class SignalAt(TrainerCallback):  # the callback serves the request at the next step's start
         def on_step_end(self, args, state, control, **kwargs):
             if state.global_step == 4:
                 os.kill(os.getpid(), signal.SIGUSR1)
 
     def train(extra: list) -> tuple[torch.nn.Module, CheckpointCallback, int]:
         model = tiny_llama()
-        args = TrainingArguments(str(tmp_path / "hf-out"), per_device_train_batch_size=BATCH, max_steps=8,
-                                 learning_rate=1e-2, lr_scheduler_type="cosine", warmup_steps=2, seed=3,
-                                 use_cpu=True, report_to=[], dataloader_num_workers=0, save_strategy="no",
-                                 disable_tqdm=True)
+        args = TrainingArguments(
+            str(tmp_path / "hf-out"),
+            per_device_train_batch_size=BATCH,
+            max_steps=8,
+            learning_rate=1e-2,
+            lr_scheduler_type="cosine",
+            warmup_steps=2,
+            seed=3,
+            use_cpu=True,
+            report_to=[],
+            dataloader_num_workers=0,
+            save_strategy="no",
+            disable_tqdm=True,
+        )
         trainer = Trainer(model, args, train_dataset=Tokens(SAMPLES, 1), callbacks=extra)
-        cb = CheckpointCallback(local_dir=tmp_path / "ck", every_steps=1000, save_on_train_end=False,
-                                signals=ckpt.Signals(save=(signal.SIGUSR1,))).attach(trainer)
+        cb = CheckpointCallback(
+            local_dir=tmp_path / "ck",
+            every_steps=1000,
+            save_on_train_end=False,
+            signals=ckpt.Signals(save=(signal.SIGUSR1,)),
+        ).attach(trainer)
         trainer.train()
         return model, cb, trainer.state.global_step
 

@@ -35,7 +35,7 @@ def test_the_next_optimizer_step_waits_for_the_copy(local_dir, slow_staging):
     before = {k: v.clone() for k, v in model.state_dict().items()}
     with ckpt.Checkpointer(local_dir=local_dir) as ck:
         h = ck.save(1, {"model": model, "optim": opt})
-        opt.step()   # mutates the parameters: must not tear the snapshot
+        opt.step()  # mutates the parameters: must not tear the snapshot
         h.wait()
     assert not torch.equal(model.weight, before["weight"])
     fresh = nn.Linear(64, 64)
@@ -50,7 +50,7 @@ def test_module_buffers_are_copied_before_the_next_forward_can_change_them(local
     before = model.running_mean.clone()
     with ckpt.Checkpointer(local_dir=local_dir) as ck:
         h = ck.save(1, {"model": model})
-        model(torch.randn(16, 8) + 5)   # updates running stats in place
+        model(torch.randn(16, 8) + 5)  # updates running stats in place
         h.wait()
     fresh = nn.BatchNorm1d(8)
     with ckpt.Checkpointer(local_dir=local_dir) as ck:
@@ -63,7 +63,7 @@ def test_an_in_place_write_during_the_copy_fails_the_save_loudly_naming_the_tens
     with ckpt.Checkpointer(local_dir=local_dir) as ck:
         ck.save(1, {"w": torch.ones(10), "ema": ema}).wait()
         h = ck.save(2, {"w": torch.ones(10), "ema": ema})
-        ema.add_(1)   # an EMA update without wait_staged()
+        ema.add_(1)  # an EMA update without wait_staged()
         with pytest.raises(ckpt.TornSnapshotError, match=r"'ema'.*wait_staged"):
             h.wait()
         with pytest.raises(ckpt.TornSnapshotError):
@@ -123,9 +123,9 @@ def _state_across_pieces() -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(0)
     wide = torch.randn(64, 300, generator=g)
     return {
-        "contiguous": torch.randn(10_000, generator=g),              # several pieces, split as bytes
-        "transposed": wide.t(),                                      # rows halved down to the boundary
-        "strided": torch.randn(9_000, generator=g)[::2],             # one dimension: its elements
+        "contiguous": torch.randn(10_000, generator=g),  # several pieces, split as bytes
+        "transposed": wide.t(),  # rows halved down to the boundary
+        "strided": torch.randn(9_000, generator=g)[::2],  # one dimension: its elements
         "complex": torch.randn(3_000, dtype=torch.complex64, generator=g),
         "conj": torch.randn(2_500, dtype=torch.complex64, generator=g).conj(),
         "small": torch.arange(7, dtype=torch.int8),
@@ -162,12 +162,12 @@ def test_no_copy_into_a_segment_spans_two_registration_pieces(tmp_path, monkeypa
             assert start // 8192 == (end - 1) // 8192, (start, end)
             spans += 1
             dst.copy_(src)
-    assert spans > len(state) + 10   # the boundaries were really crossed
+    assert spans > len(state) + 10  # the boundaries were really crossed
     for t, rec in items:
         got = _dst(buf, rec, t)
         assert torch.equal(got, t.resolve_conj()), rec.key
     buf.tensor.zero_()
-    for t, rec in items:   # the same for the module buffers' copies, made whole-item
+    for t, rec in items:  # the same for the module buffers' copies, made whole-item
         for dst, src in _copies(buf, rec, t):
             dst.copy_(src)
         assert torch.equal(_dst(buf, rec, t), t.resolve_conj()), rec.key
@@ -201,7 +201,7 @@ def test_segments_are_not_taken_over_ahead_before_this_rank_s_gpu_is_known(tmp_p
     assert pool._adopting is None and pool._device is None
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
-    pool.adopt_ahead()   # now the training thread's device is known: noted, and the takeover starts
+    pool.adopt_ahead()  # now the training thread's device is known: noted, and the takeover starts
     pool.wait_adopted()
     assert pool._adopting is not None and pool._device == 3 and pool.buffers == []
     pool.close()

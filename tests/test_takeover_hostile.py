@@ -49,11 +49,13 @@ import takeover_worker as W
 
 HERE = Path(__file__).parent
 CHUNK = 4096
-DATA_BYTES = 18288   # W.state(): "a" at [0, 12000), padding to 12288, "b" at [12288, 18288)
+DATA_BYTES = 18288  # W.state(): "a" at [0, 12000), padding to 12288, "b" at [12288, 18288)
 
-pytestmark = [pytest.mark.skipif(shm.shm_root() is None, reason="no RAM file system (/dev/shm) here"),
-              pytest.mark.timeout(120),
-              pytest.mark.filterwarnings("ignore:step .* is unusable:RuntimeWarning")]
+pytestmark = [
+    pytest.mark.skipif(shm.shm_root() is None, reason="no RAM file system (/dev/shm) here"),
+    pytest.mark.timeout(120),
+    pytest.mark.filterwarnings("ignore:step .* is unusable:RuntimeWarning"),
+]
 
 
 @pytest.fixture(autouse=True)
@@ -63,6 +65,7 @@ def small_chunks(monkeypatch):
 
 
 # -- helpers -------------------------------------------------------------------------------------------
+
 
 def _leave(local_dir: Path, steps=(3,), **kw) -> dict[int, dict]:
     """Save ``steps`` (to RAM and, by default, the local tier) and close keeping the segments in RAM."""
@@ -112,7 +115,7 @@ def _take_over(ck: ckpt.Checkpointer) -> dict[int, pool_mod.HostBuffer]:
     first save), wait for the background takeover, and return the adopted buffers by step."""
     ck._node.own()
     ck.pool.wait_adopted()
-    assert ck.pool.adopt_span is not None and ck.pool.adopt_span[1] is not None   # it ran, and ended
+    assert ck.pool.adopt_span is not None and ck.pool.adopt_span[1] is not None  # it ran, and ended
     return {b.image_step: b for b in ck.pool.buffers if b.image_step is not None}
 
 
@@ -161,8 +164,13 @@ def _files(local_dir: Path) -> dict[str, bytes]:
 
 def _start(local_dir: Path, *args: str, stderr=subprocess.DEVNULL) -> subprocess.Popen:
     env = dict(os.environ, PYTHONPATH=f"{HERE}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
-    return subprocess.Popen([sys.executable, str(HERE / "takeover_worker.py"), str(local_dir), *args],
-                            stdout=subprocess.PIPE, stderr=stderr, text=True, env=env)
+    return subprocess.Popen(
+        [sys.executable, str(HERE / "takeover_worker.py"), str(local_dir), *args],
+        stdout=subprocess.PIPE,
+        stderr=stderr,
+        text=True,
+        env=env,
+    )
 
 
 def _kill_after(proc: subprocess.Popen, line: str) -> None:
@@ -184,7 +192,7 @@ def _next_process_restores(local_dir: Path, steps: list[int]) -> list[tuple[int,
 WHERE = {
     "first byte": 0,
     "middle chunk": 2 * CHUNK + 17,
-    "alignment padding": 12100,            # in chunk 2, no tensor's byte: checksummed all the same
+    "alignment padding": 12100,  # in chunk 2, no tensor's byte: checksummed all the same
     "last byte of the last full chunk": 4 * CHUNK - 1,
     "first byte of the tail": 4 * CHUNK,
     "last byte of the tail": DATA_BYTES - 1,
@@ -206,7 +214,7 @@ def test_a_changed_byte_of_an_adopted_segment_is_never_served(local_dir, where, 
         adopted = _take_over(ck)
         assert set(adopted) == {3} and adopted[3].checked is False and adopted[3].segment is not None
         if when == "after the takeover":
-            _flip(seg, WHERE[where])   # the file's pages are the mapping's: the adopted buffer changes with it
+            _flip(seg, WHERE[where])  # the file's pages are the mapping's: the adopted buffer changes with it
             assert adopted[3].tensor[WHERE[where]].item() != _unflipped(seg, WHERE[where])
         assert ck.restore(target) == 3
         info = ck.last_restore
@@ -230,7 +238,7 @@ def test_the_memory_tier_itself_raises_corrupt_checkpoint_error_for_an_adopted_s
             ck.memory.load(3, m, dest)
         assert buf.checked is False and buf.holds == 0 and buf.image_step == 3
         with pytest.raises(CorruptCheckpointError):
-            ck.memory.load(3, m, dest)   # and again: never remembered as good
+            ck.memory.load(3, m, dest)  # and again: never remembered as good
         assert buf.checked is False
 
 
@@ -242,16 +250,16 @@ def test_a_failed_check_of_an_adopted_segment_leaves_no_unchecked_byte_in_the_st
     a key only the state has, must keep its value (docs/api.md), and at least never hold a changed byte."""
     if case == "only copy":
         states = _leave(local_dir)
-        LocalTier(local_dir).delete(3)   # RAM holds the one copy
-        newest, flip_at = 3, 100         # a byte of "a"
+        LocalTier(local_dir).delete(3)  # RAM holds the one copy
+        newest, flip_at = 3, 100  # a byte of "a"
         target, saved = W.zeros(), states[3]
     else:
         old, new = {"a": W.state(3)["a"]}, {"a": W.state(5)["a"], "extra": W.state(5)["b"]}
         ck = ckpt.Checkpointer(local_dir=local_dir, persist_every={"local": 1000})
-        ck.save(3, old).wait()           # the first save goes to the local tier too
-        ck.save(5, new).wait()           # this one only to RAM ...
+        ck.save(3, old).wait()  # the first save goes to the local tier too
+        ck.save(5, new).wait()  # this one only to RAM ...
         ck.close(keep_memory=True)
-        LocalTier(local_dir).delete(5)   # ... (close() wrote it to the local tier as the newest: undone)
+        LocalTier(local_dir).delete(5)  # ... (close() wrote it to the local tier as the newest: undone)
         assert sorted(_records(local_dir)) == [3, 5] and LocalTier(local_dir).committed_steps() == [3]
         newest = 5
         extra = next(i for i in _records(local_dir)[5].manifest.items if i.nbytes == 6000)
@@ -268,7 +276,7 @@ def test_a_failed_check_of_an_adopted_segment_leaves_no_unchecked_byte_in_the_st
             assert ck.restore(target, strict=False) == 3 and torch.equal(target["a"], old["a"])
     if case == "only copy":
         assert _foreign(target, before, saved) == []
-    else:   # "a" holds step 3 now; "extra" must hold no word that failed its check
+    else:  # "a" holds step 3 now; "extra" must hold no word that failed its check
         assert _foreign({"extra": target["extra"]}, before, saved) == []
 
 
@@ -280,10 +288,10 @@ def test_without_a_takeover_a_failed_check_writes_no_byte_into_the_state(local_d
     _flip(_segment(local_dir, 3), 100)
     target = W.zeros()
     before = {k: v.clone() for k, v in target.items()}
-    with ckpt.Checkpointer(local_dir=local_dir) as ck:   # restore() alone does not own local_dir
+    with ckpt.Checkpointer(local_dir=local_dir) as ck:  # restore() alone does not own local_dir
         with pytest.raises(NoCheckpointError):
             ck.restore(target)
-        assert ck.pool.buffers == [] and ck.pool.shared is None   # nothing was taken over
+        assert ck.pool.buffers == [] and ck.pool.shared is None  # nothing was taken over
     assert _exact(target, before)
 
 
@@ -338,15 +346,19 @@ def test_a_restore_during_the_takeover_waits_for_it_and_maps_each_segment_once(l
     with ckpt.Checkpointer(local_dir=local_dir) as ck:
         ck._node.own()
         assert ck.pool._adopting.is_alive()
-        assert ck.restore(target) == 4   # no wait_adopted() first
+        assert ck.restore(target) == 4  # no wait_adopted() first
         assert ck.last_restore.tier == ("local" if flip else "memory") and _exact(target, states[4])
         # every slot looked at once (the third holds no snapshot), the two segments mapped once each
         assert sorted(mapped) == [0, 1, 2] and sorted(b.slot for b in ck.pool.buffers) == [0, 1]
         held = {b.image_step: b.checked for b in ck.pool.buffers}
-        assert held == {3: False, 4: not flip}   # read from the adopted buffer (checked there), never via pread
+        assert held == {
+            3: False,
+            4: not flip,
+        }  # read from the adopted buffer (checked there), never via pread
 
 
 # -- (4) checked once, re-checked after a failure; verify ----------------------------------------------------
+
 
 @pytest.mark.parametrize("flip", [False, True], ids=["intact", "changed"])
 def test_an_adopted_buffer_is_checked_once_and_again_after_a_failed_check(local_dir, flip, monkeypatch):
@@ -365,8 +377,12 @@ def test_an_adopted_buffer_is_checked_once_and_again_after_a_failed_check(local_
             assert buf.checked is (not flip)
 
 
-@pytest.mark.parametrize("flip", [None, 0, CHUNK * 3 + 5, DATA_BYTES - 1], ids=["intact", "first", "middle", "tail"])
-def test_verify_of_an_adopted_snapshot_raises_on_a_changed_byte_and_passes_otherwise(local_dir, flip, monkeypatch):
+@pytest.mark.parametrize(
+    "flip", [None, 0, CHUNK * 3 + 5, DATA_BYTES - 1], ids=["intact", "first", "middle", "tail"]
+)
+def test_verify_of_an_adopted_snapshot_raises_on_a_changed_byte_and_passes_otherwise(
+    local_dir, flip, monkeypatch
+):
     states = _leave(local_dir)
     if flip is not None:
         _flip(_segment(local_dir, 3), flip)
@@ -376,7 +392,7 @@ def test_verify_of_an_adopted_snapshot_raises_on_a_changed_byte_and_passes_other
         if flip is None:
             (m,) = ck.memory.verify(3)
             assert m.step == 3 and m.data_bytes == DATA_BYTES and buf.checked is True and checks.n == 1
-            ck.memory.verify(3)   # checked: not read again
+            ck.memory.verify(3)  # checked: not read again
             target = W.zeros()
             assert ck.restore(target) == 3 and ck.last_restore.tier == "memory" and _exact(target, states[3])
             assert checks.n == 1
@@ -387,19 +403,22 @@ def test_verify_of_an_adopted_snapshot_raises_on_a_changed_byte_and_passes_other
                 assert buf.checked is False and checks.n == n and buf.holds == 0
             target = W.zeros()
             assert ck.restore(target) == 3 and ck.last_restore.tier == "local" and _exact(target, states[3])
-        assert buf.image_step == 3   # verify withdraws nothing
+        assert buf.image_step == 3  # verify withdraws nothing
 
 
 # -- (2) close while the takeover runs ---------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("how", ["owned when made", "first maybe_save", "first save"])
-def test_close_while_the_takeover_runs_stops_its_threads_and_keeps_the_segments_whole(local_dir, how, monkeypatch):
+def test_close_while_the_takeover_runs_stops_its_threads_and_keeps_the_segments_whole(
+    local_dir, how, monkeypatch
+):
     states = _leave(local_dir, steps=(3, 4))
     before = _files(local_dir)
     real = HostPool._adopt_slot
     inside = threading.Event()
 
-    def slow(self, space, slot, shm_mod):   # a takeover of large segments: it is still running at close()
+    def slow(self, space, slot, shm_mod):  # a takeover of large segments: it is still running at close()
         inside.set()
         time.sleep(0.3)
         return real(self, space, slot, shm_mod)
@@ -409,28 +428,30 @@ def test_close_while_the_takeover_runs_stops_its_threads_and_keeps_the_segments_
     if how == "owned when made":
         ck._node.own()
     elif how == "first maybe_save":
-        assert ck.maybe_save(1, W.state(1)) is None   # not due: it only owns local_dir and prepares the buffers
+        assert (
+            ck.maybe_save(1, W.state(1)) is None
+        )  # not due: it only owns local_dir and prepares the buffers
     else:
         states[5] = W.state(5)
         ck.save(5, states[5])
     if how != "first save":
         assert inside.wait(10) and ck.pool._adopting is not None and ck.pool._adopting.is_alive()
     ck.close(keep_memory=True)
-    assert _pool_threads() == []   # no thread of the pool outlives close()
+    assert _pool_threads() == []  # no thread of the pool outlives close()
     monkeypatch.setattr(HostPool, "_adopt_slot", real)
     after = _files(local_dir)
     if how == "first save":
-        assert sorted(_records(local_dir)) == [4, 5]   # step 3's buffer (the older) took step 5
+        assert sorted(_records(local_dir)) == [4, 5]  # step 3's buffer (the older) took step 5
         rec4 = _records(local_dir)[4]
         assert after[rec4.buffer] == before[rec4.buffer]
         steps = [5, 4]
     else:
-        assert after == before   # segments and records exactly as the previous process left them
+        assert after == before  # segments and records exactly as the previous process left them
         steps = [4, 3]
     got = _next_process_restores(local_dir, steps)
     assert [(s, tier) for s, tier, _, _ in got] == [(s, "memory") for s in steps]
     assert [sha for _, _, sha, _ in got] == [W.digest(states[s]) for s in steps]
-    assert [c for _, _, _, c in got] == ["True"] * len(steps)   # checked by the restore that served it
+    assert [c for _, _, _, c in got] == ["True"] * len(steps)  # checked by the restore that served it
 
 
 def test_close_without_keep_memory_while_the_takeover_runs_frees_every_segment(local_dir, monkeypatch):
@@ -449,17 +470,18 @@ def test_close_without_keep_memory_while_the_takeover_runs_frees_every_segment(l
     assert inside.wait(10)
     ck.close()
     assert _pool_threads() == [] and ck.pool.buffers == []
-    time.sleep(0.4)   # nothing the takeover had under way comes back afterwards
+    time.sleep(0.4)  # nothing the takeover had under way comes back afterwards
     assert shm.segments(prefix=shm.prefix_for(local_dir, 0, create=True)) == []
 
 
 # -- (3) SIGKILL while the takeover runs, or while a save rewrites an adopted buffer -----------------------
 
+
 def test_a_process_killed_while_it_takes_the_segments_over_leaves_them_restorable(local_dir):
     states = _leave(local_dir, steps=(3, 4))
     before = _files(local_dir)
     proc = _start(local_dir, "stall-takeover")
-    _kill_after(proc, "adopted 0")   # slot 0 mapped, slot 1 not yet: killed in the middle
+    _kill_after(proc, "adopted 0")  # slot 0 mapped, slot 1 not yet: killed in the middle
     assert _files(local_dir) == before
     got = _next_process_restores(local_dir, [4, 3])
     assert [(s, tier, sha) for s, tier, sha, _ in got] == [(s, "memory", W.digest(states[s])) for s in (4, 3)]
@@ -469,9 +491,9 @@ def test_a_process_killed_while_it_rewrites_an_adopted_buffer_leaves_no_torn_sna
     states = _leave(local_dir, steps=(3, 4))
     old4 = _files(local_dir)[_records(local_dir)[4].buffer]
     proc = _start(local_dir, "stall-save")
-    _kill_after(proc, "copying")   # step 5's "a" is in step 3's old buffer, "b" not yet
+    _kill_after(proc, "copying")  # step 5's "a" is in step 3's old buffer, "b" not yet
     recs = _records(local_dir)
-    assert sorted(recs) == [4], recs   # step 3's record went before its bytes changed; step 5 never committed
+    assert sorted(recs) == [4], recs  # step 3's record went before its bytes changed; step 5 never committed
     assert _files(local_dir)[recs[4].buffer] == old4
     # the next process (taking the segments over, or reading them without owning local_dir)
     got = _next_process_restores(local_dir, [4, 3])
@@ -485,6 +507,7 @@ def test_a_process_killed_while_it_rewrites_an_adopted_buffer_leaves_no_torn_sna
 
 # -- (5) a save reusing an adopted buffer -----------------------------------------------------------------
 
+
 def test_a_save_into_an_adopted_buffer_withdraws_its_record_before_the_bytes_change(local_dir, monkeypatch):
     states = _leave(local_dir, steps=(3, 4))
     old = _files(local_dir)
@@ -492,7 +515,7 @@ def test_a_save_into_an_adopted_buffer_withdraws_its_record_before_the_bytes_cha
     real = stage_mod._dst
     copied, stalled, go = [0], threading.Event(), threading.Event()
 
-    def stall(buf, rec, t):   # after the first tensor of step 5 landed in step 3's old buffer
+    def stall(buf, rec, t):  # after the first tensor of step 5 landed in step 3's old buffer
         if threading.current_thread().name.startswith("ckpt-stage"):
             copied[0] += 1
             if copied[0] == 2:
@@ -510,11 +533,13 @@ def test_a_save_into_an_adopted_buffer_withdraws_its_record_before_the_bytes_cha
         try:
             h = ck.save(5, states[5])
             assert stalled.wait(10)
-            assert _files(local_dir)[seg3] != old[seg3]          # the bytes are changing now ...
-            assert sorted(_records(local_dir)) == [4]             # ... and step 3's record went first
+            assert _files(local_dir)[seg3] != old[seg3]  # the bytes are changing now ...
+            assert sorted(_records(local_dir)) == [4]  # ... and step 3's record went first
             assert adopted[3].image_step is None and adopted[3].record is None
             # a restore of step 3 in this process: the tier no longer has it (never the mixed bytes)
-            dest = [torch.zeros(i.nbytes, dtype=torch.uint8) if i.alias_of is None else None for i in m3.items]
+            dest = [
+                torch.zeros(i.nbytes, dtype=torch.uint8) if i.alias_of is None else None for i in m3.items
+            ]
             with pytest.raises(LookupError):
                 ck.memory.load(3, m3, dest)
             assert all(d is None or not bool(d.any()) for d in dest)
@@ -534,22 +559,26 @@ def test_a_save_into_an_adopted_buffer_withdraws_its_record_before_the_bytes_cha
             go.set()
         h.wait()
         buf5 = next(b for b in ck.pool.buffers if b.image_step == 5)
-        assert buf5 is adopted[3] and buf5.checked is True    # this process's own bytes now
-        assert adopted[4].checked is False                     # the other one still waits for its check
+        assert buf5 is adopted[3] and buf5.checked is True  # this process's own bytes now
+        assert adopted[4].checked is False  # the other one still waits for its check
         target = W.zeros()
-        assert ck.restore(target, step=5) == 5 and ck.last_restore.tier == "memory" and _exact(target, states[5])
-        assert checks.n == 0   # its own snapshot: served without a check
+        assert (
+            ck.restore(target, step=5) == 5 and ck.last_restore.tier == "memory" and _exact(target, states[5])
+        )
+        assert checks.n == 0  # its own snapshot: served without a check
         assert sorted(_records(local_dir)) == [4, 5]
 
 
-def test_readers_racing_saves_that_reuse_adopted_buffers_get_whole_snapshots_or_lookup_error(local_dir, monkeypatch):
+def test_readers_racing_saves_that_reuse_adopted_buffers_get_whole_snapshots_or_lookup_error(
+    local_dir, monkeypatch
+):
     """A thread reads the adopted snapshots of steps 3 and 4 through the memory tier over and over while the
     training thread saves steps 5..10 into the same buffers: each read is the exact bytes of its step or
     ``LookupError``, never a mix; the buffers a save took are checked, the others keep their state."""
     states = _leave(local_dir, steps=(3, 4))
     real = memory_mod._scatter
 
-    def slow_scatter(manifest, dest, data):   # a large snapshot: a save has time to come while it is read
+    def slow_scatter(manifest, dest, data):  # a large snapshot: a save has time to come while it is read
         time.sleep(0.002)
         return real(manifest, dest, data)
 
@@ -557,7 +586,9 @@ def test_readers_racing_saves_that_reuse_adopted_buffers_get_whole_snapshots_or_
     with ckpt.Checkpointer(local_dir=local_dir, persist_every={"local": 1000}) as ck:
         _take_over(ck)
         manifests = {s: ck.memory.manifest_of(s) for s in (3, 4)}
-        want = {s: torch.cat([states[s]["a"].view(torch.uint8), states[s]["b"].view(torch.uint8)]) for s in (3, 4)}
+        want = {
+            s: torch.cat([states[s]["a"].view(torch.uint8), states[s]["b"].view(torch.uint8)]) for s in (3, 4)
+        }
         stop, seen, bad = threading.Event(), {"exact": 0, "gone": 0}, []
 
         def read() -> None:
@@ -569,7 +600,7 @@ def test_readers_racing_saves_that_reuse_adopted_buffers_get_whole_snapshots_or_
                     except LookupError:
                         seen["gone"] += 1
                         continue
-                    except BaseException as e:   # noqa: BLE001 - reported below
+                    except BaseException as e:  # noqa: BLE001 - reported below
                         bad.append(repr(e))
                         return
                     if torch.equal(torch.cat(dest), want[s]):

@@ -35,8 +35,8 @@ needs_shm = pytest.mark.skipif(shm.shm_root() is None, reason="no RAM file syste
 @dataclasses.dataclass
 class Case:
     tier: Tier
-    commit: Callable[[int, dict], None]          # commit ``state`` as step ``n`` through the contract
-    corrupt: Callable[[int], None] | None        # flip one stored byte of step ``n`` (None: nothing stored)
+    commit: Callable[[int, dict], None]  # commit ``state`` as step ``n`` through the contract
+    corrupt: Callable[[int], None] | None  # flip one stored byte of step ``n`` (None: nothing stored)
     close: Callable[[], None] = lambda: None
 
 
@@ -56,6 +56,7 @@ def _writer(tier: PersistingTier, tmp: Path) -> Callable[[int, dict], None]:
     def commit(step: int, state: dict) -> None:
         manifest, data = _image(tmp, step, state)
         tier.write(step, copy.deepcopy(manifest), memoryview(data))
+
     return commit
 
 
@@ -69,14 +70,12 @@ def _flip(path: Path, at: int = 10) -> None:
 
 def _local(tmp: Path, request: Any) -> Case:
     tier = LocalTier(tmp / "local")
-    return Case(tier, _writer(tier, tmp),
-                lambda n: _flip(next((tier.step_dir(n)).glob("*.bin"))))
+    return Case(tier, _writer(tier, tmp), lambda n: _flip(next((tier.step_dir(n)).glob("*.bin"))))
 
 
 def _remote_file(tmp: Path, request: Any) -> Case:
     tier = RemoteTier(f"file://{tmp}/remote")
-    return Case(tier, _writer(tier, tmp),
-                lambda n: _flip(sorted(Path(tier.step_dir(n)).rglob("part-*"))[0]))
+    return Case(tier, _writer(tier, tmp), lambda n: _flip(sorted(Path(tier.step_dir(n)).rglob("part-*"))[0]))
 
 
 def _remote_s3(tmp: Path, request: Any) -> Case:
@@ -101,7 +100,7 @@ def _memory_here(tmp: Path, request: Any) -> Case:
         ck = ckpt.Checkpointer(local_dir=tmp / "owner", max_in_flight=3, if_busy="wait")
 
     def commit(step: int, state: dict) -> None:
-        ck._use_timeline(ck.memory.timeline)   # the saves record the timeline the test gave the tier
+        ck._use_timeline(ck.memory.timeline)  # the saves record the timeline the test gave the tier
         ck.save(step, state).wait()
 
     return Case(ck.memory, commit, None, close=lambda: ck.close())
@@ -111,13 +110,13 @@ def _memory_left(tmp: Path, request: Any) -> Case:
     """The memory tier a new process finds: the shared-memory segments a previous one left."""
     owner = tmp / "owner"
     owner.mkdir()
-    space = space_for(owner, 0, create=True)   # the directory's id, as its first Checkpointer makes it
+    space = space_for(owner, 0, create=True)  # the directory's id, as its first Checkpointer makes it
     tier = MemoryTier(HostPool(1, None, pin=False), space)
     made: list[ckpt.Checkpointer] = []
 
     def commit(step: int, state: dict) -> None:
         ck = ckpt.Checkpointer(local_dir=owner, max_in_flight=3, if_busy="wait")
-        ck._use_timeline(tier.timeline)   # the saves record the timeline the test gave the tier
+        ck._use_timeline(tier.timeline)  # the saves record the timeline the test gave the tier
         ck.save(step, state).wait()
         ck.close(keep_memory=True)
         made.append(ck)
@@ -293,9 +292,9 @@ def test_status_and_copy_identity_are_declared_by_every_tier(case):
     assert isinstance(tier.status, TierStatus) and tier.status.available is not False
     stamp = tier.copy_id(4)
     assert stamp is not None
-    if stamp is not COPY_UNKNOWN:   # a tier that can tell copies apart: stable while nothing changes
+    if stamp is not COPY_UNKNOWN:  # a tier that can tell copies apart: stable while nothing changes
         assert tier.copy_id(4) == stamp and tier.copy_id(99) is None
-        if isinstance(tier, PersistingTier):   # a re-save of the step is another copy
+        if isinstance(tier, PersistingTier):  # a re-save of the step is another copy
             case.commit(4, make_state(5))
             assert tier.copy_id(4) not in (None, stamp)
 
@@ -316,13 +315,13 @@ def test_every_ranks_records_stored_bytes_and_verified_chunks(case):
     and export read whatever the tier. A flipped byte fails the chunk that holds it, by type."""
     tier = case.tier
     if not isinstance(tier, StoredTier):
-        assert not tier.durable   # a tier in RAM (memory, peer): no files for a reader outside the process
+        assert not tier.durable  # a tier in RAM (memory, peer): no files for a reader outside the process
         pytest.skip("this tier keeps no commit records on storage")
     case.commit(6, make_state(6))
     commit, manifests = tier.records(6)
     assert commit.step == 6 and [m.rank for m in manifests] == [tier.rank]
-    assert tier.step_location(6) == tier.describe(6).path   # where messages say the step's files are
-    assert isinstance(tier.step_location(99), str)          # named without asking storage, committed or not
+    assert tier.step_location(6) == tier.describe(6).path  # where messages say the step's files are
+    assert isinstance(tier.step_location(99), str)  # named without asking storage, committed or not
     m = manifests[0]
     assert tier.stored_bytes(6) == m.data_bytes
     tier.check_stored(6, m)

@@ -127,7 +127,7 @@ def test_the_newest_timeline_wins_when_a_step_is_on_two(tmp_path):
     first, second = tmp_path / "first", tmp_path / "second"
     keep = ckpt.Retention(local=None, remote=None)
     _three(first, url, keep)
-    with ckpt.Checkpointer(url, local_dir=second, keep=keep) as ck:   # another node: rolls back, saves 200
+    with ckpt.Checkpointer(url, local_dir=second, keep=keep) as ck:  # another node: rolls back, saves 200
         state = _state()
         assert ck.restore(state, step=100) == 100
         state["w"].fill_(-200.0)
@@ -160,12 +160,19 @@ def test_ls_lists_the_live_branch_first(local_dir, capsys):
     assert main(["ls", str(local_dir), "--json"]) == 0
     rows = json.loads(capsys.readouterr().out)
     assert [(r["step"], r["timeline"], r["abandoned"]) for r in rows] == [
-        (130, 1, False), (120, 1, False), (110, 1, False), (100, 0, False), (300, 0, True), (200, 0, True)]
+        (130, 1, False),
+        (120, 1, False),
+        (110, 1, False),
+        (100, 0, False),
+        (300, 0, True),
+        (200, 0, True),
+    ]
 
 
 def _worker(root: Path, mode: str) -> str:
-    r = subprocess.run([sys.executable, str(WORKER), str(root), "0", "1", mode], capture_output=True, text=True,
-                       timeout=300)
+    r = subprocess.run(
+        [sys.executable, str(WORKER), str(root), "0", "1", mode], capture_output=True, text=True, timeout=300
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     return r.stdout
 
@@ -216,8 +223,16 @@ def test_a_replaced_node_gets_the_live_branch_back_from_its_peer_with_its_timeli
     assert lines[1][1] == "from peer 1 [[0, 100]]" and lines[0][1] == "from memory 1 [[0, 100]]", lines
 
 
-@pytest.mark.parametrize("fields", [{"timeline": -1}, {"timeline": "1"}, {"timeline": 1, "forks": [[1, 100]]},
-                                    {"timeline": 2, "forks": [[0]]}, {"forks": {"0": 100}}])
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"timeline": -1},
+        {"timeline": "1"},
+        {"timeline": 1, "forks": [[1, 100]]},
+        {"timeline": 2, "forks": [[0]]},
+        {"forks": {"0": 100}},
+    ],
+)
 def test_a_commit_with_a_malformed_timeline_is_refused_and_skipped(local_dir, fields):
     _three(local_dir)
     path = local_dir / "step-000000300" / COMMIT_NAME
@@ -249,6 +264,7 @@ def test_retention_deletes_nothing_while_a_commit_record_cannot_be_read(tmp_path
             if Path(path).parent.name == bad:
                 raise OSError(5, "Input/output error", str(path))
             return real(path, *a, **k)
+
         monkeypatch.setattr(local_mod, "read_record", failing)
     else:
         real_get = RemoteTier._get
@@ -257,19 +273,21 @@ def test_retention_deletes_nothing_while_a_commit_record_cannot_be_read(tmp_path
             if step == 120 and name == COMMIT_NAME:
                 raise ConnectionError("the store dropped the connection")
             return real_get(self, step, name, *a, **k)
+
         monkeypatch.setattr(RemoteTier, "_get", failing_get)
     listed = {c.step: c for c in t.committed()}
     assert listed[120].known is False and all(c.known for s, c in listed.items() if s != 120)
     assert prune(t, 2) == []
     root = tmp_path / ("a" if tier == "local" else "remote")
     assert _steps(root) == [100, 110, 120, 130, 200, 300]
-    monkeypatch.undo()   # the record reads again: the abandoned branch and the oldest live steps go
+    monkeypatch.undo()  # the record reads again: the abandoned branch and the oldest live steps go
     assert sorted(prune(t, 2)) == [100, 110, 200, 300]
     assert _steps(root) == [120, 130]
 
 
-def test_a_snapshot_is_committed_on_the_timeline_it_was_taken_on_whatever_the_tiers_say_by_then(tmp_path,
-                                                                                                  monkeypatch):
+def test_a_snapshot_is_committed_on_the_timeline_it_was_taken_on_whatever_the_tiers_say_by_then(
+    tmp_path, monkeypatch
+):
     """A tier may get to a snapshot after the Checkpointer moved to another timeline (a rollback between
     the save and a slow tier's write): the COMMIT must record the timeline the snapshot was taken on, or the
     next restore would take the abandoned branch's step for the live one. Here the tiers' timeline is moved

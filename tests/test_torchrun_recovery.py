@@ -24,10 +24,12 @@ from ckpt import shm
 
 HERE = Path(__file__).parent
 PAGE = HERE.parent / "docs" / "guides" / "launchers.md"
-KILL_STEP = 15   # a multiple of the recipe's every_steps=5, well before its last step (39)
+KILL_STEP = 15  # a multiple of the recipe's every_steps=5, well before its last step (39)
 
-pytestmark = [pytest.mark.skipif(shm.shm_root() is None, reason="no RAM file system (/dev/shm) here"),
-              pytest.mark.timeout(300)]
+pytestmark = [
+    pytest.mark.skipif(shm.shm_root() is None, reason="no RAM file system (/dev/shm) here"),
+    pytest.mark.timeout(300),
+]
 
 
 def _recipe() -> str:
@@ -41,17 +43,32 @@ def _torchrun(tmp: Path, name: str, *kill: str) -> dict[int, dict]:
     script, out = tmp / "train.py", tmp / name
     script.write_text(_recipe())
     out.mkdir()
-    env = {**os.environ, "CKPT_LOCAL_DIR": str(tmp / f"{name}-ckpt"), "CUDA_VISIBLE_DEVICES": "",
-           "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",   # the page's launch line: see "Why" there
-           "PYTHONPATH": f"{HERE}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           "--max-restarts", "2", str(HERE / "elastic_worker.py"), str(script),
-           str(out), *kill]
+    env = {
+        **os.environ,
+        "CKPT_LOCAL_DIR": str(tmp / f"{name}-ckpt"),
+        "CUDA_VISIBLE_DEVICES": "",
+        "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",  # the page's launch line: see "Why" there
+        "PYTHONPATH": f"{HERE}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+    }
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        "--max-restarts",
+        "2",
+        str(HERE / "elastic_worker.py"),
+        str(script),
+        str(out),
+        *kill,
+    ]
     done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=240)
     assert done.returncode == 0, (done.stdout + done.stderr)[-5000:]
     reports = {r: json.loads((out / f"rank-{r}.json").read_text()) for r in (0, 1)}
     if kill:
-        assert (out / "killed-at").read_text() == kill[0]   # the first attempt's rank 1 did die by SIGKILL
+        assert (out / "killed-at").read_text() == kill[0]  # the first attempt's rank 1 did die by SIGKILL
     return reports
 
 
@@ -60,19 +77,31 @@ def test_a_worker_sigkilled_under_torchrun_resumes_from_ram_bit_identically(tmp_
     assert [reference[r]["attempt"] for r in (0, 1)] == [0, 0] and reference[0]["restored"] is None
     killed = _torchrun(tmp_path, "killed", str(KILL_STEP))
     for r in (0, 1):
-        assert killed[r]["attempt"] == 1   # the restarted attempt finished the run
+        assert killed[r]["attempt"] == 1  # the restarted attempt finished the run
         assert killed[r]["restored"] == [KILL_STEP, "memory"]
         assert killed[r]["digest"] == reference[r]["digest"]
-    assert killed[0]["digest"] == killed[1]["digest"]   # DDP replicas
+    assert killed[0]["digest"] == killed[1]["digest"]  # DDP replicas
 
 
-@pytest.mark.parametrize("env, warns", [
-    ({"TORCHELASTIC_MAX_RESTARTS": "3", "TORCHELASTIC_USE_AGENT_STORE": "True"}, True),   # torchrun's default
-    ({"TORCHELASTIC_MAX_RESTARTS": "3", "TORCHELASTIC_USE_AGENT_STORE": "False"}, False),  # the variable set
-    ({"TORCHELASTIC_MAX_RESTARTS": "0", "TORCHELASTIC_USE_AGENT_STORE": "True"}, False),   # no restarts
-    ({"TORCHELASTIC_MAX_RESTARTS": "3", "TORCHELASTIC_USE_AGENT_STORE": "True", "LOCAL_RANK": "1"}, False),
-    ({}, False),                                                                             # not under torchrun
-])
+@pytest.mark.parametrize(
+    "env, warns",
+    [
+        (
+            {"TORCHELASTIC_MAX_RESTARTS": "3", "TORCHELASTIC_USE_AGENT_STORE": "True"},
+            True,
+        ),  # torchrun's default
+        (
+            {"TORCHELASTIC_MAX_RESTARTS": "3", "TORCHELASTIC_USE_AGENT_STORE": "False"},
+            False,
+        ),  # the variable set
+        ({"TORCHELASTIC_MAX_RESTARTS": "0", "TORCHELASTIC_USE_AGENT_STORE": "True"}, False),  # no restarts
+        (
+            {"TORCHELASTIC_MAX_RESTARTS": "3", "TORCHELASTIC_USE_AGENT_STORE": "True", "LOCAL_RANK": "1"},
+            False,
+        ),
+        ({}, False),  # not under torchrun
+    ],
+)
 def test_a_launch_whose_restarts_would_reuse_the_store_is_warned_about(monkeypatch, caplog, env, warns):
     from ckpt import ranks
 
@@ -84,4 +113,4 @@ def test_a_launch_whose_restarts_would_reuse_the_store_is_warned_about(monkeypat
     caplog.set_level("WARNING", logger="ckpt.ranks")
     assert ranks.check_elastic_store() is warns
     assert [r.levelname for r in caplog.records if r.name == "ckpt.ranks"] == (["WARNING"] if warns else [])
-    assert ranks.check_elastic_store() is False   # once per process
+    assert ranks.check_elastic_store() is False  # once per process

@@ -52,20 +52,22 @@ def _restored(local_dir) -> tuple[int | None, dict]:
 
 
 @pytest.mark.parametrize("write", WRITES, ids=lambda f: f.__name__.strip("_"))
-def test_a_write_right_after_save_that_the_version_counter_misses_fails_the_save(local_dir, slow_staging, write):
+def test_a_write_right_after_save_that_the_version_counter_misses_fails_the_save(
+    local_dir, slow_staging, write
+):
     model = _model()
     with ckpt.Checkpointer(local_dir=local_dir) as ck:
         ck.save(1, {"model": model}).wait()
         at_1 = {k: v.clone() for k, v in model.state_dict().items()}
-        model.weight.data.add_(0.5)   # step 2's state (through .data: the counter does not see it)
+        model.weight.data.add_(0.5)  # step 2's state (through .data: the counter does not see it)
         model.bias.data.add_(0.5)
         h = ck.save(2, {"model": model})
-        write(model.weight)           # no wait_staged(): lands before the slow copy
+        write(model.weight)  # no wait_staged(): lands before the slow copy
         with pytest.raises(ckpt.TornSnapshotError, match=r"'model/weight'.*wait_staged") as info:
             h.wait()
-        assert "model/bias" not in str(info.value)   # only the tensor that changed is named
+        assert "model/bias" not in str(info.value)  # only the tensor that changed is named
         assert h.status == "failed" and h.errors.get("memory") is not None
-        assert [i.step for i in ck.list()] == [1]     # nothing torn committed, not even in memory
+        assert [i.step for i in ck.list()] == [1]  # nothing torn committed, not even in memory
     step, values = _restored(local_dir)
     assert step == 1 and all(torch.equal(values[k], at_1[k]) for k in at_1)
 
@@ -106,7 +108,7 @@ def _tensors():
     torch.manual_seed(1)
     base = torch.randn(64, 33)
     return {
-        "f32": torch.randn(1001),                          # odd size: not whole 64-bit words
+        "f32": torch.randn(1001),  # odd size: not whole 64-bit words
         "bf16": torch.randn(64, 7).bfloat16(),
         "f64": torch.randn(10).double(),
         "i64": torch.arange(-50, 50),
@@ -115,11 +117,11 @@ def _tensors():
         "bool": torch.rand(77) > 0.5,
         "c64": torch.randn(5, dtype=torch.complex64),
         "c128": torch.randn(4, dtype=torch.complex128),
-        "conj": torch.randn(6, dtype=torch.complex64).conj(),   # a lazy view: its bytes are not its values
+        "conj": torch.randn(6, dtype=torch.complex64).conj(),  # a lazy view: its bytes are not its values
         "scalar": torch.tensor(3.5),
-        "transposed": base.t(),                            # not contiguous
-        "strided": base[:, ::2],                           # not dense
-        "misaligned": torch.randn(100).half()[1:],         # contiguous, 2 bytes off the 8-byte grid
+        "transposed": base.t(),  # not contiguous
+        "strided": base[:, ::2],  # not dense
+        "misaligned": torch.randn(100).half()[1:],  # contiguous, 2 bytes off the 8-byte grid
         "f8": torch.randn(24).to(torch.float8_e4m3fn),
         "u16": torch.randint(0, 1000, (6,)).to(torch.uint16),
         "empty": torch.empty(0, 3),
@@ -160,8 +162,10 @@ def test_every_dtype_and_layout_round_trips_without_a_false_report(local_dir, sl
         out = {k: torch.zeros(v.shape, dtype=v.dtype) for k, v in expect.items()}
         assert ck.restore(out) == 1
     for k, v in expect.items():
-        assert torch.equal(out[k].view(torch.uint8) if v.dtype == torch.float8_e4m3fn else out[k],
-                           v.view(torch.uint8) if v.dtype == torch.float8_e4m3fn else v), k
+        assert torch.equal(
+            out[k].view(torch.uint8) if v.dtype == torch.float8_e4m3fn else out[k],
+            v.view(torch.uint8) if v.dtype == torch.float8_e4m3fn else v,
+        ), k
 
 
 def test_tied_tensors_and_module_buffers_do_not_trip_the_check(local_dir, slow_staging):
@@ -170,7 +174,7 @@ def test_tied_tensors_and_module_buffers_do_not_trip_the_check(local_dir, slow_s
     shared = torch.randn(100)
     with ckpt.Checkpointer(local_dir=local_dir) as ck:
         h = ck.save(1, {"model": model, "a": shared, "b": shared})
-        model(torch.randn(4, 8))   # the forward updates BatchNorm's buffers in place: copied first
+        model(torch.randn(4, 8))  # the forward updates BatchNorm's buffers in place: copied first
         h.wait()
 
 
@@ -181,7 +185,7 @@ def test_the_fingerprint_sees_any_single_element_change_in_every_form():
         t = t.resolve_conj()
         words = stage_mod._fits_words(t)
         before = stage_mod._fingerprint(t, words)
-        assert before == stage_mod._fingerprint(t.contiguous(), words), name   # the staged copy's form
+        assert before == stage_mod._fingerprint(t.contiguous(), words), name  # the staged copy's form
         _poke(t)
         assert stage_mod._fingerprint(t, words) != before, name
 
@@ -211,11 +215,12 @@ def test_a_write_into_a_dtensor_local_shard_fails_the_save(local_dir, one_rank, 
 
 # -- on a GPU: the write is queued on the compute stream right after save() -----------------------
 
+
 def _hold_side_stream(ck: ckpt.Checkpointer, ms: float = 200) -> None:
     """Queue a GPU sleep on the snapshot's side stream, so that its copies start only after the
     compute stream's next kernels ran: a write right after save() then lands before the copy."""
     with torch.cuda.stream(ck._side_stream):
-        torch.cuda._sleep(int(ms * 1e6))   # ~1-2 GHz: at least `ms` milliseconds
+        torch.cuda._sleep(int(ms * 1e6))  # ~1-2 GHz: at least `ms` milliseconds
 
 
 def _torn_or_exact(h, ck, fresh: dict, tensors, at_save: dict, name: str) -> bool:
@@ -247,10 +252,14 @@ def test_gpu_a_write_on_the_compute_stream_right_after_save_fails_the_save(local
         for step in (2, 3, 4):
             _hold_side_stream(ck)
             h = ck.save(step, {"model": model})
-            at_save = {k: v.clone() for k, v in model.state_dict().items()}   # on the compute stream: before the write
+            at_save = {
+                k: v.clone() for k, v in model.state_dict().items()
+            }  # on the compute stream: before the write
             write(model.weight)
             fresh = {"model": nn.Linear(256, 256).cuda()}
-            outcomes.append(_torn_or_exact(h, ck, fresh, lambda f: f["model"].state_dict(), at_save, "model/weight"))
+            outcomes.append(
+                _torn_or_exact(h, ck, fresh, lambda f: f["model"].state_dict(), at_save, "model/weight")
+            )
     assert any(outcomes), "the held copy never ran after the write: the check was not exercised"
 
 
@@ -279,7 +288,7 @@ def test_gpu_every_dtype_and_layout_is_caught_and_round_trips(local_dir):
     state["misaligned"] = torch.randn(100, device="cuda").half()[1:]
     expect = {k: v.clone() for k, v in state.items()}
     with ckpt.Checkpointer(local_dir=local_dir) as ck:
-        ck.save(1, state).wait()   # the CUDA fingerprint equals the one of the host copy: no false report
+        ck.save(1, state).wait()  # the CUDA fingerprint equals the one of the host copy: no false report
         out = {k: torch.zeros(v.shape, dtype=v.dtype, device="cuda") for k, v in expect.items()}
         assert ck.restore(out) == 1
         caught = []
@@ -299,7 +308,7 @@ def test_gpu_fingerprints_equal_the_cpu_ones_for_every_form():
         t = t.resolve_conj()
         words = stage_mod._fits_words(t) and stage_mod._fits_words(t.cuda())
         assert stage_mod._fingerprint(t.cuda(), words) == stage_mod._fingerprint(t, words), name
-    big = torch.full((4096,), 2**62 + 12345, dtype=torch.int64)   # the int64 sum wraps around
+    big = torch.full((4096,), 2**62 + 12345, dtype=torch.int64)  # the int64 sum wraps around
     assert stage_mod._fingerprint(big.cuda(), True) == stage_mod._fingerprint(big, True)
 
 
@@ -326,14 +335,16 @@ def test_gpu_fingerprints_replayed_from_a_graph_equal_the_launches_and_follow_th
     srcs = [t.resolve_conj() for t in state.values()]
     words = [stage_mod._fits_words(t) for t in srcs]
     graphs = stage_mod._FingerprintGraphs()
-    for round_ in range(4):   # launches, capture, replay, replay; values changed in place between rounds
+    for round_ in range(4):  # launches, capture, replay, replay; values changed in place between rounds
         got = graphs.fingerprints(srcs, words)
         want = stage_mod._FingerprintGraphs._launch(srcs, words)
         assert torch.equal(got, want), round_
         assert (round_ >= 1) == (len(graphs._graph) == 1), round_
         for t in srcs:
             _poke(t)
-    srcs[0] = srcs[0].clone()   # a tensor at another address: the next call launches, the one after recaptures
+    srcs[0] = srcs[0].clone()  # a tensor at another address: the next call launches, the one after recaptures
     for _ in range(3):
-        assert torch.equal(graphs.fingerprints(srcs, words), stage_mod._FingerprintGraphs._launch(srcs, words))
+        assert torch.equal(
+            graphs.fingerprints(srcs, words), stage_mod._FingerprintGraphs._launch(srcs, words)
+        )
     assert graphs._graph[torch.cuda.current_device()][0][0][0] == srcs[0].data_ptr()

@@ -32,7 +32,7 @@ def main() -> None:
     state = {"w": torch.zeros(8), "step": 0}
 
     def save(ck: ckpt.Checkpointer, step: int) -> None:
-        ck.wait_staged()   # w is written in place below, outside optimizer.step()
+        ck.wait_staged()  # w is written in place below, outside optimizer.step()
         state["w"].fill_(step)
         state["step"] = step
         ck.save(step, state).wait()
@@ -41,7 +41,10 @@ def main() -> None:
         print(f"restored {step} {float(state['w'][0])} {ck.timeline.number}", flush=True)
         if ck.last_restore is not None:
             info = ck.last_restore
-            print(f"from {info.tier} {info.timeline.number} {[list(f) for f in info.timeline.forks]}", flush=True)
+            print(
+                f"from {info.tier} {info.timeline.number} {[list(f) for f in info.timeline.forks]}",
+                flush=True,
+            )
 
     try:
         peers = True if os.environ.get("CKPT_TEST_PEERS") == "1" else None

@@ -11,12 +11,35 @@ from __future__ import annotations
 
 from .._lazy import exports
 
-__all__ = ["Tier", "PersistingTier", "StoredTier", "StepInfo", "TierFigures", "register", "registered", "LocalTier",
-           "MemoryTier", "PeerTier", "RemoteTier", "Tiers"]
+__all__ = [
+    "Tier",
+    "PersistingTier",
+    "StoredTier",
+    "StepInfo",
+    "TierFigures",
+    "register",
+    "registered",
+    "LocalTier",
+    "MemoryTier",
+    "PeerTier",
+    "RemoteTier",
+    "Tiers",
+]
 
-_WHERE = {"Tier": "base", "PersistingTier": "base", "StoredTier": "base", "StepInfo": "base", "TierFigures": "base",
-          "register": "base", "registered": "base", "LocalTier": "local", "MemoryTier": "memory", "PeerTier": "peer",
-          "RemoteTier": "remote", "Tiers": "stack"}
+_WHERE = {
+    "Tier": "base",
+    "PersistingTier": "base",
+    "StoredTier": "base",
+    "StepInfo": "base",
+    "TierFigures": "base",
+    "register": "base",
+    "registered": "base",
+    "LocalTier": "local",
+    "MemoryTier": "memory",
+    "PeerTier": "peer",
+    "RemoteTier": "remote",
+    "Tiers": "stack",
+}
 
 
 __getattr__, __dir__ = exports(__name__, _WHERE)

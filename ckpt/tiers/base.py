@@ -44,8 +44,18 @@ if TYPE_CHECKING:
 from ..format import Manifest
 from ..policy import Committed, Retention, Timeline
 
-__all__ = ["Tier", "PersistingTier", "StoredTier", "StepInfo", "TierFigures", "TierStatus", "COPY_UNKNOWN",
-           "register", "registered", "nearness"]
+__all__ = [
+    "Tier",
+    "PersistingTier",
+    "StoredTier",
+    "StepInfo",
+    "TierFigures",
+    "TierStatus",
+    "COPY_UNKNOWN",
+    "register",
+    "registered",
+    "nearness",
+]
 
 #: what :meth:`Tier.copy_id` returns on a tier that cannot tell one copy of a step from another
 COPY_UNKNOWN: Any = type("CopyUnknown", (), {"__repr__": lambda self: "COPY_UNKNOWN"})()
@@ -246,8 +256,15 @@ class Tier(abc.ABC):
         """How messages name this rank's copy of ``step`` here."""
         return self.describe(step).path or f"step {step} on the {self.name} tier"
 
-    def restore_into(self, state: dict, step: int, timeline: Timeline | None, strict: bool,
-                     job: list[int] | None, refill: "Tier | None" = None) -> int:
+    def restore_into(
+        self,
+        state: dict,
+        step: int,
+        timeline: Timeline | None,
+        strict: bool,
+        job: list[int] | None,
+        refill: "Tier | None" = None,
+    ) -> int:
         """Load this rank's copy of ``step`` into ``state`` in place; returns the bytes read.
 
         ``job``: this process's ``[rank, world size]`` in a multi-process job (a copy saved at another
@@ -292,8 +309,18 @@ class Tier(abc.ABC):
     def figures(self) -> TierFigures:
         """The tier's capacity and cost figures (:class:`TierFigures`)."""
         w, r = self._meters()
-        return TierFigures(self.name, len(self.committed()), self.bytes_held(), self.capacity_bytes(),
-                           w.n, w.last_s, w.gbps, r.n, r.last_s, r.gbps)
+        return TierFigures(
+            self.name,
+            len(self.committed()),
+            self.bytes_held(),
+            self.capacity_bytes(),
+            w.n,
+            w.last_s,
+            w.gbps,
+            r.n,
+            r.last_s,
+            r.gbps,
+        )
 
     def _meters(self) -> tuple[_Meter, _Meter]:
         meters = self.__dict__.get("_tier_meters")
@@ -379,4 +406,3 @@ def nearness(name: str) -> int:
     """The nearness of the tier registered as ``name`` (unknown names last)."""
     cls = _REGISTRY.get(name)
     return cls.nearness if cls is not None else 1 << 30
-

@@ -50,8 +50,21 @@ if TYPE_CHECKING:
 from .. import knobs, procs
 from ..commit import DirSink, publish, rank_record
 from ..errors import CorruptCheckpointError, IncompleteCheckpointError, LockedError
-from ..format import (COMMIT_NAME, LATEST_NAME, Commit, Manifest, data_name, fsync_dir, manifest_name,
-                      open_regular, parse_step_dir, read_record, read_records, step_dir_name, write_atomic)
+from ..format import (
+    COMMIT_NAME,
+    LATEST_NAME,
+    Commit,
+    Manifest,
+    data_name,
+    fsync_dir,
+    manifest_name,
+    open_regular,
+    parse_step_dir,
+    read_record,
+    read_records,
+    step_dir_name,
+    write_atomic,
+)
 from ..integrity import checksum
 from ..policy import Committed, Retention, Timeline, TimelineCopies
 from ..scatter import Scatter
@@ -71,14 +84,14 @@ class LocalTier(PersistingTier, StoredTier, TimelineCopies):
 
     name = "local"
     nearness = 10
-    refills = True   # a checkpoint restored from a farther tier is written here on the way
+    refills = True  # a checkpoint restored from a farther tier is written here on the way
 
-    needs = None   # every Checkpointer has one (local_dir)
+    needs = None  # every Checkpointer has one (local_dir)
 
     @classmethod
     def for_storage(cls, storage: Any, built: dict[str, Any], pool: Any, rank: int) -> "LocalTier | None":
         """The local tier of ``storage.local_dir`` (a directory, or a :class:`LocalTier` to use as it is)."""
-        if cls.name != LocalTier.name:   # a tier registered as a subclass: made from its own setting
+        if cls.name != LocalTier.name:  # a tier registered as a subclass: made from its own setting
             return super().for_storage(storage, built, pool, rank)
         local_dir = storage.local_dir
         return local_dir if isinstance(local_dir, LocalTier) else cls(local_dir)
@@ -91,9 +104,9 @@ class LocalTier(PersistingTier, StoredTier, TimelineCopies):
         # from its own bytes, or every chunk checked against them for a copy) or read it back in full,
         # False when a read failed verification; retention keeps the newest True one
         self.verified: dict[int, bool] = {}
-        self.timeline = Timeline()   # what a fresh write's COMMIT records (the Checkpointer sets it)
+        self.timeline = Timeline()  # what a fresh write's COMMIT records (the Checkpointer sets it)
         self._copying: dict[int, Timeline] = {}
-        self.owner: OwnerLock | None = None   # this directory's lock, once acquire_owner took it
+        self.owner: OwnerLock | None = None  # this directory's lock, once acquire_owner took it
         self.root.mkdir(parents=True, exist_ok=True)
 
     # -- listing ----------------------------------------------------------------------------------
@@ -127,8 +140,13 @@ class LocalTier(PersistingTier, StoredTier, TimelineCopies):
             name = step_dir_name(s)
             path = self.root / name / COMMIT_NAME
             try:
-                out.append(Committed(s, Timeline.of(Commit.from_bytes(read_record(path), str(path))),
-                                     linked(self.root, name)))
+                out.append(
+                    Committed(
+                        s,
+                        Timeline.of(Commit.from_bytes(read_record(path), str(path))),
+                        linked(self.root, name),
+                    )
+                )
             except FileNotFoundError:
                 continue
             except CorruptCheckpointError:
@@ -185,10 +203,15 @@ class LocalTier(PersistingTier, StoredTier, TimelineCopies):
         Fills ``manifest.chunks`` with the checksums computed on the way.
         """
         c = manifest.chunk_bytes
-        return self.write_chunks(step, manifest, lambda i: data[i * c:(i + 1) * c], compute_checksums=True)
+        return self.write_chunks(step, manifest, lambda i: data[i * c : (i + 1) * c], compute_checksums=True)
 
-    def write_chunks(self, step: int, manifest: Manifest, chunk: Callable[[int], bytes | memoryview],
-                     compute_checksums: bool) -> float:
+    def write_chunks(
+        self,
+        step: int,
+        manifest: Manifest,
+        chunk: Callable[[int], bytes | memoryview],
+        compute_checksums: bool,
+    ) -> float:
         """Persist the data file from ``chunk(i)`` (its ``i``-th chunk) and commit; returns seconds spent.
 
         With ``compute_checksums=False`` the manifest's checksums are kept, and the
@@ -202,53 +225,88 @@ class LocalTier(PersistingTier, StoredTier, TimelineCopies):
         t0 = time.perf_counter()
         d = self.step_dir(step)
         if linked(self.root, step_dir_name(step)):
-            raise OSError(errno.ELOOP, f"step {step} of the local tier is a symbolic link (a checkpoint kept "
-                          "elsewhere, read-only): a save never writes through it", str(d))
-        self._still_owner()   # a fenced owner writes nothing, not even a staging directory (nor sweeps)
+            raise OSError(
+                errno.ELOOP,
+                f"step {step} of the local tier is a symbolic link (a checkpoint kept "
+                "elsewhere, read-only): a save never writes through it",
+                str(d),
+            )
+        self._still_owner()  # a fenced owner writes nothing, not even a staging directory (nor sweeps)
         self._sweep()
         stage = self.root / _staging_name(step, "new")
-        _writing(stage, True)   # this process's own sweep leaves it alone while it is being written
+        _writing(stage, True)  # this process's own sweep leaves it alone while it is being written
         try:
-            stage.mkdir(parents=True)   # parents: a local_dir removed since is made again, as before
-            sums = self._write_data(stage / data_name(self.rank), manifest.data_bytes, manifest.chunk_bytes, chunk)
+            stage.mkdir(parents=True)  # parents: a local_dir removed since is made again, as before
+            sums = self._write_data(
+                stage / data_name(self.rank), manifest.data_bytes, manifest.chunk_bytes, chunk
+            )
             if compute_checksums:
                 manifest.chunks = sums
-            elif sums != manifest.chunks:   # the writer's own checksums: bytes that differ are never committed
-                i = next(i for i, (a, b) in enumerate(zip(sums, manifest.chunks)) if a != b) \
-                    if len(sums) == len(manifest.chunks) else 0
+            elif sums != manifest.chunks:  # the writer's own checksums: bytes that differ are never committed
+                i = (
+                    next(i for i, (a, b) in enumerate(zip(sums, manifest.chunks)) if a != b)
+                    if len(sums) == len(manifest.chunks)
+                    else 0
+                )
                 raise CorruptCheckpointError(
                     f"{d / data_name(self.rank)}: bytes [{i * manifest.chunk_bytes}, "
-                    f"{min((i + 1) * manifest.chunk_bytes, manifest.data_bytes)}) fail their checksum; not committed")
-            local = dataclasses.replace(manifest, codecs=None, stored_sizes=None, generation=None, rank=self.rank,
-                                        world_size=self.world_size)
+                    f"{min((i + 1) * manifest.chunk_bytes, manifest.data_bytes)}) fail their checksum; not committed"
+                )
+            local = dataclasses.replace(
+                manifest,
+                codecs=None,
+                stored_sizes=None,
+                generation=None,
+                rank=self.rank,
+                world_size=self.world_size,
+            )
             raw = local.to_bytes()
-            commit = rank_record(step, self.rank, self.world_size, raw, manifest.data_bytes,
-                                 self._copying.get(step, self.timeline))
+            commit = rank_record(
+                step,
+                self.rank,
+                self.world_size,
+                raw,
+                manifest.data_bytes,
+                self._copying.get(step, self.timeline),
+            )
             publish(DirSink(stage), [(manifest_name(self.rank), raw)], commit.to_bytes())
             self._still_owner()
-            self._switch(step, stage, d)   # the checkpoint exists (or is replaced) from here on
+            self._switch(step, stage, d)  # the checkpoint exists (or is replaced) from here on
             self.verified[step] = True
-        except _SourceError as e:   # the bytes could not be had (a download failed): not the disk's fault
+        except _SourceError as e:  # the bytes could not be had (a download failed): not the disk's fault
             self._discard(stage)
             raise e.error from None
-        except _Unsynced as u:   # in place and committed; only its durability is in doubt
-            self._discard(stage)   # nothing, or the copy it replaced
+        except _Unsynced as u:  # in place and committed; only its durability is in doubt
+            self._discard(stage)  # nothing, or the copy it replaced
             e = u.error
-            raise OSError(e.errno, f"{e.strerror} while making step {step} durable in the local tier: it is in "
-                          f"place and committed (listed, and restored like any other), but the fsync of {self.root} "
-                          "that makes its rename survive a power loss failed, so it may be gone (with the older "
-                          "copy of this step it replaced, if any) after one; check the disk", str(d)) from e
+            raise OSError(
+                e.errno,
+                f"{e.strerror} while making step {step} durable in the local tier: it is in "
+                f"place and committed (listed, and restored like any other), but the fsync of {self.root} "
+                "that makes its rename survive a power loss failed, so it may be gone (with the older "
+                "copy of this step it replaced, if any) after one; check the disk",
+                str(d),
+            ) from e
         except OSError as e:
             self._discard(stage)
-            hint = ("free space there or point local_dir elsewhere" if e.errno in (errno.ENOSPC, errno.EDQUOT)
-                    else "the file is larger than this process may write (ulimit -f / RLIMIT_FSIZE) or the file "
-                    "system allows: raise that limit or point local_dir elsewhere" if e.errno == errno.EFBIG
-                    else f"{d.name} in local_dir is not a directory but has a checkpoint directory's name; "
-                    "move it out of local_dir" if e.errno == errno.ENOTDIR and os.path.lexists(d) and not os.path.isdir(d)
-                    else "check the local_dir path and its permissions")
+            hint = (
+                "free space there or point local_dir elsewhere"
+                if e.errno in (errno.ENOSPC, errno.EDQUOT)
+                else "the file is larger than this process may write (ulimit -f / RLIMIT_FSIZE) or the file "
+                "system allows: raise that limit or point local_dir elsewhere"
+                if e.errno == errno.EFBIG
+                else f"{d.name} in local_dir is not a directory but has a checkpoint directory's name; "
+                "move it out of local_dir"
+                if e.errno == errno.ENOTDIR and os.path.lexists(d) and not os.path.isdir(d)
+                else "check the local_dir path and its permissions"
+            )
             at = f" at {e.filename}" if e.filename and str(e.filename) != str(d) else ""
-            raise OSError(e.errno, f"{e.strerror}{at} while writing step {step} to the local tier (staged beside "
-                          f"it, then renamed into place; {hint}); older checkpoints are untouched", str(d)) from e
+            raise OSError(
+                e.errno,
+                f"{e.strerror}{at} while writing step {step} to the local tier (staged beside "
+                f"it, then renamed into place; {hint}); older checkpoints are untouched",
+                str(d),
+            ) from e
         except BaseException:
             self._discard(stage)
             raise
@@ -261,7 +319,7 @@ class LocalTier(PersistingTier, StoredTier, TimelineCopies):
         """Move the committed staging directory ``stage`` to ``d``; a copy already at ``d`` is exchanged
         with it in one step (``renameat2(RENAME_EXCHANGE)``) and removed afterwards."""
         try:
-            os.rename(stage, d)   # nothing at d (an empty directory is replaced too)
+            os.rename(stage, d)  # nothing at d (an empty directory is replaced too)
         except OSError as e:
             if e.errno not in (errno.ENOTEMPTY, errno.EEXIST):
                 raise
@@ -292,7 +350,7 @@ class LocalTier(PersistingTier, StoredTier, TimelineCopies):
                 _writing(aside, False)
             return
         _synced(self.root)
-        self._discard(stage)   # now the replaced copy: uncommitted first, then removed
+        self._discard(stage)  # now the replaced copy: uncommitted first, then removed
 
     def _write_latest(self, step: int) -> None:
         """Point ``latest`` at ``step`` unless a newer step is committed (a promote of an older one).
@@ -300,9 +358,13 @@ class LocalTier(PersistingTier, StoredTier, TimelineCopies):
         try:
             if any(s > step for s in self.committed_steps()):
                 return
-            write_atomic(self.root / LATEST_NAME, (step_dir_name(step) + "\n").encode())   # threads may race here
+            write_atomic(
+                self.root / LATEST_NAME, (step_dir_name(step) + "\n").encode()
+            )  # threads may race here
         except OSError as e:
-            log.warning("step %d is committed in %s, but %s could not be updated: %s", step, self.root, LATEST_NAME, e)
+            log.warning(
+                "step %d is committed in %s, but %s could not be updated: %s", step, self.root, LATEST_NAME, e
+            )
 
     def _sweep(self) -> None:
         """Tidy up after writers that died mid-write (on this host): remove their staging directories,
@@ -315,15 +377,23 @@ class LocalTier(PersistingTier, StoredTier, TimelineCopies):
         host = _host_tag()
         for name in names:
             t = _LATEST_TMP_RE.match(name)
-            if t is not None:   # `latest` being replaced: by a writer that died, unless in use
+            if t is not None:  # `latest` being replaced: by a writer that died, unless in use
                 pid, path = int(t.group(1)), self.root / name
                 with contextlib.suppress(OSError):
                     # this process's own: another thread may be replacing `latest` now, unless it is old
-                    if (time.time() - os.stat(path).st_mtime > 60) if pid == os.getpid() else not _in_use(path, pid):
+                    if (
+                        (time.time() - os.stat(path).st_mtime > 60)
+                        if pid == os.getpid()
+                        else not _in_use(path, pid)
+                    ):
                         os.unlink(path)
                 continue
             m = _STAGING_RE.match(name)
-            if m is None or m.group(4) != host or _in_use(self.root / name, int(m.group(3)), m.group(2) == "new"):
+            if (
+                m is None
+                or m.group(4) != host
+                or _in_use(self.root / name, int(m.group(3)), m.group(2) == "new")
+            ):
                 continue
             path, d = self.root / name, self.root / m.group(1)
             try:
@@ -366,12 +436,14 @@ class LocalTier(PersistingTier, StoredTier, TimelineCopies):
         if self.owner is not None:
             self.owner.reassert()
 
-    def _write_data(self, path: Path, size: int, chunk: int, get: Callable[[int], bytes | memoryview]) -> list[int]:
+    def _write_data(
+        self, path: Path, size: int, chunk: int, get: Callable[[int], bytes | memoryview]
+    ) -> list[int]:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
             if size:
                 try:
-                    os.posix_fallocate(fd, 0, size)   # ENOSPC now, not halfway through
+                    os.posix_fallocate(fd, 0, size)  # ENOSPC now, not halfway through
                 except OSError as e:
                     if e.errno not in (errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
                         raise OSError(e.errno, e.strerror, str(path)) from None
@@ -386,12 +458,14 @@ class LocalTier(PersistingTier, StoredTier, TimelineCopies):
                     done += os.pwrite(fd, view[done:], off + done)
                 return checksum(view)
 
-            with ThreadPoolExecutor(max(1, knobs.get("CKPT_PERSIST_THREADS")), thread_name_prefix="ckpt-write") as ex:
+            with ThreadPoolExecutor(
+                max(1, knobs.get("CKPT_PERSIST_THREADS")), thread_name_prefix="ckpt-write"
+            ) as ex:
                 futures = [ex.submit(one, i) for i in range(-(-size // chunk))]
                 try:
                     sums = [f.result() for f in futures]
                 except BaseException:
-                    for f in futures:   # the write has failed: do not fetch and write the rest
+                    for f in futures:  # the write has failed: do not fetch and write the rest
                         f.cancel()
                     raise
             os.fsync(fd)
@@ -415,7 +489,7 @@ class LocalTier(PersistingTier, StoredTier, TimelineCopies):
         except OSError as e:
             log.warning("could not remove the partial checkpoint %s: %s", d, e)
             with _WRITING_GUARD:
-                _ABANDONED.add(_key(d))   # the next write of this process removes it (_sweep)
+                _ABANDONED.add(_key(d))  # the next write of this process removes it (_sweep)
 
     def delete(self, step: int) -> None:
         """Remove a checkpoint: ``COMMIT`` first, so a crash mid-delete never leaves a torn 'committed' step.
@@ -445,12 +519,14 @@ class LocalTier(PersistingTier, StoredTier, TimelineCopies):
                     view.release()
                     mm.close()
                 except BufferError:
-                    pass   # a slice is still referenced somewhere: the mapping closes when it is collected
+                    pass  # a slice is still referenced somewhere: the mapping closes when it is collected
 
     def open(self, step: int) -> tuple[Commit, Manifest]:
         """Read and validate the commit record and this rank's manifest of ``step``."""
         d = self.step_dir(step)
-        commit, manifest = read_records(lambda name: _read(d / name), step, self.rank, self.world_size, str(d))
+        commit, manifest = read_records(
+            lambda name: _read(d / name), step, self.rank, self.world_size, str(d)
+        )
         dpath = d / data_name(self.rank)
         try:
             st = os.stat(dpath)
@@ -479,7 +555,9 @@ class LocalTier(PersistingTier, StoredTier, TimelineCopies):
             raise IncompleteCheckpointError(f"{path}: data file is missing") from None
         os.close(fd)
         if st.st_size != manifest.data_bytes:
-            raise IncompleteCheckpointError(f"{path}: {st.st_size} bytes on disk, {manifest.data_bytes} committed")
+            raise IncompleteCheckpointError(
+                f"{path}: {st.st_size} bytes on disk, {manifest.data_bytes} committed"
+            )
 
     def fetch(self, step: int, rank: int, manifest: Manifest, i: int) -> bytearray:
         """Chunk ``i`` of rank ``rank``'s data file, read and checked against its checksum."""
@@ -493,13 +571,16 @@ class LocalTier(PersistingTier, StoredTier, TimelineCopies):
             while got < length:
                 n = os.preadv(fd, [view[got:]], off + got)
                 if n == 0:
-                    raise IncompleteCheckpointError(f"{path}: ends at byte {off + got}, expected {off + length}")
+                    raise IncompleteCheckpointError(
+                        f"{path}: ends at byte {off + got}, expected {off + length}"
+                    )
                 got += n
         finally:
             os.close(fd)
         if checksum(buf) != manifest.chunks[i]:
-            raise CorruptCheckpointError(f"{path}: bytes [{off}, {off + length}) fail their "
-                                         f"{manifest.checksum_algorithm} checksum")
+            raise CorruptCheckpointError(
+                f"{path}: bytes [{off}, {off + length}) fail their {manifest.checksum_algorithm} checksum"
+            )
         return buf
 
     def copy_id(self, step: int) -> tuple[int, ...] | None:
@@ -544,11 +625,12 @@ class LocalTier(PersistingTier, StoredTier, TimelineCopies):
             ring.put((_aligned_empty(size, pin) if sc is not None else _aligned_bytes(size), None))
         streams = pin and sc.open_streams()
         try:
+
             def one(i: int) -> None:
                 buf, ev = ring.get()
                 try:
                     for e in ev or ():
-                        e.synchronize()   # the previous H2D copies out of this buffer are done
+                        e.synchronize()  # the previous H2D copies out of this buffer are done
                     off = i * chunk
                     length = min(chunk, manifest.data_bytes - off)
                     view = memoryview(buf.numpy() if sc is not None else buf)
@@ -556,7 +638,8 @@ class LocalTier(PersistingTier, StoredTier, TimelineCopies):
                     if checksum(view[:length]) != manifest.chunks[i]:
                         raise CorruptCheckpointError(
                             f"{dpath}: bytes [{off}, {off + length}) fail their {manifest.checksum_algorithm} "
-                            "checksum")
+                            "checksum"
+                        )
                     if sc is not None:
                         sc.copy(buf[:length], off)
                         ev = sc.record() if streams else None
@@ -589,9 +672,13 @@ def linked(root: str | os.PathLike, name: str) -> bool:
 
 
 def _linked_error(path: str, what: str = "") -> OSError:
-    return OSError(errno.ELOOP, f"{what or 'the checkpoint directory'} is a symbolic link: a linked checkpoint is "
-                   "read-only here (retention, gc and saves never delete or write through a link; remove the link "
-                   "itself to drop it from this directory)", path)
+    return OSError(
+        errno.ELOOP,
+        f"{what or 'the checkpoint directory'} is a symbolic link: a linked checkpoint is "
+        "read-only here (retention, gc and saves never delete or write through a link; remove the link "
+        "itself to drop it from this directory)",
+        path,
+    )
 
 
 def remove_step_dir(root: str | os.PathLike, name: str) -> bool:
@@ -632,13 +719,13 @@ def remove_step_dir(root: str | os.PathLike, name: str) -> bool:
         if st is not None and stat.S_ISLNK(st.st_mode):
             raise _linked_error(os.path.join(where, COMMIT_NAME), f"its {COMMIT_NAME}")
         if st is not None and not stat.S_ISDIR(st.st_mode):
-            os.unlink(COMMIT_NAME, dir_fd=fd)   # uncommitted from here on, and durably so
+            os.unlink(COMMIT_NAME, dir_fd=fd)  # uncommitted from here on, and durably so
             os.fsync(fd)
         os.close(fds.pop())
         try:
             shutil.rmtree(parts[-1], dir_fd=fds[-1])
         except OSError as e:
-            if _is_link(parts[-1], fds[-1]):   # swapped in since it was opened: rmtree refused it
+            if _is_link(parts[-1], fds[-1]):  # swapped in since it was opened: rmtree refused it
                 raise _linked_error(where) from e
             raise OSError(e.errno, e.strerror or str(e), where) from e
         return True
@@ -656,7 +743,7 @@ def _aligned_bytes(nbytes: int) -> Any:
 
     raw = np.empty(nbytes + _PAGE, dtype=np.uint8)
     shift = (-raw.ctypes.data) % _PAGE
-    return raw[shift:shift + nbytes]
+    return raw[shift : shift + nbytes]
 
 
 def _aligned_empty(nbytes: int, pin: bool) -> torch.Tensor:
@@ -665,7 +752,7 @@ def _aligned_empty(nbytes: int, pin: bool) -> torch.Tensor:
 
     t = torch.empty(nbytes + _PAGE, dtype=torch.uint8, pin_memory=pin, device="cpu")
     shift = (-t.data_ptr()) % _PAGE
-    return t[shift:shift + nbytes]
+    return t[shift : shift + nbytes]
 
 
 def _open_for_read(path: Path, chunk: int) -> tuple[int, bool]:
@@ -683,7 +770,7 @@ def _open_for_read(path: Path, chunk: int) -> tuple[int, bool]:
         except FileNotFoundError:
             raise IncompleteCheckpointError(f"{path}: data file is missing") from None
         except OSError:
-            pass   # e.g. tmpfs: no O_DIRECT
+            pass  # e.g. tmpfs: no O_DIRECT
     try:
         return open_regular(path)[0], False
     except FileNotFoundError:
@@ -692,7 +779,7 @@ def _open_for_read(path: Path, chunk: int) -> tuple[int, bool]:
 
 def _read_range(fd: int, direct: bool, path: Path, view: memoryview, off: int, length: int) -> None:
     """Fill ``view[:length]`` with the file's bytes ``[off, off + length)``."""
-    want = -(-length // _PAGE) * _PAGE if direct else length   # O_DIRECT sizes are page multiples
+    want = -(-length // _PAGE) * _PAGE if direct else length  # O_DIRECT sizes are page multiples
     got = 0
     while got < length:
         try:
@@ -700,7 +787,7 @@ def _read_range(fd: int, direct: bool, path: Path, view: memoryview, off: int, l
         except OSError as e:
             if not direct or e.errno != errno.EINVAL:
                 raise OSError(e.errno, e.strerror, str(path)) from None
-            direct, want = False, length   # an unaligned tail: finish with a buffered read
+            direct, want = False, length  # an unaligned tail: finish with a buffered read
             bfd = open_regular(path)[0]
             try:
                 _read_range(bfd, False, path, view, off, length)
@@ -740,7 +827,7 @@ def _synced(root: Path) -> None:
 #: staging directories being written by this process (absolute paths): its own sweep leaves them alone,
 #: and removes the others it left (a discard that failed), which no later process would while it lives
 _WRITING: set[str] = set()
-_ABANDONED: set[str] = set()   # this process's staging directories that a write failed to remove
+_ABANDONED: set[str] = set()  # this process's staging directories that a write failed to remove
 _WRITING_GUARD = threading.Lock()
 
 
@@ -769,9 +856,9 @@ def _in_use(path: Path, pid: int, made_by_pid: bool = True) -> bool:
         key = _key(path)
         if key in _WRITING:
             return True
-        if key in _ABANDONED:   # a write of this process failed to remove it
+        if key in _ABANDONED:  # a write of this process failed to remove it
             return False
-    started = procs.started(pid)   # last written before this process started: an earlier one had its pid
+    started = procs.started(pid)  # last written before this process started: an earlier one had its pid
     return not (since is not None and started is not None and since < started - 2.0)
 
 
@@ -799,7 +886,7 @@ def _staging_name(step: int, kind: str) -> str:
     return f".{step_dir_name(step)}.{kind}-{os.getpid()}-{_host_tag()}-{secrets.token_hex(4)}"
 
 
-RENAME_NOREPLACE, RENAME_EXCHANGE = 1, 2   # renameat2's flags
+RENAME_NOREPLACE, RENAME_EXCHANGE = 1, 2  # renameat2's flags
 #: the errnos of a renameat2 the kernel, the C library or the file system does not have
 NO_RENAMEAT2 = frozenset({errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP, errno.ENOTSUP})
 _AT_FDCWD = -100
@@ -831,7 +918,7 @@ def _exchange(a: Path, b: Path) -> None:
 
 # -- ownership ----------------------------------------------------------------------------------------
 _held: "weakref.WeakValueDictionary[tuple[int, int], OwnerLock]" = weakref.WeakValueDictionary()
-_held_guard = threading.RLock()   # re-entrant: a collected OwnerLock's __del__ may run inside acquire()
+_held_guard = threading.RLock()  # re-entrant: a collected OwnerLock's __del__ may run inside acquire()
 
 
 class OwnerLock:
@@ -852,8 +939,8 @@ class OwnerLock:
 
     def __init__(self, root: Path, fd: int, key: tuple[int, int]) -> None:
         self.root, self._fd, self._key = root, fd, key
-        self._lost = False   # the lock file's name was taken from under it, and taking it again failed
-        self._fenced: LockedError | None = None   # another live process took the directory: final
+        self._lost = False  # the lock file's name was taken from under it, and taking it again failed
+        self._fenced: LockedError | None = None  # another live process took the directory: final
 
     @classmethod
     def acquire(cls, root: str | os.PathLike) -> "OwnerLock":
@@ -872,23 +959,33 @@ class OwnerLock:
             try:
                 # never through a link (the lock's content is rewritten: a link would make it truncate its
                 # target), and never blocking on a FIFO left at its name
-                fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK, 0o644)
+                fd = os.open(
+                    path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK, 0o644
+                )
             except OSError as e:
                 if e.errno == errno.ELOOP:
-                    raise OSError(e.errno, f"the owner lock {path} is a symbolic link: the lock file is rewritten "
-                                  "by each owner, so it is never opened through a link; remove the link (a plain "
-                                  "file is made in its place)", str(path)) from None
+                    raise OSError(
+                        e.errno,
+                        f"the owner lock {path} is a symbolic link: the lock file is rewritten "
+                        "by each owner, so it is never opened through a link; remove the link (a plain "
+                        "file is made in its place)",
+                        str(path),
+                    ) from None
                 if e.errno in (errno.EISDIR, errno.ENXIO):
                     raise _not_a_lock_file(path, e.errno)
-                raise OSError(e.errno, f"{e.strerror} while creating the owner lock {path}: a Checkpointer writes "
-                              "local_dir, so it must be a writable directory", str(path)) from None
+                raise OSError(
+                    e.errno,
+                    f"{e.strerror} while creating the owner lock {path}: a Checkpointer writes "
+                    "local_dir, so it must be a writable directory",
+                    str(path),
+                ) from None
             try:
                 st = os.fstat(fd)
                 if not stat.S_ISREG(st.st_mode):
                     raise _not_a_lock_file(path, errno.EEXIST, st.st_mode)
                 os.set_blocking(fd, True)
                 key = (st.st_dev, st.st_ino)
-                if key in _held:   # created and taken by another thread of this process meanwhile
+                if key in _held:  # created and taken by another thread of this process meanwhile
                     raise _locked(root, me, same_process=True)
                 try:
                     fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -899,8 +996,13 @@ class OwnerLock:
                         raise OSError(e.errno, f"{e.strerror} while locking {path}", str(path)) from None
                     # e.g. NFS without a lock manager: other processes cannot be refused; this one's
                     # Checkpointers still are (the registry), and the writes themselves stay safe
-                    log.warning("%s cannot be locked (%s): a second process writing local_dir %s will not be "
-                                "refused; make sure only one does", path, e.strerror, root)
+                    log.warning(
+                        "%s cannot be locked (%s): a second process writing local_dir %s will not be "
+                        "refused; make sure only one does",
+                        path,
+                        e.strerror,
+                        root,
+                    )
                 info = json.dumps({**me, "since_unix": time.time()}).encode()
                 os.ftruncate(fd, 0)
                 os.pwrite(fd, info, 0)
@@ -932,7 +1034,7 @@ class OwnerLock:
                 raise self._refusal()
             fd = self._fd
             if fd is None and not self._lost:
-                return   # released
+                return  # released
             if fd is not None:
                 path = self.root / LOCK_NAME
                 mine = os.fstat(fd)
@@ -943,16 +1045,23 @@ class OwnerLock:
                     what = "replaced by another file"
                 except FileNotFoundError:
                     what = "removed"
-                log.error("the owner lock %s of this process (pid %d) was %s: taking it again, so that no other "
-                          "process writes %s beside this one (never remove %s while a Checkpointer uses the "
-                          "directory)", path, os.getpid(), what, self.root, LOCK_NAME)
+                log.error(
+                    "the owner lock %s of this process (pid %d) was %s: taking it again, so that no other "
+                    "process writes %s beside this one (never remove %s while a Checkpointer uses the "
+                    "directory)",
+                    path,
+                    os.getpid(),
+                    what,
+                    self.root,
+                    LOCK_NAME,
+                )
                 if _held.get(self._key) is self:
                     del _held[self._key]
                 self._fd, self._lost = None, True
                 os.close(fd)
             try:
                 new = OwnerLock.acquire(self.root)
-            except LockedError as e:   # another live process took the name meanwhile: it owns the directory
+            except LockedError as e:  # another live process took the name meanwhile: it owns the directory
                 self._fenced = e
                 log.error("%s", self._refusal())
                 raise self._refusal() from None
@@ -970,12 +1079,17 @@ class OwnerLock:
         tracebacks of the earlier ones)."""
         e = self._fenced
         who = f"pid {e.pid} on host {e.host}" if e.pid is not None else "another live process"
-        return LockedError(f"this Checkpointer (pid {os.getpid()}) no longer owns local_dir {str(self.root)!r}: its "
-                           f"owner lock {LOCK_NAME} was removed or replaced, and {who} took the directory and owns "
-                           "it now. Nothing of this Checkpointer is written, deleted or promoted there any more "
-                           "(its saves, retention and restores that would refill local_dir raise this): stop this "
-                           f"process, or give it another local_dir; never remove {LOCK_NAME} while a Checkpointer "
-                           "uses the directory", e.path, e.pid, e.host)
+        return LockedError(
+            f"this Checkpointer (pid {os.getpid()}) no longer owns local_dir {str(self.root)!r}: its "
+            f"owner lock {LOCK_NAME} was removed or replaced, and {who} took the directory and owns "
+            "it now. Nothing of this Checkpointer is written, deleted or promoted there any more "
+            "(its saves, retention and restores that would refill local_dir raise this): stop this "
+            f"process, or give it another local_dir; never remove {LOCK_NAME} while a Checkpointer "
+            "uses the directory",
+            e.path,
+            e.pid,
+            e.host,
+        )
 
     def release(self) -> None:
         """Give up ownership (idempotent)."""
@@ -985,12 +1099,12 @@ class OwnerLock:
                 return
             if _held.get(self._key) is self:
                 del _held[self._key]
-            os.close(fd)   # drops the flock
+            os.close(fd)  # drops the flock
 
-    def __del__(self) -> None:   # a Checkpointer dropped without close()
+    def __del__(self) -> None:  # a Checkpointer dropped without close()
         try:
             self.release()
-        except Exception:   # noqa: BLE001 - interpreter shutdown
+        except Exception:  # noqa: BLE001 - interpreter shutdown
             pass
 
 
@@ -999,7 +1113,7 @@ def owned(root: str | os.PathLike) -> bool:
     A missing directory or lock file has no owner."""
     path = Path(root).expanduser() / LOCK_NAME
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)   # a FIFO never blocks
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)  # a FIFO never blocks
     except OSError:
         return False
     try:
@@ -1011,7 +1125,7 @@ def owned(root: str | os.PathLike) -> bool:
             fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
         except OSError as e:
             return e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES)
-        return False   # nobody held it (the shared lock goes with the descriptor)
+        return False  # nobody held it (the shared lock goes with the descriptor)
     finally:
         os.close(fd)
 
@@ -1020,7 +1134,7 @@ def _forget_in_child() -> None:
     """After fork: the child holds copies of the owner's lock descriptors; closing them leaves the lock
     with the parent alone (the kernel drops it once every descriptor of it is closed)."""
     global _held_guard
-    _held_guard = threading.RLock()   # another thread of the parent may have held it at the fork
+    _held_guard = threading.RLock()  # another thread of the parent may have held it at the fork
     for lock in list(_held.values()):
         fd, lock._fd = lock._fd, None
         if fd is not None:
@@ -1037,11 +1151,19 @@ os.register_at_fork(after_in_child=_forget_in_child)
 def _not_a_lock_file(path: Path, err: int, mode: int | None = None) -> OSError:
     """The owner lock's name is taken by something else (``err``: ``EISDIR`` for a directory, else the
     errno of what refused it); nothing is written to ``local_dir`` until it is moved away."""
-    what = ("a directory" if err == errno.EISDIR else "a FIFO" if mode is not None and stat.S_ISFIFO(mode)
-            else "not a regular file")
-    return OSError(err, f"the owner lock {path} is {what}, not the regular file this library keeps "
-                   "there: nothing is written to local_dir until it is removed (a plain file is made in its place)",
-                   str(path))
+    what = (
+        "a directory"
+        if err == errno.EISDIR
+        else "a FIFO"
+        if mode is not None and stat.S_ISFIFO(mode)
+        else "not a regular file"
+    )
+    return OSError(
+        err,
+        f"the owner lock {path} is {what}, not the regular file this library keeps "
+        "there: nothing is written to local_dir until it is removed (a plain file is made in its place)",
+        str(path),
+    )
 
 
 def _read_owner(fd: int) -> dict:
@@ -1057,16 +1179,28 @@ def _locked(root: Path, owner: dict, same_process: bool = False) -> LockedError:
     pid = pid if isinstance(pid, int) and not isinstance(pid, bool) else None
     host = host if isinstance(host, str) else None
     since = owner.get("since_unix")
-    when = f", since {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(since))}" \
-        if isinstance(since, (int, float)) and not isinstance(since, bool) else ""
+    when = (
+        f", since {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(since))}"
+        if isinstance(since, (int, float)) and not isinstance(since, bool)
+        else ""
+    )
     if same_process:
         who = f"another Checkpointer in this process (pid {pid} on host {host})"
         fix = "close() that one first, or give this one another local_dir"
     else:
-        who = (f"a live process (pid {pid} on host {host}{when})" if pid is not None
-               else "a live process (it has not recorded its pid yet, or runs on another host)")
-        fix = ("give this process its own local_dir, or stop that one (a process that died holds no lock); "
-               "reading (restore, ckpt ls / verify / inspect) needs no lock")
-    return LockedError(f"local_dir {str(root)!r} is owned by {who}, which writes checkpoints there: two writers "
-                       f"would replace each other's steps and prune each other's saves in flight; {fix}",
-                       str(root), pid, host)
+        who = (
+            f"a live process (pid {pid} on host {host}{when})"
+            if pid is not None
+            else "a live process (it has not recorded its pid yet, or runs on another host)"
+        )
+        fix = (
+            "give this process its own local_dir, or stop that one (a process that died holds no lock); "
+            "reading (restore, ckpt ls / verify / inspect) needs no lock"
+        )
+    return LockedError(
+        f"local_dir {str(root)!r} is owned by {who}, which writes checkpoints there: two writers "
+        f"would replace each other's steps and prune each other's saves in flight; {fix}",
+        str(root),
+        pid,
+        host,
+    )

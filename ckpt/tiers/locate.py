@@ -49,6 +49,6 @@ def local_path(location: str | os.PathLike, storage_options: dict[str, Any] | No
             raise FileNotFoundError(errno.ENOENT, "no such checkpoint directory (local_dir)", text)
         return text
     store = resolve(text, storage_options)
-    if is_local_fs(store.fs) and not os.path.isdir(store.root):   # opening the remote tier would create it
+    if is_local_fs(store.fs) and not os.path.isdir(store.root):  # opening the remote tier would create it
         raise FileNotFoundError(errno.ENOENT, "no such checkpoint directory", text)
     return local_tier_dir(text, storage_options)

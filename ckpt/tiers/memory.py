@@ -58,8 +58,8 @@ class MemoryTier(Tier):
     name = "memory"
     nearness = 0
     durable = False
-    needs = None   # every Checkpointer has one
-    built_after = ("local",)   # its segments are named from local_dir's identity
+    needs = None  # every Checkpointer has one
+    built_after = ("local",)  # its segments are named from local_dir's identity
 
     @classmethod
     def for_storage(cls, storage: Any, built: dict[str, Any], pool: Any, rank: int) -> "MemoryTier | None":
@@ -73,24 +73,39 @@ class MemoryTier(Tier):
         self.space = space
         self.rank = 0
         self.verified: dict[int, bool] = {}
-        self.timeline = Timeline()   # the timeline of the snapshots committed from now on (the Checkpointer sets it)
+        self.timeline = (
+            Timeline()
+        )  # the timeline of the snapshots committed from now on (the Checkpointer sets it)
         self._ahead: _ReadAhead | None = None
-        self.records_failed = 0      # snapshots whose record could not be written (they did not outlive the process)
-        self.skipped = 0             # saves skipped: no buffer was free (counted by the Checkpointer)
-        self._record_error: tuple | None = None   # the cause of the last such failure (logged loudly when it changes)
+        self.records_failed = (
+            0  # snapshots whose record could not be written (they did not outlive the process)
+        )
+        self.skipped = 0  # saves skipped: no buffer was free (counted by the Checkpointer)
+        self._record_error: tuple | None = (
+            None  # the cause of the last such failure (logged loudly when it changes)
+        )
         # the records written in the background (commit(..., recorded=...)): the thread writing them, whether
         # the pipeline is closing (the newest is then recorded whatever it costs), and the counts
         self._recorder: threading.Thread | None = None
         self._settling = False
         self._abandon = False
-        self._recorded_at: float | None = None   # when the last record was written (monotonic), or the first commit
-        self.records_written = 0     # records written in the background
+        self._recorded_at: float | None = (
+            None  # when the last record was written (monotonic), or the first commit
+        )
+        self.records_written = 0  # records written in the background
         self.records_superseded = 0  # snapshots a newer one replaced before their record was written
 
     # -- commit -----------------------------------------------------------------------------------
-    def commit(self, step: int, manifest: Manifest, buffer: HostBuffer, checksums: list[int] | None = None,
-               timeline: Timeline | None = None, record_required: bool = False,
-               recorded: Callable[[str | None], None] | None = None) -> None:
+    def commit(
+        self,
+        step: int,
+        manifest: Manifest,
+        buffer: HostBuffer,
+        checksums: list[int] | None = None,
+        timeline: Timeline | None = None,
+        record_required: bool = False,
+        recorded: Callable[[str | None], None] | None = None,
+    ) -> None:
         """Mark ``buffer`` as holding the complete, fenced snapshot of ``step``; a shared-memory buffer
         gets its record (chunk checksums computed now, or ``checksums`` already checked against the
         bytes) before the snapshot counts as held. ``timeline``: the snapshot's (default: this tier's).
@@ -111,35 +126,47 @@ class MemoryTier(Tier):
         record = None
         space = self.pool.shared
         timeline = self.timeline if timeline is None else timeline
-        later = recorded is not None and checksums is None and buffer.segment is not None and space is not None
+        later = (
+            recorded is not None and checksums is None and buffer.segment is not None and space is not None
+        )
         if buffer.segment is not None and space is not None and not later:
-            sums = checksums if checksums is not None else \
-                shm.chunk_checksums(buffer.tensor, manifest.data_bytes, manifest.chunk_bytes, background=True)
+            sums = (
+                checksums
+                if checksums is not None
+                else shm.chunk_checksums(
+                    buffer.tensor, manifest.data_bytes, manifest.chunk_bytes, background=True
+                )
+            )
             held = dataclasses.replace(manifest, chunks=sums)
             try:
-                record = shm.write_record(space.root, space.prefix, buffer.slot, step, timeline, held,
-                                          space.local_dir)
+                record = shm.write_record(
+                    space.root, space.prefix, buffer.slot, step, timeline, held, space.local_dir
+                )
             except OSError as e:
                 if record_required:
                     raise
                 self._record_failed(step, space, held, e)
             if len(manifest.chunks) != len(sums):
-                manifest.chunks = sums   # the tiers that read this buffer next (the peer tier) reuse them
+                manifest.chunks = sums  # the tiers that read this buffer next (the peer tier) reuse them
         with self.pool._cv:
             buffer.manifest = manifest
             buffer.image_timeline = timeline
             buffer.image_step = step
             buffer.image_order = self.pool.commit_order()
             buffer.record = record
-            buffer.checked = True   # bytes this process copied
+            buffer.checked = True  # bytes this process copied
             buffer.inherited = False
             for b in self.pool.buffers:
-                if b is not buffer and b.image_step == step and (b.image_timeline or Timeline()) == timeline \
-                        and not b.holds:
+                if (
+                    b is not buffer
+                    and b.image_step == step
+                    and (b.image_timeline or Timeline()) == timeline
+                    and not b.holds
+                ):
                     self.pool._withdraw(b, shm)
             if later:
                 buffer.on_record = recorded
-                if self._recorded_at is None:   # the record patience counts from the first snapshot
+                if self._recorded_at is None:  # the record patience counts from the first snapshot
                     self._recorded_at = time.monotonic()
                 self._kick()
         if recorded is not None and not later:
@@ -151,7 +178,9 @@ class MemoryTier(Tier):
         if self._recorder is None or not self._recorder.is_alive():
             # a daemon: at exit the pipelines are closed first (Pipeline.close settles the records), and a
             # process that exits without that loses only records, which the next process does without
-            self._recorder = threading.Thread(target=self._record_loop, name="ckpt-memory-record", daemon=True)
+            self._recorder = threading.Thread(
+                target=self._record_loop, name="ckpt-memory-record", daemon=True
+            )
             self._recorder.start()
         self.pool._cv.notify_all()
 
@@ -164,9 +193,11 @@ class MemoryTier(Tier):
         of the one being recorded (the pass stops, nothing is published), as long as a record was written in
         the last :data:`RECORD_PATIENCE_S` seconds; past that, the pass in progress keeps its buffer (a
         snapshot due meanwhile may be skipped), so that a crash never costs more than about that much."""
-        waiting = sorted((b for b in self.pool.buffers if b.on_record is not None and b.image_step is not None),
-                         key=lambda b: -b.image_order)
-        if self._abandon:   # closing without keeping the segments: no record would outlive the close
+        waiting = sorted(
+            (b for b in self.pool.buffers if b.on_record is not None and b.image_step is not None),
+            key=lambda b: -b.image_order,
+        )
+        if self._abandon:  # closing without keeping the segments: no record would outlive the close
             for b in waiting:
                 callback, b.on_record = b.on_record, None
                 callback("the memory tier closed (freeing its RAM) before its record was written")
@@ -177,29 +208,36 @@ class MemoryTier(Tier):
         for b in waiting[1:]:
             callback, b.on_record = b.on_record, None
             self.records_superseded += 1
-            callback(f"superseded by step {pick.image_step} before its record was written (it was in this "
-                     f"process's memory only)")
+            callback(
+                f"superseded by step {pick.image_step} before its record was written (it was in this "
+                f"process's memory only)"
+            )
         return pick
 
     def _gives_way(self) -> bool:
         """(under the pool's lock) Whether a record pass in progress gives its buffer up to a new snapshot now."""
-        return not (self._settling or self.pool._closed) and \
-            time.monotonic() - (self._recorded_at or 0.0) < RECORD_PATIENCE_S
+        return (
+            not (self._settling or self.pool._closed)
+            and time.monotonic() - (self._recorded_at or 0.0) < RECORD_PATIENCE_S
+        )
 
     def _record_loop(self) -> None:
         try:
             self._record_passes()
-        except BaseException as e:   # noqa: BLE001 - never die silently: settle() starts another if one still waits
+        except BaseException as e:  # noqa: BLE001 - never die silently: settle() starts another if one still waits
             with self.pool._cv:
                 self._recorder = None
                 self.pool._cv.notify_all()
-            log.warning("the memory tier's record thread stopped (%s: %s); the next commit or close() starts "
-                        "another", type(e).__name__, e)
+            log.warning(
+                "the memory tier's record thread stopped (%s: %s); the next commit or close() starts another",
+                type(e).__name__,
+                e,
+            )
 
     def _record_passes(self) -> None:
         from .. import priority
 
-        priority.lower_this_thread()   # a checksum pass over the whole snapshot, beside training
+        priority.lower_this_thread()  # a checksum pass over the whole snapshot, beside training
         cv = self.pool._cv
         while True:
             with cv:
@@ -211,54 +249,91 @@ class MemoryTier(Tier):
                 buf.holds += 1
                 buf.record_yields, buf.record_taken = self._gives_way, None
                 callback, buf.on_record = buf.on_record, None
-                step, timeline, manifest, space = buf.image_step, buf.image_timeline, buf.manifest, self.pool.shared
+                step, timeline, manifest, space = (
+                    buf.image_step,
+                    buf.image_timeline,
+                    buf.manifest,
+                    self.pool.shared,
+                )
             reason = None
 
             @contextlib.contextmanager
             def unless_taken(record: shm.SnapshotRecord):
-                with cv:   # a new snapshot takes the buffer under this lock: it finds the record published or none
+                with (
+                    cv
+                ):  # a new snapshot takes the buffer under this lock: it finds the record published or none
                     go = buf.record_taken is None
                     yield go
-                    if go:   # a snapshot that takes the buffer from now on withdraws this record first
+                    if go:  # a snapshot that takes the buffer from now on withdraws this record first
                         buf.record = record
                         self.records_written += 1
                         self._recorded_at = time.monotonic()
 
             def taken() -> str:
                 self.records_superseded += 1
-                return (f"its buffer was taken for step {buf.record_taken} before its record was written (it was "
-                        f"in this process's memory only)")
+                return (
+                    f"its buffer was taken for step {buf.record_taken} before its record was written (it was "
+                    f"in this process's memory only)"
+                )
+
             try:
-                if space is None:   # the pool closed meanwhile (its segments are gone or kept unrecorded)
+                if space is None:  # the pool closed meanwhile (its segments are gone or kept unrecorded)
                     reason = "the memory tier closed before its record was written"
                 else:
-                    sums = shm.chunk_checksums(buf.tensor, manifest.data_bytes, manifest.chunk_bytes, background=True,
-                                               stop=lambda: buf.record_taken is not None)
+                    sums = shm.chunk_checksums(
+                        buf.tensor,
+                        manifest.data_bytes,
+                        manifest.chunk_bytes,
+                        background=True,
+                        stop=lambda: buf.record_taken is not None,
+                    )
                     if sums is None:
                         reason = taken()
                     else:
                         held = dataclasses.replace(manifest, chunks=sums)
                         try:
-                            if shm.write_record(space.root, space.prefix, buf.slot, step, timeline, held,
-                                                space.local_dir, guard=unless_taken) is None:
+                            if (
+                                shm.write_record(
+                                    space.root,
+                                    space.prefix,
+                                    buf.slot,
+                                    step,
+                                    timeline,
+                                    held,
+                                    space.local_dir,
+                                    guard=unless_taken,
+                                )
+                                is None
+                            ):
                                 reason = taken()
-                        except OSError as e:   # as commit's: held in this process only, said once, counted
+                        except OSError as e:  # as commit's: held in this process only, said once, counted
                             self._record_failed(step, space, held, e)
                         if reason is None and len(manifest.chunks) != len(sums):
-                            manifest.chunks = sums   # the tiers that read this buffer next (the peer tier) reuse them
-            except BaseException as e:   # noqa: BLE001 - the snapshot stays in this process's memory
+                            manifest.chunks = (
+                                sums  # the tiers that read this buffer next (the peer tier) reuse them
+                            )
+            except BaseException as e:  # noqa: BLE001 - the snapshot stays in this process's memory
                 self.records_failed += 1
-                log.warning("the record of step %d in the memory tier failed (%s: %s): it is in this process's "
-                            "memory only", step, type(e).__name__, e)
+                log.warning(
+                    "the record of step %d in the memory tier failed (%s: %s): it is in this process's "
+                    "memory only",
+                    step,
+                    type(e).__name__,
+                    e,
+                )
             finally:
-                with cv:   # one step: a save never finds the buffer held by a pass that no longer gives way
+                with cv:  # one step: a save never finds the buffer held by a pass that no longer gives way
                     buf.record_yields, buf.record_taken = None, None
                     self.pool.release(buf)
             try:
                 callback(reason)
-            except Exception as e:   # noqa: BLE001 - a handle's bookkeeping never stops the records of the others
-                log.warning("telling the handle of step %d its record's outcome failed (%s: %s)", step,
-                            type(e).__name__, e)
+            except Exception as e:  # noqa: BLE001 - a handle's bookkeeping never stops the records of the others
+                log.warning(
+                    "telling the handle of step %d its record's outcome failed (%s: %s)",
+                    step,
+                    type(e).__name__,
+                    e,
+                )
 
     def settle(self, timeout: float | None = None, write: bool = True) -> bool:
         """Write the record of the newest snapshot still waiting for one, whatever buffers that holds (close:
@@ -276,18 +351,24 @@ class MemoryTier(Tier):
                     idle = self._recorder is None or not self._recorder.is_alive()
                     if idle:
                         if not write:
-                            self._pick_record()   # no thread to tell the waiting snapshots: tell them here
+                            self._pick_record()  # no thread to tell the waiting snapshots: tell them here
                             return True
-                        waiting = [b.image_step for b in self.pool.buffers
-                                   if b.on_record is not None and b.image_step is not None]
+                        waiting = [
+                            b.image_step
+                            for b in self.pool.buffers
+                            if b.on_record is not None and b.image_step is not None
+                        ]
                         if not waiting:
                             return True
                         if restarts == 3:
-                            log.warning("the memory tier could not write the record of step(s) %s: they stay in "
-                                        "this process's memory only", sorted(waiting))
+                            log.warning(
+                                "the memory tier could not write the record of step(s) %s: they stay in "
+                                "this process's memory only",
+                                sorted(waiting),
+                            )
                             return True
                         restarts += 1
-                        self._kick()   # a snapshot still waits for its record and no thread writes it
+                        self._kick()  # a snapshot still waits for its record and no thread writes it
                     self.pool._cv.notify_all()
                     left = None if deadline is None else deadline - time.monotonic()
                     if left is not None and left <= 0:
@@ -306,18 +387,27 @@ class MemoryTier(Tier):
         cause = (error.errno, type(error))
         loud = cause != self._record_error
         self._record_error = cause
-        log.log(logging.WARNING if loud else logging.INFO,
-                "step %d is in the memory tier of this process only, not in RAM that outlives it: its record "
-                "could not be written in %s (%s; it needs %d bytes there: %s). The local and remote tiers still "
-                "get it (%d snapshot(s) so far without a record)", step, space.root, error.strerror or error,
-                need, path.name.replace("-s00", "-sNN"), self.records_failed)
+        log.log(
+            logging.WARNING if loud else logging.INFO,
+            "step %d is in the memory tier of this process only, not in RAM that outlives it: its record "
+            "could not be written in %s (%s; it needs %d bytes there: %s). The local and remote tiers still "
+            "get it (%d snapshot(s) so far without a record)",
+            step,
+            space.root,
+            error.strerror or error,
+            need,
+            path.name.replace("-s00", "-sNN"),
+            self.records_failed,
+        )
 
     # -- listing ----------------------------------------------------------------------------------
     def _held(self) -> list[HostBuffer]:
         """The buffers holding a snapshot, the last committed first (lookups take the newest of a step)."""
         with self.pool._cv:
-            return sorted((b for b in self.pool.buffers if b.image_step is not None and b.manifest is not None),
-                          key=lambda b: -b.image_order)
+            return sorted(
+                (b for b in self.pool.buffers if b.image_step is not None and b.manifest is not None),
+                key=lambda b: -b.image_order,
+            )
 
     def _left(self) -> list[shm.SnapshotRecord]:
         """Records of segments this process has not taken over (a previous process's snapshots)."""
@@ -337,7 +427,9 @@ class MemoryTier(Tier):
         """The snapshots held, with the timeline each was saved on."""
         out = [Committed(b.image_step, b.image_timeline or Timeline()) for b in self._held()]
         seen = {c.key for c in out}
-        out += [Committed(r.step, r.timeline) for r in self._left() if (r.timeline.number, r.step) not in seen]
+        out += [
+            Committed(r.step, r.timeline) for r in self._left() if (r.timeline.number, r.step) not in seen
+        ]
         return out
 
     def manifest(self, step: int, timeline: Timeline) -> Manifest | None:
@@ -354,9 +446,12 @@ class MemoryTier(Tier):
 
     def manifest_of(self, step: int, timeline: Timeline | None = None) -> Manifest:
         """The manifest of the snapshot of ``step`` held (``LookupError`` when it is no longer held)."""
-        m = self.manifest(step, timeline) if timeline is not None else \
-            next((b.manifest for b in self._held() if b.image_step == step), None) or \
-            (lambda r: r.manifest if r is not None else None)(self._record(step, None))
+        m = (
+            self.manifest(step, timeline)
+            if timeline is not None
+            else next((b.manifest for b in self._held() if b.image_step == step), None)
+            or (lambda r: r.manifest if r is not None else None)(self._record(step, None))
+        )
         if m is None:
             raise LookupError(f"step {step} is no longer in host memory")
         return m
@@ -375,8 +470,16 @@ class MemoryTier(Tier):
         previous process and not checked since. ``LookupError`` when no buffer holds it (its segment was not
         taken over), ``CorruptCheckpointError`` when a chunk fails its checksum."""
         with self.pool._cv:
-            buf = next((b for b in self.pool.buffers if b.image_step == step and b.manifest == manifest
-                        and (b.image_timeline or Timeline()) == timeline), None)
+            buf = next(
+                (
+                    b
+                    for b in self.pool.buffers
+                    if b.image_step == step
+                    and b.manifest == manifest
+                    and (b.image_timeline or Timeline()) == timeline
+                ),
+                None,
+            )
             if buf is None:
                 raise LookupError(f"step {step} is not in a host buffer of this process")
             buf.holds += 1
@@ -392,12 +495,16 @@ class MemoryTier(Tier):
         """The segment (or this process's memory) holding ``step``, its bytes and when it was committed."""
         for b in self._held():
             if b.image_step == step and (timeline is None or (b.image_timeline or Timeline()) == timeline):
-                where = str(b.segment.path) if b.segment is not None else f"host memory of process {os.getpid()}"
+                where = (
+                    str(b.segment.path) if b.segment is not None else f"host memory of process {os.getpid()}"
+                )
                 return StepInfo(where, b.manifest.data_bytes, b.manifest.created_unix, 1)
         rec = self._record(step, timeline)
         if rec is None:
             return StepInfo()
-        return StepInfo(str(Path(rec.path).with_name(rec.buffer)), rec.manifest.data_bytes, rec.created_unix, 1)
+        return StepInfo(
+            str(Path(rec.path).with_name(rec.buffer)), rec.manifest.data_bytes, rec.created_unix, 1
+        )
 
     def location(self) -> str:
         if self.space is not None:
@@ -418,7 +525,7 @@ class MemoryTier(Tier):
                     continue
                 if b.holds:
                     raise OSError(errno.EBUSY, f"the snapshot of step {step} is being read or persisted")
-                self.pool._withdraw(b, shm)   # its record first, then the image
+                self.pool._withdraw(b, shm)  # its record first, then the image
                 found = True
         for rec in self._left():
             if rec.step == step and rec.path is not None:
@@ -444,13 +551,18 @@ class MemoryTier(Tier):
     def say_kept(self, loud: bool) -> None:
         """Log the RAM this tier's segments keep once the Checkpointer is gone, and how to free it (at WARNING
         when ``loud``: the process did not close the Checkpointer itself, or its block raised)."""
-        if self.space is None or self.pool.shared is None:   # not the owner: none of the segments are its own
+        if self.space is None or self.pool.shared is None:  # not the owner: none of the segments are its own
             return
         kept = self.nbytes()
         if kept:
-            log.log(logging.WARNING if loud else logging.INFO,
-                    "the memory tier keeps %.2f GB of RAM in %s for the next process on this node (it restores from "
-                    "it); `ckpt gc --memory %s` frees it", kept / 1e9, self.location(), self.space.local_dir)
+            log.log(
+                logging.WARNING if loud else logging.INFO,
+                "the memory tier keeps %.2f GB of RAM in %s for the next process on this node (it restores from "
+                "it); `ckpt gc --memory %s` frees it",
+                kept / 1e9,
+                self.location(),
+                self.space.local_dir,
+            )
 
     def figures(self) -> TierFigures:
         """:meth:`Tier.figures`, with the buffers, the snapshots skipped for want of a free one, those that
@@ -458,15 +570,24 @@ class MemoryTier(Tier):
         slots = self.pool.slots
         gives_up = None
         if slots == 2:
-            gives_up = ("two buffers: while a tier reads one snapshot, the newest is kept whole in the other and "
-                        "every new snapshot is skipped until the tier is done")
+            gives_up = (
+                "two buffers: while a tier reads one snapshot, the newest is kept whole in the other and "
+                "every new snapshot is skipped until the tier is done"
+            )
         elif slots == 1:
-            gives_up = ("one buffer: a new snapshot is skipped while a tier reads the previous one and otherwise "
-                        "takes its buffer; a snapshot that then fails leaves the memory tier empty")
-        return dataclasses.replace(super().figures(), buffers=slots, snapshots_skipped=self.skipped,
-                                   records_failed=self.records_failed, gives_up=gives_up,
-                                   records_written=self.records_written,
-                                   records_superseded=self.records_superseded + self.pool.unrecorded_dropped)
+            gives_up = (
+                "one buffer: a new snapshot is skipped while a tier reads the previous one and otherwise "
+                "takes its buffer; a snapshot that then fails leaves the memory tier empty"
+            )
+        return dataclasses.replace(
+            super().figures(),
+            buffers=slots,
+            snapshots_skipped=self.skipped,
+            records_failed=self.records_failed,
+            gives_up=gives_up,
+            records_written=self.records_written,
+            records_superseded=self.records_superseded + self.pool.unrecorded_dropped,
+        )
 
     def newest(self) -> tuple[int, Manifest] | None:
         buf = self.pool.newest_image()
@@ -486,22 +607,23 @@ class MemoryTier(Tier):
         previous process left, after checking every chunk (``CorruptCheckpointError`` naming the
         segment) and, afterwards, that its record was not withdrawn meanwhile (``LookupError``). A segment this
         process took over (adopted) is checked on the host's threads, then copied at the pinned rate."""
-        self.pool.wait_adopted()   # a segment being taken over is read from its mapping once it is
+        self.pool.wait_adopted()  # a segment being taken over is read from its mapping once it is
         with self.pool._cv:
             # the snapshot listed and described by ``manifest``, never another of the same step: a rollback's new
             # branch saves the same step again, with other bytes (its manifest's chunk checksums and creation time
             # differ), and only the copy that was listed may be loaded
-            buf = next((b for b in self.pool.buffers if b.image_step == step and b.manifest is manifest), None) or \
-                next((b for b in self.pool.buffers if b.image_step == step and b.manifest == manifest), None)
+            buf = next(
+                (b for b in self.pool.buffers if b.image_step == step and b.manifest is manifest), None
+            ) or next((b for b in self.pool.buffers if b.image_step == step and b.manifest == manifest), None)
             if buf is not None:
-                buf.holds += 1   # not taken for a new snapshot while it is read
+                buf.holds += 1  # not taken for a new snapshot while it is read
         if buf is not None:
             try:
                 early = self._ahead.take(buf, manifest) if self._ahead is not None else None
-                if early is not None:   # read onto the GPU (and checked) while the ranks agreed
+                if early is not None:  # read onto the GPU (and checked) while the ranks agreed
                     _scatter(manifest, dest, early)
                 elif buf.checked:
-                    _scatter(manifest, dest, buf.tensor[:manifest.data_bytes])
+                    _scatter(manifest, dest, buf.tensor[: manifest.data_bytes])
                 else:
                     self._load_adopted(buf, manifest, dest)
             finally:
@@ -512,7 +634,9 @@ class MemoryTier(Tier):
             raise LookupError(f"step {step} is no longer in host memory (not the copy that was listed)")
         self._load_segment(rec, dest)
 
-    def _load_adopted(self, buf: HostBuffer, manifest: Manifest, dest: list[torch.Tensor | None] | None) -> None:
+    def _load_adopted(
+        self, buf: HostBuffer, manifest: Manifest, dest: list[torch.Tensor | None] | None
+    ) -> None:
         """Check, then copy (``dest``), a snapshot in a segment this process took over but has not checked yet:
         every chunk is checked on the I/O threads first (0.05 s per 3.7 GB on 16 threads), and only a snapshot
         whose every chunk passed is copied to its destinations (registered memory: straight to the GPU); one
@@ -520,14 +644,15 @@ class MemoryTier(Tier):
         the fallback checkpoint lacks keeps its value under ``strict=False``). From then on the buffer
         counts as checked."""
         held = buf.manifest if buf.manifest is not None else manifest
-        data = buf.tensor[:held.data_bytes]
+        data = buf.tensor[: held.data_bytes]
         first = shm.first_bad_chunk(data, held)
         if first is not None:
             c = held.chunk_bytes
             raise CorruptCheckpointError(
                 f"{buf.segment.path if buf.segment is not None else 'host memory'}: bytes [{first * c}, "
                 f"{min((first + 1) * c, held.data_bytes)}) of the memory tier's snapshot of step {buf.image_step} "
-                "(taken over from the previous process) fail their checksum")
+                "(taken over from the previous process) fail their checksum"
+            )
         buf.checked = True
         if dest is not None:
             _scatter(manifest, dest, data)
@@ -548,12 +673,12 @@ class MemoryTier(Tier):
                 bad, copied = _checked_copy(rec, fd, sc, _gpu_of(dest))
             finally:
                 os.close(fd)
-            if not copied:   # copied: every byte of it checked while its record stood, whatever happens now
+            if not copied:  # copied: every byte of it checked while its record stood, whatever happens now
                 _judge(rec, path, bad)
             return
         seg = shm.Segment.open(path, rec.manifest.data_bytes, writable=False)
         try:
-            data = seg.tensor[:rec.manifest.data_bytes]
+            data = seg.tensor[: rec.manifest.data_bytes]
             bad = shm.first_bad_chunk(data, rec.manifest)
             if bad is None and dest is not None and shm.still_current(rec):
                 _scatter(rec.manifest, dest, data)
@@ -564,6 +689,7 @@ class MemoryTier(Tier):
     def _live_owner(self) -> bool:
         """Whether a live process (this one included) owns the local tier these segments belong to."""
         from .local import owned
+
         return self.space is not None and owned(self.space.local_dir)
 
     # -- reading ahead ----------------------------------------------------------------------------
@@ -592,13 +718,20 @@ class MemoryTier(Tier):
         rec = self._record(step, timeline)
         if rec is None:
             with self.pool._cv:
-                buf = next((b for b in self._held() if b.image_step == step and
-                            (timeline is None or (b.image_timeline or Timeline()) == timeline)), None)
+                buf = next(
+                    (
+                        b
+                        for b in self._held()
+                        if b.image_step == step
+                        and (timeline is None or (b.image_timeline or Timeline()) == timeline)
+                    ),
+                    None,
+                )
                 if buf is None:
                     raise LookupError(f"step {step} is not in host memory")
-                buf.holds += 1   # not taken for a new snapshot while it is checked
+                buf.holds += 1  # not taken for a new snapshot while it is checked
             try:
-                if not buf.checked:   # taken over from the previous process: its bytes are checked once
+                if not buf.checked:  # taken over from the previous process: its bytes are checked once
                     self._load_adopted(buf, buf.manifest, None)
                 return [buf.manifest]
             finally:
@@ -616,7 +749,7 @@ class _ReadAhead:
     def __init__(self, tier: MemoryTier, device: torch.device) -> None:
         self.tier, self.device = tier, device
         self._lock = threading.Lock()
-        self.target: tuple[HostBuffer, float] | None = None   # the buffer and its image's commit order
+        self.target: tuple[HostBuffer, float] | None = None  # the buffer and its image's commit order
         self.data: torch.Tensor | None = None
         self._ended = False
         self._thread = threading.Thread(target=self._run, name="ckpt-read-ahead", daemon=True)
@@ -638,14 +771,18 @@ class _ReadAhead:
                 cuda = self.device.type == "cuda"
                 free = torch.cuda.mem_get_info(self.device)[0] if cuda else None
                 if free is not None and free < 2 * n + (1 << 30):
-                    log.info("no room on %s to read the memory tier's snapshot of step %d ahead (%d bytes free)",
-                             self.device, buf.image_step, free)
+                    log.info(
+                        "no room on %s to read the memory tier's snapshot of step %d ahead (%d bytes free)",
+                        self.device,
+                        buf.image_step,
+                        free,
+                    )
                     return
-                if not buf.checked:   # taken over from the previous process: checked once, now
+                if not buf.checked:  # taken over from the previous process: checked once, now
                     self.tier._load_adopted(buf, buf.manifest, None)
                 with torch.cuda.device(self.device) if cuda else contextlib.nullcontext():
-                    data = torch.empty(n, dtype=torch.uint8, device=self.device)   # on the current stream: the
-                    side = torch.cuda.Stream(self.device) if cuda else None        # allocator's for later reuse
+                    data = torch.empty(n, dtype=torch.uint8, device=self.device)  # on the current stream: the
+                    side = torch.cuda.Stream(self.device) if cuda else None  # allocator's for later reuse
                     if side is not None:
                         side.wait_stream(torch.cuda.current_stream(self.device))
                     with torch.cuda.stream(side) if cuda else contextlib.nullcontext():
@@ -656,26 +793,39 @@ class _ReadAhead:
                 with self._lock:
                     if not self._ended:
                         self.data = data
-                log.info("the memory tier's snapshot of step %d was read onto %s ahead of the restore (%d bytes)",
-                         buf.image_step, self.device, n)
+                log.info(
+                    "the memory tier's snapshot of step %d was read onto %s ahead of the restore (%d bytes)",
+                    buf.image_step,
+                    self.device,
+                    n,
+                )
             finally:
                 pool.release(buf)
-        except Exception as e:   # noqa: BLE001 - the load reads the host buffer as without it
-            log.info("reading the memory tier's newest snapshot onto %s ahead failed (%s: %s)", self.device,
-                     type(e).__name__, e)
+        except Exception as e:  # noqa: BLE001 - the load reads the host buffer as without it
+            log.info(
+                "reading the memory tier's newest snapshot onto %s ahead failed (%s: %s)",
+                self.device,
+                type(e).__name__,
+                e,
+            )
 
     def take(self, buf: HostBuffer, manifest: Manifest) -> torch.Tensor | None:
         """The copy of ``buf``'s snapshot on the GPU, if that is what was read ahead and it is still the image
         ``buf`` holds (called with ``buf`` held: it cannot change meanwhile); ``None`` otherwise."""
         with self._lock:
             target = self.target
-        if target is None or target[0] is buf:   # not started yet, or reading this one: its result decides
+        if target is None or target[0] is buf:  # not started yet, or reading this one: its result decides
             self._thread.join()
             with self._lock:
                 target = self.target
-        if target is None or target[0] is not buf or buf.image_order != target[1] or \
-                buf.manifest is None or buf.manifest.data_bytes != manifest.data_bytes or \
-                buf.manifest.chunks != manifest.chunks:
+        if (
+            target is None
+            or target[0] is not buf
+            or buf.image_order != target[1]
+            or buf.manifest is None
+            or buf.manifest.data_bytes != manifest.data_bytes
+            or buf.manifest.chunks != manifest.chunks
+        ):
             return None
         with self._lock:
             data, self.data = self.data, None
@@ -699,14 +849,17 @@ def _judge(rec: shm.SnapshotRecord, path: Path, bad: int | None) -> None:
         c = rec.manifest.chunk_bytes
         raise CorruptCheckpointError(
             f"{path}: bytes [{bad * c}, {min((bad + 1) * c, rec.manifest.data_bytes)}) of the memory tier's "
-            f"snapshot of step {rec.step} fail their checksum")
+            f"snapshot of step {rec.step} fail their checksum"
+        )
     if bad is not None or not current:
-        raise LookupError(f"the memory tier's snapshot of step {rec.step} in {path} was being replaced while it "
-                          "was read")
+        raise LookupError(
+            f"the memory tier's snapshot of step {rec.step} in {path} was being replaced while it was read"
+        )
 
 
-def _checked_copy(rec: shm.SnapshotRecord, fd: int, sc: Scatter,
-                  device: torch.device | None) -> tuple[int | None, bool]:
+def _checked_copy(
+    rec: shm.SnapshotRecord, fd: int, sc: Scatter, device: torch.device | None
+) -> tuple[int | None, bool]:
     """Copy the snapshot of ``rec`` (``fd``: its segment) to ``sc``'s destinations, none of them written before
     every chunk passed its checksum. The chunks are read and checked (:func:`_to_device`) into a scratch buffer
     of the snapshot's size on ``device`` (a destination's GPU; ``None``: host memory), then, when every one
@@ -724,18 +877,28 @@ def _checked_copy(rec: shm.SnapshotRecord, fd: int, sc: Scatter,
     try:
         scratch = _scratch(manifest.data_bytes, device)
     except (torch.cuda.OutOfMemoryError, MemoryError):
-        log.info("no room for %d bytes on %s to check the memory tier's snapshot of step %d in: every chunk is "
-                 "checked first, then read, checked and copied again", manifest.data_bytes, device or "the host",
-                 rec.step)
+        log.info(
+            "no room for %d bytes on %s to check the memory tier's snapshot of step %d in: every chunk is "
+            "checked first, then read, checked and copied again",
+            manifest.data_bytes,
+            device or "the host",
+            rec.step,
+        )
         bad = _to_device(manifest, fd, None)
         if bad is not None or not shm.still_current(rec):
             return bad, False
-        bad = _to_device(manifest, fd, sc)   # every chunk checked again as it is copied
+        bad = _to_device(manifest, fd, sc)  # every chunk checked again as it is copied
         return bad, bad is None
-    log.info("the memory tier's snapshot of step %d is checked in %d bytes on %s before it is copied into place",
-             rec.step, manifest.data_bytes, scratch.device)
-    whole = Scatter([ItemRecord("", "uint8", [manifest.data_bytes], scratch.device.type, 0, manifest.data_bytes)],
-                    [scratch])
+    log.info(
+        "the memory tier's snapshot of step %d is checked in %d bytes on %s before it is copied into place",
+        rec.step,
+        manifest.data_bytes,
+        scratch.device,
+    )
+    whole = Scatter(
+        [ItemRecord("", "uint8", [manifest.data_bytes], scratch.device.type, 0, manifest.data_bytes)],
+        [scratch],
+    )
     try:
         bad = _to_device(manifest, fd, whole)
         if bad is not None or not shm.still_current(rec):
@@ -747,7 +910,7 @@ def _checked_copy(rec: shm.SnapshotRecord, fd: int, sc: Scatter,
             sc.synchronize()
         return None, True
     finally:
-        del whole, scratch   # every copy out of it has landed: the allocator may hand it out again
+        del whole, scratch  # every copy out of it has landed: the allocator may hand it out again
 
 
 def _gpu_of(dest: list[torch.Tensor | None]) -> torch.device | None:
@@ -761,6 +924,7 @@ def _scratch(nbytes: int, device: torch.device | None) -> torch.Tensor:
     and a quarter more is available, so a restore never pushes the node into swapping or its OOM killer)."""
     if device is None:
         import psutil
+
         if psutil.virtual_memory().available < nbytes + nbytes // 4:
             raise MemoryError(f"{nbytes} bytes of host memory to check a snapshot in")
     return torch.empty(nbytes, dtype=torch.uint8, device=device)
@@ -776,11 +940,19 @@ def _to_device(manifest: Manifest, fd: int, sc: Scatter | None) -> int | None:
     nothing copied. Returns the first chunk that failed its checksum (``None``: none did)."""
     chunk = manifest.chunk_bytes
     n = len(manifest.chunks)
-    pinned = sc is not None and torch.cuda.is_available()   # sent to a GPU from pinned memory; a check alone sends none
+    pinned = (
+        sc is not None and torch.cuda.is_available()
+    )  # sent to a GPU from pinned memory; a check alone sends none
     ring: queue.Queue = queue.Queue()
     for _ in range(min(n, max(2, knobs.get("CKPT_RESTORE_BUFFERS")))):
-        ring.put((torch.empty(min(chunk, manifest.data_bytes), dtype=torch.uint8, pin_memory=pinned, device="cpu"),
-                  None))
+        ring.put(
+            (
+                torch.empty(
+                    min(chunk, manifest.data_bytes), dtype=torch.uint8, pin_memory=pinned, device="cpu"
+                ),
+                None,
+            )
+        )
     if sc is not None:
         sc.open_streams()
     bad: list[int] = []
@@ -789,15 +961,17 @@ def _to_device(manifest: Manifest, fd: int, sc: Scatter | None) -> int | None:
         buf, ev = ring.get()
         try:
             for e in ev or ():
-                e.synchronize()   # the previous copies out of this buffer have landed
+                e.synchronize()  # the previous copies out of this buffer have landed
             off = i * chunk
             length = min(chunk, manifest.data_bytes - off)
             view = memoryview(buf.numpy())[:length]
             got = 0
-            while got < length:   # pread releases the GIL
+            while got < length:  # pread releases the GIL
                 k = os.preadv(fd, [view[got:]], off + got)
                 if k <= 0:
-                    raise OSError(errno.EIO, f"the segment ended at byte {off + got} of {manifest.data_bytes}")
+                    raise OSError(
+                        errno.EIO, f"the segment ended at byte {off + got} of {manifest.data_bytes}"
+                    )
                 got += k
             if checksum(view) != manifest.chunks[i]:
                 bad.append(i)

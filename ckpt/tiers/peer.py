@@ -64,7 +64,7 @@ log = logging.getLogger(__name__)
 
 #: replica buffers a holder keeps per source rank: the newest committed one and the one being received
 REPLICA_SLOTS = 2
-_HDR = 7            # ok, manifest bytes, data bytes, step, timeline number, number of forks, piece bytes
+_HDR = 7  # ok, manifest bytes, data bytes, step, timeline number, number of forks, piece bytes
 _MAX_FORKS = 1 << 16
 
 
@@ -88,10 +88,16 @@ class Exchange:
     so no order of posting can deadlock; messages between two ranks are matched in the order posted.
     """
 
-    def __init__(self, group: Any, piece: int, data_group: Any = None, device: torch.device | None = None,
-                 ring: int = 2) -> None:
+    def __init__(
+        self,
+        group: Any,
+        piece: int,
+        data_group: Any = None,
+        device: torch.device | None = None,
+        ring: int = 2,
+    ) -> None:
         self.group = group
-        self.piece = piece   # bytes per data message this rank sends (the receiver is told)
+        self.piece = piece  # bytes per data message this rank sends (the receiver is told)
         self.data_group = data_group if data_group is not None else group
         self.device = device
         # two streams of its own on a GPU: host -> device copies (and the sends/receives queued behind them),
@@ -114,16 +120,29 @@ class Exchange:
             if dev is not None:
                 torch.cuda.current_stream(dev).synchronize()
 
-    def swap(self, out: torch.Tensor | None, to: int | None, into: torch.Tensor | None, frm: int | None,
-             group: Any = None) -> None:
+    def swap(
+        self,
+        out: torch.Tensor | None,
+        to: int | None,
+        into: torch.Tensor | None,
+        frm: int | None,
+        group: Any = None,
+    ) -> None:
         """One round: send ``out`` to ``to`` and receive ``into`` from ``frm`` (either side ``None``: none)."""
         for w in _post(out, to, into, frm, group or self.group):
             w.wait()
 
-    def data(self, out: torch.Tensor | None, to: int | None, into: torch.Tensor | None, frm: int | None,
-             in_piece: int, landed: Callable[[int, int], None],
-             out_ready: Callable[[int, int], None] | None = None,
-             on_gpu: Callable[[torch.Tensor, int], None] | None = None) -> None:
+    def data(
+        self,
+        out: torch.Tensor | None,
+        to: int | None,
+        into: torch.Tensor | None,
+        frm: int | None,
+        in_piece: int,
+        landed: Callable[[int, int], None],
+        out_ready: Callable[[int, int], None] | None = None,
+        on_gpu: Callable[[torch.Tensor, int], None] | None = None,
+    ) -> None:
         """Send ``out`` (host bytes) to ``to`` in pieces of :attr:`piece` bytes and receive ``into`` (host
         bytes) from ``frm`` in pieces of ``in_piece`` (the sender's); ``landed(offset, length)`` is called
         as each received piece is in ``into`` (the caller checks it while the next one arrives). On the
@@ -138,15 +157,21 @@ class Exchange:
         k_out = -(-n_out // self.piece)
         k_in = -(-n_in // in_piece) if n_in else 0
         if self.device is not None:
-            self._staged(out, to, into, frm, in_piece, n_out, n_in, max(k_out, k_in), landed, out_ready, on_gpu)
+            self._staged(
+                out, to, into, frm, in_piece, n_out, n_in, max(k_out, k_in), landed, out_ready, on_gpu
+            )
             return
         dist = torch.distributed
-        posted = []   # every piece posted at once (a stream, matched in order), then taken as it lands
+        posted = []  # every piece posted at once (a stream, matched in order), then taken as it lands
         for i in range(max(k_out, k_in)):
             ops = []
             if i < k_out:
-                ops.append(dist.P2POp(dist.isend, out[i * self.piece:(i + 1) * self.piece], to, group=self.data_group))
-            recv = into[i * in_piece:(i + 1) * in_piece] if i < k_in else None
+                ops.append(
+                    dist.P2POp(
+                        dist.isend, out[i * self.piece : (i + 1) * self.piece], to, group=self.data_group
+                    )
+                )
+            recv = into[i * in_piece : (i + 1) * in_piece] if i < k_in else None
             if recv is not None:
                 ops.append(dist.P2POp(dist.irecv, recv, frm, group=self.data_group))
             posted.append((dist.batch_isend_irecv(ops), recv, i * in_piece))
@@ -156,10 +181,20 @@ class Exchange:
             if recv is not None:
                 landed(off, recv.numel())
 
-    def _staged(self, out: torch.Tensor | None, to: int | None, into: torch.Tensor | None, frm: int | None,
-                in_piece: int, n_out: int, n_in: int, pieces: int, landed: Callable[[int, int], None],
-                out_ready: Callable[[int, int], None] | None = None,
-                on_gpu: Callable[[torch.Tensor, int], None] | None = None) -> None:
+    def _staged(
+        self,
+        out: torch.Tensor | None,
+        to: int | None,
+        into: torch.Tensor | None,
+        frm: int | None,
+        in_piece: int,
+        n_out: int,
+        n_in: int,
+        pieces: int,
+        landed: Callable[[int, int], None],
+        out_ready: Callable[[int, int], None] | None = None,
+        on_gpu: Callable[[torch.Tensor, int], None] | None = None,
+    ) -> None:
         """The device path: per piece, host -> device staging (sender), send/receive over ``data_group``,
         device staging -> host (receiver). On a GPU the three run as a pipeline over ``ring`` staging pairs:
         piece i + 1 is copied up on one stream while piece i is on the wire (NCCL's stream) and piece i - 1 is
@@ -182,19 +217,26 @@ class Exchange:
         # owner receiving onto its GPU need none: 2 x ring x piece of GPU memory not taken)
         staged = (n_out and not direct_out) or (n_in and not direct)
         if staged and (not self._staging or self._staging[0][0].numel() < size):
-            self._staging = []   # the old pair goes first: a larger one must not need both at once
+            self._staging = []  # the old pair goes first: a larger one must not need both at once
             # allocated on the stream that first writes them: the caching allocator hands out memory that is
             # free in that stream's order (on the training's stream, a block the training just freed could
             # still be written by its queued kernels while ours lands in it)
             with torch.cuda.stream(up) if up is not None else contextlib.nullcontext():
-                self._staging = [(torch.empty(size, dtype=torch.uint8, device=self.device),
-                                  torch.empty(size, dtype=torch.uint8, device=self.device))
-                                 for _ in range(self._ring)]
+                self._staging = [
+                    (
+                        torch.empty(size, dtype=torch.uint8, device=self.device),
+                        torch.empty(size, dtype=torch.uint8, device=self.device),
+                    )
+                    for _ in range(self._ring)
+                ]
         # a received piece's own work on the GPU (checks) runs on a third stream, beside its copy down
-        check = torch.cuda.Stream(self.device) if on_gpu is not None and up is not None and n_in and not direct \
+        check = (
+            torch.cuda.Stream(self.device)
+            if on_gpu is not None and up is not None and n_in and not direct
             else None
-        free: list[Any] = [None] * self._ring   # per pair: event after its last piece reached the host
-        pending: list[tuple[Any, int, int]] = []   # (event, offset, length) of pieces on their way to the host
+        )
+        free: list[Any] = [None] * self._ring  # per pair: event after its last piece reached the host
+        pending: list[tuple[Any, int, int]] = []  # (event, offset, length) of pieces on their way to the host
         with torch.cuda.device(self.device) if up is not None else contextlib.nullcontext():
             for i in range(pieces):
                 j = i % self._ring
@@ -204,27 +246,31 @@ class Exchange:
                 r = min(in_piece, n_in - b) if b < n_in else 0
                 with torch.cuda.stream(up) if up is not None else contextlib.nullcontext():
                     if free[j] is not None:
-                        up.wait_event(free[j])   # the pair's previous piece was sent and is on the host
-                    if k and not direct_out:   # piece by registration piece of the snapshot buffer (shm.pieces)
+                        up.wait_event(free[j])  # the pair's previous piece was sent and is on the host
+                    if (
+                        k and not direct_out
+                    ):  # piece by registration piece of the snapshot buffer (shm.pieces)
                         for x, y in shm.pieces(a, k):
-                            s_buf[x - a:y - a].copy_(out[x:y], non_blocking=True)
-                    target = (into[b:b + r] if direct else r_buf[:r]) if r else None
+                            s_buf[x - a : y - a].copy_(out[x:y], non_blocking=True)
+                    target = (into[b : b + r] if direct else r_buf[:r]) if r else None
                     if k and direct_out and out_ready is not None:
-                        out_ready(a, k)   # the up stream waits for the piece to be on the GPU
-                    source = (out[a:a + k] if direct_out else s_buf[:k]) if k else None
+                        out_ready(a, k)  # the up stream waits for the piece to be on the GPU
+                    source = (out[a : a + k] if direct_out else s_buf[:k]) if k else None
                     works = self._post(source, to, target, frm)
                 with torch.cuda.stream(down) if down is not None else contextlib.nullcontext():
                     for w in works:
-                        w.wait()   # on a GPU: the down stream waits for the wire, the host does not
-                    if r and check is not None:   # the piece's checks, on the GPU while it is copied down
+                        w.wait()  # on a GPU: the down stream waits for the wire, the host does not
+                    if r and check is not None:  # the piece's checks, on the GPU while it is copied down
                         check.wait_stream(down)
                         with torch.cuda.stream(check):
                             on_gpu(r_buf[:r], b)
                     if r and not direct:
                         for x, y in shm.pieces(b, r):
-                            into[x:y].copy_(r_buf[x - b:y - b], non_blocking=True)
+                            into[x:y].copy_(r_buf[x - b : y - b], non_blocking=True)
                     if r and check is not None:
-                        down.wait_stream(check)   # the pair is reused, and the piece landed, once both are done
+                        down.wait_stream(
+                            check
+                        )  # the pair is reused, and the piece landed, once both are done
                     ev = None
                     if down is not None:
                         ev = torch.cuda.Event()
@@ -241,12 +287,16 @@ class Exchange:
                 up.synchronize()
                 down.synchronize()
 
-    def _post(self, out: torch.Tensor | None, to: int | None, into: torch.Tensor | None, frm: int | None) -> list:
+    def _post(
+        self, out: torch.Tensor | None, to: int | None, into: torch.Tensor | None, frm: int | None
+    ) -> list:
         """Post one send and/or receive over ``data_group`` together; returns their works (not waited)."""
         return _post(out, to, into, frm, self.data_group)
 
 
-def _post(out: torch.Tensor | None, to: int | None, into: torch.Tensor | None, frm: int | None, group: Any) -> list:
+def _post(
+    out: torch.Tensor | None, to: int | None, into: torch.Tensor | None, frm: int | None, group: Any
+) -> list:
     """Post a send of ``out`` to ``to`` and a receive into ``into`` from ``frm`` over ``group`` together (either
     side ``None``: none), so no order of posting between two ranks can deadlock; returns their works."""
     dist = torch.distributed
@@ -258,13 +308,21 @@ def _post(out: torch.Tensor | None, to: int | None, into: torch.Tensor | None, f
     return dist.batch_isend_irecv(ops) if ops else []
 
 
-def checked_receive(wire: Exchange, out: torch.Tensor | None, to: int | None, into: torch.Tensor | None,
-                    frm: int | None, in_piece: int, manifest: Manifest | None, threads: int | None = None,
-                    out_ready: Callable[[int, int], None] | None = None) -> list[int]:
+def checked_receive(
+    wire: Exchange,
+    out: torch.Tensor | None,
+    to: int | None,
+    into: torch.Tensor | None,
+    frm: int | None,
+    in_piece: int,
+    manifest: Manifest | None,
+    threads: int | None = None,
+    out_ready: Callable[[int, int], None] | None = None,
+) -> list[int]:
     """:meth:`Exchange.data`, checking each received chunk against ``manifest`` on ``threads`` threads
     (default ``CKPT_PERSIST_THREADS``: beside a training) while later pieces arrive; returns the chunks that
     failed."""
-    if into is None or manifest is None or not into.numel():   # nothing to check: the bytes still move
+    if into is None or manifest is None or not into.numel():  # nothing to check: the bytes still move
         wire.data(out, to, into, frm if into is not None else None, in_piece, lambda a, k: None, out_ready)
         return list(range(len(manifest.chunks))) if into is not None and manifest is not None else []
     c, n = manifest.chunk_bytes, manifest.data_bytes
@@ -273,31 +331,36 @@ def checked_receive(wire: Exchange, out: torch.Tensor | None, to: int | None, in
     if _checked_in_staging(wire, into, in_piece, c) and into.numel() == n:
         return _checked_on_the_way(wire, out, to, into, frm, in_piece, manifest, out_ready)
     threads = max(1, threads or knobs.get("CKPT_PERSIST_THREADS"))
-    if into.device.type == "cuda":   # chunks the device checks cannot take: through the host
+    if into.device.type == "cuda":  # chunks the device checks cannot take: through the host
         crc_of = _DeviceChecks(into, threads)
     else:
         view = memoryview(into.numpy())
 
         def crc_of(a: int, b: int) -> int:
             return checksum(view[a:b])
+
     futures = {}
     try:
         with ThreadPoolExecutor(threads, thread_name_prefix="ckpt-peer-crc") as ex:
+
             def landed(off: int, k: int) -> None:
                 end = off + k
-                for i in range(off // c, (end // c) if end < n else -(-n // c)):   # the chunks now complete
+                for i in range(off // c, (end // c) if end < n else -(-n // c)):  # the chunks now complete
                     futures[i] = ex.submit(crc_of, i * c, min((i + 1) * c, n))
 
             wire.data(out, to, into, frm, in_piece, landed, out_ready)
-            needed = -(-n // c)   # chunks the bytes make
-            for i in range(needed):   # a chunk split across pieces: complete now
+            needed = -(-n // c)  # chunks the bytes make
+            for i in range(needed):  # a chunk split across pieces: complete now
                 if i not in futures:
                     futures[i] = ex.submit(crc_of, i * c, min((i + 1) * c, n))
-            bad = [i for i, f in sorted(futures.items())
-                   if i >= len(manifest.chunks) or f.result() != manifest.chunks[i]]
-            bad += list(range(needed, len(manifest.chunks)))   # listed for bytes that do not exist
+            bad = [
+                i
+                for i, f in sorted(futures.items())
+                if i >= len(manifest.chunks) or f.result() != manifest.chunks[i]
+            ]
+            bad += list(range(needed, len(manifest.chunks)))  # listed for bytes that do not exist
     finally:
-        crc_of = view = None   # noqa: F841 - no export of the buffer outlives the call, nor a traceback of it
+        crc_of = view = None  # noqa: F841 - no export of the buffer outlives the call, nor a traceback of it
     return bad
 
 
@@ -306,13 +369,25 @@ def _checked_in_staging(wire: Exchange, into: torch.Tensor, in_piece: int, c: in
     as each piece passes (:func:`_checked_on_the_way`): the Triton checks are ready on that GPU and every
     chunk lies within one piece."""
     dev = wire.device
-    return (dev is not None and dev.type == "cuda" and into.device.type == "cpu" and in_piece % c == 0
-            and device_crc.startable(dev, c))
+    return (
+        dev is not None
+        and dev.type == "cuda"
+        and into.device.type == "cpu"
+        and in_piece % c == 0
+        and device_crc.startable(dev, c)
+    )
 
 
-def _checked_on_the_way(wire: Exchange, out: torch.Tensor | None, to: int | None, into: torch.Tensor,
-                        frm: int | None, in_piece: int, manifest: Manifest,
-                        out_ready: Callable[[int, int], None] | None) -> list[int]:
+def _checked_on_the_way(
+    wire: Exchange,
+    out: torch.Tensor | None,
+    to: int | None,
+    into: torch.Tensor,
+    frm: int | None,
+    in_piece: int,
+    manifest: Manifest,
+    out_ready: Callable[[int, int], None] | None,
+) -> list[int]:
     """:func:`checked_receive` of a copy received into host memory (a replica) through the GPU's staging
     buffers: each piece's chunks are checked by the Triton kernel where the piece lands on the GPU, while it is
     copied down (:meth:`Exchange.data`'s ``on_gpu``), so no host core reads the copy; a piece whose checks
@@ -326,40 +401,52 @@ def _checked_on_the_way(wire: Exchange, out: torch.Tensor | None, to: int | None
     sums: list[int | None] = [None] * -(-n // c)
     pending: dict[int, device_crc.Pending | None] = {}
 
-    def on_gpu(piece: torch.Tensor, off: int) -> None:   # on the wire's thread, the check stream current
+    def on_gpu(piece: torch.Tensor, off: int) -> None:  # on the wire's thread, the check stream current
         try:
             pending[off] = device_crc.start(piece, c)
-        except Exception as e:   # noqa: BLE001 - never stops the wire: the piece is checked on the host
-            log.info("the GPU checks of bytes [%d, %d) of a received replica could not be queued (%s): checked on "
-                     "the host", off, off + piece.numel(), e)
+        except Exception as e:  # noqa: BLE001 - never stops the wire: the piece is checked on the host
+            log.info(
+                "the GPU checks of bytes [%d, %d) of a received replica could not be queued (%s): checked on "
+                "the host",
+                off,
+                off + piece.numel(),
+                e,
+            )
             pending[off] = None
 
-    def landed(off: int, k: int) -> None:   # the piece is in `into`, its checks done
+    def landed(off: int, k: int) -> None:  # the piece is in `into`, its checks done
         got = None
         p = pending.pop(off, None)
         if p is not None:
             try:
-                got = p.values(view[off:off + k])
-            except Exception as e:   # noqa: BLE001 - checked on the host instead
-                log.info("the GPU checks of bytes [%d, %d) of a received replica failed (%s): checked on the host",
-                         off, off + k, e)
+                got = p.values(view[off : off + k])
+            except Exception as e:  # noqa: BLE001 - checked on the host instead
+                log.info(
+                    "the GPU checks of bytes [%d, %d) of a received replica failed (%s): checked on the host",
+                    off,
+                    off + k,
+                    e,
+                )
         if got is None:
-            got = [checksum(view[a:min(a + c, off + k)]) for a in range(off, off + k, c)]
-        sums[off // c:off // c + len(got)] = got
+            got = [checksum(view[a : min(a + c, off + k)]) for a in range(off, off + k, c)]
+        sums[off // c : off // c + len(got)] = got
 
     try:
         wire.data(out, to, into, frm, in_piece, landed, out_ready, on_gpu)
     finally:
         pending.clear()
-        view = None   # noqa: F841 - no export of the buffer outlives the call, nor a traceback of it
-    return [i for i in range(max(len(sums), len(manifest.chunks)))
-            if i >= len(sums) or i >= len(manifest.chunks) or sums[i] is None or sums[i] != manifest.chunks[i]]
+        view = None  # noqa: F841 - no export of the buffer outlives the call, nor a traceback of it
+    return [
+        i
+        for i in range(max(len(sums), len(manifest.chunks)))
+        if i >= len(sums) or i >= len(manifest.chunks) or sums[i] is None or sums[i] != manifest.chunks[i]
+    ]
 
 
 def _warm_checks(device: torch.device) -> None:
     try:
         device_crc.warm(device, knobs.get("CKPT_CHUNK_BYTES"))
-    except Exception as e:   # noqa: BLE001 - the restore builds them itself
+    except Exception as e:  # noqa: BLE001 - the restore builds them itself
         log.info("making the received copy's checks ready on %s failed (%s); a restore makes them", device, e)
 
 
@@ -377,9 +464,17 @@ GPU_CHECK_BYTES = 512 << 20
 GPU_CHECK_BYTES_TRITON = 64 << 20
 
 
-def _checked_on_device(wire: Exchange, out: torch.Tensor | None, to: int | None, into: torch.Tensor,
-                       frm: int | None, in_piece: int, manifest: Manifest, threads: int | None,
-                       out_ready: Callable[[int, int], None] | None) -> list[int]:
+def _checked_on_device(
+    wire: Exchange,
+    out: torch.Tensor | None,
+    to: int | None,
+    into: torch.Tensor,
+    frm: int | None,
+    in_piece: int,
+    manifest: Manifest,
+    threads: int | None,
+    out_ready: Callable[[int, int], None] | None,
+) -> list[int]:
     """:func:`checked_receive` of a copy received onto a GPU (a restore): the GPU checks the chunks where they
     landed (:mod:`ckpt.device_crc`), :data:`GPU_CHECK_BYTES_TRITON` (:data:`GPU_CHECK_BYTES` by the tensor
     operations) of whole chunks at a time on a thread and stream
@@ -393,19 +488,26 @@ def _checked_on_device(wire: Exchange, out: torch.Tensor | None, to: int | None,
 
     def check(a: int, b: int) -> None:
         try:
-            with torch.cuda.device(into.device) if cuda else contextlib.nullcontext(), \
-                    torch.cuda.stream(stream) if cuda else contextlib.nullcontext():
+            with (
+                torch.cuda.device(into.device) if cuda else contextlib.nullcontext(),
+                torch.cuda.stream(stream) if cuda else contextlib.nullcontext(),
+            ):
                 got = device_crc.chunk_checksums(into[a:b], c)
-        except torch.cuda.OutOfMemoryError:   # no room for the checks' temporaries: through the host
-            log.info("no room on %s to check bytes [%d, %d) of a received copy there: checked through the host",
-                     into.device, a, b)
+        except torch.cuda.OutOfMemoryError:  # no room for the checks' temporaries: through the host
+            log.info(
+                "no room on %s to check bytes [%d, %d) of a received copy there: checked through the host",
+                into.device,
+                a,
+                b,
+            )
             got = _host_checks(into, a, b, c, threads)
-        sums[a // c:a // c + len(got)] = got
+        sums[a // c : a // c + len(got)] = got
 
-    submitted = [0]   # bytes handed to the checking thread, whole chunks (all of it at the end)
+    submitted = [0]  # bytes handed to the checking thread, whole chunks (all of it at the end)
     futures = []
     with ThreadPoolExecutor(1, thread_name_prefix="ckpt-peer-check") as ex:
-        def landed(off: int, k: int) -> None:   # the wire's pieces land in order
+
+        def landed(off: int, k: int) -> None:  # the wire's pieces land in order
             ready = n if off + k >= n else (off + k) // c * c
             while submitted[0] < ready and (ready - submitted[0] >= batch or ready == n):
                 b = min(submitted[0] + batch, ready)
@@ -414,14 +516,17 @@ def _checked_on_device(wire: Exchange, out: torch.Tensor | None, to: int | None,
 
         try:
             wire.data(out, to, into, frm, in_piece, landed, out_ready)
-            landed(0, n)   # what is left once every piece is in
+            landed(0, n)  # what is left once every piece is in
         finally:
-            for f in futures:   # none outlives the call (nor reads `into` after it)
+            for f in futures:  # none outlives the call (nor reads `into` after it)
                 f.exception()
         for f in futures:
             f.result()
-    return [i for i in range(max(len(sums), len(manifest.chunks)))
-            if i >= len(sums) or i >= len(manifest.chunks) or sums[i] != manifest.chunks[i]]
+    return [
+        i
+        for i in range(max(len(sums), len(manifest.chunks)))
+        if i >= len(sums) or i >= len(manifest.chunks) or sums[i] != manifest.chunks[i]
+    ]
 
 
 def _host_checks(into: torch.Tensor, a: int, b: int, c: int, threads: int | None) -> list[int]:
@@ -458,9 +563,9 @@ class _DeviceChecks:
             for x in range(a, b, buf.numel()):
                 y = min(x + buf.numel(), b)
                 with torch.cuda.stream(stream):
-                    buf[:y - x].copy_(self.data[x:y], non_blocking=True)
+                    buf[: y - x].copy_(self.data[x:y], non_blocking=True)
                 stream.synchronize()
-                crc = checksum(view[:y - x], crc)
+                crc = checksum(view[: y - x], crc)
             return crc
         finally:
             self._free.put(buf)
@@ -477,8 +582,8 @@ class PeerTier(PersistingTier, TimelineCopies):
 
     name = "peer"
     nearness = 20
-    on_node = False    # for the rank it belongs to, a replica lives on another node
-    durable = False    # in RAM
+    on_node = False  # for the rank it belongs to, a replica lives on another node
+    durable = False  # in RAM
     needs = "peers="
 
     @classmethod
@@ -495,17 +600,21 @@ class PeerTier(PersistingTier, TimelineCopies):
         world size. Collective (call on all ranks): it makes a gloo group of its own, and an NCCL one where the
         replicas move over NCCL (:func:`over_nccl`)."""
         if job is None:
-            raise ValueError("peers= keeps copies on other ranks of a multi-process job: it needs torch.distributed "
-                             "with more than one rank (and collective=None or True)")
+            raise ValueError(
+                "peers= keeps copies on other ranks of a multi-process job: it needs torch.distributed "
+                "with more than one rank (and collective=None or True)"
+            )
         world = job.world
-        if peers is True:   # the same local rank on the next node (torchrun sets LOCAL_WORLD_SIZE)
+        if peers is True:  # the same local rank on the next node (torchrun sets LOCAL_WORLD_SIZE)
             per_node = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
             jump = per_node if 0 < per_node < world else 1
         elif isinstance(peers, int) and not isinstance(peers, bool) and peers > 0 and peers % world:
             jump = peers
         else:
-            raise ValueError(f"peers must be True (the next node's rank: LOCAL_WORLD_SIZE) or a rank distance "
-                             f"that is not a multiple of the world size {world}, got {peers!r}")
+            raise ValueError(
+                f"peers must be True (the next node's rank: LOCAL_WORLD_SIZE) or a rank distance "
+                f"that is not a multiple of the world size {world}, got {peers!r}"
+            )
         timeout = knobs.get("CKPT_PEER_TIMEOUT_S")
         if timeout <= 0:
             raise ValueError(f"CKPT_PEER_TIMEOUT_S must be a positive number of seconds, got {timeout}")
@@ -516,20 +625,26 @@ class PeerTier(PersistingTier, TimelineCopies):
             data_group = torch.distributed.new_group(backend="nccl", timeout=timedelta(seconds=timeout))
         return cls(local_dir, ranks, jump, data_group, device)
 
-    def __init__(self, local_dir: str | os.PathLike, ranks: Any, jump: int, data_group: Any = None,
-                 device: torch.device | None = None) -> None:
+    def __init__(
+        self,
+        local_dir: str | os.PathLike,
+        ranks: Any,
+        jump: int,
+        data_group: Any = None,
+        device: torch.device | None = None,
+    ) -> None:
         self.ranks = ranks
         self.rank, self.world = ranks.rank, ranks.world
         self.jump = jump
-        self.dst = (self.rank + jump) % self.world   # holds this rank's replicas
-        self.src = (self.rank - jump) % self.world   # whose replicas this rank holds
+        self.dst = (self.rank + jump) % self.world  # holds this rank's replicas
+        self.src = (self.rank - jump) % self.world  # whose replicas this rank holds
         self.space = replica_space(local_dir, self.src)
         # registered with the CUDA driver only where the replicas come through device staging (NCCL)
         self.pool = HostPool(REPLICA_SLOTS, None, pin=device is not None and device.type == "cuda")
         self.pool.holds_what = f"the peer tier keeps rank {self.src}'s replicas"
         if self.space is not None:
             self.pool.share(self.space)
-            self.pool.adopt()   # replicas this rank's previous process held: still served, and reused
+            self.pool.adopt()  # replicas this rank's previous process held: still served, and reused
         self.store = MemoryTier(self.pool, self.space)
         self.store.rank = self.src
         self.timeline = Timeline()
@@ -540,19 +655,30 @@ class PeerTier(PersistingTier, TimelineCopies):
         #: why the exchanges stopped in this process (a transport failure), or ``None``
         self.broken: str | None = None
         try:
-            self.wire.warm(self.dst, self.src)   # collective: the tier is made on every rank at once
-        except RuntimeError as e:   # as a failed exchange: this process's peer tier stops, the rest goes on
+            self.wire.warm(self.dst, self.src)  # collective: the tier is made on every rank at once
+        except RuntimeError as e:  # as a failed exchange: this process's peer tier stops, the rest goes on
             self.broken = f"{type(e).__name__}: {e}"
-            log.error("rank %d: the peer tier could not reach ranks %d (holder) and %d (source); it stops in this "
-                      "process (the other tiers go on): %s", self.rank, self.dst, self.src, self.broken)
+            log.error(
+                "rank %d: the peer tier could not reach ranks %d (holder) and %d (source); it stops in this "
+                "process (the other tiers go on): %s",
+                self.rank,
+                self.dst,
+                self.src,
+                self.broken,
+            )
         self._stale_checked = False
         if device is not None and device.type == "cuda" and self.broken is None:
             # a restore receives onto the GPU and checks every chunk there: the check's kernel is compiled now
             # (construction is collective anyway), not beside a restore's or a save's transfers on the GPU
             t0 = time.perf_counter()
             _warm_checks(device)
-            log.info("rank %d: the GPU checks of received copies are ready on %s (%s) in %.3f s", self.rank, device,
-                     "Triton" if device_crc.ready(device) else "tensor operations", time.perf_counter() - t0)
+            log.info(
+                "rank %d: the GPU checks of received copies are ready on %s (%s) in %.3f s",
+                self.rank,
+                device,
+                "Triton" if device_crc.ready(device) else "tensor operations",
+                time.perf_counter() - t0,
+            )
 
     def holder_of(self, rank: int) -> int:
         """The rank that holds ``rank``'s replicas."""
@@ -582,7 +708,7 @@ class PeerTier(PersistingTier, TimelineCopies):
         self.store.delete(step)
 
     def prunes_here(self) -> bool:
-        return False   # what it keeps is its number of replica buffers
+        return False  # what it keeps is its number of replica buffers
 
     def bytes_held(self) -> int | None:
         return self.store.bytes_held()
@@ -613,33 +739,64 @@ class PeerTier(PersistingTier, TimelineCopies):
         leaves neither waiting; a transport failure (a peer died, or stopped answering for
         ``CKPT_PEER_TIMEOUT_S``) stops the peer tier in this process (:attr:`broken`)."""
         if self.broken is not None:
-            raise CheckpointError(f"step {step}: the peer tier stopped after a failed exchange ({self.broken}); "
-                                  "snapshots are no longer replicated in this process")
+            raise CheckpointError(
+                f"step {step}: the peer tier stopped after a failed exchange ({self.broken}); "
+                "snapshots are no longer replicated in this process"
+            )
         t0 = time.perf_counter()
         sent = manifest is not None
-        timeline = self._copying.get(step, self.timeline)   # the snapshot's own (see TimelineCopies)
+        timeline = self._copying.get(step, self.timeline)  # the snapshot's own (see TimelineCopies)
         raw, forks, body = b"", torch.zeros(0, dtype=torch.int64, device="cpu"), None
         if sent:
-            if len(manifest.chunks) != -(-manifest.data_bytes // manifest.chunk_bytes):   # no record computed them
+            if len(manifest.chunks) != -(
+                -manifest.data_bytes // manifest.chunk_bytes
+            ):  # no record computed them
                 manifest = dataclasses.replace(manifest, chunks=_sums(data, manifest))
             raw = manifest.to_bytes()
             forks = torch.tensor([v for f in timeline.forks for v in f], dtype=torch.int64, device="cpu")
-            body = torch.frombuffer(data, dtype=torch.uint8)[:manifest.data_bytes] if manifest.data_bytes else None
+            body = (
+                torch.frombuffer(data, dtype=torch.uint8)[: manifest.data_bytes]
+                if manifest.data_bytes
+                else None
+            )
         wire, dst, src = self.wire, self.dst, self.src
-        hdr = torch.tensor([int(sent), len(raw), manifest.data_bytes if sent else 0, step, timeline.number,
-                            forks.numel() // 2, wire.piece], dtype=torch.int64, device="cpu")
+        hdr = torch.tensor(
+            [
+                int(sent),
+                len(raw),
+                manifest.data_bytes if sent else 0,
+                step,
+                timeline.number,
+                forks.numel() // 2,
+                wire.piece,
+            ],
+            dtype=torch.int64,
+            device="cpu",
+        )
         got = torch.zeros(_HDR, dtype=torch.int64, device="cpu")
-        refused = None   # why the holder refused this rank's replica (its header or its buffer)
+        refused = None  # why the holder refused this rank's replica (its header or its buffer)
         try:
             wire.swap(hdr, dst, got, src)
             ok, mlen, dbytes, sstep, number, nforks, in_piece = got.tolist()
-            if ok and not (0 < mlen <= shm.MAX_RECORD_BYTES and 0 <= dbytes < 1 << 50 and 0 <= nforks <= _MAX_FORKS
-                           and in_piece > 0 and sstep == step):
-                log.error("rank %d refuses rank %d's replica of step %d: its header is out of bounds (%s)",
-                          self.rank, src, step, got.tolist())
-                ok = 0   # taken as "no replica": nothing more is received from the source
+            if ok and not (
+                0 < mlen <= shm.MAX_RECORD_BYTES
+                and 0 <= dbytes < 1 << 50
+                and 0 <= nforks <= _MAX_FORKS
+                and in_piece > 0
+                and sstep == step
+            ):
+                log.error(
+                    "rank %d refuses rank %d's replica of step %d: its header is out of bounds (%s)",
+                    self.rank,
+                    src,
+                    step,
+                    got.tolist(),
+                )
+                ok = 0  # taken as "no replica": nothing more is received from the source
             taken = torch.zeros(1, dtype=torch.int64, device="cpu")
-            wire.swap(torch.tensor([ok], device="cpu") if got[0].item() else None, src, taken if sent else None, dst)
+            wire.swap(
+                torch.tensor([ok], device="cpu") if got[0].item() else None, src, taken if sent else None, dst
+            )
             go = sent and bool(taken.item())
             if sent and not go:
                 refused = "it refused the header"
@@ -647,16 +804,22 @@ class PeerTier(PersistingTier, TimelineCopies):
             forks_in = torch.empty(2 * nforks if ok else 0, dtype=torch.int64, device="cpu")
             wire.swap(_bytes(raw) if go else None, dst, meta if ok else None, src)
             wire.swap(forks if go and forks.numel() else None, dst, forks_in if ok and nforks else None, src)
-            held = None   # the holder takes a buffer for the replica, or says it cannot
+            held = None  # the holder takes a buffer for the replica, or says it cannot
             if ok:
                 try:
-                    timeline = Timeline(number, tuple((int(a), int(b)) for a, b in forks_in.view(-1, 2).tolist()))
+                    timeline = Timeline(
+                        number, tuple((int(a), int(b)) for a, b in forks_in.view(-1, 2).tolist())
+                    )
                     held = self._take(step, sstep, bytes(meta.numpy()), dbytes, timeline), timeline
-                except (CheckpointError, OSError, ValueError) as e:   # HostMemoryError, a full /dev/shm, a bad
+                except (CheckpointError, OSError, ValueError) as e:  # HostMemoryError, a full /dev/shm, a bad
                     log.error("rank %d cannot hold rank %d's replica of step %d: %s", self.rank, src, step, e)
             ready_in = torch.zeros(1, dtype=torch.int64, device="cpu")
-            wire.swap(torch.tensor([int(held is not None)], device="cpu") if ok else None, src,
-                      ready_in if go else None, dst)
+            wire.swap(
+                torch.tensor([int(held is not None)], device="cpu") if ok else None,
+                src,
+                ready_in if go else None,
+                dst,
+            )
             if go and not ready_in.item():
                 refused = "it could not take a buffer for it"
             out = body if go and ready_in.item() else None
@@ -664,19 +827,31 @@ class PeerTier(PersistingTier, TimelineCopies):
             if held is not None:
                 (buf, m), timeline = held
                 try:
-                    bad = checked_receive(wire, out, dst, buf.tensor[:m.data_bytes], src, in_piece, m)
+                    bad = checked_receive(wire, out, dst, buf.tensor[: m.data_bytes], src, in_piece, m)
                     if bad:
-                        log.error("rank %d's replica of step %d: bytes [%d, ...) failed their checksum on arrival; "
-                                  "not committed", src, step, bad[0] * m.chunk_bytes)
+                        log.error(
+                            "rank %d's replica of step %d: bytes [%d, ...) failed their checksum on arrival; "
+                            "not committed",
+                            src,
+                            step,
+                            bad[0] * m.chunk_bytes,
+                        )
                         buf.forget_image()
                     else:
                         try:
-                            self.store.commit(m.step, m, buf, checksums=m.chunks, timeline=timeline, record_required=True)
+                            self.store.commit(
+                                m.step, m, buf, checksums=m.chunks, timeline=timeline, record_required=True
+                            )
                             self.verified[m.step] = kept = True
-                        except OSError as e:   # the record could not be written (a full /dev/shm): not held,
+                        except OSError as e:  # the record could not be written (a full /dev/shm): not held,
                             buf.forget_image()  # and the source still hears so below
-                            log.error("rank %d cannot commit rank %d's replica of step %d: %s", self.rank, src,
-                                      step, e)
+                            log.error(
+                                "rank %d cannot commit rank %d's replica of step %d: %s",
+                                self.rank,
+                                src,
+                                step,
+                                e,
+                            )
                 finally:
                     self.pool.release(buf, staged=True)
                 if kept:
@@ -684,19 +859,32 @@ class PeerTier(PersistingTier, TimelineCopies):
             else:
                 checked_receive(wire, out, dst, None, None, 1, None)
             ack = torch.zeros(2, dtype=torch.int64, device="cpu")
-            wire.swap(torch.tensor([int(kept), step], device="cpu") if ok else None, src, ack if go else None, dst)
-        except RuntimeError as e:   # gloo / NCCL: a peer died, or stopped answering for CKPT_PEER_TIMEOUT_S
+            wire.swap(
+                torch.tensor([int(kept), step], device="cpu") if ok else None, src, ack if go else None, dst
+            )
+        except RuntimeError as e:  # gloo / NCCL: a peer died, or stopped answering for CKPT_PEER_TIMEOUT_S
             self.broken = f"{type(e).__name__}: {e}"
-            log.error("rank %d: the replica exchange of step %d with ranks %d (holder) and %d (source) failed; the "
-                      "peer tier stops in this process (the other tiers go on): %s", self.rank, step, dst, src,
-                      self.broken)
-            raise CheckpointError(f"step {step}: the replica exchange with ranks {dst} (holder) and {src} (source) "
-                                  f"failed; one may have died or stopped answering ({self.broken})") from e
+            log.error(
+                "rank %d: the replica exchange of step %d with ranks %d (holder) and %d (source) failed; the "
+                "peer tier stops in this process (the other tiers go on): %s",
+                self.rank,
+                step,
+                dst,
+                src,
+                self.broken,
+            )
+            raise CheckpointError(
+                f"step {step}: the replica exchange with ranks {dst} (holder) and {src} (source) "
+                f"failed; one may have died or stopped answering ({self.broken})"
+            ) from e
         if refused is not None:
-            raise CheckpointError(f"step {step}: rank {dst} did not take this rank's replica: {refused} "
-                                  "(its log says why)")
+            raise CheckpointError(
+                f"step {step}: rank {dst} did not take this rank's replica: {refused} (its log says why)"
+            )
         if sent and not (ack[0].item() == 1 and ack[1].item() == step):
-            raise CheckpointError(f"step {step}: rank {dst} did not commit this rank's replica (its log says why)")
+            raise CheckpointError(
+                f"step {step}: rank {dst} did not commit this rank's replica (its log says why)"
+            )
         return time.perf_counter() - t0
 
     def _free_stale(self) -> None:
@@ -711,34 +899,46 @@ class PeerTier(PersistingTier, TimelineCopies):
         for g in shm.segments(self.space.root):
             if g.prefix.startswith(key + "-p") and g.prefix != mine:
                 freed = shm.free(self.space.root, g.prefix)
-                log.info("rank %d freed %.2f GB of RAM held by replicas of another job layout (%s)", self.rank,
-                         freed / 1e9, g.prefix)
+                log.info(
+                    "rank %d freed %.2f GB of RAM held by replicas of another job layout (%s)",
+                    self.rank,
+                    freed / 1e9,
+                    g.prefix,
+                )
 
-    def _take(self, step: int, sstep: int, raw: bytes, dbytes: int, timeline: Timeline) -> tuple[Any, Manifest]:
+    def _take(
+        self, step: int, sstep: int, raw: bytes, dbytes: int, timeline: Timeline
+    ) -> tuple[Any, Manifest]:
         """Check an incoming manifest and take a replica buffer for it (its record withdrawn): never the one
         holding the newest replica on ``timeline``'s branch, while another can be taken."""
         where = f"rank {self.src}'s replica of step {sstep} (received)"
         m = Manifest.from_bytes(raw, where)
         if m.step != sstep or sstep != step or m.data_bytes != dbytes:
-            raise CorruptCheckpointError(f"{where}: its step or size disagree with its header (step {step} expected)")
-        while self.pool.preparing is not None:   # the second buffer is still being allocated: waiting for it
-            time.sleep(0.005)                     # keeps the newest replica whole (acquire would take it now)
+            raise CorruptCheckpointError(
+                f"{where}: its step or size disagree with its header (step {step} expected)"
+            )
+        while self.pool.preparing is not None:  # the second buffer is still being allocated: waiting for it
+            time.sleep(0.005)  # keeps the newest replica whole (acquire would take it now)
         with self.pool._cv:
             self.pool.live = timeline
         buf = self.pool.acquire(max(dbytes, 1), block=True, step=step)
-        self.pool.prepare(dbytes)   # the other replica buffer, in the background, before the next exchange
+        self.pool.prepare(dbytes)  # the other replica buffer, in the background, before the next exchange
         return buf, m
 
     # -- restore (collective) ----------------------------------------------------------------------
-    def serve(self, step: int, timeline: Timeline, send_to: int | None, receive: bool) -> "ReceivedCopy | None":
+    def serve(
+        self, step: int, timeline: Timeline, send_to: int | None, receive: bool
+    ) -> "ReceivedCopy | None":
         """Send the replica of ``step`` this rank holds to ``send_to`` (its owner, whose own copies are gone)
         and/or, with ``receive``, take this rank's own snapshot of ``step`` back from its holder. Returns the
         copy received, every chunk checked against the holder's checksums (``None``: the holder had none).
         Raises :class:`~ckpt.errors.CorruptCheckpointError` for a copy that fails. Collective."""
         if self.broken is not None:
-            raise CheckpointError(f"step {step}: the peer tier stopped after a failed exchange ({self.broken})")
+            raise CheckpointError(
+                f"step {step}: the peer tier stopped after a failed exchange ({self.broken})"
+            )
         manifest, body, buf, seg, reading = None, None, None, None, None
-        source = ""   # where the served bytes came from, for the log
+        source = ""  # where the served bytes came from, for the log
         t0 = time.perf_counter()
         if send_to is not None:
             try:
@@ -747,9 +947,11 @@ class PeerTier(PersistingTier, TimelineCopies):
                     raise LookupError(f"step {step} is no longer held")
                 buf = self._hold(step, timeline)
                 if buf is not None:
-                    body = buf.tensor[:manifest.data_bytes]
-                    source = f"from its {'pinned' if buf.pinned else 'pageable'} replica buffer (slot {buf.slot})"
-                else:   # a replica a previous process left and this one did not take over
+                    body = buf.tensor[: manifest.data_bytes]
+                    source = (
+                        f"from its {'pinned' if buf.pinned else 'pageable'} replica buffer (slot {buf.slot})"
+                    )
+                else:  # a replica a previous process left and this one did not take over
                     rec = self.store._record(step, timeline)
                     path = Path(rec.path).with_name(rec.buffer)
                     reading = _ReplicaRead.start(path, manifest, self.wire.device)
@@ -758,18 +960,23 @@ class PeerTier(PersistingTier, TimelineCopies):
                         source = f"read onto {self.wire.device} from {path}"
                     else:
                         seg = shm.Segment.open(path, manifest.data_bytes, writable=False)
-                        body = seg.tensor[:manifest.data_bytes]
+                        body = seg.tensor[: manifest.data_bytes]
                         source = f"from a pageable mapping of {path}"
-            except Exception as e:   # noqa: BLE001 - the owner hears "none" and falls back to another tier
-                log.warning("rank %d cannot serve its replica of rank %d's step %d: %s", self.rank, send_to, step, e)
+            except Exception as e:  # noqa: BLE001 - the owner hears "none" and falls back to another tier
+                log.warning(
+                    "rank %d cannot serve its replica of rank %d's step %d: %s", self.rank, send_to, step, e
+                )
                 manifest, body = None, None
         raw = manifest.to_bytes() if manifest is not None else b""
         holder = self.holder_of(self.rank) if receive else None
         wire = self.wire
-        hdr = torch.tensor([int(manifest is not None), len(raw), manifest.data_bytes if manifest else 0, wire.piece],
-                           dtype=torch.int64, device="cpu")
+        hdr = torch.tensor(
+            [int(manifest is not None), len(raw), manifest.data_bytes if manifest else 0, wire.piece],
+            dtype=torch.int64,
+            device="cpu",
+        )
         got = torch.zeros(4, dtype=torch.int64, device="cpu")
-        problem = None   # why this rank's own copy, received, is not used
+        problem = None  # why this rank's own copy, received, is not used
         try:
             # rounds: header, "ready" (the owner checked the header and has a buffer), manifest, data; the holder
             # sends the manifest and the data only to an owner that is ready, so a refusal leaves no one waiting
@@ -778,63 +985,97 @@ class PeerTier(PersistingTier, TimelineCopies):
             into = None
             if ok:
                 if not (0 < mlen <= shm.MAX_RECORD_BYTES and 0 <= dbytes < 1 << 50 and in_piece > 0):
-                    problem = CheckpointError(f"rank {holder} sent a replica header out of bounds ({got.tolist()})")
+                    problem = CheckpointError(
+                        f"rank {holder} sent a replica header out of bounds ({got.tolist()})"
+                    )
                 else:
                     try:
                         into = _receive_buffer(dbytes, wire.device)
-                    except (RuntimeError, MemoryError, OSError) as e:   # no host memory for it: say so, go on
-                        problem = CheckpointError(f"no host memory to receive {dbytes} bytes "
-                                                  f"({type(e).__name__}: {e})")
+                    except (RuntimeError, MemoryError, OSError) as e:  # no host memory for it: say so, go on
+                        problem = CheckpointError(
+                            f"no host memory to receive {dbytes} bytes ({type(e).__name__}: {e})"
+                        )
             ready = into is not None
             ready_in = torch.zeros(1, dtype=torch.int64, device="cpu")
-            wire.swap(torch.tensor([int(ready)], device="cpu") if ok else None, holder,
-                      ready_in if manifest is not None else None, send_to)
+            wire.swap(
+                torch.tensor([int(ready)], device="cpu") if ok else None,
+                holder,
+                ready_in if manifest is not None else None,
+                send_to,
+            )
             if manifest is not None and not ready_in.item():
-                log.warning("rank %d did not take its replica of step %d back (its log says why)", send_to, step)
+                log.warning(
+                    "rank %d did not take its replica of step %d back (its log says why)", send_to, step
+                )
             go = manifest is not None and bool(ready_in.item())
             meta = torch.empty(mlen if ready else 0, dtype=torch.uint8, device="cpu")
             wire.swap(_bytes(raw) if go else None, send_to, meta if ready else None, holder)
             m = None
             if ready:
                 try:
-                    m = Manifest.from_bytes(bytes(meta.numpy()), f"rank {self.rank}'s step {step} from rank {holder}")
+                    m = Manifest.from_bytes(
+                        bytes(meta.numpy()), f"rank {self.rank}'s step {step} from rank {holder}"
+                    )
                     if m.step != step or m.data_bytes != dbytes:
-                        problem = CorruptCheckpointError("its manifest's step or size disagree with its header")
+                        problem = CorruptCheckpointError(
+                            "its manifest's step or size disagree with its header"
+                        )
                 except CorruptCheckpointError as e:
                     problem = e
             t1 = time.perf_counter()
             # a restore: nothing else runs, the checks take every I/O thread
-            bad = checked_receive(wire, body if go else None, send_to if go else None, into,
-                                  holder if ready else None, in_piece if ready else 1, m if problem is None else None,
-                                  knobs.get("CKPT_IO_THREADS"), reading.ready if reading is not None else None)
+            bad = checked_receive(
+                wire,
+                body if go else None,
+                send_to if go else None,
+                into,
+                holder if ready else None,
+                in_piece if ready else 1,
+                m if problem is None else None,
+                knobs.get("CKPT_IO_THREADS"),
+                reading.ready if reading is not None else None,
+            )
         except RuntimeError as e:
-            raise CheckpointError(f"step {step}: moving replicas between the peers for a restore failed "
-                                  f"({type(e).__name__}: {e})") from e
+            raise CheckpointError(
+                f"step {step}: moving replicas between the peers for a restore failed "
+                f"({type(e).__name__}: {e})"
+            ) from e
         finally:
-            if reading is not None:   # its copies are over before its buffer goes
+            if reading is not None:  # its copies are over before its buffer goes
                 try:
                     reading.finish()
-                except Exception as e:   # noqa: BLE001 - the owner's checks refused what was sent
-                    log.warning("rank %d served its replica of rank %d's step %d as read, and the read failed: %s",
-                                self.rank, send_to, step, e)
+                except Exception as e:  # noqa: BLE001 - the owner's checks refused what was sent
+                    log.warning(
+                        "rank %d served its replica of rank %d's step %d as read, and the read failed: %s",
+                        self.rank,
+                        send_to,
+                        step,
+                        e,
+                    )
             del body
             if buf is not None:
                 self.pool.release(buf)
             if seg is not None:
                 seg.release()
         t2 = time.perf_counter()
-        log.info("rank %d, peer tier restore of step %d: %s%s; %.3f s to open and agree, %.3f s moving the data",
-                 self.rank, step,
-                 f"served {manifest.data_bytes} bytes to rank {send_to} {source}" if go else "served none",
-                 f", received {dbytes} bytes from rank {holder}" if ready else "", t1 - t0, t2 - t1)
+        log.info(
+            "rank %d, peer tier restore of step %d: %s%s; %.3f s to open and agree, %.3f s moving the data",
+            self.rank,
+            step,
+            f"served {manifest.data_bytes} bytes to rank {send_to} {source}" if go else "served none",
+            f", received {dbytes} bytes from rank {holder}" if ready else "",
+            t1 - t0,
+            t2 - t1,
+        )
         if not ok:
             return None
         where = f"this rank's replica of step {step}, received from rank {holder}"
         if problem is not None:
             raise type(problem)(f"{where}: {problem}; not used") from problem
         if bad:
-            raise CorruptCheckpointError(f"{where}: bytes [{bad[0] * m.chunk_bytes}, ...) fail their checksum; "
-                                         "not used")
+            raise CorruptCheckpointError(
+                f"{where}: bytes [{bad[0] * m.chunk_bytes}, ...) fail their checksum; not used"
+            )
         return ReceivedCopy(step, timeline, m, into, holder)
 
     def _hold(self, step: int, timeline: Timeline) -> Any:
@@ -868,7 +1109,7 @@ class _ReplicaRead:
         except BaseException:
             os.close(self._fd)
             raise
-        self._landed: dict[int, torch.cuda.Event] = {}   # chunk -> event after its copy
+        self._landed: dict[int, torch.cuda.Event] = {}  # chunk -> event after its copy
         self._cv = threading.Condition()
         self._over = False
         self._dest = _WholeBuffer(self.data, self._copied)
@@ -883,14 +1124,17 @@ class _ReplicaRead:
         try:
             return cls(path, manifest, device)
         except torch.cuda.OutOfMemoryError:
-            log.info("no room for %d bytes on %s to serve a replica from: it is sent from host memory",
-                     manifest.data_bytes, device)
+            log.info(
+                "no room for %d bytes on %s to serve a replica from: it is sent from host memory",
+                manifest.data_bytes,
+                device,
+            )
             return None
 
     def _read(self) -> int | None:
         try:
             return _to_device(self.manifest, self._fd, self._dest)
-        finally:   # whatever happened, a sender waiting in ready() goes on
+        finally:  # whatever happened, a sender waiting in ready() goes on
             os.close(self._fd)
             with self._cv:
                 self._over = True
@@ -918,8 +1162,10 @@ class _ReplicaRead:
         """Wait for the read; raises what it raised, or ``CorruptCheckpointError`` for a chunk that failed."""
         bad = self._job.result()
         if bad is not None:
-            raise CorruptCheckpointError(f"{self.path}: bytes [{bad * self.manifest.chunk_bytes}, ...) of the "
-                                         "replica fail their checksum")
+            raise CorruptCheckpointError(
+                f"{self.path}: bytes [{bad * self.manifest.chunk_bytes}, ...) of the "
+                "replica fail their checksum"
+            )
 
 
 class _WholeBuffer:
@@ -934,12 +1180,12 @@ class _WholeBuffer:
 
     def open_streams(self) -> bool:
         self._stream = torch.cuda.Stream(self.data.device)
-        self._stream.wait_stream(torch.cuda.current_stream(self.data.device))   # after the buffer's allocation
+        self._stream.wait_stream(torch.cuda.current_stream(self.data.device))  # after the buffer's allocation
         return True
 
     def copy(self, chunk: torch.Tensor, offset: int) -> None:
         with torch.cuda.stream(self._stream):
-            self.data[offset:offset + chunk.numel()].copy_(chunk, non_blocking=True)
+            self.data[offset : offset + chunk.numel()].copy_(chunk, non_blocking=True)
             ev = torch.cuda.Event()
             ev.record(self._stream)
         self._copied(offset, ev)
@@ -966,7 +1212,7 @@ class Background:
             try:
                 with torch.cuda.device(device) if device is not None else contextlib.nullcontext():
                     self._value = fn()
-            except BaseException as e:   # noqa: BLE001 - handed to result()
+            except BaseException as e:  # noqa: BLE001 - handed to result()
                 self._error = e
 
         self._thread = threading.Thread(target=run, name="ckpt-peer", daemon=True)
@@ -990,7 +1236,9 @@ def _receive_buffer(nbytes: int, device: torch.device | None = None) -> torch.Te
         try:
             return torch.empty(nbytes, dtype=torch.uint8, device=device)
         except torch.cuda.OutOfMemoryError:
-            log.info("no room for %d bytes on %s to receive a restore: it goes through host memory", nbytes, device)
+            log.info(
+                "no room for %d bytes on %s to receive a restore: it goes through host memory", nbytes, device
+            )
     if torch.cuda.is_available():
         return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True, device="cpu")
     t = torch.empty(nbytes, dtype=torch.uint8, device="cpu")
@@ -1004,7 +1252,7 @@ def _bytes(raw: bytes) -> torch.Tensor:
 
 def _sums(data: memoryview, manifest: Manifest) -> list[int]:
     c = manifest.chunk_bytes
-    views = [data[i:min(i + c, manifest.data_bytes)] for i in range(0, manifest.data_bytes, c)]
+    views = [data[i : min(i + c, manifest.data_bytes)] for i in range(0, manifest.data_bytes, c)]
     with ThreadPoolExecutor(max(1, min(len(views), knobs.get("CKPT_PERSIST_THREADS")))) as ex:
         return list(ex.map(checksum, views))
 
@@ -1018,7 +1266,9 @@ class ReceivedCopy(Tier):
     on_node = False
     durable = False
 
-    def __init__(self, step: int, timeline: Timeline, manifest: Manifest, data: torch.Tensor, holder: int) -> None:
+    def __init__(
+        self, step: int, timeline: Timeline, manifest: Manifest, data: torch.Tensor, holder: int
+    ) -> None:
         self.step, self.manifest, self.data, self.holder = step, manifest, data, holder
         self.timeline = timeline
         self.rank = manifest.rank
@@ -1042,10 +1292,10 @@ class ReceivedCopy(Tier):
 
     def load(self, step: int, manifest: Manifest, dest: list[torch.Tensor | None]) -> None:
         self.manifest_of(step)
-        _scatter(manifest, dest, self.data[:manifest.data_bytes])
+        _scatter(manifest, dest, self.data[: manifest.data_bytes])
 
     def verify(self, step: int, timeline: Timeline | None = None) -> list[Manifest]:
-        return [self.manifest_of(step)]   # every chunk was checked on arrival
+        return [self.manifest_of(step)]  # every chunk was checked on arrival
 
     def delete(self, step: int) -> None:
         if step == self.step:
@@ -1064,15 +1314,17 @@ def over_nccl(knob: int) -> bool:
         return True
     try:
         return "nccl" in str(dist.get_backend()).lower()
-    except (RuntimeError, ValueError):   # no default group
+    except (RuntimeError, ValueError):  # no default group
         return False
 
 
 def rank_gpu() -> torch.device:
     """This rank's GPU: the one its default process group was bound to (``init_process_group(device_id=...)``),
     else the current device (``torch.cuda.set_device``)."""
-    with contextlib.suppress(AttributeError, RuntimeError, ValueError):   # no default group, an older torch
+    with contextlib.suppress(AttributeError, RuntimeError, ValueError):  # no default group, an older torch
         bound = torch.distributed.distributed_c10d._get_default_group().bound_device_id
         if bound is not None and bound.type == "cuda":
-            return torch.device("cuda", bound.index if bound.index is not None else torch.cuda.current_device())
+            return torch.device(
+                "cuda", bound.index if bound.index is not None else torch.cuda.current_device()
+            )
     return torch.device("cuda", torch.cuda.current_device())

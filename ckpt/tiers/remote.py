@@ -64,8 +64,17 @@ from typing import Any
 
 from .. import knobs
 from ..errors import CheckpointError, CorruptCheckpointError, IncompleteCheckpointError, LayoutMismatchError
-from ..format import (COMMIT_NAME, Commit, Manifest, data_name, manifest_name, parse_step_dir, read_record_fs,
-                      read_records, step_dir_name)
+from ..format import (
+    COMMIT_NAME,
+    Commit,
+    Manifest,
+    data_name,
+    manifest_name,
+    parse_step_dir,
+    read_record_fs,
+    read_records,
+    step_dir_name,
+)
 from ..fs import Store, is_local_fs, resolve
 from ..policy import Committed, Retention, Timeline, TimelineCopies
 from ..reshard import check_layouts
@@ -78,9 +87,14 @@ from .remote_place import refuse_local_tier_dir, refuse_overlap
 from .remote_store import RemoteStatus, StoreClient
 from .remote_upload import Uploads
 
-__all__ = ["RemoteTier", "RemoteStatus",
-           # what other modules import from here (ckpt.api, ckpt.cli, ckpt.promotion, benchmarks/bench_remote.py)
-           "ABSENT", "refuse_overlap", "_dominant_elem_size"]
+__all__ = [
+    "RemoteTier",
+    "RemoteStatus",
+    # what other modules import from here (ckpt.api, ckpt.cli, ckpt.promotion, benchmarks/bench_remote.py)
+    "ABSENT",
+    "refuse_overlap",
+    "_dominant_elem_size",
+]
 
 log = logging.getLogger(__name__)
 
@@ -100,9 +114,9 @@ class RemoteTier(StoreClient, Parts, Uploads, JobCommit, PersistingTier, StoredT
 
     name = "remote"
     nearness = 30
-    built_after = ("local",)   # it must not overlap local_dir
+    built_after = ("local",)  # it must not overlap local_dir
     on_node = False
-    reshards = True   # a job tier's checkpoint loads into another world size, mesh or placements
+    reshards = True  # a job tier's checkpoint loads into another world size, mesh or placements
 
     needs = "a url"
 
@@ -117,15 +131,27 @@ class RemoteTier(StoreClient, Parts, Uploads, JobCommit, PersistingTier, StoredT
         url = storage.url
         if url is None:
             if storage.compression is not None:
-                raise ValueError("compression applies to the remote tier: pass a url too, or compression=None")
+                raise ValueError(
+                    "compression applies to the remote tier: pass a url too, or compression=None"
+                )
             return None
-        tier = url if isinstance(url, RemoteTier) else \
-            cls(url, storage.storage_options, compression=storage.compression, on_unreachable="degrade")
+        tier = (
+            url
+            if isinstance(url, RemoteTier)
+            else cls(url, storage.storage_options, compression=storage.compression, on_unreachable="degrade")
+        )
         refuse_overlap(built["local"].root, tier.url, tier.fs, tier.root)
         return tier
 
-    def __init__(self, url: str, storage_options: dict[str, Any] | None = None, rank: int = 0,
-                 world_size: int = 1, compression: str | None = None, on_unreachable: str = "raise") -> None:
+    def __init__(
+        self,
+        url: str,
+        storage_options: dict[str, Any] | None = None,
+        rank: int = 0,
+        world_size: int = 1,
+        compression: str | None = None,
+        on_unreachable: str = "raise",
+    ) -> None:
         if compression not in (None, "zstd"):
             raise ValueError(f"compression must be None or 'zstd', got {compression!r}")
         if on_unreachable not in ("raise", "degrade"):
@@ -135,26 +161,29 @@ class RemoteTier(StoreClient, Parts, Uploads, JobCommit, PersistingTier, StoredT
         self.world_size = world_size
         self.compression = compression
         self.on_unreachable = on_unreachable
-        self.job: Any = None   # a Ranks over a group of its own once every rank writes here (join_job)
+        self.job: Any = None  # a Ranks over a group of its own once every rank writes here (join_job)
         # steps this process committed here itself (True) or saw fail verification (False): see LocalTier
         self.verified: dict[int, bool] = {}
-        self.timeline = Timeline()   # what a fresh upload's COMMIT records (the Checkpointer sets it)
+        self.timeline = Timeline()  # what a fresh upload's COMMIT records (the Checkpointer sets it)
         self._copying: dict[int, Timeline] = {}
         self._options = dict(storage_options or {})
-        self.store: Store = resolve(url, self._options)   # the client (backend) serving the URL: ckpt.fs
+        self.store: Store = resolve(url, self._options)  # the client (backend) serving the URL: ckpt.fs
         # every request under the watchdog of CKPT_REMOTE_STALL_S (ckpt.stall); the probe has its own bound
         self.fs, self.root, self._probe_fs = Watched(self.store.fs), self.store.root, self.store.probe_fs
         self._local_fs = is_local_fs(self.fs)
         if self._local_fs:
             refuse_local_tier_dir(url, self.root)
         self.status = RemoteStatus()
-        failure = self.probe()   # raises when the store answers that this tier cannot work
+        failure = self.probe()  # raises when the store answers that this tier cannot work
         if failure is not None:
             if on_unreachable == "raise":
                 raise failure
-            log.warning("%s. Going on without the remote tier for now: restore uses the nearer tiers, and every "
-                        "save still tries to upload (handle.wait('remote') raises while the store is down; "
-                        "RemoteTier.status says what was found)", failure)
+            log.warning(
+                "%s. Going on without the remote tier for now: restore uses the nearer tiers, and every "
+                "save still tries to upload (handle.wait('remote') raises while the store is down; "
+                "RemoteTier.status says what was found)",
+                failure,
+            )
 
     # -- where its files are ----------------------------------------------------------------------
     def _path(self, *parts: str) -> str:
@@ -195,7 +224,9 @@ class RemoteTier(StoreClient, Parts, Uploads, JobCommit, PersistingTier, StoredT
     def _commit_paths(self, doing: str) -> list[str]:
         """The paths of the step directories' ``COMMIT`` files (a key prefix named ``COMMIT`` commits nothing)."""
         with self._store(doing):
-            self.fs.invalidate_cache(self.root)   # other processes write here too: never trust a cached listing
+            self.fs.invalidate_cache(
+                self.root
+            )  # other processes write here too: never trust a cached listing
             try:
                 found = self.fs.glob(self._path("step-*", COMMIT_NAME), detail=True)
             except FileNotFoundError:
@@ -207,6 +238,7 @@ class RemoteTier(StoreClient, Parts, Uploads, JobCommit, PersistingTier, StoredT
         it is linked in. A ``COMMIT`` gone since the listing (retention elsewhere) leaves its step out; one
         that fails its checks lists timeline 0 (a restore then finds it broken); one the store fails to
         give lists timeline 0 with ``known=False``, so that retention deletes nothing meanwhile."""
+
         def one(step: int) -> Committed | None:
             where = f"{self.step_dir(step)}/{COMMIT_NAME}"
             try:
@@ -216,7 +248,9 @@ class RemoteTier(StoreClient, Parts, Uploads, JobCommit, PersistingTier, StoredT
             except CheckpointError:
                 tl = Timeline()
             except OSError as e:
-                log.warning("%s could not be read (%s: %s): its timeline is not known", where, type(e).__name__, e)
+                log.warning(
+                    "%s could not be read (%s: %s): its timeline is not known", where, type(e).__name__, e
+                )
                 return Committed(step, Timeline(), not self.owns(step), known=False)
             return Committed(step, tl, not self.owns(step))
 
@@ -261,8 +295,15 @@ class RemoteTier(StoreClient, Parts, Uploads, JobCommit, PersistingTier, StoredT
         """The commit record and every saved rank's manifest, validated and agreeing."""
         self.read_manifests(step, self.read_commit(step))
 
-    def restore_into(self, state: dict, step: int, timeline: Timeline | None, strict: bool,
-                     job: list[int] | None, refill: Any = None) -> int:
+    def restore_into(
+        self,
+        state: dict,
+        step: int,
+        timeline: Timeline | None,
+        strict: bool,
+        job: list[int] | None,
+        refill: Any = None,
+    ) -> int:
         """Load ``step`` into ``state``: this rank's own file when it was saved in the live layout and
         holds all its tensors (writing it to ``refill``, the local tier, on the way, so that the next
         restore is local), else through the loader that reads every saved rank's file (resharding, and
@@ -272,20 +313,31 @@ class RemoteTier(StoreClient, Parts, Uploads, JobCommit, PersistingTier, StoredT
 
         rank, world = job if job is not None else (0, 1)
         commit = self.read_commit(step)
-        if commit.world_size == self.world_size:   # laid out for this tier's place: this rank's own file
+        if commit.world_size == self.world_size:  # laid out for this tier's place: this rank's own file
             commit, manifest = self.open(step)
             check_job(manifest, job, self.name, step)
             try:
                 # a rank whose replicated tensors rank 0 stored takes the loader that reads other ranks' files
-                binding = None if ABSENT in manifest.codecs else bind_checked(
-                    state, manifest.tree, manifest.items, strict, f"{self.step_dir(step)}/{manifest_name(manifest.rank)}")
+                binding = (
+                    None
+                    if ABSENT in manifest.codecs
+                    else bind_checked(
+                        state,
+                        manifest.tree,
+                        manifest.items,
+                        strict,
+                        f"{self.step_dir(step)}/{manifest_name(manifest.rank)}",
+                    )
+                )
             except LayoutMismatchError:
                 if commit.world_size == 1:
-                    raise   # one rank's file: nothing to reshard from
-                binding = None   # same world size, another mesh or placements
+                    raise  # one rank's file: nothing to reshard from
+                binding = None  # same world size, another mesh or placements
             if binding is not None:
                 if refill is not None:
-                    with refill.copying(step, Timeline.of(commit)):   # the local copy keeps the checkpoint's timeline
+                    with refill.copying(
+                        step, Timeline.of(commit)
+                    ):  # the local copy keeps the checkpoint's timeline
                         self.load(step, manifest, binding.dest, refill=refill)
                 else:
                     self.load(step, manifest, binding.dest)
@@ -294,13 +346,27 @@ class RemoteTier(StoreClient, Parts, Uploads, JobCommit, PersistingTier, StoredT
         manifests = self.read_manifests(step, commit)
         own = rank if rank < commit.world_size else 0
         t0 = time.perf_counter()
-        binding = bind_checked(state, manifests[own].tree, manifests[own].items, strict,
-                               f"{self.step_dir(step)}/{manifest_name(own)}", reshard=True)
-        nbytes = load_resharded(manifests, own, binding.dest, binding.boxes,
-                                lambda r, m, i: self.fetch(step, r, m, i))
+        binding = bind_checked(
+            state,
+            manifests[own].tree,
+            manifests[own].items,
+            strict,
+            f"{self.step_dir(step)}/{manifest_name(own)}",
+            reshard=True,
+        )
+        nbytes = load_resharded(
+            manifests, own, binding.dest, binding.boxes, lambda r, m, i: self.fetch(step, r, m, i)
+        )
         finish(binding)
-        log.info("resharded step %d saved by %d rank(s) into rank %d of %d (%.3f GB fetched in %.2f s)", step,
-                 commit.world_size, rank, world, nbytes / 1e9, time.perf_counter() - t0)
+        log.info(
+            "resharded step %d saved by %d rank(s) into rank %d of %d (%.3f GB fetched in %.2f s)",
+            step,
+            commit.world_size,
+            rank,
+            world,
+            nbytes / 1e9,
+            time.perf_counter() - t0,
+        )
         return nbytes
 
     def all_step_dirs(self) -> list[int]:
@@ -319,8 +385,9 @@ class RemoteTier(StoreClient, Parts, Uploads, JobCommit, PersistingTier, StoredT
         with self._store(f"removing step {step} from {self.url}"):
             found = self._delete(step)
         if not found and not missing_ok:
-            raise FileNotFoundError(errno.ENOENT, f"step {step} is not on the remote tier",
-                                    self._url(self.step_dir(step)))
+            raise FileNotFoundError(
+                errno.ENOENT, f"step {step} is not on the remote tier", self._url(self.step_dir(step))
+            )
 
     def _delete(self, step: int) -> bool:
         """Remove ``step`` (``COMMIT`` first); whether it was there."""
@@ -364,7 +431,9 @@ class RemoteTier(StoreClient, Parts, Uploads, JobCommit, PersistingTier, StoredT
         """Read and validate the commit record and this rank's manifest of ``step``
         (:class:`~ckpt.errors.IncompatibleCheckpointError` when another world size saved it)."""
         d = self.step_dir(step)
-        commit, manifest = read_records(lambda name: self._get(step, name), step, self.rank, self.world_size, d)
+        commit, manifest = read_records(
+            lambda name: self._get(step, name), step, self.rank, self.world_size, d
+        )
         if manifest.codecs is None:
             raise CorruptCheckpointError(f"{d}/{manifest_name(self.rank)}: remote manifest lacks part codecs")
         self._check_parts(step, manifest)
@@ -403,18 +472,25 @@ class RemoteTier(StoreClient, Parts, Uploads, JobCommit, PersistingTier, StoredT
             path = name if commit.generation is None else f"{commit.generation}/{name}"
             raw = self._get(step, path)
             if Commit.manifest_checksum(raw) != commit.manifests[name]:
-                raise CorruptCheckpointError(f"{d}/{path}: checksum does not match the one recorded in {COMMIT_NAME}")
+                raise CorruptCheckpointError(
+                    f"{d}/{path}: checksum does not match the one recorded in {COMMIT_NAME}"
+                )
             m = Manifest.from_bytes(raw, f"{d}/{path}")
-            if m.rank != rank or m.codecs is None or commit.data.get(data_name(rank)) != m.data_bytes \
-                    or m.generation != commit.generation:
-                raise CorruptCheckpointError(f"{d}/{path}: rank, part codecs, data size or generation disagree with "
-                                             f"{COMMIT_NAME}")
+            if (
+                m.rank != rank
+                or m.codecs is None
+                or commit.data.get(data_name(rank)) != m.data_bytes
+                or m.generation != commit.generation
+            ):
+                raise CorruptCheckpointError(
+                    f"{d}/{path}: rank, part codecs, data size or generation disagree with {COMMIT_NAME}"
+                )
             self._check_parts(step, m)
             return m
 
         with ThreadPoolExecutor(knobs.get("CKPT_REMOTE_THREADS"), thread_name_prefix="ckpt-manifest") as ex:
             manifests = list(ex.map(one, range(commit.world_size)))
-        check_layouts(manifests, d)   # before a resharding restore or an export allocates a global tensor
+        check_layouts(manifests, d)  # before a resharding restore or an export allocates a global tensor
         return manifests
 
     def verify(self, step: int) -> list[Manifest]:

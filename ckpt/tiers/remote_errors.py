@@ -15,9 +15,26 @@ __all__ = ["unavailable", "http_status", "denied", "errno_of", "caused_by", "fai
 
 # errno values of a store that cannot be reached or does not answer now (s3fs: 503 / SlowDown is EBUSY,
 # 500 InternalError EREMOTEIO); a stale NFS handle on a mounted file:// URL too
-_UNAVAILABLE_ERRNOS = frozenset(getattr(errno, n) for n in (
-    "ECONNREFUSED", "ECONNRESET", "ECONNABORTED", "EPIPE", "ETIMEDOUT", "EHOSTUNREACH", "EHOSTDOWN",
-    "ENETUNREACH", "ENETDOWN", "ENETRESET", "EBUSY", "EAGAIN", "EREMOTEIO", "ESTALE") if hasattr(errno, n))
+_UNAVAILABLE_ERRNOS = frozenset(
+    getattr(errno, n)
+    for n in (
+        "ECONNREFUSED",
+        "ECONNRESET",
+        "ECONNABORTED",
+        "EPIPE",
+        "ETIMEDOUT",
+        "EHOSTUNREACH",
+        "EHOSTDOWN",
+        "ENETUNREACH",
+        "ENETDOWN",
+        "ENETRESET",
+        "EBUSY",
+        "EAGAIN",
+        "EREMOTEIO",
+        "ESTALE",
+    )
+    if hasattr(errno, n)
+)
 
 
 def _client_types(*names: tuple[str, str]) -> tuple[type, ...]:
@@ -35,15 +52,20 @@ def unavailable(e: BaseException) -> bool:
     answering (missing bucket, refused credentials, a bad request)."""
     if isinstance(e, (ConnectionError, TimeoutError, asyncio.TimeoutError, socket.gaierror, socket.herror)):
         return True
-    if http_status(e) >= 500:   # the service failing (a gateway's 502 / 504 has no S3 error code)
+    if http_status(e) >= 500:  # the service failing (a gateway's 502 / 504 has no S3 error code)
         return True
     if isinstance(e, OSError):
         return e.errno in _UNAVAILABLE_ERRNOS
-    return isinstance(e, _client_types(
-        ("botocore.exceptions", "ConnectionError"),    # EndpointConnectionError, ConnectTimeoutError ...
-        ("botocore.exceptions", "HTTPClientError"),    # ConnectionClosedError, ReadTimeoutError ...
-        ("aiohttp", "ClientConnectionError"), ("aiohttp", "ServerTimeoutError"),
-        ("fsspec.exceptions", "FSTimeoutError")))
+    return isinstance(
+        e,
+        _client_types(
+            ("botocore.exceptions", "ConnectionError"),  # EndpointConnectionError, ConnectTimeoutError ...
+            ("botocore.exceptions", "HTTPClientError"),  # ConnectionClosedError, ReadTimeoutError ...
+            ("aiohttp", "ClientConnectionError"),
+            ("aiohttp", "ServerTimeoutError"),
+            ("fsspec.exceptions", "FSTimeoutError"),
+        ),
+    )
 
 
 def http_status(e: BaseException | None) -> int:
@@ -55,16 +77,23 @@ def http_status(e: BaseException | None) -> int:
             break
         if answered and isinstance(e, answered):
             response = getattr(e, "response", None)
-            status = (response.get("ResponseMetadata") or {}).get("HTTPStatusCode") if isinstance(response, dict) \
+            status = (
+                (response.get("ResponseMetadata") or {}).get("HTTPStatusCode")
+                if isinstance(response, dict)
                 else getattr(e, "status", None)
+            )
             return status if isinstance(status, int) else 0
         e = e.__cause__ or e.__context__
     return 0
 
 
 def denied(e: BaseException) -> bool:
-    return isinstance(e, PermissionError) or isinstance(e, _client_types(
-        ("botocore.exceptions", "NoCredentialsError"), ("botocore.exceptions", "PartialCredentialsError")))
+    return isinstance(e, PermissionError) or isinstance(
+        e,
+        _client_types(
+            ("botocore.exceptions", "NoCredentialsError"), ("botocore.exceptions", "PartialCredentialsError")
+        ),
+    )
 
 
 def errno_of(e: BaseException) -> int | None:

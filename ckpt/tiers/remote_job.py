@@ -17,7 +17,7 @@ from ..format import COMMIT_NAME, Commit, Manifest, data_name, manifest_name
 
 __all__ = ["JobCommit", "generation_after"]
 
-log = logging.getLogger("ckpt.tiers.remote")   # the remote tier's logger, whichever of its modules logs
+log = logging.getLogger("ckpt.tiers.remote")  # the remote tier's logger, whichever of its modules logs
 
 # what rank 0 tells every rank of a job tier's commit (the largest wins): not committed, a COMMIT put that
 # failed but may still land, committed
@@ -28,7 +28,7 @@ class JobCommit:
     """The job tier's side of :class:`~ckpt.tiers.remote.RemoteTier`: joining a job, each rank's report
     and rank 0's commit, and removing a rank's own files of a step that was not committed."""
 
-    job: Any   # a Ranks over a group of the tier's own once every rank writes here; None before
+    job: Any  # a Ranks over a group of the tier's own once every rank writes here; None before
 
     def join_job(self, ranks: Any) -> None:
         """Make this the job tier: every rank of the job writes its files into one step directory
@@ -44,12 +44,18 @@ class JobCommit:
             try:
                 self._commit_job(step, None)
             except CheckpointError:
-                pass   # expected: the step is not committed, and this rank's own error is the one reported
-            except Exception as e:   # noqa: BLE001 - the group failed (a rank died): keep the original error
+                pass  # expected: the step is not committed, and this rank's own error is the one reported
+            except Exception as e:  # noqa: BLE001 - the group failed (a rank died): keep the original error
                 log.error("rank %d could not report step %d to the job tier's commit: %s", self.rank, step, e)
 
-    def _commit_job(self, step: int, raw: bytes | None, data_bytes: int = 0, gen: str | None = None,
-                    replaced: Commit | None = None) -> None:
+    def _commit_job(
+        self,
+        step: int,
+        raw: bytes | None,
+        data_bytes: int = 0,
+        gen: str | None = None,
+        replaced: Commit | None = None,
+    ) -> None:
         """The job tier's commit: every rank reports (ok, manifest checksum, data size, step, generation);
         rank 0 writes ``COMMIT`` listing every rank's files if all are ok and agree on the step and the
         generation (a replacement's subdirectory), then tells the others whether it did. Raises
@@ -58,41 +64,60 @@ class JobCommit:
         job = self.job
         ok = raw is not None
         committed = _NOT_COMMITTED
-        mine = [int(ok), Commit.manifest_checksum(raw) if ok else 0, data_bytes, step,
-                zlib.crc32(gen.encode()) if gen is not None else 0]
+        mine = [
+            int(ok),
+            Commit.manifest_checksum(raw) if ok else 0,
+            data_bytes,
+            step,
+            zlib.crc32(gen.encode()) if gen is not None else 0,
+        ]
         try:
             reports = job.gather(mine)
-        except RuntimeError as e:   # gloo: a rank died or timed out (CKPT_COMMIT_TIMEOUT_S)
+        except RuntimeError as e:  # gloo: a rank died or timed out (CKPT_COMMIT_TIMEOUT_S)
             if raw is not None:
                 self._discard_own(step, gen)
             raise CheckpointError(
                 f"step {step} is not committed to the job tier {self.url}: not every rank reported its upload "
-                f"(a rank may have died; gloo says: {e}); the previous checkpoint there is untouched") from e
+                f"(a rank may have died; gloo says: {e}); the previous checkpoint there is untouched"
+            ) from e
         failed = [r for r, rep in enumerate(reports) if rep[0] != 1]
         why = ""
         steps = sorted({rep[3] for rep in reports})
-        if len(steps) > 1:   # saves paired up across ranks in order: a rank saved steps the others did not
-            failed, why = [], (f"the ranks uploaded different steps ({steps}): with one url for all ranks every "
-                                "rank must save the same steps (call save / maybe_save on every rank)")
+        if len(steps) > 1:  # saves paired up across ranks in order: a rank saved steps the others did not
+            failed, why = (
+                [],
+                (
+                    f"the ranks uploaded different steps ({steps}): with one url for all ranks every "
+                    "rank must save the same steps (call save / maybe_save on every rank)"
+                ),
+            )
             log.error("%s", why)
         elif not failed and len({rep[4] for rep in reports}) > 1:
-            why = (f"the ranks disagree whether step {step} was committed there before (it changed while they "
-                   "uploaded: retention or another writer)")
+            why = (
+                f"the ranks disagree whether step {step} was committed there before (it changed while they "
+                "uploaded: retention or another writer)"
+            )
             log.error("%s", why)
         if job.rank == 0 and not failed and not why:
             d = self.step_dir(step)
             sent: list[bool] = []
             try:
-                commit = record_of_job(step, job.world,
-                                       {manifest_name(r): rep[1] for r, rep in enumerate(reports)},
-                                       {data_name(r): rep[2] for r, rep in enumerate(reports)},
-                                       self._copying.get(step, self.timeline), gen)
+                commit = record_of_job(
+                    step,
+                    job.world,
+                    {manifest_name(r): rep[1] for r, rep in enumerate(reports)},
+                    {data_name(r): rep[2] for r, rep in enumerate(reports)},
+                    self._copying.get(step, self.timeline),
+                    gen,
+                )
                 sink = FsSink(self.fs, d, self._local_fs)
                 # every rank's manifest is durable already (each put it before reporting): COMMIT alone
-                publish(sink, [], commit.to_bytes(), put_commit=self._commit_put(sink, step, commit, gen, sent))
-                self.verified[step] = True   # every rank uploaded its parts from its own bytes
+                publish(
+                    sink, [], commit.to_bytes(), put_commit=self._commit_put(sink, step, commit, gen, sent)
+                )
+                self.verified[step] = True  # every rank uploaded its parts from its own bytes
                 committed = _COMMITTED
-            except Exception as e:   # noqa: BLE001 - reported to every rank below
+            except Exception as e:  # noqa: BLE001 - reported to every rank below
                 # a COMMIT put that was sent may still land (see _undo): no rank may remove its files then
                 committed = _MAYBE_COMMITTED if sent else _NOT_COMMITTED
                 why = f"rank 0 could not write {d}/{COMMIT_NAME} ({type(e).__name__}: {e})"
@@ -103,19 +128,28 @@ class JobCommit:
                 self._after_commit(step, replaced, move_latest=True)
             return
         if committed == _MAYBE_COMMITTED:
-            log.warning("step %d may still commit to the job tier %s (rank 0's COMMIT put failed, and such a put "
-                        "can land later): rank %d keeps its files", step, self.url, self.rank)
-            raise CheckpointError(f"step {step} is not known to be committed to the job tier {self.url}: rank 0's "
-                                  "COMMIT put failed (its log says why) and may still land; the files of every rank "
-                                  "are kept for it, and the previous checkpoint there is untouched until it does")
+            log.warning(
+                "step %d may still commit to the job tier %s (rank 0's COMMIT put failed, and such a put "
+                "can land later): rank %d keeps its files",
+                step,
+                self.url,
+                self.rank,
+            )
+            raise CheckpointError(
+                f"step {step} is not known to be committed to the job tier {self.url}: rank 0's "
+                "COMMIT put failed (its log says why) and may still land; the files of every rank "
+                "are kept for it, and the previous checkpoint there is untouched until it does"
+            )
         if raw is not None:
             self._discard_own(step, gen)
         if failed:
             why = f"rank(s) {failed} could not upload their files (their logs say why)"
         elif not why:
             why = "rank 0 could not write COMMIT (its log says why)"
-        raise CheckpointError(f"step {step} is not committed to the job tier {self.url}: {why}; "
-                              "the previous checkpoint there is untouched")
+        raise CheckpointError(
+            f"step {step} is not committed to the job tier {self.url}: {why}; "
+            "the previous checkpoint there is untouched"
+        )
 
     def _discard_own(self, step: int, gen: str | None) -> None:
         """Remove this rank's files of a job-tier write that was not committed: its files in the
@@ -125,11 +159,16 @@ class JobCommit:
             return
         base = f"{self.step_dir(step)}/{gen}"
         try:
-            for path, recursive in ((f"{base}/{manifest_name(self.rank)}", False), (f"{base}/rank-{self.rank:05d}", True)):
+            for path, recursive in (
+                (f"{base}/{manifest_name(self.rank)}", False),
+                (f"{base}/rank-{self.rank:05d}", True),
+            ):
                 if self.fs.exists(path):
                     self._rm(path, recursive=recursive)
-        except Exception as e:   # noqa: BLE001 - leftovers go with the step
-            log.warning("could not remove rank %d's files of step %d from %s: %s", self.rank, step, self.url, e)
+        except Exception as e:  # noqa: BLE001 - leftovers go with the step
+            log.warning(
+                "could not remove rank %d's files of step %d from %s: %s", self.rank, step, self.url, e
+            )
 
     def _held_by_rank0(self, manifest: Manifest) -> set[int]:
         """On a job tier, rank > 0: the chunks holding no byte of a tensor that is not replicated
@@ -147,18 +186,25 @@ class JobCommit:
     def _remove_own(self, step: int) -> None:
         """Remove this rank's files of ``step`` (and, on rank 0, its ``COMMIT`` first)."""
         d = self.step_dir(step)
-        if not self.owns(step):   # a linked step: nothing in it is this rank's to remove
-            log.warning("%s is a symbolic link; rank %d's files of step %d there are left alone", d, self.rank, step)
+        if not self.owns(step):  # a linked step: nothing in it is this rank's to remove
+            log.warning(
+                "%s is a symbolic link; rank %d's files of step %d there are left alone", d, self.rank, step
+            )
             return
         self.verified.pop(step, None)
         try:
             if self.rank == 0 and self.fs.exists(f"{d}/{COMMIT_NAME}"):
                 self.fs.rm(f"{d}/{COMMIT_NAME}")
-            for path, recursive in ((f"{d}/{manifest_name(self.rank)}", False), (f"{d}/rank-{self.rank:05d}", True)):
+            for path, recursive in (
+                (f"{d}/{manifest_name(self.rank)}", False),
+                (f"{d}/rank-{self.rank:05d}", True),
+            ):
                 if self.fs.exists(path):
                     self.fs.rm(path, recursive=recursive)
-        except Exception as e:   # noqa: BLE001 - retention removes leftovers later
-            log.warning("could not remove rank %d's files of step %d from %s: %s", self.rank, step, self.url, e)
+        except Exception as e:  # noqa: BLE001 - retention removes leftovers later
+            log.warning(
+                "could not remove rank %d's files of step %d from %s: %s", self.rank, step, self.url, e
+            )
 
 
 def generation_after(old: Commit) -> str:

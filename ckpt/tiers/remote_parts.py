@@ -33,14 +33,22 @@ class Parts:
     :class:`~ckpt.tiers.remote_store.StoreClient`; ``step_dir`` its layout)."""
 
     rank: int
-    compression: str | None   # of the parts this rank uploads: None or "zstd"
+    compression: str | None  # of the parts this rank uploads: None or "zstd"
 
     def _part(self, step: int, i: int, rank: int | None = None, generation: str | None = None) -> str:
         base = self.step_dir(step) if generation is None else f"{self.step_dir(step)}/{generation}"
         return f"{base}/rank-{self.rank if rank is None else rank:05d}/part-{i:06d}"
 
-    def _put_parts(self, step: int, manifest: Manifest, data: memoryview, sizer: Callable[[int], int],
-                   source: str | None, gen: str | None, absent: set[int]) -> list[tuple[int, str, int]]:
+    def _put_parts(
+        self,
+        step: int,
+        manifest: Manifest,
+        data: memoryview,
+        sizer: Callable[[int], int],
+        source: str | None,
+        gen: str | None,
+        absent: set[int],
+    ) -> list[tuple[int, str, int]]:
         """Encode and upload this rank's chunks of ``data`` as the parts of ``step`` (under ``gen``, a
         replacement's generation), in parallel; returns each chunk's checksum, codec and stored size.
         ``source``: the file ``data`` was read from, whose checksums ``manifest.chunks`` are: a chunk that
@@ -50,13 +58,14 @@ class Parts:
         c, n = manifest.chunk_bytes, -(-manifest.data_bytes // manifest.chunk_bytes)
 
         def put(i: int) -> tuple[int, str, int]:
-            view = data[i * c:(i + 1) * c]
+            view = data[i * c : (i + 1) * c]
             crc = checksum(view)
             if source is not None and crc != manifest.chunks[i]:
                 raise CorruptCheckpointError(
                     f"{source}: bytes [{i * c}, {i * c + len(view)}) fail their {manifest.checksum_algorithm} "
-                    f"checksum; nothing of step {step} at {self.url} was replaced")
-            if i in absent:   # only replicated bytes: rank 0 uploads them
+                    f"checksum; nothing of step {step} at {self.url} was replaced"
+                )
+            if i in absent:  # only replicated bytes: rank 0 uploads them
                 return crc, ABSENT, 0
             stored, codec = encode(view, self.compression, sizer(i))
             path = self._part(step, i, generation=gen)
@@ -64,8 +73,11 @@ class Parts:
                 # Object-store clients want bytes; local and mounted file systems take the view as it is.
                 self._put(path, stored if self._local_fs else bytes(stored))
             except StallError as e:
-                raise StallError(e.errno, f"rank {self.rank}'s part {i} of step {step} ({self._url(path)}): "
-                                 f"{e.strerror}", e.filename) from None
+                raise StallError(
+                    e.errno,
+                    f"rank {self.rank}'s part {i} of step {step} ({self._url(path)}): {e.strerror}",
+                    e.filename,
+                ) from None
             return crc, codec, len(stored)
 
         return map_all(put, n, "ckpt-upload")
@@ -83,17 +95,20 @@ class Parts:
             if codec == ABSENT:
                 if stored == 0 and left_out(i):
                     continue
-                if stored == 0:   # the manifest says that rank 0 holds bytes it does not
+                if stored == 0:  # the manifest says that rank 0 holds bytes it does not
                     raise CorruptCheckpointError(
                         f"{self._url(self._part(step, i, m.rank, m.generation))}: not stored ({ABSENT!r}), but only a "
                         "job's rank above 0 leaves out a chunk, and only one holding nothing but replicated "
-                        "tensors (which rank 0 stores)")
+                        "tensors (which rank 0 stores)"
+                    )
             else:
                 check_codec(codec, self._url(self._part(step, i, m.rank, m.generation)))
                 if (stored == size) if codec == RAW else (0 < stored <= size <= max_decoded(codec, stored)):
                     continue
-            raise CorruptCheckpointError(f"{self._url(self._part(step, i, m.rank, m.generation))}: a {codec!r} part of {stored} "
-                                         f"stored bytes cannot hold its {size}-byte chunk")
+            raise CorruptCheckpointError(
+                f"{self._url(self._part(step, i, m.rank, m.generation))}: a {codec!r} part of {stored} "
+                f"stored bytes cannot hold its {size}-byte chunk"
+            )
 
     def check_stored(self, step: int, m: Manifest) -> None:
         """Every part of saved rank ``m.rank`` is there with the size its manifest records: one listing,
@@ -107,14 +122,20 @@ class Parts:
             except FileNotFoundError:
                 entries = []
         # a key prefix that shares a part's name (``part-000001/x``: S3 lists both) is not the part
-        held = {e["name"].rstrip("/").rsplit("/", 1)[-1]: e.get("size") for e in entries
-                if e.get("type") != "directory"}
+        held = {
+            e["name"].rstrip("/").rsplit("/", 1)[-1]: e.get("size")
+            for e in entries
+            if e.get("type") != "directory"
+        }
         for i, (codec, stored) in enumerate(zip(m.codecs, m.stored_sizes)):
             name = f"part-{i:06d}"
             if codec != ABSENT and held.get(name) != stored:
                 where = self._url(self._part(step, i, m.rank, m.generation))
-                raise IncompleteCheckpointError(f"{where}: missing" if name not in held else
-                                                f"{where}: {held[name]} bytes, {stored} committed")
+                raise IncompleteCheckpointError(
+                    f"{where}: missing"
+                    if name not in held
+                    else f"{where}: {held[name]} bytes, {stored} committed"
+                )
 
     def fetch(self, step: int, rank: int, manifest: Manifest, i: int) -> bytes | bytearray:
         """Part ``i`` of saved rank ``rank``'s data, decoded and checked against its checksum.
@@ -124,59 +145,72 @@ class Parts:
         path = self._part(step, i, rank, manifest.generation)
         where = self._url(path)
         if manifest.codecs[i] == ABSENT:
-            raise IncompleteCheckpointError(f"{where}: not stored (only replicated tensors, which rank 0 holds)")
+            raise IncompleteCheckpointError(
+                f"{where}: not stored (only replicated tensors, which rank 0 holds)"
+            )
         expect = manifest.stored_sizes[i]
-        status = self.status   # one record: another thread may replace it
+        status = self.status  # one record: another thread may replace it
         down = status.error if status.available is False else None
-        if down is not None:   # another part of this load met the outage: the load fails anyway, fail fast
+        if down is not None:  # another part of this load met the outage: the load fails anyway, fail fast
             raise ConnectionError(down.errno, f"reading {where}: not attempted, {down.strerror}")
         try:
             with self._store(f"reading rank {rank}'s part {i} of step {step} ({where})"):
-                if self._local_fs:   # a local file's reader allocates what it is asked for: ask what the file holds
+                if (
+                    self._local_fs
+                ):  # a local file's reader allocates what it is asked for: ask what the file holds
                     held = self.fs.size(path)
                     if held != expect:
                         raise IncompleteCheckpointError(f"{where}: {held} bytes, {expect} committed")
                     stored = self.fs.cat_file(path)
-                else:                # an object store answers a range with what the object holds
+                else:  # an object store answers a range with what the object holds
                     stored = self.fs.cat_file(path, start=0, end=expect + 1)
         except FileNotFoundError:
             raise IncompleteCheckpointError(f"{where}: missing") from None
         if len(stored) != expect:
-            raise IncompleteCheckpointError(f"{where}: {len(stored)}{'+' if len(stored) > expect else ''} bytes, "
-                                            f"{expect} committed")
+            raise IncompleteCheckpointError(
+                f"{where}: {len(stored)}{'+' if len(stored) > expect else ''} bytes, {expect} committed"
+            )
         size = min(manifest.chunk_bytes, manifest.data_bytes - i * manifest.chunk_bytes)
         raw = decode(stored, manifest.codecs[i], size, where)
         if len(raw) != size or checksum(raw) != manifest.chunks[i]:
             raise CorruptCheckpointError(f"{where}: fails its {manifest.checksum_algorithm} checksum")
         return raw
 
-    def load(self, step: int, manifest: Manifest, dest: list[torch.Tensor | None] | None,
-             refill: Any = None) -> None:
+    def load(
+        self, step: int, manifest: Manifest, dest: list[torch.Tensor | None] | None, refill: Any = None
+    ) -> None:
         """Download, decode and verify every part in parallel; scatter into ``dest`` (if given) and write
         the local tier ``refill`` (if given) on the way, so that the next restore is local."""
         import torch
 
-        self.check_stored(step, manifest)   # before the refill allocates room for data_bytes
+        self.check_stored(step, manifest)  # before the refill allocates room for data_bytes
         sc = Scatter(manifest.items, dest) if dest is not None else None
         if sc is not None:
-            sc.open_streams()   # here, on the caller's thread: after what it queued on the GPU
+            sc.open_streams()  # here, on the caller's thread: after what it queued on the GPU
         c, n = manifest.chunk_bytes, len(manifest.chunks)
 
         def fetch(i: int) -> bytes:
             try:
                 raw = self.fetch(step, manifest.rank, manifest, i)
-            except OSError as e:   # the store, not the local disk the bytes were going to
+            except OSError as e:  # the store, not the local disk the bytes were going to
                 error = StallError if isinstance(e, StallError) else OSError
                 path = self._part(step, i, manifest.rank, manifest.generation)
-                raise error(e.errno, f"downloading {path} from {self.url} failed ({e.strerror or e}); check "
-                            "storage_options and the store", e.filename or self._url(path)) from e
+                raise error(
+                    e.errno,
+                    f"downloading {path} from {self.url} failed ({e.strerror or e}); check "
+                    "storage_options and the store",
+                    e.filename or self._url(path),
+                ) from e
             size = len(raw)
             if sc is not None:
-                chunk = (torch.frombuffer(bytearray(raw), dtype=torch.uint8) if size
-                         else torch.empty(0, dtype=torch.uint8, device="cpu"))
+                chunk = (
+                    torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+                    if size
+                    else torch.empty(0, dtype=torch.uint8, device="cpu")
+                )
                 sc.copy(chunk, i * c)
                 if sc.to_device:
-                    sc.synchronize()   # the pageable source must outlive the copy
+                    sc.synchronize()  # the pageable source must outlive the copy
             return raw
 
         if refill is not None:
@@ -212,8 +246,11 @@ def may_be_left_out(m: Manifest) -> Callable[[int], bool]:
         return lambda i: False
     c, shared = m.chunk_bytes, set(m.replicated)
     spans: list[list[int]] = []
-    for a, b in sorted((it.offset // c, (it.offset + it.nbytes - 1) // c) for k, it in enumerate(m.items)
-                       if k not in shared and it.alias_of is None and it.nbytes):
+    for a, b in sorted(
+        (it.offset // c, (it.offset + it.nbytes - 1) // c)
+        for k, it in enumerate(m.items)
+        if k not in shared and it.alias_of is None and it.nbytes
+    ):
         if spans and a <= spans[-1][1] + 1:
             spans[-1][1] = max(spans[-1][1], b)
         else:
@@ -244,8 +281,11 @@ def dominant_elem_size(items: list[ItemRecord], chunk: int) -> Callable[[int], i
     """Element size of the tensor covering most of chunk ``i`` (for the byte shuffle)."""
     import torch
 
-    spans = sorted((it.offset, it.offset + it.nbytes, getattr(torch, it.dtype).itemsize)
-                   for it in items if it.alias_of is None and it.nbytes)
+    spans = sorted(
+        (it.offset, it.offset + it.nbytes, getattr(torch, it.dtype).itemsize)
+        for it in items
+        if it.alias_of is None and it.nbytes
+    )
     starts = [s[0] for s in spans]
 
     def size(i: int) -> int:

@@ -21,7 +21,8 @@ def refuse_local_tier_dir(url: str, root: str) -> None:
         raise ValueError(
             f"{url} is a local tier's directory (it holds {LOCK_NAME}, made by a Checkpointer with local_dir "
             f"{root}), whose layout is not the remote tier's: pass it as local_dir=, or to the ckpt commands as "
-            "a path rather than a URL; a remote tier needs a directory of its own")
+            "a path rather than a URL; a remote tier needs a directory of its own"
+        )
 
 
 def refuse_overlap(local_dir: str | os.PathLike, url: str, fs: Any, root: str) -> None:
@@ -42,6 +43,8 @@ def refuse_overlap(local_dir: str | os.PathLike, url: str, fs: Any, root: str) -
         return first != ".." and (first == "." or parse_step_dir(first) is not None or first == LATEST_NAME)
 
     if part_of(a, b) or part_of(b, a):
-        raise ValueError(f"the remote tier's url {url} is local_dir {os.fspath(local_dir)} or one of its "
-                         "checkpoints (or holds it in one of its own): the two tiers would write one place; give "
-                         "the remote tier a directory of its own (a url of another directory)")
+        raise ValueError(
+            f"the remote tier's url {url} is local_dir {os.fspath(local_dir)} or one of its "
+            "checkpoints (or holds it in one of its own): the two tiers would write one place; give "
+            "the remote tier a directory of its own (a url of another directory)"
+        )

@@ -38,11 +38,11 @@ class StoreClient:
     url: str
     on_unreachable: str
     store: Store
-    fs: Any            # the store's file system, every request under the watchdog (ckpt.stall.Watched)
+    fs: Any  # the store's file system, every request under the watchdog (ckpt.stall.Watched)
     root: str
     status: RemoteStatus
-    _probe_fs: Any     # the file system the probe uses (on S3 a client of few retries and short timeouts)
-    _local_fs: bool    # a local or mounted file system (file://)
+    _probe_fs: Any  # the file system the probe uses (on S3 a client of few retries and short timeouts)
+    _local_fs: bool  # a local or mounted file system (file://)
 
     def _endpoint(self) -> str:
         return self.store.endpoint
@@ -53,18 +53,23 @@ class StoreClient:
     def _failure(self, e: BaseException, doing: str) -> OSError:
         """The ``OSError`` to raise for a failure ``e`` of the store client while ``doing`` something."""
         what = f"{type(e).__name__}: {e}"
-        if isinstance(e, StallError):   # a request that stopped moving: it names its URL itself
+        if isinstance(e, StallError):  # a request that stopped moving: it names its URL itself
             return StallError(e.errno, f"{doing}: {e.strerror}", e.filename)
         kind = failure_type(e)
         if kind is FileNotFoundError:
             return FileNotFoundError(errno.ENOENT, f"{doing}: not found ({what})")
         if kind is PermissionError:
-            return PermissionError(errno.EACCES, f"{doing}: access denied ({what}); check the credentials in "
-                                   "storage_options (key / secret / profile) and the bucket's policy")
+            return PermissionError(
+                errno.EACCES,
+                f"{doing}: access denied ({what}); check the credentials in "
+                "storage_options (key / secret / profile) and the bucket's policy",
+            )
         if kind is ConnectionError:
-            return ConnectionError(errno_of(e) or errno.EIO,
-                                   f"{doing}: the store at {self._endpoint()} cannot be reached or is not answering "
-                                   f"({what}); {self.store.hint}")
+            return ConnectionError(
+                errno_of(e) or errno.EIO,
+                f"{doing}: the store at {self._endpoint()} cannot be reached or is not answering "
+                f"({what}); {self.store.hint}",
+            )
         return OSError(errno_of(e) or errno.EIO, f"{doing}: {what}")
 
     @contextlib.contextmanager
@@ -75,7 +80,7 @@ class StoreClient:
         except CheckpointError:
             raise
         except Exception as e:
-            e = self.store.translate(e)   # a client failure whose type says nothing: our own check (ckpt.fs)
+            e = self.store.translate(e)  # a client failure whose type says nothing: our own check (ckpt.fs)
             failure = self._failure(e, doing)
             if unavailable(e):
                 self._note(failure)
@@ -105,8 +110,10 @@ class StoreClient:
         def run() -> None:
             try:
                 outcome.append((self._probe_once(), None))
-            except BaseException as e:   # noqa: BLE001 - handed to the caller's thread
-                outcome.append((None, self.store.translate(e, probing=True) if isinstance(e, Exception) else e))
+            except BaseException as e:  # noqa: BLE001 - handed to the caller's thread
+                outcome.append(
+                    (None, self.store.translate(e, probing=True) if isinstance(e, Exception) else e)
+                )
 
         # a thread, so that a store that accepts connections and never answers cannot hold the caller
         t = threading.Thread(target=run, name="ckpt-remote-probe", daemon=True)
@@ -115,8 +122,10 @@ class StoreClient:
         doing = f"the remote tier {self.url}"
         if not outcome:
             failure: OSError | None = ConnectionError(
-                errno.ETIMEDOUT, f"{doing}: no answer within {limit} s (CKPT_REMOTE_PROBE_S) from the store at "
-                f"{self._endpoint()}; {self.store.hint}")
+                errno.ETIMEDOUT,
+                f"{doing}: no answer within {limit} s (CKPT_REMOTE_PROBE_S) from the store at "
+                f"{self._endpoint()}; {self.store.hint}",
+            )
         else:
             answer, e = outcome[0]
             if answer is not None:
@@ -131,22 +140,24 @@ class StoreClient:
         """One look at the store; returns the error to raise when its answers rule this tier out."""
         fs = self._probe_fs
         if self._local_fs or "memory" in fs.protocol:
-            fs.makedirs(self.root, exist_ok=True)   # directories are real here
+            fs.makedirs(self.root, exist_ok=True)  # directories are real here
             return None
-        fs.invalidate_cache()                       # ask the store, not a listing cached by the last probe
+        fs.invalidate_cache()  # ask the store, not a listing cached by the last probe
         bucket = self.root.split("/", 1)[0]
         try:
             if bucket:
                 fs.info(bucket)
         except FileNotFoundError:
             return FileNotFoundError(
-                errno.ENOENT, f"the remote tier {self.url}: bucket {bucket!r} does not exist (the store at "
+                errno.ENOENT,
+                f"the remote tier {self.url}: bucket {bucket!r} does not exist (the store at "
                 f"{self._endpoint()} says so); check the bucket name in the URL and the endpoint in storage_options "
-                "(a bucket is never created: a typo must not be)")
+                "(a bucket is never created: a typo must not be)",
+            )
         try:
             fs.ls(self.root, detail=False)
         except FileNotFoundError:
-            pass   # the bucket exists (checked above): nothing under the prefix yet, a new run
+            pass  # the bucket exists (checked above): nothing under the prefix yet, a new run
         return None
 
     def _still_down(self) -> OSError | None:
@@ -169,7 +180,7 @@ class StoreClient:
         def run() -> None:
             try:
                 outcome.append((call(), None))
-            except BaseException as e:   # noqa: BLE001 - handed to the caller's thread
+            except BaseException as e:  # noqa: BLE001 - handed to the caller's thread
                 outcome.append((None, e))
             finally:
                 done.set()

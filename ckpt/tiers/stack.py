@@ -20,7 +20,7 @@ _BUILT_IN = ("memory", "local", "peer", "remote")
 
 
 def _register_built_in() -> None:
-    for module in _BUILT_IN:   # importing a tier's module registers it
+    for module in _BUILT_IN:  # importing a tier's module registers it
         importlib.import_module(f"{__package__}.{module}")
 
 
@@ -52,7 +52,7 @@ class Tiers:
     def __init__(self, tiers: Mapping[str, Tier], peer_planned: bool = False) -> None:
         self._by_name = dict(tiers)
         self.peer: Tier | None = None
-        self.peer_planned = peer_planned   # add_peer() will make one (it is collective: it comes later)
+        self.peer_planned = peer_planned  # add_peer() will make one (it is collective: it comes later)
 
     @property
     def memory(self) -> Tier:
@@ -79,8 +79,10 @@ class Tiers:
         while waiting:
             ready = [c for c in waiting if all(n in built for n in c.built_after)]
             if not ready:
-                raise TypeError(f"tier classes {[c.__qualname__ for c in waiting]} wait for tiers that are never "
-                                "made (their built_after)")
+                raise TypeError(
+                    f"tier classes {[c.__qualname__ for c in waiting]} wait for tiers that are never "
+                    "made (their built_after)"
+                )
             for c in ready:
                 waiting.remove(c)
                 tier = c.for_storage(storage, built, pool, rank)
@@ -88,9 +90,11 @@ class Tiers:
                     built[c.name] = tier
         unknown = sorted(set(storage.extra_tiers or {}) - set(built))
         if unknown:
-            raise ValueError(f"Storage(extra_tiers=...) names {unknown}: no registered tier has that name (the "
-                             f"registered tiers: {[c.name for c in registered()]}; a tier class is registered with "
-                             "@ckpt.tiers.register when its module is imported)")
+            raise ValueError(
+                f"Storage(extra_tiers=...) names {unknown}: no registered tier has that name (the "
+                f"registered tiers: {[c.name for c in registered()]}; a tier class is registered with "
+                "@ckpt.tiers.register when its module is imported)"
+            )
         peers = storage.peers
         return cls(built, peer_planned=peers is not None and peers is not False)
 
@@ -112,8 +116,10 @@ class Tiers:
     @property
     def persisting(self) -> list[Tier]:
         """The tiers the persist pipeline writes to, nearest first (the peer tier among them)."""
-        return sorted([t for t in self.own if isinstance(t, PersistingTier)] + ([self.peer] if self.peer else []),
-                      key=lambda t: t.nearness)
+        return sorted(
+            [t for t in self.own if isinstance(t, PersistingTier)] + ([self.peer] if self.peer else []),
+            key=lambda t: t.nearness,
+        )
 
     @property
     def names(self) -> list[str]:
@@ -152,7 +158,9 @@ class Tiers:
         have = self.planned_persisting
         for name in persist_every:
             if name not in have:
-                raise ValueError(f"persist_every names the tiers {needs_text(persisting_kinds())}, got {name!r}")
+                raise ValueError(
+                    f"persist_every names the tiers {needs_text(persisting_kinds())}, got {name!r}"
+                )
         return dict(persist_every)
 
     def per_tier(self, value: Any, what: str) -> dict[str, Any]:
@@ -166,8 +174,10 @@ class Tiers:
         possible = [c.name for c in registered()]
         unknown = sorted(set(value) - set(possible))
         if unknown or self.memory.name not in value:
-            raise ValueError(f"{what}= as a dict names the tiers {possible!r} ({self.memory.name!r} required: the "
-                             f"snapshots' failures), got {sorted(value)!r}")
+            raise ValueError(
+                f"{what}= as a dict names the tiers {possible!r} ({self.memory.name!r} required: the "
+                f"snapshots' failures), got {sorted(value)!r}"
+            )
         return {n: value.get(n, value[self.memory.name]) for n in names}
 
 

@@ -64,8 +64,10 @@ def _version_tuple(v: str) -> tuple[int, ...]:
 
 
 if _version_tuple(lightning.__version__) < _MIN_LIGHTNING:
-    raise ImportError(f"ckpt.integrations.lightning needs lightning>=2.5, found {lightning.__version__}: "
-                      "upgrade with pip install -U 'tierckpt[lightning]' (or 'lightning>=2.5')")
+    raise ImportError(
+        f"ckpt.integrations.lightning needs lightning>=2.5, found {lightning.__version__}: "
+        "upgrade with pip install -U 'tierckpt[lightning]' (or 'lightning>=2.5')"
+    )
 
 # After the version check, so that an older Lightning fails with the message above, not in an import below.
 from ._patches import apply as _apply_patches  # noqa: E402

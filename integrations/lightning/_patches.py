@@ -50,7 +50,7 @@ def _route_async_checkpoint_io() -> None:
     """
     try:
         from lightning.pytorch.plugins.io.async_plugin import AsyncCheckpointIO
-    except ImportError:   # pragma: no cover - every supported Lightning has it
+    except ImportError:  # pragma: no cover - every supported Lightning has it
         return
     if getattr(AsyncCheckpointIO, "_tierckpt_routed", False):
         return
@@ -58,7 +58,7 @@ def _route_async_checkpoint_io() -> None:
 
     @functools.wraps(wrapped_save)
     def save_checkpoint(self: Any, *args: Any, **kwargs: Any) -> None:
-        base = _tiered_base(self, AsyncCheckpointIO)   # another wrapper in between keeps its own save
+        base = _tiered_base(self, AsyncCheckpointIO)  # another wrapper in between keeps its own save
         if base is not None:
             return base.save_checkpoint(*args, **kwargs)
         return wrapped_save(self, *args, **kwargs)
@@ -102,7 +102,7 @@ def _route_model_checkpoint_link() -> None:
         trainer.strategy.barrier()
         return None
 
-    _link_checkpoint._tierckpt_routed = True   # type: ignore[attr-defined]
+    _link_checkpoint._tierckpt_routed = True  # type: ignore[attr-defined]
     ModelCheckpoint._link_checkpoint = staticmethod(_link_checkpoint)
 
 
@@ -130,7 +130,7 @@ def _route_trainer_save_checkpoint() -> None:
         if base is not None:
             base._wait_copied()
 
-    save_checkpoint._tierckpt_routed = True   # type: ignore[attr-defined]
+    save_checkpoint._tierckpt_routed = True  # type: ignore[attr-defined]
     Trainer.save_checkpoint = save_checkpoint
 
 
@@ -153,7 +153,7 @@ def _point_load_from_checkpoint() -> None:
             return TieredCheckpointIO().load_checkpoint(path_or_url, map_location=map_location)
         return wrapped(path_or_url, map_location, *args, **kwargs)
 
-    pl_load._tierckpt_routed = True   # type: ignore[attr-defined]
+    pl_load._tierckpt_routed = True  # type: ignore[attr-defined]
     saving.pl_load = pl_load
 
 

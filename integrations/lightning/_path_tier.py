@@ -70,8 +70,11 @@ class _PathTier(LocalTier):
     def _superseded(res: _Reservation) -> float:
         # Lightning removed the directory (or put a link there) itself while this save was pending:
         # ModelCheckpoint(save_last="link") replaces a last.ckpt directory by a link to a newer checkpoint.
-        log.warning("%s was removed or replaced while its save (step %d) was pending: that save is not written "
-                    "there", res.path, res.step)
+        log.warning(
+            "%s was removed or replaced while its save (step %d) was pending: that save is not written there",
+            res.path,
+            res.step,
+        )
         res.settle(None)
         return 0.0
 
@@ -79,7 +82,9 @@ class _PathTier(LocalTier):
         return []
 
     def acquire_owner(self) -> None:
-        return None   # no steps of its own in this root to guard: each save goes to a directory Lightning names
+        return (
+            None  # no steps of its own in this root to guard: each save goes to a directory Lightning names
+        )
 
     def all_step_dirs(self) -> dict[int, Path]:
         return {}

@@ -75,18 +75,27 @@ class _Reservation:
             self._link = os.readlink(path)
             path.unlink()
         elif path.exists() and not path.is_dir():
-            raise FileExistsError(errno.EEXIST, "a file is in the way of a checkpoint: TieredCheckpointIO saves "
-                                  "each checkpoint as a directory and does not replace a file (a torch.save "
-                                  "checkpoint, say); move the file away or save to another path", str(path))
+            raise FileExistsError(
+                errno.EEXIST,
+                "a file is in the way of a checkpoint: TieredCheckpointIO saves "
+                "each checkpoint as a directory and does not replace a file (a torch.save "
+                "checkpoint, say); move the file away or save to another path",
+                str(path),
+            )
         self._created = not path.exists()
         try:
             path.mkdir(parents=True, exist_ok=True)
             self._fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | getattr(os, "O_NOFOLLOW", 0))
-            record = {"pid": os.getpid(), "host": socket.gethostname(), "step": self.step,
-                      "since_unix": time.time(), "token": self.token}
+            record = {
+                "pid": os.getpid(),
+                "host": socket.gethostname(),
+                "step": self.step,
+                "since_unix": time.time(),
+                "token": self.token,
+            }
             tmp = path / f".{_SAVING_NAME}.{self.token}"
             tmp.write_text(json.dumps(record))
-            os.replace(tmp, path / _SAVING_NAME)   # readers see the whole record or none
+            os.replace(tmp, path / _SAVING_NAME)  # readers see the whole record or none
         except BaseException:
             self._undo()
             self._close()
@@ -112,7 +121,9 @@ class _Reservation:
             if self.settled.is_set():
                 return
             try:
-                if not self.superseded():   # else the name is someone else's now: nothing of this save is there
+                if (
+                    not self.superseded()
+                ):  # else the name is someone else's now: nothing of this save is there
                     marker = self.path / _SAVING_NAME
                     if _read_saving(marker).get("token") == self.token:
                         marker.unlink(missing_ok=True)
@@ -133,8 +144,13 @@ class _Reservation:
     def _undo(self) -> None:
         """After a failure: the path as it was before this save (another save's reservation aside)."""
         path = self.path
-        if self._created and path.is_dir() and not path.is_symlink() and not (path / _SAVING_NAME).exists() \
-                and not _committed_steps(path):
+        if (
+            self._created
+            and path.is_dir()
+            and not path.is_symlink()
+            and not (path / _SAVING_NAME).exists()
+            and not _committed_steps(path)
+        ):
             shutil.rmtree(path, ignore_errors=True)
         if self._link is not None and not os.path.lexists(path):
             os.symlink(self._link, path)
@@ -149,7 +165,7 @@ def _read_saving(marker: Path) -> dict[str, Any]:
     """The record of ``SAVING`` (``{}`` when absent; ``{"unreadable": True}`` when it is not a record)."""
     try:
         record = json.loads(marker.read_bytes()[:4096])
-    except (FileNotFoundError, NotADirectoryError):   # no record, or no directory to hold one
+    except (FileNotFoundError, NotADirectoryError):  # no record, or no directory to hold one
         return {}
     except (OSError, ValueError):
         return {"unreadable": True}
@@ -170,11 +186,13 @@ def _saver_alive(record: dict[str, Any]) -> bool:
     pid = record.get("pid")
     if record.get("host") != socket.gethostname() or not isinstance(pid, int) or isinstance(pid, bool):
         return True
-    if pid == os.getpid():   # this process: alive only if one of its reservations still holds the token
+    if pid == os.getpid():  # this process: alive only if one of its reservations still holds the token
         with _reservations_lock:
             return any(r.token == record.get("token") for rs in _reservations.values() for r in rs)
-    since = record.get("since_unix")   # a live process that started after the record is another with its pid
-    return procs.alive(pid, since if isinstance(since, (int, float)) and not isinstance(since, bool) else None)
+    since = record.get("since_unix")  # a live process that started after the record is another with its pid
+    return procs.alive(
+        pid, since if isinstance(since, (int, float)) and not isinstance(since, bool) else None
+    )
 
 
 def _renamed(e: OSError, root: Path, path: Path) -> OSError:
@@ -213,7 +231,7 @@ class _Settler:
         while (job := self._queue.get()) is not None:
             handle, res = job
             try:
-                err = handle._wait_quietly()   # the plugin's own wait: the user still hears of the failure
-            except BaseException as e:         # noqa: BLE001
+                err = handle._wait_quietly()  # the plugin's own wait: the user still hears of the failure
+            except BaseException as e:  # noqa: BLE001
                 err = e
             res.settle(err)

@@ -37,7 +37,8 @@ def _storable(value: Any, path: str, on_unsupported: str, dropped: list[str]) ->
                     raise RefusedStateError(
                         f"checkpoint dict at {path!r} has a key of type {type(k).__name__} ({k!r}); keys must be "
                         "str, int, float, bool or None. Pass on_unsupported='skip' to leave such entries out.",
-                        path=path)
+                        path=path,
+                    )
                 dropped.append(f"{path}/{k!r}")
                 continue
             sub = _storable(v, f"{path}/{k}", on_unsupported, dropped)
@@ -53,13 +54,15 @@ def _storable(value: Any, path: str, on_unsupported: str, dropped: list[str]) ->
         return tuple(items) if isinstance(value, tuple) else items
     if isinstance(value, os.PathLike):
         return os.fspath(value)
-    if type(value).__module__ == "numpy":     # arrays and numpy scalars: the engine stores them natively
+    if type(value).__module__ == "numpy":  # arrays and numpy scalars: the engine stores them natively
         return value
     if on_unsupported == "error":
         raise RefusedStateError(
             f"checkpoint value at {path!r} is a {type(value).__module__}.{type(value).__qualname__}, which cannot "
             "be stored without pickle. Store tensors or JSON-safe values there, or pass on_unsupported='skip' "
-            "to leave such values out of the checkpoint (they are then missing when it is loaded).", path=path)
+            "to leave such values out of the checkpoint (they are then missing when it is loaded).",
+            path=path,
+        )
     dropped.append(path)
     return _SKIP
 
@@ -85,8 +88,10 @@ def _map_location(value: Any, map_location: Any) -> Any:
         if callable(map_location):
             moved = map_location(value, str(value.device))
             return value if moved is None else moved
-        raise TypeError(f"map_location must be None, a str, a torch.device, a dict or a callable, "
-                        f"got {type(map_location).__name__}")
+        raise TypeError(
+            f"map_location must be None, a str, a torch.device, a dict or a callable, "
+            f"got {type(map_location).__name__}"
+        )
     if isinstance(value, dict):
         return {k: _map_location(v, map_location) for k, v in value.items()}
     if isinstance(value, list):

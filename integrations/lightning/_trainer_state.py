@@ -17,15 +17,19 @@ log = logging.getLogger(__name__)
 class _Part:
     """A Stateful view of one part of the trainer, with values made storable without pickle."""
 
-    def __init__(self, name: str, get: Callable[[], Any], put: Callable[[Any], None], on_unsupported: str) -> None:
+    def __init__(
+        self, name: str, get: Callable[[], Any], put: Callable[[Any], None], on_unsupported: str
+    ) -> None:
         self.name, self._get, self._put, self._on_unsupported = name, get, put, on_unsupported
 
     def state_dict(self) -> Any:
         dropped: list[str] = []
         sd = _storable(self._get(), self.name, self._on_unsupported, dropped)
         if dropped:
-            log.warning("CheckpointCallback left out values that need pickle (on_unsupported='skip'): %s",
-                        ", ".join(dropped))
+            log.warning(
+                "CheckpointCallback left out values that need pickle (on_unsupported='skip'): %s",
+                ", ".join(dropped),
+            )
         return {"v": None if sd is _SKIP else sd}
 
     def load_state_dict(self, sd: Any) -> None:
@@ -38,7 +42,8 @@ def _epoch_or_run_ends(trainer: Trainer) -> str | None:
     loop = trainer.fit_loop
     epoch_loop = loop.epoch_loop
     last = bool(epoch_loop.batch_progress.is_last_batch) or (
-        epoch_loop.batch_progress.current.ready >= trainer.num_training_batches)
+        epoch_loop.batch_progress.current.ready >= trainer.num_training_batches
+    )
     if not last:
         return None
     max_epochs = loop.max_epochs
@@ -53,8 +58,11 @@ def _callback_schedulers(trainer: Trainer) -> set[int]:
     has no such scheduler until SWA makes it again at an epoch's start, and loads it then)."""
     from lightning.pytorch.callbacks import StochasticWeightAveraging
 
-    return {id(cb._swa_scheduler) for cb in trainer.callbacks
-            if isinstance(cb, StochasticWeightAveraging) and getattr(cb, "_swa_scheduler", None) is not None}
+    return {
+        id(cb._swa_scheduler)
+        for cb in trainer.callbacks
+        if isinstance(cb, StochasticWeightAveraging) and getattr(cb, "_swa_scheduler", None) is not None
+    }
 
 
 def _averaged_models(trainer: Trainer) -> dict[str, Any]:
@@ -63,10 +71,13 @@ def _averaged_models(trainer: Trainer) -> dict[str, Any]:
     not call). Only present when there are some, so checkpoints without them restore as before."""
     try:
         from lightning.pytorch.callbacks import WeightAveraging
-    except ImportError:   # lightning < 2.6
+    except ImportError:  # lightning < 2.6
         return {}
-    models = {cb.state_key: cb._average_model for cb in trainer.callbacks
-              if isinstance(cb, WeightAveraging) and getattr(cb, "_average_model", None) is not None}
+    models = {
+        cb.state_key: cb._average_model
+        for cb in trainer.callbacks
+        if isinstance(cb, WeightAveraging) and getattr(cb, "_average_model", None) is not None
+    }
     return {"averaged_models": models} if models else {}
 
 

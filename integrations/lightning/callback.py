@@ -15,8 +15,14 @@ from lightning.pytorch.callbacks import Callback
 from ...api import Checkpointer
 from ...ranks import distributed_world
 from ...rng import RNGState
-from ._trainer_state import (_averaged_models, _callback_schedulers, _datamodule_state, _epoch_or_run_ends,
-                             _load_datamodule_state, _Part)
+from ._trainer_state import (
+    _averaged_models,
+    _callback_schedulers,
+    _datamodule_state,
+    _epoch_or_run_ends,
+    _load_datamodule_state,
+    _Part,
+)
 
 __all__ = ["CheckpointCallback"]
 
@@ -109,18 +115,28 @@ class CheckpointCallback(Callback):
             closes it at teardown (a later fit builds a new one).
     """
 
-    def __init__(self, checkpointer: Checkpointer | None = None, *, restore: bool = True,
-                 save_on_train_end: bool = True, **checkpointer_args: Any) -> None:
+    def __init__(
+        self,
+        checkpointer: Checkpointer | None = None,
+        *,
+        restore: bool = True,
+        save_on_train_end: bool = True,
+        **checkpointer_args: Any,
+    ) -> None:
         super().__init__()
         if checkpointer is not None and checkpointer_args:
-            raise TypeError("pass either checkpointer=... or Checkpointer arguments, not both (got checkpointer "
-                            f"and {sorted(checkpointer_args)})")
+            raise TypeError(
+                "pass either checkpointer=... or Checkpointer arguments, not both (got checkpointer "
+                f"and {sorted(checkpointer_args)})"
+            )
         if checkpointer is not None and not isinstance(checkpointer, Checkpointer):
             raise TypeError(f"checkpointer must be a ckpt.Checkpointer, got {type(checkpointer).__name__}")
         self._args = checkpointer_args
         self._owned = checkpointer is None
         # Built now so that bad arguments fail at construction, not in the middle of fit.
-        self._ck: Checkpointer | None = checkpointer if checkpointer is not None else Checkpointer(**checkpointer_args)
+        self._ck: Checkpointer | None = (
+            checkpointer if checkpointer is not None else Checkpointer(**checkpointer_args)
+        )
         self.restore = restore
         self.save_on_train_end = save_on_train_end
         self.restored_step: int | None = None
@@ -128,11 +144,13 @@ class CheckpointCallback(Callback):
         self._last_seen_step = -1
         self._last_saved_step = -1
         self._last_batch_stepped = False
-        self._listening = False   # this callback installed the Checkpointer's save-request handlers
-        self._hooked: tuple[LightningModule, bool, Any] | None = None   # the module whose batch-end hook is wrapped
+        self._listening = False  # this callback installed the Checkpointer's save-request handlers
+        self._hooked: tuple[LightningModule, bool, Any] | None = (
+            None  # the module whose batch-end hook is wrapped
+        )
         self._batch_ended = False
-        self._restored_lrs: list[list[Any]] | None = None   # the optimizers' learning rates as restored
-        self._epoch_start_owed = False   # restored at an epoch's end: the next epoch's start hooks are owed
+        self._restored_lrs: list[list[Any]] | None = None  # the optimizers' learning rates as restored
+        self._epoch_start_owed = False  # restored at an epoch's end: the next epoch's start hooks are owed
 
     @property
     def checkpointer(self) -> Checkpointer:
@@ -151,10 +169,12 @@ class CheckpointCallback(Callback):
         sub = f"rank-{torch.distributed.get_rank():05d}"
         local = args.get("local_dir", os.environ.get("CKPT_LOCAL_DIR"))
         if not isinstance(local, (str, os.PathLike)):
-            raise ValueError("CheckpointCallback on a multi-process strategy gives every rank its own "
-                             f"subdirectory of local_dir, which must then be a path (got {type(local).__name__})")
+            raise ValueError(
+                "CheckpointCallback on a multi-process strategy gives every rank its own "
+                f"subdirectory of local_dir, which must then be a path (got {type(local).__name__})"
+            )
         args["local_dir"] = os.path.join(local, sub)
-        return Checkpointer(**args)   # the url stays one for all ranks: the job tier, which can reshard
+        return Checkpointer(**args)  # the url stays one for all ranks: the job tier, which can reshard
 
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         # Multi-process strategies start the process group after this callback was built: make the
@@ -166,7 +186,8 @@ class CheckpointCallback(Callback):
                 "CheckpointCallback(checkpointer=...) on a multi-process strategy: that Checkpointer was made "
                 "before the process group, so its ranks would write alone (or over each other). Pass the "
                 "Checkpointer's arguments instead (CheckpointCallback(local_dir=..., ...)): the callback then "
-                "makes one per rank, in <local_dir>/rank-<r>, when the processes have started")
+                "makes one per rank, in <local_dir>/rank-<r>, when the processes have started"
+            )
         if self._ck is not None:
             self._ck.close()
         self._ck = self._build()
@@ -182,15 +203,25 @@ class CheckpointCallback(Callback):
         return {
             "module": pl_module,
             "optimizers": {str(i): o for i, o in enumerate(trainer.optimizers)},
-            "schedulers": {str(i): part(f"schedulers/{i}", c.scheduler)
-                           for i, c in enumerate(trainer.lr_scheduler_configs)
-                           if id(c.scheduler) not in _callback_schedulers(trainer)},
+            "schedulers": {
+                str(i): part(f"schedulers/{i}", c.scheduler)
+                for i, c in enumerate(trainer.lr_scheduler_configs)
+                if id(c.scheduler) not in _callback_schedulers(trainer)
+            },
             "fit_loop": part("fit_loop", trainer.fit_loop),
-            "callbacks": _Part("callbacks", lambda: self._callback_states(trainer),
-                               lambda sd: self._load_callback_states(trainer, sd), mode),
+            "callbacks": _Part(
+                "callbacks",
+                lambda: self._callback_states(trainer),
+                lambda sd: self._load_callback_states(trainer, sd),
+                mode,
+            ),
             "precision": part("precision", trainer.precision_plugin),
-            "datamodule": _Part("datamodule", lambda: _datamodule_state(trainer),
-                                lambda sd: _load_datamodule_state(trainer, sd), mode),
+            "datamodule": _Part(
+                "datamodule",
+                lambda: _datamodule_state(trainer),
+                lambda sd: _load_datamodule_state(trainer, sd),
+                mode,
+            ),
             "rng": _Part("rng", lambda: self._rng_state(trainer), self._defer_rng, mode),
             **_averaged_models(trainer),
         }
@@ -204,8 +235,11 @@ class CheckpointCallback(Callback):
             if key in live:
                 live[key].load_state_dict(sd)
             else:
-                log.warning("the checkpoint holds the state of callback %s, which this Trainer does not have; "
-                            "it is ignored", key)
+                log.warning(
+                    "the checkpoint holds the state of callback %s, which this Trainer does not have; "
+                    "it is ignored",
+                    key,
+                )
 
     @staticmethod
     def _rng_state(trainer: Trainer) -> dict[str, Any]:
@@ -231,7 +265,10 @@ class CheckpointCallback(Callback):
         if not self.restore:
             return
         if trainer.ckpt_path is not None:
-            log.info("CheckpointCallback: not restoring, since fit(ckpt_path=%s) restores the run", trainer.ckpt_path)
+            log.info(
+                "CheckpointCallback: not restoring, since fit(ckpt_path=%s) restores the run",
+                trainer.ckpt_path,
+            )
             return
         self._rng_to_load = None
         step = self.checkpointer.restore(self._state(trainer, pl_module))
@@ -251,8 +288,9 @@ class CheckpointCallback(Callback):
             self._load_rng()
         owed, self._epoch_start_owed = self._epoch_start_owed, False
         loop = trainer.fit_loop
-        more = ((loop.max_epochs is None or loop.max_epochs < 0 or trainer.current_epoch < loop.max_epochs)
-                and (trainer.max_steps < 0 or trainer.global_step < trainer.max_steps))
+        more = (
+            loop.max_epochs is None or loop.max_epochs < 0 or trainer.current_epoch < loop.max_epochs
+        ) and (trainer.max_steps < 0 or trainer.global_step < trainer.max_steps)
         if owed and more and (loop.restarted_mid_epoch or loop.restarted_on_epoch_end):
             # Restored from a checkpoint taken at an epoch's last batch: the uninterrupted run went on with the
             # next epoch's on_train_epoch_start, which Lightning (2.6) skips when it resumes from a batch-end
@@ -268,7 +306,9 @@ class CheckpointCallback(Callback):
             ck._listening.listen(preempt=False)
             self._listening = True
 
-    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_start(
+        self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int
+    ) -> None:
         if self._restored_lrs is None:
             return
         lrs, self._restored_lrs = self._restored_lrs, None
@@ -282,7 +322,7 @@ class CheckpointCallback(Callback):
 
     def _unlisten(self) -> None:
         if self._listening and self._ck is not None:
-            self._ck._listening.unlisten()   # before Lightning reinstalls the handlers it found
+            self._ck._listening.unlisten()  # before Lightning reinstalls the handlers it found
         self._listening = False
 
     def _load_rng(self) -> None:
@@ -306,8 +346,8 @@ class CheckpointCallback(Callback):
                 self._after_batch(trainer, pl_module)
             return out
 
-        on_train_batch_end._tierckpt_callback = self   # type: ignore[attr-defined]
-        pl_module.on_train_batch_end = on_train_batch_end   # type: ignore[method-assign]
+        on_train_batch_end._tierckpt_callback = self  # type: ignore[attr-defined]
+        pl_module.on_train_batch_end = on_train_batch_end  # type: ignore[method-assign]
         self._hooked = (pl_module, had, inner)
 
     def _unhook_batch_end(self) -> None:
@@ -317,12 +357,13 @@ class CheckpointCallback(Callback):
         self._hooked = None
         if getattr(vars(module).get("on_train_batch_end"), "_tierckpt_callback", None) is self:
             if had:
-                module.on_train_batch_end = inner   # type: ignore[method-assign]
+                module.on_train_batch_end = inner  # type: ignore[method-assign]
             else:
                 del module.on_train_batch_end
 
-    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any,
-                           batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         # The save itself runs once every batch-end hook has run (see _hook_batch_end).
         if self._hooked is not None and self._hooked[0] is pl_module:
             self._batch_ended = True
@@ -340,9 +381,12 @@ class CheckpointCallback(Callback):
                 ck.save(step, self._state(trainer, pl_module))
                 self._last_saved_step = step
             elif not stepped:
-                log.warning("SIGTERM in the middle of a gradient accumulation: the accumulated gradients are not "
-                            "saved; the newest checkpoint is step %d", self._last_saved_step)
-            ck.wait()      # durable before Lightning stops the run
+                log.warning(
+                    "SIGTERM in the middle of a gradient accumulation: the accumulated gradients are not "
+                    "saved; the newest checkpoint is step %d",
+                    self._last_saved_step,
+                )
+            ck.wait()  # durable before Lightning stops the run
             log.info("CheckpointCallback: SIGTERM received; step %d is durable", self._last_saved_step)
             return
         if not stepped or step == self._last_saved_step:
@@ -374,7 +418,11 @@ class CheckpointCallback(Callback):
 
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._unlisten()
-        if self.save_on_train_end and trainer.global_step != self._last_saved_step and trainer.global_step > 0:
+        if (
+            self.save_on_train_end
+            and trainer.global_step != self._last_saved_step
+            and trainer.global_step > 0
+        ):
             self.checkpointer.save(trainer.global_step, self._state(trainer, pl_module))
             self._last_saved_step = trainer.global_step
         self.checkpointer.wait()
@@ -388,8 +436,12 @@ class CheckpointCallback(Callback):
         # SIGTERMException; a signal that arrived after this callback's on_train_batch_end is seen here.
         # The loop state is then that of a completed batch, which Lightning resumes from as well.
         step = trainer.global_step
-        if (trainer.received_sigterm and self._last_batch_stepped and step == self._last_seen_step
-                and step != self._last_saved_step):
+        if (
+            trainer.received_sigterm
+            and self._last_batch_stepped
+            and step == self._last_seen_step
+            and step != self._last_saved_step
+        ):
             try:
                 self._ck.save(step, self._state(trainer, pl_module))
                 self._last_saved_step = step

@@ -22,8 +22,15 @@ from ...pipeline import SaveHandle
 from ...policy import Retention
 from ...tiers import LocalTier
 from ._path_tier import _PathTier
-from ._reservation import (_SAVING_NAME, _committed_steps, _pending_here, _read_saving, _Reservation, _saver_alive,
-                           _Settler)
+from ._reservation import (
+    _SAVING_NAME,
+    _committed_steps,
+    _pending_here,
+    _read_saving,
+    _Reservation,
+    _saver_alive,
+    _Settler,
+)
 from ._storable import _map_location, _storable
 
 __all__ = ["TieredCheckpointIO"]
@@ -105,15 +112,26 @@ class TieredCheckpointIO(CheckpointIO):
     none of the saves: those in flight stay with the original.
     """
 
-    def __init__(self, *, max_in_flight: int = 1, host_memory_limit: int | None = None,
-                 on_unsupported: str = "error", pending_save_timeout: float = 600.0) -> None:
+    def __init__(
+        self,
+        *,
+        max_in_flight: int = 1,
+        host_memory_limit: int | None = None,
+        on_unsupported: str = "error",
+        pending_save_timeout: float = 600.0,
+    ) -> None:
         if on_unsupported not in ("error", "skip"):
             raise ValueError(f"on_unsupported must be 'error' or 'skip', got {on_unsupported!r}")
         if not isinstance(max_in_flight, int) or max_in_flight < 1:
             raise ValueError(f"max_in_flight must be a positive int, got {max_in_flight!r}")
-        if isinstance(pending_save_timeout, bool) or not isinstance(pending_save_timeout, (int, float)) \
-                or not pending_save_timeout >= 0:
-            raise ValueError(f"pending_save_timeout must be a number of seconds >= 0, got {pending_save_timeout!r}")
+        if (
+            isinstance(pending_save_timeout, bool)
+            or not isinstance(pending_save_timeout, (int, float))
+            or not pending_save_timeout >= 0
+        ):
+            raise ValueError(
+                f"pending_save_timeout must be a number of seconds >= 0, got {pending_save_timeout!r}"
+            )
         self.max_in_flight = max_in_flight
         self.host_memory_limit = host_memory_limit
         self.on_unsupported = on_unsupported
@@ -124,8 +142,10 @@ class TieredCheckpointIO(CheckpointIO):
         # saves not yet known to be finished: (real path, handle)
         self._in_flight: list[tuple[str, SaveHandle]] = []
         self._seq = 0
-        self._lock = threading.Lock()        # the fields above
-        self._save_lock = threading.Lock()   # one save_checkpoint at a time (AsyncCheckpointIO may call from a thread)
+        self._lock = threading.Lock()  # the fields above
+        self._save_lock = (
+            threading.Lock()
+        )  # one save_checkpoint at a time (AsyncCheckpointIO may call from a thread)
 
     # Copies (copy.deepcopy of a Trainer, a callback holding one) and the process a launcher starts
     # (strategy="ddp_spawn" sends the Trainer to each worker) get the settings, never the engine: its buffers,
@@ -147,19 +167,25 @@ class TieredCheckpointIO(CheckpointIO):
         return self._ck
 
     # -- CheckpointIO ------------------------------------------------------------------------------
-    def save_checkpoint(self, checkpoint: dict[str, Any], path: str | os.PathLike,
-                        storage_options: Any | None = None) -> None:
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], path: str | os.PathLike, storage_options: Any | None = None
+    ) -> None:
         """Snapshot ``checkpoint`` and write it to the directory ``path`` in the background."""
         if storage_options is not None:
-            raise TypeError("TieredCheckpointIO.save_checkpoint does not take storage_options; pass "
-                            f"storage_options=None (got {storage_options!r})")
+            raise TypeError(
+                "TieredCheckpointIO.save_checkpoint does not take storage_options; pass "
+                f"storage_options=None (got {storage_options!r})"
+            )
         target = self._local_path(path)
         dropped: list[str] = []
         state = _storable(dict(checkpoint), "checkpoint", self.on_unsupported, dropped)
         if dropped:
             state[_DROPPED_KEY] = dropped
-            log.warning("TieredCheckpointIO left out of %s values that need pickle (on_unsupported='skip'): %s",
-                        target, ", ".join(dropped))
+            log.warning(
+                "TieredCheckpointIO left out of %s values that need pickle (on_unsupported='skip'): %s",
+                target,
+                ", ".join(dropped),
+            )
         with self._save_lock:
             ck, tier, settler = self._checkpointer(target)
             step = self._engine_step(checkpoint)
@@ -175,7 +201,7 @@ class TieredCheckpointIO(CheckpointIO):
             tier.target(step, res)
             try:
                 handle = ck.save(step, state)
-                if handle.status == "skipped":   # not with if_busy="wait"; kept as a guard against silent loss
+                if handle.status == "skipped":  # not with if_busy="wait"; kept as a guard against silent loss
                     raise RuntimeError(f"the save of {target} was skipped")
             except BaseException as e:
                 tier.forget(step)
@@ -185,8 +211,9 @@ class TieredCheckpointIO(CheckpointIO):
                 self._in_flight.append((res.key, handle))
             settler.watch(handle, res)
 
-    def load_checkpoint(self, path: str | os.PathLike, map_location: Any | None = None,
-                        weights_only: bool | None = None) -> dict[str, Any]:
+    def load_checkpoint(
+        self, path: str | os.PathLike, map_location: Any | None = None, weights_only: bool | None = None
+    ) -> dict[str, Any]:
         """Load the checkpoint directory ``path`` (``weights_only`` is moot: nothing is unpickled)."""
         target = self._local_path(path)
         deadline = time.monotonic() + self.pending_save_timeout
@@ -195,12 +222,16 @@ class TieredCheckpointIO(CheckpointIO):
         failed = next((r.error for r in waited if r.error is not None), None)
         if not target.exists():
             if failed is not None:
-                raise FileNotFoundError(f"checkpoint {str(path)!r} not found: its save failed ({failed})") from failed
+                raise FileNotFoundError(
+                    f"checkpoint {str(path)!r} not found: its save failed ({failed})"
+                ) from failed
             raise FileNotFoundError(f"checkpoint {str(path)!r} not found")
         if not target.is_dir():
-            raise ValueError(f"{str(path)!r} is a file, not a checkpoint directory written by TieredCheckpointIO "
-                             "(files written by torch.save need pickle, which this plugin never uses); pass the "
-                             "path of a checkpoint saved through TieredCheckpointIO")
+            raise ValueError(
+                f"{str(path)!r} is a file, not a checkpoint directory written by TieredCheckpointIO "
+                "(files written by torch.save need pickle, which this plugin never uses); pass the "
+                "path of a checkpoint saved through TieredCheckpointIO"
+            )
         # the checkpoint's own keys: restore(strict=False) loads only keys the state already has
         state: dict[str, Any] = dict.fromkeys(_saved_keys(target))
         # Lightning decides which ranks save and load which paths: no agreement between ranks here
@@ -208,11 +239,16 @@ class TieredCheckpointIO(CheckpointIO):
             step = reader.restore(state, strict=False)
         if step is None:
             why = f"its save failed ({failed})" if failed is not None else "the save did not finish"
-            raise FileNotFoundError(f"{str(path)!r} holds no committed checkpoint (no {COMMIT_NAME} file: {why})")
+            raise FileNotFoundError(
+                f"{str(path)!r} holds no committed checkpoint (no {COMMIT_NAME} file: {why})"
+            )
         dropped = state.pop(_DROPPED_KEY, None)
         if dropped:
-            log.info("checkpoint %s was saved without these values (on_unsupported='skip'): %s",
-                     target, ", ".join(map(str, dropped)))
+            log.info(
+                "checkpoint %s was saved without these values (on_unsupported='skip'): %s",
+                target,
+                ", ".join(map(str, dropped)),
+            )
         return _map_location(state, map_location)
 
     def remove_checkpoint(self, path: str | os.PathLike) -> None:
@@ -240,7 +276,7 @@ class TieredCheckpointIO(CheckpointIO):
         try:
             ck.close()
         finally:
-            settler.stop()   # every save has ended: their reservations are settled once it returns
+            settler.stop()  # every save has ended: their reservations are settled once it returns
 
     def _wait_copied(self) -> None:
         """Block until the tensors of the saves made so far are copied into host memory (the writes go on):
@@ -274,7 +310,9 @@ class TieredCheckpointIO(CheckpointIO):
         failed = next((r.error for r in waited if r.error is not None), None)
         if not _committed_steps(target):
             why = f": its save failed ({failed})" if failed is not None else ""
-            raise FileNotFoundError(errno.ENOENT, f"no committed checkpoint to copy to {link}{why}", str(target))
+            raise FileNotFoundError(
+                errno.ENOENT, f"no committed checkpoint to copy to {link}{why}", str(target)
+            )
         _copy_checkpoint(target, link)
 
     # -- helpers -------------------------------------------------------------------------------------
@@ -284,9 +322,15 @@ class TieredCheckpointIO(CheckpointIO):
                 # The tier's own root is never written (each save goes to its path); the checkpoint's parent is
                 # a directory Lightning creates anyway.
                 self._tier = _PathTier(target.parent, self._local_tier)
-                self._ck = Checkpointer(local_dir=self._tier, keep=_keep_all(), max_in_flight=self.max_in_flight,
-                                        if_busy="wait", host_memory_limit=self.host_memory_limit,
-                                        on_unsupported=self.on_unsupported, collective=False)
+                self._ck = Checkpointer(
+                    local_dir=self._tier,
+                    keep=_keep_all(),
+                    max_in_flight=self.max_in_flight,
+                    if_busy="wait",
+                    host_memory_limit=self.host_memory_limit,
+                    on_unsupported=self.on_unsupported,
+                    collective=False,
+                )
                 self._settler = _Settler()
             assert self._tier is not None and self._settler is not None
             return self._ck, self._tier, self._settler
@@ -317,8 +361,11 @@ class TieredCheckpointIO(CheckpointIO):
         pending = _pending_here(key)
         for r in pending:
             if not r.settled.wait(max(0.0, deadline - time.monotonic())):
-                raise self._still_saving(shown, target, f"another TieredCheckpointIO of this process (pid "
-                                         f"{os.getpid()}, step {r.step})")
+                raise self._still_saving(
+                    shown,
+                    target,
+                    f"another TieredCheckpointIO of this process (pid {os.getpid()}, step {r.step})",
+                )
         return pending
 
     def _wait_for_other_process(self, target: Path, shown: str, deadline: float) -> None:
@@ -330,37 +377,49 @@ class TieredCheckpointIO(CheckpointIO):
             if not record:
                 return
             if not _saver_alive(record):
-                log.warning("%s was left by a save that can no longer finish (pid %s on this host is gone); loading "
-                            "what is committed there", marker, record.get("pid"))
+                log.warning(
+                    "%s was left by a save that can no longer finish (pid %s on this host is gone); loading "
+                    "what is committed there",
+                    marker,
+                    record.get("pid"),
+                )
                 return
             left = deadline - time.monotonic()
             if left <= 0:
-                who = (f"pid {record.get('pid')} on host {record.get('host')!r} (step {record.get('step')})"
-                       if "unreadable" not in record else "a process its unreadable record does not name")
+                who = (
+                    f"pid {record.get('pid')} on host {record.get('host')!r} (step {record.get('step')})"
+                    if "unreadable" not in record
+                    else "a process its unreadable record does not name"
+                )
                 raise self._still_saving(shown, target, who)
             time.sleep(min(pause, left))
             pause = min(2 * pause, 0.5)
 
     def _still_saving(self, shown: str, target: Path, who: str) -> TimeoutError:
-        return TimeoutError(errno.ETIMEDOUT,
-                            f"checkpoint {shown!r} is still being saved by {who}: waited {self.pending_save_timeout:g} "
-                            "s for it to commit. Pass TieredCheckpointIO(pending_save_timeout=...) to wait longer, or "
-                            f"delete {target / _SAVING_NAME} if that save is known to be dead", str(target))
+        return TimeoutError(
+            errno.ETIMEDOUT,
+            f"checkpoint {shown!r} is still being saved by {who}: waited {self.pending_save_timeout:g} "
+            "s for it to commit. Pass TieredCheckpointIO(pending_save_timeout=...) to wait longer, or "
+            f"delete {target / _SAVING_NAME} if that save is known to be dead",
+            str(target),
+        )
 
     @staticmethod
     def _local_path(path: str | os.PathLike) -> Path:
         s = os.fspath(path)
         if "://" in s and not s.startswith("file://"):
-            raise ValueError(f"TieredCheckpointIO writes local paths only; got {s!r}: point ModelCheckpoint's "
-                             "dirpath (or Trainer(default_root_dir=...)) at a local directory")
+            raise ValueError(
+                f"TieredCheckpointIO writes local paths only; got {s!r}: point ModelCheckpoint's "
+                "dirpath (or Trainer(default_root_dir=...)) at a local directory"
+            )
         return Path(s.removeprefix("file://")).expanduser().absolute()
 
 
 def _wait_quietly(handle: SaveHandle) -> None:
     try:
-        handle._wait_quietly()   # not counted as raised: the Checkpointer raises it at close (teardown)
+        handle._wait_quietly()  # not counted as raised: the Checkpointer raises it at close (teardown)
     except Exception:
-        pass    # logged when it happened
+        pass  # logged when it happened
 
 
 def _keep_all() -> Retention:
@@ -378,8 +437,9 @@ def _copy_checkpoint(src: Path, dst: Path) -> None:
         fsync_file(b)
 
     try:
-        shutil.copytree(src, tmp, copy_function=copy,
-                        ignore=shutil.ignore_patterns(_SAVING_NAME, f".{_SAVING_NAME}.*"))
+        shutil.copytree(
+            src, tmp, copy_function=copy, ignore=shutil.ignore_patterns(_SAVING_NAME, f".{_SAVING_NAME}.*")
+        )
         for d, _, _ in os.walk(tmp, topdown=False):
             fsync_dir(d)
         os.rename(tmp, dst)

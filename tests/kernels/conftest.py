@@ -14,7 +14,9 @@ import torch
 
 if not torch.cuda.is_available():
     if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
-        raise RuntimeError("triton was imported before tests/kernels/conftest.py could set TRITON_INTERPRET=1")
+        raise RuntimeError(
+            "triton was imported before tests/kernels/conftest.py could set TRITON_INTERPRET=1"
+        )
     os.environ["TRITON_INTERPRET"] = "1"
 
 import pytest  # noqa: E402

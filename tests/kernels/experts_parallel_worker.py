@@ -41,9 +41,11 @@ kpatch = sys.modules["ckpt.kernels.patch"]
 
 #: LAYOUT -> DistributedConfig arguments, over two ranks
 LAYOUTS = {
-    "ep+tp": dict(tp_size=2, ep_size=2),      # the ranks share a batch: all-to-all in training, all-reduce at eval
+    "ep+tp": dict(
+        tp_size=2, ep_size=2
+    ),  # the ranks share a batch: all-to-all in training, all-reduce at eval
     "ep+fsdp": dict(fsdp_size=2, ep_size=2),  # a batch per rank: all-to-all
-    "tp": dict(tp_size=2),                    # every expert split over both ranks (moe_tp_experts)
+    "tp": dict(tp_size=2),  # every expert split over both ranks (moe_tp_experts)
 }
 
 
@@ -53,7 +55,13 @@ def local(t: torch.Tensor | None) -> torch.Tensor | None:
 
 
 def main() -> None:
-    model_dir, rank, world, layout, out_dir = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5]
+    model_dir, rank, world, layout, out_dir = (
+        sys.argv[1],
+        int(sys.argv[2]),
+        int(sys.argv[3]),
+        sys.argv[4],
+        sys.argv[5],
+    )
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world))
     if NCCL:
         torch.cuda.set_device(rank)
@@ -64,13 +72,14 @@ def main() -> None:
 
     def load():
         return transformers.AutoModelForCausalLM.from_pretrained(
-            model_dir, distributed_config=DistributedConfig(**LAYOUTS[layout]), dtype=torch.float32).train()
+            model_dir, distributed_config=DistributedConfig(**LAYOUTS[layout]), dtype=torch.float32
+        ).train()
 
     ref, ours = load(), load()
     calls = []
     real = kpatch.fused_experts
 
-    def counting(*args, **kwargs):   # the real kernels, counted
+    def counting(*args, **kwargs):  # the real kernels, counted
         calls.append(bool(kwargs.get("expert_parallel")))
         return real(*args, **kwargs)
 
@@ -79,12 +88,14 @@ def main() -> None:
     norm_calls = []
     real_norm = norm_kernel._forward
 
-    def counting_norm(*args, **kwargs):   # the fused RMSNorm's forward pass, counted
+    def counting_norm(*args, **kwargs):  # the fused RMSNorm's forward pass, counted
         norm_calls.append(1)
         return real_norm(*args, **kwargs)
 
     norm_kernel._forward = counting_norm
-    wrapped = [name for name, m in ours.named_modules() if name.endswith("mlp.experts") and "forward" in vars(m)]
+    wrapped = [
+        name for name, m in ours.named_modules() if name.endswith("mlp.experts") and "forward" in vars(m)
+    ]
     changed = ckpt.kernels.patch(ours)
 
     # the ranks of a tensor-parallel group hold one batch; FSDP ranks each their own
@@ -98,14 +109,26 @@ def main() -> None:
     train_calls, train_norm_calls = list(calls), len(norm_calls)
     with torch.no_grad():
         logits = [local(model.eval()(input_ids=ids).logits) for model in (ref, ours)]
-    grads = {name: (local(p.grad), local(q.grad))
-             for (name, p), (_, q) in zip(ref.named_parameters(), ours.named_parameters())}
-    torch.save(dict(losses=losses, logits=logits, grads=grads, train_calls=train_calls,
-                    eval_calls=calls[len(train_calls):], wrapped=wrapped, experts=changed["experts"], changed=changed,
-                    train_norm_calls=train_norm_calls,
-                    implementation=ours.config._experts_implementation,
-                    forwards_kept=all("forward" in vars(ours.get_submodule(n)) for n in wrapped)),
-               os.path.join(out_dir, f"rank-{rank}.pt"))
+    grads = {
+        name: (local(p.grad), local(q.grad))
+        for (name, p), (_, q) in zip(ref.named_parameters(), ours.named_parameters())
+    }
+    torch.save(
+        dict(
+            losses=losses,
+            logits=logits,
+            grads=grads,
+            train_calls=train_calls,
+            eval_calls=calls[len(train_calls) :],
+            wrapped=wrapped,
+            experts=changed["experts"],
+            changed=changed,
+            train_norm_calls=train_norm_calls,
+            implementation=ours.config._experts_implementation,
+            forwards_kept=all("forward" in vars(ours.get_submodule(n)) for n in wrapped),
+        ),
+        os.path.join(out_dir, f"rank-{rank}.pt"),
+    )
     dist.barrier()
     dist.destroy_process_group()
 

@@ -21,8 +21,9 @@ def gpu_param(*values, id: str):
     return pytest.param(*values, id=id, marks=pytest.mark.gpu)
 
 
-def assert_close(name: str, actual: torch.Tensor | None, expected: torch.Tensor | None,
-                 atol: float, rtol: float) -> None:
+def assert_close(
+    name: str, actual: torch.Tensor | None, expected: torch.Tensor | None, atol: float, rtol: float
+) -> None:
     """Compare ``actual`` with ``expected`` (fp32); on failure say where the largest difference is.
 
     Passes where ``|a - e| <= atol * max|e| + rtol * |e|`` elementwise, and never on NaN.
@@ -81,8 +82,10 @@ def run_and_compare(fn, ref, inputs, names, dtype, atol, rtol, device=DEVICE, gr
     if grad_outputs is None:
         grad_outputs = [torch.randn_like(e) for e in exp]
     else:
-        grad_outputs = [torch.full_like(e, g) if not isinstance(g, torch.Tensor) else g.to(e) for g, e in
-                        zip(grad_outputs, exp)]
+        grad_outputs = [
+            torch.full_like(e, g) if not isinstance(g, torch.Tensor) else g.to(e)
+            for g, e in zip(grad_outputs, exp)
+        ]
     for i, (o, e) in enumerate(zip(out, exp)):
         assert o.dtype in (dtype, torch.float32), f"output {i} has dtype {o.dtype}"
         assert_close(f"output[{i}]", o, e, atol, rtol)

@@ -31,14 +31,28 @@ BAD_CALLS = [
     ("b", lambda: K.swiglu(_f(3, 4), _f(3, 5))),
     ("target", lambda: K.cross_entropy(_f(3, 4), _f(3))),
     ("target", lambda: K.cross_entropy(_f(3, 4), torch.zeros(4, dtype=torch.long, device=DEVICE))),
-    ("reduction", lambda: K.cross_entropy(_f(3, 4), torch.zeros(3, dtype=torch.long, device=DEVICE),
-                                          reduction="avg")),
-    ("label_smoothing", lambda: K.cross_entropy(_f(3, 4), torch.zeros(3, dtype=torch.long, device=DEVICE),
-                                                label_smoothing=2.0)),
-    ("weight", lambda: K.fused_linear_cross_entropy(_f(3, 4), _f(7, 5), torch.zeros(3, dtype=torch.long,
-                                                                                     device=DEVICE))),
-    ("bias", lambda: K.fused_linear_cross_entropy(_f(3, 4), _f(7, 4), torch.zeros(3, dtype=torch.long,
-                                                                                   device=DEVICE), _f(6))),
+    (
+        "reduction",
+        lambda: K.cross_entropy(_f(3, 4), torch.zeros(3, dtype=torch.long, device=DEVICE), reduction="avg"),
+    ),
+    (
+        "label_smoothing",
+        lambda: K.cross_entropy(
+            _f(3, 4), torch.zeros(3, dtype=torch.long, device=DEVICE), label_smoothing=2.0
+        ),
+    ),
+    (
+        "weight",
+        lambda: K.fused_linear_cross_entropy(
+            _f(3, 4), _f(7, 5), torch.zeros(3, dtype=torch.long, device=DEVICE)
+        ),
+    ),
+    (
+        "bias",
+        lambda: K.fused_linear_cross_entropy(
+            _f(3, 4), _f(7, 4), torch.zeros(3, dtype=torch.long, device=DEVICE), _f(6)
+        ),
+    ),
     ("hidden", lambda: K.fused_linear_cross_entropy([1.0], _f(7, 4), torch.zeros(3, dtype=torch.long))),
 ]
 

@@ -37,17 +37,26 @@ def every_kernel(x, w, b, q, k, cos, sin, head, target):
     qo, ko = K.rope(q, k, cos, sin)
     loss = K.cross_entropy(m @ head.t(), target) + K.fused_linear_cross_entropy(m * 2.0, head, target)
     loss = loss + K.cross_entropy(m @ head.t(), target, softcap=2.0, label_smoothing=0.1, reduction="sum")
-    loss = loss + K.fused_linear_cross_entropy(m, head, target, reduction="none", softcap=3.0, z_loss=1e-3).mean()
+    loss = (
+        loss
+        + K.fused_linear_cross_entropy(m, head, target, reduction="none", softcap=3.0, z_loss=1e-3).mean()
+    )
     return loss + qo.square().mean() + ko.square().mean()
 
 
 def inputs(device):
     g = torch.Generator(device=device).manual_seed(0)
     rnd = lambda *s: torch.randn(*s, device=device, generator=g)  # noqa: E731
-    pos = torch.arange(6, device=device, dtype=torch.float32)[:, None] * torch.rand(1, 4, device=device, generator=g)
+    pos = torch.arange(6, device=device, dtype=torch.float32)[:, None] * torch.rand(
+        1, 4, device=device, generator=g
+    )
     emb = torch.cat([pos, pos], -1)[None]
     leaves = [rnd(6, 32), rnd(32) + 1.0, rnd(32), rnd(1, 4, 6, 8), rnd(1, 2, 6, 8), rnd(40, 32) * 0.2]
-    return [t.requires_grad_() for t in leaves], (emb.cos(), emb.sin(), torch.randint(0, 40, (6,), device=device, generator=g))
+    return [t.requires_grad_() for t in leaves], (
+        emb.cos(),
+        emb.sin(),
+        torch.randint(0, 40, (6,), device=device, generator=g),
+    )
 
 
 def run(fn, device):
@@ -73,7 +82,15 @@ def test_every_kernel_and_loss_traces_into_one_graph():
     assert explained.graph_break_count == 0, explained.break_reasons
     assert explained.graph_count == 1
     code = explained.graphs[0].code
-    for op in ("rms_norm", "layer_norm", "glu", "glu_packed", "rope", "cross_entropy", "fused_linear_cross_entropy"):
+    for op in (
+        "rms_norm",
+        "layer_norm",
+        "glu",
+        "glu_packed",
+        "rope",
+        "cross_entropy",
+        "fused_linear_cross_entropy",
+    ):
         assert f"torch.ops.ckpt.{op}" in code, code
 
 
@@ -160,7 +177,9 @@ def test_fused_add_rms_norm_fullgraph_matches_eager(dynamic):
     assert "torch.ops.ckpt.fused_add_rms_norm" in explained.graphs[0].code
     torch._dynamo.reset()
     expected = run_add_norm(add_norm_layers, DEVICE)
-    got = run_add_norm(torch.compile(add_norm_layers, backend="aot_eager", fullgraph=True, dynamic=dynamic), DEVICE)
+    got = run_add_norm(
+        torch.compile(add_norm_layers, backend="aot_eager", fullgraph=True, dynamic=dynamic), DEVICE
+    )
     for name, a, e in zip(["loss", "x", "residual", "w"], got, expected):
         assert_close(name, a, e, 1e-5, 1e-5)
 
@@ -175,6 +194,7 @@ def mixed_inputs(device):
 @pytest.mark.parametrize("enabled", [False, True], ids=["mixed", "mixed-autocast"])
 def test_mixed_dtypes_compiled_match_eager(enabled):
     """The operators' output dtypes (fake implementations) agree with eager, also under autocast."""
+
     def run_mixed(fn):
         args = mixed_inputs(DEVICE)
         with torch.autocast(device_type=DEVICE, dtype=torch.bfloat16, enabled=enabled):
@@ -197,7 +217,7 @@ def _op_cases(device):
     target[1] = -100
     logits = (torch.randn(x.shape[0], head.shape[0], device=device) * 3).requires_grad_()
     vbias = torch.randn(head.shape[0], device=device, requires_grad=True)
-    cw = torch.rand(head.shape[0], device=device)   # per-class loss weights
+    cw = torch.rand(head.shape[0], device=device)  # per-class loss weights
     rows = x.shape[0]
     stats = torch.rand(2, rows, device=device)
     a, c = torch.randn(5, 33, device=device), torch.randn(5, 33, device=device)
@@ -210,10 +230,24 @@ def _op_cases(device):
         "fused_add_rms_norm": (x, x.detach().flip(0).requires_grad_(), w, 1e-6, 0.0),
         "fused_add_rms_norm gemma": (x, x.detach().flip(0).requires_grad_(), w, 1e-6, 1.0),
         "fused_add_rms_norm mixed": (x16, x16.detach().flip(0).requires_grad_(), w, 1e-6, 0.0),
-        "fused_add_rms_norm_backward": (x.detach(), x.detach().flip(0), x.detach(), w.detach(),
-                                        torch.rand(rows, device=device), 0.0, True),
-        "fused_add_rms_norm_backward no-dh": (x.detach(), None, x16.detach(), w.detach(),
-                                              torch.rand(rows, device=device), 1.0, False),
+        "fused_add_rms_norm_backward": (
+            x.detach(),
+            x.detach().flip(0),
+            x.detach(),
+            w.detach(),
+            torch.rand(rows, device=device),
+            0.0,
+            True,
+        ),
+        "fused_add_rms_norm_backward no-dh": (
+            x.detach(),
+            None,
+            x16.detach(),
+            w.detach(),
+            torch.rand(rows, device=device),
+            1.0,
+            False,
+        ),
         "layer_norm": (x, w, b, 1e-5),
         "layer_norm no bias": (x, w, None, 1e-5),
         "layer_norm_backward": (x.detach(), x.detach(), w.detach(), stats, True, b.detach(), True),
@@ -223,13 +257,34 @@ def _op_cases(device):
         "glu_backward": (torch.randn(5, 33, device=device), a.detach(), c.detach(), 0),
         # mixed dtypes: each output's dtype comes from the inputs or an explicit argument
         "rms_norm mixed": (x16, w, 1e-6, 0.0),
-        "rms_norm_backward mixed": (x.detach(), x16.detach(), w.detach(), torch.rand(rows, device=device), 0.0, True),
+        "rms_norm_backward mixed": (
+            x.detach(),
+            x16.detach(),
+            w.detach(),
+            torch.rand(rows, device=device),
+            0.0,
+            True,
+        ),
         "layer_norm fp32-out": (x16, w, b, 1e-5, torch.float32),
         "layer_norm_backward mixed": (x.detach(), x16.detach(), w.detach(), stats, True, b.detach(), True),
-        "rope mixed": (q.detach().bfloat16().requires_grad_(), k, cos.expand(q.shape[0], -1, -1),
-                       sin.expand(q.shape[0], -1, -1), False, torch.float32, torch.float32),
-        "rope backward-dtypes": (q.detach(), k.detach(), cos.expand(q.shape[0], -1, -1),
-                                 sin.expand(q.shape[0], -1, -1), True, torch.bfloat16, torch.float32),
+        "rope mixed": (
+            q.detach().bfloat16().requires_grad_(),
+            k,
+            cos.expand(q.shape[0], -1, -1),
+            sin.expand(q.shape[0], -1, -1),
+            False,
+            torch.float32,
+            torch.float32,
+        ),
+        "rope backward-dtypes": (
+            q.detach(),
+            k.detach(),
+            cos.expand(q.shape[0], -1, -1),
+            sin.expand(q.shape[0], -1, -1),
+            True,
+            torch.bfloat16,
+            torch.float32,
+        ),
         "glu mixed": (a16, c, 0),
         "glu_backward mixed": (torch.randn(5, 33, device=device), a16.detach(), c.detach(), 1),
         "glu_packed silu": (torch.randn(5, 3, 66, device=device, requires_grad=True), 0),
@@ -239,24 +294,111 @@ def _op_cases(device):
         #  class_weight)
         "cross_entropy mean": (logits, target, -100, 0.0, "mean", 0.0, 0.0, True, None),
         "cross_entropy softcap none": (logits, target, -100, 0.1, "none", 1e-3, 2.0, True, None),
-        "cross_entropy bf16 sum": (logits.detach().bfloat16().requires_grad_(), target.clamp(min=0), 3, 0.0, "sum", 0.0, 5.0, True, None),
+        "cross_entropy bf16 sum": (
+            logits.detach().bfloat16().requires_grad_(),
+            target.clamp(min=0),
+            3,
+            0.0,
+            "sum",
+            0.0,
+            5.0,
+            True,
+            None,
+        ),
         "cross_entropy no-grad": (logits.detach(), target, -100, 0.0, "mean", 0.0, 0.0, False, None),
         "cross_entropy class-weight mean": (logits, target, -100, 0.1, "mean", 1e-3, 0.0, True, cw),
         # (hidden, weight, target, bias, ignore_index, label_smoothing, z_loss, softcap, chunk_size, dtype,
         #  ce_weight, reduction, need)
-        "fused_linear_cross_entropy mean": (x, head, target, None, -100, 0.0, 0.0, 0.0, 0, torch.float32, None, "mean",
-                                            [True, True, False]),
-        "fused_linear_cross_entropy bias softcap sum": (x, head, target, vbias, -100, 0.1, 1e-3, 3.0, 4, torch.float32,
-                                                        None, "sum", [True, True, True]),
-        "fused_linear_cross_entropy none": (x, head, target, vbias, -100, 0.0, 0.0, 2.0, 5, torch.float32, None,
-                                            "none", [True, True, True]),
-        "fused_linear_cross_entropy frozen-head": (x, head.detach(), target, None, -100, 0.0, 0.0, 0.0, 0,
-                                                   torch.float32, None, "mean", [True, False, False]),
-        "fused_linear_cross_entropy class-weight mean": (x, head, target, None, -100, 0.1, 1e-3, 0.0, 4,
-                                                         torch.float32, cw, "mean", [True, True, False]),
-        "fused_linear_cross_entropy_backward": (torch.rand(rows, device=device), x.detach(), head.detach(), target,
-                                                vbias.detach(), -100, 0.0, 0.0, 2.0, 4, torch.float32, cw,
-                                                [True, True, True]),
+        "fused_linear_cross_entropy mean": (
+            x,
+            head,
+            target,
+            None,
+            -100,
+            0.0,
+            0.0,
+            0.0,
+            0,
+            torch.float32,
+            None,
+            "mean",
+            [True, True, False],
+        ),
+        "fused_linear_cross_entropy bias softcap sum": (
+            x,
+            head,
+            target,
+            vbias,
+            -100,
+            0.1,
+            1e-3,
+            3.0,
+            4,
+            torch.float32,
+            None,
+            "sum",
+            [True, True, True],
+        ),
+        "fused_linear_cross_entropy none": (
+            x,
+            head,
+            target,
+            vbias,
+            -100,
+            0.0,
+            0.0,
+            2.0,
+            5,
+            torch.float32,
+            None,
+            "none",
+            [True, True, True],
+        ),
+        "fused_linear_cross_entropy frozen-head": (
+            x,
+            head.detach(),
+            target,
+            None,
+            -100,
+            0.0,
+            0.0,
+            0.0,
+            0,
+            torch.float32,
+            None,
+            "mean",
+            [True, False, False],
+        ),
+        "fused_linear_cross_entropy class-weight mean": (
+            x,
+            head,
+            target,
+            None,
+            -100,
+            0.1,
+            1e-3,
+            0.0,
+            4,
+            torch.float32,
+            cw,
+            "mean",
+            [True, True, False],
+        ),
+        "fused_linear_cross_entropy_backward": (
+            torch.rand(rows, device=device),
+            x.detach(),
+            head.detach(),
+            target,
+            vbias.detach(),
+            -100,
+            0.0,
+            0.0,
+            2.0,
+            4,
+            torch.float32,
+            cw,
+            [True, True, True],
+        ),
         # (x, top_k_index, top_k_weights, gate_up, down, store_h, expert_parallel); built when used
         "fused_experts": lambda: (*_experts_inputs(device, 0.0), True, False),
         "fused_experts expert-parallel recompute": lambda: (*_experts_inputs(device, 0.4), False, True),
@@ -296,15 +438,22 @@ def test_custom_operators_pass_opcheck(case):
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU (run on the device machine)")
 def test_patched_llama_under_inductor_matches_eager():
     transformers = pytest.importorskip("transformers")
-    cfg = transformers.LlamaConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
-                                   num_key_value_heads=2, vocab_size=1000, attn_implementation="sdpa")
+    cfg = transformers.LlamaConfig(
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=1000,
+        attn_implementation="sdpa",
+    )
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(cfg).cuda().train()
     K.patch(model)
     try:
         _check_patched_llama_under_inductor(model)
     finally:
-        K.unpatch_rope("llama")   # patch swaps HF's module-level RoPE function: later tests expect it back
+        K.unpatch_rope("llama")  # patch swaps HF's module-level RoPE function: later tests expect it back
 
 
 def _check_patched_llama_under_inductor(model):
@@ -315,7 +464,7 @@ def _check_patched_llama_under_inductor(model):
 
     expected = step(model)
     torch._dynamo.reset()
-    got = step(torch.compile(model, fullgraph=True))   # the fused loss included: one graph
+    got = step(torch.compile(model, fullgraph=True))  # the fused loss included: one graph
     for i, (a, e) in enumerate(zip(got, expected)):
         assert_close(f"tensor {i}", a, e, 2e-4, 2e-4)
     # without labels the patched model is one inductor graph too
@@ -369,22 +518,26 @@ def test_norms_rope_glu_under_cuda_graphs_match_eager():
     compiled = torch.compile(layers, mode="reduce-overhead", fullgraph=True)
     # history: a leak report then says which allocation it was
     with inductor_config.patch({"triton.cudagraph_trees_history_recording": True}):
-        for _ in range(4):   # warm-up, record, then replays
+        for _ in range(4):  # warm-up, record, then replays
             got = run_layers(compiled, "cuda")
             for name, a, e in zip(["loss", "x", "w", "b", "q", "k"], got, expected):
                 assert_close(name, a, e, 1e-4, 1e-4)
-    assert all(int(t.abs().sum()) == 0 for t in _reduce._tickets.values())   # re-armed after the replays
+    assert all(int(t.abs().sum()) == 0 for t in _reduce._tickets.values())  # re-armed after the replays
 
 
 #: Gemma 2's and Qwen3's fused modules are Gemma 3's (offset norms, QK-norms, GeGLU, softcapped loss) and
 #: Llama's: their cases run with -m slow
-DENSE = ["llama"] + [pytest.param(t, marks=pytest.mark.slow) for t in ("gemma2", "gemma3_text", "qwen3", "phi3")]
+DENSE = ["llama"] + [
+    pytest.param(t, marks=pytest.mark.slow) for t in ("gemma2", "gemma3_text", "qwen3", "phi3")
+]
 
 
 def _break_sites(explained) -> set[tuple[str, int]]:
     """Where each graph break of a ``torch._dynamo.explain`` result happened: the innermost user
     frame (file, line) of each break reason."""
-    return {(r.user_stack[-1].filename, r.user_stack[-1].lineno) for r in explained.break_reasons if r.user_stack}
+    return {
+        (r.user_stack[-1].filename, r.user_stack[-1].lineno) for r in explained.break_reasons if r.user_stack
+    }
 
 
 def _explain_unpatched_then_patched(model_type):
@@ -445,10 +598,14 @@ def test_patched_model_with_labels_compiles_fullgraph(model_type):
     if hf_breaks:
         import transformers
 
-        sites = ", ".join(f"{f.rsplit('site-packages/', 1)[-1]}:{n}" for f, n in sorted(_break_sites(ref_explained)))
-        pytest.skip(f"fullgraph not possible with transformers {transformers.__version__}: the unpatched "
-                    f"{type(model).__name__} breaks the graph {hf_breaks} times itself (at {sites}); the patch "
-                    f"adds none, and the compiled model matches eager")
+        sites = ", ".join(
+            f"{f.rsplit('site-packages/', 1)[-1]}:{n}" for f, n in sorted(_break_sites(ref_explained))
+        )
+        pytest.skip(
+            f"fullgraph not possible with transformers {transformers.__version__}: the unpatched "
+            f"{type(model).__name__} breaks the graph {hf_breaks} times itself (at {sites}); the patch "
+            f"adds none, and the compiled model matches eager"
+        )
 
 
 def _recording_aot_eager(graphs):
@@ -458,6 +615,7 @@ def _recording_aot_eager(graphs):
     def backend(gm, example_inputs):
         graphs.append(gm.code)
         return aot_eager(gm, example_inputs)
+
     return backend
 
 
@@ -498,10 +656,10 @@ def test_patched_moe_model_compiles_fullgraph(model_type):
             # call is reported where the resumed frames break next), so count breaks against the
             # unpatched model, explained with HF's own RoPE function
             K.unpatch_rope(model_type)
-            unpatched(input_ids=ids, labels=labels)   # its output-capturing hooks
+            unpatched(input_ids=ids, labels=labels)  # its output-capturing hooks
             torch._dynamo.reset()
             hf_breaks = torch._dynamo.explain(unpatched)(input_ids=ids, labels=labels).graph_break_count
-            K.patch(model)   # the RoPE function again
+            K.patch(model)  # the RoPE function again
             torch._dynamo.reset()
             explained = torch._dynamo.explain(model)(input_ids=ids, labels=labels)
             assert explained.graph_break_count <= hf_breaks, (explained.graph_break_count, hf_breaks)
@@ -516,6 +674,8 @@ def test_patched_moe_model_compiles_fullgraph(model_type):
     if hf_breaks:
         import transformers
 
-        pytest.skip(f"fullgraph not possible with transformers {transformers.__version__}: the unpatched "
-                    f"{type(model).__name__} breaks the graph {hf_breaks} times itself; the patch adds none, "
-                    "and the compiled model matches eager")
+        pytest.skip(
+            f"fullgraph not possible with transformers {transformers.__version__}: the unpatched "
+            f"{type(model).__name__} breaks the graph {hf_breaks} times itself; the patch adds none, "
+            "and the compiled model matches eager"
+        )

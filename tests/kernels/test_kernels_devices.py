@@ -11,8 +11,10 @@ from kernel_helpers import assert_close
 
 pytestmark = [
     pytest.mark.multigpu,
-    pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
-                       reason="needs two CUDA GPUs (run on the device machine's two-GPU kind)"),
+    pytest.mark.skipif(
+        not torch.cuda.is_available() or torch.cuda.device_count() < 2,
+        reason="needs two CUDA GPUs (run on the device machine's two-GPU kind)",
+    ),
 ]
 
 
@@ -23,7 +25,9 @@ def test_every_kernel_on_a_non_current_gpu():
     rnd = lambda *s: torch.randn(*s, device=dev, generator=g, requires_grad=True)  # noqa: E731
     x, w, b, head = rnd(64, 256), rnd(256), rnd(256), rnd(500, 256)
     q, k = rnd(2, 4, 16, 32), rnd(2, 2, 16, 32)
-    pos = torch.arange(16, device=dev, dtype=torch.float32)[:, None] * torch.rand(1, 16, device=dev, generator=g)
+    pos = torch.arange(16, device=dev, dtype=torch.float32)[:, None] * torch.rand(
+        1, 16, device=dev, generator=g
+    )
     cos, sin = torch.cat([pos, pos], -1).cos()[None], torch.cat([pos, pos], -1).sin()[None]
     target = torch.randint(0, 500, (64,), device=dev, generator=g)
 
@@ -35,17 +39,28 @@ def test_every_kernel_on_a_non_current_gpu():
         h = K.layer_norm(K.rms_norm(x, w) * 1.0, w, b)
         m = K.swiglu(h * 1.0, h + 1.0) + K.geglu(h * 0.5, h - 1.0)
         qo, ko = K.rope(q, k, cos, sin)
-        return (K.cross_entropy(m @ head.t(), target) + K.fused_linear_cross_entropy(m * 2.0, head, target)
-                + qo.square().mean() + ko.square().mean())
+        return (
+            K.cross_entropy(m @ head.t(), target)
+            + K.fused_linear_cross_entropy(m * 2.0, head, target)
+            + qo.square().mean()
+            + ko.square().mean()
+        )
 
     def reference():
         h = torch.nn.functional.rms_norm(x, (256,), w, 1e-6)
         h = torch.nn.functional.layer_norm(h, (256,), w, b)
-        m = torch.nn.functional.silu(h) * (h + 1.0) + torch.nn.functional.gelu(h * 0.5, approximate="tanh") * (h - 1.0)
+        m = torch.nn.functional.silu(h) * (h + 1.0) + torch.nn.functional.gelu(
+            h * 0.5, approximate="tanh"
+        ) * (h - 1.0)
         qo = q * cos[:, None] + rot(q) * sin[:, None]
         ko = k * cos[:, None] + rot(k) * sin[:, None]
         ce = torch.nn.functional.cross_entropy
-        return ce(m @ head.t(), target) + ce((m * 2.0) @ head.t(), target) + qo.square().mean() + ko.square().mean()
+        return (
+            ce(m @ head.t(), target)
+            + ce((m * 2.0) @ head.t(), target)
+            + qo.square().mean()
+            + ko.square().mean()
+        )
 
     results = []
     for fn in (ours, reference):

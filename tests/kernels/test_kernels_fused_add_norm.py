@@ -28,7 +28,7 @@ SHAPES = [
     pytest.param((70, 20), DEVICE, id="70x20-many-rows"),
     gpu_param((8192, 4096), "cuda", id="8192x4096"),
     gpu_param((2, 1000, 5120), "cuda", id="2x1000x5120"),
-    gpu_param((64, 32768), "cuda", id="64x32768-widest-rows"),   # the column-parallel backward
+    gpu_param((64, 32768), "cuda", id="64x32768-widest-rows"),  # the column-parallel backward
 ]
 
 
@@ -42,17 +42,27 @@ def weight(n, offset, device=DEVICE):
 def test_fused_add_rms_norm(shape, device, dtype, atol, rtol, offset):
     """Both outputs and every gradient, with random gradients flowing into both y and h."""
     x, r = torch.randn(shape, device=device), torch.randn(shape, device=device)
-    run_and_compare(lambda x, r, w: fused_add_rms_norm(x, r, w, 1e-6, offset),
-                    lambda x, r, w: fused_add_rms_norm_ref(x, r, w, 1e-6, offset),
-                    [x, r, weight(shape[-1], offset, device)], ["x", "residual", "weight"], dtype, atol, rtol, device)
+    run_and_compare(
+        lambda x, r, w: fused_add_rms_norm(x, r, w, 1e-6, offset),
+        lambda x, r, w: fused_add_rms_norm_ref(x, r, w, 1e-6, offset),
+        [x, r, weight(shape[-1], offset, device)],
+        ["x", "residual", "weight"],
+        dtype,
+        atol,
+        rtol,
+        device,
+    )
 
 
-@pytest.mark.parametrize("dtype,device", [
-    pytest.param(torch.float32, DEVICE, id="fp32"),
-    pytest.param(torch.float16, DEVICE, id="fp16"),
-    # Triton's interpreter rounds fp32 to bf16 toward zero, the GPU (and PyTorch) to nearest even
-    gpu_param(torch.bfloat16, "cuda", id="bf16"),
-])
+@pytest.mark.parametrize(
+    "dtype,device",
+    [
+        pytest.param(torch.float32, DEVICE, id="fp32"),
+        pytest.param(torch.float16, DEVICE, id="fp16"),
+        # Triton's interpreter rounds fp32 to bf16 toward zero, the GPU (and PyTorch) to nearest even
+        gpu_param(torch.bfloat16, "cuda", id="bf16"),
+    ],
+)
 def test_h_is_the_rounded_sum_and_y_its_norm(dtype, device):
     """``h`` is exactly ``x + residual`` as PyTorch adds them in that dtype, and ``y`` is
     :func:`rms_norm` of that ``h``: the unfused pair gives the same values, bit for bit."""
@@ -71,9 +81,15 @@ def test_only_one_output_used(dtype, atol, rtol, used):
     ``h`` alone passes its gradient straight to ``x`` and ``residual`` and gives the weight none."""
     i = 0 if used == "y" else 1
     x, r = torch.randn(6, 40, device=DEVICE), torch.randn(6, 40, device=DEVICE)
-    run_and_compare(lambda x, r, w: fused_add_rms_norm(x, r, w)[i] * 1.0,
-                    lambda x, r, w: fused_add_rms_norm_ref(x, r, w)[i] * 1.0,
-                    [x, r, weight(40, 0.0)], ["x", "residual", "weight"], dtype, atol, rtol)
+    run_and_compare(
+        lambda x, r, w: fused_add_rms_norm(x, r, w)[i] * 1.0,
+        lambda x, r, w: fused_add_rms_norm_ref(x, r, w)[i] * 1.0,
+        [x, r, weight(40, 0.0)],
+        ["x", "residual", "weight"],
+        dtype,
+        atol,
+        rtol,
+    )
 
 
 def test_weight_gets_no_grad_when_only_h_is_used():
@@ -104,7 +120,10 @@ def test_residual_without_grad(dtype, atol, rtol):
 def test_x_and_residual_grads_are_separate_tensors():
     """x and residual get the same gradient, ``dh``, but as leaves they must not share memory: a
     second backward accumulates into each separately."""
-    x, r = torch.randn(4, 24, device=DEVICE, requires_grad=True), torch.randn(4, 24, device=DEVICE, requires_grad=True)
+    x, r = (
+        torch.randn(4, 24, device=DEVICE, requires_grad=True),
+        torch.randn(4, 24, device=DEVICE, requires_grad=True),
+    )
     w = weight(24, 0.0)
     for _ in range(2):
         y, h = fused_add_rms_norm(x, r, w)
@@ -124,9 +143,15 @@ def test_wide_row_backward(dtype, atol, rtol, in_place, monkeypatch):
     launch of the column-parallel path."""
     monkeypatch.setattr(importlib.import_module("ckpt.kernels.rms_norm"), "_ONE_PASS_MAX_N", 16)
     x, r = torch.randn(37, 40, device=DEVICE), torch.randn(37, 40, device=DEVICE)
-    run_and_compare(lambda x, r, w: tuple(t * 1.0 for t in fused_add_rms_norm(x, r, w, in_place=in_place)),
-                    lambda x, r, w: fused_add_rms_norm_ref(x, r, w),
-                    [x, r, weight(40, 0.0)], ["x", "residual", "weight"], dtype, atol, rtol)
+    run_and_compare(
+        lambda x, r, w: tuple(t * 1.0 for t in fused_add_rms_norm(x, r, w, in_place=in_place)),
+        lambda x, r, w: fused_add_rms_norm_ref(x, r, w),
+        [x, r, weight(40, 0.0)],
+        ["x", "residual", "weight"],
+        dtype,
+        atol,
+        rtol,
+    )
 
 
 @pytest.mark.parametrize("dtype,atol,rtol", DTYPES)
@@ -134,9 +159,15 @@ def test_in_place_grad(dtype, atol, rtol):
     """in_place=True writes dh over y's gradient; the gradients must not change."""
     x, r = torch.randn(6, 40, device=DEVICE), torch.randn(6, 40, device=DEVICE)
     # the multiply makes dy a private intermediate, as a linear layer's input gradient is
-    run_and_compare(lambda x, r, w: tuple(t * 1.0 for t in fused_add_rms_norm(x, r, w, in_place=True)),
-                    lambda x, r, w: fused_add_rms_norm_ref(x, r, w),
-                    [x, r, weight(40, 0.0)], ["x", "residual", "weight"], dtype, atol, rtol)
+    run_and_compare(
+        lambda x, r, w: tuple(t * 1.0 for t in fused_add_rms_norm(x, r, w, in_place=True)),
+        lambda x, r, w: fused_add_rms_norm_ref(x, r, w),
+        [x, r, weight(40, 0.0)],
+        ["x", "residual", "weight"],
+        dtype,
+        atol,
+        rtol,
+    )
 
 
 @pytest.mark.parametrize("layout", ["row-slices", "strided-columns"])
@@ -172,12 +203,22 @@ def test_empty_input():
     assert x.grad.shape == (0, 24) and torch.equal(w.grad, torch.zeros(24, device=DEVICE))
 
 
-@pytest.mark.parametrize("make,match", [
-    (lambda: fused_add_rms_norm(torch.randn(3, 8), torch.randn(3, 8).bfloat16(), torch.ones(8)), "residual has dtype"),
-    (lambda: fused_add_rms_norm(torch.randn(3, 8), torch.randn(1, 8), torch.ones(8)), "residual has shape"),
-    (lambda: fused_add_rms_norm(torch.randn(3, 8), torch.randn(3, 8).long(), torch.ones(8)), "residual"),
-    (lambda: fused_add_rms_norm(torch.randn(3, 8), torch.randn(3, 8), torch.ones(9)), "weight has shape"),
-], ids=["dtype", "shape", "integer", "weight"])
+@pytest.mark.parametrize(
+    "make,match",
+    [
+        (
+            lambda: fused_add_rms_norm(torch.randn(3, 8), torch.randn(3, 8).bfloat16(), torch.ones(8)),
+            "residual has dtype",
+        ),
+        (
+            lambda: fused_add_rms_norm(torch.randn(3, 8), torch.randn(1, 8), torch.ones(8)),
+            "residual has shape",
+        ),
+        (lambda: fused_add_rms_norm(torch.randn(3, 8), torch.randn(3, 8).long(), torch.ones(8)), "residual"),
+        (lambda: fused_add_rms_norm(torch.randn(3, 8), torch.randn(3, 8), torch.ones(9)), "weight has shape"),
+    ],
+    ids=["dtype", "shape", "integer", "weight"],
+)
 def test_bad_arguments_name_the_argument(make, match):
     with pytest.raises(ValueError, match=match):
         make()
@@ -198,11 +239,18 @@ def test_module_matches_functional_and_loads_an_rms_norm_state_dict():
 
 # -- a pre-norm block: two attention-free layers x = x + mlp(norm(x)), then the final norm ---------
 
+
 def make_block(hidden, dtype, offset):
     torch.manual_seed(1)
-    mlps = torch.nn.ModuleList(torch.nn.Sequential(torch.nn.Linear(hidden, 2 * hidden), torch.nn.SiLU(),
-                                                   torch.nn.Linear(2 * hidden, hidden)) for _ in range(2))
-    norms = torch.nn.ParameterList(weight(hidden, offset) for _ in range(3))   # two layers', then the final one
+    mlps = torch.nn.ModuleList(
+        torch.nn.Sequential(
+            torch.nn.Linear(hidden, 2 * hidden), torch.nn.SiLU(), torch.nn.Linear(2 * hidden, hidden)
+        )
+        for _ in range(2)
+    )
+    norms = torch.nn.ParameterList(
+        weight(hidden, offset) for _ in range(3)
+    )  # two layers', then the final one
     head = torch.nn.Linear(hidden, 11)
     return torch.nn.ModuleDict({"mlps": mlps, "norms": norms, "head": head}).to(DEVICE, dtype)
 
@@ -238,7 +286,8 @@ def test_pre_norm_block_matches_unfused(dtype, atol, rtol, offset, in_place):
         logits = block(m, h0, offset, in_place)
         loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), target)
         loss.backward()
-        results.append([("loss", loss.detach()), ("embedding", h0.grad)]
-                       + [(n, p.grad) for n, p in m.named_parameters()])
+        results.append(
+            [("loss", loss.detach()), ("embedding", h0.grad)] + [(n, p.grad) for n, p in m.named_parameters()]
+        )
     for (name, a), (_, e) in zip(results[1], results[0]):
         assert_close(f"{name} (fused block vs unfused)", a, e, atol, rtol)

@@ -32,8 +32,18 @@ def test_signature_separates_what_triton_specializes_on():
 def test_launch_key_is_finer_than_the_signature():
     """The hot-path key must separate every pair of calls that the signature separates."""
     buf = torch.zeros(64, dtype=torch.bfloat16)
-    calls = [(buf[:8], 16), (buf[1:9], 16), (buf[:8].float(), 16), (buf[:8], 17), (buf[:8], 1),
-             (buf[:8], True), (buf[:8], None), (buf[:8], 0.5), (buf[:8], 2**31), (buf[:8], 2**63)]
+    calls = [
+        (buf[:8], 16),
+        (buf[1:9], 16),
+        (buf[:8].float(), 16),
+        (buf[:8], 17),
+        (buf[:8], 1),
+        (buf[:8], True),
+        (buf[:8], None),
+        (buf[:8], 0.5),
+        (buf[:8], 2**31),
+        (buf[:8], 2**63),
+    ]
     for a in calls:
         for b in calls:
             if tuple(map(launch_signature_of, a)) != tuple(map(launch_signature_of, b)):

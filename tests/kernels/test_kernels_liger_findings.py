@@ -42,10 +42,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from ckpt.kernels import CrossEntropyLoss, FusedLinearCrossEntropyLoss, cross_entropy, fused_linear_cross_entropy
+from ckpt.kernels import (
+    CrossEntropyLoss,
+    FusedLinearCrossEntropyLoss,
+    cross_entropy,
+    fused_linear_cross_entropy,
+)
 from kernel_helpers import DEVICE, assert_close
 
-V = 37   # not a power of 2
+V = 37  # not a power of 2
 
 
 def _targets(n: int, ignore_index: int) -> torch.Tensor:
@@ -71,10 +76,16 @@ def test_cross_entropy_class_weight_matches_torch(reduction, label_smoothing, z_
     w = (torch.rand(V) + 0.1).to(DEVICE)
     ours = x.clone().requires_grad_(True)
     ref = x.clone().requires_grad_(True)
-    loss = CrossEntropyLoss(ignore_index=ignore_index, label_smoothing=label_smoothing, reduction=reduction,
-                            z_loss=z_loss, weight=w)(ours, t)
-    exp = F.cross_entropy(ref, t, weight=w, ignore_index=ignore_index, label_smoothing=label_smoothing,
-                          reduction=reduction) + _z_ref(ref, t, ignore_index, z_loss, reduction)
+    loss = CrossEntropyLoss(
+        ignore_index=ignore_index,
+        label_smoothing=label_smoothing,
+        reduction=reduction,
+        z_loss=z_loss,
+        weight=w,
+    )(ours, t)
+    exp = F.cross_entropy(
+        ref, t, weight=w, ignore_index=ignore_index, label_smoothing=label_smoothing, reduction=reduction
+    ) + _z_ref(ref, t, ignore_index, z_loss, reduction)
     assert loss.dtype == torch.float32 and loss.shape == exp.shape
     assert_close("loss", loss, exp, 1e-5, 1e-5)
     g = torch.randn_like(exp)
@@ -102,7 +113,7 @@ def test_cross_entropy_class_weight_of_zero_gives_zero_not_nan():
     x = torch.randn(4, V, device=DEVICE, requires_grad=True)
     t = torch.tensor([1, 2, 3, 4], device=DEVICE)
     w = torch.ones(V, device=DEVICE)
-    w[:5] = 0.0   # every target has weight 0: torch's weighted mean is 0/0
+    w[:5] = 0.0  # every target has weight 0: torch's weighted mean is 0/0
     loss = cross_entropy(x, t, weight=w)
     loss.backward()
     assert loss.item() == 0.0
@@ -117,9 +128,18 @@ def test_cross_entropy_return_z_loss(reduction):
     t[1::4] = ignore_index
     a = x.clone().requires_grad_(True)
     b = x.clone().requires_grad_(True)
-    loss, z = cross_entropy(a, t, ignore_index=ignore_index, label_smoothing=0.1, reduction=reduction, z_loss=z_loss,
-                            return_z_loss=True)
-    plain = cross_entropy(b, t, ignore_index=ignore_index, label_smoothing=0.1, reduction=reduction, z_loss=z_loss)
+    loss, z = cross_entropy(
+        a,
+        t,
+        ignore_index=ignore_index,
+        label_smoothing=0.1,
+        reduction=reduction,
+        z_loss=z_loss,
+        return_z_loss=True,
+    )
+    plain = cross_entropy(
+        b, t, ignore_index=ignore_index, label_smoothing=0.1, reduction=reduction, z_loss=z_loss
+    )
     assert_close("z_loss", z, _z_ref(x, t, ignore_index, z_loss, reduction), 1e-5, 1e-5)
     assert_close("loss", loss, plain, 0, 0)
     assert not z.requires_grad and z.dtype == torch.float32 and z.shape == loss.shape
@@ -133,8 +153,9 @@ def _flce_ref(h, w, t, bias, cw, ignore_index, label_smoothing, z_loss, softcap,
     logits = F.linear(h.float(), w.float(), None if bias is None else bias.float())
     if softcap:
         logits = softcap * torch.tanh(logits / softcap)
-    loss = F.cross_entropy(logits, t, weight=cw, ignore_index=ignore_index, label_smoothing=label_smoothing,
-                           reduction=reduction)
+    loss = F.cross_entropy(
+        logits, t, weight=cw, ignore_index=ignore_index, label_smoothing=label_smoothing, reduction=reduction
+    )
     z = _z_ref(logits, t, ignore_index, z_loss, reduction)
     return loss + z, z
 
@@ -150,8 +171,16 @@ def test_fused_linear_cross_entropy_ce_weight_and_return_z_loss(reduction, bias)
     cw = torch.rand(V).to(DEVICE)
     leaves = [x.clone().requires_grad_(True) if x is not None else None for x in (h, w, b)]
     refs = [x.clone().requires_grad_(True) if x is not None else None for x in (h, w, b)]
-    module = FusedLinearCrossEntropyLoss(ignore_index=ignore_index, label_smoothing=0.1, reduction=reduction,
-                                         z_loss=1e-3, chunk_size=4, softcap=20.0, ce_weight=cw, return_z_loss=True)
+    module = FusedLinearCrossEntropyLoss(
+        ignore_index=ignore_index,
+        label_smoothing=0.1,
+        reduction=reduction,
+        z_loss=1e-3,
+        chunk_size=4,
+        softcap=20.0,
+        ce_weight=cw,
+        return_z_loss=True,
+    )
     loss, z = module(leaves[0], leaves[1], t, leaves[2])
     exp, zexp = _flce_ref(refs[0], refs[1], t, refs[2], cw, ignore_index, 0.1, 1e-3, 20.0, reduction)
     assert_close("loss", loss, exp, 1e-5, 1e-5)
@@ -175,8 +204,9 @@ def test_weighted_losses_and_z_loss_under_torch_compile():
 
     def losses(x, h, head):
         ce, z1 = cross_entropy(x, t, label_smoothing=0.1, z_loss=1e-3, weight=cw, return_z_loss=True)
-        fl, z2 = fused_linear_cross_entropy(h, head, t, label_smoothing=0.1, z_loss=1e-3, ce_weight=cw,
-                                            chunk_size=4, return_z_loss=True)
+        fl, z2 = fused_linear_cross_entropy(
+            h, head, t, label_smoothing=0.1, z_loss=1e-3, ce_weight=cw, chunk_size=4, return_z_loss=True
+        )
         return ce + fl, z1 + z2
 
     def run(fn):

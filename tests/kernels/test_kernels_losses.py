@@ -6,17 +6,24 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from ckpt.kernels import CrossEntropyLoss, FusedLinearCrossEntropyLoss, cross_entropy, fused_linear_cross_entropy
+from ckpt.kernels import (
+    CrossEntropyLoss,
+    FusedLinearCrossEntropyLoss,
+    cross_entropy,
+    fused_linear_cross_entropy,
+)
 from kernel_helpers import DEVICE, DTYPES, gpu_param, run_and_compare
 
 
-def ce_ref(logits, target, ignore_index=-100, label_smoothing=0.0, reduction="mean", z_loss=0.0, softcap=None):
+def ce_ref(
+    logits, target, ignore_index=-100, label_smoothing=0.0, reduction="mean", z_loss=0.0, softcap=None
+):
     """torch's cross-entropy computed in float64, returned in fp32 (its gradient too). In fp32 the
     reference is the less exact side: over 33000 classes autograd's fp32 ``log_softmax`` backward is off
     by up to 1.2x the fp32 tolerance (the kernel by 0.03x), and where the softcap's ``tanh`` saturates
     fp32's ``1 - tanh^2`` loses every digit."""
     x = logits.reshape(-1, logits.shape[-1]).double()
-    if softcap is not None:   # Gemma 2's final-logit softcapping, as its modeling code writes it
+    if softcap is not None:  # Gemma 2's final-logit softcapping, as its modeling code writes it
         x = torch.tanh(x / softcap) * softcap
     t = target.reshape(-1)
     valid = t != ignore_index
@@ -28,8 +35,9 @@ def ce_ref(logits, target, ignore_index=-100, label_smoothing=0.0, reduction="me
 
 
 def flce_ref(hidden, weight, target, bias=None, **opts):
-    return ce_ref(F.linear(hidden.double(), weight.double(), None if bias is None else bias.double()), target,
-                  **opts)
+    return ce_ref(
+        F.linear(hidden.double(), weight.double(), None if bias is None else bias.double()), target, **opts
+    )
 
 
 OPTIONS = [
@@ -42,7 +50,7 @@ OPTIONS = [
 
 def targets(n, v, ignore_index=-100):
     t = torch.randint(0, v, (n,))
-    t[:: 4] = ignore_index  # some ignored rows (every 4th)
+    t[::4] = ignore_index  # some ignored rows (every 4th)
     return t
 
 
@@ -66,8 +74,16 @@ def test_cross_entropy(shape, device, dtype, atol, rtol, opts):
     n, v = shape
     x = torch.randn(n, v, device=device) * 4
     t = targets(n, v, opts.get("ignore_index", -100))
-    run_and_compare(lambda x, t: cross_entropy(x, t, **opts), lambda x, t: ce_ref(x, t, **opts),
-                    [x, t], ["logits", "target"], dtype, atol, rtol, device)
+    run_and_compare(
+        lambda x, t: cross_entropy(x, t, **opts),
+        lambda x, t: ce_ref(x, t, **opts),
+        [x, t],
+        ["logits", "target"],
+        dtype,
+        atol,
+        rtol,
+        device,
+    )
 
 
 @pytest.mark.parametrize("dtype,atol,rtol", DTYPES)
@@ -76,9 +92,16 @@ def test_cross_entropy_in_place_on_intermediate(dtype, atol, rtol, grad):
     """Logits from a matmul (a private intermediate) take the gradient in place; grad 1 skips the rescale."""
     h, w = torch.randn(10, 16), torch.randn(16, 29)
     t = targets(10, 29)
-    run_and_compare(lambda h, w, t: cross_entropy((h @ w).reshape(2, 5, 29), t.reshape(2, 5)),
-                    lambda h, w, t: ce_ref(h @ w, t), [h, w, t], ["h", "w", "t"], dtype, atol, rtol,
-                    grad_outputs=[grad])
+    run_and_compare(
+        lambda h, w, t: cross_entropy((h @ w).reshape(2, 5, 29), t.reshape(2, 5)),
+        lambda h, w, t: ce_ref(h @ w, t),
+        [h, w, t],
+        ["h", "w", "t"],
+        dtype,
+        atol,
+        rtol,
+        grad_outputs=[grad],
+    )
 
 
 def test_cross_entropy_in_place_clobbers_and_flags():
@@ -128,13 +151,20 @@ def test_fused_linear_cross_entropy(shape, device, dtype, atol, rtol, opts, with
     if device == "cuda" and n * v > 10**8 and (with_bias or opts.get("reduction") != "mean"):
         pytest.skip("real-size case run once (mean, no bias) to bound the GPU run's time")
     x = torch.randn(n, h, device=device)
-    w = torch.randn(v, h, device=device) / h ** 0.5 * 2
+    w = torch.randn(v, h, device=device) / h**0.5 * 2
     b = torch.randn(v, device=device) if with_bias else None
     t = targets(n, v, opts.get("ignore_index", -100))
     chunk = None if n > 64 else 7  # force several chunks at small sizes
-    run_and_compare(lambda x, w, t, b: fused_linear_cross_entropy(x, w, t, b, chunk_size=chunk, **opts),
-                    lambda x, w, t, b: flce_ref(x, w, t, b, **opts),
-                    [x, w, t, b], ["hidden", "weight", "target", "bias"], dtype, atol, rtol, device)
+    run_and_compare(
+        lambda x, w, t, b: fused_linear_cross_entropy(x, w, t, b, chunk_size=chunk, **opts),
+        lambda x, w, t, b: flce_ref(x, w, t, b, **opts),
+        [x, w, t, b],
+        ["hidden", "weight", "target", "bias"],
+        dtype,
+        atol,
+        rtol,
+        device,
+    )
 
 
 @pytest.mark.parametrize("dtype,atol,rtol", BF16_LOOSE)
@@ -143,9 +173,16 @@ def test_fused_linear_cross_entropy_reuses_hidden(dtype, atol, rtol, grad):
     """hidden from a matmul (private intermediate, 3-D) takes d_hidden in place."""
     x, p, w = torch.randn(2, 9, 12), torch.randn(12, 12), torch.randn(41, 12)
     t = targets(18, 41).reshape(2, 9)
-    run_and_compare(lambda x, p, w, t: fused_linear_cross_entropy(x @ p, w, t, chunk_size=4),
-                    lambda x, p, w, t: flce_ref(x @ p, w, t), [x, p, w, t], ["x", "p", "w", "t"],
-                    dtype, atol, rtol, grad_outputs=[grad])
+    run_and_compare(
+        lambda x, p, w, t: fused_linear_cross_entropy(x @ p, w, t, chunk_size=4),
+        lambda x, p, w, t: flce_ref(x @ p, w, t),
+        [x, p, w, t],
+        ["x", "p", "w", "t"],
+        dtype,
+        atol,
+        rtol,
+        grad_outputs=[grad],
+    )
 
 
 def test_loss_modules():
@@ -175,19 +212,28 @@ def test_frozen_weight_and_no_grad_paths():
         before = logits.clone()
         torch.testing.assert_close(cross_entropy(logits, t.to(DEVICE)), ce_ref(before, t.to(DEVICE)))
         assert torch.equal(logits, before)  # nothing written without autograd
-        torch.testing.assert_close(fused_linear_cross_entropy(x, w, t.to(DEVICE)), ce_ref(before, t.to(DEVICE)))
+        torch.testing.assert_close(
+            fused_linear_cross_entropy(x, w, t.to(DEVICE)), ce_ref(before, t.to(DEVICE))
+        )
 
 
 LOSSES = {
     "cross_entropy": lambda x, w, t, **kw: cross_entropy(x @ w.t(), t, **kw),
     "CrossEntropyLoss": lambda x, w, t, **kw: CrossEntropyLoss(**kw)(x @ w.t(), t),
-    "fused_linear_cross_entropy": lambda x, w, t, **kw: fused_linear_cross_entropy(x, w, t, chunk_size=2, **kw),
-    "FusedLinearCrossEntropyLoss": lambda x, w, t, **kw: FusedLinearCrossEntropyLoss(chunk_size=2, **kw)(x, w, t),
+    "fused_linear_cross_entropy": lambda x, w, t, **kw: fused_linear_cross_entropy(
+        x, w, t, chunk_size=2, **kw
+    ),
+    "FusedLinearCrossEntropyLoss": lambda x, w, t, **kw: FusedLinearCrossEntropyLoss(chunk_size=2, **kw)(
+        x, w, t
+    ),
 }
 
 
-@pytest.mark.skipif(DEVICE != "cpu", reason="the host check is the CPU path's (the interpreter); on a GPU "
-                    "machine the kernels take CUDA tensors and check with a device assert (the test below)")
+@pytest.mark.skipif(
+    DEVICE != "cpu",
+    reason="the host check is the CPU path's (the interpreter); on a GPU "
+    "machine the kernels take CUDA tensors and check with a device assert (the test below)",
+)
 @pytest.mark.parametrize("loss", sorted(LOSSES))
 @pytest.mark.parametrize("bad", [7, 100, -1, -100], ids=["V", "above-V", "minus-1", "ignore-index-of-others"])
 @pytest.mark.parametrize("reduction", ["mean", "none"])
@@ -202,12 +248,12 @@ def test_target_outside_the_classes_is_an_index_error(loss, bad, reduction):
     t = torch.tensor([0, v - 1, 3, 3, 2], device="cpu")
     t[3] = bad
     kw = dict(reduction=reduction, ignore_index=-100 if bad != -100 else 2)
-    named = rf"target\[3\] is {bad}, .*\[0, {v}\)"   # the position, the value, the valid range
+    named = rf"target\[3\] is {bad}, .*\[0, {v}\)"  # the position, the value, the valid range
     with pytest.raises(IndexError, match=named):
         LOSSES[loss](x, w, t, **kw)
     with torch.no_grad(), pytest.raises(IndexError, match=named):
         LOSSES[loss](x, w, t, **kw)
-    if bad != -100:   # the same rows with the bad target ignored are fine
+    if bad != -100:  # the same rows with the bad target ignored are fine
         t[3] = -100
         LOSSES[loss](x, w, t, **kw)
 
@@ -216,8 +262,9 @@ def test_target_outside_the_classes_is_an_index_error(loss, bad, reduction):
 def test_ignore_index_inside_the_classes_is_still_ignored(ignore_index):
     x = torch.randn(4, 7, device=DEVICE)
     t = torch.tensor([1, ignore_index, 6, 0], device=DEVICE)
-    torch.testing.assert_close(cross_entropy(x, t, ignore_index=ignore_index),
-                               F.cross_entropy(x, t, ignore_index=ignore_index))
+    torch.testing.assert_close(
+        cross_entropy(x, t, ignore_index=ignore_index), F.cross_entropy(x, t, ignore_index=ignore_index)
+    )
 
 
 @pytest.mark.gpu
@@ -256,14 +303,22 @@ def test_cross_entropy_row_kernel_fits_its_register_cap(v, opts):
     x = torch.randn(4, v, device="cuda", dtype=torch.bfloat16)
     t = torch.randint(0, v, (4,), device="cuda")
     loss_rows = torch.empty(4, device="cuda")
-    kernel = ce_mod.launch_ce(x, t, loss_rows, torch.empty_like(x), torch.ones(1, device="cuda"), -100,
-                              opts.get("label_smoothing", 0.0), 0.0)
+    kernel = ce_mod.launch_ce(
+        x,
+        t,
+        loss_rows,
+        torch.empty_like(x),
+        torch.ones(1, device="cuda"),
+        -100,
+        opts.get("label_smoothing", 0.0),
+        0.0,
+    )
     torch.cuda.synchronize()
     assert kernel.n_spills == 0 and kernel.n_regs <= cap, (kernel.n_regs, kernel.n_spills)
 
 
 SOFTCAP_OPTIONS = [
-    pytest.param(dict(softcap=30.0), id="cap30-mean"),   # Gemma 2's value: most logits far below it
+    pytest.param(dict(softcap=30.0), id="cap30-mean"),  # Gemma 2's value: most logits far below it
     pytest.param(dict(softcap=2.0, reduction="sum", label_smoothing=0.1), id="cap2-sum-smooth"),  # saturating
     pytest.param(dict(softcap=0.7, reduction="none", z_loss=1e-3), id="cap0.7-none-z"),
     pytest.param(dict(softcap=5.0, ignore_index=3, label_smoothing=0.05, z_loss=1e-4), id="cap5-mean-all"),
@@ -279,12 +334,22 @@ def test_cross_entropy_softcap(shape, device, dtype, atol, rtol, opts):
     n, v = shape
     x = torch.randn(n, v, device=device) * 8
     t = targets(n, v, opts.get("ignore_index", -100))
-    run_and_compare(lambda x, t: cross_entropy(x, t, **opts), lambda x, t: ce_ref(x, t, **opts),
-                    [x, t], ["logits", "target"], dtype, atol, rtol, device)
+    run_and_compare(
+        lambda x, t: cross_entropy(x, t, **opts),
+        lambda x, t: ce_ref(x, t, **opts),
+        [x, t],
+        ["logits", "target"],
+        dtype,
+        atol,
+        rtol,
+        device,
+    )
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("v,dtype", [(32003, torch.float32), (128256, torch.bfloat16)], ids=["32003-fp32", "128256-bf16"])
+@pytest.mark.parametrize(
+    "v,dtype", [(32003, torch.float32), (128256, torch.bfloat16)], ids=["32003-fp32", "128256-bf16"]
+)
 def test_cross_entropy_in_place_reads_the_target_before_any_gradient_goes_over_it(v, dtype):
     """With the gradient written over the logits, pass 2 starts at the row's last block: a warp there must
     not write over the target's logit before every warp has read it for the loss (that race made a loss
@@ -297,7 +362,9 @@ def test_cross_entropy_in_place_reads_the_target_before_any_gradient_goes_over_i
         want = F.cross_entropy(x.float(), t, reduction="none")
         got = cross_entropy(x.requires_grad_(True), t, reduction="none", inplace=True)
         bad = ((got - want).abs() > 1e-3).nonzero().flatten()
-        assert bad.numel() == 0, f"rows {bad[:8].tolist()} (of {bad.numel()}): {got[bad[:4]].tolist()} != {want[bad[:4]].tolist()}"
+        assert bad.numel() == 0, (
+            f"rows {bad[:8].tolist()} (of {bad.numel()}): {got[bad[:4]].tolist()} != {want[bad[:4]].tolist()}"
+        )
 
 
 ROW_LAYOUTS = [
@@ -324,16 +391,16 @@ def test_cross_entropy_rows_off_the_16_byte_grid(width, cols, inplace, shifted, 
     ce_mod = importlib.import_module("ckpt.kernels.cross_entropy")
     n = 13
     buf = (torch.randn(n, width, device=DEVICE) * 3).to(dtype)
-    x = buf[:, cols[0]:cols[1]]
+    x = buf[:, cols[0] : cols[1]]
     v = x.shape[1]
     t = torch.randint(0, v, (n,), device=DEVICE)
     t[4] = -100
-    t[5], t[6] = 0, v - 1     # the first column (masked-in after the shift) and the last
+    t[5], t[6] = 0, v - 1  # the first column (masked-in after the shift) and the last
     want = torch.nn.functional.cross_entropy(x.float(), t, reduction="none")
     ref = x.float().requires_grad_(True)
     torch.nn.functional.cross_entropy(ref, t, reduction="sum").backward()
     before, buf_before = x.clone(), buf.clone()
-    grad = x if inplace else torch.empty(n, v, device=DEVICE, dtype=dtype)   # rows of stride v
+    grad = x if inplace else torch.empty(n, v, device=DEVICE, dtype=dtype)  # rows of stride v
     assert ce_mod._row_layout(x, grad)[0] == shifted
     loss = torch.empty(n, device=DEVICE)
     ce_mod.launch_ce(x, t, loss, grad, torch.ones(1, device=DEVICE), -100, 0.0, 0.0)
@@ -343,12 +410,14 @@ def test_cross_entropy_rows_off_the_16_byte_grid(width, cols, inplace, shifted, 
     if not inplace:
         assert torch.equal(x, before)
     rest = torch.ones(width, dtype=torch.bool, device=DEVICE)
-    rest[cols[0]:cols[1]] = False    # the buffer's columns outside the logits: never written
+    rest[cols[0] : cols[1]] = False  # the buffer's columns outside the logits: never written
     assert torch.equal(buf[:, rest], buf_before[:, rest])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("width,v", [(64, 53), (61, 53), (56, 56)], ids=["padded-64", "padded-61", "unpadded"])
+@pytest.mark.parametrize(
+    "width,v", [(64, 53), (61, 53), (56, 56)], ids=["padded-64", "padded-61", "unpadded"]
+)
 def test_cross_entropy_of_logits_sliced_from_a_padded_vocabulary(dtype, width, v):
     """``logits[..., :V]`` of a padded vocabulary: the gradient comes out right, in a buffer whose rows lie
     on the 16-byte grid as the logits' do (so both are walked as whole vectors), no wider than needed."""
@@ -397,7 +466,7 @@ def test_cross_entropy_row_walks_against_float64_on_random_layouts(seed):
         start = int(torch.randint(0, 9, (1,), generator=gen))
         width = start + v + int(torch.randint(0, 9, (1,), generator=gen))
         buf = (torch.randn(n, width, generator=gen) * 3).to(dtype).to(DEVICE)
-        x = buf[:, start:start + v]
+        x = buf[:, start : start + v]
         t = torch.randint(0, v, (n,), generator=gen).to(DEVICE)
         if n > 1:
             t[0] = -100
@@ -415,11 +484,16 @@ def test_cross_entropy_row_walks_against_float64_on_random_layouts(seed):
         valid = t != -100
         tt = torch.where(valid, t, 0)
         w_t = wd[tt]
-        loss_want = (1 - eps) * w_t * (lse - r.gather(1, tt[:, None])[:, 0]) + eps * (wd.sum() * lse - r @ wd) / v
+        loss_want = (1 - eps) * w_t * (lse - r.gather(1, tt[:, None])[:, 0]) + eps * (
+            wd.sum() * lse - r @ wd
+        ) / v
         loss_want = torch.where(valid, loss_want + z * lse * lse, 0.0)
         onehot = torch.nn.functional.one_hot(tt, v).double()
-        g = (p_ * ((1 - eps) * w_t + eps * wd.sum() / v + 2 * z * lse)[:, None] - eps * wd / v
-             - (1 - eps) * w_t[:, None] * onehot)
+        g = (
+            p_ * ((1 - eps) * w_t + eps * wd.sum() / v + 2 * z * lse)[:, None]
+            - eps * wd / v
+            - (1 - eps) * w_t[:, None] * onehot
+        )
         if cap:
             g = g * (1 - torch.tanh(xd / cap) ** 2)
         g = torch.where(valid[:, None], g, 0.0)
@@ -430,10 +504,12 @@ def test_cross_entropy_row_walks_against_float64_on_random_layouts(seed):
         ce_mod.launch_ce(x, t, loss, grad, torch.ones(1, device=DEVICE), -100, eps, z, cap, weights, z_rows)
         tol = 2e-5 if dtype == torch.float32 else 2e-2
         case = (dtype, n, v, start, width, eps, cap, z, w is not None, inplace, ce_mod._row_layout(x, grad))
-        torch.testing.assert_close(loss.double(), loss_want, atol=tol * 10, rtol=tol, msg=lambda m: f"{case}: {m}")
+        torch.testing.assert_close(
+            loss.double(), loss_want, atol=tol * 10, rtol=tol, msg=lambda m: f"{case}: {m}"
+        )
         torch.testing.assert_close(grad.double(), g, atol=tol, rtol=tol, msg=lambda m: f"{case}: {m}")
         outside = torch.ones(width, dtype=torch.bool, device=DEVICE)
-        outside[start:start + v] = False
+        outside[start : start + v] = False
         assert torch.equal(buf[:, outside], before[:, outside]), case
 
 
@@ -460,13 +536,20 @@ def test_fused_linear_cross_entropy_softcap(shape, device, dtype, atol, rtol, op
     if device == "cuda" and n * v > 10**8 and opts.get("reduction", "mean") != "mean":
         pytest.skip("real-size case run for the mean reductions only, to bound the GPU run's time")
     x = torch.randn(n, h, device=device)
-    w = torch.randn(v, h, device=device) / h ** 0.5 * 6
+    w = torch.randn(v, h, device=device) / h**0.5 * 6
     b = torch.randn(v, device=device)
     t = targets(n, v, opts.get("ignore_index", -100))
     chunk = None if n > 64 else 7
-    run_and_compare(lambda x, w, t, b: fused_linear_cross_entropy(x, w, t, b, chunk_size=chunk, **opts),
-                    lambda x, w, t, b: flce_ref(x, w, t, b, **opts),
-                    [x, w, t, b], ["hidden", "weight", "target", "bias"], dtype, atol, rtol, device)
+    run_and_compare(
+        lambda x, w, t, b: fused_linear_cross_entropy(x, w, t, b, chunk_size=chunk, **opts),
+        lambda x, w, t, b: flce_ref(x, w, t, b, **opts),
+        [x, w, t, b],
+        ["hidden", "weight", "target", "bias"],
+        dtype,
+        atol,
+        rtol,
+        device,
+    )
 
 
 def test_softcap_changes_the_loss_and_rejects_non_positive_caps():
@@ -482,17 +565,21 @@ def test_softcap_changes_the_loss_and_rejects_non_positive_caps():
         with pytest.raises(ValueError, match="softcap"):
             fused_linear_cross_entropy(x[:, :6], w, t, softcap=bad)
     assert "softcap=3.0" in repr(CrossEntropyLoss(softcap=3.0))
-    torch.testing.assert_close(FusedLinearCrossEntropyLoss(softcap=3.0)(x[:, :6], w, t),
-                               ce_ref(x[:, :6] @ w.t(), t, softcap=3.0))
+    torch.testing.assert_close(
+        FusedLinearCrossEntropyLoss(softcap=3.0)(x[:, :6], w, t), ce_ref(x[:, :6] @ w.t(), t, softcap=3.0)
+    )
 
 
-@pytest.mark.parametrize("n,h,v,reuse,want", [
-    (8192, 4096, 128256, True, 512),     # Llama-3-8B head, hidden reused for d_hidden: the memory rule's 512
-    (8192, 4096, 128256, False, 512),    # a leaf hidden: the memory rule alone would say 256
-    (16384, 1024, 151936, True, 512),    # Qwen3-MoE-sized head (H small beside V): 128 by the memory rule
-    (65536, 8192, 32000, True, 33536),   # a small vocabulary: the memory rule, far above the floor
-    (300, 4096, 128256, True, 300),      # fewer tokens than the floor: one chunk
-])
+@pytest.mark.parametrize(
+    "n,h,v,reuse,want",
+    [
+        (8192, 4096, 128256, True, 512),  # Llama-3-8B head, hidden reused for d_hidden: the memory rule's 512
+        (8192, 4096, 128256, False, 512),  # a leaf hidden: the memory rule alone would say 256
+        (16384, 1024, 151936, True, 512),  # Qwen3-MoE-sized head (H small beside V): 128 by the memory rule
+        (65536, 8192, 32000, True, 33536),  # a small vocabulary: the memory rule, far above the floor
+        (300, 4096, 128256, True, 300),  # fewer tokens than the floor: one chunk
+    ],
+)
 def test_default_chunk_keeps_the_weight_gradient_update_off_the_memory_bound(n, h, v, reuse, want):
     from ckpt.kernels.fused_linear_cross_entropy import MIN_CHUNK, default_chunk_size
 

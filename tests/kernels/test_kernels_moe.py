@@ -17,7 +17,7 @@ from kernel_helpers import DEVICE, DTYPES, assert_close, run_and_compare
 # the module (``ckpt.kernels.patch`` as an attribute is the function of that name)
 kpatch = importlib.import_module("ckpt.kernels.patch")
 
-T, H, I, E = 37, 40, 24, 6   # H and I not multiples of the interpreter's tiles: masked edges
+T, H, I, E = 37, 40, 24, 6  # H and I not multiples of the interpreter's tiles: masked edges
 
 
 def eager_experts(x, top_k_weights, gate_up, down, top_k_index):
@@ -47,13 +47,17 @@ def routing(k: int, kind: str, seed: int = 0):
 
 def weights(seed: int = 1):
     g = torch.Generator().manual_seed(seed)
-    return (torch.randn(T, H, generator=g), torch.randn(E, 2 * I, H, generator=g) / H ** 0.5,
-            torch.randn(E, H, I, generator=g) / I ** 0.5)
+    return (
+        torch.randn(T, H, generator=g),
+        torch.randn(E, 2 * I, H, generator=g) / H**0.5,
+        torch.randn(E, H, I, generator=g) / I**0.5,
+    )
 
 
 def fused(x, top_k_weights, gate_up, down, top_k_index, recompute=False, expert_parallel=False):
-    return moe.fused_experts(x, top_k_index, top_k_weights, gate_up, down, recompute=recompute,
-                             expert_parallel=expert_parallel)
+    return moe.fused_experts(
+        x, top_k_index, top_k_weights, gate_up, down, recompute=recompute, expert_parallel=expert_parallel
+    )
 
 
 def masked_experts(x, top_k_weights, gate_up, down, top_k_index):
@@ -110,10 +114,17 @@ def test_fused_experts_matches_eager(dtype, atol, rtol, k, kind):
     if kind == "uneven":
         counts = torch.bincount(idx.reshape(-1), minlength=E)
         assert counts[1] == counts[4] == 0
-        assert DEVICE != "cpu" or counts.max() > moe.experts_configs("cpu")["block_m"]   # several row tiles
+        assert DEVICE != "cpu" or counts.max() > moe.experts_configs("cpu")["block_m"]  # several row tiles
     x, gu, dn = weights()
-    run_and_compare(fused, eager_experts, [x, w, gu, dn, idx], ["x", "top_k_weights", "gate_up", "down", "idx"],
-                    dtype, atol, rtol)
+    run_and_compare(
+        fused,
+        eager_experts,
+        [x, w, gu, dn, idx],
+        ["x", "top_k_weights", "gate_up", "down", "idx"],
+        dtype,
+        atol,
+        rtol,
+    )
 
 
 @pytest.mark.parametrize("dtype,atol,rtol", DTYPES)
@@ -121,8 +132,15 @@ def test_fused_experts_recompute(dtype, atol, rtol):
     """``recompute=True`` (nothing of size (T K, 2I) kept for backward) computes the same gradients."""
     w, idx = routing(2, "uneven")
     x, gu, dn = weights()
-    run_and_compare(lambda *a: fused(*a, recompute=True), eager_experts, [x, w, gu, dn, idx],
-                    ["x", "top_k_weights", "gate_up", "down", "idx"], dtype, atol, rtol)
+    run_and_compare(
+        lambda *a: fused(*a, recompute=True),
+        eager_experts,
+        [x, w, gu, dn, idx],
+        ["x", "top_k_weights", "gate_up", "down", "idx"],
+        dtype,
+        atol,
+        rtol,
+    )
 
 
 def test_fused_experts_partial_gradients():
@@ -137,8 +155,13 @@ def test_fused_experts_partial_gradients():
     eager_experts(ref, w, gu, dn, idx).backward(torch.ones_like(out))
     assert_close("grad of x", xr.grad, ref.grad, 1e-5, 1e-5)
     with torch.no_grad():
-        assert_close("no_grad output", moe.fused_experts(x, idx, w, gu, dn), eager_experts(x, w, gu, dn, idx),
-                     1e-5, 1e-5)
+        assert_close(
+            "no_grad output",
+            moe.fused_experts(x, idx, w, gu, dn),
+            eager_experts(x, w, gu, dn, idx),
+            1e-5,
+            1e-5,
+        )
 
 
 def test_fused_experts_under_autocast():
@@ -170,8 +193,15 @@ def test_fused_experts_expert_parallel_slots_add_nothing(dtype, atol, rtol, case
     w, idx = routing(k, "uneven")
     idx = off_rank(idx, share)
     x, gu, dn = weights()
-    out, _ = run_and_compare(lambda *a: fused(*a, expert_parallel=True), masked_experts, [x, w, gu, dn, idx],
-                             ["x", "top_k_weights", "gate_up", "down", "idx"], dtype, atol, rtol)
+    out, _ = run_and_compare(
+        lambda *a: fused(*a, expert_parallel=True),
+        masked_experts,
+        [x, w, gu, dn, idx],
+        ["x", "top_k_weights", "gate_up", "down", "idx"],
+        dtype,
+        atol,
+        rtol,
+    )
     if case == "all-off-rank":
         assert not out[0].any()
 
@@ -246,17 +276,35 @@ def test_fused_experts_rejects_bad_arguments(bad):
 
 # -- patch(): the fused path serves the experts, the packed-SwiGLU path is the fallback --
 
+
 def tiny_moe(model_type: str):
     transformers = pytest.importorskip("transformers")
     if model_type == "qwen3_moe":
-        cfg = transformers.Qwen3MoeConfig(hidden_size=64, moe_intermediate_size=40, num_hidden_layers=2,
-                                          num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=97,
-                                          num_experts=8, num_experts_per_tok=3, output_router_logits=True)
+        cfg = transformers.Qwen3MoeConfig(
+            hidden_size=64,
+            moe_intermediate_size=40,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            vocab_size=97,
+            num_experts=8,
+            num_experts_per_tok=3,
+            output_router_logits=True,
+        )
         cls = transformers.Qwen3MoeForCausalLM
     else:
-        cfg = transformers.MixtralConfig(hidden_size=64, intermediate_size=88, num_hidden_layers=2,
-                                         num_attention_heads=4, num_key_value_heads=2, vocab_size=97,
-                                         num_local_experts=4, num_experts_per_tok=1, output_router_logits=True)
+        cfg = transformers.MixtralConfig(
+            hidden_size=64,
+            intermediate_size=88,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            vocab_size=97,
+            num_local_experts=4,
+            num_experts_per_tok=1,
+            output_router_logits=True,
+        )
         cls = transformers.MixtralForCausalLM
     torch.manual_seed(0)
     return cls(cfg).to(DEVICE).train()
@@ -312,7 +360,7 @@ def test_patch_experts_under_expert_parallelism(count_fused):
     unpatched experts over all 8: output, input and routing-weight gradients (summed over ranks, as the
     all-reduce does) and each rank's slice of the weight gradients."""
     model = tiny_moe("qwen3_moe")
-    full = copy.deepcopy(model.model.layers[0].mlp.experts)   # unpatched: transformers' implementation
+    full = copy.deepcopy(model.model.layers[0].mlp.experts)  # unpatched: transformers' implementation
     kpatch.patch(model)
     patched = model.model.layers[0].mlp.experts
     n_local = full.num_experts // 2
@@ -330,7 +378,7 @@ def test_patch_experts_under_expert_parallelism(count_fused):
         for rank in range(2):
             local = copy.deepcopy(patched)
             for name in ("gate_up_proj", "down_proj"):
-                shard = getattr(full, name)[rank * n_local:(rank + 1) * n_local]
+                shard = getattr(full, name)[rank * n_local : (rank + 1) * n_local]
                 setattr(local, name, torch.nn.Parameter(shard.detach().clone()))
             local.num_experts, local._is_expert_parallel = n_local, True
             # transformers.distributed.expert_parallel.AllReduceEP.__call__ (5.24)
@@ -366,7 +414,7 @@ def test_patch_keeps_an_experts_forward_installed_on_the_instance(registry, coun
     calls = []
     original_forward = experts.forward
 
-    def ep_forward(*args, **kwargs):   # stands for the dispatch: transforms the output after the inner call
+    def ep_forward(*args, **kwargs):  # stands for the dispatch: transforms the output after the inner call
         calls.append(1)
         return 2 * original_forward(*args, **kwargs)
 
@@ -442,14 +490,25 @@ def _parallel_cases():
     gloo cases but Qwen3-MoE's ep+tp with ``-m slow`` (their default sibling: that one, both layouts at once)."""
     cases = []
     for nccl in (False, True):
-        for model_type, layout in (("qwen3_moe", "ep+tp"), ("qwen3_moe", "ep+fsdp"), ("qwen3_moe", "tp"),
-                                   ("mixtral", "ep+tp")):
+        for model_type, layout in (
+            ("qwen3_moe", "ep+tp"),
+            ("qwen3_moe", "ep+fsdp"),
+            ("qwen3_moe", "tp"),
+            ("mixtral", "ep+tp"),
+        ):
             # over gloo the default suite runs Qwen3-MoE's ep+tp (expert and tensor parallel at once); the other
             # layouts and Mixtral with -m slow
             default = model_type == "qwen3_moe" and layout == "ep+tp"
             marks = [pytest.mark.multigpu] if nccl else [] if default else [pytest.mark.slow]
-            cases.append(pytest.param(model_type, layout, nccl, marks=marks,
-                                      id=f"{model_type}-{layout}-{'nccl' if nccl else 'gloo'}"))
+            cases.append(
+                pytest.param(
+                    model_type,
+                    layout,
+                    nccl,
+                    marks=marks,
+                    id=f"{model_type}-{layout}-{'nccl' if nccl else 'gloo'}",
+                )
+            )
     return cases
 
 
@@ -468,8 +527,14 @@ def test_patch_serves_experts_under_transformers_parallelism(model_type, layout,
     ``lm_head`` (its vocabulary shards gathered): those stay as they are, with the fused loss, and are named
     under ``"left"``; the other norms run fused. Under FSDP every norm runs fused in place, and the loss too."""
     tiny_moe(model_type).save_pretrained(tmp_path / "model")
-    results = run_ranks(WORKER, str(tmp_path / "model"), layout, str(tmp_path), timeout=400,
-                        env={"CKPT_TEST_NCCL": "1" if nccl else "0"})
+    results = run_ranks(
+        WORKER,
+        str(tmp_path / "model"),
+        layout,
+        str(tmp_path),
+        timeout=400,
+        env={"CKPT_TEST_NCCL": "1" if nccl else "0"},
+    )
     assert_ok(results)
     n_layers = 2
     for rank in range(2):
@@ -478,10 +543,16 @@ def test_patch_serves_experts_under_transformers_parallelism(model_type, layout,
         assert r["wrapped"] == r["experts"] and len(r["experts"]) == n_layers and r["forwards_kept"]
         assert r["implementation"] == kpatch.EXPERTS_IMPLEMENTATION
         changed = r["changed"]
-        wrapped_norms = [f"model.layers.{i}.self_attn.{n}_norm" for i in range(n_layers) for n in "qk"
-                         if "tp" in layout and model_type == "qwen3_moe"]
+        wrapped_norms = [
+            f"model.layers.{i}.self_attn.{n}_norm"
+            for i in range(n_layers)
+            for n in "qk"
+            if "tp" in layout and model_type == "qwen3_moe"
+        ]
         assert changed["left"] == wrapped_norms + (["lm_head"] if "tp" in layout else [])
-        assert not set(wrapped_norms) & set(changed["rms_norm"]) and len(changed["rms_norm"]) >= 2 * n_layers + 1
+        assert (
+            not set(wrapped_norms) & set(changed["rms_norm"]) and len(changed["rms_norm"]) >= 2 * n_layers + 1
+        )
         assert r["train_norm_calls"] == len(changed["rms_norm"])
         assert bool(changed["loss"]) == ("tp" not in layout) and changed["rope"]
         assert_close(f"rank {rank} loss", r["losses"][1], r["losses"][0], 1e-5, 1e-4)

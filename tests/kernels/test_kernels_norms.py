@@ -15,7 +15,9 @@ def rms_norm_ref(x, w, eps=1e-6, offset=0.0):
 
 
 def layer_norm_ref(x, w, b, eps=1e-5):
-    return torch.nn.functional.layer_norm(x.float(), (x.shape[-1],), w.float(), None if b is None else b.float(), eps)
+    return torch.nn.functional.layer_norm(
+        x.float(), (x.shape[-1],), w.float(), None if b is None else b.float(), eps
+    )
 
 
 SHAPES = [
@@ -25,9 +27,9 @@ SHAPES = [
     pytest.param((70, 20), DEVICE, id="70x20-split-reduction"),
     gpu_param((8192, 4096), "cuda", id="8192x4096"),
     gpu_param((4, 1000, 5120), "cuda", id="4x1000x5120"),
-    gpu_param((300, 16384), "cuda", id="300x16384-wide-rows"),   # RMSNorm: one row per backward step, no
+    gpu_param((300, 16384), "cuda", id="300x16384-wide-rows"),  # RMSNorm: one row per backward step, no
     # pipeline; LayerNorm: its column-parallel backward
-    gpu_param((64, 32768), "cuda", id="64x32768-widest-rows"),    # RMSNorm's column-parallel backward
+    gpu_param((64, 32768), "cuda", id="64x32768-widest-rows"),  # RMSNorm's column-parallel backward
 ]
 
 
@@ -37,8 +39,16 @@ SHAPES = [
 def test_rms_norm(shape, device, dtype, atol, rtol, offset):
     x = torch.randn(shape, device=device)
     w = torch.randn(shape[-1], device=device) * 0.5 + (0.0 if offset else 1.0)
-    run_and_compare(lambda x, w: rms_norm(x, w, 1e-6, offset), lambda x, w: rms_norm_ref(x, w, 1e-6, offset),
-                    [x, w], ["x", "weight"], dtype, atol, rtol, device)
+    run_and_compare(
+        lambda x, w: rms_norm(x, w, 1e-6, offset),
+        lambda x, w: rms_norm_ref(x, w, 1e-6, offset),
+        [x, w],
+        ["x", "weight"],
+        dtype,
+        atol,
+        rtol,
+        device,
+    )
 
 
 @pytest.mark.parametrize("dtype,atol,rtol", DTYPES)
@@ -51,8 +61,16 @@ def test_rms_norm_wide_row_backward(dtype, atol, rtol, in_place, monkeypatch):
     monkeypatch.setattr(importlib.import_module("ckpt.kernels.rms_norm"), "_ONE_PASS_MAX_N", 16)
     x = torch.randn(37, 40, device=DEVICE)
     w = torch.randn(40, device=DEVICE) * 0.5 + 1.0
-    run_and_compare(lambda x, w: rms_norm(x, w, in_place=in_place) * 1.0, lambda x, w: rms_norm_ref(x, w),
-                    [x, w], ["x", "weight"], dtype, atol, rtol, DEVICE)
+    run_and_compare(
+        lambda x, w: rms_norm(x, w, in_place=in_place) * 1.0,
+        lambda x, w: rms_norm_ref(x, w),
+        [x, w],
+        ["x", "weight"],
+        dtype,
+        atol,
+        rtol,
+        DEVICE,
+    )
 
 
 @pytest.mark.parametrize("dtype,atol,rtol", DTYPES)
@@ -66,8 +84,16 @@ def test_layer_norm_wide_row_backward(dtype, atol, rtol, with_bias, monkeypatch)
     x = torch.randn(37, 40, device=DEVICE)
     w = torch.randn(40, device=DEVICE) * 0.5 + 1.0
     b = torch.randn(40, device=DEVICE) if with_bias else None
-    run_and_compare(lambda x, w, b: layer_norm(x, w, b), layer_norm_ref, [x, w, b], ["x", "weight", "bias"],
-                    dtype, atol, rtol, DEVICE)
+    run_and_compare(
+        lambda x, w, b: layer_norm(x, w, b),
+        layer_norm_ref,
+        [x, w, b],
+        ["x", "weight", "bias"],
+        dtype,
+        atol,
+        rtol,
+        DEVICE,
+    )
 
 
 @pytest.mark.parametrize("dtype,atol,rtol", DTYPES)
@@ -76,8 +102,15 @@ def test_rms_norm_in_place_grad(dtype, atol, rtol):
     x = torch.randn(6, 40)
     w = torch.randn(40)
     # the multiply makes dy a private intermediate of the graph, as in a Llama block
-    run_and_compare(lambda x, w: rms_norm(x, w, in_place=True) * 1.0, lambda x, w: rms_norm_ref(x, w),
-                    [x, w], ["x", "weight"], dtype, atol, rtol)
+    run_and_compare(
+        lambda x, w: rms_norm(x, w, in_place=True) * 1.0,
+        lambda x, w: rms_norm_ref(x, w),
+        [x, w],
+        ["x", "weight"],
+        dtype,
+        atol,
+        rtol,
+    )
 
 
 def test_rms_norm_matches_llama_rounding():
@@ -87,7 +120,7 @@ def test_rms_norm_matches_llama_rounding():
     h = x.float()
     hf = w * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)).to(torch.bfloat16)
     ours = rms_norm(x, w)
-    assert (ours.float() - hf.float()).abs().max().item() <= 2 ** -6 * hf.float().abs().max().item()
+    assert (ours.float() - hf.float()).abs().max().item() <= 2**-6 * hf.float().abs().max().item()
 
 
 @pytest.mark.parametrize("shape,device", SHAPES)
@@ -97,8 +130,16 @@ def test_layer_norm(shape, device, dtype, atol, rtol, with_bias):
     x = torch.randn(shape, device=device) * 2 + 0.5
     w = torch.randn(shape[-1], device=device)
     b = torch.randn(shape[-1], device=device) if with_bias else None
-    run_and_compare(lambda x, w, b: layer_norm(x, w, b), layer_norm_ref, [x, w, b], ["x", "weight", "bias"],
-                    dtype, atol, rtol, device)
+    run_and_compare(
+        lambda x, w, b: layer_norm(x, w, b),
+        layer_norm_ref,
+        [x, w, b],
+        ["x", "weight", "bias"],
+        dtype,
+        atol,
+        rtol,
+        device,
+    )
 
 
 def test_modules_match_functional():
@@ -161,7 +202,9 @@ def test_norms_empty_input_gives_zero_parameter_grads():
     b = torch.zeros(24, device=DEVICE, requires_grad=True)
     (layer_norm(x, w, b).sum() + rms_norm(x, w).sum()).backward()
     assert x.grad.shape == (0, 24)
-    assert torch.equal(w.grad, torch.zeros(24, device=DEVICE)) and torch.equal(b.grad, torch.zeros(24, device=DEVICE))
+    assert torch.equal(w.grad, torch.zeros(24, device=DEVICE)) and torch.equal(
+        b.grad, torch.zeros(24, device=DEVICE)
+    )
 
 
 def test_norms_strided_weight():
@@ -190,10 +233,13 @@ def test_rms_norm_in_place_grad_is_adopted_without_copy():
 
 
 @pytest.mark.parametrize("wide", [False, True], ids=["one-pass", "wide-rows"])
-@pytest.mark.parametrize("shape,device", [
-    pytest.param((300, 260), DEVICE, id="300x260"),
-    gpu_param((8192, 4096), "cuda", id="8192x4096"),
-])
+@pytest.mark.parametrize(
+    "shape,device",
+    [
+        pytest.param((300, 260), DEVICE, id="300x260"),
+        gpu_param((8192, 4096), "cuda", id="8192x4096"),
+    ],
+)
 def test_norm_weight_grads_are_deterministic_and_leave_tickets_armed(shape, device, wide, monkeypatch):
     """The weight gradients are partial rows summed in program order: after the one-pass backward by a
     second launch, and for rows too wide for it (LayerNorm's limit lowered here) in-launch by the last

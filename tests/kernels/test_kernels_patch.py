@@ -12,36 +12,81 @@ from kernel_helpers import DEVICE, assert_close
 
 transformers = pytest.importorskip("transformers")
 
-TINY = dict(hidden_size=64, intermediate_size=88, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, vocab_size=97, max_position_embeddings=64)
+TINY = dict(
+    hidden_size=64,
+    intermediate_size=88,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=97,
+    max_position_embeddings=64,
+)
 
 #: model_type -> (config class, model class, config arguments beyond TINY)
 FAMILIES = {
     "llama": ("LlamaConfig", "LlamaForCausalLM", dict(tie_word_embeddings=True)),
     "mistral": ("MistralConfig", "MistralForCausalLM", {}),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),
-    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=16)),   # QK-norms
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=16)),  # QK-norms
     "gemma": ("GemmaConfig", "GemmaForCausalLM", dict(head_dim=16, tie_word_embeddings=True)),
     # Gemma 2: tanh-GELU, four (1 + w) norms per layer (two feed the residual), attention and
     # final-logit softcapping (0.5: the tiny model's logits are small, so a cap of 30 would be the identity)
-    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", dict(head_dim=16, final_logit_softcapping=0.5,
-                                                          attn_implementation="eager")),
+    "gemma2": (
+        "Gemma2Config",
+        "Gemma2ForCausalLM",
+        dict(head_dim=16, final_logit_softcapping=0.5, attn_implementation="eager"),
+    ),
     # Gemma 3: Gemma 2's layout plus QK-norms; sliding and full attention layers alternate
-    "gemma3_text": ("Gemma3TextConfig", "Gemma3ForCausalLM", dict(head_dim=16, final_logit_softcapping=0.7,
-                                                                    layer_types=["sliding_attention", "full_attention"],
-                                                                    sliding_window=4)),
-    "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(num_local_experts=4, num_experts_per_tok=2,
-                                                            output_router_logits=True, router_aux_loss_coef=0.05)),
+    "gemma3_text": (
+        "Gemma3TextConfig",
+        "Gemma3ForCausalLM",
+        dict(
+            head_dim=16,
+            final_logit_softcapping=0.7,
+            layer_types=["sliding_attention", "full_attention"],
+            sliding_window=4,
+        ),
+    ),
+    "mixtral": (
+        "MixtralConfig",
+        "MixtralForCausalLM",
+        dict(
+            num_local_experts=4, num_experts_per_tok=2, output_router_logits=True, router_aux_loss_coef=0.05
+        ),
+    ),
     # one sparse layer and one dense MLP layer (mlp_only_layers), QK-norms
-    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(head_dim=16, num_experts=4, num_experts_per_tok=2,
-                                                                moe_intermediate_size=40, mlp_only_layers=[1],
-                                                                output_router_logits=True)),
+    "qwen3_moe": (
+        "Qwen3MoeConfig",
+        "Qwen3MoeForCausalLM",
+        dict(
+            head_dim=16,
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=40,
+            mlp_only_layers=[1],
+            output_router_logits=True,
+        ),
+    ),
     # fused gate_up_proj; longrope scaling with a partial rotary dimension (the batch is longer than
     # original_max_position_embeddings, so the long factors are in use)
-    "phi3": ("Phi3Config", "Phi3ForCausalLM", dict(pad_token_id=0, bos_token_id=1, eos_token_id=2, rope_parameters={
-        "rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.5, "factor": 8.0,
-        "short_factor": [1.0, 1.5, 2.0, 3.0], "long_factor": [2.0, 3.0, 5.0, 8.0],
-        "original_max_position_embeddings": 8})),
+    "phi3": (
+        "Phi3Config",
+        "Phi3ForCausalLM",
+        dict(
+            pad_token_id=0,
+            bos_token_id=1,
+            eos_token_id=2,
+            rope_parameters={
+                "rope_type": "longrope",
+                "rope_theta": 10000.0,
+                "partial_rotary_factor": 0.5,
+                "factor": 8.0,
+                "short_factor": [1.0, 1.5, 2.0, 3.0],
+                "long_factor": [2.0, 3.0, 5.0, 8.0],
+                "original_max_position_embeddings": 8,
+            },
+        ),
+    ),
 }
 
 
@@ -55,6 +100,7 @@ def tiny_model(model_type: str, device: str = DEVICE, dtype: torch.dtype = torch
 
 def modeling_of(model):
     import sys
+
     return sys.modules[type(model).__module__]
 
 
@@ -74,14 +120,24 @@ def batch(vocab: int, device: str = DEVICE, seed: int = 1, length: int = 11, mas
 
 
 # on the CPU every family but Mixtral (its MoE sibling in the default suite: Qwen3-MoE) in the default suite
-CASES = [pytest.param(t, DEVICE, torch.float32, 1e-5, 1e-4, id=t, marks=[pytest.mark.slow] if t == "mixtral" else [])
-         for t in FAMILIES] + [
+CASES = [
+    pytest.param(
+        t, DEVICE, torch.float32, 1e-5, 1e-4, id=t, marks=[pytest.mark.slow] if t == "mixtral" else []
+    )
+    for t in FAMILIES
+] + [
     pytest.param("llama", "cuda", torch.bfloat16, 3e-2, 5e-2, id="llama-bf16-cuda", marks=pytest.mark.gpu),
     pytest.param("gemma", "cuda", torch.bfloat16, 3e-2, 5e-2, id="gemma-bf16-cuda", marks=pytest.mark.gpu),
     pytest.param("gemma2", "cuda", torch.bfloat16, 3e-2, 5e-2, id="gemma2-bf16-cuda", marks=pytest.mark.gpu),
-    pytest.param("gemma3_text", "cuda", torch.bfloat16, 3e-2, 5e-2, id="gemma3-bf16-cuda", marks=pytest.mark.gpu),
-    pytest.param("mixtral", "cuda", torch.bfloat16, 3e-2, 5e-2, id="mixtral-bf16-cuda", marks=pytest.mark.gpu),
-    pytest.param("qwen3_moe", "cuda", torch.bfloat16, 3e-2, 5e-2, id="qwen3_moe-bf16-cuda", marks=pytest.mark.gpu),
+    pytest.param(
+        "gemma3_text", "cuda", torch.bfloat16, 3e-2, 5e-2, id="gemma3-bf16-cuda", marks=pytest.mark.gpu
+    ),
+    pytest.param(
+        "mixtral", "cuda", torch.bfloat16, 3e-2, 5e-2, id="mixtral-bf16-cuda", marks=pytest.mark.gpu
+    ),
+    pytest.param(
+        "qwen3_moe", "cuda", torch.bfloat16, 3e-2, 5e-2, id="qwen3_moe-bf16-cuda", marks=pytest.mark.gpu
+    ),
     pytest.param("phi3", "cuda", torch.bfloat16, 3e-2, 5e-2, id="phi3-bf16-cuda", marks=pytest.mark.gpu),
 ]
 
@@ -92,8 +148,14 @@ def expected_changes(model):
     modeling = modeling_of(model)
     prefix = type(model).__name__[: -len("ForCausalLM")]
     kinds = {"rms_norm": f"{prefix}RMSNorm", "mlp": f"{prefix}MLP", "experts": f"{prefix}Experts"}
-    return {key: [n for n, m in model.named_modules() if type(m).__name__ == cls and type(m).__module__ ==
-                  modeling.__name__] for key, cls in kinds.items()}
+    return {
+        key: [
+            n
+            for n, m in model.named_modules()
+            if type(m).__name__ == cls and type(m).__module__ == modeling.__name__
+        ]
+        for key, cls in kinds.items()
+    }
 
 
 def check_matches_unpatched(ref, ours, ids, labels, atol, rtol, **kw):
@@ -133,9 +195,16 @@ def test_patch_matches_unpatched(model_type, device, dtype, atol, rtol, restore_
     check_matches_unpatched(ref, ours, ids, labels, atol, rtol)
 
     # second patch is a no-op; eval mode still returns logits identical in meaning
-    assert changed["layer_norm"] == []   # no vision tower
-    assert K.patch(ours) == {"rms_norm": [], "layer_norm": [], "mlp": [], "experts": [], "rope": [], "loss": [],
-                             "left": []}
+    assert changed["layer_norm"] == []  # no vision tower
+    assert K.patch(ours) == {
+        "rms_norm": [],
+        "layer_norm": [],
+        "mlp": [],
+        "experts": [],
+        "rope": [],
+        "loss": [],
+        "left": [],
+    }
     ours.eval()
     ref.eval()
     with torch.no_grad():
@@ -148,7 +217,7 @@ def test_patch_gemma_norm_details(restore_rope):
     also the residual's)."""
     for model_type in ("gemma2", "gemma3_text"):
         model = tiny_model(model_type, rms_norm_eps=3e-5)
-        model.model.layers[0].input_layernorm.eps = 1e-3   # one norm with another eps
+        model.model.layers[0].input_layernorm.eps = 1e-3  # one norm with another eps
         K.patch(model)
         layer = model.model.layers[0]
         assert layer.input_layernorm.eps == 1e-3 and layer.pre_feedforward_layernorm.eps == 3e-5
@@ -156,7 +225,9 @@ def test_patch_gemma_norm_details(restore_rope):
         assert not layer.post_attention_layernorm.in_place and not layer.post_feedforward_layernorm.in_place
         assert layer.input_layernorm.in_place and layer.pre_feedforward_layernorm.in_place
         if model_type == "gemma3_text":
-            assert isinstance(layer.self_attn.q_norm, K.RMSNorm) and isinstance(layer.self_attn.k_norm, K.RMSNorm)
+            assert isinstance(layer.self_attn.q_norm, K.RMSNorm) and isinstance(
+                layer.self_attn.k_norm, K.RMSNorm
+            )
         assert isinstance(layer.mlp, K.GeGLUMLP)
 
 
@@ -176,6 +247,7 @@ def wrap_forward(module, on_call):
 def grad_doubling(module):
     """What ``ReplicatedWithGradAllReduce`` (transformers' style for Qwen3's QK-norms) does in its wrapper: a hook on
     each parameter's accumulated gradient (there, a sum over the ranks; here, two ranks that agree: times 2)."""
+
     def double(param):
         param.grad.mul_(2)
 
@@ -211,7 +283,9 @@ def test_patch_leaves_a_module_whose_forward_is_wrapped_on_the_instance(restore_
     assert not set(wrapped) & set(changed["rms_norm"] + changed["mlp"])
     assert len(changed["rms_norm"]) == 2 * 2 + 1 and changed["experts"]
     assert type(ours.model.layers[0].self_attn.q_norm) is type(ref.model.layers[0].self_attn.q_norm)
-    assert any(r.levelname == "INFO" and "model.layers.0.self_attn.q_norm" in r.getMessage() for r in caplog.records)
+    assert any(
+        r.levelname == "INFO" and "model.layers.0.self_attn.q_norm" in r.getMessage() for r in caplog.records
+    )
     ids, labels = batch(ref.config.vocab_size)
     out_ref = ref(input_ids=ids, labels=labels)
     out_ref.loss.backward()
@@ -221,7 +295,7 @@ def test_patch_leaves_a_module_whose_forward_is_wrapped_on_the_instance(restore_
     named = dict(ref.named_parameters())
     for name, p in ours.named_parameters():
         assert_close(f"grad of {name}", p.grad, named[name].grad, 1e-5, 1e-4)
-    assert K.patch(ours)["left"] == changed["left"]   # a second call leaves them again, changes nothing
+    assert K.patch(ours)["left"] == changed["left"]  # a second call leaves them again, changes nothing
 
 
 def test_patch_fuses_a_module_with_hooks_in_place(restore_rope, monkeypatch):
@@ -245,8 +319,12 @@ def test_patch_fuses_a_module_with_hooks_in_place(restore_rope, monkeypatch):
     monkeypatch.setattr(kpatch_module(), "rms_norm", counting)
     changed = K.patch(ours)
     assert ours.model.norm is norm and ours.model.layers[0].mlp is mlp
-    assert "model.norm" in changed["rms_norm"] and "model.layers.0.mlp" in changed["mlp"] and changed["left"] == []
-    assert isinstance(ours.model.layers[1].mlp, K.SwiGLUMLP)   # no hooks: replaced as usual
+    assert (
+        "model.norm" in changed["rms_norm"]
+        and "model.layers.0.mlp" in changed["mlp"]
+        and changed["left"] == []
+    )
+    assert isinstance(ours.model.layers[1].mlp, K.SwiGLUMLP)  # no hooks: replaced as usual
     ids, labels = batch(ref.config.vocab_size)
     check_matches_unpatched(ref, ours, ids, labels, 1e-5, 1e-4)
     assert kernels == [1] and seen.count("Qwen3RMSNorm") == 2 and seen.count("Qwen3MLP") == 2
@@ -255,6 +333,7 @@ def test_patch_fuses_a_module_with_hooks_in_place(restore_rope, monkeypatch):
 
 def kpatch_module():
     import sys
+
     return sys.modules["ckpt.kernels.patch"]
 
 
@@ -280,7 +359,10 @@ def test_patch_moe_experts_under_every_implementation(model_type, implementation
     ours = copy.deepcopy(ref)
     routers = [type(m) for m in ref.modules() if type(m).__name__.endswith("TopKRouter")]
     changed = K.patch(ours)
-    assert changed["experts"] and [type(m) for m in ours.modules() if type(m).__name__.endswith("TopKRouter")] == routers
+    assert (
+        changed["experts"]
+        and [type(m) for m in ours.modules() if type(m).__name__.endswith("TopKRouter")] == routers
+    )
     ids, labels = batch(ref.config.vocab_size)
     check_matches_unpatched(ref, ours, ids, labels, 1e-5, 1e-4)
 
@@ -295,10 +377,15 @@ def test_patch_moe_without_router_logits(restore_rope):
     assert ours(input_ids=ids, labels=labels).aux_loss is None
 
 
-@pytest.mark.parametrize("rope_parameters", [
-    pytest.param({"rope_type": "default", "rope_theta": 10000.0}, id="full-rotary"),
-    pytest.param({"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}, id="partial-rotary"),
-])
+@pytest.mark.parametrize(
+    "rope_parameters",
+    [
+        pytest.param({"rope_type": "default", "rope_theta": 10000.0}, id="full-rotary"),
+        pytest.param(
+            {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}, id="partial-rotary"
+        ),
+    ],
+)
 def test_patch_phi3_rope_variants(rope_parameters, restore_rope):
     """Phi-3 with full and partial rotary dimensions (longrope: test_patch_matches_unpatched)."""
     ref = tiny_model("phi3", rope_parameters=rope_parameters)
@@ -330,8 +417,9 @@ def test_patch_leaves_an_activation_without_a_fused_kernel_and_says_why(caplog, 
 CURVE_FAMILIES = ("llama",)
 
 
-@pytest.mark.parametrize("model_type", [t if t in CURVE_FAMILIES else pytest.param(t, marks=pytest.mark.slow)
-                                        for t in FAMILIES])
+@pytest.mark.parametrize(
+    "model_type", [t if t in CURVE_FAMILIES else pytest.param(t, marks=pytest.mark.slow) for t in FAMILIES]
+)
 def test_patch_follows_unpatched_training_curve(model_type, restore_rope):
     """Six AdamW steps per family: the patched model's loss follows the unpatched one's. (The bound
     is derived for Llama over 20 steps in test_patch_tracks_training_curve; over six steps at lr 1e-3
@@ -348,7 +436,7 @@ def test_patch_follows_unpatched_training_curve(model_type, restore_rope):
     ids, labels = batch(ref.config.vocab_size)
     curve_ref = _train(ref, ids, labels, steps=6, lr=1e-3)
     curve = _train(ours, ids, labels, steps=6, lr=1e-3)
-    assert curve_ref[-1] < curve_ref[0] - 0.05   # it learns
+    assert curve_ref[-1] < curve_ref[0] - 0.05  # it learns
     for i, (a, b) in enumerate(zip(curve, curve_ref)):
         assert abs(a - b) <= 1e-4 * abs(b), f"step {i}: patched {a} vs unpatched {b}"
 
@@ -385,7 +473,8 @@ def test_patch_tracks_training_curve(restore_rope):
     curve_ref = _train(ref, ids, labels)
     spread = [0.0] * len(curve_ref)
     for other in [_train(copy.deepcopy(init).double(), ids, labels)] + [
-            _train(_one_ulp_off(copy.deepcopy(init), seed), ids, labels) for seed in range(3)]:
+        _train(_one_ulp_off(copy.deepcopy(init), seed), ids, labels) for seed in range(3)
+    ]:
         spread = [max(s, abs(o - r)) for s, o, r in zip(spread, other, curve_ref)]
     K.patch(ours)
     curve = _train(ours, ids, labels)
@@ -394,7 +483,9 @@ def test_patch_tracks_training_curve(restore_rope):
     eps = torch.finfo(torch.float32).eps
     for i, (a, b, s) in enumerate(zip(curve, curve_ref, spread)):
         bound = 2 * s + n_valid * eps * abs(b)
-        assert abs(a - b) <= bound, f"step {i}: patched {a} vs unpatched {b} (rounding spread {s:.3g}, bound {bound:.3g})"
+        assert abs(a - b) <= bound, (
+            f"step {i}: patched {a} vs unpatched {b} (rounding spread {s:.3g}, bound {bound:.3g})"
+        )
 
 
 def _one_ulp_off(model, seed):
@@ -425,11 +516,18 @@ def test_patch_honours_num_items_in_batch(restore_rope):
     K.patch(ours)
     ids, labels = batch(ref.config.vocab_size)
     n = torch.tensor(5.0)
-    assert_close("loss", ours(input_ids=ids, labels=labels, num_items_in_batch=n).loss,
-                 ref(input_ids=ids, labels=labels, num_items_in_batch=n).loss, 1e-5, 1e-4)
+    assert_close(
+        "loss",
+        ours(input_ids=ids, labels=labels, num_items_in_batch=n).loss,
+        ref(input_ids=ids, labels=labels, num_items_in_batch=n).loss,
+        1e-5,
+        1e-4,
+    )
 
 
-@pytest.mark.parametrize("model_type", ["llama", "gemma2", pytest.param("mixtral", marks=pytest.mark.slow), "phi3"])
+@pytest.mark.parametrize(
+    "model_type", ["llama", "gemma2", pytest.param("mixtral", marks=pytest.mark.slow), "phi3"]
+)
 def test_gradient_accumulation_with_num_items_in_batch(model_type, restore_rope):
     """Two micro-batches with different numbers of label tokens, each forward given the HF Trainer's
     ``num_items_in_batch`` (the label tokens of both): the patched model's accumulated losses and
@@ -437,7 +535,11 @@ def test_gradient_accumulation_with_num_items_in_batch(model_type, restore_rope)
     tokens (a mean per micro-batch, then averaged, would weight the short one's tokens more).
     Mixtral's runs with ``-m slow`` (its loss is the other families' fused loss; the default suite
     checks it on Llama, Gemma 2 and Phi-3 here)."""
-    ref = tiny_model(model_type, output_router_logits=False) if model_type == "mixtral" else tiny_model(model_type)
+    ref = (
+        tiny_model(model_type, output_router_logits=False)
+        if model_type == "mixtral"
+        else tiny_model(model_type)
+    )
     ours = copy.deepcopy(ref)
     K.patch(ours)
     micro = [batch(ref.config.vocab_size, seed=1, masked=2), batch(ref.config.vocab_size, seed=2, masked=8)]
@@ -492,12 +594,15 @@ def test_patch_rejects_unknown_architecture():
         K.patch(torch.nn.Linear(2, 2))
 
 
-@pytest.mark.parametrize("model_type,device", [
-    pytest.param("llama", DEVICE, id="llama"),
-    pytest.param("gemma", DEVICE, id="gemma"),
-    pytest.param("llama", "cuda", id="llama-cuda", marks=pytest.mark.gpu),
-    pytest.param("gemma", "cuda", id="gemma-cuda", marks=pytest.mark.gpu),
-])
+@pytest.mark.parametrize(
+    "model_type,device",
+    [
+        pytest.param("llama", DEVICE, id="llama"),
+        pytest.param("gemma", DEVICE, id="gemma"),
+        pytest.param("llama", "cuda", id="llama-cuda", marks=pytest.mark.gpu),
+        pytest.param("gemma", "cuda", id="gemma-cuda", marks=pytest.mark.gpu),
+    ],
+)
 def test_patch_under_autocast_matches_unpatched(model_type, device, restore_rope):
     """fp32 weights, forward under bf16 autocast (what HF Trainer's bf16=True does): the patched
     model's loss and every parameter gradient (fp32) match the unpatched model's under the same
@@ -519,8 +624,11 @@ def test_patch_under_autocast_matches_unpatched(model_type, device, restore_rope
         assert_close(f"grad of {name}", p.grad, p_ref.grad, 3e-2, 5e-2)
 
 
-@pytest.mark.skipif(DEVICE != "cpu", reason="torch's own CUDA loss stops at a device assert, and so does ours "
-                    "(test_kernels_losses: the device-assert test)")
+@pytest.mark.skipif(
+    DEVICE != "cpu",
+    reason="torch's own CUDA loss stops at a device assert, and so does ours "
+    "(test_kernels_losses: the device-assert test)",
+)
 def test_patch_label_outside_the_vocabulary_is_an_index_error(restore_rope):
     """A label >= vocab_size raises IndexError in the patched training forward, as it does in
     the unpatched one (the fused loss used to return a finite loss for it)."""
@@ -547,10 +655,11 @@ def test_patch_forwards_no_cache_argument_the_caller_did_not_give(restore_rope):
         def call(*args, **kwargs):
             seen.append((who, set(kwargs)))
             return inner(*args, **kwargs)
+
         return call
 
-    model.model.forward = spy("base", model.model.forward)    # the training path's base model call
-    model._ckpt_unpatched_forward = spy("unpatched", model._ckpt_unpatched_forward)   # eval / no labels
+    model.model.forward = spy("base", model.model.forward)  # the training path's base model call
+    model._ckpt_unpatched_forward = spy("unpatched", model._ckpt_unpatched_forward)  # eval / no labels
     ids, labels = batch(model.config.vocab_size)
     model(input_ids=ids, labels=labels)
     model.eval()
@@ -576,11 +685,25 @@ def tiny_gemma3_multimodal(dtype: torch.dtype = torch.float32, **text_overrides)
     a weight, a bias or an offset, or cuts the vision tower's gradient, shows."""
     _, _, extra = FAMILIES["gemma3_text"]
     text = {**TINY, **extra, "final_logit_softcapping": 0.7, **text_overrides}
-    vision = dict(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=2,
-                  image_size=16, patch_size=4, vision_use_head=False, layer_norm_eps=3e-6)
-    cfg = transformers.Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=MM_TOKENS,
-                                    image_token_id=IMAGE_TOKEN, boi_token_id=91, eoi_token_id=92,
-                                    attn_implementation="sdpa")
+    vision = dict(
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        image_size=16,
+        patch_size=4,
+        vision_use_head=False,
+        layer_norm_eps=3e-6,
+    )
+    cfg = transformers.Gemma3Config(
+        text_config=text,
+        vision_config=vision,
+        mm_tokens_per_image=MM_TOKENS,
+        image_token_id=IMAGE_TOKEN,
+        boi_token_id=91,
+        eoi_token_id=92,
+        attn_implementation="sdpa",
+    )
     torch.manual_seed(0)
     model = transformers.Gemma3ForConditionalGeneration(cfg)
     g = torch.Generator().manual_seed(3)
@@ -599,8 +722,8 @@ def mm_batch(model, seed: int = 1, length: int = 14):
     attention mask), so the patched loss must as well."""
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(1, 89, (2, length), generator=g)
-    ids[0, 2:2 + MM_TOKENS] = IMAGE_TOKEN
-    ids[1, 6:6 + MM_TOKENS] = IMAGE_TOKEN
+    ids[0, 2 : 2 + MM_TOKENS] = IMAGE_TOKEN
+    ids[1, 6 : 6 + MM_TOKENS] = IMAGE_TOKEN
     token_type_ids = (ids == IMAGE_TOKEN).long()
     labels = ids.clone()
     labels[token_type_ids.bool()] = -100
@@ -608,8 +731,11 @@ def mm_batch(model, seed: int = 1, length: int = 14):
     attention_mask = torch.ones_like(ids)
     attention_mask[1, -2:] = 0
     pixel_values = torch.randn(2, 3, 16, 16, generator=g)
-    kw = dict(pixel_values=pixel_values.to(DEVICE, next(model.parameters()).dtype), token_type_ids=token_type_ids.to(DEVICE),
-              attention_mask=attention_mask.to(DEVICE))
+    kw = dict(
+        pixel_values=pixel_values.to(DEVICE, next(model.parameters()).dtype),
+        token_type_ids=token_type_ids.to(DEVICE),
+        attention_mask=attention_mask.to(DEVICE),
+    )
     return ids.to(DEVICE), labels.to(DEVICE), kw
 
 
@@ -638,7 +764,9 @@ def check_mm_matches_unpatched(ref, ours, ids, labels, atol, rtol, **kw):
     out.loss.backward()
     named_ref = dict(ref.named_parameters())
     assert set(dict(ours.named_parameters())) == set(named_ref)
-    scale = max(p.grad.abs().max().item() for n, p in ref.named_parameters() if n.startswith("model.vision_tower"))
+    scale = max(
+        p.grad.abs().max().item() for n, p in ref.named_parameters() if n.startswith("model.vision_tower")
+    )
     for name, p in ours.named_parameters():
         assert p.grad is not None, f"{name} got no gradient"
         if name.endswith(ZERO_GRAD):
@@ -648,7 +776,9 @@ def check_mm_matches_unpatched(ref, ours, ids, labels, atol, rtol, **kw):
             assert_close(f"grad of {name}", p.grad, named_ref[name].grad, atol, rtol)
 
 
-@pytest.mark.parametrize("softcap", [pytest.param(None, marks=pytest.mark.slow), 0.7])   # 0.7: the softcap path too
+@pytest.mark.parametrize(
+    "softcap", [pytest.param(None, marks=pytest.mark.slow), 0.7]
+)  # 0.7: the softcap path too
 def test_patch_gemma3_multimodal_matches_unpatched(softcap, restore_rope):
     """Gemma3ForConditionalGeneration with an image per sequence: what patch returns, the vision
     tower's LayerNorms -> the fused LayerNorm sharing weight, bias and eps, and the loss and every
@@ -660,9 +790,9 @@ def test_patch_gemma3_multimodal_matches_unpatched(softcap, restore_rope):
     rms, ln, mlp = expected_multimodal_changes(ref)
 
     changed = K.patch(ours)
-    assert changed["rms_norm"] == rms and len(rms) == 2 * 6 + 2   # 6 per layer, the final and the projector's
+    assert changed["rms_norm"] == rms and len(rms) == 2 * 6 + 2  # 6 per layer, the final and the projector's
     assert "model.multi_modal_projector.mm_soft_emb_norm" in rms
-    assert changed["layer_norm"] == ln and len(ln) == 2 * 2 + 1   # 2 per vision layer and post_layernorm
+    assert changed["layer_norm"] == ln and len(ln) == 2 * 2 + 1  # 2 per vision layer and post_layernorm
     assert changed["mlp"] == mlp and len(mlp) == 2 and changed["experts"] == []
     assert changed["loss"] == ["Gemma3ForConditionalGeneration.forward"]
     assert changed["rope"] == [f"{modeling_of(ref).__name__}.apply_rotary_pos_emb"]
@@ -671,32 +801,59 @@ def test_patch_gemma3_multimodal_matches_unpatched(softcap, restore_rope):
         new, old = ours.get_submodule(name), ref.get_submodule(name)
         assert isinstance(new, K.LayerNorm) and new.eps == old.eps == 3e-6
     # SigLIP's MLP is left as it is
-    assert type(ours.model.vision_tower.encoder.layers[0].mlp) is type(ref.model.vision_tower.encoder.layers[0].mlp)
+    assert type(ours.model.vision_tower.encoder.layers[0].mlp) is type(
+        ref.model.vision_tower.encoder.layers[0].mlp
+    )
     lang = ours.model.language_model.layers[0]
     assert not lang.post_attention_layernorm.in_place and not lang.post_feedforward_layernorm.in_place
     assert isinstance(lang.mlp, K.GeGLUMLP) and isinstance(lang.self_attn.q_norm, K.RMSNorm)
 
     check_mm_matches_unpatched(ref, ours, ids, labels, 1e-5, 1e-4, **kw)
-    vision_grads = [p.grad for n, p in ours.named_parameters() if n.startswith("model.vision_tower")
-                    and not n.endswith(ZERO_GRAD)]
-    assert all(g.abs().sum() > 0 for g in vision_grads)   # the image reached the loss
+    vision_grads = [
+        p.grad
+        for n, p in ours.named_parameters()
+        if n.startswith("model.vision_tower") and not n.endswith(ZERO_GRAD)
+    ]
+    assert all(g.abs().sum() > 0 for g in vision_grads)  # the image reached the loss
 
     # gradient accumulation's num_items_in_batch and return_dict=False, as HF
     n = torch.tensor(7.0)
-    assert_close("loss / num_items", ours(input_ids=ids, labels=labels, num_items_in_batch=n, **kw).loss,
-                 ref(input_ids=ids, labels=labels, num_items_in_batch=n, **kw).loss, 1e-5, 1e-4)
-    assert_close("tuple loss", ours(input_ids=ids, labels=labels, return_dict=False, **kw)[0],
-                 ref(input_ids=ids, labels=labels, return_dict=False, **kw)[0], 1e-5, 1e-4)
+    assert_close(
+        "loss / num_items",
+        ours(input_ids=ids, labels=labels, num_items_in_batch=n, **kw).loss,
+        ref(input_ids=ids, labels=labels, num_items_in_batch=n, **kw).loss,
+        1e-5,
+        1e-4,
+    )
+    assert_close(
+        "tuple loss",
+        ours(input_ids=ids, labels=labels, return_dict=False, **kw)[0],
+        ref(input_ids=ids, labels=labels, return_dict=False, **kw)[0],
+        1e-5,
+        1e-4,
+    )
 
     # SigLIP's MLPs are named as left again, as the first time
-    assert changed["left"] == [n for n, m in ours.named_modules() if n.startswith("model.vision_tower")
-                               and n.endswith(".mlp")] and len(changed["left"]) == 2
-    assert K.patch(ours) == {"rms_norm": [], "layer_norm": [], "mlp": [], "experts": [], "rope": [], "loss": [],
-                             "left": changed["left"]}
+    assert (
+        changed["left"]
+        == [n for n, m in ours.named_modules() if n.startswith("model.vision_tower") and n.endswith(".mlp")]
+        and len(changed["left"]) == 2
+    )
+    assert K.patch(ours) == {
+        "rms_norm": [],
+        "layer_norm": [],
+        "mlp": [],
+        "experts": [],
+        "rope": [],
+        "loss": [],
+        "left": changed["left"],
+    }
     ours.eval()
     ref.eval()
     with torch.no_grad():
-        assert_close("eval logits", ours(input_ids=ids, **kw).logits, ref(input_ids=ids, **kw).logits, 1e-5, 1e-4)
+        assert_close(
+            "eval logits", ours(input_ids=ids, **kw).logits, ref(input_ids=ids, **kw).logits, 1e-5, 1e-4
+        )
 
 
 def test_patch_gemma3_multimodal_shares_parameters(restore_rope):
@@ -747,6 +904,6 @@ def test_patch_gemma3_multimodal_follows_unpatched_training_curve(restore_rope):
             curve.append(loss.item())
         curves.append(curve)
     curve_ref, curve = curves
-    assert curve_ref[-1] < curve_ref[0] - 0.05   # it learns
+    assert curve_ref[-1] < curve_ref[0] - 0.05  # it learns
     for i, (a, b) in enumerate(zip(curve, curve_ref)):
         assert abs(a - b) <= 1e-4 * abs(b), f"step {i}: patched {a} vs unpatched {b}"

@@ -52,9 +52,16 @@ def test_rope(shape, device, dtype, atol, rtol, layout):
         fn, ref = rope, rope_ref
         q, k = torch.randn(b, hq, s, d, device=device), torch.randn(b, hk, s, d, device=device)
     # cos/sin are HF buffers without gradients: pass them as non-float-like constants
-    run_and_compare(lambda q, k: fn(q, k, cos.to(device, dtype), sin.to(device, dtype)),
-                    lambda q, k: ref(q, k, cos.to(device, dtype), sin.to(device, dtype)),
-                    [q, k], ["q", "k"], dtype, atol, rtol, device)
+    run_and_compare(
+        lambda q, k: fn(q, k, cos.to(device, dtype), sin.to(device, dtype)),
+        lambda q, k: ref(q, k, cos.to(device, dtype), sin.to(device, dtype)),
+        [q, k],
+        ["q", "k"],
+        dtype,
+        atol,
+        rtol,
+        device,
+    )
 
 
 @pytest.mark.parametrize("dtype,atol,rtol", DTYPES)
@@ -62,14 +69,34 @@ def test_rope_general_cos_sin_and_layouts(dtype, atol, rtol):
     """Random (non-HF) cos/sin with a per-batch dim, (S, D) cos, and sequence-first layout."""
     b, hq, hk, s, d = 2, 4, 2, 6, 8
     cos, sin = torch.randn(b, s, d).to(DEVICE, dtype), torch.randn(b, s, d).to(DEVICE, dtype)
-    run_and_compare(lambda q, k: rope(q, k, cos, sin), lambda q, k: rope_ref(q, k, cos, sin),
-                    [torch.randn(b, hq, s, d), torch.randn(b, hk, s, d)], ["q", "k"], dtype, atol, rtol)
+    run_and_compare(
+        lambda q, k: rope(q, k, cos, sin),
+        lambda q, k: rope_ref(q, k, cos, sin),
+        [torch.randn(b, hq, s, d), torch.randn(b, hk, s, d)],
+        ["q", "k"],
+        dtype,
+        atol,
+        rtol,
+    )
     c2, s2 = cos[0], sin[0]
-    run_and_compare(lambda q, k: rope(q, k, c2, s2), lambda q, k: rope_ref(q, k, c2[None], s2[None]),
-                    [torch.randn(b, hq, s, d), torch.randn(b, hk, s, d)], ["q", "k"], dtype, atol, rtol)
-    run_and_compare(lambda q, k: rope(q, k, cos, sin, unsqueeze_dim=2),
-                    lambda q, k: rope_ref(q, k, cos, sin, unsqueeze_dim=2),
-                    [torch.randn(b, s, hq, d), torch.randn(b, s, hk, d)], ["q", "k"], dtype, atol, rtol)
+    run_and_compare(
+        lambda q, k: rope(q, k, c2, s2),
+        lambda q, k: rope_ref(q, k, c2[None], s2[None]),
+        [torch.randn(b, hq, s, d), torch.randn(b, hk, s, d)],
+        ["q", "k"],
+        dtype,
+        atol,
+        rtol,
+    )
+    run_and_compare(
+        lambda q, k: rope(q, k, cos, sin, unsqueeze_dim=2),
+        lambda q, k: rope_ref(q, k, cos, sin, unsqueeze_dim=2),
+        [torch.randn(b, s, hq, d), torch.randn(b, s, hk, d)],
+        ["q", "k"],
+        dtype,
+        atol,
+        rtol,
+    )
 
 
 def test_rope_keeps_layout():
@@ -108,8 +135,15 @@ def test_glu_in_place_gradient_on_intermediates(dtype, atol, rtol, fn, ref):
     """When a and b are private intermediates the gradients overwrite them; results must not change."""
     x = torch.randn(5, 16)
     w1, w2 = torch.randn(16, 24), torch.randn(16, 24)
-    run_and_compare(lambda x, w1, w2: fn(x @ w1, x @ w2), lambda x, w1, w2: ref(x @ w1, x @ w2),
-                    [x, w1, w2], ["x", "w1", "w2"], dtype, atol, rtol)
+    run_and_compare(
+        lambda x, w1, w2: fn(x @ w1, x @ w2),
+        lambda x, w1, w2: ref(x @ w1, x @ w2),
+        [x, w1, w2],
+        ["x", "w1", "w2"],
+        dtype,
+        atol,
+        rtol,
+    )
 
 
 def test_glu_non_contiguous_and_aliased():
@@ -124,7 +158,9 @@ def test_glu_non_contiguous_and_aliased():
     torch.testing.assert_close(x.grad, xr.grad)
 
 
-@pytest.mark.parametrize("cls,act", [(SwiGLUMLP, F.silu), (GeGLUMLP, lambda t: F.gelu(t, approximate="tanh"))])
+@pytest.mark.parametrize(
+    "cls,act", [(SwiGLUMLP, F.silu), (GeGLUMLP, lambda t: F.gelu(t, approximate="tanh"))]
+)
 def test_mlp_modules(cls, act):
     mlp = cls(24, 40, device=DEVICE)
     x = torch.randn(3, 5, 24, device=DEVICE)
@@ -135,7 +171,7 @@ def test_mlp_modules(cls, act):
 PACKED_SHAPES = [  # (..., 2I)
     pytest.param((1, 2), DEVICE, id="1x2"),
     pytest.param((3, 5, 74), DEVICE, id="3x5x74"),
-    pytest.param((7, 2 * 1100), DEVICE, id="7x2200"),   # I > one column block: two programs per row
+    pytest.param((7, 2 * 1100), DEVICE, id="7x2200"),  # I > one column block: two programs per row
     gpu_param((8192, 2 * 14336), "cuda", id="8192x28672"),
     gpu_param((3, 777, 2 * 11008), "cuda", id="3x777x22016"),
 ]
@@ -148,8 +184,9 @@ PACKED = [
 
 def packed_ref(act):
     def ref(x):
-        gate, up = x.float().chunk(2, dim=-1)   # as Phi-3's MLP and transformers' experts split it
+        gate, up = x.float().chunk(2, dim=-1)  # as Phi-3's MLP and transformers' experts split it
         return act(gate) * up
+
     return ref
 
 
@@ -166,8 +203,9 @@ def test_glu_packed(shape, device, dtype, atol, rtol, fn, act):
 def test_glu_packed_in_place_gradient_on_intermediates(dtype, atol, rtol, fn, act):
     """The output of a gate_up projection (a private intermediate) takes [da, db] in place."""
     x, w = torch.randn(2, 5, 16), torch.randn(16, 2 * 24)
-    run_and_compare(lambda x, w: fn(x @ w), lambda x, w: packed_ref(act)(x @ w), [x, w], ["x", "w"],
-                    dtype, atol, rtol)
+    run_and_compare(
+        lambda x, w: fn(x @ w), lambda x, w: packed_ref(act)(x @ w), [x, w], ["x", "w"], dtype, atol, rtol
+    )
 
 
 def test_glu_packed_in_place_clobbers_and_flags():
@@ -175,13 +213,13 @@ def test_glu_packed_in_place_clobbers_and_flags():
     loudly instead of reading a gradient; a strided view of a bigger buffer is never written."""
     x = torch.randn(4, 10, device=DEVICE, requires_grad=True)
     y = x * 2.0
-    z = y.exp()   # saves its output, not y ... but this one saves y:
+    z = y.exp()  # saves its output, not y ... but this one saves y:
     w = y * y
     swiglu_packed(y).sum().backward(retain_graph=True)
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         (z.sum() + w.sum()).backward()
     base = torch.randn(4, 20, device=DEVICE)
-    view = base[:, ::2].requires_grad_()   # strided leaf-like view: gradient in a new buffer
+    view = base[:, ::2].requires_grad_()  # strided leaf-like view: gradient in a new buffer
     before = base.clone()
     swiglu_packed(view).sum().backward()
     assert torch.equal(base, before)
@@ -195,10 +233,14 @@ def test_glu_packed_rejects_odd_width():
         swiglu_packed(torch.randn(3, 7, device=DEVICE))
 
 
-@pytest.mark.parametrize("activation,act", [("silu", F.silu), ("gelu_tanh", lambda t: F.gelu(t, approximate="tanh"))])
+@pytest.mark.parametrize(
+    "activation,act", [("silu", F.silu), ("gelu_tanh", lambda t: F.gelu(t, approximate="tanh"))]
+)
 def test_packed_mlp_module(activation, act):
-    gate_up, down = torch.nn.Linear(24, 80, bias=False, device=DEVICE), torch.nn.Linear(40, 24, bias=False,
-                                                                                        device=DEVICE)
+    gate_up, down = (
+        torch.nn.Linear(24, 80, bias=False, device=DEVICE),
+        torch.nn.Linear(40, 24, bias=False, device=DEVICE),
+    )
     mlp = PackedGLUMLP(gate_up, down, activation)
     x = torch.randn(3, 5, 24, device=DEVICE)
     gate, up = gate_up(x).chunk(2, dim=-1)
@@ -220,13 +262,13 @@ def test_geglu_keeps_its_relative_precision_where_tanh_saturates(packed):
     a64 = a.double()
     # float64 cancels too past -6 (1 + tanh(-33) is 0 there): 0.5 (1 + tanh u) and 1 - tanh^2 u written
     # as the sigmoids they equal
-    u2 = 2.0 * k * (a64 + 0.044715 * a64 ** 3)
+    u2 = 2.0 * k * (a64 + 0.044715 * a64**3)
     half_1p_t, one_m_t2 = torch.sigmoid(u2), 4.0 * torch.sigmoid(u2) * torch.sigmoid(-u2)
     want = a64 * half_1p_t * 1.5
-    want_da = (half_1p_t + 0.5 * a64 * one_m_t2 * k * (1.0 + 3 * 0.044715 * a64 ** 2)) * 1.5
+    want_da = (half_1p_t + 0.5 * a64 * one_m_t2 * k * (1.0 + 3 * 0.044715 * a64**2)) * 1.5
     x = a.clone().requires_grad_(True)
     y = b.clone().requires_grad_(True)
-    if packed:   # gate and up are the two halves of the last dimension
+    if packed:  # gate and up are the two halves of the last dimension
         xy = torch.cat([a, b]).reshape(1, -1).clone().requires_grad_(True)
         out = geglu_packed(xy)
         out.backward(torch.ones_like(out))
