@@ -249,10 +249,10 @@ def test_an_engine_it_does_not_have_is_refused():
 
 
 _INTERPRETED = r"""
-import torch
+import json, sys, torch
 from ckpt import device_crc
 from ckpt.integrity import checksum
-for n, chunk in [(1403, 512), (3337, 768), (8455, 4096), (2 * 6144 + 2048 + 100, 6144), (300, 512)]:
+for n, chunk in json.loads(sys.argv[1]):
     g = torch.Generator().manual_seed(n)
     data = torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g)
     want = [checksum(memoryview(data[i:i + chunk].numpy())) for i in range(0, n, chunk)]
@@ -271,16 +271,28 @@ print("same")
 
 
 @pytest.mark.timeout(300)
-def test_the_triton_kernel_gives_the_hosts_values_in_the_interpreter():
+@pytest.mark.parametrize(
+    "cases",
+    [
+        # one lane per chunk with a tail; a chunk short of lanes, with a flipped byte found in its chunk
+        pytest.param([(1403, 512), (3337, 768)], id="one-lane-and-short"),
+        # lanes of 2 KiB, three lanes a chunk, a tail past the last lane, a state shorter than a chunk
+        pytest.param(
+            [(8455, 4096), (2 * 6144 + 2048 + 100, 6144), (300, 512)], id="long-lanes", marks=pytest.mark.slow
+        ),
+    ],
+)
+def test_the_triton_kernel_gives_the_hosts_values_in_the_interpreter(cases):
     """Lanes of one block to 2 KiB, chunks of 1 to 4 lanes, a chunk short of lanes, a tail
     past the last lane, under Triton's interpreter (its own process: Triton fixes the mode at import)."""
     pytest.importorskip("triton")
+    import json
     import os
     import subprocess
     import sys
 
     out = subprocess.run(
-        [sys.executable, "-c", _INTERPRETED],
+        [sys.executable, "-c", _INTERPRETED, json.dumps(cases)],
         env=dict(os.environ, TRITON_INTERPRET="1"),
         capture_output=True,
         text=True,

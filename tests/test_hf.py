@@ -236,6 +236,7 @@ def _kernels_run(*runs: list[str]) -> subprocess.CompletedProcess:
     )
 
 
+@pytest.mark.slow  # ~40-75 s in Triton's interpreter; bf16 resume: test_bf16_autocast_resumes_exactly
 def test_bf16_with_kernels_patch_resumes_exactly(tmp_path):
     pytest.importorskip("triton")
     ref, c = tmp_path / "ref", tmp_path / "c"
