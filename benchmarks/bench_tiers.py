@@ -93,17 +93,21 @@ def build(layers: int, seed: int = 0, cpu: bool = False):
         model = LlamaForCausalLM(cfg)
         return model, torch.optim.AdamW(model.parameters(), lr=1e-5)
     model = LlamaForCausalLM(cfg).to("cuda", torch.bfloat16)
+    global KERNELS
     try:
         from ckpt.kernels import patch
 
         patch(model)
+        KERNELS = "kernels patched"
     except Exception as e:  # noqa: BLE001 - the loop runs unpatched then (said in the table)
-        print(f"kernels not patched: {e}", flush=True)
+        KERNELS = f"kernels NOT patched ({type(e).__name__}: {e})"
+        print(KERNELS, flush=True)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
     return model, opt
 
 
 VOCAB_CPU = 8192
+KERNELS = "no kernels (CPU)"  # whether the GPU model runs with ckpt.kernels patched: in each step-time row
 
 
 def fingerprint(state: dict) -> list[int]:
@@ -349,7 +353,7 @@ def train_loop(root: Path, args) -> None:
             f"steps 11-{args.steps}; median "
             f"{statistics.median(times[10:]) * 1e3:.1f} ms; steps 11-40 {statistics.mean(times[10:40]) * 1e3:.1f}, "
             f"41-{args.steps} {statistics.mean(times[40:] or [float('nan')]) * 1e3:.1f} ms; slowest: step {slow + 1}, "
-            f"{times[slow] * 1e3:.0f} ms",
+            f"{times[slow] * 1e3:.0f} ms; {KERNELS}",
         )
         shutil.rmtree(d, ignore_errors=True)
     for name in results:
