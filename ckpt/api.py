@@ -24,21 +24,21 @@ from .plan import flatten, layout
 from .policy import (
     EVERY_TIER,
     AutoInterval,
-    Interval,
     Retention,
     Schedule,
-    TierCadence,
     Timeline,
     newest_timeline,
+    plain_interval,
     retain,
+    tier_cadences,
 )
 from .preempt import Listening, Signals
 from .promotion import check_target, copy_between
 from .ranks import collective_job, job_ranks
-from .restore import AgreedRestore, HandOver, RestoreInfo, restore_alone
+from .restore import HandOver, RestoreInfo, held_anywhere, restore_state
 from .pool import HostPool
-from .saving import Taking, manifest_for, step_arg
-from .stage import Snapshot, SnapshotStats, stage, wait_all_staged
+from .saving import Taking, manifest_for, stage_or_release, step_arg
+from .stage import Snapshot, SnapshotStats, wait_all_staged
 from .tiers import LocalTier
 from .tiers.base import TierFigures
 from .tiers.stack import Tiers, default_local_dir
@@ -52,14 +52,10 @@ class Checkpointer:
     """Two-phase checkpointing of a training state: snapshot now, persist in the background.
 
     Args:
-        storage: where checkpoints go, a :class:`~ckpt.Storage`: ``local_dir`` (required, or
-            ``$CKPT_LOCAL_DIR``), ``url``, ``storage_options``, ``compression``, ``peers``, ``replicated``,
-            ``max_in_flight``, ``host_memory_limit`` (each documented there). ``ck.storage`` shows what is
-            used.
-        policy: when snapshots are taken and what each tier keeps, a :class:`~ckpt.Policy`:
-            ``every_steps``, ``every_seconds``, ``interval``, ``mtbf``, ``restart_cost``, ``persist_every``,
-            ``if_busy``, ``keep``, ``on_unsupported`` (each documented there). ``ck.policy`` shows what is
-            used.
+        storage: where checkpoints go, a :class:`~ckpt.Storage` (``local_dir`` is required, or
+            ``$CKPT_LOCAL_DIR``; each field documented there). ``ck.storage`` shows what is used.
+        policy: when snapshots are taken and what each tier keeps, a :class:`~ckpt.Policy` (each field
+            documented there). ``ck.policy`` shows what is used.
         signals: a :class:`~ckpt.Signals`: what signals do inside the ``with`` block (preemption: save, make
             durable, exit; a save request: save, make durable, keep training), e.g.
             ``ckpt.Signals(preempt=(signal.SIGTERM,), save=(signal.SIGUSR1,))``.
@@ -68,32 +64,21 @@ class Checkpointer:
             driving the Checkpointer (see :meth:`metrics` and :mod:`ckpt.metrics`).
         clock: seconds clock for ``every_seconds`` and ``interval="auto"``
             (injectable for tests).
-        collective: whether the ranks of a multi-process job agree (default: when
-            ``torch.distributed`` is initialised with more than one rank). Then
-            constructing the Checkpointer, :meth:`restore`, and :meth:`maybe_save`
-            with ``every_seconds``, ``interval="auto"`` or ``signals`` are collective:
-            call them on every rank. ``restore`` loads the newest step that every
-            rank can load; time-based policies, ``if_busy="skip"`` (which makes
-            :meth:`save` collective too) and preemption signals save the same
-            steps everywhere. The agreement runs over a CPU (gloo) group, never
-            synchronising the GPU. ``False``: every rank decides alone (for code
-            that checkpoints from one rank only).
+        collective: whether the ranks of a multi-process job agree (default: when ``torch.distributed`` is
+            initialised with more than one rank). Then constructing the Checkpointer, :meth:`restore`, and
+            :meth:`maybe_save` with ``every_seconds``, ``interval="auto"`` or ``signals`` are collective: call
+            them on every rank (each method states its contract; docs/api.md, "Collective contract"). The
+            agreement runs over a CPU (gloo) group, never synchronising the GPU. ``False``: every rank decides
+            alone (for code that checkpoints from one rank only).
 
-    Shorthand: each field of ``Storage`` and ``Policy`` may be given as a keyword argument instead
-    (``Checkpointer("s3://bucket/run", local_dir="/nvme/ckpt", every_steps=10)``), each option once
-    (``ValueError`` naming one given both ways); ``url`` may be the first positional argument. A tuple of
-    preemption signals with ``drain_deadline``, ``drain_tier`` and ``on_preempt`` is shorthand for
-    ``Signals(preempt=..., deadline=..., drain_tier=..., on_preempt=...)``.
+    Each field of ``Storage`` and ``Policy`` may be given as a keyword instead, each option once
+    (``ValueError`` naming one given both ways); ``url`` may be the first positional argument; a tuple of
+    preemption signals with ``drain_deadline``, ``drain_tier`` and ``on_preempt`` is a ``Signals``.
 
-    A ``state`` is a dict of name -> value: ``nn.Module``, optimizer, LR
-    scheduler, any object with ``state_dict()``/``load_state_dict()``, tensors,
-    numpy arrays, JSON-safe values, and dicts/lists of those. Each process saves
-    its own state (CPU or one GPU per process): a full replica in data-parallel
-    jobs, its shards of DTensors (FSDP2, tensor parallel) with their layout. In a
-    multi-process job give each rank its own ``local_dir`` and all ranks one
-    ``url``. A rank's own copies (memory, local) load only into the layout they
-    were saved from; when the world size, mesh or placements changed, restore
-    passes them over and reshards from the job tier.
+    A ``state`` is a dict of name -> value: modules, optimizers, any object with ``state_dict()``, tensors
+    (DTensor shards with their layout), numpy arrays, JSON-safe values, and dicts/lists of those
+    (docs/api.md, "What a state may hold"). Each process saves its own; in a multi-process job give each
+    rank its own ``local_dir`` and all ranks one ``url``.
     """
 
     def __init__(
@@ -135,10 +120,7 @@ class Checkpointer:
         check_storage(self.storage)
         self.replicated = frozenset(st.replicated)
         self.keep = po.keep if po.keep is not None else Retention()
-        if po.interval is None:
-            self.interval: Interval | AutoInterval = Interval(po.every_steps, po.every_seconds, clock)
-        elif po.every_steps is not None or po.every_seconds is not None:
-            raise ValueError("interval='auto' picks the interval itself: drop every_steps / every_seconds")
+        interval = plain_interval(po.every_steps, po.every_seconds, po.interval, clock)
         self.signals = Signals.from_arguments(signals, drain_deadline, drain_tier, on_preempt)
         self.drain_deadline = self.signals.deadline
         self.drain_tier = self.signals.drain_tier
@@ -156,9 +138,10 @@ class Checkpointer:
         self.memory, self.local, self.remote = self._stack.memory, self._stack.local, self._stack.remote
         self.signals.check_tiers(self._stack.planned_persisting)
         self.persist_every = self._stack.check_cadences(po.persist_every or {})
-        mtbf = self._stack.per_tier(po.mtbf, "mtbf") if po.interval == "auto" else {}
-        if po.interval == "auto":
-            self.interval = AutoInterval(mtbf[self.memory.name], po.restart_cost, clock=clock)
+        mtbf = self._stack.per_tier(po.mtbf, "mtbf") if interval is None else {}
+        if interval is None:  # interval="auto", from the memory tier's MTBF
+            interval = AutoInterval(mtbf[self.memory.name], po.restart_cost, clock=clock)
+        self.interval = interval
         self.history: collections.deque[SnapshotStats] = collections.deque(maxlen=10_000)
         self.last_restore: RestoreInfo | None = None
         self._handles = Handles()
@@ -167,23 +150,14 @@ class Checkpointer:
         self.ranks = job_ranks(collective)
         self._job = [self.ranks.rank, self.ranks.world] if self.ranks is not None else None
         self._node = Ownership(self.local, self.memory, self.pool, self.ranks)  # local_dir's lock, segments
-        self._node.join_job(
-            self.remote
-        )  # a collective job: each rank owns its local_dir; one url: the job tier
+        # a collective job: each rank owns its local_dir; one url: the job tier
+        self._node.join_job(self.remote)
         try:
             self._stack.add_peer(self.ranks, st.peers)
             self.peer = self._stack.peer
             persisting = self._stack.persisting
             # interval="auto": each persisting tier not given a persist_every cadence gets its own
-            cadences = (
-                {
-                    t.name: TierCadence(t.name, mtbf[t.name])
-                    for t in persisting
-                    if t.name not in self.persist_every
-                }
-                if po.interval == "auto"
-                else {}
-            )
+            cadences = tier_cadences(persisting, mtbf, self.persist_every) if po.interval == "auto" else {}
             self._pipeline = Pipeline(
                 self.pool,
                 self.memory,
@@ -249,57 +223,43 @@ class Checkpointer:
     def maybe_save(self, step: int, state: Mapping[str, Any], *, final: bool = False) -> SaveHandle | None:
         """Save if the policy says so (see ``every_steps``/``every_seconds``); returns at once.
 
-        ``state`` is the state *after* ``step``: a restore returns ``step`` and
-        the loop continues at ``step + 1``. With ``if_busy="skip"`` a save that finds
-        no host buffer free (the tiers hold them all, or their background allocation,
-        started by the first call, is still running) is skipped at once (its handle's status is
-        ``"skipped"``); ``CKPT_BUSY_WAIT_MS`` sets how long to wait for one instead.
+        ``state`` is the state *after* ``step``: a restore returns ``step`` and the loop continues at ``step +
+        1``. With ``if_busy="skip"`` a save that finds no host buffer free (the tiers hold them all, or their
+        background allocation, started by the first call, is still running) is skipped at once (its handle's
+        status is ``"skipped"``); ``CKPT_BUSY_WAIT_MS`` sets how long to wait for one instead.
 
-        ``final=True`` (``final=step == total_steps - 1`` in the loop): the loop's last step, saved
-        whatever the policy, never skipped (it waits for a host buffer) and written to every tier
-        whatever its ``persist_every`` cadence; :meth:`close` (the ``with`` block's end) waits until it
-        is durable. So the finished run's newest checkpoint is its final state, and running the script
-        again restores it and trains nothing. A loop that may stop early (a ``break``) calls
-        :meth:`save` with its last step after the loop instead.
+        ``final=True`` (``final=step == total_steps - 1`` in the loop): the loop's last step, saved whatever
+        the policy, never skipped (it waits for a host buffer) and written to every tier whatever its
+        ``persist_every`` cadence; :meth:`close` (the ``with`` block's end) waits until it is durable. A loop
+        that may stop early (a ``break``) calls :meth:`save` with its last step after the loop instead.
 
-        Raises ``ValueError`` when the Checkpointer has no policy (no ``every_steps``,
-        ``every_seconds`` or ``interval``) and no ``signals``: such a call would never save.
+        Raises ``ValueError`` when the Checkpointer has no policy (no ``every_steps``, ``every_seconds`` or
+        ``interval``) and no ``signals``: such a call would never save.
 
-        Inside the ``with`` block, after a signal of ``signals``: a preemption saves
-        ``step``, waits until it is durable and exits (or raises); a save request saves
-        ``step``, waits until it is durable on ``save_tier`` (at most ``save_deadline``
-        seconds) and returns its handle.
+        Inside the ``with`` block, after a signal of ``signals``: a preemption saves ``step``, waits until it
+        is durable and exits (or raises); a save request saves ``step``, waits until it is durable on
+        ``save_tier`` (at most ``save_deadline`` seconds) and returns its handle.
         """
         step = step_arg(step, "maybe_save(step=...)")
         if not isinstance(final, bool):
             raise TypeError(f"maybe_save(final=...) must be True or False, got {final!r}")
-        if (
-            isinstance(self.interval, Interval)
-            and self.interval.every_steps is None
-            and self.interval.every_seconds is None
-            and not (self.signals.preempt or self.signals.save)
-        ):
-            raise ValueError(
-                "maybe_save() has no policy to follow, so it would never save: pass every_steps=, "
-                "every_seconds= or interval='auto' (with mtbf=) to ckpt.Checkpointer (or in "
-                "ckpt.Policy), or call save() where the loop should save"
-            )
+        self._schedule.require_policy(self.signals)
         return self._maybe_save(step, state, final)
 
     def _maybe_save(self, step: int, state: Mapping[str, Any], final: bool = False) -> SaveHandle | None:
         """:meth:`maybe_save` without its check of a policy (the Hugging Face callback's own saves follow the
         Trainer's save schedule, and call it for the signals and ``every_steps`` alone)."""
         self._metrics.poll()
-        requested = self._listening.act(step, lambda tier: self._forced_save(step, state, tier), self.ranks)
+        # a signal's save waits for a buffer rather than being skipped; its tier writes it even when busy or not due
+        requested = self._listening.act(step, lambda tier: self._save(step, state, force=tier), self.ranks)
         if requested is not None:  # a save request's save, durable on its tier
             return requested
         if not self._taking.prepared:
             self._taking.prepare(state, self.on_unsupported)
         due = self._schedule.due(step)
-        if (
-            final
-        ):  # the same on every rank: the loop's bound is; it waits for a buffer rather than being skipped
-            return self._forced_save(step, state, EVERY_TIER)
+        # final: the same on every rank (the loop's bound is); it waits for a buffer rather than being skipped
+        if final:
+            return self._save(step, state, force=EVERY_TIER)
         if not due:
             return None
         return self._save(step, state, patient=False)
@@ -314,16 +274,11 @@ class Checkpointer:
         """The save signal received and not yet served by a save (``None`` if none)."""
         return self._listening.save_requested
 
-    def _forced_save(self, step: int, state: Mapping[str, Any], tier: str) -> SaveHandle:
-        """A signal's save: it waits for a buffer rather than being skipped, and ``tier`` writes it even
-        when busy or not due."""
-        return self._save(step, state, force=tier)
-
     def metrics(self) -> list[Record]:
-        """The records (:mod:`ckpt.metrics`) of the saves that finished on every tier and the restores
-        since the last call, oldest first: flat dicts of ``str -> int | float`` (``ckpt/save/stall_ms``,
-        ``ckpt/save/local_gbps``, ``ckpt/restore/seconds``, ...) for TensorBoard, W&B or a Lightning
-        logger. At most the newest 1000 are kept between calls."""
+        """The records (:mod:`ckpt.metrics`) of the saves that finished on every tier and the restores since
+        the last call, oldest first: flat dicts of ``str -> int | float`` (``ckpt/save/stall_ms``,
+        ``ckpt/save/local_gbps``, ``ckpt/restore/seconds``, ...) for TensorBoard, W&B or a Lightning logger.
+        At most the newest 1000 are kept between calls."""
         return self._metrics.take()
 
     def interval_report(self) -> dict[str, Any]:
@@ -341,17 +296,15 @@ class Checkpointer:
     def save(self, step: int, state: Mapping[str, Any]) -> SaveHandle:
         """Snapshot ``state`` as step ``step`` and persist it in the background.
 
-        Returns once the copies are enqueued (phase 1 overlaps the caller's next
-        forward/backward; the next ``optimizer.step()`` waits for it on the GPU).
-        The snapshot goes to the memory tier, then to each slower tier by its
-        ``persist_every`` cadence and ``if_busy`` (see :class:`IfBusy`; the handle
-        says which tiers skipped it and why). In a collective job with
-        ``if_busy="skip"`` it is collective: call it on every rank (the ranks agree
-        which tiers are free, so that all of them write the same steps).
-        Raises :class:`~ckpt.errors.RefusedStateError` for a value that needs
-        pickle, :class:`~ckpt.errors.HostMemoryError` past ``host_memory_limit``,
-        and :class:`~ckpt.errors.LockedError` when another live Checkpointer owns
-        ``local_dir`` (see ``local_dir``).
+        Returns once the copies are enqueued (phase 1 overlaps the caller's next forward/backward; the next
+        ``optimizer.step()`` waits for it on the GPU). The snapshot goes to the memory tier, then to each
+        slower tier by its ``persist_every`` cadence and ``if_busy`` (see :class:`IfBusy`; the handle says
+        which tiers skipped it and why). In a collective job with ``if_busy="skip"`` it is collective: call it
+        on every rank (the ranks agree which tiers are free, so that all of them write the same steps). Raises
+        :class:`~ckpt.errors.RefusedStateError` for a value that needs pickle,
+        :class:`~ckpt.errors.HostMemoryError` past ``host_memory_limit``, and
+        :class:`~ckpt.errors.LockedError` when another live Checkpointer owns ``local_dir`` (see
+        ``local_dir``).
         """
         return self._save(step, state)
 
@@ -381,23 +334,14 @@ class Checkpointer:
             return handle
         manifest = manifest_for(step, plan, records, data_bytes, self.replicated, self._job)
         snap = Snapshot(step, plan.entries, records, data_bytes, manifest, buf, stats, self._timeline)
-        try:
-            stage(snap, self._side_stream)
-        except BaseException:
-            snap._fence()
-            self.pool.release(buf, staged=True)
-            raise
-        self._pipeline.submit(
-            snap, handle, self._schedule.takes(step, taken.busy, force), keep=force is not None
-        )
+        stage_or_release(snap, buf, self.pool, self._side_stream)
+        takes = self._schedule.takes(step, taken.busy, force)
+        self._pipeline.submit(snap, handle, takes, keep=force is not None)
         self.interval.saved(step)
         stats.stall_s = time.perf_counter() - t0
-        previous = self.history[-1] if self.history else None
-        self._schedule.record(
-            stats,
-            taken.allocations,
-            previous.persist_s.get(self.local.name) if previous and self.if_busy is IfBusy.WAIT else None,
-        )
+        previous = self.history[-1] if self.history and self.if_busy is IfBusy.WAIT else None
+        local_s = previous.persist_s.get(self.local.name) if previous else None  # what interval="auto" learns
+        self._schedule.record(stats, taken.allocations, local_s)
         self._handles.track(handle)
         self.history.append(stats)
         self._metrics.track(handle)
@@ -406,17 +350,16 @@ class Checkpointer:
     def wait_staged(self) -> None:
         """Block until every snapshot copy has landed in host memory.
 
-        Call it before modifying state tensors in place outside
-        ``optimizer.step()`` (an EMA update, say) while a save may be in flight.
+        Call it before modifying state tensors in place outside ``optimizer.step()`` (an EMA update, say)
+        while a save may be in flight.
         """
         wait_all_staged()
 
     def wait(self, tier: str | None = None) -> None:
         """Block until every save so far finished ``tier`` (all tiers when ``None``).
 
-        Raises the first failure since the last ``wait()`` (also when a
-        ``handle.wait()`` raised it already: this reports on every save); the
-        failure was also logged when it happened.
+        Raises the first failure since the last ``wait()`` (also when a ``handle.wait()`` raised it already:
+        this reports on every save); the failure was also logged when it happened.
         """
         self._handles.wait_quietly(tier)  # failures are raised below
         self._metrics.poll()
@@ -426,24 +369,19 @@ class Checkpointer:
     def restore(self, state: dict, step: int | None = None, strict: bool = True) -> int | None:
         """Load the newest verified checkpoint (or ``step``) into ``state`` in place.
 
-        Returns the step it was saved at, or ``None`` when no checkpoint exists
-        on any tier. Corrupt or torn checkpoints are skipped with a warning
-        naming the file; :class:`~ckpt.errors.NoCheckpointError` if none is
-        usable. ``strict=False`` loads the keys common to both.
+        Returns the step it was saved at, or ``None`` when no checkpoint exists on any tier. Corrupt or torn
+        checkpoints are skipped with a warning naming the file; :class:`~ckpt.errors.NoCheckpointError` if
+        none is usable. ``strict=False`` loads the keys common to both.
 
-        Collective in a multi-process job (``collective``): every rank returns the
-        same step, the newest that all of them hold and can load (older ones are
-        tried when a rank finds its copy corrupt); a rank that cannot load a step
-        because it does not fit the state makes every rank raise. A checkpoint on
-        the job tier saved by another number of ranks or in another sharding is
-        resharded into the live layout (``last_restore.tier`` is ``"remote"``).
+        Collective in a multi-process job (``collective``): every rank returns the same step, the newest that
+        all of them hold and can load (older ones are tried when a rank finds its copy corrupt); a rank that
+        cannot load a step because it does not fit the state makes every rank raise. A checkpoint on the job
+        tier saved by another number of ranks or in another sharding is resharded into the live layout
+        (``last_restore.tier`` is ``"remote"``).
 
-        A snapshot loaded from the memory tier that a previous process took (one killed before its
-        local tier, or its remote tier by cadence, had it) and that no durable tier holds is written to
-        each tier that lacks it, in the background, right after the return: a second failure (the node
-        rebooting, which empties its RAM) then loses nothing. :meth:`wait` waits for it; its failures are
-        raised there. This makes the Checkpointer the owner of ``local_dir`` where no live process owns it
-        (as a save does); beside another live owner it writes nothing.
+        A snapshot restored from RAM alone (a previous process's) is written to each durable tier that lacks
+        it, in the background (docs/guides/memory.md, "After a crash"); :meth:`wait` waits for it and raises
+        its failures. This makes the Checkpointer the owner of a ``local_dir`` no live process owns.
         """
         self._check_open()
         if step is not None:
@@ -454,62 +392,39 @@ class Checkpointer:
         # exchanges must be over: a restore may use the same peer group to send a held replica back. Failures
         # stay for wait() / close().
         self._handles.wait_quietly(None if self.peer is not None else self.memory.name, swallow=True)
-        if self.ranks is not None:  # the ranks agree on one step (ckpt.restore.AgreedRestore)
-            job_tier = self.remote.name if self.remote is not None and self.remote.job is not None else None
-            info = AgreedRestore(
-                self.ranks,
-                self._stack.own,
-                self.peer,
-                self.memory,
-                self._job,
-                self._use_timeline,
-                self._handover.unpersisted,
-                self._handover.persist,
-                job_tier,
-            ).run(state, step, strict)
-        else:
-            info = restore_alone(
-                state,
-                self._stack.own,
-                step,
-                strict,
-                self._job,
-                self._node.may_refill(),
-                self._use_timeline,
-                self._handover,
-            )
+        own = (
+            self._stack.own
+        )  # the ranks agree on one step (ckpt.restore.AgreedRestore), or it restores alone
+        info = restore_state(
+            state, step, strict, own, self.ranks, self.peer, self._job, self._use_timeline, self._handover
+        )
         self.last_restore = info
         if info is not None:
             self._metrics.restored(info)
         return None if info is None else info.step
 
     def restorable(self) -> bool:
-        """Whether :meth:`restore` (of the newest step) will load a checkpoint: ``True`` when some rank
-        holds one on any of its tiers, or a peer holds a replica for it; ``restore()`` then returns a step
-        or raises, and returns ``None`` only when this is ``False``. Ask before building the model, to
-        build it empty for the restore to fill (:func:`ckpt.empty_params`, docs/guides/launchers.md,
-        "Restart fast") and normally on a job's first start.
+        """Whether :meth:`restore` (of the newest step) will load a checkpoint: ``True`` when some rank holds
+        one on any of its tiers, or a peer holds a replica for it; ``restore()`` then returns a step or
+        raises, and returns ``None`` only when this is ``False``. Ask before building the model, to build it
+        empty for the restore to fill (:func:`ckpt.empty_params`, docs/guides/launchers.md, "Restart fast")
+        and normally on a job's first start.
 
-        Collective in a multi-process job, like :meth:`restore` (one integer all-reduce): every rank gets
-        the same answer, so a replaced rank with nothing of its own builds as its peers do.
+        Collective in a multi-process job, like :meth:`restore` (one integer all-reduce): every rank gets the
+        same answer, so a replaced rank with nothing of its own builds as its peers do.
         """
         self._check_open()
         self._handles.wait_quietly(None if self.peer is not None else self.memory.name, swallow=True)
-        held = any(t.committed() for t in self._stack.own) or (
-            self.peer is not None and bool(self.peer.committed())
-        )
-        if self.ranks is not None:
-            held = bool(self.ranks.max([int(held)])[0])
-        return held
+        return held_anywhere(self._stack.own, self.peer, self.ranks)
 
     @property
     def timeline(self) -> Timeline:
         """The timeline the next save goes to (:class:`~ckpt.policy.Timeline`).
 
-        Set by :meth:`restore`: the restored checkpoint's when it is the newest committed one on any
-        tier, else a new timeline (one more than the largest seen) that branches off at the restored
-        step, so that a later restore resumes the saves that follow and never the abandoned branch.
-        Without a restore, the first save continues the newest checkpoint's timeline.
+        Set by :meth:`restore`: the restored checkpoint's when it is the newest committed one on any tier,
+        else a new timeline (one more than the largest seen) that branches off at the restored step, so that a
+        later restore resumes the saves that follow and never the abandoned branch. Without a restore, the
+        first save continues the newest checkpoint's timeline.
         """
         if self._timeline is None:
             return newest_timeline(self._stack.own)
@@ -544,22 +459,21 @@ class Checkpointer:
         return self._stack.names
 
     def promote(self, step: int, to: str) -> bool:
-        """Copy committed checkpoint ``step`` to tier ``to`` (``"remote"`` or ``"local"``), verifying every byte.
+        """Copy committed checkpoint ``step`` to tier ``to`` (``"remote"`` or ``"local"``), verifying every
+        byte.
 
-        ``to="remote"`` uploads it from the local tier; ``to="local"`` downloads it
-        from the remote tier (making this Checkpointer the owner of ``local_dir``,
-        see there). The destination's copy of ``step``, if any, is replaced only by a
-        complete, verified new one: a promote that fails, or a process killed at any
-        point of it, leaves the destination as it was (its old copy or, once the
-        switch happened, the new one). Returns ``False`` without writing when the
-        destination already holds the same checkpoint and it verifies.
+        ``to="remote"`` uploads it from the local tier; ``to="local"`` downloads it from the remote tier
+        (making this Checkpointer the owner of ``local_dir``, see there). The destination's copy of ``step``,
+        if any, is replaced only by a complete, verified new one: a promote that fails, or a process killed at
+        any point of it, leaves the destination as it was (its old copy or, once the switch happened, the new
+        one). Returns ``False`` without writing when the destination already holds the same checkpoint and it
+        verifies.
 
         Raises ``FileNotFoundError`` if the source tier does not hold ``step``,
-        :class:`~ckpt.errors.CorruptCheckpointError` naming the file if the source's
-        bytes fail their checksums, and an ``OSError`` naming the URL (or ``local_dir``)
-        when the transfer or the destination fails. Saves of ``step`` still in flight
-        are waited for first. On a job tier ``promote(step, "remote")`` is collective
-        and does not replace a step committed there.
+        :class:`~ckpt.errors.CorruptCheckpointError` naming the file if the source's bytes fail their
+        checksums, and an ``OSError`` naming the URL (or ``local_dir``) when the transfer or the destination
+        fails. Saves of ``step`` still in flight are waited for first. On a job tier ``promote(step,
+        "remote")`` is collective and does not replace a step committed there.
         """
         self._check_open()
         check_target(to, self.remote)
@@ -569,25 +483,21 @@ class Checkpointer:
         return copy_between(self.local, self.remote, step, to)
 
     def list(self) -> list[CheckpointInfo]:
-        """Checkpoints visible on any tier, newest first: the live branch by ``(timeline, step)``, then
-        the abandoned branch of a rollback (``abandoned=True``), each newest first."""
+        """Checkpoints visible on any tier, newest first: the live branch by ``(timeline, step)``, then the
+        abandoned branch of a rollback (``abandoned=True``), each newest first."""
         return catalog(self._stack.own)
 
     # -- lifecycle ------------------------------------------------------------------------------------
     def close(self, raise_errors: bool = True, keep_memory: bool = False) -> None:
-        """Write the newest snapshot to every tier that does not hold it yet (a tier that skipped it
-        for its cadence or because it was busy), finish persisting every save, stop the background
-        workers (a background allocation of the host buffers still under way stops where it stands,
-        within milliseconds), and free the host buffers: the memory tier goes with them, its shared
-        memory included, unless ``keep_memory`` (then the next process on this node may restore from
-        it). No thread of the Checkpointer outlives it. Safe to drop the object afterwards. Collective
-        in a collective job. A Checkpointer that owns ``local_dir`` only because its :meth:`restore` wrote a
-        previous process's snapshot to the durable tiers, and took no snapshot itself, leaves the memory
-        tier as it found it.
+        """Write the newest snapshot to every tier that does not hold it yet (skipped for its cadence or as
+        busy), finish persisting every save, stop the background workers (within milliseconds) and free the
+        host buffers, the memory tier's shared memory included unless ``keep_memory`` (the next process on
+        this node may restore from it; one that only handed a previous process's snapshot over leaves it as
+        it was). No thread of the Checkpointer outlives it. Collective in a collective job.
 
         When ``raise_errors``, raises the first failure the user has not seen: one that neither
-        ``handle.wait()`` nor :meth:`wait` raised already. ``__exit__`` calls it (without raising,
-        and keeping the memory tier, when the block itself raised).
+        ``handle.wait()`` nor :meth:`wait` raised already. ``__exit__`` calls it (without raising, and keeping
+        the memory tier, when the block itself raised).
         """
         if self._closed:
             return

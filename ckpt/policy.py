@@ -24,8 +24,10 @@ from . import knobs
 __all__ = [
     "Retention",
     "Interval",
+    "plain_interval",
     "AutoInterval",
     "TierCadence",
+    "tier_cadences",
     "Schedule",
     "EVERY_TIER",
     "daly_interval",
@@ -291,6 +293,18 @@ class Interval:
         self._last_time = self.clock()
 
 
+def plain_interval(
+    every_steps: int | None, every_seconds: float | None, interval: str | None, clock: Callable[[], float]
+) -> Interval | None:
+    """The snapshot cadence of ``every_steps`` / ``every_seconds``, or ``None`` for ``interval="auto"`` (an
+    :class:`AutoInterval`, made once the tiers' MTBFs are known); ``ValueError`` when both are given."""
+    if interval is None:
+        return Interval(every_steps, every_seconds, clock)
+    if every_steps is not None or every_seconds is not None:
+        raise ValueError("interval='auto' picks the interval itself: drop every_steps / every_seconds")
+    return None
+
+
 class AutoInterval:
     """The Young/Daly optimum checkpoint interval, from measured save costs and a given MTBF.
 
@@ -436,6 +450,14 @@ class TierCadence:
 EVERY_TIER = "*"
 
 
+def tier_cadences(
+    persisting: Iterable[Any], mtbf: dict[str, float], given: Collection[str]
+) -> dict[str, TierCadence]:
+    """``interval="auto"``: a :class:`TierCadence` for each persisting tier not ``given`` a ``persist_every``
+    cadence, from its ``mtbf`` (seconds, per tier name)."""
+    return {t.name: TierCadence(t.name, mtbf[t.name]) for t in persisting if t.name not in given}
+
+
 class Schedule:
     """When a Checkpointer's snapshots are due, and on which tiers.
 
@@ -481,6 +503,22 @@ class Schedule:
         if self.agree_due:
             due = bool(self.ranks.max([int(due)])[0])  # clocks differ between ranks: save if any says so
         return due
+
+    def require_policy(self, signals: Any) -> None:
+        """``maybe_save()``'s check: with no interval (no ``every_steps``, ``every_seconds`` or ``interval``)
+        and no ``signals`` to act on it would never save, a ``ValueError``."""
+        iv = self.interval
+        if (
+            isinstance(iv, Interval)
+            and iv.every_steps is None
+            and iv.every_seconds is None
+            and not (signals.preempt or signals.save)
+        ):
+            raise ValueError(
+                "maybe_save() has no policy to follow, so it would never save: pass every_steps=, "
+                "every_seconds= or interval='auto' (with mtbf=) to ckpt.Checkpointer (or in "
+                "ckpt.Policy), or call save() where the loop should save"
+            )
 
     def takes(self, step: int, busy: dict[str, int], force: str | None) -> dict[str, str | None]:
         """Per persisting tier, whether it writes the snapshot of ``step`` (``None``) or why not (``"not due"``

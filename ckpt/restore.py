@@ -44,6 +44,8 @@ __all__ = [
     "OtherRanksCopy",
     "AgreedRestore",
     "HandOver",
+    "held_anywhere",
+    "restore_state",
     "restore_alone",
     "resume_timeline",
     "state_gpu",
@@ -541,6 +543,49 @@ def restore_alone(
             held[tier.name].add(e.key)
         handover.persist(info, handover.unpersisted(info, held, [e for e, _ in listed]))
     return info
+
+
+def restore_state(
+    state: dict,
+    step: int | None,
+    strict: bool,
+    tiers: Sequence[Tier],
+    ranks: Any,
+    peer: Any,
+    job: Any,
+    use_timeline: Callable[[Timeline], None],
+    handover: "HandOver",
+) -> RestoreInfo | None:
+    """``Checkpointer.restore()`` from this rank's ``tiers`` (nearest first): agreed over ``ranks``
+    (:class:`AgreedRestore`, a collective) or, with ``ranks=None``, alone (:func:`restore_alone`). ``peer``: the
+    peer tier or ``None``; ``job``: ``[rank, world]`` or ``None``; ``use_timeline``: called with the timeline of
+    the saves that follow; ``handover``: writes a snapshot restored from RAM alone to the durable tiers."""
+    if ranks is None:
+        refill = handover.node.may_refill()
+        return restore_alone(state, tiers, step, strict, job, refill, use_timeline, handover)
+    remote = handover.remote
+    job_tier = remote.name if remote is not None and remote.job is not None else None
+    agreed = AgreedRestore(
+        ranks,
+        tiers,
+        peer,
+        handover.memory,
+        job,
+        use_timeline,
+        handover.unpersisted,
+        handover.persist,
+        job_tier,
+    )
+    return agreed.run(state, step, strict)
+
+
+def held_anywhere(tiers: Sequence[Tier], peer: Any, ranks: Any) -> bool:
+    """``Checkpointer.restorable()``: whether some rank holds a committed checkpoint on one of its ``tiers``,
+    or its ``peer`` tier holds a replica for it (agreed over ``ranks``, one all-reduce, unless ``None``)."""
+    held = any(t.committed() for t in tiers) or (peer is not None and bool(peer.committed()))
+    if ranks is not None:
+        held = bool(ranks.max([int(held)])[0])
+    return held
 
 
 class HandOver:

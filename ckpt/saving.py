@@ -3,8 +3,8 @@
 A save of :class:`~ckpt.Checkpointer` copies the state into one of the memory tier's host buffers
 (:class:`~ckpt.pool.HostPool`). Which buffer, how long the save may wait for one, and what happens when
 none is free (the snapshot is skipped at once, counted and logged, and in a multi-process job every
-rank skips it together) are decided here, by :class:`Taking`. The staging of the copy and its hand-over
-to the tiers stay with the Checkpointer.
+rank skips it together) are decided here, by :class:`Taking`; :func:`stage_or_release` stages the copy.
+Its hand-over to the tiers stays with the Checkpointer.
 """
 
 from __future__ import annotations
@@ -20,8 +20,9 @@ from . import knobs
 from .format import Manifest
 from .plan import flatten, layout
 from .pool import HostPool
+from .stage import Snapshot, stage
 
-__all__ = ["Taking", "Taken", "SkipLog", "manifest_for", "step_arg", "MAX_STEP"]
+__all__ = ["Taking", "Taken", "stage_or_release", "SkipLog", "manifest_for", "step_arg", "MAX_STEP"]
 
 # skipped saves are logged where users were told to look for them (docs/operations.md: ``ckpt.api``)
 log = logging.getLogger("ckpt.api")
@@ -167,6 +168,17 @@ class Taking:
             self._skips.note(step, cause, where, self.pool, stats.wait_s)
             handle._skip("allocating" if cause == _ALLOCATING else "busy")
         return Taken(buf, busy, allocations)
+
+
+def stage_or_release(snap: Snapshot, buf: Any, pool: HostPool, side_stream: Any) -> None:
+    """Stage ``snap`` into its host buffer ``buf`` (:func:`~ckpt.stage.stage`, on ``side_stream``); when that
+    fails, no copy is left running into ``buf``, which goes back to ``pool``, and the error is raised."""
+    try:
+        stage(snap, side_stream)
+    except BaseException:
+        snap._fence()
+        pool.release(buf, staged=True)
+        raise
 
 
 def manifest_for(
