@@ -78,16 +78,16 @@ def empty_params(enabled: bool = True) -> Iterator[None]:
 
 
 def materialize(module: nn.Module, device: torch.device | str) -> nn.Module:
-    """Give a model built in :func:`empty_params` (or on the meta device) storage on ``device``, keeping
-        its buffers' values; returns ``module``. Under FSDP2 call it after ``fully_shard`` (each rank then
-        allocates only its shards), and make the optimizer after it (parameters may be replaced; weights tied
-    before stay tied). Every
-        parameter and persistent buffer is then uninitialised memory until ``restore`` (strict) fills it.
+    """Give a model built in :func:`empty_params` (or on the meta device) storage on ``device``, keeping its
+    buffers' values; returns ``module``. Under FSDP2 call it after ``fully_shard`` (each rank then allocates
+    only its shards), and make the optimizer after it (parameters may be replaced; weights tied before stay
+    tied). Every parameter and persistent buffer is then uninitialised memory until ``restore`` (strict)
+    fills it.
 
-        A module with no parameter or buffer on meta is returned as it is: after an ordinary build (the
-        ``enabled=False`` case) this does nothing. A non-persistent buffer on meta (a model built entirely
-        under ``torch.device("meta")``) has no value to keep and none in a checkpoint: ``ValueError`` naming
-        those buffers, before anything is changed.
+    A module with no parameter or buffer on meta is returned as it is: after an ordinary build (the
+    ``enabled=False`` case) this does nothing. A non-persistent buffer on meta (a model built entirely under
+    ``torch.device("meta")``) has no value to keep and none in a checkpoint: ``ValueError`` naming those
+    buffers, before anything is changed.
     """
     if not any(t.is_meta for t in [*module.parameters(), *module.buffers()]):
         return module
