@@ -355,10 +355,14 @@ class Pipeline:
         self._closed = False
         self._watchers: list[threading.Thread] = []
         # Snapshots reach the tiers in the order they were taken: each watcher hands its snapshot over
-        # only after the one before it did (their memory commits may finish in any order), so an older
-        # snapshot never supersedes a newer one, and every rank queues the same order.
+        # only after the one before it did, so an older snapshot never supersedes a newer one, and every rank
+        # queues the same order. The memory tier commits them in that order too (``_taken`` / ``_committing``,
+        # the snapshots of ``submit`` only): the last committed is the newest, which the pool keeps whole and
+        # records first, whichever watcher thread the scheduler wakes first.
         self._submitted = 0
         self._handed = 0
+        self._taken = 0
+        self._committing = 0
         for lane in self.lanes.values():
             lane.thread = threading.Thread(
                 target=self._run, args=(lane,), name=f"ckpt-persist-{lane.name}", daemon=True
@@ -432,6 +436,7 @@ class Pipeline:
         with self._cv:
             self._staging.add(snap.step)
             seq, self._submitted = self._submitted, self._submitted + 1
+            turn, self._taken = self._taken, self._taken + 1
             self._assigned[seq] = {n for n, r in take.items() if r is None and n in self.lanes}
             snap.seq = seq
             for name, lane in self.lanes.items():
@@ -451,16 +456,25 @@ class Pipeline:
         # tensors before it ends, and a daemon freeing the last reference to a tensor while the
         # interpreter finalizes aborts the process (see _finish_at_exit).
         t = threading.Thread(
-            target=self._watch, args=(snap, handle, keep, seq), name=f"ckpt-staged-{snap.step}", daemon=False
+            target=self._watch,
+            args=(snap, handle, keep, seq, turn),
+            name=f"ckpt-staged-{snap.step}",
+            daemon=False,
         )
         with self._cv:
             self._watchers = [w for w in self._watchers if w.is_alive()] + [t]
         t.start()
 
-    def _watch(self, snap: Snapshot, handle: SaveHandle, keep: bool, seq: int) -> None:
+    def _watch(self, snap: Snapshot, handle: SaveHandle, keep: bool, seq: int, turn: int) -> None:
         priority.lower_this_thread()  # the memory tier's commit checksums the whole snapshot
         try:
             snap.wait_copied()
+        except BaseException as e:
+            snap.error = snap.error or e
+        with self._cv:  # committed after the snapshot taken before it, however the copies' watchers wake
+            while self._committing < turn:
+                self._cv.wait()
+        try:
             if snap.error is None:
                 # held here at once; the record that makes it outlive the process follows in the background
                 self.memory.commit(
@@ -475,6 +489,8 @@ class Pipeline:
         except BaseException as e:
             snap.error = snap.error or e
         with self._cv:
+            self._committing = turn + 1
+            self._cv.notify_all()
             while self._handed != seq:  # the snapshot taken before this one goes to the tiers first
                 self._cv.wait()
             self._handed += 1

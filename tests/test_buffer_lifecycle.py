@@ -715,6 +715,35 @@ def test_a_record_thread_that_stopped_does_not_cost_the_newest_its_record_at_clo
     assert _restored(run)[:3] == (1, 1.0, "memory")
 
 
+def test_a_snapshot_whose_watcher_wakes_first_is_still_committed_after_the_older_one(tmp_path, monkeypatch):
+    """Each snapshot's copy has a watcher thread that commits it to the memory tier. The older snapshot's
+    watcher wakes last (a loaded machine): the newer step must still be the newest committed (kept whole,
+    recorded, restored), never superseded by the older one committing after it."""
+    from ckpt import stage
+
+    real = stage.Snapshot.wait_copied
+
+    def older_wakes_late(self):
+        real(self)
+        if self.step == 1:
+            time.sleep(0.5)  # step 2's copy lands and its watcher asks to commit meanwhile
+
+    monkeypatch.setattr(stage.Snapshot, "wait_copied", older_wakes_late)
+    run = tmp_path / "run"
+    ck = ckpt.Checkpointer(local_dir=run, every_steps=1, persist_every={"local": 1000}, if_busy="wait")
+    h1 = ck.maybe_save(1, _state(1.0))
+    h2 = ck.maybe_save(2, _state(2.0))
+    h2.wait("memory", timeout=60)
+    h1.wait("memory", timeout=60)  # committed (and recorded or superseded) after step 2's watcher asked
+    assert h2.tier_status("memory") == "done", h2.skipped_tiers
+    with ck.pool._cv:
+        newest = max((b for b in ck.pool.buffers if b.image_step is not None), key=ck.pool._rank)
+    assert newest.image_step == 2
+    ck.close(keep_memory=True)
+    assert max(_recorded_steps(run)) == 2
+    assert _restored(run)[:3] == (2, 2.0, "memory")
+
+
 def test_a_block_that_raises_leaves_the_newest_snapshot_recorded_and_close_leaves_no_record(tmp_path):
     """The newest snapshot outlives a block that raised (its record is written before the block's exit
     returns, however fast the saves came); a plain close frees the RAM and writes no record after it."""
