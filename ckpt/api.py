@@ -5,47 +5,40 @@ from __future__ import annotations
 import collections
 import dataclasses
 import inspect
-import logging
 import os
 import time
 from typing import Any, Callable, Mapping
 
 import torch
 
-from . import knobs
 from .catalog import CheckpointInfo, catalog
 from .config import IfBusy, Policy, Storage, check_storage, resolve
 from .errors import CheckpointError
 from .handles import Handles
 from .metrics import Metrics, Record
 from .ownership import Ownership
-from .pipeline import Pipeline, SaveHandle
-from .plan import flatten, layout
+from .pipeline import SaveHandle
 from .policy import (
     EVERY_TIER,
     AutoInterval,
     Retention,
-    Schedule,
     Timeline,
     newest_timeline,
     plain_interval,
-    retain,
-    tier_cadences,
+    switch_timeline,
 )
 from .preempt import Listening, Signals
 from .promotion import check_target, copy_between
 from .ranks import collective_job, job_ranks
-from .restore import HandOver, RestoreInfo, held_anywhere, restore_state
+from .restore import RestoreInfo, held_anywhere, restore_state
 from .pool import HostPool
-from .saving import Taking, manifest_for, stage_or_release, step_arg
-from .stage import Snapshot, SnapshotStats, wait_all_staged
+from .saving import Persisting, step_arg
+from .stage import SnapshotStats, wait_all_staged
 from .tiers import LocalTier
 from .tiers.base import TierFigures
 from .tiers.stack import Tiers, default_local_dir
 
 __all__ = ["Checkpointer", "CheckpointInfo", "IfBusy"]
-
-log = logging.getLogger(__name__)
 
 
 class Checkpointer:
@@ -138,7 +131,7 @@ class Checkpointer:
         self.memory, self.local, self.remote = self._stack.memory, self._stack.local, self._stack.remote
         self.signals.check_tiers(self._stack.planned_persisting)
         self.persist_every = self._stack.check_cadences(po.persist_every or {})
-        mtbf = self._stack.per_tier(po.mtbf, "mtbf") if interval is None else {}
+        mtbf = self._stack.per_tier(po.mtbf, "mtbf") if interval is None else None
         if interval is None:  # interval="auto", from the memory tier's MTBF
             interval = AutoInterval(mtbf[self.memory.name], po.restart_cost, clock=clock)
         self.interval = interval
@@ -155,38 +148,24 @@ class Checkpointer:
         try:
             self._stack.add_peer(self.ranks, st.peers)
             self.peer = self._stack.peer
-            persisting = self._stack.persisting
-            # interval="auto": each persisting tier not given a persist_every cadence gets its own
-            cadences = tier_cadences(persisting, mtbf, self.persist_every) if po.interval == "auto" else {}
-            self._pipeline = Pipeline(
-                self.pool,
-                self.memory,
-                persisting,
-                self._apply_retention,
-                self._handles.failed,
-                coalesce=self.if_busy is IfBusy.SKIP,
-                independent=self.ranks is None,
-                every=self.persist_every,
-                auto=cadences,
-                clock=clock,
-                fence=self._node.still_owner,
-            )
-            self._handover = HandOver(
-                self.memory,
-                self._stack.own,
-                self._pipeline,
+            # the pipeline, the schedule, the host buffers' taking and the hand-over (ckpt.saving.Persisting)
+            self._persisting = parts = Persisting.build(
+                self._stack,
                 self._node,
-                self.tiers,
-                self.remote,
-                self._handles.track,
+                self.ranks,
+                self._handles,
+                self.interval,
+                self.keep,
+                coalesce=self.if_busy is IfBusy.SKIP,
+                every=self.persist_every,
+                mtbf=mtbf,  # interval="auto": each persisting tier without a persist_every cadence gets its own
+                clock=clock,
+                replicated=self.replicated,
+                job=self._job,
+                side_stream=self._side_stream,
             )
-            self._schedule = Schedule(
-                self.interval, self._pipeline, self.pool, self.ranks, clock, bool(cadences)
-            )
-            self._taking = Taking(self.pool, self.memory, self._pipeline, self.ranks, self._node)
-            if (
-                self._node.owned
-            ):  # again now that the peer tier's NCCL group has started CUDA on this rank's GPU
+            self._pipeline, self._schedule, self._taking = parts.pipeline, parts.schedule, parts.taking
+            if self._node.owned:  # again now that the peer tier's NCCL group has started CUDA on this GPU
                 self.pool.adopt_ahead()
         except BaseException:
             self._node.disown()
@@ -203,19 +182,14 @@ class Checkpointer:
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
         try:
             if exc_type is not None and issubclass(exc_type, KeyboardInterrupt):
-                busy = sorted(self._pipeline.in_flight())
-                log.warning(
-                    "interrupted: finishing the checkpoint(s)%s before exiting (Ctrl-C again abandons "
-                    "them; older checkpoints stay intact)",
-                    f" of step(s) {busy}" if busy else "",
-                )
+                self._persisting.interrupted()
             # a block that raised keeps the memory tier in RAM for the process that resumes, and says so
             self._exit_error = exc_type is not None
             self.close(raise_errors=exc_type is None, keep_memory=exc_type is not None)
         except KeyboardInterrupt:
             if exc_type is None:
                 raise
-            log.warning("abandoned the checkpoint(s) still being written; the committed ones are intact")
+            self._persisting.abandoned()
         finally:
             self._listening.unlisten()
 
@@ -321,20 +295,15 @@ class Checkpointer:
         if self._timeline is None:  # no restore() first: the saves continue the newest checkpoint's branch
             self._use_timeline(newest_timeline(self._stack.own))
         t0 = time.perf_counter()
-        plan = flatten(state, self.on_unsupported)
-        records, data_bytes = layout(plan.entries, knobs.get("CKPT_ALIGN_BYTES"))
-        stats = SnapshotStats(step, nbytes=data_bytes)
-        handle = SaveHandle(step, self.tiers, stats)
         wait = self.if_busy is IfBusy.WAIT or force is not None
-        taken = self._taking.take(step, data_bytes, stats, handle, wait, patient)
-        buf = taken.buffer
-        if buf is None:  # skipped: counted and logged
+        handle, snap, taken = self._taking.snapshot(
+            step, state, self.tiers, self._timeline, wait, patient, self.on_unsupported
+        )
+        stats = handle.stats
+        if snap is None:  # skipped: counted and logged
             stats.stall_s = time.perf_counter() - t0
             self._metrics.track(handle)
             return handle
-        manifest = manifest_for(step, plan, records, data_bytes, self.replicated, self._job)
-        snap = Snapshot(step, plan.entries, records, data_bytes, manifest, buf, stats, self._timeline)
-        stage_or_release(snap, buf, self.pool, self._side_stream)
         takes = self._schedule.takes(step, taken.busy, force)
         self._pipeline.submit(snap, handle, takes, keep=force is not None)
         self.interval.saved(step)
@@ -392,11 +361,9 @@ class Checkpointer:
         # exchanges must be over: a restore may use the same peer group to send a held replica back. Failures
         # stay for wait() / close().
         self._handles.wait_quietly(None if self.peer is not None else self.memory.name, swallow=True)
-        own = (
-            self._stack.own
-        )  # the ranks agree on one step (ckpt.restore.AgreedRestore), or it restores alone
+        own, parts = self._stack.own, self._persisting  # the ranks agree on one step, or it restores alone
         info = restore_state(
-            state, step, strict, own, self.ranks, self.peer, self._job, self._use_timeline, self._handover
+            state, step, strict, own, self.ranks, self.peer, self._job, self._use_timeline, parts.handover
         )
         self.last_restore = info
         if info is not None:
@@ -431,15 +398,10 @@ class Checkpointer:
         return self._timeline
 
     def _use_timeline(self, timeline: Timeline) -> None:
-        """Make ``timeline`` the one the next saves record, on every tier."""
-        if self._timeline is not None and timeline != self._timeline:
-            self._handles.settle()  # saves still persisting were taken on the previous timeline: they commit on it
-            self._pipeline.branch_left(self._timeline, timeline)
-        self._timeline = timeline
-        with self.pool._cv:
-            self.pool.live = timeline  # a snapshot a rollback abandoned is the first to be overwritten
-        for tier in list(self._stack):
-            tier.timeline = timeline  # the peer tier sends it with each replica
+        """Make ``timeline`` the one the next saves record, on every tier (:func:`ckpt.policy.switch_timeline`)."""
+        self._timeline = switch_timeline(
+            self._timeline, timeline, self._handles.settle, self._pipeline, self.pool, list(self._stack)
+        )
 
     @property
     def tier_counts(self) -> dict[str, Any]:
@@ -511,8 +473,3 @@ class Checkpointer:
     def _check_open(self) -> None:
         if self._closed:
             raise CheckpointError("this Checkpointer is closed; create a new one")
-
-    def _apply_retention(self, tiers: list[str]) -> None:
-        """Retention after a commit on ``tiers`` (:func:`ckpt.policy.retain`)."""
-        busy = self._pipeline.in_flight()
-        retain((self._stack.get(name) for name in tiers), self.keep, busy)

@@ -37,6 +37,7 @@ __all__ = [
     "Committed",
     "live_and_abandoned",
     "newest_timeline",
+    "switch_timeline",
     "retain",
 ]
 
@@ -167,6 +168,29 @@ def newest_timeline(tiers: Iterable[Any]) -> Timeline:
             )
     live = live_and_abandoned(entries)[0]
     return live[0].timeline if live else Timeline()
+
+
+def switch_timeline(
+    current: Timeline | None,
+    timeline: Timeline,
+    settle: Callable[[], None],
+    pipeline: Any,
+    pool: Any,
+    tiers: Iterable[Any],
+) -> Timeline:
+    """Make ``timeline`` the one the next saves record, instead of ``current`` (``None``: none yet), on each of
+    ``tiers`` (the peer tier sends it with each replica) and in ``pool`` (a snapshot a rollback abandoned is the
+    first whose buffer is taken again); returns it. On a change, the saves still persisting were taken on
+    ``current`` and commit on it first (``settle()`` waits for them), and ``pipeline`` is told the branch left
+    (:meth:`~ckpt.pipeline.Pipeline.branch_left`)."""
+    if current is not None and timeline != current:
+        settle()
+        pipeline.branch_left(current, timeline)
+    with pool._cv:
+        pool.live = timeline
+    for tier in tiers:
+        tier.timeline = timeline
+    return timeline
 
 
 def _listing(tier: Any) -> list[Committed]:

@@ -1,10 +1,11 @@
-"""Taking one snapshot: a host buffer for it, or a skip.
+"""Taking one snapshot: a host buffer for it, or a skip; and the parts that carry it to the tiers.
 
 A save of :class:`~ckpt.Checkpointer` copies the state into one of the memory tier's host buffers
 (:class:`~ckpt.pool.HostPool`). Which buffer, how long the save may wait for one, and what happens when
 none is free (the snapshot is skipped at once, counted and logged, and in a multi-process job every
 rank skips it together) are decided here, by :class:`Taking`; :func:`stage_or_release` stages the copy.
-Its hand-over to the tiers stays with the Checkpointer.
+:class:`Persisting` wires the parts that take it from there (the persist pipeline, the schedule of which
+tier writes which snapshot, retention after each commit, the hand-over of a snapshot restored from RAM).
 """
 
 from __future__ import annotations
@@ -14,15 +15,27 @@ import logging
 import operator
 import time
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 from . import knobs
 from .format import Manifest
+from .pipeline import Pipeline, SaveHandle
 from .plan import flatten, layout
+from .policy import Retention, Schedule, Timeline, retain, tier_cadences
 from .pool import HostPool
-from .stage import Snapshot, stage
+from .restore import HandOver
+from .stage import Snapshot, SnapshotStats, stage
 
-__all__ = ["Taking", "Taken", "stage_or_release", "SkipLog", "manifest_for", "step_arg", "MAX_STEP"]
+__all__ = [
+    "Taking",
+    "Taken",
+    "Persisting",
+    "stage_or_release",
+    "SkipLog",
+    "manifest_for",
+    "step_arg",
+    "MAX_STEP",
+]
 
 # skipped saves are logged where users were told to look for them (docs/operations.md: ``ckpt.api``)
 log = logging.getLogger("ckpt.api")
@@ -93,11 +106,24 @@ class Taking:
 
     ``pool``: the host buffers; ``memory``: the memory tier (it counts the skips too); ``pipeline``: the
     persisting tiers (what each is busy with, the buffers they can give back); ``ranks``: the job's ranks
-    (``None``: this process decides alone); ``node``: the ownership of ``local_dir``.
+    (``None``: this process decides alone); ``node``: the ownership of ``local_dir``. For
+    :meth:`snapshot`: ``replicated`` (the top-level keys every rank holds), ``job`` (``[rank, world]``
+    in a collective job) and ``side_stream`` (the CUDA stream the copies run on, or ``None``).
     """
 
-    def __init__(self, pool: HostPool, memory: Any, pipeline: Any, ranks: Any, node: Any) -> None:
+    def __init__(
+        self,
+        pool: HostPool,
+        memory: Any,
+        pipeline: Any,
+        ranks: Any,
+        node: Any,
+        replicated: frozenset[str] = frozenset(),
+        job: list[int] | None = None,
+        side_stream: Any = None,
+    ) -> None:
         self.pool, self.memory, self.pipeline, self.ranks, self.node = pool, memory, pipeline, ranks, node
+        self.replicated, self.job, self.side_stream = replicated, job, side_stream
         self.skipped = 0  # snapshots skipped for want of a buffer
         self._skips = SkipLog()
         self.prepared = False  # the first maybe_save() started allocating the buffers
@@ -168,6 +194,109 @@ class Taking:
             self._skips.note(step, cause, where, self.pool, stats.wait_s)
             handle._skip("allocating" if cause == _ALLOCATING else "busy")
         return Taken(buf, busy, allocations)
+
+    def snapshot(
+        self,
+        step: int,
+        state: Mapping[str, Any],
+        tiers: list[str],
+        timeline: Timeline | None,
+        wait: bool,
+        patient: bool,
+        on_unsupported: str,
+    ) -> tuple[SaveHandle, Snapshot | None, Taken]:
+        """Flatten ``state`` (``on_unsupported``: :func:`~ckpt.plan.flatten`'s), take a host buffer for its
+        snapshot of ``step`` (:meth:`take`, with ``wait`` and ``patient``) and stage the copy into it, the
+        snapshot recording ``timeline``. Returns the save's handle (to ``tiers``), the snapshot (``None``:
+        skipped, as the handle says) and what :meth:`take` found."""
+        plan = flatten(state, on_unsupported)
+        records, data_bytes = layout(plan.entries, knobs.get("CKPT_ALIGN_BYTES"))
+        stats = SnapshotStats(step, nbytes=data_bytes)
+        handle = SaveHandle(step, tiers, stats)
+        taken = self.take(step, data_bytes, stats, handle, wait, patient)
+        if taken.buffer is None:
+            return handle, None, taken
+        manifest = manifest_for(step, plan, records, data_bytes, self.replicated, self.job)
+        snap = Snapshot(step, plan.entries, records, data_bytes, manifest, taken.buffer, stats, timeline)
+        stage_or_release(snap, taken.buffer, self.pool, self.side_stream)
+        return handle, snap, taken
+
+
+@dataclass
+class Persisting:
+    """The parts of one Checkpointer that carry its snapshots to the tiers, wired together by :meth:`build`:
+    ``pipeline`` (:class:`~ckpt.pipeline.Pipeline`: a background writer per persisting tier), ``schedule``
+    (:class:`~ckpt.policy.Schedule`: which snapshots are due, and on which tiers), ``taking``
+    (:class:`Taking`: each snapshot's host buffer) and ``handover`` (:class:`~ckpt.restore.HandOver`: a
+    snapshot restored from RAM alone goes to the durable tiers)."""
+
+    pipeline: Pipeline
+    schedule: Schedule
+    taking: Taking
+    handover: HandOver
+
+    @classmethod
+    def build(
+        cls,
+        stack: Any,
+        node: Any,
+        ranks: Any,
+        handles: Any,
+        interval: Any,
+        keep: Retention,
+        *,
+        coalesce: bool,
+        every: dict[str, int],
+        mtbf: dict[str, float] | None,
+        clock: Callable[[], float],
+        replicated: frozenset[str],
+        job: list[int] | None,
+        side_stream: Any,
+    ) -> "Persisting":
+        """The parts for the tiers of ``stack`` (:class:`~ckpt.tiers.stack.Tiers`, its peer tier added) and the
+        host buffers of ``node`` (:class:`~ckpt.ownership.Ownership` of ``local_dir``, whose loss fences every
+        write). ``handles``: the Checkpointer's :class:`~ckpt.handles.Handles` (failures and hand-overs are
+        reported there); ``interval``: the snapshot cadence; ``keep``: the retention applied after each
+        commit; ``coalesce``: newest wins on a busy tier (``if_busy="skip"``); ``every``: the
+        ``persist_every`` cadences; ``mtbf``: per tier, with ``interval="auto"`` (``None`` otherwise): each
+        persisting tier without a cadence in ``every`` gets its own (:func:`~ckpt.policy.tier_cadences`)."""
+        pool, memory, persisting = node.pool, stack.memory, stack.persisting
+        cadences = tier_cadences(persisting, mtbf, every) if mtbf is not None else {}
+
+        def retention(tiers: list[str]) -> None:  # after a commit on ``tiers``: never a step still in flight
+            retain((stack.get(name) for name in tiers), keep, pipeline.in_flight())
+
+        pipeline = Pipeline(
+            pool,
+            memory,
+            persisting,
+            retention,
+            handles.failed,
+            coalesce=coalesce,
+            independent=ranks is None,
+            every=every,
+            auto=cadences,
+            clock=clock,
+            fence=node.still_owner,
+        )
+        handover = HandOver(memory, stack.own, pipeline, node, stack.names, stack.remote, handles.track)
+        schedule = Schedule(interval, pipeline, pool, ranks, clock, bool(cadences))
+        taking = Taking(pool, memory, pipeline, ranks, node, replicated, job, side_stream)
+        return cls(pipeline, schedule, taking, handover)
+
+    def interrupted(self) -> None:
+        """Ctrl-C in the ``with`` block: say that the checkpoints being written are finished before the exit."""
+        busy = sorted(self.pipeline.in_flight())
+        log.warning(
+            "interrupted: finishing the checkpoint(s)%s before exiting (Ctrl-C again abandons them; older "
+            "checkpoints stay intact)",
+            f" of step(s) {busy}" if busy else "",
+        )
+
+    @staticmethod
+    def abandoned() -> None:
+        """A second Ctrl-C while they were finished: say what it cost."""
+        log.warning("abandoned the checkpoint(s) still being written; the committed ones are intact")
 
 
 def stage_or_release(snap: Snapshot, buf: Any, pool: HostPool, side_stream: Any) -> None:
