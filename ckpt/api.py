@@ -83,7 +83,7 @@ class Checkpointer:
         compression: str | None = None,
         every_steps: int | None = None,
         every_seconds: float | None = None,
-        keep: Retention | int | None = None,
+        keep: Retention | int | Mapping[str, int | None] | None = None,
         max_in_flight: int | None = None,
         if_busy: str | IfBusy = IfBusy.SKIP,
         persist_every: Mapping[str, int] | None = None,
@@ -112,7 +112,6 @@ class Checkpointer:
         self.if_busy = IfBusy(po.if_busy)  # the Policy checked it, and interval and on_unsupported
         check_storage(self.storage)
         self.replicated = frozenset(st.replicated)
-        self.keep = po.keep if po.keep is not None else Retention()
         interval = plain_interval(po.every_steps, po.every_seconds, po.interval, clock)
         self.signals = Signals.from_arguments(signals, drain_deadline, drain_tier, on_preempt)
         self.drain_deadline = self.signals.deadline
@@ -131,6 +130,7 @@ class Checkpointer:
         self.memory, self.local, self.remote = self._stack.memory, self._stack.local, self._stack.remote
         self.signals.check_tiers(self._stack.planned_persisting)
         self.persist_every = self._stack.check_cadences(po.persist_every or {})
+        self.keep = self._stack.check_retention(po.keep if po.keep is not None else Retention())
         mtbf = self._stack.per_tier(po.mtbf, "mtbf") if interval is None else None
         if interval is None:  # interval="auto", from the memory tier's MTBF
             interval = AutoInterval(mtbf[self.memory.name], po.restart_cost, clock=clock)

@@ -147,14 +147,17 @@ class Policy:
             :class:`~ckpt.IfBusy`.
         keep: :class:`~ckpt.Retention`, how many checkpoints each tier keeps; an int ``N`` (as
             ``save_total_limit`` / ``save_top_k`` are written) is ``Retention(local=N, remote=N)``: ``N`` on
-            every tier. ``None``: ``Retention()`` (2 in ``local_dir``, 10 at the url).
+            every tier. A dict by tier name, ``{"local": 3, "disk2": 5}``, is ``Retention(local=3, disk2=5)``
+            (any durable tier the Checkpointer has; a tier not named keeps its default). ``None``:
+            ``Retention()`` (2 in ``local_dir``, 10 at the url).
         on_unsupported: ``"error"`` (default) refuses a state value that is not JSON-safe, naming its
             key; ``"skip"`` leaves such values out (logged), so they are not restored. Pickle is never
             used.
 
     Every field is checked here, when the policy is made (and so when a Checkpointer is), with a
     ``ValueError`` (a wrong value) or ``TypeError`` (a wrong type) naming the field: no wrong value
-    reaches a save. ``ck.policy.keep`` is always a :class:`~ckpt.Retention` (an int given is converted).
+    reaches a save. ``ck.policy.keep`` is always a :class:`~ckpt.Retention` (an int or a dict given is
+    converted).
     """
 
     every_steps: int | None = None
@@ -164,7 +167,7 @@ class Policy:
     restart_cost: float = 0.0
     persist_every: Mapping[str, int] | None = None
     if_busy: str = "skip"
-    keep: Retention | int | None = None
+    keep: Retention | int | Mapping[str, int | None] | None = None
     on_unsupported: str = "error"
 
     def __post_init__(self) -> None:
@@ -208,10 +211,12 @@ class Policy:
                     "never deleted), or pass ckpt.Retention(local=..., remote=...) (None keeps all)"
                 )
             object.__setattr__(self, "keep", Retention(local=keep, remote=keep))
+        elif isinstance(keep, Mapping):  # by tier name; the Checkpointer checks the names against its tiers
+            object.__setattr__(self, "keep", Retention.of(keep))
         elif keep is not None and not isinstance(keep, Retention):
             raise TypeError(
-                f"keep must be an int (that many checkpoints on every tier) or a ckpt.Retention(local=..., "
-                f"remote=...), got {keep!r}"
+                f"keep must be an int (that many checkpoints on every tier), a dict of tier name -> "
+                f"checkpoints kept, or a ckpt.Retention(local=..., remote=...), got {keep!r}"
             )
 
 

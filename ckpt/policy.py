@@ -16,8 +16,9 @@ import contextlib
 import logging
 import math
 import time
+import types
 from dataclasses import dataclass
-from typing import Any, Callable, Collection, Iterable, Iterator
+from typing import Any, Callable, Collection, Iterable, Iterator, Mapping
 
 from . import knobs
 
@@ -44,25 +45,32 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, init=False, repr=False)
 class Retention:
     """How many committed checkpoints each tier keeps.
 
     ``local``: newest checkpoints kept in ``local_dir`` (and of the copies kept for a peer rank);
-    ``remote``: at the URL (``None`` keeps all). Newest means the live branch newest
-    ``(timeline, step)`` first, then the abandoned branch of a rollback (see :class:`Timeline`), so
-    the abandoned branch goes first. The newest committed checkpoint, any checkpoint still being
-    written, linked checkpoints (a symbolic link into the directory) and the newest checkpoint this
-    process knows to verify (one it committed itself or read back in full) are never deleted,
-    whatever the setting; see :func:`prune`.
+    ``remote``: at the URL (``None`` keeps all). Any other durable tier by its name, as a keyword:
+    ``Retention(local=2, remote=10, disk2=5)`` for a tier registered as ``"disk2"``
+    (``Storage(extra_tiers=...)``); the same counts may be given as a mapping, ``keep={"local": 2,
+    "disk2": 5}`` (:class:`~ckpt.Policy`). A tier not named keeps what its class takes from ``local`` /
+    ``remote`` (a subclass of the local tier: ``local``), or all. The Checkpointer checks the names
+    against its tiers: a name that is not one of its durable tiers is a ``ValueError`` naming the tiers
+    it has. ``tiers``: the counts given by name (beside ``local`` and ``remote``).
+
+    Newest means the live branch newest ``(timeline, step)`` first, then the abandoned branch of a
+    rollback (see :class:`Timeline`), so the abandoned branch goes first. The newest committed
+    checkpoint, any checkpoint still being written, linked checkpoints (a symbolic link into the
+    directory) and the newest checkpoint this process knows to verify (one it committed itself or read
+    back in full) are never deleted, whatever the setting; see :func:`prune`.
     """
 
-    local: int | None = 2
-    remote: int | None = 10
+    local: int | None
+    remote: int | None
+    tiers: Mapping[str, int | None]
 
-    def __post_init__(self) -> None:
-        for tier in ("local", "remote"):
-            n = getattr(self, tier)
+    def __init__(self, local: int | None = 2, remote: int | None = 10, **tiers: int | None) -> None:
+        for tier, n in {"local": local, "remote": remote, **tiers}.items():
             if n is not None and (not isinstance(n, int) or isinstance(n, bool)):
                 raise ValueError(
                     f"Retention({tier}={n!r}): the number of checkpoints to keep must be an int "
@@ -73,6 +81,36 @@ class Retention:
                     f"Retention({tier}={n!r}): keep at least 1, since the newest committed "
                     "checkpoint is never deleted (or None to keep all)"
                 )
+        object.__setattr__(self, "local", local)
+        object.__setattr__(self, "remote", remote)
+        object.__setattr__(self, "tiers", types.MappingProxyType(dict(tiers)))
+
+    @classmethod
+    def of(cls, counts: Mapping[str, int | None]) -> "Retention":
+        """The retention of ``counts`` (tier name -> checkpoints kept); the tiers not named keep the defaults."""
+        for name in counts:
+            if not isinstance(name, str):
+                raise TypeError(
+                    f"keep= as a dict is keyed by tier name ('local', 'remote', ...), got {name!r}"
+                )
+        return cls(**counts)
+
+    def count(self, tier: Any) -> int | None:
+        """How many steps ``tier`` keeps: its count by name, else what the tier takes from ``local`` /
+        ``remote`` (:meth:`~ckpt.tiers.base.Tier.keep_of`; ``None``: all)."""
+        if tier.name in self.tiers:
+            return self.tiers[tier.name]
+        return tier.keep_of(self)
+
+    def __hash__(self) -> int:
+        return hash((self.local, self.remote, tuple(sorted(self.tiers.items()))))
+
+    def __reduce__(self) -> tuple:  # copies and pickles (a Lightning callback's settings) by its counts
+        return Retention.of, ({"local": self.local, "remote": self.remote, **self.tiers},)
+
+    def __repr__(self) -> str:
+        more = "".join(f", {name}={n!r}" for name, n in self.tiers.items())
+        return f"Retention(local={self.local!r}, remote={self.remote!r}{more})"
 
 
 @dataclass(frozen=True)
@@ -268,14 +306,14 @@ def prune(
 
 def retain(tiers: Iterable[Any], keep: Retention, busy: Collection[int]) -> None:
     """Retention after a commit, on each of ``tiers`` that prunes from this process (:func:`prune`, with each
-    tier's share of ``keep``; ``busy``: steps still being written). What counts as verified here (the newest
+    tier's count of ``keep``, :meth:`Retention.count`; ``busy``: steps still being written). What counts as verified here (the newest
     such step is always kept, and with none nothing committed is deleted): a step this process committed to
     that tier itself (checksums computed from its own host buffer, or, for a copy, every chunk checked
     against the sender's), or read back in full from it; never a step it saw fail verification."""
     for tier in tiers:
         if not tier.prunes_here():
             continue
-        prune(tier, tier.keep_of(keep), busy, verified=lambda s, record=tier.verified: record.get(s) is True)
+        prune(tier, keep.count(tier), busy, verified=lambda s, record=tier.verified: record.get(s) is True)
 
 
 def elapsed(now: float, last: float, seconds: float) -> bool:

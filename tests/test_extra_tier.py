@@ -99,6 +99,30 @@ def test_settings_that_name_tiers_know_the_registered_one(tmp_path):
         ck.close()
 
 
+def test_retention_per_tier_names_the_registered_tier(tmp_path):
+    """keep= names the extra tier as it names the local one (a Retention keyword or a dict), each tier keeping
+    its own count; a tier not named keeps its class's (a local tier's subclass: local's). A name the
+    Checkpointer has no durable tier for is refused at construction."""
+    policy = ckpt.Policy(every_steps=1, keep=ckpt.Retention(local=3, disk2=1), if_busy="wait")
+    with ckpt.Checkpointer(storage=_storage(tmp_path), policy=policy) as ck:
+        for step in range(5):
+            ck.save(step, _state(float(step))).wait()
+    assert LocalTier(tmp_path / "nvme").committed_steps() == [4, 3, 2]
+    assert SecondDisk(tmp_path / "hdd").committed_steps() == [4]
+
+    other = ckpt.Storage(local_dir=tmp_path / "nvme2", extra_tiers={"disk2": tmp_path / "hdd2"})
+    with ckpt.Checkpointer(storage=other, keep={"local": 1, "disk2": 3}, if_busy="wait") as ck:
+        for step in range(5):
+            ck.save(step, _state(float(step))).wait()
+    assert LocalTier(tmp_path / "nvme2").committed_steps() == [4]
+    assert SecondDisk(tmp_path / "hdd2").committed_steps() == [4, 3, 2]
+
+    with pytest.raises(ValueError):  # no such tier registered
+        ckpt.Checkpointer(storage=_storage(tmp_path), keep=ckpt.Retention(disk3=2))
+    with pytest.raises(ValueError):  # registered, but this Checkpointer has no second disk
+        ckpt.Checkpointer(local_dir=tmp_path / "c", keep=ckpt.Retention(disk2=2))
+
+
 def test_the_registered_tier_gets_save_metrics_and_a_log_line(tmp_path, caplog):
     """Metrics follow the tiers the Checkpointer has: the extra tier's persist time and throughput are in
     each save's record, and the per-save log line names it."""

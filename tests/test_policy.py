@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+import pickle
 import signal
 import threading
 import time
@@ -210,7 +212,10 @@ def test_keep_as_an_int_keeps_that_many_on_every_tier(local_dir, tmp_path, caplo
         ("keep", True, TypeError),
         ("keep", 2.0, TypeError),
         ("keep", "2", TypeError),
-        ("keep", {"local": 2}, TypeError),
+        ("keep", {"local": 0}, ValueError),
+        ("keep", {"disk2": 1.5}, ValueError),
+        ("keep", {2: 2}, TypeError),
+        ("keep", [2], TypeError),
         ("every_steps", 0, ValueError),
         ("every_steps", True, TypeError),
         ("every_steps", 2.5, TypeError),
@@ -248,3 +253,23 @@ def test_a_retention_with_wrong_counts_is_refused():
             ckpt.Retention(local=bad)
         with pytest.raises(ValueError):
             ckpt.Retention(remote=bad)
+        with pytest.raises(ValueError):  # a tier by its name is checked alike
+            ckpt.Retention(disk2=bad)
+
+
+def test_keep_as_a_dict_is_a_retention_by_tier_name():
+    r = ckpt.Retention(local=3, disk2=5)
+    assert ckpt.Policy(keep={"local": 3, "disk2": 5}).keep == r
+    assert r.local == 3 and r.remote == 10 and dict(r.tiers) == {"disk2": 5}  # remote keeps its default
+    assert hash(r) == hash(ckpt.Retention(local=3, disk2=5)) and r != ckpt.Retention(local=3)
+    assert copy.deepcopy(r) == r and pickle.loads(pickle.dumps(r)) == r
+    assert ckpt.Policy(keep={"local": 1}).keep == ckpt.Retention(local=1)
+
+
+@pytest.mark.parametrize("keep", [ckpt.Retention(disk9=2), {"memory": 2}, {"peer": 1}, {"disk9": None}])
+def test_a_retention_naming_a_tier_this_checkpointer_lacks_is_refused(local_dir, keep):
+    """Only durable tiers the Checkpointer has may be named: an unknown name, or a RAM tier (whose retention
+    is its number of buffers), is a ValueError at construction, before anything is written."""
+    with pytest.raises(ValueError):
+        ckpt.Checkpointer(local_dir=local_dir, keep=keep)
+    assert not any(local_dir.iterdir())

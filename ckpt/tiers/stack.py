@@ -1,8 +1,9 @@
 """Which tiers a Checkpointer has: :class:`Tiers`, built from its :class:`~ckpt.Storage`.
 
 The memory and local tiers are always there, the remote tier with a ``url``, the peer tier with ``peers``.
-The settings that name tiers (``persist_every``, a per-tier ``mtbf``, a drain tier) are checked here against
-the tiers that exist, so the rest of the library asks this object instead of spelling out tier names.
+The settings that name tiers (``persist_every``, a per-tier ``mtbf``, a drain tier, a retention per tier) are
+checked here against the tiers that exist, so the rest of the library asks this object instead of spelling out
+tier names.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import importlib
 import os
 from typing import Any, Iterator, Mapping
 
+from ..policy import Retention
 from .base import PersistingTier, Tier, nearness, registered
 
 __all__ = ["Tiers", "persisting_kinds", "needs_text"]
@@ -162,6 +164,20 @@ class Tiers:
                     f"persist_every names the tiers {needs_text(persisting_kinds())}, got {name!r}"
                 )
         return dict(persist_every)
+
+    def check_retention(self, keep: Retention) -> Retention:
+        """``keep`` when each tier it names (:attr:`~ckpt.policy.Retention.tiers`, beside ``local`` and ``remote``)
+        is a durable tier this Checkpointer has, the tiers retention applies to; else a ``ValueError`` naming the
+        tier and the durable tiers there are (and what makes each exist)."""
+        have = {t.name for t in self.own if t.durable}
+        for name in keep.tiers:
+            if name not in have:
+                kinds = {c.name: c.needs for c in registered() if c.durable}
+                raise ValueError(
+                    f"keep names the tier {name!r}, which is not a durable tier of this Checkpointer; "
+                    f"retention applies to the tiers {needs_text(kinds)}"
+                )
+        return keep
 
     def per_tier(self, value: Any, what: str) -> dict[str, Any]:
         """A setting given once for all tiers or as a dict by tier name (``mtbf``), as a dict over the tiers
