@@ -41,8 +41,10 @@ from typing import TYPE_CHECKING, Any, Callable
 if TYPE_CHECKING:
     import torch
 
+from . import values
 from .errors import CorruptCheckpointError
 from .integrity import ALGORITHM, checksum
+from .values import MAX_TREE_DEPTH
 
 __all__ = [
     "FORMAT_VERSION",
@@ -81,9 +83,9 @@ LATEST_NAME = "latest"
 MAX_RECORD_BYTES = 1 << 30
 #: JSON nesting (arrays and objects inside each other) allowed in any record read back
 MAX_JSON_DEPTH = 128
-#: nesting allowed in a saved state tree below its top-level key; deeper values are refused at save
-#: time (with the manifest's own two levels and a DTensor layout's two, a tree stays within MAX_JSON_DEPTH)
-MAX_TREE_DEPTH = 100
+# MAX_TREE_DEPTH (from ckpt.values, which refuses deeper values at save time): nesting allowed in a saved
+# state tree below its top-level key; with the manifest's own two levels and a DTensor layout's two, a tree
+# stays within MAX_JSON_DEPTH
 #: dimensions a saved tensor may have
 MAX_NDIM = 64
 _MAX_INT = (1 << 63) - 1  # every size, offset and count is an int64 to torch
@@ -637,13 +639,11 @@ def _load_json(raw: bytes, where: str) -> dict:
 
 # -- the saved state tree ---------------------------------------------------------------------------
 _OBJ_KINDS = ("module", "optimizer", "stateful")
-_FLOAT_TAGS = ("nan", "inf", "-inf")
+#: the tags of a saved tree: the engine's own, and the values' of :mod:`ckpt.values` (bytes not among them)
 _TAG_KEYS = {
     "$t": {"$t", "$np", "$dt"},
     "$obj": {"$obj", "sd"},
-    "$tuple": {"$tuple"},
-    "$d": {"$d"},
-    "$f": {"$f"},
+    **values.TAGS,
     "$dtype": {"$dtype"},
     "$skip": {"$skip"},
 }
@@ -704,25 +704,11 @@ def _validate_tree(tree: Any, n_items: int, bad: Callable[[str], CorruptCheckpoi
                     f"tree node at {path!r}: an object node needs a kind in {_OBJ_KINDS} and a state dict"
                 )
             stack.append((node["sd"], path))
-        elif tag == "$tuple":
-            if not isinstance(v, list):
-                raise bad(f"tree node at {path!r}: $tuple must be a list")
-            stack.extend((x, f"{path}/{i}") for i, x in enumerate(v))
-        elif tag == "$d":
-            if not (
-                isinstance(v, list)
-                and all(
-                    isinstance(p, list)
-                    and len(p) == 2
-                    and (p[0] is None or isinstance(p[0], (str, int, float)))
-                    for p in v
-                )
-            ):
-                raise bad(f"tree node at {path!r}: $d must list [key, value] pairs with scalar keys")
-            stack.extend((x, f"{path}/{k}") for k, x in v)
-        elif tag == "$f":
-            if v not in _FLOAT_TAGS:
-                raise bad(f"tree node at {path!r}: $f must be one of {_FLOAT_TAGS}")
+        elif tag in values.TAGS:  # $tuple, $d, $f
+            why = values.check(tag, node)
+            if why is not None:
+                raise bad(f"tree node at {path!r}: {why}")
+            stack.extend(values.children(tag, node, path))
         elif tag == "$dtype":
             if not (isinstance(v, str) and v in _ITEMSIZES):
                 raise bad(f"tree node at {path!r}: unknown dtype {v!r}")

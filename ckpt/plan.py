@@ -13,18 +13,17 @@ bytes land in place, on the GPU, with no temporary), otherwise a new tensor on
 the device type it was saved from. Once the bytes are in, the objects receive
 their state dicts through ``load_state_dict``.
 
-Tree encoding (all JSON): ``{"$t": i}`` tensor ``i`` (``"$np": 1`` for a numpy
+Tree encoding (all JSON): the values of :mod:`ckpt.values` (plain JSON, ``{"$tuple": [...]}``,
+``{"$d": [[k, v], ...]}`` a dict with non-string keys, ``{"$f": "nan" | "inf" | "-inf"}``; bytes are
+refused), and the engine's own nodes: ``{"$t": i}`` tensor ``i`` (``"$np": 1`` for a numpy
 array); ``{"$obj": kind, "sd": tree}`` a Stateful object (kind is ``module``,
-``optimizer`` or ``stateful``); ``{"$tuple": [...]}``; ``{"$d": [[k, v], ...]}``
-a dict with non-string keys; ``{"$f": "nan" | "inf" | "-inf"}``;
-``{"$dtype": name}``; plain JSON otherwise. A DTensor is saved as its local shard,
+``optimizer`` or ``stateful``); ``{"$dtype": name}``. A DTensor is saved as its local shard,
 ``{"$t": i, "$dt": layout}`` (see :func:`dtensor_layout`), and loaded back only into the
 same layout.
 """
 
 from __future__ import annotations
 
-import math
 import sys
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
@@ -32,12 +31,12 @@ from typing import Any, Callable, Mapping
 import torch
 
 from .errors import IncompatibleCheckpointError, LayoutMismatchError, RefusedStateError
-from .format import MAX_TREE_DEPTH, ItemRecord, dtype_to_str, empty_tensor, str_to_dtype, supported_dtypes
+from .format import ItemRecord, dtype_to_str, empty_tensor, str_to_dtype, supported_dtypes
 from .scatter import writing_state
+from .values import DICT, FLOAT, MAX_TREE_DEPTH, TUPLE, Encoder
 
 __all__ = ["Entry", "Plan", "flatten", "layout", "Binding", "bind"]
 
-_SCALARS = (bool, int, str, type(None))
 _PLAIN_TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
 _KNOWN_DTYPES: set[torch.dtype] = set()
 
@@ -166,7 +165,17 @@ def dtensor_layout(t: Any, path: str) -> dict:
     }
 
 
-class _Flattener:
+class _Flattener(Encoder):
+    """The engine's walk of a state (:class:`ckpt.values.Encoder`, bytes refused): tensors, DTensors,
+    numpy arrays, dtypes and ``Stateful`` objects besides the values of the one encoding."""
+
+    remedy = (
+        "Store JSON-safe values (numbers, strings, lists, dicts), tensors, or an object with "
+        "state_dict()/load_state_dict(); or pass Checkpointer(on_unsupported='skip') to leave such values "
+        "out of checkpoints (they are then not restored)."
+    )
+    leave_out = ", or pass Checkpointer(on_unsupported='skip') to leave it out"
+
     def __init__(self) -> None:
         self.entries: list[Entry] = []
         self._seen: dict[tuple, int] = {}
@@ -198,39 +207,24 @@ class _Flattener:
         self.entries.append(Entry(path, t, is_buffer, alias, t._version, dt is not None))
         return {"$t": idx} if dt is None else {"$t": idx, "$dt": dt}
 
-    def walk(
-        self, v: Any, path: str, buffers: frozenset[str] = frozenset(), rel: str = "", depth: int = 1
-    ) -> Any:
-        """The tree node of ``v``; ``depth``: the JSON nesting level that node sits at (a top-level
-        value at 1), so that a value nested too deep to be read back is refused here, by key."""
-        if isinstance(v, torch.Tensor):
+    def encode(self, v: Any, path: str, depth: int = 1) -> Any:
+        if isinstance(v, torch.Tensor):  # the common case first
             if depth > MAX_TREE_DEPTH:
-                _too_deep(path)
-            return self.tensor(v, path, rel in buffers)
-        if isinstance(v, _SCALARS):
-            return v
-        if isinstance(v, float) and math.isfinite(v):
-            return v
-        if depth > MAX_TREE_DEPTH:
-            _too_deep(path)
-        if isinstance(v, float):
-            return {"$f": repr(v)}
+                self.too_deep(path)
+            return self.tensor(v, path, False)
+        return super().encode(v, path, depth)
+
+    def extra(self, v: Any, path: str, depth: int) -> Any:
         if _is_stateful(v):
             sd = v.state_dict()
-            bufs = frozenset()
+            bufs: frozenset[str] = frozenset()
             if isinstance(v, torch.nn.Module):  # stored under the unwrapped module's keys
                 wrappers = _wrapper_paths(v)
                 sd, _ = _module_sd(v, sd, wrappers)
                 bufs = frozenset(canonical_key(n, wrappers) for n, _ in v.named_buffers())
             return {"$obj": _obj_kind(v), "sd": self._walk_sd(sd, path, bufs, depth + 1)}
-        if isinstance(v, Mapping):
-            return self._walk_map(v, path, buffers, rel, depth=depth)
         if isinstance(v, torch.Size):
-            return {"$tuple": list(v)}
-        if isinstance(v, tuple):
-            return {"$tuple": [self.walk(x, f"{path}/{i}", depth=depth + 2) for i, x in enumerate(v)]}
-        if isinstance(v, list):
-            return [self.walk(x, f"{path}/{i}", depth=depth + 1) for i, x in enumerate(v)]
+            return {TUPLE: list(v)}
         if isinstance(v, torch.dtype):
             return {"$dtype": _storable_dtype(v, path, "torch.dtype value")}
         np = _numpy()
@@ -241,41 +235,28 @@ class _Flattener:
                 )
             node = self.tensor(torch.from_numpy(np.ascontiguousarray(v)), path, False)
             return {**node, "$np": 1}
-        if np is not None and isinstance(v, np.generic):
-            return self.walk(v.item(), path, depth=depth)
-        raise RefusedStateError(
-            f"state value at {path!r} is a {type(v).__module__}.{type(v).__qualname__}, which cannot be "
-            "stored without pickle. Store JSON-safe values (numbers, strings, lists, dicts), tensors, or an "
-            "object with state_dict()/load_state_dict(); or pass Checkpointer(on_unsupported='skip') to "
-            "leave such values out of checkpoints (they are then not restored).",
-            path=path,
-        )
+        if np is not None and isinstance(v, np.generic):  # (np.float64 NaN too: stored as a float)
+            return self.encode(v.item(), path, depth)
+        return NotImplemented
 
     def _walk_sd(self, sd: Any, path: str, buffers: frozenset[str], depth: int) -> Any:
+        """A state dict's node; ``buffers``: its keys that hold a module's buffers (mutated in place by
+        forward, so a snapshot of them is checked for tears apart from the parameters)."""
         if not isinstance(sd, Mapping):
-            return self.walk(sd, path, depth=depth)
+            return self.encode(sd, path, depth)
         if depth > MAX_TREE_DEPTH:
-            _too_deep(path)
-        return self._walk_map(sd, path, buffers, "", top=True, depth=depth)
+            self.too_deep(path)
+        if not buffers:
+            return self.mapping(sd, path, depth)
 
-    def _walk_map(
-        self, v: Mapping, path: str, buffers: frozenset[str], rel: str, top: bool = False, depth: int = 1
-    ) -> Any:
-        plain = all(isinstance(k, str) and not k.startswith("$") for k in v)
-        sub = depth + 1 if plain else depth + 3  # {"$d": [[k, v], ...]} nests each value three deeper
-        out = []
-        for k, x in v.items():
-            if not isinstance(k, (str, int, float, bool, type(None))):
-                raise RefusedStateError(
-                    f"state dict at {path!r} has a key of type {type(k).__name__}; "
-                    "keys must be str, int, float, bool or None",
-                    path=path,
-                )
-            sub_rel = str(k) if top else f"{rel}.{k}"
-            out.append((k, self.walk(x, f"{path}/{k}", buffers if top else frozenset(), sub_rel, sub)))
-        if plain:
-            return dict(out)
-        return {"$d": [[k, x] for k, x in out]}
+        def child(k: Any, x: Any, p: str, d: int) -> Any:
+            if isinstance(x, torch.Tensor) and str(k) in buffers:
+                if d > MAX_TREE_DEPTH:
+                    self.too_deep(p)
+                return self.tensor(x, p, True)
+            return self.encode(x, p, d)
+
+        return self.mapping(sd, path, depth, child)
 
 
 def _storable_dtype(dtype: torch.dtype, path: str, what: str) -> str:
@@ -290,16 +271,6 @@ def _storable_dtype(dtype: torch.dtype, path: str, what: str) -> str:
             + ("" if what == "tensor" else ", or pass Checkpointer(on_unsupported='skip') to leave it out"),
             path=path,
         ) from None
-
-
-def _too_deep(path: str) -> None:
-    raise RefusedStateError(
-        f"state value at {path!r} is nested more than {MAX_TREE_DEPTH} levels deep (every dict, list and tuple "
-        "counts, dicts with non-string keys and tuples their tags too): checkpoints read back records only that "
-        "deep. Store such a value flatter (e.g. as a JSON string or a tensor), or pass "
-        "Checkpointer(on_unsupported='skip') to leave it out",
-        path=path,
-    )
 
 
 _np_module: Any = False
@@ -324,11 +295,9 @@ class SkipUnsupported(_Flattener):
         super().__init__()
         self.skipped: list[str] = []
 
-    def walk(
-        self, v: Any, path: str, buffers: frozenset[str] = frozenset(), rel: str = "", depth: int = 1
-    ) -> Any:
+    def encode(self, v: Any, path: str, depth: int = 1) -> Any:
         try:
-            return super().walk(v, path, buffers, rel, depth)
+            return super().encode(v, path, depth)
         except RefusedStateError:
             if isinstance(v, torch.Tensor):
                 raise
@@ -348,7 +317,7 @@ def flatten(state: Mapping[str, Any], on_unsupported: str = "error") -> Plan:
     if bad:
         raise TypeError(f"state keys must be strings, got {bad!r}")
     fl = SkipUnsupported() if on_unsupported == "skip" else _Flattener()
-    tree = {k: fl.walk(v, k) for k, v in state.items()}
+    tree = {k: fl.encode(v, k) for k, v in state.items()}
     return Plan(tree, fl.entries)
 
 
@@ -534,18 +503,18 @@ class _Binder:
             if dt is not None:
                 return self._as_dtensor(idx, dt, path, template if _is_distributed_tensor(template) else None)
             return lambda: self.dest[idx].numpy() if as_np else self.dest[idx]
-        if "$tuple" in node:
-            subs = [self.decode(x, _index(template, i), f"{path}/{i}") for i, x in enumerate(node["$tuple"])]
+        if TUPLE in node:
+            subs = [self.decode(x, _index(template, i), f"{path}/{i}") for i, x in enumerate(node[TUPLE])]
             return lambda: tuple(s() for s in subs)
-        if "$d" in node:
+        if DICT in node:
             pairs = [
                 (k, self.decode(v, _index(template, k), f"{path}/{k}"))
-                for k, v in node["$d"]
+                for k, v in node[DICT]
                 if not _skipped(v)
             ]
             return lambda: {k: s() for k, s in pairs}
-        if "$f" in node:
-            return lambda: float(node["$f"])
+        if FLOAT in node:
+            return lambda: float(node[FLOAT])
         if "$dtype" in node:
             dt = str_to_dtype(node["$dtype"], path)
             return lambda: dt
@@ -586,7 +555,7 @@ class _Binder:
                 if self.strict or k in live:  # strict=False: only the keys both have
                     self.bind_value(live, k, v, f"{path}/{k}")
             return
-        items = node if isinstance(node, list) else node.get("$tuple") if isinstance(node, dict) else None
+        items = node if isinstance(node, list) else node.get(TUPLE) if isinstance(node, dict) else None
         if isinstance(live, (list, tuple)) and isinstance(items, list) and len(items) == len(live):
             # Walk live sequences too, so the objects in them (a list of optimizers) load in place.
             seq = list(live)

@@ -2,12 +2,19 @@
 
 from __future__ import annotations
 
+import io
+import json
+import math
+
 import numpy as np
 import pytest
 import torch
 from torch import nn
 
 import ckpt
+from ckpt import values
+from ckpt.format import MAX_JSON_DEPTH, MAX_TREE_DEPTH
+from ckpt.plan import flatten
 from helpers import assert_same, make_state, snapshot_values, train
 
 
@@ -93,6 +100,46 @@ def test_plain_tensors_numpy_tuples_and_json_values_round_trip(local_dir):
     assert isinstance(target["arr"], np.ndarray) and (target["arr"] == state["arr"]).all()
     assert target["nested"] == {"a": (1, "x", [2.5, None]), 3: "int key", "$weird": {"k": float("-inf")}}
     assert target["np_scalar"] == 1.5 and target["dtype"] is torch.float16
+
+
+def test_the_engines_tree_encoding_of_values_is_unchanged_by_sharing_it():
+    """The engine's state tree is written by ckpt.values' encoder (shared with the DCP adapter): the same
+    JSON, byte for byte, as the engine wrote before it was shared."""
+    tree = flatten(
+        {
+            "t": (1, torch.Size([2])),
+            "f": [float("nan"), float("-inf"), 0.5],
+            "d": {1: "a", "$k": None, 2.5: True},
+            "s": {"a": {"b": "c"}},
+            "dt": torch.bfloat16,
+        }
+    ).tree
+    assert json.dumps(tree) == (
+        '{"t": {"$tuple": [1, {"$tuple": [2]}]}, "f": [{"$f": "nan"}, {"$f": "-inf"}, 0.5], '
+        '"d": {"$d": [[1, "a"], ["$k", null], [2.5, true]]}, "s": {"a": {"b": "c"}}, '
+        '"dt": {"$dtype": "bfloat16"}}'
+    )
+    assert MAX_TREE_DEPTH + 4 <= MAX_JSON_DEPTH == values.MAX_DECODE_DEPTH  # the depth limits fit together
+
+
+def test_bytes_stay_out_of_engine_checkpoints(local_dir):
+    """The one encoding has bytes for the DCP adapter; the engine's format does not take them."""
+    with ckpt.Checkpointer(local_dir=local_dir) as ck:
+        for v in (b"x", io.BytesIO(b"x")):
+            with pytest.raises(ckpt.RefusedStateError) as e:
+                ck.save(1, {"extras": {"blob": v}})
+            assert e.value.path == "extras/blob" and "without pickle" in str(e.value)
+
+
+def test_a_numpy_nan_scalar_round_trips_as_a_float(local_dir):
+    """(numpy 2 spells np.float64("nan") "np.float64(nan)": the engine once wrote that into its "$f" tag,
+    which no reader takes; a numpy scalar is now stored as the Python value it holds.)"""
+    with ckpt.Checkpointer(local_dir=local_dir) as ck:
+        ck.save(1, {"x": np.float64("nan"), "y": [np.float32("-inf"), np.float64(2.5)]}).wait()
+    out = {"x": None, "y": None}
+    with ckpt.Checkpointer(local_dir=local_dir) as ck:
+        assert ck.restore(out) == 1
+    assert math.isnan(out["x"]) and out["y"] == [float("-inf"), 2.5]
 
 
 def test_tied_weights_are_stored_once_and_stay_tied(local_dir):
