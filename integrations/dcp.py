@@ -45,14 +45,15 @@ to the remote copy item by item; bytes that fail their checksum are reported (a 
 one runs ``torch.load(weights_only=False)`` on bytes from the checkpoint. Here the metadata is
 JSON, validated field by field on load (a hostile or torn file gives a
 :class:`~ckpt.errors.CorruptCheckpointError` naming the file), and a non-tensor value is stored as
-JSON: ``None``, bools, ints, floats (NaN and infinities included), strings, ``bytes`` and
-``io.BytesIO`` (as base64 text; read back as themselves), and lists, tuples and dicts (string or
-integer keys) of those, which covers optimizer ``param_groups`` and scalar training state. Anything
-else is refused at save time with the key's name. A save planner that overrides ``resolve_data`` or
-``transform_object`` is honoured: its ``torch.save`` bytes, made in this process, are read back with
-the ``weights_only`` unpickler and stored as JSON. DCP's load planner takes non-tensor values as
-``torch.save`` bytes: the reader makes those itself from the decoded JSON value, so the bytes it
-unpickles were never read from storage.
+JSON in the engine's encoding (:mod:`ckpt.values`): ``None``, bools, ints, floats (NaN and infinities
+included), strings, ``bytes`` and ``io.BytesIO`` (as base64 text; read back as themselves), and lists,
+tuples and dicts of those, which covers optimizer ``param_groups`` and scalar training state. Anything
+else is refused at save time with a :class:`~ckpt.errors.RefusedStateError` naming the key. Values of
+checkpoints written before the encoding was shared (tags ``$float`` and ``$dict``) are still read. A
+save planner that overrides ``resolve_data`` or ``transform_object`` is honoured: its ``torch.save``
+bytes, made in this process, are read back with the ``weights_only`` unpickler and stored as JSON.
+DCP's load planner takes non-tensor values as ``torch.save`` bytes: the reader makes those itself from
+the decoded JSON value, so the bytes it unpickles were never read from storage.
 
 ``dcp.save(use_collectives=False)`` on several processes: each rank commits a checkpoint of one rank
 at ``<checkpoint_id>/rank-RRRRR/`` (and removes ``<checkpoint_id>/COMMIT``); ``dcp.load`` falls back to
@@ -69,8 +70,6 @@ need the Checkpointer's snapshot and rank groups); for saves that overlap traini
 
 from __future__ import annotations
 
-import base64
-import binascii
 import dataclasses
 import errno
 import io
@@ -109,12 +108,17 @@ from torch.distributed.checkpoint.planner import (
 )
 from torch.distributed.checkpoint.storage import WriteResult
 
-from .. import knobs, stall
+from .. import knobs, stall, values
 from ..commit import DirSink, FsSink, Sink, publish
-from ..errors import CheckpointError, CorruptCheckpointError, IncompleteCheckpointError, NoCheckpointError
+from ..errors import (
+    CheckpointError,
+    CorruptCheckpointError,
+    IncompleteCheckpointError,
+    NoCheckpointError,
+    RefusedStateError,
+)
 from ..format import (
     COMMIT_NAME,
-    MAX_TREE_DEPTH,
     _is_nonneg_int,
     _is_number,
     check_shape,
@@ -132,6 +136,7 @@ from ..integrity import ALGORITHM, checksum
 from ..policy import Retention
 from ..scatter import writing_state
 from ..stall import StallError, Watched
+from ..values import Encoder
 from ..tiers.local import _read_range, linked, remove_step_dir
 from ..tiers.remote_errors import failure_type
 from ..fs import is_local_fs, is_url, resolve
@@ -611,82 +616,32 @@ def _checkpoint_name(checkpoint_id: str | os.PathLike | None, default: str | Non
 
 
 # -- non-tensor values as JSON ------------------------------------------------------------------------
-def _to_json(value: Any, where: str, depth: int = 1) -> Any:
-    """The tagged JSON of a non-tensor value; ``depth``: the nesting level its node sits at, so that a
-    value too deep for the reader (:data:`ckpt.format.MAX_TREE_DEPTH`) is refused here, by key."""
-    if value is None or isinstance(value, (bool, int, str)):
-        return value
-    if isinstance(value, float) and math.isfinite(value):
-        return value
-    if depth > MAX_TREE_DEPTH and isinstance(value, (float, list, tuple, dict, bytes, io.BytesIO)):
-        raise ValueError(
-            f"state value {where!r} is nested more than {MAX_TREE_DEPTH} levels deep (lists, dicts "
-            "and tuples, tuples and dicts with integer keys counting their tags too), deeper than "
-            "TierStorageReader reads back; store it flatter (e.g. as a JSON string)"
-        )
-    if isinstance(value, float):
-        return {"$float": "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")}
-    # raw bytes, which DCP's planners treat as plain values like str (torchtitan keeps a data
-    # loader's state as bytes, a loss history as an io.BytesIO): stored as base64 text, read back
-    # as the same type (a BytesIO at the same position), never unpickled
-    if isinstance(value, bytes):
-        return {"$bytes": base64.b64encode(value).decode("ascii")}
-    if isinstance(value, io.BytesIO):
-        return {"$bytesio": base64.b64encode(value.getbuffer()).decode("ascii"), "pos": value.tell()}
-    if isinstance(value, (list, tuple)):
-        sub = depth + (1 if isinstance(value, list) else 2)
-        items = [_to_json(v, f"{where}[{i}]", sub) for i, v in enumerate(value)]
-        return items if isinstance(value, list) else {"$tuple": items}
-    if isinstance(value, dict):
-        if all(isinstance(k, str) and not k.startswith("$") for k in value):
-            return {k: _to_json(v, f"{where}.{k}", depth + 1) for k, v in value.items()}
-        if all(isinstance(k, (str, int)) and not isinstance(k, bool) for k in value):
-            return {"$dict": [[k, _to_json(v, f"{where}[{k!r}]", depth + 3)] for k, v in value.items()]}
-    raise ValueError(
-        f"state value {where!r} is a {type(value).__name__}, which TierStorageWriter cannot store without pickle. "
+class _ValueEncoder(Encoder):
+    """The one encoding of :mod:`ckpt.values`, with ``bytes`` and ``io.BytesIO`` (DCP's planners treat them
+    as plain values like ``str``: torchtitan keeps a data loader's state as bytes, a loss history as a
+    BytesIO), stored as base64 text and read back as the same type (a BytesIO at the same position)."""
+
+    bytes_ok = True
+    remedy = (
         "Non-tensor values must be None, bool, int, float, str, bytes, io.BytesIO, or lists / tuples / dicts "
-        "(str or int keys) of those; convert it (e.g. to a tensor or a string) or leave it out of the state given "
-        "to dcp.save"
+        "of those; convert it (e.g. to a tensor or a string) or leave it out of the state given to dcp.save."
     )
+    leave_out = ", or leave it out of the state given to dcp.save"
+
+
+_ENCODER = _ValueEncoder()
+
+
+def _to_json(value: Any, where: str) -> Any:
+    """The JSON node of a non-tensor value (:mod:`ckpt.values`); a value that would need pickle, or nests
+    too deep for the reader, is a :class:`~ckpt.errors.RefusedStateError` naming ``where`` (its key)."""
+    return _ENCODER.encode(value, where)
 
 
 def _from_json(obj: Any, where: str) -> Any:
-    if obj is None or isinstance(obj, (bool, int, float, str)):
-        return obj
-    if isinstance(obj, list):
-        return [_from_json(v, where) for v in obj]
-    if isinstance(obj, dict):
-        if len(obj) == 1 and "$float" in obj and obj["$float"] in ("nan", "inf", "-inf"):
-            return float(obj["$float"])
-        if len(obj) == 1 and "$bytes" in obj and isinstance(obj["$bytes"], str):
-            return _unbase64(obj["$bytes"], where)
-        if (
-            set(obj) == {"$bytesio", "pos"}
-            and isinstance(obj["$bytesio"], str)
-            and _is_nonneg_int(obj["pos"])
-            and obj["pos"] < 1 << 62
-        ):
-            buf = io.BytesIO(_unbase64(obj["$bytesio"], where))
-            buf.seek(obj["pos"])
-            return buf
-        if len(obj) == 1 and "$tuple" in obj and isinstance(obj["$tuple"], list):
-            return tuple(_from_json(v, where) for v in obj["$tuple"])
-        if len(obj) == 1 and "$dict" in obj and isinstance(obj["$dict"], list):
-            out = {}
-            for pair in obj["$dict"]:
-                if not (
-                    isinstance(pair, list)
-                    and len(pair) == 2
-                    and isinstance(pair[0], (str, int))
-                    and not isinstance(pair[0], bool)
-                ):
-                    raise CorruptCheckpointError(f"{where}: malformed dict entry {pair!r}")
-                out[pair[0]] = _from_json(pair[1], where)
-            return out
-        if any(k.startswith("$") for k in obj):
-            raise CorruptCheckpointError(f"{where}: unknown tagged value {sorted(obj)!r}")
-        return {k: _from_json(v, where) for k, v in obj.items()}
-    raise CorruptCheckpointError(f"{where}: unexpected JSON value of type {type(obj).__name__}")
+    """The value of JSON node ``obj`` (:func:`ckpt.values.decode`, old checkpoints' tags included); a
+    malformed node is a :class:`~ckpt.errors.CorruptCheckpointError` naming ``where``."""
+    return values.decode(obj, where, legacy=True)
 
 
 def _plain_lookup(planner: SavePlanner) -> bool:
@@ -721,13 +676,6 @@ def _planner_value(data: Any, where: str) -> Any:
         ) from None
 
 
-def _unbase64(text: str, where: str) -> bytes:
-    try:
-        return base64.b64decode(text, validate=True)
-    except (binascii.Error, ValueError):
-        raise CorruptCheckpointError(f"{where}: malformed base64 bytes value") from None
-
-
 # -- metadata <-> JSON --------------------------------------------------------------------------------
 def _index_to_json(ix: MetadataIndex) -> dict[str, Any]:
     return {"fqn": ix.fqn, "offset": list(ix.offset) if ix.offset is not None else None}
@@ -760,10 +708,11 @@ def _metadata_to_json(md: Metadata) -> dict[str, Any]:
             )
     try:
         planner_data = _to_json(md.planner_data, "planner_data")
-    except ValueError as e:
-        raise ValueError(
+    except RefusedStateError as e:
+        raise RefusedStateError(
             f"{e} (the save planner's planner_data; use DCP's DefaultSavePlanner or one whose "
-            "planner_data is plain data)"
+            "planner_data is plain data)",
+            path=e.path,
         ) from None
     items = [{"index": _index_to_json(ix), **rec} for ix, rec in (md.storage_data or {}).items()]
     sm = md.storage_meta

@@ -14,7 +14,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
-from ckpt.errors import CorruptCheckpointError, IncompleteCheckpointError
+from ckpt.errors import CorruptCheckpointError, IncompleteCheckpointError, RefusedStateError
 from ckpt.integrations.dcp import TierStorageReader, TierStorageWriter
 from ckpt.integrity import checksum
 from helpers import assert_ok, run_ranks
@@ -113,6 +113,40 @@ def test_round_trip_in_one_process_keeps_dtypes_shapes_and_plain_values(tmp_path
     # nothing on disk is a pickle: the metadata is JSON and its records parse
     meta = json.loads((tmp_path / "local" / "step-1" / "metadata.json").read_text())
     assert meta["format"] == "ckpt.dcp" and {i["kind"] for i in meta["items"]} == {"tensor", "bytes"}
+
+
+def _stored_value(root: Path, fqn: str, ckpt_id: str = "step-1"):
+    """The JSON that value item ``fqn`` is stored as, read from the rank file."""
+    meta = json.loads((root / ckpt_id / "metadata.json").read_text())
+    rec = next(i for i in meta["items"] if i["index"]["fqn"] == fqn)
+    raw = (root / ckpt_id / f"rank-{rec['rank']:05d}.dcp.bin").read_bytes()
+    return json.loads(raw[rec["offset_bytes"] : rec["offset_bytes"] + rec["length"]])
+
+
+def test_values_are_stored_in_the_engines_encoding(tmp_path):
+    """One encoding (ckpt.values) for the engine's state tree and DCP values: the same tags for the same
+    values, so a value reads the same whichever wrote it."""
+    from ckpt.plan import flatten
+
+    values = {
+        "inf": float("-inf"),
+        # DCP flattens nested dicts (and lists) into dotted keys, not tuples: a dict inside one stays a value
+        "pair": ({1: "a", "$x": 2}, [2.5, None, float("nan")]),
+        "betas": (0.9, 0.95),
+    }
+    dcp.save(dict(values), storage_writer=TierStorageWriter(local_dir=tmp_path), checkpoint_id="step-1")
+    engine = flatten(values).tree
+    for fqn in values:
+        assert _stored_value(tmp_path, fqn) == engine[fqn], fqn
+    assert _stored_value(tmp_path, "inf") == {"$f": "-inf"}
+    assert _stored_value(tmp_path, "pair") == {
+        "$tuple": [{"$d": [[1, "a"], ["$x", 2]]}, [2.5, None, {"$f": "nan"}]]
+    }
+    out = {"inf": 0.0, "pair": None, "betas": None}
+    dcp.load(out, storage_reader=TierStorageReader(local_dir=tmp_path), checkpoint_id="step-1")
+    assert out["inf"] == float("-inf") and out["betas"] == (0.9, 0.95)
+    assert out["pair"][0] == {1: "a", "$x": 2} and out["pair"][1][:2] == [2.5, None]
+    assert math.isnan(out["pair"][1][2])
 
 
 def _corrupt_item(root: Path, fqn: str, ckpt_id: str = "step-1") -> None:
@@ -223,8 +257,8 @@ def test_a_value_that_would_need_pickle_is_refused_by_name_and_nothing_is_commit
     with pytest.raises(CheckpointException) as e:  # DCP wraps each rank's error (a BaseException)
         dcp.save(state, storage_writer=TierStorageWriter(**_tiers(tmp_path)), checkpoint_id="step-1")
     err = _inner(e.value)
-    assert isinstance(err, ValueError)
-    assert "'optim.hook' is a Opaque, which TierStorageWriter cannot store without pickle" in str(err)
+    assert isinstance(err, RefusedStateError) and err.path == "optim.hook"
+    assert "'optim.hook' is a " in str(err) and "Opaque, which cannot be stored without pickle" in str(err)
     assert not (tmp_path / "local" / "step-1" / "COMMIT").exists()
     assert not (tmp_path / "remote" / "step-1" / "COMMIT").exists()
 

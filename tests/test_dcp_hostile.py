@@ -4,7 +4,10 @@ never breaks ``ckpt ls/verify/gc --dcp`` for the others."""
 
 from __future__ import annotations
 
+import base64
+import io
 import json
+import math
 import os
 import subprocess
 import sys
@@ -13,13 +16,17 @@ import warnings
 from pathlib import Path
 
 import pytest
+import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
+from ckpt import values
 from ckpt.cli import main as cli_main
-from ckpt.errors import CorruptCheckpointError
+from ckpt.errors import CorruptCheckpointError, RefusedStateError
+from ckpt.integrations import dcp as dcp_adapter
 from ckpt.integrations.dcp import TierStorageReader, TierStorageWriter
 from ckpt.integrity import checksum
+from ckpt.plan import flatten
 from test_corruption import hang_detector
 from test_dcp_adapter import _check, _fresh, _inner, _state, _tiers
 
@@ -196,7 +203,11 @@ def test_a_value_nested_too_deep_is_refused_at_save_with_its_key(tmp_path):
     with pytest.raises(CheckpointException) as e:
         dcp.save(state, storage_writer=TierStorageWriter(**_tiers(tmp_path)), checkpoint_id="step-1")
     err = _inner(e.value)
-    assert isinstance(err, ValueError) and "optim.deep" in str(err)
+    assert (
+        isinstance(err, RefusedStateError)
+        and err.path.startswith("optim.deep/0/0")
+        and "optim.deep" in str(err)
+    )
     assert not (tmp_path / "local" / "step-1" / "COMMIT").exists()
 
 
@@ -239,3 +250,206 @@ def test_a_huge_or_endless_record_is_refused_unread(tmp_path, name, how):
     assert out["source"] == f"file://{tmp_path}/remote"
     assert any(name in w for w in out["warnings"])
     assert out["ids"] == (["step-1"] if name == "COMMIT" else ["step-1", "step-2"])
+
+
+# -- non-tensor values (ckpt.values, the engine's encoding): hostile ones, and the tags of before ----------
+def _old_to_json(value, where=None):
+    """The fixture that writes a checkpoint as the adapter did before it shared the engine's encoding: its
+    value encoder of then, with its own tags for non-finite floats ($float) and non-string-key dicts ($dict)
+    ($tuple, $bytes and $bytesio were already the same)."""
+    if (
+        value is None
+        or isinstance(value, (bool, int, str))
+        or (isinstance(value, float) and math.isfinite(value))
+    ):
+        return value
+    if isinstance(value, float):
+        return {"$float": "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")}
+    if isinstance(value, bytes):
+        return {"$bytes": base64.b64encode(value).decode("ascii")}
+    if isinstance(value, io.BytesIO):
+        return {"$bytesio": base64.b64encode(value.getbuffer()).decode("ascii"), "pos": value.tell()}
+    if isinstance(value, (list, tuple)):
+        items = [_old_to_json(v) for v in value]
+        return items if isinstance(value, list) else {"$tuple": items}
+    if all(isinstance(k, str) and not k.startswith("$") for k in value):
+        return {k: _old_to_json(v) for k, v in value.items()}
+    return {"$dict": [[k, _old_to_json(v)] for k, v in value.items()]}
+
+
+def _old_from_json(obj):
+    """The adapter's value reader of before (its dispatch; base64 and position checks left out): what a
+    reader older than the shared encoding does with a value written now."""
+    if isinstance(obj, list):
+        return [_old_from_json(v) for v in obj]
+    if not isinstance(obj, dict):
+        return obj
+    if len(obj) == 1 and obj.get("$float") in ("nan", "inf", "-inf"):
+        return float(obj["$float"])
+    if len(obj) == 1 and isinstance(obj.get("$bytes"), str):
+        return base64.b64decode(obj["$bytes"])
+    if set(obj) == {"$bytesio", "pos"} and isinstance(obj["$bytesio"], str):
+        buf = io.BytesIO(base64.b64decode(obj["$bytesio"]))
+        buf.seek(obj["pos"])
+        return buf
+    if len(obj) == 1 and isinstance(obj.get("$tuple"), list):
+        return tuple(_old_from_json(v) for v in obj["$tuple"])
+    if len(obj) == 1 and isinstance(obj.get("$dict"), list):
+        return {k: _old_from_json(v) for k, v in obj["$dict"]}
+    if any(k.startswith("$") for k in obj):
+        raise CorruptCheckpointError(f"unknown tagged value {sorted(obj)!r}")
+    return {k: _old_from_json(v) for k, v in obj.items()}
+
+
+def _values():
+    buf = io.BytesIO(b"\x00loss-history\xff")
+    buf.seek(4)
+    return {
+        "w": torch.arange(6.0).reshape(2, 3),
+        "nan": float("nan"),
+        "infs": (float("inf"), [float("-inf"), 1.5, "s"]),
+        "pairs": ({1: "one", 2: (b"\x00\xff", None), "$k": True},),
+        "blob": b"\x01\x02",
+        "buf": buf,
+    }
+
+
+def _check_values(out):
+    assert torch.equal(out["w"], torch.arange(6.0).reshape(2, 3))
+    assert math.isnan(out["nan"]) and out["infs"] == (float("inf"), [float("-inf"), 1.5, "s"])
+    assert out["pairs"] == ({1: "one", 2: (b"\x00\xff", None), "$k": True},)
+    assert type(out["blob"]) is bytes and out["blob"] == b"\x01\x02"
+    assert out["buf"].getvalue() == b"\x00loss-history\xff" and out["buf"].tell() == 4
+
+
+def _load_values(tmp_path, ckpt_id, **tiers):
+    out = {"w": torch.zeros(2, 3), "nan": 0.0, "infs": None, "pairs": None, "blob": b"", "buf": io.BytesIO()}
+    dcp.load(out, storage_reader=TierStorageReader(**(tiers or _tiers(tmp_path))), checkpoint_id=ckpt_id)
+    return out
+
+
+def _save_old(tmp_path, ckpt_id):
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(dcp_adapter, "_to_json", _old_to_json)
+        dcp.save(_values(), storage_writer=TierStorageWriter(**_tiers(tmp_path)), checkpoint_id=ckpt_id)
+    raw = (tmp_path / "local" / ckpt_id / "rank-00000.dcp.bin").read_bytes()
+    assert all(t in raw for t in (b'"$float"', b'"$dict"', b'"$bytes"', b'"$bytesio"', b'"$tuple"'))
+
+
+def test_a_checkpoint_written_with_the_old_value_tags_still_loads(tmp_path):
+    _save_old(tmp_path, "step-1")
+    _check_values(_load_values(tmp_path, "step-1"))
+    # a new save of the same state uses the one encoding only
+    dcp.save(_values(), storage_writer=TierStorageWriter(**_tiers(tmp_path)), checkpoint_id="step-2")
+    raw = (tmp_path / "local" / "step-2" / "rank-00000.dcp.bin").read_bytes()
+    assert b'"$float"' not in raw and b'"$dict"' not in raw and b'"$f"' in raw and b'"$d"' in raw
+    _check_values(_load_values(tmp_path, "step-2"))
+
+
+def test_a_reader_of_before_refuses_the_new_tags_rather_than_misreading_them():
+    """Why the format version stays 1: a value written now either reads the same with the old reader
+    (its tags were already the old ones) or the old reader refuses it (CorruptCheckpointError)."""
+    fresh, stale = 0, 0
+    for v in _values().values():
+        if isinstance(v, torch.Tensor):
+            continue
+        node = json.loads(json.dumps(dcp_adapter._to_json(v, "x"), allow_nan=False))
+        try:
+            old = _old_from_json(node)
+        except CorruptCheckpointError:
+            stale += 1
+            continue
+        fresh += 1
+        new = values.decode(node, "x")
+        assert type(old) is type(new)
+        if isinstance(new, io.BytesIO):
+            assert (old.getvalue(), old.tell()) == (new.getvalue(), new.tell())
+        else:
+            assert repr(old) == repr(new)
+    assert fresh and stale
+
+
+_HOSTILE_VALUES = {
+    "deep-tuples-100k": b'{"$tuple": [' * DEEP + b"]}" * DEEP,
+    "bytesio-pos-2^60": {"$bytesio": "AQI=", "pos": 2**60},
+    "bytesio-pos-negative": {"$bytesio": "AQI=", "pos": -1},
+    "float-payload-int": {"$f": 1},
+    "float-payload-word": {"$f": "1e999"},
+    "tuple-payload-str": {"$tuple": "ab"},
+    "dict-payload-object": {"$d": {"a": 1}},
+    "dict-pair-of-one": {"$d": [[1]]},
+    "dict-key-list": {"$d": [[[1], 2]]},
+    "bytes-payload-int": {"$bytes": 5},
+    "bytes-not-base64": {"$bytes": "not base64!"},
+    "unknown-tag": {"$code": "os.system"},
+    "tag-with-other-keys": {"$f": "nan", "x": 1},
+    "two-tags": {"$tuple": [], "$d": []},
+    "old-tag-with-other-keys": {"$float": "nan", "pos": 0},
+    "nested-unknown-tag": [1, {"a": ({"$tuple": [{"$eval": 1}]})}],
+}
+
+
+@pytest.mark.parametrize("value", list(_HOSTILE_VALUES.values()), ids=list(_HOSTILE_VALUES))
+def test_a_hostile_value_in_a_rank_file_is_corrupt_and_named_and_an_old_good_checkpoint_loads(
+    tmp_path, value
+):
+    _save_old(tmp_path, "step-1")
+    _save(tmp_path, "step-2")
+    step = tmp_path / "local" / "step-2"
+    raw = value if isinstance(value, bytes) else json.dumps(value).encode()
+    data = step / "rank-00000.dcp.bin"
+    start = data.stat().st_size
+    with open(data, "ab") as f:
+        f.write(raw)
+    _edit_metadata(
+        step, lambda m: _item(m, "optim.nan").update(offset_bytes=start, length=len(raw), crc=checksum(raw))
+    )
+    with hang_detector(), pytest.raises(CheckpointException) as e:
+        dcp.load(
+            _fresh(), storage_reader=TierStorageReader(local_dir=tmp_path / "local"), checkpoint_id="step-2"
+        )
+    err = _inner(e.value)
+    assert isinstance(err, CorruptCheckpointError) and "optim.nan" in str(err)
+    _check_values(_load_values(tmp_path, "step-1", local_dir=tmp_path / "local"))
+
+
+def test_hostile_nodes_given_to_the_decoder_directly_are_corrupt_without_recursing():
+    deep = [1]
+    for _ in range(DEEP):
+        deep = {"$tuple": [deep]}
+    for node in (deep, *(v for v in _HOSTILE_VALUES.values() if not isinstance(v, bytes))):
+        with pytest.raises(CorruptCheckpointError):
+            values.decode(node, "x", legacy=True)
+
+
+class _Opaque:
+    pass
+
+
+@pytest.mark.parametrize(
+    "value,path",
+    [
+        (_Opaque(), "v/0"),
+        ({1, 2}, "v/0"),
+        ({(1, 2): "tuple key"}, "v/0"),
+        (io.BytesIO(b"ab"), None),  # positioned past its end below
+    ],
+    ids=["object", "set", "tuple-key", "bytesio-past-end"],
+)
+def test_a_value_that_would_need_pickle_is_refused_by_the_one_encoder_with_its_key(value, path):
+    if isinstance(value, io.BytesIO):
+        value.seek(2**60)
+    for encode in (lambda v: dcp_adapter._to_json(v, "v"), lambda v: flatten({"v": v})):
+        with pytest.raises(RefusedStateError) as e:
+            encode([value])
+        assert e.value.path == "v/0"
+
+
+def test_a_value_100k_levels_deep_is_refused_at_save_by_both_writers():
+    deep = 1
+    for _ in range(DEEP):
+        deep = [deep]
+    for encode in (lambda v: dcp_adapter._to_json(v, "v"), lambda v: flatten({"v": v})):
+        with pytest.raises(RefusedStateError) as e:
+            encode(deep)
+        assert e.value.path.startswith("v/0/0") and "levels deep" in str(e.value)
