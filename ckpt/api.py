@@ -28,7 +28,7 @@ from .policy import (
     switch_timeline,
 )
 from .preempt import Listening, Signals
-from .promotion import check_target, copy_between
+from .promotion import copy_step, endpoints
 from .ranks import collective_job, job_ranks
 from .restore import RestoreInfo, held_anywhere, restore_state
 from .pool import HostPool
@@ -421,28 +421,30 @@ class Checkpointer:
         return self._stack.names
 
     def promote(self, step: int, to: str) -> bool:
-        """Copy committed checkpoint ``step`` to tier ``to`` (``"remote"`` or ``"local"``), verifying every
-        byte.
+        """Copy committed checkpoint ``step`` to tier ``to`` (any durable tier of this Checkpointer: ``"remote"``,
+        ``"local"``, a tier of one's own), verifying every byte.
 
-        ``to="remote"`` uploads it from the local tier; ``to="local"`` downloads it from the remote tier
-        (making this Checkpointer the owner of ``local_dir``, see there). The destination's copy of ``step``,
-        if any, is replaced only by a complete, verified new one: a promote that fails, or a process killed at
-        any point of it, leaves the destination as it was (its old copy or, once the switch happened, the new
-        one). Returns ``False`` without writing when the destination already holds the same checkpoint and it
+        The source is the nearest other tier that stores ``step`` (``to="remote"`` uploads it from the local
+        tier; ``to="local"`` downloads it from the remote tier, or copies it from a nearer tier of one's own,
+        making this Checkpointer the owner of ``local_dir``, see there). The destination's copy of ``step``, if
+        any, is replaced only by a complete, verified new one: a promote that fails, or a process killed at any
+        point of it, leaves the destination as it was (its old copy or, once the switch happened, the new one).
+        Returns ``False`` without writing when the destination already holds the same checkpoint and it
         verifies.
 
-        Raises ``FileNotFoundError`` if the source tier does not hold ``step``,
-        :class:`~ckpt.errors.CorruptCheckpointError` naming the file if the source's bytes fail their
-        checksums, and an ``OSError`` naming the URL (or ``local_dir``) when the transfer or the destination
-        fails. Saves of ``step`` still in flight are waited for first. On a job tier ``promote(step,
-        "remote")`` is collective and does not replace a step committed there.
+        Raises ``ValueError`` naming the tiers when ``to`` is not one of its durable tiers,
+        ``FileNotFoundError`` if no other tier holds ``step``, :class:`~ckpt.errors.CorruptCheckpointError`
+        naming the file if the source's bytes fail their checksums, and an ``OSError`` naming the URL (or
+        directory) when the transfer or the destination fails. Saves of ``step`` still in flight are waited for
+        first. On a job tier ``promote(step, "remote")`` is collective and does not replace a step committed
+        there.
         """
         self._check_open()
-        check_target(to, self.remote)
         self._handles.settle(step)  # the pipeline's own write of this step comes first
-        if to == "local":
+        src, dst = endpoints(self._stack.own, step, to)
+        if dst is self.local:
             self._node.own()
-        return copy_between(self.local, self.remote, step, to)
+        return copy_step(src, dst, step)
 
     def list(self) -> list[CheckpointInfo]:
         """Checkpoints visible on any tier, newest first: the live branch by ``(timeline, step)``, then the

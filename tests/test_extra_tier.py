@@ -9,6 +9,7 @@ local tier. Save metrics name it, and it can be the drain tier of a preemption.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
@@ -18,7 +19,7 @@ import pytest
 import torch
 
 import ckpt
-from ckpt import shm
+from ckpt import knobs, shm
 from ckpt.cli import main as cli
 from ckpt.tiers import LocalTier, register
 
@@ -152,3 +153,104 @@ def test_the_registered_tier_can_be_the_drain_tier(tmp_path):
 
     with pytest.raises(ValueError, match="drain_tier='disk2'.*extra_tiers"):
         ckpt.Checkpointer(local_dir=tmp_path / "other", signals=signals)
+
+
+# -- promote to and from the registered tier ------------------------------------------------------------
+def _big(v: float) -> dict:
+    return {"w": torch.arange(40_000, dtype=torch.float32).add_(v), "meta": {"v": v}}
+
+
+def _files(root) -> dict:
+    """Every file under ``root`` with its bytes, but the owner lock (rewritten by each Checkpointer that owns it)."""
+    return {
+        p.relative_to(root): p.read_bytes() for p in root.rglob("*") if p.is_file() and p.name != ".ckpt-lock"
+    }
+
+
+def _restored_from(tmp_path, name: str, **tiers) -> tuple[str, float]:
+    """Restore step 3 through a Checkpointer with a fresh local_dir and only ``tiers``: (tier, value)."""
+    st = {"w": torch.empty(40_000), "meta": None}
+    storage = ckpt.Storage(local_dir=tmp_path / name, **tiers)
+    with ckpt.Checkpointer(storage=storage) as ck:
+        assert ck.restore(st, step=3) == 3
+        tier = ck.last_restore.tier
+    assert torch.equal(st["w"], _big(st["meta"]["v"])["w"])
+    return tier, st["meta"]["v"]
+
+
+def test_promote_copies_to_and_from_the_registered_tier(tmp_path):
+    """ck.promote(step, to) copies from the nearest other tier that stores the step to any durable tier: the
+    local tier to the second disk, to the URL, and back from the second disk to a local_dir that lost it."""
+    url = f"file://{tmp_path}/remote"
+    with ckpt.Checkpointer(local_dir=tmp_path / "nvme") as ck:
+        ck.save(3, _big(1.0)).wait()
+    storage = ckpt.Storage(url=url, local_dir=tmp_path / "nvme", extra_tiers={"disk2": tmp_path / "hdd"})
+    with ckpt.Checkpointer(storage=storage) as ck:
+        assert ck.promote(3, "disk2") is True and ck.promote(3, "disk2") is False  # the second: nothing to do
+        assert ck.promote(3, "remote") is True
+        with pytest.raises(ValueError):  # not a durable tier
+            ck.promote(3, "memory")
+        with pytest.raises(ValueError):  # not a tier at all
+            ck.promote(3, "disk3")
+        with pytest.raises(FileNotFoundError):  # no tier holds it
+            ck.promote(4, "disk2")
+    assert SecondDisk(tmp_path / "hdd").committed_steps() == [3]
+    assert _restored_from(tmp_path, "e1", url=url) == ("remote", 1.0)
+
+    shutil.rmtree(tmp_path / "nvme" / "step-000000003")
+    shutil.rmtree(tmp_path / "remote")  # so that the copy back can only come from the second disk
+    with ckpt.Checkpointer(storage=storage) as ck:
+        assert ck.promote(3, "local") is True
+    assert LocalTier(tmp_path / "nvme").committed_steps() == [3]
+    assert _restored_from(tmp_path, "e2", extra_tiers={"disk2": tmp_path / "hdd"}) == ("disk2", 1.0)
+
+
+@pytest.mark.parametrize("to", ["disk2", "local"])
+def test_a_promote_failing_on_a_full_disk_leaves_the_destination_as_it_was(tmp_path, monkeypatch, to):
+    """Step 3 is A on the destination and B on the source; the destination's disk fills up after the first
+    chunk of the copy (ENOSPC). The promote raises that OSError, the destination holds A unchanged (no
+    leftovers beside it), A still restores from it, and a promote once there is room puts B there."""
+    src, dst = ("nvme", "hdd") if to == "disk2" else ("hdd", "nvme")
+    both = {"nvme": tmp_path / "nvme", "hdd": tmp_path / "hdd"}
+    with knobs.override(CKPT_CHUNK_BYTES=64 << 10):  # 160 kB of data: three chunks
+        policy = ckpt.Policy(if_busy="wait")
+        with ckpt.Checkpointer(storage=_storage(tmp_path), policy=policy) as ck:  # A on both disks
+            ck.save(3, _big(1.0)).wait()
+        shutil.rmtree(both[src])
+        tier = SecondDisk(both[src]) if src == "hdd" else LocalTier(both[src])
+        with ckpt.Checkpointer(local_dir=tmp_path / "scratch") as ck:  # B on the source only
+            ck.save(3, _big(2.0)).wait()
+        shutil.copytree(tmp_path / "scratch" / "step-000000003", tier.step_dir(3))
+        before = _files(both[dst])
+
+        written = []
+        real = os.pwrite
+
+        def full_after_one_chunk(fd, data, offset):
+            written.append(offset)
+            if len(written) > 1:
+                raise OSError(errno.ENOSPC, "No space left on device (injected)")
+            return real(fd, data, offset)
+
+        with ckpt.Checkpointer(storage=_storage(tmp_path)) as ck:
+            with monkeypatch.context() as m:
+                m.setattr(os, "pwrite", full_after_one_chunk)
+                with pytest.raises(OSError) as e:
+                    ck.promote(3, to)
+            assert e.value.errno == errno.ENOSPC and len(written) > 1  # it failed mid-copy
+            assert _files(both[dst]) == before  # byte for byte, and nothing left beside it
+        only = {"extra_tiers": {"disk2": both["hdd"]}} if to == "disk2" else {}
+        if to == "disk2":
+            assert _restored_from(tmp_path, "fresh1", **only) == ("disk2", 1.0)
+        else:
+            assert SecondDisk(both["hdd"]).committed_steps() == [3]
+            with ckpt.Checkpointer(local_dir=both["nvme"]) as ck:
+                st = {"w": torch.empty(40_000), "meta": None}
+                assert ck.restore(st, step=3) == 3 and st["meta"] == {"v": 1.0}
+
+        with ckpt.Checkpointer(storage=_storage(tmp_path)) as ck:  # room again: the copy goes through
+            assert ck.promote(3, to) is True
+        dest = SecondDisk(both["hdd"]) if to == "disk2" else LocalTier(both["nvme"])
+        st = {"w": torch.empty(40_000), "meta": None}
+        dest.restore_into(st, 3, None, True, None)  # the destination now holds B
+        assert st["meta"] == {"v": 2.0} and torch.equal(st["w"], _big(2.0)["w"])
