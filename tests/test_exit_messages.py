@@ -48,7 +48,9 @@ def _run(tmp_path, open_: str, end: str) -> subprocess.CompletedProcess:
 
 def test_ctrl_c_in_the_with_block_says_once_what_it_waits_for_and_what_ram_it_keeps(tmp_path):
     code = _LOOP.replace(
-        "{open}", "with ckpt.Checkpointer(local_dir=sys.argv[1], every_steps=1) as ck:\n if True:"
+        # if_busy="wait": a loaded machine's skipped snapshot would say so on the same logger
+        "{open}",
+        "with ckpt.Checkpointer(local_dir=sys.argv[1], every_steps=1, if_busy='wait') as ck:\n if True:",
     )
     code = (
         code.replace("\nfor step", "\n  for step")
