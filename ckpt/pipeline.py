@@ -483,7 +483,9 @@ class Pipeline:
                     snap.buffer,
                     timeline=snap.timeline,
                     recorded=lambda why: (
-                        handle._finish("memory") if why is None else handle._skip_tier("memory", why)
+                        handle._finish(self.memory.name)
+                        if why is None
+                        else handle._skip_tier(self.memory.name, why)
                     ),
                 )
         except BaseException as e:
