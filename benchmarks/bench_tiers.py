@@ -171,6 +171,11 @@ def train_loop(root: Path, args) -> None:
         # training thread to drop the GIL, up to the switch interval): the same loop with 0.5 ms
         ("every 1, switch interval 0.5 ms", 1, {"switch": 0.0005}),
         ("every 10, switch interval 0.5 ms", 10, {"switch": 0.0005}),
+        # the background allocation registers one 64 MiB piece per moment with no copy in flight (about once a
+        # step at every 1): pieces back to back for up to 10 / 20 ms in each such moment
+        ("every 1, registration bursts 10 ms", 1, {"burst": 10}),
+        ("every 1, registration bursts 20 ms", 1, {"burst": 20}),
+        ("every 10, registration bursts 20 ms", 10, {"burst": 20}),
         ("dcp.async_save every 50", 50, {"dcp": None}),
         ("auto, mtbf memory 10 min, local 1 h", "auto", {"mtbf": {"memory": 600, "local": 3600}}),
         ("none (again)", None, {}),
@@ -190,6 +195,9 @@ def train_loop(root: Path, args) -> None:
             kw.pop("writers", ckpt.knobs._DEFAULTS["CKPT_PERSIST_THREADS"])
         )
         os.environ["CKPT_COPY_AHEAD"] = str(kw.pop("ahead", ckpt.knobs._DEFAULTS["CKPT_COPY_AHEAD"]))
+        os.environ["CKPT_REGISTER_BURST_MS"] = str(
+            kw.pop("burst", ckpt.knobs._DEFAULTS["CKPT_REGISTER_BURST_MS"])
+        )
         profile = kw.pop("profile", False)
         switch = sys.getswitchinterval()
         sys.setswitchinterval(kw.pop("switch", switch))

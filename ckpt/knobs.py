@@ -80,6 +80,12 @@ _DEFAULTS: dict[str, int] = {
     # thread that queues the next chunk needs the GIL, which the training thread holds for up to the
     # interpreter's switch interval (5 ms): with one queued, the copy engine idles while that thread waits.
     "CKPT_COPY_AHEAD": 1,
+    # Milliseconds of one burst of the background allocation's pinned registrations: once no snapshot copy
+    # is in flight, its 64 MiB pieces are registered back to back (a few ms each) until this much time has
+    # passed or a copy begins, then it waits for the next quiet moment (0: one piece per quiet moment, with
+    # 5 ms between pieces). With snapshots every step a quiet moment comes about once a step, so one piece a
+    # moment registers a 7.4 GB buffer's 110 pieces in about as many steps.
+    "CKPT_REGISTER_BURST_MS": 0,
     # Seconds the interpreter-exit hook waits for queued saves to persist (0: as long as they take).
     "CKPT_EXIT_WAIT_S": 0,
 }

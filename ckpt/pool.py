@@ -83,7 +83,12 @@ def _no_copy_in_flight() -> None:
         _dma_cv.wait_for(lambda: _dma_in_flight == 0, timeout=_QUIET_WAIT_S)
 
 
+def _copy_in_flight() -> bool:
+    return _dma_in_flight > 0
+
+
 _shm.quiet = _no_copy_in_flight
+_shm.copying = _copy_in_flight
 
 
 class HostBuffer:

@@ -225,10 +225,18 @@ class Segment:
                 populate(ptr + a, b - a, write=self.writable)
                 _pause(stop, REGISTER_GAP_S, quiet_first=False)  # no CUDA call: copies in flight go on
         done: list[int] = []
+        # paced: pieces registered back to back within one quiet moment, for at most this long (0: one a moment)
+        burst = knobs.get("CKPT_REGISTER_BURST_MS") / 1e3 if paced else 0.0
+        began: float | None = None  # when the burst under way began
         try:
             for a, b in pieces(0, self.nbytes):
-                # the driver's registration, a few ms a piece, waits for a moment with no snapshot copy in flight
-                _pause(stop, REGISTER_GAP_S if paced else 0.0)
+                if began is not None and time.monotonic() - began < burst and not (copying and copying()):
+                    _pause(stop, 0.0)  # the same quiet moment: the next piece at once
+                else:
+                    # the driver's registration, a few ms a piece, waits for a moment with no snapshot copy in
+                    # flight
+                    _pause(stop, REGISTER_GAP_S if paced else 0.0)
+                    began = time.monotonic()
                 rc = host_register(ptr + a, b - a)
                 if rc != 0:
                     for p in done:
@@ -283,8 +291,11 @@ def _pause(stop: threading.Event | None, seconds: float, quiet_first: bool = Tru
 
 
 #: called between two pieces of a paced (background) allocation: returns once no snapshot is being copied to
-#: the host (bounded), so that a snapshot's copy never runs beside a registration (:mod:`ckpt.stage` sets it)
+#: the host (bounded), so that a snapshot's copy never runs beside a registration (:mod:`ckpt.pool` sets it)
 quiet: Callable[[], None] | None = None
+#: whether a snapshot is being copied to the host now (:mod:`ckpt.pool` sets it): a burst of registrations
+#: (``CKPT_REGISTER_BURST_MS``) ends when one begins
+copying: Callable[[], bool] | None = None
 
 
 #: bytes per registration of a segment with the CUDA driver (a multiple of every chunk and alignment size)

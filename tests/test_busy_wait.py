@@ -321,3 +321,49 @@ def test_a_paced_allocation_waits_between_its_pieces_while_a_snapshot_is_copied(
     finally:
         pool_mod._copy_ended()
     assert done.wait(10)
+
+
+def _registered_pieces(tmp_path, monkeypatch, burst_ms: int, copy_from: int | None = None) -> list[float]:
+    """Register a paced 8-piece segment as the background allocation does, the driver's registration faked
+    (this machine has no CUDA): when each piece was registered. ``copy_from``: a snapshot copy begins as
+    that piece is registered and lands 0.3 s later."""
+    from ckpt import shm
+
+    monkeypatch.setattr(shm, "REGISTER_PIECE", 64 << 10)
+    monkeypatch.setattr(shm, "REGISTER_GAP_S", 0.02)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    at: list[float] = []
+
+    def register(ptr, nbytes):
+        at.append(time.monotonic())
+        if copy_from is not None and len(at) == copy_from:
+            pool_mod._copy_began()
+            threading.Timer(0.3, pool_mod._copy_ended).start()
+        return 0
+
+    monkeypatch.setattr(shm, "host_register", register)
+    monkeypatch.setattr(shm, "host_unregister", lambda ptr: 0)
+    tmp_path.mkdir()
+    seg = shm.Segment.create(tmp_path / "seg", 8 * (64 << 10))
+    with knobs.override(CKPT_REGISTER_BURST_MS=burst_ms):
+        assert seg.register(paced=True, stop=threading.Event())
+    seg.registered = False  # nothing was registered with a driver: release() must not unregister
+    seg.release()
+    return at
+
+
+def test_a_registration_burst_registers_pieces_back_to_back_until_a_copy_begins(tmp_path, monkeypatch):
+    """CKPT_REGISTER_BURST_MS: once no snapshot copy is in flight, the background allocation registers its
+    pieces back to back (no pause between them) for that long; a copy that begins ends the burst, and the
+    next piece waits for it to land. 0: a pause before every piece."""
+    one_by_one = _registered_pieces(tmp_path / "a", monkeypatch, 0)
+    gaps = [b - a for a, b in zip(one_by_one, one_by_one[1:])]
+    assert len(one_by_one) == 8 and min(gaps) >= 0.02, gaps
+    burst = _registered_pieces(tmp_path / "b", monkeypatch, 10_000)
+    gaps = [b - a for a, b in zip(burst, burst[1:])]
+    assert len(burst) == 8 and max(gaps) < 0.015, gaps  # one quiet moment: all eight at once
+    cut = _registered_pieces(tmp_path / "c", monkeypatch, 10_000, copy_from=3)
+    gaps = [b - a for a, b in zip(cut, cut[1:])]
+    # pieces 1-3 back to back; the copy began with the third: the fourth waits until it landed (0.3 s)
+    assert max(gaps[:2]) < 0.015 and gaps[2] >= 0.25, gaps
+    assert max(gaps[3:]) < 0.015, gaps  # then the next burst
