@@ -35,6 +35,9 @@ def main(argv: list[str]) -> int:
         if rank == 1:
             time.sleep(1.0)
         ck = ckpt.Checkpointer(local_dir=local_dir)
+        # a job's ranks run on: none closes (and gives its local_dir up) while rank 0 is still looking for dead
+        # jobs' RAM in its constructor
+        dist.barrier()
         print("warnings", len(warnings), flush=True)
         for w in warnings:
             print(w.getMessage(), file=sys.stderr, flush=True)

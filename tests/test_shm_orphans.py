@@ -140,13 +140,7 @@ def test_a_restarted_job_does_not_take_a_late_ranks_ram_for_a_dead_jobs(ram, tmp
     assert_ok(restarted)
     assert len(shm.segments(ram)) == 2  # both ranks' snapshots are still there
     counts = [r.stdout.split() for r in restarted]
-    if counts != [["warnings", "0"], ["warnings", "0"]]:
-        # a known intermittent failure (about 1 run in 8 of the whole suite under -n 2, never alone; issue 37
-        # note): rank 0 names one group as a dead job's. Reported whole (which group, and why) until it is found
-        pytest.xfail(
-            f"known intermittent: {counts}; rank 0's warning: {restarted[0].stderr[-3000:]!r}; "
-            f"rank 1's: {restarted[1].stderr[-3000:]!r}"
-        )
+    assert counts == [["warnings", "0"], ["warnings", "0"]], (counts, restarted[0].stderr[-3000:])
 
 
 def test_many_dead_jobs_are_named_in_one_line(ram, tmp_path, gone, caplog):
