@@ -137,7 +137,9 @@ from ..policy import Retention
 from ..scatter import writing_state
 from ..stall import StallError, Watched
 from ..values import Encoder
-from ..tiers.local import _read_range, linked, remove_step_dir
+from ..tiers.base import Tier
+from ..tiers.local import LocalTier, _read_range, linked, remove_step_dir
+from ..tiers.remote import RemoteTier
 from ..tiers.remote_errors import failure_type
 from ..fs import is_local_fs, is_url, resolve
 
@@ -233,31 +235,45 @@ def _read_file_range(p: str, start: int, end: int) -> bytearray:
 
 
 class _Tier:
-    """One place a checkpoint id can live: a local directory (fsync'd, renamed into place) or an
-    fsspec URL. ``name`` is ``"local"`` or ``"remote"``, for messages.
+    """One place a checkpoint id can live: a directory of this node (``local_dir``: fsync'd, renamed into
+    place) or an fsspec URL, holding checkpoints in the DCP layout. ``kind``: the engine's tier class for
+    that storage (:class:`~ckpt.tiers.LocalTier` for a directory, :class:`~ckpt.tiers.RemoteTier` for a
+    URL); what the adapter does with a tier follows from what that class declares (``on_node``: written
+    first, read inline, its other nodes' files pruned by each node; ``keep_of``: its count of a
+    :class:`~ckpt.Retention`), and its ``name`` is for messages only.
 
     Every request to a remote tier runs under the watchdog of ``CKPT_REMOTE_STALL_S`` (:mod:`ckpt.stall`):
     its file system is :class:`ckpt.stall.Watched`, and a mounted (``file://``) tier's own file
     operations go through :class:`_OnMount`. A request that stalls is aborted and sent again; after three
     stalled attempts it raises :class:`~ckpt.stall.StallError` (a ``TimeoutError`` naming its URL)."""
 
-    def __init__(self, name: str, root: str, storage_options: dict[str, Any] | None) -> None:
-        self.name = name
-        self.local = name == "local"
-        if self.local:
-            self.root = str(Path(root).expanduser())
-            self.fs = None
-        else:
-            store = resolve(
-                root, storage_options
-            )  # the library's one way to open a URL (its backend choice too)
-            self.fs, self.root = Watched(store.fs), store.root.rstrip("/")
+    def __init__(self, kind: type[Tier], root: str, fs: Watched | None, where: str) -> None:
+        self.kind, self.name, self.on_node = kind, kind.name, kind.on_node
+        self.fs, self.root = fs, root  # fs None: root is a directory of this host, used through os
         self.mounted = self.fs is not None and is_local_fs(self.fs)  # a file:// URL: a page cache to flush
         # how a data file goes to an object store: s3fs's as one object, by a multipart upload of our own
         # (each request under the watchdog); any other client's as one object per part (``parted``)
         self.multipart = self.fs is not None and not self.mounted and hasattr(self.fs.inner, "call_s3")
         self.parted = self.fs is not None and not self.mounted and not self.multipart
-        self.where = root
+        self.on_host = self.fs is None or self.mounted  # its checkpoints are directories of this host
+        self.where = where
+
+    @classmethod
+    def directory(cls, root: str | os.PathLike) -> "_Tier":
+        """The tier of a directory of this node (``local_dir``), with the engine's local tier's capabilities."""
+        return cls(LocalTier, str(Path(root).expanduser()), None, os.fspath(root))
+
+    @classmethod
+    def at_url(cls, url: str, storage_options: dict[str, Any] | None) -> "_Tier":
+        """The tier at an fsspec URL, with the engine's remote tier's capabilities; opened by
+        :func:`ckpt.fs.resolve`, the library's one way to open a URL (its backend choice too)."""
+        store = resolve(url, storage_options)
+        return cls(RemoteTier, store.root.rstrip("/"), Watched(store.fs), url)
+
+    def keep_of(self, keep: Retention) -> int | None:
+        """How many checkpoints ``keep`` keeps here (through :meth:`ckpt.Retention.count`): what it keeps on
+        the engine's tier of this kind."""
+        return self.kind.keep_of(self, keep)  # type: ignore[arg-type]
 
     def path(self, ckpt_id: str, name: str) -> str:
         return f"{self.root}/{ckpt_id}/{name}"
@@ -273,7 +289,7 @@ class _Tier:
         """Refuse to write checkpoint ``ckpt_id`` on a file system where its directory (or its ``COMMIT``)
         is a symbolic link: a checkpoint kept elsewhere is read-only (``OSError(ELOOP)``), as for the
         Checkpointer's tiers (:func:`ckpt.tiers.local.linked`)."""
-        if (self.local or self.mounted) and linked(self.root, ckpt_id):
+        if self.on_host and linked(self.root, ckpt_id):
             raise OSError(
                 errno.ELOOP,
                 f"TierStorageWriter: checkpoint {ckpt_id!r} under {self.where} is a symbolic "
@@ -293,7 +309,7 @@ class _Tier:
 
     def sink(self, ckpt_id: str) -> Sink:
         """Where checkpoint ``ckpt_id``'s records go (:mod:`ckpt.commit`)."""
-        if self.local:
+        if self.fs is None:
             return DirSink(f"{self.root}/{ckpt_id}")
         self.fs.makedirs(f"{self.root}/{ckpt_id}", exist_ok=True)
         return FsSink(self.fs, f"{self.root}/{ckpt_id}", self.mounted)
@@ -386,7 +402,7 @@ class _Tier:
         """A record (``COMMIT``, ``metadata.json``) through :func:`ckpt.format.read_record`: a regular
         file of at most ``MAX_RECORD_BYTES``, refused unread otherwise (a FIFO never blocks)."""
         p = self.path(ckpt_id, name)
-        if self.local:
+        if self.fs is None:
             return read_record(p)
         if self.mounted:
             return stall.call(_OnMount, "read_record", p)
@@ -406,7 +422,7 @@ class _Tier:
         size of the parts the file was uploaded in (its items' ``part_bytes``); on an object store the
         range is then read from the parts it spans, else from the single object older saves wrote."""
         p = self.path(ckpt_id, name)
-        if self.local:
+        if self.fs is None:
             return _read_file_range(p, start, end)
         if self.mounted:
             return stall.call(_OnMount, "read_range", p, start, end)
@@ -432,7 +448,7 @@ class _Tier:
     def remove(self, ckpt_id: str, name: str) -> None:
         p = self.path(ckpt_id, name)
         try:
-            if self.local:
+            if self.fs is None:
                 os.unlink(p)
             else:
                 self.fs.rm_file(p)
@@ -590,9 +606,9 @@ def _tiers(
         raise ValueError("give local_dir (this node's disk), url (an fsspec URL), or both")
     tiers = []
     if local_dir is not None:
-        tiers.append(_Tier("local", os.fspath(local_dir), None))
+        tiers.append(_Tier.directory(local_dir))
     if url is not None:
-        tiers.append(_Tier("remote", url, storage_options))
+        tiers.append(_Tier.at_url(url, storage_options))
     return tiers
 
 
@@ -1054,7 +1070,7 @@ class TierStorageWriter(StorageWriter):
         rank = plan.storage_data["rank"] if isinstance(plan.storage_data, dict) else 0
         name = _data_name(rank)
         results: list[WriteResult] = []
-        local = next((t for t in self.tiers if t.local), None)
+        local = next((t for t in self.tiers if t.on_node), None)
         part_bytes = _part_bytes()
         # the rank's file is written once as it is produced: on the local tier when there is one (then
         # uploaded from that file), else straight to the remote tier, part by part
@@ -1125,18 +1141,19 @@ class TierStorageWriter(StorageWriter):
             if isinstance(e, OSError):  # the storage's failure: say where, keeping its kind (a stall ...)
                 raise _write_error(rank, name, self._where, remote, e) from e
             raise
-        if local is not None and self.keep is not None and self.keep.local is not None and self._collective:
-            _prune_own_files(local, rank, self.keep.local, spare=self._where)
+        own = None if local is None or self.keep is None else self.keep.count(local)
+        if own is not None and self._collective:
+            _prune_own_files(local, rank, own, spare=self._where)
         for tier in self.tiers:
-            if tier.local or local is None:
+            if tier is local or local is None:
                 continue
             try:
                 _upload_file(tier, self._where, name, rank, str(final), part_bytes)
             except Exception as e:  # noqa: BLE001 - reported; the save fails only if no tier took the file
                 warnings.warn(
                     f"TierStorageWriter: rank {rank} could not write {name} of {self._where!r} "
-                    f"to {tier.where} ({type(e).__name__}: {e}); the checkpoint stays on the local "
-                    "tier only",
+                    f"to {tier.where} ({type(e).__name__}: {e}); the checkpoint stays on the "
+                    f"{local.name} tier only",
                     stacklevel=2,
                 )
                 for r in results:
@@ -1179,7 +1196,7 @@ class TierStorageWriter(StorageWriter):
                 f"({', '.join(t.where for t in self.tiers)}); earlier checkpoints are untouched",
             )
         for tier in self.tiers:
-            n = None if self.keep is None else (self.keep.local if tier.local else self.keep.remote)
+            n = None if self.keep is None else self.keep.count(tier)
             if n is None or tier.name not in committed or not self._collective:  # rank-local: no retention
                 continue
             try:
@@ -1400,8 +1417,8 @@ class TierStorageReader(StorageReader):
         # The local tier is read inline, item after item (page-cache or NVMe reads, no latency to
         # hide; reader threads would only compete with the copies for the cores). Items it cannot
         # serve go to the farther tiers through a thread pool (object-store reads are latency-bound).
-        local = [t for t in self.tiers if t.local]
-        farther = [t for t in self.tiers if not t.local]
+        local = [t for t in self.tiers if t.on_node]
+        farther = [t for t in self.tiers if not t.on_node]
         pending: list[tuple[ReadItem, list[str]]] = []
         for req in plan.items:
             tried: list[str] = []
@@ -1422,7 +1439,7 @@ class TierStorageReader(StorageReader):
 # -- operations -------------------------------------------------------------------------------------
 def _one_tier(where: str | os.PathLike, storage_options: dict[str, Any] | None) -> _Tier:
     w = os.fspath(where)
-    return _Tier("remote", w, storage_options) if is_url(w) else _Tier("local", w, None)
+    return _Tier.at_url(w, storage_options) if is_url(w) else _Tier.directory(w)
 
 
 def list_checkpoints(
@@ -1436,7 +1453,7 @@ def list_checkpoints(
 
 def _list_tier(tier: _Tier) -> list[dict[str, Any]]:
     out = []
-    if tier.local:
+    if tier.fs is None:
         root = Path(tier.root)
         names = sorted(p.name for p in root.iterdir() if p.is_dir()) if root.is_dir() else []
         sizes = {n: sum(f.stat().st_size for f in (root / n).glob("rank-*.dcp.bin")) for n in names}
@@ -1484,7 +1501,7 @@ def _is_data_name(name: str, suffix: str = "") -> bool:
 def _linked(tier: _Tier, ckpt_id: str) -> bool:
     """Whether a checkpoint directory on a local or mounted (``file://``) tier is, or sits under, a
     symbolic link, or holds a ``COMMIT`` that is one: listed and loadable, never deleted."""
-    if not (tier.local or tier.mounted):
+    if not tier.on_host:
         return False
     parts = ckpt_id.split("/")
     return any(linked(tier.root, "/".join(parts[:i])) for i in range(1, len(parts) + 1))
@@ -1546,7 +1563,7 @@ def _prune_tier(
     removed = []
     for ckpt_id in doomed:
         try:
-            if tier.local or tier.mounted:  # never through a link swapped in meanwhile
+            if tier.on_host:  # never through a link swapped in meanwhile
                 remove_step_dir(tier.root, ckpt_id)
             else:
                 tier.remove(ckpt_id, COMMIT_NAME)
