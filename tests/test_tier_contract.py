@@ -332,3 +332,72 @@ def test_every_ranks_records_stored_bytes_and_verified_chunks(case):
         with pytest.raises(CorruptCheckpointError):
             for i in range(len(m.chunks)):
                 tier.fetch(6, m.rank, m, i)
+
+
+# -- the peer tier ------------------------------------------------------------------------------------
+# Its replicas live in another rank's RAM and its writes are collective, so it needs a real job: one
+# two-rank gloo job per test run (tests/peer_contract_worker.py) runs every check above on the peer tier and
+# reports each one's outcome; the tests below assert on those outcomes.
+
+PEER_CHECKS = [
+    "listed_described_loaded_and_verified",
+    "flipped_byte_fails_verification_and_the_load",
+    "restore_search_goes_by_tiers_alone",
+    "delete_removes_the_commit_and_the_step",
+    "a_failed_write_leaves_the_committed_copy",
+    "retention_is_declared_by_its_buffers",
+    "a_commit_records_the_tiers_timeline",
+    "status_and_copy_identity",
+    "verify_returns_the_manifests_of_the_copies_it_read",
+    "no_stored_records_declared",
+    "the_copy_a_restore_receives_meets_it_too",
+]
+
+
+@pytest.fixture(scope="module")
+def peer_results(tmp_path_factory) -> list[dict[str, str]]:
+    """Each rank's outcome of every peer check, from the one job this run makes: under pytest-xdist the first
+    worker to get here runs it, under a file lock, and the others read what it wrote."""
+    import fcntl
+    import json
+    import os
+    import tempfile
+
+    from helpers import run_ranks
+
+    run = os.environ.get("PYTEST_XDIST_TESTRUNUID")  # one per run, shared by its workers
+    root = tmp_path_factory.getbasetemp()
+    root = root.parent / f"peer-contract-{run}" if run else root / "peer-contract"
+    root.mkdir(exist_ok=True)
+    with open(root / "lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        done = root / "results.json"
+        if not done.exists():
+            job = tempfile.mkdtemp(prefix="job-", dir=root)  # a worker after one whose job failed tries again
+            out = run_ranks(
+                Path(__file__).parent / "peer_contract_worker.py",
+                job,
+                world=2,
+                timeout=120,
+                env={"CKPT_PEER_TIMEOUT_S": "30"},
+            )
+            got = []
+            for r in out:
+                line = next((l for l in r.stdout.splitlines() if l.startswith("results ")), None)
+                assert r.returncode == 0 and line is not None, r.stderr[-3000:]
+                got.append(json.loads(line[len("results ") :]))
+            assert all(sorted(g) == sorted(PEER_CHECKS) for g in got), got  # every check is asserted on below
+            done.write_text(json.dumps(got))
+        return json.loads(done.read_text())
+
+
+def test_the_peer_tier_is_registered():
+    from ckpt.tiers.peer import PeerTier
+
+    assert PeerTier in registered() and PeerTier.name == "peer" and not PeerTier.durable
+
+
+@pytest.mark.parametrize("check", PEER_CHECKS)
+def test_the_peer_tier_meets_the_contract(peer_results, check):
+    for rank, results in enumerate(peer_results):
+        assert results.get(check) == "ok", f"rank {rank}: {results.get(check, 'not run')}"

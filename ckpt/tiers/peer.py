@@ -44,7 +44,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import torch
 
@@ -157,9 +157,8 @@ class Exchange:
         k_out = -(-n_out // self.piece)
         k_in = -(-n_in // in_piece) if n_in else 0
         if self.device is not None:
-            self._staged(
-                out, to, into, frm, in_piece, n_out, n_in, max(k_out, k_in), landed, out_ready, on_gpu
-            )
+            sides = _Sides(out, to, into, frm, in_piece, n_out, n_in, max(k_out, k_in))
+            self._staged(sides, landed, out_ready, on_gpu)
             return
         dist = torch.distributed
         posted = []  # every piece posted at once (a stream, matched in order), then taken as it lands
@@ -183,14 +182,7 @@ class Exchange:
 
     def _staged(
         self,
-        out: torch.Tensor | None,
-        to: int | None,
-        into: torch.Tensor | None,
-        frm: int | None,
-        in_piece: int,
-        n_out: int,
-        n_in: int,
-        pieces: int,
+        sides: _Sides,
         landed: Callable[[int, int], None],
         out_ready: Callable[[int, int], None] | None = None,
         on_gpu: Callable[[torch.Tensor, int], None] | None = None,
@@ -202,6 +194,7 @@ class Exchange:
         ``landed`` runs on this thread for each piece once it is in ``into``, at most ``ring`` pieces behind.
         An ``into`` on the GPU (a restore) takes the pieces straight from the wire, an ``out`` on the GPU is sent
         from where it is."""
+        out, to, into, frm, in_piece, n_out, n_in, pieces = sides
         size = max(self.piece, in_piece if n_in else 0)
         up, down = self._streams if self._streams is not None else (None, None)
         # a receive buffer on the GPU (a restore): the pieces land in it directly, no staging, no copy down;
@@ -292,6 +285,20 @@ class Exchange:
     ) -> list:
         """Post one send and/or receive over ``data_group`` together; returns their works (not waited)."""
         return _post(out, to, into, frm, self.data_group)
+
+
+class _Sides(NamedTuple):
+    """What one :meth:`Exchange.data` call moves over the device path: ``out`` to ``to`` (``n_out`` bytes) and
+    ``into`` from ``frm`` (``n_in`` bytes, in the sender's pieces of ``in_piece``), in ``pieces`` rounds."""
+
+    out: torch.Tensor | None
+    to: int | None
+    into: torch.Tensor | None
+    frm: int | None
+    in_piece: int
+    n_out: int
+    n_in: int
+    pieces: int
 
 
 def _post(
@@ -701,7 +708,10 @@ class PeerTier(PersistingTier, TimelineCopies):
         self.store.load(step, manifest, dest)
 
     def verify(self, step: int, timeline: Timeline | None = None) -> list[Manifest]:
-        """Check every chunk of the replica of ``step`` held here; returns its manifest in a list."""
+        """The replica of ``step`` held here, checked: every chunk of one a previous process of this rank
+        left is read and checked; one this process received was checked chunk by chunk as it arrived and
+        has not left its RAM since (as the memory tier's own snapshots). Returns its manifest in a list (its
+        source rank's)."""
         return self.store.verify(step, timeline)
 
     def delete(self, step: int) -> None:
