@@ -61,7 +61,8 @@ it per rank (``read_metadata(rank=...)``). Retention is not applied to such save
 
 ``dcp.async_save`` works with these classes (tested). Retention: ``TierStorageWriter(keep=
 Retention(local=2, remote=10))`` prunes after each save (the coordinator deletes whole committed
-checkpoints, ``COMMIT`` first; every other node deletes its own ranks' files beyond the newest
+checkpoints, ``COMMIT`` first, by the engine's retention, :func:`ckpt.policy.prune`, over the
+checkpoints in commit order; every other node deletes its own ranks' files beyond the newest
 ``local``). Operations: :func:`list_checkpoints`, :func:`verify` and :func:`prune` (keep the newest N
 by commit time; ``ckpt ls/verify/gc --dcp``). Not done here: the host-memory and peer tiers (they
 need the Checkpointer's snapshot and rank groups); for saves that overlap training use
@@ -133,7 +134,8 @@ from ..format import (
     str_to_dtype,
 )
 from ..integrity import ALGORITHM, checksum
-from ..policy import Retention
+from .. import policy
+from ..policy import Committed, Retention
 from ..scatter import writing_state
 from ..stall import StallError, Watched
 from ..values import Encoder
@@ -259,12 +261,12 @@ class _Tier:
         self.where = where
 
     @classmethod
-    def directory(cls, root: str | os.PathLike) -> "_Tier":
+    def directory(cls, root: str | os.PathLike) -> _Tier:
         """The tier of a directory of this node (``local_dir``), with the engine's local tier's capabilities."""
         return cls(LocalTier, str(Path(root).expanduser()), None, os.fspath(root))
 
     @classmethod
-    def at_url(cls, url: str, storage_options: dict[str, Any] | None) -> "_Tier":
+    def at_url(cls, url: str, storage_options: dict[str, Any] | None) -> _Tier:
         """The tier at an fsspec URL, with the engine's remote tier's capabilities; opened by
         :func:`ckpt.fs.resolve`, the library's one way to open a URL (its backend choice too)."""
         store = resolve(url, storage_options)
@@ -444,6 +446,16 @@ class _Tier:
             raise
         except Exception as e:  # noqa: BLE001 - a store client's own error type
             raise self._store_error(e, f"reading {p}") from e
+
+    def delete(self, ckpt_id: str) -> None:
+        """Remove checkpoint ``ckpt_id``, its ``COMMIT`` first (a deletion cut short leaves it uncommitted,
+        never committed with files missing); on this host never through a symbolic link, even one swapped
+        in meanwhile (:func:`ckpt.tiers.local.remove_step_dir`: ``OSError(ELOOP)``)."""
+        if self.on_host:
+            remove_step_dir(self.root, ckpt_id)
+        else:
+            self.remove(ckpt_id, COMMIT_NAME)
+            self.fs.rm(f"{self.root}/{ckpt_id}", recursive=True)
 
     def remove(self, ckpt_id: str, name: str) -> None:
         p = self.path(ckpt_id, name)
@@ -959,6 +971,36 @@ def _check_commit(raw: bytes, where: str) -> dict[str, Any]:
     return obj
 
 
+def _committed_metadata(tier: _Tier, ckpt_id: str) -> tuple[dict[str, Any], bytes, str]:
+    """The checked ``COMMIT`` of ``ckpt_id`` on ``tier``, the ``metadata.json`` it vouches for (its size and
+    checksum as the ``COMMIT`` records) and where that is: ``FileNotFoundError`` when either is missing,
+    :class:`~ckpt.errors.CorruptCheckpointError` naming the file that fails its checks."""
+    commit = _check_commit(tier.get_record(ckpt_id, COMMIT_NAME), tier.path(ckpt_id, COMMIT_NAME))
+    raw = tier.get_record(ckpt_id, METADATA_NAME)
+    where = tier.path(ckpt_id, METADATA_NAME)
+    _need(
+        len(raw) == commit["metadata_bytes"] and checksum(raw) == commit["metadata_checksum"],
+        where,
+        "does not match the checksum its COMMIT records",
+    )
+    return commit, raw, where
+
+
+def _parse_metadata(
+    commit: dict[str, Any], raw: bytes, where: str
+) -> tuple[Metadata, dict[MetadataIndex, dict[str, Any]]]:
+    """DCP's Metadata and the item records of a committed ``metadata.json`` (:func:`_metadata_from_json`),
+    whose items name only ranks its ``COMMIT`` says saved."""
+    md, storage = _metadata_from_json(raw, where)
+    ranks = {rec["rank"] for rec in storage.values()}
+    _need(
+        all(r < commit["world_size"] for r in ranks),
+        where,
+        f"items name ranks {sorted(ranks)} but its COMMIT says {commit['world_size']} ranks saved",
+    )
+    return md, storage
+
+
 # -- writer -------------------------------------------------------------------------------------------
 class TierStorageWriter(StorageWriter):
     """``dcp.save`` into ``local_dir`` and/or ``url`` (see the module docstring for the layout).
@@ -1276,25 +1318,10 @@ class TierStorageReader(StorageReader):
         self.committed = []
         found: tuple[Metadata, dict, str] | None = None
         for tier in self.tiers:
-            where = tier.path(ckpt_id, COMMIT_NAME)
             try:
-                commit = _check_commit(tier.get_record(ckpt_id, COMMIT_NAME), where)
-                raw = tier.get_record(ckpt_id, METADATA_NAME)
-                mwhere = tier.path(ckpt_id, METADATA_NAME)
-                _need(
-                    len(raw) == commit["metadata_bytes"] and checksum(raw) == commit["metadata_checksum"],
-                    mwhere,
-                    "does not match the checksum its COMMIT records",
-                )
+                commit, raw, mwhere = _committed_metadata(tier, ckpt_id)
                 if found is None:
-                    md, storage = _metadata_from_json(raw, mwhere)
-                    ranks = {rec["rank"] for rec in storage.values()}
-                    _need(
-                        all(r < commit["world_size"] for r in ranks),
-                        mwhere,
-                        f"items name ranks {sorted(ranks)} but its COMMIT says {commit['world_size']} ranks saved",
-                    )
-                    found = (md, storage, tier.where)
+                    found = (*_parse_metadata(commit, raw, mwhere), tier.where)
                 self.committed.append(tier.where)
             except FileNotFoundError:
                 problems.append(f"{tier.where}: no committed checkpoint {ckpt_id!r}")
@@ -1543,35 +1570,52 @@ def _verifies(where: str | os.PathLike, ckpt_id: str, storage_options: dict[str,
         return False
 
 
+class _Listed:
+    """One listing of a tier's committed checkpoints as the engine's retention takes a tier
+    (:func:`ckpt.policy.prune`): a checkpoint id is no step, so each is numbered by its place in commit
+    order (the time its ``COMMIT`` records, then its id; 1 the oldest), all on one timeline. Uncommitted
+    directories are not listed, so retention leaves them alone; linked ones are listed, not owned."""
+
+    def __init__(self, tier: _Tier) -> None:
+        self.tier, self.name = tier, tier.name
+        rows = sorted(_list_tier(tier), key=lambda r: (r["created_unix"] or 0.0, r["id"]))
+        self.ids = [r["id"] for r in rows]
+        self.linked = [r["linked"] for r in rows]
+
+    def step(self, ckpt_id: str) -> int | None:
+        return self.ids.index(ckpt_id) + 1 if ckpt_id in self.ids else None
+
+    def committed(self) -> list[Committed]:
+        return [Committed(i, linked=ln) for i, ln in enumerate(self.linked, 1)]
+
+    def owns(self, step: int) -> bool:
+        return not self.linked[step - 1]
+
+    def all_step_dirs(self) -> list[int]:
+        return list(range(1, len(self.ids) + 1))
+
+    def delete(self, step: int) -> None:
+        self.tier.delete(self.ids[step - 1])
+
+
 def _prune_tier(
-    tier: _Tier, keep: int, dry_run: bool = False, spare: str | None = None, verify: Any = None
+    tier: _Tier, keep: int | None, dry_run: bool = False, spare: str | None = None, verify: Any = None
 ) -> list[str]:
-    rows = sorted(
-        (r for r in _list_tier(tier) if not r["linked"]),
-        key=lambda r: (r["created_unix"] or 0.0, r["id"]),
-        reverse=True,
-    )
-    kept = {r["id"] for r in rows[:keep]} | ({spare} if spare is not None else set())
-    if verify is not None and len(rows) > keep:
-        keeper = next((r["id"] for r in rows if verify(r["id"])), None)
-        if keeper is None:
-            raise NoCheckpointError(f"no checkpoint under {tier.where} verifies, so none was deleted")
-        kept.add(keeper)
-    doomed = [r["id"] for r in rows if r["id"] not in kept]
-    if dry_run:
-        return doomed
-    removed = []
-    for ckpt_id in doomed:
-        try:
-            if tier.on_host:  # never through a link swapped in meanwhile
-                remove_step_dir(tier.root, ckpt_id)
-            else:
-                tier.remove(ckpt_id, COMMIT_NAME)
-                tier.fs.rm(f"{tier.root}/{ckpt_id}", recursive=True)
-            removed.append(ckpt_id)
-        except OSError as e:
-            warnings.warn(f"retention could not delete {tier.path(ckpt_id, '')} ({e})", stacklevel=3)
-    return removed
+    """Retention of one tier by the engine's rule (:func:`ckpt.policy.prune`; ``spare``: the checkpoint
+    just saved, never deleted); with ``verify`` (checkpoint id -> whether it verifies) and none that
+    does, nothing is deleted and :class:`~ckpt.errors.NoCheckpointError` says so."""
+    listed = _Listed(tier)
+    asked: list[bool] = []
+
+    def verified(step: int) -> bool:
+        asked.append(bool(verify(listed.ids[step - 1])))
+        return asked[-1]
+
+    busy = [s for s in (listed.step(spare),) if s is not None] if spare is not None else []
+    gone = policy.prune(listed, keep, busy, dry_run, verified if verify is not None else None)
+    if asked and not any(asked):
+        raise NoCheckpointError(f"no checkpoint under {tier.where} verifies, so none was deleted")
+    return [listed.ids[s - 1] for s in gone]
 
 
 def _prune_own_files(tier: _Tier, rank: int, keep: int, spare: str) -> None:
@@ -1618,19 +1662,12 @@ def verify(
     tier = _one_tier(where, storage_options)
     name = _checkpoint_name(checkpoint_id, None)
     try:
-        commit = _check_commit(tier.get_record(name, COMMIT_NAME), tier.path(name, COMMIT_NAME))
-        raw = tier.get_record(name, METADATA_NAME)
+        commit, raw, mwhere = _committed_metadata(tier, name)
     except FileNotFoundError as e:
         raise IncompleteCheckpointError(
             f"{tier.path(name, COMMIT_NAME)}: no committed checkpoint ({e})"
         ) from None
-    mwhere = tier.path(name, METADATA_NAME)
-    _need(
-        len(raw) == commit["metadata_bytes"] and checksum(raw) == commit["metadata_checksum"],
-        mwhere,
-        "does not match the checksum its COMMIT records",
-    )
-    _, storage = _metadata_from_json(raw, mwhere)
+    _, storage = _parse_metadata(commit, raw, mwhere)
     by_rank: dict[int, list[tuple[MetadataIndex, dict[str, Any]]]] = {}
     for ix, rec in storage.items():
         by_rank.setdefault(rec["rank"], []).append((ix, rec))

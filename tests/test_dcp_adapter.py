@@ -382,6 +382,35 @@ def test_gc_keeps_the_newest_committed_checkpoints_and_leaves_uncommitted_ones(t
         prune(tmp_path / "local", 0)
 
 
+def test_gc_keeps_the_newest_checkpoint_that_verifies_and_deletes_nothing_when_none_does(tmp_path):
+    from ckpt.errors import NoCheckpointError
+    from ckpt.integrations.dcp import prune
+
+    for name in ("a", "b", "c"):
+        dcp.save(_state(), storage_writer=TierStorageWriter(**_tiers(tmp_path)), checkpoint_id=name)
+    _corrupt_item(tmp_path / "local", "model.w", "c")
+    with pytest.warns(UserWarning, match="'c' does not verify"):
+        assert prune(tmp_path / "local", 1, verify=True) == ["a"]  # c, the newest, stays; b verifies
+    _corrupt_item(tmp_path / "local", "model.w", "b")
+    with pytest.warns(UserWarning), pytest.raises(NoCheckpointError):
+        prune(tmp_path / "local", 1, verify=True)
+    assert sorted(p.name for p in (tmp_path / "local").iterdir()) == ["b", "c"]
+
+
+def test_gc_neither_counts_nor_deletes_a_linked_checkpoint(tmp_path):
+    from ckpt.integrations.dcp import list_checkpoints, prune
+
+    dcp.save(_state(), storage_writer=TierStorageWriter(local_dir=tmp_path / "base"), checkpoint_id="base")
+    for name in ("a", "b"):
+        dcp.save(_state(), storage_writer=TierStorageWriter(local_dir=tmp_path / "run"), checkpoint_id=name)
+    (tmp_path / "run" / "shared").symlink_to(tmp_path / "base" / "base")  # linked in, newest by its COMMIT
+    dcp.save(_state(), storage_writer=TierStorageWriter(local_dir=tmp_path / "base"), checkpoint_id="base")
+    assert [r["id"] for r in list_checkpoints(tmp_path / "run")] == ["a", "b", "shared"]
+    assert prune(tmp_path / "run", 1) == ["a"]
+    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["b", "shared"]
+    assert (tmp_path / "base" / "base" / "COMMIT").is_file()
+
+
 def _big_state(seed: int, mib: int = 12) -> dict:
     g = torch.Generator().manual_seed(seed)
     n = (mib << 20) // 4 // 3
