@@ -37,6 +37,15 @@ def state_of(rank: int, seed: int) -> dict:
     return state
 
 
+def raises(expected: type[BaseException] | tuple, call: Callable[[], object], what: str) -> None:
+    """``call()`` raises ``expected`` (by type), or the check fails saying ``what`` happened instead."""
+    try:
+        call()
+    except expected:
+        return
+    raise AssertionError(what)
+
+
 class Ctx:
     """What every check gets: this rank's place, its images to commit, its source's expected values."""
 
@@ -104,12 +113,7 @@ def listed_described_loaded_and_verified(c: Ctx) -> None:
     assert tier.restore_into(into, 7, listed[7].timeline, True, None) > 0
     c.same_as_source(into, 1)
     assert tier.describe(99) == StepInfo() and isinstance(tier.where(99), str)  # a step not held
-    try:
-        tier.manifest_of(99)
-    except LookupError:
-        pass
-    else:
-        raise AssertionError("a manifest of a step not held")
+    raises(LookupError, lambda: tier.manifest_of(99), "a manifest of a step not held")
 
 
 def flipped_byte_fails_verification_and_the_load(c: Ctx) -> None:
@@ -129,18 +133,12 @@ def flipped_byte_fails_verification_and_the_load(c: Ctx) -> None:
     _flip(Path(rec.path).with_name(rec.buffer))
     tier = c.fresh("flipped", again=True)  # the rank's next process
     assert tier.committed_steps() == [3], tier.committed_steps()
-    try:
-        tier.verify(3)
-    except CorruptCheckpointError:
-        pass
-    else:
-        raise AssertionError("verify passed a replica with a flipped byte")
-    try:
-        tier.restore_into(make_state(4), 3, None, True, None)
-    except CorruptCheckpointError:
-        pass
-    else:
-        raise AssertionError("a replica with a flipped byte was loaded")
+    raises(CorruptCheckpointError, lambda: tier.verify(3), "verify passed a replica with a flipped byte")
+    raises(
+        CorruptCheckpointError,
+        lambda: tier.restore_into(make_state(4), 3, None, True, None),
+        "a replica with a flipped byte was loaded",
+    )
 
 
 def restore_search_goes_by_tiers_alone(c: Ctx) -> None:
@@ -158,12 +156,11 @@ def restore_search_goes_by_tiers_alone(c: Ctx) -> None:
     assert tier.figures().reads >= 1
     # in a job, the replicas held are another rank's copies: passed over, never loaded into this rank's state
     before = snapshot_values(into)
-    try:
-        restore(into, [tier], job=[c.rank, c.world])
-    except NoCheckpointError:
-        pass
-    else:
-        raise AssertionError("the source's replica was restored into this rank's state")
+    raises(
+        NoCheckpointError,
+        lambda: restore(into, [tier], job=[c.rank, c.world]),
+        "the source's replica was restored into this rank's state",
+    )
     assert all(torch.equal(before["model"][k], v) for k, v in snapshot_values(into)["model"].items())
 
 
@@ -176,12 +173,11 @@ def delete_removes_the_commit_and_the_step(c: Ctx) -> None:
     c.commit(2, 2)
     tier.delete(1)
     assert 1 not in tier.committed_steps() and 2 in tier.committed_steps(), tier.committed_steps()
-    try:
-        tier.restore_into(make_state(1), 1, None, True, None)
-    except (CheckpointError, LookupError, OSError):
-        pass
-    else:
-        raise AssertionError("a deleted step was loaded")
+    raises(
+        (CheckpointError, LookupError, OSError),
+        lambda: tier.restore_into(make_state(1), 1, None, True, None),
+        "a deleted step was loaded",
+    )
 
 
 def a_failed_write_leaves_the_committed_copy(c: Ctx) -> None:
@@ -194,13 +190,11 @@ def a_failed_write_leaves_the_committed_copy(c: Ctx) -> None:
     c.commit(4, 1)
     bad = bytearray(c.images[2][1])
     bad[10] ^= 0xFF  # the manifest's checksums are the good bytes'
-    try:
-        c.commit(4, 2, data=bytes(bad))
-    except CheckpointError:
-        failed = True
-    else:
-        failed = False
-    assert failed, "a replica that failed its checksum on arrival was reported committed"
+    raises(
+        CheckpointError,
+        lambda: c.commit(4, 2, data=bytes(bad)),
+        "a replica that failed its checksum on arrival was reported committed",
+    )
     assert tier.committed_steps() == [4], tier.committed_steps()
     tier.verify(4)
     into = make_state(7)
@@ -294,12 +288,11 @@ def the_copy_a_restore_receives_meets_it_too(c: Ctx) -> None:
     assert all(torch.equal(want["model"][k], have["model"][k]) for k in want["model"])
     got.delete(6)
     assert got.committed_steps() == [], got.committed_steps()
-    try:
-        got.restore_into(make_state(1), 6, None, True, None)
-    except (CheckpointError, LookupError, OSError):
-        pass
-    else:
-        raise AssertionError("a deleted copy was loaded")
+    raises(
+        (CheckpointError, LookupError, OSError),
+        lambda: got.restore_into(make_state(1), 6, None, True, None),
+        "a deleted copy was loaded",
+    )
 
 
 CHECKS: list[Callable[[Ctx], None]] = [
