@@ -26,8 +26,9 @@ def check_job(manifest: Any, job: list[int] | None, tier: str, step: int) -> Non
     saved = manifest.job
     if job is not None and saved is not None and list(saved) != list(job):
         raise OtherRanksCopy(
-            f"this {tier} copy of step {step} was saved by rank {saved[0]} of {saved[1]}, this is rank {job[0]} "
-            f"of {job[1]}: a rank's own copy cannot be resharded; a job tier (the same url on every rank) can"
+            f"this {tier} copy of step {step} holds the state of rank {saved[0]} of {saved[1]}, this is rank "
+            f"{job[0]} of {job[1]}: a copy of one rank's own state loads into that rank only (a job tier, the "
+            "same url on every rank, reshards into another world size)"
         )
 
 
