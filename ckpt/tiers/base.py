@@ -148,7 +148,8 @@ class Tier(abc.ABC):
 
     Class attributes: ``name`` (``"memory"``, ``"local"``, ...: what handles, restore reports and
     ``ckpt ls`` call it) and ``nearness`` (restore tries the tiers holding a step in increasing order).
-    Instance attributes the library reads and sets: ``rank`` (the rank whose files it reads),
+    Instance attributes the library reads and sets: ``rank`` (this process's rank, whose copies it reads and
+    writes; a peer tier holds other ranks' replicas, each manifest naming its source rank),
     ``timeline`` (what a fresh commit records; the Checkpointer sets it) and ``verified`` (step ->
     ``True`` when this process committed it or read it back in full, ``False`` when it failed
     verification; retention keeps the newest ``True`` one).
