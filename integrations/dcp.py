@@ -20,9 +20,14 @@ Layout, the same on each tier (``local_dir``: this node's disk; ``url``: any fss
 
 Each rank writes its own file to every tier (local first, fsynced and renamed into place; then
 the remote copy, uploaded from the local file; without ``local_dir`` the file goes to the remote tier
-as it is produced). A remote copy goes up in parts of ``CKPT_CHUNK_BYTES``, each part one request, so
-host memory holds about two parts: on S3 through s3fs one object by a multipart upload (parts of at least
-5 MiB, and at most ``default_block_size``), through any other object-store client one object per part
+as it is produced). A remote copy goes up in parts of ``CKPT_CHUNK_BYTES``, each part one request:
+from the local file in parallel on the remote tier's pool (:func:`ckpt.tiers.remote_parts.map_all`,
+``CKPT_REMOTE_THREADS`` parts in flight), as it is produced one part in flight while the next fills
+(host memory holds about two parts). Single objects and parts are put, and store failures told apart,
+by the remote tier's store client (:class:`ckpt.tiers.remote_store.StoreClient`); a stalled part is
+named as the remote tier names its own (:func:`ckpt.tiers.remote_parts.stall_names`). On S3 through
+s3fs the file is one object by a multipart upload (parts of at least 5 MiB, and at most
+``default_block_size``), through any other object-store client one object per part
 (``rank-RRRRR.dcp.bin.parts/000000``, ...; the items' ``part_bytes`` in the metadata say so), on a
 ``file://`` URL one file. A failed upload is aborted or removed, never published. Every remote request
 (parts, records, listings, removals, reads) runs under the watchdog of ``CKPT_REMOTE_STALL_S``
@@ -143,6 +148,8 @@ from ..tiers.base import Tier
 from ..tiers.local import LocalTier, _read_range, linked, remove_step_dir
 from ..tiers.remote import RemoteTier
 from ..tiers.remote_errors import failure_type
+from ..tiers.remote_parts import map_all, stall_names
+from ..tiers.remote_store import StoreClient
 from ..fs import is_local_fs, is_url, resolve
 
 __all__ = ["TierStorageWriter", "TierStorageReader", "FORMAT", "list_checkpoints", "verify", "prune"]
@@ -249,9 +256,13 @@ class _Tier:
     operations go through :class:`_OnMount`. A request that stalls is aborted and sent again; after three
     stalled attempts it raises :class:`~ckpt.stall.StallError` (a ``TimeoutError`` naming its URL)."""
 
-    def __init__(self, kind: type[Tier], root: str, fs: Watched | None, where: str) -> None:
+    def __init__(self, kind: type[Tier], root: str, client: StoreClient | None, where: str) -> None:
         self.kind, self.name, self.on_node = kind, kind.name, kind.on_node
-        self.fs, self.root = fs, root  # fs None: root is a directory of this host, used through os
+        self.root = root
+        # the engine's client of the store (its requests, its failures as OSErrors, its puts); None: root is
+        # a directory of this host, used through os
+        self.client = client
+        self.fs: Watched | None = None if client is None else client.fs
         self.mounted = self.fs is not None and is_local_fs(self.fs)  # a file:// URL: a page cache to flush
         # how a data file goes to an object store: s3fs's as one object, by a multipart upload of our own
         # (each request under the watchdog); any other client's as one object per part (``parted``)
@@ -270,7 +281,9 @@ class _Tier:
         """The tier at an fsspec URL, with the engine's remote tier's capabilities; opened by
         :func:`ckpt.fs.resolve`, the library's one way to open a URL (its backend choice too)."""
         store = resolve(url, storage_options)
-        return cls(RemoteTier, store.root.rstrip("/"), Watched(store.fs), url)
+        return cls(
+            RemoteTier, store.root.rstrip("/"), StoreClient.of_store(url, store, Watched(store.fs)), url
+        )
 
     def keep_of(self, keep: Retention) -> int | None:
         """How many checkpoints ``keep`` keeps here (through :meth:`ckpt.Retention.count`): what it keeps on
@@ -301,13 +314,12 @@ class _Tier:
             )
 
     def _store_error(self, e: Exception, doing: str) -> OSError:
-        """A store client's failure that is not an ``OSError`` (botocore's, say) as the one of its kind
-        (:func:`ckpt.tiers.remote_errors.failure_type`: an outage is a ``ConnectionError``, refused credentials
-        a ``PermissionError``) naming ``doing``, so that a reader falls back to the next tier instead of crashing."""
-        kind = failure_type(e)
-        return kind(
-            getattr(e, "errno", None) or errno.EIO, f"{doing} on {self.where}: {type(e).__name__}: {e}"
-        )
+        """A store client's failure that is not an ``OSError`` (botocore's, say) as the remote tier's store
+        client says it (:meth:`ckpt.tiers.remote_store.StoreClient._failure`: an outage is a
+        ``ConnectionError`` naming the endpoint, refused credentials a ``PermissionError``) naming ``doing``,
+        so that a reader falls back to the next tier instead of crashing."""
+        assert self.client is not None
+        return self.client._failure(self.client.store.translate(e), f"{doing} on {self.where}")
 
     def sink(self, ckpt_id: str) -> Sink:
         """Where checkpoint ``ckpt_id``'s records go (:mod:`ckpt.commit`)."""
@@ -345,16 +357,22 @@ class _Tier:
         if self.mounted:
             stall.call(_OnMount, "write_at", state["tmp"], data, offset)
         elif self.parted:
-            self.fs.pipe_file(self.part_path(state["ckpt_id"], state["name"], i), data)
+            self.client._put(self.part_path(state["ckpt_id"], state["name"], i), bytes(data))
         else:
             if state["upload_id"] is None:
-                state["upload_id"] = self._s3(state, "create_multipart_upload")["UploadId"]
-            out = self._s3(state, "upload_part", PartNumber=i + 1, UploadId=state["upload_id"], Body=data)
-            state["etags"].append({"PartNumber": i + 1, "ETag": out["ETag"]})
+                self.start_multipart(state)
+            out = self._s3(
+                state, "upload_part", PartNumber=i + 1, UploadId=state["upload_id"], Body=bytes(data)
+            )
+            state["etags"].append({"PartNumber": i + 1, "ETag": out["ETag"]})  # list.append: any thread
+
+    def start_multipart(self, state: dict[str, Any]) -> None:
+        """Begin the multipart upload of ``state`` (s3fs), before its parts are sent (in any order)."""
+        state["upload_id"] = self._s3(state, "create_multipart_upload")["UploadId"]
 
     def put_whole(self, state: dict[str, Any], data: bytes) -> None:
         """The whole file as one object, in one request (a multipart upload's file smaller than a part)."""
-        self.fs.pipe_file(state["path"], data)
+        self.client._put(state["path"], data)
 
     def end(self, state: dict[str, Any]) -> None:
         """Every part is written: the mounted tier's file is flushed and renamed into place, the
@@ -366,7 +384,7 @@ class _Tier:
                 state,
                 "complete_multipart_upload",
                 UploadId=state["upload_id"],
-                MultipartUpload={"Parts": state["etags"]},
+                MultipartUpload={"Parts": sorted(state["etags"], key=lambda p: p["PartNumber"])},
             )
             self.fs.invalidate_cache(state["path"])
 
@@ -491,17 +509,40 @@ class _Upload:
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="ckpt-dcp-upload")
 
     def _guard(self, i: int, fn: Any, *args: Any) -> Any:
-        """``fn(*args)``, a request of part ``i`` (-1: of the file), a stall named by rank and part."""
+        """``fn(*args)``, a request of part ``i`` (-1: of the file), a stall named by rank and part
+        (:func:`ckpt.tiers.remote_parts.stall_names`, as the remote tier names its parts')."""
+        what = f"part {i} of {self.name}" if i >= 0 else self.name
         try:
-            return fn(*args)
-        except StallError as e:
+            with stall_names(f"rank {self.rank}'s {what} of {self.ckpt_id!r}"):
+                return fn(*args)
+        except StallError:
             self.stalled = True
-            what = f"part {i} of {self.name}" if i >= 0 else self.name
-            raise StallError(
-                e.errno,
-                f"rank {self.rank}'s {what} of {self.ckpt_id!r} ({e.filename}): {e.strerror}",
-                e.filename,
-            ) from None
+            raise
+
+    def send_file(self, src: str) -> None:
+        """Upload the finished file ``src`` and :meth:`close`: its parts are read and sent in parallel on
+        the remote tier's pool (:func:`ckpt.tiers.remote_parts.map_all`, ``CKPT_REMOTE_THREADS``; the first
+        failure cancels the parts not yet started), so host memory holds the parts in flight."""
+        fd = os.open(src, os.O_RDONLY)
+        try:
+            size, c = os.fstat(fd).st_size, self.part_bytes
+            if self.tier.multipart and size < c:  # smaller than a part: one plain request (close)
+                self.buf += os.pread(fd, size, 0)
+            elif size:
+                if self.tier.multipart:
+                    self._guard(-1, self.tier.start_multipart, self.state)
+
+                def put(i: int) -> None:
+                    piece = os.pread(fd, min(c, size - i * c), i * c)
+                    if len(piece) != min(c, size - i * c):
+                        raise OSError(errno.EIO, f"{src}: shorter than it was ({size} bytes)", src)
+                    self._guard(i, self.tier.put_part, self.state, i, piece, i * c)
+
+                self.sent = -(-size // c)
+                map_all(put, self.sent, "ckpt-dcp-upload")
+        finally:
+            os.close(fd)
+        self.close()
 
     def write(self, data: Any) -> None:
         view = memoryview(data).cast("B")
@@ -581,13 +622,11 @@ class _Upload:
 
 
 def _upload_file(tier: _Tier, ckpt_id: str, name: str, rank: int, src: str, part_bytes: int) -> None:
-    """Upload a finished local data file to a remote tier, part by part (:class:`_Upload`)."""
+    """Upload a finished local data file to a remote tier, its parts in parallel
+    (:meth:`_Upload.send_file`)."""
     up = _Upload(tier, ckpt_id, name, rank, part_bytes)
     try:
-        with open(src, "rb") as f:
-            while chunk := f.read(part_bytes):
-                up.write(chunk)
-        up.close()
+        up.send_file(src)
     except BaseException:
         up.abort()
         raise

@@ -7,11 +7,14 @@ and the parallel download of a rank's data into tensors or the local tier."""
 from __future__ import annotations
 
 import bisect
+import contextlib
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 if TYPE_CHECKING:
     import torch
+
+    from .remote_store import StoreClient
 
 from .. import knobs
 from ..codec import RAW, check_codec, decode, encode, max_decoded
@@ -22,7 +25,15 @@ from ..scatter import Scatter
 from ..stall import StallError
 from .remote_errors import caused_by
 
-__all__ = ["ABSENT", "Parts", "may_be_left_out", "map_all", "dominant_elem_size"]
+__all__ = [
+    "ABSENT",
+    "Parts",
+    "may_be_left_out",
+    "map_all",
+    "dominant_elem_size",
+    "put_part",
+    "stall_names",
+]
 
 #: the codec of a part a rank did not upload: its bytes are replicated tensors that rank 0 stores
 ABSENT = "absent"
@@ -68,16 +79,12 @@ class Parts:
             if i in absent:  # only replicated bytes: rank 0 uploads them
                 return crc, ABSENT, 0
             stored, codec = encode(view, self.compression, sizer(i))
-            path = self._part(step, i, generation=gen)
-            try:
-                # Object-store clients want bytes; local and mounted file systems take the view as it is.
-                self._put(path, stored if self._local_fs else bytes(stored))
-            except StallError as e:
-                raise StallError(
-                    e.errno,
-                    f"rank {self.rank}'s part {i} of step {step} ({self._url(path)}): {e.strerror}",
-                    e.filename,
-                ) from None
+            put_part(
+                self,
+                self._part(step, i, generation=gen),
+                stored,
+                f"rank {self.rank}'s part {i} of step {step}",
+            )
             return crc, codec, len(stored)
 
         return map_all(put, n, "ckpt-upload")
@@ -262,6 +269,28 @@ def may_be_left_out(m: Manifest) -> Callable[[int], bool]:
         return j < 0 or spans[j][1] < i
 
     return left_out
+
+
+@contextlib.contextmanager
+def stall_names(who: str, url: str | None = None) -> Iterator[None]:
+    """A :class:`~ckpt.stall.StallError` raised inside is raised again naming ``who`` (``"rank 0's part 3
+    of step 7"``) and ``url`` (``None``: the URL the stalled request was for): ``"<who> (<url>): <what
+    stalled>"``, its ``errno`` and ``filename`` kept. The one wording of a stalled part, the remote tier's
+    and the DCP adapter's (:mod:`ckpt.integrations.dcp`)."""
+    try:
+        yield
+    except StallError as e:
+        where = e.filename if url is None else url
+        raise StallError(e.errno, f"{who} ({where}): {e.strerror}", e.filename) from None
+
+
+def put_part(client: StoreClient, path: str, data: Any, who: str) -> None:
+    """Put one part, ``data``, at ``path`` through ``client``
+    (:meth:`~ckpt.tiers.remote_store.StoreClient._put`: one request under the watchdog, fsynced on a
+    local or mounted file system); a stall names ``who`` (:func:`stall_names`). Object-store clients
+    want bytes; local and mounted file systems take a view as it is."""
+    with stall_names(who, client._url(path)):
+        client._put(path, data if client._local_fs else bytes(data))
 
 
 def map_all(fn: Callable[[int], Any], n: int, name: str) -> list[Any]:

@@ -19,7 +19,7 @@ from typing import Any, Callable, Iterator
 from .. import knobs
 from ..errors import CheckpointError
 from ..format import fsync_file
-from ..fs import Store
+from ..fs import Store, is_local_fs
 from ..stall import StallError
 from .base import TierStatus
 from .remote_errors import errno_of, failure_type, unavailable
@@ -43,6 +43,19 @@ class StoreClient:
     status: RemoteStatus
     _probe_fs: Any  # the file system the probe uses (on S3 a client of few retries and short timeouts)
     _local_fs: bool  # a local or mounted file system (file://)
+
+    @classmethod
+    def of_store(cls, url: str, store: Store, fs: Any) -> StoreClient:
+        """A client of ``store`` on its own, outside a tier (``fs``: the store's file system, under the
+        watchdog): the store-side requests and their failures exactly as the remote tier has them, for
+        code that writes its own layout to a store (the DCP adapter, :mod:`ckpt.integrations.dcp`).
+        Nothing is probed here; ``on_unreachable`` is ``"raise"``."""
+        client = cls.__new__(cls)
+        client.url, client.on_unreachable, client.store = url, "raise", store
+        client.fs, client.root, client._probe_fs = fs, store.root, store.probe_fs
+        client._local_fs = is_local_fs(fs)
+        client.status = RemoteStatus()
+        return client
 
     def _endpoint(self) -> str:
         return self.store.endpoint
