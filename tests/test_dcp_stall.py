@@ -119,6 +119,45 @@ def test_a_save_whose_upload_stalls_mid_file_fails_in_bounded_time_and_commits_n
     _assert_equal(loaded, first)
 
 
+def test_an_upload_from_local_dir_that_stalls_commits_the_local_copy_only(
+    stalling, s3_client, tmp_path, monkeypatch
+):
+    # the rank's file goes up from local_dir in parallel parts (the remote tier's pool): a stalled part
+    # fails that upload within the bound, the remote tier gets no COMMIT, the local copy is committed
+    url, opts, proxy, direct = stalling
+    local = tmp_path / "local"
+    first = _state(5)
+    dcp.save(
+        first,
+        storage_writer=TierStorageWriter(local_dir=local, url=url, storage_options=opts),
+        checkpoint_id="step-1",
+    )
+    proxy.stall(after=b"partNumber=3&" if s3_client == "s3fs" else b".dcp.bin.parts/000002")
+    second = _state(6)
+    t0 = time.monotonic()
+    with pytest.warns(UserWarning):
+        dcp.save(
+            second,
+            storage_writer=TierStorageWriter(local_dir=local, url=url, storage_options=opts),
+            checkpoint_id="step-2",
+        )
+    assert time.monotonic() - t0 < BOUND_S
+    fs = _s3fs(direct)
+    root = url.removeprefix("s3://")
+    assert fs.exists(f"{root}/step-1/COMMIT") and not fs.exists(f"{root}/step-2/COMMIT")
+    assert not fs.exists(f"{root}/step-2/rank-00000.dcp.bin")  # no object published from a torn upload
+    assert (local / "step-2" / "COMMIT").is_file()
+    loaded = _blank(second)
+    dcp.load(loaded, storage_reader=TierStorageReader(local_dir=local), checkpoint_id="step-2")
+    _assert_equal(loaded, second)
+    monkeypatch.setenv("CKPT_S3_BACKEND", "s3fs")  # pyarrow's client waits for the calls left to threads
+    loaded = _blank(first)
+    dcp.load(
+        loaded, storage_reader=TierStorageReader(url=url, storage_options=direct), checkpoint_id="step-1"
+    )
+    _assert_equal(loaded, first)
+
+
 def test_a_load_whose_reads_stall_fails_in_bounded_time(stalling, s3_client, monkeypatch):
     url, opts, proxy, direct = stalling
     state = _state(3, mib=3)
