@@ -16,8 +16,8 @@ tensor is bit-identical to that step's.
   ``HOSTILE_AT``: ``mid`` (a third of the replica it receives landed), ``verified`` (every chunk of the
   replica it holds landed and matched, before its record is written), ``committed`` (the record written,
   before the ack goes back), ``taken`` (its buffer taken for the replica, its record withdrawn, no byte in).
-  The victim prints ``dying armed`` as it dies there; every other rank waits for the peer tier (its exchange
-  fails, or ``CKPT_PEER_TIMEOUT_S``), prints ``dying after`` and SIGKILLs itself. ``HOSTILE_RESUME=1``: restores first (prints ``resumed S TIER``), as a
+  The victim prints ``dying armed`` as it dies there; every other rank waits for its memory tier's record of
+  the step, then for the peer tier (its exchange fails, or ``CKPT_PEER_TIMEOUT_S``), prints ``dying after`` and SIGKILLs itself. ``HOSTILE_RESUME=1``: restores first (prints ``resumed S TIER``), as a
   restarted job whose holders take over the replicas their previous processes left. ``HOSTILE_GROW_AT=S``: from
   step ``S`` on, the state is four times larger (new tensors). ``HOSTILE_ROLLBACK=S``: restores step ``S``
   first (the steps saved after it start a new branch).
@@ -157,6 +157,8 @@ def main() -> None:
                             state[k] = v
                     h = ck.save(step, state)
                     if mode == "kill" and step == steps[-1]:
+                        if not victim:  # its own RAM record of the step, which the tests' expectations assume
+                            h.wait("memory")
                         try:
                             h.wait("peer")
                         except ckpt.CheckpointError:
