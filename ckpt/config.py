@@ -146,8 +146,8 @@ class Policy:
             instead) or ``"wait"`` (every snapshot reaches every tier; saves wait for buffers). See
             :class:`~ckpt.IfBusy`.
         keep: :class:`~ckpt.Retention`, how many checkpoints each tier keeps; an int ``N`` (as
-            ``save_total_limit`` / ``save_top_k`` are written) is ``Retention(local=N, remote=N)``: ``N`` on
-            every tier. A dict by tier name, ``{"local": 3, "disk2": 5}``, is ``Retention(local=3, disk2=5)``
+            ``save_total_limit`` / ``save_top_k`` are written) is ``Retention.every_tier(N)``: ``N`` on
+            every durable tier (``local_dir``, the url, each of ``Storage(extra_tiers=...)``). A dict by tier name, ``{"local": 3, "disk2": 5}``, is ``Retention(local=3, disk2=5)``
             (any durable tier the Checkpointer has; a tier not named keeps its default). ``None``:
             ``Retention()`` (2 in ``local_dir``, 10 at the url).
         on_unsupported: ``"error"`` (default) refuses a state value that is not JSON-safe, naming its
@@ -210,7 +210,7 @@ class Policy:
                     f"keep={keep!r}: keep at least 1 checkpoint per tier (the newest committed one is "
                     "never deleted), or pass ckpt.Retention(local=..., remote=...) (None keeps all)"
                 )
-            object.__setattr__(self, "keep", Retention(local=keep, remote=keep))
+            object.__setattr__(self, "keep", Retention.every_tier(keep))
         elif isinstance(keep, Mapping):  # by tier name; the Checkpointer checks the names against its tiers
             object.__setattr__(self, "keep", Retention.of(keep))
         elif keep is not None and not isinstance(keep, Retention):

@@ -54,9 +54,10 @@ class Retention:
     ``Retention(local=2, remote=10, disk2=5)`` for a tier registered as ``"disk2"``
     (``Storage(extra_tiers=...)``); the same counts may be given as a mapping, ``keep={"local": 2,
     "disk2": 5}`` (:class:`~ckpt.Policy`). A tier not named keeps what its class takes from ``local`` /
-    ``remote`` (a subclass of the local tier: ``local``), or all. The Checkpointer checks the names
-    against its tiers: a name that is not one of its durable tiers is a ``ValueError`` naming the tiers
-    it has. ``tiers``: the counts given by name (beside ``local`` and ``remote``).
+    ``remote`` (a subclass of the local tier: ``local``), else ``others``: ``None`` (all) unless the
+    retention is :meth:`every_tier`'s (what ``keep=N`` makes). The Checkpointer checks the names against its
+    tiers: a name that is not one of its durable tiers is a ``ValueError`` naming the tiers it has.
+    ``tiers``: the counts given by name (beside ``local`` and ``remote``).
 
     Newest means the live branch newest ``(timeline, step)`` first, then the abandoned branch of a
     rollback (see :class:`Timeline`), so the abandoned branch goes first. The newest committed
@@ -68,6 +69,7 @@ class Retention:
     local: int | None
     remote: int | None
     tiers: Mapping[str, int | None]
+    others: int | None
 
     def __init__(self, local: int | None = 2, remote: int | None = 10, **tiers: int | None) -> None:
         for tier, n in {"local": local, "remote": remote, **tiers}.items():
@@ -84,16 +86,28 @@ class Retention:
         object.__setattr__(self, "local", local)
         object.__setattr__(self, "remote", remote)
         object.__setattr__(self, "tiers", types.MappingProxyType(dict(tiers)))
+        object.__setattr__(self, "others", None)
 
     @classmethod
-    def of(cls, counts: Mapping[str, int | None]) -> "Retention":
-        """The retention of ``counts`` (tier name -> checkpoints kept); the tiers not named keep the defaults."""
+    def of(cls, counts: Mapping[str, int | None], others: int | None = None) -> "Retention":
+        """The retention of ``counts`` (tier name -> checkpoints kept); the tiers not named keep the defaults
+        (``others``: the count of a durable tier neither named nor of the local or remote kind)."""
         for name in counts:
             if not isinstance(name, str):
                 raise TypeError(
                     f"keep= as a dict is keyed by tier name ('local', 'remote', ...), got {name!r}"
                 )
-        return cls(**counts)
+        out = cls(**counts)
+        if others is not None:
+            cls(others=others)  # checked as any count
+            object.__setattr__(out, "others", others)
+        return out
+
+    @classmethod
+    def every_tier(cls, n: int | None) -> "Retention":
+        """``n`` checkpoints on every durable tier: ``local_dir``, the url and any other durable tier
+        (``Storage(extra_tiers=...)``), what ``keep=n`` means (``None``: all everywhere)."""
+        return cls.of({"local": n, "remote": n}, others=n)
 
     def count(self, tier: Any) -> int | None:
         """How many steps ``tier`` keeps: its count by name, else what the tier takes from ``local`` /
@@ -103,12 +117,17 @@ class Retention:
         return tier.keep_of(self)
 
     def __hash__(self) -> int:
-        return hash((self.local, self.remote, tuple(sorted(self.tiers.items()))))
+        return hash((self.local, self.remote, tuple(sorted(self.tiers.items())), self.others))
 
     def __reduce__(self) -> tuple:  # copies and pickles (a Lightning callback's settings) by its counts
-        return Retention.of, ({"local": self.local, "remote": self.remote, **self.tiers},)
+        return Retention.of, ({"local": self.local, "remote": self.remote, **self.tiers}, self.others)
 
     def __repr__(self) -> str:
+        if self.others is not None and self.local == self.remote == self.others and not self.tiers:
+            return f"Retention.every_tier({self.others!r})"
+        if self.others is not None:
+            counts = {"local": self.local, "remote": self.remote, **self.tiers}
+            return f"Retention.of({counts!r}, others={self.others!r})"
         more = "".join(f", {name}={n!r}" for name, n in self.tiers.items())
         return f"Retention(local={self.local!r}, remote={self.remote!r}{more})"
 

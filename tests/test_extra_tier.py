@@ -46,7 +46,9 @@ def _storage(tmp_path) -> ckpt.Storage:
 
 
 def test_a_registered_tier_gets_saves_retention_and_restores_with_no_other_change(tmp_path, capsys):
-    policy = ckpt.Policy(every_steps=1, persist_every={"disk2": 2}, keep=ckpt.Retention(local=2))
+    policy = ckpt.Policy(
+        every_steps=1, persist_every={"disk2": 2}, keep=ckpt.Retention(local=2), if_busy="wait"
+    )
     with ckpt.Checkpointer(storage=_storage(tmp_path), policy=policy) as ck:
         assert ck.tiers == ["memory", "local", "disk2"]
         for step in range(7):
@@ -254,3 +256,32 @@ def test_a_promote_failing_on_a_full_disk_leaves_the_destination_as_it_was(tmp_p
         st = {"w": torch.empty(40_000), "meta": None}
         dest.restore_into(st, 3, None, True, None)  # the destination now holds B
         assert st["meta"] == {"v": 2.0} and torch.equal(st["w"], _big(2.0)["w"])
+
+
+class ThirdDisk(LocalTier):
+    """A durable tier of a kind of its own: retention knows it by name only (not as a local tier)."""
+
+    name = "disk3"
+    nearness = 16
+    needs = "Storage(extra_tiers={'disk3': DIR})"
+    keep_of = ckpt.tiers.Tier.keep_of
+
+
+def test_keep_as_an_int_bounds_a_durable_tier_of_any_kind(tmp_path, monkeypatch):
+    """``keep=N`` is N checkpoints on every durable tier, a registered tier that is neither a local nor a remote
+    one included; a Retention that does not name such a tier keeps all of it (nothing is deleted that no
+    setting asked for)."""
+    from ckpt.tiers import base
+
+    monkeypatch.setitem(base._REGISTRY, "disk3", ThirdDisk)
+    for keep, want in ((2, [4, 3]), (ckpt.Retention(local=2), [4, 3, 2, 1, 0])):
+        root = tmp_path / str(len(want))
+        storage = ckpt.Storage(local_dir=root / "nvme", extra_tiers={"disk3": root / "hdd"})
+        with ckpt.Checkpointer(storage=storage, keep=keep, if_busy="wait") as ck:
+            assert ck.tiers == ["memory", "local", "disk3"]
+            for step in range(5):
+                ck.save(step, _state(float(step))).wait()
+        assert LocalTier(root / "nvme").committed_steps() == [4, 3]
+        assert ThirdDisk(root / "hdd").committed_steps() == want, keep
+    assert ckpt.Policy(keep=2).keep.count(ThirdDisk(tmp_path / "x")) == 2
+    assert ckpt.Retention(local=2).count(ThirdDisk(tmp_path / "y")) is None

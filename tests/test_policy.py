@@ -198,14 +198,15 @@ def test_the_final_step_is_saved_even_when_every_buffer_is_busy(local_dir):
 def test_keep_as_an_int_keeps_that_many_on_every_tier(local_dir, tmp_path, caplog):
     url = f"file://{tmp_path}/remote"
     with ckpt.Checkpointer(url, local_dir=local_dir, keep=2, if_busy="wait") as ck:
-        assert ck.policy.keep == ckpt.Retention(local=2, remote=2) and ck.keep == ck.policy.keep
+        assert ck.policy.keep == ckpt.Retention.every_tier(2) and ck.keep == ck.policy.keep
         for s in range(1, 6):
             ck.save(s, {"s": s}).wait()
     assert "Traceback" not in caplog.text and not [r for r in caplog.records if r.levelname == "ERROR"]
     assert LocalTier(local_dir).committed_steps() == [5, 4]
     with ckpt.Checkpointer(url, local_dir=tmp_path / "other") as reader:
         assert [c.step for c in reader.list()] == [5, 4]
-    assert ckpt.Policy(keep=3).keep == ckpt.Retention(local=3, remote=3)
+    assert ckpt.Policy(keep=3).keep == ckpt.Retention.every_tier(3) != ckpt.Retention(local=3, remote=3)
+    assert (ckpt.Policy(keep=3).keep.local, ckpt.Policy(keep=3).keep.remote) == (3, 3)
 
 
 @pytest.mark.parametrize(

@@ -291,8 +291,10 @@ class Tier(abc.ABC):
 
     # -- retention ----------------------------------------------------------------------------------
     def keep_of(self, keep: Retention) -> int | None:
-        """How many steps :class:`~ckpt.policy.Retention` keeps here (``None``: all)."""
-        return None
+        """How many steps :class:`~ckpt.policy.Retention` keeps here (``None``: all): a durable tier of no
+        kind the retention names, :attr:`~ckpt.policy.Retention.others` (``keep=N``: ``N``); a tier in RAM,
+        all (its buffers bound it)."""
+        return keep.others if self.durable else None
 
     def prunes_here(self) -> bool:
         """Whether this process applies retention to this tier (a job tier: rank 0 alone)."""
