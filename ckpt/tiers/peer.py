@@ -443,6 +443,12 @@ def _checked_on_the_way(
     finally:
         pending.clear()
         view = None  # noqa: F841 - no export of the buffer outlives the call, nor a traceback of it
+    return _failed_chunks(sums, manifest)
+
+
+def _failed_chunks(sums: list[int | None], manifest: Manifest) -> list[int]:
+    """The chunks whose checksum in ``sums`` (``None``: never computed) is not ``manifest``'s, and those only one
+    of the two lists has."""
     return [
         i
         for i in range(max(len(sums), len(manifest.chunks)))
@@ -529,11 +535,7 @@ def _checked_on_device(
                 f.exception()
         for f in futures:
             f.result()
-    return [
-        i
-        for i in range(max(len(sums), len(manifest.chunks)))
-        if i >= len(sums) or i >= len(manifest.chunks) or sums[i] != manifest.chunks[i]
-    ]
+    return _failed_chunks(sums, manifest)
 
 
 def _host_checks(into: torch.Tensor, a: int, b: int, c: int, threads: int | None) -> list[int]:
