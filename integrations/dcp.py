@@ -20,19 +20,20 @@ Layout, the same on each tier (``local_dir``: this node's disk; ``url``: any fss
 
 Each rank writes its own file to every tier (local first, fsynced and renamed into place; then
 the remote copy, uploaded from the local file; without ``local_dir`` the file goes to the remote tier
-as it is produced). A remote copy goes up in parts of ``CKPT_CHUNK_BYTES``, each part one request:
-from the local file in parallel on the remote tier's pool (:func:`ckpt.tiers.remote_parts.map_all`,
-``CKPT_REMOTE_THREADS`` parts in flight), as it is produced one part in flight while the next fills
-(host memory holds about two parts). Single objects and parts are put, and store failures told apart,
-by the remote tier's store client (:class:`ckpt.tiers.remote_store.StoreClient`); a stalled part is
-named as the remote tier names its own (:func:`ckpt.tiers.remote_parts.stall_names`). On S3 through
-s3fs the file is one object by a multipart upload (parts of at least 5 MiB, and at most
+as it is produced). The storage is the engine's: a URL is opened by :func:`ckpt.fs.resolve` and used through
+the remote tier's store client (:class:`ckpt.tiers.remote_store.StoreClient`, built as the tier builds it:
+its requests, records, range reads, listings, removals and failures), and a data file goes up and is read
+back through :mod:`ckpt.tiers.remote_file`, in parts of ``CKPT_CHUNK_BYTES``, each part one request: from
+the local file in parallel on the remote tier's pool (``CKPT_REMOTE_THREADS`` parts in flight), as it is
+produced one part in flight while the next fills (host memory holds about two parts). On S3 through s3fs
+the file is one object by a multipart upload (parts of at least 5 MiB, and at most
 ``default_block_size``), through any other object-store client one object per part
 (``rank-RRRRR.dcp.bin.parts/000000``, ...; the items' ``part_bytes`` in the metadata say so), on a
 ``file://`` URL one file. A failed upload is aborted or removed, never published. Every remote request
 (parts, records, listings, removals, reads) runs under the watchdog of ``CKPT_REMOTE_STALL_S``
 (:mod:`ckpt.stall`): one that makes no progress is aborted and sent again, and after three attempts the
-save (or the load) fails with a ``TimeoutError`` naming the URL, the part and the rank. The coordinator writes ``metadata.json`` and then ``COMMIT`` to every tier once DCP has
+save (or the load) fails with a ``TimeoutError`` naming the URL, the part and the rank (a stalled part is
+named as the remote tier names its own, :func:`ckpt.tiers.remote_parts.stall_names`). The coordinator writes ``metadata.json`` and then ``COMMIT`` to every tier once DCP has
 gathered all ranks' results, so a checkpoint exists on a tier iff its ``COMMIT`` does. When the
 remote tier cannot take a rank's file after the local tier did, that is reported (a warning) and
 the remote tier gets no ``COMMIT`` for this checkpoint; a failed local write (a full disk, say)
@@ -114,10 +115,9 @@ from torch.distributed.checkpoint.planner import (
 )
 from torch.distributed.checkpoint.storage import WriteResult
 
-from .. import knobs, stall, values
+from .. import knobs, values
 from ..commit import DirSink, FsSink, Sink, publish
 from ..errors import (
-    CheckpointError,
     CorruptCheckpointError,
     IncompleteCheckpointError,
     NoCheckpointError,
@@ -131,26 +131,23 @@ from ..format import (
     dtype_to_str,
     empty_tensor,
     fsync_dir,
-    fsync_file,
-    open_regular,
     parse_record,
     read_record,
-    read_record_fs,
     str_to_dtype,
 )
 from ..integrity import ALGORITHM, checksum
 from .. import policy
 from ..policy import Committed, Retention
 from ..scatter import writing_state
-from ..stall import StallError, Watched
+from ..stall import StallError
 from ..values import Encoder
 from ..tiers.base import Tier
-from ..tiers.local import LocalTier, _read_range, linked, remove_step_dir
+from ..tiers.local import LocalTier, linked, remove_step_dir
 from ..tiers.remote import RemoteTier
 from ..tiers.remote_errors import failure_type
-from ..tiers.remote_parts import map_all, stall_names
-from ..tiers.remote_store import StoreClient
-from ..fs import is_local_fs, is_url, resolve
+from ..tiers.remote_file import MIN_PART_BYTES, PARTS, FileUpload, form_of, read_file
+from ..tiers.remote_store import StoreClient, read_file_range
+from ..fs import is_url, resolve
 
 __all__ = ["TierStorageWriter", "TierStorageReader", "FORMAT", "list_checkpoints", "verify", "prune"]
 
@@ -168,12 +165,6 @@ _MEMORY_FORMATS = {
 _MEMORY_FORMAT_NAMES = {v: k for k, v in _MEMORY_FORMATS.items()}
 
 
-_PARTS = ".parts"
-"""A data file on an object store is the objects ``<name>.parts/000000``, ``000001`` ... (one per part)."""
-_MIN_PART_BYTES = 4096
-_S3_MIN_PART_BYTES = 5 << 20
-
-
 def _data_name(rank: int) -> str:
     return f"rank-{rank:05d}.dcp.bin"
 
@@ -181,66 +172,7 @@ def _data_name(rank: int) -> str:
 def _part_bytes() -> int:
     """Bytes per part of a data file uploaded to a remote tier: ``CKPT_CHUNK_BYTES`` (16 MiB; at least
     4 KiB), small enough that one request finishes well within ``CKPT_REMOTE_STALL_S``."""
-    return max(_MIN_PART_BYTES, knobs.get("CKPT_CHUNK_BYTES"))
-
-
-class _OnMount:
-    """The requests of a mounted (``file://``) remote tier that go through the operating system rather
-    than fsspec, shaped as :func:`ckpt.stall.call` runs a file system's requests (the path first, and
-    ``unstrip_protocol`` for its messages): a network mount that stops answering fails them after
-    ``CKPT_REMOTE_STALL_S`` seconds in each of three attempts, rather than holding the save or the load.
-    Every write is positioned (``pwrite`` at its offset), so an attempt sent again writes the same bytes
-    at the same place."""
-
-    protocol = "file"
-
-    @staticmethod
-    def unstrip_protocol(path: str) -> str:
-        return f"file://{path}"
-
-    @staticmethod
-    def create(path: str) -> None:
-        os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644))
-
-    @staticmethod
-    def write_at(path: str, data: bytes, offset: int) -> None:
-        fd = os.open(path, os.O_WRONLY | os.O_NOFOLLOW)
-        try:
-            view = memoryview(data)
-            while view:
-                n = os.pwrite(fd, view, offset)
-                view, offset = view[n:], offset + n
-        finally:
-            os.close(fd)
-
-    @staticmethod
-    def publish(path: str, final: str) -> None:
-        """Flush ``path`` to stable storage, rename it to ``final`` and flush the name: the ``COMMIT``
-        written after it never reaches the disk first."""
-        fsync_file(path)
-        os.replace(path, final)
-        fsync_dir(Path(final).parent)
-
-    @staticmethod
-    def read_range(path: str, start: int, end: int) -> bytearray:
-        return _read_file_range(path, start, end)
-
-    @staticmethod
-    def read_record(path: str) -> bytes:
-        return read_record(path)
-
-
-def _read_file_range(p: str, start: int, end: int) -> bytearray:
-    """Bytes ``[start, end)`` of a regular file on this host (:func:`ckpt.format.open_regular`), fewer
-    when it is short, into a writable buffer (a tensor is built over it without another copy)."""
-    fd, st = open_regular(p)
-    try:
-        end = min(end, st.st_size)  # a hostile length allocates nothing
-        buf = bytearray(max(0, end - start))
-        _read_range(fd, False, Path(p), memoryview(buf), start, len(buf))
-    finally:
-        os.close(fd)
-    return buf
+    return max(MIN_PART_BYTES, knobs.get("CKPT_CHUNK_BYTES"))
 
 
 class _Tier:
@@ -251,24 +183,25 @@ class _Tier:
     first, read inline, its other nodes' files pruned by each node; ``keep_of``: its count of a
     :class:`~ckpt.Retention`), and its ``name`` is for messages only.
 
-    Every request to a remote tier runs under the watchdog of ``CKPT_REMOTE_STALL_S`` (:mod:`ckpt.stall`):
-    its file system is :class:`ckpt.stall.Watched`, and a mounted (``file://``) tier's own file
-    operations go through :class:`_OnMount`. A request that stalls is aborted and sent again; after three
-    stalled attempts it raises :class:`~ckpt.stall.StallError` (a ``TimeoutError`` naming its URL)."""
+    Why not the engine's tier objects themselves: a DCP checkpoint is named by an id, not a step, and is one
+    data file per rank whose checksums are per DCP item in ``metadata.json``, with no manifest of the
+    engine's; the tier contract's reads (``manifest_of``, ``load``, ``verify`` by chunk) have nothing to
+    read here. So this is the layout (paths) over the engine's storage: a URL's requests are the remote
+    tier's store client's (:class:`~ckpt.tiers.remote_store.StoreClient`, built as the tier builds it:
+    every request under the watchdog of ``CKPT_REMOTE_STALL_S``, failures as ``OSError`` s, records read
+    with its bounds, directories removed ``COMMIT`` first), a data file goes up and is read back by range
+    through :mod:`ckpt.tiers.remote_file`, and records are published by :mod:`ckpt.commit`."""
 
     def __init__(self, kind: type[Tier], root: str, client: StoreClient | None, where: str) -> None:
         self.kind, self.name, self.on_node = kind, kind.name, kind.on_node
         self.root = root
-        # the engine's client of the store (its requests, its failures as OSErrors, its puts); None: root is
-        # a directory of this host, used through os
+        # the engine's client of the store; None: root is a directory of this host, used through os
         self.client = client
-        self.fs: Watched | None = None if client is None else client.fs
-        self.mounted = self.fs is not None and is_local_fs(self.fs)  # a file:// URL: a page cache to flush
-        # how a data file goes to an object store: s3fs's as one object, by a multipart upload of our own
-        # (each request under the watchdog); any other client's as one object per part (``parted``)
-        self.multipart = self.fs is not None and not self.mounted and hasattr(self.fs.inner, "call_s3")
-        self.parted = self.fs is not None and not self.mounted and not self.multipart
-        self.on_host = self.fs is None or self.mounted  # its checkpoints are directories of this host
+        self.fs: Any = None if client is None else client.fs
+        self.mounted = client is not None and client._local_fs  # a file:// URL: a page cache to flush
+        # an object store whose data files are one object per part (the items' part_bytes say so)
+        self.parted = client is not None and form_of(client) == "parts"
+        self.on_host = client is None or self.mounted  # its checkpoints are directories of this host
         self.where = where
 
     @classmethod
@@ -280,10 +213,8 @@ class _Tier:
     def at_url(cls, url: str, storage_options: dict[str, Any] | None) -> _Tier:
         """The tier at an fsspec URL, with the engine's remote tier's capabilities; opened by
         :func:`ckpt.fs.resolve`, the library's one way to open a URL (its backend choice too)."""
-        store = resolve(url, storage_options)
-        return cls(
-            RemoteTier, store.root.rstrip("/"), StoreClient.of_store(url, store, Watched(store.fs)), url
-        )
+        client = StoreClient(url, resolve(url, storage_options))
+        return cls(RemoteTier, client.root.rstrip("/"), client, url)
 
     def keep_of(self, keep: Retention) -> int | None:
         """How many checkpoints ``keep`` keeps here (through :meth:`ckpt.Retention.count`): what it keeps on
@@ -293,12 +224,9 @@ class _Tier:
     def path(self, ckpt_id: str, name: str) -> str:
         return f"{self.root}/{ckpt_id}/{name}"
 
-    def part_path(self, ckpt_id: str, name: str, i: int) -> str:
-        return f"{self.path(ckpt_id, name)}{_PARTS}/{i:06d}"
-
     def url(self, path: str) -> str:
         """``path`` of this tier as a URL, for messages."""
-        return self.fs.unstrip_protocol(path) if self.fs is not None else path
+        return self.client._url(path) if self.client is not None else path
 
     def refuse_linked(self, ckpt_id: str) -> None:
         """Refuse to write checkpoint ``ckpt_id`` on a file system where its directory (or its ``COMMIT``)
@@ -313,14 +241,6 @@ class _Tier:
                 f"{self.root}/{ckpt_id}",
             )
 
-    def _store_error(self, e: Exception, doing: str) -> OSError:
-        """A store client's failure that is not an ``OSError`` (botocore's, say) as the remote tier's store
-        client says it (:meth:`ckpt.tiers.remote_store.StoreClient._failure`: an outage is a
-        ``ConnectionError`` naming the endpoint, refused credentials a ``PermissionError``) naming ``doing``,
-        so that a reader falls back to the next tier instead of crashing."""
-        assert self.client is not None
-        return self.client._failure(self.client.store.translate(e), f"{doing} on {self.where}")
-
     def sink(self, ckpt_id: str) -> Sink:
         """Where checkpoint ``ckpt_id``'s records go (:mod:`ckpt.commit`)."""
         if self.fs is None:
@@ -328,307 +248,79 @@ class _Tier:
         self.fs.makedirs(f"{self.root}/{ckpt_id}", exist_ok=True)
         return FsSink(self.fs, f"{self.root}/{ckpt_id}", self.mounted)
 
-    # -- a data file, part by part (remote tier only; see _Upload) -----------------------------------
-    def begin(self, ckpt_id: str, name: str) -> dict[str, Any]:
-        """Make ready to write data file ``name``; returns the upload's state for the calls below. On a
-        store of parts, the parts (and the single object of another layout) an earlier save under this
-        id left are removed first, so none outlives this save; on a mounted tier, the temporary file the
-        parts go into is created."""
-        state: dict[str, Any] = {
-            "ckpt_id": ckpt_id,
-            "name": name,
-            "path": self.path(ckpt_id, name),
-            "tmp": None,
-            "upload_id": None,
-            "etags": [],
-        }
-        if self.mounted:
-            self.fs.makedirs(f"{self.root}/{ckpt_id}", exist_ok=True)
-            state["tmp"] = f"{state['path']}.tmp-{os.getpid()}"
-            stall.call(_OnMount, "create", state["tmp"])
-        elif self.parted:
-            self._clear(ckpt_id, name)
-        return state
-
-    def put_part(self, state: dict[str, Any], i: int, data: bytes, offset: int) -> None:
-        """Part ``i`` (the file's bytes from ``offset``): bytes written at ``offset`` of the temporary
-        file (mounted), one object (a store of parts), or part ``i + 1`` of the object's multipart upload
-        (s3fs, begun with the first part; sent again after a stall, a part replaces itself)."""
-        if self.mounted:
-            stall.call(_OnMount, "write_at", state["tmp"], data, offset)
-        elif self.parted:
-            self.client._put(self.part_path(state["ckpt_id"], state["name"], i), bytes(data))
-        else:
-            if state["upload_id"] is None:
-                self.start_multipart(state)
-            out = self._s3(
-                state, "upload_part", PartNumber=i + 1, UploadId=state["upload_id"], Body=bytes(data)
-            )
-            state["etags"].append({"PartNumber": i + 1, "ETag": out["ETag"]})  # list.append: any thread
-
-    def start_multipart(self, state: dict[str, Any]) -> None:
-        """Begin the multipart upload of ``state`` (s3fs), before its parts are sent (in any order)."""
-        state["upload_id"] = self._s3(state, "create_multipart_upload")["UploadId"]
-
-    def put_whole(self, state: dict[str, Any], data: bytes) -> None:
-        """The whole file as one object, in one request (a multipart upload's file smaller than a part)."""
-        self.client._put(state["path"], data)
-
-    def end(self, state: dict[str, Any]) -> None:
-        """Every part is written: the mounted tier's file is flushed and renamed into place, the
-        multipart upload completed (the object appears only now)."""
-        if self.mounted:
-            stall.call(_OnMount, "publish", state["tmp"], state["path"])
-        elif state["upload_id"] is not None:
-            self._s3(
-                state,
-                "complete_multipart_upload",
-                UploadId=state["upload_id"],
-                MultipartUpload={"Parts": sorted(state["etags"], key=lambda p: p["PartNumber"])},
-            )
-            self.fs.invalidate_cache(state["path"])
-
-    def discard(self, state: dict[str, Any]) -> None:
-        """Remove what an upload left: its temporary file, its parts, or its pending multipart upload
-        (aborted: completing it would publish it)."""
-        if self.mounted:
-            try:
-                self.fs.rm_file(state["tmp"])
-            except FileNotFoundError:
-                pass
-        elif self.parted:
-            self._clear(state["ckpt_id"], state["name"])
-        elif state["upload_id"] is not None:
-            self._s3(state, "abort_multipart_upload", UploadId=state["upload_id"])
-
-    def _s3(self, state: dict[str, Any], method: str, **kwargs: Any) -> Any:
-        """One S3 request of s3fs for the object at ``state["path"]``, under the watchdog (cancelled
-        on the file system's loop when it stalls); a stall names the object's URL."""
-        inner = self.fs.inner
-        bucket, key, _ = inner.split_path(state["path"])
-        try:
-            return stall.call(inner, "call_s3", method, Bucket=bucket, Key=key, **kwargs)
-        except StallError as e:
-            raise StallError(e.errno, e.strerror, self.url(state["path"])) from None
-
-    def _clear(self, ckpt_id: str, name: str) -> None:
-        try:
-            self.fs.rm(f"{self.path(ckpt_id, name)}{_PARTS}", recursive=True)
-        except FileNotFoundError:
-            pass  # nothing there
-        self.remove(ckpt_id, name)
+    def upload(self, ckpt_id: str, name: str, rank: int, part_bytes: int) -> FileUpload:
+        """Data file ``name`` of ``ckpt_id`` going to this (remote) tier, in the form its store takes
+        (:class:`ckpt.tiers.remote_file.FileUpload`); a stall names the rank, the file and the part."""
+        assert self.client is not None
+        who = f"rank {rank}'s {name} of {ckpt_id!r}"
+        return FileUpload(self.client, self.path(ckpt_id, name), who, part_bytes)
 
     def get_record(self, ckpt_id: str, name: str) -> bytes:
-        """A record (``COMMIT``, ``metadata.json``) through :func:`ckpt.format.read_record`: a regular
-        file of at most ``MAX_RECORD_BYTES``, refused unread otherwise (a FIFO never blocks)."""
+        """A record (``COMMIT``, ``metadata.json``) through :func:`ckpt.format.read_record`'s bounds: a regular
+        file of at most ``MAX_RECORD_BYTES``, refused unread otherwise (a FIFO never blocks); on a URL by the
+        store client (:meth:`~ckpt.tiers.remote_store.StoreClient.read_record`), its failures as ``OSError`` s
+        so that a reader falls back to the next tier instead of crashing."""
         p = self.path(ckpt_id, name)
-        if self.fs is None:
+        if self.client is None:
             return read_record(p)
-        if self.mounted:
-            return stall.call(_OnMount, "read_record", p)
-        try:
-            return read_record_fs(self.fs, p)
-        except (OSError, CheckpointError):
-            raise
-        except Exception as e:  # noqa: BLE001 - a store client's own error type
-            raise self._store_error(e, f"reading {p}") from e
+        with self.client._store(f"reading {self.url(p)}"):
+            return self.client.read_record(p)
 
     def get_bytes(
         self, ckpt_id: str, name: str, start: int, end: int, part_bytes: int | None = None
     ) -> bytes | bytearray:
-        """Bytes ``[start, end)`` of a data file (into a writable buffer for a local file, so a tensor
-        can be built over it without another copy; fewer bytes when the file is short). A local or
-        ``file://`` file must be a regular file (:func:`ckpt.format.open_regular`). ``part_bytes``: the
-        size of the parts the file was uploaded in (its items' ``part_bytes``); on an object store the
-        range is then read from the parts it spans, else from the single object older saves wrote."""
+        """Bytes ``[start, end)`` of a data file (fewer when it is short): a file of this host by
+        :func:`ckpt.tiers.remote_store.read_file_range` (a regular file only, into a writable buffer, so a
+        tensor can be built over it without another copy), a URL's by :func:`ckpt.tiers.remote_file.read_file`
+        (``part_bytes``: the items' record of the parts the file was uploaded in; failures as ``OSError`` s)."""
         p = self.path(ckpt_id, name)
-        if self.fs is None:
-            return _read_file_range(p, start, end)
-        if self.mounted:
-            return stall.call(_OnMount, "read_range", p, start, end)
-        try:
-            if part_bytes is None:
-                return self.fs.cat_file(p, start=start, end=end)
-            out = bytearray()
-            for i in range(start // part_bytes, -(-end // part_bytes) if end > start else 0):
-                a, b = (
-                    max(start, i * part_bytes) - i * part_bytes,
-                    min(end, (i + 1) * part_bytes) - i * part_bytes,
-                )
-                got = self.fs.cat_file(self.part_path(ckpt_id, name, i), start=a, end=b)
-                out += got
-                if len(got) < b - a:
-                    break  # a short part: the file ends here (the item then fails its length check)
-            return out
-        except OSError:
-            raise
-        except Exception as e:  # noqa: BLE001 - a store client's own error type
-            raise self._store_error(e, f"reading {p}") from e
+        if self.client is None:
+            return read_file_range(p, start, end)
+        with self.client._store(f"reading {self.url(p)}"):
+            return read_file(self.client, p, start, end, part_bytes)
 
     def delete(self, ckpt_id: str) -> None:
         """Remove checkpoint ``ckpt_id``, its ``COMMIT`` first (a deletion cut short leaves it uncommitted,
         never committed with files missing); on this host never through a symbolic link, even one swapped
-        in meanwhile (:func:`ckpt.tiers.local.remove_step_dir`: ``OSError(ELOOP)``)."""
-        if self.on_host:
+        in meanwhile (:func:`ckpt.tiers.local.remove_step_dir`: ``OSError(ELOOP)``). A URL's directory is
+        removed as the remote tier removes a step's (:meth:`~ckpt.tiers.remote_store.StoreClient.remove_dir`)."""
+        if self.client is None:
             remove_step_dir(self.root, ckpt_id)
-        else:
-            self.remove(ckpt_id, COMMIT_NAME)
-            self.fs.rm(f"{self.root}/{ckpt_id}", recursive=True)
+            return
+        with self.client._store(f"removing {self.url(f'{self.root}/{ckpt_id}')}"):
+            self.client.remove_dir(ckpt_id)
 
     def remove(self, ckpt_id: str, name: str) -> None:
         p = self.path(ckpt_id, name)
+        if self.client is not None:
+            self.client.remove(p)
+            return
         try:
-            if self.fs is None:
-                os.unlink(p)
-            else:
-                self.fs.rm_file(p)
+            os.unlink(p)
         except (FileNotFoundError, NotADirectoryError):
             pass  # nothing there
 
 
-class _Upload:
-    """A rank's data file going to a remote tier as it is produced, in parts of ``part_bytes``: each part
-    one request under the watchdog (:meth:`_Tier.put_part`), at most one in flight while the next fills,
-    so host memory holds about two parts, never the file. A part that stalls in each of its attempts
-    raises :class:`~ckpt.stall.StallError` naming the URL, the part and the rank. ``close()`` finishes
-    the file; ``abort()`` gives it up without publishing anything."""
-
-    def __init__(self, tier: _Tier, ckpt_id: str, name: str, rank: int, part_bytes: int) -> None:
-        self.tier, self.ckpt_id, self.name, self.rank = tier, ckpt_id, name, rank
-        if tier.multipart:  # no larger than s3fs's own block (storage_options default_block_size), and S3
-            # takes no part below 5 MiB but the last
-            block = getattr(tier.fs.inner, "default_block_size", None) or part_bytes
-            part_bytes = max(min(part_bytes, block), _S3_MIN_PART_BYTES)
-        self.part_bytes = part_bytes
-        self.stalled = False
-        self.state: dict[str, Any] = self._guard(-1, tier.begin, ckpt_id, name)
-        self.buf = bytearray()
-        self.sent = 0  # parts sent
-        self.written = 0  # bytes written (a mounted tier's file)
-        self.pending: Any = None
-        self.pool = ThreadPoolExecutor(1, thread_name_prefix="ckpt-dcp-upload")
-
-    def _guard(self, i: int, fn: Any, *args: Any) -> Any:
-        """``fn(*args)``, a request of part ``i`` (-1: of the file), a stall named by rank and part
-        (:func:`ckpt.tiers.remote_parts.stall_names`, as the remote tier names its parts')."""
-        what = f"part {i} of {self.name}" if i >= 0 else self.name
-        try:
-            with stall_names(f"rank {self.rank}'s {what} of {self.ckpt_id!r}"):
-                return fn(*args)
-        except StallError:
-            self.stalled = True
-            raise
-
-    def send_file(self, src: str) -> None:
-        """Upload the finished file ``src`` and :meth:`close`: its parts are read and sent in parallel on
-        the remote tier's pool (:func:`ckpt.tiers.remote_parts.map_all`, ``CKPT_REMOTE_THREADS``; the first
-        failure cancels the parts not yet started), so host memory holds the parts in flight."""
-        fd = os.open(src, os.O_RDONLY)
-        try:
-            size, c = os.fstat(fd).st_size, self.part_bytes
-            if self.tier.multipart and size < c:  # smaller than a part: one plain request (close)
-                self.buf += os.pread(fd, size, 0)
-            elif size:
-                if self.tier.multipart:
-                    self._guard(-1, self.tier.start_multipart, self.state)
-
-                def put(i: int) -> None:
-                    piece = os.pread(fd, min(c, size - i * c), i * c)
-                    if len(piece) != min(c, size - i * c):
-                        raise OSError(errno.EIO, f"{src}: shorter than it was ({size} bytes)", src)
-                    self._guard(i, self.tier.put_part, self.state, i, piece, i * c)
-
-                self.sent = -(-size // c)
-                map_all(put, self.sent, "ckpt-dcp-upload")
-        finally:
-            os.close(fd)
-        self.close()
-
-    def write(self, data: Any) -> None:
-        view = memoryview(data).cast("B")
-        if self.tier.mounted:  # positioned writes straight from the caller's buffer: nothing copied or held
-            for a in range(0, len(view), self.part_bytes):
-                piece = view[a : a + self.part_bytes]
-                self._guard(self.sent, self.tier.put_part, self.state, self.sent, piece, self.written)
-                self.sent, self.written = self.sent + 1, self.written + len(piece)
-            return
-        while view:
-            take = min(len(view), self.part_bytes - len(self.buf))
-            self.buf += view[:take]
-            view = view[take:]
-            if len(self.buf) == self.part_bytes:
-                self._send()
-
-    def _send(self) -> None:
-        data, self.buf = bytes(self.buf), bytearray()  # object-store clients want bytes
-        if self.pending is not None:
-            self.pending.result()  # the part before: at most one in flight
-        i, self.sent = self.sent, self.sent + 1
-        self.pending = self.pool.submit(
-            self._guard, i, self.tier.put_part, self.state, i, data, i * self.part_bytes
+def _gave_up(up: FileUpload, rank: int, name: str, ckpt_id: str, tier: _Tier) -> None:
+    """Abort ``up`` (:meth:`~ckpt.tiers.remote_file.FileUpload.abort`: nothing is published) and warn when
+    something stays on the store."""
+    left = up.abort()
+    if left is not None:
+        warnings.warn(
+            f"TierStorageWriter: rank {rank} gave up {name} of {ckpt_id!r} on {tier.where}: {left}; it is "
+            "uncommitted, so no load reads it",
+            stacklevel=3,
         )
-
-    def close(self) -> None:
-        if self.tier.multipart and self.sent == 0:  # smaller than a part: one plain request
-            self._guard(-1, self.tier.put_whole, self.state, bytes(self.buf))
-            self.pool.shutdown()
-            return
-        if self.buf:
-            self._send()
-        if self.pending is not None:
-            self.pending.result()
-        self.pool.shutdown()
-        self._guard(-1, self.tier.end, self.state)
-
-    def abort(self) -> None:
-        """Give the file up: remove what was uploaded, unless the store stalled (removing it would stall
-        the same way; a warning says where it stays, uncommitted, so never read)."""
-        self.pool.shutdown(
-            wait=True, cancel_futures=True
-        )  # a part in flight ends within the watchdog's bound
-        if (
-            self.pending is not None
-            and self.pending.done()
-            and not self.pending.cancelled()
-            and isinstance(self.pending.exception(), StallError)
-        ):
-            self.stalled = True
-        path = self.tier.path(self.ckpt_id, self.name)
-        where = self.tier.url(path + _PARTS if self.tier.parted else path)
-        if self.stalled:
-            if self.tier.multipart:
-                left = (
-                    f"the multipart upload of {where} stays pending (never completed, so no object: abort it, "
-                    "or let a lifecycle rule of the bucket expire it)"
-                )
-            else:
-                left = (
-                    f"its partial upload stays at {where}, uncommitted (no load reads it; the next save under "
-                    f"checkpoint_id {self.ckpt_id!r} replaces it)"
-                )
-            warnings.warn(
-                f"TierStorageWriter: the store stalled while rank {self.rank} wrote {self.name}: {left}",
-                stacklevel=3,
-            )
-            return
-        try:
-            self.tier.discard(self.state)
-        except Exception as e:  # noqa: BLE001 - the upload's own error is the one to report
-            warnings.warn(
-                f"TierStorageWriter: could not remove rank {self.rank}'s partial upload at {where} "
-                f"({type(e).__name__}: {e}); it is uncommitted (no load reads it)",
-                stacklevel=3,
-            )
 
 
 def _upload_file(tier: _Tier, ckpt_id: str, name: str, rank: int, src: str, part_bytes: int) -> None:
     """Upload a finished local data file to a remote tier, its parts in parallel
-    (:meth:`_Upload.send_file`)."""
-    up = _Upload(tier, ckpt_id, name, rank, part_bytes)
+    (:meth:`ckpt.tiers.remote_file.FileUpload.send_file`)."""
+    up = tier.upload(ckpt_id, name, rank, part_bytes)
     try:
         up.send_file(src)
     except BaseException:
-        up.abort()
+        _gave_up(up, rank, name, ckpt_id, tier)
         raise
 
 
@@ -893,9 +585,9 @@ def _metadata_from_json(raw: bytes, where: str) -> tuple[Metadata, dict[Metadata
         _need(it.get("kind") in ("tensor", "bytes"), w, "kind must be 'tensor' or 'bytes'")
         part = it.get("part_bytes")  # the rank's file is parts of this size on an object store
         _need(
-            part is None or (_is_nonneg_int(part) and _MIN_PART_BYTES <= part < 1 << 62),
+            part is None or (_is_nonneg_int(part) and MIN_PART_BYTES <= part < 1 << 62),
             w,
-            f"part_bytes must be an int of at least {_MIN_PART_BYTES}",
+            f"part_bytes must be an int of at least {MIN_PART_BYTES}",
         )
         _need(
             part_sizes.setdefault(it["rank"], part) == part,
@@ -1163,7 +855,7 @@ class TierStorageWriter(StorageWriter):
         else:
             remote = self.tiers[0]
             try:
-                sink = _Upload(remote, self._where, name, rank, part_bytes)
+                sink = remote.upload(self._where, name, rank, part_bytes)
             except OSError as e:
                 raise _write_error(rank, name, self._where, remote, e) from e
         offset = 0
@@ -1218,7 +910,7 @@ class TierStorageWriter(StorageWriter):
                 sink.close()
                 tmp.unlink(missing_ok=True)
                 raise
-            sink.abort()
+            _gave_up(sink, rank, name, self._where, remote)
             if isinstance(e, OSError):  # the storage's failure: say where, keeping its kind (a stall ...)
                 raise _write_error(rank, name, self._where, remote, e) from e
             raise
@@ -1524,21 +1216,18 @@ def _list_tier(tier: _Tier) -> list[dict[str, Any]]:
         names = sorted(p.name for p in root.iterdir() if p.is_dir()) if root.is_dir() else []
         sizes = {n: sum(f.stat().st_size for f in (root / n).glob("rank-*.dcp.bin")) for n in names}
     else:
-        try:
-            listing = tier.fs.find(tier.root, detail=True)
-        except FileNotFoundError:
-            listing = {}
+        listing = tier.client.listing(f"listing {tier.where}", "find", tier.root, {}, detail=True)
         names, sizes = set(), {}
         for path, info in listing.items():
             rel = path[len(tier.root) :].strip("/").split("/") if path.startswith(tier.root) else []
             if len(rel) < 2:
                 continue
             data = rel[-1]
-            if len(rel) >= 3 and _is_data_name(rel[-2], _PARTS):  # a part of a data file
+            if len(rel) >= 3 and _is_data_name(rel[-2], PARTS):  # a part of a data file
                 data, rel = rel[-2], rel[:-1]
             ckpt_id = "/".join(rel[:-1])
             names.add(ckpt_id)
-            if _is_data_name(data, _PARTS) or _is_data_name(data):
+            if _is_data_name(data, PARTS) or _is_data_name(data):
                 sizes[ckpt_id] = sizes.get(ckpt_id, 0) + int(info.get("size") or 0)
         names = sorted(names)
     for name in names:

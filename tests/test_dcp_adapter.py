@@ -486,6 +486,89 @@ def test_a_remote_only_s3_save_goes_up_in_parts_and_an_outage_mid_upload_publish
         proxy.close()
 
 
+@pytest.mark.s3
+def test_an_outage_during_the_parallel_multipart_upload_from_local_dir_aborts_it_and_commits_the_local_copy(
+    tmp_path, s3_bucket
+):
+    # the rank's file goes up from local_dir in parallel parts of one multipart upload (ckpt.tiers.remote_file):
+    # failed parts abort the upload (no object, no pending upload), the remote's previous checkpoint still loads
+    from s3server import FaultProxy, storage_options
+    import s3fs
+
+    bucket, port = s3_bucket
+    proxy = FaultProxy(port)
+    try:
+        opts = storage_options(
+            proxy.port,
+            default_block_size=5 << 20,
+            config_kwargs={"retries": {"max_attempts": 2, "mode": "standard"}},
+        )
+        tiers = {"local_dir": tmp_path / "local", "url": f"s3://{bucket}/run", "storage_options": opts}
+        first, second = _big_state(1), _big_state(2)
+        dcp.save(first, storage_writer=TierStorageWriter(**tiers), checkpoint_id="step-1")
+        proxy.faults.fail_parts_from = 2
+        with pytest.warns(UserWarning):
+            dcp.save(second, storage_writer=TierStorageWriter(**tiers), checkpoint_id="step-2")
+        assert proxy.faults.injected > 0
+        proxy.faults.fail_parts_from = None
+        fs = s3fs.S3FileSystem(**storage_options(port), skip_instance_cache=True)
+        assert not fs.exists(f"{bucket}/run/step-2/COMMIT")
+        assert not fs.exists(f"{bucket}/run/step-2/rank-00000.dcp.bin")
+        assert fs.list_multipart_uploads(bucket) == []
+        assert (tmp_path / "local" / "step-2" / "COMMIT").is_file()
+        for ckpt_id, ref, kw in [
+            ("step-1", first, {"url": tiers["url"], "storage_options": opts}),
+            ("step-2", second, {"local_dir": tiers["local_dir"]}),
+        ]:
+            loaded = _zeros_like(ref)
+            dcp.load(loaded, storage_reader=TierStorageReader(**kw), checkpoint_id=ckpt_id)
+            assert all(torch.equal(loaded["model"][k], v) for k, v in ref["model"].items())
+    finally:
+        proxy.close()
+
+
+@pytest.mark.parametrize("with_local", [False, True], ids=["url-only", "local+url"])
+def test_a_file_url_write_that_fails_mid_file_publishes_no_file_and_the_previous_checkpoint_loads(
+    tmp_path, monkeypatch, with_local
+):
+    import errno
+
+    from ckpt import knobs
+    from ckpt.tiers.remote_store import OnHost
+
+    tiers = _tiers(tmp_path) if with_local else {"url": f"file://{tmp_path}/remote"}
+    first = _big_state(1, mib=3)
+    with knobs.override(CKPT_CHUNK_BYTES=1 << 20):
+        dcp.save(first, storage_writer=TierStorageWriter(**tiers), checkpoint_id="step-1")
+        write_at = OnHost.write_at
+
+        def full_from_1_mib(path, data, offset):  # the mounted store's disk fills up mid-file
+            if offset >= 1 << 20:
+                raise OSError(errno.ENOSPC, "no space left on the mount (injected)", path)
+            write_at(path, data, offset)
+
+        monkeypatch.setattr(OnHost, "write_at", staticmethod(full_from_1_mib))
+        if with_local:  # the local copy is committed, the remote tier gets nothing of it
+            with pytest.warns(UserWarning):
+                dcp.save(
+                    _big_state(2, mib=3), storage_writer=TierStorageWriter(**tiers), checkpoint_id="step-2"
+                )
+            assert (tmp_path / "local" / "step-2" / "COMMIT").is_file()
+        else:
+            with pytest.raises(CheckpointException) as e:
+                dcp.save(
+                    _big_state(2, mib=3), storage_writer=TierStorageWriter(**tiers), checkpoint_id="step-2"
+                )
+            assert isinstance(_inner(e.value), OSError) and _inner(e.value).errno == errno.ENOSPC
+    remote = tmp_path / "remote" / "step-2"
+    assert not remote.exists() or sorted(p.name for p in remote.iterdir()) == []  # no file, no temporary one
+    loaded = _zeros_like(first)
+    dcp.load(
+        loaded, storage_reader=TierStorageReader(url=f"file://{tmp_path}/remote"), checkpoint_id="step-1"
+    )
+    assert all(torch.equal(loaded["model"][k], v) for k, v in first["model"].items())
+
+
 def test_retention_during_saves_keeps_the_newest_per_tier(tmp_path):
     from ckpt import Retention
     from ckpt.integrations.dcp import list_checkpoints

@@ -49,7 +49,8 @@ The tier's parts, a module each: :mod:`ckpt.tiers.remote_store` (the store clien
 ``OSError`` s, the probe, :class:`RemoteStatus`), :mod:`ckpt.tiers.remote_errors` (what a client's failure
 means), :mod:`ckpt.tiers.remote_parts` (a rank's data as parts: upload, checks, bounded reads, download),
 :mod:`ckpt.tiers.remote_upload` (writing and replacing a step), :mod:`ckpt.tiers.remote_job` (the job
-tier's commit across ranks), :mod:`ckpt.tiers.remote_place` (where a remote tier may not live). This module
+tier's commit across ranks), :mod:`ckpt.tiers.remote_place` (where a remote tier may not live),
+:mod:`ckpt.tiers.remote_file` (a file of a caller's own layout on the same store: the DCP adapter's). This module
 is the tier itself: construction, layout, listing, reading records, restoring, deleting.
 """
 
@@ -71,16 +72,14 @@ from ..format import (
     data_name,
     manifest_name,
     parse_step_dir,
-    read_record_fs,
     read_records,
     step_dir_name,
 )
-from ..fs import Store, is_local_fs, resolve
+from ..fs import resolve
 from ..policy import Committed, Retention, Timeline, TimelineCopies
 from ..reshard import check_layouts
-from ..stall import Watched
 from .base import PersistingTier, StepInfo, StoredTier, register
-from .local import linked, remove_step_dir
+from .local import linked
 from .remote_job import JobCommit
 from .remote_parts import ABSENT, Parts, dominant_elem_size as _dominant_elem_size
 from .remote_place import refuse_local_tier_dir, refuse_overlap
@@ -154,26 +153,19 @@ class RemoteTier(StoreClient, Parts, Uploads, JobCommit, PersistingTier, StoredT
     ) -> None:
         if compression not in (None, "zstd"):
             raise ValueError(f"compression must be None or 'zstd', got {compression!r}")
-        if on_unreachable not in ("raise", "degrade"):
-            raise ValueError(f"on_unreachable must be 'raise' or 'degrade', got {on_unreachable!r}")
-        self.url = url
+        # the client (backend) serving the URL (ckpt.fs), every request under the watchdog of
+        # CKPT_REMOTE_STALL_S (ckpt.stall); the probe has its own bound
+        StoreClient.__init__(self, url, resolve(url, storage_options), on_unreachable)
         self.rank = rank
         self.world_size = world_size
         self.compression = compression
-        self.on_unreachable = on_unreachable
         self.job: Any = None  # a Ranks over a group of its own once every rank writes here (join_job)
         # steps this process committed here itself (True) or saw fail verification (False): see LocalTier
         self.verified: dict[int, bool] = {}
         self.timeline = Timeline()  # what a fresh upload's COMMIT records (the Checkpointer sets it)
         self._copying: dict[int, Timeline] = {}
-        self._options = dict(storage_options or {})
-        self.store: Store = resolve(url, self._options)  # the client (backend) serving the URL: ckpt.fs
-        # every request under the watchdog of CKPT_REMOTE_STALL_S (ckpt.stall); the probe has its own bound
-        self.fs, self.root, self._probe_fs = Watched(self.store.fs), self.store.root, self.store.probe_fs
-        self._local_fs = is_local_fs(self.fs)
         if self._local_fs:
             refuse_local_tier_dir(url, self.root)
-        self.status = RemoteStatus()
         failure = self.probe()  # raises when the store answers that this tier cannot work
         if failure is not None:
             if on_unreachable == "raise":
@@ -223,14 +215,9 @@ class RemoteTier(StoreClient, Parts, Uploads, JobCommit, PersistingTier, StoredT
 
     def _commit_paths(self, doing: str) -> list[str]:
         """The paths of the step directories' ``COMMIT`` files (a key prefix named ``COMMIT`` commits nothing)."""
-        with self._store(doing):
-            self.fs.invalidate_cache(
-                self.root
-            )  # other processes write here too: never trust a cached listing
-            try:
-                found = self.fs.glob(self._path("step-*", COMMIT_NAME), detail=True)
-            except FileNotFoundError:
-                return []
+        found = self.listing(
+            doing, "glob", self._path("step-*", COMMIT_NAME), {}, fresh=self.root, detail=True
+        )
         return [p for p, info in found.items() if info.get("type") != "directory"]
 
     def committed(self) -> list[Committed]:
@@ -370,12 +357,7 @@ class RemoteTier(StoreClient, Parts, Uploads, JobCommit, PersistingTier, StoredT
         return nbytes
 
     def all_step_dirs(self) -> list[int]:
-        with self._store(f"listing the remote tier {self.url}"):
-            self.fs.invalidate_cache(self.root)
-            try:
-                names = self.fs.ls(self.root, detail=False)
-            except FileNotFoundError:
-                return []
+        names = self.listing(f"listing the remote tier {self.url}", "ls", self.root, [], detail=False)
         return [s for s in (parse_step_dir(n.rstrip("/").split("/")[-1]) for n in names) if s is not None]
 
     # -- delete -----------------------------------------------------------------------------------
@@ -391,17 +373,8 @@ class RemoteTier(StoreClient, Parts, Uploads, JobCommit, PersistingTier, StoredT
 
     def _delete(self, step: int) -> bool:
         """Remove ``step`` (``COMMIT`` first); whether it was there."""
-        d = self.step_dir(step)
         self.verified.pop(step, None)
-        if self._local_fs:
-            return remove_step_dir(self.root, step_dir_name(step))
-        commit = f"{d}/{COMMIT_NAME}"
-        if self.fs.exists(commit):
-            self.fs.rm(commit)
-        if not self.fs.exists(d):
-            return False
-        self.fs.rm(d, recursive=True)
-        return True
+        return self.remove_dir(step_dir_name(step))
 
     # -- read -------------------------------------------------------------------------------------
     def _get(self, step: int, name: str) -> bytes:
@@ -412,7 +385,7 @@ class RemoteTier(StoreClient, Parts, Uploads, JobCommit, PersistingTier, StoredT
             raise ConnectionError(down.errno, f"{doing}: not attempted, {down.strerror}")
         try:
             with self._store(doing):
-                return read_record_fs(self.fs, where)
+                return self.read_record(where)
         except FileNotFoundError:
             raise IncompleteCheckpointError(f"{where}: missing") from None
 

@@ -122,12 +122,7 @@ class Parts:
         before any part is downloaded or room for the data is allocated."""
         base = self.step_dir(step) if m.generation is None else f"{self.step_dir(step)}/{m.generation}"
         d = f"{base}/rank-{m.rank:05d}"
-        with self._store(f"listing {self._url(d)}"):
-            self.fs.invalidate_cache(d)
-            try:
-                entries = self.fs.ls(d, detail=True)
-            except FileNotFoundError:
-                entries = []
+        entries = self.listing(f"listing {self._url(d)}", "ls", d, [], detail=True)
         # a key prefix that shares a part's name (``part-000001/x``: S3 lists both) is not the part
         held = {
             e["name"].rstrip("/").rsplit("/", 1)[-1]: e.get("size")
@@ -162,15 +157,7 @@ class Parts:
             raise ConnectionError(down.errno, f"reading {where}: not attempted, {down.strerror}")
         try:
             with self._store(f"reading rank {rank}'s part {i} of step {step} ({where})"):
-                if (
-                    self._local_fs
-                ):  # a local file's reader allocates what it is asked for: ask what the file holds
-                    held = self.fs.size(path)
-                    if held != expect:
-                        raise IncompleteCheckpointError(f"{where}: {held} bytes, {expect} committed")
-                    stored = self.fs.cat_file(path)
-                else:  # an object store answers a range with what the object holds
-                    stored = self.fs.cat_file(path, start=0, end=expect + 1)
+                stored = self.read_range(path, 0, expect + 1)  # one byte more: to see a longer object
         except FileNotFoundError:
             raise IncompleteCheckpointError(f"{where}: missing") from None
         if len(stored) != expect:

@@ -1,39 +1,108 @@
 """The remote tier's side of its store: every failure of the store client as an ``OSError`` that names
 what was being done and where (``ConnectionError`` for an outage, naming the endpoint; ``PermissionError``
 for refused credentials; ``FileNotFoundError``), the bounded probe of reachability, what it found last
-(:class:`RemoteStatus`), and a request bounded like a probe.
+(:class:`RemoteStatus`), a request bounded like a probe, and the requests every user of a store shares:
+records and ranges read with their bounds (on a mounted ``file://`` store by the operating system,
+:class:`OnHost`, regular files only), fresh listings, removals (a directory ``COMMIT`` first).
 
 The file system itself comes from :func:`ckpt.fs.resolve` (the client chosen by the URL's scheme and
 ``storage_options["backend"]``), each request under the watchdog of :mod:`ckpt.stall`:
-:class:`~ckpt.tiers.remote.RemoteTier` sets both up at construction.
+:meth:`StoreClient.__init__` sets both up, for :class:`~ckpt.tiers.remote.RemoteTier` and for a client on
+its own alike.
 """
 
 from __future__ import annotations
 
 import contextlib
 import errno
+import os
 import threading
 import time
+from pathlib import Path
 from typing import Any, Callable, Iterator
 
-from .. import knobs
+from .. import knobs, stall
 from ..errors import CheckpointError
-from ..format import fsync_file
+from ..format import COMMIT_NAME, fsync_dir, fsync_file, open_regular, read_record, read_record_fs
 from ..fs import Store, is_local_fs
-from ..stall import StallError
+from ..stall import StallError, Watched
 from .base import TierStatus
+from .local import _read_range, remove_step_dir
 from .remote_errors import errno_of, failure_type, unavailable
 
-__all__ = ["RemoteStatus", "StoreClient"]
+__all__ = ["RemoteStatus", "StoreClient", "OnHost", "read_file_range"]
 
 
 #: what the remote tier found the last time it used its store (the tier contract's :class:`~ckpt.tiers.base.TierStatus`)
 RemoteStatus = TierStatus
 
 
+def read_file_range(path: str, start: int, end: int) -> bytearray:
+    """Bytes ``[start, end)`` of a regular file of this host (:func:`ckpt.format.open_regular`: a FIFO or a
+    device is refused, never read), fewer when it is short, into a writable buffer (a tensor can be built
+    over it without another copy). Nothing beyond the file's size is allocated, whatever ``end`` says."""
+    fd, st = open_regular(path)
+    try:
+        end = min(end, st.st_size)
+        buf = bytearray(max(0, end - start))
+        _read_range(fd, False, Path(path), memoryview(buf), start, len(buf))
+    finally:
+        os.close(fd)
+    return buf
+
+
+class OnHost:
+    """The requests of a mounted (``file://``) store that go through the operating system rather than
+    fsspec: reads with the regular-file checks of :func:`ckpt.format.open_regular` (a FIFO swapped in never
+    blocks) and positioned writes. Shaped as :func:`ckpt.stall.call` runs a file system's requests (the
+    path first; ``protocol`` and ``unstrip_protocol`` for its messages), so a network mount that stops
+    answering fails them after ``CKPT_REMOTE_STALL_S`` seconds in each of three attempts rather than
+    holding a save or a load. Every write is positioned (``pwrite`` at its offset): an attempt sent again
+    writes the same bytes at the same place."""
+
+    protocol = "file"
+
+    @staticmethod
+    def unstrip_protocol(path: str) -> str:
+        return f"file://{path}"
+
+    @staticmethod
+    def create(path: str) -> None:
+        os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644))
+
+    @staticmethod
+    def write_at(path: str, data: Any, offset: int) -> None:
+        fd = os.open(path, os.O_WRONLY | os.O_NOFOLLOW)
+        try:
+            view = memoryview(data).cast("B")
+            while view:
+                n = os.pwrite(fd, view, offset)
+                view, offset = view[n:], offset + n
+        finally:
+            os.close(fd)
+
+    @staticmethod
+    def publish(path: str, final: str) -> None:
+        """Flush ``path`` to stable storage, rename it to ``final`` and flush the name: a ``COMMIT`` written
+        after it never reaches the disk first."""
+        fsync_file(path)
+        os.replace(path, final)
+        fsync_dir(Path(final).parent)
+
+    @staticmethod
+    def read_range(path: str, start: int, end: int) -> bytearray:
+        return read_file_range(path, start, end)
+
+    @staticmethod
+    def read_record(path: str) -> bytes:
+        return read_record(path)
+
+
 class StoreClient:
-    """Reaching the store, mixed into :class:`~ckpt.tiers.remote.RemoteTier`, which sets the attributes
-    annotated here at construction."""
+    """A client of one store: its requests (each under the watchdog of ``CKPT_REMOTE_STALL_S``), their
+    failures as ``OSError`` s, the bounded probe and what it found (:attr:`status`). The base of
+    :class:`~ckpt.tiers.remote.RemoteTier`, and on its own the client of code that writes a layout of its
+    own to a store (the DCP adapter, :mod:`ckpt.integrations.dcp`): both are built by :meth:`__init__`."""
 
     url: str
     on_unreachable: str
@@ -44,18 +113,17 @@ class StoreClient:
     _probe_fs: Any  # the file system the probe uses (on S3 a client of few retries and short timeouts)
     _local_fs: bool  # a local or mounted file system (file://)
 
-    @classmethod
-    def of_store(cls, url: str, store: Store, fs: Any) -> StoreClient:
-        """A client of ``store`` on its own, outside a tier (``fs``: the store's file system, under the
-        watchdog): the store-side requests and their failures exactly as the remote tier has them, for
-        code that writes its own layout to a store (the DCP adapter, :mod:`ckpt.integrations.dcp`).
-        Nothing is probed here; ``on_unreachable`` is ``"raise"``."""
-        client = cls.__new__(cls)
-        client.url, client.on_unreachable, client.store = url, "raise", store
-        client.fs, client.root, client._probe_fs = fs, store.root, store.probe_fs
-        client._local_fs = is_local_fs(fs)
-        client.status = RemoteStatus()
-        return client
+    def __init__(self, url: str, store: Store, on_unreachable: str = "raise") -> None:
+        """The client of ``store``, which :func:`ckpt.fs.resolve` opened for ``url``: every request of
+        ``store.fs`` under the watchdog (:class:`ckpt.stall.Watched`; the probe has its own bound).
+        Nothing is sent here. ``on_unreachable``: what the owner does when the store cannot be reached,
+        ``"raise"`` or ``"degrade"`` (see :class:`~ckpt.tiers.remote.RemoteTier`)."""
+        if on_unreachable not in ("raise", "degrade"):
+            raise ValueError(f"on_unreachable must be 'raise' or 'degrade', got {on_unreachable!r}")
+        self.url, self.on_unreachable, self.store = url, on_unreachable, store
+        self.fs, self.root, self._probe_fs = Watched(store.fs), store.root, store.probe_fs
+        self._local_fs = is_local_fs(self.fs)
+        self.status = RemoteStatus()
 
     def _endpoint(self) -> str:
         return self.store.endpoint
@@ -207,6 +275,63 @@ class StoreClient:
         if error is not None:
             raise error
         return value
+
+    # -- requests: the remote tier's and those of code writing its own layout (the DCP adapter) -------
+    def read_record(self, path: str) -> bytes:
+        """The record (``COMMIT``, a manifest, metadata) at ``path``, of at most ``MAX_RECORD_BYTES``, refused
+        unread otherwise (:class:`~ckpt.errors.CorruptCheckpointError`); ``FileNotFoundError`` when it is
+        missing. On a mounted file system a regular file read by the operating system under the watchdog
+        (:class:`OnHost`: a FIFO never blocks, a stalled mount fails in bounded time); on an object store
+        :func:`ckpt.format.read_record_fs`. The store client's own failures are raised as they are (inside
+        :meth:`_store`, they become ``OSError`` s naming what was being done)."""
+        if self._local_fs:
+            return stall.call(OnHost, "read_record", self.fs._strip_protocol(path))
+        return read_record_fs(self.fs, path)
+
+    def read_range(self, path: str, start: int, end: int) -> bytes | bytearray:
+        """Bytes ``[start, end)`` of the file at ``path``, fewer when it is shorter (an object store answers a
+        range with what the object holds; a mounted file system's file is read by the operating system,
+        a regular file only, nothing beyond its size allocated: :func:`read_file_range`); one request under
+        the watchdog. Failures as :meth:`read_record`'s."""
+        if self._local_fs:
+            return stall.call(OnHost, "read_range", self.fs._strip_protocol(path), start, end)
+        return self.fs.cat_file(path, start=start, end=end)
+
+    def listing(
+        self, doing: str, how: str, path: str, missing: Any, fresh: str | None = None, **kw: Any
+    ) -> Any:
+        """``fs.<how>(path, **kw)`` (a listing: ``ls``, ``glob``, ``find``) as the store holds it now: the
+        listing cached of ``fresh`` (default ``path``) is dropped first (other processes write here too);
+        ``missing`` when nothing is at ``path``; a failure is an ``OSError`` naming ``doing``."""
+        with self._store(doing):
+            self.fs.invalidate_cache(fresh or path)
+            try:
+                return getattr(self.fs, how)(path, **kw)
+            except FileNotFoundError:
+                return missing
+
+    def remove(self, path: str) -> None:
+        """Remove the file at ``path``, if there is one."""
+        try:
+            self.fs.rm_file(path)
+        except (FileNotFoundError, NotADirectoryError):
+            pass  # nothing there
+
+    def remove_dir(self, name: str) -> bool:
+        """Remove directory ``name`` (``/``-separated) of the root, its ``COMMIT`` first, so that a removal cut
+        short leaves it uncommitted, never committed with files missing; whether it was there. On a mounted
+        file system never through a symbolic link (:func:`~ckpt.tiers.local.remove_step_dir`: a linked
+        directory raises ``OSError(ELOOP)``). The store client's failures are raised as they are."""
+        if self._local_fs:
+            return remove_step_dir(self.root, name)
+        d = f"{self.root}/{name}"
+        commit = f"{d}/{COMMIT_NAME}"
+        if self.fs.exists(commit):
+            self.fs.rm(commit)
+        if not self.fs.exists(d):
+            return False
+        self.fs.rm(d, recursive=True)
+        return True
 
     def _put(self, path: str, data: Any, sync_dir: bool = False) -> None:
         """Write one file. On a local or mounted file system (``file://``) it is also fsynced (and,

@@ -24,7 +24,6 @@ from ..format import (
     fsync_dir,
     manifest_name,
     new_generation,
-    read_record_fs,
     step_dir_name,
 )
 from ..stall import StallError
@@ -233,7 +232,7 @@ class Uploads:
         Outside a job tier, refuses to replace a step that a job committed (the other ranks' files)."""
         where = f"{self.step_dir(step)}/{COMMIT_NAME}"
         try:
-            raw = read_record_fs(self.fs, where)
+            raw = self.read_record(where)
         except FileNotFoundError:
             return None
         except CorruptCheckpointError:  # not a file, or too large to be a record: write beside it
@@ -286,7 +285,7 @@ class Uploads:
         """Whether the step's ``COMMIT`` can be read and names ``generation``."""
         where = f"{self.step_dir(step)}/{COMMIT_NAME}"
         try:
-            return Commit.from_bytes(read_record_fs(self.fs, where), where).generation == generation
+            return Commit.from_bytes(self.read_record(where), where).generation == generation
         except Exception:  # noqa: BLE001 - missing, torn or unreachable: it does not (as far as we know)
             return False
 
