@@ -279,6 +279,16 @@ class _Tier:
         with self.client._store(f"reading {self.url(p)}"):
             return read_file(self.client, p, start, end, part_bytes)
 
+    def item(self, ckpt_id: str, rec: dict[str, Any]) -> tuple[bytes | bytearray, bool]:
+        """The stored bytes of item ``rec`` (its record in ``metadata.json``: its rank's file, byte range and
+        part size) and whether they are whole and match its CRC-32C: the one check of an item's bytes, the
+        reader's and :func:`verify`'s. A DCP checkpoint's checksums are per item, over the items DCP's planner
+        made, so the engine's checks by chunk (:meth:`ckpt.tiers.base.StoredTier.fetch`) have nothing to
+        check here; the bytes are read as the engine reads a range (:meth:`get_bytes`)."""
+        a = rec["offset_bytes"]
+        data = self.get_bytes(ckpt_id, _data_name(rec["rank"]), a, a + rec["length"], rec.get("part_bytes"))
+        return data, len(data) == rec["length"] and checksum(data) == rec["crc"]
+
     def delete(self, ckpt_id: str) -> None:
         """Remove checkpoint ``ckpt_id``, its ``COMMIT`` first (a deletion cut short leaves it uncommitted,
         never committed with files missing); on this host never through a symbolic link, even one swapped
@@ -1099,14 +1109,14 @@ class TierStorageReader(StorageReader):
         stalled: StallError | None = None
         for tier in tiers:  # nearest first; every copy is checked against the committed checksum
             try:
-                data = tier.get_bytes(self._where, name, start, end, rec.get("part_bytes"))
+                data, ok = tier.item(self._where, rec)
             except (OSError, IncompleteCheckpointError, CorruptCheckpointError) as e:
                 # missing, cut short, not a regular file, or the store stalled: that tier lacks it
                 tried.append(f"{tier.where}: {type(e).__name__}: {e}")
                 if isinstance(e, StallError):
                     stalled = e
                 continue
-            if len(data) == rec["length"] and checksum(data) == rec["crc"]:
+            if ok:
                 return req, data, rec
             tried.append(f"{tier.where}: {name} bytes {start}..{end} do not match their checksum")
             if final and tier is tiers[-1]:
@@ -1210,6 +1220,10 @@ def list_checkpoints(
 
 
 def _list_tier(tier: _Tier) -> list[dict[str, Any]]:
+    """The rows of :func:`list_checkpoints` for one tier. A URL is listed by one fresh listing of the store
+    client (:meth:`~ckpt.tiers.remote_store.StoreClient.listing`, as the remote tier lists its steps) and
+    each ``COMMIT`` read with its bounds; what is read from the listing is the adapter's own, since a
+    checkpoint id is any relative name (nested too), not the engine's ``step-N`` directory."""
     out = []
     if tier.fs is None:
         root = Path(tier.root)
@@ -1383,7 +1397,8 @@ def verify(
     where: str | os.PathLike, checkpoint_id: str, storage_options: dict[str, Any] | None = None
 ) -> dict[str, Any]:
     """Read every byte of checkpoint ``checkpoint_id`` under ``where`` (one tier: a local directory or
-    an fsspec URL) and check the ``COMMIT``, the metadata and every item's checksum.
+    an fsspec URL) and check the ``COMMIT``, the metadata and every item's checksum (:meth:`_Tier.item`, the
+    reader's check; not the tier contract's ``verify``, whose checksums are the engine's per-chunk ones).
 
     Returns ``{"id", "items", "bytes"}``; raises :class:`~ckpt.errors.CorruptCheckpointError` or
     :class:`~ckpt.errors.IncompleteCheckpointError` naming the first file or item that fails."""
@@ -1405,10 +1420,10 @@ def verify(
         for ix, rec in sorted(recs, key=lambda r: r[1]["offset_bytes"]):  # item by item: one in memory
             a, b = rec["offset_bytes"], rec["offset_bytes"] + rec["length"]
             try:
-                data = tier.get_bytes(name, fname, a, b, rec.get("part_bytes"))
+                data, ok = tier.item(name, rec)
             except FileNotFoundError:
                 raise IncompleteCheckpointError(f"{tier.path(name, fname)}: missing") from None
-            if len(data) != b - a or checksum(data) != rec["crc"]:
+            if not ok:
                 raise CorruptCheckpointError(
                     f"{tier.path(name, fname)}: item {ix.fqn!r} (bytes {a}..{b}) "
                     "fails its checksum" + (" (file too short)" if len(data) < b - a else "")
