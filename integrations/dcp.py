@@ -116,7 +116,7 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.storage import WriteResult
 
 from .. import knobs, values
-from ..commit import DirSink, FsSink, Sink, publish
+from ..commit import DirSink, Sink, publish
 from ..errors import (
     CorruptCheckpointError,
     IncompleteCheckpointError,
@@ -197,7 +197,6 @@ class _Tier:
         self.root = root
         # the engine's client of the store; None: root is a directory of this host, used through os
         self.client = client
-        self.fs: Any = None if client is None else client.fs
         self.mounted = client is not None and client._local_fs  # a file:// URL: a page cache to flush
         # an object store whose data files are one object per part (the items' part_bytes say so)
         self.parted = client is not None and form_of(client) == "parts"
@@ -243,10 +242,10 @@ class _Tier:
 
     def sink(self, ckpt_id: str) -> Sink:
         """Where checkpoint ``ckpt_id``'s records go (:mod:`ckpt.commit`)."""
-        if self.fs is None:
+        if self.client is None:
             return DirSink(f"{self.root}/{ckpt_id}")
-        self.fs.makedirs(f"{self.root}/{ckpt_id}", exist_ok=True)
-        return FsSink(self.fs, f"{self.root}/{ckpt_id}", self.mounted)
+        self.client.fs.makedirs(f"{self.root}/{ckpt_id}", exist_ok=True)
+        return self.client.sink(f"{self.root}/{ckpt_id}")
 
     def upload(self, ckpt_id: str, name: str, rank: int, part_bytes: int) -> FileUpload:
         """Data file ``name`` of ``ckpt_id`` going to this (remote) tier, in the form its store takes
@@ -1225,7 +1224,7 @@ def _list_tier(tier: _Tier) -> list[dict[str, Any]]:
     each ``COMMIT`` read with its bounds; what is read from the listing is the adapter's own, since a
     checkpoint id is any relative name (nested too), not the engine's ``step-N`` directory."""
     out = []
-    if tier.fs is None:
+    if tier.client is None:
         root = Path(tier.root)
         names = sorted(p.name for p in root.iterdir() if p.is_dir()) if root.is_dir() else []
         sizes = {n: sum(f.stat().st_size for f in (root / n).glob("rank-*.dcp.bin")) for n in names}

@@ -11,7 +11,7 @@ import logging
 import zlib
 from typing import Any
 
-from ..commit import FsSink, publish, record as record_of_job
+from ..commit import publish, record as record_of_job
 from ..errors import CheckpointError
 from ..format import COMMIT_NAME, Commit, Manifest, data_name, manifest_name
 
@@ -110,7 +110,7 @@ class JobCommit:
                     self._copying.get(step, self.timeline),
                     gen,
                 )
-                sink = FsSink(self.fs, d, self._local_fs)
+                sink = self.sink(d)
                 # every rank's manifest is durable already (each put it before reporting): COMMIT alone
                 publish(
                     sink, [], commit.to_bytes(), put_commit=self._commit_put(sink, step, commit, gen, sent)

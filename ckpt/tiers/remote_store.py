@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from .. import knobs, stall
+from ..commit import FsSink
 from ..errors import CheckpointError
 from ..format import COMMIT_NAME, fsync_dir, fsync_file, open_regular, read_record, read_record_fs
 from ..fs import Store, is_local_fs
@@ -309,6 +310,12 @@ class StoreClient:
                 return getattr(self.fs, how)(path, **kw)
             except FileNotFoundError:
                 return missing
+
+    def sink(self, base: str) -> FsSink:
+        """Where the records of the checkpoint under ``base`` go (:mod:`ckpt.commit`): one put each, and on a
+        mounted file system written atomically with their names synced (a page cache reaches the disk out of
+        order)."""
+        return FsSink(self.fs, base, self._local_fs)
 
     def remove(self, path: str) -> None:
         """Remove the file at ``path``, if there is one."""

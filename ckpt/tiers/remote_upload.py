@@ -184,7 +184,7 @@ class Uploads:
                 if commit
                 else None
             )
-            sink = FsSink(self.fs, base, self._local_fs)
+            sink = self.sink(base)
             # the checkpoint exists from the COMMIT put on (a replacement: from the switch to its generation)
             publish(
                 sink,
