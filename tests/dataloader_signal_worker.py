@@ -35,7 +35,7 @@ def main() -> None:
     w = torch.zeros(4)
     preempt = len(sys.argv) > 2 and sys.argv[2] == "preempt"
     signals = ckpt.Signals() if preempt else ckpt.Signals(save=(signal.SIGUSR1,))
-    with ckpt.Checkpointer(local_dir=sys.argv[1], signals=signals) as ck:
+    with ckpt.Checkpointer(storage=ckpt.Storage(local_dir=sys.argv[1]), signals=signals) as ck:
         loader = DataLoader(
             _Slow(),
             batch_size=2,

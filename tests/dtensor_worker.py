@@ -68,7 +68,9 @@ def main() -> None:
     try:
         model, opt = build(world, shard=mode != "resume-plain")
         state = {"model": model, "optim": opt, "step": 0}
-        with ckpt.Checkpointer(local_dir=f"{root}/rank-{rank}", every_steps=3) as ck:
+        with ckpt.Checkpointer(
+            storage=ckpt.Storage(local_dir=f"{root}/rank-{rank}"), policy=ckpt.Policy(every_steps=3)
+        ) as ck:
             start = 1
             if mode.startswith("resume"):
                 step = ck.restore(state)

@@ -23,7 +23,9 @@ def pattern(step: int, numel: int) -> torch.Tensor:
 
 def save_forever(local_dir: str, numel: int, chunk: int, ready=None) -> None:
     with knobs.override(CKPT_CHUNK_BYTES=chunk):
-        ck = ckpt.Checkpointer(local_dir=local_dir, keep=ckpt.Retention(local=2))
+        ck = ckpt.Checkpointer(
+            storage=ckpt.Storage(local_dir=local_dir), policy=ckpt.Policy(keep=ckpt.Retention(local=2))
+        )
         if ready is None:
             print("ready", flush=True)
         else:

@@ -22,7 +22,9 @@ class SlowLocal(LocalTier):
 
 
 def main() -> None:
-    ck = ckpt.Checkpointer(local_dir=SlowLocal(sys.argv[1]), max_in_flight=int(sys.argv[2]))
+    ck = ckpt.Checkpointer(
+        storage=ckpt.Storage(local_dir=SlowLocal(sys.argv[1]), max_in_flight=int(sys.argv[2]))
+    )
     stall_at = int(sys.argv[3])
     state = {"a": torch.zeros(1 << 18), "b": torch.zeros(1 << 18)}
     last = ck.restore(state)

@@ -44,7 +44,10 @@ def main(argv: list[str]) -> int:
     model, opt = model_and_opt()
     state = {"model": model, "optim": opt, "step": 0}
     if mode == "train":
-        ck = ckpt.Checkpointer(local_dir=local_dir, every_steps=1, persist_every={"local": 1000})
+        ck = ckpt.Checkpointer(
+            storage=ckpt.Storage(local_dir=local_dir),
+            policy=ckpt.Policy(every_steps=1, persist_every={"local": 1000}),
+        )
         start = ck.restore(state) or 0
         print("restored", start, ck.last_restore.tier if ck.last_restore else None, flush=True)
         for step in range(start + 1, steps + 1):
@@ -62,7 +65,10 @@ def main(argv: list[str]) -> int:
         print("final", digest(model), flush=True)
     elif mode == "tear":
         # two buffers: step 3 must go into step 1's (with a third it would take that one)
-        ck = ckpt.Checkpointer(local_dir=local_dir, persist_every={"local": 1000}, max_in_flight=2)
+        ck = ckpt.Checkpointer(
+            storage=ckpt.Storage(local_dir=local_dir, max_in_flight=2),
+            policy=ckpt.Policy(persist_every={"local": 1000}),
+        )
         for step in (1, 2):
             with torch.no_grad():
                 for p in model.parameters():

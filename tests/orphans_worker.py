@@ -24,7 +24,7 @@ def main(argv: list[str]) -> int:
     dist.init_process_group("gloo", rank=rank, world_size=world)
     local_dir = os.path.join(root, f"rank-{rank}")
     if mode == "leave":
-        ck = ckpt.Checkpointer(local_dir=local_dir)
+        ck = ckpt.Checkpointer(storage=ckpt.Storage(local_dir=local_dir))
         ck.save(1, {"w": torch.full((1 << 14,), float(rank))}).wait()
         ck.close(keep_memory=True)
     else:
@@ -34,7 +34,7 @@ def main(argv: list[str]) -> int:
         logging.getLogger("ckpt.shm").addHandler(handler)
         if rank == 1:
             time.sleep(1.0)
-        ck = ckpt.Checkpointer(local_dir=local_dir)
+        ck = ckpt.Checkpointer(storage=ckpt.Storage(local_dir=local_dir))
         # a job's ranks run on: none closes (and gives its local_dir up) while rank 0 is still looking for dead
         # jobs' RAM in its constructor
         dist.barrier()

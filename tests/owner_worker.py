@@ -28,7 +28,7 @@ def main() -> None:
     if sys.argv[-1] == "rank":
         return rank_main()
     local_dir, mode = sys.argv[1], sys.argv[2]
-    ck = ckpt.Checkpointer(local_dir=local_dir)
+    ck = ckpt.Checkpointer(storage=ckpt.Storage(local_dir=local_dir))
     ck.save(5, state(1.0)).wait()
     if mode == "fork":
         r, w = os.pipe()
@@ -53,7 +53,7 @@ def rank_main() -> None:
     root, rank, world = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
-        ck = ckpt.Checkpointer(local_dir=os.path.join(root, f"rank-{rank}"))
+        ck = ckpt.Checkpointer(storage=ckpt.Storage(local_dir=os.path.join(root, f"rank-{rank}")))
     except Exception as e:  # noqa: BLE001 - reported to the test
         print(f"raised {type(e).__name__}: {e}", flush=True)
     else:

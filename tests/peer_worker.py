@@ -214,13 +214,15 @@ def main() -> None:
         drain = mode == "drain"
         every = {"local": 1000, "peer": 3} if mode == "cadence" else {"local": 1000} if training else None
         ck = ckpt.Checkpointer(
-            local_dir=f"{root}/rank-{rank}",
-            every_steps=1 if training or every else 2,
-            peers=1,
-            url=f"file://{root}/remote-{rank}" if remote else None,
-            persist_every=every,
+            storage=ckpt.Storage(
+                local_dir=f"{root}/rank-{rank}",
+                peers=1,
+                url=f"file://{root}/remote-{rank}" if remote else None,
+            ),
+            policy=ckpt.Policy(
+                every_steps=1 if training or every else 2, persist_every=every, if_busy="wait"
+            ),
             on_preempt="raise",
-            if_busy="wait",
             signals=(signal.SIGTERM,) if drain else (),
             drain_tier="peer" if drain else "local",
             drain_deadline=60,

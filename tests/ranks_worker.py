@@ -61,7 +61,8 @@ def main() -> None:
     try:
         if mode in ("save", "save-keep"):
             ck = ckpt.Checkpointer(
-                local_dir=local_dir, every_steps=10, keep=ckpt.Retention(local=5), if_busy="wait"
+                storage=ckpt.Storage(local_dir=local_dir),
+                policy=ckpt.Policy(every_steps=10, keep=ckpt.Retention(local=5), if_busy="wait"),
             )
             for step in range(1, 31):
                 ck.wait_staged()  # w is updated in place below, outside optimizer.step()
@@ -71,7 +72,7 @@ def main() -> None:
             ck.close(keep_memory=mode == "save-keep")  # save-keep: the RAM stays, as a crash leaves it
             print("saved", flush=True)
         elif mode == "takeover":
-            with ckpt.Checkpointer(local_dir=local_dir) as ck:
+            with ckpt.Checkpointer(storage=ckpt.Storage(local_dir=local_dir)) as ck:
                 started = ck.pool.adopt_span is not None or ck.pool._adopting is not None
                 ck.pool.wait_adopted()
                 adopted = sorted((b.image_step, b.checked) for b in ck.pool.buffers)
@@ -83,7 +84,7 @@ def main() -> None:
                     flush=True,
                 )
         elif mode.startswith("restore"):
-            with ckpt.Checkpointer(local_dir=local_dir) as ck:
+            with ckpt.Checkpointer(storage=ckpt.Storage(local_dir=local_dir)) as ck:
                 step = ck.restore(state, step=30 if mode == "restore-30" else None)
             print(f"restored {step} {float(state['w'][0]) if step is not None else None}", flush=True)
         elif mode == "seconds":
@@ -95,11 +96,9 @@ def main() -> None:
                 return now[0]
 
             with ckpt.Checkpointer(
-                local_dir=local_dir,
-                every_seconds=50,
+                storage=ckpt.Storage(local_dir=local_dir),
+                policy=ckpt.Policy(every_seconds=50, if_busy="wait", keep=ckpt.Retention(local=100)),
                 clock=clock,
-                if_busy="wait",
-                keep=ckpt.Retention(local=100),
             ) as ck:
                 for step in range(1, 6):
                     ck.wait_staged()
@@ -119,12 +118,9 @@ def main() -> None:
 
             tier = SlowTier(local_dir, 0.15) if rank == 1 else LocalTier(local_dir)
             with ckpt.Checkpointer(
-                f"file://{root}/job",
-                local_dir=tier,
-                interval="auto",
-                mtbf=3600,
+                storage=ckpt.Storage(url=f"file://{root}/job", local_dir=tier),
+                policy=ckpt.Policy(interval="auto", mtbf=3600, keep=ckpt.Retention(local=100, remote=100)),
                 clock=clock,
-                keep=ckpt.Retention(local=100, remote=100),
             ) as ck:
                 for step in range(1, 41):
                     ck.wait_staged()
@@ -143,11 +139,16 @@ def main() -> None:
             shared = mode == "same-dir"
             # same-url: ranks 0 and 1 share a url, rank 2 has its own (a job tier needs every rank)
             url = f"file://{root}/remote" + ("" if mode == "same-url" and rank < 2 else f"/rank-{rank}")
-            with ckpt.Checkpointer(url, local_dir=f"{root}/shared" if shared else local_dir):
+            with ckpt.Checkpointer(
+                storage=ckpt.Storage(url=url, local_dir=f"{root}/shared" if shared else local_dir)
+            ):
                 print("accepted", flush=True)
         elif mode == "skip":
             tier = SlowTier(local_dir) if rank == 1 else LocalTier(local_dir)
-            with ckpt.Checkpointer(local_dir=tier, if_busy="skip", keep=ckpt.Retention(local=100)) as ck:
+            with ckpt.Checkpointer(
+                storage=ckpt.Storage(local_dir=tier),
+                policy=ckpt.Policy(if_busy="skip", keep=ckpt.Retention(local=100)),
+            ) as ck:
                 for step in range(1, 13):
                     ck.wait_staged()
                     state["w"].fill_(step)
@@ -177,7 +178,9 @@ def main() -> None:
             HostPool._allocate = slow
             with (
                 knobs.override(CKPT_BUSY_WAIT_MS=500),
-                ckpt.Checkpointer(local_dir=local_dir, every_steps=1) as ck,
+                ckpt.Checkpointer(
+                    storage=ckpt.Storage(local_dir=local_dir), policy=ckpt.Policy(every_steps=1)
+                ) as ck,
             ):
                 for step in (1, 2):
                     ck.wait_staged()

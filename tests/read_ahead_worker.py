@@ -38,7 +38,10 @@ def main() -> None:
     memory._ReadAhead.take = lambda ahead, buf, m: (lambda out: taken.append(int(out is not None)) or out)(
         take(ahead, buf, m)
     )
-    with ckpt.Checkpointer(local_dir=f"{root}/rank-{rank}", persist_every={"local": 1000}) as ck:
+    with ckpt.Checkpointer(
+        storage=ckpt.Storage(local_dir=f"{root}/rank-{rank}"),
+        policy=ckpt.Policy(persist_every={"local": 1000}),
+    ) as ck:
         ck.save(3, state(rank, 3)).wait()
         target = {k: torch.zeros_like(v) for k, v in state(rank, 0).items()}
         torch.distributed.barrier()

@@ -39,7 +39,9 @@ def main() -> None:
     try:
         if mode in ("save", "fail"):
             remote = FailingRemote(url) if mode == "fail" and rank == 1 else url
-            with ckpt.Checkpointer(remote, local_dir=f"{root}/local/rank-{rank}") as ck:
+            with ckpt.Checkpointer(
+                storage=ckpt.Storage(url=remote, local_dir=f"{root}/local/rank-{rank}")
+            ) as ck:
                 try:
                     ck.save(5, {"w": torch.full((100_000,), value + rank)}).wait("remote")
                     print("saved", flush=True)
@@ -49,7 +51,7 @@ def main() -> None:
         else:
             fresh = f"{root}/fresh/rank-{rank}"
             state = {"w": torch.zeros(100_000)}
-            with ckpt.Checkpointer(url, local_dir=fresh) as ck:
+            with ckpt.Checkpointer(storage=ckpt.Storage(url=url, local_dir=fresh)) as ck:
                 step = ck.restore(state)
             shutil.rmtree(fresh)
             print(f"restored {step} {state['w'][0].item() - rank}", flush=True)

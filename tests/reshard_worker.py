@@ -99,7 +99,7 @@ def main() -> None:
     try:
         mesh = init_device_mesh(DEVICE, (world,)) if world > 1 else None
         if mode == "save-dt":
-            with ckpt.Checkpointer(url, local_dir=local) as ck:
+            with ckpt.Checkpointer(storage=ckpt.Storage(url=url, local_dir=local)) as ck:
                 ck.save(5, dt_state(mesh, SAVE_PLACEMENTS, zero=False))
             print("saved", flush=True)
         elif mode in ("load-dt", "load-whole"):
@@ -108,7 +108,7 @@ def main() -> None:
             else:
                 state = {name: torch.zeros(GLOBALS[name][0], dtype=GLOBALS[name][1]) for name in GLOBALS}
                 state.update(plain=torch.zeros(3), meta={"epoch": 0, "name": ""})
-            with ckpt.Checkpointer(url, local_dir=local) as ck:
+            with ckpt.Checkpointer(storage=ckpt.Storage(url=url, local_dir=local)) as ck:
                 step = ck.restore(state)
             for name in GLOBALS:
                 want = global_tensor(name)
@@ -127,7 +127,7 @@ def main() -> None:
         elif mode in ("fsdp-save", "fsdp-load", "fsdp-whole"):
             model, opt = build(world, shard=mode != "fsdp-whole")
             state = {"model": model, "optim": opt}
-            with ckpt.Checkpointer(url, local_dir=local) as ck:
+            with ckpt.Checkpointer(storage=ckpt.Storage(url=url, local_dir=local)) as ck:
                 if mode == "fsdp-save":
                     for step in range(1, 4):
                         train_step(model, opt, step, rank)
@@ -144,7 +144,10 @@ def main() -> None:
         elif mode == "commit-fail":
             remote = FailingRemote(url) if rank == 1 else url
             errors = []
-            with ckpt.Checkpointer(remote, local_dir=local, keep=ckpt.Retention(local=5, remote=5)) as ck:
+            with ckpt.Checkpointer(
+                storage=ckpt.Storage(url=remote, local_dir=local),
+                policy=ckpt.Policy(keep=ckpt.Retention(local=5, remote=5)),
+            ) as ck:
                 for step in (1, 2, 3):
                     handle = ck.save(step, {"w": torch.full((4,), float(step)), "rank": rank})
                     try:
@@ -167,7 +170,9 @@ def main() -> None:
                 else {k: torch.zeros_like(v) for k, v in model.items()},
                 "mine": torch.full((3,), float(rank)) if mode == "dedupe-save" else torch.zeros(3),
             }
-            with ckpt.Checkpointer(url, local_dir=local, replicated=("model",)) as ck:
+            with ckpt.Checkpointer(
+                storage=ckpt.Storage(url=url, local_dir=local, replicated=("model",))
+            ) as ck:
                 if mode == "dedupe-save":
                     ck.save(1, state).wait()
                     print("saved", flush=True)
@@ -178,7 +183,9 @@ def main() -> None:
                     print(f"restored {step} from {ck.last_restore.tier}", flush=True)
         elif mode == "rank-dies":  # rank 1 dies before its upload reports; rank 0 must hear of it at once
             # if_busy="wait": the save itself agrees nothing with the other ranks, so the upload is what fails
-            with ckpt.Checkpointer(url, local_dir=local, if_busy="wait") as ck:
+            with ckpt.Checkpointer(
+                storage=ckpt.Storage(url=url, local_dir=local), policy=ckpt.Policy(if_busy="wait")
+            ) as ck:
                 if rank == 1:
                     os._exit(3)
                 try:
@@ -189,7 +196,7 @@ def main() -> None:
                 ck.close(raise_errors=False)
             os._exit(0)  # the process group cannot be torn down with a dead member
         elif mode == "steps-differ":  # a rank-dependent save: rank 0 saves step 1, rank 1 step 2
-            with ckpt.Checkpointer(url, local_dir=local) as ck:
+            with ckpt.Checkpointer(storage=ckpt.Storage(url=url, local_dir=local)) as ck:
                 try:
                     ck.save(1 + rank, {"w": torch.ones(2)}).wait("remote")
                 except ckpt.CheckpointError as e:

@@ -83,7 +83,9 @@ def main(argv: list[str]) -> int:
     persist_every = {"remote": 1000} if url else None
     if mode in ("stall", "written"):
         local = StalledLocal(local_dir) if mode == "stall" else local_dir
-        ck = ckpt.Checkpointer(url, local_dir=local, persist_every=persist_every)
+        ck = ckpt.Checkpointer(
+            storage=ckpt.Storage(url=url, local_dir=local), policy=ckpt.Policy(persist_every=persist_every)
+        )
         for step in (1, 2):
             ck.save(step, state(step)).wait()
         h = ck.save(STALLED, state(STALLED))
@@ -103,7 +105,10 @@ def main(argv: list[str]) -> int:
 
             MemoryTier.hold_image = lost
         target = {"a": torch.zeros(3000), "b": torch.zeros(1500), "step": None}
-        with ckpt.Checkpointer(url, local_dir=local_dir, persist_every=persist_every) as ck:
+        with ckpt.Checkpointer(
+            storage=ckpt.Storage(url=url, local_dir=local_dir),
+            policy=ckpt.Policy(persist_every=persist_every),
+        ) as ck:
             step = ck.restore(target)
             outcome = []
             try:

@@ -69,7 +69,9 @@ def main(argv: list[str]) -> int:
     stop_deletions(where)
     if mode == "gc":
         return cli(["gc", local_dir, "--keep", "1", "--no-progress"])
-    with ckpt.Checkpointer(local_dir=local_dir, keep=ckpt.Retention(local=1)) as ck:
+    with ckpt.Checkpointer(
+        storage=ckpt.Storage(local_dir=local_dir), policy=ckpt.Policy(keep=ckpt.Retention(local=1))
+    ) as ck:
         state = {"w": torch.zeros(1000)}
         step = ck.restore(state)
         state["w"].fill_(step + 1)

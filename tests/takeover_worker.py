@@ -59,17 +59,20 @@ def main(argv: list[str]) -> int:
             return buf
 
         pool_mod.HostPool._adopt_slot = stall
-        ck = ckpt.Checkpointer(local_dir=local_dir)
+        ck = ckpt.Checkpointer(storage=ckpt.Storage(local_dir=local_dir))
         ck._node.own()  # what a collective job's Checkpointer does when it is made
         time.sleep(600)
     elif mode == "stall-save":
         stall_second_tensor_copy()
         # two buffers: step 5 must reuse an adopted one (with a third it would allocate instead)
-        ck = ckpt.Checkpointer(local_dir=local_dir, persist_every={"local": 1000}, max_in_flight=2)
+        ck = ckpt.Checkpointer(
+            storage=ckpt.Storage(local_dir=local_dir, max_in_flight=2),
+            policy=ckpt.Policy(persist_every={"local": 1000}),
+        )
         ck.save(5, state(5))
         time.sleep(600)
     elif mode == "restore":
-        ck = ckpt.Checkpointer(local_dir=local_dir)
+        ck = ckpt.Checkpointer(storage=ckpt.Storage(local_dir=local_dir))
         ck._node.own()
         ck.pool.wait_adopted()
         for step in steps:

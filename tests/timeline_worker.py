@@ -49,7 +49,10 @@ def main() -> None:
     try:
         peers = True if os.environ.get("CKPT_TEST_PEERS") == "1" else None
         # with peers, each run leaves its RAM (snapshots, replicas held) as a crash would: close(keep_memory=True)
-        with ckpt.Checkpointer(local_dir=local_dir, keep=ckpt.Retention(local=keep), peers=peers) as ck:
+        with ckpt.Checkpointer(
+            storage=ckpt.Storage(local_dir=local_dir, peers=peers),
+            policy=ckpt.Policy(keep=ckpt.Retention(local=keep)),
+        ) as ck:
             if mode == "save":
                 for s in (100, 200, 300):
                     save(ck, s)
