@@ -194,26 +194,32 @@ def _arrow_url(kind: str, tmp_path: Path, request) -> tuple[str, dict]:
 @pytest.mark.parametrize("kind", ["local", pytest.param("s3", marks=pytest.mark.s3)])
 def test_save_restore_promote_verify_through_pyarrow(tmp_path, request, kind):
     url, opts = _arrow_url(kind, tmp_path, request)
-    with ckpt.Checkpointer(url, storage_options=opts, local_dir=tmp_path / "a", compression="zstd") as ck:
+    with ckpt.Checkpointer(
+        storage=ckpt.Storage(url=url, storage_options=opts, local_dir=tmp_path / "a", compression="zstd")
+    ) as ck:
         assert ck.remote.store.backend == "arrow"
         ck.save(1, _state(1.0)).wait()
         ck.save(2, _state(2.0)).wait()
         assert [m.rank for m in ck.remote.verify(2)] == [0]
     target = _target()
-    with ckpt.Checkpointer(url, storage_options=opts, local_dir=tmp_path / "b") as ck:
+    with ckpt.Checkpointer(
+        storage=ckpt.Storage(url=url, storage_options=opts, local_dir=tmp_path / "b")
+    ) as ck:
         assert ck.restore(target) == 2 and ck.last_restore.tier == "remote"
         assert _same(target, _state(2.0))
         assert ck.promote(1, to="local") is True  # a download into the local tier
         assert ck.local.committed_steps() == [2, 1]
     (tmp_path / "c").mkdir()
-    with ckpt.Checkpointer(local_dir=tmp_path / "c") as ck:
+    with ckpt.Checkpointer(storage=ckpt.Storage(local_dir=tmp_path / "c")) as ck:
         ck.save(3, _state(3.0)).wait()
     assert ckpt.promote(3, "remote", local_dir=tmp_path / "c", url=url, storage_options=opts) is True
     remote = ckpt.tiers.RemoteTier(url, opts)
     assert remote.committed_steps()[0] == 3
     remote.verify(3)
     target = _target()
-    with ckpt.Checkpointer(url, storage_options=opts, local_dir=tmp_path / "d") as ck:
+    with ckpt.Checkpointer(
+        storage=ckpt.Storage(url=url, storage_options=opts, local_dir=tmp_path / "d")
+    ) as ck:
         assert ck.restore(target) == 3
     assert _same(target, _state(3.0))
 
@@ -222,7 +228,8 @@ def test_save_restore_promote_verify_through_pyarrow(tmp_path, request, kind):
 def test_a_corrupt_part_is_refused_through_pyarrow_and_restore_falls_back(tmp_path, request, kind):
     url, opts = _arrow_url(kind, tmp_path, request)
     with ckpt.Checkpointer(
-        url, storage_options=opts, local_dir=tmp_path / "a", keep=ckpt.Retention(remote=None)
+        storage=ckpt.Storage(url=url, storage_options=opts, local_dir=tmp_path / "a"),
+        policy=ckpt.Policy(keep=ckpt.Retention(remote=None)),
     ) as ck:
         ck.save(1, _state(1.0)).wait()
         ck.save(2, _state(2.0)).wait()
@@ -231,7 +238,9 @@ def test_a_corrupt_part_is_refused_through_pyarrow_and_restore_falls_back(tmp_pa
     raw = bytearray(fs.cat_file(part))
     raw[100] ^= 0xFF
     fs.pipe_file(part, bytes(raw))
-    with ckpt.Checkpointer(url, storage_options=opts, local_dir=tmp_path / "b") as ck:
+    with ckpt.Checkpointer(
+        storage=ckpt.Storage(url=url, storage_options=opts, local_dir=tmp_path / "b")
+    ) as ck:
         with pytest.raises(ckpt.CorruptCheckpointError, match="part-000001"):
             ck.remote.verify(2)
         target = _target()
@@ -254,7 +263,9 @@ def test_an_outage_in_the_middle_of_a_multipart_upload_leaves_the_previous_check
         )
         big = {"w": torch.arange(5 << 20, dtype=torch.float32), "step": 1}  # 20 MiB: two chunks
         with knobs.override(CKPT_CHUNK_BYTES=16 << 20):
-            with ckpt.Checkpointer(url, storage_options=opts, local_dir=tmp_path / "a") as ck:
+            with ckpt.Checkpointer(
+                storage=ckpt.Storage(url=url, storage_options=opts, local_dir=tmp_path / "a")
+            ) as ck:
                 ck.save(1, big).wait()
                 proxy.faults.fail_parts_from = 2
                 proxy.faults.fail_if = lambda method, path: method == "HEAD" and path == "/"  # our own check
@@ -266,7 +277,9 @@ def test_an_outage_in_the_middle_of_a_multipart_upload_leaves_the_previous_check
             proxy.faults.fail_parts_from = proxy.faults.fail_if = None
             target = {"w": torch.empty(5 << 20), "step": None}
             with ckpt.Checkpointer(
-                url, storage_options=storage_options(port, backend="arrow"), local_dir=tmp_path / "b"
+                storage=ckpt.Storage(
+                    url=url, storage_options=storage_options(port, backend="arrow"), local_dir=tmp_path / "b"
+                )
             ) as ck:
                 assert ck.remote.committed_steps() == [1]
                 assert ck.restore(target) == 1 and ck.last_restore.tier == "remote"
@@ -447,7 +460,9 @@ def test_an_unreachable_namenode_is_a_connection_error_naming_it(tmp_path):
         with pytest.raises(ConnectionError) as ei:
             ckpt.tiers.RemoteTier(url, opts)
         assert ei.value.errno == errno.ETIMEDOUT and f"namenode 127.0.0.1:{dead}" in str(ei.value)
-        with ckpt.Checkpointer(url, storage_options=opts, local_dir=tmp_path) as ck:  # a job goes on locally
+        with ckpt.Checkpointer(
+            storage=ckpt.Storage(url=url, storage_options=opts, local_dir=tmp_path)
+        ) as ck:  # a job goes on locally
             assert ck.remote.status.available is False
             h = ck.save(1, _state(1.0))
             h.wait("local")

@@ -48,11 +48,9 @@ def test_expected_loss_fraction():
 def test_checkpointer_with_auto_interval_saves_by_the_injected_clock(local_dir):
     now = [0.0]
     with ckpt.Checkpointer(
-        local_dir=local_dir,
-        interval="auto",
-        mtbf=10_000,
+        storage=ckpt.Storage(local_dir=local_dir),
+        policy=ckpt.Policy(interval="auto", mtbf=10_000, keep=ckpt.Retention(local=None)),
         clock=lambda: now[0],
-        keep=ckpt.Retention(local=None),
     ) as ck:
         w = torch.zeros(10)
         assert ck.maybe_save(0, {"w": w}) is not None  # the first save measures the cost
@@ -68,11 +66,14 @@ def test_checkpointer_with_auto_interval_saves_by_the_injected_clock(local_dir):
 
 def test_auto_interval_arguments(local_dir):
     with pytest.raises(ValueError, match="mtbf"):
-        ckpt.Checkpointer(local_dir=local_dir, interval="auto")
+        ckpt.Checkpointer(storage=ckpt.Storage(local_dir=local_dir), policy=ckpt.Policy(interval="auto"))
     with pytest.raises(ValueError, match="every_steps"):
-        ckpt.Checkpointer(local_dir=local_dir, interval="auto", mtbf=10, every_steps=5)
+        ckpt.Checkpointer(
+            storage=ckpt.Storage(local_dir=local_dir),
+            policy=ckpt.Policy(interval="auto", mtbf=10, every_steps=5),
+        )
     with pytest.raises(ValueError, match="interval_report"):
-        ckpt.Checkpointer(local_dir=local_dir).interval_report()
+        ckpt.Checkpointer(storage=ckpt.Storage(local_dir=local_dir)).interval_report()
 
 
 def test_a_tiers_cadence_comes_from_the_slowdown_its_writes_cause():
@@ -99,13 +100,14 @@ def test_a_tiers_cadence_comes_from_the_slowdown_its_writes_cause():
 def test_interval_auto_gives_each_tier_without_a_cadence_its_own(tmp_path):
     now = [0.0]
     with ckpt.Checkpointer(
-        tmp_path.joinpath("remote").as_uri(),
-        local_dir=tmp_path / "local",
-        interval="auto",
-        mtbf={"memory": 600, "remote": 86_400},
-        persist_every={"remote": 1000},
+        storage=ckpt.Storage(url=tmp_path.joinpath("remote").as_uri(), local_dir=tmp_path / "local"),
+        policy=ckpt.Policy(
+            interval="auto",
+            mtbf={"memory": 600, "remote": 86_400},
+            persist_every={"remote": 1000},
+            if_busy="wait",
+        ),
         clock=lambda: now[0],
-        if_busy="wait",
     ) as ck:
         w = torch.zeros(10)
         for step in range(30):
@@ -122,6 +124,12 @@ def test_interval_auto_gives_each_tier_without_a_cadence_its_own(tmp_path):
 
 def test_mtbf_per_tier_is_checked(local_dir):
     with pytest.raises(ValueError):
-        ckpt.Checkpointer(local_dir=local_dir, interval="auto", mtbf={"local": 100})  # no "memory"
+        ckpt.Checkpointer(
+            storage=ckpt.Storage(local_dir=local_dir),
+            policy=ckpt.Policy(interval="auto", mtbf={"local": 100}),
+        )  # no "memory"
     with pytest.raises(ValueError):
-        ckpt.Checkpointer(local_dir=local_dir, interval="auto", mtbf={"memory": 100, "disk": 5})
+        ckpt.Checkpointer(
+            storage=ckpt.Storage(local_dir=local_dir),
+            policy=ckpt.Policy(interval="auto", mtbf={"memory": 100, "disk": 5}),
+        )

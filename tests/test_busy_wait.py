@@ -69,7 +69,7 @@ def test_a_save_during_the_background_allocation_is_skipped_after_the_bound(
 ):
     with (
         knobs.override(CKPT_BUSY_WAIT_MS=BOUND_MS),
-        ckpt.Checkpointer(local_dir=local_dir, every_steps=1) as ck,
+        ckpt.Checkpointer(storage=ckpt.Storage(local_dir=local_dir), policy=ckpt.Policy(every_steps=1)) as ck,
     ):
         t0 = time.monotonic()
         handle = ck.maybe_save(1, _state())  # starts the allocation, then finds no buffer yet
@@ -88,7 +88,7 @@ def test_a_save_during_the_background_allocation_is_skipped_after_the_bound(
 def test_a_save_after_the_background_allocation_finished_is_taken(local_dir, slow_allocation):
     with (
         knobs.override(CKPT_BUSY_WAIT_MS=BOUND_MS),
-        ckpt.Checkpointer(local_dir=local_dir, every_steps=1) as ck,
+        ckpt.Checkpointer(storage=ckpt.Storage(local_dir=local_dir), policy=ckpt.Policy(every_steps=1)) as ck,
     ):
         assert ck.maybe_save(1, _state()).status == "skipped"
         slow_allocation.finish()
@@ -104,7 +104,7 @@ def test_a_save_waits_for_the_background_allocation_within_the_bound(local_dir, 
     threading.Timer(1.0, slow_allocation.finish).start()  # an allocation of 1 s, well within the bound
     with (
         knobs.override(CKPT_BUSY_WAIT_MS=int(SLOW_S * 1000) + 30_000),
-        ckpt.Checkpointer(local_dir=local_dir, every_steps=1) as ck,
+        ckpt.Checkpointer(storage=ckpt.Storage(local_dir=local_dir), policy=ckpt.Policy(every_steps=1)) as ck,
     ):
         assert ck.maybe_save(1, _state()).wait().status == "done"
         ck.pool._prepared.join(60)
@@ -114,7 +114,9 @@ def test_a_save_waits_for_the_background_allocation_within_the_bound(local_dir, 
 def test_an_explicit_save_during_the_background_allocation_waits_and_is_taken(local_dir, slow_allocation):
     with (
         knobs.override(CKPT_BUSY_WAIT_MS=BOUND_MS),
-        ckpt.Checkpointer(local_dir=local_dir, every_steps=50) as ck,
+        ckpt.Checkpointer(
+            storage=ckpt.Storage(local_dir=local_dir), policy=ckpt.Policy(every_steps=50)
+        ) as ck,
     ):
         assert ck.maybe_save(1, _state()) is None  # not due: starts the allocation only
         handle = ck.save(2, _state())
@@ -126,7 +128,9 @@ def test_a_requested_save_during_the_background_allocation_waits_and_is_taken(lo
     signals = ckpt.Signals(save=(signal.SIGUSR1,))
     with (
         knobs.override(CKPT_BUSY_WAIT_MS=BOUND_MS),
-        ckpt.Checkpointer(local_dir=local_dir, every_steps=50, signals=signals) as ck,
+        ckpt.Checkpointer(
+            storage=ckpt.Storage(local_dir=local_dir), policy=ckpt.Policy(every_steps=50), signals=signals
+        ) as ck,
     ):
         assert ck.maybe_save(1, _state()) is None  # not due: starts the allocation only
         os.kill(os.getpid(), signal.SIGUSR1)
@@ -140,7 +144,9 @@ def test_a_requested_save_during_the_background_allocation_waits_and_is_taken(lo
 def test_if_busy_wait_never_skips_during_the_background_allocation(local_dir, slow_allocation):
     with (
         knobs.override(CKPT_BUSY_WAIT_MS=BOUND_MS),
-        ckpt.Checkpointer(local_dir=local_dir, every_steps=1, if_busy="wait") as ck,
+        ckpt.Checkpointer(
+            storage=ckpt.Storage(local_dir=local_dir), policy=ckpt.Policy(every_steps=1, if_busy="wait")
+        ) as ck,
     ):
         threading.Timer(
             2 * BOUND_MS / 1000, slow_allocation.finish
@@ -166,7 +172,9 @@ def test_a_save_finding_every_buffer_held_is_skipped_after_the_bound(local_dir, 
     tier = _GatedTier(local_dir)
     with (
         knobs.override(CKPT_BUSY_WAIT_MS=BOUND_MS),
-        ckpt.Checkpointer(local_dir=tier, every_steps=1, max_in_flight=1) as ck,
+        ckpt.Checkpointer(
+            storage=ckpt.Storage(local_dir=tier, max_in_flight=1), policy=ckpt.Policy(every_steps=1)
+        ) as ck,
     ):
         first = ck.maybe_save(1, _state())
         assert tier.started.wait(
@@ -189,7 +197,9 @@ def test_a_save_takes_a_buffer_a_tier_lets_go_of_within_the_bound(local_dir):
     tier = _GatedTier(local_dir)
     with (
         knobs.override(CKPT_BUSY_WAIT_MS=30_000),
-        ckpt.Checkpointer(local_dir=tier, every_steps=1, max_in_flight=1) as ck,
+        ckpt.Checkpointer(
+            storage=ckpt.Storage(local_dir=tier, max_in_flight=1), policy=ckpt.Policy(every_steps=1)
+        ) as ck,
     ):
         first = ck.maybe_save(1, _state())
         assert tier.started.wait(60)
@@ -204,7 +214,9 @@ def test_repeated_skips_for_one_cause_warn_once_then_log_at_info(local_dir, capl
     caplog.set_level(logging.INFO, logger="ckpt.api")
     with (
         knobs.override(CKPT_BUSY_WAIT_MS=50),
-        ckpt.Checkpointer(local_dir=tier, every_steps=1, max_in_flight=1) as ck,
+        ckpt.Checkpointer(
+            storage=ckpt.Storage(local_dir=tier, max_in_flight=1), policy=ckpt.Policy(every_steps=1)
+        ) as ck,
     ):
         first = ck.maybe_save(1, _state())
         assert tier.started.wait(60)
@@ -250,7 +262,11 @@ def test_interval_auto_takes_its_first_snapshot_once_the_buffers_are_there_and_n
     # allocation (a one-time cost) never becomes the snapshot's measured cost
     monkeypatch.setattr(pool_mod, "_ALLOC_GBPS", 1e-9)
     clock = [0.0]
-    with ckpt.Checkpointer(local_dir=local_dir, interval="auto", mtbf=3600, clock=lambda: clock[0]) as ck:
+    with ckpt.Checkpointer(
+        storage=ckpt.Storage(local_dir=local_dir),
+        policy=ckpt.Policy(interval="auto", mtbf=3600),
+        clock=lambda: clock[0],
+    ) as ck:
         t0 = time.monotonic()
         first = ck.maybe_save(1, _state())  # starts the allocation: its first moments may still take a skip
         assert first is None or first.status == "skipped"
@@ -266,7 +282,9 @@ def test_interval_auto_takes_its_first_snapshot_once_the_buffers_are_there_and_n
             handle = ck.maybe_save(step, _state())
         assert handle is not None and handle.status != "skipped" and ck.skipped == skipped
         handle.wait()
-    with ckpt.Checkpointer(local_dir=local_dir / "b", interval="auto", mtbf=3600) as ck:
+    with ckpt.Checkpointer(
+        storage=ckpt.Storage(local_dir=local_dir / "b"), policy=ckpt.Policy(interval="auto", mtbf=3600)
+    ) as ck:
         ck.save(1, _state()).wait()  # an explicit first save allocates its buffer itself (SLOW_S)
         assert ck.history[-1].stall_s >= SLOW_S
         assert ck.interval_report()["cost_s"] < SLOW_S / 4  # the allocation is not the snapshot's cost
@@ -277,7 +295,10 @@ def test_a_save_skips_at_once_when_the_first_buffer_cannot_be_there_within_the_b
 ):
     # the first buffer's allocation needs far longer than the bound (a slow rate for its size): no wait at all
     monkeypatch.setattr(pool_mod, "_ALLOC_GBPS", 1e-9)
-    with knobs.override(CKPT_BUSY_WAIT_MS=3000), ckpt.Checkpointer(local_dir=local_dir, every_steps=1) as ck:
+    with (
+        knobs.override(CKPT_BUSY_WAIT_MS=3000),
+        ckpt.Checkpointer(storage=ckpt.Storage(local_dir=local_dir), policy=ckpt.Policy(every_steps=1)) as ck,
+    ):
         t0 = time.monotonic()
         handle = ck.maybe_save(1, _state())
         assert handle.status == "skipped" and time.monotonic() - t0 < 1.5

@@ -11,7 +11,9 @@ from ckpt.cli import main
 
 
 def _two_steps(local_dir):
-    with ckpt.Checkpointer(local_dir=local_dir, keep=ckpt.Retention(local=None)) as ck:
+    with ckpt.Checkpointer(
+        storage=ckpt.Storage(local_dir=local_dir), policy=ckpt.Policy(keep=ckpt.Retention(local=None))
+    ) as ck:
         for s in (1, 2):
             ck.save(s, {"w": torch.full((1000,), float(s)), "note": "x"}).wait()
 
@@ -113,7 +115,9 @@ def _run_on_a_terminal(*args: str) -> tuple[int, str, str]:
 def tiers(tmp_path):
     """A local_dir with steps 1 and 2 of 3 MB each, step 2 also on a file:// remote tier."""
     local = tmp_path / "local"
-    with ckpt.Checkpointer(local_dir=local, keep=ckpt.Retention(local=None)) as ck:
+    with ckpt.Checkpointer(
+        storage=ckpt.Storage(local_dir=local), policy=ckpt.Policy(keep=ckpt.Retention(local=None))
+    ) as ck:
         for s in (1, 2):
             ck.save(s, {"w": torch.full((750_000,), float(s)), "note": "x"}).wait()
     url = f"file://{tmp_path}/remote"
@@ -201,7 +205,9 @@ def test_ls_shows_tiers_age_and_which_step_a_restore_picks(tiers):
 
 
 def test_ls_never_marks_the_abandoned_branch(local_dir):
-    with ckpt.Checkpointer(local_dir=local_dir, keep=ckpt.Retention(local=None)) as ck:
+    with ckpt.Checkpointer(
+        storage=ckpt.Storage(local_dir=local_dir), policy=ckpt.Policy(keep=ckpt.Retention(local=None))
+    ) as ck:
         for s in (1, 2, 3):
             ck.save(s, {"w": torch.zeros(3)}).wait()
         ck.restore({"w": torch.zeros(3)}, step=1)  # a rollback: the next save starts timeline 1

@@ -46,7 +46,9 @@ def dirs(tmp_path_factory):
     out = {}
     for name in ("good", "corrupt", "truncated", "nodata"):
         d = root / name
-        with ckpt.Checkpointer(local_dir=d, keep=ckpt.Retention(local=None)) as ck:
+        with ckpt.Checkpointer(
+            storage=ckpt.Storage(local_dir=d), policy=ckpt.Policy(keep=ckpt.Retention(local=None))
+        ) as ck:
             for s in (1, 2):
                 ck.save(s, {"w": torch.full((5000,), float(s))}).wait()
         out[name] = d

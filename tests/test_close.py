@@ -63,7 +63,7 @@ class FailingRemote(RemoteTier):
 
 
 def test_close_frees_the_host_buffer(local_dir):
-    ck = ckpt.Checkpointer(local_dir=local_dir)
+    ck = ckpt.Checkpointer(storage=ckpt.Storage(local_dir=local_dir))
     ck.save(1, {"w": torch.randn(100_000)}).wait()
     refs = storage_of(ck)
     assert refs and not any(r.expired() for r in refs)  # the memory tier keeps it between saves
@@ -74,7 +74,7 @@ def test_close_frees_the_host_buffer(local_dir):
 
 def test_a_buffer_still_persisting_at_close_is_freed_when_its_persist_ends(tmp_path):
     go, entered = threading.Event(), threading.Event()
-    ck = ckpt.Checkpointer(local_dir=SlowLocal(tmp_path / "l", go, entered))
+    ck = ckpt.Checkpointer(storage=ckpt.Storage(local_dir=SlowLocal(tmp_path / "l", go, entered)))
     ck.save(1, {"w": torch.randn(100_000)})
     assert entered.wait(60)
     refs = storage_of(ck)
@@ -104,7 +104,7 @@ def test_the_pool_frees_a_busy_buffer_when_it_is_released_after_close():
 
 
 def test_a_failed_save_does_not_keep_the_buffer_alive_after_close(tmp_path):
-    ck = ckpt.Checkpointer(local_dir=FullLocal(tmp_path / "l"))
+    ck = ckpt.Checkpointer(storage=ckpt.Storage(local_dir=FullLocal(tmp_path / "l")))
     h = ck.save(1, {"w": torch.randn(100_000)})
     with pytest.raises(OSError) as info:
         h.wait()
@@ -116,7 +116,7 @@ def test_a_failed_save_does_not_keep_the_buffer_alive_after_close(tmp_path):
 
 
 def test_a_closed_checkpointer_is_safe_to_drop(local_dir):
-    ck = ckpt.Checkpointer(local_dir=local_dir)
+    ck = ckpt.Checkpointer(storage=ckpt.Storage(local_dir=local_dir))
     ck.save(1, {"w": torch.randn(1000)}).wait()
     workers = [lane.thread for lane in ck._pipeline.lanes.values()]
     ck.close()
@@ -133,7 +133,7 @@ def test_a_closed_checkpointer_is_safe_to_drop(local_dir):
 
 
 def test_an_error_raised_by_handle_wait_is_not_raised_again_at_the_end_of_the_with_block(tmp_path):
-    with ckpt.Checkpointer(local_dir=FullLocal(tmp_path / "l")) as ck:
+    with ckpt.Checkpointer(storage=ckpt.Storage(local_dir=FullLocal(tmp_path / "l"))) as ck:
         h = ck.save(1, {"w": torch.randn(1000)})
         with pytest.raises(OSError):
             h.wait()
@@ -141,7 +141,7 @@ def test_an_error_raised_by_handle_wait_is_not_raised_again_at_the_end_of_the_wi
 
 
 def test_wait_reports_every_failed_save_but_close_does_not_repeat_it(tmp_path):
-    with ckpt.Checkpointer(local_dir=FullLocal(tmp_path / "l")) as ck:
+    with ckpt.Checkpointer(storage=ckpt.Storage(local_dir=FullLocal(tmp_path / "l"))) as ck:
         h = ck.save(1, {"w": torch.randn(1000)})
         with pytest.raises(OSError):
             h.wait()
@@ -150,7 +150,7 @@ def test_wait_reports_every_failed_save_but_close_does_not_repeat_it(tmp_path):
 
 
 def test_an_error_nobody_saw_is_raised_at_close(tmp_path):
-    ck = ckpt.Checkpointer(local_dir=FullLocal(tmp_path / "l"))
+    ck = ckpt.Checkpointer(storage=ckpt.Storage(local_dir=FullLocal(tmp_path / "l")))
     h = ck.save(1, {"w": torch.randn(1000)})
     while not h.done():
         h._all.wait(1)
@@ -160,7 +160,7 @@ def test_an_error_nobody_saw_is_raised_at_close(tmp_path):
 
 
 def test_an_error_the_library_waited_on_internally_is_still_raised_at_close(tmp_path):
-    ck = ckpt.Checkpointer(local_dir=FullLocal(tmp_path / "l"))
+    ck = ckpt.Checkpointer(storage=ckpt.Storage(local_dir=FullLocal(tmp_path / "l")))
     ck.save(1, {"w": torch.randn(1000)})
     ck.restore({"w": torch.empty(1000)})  # waits for the save internally, without raising its error
     with pytest.raises(OSError):
@@ -169,7 +169,7 @@ def test_an_error_the_library_waited_on_internally_is_still_raised_at_close(tmp_
 
 def test_seeing_one_tier_fail_does_not_hide_another_tiers_failure(tmp_path):
     remote = FailingRemote(f"file://{tmp_path}/r")
-    ck = ckpt.Checkpointer(remote, local_dir=FullLocal(tmp_path / "l"))
+    ck = ckpt.Checkpointer(storage=ckpt.Storage(url=remote, local_dir=FullLocal(tmp_path / "l")))
     h = ck.save(1, {"w": torch.randn(1000)})
     with pytest.raises(OSError) as seen:
         h.wait("local")
@@ -187,7 +187,7 @@ def _state(nbytes: int) -> dict:
 
 
 def test_host_memory_error_after_the_state_grew_reports_what_is_allocated(local_dir):
-    with ckpt.Checkpointer(local_dir=local_dir, host_memory_limit=3 * MiB) as ck:
+    with ckpt.Checkpointer(storage=ckpt.Storage(local_dir=local_dir, host_memory_limit=3 * MiB)) as ck:
         ck.save(1, _state(MiB)).wait()
         assert ck.pool.nbytes == 2 * MiB
         with pytest.raises(ckpt.HostMemoryError) as info:
@@ -204,7 +204,9 @@ def test_host_memory_error_after_the_state_grew_reports_what_is_allocated(local_
 
 
 def test_host_memory_error_counts_every_buffer(local_dir):
-    with ckpt.Checkpointer(local_dir=local_dir, host_memory_limit=5 * MiB, max_in_flight=2) as ck:
+    with ckpt.Checkpointer(
+        storage=ckpt.Storage(local_dir=local_dir, host_memory_limit=5 * MiB, max_in_flight=2)
+    ) as ck:
         go = [ck.save(s, _state(MiB)) for s in (1, 2)]  # two buffers of 2 MiB (one may still be busy)
         for h in go:
             h.wait()
@@ -226,7 +228,7 @@ def test_a_grown_state_frees_the_smaller_buffer_before_allocating_the_new_one(lo
             super().__init__(nbytes, pin, **kwargs)
 
     # one buffer: with two, the newest snapshot's buffer stays whole while the grown state takes the other
-    with ckpt.Checkpointer(local_dir=local_dir, max_in_flight=1) as ck:
+    with ckpt.Checkpointer(storage=ckpt.Storage(local_dir=local_dir, max_in_flight=1)) as ck:
         ck.save(1, _state(MiB)).wait()
         old = storage_of(ck)
         monkeypatch.setattr(pool_mod, "HostBuffer", Spy)
@@ -286,7 +288,7 @@ def test_a_process_that_exits_during_the_background_allocation_exits_cleanly(tmp
         atexit.register(lambda: print("left", sorted(t.name for t in threading.enumerate()
                                                      if t.name.startswith("ckpt-")), flush=True))
         state = {{"w": torch.nn.Parameter(torch.randn(2 << 20))}}
-        ck = ckpt.Checkpointer(local_dir=sys.argv[1], every_steps=1)
+        ck = ckpt.Checkpointer(storage=ckpt.Storage(local_dir=sys.argv[1]), policy=ckpt.Policy(every_steps=1))
         ck.maybe_save(0, state)   # starts the background allocation (8 MiB in 128 paced pieces)
         if {closes}:
             ck.close()
@@ -319,7 +321,10 @@ def test_no_thread_of_ours_outlives_close(tmp_path):
 
     before = ours()
     state = {"w": torch.nn.Parameter(torch.randn(1000))}
-    with ckpt.Checkpointer(f"file://{tmp_path}/r", local_dir=tmp_path / "l", every_steps=1) as ck:
+    with ckpt.Checkpointer(
+        storage=ckpt.Storage(url=f"file://{tmp_path}/r", local_dir=tmp_path / "l"),
+        policy=ckpt.Policy(every_steps=1),
+    ) as ck:
         for step in range(4):
             ck.maybe_save(step, state)
         ck.wait()  # the tiers let go of the buffers (an explicit save finding none free would be skipped)

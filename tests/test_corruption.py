@@ -15,7 +15,9 @@ from ckpt import knobs
 def _save_steps(local_dir, steps=(1, 2), numel=50_000):
     with (
         knobs.override(CKPT_CHUNK_BYTES=64 << 10),
-        ckpt.Checkpointer(local_dir=local_dir, keep=ckpt.Retention(local=None)) as ck,
+        ckpt.Checkpointer(
+            storage=ckpt.Storage(local_dir=local_dir), policy=ckpt.Policy(keep=ckpt.Retention(local=None))
+        ) as ck,
     ):
         for s in steps:
             ck.save(s, {"w": torch.full((numel,), float(s)), "step": s}).wait()
@@ -23,7 +25,7 @@ def _save_steps(local_dir, steps=(1, 2), numel=50_000):
 
 def _restore(local_dir):
     target = {"w": torch.zeros(50_000), "step": None}
-    with ckpt.Checkpointer(local_dir=local_dir) as ck:
+    with ckpt.Checkpointer(storage=ckpt.Storage(local_dir=local_dir)) as ck:
         step = ck.restore(target)
         return step, target, ck.last_restore
 
@@ -341,7 +343,7 @@ _LIMITED_RESTORE = textwrap.dedent("""
     target = {"w": torch.zeros(50_000), "step": None}
     with warnings.catch_warnings(record=True) as w:
         warnings.simplefilter("always")
-        with ckpt.Checkpointer(local_dir=sys.argv[1]) as ck:
+        with ckpt.Checkpointer(storage=ckpt.Storage(local_dir=sys.argv[1])) as ck:
             step = ck.restore(target)
             skipped = ck.last_restore.skipped
     print(json.dumps({"step": step, "w": float(target["w"][0]), "skipped": skipped,

@@ -64,7 +64,7 @@ def test_a_dtensor_round_trips_in_place_with_its_layout_checked(local_dir, one_r
 
     w = distribute_tensor(torch.randn(6, 4), one_rank, [Shard(0)])
     saved = w.full_tensor().clone()
-    with ckpt.Checkpointer(local_dir=local_dir) as ck:
+    with ckpt.Checkpointer(storage=ckpt.Storage(local_dir=local_dir)) as ck:
         ck.save(1, {"w": w}).wait()
         w.to_local().zero_()
         assert ck.restore({"w": w}) == 1
@@ -82,7 +82,7 @@ def test_a_partial_dtensor_is_refused_with_what_to_do(local_dir, one_rank):
     from torch.distributed.tensor import DTensor, Partial
 
     p = DTensor.from_local(torch.ones(3), one_rank, [Partial()])
-    with ckpt.Checkpointer(local_dir=local_dir) as ck:
+    with ckpt.Checkpointer(storage=ckpt.Storage(local_dir=local_dir)) as ck:
         with pytest.raises(ckpt.RefusedStateError) as ei:
             ck.save(1, {"opt": {"m": p}})
         assert ei.value.path == "opt/m"
@@ -103,7 +103,7 @@ def test_a_stepped_optimizers_dtensor_state_stays_dtensor_after_restore(local_di
         opt.zero_grad()
 
     step()
-    with ckpt.Checkpointer(local_dir=local_dir) as ck:
+    with ckpt.Checkpointer(storage=ckpt.Storage(local_dir=local_dir)) as ck:
         ck.save(1, {"p": p, "opt": opt}).wait()
         saved = opt.state[p]["exp_avg"].full_tensor().clone()
         ck.wait_staged()

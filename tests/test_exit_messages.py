@@ -50,7 +50,8 @@ def test_ctrl_c_in_the_with_block_says_once_what_it_waits_for_and_what_ram_it_ke
     code = _LOOP.replace(
         # if_busy="wait": a loaded machine's skipped snapshot would say so on the same logger
         "{open}",
-        "with ckpt.Checkpointer(local_dir=sys.argv[1], every_steps=1, if_busy='wait') as ck:\n if True:",
+        "with ckpt.Checkpointer(storage=ckpt.Storage(local_dir=sys.argv[1]),"
+        " policy=ckpt.Policy(every_steps=1, if_busy='wait')) as ck:\n if True:",
     )
     code = (
         code.replace("\nfor step", "\n  for step")
@@ -76,7 +77,12 @@ def test_ctrl_c_in_the_with_block_says_once_what_it_waits_for_and_what_ram_it_ke
 
 
 def test_a_process_that_never_closes_says_what_ram_it_keeps(tmp_path):
-    out = _run(tmp_path, "ck = ckpt.Checkpointer(local_dir=sys.argv[1], every_steps=1)", "sys.exit(0)")
+    out = _run(
+        tmp_path,
+        "ck = ckpt.Checkpointer(storage=ckpt.Storage(local_dir=sys.argv[1]),"
+        " policy=ckpt.Policy(every_steps=1))",
+        "sys.exit(0)",
+    )
     assert out.returncode == 0, out.stderr
     kept = [line for line in out.stderr.splitlines() if line.startswith("WARNING ckpt.tiers.memory")]
     assert len(kept) == 1, out.stderr
@@ -86,7 +92,10 @@ def test_a_process_that_never_closes_says_what_ram_it_keeps(tmp_path):
 
 def test_a_clean_close_keeps_no_ram_and_says_nothing(tmp_path):
     out = _run(
-        tmp_path, "ck = ckpt.Checkpointer(local_dir=sys.argv[1], every_steps=1)", "ck.close(); sys.exit(0)"
+        tmp_path,
+        "ck = ckpt.Checkpointer(storage=ckpt.Storage(local_dir=sys.argv[1]),"
+        " policy=ckpt.Policy(every_steps=1))",
+        "ck.close(); sys.exit(0)",
     )
     assert out.returncode == 0, out.stderr
     assert not [line for line in out.stderr.splitlines() if line.startswith("WARNING")], out.stderr

@@ -61,7 +61,10 @@ def _state(seed: int = 0) -> dict:
 
 
 def _save(local_dir: Path, state: dict, steps=(5,), url: str | None = None) -> None:
-    with ckpt.Checkpointer(local_dir=local_dir, url=url, keep=ckpt.Retention(local=None, remote=None)) as ck:
+    with ckpt.Checkpointer(
+        storage=ckpt.Storage(local_dir=local_dir, url=url),
+        policy=ckpt.Policy(keep=ckpt.Retention(local=None, remote=None)),
+    ) as ck:
         for s in steps:
             ck.save(s, state).wait()
 
@@ -247,7 +250,9 @@ def test_nothing_is_unpickled_while_exporting(tmp_path, monkeypatch):
 
 
 def test_default_step_is_the_newest_of_the_live_branch_and_step_picks_another(tmp_path):
-    with ckpt.Checkpointer(local_dir=tmp_path / "ck", keep=ckpt.Retention(local=None)) as ck:
+    with ckpt.Checkpointer(
+        storage=ckpt.Storage(local_dir=tmp_path / "ck"), policy=ckpt.Policy(keep=ckpt.Retention(local=None))
+    ) as ck:
         for s in (1, 2, 3):
             ck.save(s, {"w": torch.full((4,), float(s))}).wait()
         ck.restore({"w": torch.zeros(4)}, step=1)  # a rollback: 2 and 3 become the abandoned branch
@@ -287,7 +292,9 @@ def test_export_from_s3(tmp_path, s3_bucket):
     opts = storage_options(port)
     url = f"s3://{bucket}/run"
     state = _state()
-    with ckpt.Checkpointer(url, local_dir=tmp_path / "ck", storage_options=opts) as ck:
+    with ckpt.Checkpointer(
+        storage=ckpt.Storage(url=url, local_dir=tmp_path / "ck", storage_options=opts)
+    ) as ck:
         ck.save(5, state).wait()
     info = ckpt.export(url, tmp_path / "out", storage_options=opts, format="torch", key="model")
     assert info.source == url
@@ -624,7 +631,7 @@ def test_hf_export_finds_the_model_under_the_lightning_keys(tmp_path, layout):
         if layout == "module"
         else {"state_dict": lit.state_dict(), "epoch": 1, "global_step": 3}
     )
-    with ckpt.Checkpointer(local_dir=tmp_path / "ck") as ck:
+    with ckpt.Checkpointer(storage=ckpt.Storage(local_dir=tmp_path / "ck")) as ck:
         ck.save(3, state).wait()
     info = ckpt.export(tmp_path / "ck", tmp_path / "hf", format="hf", config=config)
     assert info.key == layout
@@ -634,7 +641,7 @@ def test_hf_export_finds_the_model_under_the_lightning_keys(tmp_path, layout):
 
 
 def test_hf_export_without_any_model_key_names_the_key_to_pass(tmp_path):
-    with ckpt.Checkpointer(local_dir=tmp_path / "ck") as ck:
+    with ckpt.Checkpointer(storage=ckpt.Storage(local_dir=tmp_path / "ck")) as ck:
         ck.save(1, {"net": nn.Linear(2, 2)}).wait()
     with pytest.raises(ValueError):
         ckpt.export(tmp_path / "ck", tmp_path / "hf", format="hf", config={"model_type": "llama"})

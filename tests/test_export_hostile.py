@@ -67,7 +67,9 @@ _STAGE_RE = re.compile(r"^\.out\.export-\d+-[0-9a-f]{8}$")
 
 
 def _save(local_dir: Path, state: dict, step: int = 5) -> None:
-    with ckpt.Checkpointer(local_dir=local_dir, keep=ckpt.Retention(local=None)) as ck:
+    with ckpt.Checkpointer(
+        storage=ckpt.Storage(local_dir=local_dir), policy=ckpt.Policy(keep=ckpt.Retention(local=None))
+    ) as ck:
         ck.save(step, state).wait()
 
 
@@ -900,7 +902,9 @@ def _kill_state(tmp_path: Path) -> tuple[Path, dict, dict]:
     torch.manual_seed(0)
     old = {f"t{i}": torch.randn(400) for i in range(8)}
     new = {k: v + 1 for k, v in old.items()}
-    with ckpt.Checkpointer(local_dir=tmp_path / "ck", keep=ckpt.Retention(local=None)) as ck:
+    with ckpt.Checkpointer(
+        storage=ckpt.Storage(local_dir=tmp_path / "ck"), policy=ckpt.Policy(keep=ckpt.Retention(local=None))
+    ) as ck:
         ck.save(3, old).wait()
         ck.save(5, new).wait()
     return tmp_path / "ck", old, new

@@ -28,7 +28,9 @@ class FullDiskTier(LocalTier):
 def test_a_full_disk_fails_the_save_clearly_while_training_goes_on(local_dir, caplog):
     tier = FullDiskTier(local_dir)
     w = torch.zeros(10_000)
-    with ckpt.Checkpointer(local_dir=tier, keep=ckpt.Retention(local=1)) as ck:
+    with ckpt.Checkpointer(
+        storage=ckpt.Storage(local_dir=tier), policy=ckpt.Policy(keep=ckpt.Retention(local=1))
+    ) as ck:
         ck.save(1, {"w": w}).wait()
         tier.full = True
         w.fill_(2)
@@ -47,7 +49,7 @@ def test_a_full_disk_fails_the_save_clearly_while_training_goes_on(local_dir, ca
         tier.full = False  # space freed: the next save works again
         ck.save(3, {"w": w}).wait()
     out = {"w": torch.empty(10_000)}
-    with ckpt.Checkpointer(local_dir=local_dir) as ck:
+    with ckpt.Checkpointer(storage=ckpt.Storage(local_dir=local_dir)) as ck:
         assert ck.restore(out) == 3
 
 
@@ -55,18 +57,18 @@ def test_the_error_reaches_the_caller_at_the_end_of_the_with_block(local_dir):
     tier = FullDiskTier(local_dir)
     tier.full = True
     with pytest.raises(OSError, match="No space left"):
-        with ckpt.Checkpointer(local_dir=tier) as ck:
+        with ckpt.Checkpointer(storage=ckpt.Storage(local_dir=tier)) as ck:
             ck.save(1, {"w": torch.zeros(100)})
 
 
 def test_a_local_dir_that_cannot_be_a_directory_is_an_os_error(tmp_path):
     (tmp_path / "file").write_text("x")
     with pytest.raises(OSError):
-        ckpt.Checkpointer(local_dir=tmp_path / "file" / "sub")
+        ckpt.Checkpointer(storage=ckpt.Storage(local_dir=tmp_path / "file" / "sub"))
 
 
 def test_host_memory_limit_gives_a_clear_error_and_nothing_is_written(local_dir):
-    with ckpt.Checkpointer(local_dir=local_dir, host_memory_limit=1 << 20) as ck:
+    with ckpt.Checkpointer(storage=ckpt.Storage(local_dir=local_dir, host_memory_limit=1 << 20)) as ck:
         with pytest.raises(ckpt.HostMemoryError, match="host_memory_limit"):
             ck.save(1, {"w": torch.zeros(1 << 20)})
         assert ck.list() == []

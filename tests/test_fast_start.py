@@ -84,7 +84,9 @@ def _saved(build, local_dir) -> tuple[nn.Module, torch.optim.Optimizer]:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     for s in (1, 2):
         _step(model, opt, s)
-    with ckpt.Checkpointer(local_dir=local_dir, every_steps=1) as ck:
+    with ckpt.Checkpointer(
+        storage=ckpt.Storage(local_dir=local_dir), policy=ckpt.Policy(every_steps=1)
+    ) as ck:
         ck.save(2, {"model": model, "optim": opt})
         ck.wait()
     return model, opt
@@ -92,7 +94,9 @@ def _saved(build, local_dir) -> tuple[nn.Module, torch.optim.Optimizer]:
 
 def _restarted(build, local_dir) -> tuple[nn.Module, torch.optim.Optimizer, int | None, bool]:
     """The recipe of the launchers guide: build empty when a restore will fill the model."""
-    with ckpt.Checkpointer(local_dir=local_dir, every_steps=1) as ck:
+    with ckpt.Checkpointer(
+        storage=ckpt.Storage(local_dir=local_dir), policy=ckpt.Policy(every_steps=1)
+    ) as ck:
         restoring = ck.restorable()
         torch.manual_seed(1)  # another seed: nothing of the restored model may come from the build
         with ckpt.empty_params(restoring):

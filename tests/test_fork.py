@@ -37,7 +37,7 @@ def test_a_child_forked_mid_save_with_the_pipelines_lock_held_exits_at_once(loca
     monkeypatch.setattr(LocalTier, "write", held)
     state = {"w": torch.randn(1 << 16)}
     ctx = mp.get_context("fork")
-    with ckpt.Checkpointer(local_dir=local_dir) as ck:
+    with ckpt.Checkpointer(storage=ckpt.Storage(local_dir=local_dir)) as ck:
         handle = ck.save(1, state)  # its local write waits for the gate: in flight at the fork
         ck.wait_staged()
         locked, release = threading.Event(), threading.Event()
@@ -67,6 +67,8 @@ def test_a_child_forked_mid_save_with_the_pipelines_lock_held_exits_at_once(loca
         handle.wait()
         got = {"w": torch.zeros(1 << 16)}
         assert ck.restore(got) == 1 and torch.equal(got["w"], state["w"])
-    with ckpt.Checkpointer(local_dir=local_dir) as ck:  # committed on disk by the parent
+    with ckpt.Checkpointer(
+        storage=ckpt.Storage(local_dir=local_dir)
+    ) as ck:  # committed on disk by the parent
         got = {"w": torch.zeros(1 << 16)}
         assert ck.restore(got) == 1 and torch.equal(got["w"], state["w"])

@@ -68,16 +68,20 @@ def test_save_and_restore_through_every_tier(tmp_path, mode):
     ref = _state()
     url = f"file://{tmp_path}/remote"
     _enter(mode)
-    with ckpt.Checkpointer(local_dir=tmp_path / "local", url=url) as ck:
+    with ckpt.Checkpointer(storage=ckpt.Storage(local_dir=tmp_path / "local", url=url)) as ck:
         ck.save(1, ref).wait()
         got = _blank()
         assert ck.restore(got) == 1  # this process's memory tier
         _same(ref, got)
-    with ckpt.Checkpointer(local_dir=tmp_path / "local") as ck:  # a new Checkpointer: segments or disk
+    with ckpt.Checkpointer(
+        storage=ckpt.Storage(local_dir=tmp_path / "local")
+    ) as ck:  # a new Checkpointer: segments or disk
         got = _blank()
         assert ck.restore(got) == 1
         _same(ref, got)
-    with ckpt.Checkpointer(local_dir=tmp_path / "fresh", url=url) as ck:  # only the remote tier has it
+    with ckpt.Checkpointer(
+        storage=ckpt.Storage(local_dir=tmp_path / "fresh", url=url)
+    ) as ck:  # only the remote tier has it
         got = _blank()
         assert ck.restore(got) == 1 and ck.last_restore.tier == "remote"
         _same(ref, got)
@@ -115,7 +119,7 @@ def test_a_restore_called_inside_inference_mode(tmp_path, where):
     threads) must still land in the state's normal tensors, and training must go on from them after."""
     m, opt = _module_state()
     url = f"file://{tmp_path}/remote"
-    with ckpt.Checkpointer(local_dir=tmp_path / "local", url=url) as ck:
+    with ckpt.Checkpointer(storage=ckpt.Storage(local_dir=tmp_path / "local", url=url)) as ck:
         ck.save(1, {"model": m, "optim": opt}).wait()
         m2 = torch.nn.Linear(8, 4)
         opt2 = torch.optim.AdamW(m2.parameters(), lr=1e-3)
@@ -125,7 +129,7 @@ def test_a_restore_called_inside_inference_mode(tmp_path, where):
             assert ck.last_restore.tier == "memory"
     if where != "memory":
         with ckpt.Checkpointer(
-            local_dir=tmp_path / ("local" if where == "local" else "fresh"), url=url
+            storage=ckpt.Storage(local_dir=tmp_path / ("local" if where == "local" else "fresh"), url=url)
         ) as ck:
             with torch.inference_mode():
                 assert ck.restore({"model": m2, "optim": opt2}) == 1
@@ -149,9 +153,11 @@ def test_inference_tensors_are_restored_in_place_from_outside_inference_mode(tmp
         stand_in = torch.zeros(16, 32).t()
         got["t"] = stand_in
     ref["t"] = torch.randn(16, 32).t().contiguous()
-    with ckpt.Checkpointer(local_dir=tmp_path / "local2") as ck:
+    with ckpt.Checkpointer(storage=ckpt.Storage(local_dir=tmp_path / "local2")) as ck:
         ck.save(1, ref).wait()
-    with ckpt.Checkpointer(local_dir=tmp_path / "local2") as ck:  # read on the restore's own threads
+    with ckpt.Checkpointer(
+        storage=ckpt.Storage(local_dir=tmp_path / "local2")
+    ) as ck:  # read on the restore's own threads
         assert ck.restore(got) == 1
     assert got["t"] is stand_in and all(torch.equal(got[k], ref[k]) for k in ref)
 

@@ -33,7 +33,7 @@ def test_save_returns_before_the_copy_and_the_optimizer_waits_on_the_gpu(local_d
     torch.cuda.synchronize()
     before = {k: v.clone() for k, v in model.state_dict().items()}
     before_m = [opt.state[p]["exp_avg"].clone() for p in model.parameters()]
-    with ckpt.Checkpointer(local_dir=local_dir) as ck:
+    with ckpt.Checkpointer(storage=ckpt.Storage(local_dir=local_dir)) as ck:
         # two first saves make the two snapshot buffers (host memory allocated and mapped on the caller's thread:
         # its time says nothing of the overlap), then the copy of the third, into a buffer made before, queues behind ~0.5 s of GPU spin
         # on the side stream: a save() that waited for it could not return with the stream still busy
@@ -52,7 +52,7 @@ def test_save_returns_before_the_copy_and_the_optimizer_waits_on_the_gpu(local_d
         assert h.stats.stage_gbps and h.stats.stage_gbps > 1.0
     fresh = _big_model()
     fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=1e-3)
-    with ckpt.Checkpointer(local_dir=local_dir) as ck:
+    with ckpt.Checkpointer(storage=ckpt.Storage(local_dir=local_dir)) as ck:
         assert ck.restore({"model": fresh, "optim": fresh_opt}) == 3
     for k in before:
         assert torch.equal(fresh.state_dict()[k], before[k]), k
@@ -66,7 +66,7 @@ def test_buffers_are_copied_before_the_next_forward(local_dir):
     big = torch.randn(256 << 20, device="cuda")  # 1 GiB queued behind the buffers
     model(torch.randn(64, 4096, device="cuda"))
     before = model[1].running_mean.clone()
-    with ckpt.Checkpointer(local_dir=local_dir) as ck:
+    with ckpt.Checkpointer(storage=ckpt.Storage(local_dir=local_dir)) as ck:
         h = ck.save(1, {"model": model, "big": big})
         model(torch.randn(64, 4096, device="cuda") + 3)
         h.wait()
@@ -77,7 +77,7 @@ def test_buffers_are_copied_before_the_next_forward(local_dir):
 
 def test_an_unfenced_in_place_write_on_the_gpu_fails_the_save(local_dir):
     big = torch.randn(512 << 20, device="cuda")  # 2 GiB: the copy is still running when add_ is issued
-    with ckpt.Checkpointer(local_dir=local_dir) as ck:
+    with ckpt.Checkpointer(storage=ckpt.Storage(local_dir=local_dir)) as ck:
         h = ck.save(1, {"big": big})
         big.add_(1)
         with pytest.raises(ckpt.TornSnapshotError, match="'big'"):
@@ -88,7 +88,7 @@ def test_an_unfenced_in_place_write_on_the_gpu_fails_the_save(local_dir):
 
 def test_restore_from_memory_lands_in_place_on_the_gpu(local_dir):
     model = _big_model(layers=2)
-    with ckpt.Checkpointer(local_dir=local_dir) as ck:
+    with ckpt.Checkpointer(storage=ckpt.Storage(local_dir=local_dir)) as ck:
         ck.save(1, {"model": model}).wait()
         ptr = model[0].weight.data_ptr()
         ref = model[0].weight.clone()
@@ -115,7 +115,9 @@ def test_gpu_snapshot_and_restore_copies_stay_inside_registration_pieces(local_d
         "s": torch.randn(2_000_001, device="cuda")[::3],
         "b": torch.randn(1000, 700, device="cuda").bfloat16(),
     }
-    with ckpt.Checkpointer(local_dir=local_dir, persist_every={"local": 1000}) as ck:
+    with ckpt.Checkpointer(
+        storage=ckpt.Storage(local_dir=local_dir), policy=ckpt.Policy(persist_every={"local": 1000})
+    ) as ck:
         for step in (1, 2, 3):
             ck.save(step, state).wait("memory")
         segs = [b.segment for b in ck.pool.buffers if b.segment is not None]
@@ -167,7 +169,7 @@ def test_restore_lands_after_the_work_the_caller_queued_on_the_gpu(local_dir, ti
     # overwritten, and the "restored" state would be zeros.
     model = _big_model(layers=2)
     ref = [p.detach().clone() for p in model.parameters()]
-    with ckpt.Checkpointer(local_dir=local_dir) as ck:
+    with ckpt.Checkpointer(storage=ckpt.Storage(local_dir=local_dir)) as ck:
         ck.save(1, {"model": model}).wait()
         if tier == "memory":
             torch.cuda._sleep(2_000_000_000)  # ~1 s of GPU time on the current stream
@@ -177,7 +179,7 @@ def test_restore_lands_after_the_work_the_caller_queued_on_the_gpu(local_dir, ti
             assert ck.restore({"model": model}) == 1
             assert ck.last_restore.tier == "memory"
     if tier == "local":
-        with ckpt.Checkpointer(local_dir=local_dir) as ck:
+        with ckpt.Checkpointer(storage=ckpt.Storage(local_dir=local_dir)) as ck:
             torch.cuda._sleep(2_000_000_000)
             with torch.no_grad():
                 for p in model.parameters():
@@ -200,7 +202,7 @@ def test_a_state_on_another_gpu_than_the_current_one_is_copied_on_its_own_gpus_s
     model = nn.Sequential(*[nn.Linear(4096, 4096) for _ in range(4)]).to("cuda:1")
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     x = torch.randn(256, 4096, device="cuda:1")
-    with ckpt.Checkpointer(local_dir=local_dir) as ck:
+    with ckpt.Checkpointer(storage=ckpt.Storage(local_dir=local_dir)) as ck:
         model(x).pow(2).mean().backward()
         ref = [p.detach().clone() for p in model.parameters()]
         h = ck.save(1, {"model": model})
@@ -219,7 +221,7 @@ def test_a_state_spread_over_two_gpus_of_one_process_is_refused(local_dir):
     if torch.cuda.device_count() < 2:
         pytest.skip("needs two GPUs")
     state = {"a": torch.ones(1000, device="cuda:0"), "b": torch.ones(1000, device="cuda:1")}
-    with ckpt.Checkpointer(local_dir=local_dir) as ck:
+    with ckpt.Checkpointer(storage=ckpt.Storage(local_dir=local_dir)) as ck:
         with pytest.raises(ckpt.errors.RefusedStateError):
             ck.save(1, state).wait()
 

@@ -355,7 +355,7 @@ def test_refusals_name_the_argument_to_change(tmp_path):
             )
         )
     with pytest.raises(TypeError, match="not both"):
-        CheckpointCallback(ckpt.Checkpointer(local_dir=tmp_path / "ck"), every_steps=2)
+        CheckpointCallback(ckpt.Checkpointer(storage=ckpt.Storage(local_dir=tmp_path / "ck")), every_steps=2)
     with pytest.raises(ValueError, match="every_steps"):
         CheckpointCallback(local_dir=tmp_path / "ck", every_steps=0)
     trainer = _trainer(tmp_path / "out")

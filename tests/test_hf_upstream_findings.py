@@ -267,7 +267,7 @@ def test_the_last_snapshot_holds_the_last_steps_weights_with_load_best_model_at_
     assert not torch.equal(last["a"], best["a"])
     assert torch.equal(t.model.a.detach(), best["a"])  # the Trainer loaded the best model at the end
     model = RegressionModel()
-    with ckpt.Checkpointer(local_dir=str(tmp_path / "ck")) as ck:
+    with ckpt.Checkpointer(storage=ckpt.Storage(local_dir=str(tmp_path / "ck"))) as ck:
         assert ck.list()[0].step == 7
         assert ck.restore({"model": model}, step=7, strict=False) == 7
     assert torch.equal(model.a.detach(), last["a"]) and torch.equal(model.b.detach(), last["b"])

@@ -26,7 +26,10 @@ pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
 
 def _write(local_dir: Path, *steps: int, url: str | None = None) -> None:
-    with ckpt.Checkpointer(url, local_dir=local_dir, keep=ckpt.Retention(local=None, remote=None)) as ck:
+    with ckpt.Checkpointer(
+        storage=ckpt.Storage(url=url, local_dir=local_dir),
+        policy=ckpt.Policy(keep=ckpt.Retention(local=None, remote=None)),
+    ) as ck:
         for s in steps:
             ck.save(s, {"w": torch.full((1000,), float(s))}).wait()
 
@@ -53,7 +56,7 @@ def test_gc_keeps_the_newest_checkpoint_that_verifies(local_dir, capsys):
     assert captured.out.splitlines() == ["removed step 10"]
     assert "step 30" in captured.err and "kept step 20" in captured.err
     assert _committed(local_dir) == [20, 30]
-    with ckpt.Checkpointer(local_dir=local_dir) as ck:
+    with ckpt.Checkpointer(storage=ckpt.Storage(local_dir=local_dir)) as ck:
         state = {"w": torch.zeros(1000)}
         with pytest.warns(RuntimeWarning):
             assert ck.restore(state) == 20
@@ -104,7 +107,9 @@ def test_retention_keeps_the_newest_step_this_process_verified(local_dir):
     """The hostile case in-process: the newest step is corrupt on disk and retention runs."""
     _write(local_dir, 10, 20, 30)
     _flip(_data(local_dir, 30))
-    with ckpt.Checkpointer(local_dir=local_dir, keep=ckpt.Retention(local=1)) as ck:
+    with ckpt.Checkpointer(
+        storage=ckpt.Storage(local_dir=local_dir), policy=ckpt.Policy(keep=ckpt.Retention(local=1))
+    ) as ck:
         with pytest.warns(RuntimeWarning), pytest.raises(ckpt.errors.NoCheckpointError):
             ck.restore({"w": torch.zeros(1000)}, step=30)
         assert ck.restore({"w": torch.zeros(1000)}, step=20) == 20
@@ -119,7 +124,9 @@ def test_retention_keeps_the_newest_step_this_process_verified(local_dir):
 def test_retention_after_each_save_always_leaves_a_step_that_verifies(local_dir):
     _write(local_dir, 10, 20, 30)
     _flip(_data(local_dir, 30))
-    with ckpt.Checkpointer(local_dir=local_dir, keep=ckpt.Retention(local=1)) as ck:
+    with ckpt.Checkpointer(
+        storage=ckpt.Storage(local_dir=local_dir), policy=ckpt.Policy(keep=ckpt.Retention(local=1))
+    ) as ck:
         state = {"w": torch.zeros(1000)}
         with pytest.warns(RuntimeWarning):
             assert ck.restore(state) == 20
@@ -128,7 +135,7 @@ def test_retention_after_each_save_always_leaves_a_step_that_verifies(local_dir)
             ck.save(s, state).wait()
             good = [x for x in _committed(local_dir) if verifies(local_dir, x)]
             assert s in good
-    with ckpt.Checkpointer(local_dir=local_dir) as ck:
+    with ckpt.Checkpointer(storage=ckpt.Storage(local_dir=local_dir)) as ck:
         assert ck.restore({"w": torch.zeros(1000)}) == 22
 
 

@@ -43,7 +43,7 @@ def _check_restore(local_dir: Path) -> int | None:
         | {r.step for g in shm.segments(prefix=shm.prefix_for(local_dir, 0, create=True)) for r in g.records}
     )
     target = {"w": torch.empty(NUMEL), "step": None, "b": torch.empty(NUMEL // 3)}
-    with ckpt.Checkpointer(local_dir=local_dir) as ck:
+    with ckpt.Checkpointer(storage=ckpt.Storage(local_dir=local_dir)) as ck:
         step = ck.restore(target)
         skipped = ck.last_restore.skipped if ck.last_restore else []
     if not committed:
@@ -115,7 +115,8 @@ def test_process_that_exits_with_saves_in_flight_finishes_them_first(tmp_path):
     threads (one killed inside torch's tensor deallocation used to abort the process)."""
     code = (
         "import sys, torch, ckpt\n"
-        "ck = ckpt.Checkpointer(local_dir=sys.argv[1], max_in_flight=2, if_busy='wait')  # both must land\n"
+        "ck = ckpt.Checkpointer(storage=ckpt.Storage(local_dir=sys.argv[1], max_in_flight=2),\n"
+        "                       policy=ckpt.Policy(if_busy='wait'))  # both must land\n"
         "state = {'w': torch.arange(16 << 20, dtype=torch.float32)}\n"
         "ck.save(1, state)\n"
         "ck.wait_staged()\n"
@@ -130,7 +131,7 @@ def test_process_that_exits_with_saves_in_flight_finishes_them_first(tmp_path):
     committed = sorted(int(p.name[5:]) for p in tmp_path.glob("step-*") if (p / "COMMIT").exists())
     assert committed == [1, 2], (committed, out.stderr)
     target = {"w": torch.empty(16 << 20)}
-    with ckpt.Checkpointer(local_dir=tmp_path) as ck:
+    with ckpt.Checkpointer(storage=ckpt.Storage(local_dir=tmp_path)) as ck:
         assert ck.restore(target) == 2
     assert torch.equal(target["w"], torch.arange(16 << 20, dtype=torch.float32) + 1)
 
@@ -142,7 +143,7 @@ def test_exit_wait_is_bounded_by_ckpt_exit_wait_s(tmp_path):
         "import sys, time, torch, ckpt\n"
         "from ckpt.tiers import LocalTier\n"
         "LocalTier.write = lambda self, *a, **k: time.sleep(60)   # a stalled disk\n"
-        "ck = ckpt.Checkpointer(local_dir=sys.argv[1])\n"
+        "ck = ckpt.Checkpointer(storage=ckpt.Storage(local_dir=sys.argv[1]))\n"
         "ck.save(7, {'w': torch.ones(1024)})\n"
         "ck.wait_staged()\n"
     )

@@ -115,7 +115,7 @@ def runs(tmp_path_factory):
 
 
 def _committed(local_dir: Path) -> list[int]:
-    with ckpt.Checkpointer(local_dir=local_dir) as ck:
+    with ckpt.Checkpointer(storage=ckpt.Storage(local_dir=local_dir)) as ck:
         return [c.step for c in ck.list()]
 
 
@@ -266,7 +266,7 @@ def test_checkpoint_io_errors_name_the_argument(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match="on_unsupported"):
         TieredCheckpointIO(on_unsupported="pickle")
     with pytest.raises(TypeError, match="not both"):
-        CheckpointCallback(ckpt.Checkpointer(local_dir=tmp_path / "c"), every_steps=3)
+        CheckpointCallback(ckpt.Checkpointer(storage=ckpt.Storage(local_dir=tmp_path / "c")), every_steps=3)
     with pytest.raises(ValueError, match="local_dir"):
         CheckpointCallback(every_steps=3)
 
@@ -296,14 +296,17 @@ def test_callback_with_gradient_accumulation_and_a_borrowed_checkpointer(tmp_pat
 
     # if_busy="wait": every save reaches the disk, so the listing shows every optimizer step's save
     with ckpt.Checkpointer(
-        local_dir=tmp_path / "a", every_steps=1, keep=ckpt.Retention(local=None), if_busy="wait"
+        storage=ckpt.Storage(local_dir=tmp_path / "a"),
+        policy=ckpt.Policy(every_steps=1, keep=ckpt.Retention(local=None), if_busy="wait"),
     ) as ck:
         _, cb = fit(tmp_path / "a", 3, ck)
         assert cb.restored_step is None
         assert [c.step for c in ck.list()] == [3, 2, 1]  # 9 batches, one save per optimizer step
         resumed, cb = fit(tmp_path / "a", 7, ck)  # same Checkpointer: not closed by the first fit
         assert cb.restored_step == 3
-    with ckpt.Checkpointer(local_dir=tmp_path / "b", every_steps=100) as ck:
+    with ckpt.Checkpointer(
+        storage=ckpt.Storage(local_dir=tmp_path / "b"), policy=ckpt.Policy(every_steps=100)
+    ) as ck:
         straight, _ = fit(tmp_path / "b", 7, ck)
     assert weights_bytes(resumed) == weights_bytes(straight)
 

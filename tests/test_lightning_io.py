@@ -233,7 +233,7 @@ def test_a_pending_save_holds_its_path_and_is_not_a_checkpoint_until_committed(t
     p = tmp_path / "x.ckpt"
     io.save_checkpoint(_state(5, torch.ones(3)), p)
     assert p.is_dir()  # what ModelCheckpoint's exists() sees
-    with ckpt.Checkpointer(local_dir=p, collective=False) as reader:
+    with ckpt.Checkpointer(storage=ckpt.Storage(local_dir=p), collective=False) as reader:
         assert reader.list() == [] and reader.restore({"w": torch.zeros(3)}) is None
     with pytest.raises(TimeoutError) as e:  # another reader would wait for it
         TieredCheckpointIO(pending_save_timeout=0.2).load_checkpoint(p)

@@ -172,7 +172,7 @@ def _same(a, b) -> bool:
 
 
 def _committed(local_dir: Path) -> list[int]:
-    with ckpt.Checkpointer(local_dir=local_dir) as ck:
+    with ckpt.Checkpointer(storage=ckpt.Storage(local_dir=local_dir)) as ck:
         return sorted(c.step for c in ck.list())
 
 

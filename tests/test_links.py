@@ -35,7 +35,9 @@ def _tree(root: Path) -> dict[str, bytes]:
 
 
 def _write(local_dir: Path, *steps: int) -> None:
-    with ckpt.Checkpointer(local_dir=local_dir, keep=ckpt.Retention(local=None)) as ck:
+    with ckpt.Checkpointer(
+        storage=ckpt.Storage(local_dir=local_dir), policy=ckpt.Policy(keep=ckpt.Retention(local=None))
+    ) as ck:
         for s in steps:
             ck.save(s, {"w": torch.full((1000,), float(s))}).wait()
 
@@ -56,7 +58,9 @@ def test_retention_never_deletes_a_linked_step_nor_anything_in_its_target(local_
     base = _baseline(tmp_path, 5)
     before = _tree(base)
     link = _link(local_dir, base, 5)
-    with ckpt.Checkpointer(local_dir=local_dir, keep=ckpt.Retention(local=1)) as ck:
+    with ckpt.Checkpointer(
+        storage=ckpt.Storage(local_dir=local_dir), policy=ckpt.Policy(keep=ckpt.Retention(local=1))
+    ) as ck:
         for s in (10, 20, 30):
             ck.save(s, {"w": torch.full((1000,), float(s))}).wait()
     assert _tree(base) == before
@@ -64,7 +68,9 @@ def test_retention_never_deletes_a_linked_step_nor_anything_in_its_target(local_
         "step-000000005",
         "step-000000030",
     ]
-    with ckpt.Checkpointer(local_dir=local_dir) as ck:  # listed and restorable, read-only
+    with ckpt.Checkpointer(
+        storage=ckpt.Storage(local_dir=local_dir)
+    ) as ck:  # listed and restorable, read-only
         assert 5 in [i.step for i in ck.list()]
         state = {"w": torch.zeros(1000)}
         assert ck.restore(state, step=5) == 5 and float(state["w"][0]) == 5.0
@@ -150,7 +156,7 @@ def test_a_save_never_writes_into_a_linked_step(local_dir, tmp_path):
     base = _baseline(tmp_path, 5)
     before = _tree(base)
     _link(local_dir, base, 5)
-    with ckpt.Checkpointer(local_dir=local_dir) as ck:
+    with ckpt.Checkpointer(storage=ckpt.Storage(local_dir=local_dir)) as ck:
         h = ck.save(5, {"w": torch.full((1000,), -1.0)})
         with pytest.raises(OSError) as e:
             h.wait("local")
@@ -170,7 +176,10 @@ def test_remote_retention_on_a_file_url_never_deletes_through_a_link(tmp_path):
     (remote / "step-000000005").rename(shared)
     (remote / "step-000000005").symlink_to(shared, target_is_directory=True)
     before = _tree(shared)
-    with ckpt.Checkpointer(url, local_dir=tmp_path / "local", keep=ckpt.Retention(local=1, remote=1)) as ck:
+    with ckpt.Checkpointer(
+        storage=ckpt.Storage(url=url, local_dir=tmp_path / "local"),
+        policy=ckpt.Policy(keep=ckpt.Retention(local=1, remote=1)),
+    ) as ck:
         for s in (10, 20):
             ck.save(s, {"w": torch.full((1000,), float(s))}).wait()
     assert _tree(shared) == before

@@ -124,14 +124,16 @@ def _hidden(d: Path) -> list[str]:
 def _restore(d: Path, step: int | None = None) -> tuple[int | None, int | None, list[str], bool]:
     """(step, its value tag, what was skipped, whether the tensor is exactly the step's pattern)."""
     out = {"w": torch.zeros(N), "v": None}
-    with ckpt.Checkpointer(local_dir=d) as ck:
+    with ckpt.Checkpointer(storage=ckpt.Storage(local_dir=d)) as ck:
         s = ck.restore(out, step=step)
         skipped = list(ck.last_restore.skipped) if ck.last_restore else []
     return s, out["v"], skipped, s is not None and torch.equal(out["w"], pat(s, out["v"] or 0))
 
 
 def _two_steps(d: Path, keep: int = 5) -> None:
-    with ckpt.Checkpointer(local_dir=d, keep=ckpt.Retention(local=keep)) as ck:
+    with ckpt.Checkpointer(
+        storage=ckpt.Storage(local_dir=d), policy=ckpt.Policy(keep=ckpt.Retention(local=keep))
+    ) as ck:
         ck.save(1, {"w": pat(1), "v": 0}).wait()
         ck.save(2, {"w": pat(2), "v": 0}).wait()
 
@@ -145,12 +147,16 @@ WORKER = textwrap.dedent("""
         return torch.arange(N, dtype=torch.float32) + step * 1000 + v
     mode, d = sys.argv[1], sys.argv[2]
     if mode == "save":            # save the steps given (v = 7 for each) with keep=1, then exit
-        with ckpt.Checkpointer(local_dir=d, keep=ckpt.Retention(local=1)) as ck:
+        with ckpt.Checkpointer(
+            storage=ckpt.Storage(local_dir=d), policy=ckpt.Policy(keep=ckpt.Retention(local=1))
+        ) as ck:
             for s in map(int, sys.argv[3:]):
                 ck.save(s, {"w": pat(s, 7), "v": 7}).wait()
     elif mode == "fsize":         # a file size limit below the next save's data file
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-        with ckpt.Checkpointer(local_dir=d, keep=ckpt.Retention(local=1)) as ck:
+        with ckpt.Checkpointer(
+            storage=ckpt.Storage(local_dir=d), policy=ckpt.Policy(keep=ckpt.Retention(local=1))
+        ) as ck:
             ck.save(1, {"w": pat(1), "v": 0}).wait()
             resource.setrlimit(resource.RLIMIT_FSIZE, (8192, 8192))
             try:
@@ -161,8 +167,11 @@ WORKER = textwrap.dedent("""
             ck.save(3, {"w": pat(3)[:10].clone(), "v": 0}).wait()   # small enough: saves go on
     elif mode == "sigterm":       # SIGTERM while the disk refuses the preemption save
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-        ck = ckpt.Checkpointer(local_dir=d, every_steps=10**9, keep=ckpt.Retention(local=1),
-                               signals=ckpt.Signals(preempt=(signal.SIGTERM,), deadline=20))
+        ck = ckpt.Checkpointer(
+            storage=ckpt.Storage(local_dir=d),
+            policy=ckpt.Policy(every_steps=10**9, keep=ckpt.Retention(local=1)),
+            signals=ckpt.Signals(preempt=(signal.SIGTERM,), deadline=20),
+        )
         with ck:
             ck.save(1, {"w": pat(1), "v": 0}).wait()
             resource.setrlimit(resource.RLIMIT_FSIZE, (8192, 8192))
@@ -173,7 +182,10 @@ WORKER = textwrap.dedent("""
                 ck.maybe_save(step, {"w": torch.zeros(4 * N), "v": 0})
                 time.sleep(0.01)
     elif mode == "writer":        # save as fast as it can, keep=1, until killed
-        with ckpt.Checkpointer(local_dir=d, keep=ckpt.Retention(local=1), if_busy="wait") as ck:
+        with ckpt.Checkpointer(
+            storage=ckpt.Storage(local_dir=d),
+            policy=ckpt.Policy(keep=ckpt.Retention(local=1), if_busy="wait"),
+        ) as ck:
             print("ready", flush=True)
             s = 0
             while True:
@@ -204,7 +216,7 @@ def worker(tmp_path):
 def test_steps_outside_64_bits_and_non_integers_are_refused_naming_the_argument(local_dir):
     import numpy as np
 
-    with ckpt.Checkpointer(local_dir=local_dir) as ck:
+    with ckpt.Checkpointer(storage=ckpt.Storage(local_dir=local_dir)) as ck:
         for bad in (2**63, 2**70, -1, True, 3.0, "3", None):
             with pytest.raises(ValueError):
                 ck.save(bad, {"w": pat(1)})
@@ -223,7 +235,9 @@ def test_steps_outside_64_bits_and_non_integers_are_refused_naming_the_argument(
         assert ck.restore(out, step=np.int64(3)) == 3 and torch.equal(out["w"], pat(3))
     assert _committed(local_dir) == [3, 2**63 - 1]
     out = {"w": torch.zeros(N), "v": None}
-    with ckpt.Checkpointer(local_dir=local_dir) as ck:  # the largest step is a checkpoint like any other
+    with ckpt.Checkpointer(
+        storage=ckpt.Storage(local_dir=local_dir)
+    ) as ck:  # the largest step is a checkpoint like any other
         assert ck.restore(out) == 2**63 - 1 and ck.last_restore.skipped == []
     assert torch.equal(out["w"], pat(1))
     for bad in (True, "2", 2.5, 0, -1):
@@ -236,14 +250,14 @@ def test_the_owner_lock_is_never_opened_through_a_link(local_dir, tmp_path):
     victim = tmp_path / "precious.txt"
     victim.write_bytes(b"not yours")
     os.symlink(victim, local_dir / local_mod.LOCK_NAME)
-    with ckpt.Checkpointer(local_dir=local_dir) as ck:
+    with ckpt.Checkpointer(storage=ckpt.Storage(local_dir=local_dir)) as ck:
         with pytest.raises(OSError) as info:
             ck.save(1, {"w": pat(1)})
         assert info.value.errno == errno.ELOOP
     assert victim.read_bytes() == b"not yours"
     assert _committed(local_dir) == []
     os.unlink(local_dir / local_mod.LOCK_NAME)  # the fix the error names: remove the link
-    with ckpt.Checkpointer(local_dir=local_dir) as ck:
+    with ckpt.Checkpointer(storage=ckpt.Storage(local_dir=local_dir)) as ck:
         ck.save(1, {"w": pat(1), "v": 0}).wait()
     assert _restore(local_dir)[:3] == (1, 0, [])
 
@@ -257,7 +271,7 @@ def test_a_fifo_or_directory_at_the_owner_lock_is_refused_without_blocking(local
     def attempt() -> None:
         result.append(local_mod.owned(local_dir))  # gc / promote / ls ask this: it must not block
         try:
-            with ckpt.Checkpointer(local_dir=local_dir) as ck:
+            with ckpt.Checkpointer(storage=ckpt.Storage(local_dir=local_dir)) as ck:
                 ck.save(1, {"w": pat(1)})
         except OSError as e:
             result.append(e)
@@ -281,7 +295,7 @@ def test_a_file_size_limit_fails_the_save_with_efbig_and_keeps_the_older_checkpo
     assert _committed(local_dir) == [3]  # 1 pruned by the save of 3, 2 never committed
     assert _hidden(local_dir) == []
     out = {"w": torch.zeros(10), "v": None}
-    with ckpt.Checkpointer(local_dir=local_dir) as ck:
+    with ckpt.Checkpointer(storage=ckpt.Storage(local_dir=local_dir)) as ck:
         assert ck.restore(out) == 3 and torch.equal(out["w"], pat(3)[:10])
 
 
@@ -375,7 +389,9 @@ def test_eio_or_enospc_at_every_filesystem_call_of_a_save_loses_nothing_and_leav
     for k in range(1, 200):
         d = tmp_path / f"{scenario}-{k}"
         with knobs.override(CKPT_CHUNK_BYTES=4096, CKPT_PERSIST_THREADS=1):
-            ck = ckpt.Checkpointer(local_dir=d, keep=ckpt.Retention(local=2))
+            ck = ckpt.Checkpointer(
+                storage=ckpt.Storage(local_dir=d), policy=ckpt.Policy(keep=ckpt.Retention(local=2))
+            )
             ck.save(1, {"w": pat(1), "v": 0}).wait()
             ck.save(2, {"w": pat(2), "v": 0}).wait()
             raised = None
@@ -405,7 +421,9 @@ def _killed_at(d: str, scenario: str, k: int) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
     with knobs.override(CKPT_CHUNK_BYTES=4096, CKPT_PERSIST_THREADS=1):
-        ck = ckpt.Checkpointer(local_dir=d, keep=ckpt.Retention(local=2))
+        ck = ckpt.Checkpointer(
+            storage=ckpt.Storage(local_dir=d), policy=ckpt.Policy(keep=ckpt.Retention(local=2))
+        )
         ck.save(1, {"w": pat(1), "v": 0}).wait()
         ck.save(2, {"w": pat(2), "v": 0}).wait()
         with _Faults(k, die):
@@ -446,7 +464,9 @@ def test_sigkill_at_every_filesystem_call_of_a_save_loses_nothing_and_the_next_w
         killed = proc.exitcode == -signal.SIGKILL
         assert killed or proc.exitcode == 0, proc.exitcode
         _check_after(d, scenario, None if killed else True)
-        with ckpt.Checkpointer(local_dir=d, keep=ckpt.Retention(local=5)) as ck:  # the next owner tidies up
+        with ckpt.Checkpointer(
+            storage=ckpt.Storage(local_dir=d), policy=ckpt.Policy(keep=ckpt.Retention(local=5))
+        ) as ck:  # the next owner tidies up
             ck.save(9, {"w": pat(9), "v": 0}).wait()
         assert _hidden(d) == [], f"a kill at call {k} left {_hidden(d)} behind the next writer"
         if not killed:
@@ -485,7 +505,9 @@ def test_leftovers_of_writers_that_died_are_swept_even_when_their_pid_came_back(
     latest_tmp = local_dir / f".latest.tmp-{dead.pid}-0123456789ab"
     latest_tmp.write_bytes(b"step-000000002\n")
     try:
-        with ckpt.Checkpointer(local_dir=local_dir, keep=ckpt.Retention(local=5)) as ck:
+        with ckpt.Checkpointer(
+            storage=ckpt.Storage(local_dir=local_dir), policy=ckpt.Policy(keep=ckpt.Retention(local=5))
+        ) as ck:
             ck.save(5, {"w": pat(5), "v": 0}).wait()
         assert not mine.exists() and not recycled.exists() and not latest_tmp.exists()
         assert live.exists() and own_live.exists(), "a live writer's staging directory was removed"
@@ -511,7 +533,7 @@ def test_a_restore_whose_candidates_a_live_writer_prunes_loads_the_newer_step(lo
             return super().restore_into(*a, **kw)
 
     out = {"w": torch.zeros(N), "v": None}
-    with ckpt.Checkpointer(local_dir=Racing(local_dir)) as ck:
+    with ckpt.Checkpointer(storage=ckpt.Storage(local_dir=Racing(local_dir))) as ck:
         assert ck.restore(out) == 6
         assert ck.last_restore.skipped == []
         assert ck.timeline.number == 0  # the newest was restored: no rollback, no new branch
@@ -533,7 +555,7 @@ def test_a_restore_straddling_a_resave_of_the_same_step_reads_the_new_copy(local
     local_mod._read = read
     try:
         out = {"w": torch.zeros(N), "v": None}
-        with ckpt.Checkpointer(local_dir=local_dir) as ck:
+        with ckpt.Checkpointer(storage=ckpt.Storage(local_dir=local_dir)) as ck:
             assert ck.restore(out) == 2
             assert ck.last_restore.skipped == [] and ck.timeline.number == 0
     finally:
@@ -561,7 +583,9 @@ def test_a_second_process_restoring_while_the_owner_saves_and_prunes_with_keep_1
 # -- rollbacks and clocks ---------------------------------------------------------------------------------
 def test_a_rollback_then_close_never_commits_the_abandoned_snapshot_as_live(local_dir):
     w = torch.zeros(N)
-    ck = ckpt.Checkpointer(local_dir=local_dir, persist_every={"local": 10})
+    ck = ckpt.Checkpointer(
+        storage=ckpt.Storage(local_dir=local_dir), policy=ckpt.Policy(persist_every={"local": 10})
+    )
     for s in (1, 2, 3):  # the local tier writes 1; 2 and 3 stay in memory (not due there)
         w.copy_(pat(s))
         ck.save(s, {"w": w, "v": 0}).wait()
@@ -580,7 +604,9 @@ def test_a_rollback_then_close_never_commits_the_abandoned_snapshot_as_live(loca
 
 def test_a_clock_that_steps_back_does_not_stop_the_saves(local_dir):
     now = [1000.0]
-    with ckpt.Checkpointer(local_dir=local_dir, every_seconds=10, clock=lambda: now[0]) as ck:
+    with ckpt.Checkpointer(
+        storage=ckpt.Storage(local_dir=local_dir), policy=ckpt.Policy(every_seconds=10), clock=lambda: now[0]
+    ) as ck:
         now[0] += 11
         assert ck.maybe_save(1, {"w": pat(1), "v": 0}) is not None
         now[0] -= 3600  # NTP steps the wall clock back an hour
@@ -689,7 +715,9 @@ def test_names_that_are_not_canonical_step_directories_are_neither_listed_nor_de
     for n in odd:
         shutil.copytree(local_dir / "step-000000002", local_dir / n)
     (local_dir / "step-000000007").write_bytes(b"a file where a step directory goes")
-    with ckpt.Checkpointer(local_dir=local_dir, keep=ckpt.Retention(local=1)) as ck:
+    with ckpt.Checkpointer(
+        storage=ckpt.Storage(local_dir=local_dir), policy=ckpt.Policy(keep=ckpt.Retention(local=1))
+    ) as ck:
         assert [c.step for c in ck.list()] == [2, 1]
         ck.save(3, {"w": pat(3), "v": 0}).wait()
         ck.save(4, {"w": pat(4), "v": 0}).wait()
@@ -712,7 +740,7 @@ def test_latest_as_a_directory_or_fifo_never_fails_a_save(local_dir, kind):
         (local_dir / "latest" / "x").write_bytes(b"x")
     else:
         os.mkfifo(local_dir / "latest")
-    with ckpt.Checkpointer(local_dir=local_dir) as ck:
+    with ckpt.Checkpointer(storage=ckpt.Storage(local_dir=local_dir)) as ck:
         ck.save(3, {"w": pat(3), "v": 0}).wait()
     assert _restore(local_dir)[:3] == (3, 0, [])
     assert _hidden(local_dir) == []
@@ -722,11 +750,11 @@ def test_latest_as_a_directory_or_fifo_never_fails_a_save(local_dir, kind):
 def test_partially_overlapping_views_restore_in_place_into_one_storage(local_dir):
     x = torch.arange(40, dtype=torch.float64)
     state = {"a": x[0:24], "b": x[16:40], "t": x.view(5, 8).t(), "every_other": x[::2], "scalar": x[3]}
-    with ckpt.Checkpointer(local_dir=local_dir) as ck:
+    with ckpt.Checkpointer(storage=ckpt.Storage(local_dir=local_dir)) as ck:
         ck.save(1, state).wait()
     y = torch.zeros(40, dtype=torch.float64)
     out = {"a": y[0:24], "b": y[16:40], "t": y.view(5, 8).t(), "every_other": y[::2], "scalar": y[3]}
-    with ckpt.Checkpointer(local_dir=local_dir) as ck:
+    with ckpt.Checkpointer(storage=ckpt.Storage(local_dir=local_dir)) as ck:
         assert ck.restore(out) == 1
     assert torch.equal(y, x)
 
@@ -734,11 +762,11 @@ def test_partially_overlapping_views_restore_in_place_into_one_storage(local_dir
 def test_strict_false_with_keys_missing_on_either_side_loads_the_common_ones(local_dir):
     torch.manual_seed(0)
     saved = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2))
-    with ckpt.Checkpointer(local_dir=local_dir) as ck:
+    with ckpt.Checkpointer(storage=ckpt.Storage(local_dir=local_dir)) as ck:
         ck.save(1, {"model": saved, "extra": {"a": torch.ones(2)}}).wait()
     bigger = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2), nn.Linear(2, 2))
     fresh = bigger[2].weight.detach().clone()
-    with ckpt.Checkpointer(local_dir=local_dir) as ck:
+    with ckpt.Checkpointer(storage=ckpt.Storage(local_dir=local_dir)) as ck:
         with pytest.raises(ckpt.IncompatibleCheckpointError):
             ck.restore({"model": bigger})
         assert ck.restore({"model": bigger, "more": {"b": torch.zeros(1)}}, strict=False) == 1

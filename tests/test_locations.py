@@ -24,7 +24,9 @@ pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
 
 def _saved(local_dir):
-    with ckpt.Checkpointer(local_dir=local_dir, keep=ckpt.Retention(local=None)) as ck:
+    with ckpt.Checkpointer(
+        storage=ckpt.Storage(local_dir=local_dir), policy=ckpt.Policy(keep=ckpt.Retention(local=None))
+    ) as ck:
         ck.save(3, {"model": {"w": torch.arange(12.0)}, "note": "x"}).wait()
 
 
@@ -113,7 +115,7 @@ def test_the_dcp_adapter_applies_the_backend_choice(tmp_path):
 def test_a_mistyped_url_or_an_unknown_scheme_is_refused_and_creates_nothing(tmp_path, monkeypatch, url):
     monkeypatch.chdir(tmp_path)
     with pytest.raises(ValueError):
-        ckpt.Checkpointer(url, local_dir=tmp_path / "ck")
+        ckpt.Checkpointer(storage=ckpt.Storage(url=url, local_dir=tmp_path / "ck"))
     with pytest.raises(ValueError):
         ckpt.promote(1, "remote", local_dir=tmp_path / "ck", url=url)
     with pytest.raises(ValueError):
@@ -127,14 +129,14 @@ def test_a_mistyped_url_or_an_unknown_scheme_is_refused_and_creates_nothing(tmp_
 
 def test_a_path_as_url_is_refused_pointing_at_file_urls(tmp_path):
     with pytest.raises(ValueError) as e:
-        ckpt.Checkpointer(str(tmp_path / "remote"), local_dir=tmp_path / "ck")
+        ckpt.Checkpointer(storage=ckpt.Storage(url=str(tmp_path / "remote"), local_dir=tmp_path / "ck"))
     assert f"file://{tmp_path}/remote" in str(e.value)
     assert not os.path.lexists(tmp_path / "remote")
 
 
 def test_the_file_url_the_error_names_works_for_the_checkpointer_and_the_cli(tmp_path, capsys):
     url = f"file://{tmp_path}/remote"
-    with ckpt.Checkpointer(url, local_dir=tmp_path / "ck") as ck:
+    with ckpt.Checkpointer(storage=ckpt.Storage(url=url, local_dir=tmp_path / "ck")) as ck:
         ck.save(1, {"w": torch.ones(3)}).wait()
     assert main(["verify", url]) == 0  # the remote tier, as the Checkpointer wrote it
     assert main(["verify", str(tmp_path / "ck")]) == 0  # a path: the local tier
