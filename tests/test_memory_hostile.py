@@ -38,7 +38,7 @@ def _state(seed: int) -> dict:
 def _leave(local_dir: Path, step: int = 3) -> tuple[dict, Path, Path]:
     """A checkpoint of ``step`` on the local tier and in RAM (kept past close), and its segment and record."""
     state = _state(step)
-    ck = ckpt.Checkpointer(local_dir=local_dir)
+    ck = ckpt.Checkpointer(storage=ckpt.Storage(local_dir=local_dir))
     ck.save(step, state).wait()
     ck.close(keep_memory=True)
     root, prefix = shm.shm_root(), shm.prefix_for(local_dir, 0, create=True)
@@ -50,7 +50,7 @@ def _leave(local_dir: Path, step: int = 3) -> tuple[dict, Path, Path]:
 
 def _restore(local_dir: Path) -> tuple[int | None, str | None, dict]:
     target = {k: torch.zeros_like(v) for k, v in _state(0).items()}
-    with ckpt.Checkpointer(local_dir=local_dir) as ck:
+    with ckpt.Checkpointer(storage=ckpt.Storage(local_dir=local_dir)) as ck:
         step = ck.restore(target)
         tier = ck.last_restore.tier if step is not None else None
     return step, tier, target
@@ -184,7 +184,9 @@ def test_a_segment_taken_over_by_the_next_process_is_checked_before_it_is_served
             f.seek(4000)
             f.write(bytes([b[0] ^ 0x10]))
     target = {k: torch.zeros_like(v) for k, v in _state(0).items()}
-    with ckpt.Checkpointer(local_dir=local_dir, persist_every={"local": 1000}) as ck:
+    with ckpt.Checkpointer(
+        storage=ckpt.Storage(local_dir=local_dir), policy=ckpt.Policy(persist_every={"local": 1000})
+    ) as ck:
         ck.save(5, _state(5)).wait()
         adopted = [b for b in ck.pool.buffers if b.image_step == 3]
         assert len(adopted) == 1 and not adopted[0].checked  # taken over, not yet checked
@@ -230,7 +232,9 @@ def test_a_segment_half_made_by_a_killed_process_is_removed_by_the_next_owner(lo
         import ckpt
         from ckpt import shm
         shm.REGISTER_PIECE, shm.REGISTER_GAP_S = 64 << 10, 0.2   # 8 MiB in 128 paced pieces: ~25 s
-        ck = ckpt.Checkpointer(local_dir=sys.argv[1], every_steps=1)
+        ck = ckpt.Checkpointer(
+            storage=ckpt.Storage(local_dir=sys.argv[1]), policy=ckpt.Policy(every_steps=1)
+        )
         ck.maybe_save(0, {"w": torch.randn(2 << 20)})
         print("allocating", flush=True)
         time.sleep(600)
@@ -256,7 +260,7 @@ def test_a_segment_half_made_by_a_killed_process_is_removed_by_the_next_owner(lo
     other.write_bytes(b"x")  # another local tier's: not this owner's to remove
     try:
         state = _state(5)
-        with ckpt.Checkpointer(local_dir=local_dir) as ck:
+        with ckpt.Checkpointer(storage=ckpt.Storage(local_dir=local_dir)) as ck:
             ck.save(5, state).wait()
             assert not [n for n in os.listdir(root) if n in left]
         assert other.exists()
@@ -334,7 +338,7 @@ def _leave_alone(local_dir: Path, states: dict[int, dict]) -> dict[int, tuple[Pa
     """``states`` saved in 4 KiB chunks and left in RAM; the newest step is in RAM alone (its local copy
     removed). Returns each step's segment and record."""
     with knobs.override(CKPT_CHUNK_BYTES=4096):
-        ck = ckpt.Checkpointer(local_dir=local_dir)
+        ck = ckpt.Checkpointer(storage=ckpt.Storage(local_dir=local_dir))
         for step, state in states.items():
             ck.save(step, state).wait()
         ck.close(keep_memory=True)
@@ -379,7 +383,7 @@ def test_a_gpu_restore_of_a_snapshot_whose_last_chunk_fails_leaves_the_state_as_
     _flip_last_byte(buf, rec)
     reads = _gpu_path(monkeypatch, device, room)
     target, before = _target(("w", "b"), device)
-    with ckpt.Checkpointer(local_dir=local_dir) as ck:
+    with ckpt.Checkpointer(storage=ckpt.Storage(local_dir=local_dir)) as ck:
         with pytest.raises(NoCheckpointError):
             ck.restore(target)
     assert _exact(_host(target), before)
@@ -404,7 +408,7 @@ def test_a_gpu_restore_of_a_snapshot_withdrawn_while_it_was_read_leaves_the_stat
 
     monkeypatch.setattr(memory_mod, "_to_device", withdrawn)
     target, before = _target(("w", "b"), device)
-    with ckpt.Checkpointer(local_dir=local_dir) as ck:
+    with ckpt.Checkpointer(storage=ckpt.Storage(local_dir=local_dir)) as ck:
         with pytest.raises(NoCheckpointError):
             ck.restore(target)
     assert _exact(_host(target), before)
@@ -427,7 +431,7 @@ def test_a_key_the_fallback_lacks_keeps_its_value_when_a_gpu_restore_fails_under
         "w": torch.zeros(4096, device=device),
         "b": torch.zeros(7, device=device),
     }
-    with ckpt.Checkpointer(local_dir=local_dir) as ck:
+    with ckpt.Checkpointer(storage=ckpt.Storage(local_dir=local_dir)) as ck:
         assert ck.restore(target, strict=False) == 2
         assert ck.last_restore.tier == "memory" and ck.last_restore.skipped[0].startswith("memory:3")
     got = _host(target)
@@ -441,7 +445,7 @@ def test_an_intact_snapshot_is_restored_to_gpu_destinations_either_way(local_dir
     _leave_alone(local_dir, {3: state})
     reads = _gpu_path(monkeypatch, device, room)
     target, _ = _target(("w", "b"), device)
-    with ckpt.Checkpointer(local_dir=local_dir) as ck:
+    with ckpt.Checkpointer(storage=ckpt.Storage(local_dir=local_dir)) as ck:
         assert ck.restore(target) == 3 and ck.last_restore.tier == "memory"
     assert _exact(_host(target), state)
     assert reads == ([True] if room == "scratch" else [False, True])  # checked, then read, checked and copied
@@ -489,7 +493,7 @@ def test_a_host_restore_beside_a_live_owner_that_takes_the_buffer_back_uses_only
         )
     _rewritten_once_checked(monkeypatch, *segs[3])
     target = {"a": torch.full((5,), 7.0), "w": torch.zeros(4096), "b": torch.zeros(7)}
-    with ckpt.Checkpointer(local_dir=local_dir) as ck:
+    with ckpt.Checkpointer(storage=ckpt.Storage(local_dir=local_dir)) as ck:
         step = ck.restore(target, strict=False)
     if room == "room":
         assert step == 3 and _exact(target, new)
@@ -500,9 +504,9 @@ def test_a_host_restore_beside_a_live_owner_that_takes_the_buffer_back_uses_only
 
 def test_a_live_owner_is_the_lock_holder_of_the_segments_local_dir(local_dir):
     _leave_alone(local_dir, {3: _state(3)})
-    reader = ckpt.Checkpointer(local_dir=local_dir)
+    reader = ckpt.Checkpointer(storage=ckpt.Storage(local_dir=local_dir))
     assert not reader.memory._live_owner()  # nobody holds local_dir: the segment is read from its mapping
-    owner = ckpt.Checkpointer(local_dir=local_dir)
+    owner = ckpt.Checkpointer(storage=ckpt.Storage(local_dir=local_dir))
     owner._node.own()
     try:
         assert reader.memory._live_owner()

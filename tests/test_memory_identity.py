@@ -44,7 +44,7 @@ def _dead_job(local_dir, step: int) -> None:
     """A job in a process of its own saves ``step`` and exits without freeing its RAM (as a crash would)."""
     code = (
         "import sys, torch, ckpt\n"
-        "ck = ckpt.Checkpointer(local_dir=sys.argv[1])\n"
+        "ck = ckpt.Checkpointer(storage=ckpt.Storage(local_dir=sys.argv[1]))\n"
         "ck.save(int(sys.argv[2]), {'w': torch.full((1024,), float(sys.argv[2]))}).wait()\n"
         "ck.close(keep_memory=True)\n"
     )
@@ -56,11 +56,11 @@ def test_a_restore_loads_the_copy_of_the_timeline_it_listed(tmp_path):
     and saves 100 again (timeline 1); it dies. A third restores step 100 of timeline 1, from memory, with
     timeline 1's bytes (the memory tier also holds timeline 0's step 100, in a slot listed before it)."""
     d = tmp_path / "local"
-    with ckpt.Checkpointer(local_dir=d) as ck:
+    with ckpt.Checkpointer(storage=ckpt.Storage(local_dir=d)) as ck:
         ck.save(100, _state(100.0)).wait()
         ck.save(200, _state(200.0)).wait()
         ck.close(keep_memory=True)
-    with ckpt.Checkpointer(local_dir=d) as ck:
+    with ckpt.Checkpointer(storage=ckpt.Storage(local_dir=d)) as ck:
         st = _state(0.0)
         assert ck.restore(st, step=100) == 100 and float(st["w"][0]) == 100.0
         st["w"].fill_(101.0)  # the new branch
@@ -75,7 +75,7 @@ def test_a_restore_loads_the_copy_of_the_timeline_it_listed(tmp_path):
     # both copies of step 100 in RAM, timeline 0's in the slot listed first
     assert recs[0] == (0, 100, 0) and any(r[1:] == (100, 1) for r in recs[1:]), recs
     st = _state(0.0)
-    with ckpt.Checkpointer(local_dir=d) as ck:
+    with ckpt.Checkpointer(storage=ckpt.Storage(local_dir=d)) as ck:
         assert ck.restore(st) == 100
         assert ck.last_restore.tier == "memory" and ck.last_restore.timeline.number == 1
     assert float(st["w"][0]) == 101.0
@@ -91,7 +91,7 @@ def test_deleting_the_directory_starts_afresh_whatever_ram_the_old_job_left(tmp_
     assert shm.segments(prefix=old)
     shutil.rmtree(d)
     with caplog.at_level(logging.INFO, logger="ckpt"):
-        with ckpt.Checkpointer(local_dir=d) as ck:
+        with ckpt.Checkpointer(storage=ckpt.Storage(local_dir=d)) as ck:
             assert shm.prefix_for(d, 0, create=True) != old
             st = _state(0.0, n=77)  # another model: a restore of A's snapshot would not even fit
             assert ck.restore(st) is None
@@ -134,7 +134,7 @@ def test_an_id_file_that_is_not_one_turns_the_memory_tier_off_and_nothing_else(t
     else:
         path.write_bytes(b"0" * 100_000)
     assert identity.directory_id(d, create=True) is None
-    with ckpt.Checkpointer(local_dir=d) as ck:
+    with ckpt.Checkpointer(storage=ckpt.Storage(local_dir=d)) as ck:
         assert ck.memory.space is None
         ck.save(1, _state(1.0)).wait()
         st = _state(0.0)
@@ -151,23 +151,23 @@ def test_ram_of_a_dead_job_is_named_at_the_next_start_and_freed_after_the_policy
     _dead_job(a, 3)
     prefix = shm.prefix_for(a, 0, create=True)
     with caplog.at_level(logging.WARNING, logger="ckpt.shm"):
-        with ckpt.Checkpointer(local_dir=tmp_path / "b") as ck:
+        with ckpt.Checkpointer(storage=ckpt.Storage(local_dir=tmp_path / "b")) as ck:
             ck.save(1, _state(1.0)).wait()
     assert shm.segments(prefix=prefix), "a dead job's RAM for its directory was freed before its time"
     assert any(str(a) in r.getMessage() for r in caplog.records)
     _age(prefix, days=3)
-    with ckpt.Checkpointer(local_dir=tmp_path / "c") as ck:
+    with ckpt.Checkpointer(storage=ckpt.Storage(local_dir=tmp_path / "c")) as ck:
         ck.save(1, _state(1.0)).wait()
     assert shm.segments(prefix=prefix) == []
 
 
 def test_a_live_jobs_segments_are_never_swept(tmp_path):
     """A job that is running keeps its segments, whatever their age, when another job starts on the node."""
-    with ckpt.Checkpointer(local_dir=tmp_path / "a") as live:
+    with ckpt.Checkpointer(storage=ckpt.Storage(local_dir=tmp_path / "a")) as live:
         live.save(1, _state(1.0)).wait()
         prefix = shm.prefix_for(tmp_path / "a", 0, create=True)
         _age(prefix, days=3)
-        with ckpt.Checkpointer(local_dir=tmp_path / "b") as other:
+        with ckpt.Checkpointer(storage=ckpt.Storage(local_dir=tmp_path / "b")) as other:
             other.save(1, _state(1.0)).wait()
         assert shm.segments(prefix=prefix)
         st = _state(0.0)

@@ -89,7 +89,7 @@ def test_a_snapshot_torn_by_a_kill_mid_copy_is_never_served(tmp_path, device):
     }
     assert recs == {1: 2}, recs  # step 1's buffer was being overwritten: its record went first
     state = {"model": _model(device), "step": 0}
-    with ckpt.Checkpointer(local_dir=run) as ck:
+    with ckpt.Checkpointer(storage=ckpt.Storage(local_dir=run)) as ck:
         assert ck.restore(state, strict=False) == 2
         assert ck.last_restore.tier == "memory" and ck.last_restore.skipped == []
     assert all(torch.equal(p, torch.full_like(p, 2)) for p in state["model"].parameters())
@@ -109,7 +109,7 @@ def test_a_corrupt_memory_snapshot_is_refused_and_the_next_tier_used(tmp_path, c
         f.seek(-1, os.SEEK_CUR)
         f.write(bytes([b[0] ^ 1]))
     state = {"model": _model(device), "step": 0}
-    with ckpt.Checkpointer(local_dir=run) as ck:
+    with ckpt.Checkpointer(storage=ckpt.Storage(local_dir=run)) as ck:
         with pytest.warns(RuntimeWarning, match=str(buf)):
             assert ck.restore(state, strict=False) == 1
         assert ck.last_restore.tier == "local" and ck.last_restore.skipped[0].startswith("memory:2")
@@ -135,7 +135,9 @@ def test_a_slow_tier_makes_no_save_wait_and_writes_the_newest_snapshot_at_the_en
     w = torch.zeros(10_000)
     handles = []
     caplog.set_level(logging.INFO, logger="ckpt.pipeline")
-    with ckpt.Checkpointer(local_dir=tier, keep=ckpt.Retention(local=None)) as ck:
+    with ckpt.Checkpointer(
+        storage=ckpt.Storage(local_dir=tier), policy=ckpt.Policy(keep=ckpt.Retention(local=None))
+    ) as ck:
 
         def loop():
             for step in range(1, 21):
@@ -166,11 +168,10 @@ def test_a_slow_tier_makes_no_save_wait_and_writes_the_newest_snapshot_at_the_en
 def test_persist_every_sets_each_tiers_cadence_and_close_writes_the_newest(tmp_path):
     local = LocalTier(tmp_path / "l")
     with ckpt.Checkpointer(
-        f"file://{tmp_path}/r",
-        local_dir=local,
-        if_busy="wait",
-        persist_every={"local": 5, "remote": 10},
-        keep=ckpt.Retention(None, None),
+        storage=ckpt.Storage(url=f"file://{tmp_path}/r", local_dir=local),
+        policy=ckpt.Policy(
+            if_busy="wait", persist_every={"local": 5, "remote": 10}, keep=ckpt.Retention(None, None)
+        ),
     ) as ck:
         handles = [ck.save(s, {"s": torch.tensor(s)}) for s in range(1, 13)]
         ck.wait()
@@ -187,18 +188,20 @@ def test_persist_every_sets_each_tiers_cadence_and_close_writes_the_newest(tmp_p
 @pytest.mark.parametrize("bad", [{"disk": 5}, {"local": 0}, {"remote": 5}, {"local": 2.5}])
 def test_persist_every_refuses_what_it_cannot_mean(local_dir, bad):
     with pytest.raises((ValueError, TypeError)):  # a step count that is not an int is a TypeError
-        ckpt.Checkpointer(local_dir=local_dir, persist_every=bad)
+        ckpt.Checkpointer(storage=ckpt.Storage(local_dir=local_dir), policy=ckpt.Policy(persist_every=bad))
 
 
 @needs_shm
 def test_segments_belong_to_one_local_dir_and_one_writer(tmp_path):
     a, b = tmp_path / "a", tmp_path / "b"
-    with ckpt.Checkpointer(local_dir=a) as ck:
+    with ckpt.Checkpointer(storage=ckpt.Storage(local_dir=a)) as ck:
         ck.save(1, {"w": torch.ones(100)}).wait()
         assert [c.step for c in ck.memory.committed()] == [1]
-        with ckpt.Checkpointer(local_dir=b) as other:  # another local tier: another name space
+        with ckpt.Checkpointer(
+            storage=ckpt.Storage(local_dir=b)
+        ) as other:  # another local tier: another name space
             assert other.memory.committed() == []
-        second = ckpt.Checkpointer(local_dir=a)
+        second = ckpt.Checkpointer(storage=ckpt.Storage(local_dir=a))
         with pytest.raises(ckpt.LockedError):  # one writer of a's directory and of its segments
             second.save(2, {"w": torch.ones(100)})
         out = {"w": torch.zeros(100)}
@@ -215,12 +218,14 @@ def test_segments_belong_to_one_local_dir_and_one_writer(tmp_path):
 @needs_shm
 def test_a_block_that_raises_keeps_the_memory_tier_for_the_next_process(local_dir):
     with pytest.raises(ZeroDivisionError):
-        with ckpt.Checkpointer(local_dir=local_dir, persist_every={"local": 1000}) as ck:
+        with ckpt.Checkpointer(
+            storage=ckpt.Storage(local_dir=local_dir), policy=ckpt.Policy(persist_every={"local": 1000})
+        ) as ck:
             ck.save(1, {"w": torch.ones(10)})
             ck.save(2, {"w": torch.full((10,), 2.0)}).wait("memory")
             1 / 0
     out = {"w": torch.zeros(10)}
-    with ckpt.Checkpointer(local_dir=local_dir) as ck:
+    with ckpt.Checkpointer(storage=ckpt.Storage(local_dir=local_dir)) as ck:
         assert ck.restore(out) == 2 and ck.last_restore.tier in ("memory", "local")
     assert torch.equal(out["w"], torch.full((10,), 2.0))
     assert (
@@ -230,7 +235,7 @@ def test_a_block_that_raises_keeps_the_memory_tier_for_the_next_process(local_di
 
 def test_without_room_in_ram_the_memory_tier_stays_in_the_process(local_dir, monkeypatch, caplog):
     monkeypatch.setattr(shm, "available_bytes", lambda root: 4096)
-    with ckpt.Checkpointer(local_dir=local_dir) as ck:
+    with ckpt.Checkpointer(storage=ckpt.Storage(local_dir=local_dir)) as ck:
         ck.save(1, {"w": torch.ones(1000)}).wait()
         assert all(b.segment is None for b in ck.pool.buffers)
         out = {"w": torch.zeros(1000)}
@@ -240,7 +245,9 @@ def test_without_room_in_ram_the_memory_tier_stays_in_the_process(local_dir, mon
 
 
 def test_the_first_maybe_save_allocates_the_buffers_in_the_background(local_dir):
-    with ckpt.Checkpointer(local_dir=local_dir, every_steps=50) as ck:
+    with ckpt.Checkpointer(
+        storage=ckpt.Storage(local_dir=local_dir), policy=ckpt.Policy(every_steps=50)
+    ) as ck:
         state = {"w": torch.ones(100_000)}
         assert ck.maybe_save(1, state) is None
         ck.pool._prepared.join(60)
@@ -251,11 +258,16 @@ def test_the_first_maybe_save_allocates_the_buffers_in_the_background(local_dir)
 
 @needs_shm
 def test_the_background_allocation_takes_over_what_the_previous_process_left_first(local_dir):
-    with ckpt.Checkpointer(local_dir=local_dir, persist_every={"local": 1000}) as ck:
+    with ckpt.Checkpointer(
+        storage=ckpt.Storage(local_dir=local_dir), policy=ckpt.Policy(persist_every={"local": 1000})
+    ) as ck:
         for s in (1, 2):
             ck.save(s, {"w": torch.full((100_000,), float(s))}).wait("memory")
         ck.close(keep_memory=True)  # as a crash leaves them
-    with ckpt.Checkpointer(local_dir=local_dir, every_steps=10, persist_every={"local": 1000}) as ck:
+    with ckpt.Checkpointer(
+        storage=ckpt.Storage(local_dir=local_dir),
+        policy=ckpt.Policy(every_steps=10, persist_every={"local": 1000}),
+    ) as ck:
         state = {"w": torch.zeros(100_000)}
         assert ck.maybe_save(3, state) is None  # starts the background allocation
         ck.pool._prepared.join(60)
@@ -302,7 +314,9 @@ def test_ckpt_ls_and_gc_show_and_free_the_ram_a_crashed_job_left(tmp_path):
     mem = json.loads(_ckpt("ls", "--memory", "--json").stdout)
     [group] = [g for g in mem if g["local_dir"] == os.path.realpath(run)]
     assert group["owned"] is False and group["steps"] == [2] and group["bytes"] > 0
-    with ckpt.Checkpointer(local_dir=run) as ck:  # a live owner: its segments are not freed
+    with ckpt.Checkpointer(
+        storage=ckpt.Storage(local_dir=run)
+    ) as ck:  # a live owner: its segments are not freed
         ck.save(3, {"w": torch.ones(10)}).wait()
         refused = _ckpt("gc", "--memory", str(run))
         assert refused.returncode == 1 and shm.segments(prefix=shm.prefix_for(run, 0))
@@ -314,7 +328,10 @@ def test_ckpt_ls_and_gc_show_and_free_the_ram_a_crashed_job_left(tmp_path):
 def test_after_a_rollback_the_snapshot_kept_whole_is_the_newest_on_the_live_branch(local_dir):
     # steps 1-3 saved, then a rollback to 2: the next snapshot (3 on the new branch) must be copied over the
     # abandoned step 3, never over step 2, the newest snapshot the live branch has in RAM meanwhile
-    with ckpt.Checkpointer(local_dir=local_dir, persist_every={"local": 1000}, if_busy="wait") as ck:
+    with ckpt.Checkpointer(
+        storage=ckpt.Storage(local_dir=local_dir),
+        policy=ckpt.Policy(persist_every={"local": 1000}, if_busy="wait"),
+    ) as ck:
         for s in (1, 2, 3):
             ck.save(s, {"w": torch.full((10,), float(s))}).wait()
         out = {"w": torch.zeros(10)}
@@ -328,11 +345,17 @@ def test_after_a_rollback_the_snapshot_kept_whole_is_the_newest_on_the_live_bran
 def test_a_run_restarted_from_scratch_overwrites_the_snapshot_it_replaces_first(local_dir):
     # a previous run left steps 3 and 4 in RAM; a new run that does not restore saves 1, 2, 3 on the same
     # branch: each new snapshot goes over the oldest-committed buffer, the one just committed stays whole
-    with ckpt.Checkpointer(local_dir=local_dir, persist_every={"local": 1000}, if_busy="wait") as ck:
+    with ckpt.Checkpointer(
+        storage=ckpt.Storage(local_dir=local_dir),
+        policy=ckpt.Policy(persist_every={"local": 1000}, if_busy="wait"),
+    ) as ck:
         for s in (3, 4):
             ck.save(s, {"w": torch.full((10,), float(s))}).wait("memory")
         ck.close(keep_memory=True)
-    with ckpt.Checkpointer(local_dir=local_dir, persist_every={"local": 1000}, if_busy="wait") as ck:
+    with ckpt.Checkpointer(
+        storage=ckpt.Storage(local_dir=local_dir),
+        policy=ckpt.Policy(persist_every={"local": 1000}, if_busy="wait"),
+    ) as ck:
         ck.save(1, {"w": torch.full((10,), 10.0)}).wait("memory")
         ck.save(2, {"w": torch.full((10,), 20.0)}).wait("memory")
         assert {1, 2} <= {c.step for c in ck.memory.committed()}
@@ -346,6 +369,6 @@ def test_an_empty_ckpt_shm_dir_means_the_default_never_the_working_directory(tmp
     monkeypatch.setenv("CKPT_SHM_DIR", "")
     root = shm.shm_root()
     assert root is None or root == Path("/dev/shm")
-    with ckpt.Checkpointer(local_dir=tmp_path / "l") as ck:
+    with ckpt.Checkpointer(storage=ckpt.Storage(local_dir=tmp_path / "l")) as ck:
         ck.save(1, {"w": torch.ones(4)}).wait()
     assert not list(tmp_path.glob("ckpt-*")), "segments landed in the working directory"

@@ -38,7 +38,8 @@ def _numbers(record: dict) -> bool:
 def test_save_records_have_the_documented_keys_and_agree_with_the_measurements(tmp_path):
     # if_busy="wait": every save reaches every tier (no newest-wins superseding), so each record has both
     with ckpt.Checkpointer(
-        f"file://{tmp_path}/remote", local_dir=tmp_path / "local", every_steps=1, if_busy="wait"
+        storage=ckpt.Storage(url=f"file://{tmp_path}/remote", local_dir=tmp_path / "local"),
+        policy=ckpt.Policy(every_steps=1, if_busy="wait"),
     ) as ck:
         handles = [ck.save(s, _state(s)) for s in (10, 20, 30)]
         ck.wait()
@@ -69,7 +70,9 @@ def test_a_record_appears_only_once_its_save_finished_on_every_tier(local_dir):
             assert go.wait(60)
             return super().write(step, manifest, data)
 
-    with ckpt.Checkpointer(local_dir=Gated(local_dir), every_steps=1000) as ck:
+    with ckpt.Checkpointer(
+        storage=ckpt.Storage(local_dir=Gated(local_dir)), policy=ckpt.Policy(every_steps=1000)
+    ) as ck:
         h = ck.save(1, _state())
         h.wait("memory")
         assert ck.metrics() == [] and ck.maybe_save(2, _state()) is None  # not due
@@ -81,12 +84,14 @@ def test_a_record_appears_only_once_its_save_finished_on_every_tier(local_dir):
 
 def test_restore_records_name_the_tier_and_the_size(tmp_path):
     state = _state(3.0)
-    with ckpt.Checkpointer(local_dir=tmp_path / "local") as ck:
+    with ckpt.Checkpointer(storage=ckpt.Storage(local_dir=tmp_path / "local")) as ck:
         ck.save(5, state).wait()
         ck.metrics()
         assert ck.restore(state) == 5  # from host memory, in this process
         (memory,) = ck.metrics()
-    with ckpt.Checkpointer(local_dir=tmp_path / "local") as ck:  # a new process would see the disk
+    with ckpt.Checkpointer(
+        storage=ckpt.Storage(local_dir=tmp_path / "local")
+    ) as ck:  # a new process would see the disk
         assert ck.restore(_state()) == 5
         (local,) = ck.metrics()
         info = ck.last_restore
@@ -105,7 +110,7 @@ def test_restore_records_name_the_tier_and_the_size(tmp_path):
 
 
 def test_a_restore_that_passes_over_a_corrupt_checkpoint_counts_it(tmp_path):
-    with ckpt.Checkpointer(local_dir=tmp_path) as ck:
+    with ckpt.Checkpointer(storage=ckpt.Storage(local_dir=tmp_path)) as ck:
         ck.save(1, _state(1.0)).wait()  # each lands (a save superseded on a busy tier would not)
         ck.save(2, _state(2.0)).wait()
     (data,) = (tmp_path / "step-000000002").glob("*.bin")
@@ -114,7 +119,10 @@ def test_a_restore_that_passes_over_a_corrupt_checkpoint_counts_it(tmp_path):
         b = f.read(1)
         f.seek(100)
         f.write(bytes([b[0] ^ 0xFF]))
-    with ckpt.Checkpointer(local_dir=tmp_path) as ck, pytest.warns(RuntimeWarning, match="step-000000002"):
+    with (
+        ckpt.Checkpointer(storage=ckpt.Storage(local_dir=tmp_path)) as ck,
+        pytest.warns(RuntimeWarning, match="step-000000002"),
+    ):
         assert ck.restore(_state()) == 1
         (r,) = ck.metrics()
     assert r["ckpt/restore/step"] == 1 and r["ckpt/restore/skipped"] == 1
@@ -123,7 +131,8 @@ def test_a_restore_that_passes_over_a_corrupt_checkpoint_counts_it(tmp_path):
 def test_one_info_line_per_save_once_it_finished_and_nothing_at_warning(tmp_path, caplog):
     with caplog.at_level(logging.INFO, logger="ckpt.metrics"):
         with ckpt.Checkpointer(
-            f"file://{tmp_path}/remote", local_dir=tmp_path / "local", every_steps=2, if_busy="wait"
+            storage=ckpt.Storage(url=f"file://{tmp_path}/remote", local_dir=tmp_path / "local"),
+            policy=ckpt.Policy(every_steps=2, if_busy="wait"),
         ) as ck:  # every due save is taken, however slow the tiers
             for step in range(1, 8):
                 ck.maybe_save(step, _state(step))
@@ -142,7 +151,7 @@ class _Full(LocalTier):
 
 def test_a_failed_save_is_recorded_as_failed_and_its_line_names_the_tier(local_dir, caplog):
     with caplog.at_level(logging.INFO, logger="ckpt.metrics"):
-        ck = ckpt.Checkpointer(local_dir=_Full(local_dir))
+        ck = ckpt.Checkpointer(storage=ckpt.Storage(local_dir=_Full(local_dir)))
         ck.save(4, _state())
         with pytest.raises(OSError):
             ck.wait()
@@ -163,7 +172,10 @@ def test_a_skipped_save_is_recorded_as_skipped_without_an_info_line(local_dir, c
             return super().write(step, manifest, data)
 
     with caplog.at_level(logging.INFO, logger="ckpt.metrics"):
-        with ckpt.Checkpointer(local_dir=Gated(local_dir), if_busy="skip", max_in_flight=1) as ck:
+        with ckpt.Checkpointer(
+            storage=ckpt.Storage(local_dir=Gated(local_dir), max_in_flight=1),
+            policy=ckpt.Policy(if_busy="skip"),
+        ) as ck:
             ck.save(1, _state())
             # the one buffer is being read by the write (before it starts, step 2 would supersede step 1)
             assert started.wait(60)
@@ -181,9 +193,8 @@ def test_a_skipped_save_is_recorded_as_skipped_without_an_info_line(local_dir, c
 def test_on_metrics_gets_every_record_on_the_calling_thread(local_dir):
     got = []
     with ckpt.Checkpointer(
-        local_dir=local_dir,
-        every_steps=1,
-        if_busy="wait",
+        storage=ckpt.Storage(local_dir=local_dir),
+        policy=ckpt.Policy(every_steps=1, if_busy="wait"),
         on_metrics=lambda r: got.append((threading.current_thread(), r)),
     ) as ck:
         ck.restore(_state())  # nothing to restore: no record
@@ -198,16 +209,16 @@ def test_an_on_metrics_that_raises_is_logged_and_checkpointing_goes_on(local_dir
         raise RuntimeError("logger is down")
 
     with caplog.at_level(logging.ERROR, logger="ckpt.metrics"):
-        with ckpt.Checkpointer(local_dir=local_dir, on_metrics=broken) as ck:
+        with ckpt.Checkpointer(storage=ckpt.Storage(local_dir=local_dir), on_metrics=broken) as ck:
             ck.save(1, _state()).wait()
             ck.save(2, _state()).wait()
             records = ck.metrics()
     assert [r["ckpt/save/step"] for r in records] == [1, 2]
-    assert [i.step for i in ckpt.Checkpointer(local_dir=local_dir).list()] == [2, 1]
+    assert [i.step for i in ckpt.Checkpointer(storage=ckpt.Storage(local_dir=local_dir)).list()] == [2, 1]
     errors = [r for r in caplog.records if r.name == "ckpt.metrics" and r.levelno == logging.ERROR]
     assert len(errors) == 2 and errors[0].exc_info is not None
 
 
 def test_on_metrics_must_be_callable(local_dir):
     with pytest.raises(TypeError, match="on_metrics"):
-        ckpt.Checkpointer(local_dir=local_dir, on_metrics="wandb")
+        ckpt.Checkpointer(storage=ckpt.Storage(local_dir=local_dir), on_metrics="wandb")

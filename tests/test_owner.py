@@ -51,7 +51,7 @@ def owner(local_dir):
 
 def _holds(local_dir: Path, step: int = 5) -> float | None:
     target = {"w": torch.empty(10_000), "value": None}
-    with ckpt.Checkpointer(local_dir=local_dir) as ck:
+    with ckpt.Checkpointer(storage=ckpt.Storage(local_dir=local_dir)) as ck:
         ck.restore(target, step=step)
     assert torch.equal(target["w"], torch.full((10_000,), target["value"]))
     return target["value"]
@@ -63,7 +63,7 @@ def _files(local_dir: Path) -> dict[str, int]:
 
 def test_a_second_process_cannot_write_into_a_live_owners_local_dir(local_dir, owner):
     before = _files(local_dir)
-    ck = ckpt.Checkpointer(local_dir=local_dir)
+    ck = ckpt.Checkpointer(storage=ckpt.Storage(local_dir=local_dir))
     try:
         with pytest.raises(ckpt.LockedError) as e:
             ck.save(5, state(2.0))
@@ -84,22 +84,22 @@ def test_a_second_process_cannot_write_into_a_live_owners_local_dir(local_dir, o
 def test_a_sigkilled_owner_leaves_no_lock_behind(local_dir, owner):
     owner.send_signal(signal.SIGKILL)
     owner.wait()
-    with ckpt.Checkpointer(local_dir=local_dir) as ck:
+    with ckpt.Checkpointer(storage=ckpt.Storage(local_dir=local_dir)) as ck:
         ck.save(6, state(3.0)).wait()
     assert _holds(local_dir, 6) == 3.0 and _holds(local_dir, 5) == 1.0
 
 
 def test_a_second_checkpointer_in_the_same_process_is_refused_until_the_first_closes(local_dir, tmp_path):
-    first = ckpt.Checkpointer(local_dir=local_dir)
+    first = ckpt.Checkpointer(storage=ckpt.Storage(local_dir=local_dir))
     first.save(1, state(1.0)).wait()
-    second = ckpt.Checkpointer(local_dir=local_dir)
+    second = ckpt.Checkpointer(storage=ckpt.Storage(local_dir=local_dir))
     with pytest.raises(ckpt.LockedError) as e:
         second.save(1, state(2.0))
     assert e.value.pid == os.getpid()
     link = tmp_path / "link"
     link.symlink_to(local_dir)
     with pytest.raises(ckpt.LockedError):  # the same directory through a symlink
-        ckpt.Checkpointer(local_dir=link).save(1, state(2.0))
+        ckpt.Checkpointer(storage=ckpt.Storage(local_dir=link)).save(1, state(2.0))
     first.close()
     second.save(2, state(2.0)).wait()
     second.close()
@@ -112,13 +112,15 @@ def test_readers_need_no_lock(local_dir, owner, tmp_path, capsys):
     assert cli(["inspect", str(local_dir)]) == 0
     assert _holds(local_dir) == 1.0  # a restore-only Checkpointer
     ckpt.promote(5, "remote", local_dir=local_dir, url=f"file://{tmp_path}/remote")  # reads local_dir only
-    with ckpt.Checkpointer(f"file://{tmp_path}/remote", local_dir=tmp_path / "elsewhere") as ck:
+    with ckpt.Checkpointer(
+        storage=ckpt.Storage(url=f"file://{tmp_path}/remote", local_dir=tmp_path / "elsewhere")
+    ) as ck:
         assert ck.restore({"w": torch.empty(10_000), "value": None}) == 5
 
 
 def test_gc_and_promote_into_an_owned_local_dir_are_refused(local_dir, owner, tmp_path):
     url = f"file://{tmp_path}/remote"
-    with ckpt.Checkpointer(url, local_dir=tmp_path / "other") as ck:
+    with ckpt.Checkpointer(storage=ckpt.Storage(url=url, local_dir=tmp_path / "other")) as ck:
         for s in (1, 2, 3):
             ck.save(s, state(float(s))).wait()
     before = _files(local_dir)
@@ -150,7 +152,9 @@ def test_a_forked_child_does_not_keep_the_directory_locked(local_dir):
         line = proc.stdout.readline().split()
         assert line and line[0] == "closed", line
         child = int(line[1])
-        with ckpt.Checkpointer(local_dir=local_dir) as ck:  # the parent closed: the child must not hold it
+        with ckpt.Checkpointer(
+            storage=ckpt.Storage(local_dir=local_dir)
+        ) as ck:  # the parent closed: the child must not hold it
             ck.save(6, state(6.0)).wait()
     finally:
         proc.kill()
@@ -165,7 +169,7 @@ def test_a_forked_child_does_not_keep_the_directory_locked(local_dir):
 
 def test_every_rank_refuses_when_one_ranks_local_dir_has_another_owner(tmp_path):
     (tmp_path / "rank-1").mkdir()
-    squatter = ckpt.Checkpointer(local_dir=tmp_path / "rank-1")
+    squatter = ckpt.Checkpointer(storage=ckpt.Storage(local_dir=tmp_path / "rank-1"))
     squatter.save(1, state(9.0)).wait()
     try:
         results = run_ranks(HERE / "owner_worker.py", str(tmp_path), "rank", timeout=120)
@@ -176,7 +180,7 @@ def test_every_rank_refuses_when_one_ranks_local_dir_has_another_owner(tmp_path)
     assert out[1].startswith("raised LockedError") and str(os.getpid()) in out[1], out
     assert out[0].startswith("raised LockedError") and "rank(s) [1]" in out[0], out
     # rank 0 let go of its own directory when the construction failed
-    with ckpt.Checkpointer(local_dir=tmp_path / "rank-0") as ck:
+    with ckpt.Checkpointer(storage=ckpt.Storage(local_dir=tmp_path / "rank-0")) as ck:
         ck.save(2, state(2.0)).wait()
 
 
@@ -187,19 +191,21 @@ def test_a_restore_from_the_remote_tier_writes_nothing_into_a_live_owners_local_
     beside a live owner it restores the remote step and leaves the directory as it was; once the owner is
     gone it refills (without keeping the directory: a trainer can start beside it)."""
     url = f"file://{tmp_path}/remote"
-    with ckpt.Checkpointer(url, local_dir=tmp_path / "other") as ck:
+    with ckpt.Checkpointer(storage=ckpt.Storage(url=url, local_dir=tmp_path / "other")) as ck:
         ck.save(9, state(9.0)).wait()
     before = _files(local_dir)
     target = {"w": torch.empty(10_000), "value": None}
-    with ckpt.Checkpointer(url, local_dir=local_dir) as ck:
+    with ckpt.Checkpointer(storage=ckpt.Storage(url=url, local_dir=local_dir)) as ck:
         assert ck.restore(target) == 9 and ck.last_restore.tier == "remote"
     assert target["value"] == 9.0 and torch.equal(target["w"], torch.full((10_000,), 9.0))
     assert _files(local_dir) == before
     owner.kill()
     owner.wait()
-    with ckpt.Checkpointer(url, local_dir=local_dir) as ck:
+    with ckpt.Checkpointer(storage=ckpt.Storage(url=url, local_dir=local_dir)) as ck:
         assert ck.restore({"w": torch.empty(10_000), "value": None}) == 9 and ck.last_restore.tier == "remote"
-        with ckpt.Checkpointer(local_dir=local_dir) as trainer:  # the reader does not keep the directory
+        with ckpt.Checkpointer(
+            storage=ckpt.Storage(local_dir=local_dir)
+        ) as trainer:  # the reader does not keep the directory
             trainer.save(10, state(10.0)).wait()
     assert _holds(local_dir, 9) == 9.0 and _holds(local_dir, 10) == 10.0  # 9 was refilled
 
@@ -221,9 +227,9 @@ def test_a_file_url_of_an_owned_local_dir_is_that_local_tier(local_dir, owner, t
     assert status != 0
     assert _files(local_dir) == before
     with pytest.raises(ValueError):
-        ckpt.Checkpointer(url, local_dir=tmp_path / "elsewhere")
+        ckpt.Checkpointer(storage=ckpt.Storage(url=url, local_dir=tmp_path / "elsewhere"))
     (tmp_path / "other").mkdir()
-    with ckpt.Checkpointer(local_dir=tmp_path / "other") as ck:
+    with ckpt.Checkpointer(storage=ckpt.Storage(local_dir=tmp_path / "other")) as ck:
         ck.save(7, state(7.0)).wait()
     with pytest.raises(ValueError):
         ckpt.promote(7, "remote", local_dir=tmp_path / "other", url=url)
@@ -233,13 +239,13 @@ def test_a_file_url_of_an_owned_local_dir_is_that_local_tier(local_dir, owner, t
 def test_an_owner_whose_lock_file_is_removed_takes_it_again(local_dir):
     """The lock is on the file at local_dir/.ckpt-lock: removed by hand, it no longer keeps a second writer
     out. The owner finds that out before its next write and takes the name again."""
-    with ckpt.Checkpointer(local_dir=local_dir) as ck:
+    with ckpt.Checkpointer(storage=ckpt.Storage(local_dir=local_dir)) as ck:
         ck.save(1, state(1.0)).wait()
         (local_dir / ".ckpt-lock").unlink()
         ck.save(2, state(2.0)).wait()
         assert (local_dir / ".ckpt-lock").is_file()
         with pytest.raises(ckpt.LockedError):  # held again: a second writer is refused
-            ckpt.Checkpointer(local_dir=local_dir).save(3, state(3.0))
+            ckpt.Checkpointer(storage=ckpt.Storage(local_dir=local_dir)).save(3, state(3.0))
         env = dict(os.environ, PYTHONPATH=f"{HERE}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
         out = subprocess.run(
             [
@@ -273,7 +279,9 @@ def _another_owner_takes(local_dir) -> subprocess.Popen:
 def test_an_owner_whose_lock_another_process_took_stops_writing(local_dir, tmp_path):
     """Lock file removed, then another process made a new one and saved: the first owner's next save is
     refused before anything it wrote becomes visible, and the other process's step is untouched."""
-    first = ckpt.Checkpointer(local_dir=local_dir, keep=ckpt.Retention(local=1))
+    first = ckpt.Checkpointer(
+        storage=ckpt.Storage(local_dir=local_dir), policy=ckpt.Policy(keep=ckpt.Retention(local=1))
+    )
     try:
         first.save(1, state(1.0)).wait()
         proc = _another_owner_takes(local_dir)
@@ -296,9 +304,13 @@ def test_an_owner_fenced_out_of_its_directory_writes_nothing_there_again(local_d
     LockedError and leave the directory as the live owner has it; a restore there returns the live owner's
     step, never a later one of the fenced writer."""
     url = f"file://{tmp_path}/remote"
-    with ckpt.Checkpointer(url, local_dir=tmp_path / "other") as ck:  # step 3 on the remote tier only
+    with ckpt.Checkpointer(
+        storage=ckpt.Storage(url=url, local_dir=tmp_path / "other")
+    ) as ck:  # step 3 on the remote tier only
         ck.save(3, state(3.0)).wait()
-    first = ckpt.Checkpointer(url, local_dir=local_dir, keep=ckpt.Retention(local=1))
+    first = ckpt.Checkpointer(
+        storage=ckpt.Storage(url=url, local_dir=local_dir), policy=ckpt.Policy(keep=ckpt.Retention(local=1))
+    )
     try:
         first.save(1, state(1.0)).wait()
         proc = _another_owner_takes(local_dir)
@@ -321,7 +333,7 @@ def test_an_owner_fenced_out_of_its_directory_writes_nothing_there_again(local_d
             proc.kill()
             proc.wait()
         target = {"w": torch.empty(10_000), "value": None}
-        with ckpt.Checkpointer(local_dir=local_dir) as reader:
+        with ckpt.Checkpointer(storage=ckpt.Storage(local_dir=local_dir)) as reader:
             assert reader.restore(target) == 5
     finally:
         first.close(raise_errors=False)
@@ -346,7 +358,10 @@ def test_uploads_queued_before_a_writer_was_fenced_never_reach_the_remote_tier(l
     is never uploaded (its handle fails with LockedError, so does wait()), and nothing of the fenced writer
     lands on the remote tier after the upload that was already under way."""
     remote = _GatedRemote(f"file://{tmp_path}/remote")
-    first = ckpt.Checkpointer(remote, local_dir=local_dir, if_busy="wait", keep=ckpt.Retention(None, None))
+    first = ckpt.Checkpointer(
+        storage=ckpt.Storage(url=remote, local_dir=local_dir),
+        policy=ckpt.Policy(if_busy="wait", keep=ckpt.Retention(None, None)),
+    )
     try:
         h1 = first.save(1, state(1.0))
         assert remote.started.wait(60)

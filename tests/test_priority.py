@@ -28,7 +28,7 @@ def test_persist_writers_run_below_the_training_thread(local_dir):
             return super().write(step, manifest, data)
 
     me = _nice(threading.get_native_id())
-    with ckpt.Checkpointer(local_dir=Spy(local_dir)) as ck:
+    with ckpt.Checkpointer(storage=ckpt.Storage(local_dir=Spy(local_dir))) as ck:
         ck.save(1, {"w": torch.ones(1000)}).wait()
     assert _nice(threading.get_native_id()) == me  # the caller's own priority is untouched
     [(name, nice)] = seen

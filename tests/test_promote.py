@@ -64,12 +64,12 @@ def _which(target: dict) -> float | None:
 
 
 def _save_local(local_dir: Path, seed: float) -> None:
-    with ckpt.Checkpointer(local_dir=local_dir) as ck:
+    with ckpt.Checkpointer(storage=ckpt.Storage(local_dir=local_dir)) as ck:
         ck.save(STEP, _state(seed)).wait()
 
 
 def _save_remote(url: str, seed: float, scratch: Path, opts: dict | None = None) -> None:
-    with ckpt.Checkpointer(url, storage_options=opts, local_dir=scratch) as ck:
+    with ckpt.Checkpointer(storage=ckpt.Storage(url=url, storage_options=opts, local_dir=scratch)) as ck:
         ck.save(STEP, _state(seed)).wait()
     shutil.rmtree(scratch)
 
@@ -77,7 +77,7 @@ def _save_remote(url: str, seed: float, scratch: Path, opts: dict | None = None)
 def _local_holds(local_dir: Path) -> float | None:
     """What a restore from ``local_dir`` alone finds at step 5 (None: nothing usable)."""
     target = _target()
-    with ckpt.Checkpointer(local_dir=local_dir) as ck:
+    with ckpt.Checkpointer(storage=ckpt.Storage(local_dir=local_dir)) as ck:
         try:
             ck.restore(target, step=STEP)
         except (ckpt.CheckpointError, FileNotFoundError):
@@ -89,7 +89,7 @@ def _remote_holds(url: str, scratch: Path, opts: dict | None = None) -> float | 
     """What a restore from the URL finds at step 5 (through an empty local_dir)."""
     target = _target()
     try:
-        with ckpt.Checkpointer(url, storage_options=opts, local_dir=scratch) as ck:
+        with ckpt.Checkpointer(storage=ckpt.Storage(url=url, storage_options=opts, local_dir=scratch)) as ck:
             try:
                 ck.restore(target, step=STEP)
             except (ckpt.CheckpointError, FileNotFoundError):
@@ -125,7 +125,9 @@ def test_a_corrupt_local_source_leaves_the_s3_copy(tmp_path, s3_bucket):
     _save_remote(url, 1.0, tmp_path / "s", opts)
     _save_local(tmp_path / "a", 2.0)
     _flip(tmp_path / "a" / DATA)
-    with ckpt.Checkpointer(url, storage_options=opts, local_dir=tmp_path / "a") as ck:
+    with ckpt.Checkpointer(
+        storage=ckpt.Storage(url=url, storage_options=opts, local_dir=tmp_path / "a")
+    ) as ck:
         with pytest.raises(ckpt.CorruptCheckpointError, match="rank-00000.bin"):
             ck.promote(STEP, "remote")
     assert _remote_holds(url, tmp_path / "s", opts) == 1.0
@@ -258,7 +260,7 @@ def test_promote_replaces_a_different_copy_and_leaves_no_old_parts(tmp_path, sch
 
 def test_promoting_an_identical_copy_writes_nothing(tmp_path, monkeypatch):
     url = f"file://{tmp_path}/remote"
-    with ckpt.Checkpointer(url, local_dir=tmp_path / "a") as ck:
+    with ckpt.Checkpointer(storage=ckpt.Storage(url=url, local_dir=tmp_path / "a")) as ck:
         ck.save(STEP, _state(1.0)).wait()
     remote_commit = tmp_path / "remote" / "step-000000005" / "COMMIT"
     before = {p: p.stat().st_mtime_ns for p in (tmp_path / "remote").rglob("*")}
@@ -280,7 +282,7 @@ def test_promoting_an_identical_copy_writes_nothing(tmp_path, monkeypatch):
 
 def test_an_identical_but_corrupt_destination_is_repaired(tmp_path):
     url = f"file://{tmp_path}/remote"
-    with ckpt.Checkpointer(url, local_dir=tmp_path / "a") as ck:
+    with ckpt.Checkpointer(storage=ckpt.Storage(url=url, local_dir=tmp_path / "a")) as ck:
         ck.save(STEP, _state(1.0)).wait()
     _flip(tmp_path / "remote" / "step-000000005" / "rank-00000" / "part-000001")
     ckpt.promote(STEP, "remote", local_dir=tmp_path / "a", url=url)
@@ -420,7 +422,7 @@ def test_sigkill_at_any_point_of_a_promote_to_s3_leaves_the_old_or_the_new_copy(
 # -- the same mechanism under every write, not only promote -------------------------------------------
 def test_saving_a_committed_step_again_keeps_the_old_copy_when_the_write_fails(tmp_path, monkeypatch):
     url = f"file://{tmp_path}/remote"
-    with ckpt.Checkpointer(url, local_dir=tmp_path / "a") as ck:
+    with ckpt.Checkpointer(storage=ckpt.Storage(url=url, local_dir=tmp_path / "a")) as ck:
         ck.save(STEP, _state(1.0)).wait()
     real, calls = os.pwrite, []
 
@@ -433,7 +435,9 @@ def test_saving_a_committed_step_again_keeps_the_old_copy_when_the_write_fails(t
     with monkeypatch.context() as m:
         m.setattr(os, "pwrite", pwrite)
         _failing_after(m, 2)
-        with ckpt.Checkpointer(url, local_dir=tmp_path / "a") as ck:  # a run that went back to step 4
+        with ckpt.Checkpointer(
+            storage=ckpt.Storage(url=url, local_dir=tmp_path / "a")
+        ) as ck:  # a run that went back to step 4
             h = ck.save(STEP, _state(2.0))
             with pytest.raises(OSError) as local_error:
                 h.wait("local")
@@ -482,7 +486,7 @@ def test_a_copy_left_aside_by_a_killed_writer_is_put_back_and_staging_is_swept(t
     live = root / f".step-000000006.new-{os.getpid()}-{tag}-12345678"  # a live writer's: left alone
     live.mkdir()
     assert _local_holds(root) is None  # readers do not repair; the next writer does
-    with ckpt.Checkpointer(local_dir=root) as ck:
+    with ckpt.Checkpointer(storage=ckpt.Storage(local_dir=root)) as ck:
         ck.save(7, _state(2.0)).wait()
     assert _local_holds(root) == 1.0
     assert not aside.exists() and not staged.exists() and live.exists()

@@ -76,7 +76,9 @@ class _Taken:
 )
 def test_a_load_takes_the_copy_read_ahead_for_that_snapshot_alone(local_dir, monkeypatch, device, step, used):
     taken = _Taken(monkeypatch)
-    with ckpt.Checkpointer(local_dir=local_dir, persist_every={"local": 1000}) as ck:
+    with ckpt.Checkpointer(
+        storage=ckpt.Storage(local_dir=local_dir), policy=ckpt.Policy(persist_every={"local": 1000})
+    ) as ck:
         ck.save(2, _state(2, device)).wait()
         ck.save(3, _state(3, device)).wait()
         ck.memory.read_ahead(torch.device(device))
@@ -91,7 +93,10 @@ def test_a_buffer_that_took_a_newer_snapshot_since_is_read_as_it_is_now(local_di
     """One host buffer: step 3 is read ahead, then step 4 is saved into the same buffer; the restore of step 4
     must not be handed step 3's bytes (same buffer, same size, other image)."""
     taken = _Taken(monkeypatch)
-    with ckpt.Checkpointer(local_dir=local_dir, persist_every={"local": 1000}, max_in_flight=1) as ck:
+    with ckpt.Checkpointer(
+        storage=ckpt.Storage(local_dir=local_dir, max_in_flight=1),
+        policy=ckpt.Policy(persist_every={"local": 1000}),
+    ) as ck:
         ck.save(3, _state(3)).wait()
         ck.memory.read_ahead(torch.device("cpu"))
         ck.memory._ahead._thread.join()
@@ -111,7 +116,7 @@ def test_a_snapshot_taken_over_from_the_previous_process_is_checked_before_it_is
     their previous processes left: what is read ahead from one is checked first, and one that fails is not
     read ahead (the load then finds it failing too, and the local tier's copy is restored)."""
     taken = _Taken(monkeypatch)
-    ck = ckpt.Checkpointer(local_dir=local_dir)
+    ck = ckpt.Checkpointer(storage=ckpt.Storage(local_dir=local_dir))
     ck.save(3, _state(3)).wait()
     ck.close(keep_memory=True)
     if flip:  # a byte of the segment changes while no process owns it: the local tier's copy is restored
@@ -126,7 +131,7 @@ def test_a_snapshot_taken_over_from_the_previous_process_is_checked_before_it_is
             b = f.read(1)
             f.seek(1000)
             f.write(bytes([b[0] ^ 0x02]))
-    with ckpt.Checkpointer(local_dir=local_dir) as ck:
+    with ckpt.Checkpointer(storage=ckpt.Storage(local_dir=local_dir)) as ck:
         ck._node.own()  # as every rank of a collective job does at construction: the segment is taken over
         ck.memory.read_ahead(torch.device("cpu"))
         ck.memory._ahead._thread.join()
@@ -141,7 +146,9 @@ def test_a_snapshot_taken_over_from_the_previous_process_is_checked_before_it_is
 
 
 def test_ending_gives_the_copy_back_and_a_second_start_is_one_read(local_dir):
-    with ckpt.Checkpointer(local_dir=local_dir, persist_every={"local": 1000}) as ck:
+    with ckpt.Checkpointer(
+        storage=ckpt.Storage(local_dir=local_dir), policy=ckpt.Policy(persist_every={"local": 1000})
+    ) as ck:
         ck.save(3, _state(3)).wait()
         ck.memory.read_ahead(torch.device("cpu"))
         first = ck.memory._ahead
@@ -157,7 +164,9 @@ def test_it_is_off_where_the_knob_says_so(local_dir):
     from ckpt import knobs
 
     with (
-        ckpt.Checkpointer(local_dir=local_dir, persist_every={"local": 1000}) as ck,
+        ckpt.Checkpointer(
+            storage=ckpt.Storage(local_dir=local_dir), policy=ckpt.Policy(persist_every={"local": 1000})
+        ) as ck,
         knobs.override(CKPT_READ_AHEAD=0),
     ):
         ck.save(3, _state(3)).wait()
@@ -166,7 +175,7 @@ def test_it_is_off_where_the_knob_says_so(local_dir):
 
 
 def test_nothing_to_read_ahead_is_nothing(local_dir):
-    with ckpt.Checkpointer(local_dir=local_dir) as ck:
+    with ckpt.Checkpointer(storage=ckpt.Storage(local_dir=local_dir)) as ck:
         ck.memory.read_ahead(torch.device("cpu"))
         ck.memory._ahead._thread.join()
         assert ck.memory._ahead.target is None and ck.memory._ahead.data is None

@@ -15,7 +15,7 @@ class Opaque:
 
 def test_a_non_json_value_is_refused_with_its_key_named(local_dir):
     state = {"w": torch.ones(2), "extras": {"fn": Opaque()}}
-    with ckpt.Checkpointer(local_dir=local_dir) as ck:
+    with ckpt.Checkpointer(storage=ckpt.Storage(local_dir=local_dir)) as ck:
         with pytest.raises(ckpt.RefusedStateError) as ei:
             ck.save(1, state)
         assert ei.value.path == "extras/fn"
@@ -25,7 +25,7 @@ def test_a_non_json_value_is_refused_with_its_key_named(local_dir):
 
 
 def test_a_set_and_a_lambda_are_refused_too(local_dir):
-    with ckpt.Checkpointer(local_dir=local_dir) as ck:
+    with ckpt.Checkpointer(storage=ckpt.Storage(local_dir=local_dir)) as ck:
         for key, value in (("s", {1, 2}), ("cb", lambda: 0)):
             with pytest.raises(ckpt.RefusedStateError) as ei:
                 ck.save(1, {key: value})
@@ -34,16 +34,18 @@ def test_a_set_and_a_lambda_are_refused_too(local_dir):
 
 def test_on_unsupported_skip_leaves_such_values_out_and_keeps_them_on_restore(local_dir):
     keep = Opaque()
-    with ckpt.Checkpointer(local_dir=local_dir, on_unsupported="skip") as ck:
+    with ckpt.Checkpointer(
+        storage=ckpt.Storage(local_dir=local_dir), policy=ckpt.Policy(on_unsupported="skip")
+    ) as ck:
         ck.save(1, {"w": torch.full((2,), 3.0), "obj": Opaque()}).wait()
     target = {"w": torch.zeros(2), "obj": keep}
-    with ckpt.Checkpointer(local_dir=local_dir) as ck:
+    with ckpt.Checkpointer(storage=ckpt.Storage(local_dir=local_dir)) as ck:
         assert ck.restore(target) == 1
     assert target["obj"] is keep and torch.equal(target["w"], torch.full((2,), 3.0))
 
 
 def test_non_string_top_level_keys_and_non_dict_states_are_type_errors(local_dir):
-    with ckpt.Checkpointer(local_dir=local_dir) as ck:
+    with ckpt.Checkpointer(storage=ckpt.Storage(local_dir=local_dir)) as ck:
         with pytest.raises(TypeError, match="keys must be strings"):
             ck.save(1, {1: torch.ones(1)})
         with pytest.raises(TypeError, match="dict"):
@@ -51,7 +53,7 @@ def test_non_string_top_level_keys_and_non_dict_states_are_type_errors(local_dir
 
 
 def test_sparse_tensors_are_refused_with_a_hint(local_dir):
-    with ckpt.Checkpointer(local_dir=local_dir) as ck:
+    with ckpt.Checkpointer(storage=ckpt.Storage(local_dir=local_dir)) as ck:
         with pytest.raises(ckpt.RefusedStateError) as ei:
             ck.save(1, {"sp": torch.eye(3).to_sparse()})
         assert ei.value.path == "sp"
@@ -62,13 +64,13 @@ def test_bad_arguments_name_the_argument(local_dir, monkeypatch):
     with pytest.raises(ValueError, match="local_dir"):
         ckpt.Checkpointer()
     with pytest.raises(ValueError, match="if_busy"):
-        ckpt.Checkpointer(local_dir=local_dir, if_busy="drop")
+        ckpt.Checkpointer(storage=ckpt.Storage(local_dir=local_dir), policy=ckpt.Policy(if_busy="drop"))
     with pytest.raises(ValueError, match="every_steps"):
-        ckpt.Checkpointer(local_dir=local_dir, every_steps=0)
+        ckpt.Checkpointer(storage=ckpt.Storage(local_dir=local_dir), policy=ckpt.Policy(every_steps=0))
     with pytest.raises(ValueError, match="Retention"):
         ckpt.Retention(local=0)
     with pytest.raises(ValueError, match="max_in_flight"):
-        ckpt.Checkpointer(local_dir=local_dir, max_in_flight=0)
+        ckpt.Checkpointer(storage=ckpt.Storage(local_dir=local_dir, max_in_flight=0))
 
 
 _BYTE_DTYPES = [
@@ -91,10 +93,10 @@ def test_one_byte_float_dtypes_round_trip_bit_exact(local_dir, name):
     """MX / fp8 / fp4 dtypes (scales, packed weights) are kept as their bytes, tensors and dtype values alike."""
     dt = getattr(torch, name)
     raw = torch.arange(256, dtype=torch.int32).to(torch.uint8).reshape(16, 16)  # every bit pattern
-    with ckpt.Checkpointer(local_dir=local_dir) as ck:
+    with ckpt.Checkpointer(storage=ckpt.Storage(local_dir=local_dir)) as ck:
         ck.save(1, {"w": raw.view(dt), "extras": {"dtype": dt}}).wait()
     target = {"w": torch.zeros(16, 16, dtype=torch.uint8).view(dt), "extras": {"dtype": None}}
-    with ckpt.Checkpointer(local_dir=local_dir) as ck:
+    with ckpt.Checkpointer(storage=ckpt.Storage(local_dir=local_dir)) as ck:
         assert ck.restore(target) == 1
     assert target["w"].dtype == dt and torch.equal(target["w"].view(torch.uint8), raw)
     assert target["extras"]["dtype"] == dt
@@ -107,12 +109,12 @@ def test_byte_dtypes_restore_and_export_under_deterministic_algorithms(tmp_path,
     export allocates (a key missing from the target, a stand-in for a non-contiguous target) must still come."""
     dt = getattr(torch, name)
     raw = torch.arange(256, dtype=torch.int32).to(torch.uint8).reshape(16, 16)
-    with ckpt.Checkpointer(local_dir=local_dir) as ck:
+    with ckpt.Checkpointer(storage=ckpt.Storage(local_dir=local_dir)) as ck:
         ck.save(1, {"w": raw.view(dt), "t": raw.view(dt)}).wait()
     torch.use_deterministic_algorithms(True)  # the conftest fixture turns it off again
     stand_in = torch.zeros(16, 16, dtype=torch.uint8).t().view(dt)  # fits, not contiguous
     target = {"w": None, "t": stand_in}
-    with ckpt.Checkpointer(local_dir=local_dir) as ck:
+    with ckpt.Checkpointer(storage=ckpt.Storage(local_dir=local_dir)) as ck:
         assert ck.restore(target) == 1
     assert target["w"].dtype == dt and torch.equal(target["w"].view(torch.uint8), raw)
     assert target["t"] is stand_in and torch.equal(stand_in.view(torch.uint8).contiguous(), raw)
@@ -124,7 +126,7 @@ def test_byte_dtypes_restore_and_export_under_deterministic_algorithms(tmp_path,
 def test_a_dtype_the_format_does_not_store_is_refused_naming_the_key(local_dir, name):
     dt = getattr(torch, name)
     torch.use_deterministic_algorithms(True)  # the refusal must not depend on torch's global modes
-    with ckpt.Checkpointer(local_dir=local_dir) as ck:
+    with ckpt.Checkpointer(storage=ckpt.Storage(local_dir=local_dir)) as ck:
         with pytest.raises(ckpt.RefusedStateError) as ei:
             ck.save(
                 1,
@@ -140,6 +142,8 @@ def test_a_dtype_the_format_does_not_store_is_refused_naming_the_key(local_dir, 
         with pytest.raises(ckpt.RefusedStateError):  # a dtype value in the state too
             ck.save(1, {"extras": {"dtype": dt}})
         assert ck.list() == []
-    with ckpt.Checkpointer(local_dir=local_dir, on_unsupported="skip") as ck:  # a value can be left out
+    with ckpt.Checkpointer(
+        storage=ckpt.Storage(local_dir=local_dir), policy=ckpt.Policy(on_unsupported="skip")
+    ) as ck:  # a value can be left out
         ck.save(2, {"w": torch.ones(2), "extras": {"dtype": dt}}).wait()
         assert [c.step for c in ck.list()] == [2]

@@ -28,11 +28,11 @@ def _trained(seed=0):
 # -- strict=False ---------------------------------------------------------------------------------
 def test_strict_false_loads_only_the_model_of_a_checkpoint_that_also_holds_the_optimizer(local_dir):
     m, opt = _trained()
-    with ckpt.Checkpointer(local_dir=local_dir) as ck:
+    with ckpt.Checkpointer(storage=ckpt.Storage(local_dir=local_dir)) as ck:
         ck.save(3, {"model": m, "optim": opt, "step": 3, "w": torch.ones(5)}).wait()
     m2 = _model(seed=1)
     state = {"model": m2}
-    with ckpt.Checkpointer(local_dir=local_dir) as ck:
+    with ckpt.Checkpointer(storage=ckpt.Storage(local_dir=local_dir)) as ck:
         assert ck.restore(state, strict=False) == 3
     assert set(state) == {"model"}, "strict=False never adds keys to the state"
     for (k, a), b in zip(m.state_dict().items(), m2.state_dict().values()):
@@ -40,11 +40,11 @@ def test_strict_false_loads_only_the_model_of_a_checkpoint_that_also_holds_the_o
 
 
 def test_strict_false_leaves_keys_the_checkpoint_lacks_untouched(local_dir):
-    with ckpt.Checkpointer(local_dir=local_dir) as ck:
+    with ckpt.Checkpointer(storage=ckpt.Storage(local_dir=local_dir)) as ck:
         ck.save(1, {"a": torch.ones(2), "n": 5}).wait()
     extra, keep = torch.full((3,), 7.0), object()
     state = {"a": torch.zeros(2), "extra": extra, "obj": keep}
-    with ckpt.Checkpointer(local_dir=local_dir) as ck:
+    with ckpt.Checkpointer(storage=ckpt.Storage(local_dir=local_dir)) as ck:
         assert ck.restore(state, strict=False) == 1
     assert torch.equal(state["a"], torch.ones(2)) and state["extra"] is extra and state["obj"] is keep
     assert torch.equal(extra, torch.full((3,), 7.0)) and set(state) == {"a", "extra", "obj"}
@@ -52,13 +52,13 @@ def test_strict_false_leaves_keys_the_checkpoint_lacks_untouched(local_dir):
 
 def test_strict_false_loads_the_common_keys_of_a_module_and_of_a_plain_dict(local_dir):
     big = nn.ModuleDict({"enc": nn.Linear(4, 4), "head": nn.Linear(4, 2)})
-    with ckpt.Checkpointer(local_dir=local_dir) as ck:
+    with ckpt.Checkpointer(storage=ckpt.Storage(local_dir=local_dir)) as ck:
         ck.save(1, {"m": big, "meta": {"epoch": 4, "name": "run"}}).wait()
     torch.manual_seed(5)
     small = nn.ModuleDict({"enc": nn.Linear(4, 4), "aux": nn.Linear(4, 1)})
     aux = small["aux"].weight.detach().clone()
     meta = {"epoch": 0, "lr": 0.1}
-    with ckpt.Checkpointer(local_dir=local_dir) as ck:
+    with ckpt.Checkpointer(storage=ckpt.Storage(local_dir=local_dir)) as ck:
         with pytest.raises(ckpt.IncompatibleCheckpointError):
             ck.restore({"m": small, "meta": meta})
         assert ck.restore({"m": small, "meta": meta}, strict=False) == 1
@@ -70,10 +70,10 @@ def test_strict_false_loads_a_tensor_whose_shared_original_is_not_in_the_state(l
     """Tied tensors are stored once: the second is an alias of the first. Leaving out the key that
     holds the stored copy must still load the other one."""
     m = _model()
-    with ckpt.Checkpointer(local_dir=local_dir) as ck:
+    with ckpt.Checkpointer(storage=ckpt.Storage(local_dir=local_dir)) as ck:
         ck.save(1, {"model": m, "ema": {"w": m[0].weight}}).wait()
     ema = {"w": torch.zeros(6, 4)}
-    with ckpt.Checkpointer(local_dir=local_dir) as ck:
+    with ckpt.Checkpointer(storage=ckpt.Storage(local_dir=local_dir)) as ck:
         assert ck.restore({"ema": ema}, strict=False) == 1
     assert torch.equal(ema["w"], m[0].weight)
 
@@ -93,7 +93,7 @@ def test_a_channels_last_model_and_its_optimizer_restore_into_themselves(local_d
     m.conv(torch.randn(2, 3, 8, 8).to(memory_format=torch.channels_last)).sum().backward()
     opt.step()
     assert not m.conv.weight.is_contiguous() and not m.t.is_contiguous()
-    with ckpt.Checkpointer(local_dir=local_dir) as ck:
+    with ckpt.Checkpointer(storage=ckpt.Storage(local_dir=local_dir)) as ck:
         ck.save(1, {"m": m, "opt": opt}).wait()
         want = {k: v.clone() for k, v in m.state_dict().items()}
         moments = {k: v.clone() for k, v in opt.state[m.conv.weight].items()}
@@ -118,11 +118,11 @@ def test_a_channels_last_model_and_its_optimizer_restore_into_themselves(local_d
 def test_a_bare_non_contiguous_tensor_is_loaded_in_place(local_dir):
     base = torch.arange(20.0).reshape(4, 5)
     w = base.t()
-    with ckpt.Checkpointer(local_dir=local_dir) as ck:
+    with ckpt.Checkpointer(storage=ckpt.Storage(local_dir=local_dir)) as ck:
         ck.save(1, {"w": w}).wait()
     target = torch.zeros(4, 5).t()
     state = {"w": target}
-    with ckpt.Checkpointer(local_dir=local_dir) as ck:
+    with ckpt.Checkpointer(storage=ckpt.Storage(local_dir=local_dir)) as ck:
         assert ck.restore(state) == 1
     assert state["w"] is target and torch.equal(target, w) and target.stride() == (1, 5)
 
@@ -131,13 +131,13 @@ def test_a_bare_non_contiguous_tensor_is_loaded_in_place(local_dir):
 def test_a_channels_last_model_on_the_gpu_restores_into_itself(local_dir):
     torch.manual_seed(0)
     m = nn.Conv2d(3, 8, 3).cuda().to(memory_format=torch.channels_last)
-    with ckpt.Checkpointer(local_dir=local_dir) as ck:
+    with ckpt.Checkpointer(storage=ckpt.Storage(local_dir=local_dir)) as ck:
         ck.save(1, {"m": m}).wait()
     want = m.weight.detach().clone()
     with torch.no_grad():
         m.weight.zero_()
     for memory in (False, True):  # from the local tier, then from the memory tier
-        with ckpt.Checkpointer(local_dir=local_dir) as ck:
+        with ckpt.Checkpointer(storage=ckpt.Storage(local_dir=local_dir)) as ck:
             if memory:
                 ck.save(2, {"m": m}).wait()
                 with torch.no_grad():
@@ -158,7 +158,7 @@ def _nested(depth):
 
 
 def test_a_value_nested_too_deep_to_read_back_is_refused_at_save_with_its_key(local_dir):
-    with ckpt.Checkpointer(local_dir=local_dir) as ck:
+    with ckpt.Checkpointer(storage=ckpt.Storage(local_dir=local_dir)) as ck:
         with pytest.raises(ckpt.RefusedStateError) as ei:
             ck.save(1, {"w": torch.ones(2), "cfg": {"deep": _nested(100_000)}})
         assert ei.value.path.startswith("cfg/deep/0/0/")
@@ -168,7 +168,7 @@ def test_a_value_nested_too_deep_to_read_back_is_refused_at_save_with_its_key(lo
         ck.save(2, {"cfg": _nested(MAX_TREE_DEPTH)}).wait()
     assert not (local_dir / "step-000000001").exists()
     state = {"cfg": None}
-    with ckpt.Checkpointer(local_dir=local_dir) as ck:
+    with ckpt.Checkpointer(storage=ckpt.Storage(local_dir=local_dir)) as ck:
         assert ck.restore(state) == 2
     assert state["cfg"] == _nested(MAX_TREE_DEPTH)
 
@@ -188,19 +188,19 @@ class WithExtraState(nn.Linear):
 def test_a_modules_extra_state_is_restored_even_when_every_tensor_loads_in_place(local_dir):
     m = WithExtraState()
     m.note["seen"] = 5
-    with ckpt.Checkpointer(local_dir=local_dir) as ck:
+    with ckpt.Checkpointer(storage=ckpt.Storage(local_dir=local_dir)) as ck:
         ck.save(1, {"m": m}).wait()
     m2 = WithExtraState()
-    with ckpt.Checkpointer(local_dir=local_dir) as ck:
+    with ckpt.Checkpointer(storage=ckpt.Storage(local_dir=local_dir)) as ck:
         assert ck.restore({"m": m2}) == 1
     assert m2.note == {"seen": 5} and torch.equal(m2.weight, m.weight)
 
 
 def test_brackets_and_escaped_quotes_inside_strings_do_not_count_as_nesting(local_dir):
     value = {"[" * 300: "]" * 300 + '\\"' + "{" * 300, "q": '"[[[' * 100}
-    with ckpt.Checkpointer(local_dir=local_dir) as ck:
+    with ckpt.Checkpointer(storage=ckpt.Storage(local_dir=local_dir)) as ck:
         ck.save(1, {"cfg": value}).wait()
     state = {"cfg": None}
-    with ckpt.Checkpointer(local_dir=local_dir) as ck:
+    with ckpt.Checkpointer(storage=ckpt.Storage(local_dir=local_dir)) as ck:
         assert ck.restore(state) == 1
     assert state["cfg"] == value

@@ -65,7 +65,10 @@ NUMEL = 1000
 # -- helpers ----------------------------------------------------------------------------------------
 def _write(d: Path, *steps: int, url: str | None = None) -> None:
     """Commit ``steps`` to ``d``, each tensor filled with its step; nothing pruned."""
-    with ckpt.Checkpointer(url, local_dir=d, keep=ckpt.Retention(local=None, remote=None)) as ck:
+    with ckpt.Checkpointer(
+        storage=ckpt.Storage(url=url, local_dir=d),
+        policy=ckpt.Policy(keep=ckpt.Retention(local=None, remote=None)),
+    ) as ck:
         for s in steps:
             ck.save(s, {"w": torch.full((NUMEL,), float(s))}).wait()
 
@@ -86,7 +89,7 @@ def _restore(d: Path) -> tuple[int | None, torch.Tensor]:
     """A fresh process's restore of ``d``: the step and the tensor loaded; the tensor must be the
     step's (nothing torn is ever served)."""
     state = {"w": torch.full((NUMEL,), -1.0)}
-    with ckpt.Checkpointer(local_dir=d) as ck:
+    with ckpt.Checkpointer(storage=ckpt.Storage(local_dir=d)) as ck:
         step = ck.restore(state)
     if step is not None:
         assert torch.equal(state["w"], torch.full((NUMEL,), float(step))), f"step {step} restored torn"
@@ -167,7 +170,9 @@ def test_a_fresh_process_with_keep_1_that_saves_beside_a_damaged_newer_step_keep
     newest this process knows to verify), and a restore finds 25 whatever 30 has become."""
     _write(local_dir, 10, 20, 30)
     DAMAGE[damage](_sd(local_dir, 30))
-    with ckpt.Checkpointer(local_dir=local_dir, keep=ckpt.Retention(local=1)) as ck:
+    with ckpt.Checkpointer(
+        storage=ckpt.Storage(local_dir=local_dir), policy=ckpt.Policy(keep=ckpt.Retention(local=1))
+    ) as ck:
         ck.save(25, {"w": torch.full((NUMEL,), 25.0)}).wait()
     assert 25 in _committed(local_dir) and verifies(local_dir, 25)
     assert not {10, 20} & set(_committed(local_dir))
@@ -268,7 +273,9 @@ def test_a_step_name_that_is_no_step_directory_is_never_followed_nor_blocks(loca
     else:
 
         def save():
-            with ckpt.Checkpointer(local_dir=local_dir, keep=ckpt.Retention(local=1)) as ck:
+            with ckpt.Checkpointer(
+                storage=ckpt.Storage(local_dir=local_dir), policy=ckpt.Policy(keep=ckpt.Retention(local=1))
+            ) as ck:
                 ck.save(40, {"w": torch.full((NUMEL,), 40.0)}).wait()
 
         _run_bounded(save)
@@ -336,7 +343,9 @@ def test_a_step_directory_named_past_64_bits_never_costs_the_good_newest(local_d
 
 def _resume_and_save(local_dir: Path, restored: int, step: int, keep: int) -> None:
     """A training process: restores (``restored`` expected), saves ``step`` with ``keep`` local checkpoints."""
-    with ckpt.Checkpointer(local_dir=local_dir, keep=ckpt.Retention(local=keep)) as ck:
+    with ckpt.Checkpointer(
+        storage=ckpt.Storage(local_dir=local_dir), policy=ckpt.Policy(keep=ckpt.Retention(local=keep))
+    ) as ck:
         state = {"w": torch.zeros(NUMEL)}
         assert ck.restore(state) == restored
         state["w"].fill_(step)
@@ -460,7 +469,7 @@ def test_the_promote_function_refuses_a_url_naming_local_dir_itself(local_dir):
 
 def test_a_checkpointer_whose_url_is_its_local_dir_is_refused_at_construction(local_dir):
     with pytest.raises(ValueError):
-        ckpt.Checkpointer(f"file://{local_dir}", local_dir=local_dir).close()
+        ckpt.Checkpointer(storage=ckpt.Storage(url=f"file://{local_dir}", local_dir=local_dir)).close()
 
 
 # -- a live writer owns the directory ---------------------------------------------------------------
@@ -540,7 +549,7 @@ def test_sigkill_in_the_middle_of_a_deletion_leaves_a_good_newest_and_nothing_to
         half = int(line[1])
         # mid-deletion the directory is owned: no second writer, no second gc, nothing changes
         before = _tree(local_dir)
-        ck = ckpt.Checkpointer(local_dir=local_dir)
+        ck = ckpt.Checkpointer(storage=ckpt.Storage(local_dir=local_dir))
         try:
             with pytest.raises(ckpt.LockedError):
                 ck.save(99, {"w": torch.full((NUMEL,), 99.0)}).wait()
@@ -709,7 +718,10 @@ def test_gc_of_a_url_never_deletes_the_new_branchs_upload_in_flight(tmp_path, mo
     url = f"file://{tmp_path}/remote"
     local = tmp_path / "local"
     _write(local, 100, 200, 300, url=url)
-    with ckpt.Checkpointer(url, local_dir=local, keep=ckpt.Retention(local=None, remote=None)) as ck:
+    with ckpt.Checkpointer(
+        storage=ckpt.Storage(url=url, local_dir=local),
+        policy=ckpt.Policy(keep=ckpt.Retention(local=None, remote=None)),
+    ) as ck:
         state = _roll_back(ck)
         real, ran = RemoteTier._put, []
 
@@ -747,7 +759,7 @@ warnings.simplefilter("ignore")
 d, n, newest = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 print("ready", flush=True)
 bad = []
-with ckpt.Checkpointer(local_dir=d) as ck:
+with ckpt.Checkpointer(storage=ckpt.Storage(local_dir=d)) as ck:
     for i in range(n):
         state = {"w": torch.full((1000,), -1.0)}
         want = None if i % 2 else 1 + i % (newest - 1)   # the newest, or an older step being deleted
@@ -776,7 +788,9 @@ def test_gc_deleting_many_steps_while_another_process_restores_them(local_dir):
 def _rolled_back(d: Path) -> None:
     """Timeline 0: 100, 200, 300; rolled back to 100; timeline 1: 110, 120, 130."""
     _write(d, 100, 200, 300)
-    with ckpt.Checkpointer(local_dir=d, keep=ckpt.Retention(local=None)) as ck:
+    with ckpt.Checkpointer(
+        storage=ckpt.Storage(local_dir=d), policy=ckpt.Policy(keep=ckpt.Retention(local=None))
+    ) as ck:
         _roll_back(ck)
 
 

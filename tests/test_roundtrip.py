@@ -21,12 +21,12 @@ from helpers import assert_same, make_state, snapshot_values, train
 def test_round_trip_from_the_local_tier_in_a_fresh_checkpointer_is_bit_exact(local_dir):
     state = make_state()
     train(state, 4)
-    with ckpt.Checkpointer(local_dir=local_dir) as ck:
+    with ckpt.Checkpointer(storage=ckpt.Storage(local_dir=local_dir)) as ck:
         ck.save(4, state).wait()
     expected = snapshot_values(state)
 
     fresh = make_state(seed=99)
-    with ckpt.Checkpointer(local_dir=local_dir) as ck:
+    with ckpt.Checkpointer(storage=ckpt.Storage(local_dir=local_dir)) as ck:
         assert ck.restore(fresh) == 4
         assert ck.last_restore.tier == "local"
     assert_same(snapshot_values(fresh), expected)
@@ -35,7 +35,7 @@ def test_round_trip_from_the_local_tier_in_a_fresh_checkpointer_is_bit_exact(loc
 def test_round_trip_from_the_memory_tier_after_training_moved_on(local_dir):
     state = make_state()
     train(state, 3)
-    with ckpt.Checkpointer(local_dir=local_dir) as ck:
+    with ckpt.Checkpointer(storage=ckpt.Storage(local_dir=local_dir)) as ck:
         ck.save(3, state)
         expected = snapshot_values(state)
         train(state, 5)
@@ -51,17 +51,17 @@ def test_resumed_training_continues_bit_identically(local_dir):
 
     a = make_state()
     train(a, 3)
-    with ckpt.Checkpointer(local_dir=local_dir) as ck:
+    with ckpt.Checkpointer(storage=ckpt.Storage(local_dir=local_dir)) as ck:
         ck.save(3, a).wait()
     b = make_state(seed=5)
-    with ckpt.Checkpointer(local_dir=local_dir) as ck:
+    with ckpt.Checkpointer(storage=ckpt.Storage(local_dir=local_dir)) as ck:
         assert ck.restore(b) == 3
     train(b, 3)
     assert_same(snapshot_values(b), reference)
 
 
 def test_restore_returns_none_when_there_is_no_checkpoint(local_dir):
-    with ckpt.Checkpointer(local_dir=local_dir) as ck:
+    with ckpt.Checkpointer(storage=ckpt.Storage(local_dir=local_dir)) as ck:
         assert ck.restore(make_state()) is None
         assert ck.list() == []
 
@@ -78,7 +78,7 @@ def test_plain_tensors_numpy_tuples_and_json_values_round_trip(local_dir):
         "np_scalar": np.float32(1.5),
         "dtype": torch.float16,
     }
-    with ckpt.Checkpointer(local_dir=local_dir) as ck:
+    with ckpt.Checkpointer(storage=ckpt.Storage(local_dir=local_dir)) as ck:
         ck.save(1, state).wait()
     target = {
         "t": torch.zeros(2, 5, dtype=torch.float64),
@@ -92,7 +92,7 @@ def test_plain_tensors_numpy_tuples_and_json_values_round_trip(local_dir):
         "dtype": None,
     }
     t_before = target["t"]
-    with ckpt.Checkpointer(local_dir=local_dir) as ck:
+    with ckpt.Checkpointer(storage=ckpt.Storage(local_dir=local_dir)) as ck:
         assert ck.restore(target) == 1
     assert target["t"] is t_before, "tensors are loaded in place"
     for k in ("t", "bf16", "flags", "scalar", "empty"):
@@ -124,7 +124,7 @@ def test_the_engines_tree_encoding_of_values_is_unchanged_by_sharing_it():
 
 def test_bytes_stay_out_of_engine_checkpoints(local_dir):
     """The one encoding has bytes for the DCP adapter; the engine's format does not take them."""
-    with ckpt.Checkpointer(local_dir=local_dir) as ck:
+    with ckpt.Checkpointer(storage=ckpt.Storage(local_dir=local_dir)) as ck:
         for v in (b"x", io.BytesIO(b"x")):
             with pytest.raises(ckpt.RefusedStateError) as e:
                 ck.save(1, {"extras": {"blob": v}})
@@ -134,10 +134,10 @@ def test_bytes_stay_out_of_engine_checkpoints(local_dir):
 def test_a_numpy_nan_scalar_round_trips_as_a_float(local_dir):
     """(numpy 2 spells np.float64("nan") "np.float64(nan)": the engine once wrote that into its "$f" tag,
     which no reader takes; a numpy scalar is now stored as the Python value it holds.)"""
-    with ckpt.Checkpointer(local_dir=local_dir) as ck:
+    with ckpt.Checkpointer(storage=ckpt.Storage(local_dir=local_dir)) as ck:
         ck.save(1, {"x": np.float64("nan"), "y": [np.float32("-inf"), np.float64(2.5)]}).wait()
     out = {"x": None, "y": None}
-    with ckpt.Checkpointer(local_dir=local_dir) as ck:
+    with ckpt.Checkpointer(storage=ckpt.Storage(local_dir=local_dir)) as ck:
         assert ck.restore(out) == 1
     assert math.isnan(out["x"]) and out["y"] == [float("-inf"), 2.5]
 
@@ -152,25 +152,25 @@ def test_tied_weights_are_stored_once_and_stay_tied(local_dir):
     m = model()
     with torch.no_grad():
         m["emb"].weight.mul_(3)
-    with ckpt.Checkpointer(local_dir=local_dir) as ck:
+    with ckpt.Checkpointer(storage=ckpt.Storage(local_dir=local_dir)) as ck:
         h = ck.save(1, {"m": m}).wait()
         assert h.stats.nbytes < 2 * 50 * 16 * 4
     m2 = model()
-    with ckpt.Checkpointer(local_dir=local_dir) as ck:
+    with ckpt.Checkpointer(storage=ckpt.Storage(local_dir=local_dir)) as ck:
         ck.restore({"m": m2})
     assert torch.equal(m2["emb"].weight, m["emb"].weight)
     assert m2["head"].weight is m2["emb"].weight
 
 
 def test_shape_mismatch_is_an_incompatible_checkpoint_not_a_fallback(local_dir):
-    with ckpt.Checkpointer(local_dir=local_dir) as ck:
+    with ckpt.Checkpointer(storage=ckpt.Storage(local_dir=local_dir)) as ck:
         ck.save(1, {"m": nn.Linear(4, 4)}).wait()
         with pytest.raises(ckpt.IncompatibleCheckpointError):
             ck.restore({"m": nn.Linear(4, 5)})
 
 
 def test_differing_keys_are_named_and_strict_false_loads_the_common_ones(local_dir):
-    with ckpt.Checkpointer(local_dir=local_dir) as ck:
+    with ckpt.Checkpointer(storage=ckpt.Storage(local_dir=local_dir)) as ck:
         ck.save(1, {"a": torch.ones(2), "b": 7}).wait()
         with pytest.raises(ckpt.IncompatibleCheckpointError, match=r"strict=False"):
             ck.restore({"a": torch.zeros(2), "c": 1})
@@ -181,7 +181,9 @@ def test_differing_keys_are_named_and_strict_false_loads_the_common_ones(local_d
 
 def test_restore_of_an_explicit_step_and_of_a_missing_one(local_dir):
     t = torch.zeros(3)
-    with ckpt.Checkpointer(local_dir=local_dir, keep=ckpt.Retention(local=None)) as ck:
+    with ckpt.Checkpointer(
+        storage=ckpt.Storage(local_dir=local_dir), policy=ckpt.Policy(keep=ckpt.Retention(local=None))
+    ) as ck:
         for s in (1, 2, 3):
             t.fill_(s)
             ck.save(s, {"t": t}).wait()
@@ -192,12 +194,12 @@ def test_restore_of_an_explicit_step_and_of_a_missing_one(local_dir):
 
 def test_saving_the_same_step_again_replaces_it(local_dir):
     t = torch.zeros(3)
-    with ckpt.Checkpointer(local_dir=local_dir) as ck:
+    with ckpt.Checkpointer(storage=ckpt.Storage(local_dir=local_dir)) as ck:
         ck.save(5, {"t": t}).wait()
         t.fill_(2)
         ck.save(5, {"t": t}).wait()
     out = torch.zeros(3)
-    with ckpt.Checkpointer(local_dir=local_dir) as ck:
+    with ckpt.Checkpointer(storage=ckpt.Storage(local_dir=local_dir)) as ck:
         assert ck.restore({"t": out}) == 5
     assert torch.equal(out, torch.full((3,), 2.0))
 
@@ -205,11 +207,11 @@ def test_saving_the_same_step_again_replaces_it(local_dir):
 def test_a_list_of_optimizers_loads_in_place(local_dir):
     m = nn.Linear(3, 3)
     opts = [torch.optim.SGD(m.parameters(), lr=0.1), torch.optim.AdamW(m.parameters(), lr=0.01)]
-    with ckpt.Checkpointer(local_dir=local_dir) as ck:
+    with ckpt.Checkpointer(storage=ckpt.Storage(local_dir=local_dir)) as ck:
         ck.save(1, {"opts": opts, "pair": (opts[0], 5)}).wait()
     fresh = [torch.optim.SGD(m.parameters(), lr=0.5), torch.optim.AdamW(m.parameters(), lr=0.5)]
     state = {"opts": fresh, "pair": (fresh[0], 0)}
-    with ckpt.Checkpointer(local_dir=local_dir) as ck:
+    with ckpt.Checkpointer(storage=ckpt.Storage(local_dir=local_dir)) as ck:
         assert ck.restore(state) == 1
     assert state["opts"][0] is fresh[0] and fresh[0].param_groups[0]["lr"] == 0.1
     assert fresh[1].param_groups[0]["lr"] == 0.01
@@ -228,10 +230,12 @@ class Holder:
 
 
 def test_values_skipped_at_save_are_left_out_at_restore(local_dir):
-    with ckpt.Checkpointer(local_dir=local_dir, on_unsupported="skip") as ck:
+    with ckpt.Checkpointer(
+        storage=ckpt.Storage(local_dir=local_dir), policy=ckpt.Policy(on_unsupported="skip")
+    ) as ck:
         ck.save(1, {"h": Holder(7), "cfg": {"a": 1, "obj": object()}}).wait()
     h = Holder(0)
     state = {"h": h, "cfg": None}
-    with ckpt.Checkpointer(local_dir=local_dir) as ck:
+    with ckpt.Checkpointer(storage=ckpt.Storage(local_dir=local_dir)) as ck:
         assert ck.restore(state, strict=False) == 1
     assert h.x == 7 and state["cfg"] == {"a": 1}

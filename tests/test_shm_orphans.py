@@ -35,7 +35,7 @@ def _state(v: float) -> dict:
 
 def _leave(local_dir: Path, steps=(1, 2)) -> None:
     """A job that saved ``steps`` and closed keeping its snapshots in RAM (as a job killed does)."""
-    with ckpt.Checkpointer(local_dir=local_dir) as ck:
+    with ckpt.Checkpointer(storage=ckpt.Storage(local_dir=local_dir)) as ck:
         for s in steps:
             ck.save(s, _state(float(s))).wait()
         ck.close(keep_memory=True)
@@ -97,7 +97,7 @@ def test_a_kept_directory_is_named_once_then_freed_after_the_limit(ram, tmp_path
 
 def test_the_segments_of_a_live_job_and_the_callers_own_are_never_touched(ram, tmp_path, monkeypatch):
     a, b = tmp_path / "a", tmp_path / "b"
-    with ckpt.Checkpointer(local_dir=a) as ck:
+    with ckpt.Checkpointer(storage=ckpt.Storage(local_dir=a)) as ck:
         ck.save(1, _state(1.0)).wait()
         old = time.time() - 10 * 86400
         for f in _groups(ram)[str(a)].files:
@@ -123,7 +123,7 @@ def test_a_checkpointer_that_owns_no_directory_of_its_own_sweeps_nothing(ram, tm
     a = tmp_path / "a"
     _leave(a)
     with caplog.at_level(logging.WARNING, logger="ckpt"):
-        ck = ckpt.Checkpointer(local_dir=tmp_path / "reader")
+        ck = ckpt.Checkpointer(storage=ckpt.Storage(local_dir=tmp_path / "reader"))
         ck.close()
     assert str(a) in _groups(ram) and not [r for r in caplog.records if "hold snapshots of" in r.getMessage()]
 

@@ -96,7 +96,9 @@ def test_a_preemption_outside_the_loop_raises_at_the_next_maybe_save_with_on_pre
     w = torch.zeros(4)
     signals = ckpt.Signals(preempt=(signal.SIGUSR1,), on_preempt="raise", outside_loop_after=0.2)
     with ckpt.Checkpointer(
-        local_dir=local_dir, every_steps=1, persist_every={"local": 100}, signals=signals
+        storage=ckpt.Storage(local_dir=local_dir),
+        policy=ckpt.Policy(every_steps=1, persist_every={"local": 100}),
+        signals=signals,
     ) as ck:
         for step in (1, 2, 3):
             w.fill_(step)
@@ -141,7 +143,9 @@ def test_on_preempt_raise_and_handlers_are_restored(local_dir):
     before = signal.getsignal(signal.SIGUSR1)
     w = torch.zeros(4)
     with ckpt.Checkpointer(
-        local_dir=local_dir, every_steps=1000, signals=(signal.SIGUSR1,), on_preempt="raise"
+        storage=ckpt.Storage(local_dir=local_dir),
+        policy=ckpt.Policy(every_steps=1000),
+        signals=ckpt.Signals(preempt=(signal.SIGUSR1,), on_preempt="raise"),
     ) as ck:
         assert ck.maybe_save(1, {"w": w}) is None
         os.kill(os.getpid(), signal.SIGUSR1)  # the handler only sets the flag
@@ -166,12 +170,9 @@ def test_drain_to_the_remote_tier_waits_for_the_upload(tmp_path):
     w = torch.ones(1000)
     url = f"file://{tmp_path}/remote"
     with ckpt.Checkpointer(
-        url,
-        local_dir=tmp_path / "local",
-        every_steps=1000,
-        signals=(signal.SIGUSR1,),
-        drain_tier="remote",
-        on_preempt="raise",
+        storage=ckpt.Storage(url=url, local_dir=tmp_path / "local"),
+        policy=ckpt.Policy(every_steps=1000),
+        signals=ckpt.Signals(preempt=(signal.SIGUSR1,), drain_tier="remote", on_preempt="raise"),
     ) as ck:
         os.kill(os.getpid(), signal.SIGUSR1)
         with pytest.raises(ckpt.Preempted) as info:
@@ -357,7 +358,9 @@ def test_a_preemption_save_is_never_skipped_by_if_busy_skip(local_dir):
 def test_a_save_request_to_the_remote_tier_returns_once_uploaded(tmp_path):
     signals = ckpt.Signals(preempt=(), save=(signal.SIGUSR1,), save_tier="remote")
     with ckpt.Checkpointer(
-        f"file://{tmp_path}/remote", local_dir=tmp_path / "local", every_steps=1000, signals=signals
+        storage=ckpt.Storage(url=f"file://{tmp_path}/remote", local_dir=tmp_path / "local"),
+        policy=ckpt.Policy(every_steps=1000),
+        signals=signals,
     ) as ck:
         os.kill(os.getpid(), signal.SIGUSR1)
         assert ck.maybe_save(9, {"w": torch.ones(100)}).done("remote")
@@ -496,7 +499,7 @@ def test_a_preemption_sent_to_every_process_is_saved_when_the_workers_leave_it_t
     assert p.returncode == 128 + signal.SIGTERM, err[-2000:]
     assert sorted(lines[:-1]) == ["worker 0", "worker 1"]  # the user's init function ran in each worker
     assert "done" not in out  # it exited at the preemption, not at its last step
-    steps = [c.step for c in ckpt.Checkpointer(local_dir=local).list()]
+    steps = [c.step for c in ckpt.Checkpointer(storage=ckpt.Storage(local_dir=local)).list()]
     assert len(steps) == 1 and 5 <= steps[0] < 40, (steps, err[-2000:])
 
 

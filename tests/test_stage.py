@@ -18,7 +18,7 @@ import ckpt
 
 def test_save_returns_before_the_copy_lands(local_dir, slow_staging):
     w = torch.randn(1000)
-    with ckpt.Checkpointer(local_dir=local_dir) as ck:
+    with ckpt.Checkpointer(storage=ckpt.Storage(local_dir=local_dir)) as ck:
         t0 = time.perf_counter()
         h = ck.save(1, {"a": w, "b": w + 1, "c": w + 2})
         returned = time.perf_counter() - t0
@@ -33,13 +33,13 @@ def test_the_next_optimizer_step_waits_for_the_copy(local_dir, slow_staging):
     opt = torch.optim.SGD(model.parameters(), lr=1.0)
     model(torch.randn(4, 64)).sum().backward()
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    with ckpt.Checkpointer(local_dir=local_dir) as ck:
+    with ckpt.Checkpointer(storage=ckpt.Storage(local_dir=local_dir)) as ck:
         h = ck.save(1, {"model": model, "optim": opt})
         opt.step()  # mutates the parameters: must not tear the snapshot
         h.wait()
     assert not torch.equal(model.weight, before["weight"])
     fresh = nn.Linear(64, 64)
-    with ckpt.Checkpointer(local_dir=local_dir) as ck:
+    with ckpt.Checkpointer(storage=ckpt.Storage(local_dir=local_dir)) as ck:
         ck.restore({"model": fresh, "optim": torch.optim.SGD(fresh.parameters(), lr=1.0)})
     assert all(torch.equal(fresh.state_dict()[k], before[k]) for k in before)
 
@@ -48,19 +48,19 @@ def test_module_buffers_are_copied_before_the_next_forward_can_change_them(local
     model = nn.BatchNorm1d(8)
     model(torch.randn(16, 8))
     before = model.running_mean.clone()
-    with ckpt.Checkpointer(local_dir=local_dir) as ck:
+    with ckpt.Checkpointer(storage=ckpt.Storage(local_dir=local_dir)) as ck:
         h = ck.save(1, {"model": model})
         model(torch.randn(16, 8) + 5)  # updates running stats in place
         h.wait()
     fresh = nn.BatchNorm1d(8)
-    with ckpt.Checkpointer(local_dir=local_dir) as ck:
+    with ckpt.Checkpointer(storage=ckpt.Storage(local_dir=local_dir)) as ck:
         ck.restore({"model": fresh})
     assert torch.equal(fresh.running_mean, before)
 
 
 def test_an_in_place_write_during_the_copy_fails_the_save_loudly_naming_the_tensor(local_dir, slow_staging):
     ema = torch.zeros(1000)
-    with ckpt.Checkpointer(local_dir=local_dir) as ck:
+    with ckpt.Checkpointer(storage=ckpt.Storage(local_dir=local_dir)) as ck:
         ck.save(1, {"w": torch.ones(10), "ema": ema}).wait()
         h = ck.save(2, {"w": torch.ones(10), "ema": ema})
         ema.add_(1)  # an EMA update without wait_staged()
@@ -73,7 +73,7 @@ def test_an_in_place_write_during_the_copy_fails_the_save_loudly_naming_the_tens
 
 def test_wait_staged_makes_in_place_writes_safe(local_dir, slow_staging):
     ema = torch.zeros(1000)
-    with ckpt.Checkpointer(local_dir=local_dir) as ck:
+    with ckpt.Checkpointer(storage=ckpt.Storage(local_dir=local_dir)) as ck:
         h = ck.save(1, {"ema": ema})
         ck.wait_staged()
         ema.add_(1)
@@ -85,7 +85,7 @@ def test_wait_staged_makes_in_place_writes_safe(local_dir, slow_staging):
 
 def test_the_host_buffer_is_allocated_once_and_reused(local_dir):
     w = torch.randn(100_000)
-    with ckpt.Checkpointer(local_dir=local_dir, max_in_flight=1) as ck:
+    with ckpt.Checkpointer(storage=ckpt.Storage(local_dir=local_dir, max_in_flight=1)) as ck:
         for s in range(5):
             ck.save(s, {"w": w})
         ck.wait()
@@ -100,7 +100,7 @@ def test_with_a_closure_the_wait_moves_after_backward(local_dir, slow_staging):
     opt = torch.optim.SGD(model.parameters(), lr=1.0)
     before = {k: v.clone() for k, v in model.state_dict().items()}
     seen = {}
-    with ckpt.Checkpointer(local_dir=local_dir) as ck:
+    with ckpt.Checkpointer(storage=ckpt.Storage(local_dir=local_dir)) as ck:
         h = ck.save(1, {"model": model, "optim": opt})
 
         def closure():
@@ -114,7 +114,7 @@ def test_with_a_closure_the_wait_moves_after_backward(local_dir, slow_staging):
         h.wait()
     assert seen["staged_before_backward"] is False, "the closure ran only after the copy: no overlap"
     fresh = nn.Linear(64, 64)
-    with ckpt.Checkpointer(local_dir=local_dir) as ck:
+    with ckpt.Checkpointer(storage=ckpt.Storage(local_dir=local_dir)) as ck:
         ck.restore({"model": fresh, "optim": torch.optim.SGD(fresh.parameters(), lr=1.0)})
     assert all(torch.equal(fresh.state_dict()[k], before[k]) for k in before)
 
@@ -179,7 +179,9 @@ def test_a_memory_tier_snapshot_round_trips_across_registration_pieces(local_dir
 
     monkeypatch.setattr(shm, "REGISTER_PIECE", 8192)
     state = _state_across_pieces()
-    with ckpt.Checkpointer(local_dir=local_dir, persist_every={"local": 1000}) as ck:
+    with ckpt.Checkpointer(
+        storage=ckpt.Storage(local_dir=local_dir), policy=ckpt.Policy(persist_every={"local": 1000})
+    ) as ck:
         ck.save(1, state).wait("memory")
         out = {k: torch.zeros_like(v.resolve_conj()) for k, v in state.items()}
         assert ck.restore(out) == 1 and ck.last_restore.tier == "memory"

@@ -210,7 +210,7 @@ def test_a_changed_byte_of_an_adopted_segment_is_never_served(local_dir, where, 
         _flip(seg, WHERE[where])
     checks = _CountChecks(monkeypatch)
     target = W.zeros()
-    with ckpt.Checkpointer(local_dir=local_dir) as ck:
+    with ckpt.Checkpointer(storage=ckpt.Storage(local_dir=local_dir)) as ck:
         adopted = _take_over(ck)
         assert set(adopted) == {3} and adopted[3].checked is False and adopted[3].segment is not None
         if when == "after the takeover":
@@ -230,7 +230,7 @@ def test_the_memory_tier_itself_raises_corrupt_checkpoint_error_for_an_adopted_s
     buffer is neither marked checked nor handed to anyone else while it is read."""
     _leave(local_dir)
     _flip(_segment(local_dir, 3), DATA_BYTES - 1)
-    with ckpt.Checkpointer(local_dir=local_dir) as ck:
+    with ckpt.Checkpointer(storage=ckpt.Storage(local_dir=local_dir)) as ck:
         buf = _take_over(ck)[3]
         m = ck.memory.manifest_of(3)
         dest = [torch.empty(i.nbytes, dtype=torch.uint8) if i.alias_of is None else None for i in m.items]
@@ -255,7 +255,9 @@ def test_a_failed_check_of_an_adopted_segment_leaves_no_unchecked_byte_in_the_st
         target, saved = W.zeros(), states[3]
     else:
         old, new = {"a": W.state(3)["a"]}, {"a": W.state(5)["a"], "extra": W.state(5)["b"]}
-        ck = ckpt.Checkpointer(local_dir=local_dir, persist_every={"local": 1000})
+        ck = ckpt.Checkpointer(
+            storage=ckpt.Storage(local_dir=local_dir), policy=ckpt.Policy(persist_every={"local": 1000})
+        )
         ck.save(3, old).wait()  # the first save goes to the local tier too
         ck.save(5, new).wait()  # this one only to RAM ...
         ck.close(keep_memory=True)
@@ -267,7 +269,7 @@ def test_a_failed_check_of_an_adopted_segment_leaves_no_unchecked_byte_in_the_st
         target, saved = {"a": torch.zeros(3000), "extra": torch.zeros(1500)}, new
     _flip(_segment(local_dir, newest), flip_at)
     before = {k: v.clone() for k, v in target.items()}
-    with ckpt.Checkpointer(local_dir=local_dir) as ck:
+    with ckpt.Checkpointer(storage=ckpt.Storage(local_dir=local_dir)) as ck:
         assert _take_over(ck)[newest].checked is False
         if case == "only copy":
             with pytest.raises(NoCheckpointError):
@@ -288,7 +290,9 @@ def test_without_a_takeover_a_failed_check_writes_no_byte_into_the_state(local_d
     _flip(_segment(local_dir, 3), 100)
     target = W.zeros()
     before = {k: v.clone() for k, v in target.items()}
-    with ckpt.Checkpointer(local_dir=local_dir) as ck:  # restore() alone does not own local_dir
+    with ckpt.Checkpointer(
+        storage=ckpt.Storage(local_dir=local_dir)
+    ) as ck:  # restore() alone does not own local_dir
         with pytest.raises(NoCheckpointError):
             ck.restore(target)
         assert ck.pool.buffers == [] and ck.pool.shared is None  # nothing was taken over
@@ -306,7 +310,7 @@ def test_an_adopted_record_whose_checksum_lies_is_refused(local_dir):
     d["manifest"] = json.dumps(m)
     Path(rec.path).write_text(json.dumps(d))
     target = W.zeros()
-    with ckpt.Checkpointer(local_dir=local_dir) as ck:
+    with ckpt.Checkpointer(storage=ckpt.Storage(local_dir=local_dir)) as ck:
         buf = _take_over(ck)[3]
         assert buf.checked is False
         assert ck.restore(target) == 3 and ck.last_restore.tier == "local" and _exact(target, states[3])
@@ -321,7 +325,7 @@ def test_a_segment_too_small_for_its_record_is_not_taken_over(local_dir, size):
     seg = _segment(local_dir, 3)
     os.truncate(seg, DATA_BYTES // 2 if size == "truncated" else 0)
     target = W.zeros()
-    with ckpt.Checkpointer(local_dir=local_dir) as ck:
+    with ckpt.Checkpointer(storage=ckpt.Storage(local_dir=local_dir)) as ck:
         assert _take_over(ck) == {}
         assert _records(local_dir) == {}
         assert ck.restore(target) == 3 and ck.last_restore.tier == "local" and _exact(target, states[3])
@@ -343,7 +347,7 @@ def test_a_restore_during_the_takeover_waits_for_it_and_maps_each_segment_once(l
 
     monkeypatch.setattr(HostPool, "_adopt_slot", slow)
     target = W.zeros()
-    with ckpt.Checkpointer(local_dir=local_dir) as ck:
+    with ckpt.Checkpointer(storage=ckpt.Storage(local_dir=local_dir)) as ck:
         ck._node.own()
         assert ck.pool._adopting.is_alive()
         assert ck.restore(target) == 4  # no wait_adopted() first
@@ -366,7 +370,7 @@ def test_an_adopted_buffer_is_checked_once_and_again_after_a_failed_check(local_
     if flip:
         _flip(_segment(local_dir, 3), 2 * CHUNK + 1)
     checks = _CountChecks(monkeypatch)
-    with ckpt.Checkpointer(local_dir=local_dir) as ck:
+    with ckpt.Checkpointer(storage=ckpt.Storage(local_dir=local_dir)) as ck:
         buf = _take_over(ck)[3]
         for n in (1, 2):
             target = W.zeros()
@@ -387,7 +391,7 @@ def test_verify_of_an_adopted_snapshot_raises_on_a_changed_byte_and_passes_other
     if flip is not None:
         _flip(_segment(local_dir, 3), flip)
     checks = _CountChecks(monkeypatch)
-    with ckpt.Checkpointer(local_dir=local_dir) as ck:
+    with ckpt.Checkpointer(storage=ckpt.Storage(local_dir=local_dir)) as ck:
         buf = _take_over(ck)[3]
         if flip is None:
             (m,) = ck.memory.verify(3)
@@ -424,7 +428,7 @@ def test_close_while_the_takeover_runs_stops_its_threads_and_keeps_the_segments_
         return real(self, space, slot, shm_mod)
 
     monkeypatch.setattr(HostPool, "_adopt_slot", slow)
-    ck = ckpt.Checkpointer(local_dir=local_dir, every_steps=1000)
+    ck = ckpt.Checkpointer(storage=ckpt.Storage(local_dir=local_dir), policy=ckpt.Policy(every_steps=1000))
     if how == "owned when made":
         ck._node.own()
     elif how == "first maybe_save":
@@ -465,7 +469,7 @@ def test_close_without_keep_memory_while_the_takeover_runs_frees_every_segment(l
         return real(self, space, slot, shm_mod)
 
     monkeypatch.setattr(HostPool, "_adopt_slot", slow)
-    ck = ckpt.Checkpointer(local_dir=local_dir)
+    ck = ckpt.Checkpointer(storage=ckpt.Storage(local_dir=local_dir))
     ck._node.own()
     assert inside.wait(10)
     ck.close()
@@ -500,7 +504,7 @@ def test_a_process_killed_while_it_rewrites_an_adopted_buffer_leaves_no_torn_sna
     assert got[0][:3] == (4, "memory", W.digest(states[4]))
     assert got[1][:3] == (3, "local", W.digest(states[3]))
     target = W.zeros()
-    with ckpt.Checkpointer(local_dir=local_dir) as ck:
+    with ckpt.Checkpointer(storage=ckpt.Storage(local_dir=local_dir)) as ck:
         assert ck.restore(target) == 4 and ck.last_restore.tier == "memory" and _exact(target, states[4])
         assert 5 not in [c.step for c in ck.memory.committed()]
 
@@ -525,7 +529,10 @@ def test_a_save_into_an_adopted_buffer_withdraws_its_record_before_the_bytes_cha
 
     monkeypatch.setattr(stage_mod, "_dst", stall)
     checks = _CountChecks(monkeypatch)
-    with ckpt.Checkpointer(local_dir=local_dir, persist_every={"local": 1000}, max_in_flight=2) as ck:
+    with ckpt.Checkpointer(
+        storage=ckpt.Storage(local_dir=local_dir, max_in_flight=2),
+        policy=ckpt.Policy(persist_every={"local": 1000}),
+    ) as ck:
         adopted = _take_over(ck)
         assert {s: b.checked for s, b in adopted.items()} == {3: False, 4: False}
         m3 = ck.memory.manifest_of(3)
@@ -552,7 +559,7 @@ def test_a_save_into_an_adopted_buffer_withdraws_its_record_before_the_bytes_cha
                 reader.verify(3)
             # a whole restore of step 3 meanwhile (a process that does not own local_dir): the local copy
             target = W.zeros()
-            with ckpt.Checkpointer(local_dir=local_dir) as other:
+            with ckpt.Checkpointer(storage=ckpt.Storage(local_dir=local_dir)) as other:
                 assert other.restore(target, step=3) == 3 and other.last_restore.tier == "local"
             assert _exact(target, states[3])
         finally:
@@ -583,7 +590,9 @@ def test_readers_racing_saves_that_reuse_adopted_buffers_get_whole_snapshots_or_
         return real(manifest, dest, data)
 
     monkeypatch.setattr(memory_mod, "_scatter", slow_scatter)
-    with ckpt.Checkpointer(local_dir=local_dir, persist_every={"local": 1000}) as ck:
+    with ckpt.Checkpointer(
+        storage=ckpt.Storage(local_dir=local_dir), policy=ckpt.Policy(persist_every={"local": 1000})
+    ) as ck:
         _take_over(ck)
         manifests = {s: ck.memory.manifest_of(s) for s in (3, 4)}
         want = {

@@ -43,7 +43,7 @@ class Case:
 def _image(tmp: Path, step: int, state: dict) -> tuple[ckpt.format.Manifest, bytes]:
     """The manifest and data file image a snapshot of ``state`` makes (through a scratch local tier)."""
     d = tmp / f"image-{step}-{time.monotonic_ns()}"
-    with ckpt.Checkpointer(local_dir=d) as ck:
+    with ckpt.Checkpointer(storage=ckpt.Storage(local_dir=d)) as ck:
         ck.save(step, state).wait()
     side = LocalTier(d)
     manifest = side.open(step)[1]
@@ -97,7 +97,9 @@ def _remote_s3(tmp: Path, request: Any) -> Case:
 def _memory_here(tmp: Path, request: Any) -> Case:
     """The memory tier of a live Checkpointer: its own host buffers (bytes that never left the process)."""
     with ckpt.knobs.override(CKPT_SHM=0):
-        ck = ckpt.Checkpointer(local_dir=tmp / "owner", max_in_flight=3, if_busy="wait")
+        ck = ckpt.Checkpointer(
+            storage=ckpt.Storage(local_dir=tmp / "owner", max_in_flight=3), policy=ckpt.Policy(if_busy="wait")
+        )
 
     def commit(step: int, state: dict) -> None:
         ck._use_timeline(ck.memory.timeline)  # the saves record the timeline the test gave the tier
@@ -115,7 +117,9 @@ def _memory_left(tmp: Path, request: Any) -> Case:
     made: list[ckpt.Checkpointer] = []
 
     def commit(step: int, state: dict) -> None:
-        ck = ckpt.Checkpointer(local_dir=owner, max_in_flight=3, if_busy="wait")
+        ck = ckpt.Checkpointer(
+            storage=ckpt.Storage(local_dir=owner, max_in_flight=3), policy=ckpt.Policy(if_busy="wait")
+        )
         ck._use_timeline(tier.timeline)  # the saves record the timeline the test gave the tier
         ck.save(step, state).wait()
         ck.close(keep_memory=True)

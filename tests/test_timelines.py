@@ -54,14 +54,20 @@ def _flip(d: Path, step: int) -> None:
 
 
 def _three(local_dir: Path, url: str | None = None, keep: ckpt.Retention | None = None) -> None:
-    with ckpt.Checkpointer(url, local_dir=local_dir, keep=keep or ckpt.Retention(local=3)) as ck:
+    with ckpt.Checkpointer(
+        storage=ckpt.Storage(url=url, local_dir=local_dir),
+        policy=ckpt.Policy(keep=keep or ckpt.Retention(local=3)),
+    ) as ck:
         state = _state()
         for s in (100, 200, 300):
             _save(ck, state, s)
 
 
 def _rollback(local_dir: Path, url: str | None = None, keep: ckpt.Retention | None = None) -> None:
-    with ckpt.Checkpointer(url, local_dir=local_dir, keep=keep or ckpt.Retention(local=3)) as ck:
+    with ckpt.Checkpointer(
+        storage=ckpt.Storage(url=url, local_dir=local_dir),
+        policy=ckpt.Policy(keep=keep or ckpt.Retention(local=3)),
+    ) as ck:
         state = _state()
         assert ck.restore(state, step=100) == 100
         for s in (110, 120, 130):
@@ -72,7 +78,9 @@ def test_a_resume_after_a_rollback_continues_the_new_branch(local_dir):
     _three(local_dir)
     _rollback(local_dir)
     assert _steps(local_dir) == [110, 120, 130], "retention must keep the live branch's newest steps"
-    with ckpt.Checkpointer(local_dir=local_dir, keep=ckpt.Retention(local=3)) as ck:
+    with ckpt.Checkpointer(
+        storage=ckpt.Storage(local_dir=local_dir), policy=ckpt.Policy(keep=ckpt.Retention(local=3))
+    ) as ck:
         state = _state()
         assert ck.restore(state) == 130
         assert float(state["w"][0]) == 130.0 and state["step"] == 130
@@ -93,23 +101,31 @@ def test_the_fallback_never_restores_the_abandoned_branch(local_dir):
     _rollback(local_dir, keep=ckpt.Retention(local=None))
     for s in (110, 120, 130):
         _flip(local_dir, s)
-    with ckpt.Checkpointer(local_dir=local_dir, keep=ckpt.Retention(local=None)) as ck:
+    with ckpt.Checkpointer(
+        storage=ckpt.Storage(local_dir=local_dir), policy=ckpt.Policy(keep=ckpt.Retention(local=None))
+    ) as ck:
         state = _state()
         with pytest.warns(RuntimeWarning):
             assert ck.restore(state) == 100, "200 and 300 belong to the abandoned branch"
         assert float(state["w"][0]) == 100.0
     # asked for by step, an abandoned checkpoint still restores (and starts a timeline of its own)
-    with ckpt.Checkpointer(local_dir=local_dir, keep=ckpt.Retention(local=None)) as ck:
+    with ckpt.Checkpointer(
+        storage=ckpt.Storage(local_dir=local_dir), policy=ckpt.Policy(keep=ckpt.Retention(local=None))
+    ) as ck:
         state = _state()
         assert ck.restore(state, step=300) == 300 and float(state["w"][0]) == 300.0
         assert ck.timeline.number == 2 and ck.timeline.forks == ((0, 300),)
         _save(ck, state, 310)
-    with ckpt.Checkpointer(local_dir=local_dir, keep=ckpt.Retention(local=None)) as ck:
+    with ckpt.Checkpointer(
+        storage=ckpt.Storage(local_dir=local_dir), policy=ckpt.Policy(keep=ckpt.Retention(local=None))
+    ) as ck:
         assert ck.restore(_state()) == 310
 
 
 def test_a_rollback_inside_one_process_then_restore_from_memory(local_dir):
-    with ckpt.Checkpointer(local_dir=local_dir, keep=ckpt.Retention(local=3)) as ck:
+    with ckpt.Checkpointer(
+        storage=ckpt.Storage(local_dir=local_dir), policy=ckpt.Policy(keep=ckpt.Retention(local=3))
+    ) as ck:
         state = _state()
         for s in (100, 200, 300):
             _save(ck, state, s)
@@ -127,17 +143,23 @@ def test_the_newest_timeline_wins_when_a_step_is_on_two(tmp_path):
     first, second = tmp_path / "first", tmp_path / "second"
     keep = ckpt.Retention(local=None, remote=None)
     _three(first, url, keep)
-    with ckpt.Checkpointer(url, local_dir=second, keep=keep) as ck:  # another node: rolls back, saves 200
+    with ckpt.Checkpointer(
+        storage=ckpt.Storage(url=url, local_dir=second), policy=ckpt.Policy(keep=keep)
+    ) as ck:  # another node: rolls back, saves 200
         state = _state()
         assert ck.restore(state, step=100) == 100
         state["w"].fill_(-200.0)
         ck.save(200, state).wait()
     # `first` still holds timeline 0's 200 and 300; the remote tier holds timeline 1's 200
-    with ckpt.Checkpointer(url, local_dir=first, keep=keep) as ck:
+    with ckpt.Checkpointer(
+        storage=ckpt.Storage(url=url, local_dir=first), policy=ckpt.Policy(keep=keep)
+    ) as ck:
         state = _state()
         assert ck.restore(state, step=200) == 200 and float(state["w"][0]) == -200.0
         assert ck.last_restore.tier == "remote"
-    with ckpt.Checkpointer(url, local_dir=first, keep=keep) as ck:
+    with ckpt.Checkpointer(
+        storage=ckpt.Storage(url=url, local_dir=first), policy=ckpt.Policy(keep=keep)
+    ) as ck:
         state = _state()
         assert ck.restore(state) == 200 and float(state["w"][0]) == -200.0, "300 is on the abandoned branch"
 
@@ -148,7 +170,9 @@ def test_remote_retention_keeps_the_live_branch_and_a_fresh_node_resumes_it(tmp_
     _three(tmp_path / "a", url, keep)
     _rollback(tmp_path / "a", url, keep)
     assert _steps(tmp_path / "remote") == [110, 120, 130]
-    with ckpt.Checkpointer(url, local_dir=tmp_path / "fresh", keep=keep) as ck:
+    with ckpt.Checkpointer(
+        storage=ckpt.Storage(url=url, local_dir=tmp_path / "fresh"), policy=ckpt.Policy(keep=keep)
+    ) as ck:
         state = _state()
         assert ck.restore(state) == 130 and ck.last_restore.tier == "remote"
         assert ck.timeline.number == 1
@@ -237,7 +261,7 @@ def test_a_commit_with_a_malformed_timeline_is_refused_and_skipped(local_dir, fi
     _three(local_dir)
     path = local_dir / "step-000000300" / COMMIT_NAME
     path.write_bytes(json.dumps({**json.loads(path.read_bytes()), **fields}).encode())
-    with ckpt.Checkpointer(local_dir=local_dir) as ck:
+    with ckpt.Checkpointer(storage=ckpt.Storage(local_dir=local_dir)) as ck:
         state = _state()
         with pytest.warns(RuntimeWarning, match="step-000000300/COMMIT"):
             assert ck.restore(state) == 200
@@ -306,7 +330,7 @@ def test_a_snapshot_is_committed_on_the_timeline_it_was_taken_on_whatever_the_ti
 
         monkeypatch.setattr(cls, "write", held)
     url = f"file://{tmp_path}/remote"
-    with ckpt.Checkpointer(url, local_dir=tmp_path / "local") as ck:
+    with ckpt.Checkpointer(storage=ckpt.Storage(url=url, local_dir=tmp_path / "local")) as ck:
         state = _state()
         state["w"].fill_(100)
         handle = ck.save(100, state)

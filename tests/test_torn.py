@@ -46,7 +46,7 @@ def _model():
 
 def _restored(local_dir) -> tuple[int | None, dict]:
     fresh = nn.Linear(16, 8)
-    with ckpt.Checkpointer(local_dir=local_dir) as ck:
+    with ckpt.Checkpointer(storage=ckpt.Storage(local_dir=local_dir)) as ck:
         step = ck.restore({"model": fresh})
     return step, {k: v.clone() for k, v in fresh.state_dict().items()}
 
@@ -56,7 +56,7 @@ def test_a_write_right_after_save_that_the_version_counter_misses_fails_the_save
     local_dir, slow_staging, write
 ):
     model = _model()
-    with ckpt.Checkpointer(local_dir=local_dir) as ck:
+    with ckpt.Checkpointer(storage=ckpt.Storage(local_dir=local_dir)) as ck:
         ck.save(1, {"model": model}).wait()
         at_1 = {k: v.clone() for k, v in model.state_dict().items()}
         model.weight.data.add_(0.5)  # step 2's state (through .data: the counter does not see it)
@@ -75,7 +75,7 @@ def test_a_write_right_after_save_that_the_version_counter_misses_fails_the_save
 @pytest.mark.parametrize("write", WRITES, ids=lambda f: f.__name__.strip("_"))
 def test_with_wait_staged_first_the_same_write_is_safe(local_dir, slow_staging, write):
     model = _model()
-    with ckpt.Checkpointer(local_dir=local_dir) as ck:
+    with ckpt.Checkpointer(storage=ckpt.Storage(local_dir=local_dir)) as ck:
         h = ck.save(2, {"model": model})
         at_save = {k: v.clone() for k, v in model.state_dict().items()}
         ck.wait_staged()
@@ -87,7 +87,7 @@ def test_with_wait_staged_first_the_same_write_is_safe(local_dir, slow_staging, 
 
 def test_a_write_after_the_copy_landed_is_not_reported(local_dir):
     model = _model()
-    with ckpt.Checkpointer(local_dir=local_dir) as ck:
+    with ckpt.Checkpointer(storage=ckpt.Storage(local_dir=local_dir)) as ck:
         h = ck.save(2, {"model": model})
         h.wait("memory")
         model.weight.data.add_(1)
@@ -97,7 +97,7 @@ def test_a_write_after_the_copy_landed_is_not_reported(local_dir):
 
 def test_a_numpy_array_of_the_state_written_after_save_fails_the_save(local_dir, slow_staging):
     arr = np.arange(1000, dtype=np.float32)
-    with ckpt.Checkpointer(local_dir=local_dir) as ck:
+    with ckpt.Checkpointer(storage=ckpt.Storage(local_dir=local_dir)) as ck:
         h = ck.save(1, {"data": {"order": arr}})
         arr[500] = -1
         with pytest.raises(ckpt.TornSnapshotError, match="data/order"):
@@ -147,7 +147,7 @@ def _poke(t: torch.Tensor) -> None:
 @pytest.mark.parametrize("name", [k for k in _tensors() if k != "empty"])
 def test_a_one_element_change_is_caught_for_every_dtype_and_layout(local_dir, slow_staging, name):
     state = _tensors()
-    with ckpt.Checkpointer(local_dir=local_dir) as ck:
+    with ckpt.Checkpointer(storage=ckpt.Storage(local_dir=local_dir)) as ck:
         h = ck.save(1, state)
         _poke(state[name])
         with pytest.raises(ckpt.TornSnapshotError, match=repr(name)):
@@ -157,7 +157,7 @@ def test_a_one_element_change_is_caught_for_every_dtype_and_layout(local_dir, sl
 def test_every_dtype_and_layout_round_trips_without_a_false_report(local_dir, slow_staging):
     state = _tensors()
     expect = {k: v.clone() for k, v in state.items()}
-    with ckpt.Checkpointer(local_dir=local_dir) as ck:
+    with ckpt.Checkpointer(storage=ckpt.Storage(local_dir=local_dir)) as ck:
         ck.save(1, state).wait()
         out = {k: torch.zeros(v.shape, dtype=v.dtype) for k, v in expect.items()}
         assert ck.restore(out) == 1
@@ -172,7 +172,7 @@ def test_tied_tensors_and_module_buffers_do_not_trip_the_check(local_dir, slow_s
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8))
     shared = torch.randn(100)
-    with ckpt.Checkpointer(local_dir=local_dir) as ck:
+    with ckpt.Checkpointer(storage=ckpt.Storage(local_dir=local_dir)) as ck:
         h = ck.save(1, {"model": model, "a": shared, "b": shared})
         model(torch.randn(4, 8))  # the forward updates BatchNorm's buffers in place: copied first
         h.wait()
@@ -204,7 +204,7 @@ def test_a_write_into_a_dtensor_local_shard_fails_the_save(local_dir, one_rank, 
     from torch.distributed.tensor import Shard, distribute_tensor
 
     w = nn.Parameter(distribute_tensor(torch.randn(6, 4), one_rank, [Shard(0)]))
-    with ckpt.Checkpointer(local_dir=local_dir) as ck:
+    with ckpt.Checkpointer(storage=ckpt.Storage(local_dir=local_dir)) as ck:
         ck.save(1, {"w": w}).wait()
         h = ck.save(2, {"w": w})
         w.data.to_local().add_(1)
@@ -247,7 +247,7 @@ def test_gpu_a_write_on_the_compute_stream_right_after_save_fails_the_save(local
     torch.manual_seed(0)
     model = nn.Linear(256, 256).cuda()
     outcomes = []
-    with ckpt.Checkpointer(local_dir=local_dir) as ck:
+    with ckpt.Checkpointer(storage=ckpt.Storage(local_dir=local_dir)) as ck:
         ck.save(1, {"model": model}).wait()
         for step in (2, 3, 4):
             _hold_side_stream(ck)
@@ -267,7 +267,7 @@ def test_gpu_a_write_on_the_compute_stream_right_after_save_fails_the_save(local
 def test_gpu_with_wait_staged_first_the_write_is_safe(local_dir):
     torch.manual_seed(0)
     model = nn.Linear(256, 256).cuda()
-    with ckpt.Checkpointer(local_dir=local_dir) as ck:
+    with ckpt.Checkpointer(storage=ckpt.Storage(local_dir=local_dir)) as ck:
         _hold_side_stream(ck)
         h = ck.save(2, {"model": model})
         at_save = {k: v.clone() for k, v in model.state_dict().items()}
@@ -275,7 +275,7 @@ def test_gpu_with_wait_staged_first_the_write_is_safe(local_dir):
         model.weight.data.add_(1)
         h.wait()
     fresh = nn.Linear(256, 256).cuda()
-    with ckpt.Checkpointer(local_dir=local_dir) as ck:
+    with ckpt.Checkpointer(storage=ckpt.Storage(local_dir=local_dir)) as ck:
         assert ck.restore({"model": fresh}) == 2
     assert all(torch.equal(fresh.state_dict()[k], at_save[k]) for k in at_save)
 
@@ -287,7 +287,7 @@ def test_gpu_every_dtype_and_layout_is_caught_and_round_trips(local_dir):
     state["strided"] = torch.randn(64, 33, device="cuda")[:, ::2]
     state["misaligned"] = torch.randn(100, device="cuda").half()[1:]
     expect = {k: v.clone() for k, v in state.items()}
-    with ckpt.Checkpointer(local_dir=local_dir) as ck:
+    with ckpt.Checkpointer(storage=ckpt.Storage(local_dir=local_dir)) as ck:
         ck.save(1, state).wait()  # the CUDA fingerprint equals the one of the host copy: no false report
         out = {k: torch.zeros(v.shape, dtype=v.dtype, device="cuda") for k, v in expect.items()}
         assert ck.restore(out) == 1
@@ -317,7 +317,7 @@ def test_gpu_training_with_the_optimizer_right_after_save_is_never_reported(loca
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(64, 64), nn.BatchNorm1d(64), nn.Linear(64, 8)).cuda()
     opt = torch.optim.AdamW(model.parameters(), fused=True)
-    with ckpt.Checkpointer(local_dir=local_dir) as ck:
+    with ckpt.Checkpointer(storage=ckpt.Storage(local_dir=local_dir)) as ck:
         for step in range(20):
             model(torch.randn(32, 64, device="cuda")).sum().backward()
             opt.step()

@@ -51,11 +51,13 @@ def test_every_pairing_of_wrappers_restores(local_dir, saved, restored):
         opt.zero_grad()
         src(torch.randn(6, 8)).sum().backward()
         opt.step()
-    with ckpt.Checkpointer(local_dir=local_dir) as ck:
+    with ckpt.Checkpointer(storage=ckpt.Storage(local_dir=local_dir)) as ck:
         ck.save(1, {"model": src, "optim": opt}).wait()
     dst = _wrap(_net(1), restored)
     opt2 = torch.optim.AdamW(dst.parameters(), lr=1e-2)
-    with ckpt.Checkpointer(local_dir=local_dir) as ck:  # a new process's view: read from the disk
+    with ckpt.Checkpointer(
+        storage=ckpt.Storage(local_dir=local_dir)
+    ) as ck:  # a new process's view: read from the disk
         assert ck.restore({"model": dst, "optim": opt2}) == 1
     want, got = _plain(src), _plain(dst)
     assert set(want) == set(got) and all(torch.equal(want[k], got[k]) for k in want)
@@ -63,7 +65,7 @@ def test_every_pairing_of_wrappers_restores(local_dir, saved, restored):
 
 
 def test_the_stored_keys_are_the_unwrapped_ones(tmp_path, local_dir):
-    with ckpt.Checkpointer(local_dir=local_dir) as ck:
+    with ckpt.Checkpointer(storage=ckpt.Storage(local_dir=local_dir)) as ck:
         ck.save(1, {"model": _wrap(_net(), "per-block")}).wait()
     info = ckpt.export(local_dir, tmp_path / "out", format="safetensors")
     from safetensors.torch import load_file
@@ -80,10 +82,10 @@ def test_a_checkpoint_written_with_wrapper_components_in_its_keys_still_restores
     src = _wrap(_net(0), "compiled")
     with monkeypatch.context() as m:  # how checkpoints were written before: the module's own keys
         m.setattr(plan, "_module_sd", lambda module, sd, wrappers=None: (sd, {}))
-        with ckpt.Checkpointer(local_dir=local_dir) as ck:
+        with ckpt.Checkpointer(storage=ckpt.Storage(local_dir=local_dir)) as ck:
             ck.save(1, {"model": src}).wait()
     dst = _wrap(_net(1), restored)
-    with ckpt.Checkpointer(local_dir=local_dir) as ck:
+    with ckpt.Checkpointer(storage=ckpt.Storage(local_dir=local_dir)) as ck:
         assert ck.restore({"model": dst}) == 1
     want, got = _plain(src), _plain(dst)
     assert all(torch.equal(want[k], got[k]) for k in want)
@@ -98,7 +100,7 @@ def test_a_checkpoint_written_with_wrapper_components_exports_under_the_plain_na
     src = _wrap(_net(0), saved)
     with monkeypatch.context() as m:  # how checkpoints were written before: the module's own keys
         m.setattr(plan, "_module_sd", lambda module, sd, wrappers=None: (sd, {}))
-        with ckpt.Checkpointer(local_dir=local_dir) as ck:
+        with ckpt.Checkpointer(storage=ckpt.Storage(local_dir=local_dir)) as ck:
             ck.save(1, {"model": src, "note": "x"}).wait()
     from safetensors.torch import load_file
 
@@ -124,12 +126,12 @@ def test_export_leaves_names_that_would_become_one_as_they_are():
 
 def test_strict_false_with_a_compiled_target_takes_the_common_keys(local_dir):
     src = _net(0)
-    with ckpt.Checkpointer(local_dir=local_dir) as ck:
+    with ckpt.Checkpointer(storage=ckpt.Storage(local_dir=local_dir)) as ck:
         ck.save(1, {"model": src}).wait()
     bigger = torch.nn.Sequential(*_net(1), torch.nn.Linear(4, 2))
     dst = torch.compile(bigger)
     extra = bigger[4].weight.detach().clone()
-    with ckpt.Checkpointer(local_dir=local_dir) as ck:
+    with ckpt.Checkpointer(storage=ckpt.Storage(local_dir=local_dir)) as ck:
         assert ck.restore({"model": dst}, strict=False) == 1
     assert torch.equal(bigger[0].weight, src[0].weight) and torch.equal(bigger[4].weight, extra)
 
@@ -142,9 +144,9 @@ def test_a_user_submodule_named_module_is_not_taken_for_a_wrapper(local_dir):
 
     src = Outer()
     assert plan._wrapper_paths(src) == frozenset()
-    with ckpt.Checkpointer(local_dir=local_dir) as ck:
+    with ckpt.Checkpointer(storage=ckpt.Storage(local_dir=local_dir)) as ck:
         ck.save(1, {"m": src}).wait()
     dst = Outer()
-    with ckpt.Checkpointer(local_dir=local_dir) as ck:
+    with ckpt.Checkpointer(storage=ckpt.Storage(local_dir=local_dir)) as ck:
         assert ck.restore({"m": dst}) == 1
     assert torch.equal(dst.module.weight, src.module.weight)
