@@ -51,7 +51,9 @@ def main() -> None:
         logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
         options = dict(signals=ckpt.Signals(save=(save_on,), deadline=60))
     state = _build(torch.device("cpu"), 64)
-    with ckpt.Checkpointer(local_dir=local_dir, every_steps=every, **options) as ck:
+    with ckpt.Checkpointer(
+        storage=ckpt.Storage(local_dir=local_dir), policy=ckpt.Policy(every_steps=every), **options
+    ) as ck:
         last = ck.restore(state)
         print(f"restored {last}", flush=True)
         for step in range(1 if last is None else last + 1, steps + 1):

@@ -233,11 +233,15 @@ def test_two_gloo_ranks_both_save_the_same_step_when_one_gets_sigusr1_and_both_g
         assert _committed(tmp_path / f"rank{r}") == [int(saved[0][0])]
 
 
-def _signals_ck(local_dir, **kw) -> ckpt.Checkpointer:
+def _signals_ck(local_dir, max_in_flight=None, if_busy="skip", **kw) -> ckpt.Checkpointer:
     kw.setdefault(
         "signals", ckpt.Signals(preempt=(signal.SIGUSR2,), save=(signal.SIGUSR1,), on_preempt="raise")
     )
-    return ckpt.Checkpointer(local_dir=local_dir, every_steps=1000, **kw)
+    return ckpt.Checkpointer(
+        storage=ckpt.Storage(local_dir=local_dir, max_in_flight=max_in_flight),
+        policy=ckpt.Policy(every_steps=1000, if_busy=if_busy),
+        **kw,
+    )
 
 
 def test_signals_before_the_boundary_make_one_save_and_the_flag_resets_after_it(local_dir):

@@ -70,7 +70,7 @@ def small_chunks(monkeypatch):
 def _leave(local_dir: Path, steps=(3,), **kw) -> dict[int, dict]:
     """Save ``steps`` (to RAM and, by default, the local tier) and close keeping the segments in RAM."""
     states = {}
-    ck = ckpt.Checkpointer(local_dir=local_dir, **kw)
+    ck = ckpt.Checkpointer(storage=ckpt.Storage(local_dir=local_dir), **kw)
     for s in steps:
         states[s] = W.state(s)
         ck.save(s, states[s]).wait()
