@@ -10,7 +10,26 @@ states, DCP's own resharding planners)::
     dcp.load(state, storage_reader=TierStorageReader(local_dir="/nvme/ckpt", url="s3://bucket/run"),
              checkpoint_id="step-1200")                                   # call on all ranks
 
-Layout, the same on each tier (``local_dir``: this node's disk; ``url``: any fsspec URL)::
+or with the Checkpointer's description of the tiers, a tier of one's own included::
+
+    storage = ckpt.Storage(local_dir="/nvme/ckpt", url="s3://bucket/run",
+                           extra_tiers={"disk2": "/mnt/hdd/ckpt"})        # a tier registered as "disk2"
+    dcp.save(state, storage_writer=TierStorageWriter(storage=storage, keep=Retention(local=2, disk2=5)),
+             checkpoint_id="step-1200")
+
+The tiers: ``local_dir`` (a directory of this node), ``url`` (any fsspec URL) and each tier of
+``Storage(extra_tiers=...)``, made by its registered class as a Checkpointer makes it
+(:meth:`ckpt.tiers.Tier.for_storage`); ``local_dir=`` / ``url=`` / ``storage_options=`` and ``storage=`` may
+be mixed, each field given once. A tier takes its role from its class, never from its name: a
+:class:`~ckpt.tiers.LocalTier` subclass is a directory as ``local_dir`` is, a :class:`~ckpt.tiers.RemoteTier`
+subclass a URL as ``url`` is; ``on_node`` says whether each node has its own (read inline, its own ranks'
+files pruned by each node), ``nearness`` the order tiers are written, committed and read in,
+:meth:`ckpt.Retention.count` what each keeps. What the adapter has no counterpart for is a ``ValueError``
+naming it: ``peers``, ``compression``, ``replicated``, ``max_in_flight`` and ``host_memory_limit`` (the peer
+and host-memory tiers need the Checkpointer's snapshots), a tier of another kind, two tiers over one
+directory, several URLs with no directory to send the file from.
+
+Layout, the same on each tier::
 
     <root>/<checkpoint_id>/
         rank-00000.dcp.bin   this rank's items back to back: raw tensor bytes (contiguous, in their
@@ -18,34 +37,34 @@ Layout, the same on each tier (``local_dir``: this node's disk; ``url``: any fss
         metadata.json        DCP's Metadata as JSON, plus where every item lies and its CRC-32C
         COMMIT               written last, by the coordinator: format, world size, metadata checksum
 
-Each rank writes its own file to every tier (local first, fsynced and renamed into place; then
-the remote copy, uploaded from the local file; without ``local_dir`` the file goes to the remote tier
-as it is produced). The storage is the engine's: a URL is opened by :func:`ckpt.fs.resolve` and used through
-the remote tier's store client (:class:`ckpt.tiers.remote_store.StoreClient`, built as the tier builds it:
-its requests, records, range reads, listings, removals and failures), and a data file goes up and is read
-back through :mod:`ckpt.tiers.remote_file`, in parts of ``CKPT_CHUNK_BYTES``, each part one request: from
-the local file in parallel on the remote tier's pool (``CKPT_REMOTE_THREADS`` parts in flight), as it is
-produced one part in flight while the next fills (host memory holds about two parts). On S3 through s3fs
-the file is one object by a multipart upload (parts of at least 5 MiB, and at most
-``default_block_size``), through any other object-store client one object per part
-(``rank-RRRRR.dcp.bin.parts/000000``, ...; the items' ``part_bytes`` in the metadata say so), on a
-``file://`` URL one file. A failed upload is aborted or removed, never published. Every remote request
-(parts, records, listings, removals, reads) runs under the watchdog of ``CKPT_REMOTE_STALL_S``
-(:mod:`ckpt.stall`): one that makes no progress is aborted and sent again, and after three attempts the
-save (or the load) fails with a ``TimeoutError`` naming the URL, the part and the rank (a stalled part is
-named as the remote tier names its own, :func:`ckpt.tiers.remote_parts.stall_names`). The coordinator writes ``metadata.json`` and then ``COMMIT`` to every tier once DCP has
-gathered all ranks' results, so a checkpoint exists on a tier iff its ``COMMIT`` does. When the
-remote tier cannot take a rank's file after the local tier did, that is reported (a warning) and
-the remote tier gets no ``COMMIT`` for this checkpoint; a failed local write (a full disk, say)
-fails the save with the path, and a checkpoint committed on no tier fails it too. Saving under a
-``checkpoint_id`` that exists replaces that checkpoint (its ``COMMIT`` is removed first); other
-checkpoint ids are never touched.
+Each rank writes its own file to every tier, nearest first: as it is produced to the nearest directory
+(fsynced and renamed into place), then from that file a copy to each farther directory (written the same way)
+and an upload to each URL; without a directory the file goes to the URL as it is produced. The storage is the
+engine's: a URL is opened by :func:`ckpt.fs.resolve` and used through the remote tier's store client
+(:class:`ckpt.tiers.remote_store.StoreClient`, built as the tier builds it: its requests, records, range
+reads, listings, removals and failures), and a data file goes up and is read back through
+:mod:`ckpt.tiers.remote_file`, in parts of ``CKPT_CHUNK_BYTES``, each part one request: from the local file in
+parallel on the remote tier's pool (``CKPT_REMOTE_THREADS`` parts in flight), as it is produced one part in
+flight while the next fills (host memory holds about two parts). On S3 through s3fs the file is one object by
+a multipart upload (parts of at least 5 MiB, and at most ``default_block_size``), through any other
+object-store client one object per part (``rank-RRRRR.dcp.bin.parts/000000``, ...; the items' ``part_bytes``
+in the metadata say so), on a ``file://`` URL one file. A failed upload is aborted or removed, never
+published. Every remote request (parts, records, listings, removals, reads) runs under the watchdog of
+``CKPT_REMOTE_STALL_S`` (:mod:`ckpt.stall`): one that makes no progress is aborted and sent again, and after
+three attempts the save (or the load) fails with a ``TimeoutError`` naming the URL, the part and the rank (a
+stalled part is named as the remote tier names its own, :func:`ckpt.tiers.remote_parts.stall_names`). The
+coordinator writes ``metadata.json`` and then ``COMMIT`` to every tier once DCP has gathered all ranks'
+results, so a checkpoint exists on a tier iff its ``COMMIT`` does. When a farther tier cannot take a rank's
+file after the nearest one did, that is reported (a warning) and that tier gets no ``COMMIT`` for this
+checkpoint; a failed write to the nearest tier (a full disk, say) fails the save with the path, and a
+checkpoint committed on no tier fails it too. Saving under a ``checkpoint_id`` that exists replaces that
+checkpoint (its ``COMMIT`` is removed first); other checkpoint ids are never touched.
 
-Reading takes the metadata from the nearest tier with a valid ``COMMIT`` and every item from the
-nearest tier whose bytes match the item's checksum (committed or not: on a multi-node job a
-node's local tier holds its own ranks' files, while only the coordinator's node has the
-``COMMIT``), so a node that lost its disk, a torn local file or another node's rank falls back
-to the remote copy item by item; bytes that fail their checksum are reported (a warning).
+Reading takes the metadata from the nearest tier with a valid ``COMMIT`` and every item from the nearest tier
+(tier by tier, item by item) whose bytes match the item's checksum (committed or not: on a multi-node job a
+node's local tier holds its own ranks' files, while only the coordinator's node has the ``COMMIT``), so a node
+that lost its disk, a torn local file or another node's rank falls back to the next tier's copy item by item;
+bytes that fail their checksum are reported (a warning).
 
 **No pickle.** DCP's own file storage pickles its metadata and every non-tensor value; loading
 one runs ``torch.load(weights_only=False)`` on bytes from the checkpoint. Here the metadata is
@@ -68,9 +87,10 @@ it per rank (``read_metadata(rank=...)``). Retention is not applied to such save
 ``dcp.async_save`` works with these classes (tested). Retention: ``TierStorageWriter(keep=
 Retention(local=2, remote=10))`` prunes after each save (the coordinator deletes whole committed
 checkpoints, ``COMMIT`` first, by the engine's retention, :func:`ckpt.policy.prune`, over the
-checkpoints in commit order; every other node deletes its own ranks' files beyond the newest
-``local``). Operations: :func:`list_checkpoints`, :func:`verify` and :func:`prune` (keep the newest N
-by commit time; ``ckpt ls/verify/gc --dcp``). Not done here: the host-memory and peer tiers (they
+checkpoints in commit order; every other node deletes its own ranks' files beyond each of its directory
+tiers' count). Operations on one tier (a directory, a URL, or the engine's tier object such as a registered
+tier's): :func:`list_checkpoints`, :func:`verify` and :func:`prune` (keep the newest N by commit time;
+``ckpt ls/verify/gc --dcp``). Not done here: the host-memory and peer tiers (they
 need the Checkpointer's snapshot and rank groups); for saves that overlap training use
 :class:`ckpt.Checkpointer`.
 """
@@ -83,6 +103,7 @@ import io
 import json
 import math
 import os
+import shutil
 import threading
 import time
 import uuid
@@ -131,6 +152,7 @@ from ..format import (
     dtype_to_str,
     empty_tensor,
     fsync_dir,
+    fsync_file,
     parse_record,
     read_record,
     str_to_dtype,
@@ -141,12 +163,14 @@ from ..policy import Committed, Retention
 from ..scatter import writing_state
 from ..stall import StallError
 from ..values import Encoder
-from ..tiers.base import Tier
+from ..tiers.base import Tier, registered
 from ..tiers.local import LocalTier, linked, remove_step_dir
 from ..tiers.remote import RemoteTier
 from ..tiers.remote_errors import failure_type
 from ..tiers.remote_file import MIN_PART_BYTES, PARTS, FileUpload, form_of, read_file
 from ..tiers.remote_store import StoreClient, read_file_range
+from ..tiers.stack import _register_built_in
+from ..config import Storage, merge
 from ..fs import is_url, resolve
 
 __all__ = ["TierStorageWriter", "TierStorageReader", "FORMAT", "list_checkpoints", "verify", "prune"]
@@ -176,12 +200,14 @@ def _part_bytes() -> int:
 
 
 class _Tier:
-    """One place a checkpoint id can live: a directory of this node (``local_dir``: fsync'd, renamed into
-    place) or an fsspec URL, holding checkpoints in the DCP layout. ``kind``: the engine's tier class for
-    that storage (:class:`~ckpt.tiers.LocalTier` for a directory, :class:`~ckpt.tiers.RemoteTier` for a
-    URL); what the adapter does with a tier follows from what that class declares (``on_node``: written
-    first, read inline, its other nodes' files pruned by each node; ``keep_of``: its count of a
-    :class:`~ckpt.Retention`), and its ``name`` is for messages only.
+    """One place a checkpoint id can live: a directory of this host (``local_dir``, or a registered tier of
+    the local kind: fsync'd, renamed into place) or an fsspec URL, holding checkpoints in the DCP layout.
+    ``kind``: the engine's tier class for that storage (:class:`~ckpt.tiers.LocalTier` or a subclass for a
+    directory, :class:`~ckpt.tiers.RemoteTier` or a subclass for a URL; ``engine``: the engine's tier it was
+    made from, when there is one); what the adapter does with a tier follows from what that class declares
+    (``on_node``: read inline, its other nodes' files pruned by each node; ``nearness``: the order tiers are
+    written, committed and read in; ``keep_of``: its count of a :class:`~ckpt.Retention`), and its ``name`` is
+    for messages, :class:`~ckpt.Retention` and the record of tiers a rank's file missed only.
 
     Why not the engine's tier objects themselves: a DCP checkpoint is named by an id, not a step, and is one
     data file per rank whose checksums are per DCP item in ``metadata.json``, with no manifest of the
@@ -192,8 +218,12 @@ class _Tier:
     with its bounds, directories removed ``COMMIT`` first), a data file goes up and is read back by range
     through :mod:`ckpt.tiers.remote_file`, and records are published by :mod:`ckpt.commit`."""
 
-    def __init__(self, kind: type[Tier], root: str, client: StoreClient | None, where: str) -> None:
+    def __init__(
+        self, kind: type[Tier], root: str, client: StoreClient | None, where: str, engine: Tier | None = None
+    ) -> None:
         self.kind, self.name, self.on_node = kind, kind.name, kind.on_node
+        self.nearness, self.durable = kind.nearness, kind.durable
+        self.engine = engine  # the engine's tier this one was made from (a registered tier's), if any
         self.root = root
         # the engine's client of the store; None: root is a directory of this host, used through os
         self.client = client
@@ -209,6 +239,22 @@ class _Tier:
         return cls(LocalTier, str(Path(root).expanduser()), None, os.fspath(root))
 
     @classmethod
+    def of(cls, tier: Tier) -> _Tier:
+        """The DCP layout over the storage of the engine's tier ``tier``, with its class's capabilities: a
+        directory of this host for a :class:`~ckpt.tiers.LocalTier` (a registered subclass too), a client of
+        its store for a :class:`~ckpt.tiers.RemoteTier`; any other kind of tier is a ``ValueError``."""
+        if isinstance(tier, LocalTier):
+            return cls(type(tier), str(tier.root), None, os.fspath(tier.root), tier)
+        if isinstance(tier, RemoteTier):
+            client = StoreClient(tier.url, tier.store)  # the store as the tier opened it, no request sent
+            return cls(type(tier), client.root.rstrip("/"), client, tier.url, tier)
+        raise ValueError(
+            f"the {tier.name!r} tier ({type(tier).__qualname__}) keeps its checkpoints neither in a "
+            "directory of this host (a LocalTier) nor at a URL (a RemoteTier): the DCP adapter writes its "
+            "layout to those only; use ckpt.Checkpointer for that tier"
+        )
+
+    @classmethod
     def at_url(cls, url: str, storage_options: dict[str, Any] | None) -> _Tier:
         """The tier at an fsspec URL, with the engine's remote tier's capabilities; opened by
         :func:`ckpt.fs.resolve`, the library's one way to open a URL (its backend choice too)."""
@@ -218,6 +264,8 @@ class _Tier:
     def keep_of(self, keep: Retention) -> int | None:
         """How many checkpoints ``keep`` keeps here (through :meth:`ckpt.Retention.count`): what it keeps on
         the engine's tier of this kind."""
+        if self.engine is not None:
+            return self.engine.keep_of(keep)
         return self.kind.keep_of(self, keep)  # type: ignore[arg-type]
 
     def path(self, ckpt_id: str, name: str) -> str:
@@ -333,6 +381,23 @@ def _upload_file(tier: _Tier, ckpt_id: str, name: str, rank: int, src: str, part
         raise
 
 
+def _copy_file(tier: _Tier, ckpt_id: str, name: str, src: str) -> None:
+    """Copy a finished data file to another directory of this host (a farther tier of the local kind) as the
+    first was written: into a temporary name beside its place, fsynced, renamed into place, the directory
+    flushed; a failure leaves nothing under the file's name."""
+    final = Path(tier.path(ckpt_id, name))
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = final.with_name(final.name + f".tmp-{os.getpid()}")
+    try:
+        shutil.copyfile(src, tmp)
+        fsync_file(tmp)
+        os.replace(tmp, final)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    fsync_dir(final.parent)
+
+
 def _write_error(rank: int, name: str, ckpt_id: str, tier: _Tier, e: BaseException) -> OSError:
     """The failure of a rank's data file on ``tier`` as an ``OSError`` of the same kind (a stall stays a
     :class:`~ckpt.stall.StallError`, a refusal a ``PermissionError`` ...; a store client's own ``OSError``
@@ -351,17 +416,95 @@ def _write_error(rank: int, name: str, ckpt_id: str, tier: _Tier, e: BaseExcepti
     return cls(code, msg, getattr(e, "filename", None))
 
 
+#: the fields of :class:`ckpt.Storage` for what the DCP adapter does not have, and why
+_NOT_HERE = {
+    "peers": "the DCP adapter has no peer tier (it needs the Checkpointer's snapshots and rank groups)",
+    "compression": "the DCP adapter stores each item's own bytes, uncompressed",
+    "replicated": "DCP's save planner de-duplicates replicated state itself",
+    "max_in_flight": "the DCP adapter has no host-memory tier (dcp.save writes from the state itself)",
+    "host_memory_limit": "the DCP adapter has no host-memory tier (dcp.save writes from the state itself)",
+}
+
+
 def _tiers(
-    local_dir: str | os.PathLike | None, url: str | None, storage_options: dict[str, Any] | None
+    who: str,
+    storage: Storage | None,
+    local_dir: str | os.PathLike | None,
+    url: str | None,
+    storage_options: dict[str, Any] | None,
 ) -> list[_Tier]:
-    if local_dir is None and url is None:
-        raise ValueError("give local_dir (this node's disk), url (an fsspec URL), or both")
+    """The tiers of ``storage`` (a :class:`ckpt.Storage`, with ``local_dir`` / ``url`` / ``storage_options``
+    given as keywords merged in, each field given once), nearest first: ``local_dir``, ``url`` and each of
+    ``extra_tiers``, made by its registered class (:meth:`ckpt.tiers.Tier.for_storage`) as a Checkpointer
+    makes it. A field for what the adapter does not have (peers, compression, the host-memory tier), a
+    name no registered tier has, a tier of another kind than a directory or a URL, and two tiers over one
+    directory are each a ``ValueError``."""
+    storage = merge(
+        storage, Storage, {"local_dir": local_dir, "url": url, "storage_options": storage_options}, {}
+    )
+    for field, why in _NOT_HERE.items():
+        value = getattr(storage, field)
+        if value is not None and value is not False and not (isinstance(value, (tuple, list)) and not value):
+            raise ValueError(
+                f"{who}: Storage({field}={value!r}): {why}; leave it out, or use ckpt.Checkpointer"
+            )
+    extra = dict(storage.extra_tiers or {})
+    if storage.local_dir is None and storage.url is None and not extra:
+        raise ValueError(
+            "give local_dir (this node's disk), url (an fsspec URL), or both (or storage=ckpt.Storage(...) "
+            "with them or extra_tiers)"
+        )
     tiers = []
-    if local_dir is not None:
-        tiers.append(_Tier.directory(local_dir))
-    if url is not None:
-        tiers.append(_Tier.at_url(url, storage_options))
+    if storage.local_dir is not None:
+        d = storage.local_dir
+        tiers.append(_Tier.of(d) if isinstance(d, Tier) else _Tier.directory(d))
+    if storage.url is not None:
+        u = storage.url
+        so = None if storage.storage_options is None else dict(storage.storage_options)
+        tiers.append(_Tier.of(u) if isinstance(u, Tier) else _Tier.at_url(u, so))
+    if extra:
+        _register_built_in()
+        kinds = {c.name: c for c in registered()}
+        rank = torch.distributed.get_rank() if _distributed() else 0
+        for name in extra:
+            cls = kinds.get(name)
+            if cls is None:
+                raise ValueError(
+                    f"{who}: Storage(extra_tiers=...) names {name!r}: no registered tier has that name (the "
+                    f"registered tiers: {list(kinds)}; a tier class is registered with @ckpt.tiers.register "
+                    "when its module is imported)"
+                )
+            if cls in (LocalTier, RemoteTier):
+                raise ValueError(
+                    f"{who}: Storage(extra_tiers=...) names the {name!r} tier, which Storage's own "
+                    f"{'local_dir' if cls is LocalTier else 'url'}= sets: give it there"
+                )
+            if not cls.durable:
+                raise ValueError(
+                    f"{who}: Storage(extra_tiers=...) names the {name!r} tier, which keeps its copies in "
+                    "memory: the DCP adapter writes to durable tiers only"
+                )
+            made = cls.for_storage(storage, {t.name: t.engine for t in tiers if t.engine}, None, rank)
+            if made is not None:
+                tiers.append(_Tier.of(made))
+    tiers.sort(key=lambda t: t.nearness)  # written, committed and read in this order
+    names, dirs = set(), {}
+    for t in tiers:
+        if t.name in names:
+            raise ValueError(f"{who}: two tiers named {t.name!r} ({', '.join(x.where for x in tiers)})")
+        names.add(t.name)
+        if t.client is None:
+            other = dirs.setdefault(os.path.realpath(t.root), t)
+            if other is not t:
+                raise ValueError(
+                    f"{who}: the {other.name} and {t.name} tiers are one directory ({t.root}): give each "
+                    "tier a directory of its own"
+                )
     return tiers
+
+
+def _distributed() -> bool:
+    return torch.distributed.is_available() and torch.distributed.is_initialized()
 
 
 def _rank_local_id(checkpoint_id: str, rank: int) -> str:
@@ -743,7 +886,7 @@ def _parse_metadata(
 
 # -- writer -------------------------------------------------------------------------------------------
 class TierStorageWriter(StorageWriter):
-    """``dcp.save`` into ``local_dir`` and/or ``url`` (see the module docstring for the layout).
+    """``dcp.save`` into ``local_dir``, ``url`` and the tiers of ``storage`` (see the module docstring).
 
     Args:
         local_dir: this node's checkpoint directory (fast disk); each rank writes its own file here.
@@ -752,9 +895,13 @@ class TierStorageWriter(StorageWriter):
         storage_options: passed to fsspec for ``url`` (credentials, endpoint, ...).
         checkpoint_id: default name of the checkpoint when ``dcp.save`` gets none.
         keep: retention applied after each save (:class:`ckpt.Retention`: the newest ``local``
-            checkpoints in ``local_dir``, ``remote`` at ``url``; ``None`` in either keeps all). Default:
-            none, every checkpoint stays. The checkpoint just saved is never deleted; see
-            :func:`prune` for the order of deletion.
+            checkpoints in ``local_dir``, ``remote`` at ``url``, and on another tier its count by name or what
+            its class takes (:meth:`ckpt.Retention.count`); ``None`` keeps all). Default: none, every
+            checkpoint stays. The checkpoint just saved is never deleted; see :func:`prune` for the order
+            of deletion. A name none of the tiers has is a ``ValueError``.
+        storage: the tiers as a :class:`ckpt.Storage` describes them for a Checkpointer (``local_dir``,
+            ``url``, ``storage_options``, ``extra_tiers``); a field given here and as a keyword above is a
+            ``ValueError``, and so is a field for what the adapter does not have (``peers``, ...).
 
     Collective: used through ``dcp.save``, which calls it on every rank.
     """
@@ -766,13 +913,27 @@ class TierStorageWriter(StorageWriter):
         storage_options: dict[str, Any] | None = None,
         checkpoint_id: str | None = None,
         keep: Retention | None = None,
+        *,
+        storage: Storage | None = None,
     ) -> None:
         super().__init__()
-        self.tiers = _tiers(local_dir, url, storage_options)
+        self.tiers = _tiers("TierStorageWriter", storage, local_dir, url, storage_options)
         if keep is not None and not isinstance(keep, Retention):
             raise TypeError(
                 f"keep must be a ckpt.Retention (e.g. Retention(local=2, remote=10)), got {keep!r}"
             )
+        if len(self.tiers) > 1 and all(t.client is not None for t in self.tiers):
+            raise ValueError(
+                f"TierStorageWriter: the tiers {', '.join(t.where for t in self.tiers)} are all URLs: "
+                "a rank's file goes to each farther tier from a directory of this host, so add "
+                "local_dir= (or give one URL)"
+            )
+        for name in keep.tiers if keep is not None else ():
+            if name not in [t.name for t in self.tiers]:
+                raise ValueError(
+                    f"keep names the tier {name!r}, which is not one of this writer's tiers "
+                    f"({', '.join(repr(t.name) for t in self.tiers)})"
+                )
         self.keep = keep
         self._default_id = checkpoint_id
         self.checkpoint_id = checkpoint_id
@@ -852,10 +1013,11 @@ class TierStorageWriter(StorageWriter):
         rank = plan.storage_data["rank"] if isinstance(plan.storage_data, dict) else 0
         name = _data_name(rank)
         results: list[WriteResult] = []
-        local = next((t for t in self.tiers if t.on_node), None)
+        # the rank's file is written once as it is produced: on the nearest tier that is a directory of this
+        # host when there is one (then copied or uploaded from that file to each farther tier, in order),
+        # else straight to the nearest tier (a URL), part by part
+        local = next((t for t in self.tiers if t.client is None), None)
         part_bytes = _part_bytes()
-        # the rank's file is written once as it is produced: on the local tier when there is one (then
-        # uploaded from that file), else straight to the remote tier, part by part
         if local is not None:
             final = Path(local.path(self._where, name))
             final.parent.mkdir(parents=True, exist_ok=True)
@@ -923,26 +1085,42 @@ class TierStorageWriter(StorageWriter):
             if isinstance(e, OSError):  # the storage's failure: say where, keeping its kind (a stall ...)
                 raise _write_error(rank, name, self._where, remote, e) from e
             raise
-        own = None if local is None or self.keep is None else self.keep.count(local)
-        if own is not None and self._collective:
-            _prune_own_files(local, rank, own, spare=self._where)
+        if local is not None:
+            self._prune_own(local, rank)
+        took, failed = [self.tiers[0] if local is None else local], []
         for tier in self.tiers:
             if tier is local or local is None:
                 continue
             try:
-                _upload_file(tier, self._where, name, rank, str(final), part_bytes)
+                if (
+                    tier.client is None
+                ):  # another directory of this host (a registered tier of the local kind)
+                    _copy_file(tier, self._where, name, str(final))
+                    self._prune_own(tier, rank)
+                else:
+                    _upload_file(tier, self._where, name, rank, str(final), part_bytes)
+                took.append(tier)
             except Exception as e:  # noqa: BLE001 - reported; the save fails only if no tier took the file
-                warnings.warn(
-                    f"TierStorageWriter: rank {rank} could not write {name} of {self._where!r} "
-                    f"to {tier.where} ({type(e).__name__}: {e}); the checkpoint stays on the "
-                    f"{local.name} tier only",
-                    stacklevel=2,
-                )
+                failed.append((tier, e))
                 for r in results:
                     r.storage_data["missing"] = sorted(set(r.storage_data.get("missing", [])) | {tier.name})
+        for tier, e in failed:
+            warnings.warn(
+                f"TierStorageWriter: rank {rank} could not write {name} of {self._where!r} "
+                f"to {tier.where} ({type(e).__name__}: {e}); the checkpoint stays on the "
+                f"{', '.join(t.name for t in took)} tier{'s' if len(took) > 1 else ''} only",
+                stacklevel=2,
+            )
         fut: Future[list[WriteResult]] = Future()
         fut.set_result(results)
         return fut
+
+    def _prune_own(self, tier: _Tier, rank: int) -> None:
+        """Retention of this rank's own files on ``tier`` when it is a directory of this node
+        (:func:`_prune_own_files`: what a node whose tier gets no ``COMMIT`` deletes itself)."""
+        n = None if self.keep is None else self.keep.count(tier)
+        if n is not None and self._collective and tier.on_node and tier.client is None:
+            _prune_own_files(tier, rank, n, spare=self._where)
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         storage = {}
@@ -1001,6 +1179,7 @@ class TierStorageReader(StorageReader):
         storage_options: as :class:`TierStorageWriter`.
         checkpoint_id: default name when ``dcp.load`` gets none.
         threads: parallel range reads per rank (remote reads are latency-bound).
+        storage: as :class:`TierStorageWriter`; the tiers are tried nearest first.
 
     Collective: used through ``dcp.load``, which calls it on every rank.
     """
@@ -1012,9 +1191,11 @@ class TierStorageReader(StorageReader):
         storage_options: dict[str, Any] | None = None,
         checkpoint_id: str | None = None,
         threads: int = 8,
+        *,
+        storage: Storage | None = None,
     ) -> None:
         super().__init__()
-        self.tiers = _tiers(local_dir, url, storage_options)
+        self.tiers = _tiers("TierStorageReader", storage, local_dir, url, storage_options)
         self._default_id = checkpoint_id
         self.checkpoint_id = checkpoint_id
         self.threads = max(1, int(threads))
@@ -1204,17 +1385,19 @@ class TierStorageReader(StorageReader):
 
 
 # -- operations -------------------------------------------------------------------------------------
-def _one_tier(where: str | os.PathLike, storage_options: dict[str, Any] | None) -> _Tier:
+def _one_tier(where: str | os.PathLike | Tier, storage_options: dict[str, Any] | None) -> _Tier:
+    if isinstance(where, Tier):  # the engine's tier (a registered one, say): its storage, its class's roles
+        return _Tier.of(where)
     w = os.fspath(where)
     return _Tier.at_url(w, storage_options) if is_url(w) else _Tier.directory(w)
 
 
 def list_checkpoints(
-    where: str | os.PathLike, storage_options: dict[str, Any] | None = None
+    where: str | os.PathLike | Tier, storage_options: dict[str, Any] | None = None
 ) -> list[dict[str, Any]]:
-    """The checkpoint ids under ``where`` (a local directory or an fsspec URL) whose ``COMMIT`` is a
-    valid record of this format, sorted by name: dicts ``{"id", "world_size", "bytes"}`` (``bytes``: the
-    ranks' data files, as listed)."""
+    """The checkpoint ids under ``where`` (a local directory, an fsspec URL, or the engine's tier object of
+    either kind, such as a registered tier's) whose ``COMMIT`` is a valid record of this format, sorted by
+    name: dicts ``{"id", "world_size", "bytes"}`` (``bytes``: the ranks' data files, as listed)."""
     return _list_tier(_one_tier(where, storage_options))
 
 
@@ -1276,19 +1459,19 @@ def _linked(tier: _Tier, ckpt_id: str) -> bool:
 
 
 def prune(
-    where: str | os.PathLike,
+    where: str | os.PathLike | Tier,
     keep: int,
     storage_options: dict[str, Any] | None = None,
     dry_run: bool = False,
     verify: bool = False,
 ) -> list[str]:
-    """Delete all but the ``keep`` (at least 1) newest committed checkpoints under ``where`` (one
-    tier: a local directory or an fsspec URL), newest by the time their ``COMMIT`` records; returns
-    the ids removed (or, with ``dry_run``, that would be). Each goes ``COMMIT`` first, so a deletion
-    cut short leaves an uncommitted directory, never a committed checkpoint with files missing.
-    Uncommitted directories (a save in progress, or one that failed) are left alone, and so are
-    linked checkpoints (a directory or ``COMMIT`` that is a symbolic link: listed and loadable, but
-    neither counted nor deleted, nor anything inside them).
+    """Delete all but the ``keep`` (at least 1) newest committed checkpoints under ``where`` (one tier, as
+    for :func:`list_checkpoints`), newest by the time their ``COMMIT`` records; returns the ids removed (or,
+    with ``dry_run``, that would be). Each goes ``COMMIT`` first,
+    so a deletion cut short leaves an uncommitted directory, never a committed checkpoint with files missing.
+    Uncommitted directories (a save in progress, or one that failed) are left alone, and so are linked
+    checkpoints (a directory or ``COMMIT`` that is a symbolic link: listed and loadable, but neither counted
+    nor deleted, nor anything inside them).
 
     ``verify=True`` (what ``ckpt gc --dcp`` does) also keeps the newest checkpoint that verifies
     (:func:`verify`, newest first, only while some would be deleted; each failure is a warning);
@@ -1300,7 +1483,7 @@ def prune(
     return _prune_tier(tier, keep, dry_run=dry_run, verify=check)
 
 
-def _verifies(where: str | os.PathLike, ckpt_id: str, storage_options: dict[str, Any] | None) -> bool:
+def _verifies(where: str | os.PathLike | Tier, ckpt_id: str, storage_options: dict[str, Any] | None) -> bool:
     try:
         verify(where, ckpt_id, storage_options)
         return True
@@ -1393,11 +1576,12 @@ def _prune_own_files(tier: _Tier, rank: int, keep: int, spare: str) -> None:
 
 
 def verify(
-    where: str | os.PathLike, checkpoint_id: str, storage_options: dict[str, Any] | None = None
+    where: str | os.PathLike | Tier, checkpoint_id: str, storage_options: dict[str, Any] | None = None
 ) -> dict[str, Any]:
-    """Read every byte of checkpoint ``checkpoint_id`` under ``where`` (one tier: a local directory or
-    an fsspec URL) and check the ``COMMIT``, the metadata and every item's checksum (:meth:`_Tier.item`, the
-    reader's check; not the tier contract's ``verify``, whose checksums are the engine's per-chunk ones).
+    """Read every byte of checkpoint ``checkpoint_id`` under ``where`` (one tier, as for
+    :func:`list_checkpoints`) and check the ``COMMIT``, the metadata and every item's checksum
+    (:meth:`_Tier.item`, the reader's check; not the tier contract's ``verify``, whose checksums are the
+    engine's per-chunk ones).
 
     Returns ``{"id", "items", "bytes"}``; raises :class:`~ckpt.errors.CorruptCheckpointError` or
     :class:`~ckpt.errors.IncompleteCheckpointError` naming the first file or item that fails."""
