@@ -169,7 +169,7 @@ from ..tiers.remote import RemoteTier
 from ..tiers.remote_errors import failure_type
 from ..tiers.remote_file import MIN_PART_BYTES, PARTS, FileUpload, form_of, read_file
 from ..tiers.remote_store import StoreClient, read_file_range
-from ..tiers.stack import _register_built_in
+from ..tiers.stack import register_built_in
 from ..config import Storage, merge
 from ..fs import is_url, resolve
 
@@ -463,7 +463,7 @@ def _tiers(
         so = None if storage.storage_options is None else dict(storage.storage_options)
         tiers.append(_Tier.of(u) if isinstance(u, Tier) else _Tier.at_url(u, so))
     if extra:
-        _register_built_in()
+        register_built_in()
         kinds = {c.name: c for c in registered()}
         rank = torch.distributed.get_rank() if _distributed() else 0
         for name in extra:

@@ -15,13 +15,15 @@ from typing import Any, Iterator, Mapping
 from ..policy import Retention
 from .base import PersistingTier, Tier, nearness, registered
 
-__all__ = ["Tiers", "persisting_kinds", "needs_text"]
+__all__ = ["Tiers", "persisting_kinds", "needs_text", "register_built_in"]
 
 #: the modules of the built-in tiers (a tier of one's own registers when its module is imported)
 _BUILT_IN = ("memory", "local", "peer", "remote")
 
 
-def _register_built_in() -> None:
+def register_built_in() -> None:
+    """Register the built-in tier classes (their modules are imported lazily elsewhere): for code that checks a
+    tier name against :func:`~ckpt.tiers.base.registered` before it builds any tier (the DCP adapter)."""
     for module in _BUILT_IN:  # importing a tier's module registers it
         importlib.import_module(f"{__package__}.{module}")
 
@@ -31,7 +33,7 @@ def persisting_kinds() -> dict[str, str | None]:
     module is imported), nearest first: name -> what makes a Checkpointer have it (its
     :attr:`~ckpt.tiers.Tier.needs`; ``None``: every Checkpointer has it). What a setting naming a tier a save is
     written to may name (``persist_every``, ``Signals(drain_tier=..., save_tier=...)``)."""
-    _register_built_in()
+    register_built_in()
     return {c.name: c.needs for c in registered() if issubclass(c, PersistingTier)}
 
 
@@ -74,7 +76,7 @@ class Tiers:
         the memory tier over ``pool`` (its host buffers) in the shared-memory space of ``rank`` on this node.
         A name in ``storage.extra_tiers`` that no registered tier has is a ``ValueError``. The peer tier comes
         later (:meth:`add_peer`: collective)."""
-        _register_built_in()
+        register_built_in()
 
         built: dict[str, Tier] = {}
         waiting = list(registered())
