@@ -83,6 +83,7 @@ def main() -> None:
                     f"{float(state['w'][0])} {after}",
                     flush=True,
                 )
+                print("passed over:", ck.last_restore.skipped, flush=True)  # for a failing test's message
         elif mode.startswith("restore"):
             with ckpt.Checkpointer(storage=ckpt.Storage(local_dir=local_dir)) as ck:
                 step = ck.restore(state, step=30 if mode == "restore-30" else None)

@@ -160,14 +160,15 @@ def test_a_collective_checkpointer_takes_the_ram_segments_over_when_made_and_che
             b = f.read(1)
             f.seek(9)
             f.write(bytes([b[0] ^ 0x04]))
-    lines = []
+    lines, logs = [], []
     for r in _run(tmp_path, "takeover"):
         assert r.returncode == 0, r.stderr[-3000:]
         lines.append(next(l for l in r.stdout.splitlines() if l.startswith("takeover")))
+        logs.append(r.stdout + r.stderr[-3000:])  # what each rank's restore passed over, and why
     for rank, line in enumerate(lines):
         bad = flip and rank == 1
         # each buffer with a snapshot of the previous job, taken over unchecked; the restored one checked after
         before = [(s, False) for s in left[rank]]
         after = before[:-1] + [(30, not bad)]
-        assert line.startswith(f"takeover True {before} restored 30 "), line
-        assert line.endswith(f"{'local' if bad else 'memory'} 30.0 {after}"), line
+        assert line.startswith(f"takeover True {before} restored 30 "), logs[rank]
+        assert line.endswith(f"{'local' if bad else 'memory'} 30.0 {after}"), logs[rank]
