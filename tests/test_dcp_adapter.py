@@ -3,6 +3,7 @@ multi-process gloo jobs (tests/dcp_worker.py) and single-process checkpoints on 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import shutil
@@ -440,10 +441,10 @@ def test_a_remote_only_save_streams_the_rank_file_instead_of_building_it_in_memo
     assert all(torch.equal(loaded["model"][k], v) for k, v in state["model"].items())
 
 
-@pytest.mark.s3
-def test_a_remote_only_s3_save_goes_up_in_parts_and_an_outage_mid_upload_publishes_nothing(
-    tmp_path, s3_bucket
-):
+@contextlib.contextmanager
+def _faulty_s3(s3_bucket):
+    """(bucket, proxy, storage_options through the proxy, an s3fs client past it): a store whose faults the test
+    injects (``proxy.faults``), parts of 5 MiB, two attempts per request."""
     from s3server import FaultProxy, storage_options
     import s3fs
 
@@ -455,12 +456,21 @@ def test_a_remote_only_s3_save_goes_up_in_parts_and_an_outage_mid_upload_publish
             default_block_size=5 << 20,
             config_kwargs={"retries": {"max_attempts": 2, "mode": "standard"}},
         )
+        yield bucket, proxy, opts, s3fs.S3FileSystem(**storage_options(port), skip_instance_cache=True)
+    finally:
+        proxy.close()
+
+
+@pytest.mark.s3
+def test_a_remote_only_s3_save_goes_up_in_parts_and_an_outage_mid_upload_publishes_nothing(
+    tmp_path, s3_bucket
+):
+    with _faulty_s3(s3_bucket) as (bucket, proxy, opts, fs):
         url = f"s3://{bucket}/run"
         first = _big_state(1)
         dcp.save(
             first, storage_writer=TierStorageWriter(url=url, storage_options=opts), checkpoint_id="step-1"
         )
-        fs = s3fs.S3FileSystem(**storage_options(port), skip_instance_cache=True)
         assert fs.info(f"{bucket}/run/step-1/rank-00000.dcp.bin")["size"] >= 12 << 20
         proxy.faults.fail_parts_from = 2  # the store fails from the second part on
         with pytest.raises(CheckpointException) as e:
@@ -482,8 +492,6 @@ def test_a_remote_only_s3_save_goes_up_in_parts_and_an_outage_mid_upload_publish
             loaded, storage_reader=TierStorageReader(url=url, storage_options=opts), checkpoint_id="step-1"
         )
         assert all(torch.equal(loaded["model"][k], v) for k, v in first["model"].items())
-    finally:
-        proxy.close()
 
 
 @pytest.mark.s3
@@ -492,17 +500,7 @@ def test_an_outage_during_the_parallel_multipart_upload_from_local_dir_aborts_it
 ):
     # the rank's file goes up from local_dir in parallel parts of one multipart upload (ckpt.tiers.remote_file):
     # failed parts abort the upload (no object, no pending upload), the remote's previous checkpoint still loads
-    from s3server import FaultProxy, storage_options
-    import s3fs
-
-    bucket, port = s3_bucket
-    proxy = FaultProxy(port)
-    try:
-        opts = storage_options(
-            proxy.port,
-            default_block_size=5 << 20,
-            config_kwargs={"retries": {"max_attempts": 2, "mode": "standard"}},
-        )
+    with _faulty_s3(s3_bucket) as (bucket, proxy, opts, fs):
         tiers = {"local_dir": tmp_path / "local", "url": f"s3://{bucket}/run", "storage_options": opts}
         first, second = _big_state(1), _big_state(2)
         dcp.save(first, storage_writer=TierStorageWriter(**tiers), checkpoint_id="step-1")
@@ -511,7 +509,6 @@ def test_an_outage_during_the_parallel_multipart_upload_from_local_dir_aborts_it
             dcp.save(second, storage_writer=TierStorageWriter(**tiers), checkpoint_id="step-2")
         assert proxy.faults.injected > 0
         proxy.faults.fail_parts_from = None
-        fs = s3fs.S3FileSystem(**storage_options(port), skip_instance_cache=True)
         assert not fs.exists(f"{bucket}/run/step-2/COMMIT")
         assert not fs.exists(f"{bucket}/run/step-2/rank-00000.dcp.bin")
         assert fs.list_multipart_uploads(bucket) == []
@@ -523,8 +520,6 @@ def test_an_outage_during_the_parallel_multipart_upload_from_local_dir_aborts_it
             loaded = _zeros_like(ref)
             dcp.load(loaded, storage_reader=TierStorageReader(**kw), checkpoint_id=ckpt_id)
             assert all(torch.equal(loaded["model"][k], v) for k, v in ref["model"].items())
-    finally:
-        proxy.close()
 
 
 @pytest.mark.parametrize("with_local", [False, True], ids=["url-only", "local+url"])
