@@ -147,8 +147,8 @@ class Policy:
             :class:`~ckpt.IfBusy`.
         keep: :class:`~ckpt.Retention`, how many checkpoints each tier keeps; an int ``N`` (as
             ``save_total_limit`` / ``save_top_k`` are written) is ``Retention.every_tier(N)``: ``N`` on
-            every durable tier (``local_dir``, the url, each of ``Storage(extra_tiers=...)``). A dict by tier name, ``{"local": 3, "disk2": 5}``, is ``Retention(local=3, disk2=5)``
-            (any durable tier the Checkpointer has; a tier not named keeps its default). ``None``:
+            every durable tier (``local_dir``, the url, each of ``Storage(extra_tiers=...)``). A dict by tier
+            name, ``{"local": 3, "disk2": 5}``, is ``Retention(local=3, disk2=5)`` (any durable tier the Checkpointer has; a tier not named keeps its default). ``None``:
             ``Retention()`` (2 in ``local_dir``, 10 at the url).
         on_unsupported: ``"error"`` (default) refuses a state value that is not JSON-safe, naming its
             key; ``"skip"`` leaves such values out (logged), so they are not restored. Pickle is never

@@ -45,6 +45,19 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 
+def _check_count(tier: str, n: Any) -> None:
+    """A count of :class:`Retention` for ``tier``: an int >= 1 or ``None`` (all); else a ``ValueError``."""
+    if n is not None and (not isinstance(n, int) or isinstance(n, bool)):
+        raise ValueError(
+            f"Retention({tier}={n!r}): the number of checkpoints to keep must be an int (or None to keep all)"
+        )
+    if n is not None and n < 1:
+        raise ValueError(
+            f"Retention({tier}={n!r}): keep at least 1, since the newest committed "
+            "checkpoint is never deleted (or None to keep all)"
+        )
+
+
 @dataclass(frozen=True, init=False, repr=False)
 class Retention:
     """How many committed checkpoints each tier keeps.
@@ -73,16 +86,7 @@ class Retention:
 
     def __init__(self, local: int | None = 2, remote: int | None = 10, **tiers: int | None) -> None:
         for tier, n in {"local": local, "remote": remote, **tiers}.items():
-            if n is not None and (not isinstance(n, int) or isinstance(n, bool)):
-                raise ValueError(
-                    f"Retention({tier}={n!r}): the number of checkpoints to keep must be an int "
-                    "(or None to keep all)"
-                )
-            if n is not None and n < 1:
-                raise ValueError(
-                    f"Retention({tier}={n!r}): keep at least 1, since the newest committed "
-                    "checkpoint is never deleted (or None to keep all)"
-                )
+            _check_count(tier, n)
         object.__setattr__(self, "local", local)
         object.__setattr__(self, "remote", remote)
         object.__setattr__(self, "tiers", types.MappingProxyType(dict(tiers)))
@@ -98,9 +102,8 @@ class Retention:
                     f"keep= as a dict is keyed by tier name ('local', 'remote', ...), got {name!r}"
                 )
         out = cls(**counts)
-        if others is not None:
-            cls(others=others)  # checked as any count
-            object.__setattr__(out, "others", others)
+        _check_count("others", others)
+        object.__setattr__(out, "others", others)
         return out
 
     @classmethod
